@@ -1,0 +1,302 @@
+"""The one training configuration: a dataclass whose field help is the CLI help and whose names are the YAML keys.
+
+Load order: defaults <- YAML file (``--config``) <- command-line flags (``--group-size 8``). Every value is checked in
+``__post_init__``; a bad one raises :class:`ConfigError` naming the field and how to fix it, before any model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_lens.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS
+from grpo_lens.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and how to fix it."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a GRPO run needs. Field help doubles as CLI help (flags use dashes: ``--group-size``)."""
+
+    # --- what to train on ------------------------------------------------------------------------------------------
+    model: str = _f("smollm2-135m-instruct", "Policy model: an alias (smollm2-135m-instruct, tiny), a local Hugging "
+                    "Face directory, a hub id, or a .gguf file.")
+    task: str = _f("arithmetic", "Task giving prompts and reference answers: arithmetic, gsm8k, or jsonl (with "
+                   "--dataset).")
+    dataset: str | None = _f(None, "Path to a JSONL file (or a Hugging Face dataset name) with a 'prompt' column; "
+                             "other columns are passed to reward functions. Used by --task jsonl.")
+    task_options: dict = _f({}, "Task options as a YAML mapping, e.g. '{max_operand: 9}' for arithmetic.")
+    rewards: list = _f(["correctness"], "Reward functions, each NAME or NAME:WEIGHT; their weighted sum is the "
+                       "reward.")
+    reward_timeout: float = _f(10.0, "Seconds a reward function may take for one step's batch before the rollouts "
+                               "it was scoring are marked invalid.")
+    # --- sampling ----------------------------------------------------------------------------------------------------
+    group_size: int = _f(8, "R: completions sampled per prompt (the group). At least 2.")
+    prompts_per_step: int = _f(4, "B: prompts per optimizer step, so B*R rollouts per step.")
+    rollout_batch_size: int | None = _f(None, "Rollouts per step (B*R); if set it must be a multiple of group_size "
+                                        "and replaces prompts_per_step.")
+    max_new_tokens: int = _f(24, "Longest completion in tokens (T_max); longer ones are cut and flagged truncated.")
+    temperature: float = _f(0.7, "Sampling temperature; the trainer divides logits by it too, so the on-policy "
+                            "importance ratio is 1.")
+    top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.")
+    top_k: int = _f(0, "Top-k sampling; 0 disables.")
+    mask_truncated: bool = _f(False, "Give truncated completions zero advantage (they still count in group "
+                              "statistics as invalid rollouts do not).")
+    # --- advantages and loss -----------------------------------------------------------------------------------------
+    estimator: str = _f("grpo", "Advantage estimator: " + ", ".join(ADVANTAGE_ESTIMATORS.names()) + ".")
+    std: str = _f("sample", "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).")
+    eps: float = _f(1e-4, "Added to the group std in grpo's advantage denominator (> 0).")
+    loss_aggregation: str = _f("seq-mean-token-mean", "How token losses become one number: "
+                               + ", ".join(LOSS_AGGREGATIONS.names())
+                               + " (GRPO, Dr. GRPO arXiv 2503.20783, DAPO arXiv 2503.14476).")
+    beta: float = _f(0.0, "KL coefficient against the frozen reference model (0 = no reference model).")
+    kl_estimator: str = _f("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + ".")
+    eps_low: float = _f(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.")
+    eps_high: float = _f(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for A > 0 (DAPO's "
+                         "clip-higher uses 0.28).")
+    dual_clip: float | None = _f(None, "Dual-clip bound c > 1 on the loss of A < 0 tokens (Ye et al. 2020); "
+                                 "unset disables.")
+    mu: int = _f(1, "Inner optimisation passes over each step's rollouts (mu in GRPO); > 1 makes the policy move "
+                 "off the sampler and the clip matter.")
+    num_mini_batches: int = _f(1, "Optimizer steps per pass: the step's prompts are split into this many "
+                               "mini-batches (must divide prompts_per_step).")
+    micro_batch_size: int = _f(8, "Rollouts per forward/backward (gradient accumulation; the gradient does not "
+                               "depend on it).")
+    # --- optimizer ---------------------------------------------------------------------------------------------------
+    max_steps: int = _f(30, "Optimizer steps (sampling rounds) to train for.")
+    learning_rate: float = _f(2e-5, "AdamW learning rate.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.99, "AdamW beta2.")
+    max_grad_norm: float = _f(1.0, "Clip the gradient's global L2 norm to this (0 disables).")
+    # --- lens --------------------------------------------------------------------------------------------------------
+    lens_every: int = _f(5, "Measure the gradient lens (rank, sparsity, baselines) every this many steps (0 = "
+                         "never).")
+    lens_sketch_dim: int = _f(16, "Side of the random projection per linear layer for sketched per-rollout "
+                              "gradients (k_in = k_out): sketch dims per layer = this squared.")
+    # --- run ---------------------------------------------------------------------------------------------------------
+    seed: int = _f(0, "Random seed (prompts, sampling, projections).")
+    dtype: str = _f("float32", "Parameter dtype: float32 or bfloat16.")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto.")
+    out: str | None = _f(None, "Run directory (config.yaml, metrics.jsonl, checkpoints/).")
+    resume: bool = _f(False, "Continue the run in --out from its last checkpoint.")
+    overwrite: bool = _f(False, "Replace a different run already in --out.")
+    checkpoint_every: int = _f(10, "Write a checkpoint every this many steps (and at the end).")
+    keep_checkpoints: int = _f(2, "How many recent checkpoints to keep.")
+    log_completions: int = _f(2, "Completions per step written to completions.jsonl (0 = none).")
+    progress: bool = _f(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every field; raise :class:`ConfigError` naming the first bad one."""
+
+        def bad(name: str, why: str) -> None:
+            raise ConfigError(f"config field '{name}' (flag --{name.replace('_', '-')}) = {getattr(self, name)!r}: "
+                              f"{why}")
+
+        def choice(name: str, valid: list[str] | tuple[str, ...]) -> None:
+            if getattr(self, name) not in valid:
+                bad(name, f"unknown name; valid names: {', '.join(sorted(valid))}")
+
+        for f_ in fields(self):  # types first: a YAML file can hold anything
+            value = getattr(self, f_.name)
+            want = _base_type(f_.type)
+            if value is None and _is_optional(f_.type):
+                continue
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, f_.name, float(value))
+                continue
+            if want is not None and not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                bad(f_.name, f"must be of type {want.__name__}")
+            if want is float and not math.isfinite(value):
+                bad(f_.name, "must be a finite number")
+
+        if self.group_size < 2:
+            bad("group_size", "GRPO needs at least 2 completions per prompt to form a baseline; use 2 or more")
+        if self.rollout_batch_size is not None:
+            if self.rollout_batch_size < 1 or self.rollout_batch_size % self.group_size:
+                bad("rollout_batch_size", f"must be a positive multiple of group_size={self.group_size} (whole "
+                    f"groups); e.g. {self.group_size * max(1, self.rollout_batch_size // self.group_size)}")
+            self.prompts_per_step = self.rollout_batch_size // self.group_size
+        if self.prompts_per_step < 1:
+            bad("prompts_per_step", "must be >= 1")
+        if self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be >= 1 token")
+        if self.temperature <= 0:
+            bad("temperature", "must be > 0 (sampling needs it; use a small value like 0.1 for near-greedy)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "must be >= 0 (0 disables)")
+        choice("estimator", ADVANTAGE_ESTIMATORS.names())
+        choice("std", STD_CONVENTIONS)
+        if self.eps <= 0:
+            bad("eps", "must be > 0 (it keeps the advantage finite when the group std is tiny)")
+        choice("loss_aggregation", LOSS_AGGREGATIONS.names())
+        if self.beta < 0:
+            bad("beta", "must be >= 0")
+        choice("kl_estimator", KL_ESTIMATORS.names())
+        if not 0 <= self.eps_low < 1:
+            bad("eps_low", "must be in [0, 1)")
+        if self.eps_high < 0:
+            bad("eps_high", "must be >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            bad("dual_clip", "must be > 1, or unset to disable")
+        if self.mu < 1:
+            bad("mu", "must be >= 1")
+        if self.num_mini_batches < 1 or self.prompts_per_step % self.num_mini_batches:
+            bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
+        if self.micro_batch_size < 1:
+            bad("micro_batch_size", "must be >= 1")
+        if self.max_steps < 0:
+            bad("max_steps", "must be >= 0")
+        if self.learning_rate <= 0:
+            bad("learning_rate", "must be > 0")
+        if self.weight_decay < 0:
+            bad("weight_decay", "must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                bad(name, "must be in [0, 1)")
+        if self.max_grad_norm < 0:
+            bad("max_grad_norm", "must be >= 0 (0 disables clipping)")
+        if self.lens_every < 0:
+            bad("lens_every", "must be >= 0 (0 disables the lens)")
+        if self.lens_sketch_dim < 1:
+            bad("lens_sketch_dim", "must be >= 1")
+        if self.checkpoint_every < 1:
+            bad("checkpoint_every", "must be >= 1")
+        if self.keep_checkpoints < 1:
+            bad("keep_checkpoints", "must be >= 1")
+        if self.reward_timeout <= 0:
+            bad("reward_timeout", "must be > 0 seconds")
+        if self.log_completions < 0:
+            bad("log_completions", "must be >= 0")
+        choice("dtype", ("float32", "bfloat16"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            bad("device", "use cpu, cuda, cuda:N or auto")
+        if not self.rewards:
+            bad("rewards", "give at least one reward function")
+        for spec in self.rewards:
+            _, _, weight = str(spec).partition(":")
+            if weight:
+                try:
+                    float(weight)
+                except ValueError:
+                    bad("rewards", f"{spec!r}: the weight after ':' must be a number")
+        if self.task == "jsonl" and not self.dataset:
+            bad("task", "task 'jsonl' needs --dataset PATH")
+
+    # ------------------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (YAML-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        """Build from a mapping; unknown keys raise ConfigError listing the valid ones."""
+        known = {f_.name for f_ in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+        """Read a YAML file and apply ``overrides`` on top.
+
+        Raises:
+            ConfigError: missing or unreadable file, not a mapping, unknown keys, invalid values.
+        """
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of field: value, got {type(values).__name__}")
+        values.update(overrides or {})
+        return cls.from_dict(values)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI generation from the dataclass: one source for help, types and defaults.
+# ---------------------------------------------------------------------------------------------------------------------
+def _is_optional(tp: Any) -> bool:
+    tp = _resolve(tp)
+    return isinstance(tp, types.UnionType) and type(None) in typing.get_args(tp) or (
+        typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp))
+
+
+def _resolve(tp: Any) -> Any:
+    if isinstance(tp, str):
+        return eval(tp, {**vars(typing), "dict": dict, "list": list}, {})  # annotations are postponed strings
+    return tp
+
+
+def _base_type(tp: Any) -> type | None:
+    tp = _resolve(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if _is_optional(tp) else [tp]
+    base = typing.get_origin(args[0]) or args[0]
+    return base if isinstance(base, type) else None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfig,
+                         skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--flag`` per dataclass field, help from the field's metadata, default None (= not given)."""
+    for f_ in fields(cls):
+        if f_.name in skip:
+            continue
+        flag = "--" + f_.name.replace("_", "-")
+        base = _base_type(f_.type)
+        default = f_.default if f_.default is not dataclasses.MISSING else f_.default_factory()
+        help_ = f"{f_.metadata.get('help', '')} (default: {default})"
+        if base is bool:
+            parser.add_argument(flag, dest=f_.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif base is list:
+            parser.add_argument(flag, dest=f_.name, nargs="+", default=None, help=help_)
+        elif base is dict:
+            parser.add_argument(flag, dest=f_.name, type=_yaml_mapping, default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=f_.name, type=base, default=None, help=help_)
+
+
+def _yaml_mapping(text: str) -> dict:
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping like '{{max_operand: 9}}', got {text!r}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace, cls: type = TrainConfig, config_file: str | None = None) -> Any:
+    """Defaults <- YAML file <- flags given on the command line."""
+    overrides = {f_.name: getattr(args, f_.name) for f_ in fields(cls)
+                 if getattr(args, f_.name, None) is not None}
+    if config_file:
+        return cls.load(config_file, overrides)
+    return cls.from_dict(overrides)
