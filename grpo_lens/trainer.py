@@ -1,0 +1,391 @@
+"""The GRPO training loop: sample -> reward -> advantages -> clipped-surrogate passes -> AdamW step, with the lens.
+
+Read :func:`train` top to bottom: every formula it uses lives in a pure module (advantages, losses, diagnostics);
+this file only moves tensors between them, writes the run directory and keeps the run resumable.
+
+Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
+process draws the same B prompts for a step and samples the groups of its own share of them; losses are divided by a
+normaliser summed over processes and the gradients are summed with an all-reduce, so the update equals a single
+process's on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from grpo_lens.advantages import compute_advantages
+from grpo_lens.config import TrainConfig
+from grpo_lens.losses import grpo_loss, loss_normalizer
+from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
+from grpo_lens.rundir import RunDir
+
+logger = logging.getLogger(__name__)
+
+#: Config fields that may change when a run is resumed (they do not change any step already taken).
+RESUMABLE_KEYS = ("max_steps", "progress", "checkpoint_every", "keep_checkpoints", "log_completions", "device",
+                  "reward_timeout")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Processes:
+    """Where this process stands among the training processes (one when not launched by torchrun/accelerate)."""
+
+    rank: int
+    world: int
+    device: torch.device
+    accelerator: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """All-reduce sum across processes (identity for one process)."""
+        if self.world > 1:
+            value = value.clone()
+            torch.distributed.all_reduce(value)
+        return value
+
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        """Concatenate a [n, ...] tensor from every process along dim 0, in rank order."""
+        if self.world == 1:
+            return value
+        parts = [torch.empty_like(value) for _ in range(self.world)]
+        torch.distributed.all_gather(parts, value.contiguous())
+        return torch.cat(parts, dim=0)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+def setup_processes(device: str) -> Processes:
+    """Start accelerate's process state (reads torchrun/accelerate env vars; gloo on CPU)."""
+    from accelerate import Accelerator
+
+    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=use_cpu)
+    dev = accelerator.device if device in ("auto", "cpu", "cuda") else torch.device(device)
+    return Processes(accelerator.process_index, accelerator.num_processes, dev, accelerator)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step ``step``: every step's randomness derives from (seed, step), so a resumed run repeats it."""
+    return (seed * 1_000_003 + step * 7_919) % (2**31 - 1)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One step's pieces
+# ---------------------------------------------------------------------------------------------------------------------
+def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Score every rollout: rewards [N] (NaN where invalid), valid [N] bool, reward metrics."""
+    from grpo_lens.rewards import combine_rewards
+
+    R = batch.group_size
+    prompts = [p for p in batch.prompts for _ in range(R)]
+    extras = {k: [v for v in vals for _ in range(R)] for k, vals in batch.extras.items()}
+    return combine_rewards(reward_fns, prompts, batch.completions, timeout_s=timeout, **extras)
+
+
+def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
+                  config: TrainConfig, procs: Processes, params: list[torch.nn.Parameter],
+                  before_step: Callable[[], None] | None = None) -> dict[str, float]:
+    """mu passes over the step's rollouts, each split into mini-batches (one optimizer step each) and micro-batches.
+
+    Args:
+        batch: this process's N rollouts.   advantages: [N].   ref_logp: [N, T] or None (beta = 0).
+        before_step: called after the last backward, before the first optimizer step (the lens snapshots there).
+    Returns:
+        token-weighted means of the loss metrics over every micro-batch of every pass, plus ``grad/norm`` (the
+        pre-clipping norm of the first optimizer step, the on-policy gradient) and ``grad/norm_last``.
+    """
+    R = config.group_size
+    groups = batch.num_groups
+    per_mini = groups // config.num_mini_batches if groups >= config.num_mini_batches else groups
+    mini_batches = [torch.arange(g * R, min(groups, g + per_mini) * R) for g in range(0, groups, max(per_mini, 1))]
+    totals: dict[str, float] = {}
+    tokens_total = 0.0
+    grad_norms: list[float] = []
+    for _ in range(config.mu):
+        for mini in mini_batches:
+            mask = batch.completion_mask[mini]
+            normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
+                                                                       config.max_new_tokens),
+                                                      dtype=torch.float64, device=procs.device)))
+            for start in range(0, len(mini), config.micro_batch_size):
+                idx = mini[start:start + config.micro_batch_size]
+                micro = batch.select(idx)
+                logp = batch_logprobs(policy, micro, config.temperature, config.top_k, config.top_p)
+                loss, m = grpo_loss(
+                    logp, micro.sampler_logprobs, advantages[idx], micro.completion_mask,
+                    normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
+                    eps_high=config.eps_high, dual_clip=config.dual_clip, beta=config.beta,
+                    ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator)
+                loss.backward()
+                tok = m.pop("tokens")
+                tokens_total += tok
+                for k, v in m.items():
+                    if k in ("loss/policy", "loss/kl"):  # already normalised shares: they add up
+                        totals[k] = totals.get(k, 0.0) + v / (config.mu * len(mini_batches) / 1.0)
+                    elif k == "ratio/max":
+                        totals[k] = max(totals.get(k, 0.0), v)
+                    else:
+                        totals[k] = totals.get(k, 0.0) + v * tok
+            if procs.world > 1:  # sum gradients: each process's loss already carries the global normaliser
+                for p in params:
+                    if p.grad is not None:
+                        torch.distributed.all_reduce(p.grad)
+            if before_step is not None and not grad_norms:
+                before_step()
+            max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    out = {k: (v if k in ("loss/policy", "loss/kl", "ratio/max") else v / max(tokens_total, 1.0))
+           for k, v in totals.items()}
+    out["grad/norm"] = grad_norms[0]
+    out["grad/norm_last"] = grad_norms[-1]
+    out["grad/optimizer_steps"] = len(grad_norms)
+    return out
+
+
+def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
+                    batch_mask: torch.Tensor, truncated: torch.Tensor, R: int) -> dict[str, float]:
+    """Reward, advantage and completion statistics of a step (all processes' rollouts).
+
+    Args:
+        rewards: [N] float (NaN invalid).  valid: [N] bool.  advantages: [N].  batch_mask: [N, T] bool.
+        truncated: [N] bool.  R: group size.
+    """
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R)
+    v = valid.view(-1, R)
+    n_valid = v.sum().clamp(min=1)
+    mean = float(r.sum() / n_valid)
+    std = float(((r - mean) ** 2 * v).sum().div(n_valid).sqrt())
+    # A group with all valid rewards equal has no reward contrast: S1 (zero-variance group fraction).
+    big = torch.finfo(r.dtype).max
+    hi = r.masked_fill(~v, -big).amax(dim=1)
+    lo = r.masked_fill(~v, big).amin(dim=1)
+    zero_std = ((hi == lo) | (v.sum(dim=1) < 2)).float().mean()
+    lengths = batch_mask.sum(dim=1).float()
+    return {
+        "reward/mean": mean,
+        "reward/std": std,
+        "reward/accuracy": float(((r >= 1.0) & v).sum() / n_valid),
+        "reward/frac_zero_std_groups": float(zero_std),
+        "reward/invalid_frac": float((~valid).float().mean()),
+        "adv/mean": float(advantages.mean()),
+        "adv/abs_mean": float(advantages.abs().mean()),
+        "adv/max": float(advantages.max()),
+        "adv/min": float(advantages.min()),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/max_length": float(lengths.max()),
+        "completions/truncated_frac": float(truncated.float().mean()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------------------
+def train(config: TrainConfig, lens: Any = None) -> RunDir:
+    """Run GRPO as ``config`` says and return the run directory.
+
+    Args:
+        config: a validated :class:`TrainConfig`; ``config.out`` is required.
+        lens: an object with ``before_step(step, policy)`` and ``measure(step, ...) -> dict`` (see
+            :class:`grpo_lens.lens.TrainerLens`); built from the config when None and lens_every > 0.
+
+    Raises:
+        ConfigError / RunDirError / ModelNotFoundError: bad settings, an unusable --out, a missing model.
+    """
+    from grpo_lens.models import load_model
+    from grpo_lens.rewards import parse_reward_specs
+    from grpo_lens.tasks import get_task
+
+    if not config.out:
+        raise ValueError("config field 'out' (flag --out) is required: the run directory to write")
+    procs = setup_processes(config.device)
+    run = RunDir(config.out)
+    if procs.is_main:
+        resolved = run.prepare(config.to_dict(), resume=config.resume, overwrite=config.overwrite,
+                               resumable_keys=RESUMABLE_KEYS)
+        config = TrainConfig.from_dict(resolved)
+        run.write_config(config.to_dict())
+    procs.barrier()
+    if not procs.is_main:
+        config = TrainConfig.load(run.config_path)
+    B, R = config.prompts_per_step, config.group_size
+    if B % procs.world:
+        raise ValueError(f"config field 'prompts_per_step' = {B} must be divisible by the number of processes "
+                         f"({procs.world}) so that each process samples whole groups")
+
+    # --- model, reference, task, rewards, optimizer ------------------------------------------------------------------
+    seed_everything(config.seed)
+    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+    policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)
+    policy.train()
+    reference = None
+    if config.beta > 0:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    task = get_task(config.task, dataset=config.dataset, **config.task_options)
+    reward_fns = parse_reward_specs(config.rewards)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                  weight_decay=config.weight_decay)
+    if lens is None and config.lens_every > 0:
+        from grpo_lens.lens import TrainerLens
+
+        lens = TrainerLens(policy, config)
+
+    # --- resume ------------------------------------------------------------------------------------------------------
+    start_step = 0
+    if config.resume:
+        ckpt = run.latest_checkpoint()
+        if ckpt is not None:
+            state = run.load_checkpoint(ckpt, policy, optimizer)
+            start_step = int(state["step"])
+            if lens is not None and "lens" in state:
+                lens.load_state_dict(state["lens"])
+        if procs.is_main:
+            run.truncate_metrics(start_step)
+            logger.info("resuming %s from step %d", run.path, start_step)
+    if lens is not None and start_step == 0:
+        lens.start(policy)
+
+    progress = _progress(config, start_step, procs)
+    share = B // procs.world
+    for step in range(start_step + 1, config.max_steps + 1):
+        t0 = time.perf_counter()
+        seed = step_seed(config.seed, step)
+
+        # 1. prompts: every process draws the same B, samples its own share of them
+        examples = task.sample(B, seed=seed)[procs.rank * share:(procs.rank + 1) * share]
+
+        # 2. rollouts: R completions per prompt, with the sampler's log-probs
+        policy.eval()
+        batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
+                              temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                              generator_seed=seed + 104_729 * procs.rank)
+        policy.train()
+        t_gen = time.perf_counter() - t0
+
+        # 3. rewards (invalid rollouts are masked out of the group statistics)
+        rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
+        rewards, valid = rewards.to(procs.device), valid.to(procs.device)
+        if config.mask_truncated:
+            valid = valid & ~batch.truncated
+
+        # 4. advantages: one scalar per rollout, shared by all its tokens
+        advantages = compute_advantages(rewards.view(-1, R).float(), config.estimator, std=config.std,
+                                        eps=config.eps, mask=valid.view(-1, R)).view(-1)
+
+        # 5. reference log-probs for the KL term
+        ref_logp = None
+        if reference is not None:
+            with torch.no_grad():
+                ref_logp = batch_logprobs(reference, batch, config.temperature, config.top_k, config.top_p)
+
+        # 6. the lens reads this step's rollouts before the update changes the policy
+        lens_metrics: dict[str, float] = {}
+        measure = lens is not None and config.lens_every > 0 and step % config.lens_every == 0
+        if measure:
+            lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
+
+        # 7. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
+        loss_metrics = policy_update(policy, optimizer, batch, advantages, ref_logp, config, procs, params,
+                                     before_step=(lambda: lens.before_step(policy)) if lens is not None else None)
+        if lens is not None:
+            lens_metrics.update(lens.after_step(step, policy, measure))
+
+        # 8. metrics over all processes' rollouts, one JSON line per step
+        all_rewards, all_valid = procs.gather(rewards), procs.gather(valid)
+        all_adv, all_mask = procs.gather(advantages), procs.gather(_pad_to(batch.completion_mask,
+                                                                           config.max_new_tokens))
+        all_trunc = procs.gather(batch.truncated)
+        seconds = time.perf_counter() - t0
+        tokens = float(all_mask.sum())
+        record = {"step": step, **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
+                  **{k: v for k, v in reward_info.items()}, **loss_metrics, **lens_metrics,
+                  "lr": optimizer.param_groups[0]["lr"],
+                  "perf/step_seconds": seconds, "perf/generation_seconds": t_gen,
+                  "perf/tokens_per_second": tokens / max(seconds, 1e-9),
+                  "perf/peak_memory_mb": _peak_memory_mb(procs.device)}
+        if procs.is_main:
+            run.append_metrics(record)
+            _log_completions(run, step, batch, rewards, advantages, config.log_completions)
+            if progress is not None:
+                progress.set_postfix(reward=f"{record['reward/mean']:.3f}", sec=f"{seconds:.1f}")
+                progress.update(1)
+
+        # 9. checkpoint (atomic): model, optimizer, step; every step's randomness derives from (seed, step)
+        if step % config.checkpoint_every == 0 or step == config.max_steps:
+            if procs.is_main:
+                state = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None}
+                run.save_checkpoint(step, policy, optimizer, state, keep=config.keep_checkpoints)
+            procs.barrier()
+
+    if progress is not None:
+        progress.close()
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------------------------------
+def _pad_to(mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Right-pad a [N, t] mask to [N, T] so processes can gather it."""
+    return torch.nn.functional.pad(mask, (0, T - mask.shape[1])) if mask.shape[1] < T else mask
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    except (ImportError, AttributeError):
+        return math.nan
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
+                     n: int) -> None:
+    R = batch.group_size
+    for i in range(min(n, batch.num_rollouts)):
+        prompt = batch.prompts[i // R]
+        text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
+        run.append_metrics({"step": step, "prompt": text, "completion": batch.completions[i],
+                            "reward": float(rewards[i]), "advantage": float(advantages[i])},
+                           path=run.completions_path)
+
+
+def _progress(config: TrainConfig, start: int, procs: Processes):
+    if not (config.progress and procs.is_main):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.max_steps, initial=start, desc="GRPO", unit="step", dynamic_ncols=True)
