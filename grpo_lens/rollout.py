@@ -159,3 +159,197 @@ def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: flo
     """:func:`completion_logprobs` of a :class:`RolloutBatch`: [N, T] float32."""
     return completion_logprobs(model, batch.input_ids(), batch.attention_mask(), batch.completion_ids.shape[1],
                                temperature, top_k, top_p)
+
+
+def _stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """EOS ids that end a completion: the tokenizer's EOS plus the model's generation_config EOS ids."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if config_eos is not None:
+        for i in [config_eos] if isinstance(config_eos, int) else list(config_eos):
+            if int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id and the model's generation_config names none")
+    return ids
+
+
+def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int] | Tensor) -> tuple[Tensor, Tensor]:
+    """Which completion tokens count, and which completions were cut off.
+
+    Args:
+        completion_ids: [N, T] long, sampled tokens.
+        eos_token_ids: ids that end a completion.
+
+    Returns:
+        (completion_mask [N, T] bool: True up to and including the first EOS, all True when there is none;
+        truncated [N] bool: no EOS within the T tokens).
+    """
+    eos = torch.as_tensor(list(eos_token_ids) if not isinstance(eos_token_ids, Tensor) else eos_token_ids,
+                          device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)  # [N, T]
+    # eos_before[n, t] = number of EOS strictly before t; a token counts while none came before it.
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
+    completion_mask = eos_before == 0
+    truncated = ~is_eos.any(dim=1)
+    return completion_mask, truncated
+
+
+def _as_messages(prompt) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return list(prompt)
+
+
+def _example_fields(example) -> tuple[object, dict]:
+    """(prompt, per-prompt columns) of a task Example, a dict with a ``prompt`` key, or a bare prompt."""
+    if isinstance(example, dict):
+        if "prompt" not in example:
+            raise ValueError(f"an example given as a dict needs a 'prompt' key, got keys {sorted(example)}")
+        return example["prompt"], {k: v for k, v in example.items() if k != "prompt"}
+    if hasattr(example, "prompt"):
+        columns = example.columns() if hasattr(example, "columns") else {}
+        return example.prompt, dict(columns)
+    return example, {}
+
+
+def _seed_from(generator_seed: int | torch.Generator | None) -> int | None:
+    if generator_seed is None or isinstance(generator_seed, int):
+        return generator_seed
+    if isinstance(generator_seed, torch.Generator):
+        return int(torch.randint(0, 2**62, (1,), generator=generator_seed).item())
+    raise TypeError(f"generator_seed must be an int, a torch.Generator or None, got {type(generator_seed).__name__}")
+
+
+@torch.no_grad()
+def sample_groups(
+    model: torch.nn.Module,
+    tokenizer,
+    examples: list,
+    group_size: int,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator_seed: int | torch.Generator | None = None,
+    batch_size: int | None = None,
+) -> RolloutBatch:
+    """Sample R completions for each of B prompts with ``model.generate`` and record the sampler's log-probs.
+
+    Prompts go through the tokenizer's chat template (``add_generation_prompt=True``) and are left padded to a common
+    length Lp. Each prompt is repeated R times, so that rollouts of one prompt are contiguous (rollout n belongs to
+    group n // R). Sampling uses exactly the transforms of :func:`process_logits` (temperature -> top-k -> top-p; HF's
+    default ``top_k=50`` is overridden, 0 disables it) and nothing else (repetition penalty and similar are reset to
+    neutral), so :func:`batch_logprobs` with the same settings reproduces ``sampler_logprobs`` (ratio 1 on-policy).
+
+    Args:
+        model: a causal LM with ``generate``.
+        tokenizer: its tokenizer, with a chat template and a pad token; prompts are left padded whatever its
+            ``padding_side``.
+        examples: B task examples (objects with ``prompt`` and ``columns()``, e.g. :class:`grpo_lens.tasks.Example`),
+            dicts with a ``prompt`` key and extra columns, or bare prompts (a string or a list of chat messages).
+        group_size: R >= 1.
+        max_new_tokens: completion budget; completions without EOS within it are flagged ``truncated``.
+        temperature, top_p, top_k: sampling settings, as in :func:`process_logits`.
+        generator_seed: an int seed or a ``torch.Generator`` to draw one from. ``generate`` takes no generator, so the
+            global torch RNG is seeded inside ``torch.random.fork_rng`` (the caller's RNG state is left as it was).
+            None samples from the global RNG. Given a seed, sampling is deterministic (on the CPU).
+        batch_size: rollouts per ``generate`` call (memory knob); all N at once if None. The samples depend on it.
+
+    Returns:
+        a :class:`RolloutBatch` with N = B * R rollouts, its tensors on the model's device; ``prompts`` holds the B prompts as given, ``extras`` the
+        per-prompt columns (each a list of length B) and ``completions`` the N decoded texts (special tokens skipped).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not examples:
+        raise ValueError("examples is empty: need at least one prompt")
+    process_logits(torch.zeros(1, 2), temperature, top_k, top_p)  # validates the settings with the same messages
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to the EOS token)")
+
+    prompts, columns = zip(*(_example_fields(e) for e in examples))
+    keys = sorted({k for c in columns for k in c})
+    extras = {k: [c.get(k) for c in columns] for k in keys}
+    texts = [tokenizer.apply_chat_template(_as_messages(p), tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        # The chat template already holds any BOS the model wants.
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = padding_side
+    R = group_size
+    device = next(model.parameters()).device
+    prompt_ids = encoded["input_ids"].repeat_interleave(R, dim=0).to(device)  # [N, Lp]
+    prompt_mask = encoded["attention_mask"].repeat_interleave(R, dim=0).to(device)  # [N, Lp]
+    N = prompt_ids.shape[0]
+
+    eos_ids = _stop_token_ids(model, tokenizer)
+    pad_id = int(tokenizer.pad_token_id)
+    gen_kwargs = dict(
+        do_sample=True, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+        max_new_tokens=int(max_new_tokens), pad_token_id=pad_id, eos_token_id=eos_ids,
+        return_dict_in_generate=True, output_scores=True,
+        # Neutral values for every other logits processor, whatever the model's generation_config says: the
+        # trainer's process_logits applies temperature, top-k and top-p only.
+        repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+        min_length=0, num_beams=1,
+    )
+    step = N if batch_size is None else int(batch_size)
+    if step < 1:
+        raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+
+    seed = _seed_from(generator_seed)
+    chunks_ids: list[Tensor] = []
+    chunks_logp: list[Tensor] = []
+    devices = [device] if device.type == "cuda" else []
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        for start in range(0, N, step):
+            ids = prompt_ids[start : start + step]
+            mask = prompt_mask[start : start + step]
+            out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
+            sampled = out.sequences[:, ids.shape[1] :]  # [n, t]
+            # scores[t] holds the processed logits the token at step t was drawn from: [n, V].
+            logp = torch.stack(
+                [torch.log_softmax(s.float(), dim=-1).gather(-1, sampled[:, t : t + 1]).squeeze(-1)
+                 for t, s in enumerate(out.scores)],
+                dim=1,
+            )  # [n, t]
+            chunks_ids.append(sampled)
+            chunks_logp.append(logp)
+    model.train(was_training)
+
+    T = max(c.shape[1] for c in chunks_ids)
+    completion_ids = torch.cat(
+        [torch.nn.functional.pad(c, (0, T - c.shape[1]), value=pad_id) for c in chunks_ids], dim=0)  # [N, T]
+    logp = torch.cat([torch.nn.functional.pad(c, (0, T - c.shape[1]), value=0.0) for c in chunks_logp], dim=0)
+    completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)  # [N, T], [N]
+    # A chunk that stopped early is padded: its rows all ended with EOS, so the padding lies outside the mask.
+    sampler_logprobs = torch.where(completion_mask, logp, torch.zeros_like(logp)).float()  # [N, T]
+    completions = tokenizer.batch_decode(
+        [row[m].tolist() for row, m in zip(completion_ids.cpu(), completion_mask.cpu())], skip_special_tokens=True)
+
+    assert completion_ids.shape == (N, T) and sampler_logprobs.shape == (N, T) and truncated.shape == (N,)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        sampler_logprobs=sampler_logprobs,
+        truncated=truncated,
+        group_size=R,
+        prompts=list(prompts),
+        completions=completions,
+        extras=extras,
+    )

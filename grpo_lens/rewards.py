@@ -1,0 +1,366 @@
+"""Reward functions and how they combine into one reward per rollout.
+
+A reward function has TRL's signature ``f(prompts, completions, **kwargs) -> list[float | None]``: ``prompts`` and
+``completions`` hold one entry per rollout (N of them; a prompt is repeated for each of its R rollouts), and every
+task column (e.g. ``answer``) arrives as a keyword argument holding a list of N values. ``None`` (or NaN) marks a
+rollout the function could not score: it is invalid, and is left out of its group's advantage mean and std.
+
+Built in (:data:`REWARDS`): ``correctness`` (the final number equals the reference), ``format`` (a final answer is
+marked with ``####`` or ``\\boxed{}``), and ``math_verify`` when the ``math-verify`` package is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from grpo_lens.registry import Registry
+
+if TYPE_CHECKING:
+    from grpo_lens.rollout import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., list]
+
+#: name -> reward function ``f(prompts, completions, **kwargs) -> list[float | None]``.
+REWARDS: Registry = Registry("reward function")
+
+# A number: an optional minus sign (not one joining two numbers as in "3-5"), digits, optional decimals; or ".5".
+_NUMBER = re.compile(r"(?:(?<![\w)\]}.])-)?(?:\d+(?:\.\d+)?|\.\d+)")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_FRACTION = re.compile(r"^\\[dt]?frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}$")
+_SLASH_FRACTION = re.compile(r"^(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")
+
+
+def normalize_number_text(text: str) -> str:
+    """Drop what is not part of a number's value: ``$``, thousands commas (``1,234`` -> ``1234``), unicode minus."""
+    text = text.replace("\u2212", "-").replace("$", "").replace("\\$", "")
+    return _THOUSANDS.sub("", text)
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of a number string (``"18.0"``, ``"-3"``, ``"1/2"``, ``"\\frac{1}{2}"``), or None.
+
+    Exact (Fraction) so that ``18.0 == 18`` and ``0.1 + 0.2`` style float error never decides a reward.
+    """
+    text = normalize_number_text(text).strip().rstrip(".")
+    for pattern in (_FRACTION, _SLASH_FRACTION):
+        m = pattern.match(text)
+        if m:
+            numerator, denominator = Fraction(m.group(1)), Fraction(m.group(2))
+            return None if denominator == 0 else numerator / denominator
+    if _NUMBER.fullmatch(text):
+        return Fraction(text)
+    return None
+
+
+def _boxed_contents(text: str) -> list[str]:
+    """Contents of every ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced."""
+    out = []
+    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        depth, start = 1, m.end()
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                out.append(text[start:i])
+                break
+    return out
+
+
+def _first_number(text: str) -> Fraction | None:
+    m = _NUMBER.search(normalize_number_text(text))
+    return Fraction(m.group(0)) if m else None
+
+
+def extract_marked_answer(text: str) -> Fraction | None:
+    """The answer a completion marks as final, or None: the first number on the line of the first ``####`` that has
+    one, else the value of the last ``\\boxed{}`` (a number or a simple fraction; else the last number inside it)."""
+    for m in re.finditer(r"####([^\n]*)", text):
+        value = _first_number(m.group(1))
+        if value is not None:
+            return value
+    boxed = _boxed_contents(text)
+    if boxed:
+        content = boxed[-1].replace("\\!", "").replace("\\,", "")
+        value = parse_number(content)
+        if value is None:
+            numbers = _NUMBER.findall(normalize_number_text(content))
+            value = Fraction(numbers[-1]) if numbers else None
+        return value
+    return None
+
+
+def extract_answer(text: str) -> Fraction | None:
+    """The final numeric answer of a completion, or None when it has no number.
+
+    In order: the number after ``####`` (GSM8K's format), else the number in the last ``\\boxed{}``, else the last
+    number in the text. ``$`` and thousands commas are ignored, so ``"#### $1,000"`` gives 1000.
+
+    >>> extract_answer("The answer is 18.0.") == 18
+    True
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"a completion must be a string or a list of chat messages, got {type(text).__name__}")
+    value = extract_marked_answer(text)
+    if value is not None:
+        return value
+    numbers = _NUMBER.findall(normalize_number_text(text))
+    return Fraction(numbers[-1]) if numbers else None
+
+
+def reference_value(reference: Any) -> Fraction | None:
+    """The value of a reference answer: a bare number (``"72"``, ``"1,234"``, ``"1/2"``) or a text whose final answer
+    :func:`extract_answer` finds (e.g. a whole GSM8K solution ending in ``#### 72``); None if it has no number."""
+    text = str(reference)
+    value = parse_number(text)
+    return value if value is not None else extract_answer(text)
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion given as a string or, as TRL does for chat data, a list of messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
+        return "".join(m.get("content", "") for m in completion if m.get("role", "assistant") == "assistant")
+    raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
+
+
+def _references(answer: Sequence | None, n: int, fn_name: str) -> Sequence:
+    if answer is None:
+        raise ValueError(f"reward {fn_name!r} needs the reference answers: pass the task column 'answer' (a list "
+                         "with one entry per completion)")
+    if len(answer) != n:
+        raise ValueError(f"reward {fn_name!r}: got {len(answer)} answers for {n} completions; pass one per completion")
+    return answer
+
+
+@REWARDS.register("correctness")
+def correctness(prompts: Sequence, completions: Sequence, answer: Sequence | None = None, **kwargs) -> list:
+    """1.0 when the completion's final number (:func:`extract_answer`) equals the reference, else 0.0.
+
+    A completion with no number scores 0.0 (a valid, wrong answer). A reference that is not a number gives None
+    (the rollout cannot be scored). The reference may be a bare number or a full GSM8K solution ending in ``####``.
+
+    Args:
+        prompts: N prompts (unused).
+        completions: N completions (strings or chat messages).
+        answer: N reference answers.
+    """
+    refs = _references(answer, len(completions), "correctness")
+    out: list[float | None] = []
+    for completion, ref in zip(completions, refs):
+        ref_value = reference_value(ref)
+        if ref_value is None:
+            logger.warning("correctness: reference %r is not a number; rollout marked invalid", ref)
+            out.append(None)
+            continue
+        predicted = extract_answer(completion_text(completion))
+        out.append(1.0 if predicted is not None and predicted == ref_value else 0.0)
+    return out
+
+
+@REWARDS.register("format")
+def format_reward(prompts: Sequence, completions: Sequence, **kwargs) -> list:
+    """1.0 when the completion marks a numeric final answer with ``#### <number>`` or ``\\boxed{<number>}``, else 0.0."""
+    return [0.0 if extract_marked_answer(completion_text(c)) is None else 1.0 for c in completions]
+
+
+def math_verify_available() -> bool:
+    """Whether the optional ``math-verify`` package is importable."""
+    import importlib.util
+
+    return importlib.util.find_spec("math_verify") is not None
+
+
+def math_verify_correctness(prompts: Sequence, completions: Sequence, answer: Sequence | None = None,
+                            **kwargs) -> list:
+    """1.0 when ``math_verify.verify`` finds the completion's answer equal to the reference (symbolic, LaTeX aware),
+    else 0.0; None where the reference does not parse. Needs ``pip install math-verify``.
+
+    Timeouts inside math-verify use signals, which only work in the main thread; they are switched off here, so
+    bound the call with ``combine_rewards(..., timeout_s=...)`` instead.
+    """
+    from math_verify import parse, verify
+
+    refs = _references(answer, len(completions), "math_verify")
+    out: list[float | None] = []
+    for completion, ref in zip(completions, refs):
+        gold = parse(str(ref), parsing_timeout=None)
+        if not gold:
+            out.append(None)
+            continue
+        predicted = parse(completion_text(completion), parsing_timeout=None)
+        out.append(1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0)
+    return out
+
+
+if math_verify_available():
+    REWARDS.register("math_verify")(math_verify_correctness)
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function called ``name``; ValueError listing the valid names (and how to get ``math_verify``)."""
+    if name == "math_verify" and name not in REWARDS:
+        raise ValueError("reward 'math_verify' needs the math-verify package: pip install 'grpo-lens[math]' "
+                         f"(or pip install math-verify); valid names now: {', '.join(REWARDS.names())}")
+    return REWARDS.get(name)
+
+
+def _normalize_funcs(funcs_with_weights: Any) -> list[tuple[str, RewardFn, float]]:
+    """(name, function, weight) triples from: a mapping name/function -> weight, a sequence of (name or function,
+    weight) pairs, or a sequence of names/functions (weight 1)."""
+    if callable(funcs_with_weights) or isinstance(funcs_with_weights, str):
+        funcs_with_weights = [funcs_with_weights]
+    items = funcs_with_weights.items() if isinstance(funcs_with_weights, Mapping) else funcs_with_weights
+    out: list[tuple[str, RewardFn, float]] = []
+    for item in items:
+        fn, weight = item if isinstance(item, tuple) else (item, 1.0)
+        if isinstance(fn, str):
+            name, fn = fn, get_reward(fn)
+        elif callable(fn):
+            name = getattr(fn, "__name__", type(fn).__name__)
+        else:
+            raise TypeError(f"a reward must be a registered name or a callable, got {fn!r}")
+        out.append((name, fn, float(weight)))
+    if not out:
+        raise ValueError(f"no reward functions given; valid names: {', '.join(REWARDS.names())}")
+    names = [n for n, _, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward function names must be distinct (they key the metrics), got {names}")
+    return out
+
+
+class RewardTimeout(TimeoutError):
+    """A reward function call ran past its time limit."""
+
+
+def _call_with_timeout(fn: RewardFn, timeout_s: float | None, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)``, in a daemon worker thread when ``timeout_s`` is set.
+
+    A call that runs past ``timeout_s`` raises :class:`RewardTimeout`; its thread cannot be killed and is left to
+    finish in the background (daemon, so it never blocks interpreter exit).
+    """
+    if timeout_s is None:
+        return fn(*args, **kwargs)
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = err
+
+    worker = threading.Thread(target=target, name=f"reward-{getattr(fn, '__name__', 'fn')}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardTimeout(f"did not return within {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _to_float(value: Any) -> float:
+    """A reward value as a float; NaN for None, NaN, or anything that is not a real number."""
+    if value is None:
+        return math.nan
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return x if math.isfinite(x) else math.nan
+
+
+def combine_rewards(
+    funcs_with_weights: Any,
+    prompts: Sequence,
+    completions: Sequence,
+    timeout_s: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Call every reward function and sum their weighted rewards per rollout.
+
+    reward_n = sum_k w_k r_{k,n}. A rollout is invalid when any function gives it None, NaN or +-inf, or when a
+    function call raises, returns a list of the wrong length, or runs past ``timeout_s`` (then all N rollouts of
+    that call are invalid). Failures are logged and counted; the run goes on.
+
+    Args:
+        funcs_with_weights: reward functions or registered names, with weights: ``{"correctness": 1.0}``,
+            ``[("correctness", 1.0), (my_fn, 0.1)]``, or ``["correctness"]`` (weight 1).
+        prompts: N prompts, one per rollout.
+        completions: N completion texts (or chat messages).
+        timeout_s: per-call time limit in seconds (each function runs in a worker thread); None: no limit, no thread.
+        kwargs: task columns, each a list of N values (e.g. ``answer``), passed to every function.
+
+    Returns:
+        (rewards [N] float32, NaN where invalid; valid [N] bool; metrics) with metrics
+        ``reward/mean``, ``reward/std`` (over valid rollouts; NaN when none is valid), ``reward/invalid_count``,
+        ``reward/timeout_count`` and ``reward/error_count`` (function calls), and per function ``reward/<name>``
+        (mean of its valid values, unweighted) and ``reward/<name>/invalid_count``.
+    """
+    funcs = _normalize_funcs(funcs_with_weights)
+    N = len(completions)
+    if len(prompts) != N:
+        raise ValueError(f"got {len(prompts)} prompts for {N} completions; pass one prompt per completion (repeat "
+                         "each prompt R times)")
+    total = torch.zeros(N, dtype=torch.float64)
+    valid = torch.ones(N, dtype=torch.bool)
+    metrics: dict[str, float] = {"reward/timeout_count": 0, "reward/error_count": 0}
+    for name, fn, weight in funcs:
+        start = time.perf_counter()
+        try:
+            values = _call_with_timeout(fn, timeout_s, (list(prompts), list(completions)), kwargs)
+            if values is None or len(values) != N:
+                raise ValueError(f"returned {None if values is None else len(values)} values for {N} completions")
+            r = torch.tensor([_to_float(v) for v in values], dtype=torch.float64)  # [N]
+        except RewardTimeout as err:
+            logger.error("reward %r %s: its %d rollouts are marked invalid", name, err, N)
+            metrics["reward/timeout_count"] += 1
+            r = torch.full((N,), math.nan, dtype=torch.float64)
+        except Exception:  # noqa: BLE001 - a failing reward function must not stop the run
+            logger.exception("reward %r raised: its %d rollouts are marked invalid", name, N)
+            metrics["reward/error_count"] += 1
+            r = torch.full((N,), math.nan, dtype=torch.float64)
+        ok = ~torch.isnan(r)
+        if (~ok).any():
+            logger.warning("reward %r: %d of %d rollouts invalid (None, NaN or failed call)", name,
+                           int((~ok).sum()), N)
+        metrics[f"reward/{name}"] = float(r[ok].mean()) if ok.any() else math.nan
+        metrics[f"reward/{name}/invalid_count"] = int((~ok).sum())
+        metrics[f"reward/{name}/time_s"] = time.perf_counter() - start
+        valid &= ok
+        total += weight * torch.nan_to_num(r, nan=0.0)
+    rewards = torch.where(valid, total, torch.full_like(total, math.nan)).float()  # [N]
+    metrics["reward/invalid_count"] = int((~valid).sum())
+    metrics["reward/mean"] = float(rewards[valid].mean()) if valid.any() else math.nan
+    metrics["reward/std"] = float(rewards[valid].std(unbiased=False)) if valid.any() else math.nan
+    return rewards, valid, metrics
+
+
+def score_batch(
+    batch: "RolloutBatch", funcs_with_weights: Any, timeout_s: float | None = None
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """:func:`combine_rewards` for a :class:`~grpo_lens.rollout.RolloutBatch`, shaped by group.
+
+    The batch's B prompts and per-prompt ``extras`` are repeated R times to give TRL's one-entry-per-rollout lists.
+
+    Returns:
+        (rewards [B, R] float32 with NaN where invalid, valid [B, R] bool, metrics as in :func:`combine_rewards`).
+    """
+    R, B = batch.group_size, batch.num_groups
+    if len(batch.prompts) != B:
+        raise ValueError(f"batch has {len(batch.prompts)} prompts for {B} groups; score the whole batch, not a "
+                         "select()-ed part")
+    prompts = [p for p in batch.prompts for _ in range(R)]
+    columns = {k: [v for v in values for _ in range(R)] for k, values in batch.extras.items()}
+    rewards, valid, metrics = combine_rewards(funcs_with_weights, prompts, batch.completions, timeout_s, **columns)
+    return rewards.view(B, R), valid.view(B, R), metrics

@@ -1,0 +1,91 @@
+"""What a task is: a source of prompts (chat messages) and reference answers, sampled by seed."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from grpo_lens.registry import Registry
+
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of a task.
+
+    Attributes:
+        prompt: chat messages, e.g. ``[{"role": "user", "content": "What is 2 + 3?"}]``.
+        answer: the reference answer as a string (e.g. ``"5"``), or None when the task has none.
+        extras: any other per-prompt columns (e.g. ``question``), passed to reward functions as keyword arguments.
+    """
+
+    prompt: Messages
+    answer: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def columns(self) -> dict[str, Any]:
+        """The keyword columns a reward function receives for this prompt: ``answer`` (when set) and ``extras``."""
+        cols = dict(self.extras)
+        if self.answer is not None:
+            cols["answer"] = self.answer
+        return cols
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A task: ``name`` and ``sample(n, rng_or_seed, split)``; ``splits`` names the splits it has."""
+
+    name: str
+    splits: tuple[str, ...]
+
+    def sample(self, n: int, rng_or_seed: "int | random.Random | Any" = 0, split: str = "train") -> list[Example]:
+        """n examples of ``split``, drawn with ``rng_or_seed``; the same seed gives the same examples."""
+        ...
+
+
+#: name -> factory(**options) -> Task.
+TASKS: Registry = Registry("task")
+
+
+def as_rng(rng_or_seed: "int | random.Random | Any") -> random.Random:
+    """A ``random.Random`` from an int seed, a ``random.Random`` (returned as is) or a ``numpy.random.Generator``
+    (a seed is drawn from it)."""
+    if isinstance(rng_or_seed, random.Random):
+        return rng_or_seed
+    if isinstance(rng_or_seed, bool):
+        raise TypeError("rng_or_seed must be an int seed, a random.Random or a numpy Generator, got a bool")
+    if isinstance(rng_or_seed, int):
+        return random.Random(rng_or_seed)
+    if hasattr(rng_or_seed, "integers"):  # numpy.random.Generator
+        return random.Random(int(rng_or_seed.integers(0, 2**63 - 1)))
+    raise TypeError(
+        f"rng_or_seed must be an int seed, a random.Random or a numpy Generator, got {type(rng_or_seed).__name__}"
+    )
+
+
+def split_rng(rng_or_seed: "int | random.Random | Any", split: str) -> random.Random:
+    """An RNG for one split: an int seed gives a different stream per split (train and test with seed 0 differ)."""
+    if isinstance(rng_or_seed, int) and not isinstance(rng_or_seed, bool):
+        return random.Random(f"{split}:{rng_or_seed}")
+    return as_rng(rng_or_seed)
+
+
+def check_split(task: Task, split: str) -> None:
+    """ValueError naming the valid splits when ``split`` is not one of the task's."""
+    if split not in task.splits:
+        raise ValueError(f"task {task.name!r} has no split {split!r}; valid splits: {', '.join(task.splits)}")
+
+
+def sample_rows(rows: list, n: int, rng: random.Random) -> list:
+    """n rows without replacement while n <= len(rows); beyond that whole shuffled passes, then a partial one."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not rows:
+        raise ValueError("cannot sample from an empty split")
+    out: list = []
+    while len(out) < n:
+        take = min(n - len(out), len(rows))
+        out.extend(rng.sample(rows, take))
+    return out

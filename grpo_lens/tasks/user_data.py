@@ -1,0 +1,155 @@
+"""Tasks from the user's own data: a JSONL file or a Hugging Face ``datasets`` dataset.
+
+Each row needs a ``prompt``: a non-empty string (sent as one user message) or a non-empty list of chat messages
+``{"role": ..., "content": ...}``. Every other column (e.g. ``answer``) is passed to reward functions as a keyword
+argument, as TRL does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpo_lens.tasks.base import TASKS, Example, check_split, sample_rows, split_rng
+
+ROW_HELP = (
+    "each row needs a 'prompt': a non-empty string, or a non-empty list of chat messages "
+    '{"role": "user", "content": "..."}; other columns (e.g. "answer") are passed to reward functions. '
+    'Example line: {"prompt": "What is 2 + 3?", "answer": "5"}'
+)
+
+
+def _row_error(source: str, row_number: int, problem: str) -> ValueError:
+    return ValueError(f"{source}, row {row_number}: {problem}. Fix: {ROW_HELP}")
+
+
+def row_to_example(row: Any, source: str, row_number: int, system_prompt: str | None = None) -> Example:
+    """Validate one row and turn it into an :class:`Example`.
+
+    Args:
+        row: a dict with a ``prompt`` and any other columns.
+        source: the file or dataset name, for error messages.
+        row_number: 1-based row (line) number, for error messages.
+        system_prompt: prepended as a system message to string prompts.
+
+    Raises:
+        ValueError: naming ``source`` and ``row_number`` when the row is not a dict, has no prompt, an empty prompt,
+            or a prompt of the wrong type.
+    """
+    if not isinstance(row, dict):
+        raise _row_error(source, row_number, f"expected a JSON object, got {type(row).__name__}")
+    if "prompt" not in row:
+        raise _row_error(source, row_number, f"no 'prompt' column (columns: {', '.join(sorted(row)) or 'none'})")
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise _row_error(source, row_number, "the prompt is empty")
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise _row_error(source, row_number, "the prompt is an empty list of messages")
+        for i, message in enumerate(prompt):
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)
+            ):
+                raise _row_error(
+                    source, row_number, f"prompt message {i} is not a {{'role': str, 'content': str}} dict: {message!r}"
+                )
+        if not any(m["content"].strip() for m in prompt):
+            raise _row_error(source, row_number, "every prompt message is empty")
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise _row_error(
+            source, row_number, f"the prompt is a {type(prompt).__name__}, expected a string or a list of messages"
+        )
+    answer = row.get("answer")
+    extras = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+    return Example(prompt=messages, answer=None if answer is None else str(answer), extras=extras)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """The rows of a JSONL file (blank lines skipped).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line is not valid JSON, naming the file and line number.
+    """
+    path = Path(path)
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((number, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise _row_error(str(path), number, f"not valid JSON ({err.msg} at column {err.colno})") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows. Fix: {ROW_HELP}")
+    return rows
+
+
+@dataclass
+class UserDataTask:
+    """A task whose examples come from rows the user gave (already validated into Examples).
+
+    Use :func:`jsonl_task` or :func:`dataset_task` to build one.
+
+    Attributes:
+        data: split name -> list of Examples.
+        name: shown in errors and run configs.
+    """
+
+    data: dict[str, list[Example]]
+    name: str = "user_data"
+    splits: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self):
+        self.splits = tuple(self.data)
+
+    def size(self, split: str = "train") -> int:
+        check_split(self, split)
+        return len(self.data[split])
+
+    def sample(self, n: int, rng_or_seed=0, split: str = "train") -> list[Example]:
+        """n examples of ``split``, without replacement while n <= the split's size."""
+        check_split(self, split)
+        return sample_rows(self.data[split], n, split_rng(rng_or_seed, split))
+
+
+def jsonl_task(path: str | os.PathLike, test_path: str | os.PathLike | None = None,
+               system_prompt: str | None = None) -> UserDataTask:
+    """A task from a JSONL file (split ``train``) and optionally a second one (split ``test``).
+
+    Every row is validated up front. Raises ValueError naming the file and row number for a malformed row.
+    """
+    data = {}
+    for split, p in (("train", path), ("test", test_path)):
+        if p is None:
+            continue
+        data[split] = [row_to_example(row, str(p), number, system_prompt) for number, row in read_jsonl(p)]
+    return UserDataTask(data=data, name=f"jsonl:{Path(path).name}")
+
+
+def dataset_task(dataset: Any, name: str = "dataset", system_prompt: str | None = None) -> UserDataTask:
+    """A task from a Hugging Face ``datasets.Dataset`` or a list of row dicts (split ``train``), or from a dict of
+    split name -> those (a ``datasets.DatasetDict`` is one). Rows are validated up front; errors name the dataset,
+    the split and the row number."""
+    splits = dict(dataset) if isinstance(dataset, dict) else {"train": dataset}
+    data = {
+        split: [row_to_example(row, f"{name} [{split}]", number, system_prompt) for number, row in enumerate(rows, start=1)]
+        for split, rows in splits.items()
+    }
+    for split, examples in data.items():
+        if not examples:
+            raise ValueError(f"{name} [{split}]: no rows. Fix: {ROW_HELP}")
+    return UserDataTask(data=data, name=name)
+
+
+TASKS.register("jsonl")(jsonl_task)
