@@ -1,0 +1,204 @@
+"""PNG plots for the report, drawn from run-directory records only (metrics.jsonl, probe.json).
+
+Images are kept small (about 6.4 x 3.6 inches at 90 dpi, well under 300 KB) so that a Markdown viewer shows them
+inline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+DPI = 90
+SIZE = (6.4, 3.6)
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if v is not None:
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def plot_learning_curves(records: list[dict[str, Any]], path: Path) -> Path:
+    """Reward mean and accuracy, completion length, KL and clip ratio per step: four panels."""
+    fig, axes = plt.subplots(2, 2, figsize=(SIZE[0], SIZE[1] * 1.4), sharex=True)
+    panels = [
+        (axes[0, 0], [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy")], "reward"),
+        (axes[0, 1], [("completions/mean_length", "mean length")], "tokens"),
+        (axes[1, 0], [("kl/mean", "KL to reference")], "nats/token"),
+        (axes[1, 1], [("clip/ratio_region", "clipped share"), ("clip/ratio_high", "high"),
+                      ("clip/ratio_low", "low")], "share of tokens"),
+    ]
+    for ax, keys, ylabel in panels:
+        for key, label in keys:
+            xs, ys = _series(records, key)
+            if xs:
+                ax.plot(xs, ys, marker=".", label=label)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    return _save(fig, path)
+
+
+def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
+    """S1 measured vs predicted E[p^R + (1-p)^R], and S4 bf16 update sparsity per step and since the start."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
+    for key, label in [("reward/frac_zero_std_groups", "S1 measured"),
+                       ("sparsity/zero_var_groups_predicted", "S1 predicted")]:
+        xs, ys = _series(records, key)
+        if xs:
+            a1.plot(xs, ys, marker=".", label=label)
+    xs, ys = _series(records, "reward/accuracy")
+    if xs:
+        a1.plot(xs, ys, color="gray", alpha=0.5, label="accuracy")
+    a1.set_title("zero-variance groups (S1)", fontsize=9)
+    a1.set_xlabel("step")
+    a1.set_ylim(-0.02, 1.02)
+    a1.legend(fontsize=7)
+    a1.grid(alpha=0.3)
+    for key, label in [("sparsity/update_step", "this step"), ("sparsity/update_total", "since start")]:
+        xs, ys = _series(records, key)
+        if xs:
+            a2.plot(xs, ys, marker=".", label=label)
+    a2.set_title("bf16 update sparsity (S4)", fontsize=9)
+    a2.set_xlabel("step")
+    a2.set_ylim(-0.02, 1.02)
+    a2.legend(fontsize=7)
+    a2.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
+    """b* vs the group mean, and m_C / m_W (mean squared gradient norm of correct / wrong rollouts) over training."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
+    for key, label in [("baseline/b_star", "b* (variance-optimal)"), ("baseline/group_mean", "group mean")]:
+        xs, ys = _series(records, key)
+        if xs:
+            a1.plot(xs, ys, marker="o", label=label)
+    a1.set_xlabel("step")
+    a1.set_title("baseline (mixed groups)", fontsize=9)
+    a1.legend(fontsize=7)
+    a1.grid(alpha=0.3)
+    for key, label in [("baseline/m_correct", "m_C (correct)"), ("baseline/m_wrong", "m_W (wrong)")]:
+        xs, ys = _series(records, key)
+        if xs:
+            a2.plot(xs, ys, marker="o", label=label)
+    a2.set_xlabel("step")
+    a2.set_title("mean ||g||^2 by outcome", fontsize=9)
+    a2.set_yscale("log")
+    a2.legend(fontsize=7)
+    a2.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, measure: str = "erank") -> Path:
+    """Effective rank vs R for G1 and its controls, one line per matrix, one marker style per probe (before/after).
+
+    Args:
+        probes: label -> probe.json content.
+    """
+    fig, ax = plt.subplots(figsize=SIZE)
+    styles = ["-", "--", ":"]
+    for (label, probe), style in zip(probes.items(), styles):
+        per_r = probe["per_group_size"]
+        rs = sorted(per_r, key=int)
+        matrices = [m for m in per_r[rs[0]]["rank"] if m.startswith("G1")] if rs else []
+        for mi, matrix in enumerate(matrices):
+            xs, ys, es = [], [], []
+            for r in rs:
+                stats = per_r[r]["rank"].get(matrix, {}).get(measure)
+                if stats and stats.get("mean") is not None:
+                    xs.append(int(r))
+                    ys.append(stats["mean"])
+                    es.append(stats.get("std") or 0.0)
+            if xs:
+                ax.errorbar(xs, ys, yerr=es, linestyle=style, marker="o", capsize=3, color=f"C{mi}",
+                            label=f"{matrix} ({label})")
+    rs_all = sorted({int(r) for p in probes.values() for r in p["per_group_size"]})
+    if rs_all:
+        ax.plot(rs_all, [2] * len(rs_all), color="k", alpha=0.3, linewidth=1, label="2")
+        ax.set_xticks(rs_all)
+    ax.set_xlabel("group size R")
+    ax.set_ylabel(measure)
+    ax.set_title(f"{measure} of the per-rollout gradient matrix vs R", fontsize=9)
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_spectra(probe: dict[str, Any], path: Path, matrix: str = "G1") -> Path:
+    """Normalised singular values (s_k / s_1) of ``matrix``, averaged over groups, one line per R."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    for r in sorted(probe["per_group_size"], key=int):
+        spectra = probe["per_group_size"][r].get("spectra", {}).get(matrix) or []
+        if not spectra:
+            continue
+        k = max(len(s) for s in spectra)
+        mean = []
+        for j in range(k):
+            vals = [s[j] / s[0] for s in spectra if len(s) > j and s[0] > 0]
+            mean.append(sum(vals) / len(vals) if vals else 0.0)
+        ax.semilogy(range(1, k + 1), [max(v, 1e-8) for v in mean], marker="o", label=f"R={r}")
+    ax.set_xlabel("index k")
+    ax.set_ylabel("s_k / s_1 (mean over groups)")
+    ax.set_title(f"singular-value spectra of {matrix}", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_baseline_variance(probe: dict[str, Any], path: Path) -> Path:
+    """Variance of the gradient estimate under each baseline, relative to the optimal one, per R (bars)."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    rs = sorted(probe["per_group_size"], key=int)
+    names: list[str] = []
+    for r in rs:
+        rel = probe["per_group_size"][r].get("baselines", {}).get("relative_variance", {})
+        names += [n for n in rel if n not in names]
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        ys = [probe["per_group_size"][r].get("baselines", {}).get("relative_variance", {}).get(name) or 0.0
+              for r in rs]
+        ax.bar([j + i * width for j in range(len(rs))], ys, width=width, label=name)
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rs))])
+    ax.set_xticklabels([f"R={r}" for r in rs])
+    ax.set_ylabel("Var / Var(optimal)")
+    ax.set_yscale("log")
+    ax.set_title("gradient variance by baseline", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def plot_credit_profile(probe: dict[str, Any], path: Path) -> Path:
+    """Per-position gradient norm of completion tokens, averaged over rollouts, one line per R."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    for r in sorted(probe["per_group_size"], key=int):
+        prof = probe["per_group_size"][r].get("credit", {}).get("position_profile") or []
+        if prof:
+            ax.plot(range(1, len(prof) + 1), prof, marker=".", label=f"R={r}")
+    ax.set_xlabel("completion token position")
+    ax.set_ylabel("mean per-token gradient norm")
+    ax.set_title("where the gradient sits along a completion", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
