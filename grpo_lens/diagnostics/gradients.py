@@ -1,0 +1,659 @@
+"""Per-rollout gradients g_i: an exact oracle (one backward per rollout) and LoGra sketches (one batched backward).
+
+Notation (DESIGN.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
+T completion tokens, P parameters, k sketch dimension. The quantity everything here differentiates is the
+length-normalised score of rollout i,
+
+    s_i = (1/|o_i|) sum_t log pi_theta(o_{i,t} | q, o_{i,<t}),      g_i = grad_theta s_i,
+
+computed with the sampler's logits processing (temperature, top-k, top-p) by :func:`grpo_lens.rollout.completion_logprobs`.
+A rollout with an empty completion (|o_i| = 0) has s_i = 0 and g_i = 0.
+
+Two paths:
+
+- exact (:func:`exact_rollout_grads`): one forward and one backward per rollout; returns the dense [N, P] matrix.
+  The oracle for tests and for small models.
+- sketched (:class:`GradientCapture`, :func:`sketch_rollout_grads`): hooks on ``nn.Linear`` modules capture each
+  layer's input x_t [d_in] and output gradient delta_t [d_out] during ONE batched backward. For a linear layer the
+  per-rollout weight gradient is sum_{t in row i} delta_t x_t^T; its two-sided random projection
+  P_out (sum_t delta_t x_t^T) P_in^T = sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only
+  (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
+
+Only weights of ``nn.Linear`` modules are sketched: embeddings, norms and biases are not. With tied embeddings the
+``lm_head`` sketch covers the output-projection use of the shared matrix only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from grpo_lens.rollout import RolloutBatch, batch_logprobs
+
+Projection = Literal["gaussian", "identity"]
+LayerFilter = str | Callable[[str], bool] | Sequence[str] | None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scores, weights and parameter selection
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def rollout_scores(logprobs: Tensor, completion_mask: Tensor) -> Tensor:
+    """Length-normalised scores s_i = (1/|o_i|) sum_t log pi(o_{i,t}|.), whose gradients are the g_i.
+
+    Args:
+        logprobs: [N, T] float, per-token log-probs (positions outside the mask may hold anything finite).
+        completion_mask: [N, T] bool/0-1.
+
+    Returns:
+        [N] float, nats per token; 0 for an empty completion.
+    """
+    assert logprobs.shape == completion_mask.shape, (logprobs.shape, completion_mask.shape)
+    mask = completion_mask.to(logprobs.dtype)
+    return (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+def nll_weights(completion_mask: Tensor) -> Tensor:
+    """Row weights that turn the g_i into the supervised (NLL) gradient of the same completions.
+
+    The token-mean NLL of the completions, -(1/sum_j |o_j|) sum_{i,t} log pi(o_{i,t}|.), has gradient
+    sum_i w_i g_i with w_i = -|o_i| / sum_j |o_j|. It is the control "same tokens, no advantages" (DESIGN.md §4).
+
+    Args:
+        completion_mask: [N, T] bool.
+
+    Returns:
+        [N] float32 weights (all 0 when no rollout has a token).
+    """
+    lengths = completion_mask.float().sum(-1)
+    return -lengths / lengths.sum().clamp(min=1.0)
+
+
+def _matches(name: str, include: LayerFilter) -> bool:
+    if include is None:
+        return True
+    if isinstance(include, str):
+        return re.search(include, name) is not None
+    if callable(include):
+        return bool(include(name))
+    return name in set(include)
+
+
+def linear_layer_names(model: nn.Module, include: LayerFilter = None) -> list[str]:
+    """Names of the ``nn.Linear`` modules of ``model`` (module order) that pass ``include``.
+
+    Args:
+        model: any module.
+        include: None (all), a regex searched in the module name, a predicate ``name -> bool``, or a list of names.
+    """
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and _matches(name, include)]
+
+
+def select_parameters(model: nn.Module, params: Sequence[str] | None = None) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) pairs in ``model.named_parameters()`` order.
+
+    Args:
+        model: the model.
+        params: parameter names to keep; None keeps every parameter with ``requires_grad``.
+
+    Raises:
+        ValueError: a name in ``params`` is not a parameter of ``model`` (the message lists some valid names).
+    """
+    named = list(model.named_parameters())
+    if params is None:
+        return [(n, p) for n, p in named if p.requires_grad]
+    wanted = set(params)
+    known = {n for n, _ in named}
+    unknown = sorted(wanted - known)
+    if unknown:
+        shown = ", ".join(n for n, _ in named[:8])
+        raise ValueError(f"unknown parameter names {unknown}; valid names include: {shown}, ... ({len(named)} in all)")
+    return [(n, p) for n, p in named if n in wanted]
+
+
+def param_slices(model: nn.Module, params: Sequence[str] | None = None) -> dict[str, slice]:
+    """Where each selected parameter lives in a row of :func:`exact_rollout_grads` ([N, P]): name -> slice of P."""
+    out, start = {}, 0
+    for name, p in select_parameters(model, params):
+        out[name] = slice(start, start + p.numel())
+        start += p.numel()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Exact path (oracle)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _flat_grad(scalar: Tensor, params: list[nn.Parameter]) -> Tensor:
+    grads = torch.autograd.grad(scalar, params, allow_unused=True) if scalar.requires_grad else [None] * len(params)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+
+
+def exact_rollout_grads(
+    model: nn.Module,
+    batch: RolloutBatch,
+    params: Sequence[str] | None = None,
+    *,
+    weights: Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Tensor:
+    """Dense per-rollout gradients, one forward + backward per rollout (the oracle).
+
+    Row i is w_i g_i with g_i = grad of (1/|o_i|) sum_t log pi(o_{i,t}|q, o_{i,<t}) (DESIGN.md §1), w_i = 1 unless
+    ``weights`` is given (``weights = A`` gives the rows of G1, DESIGN.md §4). Parameters' ``.grad`` is untouched.
+
+    Args:
+        model: causal LM.
+        batch: N rollouts.
+        params: parameter names (see :func:`select_parameters`); None = all trainable parameters.
+        weights: [N] row weights, optional.
+        temperature, top_k, top_p: the sampler's logits processing (:func:`grpo_lens.rollout.process_logits`).
+
+    Returns:
+        [N, P] in the parameters' dtype; columns follow :func:`param_slices`.
+
+    Raises:
+        ValueError: unknown parameter names.
+    """
+    chosen = [p for _, p in select_parameters(model, params)]
+    n = batch.num_rollouts
+    if weights is not None:
+        assert weights.shape == (n,), (weights.shape, n)
+    rows = []
+    for i in range(n):
+        sub = batch.select([i])
+        logp = batch_logprobs(model, sub, temperature, top_k, top_p)
+        score = rollout_scores(logp, sub.completion_mask)[0]
+        row = _flat_grad(score, chosen)
+        rows.append(row if weights is None else row * weights[i].to(row.dtype))
+    return torch.stack(rows)
+
+
+def exact_weighted_grad(
+    model: nn.Module,
+    batch: RolloutBatch,
+    weights: Tensor,
+    params: Sequence[str] | None = None,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Tensor:
+    """sum_i w_i g_i with one batched backward (``.grad`` untouched).
+
+    With ``weights = A`` this is the on-policy GRPO direction sum_i A_i g_i (R times grad J of DESIGN.md §2 for one
+    group); with ``weights = nll_weights(mask)`` it is the supervised NLL gradient of the same completions.
+
+    Args:
+        weights: [N] float.
+        others: as in :func:`exact_rollout_grads`.
+
+    Returns:
+        [P] in the parameters' dtype.
+    """
+    assert weights.shape == (batch.num_rollouts,), (weights.shape, batch.num_rollouts)
+    chosen = [p for _, p in select_parameters(model, params)]
+    logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+    scores = rollout_scores(logp, batch.completion_mask)
+    return _flat_grad((scores * weights.to(scores.dtype)).sum(), chosen)
+
+
+def exact_policy_grad(model: nn.Module, batch: RolloutBatch, advantages: Tensor,
+                      params: Sequence[str] | None = None, **processing) -> Tensor:
+    """sum_i A_i g_i, exactly (DESIGN.md §2, on-policy first step). advantages: [N] (flatten [B, R]). Returns [P]."""
+    return exact_weighted_grad(model, batch, advantages.reshape(-1), params, **processing)
+
+
+def exact_nll_grad(model: nn.Module, batch: RolloutBatch, params: Sequence[str] | None = None,
+                   **processing) -> Tensor:
+    """Gradient of the token-mean NLL of the batch's completions (the supervised control). Returns [P]."""
+    return exact_weighted_grad(model, batch, nll_weights(batch.completion_mask), params, **processing)
+
+
+def layer_weight_grads(
+    model: nn.Module,
+    batch: RolloutBatch,
+    weights: Tensor,
+    layers: LayerFilter = None,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> dict[str, Tensor]:
+    """G2 (DESIGN.md §4): the weight gradient of the loss sum_i w_i s_i for each linear layer, via autograd.
+
+    For a linear layer this equals sum_i (w_i/|o_i|) sum_t delta_t x_t^T, summed over all positions of each row.
+    ``.grad`` is untouched.
+
+    Args:
+        weights: [N] float (A_i for the group/batch policy loss).
+        layers: filter on ``nn.Linear`` names (:func:`linear_layer_names`).
+
+    Returns:
+        {layer name: [d_out, d_in]} in the weights' dtype.
+    """
+    assert weights.shape == (batch.num_rollouts,), (weights.shape, batch.num_rollouts)
+    names = linear_layer_names(model, layers)
+    modules = dict(model.named_modules())
+    logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+    loss = (rollout_scores(logp, batch.completion_mask) * weights.to(logp.dtype)).sum()
+    grads = torch.autograd.grad(loss, [modules[n].weight for n in names], allow_unused=True)
+    return {n: (torch.zeros_like(modules[n].weight) if g is None else g) for n, g in zip(names, grads)}
+
+
+def weighted_row_sum(rows: Tensor, weights: Tensor) -> Tensor:
+    """sum_i w_i rows_i. rows: [N, K] (exact [N, P] or sketch [N, k]); weights: [N]. Returns [K].
+
+    Sketches are linear in the gradient, so the sketch of sum_i A_i g_i is ``weighted_row_sum(sketch, A)``.
+    """
+    assert rows.dim() == 2 and weights.shape == (rows.shape[0],), (rows.shape, weights.shape)
+    return weights.to(rows.dtype) @ rows
+
+
+def group_row_sums(rows: Tensor, group_size: int, weights: Tensor | None = None) -> Tensor:
+    """Per-group sums of (weighted) rows: rows of G3 (DESIGN.md §4) when ``weights = A``.
+
+    Args:
+        rows: [N, K], N = B*R, groups contiguous.
+        group_size: R.
+        weights: [N] or [B, R], optional.
+
+    Returns:
+        [B, K].
+
+    Raises:
+        ValueError: N is not a multiple of R.
+    """
+    n, k = rows.shape
+    if n % group_size:
+        raise ValueError(f"number of rows {n} is not a multiple of the group size {group_size}")
+    if weights is not None:
+        rows = rows * weights.reshape(n, 1).to(rows.dtype)
+    return rows.reshape(n // group_size, group_size, k).sum(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sketched path: hooks + one batched backward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def kronecker_sketch_variance_factor(k_in: int, k_out: int) -> float:
+    """c(k_in, k_out) = 2/k_in + 2/k_out + 4/(k_in k_out): the worst-case relative variance of a sketched inner product.
+
+    For one layer with independent Gaussian P_in [k_in, d_in], P_out [k_out, d_out] with N(0, 1/k) entries and
+    S(G) = P_out G P_in^T, the estimate X = <S(A), S(B)> of <A, B> is unbiased and (Wishart moments
+    E[Q M Q] = M + (M^T + tr(M) I)/k for Q = P^T P)
+
+        Var X = (1/k_out) [tr((B A^T)^2) + ||B A^T||_F^2] + (1/k_in) [tr((A^T B)^2) + ||A^T B||_F^2]
+              + (1/(k_in k_out)) [||B A^T||_F^2 + ||A^T B||_F^2 + <A,B>^2 + ||A||^2 ||B||^2]
+              <= c(k_in, k_out) ||A||_F^2 ||B||_F^2,
+
+    with equality for A = B of rank one (then X is a product of two independent chi^2 estimates). Higher-rank
+    gradients get close to the floor ||A||^2 ||B||^2 / (k_in k_out) of a plain JL sketch of dimension k_in*k_out.
+    """
+    return 2.0 / k_in + 2.0 / k_out + 4.0 / (k_in * k_out)
+
+
+def sketch_gram_error_bound(layer_grams: Sequence[Tensor] | Tensor, k_in: int, k_out: int) -> float:
+    """Bound on the expected relative Frobenius error of the sketched Gram matrix of N rollouts over L layers.
+
+    Layers have independent projections, so entry variances add over layers; summing the bound of
+    :func:`kronecker_sketch_variance_factor` over the N^2 entries gives
+
+        E ||G_hat - G||_F^2 <= c(k_in, k_out) * sum_l (tr G_l)^2,
+        rel_err = sqrt(E ||G_hat - G||_F^2) / ||G||_F <= sqrt(c * sum_l (tr G_l)^2) / ||G||_F
+                                                      <= sqrt(c) * tr(G) / ||G||_F,
+
+    G_l = exact per-layer Gram [N, N], G = sum_l G_l. For k_in = k_out = 16, c = 0.266 (sqrt 0.52 per layer);
+    spreading the norm over L layers shrinks it by about 1/sqrt(L); O(1/sqrt(k)) in general.
+
+    Args:
+        layer_grams: L exact Gram matrices [N, N] (list or [L, N, N]).
+        k_in, k_out: sketch sizes per side.
+
+    Returns:
+        the bound on sqrt(E ||G_hat - G||_F^2) / ||G||_F (dimensionless); 0 when G = 0.
+    """
+    grams = torch.stack(list(layer_grams)) if not isinstance(layer_grams, Tensor) else layer_grams
+    grams = grams.double()
+    total = grams.sum(0).norm()
+    if total == 0:
+        return 0.0
+    traces = grams.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return float(math.sqrt(kronecker_sketch_variance_factor(k_in, k_out) * float((traces**2).sum())) / total)
+
+
+@dataclass
+class GradientSketch:
+    """Per-rollout gradient sketches of linear layers, as returned by :meth:`GradientCapture.result`.
+
+    Attributes:
+        per_layer: {layer name: [N, k_out*k_in] float}, row i = vec(P_out G_{i,l} P_in^T) with
+            G_{i,l} = sum_{t in row i} delta_t x_t^T the row's weight gradient of layer l (row-major over
+            [k_out, k_in], so with identity projections it is ``weight_grad.flatten()``).
+        k_in, k_out: sketch sizes per side (None for identity projections, where they are the layer's d_in, d_out).
+        token_sq_norms: [N, L] float or None: sum over layers of ||delta_t||^2 ||x_t||^2, the squared Frobenius norm
+            of position t's rank-1 contribution delta_t x_t^T to the weight gradients (exact, not sketched).
+    """
+
+    per_layer: dict[str, Tensor]
+    k_in: int | None = None
+    k_out: int | None = None
+    token_sq_norms: Tensor | None = None
+    layer_names: list[str] = field(default_factory=list)
+
+    @property
+    def sketch(self) -> Tensor:
+        """[N, K] the per-layer sketches side by side (K = L * k_out * k_in), in ``layer_names`` order."""
+        return torch.cat([self.per_layer[n] for n in self.layer_names], dim=1)
+
+    @property
+    def num_rollouts(self) -> int:
+        """N."""
+        return next(iter(self.per_layer.values())).shape[0] if self.per_layer else 0
+
+    def gram(self) -> Tensor:
+        """[N, N] sketched Gram matrix sum_l S_l S_l^T, an unbiased estimate of (<g_i, g_j>) over the sketched layers."""
+        s = self.sketch
+        return s @ s.T
+
+    def weighted_sum(self, weights: Tensor) -> Tensor:
+        """[K] sketch of sum_i w_i g_i (``weights`` [N]; A for the policy gradient, :func:`nll_weights` for NLL)."""
+        return weighted_row_sum(self.sketch, weights)
+
+
+class _PassState:
+    """Results of one forward pass (micro-batch) of the model: rows, per-layer sums, token norms."""
+
+    def __init__(self) -> None:
+        self.rows: int | None = None
+        self.length: int | None = None
+        self.layers: dict[str, Tensor] = {}
+        self.token_sq: Tensor | None = None
+
+
+class GradientCapture:
+    """Context manager that sketches per-row weight gradients of ``nn.Linear`` layers during a backward.
+
+    Inside the context every grad-enabled forward of ``model`` is a "pass"; a forward hook projects each linear
+    layer's input x [n, L, d_in] to P_in x [n, L, k_in], and a hook on the layer's output tensor receives
+    delta = d loss / d output [n, L, d_out] during backward and adds
+
+        S_{r, l} = sum_t (P_out delta_{r,t}) (P_in x_{r,t})^T          [k_out, k_in]  (batched matmul per layer)
+
+    for every row r of the pass. Rows never interact inside a transformer, so S_r is the sketch of the gradient of
+    the loss's row-r term: backpropagating sum_i s_i gives the g_i, the trainer's loss gives its per-rollout terms.
+    All positions of a row contribute (prompt activations feed the completion through attention). Rows of several
+    passes (micro-batches) are concatenated in forward order; a pass that never receives a gradient is dropped.
+
+    Projections are fixed seeded Gaussians with N(0, 1/k) entries, one pair per layer, seeded by
+    (seed, crc32(layer name)), so that E[<S(A), S(B)>] = <A, B> (error: :func:`sketch_gram_error_bound`).
+    Cost per layer: two thin matmuls (n L d k) and one [k_out, n L] x [n L, k_in] product, against n L d_in d_out
+    for the layer itself. Layer calls under ``torch.no_grad`` are ignored. A module called several times in one
+    pass (shared weights) gets the sum of its calls' sketches. Not compatible with activation checkpointing.
+
+    Args:
+        model: the module whose linear layers are hooked (its forward marks passes).
+        k_in, k_out: sketch sizes per side (ignored with ``projection="identity"``).
+        include: layer filter (:func:`linear_layer_names`).
+        projection: ``"gaussian"`` or ``"identity"`` (P = I: the exact per-row weight gradient; for tests).
+        seed: projection seed.
+        token_norms: also accumulate [N, L] per-position squared norms (:attr:`GradientSketch.token_sq_norms`).
+        dtype: dtype of the stored sketches (float32; float64 for exactness tests).
+
+    Raises:
+        ValueError: unknown projection, k < 1, or no linear layer matches ``include``.
+
+    Example::
+
+        with GradientCapture(model, k_in=16, k_out=16) as cap:
+            loss = policy_loss(model, batch)      # the trainer's own forward ...
+            loss.backward()                       # ... and backward
+        sketch = cap.result()                     # per-rollout rows of its loss gradient
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        k_in: int = 16,
+        k_out: int = 16,
+        include: LayerFilter = None,
+        *,
+        projection: Projection = "gaussian",
+        seed: int = 0,
+        token_norms: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if projection not in ("gaussian", "identity"):
+            raise ValueError(f"unknown projection {projection!r}; valid names: gaussian, identity")
+        if projection == "gaussian" and (k_in < 1 or k_out < 1):
+            raise ValueError(f"sketch sizes must be >= 1, got k_in={k_in}, k_out={k_out}")
+        self.model = model
+        self.projection = projection
+        self.k_in, self.k_out = (k_in, k_out) if projection == "gaussian" else (None, None)
+        self.seed = seed
+        self.token_norms = token_norms
+        self.dtype = dtype
+        modules = dict(model.named_modules())
+        self.layer_names = linear_layer_names(model, include)
+        if not self.layer_names:
+            raise ValueError(f"no nn.Linear layer of the model matches include={include!r}")
+        self._modules = {n: modules[n] for n in self.layer_names}
+        self._proj: dict[str, tuple[Tensor, Tensor]] = {}
+        self._cast: dict[tuple[str, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+        self._handles: list = []
+        self._passes: list[_PassState] = []
+        self._current: _PassState | None = None
+
+    # -- projections ------------------------------------------------------------------------------------------
+
+    def projections(self, name: str) -> tuple[Tensor, Tensor]:
+        """(P_in [k_in, d_in], P_out [k_out, d_out]) float32 of layer ``name`` (Gaussian, N(0, 1/k) entries)."""
+        if name not in self._proj:
+            w = self._modules[name].weight
+            d_out, d_in = w.shape
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            p_in = torch.randn(self.k_in, d_in, generator=gen) / math.sqrt(self.k_in)
+            p_out = torch.randn(self.k_out, d_out, generator=gen) / math.sqrt(self.k_out)
+            self._proj[name] = (p_in, p_out)
+        return self._proj[name]
+
+    def _projections_like(self, name: str, t: Tensor) -> tuple[Tensor, Tensor]:
+        key = (name, t.dtype, t.device)
+        if key not in self._cast:
+            p_in, p_out = self.projections(name)
+            # Transposed once, so the hooks do x @ P_in^T as a plain matmul.
+            self._cast[key] = (p_in.to(t.device, t.dtype).T.contiguous(), p_out.to(t.device, t.dtype).T.contiguous())
+        return self._cast[key]
+
+    # -- hooks --------------------------------------------------------------------------------------------------
+
+    def _on_model_forward(self, module, args, kwargs) -> None:
+        if torch.is_grad_enabled():
+            self._current = _PassState()
+            self._passes.append(self._current)
+
+    def _on_linear_forward(self, name: str, module: nn.Module, args, output) -> None:
+        state = self._current
+        if state is None or not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        x = args[0]
+        x3 = x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() != 2 else x.unsqueeze(1)  # [n, L, d_in]
+        if state.rows is None:
+            state.rows, state.length = x3.shape[0], x3.shape[1]
+        if self.projection == "gaussian":
+            p_in_t, _ = self._projections_like(name, x3)
+            xp = (x3 @ p_in_t).to(self.dtype)  # [n, L, k_in]
+        else:
+            xp = x3.detach().to(self.dtype)
+        xnorm_sq = x3.detach().float().square().sum(-1) if self.token_norms else None  # [n, L]
+
+        def on_grad(grad: Tensor) -> None:
+            d3 = grad.reshape(xp.shape[0], xp.shape[1], grad.shape[-1])  # [n, L, d_out]
+            if self.projection == "gaussian":
+                _, p_out_t = self._projections_like(name, d3)
+                dp = (d3 @ p_out_t).to(self.dtype)  # [n, L, k_out]
+            else:
+                dp = d3.to(self.dtype)
+            rows = torch.bmm(dp.transpose(1, 2), xp).flatten(1)  # [n, k_out * k_in]
+            prev = state.layers.get(name)
+            state.layers[name] = rows if prev is None else prev + rows
+            if xnorm_sq is not None:
+                tok = d3.float().square().sum(-1) * xnorm_sq  # [n, L] ||delta_t||^2 ||x_t||^2
+                state.token_sq = tok if state.token_sq is None else state.token_sq + tok
+
+        output.register_hook(on_grad)
+
+    # -- context ------------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> "GradientCapture":
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True))
+        for name, module in self._modules.items():
+            self._handles.append(module.register_forward_hook(
+                lambda m, a, o, _name=name: self._on_linear_forward(_name, m, a, o)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._current = None
+
+    def clear(self) -> None:
+        """Forget captured passes (e.g. between steps of a capture kept open)."""
+        self._passes.clear()
+        self._current = None
+
+    def result(self) -> GradientSketch:
+        """The sketches of all passes that received a gradient, rows in forward order.
+
+        Returns:
+            :class:`GradientSketch` with ``per_layer`` [N, k_out*k_in] (identity: [N, d_out*d_in]) and, with
+            ``token_norms``, ``token_sq_norms`` [N, L_max] (zero-padded on the right if passes differ in length).
+
+        Raises:
+            RuntimeError: no pass received a gradient (no backward ran inside the context).
+        """
+        passes = [p for p in self._passes if p.layers]
+        if not passes:
+            raise RuntimeError("no gradient was captured: run the forward and backward inside the GradientCapture")
+        per_layer = {}
+        for name in self.layer_names:
+            blocks = []
+            for p in passes:
+                if name in p.layers:
+                    blocks.append(p.layers[name])
+                else:  # the layer's output did not reach the loss in this pass: zero gradient
+                    d_out, d_in = self._modules[name].weight.shape
+                    width = (self.k_out * self.k_in) if self.projection == "gaussian" else d_out * d_in
+                    blocks.append(torch.zeros(p.rows, width, dtype=self.dtype,
+                                              device=self._modules[name].weight.device))
+            per_layer[name] = torch.cat(blocks)
+        token_sq = None
+        if self.token_norms:
+            width = max(p.length for p in passes)
+            token_sq = torch.cat([
+                torch.nn.functional.pad(p.token_sq, (0, width - p.token_sq.shape[1])) if p.token_sq is not None
+                else torch.zeros(p.rows, width) for p in passes])
+        return GradientSketch(per_layer, self.k_in, self.k_out, token_sq, list(self.layer_names))
+
+
+def _backward_roots(model: nn.Module, emb_out: list[Tensor], capture: GradientCapture) -> list[Tensor]:
+    """Tensors to differentiate the loss with respect to so that every hooked output gets its gradient but no
+    parameter gradient (dW) is computed: the input-embedding outputs when they require grad, else the weights."""
+    if emb_out and all(t.requires_grad for t in emb_out):
+        return emb_out
+    return [m.weight for m in capture._modules.values() if m.weight.requires_grad]
+
+
+def sketch_rollout_grads(
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    k_in: int = 16,
+    k_out: int = 16,
+    include: LayerFilter = None,
+    projection: Projection = "gaussian",
+    seed: int = 0,
+    weights: Tensor | None = None,
+    token_norms: bool = False,
+    dtype: torch.dtype = torch.float32,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> GradientSketch:
+    """Sketched per-rollout gradients w_i g_i of all (filtered) linear layers from ONE batched forward + backward.
+
+    Backpropagates sum_i w_i s_i (s_i from :func:`rollout_scores`, w = 1 unless ``weights``) inside a
+    :class:`GradientCapture`. The backward is taken with respect to the input-embedding output, so autograd
+    computes every layer's delta but no weight gradient: ``.grad`` is untouched and the weight-gradient GEMMs of
+    a plain backward are skipped.
+
+    Args:
+        model: causal LM.
+        batch: N rollouts.
+        k_in, k_out, include, projection, seed, token_norms, dtype: see :class:`GradientCapture`.
+        weights: [N] row weights (``A`` gives sketched G1 rows A_i g_i).
+        temperature, top_k, top_p: the sampler's logits processing.
+
+    Returns:
+        :class:`GradientSketch`: ``per_layer`` [N, k_out*k_in], ``sketch`` [N, L*k_out*k_in], optional
+        ``token_sq_norms`` [N, Lp+T].
+
+    Raises:
+        ValueError: see :class:`GradientCapture`.
+        RuntimeError: nothing in the model requires grad.
+    """
+    n = batch.num_rollouts
+    if weights is not None:
+        assert weights.shape == (n,), (weights.shape, n)
+    capture = GradientCapture(model, k_in, k_out, include, projection=projection, seed=seed,
+                              token_norms=token_norms, dtype=dtype)
+    emb_out: list[Tensor] = []
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    handle = emb.register_forward_hook(lambda m, a, o: emb_out.append(o)) if emb is not None else None
+    try:
+        with capture:
+            logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+            scores = rollout_scores(logp, batch.completion_mask)
+            loss = scores.sum() if weights is None else (scores * weights.to(scores.dtype)).sum()
+            roots = _backward_roots(model, emb_out, capture)
+            if not loss.requires_grad or not roots:
+                raise RuntimeError("the model's outputs do not require grad; nothing to sketch")
+            torch.autograd.grad(loss, roots, allow_unused=True)
+    finally:
+        if handle is not None:
+            handle.remove()
+    return capture.result()
+
+
+def token_grad_sq_norms(model: nn.Module, batch: RolloutBatch, *, include: LayerFilter = None,
+                        weights: Tensor | None = None, **processing) -> Tensor:
+    """Per-position squared gradient norms [N, Lp+T] of the linear weights (one batched backward).
+
+    Entry (i, t) = sum_l ||delta_{i,t,l}||^2 ||x_{i,t,l}||^2 = sum_l ||delta x^T||_F^2, exact because each
+    position's contribution to a linear layer's weight gradient is the rank-one matrix delta_t x_t^T. Position
+    Lp - 1 + t is where log pi(o_t) is computed (see :func:`grpo_lens.diagnostics.credit.completion_positions`).
+    """
+    return sketch_rollout_grads(model, batch, k_in=1, k_out=1, include=include, weights=weights,
+                                token_norms=True, **processing).token_sq_norms
+
+
+def sketch_policy_grad(sketch: GradientSketch, advantages: Tensor) -> Tensor:
+    """[K] sketch of sum_i A_i g_i from per-rollout sketches of g_i (advantages [N] or [B, R])."""
+    return sketch.weighted_sum(advantages.reshape(-1))
+
+
+def sketch_nll_grad(sketch: GradientSketch, completion_mask: Tensor) -> Tensor:
+    """[K] sketch of the token-mean NLL gradient of the same completions (completion_mask [N, T])."""
+    return sketch.weighted_sum(nll_weights(completion_mask))

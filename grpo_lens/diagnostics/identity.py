@@ -1,0 +1,163 @@
+"""The rank-2 identity of GRPO with 0/1 rewards (DESIGN.md §4), checked on real per-rollout gradients.
+
+One group: R rollouts, rewards r_i in {0, 1}, k of them correct (0 < k < R), g_i the per-rollout gradients
+(:mod:`grpo_lens.diagnostics.gradients`), gbar_C and gbar_W their means over the correct and the wrong rollouts.
+
+Derivation. The mean reward is p = k/R, so r_i - p = (R-k)/R for a correct rollout and -k/R for a wrong one:
+
+    sum_i (r_i - p) g_i = ((R-k)/R) * k gbar_C - (k/R) * (R-k) gbar_W = (k(R-k)/R) (gbar_C - gbar_W).
+
+The population std of the rewards is sigma = sqrt(p(1-p)) = sqrt(k(R-k))/R, the sample std is
+s = sigma sqrt(R/(R-1)) = sqrt(k(R-k) / (R(R-1))). With A_i = (r_i - p)/(std + eps):
+
+    sum_i A_i g_i = c(k, R) (gbar_C - gbar_W),
+    c = (k(R-k)/R) / (std + eps) = c0 * std / (std + eps),
+    c0 = sqrt(k(R-k))                  (population std),
+    c0 = sqrt(k(R-k)(R-1)/R)           (sample std; the population value times sqrt((R-1)/R)).
+
+Whatever R is, the group's update is the single contrastive direction gbar_C - gbar_W inside the 2-dimensional
+span{gbar_C, gbar_W}. The relative residual
+
+    rho = || sum_i A_i g_i - c (gbar_C - gbar_W) || / || sum_i A_i g_i ||
+
+is round-off only (about 1e-7 in float32) when the advantages and c use the same conventions; a mismatched
+convention leaves |1 - c_wrong/c| (e.g. 1 - sqrt((R-1)/R) = 0.134 for R = 4).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+StdConvention = Literal["sample", "population"]
+
+
+def _check_std(std: str) -> None:
+    if std not in ("sample", "population"):
+        raise ValueError(f"unknown std convention {std!r}; valid names: population, sample")
+
+
+def binary_group_std(k: int, group_size: int, std: StdConvention = "sample") -> float:
+    """Std of R 0/1 rewards with k ones: sqrt(k(R-k))/R (population) or sqrt(k(R-k)/(R(R-1))) (sample).
+
+    Raises:
+        ValueError: unknown convention, or k outside [0, R], or R < 2 for the sample std.
+    """
+    _check_std(std)
+    r = group_size
+    if not 0 <= k <= r:
+        raise ValueError(f"k must be in [0, R], got k={k}, R={r}")
+    if std == "population":
+        return math.sqrt(k * (r - k)) / r
+    if r < 2:
+        raise ValueError("the sample std needs R >= 2")
+    return math.sqrt(k * (r - k) / (r * (r - 1)))
+
+
+def rank2_constant(k: int, group_size: int, std: StdConvention = "sample", eps: float = 0.0) -> float:
+    """c(k, R) with sum_i A_i g_i = c (gbar_C - gbar_W) for GRPO advantages A = (r - mean)/(std + eps).
+
+    c = (k(R-k)/R) / (std + eps): sqrt(k(R-k)) for the population std and sqrt(k(R-k)(R-1)/R) for the sample std
+    when eps = 0, scaled by std/(std + eps) otherwise (derivation in the module docstring).
+
+    Args:
+        k: number of correct rollouts, 0 < k < R.
+        group_size: R.
+        std: ``"sample"`` (ddof 1) or ``"population"`` (ddof 0).
+        eps: the advantage's eps.
+
+    Raises:
+        ValueError: k not in (0, R) or unknown convention.
+    """
+    r = group_size
+    if not 0 < k < r:
+        raise ValueError(f"the identity needs 0 < k < R, got k={k}, R={r}")
+    return (k * (r - k) / r) / (binary_group_std(k, r, std) + eps)
+
+
+def grpo_binary_advantages(rewards: Tensor, std: StdConvention = "sample", eps: float = 1e-4) -> Tensor:
+    """A_i = (r_i - mean r)/(std r + eps) for one group (a local reference, same formula as DESIGN.md §3).
+
+    rewards: [R]. Returns [R] in rewards' dtype (computed in float64); 0 for a constant group.
+    """
+    _check_std(std)
+    r = rewards.double()
+    if r.max() == r.min():
+        return torch.zeros_like(rewards)
+    sd = r.std(correction=1 if std == "sample" else 0)
+    return ((r - r.mean()) / (sd + eps)).to(rewards.dtype)
+
+
+def rank2_residual(
+    grads: Tensor,
+    rewards: Tensor,
+    *,
+    std: StdConvention = "sample",
+    eps: float = 1e-4,
+    advantages: Tensor | None = None,
+) -> float:
+    """Relative residual of the rank-2 identity for one group with 0/1 rewards.
+
+    rho = ||sum_i A_i g_i - c(k, R) (gbar_C - gbar_W)|| / ||sum_i A_i g_i||, c from :func:`rank2_constant` with the
+    given ``std`` and ``eps``. Computed in the gradients' dtype (round-off ~1e-7 in float32).
+
+    Args:
+        grads: [R, P] per-rollout g_i (exact, per layer, or sketched: sketches are linear, so the identity holds
+            for them too).
+        rewards: [R] in {0, 1}.
+        std, eps: conventions for c (and for A when ``advantages`` is None).
+        advantages: [R] the advantages actually used; None computes them with ``std`` and ``eps``.
+
+    Returns:
+        rho (float >= 0); 0 when both sides are zero, inf when only the left side is zero.
+
+    Raises:
+        ValueError: rewards not 0/1, or all equal (k = 0 or k = R).
+    """
+    assert grads.dim() == 2 and rewards.shape == (grads.shape[0],), (grads.shape, rewards.shape)
+    if not torch.all((rewards == 0) | (rewards == 1)):
+        raise ValueError("the rank-2 identity needs 0/1 rewards")
+    correct = rewards == 1
+    k, r = int(correct.sum()), rewards.numel()
+    c = rank2_constant(k, r, std, eps)
+    a = grpo_binary_advantages(rewards.double(), std, eps) if advantages is None else advantages
+    a = a.to(grads.dtype)
+    lhs = a @ grads  # [P]
+    rhs = c * (grads[correct].mean(0) - grads[~correct].mean(0))  # [P]
+    num, den = float((lhs - rhs).norm()), float(lhs.norm())
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return num / den
+
+
+def rank2_residuals(
+    grads: Tensor,
+    rewards: Tensor,
+    *,
+    std: StdConvention = "sample",
+    eps: float = 1e-4,
+    advantages: Tensor | None = None,
+) -> Tensor:
+    """:func:`rank2_residual` of every group of a batch.
+
+    Args:
+        grads: [N, P], N = B*R, groups contiguous.
+        rewards: [B, R] in {0, 1}.
+        advantages: [B, R] the advantages used, optional.
+
+    Returns:
+        [B] float64; NaN for groups without a residual (k = 0 or k = R: no policy gradient). Aggregate with
+        ``nanmean``/``nanmax``.
+    """
+    b, r = rewards.shape
+    assert grads.dim() == 2 and grads.shape[0] == b * r, (grads.shape, rewards.shape)
+    out = torch.full((b,), math.nan, dtype=torch.float64)
+    for j in range(b):
+        k = int((rewards[j] == 1).sum())
+        if 0 < k < r:
+            adv = None if advantages is None else advantages[j]
+            out[j] = rank2_residual(grads[j * r:(j + 1) * r], rewards[j], std=std, eps=eps, advantages=adv)
+    return out
