@@ -239,6 +239,29 @@ def _normalize_funcs(funcs_with_weights: Any) -> list[tuple[str, RewardFn, float
     return out
 
 
+def parse_reward_specs(specs: str | Sequence[str]) -> list[tuple[str, float]]:
+    """``["correctness", "format:0.1"]`` -> ``[("correctness", 1.0), ("format", 0.1)]``: the CLI/YAML form
+    (``NAME`` or ``NAME:WEIGHT``) as :func:`combine_rewards` takes it. Names are checked against :data:`REWARDS`.
+
+    Raises:
+        ValueError: an unknown name (listing the valid ones) or a weight that is not a number.
+    """
+    if isinstance(specs, str):
+        specs = [specs]
+    out = []
+    for spec in specs:
+        name, _, weight = str(spec).partition(":")
+        name = name.strip()
+        get_reward(name)
+        try:
+            out.append((name, float(weight) if weight.strip() else 1.0))
+        except ValueError:
+            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a number, e.g. 'format:0.1'") from None
+    if not out:
+        raise ValueError(f"no reward functions given; valid names: {', '.join(REWARDS.names())}")
+    return out
+
+
 class RewardTimeout(TimeoutError):
     """A reward function call ran past its time limit."""
 

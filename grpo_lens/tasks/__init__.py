@@ -15,32 +15,40 @@ from pathlib import Path
 from grpo_lens.tasks.arithmetic import ArithmeticTask
 from grpo_lens.tasks.base import TASKS, Example, Task, as_rng
 from grpo_lens.tasks.gsm8k import GSM8KTask, gsm8k_reference
-from grpo_lens.tasks.user_data import UserDataTask, dataset_task, jsonl_task, row_to_example
+from grpo_lens.tasks.user_data import UserDataTask, dataset_task, jsonl_task, row_to_example, user_task
 
 
-def get_task(name: "str | os.PathLike", **options) -> Task:
-    """The task called ``name``, built with ``options``; or a task from a ``.jsonl``/``.json`` file path.
+def get_task(name: "str | os.PathLike", dataset=None, **options) -> Task:
+    """The task called ``name``, built with ``options``; or a task from the user's data.
 
     Args:
         name: a registered name (``gsm8k``, ``arithmetic``, ``jsonl``), or a path to a JSONL file.
-        options: keyword arguments of the task's constructor (e.g. ``max_operand=20`` for ``arithmetic``; for a
-            path, ``test_path`` and ``system_prompt``).
+        dataset: the data of task ``jsonl`` (see :func:`user_task`: a JSONL path, a Hugging Face dataset name or
+            object, or a list of rows); must be None for the other tasks.
+        options: keyword arguments of the task's constructor (e.g. ``max_operand=20`` for ``arithmetic``;
+            ``system_prompt``, ``test_path`` for user data).
 
     Raises:
-        ValueError: an unknown name (listing the valid ones), or a malformed data row (naming file and row).
+        ValueError: an unknown name (listing the valid ones), a dataset given to a built-in task or missing for
+            ``jsonl``, or a malformed data row (naming file and row).
         TypeError: an option the task does not take.
     """
     name = os.fspath(name)
+    if name == "jsonl":
+        if dataset is None:
+            raise ValueError("task 'jsonl' needs a dataset: a path to a .jsonl file with a 'prompt' column "
+                             "(flag --dataset)")
+        return user_task(dataset, **options)
     if name in TASKS:
+        if dataset is not None:
+            raise ValueError(f"task {name!r} takes no dataset (got {dataset!r}); use task 'jsonl' for your own data")
         return TASKS.get(name)(**options)
     if name.endswith((".jsonl", ".json")) or Path(name).is_file():
-        if not Path(name).is_file():
-            raise FileNotFoundError(f"task data file {name!r} does not exist")
-        return jsonl_task(name, **options)
+        return user_task(name, **options)
     raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASKS.names())}, or a path to a .jsonl file")
 
 
 __all__ = [
     "TASKS", "Example", "Task", "ArithmeticTask", "GSM8KTask", "UserDataTask", "as_rng", "dataset_task",
-    "get_task", "gsm8k_reference", "jsonl_task", "row_to_example",
+    "get_task", "gsm8k_reference", "jsonl_task", "row_to_example", "user_task",
 ]

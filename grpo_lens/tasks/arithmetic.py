@@ -96,12 +96,12 @@ class ArithmeticTask:
         messages.append({"role": "user", "content": self.template.format(expression=expression)})
         return Example(prompt=messages, answer=str(value), extras={"expression": expression})
 
-    def sample(self, n: int, rng_or_seed=0, split: str = "train") -> list[Example]:
+    def sample(self, n: int, rng_or_seed=None, split: str = "train", *, seed: int | None = None) -> list[Example]:
         """n problems of ``split`` (with replacement: small ranges repeat problems)."""
         check_split(self, split)
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        rng = split_rng(rng_or_seed, split)
+        rng = split_rng(rng_or_seed, split, seed)
         return [self.example(*self.problem(rng)) for _ in range(n)]
 
 

@@ -40,8 +40,10 @@ class Task(Protocol):
     name: str
     splits: tuple[str, ...]
 
-    def sample(self, n: int, rng_or_seed: "int | random.Random | Any" = 0, split: str = "train") -> list[Example]:
-        """n examples of ``split``, drawn with ``rng_or_seed``; the same seed gives the same examples."""
+    def sample(self, n: int, rng_or_seed: "int | random.Random | Any" = None, split: str = "train", *,
+               seed: int | None = None) -> list[Example]:
+        """n examples of ``split``, drawn with ``rng_or_seed`` (or the keyword ``seed``; 0 if neither is given);
+        the same seed gives the same examples."""
         ...
 
 
@@ -65,8 +67,17 @@ def as_rng(rng_or_seed: "int | random.Random | Any") -> random.Random:
     )
 
 
-def split_rng(rng_or_seed: "int | random.Random | Any", split: str) -> random.Random:
-    """An RNG for one split: an int seed gives a different stream per split (train and test with seed 0 differ)."""
+def split_rng(rng_or_seed: "int | random.Random | Any", split: str, seed: int | None = None) -> random.Random:
+    """An RNG for one split: an int seed gives a different stream per split (train and test with seed 0 differ).
+
+    ``seed`` is the keyword form of an int ``rng_or_seed`` (``task.sample(4, seed=1)``); give one or the other.
+    """
+    if seed is not None:
+        if rng_or_seed is not None:
+            raise TypeError("give rng_or_seed or seed, not both")
+        rng_or_seed = seed
+    if rng_or_seed is None:
+        rng_or_seed = 0
     if isinstance(rng_or_seed, int) and not isinstance(rng_or_seed, bool):
         return random.Random(f"{split}:{rng_or_seed}")
     return as_rng(rng_or_seed)

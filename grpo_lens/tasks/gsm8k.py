@@ -71,11 +71,11 @@ class GSM8KTask:
         check_split(self, split)
         return len(load_gsm8k(split))
 
-    def sample(self, n: int, rng_or_seed=0, split: str = "train") -> list[Example]:
+    def sample(self, n: int, rng_or_seed=None, split: str = "train", *, seed: int | None = None) -> list[Example]:
         """n examples of ``split``, without replacement (while n <= the split's size)."""
         check_split(self, split)
         rows = list(load_gsm8k(split))
-        return [self.example(row) for row in sample_rows(rows, n, split_rng(rng_or_seed, split))]
+        return [self.example(row) for row in sample_rows(rows, n, split_rng(rng_or_seed, split, seed))]
 
 
 TASKS.register("gsm8k")(GSM8KTask)

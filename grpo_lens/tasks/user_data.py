@@ -117,10 +117,10 @@ class UserDataTask:
         check_split(self, split)
         return len(self.data[split])
 
-    def sample(self, n: int, rng_or_seed=0, split: str = "train") -> list[Example]:
+    def sample(self, n: int, rng_or_seed=None, split: str = "train", *, seed: int | None = None) -> list[Example]:
         """n examples of ``split``, without replacement while n <= the split's size."""
         check_split(self, split)
-        return sample_rows(self.data[split], n, split_rng(rng_or_seed, split))
+        return sample_rows(self.data[split], n, split_rng(rng_or_seed, split, seed))
 
 
 def jsonl_task(path: str | os.PathLike, test_path: str | os.PathLike | None = None,
@@ -152,4 +152,34 @@ def dataset_task(dataset: Any, name: str = "dataset", system_prompt: str | None 
     return UserDataTask(data=data, name=name)
 
 
-TASKS.register("jsonl")(jsonl_task)
+def user_task(dataset: Any, system_prompt: str | None = None, test_path: str | os.PathLike | None = None,
+              split: str | None = None) -> UserDataTask:
+    """A task from the user's data, whatever form it takes.
+
+    Args:
+        dataset: a path to a JSONL file; a Hugging Face dataset name (loaded with ``datasets.load_dataset``, which
+            needs the ``datasets`` package and, for the hub, the network); a ``datasets`` Dataset/DatasetDict; or a
+            list of row dicts.
+        system_prompt: prepended to string prompts as a system message.
+        test_path: for a JSONL file, a second file for the ``test`` split.
+        split: for a dataset name, the one split to load (all splits if None).
+    """
+    if isinstance(dataset, (str, os.PathLike)):
+        path = Path(dataset)
+        if path.is_file() or str(dataset).endswith((".jsonl", ".json")):
+            if not path.is_file():
+                raise FileNotFoundError(f"dataset file {str(dataset)!r} does not exist")
+            return jsonl_task(path, test_path=test_path, system_prompt=system_prompt)
+        try:
+            import datasets
+        except ImportError:
+            raise ValueError(
+                f"dataset {str(dataset)!r} is not a file; to load a Hugging Face dataset by name install datasets "
+                "(pip install 'grpo-lens[data]'), or pass a JSONL file with a 'prompt' column"
+            ) from None
+        loaded = datasets.load_dataset(str(dataset), split=split)
+        return dataset_task(loaded, name=str(dataset), system_prompt=system_prompt)
+    return dataset_task(dataset, system_prompt=system_prompt)
+
+
+TASKS.register("jsonl")(user_task)
