@@ -315,27 +315,29 @@ def distinct_completions_per_group(completion_ids: Tensor, completion_mask: Tens
         for b in range(0, n, group_size)], dtype=torch.long)
 
 
-def count_distinct_prefixes(completion_ids: Tensor, completion_mask: Tensor) -> int:
-    """Number of distinct non-empty completion prefixes o_{i,<=t} (t = 1..|o_i|) over the rollouts of one group.
+def count_distinct_prefixes(completion_ids: Tensor, completion_mask: Tensor, proper: bool = False) -> int:
+    """Number of distinct non-empty completion prefixes o_{i,<=t} over the rollouts of one group.
 
     Args:
         completion_ids: [R, T] long.
         completion_mask: [R, T] bool.
+        proper: count only prefixes shorter than their completion (t = 1..|o_i|-1) instead of t = 1..|o_i|.
     """
     prefixes = set()
     for seq in _sequences(completion_ids, completion_mask):
-        prefixes.update(seq[:t] for t in range(1, len(seq) + 1))
+        prefixes.update(seq[:t] for t in range(1, len(seq) + (0 if proper else 1)))
     return len(prefixes)
 
 
 def g2_rank_bound(prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> int:
-    """Upper bound on rank(G2) of any linear layer for ONE group: prompt tokens + distinct completion prefixes.
+    """Upper bound on rank(G2) of any linear layer for ONE group: prompt tokens + distinct proper completion prefixes.
 
-    G2 = sum_i (A_i/|o_i|) sum_t delta_{i,t} x_{i,t}^T. Causal attention makes the layer input x at a position a
-    function of the tokens up to it, so x is the same for all R rollouts at prompt positions (same prompt, same
-    padding) and equal for two rollouts at completion positions whose prefixes agree. Grouping the terms by
-    distinct x gives at most (prompt tokens) + (distinct prefixes) rank-one terms; rank(G2) is also at most
-    min(d_out, d_in). For a batch, add the bounds of its groups.
+    G2 = sum_i (A_i/|o_i|) sum_t delta_{i,t} x_{i,t}^T over input positions. Causal attention makes the layer
+    input x at a position a function of the tokens up to it, so x is the same for all R rollouts at prompt
+    positions (same prompt, same padding) and equal for two rollouts at completion positions whose prefixes agree.
+    The input position of a completion's last token predicts nothing and nothing attends back to it, so its delta
+    is 0. Grouping the remaining terms by distinct x leaves at most Lp_real + #{distinct o_{i,<=t}, t < |o_i|}
+    rank-one terms. rank(G2) is also at most min(d_out, d_in); for a batch, add the bounds of its groups.
 
     Args:
         prompt_mask: [R, Lp] (rows equal; the first row is counted).
@@ -345,4 +347,4 @@ def g2_rank_bound(prompt_mask: Tensor, completion_ids: Tensor, completion_mask: 
     Returns:
         the bound (int).
     """
-    return int(prompt_mask[0].bool().sum()) + count_distinct_prefixes(completion_ids, completion_mask)
+    return int(prompt_mask[0].bool().sum()) + count_distinct_prefixes(completion_ids, completion_mask, proper=True)
