@@ -283,9 +283,25 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
 def _from_pretrained(path: str, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     return model, tokenizer
+
+
+def _from_hub(source: ModelSource):
+    """A hub model: from the local Hugging Face cache if it is there, else downloaded (one network attempt)."""
+    try:
+        return _from_pretrained(source.path, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    try:
+        return _from_pretrained(source.path)
+    except (OSError, ValueError) as err:
+        raise ModelNotFoundError(
+            f"could not load model {source.name!r}. Tried: the aliases {DEFAULT_MODEL!r} and {TINY_MODEL!r}, a "
+            f"local path (none exists), and the Hugging Face hub ({type(err).__name__}: {err}). "
+            f"For the default model, {INSTALL_HINT}"
+        ) from err
 
 
 def load_model(
@@ -325,13 +341,6 @@ def load_model(
     elif source.kind == "local":
         model, tokenizer = _from_pretrained(source.path)
     else:
-        try:
-            model, tokenizer = _from_pretrained(source.path)
-        except (OSError, ValueError) as err:
-            raise ModelNotFoundError(
-                f"could not load model {source.name!r}. Tried: the aliases {DEFAULT_MODEL!r} and {TINY_MODEL!r}, a "
-                f"local path (none exists), and the Hugging Face hub ({type(err).__name__}: {err}). "
-                f"For the default model, {INSTALL_HINT}"
-            ) from err
+        model, tokenizer = _from_hub(source)
     tokenizer = _finish_tokenizer(tokenizer)
     return _finish_model(model, tokenizer, dtype, device), tokenizer
