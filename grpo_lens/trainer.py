@@ -240,6 +240,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                          f"({procs.world}) so that each process samples whole groups")
 
     # --- model, reference, task, rewards, optimizer ------------------------------------------------------------------
+    task = get_task(config.task, dataset=config.dataset, **config.task_options)  # cheap checks first
+    reward_fns = parse_reward_specs(config.rewards)
     seed_everything(config.seed)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)
@@ -247,8 +249,6 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     reference = None
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    task = get_task(config.task, dataset=config.dataset, **config.task_options)
-    reward_fns = parse_reward_specs(config.rewards)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
