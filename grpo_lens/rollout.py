@@ -203,6 +203,17 @@ def _as_messages(prompt) -> list[dict]:
     return list(prompt)
 
 
+def _prompt_text(tokenizer, prompt) -> str:
+    """The prompt as the model sees it: the chat template with the assistant turn opened; a string prompt goes in
+    as is when the tokenizer has no chat template (a base model)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        if isinstance(prompt, str):
+            return prompt
+        raise ValueError("the tokenizer has no chat template, so chat-message prompts cannot be formatted; set "
+                         "tokenizer.chat_template or pass plain string prompts")
+    return tokenizer.apply_chat_template(_as_messages(prompt), tokenize=False, add_generation_prompt=True)
+
+
 def _example_fields(example) -> tuple[object, dict]:
     """(prompt, per-prompt columns) of a task Example, a dict with a ``prompt`` key, or a bare prompt."""
     if isinstance(example, dict):
@@ -239,7 +250,8 @@ def sample_groups(
 ) -> RolloutBatch:
     """Sample R completions for each of B prompts with ``model.generate`` and record the sampler's log-probs.
 
-    Prompts go through the tokenizer's chat template (``add_generation_prompt=True``) and are left padded to a common
+    Prompts go through the tokenizer's chat template (``add_generation_prompt=True``; a string prompt is used as
+    is when the tokenizer has none) and are left padded to a common
     length Lp. Each prompt is repeated R times, so that rollouts of one prompt are contiguous (rollout n belongs to
     group n // R). Sampling uses exactly the transforms of :func:`process_logits` (temperature -> top-k -> top-p; HF's
     default ``top_k=50`` is overridden, 0 disables it) and nothing else (repetition penalty and similar are reset to
@@ -276,8 +288,7 @@ def sample_groups(
     prompts, columns = zip(*(_example_fields(e) for e in examples))
     keys = sorted({k for c in columns for k in c})
     extras = {k: [c.get(k) for c in columns] for k in keys}
-    texts = [tokenizer.apply_chat_template(_as_messages(p), tokenize=False, add_generation_prompt=True)
-             for p in prompts]
+    texts = [_prompt_text(tokenizer, p) for p in prompts]
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:

@@ -189,6 +189,16 @@ def test_prompts_as_strings_dicts_and_messages(tiny_model_and_tokenizer):
     assert batch.num_rollouts == 6
 
 
+def test_prompts_without_chat_template(fresh_tiny_model_and_tokenizer):
+    # A base model's tokenizer has no chat template: string prompts go in verbatim, chat messages are refused.
+    model, tok = fresh_tiny_model_and_tokenizer
+    tok.chat_template = None
+    batch = sample_groups(model, tok, ["2 + 2 ="], 1, max_new_tokens=2, generator_seed=0)
+    assert tok.decode(batch.prompt_ids[0]) == "2 + 2 ="
+    with pytest.raises(ValueError, match="no chat template"):
+        sample_groups(model, tok, [[{"role": "user", "content": "hi"}]], 1, max_new_tokens=2)
+
+
 def test_truncation_flags(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     # EOS made impossible: every rollout runs to max_new_tokens = 6 and is truncated, with all 6 tokens counted.
