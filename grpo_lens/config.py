@@ -25,7 +25,8 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and how to fix it."""
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
+def option(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field whose ``help`` is its CLI help (``kw`` adds metadata, e.g. ``item_type`` of a list)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -36,72 +37,72 @@ class TrainConfig:
     """Everything a GRPO run needs. Field help doubles as CLI help (flags use dashes: ``--group-size``)."""
 
     # --- what to train on ------------------------------------------------------------------------------------------
-    model: str = _f("smollm2-135m-instruct", "Policy model: an alias (smollm2-135m-instruct, tiny), a local Hugging "
+    model: str = option("smollm2-135m-instruct", "Policy model: an alias (smollm2-135m-instruct, tiny), a local Hugging "
                     "Face directory, a hub id, or a .gguf file.")
-    task: str = _f("arithmetic", "Task giving prompts and reference answers: arithmetic, gsm8k, or jsonl (with "
+    task: str = option("arithmetic", "Task giving prompts and reference answers: arithmetic, gsm8k, or jsonl (with "
                    "--dataset).")
-    dataset: str | None = _f(None, "Path to a JSONL file (or a Hugging Face dataset name) with a 'prompt' column; "
+    dataset: str | None = option(None, "Path to a JSONL file (or a Hugging Face dataset name) with a 'prompt' column; "
                              "other columns are passed to reward functions. Used by --task jsonl.")
-    task_options: dict = _f({}, "Task options as a YAML mapping, e.g. '{max_operand: 9}' for arithmetic.")
-    rewards: list = _f(["correctness"], "Reward functions, each NAME or NAME:WEIGHT; their weighted sum is the "
+    task_options: dict = option({}, "Task options as a YAML mapping, e.g. '{max_operand: 9}' for arithmetic.")
+    rewards: list = option(["correctness"], "Reward functions, each NAME or NAME:WEIGHT; their weighted sum is the "
                        "reward.")
-    reward_timeout: float = _f(10.0, "Seconds a reward function may take for one step's batch before the rollouts "
+    reward_timeout: float = option(10.0, "Seconds a reward function may take for one step's batch before the rollouts "
                                "it was scoring are marked invalid.")
     # --- sampling ----------------------------------------------------------------------------------------------------
-    group_size: int = _f(8, "R: completions sampled per prompt (the group). At least 2.")
-    prompts_per_step: int = _f(4, "B: prompts per optimizer step, so B*R rollouts per step.")
-    rollout_batch_size: int | None = _f(None, "Rollouts per step (B*R); if set it must be a multiple of group_size "
+    group_size: int = option(8, "R: completions sampled per prompt (the group). At least 2.")
+    prompts_per_step: int = option(4, "B: prompts per optimizer step, so B*R rollouts per step.")
+    rollout_batch_size: int | None = option(None, "Rollouts per step (B*R); if set it must be a multiple of group_size "
                                         "and replaces prompts_per_step.")
-    max_new_tokens: int = _f(24, "Longest completion in tokens (T_max); longer ones are cut and flagged truncated.")
-    temperature: float = _f(0.7, "Sampling temperature; the trainer divides logits by it too, so the on-policy "
+    max_new_tokens: int = option(24, "Longest completion in tokens (T_max); longer ones are cut and flagged truncated.")
+    temperature: float = option(0.7, "Sampling temperature; the trainer divides logits by it too, so the on-policy "
                             "importance ratio is 1.")
-    top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.")
-    top_k: int = _f(0, "Top-k sampling; 0 disables.")
-    mask_truncated: bool = _f(False, "Give truncated completions zero advantage (they still count in group "
+    top_p: float = option(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.")
+    top_k: int = option(0, "Top-k sampling; 0 disables.")
+    mask_truncated: bool = option(False, "Give truncated completions zero advantage (they still count in group "
                               "statistics as invalid rollouts do not).")
     # --- advantages and loss -----------------------------------------------------------------------------------------
-    estimator: str = _f("grpo", "Advantage estimator: " + ", ".join(ADVANTAGE_ESTIMATORS.names()) + ".")
-    std: str = _f("sample", "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).")
-    eps: float = _f(1e-4, "Added to the group std in grpo's advantage denominator (> 0).")
-    loss_aggregation: str = _f("seq-mean-token-mean", "How token losses become one number: "
+    estimator: str = option("grpo", "Advantage estimator: " + ", ".join(ADVANTAGE_ESTIMATORS.names()) + ".")
+    std: str = option("sample", "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).")
+    eps: float = option(1e-4, "Added to the group std in grpo's advantage denominator (> 0).")
+    loss_aggregation: str = option("seq-mean-token-mean", "How token losses become one number: "
                                + ", ".join(LOSS_AGGREGATIONS.names())
                                + " (GRPO, Dr. GRPO arXiv 2503.20783, DAPO arXiv 2503.14476).")
-    beta: float = _f(0.0, "KL coefficient against the frozen reference model (0 = no reference model).")
-    kl_estimator: str = _f("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + ".")
-    eps_low: float = _f(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.")
-    eps_high: float = _f(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for A > 0 (DAPO's "
+    beta: float = option(0.0, "KL coefficient against the frozen reference model (0 = no reference model).")
+    kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + ".")
+    eps_low: float = option(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.")
+    eps_high: float = option(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for A > 0 (DAPO's "
                          "clip-higher uses 0.28).")
-    dual_clip: float | None = _f(None, "Dual-clip bound c > 1 on the loss of A < 0 tokens (Ye et al. 2020); "
+    dual_clip: float | None = option(None, "Dual-clip bound c > 1 on the loss of A < 0 tokens (Ye et al. 2020); "
                                  "unset disables.")
-    mu: int = _f(1, "Inner optimisation passes over each step's rollouts (mu in GRPO); > 1 makes the policy move "
+    mu: int = option(1, "Inner optimisation passes over each step's rollouts (mu in GRPO); > 1 makes the policy move "
                  "off the sampler and the clip matter.")
-    num_mini_batches: int = _f(1, "Optimizer steps per pass: the step's prompts are split into this many "
+    num_mini_batches: int = option(1, "Optimizer steps per pass: the step's prompts are split into this many "
                                "mini-batches (must divide prompts_per_step).")
-    micro_batch_size: int = _f(8, "Rollouts per forward/backward (gradient accumulation; the gradient does not "
+    micro_batch_size: int = option(8, "Rollouts per forward/backward (gradient accumulation; the gradient does not "
                                "depend on it).")
     # --- optimizer ---------------------------------------------------------------------------------------------------
-    max_steps: int = _f(30, "Optimizer steps (sampling rounds) to train for.")
-    learning_rate: float = _f(2e-5, "AdamW learning rate.")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.99, "AdamW beta2.")
-    max_grad_norm: float = _f(1.0, "Clip the gradient's global L2 norm to this (0 disables).")
+    max_steps: int = option(30, "Optimizer steps (sampling rounds) to train for.")
+    learning_rate: float = option(2e-5, "AdamW learning rate.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    adam_beta1: float = option(0.9, "AdamW beta1.")
+    adam_beta2: float = option(0.99, "AdamW beta2.")
+    max_grad_norm: float = option(1.0, "Clip the gradient's global L2 norm to this (0 disables).")
     # --- lens --------------------------------------------------------------------------------------------------------
-    lens_every: int = _f(5, "Measure the gradient lens (rank, sparsity, baselines) every this many steps (0 = "
+    lens_every: int = option(5, "Measure the gradient lens (rank, sparsity, baselines) every this many steps (0 = "
                          "never).")
-    lens_sketch_dim: int = _f(16, "Side of the random projection per linear layer for sketched per-rollout "
+    lens_sketch_dim: int = option(16, "Side of the random projection per linear layer for sketched per-rollout "
                               "gradients (k_in = k_out): sketch dims per layer = this squared.")
     # --- run ---------------------------------------------------------------------------------------------------------
-    seed: int = _f(0, "Random seed (prompts, sampling, projections).")
-    dtype: str = _f("float32", "Parameter dtype: float32 or bfloat16.")
-    device: str = _f("auto", "cpu, cuda, cuda:N or auto.")
-    out: str | None = _f(None, "Run directory (config.yaml, metrics.jsonl, checkpoints/).")
-    resume: bool = _f(False, "Continue the run in --out from its last checkpoint.")
-    overwrite: bool = _f(False, "Replace a different run already in --out.")
-    checkpoint_every: int = _f(10, "Write a checkpoint every this many steps (and at the end).")
-    keep_checkpoints: int = _f(2, "How many recent checkpoints to keep.")
-    log_completions: int = _f(2, "Completions per step written to completions.jsonl (0 = none).")
-    progress: bool = _f(True, "Show a progress bar.")
+    seed: int = option(0, "Random seed (prompts, sampling, projections).")
+    dtype: str = option("float32", "Parameter dtype: float32 or bfloat16.")
+    device: str = option("auto", "cpu, cuda, cuda:N or auto.")
+    out: str | None = option(None, "Run directory (config.yaml, metrics.jsonl, checkpoints/).")
+    resume: bool = option(False, "Continue the run in --out from its last checkpoint.")
+    overwrite: bool = option(False, "Replace a different run already in --out.")
+    checkpoint_every: int = option(10, "Write a checkpoint every this many steps (and at the end).")
+    keep_checkpoints: int = option(2, "How many recent checkpoints to keep.")
+    log_completions: int = option(2, "Completions per step written to completions.jsonl (0 = none).")
+    progress: bool = option(True, "Show a progress bar.")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -279,7 +280,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfi
         if base is bool:
             parser.add_argument(flag, dest=f_.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif base is list:
-            parser.add_argument(flag, dest=f_.name, nargs="+", default=None, help=help_)
+            parser.add_argument(flag, dest=f_.name, nargs="+", type=f_.metadata.get("item_type", str), default=None,
+                                help=help_)
         elif base is dict:
             parser.add_argument(flag, dest=f_.name, type=_yaml_mapping, default=None, help=help_)
         else:

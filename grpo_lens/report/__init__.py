@@ -199,14 +199,23 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     plots.plot_spectra(probe, run_dir / f"spectra_{label}.png")
     lines += [f"![erank vs R]({f'erank_vs_R_{label}.png'})", f"![spectra]({f'spectra_{label}.png'})", ""]
 
-    lines += ["### Baselines", "", "| R | b* (mean) | group mean | m_C | m_W | Var none | Var mean | Var rloo | "
-              "Var optimal | (relative to optimal) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["### Baselines", "",
+              "Variance of the gradient estimate (1/R) sum_i (r_i - b_i) g_i under each baseline, relative to the "
+              "leave-one-out optimal baseline b*, from groups of R resampled out of M rollouts of one prompt. The "
+              "group mean is not leave-one-out: it equals rloo scaled by (R-1)/R, so its variance is ((R-1)/R)^2 "
+              "times rloo's (a shorter step, not a better direction).", "",
+              "| R | b* (mean) | group mean | m_C | m_W | Var/Var* none | mean | rloo | optimal |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
         b = per_r[r].get("baselines", {})
         rel = b.get("relative_variance", {})
         lines.append(f"| {r} | {_fmt(b.get('b_star'))} | {_fmt(b.get('group_mean'))} | {_fmt(b.get('m_correct'), 4)}"
                      f" | {_fmt(b.get('m_wrong'), 4)} | {_fmt(rel.get('none'), 2)} | {_fmt(rel.get('mean'), 2)} | "
-                     f"{_fmt(rel.get('rloo'), 2)} | {_fmt(rel.get('optimal'), 2)} | |")
+                     f"{_fmt(rel.get('rloo'), 2)} | {_fmt(rel.get('optimal'), 2)} |")
+        if rel.get("rloo") is not None:
+            findings.append(f"[{label}] R={r}: the rloo baseline's gradient variance is {_fmt(rel['rloo'], 2)}x the "
+                            f"leave-one-out optimal b*'s; no baseline at all gives {_fmt(rel.get('none'), 2)}x "
+                            f"(over {b.get('prompts')} prompt(s)).")
     plots.plot_baseline_variance(probe, run_dir / f"baseline_variance_{label}.png")
     lines += ["", f"![baseline variance](baseline_variance_{label}.png)", ""]
 
