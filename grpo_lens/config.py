@@ -101,6 +101,8 @@ class TrainConfig:
     overwrite: bool = option(False, "Replace a different run already in --out.")
     checkpoint_every: int = option(10, "Write a checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = option(2, "How many recent checkpoints to keep.")
+    save_final_model: bool = option(True, "Save the trained policy and tokenizer as a Hugging Face folder in "
+                                    "RUN/final_model at the end (loadable with --model RUN/final_model).")
     log_completions: int = option(2, "Completions per step written to completions.jsonl (0 = none).")
     progress: bool = option(True, "Show a progress bar.")
 

@@ -32,7 +32,8 @@ from grpo_lens.rundir import RunDir
 logger = logging.getLogger(__name__)
 
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
-RESUMABLE_KEYS = ("max_steps", "progress", "checkpoint_every", "keep_checkpoints", "log_completions", "device",
+RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
+                  "log_completions", "device",
                   "reward_timeout")
 
 
@@ -272,6 +273,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     if lens is not None and start_step == 0:
         lens.start(policy)
 
+    if procs.is_main and start_step < config.max_steps and (run.path / "final_model").exists():
+        import shutil
+
+        shutil.rmtree(run.path / "final_model")  # it would be stale once training continues
     progress = _progress(config, start_step, procs)
     share = B // procs.world
     for step in range(start_step + 1, config.max_steps + 1):
@@ -346,7 +351,24 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     if progress is not None:
         progress.close()
+    if config.save_final_model and procs.is_main and not (run.path / "final_model").exists():
+        save_final_model(policy, tokenizer, run.path / "final_model")
+    procs.barrier()
     return run
+
+
+def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path) -> Path:
+    """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename)."""
+    import os
+    import shutil
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """``grpo-lens report RUN_DIR``: report.md and PNG plots, read from the run directory alone.
 
-A run directory may hold a training run (metrics.jsonl, config.yaml), probes (probe.json in the folder itself or in
-``probe_before/`` and ``probe_after/``), or both (the demo). Every sentence under "Findings" is computed from those
+A run directory may hold a training run (metrics.jsonl, config.yaml, in the folder or in ``train/``), probes
+(probe.json in the folder itself or in ``probe_before/`` and ``probe_after/``), or both (the demo). Every sentence under "Findings" is computed from those
 numbers; nothing is hard-coded.
 """
 
@@ -242,7 +242,8 @@ def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory; pass a run directory written by train, probe or demo")
-    records = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
+    train_dir = run_dir / "train" if (run_dir / "train" / "metrics.jsonl").exists() else run_dir  # demo layout
+    records = [r for r in _read_jsonl(train_dir / "metrics.jsonl") if "step" in r]
     probes = find_probes(run_dir)
     if not records and not probes:
         raise ReportError(f"{run_dir} holds neither metrics.jsonl nor probe.json; nothing to report")
@@ -257,7 +258,7 @@ def write_report(run_dir: Path) -> Path:
         body += ["## Before vs after training", "", "![erank vs R, before and after](erank_vs_R.png)", ""]
 
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
-    config = run_dir / "config.yaml"
+    config = train_dir / "config.yaml"
     if config.exists():
         header += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
                    "</details>", ""]

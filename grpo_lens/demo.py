@@ -1,0 +1,121 @@
+"""``grpo-lens demo`` (what ``make demo`` runs): probe -> GRPO training with the lens -> probe again -> report.
+
+Layout of OUT::
+
+    OUT/probe_before/probe.json   the gradient probe of the initial model
+    OUT/train/                    the training run (config.yaml, metrics.jsonl, checkpoints/, final_model/)
+    OUT/probe_after/probe.json    the same probe on the trained model
+    OUT/report.md, OUT/*.png      the report over all three
+
+Each stage is skipped when its output exists and training resumes from its last checkpoint, so a killed demo rerun
+with the same command continues where it stopped. ``--overwrite`` starts over.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from grpo_lens.config import ConfigError, TrainConfig, option
+from grpo_lens.probe import ProbeConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DemoConfig:
+    """Settings of the main job; field help is the CLI help. Everything not here takes TrainConfig's default."""
+
+    out: str = option("runs/demo", "Output directory.")
+    model: str = option("smollm2-135m-instruct", "Model (alias, Hugging Face folder or hub id, .gguf file).")
+    task: str = option("arithmetic", "Task: arithmetic, gsm8k, or jsonl (with --dataset).")
+    dataset: str | None = option(None, "JSONL file for --task jsonl.")
+    task_options: dict = option({}, "Task options as a YAML mapping.")
+    max_steps: int = option(30, "GRPO steps.")
+    group_size: int = option(8, "R during training.")
+    prompts_per_step: int = option(4, "Prompts per training step.")
+    learning_rate: float = option(2e-5, "AdamW learning rate.")
+    max_new_tokens: int = option(24, "Longest completion in tokens.")
+    lens_every: int = option(5, "Lens every this many training steps.")
+    probe_group_sizes: list = option([2, 4, 8], "Group sizes R of the probes.", item_type=int)
+    probe_groups: int = option(4, "Mixed groups per R in each probe.")
+    probe_max_groups: int = option(24, "Groups sampled at most per R in each probe.")
+    exact: bool = option(False, "Exact per-rollout gradients in the probes (slow; small models).")
+    seed: int = option(0, "Random seed.")
+    device: str = option("auto", "cpu, cuda, cuda:N or auto.")
+    overwrite: bool = option(False, "Delete OUT and start over.")
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ConfigError(f"demo field 'max_steps' (flag --max-steps) = {self.max_steps}: must be >= 1")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "DemoConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown demo key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "DemoConfig":
+        import yaml
+
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        values.update(overrides or {})
+        return cls.from_dict(values)
+
+    def train_config(self) -> TrainConfig:
+        """The TrainConfig of the training stage."""
+        return TrainConfig(model=self.model, task=self.task, dataset=self.dataset, task_options=self.task_options,
+                           max_steps=self.max_steps, group_size=self.group_size,
+                           prompts_per_step=self.prompts_per_step, learning_rate=self.learning_rate,
+                           max_new_tokens=self.max_new_tokens, lens_every=self.lens_every, seed=self.seed,
+                           device=self.device, out=str(Path(self.out) / "train"))
+
+    def probe_config(self, model: str, out: Path) -> ProbeConfig:
+        """The ProbeConfig of a probe stage on ``model``."""
+        return ProbeConfig(model=model, task=self.task, dataset=self.dataset, task_options=self.task_options,
+                           group_sizes=self.probe_group_sizes, groups=self.probe_groups,
+                           max_groups=self.probe_max_groups, max_new_tokens=self.max_new_tokens, exact=self.exact,
+                           seed=self.seed, device=self.device, out=str(out))
+
+
+def run_demo(config: DemoConfig) -> Path:
+    """Run (or continue) the main job; return the path of OUT/report.md."""
+    from grpo_lens.probe import run_probe
+    from grpo_lens.report import write_report
+    from grpo_lens.trainer import train
+
+    out = Path(config.out)
+    if config.overwrite and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_cfg = config.train_config()  # validates the training settings before any stage runs
+    t0 = time.perf_counter()
+
+    before = out / "probe_before"
+    if not (before / "probe.json").exists():
+        logger.info("[1/4] probing the initial model (R = %s)", config.probe_group_sizes)
+        run_probe(config.probe_config(config.model, before))
+
+    run_dir = Path(train_cfg.out)
+    final = run_dir / "final_model"
+    if not final.exists():
+        logger.info("[2/4] GRPO training for %d steps with the lens every %d", config.max_steps, config.lens_every)
+        train_cfg.resume = (run_dir / "config.yaml").exists()
+        train(train_cfg)
+
+    after = out / "probe_after"
+    if not (after / "probe.json").exists():
+        logger.info("[3/4] probing the trained model")
+        run_probe(config.probe_config(str(final), after))
+
+    logger.info("[4/4] writing the report")
+    report = write_report(out)
+    logger.info("demo done in %.0f s: %s", time.perf_counter() - t0, report)
+    return report
