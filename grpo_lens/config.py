@@ -129,6 +129,12 @@ class TrainConfig:
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 setattr(self, f_.name, float(value))
                 continue
+            if want is float and isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
+                try:
+                    value = float(value)
+                    setattr(self, f_.name, value)
+                except ValueError:
+                    pass
             if want is not None and not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 bad(f_.name, f"must be of type {want.__name__}")
             if want is float and not math.isfinite(value):
