@@ -28,6 +28,12 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
+def _legend(ax, **kw) -> None:
+    """A legend only when something is labelled (matplotlib warns on an empty one)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -53,7 +59,7 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path) -> Path:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if len(keys) > 1:
-            ax.legend(fontsize=7)
+            _legend(ax, fontsize=7)
     for ax in axes[1]:
         ax.set_xlabel("step")
     return _save(fig, path)
@@ -73,7 +79,7 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     a1.set_title("zero-variance groups (S1)", fontsize=9)
     a1.set_xlabel("step")
     a1.set_ylim(-0.02, 1.02)
-    a1.legend(fontsize=7)
+    _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
     for key, label in [("sparsity/update_step", "this step"), ("sparsity/update_total", "since start")]:
         xs, ys = _series(records, key)
@@ -82,7 +88,7 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     a2.set_title("bf16 update sparsity (S4)", fontsize=9)
     a2.set_xlabel("step")
     a2.set_ylim(-0.02, 1.02)
-    a2.legend(fontsize=7)
+    _legend(a2, fontsize=7)
     a2.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -96,7 +102,7 @@ def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
             a1.plot(xs, ys, marker="o", label=label)
     a1.set_xlabel("step")
     a1.set_title("baseline (mixed groups)", fontsize=9)
-    a1.legend(fontsize=7)
+    _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
     for key, label in [("baseline/m_correct", "m_C (correct)"), ("baseline/m_wrong", "m_W (wrong)")]:
         xs, ys = _series(records, key)
@@ -105,7 +111,7 @@ def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
     a2.set_xlabel("step")
     a2.set_title("mean ||g||^2 by outcome", fontsize=9)
     a2.set_yscale("log")
-    a2.legend(fontsize=7)
+    _legend(a2, fontsize=7)
     a2.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -140,7 +146,7 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
     ax.set_xlabel("group size R")
     ax.set_ylabel(measure)
     ax.set_title(f"{measure} of the per-rollout gradient matrix vs R", fontsize=9)
-    ax.legend(fontsize=6, ncol=2)
+    _legend(ax, fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -161,7 +167,7 @@ def plot_spectra(probe: dict[str, Any], path: Path, matrix: str = "G1") -> Path:
     ax.set_xlabel("index k")
     ax.set_ylabel("s_k / s_1 (mean over groups)")
     ax.set_title(f"singular-value spectra of {matrix}", fontsize=9)
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -184,7 +190,7 @@ def plot_baseline_variance(probe: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("Var / Var(optimal)")
     ax.set_yscale("log")
     ax.set_title("gradient variance by baseline", fontsize=9)
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)
 
@@ -199,6 +205,6 @@ def plot_credit_profile(probe: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("completion token position")
     ax.set_ylabel("mean per-token gradient norm")
     ax.set_title("where the gradient sits along a completion", fontsize=9)
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     ax.grid(alpha=0.3)
     return _save(fig, path)
