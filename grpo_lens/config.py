@@ -310,3 +310,13 @@ def config_from_args(args: argparse.Namespace, cls: type = TrainConfig, config_f
     if config_file:
         return cls.load(config_file, overrides)
     return cls.from_dict(overrides)
+
+
+def reference_markdown(cls: type = TrainConfig) -> str:
+    """A Markdown table of every field of ``cls``: flag, default, help (the README's CLI reference is this)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f_ in fields(cls):
+        default = f_.default if f_.default is not dataclasses.MISSING else f_.default_factory()
+        help_ = f_.metadata.get("help", "").replace("|", "\\|")
+        rows.append(f"| `--{f_.name.replace('_', '-')}` | `{default}` | {help_} |")
+    return "\n".join(rows)
