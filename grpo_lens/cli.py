@@ -3,12 +3,18 @@
 Every command turns a known bad input (invalid config value, unusable --out, missing model or checkpoint, malformed
 dataset row) into one line on stderr that says what is wrong and how to fix it, and exit status 2; nothing written
 before is lost.
+
+Plugins: ``GRPO_LENS_PLUGINS=my_rewards,my_tasks grpo-lens train ...`` imports those modules (comma-separated, importable
+from the current directory or PYTHONPATH) before anything else, so the reward functions and tasks they register
+(``@REWARDS.register("name")``, ``@TASKS.register("name")``) can be named in flags and YAML.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +26,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from grpo_lens.config import ConfigError
     from grpo_lens.rundir import RunDirError
 
-    errors: list[type[BaseException]] = [ConfigError, RunDirError, ValueError, FileNotFoundError]
+    errors: list[type[BaseException]] = [ConfigError, RunDirError, ValueError, FileNotFoundError, PluginError]
     try:
         from grpo_lens.models import ModelNotFoundError
 
@@ -30,13 +36,77 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+#: Environment variable listing modules to import at start (comma-separated): they register rewards and tasks.
+PLUGINS_ENV = "GRPO_LENS_PLUGINS"
+
+
+class PluginError(ImportError):
+    """A module named in ``$GRPO_LENS_PLUGINS`` could not be imported."""
+
+
+def load_plugins(spec: str | None = None) -> list[str]:
+    """Import the modules named in ``spec`` (default ``$GRPO_LENS_PLUGINS``, comma-separated); return their names.
+
+    The current directory is importable, as with ``python -m``.
+
+    Raises:
+        PluginError: a module cannot be imported, naming it and the cause.
+    """
+    spec = os.environ.get(PLUGINS_ENV, "") if spec is None else spec
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if names and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - any failure to import is reported as one line
+            raise PluginError(f"{PLUGINS_ENV}: cannot import plugin module {name!r} ({type(e).__name__}: {e}); "
+                              f"make it importable (PYTHONPATH) or remove it from {PLUGINS_ENV}") from None
+    return names
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from grpo_lens.trainer import train
 
-    config = config_from_args(args, TrainConfig, args.config)
+    config_file = args.config
+    if args.resume and args.out and (Path(args.out) / "config.yaml").is_file():
+        # Resume from the run's own config: flags need not be repeated, and a flag that differs from it is reported.
+        config = _resume_config(args, Path(args.out) / "config.yaml")
+    else:
+        config = config_from_args(args, TrainConfig, config_file)
     run = train(config)
     print(f"run written to {run.path}")
     return 0
+
+
+def _resume_config(args: argparse.Namespace, saved: Path) -> TrainConfig:
+    """The config of ``--resume``: the run's saved config.yaml <- the ``--config`` file's keys <- the flags given.
+
+    Raises:
+        RunDirError: config.yaml is unreadable.  ConfigError: the --config file or a resulting value is invalid.
+    """
+    import dataclasses
+
+    import yaml
+
+    from grpo_lens.rundir import RunDirError
+
+    try:
+        values = yaml.safe_load(saved.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise RunDirError(f"--resume: cannot read {saved} ({type(e).__name__}); restore it or start a new run in "
+                          f"another --out") from None
+    if not isinstance(values, dict):
+        raise RunDirError(f"--resume: {saved} does not hold a config mapping; restore it or start a new run in "
+                          f"another --out")
+    if args.config:
+        from_file = TrainConfig.load(args.config)  # checks the file: exists, YAML mapping, known keys, valid values
+        keys = yaml.safe_load(Path(args.config).read_text()) or {}
+        values.update({k: getattr(from_file, k) for k in keys})
+    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                   if getattr(args, f.name, None) is not None})
+    values.update(resume=True, out=args.out)
+    return TrainConfig.from_dict(values)
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -104,7 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``grpo-lens`` console script."""
+    """Entry point of the ``grpo-lens`` console script; returns the exit status (2: bad input, one line on stderr)."""
+    try:
+        load_plugins()
+    except PluginError as e:
+        print(f"grpo-lens: error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

@@ -328,7 +328,8 @@ def combine_rewards(
         (rewards [N] float32, NaN where invalid; valid [N] bool; metrics) with metrics
         ``reward/mean``, ``reward/std`` (over valid rollouts; NaN when none is valid), ``reward/invalid_count``,
         ``reward/timeout_count`` and ``reward/error_count`` (function calls), and per function ``reward/<name>``
-        (mean of its valid values, unweighted) and ``reward/<name>/invalid_count``.
+        (mean of its valid values, unweighted) and ``reward/<name>/invalid_count``, and its wall time
+        ``perf/reward_<name>_seconds``.
     """
     funcs = _normalize_funcs(funcs_with_weights)
     N = len(completions)
@@ -359,7 +360,7 @@ def combine_rewards(
                            int((~ok).sum()), N)
         metrics[f"reward/{name}"] = float(r[ok].mean()) if ok.any() else math.nan
         metrics[f"reward/{name}/invalid_count"] = int((~ok).sum())
-        metrics[f"reward/{name}/time_s"] = time.perf_counter() - start
+        metrics[f"perf/reward_{name}_seconds"] = time.perf_counter() - start  # timing keys live under perf/
         valid &= ok
         total += weight * torch.nan_to_num(r, nan=0.0)
     rewards = torch.where(valid, total, torch.full_like(total, math.nan)).float()  # [N]

@@ -11,6 +11,9 @@ Layout (DESIGN.md §7)::
 Crash safety: a checkpoint is written to a temporary folder, fsynced, then renamed into place, and ``latest`` is
 replaced atomically after it; a kill at any moment leaves the previous checkpoint intact. Metrics are appended per
 step; on resume, lines after the checkpoint's step are dropped, so each step appears once.
+
+Tests prove this by killing the trainer at named moments: :func:`crash_point` sends SIGKILL to the process when the
+environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/test_crash_resume.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,48 @@ import yaml
 
 class RunDirError(ValueError):
     """The output directory cannot be used as asked (holds another run, has no checkpoint to resume, ...)."""
+
+
+#: Environment variable naming a crash point, ``POINT`` or ``POINT@STEP`` (test hook, see :func:`crash_point`).
+KILL_ENV = "GRPO_LENS_TEST_KILL_AT"
+
+#: The moments a test can kill the trainer at, in the order a step reaches them.
+CRASH_POINTS = ("during_generation", "before_optimizer_step", "after_metrics_write", "mid_checkpoint",
+                "after_checkpoint_rename", "after_latest", "mid_final_model")
+
+_CHECKPOINT_NAME = re.compile(r"step-(\d{6,})")
+
+
+def crash_point(point: str, step: int, module: torch.nn.Module | None = None) -> None:
+    """Test hook: SIGKILL this process at ``point`` of ``step`` when ``$GRPO_LENS_TEST_KILL_AT`` asks for it.
+
+    The variable holds ``POINT`` (the first time the point is reached) or ``POINT@STEP``; POINT is one of
+    :data:`CRASH_POINTS`. With ``module`` the kill happens inside that module's second forward call from now (e.g.
+    in the middle of ``generate``) rather than at once. Unset, this costs one environment lookup.
+
+    Raises:
+        ValueError: the variable names an unknown point or a step that is not an integer.
+    """
+    want = os.environ.get(KILL_ENV)
+    if not want:
+        return
+    name, _, at = want.partition("@")
+    if name not in CRASH_POINTS or (at and not at.isdigit()):
+        raise ValueError(f"{KILL_ENV}={want!r}: expected POINT or POINT@STEP with POINT one of "
+                         f"{', '.join(CRASH_POINTS)}")
+    if name != point or (at and int(at) != step):
+        return
+    if module is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    calls = []
+
+    def kill_on_second_call(*_):
+        calls.append(1)
+        if len(calls) >= 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    module.register_forward_hook(kill_on_second_call)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,6 +99,12 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of a checkpoint folder ``step-NNNNNN``, or None for any other name."""
+    m = _CHECKPOINT_NAME.fullmatch(path.name)
+    return int(m.group(1)) if m else None
 
 
 def _json_safe(value: Any) -> Any:
@@ -80,19 +133,31 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
 
     # ---------------------------------------------------------------------------------------------------------------
-    def prepare(self, config_dict: dict[str, Any], *, resume: bool, overwrite: bool,
+    def resolve(self, config_dict: dict[str, Any], *, resume: bool, overwrite: bool,
                 resumable_keys: tuple[str, ...] = ()) -> dict[str, Any]:
-        """Make the directory ready for a new run or a resumed one; return the config to run with.
+        """Check that the directory can be used as asked and return the config to run with; writes nothing.
 
-        A new run needs an empty or missing directory (or ``overwrite``). A resumed run takes the saved config; values
-        given now must equal the saved ones except ``resumable_keys`` (e.g. max_steps, to train longer).
+        A new run needs a missing or empty directory, or one holding a grpo-lens run (config.yaml) and ``overwrite``.
+        A resumed run takes the saved config; values given now must equal the saved ones except ``resumable_keys``
+        (e.g. max_steps, to train longer).
+
+        Raises:
+            RunDirError: --resume without a run, a resumed value that differs, a directory holding another run
+                without --overwrite or --resume, or holding files that are not a run (never deleted).
         """
-        has_run = self.config_path.exists()
+        has_run = self.config_path.is_file()
         if resume:
             if not has_run:
                 raise RunDirError(f"--resume: {self.path} holds no run (no config.yaml); start a new run with "
                                   f"--out {self.path} and without --resume")
-            saved = yaml.safe_load(self.config_path.read_text()) or {}
+            try:
+                saved = yaml.safe_load(self.config_path.read_text()) or {}
+            except (OSError, yaml.YAMLError) as e:
+                raise RunDirError(f"--resume: cannot read {self.config_path} ({type(e).__name__}: {e}); restore it "
+                                  f"or start a new run in another --out") from None
+            if not isinstance(saved, dict):
+                raise RunDirError(f"--resume: {self.config_path} does not hold a config mapping; restore it or start "
+                                  f"a new run in another --out")
             for key, value in config_dict.items():
                 if key in resumable_keys or key in ("resume", "overwrite", "out"):
                     continue
@@ -102,14 +167,30 @@ class RunDir:
             merged = {**saved, **{k: config_dict[k] for k in resumable_keys if k in config_dict}}
             merged.update(resume=True, overwrite=False, out=str(self.path))
             return merged
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"output path {self.path} is a file, not a directory; choose another --out")
         if self.path.exists() and any(self.path.iterdir()):
+            if not has_run:
+                raise RunDirError(f"output directory {self.path} already holds files that are not a grpo-lens run "
+                                  f"(no config.yaml); --overwrite only replaces a run, so choose another --out or "
+                                  f"empty it yourself")
             if not overwrite:
-                what = "a run" if has_run else "other files"
-                raise RunDirError(f"output directory {self.path} already holds {what}; pass --resume to continue "
+                raise RunDirError(f"output directory {self.path} already holds a run; pass --resume to continue "
                                   f"it, --overwrite to replace it, or choose another --out")
+        return config_dict
+
+    def prepare(self, config_dict: dict[str, Any], *, resume: bool, overwrite: bool,
+                resumable_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+        """:meth:`resolve`, then make the directory ready: a replaced run is deleted, a new directory is created.
+
+        Raises:
+            RunDirError: as :meth:`resolve`, before anything is deleted.
+        """
+        resolved = self.resolve(config_dict, resume=resume, overwrite=overwrite, resumable_keys=resumable_keys)
+        if not resume and self.config_path.is_file():  # resolve() allowed it: overwrite a run
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
-        return config_dict
+        return resolved
 
     def write_config(self, config_dict: dict[str, Any]) -> None:
         """Write config.yaml atomically."""
@@ -149,7 +230,13 @@ class RunDir:
     # ---------------------------------------------------------------------------------------------------------------
     def save_checkpoint(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         state: dict[str, Any], keep: int = 2) -> Path:
-        """Write model (safetensors), optimizer and trainer state for ``step`` atomically; keep the newest ``keep``."""
+        """Write model (safetensors), optimizer and trainer state for ``step`` atomically; keep the newest ``keep``.
+
+        Order: files into ``.step-N.tmp-PID``, fsync, rename to ``step-N``, then ``latest`` (atomic), then clean-up.
+        A kill before ``latest`` is replaced leaves the previous checkpoint in charge. Checkpoints of later steps than
+        ``step`` are left-overs of a killed run that this resumed run has replaced: they are deleted, and the
+        checkpoint just written is never among those removed.
+        """
         from safetensors.torch import save_model
 
         self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -160,29 +247,49 @@ class RunDir:
             shutil.rmtree(tmp)
         tmp.mkdir()
         save_model(model, str(tmp / "model.safetensors"))
+        crash_point("mid_checkpoint", step)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({**state, "step": step}, tmp / "state.pt")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        if final.exists():
+        if final.exists():  # a left-over of a killed run (never the one ``latest`` names: that step is done)
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(self.checkpoints)
+        crash_point("after_checkpoint_rename", step)
         atomic_write_text(self.checkpoints / "latest", name + "\n")
-        for old in sorted(p for p in self.checkpoints.glob("step-*") if p.is_dir())[:-keep]:
+        crash_point("after_latest", step)
+        done = sorted((p for p in self.checkpoints.glob("step-*") if p.is_dir() and _step_of(p) is not None),
+                      key=_step_of)
+        older = [p for p in done if _step_of(p) < step]
+        stale = [p for p in done if _step_of(p) > step]
+        for old in older[:max(0, len(older) - (keep - 1))] + stale:
             shutil.rmtree(old, ignore_errors=True)
         for stray in self.checkpoints.glob(".step-*.tmp-*"):
             shutil.rmtree(stray, ignore_errors=True)
         return final
 
     def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint folder, or None if there is none."""
+        """The newest complete checkpoint folder, or None if there is none (no ``latest`` pointer yet).
+
+        Raises:
+            RunDirError: ``latest`` is unreadable, names no checkpoint (``step-NNNNNN``) or a missing folder.
+        """
         pointer = self.checkpoints / "latest"
         if not pointer.exists():
             return None
-        name = pointer.read_text().strip()
+        try:
+            name = pointer.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise RunDirError(f"checkpoint pointer {pointer} is unreadable ({type(e).__name__}); write the name of "
+                              f"a checkpoint folder (e.g. step-000010) into it, or delete it to restart from step "
+                              f"0") from None
+        if not _CHECKPOINT_NAME.fullmatch(name):
+            raise RunDirError(f"checkpoint pointer {pointer} holds {name[:40]!r}, not a checkpoint name like "
+                              f"step-000010; write the newest folder name under {self.checkpoints} into it, or "
+                              f"delete it to restart from step 0")
         path = self.checkpoints / name
         if not path.is_dir():
             raise RunDirError(f"checkpoint pointer {pointer} names {name}, which is missing; delete {pointer} to "
@@ -194,20 +301,33 @@ class RunDir:
         """Restore model and optimizer in place from ``path``; return the trainer state (with ``step``).
 
         Raises:
-            RunDirError: a file is missing or unreadable (corrupt), naming it.
+            RunDirError: a file is missing or unreadable (corrupt), naming it and how to go on.
         """
         from safetensors.torch import load_model
 
         files = {n: path / n for n in ("model.safetensors", "optimizer.pt", "state.pt")}
         for n, f in files.items():
             if not f.is_file():
-                raise RunDirError(f"checkpoint {path} is incomplete: {n} is missing; delete {path} and "
-                                  f"{self.checkpoints / 'latest'} to restart from the previous checkpoint")
+                raise RunDirError(f"checkpoint {path} is incomplete: {n} is missing; {self._recovery_hint(path)}")
         try:
             load_model(model, str(files["model.safetensors"]), strict=True)
             optimizer.load_state_dict(torch.load(files["optimizer.pt"], weights_only=False))
             state = torch.load(files["state.pt"], weights_only=False)
+            if not isinstance(state, dict) or "step" not in state:
+                raise ValueError("state.pt holds no step")
         except Exception as e:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
-            raise RunDirError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e}); delete it and "
-                              f"{self.checkpoints / 'latest'} to resume from an earlier checkpoint") from None
+            why = str(e).splitlines()[0][:200] if str(e) else ""
+            raise RunDirError(f"checkpoint {path} is corrupt ({type(e).__name__}: {why}); "
+                              f"{self._recovery_hint(path)}") from None
         return state
+
+    def _recovery_hint(self, bad: Path) -> str:
+        """How to resume without the unusable checkpoint ``bad``: from the newest older one, or from step 0."""
+        pointer = self.checkpoints / "latest"
+        step = _step_of(bad)
+        older = sorted((p for p in self.checkpoints.glob("step-*") if p.is_dir() and _step_of(p) is not None
+                        and step is not None and _step_of(p) < step), key=_step_of)
+        if older:
+            return (f"to resume from the previous checkpoint write {older[-1].name} into {pointer} (and delete "
+                    f"{bad}), or delete {pointer} to restart from step 0")
+        return f"delete {bad} and {pointer} to restart the run from step 0 (no older checkpoint is left)"

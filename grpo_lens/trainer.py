@@ -27,7 +27,7 @@ from grpo_lens.advantages import compute_advantages
 from grpo_lens.config import TrainConfig
 from grpo_lens.losses import grpo_loss, loss_normalizer
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
-from grpo_lens.rundir import RunDir
+from grpo_lens.rundir import RunDir, crash_point
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +110,13 @@ def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float) -> tuple[to
 
 def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
                   config: TrainConfig, procs: Processes, params: list[torch.nn.Parameter],
-                  before_step: Callable[[], None] | None = None) -> dict[str, float]:
+                  before_step: Callable[[], None] | None = None, step: int = 0) -> dict[str, float]:
     """mu passes over the step's rollouts, each split into mini-batches (one optimizer step each) and micro-batches.
 
     Args:
         batch: this process's N rollouts.   advantages: [N].   ref_logp: [N, T] or None (beta = 0).
         before_step: called after the last backward, before the first optimizer step (the lens snapshots there).
+        step: the trainer step (for the crash-test hook only).
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass, plus ``grad/norm`` (the
         pre-clipping norm of the first optimizer step, the on-policy gradient) and ``grad/norm_last``.
@@ -160,6 +161,7 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                 before_step()
             max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            crash_point("before_optimizer_step", step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     out = {k: (v if k in ("loss/policy", "loss/kl", "ratio/max") else v / max(tokens_total, 1.0))
@@ -208,6 +210,30 @@ def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torc
 # ---------------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------------
+def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple[str, float]]]:
+    """Everything about the inputs that can be checked without loading a model; returns (task, reward specs).
+
+    Builds the task (which validates every data row), parses the reward specs and resolves the model name, so that
+    a bad input fails before the run directory is written or a model loads.
+
+    Raises:
+        ValueError: prompts_per_step not divisible by the number of processes, an unknown task or reward (listing the
+            valid names), bad task options, a malformed data row (naming file and row).
+        ModelNotFoundError: the model path does not exist.
+    """
+    from grpo_lens.models import resolve_model
+    from grpo_lens.rewards import parse_reward_specs
+    from grpo_lens.tasks import get_task
+
+    if config.prompts_per_step % procs.world:
+        raise ValueError(f"config field 'prompts_per_step' = {config.prompts_per_step} must be divisible by the "
+                         f"number of processes ({procs.world}) so that each process samples whole groups")
+    task = get_task(config.task, dataset=config.dataset, **config.task_options)
+    reward_fns = parse_reward_specs(config.rewards)
+    resolve_model(config.model)
+    return task, reward_fns
+
+
 def train(config: TrainConfig, lens: Any = None) -> RunDir:
     """Run GRPO as ``config`` says and return the run directory.
 
@@ -220,29 +246,27 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         ConfigError / RunDirError / ModelNotFoundError: bad settings, an unusable --out, a missing model.
     """
     from grpo_lens.models import load_model
-    from grpo_lens.rewards import parse_reward_specs
-    from grpo_lens.tasks import get_task
 
     if not config.out:
         raise ValueError("config field 'out' (flag --out) is required: the run directory to write")
     procs = setup_processes(config.device)
     run = RunDir(config.out)
+
+    # --- every input is checked before the run directory is touched or a model loads ---------------------------------
     if procs.is_main:
-        resolved = run.prepare(config.to_dict(), resume=config.resume, overwrite=config.overwrite,
-                               resumable_keys=RESUMABLE_KEYS)
-        config = TrainConfig.from_dict(resolved)
+        config = TrainConfig.from_dict(run.resolve(config.to_dict(), resume=config.resume,
+                                                   overwrite=config.overwrite, resumable_keys=RESUMABLE_KEYS))
+        task, reward_fns = check_inputs(config, procs)
+        run.prepare(config.to_dict(), resume=config.resume, overwrite=config.overwrite, resumable_keys=RESUMABLE_KEYS)
         run.write_config(config.to_dict())
     procs.barrier()
     if not procs.is_main:
         config = TrainConfig.load(run.config_path)
+        task, reward_fns = check_inputs(config, procs)
+    ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
     B, R = config.prompts_per_step, config.group_size
-    if B % procs.world:
-        raise ValueError(f"config field 'prompts_per_step' = {B} must be divisible by the number of processes "
-                         f"({procs.world}) so that each process samples whole groups")
 
-    # --- model, reference, task, rewards, optimizer ------------------------------------------------------------------
-    task = get_task(config.task, dataset=config.dataset, **config.task_options)  # cheap checks first
-    reward_fns = parse_reward_specs(config.rewards)
+    # --- model, reference, optimizer ---------------------------------------------------------------------------------
     seed_everything(config.seed)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)
@@ -261,11 +285,12 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     # --- resume ------------------------------------------------------------------------------------------------------
     start_step = 0
     if config.resume:
-        ckpt = run.latest_checkpoint()
         if ckpt is not None:
             state = run.load_checkpoint(ckpt, policy, optimizer)
             start_step = int(state["step"])
-            if lens is not None and "lens" in state:
+            if state.get("rng"):
+                _set_rng_state(state["rng"])
+            if lens is not None and state.get("lens") is not None:
                 lens.load_state_dict(state["lens"])
         if procs.is_main:
             run.truncate_metrics(start_step)
@@ -288,6 +313,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         # 2. rollouts: R completions per prompt, with the sampler's log-probs
         policy.eval()
+        crash_point("during_generation", step, module=policy)
         batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
                               temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                               generator_seed=seed + 104_729 * procs.rank)
@@ -297,12 +323,13 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         # 3. rewards (invalid rollouts are masked out of the group statistics)
         rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
         rewards, valid = rewards.to(procs.device), valid.to(procs.device)
-        if config.mask_truncated:
-            valid = valid & ~batch.truncated
 
-        # 4. advantages: one scalar per rollout, shared by all its tokens
+        # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
+        #    group's statistics and, with mask_truncated, get zero advantage (no policy gradient)
         advantages = compute_advantages(rewards.view(-1, R).float(), config.estimator, std=config.std,
                                         eps=config.eps, mask=valid.view(-1, R)).view(-1)
+        if config.mask_truncated:
+            advantages = advantages.masked_fill(batch.truncated.to(advantages.device), 0.0)
 
         # 5. reference log-probs for the KL term
         ref_logp = None
@@ -318,7 +345,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         # 7. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         loss_metrics = policy_update(policy, optimizer, batch, advantages, ref_logp, config, procs, params,
-                                     before_step=(lambda: lens.before_step(policy)) if lens is not None else None)
+                                     before_step=(lambda: lens.before_step(policy)) if lens is not None else None,
+                                     step=step)
         if lens is not None:
             lens_metrics.update(lens.after_step(step, policy, measure))
 
@@ -329,8 +357,9 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         all_trunc = procs.gather(batch.truncated)
         seconds = time.perf_counter() - t0
         tokens = float(all_mask.sum())
-        record = {"step": step, **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
-                  **{k: v for k, v in reward_info.items()}, **loss_metrics, **lens_metrics,
+        record = {"step": step, **reward_info,  # this process's reward calls; the all-process statistics win:
+                  **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
+                  **loss_metrics, **lens_metrics,
                   "lr": optimizer.param_groups[0]["lr"],
                   "perf/step_seconds": seconds, "perf/generation_seconds": t_gen,
                   "perf/tokens_per_second": tokens / max(seconds, 1e-9),
@@ -338,6 +367,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         if procs.is_main:
             run.append_metrics(record)
             _log_completions(run, step, batch, rewards, advantages, config.log_completions)
+            crash_point("after_metrics_write", step)
             if progress is not None:
                 progress.set_postfix(reward=f"{record['reward/mean']:.3f}", sec=f"{seconds:.1f}")
                 progress.update(1)
@@ -362,11 +392,12 @@ def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path) -> Pat
     import os
     import shutil
 
+    for stray in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed while saving
+        shutil.rmtree(stray, ignore_errors=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
     policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    crash_point("mid_final_model", 0)
     os.replace(tmp, path)
     return path
 
@@ -394,6 +425,13 @@ def _rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
+def _set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`_rng_state` saved, so a resumed run draws what the uninterrupted one would."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
 def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
                      n: int) -> None:
     R = batch.group_size
@@ -401,7 +439,8 @@ def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch
         prompt = batch.prompts[i // R]
         text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
         run.append_metrics({"step": step, "prompt": text, "completion": batch.completions[i],
-                            "reward": float(rewards[i]), "advantage": float(advantages[i])},
+                            "reward": float(rewards[i]), "advantage": float(advantages[i]),
+                            "truncated": bool(batch.truncated[i])},
                            path=run.completions_path)
 
 

@@ -9,6 +9,7 @@ or a Hugging Face ``datasets`` dataset with a ``prompt`` column and any extra co
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -16,6 +17,10 @@ from grpo_lens.tasks.arithmetic import ArithmeticTask
 from grpo_lens.tasks.base import TASKS, Example, Task, as_rng
 from grpo_lens.tasks.gsm8k import GSM8KTask, gsm8k_reference
 from grpo_lens.tasks.user_data import UserDataTask, dataset_task, jsonl_task, row_to_example, user_task
+
+
+class TaskOptionError(TypeError, ValueError):
+    """A task option the task does not take, or of the wrong type (a TypeError and a ValueError: bad input)."""
 
 
 def get_task(name: "str | os.PathLike", dataset=None, **options) -> Task:
@@ -31,24 +36,36 @@ def get_task(name: "str | os.PathLike", dataset=None, **options) -> Task:
     Raises:
         ValueError: an unknown name (listing the valid ones), a dataset given to a built-in task or missing for
             ``jsonl``, or a malformed data row (naming file and row).
-        TypeError: an option the task does not take.
+        TaskOptionError: an option the task does not take or of the wrong type, listing the accepted ones (a
+            TypeError and a ValueError).
     """
     name = os.fspath(name)
     if name == "jsonl":
         if dataset is None:
             raise ValueError("task 'jsonl' needs a dataset: a path to a .jsonl file with a 'prompt' column "
                              "(flag --dataset)")
-        return user_task(dataset, **options)
+        return _build(name, user_task, dataset, **options)
     if name in TASKS:
         if dataset is not None:
             raise ValueError(f"task {name!r} takes no dataset (got {dataset!r}); use task 'jsonl' for your own data")
-        return TASKS.get(name)(**options)
+        return _build(name, TASKS.get(name), **options)
     if name.endswith((".jsonl", ".json")) or Path(name).is_file():
-        return user_task(name, **options)
+        return _build(name, user_task, name, **options)
     raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASKS.names())}, or a path to a .jsonl file")
 
 
+def _build(name: str, factory, *args, **options) -> Task:
+    """``factory(*args, **options)``; a TypeError (unknown option, option of the wrong type) becomes a
+    :class:`TaskOptionError` listing the options the task accepts."""
+    try:
+        return factory(*args, **options)
+    except TypeError as err:
+        accepted = [p for p in inspect.signature(factory).parameters if p not in ("self", "dataset")]
+        raise TaskOptionError(f"task {name!r}: bad task_options {options!r} ({err}); accepted options: "
+                              f"{', '.join(accepted) or 'none'}") from None
+
+
 __all__ = [
-    "TASKS", "Example", "Task", "ArithmeticTask", "GSM8KTask", "UserDataTask", "as_rng", "dataset_task",
+    "TASKS", "Example", "Task", "TaskOptionError", "ArithmeticTask", "GSM8KTask", "UserDataTask", "as_rng", "dataset_task",
     "get_task", "gsm8k_reference", "jsonl_task", "row_to_example", "user_task",
 ]
