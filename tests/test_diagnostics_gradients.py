@@ -13,6 +13,7 @@ from grpo_lens.diagnostics import (
     exact_rollout_grads,
     exact_weighted_grad,
     group_row_sums,
+    kronecker_sketch_variance,
     kronecker_sketch_variance_factor,
     layer_weight_grads,
     linear_layer_names,
@@ -169,6 +170,27 @@ def test_sketch_does_not_touch_grad_and_capture_works_around_a_plain_backward(mo
     for p in model.parameters():
         p.grad = None
     torch.testing.assert_close(got.sketch.double(), ref.sketch.double(), rtol=1e-4, atol=1e-6)
+
+
+def test_kronecker_sketch_variance_formula_by_monte_carlo():
+    # The exact variance of <P_out A P_in^T, P_out B P_in^T> (Wishart moments) against 200k sampled projection
+    # pairs; the sample mean must be <A, B> (unbiased scaling) and the sample variance within a few % of the
+    # formula (its own standard error here is ~1%). The worst-case bound c ||A||^2 ||B||^2 must lie above.
+    g = torch.Generator().manual_seed(0)
+    d_out, d_in, k_in, k_out, draws = 5, 4, 3, 2, 200_000
+    a = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    b = a + 0.5 * torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    p_in = torch.randn(draws, k_in, d_in, generator=g, dtype=torch.float64) / math.sqrt(k_in)
+    p_out = torch.randn(draws, k_out, d_out, generator=g, dtype=torch.float64) / math.sqrt(k_out)
+    x = ((p_out @ a @ p_in.transpose(1, 2)) * (p_out @ b @ p_in.transpose(1, 2))).sum((1, 2))
+    var = kronecker_sketch_variance(a, b, k_in, k_out)
+    assert float(x.mean()) == pytest.approx(float((a * b).sum()), abs=4 * math.sqrt(var / draws))
+    assert float(x.var()) == pytest.approx(var, rel=0.05)
+    assert var <= kronecker_sketch_variance_factor(k_in, k_out) * float(a.square().sum() * b.square().sum())
+    # rank one, A = B: the bound is attained
+    u = torch.randn(d_out, 1, generator=g, dtype=torch.float64) @ torch.randn(1, d_in, generator=g, dtype=torch.float64)
+    assert kronecker_sketch_variance(u, u, k_in, k_out) == pytest.approx(
+        kronecker_sketch_variance_factor(k_in, k_out) * float(u.square().sum()) ** 2)
 
 
 def test_gaussian_sketch_gram_within_jl_bound_and_wrong_scaling_fails(model, batch, exact):

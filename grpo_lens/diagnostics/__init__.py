@@ -35,6 +35,7 @@ from grpo_lens.diagnostics.gradients import (
     exact_rollout_grads,
     exact_weighted_grad,
     group_row_sums,
+    kronecker_sketch_variance,
     kronecker_sketch_variance_factor,
     layer_weight_grads,
     linear_layer_names,
@@ -92,7 +93,7 @@ from grpo_lens.diagnostics.spectrum import (
 __all__ = [
     # gradients
     "GradientCapture", "GradientSketch", "exact_nll_grad", "exact_policy_grad", "exact_rollout_grads",
-    "exact_weighted_grad", "group_row_sums", "kronecker_sketch_variance_factor", "layer_weight_grads",
+    "exact_weighted_grad", "group_row_sums", "kronecker_sketch_variance", "kronecker_sketch_variance_factor", "layer_weight_grads",
     "linear_layer_names", "nll_weights", "param_slices", "rollout_scores", "select_parameters",
     "sketch_gram_error_bound", "sketch_nll_grad", "sketch_policy_grad", "sketch_rollout_grads",
     "token_grad_sq_norms", "weighted_row_sum",

@@ -304,6 +304,23 @@ def kronecker_sketch_variance_factor(k_in: int, k_out: int) -> float:
     return 2.0 / k_in + 2.0 / k_out + 4.0 / (k_in * k_out)
 
 
+def kronecker_sketch_variance(a: Tensor, b: Tensor, k_in: int, k_out: int) -> float:
+    """Exact Var <S(A), S(B)> of the two-sided Gaussian sketch (formula of :func:`kronecker_sketch_variance_factor`).
+
+    Args:
+        a, b: [d_out, d_in] two weight gradients of one layer.
+        k_in, k_out: sketch sizes.
+
+    Returns:
+        the variance, in squared units of <A, B>.
+    """
+    a, b = a.double(), b.double()
+    ba, ab = b @ a.T, a.T @ b  # [d_out, d_out], [d_in, d_in]
+    fro2 = lambda m: float(m.square().sum())  # noqa: E731
+    return ((float(torch.trace(ba @ ba)) + fro2(ba)) / k_out + (float(torch.trace(ab @ ab)) + fro2(ab)) / k_in
+            + (fro2(ba) + fro2(ab) + float((a * b).sum()) ** 2 + fro2(a) * fro2(b)) / (k_in * k_out))
+
+
 def sketch_gram_error_bound(layer_grams: Sequence[Tensor] | Tensor, k_in: int, k_out: int) -> float:
     """Bound on the expected relative Frobenius error of the sketched Gram matrix of N rollouts over L layers.
 
