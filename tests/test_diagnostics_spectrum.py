@@ -71,6 +71,10 @@ def test_gram_path_matches_svd_for_few_rows():
     torch.testing.assert_close(singular_values(m, "gram"), torch.linalg.svdvals(m), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gram_singular_values(m @ m.T), torch.linalg.svdvals(m), rtol=1e-10, atol=1e-10)
     assert numerical_rank(singular_values(m[:3].repeat(2, 1), "svd")) == 3
+    # float32 round-off on a rank-3 matrix counts as rank under the float64 rule, not under the float32 one
+    noisy = (m[:3].repeat(2, 1).float()).double() + 1e-7 * torch.randn(6, 2000, generator=g, dtype=torch.float64)
+    assert numerical_rank(singular_values(noisy, "svd"), shape=(6, 2000)) == 6
+    assert numerical_rank(singular_values(noisy, "svd"), shape=(6, 2000), dtype=torch.float32) == 3
 
 
 def test_registry_and_input_errors():

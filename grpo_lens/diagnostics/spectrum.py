@@ -115,19 +115,22 @@ def rank_measures(singular_values: Tensor, names: list[str] | None = None) -> di
     return {name: RANK_MEASURES.get(name)(singular_values) for name in (names or RANK_MEASURES.names())}
 
 
-def numerical_rank(s: Tensor, rtol: float | None = None, shape: tuple[int, int] | None = None) -> int:
+def numerical_rank(s: Tensor, rtol: float | None = None, shape: tuple[int, int] | None = None,
+                   dtype: torch.dtype = torch.float64) -> int:
     """Number of singular values above rtol * s_1 (numpy's matrix_rank rule).
 
     Args:
         s: [m] singular values.
-        rtol: relative tolerance; default max(shape) * eps(float64) when ``shape`` is given, else m * eps.
+        rtol: relative tolerance; default max(shape) * eps(dtype) when ``shape`` is given, else m * eps(dtype).
         shape: the matrix shape, for the default tolerance.
+        dtype: the precision the matrix was computed in (pass torch.float32 for gradients of a float32 model even
+            after ``.double()``, or its round-off counts as rank).
     """
     s = _clean(s)
     if s.numel() == 0 or s[0] == 0:
         return 0
     if rtol is None:
-        rtol = (max(shape) if shape else s.numel()) * torch.finfo(torch.float64).eps
+        rtol = (max(shape) if shape else s.numel()) * torch.finfo(dtype).eps
     return int((s > rtol * s[0]).sum())
 
 
