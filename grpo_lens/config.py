@@ -246,11 +246,20 @@ class TrainConfig:
         try:
             values = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {yaml_error_line(e)}") from None
         if not isinstance(values, dict):
             raise ConfigError(f"config file {p} must hold a mapping of field: value, got {type(values).__name__}")
         values.update(overrides or {})
         return cls.from_dict(values)
+
+
+def yaml_error_line(err: Exception) -> str:
+    """A YAML parse error on one line: what is wrong and where (``line 3, column 7``)."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(err, "context", None)
+    return f"{problem}{where}" + (f" ({context})" if context else "")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -297,7 +306,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfi
 
 
 def _yaml_mapping(text: str) -> dict:
-    value = yaml.safe_load(text)
+    """argparse type of dict fields: a YAML mapping; anything else is an argparse error (exit 2, one line)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise argparse.ArgumentTypeError(f"not valid YAML ({yaml_error_line(e)}): {text!r}; expected a mapping like "
+                                         "'{max_operand: 9}'") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a YAML mapping like '{{max_operand: 9}}', got {text!r}")
     return value

@@ -193,8 +193,10 @@ class RunDir:
         return resolved
 
     def write_config(self, config_dict: dict[str, Any]) -> None:
-        """Write config.yaml atomically."""
-        atomic_write_text(self.config_path, yaml.safe_dump(config_dict, sort_keys=False))
+        """Write config.yaml atomically. ``resume`` and ``overwrite`` say how one command treated --out, not what the
+        run is: they are stored as False, so resuming with the same settings rewrites the same bytes."""
+        stored = {**config_dict, **{k: False for k in ("resume", "overwrite") if k in config_dict}}
+        atomic_write_text(self.config_path, yaml.safe_dump(stored, sort_keys=False))
 
     # ---------------------------------------------------------------------------------------------------------------
     def append_metrics(self, record: dict[str, Any], path: Path | None = None) -> None:

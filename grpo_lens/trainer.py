@@ -258,10 +258,13 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                                                    overwrite=config.overwrite, resumable_keys=RESUMABLE_KEYS))
         task, reward_fns = check_inputs(config, procs)
         run.prepare(config.to_dict(), resume=config.resume, overwrite=config.overwrite, resumable_keys=RESUMABLE_KEYS)
-        run.write_config(config.to_dict())
+        if not config.resume:  # a resumed run's config is rewritten once its checkpoint has loaded
+            run.write_config(config.to_dict())
     procs.barrier()
     if not procs.is_main:
-        config = TrainConfig.load(run.config_path)
+        config = (TrainConfig.from_dict(run.resolve(config.to_dict(), resume=True, overwrite=False,
+                                                    resumable_keys=RESUMABLE_KEYS))
+                  if config.resume else TrainConfig.load(run.config_path))
         task, reward_fns = check_inputs(config, procs)
     ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
     B, R = config.prompts_per_step, config.group_size
@@ -293,6 +296,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             if lens is not None and state.get("lens") is not None:
                 lens.load_state_dict(state["lens"])
         if procs.is_main:
+            run.write_config(config.to_dict())
             run.truncate_metrics(start_step)
             logger.info("resuming %s from step %d", run.path, start_step)
     if lens is not None and start_step == 0:
