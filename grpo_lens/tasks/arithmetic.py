@@ -2,8 +2,20 @@
 
 Difficulty comes from the operand range, the number of operands and the operators. The defaults were chosen by
 measurement (benchmarks/measure_arithmetic_difficulty.py) so that SmolLM2-135M-Instruct, sampled at temperature 0.7,
-starts between 20% and 60% accuracy: hard enough to learn, easy enough that many groups of 8 mix right and wrong
-rollouts (a group whose rewards are all equal gives no policy gradient).
+top_p 1, top_k 0, starts between 20% and 60% accuracy: hard enough to learn, easy enough that many groups of 8 mix
+right and wrong rollouts (a group whose rewards are all equal gives no policy gradient).
+
+Measured (48 test-split prompts x 8 rollouts, max_new_tokens 16, correctness reward; "mixed" = share of groups with
+both right and wrong rollouts), template "What is {expression}? Reply with just the number." unless noted:
+
+    a + b, operands in [2, 60]      acc 0.120   mixed 0.31
+    a + b, operands in [2, 30]      acc 0.125   mixed 0.33
+    a + b, operands in [2, 20]      acc 0.286   mixed 0.65
+    a + b, operands in [0, 9]       acc 0.404   mixed 0.92   <- default
+    a + b, [0, 9], "Compute {expression}. Give only the final number."   acc 0.263   mixed 0.83
+    a + b + c, operands in [0, 9]   acc 0.042   mixed 0.25
+
+``ArithmeticTask(min_operand=2, max_operand=20)`` is a harder setting still inside the 20-60% band.
 """
 
 from __future__ import annotations
