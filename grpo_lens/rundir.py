@@ -263,15 +263,24 @@ class RunDir:
         crash_point("after_checkpoint_rename", step)
         atomic_write_text(self.checkpoints / "latest", name + "\n")
         crash_point("after_latest", step)
+        self.prune_checkpoints(step, keep)
+        return final
+
+    def prune_checkpoints(self, step: int, keep: int) -> None:
+        """Delete what a run at ``step`` no longer needs: checkpoints of later steps (left by a killed run that this
+        one has replaced), all but the newest ``keep`` up to ``step`` (the one of ``step`` itself always stays), and
+        half-written temporary folders."""
+        if not self.checkpoints.is_dir():
+            return
         done = sorted((p for p in self.checkpoints.glob("step-*") if p.is_dir() and _step_of(p) is not None),
                       key=_step_of)
         older = [p for p in done if _step_of(p) < step]
         stale = [p for p in done if _step_of(p) > step]
-        for old in older[:max(0, len(older) - (keep - 1))] + stale:
+        kept_older = max(0, keep - (1 if any(_step_of(p) == step for p in done) else 0))
+        for old in older[:max(0, len(older) - kept_older)] + stale:
             shutil.rmtree(old, ignore_errors=True)
         for stray in self.checkpoints.glob(".step-*.tmp-*"):
             shutil.rmtree(stray, ignore_errors=True)
-        return final
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint folder, or None if there is none (no ``latest`` pointer yet).

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 from grpo_lens.cli import main
@@ -24,6 +25,15 @@ from grpo_lens.cli import main
 TRAIN = ["train", "--model", "tiny", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "2",
          "--max-steps", "1", "--lens-every", "0", "--no-progress", "--device", "cpu", "--no-save-final-model",
          "--rewards", "test_alternating"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run ~8x faster on one thread than on two OpenMP threads fighting for a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @dataclass

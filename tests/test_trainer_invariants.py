@@ -22,6 +22,15 @@ from grpo_lens.trainer import train
 R = 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run ~8x faster on one thread than on two OpenMP threads fighting for a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
     """A one-step run of the tiny model: B = 2 prompts, R = 4, T_max = 4, every rollout logged."""
     values = dict(model="tiny", task="arithmetic", rewards=["test_alternating"], group_size=R, prompts_per_step=2,
@@ -138,8 +147,11 @@ def test_step_gradient_does_not_depend_on_micro_batch_size(tmp_path):
     assert m1["grad/norm"] == pytest.approx(m8["grad/norm"], rel=1e-5)
     assert m1["loss/policy"] == pytest.approx(m8["loss/policy"], abs=1e-6)
     assert g1.keys() == g8.keys() and len(g1) > 0
-    for name in g1:  # a per-micro-batch normaliser would scale micro-batches differently: off by far more
-        torch.testing.assert_close(g1[name], g8[name], rtol=1e-5, atol=1e-7, msg=name)
+    # Summation order differs (8 micro-batches vs 1), so entries agree to float32 rounding of the tensor's scale:
+    # observed max |difference| <= 2e-7 * max |g|. A per-micro-batch normaliser would be off by a factor up to 8.
+    for name in g1:
+        scale = float(g8[name].abs().max())
+        torch.testing.assert_close(g1[name], g8[name], rtol=0.0, atol=1e-5 * scale, msg=name)
     # AdamW's first step is lr * g / (|g| + 1e-8): where |g| ~ 1e-8 rounding noise in g moves the update by up to
     # about lr / 2. Every parameter still agrees to 1e-3 of the step size lr = 1e-3; a wrong gradient moves by ~lr.
     for name in p1:
