@@ -11,7 +11,7 @@ both right and wrong rollouts), template "What is {expression}? Reply with just 
     a + b, operands in [2, 60]      acc 0.120   mixed 0.31
     a + b, operands in [2, 30]      acc 0.125   mixed 0.33
     a + b, operands in [2, 20]      acc 0.286   mixed 0.65
-    a + b, operands in [0, 9]       acc 0.404   mixed 0.92   <- default
+    a + b, operands in [0, 9]       acc 0.404   mixed 0.92   <- default (max_new_tokens 24: acc 0.424, mixed 0.94)
     a + b, [0, 9], "Compute {expression}. Give only the final number."   acc 0.263   mixed 0.83
     a + b + c, operands in [0, 9]   acc 0.042   mixed 0.25
 
