@@ -297,9 +297,10 @@ def _from_hub(source: ModelSource):
     try:
         return _from_pretrained(source.path)
     except (OSError, ValueError) as err:
+        why = " ".join(str(err).split())[:300]  # one line: hub errors span several
         raise ModelNotFoundError(
             f"could not load model {source.name!r}. Tried: the aliases {DEFAULT_MODEL!r} and {TINY_MODEL!r}, a "
-            f"local path (none exists), and the Hugging Face hub ({type(err).__name__}: {err}). "
+            f"local path (none exists), and the Hugging Face hub ({type(err).__name__}: {why}). "
             f"For the default model, {INSTALL_HINT}"
         ) from err
 
