@@ -6,7 +6,8 @@ this file only moves tensors between them, writes the run directory and keeps th
 Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
 process draws the same B prompts for a step and samples the groups of its own share of them; losses are divided by a
 normaliser summed over processes and the gradients are summed with an all-reduce, so the update equals a single
-process's on the whole batch.
+process's on the whole batch. With num_mini_batches M, each process splits its share into M chunks and optimizer step
+k sums chunk k of every process.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
         before_step: called after the last backward, before the first optimizer step (the lens snapshots there).
         step: the trainer step (for the crash-test hook only).
     Returns:
-        token-weighted means of the loss metrics over every micro-batch of every pass, plus ``grad/norm`` (the
-        pre-clipping norm of the first optimizer step, the on-policy gradient) and ``grad/norm_last``.
+        token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
+        numbers on every process), plus ``grad/norm`` (the pre-clipping norm of the first optimizer step, the
+        on-policy gradient) and ``grad/norm_last``.
     """
     R = config.group_size
     groups = batch.num_groups
@@ -164,6 +166,15 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
             crash_point("before_optimizer_step", step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    if procs.world > 1:  # the whole batch's numbers, not this process's share
+        keys = sorted(k for k in totals if k != "ratio/max")  # the same keys, in the same order, on every process
+        summed = procs.sum(torch.tensor([totals[k] for k in keys] + [tokens_total], dtype=torch.float64,
+                                        device=procs.device)).tolist()
+        totals.update(zip(keys, summed[:-1]))
+        tokens_total = summed[-1]
+        if "ratio/max" in totals:
+            totals["ratio/max"] = float(procs.gather(torch.tensor([totals["ratio/max"]], dtype=torch.float64,
+                                                                  device=procs.device)).max())
     out = {k: (v if k in ("loss/policy", "loss/kl", "ratio/max") else v / max(tokens_total, 1.0))
            for k, v in totals.items()}
     out["grad/norm"] = grad_norms[0]
@@ -217,8 +228,9 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
     a bad input fails before the run directory is written or a model loads.
 
     Raises:
-        ValueError: prompts_per_step not divisible by the number of processes, an unknown task or reward (listing the
-            valid names), bad task options, a malformed data row (naming file and row).
+        ValueError: prompts_per_step not divisible by the number of processes (or its per-process share by
+            num_mini_batches), an unknown task or reward (listing the valid names), bad task options, a malformed
+            data row (naming file and row).
         ModelNotFoundError: the model path does not exist.
     """
     from grpo_lens.models import resolve_model
@@ -228,6 +240,10 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
     if config.prompts_per_step % procs.world:
         raise ValueError(f"config field 'prompts_per_step' = {config.prompts_per_step} must be divisible by the "
                          f"number of processes ({procs.world}) so that each process samples whole groups")
+    share = config.prompts_per_step // procs.world
+    if share % config.num_mini_batches:  # optimizer step k takes the k-th chunk of every process's prompts
+        raise ValueError(f"config field 'num_mini_batches' = {config.num_mini_batches} must divide the prompts each "
+                         f"of the {procs.world} processes holds (prompts_per_step / processes = {share})")
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
     resolve_model(config.model)
@@ -297,6 +313,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                 lens.load_state_dict(state["lens"])
         if procs.is_main:
             run.write_config(config.to_dict())
+            run.prune_checkpoints(start_step, config.keep_checkpoints)
             run.truncate_metrics(start_step)
             logger.info("resuming %s from step %d", run.path, start_step)
     if lens is not None and start_step == 0:
