@@ -32,6 +32,16 @@ if "test_parity" not in REWARDS:
     REWARDS.register("test_parity")(parity_reward)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run several times faster on one thread than on two OpenMP threads fighting for a busy 2-core
+    machine (as in test_trainer_invariants.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def probe_config(out, **overrides) -> ProbeConfig:
     values = dict(model="tiny", rewards=["test_parity"], group_sizes=[2, 4], groups=2, max_groups=8,
                   prompts_per_batch=2, max_new_tokens=8, baseline_prompts=1, resamples=32, random_draws=4, seed=0,

@@ -34,6 +34,16 @@ if "test_parity" not in REWARDS:
     REWARDS.register("test_parity")(parity_reward)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run several times faster on one thread than on two OpenMP threads fighting for a busy 2-core
+    machine (as in test_trainer_invariants.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(out, **overrides) -> TrainConfig:
     """A run that takes a few seconds: B=2 prompts x R=4 rollouts of 8 tokens, two micro-batches, two passes (mu=2,
     so the second pass is off-policy and loss/policy is not the on-policy -mean(A) = 0)."""
