@@ -258,8 +258,13 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         lens: an object with ``before_step(step, policy)`` and ``measure(step, ...) -> dict`` (see
             :class:`grpo_lens.lens.TrainerLens`); built from the config when None and lens_every > 0.
 
+    Every input is checked before anything is written; a new run's directory is created (or a run replaced with
+    ``overwrite``) only once the model has loaded, and a resumed run's files change only once its checkpoint has
+    loaded, so a failed start leaves --out as it was.
+
     Raises:
-        ConfigError / RunDirError / ModelNotFoundError: bad settings, an unusable --out, a missing model.
+        ConfigError / RunDirError / ModelNotFoundError / ValueError: bad settings, an unusable --out, a missing model,
+            an unknown task or reward, a malformed data row, a missing or corrupt checkpoint.
     """
     from grpo_lens.models import load_model
 
@@ -268,21 +273,12 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     procs = setup_processes(config.device)
     run = RunDir(config.out)
 
-    # --- every input is checked before the run directory is touched or a model loads ---------------------------------
-    if procs.is_main:
-        config = TrainConfig.from_dict(run.resolve(config.to_dict(), resume=config.resume,
-                                                   overwrite=config.overwrite, resumable_keys=RESUMABLE_KEYS))
-        task, reward_fns = check_inputs(config, procs)
-        run.prepare(config.to_dict(), resume=config.resume, overwrite=config.overwrite, resumable_keys=RESUMABLE_KEYS)
-        if not config.resume:  # a resumed run's config is rewritten once its checkpoint has loaded
-            run.write_config(config.to_dict())
-    procs.barrier()
-    if not procs.is_main:
-        config = (TrainConfig.from_dict(run.resolve(config.to_dict(), resume=True, overwrite=False,
-                                                    resumable_keys=RESUMABLE_KEYS))
-                  if config.resume else TrainConfig.load(run.config_path))
-        task, reward_fns = check_inputs(config, procs)
+    # --- every input is checked, read-only, before the run directory is touched or a model loads ---------------------
+    config = TrainConfig.from_dict(run.resolve(config.to_dict(), resume=config.resume, overwrite=config.overwrite,
+                                               resumable_keys=RESUMABLE_KEYS))
+    task, reward_fns = check_inputs(config, procs)
     ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
+    procs.barrier()  # every process has read --out before the main one changes it
     B, R = config.prompts_per_step, config.group_size
 
     # --- model, reference, optimizer ---------------------------------------------------------------------------------
@@ -301,7 +297,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         lens = TrainerLens(policy, config)
 
-    # --- resume ------------------------------------------------------------------------------------------------------
+    # --- the run directory: written only once the model (and, to resume, the checkpoint) has loaded ------------------
     start_step = 0
     if config.resume:
         if ckpt is not None:
@@ -316,6 +312,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             run.prune_checkpoints(start_step, config.keep_checkpoints)
             run.truncate_metrics(start_step)
             logger.info("resuming %s from step %d", run.path, start_step)
+    elif procs.is_main:
+        run.prepare(config.to_dict(), resume=False, overwrite=config.overwrite)  # replaces a run only with overwrite
+        run.write_config(config.to_dict())
+    procs.barrier()
     if lens is not None and start_step == 0:
         lens.start(policy)
 

@@ -287,3 +287,24 @@ def test_overwrite_replaces_a_run_and_resume_needs_no_repeated_flags(tmp_path, c
     assert main(TRAIN + ["--out", str(out), "--overwrite"]) == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1]
+
+
+def test_a_model_that_fails_to_load_creates_no_run_and_replaces_none(tmp_path, capsys, monkeypatch, finished_run):
+    # A hub id can only be checked by trying to load it; the failure must still be one line and cost no files.
+    import grpo_lens.models as models
+
+    def offline(path, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your internet connection.")
+
+    monkeypatch.setattr(models, "_from_pretrained", offline)
+    new = tmp_path / "new"
+    assert main(TRAIN + ["--out", str(new), "--model", "someorg/some-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "'someorg/some-model'" in err and "couldn't connect" in err and "pip install" in err
+    assert not new.exists()
+    old = tmp_path / "old"
+    shutil.copytree(finished_run, old)
+    before = tree_digest(old)
+    assert main(TRAIN + ["--out", str(old), "--model", "someorg/some-model", "--overwrite"]) == 2
+    assert tree_digest(old) == before  # --overwrite deletes the old run only once the new model has loaded
