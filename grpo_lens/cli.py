@@ -137,7 +137,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; flags come from the config dataclasses' fields and help."""
-    parser = argparse.ArgumentParser(prog="grpo-lens", description="Train with GRPO and measure its gradient.")
+    parser = argparse.ArgumentParser(prog="grpo-lens", description="Train with GRPO and measure its gradient.",
+                                     epilog=f"Your own reward functions and tasks: put them in a module that "
+                                            f"registers them and list it in {PLUGINS_ENV} (comma-separated), e.g. "
+                                            f"{PLUGINS_ENV}=my_rewards grpo-lens train --rewards my_reward ...")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
