@@ -196,11 +196,13 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     acc.policy_rows.append((adv.unsqueeze(1) * g).sum(0))
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
-    g2 = dg.layer_weight_grads(policy, sub, adv.float(), [layer], temperature=config.temperature,
-                               top_k=config.top_k, top_p=config.top_p)[layer].double()
+    g2_raw = dg.layer_weight_grads(policy, sub, adv.float(), [layer], temperature=config.temperature,
+                                   top_k=config.top_k, top_p=config.top_p)[layer]
+    g2 = g2_raw.double()
     s2 = dg.singular_values(g2)
     acc.add_rank("G2", dg.rank_measures(s2), s2[:64].tolist())
-    acc.g2.append({"numerical_rank": dg.numerical_rank(s2, shape=tuple(g2.shape)),
+    # the rank tolerance follows the precision the gradient was computed in, not the float64 copy
+    acc.g2.append({"numerical_rank": dg.numerical_rank(s2, shape=tuple(g2.shape), dtype=g2_raw.dtype),
                    "rank_bound": dg.g2_rank_bound(sub.prompt_mask, sub.completion_ids, sub.completion_mask),
                    "shape": list(g2.shape)})
 
@@ -300,8 +302,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         "identity_residual": {"max": max(acc.residuals) if acc.residuals else None,
                               "mean": statistics.fmean(acc.residuals) if acc.residuals else None,
                               "per_group": acc.residuals},
-        "g2": {"numerical_rank": [d["numerical_rank"] for d in acc.g2], "rank_bound": [d["rank_bound"] for d in acc.g2],
-               "shape": acc.g2[0]["shape"] if acc.g2 else None},
+        "g2": {"numerical_rank": [d["numerical_rank"] for d in acc.g2],
+               "rank_bound": [d["rank_bound"] for d in acc.g2], "shape": acc.g2[0]["shape"] if acc.g2 else None},
         "baselines": {
             **{k.split("/")[1]: _stats([b.get(k) for b in acc.baseline_rows])["mean"]
                for k in ("baseline/b_star", "baseline/m_correct", "baseline/m_wrong")},

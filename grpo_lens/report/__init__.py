@@ -152,6 +152,12 @@ def rank_table(probe: dict[str, Any], measures: tuple[str, ...] = RANK_MEASURES_
     return lines
 
 
+def _g2_cell(g2: dict[str, Any]) -> str:
+    """'rank / bound' per group, e.g. '61/75, 64/80' (the bound is prompt tokens + distinct completion prefixes)."""
+    ranks, bounds = g2.get("numerical_rank") or [], g2.get("rank_bound") or []
+    return ", ".join(f"{r}/{b}" for r, b in zip(ranks, bounds)) or "–"
+
+
 def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
     """Effective-rank table, identity residuals, S1, baselines and credit of one probe."""
     per_r = probe["per_group_size"]
@@ -161,13 +167,14 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
              f"{' (sketch ' + str(meta.get('sketch_dim')) + ' per side per layer)' if meta.get('gradients') == 'sketch' else ''}"
              f", std convention {meta.get('std')}, eps {meta.get('eps')}.", ""]
     lines += ["| R | groups sampled | all-equal (skipped) | mixed | S1 measured | S1 predicted | identity residual "
-              "(max) | distinct completions (mean) |", "|---|---|---|---|---|---|---|---|"]
+              "(max) | distinct completions (mean) | G2 numerical rank / bound |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
         d = per_r[r]
         res = d.get("identity_residual", {}).get("max")
         lines.append(f"| {r} | {d.get('groups_sampled')} | {d.get('groups_all_equal')} | {d.get('groups_mixed')} | "
                      f"{_fmt(d.get('s1_measured'))} | {_fmt(d.get('s1_predicted'))} | "
-                     f"{'–' if res is None else f'{res:.1e}'} | {_fmt(d.get('distinct_completions_mean'), 2)} |")
+                     f"{'–' if res is None else f'{res:.1e}'} | {_fmt(d.get('distinct_completions_mean'), 2)} | "
+                     f"{_g2_cell(d.get('g2', {}))} |")
         if d.get("groups_mixed", 0) == 0:
             findings.append(f"[{label}] R={r}: no mixed group among {d.get('groups_sampled')} sampled (S1 = "
                             f"{_fmt(d.get('s1_measured'))}): GRPO's policy gradient was exactly zero on every "
