@@ -32,8 +32,48 @@ def option(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+class ConfigFile:
+    """YAML and dict round-trips shared by the config dataclasses (TrainConfig, ProbeConfig, DemoConfig)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (YAML-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Any:
+        """Build from a mapping; unknown keys raise ConfigError listing the valid ones."""
+        known = {f_.name for f_ in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> Any:
+        """Read a YAML file and apply ``overrides`` on top.
+
+        Raises:
+            ConfigError: missing or unreadable file, not a mapping, unknown keys, invalid values.
+        """
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {yaml_error_line(e)}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of field: value, got {type(values).__name__}")
+        values.update(overrides or {})
+        return cls.from_dict(values)
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(ConfigFile):
     """Everything a GRPO run needs. Field help doubles as CLI help (flags use dashes: ``--group-size``)."""
 
     # --- what to train on ------------------------------------------------------------------------------------------
@@ -82,7 +122,7 @@ class TrainConfig:
                                "depend on it).")
     # --- optimizer ---------------------------------------------------------------------------------------------------
     max_steps: int = option(30, "Optimizer steps (sampling rounds) to train for.")
-    learning_rate: float = option(2e-5, "AdamW learning rate.")
+    learning_rate: float = option(5e-6, "AdamW learning rate.")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.99, "AdamW beta2.")
@@ -216,41 +256,6 @@ class TrainConfig:
             bad("task", "task 'jsonl' needs --dataset PATH")
 
     # ------------------------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict of every field (YAML-serialisable)."""
-        return dataclasses.asdict(self)
-
-    def save(self, path: str | Path) -> None:
-        """Write the resolved config as YAML."""
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        """Build from a mapping; unknown keys raise ConfigError listing the valid ones."""
-        known = {f_.name for f_ in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
-        return cls(**values)
-
-    @classmethod
-    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
-        """Read a YAML file and apply ``overrides`` on top.
-
-        Raises:
-            ConfigError: missing or unreadable file, not a mapping, unknown keys, invalid values.
-        """
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            values = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {yaml_error_line(e)}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of field: value, got {type(values).__name__}")
-        values.update(overrides or {})
-        return cls.from_dict(values)
 
 
 def yaml_error_line(err: Exception) -> str:

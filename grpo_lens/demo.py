@@ -16,18 +16,17 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from grpo_lens.config import ConfigError, TrainConfig, option
+from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, option
 from grpo_lens.probe import ProbeConfig
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DemoConfig:
+class DemoConfig(ConfigFile):
     """Settings of the main job; field help is the CLI help. Everything not here takes TrainConfig's default."""
 
     out: str = option("runs/demo", "Output directory.")
@@ -38,7 +37,7 @@ class DemoConfig:
     max_steps: int = option(30, "GRPO steps.")
     group_size: int = option(8, "R during training.")
     prompts_per_step: int = option(4, "Prompts per training step.")
-    learning_rate: float = option(2e-5, "AdamW learning rate.")
+    learning_rate: float = option(5e-6, "AdamW learning rate.")
     max_new_tokens: int = option(24, "Longest completion in tokens.")
     lens_every: int = option(5, "Lens every this many training steps.")
     probe_group_sizes: list = option([2, 4, 8], "Group sizes R of the probes.", item_type=int)
@@ -52,22 +51,6 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"demo field 'max_steps' (flag --max-steps) = {self.max_steps}: must be >= 1")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "DemoConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown demo key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
-        return cls(**values)
-
-    @classmethod
-    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "DemoConfig":
-        import yaml
-
-        values = yaml.safe_load(Path(path).read_text()) or {}
-        values.update(overrides or {})
-        return cls.from_dict(values)
 
     def train_config(self) -> TrainConfig:
         """The TrainConfig of the training stage."""

@@ -41,14 +41,14 @@ import torch
 
 from grpo_lens import diagnostics as dg
 from grpo_lens.advantages import STD_CONVENTIONS, compute_advantages
-from grpo_lens.config import ConfigError, option
+from grpo_lens.config import ConfigError, ConfigFile, option
 from grpo_lens.rollout import RolloutBatch, sample_groups
 
 MATRIX_NAMES = {"policy": "G1", "score": "G1_no_adv", "random": "G1_random_zero_sum", "nll": "G1_nll"}
 
 
 @dataclass
-class ProbeConfig:
+class ProbeConfig(ConfigFile):
     """Settings of ``grpo-lens probe``; field help is the CLI help."""
 
     model: str = option("smollm2-135m-instruct", "Model: an alias (smollm2-135m-instruct, tiny), a Hugging Face "
@@ -105,22 +105,6 @@ class ProbeConfig:
             bad("eps", "must be > 0")
         if self.dtype not in ("float32", "bfloat16"):
             bad("dtype", "valid names: bfloat16, float32")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ProbeConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown probe key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
-        return cls(**values)
-
-    @classmethod
-    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "ProbeConfig":
-        import yaml
-
-        values = yaml.safe_load(Path(path).read_text()) or {}
-        values.update(overrides or {})
-        return cls.from_dict(values)
 
 
 def _stats(xs: list[float | None]) -> dict[str, float | None]:

@@ -5,6 +5,30 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+
+
+def parity_reward(prompts, completions, **kwargs):
+    """1.0 when the UTF-8 byte sum of the completion is odd, else 0.0: a coin flip per rollout on a random model, so
+    groups mix right and wrong rollouts. Registered as the reward ``test_parity``."""
+    return [float(sum(c.encode()) % 2) for c in completions]
+
+
+def pytest_configure(config):
+    from grpo_lens.rewards import REWARDS
+
+    if "test_parity" not in REWARDS:
+        REWARDS.register("test_parity")(parity_reward)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tiny models run several times faster on one thread than on two OpenMP threads competing on a busy 2-core
+    machine; a whole-suite setting keeps every test file equally fast."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-import torch
 
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 from grpo_lens.cli import main
@@ -26,14 +25,6 @@ TRAIN = ["train", "--model", "tiny", "--group-size", "2", "--prompts-per-step", 
          "--max-steps", "1", "--lens-every", "0", "--no-progress", "--device", "cpu", "--no-save-final-model",
          "--rewards", "test_alternating"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run ~8x faster on one thread than on two OpenMP threads fighting for a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @dataclass

@@ -29,14 +29,6 @@ WORLD = 2
 TIMEOUT_S = 300
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The one-process reference runs on one thread, like the workers (OMP_NUM_THREADS=1): faster on a busy box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class RankResults(list):
     """Each rank's results (a list indexed by rank), and ``out``, the worker's output folder."""

@@ -16,30 +16,12 @@ import pytest
 import torch
 
 from grpo_lens.probe import ProbeConfig, run_probe
-from grpo_lens.rewards import REWARDS
 
 MAX_IMAGE_BYTES = 300 * 1024
 RANK_MEASURES = ("erank", "stable_rank", "participation_ratio", "k90", "k99")
 CONTROLS = ("G1", "G1_no_adv", "G1_random_zero_sum", "G1_nll", "G1_layer", "G2", "G3")
 
 
-def parity_reward(prompts, completions, **kwargs):
-    """1.0 when the UTF-8 byte sum of the completion is odd, else 0.0."""
-    return [float(sum(c.encode()) % 2) for c in completions]
-
-
-if "test_parity" not in REWARDS:
-    REWARDS.register("test_parity")(parity_reward)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run several times faster on one thread than on two OpenMP threads fighting for a busy 2-core
-    machine (as in test_trainer_invariants.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def probe_config(out, **overrides) -> ProbeConfig:

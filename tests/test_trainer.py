@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from grpo_lens.config import TrainConfig
-from grpo_lens.rewards import REWARDS
 from grpo_lens.trainer import train
 
 REQUIRED_KEYS = (
@@ -25,23 +24,6 @@ REQUIRED_KEYS = (
 )
 
 
-def parity_reward(prompts, completions, **kwargs):
-    """1.0 when the UTF-8 byte sum of the completion is odd, else 0.0: a coin flip per rollout on a random model."""
-    return [float(sum(c.encode()) % 2) for c in completions]
-
-
-if "test_parity" not in REWARDS:
-    REWARDS.register("test_parity")(parity_reward)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run several times faster on one thread than on two OpenMP threads fighting for a busy 2-core
-    machine (as in test_trainer_invariants.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config(out, **overrides) -> TrainConfig:

@@ -22,14 +22,6 @@ from grpo_lens.trainer import train
 R = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run ~8x faster on one thread than on two OpenMP threads fighting for a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
     """A one-step run of the tiny model: B = 2 prompts, R = 4, T_max = 4, every rollout logged."""
