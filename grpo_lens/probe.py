@@ -139,6 +139,7 @@ class GroupAnalysis:
         self.g2: list[dict[str, Any]] = []
 
     def add_rank(self, matrix: str, measures: dict[str, float], spectrum: list[float] | None = None) -> None:
+        """Record one group's rank measures (and optionally its singular values) for ``matrix``."""
         self.rank.setdefault(matrix, []).append(measures)
         if spectrum is not None:
             self.spectra.setdefault(matrix, []).append(spectrum)

@@ -52,6 +52,7 @@ class Processes:
 
     @property
     def is_main(self) -> bool:
+        """True on rank 0, the process that writes the run directory."""
         return self.rank == 0
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,7 @@ class Processes:
         return torch.cat(parts, dim=0)
 
     def barrier(self) -> None:
+        """Wait for every process (no-op for one process)."""
         if self.world > 1:
             torch.distributed.barrier()
 

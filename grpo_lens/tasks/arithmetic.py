@@ -104,6 +104,7 @@ class ArithmeticTask:
         return " ".join(parts), value
 
     def example(self, expression: str, value: int) -> Example:
+        """The chat prompt of one problem, with its value as the reference ``answer``."""
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         messages.append({"role": "user", "content": self.template.format(expression=expression)})
         return Example(prompt=messages, answer=str(value), extras={"expression": expression})

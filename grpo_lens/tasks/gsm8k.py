@@ -61,6 +61,7 @@ class GSM8KTask:
         return messages
 
     def example(self, row: dict) -> Example:
+        """The chat prompt of one GSM8K row, with the number after ``####`` as the reference ``answer``."""
         return Example(
             prompt=self.prompt(row["question"]),
             answer=gsm8k_reference(row["answer"]),
@@ -68,6 +69,7 @@ class GSM8KTask:
         )
 
     def size(self, split: str = "train") -> int:
+        """Number of rows in ``split``; ValueError for an unknown split."""
         check_split(self, split)
         return len(load_gsm8k(split))
 

@@ -114,6 +114,7 @@ class UserDataTask:
         self.splits = tuple(self.data)
 
     def size(self, split: str = "train") -> int:
+        """Number of rows in ``split``; ValueError for an unknown split."""
         check_split(self, split)
         return len(self.data[split])
 
