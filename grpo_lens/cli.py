@@ -144,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="GRPO training with the lens every few steps",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("train", help="GRPO training with the lens every few steps")
     p.add_argument("--config", help="YAML file of TrainConfig fields; flags override it")
     add_config_arguments(p, TrainConfig)
     p.set_defaults(fn=_cmd_train)

@@ -25,6 +25,23 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and how to fix it."""
 
 
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a CUDA device is available, else ``cpu``; other values are checked.
+
+    Raises:
+        ConfigError: a CUDA device is asked for but torch sees none (a CPU build of torch, or no GPU).
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__}, "
+                          f"torch.cuda.is_available() is False); use --device cpu, or install a CUDA build of torch "
+                          f"into .venv first")
+    return device
+
+
 def option(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field whose ``help`` is its CLI help (``kw`` adds metadata, e.g. ``item_type`` of a list)."""
     if isinstance(default, (list, dict)):
@@ -161,6 +178,8 @@ class TrainConfig(ConfigFile):
             if getattr(self, name) not in valid:
                 bad(name, f"unknown name; valid names: {', '.join(sorted(valid))}")
 
+        if isinstance(self.rewards, str):  # YAML `rewards: correctness` means a list of one
+            self.rewards = [self.rewards]
         for f_ in fields(self):  # types first: a YAML file can hold anything
             value = getattr(self, f_.name)
             want = _base_type(f_.type)
@@ -245,6 +264,8 @@ class TrainConfig(ConfigFile):
             bad("device", "use cpu, cuda, cuda:N or auto")
         if not self.rewards:
             bad("rewards", "give at least one reward function")
+        if self.resume and self.overwrite:
+            bad("overwrite", "--resume continues the run in --out and --overwrite replaces it: pass one of them")
         for spec in self.rewards:
             _, _, weight = str(spec).partition(":")
             if weight:

@@ -8,7 +8,8 @@ Layout of OUT::
     OUT/report.md, OUT/*.png      the report over all three
 
 Each stage is skipped when its output exists and training resumes from its last checkpoint, so a killed demo rerun
-with the same command continues where it stopped. ``--overwrite`` starts over.
+with the same command continues where it stopped; OUT/demo.yaml records the settings, and a rerun with other settings
+is refused. ``--overwrite`` starts over.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, option
 from grpo_lens.probe import ProbeConfig
@@ -75,10 +78,25 @@ def run_demo(config: DemoConfig) -> Path:
     from grpo_lens.trainer import train
 
     out = Path(config.out)
+    train_cfg = config.train_config()  # validates the training settings before any stage runs
+    saved_path = out / "demo.yaml"
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("overwrite", "device")}
+    if saved_path.exists() and not config.overwrite:
+        saved = yaml.safe_load(saved_path.read_text()) or {}
+        changed = sorted(k for k in settings if k in saved and saved[k] != settings[k])
+        if changed:
+            raise ConfigError(f"{out} holds a demo run with other settings ({', '.join(f'{k}={saved[k]!r}' for k in changed)}); "
+                              f"rerun with the same settings to continue it, pass --overwrite to start over, or "
+                              f"choose another --out")
+    elif out.exists() and any(out.iterdir()) and not config.overwrite:
+        raise ConfigError(f"{out} is not empty and holds no demo run (no demo.yaml); choose another --out")
     if config.overwrite and out.exists():
+        if any(out.iterdir()) and not saved_path.exists():
+            raise ConfigError(f"--overwrite: {out} holds files that are not a demo run; they are never deleted")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    train_cfg = config.train_config()  # validates the training settings before any stage runs
+    if not saved_path.exists():
+        saved_path.write_text(yaml.safe_dump(settings, sort_keys=False))
     t0 = time.perf_counter()
 
     before = out / "probe_before"

@@ -335,9 +335,9 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     seed_everything(config.seed)
     t0 = time.perf_counter()
     if policy is None:
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        from grpo_lens.config import resolve_device
+
+        device = resolve_device(config.device)
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         policy, tokenizer = load_model(config.model, dtype=dtype, device=device)
     policy.eval()  # no dropout: gradients of the sampling distribution

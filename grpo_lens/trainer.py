@@ -80,7 +80,9 @@ def setup_processes(device: str) -> Processes:
     """Start accelerate's process state (reads torchrun/accelerate env vars; gloo on CPU)."""
     from accelerate import Accelerator
 
-    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    from grpo_lens.config import resolve_device
+
+    use_cpu = resolve_device(device) == "cpu"  # ConfigError for a CUDA device torch cannot see
     accelerator = Accelerator(cpu=use_cpu)
     dev = accelerator.device if device in ("auto", "cpu", "cuda") else torch.device(device)
     return Processes(accelerator.process_index, accelerator.num_processes, dev, accelerator)
@@ -325,6 +327,9 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         import shutil
 
         shutil.rmtree(run.path / "final_model")  # it would be stale once training continues
+    if procs.is_main and start_step >= config.max_steps:
+        logger.warning("%s is already at step %d >= max_steps %d: nothing to train (raise --max-steps to continue)",
+                       run.path, start_step, config.max_steps)
     progress = _progress(config, start_step, procs)
     share = B // procs.world
     for step in range(start_step + 1, config.max_steps + 1):

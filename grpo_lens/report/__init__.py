@@ -222,7 +222,9 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
         if rel.get("rloo") is not None:
             findings.append(f"[{label}] R={r}: the rloo baseline's gradient variance is {_fmt(rel['rloo'], 2)}x the "
                             f"leave-one-out optimal b*'s; no baseline at all gives {_fmt(rel.get('none'), 2)}x "
-                            f"(over {b.get('prompts')} prompt(s)).")
+                            f"(one resampling estimate over {b.get('prompts')} prompt(s) of "
+                            f"{per_r[r].get('rollouts_per_prompt')} rollouts; g_i is length-normalised, so its mean "
+                            f"is not exactly 0 and a constant baseline's optimum need not minimise this variance).")
     plots.plot_baseline_variance(probe, run_dir / f"baseline_variance_{label}.png")
     lines += ["", f"![baseline variance](baseline_variance_{label}.png)", ""]
 

@@ -1,0 +1,53 @@
+"""Bad input found by trying the CLI as a new user: each gives one clear line, exit status 2, and changes nothing."""
+
+import pytest
+import torch
+import yaml
+
+from grpo_lens.cli import main
+from grpo_lens.config import ConfigError, TrainConfig, resolve_device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["train", "probe"])
+def test_cuda_without_cuda_is_one_clear_error(tmp_path, capsys, command):
+    # A CPU build of torch must not silently train on the CPU when --device cuda is asked for.
+    assert main([command, "--model", "tiny", "--device", "cuda", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "torch sees no CUDA device" in err and "--device cpu" in err
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ConfigError, match="cuda:1"):
+        resolve_device("cuda:1")
+    assert resolve_device("auto") == "cpu"
+
+
+def test_resume_and_overwrite_together_are_refused():
+    with pytest.raises(ConfigError, match="pass one of them"):
+        TrainConfig(out="x", resume=True, overwrite=True)
+
+
+def test_yaml_scalar_reward_is_a_list_of_one(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rewards: correctness\n")
+    assert TrainConfig.load(path).rewards == ["correctness"]
+
+
+def test_demo_rerun_with_other_settings_is_refused(tmp_path, capsys):
+    # OUT/demo.yaml records the settings of a demo; rerunning with others would silently reuse stale stages.
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "demo.yaml").write_text(yaml.safe_dump({"out": str(out), "model": "tiny", "group_size": 4}))
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["demo", "--model", "tiny", "--group-size", "8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "group_size=4" in err and "--overwrite" in err
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(["demo", "--model", "tiny", "--out", str(out), "--overwrite"]) == 2
+    assert "never deleted" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "keep me"
