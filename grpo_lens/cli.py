@@ -75,7 +75,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         config = config_from_args(args, TrainConfig, config_file)
     run = train(config)
-    print(f"run written to {run.path}")
+    if os.environ.get("RANK", "0") == "0":  # once, not once per process under torchrun / accelerate
+        print(f"run written to {run.path}")
     return 0
 
 

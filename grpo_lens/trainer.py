@@ -286,6 +286,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     B, R = config.prompts_per_step, config.group_size
 
     # --- model, reference, optimizer ---------------------------------------------------------------------------------
+    if not config.progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # --no-progress silences transformers' loading bars too
     seed_everything(config.seed)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)

@@ -114,7 +114,7 @@ def test_training_tables_show_the_numbers(tmp_path):
         assert (f"| {step} | {acc} | 0.375 | 0.412 | 0.912 | 0.876 | 1.930 | 1.410 | 3.2e-07 |") in report
     # baselines: m_C / m_W = 0.02 / 0.04 = 0.5 < 1, so b* sits below the group mean
     assert "| 5 | 0.440 | 0.500 | 0.0200 | 0.0400 | 0.500 |" in report
-    assert "m_C / m_W over training ranged 0.500–0.500: correct rollouts had smaller" in report
+    assert "m_C / m_W over 2 lens step(s): 0.500: correct rollouts had smaller" in report
     # S1: mean of the first 5 = (4 * 0.25 + 0.375) / 5 = 0.275; last 5 the same -> flat
     assert "S1 (zero-variance group share) stayed flat: 0.275 (first steps) -> 0.275 (last steps)" in report
     # |S1 measured - predicted| = 0.412 - 0.375 = 0.037 on both lens steps

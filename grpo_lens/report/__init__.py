@@ -129,7 +129,8 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         ratios = [r["baseline/m_correct"] / r["baseline/m_wrong"] for r in base_rows
                   if r.get("baseline/m_correct") is not None and r.get("baseline/m_wrong")]
         if ratios:
-            findings.append(f"m_C / m_W over training ranged {_fmt(min(ratios))}–{_fmt(max(ratios))}: "
+            span = _fmt(min(ratios)) if min(ratios) == max(ratios) else f"{_fmt(min(ratios))}–{_fmt(max(ratios))}"
+            findings.append(f"m_C / m_W over {len(ratios)} lens step(s): {span}: "
                             + ("correct rollouts had smaller score-gradient norms, so b* sits below the group mean."
                                if max(ratios) < 1 else "correct rollouts had larger score-gradient norms, so b* sits "
                                "above the group mean." if min(ratios) > 1 else

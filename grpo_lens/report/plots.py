@@ -45,13 +45,14 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path) -> Path:
     """Reward mean and accuracy, completion length, KL and clip ratio per step: four panels."""
     fig, axes = plt.subplots(2, 2, figsize=(SIZE[0], SIZE[1] * 1.4), sharex=True)
     panels = [
-        (axes[0, 0], [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy")], "reward"),
-        (axes[0, 1], [("completions/mean_length", "mean length")], "tokens"),
-        (axes[1, 0], [("kl/mean", "KL to reference")], "nats/token"),
+        (axes[0, 0], [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy")], "reward", "reward"),
+        (axes[0, 1], [("completions/mean_length", "mean length")], "tokens", "completion length"),
+        (axes[1, 0], [("kl/mean", "KL to reference")], "nats/token", "KL to the reference model"),
         (axes[1, 1], [("clip/ratio_region", "clipped share"), ("clip/ratio_high", "high"),
-                      ("clip/ratio_low", "low")], "share of tokens"),
+                      ("clip/ratio_low", "low")], "share of tokens", "clip ratio"),
     ]
-    for ax, keys, ylabel in panels:
+    for ax, keys, ylabel, title in panels:
+        ax.set_title(title, fontsize=9)
         for key, label in keys:
             xs, ys = _series(records, key)
             if xs:
