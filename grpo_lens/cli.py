@@ -145,34 +145,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="GRPO training with the lens every few steps")
-    p.add_argument("--config", help="YAML file of TrainConfig fields; flags override it")
-    add_config_arguments(p, TrainConfig)
-    p.set_defaults(fn=_cmd_train)
+    from grpo_lens.demo import DemoConfig
+    from grpo_lens.probe import ProbeConfig
 
-    try:
-        from grpo_lens.probe import ProbeConfig
-
-        p = sub.add_parser("probe", help="measure GRPO's gradient structure (rank, identity, baselines, credit)")
-        p.add_argument("--config", help="YAML file of ProbeConfig fields; flags override it")
-        add_config_arguments(p, ProbeConfig)
-        p.set_defaults(fn=_cmd_probe)
-    except ImportError:
-        pass
+    commands = [
+        ("train", "GRPO training with the lens every few steps", TrainConfig, _cmd_train),
+        ("probe", "measure GRPO's gradient structure (rank, identity, baselines, credit)", ProbeConfig, _cmd_probe),
+        ("demo", "the main job: probe, train with the lens, probe again, report", DemoConfig, _cmd_demo),
+    ]
+    for name, help_, cls, fn in commands:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--config", help=f"YAML file of {cls.__name__} fields; flags override it")
+        add_config_arguments(p, cls)
+        p.set_defaults(fn=fn)
 
     p = sub.add_parser("report", help="write RUN_DIR/report.md and plots from a run directory")
     p.add_argument("run_dir", help="a run directory written by train, probe or demo")
     p.set_defaults(fn=_cmd_report)
-
-    try:
-        from grpo_lens.demo import DemoConfig
-
-        p = sub.add_parser("demo", help="the main job: probe, train with the lens, probe again, report")
-        p.add_argument("--config", help="YAML file of DemoConfig fields; flags override it")
-        add_config_arguments(p, DemoConfig)
-        p.set_defaults(fn=_cmd_demo)
-    except ImportError:
-        pass
     return parser
 
 

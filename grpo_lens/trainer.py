@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from grpo_lens.advantages import compute_advantages
+from grpo_lens.advantages import compute_advantages, constant_groups
 from grpo_lens.config import TrainConfig
 from grpo_lens.losses import grpo_loss, loss_normalizer
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
@@ -200,11 +200,7 @@ def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torc
     n_valid = v.sum().clamp(min=1)
     mean = float(r.sum() / n_valid)
     std = float(((r - mean) ** 2 * v).sum().div(n_valid).sqrt())
-    # A group with all valid rewards equal has no reward contrast: S1 (zero-variance group fraction).
-    big = torch.finfo(r.dtype).max
-    hi = r.masked_fill(~v, -big).amax(dim=1)
-    lo = r.masked_fill(~v, big).amin(dim=1)
-    zero_std = ((hi == lo) | (v.sum(dim=1) < 2)).float().mean()
+    zero_std = constant_groups(r, v).float().mean()  # S1: groups without reward contrast carry no gradient
     lengths = batch_mask.sum(dim=1).float()
     return {
         "reward/mean": mean,
