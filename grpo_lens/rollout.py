@@ -153,7 +153,8 @@ def completion_logprobs(
     attention_mask: Tensor,
     completion_len: int,
     temperature: float = 1.0,
-) -> Tensor:
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probs of the last ``completion_len`` tokens under ``model``, as :func:`token_logprobs` defines.
 
     Position ids are ``cumsum(attention_mask) - 1`` as in ``generate`` with left padding, so the values match the
@@ -165,21 +166,50 @@ def completion_logprobs(
         attention_mask: [N, L] 0/1.
         completion_len: T.
         temperature: > 0, the sampling temperature.
+        return_entropy: also return the per-token entropy of the same temperature-scaled distribution, from the same
+            logits (no extra forward; see :func:`token_entropy`).
 
     Returns:
         [N, T] float32 log pi(o_t | q, o_<t), finite everywhere; positions past a completion's end are scores of
-        padding, mask them.
+        padding, mask them. With ``return_entropy``: (log-probs, entropy [N, T] float32 in nats, detached).
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, -completion_len - 1 : -1, :]
-    return token_logprobs(logits, input_ids[:, -completion_len:], temperature)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # token_logprobs' definition
+    logp = logp_all.gather(-1, input_ids[:, -completion_len:].unsqueeze(-1)).squeeze(-1)
+    if return_entropy:
+        return logp, token_entropy(logp_all.detach(), normalized=True)
+    return logp
 
 
-def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
-    """:func:`completion_logprobs` of a :class:`RolloutBatch`: [N, T] float32."""
+def token_entropy(logits: Tensor, normalized: bool = False) -> Tensor:
+    """Entropy H = -sum_v p_v log p_v of the categorical distribution softmax(logits) at each position.
+
+    Entries with -inf logits have p_v = 0 and contribute 0. This is the policy entropy TRL and verl log for GRPO
+    (docs/theory.md §Policy entropy); given the trainer's temperature-scaled logits it is the entropy of the policy
+    as docs/theory.md §Log-probabilities defines it (before any top-k / top-p truncation of the sampler).
+
+    Args:
+        logits: [..., V] float (or log-probs already normalised, with ``normalized=True``).
+        normalized: the input is already log_softmax'ed (skips one pass over V).
+
+    Returns:
+        [...] float, nats; computed without gradient.
+    """
+    with torch.no_grad():
+        logp = logits if normalized else torch.log_softmax(logits.float(), dim=-1)
+        p = logp.exp()
+        return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+
+
+def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0,
+                   return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`completion_logprobs` of a :class:`RolloutBatch`: [N, T] float32 (and entropy [N, T] on request)."""
     return completion_logprobs(model, batch.input_ids(), batch.attention_mask(), batch.completion_ids.shape[1],
-                               temperature)
+                               temperature, return_entropy=return_entropy)
 
 
 def sampling_generation_config(*, temperature: float, top_k: int, top_p: float, max_new_tokens: int,

@@ -100,6 +100,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:
+    """Whether the lens measures step ``step`` (1-based): the first step, every ``lens_every``-th and the last.
+
+    So every run with the lens on (``lens_every`` > 0) is measured at least at its start and end, even one shorter
+    than ``lens_every`` steps. ``lens_every`` = 0 turns the lens off.
+    """
+    if lens_every <= 0:
+        return False
+    return step == 1 or step % lens_every == 0 or step == max_steps
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # One step's pieces
 # ---------------------------------------------------------------------------------------------------------------------
@@ -130,8 +141,10 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
         step: the trainer step (for the crash-test hook only).
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
-        numbers on every process), plus ``grad/norm`` (the pre-clipping norm of the first optimizer step, the
-        on-policy gradient), ``grad/norm_last`` and the ``mismatch/*`` metrics (first pass, sampler vs pi_old).
+        numbers on every process), ``policy/entropy`` (token mean over the first pass's completion tokens of the
+        entropy of the temperature-scaled policy, from the logits that pass computes anyway), plus ``grad/norm``
+        (the pre-clipping norm of the first optimizer step, the on-policy gradient), ``grad/norm_last`` and the
+        ``mismatch/*`` metrics (first pass, sampler vs pi_old).
     """
     R = config.group_size
     groups = batch.num_groups
@@ -148,6 +161,7 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                     old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
     totals: dict[str, float] = {}
     tokens_total = 0.0
+    entropy_sum = entropy_tokens = 0.0  # the first pass's token-mean policy entropy (from its own logits)
     grad_norms: list[float] = []
     mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
     tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
@@ -159,10 +173,12 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                                                       dtype=torch.float64, device=procs.device)))
             for idx in micro_batches[mb]:
                 micro = batch.select(idx)
-                logp = batch_logprobs(policy, micro, config.temperature)
+                logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
                 # pi_old: this very forward on the first pass over the first mini-batch (ratio exactly 1)
                 old = logp.detach() if pass_ == 0 and mb == 0 else old_logp[idx]
                 if pass_ == 0:
+                    entropy_sum += float((entropy * micro.completion_mask).sum())
+                    entropy_tokens += float(micro.completion_mask.sum())
                     part = mismatch_sums(old, micro.sampler_logprobs, micro.completion_mask)
                     for k in ("abs_diff_sum", "k3_sum", "tokens"):
                         mismatch[k] += part[k]
@@ -208,11 +224,14 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                                         device=procs.device)).tolist()
         totals.update(zip(keys, summed[:-1]))
         tokens_total = summed[-1]
+        entropy_sum, entropy_tokens = procs.sum(torch.tensor([entropy_sum, entropy_tokens], dtype=torch.float64,
+                                                             device=procs.device)).tolist()
         if "ratio/max" in totals:
             totals["ratio/max"] = float(procs.gather(torch.tensor([totals["ratio/max"]], dtype=torch.float64,
                                                                   device=procs.device)).max())
     out = {k: (v if k in ("loss/policy", "loss/kl", "ratio/max") else v / max(tokens_total, 1.0))
            for k, v in totals.items()}
+    out["policy/entropy"] = entropy_sum / max(entropy_tokens, 1.0)
     out.update(_mismatch_metrics(mismatch, tis if config.tis_cap is not None else None, procs))
     out["grad/norm"] = grad_norms[0]
     out["grad/norm_last"] = grad_norms[-1]
@@ -416,7 +435,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         # 6. the lens reads this step's rollouts before the update changes the policy
         lens_metrics: dict[str, float] = {}
-        measure = lens is not None and config.lens_every > 0 and step % config.lens_every == 0
+        measure = lens is not None and is_lens_step(step, config.lens_every, config.max_steps)
         if measure:
             lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
 
