@@ -1,12 +1,13 @@
 """Per-rollout gradients g_i: an exact oracle (one backward per rollout) and LoGra sketches (one batched backward).
 
-Notation (DESIGN.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
+Notation (docs/theory.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
 T completion tokens, P parameters, k sketch dimension. The quantity everything here differentiates is the
 length-normalised score of rollout i,
 
     s_i = (1/|o_i|) sum_t log pi_theta(o_{i,t} | q, o_{i,<t}),      g_i = grad_theta s_i,
 
-computed with the sampler's logits processing (temperature, top-k, top-p) by :func:`grpo_lens.rollout.completion_logprobs`.
+computed with grpo-lens' one log-prob definition (temperature-scaled, docs/theory.md §Log-probabilities) by
+:func:`grpo_lens.rollout.completion_logprobs`.
 A rollout with an empty completion (|o_i| = 0) has s_i = 0 and g_i = 0.
 
 Two paths:
@@ -64,7 +65,7 @@ def nll_weights(completion_mask: Tensor) -> Tensor:
     """Row weights that turn the g_i into the supervised (NLL) gradient of the same completions.
 
     The token-mean NLL of the completions, -(1/sum_j |o_j|) sum_{i,t} log pi(o_{i,t}|.), has gradient
-    sum_i w_i g_i with w_i = -|o_i| / sum_j |o_j|. It is the control "same tokens, no advantages" (DESIGN.md §4).
+    sum_i w_i g_i with w_i = -|o_i| / sum_j |o_j|. It is the control "same tokens, no advantages" (docs/theory.md §5).
 
     Args:
         completion_mask: [N, T] bool.
@@ -149,15 +150,16 @@ def exact_rollout_grads(
 ) -> Tensor:
     """Dense per-rollout gradients, one forward + backward per rollout (the oracle).
 
-    Row i is w_i g_i with g_i = grad of (1/|o_i|) sum_t log pi(o_{i,t}|q, o_{i,<t}) (DESIGN.md §1), w_i = 1 unless
-    ``weights`` is given (``weights = A`` gives the rows of G1, DESIGN.md §4). Parameters' ``.grad`` is untouched.
+    Row i is w_i g_i with g_i = grad of (1/|o_i|) sum_t log pi(o_{i,t}|q, o_{i,<t}) (docs/theory.md §1), w_i = 1 unless
+    ``weights`` is given (``weights = A`` gives the rows of G1, docs/theory.md §5). Parameters' ``.grad`` is untouched.
 
     Args:
         model: causal LM.
         batch: N rollouts.
         params: parameter names (see :func:`select_parameters`); None = all trainable parameters.
         weights: [N] row weights, optional.
-        temperature, top_k, top_p: the sampler's logits processing (:func:`grpo_lens.rollout.process_logits`).
+        temperature: the sampling temperature (:func:`grpo_lens.rollout.token_logprobs`). top_k, top_p: accepted for
+            callers that pass the sampler's settings; log-probs do not depend on them (docs/theory.md §Log-probabilities).
 
     Returns:
         [N, P] in the parameters' dtype; columns follow :func:`param_slices`.
@@ -172,7 +174,7 @@ def exact_rollout_grads(
     rows = []
     for i in range(n):
         sub = batch.select([i])
-        logp = batch_logprobs(model, sub, temperature, top_k, top_p)
+        logp = batch_logprobs(model, sub, temperature)
         score = rollout_scores(logp, sub.completion_mask)[0]
         row = _flat_grad(score, chosen)
         rows.append(row if weights is None else row * weights[i].to(row.dtype))
@@ -191,7 +193,7 @@ def exact_weighted_grad(
 ) -> Tensor:
     """sum_i w_i g_i with one batched backward (``.grad`` untouched).
 
-    With ``weights = A`` this is the on-policy GRPO direction sum_i A_i g_i (R times grad J of DESIGN.md §2 for one
+    With ``weights = A`` this is the on-policy GRPO direction sum_i A_i g_i (R times grad J of docs/theory.md §3 for one
     group); with ``weights = nll_weights(mask)`` it is the supervised NLL gradient of the same completions.
 
     Args:
@@ -203,14 +205,14 @@ def exact_weighted_grad(
     """
     assert weights.shape == (batch.num_rollouts,), (weights.shape, batch.num_rollouts)
     chosen = [p for _, p in select_parameters(model, params)]
-    logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+    logp = batch_logprobs(model, batch, temperature)
     scores = rollout_scores(logp, batch.completion_mask)
     return _flat_grad((scores * weights.to(scores.dtype)).sum(), chosen)
 
 
 def exact_policy_grad(model: nn.Module, batch: RolloutBatch, advantages: Tensor,
                       params: Sequence[str] | None = None, **processing) -> Tensor:
-    """sum_i A_i g_i, exactly (DESIGN.md §2, on-policy first step). advantages: [N] (flatten [B, R]). Returns [P]."""
+    """sum_i A_i g_i, exactly (docs/theory.md §3, on-policy first step). advantages: [N] (flatten [B, R]). Returns [P]."""
     return exact_weighted_grad(model, batch, advantages.reshape(-1), params, **processing)
 
 
@@ -230,7 +232,7 @@ def layer_weight_grads(
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> dict[str, Tensor]:
-    """G2 (DESIGN.md §4): the weight gradient of the loss sum_i w_i s_i for each linear layer, via autograd.
+    """G2 (docs/theory.md §5): the weight gradient of the loss sum_i w_i s_i for each linear layer, via autograd.
 
     For a linear layer this equals sum_i (w_i/|o_i|) sum_t delta_t x_t^T, summed over all positions of each row.
     ``.grad`` is untouched.
@@ -245,7 +247,7 @@ def layer_weight_grads(
     assert weights.shape == (batch.num_rollouts,), (weights.shape, batch.num_rollouts)
     names = linear_layer_names(model, layers)
     modules = dict(model.named_modules())
-    logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+    logp = batch_logprobs(model, batch, temperature)
     loss = (rollout_scores(logp, batch.completion_mask) * weights.to(logp.dtype)).sum()
     grads = torch.autograd.grad(loss, [modules[n].weight for n in names], allow_unused=True)
     return {n: (torch.zeros_like(modules[n].weight) if g is None else g) for n, g in zip(names, grads)}
@@ -261,7 +263,7 @@ def weighted_row_sum(rows: Tensor, weights: Tensor) -> Tensor:
 
 
 def group_row_sums(rows: Tensor, group_size: int, weights: Tensor | None = None) -> Tensor:
-    """Per-group sums of (weighted) rows: rows of G3 (DESIGN.md §4) when ``weights = A``.
+    """Per-group sums of (weighted) rows: rows of G3 (docs/theory.md §5) when ``weights = A``.
 
     Args:
         rows: [N, K], N = B*R, groups contiguous.
@@ -623,7 +625,7 @@ def sketch_rollout_grads(
         batch: N rollouts.
         k_in, k_out, include, projection, seed, token_norms, dtype: see :class:`GradientCapture`.
         weights: [N] row weights (``A`` gives sketched G1 rows A_i g_i).
-        temperature, top_k, top_p: the sampler's logits processing.
+        temperature: the sampling temperature. top_k, top_p: ignored (docs/theory.md §Log-probabilities).
 
     Returns:
         :class:`GradientSketch`: ``per_layer`` [N, k_out*k_in], ``sketch`` [N, L*k_out*k_in], optional
@@ -643,7 +645,7 @@ def sketch_rollout_grads(
     handle = emb.register_forward_hook(lambda m, a, o: emb_out.append(o)) if emb is not None else None
     try:
         with capture:
-            logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+            logp = batch_logprobs(model, batch, temperature)
             scores = rollout_scores(logp, batch.completion_mask)
             loss = scores.sum() if weights is None else (scores * weights.to(scores.dtype)).sum()
             roots = _backward_roots(model, emb_out, capture)
