@@ -360,6 +360,49 @@ def _seed_from(generator_seed: int | torch.Generator | None) -> int | None:
 
 
 @torch.no_grad()
+def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor):
+    """The KV cache of all but the last prompt token, computed once per distinct prompt row and copied to its repeats.
+
+    ``sample_groups`` repeats each prompt R times; ``generate`` would run the prompt forward (the prefill) on all
+    N = B R rows, R times the same work. Here the B distinct rows (consecutive equal rows count once) run one forward
+    over their first Lp - 1 tokens with the positions ``generate`` uses (``cumsum(mask) - 1``, 0 on padding), the
+    cache's batch is expanded back to N rows (``Cache.reorder_cache`` with repeated indices), and ``generate`` then
+    runs only the last prompt token before sampling. Same model, same positions, same mask: the distribution
+    sampled from is unchanged (a test compares it with the plain prefill).
+
+    Args:
+        model: a transformers causal LM whose forward returns ``.cache`` (transformers >= 5) or ``.past_key_values``.
+        prompt_ids: [n, Lp] long, left padded; equal prompts on consecutive rows.   prompt_mask: [n, Lp].
+
+    Returns:
+        a ``transformers.Cache`` of n rows and Lp - 1 positions, or None when there is nothing to share (no repeated
+        row, Lp < 2) or the model gives no cache (then ``generate`` prefills as usual).
+    """
+    n, lp = prompt_ids.shape
+    if lp < 2 or n < 2:
+        return None
+    same_as_previous = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)
+    if not bool(same_as_previous.any()):
+        return None
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=prompt_ids.device), ~same_as_previous])  # [n]
+    owner = starts.long().cumsum(0) - 1  # [n] index of each row's distinct prompt
+    first = starts.nonzero().squeeze(1)  # [B] a representative row of each distinct prompt
+    ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate makes them
+    try:
+        from transformers import DynamicCache
+
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                    cache=DynamicCache(config=model.config), logits_to_keep=1)
+    except (TypeError, ValueError, AttributeError):  # not a transformers >= 5 causal LM: no sharing
+        return None
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "reorder_cache"):
+        return None
+    cache.reorder_cache(owner)
+    return cache
+
+
 def sample_groups(
     model: torch.nn.Module,
     tokenizer,
@@ -372,6 +415,7 @@ def sample_groups(
     top_k: int = 0,
     generator_seed: int | torch.Generator | None = None,
     batch_size: int | None = None,
+    share_prompt_prefill: bool = True,
 ) -> RolloutBatch:
     """Sample R completions for each of B prompts with ``model.generate`` and record the sampler's log-probs.
 
@@ -396,6 +440,9 @@ def sample_groups(
             global torch RNG is seeded inside ``torch.random.fork_rng`` (the caller's RNG state is left as it was).
             None samples from the global RNG. Given a seed, sampling is deterministic (on the CPU).
         batch_size: rollouts per ``generate`` call (memory knob); all N at once if None. The samples depend on it.
+        share_prompt_prefill: run the prompt's forward once per distinct prompt and copy its KV cache to the R
+            rollouts that share it (:func:`shared_prompt_cache`), instead of R identical prefills. The distribution
+            sampled from is the same model's; only float rounding of the cached keys/values can differ (tested).
 
     Returns:
         a :class:`RolloutBatch` with N = B * R rollouts, its tensors on the model's device; ``prompts`` holds the B prompts as given, ``extras`` the
@@ -454,7 +501,9 @@ def sample_groups(
             for start in range(0, N, step):
                 ids = prompt_ids[start : start + step]
                 mask = prompt_mask[start : start + step]
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
+                cache = shared_prompt_cache(model, ids, mask) if share_prompt_prefill else None
+                extra = {"cache": cache} if cache is not None else {}
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **extra)
                 sampled = out.sequences[:, ids.shape[1] :]  # [n, t]
                 # logits[t]: the raw logits [n, V] the token at step t was drawn from (before any processing).
                 logp = token_logprobs(torch.stack(out.logits, dim=1), sampled, temperature)  # [n, t]

@@ -68,3 +68,34 @@ def test_auto_micro_batch_size_fills_the_budget():
     assert auto_micro_batch_size(model, 32, 40, 16, 1) == 1  # nothing fits: still one rollout at a time
     assert auto_micro_batch_size(model, 32, 40, 16, None) == 8  # unknown memory: the former default
     assert auto_micro_batch_size(model, 5, 40, 16, None) == 5
+
+
+def test_shared_prompt_prefill_samples_the_distribution_the_trainer_recomputes():
+    from grpo_lens.rollout import batch_logprobs, sample_groups
+
+    model, tok = build_tiny_model()
+    examples = ["What is 2 + 3?", "Hi", "What is 12 + 30? Reply with just the number."]  # unequal lengths: padding
+    shapes = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                             with_kwargs=True)
+    try:
+        shared = sample_groups(model, tok, examples, 4, max_new_tokens=10, temperature=0.9, generator_seed=3)
+        first_shared = shapes[:2]
+        shapes.clear()
+        plain = sample_groups(model, tok, examples, 4, max_new_tokens=10, temperature=0.9, generator_seed=3,
+                              share_prompt_prefill=False)
+        first_plain = shapes[:1]
+    finally:
+        handle.remove()
+    lp = shared.prompt_ids.shape[1]
+    # Shared: one prefill of the 3 distinct prompts over Lp - 1 tokens, then generate feeds only the last prompt
+    # token of all 12 rows. Plain: generate prefills 12 rows x Lp tokens.
+    assert first_shared == [(3, lp - 1), (12, 1)] and first_plain == [(12, lp)]
+    # Same seed, same distribution: the same tokens, and the sampler's log-probs agree to float32 rounding.
+    assert torch.equal(shared.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(shared.sampler_logprobs, plain.sampler_logprobs, rtol=0, atol=1e-5)
+    # The trainer's own forward recomputes the sampler's log-probs (the on-policy ratio is 1 up to rounding).
+    trainer = batch_logprobs(model, shared, 0.9).detach()
+    m = shared.completion_mask
+    assert m.sum() > 20
+    assert ((trainer - shared.sampler_logprobs) * m).abs().max() < 1e-5
