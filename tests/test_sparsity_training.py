@@ -122,3 +122,30 @@ def test_parameter_sample_estimates_whole_model_measures(fresh_tiny_model_and_to
     vec = sampled_vector_sparsity(sample, {n: after[n] - before[n] for n in sample.names})
     assert vec["mlp"]["zero"] == 1.0 and vec["all"]["zero"] == pytest.approx(exact_unchanged, abs=0.02)
     assert math.isfinite(vec["all"]["hoyer"])
+
+
+def test_sparsity_over_training_around_an_optimizer_step(fresh_tiny_model_and_tokenizer):
+    model, _ = fresh_tiny_model_and_tokenizer
+    from grpo_lens.diagnostics.sparsity_training import SparsityOverTraining
+
+    tracker = SparsityOverTraining(model, size=20_000, min_per_tensor=256)
+    assert tracker.after_step() == {}  # nothing recorded yet
+    # a gradient on the mlp weights only, and an SGD step with it
+    params = dict(model.named_parameters())
+    for n, p in params.items():
+        p.grad = torch.ones_like(p) if ".mlp." in n else None
+    tracker.before_step()
+    with torch.no_grad():
+        for p in params.values():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    out = tracker.after_step()
+    assert out["sparsity/mlp/grad_zero"] == 0.0 and out["sparsity/attention/grad_zero"] == 1.0
+    assert out["sparsity/mlp/update_step_f32_unchanged"] == 0.0
+    assert out["sparsity/attention/update_step_f32_unchanged"] == 1.0
+    assert out["sparsity/update_total_f32_unchanged"] == out["sparsity/update_step_f32_unchanged"]  # first step
+    # a constant update of 0.1 moves every mlp bf16 value (0.1 >> the cell of |w| ~ 0.02): dense control says 0 too
+    assert out["sparsity/mlp/update_step_bf16_unchanged"] == 0.0
+    assert out["sparsity/mlp/update_step_bf16_dense"] < 0.01
+    assert out["sparsity/mlp/update_step_hoyer"] == pytest.approx(0.0, abs=1e-9)  # equal magnitudes
+    assert out["sparsity/sample_entries"] == tracker.sample.size

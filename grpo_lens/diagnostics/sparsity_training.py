@@ -300,3 +300,59 @@ def sampled_update_sparsity(sample: ParameterSample, before: dict[str, Tensor], 
 def sampled_vector_sparsity(sample: ParameterSample, vals: dict[str, Tensor]) -> dict[str, dict[str, float]]:
     """:func:`sparsity_measures` of a sampled vector (e.g. the policy gradient), overall and per layer type."""
     return {group: sparsity_measures(*_cat(sample, vals, names)) for group, names in sample.groups().items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Over training: what the lens calls around an optimizer step
+# ----------------------------------------------------------------------------------------------------------------
+
+#: Metric names of :meth:`SparsityOverTraining.after_step` for the whole model; per layer type they are
+#: ``sparsity/<type>/<name>`` (docs/metrics.md).
+UPDATE_MEASURES = ("f32_unchanged", "bf16_unchanged", "bf16_dense", "hoyer", "top1_energy")
+GRAD_MEASURES = ("zero", "hoyer", "top1_energy")
+
+
+def flatten_sparsity(prefix: str, results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """{"all": {m: v}, type: {m: v}} -> {"sparsity/<prefix>_<m>": v, "sparsity/<type>/<prefix>_<m>": v}."""
+    out = {}
+    for group, values in results.items():
+        head = "sparsity/" if group == "all" else f"sparsity/{group}/"
+        for m, v in values.items():
+            out[f"{head}{prefix}_{m}"] = v
+    return out
+
+
+class SparsityOverTraining:
+    """Sparsity of the step's update, of the update since the start and of the step's gradient, on a fixed sample.
+
+    Call :meth:`before_step` after the step's backward (gradients in ``.grad``) and before the optimizer step, and
+    :meth:`after_step` after it. The start values are the weights at construction: build it from the freshly loaded
+    model (before a checkpoint is restored) and a resumed run measures "since the start" from the same weights.
+
+    Args:
+        model: the policy.  size, min_per_tensor, seed: see :meth:`ParameterSample.build`.
+    """
+
+    def __init__(self, model: nn.Module, size: int = 2**21, min_per_tensor: int = 1024, seed: int = 0) -> None:
+        self.sample = ParameterSample.build(model, size, min_per_tensor, seed)
+        self.start = self.sample.values()
+        self._before: dict[str, Tensor] | None = None
+        self._grad: dict[str, Tensor] | None = None
+
+    def before_step(self) -> None:
+        """Record the sampled weights and gradient just before the optimizer step."""
+        self._before = self.sample.values()
+        self._grad = self.sample.grads()
+
+    def after_step(self) -> dict[str, float]:
+        """{"sparsity/update_step_*", "sparsity/update_total_*", "sparsity/grad_*"} overall and per layer type,
+        plus "sparsity/sample_entries" (how many entries the numbers come from); {} without :meth:`before_step`."""
+        if self._before is None:
+            return {}
+        after = self.sample.values()
+        out = flatten_sparsity("update_step", sampled_update_sparsity(self.sample, self._before, after))
+        out.update(flatten_sparsity("update_total", sampled_update_sparsity(self.sample, self.start, after)))
+        out.update(flatten_sparsity("grad", sampled_vector_sparsity(self.sample, self._grad)))
+        out["sparsity/sample_entries"] = float(self.sample.size)
+        self._before = self._grad = None
+        return out
