@@ -251,8 +251,6 @@ def sketched_rollout_sq_norms(
     seed: int = 0,
     projection: str = "gaussian",
     temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
 ) -> Tensor:
     """||c_i g_i||^2 per rollout from one sketched batched backward: the weights of the leave-one-out b*.
 
@@ -272,7 +270,7 @@ def sketched_rollout_sq_norms(
         sketch_dim: k_in = k_out per linear layer.
         seed: projection seed.
         projection: "gaussian" or "identity" (exact; for tests and small models).
-        temperature, top_k, top_p: the sampler's logits processing.
+        temperature: the sampling temperature (the policy's log-probs, docs/theory.md §Log-probabilities).
 
     Returns:
         [N] float64 in squared gradient units (0 where ``need`` is False).
@@ -291,7 +289,7 @@ def sketched_rollout_sq_norms(
     sub = batch.select(idx)
     c = aggregation_rollout_weights(sub.completion_mask, aggregation)
     sketch = sketch_rollout_grads(model, sub, k_in=sketch_dim, k_out=sketch_dim, projection=projection, seed=seed,
-                                  temperature=temperature, top_k=top_k, top_p=top_p)
+                                  temperature=temperature)
     sq = sum(t.detach().double().square().sum(-1).cpu() for t in sketch.per_layer.values())
     out[idx] = sq * c.square()
     return out
