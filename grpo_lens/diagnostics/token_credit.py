@@ -56,7 +56,7 @@ def token_weights(advantages: Tensor, completion_mask: Tensor, aggregation: str 
 
 def token_directional_derivatives(model: nn.Module, batch: RolloutBatch, direction: Sequence[Tensor],
                                   params: Sequence[nn.Parameter], *, step: float = 1e-2,
-                                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+                                  temperature: float = 1.0) -> Tensor:
     """<grad_theta log pi(o_{i,t}), v> for every completion token, by Richardson-extrapolated central differences.
 
     D(e) = (log pi(theta + e v) - log pi(theta - e v)) / (2 e) has error O(e^2); (4 D(e/2) - D(e)) / 3 cancels it,
@@ -66,8 +66,8 @@ def token_directional_derivatives(model: nn.Module, batch: RolloutBatch, directi
 
     Args:
         model: causal LM.  batch: R rollouts.  direction: tensors shaped like ``params`` (v).  params: the
-            parameters v lives in.  step: L2 length of the larger perturbation.  temperature, top_k, top_p:
-            processing.
+            parameters v lives in.  step: L2 length of the larger perturbation.  temperature: the sampling
+            temperature (the policy's log-probs, docs/theory.md §Log-probabilities).
 
     Returns:
         [R, T] float64 (0 where v = 0).
@@ -80,7 +80,7 @@ def token_directional_derivatives(model: nn.Module, batch: RolloutBatch, directi
     def logp_at(e: float) -> Tensor:
         for p, s, d in zip(params, saved, direction):
             p.copy_(s + e * d.to(p.dtype))
-        return batch_logprobs(model, batch, temperature, top_k, top_p).double().cpu()
+        return batch_logprobs(model, batch, temperature).double().cpu()
 
     diffs = []
     try:
@@ -96,7 +96,7 @@ def token_directional_derivatives(model: nn.Module, batch: RolloutBatch, directi
 
 def signed_token_contributions(model: nn.Module, group: RolloutBatch, advantages: Tensor, *,
                                aggregation: str = "seq-mean-token-mean", step: float = 1e-2,
-                               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> dict:
+                               temperature: float = 1.0) -> dict:
     """s_{i,t} = w_{i,t} <grad log pi(o_{i,t}), u> / ||u||^2 of one group (module docstring, item 1).
 
     u is the exact gradient of sum_{i,t} w_{i,t} log pi(o_{i,t}) over every trainable parameter (one backward);
@@ -104,7 +104,7 @@ def signed_token_contributions(model: nn.Module, group: RolloutBatch, advantages
 
     Args:
         model: causal LM.  group: its R rollouts.  advantages: [R].  aggregation: the loss aggregation.
-        step, temperature, top_k, top_p: see :func:`token_directional_derivatives`.
+        step, temperature: see :func:`token_directional_derivatives`.
 
     Returns:
         {"contributions": [R, T] float64 (0 off the completion), "weights": [R, T] w_{i,t},
@@ -113,7 +113,7 @@ def signed_token_contributions(model: nn.Module, group: RolloutBatch, advantages
     """
     params = [p for p in model.parameters() if p.requires_grad]
     w = token_weights(advantages, group.completion_mask, aggregation)  # [R, T]
-    logp = batch_logprobs(model, group, temperature, top_k, top_p)
+    logp = batch_logprobs(model, group, temperature)
     objective = (logp.double() * w.to(logp.device)).sum()
     grads = torch.autograd.grad(objective, params, allow_unused=True) if objective.requires_grad else [None] * len(
         params)
@@ -122,8 +122,7 @@ def signed_token_contributions(model: nn.Module, group: RolloutBatch, advantages
     if u_sq == 0:
         z = torch.zeros_like(w)
         return {"contributions": z, "weights": w, "closure": math.nan, "update_norm": 0.0}
-    d = token_directional_derivatives(model, group, u, params, step=step, temperature=temperature, top_k=top_k,
-                                      top_p=top_p)
+    d = token_directional_derivatives(model, group, u, params, step=step, temperature=temperature)
     s = w * d / u_sq
     return {"contributions": s, "weights": w, "closure": float(s.sum()) - 1.0, "update_norm": math.sqrt(u_sq)}
 
@@ -224,35 +223,37 @@ def prefix_values(model: nn.Module, tokenizer, prompt_ids: Tensor, completion_id
     Returns:
         (values [n_b] float64, standard errors [n_b]: sample std / sqrt(K)).
     """
-    from grpo_lens.rollout import _stop_token_ids
+    from transformers import GenerationConfig
+
+    from grpo_lens.rollout import _stop_token_ids, sampling_generation_config
 
     if num_samples < 2:
         raise ValueError(f"need K >= 2 continuations per prefix for a standard error, got {num_samples}")
     device = next(model.parameters()).device
     eos = _stop_token_ids(model, tokenizer)
     values, errors = [], []
-    was_training = model.training
+    was_training, own_config = model.training, getattr(model, "generation_config", None)
     model.eval()
     try:
+        model.generation_config = GenerationConfig()  # as sample_groups: only our own sampling settings apply
         for j, b in enumerate(boundaries):
             prefix = torch.cat([prompt_ids.cpu(), completion_ids[:b].cpu()]).to(device)
             ids = prefix.unsqueeze(0).repeat(num_samples, 1)
-            budget = max_new_tokens - b
+            config = sampling_generation_config(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                max_new_tokens=max(max_new_tokens - b, 1), eos_token_ids=eos,
+                                                pad_token_id=int(tokenizer.pad_token_id))
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed * 7919 + j)
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                     temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                                     max_new_tokens=max(budget, 1), pad_token_id=int(tokenizer.pad_token_id),
-                                     eos_token_id=eos, repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0,
-                                     epsilon_cutoff=0.0, eta_cutoff=0.0, min_length=0, num_beams=1)
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
             texts = []
-            for row in out[:, len(prompt_ids):].cpu().tolist():
+            for row in out.sequences[:, len(prompt_ids):].cpu().tolist():
                 cut = next((k for k, tok in enumerate(row) if tok in eos and k >= b), len(row))
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
             r = torch.tensor([float(x) for x in score(texts)], dtype=torch.float64)
             values.append(float(r.mean()))
             errors.append(float(r.std(unbiased=True)) / math.sqrt(num_samples))
     finally:
+        model.generation_config = own_config
         model.train(was_training)
     return torch.tensor(values, dtype=torch.float64), torch.tensor(errors, dtype=torch.float64)
 
