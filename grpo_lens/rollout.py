@@ -211,7 +211,8 @@ def completion_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logits = scored_logits(model, input_ids, attention_mask, completion_len)  # [N, T, V]
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # token_logprobs' definition
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (float64 for a float64 model)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)  # token_logprobs' definition
     logp = logp_all.gather(-1, input_ids[:, -completion_len:].unsqueeze(-1)).squeeze(-1)
     if return_entropy:
         return logp, token_entropy(logp_all.detach(), normalized=True)
