@@ -138,8 +138,9 @@ class TrainConfig(ConfigFile):
                  "off the sampler and the clip matter.")
     num_mini_batches: int = option(1, "Optimizer steps per pass: the step's prompts are split into this many "
                                "mini-batches (must divide prompts_per_step).")
-    micro_batch_size: int = option(8, "Rollouts per forward/backward (gradient accumulation; the gradient does not "
-                               "depend on it).")
+    micro_batch_size: int | None = option(None, "Rollouts per forward/backward (gradient accumulation; the gradient "
+                                      "does not depend on it). Unset: picked per mini-batch from the model's shape "
+                                      "and the machine's total memory (the whole mini-batch when it fits).")
     # --- optimizer ---------------------------------------------------------------------------------------------------
     max_steps: int = option(30, "Optimizer steps (sampling rounds) to train for.")
     learning_rate: float = option(5e-6, "AdamW learning rate.")
@@ -147,6 +148,8 @@ class TrainConfig(ConfigFile):
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.99, "AdamW beta2.")
     max_grad_norm: float = option(1.0, "Clip the gradient's global L2 norm to this (0 disables).")
+    max_consecutive_skips: int = option(3, "A step whose loss or gradient is non-finite is skipped (no optimizer "
+                                        "change); stop with an error after this many consecutive skipped steps.")
     # --- lens --------------------------------------------------------------------------------------------------------
     lens_every: int = option(5, "Measure the gradient lens (rank, sparsity, baselines) at the first step, every this "
                          "many steps and the last step (0 = never).")
@@ -240,7 +243,7 @@ class TrainConfig(ConfigFile):
             bad("mu", "must be >= 1")
         if self.num_mini_batches < 1 or self.prompts_per_step % self.num_mini_batches:
             bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
-        if self.micro_batch_size < 1:
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
             bad("micro_batch_size", "must be >= 1")
         if self.max_steps < 0:
             bad("max_steps", "must be >= 0")
@@ -251,6 +254,8 @@ class TrainConfig(ConfigFile):
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 bad(name, "must be in [0, 1)")
+        if self.max_consecutive_skips < 1:
+            bad("max_consecutive_skips", "must be >= 1")
         if self.max_grad_norm < 0:
             bad("max_grad_norm", "must be >= 0 (0 disables clipping)")
         if self.lens_every < 0:

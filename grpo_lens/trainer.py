@@ -34,6 +34,10 @@ from grpo_lens.seeding import seed_everything
 
 logger = logging.getLogger(__name__)
 
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient; the run stopped with its last checkpoint intact."""
+
+
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
                   "log_completions", "device",
@@ -145,8 +149,10 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     groups = batch.num_groups
     per_mini = groups // config.num_mini_batches if groups >= config.num_mini_batches else groups
     mini_batches = [torch.arange(g * R, min(groups, g + per_mini) * R) for g in range(0, groups, max(per_mini, 1))]
-    micro_batches = [[mini[s:s + config.micro_batch_size] for s in range(0, len(mini), config.micro_batch_size)]
-                     for mini in mini_batches]
+    L, T = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1], batch.completion_ids.shape[1]
+    sizes = [config.micro_batch_size or auto_micro_batch_size(policy, len(mini), L, T, total_memory_bytes(procs.device))
+             for mini in mini_batches]
+    micro_batches = [[mini[s:s + size] for s in range(0, len(mini), size)] for mini, size in zip(mini_batches, sizes)]
     old_logp = None  # [N, T] pi_old of every rollout, needed once the policy has moved within this step
     if config.mu > 1 or len(mini_batches) > 1:
         old_logp = torch.zeros_like(batch.sampler_logprobs)
@@ -160,8 +166,10 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     grad_norms: list[float] = []
     mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
     tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
+    skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (docs/theory.md §Numerical guards)
     for pass_ in range(config.mu):
         for mb, mini in enumerate(mini_batches):
+            nonfinite_loss = False
             mask = batch.completion_mask[mini]
             normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
                                                                        config.max_new_tokens),
@@ -193,6 +201,7 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                     ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
                     token_weights=weights)
                 loss.backward()
+                nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
                 tok = m.pop("tokens")
                 tokens_total += tok
                 for k, v in m.items():
@@ -210,8 +219,16 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                 before_step()
             max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            crash_point("before_optimizer_step", step)
-            optimizer.step()
+            bad = float(nonfinite_loss or not math.isfinite(grad_norms[-1]))
+            if procs.world > 1:  # every process skips together
+                bad = float(procs.sum(torch.tensor([bad], dtype=torch.float64, device=procs.device)))
+            if bad:  # no optimizer (or scheduler) change: the weights and AdamW's moments stay as they were
+                skipped += 1
+                logger.warning("step %d: non-finite loss or gradient (norm %s); optimizer step skipped", step,
+                               grad_norms[-1])
+            else:
+                crash_point("before_optimizer_step", step)
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     if procs.world > 1:  # the whole batch's numbers, not this process's share
         keys = sorted(k for k in totals if k != "ratio/max")  # the same keys, in the same order, on every process
@@ -230,8 +247,73 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     out.update(_mismatch_metrics(mismatch, tis if config.tis_cap is not None else None, procs))
     out["grad/norm"] = grad_norms[0]
     out["grad/norm_last"] = grad_norms[-1]
-    out["grad/optimizer_steps"] = len(grad_norms)
+    out["grad/optimizer_steps"] = len(grad_norms) - skipped
+    out["guard/skipped_optimizer_steps"] = skipped
     return out
+
+
+def total_memory_bytes(device: torch.device) -> int | None:
+    """The memory a training process may plan with: a CUDA device's total memory, else the machine's RAM (Linux
+    ``MemTotal``); None when unknown. Total rather than free memory, so the choice it feeds is the same in a
+    resumed run on the same machine (the micro-batch size changes float rounding, never the gradient)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def activation_bytes_per_rollout(model: torch.nn.Module, seq_len: int, scored_len: int) -> int:
+    """Estimated memory one rollout's forward keeps for its backward, in bytes (an upper-side estimate).
+
+    Per position and decoder layer about 10 H + 4 I saved values (norm inputs and outputs, q/k/v, attention output,
+    the MLP's gate, up, activation and down inputs) plus n_heads * L attention probabilities; per scored position
+    three float32 vocabulary rows (logits, their float copy divided by the temperature, the log-softmax saved for
+    backward). H hidden size, I MLP width, L = seq_len.
+
+    Args:
+        model: a transformers causal LM (its ``config`` gives the sizes; missing fields fall back to H = 1024,
+            I = 4 H, 24 layers, 16 heads, V = 50,000).
+        seq_len: L = Lp + T positions per rollout.   scored_len: T completion positions that get logits.
+    """
+    cfg = getattr(model, "config", None)
+    hidden = int(getattr(cfg, "hidden_size", 1024) or 1024)
+    inter = int(getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden)
+    layers = int(getattr(cfg, "num_hidden_layers", 24) or 24)
+    heads = int(getattr(cfg, "num_attention_heads", 16) or 16)
+    vocab = int(getattr(cfg, "vocab_size", 50_000) or 50_000)
+    elem = next(model.parameters()).element_size()
+    per_layer = seq_len * (10 * hidden + 4 * inter + heads * seq_len) * elem
+    return layers * per_layer + 3 * scored_len * vocab * 4
+
+
+def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int, scored_len: int,
+                          total_bytes: int | None, share: float = 0.25) -> int:
+    """Rollouts per forward/backward when ``micro_batch_size`` is unset: as many as fit, up to all ``n_rollouts``.
+
+    The budget is ``share`` of ``total_bytes`` less the weights, gradients and AdamW's two moments (4 copies of the
+    parameters); each rollout takes :func:`activation_bytes_per_rollout`. One pass over the whole mini-batch is
+    fastest (larger matrix products, one LM-head call); smaller micro-batches only save memory.
+
+    Args:
+        n_rollouts: rollouts in the mini-batch.   seq_len: L.   scored_len: T.
+        total_bytes: :func:`total_memory_bytes`; None (unknown) gives 8 rollouts, the former fixed default.
+        share: the fraction of total memory the activations may use.
+
+    Returns:
+        an int in [1, n_rollouts].
+    """
+    if total_bytes is None:
+        return max(1, min(8, n_rollouts))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = share * total_bytes - 4 * params
+    per_rollout = max(activation_bytes_per_rollout(model, seq_len, scored_len), 1)
+    return int(max(1, min(n_rollouts, budget // per_rollout)))
 
 
 def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, procs: Processes) -> dict[str, float]:
@@ -381,10 +463,12 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     # --- the run directory: written only once the model (and, to resume, the checkpoint) has loaded ------------------
     start_step = 0
+    guard = {"consecutive": 0, "total": 0}  # trainer steps skipped for a non-finite loss or gradient
     if config.resume:
         if ckpt is not None:
             state = run.load_checkpoint(ckpt, policy, optimizer)
             start_step = int(state["step"])
+            guard.update(state.get("guard") or {})
             if state.get("rng"):
                 _set_rng_state(state["rng"])
             if lens is not None and state.get("lens") is not None:
@@ -472,6 +556,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                                      step=step)
         if lens is not None:
             lens_metrics.update(lens.after_step(step, policy, measure))
+        step_skipped = loss_metrics["guard/skipped_optimizer_steps"] > 0
+        guard["consecutive"] = guard["consecutive"] + 1 if step_skipped else 0
+        guard["total"] += int(step_skipped)
+        loss_metrics.update({"guard/step_skipped": int(step_skipped), "guard/skipped_steps": guard["total"],
+                             "guard/consecutive_skipped": guard["consecutive"]})
 
         # 8. metrics over all processes' rollouts, one JSON line per step
         all_rewards, all_valid = procs.gather(rewards), procs.gather(valid)
@@ -495,10 +584,18 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                 progress.set_postfix(reward=f"{record['reward/mean']:.3f}", sec=f"{seconds:.1f}")
                 progress.update(1)
 
+        if guard["consecutive"] >= config.max_consecutive_skips:  # before any checkpoint of this step
+            procs.barrier()
+            raise NonFiniteUpdateError(
+                f"step {step}: the loss or gradient was non-finite for {guard['consecutive']} consecutive steps "
+                f"(--max-consecutive-skips {config.max_consecutive_skips}), so training stopped; the last checkpoint "
+                f"in {run.path / 'checkpoints'} is intact: lower --learning-rate or --beta, or check the rewards")
+
         # 9. checkpoint (atomic): model, optimizer, step; every step's randomness derives from (seed, step)
         if step % config.checkpoint_every == 0 or step == config.max_steps:
             if procs.is_main:
-                state = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None}
+                state = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None,
+                         "guard": dict(guard)}
                 run.save_checkpoint(step, policy, optimizer, state, keep=config.keep_checkpoints)
             procs.barrier()
 
