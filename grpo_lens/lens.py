@@ -41,6 +41,46 @@ def gather_objects(obj: Any) -> list[Any]:
     return [obj]
 
 
+#: Loss aggregations whose per-rollout gradient :func:`scores_from_update_rows` can invert.
+SEQUENCE_MEAN = ("seq-mean-token-mean",)
+TOKEN_SUM = ("token-mean", "seq-mean-token-sum-norm")
+
+
+def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor,
+                            aggregation: str, normalizer: float) -> torch.Tensor:
+    """Sketched g_i = grad s_i from the sketched per-rollout rows of the update's first on-policy loss gradient.
+
+    On the first pass pi_old is the forward's own detached log-prob, so every ratio is 1, the clip is inactive
+    (eps_low, eps_high > 0) and, without KL term or importance weights, rollout i's share of the loss has gradient
+
+        grad L_i = -(A_i kappa_i / Z) g_i,   g_i = grad (1/|o_i|) sum_t log pi(o_it),
+
+    kappa_i = 1 for seq-mean-token-mean and |o_i| for the token-sum aggregations, Z the batch's loss normaliser
+    (docs/theory.md §Lens sketch from the update). The sketch is linear, so the same holds for the sketched rows.
+
+    Args:
+        rows: [N, K] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
+        advantages: [N] A_i.   completion_mask: [N, T] bool.   aggregation: the loss aggregation name.
+        normalizer: Z, the loss normaliser summed over processes.
+
+    Returns:
+        [N, K] sketched g_i; rows with A_i = 0 or an empty completion are 0 (their g_i cannot be read off; callers
+        only use rows of groups whose advantages are all nonzero).
+
+    Raises:
+        ValueError: an aggregation outside SEQUENCE_MEAN + TOKEN_SUM.
+    """
+    if aggregation in SEQUENCE_MEAN:
+        kappa = torch.ones(rows.shape[0], dtype=torch.float64, device=rows.device)
+    elif aggregation in TOKEN_SUM:
+        kappa = completion_mask.to(device=rows.device, dtype=torch.float64).sum(1)
+    else:
+        raise ValueError(f"unknown aggregation {aggregation!r}; valid names: {', '.join(SEQUENCE_MEAN + TOKEN_SUM)}")
+    scale = -advantages.to(device=rows.device, dtype=torch.float64) * kappa / normalizer  # [N]
+    safe = torch.where(scale != 0, scale, torch.ones_like(scale))
+    return torch.where((scale != 0).unsqueeze(1), rows.double() / safe.unsqueeze(1), torch.zeros_like(rows.double()))
+
+
 class TrainerLens:
     """Measures GRPO's gradient structure on the trainer's own rollouts.
 
@@ -74,13 +114,35 @@ class TrainerLens:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """See :meth:`state_dict`."""
 
+    @staticmethod
+    def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> list[int]:
+        """Indices of the groups the lens analyses: every rollout valid and the rewards not all equal.
+
+        Args:
+            rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
+        """
+        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
+        v = valid.view(-1, R).cpu()
+        return [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(dg.zero_variance_groups(r[b:b + 1]))]
+
+    def update_capture(self, policy: torch.nn.Module) -> dg.GradientCapture:
+        """The :class:`GradientCapture` (the lens's own projections) for the trainer to open around the first
+        on-policy pass of the update, whose sketched loss-gradient rows then give the g_i without a pass of the
+        lens's own (:func:`scores_from_update_rows`). Marks the step as measured for the S4 snapshots."""
+        self._pending = True
+        return dg.GradientCapture(policy, self.config.lens_sketch_dim, self.config.lens_sketch_dim,
+                                  seed=self.config.seed)
+
     def measure(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
-                valid: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+                valid: torch.Tensor, advantages: torch.Tensor, sketch: torch.Tensor | None = None) -> dict[str, float]:
         """Lens metrics of one step's rollouts (every process's), before the update.
 
         Args:
             batch: this process's N = B*R rollouts.  rewards: [N] (NaN where invalid).  valid: [N] bool.
             advantages: [N], the advantages the update uses.
+            sketch: [N, K] sketched g_i of every rollout, already computed at the step's starting weights (from the
+                update's first pass, :func:`scores_from_update_rows`); None runs the lens's own batched
+                forward + backward over the mixed groups, which must then happen before the update.
 
         Returns:
             {key: float}; the same numbers on every process.
@@ -92,14 +154,18 @@ class TrainerLens:
         R = batch.group_size
         r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
         v = valid.view(-1, R).cpu()
-        mixed = [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(dg.zero_variance_groups(r[b:b + 1]))]
+        mixed = self.mixed_groups(rewards, valid, R)
         rows: list[dict[str, float]] = []
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
-            sketch = dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim,
-                                             seed=c.seed, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
-            grads = sketch.sketch.double().cpu()  # [n_mixed * R, K]; small, analysed on the CPU with r and adv
+            if sketch is None:
+                sketch = dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim,
+                                                 seed=c.seed, temperature=c.temperature, top_k=c.top_k,
+                                                 top_p=c.top_p).sketch
+            else:
+                sketch = sketch[idx.to(sketch.device)]
+            grads = sketch.double().cpu()  # [n_mixed * R, K]; small, analysed on the CPU with r and adv
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
                 rows.append(dg.analyse_group(
