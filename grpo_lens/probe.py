@@ -128,8 +128,8 @@ def default_layer(model: torch.nn.Module) -> str:
 STRATA_KEYS = tuple(f"rank/{m}_{x}" for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank",
                                                                                                       "stable_rank"))\
     + ("rank/g1_erank_vs_null", "rank/g1_stable_rank_vs_null", "grad/identity_residual", "zero_sum/span_energy",
-       "zero_sum/span_energy_null", "zero_sum/span_energy_p", "zero_sum/cos_gap", "zero_sum/cos_gap_null",
-       "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
+       "zero_sum/span_energy_null", "zero_sum/span_energy_excess", "zero_sum/span_energy_p", "zero_sum/cos_gap",
+       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
 
 
 def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
