@@ -151,7 +151,8 @@ class TrainConfig(ConfigFile):
     lens_every: int = option(5, "Measure the gradient lens (rank, sparsity, baselines) at the first step, every this "
                          "many steps and the last step (0 = never).")
     lens_sketch_dim: int = option(16, "Side of the random projection per linear layer for sketched per-rollout "
-                              "gradients (k_in = k_out): sketch dims per layer = this squared.")
+                              "gradients (k_in = k_out): sketch dims per layer = this squared. Also sets the sketch "
+                              "of --estimator optimal's squared gradient norms.")
     # --- run ---------------------------------------------------------------------------------------------------------
     seed: int = option(0, "Random seed (prompts, sampling, projections).")
     dtype: str = option("float32", "Parameter dtype: float32 or bfloat16.")

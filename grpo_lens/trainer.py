@@ -26,6 +26,7 @@ import torch
 
 from grpo_lens.advantages import compute_advantages, constant_groups
 from grpo_lens.config import TrainConfig
+from grpo_lens.diagnostics.baselines import optimal_vs_rloo, sketched_rollout_sq_norms
 from grpo_lens.losses import grpo_loss, loss_normalizer, mismatch_sums, truncated_is_weights
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import RunDir, crash_point
@@ -312,6 +313,20 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
     return task, reward_fns
 
 
+def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
+    """Checks that need the loaded model; the trainer runs them before the run directory is written.
+
+    Raises:
+        ValueError: ``--estimator optimal`` with a model that has no ``nn.Linear`` layer (its b* weights are the
+            sketched squared gradient norms of the linear layers).
+    """
+    from grpo_lens.diagnostics.gradients import linear_layer_names
+
+    if config.estimator == "optimal" and not linear_layer_names(policy):
+        raise ValueError(f"--estimator optimal needs per-rollout gradient norms of the model's nn.Linear layers, and "
+                         f"{config.model} has none; pick another --estimator (grpo, rloo, dr_grpo)")
+
+
 def train(config: TrainConfig, lens: Any = None) -> RunDir:
     """Run GRPO as ``config`` says and return the run directory.
 
@@ -352,6 +367,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)
     policy.train()
+    check_model(config, policy)  # before --out is written
     reference = None
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -416,8 +432,25 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
         #    group's statistics and, with mask_truncated, get zero advantage (no policy gradient)
+        grad_sq_norms, baseline_metrics = None, {}
+        if config.estimator == "optimal":  # b*_{-i} weights: sketched ||c_i g_i||^2 of the rollouts that need them
+            t_b = time.perf_counter()
+            contrast = ~constant_groups(rewards.view(-1, R), valid.view(-1, R))  # [B] groups with a gradient
+            need = (valid.view(-1, R) & contrast.unsqueeze(1)).view(-1)
+            grad_sq_norms = sketched_rollout_sq_norms(
+                policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.lens_sketch_dim,
+                seed=config.seed, temperature=config.temperature,
+            ).view(-1, R).to(procs.device)
+            baseline_metrics["perf/optimal_baseline_seconds"] = time.perf_counter() - t_b
         advantages = compute_advantages(rewards.view(-1, R).float(), config.estimator, std=config.std,
-                                        eps=config.eps, mask=valid.view(-1, R)).view(-1)
+                                        eps=config.eps, mask=valid.view(-1, R), grad_sq_norms=grad_sq_norms).view(-1)
+        if config.estimator == "optimal":
+            sums = procs.sum(torch.tensor(optimal_vs_rloo(rewards.view(-1, R), valid.view(-1, R),
+                                                          advantages.view(-1, R)), dtype=torch.float64,
+                                          device=procs.device)).tolist()
+            if sums[2] > 0:
+                baseline_metrics["adv/optimal_baseline"] = sums[0] / sums[2]
+                baseline_metrics["adv/optimal_minus_rloo"] = sums[1] / sums[2]
         if config.mask_truncated:
             advantages = advantages.masked_fill(batch.truncated.to(advantages.device), 0.0)
 
@@ -449,7 +482,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         tokens = float(all_mask.sum())
         record = {"step": step, **reward_info,  # this process's reward calls; the all-process statistics win:
                   **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
-                  **loss_metrics, **lens_metrics,
+                  **loss_metrics, **lens_metrics, **baseline_metrics,
                   "lr": optimizer.param_groups[0]["lr"],
                   "perf/step_seconds": seconds, "perf/generation_seconds": t_gen,
                   "perf/tokens_per_second": tokens / max(seconds, 1e-9),
