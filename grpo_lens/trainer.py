@@ -34,6 +34,10 @@ from grpo_lens.seeding import seed_everything
 
 logger = logging.getLogger(__name__)
 
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient; the run stopped with its last checkpoint intact."""
+
+
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
                   "log_completions", "device",
@@ -160,8 +164,10 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     grad_norms: list[float] = []
     mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
     tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
+    skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (docs/theory.md §Numerical guards)
     for pass_ in range(config.mu):
         for mb, mini in enumerate(mini_batches):
+            nonfinite_loss = False
             mask = batch.completion_mask[mini]
             normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
                                                                        config.max_new_tokens),
@@ -193,6 +199,7 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                     ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
                     token_weights=weights)
                 loss.backward()
+                nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
                 tok = m.pop("tokens")
                 tokens_total += tok
                 for k, v in m.items():
@@ -210,8 +217,16 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                 before_step()
             max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            crash_point("before_optimizer_step", step)
-            optimizer.step()
+            bad = float(nonfinite_loss or not math.isfinite(grad_norms[-1]))
+            if procs.world > 1:  # every process skips together
+                bad = float(procs.sum(torch.tensor([bad], dtype=torch.float64, device=procs.device)))
+            if bad:  # no optimizer (or scheduler) change: the weights and AdamW's moments stay as they were
+                skipped += 1
+                logger.warning("step %d: non-finite loss or gradient (norm %s); optimizer step skipped", step,
+                               grad_norms[-1])
+            else:
+                crash_point("before_optimizer_step", step)
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     if procs.world > 1:  # the whole batch's numbers, not this process's share
         keys = sorted(k for k in totals if k != "ratio/max")  # the same keys, in the same order, on every process
@@ -230,7 +245,8 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     out.update(_mismatch_metrics(mismatch, tis if config.tis_cap is not None else None, procs))
     out["grad/norm"] = grad_norms[0]
     out["grad/norm_last"] = grad_norms[-1]
-    out["grad/optimizer_steps"] = len(grad_norms)
+    out["grad/optimizer_steps"] = len(grad_norms) - skipped
+    out["guard/skipped_optimizer_steps"] = skipped
     return out
 
 
@@ -381,10 +397,12 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     # --- the run directory: written only once the model (and, to resume, the checkpoint) has loaded ------------------
     start_step = 0
+    guard = {"consecutive": 0, "total": 0}  # trainer steps skipped for a non-finite loss or gradient
     if config.resume:
         if ckpt is not None:
             state = run.load_checkpoint(ckpt, policy, optimizer)
             start_step = int(state["step"])
+            guard.update(state.get("guard") or {})
             if state.get("rng"):
                 _set_rng_state(state["rng"])
             if lens is not None and state.get("lens") is not None:
@@ -472,6 +490,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                                      step=step)
         if lens is not None:
             lens_metrics.update(lens.after_step(step, policy, measure))
+        step_skipped = loss_metrics["guard/skipped_optimizer_steps"] > 0
+        guard["consecutive"] = guard["consecutive"] + 1 if step_skipped else 0
+        guard["total"] += int(step_skipped)
+        loss_metrics.update({"guard/step_skipped": int(step_skipped), "guard/skipped_steps": guard["total"],
+                             "guard/consecutive_skipped": guard["consecutive"]})
 
         # 8. metrics over all processes' rollouts, one JSON line per step
         all_rewards, all_valid = procs.gather(rewards), procs.gather(valid)
@@ -495,10 +518,18 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                 progress.set_postfix(reward=f"{record['reward/mean']:.3f}", sec=f"{seconds:.1f}")
                 progress.update(1)
 
+        if guard["consecutive"] >= config.max_consecutive_skips:  # before any checkpoint of this step
+            procs.barrier()
+            raise NonFiniteUpdateError(
+                f"step {step}: the loss or gradient was non-finite for {guard['consecutive']} consecutive steps "
+                f"(--max-consecutive-skips {config.max_consecutive_skips}), so training stopped; the last checkpoint "
+                f"in {run.path / 'checkpoints'} is intact: lower --learning-rate or --beta, or check the rewards")
+
         # 9. checkpoint (atomic): model, optimizer, step; every step's randomness derives from (seed, step)
         if step % config.checkpoint_every == 0 or step == config.max_steps:
             if procs.is_main:
-                state = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None}
+                state = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None,
+                         "guard": dict(guard)}
                 run.save_checkpoint(step, policy, optimizer, state, keep=config.keep_checkpoints)
             procs.barrier()
 
