@@ -138,8 +138,9 @@ class TrainConfig(ConfigFile):
                  "off the sampler and the clip matter.")
     num_mini_batches: int = option(1, "Optimizer steps per pass: the step's prompts are split into this many "
                                "mini-batches (must divide prompts_per_step).")
-    micro_batch_size: int = option(8, "Rollouts per forward/backward (gradient accumulation; the gradient does not "
-                               "depend on it).")
+    micro_batch_size: int | None = option(None, "Rollouts per forward/backward (gradient accumulation; the gradient "
+                                      "does not depend on it). Unset: picked per mini-batch from the model's shape "
+                                      "and the machine's total memory (the whole mini-batch when it fits).")
     # --- optimizer ---------------------------------------------------------------------------------------------------
     max_steps: int = option(30, "Optimizer steps (sampling rounds) to train for.")
     learning_rate: float = option(5e-6, "AdamW learning rate.")
@@ -242,7 +243,7 @@ class TrainConfig(ConfigFile):
             bad("mu", "must be >= 1")
         if self.num_mini_batches < 1 or self.prompts_per_step % self.num_mini_batches:
             bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
-        if self.micro_batch_size < 1:
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
             bad("micro_batch_size", "must be >= 1")
         if self.max_steps < 0:
             bad("max_steps", "must be >= 0")

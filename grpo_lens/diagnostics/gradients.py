@@ -543,7 +543,9 @@ class GradientCapture:
             prev = state.layers.get(name)
             state.layers[name] = rows if prev is None else prev + rows
             if xnorm_sq is not None:
-                tok = d3.float().square().sum(-1) * xnorm_sq  # [n, L] ||delta_t||^2 ||x_t||^2
+                tok = d3.float().square().sum(-1) * xnorm_sq  # [n, L'] ||delta_t||^2 ||x_t||^2
+                if tok.shape[1] < state.length:  # a layer run on the last L' positions only (the LM head under
+                    tok = torch.nn.functional.pad(tok, (state.length - tok.shape[1], 0))  # logits_to_keep)
                 state.token_sq = tok if state.token_sq is None else state.token_sq + tok
 
         output.register_hook(on_grad)
