@@ -332,6 +332,33 @@ def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, 
     return out
 
 
+def rollout_correctness(task: Any, batch: RolloutBatch, timeout: float) -> torch.Tensor:
+    """The task's own 0/1 correctness verdict of every rollout (:func:`grpo_lens.tasks.correctness_verdict`): [N]
+    float64, NaN where there is none (no reference answer, or the check failed or ran past ``timeout`` seconds).
+    Independent of the configured reward functions and their weights; ``reward/accuracy`` is its mean."""
+    from grpo_lens.rewards import RewardTimeout, _call_with_timeout
+    from grpo_lens.tasks import correctness_verdict
+
+    R = batch.group_size
+    answers = [a for a in batch.extras.get("answer", [None] * batch.num_groups) for _ in range(R)]
+    try:
+        verdict = _call_with_timeout(correctness_verdict, timeout, (task, batch.completions, answers), {})
+    except RewardTimeout:
+        logger.error("the task's correctness check ran past %s s: no accuracy this step", timeout)
+        verdict = [None] * len(answers)
+    except Exception:  # noqa: BLE001 - a failing check must not stop the run
+        logger.exception("the task's correctness check raised: no accuracy this step")
+        verdict = [None] * len(answers)
+    return torch.tensor([math.nan if v is None else float(v) for v in verdict], dtype=torch.float64)
+
+
+def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
+    """``reward/accuracy``: the mean of the 0/1 verdicts [N] over rollouts that have one (NaN = none); absent when
+    no rollout has one."""
+    has = ~torch.isnan(correct)
+    return {"reward/accuracy": float(correct[has].mean())} if has.any() else {}
+
+
 def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
                     batch_mask: torch.Tensor, truncated: torch.Tensor, R: int) -> dict[str, float]:
     """Reward, advantage and completion statistics of a step (all processes' rollouts).
@@ -350,7 +377,6 @@ def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torc
     return {
         "reward/mean": mean,
         "reward/std": std,
-        "reward/accuracy": float(((r >= 1.0) & v).sum() / n_valid),
         "reward/frac_zero_std_groups": float(zero_std),
         "reward/invalid_frac": float((~valid).float().mean()),
         "adv/mean": float(advantages.mean()),
@@ -513,6 +539,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         # 3. rewards (invalid rollouts are masked out of the group statistics)
         rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
         rewards, valid = rewards.to(procs.device), valid.to(procs.device)
+        correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
 
         # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
         #    group's statistics and, with mask_truncated, get zero advantage (no policy gradient)
@@ -571,7 +598,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         tokens = float(all_mask.sum())
         record = {"step": step, **reward_info,  # this process's reward calls; the all-process statistics win:
                   **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
-                  **loss_metrics, **lens_metrics, **baseline_metrics,
+                  **accuracy_metrics(procs.gather(correct)), **loss_metrics, **lens_metrics, **baseline_metrics,
                   "lr": optimizer.param_groups[0]["lr"],
                   "perf/step_seconds": seconds, "perf/generation_seconds": t_gen,
                   "perf/tokens_per_second": tokens / max(seconds, 1e-9),
