@@ -77,6 +77,15 @@ class ProbeConfig(ConfigFile):
     layer: str | None = option(None, "Linear layer for G1_layer and G2 (default: the middle layer's MLP down "
                                "projection).")
     random_draws: int = option(8, "Draws of random zero-sum weights for the G1 control.")
+    study_group_size: int = option(4, "R of the baseline and credit studies (docs/theory.md §Baselines at matched "
+                                   "expectation, §Token credit).")
+    baseline_study_prompts: int = option(8, "Prompts with reward contrast in the baseline study, M = 4R rollouts each "
+                                         "(0 skips the study).")
+    credit_groups: int = option(4, "Mixed groups whose tokens' signed contributions to the update are measured (0 "
+                                "skips the credit study).")
+    mc_groups: int = option(2, "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
+                            "rollout.")
+    mc_samples: int = option(8, "Continuations per prefix for the Monte Carlo values (K >= 2).")
     resamples: int = option(256, "Resampled groups for the baseline variance.")
     seed: int = option(0, "Random seed.")
     dtype: str = option("float32", "float32 or bfloat16.")
@@ -94,6 +103,13 @@ class ProbeConfig(ConfigFile):
         for name in ("prompts", "prompts_per_batch", "max_new_tokens", "sketch_dim", "random_draws"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
+        if self.study_group_size < 2:
+            bad("study_group_size", "must be >= 2")
+        for name in ("baseline_study_prompts", "credit_groups", "mc_groups"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0 (0 skips)")
+        if self.mc_samples < 2:
+            bad("mc_samples", "must be >= 2 (a standard error needs two continuations)")
         if self.baseline_prompts < 0:
             bad("baseline_prompts", "must be >= 0")
         if self.resamples < 2:
@@ -204,7 +220,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     rows: list[dict[str, float]] = []
     extras: list[dict[str, Any]] = []
     sampled = all_equal = invalid = 0
-    success_rates: list[float] = []
+    s1_predictions: list[float] = []  # per prompt, from the rollouts outside its group
     baseline_var: list[dict[str, float]] = []
     t_gen = t_grad = 0.0
     draw = 0
@@ -225,8 +241,9 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             sampled += 1
             rows_j = torch.arange(j * M, (j + 1) * M)
             r_all, v_all = rewards[rows_j], valid[rows_j]
-            if v_all.any():
-                success_rates.append(float(r_all[v_all].clamp(0, 1).mean()))
+            if bool(v_all.all()):  # S1 predicted from the M - R rollouts outside the group (docs/theory.md §S1)
+                k_rest = int((r_all[R:] >= 1.0).sum())
+                s1_predictions.append(float(dg.unbiased_zero_variance_probability(k_rest, M - R, R)))
             group = rows_j[:R]
             r_g, v_g = rewards[group], valid[group]
             if not bool(v_g.all()):
@@ -268,8 +285,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         "groups_mixed": len(rows),
         "groups_invalid": invalid,
         "s1_measured": all_equal / valid_groups if valid_groups else None,
-        "s1_predicted": dg.predicted_zero_variance_fraction(torch.tensor(success_rates), R) if success_rates
-        else None,
+        "s1_predicted": statistics.fmean(s1_predictions) if s1_predictions else None,
+        "s1_predicted_ci": dg.bootstrap_ci(s1_predictions, seed=config.seed),
         "groups": rows,
         "summary": dg.summarise_rows(rows, **ci),
         "strata": {"correct": dg.stratify_rows(rows, "group/correct", keys=STRATA_KEYS, **ci),
@@ -282,6 +299,28 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         "credit": {"position_profile": profile},
         "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad},
     }
+
+
+def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig) -> dict[str, Any]:
+    """The baseline study (with S1 predicted from rollouts outside the group) and the credit study of
+    :mod:`grpo_lens.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent)."""
+    from grpo_lens import studies
+
+    common = dict(group_size=config.study_group_size, max_new_tokens=config.max_new_tokens,
+                  temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
+                  prompts_per_batch=config.prompts_per_batch)
+    out: dict[str, Any] = {}
+    if config.baseline_study_prompts > 0:
+        out["baselines"] = studies.run_baseline_study(
+            policy, tokenizer, task, reward_fns, prompts=config.baseline_study_prompts,
+            max_prompts=4 * config.baseline_study_prompts, sketch_dim=config.sketch_dim,
+            resamples=max(config.resamples, 2), **common)
+    if config.credit_groups > 0:
+        out["credit"] = studies.run_credit_study(
+            policy, tokenizer, task, reward_fns, groups=config.credit_groups,
+            max_prompts=6 * config.credit_groups, mc_groups=config.mc_groups, mc_samples=config.mc_samples,
+            std=config.std, eps=config.eps, **common)
+    return out
 
 
 def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
@@ -336,6 +375,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             progress.update(1)
     if progress is not None:
         progress.close()
+    studies = run_studies(policy, tokenizer, task, reward_fns, config)
     meta = {"model": config.model, "task": config.task, "gradients": "exact" if config.exact else "sketch",
             "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
             "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,
@@ -344,6 +384,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     from grpo_lens.rundir import atomic_write_text
 
-    atomic_write_text(out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r}, indent=1))
+    atomic_write_text(out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r, "studies": studies},
+                                                     indent=1))
     write_report(out)
     return out
