@@ -66,7 +66,7 @@ def rollout_scores(logprobs: Tensor, completion_mask: Tensor, score_weights: Ten
     mask = completion_mask.to(logprobs.dtype)
     if score_weights is not None:
         assert score_weights.shape == logprobs.shape[:1], (score_weights.shape, logprobs.shape)
-        return (logprobs * mask).sum(-1) * score_weights.to(logprobs.dtype)
+        return (logprobs * mask).sum(-1) * score_weights.to(device=logprobs.device, dtype=logprobs.dtype)
     return (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
@@ -263,7 +263,8 @@ def layer_weight_grads(
     names = linear_layer_names(model, layers)
     modules = dict(model.named_modules())
     logp = batch_logprobs(model, batch, temperature)
-    loss = (rollout_scores(logp, batch.completion_mask, score_weights) * weights.to(logp.dtype)).sum()
+    loss = (rollout_scores(logp, batch.completion_mask, score_weights)
+            * weights.to(device=logp.device, dtype=logp.dtype)).sum()
     grads = torch.autograd.grad(loss, [modules[n].weight for n in names], allow_unused=True)
     return {n: (torch.zeros_like(modules[n].weight) if g is None else g) for n, g in zip(names, grads)}
 
