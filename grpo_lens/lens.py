@@ -1,7 +1,8 @@
 """The lens inside the trainer: a cheap subset of the diagnostics every ``lens_every`` steps.
 
 On a lens step, before the update, one extra batched backward gives sketched per-rollout gradients g_i of every linear
-layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`). Each mixed group goes through the one
+layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`), each the term that the configured loss
+aggregation weights in the update (:func:`grpo_lens.losses.rollout_gradient_weights`, docs/theory.md §3). Each mixed group goes through the one
 per-group analysis path, :func:`grpo_lens.diagnostics.analyse_group` (the same function ``grpo-lens probe`` calls),
 and the lens writes the mean over the step's mixed groups of every key it returns (the identity residual: the max).
 With several processes every process's groups are gathered first, so the numbers cover the whole batch.
@@ -22,6 +23,7 @@ import torch
 
 from grpo_lens import diagnostics as dg
 from grpo_lens.diagnostics.sparsity_training import SparsityOverTraining
+from grpo_lens.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.rollout import RolloutBatch
 
 
@@ -41,44 +43,26 @@ def gather_objects(obj: Any) -> list[Any]:
     return [obj]
 
 
-#: Loss aggregations whose per-rollout gradient :func:`scores_from_update_rows` can invert.
-SEQUENCE_MEAN = ("seq-mean-token-mean",)
-TOKEN_SUM = ("token-mean", "seq-mean-token-sum-norm")
-
-
-def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor,
-                            aggregation: str, normalizer: float) -> torch.Tensor:
-    """Sketched g_i = grad s_i from the sketched per-rollout rows of the update's first on-policy loss gradient.
+def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_rollouts: float) -> torch.Tensor:
+    """The lens's sketched rows grad(omega_i sum_t log pi(o_it)) read off the update's first on-policy loss gradient.
 
     On the first pass pi_old is the forward's own detached log-prob, so every ratio is 1, the clip is inactive
     (eps_low, eps_high > 0) and, without KL term or importance weights, rollout i's share of the loss has gradient
-
-        grad L_i = -(A_i kappa_i / Z) g_i,   g_i = grad (1/|o_i|) sum_t log pi(o_it),
-
-    kappa_i = 1 for seq-mean-token-mean and |o_i| for the token-sum aggregations, Z the batch's loss normaliser
-    (docs/theory.md §Lens sketch from the update). The sketch is linear, so the same holds for the sketched rows.
+    grad L_i = -(A_i / N) grad(omega_i sum_t log pi(o_it)), omega_i = :func:`grpo_lens.losses.rollout_gradient_weights`
+    (docs/theory.md §3, §Lens sketch from the update). The sketch is linear, so the same holds row by row.
 
     Args:
-        rows: [N, K] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
-        advantages: [N] A_i.   completion_mask: [N, T] bool.   aggregation: the loss aggregation name.
-        normalizer: Z, the loss normaliser summed over processes.
+        rows: [N_local, K] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
+        advantages: [N_local] A_i.   num_rollouts: N, the rollouts in the loss summed over processes.
 
     Returns:
-        [N, K] sketched g_i; rows with A_i = 0 or an empty completion are 0 (their g_i cannot be read off; callers
-        only use rows of groups whose advantages are all nonzero).
-
-    Raises:
-        ValueError: an aggregation outside SEQUENCE_MEAN + TOKEN_SUM.
+        [N_local, K] float64: -N row_i / A_i; rows with A_i = 0 are 0 (their gradient cannot be read off; the trainer
+        uses this only when every analysed group's advantages are nonzero).
     """
-    if aggregation in SEQUENCE_MEAN:
-        kappa = torch.ones(rows.shape[0], dtype=torch.float64, device=rows.device)
-    elif aggregation in TOKEN_SUM:
-        kappa = completion_mask.to(device=rows.device, dtype=torch.float64).sum(1)
-    else:
-        raise ValueError(f"unknown aggregation {aggregation!r}; valid names: {', '.join(SEQUENCE_MEAN + TOKEN_SUM)}")
-    scale = -advantages.to(device=rows.device, dtype=torch.float64) * kappa / normalizer  # [N]
-    safe = torch.where(scale != 0, scale, torch.ones_like(scale))
-    return torch.where((scale != 0).unsqueeze(1), rows.double() / safe.unsqueeze(1), torch.zeros_like(rows.double()))
+    a = advantages.to(device=rows.device, dtype=torch.float64)
+    safe = torch.where(a != 0, a, torch.ones_like(a))
+    out = -float(num_rollouts) * rows.double() / safe.unsqueeze(1)
+    return torch.where((a != 0).unsqueeze(1), out, torch.zeros_like(out))
 
 
 class TrainerLens:
@@ -156,13 +140,18 @@ class TrainerLens:
         v = valid.view(-1, R).cpu()
         mixed = self.mixed_groups(rewards, valid, R)
         rows: list[dict[str, float]] = []
+        # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
+        # N and normaliser Z, summed over processes as the trainer does
+        norm = gather_objects((loss_normalizer(batch.completion_mask, c.loss_aggregation, c.max_new_tokens),
+                               float(batch.completion_mask.any(dim=1).sum())))
+        z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
             if sketch is None:
+                omega = rollout_gradient_weights(sub.completion_mask, c.loss_aggregation, z_total, n_total)
                 sketch = dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim,
-                                                 seed=c.seed, temperature=c.temperature, top_k=c.top_k,
-                                                 top_p=c.top_p).sketch
+                                                 seed=c.seed, score_weights=omega, temperature=c.temperature).sketch
             else:
                 sketch = sketch[idx.to(sketch.device)]
             grads = sketch.double().cpu()  # [n_mixed * R, K]; small, analysed on the CPU with r and adv
