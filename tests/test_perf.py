@@ -151,7 +151,7 @@ def test_bf16_mixed_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_path):
         assert torch.is_autocast_enabled("cpu")
 
 
-@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
 def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, monkeypatch):
     """The lens's g_i read off the update's first pass (no extra forward/backward) give the same lens numbers as
     its own pass, and the training trajectory does not change (the capture only reads gradients)."""
