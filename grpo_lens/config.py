@@ -158,7 +158,9 @@ class TrainConfig(ConfigFile):
                               "of --estimator optimal's squared gradient norms.")
     # --- run ---------------------------------------------------------------------------------------------------------
     seed: int = option(0, "Random seed (prompts, sampling, projections).")
-    dtype: str = option("float32", "Parameter dtype: float32 or bfloat16.")
+    dtype: str = option("float32", "Precision: float32; bfloat16 (bf16 weights and optimizer state: half the memory, "
+                    "but updates below bf16's resolution are lost); bf16-mixed (float32 weights and optimizer, every "
+                    "forward under bf16 autocast: the usual GPU setting).")
     device: str = option("auto", "cpu, cuda, cuda:N or auto.")
     out: str | None = option(None, "Run directory (config.yaml, metrics.jsonl, checkpoints/).")
     resume: bool = option(False, "Continue the run in --out from its last checkpoint.")
@@ -270,7 +272,7 @@ class TrainConfig(ConfigFile):
             bad("reward_timeout", "must be > 0 seconds")
         if self.log_completions < 0:
             bad("log_completions", "must be >= 0")
-        choice("dtype", ("float32", "bfloat16"))
+        choice("dtype", ("float32", "bfloat16", "bf16-mixed"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             bad("device", "use cpu, cuda, cuda:N or auto")
         if not self.rewards:

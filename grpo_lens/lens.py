@@ -99,13 +99,13 @@ class TrainerLens:
             sub = batch.select(idx)
             sketch = dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim,
                                              seed=c.seed, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
-            grads = sketch.sketch.double()  # [n_mixed * R, K]
+            grads = sketch.sketch.double().cpu()  # [n_mixed * R, K]; small, analysed on the CPU with r and adv
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
                 rows.append(dg.analyse_group(
                     grads[j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
-                    std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R],
-                    completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
+                    std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
+                    completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4,
                     seed=c.seed + step * 1009 + b))
         # every process's groups: the lens describes the whole batch, not rank 0's share
         parts = gather_objects({"rows": rows, "rewards": r, "valid": v})

@@ -162,9 +162,11 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     R = sub.num_rollouts
     adv = compute_advantages(rewards.view(1, R).double(), "grpo", std=config.std, eps=config.eps)[0]
     grads, layer_rows, token_sq = _rollout_grads(policy, sub, config, layer)
-    g = grads.double()
+    # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
+    g, layer_rows = grads.double().cpu(), layer_rows.cpu()
+    cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
     row = dg.analyse_group(g, rewards.double(), adv, estimator="grpo", std=config.std, eps=config.eps,
-                           completion_mask=sub.completion_mask, completion_ids=sub.completion_ids,
+                           completion_mask=cmask, completion_ids=cids,
                            num_random=config.random_draws, seed=seed)
     row.update(dg.g1_rank_keys(layer_rows, adv, "g1_layer"))
     gram = g @ g.T
@@ -177,19 +179,19 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
     g2_raw = dg.layer_weight_grads(policy, sub, adv.float(), [layer], temperature=config.temperature,
-                                   top_k=config.top_k, top_p=config.top_p)[layer]
-    bound = dg.g2_rank_bound(sub.prompt_mask, sub.completion_ids, sub.completion_mask)
+                                   top_k=config.top_k, top_p=config.top_p)[layer].cpu()
+    bound = dg.g2_rank_bound(sub.prompt_mask.cpu(), cids, cmask)
     row.update(dg.g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype))
     extras["spectra"]["G2"] = dg.singular_values(g2_raw.double())[:64].tolist()
 
-    token_adv = dg.token_advantages(adv, sub.completion_mask)
+    token_adv = dg.token_advantages(adv, cmask)
     if token_sq is None:  # exact mode: the per-token norms come from one more batched backward
         token_sq = dg.token_grad_sq_norms(policy, sub, temperature=config.temperature, top_k=config.top_k,
                                           top_p=config.top_p)
-    comp = dg.completion_positions(token_sq, sub.prompt_ids.shape[1])  # [R, T]
-    answer = dg.answer_mask_from_tokenizer(tokenizer, sub.completion_ids, sub.completion_mask)
-    row.update(dg.credit_metrics(token_adv, comp, sub.completion_mask, answer))
-    extras["profile"] = dg.position_profile(comp.sqrt(), sub.completion_mask)
+    comp = dg.completion_positions(token_sq.cpu(), sub.prompt_ids.shape[1])  # [R, T]
+    answer = dg.answer_mask_from_tokenizer(tokenizer, cids, cmask)
+    row.update(dg.credit_metrics(token_adv, comp, cmask, answer))
+    extras["profile"] = dg.position_profile(comp.sqrt(), cmask)
     return row, extras
 
 
@@ -239,7 +241,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             extras.append(extra)
             if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
                 grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, layer)
-                var = dg.estimator_variances(grads_m.double(), r_all.double(), R, num_resamples=config.resamples,
+                var = dg.estimator_variances(grads_m.double().cpu(), r_all.double(), R, num_resamples=config.resamples,
                                              seed=seed)
                 baseline_var.append(var)
             t_grad += time.perf_counter() - t0

@@ -159,7 +159,8 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
         with torch.no_grad():
             for micros in micro_batches:
                 for idx in micros:
-                    old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
+                    with forward_precision(procs.device, config.dtype):
+                        old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
     totals: dict[str, float] = {}
     tokens_total = 0.0
     entropy_sum = entropy_tokens = 0.0  # the first pass's token-mean policy entropy (from its own logits)
@@ -176,7 +177,8 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                                                       dtype=torch.float64, device=procs.device)))
             for idx in micro_batches[mb]:
                 micro = batch.select(idx)
-                logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
+                with forward_precision(procs.device, config.dtype):
+                    logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
                 # pi_old: this very forward on the first pass over the first mini-batch (ratio exactly 1)
                 old = logp.detach() if pass_ == 0 and mb == 0 else old_logp[idx]
                 if pass_ == 0:
@@ -250,6 +252,23 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     out["grad/optimizer_steps"] = len(grad_norms) - skipped
     out["guard/skipped_optimizer_steps"] = skipped
     return out
+
+
+def forward_precision(device: torch.device, dtype: str):
+    """The context every model forward of a step runs in: bf16 autocast for ``dtype == "bf16-mixed"`` (float32
+    weights, gradients and AdamW state; matrix products in bfloat16), else nothing. Works on CPU and CUDA.
+
+    Log-probs stay float32 under it (``completion_logprobs`` upcasts the logits before the log-softmax), and pi_old
+    is the same forward's detached log-prob, so the first pass's ratio is exactly 1 here too.
+
+    Args:
+        device: where the model runs.   dtype: the config's ``dtype`` (float32, bfloat16, bf16-mixed).
+    """
+    import contextlib
+
+    if dtype == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def total_memory_bytes(device: torch.device) -> int | None:
@@ -472,7 +491,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         hf_logging.disable_progress_bar()  # --no-progress silences transformers' loading bars too
     seed_everything(config.seed)
-    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32  # bf16-mixed: float32 weights
     policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)
     policy.train()
     check_model(config, policy)  # before --out is written
@@ -530,9 +549,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         # 2. rollouts: R completions per prompt, with the sampler's log-probs
         policy.eval()
         crash_point("during_generation", step, module=policy)
-        batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
-                              temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                              generator_seed=seed + 104_729 * procs.rank)
+        with forward_precision(procs.device, config.dtype):
+            batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
+                                  temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                  generator_seed=seed + 104_729 * procs.rank)
         policy.train()
         t_gen = time.perf_counter() - t0
 
@@ -548,10 +568,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             t_b = time.perf_counter()
             contrast = ~constant_groups(rewards.view(-1, R), valid.view(-1, R))  # [B] groups with a gradient
             need = (valid.view(-1, R) & contrast.unsqueeze(1)).view(-1)
-            grad_sq_norms = sketched_rollout_sq_norms(
-                policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.lens_sketch_dim,
-                seed=config.seed, temperature=config.temperature,
-            ).view(-1, R).to(procs.device)
+            with forward_precision(procs.device, config.dtype):
+                grad_sq_norms = sketched_rollout_sq_norms(
+                    policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.lens_sketch_dim,
+                    seed=config.seed, temperature=config.temperature,
+                ).view(-1, R).to(procs.device)
             baseline_metrics["perf/optimal_baseline_seconds"] = time.perf_counter() - t_b
         advantages = compute_advantages(rewards.view(-1, R).float(), config.estimator, std=config.std,
                                         eps=config.eps, mask=valid.view(-1, R), grad_sq_norms=grad_sq_norms).view(-1)
@@ -569,13 +590,15 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         ref_logp = None
         if reference is not None:
             with torch.no_grad():
-                ref_logp = batch_logprobs(reference, batch, config.temperature)  # never top-k/top-p filtered
+                with forward_precision(procs.device, config.dtype):
+                    ref_logp = batch_logprobs(reference, batch, config.temperature)  # never top-k/top-p filtered
 
         # 6. the lens reads this step's rollouts before the update changes the policy
         lens_metrics: dict[str, float] = {}
         measure = lens is not None and is_lens_step(step, config.lens_every, config.max_steps)
         if measure:
-            lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
+            with forward_precision(procs.device, config.dtype):
+                lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
 
         # 7. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         loss_metrics = policy_update(policy, optimizer, batch, advantages, ref_logp, config, procs, params,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from grpo_lens.models import build_tiny_model
@@ -99,3 +101,50 @@ def test_shared_prompt_prefill_samples_the_distribution_the_trainer_recomputes()
     m = shared.completion_mask
     assert m.sum() > 20
     assert ((trainer - shared.sampler_logprobs) * m).abs().max() < 1e-5
+
+
+def test_bf16_mixed_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_path):
+    """--dtype bf16-mixed (the GPU setting) on the CPU: autocast reaches every forward of the step (sampler, update,
+    lens), weights and AdamW state stay float32, and the first pass's ratio is exactly 1."""
+    import json
+
+    from grpo_lens import models
+    from grpo_lens.config import TrainConfig
+    from grpo_lens.trainer import forward_precision, train
+
+    seen: dict[str, set] = {"generate": set(), "train": set()}
+    original = models.load_model
+
+    def load_and_hook(*a, **kw):
+        model, tok = original(*a, **kw)
+        assert next(model.parameters()).dtype == torch.float32  # bf16-mixed loads float32 weights
+        phase = {"now": "train"}
+        gen = model.generate
+
+        def generate(*ga, **gk):
+            phase["now"] = "generate"
+            try:
+                return gen(*ga, **gk)
+            finally:
+                phase["now"] = "train"
+
+        model.generate = generate
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda m, a, o: seen[phase["now"]].add(o.dtype))
+        return model, tok
+
+    models.load_model = load_and_hook
+    try:
+        run = train(TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2,
+                                max_new_tokens=6, max_steps=1, lens_every=1, seed=0, device="cpu", dtype="bf16-mixed",
+                                out=str(tmp_path / "run"), progress=False, save_final_model=False))
+    finally:
+        models.load_model = original
+    assert seen == {"generate": {torch.bfloat16}, "train": {torch.bfloat16}}
+    record = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()][0]
+    assert record["ratio/max"] == 1.0  # pi_old is this forward's own detached log-prob
+    assert math.isfinite(record["loss/policy"]) and math.isfinite(record["grad/norm"])
+    with forward_precision(torch.device("cpu"), "float32"):
+        assert not torch.is_autocast_enabled("cpu")
+    with forward_precision(torch.device("cpu"), "bf16-mixed"):
+        assert torch.is_autocast_enabled("cpu")
