@@ -1,7 +1,8 @@
 """The lens inside the trainer: a cheap subset of the diagnostics every ``lens_every`` steps.
 
 On a lens step, before the update, one extra batched backward gives sketched per-rollout gradients g_i of every linear
-layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`). Each mixed group goes through the one
+layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`), each the term that the configured loss
+aggregation weights in the update (:func:`grpo_lens.losses.rollout_gradient_weights`, docs/theory.md §3). Each mixed group goes through the one
 per-group analysis path, :func:`grpo_lens.diagnostics.analyse_group` (the same function ``grpo-lens probe`` calls),
 and the lens writes the mean over the step's mixed groups of every key it returns (the identity residual: the max).
 With several processes every process's groups are gathered first, so the numbers cover the whole batch.
@@ -22,6 +23,7 @@ import torch
 
 from grpo_lens import diagnostics as dg
 from grpo_lens.diagnostics.sparsity_training import SparsityOverTraining
+from grpo_lens.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.rollout import RolloutBatch
 
 
@@ -94,11 +96,17 @@ class TrainerLens:
         v = valid.view(-1, R).cpu()
         mixed = [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(dg.zero_variance_groups(r[b:b + 1]))]
         rows: list[dict[str, float]] = []
+        # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
+        # N and normaliser Z, summed over processes as the trainer does
+        norm = gather_objects((loss_normalizer(batch.completion_mask, c.loss_aggregation, c.max_new_tokens),
+                               float(batch.completion_mask.any(dim=1).sum())))
+        z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
+            omega = rollout_gradient_weights(sub.completion_mask, c.loss_aggregation, z_total, n_total)
             sketch = dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim,
-                                             seed=c.seed, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+                                             seed=c.seed, score_weights=omega, temperature=c.temperature)
             grads = sketch.sketch.double().cpu()  # [n_mixed * R, K]; small, analysed on the CPU with r and adv
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):

@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from grpo_lens import diagnostics as dg
-from grpo_lens.advantages import STD_CONVENTIONS, compute_advantages
+from grpo_lens.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS, compute_advantages
 from grpo_lens.config import ConfigError, ConfigFile, option
+from grpo_lens.losses import LOSS_AGGREGATIONS, loss_normalizer, rollout_gradient_weights
 from grpo_lens.rollout import RolloutBatch, sample_groups
 
 
@@ -64,6 +65,10 @@ class ProbeConfig(ConfigFile):
     temperature: float = option(0.7, "Sampling temperature.")
     top_p: float = option(1.0, "Nucleus sampling mass.")
     top_k: int = option(0, "Top-k sampling; 0 disables.")
+    estimator: str = option("grpo", "Advantage estimator whose advantages weight the rows: "
+                            + ", ".join(ADVANTAGE_ESTIMATORS.names()) + ".")
+    loss_aggregation: str = option("seq-mean-token-mean", "Loss aggregation whose per-rollout term is measured "
+                                   "(docs/theory.md §3): " + ", ".join(LOSS_AGGREGATIONS.names()) + ".")
     std: str = option("sample", "Std convention of the GRPO advantages: sample or population.")
     eps: float = option(1e-4, "eps of the GRPO advantages.")
     exact: bool = option(False, "Exact per-rollout gradients of all parameters (one backward per rollout; memory "
@@ -113,6 +118,10 @@ class ProbeConfig(ConfigFile):
             bad("temperature", "must be > 0")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
+        if self.estimator not in ADVANTAGE_ESTIMATORS.names():
+            bad("estimator", f"valid names: {', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        if self.loss_aggregation not in LOSS_AGGREGATIONS.names():
+            bad("loss_aggregation", f"valid names: {', '.join(LOSS_AGGREGATIONS.names())}")
         if self.std not in STD_CONVENTIONS:
             bad("std", f"valid names: {', '.join(STD_CONVENTIONS)}")
         if self.eps <= 0:
@@ -135,13 +144,21 @@ def default_layer(model: torch.nn.Module) -> str:
 STRATA_KEYS = tuple(f"rank/{m}_{x}" for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank",
                                                                                                       "stable_rank"))\
     + ("rank/g1_erank_vs_null", "rank/g1_stable_rank_vs_null", "grad/identity_residual", "zero_sum/span_energy",
-       "zero_sum/span_energy_null", "zero_sum/span_energy_p", "zero_sum/cos_gap", "zero_sum/cos_gap_null",
-       "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
+       "zero_sum/span_energy_null", "zero_sum/span_energy_excess", "zero_sum/span_energy_p", "zero_sum/cos_gap",
+       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
+
+
+def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
+    """omega_i [n] of the per-rollout term the configured loss aggregation weights, with ``sub`` (a group, or a prompt's
+    M rollouts) as the batch (docs/theory.md §3; :func:`grpo_lens.losses.rollout_gradient_weights`)."""
+    mask = sub.completion_mask
+    return rollout_gradient_weights(mask, config.loss_aggregation,
+                                    loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens))
 
 
 def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str):
     """(all-parameter rows [n, P or K], layer rows [n, *], token squared norms [n, Lp+T] or None)."""
-    proc = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+    proc = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
     if config.exact:
         grads = dg.exact_rollout_grads(policy, sub, **proc)
         slices = dg.param_slices(policy)
@@ -160,12 +177,14 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     (``rank/g1_layer_*``), G2 of ``layer`` (``rank/g2_*``) and credit (``credit/*``).
     """
     R = sub.num_rollouts
-    adv = compute_advantages(rewards.view(1, R).double(), "grpo", std=config.std, eps=config.eps)[0]
     grads, layer_rows, token_sq = _rollout_grads(policy, sub, config, layer)
     # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
     g, layer_rows = grads.double().cpu(), layer_rows.cpu()
     cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
-    row = dg.analyse_group(g, rewards.double(), adv, estimator="grpo", std=config.std, eps=config.eps,
+    sq = g.square().sum(-1).view(1, R) if config.estimator == "optimal" else None
+    adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.eps,
+                             grad_sq_norms=sq)[0]
+    row = dg.analyse_group(g, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.eps,
                            completion_mask=cmask, completion_ids=cids,
                            num_random=config.random_draws, seed=seed)
     row.update(dg.g1_rank_keys(layer_rows, adv, "g1_layer"))
@@ -179,15 +198,15 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
     g2_raw = dg.layer_weight_grads(policy, sub, adv.float(), [layer], temperature=config.temperature,
-                                   top_k=config.top_k, top_p=config.top_p)[layer].cpu()
+                                   score_weights=score_weights(sub, config))[layer].cpu()
     bound = dg.g2_rank_bound(sub.prompt_mask.cpu(), cids, cmask)
     row.update(dg.g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype))
     extras["spectra"]["G2"] = dg.singular_values(g2_raw.double())[:64].tolist()
 
     token_adv = dg.token_advantages(adv, cmask)
     if token_sq is None:  # exact mode: the per-token norms come from one more batched backward
-        token_sq = dg.token_grad_sq_norms(policy, sub, temperature=config.temperature, top_k=config.top_k,
-                                          top_p=config.top_p)
+        token_sq = dg.token_grad_sq_norms(policy, sub, temperature=config.temperature,
+                                          score_weights=score_weights(sub, config))
     comp = dg.completion_positions(token_sq.cpu(), sub.prompt_ids.shape[1])  # [R, T]
     answer = dg.answer_mask_from_tokenizer(tokenizer, cids, cmask)
     row.update(dg.credit_metrics(token_adv, comp, cmask, answer))
@@ -360,6 +379,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         progress.close()
     studies = run_studies(policy, tokenizer, task, reward_fns, config)
     meta = {"model": config.model, "task": config.task, "gradients": "exact" if config.exact else "sketch",
+            "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
             "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,
             "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
             "seconds": time.perf_counter() - t0, "config": {f.name: getattr(config, f.name) for f in fields(config)}}

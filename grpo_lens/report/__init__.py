@@ -312,6 +312,25 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     return lines
 
 
+def claims_section(probes: dict[str, dict[str, Any]]) -> list[str]:
+    """The paper's claims with measurement, interval, control and computed verdict, per probe
+    (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11)."""
+    from grpo_lens.claims import evaluate_claims
+
+    lines = ["## Claims: effective rank, zero-sum structure, the identity", "",
+             "Each verdict is computed from the numbers by the rule shown (docs/theory.md §11): holds / does not hold / "
+             "inconclusive. Intervals are 95% bootstrap intervals over groups.", ""]
+    multi = len(probes) > 1
+    lines += [("| probe " if multi else "") + "| claim | scope | measurement | null / control | verdict | decided by | "
+              "gradients |", ("|---" if multi else "") + "|---|---|---|---|---|---|---|"]
+    for label, probe in probes.items():
+        for c in evaluate_claims(probe):
+            cells = [c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", c.rule, c.source]
+            lines.append(("| " + label + " " if multi else "") + "| " + " | ".join(x.replace("|", "\\|")
+                                                                                    for x in cells) + " |")
+    return lines + [""]
+
+
 def write_report(run_dir: Path) -> Path:
     """Write run_dir/report.md and its PNGs from the run directory's files; return the report's path.
 
@@ -341,6 +360,8 @@ def write_report(run_dir: Path) -> Path:
     if config.exists():
         header += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
                    "</details>", ""]
+    if probes:
+        header += claims_section(probes)
     claims = gradient_measures.sparsity_claims(records) if records else []
     for label, probe in probes.items():
         claims += gradient_measures.study_claims(label, probe.get("studies") or {})
