@@ -66,8 +66,15 @@ def test_every_probe_key_is_documented():
     from grpo_lens.diagnostics import RANK_MEASURES
 
     docs = _documented_keys()
+    import torch
+
+    from grpo_lens import diagnostics as dg
+
     keys = set(_all_group_keys()) | {f"rank/g3_{m}" for m in RANK_MEASURES.names()} \
         | {f"rank/g3_null_{m}" for m in RANK_MEASURES.names()}
+    g = torch.randn(3, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cats = {"linear": [slice(0, 4)], "embedding": [slice(4, 8)], "norm": [slice(8, 9)], "other": [slice(9, 10)]}
+    keys |= set(dg.sketch_check_keys(g, g[:, :6], torch.tensor([1.0, -0.5, -0.5]), cats, [slice(0, 4)], 4, 4))
     missing = sorted(k for k in keys if k not in docs)
     assert not missing, f"undocumented probe keys: {missing}"
 

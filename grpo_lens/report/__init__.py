@@ -209,6 +209,21 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
              f"Model {meta.get('model')}, task {meta.get('task')}, {source}, std convention {meta.get('std')}, "
              f"eps {meta.get('eps')}. Every mean is over the analysed (mixed) groups, with its 95% bootstrap "
              "interval over groups in brackets.", ""]
+    check = meta.get("sketch_check") or {}
+    if meta.get("gradients") != "exact":
+        cov = check.get("sketch/coverage")
+        if cov:
+            lines += [f"Sketch checked against exact gradients of every parameter on {cov.get('n')} group(s): it "
+                      f"carries {_ci(cov)} of Σ||g_i||² (exact shares: linear weights "
+                      f"{_ci(check.get('sketch/exact_share_linear'))}, embedding "
+                      f"{_ci(check.get('sketch/exact_share_embedding'))}, norms "
+                      f"{_ci(check.get('sketch/exact_share_norm'))}); G1's Gram error, measured "
+                      f"{_ci(check.get('sketch/gram_error'))} (missing parameters and projection noise), bound for the "
+                      f"sketched layers {_ci(check.get('sketch/gram_error_bound'))}; erank(G1) sketched − exact "
+                      f"{_ci(check.get('sketch/g1_erank_error'), 3)}.", ""]
+        else:
+            lines += ["The sketch was not checked against exact gradients (coverage_groups = 0): the share of "
+                      "||g||² it covers is unknown; it sees nn.Linear weights only.", ""]
     lines += ["| R | prompts | all-equal | mixed (analysed) | S1 measured | S1 predicted | identity residual (max) "
               "| distinct completions | G2 numerical rank / bound |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
