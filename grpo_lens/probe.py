@@ -76,6 +76,9 @@ class ProbeConfig(ConfigFile):
     sketch_dim: int = option(16, "Random projection side per linear layer (sketch dims per layer = its square).")
     layer: str | None = option(None, "Linear layer for G1_layer and G2 (default: the middle layer's MLP down "
                                "projection).")
+    g2_groups: int = option(1, "Mixed groups per R whose G2 is computed for every linear layer under every weighting "
+                            "(A, |A|, A + mean|A|, r, uniform, one rollout), summarised by layer type (one backward "
+                            "per weighting). 0 disables.")
     coverage_groups: int = option(1, "Sketch mode: mixed groups per R whose exact gradients (every parameter; memory "
                                   "R x P floats) are also computed, to measure the share of ||g||^2 the sketch covers "
                                   "and its Gram error (docs/theory.md §8). 0 disables.")
@@ -113,6 +116,8 @@ class ProbeConfig(ConfigFile):
                 bad(name, "must be >= 0 (0 skips)")
         if self.mc_samples < 2:
             bad("mc_samples", "must be >= 2 (a standard error needs two continuations)")
+        if self.g2_groups < 0:
+            bad("g2_groups", "must be >= 0")
         if self.coverage_groups < 0:
             bad("coverage_groups", "must be >= 0")
         if self.baseline_prompts < 0:
@@ -198,7 +203,7 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
         "spectra": {"G1": dg.g1_singular_values(g, adv).tolist(),
                     "G1_no_adv": dg.gram_singular_values(gram).tolist(),
                     "G1_null": dg.orthogonal_null_singular_values(gram, adv).tolist()},
-        "g3_row": (adv.unsqueeze(1) * g).sum(0),
+        "g3_rows": {name: (w.unsqueeze(1) * g).sum(0) for name, w in dg.weightings(adv, rewards).items()},
         "grads": g, "advantages": adv,
     }
 
@@ -218,6 +223,20 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     row.update(dg.credit_metrics(token_adv, comp, cmask, answer))
     extras["profile"] = dg.position_profile(comp.sqrt(), cmask)
     return row, extras
+
+
+def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
+                  config: ProbeConfig) -> dict[str, float]:
+    """G2 of every nn.Linear layer under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`, summarised by
+    layer type (:func:`grpo_lens.diagnostics.g2_by_type_keys`): one backward per weighting."""
+    row: dict[str, float] = {}
+    omega = score_weights(sub, config)
+    for name, w in dg.weightings(extra["advantages"], rewards).items():
+        grads = dg.layer_weight_grads(policy, sub, w.float(), None, temperature=config.temperature,
+                                      score_weights=omega)
+        row.update(dg.g2_by_type_keys({k: v.cpu() for k, v in grads.items()}, name))
+        del grads
+    return row
 
 
 def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: ProbeConfig) -> dict[str, float]:
@@ -250,6 +269,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     rows: list[dict[str, float]] = []
     extras: list[dict[str, Any]] = []
     checks: list[dict[str, float]] = []  # sketch vs exact on the first coverage_groups groups
+    g2w: list[dict[str, float]] = []  # G2 of every layer under every weighting, first g2_groups groups
     sampled = all_equal = invalid = 0
     s1_predictions: list[float] = []  # per prompt, from the rollouts outside its group
     baseline_var: list[dict[str, float]] = []
@@ -287,6 +307,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             row, extra = analyse_group(policy, tokenizer, batch.select(group), r_g, config, layer, seed=seed + j)
             rows.append(row)
             extras.append(extra)
+            if len(g2w) < config.g2_groups:
+                g2w.append(g2_weightings(policy, batch.select(group), extra, r_g, config))
             if not config.exact and len(checks) < config.coverage_groups:
                 checks.append(sketch_check(policy, batch.select(group), extra, config))
             extra.pop("grads")
@@ -298,11 +320,14 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             t_grad += time.perf_counter() - t0
 
     valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
-    g3: dict[str, Any] = {"groups": len(extras)}
+    g3: dict[str, Any] = {"groups": len(extras)}  # one matrix: no interval (resampled rows would repeat, lowering rank)
     if len(extras) >= 2:
-        g3_rows = torch.stack([e["g3_row"] for e in extras])  # [groups, K]
-        g3.update({f"rank/g3_{m}": v for m, v in dg.rank_measures(dg.singular_values(g3_rows)).items()})
-        g3.update({f"rank/g3_null_{m}": v for m, v in dg.rank_measures(g3_rows.norm(dim=1)).items()})
+        for name in dg.WEIGHTINGS:
+            g3_rows = torch.stack([e["g3_rows"][name] for e in extras])  # [groups, K]
+            stem = "g3" if name == "adv" else f"g3_{name}"
+            g3.update({f"rank/{stem}_{m}": v for m, v in dg.rank_measures(dg.singular_values(g3_rows)).items()})
+            if name == "adv":
+                g3.update({f"rank/g3_null_{m}": v for m, v in dg.rank_measures(g3_rows.norm(dim=1)).items()})
     profile: list[float] = []
     if extras:
         T = max(len(e["profile"]) for e in extras)
@@ -326,6 +351,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         "strata": {"correct": dg.stratify_rows(rows, "group/correct", keys=STRATA_KEYS, **ci),
                    "distinct": dg.stratify_rows(rows, "group/distinct_completions", keys=STRATA_KEYS, **ci)},
         "g3": g3,
+        "g2_weightings": {"groups": g2w, "summary": dg.summarise_rows(g2w, **ci)} if g2w else None,
         "sketch_check": {"groups": checks, "summary": dg.summarise_rows(checks, **ci)} if checks else None,
         "spectra": {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
         "baselines": {"variance": variances,

@@ -367,3 +367,40 @@ def sketch_check_keys(exact: Tensor, sketch: Tensor, advantages: Tensor, categor
     out["sketch/g1_erank_error"] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
         gram_singular_values(g_exact))
     return out
+
+
+#: Row weightings of the zero-sum test on G2 and G3 (docs/theory.md §6): the advantages and controls that are not
+#: zero-sum (|A|, A + lambda 1 with lambda = mean |A|, the rewards r, uniform 1) and a single rollout (e_1).
+WEIGHTINGS = ("adv", "abs", "shift", "reward", "uniform", "single")
+
+
+def weightings(advantages: Tensor, rewards: Tensor) -> dict[str, Tensor]:
+    """{name: [R] weights} for :data:`WEIGHTINGS`: adv = A; abs = |A|; shift = A + mean|A| (not zero-sum); reward = r;
+    uniform = 1; single = (1, 0, ..., 0) (the first rollout alone). advantages, rewards: [R]. float64."""
+    a, r = advantages.detach().double(), rewards.detach().double()
+    single = torch.zeros_like(a)
+    single[0] = 1.0
+    return {"adv": a, "abs": a.abs(), "shift": a + a.abs().mean(), "reward": r, "uniform": torch.ones_like(a),
+            "single": single}
+
+
+def layer_type(name: str) -> str:
+    """The last component of a module name (``model.layers.3.mlp.down_proj`` -> ``down_proj``): the layer type G2 is
+    summarised by."""
+    return name.rsplit(".", 1)[-1]
+
+
+def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str, float]:
+    """``rank/g2_<weighting>_<type>_<m>``: the mean over the layers of each type of the rank measures of their G2
+    (one weighting's weight gradients, {layer name: [d_out, d_in]}), singular values from the smaller Gram matrix."""
+    from grpo_lens.diagnostics.spectrum import singular_values
+
+    per_type: dict[str, list[dict[str, float]]] = {}
+    for name, g2 in layer_grads.items():
+        per_type.setdefault(layer_type(name), []).append(rank_measures(singular_values(g2.detach().double(),
+                                                                                       method="gram")))
+    out = {}
+    for t, ms in per_type.items():
+        for m in ms[0]:
+            out[f"rank/g2_{weighting}_{t}_{m}"] = sum(d[m] for d in ms) / len(ms)
+    return out
