@@ -19,6 +19,7 @@ import yaml
 
 from grpo_lens.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS
 from grpo_lens.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from grpo_lens.overlong import OVERLONG_MODES
 
 
 class ConfigError(ValueError):
@@ -115,8 +116,17 @@ class TrainConfig(ConfigFile):
                             "temperature-scaled distribution (docs/theory.md).")
     top_p: float = option(1.0, "Nucleus sampling mass in (0, 1]; 1 disables. Shapes sampling only, not log-probs.")
     top_k: int = option(0, "Top-k sampling; 0 disables. Shapes sampling only, not log-probs.")
-    mask_truncated: bool = option(False, "Give truncated completions zero advantage (they still count in group "
-                              "statistics as invalid rollouts do not).")
+    overlong: str = option("none", "Completions cut at max_new_tokens: none, mask (advantage 0, kept in group "
+                           "statistics and the loss normaliser), filter (DAPO overlong filtering: their tokens leave "
+                           "the loss and its normaliser), soft-punish (DAPO's length penalty, eq. 13, added to the "
+                           "reward). DAPO arXiv 2503.14476; docs/theory.md.")
+    overlong_max_length: int | None = option(None, "soft-punish: L_max, the length past which the penalty is -1 "
+                                             "(unset: max_new_tokens).")
+    overlong_buffer: int | None = option(None, "soft-punish: L_cache, the width of the interval before L_max over "
+                                         "which the penalty falls linearly from 0 to -1 (unset: L_max // 5, DAPO's "
+                                         "4096 of 20480).")
+    mask_truncated: bool = option(False, "Deprecated alias of --overlong mask (kept so that old runs' configs load "
+                                  "and resume).")
     # --- advantages and loss -----------------------------------------------------------------------------------------
     estimator: str = option("grpo", "Advantage estimator: " + ", ".join(ADVANTAGE_ESTIMATORS.names()) + ".")
     std: str = option("sample", "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).")
@@ -174,6 +184,14 @@ class TrainConfig(ConfigFile):
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def overlong_length(self) -> int:
+        """L_max of soft-punish: ``overlong_max_length``, or ``max_new_tokens`` when unset."""
+        return self.overlong_max_length if self.overlong_max_length is not None else self.max_new_tokens
+
+    def overlong_cache(self) -> int:
+        """L_cache of soft-punish: ``overlong_buffer``, or max(1, L_max // 5) when unset."""
+        return self.overlong_buffer if self.overlong_buffer is not None else max(1, self.overlong_length() // 5)
 
     # ------------------------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -239,6 +257,17 @@ class TrainConfig(ConfigFile):
             bad("eps_high", "must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:
             bad("dual_clip", "must be > 1, or unset to disable")
+        choice("overlong", OVERLONG_MODES)
+        if self.mask_truncated:  # the deprecated alias
+            if self.overlong == "none":
+                self.overlong = "mask"
+            elif self.overlong != "mask":
+                bad("mask_truncated", f"is the deprecated alias of --overlong mask and contradicts --overlong "
+                    f"{self.overlong}; drop --mask-truncated")
+        if self.overlong_max_length is not None and not 1 <= self.overlong_max_length <= self.max_new_tokens:
+            bad("overlong_max_length", f"must be in [1, max_new_tokens = {self.max_new_tokens}], or unset")
+        if self.overlong_buffer is not None and not 1 <= self.overlong_buffer <= self.overlong_length():
+            bad("overlong_buffer", f"must be in [1, L_max = {self.overlong_length()}], or unset")
         if self.tis_cap is not None and not self.tis_cap > 0:
             bad("tis_cap", "must be > 0 (e.g. 2.0), or unset to disable")
         if self.mu < 1:

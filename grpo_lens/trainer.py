@@ -28,6 +28,7 @@ from grpo_lens.advantages import compute_advantages, constant_groups
 from grpo_lens.config import TrainConfig
 from grpo_lens.diagnostics.baselines import optimal_vs_rloo, sketched_rollout_sq_norms
 from grpo_lens.losses import grpo_loss, loss_normalizer, mismatch_sums, truncated_is_weights
+from grpo_lens.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import RunDir, crash_point
 from grpo_lens.seeding import seed_everything
@@ -165,13 +166,14 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     tokens_total = 0.0
     entropy_sum = entropy_tokens = 0.0  # the first pass's token-mean policy entropy (from its own logits)
     grad_norms: list[float] = []
+    loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, config.overlong)  # [N, T]
     mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
     tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
     skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (docs/theory.md §Numerical guards)
     for pass_ in range(config.mu):
         for mb, mini in enumerate(mini_batches):
             nonfinite_loss = False
-            mask = batch.completion_mask[mini]
+            mask = loss_mask[mini]  # with --overlong filter, truncated rollouts leave the normaliser too
             normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
                                                                        config.max_new_tokens),
                                                       dtype=torch.float64, device=procs.device)))
@@ -197,7 +199,7 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                         tis["capped"] += float((w >= config.tis_cap).sum())
                         tis["tokens"] += float(w.numel())
                 loss, m = grpo_loss(
-                    logp, old, advantages[idx], micro.completion_mask,
+                    logp, old, advantages[idx], loss_mask[idx],
                     normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
                     eps_high=config.eps_high, dual_clip=config.dual_clip, beta=config.beta,
                     ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
@@ -560,9 +562,14 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
         rewards, valid = rewards.to(procs.device), valid.to(procs.device)
         correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
+        if config.overlong == "soft-punish":  # DAPO eq. 13 added to every valid rollout's reward
+            penalty = soft_overlong_penalty(batch.completion_mask.sum(dim=1), config.overlong_length(),
+                                            config.overlong_cache()).to(rewards.device)
+            rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
+            reward_info["reward/overlong_penalty"] = float(procs.gather(penalty).mean())
 
         # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
-        #    group's statistics and, with mask_truncated, get zero advantage (no policy gradient)
+        #    group's statistics and, with --overlong mask or filter, get zero advantage (no policy gradient)
         grad_sq_norms, baseline_metrics = None, {}
         if config.estimator == "optimal":  # b*_{-i} weights: sketched ||c_i g_i||^2 of the rollouts that need them
             t_b = time.perf_counter()
@@ -583,8 +590,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             if sums[2] > 0:
                 baseline_metrics["adv/optimal_baseline"] = sums[0] / sums[2]
                 baseline_metrics["adv/optimal_minus_rloo"] = sums[1] / sums[2]
-        if config.mask_truncated:
-            advantages = advantages.masked_fill(batch.truncated.to(advantages.device), 0.0)
+        advantages = overlong_advantages(advantages, batch.truncated, config.overlong)  # mask / filter: A = 0
 
         # 5. reference log-probs for the KL term
         ref_logp = None
