@@ -43,6 +43,25 @@ def gather_objects(obj: Any) -> list[Any]:
     return [obj]
 
 
+def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The lens's share of training wall time from metrics records: lens seconds / (step seconds - lens seconds).
+
+    Lens seconds are ``perf/lens_seconds`` (before the update) plus ``perf/lens_sparsity_seconds`` (around the
+    optimizer step), summed over the run.
+
+    Returns:
+        {"lens_seconds", "train_seconds" (the steps without the lens), "overhead" (a fraction), "lens_steps",
+        "steps"}, or None without step timings.
+    """
+    steps = [r for r in records if r.get("perf/step_seconds") is not None]
+    if not steps:
+        return None
+    lens = sum((r.get("perf/lens_seconds") or 0.0) + (r.get("perf/lens_sparsity_seconds") or 0.0) for r in steps)
+    base = sum(r["perf/step_seconds"] for r in steps) - lens
+    return {"lens_seconds": lens, "train_seconds": base, "overhead": lens / base if base > 0 else float("nan"),
+            "lens_steps": sum(r.get("perf/lens_seconds") is not None for r in steps), "steps": len(steps)}
+
+
 class TrainerLens:
     """Measures GRPO's gradient structure on the trainer's own rollouts.
 
