@@ -89,11 +89,13 @@ class TrainerLens:
         """Nothing to do: the start snapshot is taken at construction, from the freshly loaded weights."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The lens keeps no state that the start weights and the checkpoint do not restore."""
-        return {}
+        """The sampled gradient summed since the start (everything else is rebuilt from the start weights)."""
+        return {"grad_sum": self.sparsity.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """See :meth:`state_dict`."""
+        """See :meth:`state_dict` (an empty state, from a checkpoint of an older run, leaves the sum at 0)."""
+        if state.get("grad_sum") is not None:
+            self.sparsity.load_state_dict(state["grad_sum"])
 
     def measure(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
                 valid: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
@@ -146,7 +148,8 @@ class TrainerLens:
 
     def before_step(self, policy: torch.nn.Module) -> None:
         """Snapshot the weights (bf16, and the fixed sample with the step's gradient) just before the first optimizer
-        step of a lens step."""
+        step of a lens step; on every step, add the sampled gradient to the sum since the start."""
+        self.sparsity.accumulate_grad()
         if self._pending:
             import time
 
