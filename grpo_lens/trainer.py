@@ -43,7 +43,7 @@ class NonFiniteUpdateError(RuntimeError):
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
                   "log_completions", "device",
-                  "reward_timeout")
+                  "reward_timeout", "max_consecutive_skips")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
