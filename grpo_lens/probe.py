@@ -57,7 +57,7 @@ class ProbeConfig(ConfigFile):
     task_options: dict = option({}, "Task options as a YAML mapping.")
     rewards: list = option(["correctness"], "Reward functions NAME or NAME:WEIGHT.")
     group_sizes: list = option([2, 4, 8], "Group sizes R to probe.", item_type=int)
-    prompts: int = option(24, "Prompts sampled per R; every mixed group among them is analysed (a fixed number, "
+    prompts: int = option(40, "Prompts sampled per R; every mixed group among them is analysed (a fixed number, "
                           "so S1 and the per-group means are unbiased).")
     prompts_per_batch: int = option(4, "Prompts sampled per generate call.")
     baseline_prompts: int = option(2, "Mixed prompts per R whose M rollouts are used for the baseline variance.")
