@@ -266,7 +266,8 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
         summ = d.get("summary", {})
         res = [g.get("grad/identity_residual") for g in d.get("groups", []) if g.get("grad/identity_residual") is not None]
         lines.append(f"| {r} | {d.get('prompts_sampled')} | {d.get('groups_all_equal')} | {d.get('groups_mixed')} | "
-                     f"{_fmt(d.get('s1_measured'))} | {_fmt(d.get('s1_predicted'))} | "
+                     f"{_ci(d['s1_measured_ci'], 3) if d.get('s1_measured_ci') else _fmt(d.get('s1_measured'))} | "
+                     f"{_ci(d['s1_predicted_ci'], 3) if d.get('s1_predicted_ci') else _fmt(d.get('s1_predicted'))} | "
                      f"{f'{max(res):.1e}' if res else '–'} | {_ci(summ.get('group/distinct_completions'))} | "
                      f"{_g2_cell(summ)} |")
         if d.get("groups_mixed", 0) == 0:
