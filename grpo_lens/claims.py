@@ -289,3 +289,7 @@ def evaluate_claims(probe: dict[str, Any], names: list[str] | None = None) -> li
     for name in names or CLAIMS.names():
         out += CLAIMS.get(name)(probe)
     return out
+
+
+# The sparsity, credit and baseline claims (issue 10) register themselves in CLAIMS on import.
+from grpo_lens import claims_measures  # noqa: E402,F401
