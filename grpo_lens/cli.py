@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from grpo_lens import __version__
 from grpo_lens.config import TrainConfig, add_config_arguments, config_from_args
 
 
@@ -143,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             f"registers them and list it in {PLUGINS_ENV} (comma-separated), e.g. "
                                             f"{PLUGINS_ENV}=my_rewards grpo-lens train --rewards my_reward ...")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print grpo-lens' version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from grpo_lens.demo import DemoConfig
