@@ -160,6 +160,9 @@ class TrainConfig(ConfigFile):
     keep_checkpoints: int = option(2, "How many recent checkpoints to keep.")
     save_final_model: bool = option(True, "Save the trained policy and tokenizer as a Hugging Face folder in "
                                     "RUN/final_model at the end (loadable with --model RUN/final_model).")
+    report_to: list = option(["none"], "Experiment trackers that get every metrics record too: none, tensorboard, "
+                             "wandb (WANDB_MODE=offline works without a network), trackio; metrics.jsonl stays the "
+                             "source of truth.")
     log_completions: int = option(2, "Completions per step written to completions.jsonl (0 = none).")
     progress: bool = option(True, "Show a progress bar.")
 
@@ -273,6 +276,15 @@ class TrainConfig(ConfigFile):
                     float(weight)
                 except ValueError:
                     bad("rewards", f"{spec!r}: the weight after ':' must be a number")
+        if isinstance(self.report_to, str):  # YAML `report_to: tensorboard` means a list of one
+            self.report_to = [self.report_to]
+        from grpo_lens.trackers import REPORT_TO
+
+        for name in self.report_to:
+            if name not in REPORT_TO:
+                bad("report_to", f"unknown tracker {name!r}; valid names: {', '.join(REPORT_TO)}")
+        if "none" in self.report_to and len(self.report_to) > 1:
+            bad("report_to", "'none' cannot be combined with a tracker; drop it")
         if self.task == "jsonl" and not self.dataset:
             bad("task", "task 'jsonl' needs --dataset PATH")
 

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
-                  "log_completions", "device",
+                  "log_completions", "device", "report_to",
                   "reward_timeout")
 
 
@@ -246,6 +246,10 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
                          f"of the {procs.world} processes holds (prompts_per_step / processes = {share})")
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
+    if procs.is_main:
+        from grpo_lens.trackers import check_trackers
+
+        check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     resolve_model(config.model)
     return task, reward_fns
 
@@ -331,6 +335,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         logger.warning("%s is already at step %d >= max_steps %d: nothing to train (raise --max-steps to continue)",
                        run.path, start_step, config.max_steps)
     progress = _progress(config, start_step, procs)
+    trackers = None
+    if procs.is_main and start_step < config.max_steps:
+        from grpo_lens.trackers import Trackers
+
+        trackers = Trackers(config.report_to, run.path, config.to_dict(), start_step)
     share = B // procs.world
     for step in range(start_step + 1, config.max_steps + 1):
         t0 = time.perf_counter()
@@ -394,6 +403,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                   "perf/peak_memory_mb": _peak_memory_mb(procs.device)}
         if procs.is_main:
             run.append_metrics(record)
+            if trackers is not None:
+                trackers.log(record, step)
             _log_completions(run, step, batch, rewards, advantages, config.log_completions)
             crash_point("after_metrics_write", step)
             if progress is not None:
@@ -409,6 +420,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     if progress is not None:
         progress.close()
+    if trackers is not None:
+        trackers.finish()
     if config.save_final_model and procs.is_main and not (run.path / "final_model").exists():
         save_final_model(policy, tokenizer, run.path / "final_model")
     procs.barrier()
