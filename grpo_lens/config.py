@@ -145,8 +145,8 @@ class TrainConfig(ConfigFile):
     adam_beta2: float = option(0.99, "AdamW beta2.")
     max_grad_norm: float = option(1.0, "Clip the gradient's global L2 norm to this (0 disables).")
     # --- lens --------------------------------------------------------------------------------------------------------
-    lens_every: int = option(5, "Measure the gradient lens (rank, sparsity, baselines) every this many steps (0 = "
-                         "never).")
+    lens_every: int = option(5, "Measure the gradient lens (rank, sparsity, baselines) at the first step, every this "
+                         "many steps and the last step (0 = never).")
     lens_sketch_dim: int = option(16, "Side of the random projection per linear layer for sketched per-rollout "
                               "gradients (k_in = k_out): sketch dims per layer = this squared.")
     # --- run ---------------------------------------------------------------------------------------------------------

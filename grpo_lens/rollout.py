@@ -128,7 +128,8 @@ def completion_logprobs(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-) -> Tensor:
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probs of the last ``completion_len`` tokens under ``model``, with the sampler's processing.
 
     Position ids are ``cumsum(attention_mask) - 1`` as in ``generate`` with left padding, so the values match the
@@ -140,25 +141,52 @@ def completion_logprobs(
         attention_mask: [N, L] 0/1.
         completion_len: T.
         temperature, top_k, top_p: as in :func:`process_logits`.
+        return_entropy: also return the per-token entropy of the same processed distribution, from the same
+            logits (no extra forward; see :func:`token_entropy`).
 
     Returns:
         [N, T] float32 log pi(o_t | q, o_<t); positions past a completion's end hold finite garbage, mask them.
+        With ``return_entropy``: (log-probs, entropy [N, T] float32 in nats, detached).
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, -completion_len - 1 : -1, :].float()
     logits = process_logits(logits, temperature, top_k, top_p)
     targets = input_ids[:, -completion_len:]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # Tokens after EOS can fall outside a top-k / top-p set and give -inf: make them finite (they are masked).
-    return torch.nan_to_num(logp, neginf=0.0)
+    logp = torch.nan_to_num(logp, neginf=0.0)
+    if return_entropy:
+        return logp, token_entropy(logp_all.detach(), normalized=True)
+    return logp
+
+
+def token_entropy(logits: Tensor, normalized: bool = False) -> Tensor:
+    """Entropy H = -sum_v p_v log p_v of the categorical distribution softmax(logits) at each position.
+
+    Filtered entries (-inf logits, from top-k / top-p) have p_v = 0 and contribute 0. This is the policy entropy
+    TRL and verl log for GRPO (docs/theory.md §Policy entropy); with the trainer's processed logits it is the
+    entropy of the distribution the sampler draws from.
+
+    Args:
+        logits: [..., V] float (or log-probs already normalised, with ``normalized=True``).
+        normalized: the input is already log_softmax'ed (skips one pass over V).
+
+    Returns:
+        [...] float, nats; computed without gradient.
+    """
+    with torch.no_grad():
+        logp = logits if normalized else torch.log_softmax(logits.float(), dim=-1)
+        p = logp.exp()
+        return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
 
 
 def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0, top_k: int = 0,
-                   top_p: float = 1.0) -> Tensor:
-    """:func:`completion_logprobs` of a :class:`RolloutBatch`: [N, T] float32."""
+                   top_p: float = 1.0, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`completion_logprobs` of a :class:`RolloutBatch`: [N, T] float32 (and entropy [N, T] on request)."""
     return completion_logprobs(model, batch.input_ids(), batch.attention_mask(), batch.completion_ids.shape[1],
-                               temperature, top_k, top_p)
+                               temperature, top_k, top_p, return_entropy=return_entropy)
 
 
 def _stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:

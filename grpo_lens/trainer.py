@@ -100,6 +100,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:
+    """Whether the lens measures step ``step`` (1-based): the first step, every ``lens_every``-th and the last.
+
+    So every run with the lens on (``lens_every`` > 0) is measured at least at its start and end, even one shorter
+    than ``lens_every`` steps. ``lens_every`` = 0 turns the lens off.
+    """
+    if lens_every <= 0:
+        return False
+    return step == 1 or step % lens_every == 0 or step == max_steps
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # One step's pieces
 # ---------------------------------------------------------------------------------------------------------------------
@@ -124,7 +135,9 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
         step: the trainer step (for the crash-test hook only).
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
-        numbers on every process), plus ``grad/norm`` (the pre-clipping norm of the first optimizer step, the
+        numbers on every process), ``policy/entropy`` (token mean over the first pass's completion tokens of the
+        entropy of the processed sampling distribution, from the logits that pass computes anyway), plus
+        ``grad/norm`` (the pre-clipping norm of the first optimizer step, the
         on-policy gradient) and ``grad/norm_last``.
     """
     R = config.group_size
@@ -133,8 +146,9 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     mini_batches = [torch.arange(g * R, min(groups, g + per_mini) * R) for g in range(0, groups, max(per_mini, 1))]
     totals: dict[str, float] = {}
     tokens_total = 0.0
+    entropy_sum = entropy_tokens = 0.0  # the first pass's token-mean policy entropy (from its own logits)
     grad_norms: list[float] = []
-    for _ in range(config.mu):
+    for pass_index in range(config.mu):
         for mini in mini_batches:
             mask = batch.completion_mask[mini]
             normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
@@ -143,7 +157,11 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
             for start in range(0, len(mini), config.micro_batch_size):
                 idx = mini[start:start + config.micro_batch_size]
                 micro = batch.select(idx)
-                logp = batch_logprobs(policy, micro, config.temperature, config.top_k, config.top_p)
+                logp, entropy = batch_logprobs(policy, micro, config.temperature, config.top_k, config.top_p,
+                                               return_entropy=True)
+                if pass_index == 0:
+                    entropy_sum += float((entropy * micro.completion_mask).sum())
+                    entropy_tokens += float(micro.completion_mask.sum())
                 loss, m = grpo_loss(
                     logp, micro.sampler_logprobs, advantages[idx], micro.completion_mask,
                     normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
@@ -176,11 +194,14 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                                         device=procs.device)).tolist()
         totals.update(zip(keys, summed[:-1]))
         tokens_total = summed[-1]
+        entropy_sum, entropy_tokens = procs.sum(torch.tensor([entropy_sum, entropy_tokens], dtype=torch.float64,
+                                                             device=procs.device)).tolist()
         if "ratio/max" in totals:
             totals["ratio/max"] = float(procs.gather(torch.tensor([totals["ratio/max"]], dtype=torch.float64,
                                                                   device=procs.device)).max())
     out = {k: (v if k in ("loss/policy", "loss/kl", "ratio/max") else v / max(tokens_total, 1.0))
            for k, v in totals.items()}
+    out["policy/entropy"] = entropy_sum / max(entropy_tokens, 1.0)
     out["grad/norm"] = grad_norms[0]
     out["grad/norm_last"] = grad_norms[-1]
     out["grad/optimizer_steps"] = len(grad_norms)
@@ -376,7 +397,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         # 6. the lens reads this step's rollouts before the update changes the policy
         lens_metrics: dict[str, float] = {}
-        measure = lens is not None and config.lens_every > 0 and step % config.lens_every == 0
+        measure = lens is not None and is_lens_step(step, config.lens_every, config.max_steps)
         if measure:
             lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
 

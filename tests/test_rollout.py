@@ -20,6 +20,7 @@ from grpo_lens.rollout import (
     completion_mask_from_ids,
     process_logits,
     sample_groups,
+    token_entropy,
 )
 from grpo_lens.tasks import Example
 
@@ -299,3 +300,38 @@ def test_on_policy_ratio_default_model():
         logp = batch_logprobs(model, batch, 0.7, top_k, top_p)
         assert (~batch.truncated).any()
         assert (logp - batch.sampler_logprobs)[batch.completion_mask].abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Policy entropy
+# ---------------------------------------------------------------------------------------------------------------------
+def test_token_entropy_closed_form():
+    # softmax([0, log 3]) = (1/4, 3/4): H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623351446...
+    h = 0.25 * math.log(4) + 0.75 * math.log(4 / 3)
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
+    got = token_entropy(logits)
+    assert got[0].item() == pytest.approx(h, abs=1e-6)
+    assert got[1].item() == pytest.approx(math.log(2), abs=1e-6)  # uniform over 2: ln 2
+    # a filtered (-inf) entry has p = 0 and adds nothing (not NaN): same H as without it
+    filtered = torch.tensor([[0.0, math.log(3.0), -math.inf]])
+    assert token_entropy(filtered)[0].item() == pytest.approx(h, abs=1e-6)
+
+
+def test_entropy_comes_from_the_same_forward(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    batch = _sample(model, tok, R=2, temperature=0.7, generator_seed=1)
+    plain = batch_logprobs(model, batch, 0.7)
+    logp, ent = batch_logprobs(model, batch, 0.7, return_entropy=True)
+    assert torch.equal(plain, logp)  # the log-probs are unchanged by asking for the entropy
+    # the entropy of the processed distribution recomputed from the model's logits, position by position
+    ids, am = batch.input_ids(), batch.attention_mask()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+    T = batch.completion_ids.shape[1]
+    want = token_entropy(process_logits(logits[:, -T - 1:-1].float(), 0.7))
+    torch.testing.assert_close(ent, want, rtol=1e-5, atol=1e-5)
+    assert not ent.requires_grad
+    assert (ent >= 0).all() and (ent <= math.log(model.config.vocab_size) + 1e-5).all()
+    # top_k = 1 leaves one token: entropy 0
+    _, ent1 = batch_logprobs(model, batch, 0.7, top_k=1, return_entropy=True)
+    assert ent1.abs().max().item() < 1e-6

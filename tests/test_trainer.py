@@ -97,6 +97,7 @@ def test_metrics_have_the_required_keys(lens_run):
         assert 0 <= r["reward/frac_zero_std_groups"] <= 1 and 0 < r["completions/mean_length"] <= 8
         assert r["kl/mean"] == 0.0  # beta = 0: no reference model, nothing measured
         assert abs(r["adv/mean"]) < 1e-6  # grpo advantages sum to zero in every group
+        assert 0 < r["policy/entropy"] <= math.log(259)  # the tiny model's vocabulary has 259 tokens
     # the lens ran every step (step 1 has 2 mixed groups: S1 = 0 in PINNED's run)
     assert records[0]["reward/frac_zero_std_groups"] == 0.0
     assert records[0]["rank/mixed_groups"] == 2.0
@@ -150,6 +151,15 @@ def test_checkpoints_and_final_model(lens_run):
         assert torch.equal(p.detach(), ckpt[n]), n
     assert tokenizer.eos_token == "<|im_end|>"
     assert (run.path / "completions.jsonl").read_text().count("\n") == 3  # log_completions=1 per step
+
+
+def test_lens_schedule_first_every_and_last_step():
+    from grpo_lens.trainer import is_lens_step
+
+    # 12 steps, every 5th: 1 (first), 5, 10, 12 (last); 4 steps at every 5th: first and last
+    assert [s for s in range(1, 13) if is_lens_step(s, 5, 12)] == [1, 5, 10, 12]
+    assert [s for s in range(1, 5) if is_lens_step(s, 5, 4)] == [1, 4]
+    assert not any(is_lens_step(s, 0, 4) for s in range(1, 5))  # lens_every = 0: off
 
 
 def test_pinned_trajectory(tmp_path):
