@@ -46,12 +46,14 @@ def test_tensorboard_gets_every_metric_key_at_its_step(tmp_path):
     assert len(records) == 3
     lens_keys = {"rank/mixed_groups", "sparsity/zero_var_groups_predicted", "perf/lens_seconds"}
     assert lens_keys <= set(records[1]), "the lens ran at step 2"
+    assert set(events) == set().union(*(scalars(r) for r in records))
     for rec in records:
         for key, value in scalars(rec).items():
             # TensorBoard stores float32: equal to the JSON value at float32 rounding
             assert events[key][rec["step"]] == pytest.approx(value, rel=1e-6, abs=1e-30), (key, rec["step"])
-    # the lens keys appear only at the lens step, as in metrics.jsonl
-    assert set(events["rank/mixed_groups"]) == {2}
+    # and nothing else: each tag holds exactly the steps whose record has that key (the lens keys only at lens steps)
+    for tag, by_step in events.items():
+        assert set(by_step) == {r["step"] for r in records if tag in scalars(r)}, tag
     assert set(events["reward/mean"]) == {1, 2, 3}
 
 
