@@ -149,6 +149,16 @@ class TrainConfig(ConfigFile):
                          "many steps and the last step (0 = never).")
     lens_sketch_dim: int = option(16, "Side of the random projection per linear layer for sketched per-rollout "
                               "gradients (k_in = k_out): sketch dims per layer = this squared.")
+    lens_space: str = option("trainable", "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "
+                         "the adapter's parameters, exact; without LoRA every linear layer, sketched) or full (every "
+                         "linear layer's full weight, sketched; with LoRA the frozen base weights, what full "
+                         "fine-tuning would follow).")
+    # --- LoRA (peft) -------------------------------------------------------------------------------------------------
+    lora_rank: int = option(0, "LoRA rank r (Hu et al. 2021, arXiv 2106.09685) through peft; 0 trains every parameter "
+                        "(full fine-tuning).")
+    lora_alpha: float = option(32.0, "LoRA scale numerator: the update is lora_alpha / lora_rank * B A.")
+    lora_target_modules: list = option(["all-linear"], "Module names LoRA adapts (e.g. q_proj v_proj), or all-linear "
+                                   "(every linear layer but the output head).")
     # --- run ---------------------------------------------------------------------------------------------------------
     seed: int = option(0, "Random seed (prompts, sampling, projections).")
     dtype: str = option("float32", "Parameter dtype: float32 or bfloat16.")
@@ -285,6 +295,15 @@ class TrainConfig(ConfigFile):
                 bad("report_to", f"unknown tracker {name!r}; valid names: {', '.join(REPORT_TO)}")
         if "none" in self.report_to and len(self.report_to) > 1:
             bad("report_to", "'none' cannot be combined with a tracker; drop it")
+        choice("lens_space", ("trainable", "full"))
+        if self.lora_rank < 0:
+            bad("lora_rank", "must be >= 0 (0 = full fine-tuning)")
+        if self.lora_alpha <= 0:
+            bad("lora_alpha", "must be > 0")
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [self.lora_target_modules]
+        if not self.lora_target_modules:
+            bad("lora_target_modules", "name at least one module, or all-linear")
         if self.task == "jsonl" and not self.dataset:
             bad("task", "task 'jsonl' needs --dataset PATH")
 

@@ -81,9 +81,7 @@ class TrainerLens:
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
-            sketch = dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim,
-                                             seed=c.seed, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
-            grads = sketch.sketch.double()  # [n_mixed * R, K]
+            grads = self.rollout_grads(policy, sub)  # [n_mixed * R, K]
             eranks, stables, randoms, residuals, m_c, m_w, b_star, g_mean = [], [], [], [], [], [], [], []
             for j, b in enumerate(mixed):
                 g = grads[j * R:(j + 1) * R]
@@ -110,6 +108,23 @@ class TrainerLens:
         self._pending = True
         out["perf/lens_seconds"] = time.perf_counter() - t0
         return {k: v for k, v in out.items() if v is not None}
+
+    def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch) -> torch.Tensor:
+        """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.
+
+        Without LoRA: sketched gradients of every linear layer (K = layers * lens_sketch_dim^2). With LoRA see
+        :func:`grpo_lens.lora.lora_rollout_grads` (``trainable``: the adapter's parameters, exact; ``full``: the
+        frozen base linear weights, sketched).
+        """
+        from grpo_lens.lora import is_lora, lora_rollout_grads
+
+        c = self.config
+        processing = dict(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+        if is_lora(policy):
+            return lora_rollout_grads(policy, sub, c.lens_space, k=c.lens_sketch_dim, seed=c.seed,
+                                      **processing).double()
+        return dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim, seed=c.seed,
+                                       **processing).sketch.double()
 
     def before_step(self, policy: torch.nn.Module) -> None:
         """Snapshot the weights (bf16) just before the first optimizer step of a lens step."""

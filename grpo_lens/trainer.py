@@ -13,6 +13,7 @@ k sums chunk k of every process.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import math
 import random
@@ -267,6 +268,8 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
                          f"of the {procs.world} processes holds (prompts_per_step / processes = {share})")
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
+    if config.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora-rank needs the peft package: pip install 'grpo-lens[lora]' (or pip install peft)")
     if procs.is_main:
         from grpo_lens.trackers import check_trackers
 
@@ -318,6 +321,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     reference = None
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    if config.lora_rank > 0:  # the reference above stays the plain base model
+        from grpo_lens.lora import apply_lora
+
+        policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+        policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
@@ -450,15 +458,21 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
 
 def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path) -> Path:
-    """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename)."""
+    """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename); a LoRA
+    policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`)."""
     import os
     import shutil
 
     for stray in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed while saving
         shutil.rmtree(stray, ignore_errors=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    from grpo_lens.lora import is_lora, save_lora_model
+
+    if is_lora(policy):  # merged model in path/, the adapter alone in path/adapter/
+        save_lora_model(policy, tokenizer, tmp)
+    else:
+        policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     crash_point("mid_final_model", 0)
     os.replace(tmp, path)
     return path
