@@ -111,10 +111,10 @@ class TrainConfig(ConfigFile):
     rollout_batch_size: int | None = option(None, "Rollouts per step (B*R); if set it must be a multiple of group_size "
                                         "and replaces prompts_per_step.")
     max_new_tokens: int = option(24, "Longest completion in tokens (T_max); longer ones are cut and flagged truncated.")
-    temperature: float = option(0.7, "Sampling temperature; the trainer divides logits by it too, so the on-policy "
-                            "importance ratio is 1.")
-    top_p: float = option(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.")
-    top_k: int = option(0, "Top-k sampling; 0 disables.")
+    temperature: float = option(0.7, "Sampling temperature; log-probs (sampler, policy, reference) are those of the "
+                            "temperature-scaled distribution (docs/theory.md).")
+    top_p: float = option(1.0, "Nucleus sampling mass in (0, 1]; 1 disables. Shapes sampling only, not log-probs.")
+    top_k: int = option(0, "Top-k sampling; 0 disables. Shapes sampling only, not log-probs.")
     mask_truncated: bool = option(False, "Give truncated completions zero advantage (they still count in group "
                               "statistics as invalid rollouts do not).")
     # --- advantages and loss -----------------------------------------------------------------------------------------
@@ -131,6 +131,9 @@ class TrainConfig(ConfigFile):
                          "clip-higher uses 0.28).")
     dual_clip: float | None = option(None, "Dual-clip bound c > 1 on the loss of A < 0 tokens (Ye et al. 2020); "
                                  "unset disables.")
+    tis_cap: float | None = option(None, "Truncated importance sampling against sampler-trainer mismatch: weight each "
+                                "token's policy loss by min(pi_old / pi_sampler, tis_cap) (Ionides 2008; Yao et al. "
+                                "2025; docs/theory.md); unset disables.")
     mu: int = option(1, "Inner optimisation passes over each step's rollouts (mu in GRPO); > 1 makes the policy move "
                  "off the sampler and the clip matter.")
     num_mini_batches: int = option(1, "Optimizer steps per pass: the step's prompts are split into this many "
@@ -243,6 +246,8 @@ class TrainConfig(ConfigFile):
             bad("eps_high", "must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:
             bad("dual_clip", "must be > 1, or unset to disable")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            bad("tis_cap", "must be > 0 (e.g. 2.0), or unset to disable")
         if self.mu < 1:
             bad("mu", "must be >= 1")
         if self.num_mini_batches < 1 or self.prompts_per_step % self.num_mini_batches:

@@ -24,27 +24,39 @@ from grpo_lens.registry import Registry
 # ---------------------------------------------------------------------------------------------------------------------
 # KL estimators (Schulman, "Approximating KL Divergence", 2020), x = log pi_ref - log pi_theta per sampled token.
 # Each is an estimator of KL(pi_theta || pi_ref) under samples from pi_theta; k3 is GRPO's choice (arXiv 2402.03300,
-# eq. 4).
+# eq. 4). Every estimator first clamps x to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] (docs/theory.md §Numerical guards), so
+# exp(x) cannot overflow; a token clamped there contributes no KL gradient.
 # ---------------------------------------------------------------------------------------------------------------------
 KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator")
+
+#: Bound on |x| = |log pi_ref - log pi_theta| (nats) before any KL estimator uses it: exp(20) = 4.85e8 is finite in
+#: float32 and bfloat16, and a real policy this far from its reference is already a failed run (docs/theory.md
+#: §Numerical guards; verl clamps the same log-ratio to the same range).
+LOG_RATIO_CLAMP = 20.0
+
+
+def clamped_log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """x = clamp(log pi_ref - log pi_theta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP). [N, T] -> [N, T]."""
+    return torch.clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 @KL_ESTIMATORS.register("k1")
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k1 = -x = log pi_theta - log pi_ref (unbiased, high variance, can be negative). [N, T] -> [N, T]."""
-    return logp - ref_logp
+    """k1 = -x = log pi_theta - log pi_ref (unbiased, high variance, can be negative), x clamped. [N, T] -> [N, T]."""
+    return -clamped_log_ratio(logp, ref_logp)
 
 
 @KL_ESTIMATORS.register("k2")
 def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k2 = x^2 / 2 (biased, low variance, >= 0). [N, T] -> [N, T]."""
-    return 0.5 * (ref_logp - logp) ** 2
+    """k2 = x^2 / 2 (biased, low variance, >= 0), x clamped. [N, T] -> [N, T]."""
+    return 0.5 * clamped_log_ratio(logp, ref_logp) ** 2
 
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k3 = exp(x) - x - 1 (unbiased, >= 0; GRPO's, arXiv 2402.03300 eq. 4). [N, T] -> [N, T]."""
-    x = ref_logp - logp
+    """k3 = exp(x) - x - 1 (unbiased, >= 0; GRPO's, arXiv 2402.03300 eq. 4), x clamped to +-LOG_RATIO_CLAMP so it is
+    at most exp(20) - 21 ~ 4.85e8. [N, T] -> [N, T]."""
+    x = clamped_log_ratio(logp, ref_logp)
     return torch.expm1(x) - x
 
 
@@ -118,6 +130,11 @@ class Aggregation:
 LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
 
 
+def _rollouts_in_loss(mask: Tensor) -> float:
+    """Rollouts with at least one token in the loss mask (all N unless some were filtered out, e.g. overlong)."""
+    return float(mask.bool().any(dim=1).sum().item())
+
+
 def _sequence_mean_numerator(loss: Tensor, mask: Tensor) -> Tensor:
     lengths = mask.sum(dim=1).clamp(min=1)
     return ((loss * mask).sum(dim=1) / lengths).sum()
@@ -129,7 +146,7 @@ def _token_sum_numerator(loss: Tensor, mask: Tensor) -> Tensor:
 
 # (1/N) sum_i (1/|o_i|) sum_t l_{i,t}: every rollout weighs the same whatever its length.
 LOSS_AGGREGATIONS.register("seq-mean-token-mean")(Aggregation(
-    _sequence_mean_numerator, lambda mask, max_new_tokens: float(mask.shape[0]),
+    _sequence_mean_numerator, lambda mask, max_new_tokens: _rollouts_in_loss(mask),
     "GRPO, DeepSeekMath arXiv 2402.03300 eq. 3"))
 # sum_{i,t} l_{i,t} / sum_i |o_i|: every token weighs the same.
 LOSS_AGGREGATIONS.register("token-mean")(Aggregation(
@@ -137,7 +154,7 @@ LOSS_AGGREGATIONS.register("token-mean")(Aggregation(
     "DAPO, arXiv 2503.14476 eq. 12"))
 # sum_{i,t} l_{i,t} / (N * T_max), T_max = max_new_tokens, a constant: no length bias.
 LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(Aggregation(
-    _token_sum_numerator, lambda mask, max_new_tokens: float(mask.shape[0] * max_new_tokens),
+    _token_sum_numerator, lambda mask, max_new_tokens: _rollouts_in_loss(mask) * max_new_tokens,
     "Dr. GRPO, arXiv 2503.20783 §3.1"))
 
 
@@ -147,7 +164,8 @@ def loss_normalizer(completion_mask: Tensor, mode: str, max_new_tokens: int) -> 
     Args:
         completion_mask: [N, T] bool of the whole batch (all processes' batches when training on several).
         mode: seq-mean-token-mean (N), token-mean (number of completion tokens) or seq-mean-token-sum-norm
-            (N * max_new_tokens).
+            (N * max_new_tokens), where N counts the rollouts with a token in the mask (a rollout filtered out of
+            the loss, e.g. by ``overlong: filter``, leaves the normaliser too).
         max_new_tokens: T_max, the generation budget.
     Returns:
         A positive float (clamped to >= 1 so an empty batch cannot divide by zero).
@@ -190,6 +208,7 @@ def grpo_loss(
     beta: float = 0.0,
     ref_logp: Tensor | None = None,
     kl_estimator: str = "k3",
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO's objective (negated) on one micro-batch: clipped surrogate + beta * KL, aggregated.
 
@@ -206,6 +225,8 @@ def grpo_loss(
         beta: KL coefficient >= 0; 0 skips the reference model.
         ref_logp: [n, T] log pi_ref; required when beta > 0.
         kl_estimator: k1, k2 or k3.
+        token_weights: [n, T] detached per-token weights on the policy term (e.g. the truncated importance weights
+            of :func:`truncated_is_weights`); None = 1.
 
     Returns:
         (loss, metrics). ``loss`` is this micro-batch's share of the batch loss (sums over micro-batches).
@@ -230,6 +251,10 @@ def grpo_loss(
 
     maskf = mask.to(logp.dtype)
     policy_tok, ratio = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
+    if token_weights is not None:
+        if token_weights.shape != logp.shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} must be [n, T] = {tuple(logp.shape)}")
+        policy_tok = policy_tok * token_weights.detach().to(policy_tok.dtype)
     policy = aggregate_loss(policy_tok, maskf, aggregation, normalizer)
     kl_tok = kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else None
     if beta > 0:
@@ -260,3 +285,50 @@ def grpo_loss(
             "tokens": float(maskf.sum()),
         }
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampler-vs-trainer mismatch (docs/theory.md §Sampler-trainer mismatch)
+# ---------------------------------------------------------------------------------------------------------------------
+def truncated_is_weights(trainer_logp: Tensor, sampler_logp: Tensor, cap: float) -> Tensor:
+    """Truncated importance weights w = min(pi_trainer / pi_sampler, cap) per token, detached.
+
+    Corrects the policy gradient for tokens drawn by a sampler whose numerics differ from the trainer's (Ionides,
+    "Truncated Importance Sampling", J. Comput. Graph. Stat. 17(2), 2008, eq. 2.3; applied to LLM RL by Yao et al.,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", 2025). The log-ratio is clamped to
+    +-LOG_RATIO_CLAMP before exponentiating.
+
+    Args:
+        trainer_logp: [N, T] the trainer's log-probs of the sampled tokens (pi_old, detached).
+        sampler_logp: [N, T] the sampler's recorded log-probs of the same tokens.
+        cap: C > 0, the truncation level.
+    Returns:
+        [N, T] float weights in (0, cap].
+    Raises:
+        ValueError: cap <= 0.
+    """
+    if not cap > 0:
+        raise ValueError(f"the truncated importance-sampling cap must be > 0, got {cap}")
+    log_w = torch.clamp(trainer_logp.detach() - sampler_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(log_w).clamp(max=cap)
+
+
+def mismatch_sums(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Sums over the masked tokens of one micro-batch, to be divided by the token count by the caller.
+
+    With d = log pi_trainer - log pi_sampler per sampled token (samples drawn from the sampler):
+    ``abs_diff_sum`` = sum |d|; ``abs_diff_max`` = max |d|; ``k3_sum`` = sum (exp(d) - d - 1), whose mean is the
+    k3 estimate of KL(pi_sampler || pi_trainer) (Schulman 2020; unbiased, >= 0), d clamped to +-LOG_RATIO_CLAMP;
+    ``tokens`` = number of masked tokens.
+
+    Args:
+        trainer_logp, sampler_logp: [n, T].   mask: [n, T] bool.
+    Returns:
+        dict of python floats.
+    """
+    m = mask.bool()
+    d = torch.clamp(trainer_logp.detach().float() - sampler_logp.float(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[m]
+    if d.numel() == 0:
+        return {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
+    return {"abs_diff_sum": float(d.abs().sum()), "abs_diff_max": float(d.abs().max()),
+            "k3_sum": float((torch.expm1(d) - d).sum()), "tokens": float(d.numel())}

@@ -21,8 +21,9 @@ class RolloutBatch:
         prompt_mask: [N, Lp] long/bool, 1 on real prompt tokens.
         completion_ids: [N, T] long, right padded after the first EOS.
         completion_mask: [N, T] bool, True on completion tokens up to and including the first EOS.
-        sampler_logprobs: [N, T] float32, log pi_old(o_t | .) of the sampled tokens under the sampler's processed
-            distribution (temperature, top-k, top-p applied); 0 where completion_mask is False.
+        sampler_logprobs: [N, T] float32, the sampler's log-prob of each sampled token under :func:`token_logprobs`
+            (temperature-scaled, no top-k / top-p renormalisation), from generate's own logits; finite, and 0 where
+            completion_mask is False.
         truncated: [N] bool, True when the completion hit max_new_tokens without an EOS.
         group_size: R.
         prompts: B prompts as the task gave them (chat messages or strings).
@@ -84,9 +85,10 @@ class RolloutBatch:
 def process_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """The sampler's logits transform: divide by temperature, then keep the top-k, then the top-p nucleus.
 
-    Applied in the same order as transformers' sampling warpers (temperature -> top-k -> top-p), so that the
-    trainer's log-probs of sampled tokens equal the sampler's and the on-policy importance ratio is 1.
-    Filtered entries become -inf.
+    The same order as transformers' sampling warpers (temperature -> top-k -> top-p): softmax of the result is the
+    distribution :func:`sample_groups` draws tokens from. Log-probs for the loss do not use it: they follow the one
+    definition of :func:`token_logprobs` (temperature only; docs/theory.md §Log-probabilities). Filtered entries
+    become -inf.
 
     Args:
         logits: [..., V] float.
@@ -120,17 +122,40 @@ def process_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top
     return logits
 
 
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """grpo-lens' one log-prob definition: log softmax(z / temperature)[target], the temperature-scaled distribution
+    over the whole vocabulary, without top-k / top-p renormalisation (docs/theory.md §Log-probabilities).
+
+    The sampler's recorded log-probs, the policy's and the reference's all use it, so every sampled token's log-prob
+    is finite (top-k / top-p only ever remove tokens that were not sampled) and the reference is never filtered by
+    the policy's sampler settings.
+
+    Args:
+        logits: [..., V] raw logits (any float dtype; computed in float32).
+        targets: [...] long token ids.
+        temperature: > 0.
+
+    Returns:
+        [...] float32 log-probs, finite wherever the logits are.
+
+    Raises:
+        ValueError: temperature <= 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     input_ids: Tensor,
     attention_mask: Tensor,
     completion_len: int,
     temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Per-token log-probs of the last ``completion_len`` tokens under ``model``, with the sampler's processing.
+    """Per-token log-probs of the last ``completion_len`` tokens under ``model``, as :func:`token_logprobs` defines.
 
     Position ids are ``cumsum(attention_mask) - 1`` as in ``generate`` with left padding, so the values match the
     sampler's.
@@ -140,23 +165,21 @@ def completion_logprobs(
         input_ids: [N, L] long, L = Lp + T, prompts left padded.
         attention_mask: [N, L] 0/1.
         completion_len: T.
-        temperature, top_k, top_p: as in :func:`process_logits`.
-        return_entropy: also return the per-token entropy of the same processed distribution, from the same
+        temperature: > 0, the sampling temperature.
+        return_entropy: also return the per-token entropy of the same temperature-scaled distribution, from the same
             logits (no extra forward; see :func:`token_entropy`).
 
     Returns:
-        [N, T] float32 log pi(o_t | q, o_<t); positions past a completion's end hold finite garbage, mask them.
-        With ``return_entropy``: (log-probs, entropy [N, T] float32 in nats, detached).
+        [N, T] float32 log pi(o_t | q, o_<t), finite everywhere; positions past a completion's end are scores of
+        padding, mask them. With ``return_entropy``: (log-probs, entropy [N, T] float32 in nats, detached).
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, -completion_len - 1 : -1, :].float()
-    logits = process_logits(logits, temperature, top_k, top_p)
-    targets = input_ids[:, -completion_len:]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    # Tokens after EOS can fall outside a top-k / top-p set and give -inf: make them finite (they are masked).
-    logp = torch.nan_to_num(logp, neginf=0.0)
+    logits = logits[:, -completion_len - 1 : -1, :]
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # token_logprobs' definition
+    logp = logp_all.gather(-1, input_ids[:, -completion_len:].unsqueeze(-1)).squeeze(-1)
     if return_entropy:
         return logp, token_entropy(logp_all.detach(), normalized=True)
     return logp
@@ -165,9 +188,9 @@ def completion_logprobs(
 def token_entropy(logits: Tensor, normalized: bool = False) -> Tensor:
     """Entropy H = -sum_v p_v log p_v of the categorical distribution softmax(logits) at each position.
 
-    Filtered entries (-inf logits, from top-k / top-p) have p_v = 0 and contribute 0. This is the policy entropy
-    TRL and verl log for GRPO (docs/theory.md §Policy entropy); with the trainer's processed logits it is the
-    entropy of the distribution the sampler draws from.
+    Entries with -inf logits have p_v = 0 and contribute 0. This is the policy entropy TRL and verl log for GRPO
+    (docs/theory.md §Policy entropy); given the trainer's temperature-scaled logits it is the entropy of the policy
+    as docs/theory.md §Log-probabilities defines it (before any top-k / top-p truncation of the sampler).
 
     Args:
         logits: [..., V] float (or log-probs already normalised, with ``normalized=True``).
@@ -182,11 +205,38 @@ def token_entropy(logits: Tensor, normalized: bool = False) -> Tensor:
         return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
 
 
-def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0, top_k: int = 0,
-                   top_p: float = 1.0, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0,
+                   return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` of a :class:`RolloutBatch`: [N, T] float32 (and entropy [N, T] on request)."""
     return completion_logprobs(model, batch.input_ids(), batch.attention_mask(), batch.completion_ids.shape[1],
-                               temperature, top_k, top_p, return_entropy=return_entropy)
+                               temperature, return_entropy=return_entropy)
+
+
+def sampling_generation_config(*, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
+                               eos_token_ids: list[int], pad_token_id: int):
+    """The ``transformers.GenerationConfig`` of grpo-lens' sampler, built from its own settings alone.
+
+    Ancestral sampling from :func:`process_logits` (temperature -> top-k -> top-p) and nothing else: no field of the
+    model's ``generation_config`` (min_p, repetition penalty, suppressed or forced tokens, a minimum length, ...) and
+    no transformers default (top_k = 50) enters; :func:`sample_groups` also hides the model's generation_config for
+    the call, so none of its values can fill a field left unset here.
+
+    Args:
+        temperature, top_k, top_p: as in :func:`process_logits`.
+        max_new_tokens: completion budget (>= 1).
+        eos_token_ids: ids that end a completion.   pad_token_id: the padding id.
+
+    Returns:
+        a ``GenerationConfig`` with ``do_sample=True``, ``num_beams=1``, raw logits and processed scores returned.
+    """
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True, num_beams=1, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+        max_new_tokens=int(max_new_tokens), min_length=0, eos_token_id=list(eos_token_ids),
+        pad_token_id=int(pad_token_id), return_dict_in_generate=True, output_scores=True, output_logits=True,
+        use_cache=True, renormalize_logits=False, remove_invalid_values=False,
+    )
 
 
 def _stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
@@ -231,15 +281,29 @@ def _as_messages(prompt) -> list[dict]:
     return list(prompt)
 
 
-def _prompt_text(tokenizer, prompt) -> str:
-    """The prompt as the model sees it: the chat template with the assistant turn opened; a string prompt goes in
-    as is when the tokenizer has no chat template (a base model)."""
+def prompt_token_ids(tokenizer, prompt) -> list[int]:
+    """The token ids the model sees for one prompt.
+
+    * No chat template (a base model) and a string prompt: exactly ``tokenizer(prompt)["input_ids"]``, special tokens
+      (e.g. BOS) included as the tokenizer adds them.
+    * A chat template: the messages (a string becomes one user message) rendered by it; when the last message is the
+      assistant's, its text is continued (prefill: ``continue_final_message=True``), otherwise the assistant turn is
+      opened (``add_generation_prompt=True``). The template holds any BOS the model wants, so no special token is
+      added on top.
+
+    Raises:
+        ValueError: chat messages with a tokenizer that has no chat template.
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         if isinstance(prompt, str):
-            return prompt
+            return list(tokenizer(prompt)["input_ids"])
         raise ValueError("the tokenizer has no chat template, so chat-message prompts cannot be formatted; set "
                          "tokenizer.chat_template or pass plain string prompts")
-    return tokenizer.apply_chat_template(_as_messages(prompt), tokenize=False, add_generation_prompt=True)
+    messages = _as_messages(prompt)
+    prefill = bool(messages) and messages[-1].get("role") == "assistant"
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+                                         continue_final_message=prefill)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _example_fields(example) -> tuple[object, dict]:
@@ -278,17 +342,18 @@ def sample_groups(
 ) -> RolloutBatch:
     """Sample R completions for each of B prompts with ``model.generate`` and record the sampler's log-probs.
 
-    Prompts go through the tokenizer's chat template (``add_generation_prompt=True``; a string prompt is used as
-    is when the tokenizer has none) and are left padded to a common
-    length Lp. Each prompt is repeated R times, so that rollouts of one prompt are contiguous (rollout n belongs to
-    group n // R). Sampling uses exactly the transforms of :func:`process_logits` (temperature -> top-k -> top-p; HF's
-    default ``top_k=50`` is overridden, 0 disables it) and nothing else (repetition penalty and similar are reset to
-    neutral), so :func:`batch_logprobs` with the same settings reproduces ``sampler_logprobs`` (ratio 1 on-policy).
+    Prompts are tokenized by :func:`prompt_token_ids` (chat template, prefill of a final assistant message, or
+    ``tokenizer(prompt)`` for a base model) and left padded to a common length Lp. Each prompt is repeated R times,
+    so that rollouts of one prompt are contiguous (rollout n belongs to group n // R). Tokens are drawn from exactly
+    :func:`process_logits` (temperature -> top-k -> top-p; 0 disables top-k) and nothing else: the generation config
+    is :func:`sampling_generation_config`, built from these settings alone. ``sampler_logprobs`` are the sampler's
+    own log-probs of its tokens under :func:`token_logprobs` (from generate's raw logits); the trainer measures how
+    far its own forward is from them (``mismatch/*`` metrics) rather than assuming they agree.
 
     Args:
         model: a causal LM with ``generate``.
-        tokenizer: its tokenizer, with a chat template and a pad token; prompts are left padded whatever its
-            ``padding_side``.
+        tokenizer: its tokenizer, with a pad token (and a chat template for chat prompts); prompts are left padded
+            whatever its ``padding_side``.
         examples: B task examples (objects with ``prompt`` and ``columns()``, e.g. :class:`grpo_lens.tasks.Example`),
             dicts with a ``prompt`` key and extra columns, or bare prompts (a string or a list of chat messages).
         group_size: R >= 1.
@@ -316,31 +381,24 @@ def sample_groups(
     prompts, columns = zip(*(_example_fields(e) for e in examples))
     keys = sorted({k for c in columns for k in c})
     extras = {k: [c.get(k) for c in columns] for k in keys}
-    texts = [_prompt_text(tokenizer, p) for p in prompts]
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        # The chat template already holds any BOS the model wants.
-        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tokenizer.padding_side = padding_side
+    pad_id = int(tokenizer.pad_token_id)
+    encoded = [prompt_token_ids(tokenizer, p) for p in prompts]
+    if any(not ids for ids in encoded):
+        raise ValueError("a prompt tokenized to no tokens; give every prompt some text")
+    Lp = max(len(ids) for ids in encoded)
     R = group_size
     device = next(model.parameters()).device
-    prompt_ids = encoded["input_ids"].repeat_interleave(R, dim=0).to(device)  # [N, Lp]
-    prompt_mask = encoded["attention_mask"].repeat_interleave(R, dim=0).to(device)  # [N, Lp]
+    # Left padding, whatever the tokenizer's padding_side: every prompt ends at the last column.
+    ids_tensor = torch.tensor([[pad_id] * (Lp - len(ids)) + ids for ids in encoded], dtype=torch.long)
+    mask_tensor = torch.tensor([[0] * (Lp - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long)
+    prompt_ids = ids_tensor.repeat_interleave(R, dim=0).to(device)  # [N, Lp]
+    prompt_mask = mask_tensor.repeat_interleave(R, dim=0).to(device)  # [N, Lp]
     N = prompt_ids.shape[0]
 
     eos_ids = _stop_token_ids(model, tokenizer)
-    pad_id = int(tokenizer.pad_token_id)
-    gen_kwargs = dict(
-        do_sample=True, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-        max_new_tokens=int(max_new_tokens), pad_token_id=pad_id, eos_token_id=eos_ids,
-        return_dict_in_generate=True, output_scores=True,
-        # Neutral values for every other logits processor, whatever the model's generation_config says: the
-        # trainer's process_logits applies temperature, top-k and top-p only.
-        repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
-        min_length=0, num_beams=1,
-    )
+    generation_config = sampling_generation_config(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                   max_new_tokens=max_new_tokens, eos_token_ids=eos_ids,
+                                                   pad_token_id=pad_id)
     step = N if batch_size is None else int(batch_size)
     if step < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
@@ -350,24 +408,28 @@ def sample_groups(
     chunks_logp: list[Tensor] = []
     devices = [device] if device.type == "cuda" else []
     was_training = model.training
+    model_generation_config = getattr(model, "generation_config", None)
     model.eval()
-    with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-        if seed is not None:
-            torch.manual_seed(seed)
-        for start in range(0, N, step):
-            ids = prompt_ids[start : start + step]
-            mask = prompt_mask[start : start + step]
-            out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
-            sampled = out.sequences[:, ids.shape[1] :]  # [n, t]
-            # scores[t] holds the processed logits the token at step t was drawn from: [n, V].
-            logp = torch.stack(
-                [torch.log_softmax(s.float(), dim=-1).gather(-1, sampled[:, t : t + 1]).squeeze(-1)
-                 for t, s in enumerate(out.scores)],
-                dim=1,
-            )  # [n, t]
-            chunks_ids.append(sampled)
-            chunks_logp.append(logp)
-    model.train(was_training)
+    try:
+        # Hide the model's own generation_config: generate() fills every field left unset in ours from it.
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig()
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for start in range(0, N, step):
+                ids = prompt_ids[start : start + step]
+                mask = prompt_mask[start : start + step]
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
+                sampled = out.sequences[:, ids.shape[1] :]  # [n, t]
+                # logits[t]: the raw logits [n, V] the token at step t was drawn from (before any processing).
+                logp = token_logprobs(torch.stack(out.logits, dim=1), sampled, temperature)  # [n, t]
+                chunks_ids.append(sampled)
+                chunks_logp.append(logp)
+    finally:
+        model.generation_config = model_generation_config
+        model.train(was_training)
 
     T = max(c.shape[1] for c in chunks_ids)
     completion_ids = torch.cat(

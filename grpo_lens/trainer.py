@@ -27,7 +27,7 @@ import torch
 
 from grpo_lens.advantages import compute_advantages, constant_groups
 from grpo_lens.config import TrainConfig
-from grpo_lens.losses import grpo_loss, loss_normalizer
+from grpo_lens.losses import grpo_loss, loss_normalizer, mismatch_sums, truncated_is_weights
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import RunDir, crash_point
 
@@ -130,6 +130,12 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                   before_step: Callable[[], None] | None = None, step: int = 0) -> dict[str, float]:
     """mu passes over the step's rollouts, each split into mini-batches (one optimizer step each) and micro-batches.
 
+    pi_old is the trainer's own forward, detached (docs/theory.md §Log-probabilities): on the first pass over the
+    first mini-batch it is the very logp being differentiated, so the ratio is exactly 1 in any dtype; when later
+    optimizer steps need it (mu > 1 or several mini-batches) it is computed once, without gradient, before the first
+    update. The sampler's recorded log-probs enter only the ``mismatch/*`` metrics and, with ``tis_cap``, the
+    truncated importance weights.
+
     Args:
         batch: this process's N rollouts.   advantages: [N].   ref_logp: [N, T] or None (beta = 0).
         before_step: called after the last backward, before the first optimizer step (the lens snapshots there).
@@ -137,37 +143,61 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
         numbers on every process), ``policy/entropy`` (token mean over the first pass's completion tokens of the
-        entropy of the processed sampling distribution, from the logits that pass computes anyway), plus
-        ``grad/norm`` (the pre-clipping norm of the first optimizer step, the
-        on-policy gradient) and ``grad/norm_last``.
+        entropy of the temperature-scaled policy, from the logits that pass computes anyway), plus ``grad/norm``
+        (the pre-clipping norm of the first optimizer step, the on-policy gradient), ``grad/norm_last`` and the
+        ``mismatch/*`` metrics (first pass, sampler vs pi_old).
     """
     R = config.group_size
     groups = batch.num_groups
     per_mini = groups // config.num_mini_batches if groups >= config.num_mini_batches else groups
     mini_batches = [torch.arange(g * R, min(groups, g + per_mini) * R) for g in range(0, groups, max(per_mini, 1))]
+    micro_batches = [[mini[s:s + config.micro_batch_size] for s in range(0, len(mini), config.micro_batch_size)]
+                     for mini in mini_batches]
+    old_logp = None  # [N, T] pi_old of every rollout, needed once the policy has moved within this step
+    if config.mu > 1 or len(mini_batches) > 1:
+        old_logp = torch.zeros_like(batch.sampler_logprobs)
+        with torch.no_grad():
+            for micros in micro_batches:
+                for idx in micros:
+                    old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
     totals: dict[str, float] = {}
     tokens_total = 0.0
     entropy_sum = entropy_tokens = 0.0  # the first pass's token-mean policy entropy (from its own logits)
     grad_norms: list[float] = []
-    for pass_index in range(config.mu):
-        for mini in mini_batches:
+    mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
+    tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
+    for pass_ in range(config.mu):
+        for mb, mini in enumerate(mini_batches):
             mask = batch.completion_mask[mini]
             normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
                                                                        config.max_new_tokens),
                                                       dtype=torch.float64, device=procs.device)))
-            for start in range(0, len(mini), config.micro_batch_size):
-                idx = mini[start:start + config.micro_batch_size]
+            for idx in micro_batches[mb]:
                 micro = batch.select(idx)
-                logp, entropy = batch_logprobs(policy, micro, config.temperature, config.top_k, config.top_p,
-                                               return_entropy=True)
-                if pass_index == 0:
+                logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
+                # pi_old: this very forward on the first pass over the first mini-batch (ratio exactly 1)
+                old = logp.detach() if pass_ == 0 and mb == 0 else old_logp[idx]
+                if pass_ == 0:
                     entropy_sum += float((entropy * micro.completion_mask).sum())
                     entropy_tokens += float(micro.completion_mask.sum())
+                    part = mismatch_sums(old, micro.sampler_logprobs, micro.completion_mask)
+                    for k in ("abs_diff_sum", "k3_sum", "tokens"):
+                        mismatch[k] += part[k]
+                    mismatch["abs_diff_max"] = max(mismatch["abs_diff_max"], part["abs_diff_max"])
+                weights = None
+                if config.tis_cap is not None:
+                    weights = truncated_is_weights(old, micro.sampler_logprobs, config.tis_cap)
+                    if pass_ == 0:
+                        w = weights[micro.completion_mask]
+                        tis["weight_sum"] += float(w.sum())
+                        tis["capped"] += float((w >= config.tis_cap).sum())
+                        tis["tokens"] += float(w.numel())
                 loss, m = grpo_loss(
-                    logp, micro.sampler_logprobs, advantages[idx], micro.completion_mask,
+                    logp, old, advantages[idx], micro.completion_mask,
                     normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
                     eps_high=config.eps_high, dual_clip=config.dual_clip, beta=config.beta,
-                    ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator)
+                    ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
+                    token_weights=weights)
                 loss.backward()
                 tok = m.pop("tokens")
                 tokens_total += tok
@@ -203,9 +233,26 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     out = {k: (v if k in ("loss/policy", "loss/kl", "ratio/max") else v / max(tokens_total, 1.0))
            for k, v in totals.items()}
     out["policy/entropy"] = entropy_sum / max(entropy_tokens, 1.0)
+    out.update(_mismatch_metrics(mismatch, tis if config.tis_cap is not None else None, procs))
     out["grad/norm"] = grad_norms[0]
     out["grad/norm_last"] = grad_norms[-1]
     out["grad/optimizer_steps"] = len(grad_norms)
+    return out
+
+
+def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, procs: Processes) -> dict[str, float]:
+    """``mismatch/*`` metrics of all processes' first-pass tokens from the sums of :func:`mismatch_sums`."""
+    keys = ("abs_diff_sum", "k3_sum", "tokens")
+    sums = procs.sum(torch.tensor([mismatch[k] for k in keys] + ([tis["weight_sum"], tis["capped"], tis["tokens"]]
+                                                                  if tis is not None else []),
+                                  dtype=torch.float64, device=procs.device)).tolist()
+    top = float(procs.gather(torch.tensor([mismatch["abs_diff_max"]], dtype=torch.float64, device=procs.device)).max())
+    n = max(sums[2], 1.0)
+    out = {"mismatch/logprob_abs_diff_mean": sums[0] / n, "mismatch/logprob_abs_diff_max": top,
+           "mismatch/kl_k3": sums[1] / n}
+    if tis is not None:
+        out["mismatch/tis_weight_mean"] = sums[3] / max(sums[5], 1.0)
+        out["mismatch/tis_capped_frac"] = sums[4] / max(sums[5], 1.0)
     return out
 
 
@@ -401,7 +448,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         ref_logp = None
         if reference is not None:
             with torch.no_grad():
-                ref_logp = batch_logprobs(reference, batch, config.temperature, config.top_k, config.top_p)
+                ref_logp = batch_logprobs(reference, batch, config.temperature)  # never top-k/top-p filtered
 
         # 6. the lens reads this step's rollouts before the update changes the policy
         lens_metrics: dict[str, float] = {}

@@ -6,7 +6,8 @@ length-normalised score of rollout i,
 
     s_i = (1/|o_i|) sum_t log pi_theta(o_{i,t} | q, o_{i,<t}),      g_i = grad_theta s_i,
 
-computed with the sampler's logits processing (temperature, top-k, top-p) by :func:`grpo_lens.rollout.completion_logprobs`.
+computed with grpo-lens' one log-prob definition (temperature-scaled, docs/theory.md §Log-probabilities) by
+:func:`grpo_lens.rollout.completion_logprobs`.
 A rollout with an empty completion (|o_i| = 0) has s_i = 0 and g_i = 0.
 
 Two paths:
@@ -157,7 +158,8 @@ def exact_rollout_grads(
         batch: N rollouts.
         params: parameter names (see :func:`select_parameters`); None = all trainable parameters.
         weights: [N] row weights, optional.
-        temperature, top_k, top_p: the sampler's logits processing (:func:`grpo_lens.rollout.process_logits`).
+        temperature: the sampling temperature (:func:`grpo_lens.rollout.token_logprobs`). top_k, top_p: accepted for
+            callers that pass the sampler's settings; log-probs do not depend on them (docs/theory.md §Log-probabilities).
 
     Returns:
         [N, P] in the parameters' dtype; columns follow :func:`param_slices`.
@@ -172,7 +174,7 @@ def exact_rollout_grads(
     rows = []
     for i in range(n):
         sub = batch.select([i])
-        logp = batch_logprobs(model, sub, temperature, top_k, top_p)
+        logp = batch_logprobs(model, sub, temperature)
         score = rollout_scores(logp, sub.completion_mask)[0]
         row = _flat_grad(score, chosen)
         rows.append(row if weights is None else row * weights[i].to(row.dtype))
@@ -203,7 +205,7 @@ def exact_weighted_grad(
     """
     assert weights.shape == (batch.num_rollouts,), (weights.shape, batch.num_rollouts)
     chosen = [p for _, p in select_parameters(model, params)]
-    logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+    logp = batch_logprobs(model, batch, temperature)
     scores = rollout_scores(logp, batch.completion_mask)
     return _flat_grad((scores * weights.to(scores.dtype)).sum(), chosen)
 
@@ -245,7 +247,7 @@ def layer_weight_grads(
     assert weights.shape == (batch.num_rollouts,), (weights.shape, batch.num_rollouts)
     names = linear_layer_names(model, layers)
     modules = dict(model.named_modules())
-    logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+    logp = batch_logprobs(model, batch, temperature)
     loss = (rollout_scores(logp, batch.completion_mask) * weights.to(logp.dtype)).sum()
     grads = torch.autograd.grad(loss, [modules[n].weight for n in names], allow_unused=True)
     return {n: (torch.zeros_like(modules[n].weight) if g is None else g) for n, g in zip(names, grads)}
@@ -621,7 +623,7 @@ def sketch_rollout_grads(
         batch: N rollouts.
         k_in, k_out, include, projection, seed, token_norms, dtype: see :class:`GradientCapture`.
         weights: [N] row weights (``A`` gives sketched G1 rows A_i g_i).
-        temperature, top_k, top_p: the sampler's logits processing.
+        temperature: the sampling temperature. top_k, top_p: ignored (docs/theory.md §Log-probabilities).
 
     Returns:
         :class:`GradientSketch`: ``per_layer`` [N, k_out*k_in], ``sketch`` [N, L*k_out*k_in], optional
@@ -641,7 +643,7 @@ def sketch_rollout_grads(
     handle = emb.register_forward_hook(lambda m, a, o: emb_out.append(o)) if emb is not None else None
     try:
         with capture:
-            logp = batch_logprobs(model, batch, temperature, top_k, top_p)
+            logp = batch_logprobs(model, batch, temperature)
             scores = rollout_scores(logp, batch.completion_mask)
             loss = scores.sum() if weights is None else (scores * weights.to(scores.dtype)).sum()
             roots = _backward_roots(model, emb_out, capture)
