@@ -115,6 +115,10 @@ class TrainConfig(ConfigFile):
                             "temperature-scaled distribution (docs/theory.md).")
     top_p: float = option(1.0, "Nucleus sampling mass in (0, 1]; 1 disables. Shapes sampling only, not log-probs.")
     top_k: int = option(0, "Top-k sampling; 0 disables. Shapes sampling only, not log-probs.")
+    dynamic_sampling: bool = option(False, "DAPO dynamic sampling (arXiv 2503.14476): sample extra rounds of prompts "
+                                "until the step has prompts_per_step groups whose rewards are not all equal; at the "
+                                "cap trains on the mixed groups found (logged as dynamic/mixed_groups).")
+    dynamic_sampling_max_rounds: int = option(3, "Cap on dynamic sampling's extra sampling rounds per step.")
     mask_truncated: bool = option(False, "Give truncated completions zero advantage (they still count in group "
                               "statistics as invalid rollouts do not).")
     # --- advantages and loss -----------------------------------------------------------------------------------------
@@ -300,6 +304,8 @@ class TrainConfig(ConfigFile):
                 bad("report_to", f"unknown tracker {name!r}; valid names: {', '.join(REPORT_TO)}")
         if "none" in self.report_to and len(self.report_to) > 1:
             bad("report_to", "'none' cannot be combined with a tracker; drop it")
+        if self.dynamic_sampling_max_rounds < 0:
+            bad("dynamic_sampling_max_rounds", "must be >= 0 (0 = only the step's own round)")
         choice("lens_space", ("trainable", "full"))
         if self.lora_rank < 0:
             bad("lora_rank", "must be >= 0 (0 = full fine-tuning)")

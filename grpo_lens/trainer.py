@@ -27,6 +27,7 @@ import torch
 
 from grpo_lens.advantages import compute_advantages, constant_groups
 from grpo_lens.config import TrainConfig
+from grpo_lens.dynamic_sampling import collect_mixed_groups
 from grpo_lens.losses import grpo_loss, loss_normalizer, mismatch_sums, truncated_is_weights
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import RunDir, crash_point
@@ -315,6 +316,9 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
                          f"of the {procs.world} processes holds (prompts_per_step / processes = {share})")
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
+    if config.dynamic_sampling and procs.world > 1:
+        raise ValueError("--dynamic-sampling runs in one process only for now (processes would keep different "
+                         "numbers of groups); drop it or run one process")
     if config.lora_rank > 0 and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora-rank needs the peft package: pip install 'grpo-lens[lora]' (or pip install peft)")
     if procs.is_main:
@@ -421,21 +425,33 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         t0 = time.perf_counter()
         seed = step_seed(config.seed, step)
 
-        # 1. prompts: every process draws the same B, samples its own share of them
-        examples = task.sample(B, seed=seed)[procs.rank * share:(procs.rank + 1) * share]
+        gen_seconds: list[float] = []
 
-        # 2. rollouts: R completions per prompt, with the sampler's log-probs
-        policy.eval()
-        crash_point("during_generation", step, module=policy)
-        batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
-                              temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                              generator_seed=seed + 104_729 * procs.rank)
-        policy.train()
-        t_gen = time.perf_counter() - t0
+        def sample_round(rnd: int):
+            """Round ``rnd`` of this step (0: the ordinary batch; > 0: dynamic sampling's extra rounds)."""
+            rseed = seed if rnd == 0 else step_seed(seed, rnd)
+            # 1. prompts: every process draws the same B, samples its own share of them
+            examples = task.sample(B, seed=rseed)[procs.rank * share:(procs.rank + 1) * share]
+            # 2. rollouts: R completions per prompt, with the sampler's log-probs
+            t_start = time.perf_counter()
+            policy.eval()
+            crash_point("during_generation", step, module=policy)
+            batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
+                                  temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                  generator_seed=rseed + 104_729 * procs.rank)
+            policy.train()
+            gen_seconds.append(time.perf_counter() - t_start)
+            # 3. rewards (invalid rollouts are masked out of the group statistics)
+            rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
+            return batch, rewards.to(procs.device), valid.to(procs.device), reward_info
 
-        # 3. rewards (invalid rollouts are masked out of the group statistics)
-        rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
-        rewards, valid = rewards.to(procs.device), valid.to(procs.device)
+        dynamic: dict[str, float] = {}
+        if config.dynamic_sampling:  # DAPO: extra rounds until B mixed groups (docs/theory.md §Dynamic sampling)
+            batch, rewards, valid, reward_info, dynamic = collect_mixed_groups(
+                sample_round, share, config.dynamic_sampling_max_rounds, tokenizer.pad_token_id)
+        else:
+            batch, rewards, valid, reward_info = sample_round(0)
+        t_gen = sum(gen_seconds)
 
         # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
         #    group's statistics and, with mask_truncated, get zero advantage (no policy gradient)
@@ -470,7 +486,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         all_trunc = procs.gather(batch.truncated)
         seconds = time.perf_counter() - t0
         tokens = float(all_mask.sum())
-        record = {"step": step, **reward_info,  # this process's reward calls; the all-process statistics win:
+        record = {"step": step, **reward_info, **dynamic,  # this process's reward calls; the all-process statistics win:
                   **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
                   **loss_metrics, **lens_metrics,
                   "lr": optimizer.param_groups[0]["lr"],
