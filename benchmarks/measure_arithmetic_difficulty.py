@@ -6,7 +6,7 @@ prints side by side:
 
 - acc: share of correct rollouts (target for the default: 20%-60%);
 - mixed: share of groups with both right and wrong rollouts (the groups with a policy gradient);
-- mixed_pred: E[1 - p^R - (1-p)^R] over the prompts' measured success rates p (DESIGN.md section 5, S1);
+- mixed_pred: E[1 - p^R - (1-p)^R] over the prompts' measured success rates p (docs/theory.md §9, S1);
 - trunc: share of completions cut at max_new_tokens.
 
 Usage: python benchmarks/measure_arithmetic_difficulty.py [--prompts 48] [--model smollm2-135m-instruct]

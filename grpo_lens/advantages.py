@@ -1,7 +1,7 @@
 """Advantage estimators over the rewards of groups of rollouts.
 
 Every estimator maps rewards ``[B, R]`` (B prompts, R rollouts each) and a validity mask ``[B, R]`` to advantages
-``[B, R]``. Under an output-only reward every token of rollout i gets the same advantage A_i (DESIGN.md §2), so these
+``[B, R]``. Under an output-only reward every token of rollout i gets the same advantage A_i (docs/theory.md §10), so these
 R numbers are the whole of GRPO's credit assignment for a group.
 
 Conventions shared by all estimators:
@@ -146,7 +146,7 @@ def optimal_baseline_advantages(rewards: Tensor, valid: Tensor, *, grad_sq_norms
 
     Args:
         rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
-        grad_sq_norms: [B, R] float, ||g_i||^2 of each rollout's score gradient (DESIGN.md §1).
+        grad_sq_norms: [B, R] float, ||g_i||^2 of each rollout's score gradient (docs/theory.md §1).
     Returns:
         [B, R] float64.
     Raises:

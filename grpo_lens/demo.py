@@ -44,8 +44,7 @@ class DemoConfig(ConfigFile):
     max_new_tokens: int = option(24, "Longest completion in tokens.")
     lens_every: int = option(5, "Lens every this many training steps.")
     probe_group_sizes: list = option([2, 4, 8], "Group sizes R of the probes.", item_type=int)
-    probe_groups: int = option(4, "Mixed groups per R in each probe.")
-    probe_max_groups: int = option(24, "Groups sampled at most per R in each probe.")
+    probe_prompts: int = option(24, "Prompts sampled per R in each probe (every mixed group among them is analysed).")
     exact: bool = option(False, "Exact per-rollout gradients in the probes (slow; small models).")
     seed: int = option(0, "Random seed.")
     device: str = option("auto", "cpu, cuda, cuda:N or auto.")
@@ -66,8 +65,8 @@ class DemoConfig(ConfigFile):
     def probe_config(self, model: str, out: Path) -> ProbeConfig:
         """The ProbeConfig of a probe stage on ``model``."""
         return ProbeConfig(model=model, task=self.task, dataset=self.dataset, task_options=self.task_options,
-                           group_sizes=self.probe_group_sizes, groups=self.probe_groups,
-                           max_groups=self.probe_max_groups, max_new_tokens=self.max_new_tokens, exact=self.exact,
+                           group_sizes=self.probe_group_sizes, prompts=self.probe_prompts,
+                           max_new_tokens=self.max_new_tokens, exact=self.exact,
                            seed=self.seed, device=self.device, out=str(out))
 
 

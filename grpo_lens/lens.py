@@ -1,16 +1,18 @@
 """The lens inside the trainer: a cheap subset of the diagnostics every ``lens_every`` steps.
 
 On a lens step, before the update, one extra batched backward gives sketched per-rollout gradients g_i of every linear
-layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`). From them, per mixed group: G1's entropy
-effective rank and stable rank (with the random zero-sum control), the rank-2 identity residual, m_C / m_W and b*.
+layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`); with LoRA, exact gradients of the adapter's
+parameters or sketches of the frozen base weights (``lens_space``, :meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one
+per-group analysis path, :func:`grpo_lens.diagnostics.analyse_group` (the same function ``grpo-lens probe`` calls),
+and the lens writes the mean over the step's mixed groups of every key it returns (the identity residual: the max).
+With several processes every process's groups are gathered first, so the numbers cover the whole batch.
 Around the optimizer step, bf16 snapshots give S4 (update sparsity for the step and since the start).
 
-All math is in :mod:`grpo_lens.diagnostics`; this class only picks groups, averages and names metrics.
+All math is in :mod:`grpo_lens.diagnostics`; this class only picks groups, gathers and averages.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -19,14 +21,20 @@ from grpo_lens import diagnostics as dg
 from grpo_lens.rollout import RolloutBatch
 
 
-def _nanmean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else None
-
-
 def is_binary(rewards: torch.Tensor) -> bool:
     """True when every reward is 0 or 1 (what the rank-2 identity and m_C / m_W need)."""
     return bool(torch.all((rewards == 0) | (rewards == 1)))
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """[obj of rank 0, obj of rank 1, ...] across processes (torch.distributed), or [obj] for one process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world > 1:
+            parts: list[Any] = [None] * world
+            torch.distributed.all_gather_object(parts, obj)
+            return parts
+    return [obj]
 
 
 class TrainerLens:
@@ -38,9 +46,9 @@ class TrainerLens:
             top_p).
 
     Metric keys written (see docs/metrics.md): ``sparsity/zero_var_groups_predicted``, ``sparsity/update_step``,
-    ``sparsity/update_total``, ``rank/g1_erank``, ``rank/g1_stable_rank``, ``rank/g1_random_erank``,
-    ``rank/mixed_groups``, ``grad/identity_residual``, ``baseline/m_correct``, ``baseline/m_wrong``,
-    ``baseline/b_star``, ``baseline/group_mean``, ``perf/lens_seconds``.
+    ``sparsity/update_total``, ``rank/mixed_groups``, ``perf/lens_seconds``, and the mean over mixed groups of every
+    key of :func:`grpo_lens.diagnostics.analyse_group` except ``group/size`` (``rank/g1_*``, ``grad/identity_*``,
+    ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
 
     def __init__(self, policy: torch.nn.Module, config: Any):
@@ -60,54 +68,47 @@ class TrainerLens:
 
     def measure(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
                 valid: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
-        """Lens metrics of one step's rollouts, before the update.
+        """Lens metrics of one step's rollouts (every process's), before the update.
 
         Args:
-            batch: N = B*R rollouts.  rewards: [N] (NaN where invalid).  valid: [N] bool.  advantages: [N].
+            batch: this process's N = B*R rollouts.  rewards: [N] (NaN where invalid).  valid: [N] bool.
+            advantages: [N], the advantages the update uses.
+
+        Returns:
+            {key: float}; the same numbers on every process.
         """
         import time
 
         t0 = time.perf_counter()
         c = self.config
         R = batch.group_size
-        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R)
-        out: dict[str, float] = {}
-        s1 = dg.s1_metrics(r, mask=valid.view(-1, R))
-        out["sparsity/zero_var_groups_predicted"] = s1["sparsity/zero_var_pred"]
-
-        mixed = [b for b in range(r.shape[0]) if not bool(dg.zero_variance_groups(r[b:b + 1],
-                                                                                  valid[b * R:(b + 1) * R].view(1, R)))]
-        out["rank/mixed_groups"] = float(len(mixed))
+        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
+        v = valid.view(-1, R).cpu()
+        mixed = [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(dg.zero_variance_groups(r[b:b + 1]))]
+        rows: list[dict[str, float]] = []
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
             grads = self.rollout_grads(policy, sub)  # [n_mixed * R, K]
-            eranks, stables, randoms, residuals, m_c, m_w, b_star, g_mean = [], [], [], [], [], [], [], []
+            adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
-                g = grads[j * R:(j + 1) * R]
-                a = advantages[b * R:(b + 1) * R].double()
-                rr = r[b]
-                spectra = dg.g1_spectra(g, a, num_random=4, seed=c.seed + step)
-                eranks.append(spectra["policy"]["erank"])
-                stables.append(spectra["policy"]["stable_rank"])
-                randoms.append(spectra["random"].get("erank"))
-                if is_binary(rr) and bool(valid[b * R:(b + 1) * R].all()):
-                    residuals.append(dg.rank2_residual(g, rr.double(), std=c.std, eps=c.eps, advantages=a))
-                    bm = dg.baseline_metrics(g, rr.double())
-                    m_c.append(bm["baseline/m_correct"])
-                    m_w.append(bm["baseline/m_wrong"])
-                    b_star.append(bm["baseline/b_star"])
-                    g_mean.append(bm["baseline/mean"])
-            out.update({
-                "rank/g1_erank": _nanmean(eranks), "rank/g1_stable_rank": _nanmean(stables),
-                "rank/g1_random_erank": _nanmean(randoms),
-                "grad/identity_residual": max(residuals) if residuals else None,
-                "baseline/m_correct": _nanmean(m_c), "baseline/m_wrong": _nanmean(m_w),
-                "baseline/b_star": _nanmean(b_star), "baseline/group_mean": _nanmean(g_mean),
-            })
+                rows.append(dg.analyse_group(
+                    grads[j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
+                    std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R],
+                    completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
+                    seed=c.seed + step * 1009 + b))
+        # every process's groups: the lens describes the whole batch, not rank 0's share
+        parts = gather_objects({"rows": rows, "rewards": r, "valid": v})
+        all_rows = [row for part in parts for row in part["rows"]]
+        all_r = torch.cat([part["rewards"] for part in parts])
+        all_v = torch.cat([part["valid"] for part in parts])
+        out: dict[str, float] = {}
+        out["sparsity/zero_var_groups_predicted"] = dg.s1_metrics(all_r, mask=all_v)["sparsity/zero_var_pred"]
+        out["rank/mixed_groups"] = float(len(all_rows))
+        out.update({k: val for k, val in dg.mean_over_groups(all_rows).items() if k != "group/size"})
         self._pending = True
         out["perf/lens_seconds"] = time.perf_counter() - t0
-        return {k: v for k, v in out.items() if v is not None}
+        return out
 
     def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch) -> torch.Tensor:
         """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.

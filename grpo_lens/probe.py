@@ -1,30 +1,30 @@
 """``grpo-lens probe``: measure the structure of GRPO's gradient on a model, for several group sizes R.
 
-For each R the probe samples prompts, M = max(2R, 8) completions of each (the first R form the GRPO group; all M give
-the prompt's success rate and the baseline-variance resampling), counts all-equal groups (S1), and for each mixed
-group up to ``groups`` computes, from per-rollout gradients g_i (sketched by default, exact with ``--exact``):
-
-- rank measures of G1 (rows A_i g_i) and its controls on the same tokens: G1_no_adv (rows g_i), G1_random_zero_sum
-  (rows w_i g_i, random zero-sum w with ||w|| = ||A||), G1_nll (rows of the supervised NLL gradient); G1_layer (one
-  layer only); G2 (the weight gradient of the group loss for that layer, [d_out, d_in], with its numerical rank and the
-  bound prompt tokens + distinct completion prefixes); G3 (rows = the groups' policy gradients);
-- the rank-2 identity residual, the number of distinct completions;
-- baselines: m_C, m_W, b* vs the group mean, and the variance of the gradient estimate under none / mean / rloo /
-  optimal baselines by resampling groups of R from the prompt's M rollouts;
-- credit: within-rollout advantage variance, the per-position gradient-norm profile, the answer tokens' share.
-
-It writes OUT/probe.json (schema below), and OUT/report.md with plots via :func:`grpo_lens.report.write_report`.
+For each R the probe samples a FIXED number of prompts (``--prompts``; it never stops early at the N-th mixed group,
+so S1 and every per-group mean are unbiased over the task's prompts), M = max(2R, 8) completions of each (the first
+R form the GRPO group; all M give the prompt's success rate and the baseline-variance resampling). Every mixed group
+(all rewards valid, not all equal) goes through the one per-group analysis path,
+:func:`grpo_lens.diagnostics.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
+(one layer's G1, G2, credit) that return keys of the same vocabulary. The probe then only aggregates rows over groups:
+means with 95% bootstrap intervals over groups, strata by k (correct count) and by distinct completions, and G3 (one
+matrix over the analysed groups).
 
 probe.json::
 
     {"meta": {model, task, gradients: "sketch"|"exact", sketch_dim, std, eps, layer, seconds, ...},
      "per_group_size": {"<R>": {
-         groups_sampled, groups_all_equal, groups_mixed, s1_measured, s1_predicted, distinct_completions_mean,
-         rank: {matrix: {measure: {mean, std}, groups}}, spectra: {matrix: [[s_1, ...] per group]},
-         identity_residual: {max, mean, per_group}, g2: {numerical_rank, rank_bound, shape},
-         baselines: {b_star, group_mean, m_correct, m_wrong, variance: {...}, relative_variance: {...}, prompts},
-         credit: {within_rollout_adv_var_max, answer_grad_share, answer_token_share, position_profile},
+         rollouts_per_prompt, prompts_sampled, groups_all_equal, groups_mixed, groups_invalid, s1_measured,
+         s1_predicted,
+         groups: [{canonical key: value} per analysed group],
+         summary: {canonical key: {mean, lo, hi, n}},
+         strata: {"correct": {"<k>": {key: {mean, lo, hi, n}}}, "distinct": {"<d>": {...}}},
+         g3: {rank/g3_<m>: value, rank/g3_null_<m>: value, groups},
+         spectra: {"G1": [[s_1, ...] per group], "G1_no_adv": [...], "G1_null": [...], "G2": [...]},
+         baselines: {variance: {...}, relative_variance: {...}, prompts},
+         credit: {position_profile},
          timing: {generation_seconds, gradient_seconds}}}}
+
+Keys are documented in docs/metrics.md; formulas in docs/theory.md.
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ from grpo_lens.advantages import STD_CONVENTIONS, compute_advantages
 from grpo_lens.config import ConfigError, ConfigFile, option
 from grpo_lens.rollout import RolloutBatch, sample_groups
 
-MATRIX_NAMES = {"policy": "G1", "score": "G1_no_adv", "random": "G1_random_zero_sum", "nll": "G1_nll"}
-
 
 @dataclass
 class ProbeConfig(ConfigFile):
@@ -58,8 +56,8 @@ class ProbeConfig(ConfigFile):
     task_options: dict = option({}, "Task options as a YAML mapping.")
     rewards: list = option(["correctness"], "Reward functions NAME or NAME:WEIGHT.")
     group_sizes: list = option([2, 4, 8], "Group sizes R to probe.", item_type=int)
-    groups: int = option(4, "Mixed groups (not all rewards equal) to analyse per R.")
-    max_groups: int = option(24, "Give up on an R after sampling this many groups (all-equal ones are counted).")
+    prompts: int = option(24, "Prompts sampled per R; every mixed group among them is analysed (a fixed number, "
+                          "so S1 and the per-group means are unbiased).")
     prompts_per_batch: int = option(4, "Prompts sampled per generate call.")
     baseline_prompts: int = option(2, "Mixed prompts per R whose M rollouts are used for the baseline variance.")
     max_new_tokens: int = option(24, "Longest completion in tokens.")
@@ -88,7 +86,7 @@ class ProbeConfig(ConfigFile):
 
         if not self.group_sizes or any(not isinstance(r, int) or r < 2 for r in self.group_sizes):
             bad("group_sizes", "each group size must be an integer >= 2")
-        for name in ("groups", "max_groups", "prompts_per_batch", "max_new_tokens", "sketch_dim", "random_draws"):
+        for name in ("prompts", "prompts_per_batch", "max_new_tokens", "sketch_dim", "random_draws"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
         if self.baseline_prompts < 0:
@@ -107,13 +105,6 @@ class ProbeConfig(ConfigFile):
             bad("dtype", "valid names: bfloat16, float32")
 
 
-def _stats(xs: list[float | None]) -> dict[str, float | None]:
-    xs = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
-    if not xs:
-        return {"mean": None, "std": None}
-    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs) if len(xs) > 1 else 0.0}
-
-
 def default_layer(model: torch.nn.Module) -> str:
     """The middle decoder layer's MLP down projection (or the middle linear layer of any model)."""
     names = dg.linear_layer_names(model)
@@ -124,25 +115,12 @@ def default_layer(model: torch.nn.Module) -> str:
     return pool[len(pool) // 2]
 
 
-class GroupAnalysis:
-    """Accumulates per-group results of one R."""
-
-    def __init__(self) -> None:
-        self.rank: dict[str, list[dict[str, float]]] = {}
-        self.spectra: dict[str, list[list[float]]] = {}
-        self.residuals: list[float] = []
-        self.distinct: list[int] = []
-        self.policy_rows: list[torch.Tensor] = []
-        self.baseline_rows: list[dict[str, float]] = []
-        self.credit: list[dict[str, float]] = []
-        self.profiles: list[torch.Tensor] = []
-        self.g2: list[dict[str, Any]] = []
-
-    def add_rank(self, matrix: str, measures: dict[str, float], spectrum: list[float] | None = None) -> None:
-        """Record one group's rank measures (and optionally its singular values) for ``matrix``."""
-        self.rank.setdefault(matrix, []).append(measures)
-        if spectrum is not None:
-            self.spectra.setdefault(matrix, []).append(spectrum)
+#: Keys whose summaries the probe also stratifies by k and by distinct completions.
+STRATA_KEYS = tuple(f"rank/{m}_{x}" for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank",
+                                                                                                      "stable_rank"))\
+    + ("rank/g1_erank_vs_null", "rank/g1_stable_rank_vs_null", "grad/identity_residual", "zero_sum/span_energy",
+       "zero_sum/span_energy_null", "zero_sum/span_energy_p", "zero_sum/cos_gap", "zero_sum/cos_gap_null",
+       "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
 
 
 def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str):
@@ -159,42 +137,34 @@ def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str):
 
 
 def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, config: ProbeConfig, layer: str,
-                  acc: GroupAnalysis, seed: int) -> None:
-    """Everything the probe measures on one mixed group of R rollouts (rewards [R])."""
+                  seed: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """One mixed group of R rollouts (rewards [R]): its row of canonical keys and its extras (spectra, G3 row, profile).
+
+    The row is :func:`grpo_lens.diagnostics.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
+    (``rank/g1_layer_*``), G2 of ``layer`` (``rank/g2_*``) and credit (``credit/*``).
+    """
     R = sub.num_rollouts
     adv = compute_advantages(rewards.view(1, R).double(), "grpo", std=config.std, eps=config.eps)[0]
     grads, layer_rows, token_sq = _rollout_grads(policy, sub, config, layer)
     g = grads.double()
-
-    spectra = dg.g1_spectra(g, adv, sub.completion_mask, num_random=config.random_draws, seed=seed)
+    row = dg.analyse_group(g, rewards.double(), adv, estimator="grpo", std=config.std, eps=config.eps,
+                           completion_mask=sub.completion_mask, completion_ids=sub.completion_ids,
+                           num_random=config.random_draws, seed=seed)
+    row.update(dg.g1_rank_keys(layer_rows, adv, "g1_layer"))
     gram = g @ g.T
-    for key, name in MATRIX_NAMES.items():
-        if key in spectra:
-            spectrum = None
-            if key == "policy":
-                spectrum = dg.gram_singular_values(gram * torch.outer(adv, adv)).tolist()
-            elif key == "score":
-                spectrum = dg.gram_singular_values(gram).tolist()
-            acc.add_rank(name, spectra[key], spectrum)
-    lg = layer_rows.double() * adv.unsqueeze(1)
-    acc.add_rank("G1_layer", dg.rank_measures(dg.gram_singular_values(lg @ lg.T)))
-    acc.policy_rows.append((adv.unsqueeze(1) * g).sum(0))
+    extras: dict[str, Any] = {
+        "spectra": {"G1": dg.g1_singular_values(g, adv).tolist(),
+                    "G1_no_adv": dg.gram_singular_values(gram).tolist(),
+                    "G1_null": dg.orthogonal_null_singular_values(gram, adv).tolist()},
+        "g3_row": (adv.unsqueeze(1) * g).sum(0),
+    }
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
     g2_raw = dg.layer_weight_grads(policy, sub, adv.float(), [layer], temperature=config.temperature,
                                    top_k=config.top_k, top_p=config.top_p)[layer]
-    g2 = g2_raw.double()
-    s2 = dg.singular_values(g2)
-    acc.add_rank("G2", dg.rank_measures(s2), s2[:64].tolist())
-    # the rank tolerance follows the precision the gradient was computed in, not the float64 copy
-    acc.g2.append({"numerical_rank": dg.numerical_rank(s2, shape=tuple(g2.shape), dtype=g2_raw.dtype),
-                   "rank_bound": dg.g2_rank_bound(sub.prompt_mask, sub.completion_ids, sub.completion_mask),
-                   "shape": list(g2.shape)})
-
-    if bool(torch.all((rewards == 0) | (rewards == 1))):
-        acc.residuals.append(dg.rank2_residual(g, rewards.double(), std=config.std, eps=config.eps, advantages=adv))
-        acc.baseline_rows.append(dg.baseline_metrics(g, rewards.double()))
-    acc.distinct.append(int(dg.distinct_completions(sub.completion_ids, sub.completion_mask)))
+    bound = dg.g2_rank_bound(sub.prompt_mask, sub.completion_ids, sub.completion_mask)
+    row.update(dg.g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype))
+    extras["spectra"]["G2"] = dg.singular_values(g2_raw.double())[:64].tolist()
 
     token_adv = dg.token_advantages(adv, sub.completion_mask)
     if token_sq is None:  # exact mode: the per-token norms come from one more batched backward
@@ -202,25 +172,27 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
                                           top_p=config.top_p)
     comp = dg.completion_positions(token_sq, sub.prompt_ids.shape[1])  # [R, T]
     answer = dg.answer_mask_from_tokenizer(tokenizer, sub.completion_ids, sub.completion_mask)
-    acc.credit.append(dg.credit_metrics(token_adv, comp, sub.completion_mask, answer))
-    acc.profiles.append(dg.position_profile(comp.sqrt(), sub.completion_mask))
+    row.update(dg.credit_metrics(token_adv, comp, sub.completion_mask, answer))
+    extras["profile"] = dg.position_profile(comp.sqrt(), sub.completion_mask)
+    return row, extras
 
 
 def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str) -> dict[str, Any]:
-    """Sample until ``config.groups`` mixed groups of size R are found (or ``max_groups`` sampled); measure them."""
+    """Sample ``config.prompts`` prompts with M rollouts each, analyse every mixed group of R, aggregate over groups."""
     from grpo_lens.rewards import combine_rewards
 
     M = max(2 * R, 8)
-    acc = GroupAnalysis()
-    sampled = all_equal = mixed = mixed_seen = invalid = 0
+    rows: list[dict[str, float]] = []
+    extras: list[dict[str, Any]] = []
+    sampled = all_equal = invalid = 0
     success_rates: list[float] = []
     baseline_var: list[dict[str, float]] = []
     t_gen = t_grad = 0.0
     draw = 0
-    while mixed < config.groups and sampled < config.max_groups:
+    while sampled < config.prompts:
         draw += 1
         seed = (config.seed * 1_000_003 + R * 10_007 + draw * 7_919) % (2**31 - 1)
-        n_prompts = min(config.prompts_per_batch, config.max_groups - sampled)
+        n_prompts = min(config.prompts_per_batch, config.prompts - sampled)
         examples = task.sample(n_prompts, seed=seed)
         t0 = time.perf_counter()
         batch = sample_groups(policy, tokenizer, examples, M, max_new_tokens=config.max_new_tokens,
@@ -228,15 +200,15 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                               generator_seed=seed)
         t_gen += time.perf_counter() - t0
         prompts = [p for p in batch.prompts for _ in range(M)]
-        extras = {k: [v for v in vals for _ in range(M)] for k, vals in batch.extras.items()}
-        rewards, valid, _ = combine_rewards(reward_fns, prompts, batch.completions, **extras)
+        extras_kw = {k: [v for v in vals for _ in range(M)] for k, vals in batch.extras.items()}
+        rewards, valid, _ = combine_rewards(reward_fns, prompts, batch.completions, **extras_kw)
         for j in range(len(examples)):
             sampled += 1
-            rows = torch.arange(j * M, (j + 1) * M)
-            r_all, v_all = rewards[rows], valid[rows]
+            rows_j = torch.arange(j * M, (j + 1) * M)
+            r_all, v_all = rewards[rows_j], valid[rows_j]
             if v_all.any():
                 success_rates.append(float(r_all[v_all].clamp(0, 1).mean()))
-            group = rows[:R]
+            group = rows_j[:R]
             r_g, v_g = rewards[group], valid[group]
             if not bool(v_g.all()):
                 invalid += 1
@@ -244,66 +216,51 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             if bool(dg.zero_variance_groups(r_g.view(1, R))):
                 all_equal += 1
                 continue
-            mixed_seen += 1
-            if mixed >= config.groups:
-                continue
-            mixed += 1
             t0 = time.perf_counter()
-            analyse_group(policy, tokenizer, batch.select(group), r_g, config, layer, acc, seed=seed + j)
+            row, extra = analyse_group(policy, tokenizer, batch.select(group), r_g, config, layer, seed=seed + j)
+            rows.append(row)
+            extras.append(extra)
             if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
-                grads_m, _, _ = _rollout_grads(policy, batch.select(rows), config, layer)
+                grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, layer)
                 var = dg.estimator_variances(grads_m.double(), r_all.double(), R, num_resamples=config.resamples,
                                              seed=seed)
                 baseline_var.append(var)
             t_grad += time.perf_counter() - t0
 
-    valid_groups = max(sampled - invalid, 1)  # groups whose rollouts all have a valid reward
-    rank = {m: {**{k: _stats([d.get(k) for d in rows]) for k in list(dg.RANK_MEASURES.names()) + ["fro_norm"]
-                   if any(k in d for d in rows)}, "groups": len(rows)} for m, rows in acc.rank.items()}
-    if len(acc.policy_rows) >= 2:
-        g3 = torch.stack(acc.policy_rows)
-        rank["G3"] = {k: {"mean": v, "std": None} for k, v in dg.matrix_rank_measures(g3).items()}
-        rank["G3"]["groups"] = len(acc.policy_rows)
+    valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
+    g3: dict[str, Any] = {"groups": len(extras)}
+    if len(extras) >= 2:
+        g3_rows = torch.stack([e["g3_row"] for e in extras])  # [groups, K]
+        g3.update({f"rank/g3_{m}": v for m, v in dg.rank_measures(dg.singular_values(g3_rows)).items()})
+        g3.update({f"rank/g3_null_{m}": v for m, v in dg.rank_measures(g3_rows.norm(dim=1)).items()})
     profile: list[float] = []
-    if acc.profiles:
-        T = max(len(p) for p in acc.profiles)
+    if extras:
+        T = max(len(e["profile"]) for e in extras)
         for t in range(T):
-            vals = [float(p[t]) for p in acc.profiles if len(p) > t and math.isfinite(float(p[t]))]
+            vals = [float(e["profile"][t]) for e in extras
+                    if len(e["profile"]) > t and math.isfinite(float(e["profile"][t]))]
             profile.append(statistics.fmean(vals) if vals else 0.0)
     variances = {k: statistics.fmean([v[k] for v in baseline_var]) for k in baseline_var[0]} if baseline_var else {}
+    ci = dict(seed=config.seed)
     return {
         "rollouts_per_prompt": M,
-        "groups_sampled": sampled,
+        "prompts_sampled": sampled,
         "groups_all_equal": all_equal,
-        "groups_mixed": mixed,
-        "groups_mixed_seen": mixed_seen,
+        "groups_mixed": len(rows),
         "groups_invalid": invalid,
-        "s1_measured": all_equal / valid_groups if sampled else None,
+        "s1_measured": all_equal / valid_groups if valid_groups else None,
         "s1_predicted": dg.predicted_zero_variance_fraction(torch.tensor(success_rates), R) if success_rates
         else None,
-        "distinct_completions_mean": statistics.fmean(acc.distinct) if acc.distinct else None,
-        "rank": rank,
-        "spectra": acc.spectra,
-        "identity_residual": {"max": max(acc.residuals) if acc.residuals else None,
-                              "mean": statistics.fmean(acc.residuals) if acc.residuals else None,
-                              "per_group": acc.residuals},
-        "g2": {"numerical_rank": [d["numerical_rank"] for d in acc.g2],
-               "rank_bound": [d["rank_bound"] for d in acc.g2], "shape": acc.g2[0]["shape"] if acc.g2 else None},
-        "baselines": {
-            **{k.split("/")[1]: _stats([b.get(k) for b in acc.baseline_rows])["mean"]
-               for k in ("baseline/b_star", "baseline/m_correct", "baseline/m_wrong")},
-            "group_mean": _stats([b.get("baseline/mean") for b in acc.baseline_rows])["mean"],
-            "variance": variances,
-            "relative_variance": dg.variance_relative_to_optimal(variances) if variances else {},
-            "prompts": len(baseline_var),
-        },
-        "credit": {
-            "within_rollout_adv_var_max": max((c.get("credit/adv_var_within_max", 0.0) for c in acc.credit),
-                                              default=None),
-            "answer_grad_share": _stats([c.get("credit/answer_share_mean") for c in acc.credit])["mean"],
-            "answer_token_share": _stats([c.get("credit/answer_token_frac") for c in acc.credit])["mean"],
-            "position_profile": profile,
-        },
+        "groups": rows,
+        "summary": dg.summarise_rows(rows, **ci),
+        "strata": {"correct": dg.stratify_rows(rows, "group/correct", keys=STRATA_KEYS, **ci),
+                   "distinct": dg.stratify_rows(rows, "group/distinct_completions", keys=STRATA_KEYS, **ci)},
+        "g3": g3,
+        "spectra": {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
+        "baselines": {"variance": variances,
+                      "relative_variance": dg.variance_relative_to_optimal(variances) if variances else {},
+                      "prompts": len(baseline_var)},
+        "credit": {"position_profile": profile},
         "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad},
     }
 
@@ -323,7 +280,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     from grpo_lens.report import write_report
     from grpo_lens.rewards import parse_reward_specs
     from grpo_lens.tasks import get_task
-    from grpo_lens.trainer import seed_everything
+    from grpo_lens.seeding import seed_everything
 
     if not config.out:
         raise ConfigError("probe field 'out' (flag --out) is required: the directory to write probe.json to")

@@ -1,6 +1,6 @@
 """The self-describing run directory: resolved config, metrics as JSONL, atomic checkpoints.
 
-Layout (DESIGN.md §7)::
+Layout (keys: docs/metrics.md)::
 
     RUN/config.yaml            the resolved TrainConfig
     RUN/metrics.jsonl          one JSON object per step, keys grouped by slash

@@ -31,6 +31,7 @@ from grpo_lens.dynamic_sampling import collect_mixed_groups
 from grpo_lens.losses import grpo_loss, loss_normalizer, mismatch_sums, truncated_is_weights
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import RunDir, crash_point
+from grpo_lens.seeding import seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +94,6 @@ def setup_processes(device: str) -> Processes:
 def step_seed(seed: int, step: int) -> int:
     """The seed of step ``step``: every step's randomness derives from (seed, step), so a resumed run repeats it."""
     return (seed * 1_000_003 + step * 7_919) % (2**31 - 1)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:

@@ -1,4 +1,4 @@
-"""Closed-form checks of the advantage estimators (DESIGN.md §3)."""
+"""Closed-form checks of the advantage estimators (docs/theory.md §2)."""
 
 import math
 

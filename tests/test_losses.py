@@ -1,4 +1,4 @@
-"""Closed-form checks of the clipped surrogate, KL estimators and loss aggregation (DESIGN.md §2)."""
+"""Closed-form checks of the clipped surrogate, KL estimators and loss aggregation (docs/theory.md §3)."""
 
 import math
 

@@ -24,10 +24,52 @@ def test_every_metric_key_of_the_lens_is_documented():
     lens = (ROOT / "grpo_lens" / "lens.py").read_text()
     prefix = r"(?:rank|sparsity|baseline|grad|perf)/[a-z0-9_]+"
     keys = set(re.findall(rf'"({prefix})":', lens)) | set(re.findall(rf'out\["({prefix})"\] =', lens))
-    docs = (ROOT / "docs" / "metrics.md").read_text()
     assert keys, "no keys found: the pattern is stale"
-    missing = sorted(k for k in keys if f"`{k}`" not in docs)
+    # ... and every key of the one per-group analysis path (which the lens averages and the probe summarises)
+    keys |= set(_all_group_keys())
+    docs = _documented_keys()
+    missing = sorted(k for k in keys if k not in docs)
     assert not missing, f"undocumented metric keys: {missing}"
+
+
+def _documented_keys() -> set[str]:
+    """Every `key` in backticks in docs/metrics.md, with `<m>` expanded over the rank measures."""
+    from grpo_lens.diagnostics import RANK_MEASURES
+
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    out = set()
+    for key in re.findall(r"`([a-z0-9_]+/[^`]+)`", text):
+        out |= {key.replace("<m>", m) for m in RANK_MEASURES.names()} if "<m>" in key else {key}
+    return out
+
+
+def _all_group_keys() -> list[str]:
+    """The keys analyse_group (+ the probe's G1-of-one-layer, G2 and credit pieces) returns for a 0/1 group."""
+    import torch
+
+    from grpo_lens import diagnostics as dg
+
+    grads = torch.randn(4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    adv = torch.tensor([0.866, -0.866, -0.866, 0.866], dtype=torch.float64)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    ids = torch.arange(12).view(4, 3)
+    row = dg.analyse_group(grads, rewards, adv, completion_mask=mask, completion_ids=ids)
+    row.update(dg.g1_rank_keys(grads, adv, "g1_layer"))
+    row.update(dg.g2_keys(torch.randn(3, 5), 7))
+    row.update(dg.credit_metrics(dg.token_advantages(adv, mask), torch.ones(4, 3), mask, mask))
+    return list(row)
+
+
+def test_every_probe_key_is_documented():
+    # probe.json's G3 keys and its per-group row keys (the same vocabulary as the lens)
+    from grpo_lens.diagnostics import RANK_MEASURES
+
+    docs = _documented_keys()
+    keys = set(_all_group_keys()) | {f"rank/g3_{m}" for m in RANK_MEASURES.names()} \
+        | {f"rank/g3_null_{m}" for m in RANK_MEASURES.names()}
+    missing = sorted(k for k in keys if k not in docs)
+    assert not missing, f"undocumented probe keys: {missing}"
 
 
 @pytest.mark.slow

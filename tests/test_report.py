@@ -36,26 +36,32 @@ def _write_metrics(run: Path, rewards: list[float], lens_steps: tuple[int, ...] 
 
 
 def _probe(s1_measured: float = 0.625, g1_erank: float = 1.98) -> dict:
-    def rank(erank):
-        return {"erank": {"mean": erank, "std": 0.01}, "stable_rank": {"mean": 1.5, "std": 0.1},
-                "participation_ratio": {"mean": 1.7, "std": 0.1}, "k90": {"mean": 2.0, "std": 0.0},
-                "k99": {"mean": 2.0, "std": 0.0}, "groups": 2}
+    def ci(mean, half=0.05, n=2):
+        return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
 
     per_r = {}
     for R in (2, 4):
+        erank = g1_erank if R == 4 else 1.0
+        summary = {"rank/g1_erank": ci(erank), "rank/g1_null_erank": ci(float(R) - 0.2),
+                   "rank/g1_erank_vs_null": ci(erank / (R - 0.2), 0.01), "rank/g1_stable_rank": ci(1.5),
+                   "rank/g1_random_erank": ci(float(R) - 0.5), "group/distinct_completions": ci(float(R), 0.0),
+                   "zero_sum/span_energy": ci(0.61), "zero_sum/span_energy_null": ci(0.71),
+                   "zero_sum/span_energy_p": ci(0.6), "baseline/b_star": ci(0.41), "baseline/group_mean": ci(0.5),
+                   "baseline/m_correct": ci(0.011, 0.001), "baseline/m_wrong": ci(0.013, 0.001),
+                   "rank/g2_numerical_rank": ci(3.5), "rank/g2_rank_bound": ci(11.0),
+                   "credit/answer_share_mean": ci(0.3), "credit/answer_token_frac": ci(0.25)}
+        rows = [{"grad/identity_residual": 4.0e-8, "zero_sum/span_energy_p": 0.01, "credit/adv_var_within_max": 0.0},
+                {"grad/identity_residual": 1.0e-9, "zero_sum/span_energy_p": 0.5, "credit/adv_var_within_max": 0.0}]
         per_r[str(R)] = {
-            "groups_sampled": 8, "groups_all_equal": 5, "groups_mixed": 2, "s1_measured": s1_measured,
-            "s1_predicted": 0.58, "distinct_completions_mean": float(R),
-            "rank": {"G1": rank(g1_erank if R == 4 else 1.0), "G1_random_zero_sum": rank(float(R) - 0.5)},
+            "prompts_sampled": 8, "groups_all_equal": 6, "groups_mixed": 2, "groups_invalid": 0,
+            "s1_measured": s1_measured, "s1_predicted": 0.58, "groups": rows, "summary": summary,
+            "strata": {"correct": {"1": summary}, "distinct": {str(R): summary}},
+            "g3": {"groups": 2, "rank/g3_erank": 1.7, "rank/g3_null_erank": 1.9},
             "spectra": {"G1": [[3.0, 1.0], [2.0, 0.5]]},
-            "identity_residual": {"max": 4.0e-8, "mean": 2.0e-8, "per_group": [4.0e-8, 1.0e-9]},
-            "g2": {"numerical_rank": [3, 4], "rank_bound": [10, 12], "shape": [64, 128]},
-            "baselines": {"b_star": 0.41, "group_mean": 0.5, "m_correct": 0.011, "m_wrong": 0.013,
-                          "variance": {"none": 4.0, "mean": 1.2, "rloo": 1.5, "optimal": 1.0},
+            "baselines": {"variance": {"none": 4.0, "mean": 1.2, "rloo": 1.5, "optimal": 1.0},
                           "relative_variance": {"none": 4.0, "mean": 1.2, "rloo": 1.5, "optimal": 1.0},
                           "prompts": 1},
-            "credit": {"within_rollout_adv_var_max": 0.0, "answer_grad_share": 0.3, "answer_token_share": 0.25,
-                       "position_profile": [1.0, 0.8, 0.6]},
+            "credit": {"position_profile": [1.0, 0.8, 0.6]},
             "timing": {"generation_seconds": 1.0, "gradient_seconds": 1.0},
         }
     return {"meta": {"model": "tiny", "task": "arithmetic", "gradients": "sketch", "sketch_dim": 16,
@@ -130,16 +136,23 @@ def test_training_tables_show_the_numbers(tmp_path):
 def test_probe_report_shows_s1_and_rank(tmp_path):
     (tmp_path / "probe.json").write_text(json.dumps(_probe(s1_measured=0.625, g1_erank=1.98)))
     report = write_report(tmp_path).read_text()
-    # S1 table: R, groups sampled, all-equal, mixed, S1 measured, S1 predicted, residual max, distinct mean
-    assert "| 2 | 8 | 5 | 2 | 0.625 | 0.580 | 4.0e-08 | 2.00 |" in report
-    assert "| 4 | 8 | 5 | 2 | 0.625 | 0.580 | 4.0e-08 | 4.00 |" in report
-    # rank table row and findings: |1.98 - 2| <= 0.5 -> "within"; R=2 G1 erank 1.0 -> "outside"
-    assert "| 4 | G1 | 2 | 1.98 ± 0.01 | 1.50 ± 0.10 |" in report
+    # S1 table: R, prompts, all-equal, mixed, S1 measured, S1 predicted, residual max (of 4e-8, 1e-9), distinct
+    # completions mean [interval], G2 rank / bound means
+    assert "| 2 | 8 | 6 | 2 | 0.625 | 0.580 | 4.0e-08 | 2.00 [2.00, 2.00] | 3.5 / 11.0 |" in report
+    assert "| 4 | 8 | 6 | 2 | 0.625 | 0.580 | 4.0e-08 | 4.00 [4.00, 4.00] | 3.5 / 11.0 |" in report
+    # rank table: mean [lo, hi] with lo/hi = mean -/+ 0.05; the null row and the ratio row (1.98 / 3.8 = 0.521)
+    assert "| 4 | G1 (rows A_i g_i) | 2 | 1.98 [1.93, 2.03] | 1.50 [1.45, 1.55] |" in report
+    assert "| 4 | orthogonal null (|A_i| ||g_i||) | 2 | 3.80 [3.75, 3.85] |" in report
+    assert "| 4 | G1 / null (ratio) | 2 | 0.52 [0.51, 0.53] |" in report
+    assert "| 4 | G3 (rows = groups' updates) | 2 | 1.70 (null 1.90) |" in report
+    # zero-sum table: span energy 0.61 vs relabelled 0.71; one group of two has p < 0.05
+    assert "| 4 | 2 | 0.610 [0.560, 0.660] | 0.710 [0.660, 0.760] | 1/2 |" in report
+    assert "### Stratified by k" in report and "### Stratified by distinct completions" in report
     findings = _findings(report)
-    assert any(f.startswith("[probe] R=4: G1 erank 1.98 ± 0.01") and "within ±0.5 of 2" in f for f in findings)
-    assert any(f.startswith("[probe] R=2: G1 erank 1.00") and "outside ±0.5 of 2" in f
-               and "R = 2 caps" in f for f in findings)
-    assert any("residual of at most 4.0e-08" in f for f in findings)
+    assert any(f.startswith("[probe] R=4: G1 erank 1.98 [1.93, 2.03] vs orthogonal null 3.80 [3.75, 3.85]")
+               for f in findings)
+    assert any(f.startswith("[probe] R=2: G1 erank 1.00") and "R = 2 caps" in f for f in findings)
+    assert any("residual of at most 4.0e-08 over 4 mixed 0/1 groups" in f for f in findings)
     assert any("rloo baseline's gradient variance is 1.50x" in f for f in findings)
     names = _check_images(tmp_path, report)
     assert {"erank_vs_R_probe.png", "spectra_probe.png", "baseline_variance_probe.png",
@@ -149,7 +162,7 @@ def test_probe_report_shows_s1_and_rank(tmp_path):
 def test_probe_erank_finding_tracks_the_number(tmp_path):
     (tmp_path / "probe.json").write_text(json.dumps(_probe(g1_erank=3.4)))
     report = write_report(tmp_path).read_text()
-    assert any(f.startswith("[probe] R=4: G1 erank 3.40") and "outside ±0.5 of 2" in f for f in _findings(report))
+    assert any(f.startswith("[probe] R=4: G1 erank 3.40 [3.35, 3.45]") for f in _findings(report))
 
 
 def test_demo_layout_before_and_after(tmp_path):

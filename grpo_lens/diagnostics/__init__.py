@@ -1,5 +1,8 @@
 """Diagnostics of GRPO's gradient: per-rollout gradients (exact and sketched), spectra and effective ranks, the rank-2
-identity, sparsity, baselines and token credit (DESIGN.md §3-5).
+identity, sparsity, baselines and token credit (formulas: docs/theory.md).
+
+The one per-group analysis path is :func:`analyse_group` (:mod:`grpo_lens.diagnostics.group`): the trainer's lens and
+``grpo-lens probe`` both call it and only aggregate its rows (:mod:`grpo_lens.diagnostics.stats`).
 
 Everything is a pure function of rollouts, rewards and gradients, plus one capture mechanism
 (:class:`GradientCapture`, hooks on ``nn.Linear``) that the trainer can wrap around its own backward.
@@ -50,8 +53,22 @@ from grpo_lens.diagnostics.gradients import (
     token_grad_sq_norms,
     weighted_row_sum,
 )
+from grpo_lens.diagnostics.group import (
+    analyse_group,
+    cosine_gap,
+    g1_rank_keys,
+    g1_singular_values,
+    g2_keys,
+    mean_over_groups,
+    orthogonal_null_singular_values,
+    span_energy,
+    weighted_gram_measures,
+    zero_sum_tests,
+)
 from grpo_lens.diagnostics.identity import (
+    IDENTITY_ESTIMATORS,
     binary_group_std,
+    identity_constant,
     grpo_binary_advantages,
     rank2_constant,
     rank2_residual,
@@ -68,6 +85,7 @@ from grpo_lens.diagnostics.sparsity import (
     zero_variance_fraction,
     zero_variance_groups,
 )
+from grpo_lens.diagnostics.stats import bootstrap_ci, stratify_rows, summarise_rows
 from grpo_lens.diagnostics.spectrum import (
     RANK_MEASURES,
     count_distinct_prefixes,
@@ -102,8 +120,12 @@ __all__ = [
     "effective_rank", "energy_rank", "flatten_metrics", "g1_matrix", "g1_spectra", "g2_rank_bound", "g3_matrix",
     "gram_singular_values", "matrix_rank_measures", "numerical_rank", "participation_ratio", "rank_measures",
     "random_zero_sum_weights", "singular_values", "stable_rank",
+    # the per-group analysis path and its aggregation
+    "analyse_group", "cosine_gap", "g1_rank_keys", "g1_singular_values", "g2_keys", "mean_over_groups",
+    "orthogonal_null_singular_values", "span_energy", "weighted_gram_measures", "zero_sum_tests",
+    "bootstrap_ci", "stratify_rows", "summarise_rows",
     # identity
-    "binary_group_std", "grpo_binary_advantages", "rank2_constant", "rank2_residual", "rank2_residuals",
+    "IDENTITY_ESTIMATORS", "identity_constant", "binary_group_std", "grpo_binary_advantages", "rank2_constant", "rank2_residual", "rank2_residuals",
     # sparsity
     "Bf16UpdateTracker", "bf16_unchanged_fraction", "hoyer_sparsity", "predicted_zero_variance_fraction",
     "predicted_zero_variance_fraction_from_rewards", "s1_metrics", "small_entry_share", "zero_variance_fraction",

@@ -1,4 +1,4 @@
-"""Baselines for the group's REINFORCE estimator and their variance (DESIGN.md §3).
+"""Baselines for the group's REINFORCE estimator and their variance (docs/theory.md §2).
 
 For one prompt with rollouts i, rewards r_i and per-rollout gradients g_i (``grads`` [R, P] or [M, P], exact or
 sketched; only inner products and norms matter), the estimator with baseline b_i is
@@ -81,7 +81,7 @@ def optimal_baseline(grads: Tensor, rewards: Tensor) -> float:
 
 
 def optimal_baseline_binary(p: float, m_c: float, m_w: float) -> float:
-    """b* = p m_C / (p m_C + (1-p) m_W) for 0/1 rewards (DESIGN.md §3); p when the denominator is 0."""
+    """b* = p m_C / (p m_C + (1-p) m_W) for 0/1 rewards (docs/theory.md §2); p when the denominator is 0."""
     denom = p * m_c + (1 - p) * m_w
     return p if denom == 0 else p * m_c / denom
 

@@ -1,4 +1,4 @@
-"""Token-level credit under an output-only reward (DESIGN.md §2): what each token of a rollout gets.
+"""Token-level credit under an output-only reward (docs/theory.md §10): what each token of a rollout gets.
 
 Shapes: N rollouts, T completion tokens, Lp prompt positions, L = Lp + T input positions.
 

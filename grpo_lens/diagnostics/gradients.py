@@ -1,6 +1,6 @@
 """Per-rollout gradients g_i: an exact oracle (one backward per rollout) and LoGra sketches (one batched backward).
 
-Notation (DESIGN.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
+Notation (docs/theory.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
 T completion tokens, P parameters, k sketch dimension. The quantity everything here differentiates is the
 length-normalised score of rollout i,
 
@@ -65,7 +65,7 @@ def nll_weights(completion_mask: Tensor) -> Tensor:
     """Row weights that turn the g_i into the supervised (NLL) gradient of the same completions.
 
     The token-mean NLL of the completions, -(1/sum_j |o_j|) sum_{i,t} log pi(o_{i,t}|.), has gradient
-    sum_i w_i g_i with w_i = -|o_i| / sum_j |o_j|. It is the control "same tokens, no advantages" (DESIGN.md §4).
+    sum_i w_i g_i with w_i = -|o_i| / sum_j |o_j|. It is the control "same tokens, no advantages" (docs/theory.md §5).
 
     Args:
         completion_mask: [N, T] bool.
@@ -150,8 +150,8 @@ def exact_rollout_grads(
 ) -> Tensor:
     """Dense per-rollout gradients, one forward + backward per rollout (the oracle).
 
-    Row i is w_i g_i with g_i = grad of (1/|o_i|) sum_t log pi(o_{i,t}|q, o_{i,<t}) (DESIGN.md §1), w_i = 1 unless
-    ``weights`` is given (``weights = A`` gives the rows of G1, DESIGN.md §4). Parameters' ``.grad`` is untouched.
+    Row i is w_i g_i with g_i = grad of (1/|o_i|) sum_t log pi(o_{i,t}|q, o_{i,<t}) (docs/theory.md §1), w_i = 1 unless
+    ``weights`` is given (``weights = A`` gives the rows of G1, docs/theory.md §5). Parameters' ``.grad`` is untouched.
 
     Args:
         model: causal LM.
@@ -193,7 +193,7 @@ def exact_weighted_grad(
 ) -> Tensor:
     """sum_i w_i g_i with one batched backward (``.grad`` untouched).
 
-    With ``weights = A`` this is the on-policy GRPO direction sum_i A_i g_i (R times grad J of DESIGN.md §2 for one
+    With ``weights = A`` this is the on-policy GRPO direction sum_i A_i g_i (R times grad J of docs/theory.md §3 for one
     group); with ``weights = nll_weights(mask)`` it is the supervised NLL gradient of the same completions.
 
     Args:
@@ -212,7 +212,7 @@ def exact_weighted_grad(
 
 def exact_policy_grad(model: nn.Module, batch: RolloutBatch, advantages: Tensor,
                       params: Sequence[str] | None = None, **processing) -> Tensor:
-    """sum_i A_i g_i, exactly (DESIGN.md §2, on-policy first step). advantages: [N] (flatten [B, R]). Returns [P]."""
+    """sum_i A_i g_i, exactly (docs/theory.md §3, on-policy first step). advantages: [N] (flatten [B, R]). Returns [P]."""
     return exact_weighted_grad(model, batch, advantages.reshape(-1), params, **processing)
 
 
@@ -232,7 +232,7 @@ def layer_weight_grads(
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> dict[str, Tensor]:
-    """G2 (DESIGN.md §4): the weight gradient of the loss sum_i w_i s_i for each linear layer, via autograd.
+    """G2 (docs/theory.md §5): the weight gradient of the loss sum_i w_i s_i for each linear layer, via autograd.
 
     For a linear layer this equals sum_i (w_i/|o_i|) sum_t delta_t x_t^T, summed over all positions of each row.
     ``.grad`` is untouched.
@@ -263,7 +263,7 @@ def weighted_row_sum(rows: Tensor, weights: Tensor) -> Tensor:
 
 
 def group_row_sums(rows: Tensor, group_size: int, weights: Tensor | None = None) -> Tensor:
-    """Per-group sums of (weighted) rows: rows of G3 (DESIGN.md §4) when ``weights = A``.
+    """Per-group sums of (weighted) rows: rows of G3 (docs/theory.md §5) when ``weights = A``.
 
     Args:
         rows: [N, K], N = B*R, groups contiguous.

@@ -1,4 +1,4 @@
-"""The rank-2 identity of GRPO with 0/1 rewards (DESIGN.md §4), checked on real per-rollout gradients.
+"""The rank-2 identity of GRPO with 0/1 rewards (docs/theory.md §4), checked on real per-rollout gradients.
 
 One group: R rollouts, rewards r_i in {0, 1}, k of them correct (0 < k < R), g_i the per-rollout gradients
 (:mod:`grpo_lens.diagnostics.gradients`), gbar_C and gbar_W their means over the correct and the wrong rollouts.
@@ -22,6 +22,18 @@ span{gbar_C, gbar_W}. The relative residual
 
 is round-off only (about 1e-7 in float32) when the advantages and c use the same conventions; a mismatched
 convention leaves |1 - c_wrong/c| (e.g. 1 - sqrt((R-1)/R) = 0.134 for R = 4).
+
+Other estimators (:func:`identity_constant`, docs/theory.md §4). Any estimator whose advantages are A_C on every correct
+rollout and A_W on every wrong one, with k A_C + (R-k) A_W = 0, gives sum_i A_i g_i = k A_C (gbar_C - gbar_W):
+
+    dr_grpo   A_i = r_i - p                   c = k(R-k)/R
+    rloo      A_i = (R/(R-1)) (r_i - p)       c = k(R-k)/(R-1)
+    grpo      A_i = (r_i - p)/(std + eps)     c = (k(R-k)/R)/(std + eps)   (both std conventions)
+
+``reinforce`` (A_i = r_i: sum_i A_i g_i = k gbar_C, not zero-sum) and ``optimal`` (leave-one-out b*_{-i} differs per
+rollout, so A is not two-valued) have no such constant; a group whose advantages were changed after the estimator
+(``mask_truncated`` zeroes them on truncated rollouts) is not two-valued either. For those the identity does not apply
+and no residual is reported.
 """
 
 from __future__ import annotations
@@ -78,8 +90,34 @@ def rank2_constant(k: int, group_size: int, std: StdConvention = "sample", eps: 
     return (k * (r - k) / r) / (binary_group_std(k, r, std) + eps)
 
 
+#: Estimators with a rank-2 decomposition sum_i A_i g_i = c (gbar_C - gbar_W) for 0/1 rewards.
+IDENTITY_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def identity_constant(estimator: str, k: int, group_size: int, std: StdConvention = "sample",
+                      eps: float = 1e-4) -> float | None:
+    """c with sum_i A_i g_i = c (gbar_C - gbar_W) under ``estimator`` for 0/1 rewards, k of R correct.
+
+    grpo: :func:`rank2_constant` (``std``, ``eps``); dr_grpo: k(R-k)/R; rloo: k(R-k)/(R-1) (module docstring,
+    docs/theory.md §4). None for estimators without the decomposition (reinforce, optimal, any other name).
+
+    Raises:
+        ValueError: k not in (0, R), or an unknown std convention (grpo).
+    """
+    r = group_size
+    if not 0 < k < r:
+        raise ValueError(f"the identity needs 0 < k < R, got k={k}, R={r}")
+    if estimator == "grpo":
+        return rank2_constant(k, r, std, eps)
+    if estimator == "dr_grpo":
+        return k * (r - k) / r
+    if estimator == "rloo":
+        return k * (r - k) / (r - 1)
+    return None
+
+
 def grpo_binary_advantages(rewards: Tensor, std: StdConvention = "sample", eps: float = 1e-4) -> Tensor:
-    """A_i = (r_i - mean r)/(std r + eps) for one group (a local reference, same formula as DESIGN.md §3).
+    """A_i = (r_i - mean r)/(std r + eps) for one group (a local reference, same formula as docs/theory.md §2).
 
     rewards: [R]. Returns [R] in rewards' dtype (computed in float64); 0 for a constant group.
     """
@@ -98,31 +136,39 @@ def rank2_residual(
     std: StdConvention = "sample",
     eps: float = 1e-4,
     advantages: Tensor | None = None,
+    estimator: str = "grpo",
 ) -> float:
     """Relative residual of the rank-2 identity for one group with 0/1 rewards.
 
-    rho = ||sum_i A_i g_i - c(k, R) (gbar_C - gbar_W)|| / ||sum_i A_i g_i||, c from :func:`rank2_constant` with the
-    given ``std`` and ``eps``. Computed in the gradients' dtype (round-off ~1e-7 in float32).
+    rho = ||sum_i A_i g_i - c(k, R) (gbar_C - gbar_W)|| / ||sum_i A_i g_i||, c from :func:`identity_constant` for
+    ``estimator`` (grpo: with the given ``std`` and ``eps``). Computed in the gradients' dtype (round-off ~1e-7 in
+    float32).
 
     Args:
         grads: [R, P] per-rollout g_i (exact, per layer, or sketched: sketches are linear, so the identity holds
             for them too).
         rewards: [R] in {0, 1}.
         std, eps: conventions for c (and for A when ``advantages`` is None).
-        advantages: [R] the advantages actually used; None computes them with ``std`` and ``eps``.
+        advantages: [R] the advantages actually used; None computes grpo's with ``std`` and ``eps`` (only allowed
+            for estimator grpo).
+        estimator: whose decomposition c to use (grpo, dr_grpo, rloo; see :func:`identity_constant`).
 
     Returns:
         rho (float >= 0); 0 when both sides are zero, inf when only the left side is zero.
 
     Raises:
-        ValueError: rewards not 0/1, or all equal (k = 0 or k = R).
+        ValueError: rewards not 0/1, or all equal (k = 0 or k = R), or an estimator without the decomposition.
     """
     assert grads.dim() == 2 and rewards.shape == (grads.shape[0],), (grads.shape, rewards.shape)
     if not torch.all((rewards == 0) | (rewards == 1)):
         raise ValueError("the rank-2 identity needs 0/1 rewards")
     correct = rewards == 1
     k, r = int(correct.sum()), rewards.numel()
-    c = rank2_constant(k, r, std, eps)
+    c = identity_constant(estimator, k, r, std, eps)
+    if c is None:
+        raise ValueError(f"estimator {estimator!r} has no rank-2 decomposition; valid: {', '.join(IDENTITY_ESTIMATORS)}")
+    if advantages is None and estimator != "grpo":
+        raise ValueError("pass the advantages actually used for estimators other than grpo")
     a = grpo_binary_advantages(rewards.double(), std, eps) if advantages is None else advantages
     a = a.to(grads.dtype)
     lhs = a @ grads  # [P]

@@ -1,4 +1,4 @@
-"""Sparsity of GRPO's signal and updates (DESIGN.md §5): S1 zero-variance groups, S2 small entries, S3 Hoyer, S4 bf16
+"""Sparsity of GRPO's signal and updates (docs/theory.md §9): S1 zero-variance groups, S2 small entries, S3 Hoyer, S4 bf16
 update sparsity.
 
 Shapes: B prompts, R group size, P parameters (or entries of any gradient vector).
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 
 def zero_variance_groups(rewards: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Which groups have all (valid) rewards equal, hence A = 0 and no policy gradient (DESIGN.md §3).
+    """Which groups have all (valid) rewards equal, hence A = 0 and no policy gradient (docs/theory.md §2).
 
     Args:
         rewards: [B, R] float.

@@ -1,4 +1,4 @@
-"""Singular values and effective-rank measures of GRPO gradient matrices (DESIGN.md §4).
+"""Singular values and effective-rank measures of GRPO gradient matrices (docs/theory.md §5).
 
 Matrices (N = B*R rollouts, R group size, B prompts, P parameters or k sketch dims):
 
@@ -11,7 +11,7 @@ Matrices (N = B*R rollouts, R group size, B prompts, P parameters or k sketch di
 Controls on the same tokens (:func:`g1_spectra`): rows g_i without advantages; rows w_i g_i with random zero-sum weights
 w of the same norm as A (averaged over draws); rows of the supervised NLL gradient. Sign-flipped or permuted
 advantages are not used as controls: singular values do not change when rows change sign, and the random zero-sum
-weights replace DESIGN.md's "shuffled advantages" with a control that keeps sum w = 0 and ||w|| = ||A|| without
+weights replace the "shuffled advantages" of the starting design with a control that keeps sum w = 0 and ||w|| = ||A|| without
 reusing A's values.
 """
 
@@ -100,7 +100,7 @@ def k99(s: Tensor) -> float:
 
 
 def rank_measures(singular_values: Tensor, names: list[str] | None = None) -> dict[str, float]:
-    """All (or the named) measures of :data:`RANK_MEASURES` for one spectrum (DESIGN.md §4).
+    """All (or the named) measures of :data:`RANK_MEASURES` for one spectrum (docs/theory.md §5).
 
     Args:
         singular_values: [m] >= 0 (any order).
@@ -184,13 +184,13 @@ def matrix_rank_measures(matrix: Tensor, method: str = "auto") -> dict[str, floa
 
 
 def g1_matrix(grads: Tensor, advantages: Tensor) -> Tensor:
-    """G1 (DESIGN.md §4): rows A_i g_i. grads [R, P] (or [R, k] sketches); advantages [R]. Returns [R, P]."""
+    """G1 (docs/theory.md §5): rows A_i g_i. grads [R, P] (or [R, k] sketches); advantages [R]. Returns [R, P]."""
     assert grads.dim() == 2 and advantages.shape == (grads.shape[0],), (grads.shape, advantages.shape)
     return grads * advantages.to(grads.dtype).unsqueeze(1)
 
 
 def g3_matrix(grads: Tensor, advantages: Tensor) -> Tensor:
-    """G3 (DESIGN.md §4): one row per group, sum_{i in group b} A_i g_i.
+    """G3 (docs/theory.md §5): one row per group, sum_{i in group b} A_i g_i.
 
     Args:
         grads: [N, P] per-rollout g_i (or [N, k] sketches), N = B*R, groups contiguous.
@@ -205,7 +205,7 @@ def g3_matrix(grads: Tensor, advantages: Tensor) -> Tensor:
 
 
 def random_zero_sum_weights(advantages: Tensor, num_draws: int, generator: torch.Generator | None = None) -> Tensor:
-    """Random zero-sum weights with the same Euclidean norm as the advantages: the G1 control (DESIGN.md §4).
+    """Random zero-sum weights with the same Euclidean norm as the advantages: the G1 control (docs/theory.md §5).
 
     w = z - mean z, z ~ N(0, I_R), rescaled so that ||w|| = ||A|| (all zeros when A = 0).
 
@@ -275,7 +275,7 @@ def g1_spectra(
 
 
 def flatten_metrics(nested: dict, prefix: str = "rank") -> dict[str, float]:
-    """{"policy": {"erank": 1.9}} -> {"rank/policy/erank": 1.9} (metric keys grouped by slash, DESIGN.md §7)."""
+    """{"policy": {"erank": 1.9}} -> {"rank/policy/erank": 1.9} (metric keys grouped by slash, docs/metrics.md)."""
     flat = {}
     for key, value in nested.items():
         name = f"{prefix}/{key}" if prefix else str(key)

@@ -14,8 +14,6 @@ from typing import Any
 
 from grpo_lens.report import plots
 
-RANK_MEASURES_SHOWN = ("erank", "stable_rank", "participation_ratio", "k90", "k99")
-NEAR_TWO = 0.5  # "near 2" in the findings means |erank - 2| <= this
 
 
 class ReportError(ValueError):
@@ -138,71 +136,137 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     return lines
 
 
-def rank_table(probe: dict[str, Any], measures: tuple[str, ...] = RANK_MEASURES_SHOWN) -> list[str]:
-    """Markdown table: rows = (R, matrix), columns = rank measures as mean ± std over groups."""
+def _ci(stats: dict[str, Any] | None, nd: int = 2) -> str:
+    """'mean [lo, hi]' of a summary entry ({mean, lo, hi, n}); '–' when missing."""
+    if not stats or stats.get("mean") is None:
+        return "–"
+    if stats.get("lo") is None:
+        return f"{_fmt(stats['mean'], nd)} (n=1)"
+    return f"{_fmt(stats['mean'], nd)} [{_fmt(stats['lo'], nd)}, {_fmt(stats['hi'], nd)}]"
+
+
+#: (row label, key stem) of the rank table: G1, its null and controls, one layer's G1, G2.
+RANK_ROWS = (("G1 (rows A_i g_i)", "g1"), ("orthogonal null (|A_i| ||g_i||)", "g1_null"),
+             ("G1_no_adv (rows g_i)", "g1_no_adv"), ("G1_random_zero_sum", "g1_random"), ("G1_nll", "g1_nll"),
+             ("G1_layer", "g1_layer"), ("G2 (layer weight gradient)", "g2"))
+
+
+def rank_table(probe: dict[str, Any], measures: tuple[str, ...] = ("erank", "stable_rank", "participation_ratio",
+                                                                  "k90")) -> list[str]:
+    """Markdown table: rows = (R, matrix), columns = rank measures as mean [95% bootstrap interval] over groups,
+    plus G1's ratio to the orthogonal null and G3 (one matrix over the analysed groups, no interval)."""
     per_r = probe["per_group_size"]
     lines = ["| R | matrix | groups | " + " | ".join(measures) + " |", "|---|---|---|" + "---|" * len(measures)]
     for r in sorted(per_r, key=int):
-        for matrix, stats in per_r[r]["rank"].items():
-            cells = []
-            for m in measures:
-                s = stats.get(m) or {}
-                cells.append(f"{_fmt(s.get('mean'), 2)} ± {_fmt(s.get('std'), 2)}" if s else "–")
-            n = stats.get("groups", per_r[r].get("groups_mixed"))
-            lines.append(f"| {r} | {matrix} | {n} | " + " | ".join(cells) + " |")
+        summ = per_r[r].get("summary", {})
+        for label, stem in RANK_ROWS:
+            cells = [_ci(summ.get(f"rank/{stem}_{m}")) for m in measures]
+            n = (summ.get(f"rank/{stem}_{measures[0]}") or {}).get("n", 0)
+            if n:
+                lines.append(f"| {r} | {label} | {n} | " + " | ".join(cells) + " |")
+        cells = [_ci(summ.get(f"rank/g1_{m}_vs_null")) for m in measures]
+        n = (summ.get(f"rank/g1_{measures[0]}_vs_null") or {}).get("n", 0)
+        if n:
+            lines.append(f"| {r} | G1 / null (ratio) | {n} | " + " | ".join(cells) + " |")
+        g3 = per_r[r].get("g3", {})
+        if g3.get(f"rank/g3_{measures[0]}") is not None:
+            lines.append(f"| {r} | G3 (rows = groups' updates) | {g3.get('groups')} | "
+                         + " | ".join(f"{_fmt(g3.get(f'rank/g3_{m}'), 2)} (null {_fmt(g3.get(f'rank/g3_null_{m}'), 2)})"
+                                      for m in measures) + " |")
     return lines
 
 
-def _g2_cell(g2: dict[str, Any]) -> str:
-    """'rank / bound' per group, e.g. '61/75, 64/80' (the bound is prompt tokens + distinct completion prefixes)."""
-    ranks, bounds = g2.get("numerical_rank") or [], g2.get("rank_bound") or []
-    return ", ".join(f"{r}/{b}" for r, b in zip(ranks, bounds)) or "–"
+def strata_table(probe: dict[str, Any], by: str) -> list[str]:
+    """Markdown table of G1 vs its null and the zero-sum statistics per stratum (``by`` = "correct" or "distinct")."""
+    per_r = probe["per_group_size"]
+    head = "k (correct)" if by == "correct" else "distinct completions"
+    lines = [f"| R | {head} | groups | G1 erank | null erank | G1 / null erank | G1 stable rank | null stable rank | "
+             "span energy | span energy, relabelled | cos gap |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(per_r, key=int):
+        for stratum, summ in per_r[r].get("strata", {}).get(by, {}).items():
+            n = (summ.get("rank/g1_erank") or {}).get("n", 0)
+            lines.append(f"| {r} | {stratum} | {n} | {_ci(summ.get('rank/g1_erank'))} | "
+                         f"{_ci(summ.get('rank/g1_null_erank'))} | {_ci(summ.get('rank/g1_erank_vs_null'))} | "
+                         f"{_ci(summ.get('rank/g1_stable_rank'))} | {_ci(summ.get('rank/g1_null_stable_rank'))} | "
+                         f"{_ci(summ.get('zero_sum/span_energy'))} | {_ci(summ.get('zero_sum/span_energy_null'))} | "
+                         f"{_ci(summ.get('zero_sum/cos_gap'), 3)} |")
+    return lines
+
+
+def _g2_cell(summ: dict[str, Any]) -> str:
+    """'rank / bound' means over groups (the bound is prompt tokens + distinct completion prefixes)."""
+    rk, bd = summ.get("rank/g2_numerical_rank") or {}, summ.get("rank/g2_rank_bound") or {}
+    if rk.get("mean") is None:
+        return "–"
+    return f"{_fmt(rk['mean'], 1)} / {_fmt(bd.get('mean'), 1)}"
 
 
 def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
-    """Effective-rank table, identity residuals, S1, baselines and credit of one probe."""
+    """Rank tables beside the orthogonal null (with intervals and strata), the zero-sum test, the identity, S1,
+    baselines and credit of one probe."""
     per_r = probe["per_group_size"]
     meta = probe.get("meta", {})
+    source = ("exact per-rollout gradients of every parameter" if meta.get("gradients") == "exact" else
+              f"sketched per-rollout gradients ({meta.get('sketch_dim')} per side per nn.Linear weight)")
     lines = [f"## Gradient probe: {label}", "",
-             f"Model {meta.get('model')}, task {meta.get('task')}, gradients {meta.get('gradients')}"
-             f"{' (sketch ' + str(meta.get('sketch_dim')) + ' per side per layer)' if meta.get('gradients') == 'sketch' else ''}"
-             f", std convention {meta.get('std')}, eps {meta.get('eps')}.", ""]
-    lines += ["| R | groups sampled | all-equal (skipped) | mixed | S1 measured | S1 predicted | identity residual "
-              "(max) | distinct completions (mean) | G2 numerical rank / bound |", "|---|---|---|---|---|---|---|---|---|"]
+             f"Model {meta.get('model')}, task {meta.get('task')}, {source}, std convention {meta.get('std')}, "
+             f"eps {meta.get('eps')}. Every mean is over the analysed (mixed) groups, with its 95% bootstrap "
+             "interval over groups in brackets.", ""]
+    lines += ["| R | prompts | all-equal | mixed (analysed) | S1 measured | S1 predicted | identity residual (max) "
+              "| distinct completions | G2 numerical rank / bound |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
         d = per_r[r]
-        res = d.get("identity_residual", {}).get("max")
-        lines.append(f"| {r} | {d.get('groups_sampled')} | {d.get('groups_all_equal')} | {d.get('groups_mixed')} | "
+        summ = d.get("summary", {})
+        res = [g.get("grad/identity_residual") for g in d.get("groups", []) if g.get("grad/identity_residual") is not None]
+        lines.append(f"| {r} | {d.get('prompts_sampled')} | {d.get('groups_all_equal')} | {d.get('groups_mixed')} | "
                      f"{_fmt(d.get('s1_measured'))} | {_fmt(d.get('s1_predicted'))} | "
-                     f"{'–' if res is None else f'{res:.1e}'} | {_fmt(d.get('distinct_completions_mean'), 2)} | "
-                     f"{_g2_cell(d.get('g2', {}))} |")
+                     f"{f'{max(res):.1e}' if res else '–'} | {_ci(summ.get('group/distinct_completions'))} | "
+                     f"{_g2_cell(summ)} |")
         if d.get("groups_mixed", 0) == 0:
-            findings.append(f"[{label}] R={r}: no mixed group among {d.get('groups_sampled')} sampled (S1 = "
+            findings.append(f"[{label}] R={r}: no mixed group among {d.get('prompts_sampled')} prompts (S1 = "
                             f"{_fmt(d.get('s1_measured'))}): GRPO's policy gradient was exactly zero on every "
                             f"sampled group, so no rank could be measured.")
-    lines += ["", "### Effective rank vs group size", "",
-              "G1: rows A_i g_i of a group (the per-rollout policy-gradient terms). Controls on the same tokens: "
-              "G1_no_adv (rows g_i), G1_random_zero_sum (rows w_i g_i, w random zero-sum with ||w|| = ||A||, "
-              "averaged over draws), G1_nll (rows of the supervised NLL gradient). G2: the layer weight gradient "
-              "of the group loss. G3: rows = per-group policy gradients of the batch.", ""]
+    lines += ["", "### Effective rank vs group size, beside the orthogonal null", "",
+              "G1: rows A_i g_i of a group. The orthogonal null has singular values |A_i| ||g_i||: what G1 would be "
+              "if its rows shared no direction; a ratio G1 / null well below 1 is structure beyond the row norms. "
+              "Controls on the same tokens: G1_no_adv (rows g_i), G1_random_zero_sum (rows w_i g_i, w random "
+              "zero-sum, ||w|| = ||A||), G1_nll (rows of the supervised NLL gradient). G1_layer: G1 of "
+              f"`{meta.get('layer')}` only; G2: that layer's weight gradient of the group loss. G3: rows = the "
+              "analysed groups' updates (one matrix; its null has singular values = the row norms).", ""]
     lines += rank_table(probe) + [""]
-    # Findings on rank: computed, never assumed.
+    lines += ["### Stratified by k (correct rollouts in the group)", "", *strata_table(probe, "correct"), "",
+              "### Stratified by distinct completions", "", *strata_table(probe, "distinct"), ""]
+    lines += ["### Zero-sum structure: label-permutation test with k fixed", "",
+              "span energy: share of G1's energy in span{gbar_C, gbar_W}; relabelled: its mean over every relabelling "
+              "with the same k (the permutation null). cos gap: mean within-class minus between-class cosine of the "
+              "g_i. p: share of groups whose own permutation p-value is below 0.05.", "",
+              "| R | groups | span energy | relabelled | groups p < 0.05 | cos gap | relabelled | groups p < 0.05 |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
-        g1 = per_r[r]["rank"].get("G1", {}).get("erank", {})
-        ctrl = per_r[r]["rank"].get("G1_random_zero_sum", {}).get("erank", {})
-        sr = per_r[r]["rank"].get("G1", {}).get("stable_rank", {})
+        d = per_r[r]
+        summ = d.get("summary", {})
+        cells = []
+        for stat in ("span_energy", "cos_gap"):
+            ps = [g[f"zero_sum/{stat}_p"] for g in d.get("groups", []) if g.get(f"zero_sum/{stat}_p") is not None]
+            cells += [_ci(summ.get(f"zero_sum/{stat}"), 3), _ci(summ.get(f"zero_sum/{stat}_null"), 3),
+                      f"{sum(p < 0.05 for p in ps)}/{len(ps)}" if ps else "–"]
+        n = (summ.get("zero_sum/span_energy") or {}).get("n", 0)
+        lines.append(f"| {r} | {n} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for r in sorted(per_r, key=int):
+        summ = per_r[r].get("summary", {})
+        g1 = summ.get("rank/g1_erank") or {}
+        null = summ.get("rank/g1_null_erank") or {}
         if g1.get("mean") is None:
             continue
-        near = abs(g1["mean"] - 2.0) <= NEAR_TWO
         note = " (R = 2 caps every rank measure at 2)" if int(r) == 2 else ""
-        findings.append(f"[{label}] R={r}: G1 erank {_fmt(g1['mean'], 2)} ± {_fmt(g1.get('std'), 2)}, stable rank "
-                        f"{_fmt(sr.get('mean'), 2)}, random zero-sum control {_fmt(ctrl.get('mean'), 2)}: "
-                        f"{'within' if near else 'outside'} ±{NEAR_TWO} of 2{note}.")
-    res_all = [per_r[r].get("identity_residual", {}).get("max") for r in per_r]
-    res_all = [x for x in res_all if x is not None]
+        findings.append(f"[{label}] R={r}: G1 erank {_ci(g1)} vs orthogonal null {_ci(null)} over {g1.get('n')} "
+                        f"groups{note}.")
+    res_all = [g.get("grad/identity_residual") for d in per_r.values() for g in d.get("groups", [])
+               if g.get("grad/identity_residual") is not None]
     if res_all:
         findings.append(f"[{label}] The rank-2 identity sum_i A_i g_i = c(k,R)(gbar_C - gbar_W) held to a relative "
-                        f"residual of at most {max(res_all):.1e} over all mixed groups.")
+                        f"residual of at most {max(res_all):.1e} over {len(res_all)} mixed 0/1 groups.")
     plots.plot_erank_vs_group_size({label: probe}, run_dir / f"erank_vs_R_{label}.png")
     plots.plot_spectra(probe, run_dir / f"spectra_{label}.png")
     lines += [f"![erank vs R]({f'erank_vs_R_{label}.png'})", f"![spectra]({f'spectra_{label}.png'})", ""]
@@ -212,20 +276,23 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               "leave-one-out optimal baseline b*, from groups of R resampled out of M rollouts of one prompt. The "
               "group mean is not leave-one-out: it equals rloo scaled by (R-1)/R, so its variance is ((R-1)/R)^2 "
               "times rloo's (a shorter step, not a better direction).", "",
-              "| R | b* (mean) | group mean | m_C | m_W | Var/Var* none | mean | rloo | optimal |",
+              "| R | b* | group mean | m_C | m_W | Var/Var* none | mean | rloo | optimal |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
         b = per_r[r].get("baselines", {})
+        summ = per_r[r].get("summary", {})
         rel = b.get("relative_variance", {})
-        lines.append(f"| {r} | {_fmt(b.get('b_star'))} | {_fmt(b.get('group_mean'))} | {_fmt(b.get('m_correct'), 4)}"
-                     f" | {_fmt(b.get('m_wrong'), 4)} | {_fmt(rel.get('none'), 2)} | {_fmt(rel.get('mean'), 2)} | "
-                     f"{_fmt(rel.get('rloo'), 2)} | {_fmt(rel.get('optimal'), 2)} |")
+        lines.append(f"| {r} | {_ci(summ.get('baseline/b_star'), 3)} | {_ci(summ.get('baseline/group_mean'), 3)} | "
+                     f"{_ci(summ.get('baseline/m_correct'), 4)} | {_ci(summ.get('baseline/m_wrong'), 4)} | "
+                     f"{_fmt(rel.get('none'), 2)} | {_fmt(rel.get('mean'), 2)} | {_fmt(rel.get('rloo'), 2)} | "
+                     f"{_fmt(rel.get('optimal'), 2)} |")
         if rel.get("rloo") is not None:
             findings.append(f"[{label}] R={r}: the rloo baseline's gradient variance is {_fmt(rel['rloo'], 2)}x the "
                             f"leave-one-out optimal b*'s; no baseline at all gives {_fmt(rel.get('none'), 2)}x "
                             f"(one resampling estimate over {b.get('prompts')} prompt(s) of "
-                            f"{per_r[r].get('rollouts_per_prompt')} rollouts; g_i is length-normalised, so its mean "
-                            f"is not exactly 0 and a constant baseline's optimum need not minimise this variance).")
+                            f"{per_r[r].get('rollouts_per_prompt')} rollouts; no interval; g_i is length-normalised, "
+                            f"so its mean is not exactly 0 and a constant baseline's optimum need not minimise this "
+                            f"variance).")
     plots.plot_baseline_variance(probe, run_dir / f"baseline_variance_{label}.png")
     lines += ["", f"![baseline variance](baseline_variance_{label}.png)", ""]
 
@@ -235,9 +302,12 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               "| R | within-rollout advantage variance (max) | answer-token share of ||g||^2 | answer tokens share "
               "of tokens |", "|---|---|---|---|"]
     for r in sorted(per_r, key=int):
-        c = per_r[r].get("credit", {})
-        lines.append(f"| {r} | {_fmt(c.get('within_rollout_adv_var_max'), 6)} | {_fmt(c.get('answer_grad_share'))} | "
-                     f"{_fmt(c.get('answer_token_share'))} |")
+        d = per_r[r]
+        summ = d.get("summary", {})
+        vmax = [g.get("credit/adv_var_within_max") for g in d.get("groups", [])
+                if g.get("credit/adv_var_within_max") is not None]
+        lines.append(f"| {r} | {_fmt(max(vmax), 6) if vmax else '–'} | {_ci(summ.get('credit/answer_share_mean'), 3)} | "
+                     f"{_ci(summ.get('credit/answer_token_frac'), 3)} |")
     plots.plot_credit_profile(probe, run_dir / f"credit_profile_{label}.png")
     lines += ["", f"![credit profile](credit_profile_{label}.png)", ""]
     return lines

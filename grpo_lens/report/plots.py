@@ -117,8 +117,14 @@ def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
+#: (label, summary-key stem) of the G1 matrices drawn against R.
+G1_LINES = (("G1", "g1"), ("orthogonal null", "g1_null"), ("G1_no_adv", "g1_no_adv"),
+            ("G1_random_zero_sum", "g1_random"), ("G1_nll", "g1_nll"))
+
+
 def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, measure: str = "erank") -> Path:
-    """Effective rank vs R for G1 and its controls, one line per matrix, one marker style per probe (before/after).
+    """Effective rank vs R for G1, its orthogonal null and its controls (mean and 95% bootstrap interval over
+    groups), one colour per matrix, one line style per probe (before/after).
 
     Args:
         probes: label -> probe.json content.
@@ -128,25 +134,25 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
     for (label, probe), style in zip(probes.items(), styles):
         per_r = probe["per_group_size"]
         rs = sorted(per_r, key=int)
-        matrices = [m for m in per_r[rs[0]]["rank"] if m.startswith("G1")] if rs else []
-        for mi, matrix in enumerate(matrices):
-            xs, ys, es = [], [], []
+        for mi, (name, stem) in enumerate(G1_LINES):
+            xs, ys, lo, hi = [], [], [], []
             for r in rs:
-                stats = per_r[r]["rank"].get(matrix, {}).get(measure)
+                stats = per_r[r].get("summary", {}).get(f"rank/{stem}_{measure}")
                 if stats and stats.get("mean") is not None:
                     xs.append(int(r))
                     ys.append(stats["mean"])
-                    es.append(stats.get("std") or 0.0)
+                    lo.append(stats["mean"] - (stats["lo"] if stats.get("lo") is not None else stats["mean"]))
+                    hi.append((stats["hi"] if stats.get("hi") is not None else stats["mean"]) - stats["mean"])
             if xs:
-                ax.errorbar(xs, ys, yerr=es, linestyle=style, marker="o", capsize=3, color=f"C{mi}",
-                            label=f"{matrix} ({label})")
+                ax.errorbar(xs, ys, yerr=[lo, hi], linestyle=style, marker="o", capsize=3, color=f"C{mi}",
+                            label=f"{name} ({label})")
     rs_all = sorted({int(r) for p in probes.values() for r in p["per_group_size"]})
     if rs_all:
         ax.plot(rs_all, [2] * len(rs_all), color="k", alpha=0.3, linewidth=1, label="2")
         ax.set_xticks(rs_all)
     ax.set_xlabel("group size R")
     ax.set_ylabel(measure)
-    ax.set_title(f"{measure} of the per-rollout gradient matrix vs R", fontsize=9)
+    ax.set_title(f"{measure} of G1 vs R (95% bootstrap intervals over groups)", fontsize=9)
     _legend(ax, fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     return _save(fig, path)
