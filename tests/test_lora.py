@@ -86,7 +86,7 @@ def test_probe_accepts_the_lora_final_model(tmp_path):
 
     run = train(lora_config(tmp_path / "run", max_steps=1, lens_every=0))
     out = run_probe(ProbeConfig(model=str(run.path / "final_model"), rewards=["test_parity"], group_sizes=[4],
-                                groups=1, max_groups=8, max_new_tokens=6, device="cpu",
+                                prompts=4, max_new_tokens=6, device="cpu",
                                 out=str(tmp_path / "probe")))
     assert (out / "probe.json").is_file()
 
