@@ -94,6 +94,7 @@ def test_missing_tracker_library_names_the_extra(monkeypatch):
 def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)  # wandb reads the working directory, which an earlier test may have removed
     run = train(tiny_config(tmp_path / "run", max_steps=1, report_to=["wandb"], lens_every=1))
     offline = list((run.path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
