@@ -35,6 +35,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         errors.append(ModelNotFoundError)
     except ImportError:
         pass
+    from grpo_lens.trainer import NonFiniteUpdateError  # settings that make training diverge: one line, how to fix
+
+    errors.append(NonFiniteUpdateError)
     return tuple(errors)
 
 

@@ -151,11 +151,14 @@ class TrainConfig(ConfigFile):
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.99, "AdamW beta2.")
     max_grad_norm: float = option(1.0, "Clip the gradient's global L2 norm to this (0 disables).")
+    max_consecutive_skips: int = option(3, "A step whose loss or gradient is non-finite is skipped (no optimizer "
+                                        "change); stop with an error after this many consecutive skipped steps.")
     # --- lens --------------------------------------------------------------------------------------------------------
     lens_every: int = option(5, "Measure the gradient lens (rank, sparsity, baselines) at the first step, every this "
                          "many steps and the last step (0 = never).")
     lens_sketch_dim: int = option(16, "Side of the random projection per linear layer for sketched per-rollout "
-                              "gradients (k_in = k_out): sketch dims per layer = this squared.")
+                              "gradients (k_in = k_out): sketch dims per layer = this squared. Also sets the sketch "
+                              "of --estimator optimal's squared gradient norms.")
     lens_space: str = option("trainable", "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "
                          "the adapter's parameters, exact; without LoRA every linear layer, sketched) or full (every "
                          "linear layer's full weight, sketched; with LoRA the frozen base weights, what full "
@@ -267,6 +270,8 @@ class TrainConfig(ConfigFile):
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 bad(name, "must be in [0, 1)")
+        if self.max_consecutive_skips < 1:
+            bad("max_consecutive_skips", "must be >= 1")
         if self.max_grad_norm < 0:
             bad("max_grad_norm", "must be >= 0 (0 disables clipping)")
         if self.lens_every < 0:

@@ -178,7 +178,8 @@ def completion_logprobs(
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, -completion_len - 1 : -1, :]
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # token_logprobs' definition
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (float64 for a float64 model)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)  # token_logprobs' definition
     logp = logp_all.gather(-1, input_ids[:, -completion_len:].unsqueeze(-1)).squeeze(-1)
     if return_entropy:
         return logp, token_entropy(logp_all.detach(), normalized=True)

@@ -27,6 +27,7 @@ import torch
 
 from grpo_lens.advantages import compute_advantages, constant_groups
 from grpo_lens.config import TrainConfig
+from grpo_lens.diagnostics.baselines import optimal_vs_rloo, sketched_rollout_sq_norms
 from grpo_lens.dynamic_sampling import collect_mixed_groups
 from grpo_lens.losses import grpo_loss, loss_normalizer, mismatch_sums, truncated_is_weights
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
@@ -34,6 +35,10 @@ from grpo_lens.rundir import RunDir, crash_point
 from grpo_lens.seeding import seed_everything
 
 logger = logging.getLogger(__name__)
+
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient; the run stopped with its last checkpoint intact."""
+
 
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
@@ -161,8 +166,10 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     grad_norms: list[float] = []
     mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
     tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
+    skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (docs/theory.md §Numerical guards)
     for pass_ in range(config.mu):
         for mb, mini in enumerate(mini_batches):
+            nonfinite_loss = False
             mask = batch.completion_mask[mini]
             normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
                                                                        config.max_new_tokens),
@@ -194,6 +201,7 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                     ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
                     token_weights=weights)
                 loss.backward()
+                nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
                 tok = m.pop("tokens")
                 tokens_total += tok
                 for k, v in m.items():
@@ -211,8 +219,16 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                 before_step()
             max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            crash_point("before_optimizer_step", step)
-            optimizer.step()
+            bad = float(nonfinite_loss or not math.isfinite(grad_norms[-1]))
+            if procs.world > 1:  # every process skips together
+                bad = float(procs.sum(torch.tensor([bad], dtype=torch.float64, device=procs.device)))
+            if bad:  # no optimizer (or scheduler) change: the weights and AdamW's moments stay as they were
+                skipped += 1
+                logger.warning("step %d: non-finite loss or gradient (norm %s); optimizer step skipped", step,
+                               grad_norms[-1])
+            else:
+                crash_point("before_optimizer_step", step)
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     if procs.world > 1:  # the whole batch's numbers, not this process's share
         keys = sorted(k for k in totals if k != "ratio/max")  # the same keys, in the same order, on every process
@@ -231,7 +247,8 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     out.update(_mismatch_metrics(mismatch, tis if config.tis_cap is not None else None, procs))
     out["grad/norm"] = grad_norms[0]
     out["grad/norm_last"] = grad_norms[-1]
-    out["grad/optimizer_steps"] = len(grad_norms)
+    out["grad/optimizer_steps"] = len(grad_norms) - skipped
+    out["guard/skipped_optimizer_steps"] = skipped
     return out
 
 
@@ -323,6 +340,20 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
     return task, reward_fns
 
 
+def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
+    """Checks that need the loaded model; the trainer runs them before the run directory is written.
+
+    Raises:
+        ValueError: ``--estimator optimal`` with a model that has no ``nn.Linear`` layer (its b* weights are the
+            sketched squared gradient norms of the linear layers).
+    """
+    from grpo_lens.diagnostics.gradients import linear_layer_names
+
+    if config.estimator == "optimal" and not linear_layer_names(policy):
+        raise ValueError(f"--estimator optimal needs per-rollout gradient norms of the model's nn.Linear layers, and "
+                         f"{config.model} has none; pick another --estimator (grpo, rloo, dr_grpo)")
+
+
 def train(config: TrainConfig, lens: Any = None) -> RunDir:
     """Run GRPO as ``config`` says and return the run directory.
 
@@ -363,6 +394,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)
     policy.train()
+    check_model(config, policy)  # before --out is written
     reference = None
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -381,10 +413,12 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     # --- the run directory: written only once the model (and, to resume, the checkpoint) has loaded ------------------
     start_step = 0
+    guard = {"consecutive": 0, "total": 0}  # trainer steps skipped for a non-finite loss or gradient
     if config.resume:
         if ckpt is not None:
             state = run.load_checkpoint(ckpt, policy, optimizer)
             start_step = int(state["step"])
+            guard.update(state.get("guard") or {})
             if state.get("rng"):
                 _set_rng_state(state["rng"])
             if lens is not None and state.get("lens") is not None:
@@ -449,8 +483,25 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
         #    group's statistics and, with mask_truncated, get zero advantage (no policy gradient)
+        grad_sq_norms, baseline_metrics = None, {}
+        if config.estimator == "optimal":  # b*_{-i} weights: sketched ||c_i g_i||^2 of the rollouts that need them
+            t_b = time.perf_counter()
+            contrast = ~constant_groups(rewards.view(-1, R), valid.view(-1, R))  # [B] groups with a gradient
+            need = (valid.view(-1, R) & contrast.unsqueeze(1)).view(-1)
+            grad_sq_norms = sketched_rollout_sq_norms(
+                policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.lens_sketch_dim,
+                seed=config.seed, temperature=config.temperature,
+            ).view(-1, R).to(procs.device)
+            baseline_metrics["perf/optimal_baseline_seconds"] = time.perf_counter() - t_b
         advantages = compute_advantages(rewards.view(-1, R).float(), config.estimator, std=config.std,
-                                        eps=config.eps, mask=valid.view(-1, R)).view(-1)
+                                        eps=config.eps, mask=valid.view(-1, R), grad_sq_norms=grad_sq_norms).view(-1)
+        if config.estimator == "optimal":
+            sums = procs.sum(torch.tensor(optimal_vs_rloo(rewards.view(-1, R), valid.view(-1, R),
+                                                          advantages.view(-1, R)), dtype=torch.float64,
+                                          device=procs.device)).tolist()
+            if sums[2] > 0:
+                baseline_metrics["adv/optimal_baseline"] = sums[0] / sums[2]
+                baseline_metrics["adv/optimal_minus_rloo"] = sums[1] / sums[2]
         if config.mask_truncated:
             advantages = advantages.masked_fill(batch.truncated.to(advantages.device), 0.0)
 
@@ -472,6 +523,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                                      step=step)
         if lens is not None:
             lens_metrics.update(lens.after_step(step, policy, measure))
+        step_skipped = loss_metrics["guard/skipped_optimizer_steps"] > 0
+        guard["consecutive"] = guard["consecutive"] + 1 if step_skipped else 0
+        guard["total"] += int(step_skipped)
+        loss_metrics.update({"guard/step_skipped": int(step_skipped), "guard/skipped_steps": guard["total"],
+                             "guard/consecutive_skipped": guard["consecutive"]})
 
         # 8. metrics over all processes' rollouts, one JSON line per step
         all_rewards, all_valid = procs.gather(rewards), procs.gather(valid)
@@ -480,9 +536,9 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         all_trunc = procs.gather(batch.truncated)
         seconds = time.perf_counter() - t0
         tokens = float(all_mask.sum())
-        record = {"step": step, **reward_info, **dynamic,  # this process's reward calls; the all-process statistics win:
+        record = {"step": step, **reward_info, **dynamic,  # this process's reward calls; all-process statistics win:
                   **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
-                  **loss_metrics, **lens_metrics,
+                  **loss_metrics, **lens_metrics, **baseline_metrics,
                   "lr": optimizer.param_groups[0]["lr"],
                   "perf/step_seconds": seconds, "perf/generation_seconds": t_gen,
                   "perf/tokens_per_second": tokens / max(seconds, 1e-9),
@@ -497,10 +553,18 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                 progress.set_postfix(reward=f"{record['reward/mean']:.3f}", sec=f"{seconds:.1f}")
                 progress.update(1)
 
+        if guard["consecutive"] >= config.max_consecutive_skips:  # before any checkpoint of this step
+            procs.barrier()
+            raise NonFiniteUpdateError(
+                f"step {step}: the loss or gradient was non-finite for {guard['consecutive']} consecutive steps "
+                f"(--max-consecutive-skips {config.max_consecutive_skips}), so training stopped; the last checkpoint "
+                f"in {run.path / 'checkpoints'} is intact: lower --learning-rate or --beta, or check the rewards")
+
         # 9. checkpoint (atomic): model, optimizer, step; every step's randomness derives from (seed, step)
         if step % config.checkpoint_every == 0 or step == config.max_steps:
             if procs.is_main:
-                state = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None}
+                state = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None,
+                         "guard": dict(guard)}
                 run.save_checkpoint(step, policy, optimizer, state, keep=config.keep_checkpoints)
             procs.barrier()
 

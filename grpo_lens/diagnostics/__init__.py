@@ -82,6 +82,7 @@ from grpo_lens.diagnostics.sparsity import (
     predicted_zero_variance_fraction_from_rewards,
     s1_metrics,
     small_entry_share,
+    unbiased_zero_variance_probability,
     zero_variance_fraction,
     zero_variance_groups,
 )
@@ -129,6 +130,7 @@ __all__ = [
     # sparsity
     "Bf16UpdateTracker", "bf16_unchanged_fraction", "hoyer_sparsity", "predicted_zero_variance_fraction",
     "predicted_zero_variance_fraction_from_rewards", "s1_metrics", "small_entry_share", "zero_variance_fraction",
+    "unbiased_zero_variance_probability",
     "zero_variance_groups",
     # baselines
     "BASELINES", "baseline_metrics", "correct_wrong_sq_norms", "estimator_variances", "loo_optimal_baselines",

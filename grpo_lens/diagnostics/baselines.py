@@ -27,12 +27,15 @@ Baselines compared (:data:`BASELINES`, each fn(rewards [..., R], sq_norms [..., 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from grpo_lens.registry import Registry
+
+if TYPE_CHECKING:
+    from grpo_lens.rollout import RolloutBatch
 
 BaselineFn = Callable[[Tensor, Tensor], Tensor]
 BASELINES: Registry[BaselineFn] = Registry("baseline")
@@ -205,3 +208,110 @@ def variance_relative_to_optimal(variances: dict[str, float]) -> dict[str, float
         raise ValueError("variances have no 'optimal' entry")
     ref = variances["optimal"]
     return {k: (v / ref if ref > 0 else (1.0 if v == 0 else math.inf)) for k, v in variances.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The variance-optimal baseline as a training estimator (docs/theory.md §The variance-optimal baseline in training)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def aggregation_rollout_weights(completion_mask: Tensor, aggregation: str) -> Tensor:
+    """c_i: the weight the loss aggregation's numerator puts on rollout i's length-normalised score gradient g_i.
+
+    On the first (on-policy) pass the policy loss's gradient is -(1/Z) sum_i A_i c_i g_i with Z the aggregation's
+    normaliser: c_i = 1 for seq-mean-token-mean (each rollout's token mean), c_i = |o_i| for the token-sum modes
+    (token-mean, seq-mean-token-sum-norm). Computed from the registered numerator applied to a loss of 1 on every
+    token of row i, so a newly registered aggregation is handled too (its numerator must be a sum over rows).
+
+    Args:
+        completion_mask: [N, T] bool.
+        aggregation: a name in :data:`grpo_lens.losses.LOSS_AGGREGATIONS`.
+
+    Returns:
+        [N] float64, >= 0 (0 for an empty completion).
+
+    Raises:
+        ValueError: unknown aggregation (listing the valid ones).
+    """
+    from grpo_lens.losses import LOSS_AGGREGATIONS
+
+    numerator = LOSS_AGGREGATIONS.get(aggregation).numerator
+    mask = completion_mask.to(torch.float64)
+    ones = torch.ones_like(mask)
+    return torch.stack([numerator(ones[i:i + 1], mask[i:i + 1]) for i in range(mask.shape[0])]).reshape(-1)
+
+
+def sketched_rollout_sq_norms(
+    model: torch.nn.Module,
+    batch: "RolloutBatch",
+    need: Tensor,
+    *,
+    aggregation: str = "seq-mean-token-mean",
+    sketch_dim: int = 16,
+    seed: int = 0,
+    projection: str = "gaussian",
+    temperature: float = 1.0,
+) -> Tensor:
+    """||c_i g_i||^2 per rollout from one sketched batched backward: the weights of the leave-one-out b*.
+
+    Only the rollouts with ``need`` True are sketched (the trainer passes the rollouts of groups with reward
+    contrast; the others get advantage 0 whatever their norm). The norms are those of every ``nn.Linear`` weight
+    (embeddings and norms are not sketched), estimated from the two-sided Gaussian sketch of
+    :func:`grpo_lens.diagnostics.sketch_rollout_grads` (unbiased per layer; relative error bounded by
+    :func:`grpo_lens.diagnostics.kronecker_sketch_variance_factor`), or exact with ``projection="identity"``.
+    The projections are fixed by ``seed`` and independent of the rollouts, so b*_{-i} stays independent of
+    rollout i and the policy-gradient estimate stays unbiased whatever the sketch error.
+
+    Args:
+        model: the policy, in the mode the loss is computed in.
+        batch: N rollouts.
+        need: [N] bool.
+        aggregation: the trainer's loss aggregation (gives c_i, :func:`aggregation_rollout_weights`).
+        sketch_dim: k_in = k_out per linear layer.
+        seed: projection seed.
+        projection: "gaussian" or "identity" (exact; for tests and small models).
+        temperature: the sampling temperature (the policy's log-probs, docs/theory.md §Log-probabilities).
+
+    Returns:
+        [N] float64 in squared gradient units (0 where ``need`` is False).
+
+    Raises:
+        ValueError: the model has no ``nn.Linear`` layer, or an unknown aggregation / projection.
+    """
+    from grpo_lens.diagnostics.gradients import sketch_rollout_grads
+
+    n = batch.num_rollouts
+    assert need.shape == (n,), (need.shape, n)
+    out = torch.zeros(n, dtype=torch.float64)
+    idx = need.nonzero().reshape(-1).cpu()
+    if len(idx) == 0:
+        return out
+    sub = batch.select(idx)
+    c = aggregation_rollout_weights(sub.completion_mask, aggregation)
+    sketch = sketch_rollout_grads(model, sub, k_in=sketch_dim, k_out=sketch_dim, projection=projection, seed=seed,
+                                  temperature=temperature)
+    sq = sum(t.detach().double().square().sum(-1).cpu() for t in sketch.per_layer.values())
+    out[idx] = sq * c.square()
+    return out
+
+
+def optimal_vs_rloo(rewards: Tensor, valid: Tensor, advantages: Tensor) -> tuple[float, float, int]:
+    """What the leave-one-out b* did against RLOO's baseline, over the valid rollouts of groups with contrast.
+
+    Args:
+        rewards: [B, R] (any value where invalid).  valid: [B, R] bool.  advantages: [B, R] from the ``optimal``
+            estimator (before any truncation masking), so b*_{-i} = r_i - A_i.
+
+    Returns:
+        (sum of b*_{-i}, sum of b*_{-i} - rloo_i, number of rollouts): sums, so that processes can add them.
+    """
+    from grpo_lens.advantages import constant_groups
+
+    assert rewards.shape == valid.shape == advantages.shape and rewards.dim() == 2, (rewards.shape, valid.shape)
+    v = valid.bool()
+    r = torch.where(v, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+    count = v.sum(1, keepdim=True).double()
+    rloo = (r.sum(1, keepdim=True) - r) / (count - 1).clamp(min=1)
+    b = r - advantages.double()
+    use = v & ~constant_groups(r, v).unsqueeze(1)
+    return float(b[use].sum()), float((b - rloo)[use].sum()), int(use.sum())

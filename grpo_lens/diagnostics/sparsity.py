@@ -82,6 +82,45 @@ def predicted_zero_variance_fraction_from_rewards(rewards: Tensor, threshold: fl
     return predicted_zero_variance_fraction(p, rewards.shape[1])
 
 
+def unbiased_zero_variance_probability(correct: Tensor | int, rollouts: Tensor | int, group_size: int) -> Tensor:
+    """Unbiased estimate of p^R + (1-p)^R from M >= R Bernoulli(p) rollouts of which k are correct.
+
+        est(k; M, R) = [C(k, R) + C(M - k, R)] / C(M, R),
+
+    the chance that R rollouts drawn without replacement from the M are all correct or all wrong. It is a
+    U-statistic: averaging the indicator "all R equal" over every R-subset of the M, whose expectation is
+    p^R + (1-p)^R for each subset, so E[est] = p^R + (1-p)^R exactly (Hoeffding 1948; docs/theory.md §S1). With
+    M = R it is the indicator itself; the plug-in p_hat^R + (1-p_hat)^R is biased upwards (Jensen).
+
+    Args:
+        correct: k, [B] long/float (or an int), 0 <= k <= M.
+        rollouts: M, [B] or an int, M >= R.
+        group_size: R >= 1.
+
+    Returns:
+        [B] float64 in [0, 1] (a 0-d tensor for scalar inputs).
+
+    Raises:
+        ValueError: R < 1, M < R, or k outside [0, M].
+    """
+    k = torch.as_tensor(correct, dtype=torch.float64)
+    m = torch.as_tensor(rollouts, dtype=torch.float64)
+    k, m = torch.broadcast_tensors(k, m)
+    if group_size < 1:
+        raise ValueError(f"group size R must be >= 1, got {group_size}")
+    if (m < group_size).any():
+        raise ValueError(f"need M >= R = {group_size} rollouts per prompt, got M = {int(m.min())}")
+    if ((k < 0) | (k > m)).any() or (k != k.round()).any():
+        raise ValueError("correct counts k must be whole numbers in [0, M]")
+
+    def log_choose(n: Tensor, r: int) -> Tensor:  # log C(n, r), -inf where n < r
+        out = torch.lgamma(n + 1) - math.lgamma(r + 1) - torch.lgamma((n - r).clamp(min=0) + 1)
+        return torch.where(n >= r, out, torch.full_like(n, -math.inf))
+
+    denom = log_choose(m, group_size)
+    return (log_choose(k, group_size) - denom).exp() + (log_choose(m - k, group_size) - denom).exp()
+
+
 def s1_metrics(rewards: Tensor, success_rates: Tensor | None = None, mask: Tensor | None = None) -> dict[str, float]:
     """{"sparsity/zero_var_frac": measured, "sparsity/zero_var_pred": predicted} for a batch of rewards [B, R].
 
