@@ -19,6 +19,7 @@ import yaml
 
 from grpo_lens.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS
 from grpo_lens.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from grpo_lens.overlong import OVERLONG_MODES
 
 
 class ConfigError(ValueError):
@@ -119,8 +120,17 @@ class TrainConfig(ConfigFile):
                                 "until the step has prompts_per_step groups whose rewards are not all equal; at the "
                                 "cap trains on the mixed groups found (logged as dynamic/mixed_groups).")
     dynamic_sampling_max_rounds: int = option(3, "Cap on dynamic sampling's extra sampling rounds per step.")
-    mask_truncated: bool = option(False, "Give truncated completions zero advantage (they still count in group "
-                              "statistics as invalid rollouts do not).")
+    overlong: str = option("none", "Completions cut at max_new_tokens: none, mask (advantage 0, kept in group "
+                           "statistics and the loss normaliser), filter (DAPO overlong filtering: their tokens leave "
+                           "the loss and its normaliser), soft-punish (DAPO's length penalty, eq. 13, added to the "
+                           "reward). DAPO arXiv 2503.14476; docs/theory.md.")
+    overlong_max_length: int | None = option(None, "soft-punish: L_max, the length past which the penalty is -1 "
+                                             "(unset: max_new_tokens).")
+    overlong_buffer: int | None = option(None, "soft-punish: L_cache, the width of the interval before L_max over "
+                                         "which the penalty falls linearly from 0 to -1 (unset: L_max // 5, DAPO's "
+                                         "4096 of 20480).")
+    mask_truncated: bool = option(False, "Deprecated alias of --overlong mask (kept so that old runs' configs load "
+                                  "and resume).")
     # --- advantages and loss -----------------------------------------------------------------------------------------
     estimator: str = option("grpo", "Advantage estimator: " + ", ".join(ADVANTAGE_ESTIMATORS.names()) + ".")
     std: str = option("sample", "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).")
@@ -142,8 +152,9 @@ class TrainConfig(ConfigFile):
                  "off the sampler and the clip matter.")
     num_mini_batches: int = option(1, "Optimizer steps per pass: the step's prompts are split into this many "
                                "mini-batches (must divide prompts_per_step).")
-    micro_batch_size: int = option(8, "Rollouts per forward/backward (gradient accumulation; the gradient does not "
-                               "depend on it).")
+    micro_batch_size: int | None = option(None, "Rollouts per forward/backward (gradient accumulation; the gradient "
+                                      "does not depend on it). Unset: picked per mini-batch from the model's shape "
+                                      "and the machine's total memory (the whole mini-batch when it fits).")
     # --- optimizer ---------------------------------------------------------------------------------------------------
     max_steps: int = option(30, "Optimizer steps (sampling rounds) to train for.")
     learning_rate: float = option(5e-6, "AdamW learning rate.")
@@ -171,7 +182,9 @@ class TrainConfig(ConfigFile):
                                    "(every linear layer but the output head).")
     # --- run ---------------------------------------------------------------------------------------------------------
     seed: int = option(0, "Random seed (prompts, sampling, projections).")
-    dtype: str = option("float32", "Parameter dtype: float32 or bfloat16.")
+    dtype: str = option("float32", "Precision: float32; bfloat16 (bf16 weights and optimizer state: half the memory, "
+                    "but updates below bf16's resolution are lost); bf16-mixed (float32 weights and optimizer, every "
+                    "forward under bf16 autocast: the usual GPU setting).")
     device: str = option("auto", "cpu, cuda, cuda:N or auto.")
     out: str | None = option(None, "Run directory (config.yaml, metrics.jsonl, checkpoints/).")
     resume: bool = option(False, "Continue the run in --out from its last checkpoint.")
@@ -188,6 +201,14 @@ class TrainConfig(ConfigFile):
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def overlong_length(self) -> int:
+        """L_max of soft-punish: ``overlong_max_length``, or ``max_new_tokens`` when unset."""
+        return self.overlong_max_length if self.overlong_max_length is not None else self.max_new_tokens
+
+    def overlong_cache(self) -> int:
+        """L_cache of soft-punish: ``overlong_buffer``, or max(1, L_max // 5) when unset."""
+        return self.overlong_buffer if self.overlong_buffer is not None else max(1, self.overlong_length() // 5)
 
     # ------------------------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -253,13 +274,24 @@ class TrainConfig(ConfigFile):
             bad("eps_high", "must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:
             bad("dual_clip", "must be > 1, or unset to disable")
+        choice("overlong", OVERLONG_MODES)
+        if self.mask_truncated:  # the deprecated alias
+            if self.overlong == "none":
+                self.overlong = "mask"
+            elif self.overlong != "mask":
+                bad("mask_truncated", f"is the deprecated alias of --overlong mask and contradicts --overlong "
+                    f"{self.overlong}; drop --mask-truncated")
+        if self.overlong_max_length is not None and not 1 <= self.overlong_max_length <= self.max_new_tokens:
+            bad("overlong_max_length", f"must be in [1, max_new_tokens = {self.max_new_tokens}], or unset")
+        if self.overlong_buffer is not None and not 1 <= self.overlong_buffer <= self.overlong_length():
+            bad("overlong_buffer", f"must be in [1, L_max = {self.overlong_length()}], or unset")
         if self.tis_cap is not None and not self.tis_cap > 0:
             bad("tis_cap", "must be > 0 (e.g. 2.0), or unset to disable")
         if self.mu < 1:
             bad("mu", "must be >= 1")
         if self.num_mini_batches < 1 or self.prompts_per_step % self.num_mini_batches:
             bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
-        if self.micro_batch_size < 1:
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
             bad("micro_batch_size", "must be >= 1")
         if self.max_steps < 0:
             bad("max_steps", "must be >= 0")
@@ -286,7 +318,7 @@ class TrainConfig(ConfigFile):
             bad("reward_timeout", "must be > 0 seconds")
         if self.log_completions < 0:
             bad("log_completions", "must be >= 0")
-        choice("dtype", ("float32", "bfloat16"))
+        choice("dtype", ("float32", "bfloat16", "bf16-mixed"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             bad("device", "use cpu, cuda, cuda:N or auto")
         if not self.rewards:

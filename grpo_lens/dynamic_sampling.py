@@ -19,8 +19,9 @@ from torch import Tensor
 from grpo_lens.advantages import constant_groups
 from grpo_lens.rollout import RolloutBatch
 
-#: One sampling round: round index -> (batch of N rollouts, rewards [N] NaN invalid, valid [N] bool, reward metrics).
-SampleRound = Callable[[int], tuple[RolloutBatch, Tensor, Tensor, dict]]
+#: One sampling round: round index -> (batch of N rollouts, rewards [N] NaN invalid, valid [N] bool, reward metrics,
+#: *other per-rollout [N] tensors to keep alongside, e.g. correctness).
+SampleRound = Callable[[int], tuple]
 
 
 def select_groups(batch: RolloutBatch, groups: list[int]) -> RolloutBatch:
@@ -74,7 +75,7 @@ def _merge_reward_info(infos: list[dict]) -> dict:
 
 
 def collect_mixed_groups(sample_round: SampleRound, num_groups: int, max_extra_rounds: int,
-                         pad_id: int) -> tuple[RolloutBatch, Tensor, Tensor, dict, dict[str, float]]:
+                         pad_id: int) -> tuple[RolloutBatch, Tensor, Tensor, dict, dict[str, float], list[Tensor]]:
     """Sample rounds until ``num_groups`` mixed groups are found or ``max_extra_rounds`` extra rounds are spent.
 
     Args:
@@ -84,22 +85,23 @@ def collect_mixed_groups(sample_round: SampleRound, num_groups: int, max_extra_r
         pad_id: padding token id for :func:`concat_batches`.
 
     Returns:
-        (batch, rewards [n], valid [n], reward metrics, dynamic metrics): the first ``num_groups`` mixed groups in
+        (batch, rewards [n], valid [n], reward metrics, dynamic metrics, [the round's other per-rollout tensors, each
+        [n]]): the first ``num_groups`` mixed groups in
         sampling order (fewer at the cap; round 0's whole batch when no group was mixed), and
         ``dynamic/mixed_groups`` (groups trained on that are mixed), ``dynamic/rounds`` (rounds sampled, >= 1),
         ``dynamic/sampled_groups``, ``dynamic/zero_var_frac_sampled`` (share of all sampled groups with no
         contrast), ``dynamic/hit_cap`` (1.0 when the step has fewer than B mixed groups).
     """
-    parts: list[tuple[RolloutBatch, Tensor, Tensor]] = []
+    parts: list[tuple] = []
     infos: list[dict] = []
     first = None
     found = sampled = rounds = seen_mixed = 0
     for r in range(max_extra_rounds + 1):
-        batch, rewards, valid, info = sample_round(r)
+        batch, rewards, valid, info, *others = sample_round(r)
         rounds += 1
         infos.append(info)
         if first is None:
-            first = (batch, rewards, valid)
+            first = (batch, rewards, valid, *others)
         R = batch.group_size
         mixed = (~constant_groups(rewards.view(-1, R).nan_to_num(0.0), valid.view(-1, R))).nonzero().flatten()
         sampled += batch.num_groups
@@ -107,7 +109,7 @@ def collect_mixed_groups(sample_round: SampleRound, num_groups: int, max_extra_r
         keep = mixed[: num_groups - found].tolist()
         if keep:
             rows = torch.tensor([g * R + i for g in keep for i in range(R)], device=rewards.device)
-            parts.append((select_groups(batch, keep), rewards[rows], valid[rows]))
+            parts.append((select_groups(batch, keep), rewards[rows], valid[rows], *(o[rows] for o in others)))
             found += len(keep)
         if found >= num_groups:
             break
@@ -115,9 +117,8 @@ def collect_mixed_groups(sample_round: SampleRound, num_groups: int, max_extra_r
              "dynamic/sampled_groups": float(sampled), "dynamic/hit_cap": float(found < num_groups),
              "dynamic/zero_var_frac_sampled": 1.0 - seen_mixed / sampled}
     if found == 0:
-        batch, rewards, valid = first
+        batch, rewards, valid, *others = first
     else:
         batch = concat_batches([p[0] for p in parts], pad_id)
-        rewards = torch.cat([p[1] for p in parts])
-        valid = torch.cat([p[2] for p in parts])
-    return batch, rewards, valid, _merge_reward_info(infos), stats
+        rewards, valid, *others = (torch.cat([p[i] for p in parts]) for i in range(1, len(parts[0])))
+    return batch, rewards, valid, _merge_reward_info(infos), stats, list(others)

@@ -1,12 +1,18 @@
 """The lens inside the trainer: a cheap subset of the diagnostics every ``lens_every`` steps.
 
 On a lens step, before the update, one extra batched backward gives sketched per-rollout gradients g_i of every linear
-layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`); with LoRA, exact gradients of the adapter's
-parameters or sketches of the frozen base weights (``lens_space``, :meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one
+layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`), each the term that the configured loss
+aggregation weights in the update (:func:`grpo_lens.losses.rollout_gradient_weights`, docs/theory.md §3); with LoRA,
+exact gradients of the adapter's parameters or sketches of the frozen base weights (``lens_space``,
+:meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one
 per-group analysis path, :func:`grpo_lens.diagnostics.analyse_group` (the same function ``grpo-lens probe`` calls),
 and the lens writes the mean over the step's mixed groups of every key it returns (the identity residual: the max).
 With several processes every process's groups are gathered first, so the numbers cover the whole batch.
-Around the optimizer step, bf16 snapshots give S4 (update sparsity for the step and since the start).
+Around the optimizer step, bf16 snapshots give S4 (update sparsity for the step and since the start), and a fixed
+sample of the weights gives the sparsity of the step's update, of the update since the start and of the step's
+gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.diagnostics.SparsityOverTraining`,
+docs/theory.md §Sparsity over training). S1 is measured by the trainer on every step; the lens prints no S1
+prediction, because no rollouts other than the step's own exist for the step's prompts (docs/theory.md §S1).
 
 All math is in :mod:`grpo_lens.diagnostics`; this class only picks groups, gathers and averages.
 """
@@ -18,6 +24,8 @@ from typing import Any
 import torch
 
 from grpo_lens import diagnostics as dg
+from grpo_lens.diagnostics.sparsity_training import SparsityOverTraining
+from grpo_lens.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.rollout import RolloutBatch
 
 
@@ -45,8 +53,10 @@ class TrainerLens:
         config: a :class:`grpo_lens.config.TrainConfig` (uses lens_sketch_dim, seed, std, eps, temperature, top_k,
             top_p).
 
-    Metric keys written (see docs/metrics.md): ``sparsity/zero_var_groups_predicted``, ``sparsity/update_step``,
-    ``sparsity/update_total``, ``rank/mixed_groups``, ``perf/lens_seconds``, and the mean over mixed groups of every
+    Metric keys written (see docs/metrics.md): ``sparsity/update_step``, ``sparsity/update_total``,
+    ``sparsity/update_step_*``, ``sparsity/update_total_*``, ``sparsity/grad_*`` (and per layer type
+    ``sparsity/<type>/...``), ``sparsity/sample_entries``, ``rank/mixed_groups``, ``perf/lens_seconds``,
+    ``perf/lens_sparsity_seconds``, and the mean over mixed groups of every
     key of :func:`grpo_lens.diagnostics.analyse_group` except ``group/size`` (``rank/g1_*``, ``grad/identity_*``,
     ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
@@ -54,7 +64,9 @@ class TrainerLens:
     def __init__(self, policy: torch.nn.Module, config: Any):
         self.config = config
         self.tracker = dg.Bf16UpdateTracker(policy, device="cpu")  # start = the weights before any step
+        self.sparsity = SparsityOverTraining(policy, seed=config.seed)  # a fixed sample; start = the same weights
         self._pending = False
+        self._sparsity_seconds = 0.0
 
     def start(self, policy: torch.nn.Module) -> None:
         """Nothing to do: the start snapshot is taken at construction, from the freshly loaded weights."""
@@ -86,55 +98,70 @@ class TrainerLens:
         v = valid.view(-1, R).cpu()
         mixed = [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(dg.zero_variance_groups(r[b:b + 1]))]
         rows: list[dict[str, float]] = []
+        # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
+        # N and normaliser Z, summed over processes as the trainer does
+        norm = gather_objects((loss_normalizer(batch.completion_mask, c.loss_aggregation, c.max_new_tokens),
+                               float(batch.completion_mask.any(dim=1).sum())))
+        z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
-            grads = self.rollout_grads(policy, sub)  # [n_mixed * R, K]
+            omega = rollout_gradient_weights(sub.completion_mask, c.loss_aggregation, z_total, n_total)
+            grads = self.rollout_grads(policy, sub, omega).cpu()  # [n_mixed * R, K]; analysed on the CPU
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
                 rows.append(dg.analyse_group(
                     grads[j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
-                    std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R],
-                    completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
+                    std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
+                    completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4,
                     seed=c.seed + step * 1009 + b))
         # every process's groups: the lens describes the whole batch, not rank 0's share
         parts = gather_objects({"rows": rows, "rewards": r, "valid": v})
         all_rows = [row for part in parts for row in part["rows"]]
-        all_r = torch.cat([part["rewards"] for part in parts])
-        all_v = torch.cat([part["valid"] for part in parts])
         out: dict[str, float] = {}
-        out["sparsity/zero_var_groups_predicted"] = dg.s1_metrics(all_r, mask=all_v)["sparsity/zero_var_pred"]
         out["rank/mixed_groups"] = float(len(all_rows))
         out.update({k: val for k, val in dg.mean_over_groups(all_rows).items() if k != "group/size"})
         self._pending = True
         out["perf/lens_seconds"] = time.perf_counter() - t0
         return out
 
-    def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch) -> torch.Tensor:
+    def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
         """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.
 
-        Without LoRA: sketched gradients of every linear layer (K = layers * lens_sketch_dim^2). With LoRA see
+        ``omega`` [n]: the loss aggregation's weights of each rollout's log-prob sum (docs/theory.md §3). Without LoRA:
+        sketched gradients of every linear layer (K = layers * lens_sketch_dim^2). With LoRA see
         :func:`grpo_lens.lora.lora_rollout_grads` (``trainable``: the adapter's parameters, exact; ``full``: the
         frozen base linear weights, sketched).
         """
         from grpo_lens.lora import is_lora, lora_rollout_grads
 
         c = self.config
-        processing = dict(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
         if is_lora(policy):
-            return lora_rollout_grads(policy, sub, c.lens_space, k=c.lens_sketch_dim, seed=c.seed,
-                                      **processing).double()
+            return lora_rollout_grads(policy, sub, c.lens_space, k=c.lens_sketch_dim, seed=c.seed, score_weights=omega,
+                                      temperature=c.temperature).double()
         return dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim, seed=c.seed,
-                                       **processing).sketch.double()
+                                       score_weights=omega, temperature=c.temperature).sketch.double()
 
     def before_step(self, policy: torch.nn.Module) -> None:
-        """Snapshot the weights (bf16) just before the first optimizer step of a lens step."""
+        """Snapshot the weights (bf16, and the fixed sample with the step's gradient) just before the first optimizer
+        step of a lens step."""
         if self._pending:
+            import time
+
+            t0 = time.perf_counter()
             self.tracker.update()  # moves the 'previous' snapshot to now; its numbers are not needed
+            self.sparsity.before_step()
+            self._sparsity_seconds = time.perf_counter() - t0
 
     def after_step(self, step: int, policy: torch.nn.Module, measured: bool) -> dict[str, float]:
         """S4 after the step's optimizer steps: shares of parameters whose bf16 value did not change."""
         if not (measured and self._pending):
             return {}
+        import time
+
+        t0 = time.perf_counter()
         self._pending = False
-        return self.tracker.update()
+        out = self.tracker.update()
+        out.update(self.sparsity.after_step())
+        out["perf/lens_sparsity_seconds"] = self._sparsity_seconds + time.perf_counter() - t0
+        return out

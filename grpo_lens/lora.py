@@ -75,9 +75,9 @@ def base_layers(name: str) -> bool:
 
 def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int = 16, seed: int = 0,
                        projection: str = "gaussian", dtype: torch.dtype = torch.float32,
-                       **processing: Any) -> torch.Tensor:
-    """Per-rollout gradients g_i of a LoRA policy's rollouts (g_i = grad of the rollout's token-mean log-prob,
-    docs/metrics.md) in the adapter space or the full space.
+                       score_weights: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Per-rollout gradients g_i of a LoRA policy's rollouts (g_i = grad of omega_i times the rollout's log-prob sum,
+    omega_i = 1/|o_i| unless ``score_weights``; docs/theory.md §3) in the adapter space or the full space.
 
     Args:
         model: a policy wrapped by :func:`apply_lora`.
@@ -86,7 +86,7 @@ def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int
             ``full`` -- gradients of every frozen base linear weight W, sketched with k x k Kronecker projections
             per layer ([N, layers * k^2]; ``projection="identity"`` gives them exactly, [N, sum d_out d_in]).
         k, seed, projection, dtype: of the sketch (:func:`grpo_lens.diagnostics.sketch_rollout_grads`).
-        processing: temperature, top_k, top_p of the sampler.
+        score_weights: [N] omega_i (:func:`grpo_lens.diagnostics.rollout_scores`).  temperature: the sampler's.
 
     Returns:
         [N, K] in the model's dtype (exact) or ``dtype`` (sketch).
@@ -100,7 +100,7 @@ def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int
     from grpo_lens import diagnostics as dg
 
     if space == "trainable":
-        return dg.exact_rollout_grads(model, batch, **processing)
+        return dg.exact_rollout_grads(model, batch, score_weights=score_weights, temperature=temperature)
     if space != "full":
         raise ValueError(f"unknown lens space {space!r}; valid names: full, trainable")
     # A frozen base layer's output carries a gradient only once the input embeddings' output requires one
@@ -108,7 +108,8 @@ def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int
     model.enable_input_require_grads()
     try:
         return dg.sketch_rollout_grads(model, batch, k_in=k, k_out=k, include=base_layers, seed=seed,
-                                       projection=projection, dtype=dtype, **processing).sketch
+                                       projection=projection, dtype=dtype, score_weights=score_weights,
+                                       temperature=temperature).sketch
     finally:
         model.disable_input_require_grads()
 

@@ -120,11 +120,14 @@ def clipped_surrogate(
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Aggregation:
-    """A loss aggregation mode: numerator(loss [N, T], mask [N, T]) -> scalar, normaliser(mask, max_new_tokens)."""
+    """A loss aggregation mode: numerator(loss [N, T], mask [N, T]) -> scalar, normaliser(mask, max_new_tokens), and
+    rollout_weights(mask) -> [N] v_i with numerator(l, m) = sum_i v_i sum_t l_{i,t} m_{i,t} (what the per-rollout
+    gradient term of docs/theory.md §3 is built from; a test checks the equality for every mode)."""
 
     numerator: Callable[[Tensor, Tensor], Tensor]
     normalizer: Callable[[Tensor, int], float]
     source: str
+    rollout_weights: Callable[[Tensor], Tensor]
 
 
 LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
@@ -144,18 +147,26 @@ def _token_sum_numerator(loss: Tensor, mask: Tensor) -> Tensor:
     return (loss * mask).sum()
 
 
+def _sequence_mean_weights(mask: Tensor) -> Tensor:
+    return 1.0 / mask.sum(dim=1).clamp(min=1)
+
+
+def _token_sum_weights(mask: Tensor) -> Tensor:
+    return torch.ones(mask.shape[0], dtype=mask.dtype, device=mask.device)
+
+
 # (1/N) sum_i (1/|o_i|) sum_t l_{i,t}: every rollout weighs the same whatever its length.
 LOSS_AGGREGATIONS.register("seq-mean-token-mean")(Aggregation(
     _sequence_mean_numerator, lambda mask, max_new_tokens: _rollouts_in_loss(mask),
-    "GRPO, DeepSeekMath arXiv 2402.03300 eq. 3"))
+    "GRPO, DeepSeekMath arXiv 2402.03300 eq. 3", _sequence_mean_weights))
 # sum_{i,t} l_{i,t} / sum_i |o_i|: every token weighs the same.
 LOSS_AGGREGATIONS.register("token-mean")(Aggregation(
     _token_sum_numerator, lambda mask, max_new_tokens: float(mask.sum().item()),
-    "DAPO, arXiv 2503.14476 eq. 12"))
+    "DAPO, arXiv 2503.14476 eq. 12", _token_sum_weights))
 # sum_{i,t} l_{i,t} / (N * T_max), T_max = max_new_tokens, a constant: no length bias.
 LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(Aggregation(
     _token_sum_numerator, lambda mask, max_new_tokens: _rollouts_in_loss(mask) * max_new_tokens,
-    "Dr. GRPO, arXiv 2503.20783 §3.1"))
+    "Dr. GRPO, arXiv 2503.20783 §3.1", _token_sum_weights))
 
 
 def loss_normalizer(completion_mask: Tensor, mode: str, max_new_tokens: int) -> float:
@@ -173,6 +184,35 @@ def loss_normalizer(completion_mask: Tensor, mode: str, max_new_tokens: int) -> 
         ValueError: unknown mode, listing the valid ones.
     """
     return max(LOSS_AGGREGATIONS.get(mode).normalizer(completion_mask, max_new_tokens), 1.0)
+
+
+def rollout_gradient_weights(completion_mask: Tensor, mode: str, normalizer: float,
+                             num_rollouts: float | None = None) -> Tensor:
+    """omega_i such that the trainer's on-policy loss gradient is -(1/N) sum_i A_i omega_i sum_t grad log pi(o_{i,t}).
+
+    On the first on-policy pass (ratio 1, no clip active, beta = 0) the gradient of the aggregated policy loss is
+    -(1/Z) sum_i A_i v_i sum_t grad log pi(o_{i,t}) with v_i = rollout_weights(mask)_i and Z the normaliser; so
+    omega_i = (N/Z) v_i: 1/|o_i| for seq-mean-token-mean (Z = N), N / sum_j |o_j| for token-mean, 1/T_max for
+    seq-mean-token-sum-norm (docs/theory.md §3). Pass omega to the per-rollout gradient functions of
+    :mod:`grpo_lens.diagnostics.gradients` (``score_weights``) to measure the rows the update actually sums.
+
+    Args:
+        completion_mask: [n, T] bool, the rollouts to weigh (a group, or a batch).
+        mode: a name in :data:`LOSS_AGGREGATIONS`.
+        normalizer: Z of the batch the loss is normalised over (:func:`loss_normalizer`, summed over processes).
+        num_rollouts: N of that batch (rollouts in the loss); default: the rollouts of ``completion_mask`` with a token.
+
+    Returns:
+        [n] float64.
+
+    Raises:
+        ValueError: unknown mode, or normalizer <= 0.
+    """
+    if normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    agg = LOSS_AGGREGATIONS.get(mode)
+    n = _rollouts_in_loss(completion_mask) if num_rollouts is None else float(num_rollouts)
+    return agg.rollout_weights(completion_mask.to(torch.float64)) * (n / normalizer)
 
 
 def aggregate_loss(loss: Tensor, mask: Tensor, mode: str, normalizer: float) -> Tensor:

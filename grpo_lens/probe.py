@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from grpo_lens import diagnostics as dg
-from grpo_lens.advantages import STD_CONVENTIONS, compute_advantages
+from grpo_lens.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS, compute_advantages
 from grpo_lens.config import ConfigError, ConfigFile, option
+from grpo_lens.losses import LOSS_AGGREGATIONS, loss_normalizer, rollout_gradient_weights
 from grpo_lens.rollout import RolloutBatch, sample_groups
 
 
@@ -64,6 +65,10 @@ class ProbeConfig(ConfigFile):
     temperature: float = option(0.7, "Sampling temperature.")
     top_p: float = option(1.0, "Nucleus sampling mass.")
     top_k: int = option(0, "Top-k sampling; 0 disables.")
+    estimator: str = option("grpo", "Advantage estimator whose advantages weight the rows: "
+                            + ", ".join(ADVANTAGE_ESTIMATORS.names()) + ".")
+    loss_aggregation: str = option("seq-mean-token-mean", "Loss aggregation whose per-rollout term is measured "
+                                   "(docs/theory.md §3): " + ", ".join(LOSS_AGGREGATIONS.names()) + ".")
     std: str = option("sample", "Std convention of the GRPO advantages: sample or population.")
     eps: float = option(1e-4, "eps of the GRPO advantages.")
     exact: bool = option(False, "Exact per-rollout gradients of all parameters (one backward per rollout; memory "
@@ -72,6 +77,15 @@ class ProbeConfig(ConfigFile):
     layer: str | None = option(None, "Linear layer for G1_layer and G2 (default: the middle layer's MLP down "
                                "projection).")
     random_draws: int = option(8, "Draws of random zero-sum weights for the G1 control.")
+    study_group_size: int = option(4, "R of the baseline and credit studies (docs/theory.md §Baselines at matched "
+                                   "expectation, §Token credit).")
+    baseline_study_prompts: int = option(8, "Prompts with reward contrast in the baseline study, M = 4R rollouts each "
+                                         "(0 skips the study).")
+    credit_groups: int = option(4, "Mixed groups whose tokens' signed contributions to the update are measured (0 "
+                                "skips the credit study).")
+    mc_groups: int = option(2, "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
+                            "rollout.")
+    mc_samples: int = option(8, "Continuations per prefix for the Monte Carlo values (K >= 2).")
     resamples: int = option(256, "Resampled groups for the baseline variance.")
     seed: int = option(0, "Random seed.")
     dtype: str = option("float32", "float32 or bfloat16.")
@@ -89,6 +103,13 @@ class ProbeConfig(ConfigFile):
         for name in ("prompts", "prompts_per_batch", "max_new_tokens", "sketch_dim", "random_draws"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
+        if self.study_group_size < 2:
+            bad("study_group_size", "must be >= 2")
+        for name in ("baseline_study_prompts", "credit_groups", "mc_groups"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0 (0 skips)")
+        if self.mc_samples < 2:
+            bad("mc_samples", "must be >= 2 (a standard error needs two continuations)")
         if self.baseline_prompts < 0:
             bad("baseline_prompts", "must be >= 0")
         if self.resamples < 2:
@@ -97,6 +118,10 @@ class ProbeConfig(ConfigFile):
             bad("temperature", "must be > 0")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
+        if self.estimator not in ADVANTAGE_ESTIMATORS.names():
+            bad("estimator", f"valid names: {', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        if self.loss_aggregation not in LOSS_AGGREGATIONS.names():
+            bad("loss_aggregation", f"valid names: {', '.join(LOSS_AGGREGATIONS.names())}")
         if self.std not in STD_CONVENTIONS:
             bad("std", f"valid names: {', '.join(STD_CONVENTIONS)}")
         if self.eps <= 0:
@@ -119,13 +144,21 @@ def default_layer(model: torch.nn.Module) -> str:
 STRATA_KEYS = tuple(f"rank/{m}_{x}" for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank",
                                                                                                       "stable_rank"))\
     + ("rank/g1_erank_vs_null", "rank/g1_stable_rank_vs_null", "grad/identity_residual", "zero_sum/span_energy",
-       "zero_sum/span_energy_null", "zero_sum/span_energy_p", "zero_sum/cos_gap", "zero_sum/cos_gap_null",
-       "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
+       "zero_sum/span_energy_null", "zero_sum/span_energy_excess", "zero_sum/span_energy_p", "zero_sum/cos_gap",
+       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
+
+
+def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
+    """omega_i [n] of the per-rollout term the configured loss aggregation weights, with ``sub`` (a group, or a prompt's
+    M rollouts) as the batch (docs/theory.md §3; :func:`grpo_lens.losses.rollout_gradient_weights`)."""
+    mask = sub.completion_mask
+    return rollout_gradient_weights(mask, config.loss_aggregation,
+                                    loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens))
 
 
 def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str):
     """(all-parameter rows [n, P or K], layer rows [n, *], token squared norms [n, Lp+T] or None)."""
-    proc = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+    proc = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
     if config.exact:
         grads = dg.exact_rollout_grads(policy, sub, **proc)
         slices = dg.param_slices(policy)
@@ -144,11 +177,15 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     (``rank/g1_layer_*``), G2 of ``layer`` (``rank/g2_*``) and credit (``credit/*``).
     """
     R = sub.num_rollouts
-    adv = compute_advantages(rewards.view(1, R).double(), "grpo", std=config.std, eps=config.eps)[0]
     grads, layer_rows, token_sq = _rollout_grads(policy, sub, config, layer)
-    g = grads.double()
-    row = dg.analyse_group(g, rewards.double(), adv, estimator="grpo", std=config.std, eps=config.eps,
-                           completion_mask=sub.completion_mask, completion_ids=sub.completion_ids,
+    # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
+    g, layer_rows = grads.double().cpu(), layer_rows.cpu()
+    cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
+    sq = g.square().sum(-1).view(1, R) if config.estimator == "optimal" else None
+    adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.eps,
+                             grad_sq_norms=sq)[0]
+    row = dg.analyse_group(g, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.eps,
+                           completion_mask=cmask, completion_ids=cids,
                            num_random=config.random_draws, seed=seed)
     row.update(dg.g1_rank_keys(layer_rows, adv, "g1_layer"))
     gram = g @ g.T
@@ -161,19 +198,19 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
     g2_raw = dg.layer_weight_grads(policy, sub, adv.float(), [layer], temperature=config.temperature,
-                                   top_k=config.top_k, top_p=config.top_p)[layer]
-    bound = dg.g2_rank_bound(sub.prompt_mask, sub.completion_ids, sub.completion_mask)
+                                   score_weights=score_weights(sub, config))[layer].cpu()
+    bound = dg.g2_rank_bound(sub.prompt_mask.cpu(), cids, cmask)
     row.update(dg.g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype))
     extras["spectra"]["G2"] = dg.singular_values(g2_raw.double())[:64].tolist()
 
-    token_adv = dg.token_advantages(adv, sub.completion_mask)
+    token_adv = dg.token_advantages(adv, cmask)
     if token_sq is None:  # exact mode: the per-token norms come from one more batched backward
-        token_sq = dg.token_grad_sq_norms(policy, sub, temperature=config.temperature, top_k=config.top_k,
-                                          top_p=config.top_p)
-    comp = dg.completion_positions(token_sq, sub.prompt_ids.shape[1])  # [R, T]
-    answer = dg.answer_mask_from_tokenizer(tokenizer, sub.completion_ids, sub.completion_mask)
-    row.update(dg.credit_metrics(token_adv, comp, sub.completion_mask, answer))
-    extras["profile"] = dg.position_profile(comp.sqrt(), sub.completion_mask)
+        token_sq = dg.token_grad_sq_norms(policy, sub, temperature=config.temperature,
+                                          score_weights=score_weights(sub, config))
+    comp = dg.completion_positions(token_sq.cpu(), sub.prompt_ids.shape[1])  # [R, T]
+    answer = dg.answer_mask_from_tokenizer(tokenizer, cids, cmask)
+    row.update(dg.credit_metrics(token_adv, comp, cmask, answer))
+    extras["profile"] = dg.position_profile(comp.sqrt(), cmask)
     return row, extras
 
 
@@ -185,7 +222,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     rows: list[dict[str, float]] = []
     extras: list[dict[str, Any]] = []
     sampled = all_equal = invalid = 0
-    success_rates: list[float] = []
+    s1_predictions: list[float] = []  # per prompt, from the rollouts outside its group
     baseline_var: list[dict[str, float]] = []
     t_gen = t_grad = 0.0
     draw = 0
@@ -206,8 +243,9 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             sampled += 1
             rows_j = torch.arange(j * M, (j + 1) * M)
             r_all, v_all = rewards[rows_j], valid[rows_j]
-            if v_all.any():
-                success_rates.append(float(r_all[v_all].clamp(0, 1).mean()))
+            if bool(v_all.all()):  # S1 predicted from the M - R rollouts outside the group (docs/theory.md §S1)
+                k_rest = int((r_all[R:] >= 1.0).sum())
+                s1_predictions.append(float(dg.unbiased_zero_variance_probability(k_rest, M - R, R)))
             group = rows_j[:R]
             r_g, v_g = rewards[group], valid[group]
             if not bool(v_g.all()):
@@ -222,7 +260,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             extras.append(extra)
             if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
                 grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, layer)
-                var = dg.estimator_variances(grads_m.double(), r_all.double(), R, num_resamples=config.resamples,
+                var = dg.estimator_variances(grads_m.double().cpu(), r_all.double(), R, num_resamples=config.resamples,
                                              seed=seed)
                 baseline_var.append(var)
             t_grad += time.perf_counter() - t0
@@ -249,8 +287,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         "groups_mixed": len(rows),
         "groups_invalid": invalid,
         "s1_measured": all_equal / valid_groups if valid_groups else None,
-        "s1_predicted": dg.predicted_zero_variance_fraction(torch.tensor(success_rates), R) if success_rates
-        else None,
+        "s1_predicted": statistics.fmean(s1_predictions) if s1_predictions else None,
+        "s1_predicted_ci": dg.bootstrap_ci(s1_predictions, seed=config.seed),
         "groups": rows,
         "summary": dg.summarise_rows(rows, **ci),
         "strata": {"correct": dg.stratify_rows(rows, "group/correct", keys=STRATA_KEYS, **ci),
@@ -263,6 +301,28 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         "credit": {"position_profile": profile},
         "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad},
     }
+
+
+def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig) -> dict[str, Any]:
+    """The baseline study (with S1 predicted from rollouts outside the group) and the credit study of
+    :mod:`grpo_lens.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent)."""
+    from grpo_lens import studies
+
+    common = dict(group_size=config.study_group_size, max_new_tokens=config.max_new_tokens,
+                  temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
+                  prompts_per_batch=config.prompts_per_batch)
+    out: dict[str, Any] = {}
+    if config.baseline_study_prompts > 0:
+        out["baselines"] = studies.run_baseline_study(
+            policy, tokenizer, task, reward_fns, prompts=config.baseline_study_prompts,
+            max_prompts=4 * config.baseline_study_prompts, sketch_dim=config.sketch_dim,
+            resamples=max(config.resamples, 2), **common)
+    if config.credit_groups > 0:
+        out["credit"] = studies.run_credit_study(
+            policy, tokenizer, task, reward_fns, groups=config.credit_groups,
+            max_prompts=6 * config.credit_groups, mc_groups=config.mc_groups, mc_samples=config.mc_samples,
+            std=config.std, eps=config.eps, **common)
+    return out
 
 
 def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
@@ -317,13 +377,16 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             progress.update(1)
     if progress is not None:
         progress.close()
+    studies = run_studies(policy, tokenizer, task, reward_fns, config)
     meta = {"model": config.model, "task": config.task, "gradients": "exact" if config.exact else "sketch",
+            "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
             "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,
             "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
             "seconds": time.perf_counter() - t0, "config": {f.name: getattr(config, f.name) for f in fields(config)}}
     out.mkdir(parents=True, exist_ok=True)
     from grpo_lens.rundir import atomic_write_text
 
-    atomic_write_text(out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r}, indent=1))
+    atomic_write_text(out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r, "studies": studies},
+                                                     indent=1))
     write_report(out)
     return out

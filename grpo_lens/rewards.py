@@ -36,31 +36,88 @@ REWARDS: Registry = Registry("reward function")
 
 # A number: an optional minus sign (not one joining two numbers as in "3-5"), digits, optional decimals; or ".5".
 _NUMBER = re.compile(r"(?:(?<![\w)\]}.])-)?(?:\d+(?:\.\d+)?|\.\d+)")
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-_FRACTION = re.compile(r"^\\[dt]?frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}$")
+# A value in running text: a LaTeX fraction (\frac, \dfrac, \tfrac with braced parts), optionally signed, or a number.
+_VALUE = re.compile(r"(?:(?<![\w)\]}.])-\s*)?\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}|" + _NUMBER.pattern)
+# Thousands separators only in a well-formed group: 1-3 digits, then one or more ",ddd", not touching another digit
+# or comma-digit on either side. "1,234,567" -> 1234567; "1,23,456", "1,2345" and "3,4" stay separate numbers.
+_THOUSANDS_GROUP = re.compile(r"(?<![\d,])\d{1,3}(?:,\d{3})+(?![\d]|,\d)")
+_FRACTION = re.compile(r"^\\[dt]?frac\s*\{(.*)\}\s*\{(.*)\}$")
+_FRACTION_SHORT = re.compile(r"^\\[dt]?frac\s*(\d)\s*(\d)$")  # \frac12
 _SLASH_FRACTION = re.compile(r"^(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")
+_MINUS_SIGNS = ("\u2212", "\u2013", "\ufe63", "\uff0d")  # minus sign, en dash, small and fullwidth hyphen-minus
 
 
 def normalize_number_text(text: str) -> str:
-    """Drop what is not part of a number's value: ``$``, thousands commas (``1,234`` -> ``1234``), unicode minus."""
-    text = text.replace("\u2212", "-").replace("$", "").replace("\\$", "")
-    return _THOUSANDS.sub("", text)
+    """Drop what is not part of a number's value: ``$``, thousands commas in well-formed groups (``1,234`` ->
+    ``1234``, never merging separate numbers such as ``1,23,456`` or ``3,4``), and Unicode minus signs (-> ``-``)."""
+    for minus in _MINUS_SIGNS:
+        text = text.replace(minus, "-")
+    text = text.replace("\\$", "").replace("$", "")
+    return _THOUSANDS_GROUP.sub(lambda m: m.group(0).replace(",", ""), text)
+
+
+def _enclosing(text: str, open_: str, close: str) -> bool:
+    """True when ``text`` is ``open_ ... close`` with the first opener matched by the last closer."""
+    if not (text.startswith(open_) and text.endswith(close)) or len(text) < len(open_) + len(close):
+        return False
+    depth = 0
+    inner = text[len(open_):len(text) - len(close)]
+    for ch in inner:
+        depth += {"(": 1, "{": 1, ")": -1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def _strip_wrappers(text: str) -> str:
+    """Remove spacing commands and wrappers around a whole value: ``\\left( ... \\right)``, ``( ... )``, ``{ ... }``."""
+    text = re.sub(r"\\[,!;: ]|~", "", text).strip()
+    while True:
+        for open_, close in (("\\left(", "\\right)"), ("(", ")"), ("{", "}")):
+            if _enclosing(text, open_, close):
+                text = text[len(open_):len(text) - len(close)].strip()
+                break
+        else:
+            return text
 
 
 def parse_number(text: str) -> Fraction | None:
-    """The exact value of a number string (``"18.0"``, ``"-3"``, ``"1/2"``, ``"\\frac{1}{2}"``), or None.
+    """The exact value of a number string, or None.
 
-    Exact (Fraction) so that ``18.0 == 18`` and ``0.1 + 0.2`` style float error never decides a reward.
+    Reads ``"18.0"``, ``"-3"``, ``"1,234"``, ``"1/2"``, ``"\\frac{1}{2}"`` (also ``\\dfrac``, ``\\tfrac``, ``\\frac12``),
+    with a sign before any of them, before parentheses or ``\\left( ... \\right)``, written with the Unicode minus:
+    ``"-\\frac{1}{2}"``, ``"-\\dfrac{3}{4}"``, ``"-(5)"``, ``"\\left(-\\frac{1}{2}\\right)"``, ``"\u22123"``.
+    Exact (Fraction) so that ``18.0 == 18`` and float error never decides a reward.
     """
-    text = normalize_number_text(text).strip().rstrip(".")
-    for pattern in (_FRACTION, _SLASH_FRACTION):
+    text = _strip_wrappers(normalize_number_text(text).strip().rstrip("."))
+    sign = re.match(r"^([+-])\s*(.+)$", text)
+    if sign:
+        value = parse_number(sign.group(2))
+        return None if value is None else (-value if sign.group(1) == "-" else value)
+    for pattern in (_FRACTION, _FRACTION_SHORT):
         m = pattern.match(text)
-        if m:
-            numerator, denominator = Fraction(m.group(1)), Fraction(m.group(2))
-            return None if denominator == 0 else numerator / denominator
+        if m and (pattern is _FRACTION_SHORT or _enclosing("{" + m.group(1) + "}", "{", "}")):
+            numerator, denominator = parse_number(m.group(1)), parse_number(m.group(2))
+            if numerator is None or denominator is None or denominator == 0:
+                return None
+            return numerator / denominator
+    m = _SLASH_FRACTION.match(text)
+    if m:
+        numerator, denominator = Fraction(m.group(1)), Fraction(m.group(2))
+        return None if denominator == 0 else numerator / denominator
     if _NUMBER.fullmatch(text):
         return Fraction(text)
     return None
+
+
+def _values(text: str) -> list[Fraction]:
+    """Every value in running text, in order: signed LaTeX fractions and numbers (after normalisation)."""
+    out = []
+    for m in _VALUE.finditer(normalize_number_text(text)):
+        value = parse_number(m.group(0))
+        if value is not None:
+            out.append(value)
+    return out
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -77,24 +134,27 @@ def _boxed_contents(text: str) -> list[str]:
 
 
 def _first_number(text: str) -> Fraction | None:
-    m = _NUMBER.search(normalize_number_text(text))
-    return Fraction(m.group(0)) if m else None
+    values = _values(text)
+    return values[0] if values else None
 
 
 def extract_marked_answer(text: str) -> Fraction | None:
-    """The answer a completion marks as final, or None: the first number on the line of the first ``####`` that has
-    one, else the value of the last ``\\boxed{}`` (a number or a simple fraction; else the last number inside it)."""
+    """The answer a completion marks as final, or None: the value of the first ``####`` line that has one (the whole
+    line read as one value, e.g. ``#### -\\frac{1}{2}``, else its first number), else the value of the last
+    ``\\boxed{}`` (a number, fraction or signed expression :func:`parse_number` reads; else the last value inside)."""
     for m in re.finditer(r"####([^\n]*)", text):
-        value = _first_number(m.group(1))
+        value = parse_number(m.group(1))
+        if value is None:
+            value = _first_number(m.group(1))
         if value is not None:
             return value
     boxed = _boxed_contents(text)
     if boxed:
-        content = boxed[-1].replace("\\!", "").replace("\\,", "")
+        content = boxed[-1]
         value = parse_number(content)
         if value is None:
-            numbers = _NUMBER.findall(normalize_number_text(content))
-            value = Fraction(numbers[-1]) if numbers else None
+            values = _values(content)
+            value = values[-1] if values else None
         return value
     return None
 
@@ -102,8 +162,9 @@ def extract_marked_answer(text: str) -> Fraction | None:
 def extract_answer(text: str) -> Fraction | None:
     """The final numeric answer of a completion, or None when it has no number.
 
-    In order: the number after ``####`` (GSM8K's format), else the number in the last ``\\boxed{}``, else the last
-    number in the text. ``$`` and thousands commas are ignored, so ``"#### $1,000"`` gives 1000.
+    In order: the value after ``####`` (GSM8K's format), else the value in the last ``\\boxed{}``, else the last
+    value in the text (a signed LaTeX fraction or a number). ``$`` and thousands commas are ignored, so
+    ``"#### $1,000"`` gives 1000, and ``\\boxed{-\\frac{1}{2}}`` gives -1/2.
 
     >>> extract_answer("The answer is 18.0.") == 18
     True
@@ -113,8 +174,8 @@ def extract_answer(text: str) -> Fraction | None:
     value = extract_marked_answer(text)
     if value is not None:
         return value
-    numbers = _NUMBER.findall(normalize_number_text(text))
-    return Fraction(numbers[-1]) if numbers else None
+    values = _values(text)
+    return values[-1] if values else None
 
 
 def reference_value(reference: Any) -> Fraction | None:
@@ -205,6 +266,66 @@ def math_verify_correctness(prompts: Sequence, completions: Sequence, answer: Se
 
 if math_verify_available():
     REWARDS.register("math_verify")(math_verify_correctness)
+
+
+def marked_answer_text(text: str) -> str:
+    """The part of a completion that states its final answer: the first ``####`` line that holds a value, else the
+    last ``\\boxed{...}`` (kept boxed), else the whole text. Lets a verifier read the marked answer rather than
+    whatever number comes last (``#### 72\\nDone in 3 steps.`` -> ``72``)."""
+    for m in re.finditer(r"####([^\n]*)", text):
+        line = m.group(1).strip()
+        if parse_number(line) is not None or _first_number(line) is not None:
+            return f"${line}$" if "\\" in line else line  # LaTeX in math delimiters, as verifiers expect it
+    boxed = _boxed_contents(text)
+    if boxed:
+        return "\\boxed{" + boxed[-1] + "}"
+    return text
+
+
+def math_correctness_verdict(completions: Sequence, answers: Sequence,
+                             use_math_verify: bool = False) -> list[float | None]:
+    """The 0/1 correctness verdict of math answers: 1.0 when the completion's marked final answer
+    (:func:`marked_answer_text`) equals the reference, else 0.0; None where there is no reference or it does not parse.
+
+    With ``use_math_verify`` (needs the ``math`` extra) equality is ``math_verify.verify`` on the marked answer
+    (symbolic, LaTeX aware); otherwise it is :func:`extract_answer` against :func:`reference_value`, exactly (the
+    ``correctness`` reward's check). Independent of any reward function or weight: ``reward/accuracy`` is its mean.
+
+    Args:
+        completions: N completion texts (or chat messages).   answers: N reference answers (or None).
+        use_math_verify: compare with math-verify.
+    Raises:
+        ValueError: lengths differ, or use_math_verify without math-verify installed.
+    Returns:
+        N values in {0.0, 1.0, None}.
+    """
+    if len(answers) != len(completions):
+        raise ValueError(f"got {len(answers)} answers for {len(completions)} completions; pass one per completion")
+    if use_math_verify:
+        if not math_verify_available():
+            raise ValueError("use_math_verify needs the math-verify package: pip install 'grpo-lens[math]'")
+        from math_verify import parse, verify
+    out: list[float | None] = []
+    for completion, ref in zip(completions, answers):
+        if ref is None:
+            out.append(None)
+            continue
+        text = completion_text(completion)
+        if use_math_verify:
+            gold = parse(str(ref), parsing_timeout=None)
+            if not gold:
+                out.append(None)
+                continue
+            predicted = parse(marked_answer_text(text), parsing_timeout=None)
+            out.append(1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0)
+        else:
+            ref_value = reference_value(ref)
+            if ref_value is None:
+                out.append(None)
+                continue
+            predicted = extract_answer(text)
+            out.append(1.0 if predicted is not None and predicted == ref_value else 0.0)
+    return out
 
 
 def get_reward(name: str) -> RewardFn:

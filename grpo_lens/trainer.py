@@ -30,6 +30,7 @@ from grpo_lens.config import TrainConfig
 from grpo_lens.diagnostics.baselines import optimal_vs_rloo, sketched_rollout_sq_norms
 from grpo_lens.dynamic_sampling import collect_mixed_groups
 from grpo_lens.losses import grpo_loss, loss_normalizer, mismatch_sums, truncated_is_weights
+from grpo_lens.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import RunDir, crash_point
 from grpo_lens.seeding import seed_everything
@@ -151,32 +152,37 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     groups = batch.num_groups
     per_mini = groups // config.num_mini_batches if groups >= config.num_mini_batches else groups
     mini_batches = [torch.arange(g * R, min(groups, g + per_mini) * R) for g in range(0, groups, max(per_mini, 1))]
-    micro_batches = [[mini[s:s + config.micro_batch_size] for s in range(0, len(mini), config.micro_batch_size)]
-                     for mini in mini_batches]
+    L, T = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1], batch.completion_ids.shape[1]
+    sizes = [config.micro_batch_size or auto_micro_batch_size(policy, len(mini), L, T, total_memory_bytes(procs.device))
+             for mini in mini_batches]
+    micro_batches = [[mini[s:s + size] for s in range(0, len(mini), size)] for mini, size in zip(mini_batches, sizes)]
     old_logp = None  # [N, T] pi_old of every rollout, needed once the policy has moved within this step
     if config.mu > 1 or len(mini_batches) > 1:
         old_logp = torch.zeros_like(batch.sampler_logprobs)
         with torch.no_grad():
             for micros in micro_batches:
                 for idx in micros:
-                    old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
+                    with forward_precision(procs.device, config.dtype):
+                        old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
     totals: dict[str, float] = {}
     tokens_total = 0.0
     entropy_sum = entropy_tokens = 0.0  # the first pass's token-mean policy entropy (from its own logits)
     grad_norms: list[float] = []
+    loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, config.overlong)  # [N, T]
     mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
     tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
     skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (docs/theory.md §Numerical guards)
     for pass_ in range(config.mu):
         for mb, mini in enumerate(mini_batches):
             nonfinite_loss = False
-            mask = batch.completion_mask[mini]
+            mask = loss_mask[mini]  # with --overlong filter, truncated rollouts leave the normaliser too
             normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
                                                                        config.max_new_tokens),
                                                       dtype=torch.float64, device=procs.device)))
             for idx in micro_batches[mb]:
                 micro = batch.select(idx)
-                logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
+                with forward_precision(procs.device, config.dtype):
+                    logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
                 # pi_old: this very forward on the first pass over the first mini-batch (ratio exactly 1)
                 old = logp.detach() if pass_ == 0 and mb == 0 else old_logp[idx]
                 if pass_ == 0:
@@ -195,7 +201,7 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                         tis["capped"] += float((w >= config.tis_cap).sum())
                         tis["tokens"] += float(w.numel())
                 loss, m = grpo_loss(
-                    logp, old, advantages[idx], micro.completion_mask,
+                    logp, old, advantages[idx], loss_mask[idx],
                     normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
                     eps_high=config.eps_high, dual_clip=config.dual_clip, beta=config.beta,
                     ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
@@ -252,6 +258,87 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     return out
 
 
+def forward_precision(device: torch.device, dtype: str):
+    """The context every model forward of a step runs in: bf16 autocast for ``dtype == "bf16-mixed"`` (float32
+    weights, gradients and AdamW state; matrix products in bfloat16), else nothing. Works on CPU and CUDA.
+
+    Log-probs stay float32 under it (``completion_logprobs`` upcasts the logits before the log-softmax), and pi_old
+    is the same forward's detached log-prob, so the first pass's ratio is exactly 1 here too.
+
+    Args:
+        device: where the model runs.   dtype: the config's ``dtype`` (float32, bfloat16, bf16-mixed).
+    """
+    import contextlib
+
+    if dtype == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def total_memory_bytes(device: torch.device) -> int | None:
+    """The memory a training process may plan with: a CUDA device's total memory, else the machine's RAM (Linux
+    ``MemTotal``); None when unknown. Total rather than free memory, so the choice it feeds is the same in a
+    resumed run on the same machine (the micro-batch size changes float rounding, never the gradient)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def activation_bytes_per_rollout(model: torch.nn.Module, seq_len: int, scored_len: int) -> int:
+    """Estimated memory one rollout's forward keeps for its backward, in bytes (an upper-side estimate).
+
+    Per position and decoder layer about 10 H + 4 I saved values (norm inputs and outputs, q/k/v, attention output,
+    the MLP's gate, up, activation and down inputs) plus n_heads * L attention probabilities; per scored position
+    three float32 vocabulary rows (logits, their float copy divided by the temperature, the log-softmax saved for
+    backward). H hidden size, I MLP width, L = seq_len.
+
+    Args:
+        model: a transformers causal LM (its ``config`` gives the sizes; missing fields fall back to H = 1024,
+            I = 4 H, 24 layers, 16 heads, V = 50,000).
+        seq_len: L = Lp + T positions per rollout.   scored_len: T completion positions that get logits.
+    """
+    cfg = getattr(model, "config", None)
+    hidden = int(getattr(cfg, "hidden_size", 1024) or 1024)
+    inter = int(getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden)
+    layers = int(getattr(cfg, "num_hidden_layers", 24) or 24)
+    heads = int(getattr(cfg, "num_attention_heads", 16) or 16)
+    vocab = int(getattr(cfg, "vocab_size", 50_000) or 50_000)
+    elem = next(model.parameters()).element_size()
+    per_layer = seq_len * (10 * hidden + 4 * inter + heads * seq_len) * elem
+    return layers * per_layer + 3 * scored_len * vocab * 4
+
+
+def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int, scored_len: int,
+                          total_bytes: int | None, share: float = 0.25) -> int:
+    """Rollouts per forward/backward when ``micro_batch_size`` is unset: as many as fit, up to all ``n_rollouts``.
+
+    The budget is ``share`` of ``total_bytes`` less the weights, gradients and AdamW's two moments (4 copies of the
+    parameters); each rollout takes :func:`activation_bytes_per_rollout`. One pass over the whole mini-batch is
+    fastest (larger matrix products, one LM-head call); smaller micro-batches only save memory.
+
+    Args:
+        n_rollouts: rollouts in the mini-batch.   seq_len: L.   scored_len: T.
+        total_bytes: :func:`total_memory_bytes`; None (unknown) gives 8 rollouts, the former fixed default.
+        share: the fraction of total memory the activations may use.
+
+    Returns:
+        an int in [1, n_rollouts].
+    """
+    if total_bytes is None:
+        return max(1, min(8, n_rollouts))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = share * total_bytes - 4 * params
+    per_rollout = max(activation_bytes_per_rollout(model, seq_len, scored_len), 1)
+    return int(max(1, min(n_rollouts, budget // per_rollout)))
+
+
 def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, procs: Processes) -> dict[str, float]:
     """``mismatch/*`` metrics of all processes' first-pass tokens from the sums of :func:`mismatch_sums`."""
     keys = ("abs_diff_sum", "k3_sum", "tokens")
@@ -266,6 +353,33 @@ def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, 
         out["mismatch/tis_weight_mean"] = sums[3] / max(sums[5], 1.0)
         out["mismatch/tis_capped_frac"] = sums[4] / max(sums[5], 1.0)
     return out
+
+
+def rollout_correctness(task: Any, batch: RolloutBatch, timeout: float) -> torch.Tensor:
+    """The task's own 0/1 correctness verdict of every rollout (:func:`grpo_lens.tasks.correctness_verdict`): [N]
+    float64, NaN where there is none (no reference answer, or the check failed or ran past ``timeout`` seconds).
+    Independent of the configured reward functions and their weights; ``reward/accuracy`` is its mean."""
+    from grpo_lens.rewards import RewardTimeout, _call_with_timeout
+    from grpo_lens.tasks import correctness_verdict
+
+    R = batch.group_size
+    answers = [a for a in batch.extras.get("answer", [None] * batch.num_groups) for _ in range(R)]
+    try:
+        verdict = _call_with_timeout(correctness_verdict, timeout, (task, batch.completions, answers), {})
+    except RewardTimeout:
+        logger.error("the task's correctness check ran past %s s: no accuracy this step", timeout)
+        verdict = [None] * len(answers)
+    except Exception:  # noqa: BLE001 - a failing check must not stop the run
+        logger.exception("the task's correctness check raised: no accuracy this step")
+        verdict = [None] * len(answers)
+    return torch.tensor([math.nan if v is None else float(v) for v in verdict], dtype=torch.float64)
+
+
+def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
+    """``reward/accuracy``: the mean of the 0/1 verdicts [N] over rollouts that have one (NaN = none); absent when
+    no rollout has one."""
+    has = ~torch.isnan(correct)
+    return {"reward/accuracy": float(correct[has].mean())} if has.any() else {}
 
 
 def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
@@ -286,7 +400,6 @@ def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torc
     return {
         "reward/mean": mean,
         "reward/std": std,
-        "reward/accuracy": float(((r >= 1.0) & v).sum() / n_valid),
         "reward/frac_zero_std_groups": float(zero_std),
         "reward/invalid_frac": float((~valid).float().mean()),
         "adv/mean": float(advantages.mean()),
@@ -391,7 +504,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         hf_logging.disable_progress_bar()  # --no-progress silences transformers' loading bars too
     seed_everything(config.seed)
-    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32  # bf16-mixed: float32 weights
     policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)
     policy.train()
     check_model(config, policy)  # before --out is written
@@ -464,34 +577,43 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             t_start = time.perf_counter()
             policy.eval()
             crash_point("during_generation", step, module=policy)
-            batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
-                                  temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                  generator_seed=rseed + 104_729 * procs.rank)
+            with forward_precision(procs.device, config.dtype):
+                batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
+                                      temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                      generator_seed=rseed + 104_729 * procs.rank)
             policy.train()
             gen_seconds.append(time.perf_counter() - t_start)
             # 3. rewards (invalid rollouts are masked out of the group statistics)
             rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
-            return batch, rewards.to(procs.device), valid.to(procs.device), reward_info
+            rewards, valid = rewards.to(procs.device), valid.to(procs.device)
+            correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
+            if config.overlong == "soft-punish":  # DAPO eq. 13 added to every valid rollout's reward
+                penalty = soft_overlong_penalty(batch.completion_mask.sum(dim=1), config.overlong_length(),
+                                                config.overlong_cache()).to(rewards.device)
+                rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
+                reward_info["reward/overlong_penalty"] = float(procs.gather(penalty).mean())
+            return batch, rewards, valid, reward_info, correct
 
         dynamic: dict[str, float] = {}
         if config.dynamic_sampling:  # DAPO: extra rounds until B mixed groups (docs/theory.md §Dynamic sampling)
-            batch, rewards, valid, reward_info, dynamic = collect_mixed_groups(
+            batch, rewards, valid, reward_info, dynamic, (correct,) = collect_mixed_groups(
                 sample_round, share, config.dynamic_sampling_max_rounds, tokenizer.pad_token_id)
         else:
-            batch, rewards, valid, reward_info = sample_round(0)
+            batch, rewards, valid, reward_info, correct = sample_round(0)
         t_gen = sum(gen_seconds)
 
         # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
-        #    group's statistics and, with mask_truncated, get zero advantage (no policy gradient)
+        #    group's statistics and, with --overlong mask or filter, get zero advantage (no policy gradient)
         grad_sq_norms, baseline_metrics = None, {}
         if config.estimator == "optimal":  # b*_{-i} weights: sketched ||c_i g_i||^2 of the rollouts that need them
             t_b = time.perf_counter()
             contrast = ~constant_groups(rewards.view(-1, R), valid.view(-1, R))  # [B] groups with a gradient
             need = (valid.view(-1, R) & contrast.unsqueeze(1)).view(-1)
-            grad_sq_norms = sketched_rollout_sq_norms(
-                policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.lens_sketch_dim,
-                seed=config.seed, temperature=config.temperature,
-            ).view(-1, R).to(procs.device)
+            with forward_precision(procs.device, config.dtype):
+                grad_sq_norms = sketched_rollout_sq_norms(
+                    policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.lens_sketch_dim,
+                    seed=config.seed, temperature=config.temperature,
+                ).view(-1, R).to(procs.device)
             baseline_metrics["perf/optimal_baseline_seconds"] = time.perf_counter() - t_b
         advantages = compute_advantages(rewards.view(-1, R).float(), config.estimator, std=config.std,
                                         eps=config.eps, mask=valid.view(-1, R), grad_sq_norms=grad_sq_norms).view(-1)
@@ -502,20 +624,21 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             if sums[2] > 0:
                 baseline_metrics["adv/optimal_baseline"] = sums[0] / sums[2]
                 baseline_metrics["adv/optimal_minus_rloo"] = sums[1] / sums[2]
-        if config.mask_truncated:
-            advantages = advantages.masked_fill(batch.truncated.to(advantages.device), 0.0)
+        advantages = overlong_advantages(advantages, batch.truncated, config.overlong)  # mask / filter: A = 0
 
         # 5. reference log-probs for the KL term
         ref_logp = None
         if reference is not None:
             with torch.no_grad():
-                ref_logp = batch_logprobs(reference, batch, config.temperature)  # never top-k/top-p filtered
+                with forward_precision(procs.device, config.dtype):
+                    ref_logp = batch_logprobs(reference, batch, config.temperature)  # never top-k/top-p filtered
 
         # 6. the lens reads this step's rollouts before the update changes the policy
         lens_metrics: dict[str, float] = {}
         measure = lens is not None and is_lens_step(step, config.lens_every, config.max_steps)
         if measure:
-            lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
+            with forward_precision(procs.device, config.dtype):
+                lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
 
         # 7. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         loss_metrics = policy_update(policy, optimizer, batch, advantages, ref_logp, config, procs, params,
@@ -538,7 +661,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         tokens = float(all_mask.sum())
         record = {"step": step, **reward_info, **dynamic,  # this process's reward calls; all-process statistics win:
                   **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
-                  **loss_metrics, **lens_metrics, **baseline_metrics,
+                  **accuracy_metrics(procs.gather(correct)), **loss_metrics, **lens_metrics, **baseline_metrics,
                   "lr": optimizer.param_groups[0]["lr"],
                   "perf/step_seconds": seconds, "perf/generation_seconds": t_gen,
                   "perf/tokens_per_second": tokens / max(seconds, 1e-9),

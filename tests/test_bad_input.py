@@ -105,7 +105,7 @@ CASES = [
          ["num_mini_batches", "must divide prompts_per_step=2"]),
     Case("micro-batch-0", ["--micro-batch-size", "0"], ["micro_batch_size", ">= 1"]),
     Case("reward-timeout-0", ["--reward-timeout", "0"], ["reward_timeout", "> 0 seconds"]),
-    Case("unknown-dtype", ["--dtype", "float16"], ["dtype", "valid names: bfloat16, float32"]),
+    Case("unknown-dtype", ["--dtype", "float16"], ["dtype", "valid names: bf16-mixed, bfloat16, float32"]),
     Case("unknown-device", ["--device", "tpu"], ["device", "cpu, cuda, cuda:N or auto"]),
     Case("not-a-number", ["--group-size", "four"], ["--group-size", "invalid int value"]),  # argparse's own error
     # --- names looked up in registries list the valid ones -------------------------------------------------------

@@ -101,8 +101,10 @@ def test_study_over_prompts_has_intervals():
     assert s["rloo"]["mse_ratio_to_rloo"]["mean"] == pytest.approx(1.0)
     # mean rescaled by R/(R-1) equals RLOO sample by sample (baselines.py docstring)
     assert s["mean_rescaled"]["mse_ratio_to_rloo"]["mean"] == pytest.approx(1.0, abs=1e-9)
-    lo, hi = s["optimal_pop"]["mse_ratio_to_rloo"]["low"], s["optimal_pop"]["mse_ratio_to_rloo"]["high"]
+    lo, hi = s["optimal_pop"]["mse_ratio_to_rloo"]["lo"], s["optimal_pop"]["mse_ratio_to_rloo"]["hi"]
     assert lo <= s["optimal_pop"]["mse_ratio_to_rloo"]["mean"] <= hi < 1.0  # optimal beats RLOO when m_C != m_W
     assert out["equal_norms_rejected"] == 1.0
+    # E||3u + e_0||^2 = 9 + 1 = 10 (correct, with the signal) against m_W = 1: the interval over prompts covers 10
+    assert out["norm_ratio"]["lo"] <= 10.0 <= out["norm_ratio"]["hi"]
     with pytest.raises(ValueError, match="M >= 4R"):
         prompt_baseline_study(*pool(1.0, 1.0, m=12), 4)

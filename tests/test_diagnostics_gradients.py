@@ -238,7 +238,10 @@ def test_token_sq_norms_equal_explicit_outer_products(model, batch):
     finally:
         for h in handles:
             h.remove()
-    oracle = sum(torch.einsum("nto,nti->ntoi", d, x).square().sum((-1, -2)) for x, d in store.values())
+    L = batch.input_ids().shape[1]
+    # The LM head runs on the last T + 1 positions only (logits_to_keep): its terms sit at the right end of the row.
+    oracle = sum(torch.nn.functional.pad(torch.einsum("nto,nti->ntoi", d, x).square().sum((-1, -2)),
+                                         (L - x.shape[1], 0)) for x, d in store.values())
     got = token_grad_sq_norms(model, batch)
     assert got.shape == batch.input_ids().shape
     torch.testing.assert_close(got.double(), oracle, rtol=1e-5, atol=1e-9)

@@ -40,14 +40,15 @@ def sampler(rounds):
     def sample_round(r):
         calls.append(r)
         rewards = torch.tensor(rounds[r], dtype=torch.float32).view(-1)
-        return fake_batch(r, rounds[r]), rewards, torch.ones_like(rewards, dtype=torch.bool), {"reward/x_count": 1.0,
-                                                                                             "reward/mean_x": r}
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+        return fake_batch(r, rounds[r]), rewards, valid, {"reward/x_count": 1.0, "reward/mean_x": r}, 100 * r + \
+            torch.arange(len(rewards))
     return sample_round, calls
 
 
 def test_keeps_the_first_b_mixed_groups_in_sampling_order():
     sample_round, calls = sampler(ROUNDS)
-    batch, rewards, valid, info, stats = collect_mixed_groups(sample_round, 4, max_extra_rounds=5, pad_id=0)
+    batch, rewards, valid, info, stats, (tag,) = collect_mixed_groups(sample_round, 4, max_extra_rounds=5, pad_id=0)
     # round 0 gives group 1; round 1 gives groups 0, 1, 3: B = 4 reached after 2 rounds, round 2 is never sampled
     assert calls == [0, 1]
     assert batch.prompts == ["p0.1", "p1.0", "p1.1", "p1.3"]
@@ -55,6 +56,7 @@ def test_keeps_the_first_b_mixed_groups_in_sampling_order():
     assert batch.completions == ["c0.2", "c0.3", "c1.0", "c1.1", "c1.2", "c1.3", "c1.6", "c1.7"]
     assert batch.completion_ids[:, 0].tolist() == [2, 3, 10, 11, 12, 13, 16, 17]
     assert rewards.tolist() == [0, 1, 1, 0, 0, 1, 0, 1]
+    assert tag.tolist() == [2, 3, 100, 101, 102, 103, 106, 107]  # other per-rollout tensors follow their rows
     # 8 groups sampled, 4 mixed among them: half had no contrast
     assert stats == {"dynamic/mixed_groups": 4.0, "dynamic/rounds": 2.0, "dynamic/sampled_groups": 8.0,
                      "dynamic/hit_cap": 0.0, "dynamic/zero_var_frac_sampled": 0.5}
@@ -63,12 +65,12 @@ def test_keeps_the_first_b_mixed_groups_in_sampling_order():
 
 def test_at_the_cap_it_trains_on_what_it_found():
     sample_round, calls = sampler(ROUNDS)
-    batch, rewards, _, _, stats = collect_mixed_groups(sample_round, 4, max_extra_rounds=0, pad_id=0)
+    batch, rewards, _, _, stats, _ = collect_mixed_groups(sample_round, 4, max_extra_rounds=0, pad_id=0)
     assert calls == [0] and batch.prompts == ["p0.1"] and rewards.tolist() == [0, 1]
     assert stats["dynamic/mixed_groups"] == 1.0 and stats["dynamic/hit_cap"] == 1.0
     # no mixed group at all: the round-0 batch is returned whole (its gradient is zero)
     none_mixed, _ = sampler([[[1, 1], [0, 0]]])
-    batch, rewards, _, _, stats = collect_mixed_groups(none_mixed, 2, max_extra_rounds=0, pad_id=0)
+    batch, rewards, _, _, stats, _ = collect_mixed_groups(none_mixed, 2, max_extra_rounds=0, pad_id=0)
     assert batch.num_groups == 2 and stats["dynamic/mixed_groups"] == 0.0 and stats["dynamic/hit_cap"] == 1.0
 
 

@@ -28,7 +28,8 @@ ROW_MATRICES = ("g1", "g1_null", "g1_no_adv", "g1_random", "g1_nll", "g1_layer")
 def probe_config(out, **overrides) -> ProbeConfig:
     values = dict(model="tiny", rewards=["test_parity"], group_sizes=[2, 4], prompts=8,
                   prompts_per_batch=4, max_new_tokens=8, baseline_prompts=1, resamples=32, random_draws=4, seed=0,
-                  device="cpu", out=str(out))
+                  device="cpu", out=str(out), study_group_size=2, baseline_study_prompts=2, credit_groups=1,
+                  mc_groups=1, mc_samples=2)
     values.update(overrides)
     return ProbeConfig(**values)
 
@@ -83,7 +84,11 @@ def _is_number(x) -> bool:
 
 def test_probe_json_schema(sketch_probe):
     _, probe = sketch_probe
-    assert set(probe) == {"meta", "per_group_size"}
+    assert set(probe) == {"meta", "per_group_size", "studies"}
+    # the studies (their numbers are tested in test_studies.py): R = 2, M = 8, 2 prompts with contrast, 1 credit group
+    assert probe["studies"]["baselines"]["meta"]["rollouts_per_prompt"] == 8
+    assert probe["studies"]["baselines"]["baselines"]["prompts"] == 2
+    assert probe["studies"]["credit"]["contributions"]["groups"] == 1
     meta = probe["meta"]
     assert {"model", "task", "gradients", "sketch_dim", "std", "eps", "layer", "seconds"} <= set(meta)
     assert meta["gradients"] == "sketch" and meta["sketch_dim"] == 16 and meta["std"] == "sample"
@@ -123,8 +128,11 @@ def test_s1_fields(sketch_probe):
         assert d["groups_all_equal"] + d["groups_mixed"] == valid
         # S1 measured = all-equal groups / valid groups
         assert d["s1_measured"] == pytest.approx(d["groups_all_equal"] / valid)
-        # S1 predicted = mean over prompts of p^R + (1-p)^R, with p in [0, 1]: in [2^(1-R), 1]
-        assert 2.0 ** (1 - int(R)) - 1e-12 <= d["s1_predicted"] <= 1.0 + 1e-12
+        # S1 predicted = mean over prompts of the unbiased [C(k',R) + C(M'-k',R)] / C(M',R) from the M - R rollouts
+        # outside the group: in [0, 1] (unlike the plug-in it can go below 2^(1-R), e.g. 6/15 for k' = 3 of 6, R = 2)
+        assert 0.0 <= d["s1_predicted"] <= 1.0 + 1e-12
+        ci = d["s1_predicted_ci"]
+        assert ci["mean"] == pytest.approx(d["s1_predicted"]) and ci["n"] == valid
 
 
 def test_identity_residual_and_rank_measures(sketch_probe):

@@ -180,7 +180,7 @@ def equal_norms_test(grads: Tensor, rewards: Tensor, num_boot: int = 2000, seed:
         num_boot: bootstrap resamples.  level: interval coverage.
 
     Returns:
-        {"ratio": m_C / m_W, "low", "high": the percentile interval of the ratio, "verdict": "m_C = m_W not
+        {"ratio": m_C / m_W, "lo", "hi": the percentile interval of the ratio, "verdict": "m_C = m_W not
         rejected" when the interval contains 1, "m_C > m_W" or "m_C < m_W" otherwise} or {"verdict":
         "not testable", ...} with fewer than 2 rollouts of a side.
     """
@@ -189,7 +189,7 @@ def equal_norms_test(grads: Tensor, rewards: Tensor, num_boot: int = 2000, seed:
     r = rewards.detach()
     nc, nw = n[r == 1], n[r == 0]
     if len(nc) < 2 or len(nw) < 2 or nw.mean() == 0:
-        return {"ratio": math.nan, "low": math.nan, "high": math.nan, "verdict": "not testable"}
+        return {"ratio": math.nan, "lo": math.nan, "hi": math.nan, "verdict": "not testable"}
     gen = torch.Generator().manual_seed(seed)
     bc = nc[torch.randint(len(nc), (num_boot, len(nc)), generator=gen)].mean(1)
     bw = nw[torch.randint(len(nw), (num_boot, len(nw)), generator=gen)].mean(1)
@@ -197,20 +197,16 @@ def equal_norms_test(grads: Tensor, rewards: Tensor, num_boot: int = 2000, seed:
     alpha = (1 - level) / 2
     low, high = float(ratios.quantile(alpha)), float(ratios.quantile(1 - alpha))
     verdict = "m_C = m_W not rejected" if low <= 1 <= high else ("m_C > m_W" if low > 1 else "m_C < m_W")
-    return {"ratio": float(nc.mean() / nw.mean()), "low": low, "high": high, "verdict": verdict}
+    return {"ratio": float(nc.mean() / nw.mean()), "lo": low, "hi": high, "verdict": verdict}
 
 
 def bootstrap_mean(values: Sequence[float], num_boot: int = 2000, seed: int = 0, level: float = 0.95
-                   ) -> dict[str, float]:
-    """Mean over units (prompts) with a percentile bootstrap interval. -> {"mean", "low", "high", "n"}."""
-    v = torch.tensor([x for x in values if math.isfinite(x)], dtype=torch.float64)
-    if len(v) == 0:
-        return {"mean": math.nan, "low": math.nan, "high": math.nan, "n": 0}
-    gen = torch.Generator().manual_seed(seed)
-    means = v[torch.randint(len(v), (num_boot, len(v)), generator=gen)].mean(1)
-    alpha = (1 - level) / 2
-    return {"mean": float(v.mean()), "low": float(means.quantile(alpha)), "high": float(means.quantile(1 - alpha)),
-            "n": len(v)}
+                   ) -> dict[str, float | int | None]:
+    """Mean over units (prompts, groups) with the bootstrap-t interval of
+    :func:`grpo_lens.diagnostics.stats.bootstrap_ci` (non-finite values dropped). -> {"mean", "lo", "hi", "n"}."""
+    from grpo_lens.diagnostics.stats import bootstrap_ci
+
+    return bootstrap_ci(list(values), level=level, num_resamples=max(num_boot, 100), seed=seed)
 
 
 def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, num_resamples: int = 512,
@@ -225,7 +221,8 @@ def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, n
     Returns:
         {"per_prompt": [prompt results, each with "equal_norms"], "summary": {estimator: {"mse_ratio_to_rloo",
         "cosine", "bias2_share"}: bootstrap_mean over prompts}, "prompts": analysed count, "prompts_constant",
-        "b_star_shift": bootstrap_mean of b*_exact - b*, "mean_score_ratio": bootstrap_mean of ||hbar||^2 over its
+        "b_star_shift": bootstrap_mean of b*_exact - b*, "b_star_minus_p": of b* - p (the group mean's expectation),
+        "norm_ratio": of m_C / m_W, "mean_score_ratio": bootstrap_mean of ||hbar||^2 over its
         mean-zero floor, "equal_norms_rejected": share of testable prompts whose interval excludes m_C = m_W}.
         MSE is compared as the ratio to RLOO's per prompt (prompts differ in gradient scale); bias2_share = bias2 /
         mse.
@@ -251,6 +248,9 @@ def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, n
     testable = [p for p in per_prompt if p["equal_norms"]["verdict"] != "not testable"]
     return {"per_prompt": per_prompt, "summary": summary, "prompts": len(per_prompt), "prompts_constant": constant,
             "b_star_shift": bootstrap_mean([p["b_star_exact"] - p["b_star_pop"] for p in per_prompt], num_boot, seed),
+            "b_star_minus_p": bootstrap_mean([p["b_star_pop"] - p["p"] for p in per_prompt], num_boot, seed),
+            "norm_ratio": bootstrap_mean([p["m_correct"] / p["m_wrong"] for p in per_prompt
+                                          if p["m_wrong"] and math.isfinite(p["m_correct"])], num_boot, seed),
             "mean_score_ratio": bootstrap_mean([p["mean_score"]["ratio"] for p in per_prompt], num_boot, seed),
             "equal_norms_rejected": (sum(p["equal_norms"]["verdict"] != "m_C = m_W not rejected" for p in testable)
                                      / len(testable)) if testable else math.nan,

@@ -46,18 +46,27 @@ LayerFilter = str | Callable[[str], bool] | Sequence[str] | None
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def rollout_scores(logprobs: Tensor, completion_mask: Tensor) -> Tensor:
-    """Length-normalised scores s_i = (1/|o_i|) sum_t log pi(o_{i,t}|.), whose gradients are the g_i.
+def rollout_scores(logprobs: Tensor, completion_mask: Tensor, score_weights: Tensor | None = None) -> Tensor:
+    """Per-rollout scores s_i = omega_i sum_t log pi(o_{i,t}|.), whose gradients are the per-rollout terms g_i.
+
+    By default omega_i = 1/|o_i| (the length-normalised score of docs/theory.md §1, the term GRPO's
+    seq-mean-token-mean loss weights). Pass ``score_weights`` = :func:`grpo_lens.losses.rollout_gradient_weights` to
+    get the term the configured loss aggregation weights (docs/theory.md §3: summed token scores times the batch
+    constant N/Z for token-mean and seq-mean-token-sum-norm).
 
     Args:
         logprobs: [N, T] float, per-token log-probs (positions outside the mask may hold anything finite).
         completion_mask: [N, T] bool/0-1.
+        score_weights: [N] omega_i, optional.
 
     Returns:
-        [N] float, nats per token; 0 for an empty completion.
+        [N] float; 0 for an empty completion.
     """
     assert logprobs.shape == completion_mask.shape, (logprobs.shape, completion_mask.shape)
     mask = completion_mask.to(logprobs.dtype)
+    if score_weights is not None:
+        assert score_weights.shape == logprobs.shape[:1], (score_weights.shape, logprobs.shape)
+        return (logprobs * mask).sum(-1) * score_weights.to(device=logprobs.device, dtype=logprobs.dtype)
     return (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
@@ -144,6 +153,7 @@ def exact_rollout_grads(
     params: Sequence[str] | None = None,
     *,
     weights: Tensor | None = None,
+    score_weights: Tensor | None = None,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -158,6 +168,7 @@ def exact_rollout_grads(
         batch: N rollouts.
         params: parameter names (see :func:`select_parameters`); None = all trainable parameters.
         weights: [N] row weights, optional.
+        score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|; docs/theory.md §3).
         temperature: the sampling temperature (:func:`grpo_lens.rollout.token_logprobs`). top_k, top_p: accepted for
             callers that pass the sampler's settings; log-probs do not depend on them (docs/theory.md §Log-probabilities).
 
@@ -175,7 +186,8 @@ def exact_rollout_grads(
     for i in range(n):
         sub = batch.select([i])
         logp = batch_logprobs(model, sub, temperature)
-        score = rollout_scores(logp, sub.completion_mask)[0]
+        score = rollout_scores(logp, sub.completion_mask,
+                               None if score_weights is None else score_weights[i:i + 1])[0]
         row = _flat_grad(score, chosen)
         rows.append(row if weights is None else row * weights[i].to(row.dtype))
     return torch.stack(rows)
@@ -187,6 +199,7 @@ def exact_weighted_grad(
     weights: Tensor,
     params: Sequence[str] | None = None,
     *,
+    score_weights: Tensor | None = None,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -206,7 +219,7 @@ def exact_weighted_grad(
     assert weights.shape == (batch.num_rollouts,), (weights.shape, batch.num_rollouts)
     chosen = [p for _, p in select_parameters(model, params)]
     logp = batch_logprobs(model, batch, temperature)
-    scores = rollout_scores(logp, batch.completion_mask)
+    scores = rollout_scores(logp, batch.completion_mask, score_weights)
     return _flat_grad((scores * weights.to(scores.dtype)).sum(), chosen)
 
 
@@ -228,6 +241,7 @@ def layer_weight_grads(
     weights: Tensor,
     layers: LayerFilter = None,
     *,
+    score_weights: Tensor | None = None,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -240,6 +254,7 @@ def layer_weight_grads(
     Args:
         weights: [N] float (A_i for the group/batch policy loss).
         layers: filter on ``nn.Linear`` names (:func:`linear_layer_names`).
+        score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|).
 
     Returns:
         {layer name: [d_out, d_in]} in the weights' dtype.
@@ -248,7 +263,8 @@ def layer_weight_grads(
     names = linear_layer_names(model, layers)
     modules = dict(model.named_modules())
     logp = batch_logprobs(model, batch, temperature)
-    loss = (rollout_scores(logp, batch.completion_mask) * weights.to(logp.dtype)).sum()
+    loss = (rollout_scores(logp, batch.completion_mask, score_weights)
+            * weights.to(device=logp.device, dtype=logp.dtype)).sum()
     grads = torch.autograd.grad(loss, [modules[n].weight for n in names], allow_unused=True)
     return {n: (torch.zeros_like(modules[n].weight) if g is None else g) for n, g in zip(names, grads)}
 
@@ -528,7 +544,9 @@ class GradientCapture:
             prev = state.layers.get(name)
             state.layers[name] = rows if prev is None else prev + rows
             if xnorm_sq is not None:
-                tok = d3.float().square().sum(-1) * xnorm_sq  # [n, L] ||delta_t||^2 ||x_t||^2
+                tok = d3.float().square().sum(-1) * xnorm_sq  # [n, L'] ||delta_t||^2 ||x_t||^2
+                if tok.shape[1] < state.length:  # a layer run on the last L' positions only (the LM head under
+                    tok = torch.nn.functional.pad(tok, (state.length - tok.shape[1], 0))  # logits_to_keep)
                 state.token_sq = tok if state.token_sq is None else state.token_sq + tok
 
         output.register_hook(on_grad)
@@ -605,6 +623,7 @@ def sketch_rollout_grads(
     projection: Projection = "gaussian",
     seed: int = 0,
     weights: Tensor | None = None,
+    score_weights: Tensor | None = None,
     token_norms: bool = False,
     dtype: torch.dtype = torch.float32,
     temperature: float = 1.0,
@@ -623,6 +642,7 @@ def sketch_rollout_grads(
         batch: N rollouts.
         k_in, k_out, include, projection, seed, token_norms, dtype: see :class:`GradientCapture`.
         weights: [N] row weights (``A`` gives sketched G1 rows A_i g_i).
+        score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|; docs/theory.md §3).
         temperature: the sampling temperature. top_k, top_p: ignored (docs/theory.md §Log-probabilities).
 
     Returns:
@@ -644,7 +664,7 @@ def sketch_rollout_grads(
     try:
         with capture:
             logp = batch_logprobs(model, batch, temperature)
-            scores = rollout_scores(logp, batch.completion_mask)
+            scores = rollout_scores(logp, batch.completion_mask, score_weights)
             loss = scores.sum() if weights is None else (scores * weights.to(scores.dtype)).sum()
             roots = _backward_roots(model, emb_out, capture)
             if not loss.requires_grad or not roots:

@@ -26,8 +26,9 @@ participation_ratio, k90, k99):
 - ``baseline/m_correct``, ``baseline/m_wrong``, ``baseline/b_star``, ``baseline/group_mean``,
   ``baseline/b_star_minus_mean`` (0/1 rewards).
 - ``zero_sum/span_energy`` (share of G1's energy in span{gbar_C, gbar_W}), ``zero_sum/cos_gap`` (mean within-class
-  minus mean between-class cosine of the g_i), each with ``..._null`` (mean over relabellings that keep k) and
-  ``..._p`` (permutation p-value, exact over all C(R, k) relabellings up to ``max_permutations``); 0/1 rewards only.
+  minus mean between-class cosine of the g_i), each with ``..._null`` (mean over relabellings that keep k),
+  ``..._excess`` (observed minus that mean) and ``..._p`` (permutation p-value, exact over all C(R, k) relabellings up
+  to ``max_permutations``); 0/1 rewards only.
 """
 
 from __future__ import annotations
@@ -156,8 +157,9 @@ def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_per
         seed: seed of the random relabellings.
 
     Returns:
-        {"zero_sum/span_energy", "zero_sum/span_energy_null", "zero_sum/span_energy_p", and the same three for
-        "zero_sum/cos_gap" (absent when undefined, e.g. R = 2)}.
+        {"zero_sum/span_energy", "zero_sum/span_energy_null", "zero_sum/span_energy_excess" (observed - null
+        mean: mean-zero under the null when the relabellings are enumerated), "zero_sum/span_energy_p", and the same
+        four for "zero_sum/cos_gap" (absent when undefined, e.g. R = 2)}.
     """
     labels = rewards == 1
     r, k = len(rewards), int(labels.sum())
@@ -181,6 +183,7 @@ def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_per
         p = ge / len(labs) if exhaustive else (1 + ge) / (1 + len(labs))
         out[f"zero_sum/{name}"] = obs
         out[f"zero_sum/{name}_null"] = float(null.mean())
+        out[f"zero_sum/{name}_excess"] = obs - float(null.mean())
         out[f"zero_sum/{name}_p"] = p
     return out
 

@@ -20,7 +20,8 @@ TRL's, then measures the lens on its output, unchanged). The mixin also composes
 TRL just produced (this process's share, before any update on it), the same analysis as grpo-lens' own trainer:
 :class:`grpo_lens.lens.TrainerLens` (sketched per-rollout gradients, or with a peft/LoRA model the adapter's exact
 ones; :func:`grpo_lens.diagnostics.analyse_group` per mixed group). Rows g_i are gradients of each completion's
-token-mean log-prob at TRL's temperature (TRL's training log-probs apply no top-k / top-p); the advantages are TRL's.
+log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's temperature (TRL's
+training log-probs apply no top-k / top-p); the advantages are TRL's.
 The metrics are appended to TRL's ``_metrics["train"]``, which ``GRPOTrainer.log`` averages over the logging window
 and sends to every ``report_to`` backend and ``trainer.state.log_history``. Update sparsity (S4) is not measured
 here.
@@ -47,12 +48,21 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("grpo_lens.integrations.trl needs TRL: pip install 'grpo-lens[trl]' (or pip install trl)") from e
 
 
+#: TRL's ``loss_type`` -> grpo-lens' loss aggregation with the same per-rollout weights of the log-prob sums
+#: (docs/theory.md §3): grpo/sapo average each sequence's tokens; bnpo/dapo/cispo/vespo divide by the batch's tokens
+#: (a constant across rollouts); dr_grpo divides by max_completion_length.
+TRL_LOSS_AGGREGATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bnpo": "token-mean",
+                        "dapo": "token-mean", "cispo": "token-mean", "vespo": "token-mean",
+                        "dr_grpo": "seq-mean-token-sum-norm"}
+
+
 def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", seed: int = 0,
                   multi_objective_aggregation: str = "sum_then_normalize") -> SimpleNamespace:
     """The settings :class:`grpo_lens.lens.TrainerLens` reads, from a ``trl.GRPOConfig``.
 
     Raises:
-        ValueError: ``sketch_dim`` < 1 or an unknown ``space``.
+        ValueError: ``sketch_dim`` < 1, an unknown ``space``, or a TRL ``loss_type`` whose rollout weights the lens
+            does not know (luspo).
     """
     if sketch_dim < 1:
         raise ValueError(f"lens_sketch_dim = {sketch_dim}: must be >= 1")
@@ -63,8 +73,14 @@ def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", 
         estimator = "trl_" + multi_objective_aggregation  # no per-group identity constant
     else:
         estimator = {"group": "grpo", "none": "dr_grpo"}.get(scale, f"trl_scale_{scale}")
+    loss_type = getattr(args, "loss_type", "dapo")
+    if loss_type not in TRL_LOSS_AGGREGATION:
+        raise ValueError(f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
+                         f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them")
     return SimpleNamespace(lens_sketch_dim=sketch_dim, lens_space=space, seed=seed, estimator=estimator,
-                           std="sample", eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0)
+                           std="sample", eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
+                           loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
+                           max_new_tokens=int(args.max_completion_length))
 
 
 def rollout_batch_from_trl(output: dict[str, Any], group_size: int) -> RolloutBatch:

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from grpo_lens.report import plots
+from grpo_lens.report import gradient_measures, plots
 
 
 
@@ -76,20 +76,20 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     lines += ["![learning curves](learning_curves.png)", ""]
 
     lines += ["### Sparsity of the gradient over training", "",
-              "S1 is the share of groups whose rewards are all equal: they carry exactly zero policy gradient. Its "
-              "prediction from each prompt's success rate p is mean(p^R + (1-p)^R). S4 is the share of parameters "
-              "whose bf16 value did not change.", ""]
+              "S1 is the share of groups whose rewards are all equal: they carry exactly zero policy gradient "
+              "(training prints no prediction of it: see the probe's S1 section). S4 is the share of parameters "
+              "whose bf16 value did not change; the dashed line is what a dense update of the same size would "
+              "leave unchanged.", ""]
     plots.plot_sparsity(records, run_dir / "sparsity.png")
     lines += ["![sparsity](sparsity.png)", ""]
-    lens_rows = [r for r in records if r.get("sparsity/zero_var_groups_predicted") is not None]
+    lens_rows = gradient_measures.lens_rows(records)
     if lens_rows:
-        lines += ["| step | accuracy | S1 measured | S1 predicted | S4 step | S4 since start | G1 erank | "
-                  "G1 stable rank | identity residual |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| step | accuracy | S1 measured | S4 step | S4 since start | G1 erank | "
+                  "G1 stable rank | identity residual |", "|---|---|---|---|---|---|---|---|"]
         for r in lens_rows:
             res = r.get("grad/identity_residual")
             lines.append(f"| {r['step']} | {_fmt(r.get('reward/accuracy'))} | "
                          f"{_fmt(r.get('reward/frac_zero_std_groups'))} | "
-                         f"{_fmt(r.get('sparsity/zero_var_groups_predicted'))} | "
                          f"{_fmt(r.get('sparsity/update_step'))} | {_fmt(r.get('sparsity/update_total'))} | "
                          f"{_fmt(r.get('rank/g1_erank'))} | {_fmt(r.get('rank/g1_stable_rank'))} | "
                          f"{'–' if res is None else f'{res:.1e}'} |")
@@ -100,11 +100,8 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         direction = "rose" if s1_tail > s1_head else ("fell" if s1_tail < s1_head else "stayed flat")
         findings.append(f"S1 (zero-variance group share) {direction}: {_fmt(s1_head)} (first steps) -> "
                         f"{_fmt(s1_tail)} (last steps), while accuracy went {_fmt(a0)} -> {_fmt(a1)}.")
+    lines += gradient_measures.training_measures_section(records, run_dir, findings)
     if lens_rows:
-        gap = _mean([abs(r["reward/frac_zero_std_groups"] - r["sparsity/zero_var_groups_predicted"])
-                     for r in lens_rows if r.get("reward/frac_zero_std_groups") is not None])
-        findings.append(f"S1 measured vs predicted differ by {_fmt(gap)} on average over the {len(lens_rows)} lens "
-                        f"steps (a prediction from one group's own success rate; it is biased for small R).")
         s4 = [r.get("sparsity/update_total") for r in lens_rows if r.get("sparsity/update_total") is not None]
         if s4:
             findings.append(f"Update sparsity since the start (S4): {_fmt(s4[-1])} of parameters kept their bf16 "
@@ -310,7 +307,28 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
                      f"{_ci(summ.get('credit/answer_token_frac'), 3)} |")
     plots.plot_credit_profile(probe, run_dir / f"credit_profile_{label}.png")
     lines += ["", f"![credit profile](credit_profile_{label}.png)", ""]
+    if probe.get("studies"):
+        lines += gradient_measures.studies_section(label, probe["studies"], run_dir, findings)
     return lines
+
+
+def claims_section(probes: dict[str, dict[str, Any]]) -> list[str]:
+    """The paper's claims with measurement, interval, control and computed verdict, per probe
+    (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11)."""
+    from grpo_lens.claims import evaluate_claims
+
+    lines = ["## Claims: effective rank, zero-sum structure, the identity", "",
+             "Each verdict is computed from the numbers by the rule shown (docs/theory.md §11): holds / does not hold / "
+             "inconclusive. Intervals are 95% bootstrap intervals over groups.", ""]
+    multi = len(probes) > 1
+    lines += [("| probe " if multi else "") + "| claim | scope | measurement | null / control | verdict | decided by | "
+              "gradients |", ("|---" if multi else "") + "|---|---|---|---|---|---|---|"]
+    for label, probe in probes.items():
+        for c in evaluate_claims(probe):
+            cells = [c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", c.rule, c.source]
+            lines.append(("| " + label + " " if multi else "") + "| " + " | ".join(x.replace("|", "\\|")
+                                                                                    for x in cells) + " |")
+    return lines + [""]
 
 
 def write_report(run_dir: Path) -> Path:
@@ -342,6 +360,16 @@ def write_report(run_dir: Path) -> Path:
     if config.exists():
         header += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
                    "</details>", ""]
+    if probes:
+        header += claims_section(probes)
+    claims = gradient_measures.sparsity_claims(records) if records else []
+    for label, probe in probes.items():
+        claims += gradient_measures.study_claims(label, probe.get("studies") or {})
+    if claims:
+        header += ["## Claims: sparsity, credit and baseline optimality", "",
+                   "Each claim of arXiv 2606.29238 as tested here: the measurement, its 95% interval, the control it "
+                   "is compared with, and the verdict computed from them (rules in "
+                   "`grpo_lens.report.gradient_measures`).", "", *gradient_measures.claims_table(claims), ""]
     header += ["## Findings", "", *[f"- {f}" for f in findings], ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(header + body) + "\n")

@@ -41,13 +41,22 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_learning_curves(records: list[dict[str, Any]], path: Path) -> Path:
-    """Reward mean and accuracy, completion length, KL and clip ratio per step: four panels."""
+def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float | None = None) -> Path:
+    """Reward mean and accuracy with the policy entropy (right axis), completion length, the KL to the reference
+    (only when beta > 0; the policy entropy otherwise) and clip ratio per step: four panels.
+
+    Args:
+        beta: the run's KL coefficient; None: the KL panel appears when any step logged a non-zero KL.
+    """
+    if beta is None:
+        beta = 1.0 if any((r.get("kl/mean") or 0.0) != 0.0 for r in records) else 0.0
     fig, axes = plt.subplots(2, 2, figsize=(SIZE[0], SIZE[1] * 1.4), sharex=True)
+    third = ((axes[1, 0], [("kl/mean", "KL to reference")], "nats/token", "KL to the reference model") if beta > 0
+             else (axes[1, 0], [("policy/entropy", "token-mean entropy")], "nats/token", "policy entropy"))
     panels = [
         (axes[0, 0], [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy")], "reward", "reward"),
         (axes[0, 1], [("completions/mean_length", "mean length")], "tokens", "completion length"),
-        (axes[1, 0], [("kl/mean", "KL to reference")], "nats/token", "KL to the reference model"),
+        third,
         (axes[1, 1], [("clip/ratio_region", "clipped share"), ("clip/ratio_high", "high"),
                       ("clip/ratio_low", "low")], "share of tokens", "clip ratio"),
     ]
@@ -61,16 +70,22 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path) -> Path:
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             _legend(ax, fontsize=7)
+    xs, ys = _series(records, "policy/entropy")  # entropy beside the reward: collapse shows as both moving
+    if xs:
+        twin = axes[0, 0].twinx()
+        twin.plot(xs, ys, color="tab:purple", alpha=0.6, linestyle="--", label="entropy (right)")
+        twin.set_ylabel("entropy, nats/token", fontsize=7)
+        twin.tick_params(labelsize=7)
+        _legend(twin, fontsize=7, loc="lower right")
     for ax in axes[1]:
         ax.set_xlabel("step")
     return _save(fig, path)
 
 
 def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
-    """S1 measured vs predicted E[p^R + (1-p)^R], and S4 bf16 update sparsity per step and since the start."""
+    """S1 measured, and S4 bf16 update sparsity per step and since the start beside its dense-update control."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
-    for key, label in [("reward/frac_zero_std_groups", "S1 measured"),
-                       ("sparsity/zero_var_groups_predicted", "S1 predicted")]:
+    for key, label in [("reward/frac_zero_std_groups", "S1 measured")]:
         xs, ys = _series(records, key)
         if xs:
             a1.plot(xs, ys, marker=".", label=label)
@@ -82,10 +97,11 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     a1.set_ylim(-0.02, 1.02)
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
-    for key, label in [("sparsity/update_step", "this step"), ("sparsity/update_total", "since start")]:
+    for key, label in [("sparsity/update_step", "this step"), ("sparsity/update_total", "since start"),
+                       ("sparsity/update_total_bf16_dense", "since start, dense control")]:
         xs, ys = _series(records, key)
         if xs:
-            a2.plot(xs, ys, marker=".", label=label)
+            a2.plot(xs, ys, marker=".", label=label, linestyle="--" if "dense" in key else "-")
     a2.set_title("bf16 update sparsity (S4)", fontsize=9)
     a2.set_xlabel("step")
     a2.set_ylim(-0.02, 1.02)

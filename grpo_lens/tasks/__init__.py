@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from grpo_lens.tasks.arithmetic import ArithmeticTask
-from grpo_lens.tasks.base import TASKS, Example, Task, as_rng
+from grpo_lens.tasks.base import TASKS, Example, Task, as_rng, correctness_verdict
 from grpo_lens.tasks.gsm8k import GSM8KTask, gsm8k_reference
 from grpo_lens.tasks.user_data import UserDataTask, dataset_task, jsonl_task, row_to_example, user_task
 
@@ -66,6 +66,7 @@ def _build(name: str, factory, *args, **options) -> Task:
 
 
 __all__ = [
-    "TASKS", "Example", "Task", "TaskOptionError", "ArithmeticTask", "GSM8KTask", "UserDataTask", "as_rng", "dataset_task",
+    "TASKS", "Example", "Task", "TaskOptionError", "ArithmeticTask", "GSM8KTask", "UserDataTask", "as_rng",
+    "correctness_verdict", "dataset_task",
     "get_task", "gsm8k_reference", "jsonl_task", "row_to_example", "user_task",
 ]

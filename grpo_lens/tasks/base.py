@@ -100,3 +100,23 @@ def sample_rows(rows: list, n: int, rng: random.Random) -> list:
         take = min(n - len(out), len(rows))
         out.extend(rng.sample(rows, take))
     return out
+
+
+def correctness_verdict(task: Any, completions: list, answers: list) -> list[float | None]:
+    """The task's own 0/1 correctness verdict of N completions (None: no verdict, e.g. no reference answer).
+
+    A task may define ``correct(completions, answers) -> list[float | None]``; otherwise the reference answer is
+    compared with :func:`grpo_lens.rewards.math_correctness_verdict`. ``reward/accuracy`` is the mean of this verdict
+    over the rollouts that have one: independent of the configured reward functions and their weights.
+
+    Args:
+        task: a task.   completions: N completion texts.   answers: N reference answers (None where absent).
+    Returns:
+        N values in {0.0, 1.0, None}.
+    """
+    correct = getattr(task, "correct", None)
+    if callable(correct):
+        return list(correct(completions, answers))
+    from grpo_lens.rewards import math_correctness_verdict
+
+    return math_correctness_verdict(completions, answers)

@@ -68,6 +68,14 @@ class GSM8KTask:
             extras={"question": row["question"], "solution": row["answer"]},
         )
 
+    def correct(self, completions: list, answers: list) -> list[float | None]:
+        """The 0/1 verdict ``reward/accuracy`` averages: the completion's marked answer (``####`` line, else the last
+        ``\\boxed{}``, else the text) against the reference number, with math-verify when it is installed (the
+        ``math`` extra), else by exact number extraction (:func:`grpo_lens.rewards.math_correctness_verdict`)."""
+        from grpo_lens.rewards import math_correctness_verdict, math_verify_available
+
+        return math_correctness_verdict(completions, answers, use_math_verify=math_verify_available())
+
     def size(self, split: str = "train") -> int:
         """Number of rows in ``split``; ValueError for an unknown split."""
         check_split(self, split)

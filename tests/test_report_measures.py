@@ -1,0 +1,129 @@
+"""Report sections and claims for sparsity, entropy, S1, baselines and credit: verdicts computed from the numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from grpo_lens.report import write_report
+from grpo_lens.report.gradient_measures import (
+    lens_overhead,
+    sparsity_claims,
+    spearman_trend,
+    study_claims,
+    verdict_from_interval,
+)
+
+
+def test_verdict_rules():
+    assert verdict_from_interval(0.1, 0.3, 0.0, "above") == "holds"
+    assert verdict_from_interval(-0.3, -0.1, 0.0, "above") == "does not hold"
+    assert verdict_from_interval(-0.1, 0.1, 0.0, "above") == "inconclusive"
+    assert verdict_from_interval(0.9, 1.2, 1.0, "contains") == "holds"
+    assert verdict_from_interval(1.1, 1.2, 1.0, "contains") == "does not hold"
+    assert verdict_from_interval(None, 1.2, 1.0, "contains") == "inconclusive"
+    assert verdict_from_interval(0.0, 0.01, 0.023, "below") == "holds"
+    with pytest.raises(ValueError, match="above, below, contains"):
+        verdict_from_interval(0, 1, 0, "sideways")
+
+
+def test_spearman_trend_exact_permutation():
+    # 5 increasing points: rho = 1; exactly 2 of the 5! = 120 orders reach |rho| = 1: p = 2/120
+    rho, p = spearman_trend([1, 2, 3, 4, 5], [0.1, 0.2, 0.3, 0.4, 0.5])
+    assert rho == pytest.approx(1.0) and p == pytest.approx(2 / 120)
+    rho, p = spearman_trend([1, 2, 3, 4], [0.4, 0.3, 0.2, 0.1])
+    assert rho == pytest.approx(-1.0) and p == pytest.approx(2 / 24)
+    assert math.isnan(spearman_trend([1, 2], [1, 2])[0])
+
+
+def _records(hoyers, bf16, dense, n=2**21):
+    recs = []
+    for i, (h, b, d) in enumerate(zip(hoyers, bf16, dense), start=1):
+        recs.append({"step": 5 * i, "perf/step_seconds": 10.0, "perf/lens_seconds": 0.6,
+                     "perf/lens_sparsity_seconds": 0.4, "reward/frac_zero_std_groups": 0.5, "policy/entropy": 1.0 / i,
+                     "sparsity/update_step_hoyer": h, "sparsity/update_step_top1_energy": 0.11,
+                     "sparsity/update_total_bf16_unchanged": b, "sparsity/update_total_bf16_dense": d,
+                     "sparsity/update_total_f32_unchanged": 0.0, "sparsity/grad_zero": 0.01,
+                     "sparsity/grad_hoyer": 0.3, "sparsity/grad_top1_energy": 0.2, "sparsity/sample_entries": n,
+                     "sparsity/mlp/update_total_hoyer": 0.2, "sparsity/mlp/update_total_bf16_unchanged": b,
+                     "sparsity/mlp/update_total_bf16_dense": d})
+    return recs
+
+
+def test_sparsity_claims_follow_the_numbers():
+    # rising Hoyer over 5 lens steps: rho = 1, p = 2/120 = 0.017 < 0.05 -> holds; bf16 share 0.90 vs dense control
+    # 0.89: excess 0.01 with SE sqrt(0.09/2^21) = 2e-4: interval [0.0096, 0.0104] < 0.05 -> does not hold
+    rising = sparsity_claims(_records([0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5))
+    assert [c["verdict"] for c in rising] == ["holds", "does not hold"]
+    # falling Hoyer -> does not hold; bf16 share far above its dense control -> holds
+    falling = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.9] * 5, [0.5] * 5))
+    assert [c["verdict"] for c in falling] == ["does not hold", "holds"]
+    # three lens steps cannot decide a trend
+    assert sparsity_claims(_records([0.2, 0.3, 0.4], [0.9] * 3, [0.5] * 3))[0]["verdict"] == "inconclusive"
+    # lens cost: 5 x 1.0 s against 5 x 10 - 5 = 45 s
+    assert lens_overhead(_records([0.2] * 5, [0.9] * 5, [0.5] * 5))["overhead"] == pytest.approx(5 / 45)
+
+
+def _ci(m, lo, hi, n=8):
+    return {"mean": m, "lo": lo, "hi": hi, "n": n}
+
+
+def _studies(ratio, mse, answer_ratio, disagree):
+    prompt = {"p": 0.5, "m_correct": 0.02, "m_wrong": 0.04, "b_star_pop": 0.33, "b_star_exact": 0.34,
+              "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
+    summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
+                      "bias2_share": _ci(0.1, 0.05, 0.15)} for name in ("none", "mean_rescaled", "rloo", "optimal_loo")}
+    summary["optimal_pop"] = {"mse_ratio_to_rloo": mse, "cosine": _ci(0.3, 0.2, 0.4), "bias2_share": _ci(0.1, 0, 0.2)}
+    classes = {c: {"update_share": _ci(0.3, 0.2, 0.4), "token_share": _ci(0.2, 0.15, 0.25), "ratio": answer_ratio}
+               for c in ("answer", "format", "reasoning")}
+    return {"baselines": {"baselines": {"per_prompt": [prompt], "summary": summary, "prompts": 8, "prompts_constant": 2,
+                                        "b_star_shift": _ci(0.01, 0.0, 0.02), "b_star_minus_p": _ci(-0.1, -0.2, 0.0),
+                                        "norm_ratio": ratio, "mean_score_ratio": _ci(30.0, 20.0, 40.0),
+                                        "equal_norms_rejected": 0.75, "equal_norms_testable": 8},
+                          "s1": {"measured": _ci(0.4, 0.3, 0.5), "predicted": _ci(0.42, 0.35, 0.5),
+                                 "difference": _ci(-0.02, -0.1, 0.06), "prompts": 10, "rollouts_per_prompt": 16},
+                          "meta": {"group_size": 4, "rollouts_per_prompt": 16, "gradients": "sketch",
+                                   "sketch_dim": 16}},
+            "credit": {"contributions": {"position_profile": [_ci(0.5, 0.4, 0.6), _ci(0.5, 0.4, 0.6)],
+                                         "classes": classes, "closure": 1e-4, "groups": 4},
+                       "monte_carlo": {"rollouts": [{"reward": 1.0, "grpo_advantage": 0.8, "boundaries": [0, 3, 6],
+                                                     "values": [0.5, 0.6], "errors": [0.1, 0.1],
+                                                     "advantages": [0.1, 0.4], "adv_errors": [0.14, 0.1]}],
+                                       "samples_per_prefix": 8, "disagree": disagree, "agree": _ci(0.5, 0.3, 0.7),
+                                       "neutral": _ci(0.4, 0.2, 0.6), "top_segment_share": _ci(0.7, 0.6, 0.8)},
+                       "meta": {"group_size": 4}}}
+
+
+def test_study_claims_follow_the_numbers():
+    # m_C / m_W interval [0.4, 0.6] excludes 1 and population b*'s MSE ratio [0.7, 0.9] < 1: the group mean is not
+    # optimal -> does not hold; answer ratio [1.2, 1.8] excludes 1 -> does not hold; disagree [0.1, 0.3] > 0.023
+    c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8),
+                                        _ci(0.2, 0.1, 0.3)))
+    assert [x["verdict"] for x in c] == ["does not hold", "does not hold", "does not hold"]
+    # m_C / m_W interval contains 1 -> holds; answer ratio contains 1 -> holds; disagree below the noise -> holds
+    c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2),
+                                       _ci(0.0, 0.0, 0.01)))
+    assert [x["verdict"] for x in c] == ["holds", "holds", "holds"]
+    # m_C != m_W but no measurable MSE gain: inconclusive
+    c = study_claims("x", _studies(_ci(0.5, 0.4, 0.6), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
+    assert c[-1]["verdict"] == "inconclusive"
+
+
+def test_report_has_the_new_sections_and_claims(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _records(
+        [0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n")
+    probe = {"meta": {"model": "tiny"}, "per_group_size": {},
+             "studies": _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8), _ci(0.2, 0.1, 0.3))}
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    report = write_report(tmp_path).read_text()
+    assert "## Claims: sparsity, credit and baseline optimality" in report
+    assert "| Gradient (update) sparsity intensifies over training |" in report and "**holds**" in report
+    for head in ("### Policy entropy", "### Sparsity over training", "### S1 predicted from rollouts outside",
+                 "### Baselines at matched expectation", "### Token credit"):
+        assert head in report, head
+    # entropy 1/i: first 5 steps mean (1 + 1/2 + ... + 1/5) / 5 = 0.457
+    assert "1.000 nats over the first" not in report and "0.457 nats over the first 5 steps" in report
+    assert "| optimal_pop | 0.800 [0.700, 0.900] |" in report
+    assert (tmp_path / "sparsity_measures.png").is_file() and (tmp_path / "credit_position_probe.png").is_file()
