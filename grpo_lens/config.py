@@ -170,6 +170,10 @@ class TrainConfig(ConfigFile):
     lens_sketch_dim: int = option(16, "Side of the random projection per linear layer for sketched per-rollout "
                               "gradients (k_in = k_out): sketch dims per layer = this squared. Also sets the sketch "
                               "of --estimator optimal's squared gradient norms.")
+    lens_from_update: bool = option(True, "Take the lens's sketched per-rollout gradients from the update's own "
+                                "first pass when the loss allows it (beta 0, no tis_cap, one mini-batch, nonzero "
+                                "advantages in the mixed groups): the same numbers without the lens's extra forward "
+                                "and backward. Off: the lens always runs its own pass.")
     lens_space: str = option("trainable", "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "
                          "the adapter's parameters, exact; without LoRA every linear layer, sketched) or full (every "
                          "linear layer's full weight, sketched; with LoRA the frozen base weights, what full "

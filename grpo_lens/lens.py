@@ -45,6 +45,28 @@ def gather_objects(obj: Any) -> list[Any]:
     return [obj]
 
 
+def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_rollouts: float) -> torch.Tensor:
+    """The lens's sketched rows grad(omega_i sum_t log pi(o_it)) read off the update's first on-policy loss gradient.
+
+    On the first pass pi_old is the forward's own detached log-prob, so every ratio is 1, the clip is inactive
+    (eps_low, eps_high > 0) and, without KL term or importance weights, rollout i's share of the loss has gradient
+    grad L_i = -(A_i / N) grad(omega_i sum_t log pi(o_it)), omega_i = :func:`grpo_lens.losses.rollout_gradient_weights`
+    (docs/theory.md §3, §Lens sketch from the update). The sketch is linear, so the same holds row by row.
+
+    Args:
+        rows: [N_local, K] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
+        advantages: [N_local] A_i.   num_rollouts: N, the rollouts in the loss summed over processes.
+
+    Returns:
+        [N_local, K] float64: -N row_i / A_i; rows with A_i = 0 are 0 (their gradient cannot be read off; the trainer
+        uses this only when every analysed group's advantages are nonzero).
+    """
+    a = advantages.to(device=rows.device, dtype=torch.float64)
+    safe = torch.where(a != 0, a, torch.ones_like(a))
+    out = -float(num_rollouts) * rows.double() / safe.unsqueeze(1)
+    return torch.where((a != 0).unsqueeze(1), out, torch.zeros_like(out))
+
+
 class TrainerLens:
     """Measures GRPO's gradient structure on the trainer's own rollouts.
 
@@ -78,13 +100,35 @@ class TrainerLens:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """See :meth:`state_dict`."""
 
+    @staticmethod
+    def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> list[int]:
+        """Indices of the groups the lens analyses: every rollout valid and the rewards not all equal.
+
+        Args:
+            rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
+        """
+        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
+        v = valid.view(-1, R).cpu()
+        return [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(dg.zero_variance_groups(r[b:b + 1]))]
+
+    def update_capture(self, policy: torch.nn.Module) -> dg.GradientCapture:
+        """The :class:`GradientCapture` (the lens's own projections) for the trainer to open around the first
+        on-policy pass of the update, whose sketched loss-gradient rows then give the g_i without a pass of the
+        lens's own (:func:`scores_from_update_rows`). Marks the step as measured for the S4 snapshots."""
+        self._pending = True
+        return dg.GradientCapture(policy, self.config.lens_sketch_dim, self.config.lens_sketch_dim,
+                                  seed=self.config.seed)
+
     def measure(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
-                valid: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+                valid: torch.Tensor, advantages: torch.Tensor, sketch: torch.Tensor | None = None) -> dict[str, float]:
         """Lens metrics of one step's rollouts (every process's), before the update.
 
         Args:
             batch: this process's N = B*R rollouts.  rewards: [N] (NaN where invalid).  valid: [N] bool.
             advantages: [N], the advantages the update uses.
+            sketch: [N, K] sketched g_i of every rollout, already computed at the step's starting weights (from the
+                update's first pass, :func:`scores_from_update_rows`); None runs the lens's own batched
+                forward + backward over the mixed groups, which must then happen before the update.
 
         Returns:
             {key: float}; the same numbers on every process.
@@ -96,7 +140,7 @@ class TrainerLens:
         R = batch.group_size
         r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
         v = valid.view(-1, R).cpu()
-        mixed = [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(dg.zero_variance_groups(r[b:b + 1]))]
+        mixed = self.mixed_groups(rewards, valid, R)
         rows: list[dict[str, float]] = []
         # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
         # N and normaliser Z, summed over processes as the trainer does
@@ -106,8 +150,11 @@ class TrainerLens:
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
-            omega = rollout_gradient_weights(sub.completion_mask, c.loss_aggregation, z_total, n_total)
-            grads = self.rollout_grads(policy, sub, omega).cpu()  # [n_mixed * R, K]; analysed on the CPU
+            if sketch is None:
+                omega = rollout_gradient_weights(sub.completion_mask, c.loss_aggregation, z_total, n_total)
+                grads = self.rollout_grads(policy, sub, omega).cpu()  # [n_mixed * R, K]; analysed on the CPU
+            else:
+                grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
                 rows.append(dg.analyse_group(

@@ -12,6 +12,7 @@ k sums chunk k of every process.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
@@ -44,7 +45,7 @@ class NonFiniteUpdateError(RuntimeError):
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
                   "log_completions", "device", "report_to",
-                  "reward_timeout")
+                  "reward_timeout", "max_consecutive_skips")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float) -> tuple[to
 
 def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
                   config: TrainConfig, procs: Processes, params: list[torch.nn.Parameter],
-                  before_step: Callable[[], None] | None = None, step: int = 0) -> dict[str, float]:
+                  before_step: Callable[[], None] | None = None, step: int = 0,
+                  capture: Any = None) -> dict[str, float]:
     """mu passes over the step's rollouts, each split into mini-batches (one optimizer step each) and micro-batches.
 
     pi_old is the trainer's own forward, detached (docs/theory.md §Log-probabilities): on the first pass over the
@@ -141,6 +143,8 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
         batch: this process's N rollouts.   advantages: [N].   ref_logp: [N, T] or None (beta = 0).
         before_step: called after the last backward, before the first optimizer step (the lens snapshots there).
         step: the trainer step (for the crash-test hook only).
+        capture: a context manager (the lens's :class:`grpo_lens.diagnostics.GradientCapture`) entered around
+            every forward + backward of the first pass over the first mini-batch; None for none.
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
         numbers on every process), ``policy/entropy`` (token mean over the first pass's completion tokens of the
@@ -172,6 +176,9 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
     tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
     skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (docs/theory.md §Numerical guards)
+    stack = contextlib.ExitStack()
+    if capture is not None:
+        stack.enter_context(capture)
     for pass_ in range(config.mu):
         for mb, mini in enumerate(mini_batches):
             nonfinite_loss = False
@@ -217,6 +224,7 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                         totals[k] = max(totals.get(k, 0.0), v)
                     else:
                         totals[k] = totals.get(k, 0.0) + v * tok
+            stack.close()  # the lens's capture covers the first pass over the first mini-batch only
             if procs.world > 1:  # sum gradients: each process's loss already carries the global normaliser
                 for p in params:
                     if p.grad is not None:
@@ -256,6 +264,34 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     out["grad/optimizer_steps"] = len(grad_norms) - skipped
     out["guard/skipped_optimizer_steps"] = skipped
     return out
+
+
+def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, valid: torch.Tensor,
+                      advantages: torch.Tensor) -> bool:
+    """Whether the lens can take its g_i from the update's first pass (:func:`grpo_lens.lens.scores_from_update_rows`).
+
+    True when ``lens_from_update`` is on, the lens offers ``update_capture``, and the first pass's loss gradient is
+    -(A_i / N) grad(omega_i sum_t log pi) per rollout: no KL term (beta 0), no importance weights (tis_cap unset), both clip ranges
+    > 0 (ratio 1 lies inside them), one mini-batch (the first pass covers every rollout before any optimizer step),
+    and every advantage of the groups the lens analyses finite and nonzero; never with LoRA (``lora_rank`` > 0).
+
+    Args:
+        rewards: [N] (NaN where invalid).   valid: [N] bool.   advantages: [N].
+    """
+    if not (config.lens_from_update and hasattr(lens, "update_capture") and hasattr(lens, "mixed_groups")):
+        return False
+    if config.beta > 0 or config.tis_cap is not None or config.eps_low <= 0 or config.eps_high <= 0:
+        return False
+    if config.lora_rank > 0:  # the lens measures the adapter exactly, or the frozen base weights, on its own pass
+        return False
+    if config.num_mini_batches != 1:
+        return False
+    R = config.group_size
+    mixed = lens.mixed_groups(rewards, valid, R)
+    if not mixed:  # nothing to sketch: the lens's own path costs nothing then
+        return False
+    a = advantages.detach().view(-1, R)[mixed]
+    return bool(torch.isfinite(a).all() and (a != 0).all())
 
 
 def forward_precision(device: torch.device, dtype: str):
@@ -636,14 +672,27 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         # 6. the lens reads this step's rollouts before the update changes the policy
         lens_metrics: dict[str, float] = {}
         measure = lens is not None and is_lens_step(step, config.lens_every, config.max_steps)
-        if measure:
+        capture = None  # the lens's gradient capture inside the update's first pass, when that pass can serve it
+        if measure and lens_reads_update(config, lens, rewards, valid, advantages):
+            capture = lens.update_capture(policy)
+        elif measure:
             with forward_precision(procs.device, config.dtype):
                 lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
 
         # 7. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
-        loss_metrics = policy_update(policy, optimizer, batch, advantages, ref_logp, config, procs, params,
-                                     before_step=(lambda: lens.before_step(policy)) if lens is not None else None,
-                                     step=step)
+        try:
+            loss_metrics = policy_update(policy, optimizer, batch, advantages, ref_logp, config, procs, params,
+                                         before_step=(lambda: lens.before_step(policy)) if lens is not None else None,
+                                         step=step, capture=capture)
+        finally:
+            if capture is not None:
+                capture.__exit__(None, None, None)  # idempotent: hooks are gone whatever happened
+        if capture is not None:  # g_i at the step's starting weights, read off the first pass's loss gradient rows
+            from grpo_lens.lens import scores_from_update_rows
+
+            n_total = float(procs.sum(batch.completion_mask.any(dim=1).sum().to(torch.float64)))
+            sketch = scores_from_update_rows(capture.result().sketch, advantages, n_total)
+            lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages, sketch=sketch)
         if lens is not None:
             lens_metrics.update(lens.after_step(step, policy, measure))
         step_skipped = loss_metrics["guard/skipped_optimizer_steps"] > 0

@@ -76,6 +76,16 @@ def _poison_generation_config(model, tokenizer):
     g.exponential_decay_length_penalty = (1, 2.0)
     g.renormalize_logits = True
     g.guidance_scale = 3.0
+    g.watermarking_config = {"greenlist_ratio": 0.5, "bias": 10.0, "seeding_scheme": "lefthash"}
+    g.penalty_alpha = 0.6            # contrastive search
+    g.dola_layers = "high"           # DoLa decoding
+    g.num_beam_groups = 2
+    g.diversity_penalty = 1.0
+    g.prompt_lookup_num_tokens = 3   # assisted decoding
+    g.stop_strings = ["a"]           # stops (length, not distribution) are grpo-lens' too
+    g.max_time = 1e-6
+    g.max_length = 3
+    g.num_return_sequences = 2
     g.do_sample = False
     g.num_beams = 2
     g.max_new_tokens = 1

@@ -27,12 +27,12 @@ def test_k3_with_a_far_reference_stays_finite_through_adamw(dtype):
     logp = torch.log_softmax(z.float(), -1)[:, :1].to(dtype)  # [1, 1], ~ -95
     ref = torch.full((1, 1), -2.0, dtype=dtype)
     k3 = kl_penalty(logp, ref, "k3")
-    assert float(k3) == pytest.approx(math.expm1(LOG_RATIO_CLAMP) - LOG_RATIO_CLAMP, rel=1e-2)
+    assert float(k3.detach()) == pytest.approx(math.expm1(LOG_RATIO_CLAMP) - LOG_RATIO_CLAMP, rel=1e-2)
     unclamped = torch.expm1((ref - logp).float()) - (ref - logp).float()
     assert torch.isinf(unclamped).all()  # what the clamp prevents
     loss, m = grpo_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), normalizer=1.0,
                         beta=0.04, ref_logp=ref, kl_estimator="k3")
-    assert math.isfinite(float(loss)) and math.isfinite(m["kl/mean"])
+    assert math.isfinite(float(loss.detach())) and math.isfinite(m["kl/mean"])
     opt = torch.optim.AdamW([z], lr=0.1)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([z], 1.0)
@@ -119,6 +119,6 @@ def test_cli_stops_with_one_line_and_resume_from_the_intact_checkpoint(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "non-finite for 1 consecutive steps" in err[0]
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000001"]
-    monkeypatch.undo()  # the fault is gone: the run resumes from step 1 and finishes
-    assert main(["train", "--resume", "--out", str(out)]) == 0
+    monkeypatch.undo()  # the fault is gone: the run resumes from step 1 and finishes (the limit may change on resume)
+    assert main(["train", "--resume", "--out", str(out), "--max-consecutive-skips", "2"]) == 0
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from grpo_lens.models import build_tiny_model
@@ -148,3 +149,44 @@ def test_bf16_mixed_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_path):
         assert not torch.is_autocast_enabled("cpu")
     with forward_precision(torch.device("cpu"), "bf16-mixed"):
         assert torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, monkeypatch):
+    """The lens's g_i read off the update's first pass (no extra forward/backward) give the same lens numbers as
+    its own pass, and the training trajectory does not change (the capture only reads gradients)."""
+    import json
+
+    from grpo_lens.config import TrainConfig
+    from grpo_lens.trainer import train
+
+    def run(name, from_update):
+        out = train(TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2,
+                                max_new_tokens=8, max_steps=2, learning_rate=1e-2, mu=2, micro_batch_size=3,
+                                lens_every=1, seed=0, device="cpu", out=str(tmp_path / name), progress=False,
+                                save_final_model=False, loss_aggregation=aggregation,
+                                lens_from_update=from_update))
+        return [json.loads(line) for line in (out.path / "metrics.jsonl").read_text().splitlines()]
+
+    from grpo_lens import diagnostics as dg
+
+    calls = []
+    original = dg.sketch_rollout_grads
+    monkeypatch.setattr(dg, "sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    own = run("own", False)
+    own_calls = len(calls)
+    reused = run("reused", True)
+    assert own_calls == 2 and len(calls) == own_calls  # the lens's own pass on both steps, then never
+    compared = 0
+    for a, b in zip(own, reused):
+        assert a["rank/mixed_groups"] == b["rank/mixed_groups"] >= 1
+        for key in a:
+            if key.startswith("perf/") or not isinstance(a[key], (int, float)) or key not in b:
+                continue
+            if key.startswith(("rank/", "grad/identity", "baseline/", "zero_sum/", "group/")):
+                # same sketch up to float32 rounding of two backward paths (1e-6 relative per row)
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+                compared += 1
+            else:  # training itself is untouched: bit-identical
+                assert b[key] == a[key] or (math.isnan(a[key]) and math.isnan(b[key])), key
+    assert compared >= 10

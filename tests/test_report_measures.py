@@ -60,6 +60,9 @@ def test_sparsity_claims_follow_the_numbers():
     # falling Hoyer -> does not hold; bf16 share far above its dense control -> holds
     falling = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.9] * 5, [0.5] * 5))
     assert [c["verdict"] for c in falling] == ["does not hold", "holds"]
+    # well above the dense control but most weights changed (0.095 unchanged): does not hold
+    few = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.095] * 5, [0.014] * 5))
+    assert few[1]["verdict"] == "does not hold"
     # three lens steps cannot decide a trend
     assert sparsity_claims(_records([0.2, 0.3, 0.4], [0.9] * 3, [0.5] * 3))[0]["verdict"] == "inconclusive"
     # lens cost: 5 x 1.0 s against 5 x 10 - 5 = 45 s
@@ -127,3 +130,12 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
     assert "1.000 nats over the first" not in report and "0.457 nats over the first 5 steps" in report
     assert "| optimal_pop | 0.800 [0.700, 0.900] |" in report
     assert (tmp_path / "sparsity_measures.png").is_file() and (tmp_path / "credit_position_probe.png").is_file()
+
+
+def test_no_interval_from_fewer_than_four_units():
+    from grpo_lens.diagnostics.baseline_study import bootstrap_mean
+
+    # bootstrap-t over 2 values collapses to the mean (every resample with a spread is the pair itself)
+    assert bootstrap_mean([0.1, 0.3])["lo"] is None and bootstrap_mean([0.1, 0.3, 0.2])["hi"] is None
+    four = bootstrap_mean([0.1, 0.3, 0.2, 0.4])
+    assert four["lo"] < 0.25 < four["hi"]

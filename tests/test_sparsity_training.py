@@ -149,3 +149,30 @@ def test_sparsity_over_training_around_an_optimizer_step(fresh_tiny_model_and_to
     assert out["sparsity/mlp/update_step_bf16_dense"] < 0.01
     assert out["sparsity/mlp/update_step_hoyer"] == pytest.approx(0.0, abs=1e-9)  # equal magnitudes
     assert out["sparsity/sample_entries"] == tracker.sample.size
+
+
+def test_grouped_fast_path_equals_the_reference_per_group(fresh_tiny_model_and_tokenizer):
+    # sampled_update_sparsity computes every entry once and sums per group; it must equal update_sparsity (and
+    # sampled_vector_sparsity sparsity_measures) applied to each group's entries separately
+    from grpo_lens.diagnostics.sparsity_training import sparsity_measures
+
+    model, _ = fresh_tiny_model_and_tokenizer
+    sample = ParameterSample.build(model, size=5000, min_per_tensor=128, seed=1)
+    before = sample.values()
+    g = torch.Generator().manual_seed(4)
+    after = {n: v + torch.randn(v.shape, generator=g) * 1e-3 * (torch.rand(v.shape, generator=g) < 0.3)
+             for n, v in before.items()}
+    fast = sampled_update_sparsity(sample, before, after)
+    fast_vec = sampled_vector_sparsity(sample, {n: after[n] - before[n] for n in sample.names})
+    for group, names in sample.groups().items():
+        b = torch.cat([before[n] for n in names])
+        a = torch.cat([after[n] for n in names])
+        w = torch.cat([torch.full((len(before[n]),), sample.weight[n], dtype=torch.float64) for n in names])
+        rms = torch.cat([torch.full((len(before[n]),), float((after[n] - before[n]).double().square().mean().sqrt()),
+                                    dtype=torch.float64) for n in names])
+        ref = update_sparsity(b, a, w, rms)
+        for k, v in ref.items():
+            assert fast[group][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (group, k)
+        ref_vec = sparsity_measures(a.float() - b.float(), w)
+        for k, v in ref_vec.items():
+            assert fast_vec[group][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (group, k)

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 STUDY_ESTIMATORS = ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop")
+#: fewest units (prompts, groups, rollouts) a reported interval is computed from
+MIN_UNITS = 4
 
 
 def mean_score_norm(grads: Tensor) -> dict[str, float]:
@@ -203,10 +205,18 @@ def equal_norms_test(grads: Tensor, rewards: Tensor, num_boot: int = 2000, seed:
 def bootstrap_mean(values: Sequence[float], num_boot: int = 2000, seed: int = 0, level: float = 0.95
                    ) -> dict[str, float | int | None]:
     """Mean over units (prompts, groups) with the bootstrap-t interval of
-    :func:`grpo_lens.diagnostics.stats.bootstrap_ci` (non-finite values dropped). -> {"mean", "lo", "hi", "n"}."""
+    :func:`grpo_lens.diagnostics.stats.bootstrap_ci` (non-finite values dropped). -> {"mean", "lo", "hi", "n"}.
+
+    With fewer than :data:`MIN_UNITS` units lo = hi = None: a bootstrap over 2 or 3 values has too few distinct
+    resamples (with 2, every resample with a spread is the pair itself, so the bootstrap-t interval collapses to the
+    mean), and a claim's verdict needs an interval.
+    """
     from grpo_lens.diagnostics.stats import bootstrap_ci
 
-    return bootstrap_ci(list(values), level=level, num_resamples=max(num_boot, 100), seed=seed)
+    out = bootstrap_ci(list(values), level=level, num_resamples=max(num_boot, 100), seed=seed)
+    if out["n"] < MIN_UNITS:
+        out["lo"] = out["hi"] = None
+    return out
 
 
 def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, num_resamples: int = 512,

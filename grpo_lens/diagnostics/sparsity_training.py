@@ -208,7 +208,7 @@ class ParameterSample:
     """A fixed stratified uniform subsample of a model's trainable entries.
 
     Tensor t (numel n_t) contributes s_t = min(n_t, max(min_per_tensor, ceil(fraction * n_t))) entries drawn
-    without replacement (seeded by the parameter name), each with weight n_t / s_t, so weighted sums over the
+    uniformly with replacement (seeded by the parameter name), each with weight n_t / s_t, so weighted sums over the
     sample are unbiased for sums over all entries. Tensors no larger than ``min_per_tensor`` are taken whole.
 
     Attributes:
@@ -225,7 +225,7 @@ class ParameterSample:
     params: dict[str, nn.Parameter] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, model: nn.Module, size: int = 2**21, min_per_tensor: int = 1024, seed: int = 0
+    def build(cls, model: nn.Module, size: int = 2**19, min_per_tensor: int = 1024, seed: int = 0
               ) -> "ParameterSample":
         """Sample about ``size`` entries of ``model``'s trainable parameters (see the class docstring).
 
@@ -242,7 +242,9 @@ class ParameterSample:
         for n, p in named:
             k = min(p.numel(), max(min_per_tensor, math.ceil(fraction * p.numel())))
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(n.encode())) % (2**63))
-            idx = torch.arange(p.numel()) if k == p.numel() else torch.randperm(p.numel(), generator=gen)[:k]
+            # whole small tensors; uniform draws with replacement otherwise (unbiased weighted sums, and no
+            # randperm over tens of millions of entries)
+            idx = torch.arange(p.numel()) if k == p.numel() else torch.randint(p.numel(), (k,), generator=gen)
             index[n] = idx.sort().values.to(p.device)
             weight[n] = p.numel() / k
             kinds[n] = layer_type(n)
@@ -271,35 +273,78 @@ class ParameterSample:
         return out
 
 
-def _cat(sample: ParameterSample, vals: dict[str, Tensor], names: list[str]) -> tuple[Tensor, Tensor]:
-    x = torch.cat([vals[n] for n in names])
-    w = torch.cat([torch.full((len(vals[n]),), sample.weight[n], dtype=torch.float64) for n in names])
-    return x, w
+def _flatten(sample: ParameterSample, vals: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, list[str]]:
+    """(x [S], weights [S] float64, group id [S] long, group names): every sampled entry once, its layer type's id."""
+    kinds = sorted({sample.kinds[n] for n in sample.names})
+    kid = {k: i for i, k in enumerate(kinds)}
+    x = torch.cat([vals[n] for n in sample.names])
+    w = torch.cat([torch.full((len(vals[n]),), sample.weight[n], dtype=torch.float64) for n in sample.names])
+    g = torch.cat([torch.full((len(vals[n]),), kid[sample.kinds[n]], dtype=torch.long) for n in sample.names])
+    return x, w, g, kinds
+
+
+def _grouped(x: Tensor, w: Tensor, g: Tensor, kinds: list[str], extra: dict[str, Tensor] | None = None,
+             top: float = 0.01) -> dict[str, dict[str, float]]:
+    """zero share, Hoyer, top-1% energy and weighted means of ``extra`` per-entry values, overall and per group,
+    in one pass: the same numbers as :func:`sparsity_measures` on each group's entries (entries sorted once)."""
+    v = x.detach().double()
+    e = v.square()
+    order = torch.argsort(e, descending=True)  # one sort serves every group's top-1%
+    e_s, w_s, g_s = e[order], w[order], g[order]
+    out = {}
+    for name, sel in [("all", None)] + [(k, i) for i, k in enumerate(kinds)]:
+        m = torch.ones_like(w, dtype=torch.bool) if sel is None else g == sel
+        ms = torch.ones_like(w_s, dtype=torch.bool) if sel is None else g_s == sel
+        wm, n = w[m], float(w[m].sum())
+        if n < 2:
+            continue
+        l2 = math.sqrt(float((wm * e[m]).sum()))
+        l1 = float((wm * v[m].abs()).sum())
+        hoyer = 1.0 if l2 == 0 else (math.sqrt(n) - l1 / l2) / (math.sqrt(n) - 1)
+        ew, ww = e_s[ms], w_s[ms]
+        total = float((ww * ew).sum())
+        if total == 0:
+            top_share = top
+        else:
+            before = torch.cumsum(ww, 0) - ww
+            take = (top * n - before).clamp(min=0).minimum(ww)
+            top_share = float((take * ew).sum() / total)
+        res = {"zero": float((wm * (v[m] == 0)).sum()) / n, "hoyer": hoyer, "top1_energy": top_share}
+        for key, val in (extra or {}).items():
+            res[key] = float((wm * val[m]).sum()) / n
+        out[name] = res
+    return out
 
 
 def sampled_update_sparsity(sample: ParameterSample, before: dict[str, Tensor], after: dict[str, Tensor]
                             ) -> dict[str, dict[str, float]]:
     """:func:`update_sparsity` of after - before, overall and per layer type, dense control at each tensor's RMS.
 
+    Every per-entry quantity is computed once for the whole sample and then summed per group (the numbers equal
+    :func:`update_sparsity` on each group's entries; a test checks it).
+
     Args:
         sample: where the values come from.  before, after: {name: [s_t]} from :meth:`ParameterSample.values`.
 
     Returns:
-        {"all" | layer type: update_sparsity dict}.
+        {"all" | layer type: {"f32_unchanged", "bf16_unchanged", "bf16_dense", "hoyer", "top1_energy"}}.
     """
     rms = {n: float((after[n].double() - before[n].double()).square().mean().sqrt()) for n in sample.names}
-    out = {}
-    for group, names in sample.groups().items():
-        b, w = _cat(sample, before, names)
-        a, _ = _cat(sample, after, names)
-        r = torch.cat([torch.full((len(before[n]),), rms[n], dtype=torch.float64) for n in names])
-        out[group] = update_sparsity(b, a, w, r)
-    return out
+    b, w, g, kinds = _flatten(sample, before)
+    a = torch.cat([after[n] for n in sample.names])
+    r = torch.cat([torch.full((len(before[n]),), rms[n], dtype=torch.float64) for n in sample.names])
+    d = a.float() - b.float()
+    same16 = (b.float().to(torch.bfloat16) == a.float().to(torch.bfloat16)).double()
+    dense = dense_bf16_unchanged_probability(b, r)
+    res = _grouped(d, w, g, kinds, {"bf16_unchanged": same16, "bf16_dense": dense})
+    return {k: {"f32_unchanged": m["zero"], "bf16_unchanged": m["bf16_unchanged"], "bf16_dense": m["bf16_dense"],
+                "hoyer": m["hoyer"], "top1_energy": m["top1_energy"]} for k, m in res.items()}
 
 
 def sampled_vector_sparsity(sample: ParameterSample, vals: dict[str, Tensor]) -> dict[str, dict[str, float]]:
     """:func:`sparsity_measures` of a sampled vector (e.g. the policy gradient), overall and per layer type."""
-    return {group: sparsity_measures(*_cat(sample, vals, names)) for group, names in sample.groups().items()}
+    x, w, g, kinds = _flatten(sample, vals)
+    return _grouped(x, w, g, kinds)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -333,7 +378,7 @@ class SparsityOverTraining:
         model: the policy.  size, min_per_tensor, seed: see :meth:`ParameterSample.build`.
     """
 
-    def __init__(self, model: nn.Module, size: int = 2**21, min_per_tensor: int = 1024, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, size: int = 2**19, min_per_tensor: int = 1024, seed: int = 0) -> None:
         self.sample = ParameterSample.build(model, size, min_per_tensor, seed)
         self.start = self.sample.values()
         self._before: dict[str, Tensor] | None = None
