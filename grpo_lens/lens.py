@@ -45,6 +45,25 @@ def gather_objects(obj: Any) -> list[Any]:
     return [obj]
 
 
+def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The lens's share of training wall time from metrics records: lens seconds / (step seconds - lens seconds).
+
+    Lens seconds are ``perf/lens_seconds`` (before the update) plus ``perf/lens_sparsity_seconds`` (around the
+    optimizer step), summed over the run.
+
+    Returns:
+        {"lens_seconds", "train_seconds" (the steps without the lens), "overhead" (a fraction), "lens_steps",
+        "steps"}, or None without step timings.
+    """
+    steps = [r for r in records if r.get("perf/step_seconds") is not None]
+    if not steps:
+        return None
+    lens = sum((r.get("perf/lens_seconds") or 0.0) + (r.get("perf/lens_sparsity_seconds") or 0.0) for r in steps)
+    base = sum(r["perf/step_seconds"] for r in steps) - lens
+    return {"lens_seconds": lens, "train_seconds": base, "overhead": lens / base if base > 0 else float("nan"),
+            "lens_steps": sum(r.get("perf/lens_seconds") is not None for r in steps), "steps": len(steps)}
+
+
 def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_rollouts: float) -> torch.Tensor:
     """The lens's sketched rows grad(omega_i sum_t log pi(o_it)) read off the update's first on-policy loss gradient.
 
@@ -94,11 +113,13 @@ class TrainerLens:
         """Nothing to do: the start snapshot is taken at construction, from the freshly loaded weights."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The lens keeps no state that the start weights and the checkpoint do not restore."""
-        return {}
+        """The sampled gradient summed since the start (everything else is rebuilt from the start weights)."""
+        return {"grad_sum": self.sparsity.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """See :meth:`state_dict`."""
+        """See :meth:`state_dict` (an empty state, from a checkpoint of an older run, leaves the sum at 0)."""
+        if state.get("grad_sum") is not None:
+            self.sparsity.load_state_dict(state["grad_sum"])
 
     @staticmethod
     def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> list[int]:
@@ -191,7 +212,8 @@ class TrainerLens:
 
     def before_step(self, policy: torch.nn.Module) -> None:
         """Snapshot the weights (bf16, and the fixed sample with the step's gradient) just before the first optimizer
-        step of a lens step."""
+        step of a lens step; on every step, add the sampled gradient to the sum since the start."""
+        self.sparsity.accumulate_grad()
         if self._pending:
             import time
 

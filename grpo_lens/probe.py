@@ -76,6 +76,12 @@ class ProbeConfig(ConfigFile):
     sketch_dim: int = option(16, "Random projection side per linear layer (sketch dims per layer = its square).")
     layer: str | None = option(None, "Linear layer for G1_layer and G2 (default: the middle layer's MLP down "
                                "projection).")
+    g2_groups: int = option(1, "Mixed groups per R whose G2 is computed for every linear layer under every weighting "
+                            "(A, |A|, A + mean|A|, r, uniform, one rollout), summarised by layer type (one backward "
+                            "per weighting). 0 disables.")
+    coverage_groups: int = option(1, "Sketch mode: mixed groups per R whose exact gradients (every parameter; memory "
+                                  "R x P floats) are also computed, to measure the share of ||g||^2 the sketch covers "
+                                  "and its Gram error (docs/theory.md §8). 0 disables.")
     random_draws: int = option(8, "Draws of random zero-sum weights for the G1 control.")
     study_group_size: int = option(4, "R of the baseline and credit studies (docs/theory.md §Baselines at matched "
                                    "expectation, §Token credit).")
@@ -110,6 +116,10 @@ class ProbeConfig(ConfigFile):
                 bad(name, "must be >= 0 (0 skips)")
         if self.mc_samples < 2:
             bad("mc_samples", "must be >= 2 (a standard error needs two continuations)")
+        if self.g2_groups < 0:
+            bad("g2_groups", "must be >= 0")
+        if self.coverage_groups < 0:
+            bad("coverage_groups", "must be >= 0")
         if self.baseline_prompts < 0:
             bad("baseline_prompts", "must be >= 0")
         if self.resamples < 2:
@@ -193,7 +203,8 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
         "spectra": {"G1": dg.g1_singular_values(g, adv).tolist(),
                     "G1_no_adv": dg.gram_singular_values(gram).tolist(),
                     "G1_null": dg.orthogonal_null_singular_values(gram, adv).tolist()},
-        "g3_row": (adv.unsqueeze(1) * g).sum(0),
+        "g3_rows": {name: (w.unsqueeze(1) * g).sum(0) for name, w in dg.weightings(adv, rewards).items()},
+        "grads": g, "advantages": adv,
     }
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
@@ -214,6 +225,42 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     return row, extras
 
 
+def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
+                  config: ProbeConfig) -> dict[str, float]:
+    """G2 of every nn.Linear layer under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`, summarised by
+    layer type (:func:`grpo_lens.diagnostics.g2_by_type_keys`): one backward per weighting."""
+    row: dict[str, float] = {}
+    omega = score_weights(sub, config)
+    for name, w in dg.weightings(extra["advantages"], rewards).items():
+        grads = dg.layer_weight_grads(policy, sub, w.float(), None, temperature=config.temperature,
+                                      score_weights=omega)
+        row.update(dg.g2_by_type_keys({k: v.cpu() for k, v in grads.items()}, name))
+        del grads
+    return row
+
+
+def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: ProbeConfig) -> dict[str, float]:
+    """Exact gradients of every parameter for one analysed group, set against its sketch
+    (:func:`grpo_lens.diagnostics.sketch_check_keys`: coverage of ||g||^2, Gram error and its bound, erank error)."""
+    import torch.nn as nn
+
+    exact = dg.exact_rollout_grads(policy, sub, temperature=config.temperature,
+                                   score_weights=score_weights(sub, config)).detach().cpu()
+    slices = dg.param_slices(policy)
+    modules = dict(policy.named_modules())
+    by_id = {id(p): slices[n] for n, p in policy.named_parameters() if n in slices}
+    categories: dict[str, list[slice]] = {}
+    for name, sl in slices.items():
+        module = modules.get(name.rsplit(".", 1)[0])
+        categories.setdefault(dg.parameter_category(name, isinstance(module, nn.Linear)), []).append(sl)
+    layer_slices = [by_id[id(m.weight)] for n in dg.linear_layer_names(policy) for m in [modules[n]]
+                    if id(m.weight) in by_id]
+    out = dg.sketch_check_keys(exact, extra["grads"], extra["advantages"], categories, layer_slices,
+                               config.sketch_dim, config.sketch_dim)
+    del exact
+    return out
+
+
 def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str) -> dict[str, Any]:
     """Sample ``config.prompts`` prompts with M rollouts each, analyse every mixed group of R, aggregate over groups."""
     from grpo_lens.rewards import combine_rewards
@@ -221,6 +268,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     M = max(2 * R, 8)
     rows: list[dict[str, float]] = []
     extras: list[dict[str, Any]] = []
+    checks: list[dict[str, float]] = []  # sketch vs exact on the first coverage_groups groups
+    g2w: list[dict[str, float]] = []  # G2 of every layer under every weighting, first g2_groups groups
     sampled = all_equal = invalid = 0
     s1_predictions: list[float] = []  # per prompt, from the rollouts outside its group
     baseline_var: list[dict[str, float]] = []
@@ -258,6 +307,11 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             row, extra = analyse_group(policy, tokenizer, batch.select(group), r_g, config, layer, seed=seed + j)
             rows.append(row)
             extras.append(extra)
+            if len(g2w) < config.g2_groups:
+                g2w.append(g2_weightings(policy, batch.select(group), extra, r_g, config))
+            if not config.exact and len(checks) < config.coverage_groups:
+                checks.append(sketch_check(policy, batch.select(group), extra, config))
+            extra.pop("grads")
             if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
                 grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, layer)
                 var = dg.estimator_variances(grads_m.double().cpu(), r_all.double(), R, num_resamples=config.resamples,
@@ -266,11 +320,14 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             t_grad += time.perf_counter() - t0
 
     valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
-    g3: dict[str, Any] = {"groups": len(extras)}
+    g3: dict[str, Any] = {"groups": len(extras)}  # one matrix: no interval (resampled rows would repeat, lowering rank)
     if len(extras) >= 2:
-        g3_rows = torch.stack([e["g3_row"] for e in extras])  # [groups, K]
-        g3.update({f"rank/g3_{m}": v for m, v in dg.rank_measures(dg.singular_values(g3_rows)).items()})
-        g3.update({f"rank/g3_null_{m}": v for m, v in dg.rank_measures(g3_rows.norm(dim=1)).items()})
+        for name in dg.WEIGHTINGS:
+            g3_rows = torch.stack([e["g3_rows"][name] for e in extras])  # [groups, K]
+            stem = "g3" if name == "adv" else f"g3_{name}"
+            g3.update({f"rank/{stem}_{m}": v for m, v in dg.rank_measures(dg.singular_values(g3_rows)).items()})
+            if name == "adv":
+                g3.update({f"rank/g3_null_{m}": v for m, v in dg.rank_measures(g3_rows.norm(dim=1)).items()})
     profile: list[float] = []
     if extras:
         T = max(len(e["profile"]) for e in extras)
@@ -294,6 +351,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         "strata": {"correct": dg.stratify_rows(rows, "group/correct", keys=STRATA_KEYS, **ci),
                    "distinct": dg.stratify_rows(rows, "group/distinct_completions", keys=STRATA_KEYS, **ci)},
         "g3": g3,
+        "g2_weightings": {"groups": g2w, "summary": dg.summarise_rows(g2w, **ci)} if g2w else None,
+        "sketch_check": {"groups": checks, "summary": dg.summarise_rows(checks, **ci)} if checks else None,
         "spectra": {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
         "baselines": {"variance": variances,
                       "relative_variance": dg.variance_relative_to_optimal(variances) if variances else {},
@@ -378,7 +437,11 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     if progress is not None:
         progress.close()
     studies = run_studies(policy, tokenizer, task, reward_fns, config)
+    checks = [c for d in per_r.values() if d.get("sketch_check") for c in d["sketch_check"]["groups"]]
+    check_summary = dg.summarise_rows(checks, seed=config.seed) if checks else {}
     meta = {"model": config.model, "task": config.task, "gradients": "exact" if config.exact else "sketch",
+            "sketch_coverage": (check_summary.get("sketch/coverage") or {}).get("mean"),
+            "sketch_check": check_summary,
             "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
             "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,
             "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),

@@ -744,6 +744,14 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         progress.close()
     if trackers is not None:
         trackers.finish()
+    if lens is not None and procs.is_main:  # what the lens cost this run (the whole run, resumed parts included)
+        from grpo_lens.lens import lens_overhead
+
+        cost = lens_overhead([r for r in run.read_metrics() if "step" in r])
+        if cost and cost["lens_steps"]:
+            logger.info("lens: %d of %d steps measured, %.1f s, %.1f%% of the %.1f s the steps took without it",
+                        cost["lens_steps"], cost["steps"], cost["lens_seconds"], 100 * cost["overhead"],
+                        cost["train_seconds"])
     if config.save_final_model and procs.is_main and not (run.path / "final_model").exists():
         save_final_model(policy, tokenizer, run.path / "final_model")
     procs.barrier()

@@ -147,7 +147,7 @@ def test_permutation_p_value_small_for_planted_clusters():
 
 
 def test_bootstrap_interval_covers_a_known_mean():
-    # 95% percentile bootstrap over n = 24 draws: covers the true mean in >= 90% of 400 synthetic trials
+    # 95% expanded-percentile bootstrap over n = 24 draws: covers the true mean in >= 90% of 400 synthetic trials
     gen = torch.Generator().manual_seed(0)
     for sampler, true_mean in ((lambda: 2.0 + torch.randn(24, generator=gen, dtype=torch.float64), 2.0),
                                (lambda: torch.rand(24, generator=gen, dtype=torch.float64), 0.5)):
@@ -161,6 +161,12 @@ def test_bootstrap_interval_covers_a_known_mean():
 def test_bootstrap_edge_cases_and_summaries():
     assert dg.bootstrap_ci([]) == {"mean": None, "lo": None, "hi": None, "n": 0}
     assert dg.bootstrap_ci([3.0, float("nan"), None]) == {"mean": 3.0, "lo": None, "hi": None, "n": 1}
+    # the interval never leaves the range of the values (a share stays a share), even at n = 3
+    ci = dg.bootstrap_ci([0.5, 0.52, 2.78])
+    assert 0.5 <= ci["lo"] <= ci["mean"] <= ci["hi"] <= 2.78
+    # Student t quantiles: exact 12.706 (df 1), 4.303 (df 2); 2.228 (df 10), 2.069 (df 23) to 1e-3
+    for df, want in ((1, 12.7062), (2, 4.3027), (10, 2.2281), (23, 2.0687)):
+        assert dg.student_t_quantile(0.975, df) == pytest.approx(want, abs=1e-3)
     with pytest.raises(ValueError, match="level"):
         dg.bootstrap_ci([1.0, 2.0], level=1.5)
     rows = [{"a": 1.0, "group/correct": 1.0}, {"a": 3.0, "group/correct": 1.0}, {"a": 10.0, "group/correct": 2.0}]

@@ -118,6 +118,17 @@ def test_probe_json_schema(sketch_probe):
         assert set(d["baselines"]) >= {"variance", "relative_variance", "prompts"}
         assert set(d["timing"]) >= {"generation_seconds", "gradient_seconds"}
         assert d["g3"]["groups"] == len(d["groups"])
+        # the sketch checked against exact gradients of every parameter on the first mixed group (coverage_groups=1)
+        (check,) = d["sketch_check"]["groups"]
+        shares = [check[f"sketch/exact_share_{c}"] for c in ("linear", "embedding", "norm") if
+                  f"sketch/exact_share_{c}" in check]
+        assert sum(shares) == pytest.approx(1.0, abs=1e-9)  # every parameter of the tiny model is in a category
+        # the sketch sees the linear weights (and the tied lm_head use): a share of ||g||^2 between the linear
+        # weights' exact share (minus projection noise) and 1
+        assert 0.3 < check["sketch/coverage"] < 1.0
+        assert 0 < check["sketch/gram_error"] < 1.5 and 0 < check["sketch/gram_error_bound"] < 1
+    assert probe["meta"]["sketch_coverage"] == pytest.approx(
+        sum(d["sketch_check"]["groups"][0]["sketch/coverage"] for d in probe["per_group_size"].values()) / 2)
 
 
 def test_s1_fields(sketch_probe):

@@ -33,13 +33,17 @@ def test_every_metric_key_of_the_lens_is_documented():
 
 
 def _documented_keys() -> set[str]:
-    """Every `key` in backticks in docs/metrics.md, with `<m>` expanded over the rank measures."""
-    from grpo_lens.diagnostics import RANK_MEASURES
+    """Every `key` in backticks in docs/metrics.md, with `<m>` expanded over the rank measures and `<w>` over the
+    weightings (`<type>`, a layer type, stays literal)."""
+    from grpo_lens.diagnostics import RANK_MEASURES, WEIGHTINGS
 
     text = (ROOT / "docs" / "metrics.md").read_text()
     out = set()
     for key in re.findall(r"`([a-z0-9_]+/[^`]+)`", text):
-        out |= {key.replace("<m>", m) for m in RANK_MEASURES.names()} if "<m>" in key else {key}
+        keys = {key}
+        for placeholder, values in (("<m>", RANK_MEASURES.names()), ("<w>", WEIGHTINGS)):
+            keys = {k.replace(placeholder, v) for k in keys for v in values} if placeholder in key else keys
+        out |= keys
     return out
 
 
@@ -66,8 +70,19 @@ def test_every_probe_key_is_documented():
     from grpo_lens.diagnostics import RANK_MEASURES
 
     docs = _documented_keys()
+    import torch
+
+    from grpo_lens import diagnostics as dg
+
     keys = set(_all_group_keys()) | {f"rank/g3_{m}" for m in RANK_MEASURES.names()} \
         | {f"rank/g3_null_{m}" for m in RANK_MEASURES.names()}
+    g = torch.randn(3, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cats = {"linear": [slice(0, 4)], "embedding": [slice(4, 8)], "norm": [slice(8, 9)], "other": [slice(9, 10)]}
+    keys |= set(dg.sketch_check_keys(g, g[:, :6], torch.tensor([1.0, -0.5, -0.5]), cats, [slice(0, 4)], 4, 4))
+    for w in dg.WEIGHTINGS:  # G2 by layer type (the type named literally "<type>") and G3 under each weighting
+        keys |= set(dg.g2_by_type_keys({"model.layers.0.<type>": torch.randn(3, 5)}, w))
+        if w != "adv":
+            keys |= {f"rank/g3_{w}_{m}" for m in RANK_MEASURES.names()}
     missing = sorted(k for k in keys if k not in docs)
     assert not missing, f"undocumented probe keys: {missing}"
 

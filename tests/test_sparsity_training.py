@@ -134,6 +134,7 @@ def test_sparsity_over_training_around_an_optimizer_step(fresh_tiny_model_and_to
     params = dict(model.named_parameters())
     for n, p in params.items():
         p.grad = torch.ones_like(p) if ".mlp." in n else None
+    tracker.accumulate_grad()
     tracker.before_step()
     with torch.no_grad():
         for p in params.values():
@@ -149,6 +150,27 @@ def test_sparsity_over_training_around_an_optimizer_step(fresh_tiny_model_and_to
     assert out["sparsity/mlp/update_step_bf16_dense"] < 0.01
     assert out["sparsity/mlp/update_step_hoyer"] == pytest.approx(0.0, abs=1e-9)  # equal magnitudes
     assert out["sparsity/sample_entries"] == tracker.sample.size
+    # the gradient summed since the start: one step so far, so it equals the step's gradient
+    assert out["sparsity/mlp/grad_total_zero"] == 0.0 and out["sparsity/attention/grad_total_zero"] == 1.0
+    # a second step with the gradient on attention only: the sum now covers both (mlp and attention non-zero)
+    for n, p in params.items():
+        p.grad = torch.ones_like(p) if ".self_attn." in n else None
+    tracker.accumulate_grad()
+    tracker.before_step()
+    out2 = tracker.after_step()
+    assert out2["sparsity/attention/grad_zero"] == 0.0 and out2["sparsity/mlp/grad_zero"] == 1.0
+    assert out2["sparsity/mlp/grad_total_zero"] == 0.0 and out2["sparsity/attention/grad_total_zero"] == 0.0
+    # the sum survives a checkpoint: a fresh tracker loaded from state_dict reports the same
+    other = SparsityOverTraining(model, size=20_000, min_per_tensor=256)
+    other.load_state_dict(tracker.state_dict())
+    other.before_step()
+    assert other.after_step()["sparsity/grad_total_hoyer"] == out2["sparsity/grad_total_hoyer"]
+    # a non-finite gradient (a step the trainer skips) is left out of the sum
+    for p in params.values():
+        p.grad = torch.full_like(p, float("nan"))
+    before_sum = {n: v.clone() for n, v in tracker.grad_sum.items()}
+    tracker.accumulate_grad()
+    assert all(torch.equal(before_sum[n], tracker.grad_sum[n]) for n in before_sum)
 
 
 def test_grouped_fast_path_equals_the_reference_per_group(fresh_tiny_model_and_tokenizer):

@@ -54,15 +54,21 @@ from grpo_lens.diagnostics.gradients import (
     weighted_row_sum,
 )
 from grpo_lens.diagnostics.group import (
+    WEIGHTINGS,
     analyse_group,
     cosine_gap,
     g1_rank_keys,
     g1_singular_values,
+    g2_by_type_keys,
     g2_keys,
+    layer_type,
     mean_over_groups,
     orthogonal_null_singular_values,
+    parameter_category,
+    sketch_check_keys,
     span_energy,
     weighted_gram_measures,
+    weightings,
     zero_sum_tests,
 )
 from grpo_lens.diagnostics.identity import (
@@ -86,7 +92,7 @@ from grpo_lens.diagnostics.sparsity import (
     zero_variance_fraction,
     zero_variance_groups,
 )
-from grpo_lens.diagnostics.stats import bootstrap_ci, stratify_rows, summarise_rows
+from grpo_lens.diagnostics.stats import bootstrap_ci, stratify_rows, student_t_quantile, summarise_rows
 from grpo_lens.diagnostics.spectrum import (
     RANK_MEASURES,
     count_distinct_prefixes,
@@ -122,9 +128,9 @@ __all__ = [
     "gram_singular_values", "matrix_rank_measures", "numerical_rank", "participation_ratio", "rank_measures",
     "random_zero_sum_weights", "singular_values", "stable_rank",
     # the per-group analysis path and its aggregation
-    "analyse_group", "cosine_gap", "g1_rank_keys", "g1_singular_values", "g2_keys", "mean_over_groups",
-    "orthogonal_null_singular_values", "span_energy", "weighted_gram_measures", "zero_sum_tests",
-    "bootstrap_ci", "stratify_rows", "summarise_rows",
+    "WEIGHTINGS", "analyse_group", "cosine_gap", "g2_by_type_keys", "layer_type", "weightings", "g1_rank_keys", "g1_singular_values", "g2_keys", "mean_over_groups",
+    "orthogonal_null_singular_values", "parameter_category", "sketch_check_keys", "span_energy", "weighted_gram_measures", "zero_sum_tests",
+    "bootstrap_ci", "stratify_rows", "student_t_quantile", "summarise_rows",
     # identity
     "IDENTITY_ESTIMATORS", "identity_constant", "binary_group_std", "grpo_binary_advantages", "rank2_constant", "rank2_residual", "rank2_residuals",
     # sparsity

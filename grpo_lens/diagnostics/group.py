@@ -310,3 +310,97 @@ def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.flo
     out["rank/g2_numerical_rank"] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))
     out["rank/g2_rank_bound"] = float(rank_bound)
     return out
+
+
+def parameter_category(name: str, module_is_linear: bool) -> str:
+    """'linear' (an nn.Linear weight: what the sketch covers), 'embedding', 'norm' or 'other' (biases, ...)."""
+    if module_is_linear and name.endswith(".weight"):
+        return "linear"
+    if "embed" in name:
+        return "embedding"
+    if "norm" in name:
+        return "norm"
+    return "other"
+
+
+def sketch_check_keys(exact: Tensor, sketch: Tensor, advantages: Tensor, categories: dict[str, slice | list[slice]],
+                      layer_slices: Sequence[slice], k_in: int, k_out: int) -> dict[str, float]:
+    """How well one group's sketch stands in for its exact per-rollout gradients (docs/theory.md §8).
+
+    Args:
+        exact: [R, P] exact g_i over every parameter.  sketch: [R, K] the sketched g_i of the same rollouts.
+        advantages: [R].
+        categories: {category: slice or list of slices of P} (from :func:`parameter_category`).
+        layer_slices: the slices of P of the sketched (nn.Linear) weights, one per layer, for the error bound.
+        k_in, k_out: sketch sizes.
+
+    Returns:
+        ``sketch/coverage``: Σ_i ||S g_i||² / Σ_i ||g_i||² (the sketch's energy, unbiased for the part it sees, over the
+        exact total); ``sketch/exact_share_<category>``: each category's share of Σ_i ||g_i||²;
+        ``sketch/gram_error``: ||Ĝ - G||_F / ||G||_F for G1's Gram (W G W) sketched vs exact over every parameter
+        (missing coverage and projection noise together); ``sketch/gram_error_bound``: the bound of
+        :func:`grpo_lens.diagnostics.gradients.sketch_gram_error_bound` for the sketched layers alone;
+        ``sketch/g1_erank_error``: erank(G1) sketched minus exact.
+    """
+    from grpo_lens.diagnostics.gradients import sketch_gram_error_bound
+    from grpo_lens.diagnostics.spectrum import effective_rank
+
+    e, s = exact.detach(), sketch.detach().double()  # exact stays in its dtype: [R, P] can be GBs
+    a = advantages.detach().double()
+    total = float(e.double().square().sum()) if e.numel() < 10**7 else float(sum(float(r.double().square().sum())
+                                                                                   for r in e))
+    out: dict[str, float] = {}
+    if total == 0:
+        return out
+    out["sketch/coverage"] = float(s.square().sum()) / total
+    for cat, sl in categories.items():
+        parts = sl if isinstance(sl, list) else [sl]
+        out[f"sketch/exact_share_{cat}"] = sum(float(e[:, p].double().square().sum()) for p in parts) / total
+    w = torch.outer(a, a)
+    g_exact, g_sketch = (e @ e.T).double() * w, (s @ s.T) * w
+    den = float(g_exact.norm())
+    if den > 0:
+        out["sketch/gram_error"] = float((g_sketch - g_exact).norm()) / den
+        grams = [(e[:, sl] @ e[:, sl].T).double() * w for sl in layer_slices]
+        if grams:
+            out["sketch/gram_error_bound"] = sketch_gram_error_bound(grams, k_in, k_out)
+    out["sketch/g1_erank_error"] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
+        gram_singular_values(g_exact))
+    return out
+
+
+#: Row weightings of the zero-sum test on G2 and G3 (docs/theory.md §6): the advantages and controls that are not
+#: zero-sum (|A|, A + lambda 1 with lambda = mean |A|, the rewards r, uniform 1) and a single rollout (e_1).
+WEIGHTINGS = ("adv", "abs", "shift", "reward", "uniform", "single")
+
+
+def weightings(advantages: Tensor, rewards: Tensor) -> dict[str, Tensor]:
+    """{name: [R] weights} for :data:`WEIGHTINGS`: adv = A; abs = |A|; shift = A + mean|A| (not zero-sum); reward = r;
+    uniform = 1; single = (1, 0, ..., 0) (the first rollout alone). advantages, rewards: [R]. float64."""
+    a, r = advantages.detach().double(), rewards.detach().double()
+    single = torch.zeros_like(a)
+    single[0] = 1.0
+    return {"adv": a, "abs": a.abs(), "shift": a + a.abs().mean(), "reward": r, "uniform": torch.ones_like(a),
+            "single": single}
+
+
+def layer_type(name: str) -> str:
+    """The last component of a module name (``model.layers.3.mlp.down_proj`` -> ``down_proj``): the layer type G2 is
+    summarised by."""
+    return name.rsplit(".", 1)[-1]
+
+
+def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str, float]:
+    """``rank/g2_<weighting>_<type>_<m>``: the mean over the layers of each type of the rank measures of their G2
+    (one weighting's weight gradients, {layer name: [d_out, d_in]}), singular values from the smaller Gram matrix."""
+    from grpo_lens.diagnostics.spectrum import singular_values
+
+    per_type: dict[str, list[dict[str, float]]] = {}
+    for name, g2 in layer_grads.items():
+        per_type.setdefault(layer_type(name), []).append(rank_measures(singular_values(g2.detach().double(),
+                                                                                       method="gram")))
+    out = {}
+    for t, ms in per_type.items():
+        for m in ms[0]:
+            out[f"rank/g2_{weighting}_{t}_{m}"] = sum(d[m] for d in ms) / len(ms)
+    return out

@@ -368,11 +368,14 @@ def flatten_sparsity(prefix: str, results: dict[str, dict[str, float]]) -> dict[
 
 
 class SparsityOverTraining:
-    """Sparsity of the step's update, of the update since the start and of the step's gradient, on a fixed sample.
+    """Sparsity of the step's update, of the update since the start, of the step's gradient and of the gradient summed
+    since the start, on a fixed sample.
 
-    Call :meth:`before_step` after the step's backward (gradients in ``.grad``) and before the optimizer step, and
-    :meth:`after_step` after it. The start values are the weights at construction: build it from the freshly loaded
-    model (before a checkpoint is restored) and a resumed run measures "since the start" from the same weights.
+    Call :meth:`accumulate_grad` after every step's backward (it adds the sampled gradient to the running sum), and on
+    measured steps also :meth:`before_step` (same moment, before the optimizer step) and :meth:`after_step` after it.
+    The start values are the weights at construction: build it from the freshly loaded model (before a checkpoint is
+    restored) and a resumed run measures "since the start" from the same weights; the gradient sum travels in
+    :meth:`state_dict`.
 
     Args:
         model: the policy.  size, min_per_tensor, seed: see :meth:`ParameterSample.build`.
@@ -381,8 +384,18 @@ class SparsityOverTraining:
     def __init__(self, model: nn.Module, size: int = 2**19, min_per_tensor: int = 1024, seed: int = 0) -> None:
         self.sample = ParameterSample.build(model, size, min_per_tensor, seed)
         self.start = self.sample.values()
+        self.grad_sum = {n: torch.zeros_like(v, dtype=torch.float64) for n, v in self.start.items()}
         self._before: dict[str, Tensor] | None = None
         self._grad: dict[str, Tensor] | None = None
+
+    def accumulate_grad(self) -> None:
+        """Add the sampled ``.grad`` of this step to the gradient summed since the start (float64); a step whose
+        sampled gradient is not finite (the trainer skips its optimizer step) is left out."""
+        grads = self.sample.grads()
+        if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+            return
+        for n, g in grads.items():
+            self.grad_sum[n] += g.double()
 
     def before_step(self) -> None:
         """Record the sampled weights and gradient just before the optimizer step."""
@@ -390,14 +403,26 @@ class SparsityOverTraining:
         self._grad = self.sample.grads()
 
     def after_step(self) -> dict[str, float]:
-        """{"sparsity/update_step_*", "sparsity/update_total_*", "sparsity/grad_*"} overall and per layer type,
-        plus "sparsity/sample_entries" (how many entries the numbers come from); {} without :meth:`before_step`."""
+        """{"sparsity/update_step_*", "sparsity/update_total_*", "sparsity/grad_*", "sparsity/grad_total_*"} overall
+        and per layer type, plus "sparsity/sample_entries" (how many entries the numbers come from); {} without
+        :meth:`before_step`."""
         if self._before is None:
             return {}
         after = self.sample.values()
         out = flatten_sparsity("update_step", sampled_update_sparsity(self.sample, self._before, after))
         out.update(flatten_sparsity("update_total", sampled_update_sparsity(self.sample, self.start, after)))
         out.update(flatten_sparsity("grad", sampled_vector_sparsity(self.sample, self._grad)))
+        out.update(flatten_sparsity("grad_total", sampled_vector_sparsity(self.sample, self.grad_sum)))
         out["sparsity/sample_entries"] = float(self.sample.size)
         self._before = self._grad = None
         return out
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The running gradient sum (the rest is rebuilt from the seed and the start weights)."""
+        return {n: v.clone() for n, v in self.grad_sum.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restore :meth:`state_dict` (a run resumed from a checkpoint)."""
+        for n in self.grad_sum:
+            if n in state:
+                self.grad_sum[n] = state[n].clone().double()

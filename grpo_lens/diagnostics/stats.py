@@ -23,16 +23,32 @@ def _finite(values: Iterable[Any]) -> list[float]:
     return out
 
 
+def student_t_quantile(p: float, df: int) -> float:
+    """Quantile of Student's t with ``df`` degrees of freedom: exact for df = 1, 2; otherwise the Cornish-Fisher
+    expansion in 1/df (Abramowitz & Stegun 26.7.5; error < 1e-3 for df >= 3 at p = 0.975)."""
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    z = float(torch.special.ndtri(torch.tensor(p, dtype=torch.float64)))
+    v = float(df)
+    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4))
+
+
 def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000,
                  seed: int = 0) -> dict[str, float | int | None]:
-    """Mean of ``values`` with a studentized (bootstrap-t) interval over them (Efron & Tibshirani 1993, ch. 12.5).
+    """Mean of ``values`` with an expanded-percentile bootstrap interval over them (docs/theory.md §7).
 
-    Resamples the n values with replacement ``num_resamples`` times and forms t* = (mean* - mean) / (sd*/sqrt n);
-    with q_lo, q_hi the (1-level)/2 and (1+level)/2 quantiles of t*, the interval is
-    [mean - q_hi sd/sqrt n, mean - q_lo sd/sqrt n]. Unlike the plain percentile interval (which under-covers at the
-    n = 10-30 groups a probe has: 0.89 at n = 24 for a nominal 0.95), it is second-order accurate for a mean.
-    Resamples with sd* = 0 are dropped; when every value is equal the interval is [mean, mean]. Non-finite values
-    and None are dropped first.
+    Resamples the n values with replacement ``num_resamples`` times and takes quantiles of the resampled means at the
+    levels a/2 and 1 - a/2 with a/2 = Phi(-sqrt(n/(n-1)) t_{n-1}(1 - (1-level)/2)) (Hesterberg, "What Teachers Should
+    Know About the Bootstrap", The American Statistician 69(4), 2015, §4.4): the plain percentile interval, widened
+    for the small-sample narrowness that makes it under-cover (0.89 at n = 24 for a nominal 0.95). The interval stays
+    inside the range of the bootstrap means (never outside what the values allow). Non-finite values and None are
+    dropped first.
 
     Args:
         values: [n] per-group numbers.
@@ -58,18 +74,13 @@ def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples:
     mean = float(x.mean())
     if n < 2:
         return {"mean": mean, "lo": None, "hi": None, "n": 1}
-    se = float(x.std(correction=1)) / math.sqrt(n)
-    if se == 0:
-        return {"mean": mean, "lo": mean, "hi": mean, "n": n}
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, n, (num_resamples, n), generator=gen)
-    xs_b = x[idx]  # [S, n]
-    se_b = xs_b.std(dim=1, correction=1) / math.sqrt(n)
-    keep = se_b > 0
-    t = (xs_b.mean(1)[keep] - mean) / se_b[keep]
-    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
-    q_lo, q_hi = torch.quantile(t, q).tolist()
-    return {"mean": mean, "lo": mean - q_hi * se, "hi": mean - q_lo * se, "n": n}
+    means = x[torch.randint(0, n, (num_resamples, n), generator=gen)].mean(1)
+    t = student_t_quantile(1 - (1 - level) / 2, n - 1)
+    tail = 0.5 * math.erfc(math.sqrt(n / (n - 1)) * t / math.sqrt(2))  # Phi(-sqrt(n/(n-1)) t)
+    q = torch.tensor([tail, 1 - tail], dtype=torch.float64)
+    lo, hi = torch.quantile(means, q).tolist()
+    return {"mean": mean, "lo": min(lo, mean), "hi": max(hi, mean), "n": n}
 
 
 def summarise_rows(rows: Sequence[dict[str, float]], *, keys: Sequence[str] | None = None, level: float = 0.95,

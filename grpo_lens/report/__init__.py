@@ -173,6 +173,41 @@ def rank_table(probe: dict[str, Any], measures: tuple[str, ...] = ("erank", "sta
     return lines
 
 
+WEIGHTING_LABELS = {"adv": "A", "abs": "|A|", "shift": "A + mean|A|", "reward": "r", "uniform": "1",
+                    "single": "one rollout"}
+
+
+def weighting_tables(probe: dict[str, Any]) -> list[str]:
+    """G3 and G2 (every layer, by layer type) under the weightings A, |A|, A + mean|A|, r, 1 and a single rollout:
+    if a rank ≈ 2 came from the zero-sum advantages, A would stand apart from the weightings that are not zero-sum."""
+    from grpo_lens.diagnostics import WEIGHTINGS
+
+    per_r = probe["per_group_size"]
+    lines = ["### Zero-sum or not: G3 and G2 under other weightings", "",
+             "Rows weighted by A (GRPO), |A|, A + mean|A| and r (not zero-sum), 1 (no advantages) and a single rollout. "
+             "G3: one matrix per R over the analysed groups, its stable rank (no interval: resampling its rows would "
+             "repeat rows and lower the rank). G2: every nn.Linear layer's weight gradient of the group loss, mean stable rank over the layers "
+             "of each type, on the first --g2-groups group(s) of each R (mean over those groups).", "",
+             "| R | matrix | " + " | ".join(WEIGHTING_LABELS[w] for w in WEIGHTINGS) + " |",
+             "|---|---|" + "---|" * len(WEIGHTINGS)]
+    for r in sorted(per_r, key=int):
+        g3 = per_r[r].get("g3") or {}
+        if g3.get("rank/g3_stable_rank") is not None:
+            cells = []
+            for w in WEIGHTINGS:
+                key = "rank/g3_stable_rank" if w == "adv" else f"rank/g3_{w}_stable_rank"
+                cells.append(_fmt(g3.get(key), 2))
+            lines.append(f"| {r} | G3 stable rank ({g3.get('groups')} groups) | " + " | ".join(cells) + " |")
+        g2 = (per_r[r].get("g2_weightings") or {}).get("summary") or {}
+        types = sorted({k[len("rank/g2_adv_"):-len("_stable_rank")] for k in g2
+                        if k.startswith("rank/g2_adv_") and k.endswith("_stable_rank")})
+        for t in types:
+            cells = [_fmt((g2.get(f"rank/g2_{w}_{t}_stable_rank") or {}).get("mean"), 2) for w in WEIGHTINGS]
+            n = (g2.get(f"rank/g2_adv_{t}_stable_rank") or {}).get("n")
+            lines.append(f"| {r} | G2 {t} stable rank ({n} group(s)) | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def strata_table(probe: dict[str, Any], by: str) -> list[str]:
     """Markdown table of G1 vs its null and the zero-sum statistics per stratum (``by`` = "correct" or "distinct")."""
     per_r = probe["per_group_size"]
@@ -209,6 +244,21 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
              f"Model {meta.get('model')}, task {meta.get('task')}, {source}, std convention {meta.get('std')}, "
              f"eps {meta.get('eps')}. Every mean is over the analysed (mixed) groups, with its 95% bootstrap "
              "interval over groups in brackets.", ""]
+    check = meta.get("sketch_check") or {}
+    if meta.get("gradients") != "exact":
+        cov = check.get("sketch/coverage")
+        if cov:
+            lines += [f"Sketch checked against exact gradients of every parameter on {cov.get('n')} group(s): it "
+                      f"carries {_ci(cov)} of Σ||g_i||² (exact shares: linear weights "
+                      f"{_ci(check.get('sketch/exact_share_linear'))}, embedding "
+                      f"{_ci(check.get('sketch/exact_share_embedding'))}, norms "
+                      f"{_ci(check.get('sketch/exact_share_norm'))}); G1's Gram error, measured "
+                      f"{_ci(check.get('sketch/gram_error'))} (missing parameters and projection noise), bound for the "
+                      f"sketched layers {_ci(check.get('sketch/gram_error_bound'))}; erank(G1) sketched − exact "
+                      f"{_ci(check.get('sketch/g1_erank_error'), 3)}.", ""]
+        else:
+            lines += ["The sketch was not checked against exact gradients (coverage_groups = 0): the share of "
+                      "||g||² it covers is unknown; it sees nn.Linear weights only.", ""]
     lines += ["| R | prompts | all-equal | mixed (analysed) | S1 measured | S1 predicted | identity residual (max) "
               "| distinct completions | G2 numerical rank / bound |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
@@ -231,6 +281,7 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               f"`{meta.get('layer')}` only; G2: that layer's weight gradient of the group loss. G3: rows = the "
               "analysed groups' updates (one matrix; its null has singular values = the row norms).", ""]
     lines += rank_table(probe) + [""]
+    lines += weighting_tables(probe)
     lines += ["### Stratified by k (correct rollouts in the group)", "", *strata_table(probe, "correct"), "",
               "### Stratified by distinct completions", "", *strata_table(probe, "distinct"), ""]
     lines += ["### Zero-sum structure: label-permutation test with k fixed", "",

@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
+from grpo_lens.lens import lens_overhead
 from grpo_lens.report import plots
 
 #: the false "disagree" rate of a segment whose true advantage has A_i's sign, at |A| > 2 SE: P(Z < -2) = 0.023
@@ -131,22 +132,6 @@ def claims_table(claims: Sequence[dict[str, str]]) -> list[str]:
 def lens_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of lens steps (those with a lens timing)."""
     return [r for r in records if r.get("perf/lens_seconds") is not None]
-
-
-def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:
-    """The lens's share of training wall time: lens seconds / (step seconds - lens seconds), summed over the run.
-
-    Returns:
-        {"lens_seconds", "train_seconds" (without the lens), "overhead" (fraction), "lens_steps", "steps"} or None.
-    """
-    steps = [r for r in records if r.get("perf/step_seconds") is not None]
-    if not steps:
-        return None
-    lens = sum((r.get("perf/lens_seconds") or 0.0) + (r.get("perf/lens_sparsity_seconds") or 0.0) for r in steps)
-    total = sum(r["perf/step_seconds"] for r in steps)
-    base = total - lens
-    return {"lens_seconds": lens, "train_seconds": base, "overhead": lens / base if base > 0 else math.nan,
-            "lens_steps": len(lens_rows(steps)), "steps": len(steps)}
 
 
 def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
