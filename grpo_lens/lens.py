@@ -26,6 +26,7 @@ import torch
 from grpo_lens import diagnostics as dg
 from grpo_lens.diagnostics.sparsity_training import SparsityOverTraining
 from grpo_lens.losses import loss_normalizer, rollout_gradient_weights
+from grpo_lens.overlong import overlong_loss_mask
 from grpo_lens.rollout import RolloutBatch
 
 
@@ -165,14 +166,16 @@ class TrainerLens:
         rows: list[dict[str, float]] = []
         # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
         # N and normaliser Z, summed over processes as the trainer does
-        norm = gather_objects((loss_normalizer(batch.completion_mask, c.loss_aggregation, c.max_new_tokens),
-                               float(batch.completion_mask.any(dim=1).sum())))
+        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, c.overlong)  # the tokens it sums
+        norm = gather_objects((loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens),
+                               float(loss_mask.any(dim=1).sum())))
         z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
             if sketch is None:
-                omega = rollout_gradient_weights(sub.completion_mask, c.loss_aggregation, z_total, n_total)
+                omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total,
+                                                 n_total)
                 grads = self.rollout_grads(policy, sub, omega).cpu()  # [n_mixed * R, K]; analysed on the CPU
             else:
                 grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]

@@ -154,3 +154,15 @@ def test_mask_truncated_is_an_alias_and_old_runs_resume(tmp_path):
     resumed = yaml.safe_load((out / "config.yaml").read_text())
     assert resumed["overlong"] == "mask" and resumed["mask_truncated"] is True
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_lens_weighs_rows_with_the_filtered_loss_mask(tmp_path, monkeypatch):
+    # Smoke test: with filter the lens weighs rollouts with the update's own loss mask and normaliser and still
+    # measures (observed: 2 mixed groups, identity residual 7.9e-9 on the group without a truncated rollout). A
+    # common factor in omega would not move the relative residual, so this does not pin the weights themselves.
+    import grpo_lens.models as models
+
+    monkeypatch.setattr(models, "load_model", _eos_prone(models.load_model))
+    m, rows = _run(tmp_path, "lens", overlong="filter", loss_aggregation="token-mean", lens_every=1)
+    assert any(r["truncated"] for r in rows) and "rank/mixed_groups" in m
+    assert m["grad/identity_residual"] < 1e-6
