@@ -80,7 +80,8 @@ def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", 
     return SimpleNamespace(lens_sketch_dim=sketch_dim, lens_space=space, seed=seed, estimator=estimator,
                            std="sample", eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
                            loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
-                           max_new_tokens=int(args.max_completion_length))
+                           max_new_tokens=int(args.max_completion_length),
+                           overlong="none")  # TRL's mask_truncated_completions is already in its completion_mask
 
 
 def rollout_batch_from_trl(output: dict[str, Any], group_size: int) -> RolloutBatch:
