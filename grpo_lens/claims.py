@@ -188,6 +188,62 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
     return out
 
 
+#: G2 stable ranks within this of each other count as "no difference" between weightings.
+EQUIVALENCE_RANK = 0.25
+NOT_ZERO_SUM = ("abs", "shift", "reward", "uniform")
+
+
+@CLAIMS.register("zero_sum_g2_weighting")
+def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
+    """The same claim seen on G2 (every nn.Linear layer's weight gradient of the group loss): is G2's rank under the
+    zero-sum advantages A lower than under the weightings that are not zero-sum (|A|, A + mean|A|, r, 1)?
+
+    Per group: d = mean over layer types of [stable rank under A − mean over those four weightings of the stable
+    rank]. Rule (per R, mean of d over the groups with G2 of every layer, 95% interval): inconclusive with fewer than
+    :data:`MIN_GROUPS` groups (raise ``--g2-groups``); holds if the interval lies below 0; does not hold if it lies
+    inside ± :data:`EQUIVALENCE_RANK` (A makes no difference) or above 0; inconclusive otherwise.
+    """
+    from grpo_lens.diagnostics.stats import bootstrap_ci
+
+    out = []
+    src = source_of(probe) + "; G2 is exact (autograd weight gradients)"
+    for r in sorted(probe.get("per_group_size", {}), key=int):
+        rows = ((probe["per_group_size"][r].get("g2_weightings") or {}).get("groups")) or []
+        ds, adv_sr, other_sr = [], [], []
+        for row in rows:
+            types = sorted({k[len("rank/g2_adv_"):-len("_stable_rank")] for k in row
+                            if k.startswith("rank/g2_adv_") and k.endswith("_stable_rank")})
+            if not types:
+                continue
+            a = sum(row[f"rank/g2_adv_{t}_stable_rank"] for t in types) / len(types)
+            o = sum(row[f"rank/g2_{w}_{t}_stable_rank"] for t in types for w in NOT_ZERO_SUM) / (len(types)
+                                                                                               * len(NOT_ZERO_SUM))
+            ds.append(a - o)
+            adv_sr.append(a)
+            other_sr.append(o)
+        if not ds:
+            continue
+        ci = bootstrap_ci(ds)
+        n = ci["n"]
+        if n < MIN_GROUPS or ci["lo"] is None:
+            verdict, why = INCONCLUSIVE, f"{n} group(s) with G2 of every layer < {MIN_GROUPS} (raise --g2-groups)"
+        elif ci["hi"] < 0:
+            verdict, why = HOLDS, f"difference interval below 0 (upper end {_fmt(ci['hi'])})"
+        elif -EQUIVALENCE_RANK <= ci["lo"] and ci["hi"] <= EQUIVALENCE_RANK:
+            verdict, why = DOES_NOT_HOLD, f"difference interval inside ±{EQUIVALENCE_RANK}: A makes no difference"
+        elif ci["lo"] > 0:
+            verdict, why = DOES_NOT_HOLD, "difference interval above 0: A gives a higher rank"
+        else:
+            verdict, why = INCONCLUSIVE, "difference interval includes 0 and differences beyond the equivalence margin"
+        out.append(Claim(
+            claim="rank-2 structure comes from the zero-sum advantages (G2, every layer)", scope=f"R = {r}",
+            measurement=(f"G2 stable rank under A, mean over layer types: {_fmt(sum(adv_sr) / len(adv_sr))}; "
+                         f"A minus not-zero-sum weightings {_ci_text(ci)}"),
+            control=f"weightings |A|, A + mean|A|, r, 1: {_fmt(sum(other_sr) / len(other_sr))}",
+            verdict=verdict, rule=why, source=src))
+    return out
+
+
 @CLAIMS.register("identity")
 def identity_claim(probe: dict[str, Any]) -> list[Claim]:
     """"sum_i A_i g_i = c(k, R)(gbar_C - gbar_W)": the identity's residual over every mixed 0/1 group.
@@ -233,3 +289,7 @@ def evaluate_claims(probe: dict[str, Any], names: list[str] | None = None) -> li
     for name in names or CLAIMS.names():
         out += CLAIMS.get(name)(probe)
     return out
+
+
+# The sparsity, credit and baseline claims (issue 10) register themselves in CLAIMS on import.
+from grpo_lens import claims_measures  # noqa: E402,F401

@@ -57,7 +57,7 @@ class ProbeConfig(ConfigFile):
     task_options: dict = option({}, "Task options as a YAML mapping.")
     rewards: list = option(["correctness"], "Reward functions NAME or NAME:WEIGHT.")
     group_sizes: list = option([2, 4, 8], "Group sizes R to probe.", item_type=int)
-    prompts: int = option(24, "Prompts sampled per R; every mixed group among them is analysed (a fixed number, "
+    prompts: int = option(40, "Prompts sampled per R; every mixed group among them is analysed (a fixed number, "
                           "so S1 and the per-group means are unbiased).")
     prompts_per_batch: int = option(4, "Prompts sampled per generate call.")
     baseline_prompts: int = option(2, "Mixed prompts per R whose M rollouts are used for the baseline variance.")
@@ -272,6 +272,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     g2w: list[dict[str, float]] = []  # G2 of every layer under every weighting, first g2_groups groups
     sampled = all_equal = invalid = 0
     s1_predictions: list[float] = []  # per prompt, from the rollouts outside its group
+    s1_indicators: list[float] = []  # per prompt with all rewards valid: 1 if its group's rewards are all equal
     baseline_var: list[dict[str, float]] = []
     t_gen = t_grad = 0.0
     draw = 0
@@ -300,7 +301,9 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             if not bool(v_g.all()):
                 invalid += 1
                 continue
-            if bool(dg.zero_variance_groups(r_g.view(1, R))):
+            equal = bool(dg.zero_variance_groups(r_g.view(1, R)))
+            s1_indicators.append(float(equal))
+            if equal:
                 all_equal += 1
                 continue
             t0 = time.perf_counter()
@@ -346,6 +349,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         "s1_measured": all_equal / valid_groups if valid_groups else None,
         "s1_predicted": statistics.fmean(s1_predictions) if s1_predictions else None,
         "s1_predicted_ci": dg.bootstrap_ci(s1_predictions, seed=config.seed),
+        "s1_measured_ci": dg.bootstrap_ci(s1_indicators, seed=config.seed),
         "groups": rows,
         "summary": dg.summarise_rows(rows, **ci),
         "strata": {"correct": dg.stratify_rows(rows, "group/correct", keys=STRATA_KEYS, **ci),

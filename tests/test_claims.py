@@ -67,6 +67,28 @@ def test_identity_claim_rules():
     assert CLAIMS.get("identity")(probe({"4": {}}, []))[0].verdict == INCONCLUSIVE
 
 
+def test_g2_weighting_claim_rules():
+    def row(adv_sr, other_sr):
+        out = {}
+        for t in ("q_proj", "down_proj"):
+            out[f"rank/g2_adv_{t}_stable_rank"] = adv_sr
+            for w in ("abs", "shift", "reward", "uniform"):
+                out[f"rank/g2_{w}_{t}_stable_rank"] = other_sr
+        return out
+
+    def claim(rows):
+        p = {"meta": {"gradients": "exact"}, "per_group_size": {"4": {"g2_weightings": {"groups": rows}}}}
+        return CLAIMS.get("zero_sum_g2_weighting")(p)[0]
+
+    # A gives a rank lower by 1.5-2.5 in 10 groups: interval below 0 -> holds
+    assert claim([row(2.0, 3.5 + 0.1 * i) for i in range(10)]).verdict == HOLDS
+    # no difference beyond +-0.05: inside the 0.25 equivalence margin -> does not hold
+    assert claim([row(2.0, 2.0 + 0.01 * (i - 5)) for i in range(10)]).verdict == DOES_NOT_HOLD
+    # one group only -> inconclusive, and the rule says how to get more
+    c = claim([row(2.0, 3.5)])
+    assert c.verdict == INCONCLUSIVE and "--g2-groups" in c.rule
+
+
 def test_claim_records_are_checked_and_listed():
     with pytest.raises(ValueError, match="verdict"):
         Claim("c", "s", "m", "n", "maybe", "r", "src")

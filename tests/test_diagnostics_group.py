@@ -181,3 +181,19 @@ def test_mean_over_groups_is_the_lens_aggregate():
                                                                      "grad/identity_residual": 1e-7}]
     agg = dg.mean_over_groups(rows)
     assert agg == {"rank/g1_erank": 2.5, "grad/identity_residual": 1e-7}  # mean; max for the residual
+
+
+def test_g2_stable_rank_by_type_uses_an_accurate_top_singular_value():
+    # power iteration's s_1 against the SVD for a decaying spectrum and a flat one; stable rank = ||M||_F^2 / s_1^2
+    gen = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(40, 10, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(30, 10, generator=gen, dtype=torch.float64))
+    for sv in (torch.tensor([5.0, 3.0, 1.0] + [0.1] * 7, dtype=torch.float64), torch.ones(10, dtype=torch.float64)):
+        m = (u * sv) @ v.T
+        assert dg.top_singular_value(m) == pytest.approx(float(sv.max()), rel=1e-6)
+    m = (u * torch.tensor([5.0, 3.0, 1.0] + [0.1] * 7, dtype=torch.float64)) @ v.T
+    keys = dg.g2_by_type_keys({"model.layers.0.mlp.down_proj": m, "model.layers.1.mlp.down_proj": 2 * m,
+                               "model.layers.0.self_attn.q_proj": u[:, :1] @ v[:, :1].T}, "adv")
+    # (25 + 9 + 1 + 7 * 0.01) / 25 = 1.4028 for both down_proj layers (scale-free); a rank-one q_proj has 1
+    assert keys == {"rank/g2_adv_down_proj_stable_rank": pytest.approx(35.07 / 25),
+                    "rank/g2_adv_q_proj_stable_rank": pytest.approx(1.0)}

@@ -128,7 +128,9 @@ def test_cli_train_under_torchrun(two_process_results):
         # test_alternating gives 1, 0 in each group: both groups mixed, mean 0.5
         assert r["reward/mean"] == 0.5 and r["reward/frac_zero_std_groups"] == 0.0
         assert r["completions/mean_length"] <= 6 and r["grad/norm"] > 0
-        assert r["grad/optimizer_steps"] == 1 and "rank/g1_erank" in r  # the lens ran on rank 0's group
+        assert r["grad/optimizer_steps"] == 1 and "rank/g1_erank" in r
+        # the lens gathered every process's groups: one mixed group on each of the 2 processes
+        assert r["rank/mixed_groups"] == 2.0
     assert (out / "checkpoints" / "step-000002" / "model.safetensors").is_file()
     assert (out / "final_model" / "config.json").is_file()
 

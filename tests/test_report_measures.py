@@ -7,14 +7,19 @@ import math
 
 import pytest
 
+from grpo_lens.claims import CLAIMS, evaluate_claims
+from grpo_lens.claims_measures import TRAINING_CLAIMS, spearman_trend, verdict_from_interval
+from grpo_lens.lens import lens_overhead
 from grpo_lens.report import write_report
-from grpo_lens.report.gradient_measures import (
-    lens_overhead,
-    sparsity_claims,
-    spearman_trend,
-    study_claims,
-    verdict_from_interval,
-)
+
+
+def sparsity_claims(records):
+    return evaluate_claims({"records": records}, list(TRAINING_CLAIMS))
+
+
+def study_claims(label, studies):
+    return [c for name in ("uniform_token_credit", "monte_carlo_credit", "group_mean_optimal")
+            for c in CLAIMS.get(name)({"studies": studies})]
 
 
 def test_verdict_rules():
@@ -56,15 +61,15 @@ def test_sparsity_claims_follow_the_numbers():
     # rising Hoyer over 5 lens steps: rho = 1, p = 2/120 = 0.017 < 0.05 -> holds; bf16 share 0.90 vs dense control
     # 0.89: excess 0.01 with SE sqrt(0.09/2^21) = 2e-4: interval [0.0096, 0.0104] < 0.05 -> does not hold
     rising = sparsity_claims(_records([0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5))
-    assert [c["verdict"] for c in rising] == ["holds", "does not hold"]
+    assert [c.verdict for c in rising] == ["holds", "does not hold"]
     # falling Hoyer -> does not hold; bf16 share far above its dense control -> holds
     falling = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.9] * 5, [0.5] * 5))
-    assert [c["verdict"] for c in falling] == ["does not hold", "holds"]
+    assert [c.verdict for c in falling] == ["does not hold", "holds"]
     # well above the dense control but most weights changed (0.095 unchanged): does not hold
     few = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.095] * 5, [0.014] * 5))
-    assert few[1]["verdict"] == "does not hold"
+    assert few[1].verdict == "does not hold"
     # three lens steps cannot decide a trend
-    assert sparsity_claims(_records([0.2, 0.3, 0.4], [0.9] * 3, [0.5] * 3))[0]["verdict"] == "inconclusive"
+    assert sparsity_claims(_records([0.2, 0.3, 0.4], [0.9] * 3, [0.5] * 3))[0].verdict == "inconclusive"
     # lens cost: 5 x 1.0 s against 5 x 10 - 5 = 45 s
     assert lens_overhead(_records([0.2] * 5, [0.9] * 5, [0.5] * 5))["overhead"] == pytest.approx(5 / 45)
 
@@ -73,7 +78,7 @@ def _ci(m, lo, hi, n=8):
     return {"mean": m, "lo": lo, "hi": hi, "n": n}
 
 
-def _studies(ratio, mse, answer_ratio, disagree):
+def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75):
     prompt = {"p": 0.5, "m_correct": 0.02, "m_wrong": 0.04, "b_star_pop": 0.33, "b_star_exact": 0.34,
               "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
     summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
@@ -84,7 +89,7 @@ def _studies(ratio, mse, answer_ratio, disagree):
     return {"baselines": {"baselines": {"per_prompt": [prompt], "summary": summary, "prompts": 8, "prompts_constant": 2,
                                         "b_star_shift": _ci(0.01, 0.0, 0.02), "b_star_minus_p": _ci(-0.1, -0.2, 0.0),
                                         "norm_ratio": ratio, "mean_score_ratio": _ci(30.0, 20.0, 40.0),
-                                        "equal_norms_rejected": 0.75, "equal_norms_testable": 8},
+                                        "equal_norms_rejected": rejected, "equal_norms_testable": 8},
                           "s1": {"measured": _ci(0.4, 0.3, 0.5), "predicted": _ci(0.42, 0.35, 0.5),
                                  "difference": _ci(-0.02, -0.1, 0.06), "prompts": 10, "rollouts_per_prompt": 16},
                           "meta": {"group_size": 4, "rollouts_per_prompt": 16, "gradients": "sketch",
@@ -100,18 +105,30 @@ def _studies(ratio, mse, answer_ratio, disagree):
 
 
 def test_study_claims_follow_the_numbers():
-    # m_C / m_W interval [0.4, 0.6] excludes 1 and population b*'s MSE ratio [0.7, 0.9] < 1: the group mean is not
-    # optimal -> does not hold; answer ratio [1.2, 1.8] excludes 1 -> does not hold; disagree [0.1, 0.3] > 0.023
+    # m_C = m_W rejected on 6 of 8 prompts (Wilson interval [0.41, 0.93] above 0.05) and population b*'s MSE ratio
+    # [0.7, 0.9] < 1: the group mean is not optimal -> does not hold; answer ratio [1.2, 1.8] excludes 1 -> does
+    # not hold; Monte Carlo disagreement [0.1, 0.3] above 0.023 -> does not hold
     c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8),
                                         _ci(0.2, 0.1, 0.3)))
-    assert [x["verdict"] for x in c] == ["does not hold", "does not hold", "does not hold"]
-    # m_C / m_W interval contains 1 -> holds; answer ratio contains 1 -> holds; disagree below the noise -> holds
+    assert [x.verdict for x in c] == ["does not hold", "does not hold", "does not hold"]
+    # 0 of 8 rejected (Wilson [0, 0.32] contains 0.05) and MSE ratio [0.9, 1.1] contains 1 -> holds; answer ratio
+    # contains 1 -> holds; disagreement below the noise rate -> holds
     c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2),
-                                       _ci(0.0, 0.0, 0.01)))
-    assert [x["verdict"] for x in c] == ["holds", "holds", "holds"]
-    # m_C != m_W but no measurable MSE gain: inconclusive
-    c = study_claims("x", _studies(_ci(0.5, 0.4, 0.6), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
-    assert c[-1]["verdict"] == "inconclusive"
+                                       _ci(0.0, 0.0, 0.01), rejected=0.0))
+    assert [x.verdict for x in c] == ["holds", "holds", "holds"]
+    # many rejections but no measurable MSE gain: inconclusive (the mean ratio 1.0 is not used: it can cancel)
+    c = study_claims("x", _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
+    assert c[-1].verdict == "inconclusive"
+
+
+def test_wilson_interval_closed_form():
+    from grpo_lens.claims_measures import wilson_interval
+
+    # 0 of 8: [0, z^2/(n + z^2)] = [0, 3.8416/11.8416] = [0, 0.3244]
+    lo, hi = wilson_interval(0, 8)
+    assert lo == 0.0 and hi == pytest.approx(3.8416 / 11.8416, abs=1e-4)
+    lo, hi = wilson_interval(4, 8)  # symmetric around 1/2
+    assert lo + hi == pytest.approx(1.0)
 
 
 def test_report_has_the_new_sections_and_claims(tmp_path):
@@ -121,8 +138,10 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
              "studies": _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8), _ci(0.2, 0.1, 0.3))}
     (tmp_path / "probe.json").write_text(json.dumps(probe))
     report = write_report(tmp_path).read_text()
-    assert "## Claims: sparsity, credit and baseline optimality" in report
-    assert "| Gradient (update) sparsity intensifies over training |" in report and "**holds**" in report
+    assert "## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines" in report
+    # one table: the training run's claims and the probe's (labelled by source)
+    assert "| training | gradient (update) sparsity intensifies over training |" in report
+    assert "| probe | the group mean is the variance-optimal baseline (m_C = m_W) |" in report
     for head in ("### Policy entropy", "### Sparsity over training", "### S1 predicted from rollouts outside",
                  "### Baselines at matched expectation", "### Token credit"):
         assert head in report, head

@@ -67,6 +67,7 @@ from grpo_lens.diagnostics.group import (
     parameter_category,
     sketch_check_keys,
     span_energy,
+    top_singular_value,
     weighted_gram_measures,
     weightings,
     zero_sum_tests,
@@ -129,7 +130,8 @@ __all__ = [
     "random_zero_sum_weights", "singular_values", "stable_rank",
     # the per-group analysis path and its aggregation
     "WEIGHTINGS", "analyse_group", "cosine_gap", "g2_by_type_keys", "layer_type", "weightings", "g1_rank_keys", "g1_singular_values", "g2_keys", "mean_over_groups",
-    "orthogonal_null_singular_values", "parameter_category", "sketch_check_keys", "span_energy", "weighted_gram_measures", "zero_sum_tests",
+    "orthogonal_null_singular_values", "parameter_category", "sketch_check_keys", "span_energy",
+    "top_singular_value", "weighted_gram_measures", "zero_sum_tests",
     "bootstrap_ci", "stratify_rows", "student_t_quantile", "summarise_rows",
     # identity
     "IDENTITY_ESTIMATORS", "identity_constant", "binary_group_std", "grpo_binary_advantages", "rank2_constant", "rank2_residual", "rank2_residuals",

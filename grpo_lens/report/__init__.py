@@ -266,7 +266,8 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
         summ = d.get("summary", {})
         res = [g.get("grad/identity_residual") for g in d.get("groups", []) if g.get("grad/identity_residual") is not None]
         lines.append(f"| {r} | {d.get('prompts_sampled')} | {d.get('groups_all_equal')} | {d.get('groups_mixed')} | "
-                     f"{_fmt(d.get('s1_measured'))} | {_fmt(d.get('s1_predicted'))} | "
+                     f"{_ci(d['s1_measured_ci'], 3) if d.get('s1_measured_ci') else _fmt(d.get('s1_measured'))} | "
+                     f"{_ci(d['s1_predicted_ci'], 3) if d.get('s1_predicted_ci') else _fmt(d.get('s1_predicted'))} | "
                      f"{f'{max(res):.1e}' if res else '–'} | {_ci(summ.get('group/distinct_completions'))} | "
                      f"{_g2_cell(summ)} |")
         if d.get("groups_mixed", 0) == 0:
@@ -363,19 +364,24 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     return lines
 
 
-def claims_section(probes: dict[str, dict[str, Any]]) -> list[str]:
-    """The paper's claims with measurement, interval, control and computed verdict, per probe
-    (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11)."""
+def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None) -> list[str]:
+    """The paper's claims with measurement, interval, control and computed verdict, per probe, and on the training
+    run's records (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11 and §Claims on
+    sparsity, credit and baseline optimality)."""
     from grpo_lens.claims import evaluate_claims
+    from grpo_lens.claims_measures import TRAINING_CLAIMS
 
-    lines = ["## Claims: effective rank, zero-sum structure, the identity", "",
+    lines = ["## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines", "",
              "Each verdict is computed from the numbers by the rule shown (docs/theory.md §11): holds / does not hold / "
              "inconclusive. Intervals are 95% bootstrap intervals over groups.", ""]
-    multi = len(probes) > 1
+    sources = dict(probes)
+    if records:
+        sources = {"training": {"records": records}, **sources}
+    multi = len(sources) > 1
     lines += [("| probe " if multi else "") + "| claim | scope | measurement | null / control | verdict | decided by | "
               "gradients |", ("|---" if multi else "") + "|---|---|---|---|---|---|---|"]
-    for label, probe in probes.items():
-        for c in evaluate_claims(probe):
+    for label, probe in sources.items():
+        for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None):
             cells = [c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", c.rule, c.source]
             lines.append(("| " + label + " " if multi else "") + "| " + " | ".join(x.replace("|", "\\|")
                                                                                     for x in cells) + " |")
@@ -411,16 +417,8 @@ def write_report(run_dir: Path) -> Path:
     if config.exists():
         header += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
                    "</details>", ""]
-    if probes:
-        header += claims_section(probes)
-    claims = gradient_measures.sparsity_claims(records) if records else []
-    for label, probe in probes.items():
-        claims += gradient_measures.study_claims(label, probe.get("studies") or {})
-    if claims:
-        header += ["## Claims: sparsity, credit and baseline optimality", "",
-                   "Each claim of arXiv 2606.29238 as tested here: the measurement, its 95% interval, the control it "
-                   "is compared with, and the verdict computed from them (rules in "
-                   "`grpo_lens.report.gradient_measures`).", "", *gradient_measures.claims_table(claims), ""]
+    if probes or any(r.get("perf/lens_seconds") is not None for r in records):
+        header += claims_section(probes, records)
     header += ["## Findings", "", *[f"- {f}" for f in findings], ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(header + body) + "\n")

@@ -1,25 +1,19 @@
-"""Report sections and claims for sparsity over training, policy entropy, S1, baselines at matched expectation and
-token credit (docs/theory.md §Sparsity over training, §S1, §Baselines at matched expectation, §Token credit).
+"""Report sections for sparsity over training, policy entropy, S1, baselines at matched expectation and token credit
+(docs/theory.md §Sparsity over training, §S1, §Baselines at matched expectation, §Token credit).
 
-Everything is computed from metrics.jsonl records and probe.json's ``studies``; each claim carries its number, its
-interval, the control it is compared with and a verdict computed from them (:func:`verdict_from_interval`).
+Everything is computed from metrics.jsonl records and probe.json's ``studies``. The claims these sections support are
+in :mod:`grpo_lens.claims_measures` and appear in the report's claims section.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import random
 from pathlib import Path
 from typing import Any, Sequence
 
 from grpo_lens.lens import lens_overhead
 from grpo_lens.report import plots
 
-#: the false "disagree" rate of a segment whose true advantage has A_i's sign, at |A| > 2 SE: P(Z < -2) = 0.023
-MC_NOISE_DISAGREE = 0.023
-#: bf16-unchanged share above its dense control by at least this counts as sparsity beyond rounding
-BF16_MARGIN = 0.05
 
 
 def _fmt(x: Any, nd: int = 3) -> str:
@@ -36,94 +30,6 @@ def _ci(stats: dict[str, Any] | None, nd: int = 3) -> str:
     if stats.get("lo") is None:
         return f"{_fmt(stats['mean'], nd)} (n = {stats.get('n')})"
     return f"{_fmt(stats['mean'], nd)} [{_fmt(stats['lo'], nd)}, {_fmt(stats['hi'], nd)}]"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Verdicts
-# ---------------------------------------------------------------------------------------------------------------------
-def verdict_from_interval(lo: float | None, hi: float | None, control: float, holds_if: str) -> str:
-    """holds / does not hold / inconclusive from an interval [lo, hi] and a control value.
-
-    Args:
-        holds_if: "above" (the claim holds when the interval lies above the control, fails when it lies below),
-            "below" (the reverse), or "contains" (holds when the interval contains the control, fails when it
-            excludes it).
-
-    Returns:
-        "holds", "does not hold" or "inconclusive" (no interval, or it straddles the control for above/below).
-    """
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return "inconclusive"
-    if holds_if == "contains":
-        return "holds" if lo <= control <= hi else "does not hold"
-    above, below = lo > control, hi < control
-    if holds_if == "above":
-        return "holds" if above else ("does not hold" if below else "inconclusive")
-    if holds_if == "below":
-        return "holds" if below else ("does not hold" if above else "inconclusive")
-    raise ValueError(f"unknown holds_if {holds_if!r}; valid: above, below, contains")
-
-
-def spearman_trend(xs: Sequence[float], ys: Sequence[float], num_perm: int = 5000, seed: int = 0
-                   ) -> tuple[float, float]:
-    """(Spearman's rho of ys against xs, two-sided permutation p-value).
-
-    Exact over all n! orders for n <= 7, else ``num_perm`` random permutations (p = (1 + #{|rho*| >= |rho|}) /
-    (1 + num_perm)). NaN, NaN for n < 3.
-    """
-    n = len(xs)
-    if n < 3:
-        return math.nan, math.nan
-
-    def ranks(v: Sequence[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(v):
-            j = i
-            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    def rho(a: list[float], b: list[float]) -> float:
-        ma, mb = sum(a) / n, sum(b) / n
-        num = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-        den = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
-        return num / den if den > 0 else 0.0
-
-    rx, ry = ranks(xs), ranks(ys)
-    r0 = rho(rx, ry)
-    if n <= 7:
-        perms = list(itertools.permutations(ry))
-        hits = sum(abs(rho(rx, list(p))) >= abs(r0) - 1e-12 for p in perms)
-        return r0, hits / len(perms)
-    rng = random.Random(seed)
-    hits = 0
-    for _ in range(num_perm):
-        p = ry[:]
-        rng.shuffle(p)
-        hits += abs(rho(rx, p)) >= abs(r0) - 1e-12
-    return r0, (1 + hits) / (1 + num_perm)
-
-
-def claim(text: str, measurement: str, interval: str, control: str, verdict: str, source: str) -> dict[str, str]:
-    """One row of the claims table."""
-    return {"claim": text, "measurement": measurement, "interval": interval, "control": control, "verdict": verdict,
-            "source": source}
-
-
-def claims_table(claims: Sequence[dict[str, str]]) -> list[str]:
-    """Markdown table of claims."""
-    if not claims:
-        return []
-    lines = ["| claim | measurement | 95% interval | control | verdict | source |", "|---|---|---|---|---|---|"]
-    for c in claims:
-        lines.append(f"| {c['claim']} | {c['measurement']} | {c['interval']} | {c['control']} | **{c['verdict']}** | "
-                     f"{c['source']} |")
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -232,57 +138,6 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
                   f"{_fmt(cost['lens_seconds'], 1)} s: {_fmt(100 * cost['overhead'], 1)}% of the "
                   f"{_fmt(cost['train_seconds'], 1)} s the steps took without it.", ""]
     return lines
-
-
-def sparsity_claims(records: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Claims on sparsity over training (arXiv 2606.29238) with computed verdicts.
-
-    1. "Update sparsity intensifies over training": Spearman trend of the step update's Hoyer sparsity over lens
-       steps, permutation p-value; holds when rho > 0 with p < 0.05, fails when rho < 0 with p < 0.05, inconclusive
-       otherwise (and with fewer than 4 lens steps: no ordering of 3 points reaches p < 0.05 two-sided).
-    2. "RL leaves most parameters unchanged, beyond bf16 rounding": the bf16-unchanged share since the start minus
-       its dense-update control, with the sample's 95% binomial interval; holds when that excess lies above
-       BF16_MARGIN and the share itself above 0.5; fails when the excess lies below BF16_MARGIN or the share below
-       0.5; inconclusive otherwise.
-    """
-    out = []
-    rows = [r for r in lens_rows(records) if r.get("sparsity/update_step_hoyer") is not None]
-    if rows:
-        xs = [float(r["step"]) for r in rows]
-        ys = [float(r["sparsity/update_step_hoyer"]) for r in rows]
-        rho, p = spearman_trend(xs, ys)
-        if len(rows) < 4 or not math.isfinite(p):
-            verdict = "inconclusive"
-        elif p < 0.05:
-            verdict = "holds" if rho > 0 else "does not hold"
-        else:
-            verdict = "inconclusive"
-        out.append(claim("Gradient (update) sparsity intensifies over training",
-                         f"Hoyer of the step update {_fmt(ys[0])} (step {rows[0]['step']}) -> {_fmt(ys[-1])} (step "
-                         f"{rows[-1]['step']}); Spearman rho {_fmt(rho, 2)} over {len(rows)} lens steps",
-                         f"permutation p = {_fmt(p, 3)}", "no trend (rho = 0)", verdict,
-                         "lens, fixed weight sample"))
-    last = next((r for r in reversed(lens_rows(records)) if r.get("sparsity/update_total_bf16_dense") is not None),
-                None)
-    if last is not None:
-        n = float(last.get("sparsity/sample_entries") or 0)
-        share, dense = last["sparsity/update_total_bf16_unchanged"], last["sparsity/update_total_bf16_dense"]
-        se = math.sqrt(max(share * (1 - share), 1e-12) / n) if n else math.nan
-        gap = share - dense
-        lo, hi = gap - 1.96 * se, gap + 1.96 * se
-        verdict = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
-        if share + 1.96 * se < 0.5:  # most parameters changed: the claim fails whatever rounding does
-            verdict = "does not hold"
-        elif verdict == "holds" and share - 1.96 * se <= 0.5:
-            verdict = "inconclusive"
-        out.append(claim("RL leaves most parameters unchanged, beyond bf16 rounding (S4)",
-                         f"bf16 unchanged since start {_fmt(share)} vs dense-update control {_fmt(dense)} at step "
-                         f"{last['step']}: excess {_fmt(gap)}; f32 unchanged "
-                         f"{_fmt(last.get('sparsity/update_total_f32_unchanged'), 4)}",
-                         f"excess [{_fmt(lo)}, {_fmt(hi)}]",
-                         f"excess > {BF16_MARGIN} over a dense update of equal RMS, and share > 0.5", verdict,
-                         "lens, fixed weight sample"))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -400,47 +255,3 @@ def plot_credit_position(profile: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.grid(alpha=0.3)
     plots._legend(ax, fontsize=7)
     return plots._save(fig, path)
-
-
-def study_claims(label: str, studies: dict[str, Any]) -> list[dict[str, str]]:
-    """Claims on credit and baseline optimality from one probe's studies, with computed verdicts.
-
-    - "Output-only reward gives every token the same credit": the answer tokens' share of the update over their
-      share of the tokens (control 1: credit in proportion to size); holds when the interval contains 1.
-    - "Uniform credit matches Monte Carlo token credit": share of tokens in segments whose Monte Carlo advantage
-      opposes A_i beyond 2 SE; control: the noise rate 0.023 of that test; holds below it, fails above it.
-    - "The group mean is the variance-optimal baseline (m_C = m_W)": m_C / m_W over prompts; holds when its interval
-      contains 1; otherwise the population b*'s MSE ratio to RLOO decides: fails when its interval lies below 1,
-      inconclusive when it does not.
-    """
-    out = []
-    credit = studies.get("credit")
-    if credit:
-        ans = credit["contributions"]["classes"].get("answer", {}).get("ratio", {})
-        out.append(claim("Output-only reward gives every token the same credit",
-                         f"[{label}] answer tokens' share of the group update / their share of tokens: "
-                         f"{_fmt(ans.get('mean'), 2)} ({ans.get('n')} groups)",
-                         f"[{_fmt(ans.get('lo'), 2)}, {_fmt(ans.get('hi'), 2)}]", "1 (credit in proportion to size)",
-                         verdict_from_interval(ans.get("lo"), ans.get("hi"), 1.0, "contains"),
-                         "exact update, finite differences"))
-        dis = credit["monte_carlo"].get("disagree") or {}
-        out.append(claim("GRPO's uniform credit matches Monte Carlo token credit",
-                         f"[{label}] token share of segments opposing A_i beyond 2 SE: {_fmt(dis.get('mean'))} "
-                         f"({dis.get('n')} rollouts)", f"[{_fmt(dis.get('lo'))}, {_fmt(dis.get('hi'))}]",
-                         f"{MC_NOISE_DISAGREE} (false-disagreement rate of the 2-SE test)",
-                         verdict_from_interval(dis.get("lo"), dis.get("hi"), MC_NOISE_DISAGREE, "below"),
-                         f"K = {credit['monte_carlo']['samples_per_prefix']} continuations per prefix"))
-    study = (studies.get("baselines") or {}).get("baselines")
-    if study:
-        ratio = study.get("norm_ratio") or {}
-        mse = study["summary"].get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
-        v = verdict_from_interval(ratio.get("lo"), ratio.get("hi"), 1.0, "contains")
-        if v == "does not hold":
-            v = "does not hold" if verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below") == "holds" \
-                else "inconclusive"
-        out.append(claim("The group mean is the variance-optimal baseline (condition m_C = m_W)",
-                         f"[{label}] m_C / m_W = {_fmt(ratio.get('mean'), 2)} over {ratio.get('n')} prompts; "
-                         f"population b* MSE / RLOO's = {_ci(mse, 2)}",
-                         f"[{_fmt(ratio.get('lo'), 2)}, {_fmt(ratio.get('hi'), 2)}]",
-                         "1 (m_C = m_W); MSE ratio 1", v, "sketched gradients, held-out reference"))
-    return out
