@@ -166,17 +166,19 @@ def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
                                     loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens))
 
 
-def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str):
-    """(all-parameter rows [n, P or K], layer rows [n, *], token squared norms [n, Lp+T] or None)."""
+def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None):
+    """(all-parameter rows [n, P or K], exact rows of ``layer``'s weight gradient [n, d_out*d_in] or None, token
+    squared norms [n, Lp+T] or None), from one pass: in sketch mode the layer's exact rows are captured in the same
+    backward as the sketch (identity projection), so G1_layer and G2 need no pass of their own."""
     proc = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
     if config.exact:
         grads = dg.exact_rollout_grads(policy, sub, **proc)
-        slices = dg.param_slices(policy)
-        layer_rows = grads[:, slices[layer + ".weight"]]
+        layer_rows = grads[:, dg.param_slices(policy)[layer + ".weight"]] if layer else None
         return grads, layer_rows, None
     sketch = dg.sketch_rollout_grads(policy, sub, k_in=config.sketch_dim, k_out=config.sketch_dim,
-                                     seed=config.seed, token_norms=True, **proc)
-    return sketch.sketch, sketch.per_layer[layer], sketch.token_sq_norms
+                                     seed=config.seed, token_norms=True, exact_layers=[layer] if layer else (),
+                                     **proc)
+    return sketch.sketch, sketch.exact_layers.get(layer) if layer else None, sketch.token_sq_norms
 
 
 def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, config: ProbeConfig, layer: str,
@@ -184,7 +186,8 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     """One mixed group of R rollouts (rewards [R]): its row of canonical keys and its extras (spectra, G3 row, profile).
 
     The row is :func:`grpo_lens.diagnostics.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
-    (``rank/g1_layer_*``), G2 of ``layer`` (``rank/g2_*``) and credit (``credit/*``).
+    (``rank/g1_layer_*``, from the layer's exact per-rollout weight gradients), G2 of ``layer`` (``rank/g2_*``, their
+    advantage-weighted sum) and credit (``credit/*``).
     """
     R = sub.num_rollouts
     grads, layer_rows, token_sq = _rollout_grads(policy, sub, config, layer)
@@ -208,8 +211,8 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     }
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
-    g2_raw = dg.layer_weight_grads(policy, sub, adv.float(), [layer], temperature=config.temperature,
-                                   score_weights=score_weights(sub, config))[layer].cpu()
+    weight = dict(policy.named_modules())[layer].weight
+    g2_raw = (adv.to(layer_rows.dtype) @ layer_rows).reshape(weight.shape)  # sum_i A_i G2_i, exact
     bound = dg.g2_rank_bound(sub.prompt_mask.cpu(), cids, cmask)
     row.update(dg.g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype))
     extras["spectra"]["G2"] = dg.singular_values(g2_raw.double())[:64].tolist()
@@ -316,7 +319,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                 checks.append(sketch_check(policy, batch.select(group), extra, config))
             extra.pop("grads")
             if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
-                grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, layer)
+                grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, None)
                 var = dg.estimator_variances(grads_m.double().cpu(), r_all.double(), R, num_resamples=config.resamples,
                                              seed=seed)
                 baseline_var.append(var)

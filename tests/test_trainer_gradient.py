@@ -127,3 +127,18 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     for key in ("rank/g1_erank", "rank/g1_null_erank", "baseline/m_correct", "grad/identity_constant",
                 "rank/g1_random_erank"):
         assert out[key] == pytest.approx(want[key], rel=1e-9), key
+
+
+def test_exact_layer_rows_from_the_sketch_pass():
+    # the identity capture opened beside the sketch gives each rollout's exact weight gradient of the layer: the same
+    # numbers as the one-backward-per-rollout oracle (G1_layer and G2 of the probe come from these rows)
+    torch.manual_seed(0)
+    model = build_model()
+    batch, _, _ = build_batch(model)
+    layer = "model.layers.1.mlp.down_proj"
+    sk = dg.sketch_rollout_grads(model, batch, k_in=4, k_out=4, exact_layers=[layer], temperature=TEMPERATURE)
+    want = dg.exact_rollout_grads(model, batch, temperature=TEMPERATURE)[:, dg.param_slices(model)[layer + ".weight"]]
+    got = sk.exact_layers[layer]
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert sk.per_layer[layer].shape[1] == 16  # the sketch itself is unchanged (4 x 4)

@@ -26,6 +26,7 @@ Only weights of ``nn.Linear`` modules are sketched: embeddings, norms and biases
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -379,6 +380,8 @@ class GradientSketch:
         k_in, k_out: sketch sizes per side (None for identity projections, where they are the layer's d_in, d_out).
         token_sq_norms: [N, L] float or None: sum over layers of ||delta_t||^2 ||x_t||^2, the squared Frobenius norm
             of position t's rank-1 contribution delta_t x_t^T to the weight gradients (exact, not sketched).
+        exact_layers: {layer name: [N, d_out*d_in]} exact per-row weight gradients of the layers asked for with
+            ``exact_layers=`` in :func:`sketch_rollout_grads` (the same pass, identity projection), else empty.
     """
 
     per_layer: dict[str, Tensor]
@@ -386,6 +389,7 @@ class GradientSketch:
     k_out: int | None = None
     token_sq_norms: Tensor | None = None
     layer_names: list[str] = field(default_factory=list)
+    exact_layers: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def sketch(self) -> Tensor:
@@ -629,6 +633,7 @@ def sketch_rollout_grads(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    exact_layers: Sequence[str] = (),
 ) -> GradientSketch:
     """Sketched per-rollout gradients w_i g_i of all (filtered) linear layers from ONE batched forward + backward.
 
@@ -643,6 +648,8 @@ def sketch_rollout_grads(
         k_in, k_out, include, projection, seed, token_norms, dtype: see :class:`GradientCapture`.
         weights: [N] row weights (``A`` gives sketched G1 rows A_i g_i).
         score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|; docs/theory.md §3).
+        exact_layers: nn.Linear names whose exact per-row weight gradients are captured in the same pass (a second
+            capture with identity projection; [N, d_out*d_in] each, in ``GradientSketch.exact_layers``).
         temperature: the sampling temperature. top_k, top_p: ignored (docs/theory.md §Log-probabilities).
 
     Returns:
@@ -661,8 +668,10 @@ def sketch_rollout_grads(
     emb_out: list[Tensor] = []
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     handle = emb.register_forward_hook(lambda m, a, o: emb_out.append(o)) if emb is not None else None
+    exact = GradientCapture(model, include=list(exact_layers), projection="identity", dtype=dtype) \
+        if exact_layers else None
     try:
-        with capture:
+        with capture, (exact if exact is not None else contextlib.nullcontext()):
             logp = batch_logprobs(model, batch, temperature)
             scores = rollout_scores(logp, batch.completion_mask, score_weights)
             loss = scores.sum() if weights is None else (scores * weights.to(scores.dtype)).sum()
@@ -673,7 +682,10 @@ def sketch_rollout_grads(
     finally:
         if handle is not None:
             handle.remove()
-    return capture.result()
+    result = capture.result()
+    if exact is not None:
+        result.exact_layers = exact.result().per_layer
+    return result
 
 
 def token_grad_sq_norms(model: nn.Module, batch: RolloutBatch, *, include: LayerFilter = None,
