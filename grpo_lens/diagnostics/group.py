@@ -295,17 +295,21 @@ def g1_rank_keys(grads: Tensor, advantages: Tensor, name: str) -> dict[str, floa
     return {f"rank/{name}_{m}": v for m, v in weighted_gram_measures(g @ g.T, advantages.double()).items()}
 
 
-def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32,
+            singular_values: Tensor | None = None) -> dict[str, float]:
     """``rank/g2_<m>``, ``rank/g2_numerical_rank`` and ``rank/g2_rank_bound`` of one layer's weight gradient of the
     group loss, G2 [d_out, d_in] (docs/theory.md §5).
 
     Args:
         g2: [d_out, d_in].  rank_bound: :func:`grpo_lens.diagnostics.spectrum.g2_rank_bound` of the group.
         computed_dtype: the precision G2 was computed in (sets the numerical-rank tolerance).
+        singular_values: G2's singular values if already computed (else from the smaller Gram matrix in float64:
+            accurate to ~1e-8 s_1, well below the float32 rank tolerance max(d) * 1.2e-7).
     """
-    from grpo_lens.diagnostics.spectrum import numerical_rank, singular_values
+    from grpo_lens.diagnostics.spectrum import numerical_rank
+    from grpo_lens.diagnostics.spectrum import singular_values as svals
 
-    s = singular_values(g2.double())
+    s = svals(g2.double(), method="gram") if singular_values is None else singular_values
     out = {f"rank/g2_{m}": v for m, v in rank_measures(s).items()}
     out["rank/g2_numerical_rank"] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))
     out["rank/g2_rank_bound"] = float(rank_bound)
