@@ -239,16 +239,25 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
 
 def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
                   config: ProbeConfig) -> dict[str, float]:
-    """G2 of every nn.Linear layer under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`, summarised by
-    layer type (:func:`grpo_lens.diagnostics.g2_by_type_keys`): one backward per weighting."""
-    row: dict[str, float] = {}
-    omega = score_weights(sub, config)
-    for name, w in dg.weightings(extra["advantages"], rewards).items():
-        grads = dg.layer_weight_grads(policy, sub, w.float(), None, temperature=config.temperature,
-                                      score_weights=omega)
-        row.update(dg.g2_by_type_keys({k: v.cpu() for k, v in grads.items()}, name))
-        del grads
-    return row
+    """Stable rank of every nn.Linear layer's G2 under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`,
+    summarised by layer type, from one backward (:class:`grpo_lens.diagnostics.G2WeightingCapture`)."""
+    from grpo_lens.diagnostics.gradients import rollout_scores
+    from grpo_lens.rollout import batch_logprobs
+
+    capture = dg.G2WeightingCapture(policy, dg.weightings(extra["advantages"], rewards))
+    emb_out: list[torch.Tensor] = []
+    handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
+    try:
+        with capture:
+            logp = batch_logprobs(policy, sub, config.temperature)
+            loss = rollout_scores(logp, sub.completion_mask, score_weights(sub, config)).sum()
+            # differentiate w.r.t. the embedding output: every layer's delta, no weight-gradient GEMMs
+            roots = emb_out if emb_out and all(t.requires_grad for t in emb_out) else \
+                [m.weight for m in capture.layers.values() if m.weight.requires_grad]
+            torch.autograd.grad(loss, roots, allow_unused=True)
+    finally:
+        handle.remove()
+    return capture.result()
 
 
 def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: ProbeConfig) -> dict[str, float]:
