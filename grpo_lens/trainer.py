@@ -355,8 +355,8 @@ def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int,
                           total_bytes: int | None, share: float = 0.25) -> int:
     """Rollouts per forward/backward when ``micro_batch_size`` is unset: as many as fit, up to all ``n_rollouts``.
 
-    The budget is ``share`` of ``total_bytes`` less the weights, gradients and AdamW's two moments (4 copies of the
-    parameters); each rollout takes :func:`activation_bytes_per_rollout`. One pass over the whole mini-batch is
+    The budget is ``share`` of what ``total_bytes`` leaves after the weights, gradients and AdamW's two moments (4
+    copies of the parameters); each rollout takes :func:`activation_bytes_per_rollout`. One pass over the whole mini-batch is
     fastest (larger matrix products, one LM-head call); smaller micro-batches only save memory.
 
     Args:
@@ -370,7 +370,7 @@ def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int,
     if total_bytes is None:
         return max(1, min(8, n_rollouts))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    budget = share * total_bytes - 4 * params
+    budget = share * (total_bytes - 4 * params)
     per_rollout = max(activation_bytes_per_rollout(model, seq_len, scored_len), 1)
     return int(max(1, min(n_rollouts, budget // per_rollout)))
 
