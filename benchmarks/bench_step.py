@@ -390,6 +390,10 @@ def table(args) -> None:
         ratio = f"{s['step'] / base:.2f}" if base else "n/a"
         print(f"| {LABELS[system]} | {s['step']:.2f} | {s['gen']:.2f} | {s['fwd']:.2f} | {s['bwd']:.2f} | "
               f"{s['lens']:.2f} | {s['peak']:.0f} | {ratio} |")
+    if base and "lens-off" in results and "lens-1" in results:
+        off, on = results["lens-off"]["step"], results["lens-1"]["step"]
+        print(f"\nlens every 5 steps (the default), from the two rows above: (4 x {off:.2f} + {on:.2f}) / 5 = "
+              f"{(4 * off + on) / 5:.2f} s/step, {(4 * off + on) / 5 / base:.2f}x plain")
     if "trl" in results and "lens-off" in results:
         print(f"\nTRL / grpo-lens (lens off): {results['trl']['step'] / results['lens-off']['step']:.2f}")
     if base and "lens-off" in results:

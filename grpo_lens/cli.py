@@ -18,15 +18,17 @@ import os
 import sys
 from pathlib import Path
 
+from grpo_lens import __version__
 from grpo_lens.config import TrainConfig, add_config_arguments, config_from_args
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input rather than a bug: shown as one line, exit status 2."""
+    from grpo_lens.compare import CompareError
     from grpo_lens.config import ConfigError
     from grpo_lens.rundir import RunDirError
 
-    errors: list[type[BaseException]] = [ConfigError, RunDirError, ValueError, FileNotFoundError, PluginError]
+    errors: list[type[BaseException]] = [ConfigError, RunDirError, CompareError, ValueError, FileNotFoundError, PluginError]
     try:
         from grpo_lens.models import ModelNotFoundError
 
@@ -139,6 +141,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from grpo_lens.compare import compare_runs
+
+    path = compare_runs(args.run_dirs, args.out, last=args.last, allow_different_tasks=args.allow_different_tasks)
+    print(f"comparison written to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; flags come from the config dataclasses' fields and help."""
     parser = argparse.ArgumentParser(prog="grpo-lens", description="Train with GRPO and measure its gradient.",
@@ -146,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             f"registers them and list it in {PLUGINS_ENV} (comma-separated), e.g. "
                                             f"{PLUGINS_ENV}=my_rewards grpo-lens train --rewards my_reward ...")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print grpo-lens' version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from grpo_lens.demo import DemoConfig
@@ -165,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write RUN_DIR/report.md and plots from a run directory")
     p.add_argument("run_dir", help="a run directory written by train, probe or demo")
     p.set_defaults(fn=_cmd_report)
+
+    p = sub.add_parser("compare", help="overlay two or more training runs in one report (OUT/compare.md)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by grpo-lens train")
+    p.add_argument("--out", required=True, help="directory for compare.md, compare.png and compare.json")
+    p.add_argument("--last", type=int, default=5, help="final numbers average each run's last this many records "
+                                                       "of a metric (default: 5)")
+    p.add_argument("--allow-different-tasks", action="store_true",
+                   help="compare runs whose task, task options or dataset differ (refused otherwise)")
+    p.set_defaults(fn=_cmd_compare)
     return parser
 
 

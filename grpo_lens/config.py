@@ -116,6 +116,10 @@ class TrainConfig(ConfigFile):
                             "temperature-scaled distribution (docs/theory.md).")
     top_p: float = option(1.0, "Nucleus sampling mass in (0, 1]; 1 disables. Shapes sampling only, not log-probs.")
     top_k: int = option(0, "Top-k sampling; 0 disables. Shapes sampling only, not log-probs.")
+    dynamic_sampling: bool = option(False, "DAPO dynamic sampling (arXiv 2503.14476): sample extra rounds of prompts "
+                                "until the step has prompts_per_step groups whose rewards are not all equal; at the "
+                                "cap trains on the mixed groups found (logged as dynamic/mixed_groups).")
+    dynamic_sampling_max_rounds: int = option(3, "Cap on dynamic sampling's extra sampling rounds per step.")
     overlong: str = option("none", "Completions cut at max_new_tokens: none, mask (advantage 0, kept in group "
                            "statistics and the loss normaliser), filter (DAPO overlong filtering: their tokens leave "
                            "the loss and its normaliser), soft-punish (DAPO's length penalty, eq. 13, added to the "
@@ -170,6 +174,16 @@ class TrainConfig(ConfigFile):
                                 "first pass when the loss allows it (beta 0, no tis_cap, one mini-batch, nonzero "
                                 "advantages in the mixed groups): the same numbers without the lens's extra forward "
                                 "and backward. Off: the lens always runs its own pass.")
+    lens_space: str = option("trainable", "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "
+                         "the adapter's parameters, exact; without LoRA every linear layer, sketched) or full (every "
+                         "linear layer's full weight, sketched; with LoRA the frozen base weights, what full "
+                         "fine-tuning would follow).")
+    # --- LoRA (peft) -------------------------------------------------------------------------------------------------
+    lora_rank: int = option(0, "LoRA rank r (Hu et al. 2021, arXiv 2106.09685) through peft; 0 trains every parameter "
+                        "(full fine-tuning).")
+    lora_alpha: float = option(32.0, "LoRA scale numerator: the update is lora_alpha / lora_rank * B A.")
+    lora_target_modules: list = option(["all-linear"], "Module names LoRA adapts (e.g. q_proj v_proj), or all-linear "
+                                   "(every linear layer but the output head).")
     # --- run ---------------------------------------------------------------------------------------------------------
     seed: int = option(0, "Random seed (prompts, sampling, projections).")
     dtype: str = option("float32", "Precision: float32; bfloat16 (bf16 weights and optimizer state: half the memory, "
@@ -183,6 +197,9 @@ class TrainConfig(ConfigFile):
     keep_checkpoints: int = option(2, "How many recent checkpoints to keep.")
     save_final_model: bool = option(True, "Save the trained policy and tokenizer as a Hugging Face folder in "
                                     "RUN/final_model at the end (loadable with --model RUN/final_model).")
+    report_to: list = option(["none"], "Experiment trackers that get every metrics record too: none, tensorboard, "
+                             "wandb (WANDB_MODE=offline works without a network), trackio; metrics.jsonl stays the "
+                             "source of truth.")
     log_completions: int = option(2, "Completions per step written to completions.jsonl (0 = none).")
     progress: bool = option(True, "Show a progress bar.")
 
@@ -319,6 +336,26 @@ class TrainConfig(ConfigFile):
                     float(weight)
                 except ValueError:
                     bad("rewards", f"{spec!r}: the weight after ':' must be a number")
+        if isinstance(self.report_to, str):  # YAML `report_to: tensorboard` means a list of one
+            self.report_to = [self.report_to]
+        from grpo_lens.trackers import REPORT_TO
+
+        for name in self.report_to:
+            if name not in REPORT_TO:
+                bad("report_to", f"unknown tracker {name!r}; valid names: {', '.join(REPORT_TO)}")
+        if "none" in self.report_to and len(self.report_to) > 1:
+            bad("report_to", "'none' cannot be combined with a tracker; drop it")
+        if self.dynamic_sampling_max_rounds < 0:
+            bad("dynamic_sampling_max_rounds", "must be >= 0 (0 = only the step's own round)")
+        choice("lens_space", ("trainable", "full"))
+        if self.lora_rank < 0:
+            bad("lora_rank", "must be >= 0 (0 = full fine-tuning)")
+        if self.lora_alpha <= 0:
+            bad("lora_alpha", "must be > 0")
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [self.lora_target_modules]
+        if not self.lora_target_modules:
+            bad("lora_target_modules", "name at least one module, or all-linear")
         if self.task == "jsonl" and not self.dataset:
             bad("task", "task 'jsonl' needs --dataset PATH")
 

@@ -2,7 +2,9 @@
 
 On a lens step, before the update, one extra batched backward gives sketched per-rollout gradients g_i of every linear
 layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`), each the term that the configured loss
-aggregation weights in the update (:func:`grpo_lens.losses.rollout_gradient_weights`, docs/theory.md §3). Each mixed group goes through the one
+aggregation weights in the update (:func:`grpo_lens.losses.rollout_gradient_weights`, docs/theory.md §3); with LoRA,
+exact gradients of the adapter's parameters or sketches of the frozen base weights (``lens_space``,
+:meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one
 per-group analysis path, :func:`grpo_lens.diagnostics.analyse_group` (the same function ``grpo-lens probe`` calls),
 and the lens writes the mean over the step's mixed groups of every key it returns (the identity residual: the max).
 With several processes every process's groups are gathered first, so the numbers cover the whole batch.
@@ -174,11 +176,9 @@ class TrainerLens:
             if sketch is None:
                 omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total,
                                                  n_total)
-                sketch = dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim,
-                                                 seed=c.seed, score_weights=omega, temperature=c.temperature).sketch
+                grads = self.rollout_grads(policy, sub, omega).cpu()  # [n_mixed * R, K]; analysed on the CPU
             else:
-                sketch = sketch[idx.to(sketch.device)]
-            grads = sketch.double().cpu()  # [n_mixed * R, K]; small, analysed on the CPU with r and adv
+                grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
                 rows.append(dg.analyse_group(
@@ -195,6 +195,23 @@ class TrainerLens:
         self._pending = True
         out["perf/lens_seconds"] = time.perf_counter() - t0
         return out
+
+    def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
+        """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.
+
+        ``omega`` [n]: the loss aggregation's weights of each rollout's log-prob sum (docs/theory.md §3). Without LoRA:
+        sketched gradients of every linear layer (K = layers * lens_sketch_dim^2). With LoRA see
+        :func:`grpo_lens.lora.lora_rollout_grads` (``trainable``: the adapter's parameters, exact; ``full``: the
+        frozen base linear weights, sketched).
+        """
+        from grpo_lens.lora import is_lora, lora_rollout_grads
+
+        c = self.config
+        if is_lora(policy):
+            return lora_rollout_grads(policy, sub, c.lens_space, k=c.lens_sketch_dim, seed=c.seed, score_weights=omega,
+                                      temperature=c.temperature).double()
+        return dg.sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim, seed=c.seed,
+                                       score_weights=omega, temperature=c.temperature).sketch.double()
 
     def before_step(self, policy: torch.nn.Module) -> None:
         """Snapshot the weights (bf16, and the fixed sample with the step's gradient) just before the first optimizer

@@ -88,7 +88,7 @@ class ProbeConfig(ConfigFile):
                                    "expectation, §Token credit).")
     baseline_study_prompts: int = option(8, "Prompts with reward contrast in the baseline study, M = 4R rollouts each "
                                          "(0 skips the study).")
-    credit_groups: int = option(4, "Mixed groups whose tokens' signed contributions to the update are measured (0 "
+    credit_groups: int = option(8, "Mixed groups whose tokens' signed contributions to the update are measured (0 "
                                 "skips the credit study).")
     mc_groups: int = option(2, "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
                             "rollout.")

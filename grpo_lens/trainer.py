@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import logging
 import math
 import random
@@ -28,6 +29,7 @@ import torch
 from grpo_lens.advantages import compute_advantages, constant_groups
 from grpo_lens.config import TrainConfig
 from grpo_lens.diagnostics.baselines import optimal_vs_rloo, sketched_rollout_sq_norms
+from grpo_lens.dynamic_sampling import collect_mixed_groups
 from grpo_lens.losses import grpo_loss, loss_normalizer, mismatch_sums, truncated_is_weights
 from grpo_lens.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
@@ -42,7 +44,7 @@ class NonFiniteUpdateError(RuntimeError):
 
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
-                  "log_completions", "device",
+                  "log_completions", "device", "report_to",
                   "reward_timeout", "max_consecutive_skips")
 
 
@@ -271,7 +273,7 @@ def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, val
     True when ``lens_from_update`` is on, the lens offers ``update_capture``, and the first pass's loss gradient is
     -(A_i / N) grad(omega_i sum_t log pi) per rollout: no KL term (beta 0), no importance weights (tis_cap unset), both clip ranges
     > 0 (ratio 1 lies inside them), one mini-batch (the first pass covers every rollout before any optimizer step),
-    and every advantage of the groups the lens analyses finite and nonzero.
+    and every advantage of the groups the lens analyses finite and nonzero; never with LoRA (``lora_rank`` > 0).
 
     Args:
         rewards: [N] (NaN where invalid).   valid: [N] bool.   advantages: [N].
@@ -279,6 +281,8 @@ def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, val
     if not (config.lens_from_update and hasattr(lens, "update_capture") and hasattr(lens, "mixed_groups")):
         return False
     if config.beta > 0 or config.tis_cap is not None or config.eps_low <= 0 or config.eps_high <= 0:
+        return False
+    if config.lora_rank > 0:  # the lens measures the adapter exactly, or the frozen base weights, on its own pass
         return False
     if config.num_mini_batches != 1:
         return False
@@ -351,8 +355,8 @@ def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int,
                           total_bytes: int | None, share: float = 0.25) -> int:
     """Rollouts per forward/backward when ``micro_batch_size`` is unset: as many as fit, up to all ``n_rollouts``.
 
-    The budget is ``share`` of ``total_bytes`` less the weights, gradients and AdamW's two moments (4 copies of the
-    parameters); each rollout takes :func:`activation_bytes_per_rollout`. One pass over the whole mini-batch is
+    The budget is ``share`` of what ``total_bytes`` leaves after the weights, gradients and AdamW's two moments (4
+    copies of the parameters); each rollout takes :func:`activation_bytes_per_rollout`. One pass over the whole mini-batch is
     fastest (larger matrix products, one LM-head call); smaller micro-batches only save memory.
 
     Args:
@@ -366,7 +370,7 @@ def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int,
     if total_bytes is None:
         return max(1, min(8, n_rollouts))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    budget = share * total_bytes - 4 * params
+    budget = share * (total_bytes - 4 * params)
     per_rollout = max(activation_bytes_per_rollout(model, seq_len, scored_len), 1)
     return int(max(1, min(n_rollouts, budget // per_rollout)))
 
@@ -472,6 +476,15 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
                          f"of the {procs.world} processes holds (prompts_per_step / processes = {share})")
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
+    if config.dynamic_sampling and procs.world > 1:
+        raise ValueError("--dynamic-sampling runs in one process only for now (processes would keep different "
+                         "numbers of groups); drop it or run one process")
+    if config.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora-rank needs the peft package: pip install 'grpo-lens[lora]' (or pip install peft)")
+    if procs.is_main:
+        from grpo_lens.trackers import check_trackers
+
+        check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     resolve_model(config.model)
     return task, reward_fns
 
@@ -534,6 +547,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     reference = None
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    if config.lora_rank > 0:  # the reference above stays the plain base model
+        from grpo_lens.lora import apply_lora
+
+        policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+        policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
@@ -574,33 +592,51 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         logger.warning("%s is already at step %d >= max_steps %d: nothing to train (raise --max-steps to continue)",
                        run.path, start_step, config.max_steps)
     progress = _progress(config, start_step, procs)
+    trackers = None
+    if procs.is_main and start_step < config.max_steps:
+        from grpo_lens.trackers import Trackers
+
+        trackers = Trackers(config.report_to, run.path, config.to_dict(), start_step)
     share = B // procs.world
     for step in range(start_step + 1, config.max_steps + 1):
         t0 = time.perf_counter()
         seed = step_seed(config.seed, step)
 
-        # 1. prompts: every process draws the same B, samples its own share of them
-        examples = task.sample(B, seed=seed)[procs.rank * share:(procs.rank + 1) * share]
+        gen_seconds: list[float] = []
 
-        # 2. rollouts: R completions per prompt, with the sampler's log-probs
-        policy.eval()
-        crash_point("during_generation", step, module=policy)
-        with forward_precision(procs.device, config.dtype):
-            batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
-                                  temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                  generator_seed=seed + 104_729 * procs.rank)
-        policy.train()
-        t_gen = time.perf_counter() - t0
+        def sample_round(rnd: int):
+            """Round ``rnd`` of this step (0: the ordinary batch; > 0: dynamic sampling's extra rounds)."""
+            rseed = seed if rnd == 0 else step_seed(seed, rnd)
+            # 1. prompts: every process draws the same B, samples its own share of them
+            examples = task.sample(B, seed=rseed)[procs.rank * share:(procs.rank + 1) * share]
+            # 2. rollouts: R completions per prompt, with the sampler's log-probs
+            t_start = time.perf_counter()
+            policy.eval()
+            crash_point("during_generation", step, module=policy)
+            with forward_precision(procs.device, config.dtype):
+                batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
+                                      temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                      generator_seed=rseed + 104_729 * procs.rank)
+            policy.train()
+            gen_seconds.append(time.perf_counter() - t_start)
+            # 3. rewards (invalid rollouts are masked out of the group statistics)
+            rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
+            rewards, valid = rewards.to(procs.device), valid.to(procs.device)
+            correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
+            if config.overlong == "soft-punish":  # DAPO eq. 13 added to every valid rollout's reward
+                penalty = soft_overlong_penalty(batch.completion_mask.sum(dim=1), config.overlong_length(),
+                                                config.overlong_cache()).to(rewards.device)
+                rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
+                reward_info["reward/overlong_penalty"] = float(procs.gather(penalty).mean())
+            return batch, rewards, valid, reward_info, correct
 
-        # 3. rewards (invalid rollouts are masked out of the group statistics)
-        rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
-        rewards, valid = rewards.to(procs.device), valid.to(procs.device)
-        correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
-        if config.overlong == "soft-punish":  # DAPO eq. 13 added to every valid rollout's reward
-            penalty = soft_overlong_penalty(batch.completion_mask.sum(dim=1), config.overlong_length(),
-                                            config.overlong_cache()).to(rewards.device)
-            rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
-            reward_info["reward/overlong_penalty"] = float(procs.gather(penalty).mean())
+        dynamic: dict[str, float] = {}
+        if config.dynamic_sampling:  # DAPO: extra rounds until B mixed groups (docs/theory.md §Dynamic sampling)
+            batch, rewards, valid, reward_info, dynamic, (correct,) = collect_mixed_groups(
+                sample_round, share, config.dynamic_sampling_max_rounds, tokenizer.pad_token_id)
+        else:
+            batch, rewards, valid, reward_info, correct = sample_round(0)
+        t_gen = sum(gen_seconds)
 
         # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
         #    group's statistics and, with --overlong mask or filter, get zero advantage (no policy gradient)
@@ -672,7 +708,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         all_trunc = procs.gather(batch.truncated)
         seconds = time.perf_counter() - t0
         tokens = float(all_mask.sum())
-        record = {"step": step, **reward_info,  # this process's reward calls; the all-process statistics win:
+        record = {"step": step, **reward_info, **dynamic,  # this process's reward calls; all-process statistics win:
                   **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
                   **accuracy_metrics(procs.gather(correct)), **loss_metrics, **lens_metrics, **baseline_metrics,
                   "lr": optimizer.param_groups[0]["lr"],
@@ -681,6 +717,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                   "perf/peak_memory_mb": _peak_memory_mb(procs.device)}
         if procs.is_main:
             run.append_metrics(record)
+            if trackers is not None:
+                trackers.log(record, step)
             _log_completions(run, step, batch, rewards, advantages, config.log_completions)
             crash_point("after_metrics_write", step)
             if progress is not None:
@@ -704,6 +742,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     if progress is not None:
         progress.close()
+    if trackers is not None:
+        trackers.finish()
     if lens is not None and procs.is_main:  # what the lens cost this run (the whole run, resumed parts included)
         from grpo_lens.lens import lens_overhead
 
@@ -719,15 +759,21 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
 
 def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path) -> Path:
-    """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename)."""
+    """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename); a LoRA
+    policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`)."""
     import os
     import shutil
 
     for stray in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed while saving
         shutil.rmtree(stray, ignore_errors=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    from grpo_lens.lora import is_lora, save_lora_model
+
+    if is_lora(policy):  # merged model in path/, the adapter alone in path/adapter/
+        save_lora_model(policy, tokenizer, tmp)
+    else:
+        policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     crash_point("mid_final_model", 0)
     os.replace(tmp, path)
     return path

@@ -64,8 +64,8 @@ def test_auto_micro_batch_size_fills_the_budget():
     assert per == 469_568
     params = sum(p.numel() * 4 for p in model.parameters())
     for k in (1, 3, 7):
-        # budget = share * total - 4 * params = k * per + per / 2 -> floor(budget / per) = k
-        total = int((4 * params + k * per + per // 2) / 0.25)
+        # budget = share * (total - 4 * params) = k * per + per / 2 -> floor(budget / per) = k
+        total = int((k * per + per // 2) / 0.25) + 4 * params
         assert auto_micro_batch_size(model, 32, 40, 16, total) == k
     assert auto_micro_batch_size(model, 32, 40, 16, 10**15) == 32  # everything fits: the whole mini-batch
     assert auto_micro_batch_size(model, 32, 40, 16, 1) == 1  # nothing fits: still one rollout at a time

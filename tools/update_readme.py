@@ -24,7 +24,11 @@ def cli_reference() -> str:
                        ("grpo-lens probe", ProbeConfig)):
         parts += [f"#### `{title}`", "", reference_markdown(cls), ""]
     parts += ["#### `grpo-lens report RUN_DIR`", "",
-              "Writes RUN_DIR/report.md and its PNGs from the files in RUN_DIR alone.", ""]
+              "Writes RUN_DIR/report.md and its PNGs from the files in RUN_DIR alone.", "",
+              "#### `grpo-lens compare RUN_DIR... --out DIR`", "",
+              "Overlays two or more training runs in DIR/compare.md (+ compare.png, compare.json): the config fields "
+              "that differ, final numbers (mean over the last `--last` records, default 5, with a 95% bootstrap "
+              "interval) and curves. Runs of different tasks are refused unless `--allow-different-tasks`.", ""]
     return "\n".join(parts)
 
 

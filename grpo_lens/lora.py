@@ -1,0 +1,130 @@
+"""LoRA through peft: wrap the policy, name its parameter spaces for the lens, save it merged and adapter-only.
+
+With ``--lora-rank r`` each targeted linear layer W [out, in] becomes W + (alpha / r) B A with A [r, in], B [out, r]
+trainable and W frozen (Hu et al. 2021, arXiv 2106.09685, eq. 3; peft's ``LoraConfig``). The optimizer, the gradient
+clipping, the checkpoints and the lens's update sparsity (S4) then see only the adapter parameters.
+
+The lens measures per-rollout gradients in one of two spaces (``--lens-space``):
+
+- ``trainable`` (default): the gradient of every trainable parameter -- with LoRA the adapter's A and B, measured
+  exactly (one backward per rollout; the adapter is small), which is the space the update moves in;
+- ``full``: the gradient with respect to every frozen base weight W of the linear layers, as full fine-tuning would
+  follow it (sketched, the base space is large). Because the frozen W sits in the same forward pass, its gradient
+  is delta^T x of the base layer, read by hooks on the base layers without updating W.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Name fragment of peft's adapter modules (``...q_proj.lora_A.default``); base layers are ``...q_proj.base_layer``.
+ADAPTER_MARK = "lora_"
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """True when ``model`` is a peft model (a policy wrapped by :func:`apply_lora`)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: list[str]) -> torch.nn.Module:
+    """Wrap ``model`` with a fresh LoRA adapter (A random, B = 0: the wrapped model computes what ``model`` did).
+
+    Args:
+        model: a transformers causal LM.
+        rank: r >= 1.  alpha: the scale numerator (update = alpha / r * B A).
+        target_modules: module-name suffixes to adapt (e.g. ``q_proj v_proj``) or ``all-linear`` (every linear layer
+            but the output head).
+
+    Returns:
+        the ``peft.PeftModel``; only the adapter's parameters require grad.
+
+    Raises:
+        ImportError: peft is not installed (names the extra).  ValueError: no module matches ``target_modules``.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ImportError("--lora-rank needs peft: pip install 'grpo-lens[lora]' (or pip install peft)") from None
+    targets: Any = "all-linear" if list(target_modules) == ["all-linear"] else list(target_modules)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
+                        task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"--lora-target-modules {' '.join(target_modules)}: {str(e).splitlines()[0][:200]}; this "
+                         f"model's linear layers are named {', '.join(names)} (or use all-linear)") from None
+
+
+def adapter_layers(name: str) -> bool:
+    """Layer filter (for :func:`grpo_lens.diagnostics.sketch_rollout_grads`) of the LoRA adapter's linear maps."""
+    return ADAPTER_MARK in name
+
+
+def base_layers(name: str) -> bool:
+    """Layer filter of the frozen base model's linear layers (the full fine-tuning space)."""
+    return ADAPTER_MARK not in name
+
+
+def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int = 16, seed: int = 0,
+                       projection: str = "gaussian", dtype: torch.dtype = torch.float32,
+                       score_weights: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Per-rollout gradients g_i of a LoRA policy's rollouts (g_i = grad of omega_i times the rollout's log-prob sum,
+    omega_i = 1/|o_i| unless ``score_weights``; docs/theory.md §3) in the adapter space or the full space.
+
+    Args:
+        model: a policy wrapped by :func:`apply_lora`.
+        batch: N rollouts (:class:`grpo_lens.rollout.RolloutBatch`).
+        space: ``trainable`` -- exact gradients of the adapter's A and B ([N, P_adapter], one backward per rollout);
+            ``full`` -- gradients of every frozen base linear weight W, sketched with k x k Kronecker projections
+            per layer ([N, layers * k^2]; ``projection="identity"`` gives them exactly, [N, sum d_out d_in]).
+        k, seed, projection, dtype: of the sketch (:func:`grpo_lens.diagnostics.sketch_rollout_grads`).
+        score_weights: [N] omega_i (:func:`grpo_lens.diagnostics.rollout_scores`).  temperature: the sampler's.
+
+    Returns:
+        [N, K] in the model's dtype (exact) or ``dtype`` (sketch).
+
+    Raises:
+        ValueError: an unknown ``space``.
+
+    The two spaces are tied by the chain rule: with the update s B A (s = alpha / r) added to W,
+    grad_B = s grad_W A^T and grad_A = s B^T grad_W (tests/test_lora.py checks this).
+    """
+    from grpo_lens import diagnostics as dg
+
+    if space == "trainable":
+        return dg.exact_rollout_grads(model, batch, score_weights=score_weights, temperature=temperature)
+    if space != "full":
+        raise ValueError(f"unknown lens space {space!r}; valid names: full, trainable")
+    # A frozen base layer's output carries a gradient only once the input embeddings' output requires one
+    # (transformers' enable_input_require_grads); the sketch then differentiates with respect to it alone.
+    model.enable_input_require_grads()
+    try:
+        return dg.sketch_rollout_grads(model, batch, k_in=k, k_out=k, include=base_layers, seed=seed,
+                                       projection=projection, dtype=dtype, score_weights=score_weights,
+                                       temperature=temperature).sketch
+    finally:
+        model.disable_input_require_grads()
+
+
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain transformers model with the adapter folded into the base weights (W + alpha/r B A); ``model`` is
+    left as it was."""
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def save_lora_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
+    """Write the merged model + tokenizer into ``path`` (loadable as ``--model path`` without peft) and the adapter
+    alone into ``path/adapter`` (``PeftModel.from_pretrained(base, path/adapter)``)."""
+    merged_copy(model).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path / "adapter")
