@@ -209,7 +209,7 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
                                f"{_ci(fmt_r)}"),
                   control="1 (every class credited in proportion to its token count)", verdict=verdict,
                   rule=("interval contains 1" if verdict == HOLDS else "interval excludes 1" if verdict == DOES_NOT_HOLD
-                        else "no interval (fewer than 4 groups with answer tokens)"),
+                        else "no interval (fewer than 8 groups with answer tokens)"),
                   source="exact update direction over every parameter, finite differences")]
 
 
@@ -217,22 +217,25 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
 def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     """"GRPO's uniform A_i is the credit each token earns", against Monte Carlo token advantages (VinePPO).
 
-    Rule: share of tokens in segments whose Monte Carlo advantage opposes A_i beyond 2 standard errors, 95% interval
-    over rollouts; holds when it lies below :data:`MC_NOISE_DISAGREE` (the 2-SE test's false rate), does not hold when
-    it lies above, inconclusive otherwise.
+    Rule: d = share of Monte Carlo segments (pooled over rollouts) whose advantage opposes A_i beyond 2 standard
+    errors, with its Wilson interval; control :data:`MC_NOISE_DISAGREE`, that test's false rate when every segment
+    truly has A_i's sign or 0. Holds when the interval lies below the control, does not hold when it lies above,
+    inconclusive otherwise (too few segments to tell).
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit or not credit["monte_carlo"]["rollouts"]:
         return []
     mc = credit["monte_carlo"]
-    dis = mc.get("disagree") or {}
-    verdict = verdict_from_interval(dis.get("lo"), dis.get("hi"), MC_NOISE_DISAGREE, "below")
+    seg = mc.get("segments") or {}
+    k, n = int(seg.get("disagree", 0)), int(seg.get("total", 0))
+    lo, hi = wilson_interval(k, n)
+    verdict = verdict_from_interval(lo, hi, MC_NOISE_DISAGREE, "below") if n else INCONCLUSIVE
     return [Claim(claim="GRPO's uniform credit matches Monte Carlo token credit",
-                  scope=f"{len(mc['rollouts'])} rollouts, K = {mc['samples_per_prefix']}",
-                  measurement=f"token share opposing A_i beyond 2 SE {_ci(dis, 3)}; agreeing {_ci(mc.get('agree'), 3)}",
+                  scope=f"{len(mc['rollouts'])} rollouts, {n} segments, K = {mc['samples_per_prefix']}",
+                  measurement=(f"segments opposing A_i beyond 2 SE: {k} of {n} ({_fmt(k / n if n else None)} "
+                               f"[{_fmt(lo)}, {_fmt(hi)}]); agreeing beyond 2 SE: {seg.get('agree', 0)} of {n}"),
                   control=f"{MC_NOISE_DISAGREE} (false-disagreement rate of the 2-SE test)", verdict=verdict,
-                  rule=(f"interval vs {MC_NOISE_DISAGREE}" if verdict != INCONCLUSIVE or dis.get("lo") is not None
-                        else "no interval (fewer than 4 rollouts)"),
+                  rule=f"Wilson interval of the disagreeing share vs {MC_NOISE_DISAGREE}",
                   source="Monte Carlo continuations from prefixes")]
 
 
@@ -274,7 +277,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     q_lo, q_hi = wilson_interval(k, n)
     mse_v = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below")
     if n < 4 or not math.isfinite(q_lo):
-        verdict, why = INCONCLUSIVE, f"{n} testable prompts < 4"
+        verdict, why = INCONCLUSIVE, f"{n} testable prompts < 4"  # Wilson needs no minimum; 4 keeps it meaningful
     elif q_lo <= EQUAL_NORMS_LEVEL <= q_hi and verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0,
                                                                        "contains") == HOLDS:
         verdict, why = HOLDS, "rejection share consistent with the tests' level and no MSE gain from b*"

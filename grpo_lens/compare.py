@@ -117,7 +117,7 @@ def _label(paths: list[Path]) -> list[str]:
 def _fmt(x: float) -> str:
     if x is None or not math.isfinite(x):
         return "–"
-    return f"{x:.3g}" if abs(x) < 1000 else f"{x:.4g}"
+    return f"{x:#.3g}" if abs(x) < 1000 else f"{x:.4g}"
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str, str]], path: Path) -> Path:

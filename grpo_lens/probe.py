@@ -57,8 +57,9 @@ class ProbeConfig(ConfigFile):
     task_options: dict = option({}, "Task options as a YAML mapping.")
     rewards: list = option(["correctness"], "Reward functions NAME or NAME:WEIGHT.")
     group_sizes: list = option([2, 4, 8], "Group sizes R to probe.", item_type=int)
-    prompts: int = option(40, "Prompts sampled per R; every mixed group among them is analysed (a fixed number, "
-                          "so S1 and the per-group means are unbiased).")
+    prompts: int = option(0, "Prompts sampled for each R: a fixed number, and every mixed group among them is "
+                          "analysed, so S1 and the per-group means are unbiased. 0 = max(24, 96 / R): 48, 24, 24 for "
+                          "R = 2, 4, 8.")
     prompts_per_batch: int = option(4, "Prompts sampled per generate call.")
     baseline_prompts: int = option(2, "Mixed prompts per R whose M rollouts are used for the baseline variance.")
     max_new_tokens: int = option(24, "Longest completion in tokens.")
@@ -87,7 +88,7 @@ class ProbeConfig(ConfigFile):
                                    "expectation, §Token credit).")
     baseline_study_prompts: int = option(8, "Prompts with reward contrast in the baseline study, M = 4R rollouts each "
                                          "(0 skips the study).")
-    credit_groups: int = option(4, "Mixed groups whose tokens' signed contributions to the update are measured (0 "
+    credit_groups: int = option(8, "Mixed groups whose tokens' signed contributions to the update are measured (0 "
                                 "skips the credit study).")
     mc_groups: int = option(2, "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
                             "rollout.")
@@ -99,6 +100,11 @@ class ProbeConfig(ConfigFile):
     out: str | None = option(None, "Output directory (probe.json, report.md, PNGs).")
     overwrite: bool = option(False, "Replace an existing probe.json in --out.")
 
+    def prompts_for(self, group_size: int) -> int:
+        """The number of prompts sampled for group size R: ``prompts``, or max(24, 96 // R) when it is 0 (about 2x the
+        16 mixed groups the analysis wants, given S1 ~ 0.55 at R = 2 and ~ 0.15 at R = 4, 8 on the default task)."""
+        return self.prompts if self.prompts > 0 else max(24, 96 // group_size)
+
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
             raise ConfigError(f"probe field '{name}' (flag --{name.replace('_', '-')}) = {getattr(self, name)!r}: "
@@ -106,7 +112,9 @@ class ProbeConfig(ConfigFile):
 
         if not self.group_sizes or any(not isinstance(r, int) or r < 2 for r in self.group_sizes):
             bad("group_sizes", "each group size must be an integer >= 2")
-        for name in ("prompts", "prompts_per_batch", "max_new_tokens", "sketch_dim", "random_draws"):
+        if self.prompts < 0:
+            bad("prompts", "must be >= 0 (0 = the default max(24, 96 / R))")
+        for name in ("prompts_per_batch", "max_new_tokens", "sketch_dim", "random_draws"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
         if self.study_group_size < 2:
@@ -214,8 +222,9 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     weight = dict(policy.named_modules())[layer].weight
     g2_raw = (adv.to(layer_rows.dtype) @ layer_rows).reshape(weight.shape)  # sum_i A_i G2_i, exact
     bound = dg.g2_rank_bound(sub.prompt_mask.cpu(), cids, cmask)
-    row.update(dg.g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype))
-    extras["spectra"]["G2"] = dg.singular_values(g2_raw.double())[:64].tolist()
+    s2 = dg.singular_values(g2_raw.double(), method="gram")  # one decomposition for every G2 number
+    row.update(dg.g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype, singular_values=s2))
+    extras["spectra"]["G2"] = s2[:64].tolist()
 
     token_adv = dg.token_advantages(adv, cmask)
     if token_sq is None:  # exact mode: the per-token norms come from one more batched backward
@@ -230,16 +239,25 @@ def analyse_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
 
 def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
                   config: ProbeConfig) -> dict[str, float]:
-    """G2 of every nn.Linear layer under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`, summarised by
-    layer type (:func:`grpo_lens.diagnostics.g2_by_type_keys`): one backward per weighting."""
-    row: dict[str, float] = {}
-    omega = score_weights(sub, config)
-    for name, w in dg.weightings(extra["advantages"], rewards).items():
-        grads = dg.layer_weight_grads(policy, sub, w.float(), None, temperature=config.temperature,
-                                      score_weights=omega)
-        row.update(dg.g2_by_type_keys({k: v.cpu() for k, v in grads.items()}, name))
-        del grads
-    return row
+    """Stable rank of every nn.Linear layer's G2 under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`,
+    summarised by layer type, from one backward (:class:`grpo_lens.diagnostics.G2WeightingCapture`)."""
+    from grpo_lens.diagnostics.gradients import rollout_scores
+    from grpo_lens.rollout import batch_logprobs
+
+    capture = dg.G2WeightingCapture(policy, dg.weightings(extra["advantages"], rewards))
+    emb_out: list[torch.Tensor] = []
+    handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
+    try:
+        with capture:
+            logp = batch_logprobs(policy, sub, config.temperature)
+            loss = rollout_scores(logp, sub.completion_mask, score_weights(sub, config)).sum()
+            # differentiate w.r.t. the embedding output: every layer's delta, no weight-gradient GEMMs
+            roots = emb_out if emb_out and all(t.requires_grad for t in emb_out) else \
+                [m.weight for m in capture.layers.values() if m.weight.requires_grad]
+            torch.autograd.grad(loss, roots, allow_unused=True)
+    finally:
+        handle.remove()
+    return capture.result()
 
 
 def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: ProbeConfig) -> dict[str, float]:
@@ -265,7 +283,8 @@ def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: Probe
 
 
 def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str) -> dict[str, Any]:
-    """Sample ``config.prompts`` prompts with M rollouts each, analyse every mixed group of R, aggregate over groups."""
+    """Sample ``config.prompts_for(R)`` prompts with M rollouts each, analyse every mixed group of R, aggregate over
+    groups."""
     from grpo_lens.rewards import combine_rewards
 
     M = max(2 * R, 8)
@@ -279,10 +298,11 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     baseline_var: list[dict[str, float]] = []
     t_gen = t_grad = 0.0
     draw = 0
-    while sampled < config.prompts:
+    n_prompts_r = config.prompts_for(R)
+    while sampled < n_prompts_r:
         draw += 1
         seed = (config.seed * 1_000_003 + R * 10_007 + draw * 7_919) % (2**31 - 1)
-        n_prompts = min(config.prompts_per_batch, config.prompts - sampled)
+        n_prompts = min(config.prompts_per_batch, n_prompts_r - sampled)
         examples = task.sample(n_prompts, seed=seed)
         t0 = time.perf_counter()
         batch = sample_groups(policy, tokenizer, examples, M, max_new_tokens=config.max_new_tokens,

@@ -53,8 +53,9 @@ def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_
     group = c[:, :R]
     measured = ((group.sum(1) == 0) | (group.sum(1) == R)).double()
     predicted = unbiased_zero_variance_probability(c[:, R:].sum(1), M - R, R)
-    return {"measured": bootstrap_mean(measured.tolist()), "predicted": bootstrap_mean(predicted.tolist()),
-            "difference": bootstrap_mean((measured - predicted).tolist()), "prompts": int(keep.sum()),
+    return {"measured": bootstrap_mean(measured.tolist(), bounds=(0.0, 1.0)),
+            "predicted": bootstrap_mean(predicted.tolist(), bounds=(0.0, 1.0)),
+            "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)), "prompts": int(keep.sum()),
             "rollouts_per_prompt": M}
 
 
@@ -134,14 +135,26 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
                      "seconds": time.perf_counter() - t_start}}
 
 
+def _segment_counts(rows: list[dict[str, Any]], z: float = 2.0) -> dict[str, int]:
+    """Segments (all rollouts pooled) whose Monte Carlo advantage opposes / agrees with A_i beyond z SE, and all."""
+    out = {"disagree": 0, "agree": 0, "total": 0}
+    for row in rows:
+        sign = math.copysign(1.0, row["grpo_advantage"]) if row["grpo_advantage"] != 0 else 0.0
+        for a, e in zip(row["advantages"], row["adv_errors"]):
+            out["total"] += 1
+            if abs(a) > z * e and sign != 0:
+                out["agree" if math.copysign(1.0, a) == sign else "disagree"] += 1
+    return out
+
+
 def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
     if not rows:
         return []
     return [bootstrap_mean([r[b] for r in rows]) for b in range(len(rows[0]))]
 
 
-def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4, groups: int = 4,
-                     max_prompts: int = 24, prompts_per_batch: int = 4, mc_groups: int = 2, mc_samples: int = 8,
+def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4, groups: int = 8,
+                     max_prompts: int = 48, prompts_per_batch: int = 4, mc_groups: int = 2, mc_samples: int = 8,
                      segments: int = 4, bins: int = 10, max_new_tokens: int = 24, temperature: float = 0.7,
                      top_k: int = 0, top_p: float = 1.0, aggregation: str = "seq-mean-token-mean",
                      std: str = "sample", eps: float = 1e-4, step: float = 1e-2, seed: int = 0) -> dict[str, Any]:
@@ -153,7 +166,8 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
          "closure": max |sum s - 1| over groups; "groups": n},
          "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
          disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
-         bootstrap_mean over rollouts, "samples_per_prefix": K},
+         bootstrap_mean over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
+         rollouts (beyond 2 SE), "samples_per_prefix": K},
          "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
     """
     from grpo_lens.advantages import compute_advantages
@@ -226,8 +240,9 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
         "contributions": {"position_profile": _mean_ci_per_bin(profiles), "classes": class_summary,
                           "closure": max(closures) if closures else None, "groups": analysed},
         "monte_carlo": {"rollouts": mc_rows, "samples_per_prefix": mc_samples,
-                        **{k: bootstrap_mean([row[k] for row in mc_rows])
-                           for k in ("disagree", "agree", "neutral", "top_segment_share")}},
+                        **{k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))
+                           for k in ("disagree", "agree", "neutral", "top_segment_share")},
+                        "segments": _segment_counts(mc_rows)},
         "meta": {"group_size": R, "groups_sampled": sampled, "gradients": "exact update direction (every parameter)",
                  "step": step, "seconds": time.perf_counter() - t_start},
     }

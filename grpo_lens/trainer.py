@@ -749,7 +749,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
         cost = lens_overhead([r for r in run.read_metrics() if "step" in r])
         if cost and cost["lens_steps"]:
-            logger.info("lens: %d of %d steps measured, %.1f s, %.1f%% of the %.1f s the steps took without it",
+            logger.info("lens: %d of %d steps measured, %.1f s of its own, %.1f%% of the %.1f s the steps took "
+                        "without it (a gradient capture inside the update's first pass is not in this count)",
                         cost["lens_steps"], cost["steps"], cost["lens_seconds"], 100 * cost["overhead"],
                         cost["train_seconds"])
     if config.save_final_model and procs.is_main and not (run.path / "final_model").exists():

@@ -47,7 +47,7 @@ def test_final_numbers_config_diff_and_report(tmp_path):
     assert data["differing_config"] == {"estimator": {"a": "grpo", "b": "rloo"}}  # `out` differs too, ignored
     text = md.read_text()
     assert "| `estimator` | `grpo` | `rloo` |" in text
-    assert "0.45 [" in text and (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
+    assert "0.450 [" in text and (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
     assert "policy/entropy" not in text  # absent from every run: no row, no panel
 
 

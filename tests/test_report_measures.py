@@ -78,7 +78,7 @@ def _ci(m, lo, hi, n=8):
     return {"mean": m, "lo": lo, "hi": hi, "n": n}
 
 
-def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75):
+def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20)):
     prompt = {"p": 0.5, "m_correct": 0.02, "m_wrong": 0.04, "b_star_pop": 0.33, "b_star_exact": 0.34,
               "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
     summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
@@ -100,6 +100,7 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75):
                                                      "values": [0.5, 0.6], "errors": [0.1, 0.1],
                                                      "advantages": [0.1, 0.4], "adv_errors": [0.14, 0.1]}],
                                        "samples_per_prefix": 8, "disagree": disagree, "agree": _ci(0.5, 0.3, 0.7),
+                                       "segments": {"disagree": segments[0], "agree": 0, "total": segments[1]},
                                        "neutral": _ci(0.4, 0.2, 0.6), "top_segment_share": _ci(0.7, 0.6, 0.8)},
                        "meta": {"group_size": 4}}}
 
@@ -107,14 +108,14 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75):
 def test_study_claims_follow_the_numbers():
     # m_C = m_W rejected on 6 of 8 prompts (Wilson interval [0.41, 0.93] above 0.05) and population b*'s MSE ratio
     # [0.7, 0.9] < 1: the group mean is not optimal -> does not hold; answer ratio [1.2, 1.8] excludes 1 -> does
-    # not hold; Monte Carlo disagreement [0.1, 0.3] above 0.023 -> does not hold
+    # not hold; Monte Carlo: 10 of 20 segments disagree (Wilson [0.30, 0.70] above 0.023) -> does not hold
     c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8),
                                         _ci(0.2, 0.1, 0.3)))
     assert [x.verdict for x in c] == ["does not hold", "does not hold", "does not hold"]
     # 0 of 8 rejected (Wilson [0, 0.32] contains 0.05) and MSE ratio [0.9, 1.1] contains 1 -> holds; answer ratio
-    # contains 1 -> holds; disagreement below the noise rate -> holds
+    # contains 1 -> holds; 0 of 200 segments disagree: Wilson upper end 3.84 / 203.84 = 0.019 < 0.023 -> holds
     c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2),
-                                       _ci(0.0, 0.0, 0.01), rejected=0.0))
+                                       _ci(0.0, 0.0, 0.01), rejected=0.0, segments=(0, 200)))
     assert [x.verdict for x in c] == ["holds", "holds", "holds"]
     # many rejections but no measurable MSE gain: inconclusive (the mean ratio 1.0 is not used: it can cancel)
     c = study_claims("x", _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
@@ -151,10 +152,15 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
     assert (tmp_path / "sparsity_measures.png").is_file() and (tmp_path / "credit_position_probe.png").is_file()
 
 
-def test_no_interval_from_fewer_than_four_units():
-    from grpo_lens.diagnostics.baseline_study import bootstrap_mean
+def test_no_interval_from_fewer_than_eight_units():
+    from grpo_lens.diagnostics.baseline_study import MIN_UNITS, bootstrap_mean
 
-    # bootstrap-t over 2 values collapses to the mean (every resample with a spread is the pair itself)
-    assert bootstrap_mean([0.1, 0.3])["lo"] is None and bootstrap_mean([0.1, 0.3, 0.2])["hi"] is None
-    four = bootstrap_mean([0.1, 0.3, 0.2, 0.4])
-    assert four["lo"] < 0.25 < four["hi"]
+    # bootstrap-t over 2 values collapses to the mean (every resample with a spread is the pair itself), and over a
+    # handful it overshoots the data: no interval below MIN_UNITS = 8
+    assert MIN_UNITS == 8
+    assert bootstrap_mean([0.1, 0.3])["lo"] is None and bootstrap_mean([0.1, 0.3, 0.2, 0.4])["hi"] is None
+    eight = bootstrap_mean([0.1, 0.3, 0.2, 0.4, 0.15, 0.25, 0.35, 0.3])
+    assert eight["lo"] < 0.26 < eight["hi"]
+    # a share's interval stays inside [0, 1]
+    clipped = bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))
+    assert 0.0 <= clipped["lo"] <= clipped["hi"] <= 1.0

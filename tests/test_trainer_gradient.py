@@ -142,3 +142,31 @@ def test_exact_layer_rows_from_the_sketch_pass():
     assert got.shape == want.shape
     assert float((got - want).norm() / want.norm()) < 1e-5
     assert sk.per_layer[layer].shape[1] == 16  # the sketch itself is unchanged (4 x 4)
+
+
+def test_g2_weighting_capture_matches_the_weight_gradients():
+    # stable rank ||G2(w)||_F^2 / s_1^2 of every linear layer under each weighting, from one backward through
+    # position-space Gram matrices, against G2(w) from autograd's weight gradients of sum_i w_i s_i
+    from grpo_lens.diagnostics.gradients import rollout_scores
+    from grpo_lens.rollout import batch_logprobs
+
+    torch.manual_seed(0)
+    model = build_model().eval()
+    batch, advantages, _ = build_batch(model)
+    sub = batch.select(torch.arange(4))  # two groups of R = 2, as one pass of 4 rollouts
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    ws = dg.weightings(advantages[:4].double(), rewards.double())
+    cap = dg.G2WeightingCapture(model, ws)
+    with cap:
+        logp = batch_logprobs(model, sub, TEMPERATURE)
+        loss = rollout_scores(logp, sub.completion_mask).sum()
+        torch.autograd.grad(loss, [p for p in model.parameters()], allow_unused=True)
+    got = cap.result()
+    for name, w in ws.items():
+        grads = dg.layer_weight_grads(model, sub, w.float(), None, temperature=TEMPERATURE)
+        per_type: dict[str, list[float]] = {}
+        for layer, g2 in grads.items():
+            s = torch.linalg.svdvals(g2.double())
+            per_type.setdefault(dg.layer_type(layer), []).append(float(s.square().sum() / s[0] ** 2))
+        for t, vals in per_type.items():
+            assert got[f"rank/g2_{name}_{t}_stable_rank"] == pytest.approx(sum(vals) / len(vals), rel=1e-3), (name, t)

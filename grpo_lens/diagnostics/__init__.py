@@ -55,6 +55,7 @@ from grpo_lens.diagnostics.gradients import (
 )
 from grpo_lens.diagnostics.group import (
     WEIGHTINGS,
+    G2WeightingCapture,
     analyse_group,
     cosine_gap,
     g1_rank_keys,
@@ -129,7 +130,7 @@ __all__ = [
     "gram_singular_values", "matrix_rank_measures", "numerical_rank", "participation_ratio", "rank_measures",
     "random_zero_sum_weights", "singular_values", "stable_rank",
     # the per-group analysis path and its aggregation
-    "WEIGHTINGS", "analyse_group", "cosine_gap", "g2_by_type_keys", "layer_type", "weightings", "g1_rank_keys", "g1_singular_values", "g2_keys", "mean_over_groups",
+    "WEIGHTINGS", "G2WeightingCapture", "analyse_group", "cosine_gap", "g2_by_type_keys", "layer_type", "weightings", "g1_rank_keys", "g1_singular_values", "g2_keys", "mean_over_groups",
     "orthogonal_null_singular_values", "parameter_category", "sketch_check_keys", "span_energy",
     "top_singular_value", "weighted_gram_measures", "zero_sum_tests",
     "bootstrap_ci", "stratify_rows", "student_t_quantile", "summarise_rows",

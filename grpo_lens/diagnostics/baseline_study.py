@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 STUDY_ESTIMATORS = ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop")
-#: fewest units (prompts, groups, rollouts) a reported interval is computed from
-MIN_UNITS = 4
+#: fewest units (prompts, groups, rollouts) a reported interval is computed from (as the rank claims' MIN_GROUPS)
+MIN_UNITS = 8
 
 
 def mean_score_norm(grads: Tensor) -> dict[str, float]:
@@ -202,20 +202,23 @@ def equal_norms_test(grads: Tensor, rewards: Tensor, num_boot: int = 2000, seed:
     return {"ratio": float(nc.mean() / nw.mean()), "lo": low, "hi": high, "verdict": verdict}
 
 
-def bootstrap_mean(values: Sequence[float], num_boot: int = 2000, seed: int = 0, level: float = 0.95
-                   ) -> dict[str, float | int | None]:
+def bootstrap_mean(values: Sequence[float], num_boot: int = 2000, seed: int = 0, level: float = 0.95,
+                   bounds: tuple[float, float] | None = None) -> dict[str, float | int | None]:
     """Mean over units (prompts, groups) with the bootstrap-t interval of
     :func:`grpo_lens.diagnostics.stats.bootstrap_ci` (non-finite values dropped). -> {"mean", "lo", "hi", "n"}.
 
-    With fewer than :data:`MIN_UNITS` units lo = hi = None: a bootstrap over 2 or 3 values has too few distinct
+    With fewer than :data:`MIN_UNITS` units lo = hi = None: a bootstrap over a handful of values has too few distinct
     resamples (with 2, every resample with a spread is the pair itself, so the bootstrap-t interval collapses to the
-    mean), and a claim's verdict needs an interval.
+    mean; with 4 its studentized resamples blow the interval far past the data), and a claim's verdict needs an
+    interval. ``bounds``: the range the mean cannot leave (e.g. (0, 1) for a share); the interval is clipped to it.
     """
     from grpo_lens.diagnostics.stats import bootstrap_ci
 
     out = bootstrap_ci(list(values), level=level, num_resamples=max(num_boot, 100), seed=seed)
     if out["n"] < MIN_UNITS:
         out["lo"] = out["hi"] = None
+    elif bounds is not None and out["lo"] is not None:
+        out["lo"], out["hi"] = max(out["lo"], bounds[0]), min(out["hi"], bounds[1])
     return out
 
 

@@ -295,17 +295,21 @@ def g1_rank_keys(grads: Tensor, advantages: Tensor, name: str) -> dict[str, floa
     return {f"rank/{name}_{m}": v for m, v in weighted_gram_measures(g @ g.T, advantages.double()).items()}
 
 
-def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32,
+            singular_values: Tensor | None = None) -> dict[str, float]:
     """``rank/g2_<m>``, ``rank/g2_numerical_rank`` and ``rank/g2_rank_bound`` of one layer's weight gradient of the
     group loss, G2 [d_out, d_in] (docs/theory.md §5).
 
     Args:
         g2: [d_out, d_in].  rank_bound: :func:`grpo_lens.diagnostics.spectrum.g2_rank_bound` of the group.
         computed_dtype: the precision G2 was computed in (sets the numerical-rank tolerance).
+        singular_values: G2's singular values if already computed (else from the smaller Gram matrix in float64:
+            accurate to ~1e-8 s_1, well below the float32 rank tolerance max(d) * 1.2e-7).
     """
-    from grpo_lens.diagnostics.spectrum import numerical_rank, singular_values
+    from grpo_lens.diagnostics.spectrum import numerical_rank
+    from grpo_lens.diagnostics.spectrum import singular_values as svals
 
-    s = singular_values(g2.double())
+    s = svals(g2.double(), method="gram") if singular_values is None else singular_values
     out = {f"rank/g2_{m}": v for m, v in rank_measures(s).items()}
     out["rank/g2_numerical_rank"] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))
     out["rank/g2_rank_bound"] = float(rank_bound)
@@ -390,37 +394,119 @@ def layer_type(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def top_singular_value(matrix: Tensor, iters: int = 30) -> float:
-    """s_1 of ``matrix`` [m, n] by power iteration on the smaller side's Gram action (deterministic start, float64
-    vectors): s_1^2 is the top eigenvalue of M^T M. 30 iterations of a vector started at the row-sum direction; the
-    estimate never exceeds s_1 and is exact for rank-one matrices."""
-    m = matrix.detach()
-    if m.shape[0] < m.shape[1]:
-        m = m.T
+def top_singular_value(matrix: Tensor, rank: int = 8, iters: int = 4) -> float:
+    """s_1 of ``matrix`` [m, n] by randomized subspace iteration (Halko, Martinsson & Tropp, SIAM Review 53(2), 2011,
+    Alg. 4.4; ``torch.svd_lowrank``) with ``rank`` vectors and ``iters`` power iterations, in float32, with a fixed
+    seed in a forked RNG (deterministic, leaves the global RNG alone). The error in s_1 shrinks like
+    (s_{rank+1}/s_1)^(2 iters + 1); exact for matrices of rank <= ``rank``. A few passes over the matrix instead of a
+    full SVD: every layer of a 135M model in about a second."""
+    m = matrix.detach().float()
     if not bool(m.any()):
         return 0.0
-    v = m.abs().sum(0).to(torch.float64)  # [n] a start with a component along the top right singular vector
-    v = v / v.norm()
-    md = m.to(torch.float64) if m.numel() <= 4_000_000 else None
-    s = 0.0
-    for _ in range(iters):
-        u = (md @ v) if md is not None else (m @ v.to(m.dtype)).to(torch.float64)
-        s = float(u.norm())
-        if s == 0:
-            return 0.0
-        w = (md.T @ (u / s)) if md is not None else (m.T @ (u / s).to(m.dtype)).to(torch.float64)
-        v = w / w.norm()
-    return s
+    q = min(rank, *m.shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        _, s, _ = torch.svd_lowrank(m, q=q, niter=iters)
+    return float(s[0])
 
 
 def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str, float]:
-    """``rank/g2_<weighting>_<type>_stable_rank``: the mean over the layers of each type of the stable rank
-    ||G2||_F^2 / s_1^2 of their G2 (one weighting's weight gradients, {layer name: [d_out, d_in]}); s_1 by power
-    iteration (:func:`top_singular_value`), so every layer of a 135M model costs a few matrix-vector products instead
-    of a full SVD."""
+    """Reference for :class:`G2WeightingCapture` from materialised weight gradients (slower: a backward and a
+    decomposition per weighting). ``rank/g2_<weighting>_<type>_stable_rank``: the mean over the layers of each type of
+    the stable rank
+    ||G2||_F^2 / s_1^2 of their G2 (one weighting's weight gradients, {layer name: [d_out, d_in]}); s_1 by randomized
+    subspace iteration (:func:`top_singular_value`), so every layer of a 135M model costs a few passes over its
+    matrix instead of a full SVD."""
     per_type: dict[str, list[float]] = {}
     for name, g2 in layer_grads.items():
         s1 = top_singular_value(g2)
-        fro2 = float(g2.detach().to(torch.float64).square().sum())
+        fro2 = float(g2.detach().float().square().sum(dtype=torch.float64))
         per_type.setdefault(layer_type(name), []).append(fro2 / s1**2 if s1 > 0 else 0.0)
     return {f"rank/g2_{weighting}_{t}_stable_rank": sum(v) / len(v) for t, v in per_type.items()}
+
+
+class G2WeightingCapture:
+    """Stable rank of every nn.Linear layer's G2 under several row weightings, from ONE backward (docs/theory.md §6).
+
+    G2 of a layer under weights w is M(w) = sum_i w_i sum_t delta_{i,t} x_{i,t}^T = D^T W X, with D [nL, d_out] the
+    output gradients and X [nL, d_in] the inputs at the n·L positions of the batch (backpropagating sum_i s_i once),
+    and W the per-position weight (w_i on rollout i's positions): rows never interact, so rollout i's deltas scale by
+    w_i. With K_X = X X^T and K_D(w) = W D D^T W, both [nL, nL]:
+
+        ||M(w)||_F^2 = sum_ab K_X[a, b] K_D(w)[a, b],      s_1(M(w))^2 = lambda_max(K_X K_D(w))
+
+    (the nonzero eigenvalues of M M^T and of K_X K_D(w) agree). K_X and D D^T are formed once per layer in the
+    backward hook and every weighting costs only [nL, nL] work, instead of a backward and a decomposition of
+    [d_out, d_in] per weighting. lambda_max by 50 power iterations on K_X K_D(w) (a product of two PSD matrices, with
+    real nonnegative eigenvalues).
+
+    Args:
+        model: the model (its nn.Linear layers are hooked).
+        weightings: {name: [n] weights}, n = rollouts of the pass.
+
+    After a forward + backward inside the context, :meth:`result` gives
+    ``{"rank/g2_<name>_<type>_stable_rank": mean over the layers of that type}``.
+    """
+
+    def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor]):
+        from grpo_lens.diagnostics.gradients import linear_layer_names
+
+        self.model = model
+        self.weightings = {k: v.detach().float() for k, v in weightings.items()}
+        modules = dict(model.named_modules())
+        self.layers = {n: modules[n] for n in linear_layer_names(model)}
+        self.stable: dict[str, dict[str, float]] = {}  # layer -> weighting -> stable rank
+        self._handles: list = []
+
+    def _forward(self, name: str, module, args, output) -> None:
+        if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        x = args[0].detach()
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [nL, d_in]
+        n = x.shape[0] if x.dim() == 3 else 1
+
+        def on_grad(grad: Tensor) -> None:
+            d2 = grad.reshape(-1, grad.shape[-1]).float()  # [nL, d_out]
+            keep = d2.abs().sum(1) > 0  # positions with no gradient (padding, the last token) add nothing
+            xs, ds = x2[keep], d2[keep]
+            rollout = torch.arange(n, device=grad.device).repeat_interleave(x2.shape[0] // n)[keep]
+            kx, kd = xs @ xs.T, ds @ ds.T
+            out = {}
+            for wname, w in self.weightings.items():
+                wp = w.to(grad.device)[rollout]
+                kdw = kd * torch.outer(wp, wp)
+                fro2 = float((kx * kdw).sum(dtype=torch.float64))
+                if fro2 <= 0:
+                    out[wname] = 0.0
+                    continue
+                v = torch.ones(kx.shape[0], device=grad.device) / kx.shape[0] ** 0.5
+                lam = 0.0
+                for _ in range(50):
+                    u = kx @ (kdw @ v)
+                    lam = float(u.norm())
+                    if lam == 0:
+                        break
+                    v = u / lam
+                out[wname] = fro2 / lam if lam > 0 else 0.0
+            self.stable[name] = out
+
+        output.register_hook(on_grad)
+
+    def __enter__(self) -> "G2WeightingCapture":
+        for name, module in self.layers.items():
+            self._handles.append(module.register_forward_hook(
+                lambda m, a, o, _name=name: self._forward(_name, m, a, o)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def result(self) -> dict[str, float]:
+        """{"rank/g2_<weighting>_<type>_stable_rank": mean over the layers of each type}."""
+        per: dict[tuple[str, str], list[float]] = {}
+        for name, by_w in self.stable.items():
+            for wname, sr in by_w.items():
+                per.setdefault((wname, layer_type(name)), []).append(sr)
+        return {f"rank/g2_{w}_{t}_stable_rank": sum(v) / len(v) for (w, t), v in per.items()}
