@@ -25,6 +25,7 @@ system's ratio to the plain loop. The machine is shared: only ratios measured si
 and prints seconds per step, seconds per completion token and the lens's cost relative to the update's backward.
 
     python benchmarks/bench_step.py                       # the table (defaults: B=4, R=8, 24 tokens, 6 steps)
+    python benchmarks/bench_step.py --steps 3 --warmup 1 --rounds 2      # shorter, each system twice (ABCD DCBA)
     python benchmarks/bench_step.py --steps 3 --warmup 1 --systems plain lens-off
     python benchmarks/bench_step.py --sweep --sweep-prompts 1 --steps 2 --warmup 1
     python benchmarks/bench_step.py --model tiny --steps 2 --warmup 0      # a smoke run in seconds
@@ -351,6 +352,15 @@ def run_child(args, system: str, **overrides) -> dict | None:
         return data
 
 
+def merge_runs(parts: list[dict], warmup: int) -> dict:
+    """One system's runs (rounds) as one: each run's measured steps (after ``warmup``) side by side, peak = max."""
+    keep = lambda xs: xs[warmup:] if len(xs) > warmup else xs  # noqa: E731
+    return {"step_seconds": [x for p in parts for x in keep(p["step_seconds"])],
+            "lens_seconds": [x for p in parts for x in keep(p["lens_seconds"])],
+            "split": [x for p in parts for x in keep(p["split"])],
+            "peak_mib": max(p["peak_mib"] for p in parts)}
+
+
 def summarize(data: dict, warmup: int) -> dict:
     """Medians over the measured steps (after ``warmup``)."""
     def med(xs):
@@ -375,15 +385,17 @@ def table(args) -> None:
     if "trl" in systems and importlib.util.find_spec("trl") is None:
         print("trl is not importable: skipping TRL (pip install -e '.[trl]')", file=sys.stderr)
         systems.remove("trl")
-    results = {}
-    for system in systems:
-        data = run_child(args, system)
-        if data is not None:
-            results[system] = summarize(data, args.warmup)
+    runs: dict[str, list[dict]] = {system: [] for system in systems}
+    for k in range(args.rounds):  # ABCD, DCBA, ...: load from other processes that drifts hits every system alike
+        for system in (systems if k % 2 == 0 else systems[::-1]):
+            data = run_child(args, system)
+            if data is not None:
+                runs[system].append(data)
+    results = {system: summarize(merge_runs(parts, args.warmup), 0) for system, parts in runs.items() if parts}
     base = results.get("plain", {}).get("step")
     print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads, B={args.prompts} prompts x "
           f"R={args.group_size}, max_new_tokens={args.max_new_tokens}, T={args.temperature}; median over steps "
-          f"{args.warmup + 1}-{args.steps}\n")
+          f"{args.warmup + 1}-{args.steps} of {args.rounds} run(s) per system, in alternating order\n")
     print("| system | s/step | generate | forward | backward | lens | peak MiB | vs plain |")
     print("|---|---|---|---|---|---|---|---|")
     for system, s in results.items():
@@ -430,6 +442,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--steps", type=int, default=6, help="steps per system (the first --warmup are not counted)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="runs per system, in alternating order (ABCD DCBA ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -176,7 +176,7 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
                                            f"{_fmt(ex['hi'], 3)}): the labels add no energy to the span")
         else:
             verdict, why = INCONCLUSIVE, "excess interval includes 0 and effects above the negligible share"
-        ps = [g.get("zero_sum/span_energy_p") for g in d.get("groups", []) if g.get("zero_sum/span_energy_p") is not None]
+        ps = [g["zero_sum/span_energy_p"] for g in d.get("groups", []) if g.get("zero_sum/span_energy_p") is not None]
         cg = summ.get("zero_sum/cos_gap_excess") or {}
         out.append(Claim(
             claim="rank-2 structure comes from the zero-sum advantages", scope=f"R = {r}",
