@@ -160,7 +160,9 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     else:
         verdict, why = INCONCLUSIVE, f"permutation p {_fmt(p)} >= 0.05"
     grad = [r.get("sparsity/grad_hoyer") for r in rows]
-    return [Claim(claim="gradient (update) sparsity intensifies over training", scope=f"training, {len(rows)} lens steps",
+    space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
+    return [Claim(claim="gradient (update) sparsity intensifies over training",
+                  scope=f"training, {len(rows)} lens steps{space}",
                   measurement=(f"Hoyer of the step's update {_fmt(ys[0])} (step {rows[0]['step']}) -> {_fmt(ys[-1])} "
                                f"(step {rows[-1]['step']}), Spearman rho {_fmt(rho, 2)}; gradient Hoyer "
                                f"{_fmt(grad[0])} -> {_fmt(grad[-1])}"),
@@ -186,6 +188,17 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     if not rows:
         return []
     last = rows[-1]
+    if data.get("lora_rank"):  # the lens samples the trainable (adapter) weights; the frozen base never changes
+        return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
+                      scope=f"training, step {last['step']}, LoRA rank {data['lora_rank']}",
+                      measurement=(f"over the adapter's A and B only: bf16 unchanged since start "
+                                   f"{_fmt(last['sparsity/update_total_bf16_unchanged'])}"),
+                      control="none: the claim is about the model's weights, not the adapter's",
+                      verdict=INCONCLUSIVE,
+                      rule=("not applicable to adapter parameters: the frozen base weights never change and the "
+                            "adapter is a different parameter space (B starts at 0, so A gets no gradient on step 1); "
+                            "the merged weights W + (alpha/r) B A are not measured"),
+                      source=f"lens, fixed sample of {_sample_size(rows)} adapter weights")]
     n = float(last.get("sparsity/sample_entries") or 0)
     share, dense = last["sparsity/update_total_bf16_unchanged"], last["sparsity/update_total_bf16_dense"]
     se = math.sqrt(max(share * (1 - share), 1e-12) / n) if n else math.nan

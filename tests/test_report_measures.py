@@ -197,3 +197,23 @@ def test_equivalence_verdict():
     assert equivalence_verdict(1.3, 1.4, 0.75, 1.25) == "does not hold"
     assert equivalence_verdict(0.1, 0.7, 0.75, 1.25) == "does not hold"
     assert equivalence_verdict(None, None, 0.75, 1.25) == "inconclusive"
+
+
+def test_s4_claim_is_not_judged_on_lora_adapter_weights(tmp_path):
+    from grpo_lens.claims_measures import most_parameters_unchanged
+    from grpo_lens.report import write_report
+
+    # the step-1 LoRA case of the user test: B = 0 at init, so A gets no gradient and 0.500 of the adapter weights
+    # are unchanged; a full-model run with these numbers "does not hold" (0.484 < 0.5), a LoRA run is not judged
+    recs = _records([0.2] * 5, [0.484] * 5, [0.01] * 5)
+    assert most_parameters_unchanged({"records": recs})[0].verdict == "does not hold"
+    lora = most_parameters_unchanged({"records": recs, "lora_rank": 8})[0]
+    assert lora.verdict == "inconclusive" and lora.rule.startswith("not applicable to adapter parameters")
+    assert "LoRA rank 8" in lora.scope and "adapter" in lora.measurement
+    # the report names the parameter space
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    (tmp_path / "config.yaml").write_text("task: arithmetic\nlora_rank: 8\n")
+    text = write_report(tmp_path).read_text()
+    assert "Parameter space: this is a LoRA run (rank 8)" in text
+    assert "of the LoRA adapter's weights (not the full model's) kept their bf16 value" in text
+    assert "**does not hold** | only 0.484" not in text

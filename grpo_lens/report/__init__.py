@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from grpo_lens.report import gradient_measures, plots
 
 
@@ -58,8 +60,10 @@ def _mean(xs: list[float]) -> float | None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Sections
 # ---------------------------------------------------------------------------------------------------------------------
-def training_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str]) -> list[str]:
-    """Learning curves, sparsity and baselines over training."""
+def training_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
+                     lora_rank: int = 0) -> list[str]:
+    """Learning curves, sparsity and baselines over training (``lora_rank`` > 0: a LoRA run, whose sparsity numbers
+    are over the adapter's weights)."""
     lines = ["## Training", ""]
     n = len(records)
     head, tail = records[: min(5, n)], records[max(0, n - 5):]
@@ -86,6 +90,11 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
               "(training prints no prediction of it: see the probe's S1 section). S4 is the share of parameters "
               "whose bf16 value did not change; the dashed line is what a dense update of the same size would "
               "leave unchanged.", ""]
+    if lora_rank:
+        lines += [f"Parameter space: this is a LoRA run (rank {lora_rank}); every S4 and update-sparsity number "
+                  "below is over the adapter's A and B weights, not the full model (the frozen base weights never "
+                  "change). B starts at zero, so on step 1 A gets no gradient and about half the adapter weights are "
+                  "unchanged by construction. The merged weights are not measured.", ""]
     plots.plot_sparsity(records, run_dir / "sparsity.png")
     lines += ["![sparsity](sparsity.png)", ""]
     lens_rows = gradient_measures.lens_rows(records)
@@ -106,12 +115,13 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         direction = "rose" if s1_tail > s1_head else ("fell" if s1_tail < s1_head else "stayed flat")
         findings.append(f"S1 (zero-variance group share) {direction}: {_fmt(s1_head)} (first steps) -> "
                         f"{_fmt(s1_tail)} (last steps), while accuracy went {_fmt(a0)} -> {_fmt(a1)}.")
-    lines += gradient_measures.training_measures_section(records, run_dir, findings)
+    lines += gradient_measures.training_measures_section(records, run_dir, findings, lora_rank=lora_rank)
     if lens_rows:
         s4 = [r.get("sparsity/update_total") for r in lens_rows if r.get("sparsity/update_total") is not None]
         if s4:
-            findings.append(f"Update sparsity since the start (S4): {_fmt(s4[-1])} of parameters kept their bf16 "
-                            f"value after {lens_rows[-1]['step']} steps.")
+            findings.append(f"Update sparsity since the start (S4): {_fmt(s4[-1])} of "
+                            + ("the LoRA adapter's weights (not the full model's)" if lora_rank else "parameters")
+                            + f" kept their bf16 value after {lens_rows[-1]['step']} steps.")
 
     base_rows = [r for r in records if r.get("baseline/b_star") is not None]
     if base_rows:
@@ -370,10 +380,12 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     return lines
 
 
-def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None) -> list[str]:
+def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None,
+                   lora_rank: int = 0) -> list[str]:
     """The paper's claims with measurement, interval, control and computed verdict, per probe, and on the training
     run's records (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11 and §Claims on
-    sparsity, credit and baseline optimality)."""
+    sparsity, credit and baseline optimality). ``lora_rank`` > 0: the training sparsity numbers are over the LoRA
+    adapter's weights."""
     from grpo_lens.claims import evaluate_claims
     from grpo_lens.claims_measures import TRAINING_CLAIMS
 
@@ -382,7 +394,7 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
              "inconclusive. Intervals are 95% bootstrap intervals over groups.", ""]
     sources = dict(probes)
     if records:
-        sources = {"training": {"records": records}, **sources}
+        sources = {"training": {"records": records, "lora_rank": lora_rank}, **sources}
     multi = len(sources) > 1
     lines += [("| probe " if multi else "") + "| claim | scope | measurement | null / control | verdict | decided by | "
               "gradients |", ("|---" if multi else "") + "|---|---|---|---|---|---|---|"]
@@ -410,8 +422,13 @@ def write_report(run_dir: Path) -> Path:
         raise ReportError(f"{run_dir} holds neither metrics.jsonl nor probe.json; nothing to report")
     findings: list[str] = []
     body: list[str] = []
+    config = train_dir / "config.yaml"
+    try:
+        lora_rank = int((yaml.safe_load(config.read_text()) or {}).get("lora_rank") or 0) if config.exists() else 0
+    except (yaml.YAMLError, TypeError, ValueError, AttributeError):
+        lora_rank = 0
     if records:
-        body += training_section(records, run_dir, findings)
+        body += training_section(records, run_dir, findings, lora_rank)
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)
     if len(probes) > 1:
@@ -424,7 +441,7 @@ def write_report(run_dir: Path) -> Path:
         header += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
                    "</details>", ""]
     if probes or any(r.get("perf/lens_seconds") is not None for r in records):
-        header += claims_section(probes, records)
+        header += claims_section(probes, records, lora_rank)
     header += ["## Findings", "", *[f"- {f}" for f in findings], ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(header + body) + "\n")

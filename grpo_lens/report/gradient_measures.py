@@ -75,8 +75,9 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
 
 
 def training_measures_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
-                              beta: float | None = None) -> list[str]:
-    """Policy entropy, sparsity over training (with the dense control) and the lens's cost."""
+                              beta: float | None = None, lora_rank: int = 0) -> list[str]:
+    """Policy entropy, sparsity over training (with the dense control) and the lens's cost (``lora_rank`` > 0: the
+    sparsity numbers are over the LoRA adapter's weights)."""
     lines: list[str] = []
     ent = [r.get("policy/entropy") for r in records if r.get("policy/entropy") is not None]
     if ent:
@@ -127,7 +128,8 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
                                          _fmt(last.get(p + "update_total_top1_energy")),
                                          _fmt(last.get(p + "grad_zero"), 4), _fmt(last.get(p + "grad_hoyer"))]) + " |")
         gap = last["sparsity/update_total_bf16_unchanged"] - last["sparsity/update_total_bf16_dense"]
-        findings.append(f"After {last['step']} steps {_fmt(last['sparsity/update_total_bf16_unchanged'])} of weights "
+        weights = "the LoRA adapter's weights (not the full model's)" if lora_rank else "weights"
+        findings.append(f"After {last['step']} steps {_fmt(last['sparsity/update_total_bf16_unchanged'])} of {weights} "
                         f"kept their bf16 value, against {_fmt(last['sparsity/update_total_bf16_dense'])} for a dense "
                         f"update of the same size (difference {_fmt(gap)}); "
                         f"{_fmt(last.get('sparsity/update_total_f32_unchanged'), 4)} were unchanged in float32.")
