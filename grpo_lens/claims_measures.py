@@ -15,9 +15,16 @@ import random
 from typing import Any, Sequence
 
 from grpo_lens.claims import CLAIMS, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim
+from grpo_lens.diagnostics.baseline_study import MIN_UNITS
 
 #: the false "disagree" rate of a segment whose true advantage has A_i's sign, at |A| > 2 SE: Phi(-2) = 0.023
 MC_NOISE_DISAGREE = 0.023
+#: "every token the same credit" read as: the answer tokens' update share / token share within 1 ± this (the paper
+#: gives no tolerance; an interval that merely contains 1 is no evidence when it is wide)
+CREDIT_EQUIVALENCE = 0.25
+#: "holds" on Monte Carlo credit needs the 2-SE test to have signed (agree or disagree) more than this share of the
+#: segments: a segment within noise of 0 is no evidence of agreement
+MC_MIN_RESOLVED = 0.5
 #: bf16-unchanged share above its dense control by at least this counts as sparsity beyond rounding
 BF16_MARGIN = 0.05
 #: fewest lens steps a trend is tested on (with 3, no order reaches p < 0.05 two-sided: p >= 2/6)
@@ -64,6 +71,20 @@ def verdict_from_interval(lo: float | None, hi: float | None, control: float, ho
     if holds_if == "above":
         return HOLDS if above else (DOES_NOT_HOLD if below else INCONCLUSIVE)
     return HOLDS if below else (DOES_NOT_HOLD if above else INCONCLUSIVE)
+
+
+def equivalence_verdict(lo: float | None, hi: float | None, band_lo: float, band_hi: float) -> str:
+    """holds when [lo, hi] lies inside [band_lo, band_hi], does not hold when it lies wholly outside it, inconclusive
+    otherwise or without a finite interval (an equivalence test: a wide interval that merely contains the control
+    is not evidence for it).
+    """
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return INCONCLUSIVE
+    if band_lo <= lo and hi <= band_hi:
+        return HOLDS
+    if hi < band_lo or lo > band_hi:
+        return DOES_NOT_HOLD
+    return INCONCLUSIVE
 
 
 def spearman_trend(xs: Sequence[float], ys: Sequence[float], num_perm: int = 5000, seed: int = 0
@@ -193,23 +214,28 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
     """"Output-only reward gives every token the same credit", read as: every token class gets the group update in
     proportion to its size.
 
-    Rule: the answer tokens' share of the group update over their share of the tokens, 95% interval over groups;
-    holds when it contains 1, does not hold when it excludes 1, inconclusive without an interval.
+    Rule: the answer tokens' share of the group update over their share of the tokens, 95% interval over groups
+    (none from fewer than MIN_UNITS groups); holds when the interval lies inside 1 ± :data:`CREDIT_EQUIVALENCE`
+    (narrow enough to exclude a credit 25% off proportional), does not hold when it lies outside that band,
+    inconclusive otherwise or without an interval (docs/theory.md §Claims on sparsity, credit and baseline optimality).
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit:
         return []
     classes = credit["contributions"]["classes"]
     ratio = classes.get("answer", {}).get("ratio") or {}
-    verdict = verdict_from_interval(ratio.get("lo"), ratio.get("hi"), 1.0, "contains")
+    verdict = equivalence_verdict(ratio.get("lo"), ratio.get("hi"), 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE)
+    band = f"[{1 - CREDIT_EQUIVALENCE:g}, {1 + CREDIT_EQUIVALENCE:g}]"
     fmt_r = classes.get("format", {}).get("ratio")
     return [Claim(claim="output-only reward gives every token the same credit",
                   scope=f"R = {credit['meta']['group_size']}, {credit['contributions']['groups']} groups",
                   measurement=(f"answer tokens' share of the update / share of tokens {_ci(ratio)}; format tokens "
                                f"{_ci(fmt_r)}"),
-                  control="1 (every class credited in proportion to its token count)", verdict=verdict,
-                  rule=("interval contains 1" if verdict == HOLDS else "interval excludes 1" if verdict == DOES_NOT_HOLD
-                        else "no interval (fewer than 8 groups with answer tokens)"),
+                  control=f"1 (every class credited in proportion to its token count); equivalence band {band}",
+                  verdict=verdict,
+                  rule=(f"interval inside {band}" if verdict == HOLDS else f"interval outside {band}"
+                        if verdict == DOES_NOT_HOLD else f"no interval (fewer than {MIN_UNITS} groups with answer tokens)"
+                        if ratio.get("lo") is None else f"interval overlaps the edge of {band}: too wide to tell"),
                   source="exact update direction over every parameter, finite differences")]
 
 
@@ -219,8 +245,11 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
 
     Rule: d = share of Monte Carlo segments (pooled over rollouts) whose advantage opposes A_i beyond 2 standard
     errors, with its Wilson interval; control :data:`MC_NOISE_DISAGREE`, that test's false rate when every segment
-    truly has A_i's sign or 0. Holds when the interval lies below the control, does not hold when it lies above,
-    inconclusive otherwise (too few segments to tell).
+    truly has A_i's sign or 0. Holds when the interval lies below the control *and* the Wilson interval of the share
+    of segments the test signed (agree or disagree beyond 2 SE) lies above :data:`MC_MIN_RESOLVED` (segments within
+    noise of 0 are no evidence of agreement); does not hold when the disagreeing share's interval lies above the
+    control; inconclusive otherwise, or from fewer than MIN_UNITS rollouts (segments of one rollout are not
+    independent).
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit or not credit["monte_carlo"]["rollouts"]:
@@ -229,14 +258,22 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     seg = mc.get("segments") or {}
     k, n = int(seg.get("disagree", 0)), int(seg.get("total", 0))
     lo, hi = wilson_interval(k, n)
+    resolved = k + int(seg.get("agree", 0))
+    r_lo, _ = wilson_interval(resolved, n)
+    rollouts = len(mc["rollouts"])
     verdict = verdict_from_interval(lo, hi, MC_NOISE_DISAGREE, "below") if n else INCONCLUSIVE
+    why = f"Wilson interval of the disagreeing share vs {MC_NOISE_DISAGREE}"
+    if rollouts < MIN_UNITS:
+        verdict, why = INCONCLUSIVE, f"{rollouts} rollouts < {MIN_UNITS}"
+    elif verdict == HOLDS and not r_lo > MC_MIN_RESOLVED:
+        verdict, why = INCONCLUSIVE, (f"no disagreement, but only {resolved} of {n} segments signed beyond 2 SE "
+                                      f"(interval not above {MC_MIN_RESOLVED}): the test had no power")
     return [Claim(claim="GRPO's uniform credit matches Monte Carlo token credit",
                   scope=f"{len(mc['rollouts'])} rollouts, {n} segments, K = {mc['samples_per_prefix']}",
                   measurement=(f"segments opposing A_i beyond 2 SE: {k} of {n} ({_fmt(k / n if n else None)} "
                                f"[{_fmt(lo)}, {_fmt(hi)}]); agreeing beyond 2 SE: {seg.get('agree', 0)} of {n}"),
                   control=f"{MC_NOISE_DISAGREE} (false-disagreement rate of the 2-SE test)", verdict=verdict,
-                  rule=f"Wilson interval of the disagreeing share vs {MC_NOISE_DISAGREE}",
-                  source="Monte Carlo continuations from prefixes")]
+                  rule=why, source="Monte Carlo continuations from prefixes")]
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

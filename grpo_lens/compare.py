@@ -28,6 +28,8 @@ COMPARED = (
     ("policy/entropy", "policy entropy (nats/token)"),
     ("reward/frac_zero_std_groups", "S1: zero-variance groups"),
     ("dynamic/mixed_groups", "mixed groups trained on (dynamic sampling)"),
+    ("dynamic/hit_cap", "share of steps at the dynamic-sampling cap"),
+    ("dynamic/kept_reward_mean", "reward of the kept groups only (dynamic sampling)"),
     ("rank/g1_erank", "lens: G1 effective rank"),
     ("rank/g1_random_erank", "lens: G1 random zero-sum control"),
     ("sparsity/update_total", "lens: S4 bf16-unchanged since start"),
@@ -200,6 +202,14 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 5,
     lines += [f"Task: {task['task']}" + (f" {task['task_options']}" if task.get("task_options") else "")
               + (" (the runs' tasks differ: compared on request)" if allow_different_tasks and
                  len({json.dumps(t, sort_keys=True) for t in tasks.values()}) > 1 else ""), ""]
+    from grpo_lens.dynamic_sampling import dynamic_sampling_summary
+
+    notes = {lab: dynamic_sampling_summary(runs[lab]) for lab in labels}
+    if any(notes.values()):
+        lines += ["## Dynamic sampling", ""]
+        lines += [f"- `{lab}`: " + (notes[lab] or "no dynamic sampling (every sampled group was trained on).")
+                  for lab in labels]
+        lines += [""]
     lines += ["## Config fields that differ", ""]
     if diff:
         lines += ["| field | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]

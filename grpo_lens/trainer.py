@@ -418,6 +418,44 @@ def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
     return {"reward/accuracy": float(correct[has].mean())} if has.any() else {}
 
 
+def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[str, float]:
+    """``reward/mean``, ``reward/std`` (population, over valid rollouts), ``reward/frac_zero_std_groups`` (S1: share
+    of the N / R groups whose valid rewards are all equal) and ``reward/invalid_frac``.
+
+    Args:
+        rewards: [N] float (NaN invalid).  valid: [N] bool.  R: group size.
+    """
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R)
+    v = valid.view(-1, R)
+    n_valid = v.sum().clamp(min=1)
+    mean = float(r.sum() / n_valid)
+    std = float(((r - mean) ** 2 * v).sum().div(n_valid).sqrt())
+    zero_std = constant_groups(r, v).float().mean()  # S1: groups without reward contrast carry no gradient
+    return {"reward/mean": mean, "reward/std": std, "reward/frac_zero_std_groups": float(zero_std),
+            "reward/invalid_frac": float((~valid).float().mean())}
+
+
+#: The keys that, with dynamic sampling, describe all sampled groups; the kept groups' values go to ``dynamic/kept_*``.
+SAMPLED_KEYS = {"reward/mean": "dynamic/kept_reward_mean", "reward/std": "dynamic/kept_reward_std",
+                "reward/frac_zero_std_groups": "dynamic/kept_frac_zero_std_groups",
+                "reward/invalid_frac": "dynamic/kept_invalid_frac", "reward/accuracy": "dynamic/kept_accuracy"}
+
+
+def sampled_vs_kept(kept: dict[str, float], rewards: torch.Tensor, valid: torch.Tensor, correct: torch.Tensor,
+                    R: int) -> dict[str, float]:
+    """With dynamic sampling: the reward/accuracy/S1 keys over ALL sampled groups (the policy's behaviour), the kept
+    (trained-on) groups' values of the same keys renamed to ``dynamic/kept_*`` (:data:`SAMPLED_KEYS`).
+
+    Args:
+        kept: the step's metrics over the kept groups.  rewards: [M] every sampled rollout's reward (NaN invalid).
+        valid: [M] bool.  correct: [M] 0/1 verdicts (NaN none).  R: group size.
+    """
+    out = {new: kept[old] for old, new in SAMPLED_KEYS.items() if old in kept}
+    out.update(reward_metrics(rewards, valid, R))
+    out.update(accuracy_metrics(correct))
+    return out
+
+
 def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
                     batch_mask: torch.Tensor, truncated: torch.Tensor, R: int) -> dict[str, float]:
     """Reward, advantage and completion statistics of a step (all processes' rollouts).
@@ -426,18 +464,9 @@ def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torc
         rewards: [N] float (NaN invalid).  valid: [N] bool.  advantages: [N].  batch_mask: [N, T] bool.
         truncated: [N] bool.  R: group size.
     """
-    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R)
-    v = valid.view(-1, R)
-    n_valid = v.sum().clamp(min=1)
-    mean = float(r.sum() / n_valid)
-    std = float(((r - mean) ** 2 * v).sum().div(n_valid).sqrt())
-    zero_std = constant_groups(r, v).float().mean()  # S1: groups without reward contrast carry no gradient
     lengths = batch_mask.sum(dim=1).float()
     return {
-        "reward/mean": mean,
-        "reward/std": std,
-        "reward/frac_zero_std_groups": float(zero_std),
-        "reward/invalid_frac": float((~valid).float().mean()),
+        **reward_metrics(rewards, valid, R),
         "adv/mean": float(advantages.mean()),
         "adv/abs_mean": float(advantages.abs().mean()),
         "adv/max": float(advantages.max()),
@@ -628,9 +657,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                                                 config.overlong_cache()).to(rewards.device)
                 rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
                 reward_info["reward/overlong_penalty"] = float(procs.gather(penalty).mean())
+            sampled.append((rewards, valid, correct))
             return batch, rewards, valid, reward_info, correct
 
         dynamic: dict[str, float] = {}
+        sampled: list[tuple] = []  # every round's (rewards, valid, correct): dynamic sampling's all-groups view
         if config.dynamic_sampling:  # DAPO: extra rounds until B mixed groups (docs/theory.md §Dynamic sampling)
             batch, rewards, valid, reward_info, dynamic, (correct,) = collect_mixed_groups(
                 sample_round, share, config.dynamic_sampling_max_rounds, tokenizer.pad_token_id)
@@ -715,6 +746,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                   "perf/step_seconds": seconds, "perf/generation_seconds": t_gen,
                   "perf/tokens_per_second": tokens / max(seconds, 1e-9),
                   "perf/peak_memory_mb": _peak_memory_mb(procs.device)}
+        if config.dynamic_sampling:  # one process only (check_inputs), so no gather
+            record.update(sampled_vs_kept(record, *(torch.cat([s[i] for s in sampled]) for i in range(3)), R))
         if procs.is_main:
             run.append_metrics(record)
             if trackers is not None:

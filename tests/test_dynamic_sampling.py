@@ -3,6 +3,7 @@ training only on mixed groups."""
 
 from __future__ import annotations
 
+import json
 import pytest
 import torch
 
@@ -106,7 +107,9 @@ def test_trainer_trains_only_on_mixed_groups(tmp_path):
     assert len(records) == 3
     for rec in records:
         if rec["dynamic/hit_cap"] == 0:
-            assert rec["dynamic/mixed_groups"] == 3 and rec["reward/frac_zero_std_groups"] == 0
+            assert rec["dynamic/mixed_groups"] == 3 and rec["dynamic/kept_frac_zero_std_groups"] == 0
+        # reward/ S1 is over every sampled group, the same share dynamic/zero_var_frac_sampled counts
+        assert rec["reward/frac_zero_std_groups"] == pytest.approx(rec["dynamic/zero_var_frac_sampled"], abs=1e-7)
         assert rec["dynamic/rounds"] >= 1 and rec["dynamic/sampled_groups"] == 3 * rec["dynamic/rounds"]
     assert any(r["dynamic/rounds"] > 1 for r in records), "parity groups of 2 should need an extra round sometimes"
 
@@ -114,3 +117,48 @@ def test_trainer_trains_only_on_mixed_groups(tmp_path):
 def test_bad_cap_is_a_config_error():
     with pytest.raises(ConfigError, match="dynamic_sampling_max_rounds"):
         TrainConfig(dynamic_sampling_max_rounds=-1)
+
+
+def test_sampled_vs_kept_reports_all_sampled_groups():
+    from grpo_lens.trainer import sampled_vs_kept
+
+    # 4 sampled groups of R = 2 with rewards (1,0) (1,1) (1,1) (0,0); the step kept the one mixed group (1,0).
+    # Over all sampled: mean 5/8, population std sqrt(5/8 * 3/8), S1 = 3 constant groups / 4, accuracy 5/8.
+    # The kept values (mean 1/2, S1 0, accuracy 1/2) move to dynamic/kept_*; keys that are not reward keys stay out.
+    r = torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 0])
+    kept = {"reward/mean": 0.5, "reward/std": 0.5, "reward/frac_zero_std_groups": 0.0, "reward/invalid_frac": 0.0,
+            "reward/accuracy": 0.5, "adv/mean": 0.0}
+    out = sampled_vs_kept(kept, r, torch.ones(8, dtype=torch.bool), r.clone(), R=2)
+    assert out["reward/mean"] == pytest.approx(5 / 8, abs=1e-7)
+    assert out["reward/std"] == pytest.approx((5 / 8 * 3 / 8) ** 0.5, abs=1e-6)
+    assert out["reward/frac_zero_std_groups"] == pytest.approx(3 / 4, abs=1e-7)
+    assert out["reward/accuracy"] == pytest.approx(5 / 8, abs=1e-7)
+    assert out["dynamic/kept_reward_mean"] == 0.5 and out["dynamic/kept_frac_zero_std_groups"] == 0.0
+    assert out["dynamic/kept_accuracy"] == 0.5 and "adv/mean" not in out
+
+
+def test_dynamic_sampling_summary_counts_cap_hits(tmp_path):
+    from grpo_lens.compare import compare_runs
+    from grpo_lens.dynamic_sampling import dynamic_sampling_summary
+
+    # 3 steps of B = 2: step 1 hit the cap after 3 rounds (6 groups, 5 all-equal, 1 kept), step 2 one round (2
+    # groups, 0 all-equal, 2 kept), step 3 the cap again (6 groups, 6 all-equal, 0 kept): 2 of 3 steps at the cap,
+    # 11 of 14 sampled groups all-equal = 0.786, 3 mixed groups trained on.
+    recs = [{"step": 1, "dynamic/hit_cap": 1.0, "dynamic/sampled_groups": 6.0, "dynamic/zero_var_frac_sampled": 5 / 6,
+             "dynamic/mixed_groups": 1.0},
+            {"step": 2, "dynamic/hit_cap": 0.0, "dynamic/sampled_groups": 2.0, "dynamic/zero_var_frac_sampled": 0.0,
+             "dynamic/mixed_groups": 2.0},
+            {"step": 3, "dynamic/hit_cap": 1.0, "dynamic/sampled_groups": 6.0, "dynamic/zero_var_frac_sampled": 1.0,
+             "dynamic/mixed_groups": 0.0}]
+    text = dynamic_sampling_summary(recs)
+    assert "2 of 3 steps hit the extra-rounds cap" in text and "0.786 of the 14 sampled groups" in text
+    assert "3 mixed groups were trained on" in text
+    assert dynamic_sampling_summary([{"step": 1, "reward/mean": 0.5}]) is None
+    # compare names the run that used it and says the other did not
+    for name, rows in (("ds", recs), ("plain", [{"step": s, "reward/mean": 0.1} for s in (1, 2, 3)])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text("task: arithmetic\n")
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    md = compare_runs([tmp_path / "ds", tmp_path / "plain"], tmp_path / "cmp").read_text()
+    assert "- `ds`: Dynamic sampling (DAPO) was on: 2 of 3 steps hit" in md
+    assert "- `plain`: no dynamic sampling" in md

@@ -78,7 +78,7 @@ def _ci(m, lo, hi, n=8):
     return {"mean": m, "lo": lo, "hi": hi, "n": n}
 
 
-def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20)):
+def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20), agree=0, rollouts=8):
     prompt = {"p": 0.5, "m_correct": 0.02, "m_wrong": 0.04, "b_star_pop": 0.33, "b_star_exact": 0.34,
               "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
     summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
@@ -98,24 +98,25 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20
                                          "classes": classes, "closure": 1e-4, "groups": 4},
                        "monte_carlo": {"rollouts": [{"reward": 1.0, "grpo_advantage": 0.8, "boundaries": [0, 3, 6],
                                                      "values": [0.5, 0.6], "errors": [0.1, 0.1],
-                                                     "advantages": [0.1, 0.4], "adv_errors": [0.14, 0.1]}],
+                                                     "advantages": [0.1, 0.4], "adv_errors": [0.14, 0.1]}] * rollouts,
                                        "samples_per_prefix": 8, "disagree": disagree, "agree": _ci(0.5, 0.3, 0.7),
-                                       "segments": {"disagree": segments[0], "agree": 0, "total": segments[1]},
+                                       "segments": {"disagree": segments[0], "agree": agree, "total": segments[1]},
                                        "neutral": _ci(0.4, 0.2, 0.6), "top_segment_share": _ci(0.7, 0.6, 0.8)},
                        "meta": {"group_size": 4}}}
 
 
 def test_study_claims_follow_the_numbers():
     # m_C = m_W rejected on 6 of 8 prompts (Wilson interval [0.41, 0.93] above 0.05) and population b*'s MSE ratio
-    # [0.7, 0.9] < 1: the group mean is not optimal -> does not hold; answer ratio [1.2, 1.8] excludes 1 -> does
+    # [0.7, 0.9] < 1: the group mean is not optimal -> does not hold; answer ratio [1.3, 1.8] outside 1 ± 0.25 -> does
     # not hold; Monte Carlo: 10 of 20 segments disagree (Wilson [0.30, 0.70] above 0.023) -> does not hold
-    c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8),
+    c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8),
                                         _ci(0.2, 0.1, 0.3)))
     assert [x.verdict for x in c] == ["does not hold", "does not hold", "does not hold"]
     # 0 of 8 rejected (Wilson [0, 0.32] contains 0.05) and MSE ratio [0.9, 1.1] contains 1 -> holds; answer ratio
-    # contains 1 -> holds; 0 of 200 segments disagree: Wilson upper end 3.84 / 203.84 = 0.019 < 0.023 -> holds
+    # inside 1 ± 0.25 -> holds; 0 of 200 segments disagree: Wilson upper end 3.84 / 203.84 = 0.019 < 0.023, and 150
+    # of 200 signed beyond 2 SE (Wilson lower end 0.69 > 0.5) -> holds
     c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2),
-                                       _ci(0.0, 0.0, 0.01), rejected=0.0, segments=(0, 200)))
+                                       _ci(0.0, 0.0, 0.01), rejected=0.0, segments=(0, 200), agree=150))
     assert [x.verdict for x in c] == ["holds", "holds", "holds"]
     # many rejections but no measurable MSE gain: inconclusive (the mean ratio 1.0 is not used: it can cancel)
     c = study_claims("x", _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
@@ -164,3 +165,35 @@ def test_no_interval_from_fewer_than_eight_units():
     # a share's interval stays inside [0, 1]
     clipped = bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))
     assert 0.0 <= clipped["lo"] <= clipped["hi"] <= 1.0
+
+
+def test_credit_claims_need_power_not_absence_of_data():
+    credit = lambda **kw: [CLAIMS.get(n)({"studies": _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), **kw)})[0]
+                           for n in ("uniform_token_credit", "monte_carlo_credit")]
+    # the new-user report: 4 rollouts, 0 disagreeing segments, most within noise of 0. The old rule (disagreeing
+    # share's interval below 0.023) said holds on 200 such segments; now: too few rollouts -> inconclusive
+    u, mc = credit(answer_ratio=_ci(1.0, 0.3, 2.5), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=25,
+                   rollouts=4)
+    assert mc.verdict == "inconclusive" and "4 rollouts < 8" in mc.rule
+    # the old "interval contains 1" said holds on the wide [0.3, 2.5]; it overlaps the edge of 1 ± 0.25
+    assert u.verdict == "inconclusive"
+    # 8 rollouts but only 25 of 200 segments signed (12.5%, Wilson lower end 0.086 < 0.5): no power -> inconclusive
+    u, mc = credit(answer_ratio=_ci(1.0, None, None), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=25)
+    assert mc.verdict == "inconclusive" and "no power" in mc.rule
+    assert u.verdict == "inconclusive"  # no interval (fewer than 8 groups)
+    # planted: 150 of 200 signed, none against A_i -> holds; 30 of 200 against (Wilson [0.11, 0.21] > 0.023) -> does
+    # not hold even with few signed in its favour; answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
+    _, mc = credit(answer_ratio=_ci(1.0, 0.9, 1.1), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=150)
+    assert mc.verdict == "holds"
+    u, mc = credit(answer_ratio=_ci(1.45, 1.3, 1.6), disagree=_ci(0.15, 0.1, 0.2), segments=(30, 200))
+    assert (u.verdict, mc.verdict) == ("does not hold", "does not hold")
+
+
+def test_equivalence_verdict():
+    from grpo_lens.claims_measures import equivalence_verdict
+
+    assert equivalence_verdict(0.8, 1.2, 0.75, 1.25) == "holds"
+    assert equivalence_verdict(0.5, 1.5, 0.75, 1.25) == "inconclusive"  # contains 1, but too wide
+    assert equivalence_verdict(1.3, 1.4, 0.75, 1.25) == "does not hold"
+    assert equivalence_verdict(0.1, 0.7, 0.75, 1.25) == "does not hold"
+    assert equivalence_verdict(None, None, 0.75, 1.25) == "inconclusive"

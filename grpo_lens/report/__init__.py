@@ -72,6 +72,12 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         verb = "rose" if r1 > r0 else ("fell" if r1 < r0 else "stayed flat")
         findings.append(f"Mean reward {verb} over training: {_fmt(r0)} (first {len(head)} steps) -> {_fmt(r1)} "
                         f"(last {len(tail)} steps).")
+    from grpo_lens.dynamic_sampling import dynamic_sampling_summary
+
+    dynamic = dynamic_sampling_summary(records)
+    if dynamic:
+        lines += [dynamic, ""]
+        findings.append(dynamic)
     plots.plot_learning_curves(records, run_dir / "learning_curves.png")
     lines += ["![learning curves](learning_curves.png)", ""]
 
