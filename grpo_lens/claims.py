@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from grpo_lens.diagnostics.stats import MIN_INTERVAL_UNITS
 from grpo_lens.registry import Registry
 
 HOLDS, DOES_NOT_HOLD, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
@@ -30,7 +31,7 @@ VERDICTS = (HOLDS, DOES_NOT_HOLD, INCONCLUSIVE)
 #: "effective rank ≈ 2" means erank within 2 ± this (the paper gives no tolerance; docs/theory.md §11).
 ERANK_BAND = 0.5
 #: fewest analysed groups for a verdict other than inconclusive.
-MIN_GROUPS = 8
+MIN_GROUPS = MIN_INTERVAL_UNITS
 #: the identity holds when every group's relative residual is below this (float32 round-off is ~1e-7).
 IDENTITY_TOLERANCE = 1e-4
 #: an excess span energy below this share of G1's energy counts as no effect.
@@ -80,7 +81,7 @@ def _ci_text(s: dict[str, Any] | None, nd: int = 2) -> str:
     if not s or s.get("mean") is None:
         return "not measured"
     if s.get("lo") is None:
-        return f"{_fmt(s['mean'], nd)} (n = 1, no interval)"
+        return f"{_fmt(s['mean'], nd)} (n = {s.get('n')}, too few for an interval)"
     return f"{_fmt(s['mean'], nd)} [{_fmt(s['lo'], nd)}, {_fmt(s['hi'], nd)}] (n = {s['n']})"
 
 

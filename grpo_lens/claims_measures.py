@@ -300,7 +300,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     interval; control :data:`EQUAL_NORMS_LEVEL` (what the per-prompt tests reject when m_C = m_W everywhere). Holds
     when q's interval contains the control and the population b*'s MSE ratio to RLOO contains 1; does not hold when
     q's interval lies above the control and the MSE ratio's interval lies below 1; inconclusive otherwise (fewer than
-    4 testable prompts included). The mean m_C / m_W over prompts is reported, not used: prompts with m_C > m_W and
+    MIN_UNITS testable prompts included). The mean m_C / m_W over prompts is reported, not used: prompts with m_C > m_W and
     m_C < m_W cancel in it.
     """
     study = ((probe.get("studies") or {}).get("baselines") or {}).get("baselines")
@@ -313,8 +313,8 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     k = round(q * n) if q is not None and math.isfinite(q) else 0
     q_lo, q_hi = wilson_interval(k, n)
     mse_v = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below")
-    if n < 4 or not math.isfinite(q_lo):
-        verdict, why = INCONCLUSIVE, f"{n} testable prompts < 4"  # Wilson needs no minimum; 4 keeps it meaningful
+    if n < MIN_UNITS or not math.isfinite(q_lo):
+        verdict, why = INCONCLUSIVE, f"{n} testable prompts < {MIN_UNITS}"
     elif q_lo <= EQUAL_NORMS_LEVEL <= q_hi and verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0,
                                                                        "contains") == HOLDS:
         verdict, why = HOLDS, "rejection share consistent with the tests' level and no MSE gain from b*"

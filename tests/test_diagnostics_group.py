@@ -161,8 +161,8 @@ def test_bootstrap_interval_covers_a_known_mean():
 def test_bootstrap_edge_cases_and_summaries():
     assert dg.bootstrap_ci([]) == {"mean": None, "lo": None, "hi": None, "n": 0}
     assert dg.bootstrap_ci([3.0, float("nan"), None]) == {"mean": 3.0, "lo": None, "hi": None, "n": 1}
-    # the interval never leaves the range of the values (a share stays a share), even at n = 3
-    ci = dg.bootstrap_ci([0.5, 0.52, 2.78])
+    # the interval never leaves the range of the values (a share stays a share), at the fewest units allowed
+    ci = dg.bootstrap_ci([0.5, 0.52, 2.78, 0.6, 0.7, 0.55, 0.65, 0.5])
     assert 0.5 <= ci["lo"] <= ci["mean"] <= ci["hi"] <= 2.78
     # Student t quantiles: exact 12.706 (df 1), 4.303 (df 2); 2.228 (df 10), 2.069 (df 23) to 1e-3
     for df, want in ((1, 12.7062), (2, 4.3027), (10, 2.2281), (23, 2.0687)):
@@ -197,3 +197,26 @@ def test_g2_stable_rank_by_type_uses_an_accurate_top_singular_value():
     # (25 + 9 + 1 + 7 * 0.01) / 25 = 1.4028 for both down_proj layers (scale-free); a rank-one q_proj has 1
     assert keys == {"rank/g2_adv_down_proj_stable_rank": pytest.approx(35.07 / 25),
                     "rank/g2_adv_q_proj_stable_rank": pytest.approx(1.0)}
+
+
+def test_one_rule_for_the_fewest_units_of_an_interval():
+    from grpo_lens import claims
+    from grpo_lens.diagnostics import baseline_study, stats
+
+    # one constant: bootstrap_ci (probe.json summaries, strata), the studies' bootstrap_mean and the claims' minimum
+    assert stats.MIN_INTERVAL_UNITS == 8
+    assert baseline_study.MIN_UNITS is stats.MIN_INTERVAL_UNITS and claims.MIN_GROUPS == stats.MIN_INTERVAL_UNITS
+    # the new-user report: erank(G1) 3.45 [3.35, 3.55] from n = 2 groups -> no interval now, at n = 2 .. 7
+    for n in range(2, 8):
+        ci = dg.bootstrap_ci([3.35, 3.55] * (n // 2) + [3.45] * (n % 2))
+        assert ci["lo"] is None and ci["hi"] is None and ci["n"] == n and ci["mean"] == pytest.approx(3.45)
+        assert baseline_study.bootstrap_mean([0.1, 0.3] * (n // 2) + [0.2] * (n % 2))["lo"] is None
+    assert dg.bootstrap_ci([3.35, 3.55] * 4)["lo"] is not None
+    # per-R summaries and strata follow it: 2 rows of stratum "1" give no interval, 8 rows do
+    rows = [{"a": float(i), "group/correct": 1.0} for i in range(2)] + [{"a": float(i), "group/correct": 2.0}
+                                                                        for i in range(8)]
+    strata = dg.stratify_rows(rows, "group/correct")
+    assert strata["1"]["a"]["lo"] is None and strata["2"]["a"]["lo"] is not None
+    # and the text says so instead of printing a collapsed interval
+    from grpo_lens.report import _ci as report_ci
+    assert report_ci({"mean": 3.45, "lo": None, "hi": None, "n": 2}) == "3.45 (n = 2, too few for an interval)"

@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 
+from grpo_lens.diagnostics.stats import MIN_INTERVAL_UNITS
 from grpo_lens.probe import ProbeConfig, run_probe
 
 MAX_IMAGE_BYTES = 300 * 1024
@@ -109,7 +110,10 @@ def test_probe_json_schema(sketch_probe):
             vals = [row[key] for row in d["groups"] if key in row]
             s = d["summary"][key]
             assert s["n"] == len(vals) and s["mean"] == pytest.approx(sum(vals) / len(vals), rel=1e-12), key
-            assert s["lo"] <= s["mean"] <= s["hi"], key
+            if len(vals) >= MIN_INTERVAL_UNITS:
+                assert s["lo"] <= s["mean"] <= s["hi"], key
+            else:  # the one rule: fewer units than MIN_INTERVAL_UNITS give no interval (docs/theory.md §7)
+                assert s["lo"] is None and s["hi"] is None, key
         # strata by k and by distinct completions partition the analysed groups
         for by, key in (("correct", "group/correct"), ("distinct", "group/distinct_completions")):
             strata = d["strata"][by]

@@ -27,9 +27,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from grpo_lens.diagnostics.stats import MIN_INTERVAL_UNITS as MIN_UNITS  # the one rule for intervals (docs/theory.md §7)
+
 STUDY_ESTIMATORS = ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop")
-#: fewest units (prompts, groups, rollouts) a reported interval is computed from (as the rank claims' MIN_GROUPS)
-MIN_UNITS = 8
 
 
 def mean_score_norm(grads: Tensor) -> dict[str, float]:

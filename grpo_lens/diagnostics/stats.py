@@ -39,6 +39,17 @@ def student_t_quantile(p: float, df: int) -> float:
             + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4))
 
 
+#: fewest units (groups, prompts, rollouts) any reported interval is computed from -- the one rule every interval in
+#: probe.json and the reports follows (docs/theory.md §7). With 2 values every resample with a spread is the pair
+#: itself and the interval collapses to the data's range; with a handful the quantiles come from a few distinct means.
+MIN_INTERVAL_UNITS = 8
+
+
+def has_interval(n: int) -> bool:
+    """Whether ``n`` units are enough for an interval (n >= :data:`MIN_INTERVAL_UNITS`)."""
+    return n >= MIN_INTERVAL_UNITS
+
+
 def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000,
                  seed: int = 0) -> dict[str, float | int | None]:
     """Mean of ``values`` with an expanded-percentile bootstrap interval over them (docs/theory.md §7).
@@ -57,7 +68,7 @@ def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples:
         seed: resampling seed (results are deterministic).
 
     Returns:
-        {"mean", "lo", "hi", "n"}: mean None for n = 0; lo = hi = None for n < 2 (one group has no spread).
+        {"mean", "lo", "hi", "n"}: mean None for n = 0; lo = hi = None for n < :data:`MIN_INTERVAL_UNITS`.
 
     Raises:
         ValueError: level outside (0, 1) or num_resamples < 100.
@@ -72,8 +83,8 @@ def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples:
         return {"mean": None, "lo": None, "hi": None, "n": 0}
     x = torch.tensor(xs, dtype=torch.float64)
     mean = float(x.mean())
-    if n < 2:
-        return {"mean": mean, "lo": None, "hi": None, "n": 1}
+    if not has_interval(n):
+        return {"mean": mean, "lo": None, "hi": None, "n": n}
     gen = torch.Generator().manual_seed(seed)
     means = x[torch.randint(0, n, (num_resamples, n), generator=gen)].mean(1)
     t = student_t_quantile(1 - (1 - level) / 2, n - 1)

@@ -28,7 +28,7 @@ def _ci(stats: dict[str, Any] | None, nd: int = 3) -> str:
     if not stats or stats.get("mean") is None:
         return "–"
     if stats.get("lo") is None:
-        return f"{_fmt(stats['mean'], nd)} (n = {stats.get('n')})"
+        return f"{_fmt(stats['mean'], nd)} (n = {stats.get('n')}, too few for an interval)"
     return f"{_fmt(stats['mean'], nd)} [{_fmt(stats['lo'], nd)}, {_fmt(stats['hi'], nd)}]"
 
 
