@@ -22,7 +22,9 @@ child's peak resident set size, which includes the loaded model; CUDA: ``torch.c
 system's ratio to the plain loop. The machine is shared: only ratios measured side by side in one run mean much.
 
 ``--sweep`` runs grpo-lens alone (lens off, and lens every step) for R in {4, 8, 16} x max_new_tokens in {24, 128}
-and prints seconds per step, seconds per completion token and the lens's cost relative to the update's backward.
+and prints seconds per step, seconds per completion token and the lens's cost relative to the update's backward
+(``lens s``: the lens's own time, its analysis only when it reads the sketch off the update; the last column: the
+whole extra time of a lens step, the capture inside the update and the S4 snapshots included).
 
     python benchmarks/bench_step.py                       # the table (defaults: B=4, R=8, 24 tokens, 6 steps)
     python benchmarks/bench_step.py --steps 3 --warmup 1 --rounds 2      # shorter, each system twice (ABCD DCBA)
@@ -418,8 +420,8 @@ def sweep(args) -> None:
     print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads, B={args.sweep_prompts} prompts; median "
           f"over steps {args.warmup + 1}-{args.steps}\n")
     print("| R | max_new_tokens | tokens/step | train s/step | train ms/token | lens-every-step s/step | lens s | "
-          "lens / update backward |")
-    print("|---|---|---|---|---|---|---|---|")
+          "lens / update backward | (lens-every-step - train) / update backward |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for R in args.sweep_group_sizes:
         for T in args.sweep_tokens:
             off = run_child(args, "lens-off", group_size=R, max_new_tokens=T, prompts=args.sweep_prompts,
@@ -430,7 +432,8 @@ def sweep(args) -> None:
             so, sn = summarize(off, args.warmup), summarize(on, args.warmup)
             tokens = statistics.median(off["tokens_per_step"][args.warmup:] or off["tokens_per_step"])
             print(f"| {R} | {T} | {tokens:.0f} | {so['step']:.2f} | {1000 * so['step'] / max(tokens, 1):.1f} | "
-                  f"{sn['step']:.2f} | {sn['lens']:.2f} | {sn['lens'] / max(so['bwd'], 1e-9):.2f} |", flush=True)
+                  f"{sn['step']:.2f} | {sn['lens']:.2f} | {sn['lens'] / max(so['bwd'], 1e-9):.2f} | "
+                  f"{(sn['step'] - so['step']) / max(so['bwd'], 1e-9):.2f} |", flush=True)
 
 
 def main() -> None:
