@@ -3,7 +3,8 @@
 A claim function takes a probe.json dict and returns :class:`Claim` records; the report prints them at the top
 (:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS` and is decided by the documented
 rule of its function from the measurement, its 95% interval over groups and its null or control, never by hand.
-Decision rules and their thresholds are stated in docs/theory.md §11.
+Decision rules and their thresholds are stated in docs/theory.md §11 (rank claims, the identity) and §12 (sparsity,
+credit, baselines: :mod:`grpo_lens.claims_measures`).
 
 To add a claim: write ``fn(probe) -> list[Claim]`` and register it, e.g.::
 
@@ -81,8 +82,8 @@ def _ci_text(s: dict[str, Any] | None, nd: int = 2) -> str:
     if not s or s.get("mean") is None:
         return "not measured"
     if s.get("lo") is None:
-        return f"{_fmt(s['mean'], nd)} (n = {s.get('n')}, too few for an interval)"
-    return f"{_fmt(s['mean'], nd)} [{_fmt(s['lo'], nd)}, {_fmt(s['hi'], nd)}] (n = {s['n']})"
+        return f"{_fmt(s['mean'], nd)} (n = {s.get('n')} groups, too few for an interval)"
+    return f"{_fmt(s['mean'], nd)} [{_fmt(s['lo'], nd)}, {_fmt(s['hi'], nd)}] (n = {s['n']} groups)"
 
 
 def source_of(probe: dict[str, Any]) -> str:

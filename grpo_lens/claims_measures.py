@@ -1,6 +1,5 @@
 """The paper's claims on sparsity, token credit and baseline optimality (arXiv 2606.29238), registered in
-:data:`grpo_lens.claims.CLAIMS` beside the rank claims, each with a verdict computed by a rule (docs/theory.md
-§Claims on sparsity, credit and baseline optimality).
+:data:`grpo_lens.claims.CLAIMS` beside the rank claims, each with a verdict computed by a rule (docs/theory.md §12).
 
 The credit and baseline claims read a probe's ``studies`` (:mod:`grpo_lens.studies`); the sparsity claims read a
 training run's records, passed as ``{"records": [metrics.jsonl records]}`` (the report evaluates
@@ -39,12 +38,12 @@ def _fmt(x: Any, nd: int = 3) -> str:
     return f"{x:.{nd}f}"
 
 
-def _ci(s: dict[str, Any] | None, nd: int = 2) -> str:
+def _ci(s: dict[str, Any] | None, nd: int = 2, unit: str = "groups") -> str:
     if not s or s.get("mean") is None:
         return "not measured"
     if s.get("lo") is None:
-        return f"{_fmt(s['mean'], nd)} (n = {s.get('n')}, too few for an interval)"
-    return f"{_fmt(s['mean'], nd)} [{_fmt(s['lo'], nd)}, {_fmt(s['hi'], nd)}] (n = {s.get('n')})"
+        return f"{_fmt(s['mean'], nd)} (n = {s.get('n')} {unit}, too few for an interval)"
+    return f"{_fmt(s['mean'], nd)} [{_fmt(s['lo'], nd)}, {_fmt(s['hi'], nd)}] (n = {s.get('n')} {unit})"
 
 
 def verdict_from_interval(lo: float | None, hi: float | None, control: float, holds_if: str) -> str:
@@ -213,7 +212,8 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
                   scope=f"training, step {last['step']}",
                   measurement=(f"bf16 unchanged since start {_fmt(share)}; excess over the dense control {_fmt(gap)} "
-                               f"[{_fmt(lo)}, {_fmt(hi)}]; float32 unchanged "
+                               f"[{_fmt(lo)}, {_fmt(hi)}] (binomial interval over {int(n)} sampled weights); "
+                               f"float32 unchanged "
                                f"{_fmt(last.get('sparsity/update_total_f32_unchanged'), 4)}"),
                   control=f"a dense update of the same per-tensor RMS leaves {_fmt(dense)} unchanged in bf16",
                   verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]
@@ -230,7 +230,7 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
     Rule: the answer tokens' share of the group update over their share of the tokens, 95% interval over groups
     (none from fewer than MIN_UNITS groups); holds when the interval lies inside 1 ± :data:`CREDIT_EQUIVALENCE`
     (narrow enough to exclude a credit 25% off proportional), does not hold when it lies outside that band,
-    inconclusive otherwise or without an interval (docs/theory.md §Claims on sparsity, credit and baseline optimality).
+    inconclusive otherwise or without an interval (docs/theory.md §12).
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit:
@@ -284,7 +284,8 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     return [Claim(claim="GRPO's uniform credit matches Monte Carlo token credit",
                   scope=f"{len(mc['rollouts'])} rollouts, {n} segments, K = {mc['samples_per_prefix']}",
                   measurement=(f"segments opposing A_i beyond 2 SE: {k} of {n} ({_fmt(k / n if n else None)} "
-                               f"[{_fmt(lo)}, {_fmt(hi)}]); agreeing beyond 2 SE: {seg.get('agree', 0)} of {n}"),
+                               f"[{_fmt(lo)}, {_fmt(hi)}], Wilson interval over segments); "
+                               f"agreeing beyond 2 SE: {seg.get('agree', 0)} of {n}"),
                   control=f"{MC_NOISE_DISAGREE} (false-disagreement rate of the 2-SE test)", verdict=verdict,
                   rule=why, source="Monte Carlo continuations from prefixes")]
 
@@ -340,7 +341,9 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     return [Claim(claim="the group mean is the variance-optimal baseline (m_C = m_W)",
                   scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
                   measurement=(f"m_C = m_W rejected on {k} of {n} prompts ({_fmt(q, 2)} [{_fmt(q_lo, 2)}, "
-                               f"{_fmt(q_hi, 2)}]); mean m_C / m_W {_ci(ratio)}; population b* MSE / RLOO's {_ci(mse)}"),
+                               f"{_fmt(q_hi, 2)}], Wilson interval over prompts); mean m_C / m_W "
+                               f"{_ci(ratio, unit='prompts')}; "
+                               f"population b* MSE / RLOO's {_ci(mse, unit='prompts')}"),
                   control=f"rejection share {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere); MSE ratio 1",
                   verdict=verdict, rule=why,
                   source=f"{meta.get('gradients', 'sketch')}, k = {meta.get('sketch_dim')}, held-out reference")]

@@ -39,7 +39,7 @@ def test_erank_claim_rules():
     assert verdicts("erank_near_two", p) == {"R = 2": INCONCLUSIVE, "R = 4": HOLDS, "R = 8": DOES_NOT_HOLD,
                                               "R = 16": INCONCLUSIVE, "R = 32": INCONCLUSIVE, "R = 64": INCONCLUSIVE}
     claim = {c.scope: c for c in CLAIMS.get("erank_near_two")(p)}["R = 4"]
-    assert "2.10 [1.90, 2.30] (n = 16)" in claim.measurement and "0.50 [0.45, 0.55]" in claim.control
+    assert "2.10 [1.90, 2.30] (n = 16 groups)" in claim.measurement and "0.50 [0.45, 0.55]" in claim.control
     assert claim.source == "exact gradients of every parameter"
 
 

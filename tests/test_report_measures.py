@@ -217,3 +217,19 @@ def test_s4_claim_is_not_judged_on_lora_adapter_weights(tmp_path):
     assert "Parameter space: this is a LoRA run (rank 8)" in text
     assert "of the LoRA adapter's weights (not the full model's) kept their bf16 value" in text
     assert "**does not hold** | only 0.484" not in text
+
+
+def test_claims_say_where_their_rules_and_intervals_come_from(tmp_path):
+    # a training-only run: its heading promises only what it shows (two sparsity claims) and sends the rest to probe
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _records(
+        [0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n")
+    report = write_report(tmp_path).read_text()
+    assert "## Claims: sparsity over training" in report and "come from `grpo-lens probe`" in report
+    assert "## Claims: effective rank" not in report
+    assert "§11 for the rank claims and the identity, §12 for sparsity, credit and baselines" in report
+    # every row names what its interval is over
+    assert "binomial interval over 2097152 sampled weights" in report
+    c = study_claims("x", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3)))
+    assert "(n = 8 groups)" in c[0].measurement
+    assert "Wilson interval over segments" in c[1].measurement
+    assert "Wilson interval over prompts" in c[2].measurement and "(n = 8 prompts)" in c[2].measurement

@@ -383,15 +383,22 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
 def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None,
                    lora_rank: int = 0) -> list[str]:
     """The paper's claims with measurement, interval, control and computed verdict, per probe, and on the training
-    run's records (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11 and §Claims on
-    sparsity, credit and baseline optimality). ``lora_rank`` > 0: the training sparsity numbers are over the LoRA
-    adapter's weights."""
+    run's records (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11 and
+    §12). ``lora_rank`` > 0: the training sparsity numbers are over the LoRA adapter's weights."""
     from grpo_lens.claims import evaluate_claims
     from grpo_lens.claims_measures import TRAINING_CLAIMS
 
-    lines = ["## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines", "",
-             "Each verdict is computed from the numbers by the rule shown (docs/theory.md §11): holds / does not hold / "
-             "inconclusive. Intervals are 95% bootstrap intervals over groups.", ""]
+    rule_text = ("Each verdict is computed from the numbers by the rule shown (docs/theory.md §11 for the rank claims "
+                 "and the identity, §12 for sparsity, credit and baselines): holds / does not hold / inconclusive. "
+                 "Intervals are 95%; each measurement says what its interval is over (groups, prompts, Monte Carlo "
+                 "segments, or sampled weights), and none is computed from fewer than 8 units.")
+    if probes:
+        lines = ["## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines", "",
+                 rule_text, ""]
+    else:
+        lines = ["## Claims: sparsity over training", "", rule_text + " The claims on effective rank, zero-sum "
+                 "structure, the identity, credit and baselines come from `grpo-lens probe` (or `grpo-lens demo`, "
+                 "which probes before and after training); this run has no probe.json.", ""]
     sources = dict(probes)
     if records:
         sources = {"training": {"records": records, "lora_rank": lora_rank}, **sources}
