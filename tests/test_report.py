@@ -109,7 +109,22 @@ def test_reward_finding_fell_for_falling_rewards(tmp_path):
 def test_reward_finding_flat(tmp_path):
     _write_metrics(tmp_path, [0.5] * 4)
     report = write_report(tmp_path).read_text()
-    assert "Mean reward stayed flat over training: 0.500 (first 4 steps) -> 0.500 (last 4 steps)." in report
+    # 4 steps: two non-overlapping windows of 4 // 2 = 2 steps
+    assert "Mean reward stayed flat over training: 0.500 (first 2 steps) -> 0.500 (last 2 steps)." in report
+
+
+def test_short_run_says_too_few_steps_and_zero_gradient(tmp_path):
+    _write_metrics(tmp_path, [0.021] * 3, lens_steps=())
+    lines = (tmp_path / "metrics.jsonl").read_text().replace('"reward/frac_zero_std_groups": 0.25',
+                                                               '"reward/frac_zero_std_groups": 1.0')
+    (tmp_path / "metrics.jsonl").write_text(lines)
+    findings = _findings(write_report(tmp_path).read_text())
+    # 3 steps < 4: no first/last comparison (the windows would overlap), no "stayed flat"
+    assert not any(f.startswith("Mean reward") or f.startswith("S1 (zero-variance") for f in findings)
+    assert "3 step(s): too few steps for a trend" in findings[0] and "mean reward 0.021 over the run" in findings[0]
+    # S1 = 1 on all 3 steps: every advantage was zero
+    assert any(f.startswith("S1 = 1.000 on every one of the 3 steps") and "nothing was trained by the policy gradient"
+               in f for f in findings)
 
 
 def test_training_tables_show_the_numbers(tmp_path):
@@ -184,8 +199,9 @@ def test_demo_layout_before_and_after(tmp_path):
     assert "## Gradient probe: before" in report and "## Gradient probe: after" in report
     assert "## Before vs after training" in report
     assert "group_size: 4" in report  # the config is shown
-    # 3 steps: head and tail are all 3 -> the same mean 0.4
-    assert "Mean reward stayed flat over training: 0.400 (first 3 steps) -> 0.400 (last 3 steps)." in report
+    # 3 steps: the first and last windows would overlap -> no trend claimed; mean of 0.2, 0.4, 0.6 = 0.4
+    assert "3 step(s): too few steps for a trend" in report and "mean reward 0.400 over the run" in report
+    assert "stayed flat" not in report
     names = _check_images(tmp_path, report)
     assert "erank_vs_R.png" in names
 

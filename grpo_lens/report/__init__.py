@@ -57,6 +57,10 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+#: fewest training steps the report reads a trend from: two non-overlapping windows of at least 2 steps
+MIN_TREND_STEPS = 4
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Sections
 # ---------------------------------------------------------------------------------------------------------------------
@@ -66,13 +70,27 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     are over the adapter's weights)."""
     lines = ["## Training", ""]
     n = len(records)
-    head, tail = records[: min(5, n)], records[max(0, n - 5):]
+    w = min(5, n // 2)  # non-overlapping first / last windows; fewer than MIN_TREND_STEPS steps: no trend
+    trend = n >= MIN_TREND_STEPS
+    head, tail = (records[:w], records[n - w:]) if trend else (records, records)
     r0, r1 = _mean([r.get("reward/mean") for r in head]), _mean([r.get("reward/mean") for r in tail])
     a0, a1 = _mean([r.get("reward/accuracy") for r in head]), _mean([r.get("reward/accuracy") for r in tail])
     sec = _mean([r.get("perf/step_seconds") for r in records])
-    lines += [f"{n} steps. Mean reward over the first {len(head)} steps {_fmt(r0)}, over the last {len(tail)} steps "
-              f"{_fmt(r1)}; accuracy {_fmt(a0)} -> {_fmt(a1)}. {_fmt(sec, 1)} s per step on average.", ""]
-    if r0 is not None and r1 is not None:
+    if trend:
+        lines += [f"{n} steps. Mean reward over the first {len(head)} steps {_fmt(r0)}, over the last {len(tail)} "
+                  f"steps {_fmt(r1)}; accuracy {_fmt(a0)} -> {_fmt(a1)}. {_fmt(sec, 1)} s per step on average.", ""]
+    else:
+        too_few = (f"{n} step(s): too few steps for a trend (the first and last windows need at least 2 steps each "
+                   f"without overlap, so at least {MIN_TREND_STEPS} steps)")
+        lines += [f"{too_few}. Mean reward over all steps {_fmt(r0)}, accuracy {_fmt(a0)}. {_fmt(sec, 1)} s per "
+                  "step on average.", ""]
+        findings.append(f"{too_few}; mean reward {_fmt(r0)} over the run.")
+    s1_all = [r.get("reward/frac_zero_std_groups") for r in records]
+    if records and all(isinstance(x, (int, float)) and x >= 1.0 for x in s1_all):
+        findings.append(f"S1 = 1.000 on every one of the {n} steps: no group had reward contrast, so every advantage "
+                        "was zero and nothing was trained by the policy gradient (only a KL term with beta > 0 could "
+                        "have moved the weights).")
+    if trend and r0 is not None and r1 is not None:
         verb = "rose" if r1 > r0 else ("fell" if r1 < r0 else "stayed flat")
         findings.append(f"Mean reward {verb} over training: {_fmt(r0)} (first {len(head)} steps) -> {_fmt(r1)} "
                         f"(last {len(tail)} steps).")
@@ -110,8 +128,8 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                          f"{'–' if res is None else f'{res:.1e}'} |")
         lines.append("")
     s1 = [r.get("reward/frac_zero_std_groups") for r in records]
-    s1_head, s1_tail = _mean(s1[:5]), _mean(s1[-5:])
-    if s1_head is not None and s1_tail is not None:
+    s1_head, s1_tail = _mean(s1[:w]), _mean(s1[n - w:])
+    if trend and s1_head is not None and s1_tail is not None:
         direction = "rose" if s1_tail > s1_head else ("fell" if s1_tail < s1_head else "stayed flat")
         findings.append(f"S1 (zero-variance group share) {direction}: {_fmt(s1_head)} (first steps) -> "
                         f"{_fmt(s1_tail)} (last steps), while accuracy went {_fmt(a0)} -> {_fmt(a1)}.")
