@@ -222,3 +222,21 @@ def test_empty_directory_raises(tmp_path):
 def test_missing_directory_raises(tmp_path):
     with pytest.raises(ReportError, match="not a directory"):
         write_report(tmp_path / "nope")
+
+
+def test_optimal_estimator_run_explains_the_missing_identity_residual(tmp_path):
+    _write_metrics(tmp_path, [0.1 * s for s in range(1, 11)])
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for rec in lines:  # --estimator optimal: the lens writes no identity residual
+        rec.pop("grad/identity_residual", None)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    (tmp_path / "config.yaml").write_text("task: arithmetic\nestimator: optimal\n")
+    report = write_report(tmp_path).read_text()
+    assert "Advantage estimator: `optimal` (baseline: leave-one-out variance-optimal" in report.split("<details>")[0]
+    assert "this run's estimator `optimal` has no such constant, so it is not computed" in report
+    # a grpo run whose lens steps all have a residual gets no such note, and names its std convention
+    _write_metrics(tmp_path, [0.1 * s for s in range(1, 11)])
+    (tmp_path / "config.yaml").write_text("task: arithmetic\nestimator: grpo\nstd: sample\n")
+    report = write_report(tmp_path).read_text()
+    assert "Advantage estimator: `grpo` (baseline: group mean, divided by the group std; std convention `sample`)." \
+        in report and "Identity residual –" not in report

@@ -57,6 +57,15 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+#: what each advantage estimator subtracts from a rollout's reward (docs/theory.md §2)
+ESTIMATOR_BASELINES = {
+    "grpo": "group mean, divided by the group std",
+    "dr_grpo": "group mean, no std division",
+    "rloo": "leave-one-out mean of the other R − 1 rewards",
+    "reinforce": "none (the raw reward)",
+    "optimal": "leave-one-out variance-optimal b*_{-i}, weighted by sketched squared score-gradient norms",
+}
+
 #: fewest training steps the report reads a trend from: two non-overlapping windows of at least 2 steps
 MIN_TREND_STEPS = 4
 
@@ -65,7 +74,7 @@ MIN_TREND_STEPS = 4
 # Sections
 # ---------------------------------------------------------------------------------------------------------------------
 def training_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
-                     lora_rank: int = 0) -> list[str]:
+                     lora_rank: int = 0, estimator: str | None = None) -> list[str]:
     """Learning curves, sparsity and baselines over training (``lora_rank`` > 0: a LoRA run, whose sparsity numbers
     are over the adapter's weights)."""
     lines = ["## Training", ""]
@@ -127,6 +136,14 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                          f"{_fmt(r.get('rank/g1_erank'))} | {_fmt(r.get('rank/g1_stable_rank'))} | "
                          f"{'–' if res is None else f'{res:.1e}'} |")
         lines.append("")
+        if any(r.get("grad/identity_residual") is None for r in lens_rows):
+            lines += ["Identity residual –: the identity Σ A_i g_i = c (ḡ_C − ḡ_W) (docs/theory.md §4) is checked "
+                      "only where it applies: mixed groups of 0/1 rewards under an estimator with a per-group "
+                      "constant c (grpo, dr_grpo, rloo)"
+                      + (f"; this run's estimator `{estimator}` has no such constant, so it is not computed"
+                         if estimator in ("optimal", "reinforce") else
+                         "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
+                         "rollout under overlong masking)") + ".", ""]
     s1 = [r.get("reward/frac_zero_std_groups") for r in records]
     s1_head, s1_tail = _mean(s1[:w]), _mean(s1[n - w:])
     if trend and s1_head is not None and s1_tail is not None:
@@ -449,11 +466,13 @@ def write_report(run_dir: Path) -> Path:
     body: list[str] = []
     config = train_dir / "config.yaml"
     try:
-        lora_rank = int((yaml.safe_load(config.read_text()) or {}).get("lora_rank") or 0) if config.exists() else 0
+        cfg = (yaml.safe_load(config.read_text()) or {}) if config.exists() else {}
+        lora_rank = int(cfg.get("lora_rank") or 0)
     except (yaml.YAMLError, TypeError, ValueError, AttributeError):
-        lora_rank = 0
+        cfg, lora_rank = {}, 0
+    estimator = cfg.get("estimator") if isinstance(cfg, dict) else None
     if records:
-        body += training_section(records, run_dir, findings, lora_rank)
+        body += training_section(records, run_dir, findings, lora_rank, estimator=estimator)
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)
     if len(probes) > 1:
@@ -461,6 +480,10 @@ def write_report(run_dir: Path) -> Path:
         body += ["## Before vs after training", "", "![erank vs R, before and after](erank_vs_R.png)", ""]
 
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
+    if records and estimator:
+        header += [f"Advantage estimator: `{estimator}` (baseline: {ESTIMATOR_BASELINES.get(estimator, 'see docs')}"
+                   + (f"; std convention `{cfg.get('std')}`" if estimator == "grpo" and cfg.get("std") else "")
+                   + ").", ""]
     config = train_dir / "config.yaml"
     if config.exists():
         header += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
