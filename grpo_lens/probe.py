@@ -99,6 +99,7 @@ class ProbeConfig(ConfigFile):
     device: str = option("auto", "cpu, cuda, cuda:N or auto.")
     out: str | None = option(None, "Output directory (probe.json, report.md, PNGs).")
     overwrite: bool = option(False, "Replace an existing probe.json in --out.")
+    progress: bool = option(True, "Show a progress bar.")
 
     def prompts_for(self, group_size: int) -> int:
         """The number of prompts sampled for group size R: ``prompts``, or max(24, 96 // R) when it is 0 (about 2x the
@@ -453,7 +454,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     try:
         from tqdm.auto import tqdm
 
-        progress = tqdm(config.group_sizes, desc="probe", unit="R")
+        if config.progress:
+            progress = tqdm(config.group_sizes, desc="probe", unit="R")
     except ImportError:
         pass
     for R in config.group_sizes:

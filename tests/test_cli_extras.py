@@ -51,3 +51,12 @@ def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path, capsys):
     assert main(["demo", "--model", "tiny", "--out", str(out), "--overwrite"]) == 2
     assert "never deleted" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_probe_accepts_no_progress():
+    from grpo_lens.cli import build_parser
+    from grpo_lens.probe import ProbeConfig
+
+    # train has --no-progress; probe takes it too and it reaches ProbeConfig.progress
+    args = build_parser().parse_args(["probe", "--model", "tiny", "--no-progress"])
+    assert args.progress is False and ProbeConfig().progress is True
