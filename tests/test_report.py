@@ -240,3 +240,20 @@ def test_optimal_estimator_run_explains_the_missing_identity_residual(tmp_path):
     report = write_report(tmp_path).read_text()
     assert "Advantage estimator: `grpo` (baseline: group mean, divided by the group std; std convention `sample`)." \
         in report and "Identity residual –" not in report
+
+
+def test_learning_curves_draw_entropy_once_with_integer_step_ticks(tmp_path, monkeypatch):
+    from grpo_lens.report import plots
+
+    recs = [{"step": s, "reward/mean": 0.1 * s, "policy/entropy": 1.0 / s, "kl/mean": 0.0} for s in (1, 2, 3)]
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, _orig=plots._save: (figs.append(fig), _orig(fig, path))[1])
+    plots.plot_learning_curves(recs, tmp_path / "lc.png")
+    fig = figs[0]
+    # beta = 0 (no KL): the entropy is the third panel only, not also a twin axis beside the reward
+    entropy_lines = [ln for ax in fig.axes for ln in ax.get_lines() if list(ln.get_ydata()) == [1.0, 0.5, 1 / 3]]
+    assert len(entropy_lines) == 1
+    # 3 steps: every tick on a step axis is a whole number
+    for ax in fig.axes:
+        if ax.get_xlabel() == "step":
+            assert all(float(t).is_integer() for t in ax.get_xticks())

@@ -35,6 +35,11 @@ def _legend(ax, **kw) -> None:
 
 
 def _save(fig, path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:  # steps are whole numbers: no 1.5 ticks on a short run
+        if ax.get_xlabel() == "step" or any(a.get_xlabel() == "step" for a in ax.get_shared_x_axes().get_siblings(ax)):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -42,8 +47,9 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float | None = None) -> Path:
-    """Reward mean and accuracy with the policy entropy (right axis), completion length, the KL to the reference
-    (only when beta > 0; the policy entropy otherwise) and clip ratio per step: four panels.
+    """Reward mean and accuracy (with the policy entropy on a right axis when beta > 0), completion length, the KL
+    to the reference (only when beta > 0; the policy entropy otherwise) and clip ratio per step: four panels; the
+    entropy is drawn once.
 
     Args:
         beta: the run's KL coefficient; None: the KL panel appears when any step logged a non-zero KL.
@@ -71,7 +77,7 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
         if len(keys) > 1:
             _legend(ax, fontsize=7)
     xs, ys = _series(records, "policy/entropy")  # entropy beside the reward: collapse shows as both moving
-    if xs:
+    if xs and beta > 0:  # with beta = 0 the third panel already draws it
         twin = axes[0, 0].twinx()
         twin.plot(xs, ys, color="tab:purple", alpha=0.6, linestyle="--", label="entropy (right)")
         twin.set_ylabel("entropy, nats/token", fontsize=7)
