@@ -78,6 +78,19 @@ def _tensorboard(run_path: Path, start_step: int) -> Any:
     return TensorBoardTracker("tensorboard", str(run_path), **kwargs)
 
 
+def _tensorboard_hparams(tracker: Any, values: dict[str, Any]) -> None:
+    """The run's hyperparameters into the tracker's own event file and ``hparams.yml`` beside it (accelerate's
+    ``store_init_configuration`` makes a new timestamped subfolder for each; TensorBoard shows them either way)."""
+    import yaml
+    from torch.utils.tensorboard.summary import hparams
+
+    writer = tracker.writer.file_writer if hasattr(tracker.writer, "file_writer") else tracker.writer._get_file_writer()
+    for summary in hparams(values, {}):
+        writer.add_summary(summary)
+    tracker.writer.flush()
+    (Path(tracker.writer.log_dir) / "hparams.yml").write_text(yaml.safe_dump(values))
+
+
 @TRACKERS.register("wandb")
 def _wandb(run_path: Path, start_step: int) -> Any:
     import secrets
@@ -124,7 +137,10 @@ class Trackers:
                 continue
             tracker = TRACKERS.get(name)(Path(run_path), start_step)
             tracker.start()
-            tracker.store_init_configuration(_flat_config(config))
+            if name == "tensorboard":
+                _tensorboard_hparams(tracker, _flat_config(config))
+            else:
+                tracker.store_init_configuration(_flat_config(config))
             self.trackers.append(tracker)
 
     def log(self, record: dict[str, Any], step: int) -> None:

@@ -98,3 +98,22 @@ def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     run = train(tiny_config(tmp_path / "run", max_steps=1, report_to=["wandb"], lens_every=1))
     offline = list((run.path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs the tensorboard extra")
+def test_tensorboard_hparams_go_into_the_run_event_file(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from grpo_lens.trackers import Trackers
+
+    t = Trackers(["tensorboard"], tmp_path, {"learning_rate": 1e-6, "rewards": ["a", "b"]}, 0)
+    t.log({"reward/mean": 0.5}, 1)
+    t.finish()
+    tb = tmp_path / "tensorboard"
+    # one event file and hparams.yml, no timestamped subfolders next to them
+    assert [p for p in tb.iterdir() if p.is_dir()] == []
+    (event,) = tb.glob("events.out.tfevents.*")
+    ea = EventAccumulator(str(event))
+    ea.Reload()
+    assert "_hparams_/experiment" in ea.summary_metadata and ea.Tags()["scalars"] == ["reward/mean"]
+    assert "learning_rate: 1.0e-06" in (tb / "hparams.yml").read_text()
