@@ -300,8 +300,8 @@ def _from_hub(source: ModelSource):
         why = " ".join(str(err).split())[:300]  # one line: hub errors span several
         raise ModelNotFoundError(
             f"could not load model {source.name!r}. Tried: the aliases {DEFAULT_MODEL!r} and {TINY_MODEL!r}, a "
-            f"local path (none exists), and the Hugging Face hub ({type(err).__name__}: {why}). "
-            f"For the default model, {INSTALL_HINT}"
+            f"local path (none exists), and the Hugging Face hub ({type(err).__name__}: {why}). Check the hub id "
+            f"(organisation/name), pass a local model directory, or download it once with network access"
         ) from err
 
 

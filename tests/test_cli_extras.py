@@ -60,3 +60,16 @@ def test_probe_accepts_no_progress():
     # train has --no-progress; probe takes it too and it reaches ProbeConfig.progress
     args = build_parser().parse_args(["probe", "--model", "tiny", "--no-progress"])
     assert args.progress is False and ProbeConfig().progress is True
+
+
+def test_unknown_hub_id_error_has_no_default_model_hint(monkeypatch):
+    from grpo_lens import models
+
+    def fail(path, **kwargs):
+        raise OSError("no such repo")
+
+    monkeypatch.setattr(models, "_from_pretrained", fail)
+    with pytest.raises(models.ModelNotFoundError) as info:
+        models._from_hub(models.ModelSource(kind="hub", path="nobody/no-model", name="nobody/no-model"))
+    msg = str(info.value)
+    assert "Check the hub id" in msg and models.INSTALL_HINT not in msg and "\n" not in msg
