@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from grpo_lens.report import gradient_measures, plots
+from grpo_lens.report.format import ci, fmt
 
 
 
@@ -44,12 +45,7 @@ def find_probes(run_dir: Path) -> dict[str, dict[str, Any]]:
     return probes
 
 
-def _fmt(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    if isinstance(x, int):
-        return str(x)
-    return f"{x:.{nd}f}"
+_fmt = fmt
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -185,12 +181,8 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
 
 
 def _ci(stats: dict[str, Any] | None, nd: int = 2) -> str:
-    """'mean [lo, hi]' of a summary entry ({mean, lo, hi, n}); '–' when missing."""
-    if not stats or stats.get("mean") is None:
-        return "–"
-    if stats.get("lo") is None:
-        return f"{_fmt(stats['mean'], nd)} (n = {stats.get('n')}, too few for an interval)"
-    return f"{_fmt(stats['mean'], nd)} [{_fmt(stats['lo'], nd)}, {_fmt(stats['hi'], nd)}]"
+    """:func:`grpo_lens.report.format.ci` with two decimals by default."""
+    return ci(stats, nd)
 
 
 #: (row label, key stem) of the rank table: G1, its null and controls, one layer's G1, G2.

@@ -13,23 +13,11 @@ from typing import Any, Sequence
 
 from grpo_lens.lens import lens_overhead
 from grpo_lens.report import plots
+from grpo_lens.report.format import ci, fmt
 
 
 
-def _fmt(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    if isinstance(x, int):
-        return str(x)
-    return f"{x:.{nd}f}"
-
-
-def _ci(stats: dict[str, Any] | None, nd: int = 3) -> str:
-    if not stats or stats.get("mean") is None:
-        return "–"
-    if stats.get("lo") is None:
-        return f"{_fmt(stats['mean'], nd)} (n = {stats.get('n')}, too few for an interval)"
-    return f"{_fmt(stats['mean'], nd)} [{_fmt(stats['lo'], nd)}, {_fmt(stats['hi'], nd)}]"
+_fmt, _ci = fmt, ci
 
 
 # ---------------------------------------------------------------------------------------------------------------------
