@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import sys
@@ -120,7 +121,11 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
     config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
-    print(f"probe written to {out}")
+    data = json.loads((out / "probe.json").read_text())
+    per_r = ", ".join(f"R = {R}: {d['groups_mixed']} mixed of {d['prompts_sampled']} prompts in "
+                      f"{d['timing']['seconds']:.0f} s" for R, d in data["per_group_size"].items())
+    meta = data["meta"]
+    print(f"probe written to {out} in {meta['seconds']:.0f} s ({per_r}; studies {meta['studies_seconds']:.0f} s)")
     return 0
 
 

@@ -45,7 +45,7 @@ class DemoConfig(ConfigFile):
     lens_every: int = option(5, "Lens every this many training steps.")
     probe_group_sizes: list = option([2, 4, 8], "Group sizes R of the probes.", item_type=int)
     probe_prompts: int = option(0, "Prompts sampled per R in each probe (every mixed group among them is analysed; "
-                                "0 = the probe's default max(24, 96 / R)).")
+                                "0 = the probe's default max(24, 128 / R)).")
     exact: bool = option(False, "Exact per-rollout gradients in the probes (slow; small models).")
     seed: int = option(0, "Random seed.")
     device: str = option("auto", "cpu, cuda, cuda:N or auto.")

@@ -30,12 +30,13 @@ Keys are documented in docs/metrics.md; formulas in docs/theory.md.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,6 +46,7 @@ from grpo_lens.config import ConfigError, ConfigFile, option
 from grpo_lens.losses import LOSS_AGGREGATIONS, loss_normalizer, rollout_gradient_weights
 from grpo_lens.rollout import RolloutBatch, sample_groups
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class ProbeConfig(ConfigFile):
@@ -58,7 +60,7 @@ class ProbeConfig(ConfigFile):
     rewards: list = option(["correctness"], "Reward functions NAME or NAME:WEIGHT.")
     group_sizes: list = option([2, 4, 8], "Group sizes R to probe.", item_type=int)
     prompts: int = option(0, "Prompts sampled for each R: a fixed number, and every mixed group among them is "
-                          "analysed, so S1 and the per-group means are unbiased. 0 = max(24, 96 / R): 48, 24, 24 for "
+                          "analysed, so S1 and the per-group means are unbiased. 0 = max(24, 128 / R): 64, 32, 24 for "
                           "R = 2, 4, 8.")
     prompts_per_batch: int = option(4, "Prompts sampled per generate call.")
     baseline_prompts: int = option(2, "Mixed prompts per R whose M rollouts are used for the baseline variance.")
@@ -90,8 +92,9 @@ class ProbeConfig(ConfigFile):
                                          "(0 skips the study).")
     credit_groups: int = option(8, "Mixed groups whose tokens' signed contributions to the update are measured (0 "
                                 "skips the credit study).")
-    mc_groups: int = option(2, "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
-                            "rollout.")
+    mc_groups: int = option(0, "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
+                            "rollout (about 18 s per group on the default model). 0 skips them: the Monte Carlo credit "
+                            "claim needs >= 8 rollouts, i.e. --mc-groups 4, for a verdict.")
     mc_samples: int = option(8, "Continuations per prefix for the Monte Carlo values (K >= 2).")
     resamples: int = option(256, "Resampled groups for the baseline variance.")
     seed: int = option(0, "Random seed.")
@@ -102,9 +105,12 @@ class ProbeConfig(ConfigFile):
     progress: bool = option(True, "Show a progress bar.")
 
     def prompts_for(self, group_size: int) -> int:
-        """The number of prompts sampled for group size R: ``prompts``, or max(24, 96 // R) when it is 0 (about 2x the
-        16 mixed groups the analysis wants, given S1 ~ 0.55 at R = 2 and ~ 0.15 at R = 4, 8 on the default task)."""
-        return self.prompts if self.prompts > 0 else max(24, 96 // group_size)
+        """The number of prompts sampled for group size R: ``prompts``, or max(24, 128 // R) when it is 0.
+
+        The default aims at >= 16 mixed groups per R on the default task with about 2 SD to spare: the expected count
+        is n (1 - S1), with S1 predicted 0.58 / 0.33 / 0.08 for R = 2 / 4 / 8 on the initial default model (from the
+        rollouts outside each group), i.e. 27 / 21 / 22 mixed groups expected from 64 / 32 / 24 prompts."""
+        return self.prompts if self.prompts > 0 else max(24, 128 // group_size)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -114,7 +120,7 @@ class ProbeConfig(ConfigFile):
         if not self.group_sizes or any(not isinstance(r, int) or r < 2 for r in self.group_sizes):
             bad("group_sizes", "each group size must be an integer >= 2")
         if self.prompts < 0:
-            bad("prompts", "must be >= 0 (0 = the default max(24, 96 / R))")
+            bad("prompts", "must be >= 0 (0 = the default max(24, 128 / R))")
         for name in ("prompts_per_batch", "max_new_tokens", "sketch_dim", "random_draws"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
@@ -283,10 +289,13 @@ def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: Probe
     return out
 
 
-def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str) -> dict[str, Any]:
+def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str,
+                     on_prompt: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Sample ``config.prompts_for(R)`` prompts with M rollouts each, analyse every mixed group of R, aggregate over
-    groups."""
+    groups. ``on_prompt(mixed_so_far)`` is called after each prompt (the CLI's progress bar)."""
     from grpo_lens.rewards import combine_rewards
+
+    t_start = time.perf_counter()
 
     M = max(2 * R, 8)
     rows: list[dict[str, float]] = []
@@ -345,6 +354,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                                              seed=seed)
                 baseline_var.append(var)
             t_grad += time.perf_counter() - t0
+        if on_prompt is not None:
+            on_prompt(len(rows))
 
     valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
     g3: dict[str, Any] = {"groups": len(extras)}  # one matrix: no interval (resampled rows would repeat, lowering rank)
@@ -386,7 +397,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                       "relative_variance": dg.variance_relative_to_optimal(variances) if variances else {},
                       "prompts": len(baseline_var)},
         "credit": {"position_profile": profile},
-        "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad},
+        "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad, "seconds": time.perf_counter() - t_start},
     }
 
 
@@ -451,21 +462,24 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
                           f"{', '.join(dg.linear_layer_names(policy)[:4])}, ...")
     per_r = {}
     progress = None
-    try:
+    if config.progress:
         from tqdm.auto import tqdm
 
-        if config.progress:
-            progress = tqdm(config.group_sizes, desc="probe", unit="R")
-    except ImportError:
-        pass
+        progress = tqdm(total=sum(config.prompts_for(R) for R in config.group_sizes), desc="probe", unit="prompt")
     for R in config.group_sizes:
-        per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer)
-        if progress is not None:
-            progress.set_postfix(R=R, mixed=per_r[str(R)]["groups_mixed"])
-            progress.update(1)
+        def on_prompt(mixed: int, R: int = R) -> None:
+            if progress is not None:
+                progress.set_postfix(R=R, mixed=mixed, refresh=False)
+                progress.update(1)
+
+        per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompt)
+        logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)]["groups_mixed"],
+                    per_r[str(R)]["prompts_sampled"], per_r[str(R)]["timing"]["seconds"])
     if progress is not None:
         progress.close()
+    t_studies = time.perf_counter()
     studies = run_studies(policy, tokenizer, task, reward_fns, config)
+    t_studies = time.perf_counter() - t_studies
     checks = [c for d in per_r.values() if d.get("sketch_check") for c in d["sketch_check"]["groups"]]
     check_summary = dg.summarise_rows(checks, seed=config.seed) if checks else {}
     meta = {"model": config.model, "task": config.task, "gradients": "exact" if config.exact else "sketch",
@@ -474,7 +488,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
             "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,
             "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
-            "seconds": time.perf_counter() - t0, "config": {f.name: getattr(config, f.name) for f in fields(config)}}
+            "seconds": time.perf_counter() - t0, "studies_seconds": t_studies, "config": {f.name: getattr(config, f.name) for f in fields(config)}}
     out.mkdir(parents=True, exist_ok=True)
     from grpo_lens.rundir import atomic_write_text
 

@@ -91,7 +91,8 @@ def test_probe_json_schema(sketch_probe):
     assert probe["studies"]["baselines"]["baselines"]["prompts"] == 2
     assert probe["studies"]["credit"]["contributions"]["groups"] == 1
     meta = probe["meta"]
-    assert {"model", "task", "gradients", "sketch_dim", "std", "eps", "layer", "seconds"} <= set(meta)
+    assert {"model", "task", "gradients", "sketch_dim", "std", "eps", "layer", "seconds", "studies_seconds"} <= set(meta)
+    assert 0 < meta["studies_seconds"] < meta["seconds"]
     assert meta["gradients"] == "sketch" and meta["sketch_dim"] == 16 and meta["std"] == "sample"
     assert meta["layer"] == "model.layers.1.mlp.down_proj"  # default_layer: the middle layer's MLP down projection
     assert meta["parameters"] == 107_200
@@ -101,6 +102,8 @@ def test_probe_json_schema(sketch_probe):
                 "s1_predicted", "groups", "summary", "strata", "g3", "spectra", "baselines", "credit",
                 "timing"} <= set(d), R
         assert d["prompts_sampled"] == 8  # a fixed number of prompts, never stopping at the N-th mixed group
+        t = d["timing"]
+        assert t["generation_seconds"] + t["gradient_seconds"] <= t["seconds"] < meta["seconds"]
         assert len(d["groups"]) == d["groups_mixed"] >= 2, R
         # the summary is the bootstrap summary of the rows: same keys, mean = the plain mean over groups
         keys = {k for row in d["groups"] for k in row}
@@ -290,3 +293,10 @@ def test_sketched_g1_agrees_with_exact_within_the_jl_error(sketch_probe, exact_p
         got = sketch["per_group_size"][R]["summary"]["rank/g1_erank"]["mean"]
         want = exact["per_group_size"][R]["summary"]["rank/g1_erank"]["mean"]
         assert abs(got - want) <= sum(tolerances) / len(tolerances), (R, got, want)
+
+
+def test_default_prompt_counts():
+    # max(24, 128 // R): the counts benchmarks/bench_probe.py measured to give >= 16 mixed groups per R on the default
+    # task in under 8 minutes (README §Timing); an explicit --prompts wins
+    assert [ProbeConfig().prompts_for(R) for R in (2, 4, 8, 16)] == [64, 32, 24, 24]
+    assert ProbeConfig(prompts=5).prompts_for(8) == 5

@@ -78,7 +78,7 @@ def _ci(m, lo, hi, n=8):
     return {"mean": m, "lo": lo, "hi": hi, "n": n}
 
 
-def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20), agree=0, rollouts=8):
+def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20), agree=0, rollouts=8, testable=8):
     prompt = {"p": 0.5, "m_correct": 0.02, "m_wrong": 0.04, "b_star_pop": 0.33, "b_star_exact": 0.34,
               "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
     summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
@@ -89,7 +89,7 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20
     return {"baselines": {"baselines": {"per_prompt": [prompt], "summary": summary, "prompts": 8, "prompts_constant": 2,
                                         "b_star_shift": _ci(0.01, 0.0, 0.02), "b_star_minus_p": _ci(-0.1, -0.2, 0.0),
                                         "norm_ratio": ratio, "mean_score_ratio": _ci(30.0, 20.0, 40.0),
-                                        "equal_norms_rejected": rejected, "equal_norms_testable": 8},
+                                        "equal_norms_rejected": rejected, "equal_norms_testable": testable},
                           "s1": {"measured": _ci(0.4, 0.3, 0.5), "predicted": _ci(0.42, 0.35, 0.5),
                                  "difference": _ci(-0.02, -0.1, 0.06), "prompts": 10, "rollouts_per_prompt": 16},
                           "meta": {"group_size": 4, "rollouts_per_prompt": 16, "gradients": "sketch",
@@ -112,12 +112,18 @@ def test_study_claims_follow_the_numbers():
     c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8),
                                         _ci(0.2, 0.1, 0.3)))
     assert [x.verdict for x in c] == ["does not hold", "does not hold", "does not hold"]
-    # 0 of 8 rejected (Wilson [0, 0.32] contains 0.05) and MSE ratio [0.9, 1.1] contains 1 -> holds; answer ratio
-    # inside 1 ± 0.25 -> holds; 0 of 200 segments disagree: Wilson upper end 3.84 / 203.84 = 0.019 < 0.023, and 150
-    # of 200 signed beyond 2 SE (Wilson lower end 0.69 > 0.5) -> holds
-    c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2),
-                                       _ci(0.0, 0.0, 0.01), rejected=0.0, segments=(0, 200), agree=150))
+    # 0 of 16 rejected (Wilson upper end z^2/(n + z^2) = 3.8416/19.8416 = 0.19 < 0.25) and MSE ratio [0.95, 1.1]
+    # above 0.9 -> holds (equivalence); answer ratio inside 1 ± 0.25 -> holds; 0 of 200 segments disagree: Wilson
+    # upper end 3.84 / 203.84 = 0.019 < 0.023, and 150 of 200 signed beyond 2 SE (Wilson lower end 0.69 > 0.5) -> holds
+    c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2),
+                                       _ci(0.0, 0.0, 0.01), rejected=0.0, segments=(0, 200), agree=150, testable=16))
     assert [x.verdict for x in c] == ["holds", "holds", "holds"]
+    # too small to show equivalence: 0 of 8 rejected has Wilson upper end 3.8416/11.8416 = 0.32 > 0.25; and with 16
+    # prompts an MSE interval reaching 0.85 leaves room for a 15% gain from b* -> inconclusive both times
+    for n, mse in ((8, _ci(1.0, 0.95, 1.1)), (16, _ci(1.0, 0.85, 1.1))):
+        c = study_claims("x", _studies(_ci(1.0, 0.8, 1.2), mse, _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01),
+                                       rejected=0.0, testable=n))
+        assert c[-1].verdict == "inconclusive"
     # many rejections but no measurable MSE gain: inconclusive (the mean ratio 1.0 is not used: it can cancel)
     c = study_claims("x", _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
     assert c[-1].verdict == "inconclusive"

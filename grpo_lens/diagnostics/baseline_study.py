@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from grpo_lens.diagnostics.group import fixed_k_labellings
 from grpo_lens.diagnostics.stats import MIN_INTERVAL_UNITS as MIN_UNITS  # the one rule for intervals (docs/theory.md §7)
 
 STUDY_ESTIMATORS = ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop")
@@ -171,35 +172,57 @@ def prompt_baseline_study(grads: Tensor, rewards: Tensor, group_size: int, *, nu
             "m_wrong": float(n[w].mean()) if w.any() else math.nan, "mean_score": mean_score_norm(g)}
 
 
-def equal_norms_test(grads: Tensor, rewards: Tensor, num_boot: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> dict:
+def equal_norms_test(grads: Tensor, rewards: Tensor, *, num_boot: int = 2000, seed: int = 0, level: float = 0.95,
+                     max_permutations: int = 2000) -> dict:
     """Is m_C = m_W (the condition under which the group mean is the variance-optimal baseline) for one prompt?
 
-    Bootstrap over the prompt's rollouts (resampling correct and wrong rollouts separately) of log(m_C / m_W).
+    The verdict comes from a label-permutation test with the correct count k fixed (docs/theory.md §Baselines at
+    matched expectation): statistic |log(mean_C ||h||^2 / mean_W ||h||^2)|, p-value = share of the C(M, k)
+    relabellings (all of them up to ``max_permutations``, else that many at random and the observed one) whose
+    statistic is >= the observed one. With rollouts exchangeable under the null (labels independent of the norms),
+    P(p <= 0.05) <= 0.05 for every M and k, which is what makes 0.05 the control of the claim that counts rejections; a
+    percentile bootstrap from 2 rollouts of a side has no such guarantee. A prompt is testable when each side has >= 2
+    rollouts and C(M, k) >= 40, so that p can reach 0.05 (two mirror labellings give the same statistic when k = M/2);
+    a prompt whose test cannot reject would count as evidence for m_C = m_W. The bootstrap interval of the ratio
+    (correct and wrong rollouts resampled separately) is for reading only, and given only with >= MIN_UNITS rollouts
+    of each side (None otherwise).
 
     Args:
-        grads: [M, K] (or [M] squared norms).  rewards: [M] in {0, 1}, with at least 2 of each.
-        num_boot: bootstrap resamples.  level: interval coverage.
+        grads: [M, K] (or [M] squared norms).  rewards: [M] in {0, 1}.
+        num_boot: bootstrap resamples.  level: 1 - the test's level, and the interval's coverage.
+        max_permutations: enumerate every relabelling up to this many, else draw this many.
 
     Returns:
-        {"ratio": m_C / m_W, "lo", "hi": the percentile interval of the ratio, "verdict": "m_C = m_W not
-        rejected" when the interval contains 1, "m_C > m_W" or "m_C < m_W" otherwise} or {"verdict":
-        "not testable", ...} with fewer than 2 rollouts of a side.
+        {"ratio": m_C / m_W, "p": the permutation p-value, "lo", "hi": the bootstrap interval of the ratio or None,
+        "verdict": "m_C = m_W not rejected" when p > 1 - level, else "m_C > m_W" or "m_C < m_W"}, or {"verdict":
+        "not testable", ...} as above.
     """
     x = grads.detach().double()
     n = x if x.dim() == 1 else x.square().sum(-1)
     r = rewards.detach()
-    nc, nw = n[r == 1], n[r == 0]
-    if len(nc) < 2 or len(nw) < 2 or nw.mean() == 0:
-        return {"ratio": math.nan, "lo": math.nan, "hi": math.nan, "verdict": "not testable"}
+    labels = r == 1
+    m, k = len(r), int(labels.sum())
+    nc, nw = n[labels], n[~labels]
+    alpha = 1 - level
+    if min(k, m - k) < 2 or math.comb(m, k) < 2 / alpha or nw.mean() == 0 or nc.mean() == 0:
+        return {"ratio": math.nan, "p": math.nan, "lo": None, "hi": None, "verdict": "not testable"}
     gen = torch.Generator().manual_seed(seed)
-    bc = nc[torch.randint(len(nc), (num_boot, len(nc)), generator=gen)].mean(1)
-    bw = nw[torch.randint(len(nw), (num_boot, len(nw)), generator=gen)].mean(1)
-    ratios = bc / bw.clamp(min=1e-300)
-    alpha = (1 - level) / 2
-    low, high = float(ratios.quantile(alpha)), float(ratios.quantile(1 - alpha))
-    verdict = "m_C = m_W not rejected" if low <= 1 <= high else ("m_C > m_W" if low > 1 else "m_C < m_W")
-    return {"ratio": float(nc.mean() / nw.mean()), "lo": low, "hi": high, "verdict": verdict}
+    labs = torch.stack(fixed_k_labellings(m, k, max_permutations, gen)).double()  # [L, M]
+    tiny = torch.finfo(torch.float64).tiny
+    means_c = (labs @ n) / k
+    means_w = ((1 - labs) @ n) / (m - k)
+    null = (means_c.clamp(min=tiny).log() - means_w.clamp(min=tiny).log()).abs()
+    log_ratio = float(nc.mean().log() - nw.mean().log())
+    ge = int((null >= abs(log_ratio) - 1e-12).sum())
+    p = ge / len(labs) if math.comb(m, k) <= max_permutations else (1 + ge) / (1 + len(labs))
+    low = high = None
+    if min(k, m - k) >= MIN_UNITS:
+        bc = nc[torch.randint(len(nc), (num_boot, len(nc)), generator=gen)].mean(1)
+        bw = nw[torch.randint(len(nw), (num_boot, len(nw)), generator=gen)].mean(1)
+        ratios = bc / bw.clamp(min=1e-300)
+        low, high = float(ratios.quantile(alpha / 2)), float(ratios.quantile(1 - alpha / 2))
+    verdict = "m_C = m_W not rejected" if p > alpha else ("m_C > m_W" if log_ratio > 0 else "m_C < m_W")
+    return {"ratio": math.exp(log_ratio), "p": p, "lo": low, "hi": high, "verdict": verdict}
 
 
 def bootstrap_mean(values: Sequence[float], num_boot: int = 2000, seed: int = 0, level: float = 0.95,
@@ -236,7 +259,7 @@ def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, n
         "cosine", "bias2_share"}: bootstrap_mean over prompts}, "prompts": analysed count, "prompts_constant",
         "b_star_shift": bootstrap_mean of b*_exact - b*, "b_star_minus_p": of b* - p (the group mean's expectation),
         "norm_ratio": of m_C / m_W, "mean_score_ratio": bootstrap_mean of ||hbar||^2 over its
-        mean-zero floor, "equal_norms_rejected": share of testable prompts whose interval excludes m_C = m_W}.
+        mean-zero floor, "equal_norms_rejected": share of testable prompts whose permutation test rejects m_C = m_W at 0.05}.
         MSE is compared as the ratio to RLOO's per prompt (prompts differ in gradient scale); bias2_share = bias2 /
         mse.
     """

@@ -83,9 +83,10 @@ def g1_singular_values(grads: Tensor, advantages: Tensor) -> Tensor:
     return gram_singular_values((g @ g.T) * torch.outer(advantages.double(), advantages.double()))
 
 
-def _labellings(r: int, k: int, max_permutations: int, generator: torch.Generator) -> list[Tensor]:
-    """All C(R, k) boolean labellings with k ones when there are at most ``max_permutations``, else that many random
-    ones (each a [R] bool)."""
+def fixed_k_labellings(r: int, k: int, max_permutations: int, generator: torch.Generator) -> list[Tensor]:
+    """The relabellings of a permutation test with k fixed: all C(r, k) boolean labellings with k ones when there are
+    at most ``max_permutations``, else that many drawn at random with ``generator`` (each a [r] bool tensor; the
+    caller adds the observed labelling to a random draw's p-value)."""
     if math.comb(r, k) <= max_permutations:
         out = []
         for idx in itertools.combinations(range(r), k):
@@ -166,7 +167,7 @@ def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_per
     a_c = float(advantages[labels].mean())
     a_w = float(advantages[~labels].mean())
     gen = torch.Generator().manual_seed(seed)
-    labs = _labellings(r, k, max_permutations, gen)
+    labs = fixed_k_labellings(r, k, max_permutations, gen)
     exhaustive = math.comb(r, k) <= max_permutations
 
     def adv_for(lab: Tensor) -> Tensor:

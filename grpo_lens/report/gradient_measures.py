@@ -162,17 +162,18 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
             e = s.get(name, {})
             lines.append(f"| {name} | {_ci(e.get('mse_ratio_to_rloo'))} | {_ci(e.get('cosine'))} | "
                          f"{_ci(e.get('bias2_share'))} |")
-        lines += ["", f"m_C / m_W over prompts: {_ci(study.get('norm_ratio'))}; m_C = m_W rejected (95% bootstrap "
-                  f"over each prompt's rollouts) on {_fmt(study.get('equal_norms_rejected'), 2)} of "
+        lines += ["", f"m_C / m_W over prompts: {_ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
+                  f"test at 0.05 over each prompt's rollouts, k fixed) on {_fmt(study.get('equal_norms_rejected'), 2)} of "
                   f"{study.get('equal_norms_testable')} testable prompts. b* - p (how far the optimal constant "
                   f"baseline is from the group mean's expectation): {_ci(study.get('b_star_minus_p'))}.", "",
                   _mean_score_sentence(study), "",
-                  "| prompt | p | m_C | m_W | m_C / m_W [95%] | verdict | b* (population) | b*_exact |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| prompt | p | m_C | m_W | m_C / m_W [95%] | permutation p | verdict | b* (population) | b*_exact |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for j, p in enumerate(study["per_prompt"]):
             eq = p["equal_norms"]
+            interval = f"[{_fmt(eq['lo'], 2)}, {_fmt(eq['hi'], 2)}]" if eq.get("lo") is not None else "(< 8 a side)"
             lines.append(f"| {j} | {_fmt(p['p'], 2)} | {_fmt(p['m_correct'], 4)} | {_fmt(p['m_wrong'], 4)} | "
-                         f"{_fmt(eq['ratio'], 2)} [{_fmt(eq['lo'], 2)}, {_fmt(eq['hi'], 2)}] | {eq['verdict']} | "
+                         f"{_fmt(eq['ratio'], 2)} {interval} | {_fmt(eq.get('p'), 3)} | {eq['verdict']} | "
                          f"{_fmt(p['b_star_pop'])} | {_fmt(p['b_star_exact'])} |")
         lines.append("")
         opt = s.get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
