@@ -5,10 +5,11 @@ table of final numbers with intervals, the curves) and ``DIR/compare.png`` (one 
 and ``DIR/compare.json`` (the table's numbers).
 
 Final numbers: for each run and metric, the mean of the metric over the run's last ``last`` records that have it
-(lens keys exist only on lens steps, so their "last" records are the last lens steps), with a 95% percentile bootstrap
-interval of that mean (resampling those steps with replacement, 2000 resamples, fixed seed; docs/theory.md
-§Comparing runs). Consecutive training steps are correlated, so the interval describes the spread of the last steps'
-values, not the uncertainty of a rerun with another seed: runs that differ by less than it cannot be told apart.
+(lens keys exist only on lens steps, so their "last" records are the last lens steps), with the project's one 95%
+bootstrap interval (:func:`grpo_lens.diagnostics.stats.bootstrap_ci`, docs/theory.md §7 and §Comparing runs), given
+only from at least MIN_INTERVAL_UNITS (8) records. Consecutive training steps are correlated, so the interval
+describes the spread of the last steps' values, not the uncertainty of a rerun with another seed: runs that differ by
+less than it cannot be told apart.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
+
+from grpo_lens.diagnostics.stats import MIN_INTERVAL_UNITS, bootstrap_ci
 
 #: The metrics compared: (key, label). A metric absent from every run is left out.
 COMPARED = (
@@ -80,35 +82,16 @@ def differing_fields(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
     return out
 
 
-def bootstrap_mean_interval(values: list[float], *, level: float = 0.95, resamples: int = 2000,
-                            seed: int = 0) -> tuple[float, float, float]:
-    """(mean, low, high): the mean of ``values`` [n] and its percentile bootstrap interval (Efron & Tibshirani 1993,
-    ch. 13). n = 1 gives (x, nan, nan).
-
-    Raises:
-        ValueError: no values.
-    """
-    x = np.asarray(values, dtype=np.float64)
-    if x.size == 0:
-        raise ValueError("bootstrap_mean_interval needs at least one value")
-    mean = float(x.mean())
-    if x.size == 1:
-        return mean, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
-    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return mean, float(lo), float(hi)
-
-
 def final_numbers(records: list[dict[str, Any]], key: str, last: int) -> dict[str, Any] | None:
-    """Mean and interval of ``key`` over the last ``last`` records that have a finite value of it (None if none)."""
+    """Mean and 95% interval of ``key`` over the last ``last`` records that have a finite value of it (None if none):
+    {"mean", "low", "high" (None below MIN_INTERVAL_UNITS records), "n", "steps": [first, last]}."""
     pts = [(r["step"], r[key]) for r in records
            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     if not pts:
         return None
     pts = pts[-last:]
-    mean, lo, hi = bootstrap_mean_interval([v for _, v in pts])
-    return {"mean": mean, "low": lo, "high": hi, "n": len(pts), "steps": [pts[0][0], pts[-1][0]]}
+    ci = bootstrap_ci([v for _, v in pts])
+    return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"], "n": len(pts), "steps": [pts[0][0], pts[-1][0]]}
 
 
 def _label(paths: list[Path]) -> list[str]:
@@ -150,7 +133,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
     return path
 
 
-def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 5,
+def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
                  allow_different_tasks: bool = False) -> Path:
     """Write ``out/compare.md``, ``out/compare.png`` and ``out/compare.json`` for two or more runs.
 
@@ -217,7 +200,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 5,
     else:
         lines += ["None: the runs share every setting (a difference then comes from code or randomness)."]
     lines += ["", f"## Final numbers (mean over each run's last {last} records with the metric, 95% bootstrap "
-                  "interval over those steps)", "",
+                  "interval over those steps, from at least {MIN_INTERVAL_UNITS})", "",
               "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "
               "uncertainty; differences smaller than it are not resolved by these runs.", "",
               "| metric | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
@@ -227,8 +210,9 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 5,
             f = table[lab][key]
             if f is None:
                 cells.append("–")
-            elif f["n"] == 1:
-                cells.append(f"{_fmt(f['mean'])} (1 step: {f['steps'][0]})")
+            elif f["low"] is None:
+                cells.append(f"{_fmt(f['mean'])} (steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']}: too few for an "
+                             f"interval)")
             else:
                 cells.append(f"{_fmt(f['mean'])} [{_fmt(f['low'])}, {_fmt(f['high'])}] (steps {f['steps'][0]}–"
                              f"{f['steps'][1]}, n={f['n']})")

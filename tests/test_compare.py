@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import yaml
 
 from grpo_lens.cli import main
-from grpo_lens.compare import CompareError, bootstrap_mean_interval, compare_runs
+from grpo_lens.compare import CompareError, compare_runs
 
 
 def make_run(path, rewards, estimator="grpo", task="arithmetic", lens=None, **config):
@@ -29,37 +28,31 @@ def make_run(path, rewards, estimator="grpo", task="arithmetic", lens=None, **co
 
 
 def test_final_numbers_config_diff_and_report(tmp_path):
-    a = make_run(tmp_path / "a", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], lens={3: 2.0, 6: 3.0})
-    b = make_run(tmp_path / "b", [0.5, 0.5, 0.5, 0.5, 0.5, 0.5], estimator="rloo", lens={3: 1.5, 6: 1.5})
-    md = compare_runs([a, b], tmp_path / "cmp", last=4)
+    a = make_run(tmp_path / "a", [0.1 * i for i in range(1, 11)], lens={3: 2.0, 6: 3.0})
+    b = make_run(tmp_path / "b", [0.5] * 10, estimator="rloo", lens={3: 1.5, 6: 1.5})
+    md = compare_runs([a, b], tmp_path / "cmp", last=8)
     data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    # run a's last 4 rewards are 0.3, 0.4, 0.5, 0.6: mean 0.45; steps 3-6
+    # run a's last 8 rewards are 0.3, 0.4, ..., 1.0: mean 0.65; steps 3-10
     fa = data["final"]["a"]["reward/mean"]
-    assert fa["mean"] == pytest.approx(0.45, abs=1e-12) and fa["steps"] == [3, 6] and fa["n"] == 4
+    assert fa["mean"] == pytest.approx(0.65, abs=1e-12) and fa["steps"] == [3, 10] and fa["n"] == 8
     # the bootstrap interval of a mean lies within [min, max] of the values and contains the mean
-    assert 0.3 <= fa["low"] < 0.45 < fa["high"] <= 0.6
+    assert 0.3 <= fa["low"] < 0.65 < fa["high"] <= 1.0
     # a constant series has a zero-width interval
     fb = data["final"]["b"]["reward/mean"]
     assert fb["low"] == fb["high"] == pytest.approx(0.5)
-    # lens keys: their last records are the lens steps 3 and 6 (mean of 2.0 and 3.0)
-    assert data["final"]["a"]["rank/g1_erank"]["mean"] == pytest.approx(2.5) and \
-        data["final"]["a"]["rank/g1_erank"]["steps"] == [3, 6]
+    # lens keys: their last records are the lens steps 3 and 6 (mean of 2.0 and 3.0): 2 records, no interval (the
+    # project's one rule: intervals from >= 8 units, docs/theory.md §7)
+    lens = data["final"]["a"]["rank/g1_erank"]
+    assert lens["mean"] == pytest.approx(2.5) and lens["steps"] == [3, 6] and lens["low"] is None is lens["high"]
     assert data["differing_config"] == {"estimator": {"a": "grpo", "b": "rloo"}}  # `out` differs too, ignored
     text = md.read_text()
     assert "| `estimator` | `grpo` | `rloo` |" in text
-    assert "0.450 [" in text and (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
+    assert "0.650 [" in text and "2.50 (steps 3–6, n=2: too few for an interval)" in text
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
     assert "policy/entropy" not in text  # absent from every run: no row, no panel
-
-
-def test_bootstrap_interval_matches_the_normal_approximation():
-    # For n = 400 draws of N(0, 1), the bootstrap 95% interval of the mean is close to mean +- 1.96 s / sqrt(n)
-    # (s / sqrt(n) ~ 0.05: half-width ~ 0.098); the percentile bootstrap is within a few percent of it.
-    x = np.random.default_rng(1).standard_normal(400)
-    mean, lo, hi = bootstrap_mean_interval(list(x), resamples=4000)
-    half = 1.96 * x.std(ddof=1) / np.sqrt(400)
-    assert mean == pytest.approx(x.mean())
-    assert (hi - lo) / 2 == pytest.approx(half, rel=0.08)
-    assert bootstrap_mean_interval([2.0])[0] == 2.0
+    # 7 records: no interval either
+    assert compare_runs([a, b], tmp_path / "cmp7", last=7) and \
+        json.loads((tmp_path / "cmp7" / "compare.json").read_text())["final"]["a"]["reward/mean"]["low"] is None
 
 
 def test_different_tasks_are_refused_unless_asked(tmp_path):
