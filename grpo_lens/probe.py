@@ -290,9 +290,10 @@ def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: Probe
 
 
 def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str,
-                     on_prompt: Callable[[int], None] | None = None) -> dict[str, Any]:
+                     on_prompts: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Sample ``config.prompts_for(R)`` prompts with M rollouts each, analyse every mixed group of R, aggregate over
-    groups. ``on_prompt(mixed_so_far)`` is called after each prompt (the CLI's progress bar)."""
+    groups. ``on_prompts(prompts_just_done, mixed_so_far)`` is called after each batch of prompts (the progress
+    bar)."""
     from grpo_lens.rewards import combine_rewards
 
     t_start = time.perf_counter()
@@ -354,8 +355,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                                              seed=seed)
                 baseline_var.append(var)
             t_grad += time.perf_counter() - t0
-        if on_prompt is not None:
-            on_prompt(len(rows))
+        if on_prompts is not None:
+            on_prompts(len(examples), len(rows))
 
     valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
     g3: dict[str, Any] = {"groups": len(extras)}  # one matrix: no interval (resampled rows would repeat, lowering rank)
@@ -467,12 +468,12 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
 
         progress = tqdm(total=sum(config.prompts_for(R) for R in config.group_sizes), desc="probe", unit="prompt")
     for R in config.group_sizes:
-        def on_prompt(mixed: int, R: int = R) -> None:
+        def on_prompts(done: int, mixed: int, R: int = R) -> None:
             if progress is not None:
                 progress.set_postfix(R=R, mixed=mixed, refresh=False)
-                progress.update(1)
+                progress.update(done)
 
-        per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompt)
+        per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts)
         logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)]["groups_mixed"],
                     per_r[str(R)]["prompts_sampled"], per_r[str(R)]["timing"]["seconds"])
     if progress is not None:

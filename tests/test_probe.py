@@ -300,3 +300,19 @@ def test_default_prompt_counts():
     # task in under 8 minutes (README §Timing); an explicit --prompts wins
     assert [ProbeConfig().prompts_for(R) for R in (2, 4, 8, 16)] == [64, 32, 24, 24]
     assert ProbeConfig(prompts=5).prompts_for(8) == 5
+
+
+def test_progress_counts_every_prompt_once(tmp_path, tiny_model_and_tokenizer):
+    # the progress callback gets each batch's prompt count: they add up to the prompts sampled (6 = batches of 4 + 2)
+    # and the last mixed count is the R's groups_mixed
+    from grpo_lens.probe import probe_group_size
+    from grpo_lens.rewards import parse_reward_specs
+    from grpo_lens.tasks import get_task
+
+    model, tokenizer = tiny_model_and_tokenizer
+    config = probe_config(tmp_path, prompts=6, max_new_tokens=4, g2_groups=0, coverage_groups=0, baseline_prompts=0)
+    calls = []
+    out = probe_group_size(model, tokenizer, get_task(config.task), parse_reward_specs(config.rewards), 2, config,
+                           "model.layers.1.mlp.down_proj", lambda done, mixed: calls.append((done, mixed)))
+    assert [d for d, _ in calls] == [4, 2] and calls[-1][1] == out["groups_mixed"]
+    assert out["prompts_sampled"] == 6
