@@ -22,7 +22,9 @@ probe.json::
          spectra: {"G1": [[s_1, ...] per group], "G1_no_adv": [...], "G1_null": [...], "G2": [...]},
          baselines: {variance: {...}, relative_variance: {...}, prompts},
          credit: {position_profile},
-         timing: {generation_seconds, gradient_seconds}}}}
+         timing: {generation_seconds, gradient_seconds (of which g2_weightings_seconds, sketch_check_seconds),
+                  seconds}}},
+     "studies": {...}}
 
 Keys are documented in docs/metrics.md; formulas in docs/theory.md.
 """
@@ -307,7 +309,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     s1_predictions: list[float] = []  # per prompt, from the rollouts outside its group
     s1_indicators: list[float] = []  # per prompt with all rewards valid: 1 if its group's rewards are all equal
     baseline_var: list[dict[str, float]] = []
-    t_gen = t_grad = 0.0
+    t_gen = t_grad = t_g2 = t_check = 0.0  # t_grad includes t_g2 and t_check
     draw = 0
     n_prompts_r = config.prompts_for(R)
     while sampled < n_prompts_r:
@@ -344,10 +346,14 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             row, extra = analyse_group(policy, tokenizer, batch.select(group), r_g, config, layer, seed=seed + j)
             rows.append(row)
             extras.append(extra)
+            t1 = time.perf_counter()
             if len(g2w) < config.g2_groups:
                 g2w.append(g2_weightings(policy, batch.select(group), extra, r_g, config))
+            t2 = time.perf_counter()
             if not config.exact and len(checks) < config.coverage_groups:
                 checks.append(sketch_check(policy, batch.select(group), extra, config))
+            t_g2 += t2 - t1
+            t_check += time.perf_counter() - t2
             extra.pop("grads")
             if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
                 grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, None)
@@ -398,7 +404,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                       "relative_variance": dg.variance_relative_to_optimal(variances) if variances else {},
                       "prompts": len(baseline_var)},
         "credit": {"position_profile": profile},
-        "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad, "seconds": time.perf_counter() - t_start},
+        "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad, "g2_weightings_seconds": t_g2,
+                   "sketch_check_seconds": t_check, "seconds": time.perf_counter() - t_start},
     }
 
 

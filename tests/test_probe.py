@@ -104,6 +104,7 @@ def test_probe_json_schema(sketch_probe):
         assert d["prompts_sampled"] == 8  # a fixed number of prompts, never stopping at the N-th mixed group
         t = d["timing"]
         assert t["generation_seconds"] + t["gradient_seconds"] <= t["seconds"] < meta["seconds"]
+        assert 0 < t["g2_weightings_seconds"] + t["sketch_check_seconds"] <= t["gradient_seconds"]
         assert len(d["groups"]) == d["groups_mixed"] >= 2, R
         # the summary is the bootstrap summary of the rows: same keys, mean = the plain mean over groups
         keys = {k for row in d["groups"] for k in row}
