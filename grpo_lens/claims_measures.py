@@ -224,31 +224,39 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
 # ---------------------------------------------------------------------------------------------------------------------
 @CLAIMS.register("uniform_token_credit")
 def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
-    """"Output-only reward gives every token the same credit", read as: every token class gets the group update in
-    proportion to its size.
+    """"Output-only reward gives every token the same credit", read as: every token class (answer, format, reasoning)
+    gets the group update in proportion to its size.
 
-    Rule: the answer tokens' share of the group update over their share of the tokens, 95% interval over groups
-    (none from fewer than MIN_UNITS groups); holds when the interval lies inside 1 ± :data:`CREDIT_EQUIVALENCE`
-    (narrow enough to exclude a credit 25% off proportional), does not hold when it lies outside that band,
-    inconclusive otherwise or without an interval (docs/theory.md §12).
+    Rule (docs/theory.md §12): per class, its share of the group update over its share of the tokens, 95% interval
+    over groups (none from fewer than MIN_UNITS groups). Holds when every measured class's interval lies inside
+    1 ± :data:`CREDIT_EQUIVALENCE` (narrow enough to exclude a credit 25% off proportional); does not hold when any
+    class's interval lies wholly outside that band; inconclusive otherwise, or when the answer class has no interval.
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit:
         return []
     classes = credit["contributions"]["classes"]
-    ratio = classes.get("answer", {}).get("ratio") or {}
-    verdict = equivalence_verdict(ratio.get("lo"), ratio.get("hi"), 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE)
-    band = f"[{1 - CREDIT_EQUIVALENCE:g}, {1 + CREDIT_EQUIVALENCE:g}]"
-    fmt_r = classes.get("format", {}).get("ratio")
+    lo_b, hi_b = 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE
+    band = f"[{lo_b:g}, {hi_b:g}]"
+    ratios = {c: (classes.get(c) or {}).get("ratio") or {} for c in ("answer", "format", "reasoning")}
+    per_class = {c: equivalence_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items()
+                 if r.get("lo") is not None}
+    outside = [c for c, v in per_class.items() if v == DOES_NOT_HOLD]
+    if outside:
+        verdict, rule = DOES_NOT_HOLD, f"interval of {', '.join(outside)} tokens wholly outside {band}"
+    elif "answer" not in per_class:
+        verdict, rule = INCONCLUSIVE, f"no interval for answer tokens (fewer than {MIN_UNITS} groups with them)"
+    elif all(v == HOLDS for v in per_class.values()):
+        verdict, rule = HOLDS, f"every measured class's interval inside {band} ({', '.join(per_class)})"
+    else:
+        wide = [c for c, v in per_class.items() if v != HOLDS]
+        verdict, rule = INCONCLUSIVE, f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide to tell"
+    measured = "; ".join(f"{c} tokens {_ci(r)}" for c, r in ratios.items() if r.get("mean") is not None)
     return [Claim(claim="output-only reward gives every token the same credit",
                   scope=f"R = {credit['meta']['group_size']}, {credit['contributions']['groups']} groups",
-                  measurement=(f"answer tokens' share of the update / share of tokens {_ci(ratio)}; format tokens "
-                               f"{_ci(fmt_r)}"),
+                  measurement=f"each class's share of the update / share of tokens: {measured}",
                   control=f"1 (every class credited in proportion to its token count); equivalence band {band}",
-                  verdict=verdict,
-                  rule=(f"interval inside {band}" if verdict == HOLDS else f"interval outside {band}"
-                        if verdict == DOES_NOT_HOLD else f"no interval (fewer than {MIN_UNITS} groups with answer tokens)"
-                        if ratio.get("lo") is None else f"interval overlaps the edge of {band}: too wide to tell"),
+                  verdict=verdict, rule=rule,
                   source="exact update direction over every parameter, finite differences")]
 
 
@@ -352,10 +360,11 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     else:
         verdict, why = INCONCLUSIVE, "the rejection share and the MSE gain do not agree on a verdict"
     meta = probe["studies"]["baselines"].get("meta", {})
+    share = (f"{_fmt(q, 2)} [{_fmt(q_lo, 2)}, {_fmt(q_hi, 2)}], Wilson interval over prompts" if n >= MIN_UNITS else
+             f"too few prompts for an interval")
     return [Claim(claim="the group mean is the variance-optimal baseline (m_C = m_W)",
                   scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
-                  measurement=(f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({_fmt(q, 2)} [{_fmt(q_lo, 2)}, "
-                               f"{_fmt(q_hi, 2)}], Wilson interval over prompts); mean m_C / m_W "
+                  measurement=(f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({share}); mean m_C / m_W "
                                f"{_ci(ratio, unit='prompts')}; "
                                f"population b* MSE / RLOO's {_ci(mse, unit='prompts')}"),
                   control=(f"rejection share <= {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere; equivalence below "

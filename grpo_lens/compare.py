@@ -200,7 +200,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
     else:
         lines += ["None: the runs share every setting (a difference then comes from code or randomness)."]
     lines += ["", f"## Final numbers (mean over each run's last {last} records with the metric, 95% bootstrap "
-                  "interval over those steps, from at least {MIN_INTERVAL_UNITS})", "",
+                  f"interval over those steps, from at least {MIN_INTERVAL_UNITS})", "",
               "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "
               "uncertainty; differences smaller than it are not resolved by these runs.", "",
               "| metric | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]

@@ -486,6 +486,10 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     if progress is not None:
         progress.close()
     t_studies = time.perf_counter()
+    if config.baseline_study_prompts or config.credit_groups:
+        logger.info("probe studies at R = %d: baselines on %d prompts, token credit on %d groups (about 100 s on the "
+                    "default model and CPU)", config.study_group_size, config.baseline_study_prompts,
+                    config.credit_groups)
     studies = run_studies(policy, tokenizer, task, reward_fns, config)
     t_studies = time.perf_counter() - t_studies
     checks = [c for d in per_r.values() if d.get("sketch_check") for c in d["sketch_check"]["groups"]]

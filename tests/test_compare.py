@@ -48,6 +48,7 @@ def test_final_numbers_config_diff_and_report(tmp_path):
     text = md.read_text()
     assert "| `estimator` | `grpo` | `rloo` |" in text
     assert "0.650 [" in text and "2.50 (steps 3–6, n=2: too few for an interval)" in text
+    assert "from at least 8)" in text and "{" not in text  # every placeholder filled
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
     assert "policy/entropy" not in text  # absent from every run: no row, no panel
     # 7 records: no interval either

@@ -129,6 +129,33 @@ def test_study_claims_follow_the_numbers():
     assert c[-1].verdict == "inconclusive"
 
 
+def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
+    # answer tokens inside 1 ± 0.25 but format tokens at [0.17, 0.38], wholly below the band: the claim is about every
+    # token, so it does not hold, and the rule names the class that decided it
+    st = _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.9, 1.1), _ci(0.0, 0.0, 0.01), testable=7)
+    st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(0.27, 0.17, 0.38)
+    credit = study_claims("x", st)[0]
+    assert credit.verdict == "does not hold" and "format" in credit.rule and "reasoning" not in credit.rule
+    # every class inside the band -> holds; one class overlapping the edge -> inconclusive
+    st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(1.0, 0.8, 1.2)
+    assert study_claims("x", st)[0].verdict == "holds"
+    st["credit"]["contributions"]["classes"]["reasoning"]["ratio"] = _ci(1.0, 0.6, 1.2)
+    assert study_claims("x", st)[0].verdict == "inconclusive"
+    # 7 testable prompts: no Wilson interval is printed for the rejection share (intervals need >= 8 units)
+    group_mean = study_claims("x", st)[-1]
+    assert group_mean.verdict == "inconclusive" and "too few prompts for an interval" in group_mean.measurement
+    assert "Wilson" not in group_mean.measurement
+
+
+def test_probe_only_report_does_not_promise_sparsity_claims(tmp_path):
+    probe = {"meta": {"model": "tiny"}, "per_group_size": {},
+             "studies": _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8), _ci(0.2, 0.1, 0.3))}
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    report = write_report(tmp_path).read_text()
+    assert "## Claims: effective rank, zero-sum structure, the identity, credit, baselines" in report
+    assert "sparsity over training come from a training run" in report
+
+
 def test_wilson_interval_closed_form():
     from grpo_lens.claims_measures import wilson_interval
 

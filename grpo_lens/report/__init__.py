@@ -419,9 +419,13 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
                  "and the identity, §12 for sparsity, credit and baselines): holds / does not hold / inconclusive. "
                  "Intervals are 95%; each measurement says what its interval is over (groups, prompts, Monte Carlo "
                  "segments, or sampled weights), and none is computed from fewer than 8 units.")
-    if probes:
+    if probes and records:
         lines = ["## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines", "",
                  rule_text, ""]
+    elif probes:
+        lines = ["## Claims: effective rank, zero-sum structure, the identity, credit, baselines", "", rule_text +
+                 " The claims on sparsity over training come from a training run (`grpo-lens train`, or "
+                 "`grpo-lens demo`); this report has a probe only.", ""]
     else:
         lines = ["## Claims: sparsity over training", "", rule_text + " The claims on effective rank, zero-sum "
                  "structure, the identity, credit and baselines come from `grpo-lens probe` (or `grpo-lens demo`, "
