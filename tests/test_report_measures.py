@@ -147,11 +147,16 @@ def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
     assert "Wilson" not in group_mean.measurement
 
 
-def test_probe_only_report_does_not_promise_sparsity_claims(tmp_path):
+def _report_with_studies(run_dir) -> str:
+    """report.md of ``run_dir`` holding a probe.json whose studies are :func:`_studies` (does-not-hold numbers)."""
     probe = {"meta": {"model": "tiny"}, "per_group_size": {},
              "studies": _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8), _ci(0.2, 0.1, 0.3))}
-    (tmp_path / "probe.json").write_text(json.dumps(probe))
-    report = write_report(tmp_path).read_text()
+    (run_dir / "probe.json").write_text(json.dumps(probe))
+    return write_report(run_dir).read_text()
+
+
+def test_probe_only_report_does_not_promise_sparsity_claims(tmp_path):
+    report = _report_with_studies(tmp_path)
     assert "## Claims: effective rank, zero-sum structure, the identity, credit, baselines" in report
     assert "sparsity over training come from a training run" in report
 
@@ -169,10 +174,7 @@ def test_wilson_interval_closed_form():
 def test_report_has_the_new_sections_and_claims(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _records(
         [0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n")
-    probe = {"meta": {"model": "tiny"}, "per_group_size": {},
-             "studies": _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8), _ci(0.2, 0.1, 0.3))}
-    (tmp_path / "probe.json").write_text(json.dumps(probe))
-    report = write_report(tmp_path).read_text()
+    report = _report_with_studies(tmp_path)
     assert "## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines" in report
     # one table: the training run's claims and the probe's (labelled by source)
     assert "| training | gradient (update) sparsity intensifies over training |" in report
