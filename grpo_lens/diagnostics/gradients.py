@@ -143,9 +143,21 @@ def param_slices(model: nn.Module, params: Sequence[str] | None = None) -> dict[
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _flat_grad(scalar: Tensor, params: list[nn.Parameter]) -> Tensor:
+def _flat_grad(scalar: Tensor, params: list[nn.Parameter], out: Tensor | None = None) -> Tensor:
+    """The gradient of ``scalar`` w.r.t. ``params``, flattened and concatenated ([P]); written into ``out`` ([P]) when
+    given, so that a caller filling an [N, P] matrix row by row never holds a second copy of it."""
     grads = torch.autograd.grad(scalar, params, allow_unused=True) if scalar.requires_grad else [None] * len(params)
-    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+    if out is None:
+        return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+    start = 0
+    for g, p in zip(grads, params):
+        dst = out[start:start + p.numel()]
+        if g is None:
+            dst.zero_()
+        else:
+            dst.copy_(g.reshape(-1))
+        start += p.numel()
+    return out
 
 
 def exact_rollout_grads(
@@ -183,15 +195,17 @@ def exact_rollout_grads(
     n = batch.num_rollouts
     if weights is not None:
         assert weights.shape == (n,), (weights.shape, n)
-    rows = []
+    # filled row by row: stacking a list of rows would hold the [N, P] matrix twice (GBs for a 135M model at N = 8)
+    out = torch.empty(n, sum(p.numel() for p in chosen), dtype=chosen[0].dtype, device=chosen[0].device)
     for i in range(n):
         sub = batch.select([i])
         logp = batch_logprobs(model, sub, temperature)
         score = rollout_scores(logp, sub.completion_mask,
                                None if score_weights is None else score_weights[i:i + 1])[0]
-        row = _flat_grad(score, chosen)
-        rows.append(row if weights is None else row * weights[i].to(row.dtype))
-    return torch.stack(rows)
+        _flat_grad(score, chosen, out=out[i])
+        if weights is not None:
+            out[i].mul_(weights[i].to(out.dtype))
+    return out
 
 
 def exact_weighted_grad(
