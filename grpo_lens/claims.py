@@ -97,9 +97,10 @@ def source_of(probe: dict[str, Any]) -> str:
 
 
 def band_verdict(lo: float | None, hi: float | None, low: float, high: float) -> str:
-    """holds if [lo, hi] lies inside [low, high]; does not hold if it lies outside it; inconclusive otherwise or when
-    the interval is missing."""
-    if lo is None or hi is None:
+    """An equivalence verdict (docs/theory.md §11, §12): holds if [lo, hi] lies inside [low, high]; does not hold if it
+    lies wholly outside it; inconclusive otherwise or when the interval is missing or not finite (a wide interval
+    that merely contains the control is no evidence for it)."""
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
         return INCONCLUSIVE
     if low <= lo and hi <= high:
         return HOLDS

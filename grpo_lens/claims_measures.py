@@ -13,7 +13,7 @@ import math
 import random
 from typing import Any, Sequence
 
-from grpo_lens.claims import CLAIMS, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim
+from grpo_lens.claims import CLAIMS, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, band_verdict
 from grpo_lens.diagnostics.baseline_study import MIN_UNITS
 
 #: the false "disagree" rate of a segment whose true advantage has A_i's sign, at |A| > 2 SE: Phi(-2) = 0.023
@@ -70,20 +70,6 @@ def verdict_from_interval(lo: float | None, hi: float | None, control: float, ho
     if holds_if == "above":
         return HOLDS if above else (DOES_NOT_HOLD if below else INCONCLUSIVE)
     return HOLDS if below else (DOES_NOT_HOLD if above else INCONCLUSIVE)
-
-
-def equivalence_verdict(lo: float | None, hi: float | None, band_lo: float, band_hi: float) -> str:
-    """holds when [lo, hi] lies inside [band_lo, band_hi], does not hold when it lies wholly outside it, inconclusive
-    otherwise or without a finite interval (an equivalence test: a wide interval that merely contains the control
-    is not evidence for it).
-    """
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return INCONCLUSIVE
-    if band_lo <= lo and hi <= band_hi:
-        return HOLDS
-    if hi < band_lo or lo > band_hi:
-        return DOES_NOT_HOLD
-    return INCONCLUSIVE
 
 
 def spearman_trend(xs: Sequence[float], ys: Sequence[float], num_perm: int = 5000, seed: int = 0
@@ -239,7 +225,7 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
     lo_b, hi_b = 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE
     band = f"[{lo_b:g}, {hi_b:g}]"
     ratios = {c: (classes.get(c) or {}).get("ratio") or {} for c in ("answer", "format", "reasoning")}
-    per_class = {c: equivalence_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items()
+    per_class = {c: band_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items()
                  if r.get("lo") is not None}
     outside = [c for c, v in per_class.items() if v == DOES_NOT_HOLD]
     if outside:
@@ -361,11 +347,11 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
         verdict, why = INCONCLUSIVE, "the rejection share and the MSE gain do not agree on a verdict"
     meta = probe["studies"]["baselines"].get("meta", {})
     share = (f"{_fmt(q, 2)} [{_fmt(q_lo, 2)}, {_fmt(q_hi, 2)}], Wilson interval over prompts" if n >= MIN_UNITS else
-             f"too few prompts for an interval")
+             "too few prompts for an interval")
     return [Claim(claim="the group mean is the variance-optimal baseline (m_C = m_W)",
                   scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
-                  measurement=(f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({share}); mean m_C / m_W "
-                               f"{_ci(ratio, unit='prompts')}; "
+                  measurement=(f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({share}); "
+                               f"mean m_C / m_W {_ci(ratio, unit='prompts')}; "
                                f"population b* MSE / RLOO's {_ci(mse, unit='prompts')}"),
                   control=(f"rejection share <= {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere; equivalence below "
                            f"{EQUAL_NORMS_MAX_SHARE}); MSE ratio 1 (equivalence above {1 - MSE_GAIN_MARGIN:g})"),

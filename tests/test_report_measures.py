@@ -224,14 +224,15 @@ def test_credit_claims_need_power_not_absence_of_data():
     assert (u.verdict, mc.verdict) == ("does not hold", "does not hold")
 
 
-def test_equivalence_verdict():
-    from grpo_lens.claims_measures import equivalence_verdict
+def test_band_verdict():
+    from grpo_lens.claims import band_verdict
 
-    assert equivalence_verdict(0.8, 1.2, 0.75, 1.25) == "holds"
-    assert equivalence_verdict(0.5, 1.5, 0.75, 1.25) == "inconclusive"  # contains 1, but too wide
-    assert equivalence_verdict(1.3, 1.4, 0.75, 1.25) == "does not hold"
-    assert equivalence_verdict(0.1, 0.7, 0.75, 1.25) == "does not hold"
-    assert equivalence_verdict(None, None, 0.75, 1.25) == "inconclusive"
+    assert band_verdict(0.8, 1.2, 0.75, 1.25) == "holds"
+    assert band_verdict(0.5, 1.5, 0.75, 1.25) == "inconclusive"  # contains 1, but too wide
+    assert band_verdict(1.3, 1.4, 0.75, 1.25) == "does not hold"
+    assert band_verdict(0.1, 0.7, 0.75, 1.25) == "does not hold"
+    assert band_verdict(None, None, 0.75, 1.25) == "inconclusive"
+    assert band_verdict(float("nan"), 1.0, 0.75, 1.25) == "inconclusive"  # a non-finite end is no interval
 
 
 def test_s4_claim_is_not_judged_on_lora_adapter_weights(tmp_path):
