@@ -17,6 +17,8 @@ import sys
 
 
 def child(variant: str, model_name: str, rollouts: int, max_new_tokens: int) -> None:
+    """One variant in this process: print its peak resident memory, the peak before the gradients (GiB) and the
+    [N, P] matrix's size (GiB), N = ``rollouts`` of one arithmetic prompt."""
     import torch
 
     from grpo_lens.diagnostics.gradients import _flat_grad, exact_rollout_grads, rollout_scores, select_parameters
@@ -44,6 +46,7 @@ def child(variant: str, model_name: str, rollouts: int, max_new_tokens: int) -> 
 
 
 def main() -> None:
+    """Run both variants, each in a child process, and print their peaks and the ratio."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rollouts", type=int, default=8)

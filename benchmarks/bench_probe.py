@@ -23,6 +23,7 @@ TARGET_MIXED = 16
 
 
 def main() -> None:
+    """Run the default probe once in this process and print its counts and timings against the targets."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="probe output directory (default: a temporary one)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -236,7 +236,8 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
         verdict, rule = HOLDS, f"every measured class's interval inside {band} ({', '.join(per_class)})"
     else:
         wide = [c for c, v in per_class.items() if v != HOLDS]
-        verdict, rule = INCONCLUSIVE, f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide to tell"
+        verdict, rule = INCONCLUSIVE, (f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide "
+                                       f"to tell")
     measured = "; ".join(f"{c} tokens {_ci(r)}" for c, r in ratios.items() if r.get("mean") is not None)
     return [Claim(claim="output-only reward gives every token the same credit",
                   scope=f"R = {credit['meta']['group_size']}, {credit['contributions']['groups']} groups",

@@ -50,6 +50,7 @@ from grpo_lens.rollout import RolloutBatch, sample_groups
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class ProbeConfig(ConfigFile):
     """Settings of ``grpo-lens probe``; field help is the CLI help."""
@@ -500,7 +501,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
             "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,
             "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
-            "seconds": time.perf_counter() - t0, "studies_seconds": t_studies, "config": {f.name: getattr(config, f.name) for f in fields(config)}}
+            "seconds": time.perf_counter() - t0, "studies_seconds": t_studies,
+            "config": {f.name: getattr(config, f.name) for f in fields(config)}}
     out.mkdir(parents=True, exist_ok=True)
     from grpo_lens.rundir import atomic_write_text
 

@@ -91,7 +91,8 @@ def test_probe_json_schema(sketch_probe):
     assert probe["studies"]["baselines"]["baselines"]["prompts"] == 2
     assert probe["studies"]["credit"]["contributions"]["groups"] == 1
     meta = probe["meta"]
-    assert {"model", "task", "gradients", "sketch_dim", "std", "eps", "layer", "seconds", "studies_seconds"} <= set(meta)
+    assert {"model", "task", "gradients", "sketch_dim", "std", "eps", "layer", "seconds",
+            "studies_seconds"} <= set(meta)
     assert 0 < meta["studies_seconds"] < meta["seconds"]
     assert meta["gradients"] == "sketch" and meta["sketch_dim"] == 16 and meta["std"] == "sample"
     assert meta["layer"] == "model.layers.1.mlp.down_proj"  # default_layer: the middle layer's MLP down projection

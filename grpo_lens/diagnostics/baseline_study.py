@@ -259,7 +259,8 @@ def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, n
         "cosine", "bias2_share"}: bootstrap_mean over prompts}, "prompts": analysed count, "prompts_constant",
         "b_star_shift": bootstrap_mean of b*_exact - b*, "b_star_minus_p": of b* - p (the group mean's expectation),
         "norm_ratio": of m_C / m_W, "mean_score_ratio": bootstrap_mean of ||hbar||^2 over its
-        mean-zero floor, "equal_norms_rejected": share of testable prompts whose permutation test rejects m_C = m_W at 0.05}.
+        mean-zero floor, "equal_norms_rejected": share of testable prompts whose permutation test rejects m_C = m_W
+        at 0.05, "equal_norms_testable"}.
         MSE is compared as the ratio to RLOO's per prompt (prompts differ in gradient scale); bias2_share = bias2 /
         mse.
     """

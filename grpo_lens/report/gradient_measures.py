@@ -163,7 +163,8 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
             lines.append(f"| {name} | {_ci(e.get('mse_ratio_to_rloo'))} | {_ci(e.get('cosine'))} | "
                          f"{_ci(e.get('bias2_share'))} |")
         lines += ["", f"m_C / m_W over prompts: {_ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
-                  f"test at 0.05 over each prompt's rollouts, k fixed) on {_fmt(study.get('equal_norms_rejected'), 2)} of "
+                  f"test at 0.05 over each prompt's rollouts, k fixed) on "
+                  f"{_fmt(study.get('equal_norms_rejected'), 2)} of "
                   f"{study.get('equal_norms_testable')} testable prompts. b* - p (how far the optimal constant "
                   f"baseline is from the group mean's expectation): {_ci(study.get('b_star_minus_p'))}.", "",
                   _mean_score_sentence(study), "",
