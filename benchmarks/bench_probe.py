@@ -34,7 +34,8 @@ def main() -> None:
 
     from grpo_lens.cli import build_parser
     from grpo_lens.config import config_from_args
-    from grpo_lens.probe import ProbeConfig, run_probe
+    from grpo_lens.probe.config import ProbeConfig
+    from grpo_lens.probe.run import run_probe
 
     if args.threads:
         torch.set_num_threads(args.threads)

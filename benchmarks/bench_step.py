@@ -143,7 +143,7 @@ def peak_memory_mib(device: str) -> float:
 def step_prompts(args, step: int) -> list:
     """The B examples of step ``step`` (1-based), exactly as grpo-lens' trainer draws them."""
     from grpo_lens.tasks import get_task
-    from grpo_lens.trainer import step_seed
+    from grpo_lens.train.loop import step_seed
 
     return get_task("arithmetic").sample(args.prompts, seed=step_seed(args.seed, step))
 
@@ -237,7 +237,7 @@ def grpo_lens_run(args, clock: StepClock, lens_every: int) -> tuple[list[float],
         return model, tok
 
     models.load_model = load_and_attach
-    from grpo_lens.lens import TrainerLens
+    from grpo_lens.train.lens import TrainerLens
 
     original_measure = TrainerLens.measure
 

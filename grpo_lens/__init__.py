@@ -1,9 +1,22 @@
 """grpo-lens: train language models with GRPO and measure what GRPO's gradient is.
 
-The math lives in small pure modules (:mod:`grpo_lens.advantages`, :mod:`grpo_lens.losses`,
-:mod:`grpo_lens.diagnostics`); :mod:`grpo_lens.trainer` is the loop that calls them.
+The layout follows the roles (the README's "Layout" section has one line per module):
+
+- :mod:`grpo_lens.formulas`: every formula of docs/theory.md as a small pure function, one body each;
+- :mod:`grpo_lens.gradients`: per-rollout gradients of a model, exact and sketched;
+- :mod:`grpo_lens.analysis`: the one per-group analysis path the lens and the probe share;
+- :mod:`grpo_lens.train`: the training loop (:func:`grpo_lens.train.loop.train`) and what it calls;
+- :mod:`grpo_lens.probe`: ``grpo-lens probe`` and its studies;
+- :mod:`grpo_lens.claims`: the paper's claims and their decision rules;
+- :mod:`grpo_lens.report`: report.md, plots and ``grpo-lens compare``, read from a run directory alone;
+- beside them: models, rollout, rewards, tasks, rundir, trackers, config, cli, demo.
+
 Shape letters used in every docstring: B prompts, R group size, N = B*R rollouts, T completion tokens,
 P parameters.
 """
 
-__version__ = "0.1.0"
+from grpo_lens import _legacy
+
+__version__ = "0.2.0"
+
+_legacy.install()  # the 0.1 import paths, with a DeprecationWarning, for one release

@@ -12,6 +12,7 @@ from the current directory or PYTHONPATH) before anything else, so the reward fu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -19,24 +20,32 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 from grpo_lens import __version__
-from grpo_lens.config import TrainConfig, add_config_arguments, config_from_args
+from grpo_lens.config import (
+    ConfigError,
+    TrainConfig,
+    add_config_arguments,
+    config_from_args,
+)
+from grpo_lens.demo import DemoConfig, run_demo
+from grpo_lens.models import ModelNotFoundError
+from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.run import run_probe
+from grpo_lens.report import write_report
+from grpo_lens.report.compare import CompareError, compare_runs
+from grpo_lens.rundir import RunDirError
+from grpo_lens.train.loop import NonFiniteUpdateError, train
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input rather than a bug: shown as one line, exit status 2."""
-    from grpo_lens.compare import CompareError
-    from grpo_lens.config import ConfigError
-    from grpo_lens.rundir import RunDirError
-
     errors: list[type[BaseException]] = [ConfigError, RunDirError, CompareError, ValueError, FileNotFoundError, PluginError]
     try:
-        from grpo_lens.models import ModelNotFoundError
-
         errors.append(ModelNotFoundError)
     except ImportError:
         pass
-    from grpo_lens.trainer import NonFiniteUpdateError  # settings that make training diverge: one line, how to fix
 
     errors.append(NonFiniteUpdateError)
     return tuple(errors)
@@ -72,8 +81,6 @@ def load_plugins(spec: str | None = None) -> list[str]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from grpo_lens.trainer import train
-
     config_file = args.config
     if args.resume and args.out and (Path(args.out) / "config.yaml").is_file():
         # Resume from the run's own config: flags need not be repeated, and a flag that differs from it is reported.
@@ -92,11 +99,7 @@ def _resume_config(args: argparse.Namespace, saved: Path) -> TrainConfig:
     Raises:
         RunDirError: config.yaml is unreadable.  ConfigError: the --config file or a resulting value is invalid.
     """
-    import dataclasses
 
-    import yaml
-
-    from grpo_lens.rundir import RunDirError
 
     try:
         values = yaml.safe_load(saved.read_text()) or {}
@@ -117,8 +120,6 @@ def _resume_config(args: argparse.Namespace, saved: Path) -> TrainConfig:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from grpo_lens.probe import ProbeConfig, run_probe
-
     config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
     data = json.loads((out / "probe.json").read_text())
@@ -130,16 +131,12 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from grpo_lens.report import write_report
-
     path = write_report(Path(args.run_dir))
     print(f"report written to {path}")
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from grpo_lens.demo import DemoConfig, run_demo
-
     config = config_from_args(args, DemoConfig, args.config)
     path = run_demo(config)
     print(f"demo report: {path}")
@@ -147,8 +144,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from grpo_lens.compare import compare_runs
-
     path = compare_runs(args.run_dirs, args.out, last=args.last, allow_different_tasks=args.allow_different_tasks)
     print(f"comparison written to {path}")
     return 0
@@ -165,8 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print grpo-lens' version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from grpo_lens.demo import DemoConfig
-    from grpo_lens.probe import ProbeConfig
 
     commands = [
         ("train", "GRPO training with the lens every few steps", TrainConfig, _cmd_train),

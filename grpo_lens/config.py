@@ -15,11 +15,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
-from grpo_lens.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS
-from grpo_lens.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
-from grpo_lens.overlong import OVERLONG_MODES
+from grpo_lens.formulas.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS
+from grpo_lens.formulas.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from grpo_lens.formulas.overlong import OVERLONG_MODES
+from grpo_lens.trackers import REPORT_TO
 
 
 class ConfigError(ValueError):
@@ -32,8 +34,6 @@ def resolve_device(device: str) -> str:
     Raises:
         ConfigError: a CUDA device is asked for but torch sees none (a CPU build of torch, or no GPU).
     """
-    import torch
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -338,7 +338,6 @@ class TrainConfig(ConfigFile):
                     bad("rewards", f"{spec!r}: the weight after ':' must be a number")
         if isinstance(self.report_to, str):  # YAML `report_to: tensorboard` means a list of one
             self.report_to = [self.report_to]
-        from grpo_lens.trackers import REPORT_TO
 
         for name in self.report_to:
             if name not in REPORT_TO:

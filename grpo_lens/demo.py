@@ -23,7 +23,10 @@ from pathlib import Path
 import yaml
 
 from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, option
-from grpo_lens.probe import ProbeConfig
+from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.run import run_probe
+from grpo_lens.report import write_report
+from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +76,6 @@ class DemoConfig(ConfigFile):
 
 def run_demo(config: DemoConfig) -> Path:
     """Run (or continue) the main job; return the path of OUT/report.md."""
-    from grpo_lens.probe import run_probe
-    from grpo_lens.report import write_report
-    from grpo_lens.trainer import train
-
     out = Path(config.out)
     train_cfg = config.train_config()  # validates the training settings before any stage runs
     saved_path = out / "demo.yaml"

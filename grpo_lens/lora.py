@@ -15,10 +15,13 @@ The lens measures per-rollout gradients in one of two spaces (``--lens-space``):
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from grpo_lens._legacy import moved_attribute
 
 #: Name fragment of peft's adapter modules (``...q_proj.lora_A.default``); base layers are ``...q_proj.base_layer``.
 ADAPTER_MARK = "lora_"
@@ -63,62 +66,9 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
                          f"model's linear layers are named {', '.join(names)} (or use all-linear)") from None
 
 
-def adapter_layers(name: str) -> bool:
-    """Layer filter (for :func:`grpo_lens.diagnostics.sketch_rollout_grads`) of the LoRA adapter's linear maps."""
-    return ADAPTER_MARK in name
-
-
-def base_layers(name: str) -> bool:
-    """Layer filter of the frozen base model's linear layers (the full fine-tuning space)."""
-    return ADAPTER_MARK not in name
-
-
-def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int = 16, seed: int = 0,
-                       projection: str = "gaussian", dtype: torch.dtype = torch.float32,
-                       score_weights: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
-    """Per-rollout gradients g_i of a LoRA policy's rollouts (g_i = grad of omega_i times the rollout's log-prob sum,
-    omega_i = 1/|o_i| unless ``score_weights``; docs/theory.md §3) in the adapter space or the full space.
-
-    Args:
-        model: a policy wrapped by :func:`apply_lora`.
-        batch: N rollouts (:class:`grpo_lens.rollout.RolloutBatch`).
-        space: ``trainable`` -- exact gradients of the adapter's A and B ([N, P_adapter], one backward per rollout);
-            ``full`` -- gradients of every frozen base linear weight W, sketched with k x k Kronecker projections
-            per layer ([N, layers * k^2]; ``projection="identity"`` gives them exactly, [N, sum d_out d_in]).
-        k, seed, projection, dtype: of the sketch (:func:`grpo_lens.diagnostics.sketch_rollout_grads`).
-        score_weights: [N] omega_i (:func:`grpo_lens.diagnostics.rollout_scores`).  temperature: the sampler's.
-
-    Returns:
-        [N, K] in the model's dtype (exact) or ``dtype`` (sketch).
-
-    Raises:
-        ValueError: an unknown ``space``.
-
-    The two spaces are tied by the chain rule: with the update s B A (s = alpha / r) added to W,
-    grad_B = s grad_W A^T and grad_A = s B^T grad_W (tests/test_lora.py checks this).
-    """
-    from grpo_lens import diagnostics as dg
-
-    if space == "trainable":
-        return dg.exact_rollout_grads(model, batch, score_weights=score_weights, temperature=temperature)
-    if space != "full":
-        raise ValueError(f"unknown lens space {space!r}; valid names: full, trainable")
-    # A frozen base layer's output carries a gradient only once the input embeddings' output requires one
-    # (transformers' enable_input_require_grads); the sketch then differentiates with respect to it alone.
-    model.enable_input_require_grads()
-    try:
-        return dg.sketch_rollout_grads(model, batch, k_in=k, k_out=k, include=base_layers, seed=seed,
-                                       projection=projection, dtype=dtype, score_weights=score_weights,
-                                       temperature=temperature).sketch
-    finally:
-        model.disable_input_require_grads()
-
-
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain transformers model with the adapter folded into the base weights (W + alpha/r B A); ``model`` is
     left as it was."""
-    import copy
-
     return copy.deepcopy(model).merge_and_unload()
 
 
@@ -128,3 +78,8 @@ def save_lora_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     merged_copy(model).save_pretrained(path)
     tokenizer.save_pretrained(path)
     model.save_pretrained(path / "adapter")
+
+
+def __getattr__(name: str):
+    """0.1 names that moved to :mod:`grpo_lens.gradients.lora_spaces` (DeprecationWarning, one release)."""
+    return moved_attribute(__name__, name)

@@ -26,7 +26,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import platformdirs
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +83,6 @@ def cache_dir() -> Path:
     env = os.environ.get("GRPO_LENS_CACHE")
     if env:
         return Path(env).expanduser()
-    import platformdirs
 
     return Path(platformdirs.user_cache_dir("grpo-lens"))
 
@@ -179,9 +187,6 @@ def build_tiny_tokenizer():
     GPT-2's byte-level alphabet, then ``<|im_start|>``, ``<|im_end|>`` (EOS) and ``<|pad|>``: 259 tokens.
     Any string encodes (no unknown token) and decodes back exactly.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: i for i, symbol in enumerate(alphabet)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -215,8 +220,6 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
     Returns:
         (model, tokenizer), model in float32 on the CPU, in eval mode.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -252,8 +255,6 @@ def _gguf_cache_path(source: ModelSource) -> Path:
 
 def _convert_gguf(source: ModelSource, target: Path) -> None:
     """Dequantise a GGUF file with transformers and save it as safetensors under ``target``, atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     logger.info("converting %s/%s to safetensors (once; cached at %s)", source.path, source.gguf_file, target)
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file)
@@ -281,8 +282,6 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
 
 
 def _from_pretrained(path: str, **kwargs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     return model, tokenizer

@@ -11,6 +11,7 @@ marked with ``####`` or ``\\boxed{}``), and ``math_verify`` when the ``math-veri
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import re
@@ -237,8 +238,6 @@ def format_reward(prompts: Sequence, completions: Sequence, **kwargs) -> list:
 
 def math_verify_available() -> bool:
     """Whether the optional ``math-verify`` package is importable."""
-    import importlib.util
-
     return importlib.util.find_spec("math_verify") is not None
 
 

@@ -6,10 +6,12 @@ T completion tokens (right padded). Rollout n belongs to group n // R (rollouts 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache, GenerationConfig
 
 
 @dataclass
@@ -124,8 +126,6 @@ def process_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """True when ``model.forward`` names a ``logits_to_keep`` argument (transformers' causal LMs do since 4.50)."""
-    import inspect
-
     try:
         return "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -263,8 +263,6 @@ def sampling_generation_config(*, temperature: float, top_k: int, top_p: float, 
     Returns:
         a ``GenerationConfig`` with ``do_sample=True``, ``num_beams=1``, raw logits and processed scores returned.
     """
-    from transformers import GenerationConfig
-
     return GenerationConfig(
         do_sample=True, num_beams=1, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
         max_new_tokens=int(max_new_tokens), min_length=0, eos_token_id=list(eos_token_ids),
@@ -391,8 +389,6 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
     ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate makes them
     try:
-        from transformers import DynamicCache
-
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                     cache=DynamicCache(config=model.config), logits_to_keep=1)
     except (TypeError, ValueError, AttributeError):  # not a transformers >= 5 causal LM: no sharing
@@ -493,7 +489,6 @@ def sample_groups(
     model.eval()
     try:
         # Hide the model's own generation_config: generate() fills every field left unset in ours from it.
-        from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig()
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import yaml
+from safetensors.torch import load_model, save_model
 
 
 class RunDirError(ValueError):
@@ -38,9 +39,11 @@ class RunDirError(ValueError):
 #: Environment variable naming a crash point, ``POINT`` or ``POINT@STEP`` (test hook, see :func:`crash_point`).
 KILL_ENV = "GRPO_LENS_TEST_KILL_AT"
 
+
 #: The moments a test can kill the trainer at, in the order a step reaches them.
 CRASH_POINTS = ("during_generation", "before_optimizer_step", "after_metrics_write", "mid_checkpoint",
                 "after_checkpoint_rename", "after_latest", "mid_final_model")
+
 
 _CHECKPOINT_NAME = re.compile(r"step-(\d{6,})")
 
@@ -239,8 +242,6 @@ class RunDir:
         ``step`` are left-overs of a killed run that this resumed run has replaced: they are deleted, and the
         checkpoint just written is never among those removed.
         """
-        from safetensors.torch import save_model
-
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         name = f"step-{step:06d}"
         final = self.checkpoints / name
@@ -314,8 +315,6 @@ class RunDir:
         Raises:
             RunDirError: a file is missing or unreadable (corrupt), naming it and how to go on.
         """
-        from safetensors.torch import load_model
-
         files = {n: path / n for n in ("model.safetensors", "optimizer.pt", "state.pt")}
         for n, f in files.items():
             if not f.is_file():
@@ -342,3 +341,22 @@ class RunDir:
             return (f"to resume from the previous checkpoint write {older[-1].name} into {pointer} (and delete "
                     f"{bad}), or delete {pointer} to restart from step 0")
         return f"delete {bad} and {pointer} to restart the run from step 0 (no older checkpoint is left)"
+
+
+def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The lens's share of training wall time from metrics records: lens seconds / (step seconds - lens seconds).
+
+    Lens seconds are ``perf/lens_seconds`` (before the update) plus ``perf/lens_sparsity_seconds`` (around the
+    optimizer step), summed over the run.
+
+    Returns:
+        {"lens_seconds", "train_seconds" (the steps without the lens), "overhead" (a fraction), "lens_steps",
+        "steps"}, or None without step timings.
+    """
+    steps = [r for r in records if r.get("perf/step_seconds") is not None]
+    if not steps:
+        return None
+    lens = sum((r.get("perf/lens_seconds") or 0.0) + (r.get("perf/lens_sparsity_seconds") or 0.0) for r in steps)
+    base = sum(r["perf/step_seconds"] for r in steps) - lens
+    return {"lens_seconds": lens, "train_seconds": base, "overhead": lens / base if base > 0 else float("nan"),
+            "lens_steps": sum(r.get("perf/lens_seconds") is not None for r in steps), "steps": len(steps)}

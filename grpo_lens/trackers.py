@@ -22,8 +22,11 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Callable
+
+import yaml
 
 from grpo_lens.registry import Registry
 
@@ -81,7 +84,6 @@ def _tensorboard(run_path: Path, start_step: int) -> Any:
 def _tensorboard_hparams(tracker: Any, values: dict[str, Any]) -> None:
     """The run's hyperparameters into the tracker's own event file and ``hparams.yml`` beside it (accelerate's
     ``store_init_configuration`` makes a new timestamped subfolder for each; TensorBoard shows them either way)."""
-    import yaml
     from torch.utils.tensorboard.summary import hparams
 
     writer = tracker.writer.file_writer if hasattr(tracker.writer, "file_writer") else tracker.writer._get_file_writer()
@@ -93,8 +95,6 @@ def _tensorboard_hparams(tracker: Any, values: dict[str, Any]) -> None:
 
 @TRACKERS.register("wandb")
 def _wandb(run_path: Path, start_step: int) -> Any:
-    import secrets
-
     from accelerate.tracking import WandBTracker
 
     id_file = run_path / "wandb" / "grpo_lens_run_id"

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from grpo_lens.config import TrainConfig
-from grpo_lens.losses import LOSS_AGGREGATIONS
+from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
-from grpo_lens.trainer import Processes, policy_update
+from grpo_lens.train.processes import Processes
+from grpo_lens.train.update import policy_update
 
 B, R, LP, T = 4, 2, 5, 6
 TEMPERATURE = 0.7
@@ -135,7 +136,7 @@ def main(out_dir: str) -> None:
     import helpers_rewards  # noqa: F401 - registers test_alternating
 
     from grpo_lens import cli
-    from grpo_lens.trainer import setup_processes
+    from grpo_lens.train.processes import setup_processes
 
     torch.set_num_threads(1)
     procs = setup_processes("cpu")

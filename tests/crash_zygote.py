@@ -21,9 +21,9 @@ import traceback
 
 def main() -> None:
     import grpo_lens.cli  # noqa: F401
-    import grpo_lens.lens  # noqa: F401
+    import grpo_lens.train.lens  # noqa: F401
     import grpo_lens.models  # noqa: F401
-    import grpo_lens.trainer  # noqa: F401
+    import grpo_lens.train.loop  # noqa: F401
     import accelerate  # noqa: F401
     import safetensors.torch  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401

@@ -7,12 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_lens.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    ZERO_SUM_ESTIMATORS,
-    advantage_bound,
-    compute_advantages,
-)
+from grpo_lens.formulas.advantages import ADVANTAGE_ESTIMATORS, ZERO_SUM_ESTIMATORS, advantage_bound, compute_advantages
 
 EPS = 1e-4
 

@@ -13,7 +13,7 @@ import grpo_lens.rewards as rewards_mod
 from grpo_lens.rewards import combine_rewards, correctness, extract_answer, get_reward, math_verify_available
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.tasks import GSM8KTask, correctness_verdict, get_task
-from grpo_lens.trainer import accuracy_metrics, rollout_correctness
+from grpo_lens.train.step_metrics import accuracy_metrics, rollout_correctness
 
 
 @pytest.mark.parametrize("completion,value", [
@@ -52,6 +52,7 @@ def test_gsm8k_verdict_reads_the_marked_answer_with_and_without_math_verify(monk
     assert math_verify_available()  # the math extra is installed by `make test`
     assert task.correct(completions, answers) == [1.0, 1.0, 0.0, None]
     monkeypatch.setattr(rewards_mod, "math_verify_available", lambda: False)
+    monkeypatch.setattr("grpo_lens.tasks.gsm8k.math_verify_available", lambda: False)
     assert task.correct(completions, answers) == [1.0, 1.0, 0.0, None]
     with pytest.raises(ValueError, match="math-verify"):
         rewards_mod.math_correctness_verdict(["1"], ["1"], use_math_verify=True)
@@ -104,7 +105,7 @@ def test_trainer_writes_the_verdicts_mean(tmp_path):
     # bytes, so the arithmetic verdict is 0 on every rollout.
     import helpers_rewards  # noqa: F401
     from grpo_lens.config import TrainConfig
-    from grpo_lens.trainer import train
+    from grpo_lens.train.loop import train
 
     config = TrainConfig(out=str(tmp_path / "run"), model="tiny", task="arithmetic", rewards=["test_alternating"],
                          group_size=4, prompts_per_step=2, max_new_tokens=4, max_steps=1, lens_every=0,

@@ -214,12 +214,11 @@ def test_bad_input_is_one_clear_error(case, tmp_path, capsys, monkeypatch, finis
     for key, value in case.env.items():
         monkeypatch.setenv(key, value)
     if not case.model_may_load:
-        import grpo_lens.models
-
         def no_model(*args, **kwargs):
             raise AssertionError("a model was loaded before the bad input was reported")
 
-        monkeypatch.setattr(grpo_lens.models, "load_model", no_model)
+        for where in ("grpo_lens.train.loop", "grpo_lens.probe.run"):  # every caller of load_model
+            monkeypatch.setattr(f"{where}.load_model", no_model)
     before = tree_digest(out) if out.exists() else None
     capsys.readouterr()
 
@@ -252,7 +251,7 @@ def test_unknown_rank_measure_lists_the_valid_ones():
     # Rank measures are chosen in code (grpo_lens.diagnostics), not on the command line.
     import torch
 
-    from grpo_lens.diagnostics import rank_measures
+    from grpo_lens.formulas.spectrum import rank_measures
 
     with pytest.raises(ValueError, match="unknown rank measure 'nuclear'; valid names: erank, k90, k99, "
                                          "participation_ratio, stable_rank"):

@@ -5,14 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_lens.diagnostics.baseline_study import (
-    _group_estimates,
-    baseline_study,
-    equal_norms_test,
-    mean_score_norm,
-    optimal_constant_baseline,
-    prompt_baseline_study,
-)
+from grpo_lens.formulas.baselines import _group_estimates, baseline_study, equal_norms_test, mean_score_norm, optimal_constant_baseline, prompt_baseline_study
 
 
 def pool(m_c: float, m_w: float, p: float = 0.5, m: int = 512, k: int = 64, shift: float = 0.0, seed: int = 0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_lens.claims import CLAIMS, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, band_verdict, evaluate_claims
+from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, band_verdict, evaluate_claims
 
 
 def ci(mean, lo, hi, n=16):

@@ -57,7 +57,7 @@ def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path, capsys):
 
 def test_probe_accepts_no_progress():
     from grpo_lens.cli import build_parser
-    from grpo_lens.probe import ProbeConfig
+    from grpo_lens.probe.config import ProbeConfig
 
     # train has --no-progress; probe takes it too and it reaches ProbeConfig.progress
     args = build_parser().parse_args(["probe", "--model", "tiny", "--no-progress"])

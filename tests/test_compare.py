@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from grpo_lens.cli import main
-from grpo_lens.compare import CompareError, compare_runs
+from grpo_lens.report.compare import CompareError, compare_runs
 
 
 def make_run(path, rewards, estimator="grpo", task="arithmetic", lens=None, **config):

@@ -79,7 +79,7 @@ def test_list_field_from_yaml_and_flags(yaml_file):
 
 
 def test_list_field_item_type_is_applied():
-    from grpo_lens.probe import ProbeConfig
+    from grpo_lens.probe.config import ProbeConfig
 
     cfg = _load(["--group-sizes", "2", "4"], ProbeConfig)
     assert cfg.group_sizes == [2, 4] and all(isinstance(r, int) for r in cfg.group_sizes)

@@ -5,16 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_lens.diagnostics import (
-    BASELINES,
-    baseline_metrics,
-    correct_wrong_sq_norms,
-    estimator_variances,
-    loo_optimal_baselines,
-    optimal_baseline,
-    optimal_baseline_binary,
-    variance_relative_to_optimal,
-)
+from grpo_lens.formulas.baselines import BASELINES, baseline_metrics, correct_wrong_sq_norms, estimator_variances, loo_optimal_baselines, optimal_baseline, optimal_baseline_binary, variance_relative_to_optimal
 
 
 def synthetic(norm_correct: float, norm_wrong: float, m: int = 64, p: int = 512, seed: int = 0):

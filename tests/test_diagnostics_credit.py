@@ -4,19 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_lens.diagnostics import (
-    answer_mask_from_char_span,
-    answer_mask_from_tokenizer,
-    answer_share,
-    completion_positions,
-    credit_metrics,
-    decode_offsets,
-    last_number_span,
-    position_profile,
-    token_advantages,
-    token_grad_sq_norms,
-    within_rollout_advantage_variance,
-)
+from grpo_lens.formulas.credit import answer_mask_from_char_span, answer_mask_from_tokenizer, answer_share, completion_positions, credit_metrics, decode_offsets, last_number_span, position_profile, token_advantages, within_rollout_advantage_variance
+from grpo_lens.gradients.sketch import token_grad_sq_norms
 from grpo_lens.rollout import RolloutBatch
 
 

@@ -6,26 +6,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_lens.diagnostics import (
-    GradientCapture,
-    exact_nll_grad,
-    exact_policy_grad,
-    exact_rollout_grads,
-    exact_weighted_grad,
-    group_row_sums,
-    kronecker_sketch_variance,
-    kronecker_sketch_variance_factor,
-    layer_weight_grads,
-    linear_layer_names,
-    nll_weights,
-    param_slices,
-    rollout_scores,
-    sketch_gram_error_bound,
-    sketch_nll_grad,
-    sketch_policy_grad,
-    sketch_rollout_grads,
-    token_grad_sq_norms,
-)
+from grpo_lens.gradients.sketch import GradientCapture, sketch_nll_grad, sketch_policy_grad, sketch_rollout_grads, token_grad_sq_norms
+from grpo_lens.gradients.exact import exact_nll_grad, exact_policy_grad, exact_rollout_grads, exact_weighted_grad, layer_weight_grads
+from grpo_lens.formulas.spectrum import group_row_sums
+from grpo_lens.formulas.sketch_error import kronecker_sketch_variance, kronecker_sketch_variance_factor, sketch_gram_error_bound
+from grpo_lens.gradients.params import linear_layer_names, param_slices
+from grpo_lens.gradients.scores import nll_weights, rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 
 VOCAB = 50

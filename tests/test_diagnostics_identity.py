@@ -6,15 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_lens.diagnostics import (
-    binary_group_std,
-    exact_rollout_grads,
-    grpo_binary_advantages,
-    rank2_constant,
-    rank2_residual,
-    rank2_residuals,
-    sketch_rollout_grads,
-)
+from grpo_lens.formulas.identity import binary_group_std, grpo_binary_advantages, rank2_constant, rank2_residual, rank2_residuals
+from grpo_lens.gradients.exact import exact_rollout_grads
+from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.rollout import RolloutBatch
 
 R = 4

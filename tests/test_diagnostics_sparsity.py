@@ -5,17 +5,8 @@ import math
 import pytest
 import torch
 
-from grpo_lens.diagnostics import (
-    Bf16UpdateTracker,
-    bf16_unchanged_fraction,
-    hoyer_sparsity,
-    predicted_zero_variance_fraction,
-    predicted_zero_variance_fraction_from_rewards,
-    s1_metrics,
-    small_entry_share,
-    zero_variance_fraction,
-    zero_variance_groups,
-)
+from grpo_lens.train.sparsity import Bf16UpdateTracker
+from grpo_lens.formulas.sparsity import bf16_unchanged_fraction, hoyer_sparsity, predicted_zero_variance_fraction, predicted_zero_variance_fraction_from_rewards, s1_metrics, small_entry_share, zero_variance_fraction, zero_variance_groups
 
 
 def test_s1_measured_and_predicted():

@@ -6,25 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_lens.diagnostics import (
-    RANK_MEASURES,
-    count_distinct_prefixes,
-    distinct_completions,
-    distinct_completions_per_group,
-    energy_rank,
-    flatten_metrics,
-    g1_matrix,
-    g1_spectra,
-    g2_rank_bound,
-    g3_matrix,
-    gram_singular_values,
-    layer_weight_grads,
-    matrix_rank_measures,
-    numerical_rank,
-    random_zero_sum_weights,
-    rank_measures,
-    singular_values,
-)
+from grpo_lens.formulas.spectrum import RANK_MEASURES, count_distinct_prefixes, distinct_completions, distinct_completions_per_group, energy_rank, flatten_metrics, g1_matrix, g1_spectra, g2_rank_bound, g3_matrix, gram_singular_values, matrix_rank_measures, numerical_rank, random_zero_sum_weights, rank_measures, singular_values
+from grpo_lens.gradients.exact import layer_weight_grads
 from grpo_lens.rollout import RolloutBatch
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import _distributed_worker as worker
-from grpo_lens.trainer import Processes
+from grpo_lens.train.processes import Processes
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2
@@ -139,7 +139,7 @@ def test_mini_batches_must_divide_each_process_share():
     # B = 6 over 2 processes: 3 prompts each, which 2 mini-batches cannot split into equal optimizer steps (a
     # process would take 3 steps of 1 prompt); 3 mini-batches can.
     from grpo_lens.config import TrainConfig
-    from grpo_lens.trainer import check_inputs
+    from grpo_lens.train.loop import check_inputs
 
     procs = Processes(0, 2, torch.device("cpu"))
     with pytest.raises(ValueError, match="num_mini_batches"):

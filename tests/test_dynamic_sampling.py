@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from grpo_lens.config import ConfigError, TrainConfig
-from grpo_lens.dynamic_sampling import collect_mixed_groups, concat_batches, select_groups
+from grpo_lens.train.dynamic_sampling import collect_mixed_groups, concat_batches, select_groups
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import RunDir
-from grpo_lens.trainer import train
+from grpo_lens.train.loop import train
 
 R = 2
 
@@ -120,7 +120,7 @@ def test_bad_cap_is_a_config_error():
 
 
 def test_sampled_vs_kept_reports_all_sampled_groups():
-    from grpo_lens.trainer import sampled_vs_kept
+    from grpo_lens.train.step_metrics import sampled_vs_kept
 
     # 4 sampled groups of R = 2 with rewards (1,0) (1,1) (1,1) (0,0); the step kept the one mixed group (1,0).
     # Over all sampled: mean 5/8, population std sqrt(5/8 * 3/8), S1 = 3 constant groups / 4, accuracy 5/8.
@@ -138,8 +138,8 @@ def test_sampled_vs_kept_reports_all_sampled_groups():
 
 
 def test_dynamic_sampling_summary_counts_cap_hits(tmp_path):
-    from grpo_lens.compare import compare_runs
-    from grpo_lens.dynamic_sampling import dynamic_sampling_summary
+    from grpo_lens.report.compare import compare_runs
+    from grpo_lens.train.dynamic_sampling import dynamic_sampling_summary
 
     # 3 steps of B = 2: step 1 hit the cap after 3 rounds (6 groups, 5 all-equal, 1 kept), step 2 one round (2
     # groups, 0 all-equal, 2 kept), step 3 the cap again (6 groups, 6 all-equal, 0 kept): 2 of 3 steps at the cap,

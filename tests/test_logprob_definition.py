@@ -15,9 +15,9 @@ import torch
 
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 from grpo_lens.config import TrainConfig
-from grpo_lens.losses import mismatch_sums, truncated_is_weights
+from grpo_lens.formulas.losses import mismatch_sums, truncated_is_weights
 from grpo_lens.rollout import batch_logprobs, process_logits, sample_groups, token_logprobs
-from grpo_lens.trainer import train
+from grpo_lens.train.loop import train
 
 PROMPTS = ["What is 2 + 3?", "7 * 6 ="]
 

@@ -11,7 +11,7 @@ import torch
 
 from grpo_lens.config import ConfigError, TrainConfig
 from grpo_lens.rundir import RunDir
-from grpo_lens.trainer import train
+from grpo_lens.train.loop import train
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs the lora extra (peft)")
 
@@ -82,7 +82,8 @@ def test_lora_trains_the_adapter_resumes_bit_identically_and_saves_merged_and_ad
 
 
 def test_probe_accepts_the_lora_final_model(tmp_path):
-    from grpo_lens.probe import ProbeConfig, run_probe
+    from grpo_lens.probe.config import ProbeConfig
+    from grpo_lens.probe.run import run_probe
 
     run = train(lora_config(tmp_path / "run", max_steps=1, lens_every=0))
     out = run_probe(ProbeConfig(model=str(run.path / "final_model"), rewards=["test_parity"], group_sizes=[4],
@@ -96,8 +97,10 @@ def test_adapter_and_full_space_gradients_obey_the_chain_rule(fresh_tiny_model_a
     # gradient with respect to W' of the merged model, and the adapter's gradients follow from it:
     #   grad_B = s grad_W A^T,   grad_A = s B^T grad_W.
     # lora_rollout_grads("full", projection="identity") must give grad_W exactly; ("trainable") grad_A, grad_B.
-    from grpo_lens import diagnostics as dg
-    from grpo_lens.lora import apply_lora, lora_rollout_grads, merged_copy
+    from grpo_lens.gradients.exact import exact_rollout_grads
+    from grpo_lens.gradients.params import linear_layer_names, param_slices
+    from grpo_lens.lora import apply_lora, merged_copy
+    from grpo_lens.gradients.lora_spaces import lora_rollout_grads
     from grpo_lens.rollout import sample_groups
     from grpo_lens.tasks import get_task
 
@@ -115,17 +118,17 @@ def test_adapter_and_full_space_gradients_obey_the_chain_rule(fresh_tiny_model_a
     adapter = lora_rollout_grads(peft_model, batch, "trainable")                       # [2, P_adapter]
     merged = merged_copy(peft_model).requires_grad_(True)  # peft froze the base weights it merged into
     layer = "model.layers.1.self_attn.q_proj"
-    exact_w = dg.exact_rollout_grads(merged, batch, params=[f"{layer}.weight"])       # [2, d_out d_in]
+    exact_w = exact_rollout_grads(merged, batch, params=[f"{layer}.weight"])       # [2, d_out d_in]
     d_out, d_in = merged.get_submodule(layer).weight.shape
 
     # the full-space rows hold every base linear layer in module order; find this layer's block
-    names = dg.linear_layer_names(peft_model, lambda n: "lora_" not in n)
+    names = linear_layer_names(peft_model, lambda n: "lora_" not in n)
     sizes = [peft_model.get_submodule(n).weight.numel() for n in names]
     k = names.index(f"base_model.model.{layer}.base_layer")
     start = sum(sizes[:k])
     torch.testing.assert_close(full[:, start:start + d_out * d_in], exact_w, rtol=1e-9, atol=1e-12)
 
-    slices = dg.param_slices(peft_model)
+    slices = param_slices(peft_model)
     pre = f"base_model.model.{layer}"
     A = peft_model.get_parameter(f"{pre}.lora_A.default.weight")   # [r, d_in]
     B = peft_model.get_parameter(f"{pre}.lora_B.default.weight")   # [d_out, r]

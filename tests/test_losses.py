@@ -5,14 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_lens.losses import (
-    LOSS_AGGREGATIONS,
-    aggregate_loss,
-    clipped_surrogate,
-    grpo_loss,
-    kl_penalty,
-    loss_normalizer,
-)
+from grpo_lens.formulas.losses import LOSS_AGGREGATIONS, aggregate_loss, clipped_surrogate, grpo_loss, kl_penalty, loss_normalizer
 
 MODES = LOSS_AGGREGATIONS.names()
 

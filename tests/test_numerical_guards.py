@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
-import grpo_lens.trainer as trainer_mod
 from grpo_lens.cli import main
 from grpo_lens.config import TrainConfig
-from grpo_lens.losses import LOG_RATIO_CLAMP, grpo_loss, kl_penalty
-from grpo_lens.trainer import NonFiniteUpdateError, train
+from grpo_lens.formulas.losses import LOG_RATIO_CLAMP, grpo_loss, kl_penalty
+from grpo_lens.train.loop import NonFiniteUpdateError, train
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,7 +52,7 @@ def _poison_after(monkeypatch, good_calls: int, what: str):
     """Make grpo_loss (as the trainer calls it) non-finite after ``good_calls`` calls: the loss itself ("loss") or only
     its gradient ("grad": a finite loss whose backward gives NaN)."""
     calls = {"n": 0}
-    original = trainer_mod.grpo_loss
+    original = grpo_loss
 
     def poisoned(logp, *args, **kwargs):
         calls["n"] += 1
@@ -65,7 +64,7 @@ def _poison_after(monkeypatch, good_calls: int, what: str):
                 loss = loss + 0.0 * torch.sqrt(logp.sum() * 0.0)
         return loss, m
 
-    monkeypatch.setattr(trainer_mod, "grpo_loss", poisoned)
+    monkeypatch.setattr("grpo_lens.train.update.grpo_loss", poisoned)
 
 
 def _metrics(path):

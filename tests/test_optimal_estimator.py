@@ -12,9 +12,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_lens.advantages import compute_advantages
-from grpo_lens.diagnostics import exact_rollout_grads, linear_layer_names, loo_optimal_baselines
-from grpo_lens.diagnostics.baselines import aggregation_rollout_weights, optimal_vs_rloo, sketched_rollout_sq_norms
+from grpo_lens.formulas.advantages import compute_advantages
+from grpo_lens.gradients.exact import exact_rollout_grads
+from grpo_lens.gradients.params import linear_layer_names
+from grpo_lens.formulas.baselines import loo_optimal_baselines
+from grpo_lens.formulas.losses import aggregation_rollout_weights
+from grpo_lens.formulas.baselines import optimal_vs_rloo
+from grpo_lens.gradients.sketch import sketched_rollout_sq_norms
 from grpo_lens.rollout import RolloutBatch
 
 VOCAB = 50
@@ -118,7 +122,7 @@ def test_optimal_vs_rloo_closed_form():
 
 def test_optimal_estimator_trains_the_tiny_model(tmp_path):
     from grpo_lens.config import TrainConfig
-    from grpo_lens.trainer import train
+    from grpo_lens.train.loop import train
 
     # test_trainer.tiny_config's settings (test_parity reward: mixed groups on the random tiny model)
     config = TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2, max_new_tokens=8,
@@ -135,7 +139,7 @@ def test_optimal_estimator_trains_the_tiny_model(tmp_path):
 
 def test_model_without_linear_layers_is_refused_before_out(tmp_path):
     from grpo_lens.config import TrainConfig
-    from grpo_lens.trainer import check_model
+    from grpo_lens.train.loop import check_model
 
     config = TrainConfig(model="tiny", estimator="optimal", out=str(tmp_path / "run"))
     with pytest.raises(ValueError, match="--estimator optimal needs"):

@@ -13,9 +13,9 @@ import yaml
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 from grpo_lens.cli import main
 from grpo_lens.config import ConfigError, TrainConfig
-from grpo_lens.losses import grpo_loss, loss_normalizer
-from grpo_lens.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
-from grpo_lens.trainer import train
+from grpo_lens.formulas.losses import grpo_loss, loss_normalizer
+from grpo_lens.formulas.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
+from grpo_lens.train.loop import train
 
 # Five rollouts, T_max = 10: three end with EOS after 9 tokens, two are cut at 10 (truncated): 47 tokens, 20 of them
 # truncated -- the case of the report.
@@ -106,7 +106,7 @@ def _run(tmp_path, name, **overrides):
 def test_trainer_filter_vs_mask_gradient_norm(tmp_path, monkeypatch):
     import grpo_lens.models as models
 
-    monkeypatch.setattr(models, "load_model", _eos_prone(models.load_model))
+    monkeypatch.setattr("grpo_lens.train.loop.load_model", _eos_prone(models.load_model))
     m_mask, rows = _run(tmp_path, "mask", overlong="mask", loss_aggregation="token-mean")
     m_filter, _ = _run(tmp_path, "filter", overlong="filter", loss_aggregation="token-mean")
     n_trunc = sum(r["truncated"] for r in rows)
@@ -119,7 +119,7 @@ def test_trainer_filter_vs_mask_gradient_norm(tmp_path, monkeypatch):
 def test_trainer_soft_punish_adds_the_penalty_to_the_reward(tmp_path, monkeypatch):
     import grpo_lens.models as models
 
-    monkeypatch.setattr(models, "load_model", _eos_prone(models.load_model))
+    monkeypatch.setattr("grpo_lens.train.loop.load_model", _eos_prone(models.load_model))
     m_none, rows_none = _run(tmp_path, "none")
     m_soft, rows_soft = _run(tmp_path, "soft", overlong="soft-punish", overlong_buffer=1)
     # L_max = 3, L_cache = 1: lengths 1, 2 -> 0; length 3 (EOS last, or truncated) -> -1.
@@ -162,7 +162,7 @@ def test_lens_weighs_rows_with_the_filtered_loss_mask(tmp_path, monkeypatch):
     # common factor in omega would not move the relative residual, so this does not pin the weights themselves.
     import grpo_lens.models as models
 
-    monkeypatch.setattr(models, "load_model", _eos_prone(models.load_model))
+    monkeypatch.setattr("grpo_lens.train.loop.load_model", _eos_prone(models.load_model))
     m, rows = _run(tmp_path, "lens", overlong="filter", loss_aggregation="token-mean", lens_every=1)
     assert any(r["truncated"] for r in rows) and "rank/mixed_groups" in m
     assert m["grad/identity_residual"] < 1e-6

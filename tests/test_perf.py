@@ -9,7 +9,7 @@ import torch
 
 from grpo_lens.models import build_tiny_model
 from grpo_lens.rollout import accepts_logits_to_keep, completion_logprobs, scored_logits
-from grpo_lens.trainer import activation_bytes_per_rollout, auto_micro_batch_size
+from grpo_lens.train.memory import activation_bytes_per_rollout, auto_micro_batch_size
 
 
 class NoLogitsToKeep(torch.nn.Module):
@@ -111,7 +111,8 @@ def test_bf16_mixed_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_path):
 
     from grpo_lens import models
     from grpo_lens.config import TrainConfig
-    from grpo_lens.trainer import forward_precision, train
+    from grpo_lens.train.update import forward_precision
+    from grpo_lens.train.loop import train
 
     seen: dict[str, set] = {"generate": set(), "train": set()}
     original = models.load_model
@@ -134,13 +135,11 @@ def test_bf16_mixed_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_path):
             lambda m, a, o: seen[phase["now"]].add(o.dtype))
         return model, tok
 
-    models.load_model = load_and_hook
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("grpo_lens.train.loop.load_model", load_and_hook)  # where the trainer looks it up
         run = train(TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2,
                                 max_new_tokens=6, max_steps=1, lens_every=1, seed=0, device="cpu", dtype="bf16-mixed",
                                 out=str(tmp_path / "run"), progress=False, save_final_model=False))
-    finally:
-        models.load_model = original
     assert seen == {"generate": {torch.bfloat16}, "train": {torch.bfloat16}}
     record = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()][0]
     assert record["ratio/max"] == 1.0  # pi_old is this forward's own detached log-prob
@@ -158,7 +157,7 @@ def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, mo
     import json
 
     from grpo_lens.config import TrainConfig
-    from grpo_lens.trainer import train
+    from grpo_lens.train.loop import train
 
     def run(name, from_update):
         out = train(TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2,
@@ -168,11 +167,11 @@ def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, mo
                                 lens_from_update=from_update))
         return [json.loads(line) for line in (out.path / "metrics.jsonl").read_text().splitlines()]
 
-    from grpo_lens import diagnostics as dg
+    from grpo_lens.gradients.sketch import sketch_rollout_grads
 
     calls = []
-    original = dg.sketch_rollout_grads
-    monkeypatch.setattr(dg, "sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = sketch_rollout_grads
+    monkeypatch.setattr("grpo_lens.train.lens.sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     own = run("own", False)
     own_calls = len(calls)
     reused = run("reused", True)

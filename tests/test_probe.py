@@ -15,8 +15,9 @@ import re
 import pytest
 import torch
 
-from grpo_lens.diagnostics.stats import MIN_INTERVAL_UNITS
-from grpo_lens.probe import ProbeConfig, run_probe
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS
+from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.run import run_probe
 
 MAX_IMAGE_BYTES = 300 * 1024
 RANK_MEASURES = ("erank", "stable_rank", "participation_ratio", "k90", "k99")
@@ -38,7 +39,7 @@ def probe_config(out, **overrides) -> ProbeConfig:
 def linear_weights_only(model):
     """Freeze every parameter but the nn.Linear weights: the exact path then differentiates the same parameters
     the sketch covers (the sketch only sees linear layers; embeddings and norms hold about half of ||g||^2 here)."""
-    from grpo_lens.diagnostics import linear_layer_names
+    from grpo_lens.gradients.params import linear_layer_names
 
     keep = {name + ".weight" for name in linear_layer_names(model)}
     for name, p in model.named_parameters():
@@ -58,12 +59,12 @@ def exact_probe(tmp_path_factory, tiny_model_and_tokenizer):
     """The exact probe on the linear weights, recording each analysed group (its rollouts and rewards)."""
     import copy
 
-    import grpo_lens.probe as probe_module
+    import grpo_lens.probe.run as probe_module
 
     model, tokenizer = copy.deepcopy(tiny_model_and_tokenizer)
     model = linear_weights_only(model)
     groups = []
-    original = probe_module.analyse_group
+    original = probe_module.measure_group
 
     def recording(policy, tok, sub, rewards, *args, **kwargs):
         groups.append((sub, rewards.clone()))
@@ -71,7 +72,7 @@ def exact_probe(tmp_path_factory, tiny_model_and_tokenizer):
 
     config = probe_config(tmp_path_factory.mktemp("probe") / "exact", exact=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(probe_module, "analyse_group", recording)
+        mp.setattr(probe_module, "measure_group", recording)
         out = run_probe(config, policy=model, tokenizer=tokenizer)
     return out, json.loads((out / "probe.json").read_text()), model, groups, config
 
@@ -208,14 +209,16 @@ def _jl_gram_error(model, sub, rewards, config, k: int) -> float:
     """The Kronecker-JL bound on the relative Frobenius error of the sketched Gram M = D G D of G1's rows (D =
     diag(A)) for this group: sqrt(c(k, k) * sum_l (tr M_l)^2) / ||M||_F from the exact per-layer Grams
     (grpo_lens.diagnostics.sketch_gram_error_bound; an RMS bound over the random projections)."""
-    from grpo_lens import diagnostics as dg
-    from grpo_lens.advantages import compute_advantages
+    from grpo_lens.formulas.sketch_error import sketch_gram_error_bound
+    from grpo_lens.gradients.exact import exact_rollout_grads
+    from grpo_lens.gradients.params import param_slices
+    from grpo_lens.formulas.advantages import compute_advantages
 
     R = sub.num_rollouts
     adv = compute_advantages(rewards.view(1, R).double(), "grpo", std=config.std, eps=config.eps)[0]
-    rows = dg.exact_rollout_grads(model, sub, temperature=config.temperature).double() * adv.unsqueeze(1)
-    grams = [rows[:, s] @ rows[:, s].T for s in dg.param_slices(model).values()]  # one per linear weight
-    return dg.sketch_gram_error_bound(grams, k, k)
+    rows = exact_rollout_grads(model, sub, temperature=config.temperature).double() * adv.unsqueeze(1)
+    grams = [rows[:, s] @ rows[:, s].T for s in param_slices(model).values()]  # one per linear weight
+    return sketch_gram_error_bound(grams, k, k)
 
 
 def _erank_tolerance(s_exact: list[float], eps: float) -> float:
@@ -307,7 +310,7 @@ def test_default_prompt_counts():
 def test_progress_counts_every_prompt_once(tmp_path, tiny_model_and_tokenizer):
     # the progress callback gets each batch's prompt count: they add up to the prompts sampled (6 = batches of 4 + 2)
     # and the last mixed count is the R's groups_mixed
-    from grpo_lens.probe import probe_group_size
+    from grpo_lens.probe.run import probe_group_size
     from grpo_lens.rewards import parse_reward_specs
     from grpo_lens.tasks import get_task
 

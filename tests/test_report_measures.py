@@ -7,9 +7,11 @@ import math
 
 import pytest
 
-from grpo_lens.claims import CLAIMS, evaluate_claims
-from grpo_lens.claims_measures import TRAINING_CLAIMS, spearman_trend, verdict_from_interval
-from grpo_lens.lens import lens_overhead
+from grpo_lens.claims.base import CLAIMS, evaluate_claims
+from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+from grpo_lens.formulas.stats import spearman_trend
+from grpo_lens.claims.base import verdict_from_interval
+from grpo_lens.rundir import lens_overhead
 from grpo_lens.report import write_report
 
 
@@ -162,7 +164,7 @@ def test_probe_only_report_does_not_promise_sparsity_claims(tmp_path):
 
 
 def test_wilson_interval_closed_form():
-    from grpo_lens.claims_measures import wilson_interval
+    from grpo_lens.formulas.stats import wilson_interval
 
     # 0 of 8: [0, z^2/(n + z^2)] = [0, 3.8416/11.8416] = [0, 0.3244]
     lo, hi = wilson_interval(0, 8)
@@ -189,7 +191,7 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
 
 
 def test_no_interval_from_fewer_than_eight_units():
-    from grpo_lens.diagnostics.baseline_study import MIN_UNITS, bootstrap_mean
+    from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS, bootstrap_mean
 
     # bootstrap-t over 2 values collapses to the mean (every resample with a spread is the pair itself), and over a
     # handful it overshoots the data: no interval below MIN_UNITS = 8
@@ -225,7 +227,7 @@ def test_credit_claims_need_power_not_absence_of_data():
 
 
 def test_band_verdict():
-    from grpo_lens.claims import band_verdict
+    from grpo_lens.claims.base import band_verdict
 
     assert band_verdict(0.8, 1.2, 0.75, 1.25) == "holds"
     assert band_verdict(0.5, 1.5, 0.75, 1.25) == "inconclusive"  # contains 1, but too wide
@@ -236,7 +238,7 @@ def test_band_verdict():
 
 
 def test_s4_claim_is_not_judged_on_lora_adapter_weights(tmp_path):
-    from grpo_lens.claims_measures import most_parameters_unchanged
+    from grpo_lens.claims.sparsity import most_parameters_unchanged
     from grpo_lens.report import write_report
 
     # the step-1 LoRA case of the user test: B = 0 at init, so A gets no gradient and 0.500 of the adapter weights

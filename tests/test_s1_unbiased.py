@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_lens.diagnostics import predicted_zero_variance_fraction, unbiased_zero_variance_probability
+from grpo_lens.formulas.sparsity import predicted_zero_variance_fraction, unbiased_zero_variance_probability
 
 
 def test_closed_form_values():

@@ -5,19 +5,9 @@ import math
 import pytest
 import torch
 
-from grpo_lens.diagnostics import hoyer_sparsity
-from grpo_lens.diagnostics.sparsity_training import (
-    ParameterSample,
-    bf16_rounding_cell,
-    dense_bf16_unchanged_probability,
-    layer_type,
-    sampled_update_sparsity,
-    sampled_vector_sparsity,
-    top_energy_share,
-    update_sparsity,
-    weighted_hoyer,
-    zero_share,
-)
+from grpo_lens.formulas.sparsity import hoyer_sparsity
+from grpo_lens.train.sparsity import ParameterSample, sampled_update_sparsity, sampled_vector_sparsity
+from grpo_lens.formulas.sparsity import bf16_rounding_cell, dense_bf16_unchanged_probability, layer_type, top_energy_share, update_sparsity, weighted_hoyer, zero_share
 
 
 def test_hoyer_and_zero_share_with_unit_weights_are_exact():
@@ -126,7 +116,7 @@ def test_parameter_sample_estimates_whole_model_measures(fresh_tiny_model_and_to
 
 def test_sparsity_over_training_around_an_optimizer_step(fresh_tiny_model_and_tokenizer):
     model, _ = fresh_tiny_model_and_tokenizer
-    from grpo_lens.diagnostics.sparsity_training import SparsityOverTraining
+    from grpo_lens.train.sparsity import SparsityOverTraining
 
     tracker = SparsityOverTraining(model, size=20_000, min_per_tensor=256)
     assert tracker.after_step() == {}  # nothing recorded yet
@@ -176,7 +166,7 @@ def test_sparsity_over_training_around_an_optimizer_step(fresh_tiny_model_and_to
 def test_grouped_fast_path_equals_the_reference_per_group(fresh_tiny_model_and_tokenizer):
     # sampled_update_sparsity computes every entry once and sums per group; it must equal update_sparsity (and
     # sampled_vector_sparsity sparsity_measures) applied to each group's entries separately
-    from grpo_lens.diagnostics.sparsity_training import sparsity_measures
+    from grpo_lens.formulas.sparsity import sparsity_measures
 
     model, _ = fresh_tiny_model_and_tokenizer
     sample = ParameterSample.build(model, size=5000, min_per_tensor=128, seed=1)

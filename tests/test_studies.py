@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo_lens.studies import run_baseline_study, run_credit_study, s1_measured_and_predicted
+from grpo_lens.probe.studies import run_baseline_study, run_credit_study, s1_measured_and_predicted
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,8 @@ import math
 import pytest
 import torch
 
-from grpo_lens.diagnostics.token_credit import (
-    class_shares,
-    compare_with_uniform,
-    prefix_values,
-    relative_position_profile,
-    segment_advantages,
-    segment_boundaries,
-    signed_token_contributions,
-    token_classes,
-    token_directional_derivatives,
-    token_weights,
-)
+from grpo_lens.formulas.credit import class_shares, compare_with_uniform, relative_position_profile, segment_advantages, segment_boundaries, token_classes, token_weights
+from grpo_lens.gradients.token_credit import prefix_values, signed_token_contributions, token_directional_derivatives
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 
 

@@ -10,7 +10,7 @@ import pytest
 from grpo_lens.config import ConfigError, TrainConfig
 from grpo_lens.rundir import RunDir
 from grpo_lens.trackers import check_trackers, scalars
-from grpo_lens.trainer import train
+from grpo_lens.train.loop import train
 
 
 def tiny_config(out, **overrides) -> TrainConfig:

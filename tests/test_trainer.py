@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo_lens.config import TrainConfig
-from grpo_lens.trainer import train
+from grpo_lens.train.loop import train
 
 REQUIRED_KEYS = (
     "reward/mean", "reward/std", "reward/frac_zero_std_groups", "adv/mean", "adv/abs_mean", "loss/policy", "kl/mean",
@@ -154,7 +154,7 @@ def test_checkpoints_and_final_model(lens_run):
 
 
 def test_lens_schedule_first_every_and_last_step():
-    from grpo_lens.trainer import is_lens_step
+    from grpo_lens.train.loop import is_lens_step
 
     # 12 steps, every 5th: 1 (first), 5, 10, 12 (last); 4 steps at every 5th: first and last
     assert [s for s in range(1, 13) if is_lens_step(s, 5, 12)] == [1, 5, 10, 12]

@@ -13,10 +13,16 @@ import pytest
 import torch
 
 from _distributed_worker import B, R, T, TEMPERATURE, build_batch, build_model
-from grpo_lens import diagnostics as dg
+from grpo_lens.analysis.group import analyse_group, mean_over_groups
+from grpo_lens.formulas.zero_sum import weightings
+from grpo_lens.gradients.exact import exact_rollout_grads, layer_weight_grads
+from grpo_lens.gradients.g2 import G2WeightingCapture, module_kind
+from grpo_lens.gradients.params import param_slices
+from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.config import TrainConfig
-from grpo_lens.losses import LOSS_AGGREGATIONS, loss_normalizer, rollout_gradient_weights
-from grpo_lens.trainer import Processes, policy_update
+from grpo_lens.formulas.losses import LOSS_AGGREGATIONS, loss_normalizer, rollout_gradient_weights
+from grpo_lens.train.processes import Processes
+from grpo_lens.train.update import policy_update
 
 
 def _trainer_gradient(model, batch, advantages, mode):
@@ -44,14 +50,14 @@ def test_sum_of_weighted_rollout_terms_is_the_trainers_gradient(mode):
     want = _trainer_gradient(model, batch, advantages, mode)
     omega = rollout_gradient_weights(batch.completion_mask, mode,
                                      loss_normalizer(batch.completion_mask, mode, T))
-    rows = dg.exact_rollout_grads(model, batch, score_weights=omega, temperature=TEMPERATURE).double()  # [N, P]
+    rows = exact_rollout_grads(model, batch, score_weights=omega, temperature=TEMPERATURE).double()  # [N, P]
     got = -(advantages.double() @ rows) / N
     assert float((got - want).norm() / want.norm()) < 1e-5, mode
 
     # the sketch path (P = I: exact per-row weight gradients of every nn.Linear) sums to the same linear-weight part
-    sketch = dg.sketch_rollout_grads(model, batch, projection="identity", score_weights=omega,
+    sketch = sketch_rollout_grads(model, batch, projection="identity", score_weights=omega,
                                      temperature=TEMPERATURE, dtype=torch.float64)
-    slices = dg.param_slices(model)
+    slices = param_slices(model)
     for name in ("model.layers.0.mlp.down_proj", "lm_head"):
         key = name + ".weight"
         if key not in slices:
@@ -61,7 +67,7 @@ def test_sum_of_weighted_rollout_terms_is_the_trainers_gradient(mode):
         assert float((got_layer - want_layer).norm() / want_layer.norm()) < 1e-5, (mode, name)
 
     # the length-normalised g_i (omega = 1/|o_i|) is the right term only for seq-mean-token-mean
-    plain = dg.exact_rollout_grads(model, batch, temperature=TEMPERATURE).double()
+    plain = exact_rollout_grads(model, batch, temperature=TEMPERATURE).double()
     cos = float(torch.nn.functional.cosine_similarity(-(advantages.double() @ plain), want, dim=0))
     if mode == "seq-mean-token-mean":
         assert cos > 1 - 1e-9
@@ -96,8 +102,8 @@ def test_rollout_weights_reproduce_every_numerator():
 def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     """TrainerLens.measure = mean over mixed groups of analyse_group on the same sketched rows; the identity uses the
     estimator's own constant, so its residual is round-off for every estimator and std convention."""
-    from grpo_lens.advantages import compute_advantages
-    from grpo_lens.lens import TrainerLens
+    from grpo_lens.formulas.advantages import compute_advantages
+    from grpo_lens.train.lens import TrainerLens
 
     torch.manual_seed(0)
     model = build_model()
@@ -116,14 +122,14 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     sub = batch.select(idx)
     omega = rollout_gradient_weights(sub.completion_mask, mode, loss_normalizer(batch.completion_mask, mode, T),
                                      float(batch.completion_mask.any(1).sum()))
-    sk = dg.sketch_rollout_grads(model, sub, k_in=8, k_out=8, seed=config.seed, score_weights=omega,
+    sk = sketch_rollout_grads(model, sub, k_in=8, k_out=8, seed=config.seed, score_weights=omega,
                                  temperature=TEMPERATURE).sketch.double()
-    rows = [dg.analyse_group(sk[j * R:(j + 1) * R], rewards[b * R:(b + 1) * R].double(),
+    rows = [analyse_group(sk[j * R:(j + 1) * R], rewards[b * R:(b + 1) * R].double(),
                              adv[b * R:(b + 1) * R].double(), estimator=estimator, std=std, eps=1e-4,
                              completion_mask=sub.completion_mask[j * R:(j + 1) * R],
                              completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
                              seed=config.seed + 3 * 1009 + b) for j, b in enumerate(mixed)]
-    want = dg.mean_over_groups(rows)
+    want = mean_over_groups(rows)
     for key in ("rank/g1_erank", "rank/g1_null_erank", "baseline/m_correct", "grad/identity_constant",
                 "rank/g1_random_erank"):
         assert out[key] == pytest.approx(want[key], rel=1e-9), key
@@ -136,8 +142,8 @@ def test_exact_layer_rows_from_the_sketch_pass():
     model = build_model()
     batch, _, _ = build_batch(model)
     layer = "model.layers.1.mlp.down_proj"
-    sk = dg.sketch_rollout_grads(model, batch, k_in=4, k_out=4, exact_layers=[layer], temperature=TEMPERATURE)
-    want = dg.exact_rollout_grads(model, batch, temperature=TEMPERATURE)[:, dg.param_slices(model)[layer + ".weight"]]
+    sk = sketch_rollout_grads(model, batch, k_in=4, k_out=4, exact_layers=[layer], temperature=TEMPERATURE)
+    want = exact_rollout_grads(model, batch, temperature=TEMPERATURE)[:, param_slices(model)[layer + ".weight"]]
     got = sk.exact_layers[layer]
     assert got.shape == want.shape
     assert float((got - want).norm() / want.norm()) < 1e-5
@@ -147,7 +153,7 @@ def test_exact_layer_rows_from_the_sketch_pass():
 def test_g2_weighting_capture_matches_the_weight_gradients():
     # stable rank ||G2(w)||_F^2 / s_1^2 of every linear layer under each weighting, from one backward through
     # position-space Gram matrices, against G2(w) from autograd's weight gradients of sum_i w_i s_i
-    from grpo_lens.diagnostics.gradients import rollout_scores
+    from grpo_lens.gradients.scores import rollout_scores
     from grpo_lens.rollout import batch_logprobs
 
     torch.manual_seed(0)
@@ -155,18 +161,18 @@ def test_g2_weighting_capture_matches_the_weight_gradients():
     batch, advantages, _ = build_batch(model)
     sub = batch.select(torch.arange(4))  # two groups of R = 2, as one pass of 4 rollouts
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    ws = dg.weightings(advantages[:4].double(), rewards.double())
-    cap = dg.G2WeightingCapture(model, ws)
+    ws = weightings(advantages[:4].double(), rewards.double())
+    cap = G2WeightingCapture(model, ws)
     with cap:
         logp = batch_logprobs(model, sub, TEMPERATURE)
         loss = rollout_scores(logp, sub.completion_mask).sum()
         torch.autograd.grad(loss, [p for p in model.parameters()], allow_unused=True)
     got = cap.result()
     for name, w in ws.items():
-        grads = dg.layer_weight_grads(model, sub, w.float(), None, temperature=TEMPERATURE)
+        grads = layer_weight_grads(model, sub, w.float(), None, temperature=TEMPERATURE)
         per_type: dict[str, list[float]] = {}
         for layer, g2 in grads.items():
             s = torch.linalg.svdvals(g2.double())
-            per_type.setdefault(dg.layer_type(layer), []).append(float(s.square().sum() / s[0] ** 2))
+            per_type.setdefault(module_kind(layer), []).append(float(s.square().sum() / s[0] ** 2))
         for t, vals in per_type.items():
             assert got[f"rank/g2_{name}_{t}_stable_rank"] == pytest.approx(sum(vals) / len(vals), rel=1e-3), (name, t)

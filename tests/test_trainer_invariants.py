@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
-from grpo_lens.advantages import compute_advantages
+from grpo_lens.formulas.advantages import compute_advantages
 from grpo_lens.config import TrainConfig
-from grpo_lens.trainer import train
+from grpo_lens.train.loop import train
 
 R = 4
 
@@ -158,7 +158,7 @@ def test_truncated_completions_are_flagged_logged_and_masked(tmp_path, monkeypat
     # Make EOS likely so that with 3 new tokens some completions end and some are cut.
     import grpo_lens.models as models
 
-    monkeypatch.setattr(models, "load_model", _eos_prone(models.load_model))
+    monkeypatch.setattr("grpo_lens.train.loop.load_model", _eos_prone(models.load_model))
     runs = {}
     for mask in (False, True):
         run = train(tiny_config(tmp_path, f"mask{mask}", max_new_tokens=3, mask_truncated=mask, max_steps=1))

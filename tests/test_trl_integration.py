@@ -35,10 +35,10 @@ def make_trainer(tmp_path, cls, **lens):
 
 
 def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path):
-    from grpo_lens.advantages import compute_advantages
+    from grpo_lens.formulas.advantages import compute_advantages
     from grpo_lens.config import TrainConfig
     from grpo_lens.integrations.trl import LensGRPOTrainer
-    from grpo_lens.lens import TrainerLens
+    from grpo_lens.train.lens import TrainerLens
     from grpo_lens.models import build_tiny_model
     from grpo_lens.rollout import RolloutBatch
 

@@ -17,7 +17,7 @@ def cli_reference() -> str:
     """The generated section: one table per command."""
     from grpo_lens.config import TrainConfig, reference_markdown
     from grpo_lens.demo import DemoConfig
-    from grpo_lens.probe import ProbeConfig
+    from grpo_lens.probe.config import ProbeConfig
 
     parts = []
     for title, cls in (("grpo-lens demo", DemoConfig), ("grpo-lens train", TrainConfig),

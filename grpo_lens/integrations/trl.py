@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from grpo_lens.rollout import RolloutBatch
+from grpo_lens.train.lens import TrainerLens
 
 try:
     from trl import GRPOTrainer
@@ -182,8 +183,6 @@ class GRPOLensMixin:
         Returns:
             {canonical lens key: value}, as :meth:`grpo_lens.lens.TrainerLens.measure` writes them.
         """
-        from grpo_lens.lens import TrainerLens
-
         policy = self.accelerator.unwrap_model(self.model)
         if self._lens is None:
             self._lens = TrainerLens(policy, self.lens_settings)

@@ -8,15 +8,17 @@ numbers; nothing is hard-coded.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from grpo_lens.claims.base import evaluate_claims
+from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+from grpo_lens.formulas.zero_sum import WEIGHTINGS
 from grpo_lens.report import gradient_measures, plots
 from grpo_lens.report.format import ci, fmt
-
+from grpo_lens.train.dynamic_sampling import dynamic_sampling_summary
 
 
 class ReportError(ValueError):
@@ -99,7 +101,6 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         verb = "rose" if r1 > r0 else ("fell" if r1 < r0 else "stayed flat")
         findings.append(f"Mean reward {verb} over training: {_fmt(r0)} (first {len(head)} steps) -> {_fmt(r1)} "
                         f"(last {len(tail)} steps).")
-    from grpo_lens.dynamic_sampling import dynamic_sampling_summary
 
     dynamic = dynamic_sampling_summary(records)
     if dynamic:
@@ -223,8 +224,6 @@ WEIGHTING_LABELS = {"adv": "A", "abs": "|A|", "shift": "A + mean|A|", "reward": 
 def weighting_tables(probe: dict[str, Any]) -> list[str]:
     """G3 and G2 (every layer, by layer type) under the weightings A, |A|, A + mean|A|, r, 1 and a single rollout:
     if a rank ≈ 2 came from the zero-sum advantages, A would stand apart from the weightings that are not zero-sum."""
-    from grpo_lens.diagnostics import WEIGHTINGS
-
     per_r = probe["per_group_size"]
     lines = ["### Zero-sum or not: G3 and G2 under other weightings", "",
              "Rows weighted by A (GRPO), |A|, A + mean|A| and r (not zero-sum), 1 (no advantages) and a single rollout. "
@@ -412,9 +411,6 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
     """The paper's claims with measurement, interval, control and computed verdict, per probe, and on the training
     run's records (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11 and
     §12). ``lora_rank`` > 0: the training sparsity numbers are over the LoRA adapter's weights."""
-    from grpo_lens.claims import evaluate_claims
-    from grpo_lens.claims_measures import TRAINING_CLAIMS
-
     rule_text = ("Each verdict is computed from the numbers by the rule shown (docs/theory.md §11 for the rank claims "
                  "and the identity, §12 for sparsity, credit and baselines): holds / does not hold / inconclusive. "
                  "Intervals are 95%; each measurement says what its interval is over (groups, prompts, Monte Carlo "

@@ -11,11 +11,11 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from grpo_lens.lens import lens_overhead
+import matplotlib.pyplot as plt
+
 from grpo_lens.report import plots
 from grpo_lens.report.format import ci, fmt
-
-
+from grpo_lens.rundir import lens_overhead
 
 _fmt, _ci = fmt, ci
 
@@ -31,8 +31,6 @@ def lens_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
     """bf16-unchanged since start beside its dense control and float32-unchanged; Hoyer and top-1% energy of the
     step's update and gradient; Hoyer of the update since start per layer type."""
-    import matplotlib.pyplot as plt
-
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(plots.SIZE[0] * 1.5, plots.SIZE[1]))
     for key, label, style in [("sparsity/update_total_bf16_unchanged", "bf16 unchanged", "-"),
                               ("sparsity/update_total_bf16_dense", "dense control", "--"),
@@ -231,8 +229,6 @@ def _mean_score_sentence(study: dict[str, Any]) -> str:
 
 def plot_credit_position(profile: Sequence[dict[str, Any]], path: Path) -> Path:
     """Mean share of the group update per relative-position bin, with 95% intervals."""
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=plots.SIZE)
     n = len(profile)
     xs = [(b + 0.5) / n for b in range(n)]

@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator
 
 DPI = 90
 SIZE = (6.4, 3.6)
@@ -35,8 +36,6 @@ def _legend(ax, **kw) -> None:
 
 
 def _save(fig, path: Path) -> Path:
-    from matplotlib.ticker import MaxNLocator
-
     for ax in fig.axes:  # steps are whole numbers: no 1.5 ticks on a short run
         if ax.get_xlabel() == "step" or any(a.get_xlabel() == "step" for a in ax.get_shared_x_axes().get_siblings(ax)):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -16,7 +16,13 @@ from pathlib import Path
 from grpo_lens.tasks.arithmetic import ArithmeticTask
 from grpo_lens.tasks.base import TASKS, Example, Task, as_rng, correctness_verdict
 from grpo_lens.tasks.gsm8k import GSM8KTask, gsm8k_reference
-from grpo_lens.tasks.user_data import UserDataTask, dataset_task, jsonl_task, row_to_example, user_task
+from grpo_lens.tasks.user_data import (
+    UserDataTask,
+    dataset_task,
+    jsonl_task,
+    row_to_example,
+    user_task,
+)
 
 
 class TaskOptionError(TypeError, ValueError):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from grpo_lens.registry import Registry
+from grpo_lens.rewards import math_correctness_verdict
 
 Messages = list[dict[str, str]]
 
@@ -117,6 +118,5 @@ def correctness_verdict(task: Any, completions: list, answers: list) -> list[flo
     correct = getattr(task, "correct", None)
     if callable(correct):
         return list(correct(completions, answers))
-    from grpo_lens.rewards import math_correctness_verdict
 
     return math_correctness_verdict(completions, answers)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
+from grpo_lens.rewards import math_correctness_verdict, math_verify_available
 from grpo_lens.tasks.base import TASKS, Example, check_split, sample_rows, split_rng
 
 GSM8K_INSTRUCTION = (
@@ -72,8 +73,6 @@ class GSM8KTask:
         """The 0/1 verdict ``reward/accuracy`` averages: the completion's marked answer (``####`` line, else the last
         ``\\boxed{}``, else the text) against the reference number, with math-verify when it is installed (the
         ``math`` extra), else by exact number extraction (:func:`grpo_lens.rewards.math_correctness_verdict`)."""
-        from grpo_lens.rewards import math_correctness_verdict, math_verify_available
-
         return math_correctness_verdict(completions, answers, use_math_verify=math_verify_available())
 
     def size(self, split: str = "train") -> int:

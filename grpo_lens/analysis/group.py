@@ -1,0 +1,240 @@
+"""One analysis path: everything measured on ONE group of R rollouts, as a flat dict of canonical metric keys.
+
+:func:`analyse_group` is the single per-group function that both the trainer's lens (:mod:`grpo_lens.lens`) and
+``grpo-lens probe`` (:mod:`grpo_lens.probe`) call; they only aggregate its rows over groups (the lens: means over the
+step's mixed groups; the probe: means with bootstrap intervals, strata by k and by distinct completions, see
+:mod:`grpo_lens.diagnostics.stats`). Every key is documented in docs/metrics.md; formulas are in docs/theory.md.
+
+Inputs are the group's per-rollout gradients ``grads`` [R, K] (exact [R, P] or a linear sketch [R, K]: everything here
+uses inner products only, so a sketch gives unbiased Gram entries), its rewards [R] and the advantages [R] the trainer
+actually used. ``grads`` row i must be the rollout's term in the trainer's loss gradient without its advantage
+(``sum_i A_i grads_i`` = the group's share of the update direction; docs/theory.md §3).
+
+Keys (``<m>`` ranges over :data:`grpo_lens.diagnostics.spectrum.RANK_MEASURES`: erank, stable_rank,
+participation_ratio, k90, k99):
+
+- ``group/size`` R, ``group/reward_mean``, ``group/correct`` k (0/1 rewards only), ``group/distinct_completions``
+  (when completion ids are given).
+- ``rank/g1_<m>``: G1, rows A_i g_i.  Controls on the same rows: ``rank/g1_no_adv_<m>`` (rows g_i),
+  ``rank/g1_random_<m>`` (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>``
+  (rows of the supervised token-mean NLL gradient; with a completion mask), ``rank/g1_null_<m>`` (the orthogonal null:
+  singular values |A_i| ||g_i||, what G1 would have if its rows were orthogonal) and ``rank/g1_<m>_vs_null`` =
+  rank/g1_<m> / rank/g1_null_<m>.
+- ``grad/identity_residual``: relative residual of sum_i A_i g_i = c (gbar_C - gbar_W) with the estimator's own c
+  (:func:`grpo_lens.diagnostics.identity.identity_constant`); absent when the identity does not apply (non-binary
+  rewards, an estimator without the decomposition, advantages not two-valued per class). ``grad/identity_constant`` c.
+- ``baseline/m_correct``, ``baseline/m_wrong``, ``baseline/b_star``, ``baseline/group_mean``,
+  ``baseline/b_star_minus_mean`` (0/1 rewards).
+- ``zero_sum/span_energy`` (share of G1's energy in span{gbar_C, gbar_W}), ``zero_sum/cos_gap`` (mean within-class
+  minus mean between-class cosine of the g_i), each with ``..._null`` (mean over relabellings that keep k),
+  ``..._excess`` (observed minus that mean) and ``..._p`` (permutation p-value, exact over all C(R, k) relabellings up
+  to ``max_permutations``); 0/1 rewards only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from grpo_lens.formulas.baselines import baseline_metrics
+from grpo_lens.formulas.identity import identity_constant
+from grpo_lens.formulas.sketch_error import sketch_gram_error_bound
+from grpo_lens.formulas.spectrum import (
+    RANK_MEASURES,
+    distinct_completions,
+    effective_rank,
+    gram_singular_values,
+    numerical_rank,
+    orthogonal_null_singular_values,
+    random_zero_sum_weights,
+    rank_measures,
+    weighted_gram_measures,
+)
+from grpo_lens.formulas.spectrum import singular_values as svals
+from grpo_lens.formulas.zero_sum import zero_sum_tests
+
+
+def _is_binary(rewards: Tensor) -> bool:
+    return bool(torch.all((rewards == 0) | (rewards == 1)))
+
+
+def analyse_group(
+    grads: Tensor,
+    rewards: Tensor,
+    advantages: Tensor,
+    *,
+    estimator: str = "grpo",
+    std: str = "sample",
+    eps: float = 1e-4,
+    completion_mask: Tensor | None = None,
+    completion_ids: Tensor | None = None,
+    num_random: int = 8,
+    max_permutations: int = 256,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Every per-group measurement of GRPO's gradient structure, as canonical metric keys (module docstring).
+
+    Args:
+        grads: [R, K] per-rollout gradients g_i (exact or sketched), float.
+        rewards: [R] float, all valid.
+        advantages: [R] the advantages the trainer used for these rollouts.
+        estimator, std, eps: how the advantages were computed (for the identity's constant).
+        completion_mask: [R, T] bool, optional (NLL control).
+        completion_ids: [R, T] long, optional (distinct completions).
+        num_random: draws of random zero-sum weights for ``rank/g1_random_*``.
+        max_permutations: relabellings of the permutation test (exhaustive up to this many).
+        seed: seed of the random draws.
+
+    Returns:
+        {key: float}; keys that do not apply to this group are absent (see module docstring).
+
+    Raises:
+        AssertionError: shapes disagree.
+    """
+    r = grads.shape[0]
+    assert grads.dim() == 2 and rewards.shape == (r,) and advantages.shape == (r,), \
+        (grads.shape, rewards.shape, advantages.shape)
+    g = grads.detach().double()
+    a = advantages.detach().double()
+    rw = rewards.detach().double()
+    gram = g @ g.T  # [R, R]: every measure below needs only inner products
+    out: dict[str, float] = {"group/size": float(r), "group/reward_mean": float(rw.mean())}
+    if completion_ids is not None and completion_mask is not None:
+        out["group/distinct_completions"] = float(distinct_completions(completion_ids, completion_mask))
+
+    # G1 and its controls
+    g1 = weighted_gram_measures(gram, a)
+    null = rank_measures(orthogonal_null_singular_values(gram, a))
+    variants = {"g1": g1, "g1_no_adv": weighted_gram_measures(gram, torch.ones(r, dtype=torch.float64)),
+                "g1_null": null}
+    gen = torch.Generator().manual_seed(seed)
+    draws = [weighted_gram_measures(gram, w) for w in random_zero_sum_weights(a, num_random, gen)]
+    if draws:
+        variants["g1_random"] = {m: sum(d[m] for d in draws) / len(draws) for m in draws[0]}
+    if completion_mask is not None:
+        lengths = completion_mask.double().sum(-1)
+        variants["g1_nll"] = weighted_gram_measures(gram, -lengths / lengths.sum().clamp(min=1.0))
+    for name, measures in variants.items():
+        for m, v in measures.items():
+            out[f"rank/{name}_{m}"] = v
+    for m in RANK_MEASURES.names():
+        if null[m] > 0:
+            out[f"rank/g1_{m}_vs_null"] = g1[m] / null[m]
+
+    if _is_binary(rw):
+        labels = rw == 1
+        k = int(labels.sum())
+        out["group/correct"] = float(k)
+        if 0 < k < r:
+            out.update({key: float(v) for key, v in baseline_metrics(g, rw).items()})
+            out["baseline/group_mean"] = out.pop("baseline/mean")
+            two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
+            c = identity_constant(estimator, k, r, std, eps)  # None: the estimator has no decomposition
+            if c is not None and two_valued:
+                lhs = a @ g
+                rhs = c * (g[labels].mean(0) - g[~labels].mean(0))
+                den = float(lhs.norm())
+                out["grad/identity_constant"] = c
+                out["grad/identity_residual"] = float((lhs - rhs).norm()) / den if den > 0 else 0.0
+            if two_valued:
+                out.update(zero_sum_tests(gram, rw, a, max_permutations=max_permutations, seed=seed))
+    return out
+
+
+def mean_over_groups(rows: Sequence[dict[str, float]], max_keys: Sequence[str] = ("grad/identity_residual",)
+                     ) -> dict[str, float]:
+    """The lens's aggregate: the mean over groups of every key (max for ``max_keys``), NaN/None skipped.
+
+    rows: per-group dicts from :func:`analyse_group`. Returns {key: float}.
+    """
+    keys = sorted({k for row in rows for k in row})
+    out = {}
+    for k in keys:
+        vals = [float(row[k]) for row in rows if row.get(k) is not None and math.isfinite(float(row[k]))]
+        if vals:
+            out[k] = max(vals) if k in max_keys else sum(vals) / len(vals)
+    return out
+
+
+def g1_rank_keys(grads: Tensor, advantages: Tensor, name: str) -> dict[str, float]:
+    """``rank/<name>_<m>`` for the matrix with rows A_i grads_i (e.g. ``name="g1_layer"`` for one layer's rows).
+
+    grads: [R, K]; advantages: [R]. Returns {key: float}.
+    """
+    g = grads.detach().double()
+    return {f"rank/{name}_{m}": v for m, v in weighted_gram_measures(g @ g.T, advantages.double()).items()}
+
+
+def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32,
+            singular_values: Tensor | None = None) -> dict[str, float]:
+    """``rank/g2_<m>``, ``rank/g2_numerical_rank`` and ``rank/g2_rank_bound`` of one layer's weight gradient of the
+    group loss, G2 [d_out, d_in] (docs/theory.md §5).
+
+    Args:
+        g2: [d_out, d_in].  rank_bound: :func:`grpo_lens.diagnostics.spectrum.g2_rank_bound` of the group.
+        computed_dtype: the precision G2 was computed in (sets the numerical-rank tolerance).
+        singular_values: G2's singular values if already computed (else from the smaller Gram matrix in float64:
+            accurate to ~1e-8 s_1, well below the float32 rank tolerance max(d) * 1.2e-7).
+    """
+    s = svals(g2.double(), method="gram") if singular_values is None else singular_values
+    out = {f"rank/g2_{m}": v for m, v in rank_measures(s).items()}
+    out["rank/g2_numerical_rank"] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))
+    out["rank/g2_rank_bound"] = float(rank_bound)
+    return out
+
+
+def parameter_category(name: str, module_is_linear: bool) -> str:
+    """'linear' (an nn.Linear weight: what the sketch covers), 'embedding', 'norm' or 'other' (biases, ...)."""
+    if module_is_linear and name.endswith(".weight"):
+        return "linear"
+    if "embed" in name:
+        return "embedding"
+    if "norm" in name:
+        return "norm"
+    return "other"
+
+
+def sketch_check_keys(exact: Tensor, sketch: Tensor, advantages: Tensor, categories: dict[str, slice | list[slice]],
+                      layer_slices: Sequence[slice], k_in: int, k_out: int) -> dict[str, float]:
+    """How well one group's sketch stands in for its exact per-rollout gradients (docs/theory.md §8).
+
+    Args:
+        exact: [R, P] exact g_i over every parameter.  sketch: [R, K] the sketched g_i of the same rollouts.
+        advantages: [R].
+        categories: {category: slice or list of slices of P} (from :func:`parameter_category`).
+        layer_slices: the slices of P of the sketched (nn.Linear) weights, one per layer, for the error bound.
+        k_in, k_out: sketch sizes.
+
+    Returns:
+        ``sketch/coverage``: Σ_i ||S g_i||² / Σ_i ||g_i||² (the sketch's energy, unbiased for the part it sees, over the
+        exact total); ``sketch/exact_share_<category>``: each category's share of Σ_i ||g_i||²;
+        ``sketch/gram_error``: ||Ĝ - G||_F / ||G||_F for G1's Gram (W G W) sketched vs exact over every parameter
+        (missing coverage and projection noise together); ``sketch/gram_error_bound``: the bound of
+        :func:`grpo_lens.diagnostics.gradients.sketch_gram_error_bound` for the sketched layers alone;
+        ``sketch/g1_erank_error``: erank(G1) sketched minus exact.
+    """
+    e, s = exact.detach(), sketch.detach().double()  # exact stays in its dtype: [R, P] can be GBs
+    a = advantages.detach().double()
+    total = float(e.double().square().sum()) if e.numel() < 10**7 else float(sum(float(r.double().square().sum())
+                                                                                   for r in e))
+    out: dict[str, float] = {}
+    if total == 0:
+        return out
+    out["sketch/coverage"] = float(s.square().sum()) / total
+    for cat, sl in categories.items():
+        parts = sl if isinstance(sl, list) else [sl]
+        out[f"sketch/exact_share_{cat}"] = sum(float(e[:, p].double().square().sum()) for p in parts) / total
+    w = torch.outer(a, a)
+    g_exact, g_sketch = (e @ e.T).double() * w, (s @ s.T) * w
+    den = float(g_exact.norm())
+    if den > 0:
+        out["sketch/gram_error"] = float((g_sketch - g_exact).norm()) / den
+        grams = [(e[:, sl] @ e[:, sl].T).double() * w for sl in layer_slices]
+        if grams:
+            out["sketch/gram_error_bound"] = sketch_gram_error_bound(grams, k_in, k_out)
+    out["sketch/g1_erank_error"] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
+        gram_singular_values(g_exact))
+    return out

@@ -1,0 +1,149 @@
+"""The paper's claims (arXiv 2606.29238), each tested against a probe's numbers with a verdict computed by a rule.
+
+A claim function takes a probe.json dict and returns :class:`Claim` records; the report prints them at the top
+(:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS` and is decided by the documented
+rule of its function from the measurement, its 95% interval over groups and its null or control, never by hand.
+Decision rules and their thresholds are stated in docs/theory.md §11 (rank claims, the identity) and §12 (sparsity,
+credit, baselines: :mod:`grpo_lens.claims_measures`).
+
+To add a claim: write ``fn(probe) -> list[Claim]`` and register it, e.g.::
+
+    @CLAIMS.register("sparsity_intensifies")
+    def sparsity_claim(probe: dict) -> list[Claim]:
+        ...
+        return [Claim(claim=..., scope=..., measurement=..., control=..., verdict=decide(...), rule=..., source=...)]
+
+Pure functions only: no file access, no model. Functions that need a training run's records instead of a probe can
+take the same dict shape and return [] when their inputs are absent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS
+from grpo_lens.registry import Registry
+
+HOLDS, DOES_NOT_HOLD, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+
+
+VERDICTS = (HOLDS, DOES_NOT_HOLD, INCONCLUSIVE)
+
+
+#: fewest analysed groups for a verdict other than inconclusive.
+MIN_GROUPS = MIN_INTERVAL_UNITS
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim tested on one scope (e.g. one group size R).
+
+    Attributes:
+        claim: the paper's statement, short.
+        scope: where it was tested ("R = 4", "all R").
+        measurement: the number(s) with their 95% interval, as text.
+        control: the null or control the measurement is compared with, with its number(s).
+        verdict: one of :data:`VERDICTS`.
+        rule: the decision rule that produced the verdict, with the inputs that decided it.
+        source: where the gradients came from ("exact gradients" or the sketch and what it covers).
+    """
+
+    claim: str
+    scope: str
+    measurement: str
+    control: str
+    verdict: str
+    rule: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"unknown verdict {self.verdict!r}; valid: {', '.join(VERDICTS)}")
+
+    def to_dict(self) -> dict[str, str]:
+        """The record as a plain dict (for JSON)."""
+        return asdict(self)
+
+
+ClaimFn = Callable[[dict[str, Any]], list[Claim]]
+
+
+CLAIMS: Registry[ClaimFn] = Registry("claim")
+
+
+def fmt(x: float | None, nd: int = 2) -> str:
+    """``x`` with ``nd`` decimals; '–' for None, NaN or inf."""
+    return "–" if x is None or not math.isfinite(x) else f"{x:.{nd}f}"
+
+
+def ci_text(s: dict[str, Any] | None, nd: int = 2, unit: str = "groups") -> str:
+    """'mean [lo, hi] (n = N unit)' of a summary entry ({mean, lo, hi, n}); 'not measured' when missing; the count
+    alone when there are too few units for an interval (docs/theory.md §7)."""
+    if not s or s.get("mean") is None:
+        return "not measured"
+    if s.get("lo") is None:
+        return f"{fmt(s['mean'], nd)} (n = {s.get('n')} {unit}, too few for an interval)"
+    return f"{fmt(s['mean'], nd)} [{fmt(s['lo'], nd)}, {fmt(s['hi'], nd)}] (n = {s.get('n')} {unit})"
+
+
+def source_of(probe: dict[str, Any]) -> str:
+    """'exact gradients of every parameter' or the sketch's description (what it covers), from probe.json meta."""
+    meta = probe.get("meta", {})
+    if meta.get("gradients") == "exact":
+        return "exact gradients of every parameter"
+    cov = meta.get("sketch_coverage")
+    cov_txt = f", covering {fmt(cov, 2)} of ||g||^2" if isinstance(cov, (int, float)) else ""
+    return f"sketch ({meta.get('sketch_dim')} per side per nn.Linear weight{cov_txt}), not exact"
+
+
+def band_verdict(lo: float | None, hi: float | None, low: float, high: float) -> str:
+    """An equivalence verdict (docs/theory.md §11, §12): holds if [lo, hi] lies inside [low, high]; does not hold if it
+    lies wholly outside it; inconclusive otherwise or when the interval is missing or not finite (a wide interval
+    that merely contains the control is no evidence for it)."""
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return INCONCLUSIVE
+    if low <= lo and hi <= high:
+        return HOLDS
+    if hi < low or lo > high:
+        return DOES_NOT_HOLD
+    return INCONCLUSIVE
+
+
+def evaluate_claims(probe: dict[str, Any], names: list[str] | None = None) -> list[Claim]:
+    """Every registered claim (or the named ones) evaluated on one probe.json dict, in name order.
+
+    Raises:
+        ValueError: an unknown claim name (listing the valid ones).
+    """
+    out: list[Claim] = []
+    for name in names or CLAIMS.names():
+        out += CLAIMS.get(name)(probe)
+    return out
+
+
+def verdict_from_interval(lo: float | None, hi: float | None, control: float, holds_if: str) -> str:
+    """holds / does not hold / inconclusive from an interval [lo, hi] and a control value.
+
+    Args:
+        holds_if: "above" (holds when the interval lies above the control, fails when it lies below), "below" (the
+            reverse), or "contains" (holds when the interval contains the control, fails when it excludes it).
+
+    Returns:
+        one of :data:`grpo_lens.claims.VERDICTS`; inconclusive without an interval, or when it straddles the control
+        for above / below.
+
+    Raises:
+        ValueError: an unknown ``holds_if``.
+    """
+    if holds_if not in ("above", "below", "contains"):
+        raise ValueError(f"unknown holds_if {holds_if!r}; valid: above, below, contains")
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return INCONCLUSIVE
+    if holds_if == "contains":
+        return HOLDS if lo <= control <= hi else DOES_NOT_HOLD
+    above, below = lo > control, hi < control
+    if holds_if == "above":
+        return HOLDS if above else (DOES_NOT_HOLD if below else INCONCLUSIVE)
+    return HOLDS if below else (DOES_NOT_HOLD if above else INCONCLUSIVE)

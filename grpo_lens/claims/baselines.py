@@ -1,0 +1,86 @@
+"""The paper's claims on sparsity, token credit and baseline optimality (arXiv 2606.29238), registered in
+:data:`grpo_lens.claims.CLAIMS` beside the rank claims, each with a verdict computed by a rule (docs/theory.md §12).
+
+The credit and baseline claims read a probe's ``studies`` (:mod:`grpo_lens.studies`); the sparsity claims read a
+training run's records, passed as ``{"records": [metrics.jsonl records]}`` (the report evaluates
+:data:`TRAINING_CLAIMS` on that). Every function returns [] when its inputs are absent. Pure functions only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from grpo_lens.claims.base import (
+    CLAIMS,
+    DOES_NOT_HOLD,
+    HOLDS,
+    INCONCLUSIVE,
+    Claim,
+    ci_text,
+    fmt,
+    verdict_from_interval,
+)
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
+from grpo_lens.formulas.stats import wilson_interval
+
+#: the level of each prompt's m_C = m_W permutation test: the most it rejects when m_C = m_W everywhere
+EQUAL_NORMS_LEVEL = 0.05
+
+
+#: equivalence margins of "the group mean is optimal" (set before any measurement, docs/theory.md §12): at most this
+#: share of prompts with m_C != m_W ...
+EQUAL_NORMS_MAX_SHARE = 0.25
+
+
+#: ... and population b* at most this much below RLOO's MSE (relative)
+MSE_GAIN_MARGIN = 0.10
+
+
+@CLAIMS.register("group_mean_optimal")
+def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
+    """"The group mean is the variance-optimal baseline when m_C = m_W": does m_C = m_W hold prompt by prompt, and
+    does b* measurably beat the group mean (as RLOO) where it does not?
+
+    Rule (docs/theory.md §12): q = share of testable prompts whose permutation test rejects m_C = m_W at 0.05
+    (:func:`grpo_lens.diagnostics.baseline_study.equal_norms_test`), with its Wilson interval; control
+    :data:`EQUAL_NORMS_LEVEL` (the most the tests reject when m_C = m_W everywhere). An equivalence rule, so that a
+    study too small to see a difference cannot make the claim hold: holds when q's interval lies below
+    :data:`EQUAL_NORMS_MAX_SHARE` and the population b*'s MSE ratio to RLOO has its interval above 1 -
+    :data:`MSE_GAIN_MARGIN` (b* gains less than that); does not hold when q's interval lies above the control and
+    the MSE ratio's interval lies below 1 (b* measurably helps); inconclusive otherwise, and with fewer than MIN_UNITS
+    testable prompts. The mean m_C / m_W over prompts is reported, not used: prompts with m_C > m_W and m_C < m_W
+    cancel in it.
+    """
+    study = ((probe.get("studies") or {}).get("baselines") or {}).get("baselines")
+    if not study:
+        return []
+    ratio = study.get("norm_ratio") or {}
+    mse = study["summary"].get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
+    n = int(study.get("equal_norms_testable") or 0)
+    q = study.get("equal_norms_rejected")
+    k = round(q * n) if q is not None and math.isfinite(q) else 0
+    q_lo, q_hi = wilson_interval(k, n)
+    mse_v = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below")
+    if n < MIN_UNITS or not math.isfinite(q_lo):
+        verdict, why = INCONCLUSIVE, f"{n} testable prompts < {MIN_UNITS}"
+    elif q_hi < EQUAL_NORMS_MAX_SHARE and mse.get("lo") is not None and mse["lo"] > 1 - MSE_GAIN_MARGIN:
+        verdict, why = HOLDS, (f"rejection share below {EQUAL_NORMS_MAX_SHARE} and b*'s MSE gain below "
+                               f"{MSE_GAIN_MARGIN:.0%} (equivalence)")
+    elif q_lo > EQUAL_NORMS_LEVEL and mse_v == HOLDS:
+        verdict, why = DOES_NOT_HOLD, ("m_C != m_W in more prompts than the tests' level and b*'s MSE interval lies "
+                                       "below RLOO's")
+    else:
+        verdict, why = INCONCLUSIVE, "the rejection share and the MSE gain do not agree on a verdict"
+    meta = probe["studies"]["baselines"].get("meta", {})
+    share = (f"{fmt(q, 2)} [{fmt(q_lo, 2)}, {fmt(q_hi, 2)}], Wilson interval over prompts" if n >= MIN_UNITS else
+             "too few prompts for an interval")
+    return [Claim(claim="the group mean is the variance-optimal baseline (m_C = m_W)",
+                  scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
+                  measurement=(f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({share}); "
+                               f"mean m_C / m_W {ci_text(ratio, unit='prompts')}; "
+                               f"population b* MSE / RLOO's {ci_text(mse, unit='prompts')}"),
+                  control=(f"rejection share <= {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere; equivalence below "
+                           f"{EQUAL_NORMS_MAX_SHARE}); MSE ratio 1 (equivalence above {1 - MSE_GAIN_MARGIN:g})"),
+                  verdict=verdict, rule=why,
+                  source=f"{meta.get('gradients', 'sketch')}, k = {meta.get('sketch_dim')}, held-out reference")]

@@ -1,0 +1,126 @@
+"""The paper's claims on sparsity, token credit and baseline optimality (arXiv 2606.29238), registered in
+:data:`grpo_lens.claims.CLAIMS` beside the rank claims, each with a verdict computed by a rule (docs/theory.md §12).
+
+The credit and baseline claims read a probe's ``studies`` (:mod:`grpo_lens.studies`); the sparsity claims read a
+training run's records, passed as ``{"records": [metrics.jsonl records]}`` (the report evaluates
+:data:`TRAINING_CLAIMS` on that). Every function returns [] when its inputs are absent. Pure functions only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_lens.claims.base import (
+    CLAIMS,
+    DOES_NOT_HOLD,
+    HOLDS,
+    INCONCLUSIVE,
+    Claim,
+    band_verdict,
+    ci_text,
+    fmt,
+    verdict_from_interval,
+)
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
+from grpo_lens.formulas.stats import wilson_interval
+
+#: the false "disagree" rate of a segment whose true advantage has A_i's sign, at |A| > 2 SE: Phi(-2) = 0.023
+MC_NOISE_DISAGREE = 0.023
+
+
+#: "every token the same credit" read as: the answer tokens' update share / token share within 1 ± this (the paper
+#: gives no tolerance; an interval that merely contains 1 is no evidence when it is wide)
+CREDIT_EQUIVALENCE = 0.25
+
+
+#: "holds" on Monte Carlo credit needs the 2-SE test to have signed (agree or disagree) more than this share of the
+#: segments: a segment within noise of 0 is no evidence of agreement
+MC_MIN_RESOLVED = 0.5
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Credit and baselines (a probe's studies)
+# ---------------------------------------------------------------------------------------------------------------------
+@CLAIMS.register("uniform_token_credit")
+def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
+    """"Output-only reward gives every token the same credit", read as: every token class (answer, format, reasoning)
+    gets the group update in proportion to its size.
+
+    Rule (docs/theory.md §12): per class, its share of the group update over its share of the tokens, 95% interval
+    over groups (none from fewer than MIN_UNITS groups). Holds when every measured class's interval lies inside
+    1 ± :data:`CREDIT_EQUIVALENCE` (narrow enough to exclude a credit 25% off proportional); does not hold when any
+    class's interval lies wholly outside that band; inconclusive otherwise, or when the answer class has no interval.
+    """
+    credit = (probe.get("studies") or {}).get("credit")
+    if not credit:
+        return []
+    classes = credit["contributions"]["classes"]
+    lo_b, hi_b = 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE
+    band = f"[{lo_b:g}, {hi_b:g}]"
+    ratios = {c: (classes.get(c) or {}).get("ratio") or {} for c in ("answer", "format", "reasoning")}
+    per_class = {c: band_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items()
+                 if r.get("lo") is not None}
+    outside = [c for c, v in per_class.items() if v == DOES_NOT_HOLD]
+    if outside:
+        verdict, rule = DOES_NOT_HOLD, f"interval of {', '.join(outside)} tokens wholly outside {band}"
+    elif "answer" not in per_class:
+        verdict, rule = INCONCLUSIVE, f"no interval for answer tokens (fewer than {MIN_UNITS} groups with them)"
+    elif all(v == HOLDS for v in per_class.values()):
+        verdict, rule = HOLDS, f"every measured class's interval inside {band} ({', '.join(per_class)})"
+    else:
+        wide = [c for c, v in per_class.items() if v != HOLDS]
+        verdict, rule = INCONCLUSIVE, (f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide "
+                                       f"to tell")
+    measured = "; ".join(f"{c} tokens {ci_text(r)}" for c, r in ratios.items() if r.get("mean") is not None)
+    return [Claim(claim="output-only reward gives every token the same credit",
+                  scope=f"R = {credit['meta']['group_size']}, {credit['contributions']['groups']} groups",
+                  measurement=f"each class's share of the update / share of tokens: {measured}",
+                  control=f"1 (every class credited in proportion to its token count); equivalence band {band}",
+                  verdict=verdict, rule=rule,
+                  source="exact update direction over every parameter, finite differences")]
+
+
+@CLAIMS.register("monte_carlo_credit")
+def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
+    """"GRPO's uniform A_i is the credit each token earns", against Monte Carlo token advantages (VinePPO).
+
+    Rule: d = share of Monte Carlo segments (pooled over rollouts) whose advantage opposes A_i beyond 2 standard
+    errors, with its Wilson interval; control :data:`MC_NOISE_DISAGREE`, that test's false rate when every segment
+    truly has A_i's sign or 0. Holds when the interval lies below the control *and* the Wilson interval of the share
+    of segments the test signed (agree or disagree beyond 2 SE) lies above :data:`MC_MIN_RESOLVED` (segments within
+    noise of 0 are no evidence of agreement); does not hold when the disagreeing share's interval lies above the
+    control; inconclusive otherwise, or from fewer than MIN_UNITS rollouts (segments of one rollout are not
+    independent).
+    """
+    credit = (probe.get("studies") or {}).get("credit")
+    if not credit:
+        return []
+    if not credit["monte_carlo"]["rollouts"]:  # the credit study ran without its Monte Carlo part: say so
+        return [Claim(claim="GRPO's uniform credit matches Monte Carlo token credit", scope="not measured",
+                      measurement="no Monte Carlo rollouts (--mc-groups 0, the probe's default)",
+                      control=f"{MC_NOISE_DISAGREE} (false-disagreement rate of the 2-SE test)",
+                      verdict=INCONCLUSIVE, rule=f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict "
+                                                 f"needs", source="Monte Carlo continuations from prefixes")]
+    mc = credit["monte_carlo"]
+    seg = mc.get("segments") or {}
+    k, n = int(seg.get("disagree", 0)), int(seg.get("total", 0))
+    lo, hi = wilson_interval(k, n)
+    resolved = k + int(seg.get("agree", 0))
+    r_lo, _ = wilson_interval(resolved, n)
+    rollouts = len(mc["rollouts"])
+    verdict = verdict_from_interval(lo, hi, MC_NOISE_DISAGREE, "below") if n else INCONCLUSIVE
+    why = f"Wilson interval of the disagreeing share vs {MC_NOISE_DISAGREE}"
+    if rollouts < MIN_UNITS:
+        verdict, why = INCONCLUSIVE, f"{rollouts} rollouts < {MIN_UNITS}"
+    elif verdict == HOLDS and not r_lo > MC_MIN_RESOLVED:
+        verdict, why = INCONCLUSIVE, (f"no disagreement, but only {resolved} of {n} segments signed beyond 2 SE "
+                                      f"(interval not above {MC_MIN_RESOLVED}): the test had no power")
+    return [Claim(claim="GRPO's uniform credit matches Monte Carlo token credit",
+                  scope=f"{len(mc['rollouts'])} rollouts, {n} segments, K = {mc['samples_per_prefix']}",
+                  measurement=(f"segments opposing A_i beyond 2 SE: {k} of {n} ({fmt(k / n if n else None, 3)} "
+                               f"[{fmt(lo, 3)}, {fmt(hi, 3)}], Wilson interval over segments); "
+                               f"agreeing beyond 2 SE: {seg.get('agree', 0)} of {n}"),
+                  control=f"{MC_NOISE_DISAGREE} (false-disagreement rate of the 2-SE test)", verdict=verdict,
+                  rule=why, source="Monte Carlo continuations from prefixes")]

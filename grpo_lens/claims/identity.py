@@ -1,0 +1,69 @@
+"""The paper's claims (arXiv 2606.29238), each tested against a probe's numbers with a verdict computed by a rule.
+
+A claim function takes a probe.json dict and returns :class:`Claim` records; the report prints them at the top
+(:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS` and is decided by the documented
+rule of its function from the measurement, its 95% interval over groups and its null or control, never by hand.
+Decision rules and their thresholds are stated in docs/theory.md §11 (rank claims, the identity) and §12 (sparsity,
+credit, baselines: :mod:`grpo_lens.claims_measures`).
+
+To add a claim: write ``fn(probe) -> list[Claim]`` and register it, e.g.::
+
+    @CLAIMS.register("sparsity_intensifies")
+    def sparsity_claim(probe: dict) -> list[Claim]:
+        ...
+        return [Claim(claim=..., scope=..., measurement=..., control=..., verdict=decide(...), rule=..., source=...)]
+
+Pure functions only: no file access, no model. Functions that need a training run's records instead of a probe can
+take the same dict shape and return [] when their inputs are absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_lens.claims.base import (
+    CLAIMS,
+    DOES_NOT_HOLD,
+    HOLDS,
+    INCONCLUSIVE,
+    Claim,
+    fmt,
+    source_of,
+)
+from grpo_lens.formulas.identity import rank2_constant
+
+#: the identity holds when every group's relative residual is below this (float32 round-off is ~1e-7).
+IDENTITY_TOLERANCE = 1e-4
+
+
+@CLAIMS.register("identity")
+def identity_claim(probe: dict[str, Any]) -> list[Claim]:
+    """"sum_i A_i g_i = c(k, R)(gbar_C - gbar_W)": the identity's residual over every mixed 0/1 group.
+
+    Rule: inconclusive when no group has a residual (non-0/1 rewards or an estimator without the decomposition);
+    holds if the largest residual < :data:`IDENTITY_TOLERANCE`; does not hold otherwise. Control: the residual the
+    other std convention's constant would leave, |1 - c_other / c| (shows the check can fail; grpo only).
+    """
+    meta = probe.get("meta", {})
+    rows = [g for d in probe.get("per_group_size", {}).values() for g in d.get("groups", [])]
+    res = [g["grad/identity_residual"] for g in rows if g.get("grad/identity_residual") is not None]
+    control = "—"
+    if meta.get("estimator", "grpo") == "grpo":
+        std = meta.get("std", "sample")
+        other = "population" if std == "sample" else "sample"
+        eps = float(meta.get("eps", 1e-4))
+        gaps = [abs(1 - rank2_constant(int(g["group/correct"]), int(g["group/size"]), other, eps)
+                    / rank2_constant(int(g["group/correct"]), int(g["group/size"]), std, eps))
+                for g in rows if g.get("grad/identity_residual") is not None and "group/size" in g]
+        if gaps:
+            control = (f"with the {other}-std constant instead the residual would be {fmt(min(gaps), 3)}–"
+                       f"{fmt(max(gaps), 3)}")
+    if not res:
+        verdict, why, meas = INCONCLUSIVE, "no group with 0/1 rewards and a decomposition", "not measured"
+    else:
+        worst = max(res)
+        verdict = HOLDS if worst < IDENTITY_TOLERANCE else DOES_NOT_HOLD
+        why = f"max residual {worst:.1e} {'<' if verdict == HOLDS else '>='} {IDENTITY_TOLERANCE:.0e}"
+        meas = f"relative residual max {worst:.1e} over {len(res)} groups (estimator {meta.get('estimator', 'grpo')})"
+    return [Claim(claim="the group update is c(k,R)(gbar_C − gbar_W) (the rank-2 identity)", scope="all R",
+                  measurement=meas, control=control, verdict=verdict, rule=why, source=source_of(probe))]

@@ -1,0 +1,123 @@
+"""The paper's claims on sparsity, token credit and baseline optimality (arXiv 2606.29238), registered in
+:data:`grpo_lens.claims.CLAIMS` beside the rank claims, each with a verdict computed by a rule (docs/theory.md §12).
+
+The credit and baseline claims read a probe's ``studies`` (:mod:`grpo_lens.studies`); the sparsity claims read a
+training run's records, passed as ``{"records": [metrics.jsonl records]}`` (the report evaluates
+:data:`TRAINING_CLAIMS` on that). Every function returns [] when its inputs are absent. Pure functions only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from grpo_lens.claims.base import (
+    CLAIMS,
+    DOES_NOT_HOLD,
+    HOLDS,
+    INCONCLUSIVE,
+    Claim,
+    fmt,
+    verdict_from_interval,
+)
+from grpo_lens.formulas.stats import spearman_trend
+
+#: bf16-unchanged share above its dense control by at least this counts as sparsity beyond rounding
+BF16_MARGIN = 0.05
+
+
+#: fewest lens steps a trend is tested on (with 3, no order reaches p < 0.05 two-sided: p >= 2/6)
+MIN_LENS_STEPS = 4
+
+
+#: the claims evaluated on a training run's records
+TRAINING_CLAIMS = ("sparsity_intensifies", "most_parameters_unchanged")
+
+
+def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("perf/lens_seconds") is not None and r.get(key) is not None]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sparsity (a training run's records)
+# ---------------------------------------------------------------------------------------------------------------------
+@CLAIMS.register("sparsity_intensifies")
+def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
+    """"Gradient sparsity intensifies over training": the Hoyer sparsity of each lens step's update against the step.
+
+    Rule: Spearman's rho between step and Hoyer over the lens steps, two-sided permutation p-value; holds when
+    rho > 0 and p < 0.05, does not hold when rho < 0 and p < 0.05, inconclusive otherwise or with fewer than
+    :data:`MIN_LENS_STEPS` lens steps.
+    """
+    rows = _lens_rows(data.get("records") or [], "sparsity/update_step_hoyer")
+    if not rows:
+        return []
+    xs = [float(r["step"]) for r in rows]
+    ys = [float(r["sparsity/update_step_hoyer"]) for r in rows]
+    rho, p = spearman_trend(xs, ys)
+    if len(rows) < MIN_LENS_STEPS or not math.isfinite(p):
+        verdict, why = INCONCLUSIVE, f"{len(rows)} lens steps < {MIN_LENS_STEPS}: no order reaches p < 0.05"
+    elif p < 0.05:
+        verdict = HOLDS if rho > 0 else DOES_NOT_HOLD
+        why = f"rho {fmt(rho, 2)}, permutation p {fmt(p, 3)} < 0.05"
+    else:
+        verdict, why = INCONCLUSIVE, f"permutation p {fmt(p, 3)} >= 0.05"
+    grad = [r.get("sparsity/grad_hoyer") for r in rows]
+    space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
+    return [Claim(claim="gradient (update) sparsity intensifies over training",
+                  scope=f"training, {len(rows)} lens steps{space}",
+                  measurement=(f"Hoyer of the step's update {fmt(ys[0], 3)} (step {rows[0]['step']}) -> {fmt(ys[-1], 3)} "
+                               f"(step {rows[-1]['step']}), Spearman rho {fmt(rho, 2)}; gradient Hoyer "
+                               f"{fmt(grad[0], 3)} -> {fmt(grad[-1], 3)}"),
+                  control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20",
+                  verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]
+
+
+def _sample_size(rows: list[dict[str, Any]]) -> str:
+    n = rows[-1].get("sparsity/sample_entries")
+    return str(int(n)) if n else "?"
+
+
+@CLAIMS.register("most_parameters_unchanged")
+def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
+    """"RL leaves most parameters unchanged" (S4), tested against bf16 rounding.
+
+    Rule: excess = bf16-unchanged share since the start minus its dense-update control (a dense Gaussian update of the
+    same per-tensor RMS), 95% binomial interval from the sample; holds when the excess interval lies above
+    :data:`BF16_MARGIN` and the share above 0.5; does not hold when the excess lies below BF16_MARGIN (rounding
+    explains the share) or the share below 0.5; inconclusive otherwise.
+    """
+    rows = _lens_rows(data.get("records") or [], "sparsity/update_total_bf16_dense")
+    if not rows:
+        return []
+    last = rows[-1]
+    if data.get("lora_rank"):  # the lens samples the trainable (adapter) weights; the frozen base never changes
+        return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
+                      scope=f"training, step {last['step']}, LoRA rank {data['lora_rank']}",
+                      measurement=(f"over the adapter's A and B only: bf16 unchanged since start "
+                                   f"{fmt(last['sparsity/update_total_bf16_unchanged'], 3)}"),
+                      control="none: the claim is about the model's weights, not the adapter's",
+                      verdict=INCONCLUSIVE,
+                      rule=("not applicable to adapter parameters: the frozen base weights never change and the "
+                            "adapter is a different parameter space (B starts at 0, so A gets no gradient on step 1); "
+                            "the merged weights W + (alpha/r) B A are not measured"),
+                      source=f"lens, fixed sample of {_sample_size(rows)} adapter weights")]
+    n = float(last.get("sparsity/sample_entries") or 0)
+    share, dense = last["sparsity/update_total_bf16_unchanged"], last["sparsity/update_total_bf16_dense"]
+    se = math.sqrt(max(share * (1 - share), 1e-12) / n) if n else math.nan
+    gap = share - dense
+    lo, hi = gap - 1.96 * se, gap + 1.96 * se
+    verdict = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
+    why = f"excess [{fmt(lo, 3)}, {fmt(hi, 3)}] vs {BF16_MARGIN}"
+    if share + 1.96 * se < 0.5:
+        verdict, why = DOES_NOT_HOLD, f"only {fmt(share, 3)} of weights kept their bf16 value (< 0.5)"
+    elif verdict == HOLDS and share - 1.96 * se <= 0.5:
+        verdict, why = INCONCLUSIVE, f"excess above {BF16_MARGIN} but the share {fmt(share, 3)} is not clearly > 0.5"
+    return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
+                  scope=f"training, step {last['step']}",
+                  measurement=(f"bf16 unchanged since start {fmt(share, 3)}; excess over the dense control {fmt(gap, 3)} "
+                               f"[{fmt(lo, 3)}, {fmt(hi, 3)}] (binomial interval over {int(n)} sampled weights); "
+                               f"float32 unchanged "
+                               f"{fmt(last.get('sparsity/update_total_f32_unchanged'), 4)}"),
+                  control=f"a dense update of the same per-tensor RMS leaves {fmt(dense, 3)} unchanged in bf16",
+                  verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]

@@ -1,0 +1,134 @@
+"""The paper's claims (arXiv 2606.29238), each tested against a probe's numbers with a verdict computed by a rule.
+
+A claim function takes a probe.json dict and returns :class:`Claim` records; the report prints them at the top
+(:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS` and is decided by the documented
+rule of its function from the measurement, its 95% interval over groups and its null or control, never by hand.
+Decision rules and their thresholds are stated in docs/theory.md §11 (rank claims, the identity) and §12 (sparsity,
+credit, baselines: :mod:`grpo_lens.claims_measures`).
+
+To add a claim: write ``fn(probe) -> list[Claim]`` and register it, e.g.::
+
+    @CLAIMS.register("sparsity_intensifies")
+    def sparsity_claim(probe: dict) -> list[Claim]:
+        ...
+        return [Claim(claim=..., scope=..., measurement=..., control=..., verdict=decide(...), rule=..., source=...)]
+
+Pure functions only: no file access, no model. Functions that need a training run's records instead of a probe can
+take the same dict shape and return [] when their inputs are absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_lens.claims.base import (
+    CLAIMS,
+    DOES_NOT_HOLD,
+    HOLDS,
+    INCONCLUSIVE,
+    MIN_GROUPS,
+    Claim,
+    ci_text,
+    fmt,
+    source_of,
+)
+from grpo_lens.formulas.stats import bootstrap_ci
+
+#: an excess span energy below this share of G1's energy counts as no effect.
+NEGLIGIBLE_SHARE = 0.02
+
+
+@CLAIMS.register("zero_sum_rank_two")
+def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
+    """"The rank-2 structure comes from the zero-sum advantages": do the reward labels concentrate the gradient energy
+    in span{gbar_C, gbar_W} beyond what relabelling the same group (k fixed) gives?
+
+    Rule (per R, on the excess span energy d = E(true labels) - mean E(relabellings), mean over groups with its 95%
+    interval): inconclusive for R = 2 (the span is the same for both labellings: d = 0 always) or fewer than
+    :data:`MIN_GROUPS` groups; holds if the interval's lower end > 0; does not hold if its upper end <
+    :data:`NEGLIGIBLE_SHARE` (any effect is negligible); inconclusive otherwise.
+    """
+    out = []
+    src = source_of(probe)
+    for r in sorted(probe.get("per_group_size", {}), key=int):
+        d = probe["per_group_size"][r]
+        summ = d.get("summary", {})
+        ex = summ.get("zero_sum/span_energy_excess") or {}
+        n = ex.get("n", 0) or 0
+        if int(r) == 2:
+            verdict, why = INCONCLUSIVE, "R = 2: both labellings span the same plane (excess 0 by construction)"
+        elif n < MIN_GROUPS or ex.get("lo") is None:
+            verdict, why = INCONCLUSIVE, f"{n} groups < {MIN_GROUPS}"
+        elif ex["lo"] > 0:
+            verdict, why = HOLDS, f"excess interval above 0 (lower end {fmt(ex['lo'], 3)})"
+        elif ex["hi"] < NEGLIGIBLE_SHARE:
+            verdict, why = DOES_NOT_HOLD, (f"excess interval below {NEGLIGIBLE_SHARE} (upper end "
+                                           f"{fmt(ex['hi'], 3)}): the labels add no energy to the span")
+        else:
+            verdict, why = INCONCLUSIVE, "excess interval includes 0 and effects above the negligible share"
+        ps = [g["zero_sum/span_energy_p"] for g in d.get("groups", []) if g.get("zero_sum/span_energy_p") is not None]
+        cg = summ.get("zero_sum/cos_gap_excess") or {}
+        out.append(Claim(
+            claim="rank-2 structure comes from the zero-sum advantages", scope=f"R = {r}",
+            measurement=(f"span energy {ci_text(summ.get('zero_sum/span_energy'), 3)}; excess over relabelling "
+                         f"{ci_text(ex, 3)}; cos-gap excess {ci_text(cg, 3)}"),
+            control=(f"relabellings with k fixed: span energy {ci_text(summ.get('zero_sum/span_energy_null'), 3)}; "
+                     f"groups with permutation p < 0.05: {sum(p < 0.05 for p in ps)}/{len(ps)}"),
+            verdict=verdict, rule=why, source=src))
+    return out
+
+
+#: G2 stable ranks within this of each other count as "no difference" between weightings.
+EQUIVALENCE_RANK = 0.25
+
+
+NOT_ZERO_SUM = ("abs", "shift", "reward", "uniform")
+
+
+@CLAIMS.register("zero_sum_g2_weighting")
+def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
+    """The same claim seen on G2 (every nn.Linear layer's weight gradient of the group loss): is G2's rank under the
+    zero-sum advantages A lower than under the weightings that are not zero-sum (|A|, A + mean|A|, r, 1)?
+
+    Per group: d = mean over layer types of [stable rank under A − mean over those four weightings of the stable
+    rank]. Rule (per R, mean of d over the groups with G2 of every layer, 95% interval): inconclusive with fewer than
+    :data:`MIN_GROUPS` groups (raise ``--g2-groups``); holds if the interval lies below 0; does not hold if it lies
+    inside ± :data:`EQUIVALENCE_RANK` (A makes no difference) or above 0; inconclusive otherwise.
+    """
+    out = []
+    src = source_of(probe) + "; G2 is exact (autograd weight gradients)"
+    for r in sorted(probe.get("per_group_size", {}), key=int):
+        rows = ((probe["per_group_size"][r].get("g2_weightings") or {}).get("groups")) or []
+        ds, adv_sr, other_sr = [], [], []
+        for row in rows:
+            types = sorted({k[len("rank/g2_adv_"):-len("_stable_rank")] for k in row
+                            if k.startswith("rank/g2_adv_") and k.endswith("_stable_rank")})
+            if not types:
+                continue
+            a = sum(row[f"rank/g2_adv_{t}_stable_rank"] for t in types) / len(types)
+            o = sum(row[f"rank/g2_{w}_{t}_stable_rank"] for t in types for w in NOT_ZERO_SUM) / (len(types)
+                                                                                               * len(NOT_ZERO_SUM))
+            ds.append(a - o)
+            adv_sr.append(a)
+            other_sr.append(o)
+        if not ds:
+            continue
+        ci = bootstrap_ci(ds)
+        n = ci["n"]
+        if n < MIN_GROUPS or ci["lo"] is None:
+            verdict, why = INCONCLUSIVE, f"{n} group(s) with G2 of every layer < {MIN_GROUPS} (raise --g2-groups)"
+        elif ci["hi"] < 0:
+            verdict, why = HOLDS, f"difference interval below 0 (upper end {fmt(ci['hi'])})"
+        elif -EQUIVALENCE_RANK <= ci["lo"] and ci["hi"] <= EQUIVALENCE_RANK:
+            verdict, why = DOES_NOT_HOLD, f"difference interval inside ±{EQUIVALENCE_RANK}: A makes no difference"
+        elif ci["lo"] > 0:
+            verdict, why = DOES_NOT_HOLD, "difference interval above 0: A gives a higher rank"
+        else:
+            verdict, why = INCONCLUSIVE, "difference interval includes 0 and differences beyond the equivalence margin"
+        out.append(Claim(
+            claim="rank-2 structure comes from the zero-sum advantages (G2, every layer)", scope=f"R = {r}",
+            measurement=(f"G2 stable rank under A, mean over layer types: {fmt(sum(adv_sr) / len(adv_sr))}; "
+                         f"A minus not-zero-sum weightings {ci_text(ci)}"),
+            control=f"weightings |A|, A + mean|A|, r, 1: {fmt(sum(other_sr) / len(other_sr))}",
+            verdict=verdict, rule=why, source=src))
+    return out

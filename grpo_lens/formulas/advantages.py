@@ -1,0 +1,249 @@
+"""Advantage estimators over the rewards of groups of rollouts.
+
+Every estimator maps rewards ``[B, R]`` (B prompts, R rollouts each) and a validity mask ``[B, R]`` to advantages
+``[B, R]``. Under an output-only reward every token of rollout i gets the same advantage A_i (docs/theory.md §10), so these
+R numbers are the whole of GRPO's credit assignment for a group.
+
+Conventions shared by all estimators:
+  - Invalid rollouts (mask False: the reward function failed, returned None/NaN or timed out) get A = 0 and are left
+    out of every group statistic (mean, std, leave-one-out baselines).
+  - A group whose valid rewards are all equal gets A = 0 exactly for the centred estimators (grpo, dr_grpo, rloo,
+    optimal): it carries no policy gradient. This is decided by comparing values (max == min), not by dividing by a
+    zero std, so repeated fp32 values such as 0.35 give exactly 0 and never NaN.
+  - A group with a single valid rollout has no baseline to compare against and gets A = 0 (centred estimators).
+  - Statistics are computed in float64 and the result is cast back to the rewards' dtype.
+
+References:
+  - GRPO: Shao et al., "DeepSeekMath", arXiv 2402.03300, §4.1.2 (outcome supervision, A_i = (r_i - mean r) / std r).
+  - Dr. GRPO: Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783, §3.2 (no std division).
+  - RLOO: Ahmadian et al., "Back to Basics", arXiv 2402.14740, eq. 7 (leave-one-out mean baseline);
+    Kool et al., "Buy 4 REINFORCE Samples, Get a Baseline for Free!", ICLR 2019 workshop.
+  - Variance-optimal constant baseline: Greensmith, Bartlett & Baxter, JMLR 5 (2004), Theorem 13;
+    Weaver & Tao, arXiv 1301.2315, §4: b* = E[||g||^2 r] / E[||g||^2].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal
+
+import torch
+from torch import Tensor
+
+from grpo_lens.registry import Registry
+
+StdConvention = Literal["sample", "population"]
+
+
+STD_CONVENTIONS = ("sample", "population")
+
+
+# fn(rewards [B, R] float64 (invalid entries already 0), valid [B, R] bool, *, std, eps, grad_sq_norms) -> [B, R]
+EstimatorFn = Callable[..., Tensor]
+
+
+ADVANTAGE_ESTIMATORS: Registry[EstimatorFn] = Registry("advantage estimator")
+
+
+# Estimators whose advantages sum to zero over the valid rollouts of every group.
+ZERO_SUM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def _group_counts_and_means(rewards: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Number of valid rollouts [B, 1] and their mean reward [B, 1] (0 for a group with none)."""
+    count = valid.sum(dim=1, keepdim=True).to(rewards.dtype)
+    mean = (rewards * valid).sum(dim=1, keepdim=True) / count.clamp(min=1.0)
+    return count, mean
+
+
+def constant_groups(rewards: Tensor, valid: Tensor) -> Tensor:
+    """Which groups have all valid rewards equal (or fewer than two valid rollouts).
+
+    Args:
+        rewards: [B, R] float.
+        valid: [B, R] bool.
+
+    Returns:
+        [B] bool, True where the group carries no reward contrast (and so no policy gradient).
+    """
+    big = torch.finfo(rewards.dtype).max
+    hi = rewards.masked_fill(~valid, -big).amax(dim=1)
+    lo = rewards.masked_fill(~valid, big).amin(dim=1)
+    return (hi == lo) | (valid.sum(dim=1) < 2)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo_advantages(rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4,
+                    **_: object) -> Tensor:
+    """GRPO: A_i = (r_i - mean r) / (std r + eps) over the valid rollouts of each group.
+
+    ``std="sample"`` uses ddof 1 (TRL and verl's default), ``"population"`` ddof 0. Because
+    |r_i - mean| <= (n-1)/sqrt(n) * std_sample and <= sqrt(n-1) * std_population for n valid rollouts, every
+    advantage obeys |A_i| <= (n-1)/sqrt(n) (sample) or sqrt(n-1) (population) whatever eps > 0 is: near-equal
+    rewards cannot blow up to 1/eps (see :func:`advantage_bound`).
+
+    Source: DeepSeekMath, arXiv 2402.03300, §4.1.2.
+
+    Args:
+        rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
+    Returns:
+        [B, R] float64.
+    """
+    count, mean = _group_counts_and_means(rewards, valid)
+    centred = (rewards - mean) * valid
+    ddof = 1.0 if std == "sample" else 0.0
+    var = (centred**2).sum(dim=1, keepdim=True) / (count - ddof).clamp(min=1.0)
+    return centred / (var.sqrt() + eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def dr_grpo_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
+    """Dr. GRPO: A_i = r_i - mean r (no division by the std). Source: arXiv 2503.20783, §3.2.
+
+    Args:
+        rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
+    Returns:
+        [B, R] float64.
+    """
+    _, mean = _group_counts_and_means(rewards, valid)
+    return (rewards - mean) * valid
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
+    """RLOO: A_i = r_i - mean_{j != i} r_j = n/(n-1) (r_i - mean r), n valid rollouts in the group.
+
+    Source: Ahmadian et al., arXiv 2402.14740, eq. 7.
+
+    Args:
+        rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
+    Returns:
+        [B, R] float64.
+    """
+    count, mean = _group_counts_and_means(rewards, valid)
+    scale = count / (count - 1.0).clamp(min=1.0)
+    return scale * (rewards - mean) * valid
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce")
+def reinforce_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
+    """REINFORCE without a baseline: A_i = r_i (Williams, Machine Learning 8, 1992, eq. 11 with b = 0).
+
+    Not centred: an all-equal group still has a non-zero policy gradient.
+
+    Args:
+        rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
+    Returns:
+        [B, R] float64.
+    """
+    return rewards * valid
+
+
+@ADVANTAGE_ESTIMATORS.register("optimal")
+def optimal_baseline_advantages(rewards: Tensor, valid: Tensor, *, grad_sq_norms: Tensor | None = None,
+                                **_: object) -> Tensor:
+    """A_i = r_i - b*_{-i}, the variance-optimal constant baseline estimated leave-one-out.
+
+    b*_{-i} = sum_{j != i} ||g_j||^2 r_j / sum_{j != i} ||g_j||^2 over the valid rollouts j of the group. Leaving
+    rollout i out keeps b*_{-i} independent of g_i, so the estimator stays unbiased. When the other rollouts all have
+    zero gradient norm the weights are undefined and the plain leave-one-out mean is used.
+
+    Source: Greensmith, Bartlett & Baxter, JMLR 2004, Thm 13; Weaver & Tao, arXiv 1301.2315, §4.
+
+    Args:
+        rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
+        grad_sq_norms: [B, R] float, ||g_i||^2 of each rollout's score gradient (docs/theory.md §1).
+    Returns:
+        [B, R] float64.
+    Raises:
+        ValueError: grad_sq_norms missing, of the wrong shape, negative or not finite.
+    """
+    if grad_sq_norms is None:
+        raise ValueError("estimator 'optimal' needs grad_sq_norms [B, R] (squared per-rollout gradient norms); "
+                         "compute them with grpo_lens.diagnostics or pick another estimator")
+    w = grad_sq_norms.to(rewards.dtype)
+    if w.shape != rewards.shape:
+        raise ValueError(f"grad_sq_norms must have the rewards' shape {tuple(rewards.shape)}, got {tuple(w.shape)}")
+    if not torch.isfinite(w[valid]).all() or (w[valid] < 0).any():
+        raise ValueError("grad_sq_norms must be finite and >= 0 on valid rollouts")
+    w = w * valid
+    wr_sum = (w * rewards).sum(dim=1, keepdim=True)
+    w_sum = w.sum(dim=1, keepdim=True)
+    w_loo = w_sum - w
+    b_weighted = (wr_sum - w * rewards) / w_loo.clamp(min=torch.finfo(rewards.dtype).tiny)
+    count = valid.sum(dim=1, keepdim=True).to(rewards.dtype)
+    b_mean = ((rewards * valid).sum(dim=1, keepdim=True) - rewards) / (count - 1.0).clamp(min=1.0)
+    baseline = torch.where(w_loo > 0, b_weighted, b_mean)
+    return (rewards - baseline) * valid
+
+
+def compute_advantages(
+    rewards: Tensor,
+    estimator: str = "grpo",
+    *,
+    std: StdConvention = "sample",
+    eps: float = 1e-4,
+    mask: Tensor | None = None,
+    grad_sq_norms: Tensor | None = None,
+) -> Tensor:
+    """Advantages of B groups of R rollouts with the named estimator.
+
+    Args:
+        rewards: [B, R] float. Entries where ``mask`` is False may hold anything, NaN included.
+        estimator: one of :data:`ADVANTAGE_ESTIMATORS` (grpo, dr_grpo, rloo, reinforce, optimal).
+        std: ``"sample"`` (ddof 1, default, as TRL and verl) or ``"population"`` (ddof 0); used by grpo.
+        eps: > 0, added to the std in grpo's denominator.
+        mask: [B, R] bool, True for valid rollouts; default: every finite reward is valid.
+        grad_sq_norms: [B, R] float, ||g_i||^2; needed by ``optimal`` only.
+
+    Returns:
+        [B, R] advantages in the rewards' dtype; exactly 0 for invalid rollouts, for groups whose valid rewards
+        are all equal and for groups of one valid rollout (centred estimators).
+
+    Raises:
+        ValueError: unknown estimator or std (listing the valid names), rewards not 2-D, mask of another shape,
+            eps <= 0, a valid reward that is not finite.
+    """
+    fn = ADVANTAGE_ESTIMATORS.get(estimator)
+    if std not in STD_CONVENTIONS:
+        raise ValueError(f"unknown std convention {std!r}; valid names: {', '.join(STD_CONVENTIONS)}")
+    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [B, R] (prompts x group size), got shape {tuple(rewards.shape)}")
+    if mask is None:
+        mask = torch.isfinite(rewards)
+    elif mask.shape != rewards.shape:
+        raise ValueError(f"mask must have the rewards' shape {tuple(rewards.shape)}, got {tuple(mask.shape)}")
+    valid = mask.to(torch.bool)
+    r64 = rewards.to(torch.float64)
+    if not torch.isfinite(r64[valid]).all():
+        raise ValueError("a reward marked valid is NaN or infinite; mark it invalid in mask instead")
+    r64 = torch.where(valid, r64, torch.zeros_like(r64))
+    adv = fn(r64, valid, std=std, eps=float(eps), grad_sq_norms=grad_sq_norms)
+    if estimator != "reinforce":
+        adv = adv.masked_fill(constant_groups(r64, valid).unsqueeze(1), 0.0)
+    adv = adv.masked_fill(~valid, 0.0)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def advantage_bound(num_valid: int, std: StdConvention = "sample") -> float:
+    """The largest |A_i| that grpo can give a group of ``num_valid`` valid rollouts, for any eps > 0.
+
+    From sum_j (r_j - mean)^2 = (n - ddof) s^2 and Cauchy-Schwarz on the other n-1 deviations:
+    |r_i - mean| <= sqrt((n-1)/n) * sqrt(sum_j (r_j - mean)^2), i.e. (n-1)/sqrt(n) s for the sample std and
+    sqrt(n-1) s for the population std; dividing by s + eps > s keeps |A_i| strictly below that.
+
+    Args:
+        num_valid: n >= 1.
+        std: "sample" or "population".
+    Returns:
+        The bound (dimensionless).
+    """
+    n = num_valid
+    return (n - 1) / math.sqrt(n) if std == "sample" else math.sqrt(n - 1)
+
+
+def is_binary(rewards: torch.Tensor) -> bool:
+    """True when every reward is 0 or 1 (what the rank-2 identity and m_C / m_W need)."""
+    return bool(torch.all((rewards == 0) | (rewards == 1)))

@@ -1,0 +1,476 @@
+"""Baselines for the group's REINFORCE estimator and their variance (docs/theory.md §2).
+
+For one prompt with rollouts i, rewards r_i and per-rollout gradients g_i (``grads`` [R, P] or [M, P], exact or
+sketched; only inner products and norms matter), the estimator with baseline b_i is
+
+    ghat = (1/R) sum_i (r_i - b_i) g_i.
+
+Its trace-variance E||ghat - E ghat||^2 is minimised over constant baselines by
+
+    b* = E[||g||^2 r] / E[||g||^2]          (Greensmith, Bartlett & Baxter, JMLR 5 (2004), Theorem 13;
+                                            Weaver & Tao, arXiv 1301.2315, §4),
+
+which for 0/1 rewards with success rate p is b* = p m_C / (p m_C + (1-p) m_W), m_C = E[||g||^2 | correct],
+m_W = E[||g||^2 | wrong]: b* = p iff m_C = m_W. A baseline that uses r_i itself biases the estimator, so b* is
+estimated leave-one-out, b*_i from the other rollouts of the group.
+
+Baselines compared (:data:`BASELINES`, each fn(rewards [..., R], sq_norms [..., R]) -> b [..., R]):
+
+- ``none``: b_i = 0.
+- ``mean``: b_i = mean_j r_j (GRPO's centring, r_i included). Note r_i - mean r = ((R-1)/R)(r_i - rloo_i), so this
+  estimator is exactly (R-1)/R times the RLOO one, sample by sample: variance ((R-1)/R)^2 of RLOO's, and biased
+  by the same factor.
+- ``rloo``: b_i = mean_{j != i} r_j.
+- ``optimal``: b_i = sum_{j != i} ||g_j||^2 r_j / sum_{j != i} ||g_j||^2 (leave-one-out b*).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from grpo_lens.formulas.advantages import constant_groups
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
+from grpo_lens.formulas.stats import bootstrap_mean
+from grpo_lens.formulas.zero_sum import fixed_k_labellings
+from grpo_lens.registry import Registry
+
+BaselineFn = Callable[[Tensor, Tensor], Tensor]
+
+
+BASELINES: Registry[BaselineFn] = Registry("baseline")
+
+
+def _sq_norms(grads_or_sq_norms: Tensor) -> Tensor:
+    """[M] squared norms from grads [M, P] or pass-through [M]."""
+    x = grads_or_sq_norms.detach().double()
+    return x if x.dim() == 1 else x.square().sum(-1)
+
+
+def correct_wrong_sq_norms(grads: Tensor, rewards: Tensor) -> tuple[float, float]:
+    """(m_C, m_W): mean ||g_i||^2 over the correct (r = 1) and the wrong (r = 0) rollouts of one group.
+
+    Args:
+        grads: [R, P] per-rollout gradients (or [R] squared norms).
+        rewards: [R] in {0, 1}.
+
+    Returns:
+        (m_C, m_W) floats in squared gradient units; NaN for a side with no rollout.
+    """
+    n = _sq_norms(grads)
+    assert rewards.shape == n.shape, (rewards.shape, n.shape)
+    c = rewards == 1
+    w = rewards == 0
+    m_c = float(n[c].mean()) if c.any() else math.nan
+    m_w = float(n[w].mean()) if w.any() else math.nan
+    return m_c, m_w
+
+
+def optimal_baseline(grads: Tensor, rewards: Tensor) -> float:
+    """b* = sum_i ||g_i||^2 r_i / sum_i ||g_i||^2 of one group (plug-in, r_i included).
+
+    Args:
+        grads: [R, P] (or [R] squared norms).
+        rewards: [R].
+
+    Returns:
+        b* in reward units; the mean reward when every g_i is zero.
+    """
+    n = _sq_norms(grads)
+    r = rewards.detach().double()
+    assert r.shape == n.shape, (r.shape, n.shape)
+    total = n.sum()
+    return float(r.mean()) if total == 0 else float((n * r).sum() / total)
+
+
+def optimal_baseline_binary(p: float, m_c: float, m_w: float) -> float:
+    """b* = p m_C / (p m_C + (1-p) m_W) for 0/1 rewards (docs/theory.md §2); p when the denominator is 0."""
+    denom = p * m_c + (1 - p) * m_w
+    return p if denom == 0 else p * m_c / denom
+
+
+@BASELINES.register("none")
+def no_baseline(rewards: Tensor, sq_norms: Tensor) -> Tensor:
+    """b_i = 0. rewards, sq_norms: [..., R]. Returns [..., R]."""
+    return torch.zeros_like(rewards)
+
+
+@BASELINES.register("mean")
+def mean_baseline(rewards: Tensor, sq_norms: Tensor) -> Tensor:
+    """b_i = mean_j r_j (r_i included; GRPO / Dr. GRPO centring). Returns [..., R]."""
+    return rewards.mean(-1, keepdim=True).expand_as(rewards)
+
+
+@BASELINES.register("rloo")
+def rloo_baseline(rewards: Tensor, sq_norms: Tensor) -> Tensor:
+    """b_i = mean_{j != i} r_j (Kool et al. 2019; Ahmadian et al., arXiv 2402.14740, eq. 7). R >= 2."""
+    r = rewards.shape[-1]
+    return (rewards.sum(-1, keepdim=True) - rewards) / (r - 1)
+
+
+@BASELINES.register("optimal")
+def loo_optimal_baseline(rewards: Tensor, sq_norms: Tensor) -> Tensor:
+    """b_i = sum_{j != i} n_j r_j / sum_{j != i} n_j with n = ||g||^2 (leave-one-out b*, unbiased).
+
+    Falls back to the RLOO mean where the other rollouts' norms are all zero. rewards, sq_norms: [..., R].
+    """
+    n = sq_norms.to(rewards.dtype)
+    num = (n * rewards).sum(-1, keepdim=True) - n * rewards
+    den = n.sum(-1, keepdim=True) - n
+    fallback = rloo_baseline(rewards, sq_norms)
+    return torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), fallback)
+
+
+def loo_optimal_baselines(grads: Tensor, rewards: Tensor) -> Tensor:
+    """Leave-one-out b*_i for each rollout of one group. grads [R, P] (or [R] squared norms); rewards [R]. -> [R]."""
+    return loo_optimal_baseline(rewards.detach().double(), _sq_norms(grads))
+
+
+def baseline_metrics(grads: Tensor, rewards: Tensor) -> dict[str, float]:
+    """Per-group baseline diagnostics for 0/1 rewards: m_C, m_W, b*, the group mean and their gap.
+
+    Args:
+        grads: [R, P] (or [R] squared norms).
+        rewards: [R].
+
+    Returns:
+        {"baseline/m_correct", "baseline/m_wrong", "baseline/b_star", "baseline/mean", "baseline/b_star_minus_mean"}
+        (m's NaN when the group has no correct / no wrong rollout).
+    """
+    m_c, m_w = correct_wrong_sq_norms(grads, rewards)
+    b_star = optimal_baseline(grads, rewards)
+    mean = float(rewards.double().mean())
+    return {"baseline/m_correct": m_c, "baseline/m_wrong": m_w, "baseline/b_star": b_star, "baseline/mean": mean,
+            "baseline/b_star_minus_mean": b_star - mean}
+
+
+def estimator_variances(
+    grads: Tensor,
+    rewards: Tensor,
+    group_size: int,
+    *,
+    baselines: Sequence[str] = ("none", "mean", "rloo", "optimal"),
+    num_resamples: int = 256,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Trace-variance of ghat = (1/R) sum_i (r_i - b_i) g_i per baseline, by resampling groups of one prompt.
+
+    Draws ``num_resamples`` groups of R distinct rollouts (without replacement) from M >= 2R rollouts of the same
+    prompt and returns, per baseline, the sample trace-covariance (1/(S-1)) sum_s ||ghat_s - mean ghat||^2. All
+    baselines see the same resampled groups. Works on exact gradients or sketches (sketches preserve inner
+    products in expectation).
+
+    Args:
+        grads: [M, P] per-rollout gradients of one prompt.
+        rewards: [M].
+        group_size: R (>= 2).
+        baselines: names in :data:`BASELINES`.
+        num_resamples: S (>= 2).
+        seed: resampling seed.
+
+    Returns:
+        {baseline name: variance} in squared gradient units.
+
+    Raises:
+        ValueError: M < 2R, R < 2, S < 2, or an unknown baseline name (listing the valid ones).
+    """
+    m, r = grads.shape[0], group_size
+    assert rewards.shape == (m,), (rewards.shape, m)
+    if r < 2:
+        raise ValueError(f"group size must be >= 2, got {r}")
+    if m < 2 * r:
+        raise ValueError(f"need at least 2R = {2 * r} rollouts of the prompt to resample groups, got {m}")
+    if num_resamples < 2:
+        raise ValueError(f"num_resamples must be >= 2, got {num_resamples}")
+    fns = {name: BASELINES.get(name) for name in baselines}
+    g = grads.detach().double()
+    rw = rewards.detach().double()
+    n = g.square().sum(-1)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(num_resamples, m, generator=gen).argsort(-1)[:, :r]  # [S, R]
+    r_s, n_s = rw[idx], n[idx]  # [S, R]
+    out = {}
+    for name, fn in fns.items():
+        coef = (r_s - fn(r_s, n_s)) / r  # [S, R]
+        w = torch.zeros(num_resamples, m, dtype=torch.float64).scatter_(1, idx, coef)  # [S, M]
+        est = w @ g  # [S, P]
+        out[name] = float((est - est.mean(0)).square().sum() / (num_resamples - 1))
+    return out
+
+
+def variance_relative_to_optimal(variances: dict[str, float]) -> dict[str, float]:
+    """{name: var_name / var_optimal} (1 for ``optimal`` itself; inf if var_optimal = 0 < var_name).
+
+    Raises:
+        ValueError: no ``optimal`` entry.
+    """
+    if "optimal" not in variances:
+        raise ValueError("variances have no 'optimal' entry")
+    ref = variances["optimal"]
+    return {k: (v / ref if ref > 0 else (1.0 if v == 0 else math.inf)) for k, v in variances.items()}
+
+
+def optimal_vs_rloo(rewards: Tensor, valid: Tensor, advantages: Tensor) -> tuple[float, float, int]:
+    """What the leave-one-out b* did against RLOO's baseline, over the valid rollouts of groups with contrast.
+
+    Args:
+        rewards: [B, R] (any value where invalid).  valid: [B, R] bool.  advantages: [B, R] from the ``optimal``
+            estimator (before any truncation masking), so b*_{-i} = r_i - A_i.
+
+    Returns:
+        (sum of b*_{-i}, sum of b*_{-i} - rloo_i, number of rollouts): sums, so that processes can add them.
+    """
+    assert rewards.shape == valid.shape == advantages.shape and rewards.dim() == 2, (rewards.shape, valid.shape)
+    v = valid.bool()
+    r = torch.where(v, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+    count = v.sum(1, keepdim=True).double()
+    rloo = (r.sum(1, keepdim=True) - r) / (count - 1).clamp(min=1)
+    b = r - advantages.double()
+    use = v & ~constant_groups(r, v).unsqueeze(1)
+    return float(b[use].sum()), float((b - rloo)[use].sum()), int(use.sum())
+
+
+STUDY_ESTIMATORS = ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop")
+
+
+def mean_score_norm(grads: Tensor) -> dict[str, float]:
+    """||E[h]|| of per-rollout gradient terms against the floor a mean-zero h would give.
+
+    ||hbar||^2 over M rollouts has expectation ||E h||^2 + tr Cov(h)/M; ``excess`` = ||hbar||^2 - tr Cov_hat/M is
+    unbiased for ||E h||^2, and ``ratio`` = ||hbar||^2 / (tr Cov_hat / M) is ~1 for a mean-zero score (the plain
+    score: E[grad log pi] = 0) and large when E[h] != 0 (the length-normalised score).
+
+    Args:
+        grads: [M, K].
+
+    Returns:
+        {"mean_norm": ||hbar||, "floor_norm": sqrt(tr Cov_hat / M), "ratio", "excess", "mean_sq_norm": mean ||h||^2}.
+    """
+    g = grads.detach().double()
+    m = g.shape[0]
+    if m < 2:
+        raise ValueError(f"need M >= 2 rollouts, got {m}")
+    hbar = g.mean(0)
+    tr_cov = float((g - hbar).square().sum() / (m - 1))
+    mean_sq = float(hbar.square().sum())
+    floor = tr_cov / m
+    return {"mean_norm": math.sqrt(mean_sq), "floor_norm": math.sqrt(floor),
+            "ratio": mean_sq / floor if floor > 0 else math.inf, "excess": mean_sq - floor,
+            "mean_sq_norm": float(g.square().sum(-1).mean())}
+
+
+def optimal_constant_baseline(grads: Tensor, rewards: Tensor) -> dict[str, float]:
+    """The trace-variance-optimal constant baseline of (r - b) h, with and without assuming E[h] = 0.
+
+    Var_b = E[(r - b)^2 ||h||^2] - ||E[r h] - b E[h]||^2 is minimised by
+
+        b*_exact = (E[r ||h||^2] - <E h, E[r h]>) / (E||h||^2 - ||E h||^2),
+
+    which reduces to b* = E[r ||h||^2] / E[||h||^2] (Greensmith et al. 2004, Thm 13) when E[h] = 0. The expectations
+    are plug-in means over the M rollouts.
+
+    Args:
+        grads: [M, K].  rewards: [M].
+
+    Returns:
+        {"b_star": b*, "b_star_exact": b*_exact, "shift": b*_exact - b*}.
+    """
+    g, r = grads.detach().double(), rewards.detach().double()
+    n = g.square().sum(-1)
+    mu_h, mu_rh = g.mean(0), (r.unsqueeze(1) * g).mean(0)
+    b = float((n * r).mean() / n.mean()) if n.sum() > 0 else float(r.mean())
+    den = float(n.mean() - mu_h.square().sum())
+    b_exact = float(((n * r).mean() - mu_h @ mu_rh) / den) if den > 0 else b
+    return {"b_star": b, "b_star_exact": b_exact, "shift": b_exact - b}
+
+
+def _group_estimates(g: Tensor, r: Tensor, idx: Tensor, name: str, b_pop: float) -> Tensor:
+    """[S, K] group estimates of one estimator on resampled groups idx [S, R] of rows g [M, K], rewards r [M]."""
+
+    R = idx.shape[1]
+    r_s = r[idx]  # [S, R]
+    n_s = g.square().sum(-1)[idx]
+    if name == "none":
+        b = torch.zeros_like(r_s)
+    elif name == "mean_rescaled":
+        b = r_s.mean(-1, keepdim=True).expand_as(r_s)
+    elif name == "rloo":
+        b = rloo_baseline(r_s, n_s)
+    elif name == "optimal_loo":
+        b = loo_optimal_baseline(r_s, n_s)
+    elif name == "optimal_pop":
+        b = torch.full_like(r_s, b_pop)
+    else:
+        raise ValueError(f"unknown estimator {name!r}; valid names: {', '.join(STUDY_ESTIMATORS)}")
+    coef = (r_s - b) / R
+    if name == "mean_rescaled":
+        coef = coef * R / (R - 1)
+    return torch.einsum("sr,srk->sk", coef, g[idx])
+
+
+def prompt_baseline_study(grads: Tensor, rewards: Tensor, group_size: int, *, num_resamples: int = 512,
+                          seed: int = 0, estimators: Sequence[str] = STUDY_ESTIMATORS) -> dict:
+    """Bias, variance, MSE and cosine to the reference of each estimator for one prompt's pool.
+
+    The pool's rows are split by a seeded permutation into A (first half, groups are drawn from it without
+    replacement) and B (second half: the reference gradient and the population b*). See the module docstring.
+
+    Args:
+        grads: [M, K] per-rollout gradient terms (exact or sketched), M >= 4R.
+        rewards: [M] (0/1 for m_C / m_W; any real rewards otherwise).
+        group_size: R >= 2.
+        num_resamples: S >= 2 groups drawn from A.
+        seed: split and resampling seed.
+        estimators: names in :data:`STUDY_ESTIMATORS`.
+
+    Returns:
+        {"estimators": {name: {"bias2", "variance", "mse", "cosine"}}, "ref_norm2": ||g_ref||^2, "ref_noise": its
+        estimated trace variance, "b_star_pop": b* on B, "b_star_exact": b*_exact on B, "p": mean reward of the pool,
+        "m_correct", "m_wrong": mean ||h||^2 of r = 1 / r = 0 rollouts over the whole pool (NaN if none),
+        "mean_score": :func:`mean_score_norm` of the whole pool}.
+
+    Raises:
+        ValueError: M < 4R, R < 2, S < 2, or an unknown estimator.
+    """
+    g, r = grads.detach().double(), rewards.detach().double()
+    m, R = g.shape[0], group_size
+    assert r.shape == (m,), (r.shape, m)
+    if R < 2:
+        raise ValueError(f"group size must be >= 2, got {R}")
+    if m < 4 * R:
+        raise ValueError(f"need M >= 4R = {4 * R} rollouts of the prompt (half for groups, half for the reference), "
+                         f"got {m}")
+    if num_resamples < 2:
+        raise ValueError(f"num_resamples must be >= 2, got {num_resamples}")
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(m, generator=gen)
+    a_idx, b_idx = perm[: m // 2], perm[m // 2:]
+    ga, ra, gb, rb = g[a_idx], r[a_idx], g[b_idx], r[b_idx]
+    # reference on B: unbiased sample covariance of r and h, and its noise (variance of a mean of M_B terms)
+    terms = (rb - rb.mean()).unsqueeze(1) * gb  # [M_B, K]
+    ref = terms.sum(0) / (len(rb) - 1)
+    ref_noise = float((terms - terms.mean(0)).square().sum() / (len(rb) - 1)) / len(rb)
+    pop = optimal_constant_baseline(gb, rb)
+    idx = torch.rand(num_resamples, len(ra), generator=gen).argsort(-1)[:, :R]
+    out: dict[str, dict[str, float]] = {}
+    ref_norm = float(ref.norm())
+    for name in estimators:
+        est = _group_estimates(ga, ra, idx, name, pop["b_star"])  # [S, K]
+        mean = est.mean(0)
+        err = (est - ref).square().sum(-1)
+        norms = est.norm(dim=-1)
+        cos = (est @ ref) / (norms * ref_norm).clamp(min=1e-300)
+        out[name] = {"bias2": float((mean - ref).square().sum()),
+                     "variance": float((est - mean).square().sum() / (num_resamples - 1)),
+                     "mse": float(err.mean()), "cosine": float(cos[norms > 0].mean()) if (norms > 0).any() else 0.0}
+    n = g.square().sum(-1)
+    c, w = r == 1, r == 0
+    return {"estimators": out, "ref_norm2": ref_norm**2, "ref_noise": ref_noise, "b_star_pop": pop["b_star"],
+            "b_star_exact": pop["b_star_exact"], "p": float(r.mean()),
+            "m_correct": float(n[c].mean()) if c.any() else math.nan,
+            "m_wrong": float(n[w].mean()) if w.any() else math.nan, "mean_score": mean_score_norm(g)}
+
+
+def equal_norms_test(grads: Tensor, rewards: Tensor, *, num_boot: int = 2000, seed: int = 0, level: float = 0.95,
+                     max_permutations: int = 2000) -> dict:
+    """Is m_C = m_W (the condition under which the group mean is the variance-optimal baseline) for one prompt?
+
+    The verdict comes from a label-permutation test with the correct count k fixed (docs/theory.md §Baselines at
+    matched expectation): statistic |log(mean_C ||h||^2 / mean_W ||h||^2)|, p-value = share of the C(M, k)
+    relabellings (all of them up to ``max_permutations``, else that many at random and the observed one) whose
+    statistic is >= the observed one. With rollouts exchangeable under the null (labels independent of the norms),
+    P(p <= 0.05) <= 0.05 for every M and k, which is what makes 0.05 the control of the claim that counts rejections; a
+    percentile bootstrap from 2 rollouts of a side has no such guarantee. A prompt is testable when each side has >= 2
+    rollouts and C(M, k) >= 40, so that p can reach 0.05 (two mirror labellings give the same statistic when k = M/2);
+    a prompt whose test cannot reject would count as evidence for m_C = m_W. The bootstrap interval of the ratio
+    (correct and wrong rollouts resampled separately) is for reading only, and given only with >= MIN_UNITS rollouts
+    of each side (None otherwise).
+
+    Args:
+        grads: [M, K] (or [M] squared norms).  rewards: [M] in {0, 1}.
+        num_boot: bootstrap resamples.  level: 1 - the test's level, and the interval's coverage.
+        max_permutations: enumerate every relabelling up to this many, else draw this many.
+
+    Returns:
+        {"ratio": m_C / m_W, "p": the permutation p-value, "lo", "hi": the bootstrap interval of the ratio or None,
+        "verdict": "m_C = m_W not rejected" when p > 1 - level, else "m_C > m_W" or "m_C < m_W"}, or {"verdict":
+        "not testable", ...} as above.
+    """
+    x = grads.detach().double()
+    n = x if x.dim() == 1 else x.square().sum(-1)
+    r = rewards.detach()
+    labels = r == 1
+    m, k = len(r), int(labels.sum())
+    nc, nw = n[labels], n[~labels]
+    alpha = 1 - level
+    if min(k, m - k) < 2 or math.comb(m, k) < 2 / alpha or nw.mean() == 0 or nc.mean() == 0:
+        return {"ratio": math.nan, "p": math.nan, "lo": None, "hi": None, "verdict": "not testable"}
+    gen = torch.Generator().manual_seed(seed)
+    labs = torch.stack(fixed_k_labellings(m, k, max_permutations, gen)).double()  # [L, M]
+    tiny = torch.finfo(torch.float64).tiny
+    means_c = (labs @ n) / k
+    means_w = ((1 - labs) @ n) / (m - k)
+    null = (means_c.clamp(min=tiny).log() - means_w.clamp(min=tiny).log()).abs()
+    log_ratio = float(nc.mean().log() - nw.mean().log())
+    ge = int((null >= abs(log_ratio) - 1e-12).sum())
+    p = ge / len(labs) if math.comb(m, k) <= max_permutations else (1 + ge) / (1 + len(labs))
+    low = high = None
+    if min(k, m - k) >= MIN_UNITS:
+        bc = nc[torch.randint(len(nc), (num_boot, len(nc)), generator=gen)].mean(1)
+        bw = nw[torch.randint(len(nw), (num_boot, len(nw)), generator=gen)].mean(1)
+        ratios = bc / bw.clamp(min=1e-300)
+        low, high = float(ratios.quantile(alpha / 2)), float(ratios.quantile(1 - alpha / 2))
+    verdict = "m_C = m_W not rejected" if p > alpha else ("m_C > m_W" if log_ratio > 0 else "m_C < m_W")
+    return {"ratio": math.exp(log_ratio), "p": p, "lo": low, "hi": high, "verdict": verdict}
+
+
+def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, num_resamples: int = 512,
+                   seed: int = 0, num_boot: int = 2000) -> dict:
+    """:func:`prompt_baseline_study` over prompts, with bootstrap intervals over prompts.
+
+    Args:
+        pools: per prompt, (grads [M, K], rewards [M]) with M >= 4R. Prompts whose pool has no reward contrast are
+            skipped (every centred estimator is 0 there) and counted in ``prompts_constant``.
+        group_size: R.
+
+    Returns:
+        {"per_prompt": [prompt results, each with "equal_norms"], "summary": {estimator: {"mse_ratio_to_rloo",
+        "cosine", "bias2_share"}: bootstrap_mean over prompts}, "prompts": analysed count, "prompts_constant",
+        "b_star_shift": bootstrap_mean of b*_exact - b*, "b_star_minus_p": of b* - p (the group mean's expectation),
+        "norm_ratio": of m_C / m_W, "mean_score_ratio": bootstrap_mean of ||hbar||^2 over its
+        mean-zero floor, "equal_norms_rejected": share of testable prompts whose permutation test rejects m_C = m_W
+        at 0.05, "equal_norms_testable"}.
+        MSE is compared as the ratio to RLOO's per prompt (prompts differ in gradient scale); bias2_share = bias2 /
+        mse.
+    """
+    per_prompt, constant = [], 0
+    for j, (g, r) in enumerate(pools):
+        if bool((r == r[0]).all()):
+            constant += 1
+            continue
+        res = prompt_baseline_study(g, r, group_size, num_resamples=num_resamples, seed=seed + j)
+        res["equal_norms"] = equal_norms_test(g, r, seed=seed + j)
+        per_prompt.append(res)
+    summary = {}
+    for name in STUDY_ESTIMATORS:
+        ratios = [p["estimators"][name]["mse"] / p["estimators"]["rloo"]["mse"] for p in per_prompt
+                  if p["estimators"]["rloo"]["mse"] > 0]
+        summary[name] = {
+            "mse_ratio_to_rloo": bootstrap_mean(ratios, num_boot, seed),
+            "cosine": bootstrap_mean([p["estimators"][name]["cosine"] for p in per_prompt], num_boot, seed),
+            "bias2_share": bootstrap_mean([p["estimators"][name]["bias2"] / p["estimators"][name]["mse"]
+                                           for p in per_prompt if p["estimators"][name]["mse"] > 0], num_boot, seed),
+        }
+    testable = [p for p in per_prompt if p["equal_norms"]["verdict"] != "not testable"]
+    return {"per_prompt": per_prompt, "summary": summary, "prompts": len(per_prompt), "prompts_constant": constant,
+            "b_star_shift": bootstrap_mean([p["b_star_exact"] - p["b_star_pop"] for p in per_prompt], num_boot, seed),
+            "b_star_minus_p": bootstrap_mean([p["b_star_pop"] - p["p"] for p in per_prompt], num_boot, seed),
+            "norm_ratio": bootstrap_mean([p["m_correct"] / p["m_wrong"] for p in per_prompt
+                                          if p["m_wrong"] and math.isfinite(p["m_correct"])], num_boot, seed),
+            "mean_score_ratio": bootstrap_mean([p["mean_score"]["ratio"] for p in per_prompt], num_boot, seed),
+            "equal_norms_rejected": (sum(p["equal_norms"]["verdict"] != "m_C = m_W not rejected" for p in testable)
+                                     / len(testable)) if testable else math.nan,
+            "equal_norms_testable": len(testable)}

@@ -1,0 +1,343 @@
+"""Token-level credit under an output-only reward (docs/theory.md §10): what each token of a rollout gets.
+
+Shapes: N rollouts, T completion tokens, Lp prompt positions, L = Lp + T input positions.
+
+Under an output-only reward every token of rollout i gets the same advantage A_i, so the within-rollout variance of
+the per-token advantage is 0 by construction (:func:`token_advantages`, :func:`within_rollout_advantage_variance`).
+What still varies along a rollout is how much gradient each position carries: the per-position squared norms of
+:func:`grpo_lens.diagnostics.gradients.token_grad_sq_norms` give the profile along positions and the share carried by
+the final-answer tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from grpo_lens.formulas.losses import aggregation_rollout_weights
+
+#: The last number of a completion: optional sign, digits with optional thousands commas, optional decimals.
+NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def token_advantages(advantages: Tensor, completion_mask: Tensor) -> Tensor:
+    """Per-token advantages A_{i,t} = A_i on the completion's tokens, 0 elsewhere (output-only reward).
+
+    Args:
+        advantages: [N] (or [B, R], flattened).
+        completion_mask: [N, T] bool.
+
+    Returns:
+        [N, T] float.
+    """
+    a = advantages.reshape(-1)
+    assert a.shape[0] == completion_mask.shape[0], (advantages.shape, completion_mask.shape)
+    return a.unsqueeze(1) * completion_mask.to(a.dtype)
+
+
+def within_rollout_advantage_variance(token_adv: Tensor, completion_mask: Tensor) -> Tensor:
+    """Variance of A_{i,t} over the tokens t of each rollout (population, over masked tokens).
+
+    Zero for :func:`token_advantages` (every token of a rollout carries A_i): the measured evidence that an
+    output-only reward assigns no token-level credit.
+
+    Args:
+        token_adv: [N, T] per-token advantages.
+        completion_mask: [N, T] bool.
+
+    Returns:
+        [N] float (0 for an empty rollout).
+    """
+    assert token_adv.shape == completion_mask.shape, (token_adv.shape, completion_mask.shape)
+    m = completion_mask.to(token_adv.dtype)
+    count = m.sum(-1).clamp(min=1.0)
+    mean = (token_adv * m).sum(-1) / count
+    return (((token_adv - mean.unsqueeze(1)) ** 2) * m).sum(-1) / count
+
+
+def completion_positions(token_sq_norms: Tensor, prompt_len: int) -> Tensor:
+    """Align per-position values over the input [N, Lp+T] with the completion tokens [N, T].
+
+    log pi(o_t | q, o_<t) is computed from the model's output at input position Lp - 1 + t, so token t gets
+    position Lp - 1 + t (t = 0..T-1): the last prompt position for o_0, and the position of o_{T-1} itself (which
+    predicts nothing) is dropped.
+
+    Args:
+        token_sq_norms: [N, Lp + T].
+        prompt_len: Lp.
+
+    Returns:
+        [N, T].
+    """
+    t = token_sq_norms.shape[1] - prompt_len
+    assert prompt_len >= 1 and t >= 1, (token_sq_norms.shape, prompt_len)
+    return token_sq_norms[:, prompt_len - 1: prompt_len - 1 + t]
+
+
+def position_profile(token_sq_norms: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Per-position gradient-norm^2 profile averaged over rollouts.
+
+    Args:
+        token_sq_norms: [N, T] squared per-position gradient norms (e.g. :func:`completion_positions` of
+            :func:`grpo_lens.diagnostics.gradients.token_grad_sq_norms`).
+        mask: [N, T] bool, positions that count (e.g. the completion mask); None counts all.
+
+    Returns:
+        [T] float: mean over the rollouts valid at position t of the squared norm; 0 where none is valid.
+    """
+    x = token_sq_norms.double()
+    m = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    assert m.shape == x.shape, (m.shape, x.shape)
+    return (x * m).sum(0) / m.sum(0).clamp(min=1.0)
+
+
+def answer_share(token_sq_norms: Tensor, answer_mask: Tensor, completion_mask: Tensor) -> Tensor:
+    """Share of each rollout's gradient norm^2 carried by its final-answer tokens.
+
+    share_i = sum_{t in answer} n_{i,t} / sum_{t in completion} n_{i,t}; 1 - share_i is carried by the rest
+    (reasoning, formatting).
+
+    Args:
+        token_sq_norms: [N, T] squared per-token norms aligned with the completion tokens.
+        answer_mask: [N, T] bool (:func:`answer_mask_from_tokenizer`, :func:`answer_mask_from_char_span`).
+        completion_mask: [N, T] bool.
+
+    Returns:
+        [N] float64 in [0, 1]; 0 for a rollout with no gradient.
+    """
+    assert token_sq_norms.shape == answer_mask.shape == completion_mask.shape, (
+        token_sq_norms.shape, answer_mask.shape, completion_mask.shape)
+    x = token_sq_norms.double() * completion_mask.double()
+    total = x.sum(-1)
+    ans = (x * answer_mask.double()).sum(-1)
+    return torch.where(total > 0, ans / total.clamp(min=1e-300), torch.zeros_like(total))
+
+
+def last_number_span(text: str) -> tuple[int, int] | None:
+    """Character span [start, end) of the last number in ``text`` (:data:`NUMBER_RE`), or None when there is none.
+
+    A trailing comma of the match (as in "42, then") is not part of the number.
+    """
+    matches = list(NUMBER_RE.finditer(text))
+    if not matches:
+        return None
+    start, end = matches[-1].span()
+    while end > start and text[end - 1] == ",":
+        end -= 1
+    return start, end
+
+
+def answer_mask_from_char_span(offsets: Sequence[tuple[int, int]], span: tuple[int, int] | None,
+                               length: int | None = None) -> Tensor:
+    """Tokens whose character range overlaps ``span``.
+
+    Args:
+        offsets: per-token (start, end) character offsets into the decoded completion, T' of them.
+        span: [start, end) character span, or None (no answer: all False).
+        length: T, pad the mask with False up to this length.
+
+    Returns:
+        [T] bool (T = ``length`` or len(offsets)).
+    """
+    t = len(offsets) if length is None else length
+    mask = torch.zeros(t, dtype=torch.bool)
+    if span is None:
+        return mask
+    s0, s1 = span
+    for j, (a, b) in enumerate(offsets[:t]):
+        if b > a and a < s1 and b > s0:
+            mask[j] = True
+    return mask
+
+
+def decode_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Decoded text of ``ids`` and each token's character range in it, by cumulative decoding.
+
+    Token j covers [len(decode(ids[:j])), len(decode(ids[:j+1]))) (clamped to be monotone); works with any
+    tokenizer that has ``decode`` (special tokens skipped; they get empty ranges). O(T^2) characters decoded.
+
+    Returns:
+        (text, offsets) with len(offsets) = len(ids).
+    """
+    ids = list(ids)
+    offsets, prev = [], 0
+    for j in range(len(ids)):
+        cur = len(tokenizer.decode(ids[: j + 1], skip_special_tokens=True))
+        cur = max(cur, prev)
+        offsets.append((prev, cur))
+        prev = cur
+    return tokenizer.decode(ids, skip_special_tokens=True), offsets
+
+
+def answer_mask_from_tokenizer(tokenizer, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+    """Answer mask [N, T]: the tokens of the last number of each decoded completion.
+
+    Args:
+        tokenizer: anything with ``decode(ids, skip_special_tokens=True)``.
+        completion_ids: [N, T] long.
+        completion_mask: [N, T] bool.
+
+    Returns:
+        [N, T] bool, False outside the completion and for completions without a number.
+    """
+    assert completion_ids.shape == completion_mask.shape, (completion_ids.shape, completion_mask.shape)
+    n, t = completion_ids.shape
+    out = torch.zeros(n, t, dtype=torch.bool)
+    for i in range(n):
+        keep = completion_mask[i].bool()
+        positions = keep.nonzero().flatten().tolist()
+        text, offsets = decode_offsets(tokenizer, completion_ids[i][keep].tolist())
+        local = answer_mask_from_char_span(offsets, last_number_span(text))
+        out[i, positions] = local
+    return out
+
+
+def credit_metrics(token_adv: Tensor, token_sq_norms: Tensor, completion_mask: Tensor,
+                   answer_mask: Tensor | None = None) -> dict[str, float]:
+    """Batch summaries: max within-rollout advantage variance and, with an answer mask, the mean answer share.
+
+    Args:
+        token_adv: [N, T]; token_sq_norms: [N, T] (completion-aligned); completion_mask, answer_mask: [N, T] bool.
+
+    Returns:
+        {"credit/adv_var_within_max", "credit/answer_share_mean" (if answer_mask), "credit/answer_token_frac"
+        (share of completion tokens that are answer tokens, the share a uniform profile would give)}.
+    """
+    out = {"credit/adv_var_within_max": float(within_rollout_advantage_variance(token_adv, completion_mask).max())}
+    if answer_mask is not None:
+        out["credit/answer_share_mean"] = float(answer_share(token_sq_norms, answer_mask, completion_mask).mean())
+        tokens = completion_mask.double().sum().clamp(min=1.0)
+        out["credit/answer_token_frac"] = float((answer_mask & completion_mask.bool()).double().sum() / tokens)
+    return out
+
+
+#: token classes of :func:`token_classes`
+TOKEN_CLASSES = ("answer", "format", "reasoning")
+
+
+def token_weights(advantages: Tensor, completion_mask: Tensor, aggregation: str = "seq-mean-token-mean") -> Tensor:
+    """w_{i,t} = A_i c_i / |o_i| on completion tokens, 0 elsewhere: each token's weight in the group update.
+
+    Args:
+        advantages: [R].  completion_mask: [R, T] bool.  aggregation: the trainer's loss aggregation.
+
+    Returns:
+        [R, T] float64.
+    """
+    m = completion_mask.to(torch.float64)
+    c = aggregation_rollout_weights(completion_mask, aggregation)
+    per = advantages.detach().double().cpu() * c / m.sum(-1).clamp(min=1.0)
+    return per.unsqueeze(1) * m
+
+
+def relative_position_profile(values: Tensor, completion_mask: Tensor, bins: int = 10) -> Tensor:
+    """Sum of per-token ``values`` in each bin of relative position t / |o_i| in [0, 1).
+
+    Args:
+        values: [R, T].  completion_mask: [R, T] bool.  bins: number of equal-width bins.
+
+    Returns:
+        [bins] float64 (sums over the rollouts and tokens in each bin).
+    """
+    m = completion_mask.bool().cpu()
+    lengths = m.sum(-1, keepdim=True).clamp(min=1)
+    pos = torch.arange(m.shape[1]).unsqueeze(0).expand_as(m)
+    b = (pos * bins // lengths).clamp(max=bins - 1)
+    out = torch.zeros(bins, dtype=torch.float64)
+    return out.index_add_(0, b[m], values.detach().double().cpu()[m])
+
+
+def token_classes(tokenizer, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+    """Class of each completion token: 0 answer (the last number's tokens), 1 format (a token whose decoded text has
+    no letter or digit: punctuation, whitespace, EOS and other special tokens), 2 reasoning (the rest); -1 off the
+    completion.
+
+    Args:
+        tokenizer: with ``decode``.  completion_ids, completion_mask: [R, T].
+
+    Returns:
+        [R, T] long.
+    """
+
+    answer = answer_mask_from_tokenizer(tokenizer, completion_ids.cpu(), completion_mask.cpu())
+    out = torch.full(completion_ids.shape, -1, dtype=torch.long)
+    for i in range(completion_ids.shape[0]):
+        for t in completion_mask[i].nonzero().flatten().tolist():
+            text = tokenizer.decode([int(completion_ids[i, t])], skip_special_tokens=True)
+            if answer[i, t]:
+                out[i, t] = 0
+            elif not any(ch.isalnum() for ch in text):
+                out[i, t] = 1
+            else:
+                out[i, t] = 2
+    return out
+
+
+def class_shares(contributions: Tensor, classes: Tensor) -> dict[str, dict[str, float]]:
+    """Per token class: its share of the group update and its share of the completion tokens (the control).
+
+    Returns:
+        {class: {"update_share": sum_{t in class} s_{i,t} (the s sum to 1), "token_share": its share of the
+        completion tokens, "ratio": update_share / token_share (1 = the class carries the update in proportion to
+        its size; NaN when the class is absent)}}.
+    """
+    s = contributions.detach().double().cpu()
+    valid = classes >= 0
+    total = float(s[valid].sum())
+    n = int(valid.sum())
+    out = {}
+    for k, name in enumerate(TOKEN_CLASSES):
+        sel = classes == k
+        share = float(s[sel].sum()) / total if total != 0 else math.nan
+        tok = float(sel.sum()) / max(n, 1)
+        out[name] = {"update_share": share, "token_share": tok, "ratio": share / tok if tok > 0 else math.nan}
+    return out
+
+
+def segment_boundaries(length: int, segments: int) -> list[int]:
+    """Prefix lengths 0 = b_0 < b_1 < ... < b_n = length splitting a completion into ~equal segments (n <= segments)."""
+    if length <= 0:
+        return [0]
+    n = min(segments, length)
+    return sorted({round(k * length / n) for k in range(n + 1)})
+
+
+def segment_advantages(values: Tensor, errors: Tensor, final_reward: float) -> tuple[Tensor, Tensor]:
+    """A_seg = V(b_{k+1}) - V(b_k) for consecutive boundaries, the last ending at the complete rollout (V = r).
+
+    Args:
+        values, errors: [n] at boundaries b_0..b_{n-1} (from :func:`prefix_values`).  final_reward: r of the rollout.
+
+    Returns:
+        (advantages [n], standard errors [n]); the advantages sum to r - V(b_0) (telescoping).
+    """
+    v = torch.cat([values.double(), torch.tensor([float(final_reward)], dtype=torch.float64)])
+    e = torch.cat([errors.double(), torch.zeros(1, dtype=torch.float64)])
+    return v[1:] - v[:-1], (e[1:].square() + e[:-1].square()).sqrt()
+
+
+def compare_with_uniform(seg_adv: Tensor, seg_err: Tensor, seg_len: Sequence[int], grpo_advantage: float,
+                         z: float = 2.0) -> dict[str, float]:
+    """Where Monte Carlo credit and GRPO's uniform A_i disagree, for one rollout.
+
+    GRPO gives every token A_i; Monte Carlo gives segment k the advantage A_seg,k. A segment *disagrees* when
+    A_seg,k has the opposite sign of A_i and |A_seg,k| > z * SE, *agrees* when the same sign beyond z * SE, and is
+    *neutral* otherwise (within noise of 0: the segment did not change the expected reward).
+
+    Returns:
+        {"disagree", "agree", "neutral": token-weighted shares of the rollout, "top_segment_share": the largest
+        |A_seg| over sum |A_seg| (uniform credit over n segments would give ~1/n), "segments": n}.
+    """
+    a, e = seg_adv.double(), seg_err.double()
+    lens = torch.tensor(list(seg_len), dtype=torch.float64)
+    sig = a.abs() > z * e
+    same = torch.sign(a) == math.copysign(1.0, grpo_advantage) if grpo_advantage != 0 else torch.zeros_like(sig)
+    total = float(lens.sum()) or 1.0
+    mass = float(a.abs().sum())
+    return {"disagree": float(lens[sig & ~same].sum()) / total, "agree": float(lens[sig & same].sum()) / total,
+            "neutral": float(lens[~sig].sum()) / total,
+            "top_segment_share": float(a.abs().max()) / mass if mass > 0 else math.nan, "segments": len(a)}

@@ -1,0 +1,400 @@
+"""GRPO's per-token policy loss, KL penalty and loss aggregation.
+
+Shapes: N rollouts (N = B * R), T completion tokens. Every token tensor is [N, T] with a completion mask [N, T]
+(True on real completion tokens). Per-token loss (DeepSeekMath, arXiv 2402.03300, eq. 3, negated for descent):
+
+    l_{i,t} = -min(rho_{i,t} A_i, clip(rho_{i,t}, 1 - eps_low, 1 + eps_high) A_i) + beta * KL_{i,t},
+    rho_{i,t} = exp(log pi_theta - log pi_old).
+
+Aggregation turns l [N, T] into one number. To stay exact under gradient accumulation each mode is split into a
+numerator that is a sum over rollouts (so micro-batches add up) and a normaliser computed once on the whole batch
+(:func:`loss_normalizer`); sum over micro-batches of :func:`aggregate_loss` equals the whole batch's value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from grpo_lens.registry import Registry
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KL estimators (Schulman, "Approximating KL Divergence", 2020), x = log pi_ref - log pi_theta per sampled token.
+# Each is an estimator of KL(pi_theta || pi_ref) under samples from pi_theta; k3 is GRPO's choice (arXiv 2402.03300,
+# eq. 4). Every estimator first clamps x to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] (docs/theory.md §Numerical guards), so
+# exp(x) cannot overflow; a token clamped there contributes no KL gradient.
+# ---------------------------------------------------------------------------------------------------------------------
+KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator")
+
+
+#: Bound on |x| = |log pi_ref - log pi_theta| (nats) before any KL estimator uses it: exp(20) = 4.85e8 is finite in
+#: float32 and bfloat16, and a real policy this far from its reference is already a failed run (docs/theory.md
+#: §Numerical guards; verl clamps the same log-ratio to the same range).
+LOG_RATIO_CLAMP = 20.0
+
+
+def clamped_log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """x = clamp(log pi_ref - log pi_theta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP). [N, T] -> [N, T]."""
+    return torch.clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = -x = log pi_theta - log pi_ref (unbiased, high variance, can be negative), x clamped. [N, T] -> [N, T]."""
+    return -clamped_log_ratio(logp, ref_logp)
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = x^2 / 2 (biased, low variance, >= 0), x clamped. [N, T] -> [N, T]."""
+    return 0.5 * clamped_log_ratio(logp, ref_logp) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = exp(x) - x - 1 (unbiased, >= 0; GRPO's, arXiv 2402.03300 eq. 4), x clamped to +-LOG_RATIO_CLAMP so it is
+    at most exp(20) - 21 ~ 4.85e8. [N, T] -> [N, T]."""
+    x = clamped_log_ratio(logp, ref_logp)
+    return torch.expm1(x) - x
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token KL estimate between the policy and the reference model.
+
+    Args:
+        logp: [N, T] log pi_theta of the sampled tokens (carries the gradient).
+        ref_logp: [N, T] log pi_ref of the same tokens (no gradient).
+        estimator: "k1", "k2" or "k3".
+    Returns:
+        [N, T] in nats per token.
+    Raises:
+        ValueError: unknown estimator, listing the valid ones.
+    """
+    return KL_ESTIMATORS.get(estimator)(logp, ref_logp)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Clipped surrogate
+# ---------------------------------------------------------------------------------------------------------------------
+def clipped_surrogate(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token PPO/GRPO policy loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), optional dual clip.
+
+    Asymmetric bounds (eps_high > eps_low, "clip-higher") come from DAPO, arXiv 2503.14476, eq. 10. Dual clip
+    (Ye et al., "Mastering Complex Control in MOBA Games with Deep RL", AAAI 2020, eq. 5) bounds the loss of tokens
+    with A < 0 by -dual_clip * A, so a huge ratio cannot give an unbounded step.
+
+    Args:
+        logp: [N, T] log pi_theta (with gradient).
+        old_logp: [N, T] log pi_old, the sampler's log-probs (no gradient).
+        advantages: [N] (one scalar per rollout, broadcast over its tokens) or [N, T].
+        eps_low, eps_high: clip range, >= 0.
+        dual_clip: c > 1, or None to disable.
+    Returns:
+        loss [N, T] and rho [N, T] (the importance ratio, detached).
+    Raises:
+        ValueError: dual_clip <= 1.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    return loss, ratio.detach()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Aggregation:
+    """A loss aggregation mode: numerator(loss [N, T], mask [N, T]) -> scalar, normaliser(mask, max_new_tokens), and
+    rollout_weights(mask) -> [N] v_i with numerator(l, m) = sum_i v_i sum_t l_{i,t} m_{i,t} (what the per-rollout
+    gradient term of docs/theory.md §3 is built from; a test checks the equality for every mode)."""
+
+    numerator: Callable[[Tensor, Tensor], Tensor]
+    normalizer: Callable[[Tensor, int], float]
+    source: str
+    rollout_weights: Callable[[Tensor], Tensor]
+
+
+LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+
+
+def _rollouts_in_loss(mask: Tensor) -> float:
+    """Rollouts with at least one token in the loss mask (all N unless some were filtered out, e.g. overlong)."""
+    return float(mask.bool().any(dim=1).sum().item())
+
+
+def _sequence_mean_numerator(loss: Tensor, mask: Tensor) -> Tensor:
+    lengths = mask.sum(dim=1).clamp(min=1)
+    return ((loss * mask).sum(dim=1) / lengths).sum()
+
+
+def _token_sum_numerator(loss: Tensor, mask: Tensor) -> Tensor:
+    return (loss * mask).sum()
+
+
+def _sequence_mean_weights(mask: Tensor) -> Tensor:
+    return 1.0 / mask.sum(dim=1).clamp(min=1)
+
+
+def _token_sum_weights(mask: Tensor) -> Tensor:
+    return torch.ones(mask.shape[0], dtype=mask.dtype, device=mask.device)
+
+
+# (1/N) sum_i (1/|o_i|) sum_t l_{i,t}: every rollout weighs the same whatever its length.
+LOSS_AGGREGATIONS.register("seq-mean-token-mean")(Aggregation(
+    _sequence_mean_numerator, lambda mask, max_new_tokens: _rollouts_in_loss(mask),
+    "GRPO, DeepSeekMath arXiv 2402.03300 eq. 3", _sequence_mean_weights))
+# sum_{i,t} l_{i,t} / sum_i |o_i|: every token weighs the same.
+LOSS_AGGREGATIONS.register("token-mean")(Aggregation(
+    _token_sum_numerator, lambda mask, max_new_tokens: float(mask.sum().item()),
+    "DAPO, arXiv 2503.14476 eq. 12", _token_sum_weights))
+# sum_{i,t} l_{i,t} / (N * T_max), T_max = max_new_tokens, a constant: no length bias.
+LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(Aggregation(
+    _token_sum_numerator, lambda mask, max_new_tokens: _rollouts_in_loss(mask) * max_new_tokens,
+    "Dr. GRPO, arXiv 2503.20783 §3.1", _token_sum_weights))
+
+
+def loss_normalizer(completion_mask: Tensor, mode: str, max_new_tokens: int) -> float:
+    """The denominator of aggregation ``mode`` for a whole batch; compute it once, before splitting into micro-batches.
+
+    Args:
+        completion_mask: [N, T] bool of the whole batch (all processes' batches when training on several).
+        mode: seq-mean-token-mean (N), token-mean (number of completion tokens) or seq-mean-token-sum-norm
+            (N * max_new_tokens), where N counts the rollouts with a token in the mask (a rollout filtered out of
+            the loss, e.g. by ``overlong: filter``, leaves the normaliser too).
+        max_new_tokens: T_max, the generation budget.
+    Returns:
+        A positive float (clamped to >= 1 so an empty batch cannot divide by zero).
+    Raises:
+        ValueError: unknown mode, listing the valid ones.
+    """
+    return max(LOSS_AGGREGATIONS.get(mode).normalizer(completion_mask, max_new_tokens), 1.0)
+
+
+def rollout_gradient_weights(completion_mask: Tensor, mode: str, normalizer: float,
+                             num_rollouts: float | None = None) -> Tensor:
+    """omega_i such that the trainer's on-policy loss gradient is -(1/N) sum_i A_i omega_i sum_t grad log pi(o_{i,t}).
+
+    On the first on-policy pass (ratio 1, no clip active, beta = 0) the gradient of the aggregated policy loss is
+    -(1/Z) sum_i A_i v_i sum_t grad log pi(o_{i,t}) with v_i = rollout_weights(mask)_i and Z the normaliser; so
+    omega_i = (N/Z) v_i: 1/|o_i| for seq-mean-token-mean (Z = N), N / sum_j |o_j| for token-mean, 1/T_max for
+    seq-mean-token-sum-norm (docs/theory.md §3). Pass omega to the per-rollout gradient functions of
+    :mod:`grpo_lens.diagnostics.gradients` (``score_weights``) to measure the rows the update actually sums.
+
+    Args:
+        completion_mask: [n, T] bool, the rollouts to weigh (a group, or a batch).
+        mode: a name in :data:`LOSS_AGGREGATIONS`.
+        normalizer: Z of the batch the loss is normalised over (:func:`loss_normalizer`, summed over processes).
+        num_rollouts: N of that batch (rollouts in the loss); default: the rollouts of ``completion_mask`` with a token.
+
+    Returns:
+        [n] float64.
+
+    Raises:
+        ValueError: unknown mode, or normalizer <= 0.
+    """
+    if normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    agg = LOSS_AGGREGATIONS.get(mode)
+    n = _rollouts_in_loss(completion_mask) if num_rollouts is None else float(num_rollouts)
+    return agg.rollout_weights(completion_mask.to(torch.float64)) * (n / normalizer)
+
+
+def aggregate_loss(loss: Tensor, mask: Tensor, mode: str, normalizer: float) -> Tensor:
+    """One micro-batch's share of the batch loss: numerator(loss, mask) / normalizer.
+
+    Summing this over the micro-batches of a batch gives exactly the whole batch's aggregated loss, for every mode,
+    whatever the completion lengths in each micro-batch.
+
+    Args:
+        loss: [n, T] per-token loss of the micro-batch's n rollouts.
+        mask: [n, T] bool completion mask.
+        mode: a name in :data:`LOSS_AGGREGATIONS`.
+        normalizer: from :func:`loss_normalizer` on the whole batch.
+    Returns:
+        A scalar tensor.
+    Raises:
+        ValueError: unknown mode.
+    """
+    return LOSS_AGGREGATIONS.get(mode).numerator(loss, mask.to(loss.dtype)) / normalizer
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    normalizer: float,
+    aggregation: str = "seq-mean-token-mean",
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    beta: float = 0.0,
+    ref_logp: Tensor | None = None,
+    kl_estimator: str = "k3",
+    token_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GRPO's objective (negated) on one micro-batch: clipped surrogate + beta * KL, aggregated.
+
+    Source: DeepSeekMath, arXiv 2402.03300, eq. 3 (with the aggregation and clip options of DAPO and Dr. GRPO).
+
+    Args:
+        logp: [n, T] log pi_theta of the completion tokens (with gradient).
+        old_logp: [n, T] log pi_old (sampler); equal to logp.detach() on the first on-policy pass.
+        advantages: [n] per-rollout advantages A_i.
+        mask: [n, T] bool completion mask.
+        normalizer: the whole batch's :func:`loss_normalizer`.
+        aggregation: a name in :data:`LOSS_AGGREGATIONS`.
+        eps_low, eps_high, dual_clip: see :func:`clipped_surrogate`.
+        beta: KL coefficient >= 0; 0 skips the reference model.
+        ref_logp: [n, T] log pi_ref; required when beta > 0.
+        kl_estimator: k1, k2 or k3.
+        token_weights: [n, T] detached per-token weights on the policy term (e.g. the truncated importance weights
+            of :func:`truncated_is_weights`); None = 1.
+
+    Returns:
+        (loss, metrics). ``loss`` is this micro-batch's share of the batch loss (sums over micro-batches).
+        ``metrics`` holds, for the micro-batch: ``loss/policy`` and ``loss/kl`` (the two parts of ``loss``, summable
+        over micro-batches like ``loss``), token means ``kl/mean``, ``clip/ratio_low`` (share of tokens with
+        rho < 1 - eps_low and A < 0, where the clip binds), ``clip/ratio_high`` (rho > 1 + eps_high and A > 0),
+        ``clip/ratio_region`` (either), ``clip/ratio_dual`` (dual clip binds), ``ratio/mean``, ``ratio/max``,
+        and ``tokens`` (the count these means are over, to weight them when combining micro-batches).
+
+    Raises:
+        ValueError: beta > 0 without ref_logp, shape mismatch, unknown aggregation or KL estimator.
+    """
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must all be [n, T]")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [n] = [{logp.shape[0]}], got {tuple(advantages.shape)}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp (log-probs of the reference model)")
+
+    maskf = mask.to(logp.dtype)
+    policy_tok, ratio = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
+    if token_weights is not None:
+        if token_weights.shape != logp.shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} must be [n, T] = {tuple(logp.shape)}")
+        policy_tok = policy_tok * token_weights.detach().to(policy_tok.dtype)
+    policy = aggregate_loss(policy_tok, maskf, aggregation, normalizer)
+    kl_tok = kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else None
+    if beta > 0:
+        kl_part = beta * aggregate_loss(kl_tok, maskf, aggregation, normalizer)
+        loss = policy + kl_part
+    else:  # KL is still measured when ref_logp is given, but carries no gradient
+        kl_part = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        loss = policy
+
+    with torch.no_grad():
+        tokens = maskf.sum().clamp(min=1.0)
+        adv = advantages.unsqueeze(-1).expand_as(ratio)
+        low = (ratio < 1.0 - eps_low) & (adv < 0) & mask
+        high = (ratio > 1.0 + eps_high) & (adv > 0) & mask
+        dual = torch.zeros_like(mask)
+        if dual_clip is not None:
+            dual = (adv < 0) & (ratio > dual_clip) & mask
+        metrics = {
+            "loss/policy": float(policy.detach()),
+            "loss/kl": float(kl_part.detach()),
+            "kl/mean": float((kl_tok.detach() * maskf).sum() / tokens) if kl_tok is not None else 0.0,
+            "clip/ratio_low": float(low.sum() / tokens),
+            "clip/ratio_high": float(high.sum() / tokens),
+            "clip/ratio_region": float((low | high).sum() / tokens),
+            "clip/ratio_dual": float(dual.sum() / tokens),
+            "ratio/mean": float((ratio * maskf).sum() / tokens),
+            "ratio/max": float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
+            "tokens": float(maskf.sum()),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampler-vs-trainer mismatch (docs/theory.md §Sampler-trainer mismatch)
+# ---------------------------------------------------------------------------------------------------------------------
+def truncated_is_weights(trainer_logp: Tensor, sampler_logp: Tensor, cap: float) -> Tensor:
+    """Truncated importance weights w = min(pi_trainer / pi_sampler, cap) per token, detached.
+
+    Corrects the policy gradient for tokens drawn by a sampler whose numerics differ from the trainer's (Ionides,
+    "Truncated Importance Sampling", J. Comput. Graph. Stat. 17(2), 2008, eq. 2.3; applied to LLM RL by Yao et al.,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", 2025). The log-ratio is clamped to
+    +-LOG_RATIO_CLAMP before exponentiating.
+
+    Args:
+        trainer_logp: [N, T] the trainer's log-probs of the sampled tokens (pi_old, detached).
+        sampler_logp: [N, T] the sampler's recorded log-probs of the same tokens.
+        cap: C > 0, the truncation level.
+    Returns:
+        [N, T] float weights in (0, cap].
+    Raises:
+        ValueError: cap <= 0.
+    """
+    if not cap > 0:
+        raise ValueError(f"the truncated importance-sampling cap must be > 0, got {cap}")
+    log_w = torch.clamp(trainer_logp.detach() - sampler_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(log_w).clamp(max=cap)
+
+
+def mismatch_sums(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Sums over the masked tokens of one micro-batch, to be divided by the token count by the caller.
+
+    With d = log pi_trainer - log pi_sampler per sampled token (samples drawn from the sampler):
+    ``abs_diff_sum`` = sum |d|; ``abs_diff_max`` = max |d|; ``k3_sum`` = sum (exp(d) - d - 1), whose mean is the
+    k3 estimate of KL(pi_sampler || pi_trainer) (Schulman 2020; unbiased, >= 0), d clamped to +-LOG_RATIO_CLAMP;
+    ``tokens`` = number of masked tokens.
+
+    Args:
+        trainer_logp, sampler_logp: [n, T].   mask: [n, T] bool.
+    Returns:
+        dict of python floats.
+    """
+    m = mask.bool()
+    d = torch.clamp(trainer_logp.detach().float() - sampler_logp.float(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[m]
+    if d.numel() == 0:
+        return {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
+    return {"abs_diff_sum": float(d.abs().sum()), "abs_diff_max": float(d.abs().max()),
+            "k3_sum": float((torch.expm1(d) - d).sum()), "tokens": float(d.numel())}
+
+
+def aggregation_rollout_weights(completion_mask: Tensor, aggregation: str) -> Tensor:
+    """c_i: the weight the loss aggregation's numerator puts on rollout i's length-normalised score gradient g_i.
+
+    On the first (on-policy) pass the policy loss's gradient is -(1/Z) sum_i A_i c_i g_i with Z the aggregation's
+    normaliser: c_i = 1 for seq-mean-token-mean (each rollout's token mean), c_i = |o_i| for the token-sum modes
+    (token-mean, seq-mean-token-sum-norm). Computed from the registered numerator applied to a loss of 1 on every
+    token of row i, so a newly registered aggregation is handled too (its numerator must be a sum over rows).
+
+    Args:
+        completion_mask: [N, T] bool.
+        aggregation: a name in :data:`grpo_lens.losses.LOSS_AGGREGATIONS`.
+
+    Returns:
+        [N] float64, >= 0 (0 for an empty completion).
+
+    Raises:
+        ValueError: unknown aggregation (listing the valid ones).
+    """
+
+    numerator = LOSS_AGGREGATIONS.get(aggregation).numerator
+    mask = completion_mask.to(torch.float64)
+    ones = torch.ones_like(mask)
+    return torch.stack([numerator(ones[i:i + 1], mask[i:i + 1]) for i in range(mask.shape[0])]).reshape(-1)

@@ -1,0 +1,96 @@
+"""Per-rollout gradients g_i: an exact oracle (one backward per rollout) and LoGra sketches (one batched backward).
+
+Notation (docs/theory.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
+T completion tokens, P parameters, k sketch dimension. The quantity everything here differentiates is the
+length-normalised score of rollout i,
+
+    s_i = (1/|o_i|) sum_t log pi_theta(o_{i,t} | q, o_{i,<t}),      g_i = grad_theta s_i,
+
+computed with grpo-lens' one log-prob definition (temperature-scaled, docs/theory.md §Log-probabilities) by
+:func:`grpo_lens.rollout.completion_logprobs`.
+A rollout with an empty completion (|o_i| = 0) has s_i = 0 and g_i = 0.
+
+Two paths:
+
+- exact (:func:`exact_rollout_grads`): one forward and one backward per rollout; returns the dense [N, P] matrix.
+  The oracle for tests and for small models.
+- sketched (:class:`GradientCapture`, :func:`sketch_rollout_grads`): hooks on ``nn.Linear`` modules capture each
+  layer's input x_t [d_in] and output gradient delta_t [d_out] during ONE batched backward. For a linear layer the
+  per-rollout weight gradient is sum_{t in row i} delta_t x_t^T; its two-sided random projection
+  P_out (sum_t delta_t x_t^T) P_in^T = sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only
+  (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
+
+Only weights of ``nn.Linear`` modules are sketched: embeddings, norms and biases are not. With tied embeddings the
+``lm_head`` sketch covers the output-projection use of the shared matrix only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def kronecker_sketch_variance_factor(k_in: int, k_out: int) -> float:
+    """c(k_in, k_out) = 2/k_in + 2/k_out + 4/(k_in k_out): the worst-case relative variance of a sketched inner product.
+
+    For one layer with independent Gaussian P_in [k_in, d_in], P_out [k_out, d_out] with N(0, 1/k) entries and
+    S(G) = P_out G P_in^T, the estimate X = <S(A), S(B)> of <A, B> is unbiased and (Wishart moments
+    E[Q M Q] = M + (M^T + tr(M) I)/k for Q = P^T P)
+
+        Var X = (1/k_out) [tr((B A^T)^2) + ||B A^T||_F^2] + (1/k_in) [tr((A^T B)^2) + ||A^T B||_F^2]
+              + (1/(k_in k_out)) [||B A^T||_F^2 + ||A^T B||_F^2 + <A,B>^2 + ||A||^2 ||B||^2]
+              <= c(k_in, k_out) ||A||_F^2 ||B||_F^2,
+
+    with equality for A = B of rank one (then X is a product of two independent chi^2 estimates). Higher-rank
+    gradients get close to the floor ||A||^2 ||B||^2 / (k_in k_out) of a plain JL sketch of dimension k_in*k_out.
+    """
+    return 2.0 / k_in + 2.0 / k_out + 4.0 / (k_in * k_out)
+
+
+def kronecker_sketch_variance(a: Tensor, b: Tensor, k_in: int, k_out: int) -> float:
+    """Exact Var <S(A), S(B)> of the two-sided Gaussian sketch (formula of :func:`kronecker_sketch_variance_factor`).
+
+    Args:
+        a, b: [d_out, d_in] two weight gradients of one layer.
+        k_in, k_out: sketch sizes.
+
+    Returns:
+        the variance, in squared units of <A, B>.
+    """
+    a, b = a.double(), b.double()
+    ba, ab = b @ a.T, a.T @ b  # [d_out, d_out], [d_in, d_in]
+    fro2 = lambda m: float(m.square().sum())  # noqa: E731
+    return ((float(torch.trace(ba @ ba)) + fro2(ba)) / k_out + (float(torch.trace(ab @ ab)) + fro2(ab)) / k_in
+            + (fro2(ba) + fro2(ab) + float((a * b).sum()) ** 2 + fro2(a) * fro2(b)) / (k_in * k_out))
+
+
+def sketch_gram_error_bound(layer_grams: Sequence[Tensor] | Tensor, k_in: int, k_out: int) -> float:
+    """Bound on the expected relative Frobenius error of the sketched Gram matrix of N rollouts over L layers.
+
+    Layers have independent projections, so entry variances add over layers; summing the bound of
+    :func:`kronecker_sketch_variance_factor` over the N^2 entries gives
+
+        E ||G_hat - G||_F^2 <= c(k_in, k_out) * sum_l (tr G_l)^2,
+        rel_err = sqrt(E ||G_hat - G||_F^2) / ||G||_F <= sqrt(c * sum_l (tr G_l)^2) / ||G||_F
+                                                      <= sqrt(c) * tr(G) / ||G||_F,
+
+    G_l = exact per-layer Gram [N, N], G = sum_l G_l. For k_in = k_out = 16, c = 0.266 (sqrt 0.52 per layer);
+    spreading the norm over L layers shrinks it by about 1/sqrt(L); O(1/sqrt(k)) in general.
+
+    Args:
+        layer_grams: L exact Gram matrices [N, N] (list or [L, N, N]).
+        k_in, k_out: sketch sizes per side.
+
+    Returns:
+        the bound on sqrt(E ||G_hat - G||_F^2) / ||G||_F (dimensionless); 0 when G = 0.
+    """
+    grams = torch.stack(list(layer_grams)) if not isinstance(layer_grams, Tensor) else layer_grams
+    grams = grams.double()
+    total = grams.sum(0).norm()
+    if total == 0:
+        return 0.0
+    traces = grams.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return float(math.sqrt(kronecker_sketch_variance_factor(k_in, k_out) * float((traces**2).sum())) / total)

@@ -1,0 +1,368 @@
+"""Sparsity of GRPO's signal and updates (docs/theory.md §9): S1 zero-variance groups, S2 small entries, S3 Hoyer, S4 bf16
+update sparsity.
+
+Shapes: B prompts, R group size, P parameters (or entries of any gradient vector).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+
+def zero_variance_groups(rewards: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Which groups have all (valid) rewards equal, hence A = 0 and no policy gradient (docs/theory.md §2).
+
+    Args:
+        rewards: [B, R] float.
+        mask: [B, R] bool of valid rollouts, optional (invalid ones are ignored; a group with < 2 valid counts
+            as zero-variance).
+
+    Returns:
+        [B] bool.
+    """
+    assert rewards.dim() == 2, rewards.shape
+    if mask is None:
+        return rewards.max(1).values == rewards.min(1).values
+    assert mask.shape == rewards.shape, (mask.shape, rewards.shape)
+    mask = mask.bool()
+    hi = torch.where(mask, rewards, torch.full_like(rewards, -math.inf)).max(1).values
+    lo = torch.where(mask, rewards, torch.full_like(rewards, math.inf)).min(1).values
+    return (mask.sum(1) < 2) | (hi == lo)
+
+
+def zero_variance_fraction(rewards: Tensor, mask: Tensor | None = None) -> float:
+    """S1 measured: share of groups whose rewards are all equal. rewards: [B, R]. Returns a float in [0, 1]."""
+    return float(zero_variance_groups(rewards, mask).double().mean())
+
+
+def predicted_zero_variance_fraction(success_rates: Tensor, group_size: int) -> float:
+    """S1 predicted: mean over prompts of p^R + (1-p)^R, the chance that R Bernoulli(p) rewards are all equal.
+
+    Args:
+        success_rates: [B] per-prompt success probabilities p in [0, 1].
+        group_size: R.
+
+    Returns:
+        float in [0, 1] (p = 0.5, R = 2 gives 0.5).
+
+    Raises:
+        ValueError: p outside [0, 1] or R < 1.
+    """
+    p = torch.as_tensor(success_rates, dtype=torch.float64).reshape(-1)
+    if group_size < 1:
+        raise ValueError(f"group size must be >= 1, got {group_size}")
+    if ((p < 0) | (p > 1)).any():
+        raise ValueError("success rates must lie in [0, 1]")
+    return float((p**group_size + (1 - p) ** group_size).mean())
+
+
+def predicted_zero_variance_fraction_from_rewards(rewards: Tensor, threshold: float = 0.5) -> float:
+    """S1 predicted from per-prompt empirical success rates p_b = mean_i [r_{b,i} > threshold] of the same rewards.
+
+    Caveat: a plug-in from the same R samples is biased towards 1 (a group with k = 0 or R gets p = 0 or 1, hence
+    prediction 1); the unbiased estimate of p^R + (1-p)^R from those R samples is the measured indicator itself.
+    Feed :func:`predicted_zero_variance_fraction` success rates from other samples (e.g. earlier steps) to test the
+    Bernoulli model.
+
+    Args:
+        rewards: [B, R].
+        threshold: a reward above it counts as a success.
+    """
+    assert rewards.dim() == 2, rewards.shape
+    p = (rewards > threshold).double().mean(1)
+    return predicted_zero_variance_fraction(p, rewards.shape[1])
+
+
+def unbiased_zero_variance_probability(correct: Tensor | int, rollouts: Tensor | int, group_size: int) -> Tensor:
+    """Unbiased estimate of p^R + (1-p)^R from M >= R Bernoulli(p) rollouts of which k are correct.
+
+        est(k; M, R) = [C(k, R) + C(M - k, R)] / C(M, R),
+
+    the chance that R rollouts drawn without replacement from the M are all correct or all wrong. It is a
+    U-statistic: averaging the indicator "all R equal" over every R-subset of the M, whose expectation is
+    p^R + (1-p)^R for each subset, so E[est] = p^R + (1-p)^R exactly (Hoeffding 1948; docs/theory.md §S1). With
+    M = R it is the indicator itself; the plug-in p_hat^R + (1-p_hat)^R is biased upwards (Jensen).
+
+    Args:
+        correct: k, [B] long/float (or an int), 0 <= k <= M.
+        rollouts: M, [B] or an int, M >= R.
+        group_size: R >= 1.
+
+    Returns:
+        [B] float64 in [0, 1] (a 0-d tensor for scalar inputs).
+
+    Raises:
+        ValueError: R < 1, M < R, or k outside [0, M].
+    """
+    k = torch.as_tensor(correct, dtype=torch.float64)
+    m = torch.as_tensor(rollouts, dtype=torch.float64)
+    k, m = torch.broadcast_tensors(k, m)
+    if group_size < 1:
+        raise ValueError(f"group size R must be >= 1, got {group_size}")
+    if (m < group_size).any():
+        raise ValueError(f"need M >= R = {group_size} rollouts per prompt, got M = {int(m.min())}")
+    if ((k < 0) | (k > m)).any() or (k != k.round()).any():
+        raise ValueError("correct counts k must be whole numbers in [0, M]")
+
+    def log_choose(n: Tensor, r: int) -> Tensor:  # log C(n, r), -inf where n < r
+        out = torch.lgamma(n + 1) - math.lgamma(r + 1) - torch.lgamma((n - r).clamp(min=0) + 1)
+        return torch.where(n >= r, out, torch.full_like(n, -math.inf))
+
+    denom = log_choose(m, group_size)
+    return (log_choose(k, group_size) - denom).exp() + (log_choose(m - k, group_size) - denom).exp()
+
+
+def s1_metrics(rewards: Tensor, success_rates: Tensor | None = None, mask: Tensor | None = None) -> dict[str, float]:
+    """{"sparsity/zero_var_frac": measured, "sparsity/zero_var_pred": predicted} for a batch of rewards [B, R].
+
+    ``success_rates`` [B] if known, else the plug-in of :func:`predicted_zero_variance_fraction_from_rewards`.
+    """
+    pred = (predicted_zero_variance_fraction(success_rates, rewards.shape[1]) if success_rates is not None
+            else predicted_zero_variance_fraction_from_rewards(rewards))
+    return {"sparsity/zero_var_frac": zero_variance_fraction(rewards, mask), "sparsity/zero_var_pred": pred}
+
+
+def _flat(g: Tensor | Iterable[Tensor]) -> Tensor:
+    if isinstance(g, Tensor):
+        return g.detach().reshape(-1)
+    return torch.cat([t.detach().reshape(-1) for t in g])
+
+
+def small_entry_share(g: Tensor | Iterable[Tensor], tau: float = 1e-3) -> float:
+    """S2: share of entries with |g_j| <= tau * max_j |g_j|.
+
+    Args:
+        g: a gradient [P] (any shape, or a list of tensors, e.g. every parameter's ``.grad``).
+        tau: relative threshold in [0, 1].
+
+    Returns:
+        float in [0, 1]; 1 for an all-zero g (every entry is at most 0).
+    """
+    v = _flat(g).abs().double()
+    return float((v <= tau * v.max()).double().mean())
+
+
+def hoyer_sparsity(g: Tensor | Iterable[Tensor]) -> float:
+    """S3: Hoyer sparsity (sqrt(n) - ||g||_1/||g||_2) / (sqrt(n) - 1) (Hoyer, JMLR 5, 2004, eq. 1).
+
+    1 for a one-hot vector, 0 for a constant-magnitude vector; computed in float64.
+
+    Args:
+        g: [P] (any shape or a list of tensors), n = P >= 2 entries.
+
+    Returns:
+        float in [0, 1]; 1 for an all-zero g (by convention: no entry is non-zero).
+
+    Raises:
+        ValueError: fewer than 2 entries.
+    """
+    v = _flat(g).double()
+    n = v.numel()
+    if n < 2:
+        raise ValueError(f"Hoyer sparsity needs at least 2 entries, got {n}")
+    l2 = v.norm()
+    if l2 == 0:
+        return 1.0
+    return float((math.sqrt(n) - v.abs().sum() / l2) / (math.sqrt(n) - 1))
+
+
+def bf16_unchanged_fraction(before: Iterable[Tensor], after: Iterable[Tensor]) -> float:
+    """Share of parameters whose bf16 value is identical in two snapshots (Mukherjee et al. 2025, arXiv 2505.11711).
+
+    Args:
+        before, after: matching tensors (any dtype; compared after casting to bfloat16).
+
+    Returns:
+        float in [0, 1] (1 for no parameters).
+    """
+    same = total = 0
+    for a, b in zip(before, after, strict=True):
+        assert a.shape == b.shape, (a.shape, b.shape)
+        same += int((a.to(torch.bfloat16) == b.to(device=a.device, dtype=torch.bfloat16)).sum())
+        total += a.numel()
+    return same / total if total else 1.0
+
+
+#: (type, regex searched in a parameter name), tried in this order; the first match is the parameter's type (norm
+#: first, so that ``post_attention_layernorm`` is a norm, not attention).
+LAYER_TYPES: tuple[tuple[str, str], ...] = (
+    ("norm", r"norm|ln_"),
+    ("embedding", r"embed|wte|wpe|lm_head"),
+    ("attention", r"q_proj|k_proj|v_proj|o_proj|attn|attention"),
+    ("mlp", r"gate_proj|up_proj|down_proj|mlp|fc\d"),
+)
+
+
+def layer_type(name: str) -> str:
+    """The layer type of parameter ``name``: norm, embedding, attention, mlp (:data:`LAYER_TYPES`), else other."""
+    for kind, pattern in LAYER_TYPES:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def _weights_like(x: Tensor, weights: Tensor | None) -> Tensor:
+    w = torch.ones_like(x, dtype=torch.float64) if weights is None else weights.to(torch.float64)
+    assert w.shape == x.shape, (w.shape, x.shape)
+    return w
+
+
+def zero_share(x: Tensor, weights: Tensor | None = None) -> float:
+    """Share of entries exactly 0. x: [S]; weights: [S] entries each sample stands for (None: 1 each). -> [0, 1]."""
+    w = _weights_like(x, weights)
+    return float((w * (x == 0)).sum() / w.sum()) if w.sum() > 0 else 1.0
+
+
+def weighted_hoyer(x: Tensor, weights: Tensor | None = None) -> float:
+    """Hoyer sparsity (S3) (sqrt(n) - ||x||_1/||x||_2) / (sqrt(n) - 1) of the full vector, from weighted samples.
+
+    n = sum w (the full vector's length); ||x||_1 ~ sum w |x|, ||x||_2^2 ~ sum w x^2 (exact with unit weights on
+    every entry, where it equals :func:`grpo_lens.diagnostics.hoyer_sparsity`). Source: Hoyer, JMLR 5 (2004), eq. 1.
+
+    Args:
+        x: [S] float.  weights: [S] > 0 or None.
+
+    Returns:
+        float in [0, 1]; 1 for an all-zero x.
+    """
+    w = _weights_like(x, weights)
+    v = x.detach().double()
+    n = float(w.sum())
+    if n < 2:
+        raise ValueError(f"Hoyer sparsity needs at least 2 entries, got {n}")
+    l2 = math.sqrt(float((w * v.square()).sum()))
+    if l2 == 0:
+        return 1.0
+    l1 = float((w * v.abs()).sum())
+    return (math.sqrt(n) - l1 / l2) / (math.sqrt(n) - 1)
+
+
+def top_energy_share(x: Tensor, weights: Tensor | None = None, top: float = 0.01) -> float:
+    """Share of ||x||^2 held by the largest-|x| ``top`` fraction of entries (S2-style; 0.01 = the top 1%).
+
+    With weights, entries are sorted by |x| and taken, largest first, until their weights reach ``top * sum w``
+    (the last one fractionally). A dense vector with equal magnitudes gives ``top``; a one-hot vector gives 1.
+
+    Args:
+        x: [S] float.  weights: [S] or None.  top: fraction in (0, 1].
+
+    Returns:
+        float in [0, 1]; ``top`` for an all-zero x (no entry is larger than another).
+    """
+    if not 0 < top <= 1:
+        raise ValueError(f"top must be in (0, 1], got {top}")
+    w = _weights_like(x, weights)
+    e = x.detach().double().square()
+    total = float((w * e).sum())
+    if total == 0:
+        return top
+    order = torch.argsort(e, descending=True)
+    e, w = e[order], w[order]
+    budget = top * float(w.sum())
+    before = torch.cumsum(w, 0) - w  # weight of the larger entries
+    take = (budget - before).clamp(min=0).minimum(w)  # how much of each entry's weight is in the top
+    return float((take * e).sum() / total)
+
+
+def sparsity_measures(x: Tensor, weights: Tensor | None = None, top: float = 0.01) -> dict[str, float]:
+    """{"zero": :func:`zero_share`, "hoyer": :func:`weighted_hoyer`, "top1_energy": :func:`top_energy_share`}."""
+    return {"zero": zero_share(x, weights), "hoyer": weighted_hoyer(x, weights),
+            "top1_energy": top_energy_share(x, weights, top)}
+
+
+def bf16_rounding_cell(values: Tensor) -> tuple[Tensor, Tensor]:
+    """[lo, hi]: the float32 interval that rounds to the same bfloat16 value as each entry.
+
+    bf16 keeps the top 16 bits of a float32, so the bf16 neighbours of v = bf16(x) are the float32 bit patterns
+    of v +- 2^16; the cell runs between the midpoints (round to nearest; ties, which have measure 0, are ignored).
+
+    Args:
+        values: [S] float.
+
+    Returns:
+        (lo [S], hi [S]) float64 with lo <= x <= hi for finite x.
+    """
+    v = values.detach().float().to(torch.bfloat16).float()
+    bits = v.view(torch.int32)
+    a = (bits + 65536).view(torch.float32).double()  # next bf16 away from 0 (towards -inf for negative v)
+    b = (bits - 65536).view(torch.float32).double()  # next bf16 towards 0
+    v64 = v.double()
+    zero = v == 0
+    tiny = 2.0 ** -133  # the smallest positive bf16 (subnormal)
+    b = torch.where(zero, torch.full_like(v64, -tiny), b)  # bits - 2^16 of +0 is not a number
+    a = torch.where(zero, torch.full_like(v64, tiny), a)
+    m1, m2 = (v64 + a) / 2, (v64 + b) / 2
+    return torch.minimum(m1, m2), torch.maximum(m1, m2)
+
+
+def dense_bf16_unchanged_probability(values: Tensor, rms: Tensor | float) -> Tensor:
+    """P(bf16(v + d) == bf16(v)) for a dense Gaussian update d ~ N(0, rms^2) of each entry.
+
+    = Phi((hi - v) / rms) - Phi((lo - v) / rms) with [lo, hi] the bf16 rounding cell of v
+    (:func:`bf16_rounding_cell`). The control for the bf16-unchanged share: an update with no zero entries at all
+    still leaves this share of bf16 values unchanged.
+
+    Args:
+        values: [S] float, the weights before the update.
+        rms: scalar or [S] > 0, the update's per-tensor root mean square.
+
+    Returns:
+        [S] float64 probabilities (1 where rms = 0).
+    """
+    lo, hi = bf16_rounding_cell(values)
+    v = values.detach().double()
+    s = torch.as_tensor(rms, dtype=torch.float64).expand_as(v)
+    safe = s.clamp(min=1e-300)
+    phi = lambda z: 0.5 * torch.erfc(-z / math.sqrt(2.0))  # noqa: E731  (standard normal CDF, accurate in the tails)
+    p = phi((hi - v) / safe) - phi((lo - v) / safe)
+    return torch.where(s > 0, p, torch.ones_like(p))
+
+
+def update_sparsity(before: Tensor, after: Tensor, weights: Tensor | None = None,
+                    rms: Tensor | float | None = None) -> dict[str, float]:
+    """Sparsity of the update d = after - before of sampled entries, and its bf16 view with the dense control.
+
+    Args:
+        before, after: [S] float32 weights (the sampled entries).
+        weights: [S] entries each sample stands for, or None.
+        rms: [S] or scalar, the per-tensor RMS of d for the dense control; default: the RMS of the given d.
+
+    Returns:
+        {"f32_unchanged": share with d = 0 exactly, "bf16_unchanged": share with bf16(after) = bf16(before),
+         "bf16_dense": the expected bf16-unchanged share of a dense Gaussian update with the same per-tensor RMS,
+         "hoyer", "top1_energy": of d}. All weighted means over the sampled entries.
+    """
+    assert before.shape == after.shape, (before.shape, after.shape)
+    d = after.detach().float() - before.detach().float()
+    w = _weights_like(d, weights)
+    if rms is None:
+        rms = float(d.double().square().mean().sqrt()) if d.numel() else 0.0
+    same16 = before.detach().float().to(torch.bfloat16) == after.detach().float().to(torch.bfloat16)
+    dense = dense_bf16_unchanged_probability(before, rms)
+    m = sparsity_measures(d, w)
+    return {"f32_unchanged": m["zero"], "bf16_unchanged": float((w * same16).sum() / w.sum()),
+            "bf16_dense": float((w * dense).sum() / w.sum()), "hoyer": m["hoyer"],
+            "top1_energy": m["top1_energy"]}
+
+
+#: Metric names of :meth:`SparsityOverTraining.after_step` for the whole model; per layer type they are
+#: ``sparsity/<type>/<name>`` (docs/metrics.md).
+UPDATE_MEASURES = ("f32_unchanged", "bf16_unchanged", "bf16_dense", "hoyer", "top1_energy")
+
+
+GRAD_MEASURES = ("zero", "hoyer", "top1_energy")
+
+
+def flatten_sparsity(prefix: str, results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """{"all": {m: v}, type: {m: v}} -> {"sparsity/<prefix>_<m>": v, "sparsity/<type>/<prefix>_<m>": v}."""
+    out = {}
+    for group, values in results.items():
+        head = "sparsity/" if group == "all" else f"sparsity/{group}/"
+        for m, v in values.items():
+            out[f"{head}{prefix}_{m}"] = v
+    return out

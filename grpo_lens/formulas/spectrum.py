@@ -1,0 +1,420 @@
+"""Singular values and effective-rank measures of GRPO gradient matrices (docs/theory.md §5).
+
+Matrices (N = B*R rollouts, R group size, B prompts, P parameters or k sketch dims):
+
+- G1 per-rollout matrix, rows A_i g_i: [R, P] (all parameters, one layer's slice, or a sketch).
+- G2 per-layer weight gradient of the group (or batch) loss: [d_out, d_in]
+  (:func:`grpo_lens.diagnostics.gradients.layer_weight_grads`).
+- G3 per-group matrix, rows = each group's policy gradient sum_i A_i g_i: [B, P]
+  (:func:`grpo_lens.diagnostics.gradients.group_row_sums`).
+
+Controls on the same tokens (:func:`g1_spectra`): rows g_i without advantages; rows w_i g_i with random zero-sum weights
+w of the same norm as A (averaged over draws); rows of the supervised NLL gradient. Sign-flipped or permuted
+advantages are not used as controls: singular values do not change when rows change sign, and the random zero-sum
+weights replace the "shuffled advantages" of the starting design with a control that keeps sum w = 0 and ||w|| = ||A|| without
+reusing A's values.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from grpo_lens.registry import Registry
+
+RankMeasure = Callable[[Tensor], float]
+
+
+RANK_MEASURES: Registry[RankMeasure] = Registry("rank measure")
+
+
+def _clean(s: Tensor) -> Tensor:
+    s = torch.as_tensor(s).detach().double().reshape(-1)
+    if (s < 0).any():
+        raise ValueError("singular values must be >= 0")
+    return torch.sort(s, descending=True).values
+
+
+@RANK_MEASURES.register("erank")
+def effective_rank(s: Tensor) -> float:
+    """Roy & Vetterli (EUSIPCO 2007) effective rank exp(-sum_k p_k ln p_k), p_k = s_k / sum s (0 ln 0 = 0).
+
+    s: [m] singular values >= 0. Returns a float in [1, m] (0 for all-zero s).
+    """
+    s = _clean(s)
+    total = s.sum()
+    if total == 0:
+        return 0.0
+    p = s[s > 0] / total
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+@RANK_MEASURES.register("stable_rank")
+def stable_rank(s: Tensor) -> float:
+    """Stable rank ||M||_F^2 / ||M||_2^2 = sum s^2 / s_1^2. s: [m]. Returns a float in [1, m] (0 for all-zero s)."""
+    s = _clean(s)
+    if s.numel() == 0 or s[0] == 0:
+        return 0.0
+    return float((s**2).sum() / s[0] ** 2)
+
+
+@RANK_MEASURES.register("participation_ratio")
+def participation_ratio(s: Tensor) -> float:
+    """Participation ratio of the energies s^2: (sum s^2)^2 / sum s^4. s: [m]. In [1, m]; 0 for all-zero s."""
+    s = _clean(s)
+    e = s**2
+    denom = (e**2).sum()
+    if denom == 0:
+        return 0.0
+    return float(e.sum() ** 2 / denom)
+
+
+def energy_rank(s: Tensor, fraction: float) -> int:
+    """Fewest singular values holding ``fraction`` of the energy sum s^2 (k90: 0.9, k99: 0.99).
+
+    A relative slack of 1e-12 absorbs round-off (s = (3, 1) holds exactly 9/10 in s_1: k90 = 1). 0 for all-zero s.
+
+    Raises:
+        ValueError: fraction outside (0, 1].
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    e = _clean(s) ** 2
+    total = e.sum()
+    if total == 0:
+        return 0
+    cum = e.cumsum(0) / total
+    return int((cum < fraction - 1e-12).sum()) + 1
+
+
+@RANK_MEASURES.register("k90")
+def k90(s: Tensor) -> float:
+    """:func:`energy_rank` at 90%."""
+    return float(energy_rank(s, 0.90))
+
+
+@RANK_MEASURES.register("k99")
+def k99(s: Tensor) -> float:
+    """:func:`energy_rank` at 99%."""
+    return float(energy_rank(s, 0.99))
+
+
+def rank_measures(singular_values: Tensor, names: list[str] | None = None) -> dict[str, float]:
+    """All (or the named) measures of :data:`RANK_MEASURES` for one spectrum (docs/theory.md §5).
+
+    Args:
+        singular_values: [m] >= 0 (any order).
+        names: subset of :data:`RANK_MEASURES`; None = all of erank, stable_rank, participation_ratio, k90, k99.
+
+    Returns:
+        {name: float}; every measure is 0 for a zero matrix (no NaN).
+
+    Raises:
+        ValueError: an unknown measure name (listing the valid ones) or a negative singular value.
+    """
+    return {name: RANK_MEASURES.get(name)(singular_values) for name in (names or RANK_MEASURES.names())}
+
+
+def numerical_rank(s: Tensor, rtol: float | None = None, shape: tuple[int, int] | None = None,
+                   dtype: torch.dtype = torch.float64) -> int:
+    """Number of singular values above rtol * s_1 (numpy's matrix_rank rule).
+
+    Args:
+        s: [m] singular values.
+        rtol: relative tolerance; default max(shape) * eps(dtype) when ``shape`` is given, else m * eps(dtype).
+        shape: the matrix shape, for the default tolerance.
+        dtype: the precision the matrix was computed in (pass torch.float32 for gradients of a float32 model even
+            after ``.double()``, or its round-off counts as rank).
+    """
+    s = _clean(s)
+    if s.numel() == 0 or s[0] == 0:
+        return 0
+    if rtol is None:
+        rtol = (max(shape) if shape else s.numel()) * torch.finfo(dtype).eps
+    return int((s > rtol * s[0]).sum())
+
+
+def singular_values(matrix: Tensor, method: str = "auto") -> Tensor:
+    """Singular values of ``matrix`` [m, n], descending, float64.
+
+    ``method="gram"`` (chosen by ``"auto"`` when min(m, n) <= 64 and the other side is at least 4 times larger,
+    e.g. G1's R x P) takes sqrt of the eigenvalues of the smaller Gram matrix M M^T (or M^T M) in float64: cheap
+    for R x P. It loses relative accuracy below about 1e-8 * s_1 (squared condition number); use ``"svd"`` for
+    numerical ranks. ``"svd"`` calls ``torch.linalg.svdvals`` in float64.
+
+    Returns:
+        [min(m, n)] float64 >= 0.
+
+    Raises:
+        ValueError: matrix not 2-D, or an unknown method.
+    """
+    if matrix.dim() != 2:
+        raise ValueError(f"expected a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if method not in ("auto", "gram", "svd"):
+        raise ValueError(f"unknown method {method!r}; valid names: auto, gram, svd")
+    m = matrix.detach().double()
+    small, large = sorted(m.shape)
+    if method == "auto":
+        method = "gram" if small <= 64 and large >= 4 * small else "svd"
+    if method == "svd":
+        return torch.linalg.svdvals(m)
+    gram = m @ m.T if m.shape[0] <= m.shape[1] else m.T @ m
+    eig = torch.linalg.eigvalsh(gram).clamp(min=0.0)
+    return torch.sort(eig.sqrt(), descending=True).values
+
+
+def gram_singular_values(gram: Tensor) -> Tensor:
+    """Singular values of M from its Gram matrix M M^T [R, R] (e.g. a sketched Gram). Returns [R] float64 >= 0."""
+    g = gram.detach().double()
+    g = (g + g.T) / 2
+    return torch.sort(torch.linalg.eigvalsh(g).clamp(min=0.0).sqrt(), descending=True).values
+
+
+def matrix_rank_measures(matrix: Tensor, method: str = "auto") -> dict[str, float]:
+    """:func:`rank_measures` of :func:`singular_values` of ``matrix`` [m, n], plus ``fro_norm`` (its ||.||_F)."""
+    s = singular_values(matrix, method)
+    out = rank_measures(s)
+    out["fro_norm"] = float(s.square().sum().sqrt())
+    return out
+
+
+def g1_matrix(grads: Tensor, advantages: Tensor) -> Tensor:
+    """G1 (docs/theory.md §5): rows A_i g_i. grads [R, P] (or [R, k] sketches); advantages [R]. Returns [R, P]."""
+    assert grads.dim() == 2 and advantages.shape == (grads.shape[0],), (grads.shape, advantages.shape)
+    return grads * advantages.to(grads.dtype).unsqueeze(1)
+
+
+def g3_matrix(grads: Tensor, advantages: Tensor) -> Tensor:
+    """G3 (docs/theory.md §5): one row per group, sum_{i in group b} A_i g_i.
+
+    Args:
+        grads: [N, P] per-rollout g_i (or [N, k] sketches), N = B*R, groups contiguous.
+        advantages: [B, R].
+
+    Returns:
+        [B, P].
+    """
+    b, r = advantages.shape
+    assert grads.dim() == 2 and grads.shape[0] == b * r, (grads.shape, advantages.shape)
+    return (grads.reshape(b, r, -1) * advantages.to(grads.dtype).unsqueeze(-1)).sum(1)
+
+
+def random_zero_sum_weights(advantages: Tensor, num_draws: int, generator: torch.Generator | None = None) -> Tensor:
+    """Random zero-sum weights with the same Euclidean norm as the advantages: the G1 control (docs/theory.md §5).
+
+    w = z - mean z, z ~ N(0, I_R), rescaled so that ||w|| = ||A|| (all zeros when A = 0).
+
+    Args:
+        advantages: [R].
+        num_draws: D.
+        generator: optional torch generator (CPU).
+
+    Returns:
+        [D, R] float64.
+    """
+    r = advantages.shape[-1]
+    z = torch.randn(num_draws, r, generator=generator, dtype=torch.float64)
+    w = z - z.mean(-1, keepdim=True)
+    target = advantages.detach().double().norm()
+    norm = w.norm(dim=-1, keepdim=True)
+    return torch.where(norm > 0, w / norm.clamp(min=1e-300) * target, torch.zeros_like(w))
+
+
+def g1_spectra(
+    grads: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor | None = None,
+    *,
+    num_random: int = 8,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
+    """Rank measures of G1 and its same-token controls for one group.
+
+    Rows (R of them, each a [P] gradient or a [k] sketch):
+
+    - ``policy``: A_i g_i (G1 itself).
+    - ``score``: g_i (no advantages).
+    - ``random``: w_i g_i with w from :func:`random_zero_sum_weights` (``num_random`` draws, measures averaged).
+    - ``nll``: -(|o_i| / sum_j |o_j|) g_i, the rows of the supervised token-mean NLL gradient (only when
+      ``completion_mask`` is given).
+
+    Args:
+        grads: [R, P] per-rollout g_i (exact or sketched).
+        advantages: [R].
+        completion_mask: [R, T] bool, optional.
+        num_random: number of random-weight draws.
+        seed: their seed.
+
+    Returns:
+        {control: {measure: float}} (measures of :func:`rank_measures`, plus ``fro_norm``).
+    """
+    assert grads.dim() == 2 and advantages.shape == (grads.shape[0],), (grads.shape, advantages.shape)
+    g = grads.detach().double()
+    # One Gram matrix serves every control: rows w_i g_i have Gram W G W with W = diag(w).
+    gram = g @ g.T
+
+    def measures(w: Tensor) -> dict[str, float]:
+        s = gram_singular_values(gram * torch.outer(w, w))
+        out = rank_measures(s)
+        out["fro_norm"] = float(s.square().sum().sqrt())
+        return out
+
+    out = {"policy": measures(advantages.detach().double()), "score": measures(torch.ones(len(g), dtype=g.dtype))}
+    gen = torch.Generator().manual_seed(seed)
+    draws = [measures(w) for w in random_zero_sum_weights(advantages, num_random, gen)]
+    out["random"] = {k: sum(d[k] for d in draws) / len(draws) for k in draws[0]} if draws else {}
+    if completion_mask is not None:
+        lengths = completion_mask.double().sum(-1)
+        out["nll"] = measures(-lengths / lengths.sum().clamp(min=1.0))
+    return out
+
+
+def flatten_metrics(nested: dict, prefix: str = "rank") -> dict[str, float]:
+    """{"policy": {"erank": 1.9}} -> {"rank/policy/erank": 1.9} (metric keys grouped by slash, docs/metrics.md)."""
+    flat = {}
+    for key, value in nested.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            flat.update(flatten_metrics(value, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _sequences(completion_ids: Tensor, completion_mask: Tensor) -> list[tuple[int, ...]]:
+    assert completion_ids.shape == completion_mask.shape, (completion_ids.shape, completion_mask.shape)
+    ids, mask = completion_ids.tolist(), completion_mask.bool().tolist()
+    return [tuple(t for t, keep in zip(row, m) if keep) for row, m in zip(ids, mask)]
+
+
+def distinct_completions(completion_ids: Tensor, completion_mask: Tensor) -> int:
+    """Number of distinct completions among the R rollouts of one group (identical completions have identical g_i,
+    so G1 of the group has rank at most this number).
+
+    Args:
+        completion_ids: [R, T] long.
+        completion_mask: [R, T] bool.
+    """
+    return len(set(_sequences(completion_ids, completion_mask)))
+
+
+def distinct_completions_per_group(completion_ids: Tensor, completion_mask: Tensor, group_size: int) -> Tensor:
+    """:func:`distinct_completions` of each group. completion_ids/mask: [N, T]. Returns [B] long."""
+    n = completion_ids.shape[0]
+    if n % group_size:
+        raise ValueError(f"number of rollouts {n} is not a multiple of the group size {group_size}")
+    return torch.tensor([
+        distinct_completions(completion_ids[b:b + group_size], completion_mask[b:b + group_size])
+        for b in range(0, n, group_size)], dtype=torch.long)
+
+
+def count_distinct_prefixes(completion_ids: Tensor, completion_mask: Tensor, proper: bool = False) -> int:
+    """Number of distinct non-empty completion prefixes o_{i,<=t} over the rollouts of one group.
+
+    Args:
+        completion_ids: [R, T] long.
+        completion_mask: [R, T] bool.
+        proper: count only prefixes shorter than their completion (t = 1..|o_i|-1) instead of t = 1..|o_i|.
+    """
+    prefixes = set()
+    for seq in _sequences(completion_ids, completion_mask):
+        prefixes.update(seq[:t] for t in range(1, len(seq) + (0 if proper else 1)))
+    return len(prefixes)
+
+
+def g2_rank_bound(prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> int:
+    """Upper bound on rank(G2) of any linear layer for ONE group: prompt tokens + distinct proper completion prefixes.
+
+    G2 = sum_i (A_i/|o_i|) sum_t delta_{i,t} x_{i,t}^T over input positions. Causal attention makes the layer
+    input x at a position a function of the tokens up to it, so x is the same for all R rollouts at prompt
+    positions (same prompt, same padding) and equal for two rollouts at completion positions whose prefixes agree.
+    The input position of a completion's last token predicts nothing and nothing attends back to it, so its delta
+    is 0. Grouping the remaining terms by distinct x leaves at most Lp_real + #{distinct o_{i,<=t}, t < |o_i|}
+    rank-one terms. rank(G2) is also at most min(d_out, d_in); for a batch, add the bounds of its groups.
+
+    Args:
+        prompt_mask: [R, Lp] (rows equal; the first row is counted).
+        completion_ids: [R, T] long.
+        completion_mask: [R, T] bool.
+
+    Returns:
+        the bound (int).
+    """
+    return int(prompt_mask[0].bool().sum()) + count_distinct_prefixes(completion_ids, completion_mask, proper=True)
+
+
+def weighted_gram_measures(gram: Tensor, weights: Tensor) -> dict[str, float]:
+    """Rank measures of the matrix with rows w_i g_i from the Gram matrix G = (<g_i, g_j>): its Gram is W G W.
+
+    Args:
+        gram: [R, R] float64.  weights: [R].
+
+    Returns:
+        {measure: float} for every :data:`RANK_MEASURES` name.
+    """
+    w = weights.to(gram.dtype)
+    return rank_measures(gram_singular_values(gram * torch.outer(w, w)))
+
+
+def orthogonal_null_singular_values(gram: Tensor, advantages: Tensor) -> Tensor:
+    """Singular values |A_i| ||g_i|| of G1 if its rows were orthogonal (the structureless null, docs/theory.md §5).
+
+    gram: [R, R]; advantages: [R]. Returns [R] float64, descending.
+    """
+    s = advantages.double().abs() * gram.diagonal().double().clamp(min=0).sqrt()
+    return torch.sort(s, descending=True).values
+
+
+def g1_singular_values(grads: Tensor, advantages: Tensor) -> Tensor:
+    """Singular values of G1 (rows A_i g_i). grads [R, K]; advantages [R]. Returns [R] float64, descending."""
+    g = grads.detach().double()
+    return gram_singular_values((g @ g.T) * torch.outer(advantages.double(), advantages.double()))
+
+
+def top_singular_value(matrix: Tensor, rank: int = 8, iters: int = 4) -> float:
+    """s_1 of ``matrix`` [m, n] by randomized subspace iteration (Halko, Martinsson & Tropp, SIAM Review 53(2), 2011,
+    Alg. 4.4; ``torch.svd_lowrank``) with ``rank`` vectors and ``iters`` power iterations, in float32, with a fixed
+    seed in a forked RNG (deterministic, leaves the global RNG alone). The error in s_1 shrinks like
+    (s_{rank+1}/s_1)^(2 iters + 1); exact for matrices of rank <= ``rank``. A few passes over the matrix instead of a
+    full SVD: every layer of a 135M model in about a second."""
+    m = matrix.detach().float()
+    if not bool(m.any()):
+        return 0.0
+    q = min(rank, *m.shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        _, s, _ = torch.svd_lowrank(m, q=q, niter=iters)
+    return float(s[0])
+
+
+def weighted_row_sum(rows: Tensor, weights: Tensor) -> Tensor:
+    """sum_i w_i rows_i. rows: [N, K] (exact [N, P] or sketch [N, k]); weights: [N]. Returns [K].
+
+    Sketches are linear in the gradient, so the sketch of sum_i A_i g_i is ``weighted_row_sum(sketch, A)``.
+    """
+    assert rows.dim() == 2 and weights.shape == (rows.shape[0],), (rows.shape, weights.shape)
+    return weights.to(rows.dtype) @ rows
+
+
+def group_row_sums(rows: Tensor, group_size: int, weights: Tensor | None = None) -> Tensor:
+    """Per-group sums of (weighted) rows: rows of G3 (docs/theory.md §5) when ``weights = A``.
+
+    Args:
+        rows: [N, K], N = B*R, groups contiguous.
+        group_size: R.
+        weights: [N] or [B, R], optional.
+
+    Returns:
+        [B, K].
+
+    Raises:
+        ValueError: N is not a multiple of R.
+    """
+    n, k = rows.shape
+    if n % group_size:
+        raise ValueError(f"number of rows {n} is not a multiple of the group size {group_size}")
+    if weights is not None:
+        rows = rows * weights.reshape(n, 1).to(rows.dtype)
+    return rows.reshape(n // group_size, group_size, k).sum(1)

@@ -1,0 +1,146 @@
+"""One analysis path: everything measured on ONE group of R rollouts, as a flat dict of canonical metric keys.
+
+:func:`analyse_group` is the single per-group function that both the trainer's lens (:mod:`grpo_lens.lens`) and
+``grpo-lens probe`` (:mod:`grpo_lens.probe`) call; they only aggregate its rows over groups (the lens: means over the
+step's mixed groups; the probe: means with bootstrap intervals, strata by k and by distinct completions, see
+:mod:`grpo_lens.diagnostics.stats`). Every key is documented in docs/metrics.md; formulas are in docs/theory.md.
+
+Inputs are the group's per-rollout gradients ``grads`` [R, K] (exact [R, P] or a linear sketch [R, K]: everything here
+uses inner products only, so a sketch gives unbiased Gram entries), its rewards [R] and the advantages [R] the trainer
+actually used. ``grads`` row i must be the rollout's term in the trainer's loss gradient without its advantage
+(``sum_i A_i grads_i`` = the group's share of the update direction; docs/theory.md §3).
+
+Keys (``<m>`` ranges over :data:`grpo_lens.diagnostics.spectrum.RANK_MEASURES`: erank, stable_rank,
+participation_ratio, k90, k99):
+
+- ``group/size`` R, ``group/reward_mean``, ``group/correct`` k (0/1 rewards only), ``group/distinct_completions``
+  (when completion ids are given).
+- ``rank/g1_<m>``: G1, rows A_i g_i.  Controls on the same rows: ``rank/g1_no_adv_<m>`` (rows g_i),
+  ``rank/g1_random_<m>`` (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>``
+  (rows of the supervised token-mean NLL gradient; with a completion mask), ``rank/g1_null_<m>`` (the orthogonal null:
+  singular values |A_i| ||g_i||, what G1 would have if its rows were orthogonal) and ``rank/g1_<m>_vs_null`` =
+  rank/g1_<m> / rank/g1_null_<m>.
+- ``grad/identity_residual``: relative residual of sum_i A_i g_i = c (gbar_C - gbar_W) with the estimator's own c
+  (:func:`grpo_lens.diagnostics.identity.identity_constant`); absent when the identity does not apply (non-binary
+  rewards, an estimator without the decomposition, advantages not two-valued per class). ``grad/identity_constant`` c.
+- ``baseline/m_correct``, ``baseline/m_wrong``, ``baseline/b_star``, ``baseline/group_mean``,
+  ``baseline/b_star_minus_mean`` (0/1 rewards).
+- ``zero_sum/span_energy`` (share of G1's energy in span{gbar_C, gbar_W}), ``zero_sum/cos_gap`` (mean within-class
+  minus mean between-class cosine of the g_i), each with ``..._null`` (mean over relabellings that keep k),
+  ``..._excess`` (observed minus that mean) and ``..._p`` (permutation p-value, exact over all C(R, k) relabellings up
+  to ``max_permutations``); 0/1 rewards only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpo_lens.formulas.spectrum import top_singular_value
+from grpo_lens.gradients.params import linear_layer_names
+
+
+def module_kind(name: str) -> str:
+    """The last component of a module name (``model.layers.3.mlp.down_proj`` -> ``down_proj``): the layer type G2 is
+    summarised by."""
+    return name.rsplit(".", 1)[-1]
+
+
+def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str, float]:
+    """Reference for :class:`G2WeightingCapture` from materialised weight gradients (slower: a backward and a
+    decomposition per weighting). ``rank/g2_<weighting>_<type>_stable_rank``: the mean over the layers of each type of
+    the stable rank
+    ||G2||_F^2 / s_1^2 of their G2 (one weighting's weight gradients, {layer name: [d_out, d_in]}); s_1 by randomized
+    subspace iteration (:func:`top_singular_value`), so every layer of a 135M model costs a few passes over its
+    matrix instead of a full SVD."""
+    per_type: dict[str, list[float]] = {}
+    for name, g2 in layer_grads.items():
+        s1 = top_singular_value(g2)
+        fro2 = float(g2.detach().float().square().sum(dtype=torch.float64))
+        per_type.setdefault(module_kind(name), []).append(fro2 / s1**2 if s1 > 0 else 0.0)
+    return {f"rank/g2_{weighting}_{t}_stable_rank": sum(v) / len(v) for t, v in per_type.items()}
+
+
+class G2WeightingCapture:
+    """Stable rank of every nn.Linear layer's G2 under several row weightings, from ONE backward (docs/theory.md §6).
+
+    G2 of a layer under weights w is M(w) = sum_i w_i sum_t delta_{i,t} x_{i,t}^T = D^T W X, with D [nL, d_out] the
+    output gradients and X [nL, d_in] the inputs at the n·L positions of the batch (backpropagating sum_i s_i once),
+    and W the per-position weight (w_i on rollout i's positions): rows never interact, so rollout i's deltas scale by
+    w_i. With K_X = X X^T and K_D(w) = W D D^T W, both [nL, nL]:
+
+        ||M(w)||_F^2 = sum_ab K_X[a, b] K_D(w)[a, b],      s_1(M(w))^2 = lambda_max(K_X K_D(w))
+
+    (the nonzero eigenvalues of M M^T and of K_X K_D(w) agree). K_X and D D^T are formed once per layer in the
+    backward hook and every weighting costs only [nL, nL] work, instead of a backward and a decomposition of
+    [d_out, d_in] per weighting. lambda_max by 50 power iterations on K_X K_D(w) (a product of two PSD matrices, with
+    real nonnegative eigenvalues).
+
+    Args:
+        model: the model (its nn.Linear layers are hooked).
+        weightings: {name: [n] weights}, n = rollouts of the pass.
+
+    After a forward + backward inside the context, :meth:`result` gives
+    ``{"rank/g2_<name>_<type>_stable_rank": mean over the layers of that type}``.
+    """
+
+    def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor]):
+        self.model = model
+        self.weightings = {k: v.detach().float() for k, v in weightings.items()}
+        modules = dict(model.named_modules())
+        self.layers = {n: modules[n] for n in linear_layer_names(model)}
+        self.stable: dict[str, dict[str, float]] = {}  # layer -> weighting -> stable rank
+        self._handles: list = []
+
+    def _forward(self, name: str, module, args, output) -> None:
+        if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        x = args[0].detach()
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [nL, d_in]
+        n = x.shape[0] if x.dim() == 3 else 1
+
+        def on_grad(grad: Tensor) -> None:
+            d2 = grad.reshape(-1, grad.shape[-1]).float()  # [nL, d_out]
+            keep = d2.abs().sum(1) > 0  # positions with no gradient (padding, the last token) add nothing
+            xs, ds = x2[keep], d2[keep]
+            rollout = torch.arange(n, device=grad.device).repeat_interleave(x2.shape[0] // n)[keep]
+            kx, kd = xs @ xs.T, ds @ ds.T
+            out = {}
+            for wname, w in self.weightings.items():
+                wp = w.to(grad.device)[rollout]
+                kdw = kd * torch.outer(wp, wp)
+                fro2 = float((kx * kdw).sum(dtype=torch.float64))
+                if fro2 <= 0:
+                    out[wname] = 0.0
+                    continue
+                v = torch.ones(kx.shape[0], device=grad.device) / kx.shape[0] ** 0.5
+                lam = 0.0
+                for _ in range(50):
+                    u = kx @ (kdw @ v)
+                    lam = float(u.norm())
+                    if lam == 0:
+                        break
+                    v = u / lam
+                out[wname] = fro2 / lam if lam > 0 else 0.0
+            self.stable[name] = out
+
+        output.register_hook(on_grad)
+
+    def __enter__(self) -> "G2WeightingCapture":
+        for name, module in self.layers.items():
+            self._handles.append(module.register_forward_hook(
+                lambda m, a, o, _name=name: self._forward(_name, m, a, o)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def result(self) -> dict[str, float]:
+        """{"rank/g2_<weighting>_<type>_stable_rank": mean over the layers of each type}."""
+        per: dict[tuple[str, str], list[float]] = {}
+        for name, by_w in self.stable.items():
+            for wname, sr in by_w.items():
+                per.setdefault((wname, module_kind(name)), []).append(sr)
+        return {f"rank/g2_{w}_{t}_stable_rank": sum(v) / len(v) for (w, t), v in per.items()}

@@ -1,0 +1,73 @@
+"""LoRA through peft: wrap the policy, name its parameter spaces for the lens, save it merged and adapter-only.
+
+With ``--lora-rank r`` each targeted linear layer W [out, in] becomes W + (alpha / r) B A with A [r, in], B [out, r]
+trainable and W frozen (Hu et al. 2021, arXiv 2106.09685, eq. 3; peft's ``LoraConfig``). The optimizer, the gradient
+clipping, the checkpoints and the lens's update sparsity (S4) then see only the adapter parameters.
+
+The lens measures per-rollout gradients in one of two spaces (``--lens-space``):
+
+- ``trainable`` (default): the gradient of every trainable parameter -- with LoRA the adapter's A and B, measured
+  exactly (one backward per rollout; the adapter is small), which is the space the update moves in;
+- ``full``: the gradient with respect to every frozen base weight W of the linear layers, as full fine-tuning would
+  follow it (sketched, the base space is large). Because the frozen W sits in the same forward pass, its gradient
+  is delta^T x of the base layer, read by hooks on the base layers without updating W.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grpo_lens.gradients.exact import exact_rollout_grads
+from grpo_lens.gradients.sketch import sketch_rollout_grads
+from grpo_lens.lora import ADAPTER_MARK
+
+
+def adapter_layers(name: str) -> bool:
+    """Layer filter (for :func:`grpo_lens.diagnostics.sketch_rollout_grads`) of the LoRA adapter's linear maps."""
+    return ADAPTER_MARK in name
+
+
+def base_layers(name: str) -> bool:
+    """Layer filter of the frozen base model's linear layers (the full fine-tuning space)."""
+    return ADAPTER_MARK not in name
+
+
+def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int = 16, seed: int = 0,
+                       projection: str = "gaussian", dtype: torch.dtype = torch.float32,
+                       score_weights: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Per-rollout gradients g_i of a LoRA policy's rollouts (g_i = grad of omega_i times the rollout's log-prob sum,
+    omega_i = 1/|o_i| unless ``score_weights``; docs/theory.md §3) in the adapter space or the full space.
+
+    Args:
+        model: a policy wrapped by :func:`apply_lora`.
+        batch: N rollouts (:class:`grpo_lens.rollout.RolloutBatch`).
+        space: ``trainable`` -- exact gradients of the adapter's A and B ([N, P_adapter], one backward per rollout);
+            ``full`` -- gradients of every frozen base linear weight W, sketched with k x k Kronecker projections
+            per layer ([N, layers * k^2]; ``projection="identity"`` gives them exactly, [N, sum d_out d_in]).
+        k, seed, projection, dtype: of the sketch (:func:`grpo_lens.diagnostics.sketch_rollout_grads`).
+        score_weights: [N] omega_i (:func:`grpo_lens.diagnostics.rollout_scores`).  temperature: the sampler's.
+
+    Returns:
+        [N, K] in the model's dtype (exact) or ``dtype`` (sketch).
+
+    Raises:
+        ValueError: an unknown ``space``.
+
+    The two spaces are tied by the chain rule: with the update s B A (s = alpha / r) added to W,
+    grad_B = s grad_W A^T and grad_A = s B^T grad_W (tests/test_lora.py checks this).
+    """
+    if space == "trainable":
+        return exact_rollout_grads(model, batch, score_weights=score_weights, temperature=temperature)
+    if space != "full":
+        raise ValueError(f"unknown lens space {space!r}; valid names: full, trainable")
+    # A frozen base layer's output carries a gradient only once the input embeddings' output requires one
+    # (transformers' enable_input_require_grads); the sketch then differentiates with respect to it alone.
+    model.enable_input_require_grads()
+    try:
+        return sketch_rollout_grads(model, batch, k_in=k, k_out=k, include=base_layers, seed=seed,
+                                       projection=projection, dtype=dtype, score_weights=score_weights,
+                                       temperature=temperature).sketch
+    finally:
+        model.disable_input_require_grads()

@@ -1,0 +1,17 @@
+"""``grpo-lens probe``: the gradient structure of a model for several group sizes R, and its studies.
+
+config    :class:`ProbeConfig`, the probe's settings
+run       :func:`run_probe`: sample, analyse every mixed group, aggregate, write probe.json and report.md
+studies   the baseline study and the credit study
+"""
+
+from grpo_lens._legacy import moved_attribute
+from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.run import run_probe
+
+__all__ = ["ProbeConfig", "run_probe"]
+
+
+def __getattr__(name: str):
+    """0.1 names of this path that now live in one of its modules (DeprecationWarning, one release)."""
+    return moved_attribute(__name__, name)

@@ -1,0 +1,431 @@
+"""``grpo-lens probe``: measure the structure of GRPO's gradient on a model, for several group sizes R.
+
+For each R the probe samples a FIXED number of prompts (``--prompts``; it never stops early at the N-th mixed group,
+so S1 and every per-group mean are unbiased over the task's prompts), M = max(2R, 8) completions of each (the first
+R form the GRPO group; all M give the prompt's success rate and the baseline-variance resampling). Every mixed group
+(all rewards valid, not all equal) goes through the one per-group analysis path,
+:func:`grpo_lens.diagnostics.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
+(one layer's G1, G2, credit) that return keys of the same vocabulary. The probe then only aggregates rows over groups:
+means with 95% bootstrap intervals over groups, strata by k (correct count) and by distinct completions, and G3 (one
+matrix over the analysed groups).
+
+probe.json::
+
+    {"meta": {model, task, gradients: "sketch"|"exact", sketch_dim, std, eps, layer, seconds, ...},
+     "per_group_size": {"<R>": {
+         rollouts_per_prompt, prompts_sampled, groups_all_equal, groups_mixed, groups_invalid, s1_measured,
+         s1_predicted,
+         groups: [{canonical key: value} per analysed group],
+         summary: {canonical key: {mean, lo, hi, n}},
+         strata: {"correct": {"<k>": {key: {mean, lo, hi, n}}}, "distinct": {"<d>": {...}}},
+         g3: {rank/g3_<m>: value, rank/g3_null_<m>: value, groups},
+         spectra: {"G1": [[s_1, ...] per group], "G1_no_adv": [...], "G1_null": [...], "G2": [...]},
+         baselines: {variance: {...}, relative_variance: {...}, prompts},
+         credit: {position_profile},
+         timing: {generation_seconds, gradient_seconds (of which g2_weightings_seconds, sketch_check_seconds),
+                  seconds}}},
+     "studies": {...}}
+
+Keys are documented in docs/metrics.md; formulas in docs/theory.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from grpo_lens.analysis.group import (
+    analyse_group,
+    g1_rank_keys,
+    g2_keys,
+    parameter_category,
+    sketch_check_keys,
+)
+from grpo_lens.config import ConfigError, resolve_device
+from grpo_lens.formulas.advantages import compute_advantages
+from grpo_lens.formulas.baselines import (
+    estimator_variances,
+    variance_relative_to_optimal,
+)
+from grpo_lens.formulas.credit import (
+    answer_mask_from_tokenizer,
+    completion_positions,
+    credit_metrics,
+    position_profile,
+    token_advantages,
+)
+from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
+from grpo_lens.formulas.sparsity import (
+    unbiased_zero_variance_probability,
+    zero_variance_groups,
+)
+from grpo_lens.formulas.spectrum import (
+    g1_singular_values,
+    g2_rank_bound,
+    gram_singular_values,
+    orthogonal_null_singular_values,
+    rank_measures,
+    singular_values,
+)
+from grpo_lens.formulas.stats import bootstrap_ci, stratify_rows, summarise_rows
+from grpo_lens.formulas.zero_sum import WEIGHTINGS, weightings
+from grpo_lens.gradients.exact import exact_rollout_grads
+from grpo_lens.gradients.g2 import G2WeightingCapture
+from grpo_lens.gradients.params import linear_layer_names, param_slices
+from grpo_lens.gradients.scores import rollout_scores
+from grpo_lens.gradients.sketch import sketch_rollout_grads, token_grad_sq_norms
+from grpo_lens.models import load_model
+from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.studies import run_baseline_study, run_credit_study
+from grpo_lens.report import write_report
+from grpo_lens.rewards import combine_rewards, parse_reward_specs
+from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
+from grpo_lens.rundir import atomic_write_text
+from grpo_lens.seeding import seed_everything
+from grpo_lens.tasks import get_task
+
+logger = logging.getLogger(__name__)
+
+
+def default_layer(model: torch.nn.Module) -> str:
+    """The middle decoder layer's MLP down projection (or the middle linear layer of any model)."""
+    names = linear_layer_names(model)
+    down = [n for n in names if n.endswith("down_proj")]
+    pool = down or [n for n in names if "lm_head" not in n]
+    if not pool:
+        raise ValueError("the model has no nn.Linear layers to probe")
+    return pool[len(pool) // 2]
+
+
+#: Keys whose summaries the probe also stratifies by k and by distinct completions.
+STRATA_KEYS = tuple(f"rank/{m}_{x}" for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank",
+                                                                                                      "stable_rank"))\
+    + ("rank/g1_erank_vs_null", "rank/g1_stable_rank_vs_null", "grad/identity_residual", "zero_sum/span_energy",
+       "zero_sum/span_energy_null", "zero_sum/span_energy_excess", "zero_sum/span_energy_p", "zero_sum/cos_gap",
+       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
+
+
+def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
+    """omega_i [n] of the per-rollout term the configured loss aggregation weights, with ``sub`` (a group, or a prompt's
+    M rollouts) as the batch (docs/theory.md §3; :func:`grpo_lens.losses.rollout_gradient_weights`)."""
+    mask = sub.completion_mask
+    return rollout_gradient_weights(mask, config.loss_aggregation,
+                                    loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens))
+
+
+def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None):
+    """(all-parameter rows [n, P or K], exact rows of ``layer``'s weight gradient [n, d_out*d_in] or None, token
+    squared norms [n, Lp+T] or None), from one pass: in sketch mode the layer's exact rows are captured in the same
+    backward as the sketch (identity projection), so G1_layer and G2 need no pass of their own."""
+    proc = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
+    if config.exact:
+        grads = exact_rollout_grads(policy, sub, **proc)
+        layer_rows = grads[:, param_slices(policy)[layer + ".weight"]] if layer else None
+        return grads, layer_rows, None
+    sketch = sketch_rollout_grads(policy, sub, k_in=config.sketch_dim, k_out=config.sketch_dim,
+                                     seed=config.seed, token_norms=True, exact_layers=[layer] if layer else (),
+                                     **proc)
+    return sketch.sketch, sketch.exact_layers.get(layer) if layer else None, sketch.token_sq_norms
+
+
+def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, config: ProbeConfig, layer: str,
+                  seed: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """One mixed group of R rollouts (rewards [R]): its row of canonical keys and its extras (spectra, G3 row, profile).
+
+    The row is :func:`grpo_lens.diagnostics.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
+    (``rank/g1_layer_*``, from the layer's exact per-rollout weight gradients), G2 of ``layer`` (``rank/g2_*``, their
+    advantage-weighted sum) and credit (``credit/*``).
+    """
+    R = sub.num_rollouts
+    grads, layer_rows, token_sq = _rollout_grads(policy, sub, config, layer)
+    # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
+    g, layer_rows = grads.double().cpu(), layer_rows.cpu()
+    cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
+    sq = g.square().sum(-1).view(1, R) if config.estimator == "optimal" else None
+    adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.eps,
+                             grad_sq_norms=sq)[0]
+    row = analyse_group(g, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.eps,
+                           completion_mask=cmask, completion_ids=cids,
+                           num_random=config.random_draws, seed=seed)
+    row.update(g1_rank_keys(layer_rows, adv, "g1_layer"))
+    gram = g @ g.T
+    extras: dict[str, Any] = {
+        "spectra": {"G1": g1_singular_values(g, adv).tolist(),
+                    "G1_no_adv": gram_singular_values(gram).tolist(),
+                    "G1_null": orthogonal_null_singular_values(gram, adv).tolist()},
+        "g3_rows": {name: (w.unsqueeze(1) * g).sum(0) for name, w in weightings(adv, rewards).items()},
+        "grads": g, "advantages": adv,
+    }
+
+    # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
+    weight = dict(policy.named_modules())[layer].weight
+    g2_raw = (adv.to(layer_rows.dtype) @ layer_rows).reshape(weight.shape)  # sum_i A_i G2_i, exact
+    bound = g2_rank_bound(sub.prompt_mask.cpu(), cids, cmask)
+    s2 = singular_values(g2_raw.double(), method="gram")  # one decomposition for every G2 number
+    row.update(g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype, singular_values=s2))
+    extras["spectra"]["G2"] = s2[:64].tolist()
+
+    token_adv = token_advantages(adv, cmask)
+    if token_sq is None:  # exact mode: the per-token norms come from one more batched backward
+        token_sq = token_grad_sq_norms(policy, sub, temperature=config.temperature,
+                                          score_weights=score_weights(sub, config))
+    comp = completion_positions(token_sq.cpu(), sub.prompt_ids.shape[1])  # [R, T]
+    answer = answer_mask_from_tokenizer(tokenizer, cids, cmask)
+    row.update(credit_metrics(token_adv, comp, cmask, answer))
+    extras["profile"] = position_profile(comp.sqrt(), cmask)
+    return row, extras
+
+
+def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
+                  config: ProbeConfig) -> dict[str, float]:
+    """Stable rank of every nn.Linear layer's G2 under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`,
+    summarised by layer type, from one backward (:class:`grpo_lens.diagnostics.G2WeightingCapture`)."""
+    capture = G2WeightingCapture(policy, weightings(extra["advantages"], rewards))
+    emb_out: list[torch.Tensor] = []
+    handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
+    try:
+        with capture:
+            logp = batch_logprobs(policy, sub, config.temperature)
+            loss = rollout_scores(logp, sub.completion_mask, score_weights(sub, config)).sum()
+            # differentiate w.r.t. the embedding output: every layer's delta, no weight-gradient GEMMs
+            roots = emb_out if emb_out and all(t.requires_grad for t in emb_out) else \
+                [m.weight for m in capture.layers.values() if m.weight.requires_grad]
+            torch.autograd.grad(loss, roots, allow_unused=True)
+    finally:
+        handle.remove()
+    return capture.result()
+
+
+def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: ProbeConfig) -> dict[str, float]:
+    """Exact gradients of every parameter for one analysed group, set against its sketch
+    (:func:`grpo_lens.diagnostics.sketch_check_keys`: coverage of ||g||^2, Gram error and its bound, erank error)."""
+    exact = exact_rollout_grads(policy, sub, temperature=config.temperature,
+                                   score_weights=score_weights(sub, config)).detach().cpu()
+    slices = param_slices(policy)
+    modules = dict(policy.named_modules())
+    by_id = {id(p): slices[n] for n, p in policy.named_parameters() if n in slices}
+    categories: dict[str, list[slice]] = {}
+    for name, sl in slices.items():
+        module = modules.get(name.rsplit(".", 1)[0])
+        categories.setdefault(parameter_category(name, isinstance(module, nn.Linear)), []).append(sl)
+    layer_slices = [by_id[id(m.weight)] for n in linear_layer_names(policy) for m in [modules[n]]
+                    if id(m.weight) in by_id]
+    out = sketch_check_keys(exact, extra["grads"], extra["advantages"], categories, layer_slices,
+                               config.sketch_dim, config.sketch_dim)
+    del exact
+    return out
+
+
+def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str,
+                     on_prompts: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Sample ``config.prompts_for(R)`` prompts with M rollouts each, analyse every mixed group of R, aggregate over
+    groups. ``on_prompts(prompts_just_done, mixed_so_far)`` is called after each batch of prompts (the progress
+    bar)."""
+    t_start = time.perf_counter()
+
+    M = max(2 * R, 8)
+    rows: list[dict[str, float]] = []
+    extras: list[dict[str, Any]] = []
+    checks: list[dict[str, float]] = []  # sketch vs exact on the first coverage_groups groups
+    g2w: list[dict[str, float]] = []  # G2 of every layer under every weighting, first g2_groups groups
+    sampled = all_equal = invalid = 0
+    s1_predictions: list[float] = []  # per prompt, from the rollouts outside its group
+    s1_indicators: list[float] = []  # per prompt with all rewards valid: 1 if its group's rewards are all equal
+    baseline_var: list[dict[str, float]] = []
+    t_gen = t_grad = t_g2 = t_check = 0.0  # t_grad includes t_g2 and t_check
+    draw = 0
+    n_prompts_r = config.prompts_for(R)
+    while sampled < n_prompts_r:
+        draw += 1
+        seed = (config.seed * 1_000_003 + R * 10_007 + draw * 7_919) % (2**31 - 1)
+        n_prompts = min(config.prompts_per_batch, n_prompts_r - sampled)
+        examples = task.sample(n_prompts, seed=seed)
+        t0 = time.perf_counter()
+        batch = sample_groups(policy, tokenizer, examples, M, max_new_tokens=config.max_new_tokens,
+                              temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                              generator_seed=seed)
+        t_gen += time.perf_counter() - t0
+        prompts = [p for p in batch.prompts for _ in range(M)]
+        extras_kw = {k: [v for v in vals for _ in range(M)] for k, vals in batch.extras.items()}
+        rewards, valid, _ = combine_rewards(reward_fns, prompts, batch.completions, **extras_kw)
+        for j in range(len(examples)):
+            sampled += 1
+            rows_j = torch.arange(j * M, (j + 1) * M)
+            r_all, v_all = rewards[rows_j], valid[rows_j]
+            if bool(v_all.all()):  # S1 predicted from the M - R rollouts outside the group (docs/theory.md §S1)
+                k_rest = int((r_all[R:] >= 1.0).sum())
+                s1_predictions.append(float(unbiased_zero_variance_probability(k_rest, M - R, R)))
+            group = rows_j[:R]
+            r_g, v_g = rewards[group], valid[group]
+            if not bool(v_g.all()):
+                invalid += 1
+                continue
+            equal = bool(zero_variance_groups(r_g.view(1, R)))
+            s1_indicators.append(float(equal))
+            if equal:
+                all_equal += 1
+                continue
+            t0 = time.perf_counter()
+            row, extra = measure_group(policy, tokenizer, batch.select(group), r_g, config, layer, seed=seed + j)
+            rows.append(row)
+            extras.append(extra)
+            t1 = time.perf_counter()
+            if len(g2w) < config.g2_groups:
+                g2w.append(g2_weightings(policy, batch.select(group), extra, r_g, config))
+            t2 = time.perf_counter()
+            if not config.exact and len(checks) < config.coverage_groups:
+                checks.append(sketch_check(policy, batch.select(group), extra, config))
+            t_g2 += t2 - t1
+            t_check += time.perf_counter() - t2
+            extra.pop("grads")
+            if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
+                grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, None)
+                var = estimator_variances(grads_m.double().cpu(), r_all.double(), R, num_resamples=config.resamples,
+                                             seed=seed)
+                baseline_var.append(var)
+            t_grad += time.perf_counter() - t0
+        if on_prompts is not None:
+            on_prompts(len(examples), len(rows))
+
+    valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
+    g3: dict[str, Any] = {"groups": len(extras)}  # one matrix: no interval (resampled rows would repeat, lowering rank)
+    if len(extras) >= 2:
+        for name in WEIGHTINGS:
+            g3_rows = torch.stack([e["g3_rows"][name] for e in extras])  # [groups, K]
+            stem = "g3" if name == "adv" else f"g3_{name}"
+            g3.update({f"rank/{stem}_{m}": v for m, v in rank_measures(singular_values(g3_rows)).items()})
+            if name == "adv":
+                g3.update({f"rank/g3_null_{m}": v for m, v in rank_measures(g3_rows.norm(dim=1)).items()})
+    profile: list[float] = []
+    if extras:
+        T = max(len(e["profile"]) for e in extras)
+        for t in range(T):
+            vals = [float(e["profile"][t]) for e in extras
+                    if len(e["profile"]) > t and math.isfinite(float(e["profile"][t]))]
+            profile.append(statistics.fmean(vals) if vals else 0.0)
+    variances = {k: statistics.fmean([v[k] for v in baseline_var]) for k in baseline_var[0]} if baseline_var else {}
+    ci = dict(seed=config.seed)
+    return {
+        "rollouts_per_prompt": M,
+        "prompts_sampled": sampled,
+        "groups_all_equal": all_equal,
+        "groups_mixed": len(rows),
+        "groups_invalid": invalid,
+        "s1_measured": all_equal / valid_groups if valid_groups else None,
+        "s1_predicted": statistics.fmean(s1_predictions) if s1_predictions else None,
+        "s1_predicted_ci": bootstrap_ci(s1_predictions, seed=config.seed),
+        "s1_measured_ci": bootstrap_ci(s1_indicators, seed=config.seed),
+        "groups": rows,
+        "summary": summarise_rows(rows, **ci),
+        "strata": {"correct": stratify_rows(rows, "group/correct", keys=STRATA_KEYS, **ci),
+                   "distinct": stratify_rows(rows, "group/distinct_completions", keys=STRATA_KEYS, **ci)},
+        "g3": g3,
+        "g2_weightings": {"groups": g2w, "summary": summarise_rows(g2w, **ci)} if g2w else None,
+        "sketch_check": {"groups": checks, "summary": summarise_rows(checks, **ci)} if checks else None,
+        "spectra": {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
+        "baselines": {"variance": variances,
+                      "relative_variance": variance_relative_to_optimal(variances) if variances else {},
+                      "prompts": len(baseline_var)},
+        "credit": {"position_profile": profile},
+        "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad, "g2_weightings_seconds": t_g2,
+                   "sketch_check_seconds": t_check, "seconds": time.perf_counter() - t_start},
+    }
+
+
+def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig) -> dict[str, Any]:
+    """The baseline study (with S1 predicted from rollouts outside the group) and the credit study of
+    :mod:`grpo_lens.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent)."""
+    common = dict(group_size=config.study_group_size, max_new_tokens=config.max_new_tokens,
+                  temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
+                  prompts_per_batch=config.prompts_per_batch)
+    out: dict[str, Any] = {}
+    if config.baseline_study_prompts > 0:
+        out["baselines"] = run_baseline_study(
+            policy, tokenizer, task, reward_fns, prompts=config.baseline_study_prompts,
+            max_prompts=4 * config.baseline_study_prompts, sketch_dim=config.sketch_dim,
+            resamples=max(config.resamples, 2), **common)
+    if config.credit_groups > 0:
+        out["credit"] = run_credit_study(
+            policy, tokenizer, task, reward_fns, groups=config.credit_groups,
+            max_prompts=6 * config.credit_groups, mc_groups=config.mc_groups, mc_samples=config.mc_samples,
+            std=config.std, eps=config.eps, **common)
+    return out
+
+
+def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
+    """Run the probe and write OUT/probe.json and OUT/report.md; return OUT.
+
+    Args:
+        config: probe settings; ``out`` is required.
+        policy, tokenizer: an already loaded model (the demo passes the trained one); loaded from config.model if
+            None.
+
+    Raises:
+        ConfigError: bad settings or --out holding a probe without --overwrite.  ModelNotFoundError: no such model.
+    """
+    if not config.out:
+        raise ConfigError("probe field 'out' (flag --out) is required: the directory to write probe.json to")
+    out = Path(config.out)
+    if (out / "probe.json").exists() and not config.overwrite:
+        raise ConfigError(f"{out}/probe.json exists; pass --overwrite to replace it or choose another --out")
+    task = get_task(config.task, dataset=config.dataset, **config.task_options)
+    reward_fns = parse_reward_specs(config.rewards)
+    seed_everything(config.seed)
+    t0 = time.perf_counter()
+    if policy is None:
+        device = resolve_device(config.device)
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        policy, tokenizer = load_model(config.model, dtype=dtype, device=device)
+    policy.eval()  # no dropout: gradients of the sampling distribution
+    layer = config.layer or default_layer(policy)
+    if layer not in linear_layer_names(policy):
+        raise ConfigError(f"probe field 'layer' = {layer!r} is not a linear layer of the model; e.g. "
+                          f"{', '.join(linear_layer_names(policy)[:4])}, ...")
+    per_r = {}
+    progress = None
+    if config.progress:
+        progress = tqdm(total=sum(config.prompts_for(R) for R in config.group_sizes), desc="probe", unit="prompt")
+    for R in config.group_sizes:
+        def on_prompts(done: int, mixed: int, R: int = R) -> None:
+            if progress is not None:
+                progress.set_postfix(R=R, mixed=mixed, refresh=False)
+                progress.update(done)
+
+        per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts)
+        logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)]["groups_mixed"],
+                    per_r[str(R)]["prompts_sampled"], per_r[str(R)]["timing"]["seconds"])
+    if progress is not None:
+        progress.close()
+    t_studies = time.perf_counter()
+    if config.baseline_study_prompts or config.credit_groups:
+        logger.info("probe studies at R = %d: baselines on %d prompts, token credit on %d groups (about 100 s on the "
+                    "default model and CPU)", config.study_group_size, config.baseline_study_prompts,
+                    config.credit_groups)
+    studies = run_studies(policy, tokenizer, task, reward_fns, config)
+    t_studies = time.perf_counter() - t_studies
+    checks = [c for d in per_r.values() if d.get("sketch_check") for c in d["sketch_check"]["groups"]]
+    check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
+    meta = {"model": config.model, "task": config.task, "gradients": "exact" if config.exact else "sketch",
+            "sketch_coverage": (check_summary.get("sketch/coverage") or {}).get("mean"),
+            "sketch_check": check_summary,
+            "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
+            "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,
+            "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
+            "seconds": time.perf_counter() - t0, "studies_seconds": t_studies,
+            "config": {f.name: getattr(config, f.name) for f in fields(config)}}
+    out.mkdir(parents=True, exist_ok=True)
+
+    atomic_write_text(out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r, "studies": studies},
+                                                     indent=1))
+    write_report(out)
+    return out

@@ -1,0 +1,242 @@
+"""Probe-side studies of GRPO's baselines, S1 and token credit on a model and task (``grpo-lens probe``).
+
+Each study samples its own rollouts with the trainer's sampling settings, computes with the pure functions of
+:mod:`grpo_lens.diagnostics` and returns a JSON-ready dict that ``probe.json`` stores and the report renders. Formulas:
+docs/theory.md §S1, §Baselines at matched expectation, §Token credit.
+
+- :func:`run_baseline_study`: >= 8 prompts with reward contrast, M = 4R rollouts each; per-rollout gradient terms
+  c_i g_i sketched over every ``nn.Linear`` weight; bias, variance, MSE and cosine of none / group mean (rescaled) /
+  rloo / leave-one-out b* / population b* against a held-out reference; m_C / m_W and the m_C = m_W test per prompt;
+  ||E h|| of the length-normalised score. The same rollouts give S1 measured (the first R of each prompt) and S1
+  predicted from the other M - R (:func:`s1_measured_and_predicted`), over every sampled prompt.
+- :func:`run_credit_study`: signed per-token contributions to a few groups' updates (exact update direction), their
+  relative-position profile and answer / format / reasoning shares; Monte Carlo segment advantages of one correct and
+  one wrong rollout of the first groups against GRPO's uniform A_i.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from grpo_lens.formulas.advantages import compute_advantages
+from grpo_lens.formulas.baselines import baseline_study
+from grpo_lens.formulas.credit import (
+    TOKEN_CLASSES,
+    class_shares,
+    compare_with_uniform,
+    relative_position_profile,
+    segment_advantages,
+    segment_boundaries,
+    token_classes,
+)
+from grpo_lens.formulas.losses import aggregation_rollout_weights
+from grpo_lens.formulas.sparsity import unbiased_zero_variance_probability
+from grpo_lens.formulas.stats import bootstrap_mean
+from grpo_lens.gradients.sketch import sketch_rollout_grads
+from grpo_lens.gradients.token_credit import prefix_values, signed_token_contributions
+from grpo_lens.rewards import combine_rewards
+from grpo_lens.rollout import sample_groups
+
+
+def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, Any]:
+    """S1 of the first R rollouts of each prompt, and its prediction from the prompt's other M - R rollouts.
+
+    The prediction [C(k', R) + C(M' - k', R)] / C(M', R) (k' correct among the M' = M - R others) is unbiased for
+    p^R + (1-p)^R and independent of the measured group, so measured - predicted has mean 0 under the Bernoulli
+    model (docs/theory.md §S1). Prompts with an invalid reward are left out.
+
+    Args:
+        correct: [B, M] bool.  valid: [B, M] bool.  group_size: R, with M - R >= R.
+
+    Returns:
+        {"measured": bootstrap_mean over prompts of the indicator, "predicted": bootstrap_mean of the estimate,
+         "difference": bootstrap_mean of measured - predicted, "prompts": B used, "rollouts_per_prompt": M}.
+
+    Raises:
+        ValueError: M - R < R.
+    """
+    B, M = correct.shape
+    R = group_size
+    if M - R < R:
+        raise ValueError(f"need M >= 2R rollouts per prompt to predict S1 from rollouts outside the group "
+                         f"(M = {M}, R = {R})")
+    keep = valid.all(1)
+    c = correct[keep].long()
+    group = c[:, :R]
+    measured = ((group.sum(1) == 0) | (group.sum(1) == R)).double()
+    predicted = unbiased_zero_variance_probability(c[:, R:].sum(1), M - R, R)
+    return {"measured": bootstrap_mean(measured.tolist(), bounds=(0.0, 1.0)),
+            "predicted": bootstrap_mean(predicted.tolist(), bounds=(0.0, 1.0)),
+            "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)), "prompts": int(keep.sum()),
+            "rollouts_per_prompt": M}
+
+
+def _score_fn(reward_fns: Any, prompt: Any, extras: dict[str, Any]) -> Callable[[list[str]], list[float]]:
+    """completions -> rewards of one prompt (invalid rewards count as 0)."""
+    def score(texts: list[str]) -> list[float]:
+        rewards, valid, _ = combine_rewards(reward_fns, [prompt] * len(texts), texts,
+                                            **{k: [v] * len(texts) for k, v in extras.items()})
+        return [float(r) if bool(v) else 0.0 for r, v in zip(rewards, valid)]
+
+    return score
+
+
+def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4, prompts: int = 8,
+                       max_prompts: int = 32, prompts_per_batch: int = 4, pool_factor: int = 4,
+                       max_new_tokens: int = 24, temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
+                       sketch_dim: int = 16, aggregation: str = "seq-mean-token-mean", resamples: int = 512,
+                       seed: int = 0) -> dict[str, Any]:
+    """Baselines at matched expectation and S1 predicted without bias, on ``prompts`` prompts with contrast.
+
+    Samples prompts in batches (seeded) with M = pool_factor * R rollouts each until ``prompts`` of them have reward
+    contrast with every reward valid, or ``max_prompts`` were sampled.
+
+    Returns:
+        {"baselines": :func:`grpo_lens.diagnostics.baseline_study.baseline_study` (per-prompt rows trimmed to
+         numbers), "s1": :func:`s1_measured_and_predicted` over every sampled prompt, "meta": {group_size,
+         rollouts_per_prompt, prompts_sampled, gradients: "sketch of every nn.Linear weight", sketch_dim,
+         aggregation, seconds}}.
+
+    Raises:
+        ValueError: pool_factor < 4 (the study needs M >= 4R).
+    """
+    if pool_factor < 4:
+        raise ValueError(f"pool_factor must be >= 4 (M >= 4R rollouts per prompt), got {pool_factor}")
+    t_start = time.perf_counter()
+    R, M = group_size, pool_factor * group_size
+    pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+    correct_rows, valid_rows = [], []
+    sampled, draw = 0, 0
+    while len(pools) < prompts and sampled < max_prompts:
+        draw += 1
+        s = (seed * 1_000_003 + R * 10_007 + draw * 7_919 + 17) % (2**31 - 1)
+        n = min(prompts_per_batch, max_prompts - sampled)
+        examples = task.sample(n, seed=s)
+        batch = sample_groups(policy, tokenizer, examples, M, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, top_k=top_k, generator_seed=s)
+        all_prompts = [p for p in batch.prompts for _ in range(M)]
+        extras = {k: [v for v in vals for _ in range(M)] for k, vals in batch.extras.items()}
+        rewards, valid, _ = combine_rewards(reward_fns, all_prompts, batch.completions, **extras)
+        for j in range(n):
+            sampled += 1
+            rows = torch.arange(j * M, (j + 1) * M)
+            r, v = rewards[rows], valid[rows]
+            correct_rows.append(torch.where(v, r >= 1.0, torch.zeros_like(v)))
+            valid_rows.append(v)
+            if len(pools) >= prompts or not bool(v.all()) or bool((r == r[0]).all()):
+                continue
+            sub = batch.select(rows)
+            c = aggregation_rollout_weights(sub.completion_mask, aggregation)
+            sketch = sketch_rollout_grads(policy, sub, k_in=sketch_dim, k_out=sketch_dim, seed=seed,
+                                          temperature=temperature, weights=c.float().to(sub.completion_ids.device))
+            pools.append((sketch.sketch.detach().double().cpu(), r.double().cpu()))
+    study = baseline_study(pools, R, num_resamples=resamples, seed=seed) if pools else None
+    s1 = s1_measured_and_predicted(torch.stack(correct_rows), torch.stack(valid_rows), R)
+    return {"baselines": study, "s1": s1,
+            "meta": {"group_size": R, "rollouts_per_prompt": M, "prompts_sampled": sampled,
+                     "prompts_with_contrast": len(pools),
+                     "gradients": "LoGra sketch of every nn.Linear weight (embeddings and norms not covered)",
+                     "sketch_dim": sketch_dim, "aggregation": aggregation,
+                     "seconds": time.perf_counter() - t_start}}
+
+
+def _segment_counts(rows: list[dict[str, Any]], z: float = 2.0) -> dict[str, int]:
+    """Segments (all rollouts pooled) whose Monte Carlo advantage opposes / agrees with A_i beyond z SE, and all."""
+    out = {"disagree": 0, "agree": 0, "total": 0}
+    for row in rows:
+        sign = math.copysign(1.0, row["grpo_advantage"]) if row["grpo_advantage"] != 0 else 0.0
+        for a, e in zip(row["advantages"], row["adv_errors"]):
+            out["total"] += 1
+            if abs(a) > z * e and sign != 0:
+                out["agree" if math.copysign(1.0, a) == sign else "disagree"] += 1
+    return out
+
+
+def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
+    if not rows:
+        return []
+    return [bootstrap_mean([r[b] for r in rows]) for b in range(len(rows[0]))]
+
+
+def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4, groups: int = 8,
+                     max_prompts: int = 48, prompts_per_batch: int = 4, mc_groups: int = 2, mc_samples: int = 8,
+                     segments: int = 4, bins: int = 10, max_new_tokens: int = 24, temperature: float = 0.7,
+                     top_k: int = 0, top_p: float = 1.0, aggregation: str = "seq-mean-token-mean",
+                     std: str = "sample", eps: float = 1e-4, step: float = 1e-2, seed: int = 0) -> dict[str, Any]:
+    """Signed token contributions on ``groups`` mixed groups and Monte Carlo advantages on the first ``mc_groups``.
+
+    Returns:
+        {"contributions": {"position_profile": per relative-position bin, bootstrap_mean over groups of the bin's
+         summed share; "classes": {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups};
+         "closure": max |sum s - 1| over groups; "groups": n},
+         "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
+         disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
+         bootstrap_mean over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
+         rollouts (beyond 2 SE), "samples_per_prefix": K},
+         "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
+    """
+    t_start = time.perf_counter()
+    R = group_size
+    profiles, shares, closures, mc_rows = [], [], [], []
+    analysed, sampled, draw = 0, 0, 0
+    while analysed < groups and sampled < max_prompts:
+        draw += 1
+        s = (seed * 1_000_003 + R * 10_007 + draw * 7_919 + 29) % (2**31 - 1)
+        n = min(prompts_per_batch, max_prompts - sampled)
+        examples = task.sample(n, seed=s)
+        batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, top_k=top_k, generator_seed=s)
+        all_prompts = [p for p in batch.prompts for _ in range(R)]
+        extras = {k: [v for v in vals for _ in range(R)] for k, vals in batch.extras.items()}
+        rewards, valid, _ = combine_rewards(reward_fns, all_prompts, batch.completions, **extras)
+        for j in range(n):
+            sampled += 1
+            rows = torch.arange(j * R, (j + 1) * R)
+            r, v = rewards[rows], valid[rows]
+            if analysed >= groups or not bool(v.all()) or bool((r == r[0]).all()):
+                continue
+            analysed += 1
+            group = batch.select(rows)
+            adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, eps=eps)[0]
+            res = signed_token_contributions(policy, group, adv, aggregation=aggregation, step=step,
+                                             temperature=temperature)
+            mask = group.completion_mask.cpu()
+            contrib = res["contributions"]
+            profiles.append(relative_position_profile(contrib, mask, bins).tolist())
+            classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
+            shares.append(class_shares(contrib, classes))
+            closures.append(abs(res["closure"]))
+            if len(mc_rows) < 2 * mc_groups:
+                prompt_ids = group.prompt_ids[0][group.prompt_mask[0].bool()]
+                score = _score_fn(reward_fns, batch.prompts[j], {k: vals[j] for k, vals in batch.extras.items()})
+                picks = [int(torch.nonzero(r == r.max())[0]), int(torch.nonzero(r == r.min())[0])]
+                for i in picks:
+                    completion = group.completion_ids[i][group.completion_mask[i]]
+                    bounds = segment_boundaries(len(completion), segments)[:-1]  # the complete rollout needs none
+                    values, errors = prefix_values(policy, tokenizer, prompt_ids, completion, bounds, score,
+                                                   num_samples=mc_samples, max_new_tokens=max_new_tokens,
+                                                   temperature=temperature, top_k=top_k, top_p=top_p,
+                                                   seed=s + j * 31 + i)
+                    seg_adv, seg_err = segment_advantages(values, errors, float(r[i]))
+                    full = bounds + [len(completion)]
+                    lens = [full[k + 1] - full[k] for k in range(len(bounds))]
+                    cmp = compare_with_uniform(seg_adv, seg_err, lens, float(adv[i]))
+                    mc_rows.append({"reward": float(r[i]), "grpo_advantage": float(adv[i]), "boundaries": full,
+                                    "values": values.tolist(), "errors": errors.tolist(),
+                                    "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist(), **cmp})
+    class_summary = {c: {k: bootstrap_mean([sh[c][k] for sh in shares if math.isfinite(sh[c][k])])
+                         for k in ("update_share", "token_share", "ratio")} for c in TOKEN_CLASSES}
+    return {
+        "contributions": {"position_profile": _mean_ci_per_bin(profiles), "classes": class_summary,
+                          "closure": max(closures) if closures else None, "groups": analysed},
+        "monte_carlo": {"rollouts": mc_rows, "samples_per_prefix": mc_samples,
+                        **{k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))
+                           for k in ("disagree", "agree", "neutral", "top_segment_share")},
+                        "segments": _segment_counts(mc_rows)},
+        "meta": {"group_size": R, "groups_sampled": sampled, "gradients": "exact update direction (every parameter)",
+                 "step": step, "seconds": time.perf_counter() - t_start},
+    }

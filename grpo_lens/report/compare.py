@@ -1,0 +1,224 @@
+"""``grpo-lens compare RUN_DIR... --out DIR``: several training runs in one report.
+
+Reads only each run's config.yaml and metrics.jsonl. Writes ``DIR/compare.md`` (the config fields that differ, a
+table of final numbers with intervals, the curves) and ``DIR/compare.png`` (one panel per metric, one line per run),
+and ``DIR/compare.json`` (the table's numbers).
+
+Final numbers: for each run and metric, the mean of the metric over the run's last ``last`` records that have it
+(lens keys exist only on lens steps, so their "last" records are the last lens steps), with the project's one 95%
+bootstrap interval (:func:`grpo_lens.diagnostics.stats.bootstrap_ci`, docs/theory.md §7 and §Comparing runs), given
+only from at least MIN_INTERVAL_UNITS (8) records. Consecutive training steps are correlated, so the interval
+describes the spread of the last steps' values, not the uncertainty of a rerun with another seed: runs that differ by
+less than it cannot be told apart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import matplotlib.pyplot as plt
+import yaml
+
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, bootstrap_ci
+from grpo_lens.train.dynamic_sampling import dynamic_sampling_summary
+
+#: The metrics compared: (key, label). A metric absent from every run is left out.
+COMPARED = (
+    ("reward/mean", "reward"),
+    ("reward/accuracy", "accuracy"),
+    ("policy/entropy", "policy entropy (nats/token)"),
+    ("reward/frac_zero_std_groups", "S1: zero-variance groups"),
+    ("dynamic/mixed_groups", "mixed groups trained on (dynamic sampling)"),
+    ("dynamic/hit_cap", "share of steps at the dynamic-sampling cap"),
+    ("dynamic/kept_reward_mean", "reward of the kept groups only (dynamic sampling)"),
+    ("rank/g1_erank", "lens: G1 effective rank"),
+    ("rank/g1_random_erank", "lens: G1 random zero-sum control"),
+    ("sparsity/update_total", "lens: S4 bf16-unchanged since start"),
+    ("baseline/b_star", "lens: b*"),
+    ("completions/mean_length", "completion length (tokens)"),
+)
+
+
+#: Config fields that say how a run was executed, not what it computes: never reported as differences.
+IGNORED_FIELDS = ("out", "resume", "overwrite", "progress", "device", "report_to", "log_completions",
+                  "checkpoint_every", "keep_checkpoints", "save_final_model", "reward_timeout")
+
+
+#: Config fields that define the task: runs must agree on them unless ``allow_different_tasks``.
+TASK_FIELDS = ("task", "dataset", "task_options")
+
+
+class CompareError(ValueError):
+    """The runs cannot be compared as asked (not a run, no metrics, different tasks)."""
+
+
+def read_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(config, metric records) of a run directory.
+
+    Raises:
+        CompareError: no config.yaml / metrics.jsonl, or unreadable.
+    """
+    cfg, met = path / "config.yaml", path / "metrics.jsonl"
+    if not cfg.is_file() or not met.is_file():
+        raise CompareError(f"{path} is not a training run (needs config.yaml and metrics.jsonl, written by "
+                           f"grpo-lens train)")
+    try:
+        config = yaml.safe_load(cfg.read_text()) or {}
+        records = [json.loads(line) for line in met.read_text().splitlines() if line.strip()]
+    except (OSError, yaml.YAMLError, json.JSONDecodeError) as e:
+        raise CompareError(f"cannot read run {path} ({type(e).__name__}); is it a grpo-lens run?") from None
+    if not records:
+        raise CompareError(f"run {path} has no metrics yet (metrics.jsonl is empty)")
+    return config, records
+
+
+def differing_fields(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{field: {run: value}} for every config field whose value is not the same in all runs (IGNORED_FIELDS aside)."""
+    keys = sorted(set().union(*configs.values()) - set(IGNORED_FIELDS))
+    out = {}
+    for k in keys:
+        values = {run: cfg.get(k) for run, cfg in configs.items()}
+        if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+            out[k] = values
+    return out
+
+
+def final_numbers(records: list[dict[str, Any]], key: str, last: int) -> dict[str, Any] | None:
+    """Mean and 95% interval of ``key`` over the last ``last`` records that have a finite value of it (None if none):
+    {"mean", "low", "high" (None below MIN_INTERVAL_UNITS records), "n", "steps": [first, last]}."""
+    pts = [(r["step"], r[key]) for r in records
+           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    if not pts:
+        return None
+    pts = pts[-last:]
+    ci = bootstrap_ci([v for _, v in pts])
+    return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"], "n": len(pts), "steps": [pts[0][0], pts[-1][0]]}
+
+
+def _label(paths: list[Path]) -> list[str]:
+    names = [p.name for p in paths]
+    return names if len(set(names)) == len(names) else [str(p) for p in paths]
+
+
+def _fmt(x: float) -> str:
+    if x is None or not math.isfinite(x):
+        return "–"
+    return f"{x:#.3g}" if abs(x) < 1000 else f"{x:.4g}"
+
+
+def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str, str]], path: Path) -> Path:
+    """One panel per metric, one line per run (markers on lens keys, which exist only on lens steps)."""
+    matplotlib.use("Agg")
+
+    cols = 2
+    rows = math.ceil(len(metrics) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows), squeeze=False)
+    for ax, (key, label) in zip(axes.flat, metrics):
+        for run, records in runs.items():
+            pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if len(pts) < 12 else None, ms=3, label=run)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
+                 allow_different_tasks: bool = False) -> Path:
+    """Write ``out/compare.md``, ``out/compare.png`` and ``out/compare.json`` for two or more runs.
+
+    Args:
+        run_dirs: run directories written by ``grpo-lens train``.
+        out: where the report goes (created; files of the same names are replaced).
+        last: how many of each run's last records (per metric) the final numbers average.
+        allow_different_tasks: compare runs of different tasks anyway.
+
+    Returns:
+        the path of compare.md.
+
+    Raises:
+        CompareError: fewer than two runs, a directory that is not a run, runs of different tasks (unless
+            ``allow_different_tasks``), ``last`` < 1. Raised before ``out`` is touched.
+    """
+    paths = [Path(p) for p in run_dirs]
+    if len(paths) < 2:
+        raise CompareError("compare needs at least two run directories")
+    if last < 1:
+        raise CompareError(f"--last {last}: must be >= 1")
+    if len({p.resolve() for p in paths}) < len(paths):
+        raise CompareError("a run directory is given twice; name each run once")
+    labels = _label(paths)
+    configs, runs = {}, {}
+    for label, p in zip(labels, paths):
+        configs[label], runs[label] = read_run(p)
+    tasks = {label: {k: cfg.get(k) for k in TASK_FIELDS} for label, cfg in configs.items()}
+    if len({json.dumps(t, sort_keys=True) for t in tasks.values()}) > 1 and not allow_different_tasks:
+        shown = "; ".join(f"{label}: {t['task']}"
+                          + (f" {t['task_options']}" if t.get("task_options") else "")
+                          + (f" ({t['dataset']})" if t.get("dataset") else "") for label, t in tasks.items())
+        raise CompareError(f"the runs are on different tasks ({shown}); their rewards are not comparable. Pass "
+                           f"--allow-different-tasks to compare them anyway")
+
+    out = Path(out)
+    metrics = [(k, lab) for k, lab in COMPARED if any(k in r for recs in runs.values() for r in recs)]
+    table = {label: {k: final_numbers(recs, k, last) for k, _ in metrics} for label, recs in runs.items()}
+    diff = differing_fields(configs)
+
+    out.mkdir(parents=True, exist_ok=True)
+    plot_compare(runs, metrics, out / "compare.png")
+    (out / "compare.json").write_text(json.dumps({"runs": {lab: str(p) for lab, p in zip(labels, paths)},
+                                                  "last": last, "differing_config": diff, "final": table},
+                                                 indent=1, default=str))
+    lines = ["# grpo-lens compare", "",
+             "Runs: " + ", ".join(f"`{lab}` ({p}, {len(runs[lab])} steps)" for lab, p in zip(labels, paths)), ""]
+    task = next(iter(tasks.values()))
+    lines += [f"Task: {task['task']}" + (f" {task['task_options']}" if task.get("task_options") else "")
+              + (" (the runs' tasks differ: compared on request)" if allow_different_tasks and
+                 len({json.dumps(t, sort_keys=True) for t in tasks.values()}) > 1 else ""), ""]
+
+    notes = {lab: dynamic_sampling_summary(runs[lab]) for lab in labels}
+    if any(notes.values()):
+        lines += ["## Dynamic sampling", ""]
+        lines += [f"- `{lab}`: " + (notes[lab] or "no dynamic sampling (every sampled group was trained on).")
+                  for lab in labels]
+        lines += [""]
+    lines += ["## Config fields that differ", ""]
+    if diff:
+        lines += ["| field | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        lines += [f"| `{k}` | " + " | ".join(f"`{v[lab]}`" for lab in labels) + " |" for k, v in diff.items()]
+    else:
+        lines += ["None: the runs share every setting (a difference then comes from code or randomness)."]
+    lines += ["", f"## Final numbers (mean over each run's last {last} records with the metric, 95% bootstrap "
+                  f"interval over those steps, from at least {MIN_INTERVAL_UNITS})", "",
+              "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "
+              "uncertainty; differences smaller than it are not resolved by these runs.", "",
+              "| metric | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for key, label in metrics:
+        cells = []
+        for lab in labels:
+            f = table[lab][key]
+            if f is None:
+                cells.append("–")
+            elif f["low"] is None:
+                cells.append(f"{_fmt(f['mean'])} (steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']}: too few for an "
+                             f"interval)")
+            else:
+                cells.append(f"{_fmt(f['mean'])} [{_fmt(f['low'])}, {_fmt(f['high'])}] (steps {f['steps'][0]}–"
+                             f"{f['steps'][1]}, n={f['n']})")
+        lines.append(f"| {label} (`{key}`) | " + " | ".join(cells) + " |")
+    lines += ["", "## Curves", "", "![curves](compare.png)", ""]
+    path = out / "compare.md"
+    path.write_text("\n".join(lines))
+    return path

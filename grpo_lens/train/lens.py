@@ -1,0 +1,203 @@
+"""The lens inside the trainer: a cheap subset of the diagnostics every ``lens_every`` steps.
+
+On a lens step, before the update, one extra batched backward gives sketched per-rollout gradients g_i of every linear
+layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`), each the term that the configured loss
+aggregation weights in the update (:func:`grpo_lens.losses.rollout_gradient_weights`, docs/theory.md §3); with LoRA,
+exact gradients of the adapter's parameters or sketches of the frozen base weights (``lens_space``,
+:meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one
+per-group analysis path, :func:`grpo_lens.diagnostics.analyse_group` (the same function ``grpo-lens probe`` calls),
+and the lens writes the mean over the step's mixed groups of every key it returns (the identity residual: the max).
+With several processes every process's groups are gathered first, so the numbers cover the whole batch.
+Around the optimizer step, bf16 snapshots give S4 (update sparsity for the step and since the start), and a fixed
+sample of the weights gives the sparsity of the step's update, of the update since the start and of the step's
+gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.diagnostics.SparsityOverTraining`,
+docs/theory.md §Sparsity over training). S1 is measured by the trainer on every step; the lens prints no S1
+prediction, because no rollouts other than the step's own exist for the step's prompts (docs/theory.md §S1).
+
+All math is in :mod:`grpo_lens.diagnostics`; this class only picks groups, gathers and averages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from grpo_lens.analysis.group import analyse_group, mean_over_groups
+from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
+from grpo_lens.formulas.overlong import overlong_loss_mask
+from grpo_lens.formulas.sparsity import zero_variance_groups
+from grpo_lens.gradients.lora_spaces import lora_rollout_grads
+from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
+from grpo_lens.lora import is_lora
+from grpo_lens.rollout import RolloutBatch
+from grpo_lens.train.processes import gather_objects
+from grpo_lens.train.sparsity import Bf16UpdateTracker, SparsityOverTraining
+
+
+def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_rollouts: float) -> torch.Tensor:
+    """The lens's sketched rows grad(omega_i sum_t log pi(o_it)) read off the update's first on-policy loss gradient.
+
+    On the first pass pi_old is the forward's own detached log-prob, so every ratio is 1, the clip is inactive
+    (eps_low, eps_high > 0) and, without KL term or importance weights, rollout i's share of the loss has gradient
+    grad L_i = -(A_i / N) grad(omega_i sum_t log pi(o_it)), omega_i = :func:`grpo_lens.losses.rollout_gradient_weights`
+    (docs/theory.md §3, §Lens sketch from the update). The sketch is linear, so the same holds row by row.
+
+    Args:
+        rows: [N_local, K] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
+        advantages: [N_local] A_i.   num_rollouts: N, the rollouts in the loss summed over processes.
+
+    Returns:
+        [N_local, K] float64: -N row_i / A_i; rows with A_i = 0 are 0 (their gradient cannot be read off; the trainer
+        uses this only when every analysed group's advantages are nonzero).
+    """
+    a = advantages.to(device=rows.device, dtype=torch.float64)
+    safe = torch.where(a != 0, a, torch.ones_like(a))
+    out = -float(num_rollouts) * rows.double() / safe.unsqueeze(1)
+    return torch.where((a != 0).unsqueeze(1), out, torch.zeros_like(out))
+
+
+class TrainerLens:
+    """Measures GRPO's gradient structure on the trainer's own rollouts.
+
+    Args:
+        policy: the model being trained.
+        config: a :class:`grpo_lens.config.TrainConfig` (uses lens_sketch_dim, seed, std, eps, temperature, top_k,
+            top_p).
+
+    Metric keys written (see docs/metrics.md): ``sparsity/update_step``, ``sparsity/update_total``,
+    ``sparsity/update_step_*``, ``sparsity/update_total_*``, ``sparsity/grad_*`` (and per layer type
+    ``sparsity/<type>/...``), ``sparsity/sample_entries``, ``rank/mixed_groups``, ``perf/lens_seconds``,
+    ``perf/lens_sparsity_seconds``, and the mean over mixed groups of every
+    key of :func:`grpo_lens.diagnostics.analyse_group` except ``group/size`` (``rank/g1_*``, ``grad/identity_*``,
+    ``baseline/*``, ``zero_sum/*``, ``group/*``).
+    """
+
+    def __init__(self, policy: torch.nn.Module, config: Any):
+        self.config = config
+        self.tracker = Bf16UpdateTracker(policy, device="cpu")  # start = the weights before any step
+        self.sparsity = SparsityOverTraining(policy, seed=config.seed)  # a fixed sample; start = the same weights
+        self._pending = False
+        self._sparsity_seconds = 0.0
+
+    def start(self, policy: torch.nn.Module) -> None:
+        """Nothing to do: the start snapshot is taken at construction, from the freshly loaded weights."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampled gradient summed since the start (everything else is rebuilt from the start weights)."""
+        return {"grad_sum": self.sparsity.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`state_dict` (an empty state, from a checkpoint of an older run, leaves the sum at 0)."""
+        if state.get("grad_sum") is not None:
+            self.sparsity.load_state_dict(state["grad_sum"])
+
+    @staticmethod
+    def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> list[int]:
+        """Indices of the groups the lens analyses: every rollout valid and the rewards not all equal.
+
+        Args:
+            rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
+        """
+        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
+        v = valid.view(-1, R).cpu()
+        return [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(zero_variance_groups(r[b:b + 1]))]
+
+    def update_capture(self, policy: torch.nn.Module) -> GradientCapture:
+        """The :class:`GradientCapture` (the lens's own projections) for the trainer to open around the first
+        on-policy pass of the update, whose sketched loss-gradient rows then give the g_i without a pass of the
+        lens's own (:func:`scores_from_update_rows`). Marks the step as measured for the S4 snapshots."""
+        self._pending = True
+        return GradientCapture(policy, self.config.lens_sketch_dim, self.config.lens_sketch_dim,
+                                  seed=self.config.seed)
+
+    def measure(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
+                valid: torch.Tensor, advantages: torch.Tensor, sketch: torch.Tensor | None = None) -> dict[str, float]:
+        """Lens metrics of one step's rollouts (every process's), before the update.
+
+        Args:
+            batch: this process's N = B*R rollouts.  rewards: [N] (NaN where invalid).  valid: [N] bool.
+            advantages: [N], the advantages the update uses.
+            sketch: [N, K] sketched g_i of every rollout, already computed at the step's starting weights (from the
+                update's first pass, :func:`scores_from_update_rows`); None runs the lens's own batched
+                forward + backward over the mixed groups, which must then happen before the update.
+
+        Returns:
+            {key: float}; the same numbers on every process.
+        """
+        t0 = time.perf_counter()
+        c = self.config
+        R = batch.group_size
+        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
+        v = valid.view(-1, R).cpu()
+        mixed = self.mixed_groups(rewards, valid, R)
+        rows: list[dict[str, float]] = []
+        # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
+        # N and normaliser Z, summed over processes as the trainer does
+        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, c.overlong)  # the tokens it sums
+        norm = gather_objects((loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens),
+                               float(loss_mask.any(dim=1).sum())))
+        z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
+        if mixed:
+            idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
+            sub = batch.select(idx)
+            if sketch is None:
+                omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total,
+                                                 n_total)
+                grads = self.rollout_grads(policy, sub, omega).cpu()  # [n_mixed * R, K]; analysed on the CPU
+            else:
+                grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
+            adv = advantages.detach().cpu().double()
+            for j, b in enumerate(mixed):
+                rows.append(analyse_group(
+                    grads[j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
+                    std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
+                    completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4,
+                    seed=c.seed + step * 1009 + b))
+        # every process's groups: the lens describes the whole batch, not rank 0's share
+        parts = gather_objects({"rows": rows, "rewards": r, "valid": v})
+        all_rows = [row for part in parts for row in part["rows"]]
+        out: dict[str, float] = {}
+        out["rank/mixed_groups"] = float(len(all_rows))
+        out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != "group/size"})
+        self._pending = True
+        out["perf/lens_seconds"] = time.perf_counter() - t0
+        return out
+
+    def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
+        """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.
+
+        ``omega`` [n]: the loss aggregation's weights of each rollout's log-prob sum (docs/theory.md §3). Without LoRA:
+        sketched gradients of every linear layer (K = layers * lens_sketch_dim^2). With LoRA see
+        :func:`grpo_lens.lora.lora_rollout_grads` (``trainable``: the adapter's parameters, exact; ``full``: the
+        frozen base linear weights, sketched).
+        """
+        c = self.config
+        if is_lora(policy):
+            return lora_rollout_grads(policy, sub, c.lens_space, k=c.lens_sketch_dim, seed=c.seed, score_weights=omega,
+                                      temperature=c.temperature).double()
+        return sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim, seed=c.seed,
+                                       score_weights=omega, temperature=c.temperature).sketch.double()
+
+    def before_step(self, policy: torch.nn.Module) -> None:
+        """Snapshot the weights (bf16, and the fixed sample with the step's gradient) just before the first optimizer
+        step of a lens step; on every step, add the sampled gradient to the sum since the start."""
+        self.sparsity.accumulate_grad()
+        if self._pending:
+            t0 = time.perf_counter()
+            self.tracker.update()  # moves the 'previous' snapshot to now; its numbers are not needed
+            self.sparsity.before_step()
+            self._sparsity_seconds = time.perf_counter() - t0
+
+    def after_step(self, step: int, policy: torch.nn.Module, measured: bool) -> dict[str, float]:
+        """S4 after the step's optimizer steps: shares of parameters whose bf16 value did not change."""
+        if not (measured and self._pending):
+            return {}
+
+        t0 = time.perf_counter()
+        self._pending = False
+        out = self.tracker.update()
+        out.update(self.sparsity.after_step())
+        out["perf/lens_sparsity_seconds"] = self._sparsity_seconds + time.perf_counter() - t0
+        return out

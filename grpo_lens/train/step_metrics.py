@@ -1,0 +1,128 @@
+"""The GRPO training loop: sample -> reward -> advantages -> clipped-surrogate passes -> AdamW step, with the lens.
+
+Read :func:`train` top to bottom: every formula it uses lives in a pure module (advantages, losses, diagnostics);
+this file only moves tensors between them, writes the run directory and keeps the run resumable.
+
+Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
+process draws the same B prompts for a step and samples the groups of its own share of them; losses are divided by a
+normaliser summed over processes and the gradients are summed with an all-reduce, so the update equals a single
+process's on the whole batch. With num_mini_batches M, each process splits its share into M chunks and optimizer step
+k sums chunk k of every process.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from grpo_lens.formulas.advantages import constant_groups
+from grpo_lens.rewards import RewardTimeout, _call_with_timeout, combine_rewards
+from grpo_lens.rollout import RolloutBatch
+from grpo_lens.tasks import correctness_verdict
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One step's pieces
+# ---------------------------------------------------------------------------------------------------------------------
+def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Score every rollout: rewards [N] (NaN where invalid), valid [N] bool, reward metrics."""
+    R = batch.group_size
+    prompts = [p for p in batch.prompts for _ in range(R)]
+    extras = {k: [v for v in vals for _ in range(R)] for k, vals in batch.extras.items()}
+    return combine_rewards(reward_fns, prompts, batch.completions, timeout_s=timeout, **extras)
+
+
+def rollout_correctness(task: Any, batch: RolloutBatch, timeout: float) -> torch.Tensor:
+    """The task's own 0/1 correctness verdict of every rollout (:func:`grpo_lens.tasks.correctness_verdict`): [N]
+    float64, NaN where there is none (no reference answer, or the check failed or ran past ``timeout`` seconds).
+    Independent of the configured reward functions and their weights; ``reward/accuracy`` is its mean."""
+    R = batch.group_size
+    answers = [a for a in batch.extras.get("answer", [None] * batch.num_groups) for _ in range(R)]
+    try:
+        verdict = _call_with_timeout(correctness_verdict, timeout, (task, batch.completions, answers), {})
+    except RewardTimeout:
+        logger.error("the task's correctness check ran past %s s: no accuracy this step", timeout)
+        verdict = [None] * len(answers)
+    except Exception:  # noqa: BLE001 - a failing check must not stop the run
+        logger.exception("the task's correctness check raised: no accuracy this step")
+        verdict = [None] * len(answers)
+    return torch.tensor([math.nan if v is None else float(v) for v in verdict], dtype=torch.float64)
+
+
+def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
+    """``reward/accuracy``: the mean of the 0/1 verdicts [N] over rollouts that have one (NaN = none); absent when
+    no rollout has one."""
+    has = ~torch.isnan(correct)
+    return {"reward/accuracy": float(correct[has].mean())} if has.any() else {}
+
+
+def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[str, float]:
+    """``reward/mean``, ``reward/std`` (population, over valid rollouts), ``reward/frac_zero_std_groups`` (S1: share
+    of the N / R groups whose valid rewards are all equal) and ``reward/invalid_frac``.
+
+    Args:
+        rewards: [N] float (NaN invalid).  valid: [N] bool.  R: group size.
+    """
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R)
+    v = valid.view(-1, R)
+    n_valid = v.sum().clamp(min=1)
+    mean = float(r.sum() / n_valid)
+    std = float(((r - mean) ** 2 * v).sum().div(n_valid).sqrt())
+    zero_std = constant_groups(r, v).float().mean()  # S1: groups without reward contrast carry no gradient
+    return {"reward/mean": mean, "reward/std": std, "reward/frac_zero_std_groups": float(zero_std),
+            "reward/invalid_frac": float((~valid).float().mean())}
+
+
+#: The keys that, with dynamic sampling, describe all sampled groups; the kept groups' values go to ``dynamic/kept_*``.
+SAMPLED_KEYS = {"reward/mean": "dynamic/kept_reward_mean", "reward/std": "dynamic/kept_reward_std",
+                "reward/frac_zero_std_groups": "dynamic/kept_frac_zero_std_groups",
+                "reward/invalid_frac": "dynamic/kept_invalid_frac", "reward/accuracy": "dynamic/kept_accuracy"}
+
+
+def sampled_vs_kept(kept: dict[str, float], rewards: torch.Tensor, valid: torch.Tensor, correct: torch.Tensor,
+                    R: int) -> dict[str, float]:
+    """With dynamic sampling: the reward/accuracy/S1 keys over ALL sampled groups (the policy's behaviour), the kept
+    (trained-on) groups' values of the same keys renamed to ``dynamic/kept_*`` (:data:`SAMPLED_KEYS`).
+
+    Args:
+        kept: the step's metrics over the kept groups.  rewards: [M] every sampled rollout's reward (NaN invalid).
+        valid: [M] bool.  correct: [M] 0/1 verdicts (NaN none).  R: group size.
+    """
+    out = {new: kept[old] for old, new in SAMPLED_KEYS.items() if old in kept}
+    out.update(reward_metrics(rewards, valid, R))
+    out.update(accuracy_metrics(correct))
+    return out
+
+
+def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
+                    batch_mask: torch.Tensor, truncated: torch.Tensor, R: int) -> dict[str, float]:
+    """Reward, advantage and completion statistics of a step (all processes' rollouts).
+
+    Args:
+        rewards: [N] float (NaN invalid).  valid: [N] bool.  advantages: [N].  batch_mask: [N, T] bool.
+        truncated: [N] bool.  R: group size.
+    """
+    lengths = batch_mask.sum(dim=1).float()
+    return {
+        **reward_metrics(rewards, valid, R),
+        "adv/mean": float(advantages.mean()),
+        "adv/abs_mean": float(advantages.abs().mean()),
+        "adv/max": float(advantages.max()),
+        "adv/min": float(advantages.min()),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/max_length": float(lengths.max()),
+        "completions/truncated_frac": float(truncated.float().mean()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------------------------------
+def _pad_to(mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Right-pad a [N, t] mask to [N, T] so processes can gather it."""
+    return torch.nn.functional.pad(mask, (0, T - mask.shape[1])) if mask.shape[1] < T else mask
