@@ -4,30 +4,36 @@ Every command turns a known bad input (invalid config value, unusable --out, mis
 dataset row) into one line on stderr that says what is wrong and how to fix it, and exit status 2; nothing written
 before is lost.
 
-Plugins: ``GRPO_LENS_PLUGINS=my_rewards,my_tasks grpo-lens train ...`` imports those modules (comma-separated, importable
-from the current directory or PYTHONPATH) before anything else, so the reward functions and tasks they register
-(``@REWARDS.register("name")``, ``@TASKS.register("name")``) can be named in flags and YAML.
+Plugins: ``GRPO_LENS_PLUGINS=my_rewards,my_tasks grpo-lens train ...`` imports those modules (comma-separated,
+importable from the current directory or PYTHONPATH) before anything else, so the reward functions and tasks they
+register (``@REWARDS.register("name")``, ``@TASKS.register("name")``) can be named in flags and YAML.
+
+Config keys and flags under a deprecated name (``--lens-sketch-dim``) work with one ``grpo-lens CMD: warning: ...``
+line on stderr naming the current one.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from grpo_lens import __version__
 from grpo_lens.config import (
     ConfigError,
+    ConfigNameWarning,
     TrainConfig,
     add_config_arguments,
     config_from_args,
+    flags_given,
 )
 from grpo_lens.demo import DemoConfig, run_demo
 from grpo_lens.models import ModelNotFoundError
@@ -41,14 +47,8 @@ from grpo_lens.train.loop import NonFiniteUpdateError, train
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input rather than a bug: shown as one line, exit status 2."""
-    errors: list[type[BaseException]] = [ConfigError, RunDirError, CompareError, ValueError, FileNotFoundError, PluginError]
-    try:
-        errors.append(ModelNotFoundError)
-    except ImportError:
-        pass
-
-    errors.append(NonFiniteUpdateError)
-    return tuple(errors)
+    return (ConfigError, RunDirError, CompareError, ValueError, FileNotFoundError, PluginError, ModelNotFoundError,
+            NonFiniteUpdateError)
 
 
 #: Environment variable listing modules to import at start (comma-separated): they register rewards and tasks.
@@ -94,13 +94,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _resume_config(args: argparse.Namespace, saved: Path) -> TrainConfig:
-    """The config of ``--resume``: the run's saved config.yaml <- the ``--config`` file's keys <- the flags given.
+    """The config of ``--resume``: the run's saved config.yaml <- the ``--config`` file's keys <- the flags given,
+    each under current names (a run saved with a deprecated name resumes, with one warning line per name).
 
     Raises:
         RunDirError: config.yaml is unreadable.  ConfigError: the --config file or a resulting value is invalid.
     """
-
-
     try:
         values = yaml.safe_load(saved.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
@@ -109,12 +108,12 @@ def _resume_config(args: argparse.Namespace, saved: Path) -> TrainConfig:
     if not isinstance(values, dict):
         raise RunDirError(f"--resume: {saved} does not hold a config mapping; restore it or start a new run in "
                           f"another --out")
+    values = TrainConfig.canonical(values, f"in {saved}")
     if args.config:
-        from_file = TrainConfig.load(args.config)  # checks the file: exists, YAML mapping, known keys, valid values
-        keys = yaml.safe_load(Path(args.config).read_text()) or {}
-        values.update({k: getattr(from_file, k) for k in keys})
-    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                   if getattr(args, f.name, None) is not None})
+        from_file = TrainConfig.read(args.config)
+        TrainConfig.from_dict(from_file)  # checks the file on its own: known keys, valid values
+        values.update(from_file)
+    values.update(flags_given(args, TrainConfig))
     values.update(resume=True, out=args.out)
     return TrainConfig.from_dict(values)
 
@@ -187,6 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_config_warning(show: Callable[..., None], command: str) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints a :class:`ConfigNameWarning` as one line, ``grpo-lens CMD: warning:
+    ...``, and passes other warnings to ``show``."""
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConfigNameWarning):
+            print(f"grpo-lens {command}: warning: {message}", file=file or sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``grpo-lens`` console script; returns the exit status (2: bad input, one line on stderr)."""
     try:
@@ -201,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("transformers", "accelerate", "urllib3", "filelock", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        return args.fn(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_config_warning(warnings.showwarning, args.command)
+            return args.fn(args)
     except _user_errors() as e:
         if args.verbose:
             raise

@@ -19,10 +19,22 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 import yaml
 
-from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, option
+from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, at_least
+from grpo_lens.config.groups import (
+    Lens,
+    Model,
+    Optimizer,
+    Output,
+    Probing,
+    Runtime,
+    Sampling,
+    TaskData,
+    check_task_dataset,
+)
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.run import run_probe
 from grpo_lens.report import write_report
@@ -33,45 +45,48 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DemoConfig(ConfigFile):
-    """Settings of the main job; field help is the CLI help. Everything not here takes TrainConfig's default."""
+    """Settings of the main job; field help is the CLI help. Everything not here takes TrainConfig's and ProbeConfig's
+    defaults; every field here is an option group's (:mod:`grpo_lens.config.groups`), the demo's overrides marked."""
 
-    out: str = option("runs/demo", "Output directory.")
-    model: str = option("smollm2-135m-instruct", "Model (alias, Hugging Face folder or hub id, .gguf file).")
-    task: str = option("arithmetic", "Task: arithmetic, gsm8k, or jsonl (with --dataset).")
-    dataset: str | None = option(None, "JSONL file for --task jsonl.")
-    task_options: dict = option({}, "Task options as a YAML mapping.")
-    max_steps: int = option(30, "GRPO steps.")
-    group_size: int = option(8, "R during training.")
-    prompts_per_step: int = option(4, "Prompts per training step.")
-    learning_rate: float = option(5e-6, "AdamW learning rate.")
-    max_new_tokens: int = option(24, "Longest completion in tokens.")
-    lens_every: int = option(5, "Lens every this many training steps.")
-    probe_group_sizes: list = option([2, 4, 8], "Group sizes R of the probes.", item_type=int)
-    probe_prompts: int = option(0, "Prompts sampled per R in each probe (every mixed group among them is analysed; "
-                                "0 = the probe's default max(24, 128 / R)).")
-    exact: bool = option(False, "Exact per-rollout gradients in the probes (slow; small models).")
-    seed: int = option(0, "Random seed.")
-    device: str = option("auto", "cpu, cuda, cuda:N or auto.")
-    overwrite: bool = option(False, "Delete OUT and start over.")
+    kind: ClassVar[str] = "demo"
 
-    def __post_init__(self) -> None:
-        if self.max_steps < 1:
-            raise ConfigError(f"demo field 'max_steps' (flag --max-steps) = {self.max_steps}: must be >= 1")
+    out: str = Output.out("runs/demo", contents="probe_before/, train/, probe_after/, report.md")  # default overridden
+    model: str = Model.model()
+    task: str = TaskData.task()
+    dataset: str | None = TaskData.dataset()
+    task_options: dict = TaskData.task_options()
+    max_steps: int = Optimizer.max_steps(check=at_least(1))  # overridden: the demo trains at least one step
+    group_size: int = Sampling.group_size()
+    prompts_per_step: int = Sampling.prompts_per_step()
+    learning_rate: float = Optimizer.learning_rate()
+    max_new_tokens: int = Sampling.max_new_tokens()
+    lens_every: int = Lens.lens_every()
+    probe_group_sizes: list = Probing.group_sizes()
+    probe_prompts: int = Probing.prompts()
+    exact: bool = Lens.exact()
+    seed: int = Runtime.seed()
+    device: str = Runtime.device()
+    overwrite: bool = Output.overwrite(what="an existing demo run")
+
+    def check(self) -> None:
+        """The check of two fields together (each field's own check ran before)."""
+        check_task_dataset(self)
+
+    def _shared(self) -> dict[str, Any]:
+        """The settings every stage takes from the demo."""
+        return dict(task=self.task, dataset=self.dataset, task_options=self.task_options,
+                    max_new_tokens=self.max_new_tokens, seed=self.seed, device=self.device)
 
     def train_config(self) -> TrainConfig:
         """The TrainConfig of the training stage."""
-        return TrainConfig(model=self.model, task=self.task, dataset=self.dataset, task_options=self.task_options,
-                           max_steps=self.max_steps, group_size=self.group_size,
+        return TrainConfig(model=self.model, max_steps=self.max_steps, group_size=self.group_size,
                            prompts_per_step=self.prompts_per_step, learning_rate=self.learning_rate,
-                           max_new_tokens=self.max_new_tokens, lens_every=self.lens_every, seed=self.seed,
-                           device=self.device, out=str(Path(self.out) / "train"))
+                           lens_every=self.lens_every, out=str(Path(self.out) / "train"), **self._shared())
 
     def probe_config(self, model: str, out: Path) -> ProbeConfig:
         """The ProbeConfig of a probe stage on ``model``."""
-        return ProbeConfig(model=model, task=self.task, dataset=self.dataset, task_options=self.task_options,
-                           group_sizes=self.probe_group_sizes, prompts=self.probe_prompts,
-                           max_new_tokens=self.max_new_tokens, exact=self.exact,
-                           seed=self.seed, device=self.device, out=str(out))
+        return ProbeConfig(model=model, group_sizes=self.probe_group_sizes, prompts=self.probe_prompts,
+                           exact=self.exact, out=str(out), **self._shared())
 
 
 def run_demo(config: DemoConfig) -> Path:
@@ -81,12 +96,12 @@ def run_demo(config: DemoConfig) -> Path:
     saved_path = out / "demo.yaml"
     settings = {k: v for k, v in config.to_dict().items() if k not in ("overwrite", "device")}
     if saved_path.exists() and not config.overwrite:
-        saved = yaml.safe_load(saved_path.read_text()) or {}
+        saved = DemoConfig.canonical(yaml.safe_load(saved_path.read_text()) or {}, f"in {saved_path}")
         changed = sorted(k for k in settings if k in saved and saved[k] != settings[k])
         if changed:
-            raise ConfigError(f"{out} holds a demo run with other settings ({', '.join(f'{k}={saved[k]!r}' for k in changed)}); "
-                              f"rerun with the same settings to continue it, pass --overwrite to start over, or "
-                              f"choose another --out")
+            raise ConfigError(f"{out} holds a demo run with other settings "
+                              f"({', '.join(f'{k}={saved[k]!r}' for k in changed)}); rerun with the same settings "
+                              f"to continue it, pass --overwrite to start over, or choose another --out")
     elif out.exists() and any(out.iterdir()) and not config.overwrite:
         raise ConfigError(f"{out} is not empty and holds no demo run (no demo.yaml); choose another --out")
     if config.overwrite and out.exists():

@@ -25,7 +25,7 @@ import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -137,12 +137,14 @@ class RunDir:
 
     # ---------------------------------------------------------------------------------------------------------------
     def resolve(self, config_dict: dict[str, Any], *, resume: bool, overwrite: bool,
-                resumable_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+                resumable_keys: tuple[str, ...] = (),
+                canonical: Callable[[dict[str, Any], str], dict[str, Any]] | None = None) -> dict[str, Any]:
         """Check that the directory can be used as asked and return the config to run with; writes nothing.
 
         A new run needs a missing or empty directory, or one holding a grpo-lens run (config.yaml) and ``overwrite``.
         A resumed run takes the saved config; values given now must equal the saved ones except ``resumable_keys``
-        (e.g. max_steps, to train longer).
+        (e.g. max_steps, to train longer). ``canonical(saved, where)`` renames the saved config's deprecated keys to
+        the current ones before the comparison (``TrainConfig.canonical``; it warns once per deprecated key).
 
         Raises:
             RunDirError: --resume without a run, a resumed value that differs, a directory holding another run
@@ -161,6 +163,8 @@ class RunDir:
             if not isinstance(saved, dict):
                 raise RunDirError(f"--resume: {self.config_path} does not hold a config mapping; restore it or start "
                                   f"a new run in another --out")
+            if canonical is not None:
+                saved = canonical(saved, f"in {self.config_path}")
             for key, value in config_dict.items():
                 if key in resumable_keys or key in ("resume", "overwrite", "out"):
                     continue

@@ -9,7 +9,12 @@ import dataclasses
 import pytest
 import yaml
 
-from grpo_lens.config import ConfigError, TrainConfig, add_config_arguments, config_from_args
+from grpo_lens.config import (
+    ConfigError,
+    TrainConfig,
+    add_config_arguments,
+    config_from_args,
+)
 
 
 def _parse(argv: list[str], cls=TrainConfig) -> argparse.Namespace:

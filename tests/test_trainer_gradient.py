@@ -112,7 +112,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     valid = torch.ones(8, dtype=torch.bool)
     adv = compute_advantages(rewards.view(B, R), estimator, std=std, eps=1e-4).view(-1)
     config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
-                         estimator=estimator, std=std, loss_aggregation=mode, lens_sketch_dim=8, progress=False)
+                         estimator=estimator, std=std, loss_aggregation=mode, sketch_dim=8, progress=False)
     out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
     assert out["rank/mixed_groups"] == 3.0
     assert out["grad/identity_residual"] < 1e-5

@@ -78,7 +78,7 @@ def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", 
     if loss_type not in TRL_LOSS_AGGREGATION:
         raise ValueError(f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
                          f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them")
-    return SimpleNamespace(lens_sketch_dim=sketch_dim, lens_space=space, seed=seed, estimator=estimator,
+    return SimpleNamespace(sketch_dim=sketch_dim, lens_space=space, seed=seed, estimator=estimator,
                            std="sample", eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
                            loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
                            max_new_tokens=int(args.max_completion_length),
@@ -136,7 +136,7 @@ class GRPOLensMixin:
 
     Args (keywords, the rest goes to the trainer):
         lens_every: measure every this many optimizer steps (>= 1).
-        lens_sketch_dim: sketch side per linear layer (as grpo-lens' ``--lens-sketch-dim``).
+        lens_sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``).
         lens_space: ``trainable`` or ``full`` (as ``--lens-space``; matters with a peft model).
         lens_seed: seed of the sketch projections and random controls.
 

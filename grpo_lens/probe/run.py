@@ -93,6 +93,7 @@ from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import atomic_write_text
 from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
+from grpo_lens.train.update import forward_precision
 
 logger = logging.getLogger(__name__)
 
@@ -384,7 +385,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     t0 = time.perf_counter()
     if policy is None:
         device = resolve_device(config.device)
-        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32  # bf16-mixed: float32 weights
         policy, tokenizer = load_model(config.model, dtype=dtype, device=device)
     policy.eval()  # no dropout: gradients of the sampling distribution
     layer = config.layer or default_layer(policy)
@@ -401,7 +402,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
                 progress.set_postfix(R=R, mixed=mixed, refresh=False)
                 progress.update(done)
 
-        per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts)
+        with forward_precision(next(policy.parameters()).device, config.dtype):  # bf16-mixed: bf16 autocast
+            per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts)
         logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)]["groups_mixed"],
                     per_r[str(R)]["prompts_sampled"], per_r[str(R)]["timing"]["seconds"])
     if progress is not None:
@@ -411,7 +413,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         logger.info("probe studies at R = %d: baselines on %d prompts, token credit on %d groups (about 100 s on the "
                     "default model and CPU)", config.study_group_size, config.baseline_study_prompts,
                     config.credit_groups)
-    studies = run_studies(policy, tokenizer, task, reward_fns, config)
+    with forward_precision(next(policy.parameters()).device, config.dtype):
+        studies = run_studies(policy, tokenizer, task, reward_fns, config)
     t_studies = time.perf_counter() - t_studies
     checks = [c for d in per_r.values() if d.get("sketch_check") for c in d["sketch_check"]["groups"]]
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}

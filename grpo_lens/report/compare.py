@@ -23,6 +23,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import yaml
 
+from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, bootstrap_ci
 from grpo_lens.train.dynamic_sampling import dynamic_sampling_summary
 
@@ -68,6 +69,7 @@ def read_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                            f"grpo-lens train)")
     try:
         config = yaml.safe_load(cfg.read_text()) or {}
+        config = TrainConfig.canonical(config, warn=False) if isinstance(config, dict) else config  # current names
         records = [json.loads(line) for line in met.read_text().splitlines() if line.strip()]
     except (OSError, yaml.YAMLError, json.JSONDecodeError) as e:
         raise CompareError(f"cannot read run {path} ({type(e).__name__}); is it a grpo-lens run?") from None

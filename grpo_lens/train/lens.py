@@ -63,7 +63,7 @@ class TrainerLens:
 
     Args:
         policy: the model being trained.
-        config: a :class:`grpo_lens.config.TrainConfig` (uses lens_sketch_dim, seed, std, eps, temperature, top_k,
+        config: a :class:`grpo_lens.config.TrainConfig` (uses sketch_dim, seed, std, eps, temperature, top_k,
             top_p).
 
     Metric keys written (see docs/metrics.md): ``sparsity/update_step``, ``sparsity/update_total``,
@@ -109,7 +109,7 @@ class TrainerLens:
         on-policy pass of the update, whose sketched loss-gradient rows then give the g_i without a pass of the
         lens's own (:func:`scores_from_update_rows`). Marks the step as measured for the S4 snapshots."""
         self._pending = True
-        return GradientCapture(policy, self.config.lens_sketch_dim, self.config.lens_sketch_dim,
+        return GradientCapture(policy, self.config.sketch_dim, self.config.sketch_dim,
                                   seed=self.config.seed)
 
     def measure(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
@@ -169,15 +169,15 @@ class TrainerLens:
         """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.
 
         ``omega`` [n]: the loss aggregation's weights of each rollout's log-prob sum (docs/theory.md §3). Without LoRA:
-        sketched gradients of every linear layer (K = layers * lens_sketch_dim^2). With LoRA see
+        sketched gradients of every linear layer (K = layers * sketch_dim^2). With LoRA see
         :func:`grpo_lens.lora.lora_rollout_grads` (``trainable``: the adapter's parameters, exact; ``full``: the
         frozen base linear weights, sketched).
         """
         c = self.config
         if is_lora(policy):
-            return lora_rollout_grads(policy, sub, c.lens_space, k=c.lens_sketch_dim, seed=c.seed, score_weights=omega,
+            return lora_rollout_grads(policy, sub, c.lens_space, k=c.sketch_dim, seed=c.seed, score_weights=omega,
                                       temperature=c.temperature).double()
-        return sketch_rollout_grads(policy, sub, k_in=c.lens_sketch_dim, k_out=c.lens_sketch_dim, seed=c.seed,
+        return sketch_rollout_grads(policy, sub, k_in=c.sketch_dim, k_out=c.sketch_dim, seed=c.seed,
                                        score_weights=omega, temperature=c.temperature).sketch.double()
 
     def before_step(self, policy: torch.nn.Module) -> None:

@@ -154,7 +154,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     # --- every input is checked, read-only, before the run directory is touched or a model loads ---------------------
     config = TrainConfig.from_dict(run.resolve(config.to_dict(), resume=config.resume, overwrite=config.overwrite,
-                                               resumable_keys=RESUMABLE_KEYS))
+                                               resumable_keys=RESUMABLE_KEYS, canonical=TrainConfig.canonical))
     task, reward_fns = check_inputs(config, procs)
     ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
     procs.barrier()  # every process has read --out before the main one changes it
@@ -266,7 +266,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             need = (valid.view(-1, R) & contrast.unsqueeze(1)).view(-1)
             with forward_precision(procs.device, config.dtype):
                 grad_sq_norms = sketched_rollout_sq_norms(
-                    policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.lens_sketch_dim,
+                    policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.sketch_dim,
                     seed=config.seed, temperature=config.temperature,
                 ).view(-1, R).to(procs.device)
             baseline_metrics["perf/optimal_baseline_seconds"] = time.perf_counter() - t_b

@@ -1,0 +1,420 @@
+"""The configuration machinery: a field written once (:class:`Option`), the config dataclass base (:class:`ConfigFile`)
+with its YAML / dict / command-line round trips, and the names a config also answers to (:class:`Names`).
+
+A config is a dataclass subclass of :class:`ConfigFile`. Each field comes from :func:`option` (a field only that config
+has) or from an :class:`Option` of :mod:`grpo_lens.config.groups` (a field several configs share), and carries its help
+(the CLI help and the README's reference), its default and its check. Building a config checks it
+(``__post_init__``): first every field's type, then every field's own check, then the config's cross-field
+:meth:`ConfigFile.check`; the first bad value raises :class:`ConfigError` naming the field, its flag and the rule.
+
+Load order: defaults <- YAML file (``--config``) <- command-line flags (``--group-size 8``).
+
+Names: a config's :class:`Names` maps a deprecated name to the current one (accepted, with one
+:class:`ConfigNameWarning` line naming the new name) and refuses a name that would mislead (a :class:`ConfigError`
+naming what to use instead). They apply wherever a name comes in: YAML keys, flags, :meth:`ConfigFile.from_dict` and a
+run's saved config.yaml (``--resume``); a config written out uses only current names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterable, Mapping, NoReturn
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and how to fix it."""
+
+
+class ConfigNameWarning(FutureWarning):
+    """A config key or flag uses a deprecated name; the message names the current one (shown once per name)."""
+
+
+#: A field's check: the value (never None: unset optional fields are not checked) -> why it is bad, or None if good.
+Check = Callable[[Any], "str | None"]
+
+
+def require(ok: Callable[[Any], bool], why: str) -> Check:
+    """A check that accepts the values ``ok`` holds for and otherwise says ``why`` (e.g. ``"must be in (0, 1]"``)."""
+    return lambda value: None if ok(value) else why
+
+
+def at_least(low: float, why: str | None = None) -> Check:
+    """``value >= low``; the message defaults to ``must be >= low``."""
+    return require(lambda value: value >= low, why or f"must be >= {low}")
+
+
+def above(low: float, why: str | None = None) -> Check:
+    """``value > low``; the message defaults to ``must be > low``."""
+    return require(lambda value: value > low, why or f"must be > {low}")
+
+
+def one_of(names: Iterable[str] | Callable[[], Iterable[str]]) -> Check:
+    """The value is one of ``names`` (a collection, or a registry's ``names`` method, read at check time so that
+    plugins registered later count); the message lists the valid names, sorted."""
+    def check(value: Any) -> str | None:
+        valid = list(names() if callable(names) else names)
+        return None if value in valid else f"unknown name; valid names: {', '.join(sorted(valid))}"
+
+    return check
+
+
+_SAME: Any = object()  # "not overridden" in Option.__call__
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration field, written once: default, help, check. Calling it gives the dataclass field of a config.
+
+    Attributes:
+        default: the value when neither YAML nor a flag sets it (lists and dicts are copied per instance).
+        help: the CLI help and the README's text. ``{name}`` placeholders are filled per config by the keywords of
+            :meth:`__call__` (only where the text must differ, e.g. what a command writes into --out).
+        check: :data:`Check` of the value, or None.
+        item_type: the argparse type of each item of a list field (``--group-sizes 2 4``).
+        scalar_is_list: a lone value means a list of one (YAML ``rewards: correctness``).
+    """
+
+    default: Any
+    help: str
+    check: Check | None = None
+    item_type: type | None = None
+    scalar_is_list: bool = False
+
+    def __call__(self, default: Any = _SAME, *, check: Any = _SAME, **fill: str) -> Any:
+        """The field of one config; ``default`` / ``check`` override the shared ones (an explicit, visible override)."""
+        spec = dataclasses.replace(self, default=self.default if default is _SAME else default,
+                                   check=self.check if check is _SAME else check,
+                                   help=self.help.format(**fill) if fill else self.help)
+        metadata = {"help": spec.help, "check": spec.check, "item_type": spec.item_type,
+                    "scalar_is_list": spec.scalar_is_list, "option": self}
+        if isinstance(spec.default, (list, dict)):
+            return field(default_factory=lambda d=spec.default: type(d)(d), metadata=metadata)
+        return field(default=spec.default, metadata=metadata)
+
+
+def option(default: Any, help: str, *, check: Check | None = None, item_type: type | None = None,
+           scalar_is_list: bool = False) -> Any:
+    """A field only one config has: its default, help (the CLI help) and check, written where the field is."""
+    return Option(default, help, check, item_type, scalar_is_list)()
+
+
+class Names:
+    """The other names of a config's fields: ``renamed`` (deprecated name -> current name, accepted with a
+    :class:`ConfigNameWarning`) and ``refused`` (name -> what to use instead, a :class:`ConfigError`).
+
+    A config declares its own (``names: ClassVar[Names] = Names(renamed={"lens_sketch_dim": "sketch_dim"})``); code
+    may add more later with :meth:`rename` and :meth:`refuse` (e.g. another library's names for the same settings).
+    """
+
+    def __init__(self, renamed: Mapping[str, str] | None = None, refused: Mapping[str, str] | None = None):
+        self.renamed: dict[str, str] = {}
+        self.refused: dict[str, str] = {}
+        for old, new in (renamed or {}).items():
+            self.rename(old, new)
+        for name, use in (refused or {}).items():
+            self.refuse(name, use)
+
+    def rename(self, old: str, new: str) -> None:
+        """Accept ``old`` as a deprecated name of the field ``new`` (in YAML keys, flags and ``from_dict``).
+
+        Raises:
+            ValueError: ``old`` is already a renamed or refused name.
+        """
+        if old in self.renamed or old in self.refused or old == new:
+            raise ValueError(f"config name {old!r} is already registered (or equals {new!r})")
+        self.renamed[old] = new
+
+    def refuse(self, name: str, use: str) -> None:
+        """Refuse ``name`` with a ConfigError whose message is ``use`` (say what the name means elsewhere and which
+        field or flag to use instead).
+
+        Raises:
+            ValueError: ``name`` is already a renamed or refused name.
+        """
+        if name in self.renamed or name in self.refused:
+            raise ValueError(f"config name {name!r} is already registered")
+        self.refused[name] = use
+
+    def copy(self) -> Names:
+        """An independent copy (a subclass's names start as its parent's)."""
+        return Names(self.renamed, self.refused)
+
+    def canonical(self, values: Mapping[str, Any], *, where: str = "", warn: bool = True) -> dict[str, Any]:
+        """``values`` with every deprecated name replaced by the current one (in place in the key order).
+
+        Args:
+            values: field name -> value, as read from YAML, flags or a dict.
+            where: where the names come from (``"in c.yaml"``, ``"on the command line"``) for the messages.
+            warn: emit the :class:`ConfigNameWarning` (False for readers of old runs, such as ``compare``).
+
+        Raises:
+            ConfigError: a refused name, or a deprecated name together with its current one.
+        """
+        where = f" {where}" if where else ""
+        out: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in self.refused:
+                raise ConfigError(f"{_name(key)}{where} is not accepted: {self.refused[key]}")
+            new = self.renamed.get(key)
+            if new is None:
+                out[key] = value
+                continue
+            if new in values or new in out:
+                raise ConfigError(f"{_name(key)}{where} is the deprecated name of {_name(new)}, which is given too; "
+                                  f"give only {new!r}")
+            if warn:
+                warnings.warn(f"{_name(key)}{where} is deprecated: use {_name(new)}; the old name will stop working "
+                              f"in a later release", ConfigNameWarning, stacklevel=2)
+            out[new] = value
+        return out
+
+
+def _name(key: str) -> str:
+    """``'sketch_dim' (--sketch-dim)``: a field as a YAML key and as a flag."""
+    return f"'{key}' (--{key.replace('_', '-')})"
+
+
+class ConfigFile:
+    """Base of the config dataclasses (TrainConfig, ProbeConfig, DemoConfig): checks, names, YAML and dict round trips.
+
+    Class attributes:
+        kind: the word error messages start with (``config field 'x'``, ``probe field 'x'``).
+        names: the :class:`Names` of this config (each subclass gets its own copy of its parent's).
+    """
+
+    kind: ClassVar[str] = "config"
+    names: ClassVar[Names] = Names()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "names" not in cls.__dict__:
+            cls.names = cls.names.copy()  # registering a name on one config never reaches another
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- checks ------------------------------------------------------------------------------------------------------
+    def bad(self, name: str, why: str) -> NoReturn:
+        """Raise the ConfigError of field ``name``: ``<kind> field 'name' (flag --name) = value: why``."""
+        raise ConfigError(f"{self.kind} field '{name}' (flag --{name.replace('_', '-')}) = {getattr(self, name)!r}: "
+                          f"{why}")
+
+    def validate(self) -> None:
+        """Check every field: types (YAML can hold anything), then each field's own check, then :meth:`check`.
+
+        Raises:
+            ConfigError: naming the first bad field.
+        """
+        for f_ in fields(self):  # types first
+            value = getattr(self, f_.name)
+            if f_.metadata.get("scalar_is_list") and isinstance(value, str):  # `rewards: correctness`: a list of one
+                value = [value]
+                setattr(self, f_.name, value)
+            want = _base_type(f_.type)
+            if value is None and _is_optional(f_.type):
+                continue
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, f_.name, float(value))
+                continue
+            if want is float and isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
+                try:
+                    value = float(value)
+                    setattr(self, f_.name, value)
+                except ValueError:
+                    pass
+            if want is not None and not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                self.bad(f_.name, f"must be of type {want.__name__}")
+            if want is float and not math.isfinite(value):
+                self.bad(f_.name, "must be a finite number")
+        for f_ in fields(self):  # each field's own rule
+            check, value = f_.metadata.get("check"), getattr(self, f_.name)
+            if check is not None and value is not None:
+                why = check(value)
+                if why:
+                    self.bad(f_.name, why)
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field checks and derived fields of this config (the base has none).
+
+        Raises:
+            ConfigError: via :meth:`bad`.
+        """
+
+    # -- round trips -------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field under its current name (YAML-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def canonical(cls, values: Mapping[str, Any], where: str = "", warn: bool = True) -> dict[str, Any]:
+        """``values`` under current field names (see :meth:`Names.canonical`).
+
+        Raises:
+            ConfigError: a refused name, or a deprecated name given together with its current one.
+        """
+        return cls.names.canonical(values, where=where, warn=warn)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], where: str = "") -> Any:
+        """Build from a mapping (deprecated names accepted with a warning).
+
+        Raises:
+            ConfigError: unknown keys (listing the valid ones), refused names, invalid values.
+        """
+        values = cls.canonical(values, where)
+        known = {f_.name for f_ in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    @classmethod
+    def read(cls, path: str | Path) -> dict[str, Any]:
+        """The mapping a YAML file holds, under current names (values not checked yet).
+
+        Raises:
+            ConfigError: missing or unreadable file, not a mapping, a refused name.
+        """
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {yaml_error_line(e)}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of field: value, got {type(values).__name__}")
+        return cls.canonical(values, f"in {p}")
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> Any:
+        """Read a YAML file and apply ``overrides`` on top.
+
+        Raises:
+            ConfigError: missing or unreadable file, not a mapping, unknown or refused keys, invalid values.
+        """
+        values = cls.read(path)
+        values.update(cls.canonical(overrides or {}))
+        return cls.from_dict(values)
+
+
+def yaml_error_line(err: Exception) -> str:
+    """A YAML parse error on one line: what is wrong and where (``line 3, column 7``)."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(err, "context", None)
+    return f"{problem}{where}" + (f" ({context})" if context else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI generation from the dataclass: one source for help, types and defaults.
+# ---------------------------------------------------------------------------------------------------------------------
+def _is_optional(tp: Any) -> bool:
+    tp = _resolve(tp)
+    return isinstance(tp, types.UnionType) and type(None) in typing.get_args(tp) or (
+        typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp))
+
+
+def _resolve(tp: Any) -> Any:
+    if isinstance(tp, str):
+        return eval(tp, {**vars(typing), "dict": dict, "list": list}, {})  # annotations are postponed strings
+    return tp
+
+
+def _base_type(tp: Any) -> type | None:
+    tp = _resolve(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if _is_optional(tp) else [tp]
+    base = typing.get_origin(args[0]) or args[0]
+    return base if isinstance(base, type) else None
+
+
+def _default(f_: dataclasses.Field) -> Any:
+    return f_.default if f_.default is not dataclasses.MISSING else f_.default_factory()
+
+
+def _add_flag(parser: argparse.ArgumentParser, flag: str, dest: str, f_: dataclasses.Field, help_: str) -> None:
+    """One argparse flag for field ``f_``, stored in ``dest``, default None (= not given)."""
+    base = _base_type(f_.type)
+    if base is bool:
+        parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_)
+    elif base is list:
+        parser.add_argument(flag, dest=dest, nargs="+", type=f_.metadata.get("item_type") or str, default=None,
+                            help=help_)
+    elif base is dict:
+        parser.add_argument(flag, dest=dest, type=_yaml_mapping, default=None, help=help_)
+    else:
+        parser.add_argument(flag, dest=dest, type=base, default=None, help=help_)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--flag`` per dataclass field, help from the field's metadata, default None (= not given).
+
+    The config's deprecated names get hidden flags of the same kind (``--lens-sketch-dim 8``), and its refused names
+    hidden flags that take any values; :func:`config_from_args` turns both into the current name or the refusal.
+    """
+    by_name = {f_.name: f_ for f_ in fields(cls)}
+    for f_ in fields(cls):
+        if f_.name in skip:
+            continue
+        _add_flag(parser, "--" + f_.name.replace("_", "-"), f_.name, f_,
+                  f"{f_.metadata.get('help', '')} (default: {_default(f_)})")
+    for old, new in cls.names.renamed.items():
+        if new in by_name and new not in skip:
+            _add_flag(parser, "--" + old.replace("_", "-"), old, by_name[new], argparse.SUPPRESS)
+    for name in cls.names.refused:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, nargs="*", default=None, help=argparse.SUPPRESS)
+
+
+def _yaml_mapping(text: str) -> dict:
+    """argparse type of dict fields: a YAML mapping; anything else is an argparse error (exit 2, one line)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise argparse.ArgumentTypeError(f"not valid YAML ({yaml_error_line(e)}): {text!r}; expected a mapping like "
+                                         "'{max_operand: 9}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping like '{{max_operand: 9}}', got {text!r}")
+    return value
+
+
+def flags_given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields set by flags on the command line, under current names (deprecated flags warn, refused ones raise).
+
+    Raises:
+        ConfigError: a refused flag, or a deprecated flag together with its current one.
+    """
+    names = [f_.name for f_ in fields(cls)] + list(cls.names.renamed) + list(cls.names.refused)
+    return cls.canonical({n: getattr(args, n) for n in names if getattr(args, n, None) is not None},
+                         "on the command line")
+
+
+def config_from_args(args: argparse.Namespace, cls: type, config_file: str | None = None) -> Any:
+    """Defaults <- YAML file <- flags given on the command line."""
+    overrides = flags_given(args, cls)
+    if config_file:
+        return cls.load(config_file, overrides)
+    return cls.from_dict(overrides)
+
+
+def reference_markdown(cls: type) -> str:
+    """A Markdown table of every field of ``cls``: flag, default, help (the README's CLI reference is this)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f_ in fields(cls):
+        help_ = f_.metadata.get("help", "").replace("|", "\\|")
+        rows.append(f"| `--{f_.name.replace('_', '-')}` | `{_default(f_)}` | {help_} |")
+    return "\n".join(rows)

@@ -1,0 +1,194 @@
+"""``TrainConfig``: every setting of ``grpo-lens train``, a dataclass whose field help is the CLI help and whose
+names are the YAML keys of the run's config.yaml.
+
+Shared fields come from the option groups (:mod:`grpo_lens.config.groups`), the trainer's own ones are written here;
+each field's check lives with the field, and :meth:`TrainConfig.check` holds the checks of two or more fields and the
+derived ones (``prompts_per_step`` from ``rollout_batch_size``, ``overlong`` from the deprecated ``mask_truncated``).
+Deprecated names (``lens_sketch_dim`` -> ``sketch_dim``) are in :attr:`TrainConfig.names`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from grpo_lens.config.base import (
+    ConfigFile,
+    Names,
+    above,
+    at_least,
+    one_of,
+    option,
+    require,
+)
+from grpo_lens.config.groups import (
+    Advantage,
+    Lens,
+    Model,
+    Optimizer,
+    Output,
+    Runtime,
+    Sampling,
+    TaskData,
+    check_task_dataset,
+)
+from grpo_lens.formulas.losses import KL_ESTIMATORS
+from grpo_lens.formulas.overlong import OVERLONG_MODES
+from grpo_lens.trackers import REPORT_TO
+
+
+def _trackers(names: list) -> str | None:
+    """Check of ``report_to``: known tracker names, and ``none`` alone."""
+    for name in names:
+        if name not in REPORT_TO:
+            return f"unknown tracker {name!r}; valid names: {', '.join(REPORT_TO)}"
+    if "none" in names and len(names) > 1:
+        return "'none' cannot be combined with a tracker; drop it"
+    return None
+
+
+_UNIT = require(lambda v: 0 <= v < 1, "must be in [0, 1)")  # a clip range or an Adam beta
+
+
+@dataclass
+class TrainConfig(ConfigFile):
+    """Everything a GRPO run needs. Field help doubles as CLI help (flags use dashes: ``--group-size``)."""
+
+    names: ClassVar[Names] = Names(renamed={"lens_sketch_dim": "sketch_dim"})  # 0.2 name, accepted until 0.3
+
+    # --- what to train on ------------------------------------------------------------------------------------------
+    model: str = Model.model()
+    task: str = TaskData.task()
+    dataset: str | None = TaskData.dataset()
+    task_options: dict = TaskData.task_options()
+    rewards: list = TaskData.rewards()
+    reward_timeout: float = TaskData.reward_timeout()
+    # --- sampling ----------------------------------------------------------------------------------------------------
+    group_size: int = Sampling.group_size()
+    prompts_per_step: int = Sampling.prompts_per_step()
+    rollout_batch_size: int | None = option(None, "Rollouts per step (B*R); if set it must be a multiple of group_size "
+                                            "and replaces prompts_per_step.")
+    max_new_tokens: int = Sampling.max_new_tokens()
+    temperature: float = Sampling.temperature()
+    top_p: float = Sampling.top_p()
+    top_k: int = Sampling.top_k()
+    dynamic_sampling: bool = option(False, "DAPO dynamic sampling (arXiv 2503.14476): sample extra rounds of prompts "
+                                    "until the step has prompts_per_step groups whose rewards are not all equal; at "
+                                    "the cap trains on the mixed groups found (logged as dynamic/mixed_groups).")
+    dynamic_sampling_max_rounds: int = option(3, "Cap on dynamic sampling's extra sampling rounds per step.",
+                                              check=at_least(0, "must be >= 0 (0 = only the step's own round)"))
+    overlong: str = option("none", "Completions cut at max_new_tokens: none, mask (advantage 0, kept in group "
+                           "statistics and the loss normaliser), filter (DAPO overlong filtering: their tokens leave "
+                           "the loss and its normaliser), soft-punish (DAPO's length penalty, eq. 13, added to the "
+                           "reward). DAPO arXiv 2503.14476; docs/theory.md.", check=one_of(OVERLONG_MODES))
+    overlong_max_length: int | None = option(None, "soft-punish: L_max, the length past which the penalty is -1 "
+                                             "(unset: max_new_tokens).")
+    overlong_buffer: int | None = option(None, "soft-punish: L_cache, the width of the interval before L_max over "
+                                         "which the penalty falls linearly from 0 to -1 (unset: L_max // 5, DAPO's "
+                                         "4096 of 20480).")
+    mask_truncated: bool = option(False, "Deprecated alias of --overlong mask (kept so that old runs' configs load "
+                                  "and resume).")
+    # --- advantages and loss -----------------------------------------------------------------------------------------
+    estimator: str = Advantage.estimator()
+    std: str = Advantage.std()
+    eps: float = Advantage.eps()
+    loss_aggregation: str = Advantage.loss_aggregation()
+    beta: float = option(0.0, "KL coefficient against the frozen reference model (0 = no reference model).",
+                         check=at_least(0))
+    kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + ".",
+                               check=one_of(KL_ESTIMATORS.names))
+    eps_low: float = option(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.", check=_UNIT)
+    eps_high: float = option(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for A > 0 (DAPO's "
+                             "clip-higher uses 0.28).", check=at_least(0))
+    dual_clip: float | None = option(None, "Dual-clip bound c > 1 on the loss of A < 0 tokens (Ye et al. 2020); "
+                                     "unset disables.", check=above(1, "must be > 1, or unset to disable"))
+    tis_cap: float | None = option(None, "Truncated importance sampling against sampler-trainer mismatch: weight each "
+                                   "token's policy loss by min(pi_old / pi_sampler, tis_cap) (Ionides 2008; Yao et al. "
+                                   "2025; docs/theory.md); unset disables.",
+                                   check=above(0, "must be > 0 (e.g. 2.0), or unset to disable"))
+    mu: int = option(1, "Inner optimisation passes over each step's rollouts (mu in GRPO); > 1 makes the policy move "
+                     "off the sampler and the clip matter.", check=at_least(1))
+    num_mini_batches: int = option(1, "Optimizer steps per pass: the step's prompts are split into this many "
+                                   "mini-batches (must divide prompts_per_step).")
+    micro_batch_size: int | None = option(None, "Rollouts per forward/backward (gradient accumulation; the gradient "
+                                          "does not depend on it). Unset: picked per mini-batch from the model's "
+                                          "shape and the machine's total memory (the whole mini-batch when it fits).",
+                                          check=at_least(1))
+    # --- optimizer ---------------------------------------------------------------------------------------------------
+    max_steps: int = Optimizer.max_steps()
+    learning_rate: float = Optimizer.learning_rate()
+    weight_decay: float = option(0.0, "AdamW weight decay.", check=at_least(0))
+    adam_beta1: float = option(0.9, "AdamW beta1.", check=_UNIT)
+    adam_beta2: float = option(0.99, "AdamW beta2.", check=_UNIT)
+    max_grad_norm: float = option(1.0, "Clip the gradient's global L2 norm to this (0 disables).",
+                                  check=at_least(0, "must be >= 0 (0 disables clipping)"))
+    max_consecutive_skips: int = option(3, "A step whose loss or gradient is non-finite is skipped (no optimizer "
+                                        "change); stop with an error after this many consecutive skipped steps.",
+                                        check=at_least(1))
+    # --- lens --------------------------------------------------------------------------------------------------------
+    lens_every: int = Lens.lens_every()
+    sketch_dim: int = Lens.sketch_dim()
+    lens_from_update: bool = option(True, "Take the lens's sketched per-rollout gradients from the update's own "
+                                    "first pass when the loss allows it (beta 0, no tis_cap, one mini-batch, nonzero "
+                                    "advantages in the mixed groups): the same numbers without the lens's extra "
+                                    "forward and backward. Off: the lens always runs its own pass.")
+    lens_space: str = option("trainable", "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "
+                             "the adapter's parameters, exact; without LoRA every linear layer, sketched) or full "
+                             "(every linear layer's full weight, sketched; with LoRA the frozen base weights, what "
+                             "full fine-tuning would follow).", check=one_of(("trainable", "full")))
+    # --- LoRA (peft) -------------------------------------------------------------------------------------------------
+    lora_rank: int = option(0, "LoRA rank r (Hu et al. 2021, arXiv 2106.09685) through peft; 0 trains every parameter "
+                            "(full fine-tuning).", check=at_least(0, "must be >= 0 (0 = full fine-tuning)"))
+    lora_alpha: float = option(32.0, "LoRA scale numerator: the update is lora_alpha / lora_rank * B A.",
+                               check=above(0))
+    lora_target_modules: list = option(["all-linear"], "Module names LoRA adapts (e.g. q_proj v_proj), or all-linear "
+                                       "(every linear layer but the output head).",
+                                       check=require(bool, "name at least one module, or all-linear"))
+    # --- run ---------------------------------------------------------------------------------------------------------
+    seed: int = Runtime.seed()
+    dtype: str = Runtime.dtype()
+    device: str = Runtime.device()
+    out: str | None = Output.out(contents="config.yaml, metrics.jsonl, checkpoints/")
+    resume: bool = option(False, "Continue the run in --out from its last checkpoint.")
+    overwrite: bool = Output.overwrite(what="a different run already")
+    checkpoint_every: int = option(10, "Write a checkpoint every this many steps (and at the end).", check=at_least(1))
+    keep_checkpoints: int = option(2, "How many recent checkpoints to keep.", check=at_least(1))
+    save_final_model: bool = option(True, "Save the trained policy and tokenizer as a Hugging Face folder in "
+                                    "RUN/final_model at the end (loadable with --model RUN/final_model).")
+    report_to: list = option(["none"], "Experiment trackers that get every metrics record too: none, tensorboard, "
+                             "wandb (WANDB_MODE=offline works without a network), trackio; metrics.jsonl stays the "
+                             "source of truth.", check=_trackers)
+    log_completions: int = option(2, "Completions per step written to completions.jsonl (0 = none).",
+                                  check=at_least(0))
+    progress: bool = Output.progress()
+
+    def overlong_length(self) -> int:
+        """L_max of soft-punish: ``overlong_max_length``, or ``max_new_tokens`` when unset."""
+        return self.overlong_max_length if self.overlong_max_length is not None else self.max_new_tokens
+
+    def overlong_cache(self) -> int:
+        """L_cache of soft-punish: ``overlong_buffer``, or max(1, L_max // 5) when unset."""
+        return self.overlong_buffer if self.overlong_buffer is not None else max(1, self.overlong_length() // 5)
+
+    def check(self) -> None:
+        """The checks of two or more fields, and the derived fields (each field's own check ran before)."""
+        if self.rollout_batch_size is not None:
+            if self.rollout_batch_size < 1 or self.rollout_batch_size % self.group_size:
+                self.bad("rollout_batch_size", f"must be a positive multiple of group_size={self.group_size} (whole "
+                         f"groups); e.g. {self.group_size * max(1, self.rollout_batch_size // self.group_size)}")
+            self.prompts_per_step = self.rollout_batch_size // self.group_size
+        if self.mask_truncated:  # the deprecated alias
+            if self.overlong == "none":
+                self.overlong = "mask"
+            elif self.overlong != "mask":
+                self.bad("mask_truncated", f"is the deprecated alias of --overlong mask and contradicts --overlong "
+                         f"{self.overlong}; drop --mask-truncated")
+        if self.overlong_max_length is not None and not 1 <= self.overlong_max_length <= self.max_new_tokens:
+            self.bad("overlong_max_length", f"must be in [1, max_new_tokens = {self.max_new_tokens}], or unset")
+        if self.overlong_buffer is not None and not 1 <= self.overlong_buffer <= self.overlong_length():
+            self.bad("overlong_buffer", f"must be in [1, L_max = {self.overlong_length()}], or unset")
+        if self.num_mini_batches < 1 or self.prompts_per_step % self.num_mini_batches:
+            self.bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
+        if self.resume and self.overwrite:
+            self.bad("overwrite", "--resume continues the run in --out and --overwrite replaces it: pass one of them")
+        check_task_dataset(self)
