@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import types
 import typing
 import warnings
@@ -68,6 +69,7 @@ def one_of(names: Iterable[str] | Callable[[], Iterable[str]]) -> Check:
 
 
 _SAME: Any = object()  # "not overridden" in Option.__call__
+_PLACEHOLDER = re.compile(r"\{[a-z_]+\}")  # ``{contents}`` in a help text (not ``'{max_operand: 9}'``)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class Option:
 
     def __call__(self, default: Any = _SAME, *, check: Any = _SAME, **fill: str) -> Any:
         """The field of one config; ``default`` / ``check`` override the shared ones (an explicit, visible override)."""
+        if not fill and _PLACEHOLDER.search(self.help):
+            raise TypeError(f"option help {self.help!r} has a placeholder: give its text as a keyword")
         spec = dataclasses.replace(self, default=self.default if default is _SAME else default,
                                    check=self.check if check is _SAME else check,
                                    help=self.help.format(**fill) if fill else self.help)
