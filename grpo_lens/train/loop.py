@@ -142,14 +142,15 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                                        procs, models.params, before_step=before_step, step=step, capture=plan.capture)
         # 6. the lens after the update: its g_i read off the update's first pass, and S4 around the optimizer step
         lens_metrics = lens_after_update(lens, plan, step, procs, models.policy, rollouts, advantages)
+        # 7. the non-finite guard: a step with a skipped optimizer step counts toward --max-consecutive-skips
         update_metrics.update(state.count_skipped(update_metrics["guard/skipped_optimizer_steps"] > 0))
-        # 7. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
+        # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
         parts = [update_metrics, lens_metrics, baseline_metrics, {"lr": models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
         if procs.is_main:
             logs.write(step, record, rollouts, advantages, config.log_completions)
         stop_after_skips(state, config, procs, run, step)  # before any checkpoint of this step
-        # 8. checkpoint (atomic): model, optimizer, step, guard, random generators
+        # 9. checkpoint (atomic): model, optimizer, step, guard, random generators
         save_checkpoint_if_due(run, step, config, procs, models, lens, state)
         state.step = step
 
@@ -506,8 +507,9 @@ def step_record(step: int, config: TrainConfig, procs: Processes, rollouts: Roll
                 parts: list[dict[str, float]], t0: float) -> dict[str, Any]:
     """The step's metrics.jsonl record, the same on every process: this process's reward-call metrics, then the
     statistics of all processes' rollouts (which win over them), ``parts`` in order, then ``perf/*`` (``t0``: the
-    step's start, ``time.perf_counter()``). With dynamic sampling the reward/accuracy/S1 keys cover every sampled group and the kept groups' values are
-    ``dynamic/kept_*`` (:func:`grpo_lens.train.step_metrics.sampled_vs_kept`; one process only, so no gather)."""
+    step's start, ``time.perf_counter()``). With dynamic sampling the reward/accuracy/S1 keys cover every sampled
+    group and the kept groups' values are ``dynamic/kept_*`` (:func:`grpo_lens.train.step_metrics.sampled_vs_kept`;
+    one process only, so no gather)."""
     R = config.group_size
     rewards, valid, adv, mask, truncated = procs.gather_all(
         rollouts.rewards, rollouts.valid, advantages, _pad_to(rollouts.batch.completion_mask, config.max_new_tokens),
