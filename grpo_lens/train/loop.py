@@ -263,7 +263,11 @@ def check_before_writing(config: TrainConfig, run: RunDir,
 
 def build_models(config: TrainConfig, procs: Processes) -> Models:
     """Seed the generators, load the policy, check it (:func:`check_model`), copy the reference, add LoRA and make
-    the optimizer: AdamW (lr, betas, weight decay from ``config``) over the parameters that require gradients."""
+    the optimizer: AdamW (lr, betas, weight decay from ``config``) over the parameters that require gradients.
+
+    Raises:
+        ModelNotFoundError: the model does not load.   ValueError: :func:`check_model`'s checks.
+    """
     if not config.progress:
         hf_logging.disable_progress_bar()  # --no-progress silences transformers' loading bars too
     seed_everything(config.seed)
