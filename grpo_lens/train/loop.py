@@ -1,26 +1,37 @@
-"""The GRPO training loop: sample -> reward -> advantages -> clipped-surrogate passes -> AdamW step, with the lens.
+"""The GRPO training loop, :func:`train`: sample, rewards, advantages, update, lens, log, checkpoint, one call each.
 
-Read :func:`train` top to bottom: every formula it uses lives in a pure module (advantages, losses, diagnostics);
-this file only moves tensors between them, writes the run directory and keeps the run resumable.
+:func:`train` first checks every input, read-only (:func:`check_before_writing`, :func:`check_inputs`), loads the
+policy, the reference and the optimizer (:func:`build_models`, :func:`check_model`) and only then writes or resumes
+the run directory (:func:`open_run`). Each step is then one call per stage: :func:`sample_step` (prompts, rollouts,
+rewards; DAPO's dynamic sampling in :func:`sample_dynamic`), :func:`step_advantages` (the b* weights of
+``--estimator optimal`` in :func:`optimal_baseline_weights`), :func:`reference_logprobs`, :func:`plan_lens` (whether
+and how the lens measures the step), :func:`grpo_lens.train.update.policy_update`, :func:`lens_after_update`, the
+non-finite guard (:class:`RunState`), :func:`step_record`, :class:`StepLogs` and :func:`save_checkpoint_if_due`.
+Every formula lives in :mod:`grpo_lens.formulas`; this module moves tensors between them, writes the run directory
+and keeps the run resumable: every step's randomness derives from (seed, step) (:func:`step_seed`), and a checkpoint
+holds the rest (:class:`RunState`, the random generators' states).
 
 Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
-process draws the same B prompts for a step and samples the groups of its own share of them; losses are divided by a
-normaliser summed over processes and the gradients are summed with an all-reduce, so the update equals a single
-process's on the whole batch. With num_mini_batches M, each process splits its share into M chunks and optimizer step
-k sums chunk k of every process.
+process draws the same B prompts for a step and samples the groups of its own share of them; the update sums over
+processes (:mod:`grpo_lens.train.update`), each step's record gathers every process's rollouts
+(:mod:`grpo_lens.train.processes`), and the main process alone writes the run directory.
+
+Shapes: B prompts per step, R group size, N = B R / processes rollouts on this process, T completion tokens.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import logging
 import os
 import random
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -87,6 +98,72 @@ def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------------
+def train(config: TrainConfig, lens: Any = None) -> RunDir:
+    """Run GRPO as ``config`` says and return the run directory.
+
+    Args:
+        config: a validated :class:`TrainConfig`; ``config.out`` is required.
+        lens: an object with ``start(policy)``, ``before_step(policy)``, ``measure(step, ...) -> dict``,
+            ``after_step(step, policy, measured) -> dict``, ``state_dict()`` and ``load_state_dict(state)``, and
+            optionally ``update_capture(policy)`` with ``mixed_groups`` (see :class:`grpo_lens.train.lens.TrainerLens`);
+            built from the config when None and lens_every > 0.
+
+    Every input is checked before anything is written; a new run's directory is created (or a run replaced with
+    ``overwrite``) only once the model has loaded, and a resumed run's files change only once its checkpoint has
+    loaded, so a failed start leaves --out as it was.
+
+    Raises:
+        ConfigError / RunDirError / ModelNotFoundError / ValueError: bad settings, an unusable --out, a missing model,
+            an unknown task or reward, a malformed data row, a missing or corrupt checkpoint.
+        NonFiniteUpdateError: ``max_consecutive_skips`` steps in a row had a non-finite loss or gradient.
+    """
+    if not config.out:
+        raise ValueError("config field 'out' (flag --out) is required: the run directory to write")
+    procs = setup_processes(config.device)
+    run = RunDir(config.out)
+    config, task, reward_fns, ckpt = check_before_writing(config, run, procs)  # read-only: --out is untouched
+    models = build_models(config, procs)
+    if lens is None and config.lens_every > 0:
+        lens = TrainerLens(models.policy, config)
+    state = open_run(run, config, procs, models, lens, ckpt)  # writes --out (a new run, or resumes from ckpt)
+    logs = StepLogs.start(run, config, procs, state.step)
+
+    for step in range(state.step + 1, config.max_steps + 1):
+        t0 = time.perf_counter()
+        # 1. prompts, rollouts and their rewards (with --dynamic-sampling: extra rounds until B mixed groups)
+        rollouts = sample_step(config, procs, task, reward_fns, models, step)
+        # 2. advantages: one scalar per rollout (with --estimator optimal: b* weighted by sketched gradient norms)
+        advantages, baseline_metrics = step_advantages(config, procs, models.policy, rollouts)
+        # 3. reference log-probs for the KL term (None with beta = 0)
+        ref_logp = reference_logprobs(models.reference, rollouts.batch, config, procs)
+        # 4. the lens reads this step's rollouts before the update changes the policy, or plans to read the update
+        plan = plan_lens(lens, step, config, procs, models.policy, rollouts, advantages)
+        # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
+        before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
+        update_metrics = policy_update(models.policy, models.optimizer, rollouts.batch, advantages, ref_logp, config,
+                                       procs, models.params, before_step=before_step, step=step, capture=plan.capture)
+        # 6. the lens after the update: its g_i read off the update's first pass, and S4 around the optimizer step
+        lens_metrics = lens_after_update(lens, plan, step, procs, models.policy, rollouts, advantages)
+        # 7. the non-finite guard: a step with a skipped optimizer step counts toward --max-consecutive-skips
+        update_metrics.update(state.count_skipped(update_metrics["guard/skipped_optimizer_steps"] > 0))
+        # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
+        parts = [update_metrics, lens_metrics, baseline_metrics, {"lr": models.optimizer.param_groups[0]["lr"]}]
+        record = step_record(step, config, procs, rollouts, advantages, parts, t0)
+        if procs.is_main:
+            logs.write(step, record, rollouts, advantages, config.log_completions)
+        stop_after_skips(state, config, procs, run, step)  # before any checkpoint of this step
+        # 9. checkpoint (atomic): model, optimizer, step, guard, random generators
+        save_checkpoint_if_due(run, step, config, procs, models, lens, state)
+        state.step = step
+
+    logs.close()
+    finish_run(run, config, procs, models, lens)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Set-up: checks, models, the run directory
+# ---------------------------------------------------------------------------------------------------------------------
 def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple[str, float]]]:
     """Everything about the inputs that can be checked without loading a model; returns (task, reward specs).
 
@@ -131,36 +208,68 @@ def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
                          f"{config.model} has none; pick another --estimator (grpo, rloo, dr_grpo)")
 
 
-def train(config: TrainConfig, lens: Any = None) -> RunDir:
-    """Run GRPO as ``config`` says and return the run directory.
+@dataclass
+class Models:
+    """What a run trains.
 
-    Args:
-        config: a validated :class:`TrainConfig`; ``config.out`` is required.
-        lens: an object with ``before_step(step, policy)`` and ``measure(step, ...) -> dict`` (see
-            :class:`grpo_lens.lens.TrainerLens`); built from the config when None and lens_every > 0.
+    policy: the model being trained (LoRA-wrapped with ``lora_rank`` > 0).   tokenizer: its tokenizer.
+    reference: a frozen copy of the base model for the KL term (None with beta = 0).   optimizer: AdamW over
+    ``params``, the parameters that require gradients.
+    """
 
-    Every input is checked before anything is written; a new run's directory is created (or a run replaced with
-    ``overwrite``) only once the model has loaded, and a resumed run's files change only once its checkpoint has
-    loaded, so a failed start leaves --out as it was.
+    policy: torch.nn.Module
+    tokenizer: Any
+    reference: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+
+
+@dataclass
+class RunState:
+    """What a run carries from step to step besides weights and optimizer: ``step`` (the last step taken; a resumed
+    run's checkpoint step at the start) and the non-finite guard's counters ``guard`` (``consecutive`` and ``total``
+    trainer steps skipped). Both are saved in every checkpoint, with the random generators' states (:func:`_rng_state`),
+    so a resumed run continues as the uninterrupted one would."""
+
+    step: int = 0
+    guard: dict[str, int] = field(default_factory=lambda: {"consecutive": 0, "total": 0})
+
+    def count_skipped(self, skipped: bool) -> dict[str, int]:
+        """Count one trainer step, ``skipped`` when any of its optimizer steps was skipped for a non-finite loss or
+        gradient; returns the ``guard/*`` metrics of the step."""
+        self.guard["consecutive"] = self.guard["consecutive"] + 1 if skipped else 0
+        self.guard["total"] += int(skipped)
+        return {"guard/step_skipped": int(skipped), "guard/skipped_steps": self.guard["total"],
+                "guard/consecutive_skipped": self.guard["consecutive"]}
+
+
+def check_before_writing(config: TrainConfig, run: RunDir,
+                         procs: Processes) -> tuple[TrainConfig, Any, list[tuple[str, float]], Path | None]:
+    """Everything checked, read-only, before the run directory is touched or a model loads.
+
+    Returns:
+        (config, task, reward specs, checkpoint): the config resolved against --out (a resumed run's saved config with
+        the :data:`RESUMABLE_KEYS` it may change), :func:`check_inputs`' task and reward specs, and the checkpoint to
+        resume from (None for a new run, or a resumed run without one yet).
 
     Raises:
-        ConfigError / RunDirError / ModelNotFoundError / ValueError: bad settings, an unusable --out, a missing model,
-            an unknown task or reward, a malformed data row, a missing or corrupt checkpoint.
+        ConfigError / RunDirError / ModelNotFoundError / ValueError: see :func:`train`.
     """
-    if not config.out:
-        raise ValueError("config field 'out' (flag --out) is required: the run directory to write")
-    procs = setup_processes(config.device)
-    run = RunDir(config.out)
-
-    # --- every input is checked, read-only, before the run directory is touched or a model loads ---------------------
     config = TrainConfig.from_dict(run.resolve(config.to_dict(), resume=config.resume, overwrite=config.overwrite,
                                                resumable_keys=RESUMABLE_KEYS, canonical=TrainConfig.canonical))
     task, reward_fns = check_inputs(config, procs)
     ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
     procs.barrier()  # every process has read --out before the main one changes it
-    B, R = config.prompts_per_step, config.group_size
+    return config, task, reward_fns, ckpt
 
-    # --- model, reference, optimizer ---------------------------------------------------------------------------------
+
+def build_models(config: TrainConfig, procs: Processes) -> Models:
+    """Seed the generators, load the policy, check it (:func:`check_model`), copy the reference, add LoRA and make
+    the optimizer: AdamW (lr, betas, weight decay from ``config``) over the parameters that require gradients.
+
+    Raises:
+        ModelNotFoundError: the model does not load.   ValueError: :func:`check_model`'s checks.
+    """
     if not config.progress:
         hf_logging.disable_progress_bar()  # --no-progress silences transformers' loading bars too
     seed_everything(config.seed)
@@ -172,210 +281,342 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     if config.lora_rank > 0:  # the reference above stays the plain base model
-
         policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
         policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
-    if lens is None and config.lens_every > 0:
-        lens = TrainerLens(policy, config)
+    return Models(policy, tokenizer, reference, optimizer, params)
 
-    # --- the run directory: written only once the model (and, to resume, the checkpoint) has loaded ------------------
-    start_step = 0
-    guard = {"consecutive": 0, "total": 0}  # trainer steps skipped for a non-finite loss or gradient
+
+def open_run(run: RunDir, config: TrainConfig, procs: Processes, models: Models, lens: Any,
+             ckpt: Path | None) -> RunState:
+    """Write the run directory, once the model has loaded: a new run's, or, to resume, load ``ckpt`` (weights,
+    optimizer, guard counters, random generators, lens state) first and then drop what came after it.
+
+    The main process writes; every process waits for it. A stale ``final_model`` goes once training continues.
+    """
+    state = RunState()
     if config.resume:
         if ckpt is not None:
-            state = run.load_checkpoint(ckpt, policy, optimizer)
-            start_step = int(state["step"])
-            guard.update(state.get("guard") or {})
-            if state.get("rng"):
-                _set_rng_state(state["rng"])
-            if lens is not None and state.get("lens") is not None:
-                lens.load_state_dict(state["lens"])
+            saved = run.load_checkpoint(ckpt, models.policy, models.optimizer)
+            state.step = int(saved["step"])
+            state.guard.update(saved.get("guard") or {})
+            if saved.get("rng"):
+                _set_rng_state(saved["rng"])
+            if lens is not None and saved.get("lens") is not None:
+                lens.load_state_dict(saved["lens"])
         if procs.is_main:
             run.write_config(config.to_dict())
-            run.prune_checkpoints(start_step, config.keep_checkpoints)
-            run.truncate_metrics(start_step)
-            logger.info("resuming %s from step %d", run.path, start_step)
+            run.prune_checkpoints(state.step, config.keep_checkpoints)
+            run.truncate_metrics(state.step)
+            logger.info("resuming %s from step %d", run.path, state.step)
     elif procs.is_main:
         run.prepare(config.to_dict(), resume=False, overwrite=config.overwrite)  # replaces a run only with overwrite
         run.write_config(config.to_dict())
     procs.barrier()
-    if lens is not None and start_step == 0:
-        lens.start(policy)
-
-    if procs.is_main and start_step < config.max_steps and (run.path / "final_model").exists():
+    if lens is not None and state.step == 0:
+        lens.start(models.policy)
+    if procs.is_main and state.step < config.max_steps and (run.path / "final_model").exists():
         shutil.rmtree(run.path / "final_model")  # it would be stale once training continues
-    if procs.is_main and start_step >= config.max_steps:
+    if procs.is_main and state.step >= config.max_steps:
         logger.warning("%s is already at step %d >= max_steps %d: nothing to train (raise --max-steps to continue)",
-                       run.path, start_step, config.max_steps)
-    progress = _progress(config, start_step, procs)
-    trackers = None
-    if procs.is_main and start_step < config.max_steps:
-        trackers = Trackers(config.report_to, run.path, config.to_dict(), start_step)
-    share = B // procs.world
-    for step in range(start_step + 1, config.max_steps + 1):
-        t0 = time.perf_counter()
-        seed = step_seed(config.seed, step)
+                       run.path, state.step, config.max_steps)
+    return state
 
-        gen_seconds: list[float] = []
 
-        def sample_round(rnd: int):
-            """Round ``rnd`` of this step (0: the ordinary batch; > 0: dynamic sampling's extra rounds)."""
-            rseed = seed if rnd == 0 else step_seed(seed, rnd)
-            # 1. prompts: every process draws the same B, samples its own share of them
-            examples = task.sample(B, seed=rseed)[procs.rank * share:(procs.rank + 1) * share]
-            # 2. rollouts: R completions per prompt, with the sampler's log-probs
-            t_start = time.perf_counter()
-            policy.eval()
-            crash_point("during_generation", step, module=policy)
-            with forward_precision(procs.device, config.dtype):
-                batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
-                                      temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                      generator_seed=rseed + 104_729 * procs.rank)
-            policy.train()
-            gen_seconds.append(time.perf_counter() - t_start)
-            # 3. rewards (invalid rollouts are masked out of the group statistics)
-            rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
-            rewards, valid = rewards.to(procs.device), valid.to(procs.device)
-            correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
-            if config.overlong == "soft-punish":  # DAPO eq. 13 added to every valid rollout's reward
-                penalty = soft_overlong_penalty(batch.completion_mask.sum(dim=1), config.overlong_length(),
-                                                config.overlong_cache()).to(rewards.device)
-                rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
-                reward_info["reward/overlong_penalty"] = float(procs.gather(penalty).mean())
-            sampled.append((rewards, valid, correct))
-            return batch, rewards, valid, reward_info, correct
+# ---------------------------------------------------------------------------------------------------------------------
+# One step: sampling, advantages, reference, lens, record
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Rollouts:
+    """One step's rollouts on this process (N = B_local R, B_local = prompts_per_step / processes) and their scores.
 
-        dynamic: dict[str, float] = {}
-        sampled: list[tuple] = []  # every round's (rewards, valid, correct): dynamic sampling's all-groups view
-        if config.dynamic_sampling:  # DAPO: extra rounds until B mixed groups (docs/theory.md §Dynamic sampling)
-            batch, rewards, valid, reward_info, dynamic, (correct,) = collect_mixed_groups(
-                sample_round, share, config.dynamic_sampling_max_rounds, tokenizer.pad_token_id)
-        else:
-            batch, rewards, valid, reward_info, correct = sample_round(0)
-        t_gen = sum(gen_seconds)
+    batch: the N rollouts.   rewards: [N] float, NaN where invalid.   valid: [N] bool.   correct: [N] float64, the
+    task's 0/1 verdict (NaN: none).   reward_info: this process's ``reward/*`` metrics of the reward calls.
+    dynamic: ``dynamic/*`` metrics (empty without dynamic sampling).   sampled: every round's (rewards, valid,
+    correct), kept or not (dynamic sampling's all-groups view; the one round without it).   generation_seconds: the
+    time spent generating, over all rounds.
+    """
 
-        # 4. advantages: one scalar per rollout, shared by all its tokens; truncated completions count in their
-        #    group's statistics and, with --overlong mask or filter, get zero advantage (no policy gradient)
-        grad_sq_norms, baseline_metrics = None, {}
-        if config.estimator == "optimal":  # b*_{-i} weights: sketched ||c_i g_i||^2 of the rollouts that need them
-            t_b = time.perf_counter()
-            contrast = ~constant_groups(rewards.view(-1, R), valid.view(-1, R))  # [B] groups with a gradient
-            need = (valid.view(-1, R) & contrast.unsqueeze(1)).view(-1)
-            with forward_precision(procs.device, config.dtype):
-                grad_sq_norms = sketched_rollout_sq_norms(
-                    policy, batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.sketch_dim,
-                    seed=config.seed, temperature=config.temperature,
-                ).view(-1, R).to(procs.device)
-            baseline_metrics["perf/optimal_baseline_seconds"] = time.perf_counter() - t_b
-        advantages = compute_advantages(rewards.view(-1, R).float(), config.estimator, std=config.std,
-                                        eps=config.eps, mask=valid.view(-1, R), grad_sq_norms=grad_sq_norms).view(-1)
-        if config.estimator == "optimal":
-            sums = procs.sum(torch.tensor(optimal_vs_rloo(rewards.view(-1, R), valid.view(-1, R),
-                                                          advantages.view(-1, R)), dtype=torch.float64,
-                                          device=procs.device)).tolist()
-            if sums[2] > 0:
-                baseline_metrics["adv/optimal_baseline"] = sums[0] / sums[2]
-                baseline_metrics["adv/optimal_minus_rloo"] = sums[1] / sums[2]
-        advantages = overlong_advantages(advantages, batch.truncated, config.overlong)  # mask / filter: A = 0
+    batch: RolloutBatch
+    rewards: torch.Tensor
+    valid: torch.Tensor
+    correct: torch.Tensor
+    reward_info: dict[str, float]
+    dynamic: dict[str, float]
+    sampled: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    generation_seconds: float
 
-        # 5. reference log-probs for the KL term
-        ref_logp = None
-        if reference is not None:
-            with torch.no_grad():
-                with forward_precision(procs.device, config.dtype):
-                    ref_logp = batch_logprobs(reference, batch, config.temperature)  # never top-k/top-p filtered
 
-        # 6. the lens reads this step's rollouts before the update changes the policy
-        lens_metrics: dict[str, float] = {}
-        measure = lens is not None and is_lens_step(step, config.lens_every, config.max_steps)
-        capture = None  # the lens's gradient capture inside the update's first pass, when that pass can serve it
-        if measure and lens_reads_update(config, lens, rewards, valid, advantages):
-            capture = lens.update_capture(policy)
-        elif measure:
-            with forward_precision(procs.device, config.dtype):
-                lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages)
+def sample_step(config: TrainConfig, procs: Processes, task: Any, reward_fns: list[tuple[str, float]], models: Models,
+                step: int) -> Rollouts:
+    """This process's rollouts of step ``step``: round 0 (:func:`sample_round`) or, with ``dynamic_sampling``, the
+    mixed groups of as many rounds as :func:`sample_dynamic` needs. Randomness derives from (seed, step) only."""
+    draw = functools.partial(sample_round, config, procs, task, reward_fns, models, step, step_seed(config.seed, step))
+    if config.dynamic_sampling:
+        return sample_dynamic(draw, config.prompts_per_step // procs.world, config.dynamic_sampling_max_rounds,
+                              models.tokenizer.pad_token_id)
+    return draw(0)
 
-        # 7. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
-        try:
-            loss_metrics = policy_update(policy, optimizer, batch, advantages, ref_logp, config, procs, params,
-                                         before_step=(lambda: lens.before_step(policy)) if lens is not None else None,
-                                         step=step, capture=capture)
-        finally:
-            if capture is not None:
-                capture.__exit__(None, None, None)  # idempotent: hooks are gone whatever happened
-        if capture is not None:  # g_i at the step's starting weights, read off the first pass's loss gradient rows
 
-            n_total = float(procs.sum(batch.completion_mask.any(dim=1).sum().to(torch.float64)))
-            sketch = scores_from_update_rows(capture.result().sketch, advantages, n_total)
-            lens_metrics = lens.measure(step, policy, batch, rewards, valid, advantages, sketch=sketch)
-        if lens is not None:
-            lens_metrics.update(lens.after_step(step, policy, measure))
-        step_skipped = loss_metrics["guard/skipped_optimizer_steps"] > 0
-        guard["consecutive"] = guard["consecutive"] + 1 if step_skipped else 0
-        guard["total"] += int(step_skipped)
-        loss_metrics.update({"guard/step_skipped": int(step_skipped), "guard/skipped_steps": guard["total"],
-                             "guard/consecutive_skipped": guard["consecutive"]})
+def sample_round(config: TrainConfig, procs: Processes, task: Any, reward_fns: list[tuple[str, float]],
+                 models: Models, step: int, seed: int, rnd: int) -> Rollouts:
+    """Round ``rnd`` of a step (0: the ordinary batch; > 0: dynamic sampling's extra rounds), scored.
 
-        # 8. metrics over all processes' rollouts, one JSON line per step
-        all_rewards, all_valid = procs.gather(rewards), procs.gather(valid)
-        all_adv, all_mask = procs.gather(advantages), procs.gather(_pad_to(batch.completion_mask,
-                                                                           config.max_new_tokens))
-        all_trunc = procs.gather(batch.truncated)
-        seconds = time.perf_counter() - t0
-        tokens = float(all_mask.sum())
-        record = {"step": step, **reward_info, **dynamic,  # this process's reward calls; all-process statistics win:
-                  **rollout_metrics(all_rewards, all_valid, all_adv, all_mask, all_trunc, R),
-                  **accuracy_metrics(procs.gather(correct)), **loss_metrics, **lens_metrics, **baseline_metrics,
-                  "lr": optimizer.param_groups[0]["lr"],
-                  "perf/step_seconds": seconds, "perf/generation_seconds": t_gen,
-                  "perf/tokens_per_second": tokens / max(seconds, 1e-9),
-                  "perf/peak_memory_mb": _peak_memory_mb(procs.device)}
-        if config.dynamic_sampling:  # one process only (check_inputs), so no gather
-            record.update(sampled_vs_kept(record, *(torch.cat([s[i] for s in sampled]) for i in range(3)), R))
+    Every process draws the same B prompts (seeded by ``seed``, or by ``step_seed(seed, rnd)`` for round > 0) and
+    samples R completions for each prompt of its own share; rewards mask invalid rollouts (NaN) out of the group
+    statistics, and with ``overlong = soft-punish`` DAPO's eq. 13 penalty is added to every valid rollout's reward.
+    """
+    B, R, share = config.prompts_per_step, config.group_size, config.prompts_per_step // procs.world
+    rseed = seed if rnd == 0 else step_seed(seed, rnd)
+    examples = task.sample(B, seed=rseed)[procs.rank * share:(procs.rank + 1) * share]
+    t_start = time.perf_counter()
+    models.policy.eval()
+    crash_point("during_generation", step, module=models.policy)
+    with forward_precision(procs.device, config.dtype):
+        batch = sample_groups(models.policy, models.tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
+                              temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                              generator_seed=rseed + 104_729 * procs.rank)
+    models.policy.train()
+    seconds = time.perf_counter() - t_start
+    rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
+    rewards, valid = rewards.to(procs.device), valid.to(procs.device)
+    correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
+    if config.overlong == "soft-punish":  # DAPO eq. 13 added to every valid rollout's reward
+        penalty = soft_overlong_penalty(batch.completion_mask.sum(dim=1), config.overlong_length(),
+                                        config.overlong_cache()).to(rewards.device)
+        rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
+        reward_info["reward/overlong_penalty"] = float(procs.gather(penalty).mean())
+    return Rollouts(batch, rewards, valid, correct, reward_info, {}, [(rewards, valid, correct)], seconds)
+
+
+def sample_dynamic(draw: Callable[[int], Rollouts], num_groups: int, max_extra_rounds: int, pad_id: int) -> Rollouts:
+    """DAPO's dynamic sampling (docs/theory.md §Dynamic sampling): rounds ``draw(0)``, ``draw(1)``, ... until
+    ``num_groups`` mixed groups (:func:`grpo_lens.train.dynamic_sampling.collect_mixed_groups`); the rollouts of the
+    mixed groups kept, ``dynamic/*`` metrics, and every round's scores in ``sampled``."""
+    rounds: list[Rollouts] = []
+
+    def scored_round(rnd: int) -> tuple:
+        rounds.append(draw(rnd))
+        r = rounds[-1]
+        return r.batch, r.rewards, r.valid, r.reward_info, r.correct
+
+    batch, rewards, valid, reward_info, dynamic, (correct,) = collect_mixed_groups(
+        scored_round, num_groups, max_extra_rounds, pad_id)
+    return Rollouts(batch, rewards, valid, correct, reward_info, dynamic, [s for r in rounds for s in r.sampled],
+                    sum(r.generation_seconds for r in rounds))
+
+
+def step_advantages(config: TrainConfig, procs: Processes, policy: torch.nn.Module,
+                    rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
+    """Advantages [N] of the step's rollouts, one scalar per rollout shared by all its tokens, and baseline metrics.
+
+    :func:`grpo_lens.formulas.advantages.compute_advantages` with the configured estimator over each group's valid
+    rollouts; with ``--estimator optimal`` its b* weights come from :func:`optimal_baseline_weights` and the metrics
+    hold ``adv/optimal_baseline``, ``adv/optimal_minus_rloo`` (:func:`optimal_baseline_metrics`). Truncated
+    completions count in their group's statistics and, with ``--overlong mask`` or ``filter``, get zero advantage.
+    """
+    R = config.group_size
+    rewards, valid = rollouts.rewards.view(-1, R), rollouts.valid.view(-1, R)
+    grad_sq_norms, metrics = None, {}
+    if config.estimator == "optimal":
+        t_b = time.perf_counter()
+        grad_sq_norms = optimal_baseline_weights(config, procs, policy, rollouts)
+        metrics["perf/optimal_baseline_seconds"] = time.perf_counter() - t_b
+    advantages = compute_advantages(rewards.float(), config.estimator, std=config.std, eps=config.eps, mask=valid,
+                                    grad_sq_norms=grad_sq_norms).view(-1)
+    if config.estimator == "optimal":
+        metrics.update(optimal_baseline_metrics(procs, rewards, valid, advantages.view(-1, R)))
+    return overlong_advantages(advantages, rollouts.batch.truncated, config.overlong), metrics  # mask / filter: A = 0
+
+
+def optimal_baseline_weights(config: TrainConfig, procs: Processes, policy: torch.nn.Module,
+                             rollouts: Rollouts) -> torch.Tensor:
+    """The b*_{-i} weights of ``--estimator optimal``: [B, R] sketched ||c_i g_i||^2 of every valid rollout of a group
+    with reward contrast (0 elsewhere), c_i the loss aggregation's per-rollout weight
+    (:func:`grpo_lens.gradients.sketch.sketched_rollout_sq_norms`, docs/theory.md §Baselines)."""
+    R = config.group_size
+    rewards, valid = rollouts.rewards.view(-1, R), rollouts.valid.view(-1, R)
+    contrast = ~constant_groups(rewards, valid)  # [B] groups with a gradient
+    need = (valid & contrast.unsqueeze(1)).view(-1)
+    with forward_precision(procs.device, config.dtype):
+        return sketched_rollout_sq_norms(
+            policy, rollouts.batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.sketch_dim,
+            seed=config.seed, temperature=config.temperature,
+        ).view(-1, R).to(procs.device)
+
+
+def optimal_baseline_metrics(procs: Processes, rewards: torch.Tensor, valid: torch.Tensor,
+                             advantages: torch.Tensor) -> dict[str, float]:
+    """``adv/optimal_baseline`` (mean b* over the rollouts it applies to) and ``adv/optimal_minus_rloo`` (mean b* -
+    RLOO baseline), over all processes (:func:`grpo_lens.formulas.baselines.optimal_vs_rloo`); empty when no rollout
+    has one. rewards, advantages: [B, R] float.   valid: [B, R] bool."""
+    total, minus_rloo, count = procs.sum_floats(optimal_vs_rloo(rewards, valid, advantages))
+    if count > 0:
+        return {"adv/optimal_baseline": total / count, "adv/optimal_minus_rloo": minus_rloo / count}
+    return {}
+
+
+def reference_logprobs(reference: torch.nn.Module | None, batch: RolloutBatch, config: TrainConfig,
+                       procs: Processes) -> torch.Tensor | None:
+    """[N, T] log-probs of the rollouts under the reference model (never top-k/top-p filtered); None without one."""
+    if reference is None:
+        return None
+    with torch.no_grad(), forward_precision(procs.device, config.dtype):
+        return batch_logprobs(reference, batch, config.temperature)
+
+
+@dataclass
+class LensPlan:
+    """How the lens measures a step: ``measure`` (a lens step at all), ``capture`` (the lens's gradient capture for
+    the update's first pass to fill, :func:`grpo_lens.train.update.lens_reads_update`; None when the lens ran its own
+    pass) and ``metrics`` (what the lens's own pass, before the update, measured)."""
+
+    measure: bool
+    capture: Any = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def plan_lens(lens: Any, step: int, config: TrainConfig, procs: Processes, policy: torch.nn.Module,
+              rollouts: Rollouts, advantages: torch.Tensor) -> LensPlan:
+    """Before the update: whether the lens measures step ``step`` (:func:`is_lens_step`) and how. When the update's
+    first pass can give the lens its g_i, the plan carries the lens's capture for it; otherwise the lens measures
+    now, on its own pass, before the update changes the policy."""
+    if lens is None or not is_lens_step(step, config.lens_every, config.max_steps):
+        return LensPlan(measure=False)
+    if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages):
+        return LensPlan(measure=True, capture=lens.update_capture(policy))
+    with forward_precision(procs.device, config.dtype):
+        metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
+    return LensPlan(measure=True, metrics=metrics)
+
+
+def lens_after_update(lens: Any, plan: LensPlan, step: int, procs: Processes, policy: torch.nn.Module,
+                      rollouts: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
+    """The lens's metrics of the step: from the update's first-pass rows when ``plan`` had a capture (g_i at the
+    step's starting weights, :func:`grpo_lens.train.lens.scores_from_update_rows`), else the plan's own, plus the
+    lens's after-step S4 and sparsity metrics. Empty without a lens."""
+    if lens is None:
+        return {}
+    metrics = plan.metrics
+    if plan.capture is not None:
+        (n_total,) = procs.sum_floats([float(rollouts.batch.completion_mask.any(dim=1).sum())])
+        sketch = scores_from_update_rows(plan.capture.result().sketch, advantages, n_total)
+        metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages,
+                               sketch=sketch)
+    metrics.update(lens.after_step(step, policy, plan.measure))
+    return metrics
+
+
+def step_record(step: int, config: TrainConfig, procs: Processes, rollouts: Rollouts, advantages: torch.Tensor,
+                parts: list[dict[str, float]], t0: float) -> dict[str, Any]:
+    """The step's metrics.jsonl record, the same on every process: this process's reward-call metrics, then the
+    statistics of all processes' rollouts (which win over them), ``parts`` in order, then ``perf/*`` (``t0``: the
+    step's start, ``time.perf_counter()``). With dynamic sampling the reward/accuracy/S1 keys cover every sampled
+    group and the kept groups' values are ``dynamic/kept_*`` (:func:`grpo_lens.train.step_metrics.sampled_vs_kept`;
+    one process only, so no gather)."""
+    R = config.group_size
+    rewards, valid, adv, mask, truncated = procs.gather_all(
+        rollouts.rewards, rollouts.valid, advantages, _pad_to(rollouts.batch.completion_mask, config.max_new_tokens),
+        rollouts.batch.truncated)
+    seconds = time.perf_counter() - t0
+    record = {"step": step, **rollouts.reward_info, **rollouts.dynamic,
+              **rollout_metrics(rewards, valid, adv, mask, truncated, R),
+              **accuracy_metrics(procs.gather(rollouts.correct))}
+    for part in parts:
+        record.update(part)
+    record.update({"perf/step_seconds": seconds, "perf/generation_seconds": rollouts.generation_seconds,
+                   "perf/tokens_per_second": float(mask.sum()) / max(seconds, 1e-9),
+                   "perf/peak_memory_mb": _peak_memory_mb(procs.device)})
+    if config.dynamic_sampling:
+        record.update(sampled_vs_kept(record, *(torch.cat([s[i] for s in rollouts.sampled]) for i in range(3)), R))
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Logging, the guard, checkpoints, the end of a run
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class StepLogs:
+    """Where the main process writes each step: metrics.jsonl and completions.jsonl of ``run``, the trackers (None on
+    other processes or when nothing is left to train) and the progress bar (None without ``progress``)."""
+
+    run: RunDir
+    trackers: Trackers | None
+    progress: Any
+
+    @classmethod
+    def start(cls, run: RunDir, config: TrainConfig, procs: Processes, start_step: int) -> "StepLogs":
+        """The logs of a run that continues after step ``start_step`` (0 for a new run)."""
+        progress = _progress(config, start_step, procs)
+        trackers = None
+        if procs.is_main and start_step < config.max_steps:
+            trackers = Trackers(config.report_to, run.path, config.to_dict(), start_step)
+        return cls(run, trackers, progress)
+
+    def write(self, step: int, record: dict[str, Any], rollouts: Rollouts, advantages: torch.Tensor,
+              n_completions: int) -> None:
+        """Append ``record`` to metrics.jsonl and the trackers, the first ``n_completions`` rollouts' texts to
+        completions.jsonl, and move the progress bar."""
+        self.run.append_metrics(record)
+        if self.trackers is not None:
+            self.trackers.log(record, step)
+        _log_completions(self.run, step, rollouts.batch, rollouts.rewards, advantages, n_completions)
+        crash_point("after_metrics_write", step)
+        if self.progress is not None:
+            self.progress.set_postfix(reward=f"{record['reward/mean']:.3f}", sec=f"{record['perf/step_seconds']:.1f}")
+            self.progress.update(1)
+
+    def close(self) -> None:
+        """Close the progress bar and finish the trackers."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.trackers is not None:
+            self.trackers.finish()
+
+
+def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run: RunDir, step: int) -> None:
+    """Raise :class:`NonFiniteUpdateError` once ``max_consecutive_skips`` steps in a row were skipped (docs/theory.md
+    §Numerical guards), before the step's checkpoint, so the last checkpoint stays the last good state."""
+    if state.guard["consecutive"] >= config.max_consecutive_skips:
+        procs.barrier()
+        raise NonFiniteUpdateError(
+            f"step {step}: the loss or gradient was non-finite for {state.guard['consecutive']} consecutive steps "
+            f"(--max-consecutive-skips {config.max_consecutive_skips}), so training stopped; the last checkpoint "
+            f"in {run.path / 'checkpoints'} is intact: lower --learning-rate or --beta, or check the rewards")
+
+
+def save_checkpoint_if_due(run: RunDir, step: int, config: TrainConfig, procs: Processes, models: Models, lens: Any,
+                           state: RunState) -> None:
+    """Every ``checkpoint_every`` steps and at the last: model, optimizer, step, the guard's counters, the random
+    generators and the lens's state, written atomically by the main process; every step's own randomness derives from
+    (seed, step)."""
+    if step % config.checkpoint_every == 0 or step == config.max_steps:
         if procs.is_main:
-            run.append_metrics(record)
-            if trackers is not None:
-                trackers.log(record, step)
-            _log_completions(run, step, batch, rewards, advantages, config.log_completions)
-            crash_point("after_metrics_write", step)
-            if progress is not None:
-                progress.set_postfix(reward=f"{record['reward/mean']:.3f}", sec=f"{seconds:.1f}")
-                progress.update(1)
+            saved = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None,
+                     "guard": dict(state.guard)}
+            run.save_checkpoint(step, models.policy, models.optimizer, saved, keep=config.keep_checkpoints)
+        procs.barrier()
 
-        if guard["consecutive"] >= config.max_consecutive_skips:  # before any checkpoint of this step
-            procs.barrier()
-            raise NonFiniteUpdateError(
-                f"step {step}: the loss or gradient was non-finite for {guard['consecutive']} consecutive steps "
-                f"(--max-consecutive-skips {config.max_consecutive_skips}), so training stopped; the last checkpoint "
-                f"in {run.path / 'checkpoints'} is intact: lower --learning-rate or --beta, or check the rewards")
 
-        # 9. checkpoint (atomic): model, optimizer, step; every step's randomness derives from (seed, step)
-        if step % config.checkpoint_every == 0 or step == config.max_steps:
-            if procs.is_main:
-                state = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None,
-                         "guard": dict(guard)}
-                run.save_checkpoint(step, policy, optimizer, state, keep=config.keep_checkpoints)
-            procs.barrier()
-
-    if progress is not None:
-        progress.close()
-    if trackers is not None:
-        trackers.finish()
-    if lens is not None and procs.is_main:  # what the lens cost this run (the whole run, resumed parts included)
-
-        cost = lens_overhead([r for r in run.read_metrics() if "step" in r])
-        if cost and cost["lens_steps"]:
-            logger.info("lens: %d of %d steps measured, %.1f s of its own, %.1f%% of the %.1f s the steps took "
-                        "without it (a gradient capture inside the update's first pass is not in this count)",
-                        cost["lens_steps"], cost["steps"], cost["lens_seconds"], 100 * cost["overhead"],
-                        cost["train_seconds"])
+def finish_run(run: RunDir, config: TrainConfig, procs: Processes, models: Models, lens: Any) -> None:
+    """After the last step: log what the lens cost and save the final model (main process), then wait for all."""
+    if lens is not None and procs.is_main:
+        _log_lens_cost(run)
     if config.save_final_model and procs.is_main and not (run.path / "final_model").exists():
-        save_final_model(policy, tokenizer, run.path / "final_model")
+        save_final_model(models.policy, models.tokenizer, run.path / "final_model")
     procs.barrier()
-    return run
+
+
+def _log_lens_cost(run: RunDir) -> None:
+    """Log what the lens cost the whole run (resumed parts included), from metrics.jsonl."""
+    cost = lens_overhead([r for r in run.read_metrics() if "step" in r])
+    if cost and cost["lens_steps"]:
+        logger.info("lens: %d of %d steps measured, %.1f s of its own, %.1f%% of the %.1f s the steps took "
+                    "without it (a gradient capture inside the update's first pass is not in this count)",
+                    cost["lens_steps"], cost["steps"], cost["lens_seconds"], 100 * cost["overhead"],
+                    cost["train_seconds"])
 
 
 def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path) -> Path:
@@ -384,7 +625,6 @@ def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path) -> Pat
     for stray in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed while saving
         shutil.rmtree(stray, ignore_errors=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
     if is_lora(policy):  # merged model in path/, the adapter alone in path/adapter/
         save_lora_model(policy, tokenizer, tmp)
     else:
@@ -396,6 +636,7 @@ def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path) -> Pat
 
 
 def _rng_state() -> dict[str, Any]:
+    """The states of Python's, NumPy's and torch's global random generators (saved in every checkpoint)."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
@@ -408,6 +649,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
                      n: int) -> None:
+    """Append the first ``n`` rollouts' prompt, completion, reward [N], advantage [N] and truncation to
+    completions.jsonl."""
     R = batch.group_size
     for i in range(min(n, batch.num_rollouts)):
         prompt = batch.prompts[i // R]
@@ -419,7 +662,7 @@ def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch
 
 
 def _progress(config: TrainConfig, start: int, procs: Processes):
+    """The progress bar of the main process from step ``start`` (None without ``progress`` or on other processes)."""
     if not (config.progress and procs.is_main):
         return None
-
     return tqdm(total=config.max_steps, initial=start, desc="GRPO", unit="step", dynamic_ncols=True)

@@ -1,13 +1,10 @@
-"""The GRPO training loop: sample -> reward -> advantages -> clipped-surrogate passes -> AdamW step, with the lens.
+"""Memory of a training process: the micro-batch size the update picks when ``micro_batch_size`` is unset, and the
+peak memory each step reports.
 
-Read :func:`train` top to bottom: every formula it uses lives in a pure module (advantages, losses, diagnostics);
-this file only moves tensors between them, writes the run directory and keeps the run resumable.
-
-Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
-process draws the same B prompts for a step and samples the groups of its own share of them; losses are divided by a
-normaliser summed over processes and the gradients are summed with an all-reduce, so the update equals a single
-process's on the whole batch. With num_mini_batches M, each process splits its share into M chunks and optimizer step
-k sums chunk k of every process.
+:func:`auto_micro_batch_size` fits as many rollouts per forward/backward as a share of the device's total memory
+(:func:`total_memory_bytes`) allows, after weights, gradients and AdamW's moments, at
+:func:`activation_bytes_per_rollout` each. :func:`_peak_memory_mb` is ``perf/peak_memory_mb``: CUDA's peak allocated
+memory, or the process's peak resident set size on the CPU.
 """
 
 from __future__ import annotations
@@ -63,8 +60,8 @@ def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int,
     """Rollouts per forward/backward when ``micro_batch_size`` is unset: as many as fit, up to all ``n_rollouts``.
 
     The budget is ``share`` of what ``total_bytes`` leaves after the weights, gradients and AdamW's two moments (4
-    copies of the parameters); each rollout takes :func:`activation_bytes_per_rollout`. One pass over the whole mini-batch is
-    fastest (larger matrix products, one LM-head call); smaller micro-batches only save memory.
+    copies of the parameters); each rollout takes :func:`activation_bytes_per_rollout`. One pass over the whole
+    mini-batch is fastest (larger matrix products, one LM-head call); smaller micro-batches only save memory.
 
     Args:
         n_rollouts: rollouts in the mini-batch.   seq_len: L.   scored_len: T.
@@ -83,6 +80,8 @@ def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int,
 
 
 def _peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far in MiB: CUDA's max allocated on ``device``, else the peak RSS (NaN when the
+    platform does not report it)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:

@@ -1,19 +1,19 @@
-"""The GRPO training loop: sample -> reward -> advantages -> clipped-surrogate passes -> AdamW step, with the lens.
+"""Several training processes (torchrun / accelerate launch): who this process is, and every sum and gather the
+trainer does across processes.
 
-Read :func:`train` top to bottom: every formula it uses lives in a pure module (advantages, losses, diagnostics);
-this file only moves tensors between them, writes the run directory and keeps the run resumable.
-
-Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
-process draws the same B prompts for a step and samples the groups of its own share of them; losses are divided by a
-normaliser summed over processes and the gradients are summed with an all-reduce, so the update equals a single
-process's on the whole batch. With num_mini_batches M, each process splits its share into M chunks and optimizer step
-k sums chunk k of every process.
+:class:`Processes` knows this process's rank, the number of processes and the device; its methods are every
+collective of the loop and the update: tensor sums and gathers (:meth:`Processes.sum`, :meth:`Processes.gather`,
+:meth:`Processes.gather_all`), float sums and maxima (:meth:`Processes.sum_floats`, :meth:`Processes.max_float`), a
+flag any process raised (:meth:`Processes.any`), the gradient all-reduce (:meth:`Processes.sum_grads`) and
+:meth:`Processes.barrier`. With one process every one of them returns its input unchanged,
+so a single-process run does no extra arithmetic. :func:`setup_processes` starts accelerate's process state;
+:func:`gather_objects` gathers picklable objects (the lens's per-group rows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -53,6 +53,39 @@ class Processes:
         torch.distributed.all_gather(parts, value.contiguous())
         return torch.cat(parts, dim=0)
 
+    def gather_all(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`gather` of each of ``values``, in order."""
+        return tuple(self.gather(v) for v in values)
+
+    def sum_floats(self, values: Sequence[float]) -> list[float]:
+        """Each of ``values`` summed over processes (one float64 all-reduce); the values, as floats, for one process."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        return self.sum(torch.tensor(list(values), dtype=torch.float64, device=self.device)).tolist()
+
+    def max_float(self, value: float) -> float:
+        """The largest of every process's ``value`` (float64); ``value`` itself for one process."""
+        if self.world == 1:
+            return float(value)
+        return float(self.gather(torch.tensor([value], dtype=torch.float64, device=self.device)).max())
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when ``flag`` is true on any of them, so all processes take the same branch."""
+        if self.world == 1:
+            return bool(flag)
+        return self.sum_floats([float(flag)])[0] > 0
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """All-reduce sum of the gradient of every parameter that has one, in place (nothing for one process).
+
+        Each process's loss is already divided by the normaliser summed over processes, so the sum is the gradient of
+        the whole batch's loss, the one a single process would compute on all of it.
+        """
+        if self.world > 1:
+            for p in params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)
+
     def barrier(self) -> None:
         """Wait for every process (no-op for one process)."""
         if self.world > 1:
@@ -60,8 +93,11 @@ class Processes:
 
 
 def setup_processes(device: str) -> Processes:
-    """Start accelerate's process state (reads torchrun/accelerate env vars; gloo on CPU)."""
+    """Start accelerate's process state (reads torchrun/accelerate env vars; gloo on CPU).
 
+    Raises:
+        ConfigError: ``device`` names a CUDA device torch cannot see.
+    """
     use_cpu = resolve_device(device) == "cpu"  # ConfigError for a CUDA device torch cannot see
     accelerator = Accelerator(cpu=use_cpu)
     dev = accelerator.device if device in ("auto", "cpu", "cuda") else torch.device(device)

@@ -1,13 +1,20 @@
-"""The GRPO training loop: sample -> reward -> advantages -> clipped-surrogate passes -> AdamW step, with the lens.
+"""The policy update of one step: mu passes over the step's rollouts, mini-batches (one AdamW step each) of
+micro-batches (one forward + backward each), GRPO's clipped surrogate with optional KL term and importance weights.
 
-Read :func:`train` top to bottom: every formula it uses lives in a pure module (advantages, losses, diagnostics);
-this file only moves tensors between them, writes the run directory and keeps the run resumable.
+:func:`policy_update` reads as its four parts: :func:`plan_update` (the mini- and micro-batches and, when later
+optimizer steps need it, pi_old), :func:`backward_mini_batch` (one pass over one mini-batch: forward, loss,
+backward, metric sums), :func:`optimizer_step` (gradient all-reduce, clipping, the non-finite guard, AdamW) and
+:func:`update_metrics` (the sums reduced over processes into the step's metrics). The lens's gradient capture, when
+the trainer passes one, is opened and closed by :func:`policy_update` around exactly the first pass over the first
+mini-batch. :func:`lens_reads_update` says when that capture can serve the lens; :func:`forward_precision` is the
+context of every model forward of a step (bf16 autocast for ``bf16-mixed``).
 
-Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
-process draws the same B prompts for a step and samples the groups of its own share of them; losses are divided by a
-normaliser summed over processes and the gradients are summed with an all-reduce, so the update equals a single
-process's on the whole batch. With num_mini_batches M, each process splits its share into M chunks and optimizer step
-k sums chunk k of every process.
+Several processes: every process holds its share of the step's groups; each loss is divided by the normaliser summed
+over processes and the gradients are summed with an all-reduce, so the update equals a single process's on the whole
+batch. With num_mini_batches M, each process splits its share into M chunks and optimizer step k sums chunk k of
+every process.
+
+Shapes: N rollouts on this process, T completion tokens, Lp prompt tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -50,16 +58,53 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     Args:
         batch: this process's N rollouts.   advantages: [N].   ref_logp: [N, T] or None (beta = 0).
         before_step: called after the last backward, before the first optimizer step (the lens snapshots there).
-        step: the trainer step (for the crash-test hook only).
-        capture: a context manager (the lens's :class:`grpo_lens.diagnostics.GradientCapture`) entered around
-            every forward + backward of the first pass over the first mini-batch; None for none.
+        step: the trainer step (for the crash-test hook and the guard's warning only).
+        capture: a context manager (the lens's :class:`grpo_lens.gradients.sketch.GradientCapture`) entered around
+            every forward + backward of the first pass over the first mini-batch, and left right after it; None for
+            none.
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
         numbers on every process), ``policy/entropy`` (token mean over the first pass's completion tokens of the
         entropy of the temperature-scaled policy, from the logits that pass computes anyway), plus ``grad/norm``
-        (the pre-clipping norm of the first optimizer step, the on-policy gradient), ``grad/norm_last`` and the
-        ``mismatch/*`` metrics (first pass, sampler vs pi_old).
+        (the pre-clipping norm of the first optimizer step, the on-policy gradient), ``grad/norm_last``,
+        ``grad/optimizer_steps``, ``guard/skipped_optimizer_steps`` and the ``mismatch/*`` metrics (first pass,
+        sampler vs pi_old); see :func:`update_metrics`.
     """
+    plan = plan_update(policy, batch, config, procs)
+    sums = UpdateSums()
+    for pass_ in range(config.mu):
+        for mb in range(len(plan.mini_batches)):
+            # the lens's capture covers exactly the first pass over the first mini-batch: the on-policy gradient
+            around = capture if capture is not None and pass_ == 0 and mb == 0 else contextlib.nullcontext()
+            with around:
+                nonfinite_loss = backward_mini_batch(policy, batch, advantages, ref_logp, plan, mb, pass_, config,
+                                                     procs, sums)
+            norm, skipped = optimizer_step(optimizer, params, config, procs, nonfinite_loss, step,
+                                           before_step if not sums.grad_norms else None)
+            sums.grad_norms.append(norm)
+            sums.skipped += int(skipped)
+    return update_metrics(sums, config, procs)
+
+
+@dataclass
+class UpdatePlan:
+    """How one step's update walks its rollouts.
+
+    mini_batches: row indices of each mini-batch (whole groups; one optimizer step each).   micro_batches: for each
+    mini-batch, the row indices of its micro-batches (one forward + backward each).   old_logp: [N, T] pi_old of
+    every rollout, computed before the first optimizer step when the policy moves within the step (mu > 1 or several
+    mini-batches), else None.   loss_mask: [N, T] the tokens in the loss (:func:`overlong_loss_mask`).
+    """
+
+    mini_batches: list[torch.Tensor]
+    micro_batches: list[list[torch.Tensor]]
+    old_logp: torch.Tensor | None
+    loss_mask: torch.Tensor
+
+
+def plan_update(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig, procs: Processes) -> UpdatePlan:
+    """Split the N = G R rollouts into ``num_mini_batches`` mini-batches of whole groups and each into micro-batches
+    of ``micro_batch_size`` rollouts (or :func:`auto_micro_batch_size`'s choice), and compute pi_old when needed."""
     R = config.group_size
     groups = batch.num_groups
     per_mini = groups // config.num_mini_batches if groups >= config.num_mini_batches else groups
@@ -76,112 +121,155 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
                 for idx in micros:
                     with forward_precision(procs.device, config.dtype):
                         old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
-    totals: dict[str, float] = {}
-    tokens_total = 0.0
-    entropy_sum = entropy_tokens = 0.0  # the first pass's token-mean policy entropy (from its own logits)
-    grad_norms: list[float] = []
     loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, config.overlong)  # [N, T]
-    mismatch = {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
-    tis = {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0}
-    skipped = 0  # optimizer steps skipped for a non-finite loss or gradient (docs/theory.md §Numerical guards)
-    stack = contextlib.ExitStack()
-    if capture is not None:
-        stack.enter_context(capture)
-    for pass_ in range(config.mu):
-        for mb, mini in enumerate(mini_batches):
-            nonfinite_loss = False
-            mask = loss_mask[mini]  # with --overlong filter, truncated rollouts leave the normaliser too
-            normalizer = float(procs.sum(torch.tensor(loss_normalizer(mask, config.loss_aggregation,
-                                                                       config.max_new_tokens),
-                                                      dtype=torch.float64, device=procs.device)))
-            for idx in micro_batches[mb]:
-                micro = batch.select(idx)
-                with forward_precision(procs.device, config.dtype):
-                    logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
-                # pi_old: this very forward on the first pass over the first mini-batch (ratio exactly 1)
-                old = logp.detach() if pass_ == 0 and mb == 0 else old_logp[idx]
-                if pass_ == 0:
-                    entropy_sum += float((entropy * micro.completion_mask).sum())
-                    entropy_tokens += float(micro.completion_mask.sum())
-                    part = mismatch_sums(old, micro.sampler_logprobs, micro.completion_mask)
-                    for k in ("abs_diff_sum", "k3_sum", "tokens"):
-                        mismatch[k] += part[k]
-                    mismatch["abs_diff_max"] = max(mismatch["abs_diff_max"], part["abs_diff_max"])
-                weights = None
-                if config.tis_cap is not None:
-                    weights = truncated_is_weights(old, micro.sampler_logprobs, config.tis_cap)
-                    if pass_ == 0:
-                        w = weights[micro.completion_mask]
-                        tis["weight_sum"] += float(w.sum())
-                        tis["capped"] += float((w >= config.tis_cap).sum())
-                        tis["tokens"] += float(w.numel())
-                loss, m = grpo_loss(
-                    logp, old, advantages[idx], loss_mask[idx],
-                    normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
-                    eps_high=config.eps_high, dual_clip=config.dual_clip, beta=config.beta,
-                    ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
-                    token_weights=weights)
-                loss.backward()
-                nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
-                tok = m.pop("tokens")
-                tokens_total += tok
-                for k, v in m.items():
-                    if k in ("loss/policy", "loss/kl"):  # already normalised shares: they add up
-                        totals[k] = totals.get(k, 0.0) + v / (config.mu * len(mini_batches) / 1.0)
-                    elif k == "ratio/max":
-                        totals[k] = max(totals.get(k, 0.0), v)
-                    else:
-                        totals[k] = totals.get(k, 0.0) + v * tok
-            stack.close()  # the lens's capture covers the first pass over the first mini-batch only
-            if procs.world > 1:  # sum gradients: each process's loss already carries the global normaliser
-                for p in params:
-                    if p.grad is not None:
-                        torch.distributed.all_reduce(p.grad)
-            if before_step is not None and not grad_norms:
-                before_step()
-            max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            bad = float(nonfinite_loss or not math.isfinite(grad_norms[-1]))
-            if procs.world > 1:  # every process skips together
-                bad = float(procs.sum(torch.tensor([bad], dtype=torch.float64, device=procs.device)))
-            if bad:  # no optimizer (or scheduler) change: the weights and AdamW's moments stay as they were
-                skipped += 1
-                logger.warning("step %d: non-finite loss or gradient (norm %s); optimizer step skipped", step,
-                               grad_norms[-1])
+    return UpdatePlan(mini_batches, micro_batches, old_logp, loss_mask)
+
+
+@dataclass
+class UpdateSums:
+    """This process's running sums over one step's update, in the order the micro-batches ran.
+
+    totals: loss metrics (``loss/policy``, ``loss/kl``: normalised shares averaged over optimizer steps;
+    ``ratio/max``: a maximum; the rest token-weighted sums).   tokens: the tokens those sums weigh.
+    entropy_sum, entropy_tokens: the first pass's policy entropy summed over its completion tokens, and their count.
+    mismatch, tis: the first pass's :func:`mismatch_sums` and truncated-importance-weight sums.   grad_norms: the
+    pre-clipping gradient norm of every optimizer step.   skipped: optimizer steps skipped by the non-finite guard.
+    """
+
+    totals: dict[str, float] = field(default_factory=dict)
+    tokens: float = 0.0
+    entropy_sum: float = 0.0
+    entropy_tokens: float = 0.0
+    mismatch: dict[str, float] = field(
+        default_factory=lambda: {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0})
+    tis: dict[str, float] = field(default_factory=lambda: {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0})
+    grad_norms: list[float] = field(default_factory=list)
+    skipped: int = 0
+
+    def add_first_pass(self, entropy: torch.Tensor, old: torch.Tensor, micro: RolloutBatch) -> None:
+        """The first pass's entropy [n, T] and sampler-vs-pi_old mismatch of micro-batch ``micro``."""
+        self.entropy_sum += float((entropy * micro.completion_mask).sum())
+        self.entropy_tokens += float(micro.completion_mask.sum())
+        part = mismatch_sums(old, micro.sampler_logprobs, micro.completion_mask)
+        for k in ("abs_diff_sum", "k3_sum", "tokens"):
+            self.mismatch[k] += part[k]
+        self.mismatch["abs_diff_max"] = max(self.mismatch["abs_diff_max"], part["abs_diff_max"])
+
+    def add_tis(self, weights: torch.Tensor, completion_mask: torch.Tensor, cap: float) -> None:
+        """The first pass's truncated importance weights [n, T] over the completion tokens: sum, capped count."""
+        w = weights[completion_mask]
+        self.tis["weight_sum"] += float(w.sum())
+        self.tis["capped"] += float((w >= cap).sum())
+        self.tis["tokens"] += float(w.numel())
+
+    def add_loss_metrics(self, metrics: dict[str, float], optimizer_steps: int) -> None:
+        """One micro-batch's :func:`grpo_loss` metrics (``tokens`` popped from ``metrics``); ``optimizer_steps`` =
+        mu M, over which the normalised ``loss/*`` shares are averaged."""
+        tok = metrics.pop("tokens")
+        self.tokens += tok
+        for k, v in metrics.items():
+            if k in ("loss/policy", "loss/kl"):  # already normalised shares: they add up
+                self.totals[k] = self.totals.get(k, 0.0) + v / (optimizer_steps / 1.0)
+            elif k == "ratio/max":
+                self.totals[k] = max(self.totals.get(k, 0.0), v)
             else:
-                crash_point("before_optimizer_step", step)
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    if procs.world > 1:  # the whole batch's numbers, not this process's share
-        keys = sorted(k for k in totals if k != "ratio/max")  # the same keys, in the same order, on every process
-        summed = procs.sum(torch.tensor([totals[k] for k in keys] + [tokens_total], dtype=torch.float64,
-                                        device=procs.device)).tolist()
-        totals.update(zip(keys, summed[:-1]))
-        tokens_total = summed[-1]
-        entropy_sum, entropy_tokens = procs.sum(torch.tensor([entropy_sum, entropy_tokens], dtype=torch.float64,
-                                                             device=procs.device)).tolist()
-        if "ratio/max" in totals:
-            totals["ratio/max"] = float(procs.gather(torch.tensor([totals["ratio/max"]], dtype=torch.float64,
-                                                                  device=procs.device)).max())
+                self.totals[k] = self.totals.get(k, 0.0) + v * tok
+
+
+def backward_mini_batch(policy: torch.nn.Module, batch: RolloutBatch, advantages: torch.Tensor,
+                        ref_logp: torch.Tensor | None, plan: UpdatePlan, mb: int, pass_: int, config: TrainConfig,
+                        procs: Processes, sums: UpdateSums) -> bool:
+    """Pass ``pass_`` over mini-batch ``mb``: forward, :func:`grpo_loss` and backward of each micro-batch, the
+    gradients accumulating in ``.grad``, the metrics in ``sums``. Returns whether any micro-batch's loss was
+    non-finite.
+
+    pi_old is the forward's own detached log-prob on the first pass over the first mini-batch (ratio exactly 1),
+    else ``plan.old_logp``. The loss is normalised by the mini-batch's :func:`loss_normalizer` summed over processes
+    (with ``--overlong filter`` truncated rollouts leave it too).
+    """
+    mask = plan.loss_mask[plan.mini_batches[mb]]
+    (normalizer,) = procs.sum_floats([loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens)])
+    nonfinite_loss = False
+    for idx in plan.micro_batches[mb]:
+        micro = batch.select(idx)
+        with forward_precision(procs.device, config.dtype):
+            logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
+        old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]
+        if pass_ == 0:
+            sums.add_first_pass(entropy, old, micro)
+        weights = None
+        if config.tis_cap is not None:
+            weights = truncated_is_weights(old, micro.sampler_logprobs, config.tis_cap)
+            if pass_ == 0:
+                sums.add_tis(weights, micro.completion_mask, config.tis_cap)
+        loss, m = grpo_loss(
+            logp, old, advantages[idx], plan.loss_mask[idx],
+            normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
+            eps_high=config.eps_high, dual_clip=config.dual_clip, beta=config.beta,
+            ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
+            token_weights=weights)
+        loss.backward()
+        nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
+        sums.add_loss_metrics(m, config.mu * len(plan.mini_batches))
+    return nonfinite_loss
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], config: TrainConfig,
+                   procs: Processes, nonfinite_loss: bool, step: int,
+                   before_step: Callable[[], None] | None) -> tuple[float, bool]:
+    """One optimizer step on the accumulated gradients, guarded (docs/theory.md §Numerical guards).
+
+    Sums the gradients over processes, calls ``before_step`` (None: nothing), clips to ``max_grad_norm`` (0: no
+    clipping), and steps AdamW unless the loss or the gradient norm was non-finite on any process; in that case
+    every process skips together and the weights and AdamW's moments stay as they were. Gradients are zeroed either
+    way. Returns (the pre-clipping gradient norm, whether the step was skipped).
+    """
+    procs.sum_grads(params)  # each process's loss already carries the global normaliser
+    if before_step is not None:
+        before_step()
+    max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    skipped = procs.any(nonfinite_loss or not math.isfinite(norm))  # every process skips together
+    if skipped:  # no optimizer (or scheduler) change
+        logger.warning("step %d: non-finite loss or gradient (norm %s); optimizer step skipped", step, norm)
+    else:
+        crash_point("before_optimizer_step", step)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, skipped
+
+
+def update_metrics(sums: UpdateSums, config: TrainConfig, procs: Processes) -> dict[str, float]:
+    """The step's update metrics from ``sums``, reduced over processes: the whole batch's numbers, the same on every
+    process (see :func:`policy_update` for the keys)."""
+    keys = sorted(k for k in sums.totals if k != "ratio/max")  # the same keys, in the same order, on every process
+    *summed, tokens_total = procs.sum_floats([sums.totals[k] for k in keys] + [sums.tokens])
+    totals = dict(sums.totals)
+    totals.update(zip(keys, summed))
+    entropy_sum, entropy_tokens = procs.sum_floats([sums.entropy_sum, sums.entropy_tokens])
+    if "ratio/max" in totals:
+        totals["ratio/max"] = procs.max_float(totals["ratio/max"])
     out = {k: (v if k in ("loss/policy", "loss/kl", "ratio/max") else v / max(tokens_total, 1.0))
            for k, v in totals.items()}
     out["policy/entropy"] = entropy_sum / max(entropy_tokens, 1.0)
-    out.update(_mismatch_metrics(mismatch, tis if config.tis_cap is not None else None, procs))
-    out["grad/norm"] = grad_norms[0]
-    out["grad/norm_last"] = grad_norms[-1]
-    out["grad/optimizer_steps"] = len(grad_norms) - skipped
-    out["guard/skipped_optimizer_steps"] = skipped
+    out.update(_mismatch_metrics(sums.mismatch, sums.tis if config.tis_cap is not None else None, procs))
+    out["grad/norm"] = sums.grad_norms[0]
+    out["grad/norm_last"] = sums.grad_norms[-1]
+    out["grad/optimizer_steps"] = len(sums.grad_norms) - sums.skipped
+    out["guard/skipped_optimizer_steps"] = sums.skipped
     return out
 
 
 def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, valid: torch.Tensor,
                       advantages: torch.Tensor) -> bool:
-    """Whether the lens can take its g_i from the update's first pass (:func:`grpo_lens.lens.scores_from_update_rows`).
+    """Whether the lens can take its g_i from the update's first pass
+    (:func:`grpo_lens.train.lens.scores_from_update_rows`).
 
     True when ``lens_from_update`` is on, the lens offers ``update_capture``, and the first pass's loss gradient is
-    -(A_i / N) grad(omega_i sum_t log pi) per rollout: no KL term (beta 0), no importance weights (tis_cap unset), both clip ranges
-    > 0 (ratio 1 lies inside them), one mini-batch (the first pass covers every rollout before any optimizer step),
-    and every advantage of the groups the lens analyses finite and nonzero; never with LoRA (``lora_rank`` > 0).
+    -(A_i / N) grad(omega_i sum_t log pi) per rollout: no KL term (beta 0), no importance weights (tis_cap unset),
+    both clip ranges > 0 (ratio 1 lies inside them), one mini-batch (the first pass covers every rollout before any
+    optimizer step), and every advantage of the groups the lens analyses finite and nonzero; never with LoRA
+    (``lora_rank`` > 0).
 
     Args:
         rewards: [N] (NaN where invalid).   valid: [N] bool.   advantages: [N].
@@ -220,10 +308,9 @@ def forward_precision(device: torch.device, dtype: str):
 def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, procs: Processes) -> dict[str, float]:
     """``mismatch/*`` metrics of all processes' first-pass tokens from the sums of :func:`mismatch_sums`."""
     keys = ("abs_diff_sum", "k3_sum", "tokens")
-    sums = procs.sum(torch.tensor([mismatch[k] for k in keys] + ([tis["weight_sum"], tis["capped"], tis["tokens"]]
-                                                                  if tis is not None else []),
-                                  dtype=torch.float64, device=procs.device)).tolist()
-    top = float(procs.gather(torch.tensor([mismatch["abs_diff_max"]], dtype=torch.float64, device=procs.device)).max())
+    tis_sums = [tis["weight_sum"], tis["capped"], tis["tokens"]] if tis is not None else []
+    sums = procs.sum_floats([mismatch[k] for k in keys] + tis_sums)
+    top = procs.max_float(mismatch["abs_diff_max"])
     n = max(sums[2], 1.0)
     out = {"mismatch/logprob_abs_diff_mean": sums[0] / n, "mismatch/logprob_abs_diff_max": top,
            "mismatch/kl_k3": sums[1] / n}
