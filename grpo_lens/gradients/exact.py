@@ -31,12 +31,13 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from grpo_lens.formulas.spectrum import nll_weights
 from grpo_lens.gradients.params import (
     LayerFilter,
     linear_layer_names,
     select_parameters,
 )
-from grpo_lens.gradients.scores import nll_weights, rollout_scores
+from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 
 

@@ -51,19 +51,3 @@ def rollout_scores(logprobs: Tensor, completion_mask: Tensor, score_weights: Ten
         assert score_weights.shape == logprobs.shape[:1], (score_weights.shape, logprobs.shape)
         return (logprobs * mask).sum(-1) * score_weights.to(device=logprobs.device, dtype=logprobs.dtype)
     return (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-
-
-def nll_weights(completion_mask: Tensor) -> Tensor:
-    """Row weights that turn the g_i into the supervised (NLL) gradient of the same completions.
-
-    The token-mean NLL of the completions, -(1/sum_j |o_j|) sum_{i,t} log pi(o_{i,t}|.), has gradient
-    sum_i w_i g_i with w_i = -|o_i| / sum_j |o_j|. It is the control "same tokens, no advantages" (docs/theory.md §5).
-
-    Args:
-        completion_mask: [N, T] bool.
-
-    Returns:
-        [N] float32 weights (all 0 when no rollout has a token).
-    """
-    lengths = completion_mask.float().sum(-1)
-    return -lengths / lengths.sum().clamp(min=1.0)

@@ -30,15 +30,15 @@ import contextlib
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from grpo_lens.formulas.losses import aggregation_rollout_weights
-from grpo_lens.formulas.spectrum import weighted_row_sum
+from grpo_lens.formulas.spectrum import nll_weights, weighted_row_sum
 from grpo_lens.gradients.params import LayerFilter, linear_layer_names
-from grpo_lens.gradients.scores import nll_weights, rollout_scores
+from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 
 Projection = Literal["gaussian", "identity"]
@@ -284,12 +284,13 @@ class GradientCapture:
         return GradientSketch(per_layer, self.k_in, self.k_out, token_sq, list(self.layer_names))
 
 
-def _backward_roots(model: nn.Module, emb_out: list[Tensor], capture: GradientCapture) -> list[Tensor]:
-    """Tensors to differentiate the loss with respect to so that every hooked output gets its gradient but no
-    parameter gradient (dW) is computed: the input-embedding outputs when they require grad, else the weights."""
+def backward_roots(emb_out: list[Tensor], layers: Iterable[nn.Module]) -> list[Tensor]:
+    """Tensors to differentiate the loss with respect to so that every hooked layer output gets its gradient but no
+    parameter gradient (dW) is computed: the input-embedding outputs ``emb_out`` (collected by a forward hook on
+    ``model.get_input_embeddings()``) when they all require grad, else the weights of ``layers`` that do."""
     if emb_out and all(t.requires_grad for t in emb_out):
         return emb_out
-    return [m.weight for m in capture._modules.values() if m.weight.requires_grad]
+    return [m.weight for m in layers if m.weight.requires_grad]
 
 
 def sketch_rollout_grads(
@@ -350,7 +351,7 @@ def sketch_rollout_grads(
             logp = batch_logprobs(model, batch, temperature)
             scores = rollout_scores(logp, batch.completion_mask, score_weights)
             loss = scores.sum() if weights is None else (scores * weights.to(scores.dtype)).sum()
-            roots = _backward_roots(model, emb_out, capture)
+            roots = backward_roots(emb_out, capture._modules.values())
             if not loss.requires_grad or not roots:
                 raise RuntimeError("the model's outputs do not require grad; nothing to sketch")
             torch.autograd.grad(loss, roots, allow_unused=True)

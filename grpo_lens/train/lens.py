@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from grpo_lens.analysis.group import analyse_group, mean_over_groups
+from grpo_lens.formulas.advantages import constant_groups
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.overlong import overlong_loss_mask
-from grpo_lens.formulas.sparsity import zero_variance_groups
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
 from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.lora import is_lora
@@ -102,7 +102,7 @@ class TrainerLens:
         """
         r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
         v = valid.view(-1, R).cpu()
-        return [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(zero_variance_groups(r[b:b + 1]))]
+        return (v.all(dim=1) & ~constant_groups(r, v)).nonzero().flatten().tolist()
 
     def update_capture(self, policy: torch.nn.Module) -> GradientCapture:
         """The :class:`GradientCapture` (the lens's own projections) for the trainer to open around the first
