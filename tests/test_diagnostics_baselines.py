@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_lens.formulas.advantages import loo_optimal_baseline
-from grpo_lens.formulas.baselines import BASELINES, baseline_metrics, correct_wrong_sq_norms, estimator_variances, optimal_baseline, optimal_baseline_binary, variance_relative_to_optimal
+from grpo_lens.formulas.baselines import BASELINES, baseline_metrics, correct_wrong_sq_norms, estimator_variances, optimal_baseline, optimal_baseline_binary, optimal_constant_baseline, variance_relative_to_optimal
 
 
 def synthetic(norm_correct: float, norm_wrong: float, m: int = 64, p: int = 512, seed: int = 0):
@@ -87,3 +87,14 @@ def test_variance_input_errors():
     with pytest.raises(ValueError, match="valid names"):
         estimator_variances(grads, rewards, 2, baselines=["nope"])
     assert math.isnan(correct_wrong_sq_norms(grads[:1], torch.ones(1))[1])
+
+
+def test_plug_in_b_star_of_the_lens_and_of_the_study_agree():
+    # Two bodies of the plug-in b* = sum n r / sum n (r_i included) stay: baseline_metrics' (the lens and the probe's
+    # groups, sums) and the study's population b* (optimal_constant_baseline, means). They differ only by rounding;
+    # merging them would change printed numbers in the last bits.
+    g, r = synthetic(2.0, 1.0, m=32, p=64, seed=3)
+    assert optimal_constant_baseline(g, r)["b_star"] == pytest.approx(optimal_baseline(g, r), rel=1e-12)
+    zero = torch.zeros(4, 8, dtype=torch.float64)
+    r4 = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    assert optimal_constant_baseline(zero, r4)["b_star"] == optimal_baseline(zero, r4) == 0.75  # no norm: mean r

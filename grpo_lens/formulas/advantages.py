@@ -1,8 +1,8 @@
 """Advantage estimators over the rewards of groups of rollouts, and the leave-one-out baselines they subtract.
 
 Every estimator maps rewards ``[B, R]`` (B prompts, R rollouts each) and a validity mask ``[B, R]`` to advantages
-``[B, R]``. Under an output-only reward every token of rollout i gets the same advantage A_i (docs/theory.md §10), so these
-R numbers are the whole of GRPO's credit assignment for a group.
+``[B, R]``. Under an output-only reward every token of rollout i gets the same advantage A_i (docs/theory.md §10),
+so these R numbers are the whole of GRPO's credit assignment for a group.
 
 The leave-one-out baselines b_i (RLOO's mean of the other rewards, :func:`rloo_baseline`; the variance-optimal b*
 from the other rollouts, :func:`loo_optimal_baseline`) have their one body here: the ``rloo`` and ``optimal``
@@ -190,7 +190,8 @@ def reinforce_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
 @ADVANTAGE_ESTIMATORS.register("optimal")
 def optimal_baseline_advantages(rewards: Tensor, valid: Tensor, *, grad_sq_norms: Tensor | None = None,
                                 **_: object) -> Tensor:
-    """A_i = r_i - b*_{-i}, the variance-optimal constant baseline estimated leave-one-out (:func:`loo_optimal_baseline`).
+    """A_i = r_i - b*_{-i}, the variance-optimal constant baseline estimated leave-one-out
+    (:func:`loo_optimal_baseline`).
 
     b*_{-i} = sum_{j != i} ||g_j||^2 r_j / sum_{j != i} ||g_j||^2 over the valid rollouts j of the group. Leaving
     rollout i out keeps b*_{-i} independent of g_i, so the estimator stays unbiased. When the other rollouts all have

@@ -182,7 +182,8 @@ def rank2_residual(
     k, r = int(correct.sum()), rewards.numel()
     c = identity_constant(estimator, k, r, std, eps)
     if c is None:
-        raise ValueError(f"estimator {estimator!r} has no rank-2 decomposition; valid: {', '.join(IDENTITY_ESTIMATORS)}")
+        raise ValueError(f"estimator {estimator!r} has no rank-2 decomposition; "
+                         f"valid: {', '.join(IDENTITY_ESTIMATORS)}")
     if advantages is None and estimator != "grpo":
         raise ValueError("pass the advantages actually used for estimators other than grpo")
     if advantages is None:

@@ -139,7 +139,12 @@ LAYER_TYPES: tuple[tuple[str, str], ...] = (
 
 
 def layer_type(name: str) -> str:
-    """The layer type of parameter ``name``: norm, embedding, attention, mlp (:data:`LAYER_TYPES`), else other."""
+    """The layer type of parameter ``name`` (``model.layers.3.mlp.up_proj.weight`` -> ``mlp``): norm, embedding,
+    attention, mlp (the first match in :data:`LAYER_TYPES`), else other; the ``<type>`` of ``sparsity/<type>/...``.
+
+    Not the grouping of G2's keys, which is the module's last name component
+    (:func:`grpo_lens.gradients.g2.module_kind`: ``up_proj``).
+    """
     for kind, pattern in LAYER_TYPES:
         if re.search(pattern, name):
             return kind

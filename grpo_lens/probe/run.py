@@ -4,7 +4,7 @@ For each R the probe samples a FIXED number of prompts (``--prompts``; it never 
 so S1 and every per-group mean are unbiased over the task's prompts), M = max(2R, 8) completions of each (the first
 R form the GRPO group; all M give the prompt's success rate and the baseline-variance resampling). Every mixed group
 (all rewards valid, not all equal) goes through the one per-group analysis path,
-:func:`grpo_lens.diagnostics.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
+:func:`grpo_lens.analysis.group.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
 (one layer's G1, G2, credit) that return keys of the same vocabulary. The probe then only aggregates rows over groups:
 means with 95% bootstrap intervals over groups, strata by k (correct count) and by distinct completions, and G3 (one
 matrix over the analysed groups).
@@ -115,7 +115,8 @@ STRATA_KEYS = tuple(f"rank/{m}_{x}" for m in ("g1", "g1_null", "g1_no_adv", "g1_
                                                                                                       "stable_rank"))\
     + ("rank/g1_erank_vs_null", "rank/g1_stable_rank_vs_null", "grad/identity_residual", "zero_sum/span_energy",
        "zero_sum/span_energy_null", "zero_sum/span_energy_excess", "zero_sum/span_energy_p", "zero_sum/cos_gap",
-       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
+       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions",
+       "group/correct")
 
 
 def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
@@ -145,7 +146,7 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
                   seed: int) -> tuple[dict[str, float], dict[str, Any]]:
     """One mixed group of R rollouts (rewards [R]): its row of canonical keys and its extras (spectra, G3 row, profile).
 
-    The row is :func:`grpo_lens.diagnostics.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
+    The row is :func:`grpo_lens.analysis.group.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
     (``rank/g1_layer_*``, from the layer's exact per-rollout weight gradients), G2 of ``layer`` (``rank/g2_*``, their
     advantage-weighted sum) and credit (``credit/*``).
     """
@@ -191,8 +192,9 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
 
 def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
                   config: ProbeConfig) -> dict[str, float]:
-    """Stable rank of every nn.Linear layer's G2 under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`,
-    summarised by layer type, from one backward (:class:`grpo_lens.diagnostics.G2WeightingCapture`)."""
+    """Stable rank of every nn.Linear layer's G2 under every weighting of
+    :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, summarised by module kind, from one backward
+    (:class:`grpo_lens.gradients.g2.G2WeightingCapture`)."""
     capture = G2WeightingCapture(policy, weightings(extra["advantages"], rewards))
     emb_out: list[torch.Tensor] = []
     handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
@@ -210,7 +212,7 @@ def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: tor
 
 def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: ProbeConfig) -> dict[str, float]:
     """Exact gradients of every parameter for one analysed group, set against its sketch
-    (:func:`grpo_lens.diagnostics.sketch_check_keys`: coverage of ||g||^2, Gram error and its bound, erank error)."""
+    (:func:`grpo_lens.analysis.group.sketch_check_keys`: coverage of ||g||^2, Gram error and its bound, erank error)."""
     exact = exact_rollout_grads(policy, sub, temperature=config.temperature,
                                    score_weights=score_weights(sub, config)).detach().cpu()
     slices = param_slices(policy)
@@ -343,7 +345,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
 
 def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig) -> dict[str, Any]:
     """The baseline study (with S1 predicted from rollouts outside the group) and the credit study of
-    :mod:`grpo_lens.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent)."""
+    :mod:`grpo_lens.probe.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent)."""
     common = dict(group_size=config.study_group_size, max_new_tokens=config.max_new_tokens,
                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
                   prompts_per_batch=config.prompts_per_batch)

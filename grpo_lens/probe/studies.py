@@ -1,7 +1,7 @@
 """Probe-side studies of GRPO's baselines, S1 and token credit on a model and task (``grpo-lens probe``).
 
 Each study samples its own rollouts with the trainer's sampling settings, computes with the pure functions of
-:mod:`grpo_lens.diagnostics` and returns a JSON-ready dict that ``probe.json`` stores and the report renders. Formulas:
+:mod:`grpo_lens.formulas` and returns a JSON-ready dict that ``probe.json`` stores and the report renders. Formulas:
 docs/theory.md §S1, §Baselines at matched expectation, §Token credit.
 
 - :func:`run_baseline_study`: >= 8 prompts with reward contrast, M = 4R rollouts each; per-rollout gradient terms
@@ -68,8 +68,8 @@ def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_
     measured = constant_groups(group, torch.ones_like(group, dtype=torch.bool)).double()  # all correct or all wrong
     return {"measured": bootstrap_mean(measured.tolist(), bounds=(0.0, 1.0)),
             "predicted": bootstrap_mean(predicted.tolist(), bounds=(0.0, 1.0)),
-            "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)), "prompts": int(keep.sum()),
-            "rollouts_per_prompt": M}
+            "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)),
+            "prompts": int(keep.sum()), "rollouts_per_prompt": M}
 
 
 def _sample_scored(policy, tokenizer, task, reward_fns, prompts: int, rollouts: int, seed: int,
@@ -103,7 +103,7 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
     contrast with every reward valid, or ``max_prompts`` were sampled.
 
     Returns:
-        {"baselines": :func:`grpo_lens.diagnostics.baseline_study.baseline_study` (per-prompt rows trimmed to
+        {"baselines": :func:`grpo_lens.formulas.baselines.baseline_study` (per-prompt rows trimmed to
          numbers), "s1": :func:`s1_measured_and_predicted` over every sampled prompt, "meta": {group_size,
          rollouts_per_prompt, prompts_sampled, gradients: "sketch of every nn.Linear weight", sketch_dim,
          aggregation, seconds}}.
