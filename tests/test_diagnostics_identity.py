@@ -82,9 +82,8 @@ def test_identity_holds_to_float32_precision(grads, std, eps):
         adv = grpo_group_advantages(REWARDS[j], std, eps)
         assert rank2_residual(g[j * R:(j + 1) * R], REWARDS[j], std=std, eps=eps) == pytest.approx(float(res[j]),
                                                                                                  rel=1e-6, abs=1e-9)
-        if eps > 0:  # analyse_group in float64: the residual is float64 round-off
-            row = analyse_group(g[j * R:(j + 1) * R], REWARDS[j], adv, estimator="grpo", std=std, eps=eps)
-            assert row["grad/identity_residual"] <= 1e-5
+        row = analyse_group(g[j * R:(j + 1) * R], REWARDS[j], adv, estimator="grpo", std=std, eps=eps)
+        assert row["grad/identity_residual"] <= 1e-5  # analyse_group works in float64
     assert "grad/identity_residual" not in analyse_group(g[2 * R:], REWARDS[2], grpo_group_advantages(REWARDS[2]))
 
 
