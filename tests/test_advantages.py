@@ -147,3 +147,49 @@ def test_zero_sum_property(b, r, seed, binary, estimator, std):
     adv = compute_advantages(rewards, estimator, std=std, mask=mask)
     torch.testing.assert_close(adv.sum(dim=1), torch.zeros(b, dtype=torch.float64), rtol=0, atol=1e-12)
     assert torch.equal(adv[~mask], torch.zeros_like(adv[~mask]))
+
+
+def _loop_rloo_and_optimal(rewards, valid, sq_norms):
+    """Plain-loop references (verl's test_rloo_and_vectorized_equivalence): for each group and rollout, the mean of
+    the other valid rewards, and the leave-one-out b* weighted by the other valid rollouts' squared norms."""
+    b, r = rewards.shape
+    rloo, opt = torch.zeros(b, r, dtype=torch.float64), torch.zeros(b, r, dtype=torch.float64)
+    for g in range(b):
+        for i in range(r):
+            if not valid[g, i]:
+                continue
+            others = [j for j in range(r) if j != i and valid[g, j]]
+            if not others:
+                continue
+            mean_others = sum(float(rewards[g, j]) for j in others) / len(others)
+            w = sum(float(sq_norms[g, j]) for j in others)
+            b_star = (sum(float(sq_norms[g, j] * rewards[g, j]) for j in others) / w) if w > 0 else mean_others
+            rloo[g, i] = float(rewards[g, i]) - mean_others
+            opt[g, i] = float(rewards[g, i]) - b_star
+    return rloo, opt
+
+
+def test_rloo_and_optimal_match_their_loop_references():
+    # the vectorised leave-one-out baselines (formulas.advantages.rloo_baseline / loo_optimal_baseline, the bodies
+    # both the estimators and formulas.baselines.BASELINES use) against per-rollout loops, with invalid rollouts,
+    # constant groups and a group whose other norms are all zero
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6, 5, generator=g, dtype=torch.float64).round(decimals=1)
+    rewards[1] = 0.5  # constant group: A = 0
+    valid = torch.rand(6, 5, generator=g) > 0.2
+    valid[2] = torch.tensor([True, True, False, False, False])
+    sq = torch.rand(6, 5, generator=g, dtype=torch.float64)
+    sq[3, 1:] = 0.0  # rollout 0's others have no norm: b* falls back to their mean
+    want_rloo, want_opt = _loop_rloo_and_optimal(rewards, valid, sq)
+    constant = torch.tensor([len({float(x) for x in rewards[b][valid[b]]}) <= 1 or int(valid[b].sum()) < 2
+                             for b in range(6)])
+    want_rloo[constant], want_opt[constant] = 0.0, 0.0
+    masked = torch.where(valid, rewards, torch.full_like(rewards, math.nan))
+    torch.testing.assert_close(compute_advantages(masked, "rloo", mask=valid), want_rloo, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(compute_advantages(masked, "optimal", mask=valid, grad_sq_norms=sq), want_opt,
+                               rtol=1e-12, atol=1e-12)
+    # RLOO's closed form n/(n-1) (r_i - mean r) is the same estimator
+    n = valid.sum(1, keepdim=True).double()
+    mean = torch.where(valid, rewards, 0.0).sum(1, keepdim=True) / n
+    closed = torch.where(valid & ~constant.unsqueeze(1), n / (n - 1).clamp(min=1) * (rewards - mean), 0.0)
+    torch.testing.assert_close(compute_advantages(masked, "rloo", mask=valid), closed, rtol=1e-12, atol=1e-12)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from grpo_lens.formulas.baselines import BASELINES, baseline_metrics, correct_wrong_sq_norms, estimator_variances, loo_optimal_baselines, optimal_baseline, optimal_baseline_binary, variance_relative_to_optimal
+from grpo_lens.formulas.advantages import loo_optimal_baseline
+from grpo_lens.formulas.baselines import BASELINES, baseline_metrics, correct_wrong_sq_norms, estimator_variances, optimal_baseline, optimal_baseline_binary, optimal_constant_baseline, variance_relative_to_optimal
 
 
 def synthetic(norm_correct: float, norm_wrong: float, m: int = 64, p: int = 512, seed: int = 0):
@@ -45,12 +46,12 @@ def test_leave_one_out_baselines():
     sq = torch.tensor([4.0, 1.0, 1.0, 2.0])
     # b_0 = (1*0 + 1*1 + 2*0) / (1 + 1 + 2) = 1/4;  b_1 = (4 + 1) / (4 + 1 + 2) = 5/7
     # b_2 = 4 / (4 + 1 + 2) = 4/7;               b_3 = (4 + 1) / (4 + 1 + 1) = 5/6
-    torch.testing.assert_close(loo_optimal_baselines(sq, rewards),
+    torch.testing.assert_close(loo_optimal_baseline(rewards.double(), sq),
                                torch.tensor([1 / 4, 5 / 7, 4 / 7, 5 / 6], dtype=torch.float64))
     torch.testing.assert_close(BASELINES.get("rloo")(rewards, sq), torch.tensor([1 / 3, 2 / 3, 1 / 3, 2 / 3]))
     torch.testing.assert_close(BASELINES.get("mean")(rewards, sq), torch.full((4,), 0.5))
     # equal norms: leave-one-out b* is the RLOO mean
-    torch.testing.assert_close(loo_optimal_baselines(torch.ones(4), rewards), BASELINES.get("rloo")(rewards, sq).double())
+    torch.testing.assert_close(loo_optimal_baseline(rewards.double(), torch.ones(4)), BASELINES.get("rloo")(rewards, sq).double())
     with pytest.raises(ValueError, match="mean, none, optimal, rloo"):
         BASELINES.get("median")
 
@@ -86,3 +87,14 @@ def test_variance_input_errors():
     with pytest.raises(ValueError, match="valid names"):
         estimator_variances(grads, rewards, 2, baselines=["nope"])
     assert math.isnan(correct_wrong_sq_norms(grads[:1], torch.ones(1))[1])
+
+
+def test_plug_in_b_star_of_the_lens_and_of_the_study_agree():
+    # Two bodies of the plug-in b* = sum n r / sum n (r_i included) stay: baseline_metrics' (the lens and the probe's
+    # groups, sums) and the study's population b* (optimal_constant_baseline, means). They differ only by rounding;
+    # merging them would change printed numbers in the last bits.
+    g, r = synthetic(2.0, 1.0, m=32, p=64, seed=3)
+    assert optimal_constant_baseline(g, r)["b_star"] == pytest.approx(optimal_baseline(g, r), rel=1e-12)
+    zero = torch.zeros(4, 8, dtype=torch.float64)
+    r4 = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    assert optimal_constant_baseline(zero, r4)["b_star"] == optimal_baseline(zero, r4) == 0.75  # no norm: mean r

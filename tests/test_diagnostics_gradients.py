@@ -11,7 +11,8 @@ from grpo_lens.gradients.exact import exact_nll_grad, exact_policy_grad, exact_r
 from grpo_lens.formulas.spectrum import group_row_sums
 from grpo_lens.formulas.sketch_error import kronecker_sketch_variance, kronecker_sketch_variance_factor, sketch_gram_error_bound
 from grpo_lens.gradients.params import linear_layer_names, param_slices
-from grpo_lens.gradients.scores import nll_weights, rollout_scores
+from grpo_lens.formulas.spectrum import nll_weights
+from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 
 VOCAB = 50

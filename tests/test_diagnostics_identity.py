@@ -6,13 +6,35 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_lens.formulas.identity import binary_group_std, grpo_binary_advantages, rank2_constant, rank2_residual, rank2_residuals
+from grpo_lens.analysis.group import analyse_group
+from grpo_lens.formulas.advantages import grpo_advantages
+from grpo_lens.formulas.identity import binary_group_std, identity_residual, rank2_constant, rank2_residual
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.rollout import RolloutBatch
 
 R = 4
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+
+
+def grpo_group_advantages(rewards, std="sample", eps=1e-4):
+    """The product's grpo estimator on one group [R] (any eps >= 0; compute_advantages asks for eps > 0)."""
+    r = rewards.double().view(1, -1)
+    return grpo_advantages(r, torch.ones_like(r, dtype=torch.bool), std=std, eps=eps)[0].to(rewards.dtype)
+
+
+def identity_residuals(grads, rewards, std="sample", eps=1e-4):
+    """identity_residual (the body analyse_group reports) of every group [B] of a batch, in the gradients' dtype,
+    with grpo's advantages and c; NaN for groups without a residual (k = 0 or k = R)."""
+    b, r = rewards.shape
+    out = torch.full((b,), math.nan, dtype=torch.float64)
+    for j in range(b):
+        k = int((rewards[j] == 1).sum())
+        if 0 < k < r:
+            g = grads[j * r:(j + 1) * r]
+            adv = grpo_group_advantages(rewards[j], std, eps).to(g.dtype)
+            out[j] = identity_residual(g, rewards[j] == 1, adv, rank2_constant(k, r, std, eps))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +65,7 @@ def test_constants_closed_form():
     # eps scales c by std / (std + eps)
     assert rank2_constant(1, 4, "sample", eps=0.5) == pytest.approx(1.5 * 0.5 / 1.0)
     # advantages of [1, 0, 0, 0], sample std 1/2, eps 0: (3/4, -1/4, -1/4, -1/4) / (1/2)
-    torch.testing.assert_close(grpo_binary_advantages(torch.tensor([1.0, 0, 0, 0]), "sample", eps=0.0),
+    torch.testing.assert_close(grpo_group_advantages(torch.tensor([1.0, 0, 0, 0]), "sample", eps=0.0),
                                torch.tensor([1.5, -0.5, -0.5, -0.5]))
 
 
@@ -51,16 +73,24 @@ def test_constants_closed_form():
 @pytest.mark.parametrize("eps", [0.0, 1e-4])
 def test_identity_holds_to_float32_precision(grads, std, eps):
     _, _, g = grads
-    res = rank2_residuals(g, REWARDS, std=std, eps=eps)
+    res = identity_residuals(g, REWARDS, std=std, eps=eps)
     assert res.shape == (3,)
     assert bool((res[:2] <= 1e-5).all()), res
     assert math.isnan(res[2])  # k = 0: no identity, no policy gradient
+    # the 0.1 entry point and the per-group analysis report the same residual
+    for j in range(2):
+        adv = grpo_group_advantages(REWARDS[j], std, eps)
+        assert rank2_residual(g[j * R:(j + 1) * R], REWARDS[j], std=std, eps=eps) == pytest.approx(float(res[j]),
+                                                                                                 rel=1e-6, abs=1e-9)
+        row = analyse_group(g[j * R:(j + 1) * R], REWARDS[j], adv, estimator="grpo", std=std, eps=eps)
+        assert row["grad/identity_residual"] <= 1e-5  # analyse_group works in float64
+    assert "grad/identity_residual" not in analyse_group(g[2 * R:], REWARDS[2], grpo_group_advantages(REWARDS[2]))
 
 
 def test_identity_holds_for_sketches(grads):
     model, batch, _ = grads
     sk = sketch_rollout_grads(model, batch, k_in=8, k_out=8).sketch  # sketches are linear in g
-    assert bool((rank2_residuals(sk, REWARDS)[:2] <= 1e-5).all())
+    assert bool((identity_residuals(sk, REWARDS)[:2] <= 1e-5).all())
 
 
 def test_wrong_convention_leaves_a_large_residual(grads):
@@ -68,7 +98,7 @@ def test_wrong_convention_leaves_a_large_residual(grads):
     # the right c_samp (gC - gW), so the residual is 1 - c_samp/c_pop = 1 - sqrt((R-1)/R) = 0.1340 for R = 4.
     _, _, g = grads
     rewards = REWARDS[0]
-    adv = grpo_binary_advantages(rewards, "population", eps=0.0)
+    adv = grpo_group_advantages(rewards, "population", eps=0.0)
     res = rank2_residual(g[:R], rewards, std="sample", eps=0.0, advantages=adv)
     assert res == pytest.approx(1 - math.sqrt(3 / 4), abs=1e-5)
     assert res > 1e3 * 1e-5

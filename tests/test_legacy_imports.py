@@ -17,6 +17,9 @@ SHOWN = [
     ("grpo_lens.advantages", "optimal_baseline_advantages", "grpo_lens.formulas.advantages"),
     ("grpo_lens.diagnostics", "analyse_group", "grpo_lens.analysis.group"),
     ("grpo_lens.diagnostics", "rank_measures", "grpo_lens.formulas.spectrum"),
+    ("grpo_lens.diagnostics", "g1_spectra", "grpo_lens.formulas.spectrum"),  # the 0.1 README's Python example
+    ("grpo_lens.diagnostics", "rank2_residual", "grpo_lens.formulas.identity"),
+    ("grpo_lens.diagnostics", "sketch_rollout_grads", "grpo_lens.gradients.sketch"),
     ("grpo_lens.diagnostics.spectrum", "rank_measures", "grpo_lens.formulas.spectrum"),
     ("grpo_lens.diagnostics.baselines", "aggregation_rollout_weights", "grpo_lens.formulas.losses"),
     ("grpo_lens.diagnostics.baselines", "sketched_rollout_sq_norms", "grpo_lens.gradients.sketch"),

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_lens.formulas.losses import LOSS_AGGREGATIONS, aggregate_loss, clipped_surrogate, grpo_loss, kl_penalty, loss_normalizer
+from grpo_lens.formulas.losses import LOSS_AGGREGATIONS, aggregate_loss, aggregation_rollout_weights, clipped_surrogate, grpo_loss, kl_penalty, loss_normalizer, rollout_gradient_weights
 
 MODES = LOSS_AGGREGATIONS.names()
 
@@ -165,3 +165,18 @@ def test_bad_input():
         loss_normalizer(m, "sum", 3)
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_penalty(x, x, "k4")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_two_rollout_weights_of_an_aggregation_agree(mode):
+    # omega_i (rollout_gradient_weights: on rollout i's summed log-prob gradient, with N/Z) and c_i
+    # (aggregation_rollout_weights: on its length-normalised score gradient) are read off the registry by two
+    # paths; for a rollout with tokens omega_i = (N/Z) c_i / |o_i|.
+    mask = _lengths_mask([7, 3, 1, 5, 0], 7)
+    z = loss_normalizer(mask, mode, 7)
+    omega = rollout_gradient_weights(mask, mode, z)
+    c = aggregation_rollout_weights(mask, mode)
+    lengths = mask.sum(1).double()
+    has = lengths > 0
+    torch.testing.assert_close(omega[has], (4 / z) * c[has] / lengths[has], rtol=1e-12, atol=0.0)
+    assert c[~has].tolist() == [0.0]

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from grpo_lens.formulas.advantages import compute_advantages
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.params import linear_layer_names
-from grpo_lens.formulas.baselines import loo_optimal_baselines
+from grpo_lens.formulas.advantages import loo_optimal_baseline
 from grpo_lens.formulas.losses import aggregation_rollout_weights
 from grpo_lens.formulas.baselines import optimal_vs_rloo
 from grpo_lens.gradients.sketch import sketched_rollout_sq_norms
@@ -77,7 +77,7 @@ def test_identity_sketch_reproduces_exact_b_star(model_batch_exact, aggregation)
     # b*_{-i} from the trainer's advantages equals the exact leave-one-out b* of each group
     adv = compute_advantages(REWARDS.double(), "optimal", grad_sq_norms=sq.view(2, 4))
     for b in range(2):
-        want_b = loo_optimal_baselines(want_sq[b * 4:(b + 1) * 4], REWARDS[b].double())
+        want_b = loo_optimal_baseline(REWARDS[b].double(), want_sq[b * 4:(b + 1) * 4])
         torch.testing.assert_close(REWARDS[b].double() - adv[b], want_b, rtol=1e-6, atol=1e-7)
 
 
@@ -92,8 +92,8 @@ def test_gaussian_sketch_b_star_within_its_error(model_batch_exact):
     sq = sketched_rollout_sq_norms(model, batch, need, sketch_dim=16, seed=3)
     want_sq = exact.double().square().sum(-1)
     for b in range(2):
-        got = loo_optimal_baselines(sq[b * 4:(b + 1) * 4], REWARDS[b].double())
-        want = loo_optimal_baselines(want_sq[b * 4:(b + 1) * 4], REWARDS[b].double())
+        got = loo_optimal_baseline(REWARDS[b].double(), sq[b * 4:(b + 1) * 4])
+        want = loo_optimal_baseline(REWARDS[b].double(), want_sq[b * 4:(b + 1) * 4])
         assert (got - want).abs().max() < 0.12, (got, want)
 
 

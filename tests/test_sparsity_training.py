@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_lens.formulas.sparsity import hoyer_sparsity
+from references import hoyer_sparsity  # the readable reference of weighted_hoyer
 from grpo_lens.train.sparsity import ParameterSample, sampled_update_sparsity, sampled_vector_sparsity
 from grpo_lens.formulas.sparsity import bf16_rounding_cell, dense_bf16_unchanged_probability, layer_type, top_energy_share, update_sparsity, weighted_hoyer, zero_share
 

@@ -1,34 +1,41 @@
 """One analysis path: everything measured on ONE group of R rollouts, as a flat dict of canonical metric keys.
 
-:func:`analyse_group` is the single per-group function that both the trainer's lens (:mod:`grpo_lens.lens`) and
-``grpo-lens probe`` (:mod:`grpo_lens.probe`) call; they only aggregate its rows over groups (the lens: means over the
-step's mixed groups; the probe: means with bootstrap intervals, strata by k and by distinct completions, see
-:mod:`grpo_lens.diagnostics.stats`). Every key is documented in docs/metrics.md; formulas are in docs/theory.md.
+:func:`analyse_group` is the single per-group function that both the trainer's lens (:mod:`grpo_lens.train.lens`)
+and ``grpo-lens probe`` (:func:`grpo_lens.probe.run.measure_group`) call; they only aggregate its rows over groups
+(the lens: :func:`mean_over_groups` over the step's mixed groups; the probe: means with bootstrap intervals, strata by
+k and by distinct completions, :mod:`grpo_lens.formulas.stats`). It composes the formulas of
+:mod:`grpo_lens.formulas` into keys and computes nothing of its own: every key is documented in docs/metrics.md, every
+formula in docs/theory.md.
 
 Inputs are the group's per-rollout gradients ``grads`` [R, K] (exact [R, P] or a linear sketch [R, K]: everything here
 uses inner products only, so a sketch gives unbiased Gram entries), its rewards [R] and the advantages [R] the trainer
 actually used. ``grads`` row i must be the rollout's term in the trainer's loss gradient without its advantage
 (``sum_i A_i grads_i`` = the group's share of the update direction; docs/theory.md §3).
 
-Keys (``<m>`` ranges over :data:`grpo_lens.diagnostics.spectrum.RANK_MEASURES`: erank, stable_rank,
-participation_ratio, k90, k99):
+Keys of :func:`analyse_group` (``<m>`` ranges over :data:`grpo_lens.formulas.spectrum.RANK_MEASURES`: erank,
+stable_rank, participation_ratio, k90, k99):
 
 - ``group/size`` R, ``group/reward_mean``, ``group/correct`` k (0/1 rewards only), ``group/distinct_completions``
   (when completion ids are given).
-- ``rank/g1_<m>``: G1, rows A_i g_i.  Controls on the same rows: ``rank/g1_no_adv_<m>`` (rows g_i),
-  ``rank/g1_random_<m>`` (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>``
-  (rows of the supervised token-mean NLL gradient; with a completion mask), ``rank/g1_null_<m>`` (the orthogonal null:
-  singular values |A_i| ||g_i||, what G1 would have if its rows were orthogonal) and ``rank/g1_<m>_vs_null`` =
-  rank/g1_<m> / rank/g1_null_<m>.
+- ``rank/g1_<m>``: G1, rows A_i g_i, and its controls on the same rows
+  (:func:`grpo_lens.formulas.spectrum.g1_controls`): ``rank/g1_no_adv_<m>`` (rows g_i), ``rank/g1_random_<m>`` (rows w_i g_i, w random zero-sum with ||w|| = ||A||,
+  mean over draws), ``rank/g1_nll_<m>`` (rows of the supervised token-mean NLL gradient; with a completion mask),
+  ``rank/g1_null_<m>`` (the orthogonal null: singular values |A_i| ||g_i||, what G1 would have if its rows were
+  orthogonal) and ``rank/g1_<m>_vs_null`` = rank/g1_<m> / rank/g1_null_<m>.
 - ``grad/identity_residual``: relative residual of sum_i A_i g_i = c (gbar_C - gbar_W) with the estimator's own c
-  (:func:`grpo_lens.diagnostics.identity.identity_constant`); absent when the identity does not apply (non-binary
-  rewards, an estimator without the decomposition, advantages not two-valued per class). ``grad/identity_constant`` c.
+  (:func:`grpo_lens.formulas.identity.identity_residual`, c from :func:`grpo_lens.formulas.identity.identity_constant`);
+  absent when the identity does not apply (non-binary rewards, an estimator without the decomposition, advantages
+  not two-valued per class). ``grad/identity_constant`` c.
 - ``baseline/m_correct``, ``baseline/m_wrong``, ``baseline/b_star``, ``baseline/group_mean``,
-  ``baseline/b_star_minus_mean`` (0/1 rewards).
+  ``baseline/b_star_minus_mean`` (0/1 rewards; :func:`grpo_lens.formulas.baselines.baseline_metrics`).
 - ``zero_sum/span_energy`` (share of G1's energy in span{gbar_C, gbar_W}), ``zero_sum/cos_gap`` (mean within-class
   minus mean between-class cosine of the g_i), each with ``..._null`` (mean over relabellings that keep k),
   ``..._excess`` (observed minus that mean) and ``..._p`` (permutation p-value, exact over all C(R, k) relabellings up
-  to ``max_permutations``); 0/1 rewards only.
+  to ``max_permutations``); 0/1 rewards only (:func:`grpo_lens.formulas.zero_sum.zero_sum_tests`).
+
+The other functions give the keys of the probe's model-dependent pieces in the same vocabulary: :func:`g1_rank_keys`
+(G1 of one layer), :func:`g2_keys` (G2 of one layer), :func:`sketch_check_keys` (the sketch against exact gradients,
+with :func:`parameter_category`).
 """
 
 from __future__ import annotations
@@ -39,26 +46,22 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from grpo_lens.formulas.advantages import is_binary
 from grpo_lens.formulas.baselines import baseline_metrics
-from grpo_lens.formulas.identity import identity_constant
+from grpo_lens.formulas.identity import identity_constant, identity_residual
 from grpo_lens.formulas.sketch_error import sketch_gram_error_bound
 from grpo_lens.formulas.spectrum import (
     RANK_MEASURES,
     distinct_completions,
     effective_rank,
+    g1_controls,
     gram_singular_values,
     numerical_rank,
-    orthogonal_null_singular_values,
-    random_zero_sum_weights,
     rank_measures,
     weighted_gram_measures,
 )
 from grpo_lens.formulas.spectrum import singular_values as svals
 from grpo_lens.formulas.zero_sum import zero_sum_tests
-
-
-def _is_binary(rewards: Tensor) -> bool:
-    return bool(torch.all((rewards == 0) | (rewards == 1)))
 
 
 def analyse_group(
@@ -106,25 +109,16 @@ def analyse_group(
         out["group/distinct_completions"] = float(distinct_completions(completion_ids, completion_mask))
 
     # G1 and its controls
-    g1 = weighted_gram_measures(gram, a)
-    null = rank_measures(orthogonal_null_singular_values(gram, a))
-    variants = {"g1": g1, "g1_no_adv": weighted_gram_measures(gram, torch.ones(r, dtype=torch.float64)),
-                "g1_null": null}
-    gen = torch.Generator().manual_seed(seed)
-    draws = [weighted_gram_measures(gram, w) for w in random_zero_sum_weights(a, num_random, gen)]
-    if draws:
-        variants["g1_random"] = {m: sum(d[m] for d in draws) / len(draws) for m in draws[0]}
-    if completion_mask is not None:
-        lengths = completion_mask.double().sum(-1)
-        variants["g1_nll"] = weighted_gram_measures(gram, -lengths / lengths.sum().clamp(min=1.0))
-    for name, measures in variants.items():
+    controls = g1_controls(gram, a, completion_mask, num_random=num_random, seed=seed)
+    for name, measures in controls.items():
         for m, v in measures.items():
             out[f"rank/{name}_{m}"] = v
+    g1, null = controls["g1"], controls["g1_null"]
     for m in RANK_MEASURES.names():
         if null[m] > 0:
             out[f"rank/g1_{m}_vs_null"] = g1[m] / null[m]
 
-    if _is_binary(rw):
+    if is_binary(rw):
         labels = rw == 1
         k = int(labels.sum())
         out["group/correct"] = float(k)
@@ -134,11 +128,8 @@ def analyse_group(
             two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
             c = identity_constant(estimator, k, r, std, eps)  # None: the estimator has no decomposition
             if c is not None and two_valued:
-                lhs = a @ g
-                rhs = c * (g[labels].mean(0) - g[~labels].mean(0))
-                den = float(lhs.norm())
                 out["grad/identity_constant"] = c
-                out["grad/identity_residual"] = float((lhs - rhs).norm()) / den if den > 0 else 0.0
+                out["grad/identity_residual"] = identity_residual(g, labels, a, c)
             if two_valued:
                 out.update(zero_sum_tests(gram, rw, a, max_permutations=max_permutations, seed=seed))
     return out
@@ -174,7 +165,7 @@ def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.flo
     group loss, G2 [d_out, d_in] (docs/theory.md §5).
 
     Args:
-        g2: [d_out, d_in].  rank_bound: :func:`grpo_lens.diagnostics.spectrum.g2_rank_bound` of the group.
+        g2: [d_out, d_in].  rank_bound: :func:`grpo_lens.formulas.spectrum.g2_rank_bound` of the group.
         computed_dtype: the precision G2 was computed in (sets the numerical-rank tolerance).
         singular_values: G2's singular values if already computed (else from the smaller Gram matrix in float64:
             accurate to ~1e-8 s_1, well below the float32 rank tolerance max(d) * 1.2e-7).
@@ -213,7 +204,7 @@ def sketch_check_keys(exact: Tensor, sketch: Tensor, advantages: Tensor, categor
         exact total); ``sketch/exact_share_<category>``: each category's share of Σ_i ||g_i||²;
         ``sketch/gram_error``: ||Ĝ - G||_F / ||G||_F for G1's Gram (W G W) sketched vs exact over every parameter
         (missing coverage and projection noise together); ``sketch/gram_error_bound``: the bound of
-        :func:`grpo_lens.diagnostics.gradients.sketch_gram_error_bound` for the sketched layers alone;
+        :func:`grpo_lens.formulas.sketch_error.sketch_gram_error_bound` for the sketched layers alone;
         ``sketch/g1_erank_error``: erank(G1) sketched minus exact.
     """
     e, s = exact.detach(), sketch.detach().double()  # exact stays in its dtype: [R, P] can be GBs

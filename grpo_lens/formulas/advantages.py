@@ -1,8 +1,14 @@
-"""Advantage estimators over the rewards of groups of rollouts.
+"""Advantage estimators over the rewards of groups of rollouts, and the leave-one-out baselines they subtract.
 
 Every estimator maps rewards ``[B, R]`` (B prompts, R rollouts each) and a validity mask ``[B, R]`` to advantages
-``[B, R]``. Under an output-only reward every token of rollout i gets the same advantage A_i (docs/theory.md §10), so these
-R numbers are the whole of GRPO's credit assignment for a group.
+``[B, R]``. Under an output-only reward every token of rollout i gets the same advantage A_i (docs/theory.md §10),
+so these R numbers are the whole of GRPO's credit assignment for a group.
+
+The leave-one-out baselines b_i (RLOO's mean of the other rewards, :func:`rloo_baseline`; the variance-optimal b*
+from the other rollouts, :func:`loo_optimal_baseline`) have their one body here: the ``rloo`` and ``optimal``
+estimators subtract them, and :mod:`grpo_lens.formulas.baselines` registers the same functions in its ``BASELINES``
+for the baseline-variance studies. :func:`constant_groups` is the one test for "no reward contrast" (S1, the zero
+advantages of an all-equal group, the lens's mixed groups).
 
 Conventions shared by all estimators:
   - Invalid rollouts (mask False: the reward function failed, returned None/NaN or timed out) get A = 0 and are left
@@ -109,9 +115,53 @@ def dr_grpo_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
     return (rewards - mean) * valid
 
 
+def _all_valid(rewards: Tensor, valid: Tensor | None) -> Tensor:
+    return torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+
+
+def rloo_baseline(rewards: Tensor, sq_norms: Tensor | None = None, *, valid: Tensor | None = None) -> Tensor:
+    """RLOO's baseline b_i = mean_{j != i} r_j over the other valid rollouts of the group.
+
+    Source: Kool et al., ICLR 2019 workshop; Ahmadian et al., arXiv 2402.14740, eq. 7.
+
+    Args:
+        rewards: [..., R] float, invalid entries 0.
+        sq_norms: ignored (the signature of :data:`grpo_lens.formulas.baselines.BASELINES`).
+        valid: [..., R] bool, default all valid.
+    Returns:
+        [..., R] in reward units; for a group with one valid rollout, the other rewards' sum (0).
+    """
+    v = _all_valid(rewards, valid)
+    count = v.sum(dim=-1, keepdim=True).to(rewards.dtype)
+    return ((rewards * v).sum(dim=-1, keepdim=True) - rewards) / (count - 1.0).clamp(min=1.0)
+
+
+def loo_optimal_baseline(rewards: Tensor, sq_norms: Tensor, *, valid: Tensor | None = None) -> Tensor:
+    """Leave-one-out b*: b_i = sum_{j != i} n_j r_j / sum_{j != i} n_j over the other valid rollouts, n = ||g||^2.
+
+    Leaving rollout i out keeps b_i independent of g_i, so (r_i - b_i) g_i stays unbiased. Where the other rollouts'
+    norms are all zero the weights are undefined and :func:`rloo_baseline` is used.
+
+    Source: Greensmith, Bartlett & Baxter, JMLR 2004, Thm 13; Weaver & Tao, arXiv 1301.2315, §4.
+
+    Args:
+        rewards: [..., R] float, invalid entries 0.
+        sq_norms: [..., R] float >= 0, ||g_i||^2 (squared gradient units; any scale: b is invariant to it).
+        valid: [..., R] bool, default all valid.
+    Returns:
+        [..., R] in reward units.
+    """
+    v = _all_valid(rewards, valid)
+    w = sq_norms.to(rewards.dtype) * v
+    wr_sum = (w * rewards).sum(dim=-1, keepdim=True)
+    w_loo = w.sum(dim=-1, keepdim=True) - w
+    weighted = (wr_sum - w * rewards) / w_loo.clamp(min=torch.finfo(rewards.dtype).tiny)
+    return torch.where(w_loo > 0, weighted, rloo_baseline(rewards, valid=v))
+
+
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
-    """RLOO: A_i = r_i - mean_{j != i} r_j = n/(n-1) (r_i - mean r), n valid rollouts in the group.
+    """RLOO: A_i = r_i - mean_{j != i} r_j (:func:`rloo_baseline`) = n/(n-1) (r_i - mean r), n valid rollouts.
 
     Source: Ahmadian et al., arXiv 2402.14740, eq. 7.
 
@@ -120,9 +170,7 @@ def rloo_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
     Returns:
         [B, R] float64.
     """
-    count, mean = _group_counts_and_means(rewards, valid)
-    scale = count / (count - 1.0).clamp(min=1.0)
-    return scale * (rewards - mean) * valid
+    return (rewards - rloo_baseline(rewards, valid=valid)) * valid
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce")
@@ -142,7 +190,8 @@ def reinforce_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
 @ADVANTAGE_ESTIMATORS.register("optimal")
 def optimal_baseline_advantages(rewards: Tensor, valid: Tensor, *, grad_sq_norms: Tensor | None = None,
                                 **_: object) -> Tensor:
-    """A_i = r_i - b*_{-i}, the variance-optimal constant baseline estimated leave-one-out.
+    """A_i = r_i - b*_{-i}, the variance-optimal constant baseline estimated leave-one-out
+    (:func:`loo_optimal_baseline`).
 
     b*_{-i} = sum_{j != i} ||g_j||^2 r_j / sum_{j != i} ||g_j||^2 over the valid rollouts j of the group. Leaving
     rollout i out keeps b*_{-i} independent of g_i, so the estimator stays unbiased. When the other rollouts all have
@@ -160,21 +209,14 @@ def optimal_baseline_advantages(rewards: Tensor, valid: Tensor, *, grad_sq_norms
     """
     if grad_sq_norms is None:
         raise ValueError("estimator 'optimal' needs grad_sq_norms [B, R] (squared per-rollout gradient norms); "
-                         "compute them with grpo_lens.diagnostics or pick another estimator")
+                         "compute them with grpo_lens.gradients.sketch.sketched_rollout_sq_norms or pick another "
+                         "estimator")
     w = grad_sq_norms.to(rewards.dtype)
     if w.shape != rewards.shape:
         raise ValueError(f"grad_sq_norms must have the rewards' shape {tuple(rewards.shape)}, got {tuple(w.shape)}")
     if not torch.isfinite(w[valid]).all() or (w[valid] < 0).any():
         raise ValueError("grad_sq_norms must be finite and >= 0 on valid rollouts")
-    w = w * valid
-    wr_sum = (w * rewards).sum(dim=1, keepdim=True)
-    w_sum = w.sum(dim=1, keepdim=True)
-    w_loo = w_sum - w
-    b_weighted = (wr_sum - w * rewards) / w_loo.clamp(min=torch.finfo(rewards.dtype).tiny)
-    count = valid.sum(dim=1, keepdim=True).to(rewards.dtype)
-    b_mean = ((rewards * valid).sum(dim=1, keepdim=True) - rewards) / (count - 1.0).clamp(min=1.0)
-    baseline = torch.where(w_loo > 0, b_weighted, b_mean)
-    return (rewards - baseline) * valid
+    return (rewards - loo_optimal_baseline(rewards, w, valid=valid)) * valid
 
 
 def compute_advantages(
@@ -244,6 +286,6 @@ def advantage_bound(num_valid: int, std: StdConvention = "sample") -> float:
     return (n - 1) / math.sqrt(n) if std == "sample" else math.sqrt(n - 1)
 
 
-def is_binary(rewards: torch.Tensor) -> bool:
-    """True when every reward is 0 or 1 (what the rank-2 identity and m_C / m_W need)."""
+def is_binary(rewards: Tensor) -> bool:
+    """True when every reward is 0 or 1 (what the rank-2 identity and m_C / m_W need). rewards: any shape."""
     return bool(torch.all((rewards == 0) | (rewards == 1)))

@@ -1,7 +1,10 @@
-"""Baselines for the group's REINFORCE estimator and their variance (docs/theory.md §2).
+"""Baselines for the group's REINFORCE estimator, their variance, and the study at matched expectation.
 
-For one prompt with rollouts i, rewards r_i and per-rollout gradients g_i (``grads`` [R, P] or [M, P], exact or
-sketched; only inner products and norms matter), the estimator with baseline b_i is
+docs/theory.md §2, §The variance-optimal baseline in training, §Baselines at matched expectation. Shapes: R group
+size, M rollouts of one prompt, P parameters (or K sketch dimensions: only inner products and norms are used, and
+sketches preserve them in expectation).
+
+For one prompt with rollouts i, rewards r_i and per-rollout gradients g_i, the estimator with baseline b_i is
 
     ghat = (1/R) sum_i (r_i - b_i) g_i.
 
@@ -20,8 +23,31 @@ Baselines compared (:data:`BASELINES`, each fn(rewards [..., R], sq_norms [..., 
 - ``mean``: b_i = mean_j r_j (GRPO's centring, r_i included). Note r_i - mean r = ((R-1)/R)(r_i - rloo_i), so this
   estimator is exactly (R-1)/R times the RLOO one, sample by sample: variance ((R-1)/R)^2 of RLOO's, and biased
   by the same factor.
-- ``rloo``: b_i = mean_{j != i} r_j.
-- ``optimal``: b_i = sum_{j != i} ||g_j||^2 r_j / sum_{j != i} ||g_j||^2 (leave-one-out b*).
+- ``rloo``: b_i = mean_{j != i} r_j (:func:`grpo_lens.formulas.advantages.rloo_baseline`, the body the ``rloo``
+  estimator subtracts).
+- ``optimal``: b_i = sum_{j != i} ||g_j||^2 r_j / sum_{j != i} ||g_j||^2 (leave-one-out b*,
+  :func:`grpo_lens.formulas.advantages.loo_optimal_baseline`, the body ``--estimator optimal`` subtracts).
+
+Per group (the lens and the probe, through :func:`baseline_metrics`): m_C, m_W and the plug-in b* against the group
+mean. Per prompt (the probe): :func:`estimator_variances`, the trace-variance of each baseline's estimate over
+resampled groups. In training: :func:`optimal_vs_rloo`, what the leave-one-out b* did against RLOO's baseline.
+
+The study at matched expectation (:func:`baseline_study`, one prompt: :func:`prompt_baseline_study`): each prompt's
+pool of M >= 4R rollouts is split in two halves, A and B; groups are drawn from A, and the reference gradient and the
+population b* come from B, so neither is computed from the groups it is compared with.
+
+- reference: the centred policy gradient Cov(r, h) = E[(r - E r) h], estimated on B by
+  g_ref = (1/(|B|-1)) sum_{j in B} (r_j - rbar_B) h_j (unbiased). It is what RLOO estimates without bias, and what
+  every baseline estimates when E[h] = 0; the length-normalised score has E[h] != 0, which the study measures
+  (:func:`mean_score_norm`).
+- estimators (:data:`STUDY_ESTIMATORS`): ``none`` (b = 0), ``mean`` (b = group mean, r_i included; its expectation
+  is (R-1)/R of RLOO's, so it is reported rescaled by R/(R-1) as ``mean_rescaled``, identical to RLOO sample by
+  sample), ``rloo``, ``optimal_loo`` (leave-one-out b* from the group's norms, what ``--estimator optimal`` trains
+  with) and ``optimal_pop`` (the population b* from B, a constant, :func:`optimal_constant_baseline`).
+- per estimator, over S resampled groups: bias2 = ||mean_s ghat_s - g_ref||^2, variance = (1/(S-1)) sum_s
+  ||ghat_s - mean ghat||^2, mse = mean_s ||ghat_s - g_ref||^2 and cosine = mean_s cos(ghat_s, g_ref). The reference
+  is itself noisy: ``ref_noise`` = its estimated trace variance, which adds to every estimator's mse equally.
+- m_C = m_W per prompt: :func:`equal_norms_test`, a label-permutation test with the correct count fixed.
 """
 
 from __future__ import annotations
@@ -32,7 +58,11 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from grpo_lens.formulas.advantages import constant_groups
+from grpo_lens.formulas.advantages import (
+    constant_groups,
+    loo_optimal_baseline,
+    rloo_baseline,
+)
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
 from grpo_lens.formulas.stats import bootstrap_mean
 from grpo_lens.formulas.zero_sum import fixed_k_labellings
@@ -104,29 +134,8 @@ def mean_baseline(rewards: Tensor, sq_norms: Tensor) -> Tensor:
     return rewards.mean(-1, keepdim=True).expand_as(rewards)
 
 
-@BASELINES.register("rloo")
-def rloo_baseline(rewards: Tensor, sq_norms: Tensor) -> Tensor:
-    """b_i = mean_{j != i} r_j (Kool et al. 2019; Ahmadian et al., arXiv 2402.14740, eq. 7). R >= 2."""
-    r = rewards.shape[-1]
-    return (rewards.sum(-1, keepdim=True) - rewards) / (r - 1)
-
-
-@BASELINES.register("optimal")
-def loo_optimal_baseline(rewards: Tensor, sq_norms: Tensor) -> Tensor:
-    """b_i = sum_{j != i} n_j r_j / sum_{j != i} n_j with n = ||g||^2 (leave-one-out b*, unbiased).
-
-    Falls back to the RLOO mean where the other rollouts' norms are all zero. rewards, sq_norms: [..., R].
-    """
-    n = sq_norms.to(rewards.dtype)
-    num = (n * rewards).sum(-1, keepdim=True) - n * rewards
-    den = n.sum(-1, keepdim=True) - n
-    fallback = rloo_baseline(rewards, sq_norms)
-    return torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), fallback)
-
-
-def loo_optimal_baselines(grads: Tensor, rewards: Tensor) -> Tensor:
-    """Leave-one-out b*_i for each rollout of one group. grads [R, P] (or [R] squared norms); rewards [R]. -> [R]."""
-    return loo_optimal_baseline(rewards.detach().double(), _sq_norms(grads))
+BASELINES.register("rloo")(rloo_baseline)  # b_i = mean_{j != i} r_j; the body is in formulas.advantages
+BASELINES.register("optimal")(loo_optimal_baseline)  # leave-one-out b*; the body is in formulas.advantages
 
 
 def baseline_metrics(grads: Tensor, rewards: Tensor) -> dict[str, float]:
@@ -226,8 +235,7 @@ def optimal_vs_rloo(rewards: Tensor, valid: Tensor, advantages: Tensor) -> tuple
     assert rewards.shape == valid.shape == advantages.shape and rewards.dim() == 2, (rewards.shape, valid.shape)
     v = valid.bool()
     r = torch.where(v, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
-    count = v.sum(1, keepdim=True).double()
-    rloo = (r.sum(1, keepdim=True) - r) / (count - 1).clamp(min=1)
+    rloo = rloo_baseline(r, valid=v)
     b = r - advantages.double()
     use = v & ~constant_groups(r, v).unsqueeze(1)
     return float(b[use].sum()), float((b - rloo)[use].sum()), int(use.sum())
@@ -448,7 +456,7 @@ def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, n
     """
     per_prompt, constant = [], 0
     for j, (g, r) in enumerate(pools):
-        if bool((r == r[0]).all()):
+        if bool(constant_groups(r.view(1, -1), torch.ones(1, len(r), dtype=torch.bool))):  # no reward contrast
             constant += 1
             continue
         res = prompt_baseline_study(g, r, group_size, num_resamples=num_resamples, seed=seed + j)

@@ -1,12 +1,18 @@
-"""Token-level credit under an output-only reward (docs/theory.md §10): what each token of a rollout gets.
+"""Token-level credit under an output-only reward (docs/theory.md §10, §Token credit): what each token gets.
 
-Shapes: N rollouts, T completion tokens, Lp prompt positions, L = Lp + T input positions.
+Shapes: N rollouts (R of one group), T completion tokens, Lp prompt positions, L = Lp + T input positions.
 
 Under an output-only reward every token of rollout i gets the same advantage A_i, so the within-rollout variance of
 the per-token advantage is 0 by construction (:func:`token_advantages`, :func:`within_rollout_advantage_variance`).
-What still varies along a rollout is how much gradient each position carries: the per-position squared norms of
-:func:`grpo_lens.diagnostics.gradients.token_grad_sq_norms` give the profile along positions and the share carried by
-the final-answer tokens.
+What still varies along a rollout is how much gradient each position carries: per-position squared norms
+(:func:`grpo_lens.gradients.sketch.token_grad_sq_norms`, aligned by :func:`completion_positions`) give the profile
+along positions (:func:`position_profile`) and the share carried by the final-answer tokens (:func:`answer_share`,
+answer masks from :func:`answer_mask_from_tokenizer`); :func:`credit_metrics` gives the ``credit/*`` keys.
+
+The credit study's pure pieces: each token's weight in the group update (:func:`token_weights`), profiles over
+relative position (:func:`relative_position_profile`), token classes answer / format / reasoning
+(:func:`token_classes`, :func:`class_shares`), and Monte Carlo segments (:func:`segment_boundaries`,
+:func:`segment_advantages`, :func:`compare_with_uniform`). The model calls are :mod:`grpo_lens.gradients.token_credit`.
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ def position_profile(token_sq_norms: Tensor, mask: Tensor | None = None) -> Tens
 
     Args:
         token_sq_norms: [N, T] squared per-position gradient norms (e.g. :func:`completion_positions` of
-            :func:`grpo_lens.diagnostics.gradients.token_grad_sq_norms`).
+            :func:`grpo_lens.gradients.sketch.token_grad_sq_norms`).
         mask: [N, T] bool, positions that count (e.g. the completion mask); None counts all.
 
     Returns:

@@ -1,7 +1,8 @@
 """The rank-2 identity of GRPO with 0/1 rewards (docs/theory.md §4), checked on real per-rollout gradients.
 
-One group: R rollouts, rewards r_i in {0, 1}, k of them correct (0 < k < R), g_i the per-rollout gradients
-(:mod:`grpo_lens.diagnostics.gradients`), gbar_C and gbar_W their means over the correct and the wrong rollouts.
+One group: R rollouts, rewards r_i in {0, 1}, k of them correct (0 < k < R), g_i the per-rollout gradients [R, P]
+(exact or sketched, :mod:`grpo_lens.gradients`), gbar_C and gbar_W their means over the correct and the wrong
+rollouts.
 
 Derivation. The mean reward is p = k/R, so r_i - p = (R-k)/R for a correct rollout and -k/R for a wrong one:
 
@@ -34,22 +35,30 @@ rollout and A_W on every wrong one, with k A_C + (R-k) A_W = 0, gives sum_i A_i 
 rollout, so A is not two-valued) have no such constant; a group whose advantages were changed after the estimator
 (``mask_truncated`` zeroes them on truncated rollouts) is not two-valued either. For those the identity does not apply
 and no residual is reported.
+
+The residual has one body, :func:`identity_residual`, which :func:`grpo_lens.analysis.group.analyse_group` reports as
+``grad/identity_residual`` for the lens and the probe; :func:`rank2_residual` is the 0.1 entry point that checks its
+inputs and calls it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-StdConvention = Literal["sample", "population"]
+from grpo_lens.formulas.advantages import (
+    STD_CONVENTIONS,
+    StdConvention,
+    grpo_advantages,
+    is_binary,
+)
 
 
 def _check_std(std: str) -> None:
-    if std not in ("sample", "population"):
-        raise ValueError(f"unknown std convention {std!r}; valid names: population, sample")
+    if std not in STD_CONVENTIONS:
+        raise ValueError(f"unknown std convention {std!r}; valid names: {', '.join(sorted(STD_CONVENTIONS))}")
 
 
 def binary_group_std(k: int, group_size: int, std: StdConvention = "sample") -> float:
@@ -116,17 +125,26 @@ def identity_constant(estimator: str, k: int, group_size: int, std: StdConventio
     return None
 
 
-def grpo_binary_advantages(rewards: Tensor, std: StdConvention = "sample", eps: float = 1e-4) -> Tensor:
-    """A_i = (r_i - mean r)/(std r + eps) for one group (a local reference, same formula as docs/theory.md §2).
+def identity_residual(grads: Tensor, correct: Tensor, advantages: Tensor, constant: float) -> float:
+    """rho = ||sum_i A_i g_i - c (gbar_C - gbar_W)|| / ||sum_i A_i g_i||, the rank-2 identity's relative residual.
 
-    rewards: [R]. Returns [R] in rewards' dtype (computed in float64); 0 for a constant group.
+    Computed in the dtype of ``grads`` and ``advantages`` (the lens and the probe pass float64; round-off ~1e-7 in
+    float32, ~1e-16 in float64 when the conventions match).
+
+    Args:
+        grads: [R, P] per-rollout g_i (exact, one layer's slice, or sketched: sketches are linear, so the identity
+            holds for them too).
+        correct: [R] bool, True for the rollouts with reward 1 (at least one of each class).
+        advantages: [R] the advantages A_i actually used, in the dtype of ``grads``.
+        constant: c from :func:`identity_constant` (or :func:`rank2_constant`).
+
+    Returns:
+        rho (float >= 0, dimensionless); 0 when sum_i A_i g_i = 0.
     """
-    _check_std(std)
-    r = rewards.double()
-    if r.max() == r.min():
-        return torch.zeros_like(rewards)
-    sd = r.std(correction=1 if std == "sample" else 0)
-    return ((r - r.mean()) / (sd + eps)).to(rewards.dtype)
+    lhs = advantages @ grads  # [P]
+    rhs = constant * (grads[correct].mean(0) - grads[~correct].mean(0))  # [P]
+    den = float(lhs.norm())
+    return float((lhs - rhs).norm()) / den if den > 0 else 0.0
 
 
 def rank2_residual(
@@ -138,72 +156,37 @@ def rank2_residual(
     advantages: Tensor | None = None,
     estimator: str = "grpo",
 ) -> float:
-    """Relative residual of the rank-2 identity for one group with 0/1 rewards.
+    """:func:`identity_residual` of one group with 0/1 rewards, from its rewards (the 0.1 entry point).
 
-    rho = ||sum_i A_i g_i - c(k, R) (gbar_C - gbar_W)|| / ||sum_i A_i g_i||, c from :func:`identity_constant` for
-    ``estimator`` (grpo: with the given ``std`` and ``eps``). Computed in the gradients' dtype (round-off ~1e-7 in
-    float32).
+    c from :func:`identity_constant` for ``estimator`` (grpo: with the given ``std`` and ``eps``); computed in the
+    gradients' dtype.
 
     Args:
-        grads: [R, P] per-rollout g_i (exact, per layer, or sketched: sketches are linear, so the identity holds
-            for them too).
+        grads: [R, P] per-rollout g_i.
         rewards: [R] in {0, 1}.
         std, eps: conventions for c (and for A when ``advantages`` is None).
-        advantages: [R] the advantages actually used; None computes grpo's with ``std`` and ``eps`` (only allowed
-            for estimator grpo).
+        advantages: [R] the advantages actually used; None computes grpo's with ``std`` and ``eps``
+            (:func:`grpo_lens.formulas.advantages.grpo_advantages`; only allowed for estimator grpo).
         estimator: whose decomposition c to use (grpo, dr_grpo, rloo; see :func:`identity_constant`).
 
     Returns:
-        rho (float >= 0); 0 when both sides are zero, inf when only the left side is zero.
+        rho (float >= 0); 0 when sum_i A_i g_i = 0.
 
     Raises:
         ValueError: rewards not 0/1, or all equal (k = 0 or k = R), or an estimator without the decomposition.
     """
     assert grads.dim() == 2 and rewards.shape == (grads.shape[0],), (grads.shape, rewards.shape)
-    if not torch.all((rewards == 0) | (rewards == 1)):
+    if not is_binary(rewards):
         raise ValueError("the rank-2 identity needs 0/1 rewards")
     correct = rewards == 1
     k, r = int(correct.sum()), rewards.numel()
     c = identity_constant(estimator, k, r, std, eps)
     if c is None:
-        raise ValueError(f"estimator {estimator!r} has no rank-2 decomposition; valid: {', '.join(IDENTITY_ESTIMATORS)}")
+        raise ValueError(f"estimator {estimator!r} has no rank-2 decomposition; "
+                         f"valid: {', '.join(IDENTITY_ESTIMATORS)}")
     if advantages is None and estimator != "grpo":
         raise ValueError("pass the advantages actually used for estimators other than grpo")
-    a = grpo_binary_advantages(rewards.double(), std, eps) if advantages is None else advantages
-    a = a.to(grads.dtype)
-    lhs = a @ grads  # [P]
-    rhs = c * (grads[correct].mean(0) - grads[~correct].mean(0))  # [P]
-    num, den = float((lhs - rhs).norm()), float(lhs.norm())
-    if den == 0:
-        return 0.0 if num == 0 else math.inf
-    return num / den
-
-
-def rank2_residuals(
-    grads: Tensor,
-    rewards: Tensor,
-    *,
-    std: StdConvention = "sample",
-    eps: float = 1e-4,
-    advantages: Tensor | None = None,
-) -> Tensor:
-    """:func:`rank2_residual` of every group of a batch.
-
-    Args:
-        grads: [N, P], N = B*R, groups contiguous.
-        rewards: [B, R] in {0, 1}.
-        advantages: [B, R] the advantages used, optional.
-
-    Returns:
-        [B] float64; NaN for groups without a residual (k = 0 or k = R: no policy gradient). Aggregate with
-        ``nanmean``/``nanmax``.
-    """
-    b, r = rewards.shape
-    assert grads.dim() == 2 and grads.shape[0] == b * r, (grads.shape, rewards.shape)
-    out = torch.full((b,), math.nan, dtype=torch.float64)
-    for j in range(b):
-        k = int((rewards[j] == 1).sum())
-        if 0 < k < r:
-            adv = None if advantages is None else advantages[j]
-            out[j] = rank2_residual(grads[j * r:(j + 1) * r], rewards[j], std=std, eps=eps, advantages=adv)
-    return out
+    if advantages is None:
+        r64 = rewards.double().view(1, r)
+        advantages = grpo_advantages(r64, torch.ones_like(r64, dtype=torch.bool), std=std, eps=eps)[0]
+    return identity_residual(grads, correct, advantages.to(grads.dtype), c)

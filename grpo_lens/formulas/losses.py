@@ -1,4 +1,4 @@
-"""GRPO's per-token policy loss, KL penalty and loss aggregation.
+"""GRPO's per-token policy loss, KL penalty, loss aggregation and the per-rollout weights of its gradient.
 
 Shapes: N rollouts (N = B * R), T completion tokens. Every token tensor is [N, T] with a completion mask [N, T]
 (True on real completion tokens). Per-token loss (DeepSeekMath, arXiv 2402.03300, eq. 3, negated for descent):
@@ -9,6 +9,15 @@ Shapes: N rollouts (N = B * R), T completion tokens. Every token tensor is [N, T
 Aggregation turns l [N, T] into one number. To stay exact under gradient accumulation each mode is split into a
 numerator that is a sum over rollouts (so micro-batches add up) and a normaliser computed once on the whole batch
 (:func:`loss_normalizer`); sum over micro-batches of :func:`aggregate_loss` equals the whole batch's value.
+
+Per-rollout weights of the aggregated loss's gradient (docs/theory.md §3), both read off :data:`LOSS_AGGREGATIONS`:
+:func:`rollout_gradient_weights` omega_i, the weight on rollout i's summed log-prob gradient (with the batch
+constant N/Z; what the lens and the probe differentiate), and :func:`aggregation_rollout_weights` c_i, the weight on
+its length-normalised score gradient (what ``--estimator optimal`` and the credit study scale g_i by); for a rollout
+with tokens omega_i = (N/Z) c_i / |o_i|.
+
+Also: the KL estimators k1 / k2 / k3 (:data:`KL_ESTIMATORS`), the sampler-trainer mismatch
+(:func:`truncated_is_weights`, :func:`mismatch_sums`), and the clamp on log-ratios (:data:`LOG_RATIO_CLAMP`).
 """
 
 from __future__ import annotations
@@ -195,7 +204,9 @@ def rollout_gradient_weights(completion_mask: Tensor, mode: str, normalizer: flo
     -(1/Z) sum_i A_i v_i sum_t grad log pi(o_{i,t}) with v_i = rollout_weights(mask)_i and Z the normaliser; so
     omega_i = (N/Z) v_i: 1/|o_i| for seq-mean-token-mean (Z = N), N / sum_j |o_j| for token-mean, 1/T_max for
     seq-mean-token-sum-norm (docs/theory.md §3). Pass omega to the per-rollout gradient functions of
-    :mod:`grpo_lens.diagnostics.gradients` (``score_weights``) to measure the rows the update actually sums.
+    :mod:`grpo_lens.gradients` (``score_weights``) to measure the rows the update actually sums. For a rollout with
+    tokens omega_i = (N/Z) c_i / |o_i| with c_i of :func:`aggregation_rollout_weights` (tests/test_losses.py checks
+    that the two agree); an empty rollout keeps v_i (its log-prob sum, and so its gradient, is 0 either way).
 
     Args:
         completion_mask: [n, T] bool, the rollouts to weigh (a group, or a batch).
@@ -381,11 +392,12 @@ def aggregation_rollout_weights(completion_mask: Tensor, aggregation: str) -> Te
     On the first (on-policy) pass the policy loss's gradient is -(1/Z) sum_i A_i c_i g_i with Z the aggregation's
     normaliser: c_i = 1 for seq-mean-token-mean (each rollout's token mean), c_i = |o_i| for the token-sum modes
     (token-mean, seq-mean-token-sum-norm). Computed from the registered numerator applied to a loss of 1 on every
-    token of row i, so a newly registered aggregation is handled too (its numerator must be a sum over rows).
+    token of row i, so a newly registered aggregation is handled too (its numerator must be a sum over rows). The
+    weights on the summed log-prob gradient instead, with the batch constant, are :func:`rollout_gradient_weights`.
 
     Args:
         completion_mask: [N, T] bool.
-        aggregation: a name in :data:`grpo_lens.losses.LOSS_AGGREGATIONS`.
+        aggregation: a name in :data:`LOSS_AGGREGATIONS`.
 
     Returns:
         [N] float64, >= 0 (0 for an empty completion).

@@ -1,27 +1,14 @@
-"""Per-rollout gradients g_i: an exact oracle (one backward per rollout) and LoGra sketches (one batched backward).
+"""Error of the Kronecker (LoGra) sketch of per-rollout weight gradients (docs/theory.md §8).
 
-Notation (docs/theory.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
-T completion tokens, P parameters, k sketch dimension. The quantity everything here differentiates is the
-length-normalised score of rollout i,
+A layer's weight gradient G [d_out, d_in] is sketched as S(G) = P_out G P_in^T with independent Gaussian projections
+P_in [k_in, d_in], P_out [k_out, d_out] of N(0, 1/k) entries (:class:`grpo_lens.gradients.sketch.GradientCapture`),
+so sketched inner products <S(A), S(B)> are unbiased for <A, B>. This module gives their variance:
 
-    s_i = (1/|o_i|) sum_t log pi_theta(o_{i,t} | q, o_{i,<t}),      g_i = grad_theta s_i,
-
-computed with grpo-lens' one log-prob definition (temperature-scaled, docs/theory.md §Log-probabilities) by
-:func:`grpo_lens.rollout.completion_logprobs`.
-A rollout with an empty completion (|o_i| = 0) has s_i = 0 and g_i = 0.
-
-Two paths:
-
-- exact (:func:`exact_rollout_grads`): one forward and one backward per rollout; returns the dense [N, P] matrix.
-  The oracle for tests and for small models.
-- sketched (:class:`GradientCapture`, :func:`sketch_rollout_grads`): hooks on ``nn.Linear`` modules capture each
-  layer's input x_t [d_in] and output gradient delta_t [d_out] during ONE batched backward. For a linear layer the
-  per-rollout weight gradient is sum_{t in row i} delta_t x_t^T; its two-sided random projection
-  P_out (sum_t delta_t x_t^T) P_in^T = sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only
-  (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
-
-Only weights of ``nn.Linear`` modules are sketched: embeddings, norms and biases are not. With tied embeddings the
-``lm_head`` sketch covers the output-projection use of the shared matrix only.
+- :func:`kronecker_sketch_variance`: the exact Var <S(A), S(B)> of one layer (Wishart moments).
+- :func:`kronecker_sketch_variance_factor`: c(k_in, k_out), the worst-case relative variance (rank-one gradients).
+- :func:`sketch_gram_error_bound`: the bound on the expected relative Frobenius error of the sketched Gram matrix of
+  N rollouts over L layers, which the probe's sketch check (``sketch/gram_error_bound``) prints beside the measured
+  error.
 """
 
 from __future__ import annotations

@@ -1,7 +1,20 @@
-"""Sparsity of GRPO's signal and updates (docs/theory.md §9): S1 zero-variance groups, S2 small entries, S3 Hoyer, S4 bf16
-update sparsity.
+"""Sparsity of GRPO's signal and updates (docs/theory.md §9, §S1, §Sparsity over training).
 
-Shapes: B prompts, R group size, P parameters (or entries of any gradient vector).
+Shapes: B prompts, R group size, M rollouts of a prompt (M >= R), S sampled entries of the weights (each standing for
+``weights`` entries of the full vector), P parameters.
+
+- S1, groups without reward contrast. Measured with :func:`grpo_lens.formulas.advantages.constant_groups` (the one
+  test, shared with the advantages); predicted under the Bernoulli model by :func:`predicted_zero_variance_fraction`
+  (p known) and without bias from rollouts outside the group by :func:`unbiased_zero_variance_probability` and
+  :func:`s1_predicted_outside_group` (what ``grpo-lens probe`` and its baseline study print).
+- S2 / S3 of a vector from weighted samples: :func:`zero_share`, :func:`weighted_hoyer` (Hoyer sparsity),
+  :func:`top_energy_share` (the top-1% energy share, S2-style), together :func:`sparsity_measures`.
+- S4, the bf16 view of an update: :func:`bf16_unchanged_fraction` (every parameter), :func:`update_sparsity` (sampled
+  entries, with the dense-update control :func:`dense_bf16_unchanged_probability` from :func:`bf16_rounding_cell`).
+- :func:`layer_type`: the layer type (norm, embedding, attention, mlp, other) of a parameter name, by which the
+  sparsity keys ``sparsity/<type>/...`` are split.
+
+The trainer-side state that samples the weights and keeps the snapshots is :mod:`grpo_lens.train.sparsity`.
 """
 
 from __future__ import annotations
@@ -12,32 +25,6 @@ from typing import Iterable
 
 import torch
 from torch import Tensor
-
-
-def zero_variance_groups(rewards: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Which groups have all (valid) rewards equal, hence A = 0 and no policy gradient (docs/theory.md §2).
-
-    Args:
-        rewards: [B, R] float.
-        mask: [B, R] bool of valid rollouts, optional (invalid ones are ignored; a group with < 2 valid counts
-            as zero-variance).
-
-    Returns:
-        [B] bool.
-    """
-    assert rewards.dim() == 2, rewards.shape
-    if mask is None:
-        return rewards.max(1).values == rewards.min(1).values
-    assert mask.shape == rewards.shape, (mask.shape, rewards.shape)
-    mask = mask.bool()
-    hi = torch.where(mask, rewards, torch.full_like(rewards, -math.inf)).max(1).values
-    lo = torch.where(mask, rewards, torch.full_like(rewards, math.inf)).min(1).values
-    return (mask.sum(1) < 2) | (hi == lo)
-
-
-def zero_variance_fraction(rewards: Tensor, mask: Tensor | None = None) -> float:
-    """S1 measured: share of groups whose rewards are all equal. rewards: [B, R]. Returns a float in [0, 1]."""
-    return float(zero_variance_groups(rewards, mask).double().mean())
 
 
 def predicted_zero_variance_fraction(success_rates: Tensor, group_size: int) -> float:
@@ -59,23 +46,6 @@ def predicted_zero_variance_fraction(success_rates: Tensor, group_size: int) -> 
     if ((p < 0) | (p > 1)).any():
         raise ValueError("success rates must lie in [0, 1]")
     return float((p**group_size + (1 - p) ** group_size).mean())
-
-
-def predicted_zero_variance_fraction_from_rewards(rewards: Tensor, threshold: float = 0.5) -> float:
-    """S1 predicted from per-prompt empirical success rates p_b = mean_i [r_{b,i} > threshold] of the same rewards.
-
-    Caveat: a plug-in from the same R samples is biased towards 1 (a group with k = 0 or R gets p = 0 or 1, hence
-    prediction 1); the unbiased estimate of p^R + (1-p)^R from those R samples is the measured indicator itself.
-    Feed :func:`predicted_zero_variance_fraction` success rates from other samples (e.g. earlier steps) to test the
-    Bernoulli model.
-
-    Args:
-        rewards: [B, R].
-        threshold: a reward above it counts as a success.
-    """
-    assert rewards.dim() == 2, rewards.shape
-    p = (rewards > threshold).double().mean(1)
-    return predicted_zero_variance_fraction(p, rewards.shape[1])
 
 
 def unbiased_zero_variance_probability(correct: Tensor | int, rollouts: Tensor | int, group_size: int) -> Tensor:
@@ -117,58 +87,28 @@ def unbiased_zero_variance_probability(correct: Tensor | int, rollouts: Tensor |
     return (log_choose(k, group_size) - denom).exp() + (log_choose(m - k, group_size) - denom).exp()
 
 
-def s1_metrics(rewards: Tensor, success_rates: Tensor | None = None, mask: Tensor | None = None) -> dict[str, float]:
-    """{"sparsity/zero_var_frac": measured, "sparsity/zero_var_pred": predicted} for a batch of rewards [B, R].
+def s1_predicted_outside_group(correct: Tensor, group_size: int) -> Tensor:
+    """S1 predicted for each prompt's group (its first R rollouts) from the prompt's other M - R rollouts.
 
-    ``success_rates`` [B] if known, else the plug-in of :func:`predicted_zero_variance_fraction_from_rewards`.
-    """
-    pred = (predicted_zero_variance_fraction(success_rates, rewards.shape[1]) if success_rates is not None
-            else predicted_zero_variance_fraction_from_rewards(rewards))
-    return {"sparsity/zero_var_frac": zero_variance_fraction(rewards, mask), "sparsity/zero_var_pred": pred}
-
-
-def _flat(g: Tensor | Iterable[Tensor]) -> Tensor:
-    if isinstance(g, Tensor):
-        return g.detach().reshape(-1)
-    return torch.cat([t.detach().reshape(-1) for t in g])
-
-
-def small_entry_share(g: Tensor | Iterable[Tensor], tau: float = 1e-3) -> float:
-    """S2: share of entries with |g_j| <= tau * max_j |g_j|.
+    :func:`unbiased_zero_variance_probability` with k = the correct count among rollouts R..M-1: unbiased for
+    p^R + (1-p)^R and independent of the group itself, so measured - predicted has mean 0 under the Bernoulli model
+    (docs/theory.md §S1).
 
     Args:
-        g: a gradient [P] (any shape, or a list of tensors, e.g. every parameter's ``.grad``).
-        tau: relative threshold in [0, 1].
+        correct: [B, M] bool (e.g. reward >= 1), the group's R rollouts first.
+        group_size: R, with M - R >= R.
 
     Returns:
-        float in [0, 1]; 1 for an all-zero g (every entry is at most 0).
-    """
-    v = _flat(g).abs().double()
-    return float((v <= tau * v.max()).double().mean())
-
-
-def hoyer_sparsity(g: Tensor | Iterable[Tensor]) -> float:
-    """S3: Hoyer sparsity (sqrt(n) - ||g||_1/||g||_2) / (sqrt(n) - 1) (Hoyer, JMLR 5, 2004, eq. 1).
-
-    1 for a one-hot vector, 0 for a constant-magnitude vector; computed in float64.
-
-    Args:
-        g: [P] (any shape or a list of tensors), n = P >= 2 entries.
-
-    Returns:
-        float in [0, 1]; 1 for an all-zero g (by convention: no entry is non-zero).
+        [B] float64 in [0, 1].
 
     Raises:
-        ValueError: fewer than 2 entries.
+        ValueError: M - R < R.
     """
-    v = _flat(g).double()
-    n = v.numel()
-    if n < 2:
-        raise ValueError(f"Hoyer sparsity needs at least 2 entries, got {n}")
-    l2 = v.norm()
-    if l2 == 0:
-        return 1.0
-    return float((math.sqrt(n) - v.abs().sum() / l2) / (math.sqrt(n) - 1))
+    m, r = correct.shape[-1], group_size
+    if m - r < r:
+        raise ValueError(f"need M >= 2R rollouts per prompt to predict S1 from rollouts outside the group "
+                         f"(M = {m}, R = {r})")
+    return unbiased_zero_variance_probability(correct[..., r:].long().sum(-1), m - r, r)
 
 
 def bf16_unchanged_fraction(before: Iterable[Tensor], after: Iterable[Tensor]) -> float:
@@ -199,7 +139,12 @@ LAYER_TYPES: tuple[tuple[str, str], ...] = (
 
 
 def layer_type(name: str) -> str:
-    """The layer type of parameter ``name``: norm, embedding, attention, mlp (:data:`LAYER_TYPES`), else other."""
+    """The layer type of parameter ``name`` (``model.layers.3.mlp.up_proj.weight`` -> ``mlp``): norm, embedding,
+    attention, mlp (the first match in :data:`LAYER_TYPES`), else other; the ``<type>`` of ``sparsity/<type>/...``.
+
+    Not the grouping of G2's keys, which is the module's last name component
+    (:func:`grpo_lens.gradients.g2.module_kind`: ``up_proj``).
+    """
     for kind, pattern in LAYER_TYPES:
         if re.search(pattern, name):
             return kind
@@ -222,7 +167,7 @@ def weighted_hoyer(x: Tensor, weights: Tensor | None = None) -> float:
     """Hoyer sparsity (S3) (sqrt(n) - ||x||_1/||x||_2) / (sqrt(n) - 1) of the full vector, from weighted samples.
 
     n = sum w (the full vector's length); ||x||_1 ~ sum w |x|, ||x||_2^2 ~ sum w x^2 (exact with unit weights on
-    every entry, where it equals :func:`grpo_lens.diagnostics.hoyer_sparsity`). Source: Hoyer, JMLR 5 (2004), eq. 1.
+    every entry). Source: Hoyer, JMLR 5 (2004), eq. 1.
 
     Args:
         x: [S] float.  weights: [S] > 0 or None.

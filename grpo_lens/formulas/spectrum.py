@@ -1,23 +1,28 @@
-"""Singular values and effective-rank measures of GRPO gradient matrices (docs/theory.md §5).
+"""Singular values and effective-rank measures of GRPO gradient matrices, G1 and its controls (docs/theory.md §5).
 
-Matrices (N = B*R rollouts, R group size, B prompts, P parameters or k sketch dims):
+Matrices (N = B*R rollouts, R group size, B prompts, P parameters or K sketch dimensions):
 
-- G1 per-rollout matrix, rows A_i g_i: [R, P] (all parameters, one layer's slice, or a sketch).
+- G1 per-rollout matrix, rows A_i g_i: [R, P] (all parameters, one layer's slice, or a sketch). Never materialised:
+  its singular values come from the Gram matrix G = (<g_i, g_j>) [R, R] of the g_i, as those of W G W with
+  W = diag(A) (:func:`weighted_gram_singular_values`).
 - G2 per-layer weight gradient of the group (or batch) loss: [d_out, d_in]
-  (:func:`grpo_lens.diagnostics.gradients.layer_weight_grads`).
-- G3 per-group matrix, rows = each group's policy gradient sum_i A_i g_i: [B, P]
-  (:func:`grpo_lens.diagnostics.gradients.group_row_sums`).
+  (:func:`grpo_lens.gradients.exact.layer_weight_grads`; bound on its rank: :func:`g2_rank_bound`).
+- G3 per-group matrix, rows = each group's policy gradient sum_i A_i g_i: [B, P] (:func:`group_row_sums`).
 
-Controls on the same tokens (:func:`g1_spectra`): rows g_i without advantages; rows w_i g_i with random zero-sum weights
-w of the same norm as A (averaged over draws); rows of the supervised NLL gradient. Sign-flipped or permuted
-advantages are not used as controls: singular values do not change when rows change sign, and the random zero-sum
-weights replace the "shuffled advantages" of the starting design with a control that keeps sum w = 0 and ||w|| = ||A|| without
-reusing A's values.
+Rank measures (:data:`RANK_MEASURES`): erank, stable rank, participation ratio, k90, k99; plus :func:`numerical_rank`.
+
+Controls of G1 on the same tokens (:func:`g1_controls`, the one body :func:`grpo_lens.analysis.group.analyse_group`
+reports as ``rank/g1_*``): rows g_i without advantages; rows w_i g_i with random zero-sum weights w of the same norm
+as A (:func:`random_zero_sum_weights`, averaged over draws); rows of the supervised NLL gradient
+(:func:`nll_weights`); and the orthogonal null, the singular values G1 would have if its rows were orthogonal
+(:func:`orthogonal_null_singular_values`). Sign-flipped or permuted advantages are not used as controls: singular
+values do not change when rows change sign, and the random zero-sum weights replace the "shuffled advantages" of the
+starting design with a control that keeps sum w = 0 and ||w|| = ||A|| without reusing A's values.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -186,21 +191,6 @@ def g1_matrix(grads: Tensor, advantages: Tensor) -> Tensor:
     return grads * advantages.to(grads.dtype).unsqueeze(1)
 
 
-def g3_matrix(grads: Tensor, advantages: Tensor) -> Tensor:
-    """G3 (docs/theory.md §5): one row per group, sum_{i in group b} A_i g_i.
-
-    Args:
-        grads: [N, P] per-rollout g_i (or [N, k] sketches), N = B*R, groups contiguous.
-        advantages: [B, R].
-
-    Returns:
-        [B, P].
-    """
-    b, r = advantages.shape
-    assert grads.dim() == 2 and grads.shape[0] == b * r, (grads.shape, advantages.shape)
-    return (grads.reshape(b, r, -1) * advantages.to(grads.dtype).unsqueeze(-1)).sum(1)
-
-
 def random_zero_sum_weights(advantages: Tensor, num_draws: int, generator: torch.Generator | None = None) -> Tensor:
     """Random zero-sum weights with the same Euclidean norm as the advantages: the G1 control (docs/theory.md §5).
 
@@ -222,6 +212,74 @@ def random_zero_sum_weights(advantages: Tensor, num_draws: int, generator: torch
     return torch.where(norm > 0, w / norm.clamp(min=1e-300) * target, torch.zeros_like(w))
 
 
+def nll_weights(completion_mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Row weights that turn the g_i into the supervised (NLL) gradient of the same completions.
+
+    The token-mean NLL of the completions, -(1/sum_j |o_j|) sum_{i,t} log pi(o_{i,t}|.), has gradient
+    sum_i w_i g_i with w_i = -|o_i| / sum_j |o_j|: the control "same tokens, no advantages" (docs/theory.md §5).
+
+    Args:
+        completion_mask: [N, T] bool.
+        dtype: of the result (float64 for the G1 control of :func:`g1_controls`).
+
+    Returns:
+        [N] weights (all 0 when no rollout has a token).
+    """
+    lengths = completion_mask.to(dtype).sum(-1)
+    return -lengths / lengths.sum().clamp(min=1.0)
+
+
+#: The matrices :func:`g1_controls` measures, in the order it returns them (``rank/<name>_<m>`` in docs/metrics.md).
+G1_CONTROLS = ("g1", "g1_no_adv", "g1_null", "g1_random", "g1_nll")
+
+
+def g1_controls(
+    gram: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor | None = None,
+    *,
+    num_random: int = 8,
+    seed: int = 0,
+    measure: Callable[[Tensor], Mapping[str, float]] = rank_measures,
+) -> dict[str, dict[str, float]]:
+    """Rank measures of G1 and of its controls on the same rows, for one group (docs/theory.md §5).
+
+    - ``g1``: rows A_i g_i (G1 itself).
+    - ``g1_no_adv``: rows g_i.
+    - ``g1_null``: the orthogonal null, singular values |A_i| ||g_i|| (:func:`orthogonal_null_singular_values`).
+    - ``g1_random``: rows w_i g_i with w from :func:`random_zero_sum_weights` (``num_random`` draws from a generator
+      seeded with ``seed``, measures averaged); absent when num_random = 0.
+    - ``g1_nll``: rows of the supervised token-mean NLL gradient (:func:`nll_weights`); only with a completion mask.
+
+    Args:
+        gram: [R, R] float64 Gram matrix (<g_i, g_j>) of the per-rollout gradients (exact or sketched).
+        advantages: [R].
+        completion_mask: [R, T] bool, optional.
+        num_random: number of random-weight draws.
+        seed: their seed.
+        measure: singular values [R] -> {measure: float}; default :func:`rank_measures`.
+
+    Returns:
+        {control: {measure: float}}, controls in the order of :data:`G1_CONTROLS`.
+    """
+    r = gram.shape[0]
+    a = advantages.detach().double()
+    assert gram.shape == (r, r) and a.shape == (r,), (gram.shape, advantages.shape)
+
+    def rows(w: Tensor) -> dict[str, float]:
+        return dict(measure(weighted_gram_singular_values(gram, w)))
+
+    out = {"g1": rows(a), "g1_no_adv": rows(torch.ones(r, dtype=torch.float64)),
+           "g1_null": dict(measure(orthogonal_null_singular_values(gram, a)))}
+    gen = torch.Generator().manual_seed(seed)
+    draws = [rows(w) for w in random_zero_sum_weights(a, num_random, gen)]
+    if draws:
+        out["g1_random"] = {m: sum(d[m] for d in draws) / len(draws) for m in draws[0]}
+    if completion_mask is not None:
+        out["g1_nll"] = rows(nll_weights(completion_mask, torch.float64))
+    return out
+
+
 def g1_spectra(
     grads: Tensor,
     advantages: Tensor,
@@ -230,57 +288,29 @@ def g1_spectra(
     num_random: int = 8,
     seed: int = 0,
 ) -> dict[str, dict[str, float]]:
-    """Rank measures of G1 and its same-token controls for one group.
+    """:func:`g1_controls` of one group's gradients under the 0.1 names, each with ``fro_norm`` (the 0.1 entry point).
 
-    Rows (R of them, each a [P] gradient or a [k] sketch):
-
-    - ``policy``: A_i g_i (G1 itself).
-    - ``score``: g_i (no advantages).
-    - ``random``: w_i g_i with w from :func:`random_zero_sum_weights` (``num_random`` draws, measures averaged).
-    - ``nll``: -(|o_i| / sum_j |o_j|) g_i, the rows of the supervised token-mean NLL gradient (only when
-      ``completion_mask`` is given).
+    ``policy`` = ``g1``, ``score`` = ``g1_no_adv``, ``random`` = ``g1_random`` ({} when num_random = 0), ``nll`` =
+    ``g1_nll`` (with a completion mask); each {measure: float} of :func:`rank_measures` plus ``fro_norm``, the
+    matrix's Frobenius norm. New code reads the ``rank/g1_*`` keys of :func:`grpo_lens.analysis.group.analyse_group`.
 
     Args:
         grads: [R, P] per-rollout g_i (exact or sketched).
         advantages: [R].
         completion_mask: [R, T] bool, optional.
-        num_random: number of random-weight draws.
-        seed: their seed.
-
-    Returns:
-        {control: {measure: float}} (measures of :func:`rank_measures`, plus ``fro_norm``).
+        num_random, seed: as in :func:`g1_controls`.
     """
     assert grads.dim() == 2 and advantages.shape == (grads.shape[0],), (grads.shape, advantages.shape)
     g = grads.detach().double()
-    # One Gram matrix serves every control: rows w_i g_i have Gram W G W with W = diag(w).
-    gram = g @ g.T
 
-    def measures(w: Tensor) -> dict[str, float]:
-        s = gram_singular_values(gram * torch.outer(w, w))
-        out = rank_measures(s)
-        out["fro_norm"] = float(s.square().sum().sqrt())
-        return out
+    def with_norm(s: Tensor) -> dict[str, float]:
+        return {**rank_measures(s), "fro_norm": float(s.square().sum().sqrt())}
 
-    out = {"policy": measures(advantages.detach().double()), "score": measures(torch.ones(len(g), dtype=g.dtype))}
-    gen = torch.Generator().manual_seed(seed)
-    draws = [measures(w) for w in random_zero_sum_weights(advantages, num_random, gen)]
-    out["random"] = {k: sum(d[k] for d in draws) / len(draws) for k in draws[0]} if draws else {}
-    if completion_mask is not None:
-        lengths = completion_mask.double().sum(-1)
-        out["nll"] = measures(-lengths / lengths.sum().clamp(min=1.0))
+    controls = g1_controls(g @ g.T, advantages, completion_mask, num_random=num_random, seed=seed, measure=with_norm)
+    out = {"policy": controls["g1"], "score": controls["g1_no_adv"], "random": controls.get("g1_random", {})}
+    if "g1_nll" in controls:
+        out["nll"] = controls["g1_nll"]
     return out
-
-
-def flatten_metrics(nested: dict, prefix: str = "rank") -> dict[str, float]:
-    """{"policy": {"erank": 1.9}} -> {"rank/policy/erank": 1.9} (metric keys grouped by slash, docs/metrics.md)."""
-    flat = {}
-    for key, value in nested.items():
-        name = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            flat.update(flatten_metrics(value, name))
-        else:
-            flat[name] = value
-    return flat
 
 
 def _sequences(completion_ids: Tensor, completion_mask: Tensor) -> list[tuple[int, ...]]:
@@ -345,17 +375,23 @@ def g2_rank_bound(prompt_mask: Tensor, completion_ids: Tensor, completion_mask: 
     return int(prompt_mask[0].bool().sum()) + count_distinct_prefixes(completion_ids, completion_mask, proper=True)
 
 
-def weighted_gram_measures(gram: Tensor, weights: Tensor) -> dict[str, float]:
-    """Rank measures of the matrix with rows w_i g_i from the Gram matrix G = (<g_i, g_j>): its Gram is W G W.
+def weighted_gram_singular_values(gram: Tensor, weights: Tensor) -> Tensor:
+    """Singular values of the matrix with rows w_i g_i from the Gram matrix G = (<g_i, g_j>): its Gram is W G W.
 
     Args:
-        gram: [R, R] float64.  weights: [R].
+        gram: [R, R] float64.  weights: [R] (A for G1).
 
     Returns:
-        {measure: float} for every :data:`RANK_MEASURES` name.
+        [R] float64 >= 0, descending.
     """
     w = weights.to(gram.dtype)
-    return rank_measures(gram_singular_values(gram * torch.outer(w, w)))
+    return gram_singular_values(gram * torch.outer(w, w))
+
+
+def weighted_gram_measures(gram: Tensor, weights: Tensor) -> dict[str, float]:
+    """:func:`rank_measures` of :func:`weighted_gram_singular_values`: {measure: float} for every
+    :data:`RANK_MEASURES` name. gram: [R, R] float64; weights: [R]."""
+    return rank_measures(weighted_gram_singular_values(gram, weights))
 
 
 def orthogonal_null_singular_values(gram: Tensor, advantages: Tensor) -> Tensor:
@@ -370,7 +406,7 @@ def orthogonal_null_singular_values(gram: Tensor, advantages: Tensor) -> Tensor:
 def g1_singular_values(grads: Tensor, advantages: Tensor) -> Tensor:
     """Singular values of G1 (rows A_i g_i). grads [R, K]; advantages [R]. Returns [R] float64, descending."""
     g = grads.detach().double()
-    return gram_singular_values((g @ g.T) * torch.outer(advantages.double(), advantages.double()))
+    return weighted_gram_singular_values(g @ g.T, advantages.double())
 
 
 def top_singular_value(matrix: Tensor, rank: int = 8, iters: int = 4) -> float:

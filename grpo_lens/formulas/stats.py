@@ -1,7 +1,13 @@
-"""Uncertainty over groups: bootstrap intervals, per-key summaries and strata of per-group rows (docs/theory.md §7).
+"""Uncertainty over groups and prompts: intervals, per-key summaries, strata and trend tests (docs/theory.md §7).
 
-A "row" is the dict of canonical keys that :func:`grpo_lens.diagnostics.group.analyse_group` returns for one group
-(float values; a missing key means "not measured for this group"). The probe and the lens only aggregate rows.
+A "row" is the dict of canonical keys that :func:`grpo_lens.analysis.group.analyse_group` returns for one group
+(float values; a missing key means "not measured for this group"). The probe and the lens only aggregate rows:
+
+- :func:`bootstrap_ci`: the mean with an expanded-percentile bootstrap interval (Hesterberg 2015), none below
+  :data:`MIN_INTERVAL_UNITS` units; :func:`bootstrap_mean` the same for claims (optionally clipped to bounds).
+- :func:`summarise_rows`, :func:`stratify_rows`: {key: interval} over rows, and per stratum (k, distinct completions).
+- :func:`spearman_trend` (permutation test of a monotone trend), :func:`wilson_interval` (a binomial share),
+  :func:`student_t_quantile`.
 """
 
 from __future__ import annotations
@@ -126,13 +132,13 @@ def stratify_rows(rows: Sequence[dict[str, float]], by: str, **summary_kwargs: A
 
 def bootstrap_mean(values: Sequence[float], num_boot: int = 2000, seed: int = 0, level: float = 0.95,
                    bounds: tuple[float, float] | None = None) -> dict[str, float | int | None]:
-    """Mean over units (prompts, groups) with the bootstrap-t interval of
-    :func:`grpo_lens.diagnostics.stats.bootstrap_ci` (non-finite values dropped). -> {"mean", "lo", "hi", "n"}.
+    """Mean over units (prompts, groups) with the expanded-percentile interval of :func:`bootstrap_ci` (non-finite
+    values dropped). -> {"mean", "lo", "hi", "n"}.
 
-    With fewer than :data:`MIN_INTERVAL_UNITS` units lo = hi = None: a bootstrap over a handful of values has too few distinct
-    resamples (with 2, every resample with a spread is the pair itself, so the bootstrap-t interval collapses to the
-    mean; with 4 its studentized resamples blow the interval far past the data), and a claim's verdict needs an
-    interval. ``bounds``: the range the mean cannot leave (e.g. (0, 1) for a share); the interval is clipped to it.
+    With fewer than :data:`MIN_INTERVAL_UNITS` units lo = hi = None: a bootstrap over a handful of values has too few
+    distinct resamples (with 2, every resample with a spread is the pair itself and the interval collapses to the
+    data's range), and a claim's verdict needs an interval. ``bounds``: the range the mean cannot leave (e.g. (0, 1)
+    for a share); the interval is clipped to it.
     """
 
     out = bootstrap_ci(list(values), level=level, num_resamples=max(num_boot, 100), seed=seed)

@@ -1,34 +1,17 @@
-"""One analysis path: everything measured on ONE group of R rollouts, as a flat dict of canonical metric keys.
+"""Zero-sum structure of a group's gradient: the label-permutation test with k fixed (docs/theory.md §6).
 
-:func:`analyse_group` is the single per-group function that both the trainer's lens (:mod:`grpo_lens.lens`) and
-``grpo-lens probe`` (:mod:`grpo_lens.probe`) call; they only aggregate its rows over groups (the lens: means over the
-step's mixed groups; the probe: means with bootstrap intervals, strata by k and by distinct completions, see
-:mod:`grpo_lens.diagnostics.stats`). Every key is documented in docs/metrics.md; formulas are in docs/theory.md.
+One group of R rollouts with 0/1 rewards, k of them correct (0 < k < R); everything is computed from the Gram matrix
+G = (<g_i, g_j>) [R, R] of the per-rollout gradients (exact or sketched) and the advantages [R].
 
-Inputs are the group's per-rollout gradients ``grads`` [R, K] (exact [R, P] or a linear sketch [R, K]: everything here
-uses inner products only, so a sketch gives unbiased Gram entries), its rewards [R] and the advantages [R] the trainer
-actually used. ``grads`` row i must be the rollout's term in the trainer's loss gradient without its advantage
-(``sum_i A_i grads_i`` = the group's share of the update direction; docs/theory.md §3).
+- :func:`span_energy`: the share of the energy of the rows A_i g_i (G1) in span{gbar_C, gbar_W}.
+- :func:`cosine_gap`: mean within-class minus mean between-class cosine of the g_i.
+- :func:`zero_sum_tests`: both statistics against their permutation null, relabellings that keep k
+  (:func:`fixed_k_labellings`: all C(R, k) up to ``max_permutations``, else random): ``zero_sum/<stat>``,
+  ``_null``, ``_excess`` and ``_p``, the keys :func:`grpo_lens.analysis.group.analyse_group` reports.
+- :data:`WEIGHTINGS` / :func:`weightings`: the row weightings of the zero-sum test on G2 and G3 (the advantages and
+  the controls that are not zero-sum), used by the probe's G3 and its G2 stable ranks.
 
-Keys (``<m>`` ranges over :data:`grpo_lens.diagnostics.spectrum.RANK_MEASURES`: erank, stable_rank,
-participation_ratio, k90, k99):
-
-- ``group/size`` R, ``group/reward_mean``, ``group/correct`` k (0/1 rewards only), ``group/distinct_completions``
-  (when completion ids are given).
-- ``rank/g1_<m>``: G1, rows A_i g_i.  Controls on the same rows: ``rank/g1_no_adv_<m>`` (rows g_i),
-  ``rank/g1_random_<m>`` (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>``
-  (rows of the supervised token-mean NLL gradient; with a completion mask), ``rank/g1_null_<m>`` (the orthogonal null:
-  singular values |A_i| ||g_i||, what G1 would have if its rows were orthogonal) and ``rank/g1_<m>_vs_null`` =
-  rank/g1_<m> / rank/g1_null_<m>.
-- ``grad/identity_residual``: relative residual of sum_i A_i g_i = c (gbar_C - gbar_W) with the estimator's own c
-  (:func:`grpo_lens.diagnostics.identity.identity_constant`); absent when the identity does not apply (non-binary
-  rewards, an estimator without the decomposition, advantages not two-valued per class). ``grad/identity_constant`` c.
-- ``baseline/m_correct``, ``baseline/m_wrong``, ``baseline/b_star``, ``baseline/group_mean``,
-  ``baseline/b_star_minus_mean`` (0/1 rewards).
-- ``zero_sum/span_energy`` (share of G1's energy in span{gbar_C, gbar_W}), ``zero_sum/cos_gap`` (mean within-class
-  minus mean between-class cosine of the g_i), each with ``..._null`` (mean over relabellings that keep k),
-  ``..._excess`` (observed minus that mean) and ``..._p`` (permutation p-value, exact over all C(R, k) relabellings up
-  to ``max_permutations``); 0/1 rewards only.
+:func:`fixed_k_labellings` also serves the m_C = m_W test of :func:`grpo_lens.formulas.baselines.equal_norms_test`.
 """
 
 from __future__ import annotations

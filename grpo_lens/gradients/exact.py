@@ -1,27 +1,17 @@
-"""Per-rollout gradients g_i: an exact oracle (one backward per rollout) and LoGra sketches (one batched backward).
+"""Exact per-rollout gradients g_i: one forward and one backward per rollout, the oracle (docs/theory.md §1, §8).
 
-Notation (docs/theory.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
-T completion tokens, P parameters, k sketch dimension. The quantity everything here differentiates is the
-length-normalised score of rollout i,
+Notation: B prompts, R group size, N = B*R rollouts, T completion tokens, P parameters. g_i = grad_theta s_i with
+s_i the rollout's score (:func:`grpo_lens.gradients.scores.rollout_scores`); a rollout with an empty completion has
+g_i = 0.
 
-    s_i = (1/|o_i|) sum_t log pi_theta(o_{i,t} | q, o_{i,<t}),      g_i = grad_theta s_i,
+- :func:`exact_rollout_grads`: the dense [N, P] matrix (columns: :func:`grpo_lens.gradients.params.param_slices`),
+  for tests, small models, the probe's ``--exact`` mode and the LoRA adapter space.
+- :func:`exact_weighted_grad` (and :func:`exact_policy_grad`, :func:`exact_nll_grad`): sum_i w_i g_i from one
+  batched backward.
+- :func:`layer_weight_grads`: G2, each linear layer's weight gradient of sum_i w_i s_i, via autograd.
 
-computed with grpo-lens' one log-prob definition (temperature-scaled, docs/theory.md §Log-probabilities) by
-:func:`grpo_lens.rollout.completion_logprobs`.
-A rollout with an empty completion (|o_i| = 0) has s_i = 0 and g_i = 0.
-
-Two paths:
-
-- exact (:func:`exact_rollout_grads`): one forward and one backward per rollout; returns the dense [N, P] matrix.
-  The oracle for tests and for small models.
-- sketched (:class:`GradientCapture`, :func:`sketch_rollout_grads`): hooks on ``nn.Linear`` modules capture each
-  layer's input x_t [d_in] and output gradient delta_t [d_out] during ONE batched backward. For a linear layer the
-  per-rollout weight gradient is sum_{t in row i} delta_t x_t^T; its two-sided random projection
-  P_out (sum_t delta_t x_t^T) P_in^T = sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only
-  (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
-
-Only weights of ``nn.Linear`` modules are sketched: embeddings, norms and biases are not. With tied embeddings the
-``lm_head`` sketch covers the output-projection use of the shared matrix only.
+The sketched path, one batched backward for every rollout, is :mod:`grpo_lens.gradients.sketch`; tests check it
+against these.
 """
 
 from __future__ import annotations
@@ -31,12 +21,13 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from grpo_lens.formulas.spectrum import nll_weights
 from grpo_lens.gradients.params import (
     LayerFilter,
     linear_layer_names,
     select_parameters,
 )
-from grpo_lens.gradients.scores import nll_weights, rollout_scores
+from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 
 
@@ -80,7 +71,8 @@ def exact_rollout_grads(
         weights: [N] row weights, optional.
         score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|; docs/theory.md §3).
         temperature: the sampling temperature (:func:`grpo_lens.rollout.token_logprobs`). top_k, top_p: accepted for
-            callers that pass the sampler's settings; log-probs do not depend on them (docs/theory.md §Log-probabilities).
+            callers that pass the sampler's settings; log-probs do not depend on them
+            (docs/theory.md §Log-probabilities).
 
     Returns:
         [N, P] in the parameters' dtype; columns follow :func:`param_slices`.
@@ -137,7 +129,8 @@ def exact_weighted_grad(
 
 def exact_policy_grad(model: nn.Module, batch: RolloutBatch, advantages: Tensor,
                       params: Sequence[str] | None = None, **processing) -> Tensor:
-    """sum_i A_i g_i, exactly (docs/theory.md §3, on-policy first step). advantages: [N] (flatten [B, R]). Returns [P]."""
+    """sum_i A_i g_i, exactly (docs/theory.md §3, on-policy first step). advantages: [N] (flatten [B, R]).
+    Returns [P]."""
     return exact_weighted_grad(model, batch, advantages.reshape(-1), params, **processing)
 
 

@@ -1,34 +1,11 @@
-"""One analysis path: everything measured on ONE group of R rollouts, as a flat dict of canonical metric keys.
+"""G2, each linear layer's weight gradient of the group loss, under several row weightings (docs/theory.md §5, §6).
 
-:func:`analyse_group` is the single per-group function that both the trainer's lens (:mod:`grpo_lens.lens`) and
-``grpo-lens probe`` (:mod:`grpo_lens.probe`) call; they only aggregate its rows over groups (the lens: means over the
-step's mixed groups; the probe: means with bootstrap intervals, strata by k and by distinct completions, see
-:mod:`grpo_lens.diagnostics.stats`). Every key is documented in docs/metrics.md; formulas are in docs/theory.md.
-
-Inputs are the group's per-rollout gradients ``grads`` [R, K] (exact [R, P] or a linear sketch [R, K]: everything here
-uses inner products only, so a sketch gives unbiased Gram entries), its rewards [R] and the advantages [R] the trainer
-actually used. ``grads`` row i must be the rollout's term in the trainer's loss gradient without its advantage
-(``sum_i A_i grads_i`` = the group's share of the update direction; docs/theory.md §3).
-
-Keys (``<m>`` ranges over :data:`grpo_lens.diagnostics.spectrum.RANK_MEASURES`: erank, stable_rank,
-participation_ratio, k90, k99):
-
-- ``group/size`` R, ``group/reward_mean``, ``group/correct`` k (0/1 rewards only), ``group/distinct_completions``
-  (when completion ids are given).
-- ``rank/g1_<m>``: G1, rows A_i g_i.  Controls on the same rows: ``rank/g1_no_adv_<m>`` (rows g_i),
-  ``rank/g1_random_<m>`` (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>``
-  (rows of the supervised token-mean NLL gradient; with a completion mask), ``rank/g1_null_<m>`` (the orthogonal null:
-  singular values |A_i| ||g_i||, what G1 would have if its rows were orthogonal) and ``rank/g1_<m>_vs_null`` =
-  rank/g1_<m> / rank/g1_null_<m>.
-- ``grad/identity_residual``: relative residual of sum_i A_i g_i = c (gbar_C - gbar_W) with the estimator's own c
-  (:func:`grpo_lens.diagnostics.identity.identity_constant`); absent when the identity does not apply (non-binary
-  rewards, an estimator without the decomposition, advantages not two-valued per class). ``grad/identity_constant`` c.
-- ``baseline/m_correct``, ``baseline/m_wrong``, ``baseline/b_star``, ``baseline/group_mean``,
-  ``baseline/b_star_minus_mean`` (0/1 rewards).
-- ``zero_sum/span_energy`` (share of G1's energy in span{gbar_C, gbar_W}), ``zero_sum/cos_gap`` (mean within-class
-  minus mean between-class cosine of the g_i), each with ``..._null`` (mean over relabellings that keep k),
-  ``..._excess`` (observed minus that mean) and ``..._p`` (permutation p-value, exact over all C(R, k) relabellings up
-  to ``max_permutations``); 0/1 rewards only.
+:class:`G2WeightingCapture` gives the stable rank of every ``nn.Linear`` layer's G2 under each weighting of
+:data:`grpo_lens.formulas.zero_sum.WEIGHTINGS` from ONE backward, through [nL, nL] kernels instead of a backward and
+a decomposition per weighting; :func:`g2_by_type_keys` is its readable reference from materialised weight gradients
+(tests check that they agree). Both summarise by :func:`module_kind`, the last component of a module name
+(``down_proj``), as ``rank/g2_<weighting>_<kind>_stable_rank``. (The sparsity keys split by a parameter's layer type,
+norm / embedding / attention / mlp: that is :func:`grpo_lens.formulas.sparsity.layer_type`, another grouping.)
 """
 
 from __future__ import annotations
@@ -41,8 +18,11 @@ from grpo_lens.gradients.params import linear_layer_names
 
 
 def module_kind(name: str) -> str:
-    """The last component of a module name (``model.layers.3.mlp.down_proj`` -> ``down_proj``): the layer type G2 is
-    summarised by."""
+    """The last component of a module name (``model.layers.3.mlp.down_proj`` -> ``down_proj``): the kind of linear
+    layer G2's stable ranks are averaged over (``rank/g2_<weighting>_<kind>_stable_rank``).
+
+    Not the parameter's layer type of the sparsity keys (:func:`grpo_lens.formulas.sparsity.layer_type`: ``mlp``).
+    """
     return name.rsplit(".", 1)[-1]
 
 

@@ -1,16 +1,13 @@
-"""LoRA through peft: wrap the policy, name its parameter spaces for the lens, save it merged and adapter-only.
-
-With ``--lora-rank r`` each targeted linear layer W [out, in] becomes W + (alpha / r) B A with A [r, in], B [out, r]
-trainable and W frozen (Hu et al. 2021, arXiv 2106.09685, eq. 3; peft's ``LoraConfig``). The optimizer, the gradient
-clipping, the checkpoints and the lens's update sparsity (S4) then see only the adapter parameters.
-
-The lens measures per-rollout gradients in one of two spaces (``--lens-space``):
+"""The per-rollout gradient spaces of a LoRA policy, for the lens (``--lens-space``, docs/theory.md §LoRA spaces).
 
 - ``trainable`` (default): the gradient of every trainable parameter -- with LoRA the adapter's A and B, measured
-  exactly (one backward per rollout; the adapter is small), which is the space the update moves in;
+  exactly (:func:`grpo_lens.gradients.exact.exact_rollout_grads`; the adapter is small), the space the update moves in;
 - ``full``: the gradient with respect to every frozen base weight W of the linear layers, as full fine-tuning would
-  follow it (sketched, the base space is large). Because the frozen W sits in the same forward pass, its gradient
-  is delta^T x of the base layer, read by hooks on the base layers without updating W.
+  follow it, sketched (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads` on :func:`base_layers`). Because the
+  frozen W sits in the same forward pass, its gradient is delta^T x of the base layer, read by hooks on the base
+  layers without updating W.
+
+Wrapping the policy, saving it merged and adapter-only is :mod:`grpo_lens.lora`.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from grpo_lens.lora import ADAPTER_MARK
 
 
 def adapter_layers(name: str) -> bool:
-    """Layer filter (for :func:`grpo_lens.diagnostics.sketch_rollout_grads`) of the LoRA adapter's linear maps."""
+    """Layer filter (for :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`) of the LoRA adapter's linear maps."""
     return ADAPTER_MARK in name
 
 
@@ -41,13 +38,13 @@ def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int
     omega_i = 1/|o_i| unless ``score_weights``; docs/theory.md §3) in the adapter space or the full space.
 
     Args:
-        model: a policy wrapped by :func:`apply_lora`.
+        model: a policy wrapped by :func:`grpo_lens.lora.apply_lora`.
         batch: N rollouts (:class:`grpo_lens.rollout.RolloutBatch`).
         space: ``trainable`` -- exact gradients of the adapter's A and B ([N, P_adapter], one backward per rollout);
             ``full`` -- gradients of every frozen base linear weight W, sketched with k x k Kronecker projections
             per layer ([N, layers * k^2]; ``projection="identity"`` gives them exactly, [N, sum d_out d_in]).
-        k, seed, projection, dtype: of the sketch (:func:`grpo_lens.diagnostics.sketch_rollout_grads`).
-        score_weights: [N] omega_i (:func:`grpo_lens.diagnostics.rollout_scores`).  temperature: the sampler's.
+        k, seed, projection, dtype: of the sketch (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
+        score_weights: [N] omega_i (:func:`grpo_lens.gradients.scores.rollout_scores`).  temperature: the sampler's.
 
     Returns:
         [N, K] in the model's dtype (exact) or ``dtype`` (sketch).

@@ -1,27 +1,8 @@
-"""Per-rollout gradients g_i: an exact oracle (one backward per rollout) and LoGra sketches (one batched backward).
+"""Which parameters and linear layers the per-rollout gradients cover, and where each lives in a gradient row.
 
-Notation (docs/theory.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
-T completion tokens, P parameters, k sketch dimension. The quantity everything here differentiates is the
-length-normalised score of rollout i,
-
-    s_i = (1/|o_i|) sum_t log pi_theta(o_{i,t} | q, o_{i,<t}),      g_i = grad_theta s_i,
-
-computed with grpo-lens' one log-prob definition (temperature-scaled, docs/theory.md §Log-probabilities) by
-:func:`grpo_lens.rollout.completion_logprobs`.
-A rollout with an empty completion (|o_i| = 0) has s_i = 0 and g_i = 0.
-
-Two paths:
-
-- exact (:func:`exact_rollout_grads`): one forward and one backward per rollout; returns the dense [N, P] matrix.
-  The oracle for tests and for small models.
-- sketched (:class:`GradientCapture`, :func:`sketch_rollout_grads`): hooks on ``nn.Linear`` modules capture each
-  layer's input x_t [d_in] and output gradient delta_t [d_out] during ONE batched backward. For a linear layer the
-  per-rollout weight gradient is sum_{t in row i} delta_t x_t^T; its two-sided random projection
-  P_out (sum_t delta_t x_t^T) P_in^T = sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only
-  (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
-
-Only weights of ``nn.Linear`` modules are sketched: embeddings, norms and biases are not. With tied embeddings the
-``lm_head`` sketch covers the output-projection use of the shared matrix only.
+Shapes: P parameters (the columns of an exact per-rollout gradient matrix [N, P]). :func:`select_parameters` picks
+(name, parameter) pairs (default: every trainable parameter), :func:`param_slices` maps each to its columns of P,
+:func:`linear_layer_names` lists the ``nn.Linear`` modules a :data:`LayerFilter` keeps (the layers the sketch covers).
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
-"""Per-rollout gradients g_i: an exact oracle (one backward per rollout) and LoGra sketches (one batched backward).
+"""LoGra sketches of per-rollout gradients from ONE batched backward (docs/theory.md §8, §Lens sketch from the update).
 
-Notation (docs/theory.md §1): B prompts, R group size, N = B*R rollouts, L = Lp + T input positions (prompt + completion),
-T completion tokens, P parameters, k sketch dimension. The quantity everything here differentiates is the
-length-normalised score of rollout i,
+Notation: N rollouts, L = Lp + T input positions, d_in / d_out a linear layer's sizes, k_in / k_out sketch sizes.
+Hooks on ``nn.Linear`` modules capture each layer's input x_t [d_in] and output gradient delta_t [d_out] during one
+backward. For a linear layer the per-rollout weight gradient is sum_{t in row i} delta_t x_t^T; its two-sided random
+projection P_out (sum_t delta_t x_t^T) P_in^T = sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors
+only (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
+Sketched inner products are unbiased; their error is :mod:`grpo_lens.formulas.sketch_error`.
 
-    s_i = (1/|o_i|) sum_t log pi_theta(o_{i,t} | q, o_{i,<t}),      g_i = grad_theta s_i,
-
-computed with grpo-lens' one log-prob definition (temperature-scaled, docs/theory.md §Log-probabilities) by
-:func:`grpo_lens.rollout.completion_logprobs`.
-A rollout with an empty completion (|o_i| = 0) has s_i = 0 and g_i = 0.
-
-Two paths:
-
-- exact (:func:`exact_rollout_grads`): one forward and one backward per rollout; returns the dense [N, P] matrix.
-  The oracle for tests and for small models.
-- sketched (:class:`GradientCapture`, :func:`sketch_rollout_grads`): hooks on ``nn.Linear`` modules capture each
-  layer's input x_t [d_in] and output gradient delta_t [d_out] during ONE batched backward. For a linear layer the
-  per-rollout weight gradient is sum_{t in row i} delta_t x_t^T; its two-sided random projection
-  P_out (sum_t delta_t x_t^T) P_in^T = sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only
-  (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
+- :class:`GradientCapture`: the context manager that sketches whatever backward runs inside it (the lens opens it
+  around the trainer's own first on-policy pass); :class:`GradientSketch` its result.
+- :func:`sketch_rollout_grads`: sketched g_i of a batch (backward with respect to the input-embedding output,
+  :func:`backward_roots`, so no weight gradient is computed); :func:`token_grad_sq_norms`: exact per-position
+  squared norms from the same hooks.
+- :func:`sketched_rollout_sq_norms`: ||c_i g_i||^2 per rollout, the weights of ``--estimator optimal``'s b*.
 
 Only weights of ``nn.Linear`` modules are sketched: embeddings, norms and biases are not. With tied embeddings the
-``lm_head`` sketch covers the output-projection use of the shared matrix only.
+``lm_head`` sketch covers the output-projection use of the shared matrix only. The exact oracle is
+:mod:`grpo_lens.gradients.exact`.
 """
 
 from __future__ import annotations
@@ -30,15 +25,15 @@ import contextlib
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from grpo_lens.formulas.losses import aggregation_rollout_weights
-from grpo_lens.formulas.spectrum import weighted_row_sum
+from grpo_lens.formulas.spectrum import nll_weights, weighted_row_sum
 from grpo_lens.gradients.params import LayerFilter, linear_layer_names
-from grpo_lens.gradients.scores import nll_weights, rollout_scores
+from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 
 Projection = Literal["gaussian", "identity"]
@@ -77,7 +72,8 @@ class GradientSketch:
         return next(iter(self.per_layer.values())).shape[0] if self.per_layer else 0
 
     def gram(self) -> Tensor:
-        """[N, N] sketched Gram matrix sum_l S_l S_l^T, an unbiased estimate of (<g_i, g_j>) over the sketched layers."""
+        """[N, N] sketched Gram matrix sum_l S_l S_l^T, an unbiased estimate of (<g_i, g_j>) over the sketched
+        layers."""
         s = self.sketch
         return s @ s.T
 
@@ -111,7 +107,8 @@ class GradientCapture:
     passes (micro-batches) are concatenated in forward order; a pass that never receives a gradient is dropped.
 
     Projections are fixed seeded Gaussians with N(0, 1/k) entries, one pair per layer, seeded by
-    (seed, crc32(layer name)), so that E[<S(A), S(B)>] = <A, B> (error: :func:`sketch_gram_error_bound`).
+    (seed, crc32(layer name)), so that E[<S(A), S(B)>] = <A, B> (error:
+    :func:`grpo_lens.formulas.sketch_error.sketch_gram_error_bound`).
     Cost per layer: two thin matmuls (n L d k) and one [k_out, n L] x [n L, k_in] product, against n L d_in d_out
     for the layer itself. Layer calls under ``torch.no_grad`` are ignored. A module called several times in one
     pass (shared weights) gets the sum of its calls' sketches. Not compatible with activation checkpointing.
@@ -284,12 +281,13 @@ class GradientCapture:
         return GradientSketch(per_layer, self.k_in, self.k_out, token_sq, list(self.layer_names))
 
 
-def _backward_roots(model: nn.Module, emb_out: list[Tensor], capture: GradientCapture) -> list[Tensor]:
-    """Tensors to differentiate the loss with respect to so that every hooked output gets its gradient but no
-    parameter gradient (dW) is computed: the input-embedding outputs when they require grad, else the weights."""
+def backward_roots(emb_out: list[Tensor], layers: Iterable[nn.Module]) -> list[Tensor]:
+    """Tensors to differentiate the loss with respect to so that every hooked layer output gets its gradient but no
+    parameter gradient (dW) is computed: the input-embedding outputs ``emb_out`` (collected by a forward hook on
+    ``model.get_input_embeddings()``) when they all require grad, else the weights of ``layers`` that do."""
     if emb_out and all(t.requires_grad for t in emb_out):
         return emb_out
-    return [m.weight for m in capture._modules.values() if m.weight.requires_grad]
+    return [m.weight for m in layers if m.weight.requires_grad]
 
 
 def sketch_rollout_grads(
@@ -350,7 +348,7 @@ def sketch_rollout_grads(
             logp = batch_logprobs(model, batch, temperature)
             scores = rollout_scores(logp, batch.completion_mask, score_weights)
             loss = scores.sum() if weights is None else (scores * weights.to(scores.dtype)).sum()
-            roots = _backward_roots(model, emb_out, capture)
+            roots = backward_roots(emb_out, capture._modules.values())
             if not loss.requires_grad or not roots:
                 raise RuntimeError("the model's outputs do not require grad; nothing to sketch")
             torch.autograd.grad(loss, roots, allow_unused=True)
@@ -369,7 +367,7 @@ def token_grad_sq_norms(model: nn.Module, batch: RolloutBatch, *, include: Layer
 
     Entry (i, t) = sum_l ||delta_{i,t,l}||^2 ||x_{i,t,l}||^2 = sum_l ||delta x^T||_F^2, exact because each
     position's contribution to a linear layer's weight gradient is the rank-one matrix delta_t x_t^T. Position
-    Lp - 1 + t is where log pi(o_t) is computed (see :func:`grpo_lens.diagnostics.credit.completion_positions`).
+    Lp - 1 + t is where log pi(o_t) is computed (see :func:`grpo_lens.formulas.credit.completion_positions`).
     """
     return sketch_rollout_grads(model, batch, k_in=1, k_out=1, include=include, weights=weights,
                                 token_norms=True, **processing).token_sq_norms
@@ -401,8 +399,8 @@ def sketched_rollout_sq_norms(
     Only the rollouts with ``need`` True are sketched (the trainer passes the rollouts of groups with reward
     contrast; the others get advantage 0 whatever their norm). The norms are those of every ``nn.Linear`` weight
     (embeddings and norms are not sketched), estimated from the two-sided Gaussian sketch of
-    :func:`grpo_lens.diagnostics.sketch_rollout_grads` (unbiased per layer; relative error bounded by
-    :func:`grpo_lens.diagnostics.kronecker_sketch_variance_factor`), or exact with ``projection="identity"``.
+    :func:`sketch_rollout_grads` (unbiased per layer; relative error bounded by
+    :func:`grpo_lens.formulas.sketch_error.kronecker_sketch_variance_factor`), or exact with ``projection="identity"``.
     The projections are fixed by ``seed`` and independent of the rollouts, so b*_{-i} stays independent of
     rollout i and the policy-gradient estimate stays unbiased whatever the sketch error.
 
@@ -410,7 +408,8 @@ def sketched_rollout_sq_norms(
         model: the policy, in the mode the loss is computed in.
         batch: N rollouts.
         need: [N] bool.
-        aggregation: the trainer's loss aggregation (gives c_i, :func:`aggregation_rollout_weights`).
+        aggregation: the trainer's loss aggregation (gives c_i,
+            :func:`grpo_lens.formulas.losses.aggregation_rollout_weights`).
         sketch_dim: k_in = k_out per linear layer.
         seed: projection seed.
         projection: "gaussian" or "identity" (exact; for tests and small models).

@@ -5,7 +5,7 @@ continuations per prefix.
 
 1. **Signed contribution to the group update.** The group's update direction (on-policy, first pass) is
    u = sum_{i,t} w_{i,t} grad log pi(o_{i,t}) with w_{i,t} = A_i c_i / |o_i| (c_i from the loss aggregation:
-   :func:`grpo_lens.diagnostics.baselines.aggregation_rollout_weights`). Token (i, t) contributes the vector
+   :func:`grpo_lens.formulas.losses.aggregation_rollout_weights`). Token (i, t) contributes the vector
    w_{i,t} grad log pi(o_{i,t}); its signed share of the update is
 
        s_{i,t} = w_{i,t} <grad log pi(o_{i,t}), u> / ||u||^2,        sum_{i,t} s_{i,t} = 1.

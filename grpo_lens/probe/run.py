@@ -4,7 +4,7 @@ For each R the probe samples a FIXED number of prompts (``--prompts``; it never 
 so S1 and every per-group mean are unbiased over the task's prompts), M = max(2R, 8) completions of each (the first
 R form the GRPO group; all M give the prompt's success rate and the baseline-variance resampling). Every mixed group
 (all rewards valid, not all equal) goes through the one per-group analysis path,
-:func:`grpo_lens.diagnostics.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
+:func:`grpo_lens.analysis.group.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
 (one layer's G1, G2, credit) that return keys of the same vocabulary. The probe then only aggregates rows over groups:
 means with 95% bootstrap intervals over groups, strata by k (correct count) and by distinct completions, and G3 (one
 matrix over the analysed groups).
@@ -52,7 +52,7 @@ from grpo_lens.analysis.group import (
     sketch_check_keys,
 )
 from grpo_lens.config import ConfigError, resolve_device
-from grpo_lens.formulas.advantages import compute_advantages
+from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import (
     estimator_variances,
     variance_relative_to_optimal,
@@ -65,17 +65,16 @@ from grpo_lens.formulas.credit import (
     token_advantages,
 )
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
-from grpo_lens.formulas.sparsity import (
-    unbiased_zero_variance_probability,
-    zero_variance_groups,
-)
+from grpo_lens.formulas.sparsity import s1_predicted_outside_group
 from grpo_lens.formulas.spectrum import (
     g1_singular_values,
     g2_rank_bound,
     gram_singular_values,
+    group_row_sums,
     orthogonal_null_singular_values,
     rank_measures,
     singular_values,
+    weighted_row_sum,
 )
 from grpo_lens.formulas.stats import bootstrap_ci, stratify_rows, summarise_rows
 from grpo_lens.formulas.zero_sum import WEIGHTINGS, weightings
@@ -83,12 +82,16 @@ from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.g2 import G2WeightingCapture
 from grpo_lens.gradients.params import linear_layer_names, param_slices
 from grpo_lens.gradients.scores import rollout_scores
-from grpo_lens.gradients.sketch import sketch_rollout_grads, token_grad_sq_norms
+from grpo_lens.gradients.sketch import (
+    backward_roots,
+    sketch_rollout_grads,
+    token_grad_sq_norms,
+)
 from grpo_lens.models import load_model
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.studies import run_baseline_study, run_credit_study
 from grpo_lens.report import write_report
-from grpo_lens.rewards import combine_rewards, parse_reward_specs
+from grpo_lens.rewards import parse_reward_specs, score_batch
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import atomic_write_text
 from grpo_lens.seeding import seed_everything
@@ -113,7 +116,8 @@ STRATA_KEYS = tuple(f"rank/{m}_{x}" for m in ("g1", "g1_null", "g1_no_adv", "g1_
                                                                                                       "stable_rank"))\
     + ("rank/g1_erank_vs_null", "rank/g1_stable_rank_vs_null", "grad/identity_residual", "zero_sum/span_energy",
        "zero_sum/span_energy_null", "zero_sum/span_energy_excess", "zero_sum/span_energy_p", "zero_sum/cos_gap",
-       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions", "group/correct")
+       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions",
+       "group/correct")
 
 
 def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
@@ -143,7 +147,7 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
                   seed: int) -> tuple[dict[str, float], dict[str, Any]]:
     """One mixed group of R rollouts (rewards [R]): its row of canonical keys and its extras (spectra, G3 row, profile).
 
-    The row is :func:`grpo_lens.diagnostics.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
+    The row is :func:`grpo_lens.analysis.group.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
     (``rank/g1_layer_*``, from the layer's exact per-rollout weight gradients), G2 of ``layer`` (``rank/g2_*``, their
     advantage-weighted sum) and credit (``credit/*``).
     """
@@ -164,13 +168,13 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
         "spectra": {"G1": g1_singular_values(g, adv).tolist(),
                     "G1_no_adv": gram_singular_values(gram).tolist(),
                     "G1_null": orthogonal_null_singular_values(gram, adv).tolist()},
-        "g3_rows": {name: (w.unsqueeze(1) * g).sum(0) for name, w in weightings(adv, rewards).items()},
+        "g3_rows": {name: group_row_sums(g, R, w)[0] for name, w in weightings(adv, rewards).items()},
         "grads": g, "advantages": adv,
     }
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
     weight = dict(policy.named_modules())[layer].weight
-    g2_raw = (adv.to(layer_rows.dtype) @ layer_rows).reshape(weight.shape)  # sum_i A_i G2_i, exact
+    g2_raw = weighted_row_sum(layer_rows, adv).reshape(weight.shape)  # sum_i A_i G2_i, exact
     bound = g2_rank_bound(sub.prompt_mask.cpu(), cids, cmask)
     s2 = singular_values(g2_raw.double(), method="gram")  # one decomposition for every G2 number
     row.update(g2_keys(g2_raw, bound, computed_dtype=g2_raw.dtype, singular_values=s2))
@@ -189,8 +193,9 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
 
 def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
                   config: ProbeConfig) -> dict[str, float]:
-    """Stable rank of every nn.Linear layer's G2 under every weighting of :data:`grpo_lens.diagnostics.WEIGHTINGS`,
-    summarised by layer type, from one backward (:class:`grpo_lens.diagnostics.G2WeightingCapture`)."""
+    """Stable rank of every nn.Linear layer's G2 under every weighting of
+    :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, summarised by module kind, from one backward
+    (:class:`grpo_lens.gradients.g2.G2WeightingCapture`)."""
     capture = G2WeightingCapture(policy, weightings(extra["advantages"], rewards))
     emb_out: list[torch.Tensor] = []
     handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
@@ -199,8 +204,7 @@ def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: tor
             logp = batch_logprobs(policy, sub, config.temperature)
             loss = rollout_scores(logp, sub.completion_mask, score_weights(sub, config)).sum()
             # differentiate w.r.t. the embedding output: every layer's delta, no weight-gradient GEMMs
-            roots = emb_out if emb_out and all(t.requires_grad for t in emb_out) else \
-                [m.weight for m in capture.layers.values() if m.weight.requires_grad]
+            roots = backward_roots(emb_out, capture.layers.values())
             torch.autograd.grad(loss, roots, allow_unused=True)
     finally:
         handle.remove()
@@ -209,7 +213,7 @@ def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: tor
 
 def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: ProbeConfig) -> dict[str, float]:
     """Exact gradients of every parameter for one analysed group, set against its sketch
-    (:func:`grpo_lens.diagnostics.sketch_check_keys`: coverage of ||g||^2, Gram error and its bound, erank error)."""
+    (:func:`grpo_lens.analysis.group.sketch_check_keys`: coverage of ||g||^2, Gram error and its bound, erank error)."""
     exact = exact_rollout_grads(policy, sub, temperature=config.temperature,
                                    score_weights=score_weights(sub, config)).detach().cpu()
     slices = param_slices(policy)
@@ -256,22 +260,19 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                               temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                               generator_seed=seed)
         t_gen += time.perf_counter() - t0
-        prompts = [p for p in batch.prompts for _ in range(M)]
-        extras_kw = {k: [v for v in vals for _ in range(M)] for k, vals in batch.extras.items()}
-        rewards, valid, _ = combine_rewards(reward_fns, prompts, batch.completions, **extras_kw)
+        rewards, valid, _ = score_batch(batch, reward_fns)  # [B, M]
         for j in range(len(examples)):
             sampled += 1
             rows_j = torch.arange(j * M, (j + 1) * M)
-            r_all, v_all = rewards[rows_j], valid[rows_j]
+            r_all, v_all = rewards[j], valid[j]
             if bool(v_all.all()):  # S1 predicted from the M - R rollouts outside the group (docs/theory.md §S1)
-                k_rest = int((r_all[R:] >= 1.0).sum())
-                s1_predictions.append(float(unbiased_zero_variance_probability(k_rest, M - R, R)))
+                s1_predictions.append(float(s1_predicted_outside_group(r_all.view(1, M) >= 1.0, R)[0]))
             group = rows_j[:R]
-            r_g, v_g = rewards[group], valid[group]
+            r_g, v_g = r_all[:R], v_all[:R]
             if not bool(v_g.all()):
                 invalid += 1
                 continue
-            equal = bool(zero_variance_groups(r_g.view(1, R)))
+            equal = bool(constant_groups(r_g.view(1, R), v_g.view(1, R)))
             s1_indicators.append(float(equal))
             if equal:
                 all_equal += 1
@@ -345,7 +346,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
 
 def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig) -> dict[str, Any]:
     """The baseline study (with S1 predicted from rollouts outside the group) and the credit study of
-    :mod:`grpo_lens.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent)."""
+    :mod:`grpo_lens.probe.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent)."""
     common = dict(group_size=config.study_group_size, max_new_tokens=config.max_new_tokens,
                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
                   prompts_per_batch=config.prompts_per_batch)

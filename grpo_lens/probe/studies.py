@@ -1,7 +1,7 @@
 """Probe-side studies of GRPO's baselines, S1 and token credit on a model and task (``grpo-lens probe``).
 
 Each study samples its own rollouts with the trainer's sampling settings, computes with the pure functions of
-:mod:`grpo_lens.diagnostics` and returns a JSON-ready dict that ``probe.json`` stores and the report renders. Formulas:
+:mod:`grpo_lens.formulas` and returns a JSON-ready dict that ``probe.json`` stores and the report renders. Formulas:
 docs/theory.md §S1, §Baselines at matched expectation, §Token credit.
 
 - :func:`run_baseline_study`: >= 8 prompts with reward contrast, M = 4R rollouts each; per-rollout gradient terms
@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from grpo_lens.formulas.advantages import compute_advantages
+from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import baseline_study
 from grpo_lens.formulas.credit import (
     TOKEN_CLASSES,
@@ -34,11 +34,11 @@ from grpo_lens.formulas.credit import (
     token_classes,
 )
 from grpo_lens.formulas.losses import aggregation_rollout_weights
-from grpo_lens.formulas.sparsity import unbiased_zero_variance_probability
+from grpo_lens.formulas.sparsity import s1_predicted_outside_group
 from grpo_lens.formulas.stats import bootstrap_mean
 from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.gradients.token_credit import prefix_values, signed_token_contributions
-from grpo_lens.rewards import combine_rewards
+from grpo_lens.rewards import combine_rewards, score_batch
 from grpo_lens.rollout import sample_groups
 
 
@@ -61,18 +61,25 @@ def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_
     """
     B, M = correct.shape
     R = group_size
-    if M - R < R:
-        raise ValueError(f"need M >= 2R rollouts per prompt to predict S1 from rollouts outside the group "
-                         f"(M = {M}, R = {R})")
     keep = valid.all(1)
-    c = correct[keep].long()
-    group = c[:, :R]
-    measured = ((group.sum(1) == 0) | (group.sum(1) == R)).double()
-    predicted = unbiased_zero_variance_probability(c[:, R:].sum(1), M - R, R)
+    c = correct[keep]
+    predicted = s1_predicted_outside_group(c, R)  # raises for M - R < R
+    group = c[:, :R].double()
+    measured = constant_groups(group, torch.ones_like(group, dtype=torch.bool)).double()  # all correct or all wrong
     return {"measured": bootstrap_mean(measured.tolist(), bounds=(0.0, 1.0)),
             "predicted": bootstrap_mean(predicted.tolist(), bounds=(0.0, 1.0)),
-            "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)), "prompts": int(keep.sum()),
-            "rollouts_per_prompt": M}
+            "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)),
+            "prompts": int(keep.sum()), "rollouts_per_prompt": M}
+
+
+def _sample_scored(policy, tokenizer, task, reward_fns, prompts: int, rollouts: int, seed: int,
+                   **sampling: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``prompts`` task prompts drawn with ``seed``, ``rollouts`` completions of each sampled with the same seed, and
+    their rewards: (batch, rewards [B, rollouts] float32 NaN where invalid, valid [B, rollouts] bool)."""
+    examples = task.sample(prompts, seed=seed)
+    batch = sample_groups(policy, tokenizer, examples, rollouts, generator_seed=seed, **sampling)
+    rewards, valid, _ = score_batch(batch, reward_fns)
+    return batch, rewards, valid
 
 
 def _score_fn(reward_fns: Any, prompt: Any, extras: dict[str, Any]) -> Callable[[list[str]], list[float]]:
@@ -96,7 +103,7 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
     contrast with every reward valid, or ``max_prompts`` were sampled.
 
     Returns:
-        {"baselines": :func:`grpo_lens.diagnostics.baseline_study.baseline_study` (per-prompt rows trimmed to
+        {"baselines": :func:`grpo_lens.formulas.baselines.baseline_study` (per-prompt rows trimmed to
          numbers), "s1": :func:`s1_measured_and_predicted` over every sampled prompt, "meta": {group_size,
          rollouts_per_prompt, prompts_sampled, gradients: "sketch of every nn.Linear weight", sketch_dim,
          aggregation, seconds}}.
@@ -108,6 +115,7 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
         raise ValueError(f"pool_factor must be >= 4 (M >= 4R rollouts per prompt), got {pool_factor}")
     t_start = time.perf_counter()
     R, M = group_size, pool_factor * group_size
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     pools: list[tuple[torch.Tensor, torch.Tensor]] = []
     correct_rows, valid_rows = [], []
     sampled, draw = 0, 0
@@ -115,19 +123,14 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
         draw += 1
         s = (seed * 1_000_003 + R * 10_007 + draw * 7_919 + 17) % (2**31 - 1)
         n = min(prompts_per_batch, max_prompts - sampled)
-        examples = task.sample(n, seed=s)
-        batch = sample_groups(policy, tokenizer, examples, M, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, generator_seed=s)
-        all_prompts = [p for p in batch.prompts for _ in range(M)]
-        extras = {k: [v for v in vals for _ in range(M)] for k, vals in batch.extras.items()}
-        rewards, valid, _ = combine_rewards(reward_fns, all_prompts, batch.completions, **extras)
+        batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, M, s, **sampling)
         for j in range(n):
             sampled += 1
             rows = torch.arange(j * M, (j + 1) * M)
-            r, v = rewards[rows], valid[rows]
+            r, v = rewards[j], valid[j]
             correct_rows.append(torch.where(v, r >= 1.0, torch.zeros_like(v)))
             valid_rows.append(v)
-            if len(pools) >= prompts or not bool(v.all()) or bool((r == r[0]).all()):
+            if len(pools) >= prompts or not bool(v.all()) or bool(constant_groups(r.view(1, M), v.view(1, M))):
                 continue
             sub = batch.select(rows)
             c = aggregation_rollout_weights(sub.completion_mask, aggregation)
@@ -181,23 +184,19 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
     """
     t_start = time.perf_counter()
     R = group_size
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     profiles, shares, closures, mc_rows = [], [], [], []
     analysed, sampled, draw = 0, 0, 0
     while analysed < groups and sampled < max_prompts:
         draw += 1
         s = (seed * 1_000_003 + R * 10_007 + draw * 7_919 + 29) % (2**31 - 1)
         n = min(prompts_per_batch, max_prompts - sampled)
-        examples = task.sample(n, seed=s)
-        batch = sample_groups(policy, tokenizer, examples, R, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, generator_seed=s)
-        all_prompts = [p for p in batch.prompts for _ in range(R)]
-        extras = {k: [v for v in vals for _ in range(R)] for k, vals in batch.extras.items()}
-        rewards, valid, _ = combine_rewards(reward_fns, all_prompts, batch.completions, **extras)
+        batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, R, s, **sampling)
         for j in range(n):
             sampled += 1
             rows = torch.arange(j * R, (j + 1) * R)
-            r, v = rewards[rows], valid[rows]
-            if analysed >= groups or not bool(v.all()) or bool((r == r[0]).all()):
+            r, v = rewards[j], valid[j]
+            if analysed >= groups or not bool(v.all()) or bool(constant_groups(r.view(1, R), v.view(1, R))):
                 continue
             analysed += 1
             group = batch.select(rows)

@@ -1,20 +1,21 @@
-"""The lens inside the trainer: a cheap subset of the diagnostics every ``lens_every`` steps.
+"""The lens inside the trainer: a cheap subset of the measurements every ``lens_every`` steps.
 
 On a lens step, before the update, one extra batched backward gives sketched per-rollout gradients g_i of every linear
-layer (LoGra-style, :func:`grpo_lens.diagnostics.sketch_rollout_grads`), each the term that the configured loss
-aggregation weights in the update (:func:`grpo_lens.losses.rollout_gradient_weights`, docs/theory.md §3); with LoRA,
-exact gradients of the adapter's parameters or sketches of the frozen base weights (``lens_space``,
-:meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one
-per-group analysis path, :func:`grpo_lens.diagnostics.analyse_group` (the same function ``grpo-lens probe`` calls),
-and the lens writes the mean over the step's mixed groups of every key it returns (the identity residual: the max).
+layer (LoGra-style, :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`), each the term that the configured loss
+aggregation weights in the update (:func:`grpo_lens.formulas.losses.rollout_gradient_weights`, docs/theory.md §3);
+with LoRA, exact gradients of the adapter's parameters or sketches of the frozen base weights (``lens_space``,
+:meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one per-group analysis path,
+:func:`grpo_lens.analysis.group.analyse_group` (the same function ``grpo-lens probe`` calls), and the lens writes the
+mean over the step's mixed groups of every key it returns (the identity residual: the max).
 With several processes every process's groups are gathered first, so the numbers cover the whole batch.
 Around the optimizer step, bf16 snapshots give S4 (update sparsity for the step and since the start), and a fixed
 sample of the weights gives the sparsity of the step's update, of the update since the start and of the step's
-gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.diagnostics.SparsityOverTraining`,
+gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.train.sparsity.SparsityOverTraining`,
 docs/theory.md §Sparsity over training). S1 is measured by the trainer on every step; the lens prints no S1
 prediction, because no rollouts other than the step's own exist for the step's prompts (docs/theory.md §S1).
 
-All math is in :mod:`grpo_lens.diagnostics`; this class only picks groups, gathers and averages.
+All math is in :mod:`grpo_lens.formulas` (composed per group by :mod:`grpo_lens.analysis`); this class only picks
+groups, gathers and averages.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from typing import Any
 import torch
 
 from grpo_lens.analysis.group import analyse_group, mean_over_groups
+from grpo_lens.formulas.advantages import constant_groups
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.overlong import overlong_loss_mask
-from grpo_lens.formulas.sparsity import zero_variance_groups
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
 from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.lora import is_lora
@@ -41,8 +42,9 @@ def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_ro
 
     On the first pass pi_old is the forward's own detached log-prob, so every ratio is 1, the clip is inactive
     (eps_low, eps_high > 0) and, without KL term or importance weights, rollout i's share of the loss has gradient
-    grad L_i = -(A_i / N) grad(omega_i sum_t log pi(o_it)), omega_i = :func:`grpo_lens.losses.rollout_gradient_weights`
-    (docs/theory.md §3, §Lens sketch from the update). The sketch is linear, so the same holds row by row.
+    grad L_i = -(A_i / N) grad(omega_i sum_t log pi(o_it)),
+    omega_i = :func:`grpo_lens.formulas.losses.rollout_gradient_weights` (docs/theory.md §3, §Lens sketch from the
+    update). The sketch is linear, so the same holds row by row.
 
     Args:
         rows: [N_local, K] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
@@ -70,7 +72,7 @@ class TrainerLens:
     ``sparsity/update_step_*``, ``sparsity/update_total_*``, ``sparsity/grad_*`` (and per layer type
     ``sparsity/<type>/...``), ``sparsity/sample_entries``, ``rank/mixed_groups``, ``perf/lens_seconds``,
     ``perf/lens_sparsity_seconds``, and the mean over mixed groups of every
-    key of :func:`grpo_lens.diagnostics.analyse_group` except ``group/size`` (``rank/g1_*``, ``grad/identity_*``,
+    key of :func:`grpo_lens.analysis.group.analyse_group` except ``group/size`` (``rank/g1_*``, ``grad/identity_*``,
     ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
 
@@ -95,14 +97,15 @@ class TrainerLens:
 
     @staticmethod
     def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> list[int]:
-        """Indices of the groups the lens analyses: every rollout valid and the rewards not all equal.
+        """Indices of the groups the lens analyses: every rollout valid and reward contrast (not
+        :func:`grpo_lens.formulas.advantages.constant_groups`).
 
         Args:
             rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
         """
         r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
         v = valid.view(-1, R).cpu()
-        return [b for b in range(r.shape[0]) if bool(v[b].all()) and not bool(zero_variance_groups(r[b:b + 1]))]
+        return (v.all(dim=1) & ~constant_groups(r, v)).nonzero().flatten().tolist()
 
     def update_capture(self, policy: torch.nn.Module) -> GradientCapture:
         """The :class:`GradientCapture` (the lens's own projections) for the trainer to open around the first

@@ -1,13 +1,10 @@
-"""The GRPO training loop: sample -> reward -> advantages -> clipped-surrogate passes -> AdamW step, with the lens.
+"""One training step's rewards and the metrics that describe its rollouts (``reward/*``, ``adv/*``, ``completions/*``).
 
-Read :func:`train` top to bottom: every formula it uses lives in a pure module (advantages, losses, diagnostics);
-this file only moves tensors between them, writes the run directory and keeps the run resumable.
-
-Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
-process draws the same B prompts for a step and samples the groups of its own share of them; losses are divided by a
-normaliser summed over processes and the gradients are summed with an all-reduce, so the update equals a single
-process's on the whole batch. With num_mini_batches M, each process splits its share into M chunks and optimizer step
-k sums chunk k of every process.
+:func:`rollout_rewards` scores a step's rollouts (:func:`grpo_lens.rewards.score_batch`, flattened to [N]);
+:func:`rollout_correctness` gives the task's own 0/1 verdicts; :func:`reward_metrics`, :func:`accuracy_metrics`,
+:func:`rollout_metrics` and, with dynamic sampling, :func:`sampled_vs_kept` turn them into the step's metric keys
+(docs/metrics.md). S1 (``reward/frac_zero_std_groups``) is :func:`grpo_lens.formulas.advantages.constant_groups`, the
+test the advantages use. Shapes: N = B*R rollouts, R group size, T completion tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from typing import Any
 import torch
 
 from grpo_lens.formulas.advantages import constant_groups
-from grpo_lens.rewards import RewardTimeout, _call_with_timeout, combine_rewards
+from grpo_lens.rewards import RewardTimeout, _call_with_timeout, score_batch
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.tasks import correctness_verdict
 
@@ -30,11 +27,10 @@ logger = logging.getLogger(__name__)
 # One step's pieces
 # ---------------------------------------------------------------------------------------------------------------------
 def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Score every rollout: rewards [N] (NaN where invalid), valid [N] bool, reward metrics."""
-    R = batch.group_size
-    prompts = [p for p in batch.prompts for _ in range(R)]
-    extras = {k: [v for v in vals for _ in range(R)] for k, vals in batch.extras.items()}
-    return combine_rewards(reward_fns, prompts, batch.completions, timeout_s=timeout, **extras)
+    """Score every rollout with :func:`grpo_lens.rewards.score_batch`, flattened for the trainer: rewards [N] float32
+    (NaN where invalid), valid [N] bool, reward metrics; each reward function call limited to ``timeout`` seconds."""
+    rewards, valid, metrics = score_batch(batch, reward_fns, timeout)
+    return rewards.reshape(-1), valid.reshape(-1), metrics
 
 
 def rollout_correctness(task: Any, batch: RolloutBatch, timeout: float) -> torch.Tensor:

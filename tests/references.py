@@ -1,0 +1,50 @@
+"""Readable reference implementations kept beside the tests, each checked against the product's body.
+
+These are no part of the package: the tool computes with the weighted / vectorised functions of
+:mod:`grpo_lens.formulas`; the tests compare those with the plain definitions here (STYLE.md §9).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+
+def _flat(g: Tensor | Iterable[Tensor]) -> Tensor:
+    if isinstance(g, Tensor):
+        return g.detach().reshape(-1)
+    return torch.cat([t.detach().reshape(-1) for t in g])
+
+
+def small_entry_share(g: Tensor | Iterable[Tensor], tau: float = 1e-3) -> float:
+    """S2 as docs/theory.md §9 defines it: share of entries with |g_j| <= tau * max_j |g_j|.
+
+    The tool prints the tau = 0 case, the share of exact zeros (:func:`grpo_lens.formulas.sparsity.zero_share`).
+
+    Args:
+        g: a gradient [P] (any shape, or a list of tensors).  tau: relative threshold in [0, 1].
+
+    Returns:
+        float in [0, 1]; 1 for an all-zero g.
+    """
+    v = _flat(g).abs().double()
+    return float((v <= tau * v.max()).double().mean())
+
+
+def hoyer_sparsity(g: Tensor | Iterable[Tensor]) -> float:
+    """S3, Hoyer sparsity (sqrt(n) - ||g||_1/||g||_2) / (sqrt(n) - 1) of every entry (Hoyer, JMLR 5, 2004, eq. 1).
+
+    The reference for :func:`grpo_lens.formulas.sparsity.weighted_hoyer` with unit weights. 1 for an all-zero g;
+    ValueError for fewer than 2 entries.
+    """
+    v = _flat(g).double()
+    n = v.numel()
+    if n < 2:
+        raise ValueError(f"Hoyer sparsity needs at least 2 entries, got {n}")
+    l2 = v.norm()
+    if l2 == 0:
+        return 1.0
+    return float((math.sqrt(n) - v.abs().sum() / l2) / (math.sqrt(n) - 1))
