@@ -9,7 +9,11 @@ The layout follows the roles (the README's "Layout" section has one line per mod
 - :mod:`grpo_lens.probe`: ``grpo-lens probe`` and its studies;
 - :mod:`grpo_lens.claims`: the paper's claims and their decision rules;
 - :mod:`grpo_lens.report`: report.md, plots and ``grpo-lens compare``, read from a run directory alone;
-- beside them: models, rollout, rewards, tasks, rundir, trackers, config, cli, demo.
+- :mod:`grpo_lens.integrations`: the lens inside other trainers (TRL);
+- beside them: models, rollout, rewards, tasks, lora, rundir, trackers, config, cli, demo, registry, seeding.
+
+docs/theory.md names, under each formula, the function that computes it. Importing this package also installs the
+0.1 import paths (:mod:`grpo_lens._legacy`), which resolve to the new homes with a DeprecationWarning for one release.
 
 Shape letters used in every docstring: B prompts, R group size, N = B*R rollouts, T completion tokens,
 P parameters.

@@ -4,13 +4,18 @@ training only on mixed groups."""
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
 
 from grpo_lens.config import ConfigError, TrainConfig
-from grpo_lens.train.dynamic_sampling import collect_mixed_groups, concat_batches, select_groups
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
 from grpo_lens.rundir import RunDir
+from grpo_lens.train.dynamic_sampling import (
+    collect_mixed_groups,
+    concat_batches,
+    select_groups,
+)
 from grpo_lens.train.loop import train
 
 R = 2
@@ -139,7 +144,7 @@ def test_sampled_vs_kept_reports_all_sampled_groups():
 
 def test_dynamic_sampling_summary_counts_cap_hits(tmp_path):
     from grpo_lens.report.compare import compare_runs
-    from grpo_lens.train.dynamic_sampling import dynamic_sampling_summary
+    from grpo_lens.report.training_measures import dynamic_sampling_summary
 
     # 3 steps of B = 2: step 1 hit the cap after 3 rounds (6 groups, 5 all-equal, 1 kept), step 2 one round (2
     # groups, 0 all-equal, 2 kept), step 3 the cap again (6 groups, 6 all-equal, 0 kept): 2 of 3 steps at the cap,

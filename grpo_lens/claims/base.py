@@ -1,20 +1,24 @@
-"""The paper's claims (arXiv 2606.29238), each tested against a probe's numbers with a verdict computed by a rule.
+"""What every claim shares: the :class:`Claim` record, the registry :data:`CLAIMS`, the verdicts and the rules.
 
-A claim function takes a probe.json dict and returns :class:`Claim` records; the report prints them at the top
-(:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS` and is decided by the documented
-rule of its function from the measurement, its 95% interval over groups and its null or control, never by hand.
-Decision rules and their thresholds are stated in docs/theory.md §11 (rank claims, the identity) and §12 (sparsity,
-credit, baselines: :mod:`grpo_lens.claims_measures`).
+A claim function takes one dict (a probe.json, or ``{"records": [metrics.jsonl records]}`` of a training run) and
+returns :class:`Claim` records; :func:`evaluate_claims` runs the registered ones and the report prints them at the top
+(:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS`, decided by the documented rule of
+its function from the measurement, its 95% interval and its null or control, never by hand. The rules come in two
+shapes, each decided by one helper: an interval inside or outside a band (an equivalence rule, :func:`band_verdict`)
+and an interval above or below one control value (:func:`verdict_from_interval`). :func:`fmt` and :func:`ci_text`
+write the numbers into a claim's text. Decision rules and thresholds: docs/theory.md §11 (rank claims, the identity:
+:mod:`grpo_lens.claims.rank`, :mod:`grpo_lens.claims.zero_sum`, :mod:`grpo_lens.claims.identity`) and §12 (sparsity,
+credit, baselines: :mod:`grpo_lens.claims.sparsity`, :mod:`grpo_lens.claims.credit`, :mod:`grpo_lens.claims.baselines`).
 
-To add a claim: write ``fn(probe) -> list[Claim]`` and register it, e.g.::
+To add a claim: write ``fn(probe) -> list[Claim]`` in the module of its family and register it, e.g.::
 
     @CLAIMS.register("sparsity_intensifies")
     def sparsity_claim(probe: dict) -> list[Claim]:
         ...
         return [Claim(claim=..., scope=..., measurement=..., control=..., verdict=decide(...), rule=..., source=...)]
 
-Pure functions only: no file access, no model. Functions that need a training run's records instead of a probe can
-take the same dict shape and return [] when their inputs are absent.
+Pure functions only: no file access, no model. Functions that need a training run's records instead of a probe take
+the same dict shape and return [] when their inputs are absent.
 """
 
 from __future__ import annotations
@@ -74,13 +78,17 @@ CLAIMS: Registry[ClaimFn] = Registry("claim")
 
 
 def fmt(x: float | None, nd: int = 2) -> str:
-    """``x`` with ``nd`` decimals; '–' for None, NaN or inf."""
+    """``x`` with ``nd`` decimals (integers too); '–' for None, NaN or inf.
+
+    The report's tables use :func:`grpo_lens.report.format.fmt` (ints as they are, three decimals by default); the
+    two print differently on purpose, see that module's docstring."""
     return "–" if x is None or not math.isfinite(x) else f"{x:.{nd}f}"
 
 
 def ci_text(s: dict[str, Any] | None, nd: int = 2, unit: str = "groups") -> str:
     """'mean [lo, hi] (n = N unit)' of a summary entry ({mean, lo, hi, n}); 'not measured' when missing; the count
-    alone when there are too few units for an interval (docs/theory.md §7)."""
+    alone when there are too few units for an interval (docs/theory.md §7). A claim's text is read on its own, so its
+    interval names what it is over; the report's tables print :func:`grpo_lens.report.format.ci` instead."""
     if not s or s.get("mean") is None:
         return "not measured"
     if s.get("lo") is None:
@@ -99,9 +107,9 @@ def source_of(probe: dict[str, Any]) -> str:
 
 
 def band_verdict(lo: float | None, hi: float | None, low: float, high: float) -> str:
-    """An equivalence verdict (docs/theory.md §11, §12): holds if [lo, hi] lies inside [low, high]; does not hold if it
-    lies wholly outside it; inconclusive otherwise or when the interval is missing or not finite (a wide interval
-    that merely contains the control is no evidence for it)."""
+    """The verdict of an equivalence rule (docs/theory.md §11, §12): holds if [lo, hi] lies inside [low, high]; does
+    not hold if it lies wholly outside it; inconclusive otherwise or when the interval is missing or not finite (a
+    wide interval that merely contains the control is no evidence for it). One of :data:`VERDICTS`."""
     if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
         return INCONCLUSIVE
     if low <= lo and hi <= high:
@@ -111,27 +119,17 @@ def band_verdict(lo: float | None, hi: float | None, low: float, high: float) ->
     return INCONCLUSIVE
 
 
-def evaluate_claims(probe: dict[str, Any], names: list[str] | None = None) -> list[Claim]:
-    """Every registered claim (or the named ones) evaluated on one probe.json dict, in name order.
-
-    Raises:
-        ValueError: an unknown claim name (listing the valid ones).
-    """
-    out: list[Claim] = []
-    for name in names or CLAIMS.names():
-        out += CLAIMS.get(name)(probe)
-    return out
-
-
 def verdict_from_interval(lo: float | None, hi: float | None, control: float, holds_if: str) -> str:
-    """holds / does not hold / inconclusive from an interval [lo, hi] and a control value.
+    """The verdict of an interval [lo, hi] against one control value (docs/theory.md §11, §12).
 
     Args:
+        lo, hi: the interval's ends; None when there is no interval.
+        control: the value the interval is compared with.
         holds_if: "above" (holds when the interval lies above the control, fails when it lies below), "below" (the
             reverse), or "contains" (holds when the interval contains the control, fails when it excludes it).
 
     Returns:
-        one of :data:`grpo_lens.claims.VERDICTS`; inconclusive without an interval, or when it straddles the control
+        one of :data:`VERDICTS`; inconclusive without an interval, or when it straddles the control
         for above / below.
 
     Raises:
@@ -147,3 +145,15 @@ def verdict_from_interval(lo: float | None, hi: float | None, control: float, ho
     if holds_if == "above":
         return HOLDS if above else (DOES_NOT_HOLD if below else INCONCLUSIVE)
     return HOLDS if below else (DOES_NOT_HOLD if above else INCONCLUSIVE)
+
+
+def evaluate_claims(probe: dict[str, Any], names: list[str] | None = None) -> list[Claim]:
+    """Every registered claim (or the named ones) evaluated on one probe.json dict, in name order.
+
+    Raises:
+        ValueError: an unknown claim name (listing the valid ones).
+    """
+    out: list[Claim] = []
+    for name in names or CLAIMS.names():
+        out += CLAIMS.get(name)(probe)
+    return out

@@ -1,9 +1,7 @@
-"""The paper's claims on sparsity, token credit and baseline optimality (arXiv 2606.29238), registered in
-:data:`grpo_lens.claims.CLAIMS` beside the rank claims, each with a verdict computed by a rule (docs/theory.md §12).
-
-The credit and baseline claims read a probe's ``studies`` (:mod:`grpo_lens.studies`); the sparsity claims read a
-training run's records, passed as ``{"records": [metrics.jsonl records]}`` (the report evaluates
-:data:`TRAINING_CLAIMS` on that). Every function returns [] when its inputs are absent. Pure functions only.
+"""The claim that the group mean is the variance-optimal baseline when m_C = m_W (docs/theory.md §12, on the study of
+§Baselines at matched expectation): the share of prompts whose permutation test rejects m_C = m_W, and population
+b*'s MSE against RLOO's, both read as equivalence rules with margins fixed before any measurement. Reads a probe's
+``studies["baselines"]`` (:func:`grpo_lens.probe.studies.run_baseline_study`) and returns [] when it is absent.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     does b* measurably beat the group mean (as RLOO) where it does not?
 
     Rule (docs/theory.md §12): q = share of testable prompts whose permutation test rejects m_C = m_W at 0.05
-    (:func:`grpo_lens.diagnostics.baseline_study.equal_norms_test`), with its Wilson interval; control
+    (:func:`grpo_lens.formulas.baselines.equal_norms_test`), with its Wilson interval; control
     :data:`EQUAL_NORMS_LEVEL` (the most the tests reject when m_C = m_W everywhere). An equivalence rule, so that a
     study too small to see a difference cannot make the claim hold: holds when q's interval lies below
     :data:`EQUAL_NORMS_MAX_SHARE` and the population b*'s MSE ratio to RLOO has its interval above 1 -
@@ -61,13 +59,16 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     q = study.get("equal_norms_rejected")
     k = round(q * n) if q is not None and math.isfinite(q) else 0
     q_lo, q_hi = wilson_interval(k, n)
-    mse_v = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below")
+    few_rejected = verdict_from_interval(q_lo, q_hi, EQUAL_NORMS_MAX_SHARE, "below")
+    many_rejected = verdict_from_interval(q_lo, q_hi, EQUAL_NORMS_LEVEL, "above")
+    small_gain = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1 - MSE_GAIN_MARGIN, "above")
+    b_star_helps = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below")
     if n < MIN_UNITS or not math.isfinite(q_lo):
         verdict, why = INCONCLUSIVE, f"{n} testable prompts < {MIN_UNITS}"
-    elif q_hi < EQUAL_NORMS_MAX_SHARE and mse.get("lo") is not None and mse["lo"] > 1 - MSE_GAIN_MARGIN:
+    elif few_rejected == HOLDS and small_gain == HOLDS:
         verdict, why = HOLDS, (f"rejection share below {EQUAL_NORMS_MAX_SHARE} and b*'s MSE gain below "
                                f"{MSE_GAIN_MARGIN:.0%} (equivalence)")
-    elif q_lo > EQUAL_NORMS_LEVEL and mse_v == HOLDS:
+    elif many_rejected == HOLDS and b_star_helps == HOLDS:
         verdict, why = DOES_NOT_HOLD, ("m_C != m_W in more prompts than the tests' level and b*'s MSE interval lies "
                                        "below RLOO's")
     else:

@@ -1,9 +1,10 @@
-"""The paper's claims on sparsity, token credit and baseline optimality (arXiv 2606.29238), registered in
-:data:`grpo_lens.claims.CLAIMS` beside the rank claims, each with a verdict computed by a rule (docs/theory.md §12).
+"""The claims on token credit under an output-only reward (docs/theory.md §12, on the measures of §Token credit).
 
-The credit and baseline claims read a probe's ``studies`` (:mod:`grpo_lens.studies`); the sparsity claims read a
-training run's records, passed as ``{"records": [metrics.jsonl records]}`` (the report evaluates
-:data:`TRAINING_CLAIMS` on that). Every function returns [] when its inputs are absent. Pure functions only.
+:func:`uniform_token_credit`: every token class (answer, format, reasoning) gets the group update in proportion to its
+share of the tokens, within 1 ± :data:`CREDIT_EQUIVALENCE` (an equivalence rule). :func:`monte_carlo_credit`: the
+share of Monte Carlo segments whose advantage opposes GRPO's A_i beyond 2 SE, against the test's false rate
+:data:`MC_NOISE_DISAGREE`. Both read a probe's ``studies["credit"]``
+(:func:`grpo_lens.probe.studies.run_credit_study`) and return [] when it is absent.
 """
 
 from __future__ import annotations
@@ -38,11 +39,6 @@ CREDIT_EQUIVALENCE = 0.25
 MC_MIN_RESOLVED = 0.5
 
 
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Credit and baselines (a probe's studies)
-# ---------------------------------------------------------------------------------------------------------------------
 @CLAIMS.register("uniform_token_credit")
 def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
     """"Output-only reward gives every token the same credit", read as: every token class (answer, format, reasoning)
@@ -108,13 +104,13 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     k, n = int(seg.get("disagree", 0)), int(seg.get("total", 0))
     lo, hi = wilson_interval(k, n)
     resolved = k + int(seg.get("agree", 0))
-    r_lo, _ = wilson_interval(resolved, n)
+    r_lo, r_hi = wilson_interval(resolved, n)
     rollouts = len(mc["rollouts"])
     verdict = verdict_from_interval(lo, hi, MC_NOISE_DISAGREE, "below") if n else INCONCLUSIVE
     why = f"Wilson interval of the disagreeing share vs {MC_NOISE_DISAGREE}"
     if rollouts < MIN_UNITS:
         verdict, why = INCONCLUSIVE, f"{rollouts} rollouts < {MIN_UNITS}"
-    elif verdict == HOLDS and not r_lo > MC_MIN_RESOLVED:
+    elif verdict == HOLDS and verdict_from_interval(r_lo, r_hi, MC_MIN_RESOLVED, "above") != HOLDS:
         verdict, why = INCONCLUSIVE, (f"no disagreement, but only {resolved} of {n} segments signed beyond 2 SE "
                                       f"(interval not above {MC_MIN_RESOLVED}): the test had no power")
     return [Claim(claim="GRPO's uniform credit matches Monte Carlo token credit",

@@ -1,20 +1,6 @@
-"""The paper's claims (arXiv 2606.29238), each tested against a probe's numbers with a verdict computed by a rule.
-
-A claim function takes a probe.json dict and returns :class:`Claim` records; the report prints them at the top
-(:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS` and is decided by the documented
-rule of its function from the measurement, its 95% interval over groups and its null or control, never by hand.
-Decision rules and their thresholds are stated in docs/theory.md §11 (rank claims, the identity) and §12 (sparsity,
-credit, baselines: :mod:`grpo_lens.claims_measures`).
-
-To add a claim: write ``fn(probe) -> list[Claim]`` and register it, e.g.::
-
-    @CLAIMS.register("sparsity_intensifies")
-    def sparsity_claim(probe: dict) -> list[Claim]:
-        ...
-        return [Claim(claim=..., scope=..., measurement=..., control=..., verdict=decide(...), rule=..., source=...)]
-
-Pure functions only: no file access, no model. Functions that need a training run's records instead of a probe can
-take the same dict shape and return [] when their inputs are absent.
+"""The claim that the rank-2 identity sum_i A_i g_i = c (gbar_C - gbar_W) holds on real gradients (docs/theory.md
+§11, the identity of §4): every group's relative residual below :data:`IDENTITY_TOLERANCE`, beside the residual the
+other std convention's constant would leave (the control that shows the check can fail). Reads a probe.json's groups.
 """
 
 from __future__ import annotations

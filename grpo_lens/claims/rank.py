@@ -1,20 +1,6 @@
-"""The paper's claims (arXiv 2606.29238), each tested against a probe's numbers with a verdict computed by a rule.
-
-A claim function takes a probe.json dict and returns :class:`Claim` records; the report prints them at the top
-(:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS` and is decided by the documented
-rule of its function from the measurement, its 95% interval over groups and its null or control, never by hand.
-Decision rules and their thresholds are stated in docs/theory.md §11 (rank claims, the identity) and §12 (sparsity,
-credit, baselines: :mod:`grpo_lens.claims_measures`).
-
-To add a claim: write ``fn(probe) -> list[Claim]`` and register it, e.g.::
-
-    @CLAIMS.register("sparsity_intensifies")
-    def sparsity_claim(probe: dict) -> list[Claim]:
-        ...
-        return [Claim(claim=..., scope=..., measurement=..., control=..., verdict=decide(...), rule=..., source=...)]
-
-Pure functions only: no file access, no model. Functions that need a training run's records instead of a probe can
-take the same dict shape and return [] when their inputs are absent.
+"""The claim "effective rank ≈ 2 for R in {2, 4, 8}" (docs/theory.md §11): the 95% interval of G1's mean erank per R
+inside 2 ± :data:`ERANK_BAND`, and G1's erank below its orthogonal null's (docs/theory.md §5), from a probe.json's
+per-R summaries.
 """
 
 from __future__ import annotations
@@ -32,6 +18,7 @@ from grpo_lens.claims.base import (
     ci_text,
     fmt,
     source_of,
+    verdict_from_interval,
 )
 
 #: "effective rank ≈ 2" means erank within 2 ± this (the paper gives no tolerance; docs/theory.md §11).
@@ -57,7 +44,7 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
             summ.get("rank/g1_erank_vs_null") or {}
         n = g1.get("n", 0) or 0
         band = band_verdict(g1.get("lo"), g1.get("hi"), 2 - ERANK_BAND, 2 + ERANK_BAND)
-        below_null = ratio.get("hi") is not None and ratio["hi"] < 1
+        below_null = verdict_from_interval(ratio.get("lo"), ratio.get("hi"), 1.0, "below") == HOLDS
         if int(r) == 2:
             verdict, why = INCONCLUSIVE, "R = 2: G1 has two rows, so erank <= 2 whatever the gradients (cannot fail)"
         elif n < MIN_GROUPS:

@@ -1,9 +1,10 @@
-"""The paper's claims on sparsity, token credit and baseline optimality (arXiv 2606.29238), registered in
-:data:`grpo_lens.claims.CLAIMS` beside the rank claims, each with a verdict computed by a rule (docs/theory.md §12).
+"""The claims on sparsity over training (docs/theory.md §12, on the measures of §Sparsity over training).
 
-The credit and baseline claims read a probe's ``studies`` (:mod:`grpo_lens.studies`); the sparsity claims read a
-training run's records, passed as ``{"records": [metrics.jsonl records]}`` (the report evaluates
-:data:`TRAINING_CLAIMS` on that). Every function returns [] when its inputs are absent. Pure functions only.
+:func:`sparsity_intensifies`: Spearman's trend of the update's Hoyer sparsity over the lens steps, with its
+permutation p-value. :func:`most_parameters_unchanged`: the bf16-unchanged share since the start (S4) above its dense
+control by :data:`BF16_MARGIN`, and above 0.5. Both read a training run's records, passed as
+``{"records": [metrics.jsonl records], "lora_rank": r}`` (the report evaluates :data:`TRAINING_CLAIMS` on that), and
+return [] when their inputs are absent.
 """
 
 from __future__ import annotations
@@ -38,9 +39,6 @@ def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get("perf/lens_seconds") is not None and r.get(key) is not None]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Sparsity (a training run's records)
-# ---------------------------------------------------------------------------------------------------------------------
 @CLAIMS.register("sparsity_intensifies")
 def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     """"Gradient sparsity intensifies over training": the Hoyer sparsity of each lens step's update against the step.
@@ -66,7 +64,8 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
     return [Claim(claim="gradient (update) sparsity intensifies over training",
                   scope=f"training, {len(rows)} lens steps{space}",
-                  measurement=(f"Hoyer of the step's update {fmt(ys[0], 3)} (step {rows[0]['step']}) -> {fmt(ys[-1], 3)} "
+                  measurement=(f"Hoyer of the step's update {fmt(ys[0], 3)} (step {rows[0]['step']}) -> "
+                               f"{fmt(ys[-1], 3)} "
                                f"(step {rows[-1]['step']}), Spearman rho {fmt(rho, 2)}; gradient Hoyer "
                                f"{fmt(grad[0], 3)} -> {fmt(grad[-1], 3)}"),
                   control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20",
@@ -108,14 +107,16 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     gap = share - dense
     lo, hi = gap - 1.96 * se, gap + 1.96 * se
     verdict = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
+    most = verdict_from_interval(share - 1.96 * se, share + 1.96 * se, 0.5, "above")
     why = f"excess [{fmt(lo, 3)}, {fmt(hi, 3)}] vs {BF16_MARGIN}"
-    if share + 1.96 * se < 0.5:
+    if most == DOES_NOT_HOLD:
         verdict, why = DOES_NOT_HOLD, f"only {fmt(share, 3)} of weights kept their bf16 value (< 0.5)"
-    elif verdict == HOLDS and share - 1.96 * se <= 0.5:
+    elif verdict == HOLDS and most != HOLDS:
         verdict, why = INCONCLUSIVE, f"excess above {BF16_MARGIN} but the share {fmt(share, 3)} is not clearly > 0.5"
     return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
                   scope=f"training, step {last['step']}",
-                  measurement=(f"bf16 unchanged since start {fmt(share, 3)}; excess over the dense control {fmt(gap, 3)} "
+                  measurement=(f"bf16 unchanged since start {fmt(share, 3)}; excess over the dense control "
+                               f"{fmt(gap, 3)} "
                                f"[{fmt(lo, 3)}, {fmt(hi, 3)}] (binomial interval over {int(n)} sampled weights); "
                                f"float32 unchanged "
                                f"{fmt(last.get('sparsity/update_total_f32_unchanged'), 4)}"),

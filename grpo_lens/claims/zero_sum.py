@@ -1,20 +1,9 @@
-"""The paper's claims (arXiv 2606.29238), each tested against a probe's numbers with a verdict computed by a rule.
+"""The claims that GRPO's rank-2 structure comes from its zero-sum advantages (docs/theory.md §11, on the tests of §6).
 
-A claim function takes a probe.json dict and returns :class:`Claim` records; the report prints them at the top
-(:func:`grpo_lens.report.claims_section`). Every verdict is one of :data:`VERDICTS` and is decided by the documented
-rule of its function from the measurement, its 95% interval over groups and its null or control, never by hand.
-Decision rules and their thresholds are stated in docs/theory.md §11 (rank claims, the identity) and §12 (sparsity,
-credit, baselines: :mod:`grpo_lens.claims_measures`).
-
-To add a claim: write ``fn(probe) -> list[Claim]`` and register it, e.g.::
-
-    @CLAIMS.register("sparsity_intensifies")
-    def sparsity_claim(probe: dict) -> list[Claim]:
-        ...
-        return [Claim(claim=..., scope=..., measurement=..., control=..., verdict=decide(...), rule=..., source=...)]
-
-Pure functions only: no file access, no model. Functions that need a training run's records instead of a probe can
-take the same dict shape and return [] when their inputs are absent.
+On G1 (:func:`zero_sum_rank_two`): the excess span energy of the true labels over relabellings with k fixed, mean
+over groups with its 95% interval, above 0 or below :data:`NEGLIGIBLE_SHARE`. On G2 of every linear layer
+(:func:`zero_sum_g2_weighting`): its stable rank under A minus under weightings that are not zero-sum, below 0 or
+within ± :data:`EQUIVALENCE_RANK`. Both read a probe.json.
 """
 
 from __future__ import annotations
@@ -28,9 +17,11 @@ from grpo_lens.claims.base import (
     INCONCLUSIVE,
     MIN_GROUPS,
     Claim,
+    band_verdict,
     ci_text,
     fmt,
     source_of,
+    verdict_from_interval,
 )
 from grpo_lens.formulas.stats import bootstrap_ci
 
@@ -55,13 +46,15 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
         summ = d.get("summary", {})
         ex = summ.get("zero_sum/span_energy_excess") or {}
         n = ex.get("n", 0) or 0
+        above_zero = verdict_from_interval(ex.get("lo"), ex.get("hi"), 0.0, "above")
+        negligible = verdict_from_interval(ex.get("lo"), ex.get("hi"), NEGLIGIBLE_SHARE, "below")
         if int(r) == 2:
             verdict, why = INCONCLUSIVE, "R = 2: both labellings span the same plane (excess 0 by construction)"
         elif n < MIN_GROUPS or ex.get("lo") is None:
             verdict, why = INCONCLUSIVE, f"{n} groups < {MIN_GROUPS}"
-        elif ex["lo"] > 0:
+        elif above_zero == HOLDS:
             verdict, why = HOLDS, f"excess interval above 0 (lower end {fmt(ex['lo'], 3)})"
-        elif ex["hi"] < NEGLIGIBLE_SHARE:
+        elif negligible == HOLDS:
             verdict, why = DOES_NOT_HOLD, (f"excess interval below {NEGLIGIBLE_SHARE} (upper end "
                                            f"{fmt(ex['hi'], 3)}): the labels add no energy to the span")
         else:
@@ -115,13 +108,15 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
             continue
         ci = bootstrap_ci(ds)
         n = ci["n"]
+        below_zero = verdict_from_interval(ci["lo"], ci["hi"], 0.0, "below")
+        no_difference = band_verdict(ci["lo"], ci["hi"], -EQUIVALENCE_RANK, EQUIVALENCE_RANK)
         if n < MIN_GROUPS or ci["lo"] is None:
             verdict, why = INCONCLUSIVE, f"{n} group(s) with G2 of every layer < {MIN_GROUPS} (raise --g2-groups)"
-        elif ci["hi"] < 0:
+        elif below_zero == HOLDS:
             verdict, why = HOLDS, f"difference interval below 0 (upper end {fmt(ci['hi'])})"
-        elif -EQUIVALENCE_RANK <= ci["lo"] and ci["hi"] <= EQUIVALENCE_RANK:
+        elif no_difference == HOLDS:
             verdict, why = DOES_NOT_HOLD, f"difference interval inside ±{EQUIVALENCE_RANK}: A makes no difference"
-        elif ci["lo"] > 0:
+        elif below_zero == DOES_NOT_HOLD:
             verdict, why = DOES_NOT_HOLD, "difference interval above 0: A gives a higher rank"
         else:
             verdict, why = INCONCLUSIVE, "difference interval includes 0 and differences beyond the equivalence margin"

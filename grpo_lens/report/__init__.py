@@ -1,8 +1,16 @@
 """``grpo-lens report RUN_DIR``: report.md and PNG plots, read from the run directory alone.
 
 A run directory may hold a training run (metrics.jsonl, config.yaml, in the folder or in ``train/``), probes
-(probe.json in the folder itself or in ``probe_before/`` and ``probe_after/``), or both (the demo). Every sentence under "Findings" is computed from those
-numbers; nothing is hard-coded.
+(probe.json in the folder itself or in ``probe_before/`` and ``probe_after/``), or both (the demo). Every sentence
+under "Findings" is computed from those numbers; nothing is hard-coded. This module assembles the report
+(:func:`write_report`): the claims table (:func:`claims_section`, verdicts from :mod:`grpo_lens.claims`), the training
+section (:func:`training_section`) and one section per probe (:func:`probe_section`). Beside it:
+
+training_measures  entropy, sparsity over training, the lens's cost and dynamic sampling, from metrics.jsonl
+studies            a probe's studies: S1 predicted, baselines at matched expectation, token credit
+plots              the PNGs
+format             how numbers and intervals are printed
+compare            ``grpo-lens compare``: several training runs in one report
 """
 
 from __future__ import annotations
@@ -16,9 +24,14 @@ import yaml
 from grpo_lens.claims.base import evaluate_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
-from grpo_lens.report import gradient_measures, plots
+from grpo_lens.report import plots
 from grpo_lens.report.format import ci, fmt
-from grpo_lens.train.dynamic_sampling import dynamic_sampling_summary
+from grpo_lens.report.studies import studies_section
+from grpo_lens.report.training_measures import (
+    dynamic_sampling_summary,
+    lens_rows,
+    training_measures_section,
+)
 
 
 class ReportError(ValueError):
@@ -45,9 +58,6 @@ def find_probes(run_dir: Path) -> dict[str, dict[str, Any]]:
         if path.exists():
             probes[label] = json.loads(path.read_text())
     return probes
-
-
-_fmt = fmt
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -84,14 +94,14 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     a0, a1 = _mean([r.get("reward/accuracy") for r in head]), _mean([r.get("reward/accuracy") for r in tail])
     sec = _mean([r.get("perf/step_seconds") for r in records])
     if trend:
-        lines += [f"{n} steps. Mean reward over the first {len(head)} steps {_fmt(r0)}, over the last {len(tail)} "
-                  f"steps {_fmt(r1)}; accuracy {_fmt(a0)} -> {_fmt(a1)}. {_fmt(sec, 1)} s per step on average.", ""]
+        lines += [f"{n} steps. Mean reward over the first {len(head)} steps {fmt(r0)}, over the last {len(tail)} "
+                  f"steps {fmt(r1)}; accuracy {fmt(a0)} -> {fmt(a1)}. {fmt(sec, 1)} s per step on average.", ""]
     else:
         too_few = (f"{n} step(s): too few steps for a trend (the first and last windows need at least 2 steps each "
                    f"without overlap, so at least {MIN_TREND_STEPS} steps)")
-        lines += [f"{too_few}. Mean reward over all steps {_fmt(r0)}, accuracy {_fmt(a0)}. {_fmt(sec, 1)} s per "
+        lines += [f"{too_few}. Mean reward over all steps {fmt(r0)}, accuracy {fmt(a0)}. {fmt(sec, 1)} s per "
                   "step on average.", ""]
-        findings.append(f"{too_few}; mean reward {_fmt(r0)} over the run.")
+        findings.append(f"{too_few}; mean reward {fmt(r0)} over the run.")
     s1_all = [r.get("reward/frac_zero_std_groups") for r in records]
     if records and all(isinstance(x, (int, float)) and x >= 1.0 for x in s1_all):
         findings.append(f"S1 = 1.000 on every one of the {n} steps: no group had reward contrast, so every advantage "
@@ -99,7 +109,7 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                         "have moved the weights).")
     if trend and r0 is not None and r1 is not None:
         verb = "rose" if r1 > r0 else ("fell" if r1 < r0 else "stayed flat")
-        findings.append(f"Mean reward {verb} over training: {_fmt(r0)} (first {len(head)} steps) -> {_fmt(r1)} "
+        findings.append(f"Mean reward {verb} over training: {fmt(r0)} (first {len(head)} steps) -> {fmt(r1)} "
                         f"(last {len(tail)} steps).")
 
     dynamic = dynamic_sampling_summary(records)
@@ -121,19 +131,19 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                   "unchanged by construction. The merged weights are not measured.", ""]
     plots.plot_sparsity(records, run_dir / "sparsity.png")
     lines += ["![sparsity](sparsity.png)", ""]
-    lens_rows = gradient_measures.lens_rows(records)
-    if lens_rows:
+    lens_steps = lens_rows(records)
+    if lens_steps:
         lines += ["| step | accuracy | S1 measured | S4 step | S4 since start | G1 erank | "
                   "G1 stable rank | identity residual |", "|---|---|---|---|---|---|---|---|"]
-        for r in lens_rows:
+        for r in lens_steps:
             res = r.get("grad/identity_residual")
-            lines.append(f"| {r['step']} | {_fmt(r.get('reward/accuracy'))} | "
-                         f"{_fmt(r.get('reward/frac_zero_std_groups'))} | "
-                         f"{_fmt(r.get('sparsity/update_step'))} | {_fmt(r.get('sparsity/update_total'))} | "
-                         f"{_fmt(r.get('rank/g1_erank'))} | {_fmt(r.get('rank/g1_stable_rank'))} | "
+            lines.append(f"| {r['step']} | {fmt(r.get('reward/accuracy'))} | "
+                         f"{fmt(r.get('reward/frac_zero_std_groups'))} | "
+                         f"{fmt(r.get('sparsity/update_step'))} | {fmt(r.get('sparsity/update_total'))} | "
+                         f"{fmt(r.get('rank/g1_erank'))} | {fmt(r.get('rank/g1_stable_rank'))} | "
                          f"{'–' if res is None else f'{res:.1e}'} |")
         lines.append("")
-        if any(r.get("grad/identity_residual") is None for r in lens_rows):
+        if any(r.get("grad/identity_residual") is None for r in lens_steps):
             lines += ["Identity residual –: the identity Σ A_i g_i = c (ḡ_C − ḡ_W) (docs/theory.md §4) is checked "
                       "only where it applies: mixed groups of 0/1 rewards under an estimator with a per-group "
                       "constant c (grpo, dr_grpo, rloo)"
@@ -145,15 +155,15 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     s1_head, s1_tail = _mean(s1[:w]), _mean(s1[n - w:])
     if trend and s1_head is not None and s1_tail is not None:
         direction = "rose" if s1_tail > s1_head else ("fell" if s1_tail < s1_head else "stayed flat")
-        findings.append(f"S1 (zero-variance group share) {direction}: {_fmt(s1_head)} (first steps) -> "
-                        f"{_fmt(s1_tail)} (last steps), while accuracy went {_fmt(a0)} -> {_fmt(a1)}.")
-    lines += gradient_measures.training_measures_section(records, run_dir, findings, lora_rank=lora_rank)
-    if lens_rows:
-        s4 = [r.get("sparsity/update_total") for r in lens_rows if r.get("sparsity/update_total") is not None]
+        findings.append(f"S1 (zero-variance group share) {direction}: {fmt(s1_head)} (first steps) -> "
+                        f"{fmt(s1_tail)} (last steps), while accuracy went {fmt(a0)} -> {fmt(a1)}.")
+    lines += training_measures_section(records, run_dir, findings, lora_rank=lora_rank)
+    if lens_steps:
+        s4 = [r.get("sparsity/update_total") for r in lens_steps if r.get("sparsity/update_total") is not None]
         if s4:
-            findings.append(f"Update sparsity since the start (S4): {_fmt(s4[-1])} of "
+            findings.append(f"Update sparsity since the start (S4): {fmt(s4[-1])} of "
                             + ("the LoRA adapter's weights (not the full model's)" if lora_rank else "parameters")
-                            + f" kept their bf16 value after {lens_rows[-1]['step']} steps.")
+                            + f" kept their bf16 value after {lens_steps[-1]['step']} steps.")
 
     base_rows = [r for r in records if r.get("baseline/b_star") is not None]
     if base_rows:
@@ -166,13 +176,13 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         for r in base_rows:
             mc, mw = r.get("baseline/m_correct"), r.get("baseline/m_wrong")
             ratio = mc / mw if mc is not None and mw else None
-            lines.append(f"| {r['step']} | {_fmt(r['baseline/b_star'])} | {_fmt(r.get('baseline/group_mean'))} | "
-                         f"{_fmt(mc, 4)} | {_fmt(mw, 4)} | {_fmt(ratio)} |")
+            lines.append(f"| {r['step']} | {fmt(r['baseline/b_star'])} | {fmt(r.get('baseline/group_mean'))} | "
+                         f"{fmt(mc, 4)} | {fmt(mw, 4)} | {fmt(ratio)} |")
         lines.append("")
         ratios = [r["baseline/m_correct"] / r["baseline/m_wrong"] for r in base_rows
                   if r.get("baseline/m_correct") is not None and r.get("baseline/m_wrong")]
         if ratios:
-            span = _fmt(min(ratios)) if min(ratios) == max(ratios) else f"{_fmt(min(ratios))}–{_fmt(max(ratios))}"
+            span = fmt(min(ratios)) if min(ratios) == max(ratios) else f"{fmt(min(ratios))}–{fmt(max(ratios))}"
             findings.append(f"m_C / m_W over {len(ratios)} lens step(s): {span}: "
                             + ("correct rollouts had smaller score-gradient norms, so b* sits below the group mean."
                                if max(ratios) < 1 else "correct rollouts had larger score-gradient norms, so b* sits "
@@ -182,7 +192,8 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
 
 
 def _ci(stats: dict[str, Any] | None, nd: int = 2) -> str:
-    """:func:`grpo_lens.report.format.ci` with two decimals by default."""
+    """:func:`grpo_lens.report.format.ci` with two decimals by default (this module's tables; the training measures
+    and the studies print three)."""
     return ci(stats, nd)
 
 
@@ -212,7 +223,7 @@ def rank_table(probe: dict[str, Any], measures: tuple[str, ...] = ("erank", "sta
         g3 = per_r[r].get("g3", {})
         if g3.get(f"rank/g3_{measures[0]}") is not None:
             lines.append(f"| {r} | G3 (rows = groups' updates) | {g3.get('groups')} | "
-                         + " | ".join(f"{_fmt(g3.get(f'rank/g3_{m}'), 2)} (null {_fmt(g3.get(f'rank/g3_null_{m}'), 2)})"
+                         + " | ".join(f"{fmt(g3.get(f'rank/g3_{m}'), 2)} (null {fmt(g3.get(f'rank/g3_null_{m}'), 2)})"
                                       for m in measures) + " |")
     return lines
 
@@ -226,9 +237,11 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
     if a rank ≈ 2 came from the zero-sum advantages, A would stand apart from the weightings that are not zero-sum."""
     per_r = probe["per_group_size"]
     lines = ["### Zero-sum or not: G3 and G2 under other weightings", "",
-             "Rows weighted by A (GRPO), |A|, A + mean|A| and r (not zero-sum), 1 (no advantages) and a single rollout. "
+             "Rows weighted by A (GRPO), |A|, A + mean|A| and r (not zero-sum), 1 (no advantages) and a single "
+             "rollout. "
              "G3: one matrix per R over the analysed groups, its stable rank (no interval: resampling its rows would "
-             "repeat rows and lower the rank). G2: every nn.Linear layer's weight gradient of the group loss, mean stable rank over the layers "
+             "repeat rows and lower the rank). G2: every nn.Linear layer's weight gradient of the group loss, mean "
+             "stable rank over the layers "
              "of each type, on the first --g2-groups group(s) of each R (mean over those groups).", "",
              "| R | matrix | " + " | ".join(WEIGHTING_LABELS[w] for w in WEIGHTINGS) + " |",
              "|---|---|" + "---|" * len(WEIGHTINGS)]
@@ -238,13 +251,13 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
             cells = []
             for w in WEIGHTINGS:
                 key = "rank/g3_stable_rank" if w == "adv" else f"rank/g3_{w}_stable_rank"
-                cells.append(_fmt(g3.get(key), 2))
+                cells.append(fmt(g3.get(key), 2))
             lines.append(f"| {r} | G3 stable rank ({g3.get('groups')} groups) | " + " | ".join(cells) + " |")
         g2 = (per_r[r].get("g2_weightings") or {}).get("summary") or {}
         types = sorted({k[len("rank/g2_adv_"):-len("_stable_rank")] for k in g2
                         if k.startswith("rank/g2_adv_") and k.endswith("_stable_rank")})
         for t in types:
-            cells = [_fmt((g2.get(f"rank/g2_{w}_{t}_stable_rank") or {}).get("mean"), 2) for w in WEIGHTINGS]
+            cells = [fmt((g2.get(f"rank/g2_{w}_{t}_stable_rank") or {}).get("mean"), 2) for w in WEIGHTINGS]
             n = (g2.get(f"rank/g2_adv_{t}_stable_rank") or {}).get("n")
             lines.append(f"| {r} | G2 {t} stable rank ({n} group(s)) | " + " | ".join(cells) + " |")
     return lines + [""]
@@ -272,7 +285,7 @@ def _g2_cell(summ: dict[str, Any]) -> str:
     rk, bd = summ.get("rank/g2_numerical_rank") or {}, summ.get("rank/g2_rank_bound") or {}
     if rk.get("mean") is None:
         return "–"
-    return f"{_fmt(rk['mean'], 1)} / {_fmt(bd.get('mean'), 1)}"
+    return f"{fmt(rk['mean'], 1)} / {fmt(bd.get('mean'), 1)}"
 
 
 def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
@@ -306,15 +319,16 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     for r in sorted(per_r, key=int):
         d = per_r[r]
         summ = d.get("summary", {})
-        res = [g.get("grad/identity_residual") for g in d.get("groups", []) if g.get("grad/identity_residual") is not None]
+        res = [g.get("grad/identity_residual") for g in d.get("groups", [])
+               if g.get("grad/identity_residual") is not None]
         lines.append(f"| {r} | {d.get('prompts_sampled')} | {d.get('groups_all_equal')} | {d.get('groups_mixed')} | "
-                     f"{_ci(d['s1_measured_ci'], 3) if d.get('s1_measured_ci') else _fmt(d.get('s1_measured'))} | "
-                     f"{_ci(d['s1_predicted_ci'], 3) if d.get('s1_predicted_ci') else _fmt(d.get('s1_predicted'))} | "
+                     f"{_ci(d['s1_measured_ci'], 3) if d.get('s1_measured_ci') else fmt(d.get('s1_measured'))} | "
+                     f"{_ci(d['s1_predicted_ci'], 3) if d.get('s1_predicted_ci') else fmt(d.get('s1_predicted'))} | "
                      f"{f'{max(res):.1e}' if res else '–'} | {_ci(summ.get('group/distinct_completions'))} | "
                      f"{_g2_cell(summ)} |")
         if d.get("groups_mixed", 0) == 0:
             findings.append(f"[{label}] R={r}: no mixed group among {d.get('prompts_sampled')} prompts (S1 = "
-                            f"{_fmt(d.get('s1_measured'))}): GRPO's policy gradient was exactly zero on every "
+                            f"{fmt(d.get('s1_measured'))}): GRPO's policy gradient was exactly zero on every "
                             f"sampled group, so no rank could be measured.")
     lines += ["", "### Effective rank vs group size, beside the orthogonal null", "",
               "G1: rows A_i g_i of a group. The orthogonal null has singular values |A_i| ||g_i||: what G1 would be "
@@ -375,11 +389,11 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
         rel = b.get("relative_variance", {})
         lines.append(f"| {r} | {_ci(summ.get('baseline/b_star'), 3)} | {_ci(summ.get('baseline/group_mean'), 3)} | "
                      f"{_ci(summ.get('baseline/m_correct'), 4)} | {_ci(summ.get('baseline/m_wrong'), 4)} | "
-                     f"{_fmt(rel.get('none'), 2)} | {_fmt(rel.get('mean'), 2)} | {_fmt(rel.get('rloo'), 2)} | "
-                     f"{_fmt(rel.get('optimal'), 2)} |")
+                     f"{fmt(rel.get('none'), 2)} | {fmt(rel.get('mean'), 2)} | {fmt(rel.get('rloo'), 2)} | "
+                     f"{fmt(rel.get('optimal'), 2)} |")
         if rel.get("rloo") is not None:
-            findings.append(f"[{label}] R={r}: the rloo baseline's gradient variance is {_fmt(rel['rloo'], 2)}x the "
-                            f"leave-one-out optimal b*'s; no baseline at all gives {_fmt(rel.get('none'), 2)}x "
+            findings.append(f"[{label}] R={r}: the rloo baseline's gradient variance is {fmt(rel['rloo'], 2)}x the "
+                            f"leave-one-out optimal b*'s; no baseline at all gives {fmt(rel.get('none'), 2)}x "
                             f"(one resampling estimate over {b.get('prompts')} prompt(s) of "
                             f"{per_r[r].get('rollouts_per_prompt')} rollouts; no interval; g_i is length-normalised, "
                             f"so its mean is not exactly 0 and a constant baseline's optimum need not minimise this "
@@ -397,20 +411,20 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
         summ = d.get("summary", {})
         vmax = [g.get("credit/adv_var_within_max") for g in d.get("groups", [])
                 if g.get("credit/adv_var_within_max") is not None]
-        lines.append(f"| {r} | {_fmt(max(vmax), 6) if vmax else '–'} | {_ci(summ.get('credit/answer_share_mean'), 3)} | "
+        lines.append(f"| {r} | {fmt(max(vmax), 6) if vmax else '–'} | {_ci(summ.get('credit/answer_share_mean'), 3)} | "
                      f"{_ci(summ.get('credit/answer_token_frac'), 3)} |")
     plots.plot_credit_profile(probe, run_dir / f"credit_profile_{label}.png")
     lines += ["", f"![credit profile](credit_profile_{label}.png)", ""]
     if probe.get("studies"):
-        lines += gradient_measures.studies_section(label, probe["studies"], run_dir, findings)
+        lines += studies_section(label, probe["studies"], run_dir, findings)
     return lines
 
 
 def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None,
                    lora_rank: int = 0) -> list[str]:
     """The paper's claims with measurement, interval, control and computed verdict, per probe, and on the training
-    run's records (:func:`grpo_lens.claims.evaluate_claims`; decision rules in docs/theory.md §11 and
-    §12). ``lora_rank`` > 0: the training sparsity numbers are over the LoRA adapter's weights."""
+    run's records (:func:`grpo_lens.claims.base.evaluate_claims`; decision rules in docs/theory.md §11 and §12).
+    ``lora_rank`` > 0: the training sparsity numbers are over the LoRA adapter's weights."""
     rule_text = ("Each verdict is computed from the numbers by the rule shown (docs/theory.md §11 for the rank claims "
                  "and the identity, §12 for sparsity, credit and baselines): holds / does not hold / inconclusive. "
                  "Intervals are 95%; each measurement says what its interval is over (groups, prompts, Monte Carlo "

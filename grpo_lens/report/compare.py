@@ -6,7 +6,7 @@ and ``DIR/compare.json`` (the table's numbers).
 
 Final numbers: for each run and metric, the mean of the metric over the run's last ``last`` records that have it
 (lens keys exist only on lens steps, so their "last" records are the last lens steps), with the project's one 95%
-bootstrap interval (:func:`grpo_lens.diagnostics.stats.bootstrap_ci`, docs/theory.md §7 and §Comparing runs), given
+bootstrap interval (:func:`grpo_lens.formulas.stats.bootstrap_ci`, docs/theory.md §7 and §Comparing runs), given
 only from at least MIN_INTERVAL_UNITS (8) records. Consecutive training steps are correlated, so the interval
 describes the spread of the last steps' values, not the uncertainty of a rerun with another seed: runs that differ by
 less than it cannot be told apart.
@@ -25,7 +25,8 @@ import yaml
 
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, bootstrap_ci
-from grpo_lens.train.dynamic_sampling import dynamic_sampling_summary
+from grpo_lens.report.format import fmt_sig
+from grpo_lens.report.training_measures import dynamic_sampling_summary
 
 #: The metrics compared: (key, label). A metric absent from every run is left out.
 COMPARED = (
@@ -104,12 +105,6 @@ def final_numbers(records: list[dict[str, Any]], key: str, last: int) -> dict[st
 def _label(paths: list[Path]) -> list[str]:
     names = [p.name for p in paths]
     return names if len(set(names)) == len(names) else [str(p) for p in paths]
-
-
-def _fmt(x: float) -> str:
-    if x is None or not math.isfinite(x):
-        return "–"
-    return f"{x:#.3g}" if abs(x) < 1000 else f"{x:.4g}"
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str, str]], path: Path) -> Path:
@@ -214,10 +209,10 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
             if f is None:
                 cells.append("–")
             elif f["low"] is None:
-                cells.append(f"{_fmt(f['mean'])} (steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']}: too few for an "
+                cells.append(f"{fmt_sig(f['mean'])} (steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']}: too few for an "
                              f"interval)")
             else:
-                cells.append(f"{_fmt(f['mean'])} [{_fmt(f['low'])}, {_fmt(f['high'])}] (steps {f['steps'][0]}–"
+                cells.append(f"{fmt_sig(f['mean'])} [{fmt_sig(f['low'])}, {fmt_sig(f['high'])}] (steps {f['steps'][0]}–"
                              f"{f['steps'][1]}, n={f['n']})")
         lines.append(f"| {label} (`{key}`) | " + " | ".join(cells) + " |")
     lines += ["", "## Curves", "", "![curves](compare.png)", ""]

@@ -1,4 +1,12 @@
-"""Number formatting shared by the report modules: one place for how a value and its interval are printed."""
+"""How the report modules print a number and its interval: one place for the tables of report.md and compare.md.
+
+The claims build their own text with :func:`grpo_lens.claims.base.fmt` and :func:`grpo_lens.claims.base.ci_text`,
+which print differently on purpose: a claim's measurement is read on its own, so every interval there names its unit
+count ("(n = 24 groups)"), a missing number reads "not measured" and every number, counts included, gets the same
+decimals; here the table has a column for n, a missing cell is '–' and integers are counts, printed as they are. The
+two are kept apart so that report.md stays byte-identical (the claims package is below the report and cannot import
+it).
+"""
 
 from __future__ import annotations
 
@@ -23,3 +31,11 @@ def ci(stats: dict[str, Any] | None, nd: int = 3) -> str:
     if stats.get("lo") is None:
         return f"{fmt(stats['mean'], nd)} (n = {stats.get('n')}, too few for an interval)"
     return f"{fmt(stats['mean'], nd)} [{fmt(stats['lo'], nd)}, {fmt(stats['hi'], nd)}]"
+
+
+def fmt_sig(x: float | None) -> str:
+    """``x`` with 3 significant digits (4 from 1000 on), for compare.md, whose metrics range over several orders of
+    magnitude; '–' for None, NaN or inf."""
+    if x is None or not math.isfinite(x):
+        return "–"
+    return f"{x:#.3g}" if abs(x) < 1000 else f"{x:.4g}"

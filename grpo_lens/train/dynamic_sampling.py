@@ -122,25 +122,3 @@ def collect_mixed_groups(sample_round: SampleRound, num_groups: int, max_extra_r
         batch = concat_batches([p[0] for p in parts], pad_id)
         rewards, valid, *others = (torch.cat([p[i] for p in parts]) for i in range(1, len(parts[0])))
     return batch, rewards, valid, _merge_reward_info(infos), stats, list(others)
-
-
-def dynamic_sampling_summary(records: list[dict]) -> str | None:
-    """One sentence on a run's dynamic sampling from its metric records (None when the run did not use it): steps
-    at the round cap, the share of sampled groups that were all-equal, and which keys describe what.
-
-    Args:
-        records: metrics.jsonl records (dicts with ``step``); steps without ``dynamic/hit_cap`` are ignored.
-    """
-    rows = [r for r in records if isinstance(r.get("dynamic/hit_cap"), (int, float))]
-    if not rows:
-        return None
-    cap = sum(r["dynamic/hit_cap"] > 0 for r in rows)
-    sampled = sum(r.get("dynamic/sampled_groups", 0.0) for r in rows)
-    kept = sum(r.get("dynamic/mixed_groups", 0.0) for r in rows)
-    zero = sum(r.get("dynamic/zero_var_frac_sampled", 0.0) * r.get("dynamic/sampled_groups", 0.0) for r in rows)
-    share = f"{zero / sampled:.3f}" if sampled else "–"
-    return (f"Dynamic sampling (DAPO) was on: {cap} of {len(rows)} steps hit the extra-rounds cap "
-            f"(dynamic_sampling_max_rounds) with fewer mixed groups than prompts_per_step; {share} of the "
-            f"{sampled:.0f} sampled groups were all-equal and {kept:.0f} mixed groups were trained on. Reward, "
-            f"accuracy and S1 are over all sampled groups (the policy's behaviour); the kept groups' values are "
-            f"dynamic/kept_*.")

@@ -1,0 +1,132 @@
+"""The report section of a probe's studies (probe.json ``studies``): S1 predicted from rollouts outside the group
+(docs/theory.md §S1), baselines at matched expectation (§Baselines at matched expectation) and token credit, signed
+shares and Monte Carlo advantages (§Token credit).
+
+Everything comes from probe.json; the claims these numbers decide are in :mod:`grpo_lens.claims.credit` and
+:mod:`grpo_lens.claims.baselines`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import matplotlib.pyplot as plt
+
+from grpo_lens.report import plots
+from grpo_lens.report.format import ci, fmt
+
+
+def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
+    """S1 predicted without bias, baselines at matched expectation and token credit of one probe."""
+    lines: list[str] = []
+    base = studies.get("baselines") or {}
+    s1 = base.get("s1")
+    meta = base.get("meta", {})
+    if s1:
+        lines += [f"### S1 predicted from rollouts outside the group ({label})", "",
+                  f"{s1['prompts']} prompts, M = {s1['rollouts_per_prompt']} rollouts each, R = "
+                  f"{meta.get('group_size')}: S1 measured on the first R, predicted by [C(k',R) + C(M'-k',R)] / "
+                  "C(M',R) from the other M' = M - R (unbiased, docs/theory.md §S1).", "",
+                  "| S1 measured | S1 predicted | measured - predicted |", "|---|---|---|",
+                  f"| {ci(s1['measured'])} | {ci(s1['predicted'])} | {ci(s1['difference'])} |", ""]
+    study = base.get("baselines")
+    if study:
+        s = study["summary"]
+        lines += [f"### Baselines at matched expectation ({label})", "",
+                  f"{study['prompts']} prompts with reward contrast ({study['prompts_constant']} without were "
+                  f"skipped), M = {meta.get('rollouts_per_prompt')} rollouts each, groups of R = "
+                  f"{meta.get('group_size')} drawn from one half of each prompt's rollouts and compared with the "
+                  "centred gradient Cov(r, h) estimated on the other half; h_i = c_i g_i, "
+                  f"{meta.get('gradients')}, k = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
+                  "RLOO's; the group mean is rescaled by R/(R-1) (it then equals RLOO sample by sample). 95% "
+                  "bootstrap intervals over prompts.", "",
+                  "| estimator | MSE / RLOO's | cosine to reference | bias² share of MSE |", "|---|---|---|---|"]
+        for name in ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop"):
+            e = s.get(name, {})
+            lines.append(f"| {name} | {ci(e.get('mse_ratio_to_rloo'))} | {ci(e.get('cosine'))} | "
+                         f"{ci(e.get('bias2_share'))} |")
+        lines += ["", f"m_C / m_W over prompts: {ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
+                  f"test at 0.05 over each prompt's rollouts, k fixed) on "
+                  f"{fmt(study.get('equal_norms_rejected'), 2)} of "
+                  f"{study.get('equal_norms_testable')} testable prompts. b* - p (how far the optimal constant "
+                  f"baseline is from the group mean's expectation): {ci(study.get('b_star_minus_p'))}.", "",
+                  _mean_score_sentence(study), "",
+                  "| prompt | p | m_C | m_W | m_C / m_W [95%] | permutation p | verdict | b* (population) | b*_exact |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for j, p in enumerate(study["per_prompt"]):
+            eq = p["equal_norms"]
+            interval = f"[{fmt(eq['lo'], 2)}, {fmt(eq['hi'], 2)}]" if eq.get("lo") is not None else "(< 8 a side)"
+            lines.append(f"| {j} | {fmt(p['p'], 2)} | {fmt(p['m_correct'], 4)} | {fmt(p['m_wrong'], 4)} | "
+                         f"{fmt(eq['ratio'], 2)} {interval} | {fmt(eq.get('p'), 3)} | {eq['verdict']} | "
+                         f"{fmt(p['b_star_pop'])} | {fmt(p['b_star_exact'])} |")
+        lines.append("")
+        opt = s.get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
+        findings.append(f"[{label}] Population b* has {ci(opt, 2)} times RLOO's MSE to the reference gradient over "
+                        f"{study['prompts']} prompts; m_C / m_W = {ci(study.get('norm_ratio'), 2)}.")
+    credit = studies.get("credit")
+    if credit:
+        c = credit["contributions"]
+        mc = credit["monte_carlo"]
+        lines += [f"### Token credit ({label})", "",
+                  f"Signed share of each token in its group's update, s = w <grad log pi_t, u> / ||u||^2 (sums to 1 "
+                  f"per group; largest closure error {fmt(c.get('closure'), 4)}), over {c['groups']} groups of R = "
+                  f"{credit['meta']['group_size']}; u is the exact update over every parameter.", ""]
+        prof = c.get("position_profile") or []
+        if prof:
+            plot_credit_position(prof, run_dir / f"credit_position_{label}.png")
+            lines += [f"![credit by relative position](credit_position_{label}.png)", "",
+                      "| relative position | " + " | ".join(f"{b / len(prof):.1f}-{(b + 1) / len(prof):.1f}"
+                                                          for b in range(len(prof))) + " |",
+                      "|---|" + "---|" * len(prof),
+                      "| share of update | " + " | ".join(ci(x, 2) for x in prof) + " |", ""]
+        lines += ["| token class | share of the update | share of the tokens (control) | ratio |", "|---|---|---|---|"]
+        for name, v in c["classes"].items():
+            lines.append(f"| {name} | {ci(v['update_share'])} | {ci(v['token_share'])} | {ci(v['ratio'], 2)} |")
+        lines += ["", f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K = "
+                  f"{mc['samples_per_prefix']} continuations per prefix. Share of tokens in segments whose Monte "
+                  f"Carlo advantage has the opposite sign of GRPO's A_i beyond 2 SE: {ci(mc.get('disagree'))}; the "
+                  f"same sign: {ci(mc.get('agree'))}; within noise of 0: {ci(mc.get('neutral'))}. Largest "
+                  f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.", "",
+                  "| rollout | r | GRPO A_i | prefix lengths | V(prefix) ± SE | segment advantages ± SE |",
+                  "|---|---|---|---|---|---|"]
+        for j, row in enumerate(mc["rollouts"]):
+            vals = ", ".join(f"{v:.2f}±{e:.2f}" for v, e in zip(row["values"], row["errors"]))
+            advs = ", ".join(f"{a:+.2f}±{e:.2f}" for a, e in zip(row["advantages"], row["adv_errors"]))
+            lines.append(f"| {j} | {fmt(row['reward'], 1)} | {fmt(row['grpo_advantage'], 2)} | "
+                         f"{row['boundaries']} | {vals} | {advs} |")
+        lines.append("")
+    return lines
+
+
+def _mean_score_sentence(study: dict[str, Any]) -> str:
+    """What ||E h|| was measured to be, and what it does to b*, in words chosen by the numbers."""
+    ratio = study.get("mean_score_ratio") or {}
+    lo = ratio.get("lo")
+    if lo is not None and lo > 1:
+        head = "The length-normalised score is not mean-zero here"
+    elif ratio.get("hi") is not None:
+        head = "The length-normalised score is consistent with mean zero here"
+    else:
+        head = "Too few prompts to tell whether the length-normalised score is mean-zero"
+    return (f"{head}: ||mean h||^2 is {ci(ratio, 1)} times the floor a mean-zero score would give (1 = mean zero); "
+            f"correcting b* for E[h] != 0 moves it by {ci(study.get('b_star_shift'), 4)} (b*_exact - b*).")
+
+
+def plot_credit_position(profile: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Mean share of the group update per relative-position bin, with 95% intervals."""
+    fig, ax = plt.subplots(figsize=plots.SIZE)
+    n = len(profile)
+    xs = [(b + 0.5) / n for b in range(n)]
+    ys = [p.get("mean") if p.get("mean") is not None else math.nan for p in profile]
+    lo = [(y - p["lo"]) if p.get("lo") is not None else 0.0 for y, p in zip(ys, profile)]
+    hi = [(p["hi"] - y) if p.get("hi") is not None else 0.0 for y, p in zip(ys, profile)]
+    ax.bar(xs, ys, width=0.8 / n, yerr=[lo, hi], capsize=2)
+    ax.axhline(1.0 / n, color="gray", ls=":", lw=0.8, label="uniform over positions")
+    ax.set_xlabel("relative position in the completion")
+    ax.set_ylabel("share of the group update")
+    ax.set_title("signed token contributions by position", fontsize=9)
+    ax.grid(alpha=0.3)
+    plots._legend(ax, fontsize=7)
+    return plots._save(fig, path)
