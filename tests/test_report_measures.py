@@ -193,8 +193,8 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
 def test_no_interval_from_fewer_than_eight_units():
     from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS, bootstrap_mean
 
-    # bootstrap-t over 2 values collapses to the mean (every resample with a spread is the pair itself), and over a
-    # handful it overshoots the data: no interval below MIN_UNITS = 8
+    # over 2 values every resample with a spread is the pair itself (the interval would be the data's range), and a
+    # handful gives quantiles of a few distinct means: no interval below MIN_UNITS = 8 (docs/theory.md §7)
     assert MIN_UNITS == 8
     assert bootstrap_mean([0.1, 0.3])["lo"] is None and bootstrap_mean([0.1, 0.3, 0.2, 0.4])["hi"] is None
     eight = bootstrap_mean([0.1, 0.3, 0.2, 0.4, 0.15, 0.25, 0.35, 0.3])
