@@ -435,7 +435,8 @@ def optimal_baseline_weights(config: TrainConfig, procs: Processes, policy: torc
                              rollouts: Rollouts) -> torch.Tensor:
     """The b*_{-i} weights of ``--estimator optimal``: [B, R] sketched ||c_i g_i||^2 of every valid rollout of a group
     with reward contrast (0 elsewhere), c_i the loss aggregation's per-rollout weight
-    (:func:`grpo_lens.gradients.sketch.sketched_rollout_sq_norms`, docs/theory.md §Baselines)."""
+    (:func:`grpo_lens.gradients.sketch.sketched_rollout_sq_norms`, docs/theory.md §The variance-optimal baseline in
+    training)."""
     R = config.group_size
     rewards, valid = rollouts.rewards.view(-1, R), rollouts.valid.view(-1, R)
     contrast = ~constant_groups(rewards, valid)  # [B] groups with a gradient
