@@ -52,10 +52,8 @@ def _all_group_keys() -> list[str]:
     """The keys analyse_group (+ the probe's G1-of-one-layer, G2 and credit pieces) returns for a 0/1 group."""
     import torch
 
-    from grpo_lens.analysis.group import analyse_group, g1_rank_keys, g2_keys, sketch_check_keys
+    from grpo_lens.analysis.group import analyse_group, g1_rank_keys, g2_keys
     from grpo_lens.formulas.credit import credit_metrics, token_advantages
-    from grpo_lens.formulas.zero_sum import WEIGHTINGS
-    from grpo_lens.gradients.g2 import g2_by_type_keys
 
     grads = torch.randn(4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
@@ -76,8 +74,7 @@ def test_every_probe_key_is_documented():
     docs = _documented_keys()
     import torch
 
-    from grpo_lens.analysis.group import analyse_group, g1_rank_keys, g2_keys, sketch_check_keys
-    from grpo_lens.formulas.credit import credit_metrics, token_advantages
+    from grpo_lens.analysis.group import sketch_check_keys
     from grpo_lens.formulas.zero_sum import WEIGHTINGS
     from grpo_lens.gradients.g2 import g2_by_type_keys
 

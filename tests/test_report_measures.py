@@ -7,12 +7,11 @@ import math
 
 import pytest
 
-from grpo_lens.claims.base import CLAIMS, evaluate_claims
+from grpo_lens.claims.base import CLAIMS, evaluate_claims, verdict_from_interval
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.formulas.stats import spearman_trend
-from grpo_lens.claims.base import verdict_from_interval
-from grpo_lens.rundir import lens_overhead
 from grpo_lens.report import write_report
+from grpo_lens.rundir import lens_overhead
 
 
 def sparsity_claims(records):
@@ -191,7 +190,8 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
 
 
 def test_no_interval_from_fewer_than_eight_units():
-    from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS, bootstrap_mean
+    from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
+    from grpo_lens.formulas.stats import bootstrap_mean
 
     # over 2 values every resample with a spread is the pair itself (the interval would be the data's range), and a
     # handful gives quantiles of a few distinct means: no interval below MIN_UNITS = 8 (docs/theory.md §7)
