@@ -13,7 +13,7 @@ replaced atomically after it; a kill at any moment leaves the previous checkpoin
 step; on resume, lines after the checkpoint's step are dropped, so each step appears once.
 
 Tests prove this by killing the trainer at named moments: :func:`crash_point` sends SIGKILL to the process when the
-environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/test_crash_resume.py).
+environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/train/test_crash_resume.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker of tests/test_distributed.py: trainer.policy_update on a fixed batch, split across processes.
+"""Worker of tests/train/test_distributed.py: trainer.policy_update on a fixed batch, split across processes.
 
 Run as ``torchrun --nproc_per_node W tests/_distributed_worker.py OUT``: every rank builds the same tiny model and the
 same fixed RolloutBatch (B = 4 groups of R = 2, completions of varied lengths, off-policy sampler log-probs so that the

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 
 
 def parity_reward(prompts, completions, **kwargs):
@@ -19,6 +20,19 @@ def pytest_configure(config):
 
     if "test_parity" not in REWARDS:
         REWARDS.register("test_parity")(parity_reward)
+
+
+@pytest.fixture(autouse=True)
+def pure_tests_build_no_model(request, monkeypatch):
+    """A test without the ``e2e`` (or ``slow``) marker is a pure test: it may not build a model. Building one raises,
+    so a test that does is marked e2e (and ``pytest -m 'not e2e'`` is the fast pure suite indeed)."""
+    if request.node.get_closest_marker("e2e") or request.node.get_closest_marker("slow"):
+        return
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} builds a model but is not marked e2e: add @pytest.mark.e2e")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__", refuse)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,6 +1,6 @@
 """A process that imports grpo-lens once and then forks one ``grpo-lens`` CLI process per request (tests only).
 
-tests/test_crash_resume.py kills the trainer a dozen times. Paying Python's import of torch and transformers (about
+tests/train/test_crash_resume.py kills the trainer a dozen times. Paying Python's import of torch and transformers (about
 10 s on a busy 2-core machine) for every one of those processes would make the test take minutes, so this zygote
 imports everything once, without running any torch computation (no thread pool exists yet, so forking is safe), and
 each request forks a fresh child that runs ``grpo_lens.cli.main(argv)`` exactly as ``python -m grpo_lens.cli`` would.
@@ -20,15 +20,15 @@ import traceback
 
 
 def main() -> None:
-    import grpo_lens.cli  # noqa: F401
-    import grpo_lens.train.lens  # noqa: F401
-    import grpo_lens.models  # noqa: F401
-    import grpo_lens.train.loop  # noqa: F401
     import accelerate  # noqa: F401
+    import helpers_rewards  # noqa: F401
     import safetensors.torch  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import helpers_rewards  # noqa: F401
+    import grpo_lens.cli  # noqa: F401
+    import grpo_lens.models  # noqa: F401
+    import grpo_lens.train.lens  # noqa: F401
+    import grpo_lens.train.loop  # noqa: F401
 
     reply({"ready": True})
     for line in sys.stdin:

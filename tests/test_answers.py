@@ -10,7 +10,13 @@ import pytest
 import torch
 
 import grpo_lens.rewards as rewards_mod
-from grpo_lens.rewards import combine_rewards, correctness, extract_answer, get_reward, math_verify_available
+from grpo_lens.rewards import (
+    combine_rewards,
+    correctness,
+    extract_answer,
+    get_reward,
+    math_verify_available,
+)
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.tasks import GSM8KTask, correctness_verdict, get_task
 from grpo_lens.train.step_metrics import accuracy_metrics, rollout_correctness
@@ -100,10 +106,12 @@ def test_accuracy_without_answers_is_absent_and_a_task_may_define_its_verdict():
     assert accuracy_metrics(torch.tensor([float("nan")] * 2, dtype=torch.float64)) == {}
 
 
+@pytest.mark.e2e
 def test_trainer_writes_the_verdicts_mean(tmp_path):
     # test_alternating gives rewards 1, 0, 1, 0, ...: the old metric would say 0.5; the tiny random model writes
     # bytes, so the arithmetic verdict is 0 on every rollout.
     import helpers_rewards  # noqa: F401
+
     from grpo_lens.config import TrainConfig
     from grpo_lens.train.loop import train
 

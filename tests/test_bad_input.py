@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
 
-import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 from grpo_lens.cli import main
 
 # A run that would take a second if the input were fine: the tiny model, R = 2, one prompt, two new tokens, one step.
@@ -206,6 +206,7 @@ def finished_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_clear_error(case, tmp_path, capsys, monkeypatch, finished_run):
     out = tmp_path / "out"
@@ -266,6 +267,7 @@ def test_unknown_crash_point_lists_the_valid_ones(monkeypatch):
         crash_point("mid_checkpoint", 3)
 
 
+@pytest.mark.e2e
 def test_overwrite_replaces_a_run_and_resume_needs_no_repeated_flags(tmp_path, capsys, finished_run):
     # The two ways past a refused --out work: --resume with only --out (the saved config is used; max_steps may grow)
     out = tmp_path / "run"
@@ -279,6 +281,7 @@ def test_overwrite_replaces_a_run_and_resume_needs_no_repeated_flags(tmp_path, c
     assert steps == [1]
 
 
+@pytest.mark.e2e
 def test_a_model_that_fails_to_load_creates_no_run_and_replaces_none(tmp_path, capsys, monkeypatch, finished_run):
     # A hub id can only be checked by trying to load it; the failure must still be one line and cost no files.
     import grpo_lens.models as models

@@ -10,6 +10,7 @@ from grpo_lens.cli import main
 from grpo_lens.config import ConfigError, TrainConfig, resolve_device
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("command", ["train", "probe"])
 def test_cuda_without_cuda_is_one_clear_error(tmp_path, capsys, command):
@@ -34,6 +35,7 @@ def test_yaml_scalar_reward_is_a_list_of_one(tmp_path):
     assert TrainConfig.load(path).rewards == ["correctness"]
 
 
+@pytest.mark.e2e
 def test_demo_rerun_with_other_settings_is_refused(tmp_path, capsys):
     # OUT/demo.yaml records the settings of a demo; rerunning with others would silently reuse stale stages.
     out = tmp_path / "demo"
@@ -46,6 +48,7 @@ def test_demo_rerun_with_other_settings_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == before
 
 
+@pytest.mark.e2e
 def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()
@@ -64,6 +67,7 @@ def test_probe_accepts_no_progress():
     assert args.progress is False and ProbeConfig().progress is True
 
 
+@pytest.mark.e2e
 def test_probe_prints_its_time_and_mixed_groups(tmp_path, capsys):
     # The probe's one-line summary: wall time, and per R the mixed groups of the prompts sampled and that R's seconds
     out = tmp_path / "p"

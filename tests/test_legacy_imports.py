@@ -66,6 +66,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.e2e
 def test_every_shown_old_path_is_the_new_object_with_a_deprecation_warning():
     # a fresh interpreter: the warning is raised where the old path is first imported or read
     result = subprocess.run([sys.executable, "-c", CHECK, json.dumps(SHOWN)], capture_output=True, text=True,

@@ -10,13 +10,18 @@ from __future__ import annotations
 import json
 import math
 
+import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
 import torch
 
-import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.losses import mismatch_sums, truncated_is_weights
-from grpo_lens.rollout import batch_logprobs, process_logits, sample_groups, token_logprobs
+from grpo_lens.rollout import (
+    batch_logprobs,
+    process_logits,
+    sample_groups,
+    token_logprobs,
+)
 from grpo_lens.train.loop import train
 
 PROMPTS = ["What is 2 + 3?", "7 * 6 ="]
@@ -92,6 +97,7 @@ def _poison_generation_config(model, tokenizer):
     return g
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("temperature,top_k,top_p", [
     (0.7, 0, 1.0),   # case 1: min_p = 0.5 (and every other field) on the model, sample_groups(temperature=0.7)
     (1.0, 5, 0.9),   # one more: the same poisoned config under grpo-lens' own top-k and top-p
@@ -123,6 +129,7 @@ def test_model_generation_config_never_leaks_into_sampling(fresh_tiny_model_and_
     torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=1e-4)
 
 
+@pytest.mark.e2e
 def test_leaking_config_would_change_the_distribution(fresh_tiny_model_and_tokenizer):
     # The control for the test above: generate with the model's poisoned generation_config in charge does apply
     # other processors, so the check of the scores can fail.
@@ -136,6 +143,7 @@ def test_leaking_config_would_change_the_distribution(fresh_tiny_model_and_token
         _assert_scores_are_process_logits([out], 0.7, 0, 1.0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("top_k,top_p", [
     (5, 1.0),   # case 2: top_k = 5, beta > 0
     (0, 0.5),   # one more: top_p = 0.5
@@ -170,6 +178,7 @@ def test_reference_logprobs_are_never_filtered_by_the_samplers_settings(tiny_mod
     assert k1 == pytest.approx(float((pol - want)[m].mean()), abs=1e-5) and k1 > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_sampled_token_has_a_finite_logprob(fresh_tiny_model_and_tokenizer, dtype):
     # Case 3: bfloat16, top_p = 0.5: tokens at the nucleus boundary used to fall outside the trainer's recomputed
@@ -215,6 +224,7 @@ def _metrics(run):
     return [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dtype,top_p", [
     ("bfloat16", 1.0),   # case 4: --dtype bfloat16 --mu 1 with eps 0.02
     ("float32", 0.5),    # one more: float32 with a nucleus
@@ -253,6 +263,7 @@ def test_truncated_is_weights_closed_form():
         truncated_is_weights(trainer, sampler, cap=0.0)
 
 
+@pytest.mark.e2e
 def test_tis_cap_scales_the_first_step_gradient(tmp_path):
     # float32: pi_old / pi_sampler = 1 up to ~1e-7, so with cap 0.5 every weight is 0.5 and the pre-clip gradient
     # norm halves exactly (weights multiply every token's policy loss); the default (off) leaves it.

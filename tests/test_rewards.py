@@ -18,7 +18,6 @@ from grpo_lens.rewards import (
     extract_answer,
     format_reward,
     get_reward,
-    math_verify_available,
     parse_number,
     parse_reward_specs,
     score_batch,

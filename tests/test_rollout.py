@@ -12,7 +12,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from grpo_lens.rollout import (
     RolloutBatch,
@@ -122,6 +127,7 @@ def test_completion_mask_from_ids_closed_form():
 # ---------------------------------------------------------------------------------------------------------------------
 # sample_groups
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (0.7, 5, 0.9), (1.0, 0, 0.6)])
 def test_on_policy_ratio_is_one(tiny_model_and_tokenizer, temperature, top_k, top_p):
     model, tok = tiny_model_and_tokenizer
@@ -142,6 +148,7 @@ def test_on_policy_ratio_is_one(tiny_model_and_tokenizer, temperature, top_k, to
     assert torch.isfinite(batch.sampler_logprobs).all() and (batch.sampler_logprobs[mask] <= 0).all()
 
 
+@pytest.mark.e2e
 def test_on_policy_ratio_with_chunked_generation(tiny_model_and_tokenizer):
     # batch_size=4 splits the N = 12 rollouts into 3 generate calls whose lengths differ; padding the shorter
     # chunks must not change the log-probs of counted tokens.
@@ -153,6 +160,7 @@ def test_on_policy_ratio_with_chunked_generation(tiny_model_and_tokenizer):
     assert (trainer_logp - batch.sampler_logprobs)[batch.completion_mask].abs().max().item() < 1e-4
 
 
+@pytest.mark.e2e
 def test_group_layout_and_extras(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     examples = [Example(prompt=[{"role": "user", "content": p}], answer=str(i), extras={"id": i})
@@ -181,6 +189,7 @@ def test_group_layout_and_extras(tiny_model_and_tokenizer):
     assert batch.prompts == [e.prompt for e in examples]
 
 
+@pytest.mark.e2e
 def test_prompts_as_strings_dicts_and_messages(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     items = ["What is 1 + 1?", {"prompt": "What is 2 + 2?", "answer": "4"},
@@ -190,6 +199,7 @@ def test_prompts_as_strings_dicts_and_messages(tiny_model_and_tokenizer):
     assert batch.num_rollouts == 6
 
 
+@pytest.mark.e2e
 def test_prompts_without_chat_template(fresh_tiny_model_and_tokenizer):
     # A base model's tokenizer has no chat template: string prompts go in verbatim, chat messages are refused.
     model, tok = fresh_tiny_model_and_tokenizer
@@ -200,6 +210,7 @@ def test_prompts_without_chat_template(fresh_tiny_model_and_tokenizer):
         sample_groups(model, tok, [[{"role": "user", "content": "hi"}]], 1, max_new_tokens=2)
 
 
+@pytest.mark.e2e
 def test_truncation_flags(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     # EOS made impossible: every rollout runs to max_new_tokens = 6 and is truncated, with all 6 tokens counted.
@@ -227,6 +238,7 @@ def test_truncation_flags(tiny_model_and_tokenizer):
     assert (lengths[batch.truncated] == batch.completion_ids.shape[1]).all()
 
 
+@pytest.mark.e2e
 def test_top_k_one_is_greedy(tiny_model_and_tokenizer):
     # top_k = 1 leaves one token, so the completion is the greedy one whatever the seed. Its recorded log-prob is
     # not 0 (the probability after top-k renormalisation) but log softmax(z / T) of the argmax token, the one
@@ -244,6 +256,7 @@ def test_top_k_one_is_greedy(tiny_model_and_tokenizer):
     assert torch.equal(greedy[0, a.prompt_ids.shape[1]:], a.completion_ids[0])
 
 
+@pytest.mark.e2e
 def test_seeded_sampling_is_deterministic_and_leaves_global_rng(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     state = torch.get_rng_state()
@@ -261,6 +274,7 @@ def test_seeded_sampling_is_deterministic_and_leaves_global_rng(tiny_model_and_t
     assert torch.equal(d.completion_ids, e.completion_ids)
 
 
+@pytest.mark.e2e
 def test_sample_groups_restores_padding_side_and_mode(fresh_tiny_model_and_tokenizer):
     model, tok = fresh_tiny_model_and_tokenizer
     tok.padding_side = "right"
@@ -270,6 +284,7 @@ def test_sample_groups_restores_padding_side_and_mode(fresh_tiny_model_and_token
     assert (batch.prompt_mask[:, -1] == 1).all()  # still left padded
 
 
+@pytest.mark.e2e
 def test_sample_groups_rejects_bad_arguments(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     with pytest.raises(ValueError, match="group_size"):
@@ -280,6 +295,7 @@ def test_sample_groups_rejects_bad_arguments(tiny_model_and_tokenizer):
         _sample(model, tok, top_p=1.5)
 
 
+@pytest.mark.e2e
 def test_select_keeps_rows(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     batch = _sample(model, tok, R=2, max_new_tokens=4)
@@ -289,6 +305,7 @@ def test_select_keeps_rows(tiny_model_and_tokenizer):
     assert sub.completions == [batch.completions[1], batch.completions[4]]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_on_policy_ratio_default_model():
     # The default SmolLM2 model has pad == eos (<|im_end|>), unlike the tiny one.
@@ -321,6 +338,7 @@ def test_token_entropy_closed_form():
     assert token_entropy(filtered)[0].item() == pytest.approx(h, abs=1e-6)
 
 
+@pytest.mark.e2e
 def test_entropy_comes_from_the_same_forward(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     batch = _sample(model, tok, R=2, temperature=0.7, generator_seed=1)

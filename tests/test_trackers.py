@@ -38,6 +38,7 @@ def read_tensorboard(logdir) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs the tensorboard extra")
 def test_tensorboard_gets_every_metric_key_at_its_step(tmp_path):
     run = train(tiny_config(tmp_path / "run"))
@@ -57,6 +58,7 @@ def test_tensorboard_gets_every_metric_key_at_its_step(tmp_path):
     assert set(events["reward/mean"]) == {1, 2, 3}
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs the tensorboard extra")
 def test_resumed_run_shows_each_step_once_with_its_final_value(tmp_path):
     # Train 3 steps (checkpoint at 2 and 3), then pretend steps after the checkpoint of step 2 were lost: resume
@@ -90,6 +92,7 @@ def test_missing_tracker_library_names_the_extra(monkeypatch):
     check_trackers(["none"])  # needs nothing
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="needs the wandb extra")
 def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -7,6 +7,8 @@ import pytest
 import grpo_lens
 from grpo_lens.cli import main
 
+pytestmark = pytest.mark.e2e  # every test here builds a model or runs a command
+
 
 def test_version_flag_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -53,7 +53,7 @@ def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int
         ValueError: an unknown ``space``.
 
     The two spaces are tied by the chain rule: with the update s B A (s = alpha / r) added to W,
-    grad_B = s grad_W A^T and grad_A = s B^T grad_W (tests/test_lora.py checks this).
+    grad_B = s grad_W A^T and grad_A = s B^T grad_W (tests/gradients/test_lora.py checks this).
     """
     if space == "trainable":
         return exact_rollout_grads(model, batch, score_weights=score_weights, temperature=temperature)

@@ -1,0 +1,126 @@
+"""Baselines at matched expectation on synthetic pools with a planted optimum (known m_C, m_W, E[h])."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_lens.formulas.baselines import (
+    _group_estimates,
+    baseline_study,
+    equal_norms_test,
+    mean_score_norm,
+    optimal_constant_baseline,
+    prompt_baseline_study,
+)
+
+
+def pool(m_c: float, m_w: float, p: float = 0.5, m: int = 512, k: int = 64, shift: float = 0.0, seed: int = 0,
+         signal: float = 0.0):
+    """M rollouts: r ~ Bernoulli(p) (exactly p*M correct), h = sqrt(m_r) u with u uniform on the unit sphere
+    (E[h] = 0, ||h||^2 = m_r exactly), plus ``signal`` * e_0 on correct rollouts (a true gradient direction) and
+    ``shift`` * e_1 on every rollout (a non-zero mean score)."""
+    g = torch.Generator().manual_seed(seed)
+    r = (torch.randperm(m, generator=g) < round(p * m)).double()  # exactly p*M correct, in random order
+    u = torch.randn(m, k, generator=g, dtype=torch.float64)
+    u = u / u.norm(dim=1, keepdim=True)
+    h = u * torch.where(r == 1, math.sqrt(m_c), math.sqrt(m_w)).unsqueeze(1)
+    h[:, 0] += signal * r
+    h[:, 1] += shift
+    return h, r
+
+
+def test_planted_optimum_is_recovered():
+    # m_C = 9, m_W = 1, p = 1/2: b* = p m_C / (p m_C + (1-p) m_W) = 0.9 (Greensmith et al. 2004, Thm 13).
+    h, r = pool(9.0, 1.0)
+    assert optimal_constant_baseline(h, r)["b_star"] == pytest.approx(0.9, abs=1e-12)  # ||h||^2 exact by design
+    # the constant baseline with the smallest resampled variance is the planted one: Var(b) is proportional to
+    # p m_C (1-b)^2 + (1-p) m_W b^2 (cross terms vanish for independent directions), minimised at b = 0.9; on a
+    # grid of 0.05 the empirical minimiser must be within one grid step.
+    R, S = 8, 3000
+    idx = torch.rand(S, 256, generator=torch.Generator().manual_seed(1)).argsort(-1)[:, :R]
+    grid = [i / 20 for i in range(21)]
+    var = [float((lambda e: (e - e.mean(0)).square().sum(-1).mean())(_group_estimates(h[:256], r[:256], idx,
+                                                                                      "optimal_pop", b)))
+           for b in grid]
+    assert abs(grid[min(range(21), key=var.__getitem__)] - 0.9) <= 0.05 + 1e-9
+    # the study: population b* from the held-out half is the planted one (||h||^2 exact: no sampling error beyond
+    # which rollouts land in B: b* = 9 k_B / (9 k_B + (M_B - k_B)), k_B ~ hypergeometric around 128)
+    res = prompt_baseline_study(h, r, R, num_resamples=S)
+    assert res["b_star_pop"] == pytest.approx(0.9, abs=0.02)
+    assert res["m_correct"] == pytest.approx(9.0) and res["m_wrong"] == pytest.approx(1.0)
+    est = res["estimators"]
+    # variance: optimal < rloo. Closed forms (1/R^2) sum_i E[(r_i - b)^2 ||h_i||^2] at R = 8: optimal_pop
+    # 8 * 0.5 * (9 * 0.01 + 0.81) / 64 = 0.05625; rloo 8 * (1.25 + (0.25/7) * 5) / 64 = 0.1786 (see
+    # test_diagnostics_baselines): ratio 3.2, allow 20% for resampling noise and the finite pool
+    assert est["rloo"]["variance"] / est["optimal_pop"]["variance"] == pytest.approx(0.1786 / 0.05625, rel=0.2)
+    assert est["optimal_loo"]["variance"] < est["rloo"]["variance"]
+
+
+def test_equal_norms_condition_per_prompt():
+    assert equal_norms_test(*pool(9.0, 1.0, m=64))["verdict"] == "m_C > m_W"
+    assert equal_norms_test(*pool(1.0, 4.0, m=64))["verdict"] == "m_C < m_W"
+    # the bootstrap interval is given only with >= 8 rollouts a side; norms within a class are equal here, so every
+    # resample gives the ratio 9 exactly
+    out = equal_norms_test(*pool(9.0, 1.0, m=64))
+    assert out["ratio"] == pytest.approx(9.0) and out["lo"] == pytest.approx(9.0) == out["hi"]
+    assert equal_norms_test(*pool(9.0, 1.0, p=2 / 16, m=16))["lo"] is None
+    assert equal_norms_test(torch.ones(8), torch.ones(8))["verdict"] == "not testable"
+    # one rollout a side, or C(M, k) < 40 (p could never reach 0.05): not testable, so it cannot count as "equal"
+    assert equal_norms_test(torch.ones(16), (torch.arange(16) < 1).double())["verdict"] == "not testable"
+    assert equal_norms_test(torch.ones(6), (torch.arange(6) < 3).double())["verdict"] == "not testable"  # C(6,3)=20
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_equal_norms_test_keeps_its_level_with_few_rollouts_a_side(k):
+    # Exchangeable norms (labels independent of them, so m_C = m_W): an exact permutation test rejects at 0.05 with
+    # probability <= 0.05 for any M and k. With M = 16 (the study's 4R) and k = 2 or 5, 400 prompts give <= 20
+    # rejections on average (SD ~ 4.4); 34 is 3 SD above. A percentile bootstrap from 2 rollouts a side (the previous
+    # test) rejected far more often than 5%.
+    g = torch.Generator().manual_seed(11)
+    rejected = 0
+    for s in range(400):
+        n = torch.exp(1.5 * torch.randn(16, generator=g, dtype=torch.float64))
+        r = (torch.randperm(16, generator=g) < k).double()
+        out = equal_norms_test(n, r, seed=s)
+        assert out["verdict"] != "not testable" and 0 < out["p"] <= 1
+        rejected += out["verdict"] != "m_C = m_W not rejected"
+    assert rejected <= 34
+
+
+def test_non_zero_mean_score_biases_no_baseline_and_shifts_b_star():
+    # E[h] = p * signal * e_0 + shift * e_1 = 0.5 e_0 + 0.5 e_1: ||E h||^2 = 0.5, against the floor
+    # tr Cov / M ~ (4 + 0.25) / 512 ~ 0.01
+    h, r = pool(4.0, 4.0, shift=0.5, signal=1.0)
+    ms = mean_score_norm(h)
+    assert ms["excess"] == pytest.approx(0.5, abs=0.05)
+    assert ms["ratio"] > 10
+    h0, r0 = pool(4.0, 4.0, shift=0.0, signal=1.0, seed=3)
+    assert mean_score_norm(h0[r0 == 0])["ratio"] < 3  # a mean-zero score sits at its floor (ratio ~1)
+    # no baseline estimates E[r h] = Cov(r, h) + E[r] E[h]: its bias^2 ~ ||0.5 (0.5 e_0 + 0.5 e_1)||^2 = 0.125
+    # (plus the reference's noise ~0.005 and the mean's resampling noise); RLOO's ~ 0
+    res = prompt_baseline_study(h, r, 8, num_resamples=2000)
+    assert res["estimators"]["none"]["bias2"] == pytest.approx(0.125, abs=0.04)
+    assert res["estimators"]["rloo"]["bias2"] < 0.02
+    # b*_exact = (E[r||h||^2] - <E h, E[r h]>) / (E||h||^2 - ||E h||^2) corrects b* for E[h] != 0. Here
+    # ||h||^2 ~ 4 + 1 + 0.25 (correct) and 4 + 0.25 (wrong): E[r||h||^2] = 2.625, E||h||^2 = 4.75, so b* = 0.553;
+    # E h = (0.5, 0.5), E[r h] = (0.5, 0.25): b*_exact = (2.625 - 0.375) / (4.75 - 0.5) = 0.529, a shift of -0.024
+    # (on the held-out half, 256 rollouts: allow 0.012)
+    assert res["b_star_exact"] - res["b_star_pop"] == pytest.approx(-0.024, abs=0.012)
+
+
+def test_study_over_prompts_has_intervals():
+    pools = [pool(9.0, 1.0, m=64, seed=s, signal=1.0) for s in range(8)] + [(torch.randn(64, 8), torch.ones(64))]
+    out = baseline_study(pools, 4, num_resamples=300, num_boot=500)
+    assert out["prompts"] == 8 and out["prompts_constant"] == 1
+    s = out["summary"]
+    assert s["rloo"]["mse_ratio_to_rloo"]["mean"] == pytest.approx(1.0)
+    # mean rescaled by R/(R-1) equals RLOO sample by sample (baselines.py docstring)
+    assert s["mean_rescaled"]["mse_ratio_to_rloo"]["mean"] == pytest.approx(1.0, abs=1e-9)
+    lo, hi = s["optimal_pop"]["mse_ratio_to_rloo"]["lo"], s["optimal_pop"]["mse_ratio_to_rloo"]["hi"]
+    assert lo <= s["optimal_pop"]["mse_ratio_to_rloo"]["mean"] <= hi < 1.0  # optimal beats RLOO when m_C != m_W
+    assert out["equal_norms_rejected"] == 1.0
+    # E||3u + e_0||^2 = 9 + 1 = 10 (correct, with the signal) against m_W = 1: the interval over prompts covers 10
+    assert out["norm_ratio"]["lo"] <= 10.0 <= out["norm_ratio"]["hi"]
+    with pytest.raises(ValueError, match="M >= 4R"):
+        prompt_baseline_study(*pool(1.0, 1.0, m=12), 4)

@@ -1,0 +1,131 @@
+"""Token credit: signed contributions to the group update (against per-token autograd), classes, position
+profiles, and Monte Carlo segment advantages (closed forms and the tiny model)."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_lens.formulas.credit import (
+    class_shares,
+    compare_with_uniform,
+    relative_position_profile,
+    segment_advantages,
+    segment_boundaries,
+    token_classes,
+    token_weights,
+)
+from grpo_lens.gradients.token_credit import (
+    prefix_values,
+    signed_token_contributions,
+    token_directional_derivatives,
+)
+from grpo_lens.rollout import batch_logprobs, sample_groups
+
+
+@pytest.fixture(scope="module")
+def model_group():
+    from grpo_lens.models import build_tiny_model
+
+    model, tok = build_tiny_model(seed=0)
+    model = model.double()
+    group = sample_groups(model, tok, ["What is 2 + 3?"], 3, max_new_tokens=6, temperature=1.0, generator_seed=0)
+    return model, tok, group
+
+
+@pytest.mark.e2e
+def test_directional_derivatives_equal_per_token_autograd(model_group):
+    model, _, group = model_group
+    params = [p for p in model.parameters()]
+    g = torch.Generator().manual_seed(0)
+    v = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    got = token_directional_derivatives(model, group, v, params, step=1e-1)
+    logp = batch_logprobs(model, group)
+    mask = group.completion_mask
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if not mask[i, t]:
+                continue
+            grads = torch.autograd.grad(logp[i, t], params, retain_graph=True, allow_unused=True)
+            want = sum(float((gr * vv).sum()) for gr, vv in zip(grads, v) if gr is not None)
+            # Richardson: O(e^4) truncation, plus the float32 inside LlamaRMSNorm even in a float64 model (relative
+            # round-off ~1e-7 per forward, / e = 3e-4 (e = 0.1 / ||v||): ~3e-4); a plain central difference at this
+            # step is 1% off, a wrong formula by far more
+            assert got[i, t].item() == pytest.approx(want, rel=2e-3, abs=2e-3), (i, t)
+    before = [p.detach().clone() for p in params]
+    token_directional_derivatives(model, group, v, params)
+    assert all(torch.equal(a, p) for a, p in zip(before, params))  # restored bit for bit
+
+
+@pytest.mark.e2e
+def test_contributions_sum_to_one_and_follow_the_weights(model_group):
+    model, _, group = model_group
+    adv = torch.tensor([1.0, -0.5, -0.5])
+    out = signed_token_contributions(model, group, adv, step=1e-2)
+    # sum_{i,t} w_{i,t} grad log pi_{i,t} = u, so sum s = <u, u> / ||u||^2 = 1 (closure up to the difference error)
+    assert abs(out["closure"]) < 1e-3
+    s, w = out["contributions"], out["weights"]
+    assert (s[~group.completion_mask] == 0).all()
+    # w_{i,t} = A_i / |o_i| under seq-mean-token-mean
+    lengths = group.completion_mask.sum(-1).double()
+    torch.testing.assert_close(w[:, 0], adv.double() / lengths)
+    zero = signed_token_contributions(model, group, torch.zeros(3))
+    assert zero["update_norm"] == 0.0 and math.isnan(zero["closure"])
+    assert token_weights(adv, group.completion_mask, "token-mean")[0, 0].item() == 1.0  # A_i c_i/|o_i| = A_i
+
+
+def test_relative_position_profile_closed_form():
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    # 2 bins: row 0 has t/4 -> bins 0,0,1,1; row 1 t/2 -> bins 0,1. Bin 0: 1+2+10, bin 1: 3+4+20
+    assert relative_position_profile(values, mask, bins=2).tolist() == [13.0, 27.0]
+
+
+def test_token_classes_and_shares():
+    from grpo_lens.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    ids = torch.tensor([tok.encode("ab 12.", add_special_tokens=False) + [tok.eos_token_id, tok.pad_token_id]])
+    mask = torch.tensor([[True] * 7 + [False]])
+    classes = token_classes(tok, ids, mask)
+    # a b -> reasoning (2); ' ' '.' EOS -> format (1); '1' '2' -> the last number: answer (0); padding -1
+    assert classes.tolist() == [[2, 2, 1, 0, 0, 1, 1, -1]]
+    s = torch.tensor([[0.1, 0.1, 0.0, 0.3, 0.3, 0.1, 0.1, 0.0]])
+    shares = class_shares(s, classes)
+    assert shares["answer"]["update_share"] == pytest.approx(0.6)
+    assert shares["answer"]["token_share"] == pytest.approx(2 / 7)
+    assert shares["answer"]["ratio"] == pytest.approx(0.6 * 7 / 2)
+    assert shares["format"]["update_share"] == pytest.approx(0.2)
+
+
+def test_segment_advantages_telescope_and_compare():
+    assert segment_boundaries(10, 4) == [0, 2, 5, 8, 10] or segment_boundaries(10, 4) == [0, 3, 5, 8, 10]
+    assert segment_boundaries(2, 4) == [0, 1, 2]
+    values, errors = torch.tensor([0.5, 0.25, 0.75]), torch.tensor([0.1, 0.1, 0.1])
+    adv, se = segment_advantages(values, errors, final_reward=1.0)
+    assert adv.tolist() == [-0.25, 0.5, 0.25]
+    assert float(adv.sum()) == pytest.approx(1.0 - 0.5)  # r - V(q)
+    assert se.tolist() == pytest.approx([math.sqrt(0.02), math.sqrt(0.02), 0.1])
+    # GRPO's A_i > 0: segment 0 goes the other way but within 2 SE (0.25 < 2 * 0.141): neutral; segment 1 agrees
+    # (0.5 > 0.28); segment 2 is within noise (0.25 > 0.2 -> agrees)
+    cmp = compare_with_uniform(adv, se, [2, 3, 5], grpo_advantage=0.7)
+    assert cmp["neutral"] == pytest.approx(0.2) and cmp["agree"] == pytest.approx(0.8)
+    assert cmp["disagree"] == 0.0 and cmp["top_segment_share"] == pytest.approx(0.5)
+    flipped = compare_with_uniform(torch.tensor([-0.6, 0.1]), torch.tensor([0.1, 0.1]), [1, 1], grpo_advantage=0.7)
+    assert flipped["disagree"] == 0.5
+
+
+@pytest.mark.e2e
+def test_prefix_values_on_the_tiny_model(model_group):
+    model, tok, group = model_group
+    prompt = group.prompt_ids[0][group.prompt_mask[0].bool()]
+    completion = group.completion_ids[0][group.completion_mask[0]]
+    # score 1 for every continuation: V = 1 with zero standard error at every prefix
+    v, e = prefix_values(model, tok, prompt, completion, [0, 2], lambda texts: [1.0] * len(texts), num_samples=4,
+                         max_new_tokens=6)
+    assert v.tolist() == [1.0, 1.0] and e.tolist() == [0.0, 0.0]
+    # a score that reads the text: continuations start with the rollout's own first 2 tokens when b = 2
+    head = tok.decode(completion[:2].tolist(), skip_special_tokens=True)
+    v, _ = prefix_values(model, tok, prompt, completion, [2], lambda texts: [float(t.startswith(head)) for t in texts],
+                         num_samples=4, max_new_tokens=6)
+    assert v.tolist() == [1.0]

@@ -1,0 +1,277 @@
+"""Report sections and claims for sparsity, entropy, S1, baselines and credit: verdicts computed from the numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from grpo_lens.claims.base import CLAIMS, evaluate_claims, verdict_from_interval
+from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+from grpo_lens.formulas.stats import spearman_trend
+from grpo_lens.report import write_report
+from grpo_lens.rundir import lens_overhead
+
+
+def sparsity_claims(records):
+    return evaluate_claims({"records": records}, list(TRAINING_CLAIMS))
+
+
+def study_claims(label, studies):
+    return [c for name in ("uniform_token_credit", "monte_carlo_credit", "group_mean_optimal")
+            for c in CLAIMS.get(name)({"studies": studies})]
+
+
+def test_verdict_rules():
+    assert verdict_from_interval(0.1, 0.3, 0.0, "above") == "holds"
+    assert verdict_from_interval(-0.3, -0.1, 0.0, "above") == "does not hold"
+    assert verdict_from_interval(-0.1, 0.1, 0.0, "above") == "inconclusive"
+    assert verdict_from_interval(0.9, 1.2, 1.0, "contains") == "holds"
+    assert verdict_from_interval(1.1, 1.2, 1.0, "contains") == "does not hold"
+    assert verdict_from_interval(None, 1.2, 1.0, "contains") == "inconclusive"
+    assert verdict_from_interval(0.0, 0.01, 0.023, "below") == "holds"
+    with pytest.raises(ValueError, match="above, below, contains"):
+        verdict_from_interval(0, 1, 0, "sideways")
+
+
+def test_spearman_trend_exact_permutation():
+    # 5 increasing points: rho = 1; exactly 2 of the 5! = 120 orders reach |rho| = 1: p = 2/120
+    rho, p = spearman_trend([1, 2, 3, 4, 5], [0.1, 0.2, 0.3, 0.4, 0.5])
+    assert rho == pytest.approx(1.0) and p == pytest.approx(2 / 120)
+    rho, p = spearman_trend([1, 2, 3, 4], [0.4, 0.3, 0.2, 0.1])
+    assert rho == pytest.approx(-1.0) and p == pytest.approx(2 / 24)
+    assert math.isnan(spearman_trend([1, 2], [1, 2])[0])
+
+
+def _records(hoyers, bf16, dense, n=2**21):
+    recs = []
+    for i, (h, b, d) in enumerate(zip(hoyers, bf16, dense), start=1):
+        recs.append({"step": 5 * i, "perf/step_seconds": 10.0, "perf/lens_seconds": 0.6,
+                     "perf/lens_sparsity_seconds": 0.4, "reward/frac_zero_std_groups": 0.5, "policy/entropy": 1.0 / i,
+                     "sparsity/update_step_hoyer": h, "sparsity/update_step_top1_energy": 0.11,
+                     "sparsity/update_total_bf16_unchanged": b, "sparsity/update_total_bf16_dense": d,
+                     "sparsity/update_total_f32_unchanged": 0.0, "sparsity/grad_zero": 0.01,
+                     "sparsity/grad_hoyer": 0.3, "sparsity/grad_top1_energy": 0.2, "sparsity/sample_entries": n,
+                     "sparsity/mlp/update_total_hoyer": 0.2, "sparsity/mlp/update_total_bf16_unchanged": b,
+                     "sparsity/mlp/update_total_bf16_dense": d})
+    return recs
+
+
+def test_sparsity_claims_follow_the_numbers():
+    # rising Hoyer over 5 lens steps: rho = 1, p = 2/120 = 0.017 < 0.05 -> holds; bf16 share 0.90 vs dense control
+    # 0.89: excess 0.01 with SE sqrt(0.09/2^21) = 2e-4: interval [0.0096, 0.0104] < 0.05 -> does not hold
+    rising = sparsity_claims(_records([0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5))
+    assert [c.verdict for c in rising] == ["holds", "does not hold"]
+    # falling Hoyer -> does not hold; bf16 share far above its dense control -> holds
+    falling = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.9] * 5, [0.5] * 5))
+    assert [c.verdict for c in falling] == ["does not hold", "holds"]
+    # well above the dense control but most weights changed (0.095 unchanged): does not hold
+    few = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.095] * 5, [0.014] * 5))
+    assert few[1].verdict == "does not hold"
+    # three lens steps cannot decide a trend
+    assert sparsity_claims(_records([0.2, 0.3, 0.4], [0.9] * 3, [0.5] * 3))[0].verdict == "inconclusive"
+    # lens cost: 5 x 1.0 s against 5 x 10 - 5 = 45 s
+    assert lens_overhead(_records([0.2] * 5, [0.9] * 5, [0.5] * 5))["overhead"] == pytest.approx(5 / 45)
+
+
+def _ci(m, lo, hi, n=8):
+    return {"mean": m, "lo": lo, "hi": hi, "n": n}
+
+
+def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20), agree=0, rollouts=8, testable=8):
+    prompt = {"p": 0.5, "m_correct": 0.02, "m_wrong": 0.04, "b_star_pop": 0.33, "b_star_exact": 0.34,
+              "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
+    summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
+                      "bias2_share": _ci(0.1, 0.05, 0.15)} for name in ("none", "mean_rescaled", "rloo", "optimal_loo")}
+    summary["optimal_pop"] = {"mse_ratio_to_rloo": mse, "cosine": _ci(0.3, 0.2, 0.4), "bias2_share": _ci(0.1, 0, 0.2)}
+    classes = {c: {"update_share": _ci(0.3, 0.2, 0.4), "token_share": _ci(0.2, 0.15, 0.25), "ratio": answer_ratio}
+               for c in ("answer", "format", "reasoning")}
+    return {"baselines": {"baselines": {"per_prompt": [prompt], "summary": summary, "prompts": 8, "prompts_constant": 2,
+                                        "b_star_shift": _ci(0.01, 0.0, 0.02), "b_star_minus_p": _ci(-0.1, -0.2, 0.0),
+                                        "norm_ratio": ratio, "mean_score_ratio": _ci(30.0, 20.0, 40.0),
+                                        "equal_norms_rejected": rejected, "equal_norms_testable": testable},
+                          "s1": {"measured": _ci(0.4, 0.3, 0.5), "predicted": _ci(0.42, 0.35, 0.5),
+                                 "difference": _ci(-0.02, -0.1, 0.06), "prompts": 10, "rollouts_per_prompt": 16},
+                          "meta": {"group_size": 4, "rollouts_per_prompt": 16, "gradients": "sketch",
+                                   "sketch_dim": 16}},
+            "credit": {"contributions": {"position_profile": [_ci(0.5, 0.4, 0.6), _ci(0.5, 0.4, 0.6)],
+                                         "classes": classes, "closure": 1e-4, "groups": 4},
+                       "monte_carlo": {"rollouts": [{"reward": 1.0, "grpo_advantage": 0.8, "boundaries": [0, 3, 6],
+                                                     "values": [0.5, 0.6], "errors": [0.1, 0.1],
+                                                     "advantages": [0.1, 0.4], "adv_errors": [0.14, 0.1]}] * rollouts,
+                                       "samples_per_prefix": 8, "disagree": disagree, "agree": _ci(0.5, 0.3, 0.7),
+                                       "segments": {"disagree": segments[0], "agree": agree, "total": segments[1]},
+                                       "neutral": _ci(0.4, 0.2, 0.6), "top_segment_share": _ci(0.7, 0.6, 0.8)},
+                       "meta": {"group_size": 4}}}
+
+
+def test_study_claims_follow_the_numbers():
+    # m_C = m_W rejected on 6 of 8 prompts (Wilson interval [0.41, 0.93] above 0.05) and population b*'s MSE ratio
+    # [0.7, 0.9] < 1: the group mean is not optimal -> does not hold; answer ratio [1.3, 1.8] outside 1 ± 0.25 -> does
+    # not hold; Monte Carlo: 10 of 20 segments disagree (Wilson [0.30, 0.70] above 0.023) -> does not hold
+    c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8),
+                                        _ci(0.2, 0.1, 0.3)))
+    assert [x.verdict for x in c] == ["does not hold", "does not hold", "does not hold"]
+    # 0 of 16 rejected (Wilson upper end z^2/(n + z^2) = 3.8416/19.8416 = 0.19 < 0.25) and MSE ratio [0.95, 1.1]
+    # above 0.9 -> holds (equivalence); answer ratio inside 1 ± 0.25 -> holds; 0 of 200 segments disagree: Wilson
+    # upper end 3.84 / 203.84 = 0.019 < 0.023, and 150 of 200 signed beyond 2 SE (Wilson lower end 0.69 > 0.5) -> holds
+    c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2),
+                                       _ci(0.0, 0.0, 0.01), rejected=0.0, segments=(0, 200), agree=150, testable=16))
+    assert [x.verdict for x in c] == ["holds", "holds", "holds"]
+    # too small to show equivalence: 0 of 8 rejected has Wilson upper end 3.8416/11.8416 = 0.32 > 0.25; and with 16
+    # prompts an MSE interval reaching 0.85 leaves room for a 15% gain from b* -> inconclusive both times
+    for n, mse in ((8, _ci(1.0, 0.95, 1.1)), (16, _ci(1.0, 0.85, 1.1))):
+        c = study_claims("x", _studies(_ci(1.0, 0.8, 1.2), mse, _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01),
+                                       rejected=0.0, testable=n))
+        assert c[-1].verdict == "inconclusive"
+    # many rejections but no measurable MSE gain: inconclusive (the mean ratio 1.0 is not used: it can cancel)
+    c = study_claims("x", _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
+    assert c[-1].verdict == "inconclusive"
+
+
+def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
+    # answer tokens inside 1 ± 0.25 but format tokens at [0.17, 0.38], wholly below the band: the claim is about every
+    # token, so it does not hold, and the rule names the class that decided it
+    st = _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.9, 1.1), _ci(0.0, 0.0, 0.01), testable=7)
+    st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(0.27, 0.17, 0.38)
+    credit = study_claims("x", st)[0]
+    assert credit.verdict == "does not hold" and "format" in credit.rule and "reasoning" not in credit.rule
+    # every class inside the band -> holds; one class overlapping the edge -> inconclusive
+    st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(1.0, 0.8, 1.2)
+    assert study_claims("x", st)[0].verdict == "holds"
+    st["credit"]["contributions"]["classes"]["reasoning"]["ratio"] = _ci(1.0, 0.6, 1.2)
+    assert study_claims("x", st)[0].verdict == "inconclusive"
+    # 7 testable prompts: no Wilson interval is printed for the rejection share (intervals need >= 8 units)
+    group_mean = study_claims("x", st)[-1]
+    assert group_mean.verdict == "inconclusive" and "too few prompts for an interval" in group_mean.measurement
+    assert "Wilson" not in group_mean.measurement
+
+
+def _report_with_studies(run_dir) -> str:
+    """report.md of ``run_dir`` holding a probe.json whose studies are :func:`_studies` (does-not-hold numbers)."""
+    probe = {"meta": {"model": "tiny"}, "per_group_size": {},
+             "studies": _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8), _ci(0.2, 0.1, 0.3))}
+    (run_dir / "probe.json").write_text(json.dumps(probe))
+    return write_report(run_dir).read_text()
+
+
+@pytest.mark.e2e
+def test_probe_only_report_does_not_promise_sparsity_claims(tmp_path):
+    report = _report_with_studies(tmp_path)
+    assert "## Claims: effective rank, zero-sum structure, the identity, credit, baselines" in report
+    assert "sparsity over training come from a training run" in report
+
+
+def test_wilson_interval_closed_form():
+    from grpo_lens.formulas.stats import wilson_interval
+
+    # 0 of 8: [0, z^2/(n + z^2)] = [0, 3.8416/11.8416] = [0, 0.3244]
+    lo, hi = wilson_interval(0, 8)
+    assert lo == 0.0 and hi == pytest.approx(3.8416 / 11.8416, abs=1e-4)
+    lo, hi = wilson_interval(4, 8)  # symmetric around 1/2
+    assert lo + hi == pytest.approx(1.0)
+
+
+@pytest.mark.e2e
+def test_report_has_the_new_sections_and_claims(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _records(
+        [0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n")
+    report = _report_with_studies(tmp_path)
+    assert "## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines" in report
+    # one table: the training run's claims and the probe's (labelled by source)
+    assert "| training | gradient (update) sparsity intensifies over training |" in report
+    assert "| probe | the group mean is the variance-optimal baseline (m_C = m_W) |" in report
+    for head in ("### Policy entropy", "### Sparsity over training", "### S1 predicted from rollouts outside",
+                 "### Baselines at matched expectation", "### Token credit"):
+        assert head in report, head
+    # entropy 1/i: first 5 steps mean (1 + 1/2 + ... + 1/5) / 5 = 0.457
+    assert "1.000 nats over the first" not in report and "0.457 nats over the first 5 steps" in report
+    assert "| optimal_pop | 0.800 [0.700, 0.900] |" in report
+    assert (tmp_path / "sparsity_measures.png").is_file() and (tmp_path / "credit_position_probe.png").is_file()
+
+
+def test_no_interval_from_fewer_than_eight_units():
+    from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
+    from grpo_lens.formulas.stats import bootstrap_mean
+
+    # over 2 values every resample with a spread is the pair itself (the interval would be the data's range), and a
+    # handful gives quantiles of a few distinct means: no interval below MIN_UNITS = 8 (docs/theory.md §7)
+    assert MIN_UNITS == 8
+    assert bootstrap_mean([0.1, 0.3])["lo"] is None and bootstrap_mean([0.1, 0.3, 0.2, 0.4])["hi"] is None
+    eight = bootstrap_mean([0.1, 0.3, 0.2, 0.4, 0.15, 0.25, 0.35, 0.3])
+    assert eight["lo"] < 0.26 < eight["hi"]
+    # a share's interval stays inside [0, 1]
+    clipped = bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))
+    assert 0.0 <= clipped["lo"] <= clipped["hi"] <= 1.0
+
+
+def test_credit_claims_need_power_not_absence_of_data():
+    credit = lambda **kw: [CLAIMS.get(n)({"studies": _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), **kw)})[0]
+                           for n in ("uniform_token_credit", "monte_carlo_credit")]
+    # the new-user report: 4 rollouts, 0 disagreeing segments, most within noise of 0. The old rule (disagreeing
+    # share's interval below 0.023) said holds on 200 such segments; now: too few rollouts -> inconclusive
+    u, mc = credit(answer_ratio=_ci(1.0, 0.3, 2.5), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=25,
+                   rollouts=4)
+    assert mc.verdict == "inconclusive" and "4 rollouts < 8" in mc.rule
+    # the old "interval contains 1" said holds on the wide [0.3, 2.5]; it overlaps the edge of 1 ± 0.25
+    assert u.verdict == "inconclusive"
+    # 8 rollouts but only 25 of 200 segments signed (12.5%, Wilson lower end 0.086 < 0.5): no power -> inconclusive
+    u, mc = credit(answer_ratio=_ci(1.0, None, None), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=25)
+    assert mc.verdict == "inconclusive" and "no power" in mc.rule
+    assert u.verdict == "inconclusive"  # no interval (fewer than 8 groups)
+    # planted: 150 of 200 signed, none against A_i -> holds; 30 of 200 against (Wilson [0.11, 0.21] > 0.023) -> does
+    # not hold even with few signed in its favour; answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
+    _, mc = credit(answer_ratio=_ci(1.0, 0.9, 1.1), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=150)
+    assert mc.verdict == "holds"
+    u, mc = credit(answer_ratio=_ci(1.45, 1.3, 1.6), disagree=_ci(0.15, 0.1, 0.2), segments=(30, 200))
+    assert (u.verdict, mc.verdict) == ("does not hold", "does not hold")
+
+
+def test_band_verdict():
+    from grpo_lens.claims.base import band_verdict
+
+    assert band_verdict(0.8, 1.2, 0.75, 1.25) == "holds"
+    assert band_verdict(0.5, 1.5, 0.75, 1.25) == "inconclusive"  # contains 1, but too wide
+    assert band_verdict(1.3, 1.4, 0.75, 1.25) == "does not hold"
+    assert band_verdict(0.1, 0.7, 0.75, 1.25) == "does not hold"
+    assert band_verdict(None, None, 0.75, 1.25) == "inconclusive"
+    assert band_verdict(float("nan"), 1.0, 0.75, 1.25) == "inconclusive"  # a non-finite end is no interval
+
+
+@pytest.mark.e2e
+def test_s4_claim_is_not_judged_on_lora_adapter_weights(tmp_path):
+    from grpo_lens.claims.sparsity import most_parameters_unchanged
+    from grpo_lens.report import write_report
+
+    # the step-1 LoRA case of the user test: B = 0 at init, so A gets no gradient and 0.500 of the adapter weights
+    # are unchanged; a full-model run with these numbers "does not hold" (0.484 < 0.5), a LoRA run is not judged
+    recs = _records([0.2] * 5, [0.484] * 5, [0.01] * 5)
+    assert most_parameters_unchanged({"records": recs})[0].verdict == "does not hold"
+    lora = most_parameters_unchanged({"records": recs, "lora_rank": 8})[0]
+    assert lora.verdict == "inconclusive" and lora.rule.startswith("not applicable to adapter parameters")
+    assert "LoRA rank 8" in lora.scope and "adapter" in lora.measurement
+    # the report names the parameter space
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    (tmp_path / "config.yaml").write_text("task: arithmetic\nlora_rank: 8\n")
+    text = write_report(tmp_path).read_text()
+    assert "Parameter space: this is a LoRA run (rank 8)" in text
+    assert "of the LoRA adapter's weights (not the full model's) kept their bf16 value" in text
+    assert "**does not hold** | only 0.484" not in text
+
+
+@pytest.mark.e2e
+def test_claims_say_where_their_rules_and_intervals_come_from(tmp_path):
+    # a training-only run: its heading promises only what it shows (two sparsity claims) and sends the rest to probe
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _records(
+        [0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n")
+    report = write_report(tmp_path).read_text()
+    assert "## Claims: sparsity over training" in report and "come from `grpo-lens probe`" in report
+    assert "## Claims: effective rank" not in report
+    assert "§11 for the rank claims and the identity, §12 for sparsity, credit and baselines" in report
+    # every row names what its interval is over
+    assert "binomial interval over 2097152 sampled weights" in report
+    c = study_claims("x", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3)))
+    assert "(n = 8 groups)" in c[0].measurement
+    assert "Wilson interval over segments" in c[1].measurement
+    assert "Wilson interval over prompts" in c[2].measurement and "(n = 8 prompts)" in c[2].measurement

@@ -1,0 +1,151 @@
+"""The multi-process path: 2 processes (torchrun, gloo on CPU) take the same optimizer steps as 1 process on the
+whole batch.
+
+Each process computes its share of the loss with the normaliser summed over processes, and the gradients are summed
+with an all-reduce (trainer.policy_update), so the per-process gradients add up to the whole batch's. The rollouts of
+a real 2-process run differ from a 1-process run (each rank samples with its own seed), so the comparison uses a fixed
+batch: tests/_distributed_worker.py splits it across the ranks and calls policy_update directly, for every loss
+aggregation and for 1 and 2 mini-batches; here the same function runs in one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import _distributed_worker as worker
+import pytest
+import torch
+
+from grpo_lens.train.processes import Processes
+
+HERE = Path(__file__).resolve().parents[1]  # tests/, where _distributed_worker.py lives
+WORLD = 2
+TIMEOUT_S = 300
+
+
+
+class RankResults(list):
+    """Each rank's results (a list indexed by rank), and ``out``, the worker's output folder."""
+
+    def __init__(self, results: list, out: Path):
+        super().__init__(results)
+        self.out = out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_available() -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_gloo_available()
+            and importlib.util.find_spec("torch.distributed.run") is not None)
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+    if not _torchrun_available():
+        pytest.skip("torchrun / torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(HERE / "_distributed_worker.py"),
+           str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=HERE.parent)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert [(d["rank"], d["world"]) for d in ranks] == [(r, WORLD) for r in range(WORLD)], \
+        "the workers did not form one group of 2 processes"
+    return RankResults([d["results"] for d in ranks], out)
+
+
+@pytest.fixture(scope="module")
+def one_process_results():
+    return worker.run_updates(Processes(0, 1, torch.device("cpu")), as_world=WORLD)
+
+
+KEYS = [(mode, m) for mode in sorted(worker.LOSS_AGGREGATIONS.names()) for m in worker.MINI_BATCHES]
+
+
+def _assert_close(a: dict, b: dict, what: str, atol: float, rtol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
+
+
+def test_group_order():
+    # 2 ranks x 2 mini-batches: rank 0 holds groups 0, 1 and rank 1 holds 2, 3; step 1 = {0, 2}, step 2 = {1, 3}
+    assert worker.group_order(2, 2) == [0, 2, 1, 3]
+    assert worker.group_order(2, 1) == [0, 1, 2, 3]
+    assert worker.group_order(1, 2) == [0, 1, 2, 3]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode,mini_batches", KEYS)
+def test_two_processes_equal_one(two_process_results, one_process_results, mode, mini_batches):
+    key = (mode, mini_batches)
+    single = one_process_results[key]
+    for rank, results in enumerate(two_process_results):
+        got = results[key]
+        # the summed first-step gradient (before clipping) is the whole batch's gradient
+        _assert_close(got["grad"], single["grad"], f"rank {rank} first-step gradient", atol=1e-6, rtol=1e-4)
+        # after mu=2 passes x mini-batches of SGD steps with clipping, the weights agree: lr * (float noise)
+        _assert_close(got["params"], single["params"], f"rank {rank} parameters", atol=1e-6, rtol=1e-5)
+        assert got["metrics"]["grad/optimizer_steps"] == single["metrics"]["grad/optimizer_steps"] == 2 * mini_batches
+        assert got["metrics"]["grad/norm"] == pytest.approx(single["metrics"]["grad/norm"], rel=1e-5)
+        # the logged loss and token statistics are the whole batch's, not one rank's share
+        for k in ("loss/policy", "loss/kl", "kl/mean", "clip/ratio_region", "clip/ratio_low", "clip/ratio_high",
+                  "ratio/mean", "ratio/max"):
+            assert got["metrics"][k] == pytest.approx(single["metrics"][k], rel=1e-4, abs=1e-7), k
+
+
+def test_the_batch_exercises_the_loss(one_process_results):
+    # guard against a vacuous comparison: the gradient is non-zero, the clip binds, and the aggregations differ
+    m = one_process_results[("token-mean", 1)]["metrics"]
+    assert m["clip/ratio_low"] > 0 and m["clip/ratio_high"] > 0 and m["kl/mean"] > 0
+    grads = {mode: one_process_results[(mode, 1)]["grad"]["lm_head.weight"]
+             for mode in worker.LOSS_AGGREGATIONS.names()}
+    assert all(g.abs().max() > 0 for g in grads.values())
+    assert not torch.allclose(grads["token-mean"], grads["seq-mean-token-mean"], rtol=1e-3)
+
+
+@pytest.mark.e2e
+def test_cli_train_under_torchrun(two_process_results):
+    """The real loop with 2 processes (``grpo-lens train`` in the worker, after the fixed-batch updates): it
+    finishes (no collective left waiting), and rank 0 alone writes one metrics line per step, a checkpoint and the
+    final model."""
+    out = two_process_results.out / "run"
+    assert [(two_process_results.out / f"cli_rc{r}").read_text() for r in range(WORLD)] == ["0"] * WORLD
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        # test_alternating gives 1, 0 in each group: both groups mixed, mean 0.5
+        assert r["reward/mean"] == 0.5 and r["reward/frac_zero_std_groups"] == 0.0
+        assert r["completions/mean_length"] <= 6 and r["grad/norm"] > 0
+        assert r["grad/optimizer_steps"] == 1 and "rank/g1_erank" in r
+        # the lens gathered every process's groups: one mixed group on each of the 2 processes
+        assert r["rank/mixed_groups"] == 2.0
+    assert (out / "checkpoints" / "step-000002" / "model.safetensors").is_file()
+    assert (out / "final_model" / "config.json").is_file()
+
+
+def test_mini_batches_must_divide_each_process_share():
+    # B = 6 over 2 processes: 3 prompts each, which 2 mini-batches cannot split into equal optimizer steps (a
+    # process would take 3 steps of 1 prompt); 3 mini-batches can.
+    from grpo_lens.config import TrainConfig
+    from grpo_lens.train.loop import check_inputs
+
+    procs = Processes(0, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="num_mini_batches"):
+        check_inputs(TrainConfig(model="tiny", prompts_per_step=6, num_mini_batches=2), procs)
+    check_inputs(TrainConfig(model="tiny", prompts_per_step=6, num_mini_batches=3), procs)
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        check_inputs(TrainConfig(model="tiny", prompts_per_step=3, num_mini_batches=1), procs)

@@ -1,0 +1,186 @@
+"""The per-rollout term the lens and probe measure is the one the trainer's update sums (docs/theory.md §3).
+
+For every loss aggregation, on the first on-policy pass (ratio 1, beta = 0) the trainer's actual loss gradient (taken
+from ``policy_update`` just before its optimizer step) must equal -(1/N) sum_i A_i omega_i sum_t grad log pi(o_{i,t}),
+omega = ``rollout_gradient_weights``: exactly for the exact per-rollout gradients, and for the per-layer rows of the
+identity-projection sketch (the lens's path with P = I). The length-normalised g_i alone matches only
+seq-mean-token-mean: for token-mean and Dr. GRPO it points elsewhere (the completions have lengths 1-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _distributed_worker import TEMPERATURE, B, R, T, build_batch, build_model
+
+from grpo_lens.analysis.group import analyse_group, mean_over_groups
+from grpo_lens.config import TrainConfig
+from grpo_lens.formulas.losses import (
+    LOSS_AGGREGATIONS,
+    loss_normalizer,
+    rollout_gradient_weights,
+)
+from grpo_lens.formulas.zero_sum import weightings
+from grpo_lens.gradients.exact import exact_rollout_grads, layer_weight_grads
+from grpo_lens.gradients.g2 import G2WeightingCapture, module_kind
+from grpo_lens.gradients.params import param_slices
+from grpo_lens.gradients.sketch import sketch_rollout_grads
+from grpo_lens.train.processes import Processes
+from grpo_lens.train.update import policy_update
+
+
+def _trainer_gradient(model, batch, advantages, mode):
+    """The flat loss gradient policy_update computes before its (first and only) optimizer step."""
+    config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
+                         loss_aggregation=mode, num_mini_batches=1, mu=1, micro_batch_size=3, beta=0.0,
+                         max_grad_norm=0.0, progress=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads: list[torch.Tensor] = []
+
+    def snapshot():
+        grads.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
+
+    policy_update(model, torch.optim.SGD(params, lr=0.0), batch, advantages, None, config,
+                  Processes(0, 1, torch.device("cpu")), params, before_step=snapshot)
+    return grads[0].double()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS.names())
+def test_sum_of_weighted_rollout_terms_is_the_trainers_gradient(mode):
+    torch.manual_seed(0)
+    model = build_model()
+    batch, advantages, _ = build_batch(model)
+    N = batch.num_rollouts
+    want = _trainer_gradient(model, batch, advantages, mode)
+    omega = rollout_gradient_weights(batch.completion_mask, mode,
+                                     loss_normalizer(batch.completion_mask, mode, T))
+    rows = exact_rollout_grads(model, batch, score_weights=omega, temperature=TEMPERATURE).double()  # [N, P]
+    got = -(advantages.double() @ rows) / N
+    assert float((got - want).norm() / want.norm()) < 1e-5, mode
+
+    # the sketch path (P = I: exact per-row weight gradients of every nn.Linear) sums to the same linear-weight part
+    sketch = sketch_rollout_grads(model, batch, projection="identity", score_weights=omega,
+                                     temperature=TEMPERATURE, dtype=torch.float64)
+    slices = param_slices(model)
+    for name in ("model.layers.0.mlp.down_proj", "lm_head"):
+        key = name + ".weight"
+        if key not in slices:
+            continue
+        got_layer = -(advantages.double() @ sketch.per_layer[name]) / N
+        want_layer = want[slices[key]]
+        assert float((got_layer - want_layer).norm() / want_layer.norm()) < 1e-5, (mode, name)
+
+    # the length-normalised g_i (omega = 1/|o_i|) is the right term only for seq-mean-token-mean
+    plain = exact_rollout_grads(model, batch, temperature=TEMPERATURE).double()
+    cos = float(torch.nn.functional.cosine_similarity(-(advantages.double() @ plain), want, dim=0))
+    if mode == "seq-mean-token-mean":
+        assert cos > 1 - 1e-9
+    else:
+        assert cos < 0.99, (mode, cos)
+
+
+def test_rollout_weights_reproduce_every_numerator():
+    # numerator(l, m) = sum_i v_i sum_t l_it m_it for every registered mode (what omega is built from)
+    g = torch.Generator().manual_seed(0)
+    loss = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    mask = torch.arange(7).unsqueeze(0) < torch.tensor([7, 3, 1, 5, 0]).unsqueeze(1)
+    m = mask.double()
+    for mode in LOSS_AGGREGATIONS.names():
+        agg = LOSS_AGGREGATIONS.get(mode)
+        want = agg.numerator(loss, m)
+        got = (agg.rollout_weights(m) * (loss * m).sum(1)).sum()
+        assert float(got) == pytest.approx(float(want), rel=1e-12), mode
+    # closed form: seq-mean omega = 1/|o_i|; token-mean omega = N / sum|o| = 4/16 (4 rollouts with a token);
+    # Dr. GRPO omega = 1/T_max = 1/7
+    w = rollout_gradient_weights(mask, "seq-mean-token-mean", loss_normalizer(mask, "seq-mean-token-mean", 7))
+    assert w[:4].tolist() == pytest.approx([1 / 7, 1 / 3, 1.0, 1 / 5])
+    w = rollout_gradient_weights(mask, "token-mean", loss_normalizer(mask, "token-mean", 7))
+    assert w.tolist() == pytest.approx([4 / 16] * 5)
+    w = rollout_gradient_weights(mask, "seq-mean-token-sum-norm", loss_normalizer(mask, "seq-mean-token-sum-norm", 7))
+    assert w.tolist() == pytest.approx([1 / 7] * 5)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("estimator,std", [("grpo", "sample"), ("grpo", "population"), ("dr_grpo", "sample"),
+                                           ("rloo", "sample")])
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
+    """TrainerLens.measure = mean over mixed groups of analyse_group on the same sketched rows; the identity uses the
+    estimator's own constant, so its residual is round-off for every estimator and std convention."""
+    from grpo_lens.formulas.advantages import compute_advantages
+    from grpo_lens.train.lens import TrainerLens
+
+    torch.manual_seed(0)
+    model = build_model()
+    batch, _, _ = build_batch(model)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # groups 0, 1, 3 mixed; group 2 all-equal
+    valid = torch.ones(8, dtype=torch.bool)
+    adv = compute_advantages(rewards.view(B, R), estimator, std=std, eps=1e-4).view(-1)
+    config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
+                         estimator=estimator, std=std, loss_aggregation=mode, sketch_dim=8, progress=False)
+    out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
+    assert out["rank/mixed_groups"] == 3.0
+    assert out["grad/identity_residual"] < 1e-5
+    # the same numbers from the per-group function on the same sketch (same seed, same omega)
+    mixed = [0, 1, 3]
+    idx = torch.tensor([b * R + i for b in mixed for i in range(R)])
+    sub = batch.select(idx)
+    omega = rollout_gradient_weights(sub.completion_mask, mode, loss_normalizer(batch.completion_mask, mode, T),
+                                     float(batch.completion_mask.any(1).sum()))
+    sk = sketch_rollout_grads(model, sub, k_in=8, k_out=8, seed=config.seed, score_weights=omega,
+                                 temperature=TEMPERATURE).sketch.double()
+    rows = [analyse_group(sk[j * R:(j + 1) * R], rewards[b * R:(b + 1) * R].double(),
+                             adv[b * R:(b + 1) * R].double(), estimator=estimator, std=std, eps=1e-4,
+                             completion_mask=sub.completion_mask[j * R:(j + 1) * R],
+                             completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
+                             seed=config.seed + 3 * 1009 + b) for j, b in enumerate(mixed)]
+    want = mean_over_groups(rows)
+    for key in ("rank/g1_erank", "rank/g1_null_erank", "baseline/m_correct", "grad/identity_constant",
+                "rank/g1_random_erank"):
+        assert out[key] == pytest.approx(want[key], rel=1e-9), key
+
+
+@pytest.mark.e2e
+def test_exact_layer_rows_from_the_sketch_pass():
+    # the identity capture opened beside the sketch gives each rollout's exact weight gradient of the layer: the same
+    # numbers as the one-backward-per-rollout oracle (G1_layer and G2 of the probe come from these rows)
+    torch.manual_seed(0)
+    model = build_model()
+    batch, _, _ = build_batch(model)
+    layer = "model.layers.1.mlp.down_proj"
+    sk = sketch_rollout_grads(model, batch, k_in=4, k_out=4, exact_layers=[layer], temperature=TEMPERATURE)
+    want = exact_rollout_grads(model, batch, temperature=TEMPERATURE)[:, param_slices(model)[layer + ".weight"]]
+    got = sk.exact_layers[layer]
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert sk.per_layer[layer].shape[1] == 16  # the sketch itself is unchanged (4 x 4)
+
+
+@pytest.mark.e2e
+def test_g2_weighting_capture_matches_the_weight_gradients():
+    # stable rank ||G2(w)||_F^2 / s_1^2 of every linear layer under each weighting, from one backward through
+    # position-space Gram matrices, against G2(w) from autograd's weight gradients of sum_i w_i s_i
+    from grpo_lens.gradients.scores import rollout_scores
+    from grpo_lens.rollout import batch_logprobs
+
+    torch.manual_seed(0)
+    model = build_model().eval()
+    batch, advantages, _ = build_batch(model)
+    sub = batch.select(torch.arange(4))  # two groups of R = 2, as one pass of 4 rollouts
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    ws = weightings(advantages[:4].double(), rewards.double())
+    cap = G2WeightingCapture(model, ws)
+    with cap:
+        logp = batch_logprobs(model, sub, TEMPERATURE)
+        loss = rollout_scores(logp, sub.completion_mask).sum()
+        torch.autograd.grad(loss, [p for p in model.parameters()], allow_unused=True)
+    got = cap.result()
+    for name, w in ws.items():
+        grads = layer_weight_grads(model, sub, w.float(), None, temperature=TEMPERATURE)
+        per_type: dict[str, list[float]] = {}
+        for layer, g2 in grads.items():
+            s = torch.linalg.svdvals(g2.double())
+            per_type.setdefault(module_kind(layer), []).append(float(s.square().sum() / s[0] ** 2))
+        for t, vals in per_type.items():
+            assert got[f"rank/g2_{name}_{t}_stable_rank"] == pytest.approx(sum(vals) / len(vals), rel=1e-3), (name, t)
