@@ -36,6 +36,7 @@ from grpo_lens.config import (
     flags_given,
 )
 from grpo_lens.demo import DemoConfig, run_demo
+from grpo_lens.metrics import GROUPS_MIXED, PROBE_TIMING, PROMPTS_SAMPLED
 from grpo_lens.models import ModelNotFoundError
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.run import run_probe
@@ -122,8 +123,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
     data = json.loads((out / "probe.json").read_text())
-    per_r = ", ".join(f"R = {R}: {d['groups_mixed']} mixed of {d['prompts_sampled']} prompts in "
-                      f"{d['timing']['seconds']:.0f} s" for R, d in data["per_group_size"].items())
+    per_r = ", ".join(f"R = {R}: {d[GROUPS_MIXED]} mixed of {d[PROMPTS_SAMPLED]} prompts in "
+                      f"{d[PROBE_TIMING]['seconds']:.0f} s" for R, d in data["per_group_size"].items())
     meta = data["meta"]
     print(f"probe written to {out} in {meta['seconds']:.0f} s ({per_r}; studies {meta['studies_seconds']:.0f} s)")
     return 0

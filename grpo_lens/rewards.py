@@ -23,6 +23,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from grpo_lens.metrics import (
+    PERF_REWARD_SECONDS,
+    REWARD_ERROR_COUNT,
+    REWARD_FUNCTION,
+    REWARD_FUNCTION_INVALID_COUNT,
+    REWARD_INVALID_COUNT,
+    REWARD_MEAN,
+    REWARD_STD,
+    REWARD_TIMEOUT_COUNT,
+)
 from grpo_lens.registry import Registry
 
 if TYPE_CHECKING:
@@ -458,7 +468,7 @@ def combine_rewards(
                          "each prompt R times)")
     total = torch.zeros(N, dtype=torch.float64)
     valid = torch.ones(N, dtype=torch.bool)
-    metrics: dict[str, float] = {"reward/timeout_count": 0, "reward/error_count": 0}
+    metrics: dict[str, float] = {REWARD_TIMEOUT_COUNT: 0, REWARD_ERROR_COUNT: 0}
     for name, fn, weight in funcs:
         start = time.perf_counter()
         try:
@@ -468,25 +478,25 @@ def combine_rewards(
             r = torch.tensor([_to_float(v) for v in values], dtype=torch.float64)  # [N]
         except RewardTimeout as err:
             logger.error("reward %r %s: its %d rollouts are marked invalid", name, err, N)
-            metrics["reward/timeout_count"] += 1
+            metrics[REWARD_TIMEOUT_COUNT] += 1
             r = torch.full((N,), math.nan, dtype=torch.float64)
         except Exception:  # noqa: BLE001 - a failing reward function must not stop the run
             logger.exception("reward %r raised: its %d rollouts are marked invalid", name, N)
-            metrics["reward/error_count"] += 1
+            metrics[REWARD_ERROR_COUNT] += 1
             r = torch.full((N,), math.nan, dtype=torch.float64)
         ok = ~torch.isnan(r)
         if (~ok).any():
             logger.warning("reward %r: %d of %d rollouts invalid (None, NaN or failed call)", name,
                            int((~ok).sum()), N)
-        metrics[f"reward/{name}"] = float(r[ok].mean()) if ok.any() else math.nan
-        metrics[f"reward/{name}/invalid_count"] = int((~ok).sum())
-        metrics[f"perf/reward_{name}_seconds"] = time.perf_counter() - start  # timing keys live under perf/
+        metrics[REWARD_FUNCTION.format(name=name)] = float(r[ok].mean()) if ok.any() else math.nan
+        metrics[REWARD_FUNCTION_INVALID_COUNT.format(name=name)] = int((~ok).sum())
+        metrics[PERF_REWARD_SECONDS.format(name=name)] = time.perf_counter() - start  # timing keys live under perf/
         valid &= ok
         total += weight * torch.nan_to_num(r, nan=0.0)
     rewards = torch.where(valid, total, torch.full_like(total, math.nan)).float()  # [N]
-    metrics["reward/invalid_count"] = int((~valid).sum())
-    metrics["reward/mean"] = float(rewards[valid].mean()) if valid.any() else math.nan
-    metrics["reward/std"] = float(rewards[valid].std(unbiased=False)) if valid.any() else math.nan
+    metrics[REWARD_INVALID_COUNT] = int((~valid).sum())
+    metrics[REWARD_MEAN] = float(rewards[valid].mean()) if valid.any() else math.nan
+    metrics[REWARD_STD] = float(rewards[valid].std(unbiased=False)) if valid.any() else math.nan
     return rewards, valid, metrics
 
 

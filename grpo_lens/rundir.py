@@ -31,6 +31,13 @@ import torch
 import yaml
 from safetensors.torch import load_model, save_model
 
+from grpo_lens.metrics import (
+    PERF_LENS_SECONDS,
+    PERF_LENS_SPARSITY_SECONDS,
+    PERF_STEP_SECONDS,
+    STEP,
+)
+
 
 class RunDirError(ValueError):
     """The output directory cannot be used as asked (holds another run, has no checkpoint to resume, ...)."""
@@ -226,7 +233,7 @@ class RunDir:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a kill mid-write
-                if int(rec.get("step", 0)) <= last_step:
+                if int(rec.get(STEP, 0)) <= last_step:
                     kept.append(line)
             atomic_write_text(path, "".join(k + "\n" for k in kept))
 
@@ -357,10 +364,10 @@ def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:
         {"lens_seconds", "train_seconds" (the steps without the lens), "overhead" (a fraction), "lens_steps",
         "steps"}, or None without step timings.
     """
-    steps = [r for r in records if r.get("perf/step_seconds") is not None]
+    steps = [r for r in records if r.get(PERF_STEP_SECONDS) is not None]
     if not steps:
         return None
-    lens = sum((r.get("perf/lens_seconds") or 0.0) + (r.get("perf/lens_sparsity_seconds") or 0.0) for r in steps)
-    base = sum(r["perf/step_seconds"] for r in steps) - lens
+    lens = sum((r.get(PERF_LENS_SECONDS) or 0.0) + (r.get(PERF_LENS_SPARSITY_SECONDS) or 0.0) for r in steps)
+    base = sum(r[PERF_STEP_SECONDS] for r in steps) - lens
     return {"lens_seconds": lens, "train_seconds": base, "overhead": lens / base if base > 0 else float("nan"),
-            "lens_steps": sum(r.get("perf/lens_seconds") is not None for r in steps), "steps": len(steps)}
+            "lens_steps": sum(r.get(PERF_LENS_SECONDS) is not None for r in steps), "steps": len(steps)}

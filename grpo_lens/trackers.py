@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import yaml
 
+from grpo_lens.metrics import STEP
 from grpo_lens.registry import Registry
 
 #: ``--report-to`` names; ``none`` sends nothing.
@@ -65,7 +66,7 @@ def check_trackers(names: list[str]) -> None:
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numeric entries of a metrics record (not ``step``; no None, NaN, bool or text), as floats."""
     return {k: float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+            if k != STEP and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def _flat_config(config: dict[str, Any]) -> dict[str, Any]:

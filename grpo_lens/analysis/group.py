@@ -4,8 +4,8 @@
 and ``grpo-lens probe`` (:func:`grpo_lens.probe.run.measure_group`) call; they only aggregate its rows over groups
 (the lens: :func:`mean_over_groups` over the step's mixed groups; the probe: means with bootstrap intervals, strata by
 k and by distinct completions, :mod:`grpo_lens.formulas.stats`). It composes the formulas of
-:mod:`grpo_lens.formulas` into keys and computes nothing of its own: every key is documented in docs/metrics.md, every
-formula in docs/theory.md.
+:mod:`grpo_lens.formulas` into keys and computes nothing of its own: every key is named in :mod:`grpo_lens.metrics`
+(documented in docs/metrics.md), every formula in docs/theory.md.
 
 Inputs are the group's per-rollout gradients ``grads`` [R, K] (exact [R, P] or a linear sketch [R, K]: everything here
 uses inner products only, so a sketch gives unbiased Gram entries), its rewards [R] and the advantages [R] the trainer
@@ -18,8 +18,8 @@ stable_rank, participation_ratio, k90, k99):
 - ``group/size`` R, ``group/reward_mean``, ``group/correct`` k (0/1 rewards only), ``group/distinct_completions``
   (when completion ids are given).
 - ``rank/g1_<m>``: G1, rows A_i g_i, and its controls on the same rows
-  (:func:`grpo_lens.formulas.spectrum.g1_controls`): ``rank/g1_no_adv_<m>`` (rows g_i), ``rank/g1_random_<m>`` (rows w_i g_i, w random zero-sum with ||w|| = ||A||,
-  mean over draws), ``rank/g1_nll_<m>`` (rows of the supervised token-mean NLL gradient; with a completion mask),
+  (:func:`grpo_lens.formulas.spectrum.g1_controls`): ``rank/g1_no_adv_<m>`` (rows g_i), ``rank/g1_random_<m>``
+  (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>`` (rows of the supervised token-mean NLL gradient; with a completion mask),
   ``rank/g1_null_<m>`` (the orthogonal null: singular values |A_i| ||g_i||, what G1 would have if its rows were
   orthogonal) and ``rank/g1_<m>_vs_null`` = rank/g1_<m> / rank/g1_null_<m>.
 - ``grad/identity_residual``: relative residual of sum_i A_i g_i = c (gbar_C - gbar_W) with the estimator's own c
@@ -62,6 +62,23 @@ from grpo_lens.formulas.spectrum import (
 )
 from grpo_lens.formulas.spectrum import singular_values as svals
 from grpo_lens.formulas.zero_sum import zero_sum_tests
+from grpo_lens.metrics import (
+    GRAD_IDENTITY_CONSTANT,
+    GRAD_IDENTITY_RESIDUAL,
+    GROUP_CORRECT,
+    GROUP_DISTINCT_COMPLETIONS,
+    GROUP_REWARD_MEAN,
+    GROUP_SIZE,
+    RANK_G1_VS_NULL,
+    RANK_G2_NUMERICAL_RANK,
+    RANK_G2_RANK_BOUND,
+    SKETCH_COVERAGE,
+    SKETCH_G1_ERANK_ERROR,
+    SKETCH_GRAM_ERROR,
+    SKETCH_GRAM_ERROR_BOUND,
+    rank_key,
+    sketch_share_key,
+)
 
 
 def analyse_group(
@@ -104,38 +121,37 @@ def analyse_group(
     a = advantages.detach().double()
     rw = rewards.detach().double()
     gram = g @ g.T  # [R, R]: every measure below needs only inner products
-    out: dict[str, float] = {"group/size": float(r), "group/reward_mean": float(rw.mean())}
+    out: dict[str, float] = {GROUP_SIZE: float(r), GROUP_REWARD_MEAN: float(rw.mean())}
     if completion_ids is not None and completion_mask is not None:
-        out["group/distinct_completions"] = float(distinct_completions(completion_ids, completion_mask))
+        out[GROUP_DISTINCT_COMPLETIONS] = float(distinct_completions(completion_ids, completion_mask))
 
     # G1 and its controls
     controls = g1_controls(gram, a, completion_mask, num_random=num_random, seed=seed)
     for name, measures in controls.items():
         for m, v in measures.items():
-            out[f"rank/{name}_{m}"] = v
+            out[rank_key(name, m)] = v
     g1, null = controls["g1"], controls["g1_null"]
     for m in RANK_MEASURES.names():
         if null[m] > 0:
-            out[f"rank/g1_{m}_vs_null"] = g1[m] / null[m]
+            out[RANK_G1_VS_NULL.format(m=m)] = g1[m] / null[m]
 
     if is_binary(rw):
         labels = rw == 1
         k = int(labels.sum())
-        out["group/correct"] = float(k)
+        out[GROUP_CORRECT] = float(k)
         if 0 < k < r:
             out.update({key: float(v) for key, v in baseline_metrics(g, rw).items()})
-            out["baseline/group_mean"] = out.pop("baseline/mean")
             two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
             c = identity_constant(estimator, k, r, std, eps)  # None: the estimator has no decomposition
             if c is not None and two_valued:
-                out["grad/identity_constant"] = c
-                out["grad/identity_residual"] = identity_residual(g, labels, a, c)
+                out[GRAD_IDENTITY_CONSTANT] = c
+                out[GRAD_IDENTITY_RESIDUAL] = identity_residual(g, labels, a, c)
             if two_valued:
                 out.update(zero_sum_tests(gram, rw, a, max_permutations=max_permutations, seed=seed))
     return out
 
 
-def mean_over_groups(rows: Sequence[dict[str, float]], max_keys: Sequence[str] = ("grad/identity_residual",)
+def mean_over_groups(rows: Sequence[dict[str, float]], max_keys: Sequence[str] = (GRAD_IDENTITY_RESIDUAL,)
                      ) -> dict[str, float]:
     """The lens's aggregate: the mean over groups of every key (max for ``max_keys``), NaN/None skipped.
 
@@ -156,7 +172,7 @@ def g1_rank_keys(grads: Tensor, advantages: Tensor, name: str) -> dict[str, floa
     grads: [R, K]; advantages: [R]. Returns {key: float}.
     """
     g = grads.detach().double()
-    return {f"rank/{name}_{m}": v for m, v in weighted_gram_measures(g @ g.T, advantages.double()).items()}
+    return {rank_key(name, m): v for m, v in weighted_gram_measures(g @ g.T, advantages.double()).items()}
 
 
 def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32,
@@ -171,9 +187,9 @@ def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.flo
             accurate to ~1e-8 s_1, well below the float32 rank tolerance max(d) * 1.2e-7).
     """
     s = svals(g2.double(), method="gram") if singular_values is None else singular_values
-    out = {f"rank/g2_{m}": v for m, v in rank_measures(s).items()}
-    out["rank/g2_numerical_rank"] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))
-    out["rank/g2_rank_bound"] = float(rank_bound)
+    out = {rank_key("g2", m): v for m, v in rank_measures(s).items()}
+    out[RANK_G2_NUMERICAL_RANK] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))
+    out[RANK_G2_RANK_BOUND] = float(rank_bound)
     return out
 
 
@@ -214,18 +230,18 @@ def sketch_check_keys(exact: Tensor, sketch: Tensor, advantages: Tensor, categor
     out: dict[str, float] = {}
     if total == 0:
         return out
-    out["sketch/coverage"] = float(s.square().sum()) / total
+    out[SKETCH_COVERAGE] = float(s.square().sum()) / total
     for cat, sl in categories.items():
         parts = sl if isinstance(sl, list) else [sl]
-        out[f"sketch/exact_share_{cat}"] = sum(float(e[:, p].double().square().sum()) for p in parts) / total
+        out[sketch_share_key(cat)] = sum(float(e[:, p].double().square().sum()) for p in parts) / total
     w = torch.outer(a, a)
     g_exact, g_sketch = (e @ e.T).double() * w, (s @ s.T) * w
     den = float(g_exact.norm())
     if den > 0:
-        out["sketch/gram_error"] = float((g_sketch - g_exact).norm()) / den
+        out[SKETCH_GRAM_ERROR] = float((g_sketch - g_exact).norm()) / den
         grams = [(e[:, sl] @ e[:, sl].T).double() * w for sl in layer_slices]
         if grams:
-            out["sketch/gram_error_bound"] = sketch_gram_error_bound(grams, k_in, k_out)
-    out["sketch/g1_erank_error"] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
+            out[SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, k_in, k_out)
+    out[SKETCH_G1_ERANK_ERROR] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
         gram_singular_values(g_exact))
     return out

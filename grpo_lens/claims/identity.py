@@ -17,6 +17,12 @@ from grpo_lens.claims.base import (
     source_of,
 )
 from grpo_lens.formulas.identity import rank2_constant
+from grpo_lens.metrics import (
+    GRAD_IDENTITY_RESIDUAL,
+    GROUP_CORRECT,
+    GROUP_SIZE,
+    PROBE_GROUPS,
+)
 
 #: the identity holds when every group's relative residual is below this (float32 round-off is ~1e-7).
 IDENTITY_TOLERANCE = 1e-4
@@ -31,16 +37,16 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
     other std convention's constant would leave, |1 - c_other / c| (shows the check can fail; grpo only).
     """
     meta = probe.get("meta", {})
-    rows = [g for d in probe.get("per_group_size", {}).values() for g in d.get("groups", [])]
-    res = [g["grad/identity_residual"] for g in rows if g.get("grad/identity_residual") is not None]
+    rows = [g for d in probe.get("per_group_size", {}).values() for g in d.get(PROBE_GROUPS, [])]
+    res = [g[GRAD_IDENTITY_RESIDUAL] for g in rows if g.get(GRAD_IDENTITY_RESIDUAL) is not None]
     control = "—"
     if meta.get("estimator", "grpo") == "grpo":
         std = meta.get("std", "sample")
         other = "population" if std == "sample" else "sample"
         eps = float(meta.get("eps", 1e-4))
-        gaps = [abs(1 - rank2_constant(int(g["group/correct"]), int(g["group/size"]), other, eps)
-                    / rank2_constant(int(g["group/correct"]), int(g["group/size"]), std, eps))
-                for g in rows if g.get("grad/identity_residual") is not None and "group/size" in g]
+        gaps = [abs(1 - rank2_constant(int(g[GROUP_CORRECT]), int(g[GROUP_SIZE]), other, eps)
+                    / rank2_constant(int(g[GROUP_CORRECT]), int(g[GROUP_SIZE]), std, eps))
+                for g in rows if g.get(GRAD_IDENTITY_RESIDUAL) is not None and GROUP_SIZE in g]
         if gaps:
             control = (f"with the {other}-std constant instead the residual would be {fmt(min(gaps), 3)}–"
                        f"{fmt(max(gaps), 3)}")

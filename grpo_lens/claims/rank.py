@@ -20,6 +20,7 @@ from grpo_lens.claims.base import (
     source_of,
     verdict_from_interval,
 )
+from grpo_lens.metrics import PROBE_SUMMARY, RANK_G1, RANK_G1_NULL, RANK_G1_VS_NULL
 
 #: "effective rank ≈ 2" means erank within 2 ± this (the paper gives no tolerance; docs/theory.md §11).
 ERANK_BAND = 0.5
@@ -39,9 +40,9 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
     src = source_of(probe)
     for r in sorted(probe.get("per_group_size", {}), key=int):
         d = probe["per_group_size"][r]
-        summ = d.get("summary", {})
-        g1, null, ratio = summ.get("rank/g1_erank") or {}, summ.get("rank/g1_null_erank") or {}, \
-            summ.get("rank/g1_erank_vs_null") or {}
+        summ = d.get(PROBE_SUMMARY, {})
+        g1, null, ratio = summ.get(RANK_G1.format(m="erank")) or {}, summ.get(RANK_G1_NULL.format(m="erank")) or {}, \
+            summ.get(RANK_G1_VS_NULL.format(m="erank")) or {}
         n = g1.get("n", 0) or 0
         band = band_verdict(g1.get("lo"), g1.get("hi"), 2 - ERANK_BAND, 2 + ERANK_BAND)
         below_null = verdict_from_interval(ratio.get("lo"), ratio.get("hi"), 1.0, "below") == HOLDS
@@ -58,7 +59,7 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
             verdict, why = DOES_NOT_HOLD, f"interval outside 2 ± {ERANK_BAND}"
         else:
             verdict, why = INCONCLUSIVE, f"interval overlaps the edge of 2 ± {ERANK_BAND}"
-        sr = summ.get("rank/g1_stable_rank") or {}
+        sr = summ.get(RANK_G1.format(m="stable_rank")) or {}
         out.append(Claim(
             claim="effective rank of the per-rollout gradient matrix ≈ 2", scope=f"R = {r}",
             measurement=f"erank(G1) {ci_text(g1)}; stable rank {ci_text(sr)}",

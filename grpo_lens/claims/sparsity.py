@@ -22,6 +22,16 @@ from grpo_lens.claims.base import (
     verdict_from_interval,
 )
 from grpo_lens.formulas.stats import spearman_trend
+from grpo_lens.metrics import (
+    PERF_LENS_SECONDS,
+    SPARSITY_GRAD_HOYER,
+    SPARSITY_SAMPLE_ENTRIES,
+    SPARSITY_UPDATE_STEP_HOYER,
+    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
+    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
+    STEP,
+)
 
 #: bf16-unchanged share above its dense control by at least this counts as sparsity beyond rounding
 BF16_MARGIN = 0.05
@@ -36,7 +46,7 @@ TRAINING_CLAIMS = ("sparsity_intensifies", "most_parameters_unchanged")
 
 
 def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
-    return [r for r in records if r.get("perf/lens_seconds") is not None and r.get(key) is not None]
+    return [r for r in records if r.get(PERF_LENS_SECONDS) is not None and r.get(key) is not None]
 
 
 @CLAIMS.register("sparsity_intensifies")
@@ -47,11 +57,11 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     rho > 0 and p < 0.05, does not hold when rho < 0 and p < 0.05, inconclusive otherwise or with fewer than
     :data:`MIN_LENS_STEPS` lens steps.
     """
-    rows = _lens_rows(data.get("records") or [], "sparsity/update_step_hoyer")
+    rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_STEP_HOYER)
     if not rows:
         return []
-    xs = [float(r["step"]) for r in rows]
-    ys = [float(r["sparsity/update_step_hoyer"]) for r in rows]
+    xs = [float(r[STEP]) for r in rows]
+    ys = [float(r[SPARSITY_UPDATE_STEP_HOYER]) for r in rows]
     rho, p = spearman_trend(xs, ys)
     if len(rows) < MIN_LENS_STEPS or not math.isfinite(p):
         verdict, why = INCONCLUSIVE, f"{len(rows)} lens steps < {MIN_LENS_STEPS}: no order reaches p < 0.05"
@@ -60,20 +70,20 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
         why = f"rho {fmt(rho, 2)}, permutation p {fmt(p, 3)} < 0.05"
     else:
         verdict, why = INCONCLUSIVE, f"permutation p {fmt(p, 3)} >= 0.05"
-    grad = [r.get("sparsity/grad_hoyer") for r in rows]
+    grad = [r.get(SPARSITY_GRAD_HOYER) for r in rows]
     space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
     return [Claim(claim="gradient (update) sparsity intensifies over training",
                   scope=f"training, {len(rows)} lens steps{space}",
-                  measurement=(f"Hoyer of the step's update {fmt(ys[0], 3)} (step {rows[0]['step']}) -> "
+                  measurement=(f"Hoyer of the step's update {fmt(ys[0], 3)} (step {rows[0][STEP]}) -> "
                                f"{fmt(ys[-1], 3)} "
-                               f"(step {rows[-1]['step']}), Spearman rho {fmt(rho, 2)}; gradient Hoyer "
+                               f"(step {rows[-1][STEP]}), Spearman rho {fmt(rho, 2)}; gradient Hoyer "
                                f"{fmt(grad[0], 3)} -> {fmt(grad[-1], 3)}"),
                   control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20",
                   verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]
 
 
 def _sample_size(rows: list[dict[str, Any]]) -> str:
-    n = rows[-1].get("sparsity/sample_entries")
+    n = rows[-1].get(SPARSITY_SAMPLE_ENTRIES)
     return str(int(n)) if n else "?"
 
 
@@ -86,23 +96,23 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     :data:`BF16_MARGIN` and the share above 0.5; does not hold when the excess lies below BF16_MARGIN (rounding
     explains the share) or the share below 0.5; inconclusive otherwise.
     """
-    rows = _lens_rows(data.get("records") or [], "sparsity/update_total_bf16_dense")
+    rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_DENSE)
     if not rows:
         return []
     last = rows[-1]
     if data.get("lora_rank"):  # the lens samples the trainable (adapter) weights; the frozen base never changes
         return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
-                      scope=f"training, step {last['step']}, LoRA rank {data['lora_rank']}",
+                      scope=f"training, step {last[STEP]}, LoRA rank {data['lora_rank']}",
                       measurement=(f"over the adapter's A and B only: bf16 unchanged since start "
-                                   f"{fmt(last['sparsity/update_total_bf16_unchanged'], 3)}"),
+                                   f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], 3)}"),
                       control="none: the claim is about the model's weights, not the adapter's",
                       verdict=INCONCLUSIVE,
                       rule=("not applicable to adapter parameters: the frozen base weights never change and the "
                             "adapter is a different parameter space (B starts at 0, so A gets no gradient on step 1); "
                             "the merged weights W + (alpha/r) B A are not measured"),
                       source=f"lens, fixed sample of {_sample_size(rows)} adapter weights")]
-    n = float(last.get("sparsity/sample_entries") or 0)
-    share, dense = last["sparsity/update_total_bf16_unchanged"], last["sparsity/update_total_bf16_dense"]
+    n = float(last.get(SPARSITY_SAMPLE_ENTRIES) or 0)
+    share, dense = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
     se = math.sqrt(max(share * (1 - share), 1e-12) / n) if n else math.nan
     gap = share - dense
     lo, hi = gap - 1.96 * se, gap + 1.96 * se
@@ -114,11 +124,11 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     elif verdict == HOLDS and most != HOLDS:
         verdict, why = INCONCLUSIVE, f"excess above {BF16_MARGIN} but the share {fmt(share, 3)} is not clearly > 0.5"
     return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
-                  scope=f"training, step {last['step']}",
+                  scope=f"training, step {last[STEP]}",
                   measurement=(f"bf16 unchanged since start {fmt(share, 3)}; excess over the dense control "
                                f"{fmt(gap, 3)} "
                                f"[{fmt(lo, 3)}, {fmt(hi, 3)}] (binomial interval over {int(n)} sampled weights); "
                                f"float32 unchanged "
-                               f"{fmt(last.get('sparsity/update_total_f32_unchanged'), 4)}"),
+                               f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)}"),
                   control=f"a dense update of the same per-tensor RMS leaves {fmt(dense, 3)} unchanged in bf16",
                   verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]

@@ -24,6 +24,17 @@ from grpo_lens.claims.base import (
     verdict_from_interval,
 )
 from grpo_lens.formulas.stats import bootstrap_ci
+from grpo_lens.metrics import (
+    PROBE_G2_WEIGHTINGS,
+    PROBE_GROUPS,
+    PROBE_SUMMARY,
+    RANK_G2_WEIGHTED,
+    ZERO_SUM_COS_GAP_EXCESS,
+    ZERO_SUM_SPAN_ENERGY,
+    ZERO_SUM_SPAN_ENERGY_EXCESS,
+    ZERO_SUM_SPAN_ENERGY_NULL,
+    ZERO_SUM_SPAN_ENERGY_P,
+)
 
 #: an excess span energy below this share of G1's energy counts as no effect.
 NEGLIGIBLE_SHARE = 0.02
@@ -43,8 +54,8 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
     src = source_of(probe)
     for r in sorted(probe.get("per_group_size", {}), key=int):
         d = probe["per_group_size"][r]
-        summ = d.get("summary", {})
-        ex = summ.get("zero_sum/span_energy_excess") or {}
+        summ = d.get(PROBE_SUMMARY, {})
+        ex = summ.get(ZERO_SUM_SPAN_ENERGY_EXCESS) or {}
         n = ex.get("n", 0) or 0
         above_zero = verdict_from_interval(ex.get("lo"), ex.get("hi"), 0.0, "above")
         negligible = verdict_from_interval(ex.get("lo"), ex.get("hi"), NEGLIGIBLE_SHARE, "below")
@@ -59,13 +70,13 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
                                            f"{fmt(ex['hi'], 3)}): the labels add no energy to the span")
         else:
             verdict, why = INCONCLUSIVE, "excess interval includes 0 and effects above the negligible share"
-        ps = [g["zero_sum/span_energy_p"] for g in d.get("groups", []) if g.get("zero_sum/span_energy_p") is not None]
-        cg = summ.get("zero_sum/cos_gap_excess") or {}
+        ps = [g[ZERO_SUM_SPAN_ENERGY_P] for g in d.get(PROBE_GROUPS, []) if g.get(ZERO_SUM_SPAN_ENERGY_P) is not None]
+        cg = summ.get(ZERO_SUM_COS_GAP_EXCESS) or {}
         out.append(Claim(
             claim="rank-2 structure comes from the zero-sum advantages", scope=f"R = {r}",
-            measurement=(f"span energy {ci_text(summ.get('zero_sum/span_energy'), 3)}; excess over relabelling "
+            measurement=(f"span energy {ci_text(summ.get(ZERO_SUM_SPAN_ENERGY), 3)}; excess over relabelling "
                          f"{ci_text(ex, 3)}; cos-gap excess {ci_text(cg, 3)}"),
-            control=(f"relabellings with k fixed: span energy {ci_text(summ.get('zero_sum/span_energy_null'), 3)}; "
+            control=(f"relabellings with k fixed: span energy {ci_text(summ.get(ZERO_SUM_SPAN_ENERGY_NULL), 3)}; "
                      f"groups with permutation p < 0.05: {sum(p < 0.05 for p in ps)}/{len(ps)}"),
             verdict=verdict, rule=why, source=src))
     return out
@@ -91,16 +102,16 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
     out = []
     src = source_of(probe) + "; G2 is exact (autograd weight gradients)"
     for r in sorted(probe.get("per_group_size", {}), key=int):
-        rows = ((probe["per_group_size"][r].get("g2_weightings") or {}).get("groups")) or []
+        rows = ((probe["per_group_size"][r].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS)) or []
         ds, adv_sr, other_sr = [], [], []
         for row in rows:
-            types = sorted({k[len("rank/g2_adv_"):-len("_stable_rank")] for k in row
-                            if k.startswith("rank/g2_adv_") and k.endswith("_stable_rank")})
+            parsed = [RANK_G2_WEIGHTED.parse(k) for k in row]
+            types = sorted({p["kind"] for p in parsed if p is not None and p["w"] == "adv"})
             if not types:
                 continue
-            a = sum(row[f"rank/g2_adv_{t}_stable_rank"] for t in types) / len(types)
-            o = sum(row[f"rank/g2_{w}_{t}_stable_rank"] for t in types for w in NOT_ZERO_SUM) / (len(types)
-                                                                                               * len(NOT_ZERO_SUM))
+            a = sum(row[RANK_G2_WEIGHTED.format(w="adv", kind=t)] for t in types) / len(types)
+            o = sum(row[RANK_G2_WEIGHTED.format(w=w, kind=t)] for t in types for w in NOT_ZERO_SUM) / (
+                len(types) * len(NOT_ZERO_SUM))
             ds.append(a - o)
             adv_sr.append(a)
             other_sr.append(o)

@@ -66,6 +66,13 @@ from grpo_lens.formulas.advantages import (
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
 from grpo_lens.formulas.stats import bootstrap_mean
 from grpo_lens.formulas.zero_sum import fixed_k_labellings
+from grpo_lens.metrics import (
+    BASELINE_B_STAR,
+    BASELINE_B_STAR_MINUS_MEAN,
+    BASELINE_GROUP_MEAN,
+    BASELINE_M_CORRECT,
+    BASELINE_M_WRONG,
+)
 from grpo_lens.registry import Registry
 
 BaselineFn = Callable[[Tensor, Tensor], Tensor]
@@ -146,14 +153,14 @@ def baseline_metrics(grads: Tensor, rewards: Tensor) -> dict[str, float]:
         rewards: [R].
 
     Returns:
-        {"baseline/m_correct", "baseline/m_wrong", "baseline/b_star", "baseline/mean", "baseline/b_star_minus_mean"}
-        (m's NaN when the group has no correct / no wrong rollout).
+        {"baseline/m_correct", "baseline/m_wrong", "baseline/b_star", "baseline/b_star_minus_mean",
+        "baseline/group_mean"} (m's NaN when the group has no correct / no wrong rollout).
     """
     m_c, m_w = correct_wrong_sq_norms(grads, rewards)
     b_star = optimal_baseline(grads, rewards)
     mean = float(rewards.double().mean())
-    return {"baseline/m_correct": m_c, "baseline/m_wrong": m_w, "baseline/b_star": b_star, "baseline/mean": mean,
-            "baseline/b_star_minus_mean": b_star - mean}
+    return {BASELINE_M_CORRECT: m_c, BASELINE_M_WRONG: m_w, BASELINE_B_STAR: b_star,
+            BASELINE_B_STAR_MINUS_MEAN: b_star - mean, BASELINE_GROUP_MEAN: mean}
 
 
 def estimator_variances(

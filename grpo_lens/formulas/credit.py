@@ -25,6 +25,11 @@ import torch
 from torch import Tensor
 
 from grpo_lens.formulas.losses import aggregation_rollout_weights
+from grpo_lens.metrics import (
+    CREDIT_ADV_VAR_WITHIN_MAX,
+    CREDIT_ANSWER_SHARE_MEAN,
+    CREDIT_ANSWER_TOKEN_FRAC,
+)
 
 #: The last number of a completion: optional sign, digits with optional thousands commas, optional decimals.
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -213,11 +218,11 @@ def credit_metrics(token_adv: Tensor, token_sq_norms: Tensor, completion_mask: T
         {"credit/adv_var_within_max", "credit/answer_share_mean" (if answer_mask), "credit/answer_token_frac"
         (share of completion tokens that are answer tokens, the share a uniform profile would give)}.
     """
-    out = {"credit/adv_var_within_max": float(within_rollout_advantage_variance(token_adv, completion_mask).max())}
+    out = {CREDIT_ADV_VAR_WITHIN_MAX: float(within_rollout_advantage_variance(token_adv, completion_mask).max())}
     if answer_mask is not None:
-        out["credit/answer_share_mean"] = float(answer_share(token_sq_norms, answer_mask, completion_mask).mean())
+        out[CREDIT_ANSWER_SHARE_MEAN] = float(answer_share(token_sq_norms, answer_mask, completion_mask).mean())
         tokens = completion_mask.double().sum().clamp(min=1.0)
-        out["credit/answer_token_frac"] = float((answer_mask & completion_mask.bool()).double().sum() / tokens)
+        out[CREDIT_ANSWER_TOKEN_FRAC] = float((answer_mask & completion_mask.bool()).double().sum() / tokens)
     return out
 
 

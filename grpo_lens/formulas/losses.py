@@ -28,6 +28,17 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from grpo_lens.metrics import (
+    CLIP_RATIO_DUAL,
+    CLIP_RATIO_HIGH,
+    CLIP_RATIO_LOW,
+    CLIP_RATIO_REGION,
+    KL_MEAN,
+    LOSS_KL,
+    LOSS_POLICY,
+    RATIO_MAX,
+    RATIO_MEAN,
+)
 from grpo_lens.registry import Registry
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -325,15 +336,15 @@ def grpo_loss(
         if dual_clip is not None:
             dual = (adv < 0) & (ratio > dual_clip) & mask
         metrics = {
-            "loss/policy": float(policy.detach()),
-            "loss/kl": float(kl_part.detach()),
-            "kl/mean": float((kl_tok.detach() * maskf).sum() / tokens) if kl_tok is not None else 0.0,
-            "clip/ratio_low": float(low.sum() / tokens),
-            "clip/ratio_high": float(high.sum() / tokens),
-            "clip/ratio_region": float((low | high).sum() / tokens),
-            "clip/ratio_dual": float(dual.sum() / tokens),
-            "ratio/mean": float((ratio * maskf).sum() / tokens),
-            "ratio/max": float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
+            LOSS_POLICY: float(policy.detach()),
+            LOSS_KL: float(kl_part.detach()),
+            KL_MEAN: float((kl_tok.detach() * maskf).sum() / tokens) if kl_tok is not None else 0.0,
+            CLIP_RATIO_LOW: float(low.sum() / tokens),
+            CLIP_RATIO_HIGH: float(high.sum() / tokens),
+            CLIP_RATIO_REGION: float((low | high).sum() / tokens),
+            CLIP_RATIO_DUAL: float(dual.sum() / tokens),
+            RATIO_MEAN: float((ratio * maskf).sum() / tokens),
+            RATIO_MAX: float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
             "tokens": float(maskf.sum()),
         }
     return loss, metrics

@@ -26,6 +26,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from grpo_lens.metrics import sparsity_key
+
 
 def predicted_zero_variance_fraction(success_rates: Tensor, group_size: int) -> float:
     """S1 predicted: mean over prompts of p^R + (1-p)^R, the chance that R Bernoulli(p) rewards are all equal.
@@ -307,7 +309,6 @@ def flatten_sparsity(prefix: str, results: dict[str, dict[str, float]]) -> dict[
     """{"all": {m: v}, type: {m: v}} -> {"sparsity/<prefix>_<m>": v, "sparsity/<type>/<prefix>_<m>": v}."""
     out = {}
     for group, values in results.items():
-        head = "sparsity/" if group == "all" else f"sparsity/{group}/"
         for m, v in values.items():
-            out[f"{head}{prefix}_{m}"] = v
+            out[sparsity_key(prefix, m, None if group == "all" else group)] = v
     return out

@@ -22,6 +22,8 @@ import math
 import torch
 from torch import Tensor
 
+from grpo_lens.metrics import zero_sum_key
+
 
 def fixed_k_labellings(r: int, k: int, max_permutations: int, generator: torch.Generator) -> list[Tensor]:
     """The relabellings of a permutation test with k fixed: all C(r, k) boolean labellings with k ones when there are
@@ -122,10 +124,10 @@ def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_per
         null = torch.tensor([stat(lab) for lab in labs], dtype=torch.float64)
         ge = int((null >= obs - 1e-12).sum())
         p = ge / len(labs) if exhaustive else (1 + ge) / (1 + len(labs))
-        out[f"zero_sum/{name}"] = obs
-        out[f"zero_sum/{name}_null"] = float(null.mean())
-        out[f"zero_sum/{name}_excess"] = obs - float(null.mean())
-        out[f"zero_sum/{name}_p"] = p
+        out[zero_sum_key(name)] = obs
+        out[zero_sum_key(name, "null")] = float(null.mean())
+        out[zero_sum_key(name, "excess")] = obs - float(null.mean())
+        out[zero_sum_key(name, "p")] = p
     return out
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from grpo_lens.formulas.spectrum import top_singular_value
 from grpo_lens.gradients.params import linear_layer_names
+from grpo_lens.metrics import RANK_G2_WEIGHTED
 
 
 def module_kind(name: str) -> str:
@@ -28,7 +29,7 @@ def module_kind(name: str) -> str:
 
 def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str, float]:
     """Reference for :class:`G2WeightingCapture` from materialised weight gradients (slower: a backward and a
-    decomposition per weighting). ``rank/g2_<weighting>_<type>_stable_rank``: the mean over the layers of each type of
+    decomposition per weighting). ``rank/g2_<weighting>_<kind>_stable_rank``: the mean over the layers of each kind of
     the stable rank
     ||G2||_F^2 / s_1^2 of their G2 (one weighting's weight gradients, {layer name: [d_out, d_in]}); s_1 by randomized
     subspace iteration (:func:`top_singular_value`), so every layer of a 135M model costs a few passes over its
@@ -38,7 +39,7 @@ def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str,
         s1 = top_singular_value(g2)
         fro2 = float(g2.detach().float().square().sum(dtype=torch.float64))
         per_type.setdefault(module_kind(name), []).append(fro2 / s1**2 if s1 > 0 else 0.0)
-    return {f"rank/g2_{weighting}_{t}_stable_rank": sum(v) / len(v) for t, v in per_type.items()}
+    return {RANK_G2_WEIGHTED.format(w=weighting, kind=t): sum(v) / len(v) for t, v in per_type.items()}
 
 
 class G2WeightingCapture:
@@ -61,7 +62,7 @@ class G2WeightingCapture:
         weightings: {name: [n] weights}, n = rollouts of the pass.
 
     After a forward + backward inside the context, :meth:`result` gives
-    ``{"rank/g2_<name>_<type>_stable_rank": mean over the layers of that type}``.
+    ``{"rank/g2_<name>_<kind>_stable_rank": mean over the layers of that kind}``.
     """
 
     def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor]):
@@ -118,9 +119,9 @@ class G2WeightingCapture:
         self._handles.clear()
 
     def result(self) -> dict[str, float]:
-        """{"rank/g2_<weighting>_<type>_stable_rank": mean over the layers of each type}."""
+        """{"rank/g2_<weighting>_<kind>_stable_rank": mean over the layers of each kind}."""
         per: dict[tuple[str, str], list[float]] = {}
         for name, by_w in self.stable.items():
             for wname, sr in by_w.items():
                 per.setdefault((wname, module_kind(name)), []).append(sr)
-        return {f"rank/g2_{w}_{t}_stable_rank": sum(v) / len(v) for (w, t), v in per.items()}
+        return {RANK_G2_WEIGHTED.format(w=w, kind=t): sum(v) / len(v) for (w, t), v in per.items()}

@@ -26,7 +26,7 @@ probe.json::
                   seconds}}},
      "studies": {...}}
 
-Keys are documented in docs/metrics.md; formulas in docs/theory.md.
+Keys are named in :mod:`grpo_lens.metrics` (documented in docs/metrics.md); formulas are in docs/theory.md.
 """
 
 from __future__ import annotations
@@ -87,6 +87,36 @@ from grpo_lens.gradients.sketch import (
     sketch_rollout_grads,
     token_grad_sq_norms,
 )
+from grpo_lens.metrics import (
+    G3_GROUPS,
+    GRAD_IDENTITY_RESIDUAL,
+    GROUP_CORRECT,
+    GROUP_DISTINCT_COMPLETIONS,
+    GROUPS_ALL_EQUAL,
+    GROUPS_INVALID,
+    GROUPS_MIXED,
+    PROBE_BASELINES,
+    PROBE_CREDIT,
+    PROBE_G2_WEIGHTINGS,
+    PROBE_G3,
+    PROBE_GROUPS,
+    PROBE_SKETCH_CHECK,
+    PROBE_SPECTRA,
+    PROBE_STRATA,
+    PROBE_SUMMARY,
+    PROBE_TIMING,
+    PROMPTS_SAMPLED,
+    RANK_G1_VS_NULL,
+    ROLLOUTS_PER_PROMPT,
+    S1_MEASURED,
+    S1_MEASURED_CI,
+    S1_PREDICTED,
+    S1_PREDICTED_CI,
+    SKETCH_COVERAGE,
+    ZERO_SUM_STATS,
+    rank_key,
+    zero_sum_key,
+)
 from grpo_lens.models import load_model
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.studies import run_baseline_study, run_credit_study
@@ -112,12 +142,11 @@ def default_layer(model: torch.nn.Module) -> str:
 
 
 #: Keys whose summaries the probe also stratifies by k and by distinct completions.
-STRATA_KEYS = tuple(f"rank/{m}_{x}" for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank",
-                                                                                                      "stable_rank"))\
-    + ("rank/g1_erank_vs_null", "rank/g1_stable_rank_vs_null", "grad/identity_residual", "zero_sum/span_energy",
-       "zero_sum/span_energy_null", "zero_sum/span_energy_excess", "zero_sum/span_energy_p", "zero_sum/cos_gap",
-       "zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p", "group/distinct_completions",
-       "group/correct")
+STRATA_KEYS = tuple(rank_key(m, x) for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank",
+                                                                                                    "stable_rank"))\
+    + tuple(RANK_G1_VS_NULL.format(m=x) for x in ("erank", "stable_rank")) + (GRAD_IDENTITY_RESIDUAL,) \
+    + tuple(zero_sum_key(s, part) for s in ZERO_SUM_STATS for part in ("", "null", "excess", "p")) \
+    + (GROUP_DISTINCT_COMPLETIONS, GROUP_CORRECT)
 
 
 def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
@@ -300,14 +329,15 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             on_prompts(len(examples), len(rows))
 
     valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
-    g3: dict[str, Any] = {"groups": len(extras)}  # one matrix: no interval (resampled rows would repeat, lowering rank)
+    # one matrix: no interval (resampled rows would repeat, lowering rank)
+    g3: dict[str, Any] = {G3_GROUPS: len(extras)}
     if len(extras) >= 2:
         for name in WEIGHTINGS:
             g3_rows = torch.stack([e["g3_rows"][name] for e in extras])  # [groups, K]
             stem = "g3" if name == "adv" else f"g3_{name}"
-            g3.update({f"rank/{stem}_{m}": v for m, v in rank_measures(singular_values(g3_rows)).items()})
+            g3.update({rank_key(stem, m): v for m, v in rank_measures(singular_values(g3_rows)).items()})
             if name == "adv":
-                g3.update({f"rank/g3_null_{m}": v for m, v in rank_measures(g3_rows.norm(dim=1)).items()})
+                g3.update({rank_key("g3_null", m): v for m, v in rank_measures(g3_rows.norm(dim=1)).items()})
     profile: list[float] = []
     if extras:
         T = max(len(e["profile"]) for e in extras)
@@ -318,28 +348,28 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     variances = {k: statistics.fmean([v[k] for v in baseline_var]) for k in baseline_var[0]} if baseline_var else {}
     ci = dict(seed=config.seed)
     return {
-        "rollouts_per_prompt": M,
-        "prompts_sampled": sampled,
-        "groups_all_equal": all_equal,
-        "groups_mixed": len(rows),
-        "groups_invalid": invalid,
-        "s1_measured": all_equal / valid_groups if valid_groups else None,
-        "s1_predicted": statistics.fmean(s1_predictions) if s1_predictions else None,
-        "s1_predicted_ci": bootstrap_ci(s1_predictions, seed=config.seed),
-        "s1_measured_ci": bootstrap_ci(s1_indicators, seed=config.seed),
-        "groups": rows,
-        "summary": summarise_rows(rows, **ci),
-        "strata": {"correct": stratify_rows(rows, "group/correct", keys=STRATA_KEYS, **ci),
-                   "distinct": stratify_rows(rows, "group/distinct_completions", keys=STRATA_KEYS, **ci)},
-        "g3": g3,
-        "g2_weightings": {"groups": g2w, "summary": summarise_rows(g2w, **ci)} if g2w else None,
-        "sketch_check": {"groups": checks, "summary": summarise_rows(checks, **ci)} if checks else None,
-        "spectra": {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
-        "baselines": {"variance": variances,
-                      "relative_variance": variance_relative_to_optimal(variances) if variances else {},
-                      "prompts": len(baseline_var)},
-        "credit": {"position_profile": profile},
-        "timing": {"generation_seconds": t_gen, "gradient_seconds": t_grad, "g2_weightings_seconds": t_g2,
+        ROLLOUTS_PER_PROMPT: M,
+        PROMPTS_SAMPLED: sampled,
+        GROUPS_ALL_EQUAL: all_equal,
+        GROUPS_MIXED: len(rows),
+        GROUPS_INVALID: invalid,
+        S1_MEASURED: all_equal / valid_groups if valid_groups else None,
+        S1_PREDICTED: statistics.fmean(s1_predictions) if s1_predictions else None,
+        S1_PREDICTED_CI: bootstrap_ci(s1_predictions, seed=config.seed),
+        S1_MEASURED_CI: bootstrap_ci(s1_indicators, seed=config.seed),
+        PROBE_GROUPS: rows,
+        PROBE_SUMMARY: summarise_rows(rows, **ci),
+        PROBE_STRATA: {"correct": stratify_rows(rows, GROUP_CORRECT, keys=STRATA_KEYS, **ci),
+                       "distinct": stratify_rows(rows, GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci)},
+        PROBE_G3: g3,
+        PROBE_G2_WEIGHTINGS: {PROBE_GROUPS: g2w, PROBE_SUMMARY: summarise_rows(g2w, **ci)} if g2w else None,
+        PROBE_SKETCH_CHECK: {PROBE_GROUPS: checks, PROBE_SUMMARY: summarise_rows(checks, **ci)} if checks else None,
+        PROBE_SPECTRA: {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
+        PROBE_BASELINES: {"variance": variances,
+                          "relative_variance": variance_relative_to_optimal(variances) if variances else {},
+                          "prompts": len(baseline_var)},
+        PROBE_CREDIT: {"position_profile": profile},
+        PROBE_TIMING: {"generation_seconds": t_gen, "gradient_seconds": t_grad, "g2_weightings_seconds": t_g2,
                    "sketch_check_seconds": t_check, "seconds": time.perf_counter() - t_start},
     }
 
@@ -405,8 +435,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
 
         with forward_precision(next(policy.parameters()).device, config.dtype):  # bf16-mixed: bf16 autocast
             per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts)
-        logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)]["groups_mixed"],
-                    per_r[str(R)]["prompts_sampled"], per_r[str(R)]["timing"]["seconds"])
+        logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)][GROUPS_MIXED],
+                    per_r[str(R)][PROMPTS_SAMPLED], per_r[str(R)][PROBE_TIMING]["seconds"])
     if progress is not None:
         progress.close()
     t_studies = time.perf_counter()
@@ -417,10 +447,10 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     with forward_precision(next(policy.parameters()).device, config.dtype):
         studies = run_studies(policy, tokenizer, task, reward_fns, config)
     t_studies = time.perf_counter() - t_studies
-    checks = [c for d in per_r.values() if d.get("sketch_check") for c in d["sketch_check"]["groups"]]
+    checks = [c for d in per_r.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]]
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
     meta = {"model": config.model, "task": config.task, "gradients": "exact" if config.exact else "sketch",
-            "sketch_coverage": (check_summary.get("sketch/coverage") or {}).get("mean"),
+            "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
             "sketch_check": check_summary,
             "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
             "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,

@@ -24,6 +24,57 @@ import yaml
 from grpo_lens.claims.base import evaluate_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
+from grpo_lens.metrics import (
+    BASELINE_B_STAR,
+    BASELINE_GROUP_MEAN,
+    BASELINE_M_CORRECT,
+    BASELINE_M_WRONG,
+    CREDIT_ADV_VAR_WITHIN_MAX,
+    CREDIT_ANSWER_SHARE_MEAN,
+    CREDIT_ANSWER_TOKEN_FRAC,
+    G3_GROUPS,
+    GRAD_IDENTITY_RESIDUAL,
+    GROUP_DISTINCT_COMPLETIONS,
+    GROUPS_ALL_EQUAL,
+    GROUPS_MIXED,
+    PERF_LENS_SECONDS,
+    PERF_STEP_SECONDS,
+    PROBE_BASELINES,
+    PROBE_G2_WEIGHTINGS,
+    PROBE_G3,
+    PROBE_GROUPS,
+    PROBE_STRATA,
+    PROBE_SUMMARY,
+    PROMPTS_SAMPLED,
+    RANK_G1_VS_NULL,
+    RANK_G2_NUMERICAL_RANK,
+    RANK_G2_RANK_BOUND,
+    RANK_G2_WEIGHTED,
+    REWARD_ACCURACY,
+    REWARD_FRAC_ZERO_STD_GROUPS,
+    REWARD_MEAN,
+    ROLLOUTS_PER_PROMPT,
+    S1_MEASURED,
+    S1_MEASURED_CI,
+    S1_PREDICTED,
+    S1_PREDICTED_CI,
+    SKETCH_COVERAGE,
+    SKETCH_EXACT_SHARE_EMBEDDING,
+    SKETCH_EXACT_SHARE_LINEAR,
+    SKETCH_EXACT_SHARE_NORM,
+    SKETCH_G1_ERANK_ERROR,
+    SKETCH_GRAM_ERROR,
+    SKETCH_GRAM_ERROR_BOUND,
+    SPARSITY_UPDATE_STEP,
+    SPARSITY_UPDATE_TOTAL,
+    STEP,
+    ZERO_SUM_COS_GAP,
+    ZERO_SUM_SPAN_ENERGY,
+    ZERO_SUM_SPAN_ENERGY_NULL,
+    ZERO_SUM_STATS,
+    rank_key,
+    zero_sum_key,
+)
 from grpo_lens.report import plots
 from grpo_lens.report.format import ci, fmt
 from grpo_lens.report.studies import studies_section
@@ -90,9 +141,9 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     w = min(5, n // 2)  # non-overlapping first / last windows; fewer than MIN_TREND_STEPS steps: no trend
     trend = n >= MIN_TREND_STEPS
     head, tail = (records[:w], records[n - w:]) if trend else (records, records)
-    r0, r1 = _mean([r.get("reward/mean") for r in head]), _mean([r.get("reward/mean") for r in tail])
-    a0, a1 = _mean([r.get("reward/accuracy") for r in head]), _mean([r.get("reward/accuracy") for r in tail])
-    sec = _mean([r.get("perf/step_seconds") for r in records])
+    r0, r1 = _mean([r.get(REWARD_MEAN) for r in head]), _mean([r.get(REWARD_MEAN) for r in tail])
+    a0, a1 = _mean([r.get(REWARD_ACCURACY) for r in head]), _mean([r.get(REWARD_ACCURACY) for r in tail])
+    sec = _mean([r.get(PERF_STEP_SECONDS) for r in records])
     if trend:
         lines += [f"{n} steps. Mean reward over the first {len(head)} steps {fmt(r0)}, over the last {len(tail)} "
                   f"steps {fmt(r1)}; accuracy {fmt(a0)} -> {fmt(a1)}. {fmt(sec, 1)} s per step on average.", ""]
@@ -102,7 +153,7 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         lines += [f"{too_few}. Mean reward over all steps {fmt(r0)}, accuracy {fmt(a0)}. {fmt(sec, 1)} s per "
                   "step on average.", ""]
         findings.append(f"{too_few}; mean reward {fmt(r0)} over the run.")
-    s1_all = [r.get("reward/frac_zero_std_groups") for r in records]
+    s1_all = [r.get(REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
     if records and all(isinstance(x, (int, float)) and x >= 1.0 for x in s1_all):
         findings.append(f"S1 = 1.000 on every one of the {n} steps: no group had reward contrast, so every advantage "
                         "was zero and nothing was trained by the policy gradient (only a KL term with beta > 0 could "
@@ -136,14 +187,14 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         lines += ["| step | accuracy | S1 measured | S4 step | S4 since start | G1 erank | "
                   "G1 stable rank | identity residual |", "|---|---|---|---|---|---|---|---|"]
         for r in lens_steps:
-            res = r.get("grad/identity_residual")
-            lines.append(f"| {r['step']} | {fmt(r.get('reward/accuracy'))} | "
-                         f"{fmt(r.get('reward/frac_zero_std_groups'))} | "
-                         f"{fmt(r.get('sparsity/update_step'))} | {fmt(r.get('sparsity/update_total'))} | "
-                         f"{fmt(r.get('rank/g1_erank'))} | {fmt(r.get('rank/g1_stable_rank'))} | "
+            res = r.get(GRAD_IDENTITY_RESIDUAL)
+            lines.append(f"| {r[STEP]} | {fmt(r.get(REWARD_ACCURACY))} | "
+                         f"{fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS))} | "
+                         f"{fmt(r.get(SPARSITY_UPDATE_STEP))} | {fmt(r.get(SPARSITY_UPDATE_TOTAL))} | "
+                         f"{fmt(r.get(rank_key('g1', 'erank')))} | {fmt(r.get(rank_key('g1', 'stable_rank')))} | "
                          f"{'–' if res is None else f'{res:.1e}'} |")
         lines.append("")
-        if any(r.get("grad/identity_residual") is None for r in lens_steps):
+        if any(r.get(GRAD_IDENTITY_RESIDUAL) is None for r in lens_steps):
             lines += ["Identity residual –: the identity Σ A_i g_i = c (ḡ_C − ḡ_W) (docs/theory.md §4) is checked "
                       "only where it applies: mixed groups of 0/1 rewards under an estimator with a per-group "
                       "constant c (grpo, dr_grpo, rloo)"
@@ -151,7 +202,7 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                          if estimator in ("optimal", "reinforce") else
                          "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
                          "rollout under overlong masking)") + ".", ""]
-    s1 = [r.get("reward/frac_zero_std_groups") for r in records]
+    s1 = [r.get(REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
     s1_head, s1_tail = _mean(s1[:w]), _mean(s1[n - w:])
     if trend and s1_head is not None and s1_tail is not None:
         direction = "rose" if s1_tail > s1_head else ("fell" if s1_tail < s1_head else "stayed flat")
@@ -159,13 +210,13 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                         f"{fmt(s1_tail)} (last steps), while accuracy went {fmt(a0)} -> {fmt(a1)}.")
     lines += training_measures_section(records, run_dir, findings, lora_rank=lora_rank)
     if lens_steps:
-        s4 = [r.get("sparsity/update_total") for r in lens_steps if r.get("sparsity/update_total") is not None]
+        s4 = [r.get(SPARSITY_UPDATE_TOTAL) for r in lens_steps if r.get(SPARSITY_UPDATE_TOTAL) is not None]
         if s4:
             findings.append(f"Update sparsity since the start (S4): {fmt(s4[-1])} of "
                             + ("the LoRA adapter's weights (not the full model's)" if lora_rank else "parameters")
-                            + f" kept their bf16 value after {lens_steps[-1]['step']} steps.")
+                            + f" kept their bf16 value after {lens_steps[-1][STEP]} steps.")
 
-    base_rows = [r for r in records if r.get("baseline/b_star") is not None]
+    base_rows = [r for r in records if r.get(BASELINE_B_STAR) is not None]
     if base_rows:
         lines += ["### Baselines", "",
                   "b* = sum ||g_i||^2 r_i / sum ||g_i||^2 is the variance-optimal constant baseline; it equals the "
@@ -174,13 +225,13 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         lines += ["![baselines](baselines.png)", "",
                   "| step | b* | group mean | m_C | m_W | m_C / m_W |", "|---|---|---|---|---|---|"]
         for r in base_rows:
-            mc, mw = r.get("baseline/m_correct"), r.get("baseline/m_wrong")
+            mc, mw = r.get(BASELINE_M_CORRECT), r.get(BASELINE_M_WRONG)
             ratio = mc / mw if mc is not None and mw else None
-            lines.append(f"| {r['step']} | {fmt(r['baseline/b_star'])} | {fmt(r.get('baseline/group_mean'))} | "
+            lines.append(f"| {r[STEP]} | {fmt(r[BASELINE_B_STAR])} | {fmt(r.get(BASELINE_GROUP_MEAN))} | "
                          f"{fmt(mc, 4)} | {fmt(mw, 4)} | {fmt(ratio)} |")
         lines.append("")
-        ratios = [r["baseline/m_correct"] / r["baseline/m_wrong"] for r in base_rows
-                  if r.get("baseline/m_correct") is not None and r.get("baseline/m_wrong")]
+        ratios = [r[BASELINE_M_CORRECT] / r[BASELINE_M_WRONG] for r in base_rows
+                  if r.get(BASELINE_M_CORRECT) is not None and r.get(BASELINE_M_WRONG)]
         if ratios:
             span = fmt(min(ratios)) if min(ratios) == max(ratios) else f"{fmt(min(ratios))}–{fmt(max(ratios))}"
             findings.append(f"m_C / m_W over {len(ratios)} lens step(s): {span}: "
@@ -210,21 +261,21 @@ def rank_table(probe: dict[str, Any], measures: tuple[str, ...] = ("erank", "sta
     per_r = probe["per_group_size"]
     lines = ["| R | matrix | groups | " + " | ".join(measures) + " |", "|---|---|---|" + "---|" * len(measures)]
     for r in sorted(per_r, key=int):
-        summ = per_r[r].get("summary", {})
+        summ = per_r[r].get(PROBE_SUMMARY, {})
         for label, stem in RANK_ROWS:
-            cells = [_ci(summ.get(f"rank/{stem}_{m}")) for m in measures]
-            n = (summ.get(f"rank/{stem}_{measures[0]}") or {}).get("n", 0)
+            cells = [_ci(summ.get(rank_key(stem, m))) for m in measures]
+            n = (summ.get(rank_key(stem, measures[0])) or {}).get("n", 0)
             if n:
                 lines.append(f"| {r} | {label} | {n} | " + " | ".join(cells) + " |")
-        cells = [_ci(summ.get(f"rank/g1_{m}_vs_null")) for m in measures]
-        n = (summ.get(f"rank/g1_{measures[0]}_vs_null") or {}).get("n", 0)
+        cells = [_ci(summ.get(RANK_G1_VS_NULL.format(m=m))) for m in measures]
+        n = (summ.get(RANK_G1_VS_NULL.format(m=measures[0])) or {}).get("n", 0)
         if n:
             lines.append(f"| {r} | G1 / null (ratio) | {n} | " + " | ".join(cells) + " |")
-        g3 = per_r[r].get("g3", {})
-        if g3.get(f"rank/g3_{measures[0]}") is not None:
-            lines.append(f"| {r} | G3 (rows = groups' updates) | {g3.get('groups')} | "
-                         + " | ".join(f"{fmt(g3.get(f'rank/g3_{m}'), 2)} (null {fmt(g3.get(f'rank/g3_null_{m}'), 2)})"
-                                      for m in measures) + " |")
+        g3 = per_r[r].get(PROBE_G3, {})
+        if g3.get(rank_key("g3", measures[0])) is not None:
+            lines.append(f"| {r} | G3 (rows = groups' updates) | {g3.get(G3_GROUPS)} | "
+                         + " | ".join(f"{fmt(g3.get(rank_key('g3', m)), 2)} "
+                                      f"(null {fmt(g3.get(rank_key('g3_null', m)), 2)})" for m in measures) + " |")
     return lines
 
 
@@ -246,19 +297,19 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
              "| R | matrix | " + " | ".join(WEIGHTING_LABELS[w] for w in WEIGHTINGS) + " |",
              "|---|---|" + "---|" * len(WEIGHTINGS)]
     for r in sorted(per_r, key=int):
-        g3 = per_r[r].get("g3") or {}
-        if g3.get("rank/g3_stable_rank") is not None:
+        g3 = per_r[r].get(PROBE_G3) or {}
+        if g3.get(rank_key("g3", "stable_rank")) is not None:
             cells = []
             for w in WEIGHTINGS:
-                key = "rank/g3_stable_rank" if w == "adv" else f"rank/g3_{w}_stable_rank"
+                key = rank_key("g3" if w == "adv" else f"g3_{w}", "stable_rank")
                 cells.append(fmt(g3.get(key), 2))
-            lines.append(f"| {r} | G3 stable rank ({g3.get('groups')} groups) | " + " | ".join(cells) + " |")
-        g2 = (per_r[r].get("g2_weightings") or {}).get("summary") or {}
-        types = sorted({k[len("rank/g2_adv_"):-len("_stable_rank")] for k in g2
-                        if k.startswith("rank/g2_adv_") and k.endswith("_stable_rank")})
+            lines.append(f"| {r} | G3 stable rank ({g3.get(G3_GROUPS)} groups) | " + " | ".join(cells) + " |")
+        g2 = (per_r[r].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_SUMMARY) or {}
+        parsed = [RANK_G2_WEIGHTED.parse(k) for k in g2]
+        types = sorted({p["kind"] for p in parsed if p is not None and p["w"] == "adv"})
         for t in types:
-            cells = [fmt((g2.get(f"rank/g2_{w}_{t}_stable_rank") or {}).get("mean"), 2) for w in WEIGHTINGS]
-            n = (g2.get(f"rank/g2_adv_{t}_stable_rank") or {}).get("n")
+            cells = [fmt((g2.get(RANK_G2_WEIGHTED.format(w=w, kind=t)) or {}).get("mean"), 2) for w in WEIGHTINGS]
+            n = (g2.get(RANK_G2_WEIGHTED.format(w="adv", kind=t)) or {}).get("n")
             lines.append(f"| {r} | G2 {t} stable rank ({n} group(s)) | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -270,19 +321,21 @@ def strata_table(probe: dict[str, Any], by: str) -> list[str]:
     lines = [f"| R | {head} | groups | G1 erank | null erank | G1 / null erank | G1 stable rank | null stable rank | "
              "span energy | span energy, relabelled | cos gap |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
-        for stratum, summ in per_r[r].get("strata", {}).get(by, {}).items():
-            n = (summ.get("rank/g1_erank") or {}).get("n", 0)
-            lines.append(f"| {r} | {stratum} | {n} | {_ci(summ.get('rank/g1_erank'))} | "
-                         f"{_ci(summ.get('rank/g1_null_erank'))} | {_ci(summ.get('rank/g1_erank_vs_null'))} | "
-                         f"{_ci(summ.get('rank/g1_stable_rank'))} | {_ci(summ.get('rank/g1_null_stable_rank'))} | "
-                         f"{_ci(summ.get('zero_sum/span_energy'))} | {_ci(summ.get('zero_sum/span_energy_null'))} | "
-                         f"{_ci(summ.get('zero_sum/cos_gap'), 3)} |")
+        for stratum, summ in per_r[r].get(PROBE_STRATA, {}).get(by, {}).items():
+            n = (summ.get(rank_key("g1", "erank")) or {}).get("n", 0)
+            lines.append(f"| {r} | {stratum} | {n} | {_ci(summ.get(rank_key('g1', 'erank')))} | "
+                         f"{_ci(summ.get(rank_key('g1_null', 'erank')))} | "
+                         f"{_ci(summ.get(RANK_G1_VS_NULL.format(m='erank')))} | "
+                         f"{_ci(summ.get(rank_key('g1', 'stable_rank')))} | "
+                         f"{_ci(summ.get(rank_key('g1_null', 'stable_rank')))} | "
+                         f"{_ci(summ.get(ZERO_SUM_SPAN_ENERGY))} | {_ci(summ.get(ZERO_SUM_SPAN_ENERGY_NULL))} | "
+                         f"{_ci(summ.get(ZERO_SUM_COS_GAP), 3)} |")
     return lines
 
 
 def _g2_cell(summ: dict[str, Any]) -> str:
     """'rank / bound' means over groups (the bound is prompt tokens + distinct completion prefixes)."""
-    rk, bd = summ.get("rank/g2_numerical_rank") or {}, summ.get("rank/g2_rank_bound") or {}
+    rk, bd = summ.get(RANK_G2_NUMERICAL_RANK) or {}, summ.get(RANK_G2_RANK_BOUND) or {}
     if rk.get("mean") is None:
         return "–"
     return f"{fmt(rk['mean'], 1)} / {fmt(bd.get('mean'), 1)}"
@@ -301,16 +354,16 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
              "interval over groups in brackets.", ""]
     check = meta.get("sketch_check") or {}
     if meta.get("gradients") != "exact":
-        cov = check.get("sketch/coverage")
+        cov = check.get(SKETCH_COVERAGE)
         if cov:
             lines += [f"Sketch checked against exact gradients of every parameter on {cov.get('n')} group(s): it "
                       f"carries {_ci(cov)} of Σ||g_i||² (exact shares: linear weights "
-                      f"{_ci(check.get('sketch/exact_share_linear'))}, embedding "
-                      f"{_ci(check.get('sketch/exact_share_embedding'))}, norms "
-                      f"{_ci(check.get('sketch/exact_share_norm'))}); G1's Gram error, measured "
-                      f"{_ci(check.get('sketch/gram_error'))} (missing parameters and projection noise), bound for the "
-                      f"sketched layers {_ci(check.get('sketch/gram_error_bound'))}; erank(G1) sketched − exact "
-                      f"{_ci(check.get('sketch/g1_erank_error'), 3)}.", ""]
+                      f"{_ci(check.get(SKETCH_EXACT_SHARE_LINEAR))}, embedding "
+                      f"{_ci(check.get(SKETCH_EXACT_SHARE_EMBEDDING))}, norms "
+                      f"{_ci(check.get(SKETCH_EXACT_SHARE_NORM))}); G1's Gram error, measured "
+                      f"{_ci(check.get(SKETCH_GRAM_ERROR))} (missing parameters and projection noise), bound for the "
+                      f"sketched layers {_ci(check.get(SKETCH_GRAM_ERROR_BOUND))}; erank(G1) sketched − exact "
+                      f"{_ci(check.get(SKETCH_G1_ERANK_ERROR), 3)}.", ""]
         else:
             lines += ["The sketch was not checked against exact gradients (coverage_groups = 0): the share of "
                       "||g||² it covers is unknown; it sees nn.Linear weights only.", ""]
@@ -318,17 +371,17 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               "| distinct completions | G2 numerical rank / bound |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
         d = per_r[r]
-        summ = d.get("summary", {})
-        res = [g.get("grad/identity_residual") for g in d.get("groups", [])
-               if g.get("grad/identity_residual") is not None]
-        lines.append(f"| {r} | {d.get('prompts_sampled')} | {d.get('groups_all_equal')} | {d.get('groups_mixed')} | "
-                     f"{_ci(d['s1_measured_ci'], 3) if d.get('s1_measured_ci') else fmt(d.get('s1_measured'))} | "
-                     f"{_ci(d['s1_predicted_ci'], 3) if d.get('s1_predicted_ci') else fmt(d.get('s1_predicted'))} | "
-                     f"{f'{max(res):.1e}' if res else '–'} | {_ci(summ.get('group/distinct_completions'))} | "
+        summ = d.get(PROBE_SUMMARY, {})
+        res = [g.get(GRAD_IDENTITY_RESIDUAL) for g in d.get(PROBE_GROUPS, [])
+               if g.get(GRAD_IDENTITY_RESIDUAL) is not None]
+        lines.append(f"| {r} | {d.get(PROMPTS_SAMPLED)} | {d.get(GROUPS_ALL_EQUAL)} | {d.get(GROUPS_MIXED)} | "
+                     f"{_ci(d[S1_MEASURED_CI], 3) if d.get(S1_MEASURED_CI) else fmt(d.get(S1_MEASURED))} | "
+                     f"{_ci(d[S1_PREDICTED_CI], 3) if d.get(S1_PREDICTED_CI) else fmt(d.get(S1_PREDICTED))} | "
+                     f"{f'{max(res):.1e}' if res else '–'} | {_ci(summ.get(GROUP_DISTINCT_COMPLETIONS))} | "
                      f"{_g2_cell(summ)} |")
-        if d.get("groups_mixed", 0) == 0:
-            findings.append(f"[{label}] R={r}: no mixed group among {d.get('prompts_sampled')} prompts (S1 = "
-                            f"{fmt(d.get('s1_measured'))}): GRPO's policy gradient was exactly zero on every "
+        if d.get(GROUPS_MIXED, 0) == 0:
+            findings.append(f"[{label}] R={r}: no mixed group among {d.get(PROMPTS_SAMPLED)} prompts (S1 = "
+                            f"{fmt(d.get(S1_MEASURED))}): GRPO's policy gradient was exactly zero on every "
                             f"sampled group, so no rank could be measured.")
     lines += ["", "### Effective rank vs group size, beside the orthogonal null", "",
               "G1: rows A_i g_i of a group. The orthogonal null has singular values |A_i| ||g_i||: what G1 would be "
@@ -349,26 +402,27 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               "|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
         d = per_r[r]
-        summ = d.get("summary", {})
+        summ = d.get(PROBE_SUMMARY, {})
         cells = []
-        for stat in ("span_energy", "cos_gap"):
-            ps = [g[f"zero_sum/{stat}_p"] for g in d.get("groups", []) if g.get(f"zero_sum/{stat}_p") is not None]
-            cells += [_ci(summ.get(f"zero_sum/{stat}"), 3), _ci(summ.get(f"zero_sum/{stat}_null"), 3),
+        for stat in ZERO_SUM_STATS:
+            p_key = zero_sum_key(stat, "p")
+            ps = [g[p_key] for g in d.get(PROBE_GROUPS, []) if g.get(p_key) is not None]
+            cells += [_ci(summ.get(zero_sum_key(stat)), 3), _ci(summ.get(zero_sum_key(stat, "null")), 3),
                       f"{sum(p < 0.05 for p in ps)}/{len(ps)}" if ps else "–"]
-        n = (summ.get("zero_sum/span_energy") or {}).get("n", 0)
+        n = (summ.get(ZERO_SUM_SPAN_ENERGY) or {}).get("n", 0)
         lines.append(f"| {r} | {n} | " + " | ".join(cells) + " |")
     lines.append("")
     for r in sorted(per_r, key=int):
-        summ = per_r[r].get("summary", {})
-        g1 = summ.get("rank/g1_erank") or {}
-        null = summ.get("rank/g1_null_erank") or {}
+        summ = per_r[r].get(PROBE_SUMMARY, {})
+        g1 = summ.get(rank_key("g1", "erank")) or {}
+        null = summ.get(rank_key("g1_null", "erank")) or {}
         if g1.get("mean") is None:
             continue
         note = " (R = 2 caps every rank measure at 2)" if int(r) == 2 else ""
         findings.append(f"[{label}] R={r}: G1 erank {_ci(g1)} vs orthogonal null {_ci(null)} over {g1.get('n')} "
                         f"groups{note}.")
-    res_all = [g.get("grad/identity_residual") for d in per_r.values() for g in d.get("groups", [])
-               if g.get("grad/identity_residual") is not None]
+    res_all = [g.get(GRAD_IDENTITY_RESIDUAL) for d in per_r.values() for g in d.get(PROBE_GROUPS, [])
+               if g.get(GRAD_IDENTITY_RESIDUAL) is not None]
     if res_all:
         findings.append(f"[{label}] The rank-2 identity sum_i A_i g_i = c(k,R)(gbar_C - gbar_W) held to a relative "
                         f"residual of at most {max(res_all):.1e} over {len(res_all)} mixed 0/1 groups.")
@@ -384,18 +438,18 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               "| R | b* | group mean | m_C | m_W | Var/Var* none | mean | rloo | optimal |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(per_r, key=int):
-        b = per_r[r].get("baselines", {})
-        summ = per_r[r].get("summary", {})
+        b = per_r[r].get(PROBE_BASELINES, {})
+        summ = per_r[r].get(PROBE_SUMMARY, {})
         rel = b.get("relative_variance", {})
-        lines.append(f"| {r} | {_ci(summ.get('baseline/b_star'), 3)} | {_ci(summ.get('baseline/group_mean'), 3)} | "
-                     f"{_ci(summ.get('baseline/m_correct'), 4)} | {_ci(summ.get('baseline/m_wrong'), 4)} | "
+        lines.append(f"| {r} | {_ci(summ.get(BASELINE_B_STAR), 3)} | {_ci(summ.get(BASELINE_GROUP_MEAN), 3)} | "
+                     f"{_ci(summ.get(BASELINE_M_CORRECT), 4)} | {_ci(summ.get(BASELINE_M_WRONG), 4)} | "
                      f"{fmt(rel.get('none'), 2)} | {fmt(rel.get('mean'), 2)} | {fmt(rel.get('rloo'), 2)} | "
                      f"{fmt(rel.get('optimal'), 2)} |")
         if rel.get("rloo") is not None:
             findings.append(f"[{label}] R={r}: the rloo baseline's gradient variance is {fmt(rel['rloo'], 2)}x the "
                             f"leave-one-out optimal b*'s; no baseline at all gives {fmt(rel.get('none'), 2)}x "
                             f"(one resampling estimate over {b.get('prompts')} prompt(s) of "
-                            f"{per_r[r].get('rollouts_per_prompt')} rollouts; no interval; g_i is length-normalised, "
+                            f"{per_r[r].get(ROLLOUTS_PER_PROMPT)} rollouts; no interval; g_i is length-normalised, "
                             f"so its mean is not exactly 0 and a constant baseline's optimum need not minimise this "
                             f"variance).")
     plots.plot_baseline_variance(probe, run_dir / f"baseline_variance_{label}.png")
@@ -408,11 +462,11 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               "of tokens |", "|---|---|---|---|"]
     for r in sorted(per_r, key=int):
         d = per_r[r]
-        summ = d.get("summary", {})
-        vmax = [g.get("credit/adv_var_within_max") for g in d.get("groups", [])
-                if g.get("credit/adv_var_within_max") is not None]
-        lines.append(f"| {r} | {fmt(max(vmax), 6) if vmax else '–'} | {_ci(summ.get('credit/answer_share_mean'), 3)} | "
-                     f"{_ci(summ.get('credit/answer_token_frac'), 3)} |")
+        summ = d.get(PROBE_SUMMARY, {})
+        vmax = [g.get(CREDIT_ADV_VAR_WITHIN_MAX) for g in d.get(PROBE_GROUPS, [])
+                if g.get(CREDIT_ADV_VAR_WITHIN_MAX) is not None]
+        lines.append(f"| {r} | {fmt(max(vmax), 6) if vmax else '–'} | {_ci(summ.get(CREDIT_ANSWER_SHARE_MEAN), 3)} | "
+                     f"{_ci(summ.get(CREDIT_ANSWER_TOKEN_FRAC), 3)} |")
     plots.plot_credit_profile(probe, run_dir / f"credit_profile_{label}.png")
     lines += ["", f"![credit profile](credit_profile_{label}.png)", ""]
     if probe.get("studies"):
@@ -464,7 +518,7 @@ def write_report(run_dir: Path) -> Path:
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory; pass a run directory written by train, probe or demo")
     train_dir = run_dir / "train" if (run_dir / "train" / "metrics.jsonl").exists() else run_dir  # demo layout
-    records = [r for r in _read_jsonl(train_dir / "metrics.jsonl") if "step" in r]
+    records = [r for r in _read_jsonl(train_dir / "metrics.jsonl") if STEP in r]
     probes = find_probes(run_dir)
     if not records and not probes:
         raise ReportError(f"{run_dir} holds neither metrics.jsonl nor probe.json; nothing to report")
@@ -494,7 +548,7 @@ def write_report(run_dir: Path) -> Path:
     if config.exists():
         header += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
                    "</details>", ""]
-    if probes or any(r.get("perf/lens_seconds") is not None for r in records):
+    if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
         header += claims_section(probes, records, lora_rank)
     header += ["## Findings", "", *[f"- {f}" for f in findings], ""]
     path = run_dir / "report.md"

@@ -25,23 +25,37 @@ import yaml
 
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, bootstrap_ci
+from grpo_lens.metrics import (
+    BASELINE_B_STAR,
+    COMPLETIONS_MEAN_LENGTH,
+    DYNAMIC_HIT_CAP,
+    DYNAMIC_KEPT_REWARD_MEAN,
+    DYNAMIC_MIXED_GROUPS,
+    POLICY_ENTROPY,
+    REWARD_ACCURACY,
+    REWARD_FRAC_ZERO_STD_GROUPS,
+    REWARD_MEAN,
+    SPARSITY_UPDATE_TOTAL,
+    STEP,
+    rank_key,
+)
 from grpo_lens.report.format import fmt_sig
 from grpo_lens.report.training_measures import dynamic_sampling_summary
 
 #: The metrics compared: (key, label). A metric absent from every run is left out.
 COMPARED = (
-    ("reward/mean", "reward"),
-    ("reward/accuracy", "accuracy"),
-    ("policy/entropy", "policy entropy (nats/token)"),
-    ("reward/frac_zero_std_groups", "S1: zero-variance groups"),
-    ("dynamic/mixed_groups", "mixed groups trained on (dynamic sampling)"),
-    ("dynamic/hit_cap", "share of steps at the dynamic-sampling cap"),
-    ("dynamic/kept_reward_mean", "reward of the kept groups only (dynamic sampling)"),
-    ("rank/g1_erank", "lens: G1 effective rank"),
-    ("rank/g1_random_erank", "lens: G1 random zero-sum control"),
-    ("sparsity/update_total", "lens: S4 bf16-unchanged since start"),
-    ("baseline/b_star", "lens: b*"),
-    ("completions/mean_length", "completion length (tokens)"),
+    (REWARD_MEAN, "reward"),
+    (REWARD_ACCURACY, "accuracy"),
+    (POLICY_ENTROPY, "policy entropy (nats/token)"),
+    (REWARD_FRAC_ZERO_STD_GROUPS, "S1: zero-variance groups"),
+    (DYNAMIC_MIXED_GROUPS, "mixed groups trained on (dynamic sampling)"),
+    (DYNAMIC_HIT_CAP, "share of steps at the dynamic-sampling cap"),
+    (DYNAMIC_KEPT_REWARD_MEAN, "reward of the kept groups only (dynamic sampling)"),
+    (rank_key("g1", "erank"), "lens: G1 effective rank"),
+    (rank_key("g1_random", "erank"), "lens: G1 random zero-sum control"),
+    (SPARSITY_UPDATE_TOTAL, "lens: S4 bf16-unchanged since start"),
+    (BASELINE_B_STAR, "lens: b*"),
+    (COMPLETIONS_MEAN_LENGTH, "completion length (tokens)"),
 )
 
 
@@ -93,7 +107,7 @@ def differing_fields(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
 def final_numbers(records: list[dict[str, Any]], key: str, last: int) -> dict[str, Any] | None:
     """Mean and 95% interval of ``key`` over the last ``last`` records that have a finite value of it (None if none):
     {"mean", "low", "high" (None below MIN_INTERVAL_UNITS records), "n", "steps": [first, last]}."""
-    pts = [(r["step"], r[key]) for r in records
+    pts = [(r[STEP], r[key]) for r in records
            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     if not pts:
         return None
@@ -116,7 +130,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
     fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows), squeeze=False)
     for ax, (key, label) in zip(axes.flat, metrics):
         for run, records in runs.items():
-            pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            pts = [(r[STEP], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if len(pts) < 12 else None, ms=3, label=run)
         ax.set_title(label, fontsize=10)

@@ -15,6 +15,31 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator
 
+from grpo_lens.metrics import (
+    BASELINE_B_STAR,
+    BASELINE_GROUP_MEAN,
+    BASELINE_M_CORRECT,
+    BASELINE_M_WRONG,
+    CLIP_RATIO_HIGH,
+    CLIP_RATIO_LOW,
+    CLIP_RATIO_REGION,
+    COMPLETIONS_MEAN_LENGTH,
+    KL_MEAN,
+    POLICY_ENTROPY,
+    PROBE_BASELINES,
+    PROBE_CREDIT,
+    PROBE_SPECTRA,
+    PROBE_SUMMARY,
+    REWARD_ACCURACY,
+    REWARD_FRAC_ZERO_STD_GROUPS,
+    REWARD_MEAN,
+    SPARSITY_UPDATE_STEP,
+    SPARSITY_UPDATE_TOTAL,
+    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
+    STEP,
+    rank_key,
+)
+
 DPI = 90
 SIZE = (6.4, 3.6)
 
@@ -24,7 +49,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     for r in records:
         v = r.get(key)
         if v is not None:
-            xs.append(r["step"])
+            xs.append(r[STEP])
             ys.append(float(v))
     return xs, ys
 
@@ -54,16 +79,16 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
         beta: the run's KL coefficient; None: the KL panel appears when any step logged a non-zero KL.
     """
     if beta is None:
-        beta = 1.0 if any((r.get("kl/mean") or 0.0) != 0.0 for r in records) else 0.0
+        beta = 1.0 if any((r.get(KL_MEAN) or 0.0) != 0.0 for r in records) else 0.0
     fig, axes = plt.subplots(2, 2, figsize=(SIZE[0], SIZE[1] * 1.4), sharex=True)
-    third = ((axes[1, 0], [("kl/mean", "KL to reference")], "nats/token", "KL to the reference model") if beta > 0
-             else (axes[1, 0], [("policy/entropy", "token-mean entropy")], "nats/token", "policy entropy"))
+    third = ((axes[1, 0], [(KL_MEAN, "KL to reference")], "nats/token", "KL to the reference model") if beta > 0
+             else (axes[1, 0], [(POLICY_ENTROPY, "token-mean entropy")], "nats/token", "policy entropy"))
     panels = [
-        (axes[0, 0], [("reward/mean", "reward mean"), ("reward/accuracy", "accuracy")], "reward", "reward"),
-        (axes[0, 1], [("completions/mean_length", "mean length")], "tokens", "completion length"),
+        (axes[0, 0], [(REWARD_MEAN, "reward mean"), (REWARD_ACCURACY, "accuracy")], "reward", "reward"),
+        (axes[0, 1], [(COMPLETIONS_MEAN_LENGTH, "mean length")], "tokens", "completion length"),
         third,
-        (axes[1, 1], [("clip/ratio_region", "clipped share"), ("clip/ratio_high", "high"),
-                      ("clip/ratio_low", "low")], "share of tokens", "clip ratio"),
+        (axes[1, 1], [(CLIP_RATIO_REGION, "clipped share"), (CLIP_RATIO_HIGH, "high"),
+                      (CLIP_RATIO_LOW, "low")], "share of tokens", "clip ratio"),
     ]
     for ax, keys, ylabel, title in panels:
         ax.set_title(title, fontsize=9)
@@ -75,7 +100,7 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             _legend(ax, fontsize=7)
-    xs, ys = _series(records, "policy/entropy")  # entropy beside the reward: collapse shows as both moving
+    xs, ys = _series(records, POLICY_ENTROPY)  # entropy beside the reward: collapse shows as both moving
     if xs and beta > 0:  # with beta = 0 the third panel already draws it
         twin = axes[0, 0].twinx()
         twin.plot(xs, ys, color="tab:purple", alpha=0.6, linestyle="--", label="entropy (right)")
@@ -90,11 +115,11 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
 def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     """S1 measured, and S4 bf16 update sparsity per step and since the start beside its dense-update control."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
-    for key, label in [("reward/frac_zero_std_groups", "S1 measured")]:
+    for key, label in [(REWARD_FRAC_ZERO_STD_GROUPS, "S1 measured")]:
         xs, ys = _series(records, key)
         if xs:
             a1.plot(xs, ys, marker=".", label=label)
-    xs, ys = _series(records, "reward/accuracy")
+    xs, ys = _series(records, REWARD_ACCURACY)
     if xs:
         a1.plot(xs, ys, color="gray", alpha=0.5, label="accuracy")
     a1.set_title("zero-variance groups (S1)", fontsize=9)
@@ -102,8 +127,8 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     a1.set_ylim(-0.02, 1.02)
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
-    for key, label in [("sparsity/update_step", "this step"), ("sparsity/update_total", "since start"),
-                       ("sparsity/update_total_bf16_dense", "since start, dense control")]:
+    for key, label in [(SPARSITY_UPDATE_STEP, "this step"), (SPARSITY_UPDATE_TOTAL, "since start"),
+                       (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control")]:
         xs, ys = _series(records, key)
         if xs:
             a2.plot(xs, ys, marker=".", label=label, linestyle="--" if "dense" in key else "-")
@@ -118,7 +143,7 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
 def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
     """b* vs the group mean, and m_C / m_W (mean squared gradient norm of correct / wrong rollouts) over training."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
-    for key, label in [("baseline/b_star", "b* (variance-optimal)"), ("baseline/group_mean", "group mean")]:
+    for key, label in [(BASELINE_B_STAR, "b* (variance-optimal)"), (BASELINE_GROUP_MEAN, "group mean")]:
         xs, ys = _series(records, key)
         if xs:
             a1.plot(xs, ys, marker="o", label=label)
@@ -126,7 +151,7 @@ def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
     a1.set_title("baseline (mixed groups)", fontsize=9)
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
-    for key, label in [("baseline/m_correct", "m_C (correct)"), ("baseline/m_wrong", "m_W (wrong)")]:
+    for key, label in [(BASELINE_M_CORRECT, "m_C (correct)"), (BASELINE_M_WRONG, "m_W (wrong)")]:
         xs, ys = _series(records, key)
         if xs:
             a2.plot(xs, ys, marker="o", label=label)
@@ -158,7 +183,7 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
         for mi, (name, stem) in enumerate(G1_LINES):
             xs, ys, lo, hi = [], [], [], []
             for r in rs:
-                stats = per_r[r].get("summary", {}).get(f"rank/{stem}_{measure}")
+                stats = per_r[r].get(PROBE_SUMMARY, {}).get(rank_key(stem, measure))
                 if stats and stats.get("mean") is not None:
                     xs.append(int(r))
                     ys.append(stats["mean"])
@@ -183,7 +208,7 @@ def plot_spectra(probe: dict[str, Any], path: Path, matrix: str = "G1") -> Path:
     """Normalised singular values (s_k / s_1) of ``matrix``, averaged over groups, one line per R."""
     fig, ax = plt.subplots(figsize=SIZE)
     for r in sorted(probe["per_group_size"], key=int):
-        spectra = probe["per_group_size"][r].get("spectra", {}).get(matrix) or []
+        spectra = probe["per_group_size"][r].get(PROBE_SPECTRA, {}).get(matrix) or []
         if not spectra:
             continue
         k = max(len(s) for s in spectra)
@@ -206,11 +231,11 @@ def plot_baseline_variance(probe: dict[str, Any], path: Path) -> Path:
     rs = sorted(probe["per_group_size"], key=int)
     names: list[str] = []
     for r in rs:
-        rel = probe["per_group_size"][r].get("baselines", {}).get("relative_variance", {})
+        rel = probe["per_group_size"][r].get(PROBE_BASELINES, {}).get("relative_variance", {})
         names += [n for n in rel if n not in names]
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
-        ys = [probe["per_group_size"][r].get("baselines", {}).get("relative_variance", {}).get(name) or 0.0
+        ys = [probe["per_group_size"][r].get(PROBE_BASELINES, {}).get("relative_variance", {}).get(name) or 0.0
               for r in rs]
         ax.bar([j + i * width for j in range(len(rs))], ys, width=width, label=name)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rs))])
@@ -227,7 +252,7 @@ def plot_credit_profile(probe: dict[str, Any], path: Path) -> Path:
     """Per-position gradient norm of completion tokens, averaged over rollouts, one line per R."""
     fig, ax = plt.subplots(figsize=SIZE)
     for r in sorted(probe["per_group_size"], key=int):
-        prof = probe["per_group_size"][r].get("credit", {}).get("position_profile") or []
+        prof = probe["per_group_size"][r].get(PROBE_CREDIT, {}).get("position_profile") or []
         if prof:
             ax.plot(range(1, len(prof) + 1), prof, marker=".", label=f"R={r}")
     ax.set_xlabel("completion token position")

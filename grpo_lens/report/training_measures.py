@@ -14,6 +14,26 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from grpo_lens.metrics import (
+    DYNAMIC_HIT_CAP,
+    DYNAMIC_MIXED_GROUPS,
+    DYNAMIC_SAMPLED_GROUPS,
+    DYNAMIC_ZERO_VAR_FRAC_SAMPLED,
+    PERF_LENS_SECONDS,
+    POLICY_ENTROPY,
+    REWARD_FRAC_ZERO_STD_GROUPS,
+    SPARSITY_GRAD_HOYER,
+    SPARSITY_GRAD_TOP1_ENERGY,
+    SPARSITY_GRAD_ZERO,
+    SPARSITY_SAMPLE_ENTRIES,
+    SPARSITY_UPDATE_STEP_HOYER,
+    SPARSITY_UPDATE_STEP_TOP1_ENERGY,
+    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
+    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
+    STEP,
+    sparsity_key,
+)
 from grpo_lens.report import plots
 from grpo_lens.report.format import fmt
 from grpo_lens.rundir import lens_overhead
@@ -21,31 +41,31 @@ from grpo_lens.rundir import lens_overhead
 
 def lens_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of lens steps (those with a lens timing)."""
-    return [r for r in records if r.get("perf/lens_seconds") is not None]
+    return [r for r in records if r.get(PERF_LENS_SECONDS) is not None]
 
 
 def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
     """bf16-unchanged since start beside its dense control and float32-unchanged; Hoyer and top-1% energy of the
     step's update and gradient; Hoyer of the update since start per layer type."""
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(plots.SIZE[0] * 1.5, plots.SIZE[1]))
-    for key, label, style in [("sparsity/update_total_bf16_unchanged", "bf16 unchanged", "-"),
-                              ("sparsity/update_total_bf16_dense", "dense control", "--"),
-                              ("sparsity/update_total_f32_unchanged", "f32 unchanged", ":")]:
+    for key, label, style in [(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
+                              (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", "--"),
+                              (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", ":")]:
         xs, ys = plots._series(records, key)
         if xs:
             a1.plot(xs, ys, marker=".", linestyle=style, label=label)
     a1.set_title("since start: unchanged shares", fontsize=9)
     a1.set_ylim(-0.02, 1.02)
-    for key, label in [("sparsity/update_step_hoyer", "update Hoyer"),
-                       ("sparsity/update_step_top1_energy", "update top-1% energy"),
-                       ("sparsity/grad_hoyer", "gradient Hoyer"), ("sparsity/grad_top1_energy", "gradient top-1%")]:
+    for key, label in [(SPARSITY_UPDATE_STEP_HOYER, "update Hoyer"),
+                       (SPARSITY_UPDATE_STEP_TOP1_ENERGY, "update top-1% energy"),
+                       (SPARSITY_GRAD_HOYER, "gradient Hoyer"), (SPARSITY_GRAD_TOP1_ENERGY, "gradient top-1%")]:
         xs, ys = plots._series(records, key)
         if xs:
             a2.plot(xs, ys, marker=".", label=label)
     a2.axhline(0.20, color="gray", lw=0.8, ls=":")  # Hoyer of a Gaussian vector
     a2.set_title("this step (Gaussian: Hoyer 0.20, top-1% 0.105)", fontsize=8)
     for kind in ("embedding", "attention", "mlp", "norm"):
-        xs, ys = plots._series(records, f"sparsity/{kind}/update_total_hoyer")
+        xs, ys = plots._series(records, sparsity_key("update_total", "hoyer", kind))
         if xs:
             a3.plot(xs, ys, marker=".", label=kind)
     a3.set_title("update since start: Hoyer by layer type", fontsize=9)
@@ -61,7 +81,7 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
     """Policy entropy, sparsity over training (with the dense control) and the lens's cost (``lora_rank`` > 0: the
     sparsity numbers are over the LoRA adapter's weights)."""
     lines: list[str] = []
-    ent = [r.get("policy/entropy") for r in records if r.get("policy/entropy") is not None]
+    ent = [r.get(POLICY_ENTROPY) for r in records if r.get(POLICY_ENTROPY) is not None]
     if ent:
         head, tail = ent[: min(5, len(ent))], ent[max(0, len(ent) - 5):]
         e0, e1 = sum(head) / len(head), sum(tail) / len(tail)
@@ -70,10 +90,10 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
                   f"{fmt(e0)} nats over the first {len(head)} steps -> {fmt(e1)} over the last {len(tail)} "
                   f"(plotted with the reward in the learning curves; the KL panel is shown only when beta > 0).", ""]
         findings.append(f"Policy entropy went {fmt(e0)} -> {fmt(e1)} nats/token (first vs last steps).")
-    rows = [r for r in lens_rows(records) if r.get("sparsity/update_total_bf16_dense") is not None]
+    rows = [r for r in lens_rows(records) if r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE) is not None]
     if rows:
         plot_sparsity_measures(records, run_dir / "sparsity_measures.png")
-        n = rows[-1].get("sparsity/sample_entries")
+        n = rows[-1].get(SPARSITY_SAMPLE_ENTRIES)
         lines += ["### Sparsity over training: the update and the gradient, separated from bf16 rounding", "",
                   "bf16 unchanged: share of weights whose bf16 value did not change; dense control: the share a "
                   "dense Gaussian update with the same per-tensor RMS would leave unchanged (rounding alone). "
@@ -86,35 +106,34 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
                   "update Hoyer (step) | update top-1% (step) | gradient zero | gradient Hoyer | gradient top-1% |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(" | ".join([f"| {r['step']}", fmt(r.get("reward/frac_zero_std_groups")),
-                                     fmt(r.get("sparsity/update_total_bf16_unchanged")),
-                                     fmt(r.get("sparsity/update_total_bf16_dense")),
-                                     fmt(r.get("sparsity/update_total_f32_unchanged"), 4),
-                                     fmt(r.get("sparsity/update_step_hoyer")),
-                                     fmt(r.get("sparsity/update_step_top1_energy")),
-                                     fmt(r.get("sparsity/grad_zero"), 4), fmt(r.get("sparsity/grad_hoyer")),
-                                     fmt(r.get("sparsity/grad_top1_energy"))]) + " |")
+            lines.append(" | ".join([f"| {r[STEP]}", fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
+                                     fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
+                                     fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
+                                     fmt(r.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
+                                     fmt(r.get(SPARSITY_UPDATE_STEP_HOYER)),
+                                     fmt(r.get(SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
+                                     fmt(r.get(SPARSITY_GRAD_ZERO), 4), fmt(r.get(SPARSITY_GRAD_HOYER)),
+                                     fmt(r.get(SPARSITY_GRAD_TOP1_ENERGY))]) + " |")
         last = rows[-1]
         kinds = [k for k in ("embedding", "attention", "mlp", "norm", "other")
-                 if last.get(f"sparsity/{k}/update_total_hoyer") is not None]
+                 if last.get(sparsity_key("update_total", "hoyer", k)) is not None]
         if kinds:
-            lines += ["", f"By layer type at step {last['step']} (update since the start; gradient of the step):", "",
+            lines += ["", f"By layer type at step {last[STEP]} (update since the start; gradient of the step):", "",
                       "| layer type | bf16 unchanged | dense control | f32 unchanged | update Hoyer | update top-1% | "
                       "gradient zero | gradient Hoyer |", "|---|---|---|---|---|---|---|---|"]
             for k in kinds:
-                p = f"sparsity/{k}/"
-                lines.append(" | ".join([f"| {k}", fmt(last.get(p + "update_total_bf16_unchanged")),
-                                         fmt(last.get(p + "update_total_bf16_dense")),
-                                         fmt(last.get(p + "update_total_f32_unchanged"), 4),
-                                         fmt(last.get(p + "update_total_hoyer")),
-                                         fmt(last.get(p + "update_total_top1_energy")),
-                                         fmt(last.get(p + "grad_zero"), 4), fmt(last.get(p + "grad_hoyer"))]) + " |")
-        gap = last["sparsity/update_total_bf16_unchanged"] - last["sparsity/update_total_bf16_dense"]
+                total = {m: last.get(sparsity_key("update_total", m, k))
+                         for m in ("bf16_unchanged", "bf16_dense", "f32_unchanged", "hoyer", "top1_energy")}
+                lines.append(" | ".join([f"| {k}", fmt(total["bf16_unchanged"]), fmt(total["bf16_dense"]),
+                                         fmt(total["f32_unchanged"], 4), fmt(total["hoyer"]),
+                                         fmt(total["top1_energy"]), fmt(last.get(sparsity_key("grad", "zero", k)), 4),
+                                         fmt(last.get(sparsity_key("grad", "hoyer", k)))]) + " |")
+        gap = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
         weights = "the LoRA adapter's weights (not the full model's)" if lora_rank else "weights"
-        findings.append(f"After {last['step']} steps {fmt(last['sparsity/update_total_bf16_unchanged'])} of {weights} "
-                        f"kept their bf16 value, against {fmt(last['sparsity/update_total_bf16_dense'])} for a dense "
+        findings.append(f"After {last[STEP]} steps {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "
+                        f"kept their bf16 value, against {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
                         f"update of the same size (difference {fmt(gap)}); "
-                        f"{fmt(last.get('sparsity/update_total_f32_unchanged'), 4)} were unchanged in float32.")
+                        f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32.")
         lines.append("")
     cost = lens_overhead(records)
     if cost and cost["lens_steps"]:
@@ -131,13 +150,13 @@ def dynamic_sampling_summary(records: list[dict]) -> str | None:
     Args:
         records: metrics.jsonl records (dicts with ``step``); steps without ``dynamic/hit_cap`` are ignored.
     """
-    rows = [r for r in records if isinstance(r.get("dynamic/hit_cap"), (int, float))]
+    rows = [r for r in records if isinstance(r.get(DYNAMIC_HIT_CAP), (int, float))]
     if not rows:
         return None
-    cap = sum(r["dynamic/hit_cap"] > 0 for r in rows)
-    sampled = sum(r.get("dynamic/sampled_groups", 0.0) for r in rows)
-    kept = sum(r.get("dynamic/mixed_groups", 0.0) for r in rows)
-    zero = sum(r.get("dynamic/zero_var_frac_sampled", 0.0) * r.get("dynamic/sampled_groups", 0.0) for r in rows)
+    cap = sum(r[DYNAMIC_HIT_CAP] > 0 for r in rows)
+    sampled = sum(r.get(DYNAMIC_SAMPLED_GROUPS, 0.0) for r in rows)
+    kept = sum(r.get(DYNAMIC_MIXED_GROUPS, 0.0) for r in rows)
+    zero = sum(r.get(DYNAMIC_ZERO_VAR_FRAC_SAMPLED, 0.0) * r.get(DYNAMIC_SAMPLED_GROUPS, 0.0) for r in rows)
     share = f"{zero / sampled:.3f}" if sampled else "–"
     return (f"Dynamic sampling (DAPO) was on: {cap} of {len(rows)} steps hit the extra-rounds cap "
             f"(dynamic_sampling_max_rounds) with fewer mixed groups than prompts_per_step; {share} of the "

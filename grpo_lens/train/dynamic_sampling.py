@@ -17,6 +17,13 @@ import torch
 from torch import Tensor
 
 from grpo_lens.formulas.advantages import constant_groups
+from grpo_lens.metrics import (
+    DYNAMIC_HIT_CAP,
+    DYNAMIC_MIXED_GROUPS,
+    DYNAMIC_ROUNDS,
+    DYNAMIC_SAMPLED_GROUPS,
+    DYNAMIC_ZERO_VAR_FRAC_SAMPLED,
+)
 from grpo_lens.rollout import RolloutBatch
 
 #: One sampling round: round index -> (batch of N rollouts, rewards [N] NaN invalid, valid [N] bool, reward metrics,
@@ -113,9 +120,9 @@ def collect_mixed_groups(sample_round: SampleRound, num_groups: int, max_extra_r
             found += len(keep)
         if found >= num_groups:
             break
-    stats = {"dynamic/mixed_groups": float(found), "dynamic/rounds": float(rounds),
-             "dynamic/sampled_groups": float(sampled), "dynamic/hit_cap": float(found < num_groups),
-             "dynamic/zero_var_frac_sampled": 1.0 - seen_mixed / sampled}
+    stats = {DYNAMIC_MIXED_GROUPS: float(found), DYNAMIC_ROUNDS: float(rounds),
+             DYNAMIC_SAMPLED_GROUPS: float(sampled), DYNAMIC_HIT_CAP: float(found < num_groups),
+             DYNAMIC_ZERO_VAR_FRAC_SAMPLED: 1.0 - seen_mixed / sampled}
     if found == 0:
         batch, rewards, valid, *others = first
     else:

@@ -32,6 +32,12 @@ from grpo_lens.formulas.overlong import overlong_loss_mask
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
 from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.lora import is_lora
+from grpo_lens.metrics import (
+    GROUP_SIZE,
+    PERF_LENS_SECONDS,
+    PERF_LENS_SPARSITY_SECONDS,
+    RANK_MIXED_GROUPS,
+)
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.train.processes import gather_objects
 from grpo_lens.train.sparsity import Bf16UpdateTracker, SparsityOverTraining
@@ -162,10 +168,10 @@ class TrainerLens:
         parts = gather_objects({"rows": rows, "rewards": r, "valid": v})
         all_rows = [row for part in parts for row in part["rows"]]
         out: dict[str, float] = {}
-        out["rank/mixed_groups"] = float(len(all_rows))
-        out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != "group/size"})
+        out[RANK_MIXED_GROUPS] = float(len(all_rows))
+        out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != GROUP_SIZE})
         self._pending = True
-        out["perf/lens_seconds"] = time.perf_counter() - t0
+        out[PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out
 
     def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
@@ -202,5 +208,5 @@ class TrainerLens:
         self._pending = False
         out = self.tracker.update()
         out.update(self.sparsity.after_step())
-        out["perf/lens_sparsity_seconds"] = self._sparsity_seconds + time.perf_counter() - t0
+        out[PERF_LENS_SPARSITY_SECONDS] = self._sparsity_seconds + time.perf_counter() - t0
         return out

@@ -45,6 +45,23 @@ from grpo_lens.formulas.overlong import overlong_advantages, soft_overlong_penal
 from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.gradients.sketch import sketched_rollout_sq_norms
 from grpo_lens.lora import apply_lora, is_lora, save_lora_model
+from grpo_lens.metrics import (
+    ADV_OPTIMAL_BASELINE,
+    ADV_OPTIMAL_MINUS_RLOO,
+    GUARD_CONSECUTIVE_SKIPPED,
+    GUARD_SKIPPED_OPTIMIZER_STEPS,
+    GUARD_SKIPPED_STEPS,
+    GUARD_STEP_SKIPPED,
+    LR,
+    PERF_GENERATION_SECONDS,
+    PERF_OPTIMAL_BASELINE_SECONDS,
+    PERF_PEAK_MEMORY_MB,
+    PERF_STEP_SECONDS,
+    PERF_TOKENS_PER_SECOND,
+    REWARD_MEAN,
+    REWARD_OVERLONG_PENALTY,
+    STEP,
+)
 from grpo_lens.models import load_model, resolve_model
 from grpo_lens.rewards import parse_reward_specs
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
@@ -145,9 +162,9 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         # 6. the lens after the update: its g_i read off the update's first pass, and S4 around the optimizer step
         lens_metrics = lens_after_update(lens, plan, step, procs, models.policy, rollouts, advantages)
         # 7. the non-finite guard: a step with a skipped optimizer step counts toward --max-consecutive-skips
-        update_metrics.update(state.count_skipped(update_metrics["guard/skipped_optimizer_steps"] > 0))
+        update_metrics.update(state.count_skipped(update_metrics[GUARD_SKIPPED_OPTIMIZER_STEPS] > 0))
         # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
-        parts = [update_metrics, lens_metrics, baseline_metrics, {"lr": models.optimizer.param_groups[0]["lr"]}]
+        parts = [update_metrics, lens_metrics, baseline_metrics, {LR: models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
         if procs.is_main:
             logs.write(step, record, rollouts, advantages, config.log_completions)
@@ -239,8 +256,8 @@ class RunState:
         gradient; returns the ``guard/*`` metrics of the step."""
         self.guard["consecutive"] = self.guard["consecutive"] + 1 if skipped else 0
         self.guard["total"] += int(skipped)
-        return {"guard/step_skipped": int(skipped), "guard/skipped_steps": self.guard["total"],
-                "guard/consecutive_skipped": self.guard["consecutive"]}
+        return {GUARD_STEP_SKIPPED: int(skipped), GUARD_SKIPPED_STEPS: self.guard["total"],
+                GUARD_CONSECUTIVE_SKIPPED: self.guard["consecutive"]}
 
 
 def check_before_writing(config: TrainConfig, run: RunDir,
@@ -387,7 +404,7 @@ def sample_round(config: TrainConfig, procs: Processes, task: Any, reward_fns: l
         penalty = soft_overlong_penalty(batch.completion_mask.sum(dim=1), config.overlong_length(),
                                         config.overlong_cache()).to(rewards.device)
         rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
-        reward_info["reward/overlong_penalty"] = float(procs.gather(penalty).mean())
+        reward_info[REWARD_OVERLONG_PENALTY] = float(procs.gather(penalty).mean())
     return Rollouts(batch, rewards, valid, correct, reward_info, {}, [(rewards, valid, correct)], seconds)
 
 
@@ -423,7 +440,7 @@ def step_advantages(config: TrainConfig, procs: Processes, policy: torch.nn.Modu
     if config.estimator == "optimal":
         t_b = time.perf_counter()
         grad_sq_norms = optimal_baseline_weights(config, procs, policy, rollouts)
-        metrics["perf/optimal_baseline_seconds"] = time.perf_counter() - t_b
+        metrics[PERF_OPTIMAL_BASELINE_SECONDS] = time.perf_counter() - t_b
     advantages = compute_advantages(rewards.float(), config.estimator, std=config.std, eps=config.eps, mask=valid,
                                     grad_sq_norms=grad_sq_norms).view(-1)
     if config.estimator == "optimal":
@@ -455,7 +472,7 @@ def optimal_baseline_metrics(procs: Processes, rewards: torch.Tensor, valid: tor
     has one. rewards, advantages: [B, R] float.   valid: [B, R] bool."""
     total, minus_rloo, count = procs.sum_floats(optimal_vs_rloo(rewards, valid, advantages))
     if count > 0:
-        return {"adv/optimal_baseline": total / count, "adv/optimal_minus_rloo": minus_rloo / count}
+        return {ADV_OPTIMAL_BASELINE: total / count, ADV_OPTIMAL_MINUS_RLOO: minus_rloo / count}
     return {}
 
 
@@ -522,14 +539,14 @@ def step_record(step: int, config: TrainConfig, procs: Processes, rollouts: Roll
         rollouts.rewards, rollouts.valid, advantages, _pad_to(rollouts.batch.completion_mask, config.max_new_tokens),
         rollouts.batch.truncated)
     seconds = time.perf_counter() - t0
-    record = {"step": step, **rollouts.reward_info, **rollouts.dynamic,
+    record = {STEP: step, **rollouts.reward_info, **rollouts.dynamic,
               **rollout_metrics(rewards, valid, adv, mask, truncated, R),
               **accuracy_metrics(procs.gather(rollouts.correct))}
     for part in parts:
         record.update(part)
-    record.update({"perf/step_seconds": seconds, "perf/generation_seconds": rollouts.generation_seconds,
-                   "perf/tokens_per_second": float(mask.sum()) / max(seconds, 1e-9),
-                   "perf/peak_memory_mb": _peak_memory_mb(procs.device)})
+    record.update({PERF_STEP_SECONDS: seconds, PERF_GENERATION_SECONDS: rollouts.generation_seconds,
+                   PERF_TOKENS_PER_SECOND: float(mask.sum()) / max(seconds, 1e-9),
+                   PERF_PEAK_MEMORY_MB: _peak_memory_mb(procs.device)})
     if config.dynamic_sampling:
         record.update(sampled_vs_kept(record, *(torch.cat([s[i] for s in rollouts.sampled]) for i in range(3)), R))
     return record
@@ -566,7 +583,7 @@ class StepLogs:
         _log_completions(self.run, step, rollouts.batch, rollouts.rewards, advantages, n_completions)
         crash_point("after_metrics_write", step)
         if self.progress is not None:
-            self.progress.set_postfix(reward=f"{record['reward/mean']:.3f}", sec=f"{record['perf/step_seconds']:.1f}")
+            self.progress.set_postfix(reward=f"{record[REWARD_MEAN]:.3f}", sec=f"{record[PERF_STEP_SECONDS]:.1f}")
             self.progress.update(1)
 
     def close(self) -> None:
@@ -612,7 +629,7 @@ def finish_run(run: RunDir, config: TrainConfig, procs: Processes, models: Model
 
 def _log_lens_cost(run: RunDir) -> None:
     """Log what the lens cost the whole run (resumed parts included), from metrics.jsonl."""
-    cost = lens_overhead([r for r in run.read_metrics() if "step" in r])
+    cost = lens_overhead([r for r in run.read_metrics() if STEP in r])
     if cost and cost["lens_steps"]:
         logger.info("lens: %d of %d steps measured, %.1f s of its own, %.1f%% of the %.1f s the steps took "
                     "without it (a gradient capture inside the update's first pass is not in this count)",
@@ -656,7 +673,7 @@ def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch
     for i in range(min(n, batch.num_rollouts)):
         prompt = batch.prompts[i // R]
         text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
-        run.append_metrics({"step": step, "prompt": text, "completion": batch.completions[i],
+        run.append_metrics({STEP: step, "prompt": text, "completion": batch.completions[i],
                             "reward": float(rewards[i]), "advantage": float(advantages[i]),
                             "truncated": bool(batch.truncated[i])},
                            path=run.completions_path)

@@ -27,6 +27,11 @@ from grpo_lens.formulas.sparsity import (
     flatten_sparsity,
     layer_type,
 )
+from grpo_lens.metrics import (
+    SPARSITY_SAMPLE_ENTRIES,
+    SPARSITY_UPDATE_STEP,
+    SPARSITY_UPDATE_TOTAL,
+)
 
 
 @dataclass
@@ -219,7 +224,7 @@ class SparsityOverTraining:
         out.update(flatten_sparsity("update_total", sampled_update_sparsity(self.sample, self.start, after)))
         out.update(flatten_sparsity("grad", sampled_vector_sparsity(self.sample, self._grad)))
         out.update(flatten_sparsity("grad_total", sampled_vector_sparsity(self.sample, self.grad_sum)))
-        out["sparsity/sample_entries"] = float(self.sample.size)
+        out[SPARSITY_SAMPLE_ENTRIES] = float(self.sample.size)
         self._before = self._grad = None
         return out
 
@@ -278,8 +283,8 @@ class Bf16UpdateTracker:
         """
         current = self._snapshot()
         out = {
-            "sparsity/update_step": bf16_unchanged_fraction(self.previous, current),
-            "sparsity/update_total": bf16_unchanged_fraction(self.start, current),
+            SPARSITY_UPDATE_STEP: bf16_unchanged_fraction(self.previous, current),
+            SPARSITY_UPDATE_TOTAL: bf16_unchanged_fraction(self.start, current),
         }
         self.previous = current
         return out

@@ -16,6 +16,21 @@ from typing import Any
 import torch
 
 from grpo_lens.formulas.advantages import constant_groups
+from grpo_lens.metrics import (
+    ADV_ABS_MEAN,
+    ADV_MAX,
+    ADV_MEAN,
+    ADV_MIN,
+    COMPLETIONS_MAX_LENGTH,
+    COMPLETIONS_MEAN_LENGTH,
+    COMPLETIONS_TRUNCATED_FRAC,
+    KEPT_KEYS,
+    REWARD_ACCURACY,
+    REWARD_FRAC_ZERO_STD_GROUPS,
+    REWARD_INVALID_FRAC,
+    REWARD_MEAN,
+    REWARD_STD,
+)
 from grpo_lens.rewards import RewardTimeout, _call_with_timeout, score_batch
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.tasks import correctness_verdict
@@ -54,7 +69,7 @@ def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
     """``reward/accuracy``: the mean of the 0/1 verdicts [N] over rollouts that have one (NaN = none); absent when
     no rollout has one."""
     has = ~torch.isnan(correct)
-    return {"reward/accuracy": float(correct[has].mean())} if has.any() else {}
+    return {REWARD_ACCURACY: float(correct[has].mean())} if has.any() else {}
 
 
 def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[str, float]:
@@ -70,14 +85,13 @@ def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[s
     mean = float(r.sum() / n_valid)
     std = float(((r - mean) ** 2 * v).sum().div(n_valid).sqrt())
     zero_std = constant_groups(r, v).float().mean()  # S1: groups without reward contrast carry no gradient
-    return {"reward/mean": mean, "reward/std": std, "reward/frac_zero_std_groups": float(zero_std),
-            "reward/invalid_frac": float((~valid).float().mean())}
+    return {REWARD_MEAN: mean, REWARD_STD: std, REWARD_FRAC_ZERO_STD_GROUPS: float(zero_std),
+            REWARD_INVALID_FRAC: float((~valid).float().mean())}
 
 
-#: The keys that, with dynamic sampling, describe all sampled groups; the kept groups' values go to ``dynamic/kept_*``.
-SAMPLED_KEYS = {"reward/mean": "dynamic/kept_reward_mean", "reward/std": "dynamic/kept_reward_std",
-                "reward/frac_zero_std_groups": "dynamic/kept_frac_zero_std_groups",
-                "reward/invalid_frac": "dynamic/kept_invalid_frac", "reward/accuracy": "dynamic/kept_accuracy"}
+#: The keys that, with dynamic sampling, describe all sampled groups; the kept groups' values go to ``dynamic/kept_*``
+#: (:data:`grpo_lens.metrics.KEPT_KEYS`).
+SAMPLED_KEYS = KEPT_KEYS
 
 
 def sampled_vs_kept(kept: dict[str, float], rewards: torch.Tensor, valid: torch.Tensor, correct: torch.Tensor,
@@ -106,13 +120,13 @@ def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torc
     lengths = batch_mask.sum(dim=1).float()
     return {
         **reward_metrics(rewards, valid, R),
-        "adv/mean": float(advantages.mean()),
-        "adv/abs_mean": float(advantages.abs().mean()),
-        "adv/max": float(advantages.max()),
-        "adv/min": float(advantages.min()),
-        "completions/mean_length": float(lengths.mean()),
-        "completions/max_length": float(lengths.max()),
-        "completions/truncated_frac": float(truncated.float().mean()),
+        ADV_MEAN: float(advantages.mean()),
+        ADV_ABS_MEAN: float(advantages.abs().mean()),
+        ADV_MAX: float(advantages.max()),
+        ADV_MIN: float(advantages.min()),
+        COMPLETIONS_MEAN_LENGTH: float(lengths.mean()),
+        COMPLETIONS_MAX_LENGTH: float(lengths.max()),
+        COMPLETIONS_TRUNCATED_FRAC: float(truncated.float().mean()),
     }
 
 

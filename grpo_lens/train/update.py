@@ -35,6 +35,21 @@ from grpo_lens.formulas.losses import (
     truncated_is_weights,
 )
 from grpo_lens.formulas.overlong import overlong_loss_mask
+from grpo_lens.metrics import (
+    GRAD_NORM,
+    GRAD_NORM_LAST,
+    GRAD_OPTIMIZER_STEPS,
+    GUARD_SKIPPED_OPTIMIZER_STEPS,
+    LOSS_KL,
+    LOSS_POLICY,
+    MISMATCH_KL_K3,
+    MISMATCH_LOGPROB_ABS_DIFF_MAX,
+    MISMATCH_LOGPROB_ABS_DIFF_MEAN,
+    MISMATCH_TIS_CAPPED_FRAC,
+    MISMATCH_TIS_WEIGHT_MEAN,
+    POLICY_ENTROPY,
+    RATIO_MAX,
+)
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 from grpo_lens.rundir import crash_point
 from grpo_lens.train.memory import auto_micro_batch_size, total_memory_bytes
@@ -168,9 +183,9 @@ class UpdateSums:
         tok = metrics.pop("tokens")
         self.tokens += tok
         for k, v in metrics.items():
-            if k in ("loss/policy", "loss/kl"):  # already normalised shares: they add up
+            if k in (LOSS_POLICY, LOSS_KL):  # already normalised shares: they add up
                 self.totals[k] = self.totals.get(k, 0.0) + v / (optimizer_steps / 1.0)
-            elif k == "ratio/max":
+            elif k == RATIO_MAX:
                 self.totals[k] = max(self.totals.get(k, 0.0), v)
             else:
                 self.totals[k] = self.totals.get(k, 0.0) + v * tok
@@ -242,21 +257,21 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Param
 def update_metrics(sums: UpdateSums, config: TrainConfig, procs: Processes) -> dict[str, float]:
     """The step's update metrics from ``sums``, reduced over processes: the whole batch's numbers, the same on every
     process (see :func:`policy_update` for the keys)."""
-    keys = sorted(k for k in sums.totals if k != "ratio/max")  # the same keys, in the same order, on every process
+    keys = sorted(k for k in sums.totals if k != RATIO_MAX)  # the same keys, in the same order, on every process
     *summed, tokens_total = procs.sum_floats([sums.totals[k] for k in keys] + [sums.tokens])
     totals = dict(sums.totals)
     totals.update(zip(keys, summed))
     entropy_sum, entropy_tokens = procs.sum_floats([sums.entropy_sum, sums.entropy_tokens])
-    if "ratio/max" in totals:
-        totals["ratio/max"] = procs.max_float(totals["ratio/max"])
-    out = {k: (v if k in ("loss/policy", "loss/kl", "ratio/max") else v / max(tokens_total, 1.0))
+    if RATIO_MAX in totals:
+        totals[RATIO_MAX] = procs.max_float(totals[RATIO_MAX])
+    out = {k: (v if k in (LOSS_POLICY, LOSS_KL, RATIO_MAX) else v / max(tokens_total, 1.0))
            for k, v in totals.items()}
-    out["policy/entropy"] = entropy_sum / max(entropy_tokens, 1.0)
+    out[POLICY_ENTROPY] = entropy_sum / max(entropy_tokens, 1.0)
     out.update(_mismatch_metrics(sums.mismatch, sums.tis if config.tis_cap is not None else None, procs))
-    out["grad/norm"] = sums.grad_norms[0]
-    out["grad/norm_last"] = sums.grad_norms[-1]
-    out["grad/optimizer_steps"] = len(sums.grad_norms) - sums.skipped
-    out["guard/skipped_optimizer_steps"] = sums.skipped
+    out[GRAD_NORM] = sums.grad_norms[0]
+    out[GRAD_NORM_LAST] = sums.grad_norms[-1]
+    out[GRAD_OPTIMIZER_STEPS] = len(sums.grad_norms) - sums.skipped
+    out[GUARD_SKIPPED_OPTIMIZER_STEPS] = sums.skipped
     return out
 
 
@@ -312,9 +327,9 @@ def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, 
     sums = procs.sum_floats([mismatch[k] for k in keys] + tis_sums)
     top = procs.max_float(mismatch["abs_diff_max"])
     n = max(sums[2], 1.0)
-    out = {"mismatch/logprob_abs_diff_mean": sums[0] / n, "mismatch/logprob_abs_diff_max": top,
-           "mismatch/kl_k3": sums[1] / n}
+    out = {MISMATCH_LOGPROB_ABS_DIFF_MEAN: sums[0] / n, MISMATCH_LOGPROB_ABS_DIFF_MAX: top,
+           MISMATCH_KL_K3: sums[1] / n}
     if tis is not None:
-        out["mismatch/tis_weight_mean"] = sums[3] / max(sums[5], 1.0)
-        out["mismatch/tis_capped_frac"] = sums[4] / max(sums[5], 1.0)
+        out[MISMATCH_TIS_WEIGHT_MEAN] = sums[3] / max(sums[5], 1.0)
+        out[MISMATCH_TIS_CAPPED_FRAC] = sums[4] / max(sums[5], 1.0)
     return out
