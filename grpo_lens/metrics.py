@@ -68,7 +68,7 @@ STUDIES = "probe.json studies"
 #: Where an entry's key appears (its ``where``).
 SCOPES = (JSONL, GROUPS, G3, G2_WEIGHTINGS, SKETCH_CHECK, PROBE, STUDIES)
 
-#: The rank measures of :data:`grpo_lens.formulas.spectrum.RANK_MEASURES`, in its order (a test checks they agree).
+#: The rank measures of :data:`grpo_lens.formulas.spectrum.RANK_MEASURES` (a test checks they agree).
 RANK_MEASURE_NAMES = ("erank", "stable_rank", "participation_ratio", "k90", "k99")
 
 #: The row weightings of :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS` (a test checks they agree).
@@ -312,8 +312,8 @@ COMPLETIONS_MEAN_LENGTH, COMPLETIONS_MAX_LENGTH = _keys(
 COMPLETIONS_TRUNCATED_FRAC = _key(
     "completions", "completions/truncated_frac", SHARE,
     "share of completions cut at `max_new_tokens` without EOS (what happens to them is `--overlong`: none, mask, "
-    "filter or soft-punish; in every mode they still count in their group's mean and std; docs/theory.md §Overlong "
-    "handling)", source="§Overlong handling")
+    "filter or soft-punish; in every mode they still count in their group's mean and std; docs/theory.md "
+    "§Overlong handling)", source="§Overlong handling")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # loss/, kl/, clip/, ratio/, mismatch/, policy/

@@ -19,9 +19,10 @@ stable_rank, participation_ratio, k90, k99):
   (when completion ids are given).
 - ``rank/g1_<m>``: G1, rows A_i g_i, and its controls on the same rows
   (:func:`grpo_lens.formulas.spectrum.g1_controls`): ``rank/g1_no_adv_<m>`` (rows g_i), ``rank/g1_random_<m>``
-  (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>`` (rows of the supervised token-mean NLL gradient; with a completion mask),
-  ``rank/g1_null_<m>`` (the orthogonal null: singular values |A_i| ||g_i||, what G1 would have if its rows were
-  orthogonal) and ``rank/g1_<m>_vs_null`` = rank/g1_<m> / rank/g1_null_<m>.
+  (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>`` (rows of the supervised
+  token-mean NLL gradient; with a completion mask), ``rank/g1_null_<m>`` (the orthogonal null: singular values
+  |A_i| ||g_i||, what G1 would have if its rows were orthogonal) and ``rank/g1_<m>_vs_null`` = rank/g1_<m> /
+  rank/g1_null_<m>.
 - ``grad/identity_residual``: relative residual of sum_i A_i g_i = c (gbar_C - gbar_W) with the estimator's own c
   (:func:`grpo_lens.formulas.identity.identity_residual`, c from :func:`grpo_lens.formulas.identity.identity_constant`);
   absent when the identity does not apply (non-binary rewards, an estimator without the decomposition, advantages

@@ -1,7 +1,9 @@
 """The formulas of docs/theory.md as small pure functions: tensors (or numbers) in, tensors or numbers out.
 
 One module per topic of docs/theory.md; each formula has exactly one body, here. Nothing in this package imports the
-trainer, the probe, the report or a model: it needs only torch and the standard library.
+trainer, the probe, the report or a model: it needs only torch, the standard library, :mod:`grpo_lens.registry` and,
+for the keys of the dicts some formulas return, the metric vocabulary :mod:`grpo_lens.metrics` (standard library
+only).
 
 advantages      advantage estimators (grpo, dr_grpo, rloo, reinforce, optimal), the leave-one-out baselines they
                 subtract, and groups without reward contrast (constant_groups)
