@@ -95,7 +95,7 @@ SAMPLED_SPARSITY_KEYS = tuple(f"{q}_{m}" for q, ms in SPARSITY_MEASURES.items() 
 @dataclass(frozen=True)
 class Placeholder:
     """A named part of a template key: ``{name}`` in the template, ``shown`` in docs/metrics.md, ranging over
-    ``values`` (None: free, any text without a slash)."""
+    ``values`` (None: free, any text; a key parses back only when the text has no slash)."""
 
     name: str
     shown: str
@@ -217,8 +217,7 @@ class Metric:
         return self.shown or (_PLACEHOLDER.sub(lambda m: PLACEHOLDERS[m.group(1)].shown, self.key),)
 
 
-#: Every entry, in docs/metrics.md's order.
-METRICS: list[Metric] = []
+_ENTRIES: list[Metric] = []  # filled by the definitions below, then frozen as METRICS
 
 #: The docs/metrics.md tables, in order; each is generated from the entries of its section.
 SECTIONS = ("reward", "adv", "completions", "loss", "mismatch", "policy", "dynamic", "grad", "guard", "group",
@@ -231,10 +230,10 @@ def _add(section: str, keys: tuple[str, ...], units: str | tuple[str, ...], mean
     units = units if isinstance(units, tuple) else (units,) * len(keys)
     concepts = concepts if isinstance(concepts, tuple) else (concepts,) * len(keys)
     assert section in SECTIONS and len(units) == len(keys) == len(concepts), (section, keys)
-    row = len({m.row for m in METRICS}) + 1
+    row = len({m.row for m in _ENTRIES}) + 1
     out = [Metric(key, meaning, unit, source, where, section, concept=concept, row=row, **extra)
            for key, unit, concept in zip(keys, units, concepts)]
-    METRICS.extend(out)
+    _ENTRIES.extend(out)
     return out
 
 
@@ -775,6 +774,10 @@ STUDY_CREDIT_META = _key(
     "studies", "credit.meta", OBJECT,
     "group_size, groups_sampled, gradient source (exact update over every parameter), finite-difference step, "
     "seconds", where=(STUDIES,), fields=("group_size", "groups_sampled", "gradients", "step", "seconds"))
+
+
+#: Every entry, in docs/metrics.md's order.
+METRICS: tuple[Metric, ...] = tuple(_ENTRIES)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -74,12 +74,12 @@ class TrainerLens:
         config: a :class:`grpo_lens.config.TrainConfig` (uses sketch_dim, seed, std, eps, temperature, top_k,
             top_p).
 
-    Metric keys written (see docs/metrics.md): ``sparsity/update_step``, ``sparsity/update_total``,
-    ``sparsity/update_step_*``, ``sparsity/update_total_*``, ``sparsity/grad_*`` (and per layer type
-    ``sparsity/<type>/...``), ``sparsity/sample_entries``, ``rank/mixed_groups``, ``perf/lens_seconds``,
-    ``perf/lens_sparsity_seconds``, and the mean over mixed groups of every
-    key of :func:`grpo_lens.analysis.group.analyse_group` except ``group/size`` (``rank/g1_*``, ``grad/identity_*``,
-    ``baseline/*``, ``zero_sum/*``, ``group/*``).
+    Metric keys written (named in :mod:`grpo_lens.metrics`, documented in docs/metrics.md):
+    ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,
+    ``sparsity/grad_*`` (and per layer type ``sparsity/<type>/...``), ``sparsity/sample_entries``,
+    ``rank/mixed_groups``, ``perf/lens_seconds``, ``perf/lens_sparsity_seconds``, and the mean over mixed groups of
+    every key of :func:`grpo_lens.analysis.group.analyse_group` except ``group/size`` (``rank/g1_*``,
+    ``grad/identity_*``, ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
 
     def __init__(self, policy: torch.nn.Module, config: Any):

@@ -3,8 +3,9 @@
 :func:`rollout_rewards` scores a step's rollouts (:func:`grpo_lens.rewards.score_batch`, flattened to [N]);
 :func:`rollout_correctness` gives the task's own 0/1 verdicts; :func:`reward_metrics`, :func:`accuracy_metrics`,
 :func:`rollout_metrics` and, with dynamic sampling, :func:`sampled_vs_kept` turn them into the step's metric keys
-(docs/metrics.md). S1 (``reward/frac_zero_std_groups``) is :func:`grpo_lens.formulas.advantages.constant_groups`, the
-test the advantages use. Shapes: N = B*R rollouts, R group size, T completion tokens.
+(:mod:`grpo_lens.metrics`, docs/metrics.md). S1 (``reward/frac_zero_std_groups``) is
+:func:`grpo_lens.formulas.advantages.constant_groups`, the test the advantages use. Shapes: N = B*R rollouts, R group
+size, T completion tokens.
 """
 
 from __future__ import annotations
