@@ -35,7 +35,7 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
                        "grpo_lens.rundir"),
     "grpo_lens.studies": ("grpo_lens.probe.studies",),
     "grpo_lens.trainer": ("grpo_lens.train.loop", "grpo_lens.train.update", "grpo_lens.train.step_metrics",
-                          "grpo_lens.train.processes", "grpo_lens.train.memory"),
+                          "grpo_lens.train.processes", "grpo_lens.train.memory", "grpo_lens.rollout"),
     "grpo_lens.diagnostics": ("grpo_lens.analysis.group", "grpo_lens.formulas.spectrum", "grpo_lens.formulas.zero_sum",
                               "grpo_lens.formulas.identity", "grpo_lens.formulas.baselines",
                               "grpo_lens.formulas.sparsity", "grpo_lens.formulas.credit", "grpo_lens.formulas.stats",

@@ -79,7 +79,8 @@ class ModelSource:
 
 
 def cache_dir() -> Path:
-    """Root of grpo-lens' model cache: ``$GRPO_LENS_CACHE`` if set, else ``platformdirs.user_cache_dir("grpo-lens")``."""
+    """Root of grpo-lens' model cache: ``$GRPO_LENS_CACHE`` if set, else
+    ``platformdirs.user_cache_dir("grpo-lens")``."""
     env = os.environ.get("GRPO_LENS_CACHE")
     if env:
         return Path(env).expanduser()
@@ -105,7 +106,8 @@ def default_model_dir() -> Path | None:
 
 
 def _looks_like_path(name: str) -> bool:
-    """True for names that can only be paths (a hub id is ``owner/name`` or ``name``, never ``./x``, ``/x``, ``x.gguf``)."""
+    """True for names that can only be paths (a hub id is ``owner/name`` or ``name``, never ``./x``, ``/x``,
+    ``x.gguf``)."""
     return name.startswith((".", "/", "~", "\\")) or name.endswith(".gguf") or (len(name) > 1 and name[1] == ":")
 
 
@@ -131,7 +133,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> ModelSource:
             raise ModelNotFoundError(
                 f"default model {DEFAULT_MODEL!r} not found: looked for {DEFAULT_MODEL_GGUF} in the "
                 f"{DEFAULT_MODEL_PACKAGE!r} package (importlib.util.find_spec found "
-                f"{'no such package' if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None else 'no GGUF file in it'}); "
+                f"{'no such package' if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None else 'no GGUF file'}"
+                f" in it); "
                 f"{INSTALL_HINT}"
             )
         return ModelSource("gguf", str(directory), DEFAULT_MODEL_GGUF, name)

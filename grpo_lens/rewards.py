@@ -95,7 +95,8 @@ def _strip_wrappers(text: str) -> str:
 def parse_number(text: str) -> Fraction | None:
     """The exact value of a number string, or None.
 
-    Reads ``"18.0"``, ``"-3"``, ``"1,234"``, ``"1/2"``, ``"\\frac{1}{2}"`` (also ``\\dfrac``, ``\\tfrac``, ``\\frac12``),
+    Reads ``"18.0"``, ``"-3"``, ``"1,234"``, ``"1/2"``, ``"\\frac{1}{2}"`` (also ``\\dfrac``, ``\\tfrac``,
+    ``\\frac12``),
     with a sign before any of them, before parentheses or ``\\left( ... \\right)``, written with the Unicode minus:
     ``"-\\frac{1}{2}"``, ``"-\\dfrac{3}{4}"``, ``"-(5)"``, ``"\\left(-\\frac{1}{2}\\right)"``, ``"\u22123"``.
     Exact (Fraction) so that ``18.0 == 18`` and float error never decides a reward.
@@ -242,7 +243,8 @@ def correctness(prompts: Sequence, completions: Sequence, answer: Sequence | Non
 
 @REWARDS.register("format")
 def format_reward(prompts: Sequence, completions: Sequence, **kwargs) -> list:
-    """1.0 when the completion marks a numeric final answer with ``#### <number>`` or ``\\boxed{<number>}``, else 0.0."""
+    """1.0 when the completion marks a numeric final answer with ``#### <number>`` or ``\\boxed{<number>}``,
+    else 0.0."""
     return [0.0 if extract_marked_answer(completion_text(c)) is None else 1.0 for c in completions]
 
 
@@ -386,7 +388,8 @@ def parse_reward_specs(specs: str | Sequence[str]) -> list[tuple[str, float]]:
         try:
             out.append((name, float(weight) if weight.strip() else 1.0))
         except ValueError:
-            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a number, e.g. 'format:0.1'") from None
+            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a number, "
+                             f"e.g. 'format:0.1'") from None
     if not out:
         raise ValueError(f"no reward functions given; valid names: {', '.join(REWARDS.names())}")
     return out

@@ -6,6 +6,7 @@ T completion tokens (right padded). Rollout n belongs to group n // R (rollouts 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -82,6 +83,21 @@ class RolloutBatch:
             completions=[self.completions[i] for i in index.tolist()] if self.completions else [],
             extras=self.extras,
         )
+
+
+def forward_precision(device: torch.device, dtype: str):
+    """The context every model forward of a step runs in: bf16 autocast for ``dtype == "bf16-mixed"`` (float32
+    weights, gradients and AdamW state; matrix products in bfloat16), else nothing. Works on CPU and CUDA.
+
+    Log-probs stay float32 under it (``completion_logprobs`` upcasts the logits before the log-softmax), and pi_old
+    is the same forward's detached log-prob, so the first pass's ratio is exactly 1 here too.
+
+    Args:
+        device: where the model runs.   dtype: the config's ``dtype`` (float32, bfloat16, bf16-mixed).
+    """
+    if dtype == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def process_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -442,8 +458,9 @@ def sample_groups(
             sampled from is the same model's; only float rounding of the cached keys/values can differ (tested).
 
     Returns:
-        a :class:`RolloutBatch` with N = B * R rollouts, its tensors on the model's device; ``prompts`` holds the B prompts as given, ``extras`` the
-        per-prompt columns (each a list of length B) and ``completions`` the N decoded texts (special tokens skipped).
+        a :class:`RolloutBatch` with N = B * R rollouts, its tensors on the model's device; ``prompts`` holds the B
+        prompts as given, ``extras`` the per-prompt columns (each a list of length B) and ``completions`` the N
+        decoded texts (special tokens skipped).
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")

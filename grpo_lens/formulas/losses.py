@@ -216,8 +216,9 @@ def rollout_gradient_weights(completion_mask: Tensor, mode: str, normalizer: flo
     omega_i = (N/Z) v_i: 1/|o_i| for seq-mean-token-mean (Z = N), N / sum_j |o_j| for token-mean, 1/T_max for
     seq-mean-token-sum-norm (docs/theory.md §3). Pass omega to the per-rollout gradient functions of
     :mod:`grpo_lens.gradients` (``score_weights``) to measure the rows the update actually sums. For a rollout with
-    tokens omega_i = (N/Z) c_i / |o_i| with c_i of :func:`aggregation_rollout_weights` (tests/formulas/test_losses.py checks
-    that the two agree); an empty rollout keeps v_i (its log-prob sum, and so its gradient, is 0 either way).
+    tokens omega_i = (N/Z) c_i / |o_i| with c_i of :func:`aggregation_rollout_weights`
+    (tests/formulas/test_losses.py checks that the two agree); an empty rollout keeps v_i (its log-prob sum, and so
+    its gradient, is 0 either way).
 
     Args:
         completion_mask: [n, T] bool, the rollouts to weigh (a group, or a batch).

@@ -1,4 +1,5 @@
-"""The per-rollout gradient spaces of a LoRA policy, for the lens (``--lens-space``, docs/theory.md §LoRA parameter spaces).
+"""The per-rollout gradient spaces of a LoRA policy, for the lens (``--lens-space``; docs/theory.md
+§LoRA parameter spaces).
 
 - ``trainable`` (default): the gradient of every trainable parameter -- with LoRA the adapter's A and B, measured
   exactly (:func:`grpo_lens.gradients.exact.exact_rollout_grads`; the adapter is small), the space the update moves in;

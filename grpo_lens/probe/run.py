@@ -122,11 +122,15 @@ from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.studies import run_baseline_study, run_credit_study
 from grpo_lens.report import write_report
 from grpo_lens.rewards import parse_reward_specs, score_batch
-from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
+from grpo_lens.rollout import (
+    RolloutBatch,
+    batch_logprobs,
+    forward_precision,
+    sample_groups,
+)
 from grpo_lens.rundir import atomic_write_text
 from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
-from grpo_lens.train.update import forward_precision
 
 logger = logging.getLogger(__name__)
 

@@ -144,7 +144,8 @@ def dataset_task(dataset: Any, name: str = "dataset", system_prompt: str | None 
     the split and the row number."""
     splits = dict(dataset) if isinstance(dataset, dict) else {"train": dataset}
     data = {
-        split: [row_to_example(row, f"{name} [{split}]", number, system_prompt) for number, row in enumerate(rows, start=1)]
+        split: [row_to_example(row, f"{name} [{split}]", number, system_prompt)
+                for number, row in enumerate(rows, start=1)]
         for split, rows in splits.items()
     }
     for split, examples in data.items():

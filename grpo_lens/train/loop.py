@@ -64,7 +64,12 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.models import load_model, resolve_model
 from grpo_lens.rewards import parse_reward_specs
-from grpo_lens.rollout import RolloutBatch, batch_logprobs, sample_groups
+from grpo_lens.rollout import (
+    RolloutBatch,
+    batch_logprobs,
+    forward_precision,
+    sample_groups,
+)
 from grpo_lens.rundir import RunDir, crash_point, lens_overhead
 from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
@@ -81,7 +86,7 @@ from grpo_lens.train.step_metrics import (
     rollout_rewards,
     sampled_vs_kept,
 )
-from grpo_lens.train.update import forward_precision, lens_reads_update, policy_update
+from grpo_lens.train.update import lens_reads_update, policy_update
 
 logger = logging.getLogger(__name__)
 

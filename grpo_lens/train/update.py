@@ -6,7 +6,7 @@ optimizer steps need it, pi_old), :func:`backward_mini_batch` (one pass over one
 backward, metric sums), :func:`optimizer_step` (gradient all-reduce, clipping, the non-finite guard, AdamW) and
 :func:`update_metrics` (the sums reduced over processes into the step's metrics). The lens's gradient capture, when
 the trainer passes one, is opened and closed by :func:`policy_update` around exactly the first pass over the first
-mini-batch. :func:`lens_reads_update` says when that capture can serve the lens; :func:`forward_precision` is the
+mini-batch. :func:`lens_reads_update` says when that capture can serve the lens; :func:`grpo_lens.rollout.forward_precision` is the
 context of every model forward of a step (bf16 autocast for ``bf16-mixed``).
 
 Several processes: every process holds its share of the step's groups; each loss is divided by the normaliser summed
@@ -50,7 +50,7 @@ from grpo_lens.metrics import (
     POLICY_ENTROPY,
     RATIO_MAX,
 )
-from grpo_lens.rollout import RolloutBatch, batch_logprobs
+from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision
 from grpo_lens.rundir import crash_point
 from grpo_lens.train.memory import auto_micro_batch_size, total_memory_bytes
 from grpo_lens.train.processes import Processes
@@ -303,21 +303,6 @@ def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, val
         return False
     a = advantages.detach().view(-1, R)[mixed]
     return bool(torch.isfinite(a).all() and (a != 0).all())
-
-
-def forward_precision(device: torch.device, dtype: str):
-    """The context every model forward of a step runs in: bf16 autocast for ``dtype == "bf16-mixed"`` (float32
-    weights, gradients and AdamW state; matrix products in bfloat16), else nothing. Works on CPU and CUDA.
-
-    Log-probs stay float32 under it (``completion_logprobs`` upcasts the logits before the log-softmax), and pi_old
-    is the same forward's detached log-prob, so the first pass's ratio is exactly 1 here too.
-
-    Args:
-        device: where the model runs.   dtype: the config's ``dtype`` (float32, bfloat16, bf16-mixed).
-    """
-    if dtype == "bf16-mixed":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, procs: Processes) -> dict[str, float]:

@@ -113,8 +113,8 @@ def test_bf16_mixed_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_path):
 
     from grpo_lens import models
     from grpo_lens.config import TrainConfig
+    from grpo_lens.rollout import forward_precision
     from grpo_lens.train.loop import train
-    from grpo_lens.train.update import forward_precision
 
     seen: dict[str, set] = {"generate": set(), "train": set()}
     original = models.load_model

@@ -165,7 +165,7 @@ def test_truncated_completions_are_flagged_logged_and_masked(tmp_path, monkeypat
     for mask in (False, True):
         run = train(tiny_config(tmp_path, f"mask{mask}", max_new_tokens=3, mask_truncated=mask, max_steps=1))
         runs[mask] = (read_jsonl(run.metrics_path)[0], read_jsonl(run.completions_path))
-    (m_off, rows_off), (m_on, rows_on) = runs[False], runs[True]
+    (_m_off, rows_off), (m_on, rows_on) = runs[False], runs[True]
     truncated = [row["truncated"] for row in rows_on]
     assert [row["truncated"] for row in rows_off] == truncated  # same seed, same samples
     assert 0 < sum(truncated) < len(truncated), "need a mix of cut and finished completions"
