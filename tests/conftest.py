@@ -15,6 +15,13 @@ def parity_reward(prompts, completions, **kwargs):
     return [float(sum(c.encode()) % 2) for c in completions]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` use the default model: they are end-to-end too (``-m "not e2e"`` leaves them out)."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.e2e)
+
+
 def pytest_configure(config):
     from grpo_lens.rewards import REWARDS
 
@@ -24,9 +31,9 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def pure_tests_build_no_model(request, monkeypatch):
-    """A test without the ``e2e`` (or ``slow``) marker is a pure test: it may not build a model. Building one raises,
-    so a test that does is marked e2e (and ``pytest -m 'not e2e'`` is the fast pure suite indeed)."""
-    if request.node.get_closest_marker("e2e") or request.node.get_closest_marker("slow"):
+    """A test without the ``e2e`` marker (which every ``slow`` test gets) is a pure test: it may not build a model.
+    Building one raises, so a test that does is marked e2e (and ``pytest -m 'not e2e'`` is the pure suite indeed)."""
+    if request.node.get_closest_marker("e2e"):
         return
 
     def refuse(self, *args, **kwargs):
