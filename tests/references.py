@@ -48,3 +48,9 @@ def hoyer_sparsity(g: Tensor | Iterable[Tensor]) -> float:
     if l2 == 0:
         return 1.0
     return float((math.sqrt(n) - v.abs().sum() / l2) / (math.sqrt(n) - 1))
+
+
+def gram_of(grads):
+    """The Gram matrix [R, R] float64 of per-rollout gradients [R, K]: what analyse_group takes."""
+    g = grads.double()
+    return g @ g.T

@@ -7,10 +7,12 @@ k and by distinct completions, :mod:`grpo_lens.formulas.stats`). It composes the
 :mod:`grpo_lens.formulas` into keys and computes nothing of its own: every key is named in :mod:`grpo_lens.metrics`
 (documented in docs/metrics.md), every formula in docs/theory.md.
 
-Inputs are the group's per-rollout gradients ``grads`` [R, K] (exact [R, P] or a linear sketch [R, K]: everything here
-uses inner products only, so a sketch gives unbiased Gram entries), its rewards [R] and the advantages [R] the trainer
-actually used. ``grads`` row i must be the rollout's term in the trainer's loss gradient without its advantage
-(``sum_i A_i grads_i`` = the group's share of the update direction; docs/theory.md §3).
+The input is the Gram matrix G = (<g_i, g_j>) [R, R] of the group's per-rollout gradients (exact over every
+parameter, one layer's, or of a linear sketch: every key here is a function of inner products only, so a sketch gives
+unbiased Gram entries), its rewards [R] and the advantages [R] the trainer actually used. g_i must be rollout i's
+term in the trainer's loss gradient without its advantage (``sum_i A_i g_i`` = the group's share of the update
+direction; docs/theory.md §3). Vectors g_i are never needed: a source that computes the Gram matrix directly serves
+every key.
 
 Keys of :func:`analyse_group` (``<m>`` ranges over :data:`grpo_lens.formulas.spectrum.RANK_MEASURES`: erank,
 stable_rank, participation_ratio, k90, k99):
@@ -83,7 +85,7 @@ from grpo_lens.metrics import (
 
 
 def analyse_group(
-    grads: Tensor,
+    gram: Tensor,
     rewards: Tensor,
     advantages: Tensor,
     *,
@@ -99,7 +101,7 @@ def analyse_group(
     """Every per-group measurement of GRPO's gradient structure, as canonical metric keys (module docstring).
 
     Args:
-        grads: [R, K] per-rollout gradients g_i (exact or sketched), float.
+        gram: [R, R] Gram matrix <g_i, g_j> of the per-rollout gradients (exact or sketched), float (symmetric PSD).
         rewards: [R] float, all valid.
         advantages: [R] the advantages the trainer used for these rollouts.
         estimator, std, eps: how the advantages were computed (for the identity's constant).
@@ -115,13 +117,12 @@ def analyse_group(
     Raises:
         AssertionError: shapes disagree.
     """
-    r = grads.shape[0]
-    assert grads.dim() == 2 and rewards.shape == (r,) and advantages.shape == (r,), \
-        (grads.shape, rewards.shape, advantages.shape)
-    g = grads.detach().double()
+    r = gram.shape[0]
+    assert gram.shape == (r, r) and rewards.shape == (r,) and advantages.shape == (r,), \
+        (gram.shape, rewards.shape, advantages.shape)
+    gram = gram.detach().double()
     a = advantages.detach().double()
     rw = rewards.detach().double()
-    gram = g @ g.T  # [R, R]: every measure below needs only inner products
     out: dict[str, float] = {GROUP_SIZE: float(r), GROUP_REWARD_MEAN: float(rw.mean())}
     if completion_ids is not None and completion_mask is not None:
         out[GROUP_DISTINCT_COMPLETIONS] = float(distinct_completions(completion_ids, completion_mask))
@@ -141,12 +142,12 @@ def analyse_group(
         k = int(labels.sum())
         out[GROUP_CORRECT] = float(k)
         if 0 < k < r:
-            out.update({key: float(v) for key, v in baseline_metrics(g, rw).items()})
+            out.update({key: float(v) for key, v in baseline_metrics(gram.diagonal(), rw).items()})
             two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
             c = identity_constant(estimator, k, r, std, eps)  # None: the estimator has no decomposition
             if c is not None and two_valued:
                 out[GRAD_IDENTITY_CONSTANT] = c
-                out[GRAD_IDENTITY_RESIDUAL] = identity_residual(g, labels, a, c)
+                out[GRAD_IDENTITY_RESIDUAL] = identity_residual(gram, labels, a, c)
             if two_valued:
                 out.update(zero_sum_tests(gram, rw, a, max_permutations=max_permutations, seed=seed))
     return out
@@ -167,13 +168,14 @@ def mean_over_groups(rows: Sequence[dict[str, float]], max_keys: Sequence[str] =
     return out
 
 
-def g1_rank_keys(grads: Tensor, advantages: Tensor, name: str) -> dict[str, float]:
-    """``rank/<name>_<m>`` for the matrix with rows A_i grads_i (e.g. ``name="g1_layer"`` for one layer's rows).
+def g1_rank_keys(gram: Tensor, advantages: Tensor, name: str) -> dict[str, float]:
+    """``rank/<name>_<m>`` for the matrix with rows A_i g_i (e.g. ``name="g1_layer"`` for one layer's rows), from
+    the Gram matrix of the g_i.
 
-    grads: [R, K]; advantages: [R]. Returns {key: float}.
+    gram: [R, R]; advantages: [R]. Returns {key: float}.
     """
-    g = grads.detach().double()
-    return {rank_key(name, m): v for m, v in weighted_gram_measures(g @ g.T, advantages.double()).items()}
+    return {rank_key(name, m): v for m, v in weighted_gram_measures(gram.detach().double(),
+                                                                   advantages.double()).items()}
 
 
 def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32,

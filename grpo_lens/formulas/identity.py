@@ -125,26 +125,32 @@ def identity_constant(estimator: str, k: int, group_size: int, std: StdConventio
     return None
 
 
-def identity_residual(grads: Tensor, correct: Tensor, advantages: Tensor, constant: float) -> float:
-    """rho = ||sum_i A_i g_i - c (gbar_C - gbar_W)|| / ||sum_i A_i g_i||, the rank-2 identity's relative residual.
+def identity_residual(gram: Tensor, correct: Tensor, advantages: Tensor, constant: float) -> float:
+    """rho = ||sum_i A_i g_i - c (gbar_C - gbar_W)|| / ||sum_i A_i g_i||, the rank-2 identity's relative residual,
+    from the Gram matrix of the g_i alone.
 
-    Computed in the dtype of ``grads`` and ``advantages`` (the lens and the probe pass float64; round-off ~1e-7 in
-    float32, ~1e-16 in float64 when the conventions match).
+    Both sides are combinations of the rows: sum_i A_i g_i = sum_i a_i g_i and c (gbar_C - gbar_W) = sum_i m_i g_i with
+    m_i = c / k on the k correct rows and -c / (R - k) on the others, so with e = a - m and G = (<g_i, g_j>),
+    rho^2 = e^T G e / a^T G a (docs/theory.md §4). Computed in the dtype of ``gram`` (the lens and the probe pass
+    float64; round-off ~1e-7 in float32, ~1e-16 in float64 when the conventions match: e is then ~ round-off
+    coefficient by coefficient, so no cancellation happens inside e^T G e).
 
     Args:
-        grads: [R, P] per-rollout g_i (exact, one layer's slice, or sketched: sketches are linear, so the identity
-            holds for them too).
+        gram: [R, R] Gram matrix of the per-rollout g_i (exact, one layer's, or sketched: sketches are linear, so the
+            identity holds for them too).
         correct: [R] bool, True for the rollouts with reward 1 (at least one of each class).
-        advantages: [R] the advantages A_i actually used, in the dtype of ``grads``.
+        advantages: [R] the advantages A_i actually used.
         constant: c from :func:`identity_constant` (or :func:`rank2_constant`).
 
     Returns:
         rho (float >= 0, dimensionless); 0 when sum_i A_i g_i = 0.
     """
-    lhs = advantages @ grads  # [P]
-    rhs = constant * (grads[correct].mean(0) - grads[~correct].mean(0))  # [P]
-    den = float(lhs.norm())
-    return float((lhs - rhs).norm()) / den if den > 0 else 0.0
+    a = advantages.to(gram.dtype)
+    k = int(correct.sum())
+    m = torch.where(correct, torch.full_like(a, constant / k), torch.full_like(a, -constant / (len(a) - k)))
+    e = a - m
+    den = float(a @ gram @ a)
+    return math.sqrt(max(float(e @ gram @ e), 0.0) / den) if den > 0 else 0.0
 
 
 def rank2_residual(
@@ -189,4 +195,4 @@ def rank2_residual(
     if advantages is None:
         r64 = rewards.double().view(1, r)
         advantages = grpo_advantages(r64, torch.ones_like(r64, dtype=torch.bool), std=std, eps=eps)[0]
-    return identity_residual(grads, correct, advantages.to(grads.dtype), c)
+    return identity_residual(grads @ grads.T, correct, advantages.to(grads.dtype), c)

@@ -192,11 +192,11 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     sq = g.square().sum(-1).view(1, R) if config.estimator == "optimal" else None
     adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.eps,
                              grad_sq_norms=sq)[0]
-    row = analyse_group(g, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.eps,
-                           completion_mask=cmask, completion_ids=cids,
-                           num_random=config.random_draws, seed=seed)
-    row.update(g1_rank_keys(layer_rows, adv, "g1_layer"))
-    gram = g @ g.T
+    gram = g @ g.T  # [R, R]: every per-group key is a function of it
+    row = analyse_group(gram, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.eps,
+                        completion_mask=cmask, completion_ids=cids, num_random=config.random_draws, seed=seed)
+    layer_g = layer_rows.double()
+    row.update(g1_rank_keys(layer_g @ layer_g.T, adv, "g1_layer"))
     extras: dict[str, Any] = {
         "spectra": {"G1": g1_singular_values(g, adv).tolist(),
                     "G1_no_adv": gram_singular_values(gram).tolist(),

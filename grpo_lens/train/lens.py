@@ -159,8 +159,9 @@ class TrainerLens:
                 grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
+                g = grads[j * R:(j + 1) * R]
                 rows.append(analyse_group(
-                    grads[j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
+                    g @ g.T, r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
                     std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
                     completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4,
                     seed=c.seed + step * 1009 + b))

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from references import gram_of
 
 from grpo_lens.analysis.group import analyse_group, mean_over_groups
 from grpo_lens.formulas.advantages import compute_advantages
@@ -42,7 +43,7 @@ def test_identity_uses_each_estimators_own_constant(estimator, std, eps):
     for R, k in ((2, 1), (4, 1), (5, 3), (8, 4)):
         grads, rewards = _group(R, k)
         adv = compute_advantages(rewards.view(1, R), estimator, std=std, eps=eps)[0]
-        row = analyse_group(grads, rewards, adv, estimator=estimator, std=std, eps=eps)
+        row = analyse_group(gram_of(grads), rewards, adv, estimator=estimator, std=std, eps=eps)
         assert row["grad/identity_residual"] < 1e-12, (R, k)
         # the constant: k A_C (A_C = the correct rollouts' advantage)
         assert row["grad/identity_constant"] == pytest.approx(k * float(adv[0]), rel=1e-12)
@@ -71,18 +72,18 @@ def test_identity_absent_where_it_does_not_apply():
     grads, rewards = _group(6, 2)
     # reinforce: A = r, sum_i A_i g_i = k gbar_C, no contrast -> no residual
     adv = compute_advantages(rewards.view(1, 6), "reinforce")[0]
-    assert "grad/identity_residual" not in analyse_group(grads, rewards, adv, estimator="reinforce")
+    assert "grad/identity_residual" not in analyse_group(gram_of(grads), rewards, adv, estimator="reinforce")
     # optimal: leave-one-out b* differs per rollout -> advantages not two-valued -> no residual
     norms = grads.square().sum(-1).view(1, 6)
     adv = compute_advantages(rewards.view(1, 6), "optimal", grad_sq_norms=norms)[0]
-    assert "grad/identity_residual" not in analyse_group(grads, rewards, adv, estimator="optimal")
+    assert "grad/identity_residual" not in analyse_group(gram_of(grads), rewards, adv, estimator="optimal")
     # mask_truncated: one correct rollout's advantage zeroed after the estimator -> not two-valued
     adv = compute_advantages(rewards.view(1, 6), "grpo")[0].clone()
     adv[0] = 0.0
-    row = analyse_group(grads, rewards, adv, estimator="grpo")
+    row = analyse_group(gram_of(grads), rewards, adv, estimator="grpo")
     assert "grad/identity_residual" not in row and "zero_sum/span_energy" not in row
     # non-binary rewards: no k, no identity, no baseline split
-    row = analyse_group(grads, torch.tensor([0.0, 0.5, 1.0, 0.2, 0.3, 0.9], dtype=torch.float64),
+    row = analyse_group(gram_of(grads), torch.tensor([0.0, 0.5, 1.0, 0.2, 0.3, 0.9], dtype=torch.float64),
                            torch.linspace(-1, 1, 6, dtype=torch.float64))
     assert "group/correct" not in row and "grad/identity_residual" not in row and "rank/g1_erank" in row
 
@@ -95,13 +96,13 @@ def test_orthogonal_rows_match_the_null_exactly():
     grads[range(R), range(R)] = norms
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     adv = compute_advantages(rewards.view(1, R), "grpo")[0]
-    row = analyse_group(grads, rewards, adv)
+    row = analyse_group(gram_of(grads), rewards, adv)
     for m in RANK_MEASURES.names():
         assert row[f"rank/g1_{m}"] == pytest.approx(row[f"rank/g1_null_{m}"], rel=1e-12), m
         assert row[f"rank/g1_{m}_vs_null"] == pytest.approx(1.0, rel=1e-12), m
     # and for identical rows the null is unchanged while G1 collapses to rank 1 (erank 1, ratio < 1)
     same = torch.ones(R, 7, dtype=torch.float64)
-    row = analyse_group(same, rewards, adv)
+    row = analyse_group(gram_of(same), rewards, adv)
     assert row["rank/g1_erank"] == pytest.approx(1.0) and row["rank/g1_erank_vs_null"] < 0.6
 
 
@@ -151,7 +152,7 @@ def test_permutation_p_value_small_for_planted_clusters():
     grads = torch.where(rewards.bool().unsqueeze(1), mu_c, mu_w) + 0.3 * torch.randn(R, P, generator=gen,
                                                                                     dtype=torch.float64)
     adv = compute_advantages(rewards.view(1, R), "grpo")[0]
-    row = analyse_group(grads, rewards, adv)
+    row = analyse_group(gram_of(grads), rewards, adv)
     assert row["zero_sum/span_energy_p"] < 0.01 and row["zero_sum/cos_gap_p"] < 0.01
     assert row["zero_sum/span_energy"] > 0.99 > row["zero_sum/span_energy_null"]
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from references import gram_of
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_lens.analysis.group import analyse_group
@@ -38,7 +39,7 @@ def identity_residuals(grads, rewards, std="sample", eps=1e-4):
         if 0 < k < r:
             g = grads[j * r:(j + 1) * r]
             adv = grpo_group_advantages(rewards[j], std, eps).to(g.dtype)
-            out[j] = identity_residual(g, rewards[j] == 1, adv, rank2_constant(k, r, std, eps))
+            out[j] = identity_residual(g @ g.T, rewards[j] == 1, adv, rank2_constant(k, r, std, eps))
     return out
 
 
@@ -87,9 +88,9 @@ def test_identity_holds_to_float32_precision(grads, std, eps):
         adv = grpo_group_advantages(REWARDS[j], std, eps)
         assert rank2_residual(g[j * R:(j + 1) * R], REWARDS[j], std=std, eps=eps) == pytest.approx(float(res[j]),
                                                                                                  rel=1e-6, abs=1e-9)
-        row = analyse_group(g[j * R:(j + 1) * R], REWARDS[j], adv, estimator="grpo", std=std, eps=eps)
+        row = analyse_group(gram_of(g[j * R:(j + 1) * R]), REWARDS[j], adv, estimator="grpo", std=std, eps=eps)
         assert row["grad/identity_residual"] <= 1e-5  # analyse_group works in float64
-    assert "grad/identity_residual" not in analyse_group(g[2 * R:], REWARDS[2], grpo_group_advantages(REWARDS[2]))
+    assert "grad/identity_residual" not in analyse_group(gram_of(g[2 * R:]), REWARDS[2], grpo_group_advantages(REWARDS[2]))
 
 
 def test_identity_holds_for_sketches(grads):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _distributed_worker import TEMPERATURE, B, R, T, build_batch, build_model
+from references import gram_of
 
 from grpo_lens.analysis.group import analyse_group, mean_over_groups
 from grpo_lens.config import TrainConfig
@@ -130,7 +131,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
                                      float(batch.completion_mask.any(1).sum()))
     sk = sketch_rollout_grads(model, sub, k_in=8, k_out=8, seed=config.seed, score_weights=omega,
                                  temperature=TEMPERATURE).sketch.double()
-    rows = [analyse_group(sk[j * R:(j + 1) * R], rewards[b * R:(b + 1) * R].double(),
+    rows = [analyse_group(gram_of(sk[j * R:(j + 1) * R]), rewards[b * R:(b + 1) * R].double(),
                              adv[b * R:(b + 1) * R].double(), estimator=estimator, std=std, eps=1e-4,
                              completion_mask=sub.completion_mask[j * R:(j + 1) * R],
                              completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
