@@ -289,6 +289,10 @@ def build_models(config: TrainConfig, procs: Processes) -> Models:
     """Seed the generators, load the policy, check it (:func:`check_model`), copy the reference, add LoRA and make
     the optimizer: AdamW (lr, betas, weight decay from ``config``) over the parameters that require gradients.
 
+    The policy stays in eval mode for the whole run: dropout (``attention_dropout``, GPT-2's ``resid_pdrop``, LoRA's
+    ``lora_dropout``) is off in every log-prob forward of the policy, pi_old, the reference and the lens, so the first
+    pass's ratio is 1 and the trainer's log-probs are the sampler's (trl PR 3234). Gradients flow in eval mode.
+
     Raises:
         ModelNotFoundError: the model does not load.   ValueError: :func:`check_model`'s checks.
     """
@@ -297,14 +301,14 @@ def build_models(config: TrainConfig, procs: Processes) -> Models:
     seed_everything(config.seed)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32  # bf16-mixed: float32 weights
     policy, tokenizer = load_model(config.model, dtype=dtype, device=procs.device)
-    policy.train()
+    policy.eval()  # dropout off in every forward (trl PR 3234): gradients need no train mode
     check_model(config, policy)  # before --out is written
     reference = None
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     if config.lora_rank > 0:  # the reference above stays the plain base model
         policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
-        policy.train()
+        policy.eval()  # LoRA's own dropout off too
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
@@ -394,13 +398,11 @@ def sample_round(config: TrainConfig, procs: Processes, task: Any, reward_fns: l
     rseed = seed if rnd == 0 else step_seed(seed, rnd)
     examples = task.sample(B, seed=rseed)[procs.rank * share:(procs.rank + 1) * share]
     t_start = time.perf_counter()
-    models.policy.eval()
     crash_point("during_generation", step, module=models.policy)
     with forward_precision(procs.device, config.dtype):
         batch = sample_groups(models.policy, models.tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
                               temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                               generator_seed=rseed + 104_729 * procs.rank)
-    models.policy.train()
     seconds = time.perf_counter() - t_start
     rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
     rewards, valid = rewards.to(procs.device), valid.to(procs.device)
