@@ -342,6 +342,36 @@ class RunDir:
                               f"{self._recovery_hint(path)}") from None
         return state
 
+    def check_resumed_config(self, path: Path, config_dict: dict[str, Any], resumable_keys: tuple[str, ...],
+                             canonical: Callable[[dict[str, Any], str], dict[str, Any]] | None = None) -> None:
+        """Refuse to resume from checkpoint ``path`` with settings other than the ones its steps ran with.
+
+        Every checkpoint's state.pt holds the config its run ran with (``config``); config.yaml can be edited and
+        flags can be given, so what resumes is compared with that, field by field. Only ``resumable_keys`` (and
+        ``resume``, ``overwrite``, ``out``) may differ: they change no step already taken. A checkpoint written before
+        configs were saved in it (no ``config``) is not checked.
+
+        Raises:
+            RunDirError: naming every differing field with both values, and what to do.
+        """
+        try:
+            state = torch.load(path / "state.pt", weights_only=False)
+        except Exception:  # noqa: BLE001 - load_checkpoint reports a corrupt checkpoint with its recovery hint
+            return
+        ran = state.get("config") if isinstance(state, dict) else None
+        if not isinstance(ran, dict):
+            return
+        if canonical is not None:
+            ran = canonical(ran, f"in {path / 'state.pt'}")
+        skip = set(resumable_keys) | {"resume", "overwrite", "out"}
+        diffs = [f"{k} {ran[k]!r} -> {v!r}" for k, v in config_dict.items()
+                 if k not in skip and k in ran and ran[k] != v]
+        if diffs:
+            raise RunDirError(f"--resume: {'; '.join(diffs)} differ from what the run's steps ran with (checkpoint "
+                              f"{path.name}), and a run's settings cannot change under it: restore the values in "
+                              f"{self.config_path} (or drop the flags), or start a new run in another --out; only "
+                              f"{', '.join(resumable_keys)} may change on resume")
+
     def _recovery_hint(self, bad: Path) -> str:
         """How to resume without the unusable checkpoint ``bad``: from the newest older one, or from step 0."""
         pointer = self.checkpoints / "latest"

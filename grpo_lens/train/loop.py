@@ -281,6 +281,8 @@ def check_before_writing(config: TrainConfig, run: RunDir,
                                                resumable_keys=RESUMABLE_KEYS, canonical=TrainConfig.canonical))
     task, reward_fns = check_inputs(config, procs)
     ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
+    if ckpt is not None:  # config.yaml may have been edited: compare with what the checkpoint's steps ran with
+        run.check_resumed_config(ckpt, config.to_dict(), RESUMABLE_KEYS, canonical=TrainConfig.canonical)
     procs.barrier()  # every process has read --out before the main one changes it
     return config, task, reward_fns, ckpt
 
@@ -615,12 +617,12 @@ def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run
 def save_checkpoint_if_due(run: RunDir, step: int, config: TrainConfig, procs: Processes, models: Models, lens: Any,
                            state: RunState) -> None:
     """Every ``checkpoint_every`` steps and at the last: model, optimizer, step, the guard's counters, the random
-    generators and the lens's state, written atomically by the main process; every step's own randomness derives from
+    generators, the lens's state and the config the steps ran with (a resume compares with it), written atomically by the main process; every step's own randomness derives from
     (seed, step)."""
     if step % config.checkpoint_every == 0 or step == config.max_steps:
         if procs.is_main:
             saved = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None,
-                     "guard": dict(state.guard)}
+                     "guard": dict(state.guard), "config": config.to_dict()}
             run.save_checkpoint(step, models.policy, models.optimizer, saved, keep=config.keep_checkpoints)
         procs.barrier()
 

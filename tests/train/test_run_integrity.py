@@ -73,3 +73,48 @@ def test_case1_dropout_run_has_no_sampler_trainer_gap(monkeypatch, tmp_path):
     (record,) = run.read_metrics()
     assert record["mismatch/logprob_abs_diff_mean"] < 1e-4
     assert record["ratio/max"] < 1.5  # pass 2 after one AdamW step of 1e-5 per weight
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. an edited config.yaml on resume
+# ---------------------------------------------------------------------------------------------------------------------
+def _edit_config(run_path, **changes):
+    import yaml
+
+    path = run_path / "config.yaml"
+    values = yaml.safe_load(path.read_text())
+    values.update(changes)
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+
+
+@pytest.mark.e2e
+def test_case2_edited_config_refused_on_resume(tmp_path):
+    """group_size 4 -> 8, beta 0 -> 0.5 and learning_rate -> 0.5 written into config.yaml: the resume is refused
+    before anything changes, naming each field with both values (main ran steps 2.. with them and exit 0)."""
+    from grpo_lens.rundir import RunDirError
+
+    config = tiny_config(tmp_path)
+    run = loop.train(config)
+    before = run.metrics_path.read_text()
+    _edit_config(run.path, group_size=8, beta=0.5, learning_rate=0.5, max_steps=2)
+    resumed = TrainConfig.from_dict({**TrainConfig.read(str(run.config_path)), "resume": True})
+    with pytest.raises(RunDirError) as err:
+        loop.train(resumed)
+    for field in ("group_size 4 -> 8", "beta 0.0 -> 0.5", "learning_rate 5e-06 -> 0.5"):
+        assert field in str(err.value)
+    assert "max_steps" not in str(err.value).split("only")[0]  # max_steps may change
+    assert run.metrics_path.read_text() == before
+
+
+@pytest.mark.e2e
+def test_case2_extending_max_steps_resumes(tmp_path):
+    """The constructed case: max_steps (safe to extend) edited in config.yaml resumes, and config.yaml then holds
+    exactly what the checkpoint ran with plus the new max_steps."""
+    import yaml
+
+    run = loop.train(tiny_config(tmp_path))
+    ran = yaml.safe_load(run.config_path.read_text())
+    _edit_config(run.path, max_steps=2)
+    loop.train(TrainConfig.from_dict({**TrainConfig.read(str(run.config_path)), "resume": True}))
+    assert [r["step"] for r in run.read_metrics()] == [1, 2]
+    assert yaml.safe_load(run.config_path.read_text()) == {**ran, "max_steps": 2}
