@@ -1,9 +1,17 @@
 """Reward functions and how they combine into one reward per rollout.
 
-A reward function has TRL's signature ``f(prompts, completions, **kwargs) -> list[float | None]``: ``prompts`` and
-``completions`` hold one entry per rollout (N of them; a prompt is repeated for each of its R rollouts), and every
-task column (e.g. ``answer``) arrives as a keyword argument holding a list of N values. ``None`` (or NaN) marks a
-rollout the function could not score: it is invalid, and is left out of its group's advantage mean and std.
+A reward function is called as TRL's GRPOTrainer calls it (:func:`call_reward_function`), so one written for TRL runs
+unchanged: by keyword, ``f(prompts=..., completions=..., completion_ids=..., <every dataset column>=...,
+trainer_state=..., log_extra=..., log_metric=...) -> list[float | None]``; it should take ``**kwargs``. ``prompts``,
+``completions``, ``completion_ids`` and each column hold one entry per rollout (N of them; a prompt is repeated for
+each of its R rollouts). Completions are strings for a string prompt (TRL's standard format) and
+``[{"role": "assistant", "content": text}]`` for a prompt of chat messages (TRL's conversational format; the
+built-in tasks give chat prompts). ``trainer_state`` has ``global_step`` and ``max_steps``; ``log_metric(name,
+value)`` logs ``reward/logged/<name>``. A function without ``**kwargs`` gets only the arguments it names, and one
+whose first two parameters are not called ``prompts`` and ``completions`` gets those two by position (the form
+``f(p, c, **columns)``). ``None`` (or NaN) marks a rollout the function could not score (TRL's "not applicable"): it
+is invalid, and is left out of its group's advantage mean and std. Dataset columns named like the reserved keywords
+(:data:`RESERVED_COLUMNS`) are refused when the task is built.
 
 Built in (:data:`REWARDS`): ``correctness`` (the final number equals the reference), ``format`` (a final answer is
 marked with ``####`` or ``\\boxed{}``), and ``math_verify`` when the ``math-verify`` package is installed.
@@ -12,11 +20,13 @@ marked with ``####`` or ``\\boxed{}``), and ``math_verify`` when the ``math-veri
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import math
 import re
 import threading
 import time
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -29,6 +39,7 @@ from grpo_lens.metrics import (
     REWARD_FUNCTION,
     REWARD_FUNCTION_INVALID_COUNT,
     REWARD_INVALID_COUNT,
+    REWARD_LOGGED,
     REWARD_MEAN,
     REWARD_STD,
     REWARD_TIMEOUT_COUNT,
@@ -44,6 +55,87 @@ RewardFn = Callable[..., list]
 
 #: name -> reward function ``f(prompts, completions, **kwargs) -> list[float | None]``.
 REWARDS: Registry = Registry("reward function")
+
+#: The keyword arguments every reward function call carries besides the dataset columns (TRL's names): a dataset
+#: column of one of these names would collide with them, so tasks refuse it (:func:`check_column_names`).
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def check_column_names(columns: Sequence[str], where: str) -> None:
+    """Refuse dataset columns named like a reserved reward keyword (:data:`RESERVED_COLUMNS`), before anything runs.
+
+    Raises:
+        ValueError: naming the columns, ``where`` they are, and the fix (rename them).
+    """
+    clash = [c for c in columns if c in RESERVED_COLUMNS]
+    if clash:
+        raise ValueError(f"{where}: column(s) {', '.join(map(repr, clash))} collide with the keyword arguments every "
+                         f"reward function receives ({', '.join(RESERVED_COLUMNS)}); rename them (e.g. "
+                         f"{clash[0]!r} -> {clash[0] + '_ref'!r}) in the data and in your reward function")
+
+
+@dataclass
+class RewardState:
+    """What ``trainer_state`` holds for a reward function (the fields of TRL's ``TrainerState`` that apply):
+    ``global_step`` (the step being scored, 1-based; 0 outside training) and ``max_steps``."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+def chat_completions(prompts: Sequence, completions: Sequence[str]) -> list:
+    """Completions in TRL's format for their prompts: ``[{"role": "assistant", "content": text}]`` where the prompt
+    is a list of chat messages (conversational), the text itself where it is a string (standard).
+
+    Args:
+        prompts: N prompts.   completions: N completion texts.
+    """
+    return [[{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
+            for p, c in zip(prompts, completions)]
+
+
+def _parameters(fn: Callable) -> tuple[list[str], bool]:
+    """(names of ``fn``'s parameters, whether it takes ``**kwargs``); ([], True) when the signature is unreadable."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return [], True
+    return ([p.name for p in params if p.kind is not p.VAR_KEYWORD],
+            any(p.kind is p.VAR_KEYWORD for p in params))
+
+
+def call_reward_function(fn: Callable, prompts: Sequence, completions: Sequence, *,
+                         completion_ids: Sequence | None = None, columns: Mapping[str, Sequence] | None = None,
+                         trainer_state: Any = None, log_extra: Callable | None = None,
+                         log_metric: Callable | None = None) -> Any:
+    """Call one reward function as TRL's GRPOTrainer does, by keyword (see the module docstring).
+
+    ``fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+    trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)``; a function without ``**kwargs`` gets
+    only the names it declares, and one whose first two positional parameters are not named ``prompts`` and
+    ``completions`` gets those two by position.
+
+    Args:
+        prompts: N prompts.   completions: N completions (strings or message lists, :func:`chat_completions`).
+        completion_ids: N lists of token ids.   columns: dataset columns, each N values.
+        trainer_state: e.g. :class:`RewardState`.   log_extra, log_metric: TRL's logging callbacks (None: no-ops).
+    Raises:
+        ValueError: a column named like a reserved keyword (:data:`RESERVED_COLUMNS`).
+    """
+    columns = dict(columns or {})
+    check_column_names(list(columns), "reward function call")
+    keywords = {"prompts": list(prompts), "completions": list(completions),
+                "completion_ids": None if completion_ids is None else list(completion_ids), **columns,
+                "trainer_state": trainer_state, "log_extra": log_extra or (lambda column, values: None),
+                "log_metric": log_metric or (lambda name, value: None)}
+    names, var_kw = _parameters(fn)
+    args: tuple = ()
+    if len(names) >= 2 and names[:2] != ["prompts", "completions"] and "completions" not in names:
+        args = (keywords.pop("prompts"), keywords.pop("completions"))  # the positional form f(p, c, **columns)
+        names = names[2:]
+    if not var_kw:
+        keywords = {k: v for k, v in keywords.items() if k in names}
+    return fn(*args, **keywords)
 
 # A number: an optional minus sign (not one joining two numbers as in "3-5"), digits, optional decimals; or ".5".
 _NUMBER = re.compile(r"(?:(?<![\w)\]}.])-)?(?:\d+(?:\.\d+)?|\.\d+)")
@@ -399,7 +491,7 @@ class RewardTimeout(TimeoutError):
     """A reward function call ran past its time limit."""
 
 
-def _call_with_timeout(fn: RewardFn, timeout_s: float | None, args: tuple, kwargs: dict) -> Any:
+def _call_with_timeout(fn: Callable, timeout_s: float | None, args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)``, in a daemon worker thread when ``timeout_s`` is set.
 
     A call that runs past ``timeout_s`` raises :class:`RewardTimeout`; its thread cannot be killed and is left to
@@ -441,9 +533,13 @@ def combine_rewards(
     prompts: Sequence,
     completions: Sequence,
     timeout_s: float | None = None,
+    *,
+    columns: Mapping[str, Sequence] | None = None,
+    completion_ids: Sequence | None = None,
+    trainer_state: Any = None,
     **kwargs,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Call every reward function and sum their weighted rewards per rollout.
+    """Call every reward function (:func:`call_reward_function`, TRL's convention) and sum their weighted rewards.
 
     reward_n = sum_k w_k r_{k,n}. A rollout is invalid when any function gives it None, NaN or +-inf, or when a
     function call raises, returns a list of the wrong length, or runs past ``timeout_s`` (then all N rollouts of
@@ -455,15 +551,21 @@ def combine_rewards(
         prompts: N prompts, one per rollout.
         completions: N completion texts (or chat messages).
         timeout_s: per-call time limit in seconds (each function runs in a worker thread); None: no limit, no thread.
-        kwargs: task columns, each a list of N values (e.g. ``answer``), passed to every function.
+        columns: task columns, each a list of N values (e.g. ``answer``), passed to every function by keyword; a
+            column may have any name but the reserved ones (:data:`RESERVED_COLUMNS`).
+        completion_ids: N lists of completion token ids.   trainer_state: passed as is (e.g. :class:`RewardState`).
+        kwargs: more columns (the older form; a column named ``timeout_s`` or like a parameter here must go in
+            ``columns``).
 
     Returns:
         (rewards [N] float32, NaN where invalid; valid [N] bool; metrics) with metrics
         ``reward/mean``, ``reward/std`` (over valid rollouts; NaN when none is valid), ``reward/invalid_count``,
         ``reward/timeout_count`` and ``reward/error_count`` (function calls), and per function ``reward/<name>``
         (mean of its valid values, unweighted) and ``reward/<name>/invalid_count``, and its wall time
-        ``perf/reward_<name>_seconds``.
+        ``perf/reward_<name>_seconds``, and ``reward/logged/<name>`` for each ``log_metric`` name (the mean of
+        the step's values). A function's first failure is logged with its traceback; later ones in one line.
     """
+    columns = {**kwargs, **(columns or {})}
     funcs = _normalize_funcs(funcs_with_weights)
     N = len(completions)
     if len(prompts) != N:
@@ -472,10 +574,17 @@ def combine_rewards(
     total = torch.zeros(N, dtype=torch.float64)
     valid = torch.ones(N, dtype=torch.bool)
     metrics: dict[str, float] = {REWARD_TIMEOUT_COUNT: 0, REWARD_ERROR_COUNT: 0}
+    logged: dict[str, list[float]] = {}
+
+    def log_metric(metric: str, value: float) -> None:
+        logged.setdefault(str(metric), []).append(float(value))
+
+    call = {"completion_ids": completion_ids, "columns": columns, "trainer_state": trainer_state,
+            "log_metric": log_metric}
     for name, fn, weight in funcs:
         start = time.perf_counter()
         try:
-            values = _call_with_timeout(fn, timeout_s, (list(prompts), list(completions)), kwargs)
+            values = _call_with_timeout(call_reward_function, timeout_s, (fn, prompts, completions), call)
             if values is None or len(values) != N:
                 raise ValueError(f"returned {None if values is None else len(values)} values for {N} completions")
             r = torch.tensor([_to_float(v) for v in values], dtype=torch.float64)  # [N]
@@ -483,8 +592,13 @@ def combine_rewards(
             logger.error("reward %r %s: its %d rollouts are marked invalid", name, err, N)
             metrics[REWARD_TIMEOUT_COUNT] += 1
             r = torch.full((N,), math.nan, dtype=torch.float64)
-        except Exception:  # noqa: BLE001 - a failing reward function must not stop the run
-            logger.exception("reward %r raised: its %d rollouts are marked invalid", name, N)
+        except Exception as err:  # noqa: BLE001 - a failing reward function must not stop the run
+            if _first_failure(fn):
+                logger.exception("reward %r raised: its %d rollouts are marked invalid (later failures of this "
+                                 "function are logged in one line)", name, N)
+            else:
+                logger.error("reward %r raised %s: %s; its %d rollouts are marked invalid", name,
+                             type(err).__name__, err, N)
             metrics[REWARD_ERROR_COUNT] += 1
             r = torch.full((N,), math.nan, dtype=torch.float64)
         ok = ~torch.isnan(r)
@@ -496,6 +610,8 @@ def combine_rewards(
         metrics[PERF_REWARD_SECONDS.format(name=name)] = time.perf_counter() - start  # timing keys live under perf/
         valid &= ok
         total += weight * torch.nan_to_num(r, nan=0.0)
+    for metric, values in logged.items():
+        metrics[REWARD_LOGGED.format(name=metric)] = sum(values) / len(values)
     rewards = torch.where(valid, total, torch.full_like(total, math.nan)).float()  # [N]
     metrics[REWARD_INVALID_COUNT] = int((~valid).sum())
     metrics[REWARD_MEAN] = float(rewards[valid].mean()) if valid.any() else math.nan
@@ -503,12 +619,26 @@ def combine_rewards(
     return rewards, valid, metrics
 
 
+_FAILED: set[int] = set()  # ids of the reward functions that have failed once in this process
+
+
+def _first_failure(fn: Callable) -> bool:
+    """True the first time ``fn`` fails in this process: its traceback is shown once, later failures in one line."""
+    if id(fn) in _FAILED:
+        return False
+    _FAILED.add(id(fn))
+    return True
+
+
 def score_batch(
-    batch: "RolloutBatch", funcs_with_weights: Any, timeout_s: float | None = None
+    batch: "RolloutBatch", funcs_with_weights: Any, timeout_s: float | None = None,
+    trainer_state: Any = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """:func:`combine_rewards` for a :class:`~grpo_lens.rollout.RolloutBatch`, shaped by group.
 
-    The batch's B prompts and per-prompt ``extras`` are repeated R times to give TRL's one-entry-per-rollout lists.
+    The batch's B prompts and per-prompt ``extras`` are repeated R times to give TRL's one-entry-per-rollout lists;
+    completions go in TRL's format for their prompt (:func:`chat_completions`), with their token ids (up to the end of
+    each completion) as ``completion_ids``. ``trainer_state``: :class:`RewardState` (None: step 0).
 
     Returns:
         (rewards [B, R] float32 with NaN where invalid, valid [B, R] bool, metrics as in :func:`combine_rewards`).
@@ -519,5 +649,9 @@ def score_batch(
                          "select()-ed part")
     prompts = [p for p in batch.prompts for _ in range(R)]
     columns = {k: [v for v in values for _ in range(R)] for k, values in batch.extras.items()}
-    rewards, valid, metrics = combine_rewards(funcs_with_weights, prompts, batch.completions, timeout_s, **columns)
+    ids = [row[mask].tolist() for row, mask in zip(batch.completion_ids.cpu(), batch.completion_mask.cpu())]
+    rewards, valid, metrics = combine_rewards(funcs_with_weights, prompts, chat_completions(prompts, batch.completions),
+                                              timeout_s, columns=columns, completion_ids=ids,
+                                              trainer_state=trainer_state if trainer_state is not None
+                                              else RewardState())
     return rewards.view(B, R), valid.view(B, R), metrics

@@ -11,8 +11,11 @@ import transformers
 
 def parity_reward(prompts, completions, **kwargs):
     """1.0 when the UTF-8 byte sum of the completion is odd, else 0.0: a coin flip per rollout on a random model, so
-    groups mix right and wrong rollouts. Registered as the reward ``test_parity``."""
-    return [float(sum(c.encode()) % 2) for c in completions]
+    groups mix right and wrong rollouts. Registered as the reward ``test_parity``. Completions of chat prompts are
+    TRL's message lists, so the text is read with ``completion_text``."""
+    from grpo_lens.rewards import completion_text
+
+    return [float(sum(completion_text(c).encode()) % 2) for c in completions]
 
 
 def pytest_collection_modifyitems(config, items):

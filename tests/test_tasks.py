@@ -163,7 +163,7 @@ def test_jsonl_task(tmp_path):
     assert task.splits == ("train",) and task.size() == 2
     examples = sorted(task.sample(2, 0), key=lambda e: e.answer)
     assert examples[0].prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}]
-    assert examples[1].prompt == [{"role": "user", "content": "What is 2 + 3?"}]
+    assert examples[1].prompt == "What is 2 + 3?"  # a string prompt stays a string (TRL standard format)
     assert examples[1].answer == "5"  # stringified
     assert examples[1].columns() == {"answer": "5", "level": "easy"}  # extra columns go to reward functions
     # The same file through the trainer's path: task "jsonl" with a dataset.

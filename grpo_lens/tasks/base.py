@@ -17,12 +17,13 @@ class Example:
     """One prompt of a task.
 
     Attributes:
-        prompt: chat messages, e.g. ``[{"role": "user", "content": "What is 2 + 3?"}]``.
+        prompt: chat messages, e.g. ``[{"role": "user", "content": "What is 2 + 3?"}]``, or a plain string (a user
+            dataset's string prompt, kept as given).
         answer: the reference answer as a string (e.g. ``"5"``), or None when the task has none.
         extras: any other per-prompt columns (e.g. ``question``), passed to reward functions as keyword arguments.
     """
 
-    prompt: Messages
+    prompt: Messages | str
     answer: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 

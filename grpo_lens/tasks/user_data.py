@@ -1,7 +1,8 @@
 """Tasks from the user's own data: a JSONL file or a Hugging Face ``datasets`` dataset.
 
-Each row needs a ``prompt``: a non-empty string (sent as one user message) or a non-empty list of chat messages
-``{"role": ..., "content": ...}``. Every other column (e.g. ``answer``) is passed to reward functions as a keyword
+Each row needs a ``prompt``: a non-empty string (TRL's standard format: tokenized as is by a model without a chat
+template, sent as one user message to a chat model; reward functions get string completions) or a non-empty list of
+chat messages ``{"role": ..., "content": ...}`` (conversational: completions are message lists). Every other column (e.g. ``answer``) is passed to reward functions as a keyword
 argument, as TRL does.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_lens.rewards import check_column_names
 from grpo_lens.tasks.base import TASKS, Example, check_split, sample_rows, split_rng
 
 ROW_HELP = (
@@ -47,8 +49,10 @@ def row_to_example(row: Any, source: str, row_number: int, system_prompt: str | 
     if isinstance(prompt, str):
         if not prompt.strip():
             raise _row_error(source, row_number, "the prompt is empty")
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": prompt})
+        # A string stays a string (TRL's standard format): a base model without a chat template reads it as is, a
+        # chat model gets it as one user message (grpo_lens.rollout.prompt_token_ids); a system prompt makes it chat.
+        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}] \
+            if system_prompt else prompt
     elif isinstance(prompt, list):
         if not prompt:
             raise _row_error(source, row_number, "the prompt is an empty list of messages")
@@ -70,6 +74,7 @@ def row_to_example(row: Any, source: str, row_number: int, system_prompt: str | 
         )
     answer = row.get("answer")
     extras = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+    check_column_names(list(extras), f"{source}, row {row_number}")
     return Example(prompt=messages, answer=None if answer is None else str(answer), extras=extras)
 
 

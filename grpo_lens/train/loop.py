@@ -63,7 +63,7 @@ from grpo_lens.metrics import (
     STEP,
 )
 from grpo_lens.models import load_model, resolve_model
-from grpo_lens.rewards import parse_reward_specs
+from grpo_lens.rewards import RewardState, parse_reward_specs
 from grpo_lens.rollout import (
     RolloutBatch,
     batch_logprobs,
@@ -406,7 +406,8 @@ def sample_round(config: TrainConfig, procs: Processes, task: Any, reward_fns: l
                               temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                               generator_seed=rseed + 104_729 * procs.rank)
     seconds = time.perf_counter() - t_start
-    rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout)
+    rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout,
+                                                  RewardState(global_step=step, max_steps=config.max_steps))
     rewards, valid = rewards.to(procs.device), valid.to(procs.device)
     correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
     if config.overlong == "soft-punish":  # DAPO eq. 13 added to every valid rollout's reward

@@ -32,7 +32,12 @@ from grpo_lens.metrics import (
     REWARD_MEAN,
     REWARD_STD,
 )
-from grpo_lens.rewards import RewardTimeout, _call_with_timeout, score_batch
+from grpo_lens.rewards import (
+    RewardState,
+    RewardTimeout,
+    _call_with_timeout,
+    score_batch,
+)
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.tasks import correctness_verdict
 
@@ -42,10 +47,12 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------------------------
 # One step's pieces
 # ---------------------------------------------------------------------------------------------------------------------
-def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float,
+                    state: RewardState | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Score every rollout with :func:`grpo_lens.rewards.score_batch`, flattened for the trainer: rewards [N] float32
-    (NaN where invalid), valid [N] bool, reward metrics; each reward function call limited to ``timeout`` seconds."""
-    rewards, valid, metrics = score_batch(batch, reward_fns, timeout)
+    (NaN where invalid), valid [N] bool, reward metrics; each reward function call limited to ``timeout`` seconds and
+    given ``state`` as TRL's ``trainer_state``."""
+    rewards, valid, metrics = score_batch(batch, reward_fns, timeout, trainer_state=state)
     return rewards.reshape(-1), valid.reshape(-1), metrics
 
 

@@ -118,3 +118,113 @@ def test_case2_extending_max_steps_resumes(tmp_path):
     loop.train(TrainConfig.from_dict({**TrainConfig.read(str(run.config_path)), "resume": True}))
     assert [r["step"] for r in run.read_metrics()] == [1, 2]
     assert yaml.safe_load(run.config_path.read_text()) == {**ran, "max_steps": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. reward functions written for TRL run unchanged
+# ---------------------------------------------------------------------------------------------------------------------
+# Written from TRL's GRPOTrainer documentation alone: keyword arguments, dataset columns by name, **kwargs, message
+# lists for conversational prompts, strings for standard ones, completion_ids, trainer_state, None = not applicable.
+TRL_REWARDS = '''
+SEEN = {}
+
+
+def capital(completions, answer, **kwargs):
+    SEEN["capital"] = {"completion": completions[0], "keys": sorted(kwargs)}
+    return [1.0 if a.lower() in c[0]["content"].lower() else 0.0 for c, a in zip(completions, answer)]
+
+
+def reward_len(completions, **kwargs):
+    SEEN["reward_len"] = {"completion": completions[0], "keys": sorted(kwargs)}
+    return [-abs(20 - len(c)) for c in completions]
+
+
+def by_step(prompts, completions, completion_ids, trainer_state, log_metric, **kwargs):
+    SEEN.setdefault("steps", []).append(trainer_state.global_step)
+    log_metric("mean_ids", sum(len(i) for i in completion_ids) / len(completion_ids))
+    return [None if i == 0 else float(len(ids) % 2) for i, ids in enumerate(completion_ids)]
+'''
+
+
+def _plugin(tmp_path, monkeypatch, name="trl_style_rewards"):
+    """Write TRL_REWARDS as module ``name``, register its functions, return the module."""
+    import importlib
+
+    from grpo_lens.rewards import REWARDS
+
+    (tmp_path / f"{name}.py").write_text(TRL_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    for fn in (module.capital, module.reward_len, module.by_step):
+        monkeypatch.setitem(REWARDS._entries, fn.__name__, fn)  # as @REWARDS.register would, undone after the test
+    return module
+
+
+def _jsonl(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.e2e
+def test_case3_trl_reward_functions_run_unchanged(tmp_path, monkeypatch):
+    """A conversational dataset with TRL's capital(completions, answer, **kwargs) (c[0]["content"]), and a standard
+    one with reward_len(completions, **kwargs) on strings, through the CLI: exit 0, rewards scored (main: 'got
+    multiple values for argument answer', then 'string indices must be integers', every rollout invalid)."""
+    from grpo_lens.cli import main
+
+    module = _plugin(tmp_path, monkeypatch)
+    chat = _jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "Capital of France?"}],
+                                            "answer": "Paris"}, {"prompt": [{"role": "user", "content": "Capital "
+                                            "of Peru?"}], "answer": "Lima"}])
+    plain = _jsonl(tmp_path / "plain.jsonl", [{"prompt": "Say something.", "topic": "x"},
+                                             {"prompt": "Say more.", "topic": "y"}])
+    common = ["train", "--model", "tiny", "--task", "jsonl", "--group-size", "4", "--prompts-per-step", "2",
+              "--max-new-tokens", "4", "--lens-every", "0", "--no-progress", "--device", "cpu",
+              "--no-save-final-model"]
+    assert main(common + ["--dataset", chat, "--rewards", "capital", "by_step", "--max-steps", "2",
+                          "--out", str(tmp_path / "a")]) == 0
+    assert main(common + ["--dataset", plain, "--rewards", "reward_len", "--max-steps", "1",
+                          "--out", str(tmp_path / "b")]) == 0
+    seen = module.SEEN
+    assert seen["capital"]["completion"][0]["role"] == "assistant"  # a message list for a chat prompt
+    assert isinstance(seen["reward_len"]["completion"], str)  # a string for a string prompt
+    assert {"prompts", "completion_ids", "trainer_state", "log_metric", "topic"} <= set(seen["reward_len"]["keys"])
+    assert seen["steps"] == [1, 2]
+    from grpo_lens.rundir import RunDir
+
+    a = RunDir(tmp_path / "a").read_metrics()
+    assert all(r["reward/capital/invalid_count"] == 0 for r in a)
+    assert all(r["reward/by_step/invalid_count"] == 1 for r in a)  # None = not applicable, one rollout a call
+    assert all("reward/logged/mean_ids" in r for r in a)
+    (b,) = RunDir(tmp_path / "b").read_metrics()
+    assert b["reward/invalid_count"] == 0 and b["reward/mean"] < 0  # -|20 - len| of 4-token completions
+
+
+def test_case3_reserved_column_refused_before_anything_runs(tmp_path):
+    """A dataset column named completions, prompts, completion_ids or trainer_state is refused when the task is built
+    (main: TypeError traceback at step 1), naming the column, the row and the fix; timeout_s is an ordinary column
+    now (the constructed case: it collided with combine_rewards' own parameter)."""
+    from grpo_lens.rewards import combine_rewards
+    from grpo_lens.tasks import get_task
+
+    for column in ("completions", "prompts", "completion_ids", "trainer_state"):
+        path = _jsonl(tmp_path / f"{column}.jsonl", [{"prompt": "q", column: "x"}])
+        with pytest.raises(ValueError, match=rf"row 1: column\(s\) '{column}' collide.*rename them"):
+            get_task(path)
+    path = _jsonl(tmp_path / "timeout.jsonl", [{"prompt": "q", "timeout_s": 3}])
+    assert get_task(path).sample(1, 0)[0].columns() == {"timeout_s": 3}
+    rewards, valid, _ = combine_rewards([lambda completions, timeout_s, **kw: [float(t) for t in timeout_s]],
+                                        ["q"], ["a"], columns={"timeout_s": [3]})
+    assert rewards.tolist() == [3.0]
+
+
+def test_case3_positional_form_still_works():
+    """The documented positional form f(p, c, **columns) keeps working: names other than prompts/completions get
+    the two lists by position, and a function without **kwargs gets only the names it declares."""
+    from grpo_lens.rewards import call_reward_function
+
+    assert call_reward_function(lambda p, c, **k: [len(p), len(c), k["answer"][0]], ["q"], ["a"],
+                                columns={"answer": ["5"]}) == [1, 1, "5"]
+    assert call_reward_function(lambda completions: [completions[0]], ["q"], ["a"], columns={"answer": ["5"]}) == ["a"]
