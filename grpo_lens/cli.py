@@ -43,13 +43,13 @@ from grpo_lens.probe.run import run_probe
 from grpo_lens.report import write_report
 from grpo_lens.report.compare import CompareError, compare_runs
 from grpo_lens.rundir import RunDirError
-from grpo_lens.train.loop import NonFiniteUpdateError, train
+from grpo_lens.train.loop import NonFiniteUpdateError, NoScorableRolloutError, train
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input rather than a bug: shown as one line, exit status 2."""
     return (ConfigError, RunDirError, CompareError, ValueError, FileNotFoundError, PluginError, ModelNotFoundError,
-            NonFiniteUpdateError)
+            NonFiniteUpdateError, NoScorableRolloutError)
 
 
 #: Environment variable listing modules to import at start (comma-separated): they register rewards and tasks.

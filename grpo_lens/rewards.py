@@ -630,6 +630,36 @@ def _first_failure(fn: Callable) -> bool:
     return True
 
 
+def check_rewards_on_example(funcs_with_weights: Any, prompt: Any, columns: Mapping[str, Any],
+                             timeout_s: float | None = None, where: str = "the first example",
+                             trainer_state: Any = None) -> None:
+    """Call every reward function once, before training, on one example's prompt and columns with the empty
+    completion (a model can write one: EOS first), so that a function that cannot be called with the dataset's
+    columns fails now, with its error, rather than making every rollout of the run invalid.
+
+    A call that runs past ``timeout_s`` is not an error here (the run's own timeout handles it).
+
+    Raises:
+        ValueError: naming the reward function, ``where``, the error and what to do.
+    """
+    completions = chat_completions([prompt], [""])
+    call = {"completion_ids": [[]], "columns": {k: [v] for k, v in columns.items()},
+            "trainer_state": trainer_state if trainer_state is not None else RewardState()}
+    for name, fn, _ in _normalize_funcs(funcs_with_weights):
+        try:
+            values = _call_with_timeout(call_reward_function, timeout_s, (fn, [prompt], completions), call)
+        except RewardTimeout:
+            continue
+        except Exception as err:  # noqa: BLE001 - reported as one line, before anything is written
+            why = str(err).splitlines()[0][:300] if str(err) else ""
+            raise ValueError(f"reward {name!r} fails on {where} (columns: {', '.join(sorted(columns)) or 'none'}) "
+                             f"with an empty completion: {type(err).__name__}: {why}. Fix the function or the data "
+                             f"(a function that cannot score a completion returns None for it)") from None
+        if values is None or len(values) != 1:
+            raise ValueError(f"reward {name!r} returned {None if values is None else len(values)} values for 1 "
+                             f"completion on {where}; return one value (or None) per completion")
+
+
 def score_batch(
     batch: "RolloutBatch", funcs_with_weights: Any, timeout_s: float | None = None,
     trainer_state: Any = None,

@@ -33,6 +33,14 @@ def raises(prompts, completions, **kwargs):
     raise RuntimeError("test reward function failure")
 
 
+def raises_in_training(prompts, completions, trainer_state=None, **kwargs):
+    """Raises at every training step (trainer_state.global_step >= 1), not in the trainer's start-up check (step 0):
+    a function that fails only on what the model writes."""
+    if trainer_state is not None and trainer_state.global_step >= 1:
+        raise RuntimeError("test reward function failure in training")
+    return [1.0] * len(completions)
+
+
 def sleeps(prompts, completions, **kwargs):
     """Sleeps :data:`SLEEP_SECONDS`, longer than the tests' reward_timeout, then returns 1.0 for everything."""
     time.sleep(SLEEP_SECONDS)
@@ -40,6 +48,7 @@ def sleeps(prompts, completions, **kwargs):
 
 
 for _name, _fn in (("test_alternating", alternating), ("test_some_invalid", some_invalid),
-                   ("test_raises", raises), ("test_sleeps", sleeps)):
+                   ("test_raises", raises), ("test_sleeps", sleeps),
+                   ("test_raises_in_training", raises_in_training)):
     if _name not in REWARDS:  # importable twice (as a plugin and by a test) without a double registration
         REWARDS.register(_name)(_fn)

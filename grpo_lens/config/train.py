@@ -123,7 +123,8 @@ class TrainConfig(ConfigFile):
     max_grad_norm: float = option(1.0, "Clip the gradient's global L2 norm to this (0 disables).",
                                   check=at_least(0, "must be >= 0 (0 disables clipping)"))
     max_consecutive_skips: int = option(3, "A step whose loss or gradient is non-finite is skipped (no optimizer "
-                                        "change); stop with an error after this many consecutive skipped steps.",
+                                        "change); stop with an error after this many consecutive skipped steps, "
+                                        "or this many consecutive steps where no rollout could be scored.",
                                         check=at_least(1))
     # --- lens --------------------------------------------------------------------------------------------------------
     lens_every: int = Lens.lens_every()

@@ -63,7 +63,7 @@ from grpo_lens.metrics import (
     STEP,
 )
 from grpo_lens.models import load_model, resolve_model
-from grpo_lens.rewards import RewardState, parse_reward_specs
+from grpo_lens.rewards import RewardState, check_rewards_on_example, parse_reward_specs
 from grpo_lens.rollout import (
     RolloutBatch,
     batch_logprobs,
@@ -93,6 +93,11 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteUpdateError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient; the run stopped with its last checkpoint intact."""
+
+
+class NoScorableRolloutError(RuntimeError):
+    """Too many consecutive steps had no rollout any reward function could score (a missing column, a reward function
+    that raises); the run stopped with its last checkpoint intact."""
 
 
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
@@ -166,8 +171,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
                                        procs, models.params, before_step=before_step, step=step, capture=plan.capture)
         # 6. the lens after the update: its g_i read off the update's first pass, and S4 around the optimizer step
         lens_metrics = lens_after_update(lens, plan, step, procs, models.policy, rollouts, advantages)
-        # 7. the non-finite guard: a step with a skipped optimizer step counts toward --max-consecutive-skips
+        # 7. the guards: a step with a skipped optimizer step, or with no scorable rollout, counts toward
+        #    --max-consecutive-skips
         update_metrics.update(state.count_skipped(update_metrics[GUARD_SKIPPED_OPTIMIZER_STEPS] > 0))
+        state.count_unscored(procs.sum_floats([float(rollouts.valid.sum())])[0] == 0)
         # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
         parts = [update_metrics, lens_metrics, baseline_metrics, {LR: models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
@@ -189,13 +196,14 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple[str, float]]]:
     """Everything about the inputs that can be checked without loading a model; returns (task, reward specs).
 
-    Builds the task (which validates every data row), parses the reward specs and resolves the model name, so that
-    a bad input fails before the run directory is written or a model loads.
+    Builds the task (which validates every data row), parses the reward specs, calls every reward function once on
+    one row with the empty completion (:func:`grpo_lens.rewards.check_rewards_on_example`) and resolves the model
+    name, so that a bad input fails before the run directory is written or a model loads.
 
     Raises:
         ValueError: prompts_per_step not divisible by the number of processes (or its per-process share by
             num_mini_batches), an unknown task or reward (listing the valid names), bad task options, a malformed
-            data row (naming file and row).
+            data row (naming file and row), a reward function that fails on one row of the data.
         ModelNotFoundError: the model path does not exist.
     """
     if config.prompts_per_step % procs.world:
@@ -207,6 +215,9 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
                          f"of the {procs.world} processes holds (prompts_per_step / processes = {share})")
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
+    (example,) = task.sample(1, seed=config.seed)  # every reward function callable with the data's columns
+    check_rewards_on_example(reward_fns, example.prompt, example.columns(), config.reward_timeout,
+                             where=f"a row of task {config.task!r}", trainer_state=RewardState(0, config.max_steps))
     if config.dynamic_sampling and procs.world > 1:
         raise ValueError("--dynamic-sampling runs in one process only for now (processes would keep different "
                          "numbers of groups); drop it or run one process")
@@ -254,7 +265,7 @@ class RunState:
     so a resumed run continues as the uninterrupted one would."""
 
     step: int = 0
-    guard: dict[str, int] = field(default_factory=lambda: {"consecutive": 0, "total": 0})
+    guard: dict[str, int] = field(default_factory=lambda: {"consecutive": 0, "total": 0, "unscored": 0})
 
     def count_skipped(self, skipped: bool) -> dict[str, int]:
         """Count one trainer step, ``skipped`` when any of its optimizer steps was skipped for a non-finite loss or
@@ -263,6 +274,11 @@ class RunState:
         self.guard["total"] += int(skipped)
         return {GUARD_STEP_SKIPPED: int(skipped), GUARD_SKIPPED_STEPS: self.guard["total"],
                 GUARD_CONSECUTIVE_SKIPPED: self.guard["consecutive"]}
+
+    def count_unscored(self, unscored: bool) -> None:
+        """Count one trainer step, ``unscored`` when no rollout of any process got a valid reward
+        (``guard["unscored"]``: consecutive such steps)."""
+        self.guard["unscored"] = self.guard.get("unscored", 0) + 1 if unscored else 0
 
 
 def check_before_writing(config: TrainConfig, run: RunDir,
@@ -606,7 +622,16 @@ class StepLogs:
 
 def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run: RunDir, step: int) -> None:
     """Raise :class:`NonFiniteUpdateError` once ``max_consecutive_skips`` steps in a row were skipped (docs/theory.md
-    §Numerical guards), before the step's checkpoint, so the last checkpoint stays the last good state."""
+    §Numerical guards), or :class:`NoScorableRolloutError` once that many steps in a row had no scorable rollout,
+    before the step's checkpoint, so the last checkpoint stays the last good state."""
+    if state.guard.get("unscored", 0) >= config.max_consecutive_skips:
+        procs.barrier()
+        raise NoScorableRolloutError(
+            f"step {step}: no rollout could be scored for {state.guard['unscored']} consecutive steps "
+            f"(--max-consecutive-skips {config.max_consecutive_skips}): every reward was None/NaN or its reward "
+            f"function failed (the first failure's traceback is in the log above; rewards {config.rewards}). Check "
+            f"that the dataset has the columns the reward functions need (correctness needs 'answer'), fix the "
+            f"function, and resume with --resume")
     if state.guard["consecutive"] >= config.max_consecutive_skips:
         procs.barrier()
         raise NonFiniteUpdateError(

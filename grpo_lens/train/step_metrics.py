@@ -82,7 +82,8 @@ def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
 
 def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[str, float]:
     """``reward/mean``, ``reward/std`` (population, over valid rollouts), ``reward/frac_zero_std_groups`` (S1: share
-    of the N / R groups whose valid rewards are all equal) and ``reward/invalid_frac``.
+    of the N / R groups whose valid rewards are all equal) and ``reward/invalid_frac``. With no valid rollout the
+    first three are NaN (null in metrics.jsonl): a statistic over nothing is not 0.
 
     Args:
         rewards: [N] float (NaN invalid).  valid: [N] bool.  R: group size.
@@ -93,6 +94,8 @@ def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[s
     mean = float(r.sum() / n_valid)
     std = float(((r - mean) ** 2 * v).sum().div(n_valid).sqrt())
     zero_std = constant_groups(r, v).float().mean()  # S1: groups without reward contrast carry no gradient
+    if not bool(valid.any()):
+        mean = std = zero_std = math.nan
     return {REWARD_MEAN: mean, REWARD_STD: std, REWARD_FRAC_ZERO_STD_GROUPS: float(zero_std),
             REWARD_INVALID_FRAC: float((~valid).float().mean())}
 

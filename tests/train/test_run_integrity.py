@@ -228,3 +228,50 @@ def test_case3_positional_form_still_works():
     assert call_reward_function(lambda p, c, **k: [len(p), len(c), k["answer"][0]], ["q"], ["a"],
                                 columns={"answer": ["5"]}) == [1, 1, "5"]
     assert call_reward_function(lambda completions: [completions[0]], ["q"], ["a"], columns={"answer": ["5"]}) == ["a"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. a run where nothing can be scored
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_case4_nothing_scorable_is_refused_at_start(tmp_path):
+    """The default correctness reward on data without an 'answer' column, and a reward function that always raises,
+    fail before --out exists, naming the function and its error (main: exit 0, reward/mean 0.0 at every step)."""
+    data = _jsonl(tmp_path / "no_answer.jsonl", [{"prompt": "What is 2 + 3?"}, {"prompt": "What is 1 + 1?"}])
+    with pytest.raises(ValueError, match=r"reward 'correctness' fails on .*needs the reference answers"):
+        loop.train(tiny_config(tmp_path, task="jsonl", dataset=data, rewards=["correctness"]))
+    with pytest.raises(ValueError, match=r"reward 'test_raises' fails on .*RuntimeError: test reward function"):
+        loop.train(tiny_config(tmp_path, rewards=["test_raises"]))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_case4_steps_without_a_scorable_rollout_stop_the_run(tmp_path):
+    """A function that raises at every step: after max_consecutive_skips = 2 such steps the run stops with
+    NoScorableRolloutError before step 2's checkpoint; reward/mean is null (not 0.0) in both records."""
+    config = tiny_config(tmp_path, rewards=["test_raises_in_training"], max_steps=4, max_consecutive_skips=2,
+                         checkpoint_every=1)
+    with pytest.raises(loop.NoScorableRolloutError, match="no rollout could be scored for 2 consecutive steps"):
+        loop.train(config)
+    run = loop.RunDir(config.out)
+    records = run.read_metrics()
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["reward/mean"] is None and r["reward/std"] is None and r["reward/invalid_frac"] == 1.0
+               for r in records)
+    assert run.latest_checkpoint().name == "step-000001"  # the last good state stays the last checkpoint
+
+
+def test_case4_a_step_with_one_scorable_rollout_resets_the_count():
+    """The constructed case: the counter counts consecutive unscored steps only, and a statistic over no valid
+    rollout is NaN while one valid rollout gives its own value."""
+    from grpo_lens.train.step_metrics import reward_metrics
+
+    state = loop.RunState()
+    for unscored in (True, True, False, True):
+        state.count_unscored(unscored)
+    assert state.guard["unscored"] == 1
+    none = reward_metrics(torch.tensor([float("nan")] * 4), torch.zeros(4, dtype=torch.bool), 2)
+    assert all(none[k] != none[k] for k in ("reward/mean", "reward/std", "reward/frac_zero_std_groups"))  # NaN
+    one = reward_metrics(torch.tensor([0.5, float("nan"), float("nan"), float("nan")]),
+                         torch.tensor([True, False, False, False]), 2)
+    assert one["reward/mean"] == 0.5 and one["reward/std"] == 0.0 and one["reward/invalid_frac"] == 0.75

@@ -91,7 +91,9 @@ def test_invalid_rewards_are_left_out_of_the_group_and_counted(tmp_path):
 
 
 def test_a_raising_reward_function_invalidates_its_rollouts_and_the_run_goes_on(tmp_path):
-    run = train(tiny_config(tmp_path, rewards=["test_alternating", "test_raises"], max_steps=2))
+    # it raises at every step but not in the start-up check (which refuses a function that always raises); two steps
+    # are fewer than --max-consecutive-skips 3 steps without a scorable rollout, so the run goes on
+    run = train(tiny_config(tmp_path, rewards=["test_alternating", "test_raises_in_training"], max_steps=2))
     metrics = read_jsonl(run.metrics_path)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
