@@ -95,7 +95,8 @@ class TrainConfig(ConfigFile):
     loss_aggregation: str = Advantage.loss_aggregation()
     beta: float = option(0.0, "KL coefficient against the frozen reference model (0 = no reference model).",
                          check=at_least(0))
-    kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + ".",
+    kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + "; k1 "
+                               "takes the KL's score-function gradient (log-ratio x grad log pi), not its own.",
                                check=one_of(KL_ESTIMATORS.names))
     eps_low: float = option(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.", check=_UNIT)
     eps_high: float = option(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for A > 0 (DAPO's "

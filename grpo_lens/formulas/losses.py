@@ -63,8 +63,21 @@ def clamped_log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k1")
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k1 = -x = log pi_theta - log pi_ref (unbiased, high variance, can be negative), x clamped. [N, T] -> [N, T]."""
-    return -clamped_log_ratio(logp, ref_logp)
+    """k1 = -x = log pi_theta - log pi_ref (unbiased, high variance, can be negative), x clamped. [N, T] -> [N, T].
+
+    Its value is k1; its gradient is the score-function estimator of grad KL(pi_theta || pi_ref),
+    (log pi_theta - log pi_ref) grad log pi_theta (Schulman 2020; the k1-in-the-reward form of RLHF, Ouyang et al.
+    2022, differentiated through the policy-gradient term), which equals k2's. The plain derivative of k1 in a loss is
+    grad log pi_theta, whose expectation under on-policy samples is 0: it would not pull towards the reference at all
+    (open-instruct#534; Tang & Munos, "On a few pitfalls in KL divergence gradient estimation for RL", arXiv
+    2506.09477). Per token, like k2: the later tokens' log-ratios do not enter a token's weight (the partial gradient
+    that paper also describes).
+
+    .. warning:: libraries differ: a loss that differentiates k1 itself (d/dlogp = 1) pulls towards nothing in
+       expectation; here the value logged is k1 and the gradient is the one of the KL.
+    """
+    k1 = -clamped_log_ratio(logp, ref_logp).detach()
+    return k1 + k1 * (logp - logp.detach())  # value k1; d/dlogp = k1 = log pi_theta - log pi_ref (clamped)
 
 
 @KL_ESTIMATORS.register("k2")

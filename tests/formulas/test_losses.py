@@ -27,8 +27,9 @@ def _lengths_mask(lengths, T):
     "name,value,grad",
     [
         # logp = log 0.5, ref = log 0.25, x = ref - logp = -ln 2 = -0.693147.
-        # k1 = -x = ln 2;            d k1 / d logp = 1.
-        ("k1", math.log(2), 1.0),
+        # k1 = -x = ln 2;            d k1 / d logp = k1 = ln 2: the score-function gradient of the KL (issue 19
+        # case 5; differentiating k1 itself gave 1, whose on-policy expectation is 0).
+        ("k1", math.log(2), math.log(2)),
         # k2 = x^2 / 2 = 0.240227;   d k2 / d logp = x * dx/dlogp = -x = ln 2.
         ("k2", math.log(2) ** 2 / 2, math.log(2)),
         # k3 = e^x - x - 1 = 0.5 + ln 2 - 1 = 0.193147;  d k3 / d logp = -(e^x - 1) = 1 - 0.5 = 0.5.
@@ -42,6 +43,35 @@ def test_kl_estimators_values_and_gradients(name, value, grad):
     (g,) = torch.autograd.grad(kl.sum(), logp)
     assert kl.item() == pytest.approx(value, abs=1e-12)
     assert g.item() == pytest.approx(grad, abs=1e-12)
+
+
+def test_case5_k1_pulls_towards_the_reference():
+    """Issue 19 case 5: beta = 1, A = 0, one rollout of 20 tokens (seq-mean-token-mean, Z = 1), so dL/dlogp_t =
+    (1/20) d k / d logp. pi_ref 0 nats away: 0 for every estimator; 3 nats below pi_theta (logp - ref = 3):
+    k1 -> 3/20 = 0.15 (main: 0.05 at 0 and 3 nats alike), k2 -> 3/20 = 0.15, k3 -> (1 - e^-3)/20 = 0.04751."""
+    want = {"k1": (0.0, 0.15), "k2": (0.0, 0.15), "k3": (0.0, (1 - math.exp(-3)) / 20)}
+    mask = torch.ones(1, 20, dtype=torch.bool)
+    for name, expected in want.items():
+        for gap, g_want in zip((0.0, 3.0), expected):
+            logp = torch.full((1, 20), -1.0, dtype=torch.float64, requires_grad=True)
+            loss, _ = grpo_loss(logp, logp.detach(), torch.zeros(1), mask, normalizer=1.0, beta=1.0,
+                                ref_logp=logp.detach() - gap, kl_estimator=name)
+            (g,) = torch.autograd.grad(loss, logp)
+            assert g[0, 0].item() == pytest.approx(g_want, abs=1e-12), (name, gap)
+
+
+def test_case5_k1_expected_gradient_is_the_kl_gradient():
+    """The constructed case: on a 5-token categorical pi_theta = softmax(theta), the on-policy expectation
+    sum_a pi(a) grad k1(a) equals grad KL(pi_theta || pi_ref) computed exactly by autograd (differentiating k1
+    itself gives sum_a pi(a) grad log pi(a) = 0)."""
+    theta = torch.tensor([0.3, -1.0, 0.5, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([1.0, 0.0, -0.5, 0.2, 0.4], dtype=torch.float64), -1)
+    logp = torch.log_softmax(theta, -1)
+    exact = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta, retain_graph=True)[0]
+    probs = logp.exp().detach()
+    expected = torch.autograd.grad((probs * kl_penalty(logp.unsqueeze(0), ref.unsqueeze(0), "k1")[0]).sum(), theta)[0]
+    torch.testing.assert_close(expected, exact, rtol=1e-12, atol=1e-14)
+    assert exact.abs().max() > 0.1
 
 
 def test_kl_estimators_are_zero_at_equality():
