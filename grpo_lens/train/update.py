@@ -117,13 +117,28 @@ class UpdatePlan:
     loss_mask: torch.Tensor
 
 
+def mini_batch_rows(groups: int, R: int, M: int) -> list[torch.Tensor]:
+    """The row indices of the M mini-batches (one optimizer step each) of G = ``groups`` groups of R rollouts.
+
+    Whole groups, as evenly as possible (sizes differ by at most one group) when G >= M; with fewer groups than
+    mini-batches (dynamic sampling kept few) the N = G R rollouts themselves are split as evenly as possible, since
+    their advantages are fixed before the update. So a step takes M optimizer steps whatever number of groups it
+    kept (fewer only when N < M, never an empty mini-batch). Chunk k of every process is optimizer step k's share.
+
+    Returns:
+        min(M, max(G, G R)) index tensors into the N rows, in order.
+    """
+    if groups >= M:
+        return [torch.cat([torch.arange(g * R, (g + 1) * R) for g in chunk.tolist()])
+                for chunk in torch.tensor_split(torch.arange(groups), M)]
+    return [rows for rows in torch.tensor_split(torch.arange(groups * R), M) if len(rows)]
+
+
 def plan_update(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig, procs: Processes) -> UpdatePlan:
-    """Split the N = G R rollouts into ``num_mini_batches`` mini-batches of whole groups and each into micro-batches
-    of ``micro_batch_size`` rollouts (or :func:`auto_micro_batch_size`'s choice), and compute pi_old when needed."""
-    R = config.group_size
-    groups = batch.num_groups
-    per_mini = groups // config.num_mini_batches if groups >= config.num_mini_batches else groups
-    mini_batches = [torch.arange(g * R, min(groups, g + per_mini) * R) for g in range(0, groups, max(per_mini, 1))]
+    """Split the N = G R rollouts into ``num_mini_batches`` mini-batches (:func:`mini_batch_rows`) and each into
+    micro-batches of ``micro_batch_size`` rollouts (or :func:`auto_micro_batch_size`'s choice), and compute pi_old
+    when needed."""
+    mini_batches = mini_batch_rows(batch.num_groups, config.group_size, config.num_mini_batches)
     L, T = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1], batch.completion_ids.shape[1]
     sizes = [config.micro_batch_size or auto_micro_batch_size(policy, len(mini), L, T, total_memory_bytes(procs.device))
              for mini in mini_batches]

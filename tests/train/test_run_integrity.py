@@ -275,3 +275,32 @@ def test_case4_a_step_with_one_scorable_rollout_resets_the_count():
     one = reward_metrics(torch.tensor([0.5, float("nan"), float("nan"), float("nan")]),
                          torch.tensor([True, False, False, False]), 2)
     assert one["reward/mean"] == 0.5 and one["reward/std"] == 0.0 and one["reward/invalid_frac"] == 0.75
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 6. dynamic sampling and --num-mini-batches
+# ---------------------------------------------------------------------------------------------------------------------
+def test_case6_mini_batches_whatever_the_groups_kept():
+    """M = 2 mini-batches of any number of kept groups: 3 groups of R = 2 give [2 groups, 1 group] (main: 3
+    mini-batches of one group, so 3 optimizer steps); 1 group gives its 2 rollouts one each; 4 groups 2 + 2."""
+    from grpo_lens.train.update import mini_batch_rows
+
+    rows = lambda chunks: [c.tolist() for c in chunks]  # noqa: E731
+    assert rows(mini_batch_rows(3, 2, 2)) == [[0, 1, 2, 3], [4, 5]]
+    assert rows(mini_batch_rows(4, 2, 2)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rows(mini_batch_rows(1, 2, 2)) == [[0], [1]]
+    # the constructed case: 5 kept groups into 4 mini-batches (main: 5 steps), and fewer rollouts than mini-batches
+    assert [len(c) for c in mini_batch_rows(5, 3, 4)] == [6, 3, 3, 3]
+    assert rows(mini_batch_rows(1, 2, 4)) == [[0], [1]]  # N = 2 < M: two steps, never an empty one
+
+
+@pytest.mark.e2e
+def test_case6_dynamic_sampling_takes_mu_times_m_optimizer_steps(tmp_path):
+    """B = 4 groups of R = 2 with coin-flip rewards and no extra rounds, so steps keep 0-4 mixed groups: every step
+    takes mu M = 2 optimizer steps (main: [2, 3, 2, 3, ...] with 3 kept groups taking 3)."""
+    run = loop.train(tiny_config(tmp_path, rewards=["test_parity"], group_size=2, prompts_per_step=4,
+                                 num_mini_batches=2, dynamic_sampling=True, dynamic_sampling_max_rounds=0,
+                                 max_steps=4, learning_rate=1e-5))
+    records = run.read_metrics()
+    assert [r["grad/optimizer_steps"] for r in records] == [2, 2, 2, 2]
+    assert len({r["dynamic/mixed_groups"] for r in records}) > 1  # the kept count did vary
