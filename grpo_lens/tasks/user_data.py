@@ -72,6 +72,14 @@ def row_to_example(row: Any, source: str, row_number: int, system_prompt: str | 
         raise _row_error(
             source, row_number, f"the prompt is a {type(prompt).__name__}, expected a string or a list of messages"
         )
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate such as "\ud800" in the JSON
+            raise _row_error(source, row_number, f"the prompt holds {text[err.start:err.end]!r} at character "
+                                                 f"{err.start}, which is not valid Unicode text (a lone surrogate); "
+                                                 f"remove or replace it") from None
     answer = row.get("answer")
     extras = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
     check_column_names(list(extras), f"{source}, row {row_number}")

@@ -1,8 +1,9 @@
 """The GRPO training loop, :func:`train`: sample, rewards, advantages, update, lens, log, checkpoint, one call each.
 
 :func:`train` first checks every input, read-only (:func:`check_before_writing`, :func:`check_inputs`), loads the
-policy, the reference and the optimizer (:func:`build_models`, :func:`check_model`) and only then writes or resumes
-the run directory (:func:`open_run`). Each step is then one call per stage: :func:`sample_step` (prompts, rollouts,
+policy, the reference and the optimizer (:func:`build_models`, :func:`check_model`), checks every prompt against the
+tokenizer and the model's context (:func:`check_prompts`) and only then writes or resumes the run directory
+(:func:`open_run`). Each step is then one call per stage: :func:`sample_step` (prompts, rollouts,
 rewards; DAPO's dynamic sampling in :func:`sample_dynamic`), :func:`step_advantages` (the b* weights of
 ``--estimator optimal`` in :func:`optimal_baseline_weights`), :func:`reference_logprobs`, :func:`plan_lens` (whether
 and how the lens measures the step), :func:`grpo_lens.train.update.policy_update`, :func:`lens_after_update`, the
@@ -68,6 +69,7 @@ from grpo_lens.rollout import (
     RolloutBatch,
     batch_logprobs,
     forward_precision,
+    prompt_token_ids,
     sample_groups,
 )
 from grpo_lens.rundir import RunDir, crash_point, lens_overhead
@@ -150,6 +152,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     run = RunDir(config.out)
     config, task, reward_fns, ckpt = check_before_writing(config, run, procs)  # read-only: --out is untouched
     models = build_models(config, procs)
+    check_prompts(config, task, models)  # every prompt formats and fits the model's context: still read-only
     if lens is None and config.lens_every > 0:
         lens = TrainerLens(models.policy, config)
     state = open_run(run, config, procs, models, lens, ckpt)  # writes --out (a new run, or resumes from ckpt)
@@ -239,6 +242,54 @@ def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
     if config.estimator == "optimal" and not linear_layer_names(policy):
         raise ValueError(f"--estimator optimal needs per-rollout gradient norms of the model's nn.Linear layers, and "
                          f"{config.model} has none; pick another --estimator (grpo, rloo, dr_grpo)")
+
+
+#: How many rows of a user dataset :func:`check_prompts` tokenizes at start (all of a smaller one); other tasks give
+#: this many sampled prompts.
+PROMPTS_CHECKED = 10_000
+
+
+def model_context(model: torch.nn.Module) -> int | None:
+    """The number of positions the model can attend over (``max_position_embeddings``, GPT-2's ``n_positions``), or
+    None when its config does not say."""
+    cfg = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_prompts(config: TrainConfig, task: Any, models: "Models") -> None:
+    """Before --out is touched: every prompt of the task formats with the tokenizer (a chat template for chat
+    messages, none needed for strings) and, with ``max_new_tokens``, fits the model's context
+    (:func:`model_context`). A user dataset is checked row by row (its first :data:`PROMPTS_CHECKED` rows), another
+    task on :data:`PROMPTS_CHECKED` sampled prompts.
+
+    Raises:
+        ValueError: naming the row (or prompt), what is wrong and what to do.
+    """
+    data = getattr(task, "data", None)
+    if isinstance(data, dict) and "train" in data:
+        examples = list(enumerate(data["train"][:PROMPTS_CHECKED], start=1))
+        where = f"task {config.task!r} row"
+    else:
+        examples = list(enumerate(task.sample(min(PROMPTS_CHECKED, 64), seed=config.seed), start=1))
+        where = f"task {config.task!r} sampled prompt"
+    context = model_context(models.policy)
+    longest = (0, 0)
+    for number, example in examples:
+        try:
+            n = len(prompt_token_ids(models.tokenizer, example.prompt))
+        except ValueError as err:  # no chat template for chat messages
+            hint = (" (the built-in tasks give chat messages: train a base model on --task jsonl with string prompts)"
+                    if not isinstance(data, dict) else "")
+            raise ValueError(f"{where} {number}: {err}{hint}") from None
+        longest = max(longest, (n, number))
+    if context is not None and longest[0] + config.max_new_tokens > context:
+        raise ValueError(f"{where} {longest[1]}: the prompt is {longest[0]:,} tokens, and with max_new_tokens "
+                         f"{config.max_new_tokens} that is more than the {context:,} positions of {config.model}; "
+                         f"shorten or drop the long prompts, or lower --max-new-tokens")
 
 
 @dataclass

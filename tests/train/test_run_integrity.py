@@ -304,3 +304,53 @@ def test_case6_dynamic_sampling_takes_mu_times_m_optimizer_steps(tmp_path):
     records = run.read_metrics()
     assert [r["grad/optimizer_steps"] for r in records] == [2, 2, 2, 2]
     assert len({r["dynamic/mixed_groups"] for r in records}) > 1  # the kept count did vary
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 7. a failed start leaves --out as it was
+# ---------------------------------------------------------------------------------------------------------------------
+def base_model(name, dtype, device):
+    """The tiny model with a tokenizer that has no chat template (a base model)."""
+    model, tokenizer = build_tiny_model()
+    tokenizer.chat_template = None
+    return model, tokenizer
+
+
+@pytest.mark.e2e
+def test_case7_failed_starts_leave_out_untouched(tmp_path, monkeypatch):
+    """No chat template with chat prompts, a lone surrogate in a prompt, a reserved column: each fails before --out
+    exists (main: config.yaml left behind, so the retry was refused with 'already holds a run'), and the hint works:
+    the base model trains from a JSONL file of string prompts."""
+    from grpo_lens.cli import main
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(loop, "load_model", base_model)
+    with pytest.raises(ValueError, match=r"prompt 1: .*no chat template.*--task jsonl with string prompts"):
+        loop.train(tiny_config(tmp_path))
+    assert not out.exists()
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text('{"prompt": "What is \\ud800 2 + 3?"}\n')
+    reserved = _jsonl(tmp_path / "reserved.jsonl", [{"prompt": "q", "completions": "x"}])
+    for data, why in ((str(surrogate), "lone surrogate"), (reserved, "collide with the keyword")):
+        code = main(["train", "--model", "tiny", "--task", "jsonl", "--dataset", data, "--rewards",
+                     "test_alternating", "--out", str(out), "--no-progress", "--device", "cpu"])
+        assert code == 2 and not out.exists(), why
+    plain = _jsonl(tmp_path / "plain.jsonl", [{"prompt": "2 + 3 ="}, {"prompt": "1 + 1 ="}])
+    run = loop.train(tiny_config(tmp_path, task="jsonl", dataset=plain))
+    assert [r["step"] for r in run.read_metrics()] == [1]
+
+
+@pytest.mark.e2e
+def test_case7_prompt_longer_than_the_context_is_refused(tmp_path, monkeypatch):
+    """The constructed case (and item 9's 20,034-token prompt): a prompt that with max_new_tokens exceeds the model's
+    positions is refused before --out exists, naming the row and both numbers."""
+    def short_context(name, dtype, device):
+        model, tokenizer = build_tiny_model()
+        model.config.max_position_embeddings = 64
+        return model, tokenizer
+
+    monkeypatch.setattr(loop, "load_model", short_context)
+    data = _jsonl(tmp_path / "long.jsonl", [{"prompt": "short"}, {"prompt": "x" * 100}])
+    with pytest.raises(ValueError, match=r"row 2: the prompt is 1\d\d tokens.*more than the 64 positions"):
+        loop.train(tiny_config(tmp_path, task="jsonl", dataset=data))
+    assert not (tmp_path / "run").exists()
