@@ -223,25 +223,24 @@ class RunDir:
             os.fsync(f.fileno())
 
     def truncate_metrics(self, last_step: int) -> None:
-        """Keep only records with step <= last_step (and drop a torn last line) in every JSONL of the run."""
+        """Keep only records with step <= last_step (and drop a torn last line) in every JSONL of the run.
+
+        Raises:
+            RunDirError: a line that is not a usable record (:func:`read_record_lines`), naming file and line.
+        """
         for path in (self.metrics_path, self.completions_path):
             if not path.exists():
                 continue
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill mid-write
-                if int(rec.get(STEP, 0)) <= last_step:
-                    kept.append(line)
+            kept = [line for line, rec in read_record_lines(path) if rec.get(STEP, 0) <= last_step]
             atomic_write_text(path, "".join(k + "\n" for k in kept))
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        """All metric records, in order."""
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        """All metric records, in order (:func:`read_records`; a torn last line is skipped).
+
+        Raises:
+            RunDirError: a line that is not a usable record, naming file and line.
+        """
+        return read_records(self.metrics_path)
 
     # ---------------------------------------------------------------------------------------------------------------
     def save_checkpoint(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -382,6 +381,52 @@ class RunDir:
             return (f"to resume from the previous checkpoint write {older[-1].name} into {pointer} (and delete "
                     f"{bad}), or delete {pointer} to restart from step 0")
         return f"delete {bad} and {pointer} to restart the run from step 0 (no older checkpoint is left)"
+
+
+def read_record_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of every record line of a run-directory JSONL file (metrics.jsonl, completions.jsonl): the one
+    reader of resume, report, compare and the trackers. Blank lines are skipped, and so is a last line that is not
+    valid JSON (cut by a kill mid-write: every earlier line was fsynced whole).
+
+    Raises:
+        RunDirError: naming the file and line, and what to do: a line before the last that is not valid JSON, a line
+            that is JSON but not an object (``5``), or a record whose ``step`` is not an integer >= 0
+            (``{"step": null}``).
+    """
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise RunDirError(f"{path}: not UTF-8 text (byte {e.start}); restore the file from the run, or delete it "
+                          f"to resume from the last checkpoint without the metrics before it") from None
+    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+    fix = "delete or repair that line (each line is one JSON object with an integer 'step')"
+    out = []
+    for i, (n, line) in enumerate(numbered):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(numbered) - 1:
+                continue  # the last line, cut by a kill mid-write
+            raise RunDirError(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}); {fix}") from None
+        if not isinstance(rec, dict):
+            raise RunDirError(f"{path}, line {n}: holds {line.strip()[:40]!r}, which is not a record (a JSON "
+                              f"object); {fix}")
+        step = rec.get(STEP, 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise RunDirError(f"{path}, line {n}: 'step' is {step!r}, not a step number (an integer >= 0); {fix}")
+        out.append((line, rec))
+    return out
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a run-directory JSONL file, in order (:func:`read_record_lines`); [] when it does not exist.
+
+    Raises:
+        RunDirError: a line that is not a usable record, naming file and line.
+    """
+    if not Path(path).exists():
+        return []
+    return [rec for _, rec in read_record_lines(Path(path))]
 
 
 def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:

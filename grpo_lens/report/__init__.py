@@ -83,6 +83,7 @@ from grpo_lens.report.training_measures import (
     lens_rows,
     training_measures_section,
 )
+from grpo_lens.rundir import read_records
 
 
 class ReportError(ValueError):
@@ -90,15 +91,9 @@ class ReportError(ValueError):
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """Records of a run-directory JSONL file (:func:`grpo_lens.rundir.read_records`: names file and line of a bad
+    one)."""
+    return read_records(path)
 
 
 def find_probes(run_dir: Path) -> dict[str, dict[str, Any]]:

@@ -41,6 +41,7 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.report.format import fmt_sig
 from grpo_lens.report.training_measures import dynamic_sampling_summary
+from grpo_lens.rundir import RunDirError, read_records
 
 #: The metrics compared: (key, label). A metric absent from every run is left out.
 COMPARED = (
@@ -85,9 +86,11 @@ def read_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     try:
         config = yaml.safe_load(cfg.read_text()) or {}
         config = TrainConfig.canonical(config, warn=False) if isinstance(config, dict) else config  # current names
-        records = [json.loads(line) for line in met.read_text().splitlines() if line.strip()]
-    except (OSError, yaml.YAMLError, json.JSONDecodeError) as e:
+        records = read_records(met)
+    except (OSError, yaml.YAMLError) as e:
         raise CompareError(f"cannot read run {path} ({type(e).__name__}); is it a grpo-lens run?") from None
+    except RunDirError as e:  # names the file and line
+        raise CompareError(str(e)) from None
     if not records:
         raise CompareError(f"run {path} has no metrics yet (metrics.jsonl is empty)")
     return config, records

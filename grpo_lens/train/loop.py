@@ -72,7 +72,7 @@ from grpo_lens.rollout import (
     prompt_token_ids,
     sample_groups,
 )
-from grpo_lens.rundir import RunDir, crash_point, lens_overhead
+from grpo_lens.rundir import RunDir, crash_point, lens_overhead, read_records
 from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.trackers import Trackers, check_trackers
@@ -350,6 +350,9 @@ def check_before_writing(config: TrainConfig, run: RunDir,
     ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
     if ckpt is not None:  # config.yaml may have been edited: compare with what the checkpoint's steps ran with
         run.check_resumed_config(ckpt, config.to_dict(), RESUMABLE_KEYS, canonical=TrainConfig.canonical)
+    if config.resume:  # a line of metrics/completions.jsonl that is no record fails now, naming file and line
+        for path in (run.metrics_path, run.completions_path):
+            read_records(path)
     procs.barrier()  # every process has read --out before the main one changes it
     return config, task, reward_fns, ckpt
 

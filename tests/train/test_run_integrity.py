@@ -354,3 +354,43 @@ def test_case7_prompt_longer_than_the_context_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"row 2: the prompt is 1\d\d tokens.*more than the 64 positions"):
         loop.train(tiny_config(tmp_path, task="jsonl", dataset=data))
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 8. run-directory lines that are JSON but not records
+# ---------------------------------------------------------------------------------------------------------------------
+GOOD = '{"step": 1, "reward/mean": 0.5}'
+
+
+@pytest.mark.parametrize("bad,why", [
+    ("5", "holds '5', which is not a record"),
+    ('{"step": null}', "'step' is None, not a step number"),
+    ('{"step": "2"}', "'step' is '2', not a step number"),
+    ('{"step": 2, "reward', "not valid JSON"),  # a torn line that is not the last
+])
+def test_case8_one_reader_names_file_and_line(tmp_path, bad, why):
+    """Every reader (resume, report, compare) goes through read_records, which names the file, the line and the fix
+    (main: AttributeError / TypeError tracebacks, and compare named neither file nor line)."""
+    from grpo_lens.report.compare import CompareError, read_run
+    from grpo_lens.rundir import RunDir, RunDirError
+
+    run = RunDir(tmp_path)
+    run.metrics_path.write_text(f"{GOOD}\n{bad}\n{GOOD}\n")
+    (tmp_path / "config.yaml").write_text("model: tiny\n")
+    for read in (run.read_metrics, lambda: run.truncate_metrics(5)):
+        with pytest.raises(RunDirError, match=rf"metrics.jsonl, line 2: .*{why}.*delete or repair that line"):
+            read()
+    with pytest.raises(CompareError, match="line 2"):
+        read_run(tmp_path)
+
+
+def test_case8_a_torn_last_line_is_skipped(tmp_path):
+    """The constructed case: a line cut by a kill is the last one; it is skipped (and dropped on resume), while
+    the same text before the last line is an error."""
+    from grpo_lens.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    run.metrics_path.write_text(f'{GOOD}\n{{"step": 2, "rew')
+    assert run.read_metrics() == [{"step": 1, "reward/mean": 0.5}]
+    run.truncate_metrics(1)
+    assert run.metrics_path.read_text() == GOOD + "\n"
