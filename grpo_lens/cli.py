@@ -15,6 +15,7 @@ line on stderr naming the current one.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import logging
@@ -51,6 +52,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, RunDirError, CompareError, ValueError, FileNotFoundError, PluginError, ModelNotFoundError,
             NonFiniteUpdateError, NoScorableRolloutError)
 
+
+#: errno values of a full or read-only disk: shown as one line (the run resumes once the disk is fixed).
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 #: Environment variable listing modules to import at start (comma-separated): they register rewards and tasks.
 PLUGINS_ENV = "GRPO_LENS_PLUGINS"
@@ -220,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             raise
         print(f"grpo-lens {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in DISK_ERRORS or args.verbose:
+            raise
+        print(f"grpo-lens {args.command}: error: {e.strerror} while writing {e.filename or 'a file'}; every step "
+              f"written before is intact: free space (or fix the device) and resume with --resume", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; resume with --resume", file=sys.stderr)

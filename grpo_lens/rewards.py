@@ -142,8 +142,9 @@ _NUMBER = re.compile(r"(?:(?<![\w)\]}.])-)?(?:\d+(?:\.\d+)?|\.\d+)")
 # A value in running text: a LaTeX fraction (\frac, \dfrac, \tfrac with braced parts), optionally signed, or a number.
 _VALUE = re.compile(r"(?:(?<![\w)\]}.])-\s*)?\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}|" + _NUMBER.pattern)
 # Thousands separators only in a well-formed group: 1-3 digits, then one or more ",ddd", not touching another digit
-# or comma-digit on either side. "1,234,567" -> 1234567; "1,23,456", "1,2345" and "3,4" stay separate numbers.
-_THOUSANDS_GROUP = re.compile(r"(?<![\d,])\d{1,3}(?:,\d{3})+(?![\d]|,\d)")
+# or comma-digit on either side, nor a decimal point before it. "1,234,567" -> 1234567; "1,23,456", "1,2345", "3,4"
+# and "1.5,250" (a decimal, then another number) stay separate numbers.
+_THOUSANDS_GROUP = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?![\d]|,\d)")
 _FRACTION = re.compile(r"^\\[dt]?frac\s*\{(.*)\}\s*\{(.*)\}$")
 _FRACTION_SHORT = re.compile(r"^\\[dt]?frac\s*(\d)\s*(\d)$")  # \frac12
 _SLASH_FRACTION = re.compile(r"^(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")

@@ -178,11 +178,13 @@ class RunDir:
                 if key in saved and saved[key] != value:
                     raise RunDirError(f"--resume: {key}={value!r} differs from the run's saved {key}={saved[key]!r} "
                                       f"in {self.config_path}; drop the flag, or start a new run in another --out")
+            self.check_writable()
             merged = {**saved, **{k: config_dict[k] for k in resumable_keys if k in config_dict}}
             merged.update(resume=True, overwrite=False, out=str(self.path))
             return merged
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"output path {self.path} is a file, not a directory; choose another --out")
+        self.check_writable()
         if self.path.exists() and any(self.path.iterdir()):
             if not has_run:
                 raise RunDirError(f"output directory {self.path} already holds files that are not a grpo-lens run "
@@ -192,6 +194,22 @@ class RunDir:
                 raise RunDirError(f"output directory {self.path} already holds a run; pass --resume to continue "
                                   f"it, --overwrite to replace it, or choose another --out")
         return config_dict
+
+    def check_writable(self) -> None:
+        """The directory, or the nearest folder above it that exists, must be a writable directory.
+
+        Raises:
+            RunDirError: a file on the way (``--out a_file/run``) or a folder this user cannot write.
+        """
+        base = self.path
+        while not base.exists() and base != base.parent:
+            base = base.parent
+        if not base.is_dir():
+            raise RunDirError(f"--out {self.path}: {base} is a file, so no run directory can be made under it; "
+                              f"choose another --out")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise RunDirError(f"--out {self.path}: {base} is not writable by this user; choose another --out or "
+                              f"change its permissions")
 
     def prepare(self, config_dict: dict[str, Any], *, resume: bool, overwrite: bool,
                 resumable_keys: tuple[str, ...] = ()) -> dict[str, Any]:

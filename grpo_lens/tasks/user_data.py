@@ -95,7 +95,7 @@ def read_jsonl(path: str | os.PathLike) -> list[Any]:
     """
     path = Path(path)
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # a UTF-8 byte-order mark (some editors write one) is not data
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue

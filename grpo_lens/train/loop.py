@@ -79,10 +79,11 @@ from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
 from grpo_lens.train.lens import TrainerLens, scores_from_update_rows
 from grpo_lens.train.memory import _peak_memory_mb
-from grpo_lens.train.processes import Processes, setup_processes
+from grpo_lens.train.processes import Processes, gather_objects, setup_processes
 from grpo_lens.train.step_metrics import (
     _pad_to,
     accuracy_metrics,
+    merge_reward_infos,
     rollout_correctness,
     rollout_metrics,
     rollout_rewards,
@@ -228,8 +229,28 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
         raise ValueError("--lora-rank needs the peft package: pip install 'grpo-lens[lora]' (or pip install peft)")
     if procs.is_main:
         check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
-    resolve_model(config.model)
+    check_tokenizer_files(resolve_model(config.model))
     return task, reward_fns
+
+
+#: Files of which a local model directory needs one for its tokenizer to load (transformers' names).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "tiktoken.model")
+
+
+def check_tokenizer_files(source: Any) -> None:
+    """A local model directory must hold its tokenizer too (transformers' own message then names sentencepiece or
+    tiktoken, which are not what is missing).
+
+    Raises:
+        ValueError: naming the directory, the files looked for and the fix.
+    """
+    if source.kind != "local" or not Path(source.path).is_dir():
+        return
+    folder = Path(source.path)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not list(folder.glob("*.tiktoken")):
+        raise ValueError(f"model directory {folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+                         f"save the tokenizer beside the weights (tokenizer.save_pretrained('{folder}'))")
 
 
 def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
@@ -583,7 +604,7 @@ def plan_lens(lens: Any, step: int, config: TrainConfig, procs: Processes, polic
     now, on its own pass, before the update changes the policy."""
     if lens is None or not is_lens_step(step, config.lens_every, config.max_steps):
         return LensPlan(measure=False)
-    if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages):
+    if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
         return LensPlan(measure=True, capture=lens.update_capture(policy))
     with forward_precision(procs.device, config.dtype):
         metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
@@ -609,8 +630,8 @@ def lens_after_update(lens: Any, plan: LensPlan, step: int, procs: Processes, po
 
 def step_record(step: int, config: TrainConfig, procs: Processes, rollouts: Rollouts, advantages: torch.Tensor,
                 parts: list[dict[str, float]], t0: float) -> dict[str, Any]:
-    """The step's metrics.jsonl record, the same on every process: this process's reward-call metrics, then the
-    statistics of all processes' rollouts (which win over them), ``parts`` in order, then ``perf/*`` (``t0``: the
+    """The step's metrics.jsonl record, the same on every process: the reward-call metrics of all processes
+    (:func:`grpo_lens.train.step_metrics.merge_reward_infos`), then the statistics of all processes' rollouts (which win over them), ``parts`` in order, then ``perf/*`` (``t0``: the
     step's start, ``time.perf_counter()``). With dynamic sampling the reward/accuracy/S1 keys cover every sampled
     group and the kept groups' values are ``dynamic/kept_*`` (:func:`grpo_lens.train.step_metrics.sampled_vs_kept`;
     one process only, so no gather)."""
@@ -618,8 +639,10 @@ def step_record(step: int, config: TrainConfig, procs: Processes, rollouts: Roll
     rewards, valid, adv, mask, truncated = procs.gather_all(
         rollouts.rewards, rollouts.valid, advantages, _pad_to(rollouts.batch.completion_mask, config.max_new_tokens),
         rollouts.batch.truncated)
+    infos = gather_objects((rollouts.reward_info, int(rollouts.valid.numel()))) if procs.world > 1 else \
+        [(rollouts.reward_info, int(rollouts.valid.numel()))]
     seconds = time.perf_counter() - t0
-    record = {STEP: step, **rollouts.reward_info, **rollouts.dynamic,
+    record = {STEP: step, **merge_reward_infos([i for i, _ in infos], [n for _, n in infos]), **rollouts.dynamic,
               **rollout_metrics(rewards, valid, adv, mask, truncated, R),
               **accuracy_metrics(procs.gather(rollouts.correct))}
     for part in parts:

@@ -56,6 +56,33 @@ def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float,
     return rewards.reshape(-1), valid.reshape(-1), metrics
 
 
+def merge_reward_infos(infos: list[dict[str, float]], counts: list[int]) -> dict[str, float]:
+    """The reward-call metrics of several processes as one step's: counts add up, ``perf/*_seconds`` take the
+    slowest process (they ran side by side), a function's mean ``reward/<name>`` is weighted by the rollouts it
+    scored on each process (``counts[p]`` rollouts minus its ``reward/<name>/invalid_count``), anything else is the
+    mean over the processes that have it. NaN (no valid value on a process) counts as no value.
+
+    Args:
+        infos: one dict per process (:func:`rollout_rewards`' metrics).   counts: each process's rollouts N_p.
+    """
+    if len(infos) == 1:
+        return dict(infos[0])
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for info in infos for k in info):
+        have = [(info[key], n, info) for info, n in zip(infos, counts) if key in info]
+        if key.endswith("_count"):
+            out[key] = sum(v for v, _, _ in have)
+        elif key.endswith("_seconds"):
+            out[key] = max(v for v, _, _ in have)
+        else:
+            weights = [n - info.get(f"{key}/invalid_count", 0) if f"{key}/invalid_count" in info else 1
+                       for _, n, info in have]
+            pairs = [(v, w) for (v, _, _), w in zip(have, weights) if v == v and w > 0]  # v == v: not NaN
+            total = sum(w for _, w in pairs)
+            out[key] = sum(v * w for v, w in pairs) / total if total else math.nan
+    return out
+
+
 def rollout_correctness(task: Any, batch: RolloutBatch, timeout: float) -> torch.Tensor:
     """The task's own 0/1 correctness verdict of every rollout (:func:`grpo_lens.tasks.correctness_verdict`): [N]
     float64, NaN where there is none (no reference answer, or the check failed or ran past ``timeout`` seconds).

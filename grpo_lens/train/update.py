@@ -291,7 +291,7 @@ def update_metrics(sums: UpdateSums, config: TrainConfig, procs: Processes) -> d
 
 
 def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, valid: torch.Tensor,
-                      advantages: torch.Tensor) -> bool:
+                      advantages: torch.Tensor, procs: Processes | None = None) -> bool:
     """Whether the lens can take its g_i from the update's first pass
     (:func:`grpo_lens.train.lens.scores_from_update_rows`).
 
@@ -301,8 +301,13 @@ def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, val
     optimizer step), and every advantage of the groups the lens analyses finite and nonzero; never with LoRA
     (``lora_rank`` > 0).
 
+    The config conditions are the same on every process; the advantage condition is on this process's groups, so
+    with ``procs`` every process answers True only when all of them would (one all-reduce): a process that opens
+    the capture while another runs the lens's own pass would wait in different collectives.
+
     Args:
-        rewards: [N] (NaN where invalid).   valid: [N] bool.   advantages: [N].
+        rewards: [N] (NaN where invalid).   valid: [N] bool.   advantages: [N].   procs: the processes (None: this
+            process alone decides).
     """
     if not (config.lens_from_update and hasattr(lens, "update_capture") and hasattr(lens, "mixed_groups")):
         return False
@@ -314,10 +319,9 @@ def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, val
         return False
     R = config.group_size
     mixed = lens.mixed_groups(rewards, valid, R)
-    if not mixed:  # nothing to sketch: the lens's own path costs nothing then
-        return False
-    a = advantages.detach().view(-1, R)[mixed]
-    return bool(torch.isfinite(a).all() and (a != 0).all())
+    a = advantages.detach().view(-1, R)[mixed] if mixed else None
+    here = a is not None and bool(torch.isfinite(a).all() and (a != 0).all())  # no mixed group: own path, no cost
+    return here if procs is None else not procs.any(not here)
 
 
 def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, procs: Processes) -> dict[str, float]:

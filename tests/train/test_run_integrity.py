@@ -394,3 +394,121 @@ def test_case8_a_torn_last_line_is_skipped(tmp_path):
     assert run.read_metrics() == [{"step": 1, "reward/mean": 0.5}]
     run.truncate_metrics(1)
     assert run.metrics_path.read_text() == GOOD + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 9. the smaller items
+# ---------------------------------------------------------------------------------------------------------------------
+def test_case9_decimal_then_number_is_not_a_thousands_group():
+    """extract_answer("The two values are 1.5,250") is 250 (main: 1.5250, the comma read as a thousands separator
+    after a decimal point); the constructed case: a real thousands group after a decimal elsewhere still merges."""
+    from fractions import Fraction
+
+    from grpo_lens.rewards import extract_answer
+
+    assert extract_answer("The two values are 1.5,250") == 250
+    assert extract_answer("0.5 of 1,250") == 1250
+    assert extract_answer("#### $1,234.50") == Fraction("1234.5")
+
+
+def test_case9_utf8_bom_is_not_data(tmp_path):
+    """A JSONL file saved with a UTF-8 byte-order mark reads as without one (main: 'row 1: not valid JSON')."""
+    from grpo_lens.tasks import get_task
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "What is 2 + 3?", "answer": "5"}\n')
+    assert get_task(str(path)).sample(1, 0)[0].prompt == "What is 2 + 3?"
+
+
+def test_case9_out_under_a_file_or_unwritable(tmp_path, monkeypatch):
+    """--out under a file, or in a folder this user cannot write, is one RunDirError naming it (main: a
+    FileExistsError / PermissionError traceback from mkdir)."""
+    import os
+
+    from grpo_lens.rundir import RunDir, RunDirError
+
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(RunDirError, match="a_file is a file, so no run directory can be made under it"):
+        RunDir(tmp_path / "a_file" / "run").resolve({}, resume=False, overwrite=False)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for a non-root user without write permission
+    with pytest.raises(RunDirError, match="is not writable by this user"):
+        RunDir(tmp_path / "new" / "run").resolve({}, resume=False, overwrite=False)
+
+
+def test_case9_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
+    """A full disk while training is one line on stderr saying nothing written is lost and how to go on (main: an
+    OSError traceback)."""
+    import errno
+
+    import grpo_lens.cli as cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
+
+    monkeypatch.setattr(cli, "_cmd_train", full)  # build_parser binds the command when main() runs
+    assert cli.main(["train", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device while writing" in err and "resume with --resume" in err
+    assert "Traceback" not in err
+
+
+def test_case9_model_directory_without_tokenizer(tmp_path):
+    """A model directory with weights but no tokenizer files is named as such (main: transformers' message about
+    sentencepiece / tiktoken)."""
+    from grpo_lens.models import ModelSource
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds no tokenizer files .*tokenizer.save_pretrained"):
+        loop.check_tokenizer_files(ModelSource("local", str(tmp_path)))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    loop.check_tokenizer_files(ModelSource("local", str(tmp_path)))  # the constructed case: one file is enough
+
+
+def test_case9_reward_function_metrics_cover_every_process():
+    """Two processes, 4 rollouts each: reward/f is 1.0 over process 0's 2 valid rollouts and 0.0 over process 1's
+    4, so the step's value is (2 * 1 + 4 * 0) / 6 = 1/3 (main: 1.0, the main process's share); counts add up,
+    seconds take the slower process."""
+    from grpo_lens.train.step_metrics import merge_reward_infos
+
+    p0 = {"reward/f": 1.0, "reward/f/invalid_count": 2, "perf/reward_f_seconds": 0.5, "reward/error_count": 0}
+    p1 = {"reward/f": 0.0, "reward/f/invalid_count": 0, "perf/reward_f_seconds": 0.7, "reward/error_count": 1}
+    merged = merge_reward_infos([p0, p1], [4, 4])
+    assert merged["reward/f"] == pytest.approx(1 / 3, abs=1e-15)
+    assert merged["reward/f/invalid_count"] == 2 and merged["reward/error_count"] == 1
+    assert merged["perf/reward_f_seconds"] == 0.7
+    # the constructed case: a process where no rollout was valid (NaN) leaves the other's value alone
+    p1_none = {"reward/f": float("nan"), "reward/f/invalid_count": 4}
+    assert merge_reward_infos([p0, p1_none], [4, 4])["reward/f"] == 1.0
+
+
+class _Lens:
+    """A lens that offers the update capture and calls every group mixed."""
+
+    update_capture = None
+
+    @staticmethod
+    def mixed_groups(rewards, valid, R):
+        return list(range(len(rewards) // R))
+
+
+class _OtherProcessSays:
+    """A stand-in for Processes whose any() reports what another process would say."""
+
+    def __init__(self, other: bool):
+        self.other = other
+
+    def any(self, flag: bool) -> bool:
+        return bool(flag) or self.other
+
+
+def test_issue17_lens_reads_update_agrees_across_processes(tmp_path):
+    """lens_reads_update is one answer for all processes: True here, but False when another process cannot (its
+    groups have a zero advantage), so no process opens the capture while another runs the lens's own pass."""
+    from grpo_lens.train.update import lens_reads_update
+
+    config = tiny_config(tmp_path, lens_every=1)
+    rewards, valid = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.ones(4, dtype=torch.bool)
+    adv = torch.tensor([0.5, -0.5, 0.5, -0.5])
+    assert lens_reads_update(config, _Lens(), rewards, valid, adv, _OtherProcessSays(False))
+    assert not lens_reads_update(config, _Lens(), rewards, valid, adv, _OtherProcessSays(True))
+    assert not lens_reads_update(config, _Lens(), rewards, valid, torch.zeros(4), _OtherProcessSays(False))
