@@ -193,7 +193,8 @@ class TrainerLens:
         (:func:`grpo_lens.gradients.gram.exact_rollout_gram`; coverage = its share of the trainable parameters).
         Otherwise G G^T of :meth:`rollout_grads` (coverage None: the sketch's share is measured by the probe)."""
         c = self.config
-        if c.gram_source == "exact" and not is_lora(policy):
+        # settings objects without the field (the TRL integration's lens_settings) keep the sketch
+        if getattr(c, "gram_source", "sketch") == "exact" and not is_lora(policy):
             gram, info = exact_rollout_gram(policy, sub, score_weights=omega, temperature=c.temperature)
             return gram, info["coverage"]
         grads = self.rollout_grads(policy, sub, omega).cpu()
