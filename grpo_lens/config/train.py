@@ -130,12 +130,14 @@ class TrainConfig(ConfigFile):
     # --- lens --------------------------------------------------------------------------------------------------------
     lens_every: int = Lens.lens_every()
     sketch_dim: int = Lens.sketch_dim()
-    lens_from_update: bool = option(True, "Take the lens's sketched per-rollout gradients from the update's own "
-                                    "first pass when the loss allows it (beta 0, no tis_cap, one mini-batch, nonzero "
+    gram_source: str = Lens.gram_source()
+    lens_from_update: bool = option(True, "With gram_source sketch, take the lens's sketched per-rollout gradients "
+                                    "from the update's own first pass when the loss allows it (beta 0, no tis_cap, "
+                                    "one mini-batch, nonzero "
                                     "advantages in the mixed groups): the same numbers without the lens's extra "
                                     "forward and backward. Off: the lens always runs its own pass.")
     lens_space: str = option("trainable", "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "
-                             "the adapter's parameters, exact; without LoRA every linear layer, sketched) or full "
+                             "the adapter's parameters, exact; without LoRA as gram_source says) or full "
                              "(every linear layer's full weight, sketched; with LoRA the frozen base weights, what "
                              "full fine-tuning would follow).", check=one_of(("trainable", "full")))
     # --- LoRA (peft) -------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class ProbeConfig(ConfigFile):
     eps: float = Advantage.eps()
     exact: bool = Lens.exact()
     sketch_dim: int = Lens.sketch_dim()
+    gram_source: str = Lens.gram_source()
     layer: str | None = option(None, "Linear layer for G1_layer and G2 (default: the middle layer's MLP down "
                                "projection).")
     g2_groups: int = option(1, "Mixed groups per R whose G2 is computed for every linear layer under every weighting "

@@ -11,14 +11,16 @@ matrix over the analysed groups).
 
 probe.json::
 
-    {"meta": {model, task, gradients: "sketch"|"exact", sketch_dim, std, eps, layer, seconds, ...},
+    {"meta": {model, task, gradients: "exact_gram"|"sketch"|"exact", gram_coverage, g3_source, sketch_dim, std, eps,
+              layer, seconds, ...},
      "per_group_size": {"<R>": {
          rollouts_per_prompt, prompts_sampled, groups_all_equal, groups_mixed, groups_invalid, s1_measured,
          s1_predicted,
          groups: [{canonical key: value} per analysed group],
          summary: {canonical key: {mean, lo, hi, n}},
          strata: {"correct": {"<k>": {key: {mean, lo, hi, n}}}, "distinct": {"<d>": {...}}},
-         g3: {rank/g3_<m>: value, rank/g3_null_<m>: value, groups},
+         g3: {rank/g3_<m>: value, rank/g3_null_<m>: value, groups},  (from the sketch unless --exact)
+         gram_coverage,
          spectra: {"G1": [[s_1, ...] per group], "G1_no_adv": [...], "G1_null": [...], "G2": [...]},
          baselines: {variance: {...}, relative_variance: {...}, prompts},
          credit: {position_profile},
@@ -36,7 +38,7 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,22 +69,24 @@ from grpo_lens.formulas.credit import (
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.sparsity import s1_predicted_outside_group
 from grpo_lens.formulas.spectrum import (
-    g1_singular_values,
     g2_rank_bound,
     gram_singular_values,
     group_row_sums,
     orthogonal_null_singular_values,
     rank_measures,
     singular_values,
+    weighted_gram_singular_values,
     weighted_row_sum,
 )
 from grpo_lens.formulas.stats import bootstrap_ci, stratify_rows, summarise_rows
 from grpo_lens.formulas.zero_sum import WEIGHTINGS, weightings
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.g2 import G2WeightingCapture
+from grpo_lens.gradients.gram import exact_rollout_gram, gram_factor
 from grpo_lens.gradients.params import linear_layer_names, param_slices
 from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.gradients.sketch import (
+    GradientCapture,
     backward_roots,
     sketch_rollout_grads,
     token_grad_sq_norms,
@@ -99,6 +103,7 @@ from grpo_lens.metrics import (
     PROBE_CREDIT,
     PROBE_G2_WEIGHTINGS,
     PROBE_G3,
+    PROBE_GRAM_COVERAGE,
     PROBE_GROUPS,
     PROBE_SKETCH_CHECK,
     PROBE_SPECTRA,
@@ -161,19 +166,51 @@ def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
                                     loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens))
 
 
-def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None):
-    """(all-parameter rows [n, P or K], exact rows of ``layer``'s weight gradient [n, d_out*d_in] or None, token
-    squared norms [n, Lp+T] or None), from one pass: in sketch mode the layer's exact rows are captured in the same
-    backward as the sketch (identity projection), so G1_layer and G2 need no pass of their own."""
+@dataclass
+class RolloutGradients:
+    """One pass's per-rollout gradient measurements of a group (or a prompt's M rollouts), n rollouts.
+
+    gram: [n, n] float64, <g_i, g_j> over the source's parameters (every Gram-based number uses it).
+    rows: [n, K] vectors whose G G^T is the Gram or an estimate of it (the sketch with the exact Gram; what G3 across
+        groups and the sketch check need), or None when not asked for.
+    layer_rows: [n, d_out*d_in] exact rows of the probed layer's weight gradient, or None.
+    token_sq: [n, Lp+T] per-position squared norms of the linear weights' gradient, or None.
+    coverage: the exact Gram's share of the trainable parameters (None for the sketch and dense modes).
+    """
+
+    gram: torch.Tensor
+    rows: torch.Tensor | None
+    layer_rows: torch.Tensor | None
+    token_sq: torch.Tensor | None
+    coverage: float | None = None
+
+
+def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None,
+                   vectors: bool = True) -> RolloutGradients:
+    """The per-rollout gradients of ``sub`` in the configured source, from one pass where possible.
+
+    ``exact`` (dense, the oracle): one backward per rollout, every parameter. ``gram_source: exact``: the exact Gram
+    of every parameter from one batched backward (:func:`grpo_lens.gradients.gram.exact_rollout_gram`), with the
+    sketch (vectors), the layer's exact rows (identity projection) and the token norms captured in the same backward.
+    ``gram_source: sketch``: the sketch, its Gram G G^T, the layer's rows in the same pass."""
     proc = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
     if config.exact:
-        grads = exact_rollout_grads(policy, sub, **proc)
+        grads = exact_rollout_grads(policy, sub, **proc).double().cpu()
         layer_rows = grads[:, param_slices(policy)[layer + ".weight"]] if layer else None
-        return grads, layer_rows, None
-    sketch = sketch_rollout_grads(policy, sub, k_in=config.sketch_dim, k_out=config.sketch_dim,
-                                     seed=config.seed, token_norms=True, exact_layers=[layer] if layer else (),
-                                     **proc)
-    return sketch.sketch, sketch.exact_layers.get(layer) if layer else None, sketch.token_sq_norms
+        return RolloutGradients(grads @ grads.T, grads, layer_rows, None)
+    if config.gram_source == "exact":
+        sketch = GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed,
+                                 token_norms=True) if vectors else None
+        exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
+        gram, info = exact_rollout_gram(policy, sub, captures=[c for c in (sketch, exact) if c is not None], **proc)
+        sk = sketch.result() if sketch is not None else None
+        return RolloutGradients(gram, sk.sketch.double().cpu() if sk else None,
+                                exact.result().per_layer[layer].cpu() if exact else None,
+                                sk.token_sq_norms if sk else None, info["coverage"])
+    sk = sketch_rollout_grads(policy, sub, k_in=config.sketch_dim, k_out=config.sketch_dim, seed=config.seed,
+                              token_norms=True, exact_layers=[layer] if layer else (), **proc)
+    g = sk.sketch.double().cpu()
+    return RolloutGradients(g @ g.T, g, sk.exact_layers.get(layer) if layer else None, sk.token_sq_norms)
 
 
 def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, config: ProbeConfig, layer: str,
@@ -185,24 +222,24 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     advantage-weighted sum) and credit (``credit/*``).
     """
     R = sub.num_rollouts
-    grads, layer_rows, token_sq = _rollout_grads(policy, sub, config, layer)
+    measured = _rollout_grads(policy, sub, config, layer)
     # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
-    g, layer_rows = grads.double().cpu(), layer_rows.cpu()
+    gram, g, layer_rows, token_sq = measured.gram, measured.rows, measured.layer_rows.cpu(), measured.token_sq
     cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
-    sq = g.square().sum(-1).view(1, R) if config.estimator == "optimal" else None
+    sq = gram.diagonal().view(1, R) if config.estimator == "optimal" else None
     adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.eps,
                              grad_sq_norms=sq)[0]
-    gram = g @ g.T  # [R, R]: every per-group key is a function of it
+    # gram [R, R]: every per-group key is a function of it
     row = analyse_group(gram, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.eps,
                         completion_mask=cmask, completion_ids=cids, num_random=config.random_draws, seed=seed)
     layer_g = layer_rows.double()
     row.update(g1_rank_keys(layer_g @ layer_g.T, adv, "g1_layer"))
     extras: dict[str, Any] = {
-        "spectra": {"G1": g1_singular_values(g, adv).tolist(),
+        "spectra": {"G1": weighted_gram_singular_values(gram, adv).tolist(),
                     "G1_no_adv": gram_singular_values(gram).tolist(),
                     "G1_null": orthogonal_null_singular_values(gram, adv).tolist()},
         "g3_rows": {name: group_row_sums(g, R, w)[0] for name, w in weightings(adv, rewards).items()},
-        "grads": g, "advantages": adv,
+        "grads": g, "advantages": adv, "gram_coverage": measured.coverage,
     }
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
@@ -324,9 +361,10 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             t_check += time.perf_counter() - t2
             extra.pop("grads")
             if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
-                grads_m, _, _ = _rollout_grads(policy, batch.select(rows_j), config, None)
-                var = estimator_variances(grads_m.double().cpu(), r_all.double(), R, num_resamples=config.resamples,
-                                             seed=seed)
+                m = _rollout_grads(policy, batch.select(rows_j), config, None, vectors=False)
+                # the trace variance depends on inner products alone: rows of any factor of the Gram give it
+                grads_m = m.rows if m.rows is not None else gram_factor(m.gram)
+                var = estimator_variances(grads_m, r_all.double(), R, num_resamples=config.resamples, seed=seed)
                 baseline_var.append(var)
             t_grad += time.perf_counter() - t0
         if on_prompts is not None:
@@ -373,6 +411,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                           "relative_variance": variance_relative_to_optimal(variances) if variances else {},
                           "prompts": len(baseline_var)},
         PROBE_CREDIT: {"position_profile": profile},
+        PROBE_GRAM_COVERAGE: min(covs) if (covs := [e["gram_coverage"] for e in extras
+                                                     if e["gram_coverage"] is not None]) else None,
         PROBE_TIMING: {"generation_seconds": t_gen, "gradient_seconds": t_grad, "g2_weightings_seconds": t_g2,
                    "sketch_check_seconds": t_check, "seconds": time.perf_counter() - t_start},
     }
@@ -453,7 +493,10 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     t_studies = time.perf_counter() - t_studies
     checks = [c for d in per_r.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]]
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
-    meta = {"model": config.model, "task": config.task, "gradients": "exact" if config.exact else "sketch",
+    covs = [d[PROBE_GRAM_COVERAGE] for d in per_r.values() if d.get(PROBE_GRAM_COVERAGE) is not None]
+    gradients = "exact" if config.exact else ("exact_gram" if config.gram_source == "exact" else "sketch")
+    meta = {"model": config.model, "task": config.task, "gradients": gradients,
+            "gram_coverage": min(covs) if covs else None, "g3_source": "exact" if config.exact else "sketch",
             "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
             "sketch_check": check_summary,
             "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,

@@ -342,6 +342,8 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     per_r = probe["per_group_size"]
     meta = probe.get("meta", {})
     source = ("exact per-rollout gradients of every parameter" if meta.get("gradients") == "exact" else
+              f"the exact Gram of the per-rollout gradients (coverage {fmt(meta.get('gram_coverage'), 2)} of "
+              f"Σ||g_i||², every parameter; G3 from the sketch)" if meta.get("gradients") == "exact_gram" else
               f"sketched per-rollout gradients ({meta.get('sketch_dim')} per side per nn.Linear weight)")
     lines = [f"## Gradient probe: {label}", "",
              f"Model {meta.get('model')}, task {meta.get('task')}, {source}, std convention {meta.get('std')}, "

@@ -1,8 +1,11 @@
 """The lens inside the trainer: a cheap subset of the measurements every ``lens_every`` steps.
 
-On a lens step, before the update, one extra batched backward gives sketched per-rollout gradients g_i of every linear
-layer (LoGra-style, :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`), each the term that the configured loss
-aggregation weights in the update (:func:`grpo_lens.formulas.losses.rollout_gradient_weights`, docs/theory.md §3);
+On a lens step, before the update, one extra batched backward gives the exact Gram matrix <g_i, g_j> of the
+per-rollout gradients of every parameter (:func:`grpo_lens.gradients.gram.exact_rollout_gram`,
+docs/theory.md §Exact Gram; ``gram_source: sketch``: sketched g_i of every linear layer instead, LoGra-style,
+:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`, which can also be read off the update's first pass), each g_i
+the term that the configured loss aggregation weights in the update
+(:func:`grpo_lens.formulas.losses.rollout_gradient_weights`, docs/theory.md §3);
 with LoRA, exact gradients of the adapter's parameters or sketches of the frozen base weights (``lens_space``,
 :meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one per-group analysis path,
 :func:`grpo_lens.analysis.group.analyse_group` (the same function ``grpo-lens probe`` calls), and the lens writes the
@@ -29,10 +32,12 @@ from grpo_lens.analysis.group import analyse_group, mean_over_groups
 from grpo_lens.formulas.advantages import constant_groups
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.overlong import overlong_loss_mask
+from grpo_lens.gradients.gram import exact_rollout_gram
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
 from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.lora import is_lora
 from grpo_lens.metrics import (
+    GRAD_GRAM_COVERAGE,
     GROUP_SIZE,
     PERF_LENS_SECONDS,
     PERF_LENS_SPARSITY_SECONDS,
@@ -77,7 +82,7 @@ class TrainerLens:
     Metric keys written (named in :mod:`grpo_lens.metrics`, documented in docs/metrics.md):
     ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,
     ``sparsity/grad_*`` (and per layer type ``sparsity/<type>/...``), ``sparsity/sample_entries``,
-    ``rank/mixed_groups``, ``perf/lens_seconds``, ``perf/lens_sparsity_seconds``, and the mean over mixed groups of
+    ``rank/mixed_groups``, ``grad/gram_coverage`` (exact Gram), ``perf/lens_seconds``, ``perf/lens_sparsity_seconds``, and the mean over mixed groups of
     every key of :func:`grpo_lens.analysis.group.analyse_group` except ``group/size`` (``rank/g1_*``,
     ``grad/identity_*``, ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
@@ -142,6 +147,7 @@ class TrainerLens:
         v = valid.view(-1, R).cpu()
         mixed = self.mixed_groups(rewards, valid, R)
         rows: list[dict[str, float]] = []
+        coverage: list[float] = []
         # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
         # N and normaliser Z, summed over processes as the trainer does
         loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, c.overlong)  # the tokens it sums
@@ -154,26 +160,45 @@ class TrainerLens:
             if sketch is None:
                 omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total,
                                                  n_total)
-                grads = self.rollout_grads(policy, sub, omega).cpu()  # [n_mixed * R, K]; analysed on the CPU
+                gram, cov = self.rollout_gram(policy, sub, omega)  # [n_mixed * R, n_mixed * R] on the CPU
+                coverage += [cov] if cov is not None else []
             else:
                 grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
+                gram = grads @ grads.T
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
-                g = grads[j * R:(j + 1) * R]
                 rows.append(analyse_group(
-                    g @ g.T, r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
+                    gram[j * R:(j + 1) * R, j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
                     std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
                     completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4,
                     seed=c.seed + step * 1009 + b))
         # every process's groups: the lens describes the whole batch, not rank 0's share
-        parts = gather_objects({"rows": rows, "rewards": r, "valid": v})
+        parts = gather_objects({"rows": rows, "rewards": r, "valid": v, "coverage": coverage})
         all_rows = [row for part in parts for row in part["rows"]]
         out: dict[str, float] = {}
         out[RANK_MIXED_GROUPS] = float(len(all_rows))
+        all_coverage = [x for part in parts for x in part["coverage"]]
+        if all_coverage:
+            out[GRAD_GRAM_COVERAGE] = min(all_coverage)
         out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != GROUP_SIZE})
         self._pending = True
         out[PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out
+
+    def rollout_gram(self, policy: torch.nn.Module, sub: RolloutBatch,
+                     omega: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+        """(Gram [n, n] float64 on the CPU of ``sub``'s per-rollout gradients, its parameter coverage or None).
+
+        ``gram_source: exact`` without LoRA: the exact Gram of every parameter from one batched backward
+        (:func:`grpo_lens.gradients.gram.exact_rollout_gram`; coverage = its share of the trainable parameters).
+        Otherwise G G^T of :meth:`rollout_grads` (coverage None: the sketch's share is measured by the probe)."""
+        c = self.config
+        # settings objects without the field (the TRL integration's lens_settings) keep the sketch
+        if getattr(c, "gram_source", "sketch") == "exact" and not is_lora(policy):
+            gram, info = exact_rollout_gram(policy, sub, score_weights=omega, temperature=c.temperature)
+            return gram, info["coverage"]
+        grads = self.rollout_grads(policy, sub, omega).cpu()
+        return grads @ grads.T, None
 
     def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
         """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.

@@ -49,8 +49,8 @@ def linear_weights_only(model):
 
 @pytest.fixture(scope="module")
 def sketch_probe(tmp_path_factory):
-    """The default (sketched, sketch_dim 16) probe, loading the model by name."""
-    out = run_probe(probe_config(tmp_path_factory.mktemp("probe") / "sketch"))
+    """The sketched probe (sketch_dim 16, ``gram_source: sketch``, the earlier default), loading the model by name."""
+    out = run_probe(probe_config(tmp_path_factory.mktemp("probe") / "sketch", gram_source="sketch"))
     return out, json.loads((out / "probe.json").read_text())
 
 
@@ -253,6 +253,35 @@ def test_sketch_and_exact_probes_see_the_same_groups(sketch_probe, exact_probe):
         assert [row["group/distinct_completions"] for row in s[R]["groups"]] == \
             [row["group/distinct_completions"] for row in e[R]["groups"]]
         assert max(row["grad/identity_residual"] for row in e[R]["groups"]) <= 1e-5
+
+
+@pytest.mark.e2e
+def test_exact_gram_probe_equals_the_dense_exact_probe(tmp_path, exact_probe, tiny_model_and_tokenizer):
+    """The default probe (exact Gram from one backward) on the same linear weights as the dense exact probe: the same
+    groups, and every Gram-based per-group number equal to float32 rounding (the Gram agrees to ~1e-7 relative; a
+    missing layer or a Gram scaled by 2 moves erank and the span energies by far more than 1e-4)."""
+    import copy
+
+    _, exact, model, _, _ = exact_probe
+    out = run_probe(probe_config(tmp_path / "gram"), policy=copy.deepcopy(model),
+                    tokenizer=tiny_model_and_tokenizer[1])
+    gram = json.loads((out / "probe.json").read_text())
+    assert gram["meta"]["gradients"] == "exact_gram" and gram["meta"]["gram_coverage"] == 1.0
+    assert "coverage 1.00" in (out / "report.md").read_text()
+    keys = ("rank/g1_erank", "rank/g1_stable_rank", "rank/g1_null_erank", "rank/g1_layer_erank",
+            "grad/identity_residual")
+    for R in ("2", "4"):
+        g_rows, e_rows = gram["per_group_size"][R]["groups"], exact["per_group_size"][R]["groups"]
+        assert len(g_rows) == len(e_rows) >= 2
+        for g_row, e_row in zip(g_rows, e_rows):
+            for key in keys:
+                assert abs(g_row[key] - e_row[key]) <= 1e-4 * max(1.0, abs(e_row[key])), (R, key)
+            assert set(g_row) == set(e_row)
+            assert "zero_sum/span_energy" in e_row
+            for key in ("zero_sum/span_energy", "zero_sum/span_energy_null", "zero_sum/cos_gap"):
+                if key in e_row:  # (the cosine gap needs two rollouts on each side)
+                    assert abs(g_row[key] - e_row[key]) <= 1e-4, (R, key)  # shares and cosines: absolute
+        assert gram["per_group_size"][R]["gram_coverage"] == 1.0
 
 
 @pytest.mark.e2e

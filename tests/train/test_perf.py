@@ -166,7 +166,7 @@ def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, mo
                                 max_new_tokens=8, max_steps=2, learning_rate=1e-2, mu=2, micro_batch_size=3,
                                 lens_every=1, seed=0, device="cpu", out=str(tmp_path / name), progress=False,
                                 save_final_model=False, loss_aggregation=aggregation,
-                                lens_from_update=from_update))
+                                lens_from_update=from_update, gram_source="sketch"))  # reads the update
         return [json.loads(line) for line in (out.path / "metrics.jsonl").read_text().splitlines()]
 
     from grpo_lens.gradients.sketch import sketch_rollout_grads

@@ -119,7 +119,8 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     valid = torch.ones(8, dtype=torch.bool)
     adv = compute_advantages(rewards.view(B, R), estimator, std=std, eps=1e-4).view(-1)
     config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
-                         estimator=estimator, std=std, loss_aggregation=mode, sketch_dim=8, progress=False)
+                         estimator=estimator, std=std, loss_aggregation=mode, sketch_dim=8, progress=False,
+                         gram_source="sketch")
     out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
     assert out["rank/mixed_groups"] == 3.0
     assert out["grad/identity_residual"] < 1e-5
@@ -140,6 +141,43 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     for key in ("rank/g1_erank", "rank/g1_null_erank", "baseline/m_correct", "grad/identity_constant",
                 "rank/g1_random_erank"):
         assert out[key] == pytest.approx(want[key], rel=1e-9), key
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients(mode):
+    """The default lens (``gram_source: exact``): the mean over mixed groups of analyse_group on each group's block of
+    the dense exact Gram (one backward per rollout, every parameter), to float32 rounding; coverage 1. A lens that
+    used the sketch, dropped a parameter kind or mixed groups' blocks would be off by far more than 1e-4."""
+    from grpo_lens.formulas.advantages import compute_advantages
+    from grpo_lens.train.lens import TrainerLens
+
+    torch.manual_seed(0)
+    model = build_model()
+    batch, _, _ = build_batch(model)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # groups 0, 1, 3 mixed; group 2 all-equal
+    valid = torch.ones(8, dtype=torch.bool)
+    adv = compute_advantages(rewards.view(B, R), "grpo", std="sample", eps=1e-4).view(-1)
+    config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
+                         loss_aggregation=mode, eps=1e-4, progress=False)
+    assert config.gram_source == "exact"  # the default
+    out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
+    assert out["grad/gram_coverage"] == 1.0
+    mixed = [0, 1, 3]
+    idx = torch.tensor([b * R + i for b in mixed for i in range(R)])
+    sub = batch.select(idx)
+    omega = rollout_gradient_weights(sub.completion_mask, mode, loss_normalizer(batch.completion_mask, mode, T),
+                                     float(batch.completion_mask.any(1).sum()))
+    g = exact_rollout_grads(model, sub, score_weights=omega, temperature=TEMPERATURE).double()
+    rows = [analyse_group(gram_of(g[j * R:(j + 1) * R]), rewards[b * R:(b + 1) * R].double(),
+                          adv[b * R:(b + 1) * R].double(), estimator="grpo", std="sample", eps=1e-4,
+                          completion_mask=sub.completion_mask[j * R:(j + 1) * R],
+                          completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
+                          seed=config.seed + 3 * 1009 + b) for j, b in enumerate(mixed)]
+    want = mean_over_groups(rows)
+    for key in ("rank/g1_erank", "rank/g1_null_erank", "baseline/m_correct", "grad/identity_constant",
+                "rank/g1_random_erank", "zero_sum/span_energy"):
+        assert out[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.e2e

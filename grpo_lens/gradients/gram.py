@@ -1,0 +1,745 @@
+"""Exact per-rollout Gram matrix of every parameter from ONE batched backward (docs/theory.md §Exact Gram).
+
+Notation: N rollouts (rows of the batch, all groups together), L = Lp + T input positions, S a module's sequence
+length (L, or T + 1 for the LM head under ``logits_to_keep``), M the kept (attention-mask) positions of a module summed
+over rollouts, d_in / d_out a linear layer's sizes, V the vocabulary, U the batch's distinct input tokens.
+
+    s_i = omega_i sum_t log pi(o_{i,t} | q_i, o_{i,<t})          (:func:`grpo_lens.gradients.scores.rollout_scores`)
+    g_i = grad_theta s_i,      Gram[i, j] = <g_i, g_j>  over every trainable parameter,
+
+without forming any g_i. Rows never interact in a decoder-only transformer, so one backward of sum_i s_i (taken with
+respect to the input-embedding outputs: every module's output gradient delta, no weight gradient) gives at each
+module and position t of row i a delta_{i,t} that belongs to rollout i alone. Hooks turn each module's (input x,
+delta) into its parameters' [N, N] contribution and drop them:
+
+- ``nn.Linear`` weight, G_i = sum_{t in i} delta_t x_t^T: <G_i, G_j> = sum_{t in i, u in j} (delta_t . delta_u)
+  (x_t . x_u), the ghost-norm identity with cross terms (Li et al. 2021, arXiv 2110.05679, §4): either as token
+  pairs (:func:`token_pair_gram`, cost ~ M^2 (d_in + d_out) / 2) or with each G_i formed transiently
+  (:func:`rollout_layer_gram`, cost ~ (M + N^2) d_in d_out); per layer the cheaper one (:func:`choose_form`,
+  book-keeping's hybrid rule, Bu et al. 2022, arXiv 2210.00038, §3).
+- ``nn.Linear`` bias: g_i = sum_{t in i} delta_t.
+- ``nn.Embedding``: g_i = sum_t e_{tok_t} delta_t^T, so <g_i, g_j> = sum_v r_{i,v} . r_{j,v} with r_{i,v} the sum of
+  rollout i's deltas at token v (:func:`embedding_row_sums`; ``padding_idx`` positions get no gradient).
+- tied LM head (``lm_head.weight is embed_tokens.weight``): the shared matrix's g_i is the sum of both uses, so its
+  Gram is LL + EE + LE + LE^T with LE[i, j] = sum_v G^lm_i[v, :] . r_{j,v} (the cross term).
+- norms (RMSNorm, LayerNorm, Nemotron's LayerNorm1P) in closed form (:func:`norm_rollout_grads`), checked once per
+  class against a vmapped vector-Jacobian product of the module alone (:func:`vjp_rollout_grads`), which also covers
+  any other leaf module with one tensor input.
+
+What is not covered is reported, not guessed (``info["uncovered"]``, ``info["coverage"]``): a parameter held by a
+non-leaf module, a weight shared other than embedding + LM head, an embedding with ``max_norm`` or
+``scale_grad_by_freq``, a leaf module called with other than one [N, ...] tensor. A module called twice in one forward,
+two forwards in one capture, and activation checkpointing raise. Padding positions have delta = 0 exactly (no loss
+term, zero attention weight as a key), so the hooks skip them. Per-parameter Grams and every sum across blocks are
+float64; products inside a block run in the model's dtype (bf16/fp16 upcast to float32).
+
+The dense oracle, one backward per rollout, is :func:`grpo_lens.gradients.exact.exact_rollout_grads`; the tests
+check equality to 1e-10 in float64 on tiny Llama (tied), Qwen2 (biases) and Nemotron models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Literal, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.func import grad as func_grad
+
+from grpo_lens.gradients.scores import rollout_scores
+from grpo_lens.rollout import RolloutBatch, batch_logprobs
+
+Form = Literal["auto", "token", "rollout"]
+FORMS = ("auto", "token", "rollout")
+
+#: Trace-share kinds of :func:`exact_rollout_gram`'s info (each parameter's kind in the Gram).
+KINDS = ("linear", "lm_head", "bias", "norm", "embedding", "tied_embedding")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure pieces: each computes one parameter kind's [N, N] Gram from a module's inputs and output gradients
+# ---------------------------------------------------------------------------------------------------------------------
+def gram_of_rows(rows: Tensor, slice_len: int = 8192) -> Tensor:
+    """rows rows^T [N, N] float64 of rows [N, K], as dot products over ``slice_len``-long slices in the rows' dtype
+    (one batched GEMM; on CPU much faster than one skinny [N, K] x [K, N] product) summed in float64."""
+    n, k = rows.shape
+    nb = k // slice_len
+    out = torch.zeros(n, n, dtype=torch.float64, device=rows.device)
+    if nb:
+        v = rows[:, :nb * slice_len].reshape(n, nb, slice_len).transpose(0, 1)  # [nb, N, slice_len]
+        out += torch.bmm(v, v.transpose(1, 2)).sum(0, dtype=torch.float64)
+    if nb * slice_len < k:
+        t = rows[:, nb * slice_len:]
+        out += (t @ t.T).to(torch.float64)
+    return out
+
+
+def choose_form(m: int, n: int, d_in: int, d_out: int, token_block: int) -> str:
+    """'token' or 'rollout', whichever costs fewer multiply-adds for one linear layer (Bu et al. 2022, §3).
+
+    token pairs: the kernels X X^T and D D^T over the tiles a <= b (nt tiles cover (nt + 1) / (2 nt) of the M^2
+    pairs) plus the float64 reduction (the + 2N + 64 per pair, set from timings on a 2-core CPU); per rollout: forming
+    the G_i (the weight gradient's own GEMM, M d_in d_out) plus the N^2 d_in d_out reduction.
+
+    Args:
+        m: kept positions M.   n: rollouts N.   d_in, d_out: the layer's sizes.   token_block: tile length.
+    """
+    nt = max(1, math.ceil(m / max(1, token_block)))
+    token = (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
+    rollout = d_in * d_out * (m + n * n)
+    return "token" if token < rollout else "rollout"
+
+
+def token_pair_gram(x: Tensor, delta: Tensor, keep: Tensor, token_block: int,
+                    cache: dict | None = None) -> Tensor:
+    """<G_i, G_j> = sum_{t in i, u in j} (x_t . x_u)(delta_t . delta_u) of a linear weight, G_i = sum_t delta_t x_t^T.
+
+    Computed over tiles of ``token_block`` kept positions (tiles a <= b, the transpose added for b > a); tiles may
+    cut through rollouts, the one-hot map from positions to rollouts sums each tile's [ta, tb] products into [N, N].
+
+    Args:
+        x: [N, S, d_in] inputs.   delta: [N, S, d_out] output gradients.   keep: [N, S] bool, kept positions.
+        token_block: tile length.   cache: {(a, b): x tile kernel} shared by layers with the same input, or None.
+
+    Returns:
+        [N, N] float64.
+    """
+    n = x.shape[0]
+    flat = keep.reshape(-1).nonzero().squeeze(1)  # [M] row-major, rollout ids ascending
+    seg = flat // keep.shape[1]  # [M] rollout of each kept position
+    xk = x.reshape(-1, x.shape[-1])[flat]  # [M, d_in]
+    dk = delta.reshape(-1, delta.shape[-1])[flat]  # [M, d_out]
+    gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+    m = flat.numel()
+    eye = torch.eye(n, dtype=torch.float64, device=x.device)
+    tiles = [(a, min(a + token_block, m)) for a in range(0, m, token_block)]
+    for ia, (a0, a1) in enumerate(tiles):
+        for ib in range(ia, len(tiles)):
+            b0, b1 = tiles[ib]
+            kx = cache.get((ia, ib)) if cache is not None else None
+            if kx is None:
+                kx = (xk[a0:a1] @ xk[b0:b1].T).to(torch.float64)  # [ta, tb] x_t . x_u
+                if cache is not None:
+                    cache[(ia, ib)] = kx
+            c = kx * (dk[a0:a1] @ dk[b0:b1].T).to(torch.float64)  # [ta, tb] token-pair products
+            part = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+            part.index_add_(0, seg[a0:a1], c @ eye[seg[b0:b1]])  # S_a^T C S_b
+            gram += part if ib == ia else part + part.T
+    return gram
+
+
+def crop_kept(x: Tensor, keep: Tensor) -> tuple[Tensor, int, int]:
+    """(x[:, c0:c1] with skipped positions zeroed, c0, c1): the columns where any row keeps a position.
+
+    x: [N, S, d]; keep: [N, S] bool. Zeroing x (not delta, which autograd still owns) makes the skipped positions'
+    products exactly 0."""
+    cols = keep.any(0).nonzero().squeeze(1)
+    if cols.numel() == 0:
+        return x[:, :0], 0, 0
+    c0, c1 = int(cols[0]), int(cols[-1]) + 1
+    k = keep[:, c0:c1]
+    xs = x[:, c0:c1] if bool(k.all()) else x[:, c0:c1] * k.unsqueeze(-1).to(x.dtype)
+    return xs, c0, c1
+
+
+def rollout_layer_gram(x: Tensor, delta: Tensor, keep: Tensor, budget_bytes: int, rollout_block: int | None = None,
+                       token_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """<G_i, G_j> of a linear weight with G_i = sum_t delta_t x_t^T formed transiently, a chunk of d_out rows (and a
+    block of ``rollout_block`` rollouts) at a time, chunks sized so [N, rows, d_in] stays within ``budget_bytes``.
+
+    Args:
+        x: [N, S, d_in].   delta: [N, S, d_out].   keep: [N, S] bool.
+        token_rows: [U] long, optional: also return those rows of every G_i (the tied LM head's rows at the batch's
+            input tokens, for the cross term with the embedding use).
+
+    Returns:
+        ([N, N] float64, [N, U, d_in] float64 rows of G_i or None).
+    """
+    n, d_in, d_out = x.shape[0], x.shape[-1], delta.shape[-1]
+    xs, c0, c1 = crop_kept(x, keep)
+    ds = delta[:, c0:c1]
+    gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+    picked = None if token_rows is None else torch.zeros(n, token_rows.numel(), d_in, dtype=torch.float64,
+                                                         device=x.device)
+    if c1 == c0:
+        return gram, picked
+    rows = max(1, min(d_out, budget_bytes // max(1, n * d_in * x.element_size())))
+    rb = n if rollout_block is None else max(1, int(rollout_block))
+    for r0 in range(0, d_out, rows):
+        r1 = min(d_out, r0 + rows)
+        f = torch.empty(n, r1 - r0, d_in, dtype=x.dtype, device=x.device)  # [N, rows, d_in]: rows r0:r1 of G_i
+        for b0 in range(0, n, rb):
+            torch.bmm(ds[b0:b0 + rb, :, r0:r1].transpose(1, 2), xs[b0:b0 + rb], out=f[b0:b0 + rb])
+        gram += gram_of_rows(f.reshape(n, -1))
+        if token_rows is not None:
+            sel = ((token_rows >= r0) & (token_rows < r1)).nonzero().squeeze(1)
+            if sel.numel():
+                picked[:, sel] = f[:, token_rows[sel] - r0].to(torch.float64)
+    return gram, picked
+
+
+def lm_rows_at_tokens(x: Tensor, delta: Tensor, keep: Tensor, tokens: Tensor, budget_bytes: int) -> Tensor:
+    """G^lm_i[v, :] = sum_t delta_t[v] x_t for the tokens v (the tied LM head's rows needed by the cross term).
+
+    x: [N, S, d_in]; delta: [N, S, V]; keep: [N, S]; tokens: [U] long. Returns [N, U, d_in] float64."""
+    n, d_in = x.shape[0], x.shape[-1]
+    xs, c0, c1 = crop_kept(x, keep)
+    out = torch.zeros(n, tokens.numel(), d_in, dtype=torch.float64, device=x.device)
+    if c1 == c0 or tokens.numel() == 0:
+        return out
+    cols = max(1, budget_bytes // max(1, n * (c1 - c0) * delta.element_size()))
+    for u0 in range(0, tokens.numel(), cols):
+        u1 = min(tokens.numel(), u0 + cols)
+        dsel = delta[:, c0:c1].index_select(-1, tokens[u0:u1])  # [N, S', u]
+        out[:, u0:u1] = torch.bmm(dsel.transpose(1, 2), xs)
+    return out
+
+
+def embedding_row_sums(delta: Tensor, seg: Tensor, uid: Tensor, n: int, u0: int, u1: int) -> Tensor:
+    """r_{i,v} = sum_{t in i, tok_t = v} delta_t for the distinct tokens u0 <= v < u1: rollout i's embedding gradient
+    rows (Gram entry sum_v r_{i,v} . r_{j,v}).
+
+    delta: [M, d] kept positions' output gradients; seg: [M] rollout; uid: [M] index of the token among the U distinct
+    ones. Returns [N, u1 - u0, d] float64."""
+    r = torch.zeros(n, u1 - u0, delta.shape[-1], dtype=torch.float64, device=delta.device)
+    sel = ((uid >= u0) & (uid < u1)).nonzero().squeeze(1)
+    r.index_put_((seg[sel], uid[sel] - u0), delta[sel].to(torch.float64), accumulate=True)
+    return r
+
+
+def norm_rollout_grads(module: nn.Module, x: Tensor, delta: Tensor, attrs: Sequence[str]) -> dict[str, Tensor] | None:
+    """Closed-form per-rollout gradients of a norm's weight and bias; None for a module of another kind.
+
+    Every supported norm is y = xhat * a(w) + b with a(w) = w (RMSNorm, LayerNorm) or w + 1 (Nemotron's LayerNorm1P,
+    Gemma's RMSNorm), so dy_c/dw_c = xhat_c and dy_c/db_c = 1: g_{i,w} = sum_t delta_t * xhat_t, g_{i,b} = sum_t
+    delta_t. xhat is recomputed as transformers computes it: RMSNorm in float32 whatever the model's dtype
+    (``x * rsqrt(mean(x^2) + eps)``), LayerNorm by ``layer_norm`` without the affine part.
+
+    Args:
+        x: [N, S, d] the norm's input.   delta: [N, S, d] its output gradient.   attrs: 'weight' and/or 'bias'.
+
+    Returns:
+        {attr: [N, d] float64} or None.
+    """
+    w = getattr(module, "weight", None)
+    if w is None or w.dim() != 1 or x.shape[-1] != w.shape[0] or set(attrs) - {"weight", "bias"}:
+        return None
+    if isinstance(module, nn.LayerNorm):
+        xhat = torch.nn.functional.layer_norm(x, module.normalized_shape, None, None, module.eps)
+    elif type(module).__name__.endswith("RMSNorm"):
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None:
+            return None
+        h = x.to(torch.float32)
+        xhat = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    else:
+        return None
+    n = x.shape[0]
+    out = {}
+    if "weight" in attrs:
+        out["weight"] = (delta * xhat).sum(dim=1, dtype=torch.float64).reshape(n, -1)
+    if "bias" in attrs:
+        out["bias"] = delta.sum(dim=1, dtype=torch.float64).reshape(n, -1)
+    return out
+
+
+def vjp_rollout_grads(module: nn.Module, x: Tensor, delta: Tensor, attrs: Sequence[str]) -> dict[str, Tensor]:
+    """{attr: [N, *shape]} per-rollout gradients of <module(x_i), delta_i> w.r.t. the module's own parameters: a
+    vmapped vector-Jacobian product (a loop of vjps where vmap cannot batch the module). x: [N, ...]; delta: like the
+    module's output."""
+    params = {a: getattr(module, a).detach() for a in attrs}
+
+    def score(p, xr, dr):
+        return (functional_call(module, p, (xr.unsqueeze(0),)) * dr.unsqueeze(0)).sum()
+
+    try:
+        return vmap(func_grad(score), in_dims=(None, 0, 0))(params, x, delta)
+    except Exception:  # a module vmap cannot batch: one vjp per rollout
+        out: dict[str, list] = {a: [] for a in attrs}
+        for i in range(x.shape[0]):
+            with torch.enable_grad():
+                p = {a: t.clone().requires_grad_(True) for a, t in params.items()}
+                gs = torch.autograd.grad(score(p, x[i], delta[i]), list(p.values()), allow_unused=True)
+            for a, g in zip(attrs, gs):
+                out[a].append(torch.zeros_like(params[a]) if g is None else g)
+        return {a: torch.stack(v) for a, v in out.items()}
+
+
+def gram_factor(gram: Tensor) -> Tensor:
+    """Rows V [N, N] float64 with V V^T = gram (eigendecomposition, negative rounding clipped): stand-in vectors for
+    a function of the rows that depends only on their inner products (e.g. a baseline's trace variance)."""
+    g = (gram.double() + gram.double().T) / 2
+    vals, vecs = torch.linalg.eigh(g)
+    return vecs * vals.clamp(min=0).sqrt()
+
+
+def _upcast(t: Tensor) -> Tensor:
+    """Half-precision activations and deltas are multiplied in float32 (bf16 products would lose the Gram)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    """Identity of a module input, so layers reading the same tensor (q/k/v, gate/up) share its kernel tiles."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Which hook covers which parameter
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Tied:
+    """A matrix used as an ``nn.Embedding`` weight and as an ``nn.Linear`` weight (the tied LM head), and its terms:
+    lm_lm, emb_emb, lm_emb [N, N] float64 (LL, EE, LE); glm_rows [N, U, d] the LM use's rows at the input tokens."""
+
+    name: str
+    emb: nn.Module
+    lin: nn.Module
+    lm_lm: Tensor | None = None
+    glm_rows: Tensor | None = None
+    emb_emb: Tensor | None = None
+    lm_emb: Tensor | None = None
+
+
+@dataclass
+class GramPlan:
+    """Which hook covers each trainable parameter of a model (:func:`plan_gram`).
+
+    kinds: {parameter name: kind in KINDS minus 'lm_head'}.   hooked: {module: {attr: kind}}.   tied: {module: _Tied}
+    (both modules of a tied matrix).   uncovered: {parameter name: reason}.   numel: {parameter name: size}.
+    """
+
+    kinds: dict[str, str]
+    hooked: dict[nn.Module, dict[str, str]]
+    tied: dict[nn.Module, _Tied]
+    uncovered: dict[str, str]
+    numel: dict[str, int]
+
+
+def _use_kind(module: nn.Module, attr: str, leaf: bool) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear" if attr == "weight" else "bias"
+    if isinstance(module, nn.Embedding):
+        ok = attr == "weight" and module.max_norm is None and not module.scale_grad_by_freq
+        return "embedding" if ok else "unsupported"
+    return "norm" if leaf else "unsupported"
+
+
+def plan_gram(model: nn.Module) -> GramPlan:
+    """Assign each trainable parameter (tied ones once, under ``named_parameters``' name) to the hook that covers it,
+    or to ``uncovered`` with the reason."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    uses: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for module in model.modules():
+        leaf = not any(True for _ in module.children())
+        for attr, p in module.named_parameters(recurse=False):
+            if p.requires_grad:
+                uses.setdefault(id(p), []).append((_use_kind(module, attr, leaf), module, attr))
+    plan = GramPlan({}, {}, {}, {}, {names[pid]: p.numel() for pid, p in
+                                     ((id(p), p) for p in model.parameters() if p.requires_grad)})
+    for pid, us in uses.items():
+        name = names[pid]
+        kinds = sorted(k for k, _, _ in us)
+        if len(us) == 1 and kinds[0] != "unsupported":
+            kind, module, attr = us[0]
+            plan.kinds[name] = kind
+            plan.hooked.setdefault(module, {})[attr] = kind
+        elif kinds == ["embedding", "linear"]:  # the tied LM head
+            emb = next(m for k, m, _ in us if k == "embedding")
+            lin = next(m for k, m, _ in us if k == "linear")
+            plan.kinds[name] = "tied_embedding"
+            plan.tied[emb] = plan.tied[lin] = _Tied(name, emb, lin)
+            plan.hooked.setdefault(emb, {})["weight"] = "tied_embedding"
+            plan.hooked.setdefault(lin, {})["weight"] = "tied_embedding"
+        elif len(us) == 1:
+            plan.uncovered[name] = "parameter of a non-leaf module" if not isinstance(us[0][1], nn.Embedding) \
+                else "embedding with max_norm or scale_grad_by_freq"
+        else:
+            plan.uncovered[name] = f"shared by {len(us)} uses {kinds}"
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The capture: hooks on one forward and its backward
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Pass:
+    """One grad-enabled forward: N rollouts, L positions, keep [N, L] (attention mask), the embeddings' token maps
+    {module: (tokens [U], uid [M], seg [M], flat [M])}, calls per module, the input-embedding outputs (backward
+    roots), and the shared-input kernel caches."""
+
+    n: int
+    length: int
+    keep: Tensor
+    emb: dict = field(default_factory=dict)
+    calls: dict = field(default_factory=dict)
+    roots: list = field(default_factory=list)
+    x_users: dict = field(default_factory=dict)
+    x_cache: dict = field(default_factory=dict)
+
+
+class GramCapture:
+    """Context manager: the exact per-rollout Gram of the one backward that runs inside it.
+
+    Inside the context exactly one grad-enabled forward of ``model`` over all N rollouts and its backward may run;
+    :meth:`result` then gives Gram[i, j] = <g_i, g_j> of the per-row gradient terms of whatever scalar was
+    differentiated (sum_i s_i gives the g_i). The backward may be a plain ``loss.backward()`` or
+    ``torch.autograd.grad(loss, capture.backward_roots())``, which skips every weight-gradient GEMM. Module input and
+    output-gradient hooks only: ``param.grad`` is never read.
+
+    Args:
+        model: a causal LM (batch-first [N, S, ...] activations, no dropout, no activation checkpointing).
+        form: "auto" (per linear layer, :func:`choose_form`), "token" or "rollout" everywhere.
+        token_block: positions per tile of the token-pair form.
+        rollout_block: rollouts whose layer gradients are formed in one batched matmul (None: all N).
+        budget_bytes: bound on one transient block (G_i chunks, cached kernels, embedding row sums).
+        check_dropped: also record the largest |delta| at the skipped (padding) positions; it must be 0.
+        keep_param_grams: keep one [N, N] Gram per parameter in the result (tests).
+
+    Raises:
+        ValueError: unknown form, or activation checkpointing on.
+    """
+
+    def __init__(self, model: nn.Module, *, form: Form = "auto", token_block: int = 1024,
+                 rollout_block: int | None = None, budget_bytes: int = 256 << 20, check_dropped: bool = False,
+                 keep_param_grams: bool = False) -> None:
+        if form not in FORMS:
+            raise ValueError(f"unknown Gram form {form!r}; valid names: {', '.join(FORMS)}")
+        if getattr(model, "is_activation_checkpointing", getattr(model, "gradient_checkpointing", False)):
+            raise ValueError("activation checkpointing re-runs forwards inside the backward; turn it off for the Gram")
+        self.model, self.form, self.token_block = model, form, max(1, int(token_block))
+        self.rollout_block, self.budget = rollout_block, int(budget_bytes)
+        self.check_dropped, self.keep_param_grams = check_dropped, keep_param_grams
+        self.plan = plan_gram(model)
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self.module_names = {m: n for n, m in reversed(list(model.named_modules()))}
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self._head = self.param_names.get(id(out.weight)) if isinstance(out, nn.Linear) else None
+        self._handles: list = []
+        self._in_hook = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.state: _Pass | None = None
+        self.param_grams: dict[str, Tensor] = {}
+        self.forms: dict[str, str] = {}
+        self.norm_closed_form: dict[str, bool] = {}
+        self.hook_seconds = 0.0
+        self.max_dropped = 0.0
+        self.late_uncovered: dict[str, str] = {}
+        for t in self.plan.tied.values():
+            t.lm_lm = t.glm_rows = t.emb_emb = t.lm_emb = None
+
+    def __enter__(self) -> "GramCapture":
+        self._reset()
+        self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True))
+        for module in self.plan.hooked:
+            self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def backward_roots(self) -> list[Tensor]:
+        """What to differentiate the loss with respect to so that every hooked module gets its delta and no weight
+        gradient is computed: the pass's input-embedding outputs (else every covered trainable parameter)."""
+        st = self.state
+        if st is not None and st.roots and all(r.requires_grad for r in st.roots):
+            return list(st.roots)
+        return [p for n, p in self.model.named_parameters() if n in self.plan.kinds]
+
+    # -- forward hooks -------------------------------------------------------------------------------------------
+    def _on_model_forward(self, module, args, kwargs) -> None:
+        if self._in_hook or not torch.is_grad_enabled():
+            return
+        if self.state is not None:
+            raise NotImplementedError("GramCapture takes one grad-enabled forward (all N rollouts) per context: the "
+                                      "cross-rollout entries need both rollouts' deltas in the same backward")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if ids is None:
+            raise ValueError("the model must be called with input_ids for the exact Gram")
+        keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        self.state = _Pass(n=ids.shape[0], length=ids.shape[1], keep=keep)
+
+    def _keep_for(self, shape: Sequence[int]) -> Tensor:
+        """[N, S] kept positions of an activation [N, S, ...] (S < L: the last S, as under ``logits_to_keep``)."""
+        st = self.state
+        assert len(shape) >= 3 and shape[0] == st.n, f"activation of shape {tuple(shape)}; expected [N={st.n}, S, d]"
+        if shape[1] > st.length:
+            raise ValueError(f"sequence length {shape[1]} > input length {st.length}")
+        return st.keep[:, st.length - shape[1]:]
+
+    def _on_forward(self, module, args, kwargs, output) -> None:
+        st = self.state
+        if self._in_hook or st is None or not torch.is_grad_enabled():
+            return
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        st.calls[module] = st.calls.get(module, 0) + 1
+        if st.calls[module] > 1:
+            raise NotImplementedError(f"module {self.module_names[module]} was called twice in one forward; the exact "
+                                      "Gram of a module used twice is not supported")
+        x = args[0] if args else kwargs.get("input")
+        if isinstance(module, nn.Embedding):
+            self._on_embedding_forward(module, x, output)
+        elif isinstance(module, nn.Linear):
+            self._on_linear_forward(module, x.detach(), output)
+        elif len(args) != 1 or kwargs or not isinstance(x, Tensor) or x.shape[0] != st.n:
+            for attr in self.plan.hooked[module]:
+                self.late_uncovered[self.param_names[id(getattr(module, attr))]] = \
+                    "module called with other than one [N, ...] tensor"
+        else:
+            x = x.detach()
+            output.register_hook(lambda g, m=module, x=x: self._timed(self._norm_backward, m, x, g))
+
+    def _on_embedding_forward(self, module: nn.Embedding, ids: Tensor, output: Tensor) -> None:
+        st = self.state
+        keep = self._keep_for(tuple(ids.shape) + (1,))
+        if module.padding_idx is not None:  # torch gives the padding row no gradient
+            keep = keep & (ids != module.padding_idx)
+        flat = keep.reshape(-1).nonzero().squeeze(1)  # [M]
+        tokens, uid = torch.unique(ids.reshape(-1)[flat], return_inverse=True)  # [U] sorted, [M]
+        st.emb[module] = (tokens, uid, flat // ids.shape[1], flat)
+        st.roots.append(output)
+        output.register_hook(lambda g, m=module: self._timed(self._embedding_backward, m, g))
+
+    def _on_linear_forward(self, module: nn.Linear, x: Tensor, output: Tensor) -> None:
+        st = self.state
+        keep = self._keep_for(x.shape)
+        form, key = None, _tensor_key(x)
+        if "weight" in self.plan.hooked[module]:
+            form = self.form if self.form != "auto" else choose_form(
+                int(keep.sum()), st.n, module.in_features, module.out_features, self.token_block)
+            self.forms[self.module_names[module]] = form
+            if form == "token":
+                st.x_users[key] = st.x_users.get(key, 0) + 1
+        output.register_hook(lambda g, m=module, x=x, k=keep, f=form, key=key: self._timed(
+            self._linear_backward, m, x, k, f, key, g))
+
+    # -- backward hooks ------------------------------------------------------------------------------------------
+    def _timed(self, fn, *args) -> None:
+        t0 = time.perf_counter()
+        self._in_hook = True
+        try:
+            with torch.no_grad():
+                fn(*args)
+        finally:
+            self._in_hook = False
+            self.hook_seconds += time.perf_counter() - t0
+
+    def _add(self, module: nn.Module, attr: str, gram: Tensor) -> None:
+        name = self.param_names[id(getattr(module, attr))]
+        self.param_grams[name] = gram if name not in self.param_grams else self.param_grams[name] + gram
+
+    def _note_dropped(self, g: Tensor, keep: Tensor) -> None:
+        if self.check_dropped and bool((~keep).any()):
+            self.max_dropped = max(self.max_dropped, float(g[~keep].abs().max()))
+
+    def _linear_backward(self, module: nn.Linear, x: Tensor, keep: Tensor, form: str | None, key: tuple,
+                         delta: Tensor) -> None:
+        attrs = self.plan.hooked[module]
+        x, delta = _upcast(x), _upcast(delta)
+        self._note_dropped(delta, keep)
+        if "bias" in attrs:  # g_i = sum_t delta_t (skipped positions have delta = 0)
+            gb = delta.sum(dim=1, dtype=torch.float64).reshape(delta.shape[0], -1)
+            self._add(module, "bias", gb @ gb.T)
+        if "weight" not in attrs:
+            return
+        tied = self.plan.tied.get(module)
+        tokens = self.state.emb[tied.emb][0] if tied is not None else None
+        if form == "token":
+            gram = token_pair_gram(x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())))
+            if tied is not None:
+                tied.glm_rows = lm_rows_at_tokens(x, delta, keep, tokens, self.budget)
+        else:
+            gram, rows = rollout_layer_gram(x, delta, keep, self.budget, self.rollout_block, tokens)
+            if tied is not None:
+                tied.glm_rows = rows
+        if tied is not None:
+            tied.lm_lm = gram
+        else:
+            self._add(module, "weight", gram)
+
+    def _kernel_cache(self, key: tuple, m: int) -> dict | None:
+        """The x-kernel tiles shared by the token-pair layers reading the same input while any is left (and they fit
+        the budget), else None."""
+        st = self.state
+        users = st.x_users.get(key, 0)
+        st.x_users[key] = users - 1
+        if users <= 1:
+            return st.x_cache.pop(key, None)
+        return st.x_cache.setdefault(key, {}) if m * m * 8 <= self.budget else None
+
+    def _embedding_backward(self, module: nn.Embedding, delta: Tensor) -> None:
+        """EE[i, j] = sum_v r_{i,v} . r_{j,v}; with a tied head also LE[i, j] = sum_v G^lm_i[v] . r_{j,v}."""
+        st = self.state
+        tokens, uid, seg, flat = st.emb[module]
+        n, d = st.n, delta.shape[-1]
+        self._note_dropped(delta, self._keep_for(delta.shape))
+        dk = _upcast(delta.reshape(-1, d)[flat])  # [M, d]
+        tied = self.plan.tied.get(module)
+        ee = torch.zeros(n, n, dtype=torch.float64, device=delta.device)
+        le = torch.zeros(n, n, dtype=torch.float64, device=delta.device)
+        chunk = max(1, self.budget // max(1, n * d * 8))
+        for u0 in range(0, tokens.numel(), chunk):
+            u1 = min(tokens.numel(), u0 + chunk)
+            r = embedding_row_sums(dk, seg, uid, n, u0, u1).reshape(n, -1)  # [N, (u1 - u0) d]
+            ee += r @ r.T
+            if tied is not None and tied.glm_rows is not None:
+                le += tied.glm_rows[:, u0:u1].reshape(n, -1) @ r.T
+        if tied is None:
+            self._add(module, "weight", ee)
+        else:
+            tied.emb_emb, tied.lm_emb = ee, le
+
+    def _norm_backward(self, module: nn.Module, x: Tensor, delta: Tensor) -> None:
+        """A leaf module's own parameters: the closed form (:func:`norm_rollout_grads`), checked on each class's first
+        call against :func:`vjp_rollout_grads` (which is used instead if they disagree, or for another kind)."""
+        attrs = list(self.plan.hooked[module])
+        cls = type(module).__name__
+        grads = norm_rollout_grads(module, x, delta, attrs) if self.norm_closed_form.get(cls, True) else None
+        if grads is not None and cls not in self.norm_closed_form:
+            ref = vjp_rollout_grads(module, x, delta, attrs)
+            tol = 1e-10 if x.dtype == torch.float64 else 1e-4
+            self.norm_closed_form[cls] = all(
+                float((grads[a] - ref[a].reshape(grads[a].shape).double()).abs().max())
+                <= tol * max(1e-30, float(ref[a].abs().max())) for a in attrs)
+            grads = grads if self.norm_closed_form[cls] else ref
+        if grads is None:
+            grads = vjp_rollout_grads(module, x, delta, attrs)
+        for a in attrs:
+            g = grads[a].reshape(x.shape[0], -1).double()
+            self._add(module, a, g @ g.T)
+
+    # -- result --------------------------------------------------------------------------------------------------
+    def _tied_grams(self, n: int) -> dict[str, float]:
+        """Each tied matrix's Gram LL + EE + LE + LE^T into ``param_grams``; returns its terms' traces."""
+        terms: dict[str, float] = {}
+        zero = torch.zeros(n, n, dtype=torch.float64)
+        for t in {id(t): t for t in self.plan.tied.values()}.values():
+            ll, ee, le = (zero if v is None else v.cpu() for v in (t.lm_lm, t.emb_emb, t.lm_emb))
+            self.param_grams[t.name] = ll + ee + le + le.T
+            terms.update({f"{t.name}/lm_use": float(ll.trace()), f"{t.name}/embedding_use": float(ee.trace()),
+                          f"{t.name}/cross": float(2 * le.trace())})
+        return terms
+
+    def result(self) -> tuple[Tensor, dict[str, Any]]:
+        """(Gram [N, N] float64 on the CPU, info); info's keys are listed in :func:`exact_rollout_gram`.
+
+        Raises:
+            RuntimeError: no grad-enabled forward ran inside the capture.
+        """
+        if self.state is None:
+            raise RuntimeError("no grad-enabled forward ran inside the GramCapture")
+        n = self.state.n
+        terms = self._tied_grams(n)
+        gram = torch.zeros(n, n, dtype=torch.float64)
+        by_kind: dict[str, float] = {}
+        uncovered = {**self.plan.uncovered, **self.late_uncovered}
+        covered = unreached = 0
+        for name, kind in self.plan.kinds.items():
+            if name in self.late_uncovered:
+                continue
+            covered += self.plan.numel[name]
+            g = self.param_grams.get(name)
+            if g is None:  # hooked, but no gradient reached it: its g_i are 0
+                unreached += 1
+                continue
+            gram += g.cpu()
+            label = "lm_head" if kind == "linear" and name == self._head else kind
+            by_kind[label] = by_kind.get(label, 0.0) + float(g.trace())
+        total = sum(self.plan.numel.values())
+        trace = float(gram.trace())
+        info: dict[str, Any] = {
+            "coverage": covered / total if total else 1.0, "covered_params": covered, "total_params": total,
+            "uncovered": uncovered, "unreached": unreached,
+            "trace_share": {k: v / trace if trace else float("nan") for k, v in sorted(by_kind.items())},
+            "tied_terms_share": {k: v / trace if trace else float("nan") for k, v in terms.items()},
+            "forms": dict(self.forms), "norm_closed_form": dict(self.norm_closed_form),
+            "hook_seconds": self.hook_seconds,
+        }
+        if self.check_dropped:
+            info["max_dropped_delta"] = self.max_dropped
+        if self.keep_param_grams:
+            info["param_grams"] = {k: v.cpu() for k, v in self.param_grams.items()}
+        return gram, info
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One call
+# ---------------------------------------------------------------------------------------------------------------------
+def exact_rollout_gram(
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    weights: Tensor | None = None,
+    score_weights: Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    captures: Sequence[ContextManager] = (),
+    form: Form = "auto",
+    token_block: int = 1024,
+    rollout_block: int | None = None,
+    budget_bytes: int = 256 << 20,
+    check_dropped: bool = False,
+    keep_param_grams: bool = False,
+) -> tuple[Tensor, dict[str, Any]]:
+    """Gram[i, j] = <w_i g_i, w_j g_j> over every trainable parameter from one batched forward + backward.
+
+    The backward is taken w.r.t. the input-embedding outputs (no weight gradient; ``.grad`` untouched). s_i follows
+    grpo-lens' log-prob and score definitions (:func:`grpo_lens.rollout.batch_logprobs`,
+    :func:`grpo_lens.gradients.scores.rollout_scores`), so the Gram is that of
+    :func:`grpo_lens.gradients.exact.exact_rollout_grads`'s rows (docs/theory.md §Exact Gram).
+
+    Args:
+        model: causal LM (eval mode: no dropout).
+        batch: N rollouts (all groups together: G1 per group is a diagonal block, G3 needs the off-diagonal ones).
+        weights: [N] row weights w_i (``A`` gives G1's Gram); None = 1.
+        score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|; docs/theory.md §3).
+        temperature: the sampling temperature. top_k, top_p: ignored (log-probs do not depend on them).
+        captures: other context managers opened around the same forward and backward (e.g. a
+            :class:`grpo_lens.gradients.sketch.GradientCapture` for vectors), so that they cost no pass of their own.
+        form, token_block, rollout_block, budget_bytes, check_dropped, keep_param_grams: see :class:`GramCapture`.
+
+    Returns:
+        (gram [N, N] float64 on the CPU, info): ``coverage`` (covered share of the trainable parameter count),
+        ``covered_params``, ``total_params``, ``uncovered`` {name: reason}, ``unreached`` (hooked parameters no
+        gradient reached: their g_i are 0), ``trace_share`` {kind: share of trace(Gram)} (kinds: :data:`KINDS`),
+        ``tied_terms_share`` (the tied matrix's LM use, embedding use and cross term), ``forms`` {linear layer:
+        token | rollout}, ``norm_closed_form`` {class: closed form agreed}, ``hook_seconds``, ``seconds`` {forward,
+        backward (hooks included)}, and ``max_dropped_delta`` / ``param_grams`` on request.
+
+    Raises:
+        RuntimeError: nothing in the model requires grad.
+    """
+    n = batch.num_rollouts
+    if weights is not None:
+        assert weights.shape == (n,), (weights.shape, n)
+    cap = GramCapture(model, form=form, token_block=token_block, rollout_block=rollout_block,
+                      budget_bytes=budget_bytes, check_dropped=check_dropped, keep_param_grams=keep_param_grams)
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cap)
+        for c in captures:
+            stack.enter_context(c)
+        loss = rollout_scores(batch_logprobs(model, batch, temperature), batch.completion_mask, score_weights).sum()
+        t1 = time.perf_counter()
+        roots = cap.backward_roots()
+        if not loss.requires_grad or not roots:
+            raise RuntimeError("the model's outputs do not require grad; no Gram to compute")
+        torch.autograd.grad(loss, roots, allow_unused=True)
+    gram, info = cap.result()
+    if weights is not None:
+        w = weights.detach().double().cpu()
+        gram = gram * w[:, None] * w[None, :]
+        if "param_grams" in info:
+            info["param_grams"] = {k: v * w[:, None] * w[None, :] for k, v in info["param_grams"].items()}
+    info["seconds"] = {"forward": t1 - t0, "backward": time.perf_counter() - t1}
+    return gram, info

@@ -1,0 +1,210 @@
+"""The exact Gram from one backward equals dense exact autograd per-rollout gradients (float64, STYLE.md §9).
+
+The oracle is :func:`grpo_lens.gradients.exact.exact_rollout_grads` (one forward + backward per rollout), then G G^T.
+The error is max |Gram - Gram_exact| / max |Gram_exact|, on the whole matrix and on every parameter's own [N, N]
+block. A wrong formula (a missing tied cross term, RMSNorm's xhat in float64 instead of float32, a dropped prompt
+position, a tile summed once instead of with its transpose) is off by 1e-8 or more; float64 rounding is ~1e-15.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, NemotronConfig, Qwen2Config
+
+from grpo_lens.gradients.exact import exact_rollout_grads
+from grpo_lens.gradients.gram import (
+    GramCapture,
+    choose_form,
+    exact_rollout_gram,
+    gram_factor,
+    gram_of_rows,
+)
+from grpo_lens.gradients.params import param_slices
+from grpo_lens.gradients.scores import rollout_scores
+from grpo_lens.rollout import RolloutBatch, batch_logprobs
+
+pytestmark = pytest.mark.e2e  # builds tiny models
+
+TOL = 1e-10
+VOCAB = 101
+TEMPERATURE = 0.7
+SCORE_WEIGHTS = torch.tensor([0.3, 1.2, 0.7, 2.0, 0.5, 0.9], dtype=torch.float64)
+ARCHS = ["llama_tied", "qwen2_bias", "nemotron", "nemotron_tied"]
+
+
+def tiny_config(arch: str):
+    """Tiny configs of the supported architectures (hidden 32, 2 layers)."""
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    if arch == "llama_tied":  # tied embeddings; pad_token_id = 0 gives the embedding a padding_idx
+        return LlamaConfig(**common, tie_word_embeddings=True, pad_token_id=0)
+    if arch == "qwen2_bias":  # q/k/v biases, untied head
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    if arch.startswith("nemotron"):  # LayerNorm1P (weight + bias), relu2 MLP, partial rotary
+        return NemotronConfig(**common, head_dim=8, tie_word_embeddings=arch.endswith("tied"))
+    raise KeyError(arch)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch)).to(torch.float64).eval()
+    with torch.no_grad():  # move every parameter off its init (norm weights 1, biases 0)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def make_batch(seed: int = 0) -> RolloutBatch:
+    """B = 2 prompts x R = 3: prompts of 5 and 9 tokens (left padded), completions of 7, 3, 1, 5, 0, 6 tokens (right
+    padded, one empty), tokens from a small range so they repeat within and across rollouts, token 0 (= padding_idx
+    of llama_tied) at real positions."""
+    g = torch.Generator().manual_seed(seed)
+    B, R, T = 2, 3, 7
+    prompt_lens, comp_lens = [5, 9], [7, 3, 1, 5, 0, 6]
+    Lp, N = max(prompt_lens), B * R
+    prompt_ids = torch.zeros(N, Lp, dtype=torch.long)
+    prompt_mask = torch.zeros(N, Lp, dtype=torch.long)
+    for b in range(B):
+        ids = torch.randint(0, 12, (prompt_lens[b],), generator=g)
+        ids[1] = 0
+        prompt_ids[b * R:(b + 1) * R, Lp - prompt_lens[b]:] = ids
+        prompt_mask[b * R:(b + 1) * R, Lp - prompt_lens[b]:] = 1
+    completion_ids = torch.zeros(N, T, dtype=torch.long)
+    for i, c in enumerate(comp_lens):
+        completion_ids[i, :c] = torch.randint(0, 15, (c,), generator=g)
+    completion_mask = torch.arange(T)[None, :] < torch.tensor(comp_lens)[:, None]
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                        completion_mask=completion_mask, sampler_logprobs=torch.zeros(N, T),
+                        truncated=torch.zeros(N, dtype=torch.bool), group_size=R)
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(arch: str, weighted: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    grads = exact_rollout_grads(tiny_model(arch), make_batch(), score_weights=SCORE_WEIGHTS if weighted else None,
+                                temperature=TEMPERATURE).double()
+    return grads @ grads.T, {n: grads[:, s] @ grads[:, s].T for n, s in param_slices(tiny_model(arch)).items()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300)
+
+
+def run(arch: str, form: str, blocked: bool, **extra):
+    kw = dict(form=form, keep_param_grams=True, check_dropped=True, score_weights=SCORE_WEIGHTS,
+              temperature=TEMPERATURE)
+    if blocked:  # tiles shorter than one rollout and across rollout boundaries; rollout blocks < N; 3 rows a chunk
+        kw.update(token_block=5, rollout_block=2, budget_bytes=6 * 64 * 8 * 3)
+    kw.update(extra)
+    return exact_rollout_gram(tiny_model(arch), make_batch(), **kw)
+
+
+@pytest.mark.parametrize("form,blocked", [("token", True), ("rollout", True), ("auto", False)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gram_equals_dense_oracle(arch, form, blocked):
+    gram, info = run(arch, form, blocked)
+    exact, per_param = oracle(arch)
+    assert rel_err(gram, exact) < TOL
+    assert set(info["param_grams"]) == set(per_param)  # every parameter, tied ones once
+    worst = max((rel_err(info["param_grams"][n], e), n) for n, e in per_param.items() if float(e.abs().max()) > 0)
+    assert worst[0] < TOL, worst
+    assert info["max_dropped_delta"] == 0.0  # padding carries no gradient, so skipping it is exact
+    if form != "auto":
+        assert set(info["forms"].values()) == {form}
+    # coverage: every parameter; the kinds' trace shares sum to 1; norms take the (self-checked) closed form
+    assert info["coverage"] == 1.0 and info["uncovered"] == {} and info["unreached"] == 0
+    assert abs(sum(info["trace_share"].values()) - 1.0) < 1e-12
+    assert ("tied_embedding" in info["trace_share"]) == arch.endswith("tied")
+    assert ("bias" in info["trace_share"]) == (arch == "qwen2_bias")
+    assert info["norm_closed_form"] and all(info["norm_closed_form"].values())
+
+
+def test_tied_cross_term_is_needed():
+    """The cross term LE + LE^T of the tied matrix is a visible share of the trace on the tiny Llama (~0.5 %):
+    a Gram without it would miss the oracle by ~1e-3, 10^7 times the tolerance."""
+    _, info = run("llama_tied", "auto", False)
+    cross = info["tied_terms_share"]["model.embed_tokens.weight/cross"]
+    assert abs(cross) > 1e-4
+
+
+def test_default_score_weights_and_row_weights():
+    """omega_i = 1/|o_i| (the default) and row weights w (G1's Gram: w = A) give diag(w) Gram diag(w)."""
+    exact, _ = oracle("llama_tied", False)
+    w = torch.tensor([1.0, -0.5, 2.0, 0.0, 0.3, -1.0], dtype=torch.float64)
+    gram, _ = exact_rollout_gram(tiny_model("llama_tied"), make_batch(), weights=w, temperature=TEMPERATURE)
+    assert rel_err(gram, exact * w[:, None] * w[None, :]) < TOL
+
+
+def test_capture_around_plain_backward():
+    """GramCapture around a plain loss.backward() gives the same Gram, and .grad is still the summed gradient."""
+    model, batch = tiny_model("qwen2_bias"), make_batch()
+    exact, _ = oracle("qwen2_bias")
+    model.zero_grad(set_to_none=True)
+    with GramCapture(model) as cap:
+        rollout_scores(batch_logprobs(model, batch, TEMPERATURE), batch.completion_mask, SCORE_WEIGHTS).sum().backward()
+    gram, _ = cap.result()
+    assert rel_err(gram, exact) < TOL
+    summed = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    rows = exact_rollout_grads(model, batch, score_weights=SCORE_WEIGHTS, temperature=TEMPERATURE)
+    assert torch.allclose(summed, rows.sum(0), rtol=1e-10, atol=1e-14)
+    model.zero_grad(set_to_none=True)
+
+
+def test_uncovered_parameter_is_reported():
+    """A parameter no hook can attribute (of a non-leaf module) is listed, the coverage says so, and the Gram is exact
+    over the covered parameters."""
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama_tied")).to(torch.float64).eval()
+    mlp = model.model.layers[0].mlp
+    mlp.extra = nn.Parameter(1 + 0.1 * torch.randn(32, dtype=torch.float64))
+    forward = mlp.forward
+    mlp.forward = lambda x: forward(x) * mlp.extra
+    batch = make_batch()
+    gram, info = exact_rollout_gram(model, batch)
+    assert info["uncovered"] == {"model.layers.0.mlp.extra": "parameter of a non-leaf module"}
+    total = sum(p.numel() for p in model.parameters())
+    assert info["covered_params"] == total - 32 and info["coverage"] == (total - 32) / total
+    grads = exact_rollout_grads(model, batch).double()
+    cols = torch.cat([torch.arange(s.start, s.stop) for n, s in param_slices(model).items()
+                      if n != "model.layers.0.mlp.extra"])
+    assert rel_err(gram, grads[:, cols] @ grads[:, cols].T) < TOL
+
+
+def test_one_forward_per_capture():
+    model, batch = tiny_model("llama_tied"), make_batch()
+    with pytest.raises(NotImplementedError, match="one grad-enabled forward"):
+        with GramCapture(model):
+            for _ in range(2):
+                model(input_ids=batch.input_ids(), attention_mask=batch.attention_mask())
+
+
+def test_bfloat16_model_agrees_to_bf16_precision():
+    """A bf16 model: activations and deltas are multiplied in float32; the Gram agrees with the bf16 oracle to bf16's
+    own precision (the oracle's rows are bf16-rounded: ~1e-2 relative)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama_tied")).to(torch.bfloat16).eval()
+    batch = make_batch()
+    gram, info = exact_rollout_gram(model, batch)
+    rows = exact_rollout_grads(model, batch).float().double()
+    assert info["coverage"] == 1.0
+    assert rel_err(gram, rows @ rows.T) < 5e-2
+
+
+def test_pure_helpers():
+    """gram_of_rows over slices equals f f^T; gram_factor's rows reproduce the Gram; the hybrid rule picks token pairs
+    for few positions and wide outputs, per-rollout gradients for many positions and a square layer."""
+    torch.manual_seed(0)
+    f = torch.randn(3, 20, dtype=torch.float64)
+    assert torch.allclose(gram_of_rows(f, slice_len=6), f @ f.T, rtol=1e-14, atol=1e-13)
+    v = gram_factor(f @ f.T)
+    assert torch.allclose(v @ v.T, f @ f.T, rtol=1e-12, atol=1e-12)
+    # M = 200, N = 8, d = 576 -> 49152 (the 135M LM head at 24 tokens), one tile:
+    # token 200^2 (576 + 49152 + 16 + 64) = 2.0e9 < rollout 576 * 49152 * (200 + 64) = 7.5e9
+    assert choose_form(200, 8, 576, 49152, 1024) == "token"
+    # M = 4416, 576 x 576 (a decoder layer at 512 tokens), 5 tiles cover 0.6 of the pairs:
+    # token 0.6 * 4416^2 * 1232 = 1.4e10 > rollout 576^2 * (4416 + 64) = 1.5e9
+    assert choose_form(4416, 8, 576, 576, 1024) == "rollout"
