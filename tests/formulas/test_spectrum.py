@@ -176,7 +176,10 @@ def test_g2_numerical_rank_within_prompt_plus_prefix_bound():
 
 
 def test_top_energy_shares_and_the_simulated_null():
-    from grpo_lens.formulas.spectrum import random_direction_grams, simulated_null_measures
+    from grpo_lens.formulas.spectrum import (
+        random_direction_grams,
+        simulated_null_measures,
+    )
 
     # singular values (4, 2, 1, 0.5): energies 16, 4, 1, 0.25 of 21.25 -> top-1 0.75294, top-2 20/21.25 = 0.94118
     m = rank_measures(torch.tensor([1.0, 4.0, 0.5, 2.0]))
