@@ -33,7 +33,13 @@ from grpo_lens.claims.base import (
     verdict_from_interval,
 )
 from grpo_lens.formulas.stats import mean_interval
-from grpo_lens.metrics import PROBE_GROUPS, RANK_G1, RANK_G1_NULL, RANK_G1_SIMNULL, RANK_G1_VS_NULL
+from grpo_lens.metrics import (
+    PROBE_GROUPS,
+    RANK_G1,
+    RANK_G1_NULL,
+    RANK_G1_SIMNULL,
+    RANK_G1_VS_NULL,
+)
 
 #: "≈ 2" for erank and stable rank: the values that round to 2 (the paper gives no tolerance; docs/theory.md §11).
 RANK_BAND = (1.5, 2.5)

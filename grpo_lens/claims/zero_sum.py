@@ -106,7 +106,8 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
         elif n < MIN_GROUPS or t["p"] is None:
             verdict, why = INCONCLUSIVE, f"{n} groups < {MIN_GROUPS}"
         elif t["p"] < TEST_LEVEL:
-            verdict, why = HOLDS, f"across-group relabelling test z = {fmt(t['z'])}, one-sided p {t['p']:.2g} < {TEST_LEVEL}"
+            verdict, why = HOLDS, (f"across-group relabelling test z = {fmt(t['z'])}, one-sided p {t['p']:.2g} "
+                                   f"< {TEST_LEVEL}")
         elif t["hi"] is not None and t["hi"] < NEGLIGIBLE_SHARE:
             verdict, why = DOES_NOT_HOLD, (f"theta interval below {NEGLIGIBLE_SHARE} (upper end {fmt(t['hi'], 3)}): "
                                            f"the labels capture a negligible share")
@@ -176,7 +177,8 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
         elif below_zero == HOLDS:
             verdict, why = HOLDS, f"difference interval below 0 (upper end {fmt(ci['hi'])})"
         elif no_difference == HOLDS:
-            verdict, why = DOES_NOT_HOLD, f"relative difference interval inside ±{EQUIVALENCE_REL}: A makes no difference"
+            verdict, why = DOES_NOT_HOLD, (f"relative difference interval inside ±{EQUIVALENCE_REL}: A makes no "
+                                           f"difference")
         elif below_zero == DOES_NOT_HOLD:
             verdict, why = DOES_NOT_HOLD, "difference interval above 0: A gives a higher rank"
         else:
