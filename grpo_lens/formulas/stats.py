@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -205,12 +204,14 @@ def spearman_trend(xs: Sequence[float], ys: Sequence[float], num_perm: int = 500
     if n <= 7:
         perms = list(itertools.permutations(ry))
         return r0, sum(abs(rho(rx, list(p))) >= abs(r0) - 1e-12 for p in perms) / len(perms)
-    rng = random.Random(seed)
-    hits = 0
-    for _ in range(num_perm):
-        p = ry[:]
-        rng.shuffle(p)
-        hits += abs(rho(rx, p)) >= abs(r0) - 1e-12
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.tensor(rx, dtype=torch.float64)
+    a = a - a.mean()
+    b = torch.tensor(ry, dtype=torch.float64)[torch.rand(num_perm, n, generator=gen).argsort(1)]  # [num_perm, n]
+    b = b - b.mean(1, keepdim=True)
+    den = (a.square().sum() * b.square().sum(1)).sqrt()
+    rhos = torch.where(den > 0, (b @ a) / den.clamp(min=1e-300), torch.zeros_like(den))
+    hits = int((rhos.abs() >= abs(r0) - 1e-12).sum())
     return r0, (1 + hits) / (1 + num_perm)
 
 
