@@ -422,13 +422,11 @@ def orthogonal_null_singular_values(gram: Tensor, advantages: Tensor) -> Tensor:
     return torch.sort(s, descending=True).values
 
 
-def random_direction_grams(r: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
-    """[num_draws, R, R] Gram matrices of R iid uniform unit vectors in R^dim (docs/theory.md §5).
-
-    A normalised Wishart(dim, I_R) drawn by Bartlett's decomposition (Bartlett 1933): W = L Lᵀ with L lower
-    triangular, L_ij ~ N(0, 1) below the diagonal and L_ii² ~ χ²(dim − i) (i = 0..R−1); the Gram of unit directions
-    is D^(-1/2) W D^(-1/2), D = diag(W). The cost does not depend on dim. χ² is a sum of squared normals for
-    dim <= 512 and the Wilson-Hilferty cube (Wilson & Hilferty, PNAS 17, 1931; relative error < 1e-4 there) above.
+def wishart(r: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
+    """[num_draws, R, R] draws of Wishart(dim, I_R) (the Gram matrix of R iid N(0, I_dim) vectors) by Bartlett's
+    decomposition (Bartlett 1933): W = L Lᵀ with L lower triangular, L_ij ~ N(0, 1) below the diagonal and
+    L_ii² ~ χ²(dim − i) (i = 0..R−1). The cost does not depend on dim. χ² is a sum of squared normals for dim <= 512
+    and the Wilson-Hilferty cube (Wilson & Hilferty, PNAS 17, 1931; relative error < 1e-4 there) above.
 
     Raises:
         ValueError: dim < R.
@@ -445,12 +443,22 @@ def random_direction_grams(r: int, dim: int, num_draws: int, generator: torch.Ge
         chi2 = df * (1 - c + z * c.sqrt()) ** 3
     low = torch.randn(num_draws, r, r, generator=generator, dtype=torch.float64).tril(-1)
     low = low + torch.diag_embed(chi2.clamp(min=0).sqrt())
-    w = low @ low.transpose(1, 2)
+    return low @ low.transpose(1, 2)
+
+
+def random_direction_grams(r: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
+    """[num_draws, R, R] Gram matrices of R iid uniform unit vectors in R^dim (docs/theory.md §5): the normalised
+    :func:`wishart`, D^(-1/2) W D^(-1/2) with D = diag(W).
+
+    Raises:
+        ValueError: dim < R.
+    """
+    w = wishart(r, dim, num_draws, generator)
     d = w.diagonal(dim1=1, dim2=2).sqrt()
     return w / (d[:, :, None] * d[:, None, :])
 
 
-def simulated_null_measures(gram: Tensor, advantages: Tensor, dim: int, *, num_draws: int = 32, seed: int = 0
+def simulated_null_measures(gram: Tensor, advantages: Tensor, dim: int, *, num_draws: int = 8, seed: int = 0
                             ) -> dict[str, float]:
     """Mean rank measures of the simulated null of G1: rows with G1's norms |A_i| ||g_i|| and iid uniform random
     directions in R^dim (docs/theory.md §5, §11). As dim grows it tends to the orthogonal null
