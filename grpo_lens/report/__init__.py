@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from grpo_lens.claims.base import evaluate_claims
+from grpo_lens.claims.base import evaluate_claims, family_wise_note
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
 from grpo_lens.metrics import (
@@ -500,12 +500,15 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
     multi = len(sources) > 1
     lines += [("| probe " if multi else "") + "| claim | scope | measurement | null / control | verdict | decided by | "
               "gradients |", ("|---" if multi else "") + "|---|---|---|---|---|---|---|"]
+    evaluated = []
     for label, probe in sources.items():
         for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None):
+            evaluated.append(c)
             cells = [c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", c.rule, c.source]
             lines.append(("| " + label + " " if multi else "") + "| " + " | ".join(x.replace("|", "\\|")
                                                                                     for x in cells) + " |")
-    return lines + [""]
+    note = family_wise_note(evaluated)
+    return lines + ([""] + [note] if note else []) + [""]
 
 
 def write_report(run_dir: Path) -> Path:

@@ -138,3 +138,15 @@ def test_claim_records_are_checked_and_listed():
     with pytest.raises(ValueError, match="valid names"):
         evaluate_claims(probe({}), ["nope"])
     assert {"erank_near_two", "zero_sum_rank_two", "identity"} <= set(CLAIMS.names())
+
+
+def test_family_wise_note_counts_the_rows_with_a_test():
+    from grpo_lens.claims.base import family_wise_note
+
+    rows = [Claim("c", "R = 4", "m", "n", HOLDS, "r", "s"), Claim("c", "R = 8", "m", "n", INCONCLUSIVE, "r", "s"),
+            Claim("c", "R = 2", "m", "n", INCONCLUSIVE, "r", "s"),  # inconclusive by construction: no test
+            Claim("the group update is ... (the rank-2 identity)", "all R", "m", "n", HOLDS, "r", "s")]
+    # 2 tested rows (1 decided): bound 2 x 0.025 = 0.05; family-wise per-branch level 0.05 / 2 = 0.025
+    note = family_wise_note(rows)
+    assert "2 rows carry a test (1 decided)" in note and "= 0.05 (Bonferroni" in note and "0.0250 per branch" in note
+    assert family_wise_note(rows[2:]) == ""
