@@ -464,6 +464,10 @@ RANK_G1_SIMNULL = _template(
     "the simulated null: G1's row norms with iid uniform random directions in R^P (mean over draws; only when "
     "the dimension P is given, e.g. by `grpo-lens calibrate`); tends to the orthogonal null as P grows (theory §5)",
     source="§5", where=LENS)
+RANK_G1_LENS_LO, RANK_G1_LENS_HI = (_template(
+    "group", f"rank/g1_{{m}}_{end}", RANK_UNITS,
+    f"lens: the {side} end of the 95% interval over the step's mixed groups of rank/g1_<m> (Hall's t, theory §7; "
+    f"absent with fewer than 8 groups)", source="§7", where=(JSONL,)) for end, side in (("lo", "lower"), ("hi", "upper")))
 RANK_G1_VS_NULL = _template(
     "group", "rank/g1_{m}_vs_null", RATIO,
     "rank/g1_<m> / rank/g1_null_<m>: below 1 = shared directions beyond the row norms", source="§5", where=LENS)

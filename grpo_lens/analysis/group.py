@@ -66,6 +66,7 @@ from grpo_lens.formulas.spectrum import (
     weighted_gram_measures,
 )
 from grpo_lens.formulas.spectrum import singular_values as svals
+from grpo_lens.formulas.stats import mean_interval
 from grpo_lens.formulas.zero_sum import zero_sum_tests
 from grpo_lens.metrics import (
     GRAD_IDENTITY_CONSTANT,
@@ -74,6 +75,9 @@ from grpo_lens.metrics import (
     GROUP_DISTINCT_COMPLETIONS,
     GROUP_REWARD_MEAN,
     GROUP_SIZE,
+    RANK_G1,
+    RANK_G1_LENS_HI,
+    RANK_G1_LENS_LO,
     RANK_G1_SIMNULL,
     RANK_G1_VS_NULL,
     RANK_G2_NUMERICAL_RANK,
@@ -175,6 +179,22 @@ def mean_over_groups(rows: Sequence[dict[str, float]], max_keys: Sequence[str] =
         vals = [float(row[k]) for row in rows if row.get(k) is not None and math.isfinite(float(row[k]))]
         if vals:
             out[k] = max(vals) if k in max_keys else sum(vals) / len(vals)
+    return out
+
+
+#: the rank measures whose interval over groups the lens logs each lens step (the rank claims' measures)
+LENS_INTERVAL_MEASURES = ("top2_share", "top1_share", "erank", "stable_rank")
+
+
+def lens_rank_intervals(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """``rank/g1_<m>_lo`` / ``_hi``: the 95% interval over the step's groups (Hall's t,
+    :func:`grpo_lens.formulas.stats.mean_interval`) of the measures of :data:`LENS_INTERVAL_MEASURES`; none with
+    fewer than 8 groups. rows: per-group dicts from :func:`analyse_group`."""
+    out = {}
+    for m in LENS_INTERVAL_MEASURES:
+        ci = mean_interval([row.get(RANK_G1.format(m=m)) for row in rows])
+        if ci["lo"] is not None:
+            out[RANK_G1_LENS_LO.format(m=m)], out[RANK_G1_LENS_HI.format(m=m)] = ci["lo"], ci["hi"]
     return out
 
 

@@ -148,3 +148,38 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
                          f"{fmt(ratio.get('mean'))} (below 1 for any non-orthogonal rows: not a test)"),
                 verdict=verdict, rule=why, source=src))
     return out
+
+
+@CLAIMS.register("rank_stays_near_two")
+def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
+    """"The effective rank stays near 2 as training goes on", on a training run's lens records (``{"records":
+    [...]}``; [] without lens rank numbers).
+
+    Rule (the top-2 reading of :func:`rank_verdict` over lens steps instead of groups): the lens step's mean top-2 and
+    top-1 energy shares are the units; holds if the interval over lens steps of the mean top-2 share lies above
+    :data:`TOP_SHARE` and that of the top-1 share below it; does not hold if the top-2 interval lies below it or the
+    top-1 interval above it; inconclusive otherwise or with fewer than :data:`MIN_GROUPS` lens steps. Consecutive
+    lens steps share a slowly changing policy, so the interval describes the spread over this run's steps, not a
+    rerun with another seed.
+    """
+    rows = [r for r in data.get("records") or [] if r.get(RANK_G1.format(m="top2_share")) is not None
+            and r.get(RANK_G1.format(m="top1_share")) is not None]
+    if not rows:
+        return []
+    top2 = mean_interval(_values(rows, RANK_G1.format(m="top2_share")), bounds=(0.0, 1.0))
+    top1 = mean_interval(_values(rows, RANK_G1.format(m="top1_share")), bounds=(0.0, 1.0))
+    erank = mean_interval(_values(rows, RANK_G1.format(m="erank")))
+    if top2["lo"] is None:
+        verdict, why = INCONCLUSIVE, f"{len(rows)} lens steps < {MIN_GROUPS}"
+    elif top2["lo"] > TOP_SHARE and top1["hi"] < TOP_SHARE:
+        verdict, why = HOLDS, f"over lens steps: top-2 share > {TOP_SHARE} > top-1 share"
+    elif top2["hi"] < TOP_SHARE or top1["lo"] > TOP_SHARE:
+        verdict, why = DOES_NOT_HOLD, f"over lens steps: not top-2 share > {TOP_SHARE} > top-1 share"
+    else:
+        verdict, why = INCONCLUSIVE, f"an interval over lens steps overlaps {TOP_SHARE}"
+    return [Claim(claim="the effective rank of G1 stays ≈ 2 over training (top-2 energy share, k90 = 2)",
+                  scope=f"training, {len(rows)} lens steps (steps {rows[0].get('step')}–{rows[-1].get('step')})",
+                  measurement=(f"top-2 share {ci_text(top2, 3, 'lens steps')}; top-1 share "
+                               f"{ci_text(top1, 3, 'lens steps')}; erank {ci_text(erank, 2, 'lens steps')}"),
+                  control=f"the band: top-2 share > {TOP_SHARE} > top-1 share",
+                  verdict=verdict, rule=why, source="lens (mean over each lens step's mixed groups)")]

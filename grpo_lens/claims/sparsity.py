@@ -47,7 +47,8 @@ MIN_LENS_STEPS = 5
 
 
 #: the claims evaluated on a training run's records
-TRAINING_CLAIMS = ("sparsity_intensifies", "zero_variance_share_rises", "most_parameters_unchanged")
+TRAINING_CLAIMS = ("sparsity_intensifies", "zero_variance_share_rises", "most_parameters_unchanged",
+                   "rank_stays_near_two")
 
 
 def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:

@@ -25,7 +25,11 @@ from typing import Any
 
 import torch
 
-from grpo_lens.analysis.group import analyse_group, mean_over_groups
+from grpo_lens.analysis.group import (
+    analyse_group,
+    lens_rank_intervals,
+    mean_over_groups,
+)
 from grpo_lens.formulas.advantages import constant_groups
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.overlong import overlong_loss_mask
@@ -171,6 +175,7 @@ class TrainerLens:
         out: dict[str, float] = {}
         out[RANK_MIXED_GROUPS] = float(len(all_rows))
         out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != GROUP_SIZE})
+        out.update(lens_rank_intervals(all_rows))
         self._pending = True
         out[PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out

@@ -150,3 +150,25 @@ def test_family_wise_note_counts_the_rows_with_a_test():
     note = family_wise_note(rows)
     assert "2 rows carry a test (1 decided)" in note and "= 0.05 (Bonferroni" in note and "0.0250 per branch" in note
     assert family_wise_note(rows[2:]) == ""
+
+
+def test_rank_over_training_claim_and_the_lens_intervals():
+    from grpo_lens.analysis.group import lens_rank_intervals
+
+    # 8 lens steps with top-2 share 0.95 +- 0.01 and top-1 0.6: both intervals clear 0.9 -> holds
+    recs = [{"step": 5 * i, "rank/g1_top2_share": 0.95 + 0.01 * (-1) ** i, "rank/g1_top1_share": 0.6,
+             "rank/g1_erank": 2.0} for i in range(8)]
+    (c,) = CLAIMS.get("rank_stays_near_two")({"records": recs})
+    assert c.verdict == HOLDS and "8 lens steps" in c.scope
+    # the top direction alone holds 0.95: effectively rank 1 -> does not hold; 7 lens steps: inconclusive
+    one = [dict(r, **{"rank/g1_top1_share": 0.95, "rank/g1_top2_share": 0.99}) for r in recs]
+    assert CLAIMS.get("rank_stays_near_two")({"records": one})[0].verdict == DOES_NOT_HOLD
+    assert CLAIMS.get("rank_stays_near_two")({"records": recs[:7]})[0].verdict == INCONCLUSIVE
+    assert CLAIMS.get("rank_stays_near_two")({"records": [{"step": 1}]}) == []
+    # lens intervals: 1..8 as erank of 8 groups -> the t interval 4.5 -+ 2.36462 sqrt(6/8) (symmetric data); none
+    # from 7 groups
+    rows = [{"rank/g1_erank": float(i), "rank/g1_top2_share": 0.9} for i in range(1, 9)]
+    ci = lens_rank_intervals(rows)
+    assert ci["rank/g1_erank_lo"] == pytest.approx(4.5 - 2.36462 * (6 / 8) ** 0.5, abs=2e-3)
+    assert ci["rank/g1_top2_share_lo"] == ci["rank/g1_top2_share_hi"] == pytest.approx(0.9)
+    assert lens_rank_intervals(rows[:7]) == {}
