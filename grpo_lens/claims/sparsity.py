@@ -137,8 +137,10 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
 
     Rule: excess = bf16-unchanged share since the start minus its dense-update control (a dense Gaussian update of the
     same per-tensor RMS), 95% binomial interval from the sample; holds when the excess interval lies above
-    :data:`BF16_MARGIN` and the share above 0.5; does not hold when the excess lies below BF16_MARGIN (rounding
-    explains the share) or the share below 0.5; inconclusive otherwise.
+    :data:`BF16_MARGIN`, the share above 0.5 and the float32-unchanged share above 0.5 (a parameter is unchanged
+    when its value is: a float32 change that bf16 rounds away is still a change); does not hold when the excess lies
+    below BF16_MARGIN (rounding explains the share), the share below 0.5 or the float32-unchanged share below 0.5;
+    inconclusive otherwise. The binomial SE treats the lens's sample as a simple random sample of weights.
     """
     rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_DENSE)
     if not rows:
@@ -163,10 +165,19 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     verdict = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
     most = verdict_from_interval(share - 1.96 * se, share + 1.96 * se, 0.5, "above")
     why = f"excess [{fmt(lo, 3)}, {fmt(hi, 3)}] vs {BF16_MARGIN}"
+    f32 = last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED)
+    f32_se = math.sqrt(max(f32 * (1 - f32), 1e-12) / n) if n and f32 is not None else math.nan
+    f32_most = (INCONCLUSIVE if f32 is None else
+                verdict_from_interval(f32 - 1.96 * f32_se, f32 + 1.96 * f32_se, 0.5, "above"))
     if most == DOES_NOT_HOLD:
         verdict, why = DOES_NOT_HOLD, f"only {fmt(share, 3)} of weights kept their bf16 value (< 0.5)"
+    elif f32_most == DOES_NOT_HOLD:
+        verdict, why = DOES_NOT_HOLD, (f"only {fmt(f32, 3)} of weights are unchanged in float32 (< 0.5): the update "
+                                       f"moved most parameters; the bf16 share counts rounding")
     elif verdict == HOLDS and most != HOLDS:
         verdict, why = INCONCLUSIVE, f"excess above {BF16_MARGIN} but the share {fmt(share, 3)} is not clearly > 0.5"
+    elif verdict == HOLDS and f32_most != HOLDS:
+        verdict, why = INCONCLUSIVE, f"bf16 excess above {BF16_MARGIN} but the float32-unchanged share is not > 0.5"
     return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
                   scope=f"training, step {last[STEP]}",
                   measurement=(f"bf16 unchanged since start {fmt(share, 3)}; excess over the dense control "

@@ -44,7 +44,7 @@ def test_spearman_trend_exact_permutation():
     assert math.isnan(spearman_trend([1, 2], [1, 2])[0])
 
 
-def _records(hoyers, bf16, dense, n=2**21, update_hoyer=0.2, s1=0.5):
+def _records(hoyers, bf16, dense, n=2**21, update_hoyer=0.2, s1=0.5, f32=0.8):
     # one lens record every 5 steps; the first lens step (step 1) is excluded from the gradient trend
     recs = []
     for i, (h, b, d) in enumerate(zip(hoyers, bf16, dense)):
@@ -52,7 +52,7 @@ def _records(hoyers, bf16, dense, n=2**21, update_hoyer=0.2, s1=0.5):
                      "perf/lens_sparsity_seconds": 0.4, "reward/frac_zero_std_groups": s1, "policy/entropy": 1.0,
                      "sparsity/update_step_hoyer": update_hoyer, "sparsity/update_step_top1_energy": 0.11,
                      "sparsity/update_total_bf16_unchanged": b, "sparsity/update_total_bf16_dense": d,
-                     "sparsity/update_total_f32_unchanged": 0.0, "sparsity/grad_zero": 0.01,
+                     "sparsity/update_total_f32_unchanged": f32, "sparsity/grad_zero": 0.01,
                      "sparsity/grad_hoyer": h, "sparsity/grad_top1_energy": 0.2, "sparsity/sample_entries": n,
                      "sparsity/mlp/update_total_hoyer": 0.2, "sparsity/mlp/update_total_bf16_unchanged": b,
                      "sparsity/mlp/update_total_bf16_dense": d})
@@ -73,6 +73,9 @@ def test_sparsity_claims_follow_the_numbers():
     assert [c.verdict for c in falling] == ["does not hold", "inconclusive", "holds"]
     # the update's Hoyer is not what is tested: rising update Hoyer with a constant gradient Hoyer is inconclusive
     assert sparsity_claims(_records([0.3] * 6, [0.9] * 6, [0.5] * 6, update_hoyer=0.5))[0].verdict == "inconclusive"
+    # bf16 share far above its dense control, but only 0.05 of the weights are unchanged in float32: does not hold
+    f32_changed = sparsity_claims(_records([0.5] * 6, [0.9] * 6, [0.5] * 6, f32=0.05))
+    assert f32_changed[2].verdict == "does not hold" and "float32" in f32_changed[2].rule
     # well above the dense control but most weights changed (0.095 unchanged): does not hold
     few = sparsity_claims(_records([0.5, 0.5, 0.4, 0.3, 0.25, 0.2], [0.095] * 6, [0.014] * 6))
     assert few[2].verdict == "does not hold"
