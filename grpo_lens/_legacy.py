@@ -83,7 +83,6 @@ MOVED_NAMES: dict[str, str] = {
     "grpo_lens.claims:IDENTITY_TOLERANCE": "grpo_lens.claims.identity:IDENTITY_TOLERANCE",
     "grpo_lens.claims:identity_claim": "grpo_lens.claims.identity:identity_claim",
     "grpo_lens.claims:NEGLIGIBLE_SHARE": "grpo_lens.claims.zero_sum:NEGLIGIBLE_SHARE",
-    "grpo_lens.claims:EQUIVALENCE_RANK": "grpo_lens.claims.zero_sum:EQUIVALENCE_RANK",
     "grpo_lens.claims:NOT_ZERO_SUM": "grpo_lens.claims.zero_sum:NOT_ZERO_SUM",
     "grpo_lens.claims:zero_sum_rank_two": "grpo_lens.claims.zero_sum:zero_sum_rank_two",
     "grpo_lens.claims:zero_sum_g2_weighting": "grpo_lens.claims.zero_sum:zero_sum_g2_weighting",

@@ -1,4 +1,4 @@
-"""The ``grpo-lens`` command: train, probe, report, demo.
+"""The ``grpo-lens`` command: train, probe, report, demo, compare, calibrate.
 
 Every command turns a known bad input (invalid config value, unusable --out, missing model or checkpoint, malformed
 dataset row) into one line on stderr that says what is wrong and how to fix it, and exit status 2; nothing written
@@ -28,6 +28,7 @@ from typing import Callable
 import yaml
 
 from grpo_lens import __version__
+from grpo_lens.claims.calibrate import CalibrationConfig, render, run_calibration
 from grpo_lens.config import (
     ConfigError,
     ConfigNameWarning,
@@ -153,6 +154,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    config = CalibrationConfig.quick() if args.quick else CalibrationConfig(trials=args.trials, seed=args.seed)
+    result = run_calibration(config, Path(args.out), mode="quick" if args.quick else "full")
+    print(render(result))
+    print(f"calibration written to {Path(args.out) / 'calibration.md'} in {result['meta']['seconds']:.0f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; flags come from the config dataclasses' fields and help."""
     parser = argparse.ArgumentParser(prog="grpo-lens", description="Train with GRPO and measure its gradient.",
@@ -188,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-different-tasks", action="store_true",
                    help="compare runs whose task, task options or dataset differ (refused otherwise)")
     p.set_defaults(fn=_cmd_compare)
+
+    p = sub.add_parser("calibrate", help="level and power of every verdict rule on planted cases (docs/calibration.md)")
+    p.add_argument("--out", required=True, help="directory for calibration.md and calibration.json")
+    p.add_argument("--quick", action="store_true", help="a few trials and families (seconds; not the calibration)")
+    p.add_argument("--trials", type=int, default=200, help="trials per planted cell (default: 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the planted cases (default: 0)")
+    p.set_defaults(fn=_cmd_calibrate)
     return parser
 
 

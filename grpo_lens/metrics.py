@@ -69,7 +69,7 @@ STUDIES = "probe.json studies"
 SCOPES = (JSONL, GROUPS, G3, G2_WEIGHTINGS, SKETCH_CHECK, PROBE, STUDIES)
 
 #: The rank measures of :data:`grpo_lens.formulas.spectrum.RANK_MEASURES` (a test checks they agree).
-RANK_MEASURE_NAMES = ("erank", "stable_rank", "participation_ratio", "k90", "k99")
+RANK_MEASURE_NAMES = ("erank", "stable_rank", "participation_ratio", "k90", "k99", "top1_share", "top2_share")
 
 #: The row weightings of :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS` (a test checks they agree).
 WEIGHTING_NAMES = ("adv", "abs", "shift", "reward", "uniform", "single")
@@ -470,6 +470,15 @@ RANK_G1_NULL = _template(
     "group", "rank/g1_null_{m}", RANK_UNITS,
     "the orthogonal null: singular values |A_i|·‖g_i‖, what G1 would have if its rows shared no direction "
     "(theory §5)", source="§5", where=LENS)
+RANK_G1_SIMNULL = _template(
+    "group", "rank/g1_simnull_{m}", RANK_UNITS,
+    "the simulated null: G1's row norms with iid uniform random directions in R^P (mean over draws; only when "
+    "the dimension P is given, e.g. by `grpo-lens calibrate`); tends to the orthogonal null as P grows (theory §5)",
+    source="§5", where=LENS)
+RANK_G1_LENS_LO, RANK_G1_LENS_HI = (_template(
+    "group", f"rank/g1_{{m}}_{end}", RANK_UNITS,
+    f"lens: the {side} end of the 95% interval over the step's mixed groups of rank/g1_<m> (Hall's t, theory §7; "
+    f"absent with fewer than 8 groups)", source="§7", where=(JSONL,)) for end, side in (("lo", "lower"), ("hi", "upper")))
 RANK_G1_VS_NULL = _template(
     "group", "rank/g1_{m}_vs_null", RATIO,
     "rank/g1_<m> / rank/g1_null_<m>: below 1 = shared directions beyond the row norms", source="§5", where=LENS)
@@ -505,17 +514,22 @@ ZERO_SUM_SPAN_ENERGY_EXCESS = _key(
     "group", "zero_sum/span_energy_excess", SHARE_DIFFERENCE,
     "span energy minus its relabelling mean; mean zero under the null when all C(R, k) relabellings are enumerated, "
     "so its mean over groups with an interval is the across-group test (theory §6)", source="§6", where=LENS)
+ZERO_SUM_SPAN_ENERGY_NULL_VAR = _key(
+    "group", "zero_sum/span_energy_null_var", "squared share",
+    "variance of the span energy over the relabellings with k fixed: the group's null variance in the across-group "
+    "relabelling test of the claims (theory §11)", source="§11", where=LENS)
 ZERO_SUM_COS_GAP = _key(
     "group", "zero_sum/cos_gap", COSINE_GAP,
     "mean within-class minus mean between-class cosine of the g_i (absent for R = 2)", source="§6", where=LENS)
-ZERO_SUM_COS_GAP_NULL, ZERO_SUM_COS_GAP_EXCESS, ZERO_SUM_COS_GAP_P = _keys(
-    "group", ("zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_p"),
-    (COSINE_GAP, COSINE_GAP, P_VALUE), "its relabelling mean, excess over it, and permutation p-value", source="§6",
+ZERO_SUM_COS_GAP_NULL, ZERO_SUM_COS_GAP_EXCESS, ZERO_SUM_COS_GAP_NULL_VAR, ZERO_SUM_COS_GAP_P = _keys(
+    "group", ("zero_sum/cos_gap_null", "zero_sum/cos_gap_excess", "zero_sum/cos_gap_null_var", "zero_sum/cos_gap_p"),
+    (COSINE_GAP, COSINE_GAP, "squared cosine gap", P_VALUE),
+    "its relabelling mean, excess over it, variance over the relabellings, and permutation p-value", source="§6",
     where=LENS)
 
 #: The statistics of the zero-sum test (:func:`grpo_lens.formulas.zero_sum.zero_sum_tests`) and the parts of each.
 ZERO_SUM_STATS = ("span_energy", "cos_gap")
-ZERO_SUM_PARTS = ("", "null", "excess", "p")
+ZERO_SUM_PARTS = ("", "null", "excess", "null_var", "p")
 
 # probe only, computed with the model
 RANK_G1_LAYER = _template(
@@ -856,7 +870,7 @@ def rank_key(matrix: str, measure: str) -> str:
 
 def zero_sum_key(stat: str, part: str = "") -> str:
     """``zero_sum/<stat>`` or ``zero_sum/<stat>_<part>`` for a statistic of :data:`ZERO_SUM_STATS` and a part of
-    :data:`ZERO_SUM_PARTS` ("" the observed value, "null", "excess", "p").
+    :data:`ZERO_SUM_PARTS` ("" the observed value, "null", "excess", "null_var", "p").
 
     Raises:
         ValueError: the key is not defined.

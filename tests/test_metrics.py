@@ -82,7 +82,7 @@ def test_templates_format_parse_and_expand():
     assert metrics.RANK_G1.parse("rank/g1_null_erank") is None  # 'null_erank' is no rank measure
     assert metrics.RANK_G2_WEIGHTED.parse("rank/g2_abs_down_proj_stable_rank") == {"w": "abs", "kind": "down_proj"}
     assert metrics.REWARD_FUNCTION.format(name="my fn") == "reward/my fn"  # a free placeholder takes any text
-    assert len(metrics.RANK_G3_WEIGHTED.expand()) == 5 * 5  # the weightings but adv, times the rank measures
+    assert len(metrics.RANK_G3_WEIGHTED.expand()) == 5 * 7  # the weightings but adv, times the rank measures
     assert "rank/g3_adv_erank" not in metrics.RANK_G3_WEIGHTED.expand()
     assert metrics.sparsity_key("grad", "hoyer", "mlp") == "sparsity/mlp/grad_hoyer"
     assert metrics.zero_sum_key("cos_gap", "p") == metrics.ZERO_SUM_COS_GAP_P

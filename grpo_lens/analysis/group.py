@@ -15,7 +15,7 @@ direction; docs/theory.md §3). Vectors g_i are never needed: a source that comp
 every key.
 
 Keys of :func:`analyse_group` (``<m>`` ranges over :data:`grpo_lens.formulas.spectrum.RANK_MEASURES`: erank,
-stable_rank, participation_ratio, k90, k99):
+stable_rank, participation_ratio, k90, k99, top1_share, top2_share):
 
 - ``group/size`` R, ``group/reward_mean``, ``group/correct`` k (0/1 rewards only), ``group/distinct_completions``
   (when completion ids are given).
@@ -24,7 +24,8 @@ stable_rank, participation_ratio, k90, k99):
   (rows w_i g_i, w random zero-sum with ||w|| = ||A||, mean over draws), ``rank/g1_nll_<m>`` (rows of the supervised
   token-mean NLL gradient; with a completion mask), ``rank/g1_null_<m>`` (the orthogonal null: singular values
   |A_i| ||g_i||, what G1 would have if its rows were orthogonal) and ``rank/g1_<m>_vs_null`` = rank/g1_<m> /
-  rank/g1_null_<m>.
+  rank/g1_null_<m>; with ``null_dim`` = P also ``rank/g1_simnull_<m>``, the simulated null (G1's row norms, random
+  directions in R^P).
 - ``grad/identity_residual``: relative residual of sum_i A_i g_i = c (gbar_C - gbar_W) with the estimator's own c
   (:func:`grpo_lens.formulas.identity.identity_residual`, c from :func:`grpo_lens.formulas.identity.identity_constant`);
   absent when the identity does not apply (non-binary rewards, an estimator without the decomposition, advantages
@@ -61,9 +62,11 @@ from grpo_lens.formulas.spectrum import (
     gram_singular_values,
     numerical_rank,
     rank_measures,
+    simulated_null_measures,
     weighted_gram_measures,
 )
 from grpo_lens.formulas.spectrum import singular_values as svals
+from grpo_lens.formulas.stats import mean_interval
 from grpo_lens.formulas.zero_sum import zero_sum_tests
 from grpo_lens.metrics import (
     GRAD_IDENTITY_CONSTANT,
@@ -72,6 +75,10 @@ from grpo_lens.metrics import (
     GROUP_DISTINCT_COMPLETIONS,
     GROUP_REWARD_MEAN,
     GROUP_SIZE,
+    RANK_G1,
+    RANK_G1_LENS_HI,
+    RANK_G1_LENS_LO,
+    RANK_G1_SIMNULL,
     RANK_G1_VS_NULL,
     RANK_G2_NUMERICAL_RANK,
     RANK_G2_RANK_BOUND,
@@ -96,6 +103,7 @@ def analyse_group(
     completion_ids: Tensor | None = None,
     num_random: int = 8,
     max_permutations: int = 256,
+    null_dim: int | None = None,
     seed: int = 0,
 ) -> dict[str, float]:
     """Every per-group measurement of GRPO's gradient structure, as canonical metric keys (module docstring).
@@ -109,6 +117,9 @@ def analyse_group(
         completion_ids: [R, T] long, optional (distinct completions).
         num_random: draws of random zero-sum weights for ``rank/g1_random_*``.
         max_permutations: relabellings of the permutation test (exhaustive up to this many).
+        null_dim: P, the dimension the g_i live in; with it, ``rank/g1_simnull_<m>`` (the simulated null of
+            :func:`grpo_lens.formulas.spectrum.simulated_null_measures`); without it the claims use the orthogonal
+            null, its limit as P grows.
         seed: seed of the random draws.
 
     Returns:
@@ -133,6 +144,9 @@ def analyse_group(
         for m, v in measures.items():
             out[rank_key(name, m)] = v
     g1, null = controls["g1"], controls["g1_null"]
+    if null_dim is not None:
+        for m, v in simulated_null_measures(gram, a, null_dim, seed=seed).items():
+            out[RANK_G1_SIMNULL.format(m=m)] = v
     for m in RANK_MEASURES.names():
         if null[m] > 0:
             out[RANK_G1_VS_NULL.format(m=m)] = g1[m] / null[m]
@@ -165,6 +179,22 @@ def mean_over_groups(rows: Sequence[dict[str, float]], max_keys: Sequence[str] =
         vals = [float(row[k]) for row in rows if row.get(k) is not None and math.isfinite(float(row[k]))]
         if vals:
             out[k] = max(vals) if k in max_keys else sum(vals) / len(vals)
+    return out
+
+
+#: the rank measures whose interval over groups the lens logs each lens step (the rank claims' measures)
+LENS_INTERVAL_MEASURES = ("top2_share", "top1_share", "erank", "stable_rank")
+
+
+def lens_rank_intervals(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """``rank/g1_<m>_lo`` / ``_hi``: the 95% interval over the step's groups (Hall's t,
+    :func:`grpo_lens.formulas.stats.mean_interval`) of the measures of :data:`LENS_INTERVAL_MEASURES`; none with
+    fewer than 8 groups. rows: per-group dicts from :func:`analyse_group`."""
+    out = {}
+    for m in LENS_INTERVAL_MEASURES:
+        ci = mean_interval([row.get(RANK_G1.format(m=m)) for row in rows])
+        if ci["lo"] is not None:
+            out[RANK_G1_LENS_LO.format(m=m)], out[RANK_G1_LENS_HI.format(m=m)] = ci["lo"], ci["hi"]
     return out
 
 

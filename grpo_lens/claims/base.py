@@ -152,6 +152,34 @@ def verdict_from_interval(lo: float | None, hi: float | None, control: float, ho
     return HOLDS if below else (DOES_NOT_HOLD if above else INCONCLUSIVE)
 
 
+#: the wrong-verdict probability each rule allows per branch (one-sided 2.5%: the end of a 95% interval, or a test at
+#: 0.025 / two-sided 0.05); measured per rule by `grpo-lens calibrate` (docs/calibration.md)
+BRANCH_LEVEL = 0.025
+
+
+def tested(claim: Claim) -> bool:
+    """Whether a row carries a statistical test: not the identity (an algebraic check with no sampling error) and not
+    a scope where the verdict is inconclusive by construction (R = 2 rank and zero-sum rows)."""
+    return "(the rank-2 identity)" not in claim.claim and not (claim.scope == "R = 2"
+                                                                      and claim.verdict == INCONCLUSIVE)
+
+
+def family_wise_note(claims: list[Claim], alpha: float = 0.05) -> str:
+    """The family-wise statement under a claims table (docs/theory.md §11, multiplicity): with m rows that carry a
+    test, each wrong at most :data:`BRANCH_LEVEL` (only one of a row's two nulls can be true), the chance of at least
+    one wrong verdict in the table is at most m × BRANCH_LEVEL by the union bound, whatever the dependence between
+    rows (Bonferroni); a verdict meant to hold family-wise at ``alpha`` needs each branch at alpha / m."""
+    m = sum(tested(c) for c in claims)
+    decided = sum(tested(c) and c.verdict != INCONCLUSIVE for c in claims)
+    if m == 0:
+        return ""
+    return (f"Family-wise: {m} rows carry a test ({decided} decided), each wrong with probability at most "
+            f"{BRANCH_LEVEL} under its rule (levels measured in docs/calibration.md), so the chance that at least one "
+            f"verdict here is wrong is at most {m} × {BRANCH_LEVEL} = {min(m * BRANCH_LEVEL, 1.0):.2f} (Bonferroni, "
+            f"any dependence between rows). For a table wrong with probability at most {alpha}, read a verdict only "
+            f"if it also holds at {alpha}/{m} = {alpha / m:.4f} per branch.")
+
+
 def evaluate_claims(probe: dict[str, Any], names: list[str] | None = None) -> list[Claim]:
     """Every registered claim (or the named ones) evaluated on one probe.json dict, in name order.
 

@@ -1,8 +1,9 @@
 """The claims on sparsity over training (docs/theory.md §12, on the measures of §Sparsity over training).
 
-:func:`sparsity_intensifies`: Spearman's trend of the update's Hoyer sparsity over the lens steps, with its
-permutation p-value. :func:`most_parameters_unchanged`: the bf16-unchanged share since the start (S4) above its dense
-control by :data:`BF16_MARGIN`, and above 0.5. Both read a training run's records, passed as
+:func:`sparsity_intensifies`: Spearman's trend of the policy gradient's Hoyer sparsity over the lens steps (first
+excluded), with its permutation p-value; :func:`zero_variance_share_rises`: the same trend test of S1 over every
+step. :func:`most_parameters_unchanged`: the bf16-unchanged share since the start (S4) above its dense control by
+:data:`BF16_MARGIN`, and above 0.5. All read a training run's records, passed as
 ``{"records": [metrics.jsonl records], "lora_rank": r}`` (the report evaluates :data:`TRAINING_CLAIMS` on that), and
 return [] when their inputs are absent.
 """
@@ -18,12 +19,15 @@ from grpo_lens.claims.base import (
     HOLDS,
     INCONCLUSIVE,
     Claim,
+    ci_text,
     fmt,
     verdict_from_interval,
 )
-from grpo_lens.formulas.stats import spearman_trend
+from grpo_lens.formulas.stats import mean_interval, spearman_trend
 from grpo_lens.metrics import (
     PERF_LENS_SECONDS,
+    RANK_MIXED_GROUPS,
+    REWARD_FRAC_ZERO_STD_GROUPS,
     SPARSITY_GRAD_HOYER,
     SPARSITY_SAMPLE_ENTRIES,
     SPARSITY_UPDATE_STEP_HOYER,
@@ -37,49 +41,89 @@ from grpo_lens.metrics import (
 BF16_MARGIN = 0.05
 
 
-#: fewest lens steps a trend is tested on (with 3, no order reaches p < 0.05 two-sided: p >= 2/6)
-MIN_LENS_STEPS = 4
+#: fewest lens steps a trend is tested on: with n points the smallest two-sided exact p is 2/n!, which is 0.083 at
+#: n = 4 and 0.017 at n = 5 (the 0.1 value 4 could never decide)
+MIN_LENS_STEPS = 5
 
 
 #: the claims evaluated on a training run's records
-TRAINING_CLAIMS = ("sparsity_intensifies", "most_parameters_unchanged")
+TRAINING_CLAIMS = ("sparsity_intensifies", "zero_variance_share_rises", "most_parameters_unchanged",
+                   "rank_stays_near_two")
 
 
 def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get(PERF_LENS_SECONDS) is not None and r.get(key) is not None]
 
 
+def trend_verdict(xs: list[float], ys: list[float], min_points: int) -> tuple[str, str, float]:
+    """(verdict, reason, rho) of a monotone trend of ys over xs: Spearman's rho with its two-sided permutation p
+    (:func:`grpo_lens.formulas.stats.spearman_trend`); holds (rises) when rho > 0 and p < 0.05, does not hold when
+    rho < 0 and p < 0.05 (each side at 2.5%), inconclusive otherwise or with fewer than ``min_points`` points."""
+    rho, p = spearman_trend(xs, ys)
+    if len(xs) < min_points or not math.isfinite(p):
+        return INCONCLUSIVE, f"{len(xs)} points < {min_points}: no order reaches p < 0.05", rho
+    if p < 0.05:
+        return (HOLDS if rho > 0 else DOES_NOT_HOLD), f"rho {fmt(rho, 2)}, permutation p {fmt(p, 3)} < 0.05", rho
+    return INCONCLUSIVE, f"permutation p {fmt(p, 3)} >= 0.05", rho
+
+
 @CLAIMS.register("sparsity_intensifies")
 def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
-    """"Gradient sparsity intensifies over training": the Hoyer sparsity of each lens step's update against the step.
+    """"Gradient sparsity intensifies over training": the Hoyer sparsity of each lens step's policy gradient against
+    the step.
 
-    Rule: Spearman's rho between step and Hoyer over the lens steps, two-sided permutation p-value; holds when
-    rho > 0 and p < 0.05, does not hold when rho < 0 and p < 0.05, inconclusive otherwise or with fewer than
-    :data:`MIN_LENS_STEPS` lens steps.
+    Rule (:func:`trend_verdict`): Spearman's trend of the gradient's Hoyer over the lens steps, excluding the first
+    lens step and the steps without a mixed group (their gradient carries no policy-gradient term); needs
+    :data:`MIN_LENS_STEPS` steps. The AdamW update's Hoyer is shown but not tested: Adam's first steps are sign-like
+    (Hoyer near 0) and its Hoyer rises with stationary gradients (issue 18: holds 10 of 10 with no change in
+    sparsity), so its trend says nothing about the gradient.
     """
-    rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_STEP_HOYER)
+    rows = _lens_rows(data.get("records") or [], SPARSITY_GRAD_HOYER)
+    if not rows:
+        return []
+    tested = [r for r in rows[1:] if r.get(RANK_MIXED_GROUPS) is None or float(r[RANK_MIXED_GROUPS]) > 0]
+    xs = [float(r[STEP]) for r in tested]
+    ys = [float(r[SPARSITY_GRAD_HOYER]) for r in tested]
+    verdict, why, rho = trend_verdict(xs, ys, MIN_LENS_STEPS)
+    upd = [r.get(SPARSITY_UPDATE_STEP_HOYER) for r in rows]
+    grad = [float(r[SPARSITY_GRAD_HOYER]) for r in rows]
+    space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
+    return [Claim(claim="gradient sparsity intensifies over training",
+                  scope=f"training, {len(tested)} lens steps (first lens step excluded){space}",
+                  measurement=(f"Hoyer of the policy gradient {fmt(grad[0], 3)} (step {rows[0][STEP]}) -> "
+                               f"{fmt(grad[-1], 3)} (step {rows[-1][STEP]}), Spearman rho {fmt(rho, 2)} on the "
+                               f"tested steps; AdamW update Hoyer {fmt(upd[0], 3)} -> {fmt(upd[-1], 3)} (not tested)"),
+                  control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20",
+                  verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]
+
+
+#: fewest steps the S1 trend is tested on
+MIN_S1_STEPS = 8
+
+
+@CLAIMS.register("zero_variance_share_rises")
+def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
+    """"Sparsity intensifies" read as S1: the share of groups without reward contrast (all rewards equal, no policy
+    gradient) rises over training.
+
+    Rule (:func:`trend_verdict`): Spearman's trend of S1 (``reward/frac_zero_std_groups``) over every logged step,
+    needs :data:`MIN_S1_STEPS` steps; the measurement gives the mean S1 of the first and the last third of the steps,
+    each with its interval over steps (:func:`grpo_lens.formulas.stats.mean_interval`).
+    """
+    rows = [r for r in data.get("records") or [] if r.get(REWARD_FRAC_ZERO_STD_GROUPS) is not None
+            and r.get(STEP) is not None]
     if not rows:
         return []
     xs = [float(r[STEP]) for r in rows]
-    ys = [float(r[SPARSITY_UPDATE_STEP_HOYER]) for r in rows]
-    rho, p = spearman_trend(xs, ys)
-    if len(rows) < MIN_LENS_STEPS or not math.isfinite(p):
-        verdict, why = INCONCLUSIVE, f"{len(rows)} lens steps < {MIN_LENS_STEPS}: no order reaches p < 0.05"
-    elif p < 0.05:
-        verdict = HOLDS if rho > 0 else DOES_NOT_HOLD
-        why = f"rho {fmt(rho, 2)}, permutation p {fmt(p, 3)} < 0.05"
-    else:
-        verdict, why = INCONCLUSIVE, f"permutation p {fmt(p, 3)} >= 0.05"
-    grad = [r.get(SPARSITY_GRAD_HOYER) for r in rows]
-    space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
-    return [Claim(claim="gradient (update) sparsity intensifies over training",
-                  scope=f"training, {len(rows)} lens steps{space}",
-                  measurement=(f"Hoyer of the step's update {fmt(ys[0], 3)} (step {rows[0][STEP]}) -> "
-                               f"{fmt(ys[-1], 3)} "
-                               f"(step {rows[-1][STEP]}), Spearman rho {fmt(rho, 2)}; gradient Hoyer "
-                               f"{fmt(grad[0], 3)} -> {fmt(grad[-1], 3)}"),
-                  control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20",
-                  verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]
+    ys = [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows]
+    verdict, why, rho = trend_verdict(xs, ys, MIN_S1_STEPS)
+    third = max(len(ys) // 3, 1)
+    first, last = (mean_interval(v, bounds=(0.0, 1.0)) for v in (ys[:third], ys[-third:]))
+    return [Claim(claim="the share of groups without reward contrast (S1) rises over training",
+                  scope=f"training, {len(rows)} steps",
+                  measurement=(f"S1 first third {ci_text(first, 2, 'steps')}, last third {ci_text(last, 2, 'steps')}"
+                               f"; Spearman rho {fmt(rho, 2)}"),
+                  control="no trend (rho = 0)", verdict=verdict, rule=why, source="every step's rewards")]
 
 
 def _sample_size(rows: list[dict[str, Any]]) -> str:
@@ -93,8 +137,10 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
 
     Rule: excess = bf16-unchanged share since the start minus its dense-update control (a dense Gaussian update of the
     same per-tensor RMS), 95% binomial interval from the sample; holds when the excess interval lies above
-    :data:`BF16_MARGIN` and the share above 0.5; does not hold when the excess lies below BF16_MARGIN (rounding
-    explains the share) or the share below 0.5; inconclusive otherwise.
+    :data:`BF16_MARGIN`, the share above 0.5 and the float32-unchanged share above 0.5 (a parameter is unchanged
+    when its value is: a float32 change that bf16 rounds away is still a change); does not hold when the excess lies
+    below BF16_MARGIN (rounding explains the share), the share below 0.5 or the float32-unchanged share below 0.5;
+    inconclusive otherwise. The binomial SE treats the lens's sample as a simple random sample of weights.
     """
     rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_DENSE)
     if not rows:
@@ -119,10 +165,19 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     verdict = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
     most = verdict_from_interval(share - 1.96 * se, share + 1.96 * se, 0.5, "above")
     why = f"excess [{fmt(lo, 3)}, {fmt(hi, 3)}] vs {BF16_MARGIN}"
+    f32 = last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED)
+    f32_se = math.sqrt(max(f32 * (1 - f32), 1e-12) / n) if n and f32 is not None else math.nan
+    f32_most = (INCONCLUSIVE if f32 is None else
+                verdict_from_interval(f32 - 1.96 * f32_se, f32 + 1.96 * f32_se, 0.5, "above"))
     if most == DOES_NOT_HOLD:
         verdict, why = DOES_NOT_HOLD, f"only {fmt(share, 3)} of weights kept their bf16 value (< 0.5)"
+    elif f32_most == DOES_NOT_HOLD:
+        verdict, why = DOES_NOT_HOLD, (f"only {fmt(f32, 3)} of weights are unchanged in float32 (< 0.5): the update "
+                                       f"moved most parameters; the bf16 share counts rounding")
     elif verdict == HOLDS and most != HOLDS:
         verdict, why = INCONCLUSIVE, f"excess above {BF16_MARGIN} but the share {fmt(share, 3)} is not clearly > 0.5"
+    elif verdict == HOLDS and f32_most != HOLDS:
+        verdict, why = INCONCLUSIVE, f"bf16 excess above {BF16_MARGIN} but the float32-unchanged share is not > 0.5"
     return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
                   scope=f"training, step {last[STEP]}",
                   measurement=(f"bf16 unchanged since start {fmt(share, 3)}; excess over the dense control "

@@ -9,7 +9,8 @@ Matrices (N = B*R rollouts, R group size, B prompts, P parameters or K sketch di
   (:func:`grpo_lens.gradients.exact.layer_weight_grads`; bound on its rank: :func:`g2_rank_bound`).
 - G3 per-group matrix, rows = each group's policy gradient sum_i A_i g_i: [B, P] (:func:`group_row_sums`).
 
-Rank measures (:data:`RANK_MEASURES`): erank, stable rank, participation ratio, k90, k99; plus :func:`numerical_rank`.
+Rank measures (:data:`RANK_MEASURES`): erank, stable rank, participation ratio, k90, k99, top-1 and top-2 energy
+shares; plus :func:`numerical_rank`.
 
 Controls of G1 on the same tokens (:func:`g1_controls`, the one body :func:`grpo_lens.analysis.group.analyse_group`
 reports as ``rank/g1_*``): rows g_i without advantages; rows w_i g_i with random zero-sum weights w of the same norm
@@ -106,12 +107,30 @@ def k99(s: Tensor) -> float:
     return float(energy_rank(s, 0.99))
 
 
+@RANK_MEASURES.register("top1_share")
+def top1_share(s: Tensor) -> float:
+    """Energy share of the top direction, s_1² / Σ s² (docs/theory.md §5). s: [m]. In [1/m, 1]; 0 for all-zero s."""
+    e = _clean(s) ** 2
+    total = e.sum()
+    return float(e[0] / total) if e.numel() and total > 0 else 0.0
+
+
+@RANK_MEASURES.register("top2_share")
+def top2_share(s: Tensor) -> float:
+    """Energy share of the top two directions, (s_1² + s_2²) / Σ s² (docs/theory.md §5; "k90 = 2" is top-2 share
+    >= 0.9 > top-1 share). s: [m]. In [min(2/m, 1), 1]; 0 for all-zero s."""
+    e = _clean(s) ** 2
+    total = e.sum()
+    return float(e[:2].sum() / total) if total > 0 else 0.0
+
+
 def rank_measures(singular_values: Tensor, names: list[str] | None = None) -> dict[str, float]:
     """All (or the named) measures of :data:`RANK_MEASURES` for one spectrum (docs/theory.md §5).
 
     Args:
         singular_values: [m] >= 0 (any order).
-        names: subset of :data:`RANK_MEASURES`; None = all of erank, stable_rank, participation_ratio, k90, k99.
+        names: subset of :data:`RANK_MEASURES`; None = all of erank, stable_rank, participation_ratio, k90, k99,
+            top1_share, top2_share.
 
     Returns:
         {name: float}; every measure is 0 for a zero matrix (no NaN).
@@ -401,6 +420,64 @@ def orthogonal_null_singular_values(gram: Tensor, advantages: Tensor) -> Tensor:
     """
     s = advantages.double().abs() * gram.diagonal().double().clamp(min=0).sqrt()
     return torch.sort(s, descending=True).values
+
+
+def wishart(r: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
+    """[num_draws, R, R] draws of Wishart(dim, I_R) (the Gram matrix of R iid N(0, I_dim) vectors) by Bartlett's
+    decomposition (Bartlett 1933): W = L Lᵀ with L lower triangular, L_ij ~ N(0, 1) below the diagonal and
+    L_ii² ~ χ²(dim − i) (i = 0..R−1). The cost does not depend on dim. χ² is a sum of squared normals for dim <= 512
+    and the Wilson-Hilferty cube (Wilson & Hilferty, PNAS 17, 1931; relative error < 1e-4 there) above.
+
+    Raises:
+        ValueError: dim < R.
+    """
+    if dim < r:
+        raise ValueError(f"dim must be >= R = {r}, got {dim}")
+    df = torch.arange(dim, dim - r, -1, dtype=torch.float64)  # [R]
+    if dim <= 512:
+        chi2 = torch.stack([torch.randn(num_draws, int(d), generator=generator, dtype=torch.float64).square().sum(1)
+                            for d in df], 1)
+    else:
+        z = torch.randn(num_draws, r, generator=generator, dtype=torch.float64)
+        c = 2 / (9 * df)
+        chi2 = df * (1 - c + z * c.sqrt()) ** 3
+    low = torch.randn(num_draws, r, r, generator=generator, dtype=torch.float64).tril(-1)
+    low = low + torch.diag_embed(chi2.clamp(min=0).sqrt())
+    return low @ low.transpose(1, 2)
+
+
+def random_direction_grams(r: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
+    """[num_draws, R, R] Gram matrices of R iid uniform unit vectors in R^dim (docs/theory.md §5): the normalised
+    :func:`wishart`, D^(-1/2) W D^(-1/2) with D = diag(W).
+
+    Raises:
+        ValueError: dim < R.
+    """
+    w = wishart(r, dim, num_draws, generator)
+    d = w.diagonal(dim1=1, dim2=2).sqrt()
+    return w / (d[:, :, None] * d[:, None, :])
+
+
+def simulated_null_measures(gram: Tensor, advantages: Tensor, dim: int, *, num_draws: int = 8, seed: int = 0
+                            ) -> dict[str, float]:
+    """Mean rank measures of the simulated null of G1: rows with G1's norms |A_i| ||g_i|| and iid uniform random
+    directions in R^dim (docs/theory.md §5, §11). As dim grows it tends to the orthogonal null
+    (:func:`orthogonal_null_singular_values`); at finite dim random rows share O(1/sqrt(dim)) of their direction, so
+    this null is what unstructured gradients in dim dimensions give.
+
+    Args:
+        gram: [R, R] Gram of the g_i.  advantages: [R].  dim: P, the dimension the g_i live in.
+        num_draws: draws averaged.  seed: their seed.
+
+    Returns:
+        {measure: float} for every :data:`RANK_MEASURES` name.
+    """
+    r = gram.shape[0]
+    n = advantages.double().abs() * gram.diagonal().double().clamp(min=0).sqrt()  # [R] row norms of G1
+    c = random_direction_grams(r, dim, num_draws, torch.Generator().manual_seed(seed))
+    energies = torch.linalg.eigvalsh(c * n[None, :, None] * n[None, None, :]).clamp(min=0)  # [draws, R]
+    draws = [rank_measures(e.sqrt()) for e in energies]
+    return {m: sum(d[m] for d in draws) / len(draws) for m in draws[0]}
 
 
 def g1_singular_values(grads: Tensor, advantages: Tensor) -> Tensor:

@@ -3,8 +3,9 @@
 A "row" is the dict of canonical keys that :func:`grpo_lens.analysis.group.analyse_group` returns for one group
 (float values; a missing key means "not measured for this group"). The probe and the lens only aggregate rows:
 
-- :func:`bootstrap_ci`: the mean with an expanded-percentile bootstrap interval (Hesterberg 2015), none below
-  :data:`MIN_INTERVAL_UNITS` units; :func:`bootstrap_mean` the same for claims (optionally clipped to bounds).
+- :func:`mean_interval`: the mean with Hall's transformed-t interval (Hall 1992), none below
+  :data:`MIN_INTERVAL_UNITS` units, optionally clipped to bounds; :func:`bootstrap_ci` and :func:`bootstrap_mean` are
+  its 0.1 names.
 - :func:`summarise_rows`, :func:`stratify_rows`: {key: interval} over rows, and per stratum (k, distinct completions).
 - :func:`spearman_trend` (permutation test of a monotone trend), :func:`wilson_interval` (a binomial share),
   :func:`student_t_quantile`.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -58,48 +58,79 @@ def has_interval(n: int) -> bool:
     return n >= MIN_INTERVAL_UNITS
 
 
-def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000,
-                 seed: int = 0) -> dict[str, float | int | None]:
-    """Mean of ``values`` with an expanded-percentile bootstrap interval over them (docs/theory.md §7).
+def mean_interval(values: Sequence[float], *, level: float = 0.95,
+                  bounds: tuple[float, float] | None = None) -> dict[str, float | int | None]:
+    """Mean of ``values`` with Hall's transformed-t interval (docs/theory.md §7): the one interval body of the product.
 
-    Resamples the n values with replacement ``num_resamples`` times and takes quantiles of the resampled means at the
-    levels a/2 and 1 - a/2 with a/2 = Phi(-sqrt(n/(n-1)) t_{n-1}(1 - (1-level)/2)) (Hesterberg, "What Teachers Should
-    Know About the Bootstrap", The American Statistician 69(4), 2015, §4.4): the plain percentile interval, widened
-    for the small-sample narrowness that makes it under-cover (0.89 at n = 24 for a nominal 0.95). The interval stays
-    inside the range of the bootstrap means (never outside what the values allow). Non-finite values and None are
-    dropped first.
+    With n values, mean x̄, s their ddof-1 SD, γ = mean((x - x̄)³) / s³ (the sample skewness), a = γ / (3√n),
+    b = γ / (6√n) and t = t_{n-1}(1 - (1 - level)/2), the interval is
+
+        [x̄ - h⁻¹(t) s/√n,  x̄ - h⁻¹(-t) s/√n],   h⁻¹(y) = ((1 + 3a(y - b))^(1/3) - 1) / a   (y - b when a = 0)
+
+    (Hall, "On the removal of skewness by transformation", JRSS B 54, 1992, eq. 2.3; recommended for skewed means by
+    Zhou & Dinh, Biostatistics 6, 2005). h(T) = T + a T² + a² T³/3 + b removes the skewness term of the Edgeworth
+    expansion of the studentized mean, so the interval widens on the side of the longer tail. Closed form: no
+    resamples, deterministic; equal to the Student t interval on symmetric data (γ = 0). Coverage at nominal 0.95,
+    measured by the issue-18 prototypes (3000-50000 trials): 0.95 on normal data at n = 8/22/34, 0.886/0.919/0.925
+    on log-normal (σ = 1) and 0.904/0.935/0.936 on 60%-zero data (every miss on the upper side), against
+    0.84/0.90/0.87 and 0.80/0.84/0.87 for the expanded-percentile bootstrap it replaces; `grpo-lens calibrate`
+    reprints the coverage with this function. Non-finite values and None are dropped first.
+
+    .. warning:: a constant sample (s = 0) gives the zero-width interval [x̄, x̄]: there is no spread to estimate.
 
     Args:
-        values: [n] per-group numbers.
-        level: coverage in (0, 1).
-        num_resamples: bootstrap draws (>= 100).
-        seed: resampling seed (results are deterministic).
+        values: [n] per-unit numbers (groups, prompts, steps).
+        level: two-sided coverage in (0, 1).
+        bounds: the range the mean cannot leave (e.g. (0, 1) for a share); the interval is clipped to it.
 
     Returns:
         {"mean", "lo", "hi", "n"}: mean None for n = 0; lo = hi = None for n < :data:`MIN_INTERVAL_UNITS`.
 
     Raises:
-        ValueError: level outside (0, 1) or num_resamples < 100.
+        ValueError: level outside (0, 1).
     """
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    if num_resamples < 100:
-        raise ValueError(f"num_resamples must be >= 100, got {num_resamples}")
     xs = _finite(values)
     n = len(xs)
     if n == 0:
         return {"mean": None, "lo": None, "hi": None, "n": 0}
-    x = torch.tensor(xs, dtype=torch.float64)
-    mean = float(x.mean())
+    mean = math.fsum(xs) / n
     if not has_interval(n):
         return {"mean": mean, "lo": None, "hi": None, "n": n}
-    gen = torch.Generator().manual_seed(seed)
-    means = x[torch.randint(0, n, (num_resamples, n), generator=gen)].mean(1)
+    d = [x - mean for x in xs]
+    sd = math.sqrt(math.fsum(v * v for v in d) / (n - 1))
+    se = sd / math.sqrt(n)
+    gamma = math.fsum(v**3 for v in d) / n / sd**3 if sd > 0 else 0.0
+    a, b = gamma / (3 * math.sqrt(n)), gamma / (6 * math.sqrt(n))
     t = student_t_quantile(1 - (1 - level) / 2, n - 1)
-    tail = 0.5 * math.erfc(math.sqrt(n / (n - 1)) * t / math.sqrt(2))  # Phi(-sqrt(n/(n-1)) t)
-    q = torch.tensor([tail, 1 - tail], dtype=torch.float64)
-    lo, hi = torch.quantile(means, q).tolist()
+
+    def h_inv(y: float) -> float:
+        if abs(a) < 1e-12:
+            return y - b
+        u = 1 + 3 * a * (y - b)
+        return (math.copysign(abs(u) ** (1 / 3), u) - 1) / a
+
+    lo, hi = mean - h_inv(t) * se, mean - h_inv(-t) * se
+    if bounds is not None:
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
     return {"mean": mean, "lo": min(lo, mean), "hi": max(hi, mean), "n": n}
+
+
+def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000,
+                 seed: int = 0) -> dict[str, float | int | None]:
+    """:func:`mean_interval` under its 0.1 name (the probe's summaries and strata call it).
+
+    Until issue 18 this was an expanded-percentile bootstrap; it under-covered on skewed data (0.80-0.90 at
+    n = 8-34), so it now returns Hall's transformed-t interval. ``num_resamples`` (>= 100) and ``seed`` are checked
+    and otherwise unused: the interval is closed form.
+
+    Raises:
+        ValueError: level outside (0, 1) or num_resamples < 100.
+    """
+    if num_resamples < 100:
+        raise ValueError(f"num_resamples must be >= 100, got {num_resamples}")
+    return mean_interval(values, level=level)
 
 
 def summarise_rows(rows: Sequence[dict[str, float]], *, keys: Sequence[str] | None = None, level: float = 0.95,
@@ -132,21 +163,10 @@ def stratify_rows(rows: Sequence[dict[str, float]], by: str, **summary_kwargs: A
 
 def bootstrap_mean(values: Sequence[float], num_boot: int = 2000, seed: int = 0, level: float = 0.95,
                    bounds: tuple[float, float] | None = None) -> dict[str, float | int | None]:
-    """Mean over units (prompts, groups) with the expanded-percentile interval of :func:`bootstrap_ci` (non-finite
-    values dropped). -> {"mean", "lo", "hi", "n"}.
-
-    With fewer than :data:`MIN_INTERVAL_UNITS` units lo = hi = None: a bootstrap over a handful of values has too few
-    distinct resamples (with 2, every resample with a spread is the pair itself and the interval collapses to the
-    data's range), and a claim's verdict needs an interval. ``bounds``: the range the mean cannot leave (e.g. (0, 1)
-    for a share); the interval is clipped to it.
-    """
-
-    out = bootstrap_ci(list(values), level=level, num_resamples=max(num_boot, 100), seed=seed)
-    if out["n"] < MIN_INTERVAL_UNITS:
-        out["lo"] = out["hi"] = None
-    elif bounds is not None and out["lo"] is not None:
-        out["lo"], out["hi"] = max(out["lo"], bounds[0]), min(out["hi"], bounds[1])
-    return out
+    """:func:`mean_interval` for the studies and claims (0.1 name and arguments; ``num_boot`` and ``seed`` unused).
+    -> {"mean", "lo", "hi", "n"}; lo = hi = None below :data:`MIN_INTERVAL_UNITS` units; ``bounds``: the range the
+    mean cannot leave (e.g. (0, 1) for a share), the interval is clipped to it."""
+    return mean_interval(list(values), level=level, bounds=bounds)
 
 
 def spearman_trend(xs: Sequence[float], ys: Sequence[float], num_perm: int = 5000, seed: int = 0
@@ -184,12 +204,14 @@ def spearman_trend(xs: Sequence[float], ys: Sequence[float], num_perm: int = 500
     if n <= 7:
         perms = list(itertools.permutations(ry))
         return r0, sum(abs(rho(rx, list(p))) >= abs(r0) - 1e-12 for p in perms) / len(perms)
-    rng = random.Random(seed)
-    hits = 0
-    for _ in range(num_perm):
-        p = ry[:]
-        rng.shuffle(p)
-        hits += abs(rho(rx, p)) >= abs(r0) - 1e-12
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.tensor(rx, dtype=torch.float64)
+    a = a - a.mean()
+    b = torch.tensor(ry, dtype=torch.float64)[torch.rand(num_perm, n, generator=gen).argsort(1)]  # [num_perm, n]
+    b = b - b.mean(1, keepdim=True)
+    den = (a.square().sum() * b.square().sum(1)).sqrt()
+    rhos = torch.where(den > 0, (b @ a) / den.clamp(min=1e-300), torch.zeros_like(den))
+    hits = int((rhos.abs() >= abs(r0) - 1e-12).sum())
     return r0, (1 + hits) / (1 + num_perm)
 
 

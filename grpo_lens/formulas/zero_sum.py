@@ -44,11 +44,28 @@ def fixed_k_labellings(r: int, k: int, max_permutations: int, generator: torch.G
     return out
 
 
+def span_energies(gram: Tensor, labels: Tensor, advantages: Tensor) -> Tensor:
+    """:func:`span_energy` of L labellings at once. gram: [R, R] float64; labels: [L, R] bool; advantages: [L, R].
+    Returns [L] float64 (NaN where the rows have no energy)."""
+    lab = labels.to(gram.dtype)
+    m = torch.stack([lab / lab.sum(1, keepdim=True), (1 - lab) / (1 - lab).sum(1, keepdim=True)], 1)  # [L, 2, R]
+    mg = m @ gram  # [L, 2, R]
+    lam, vec = torch.linalg.eigh(mg @ m.transpose(1, 2))  # [L, 2], [L, 2, 2]: the pseudo-inverse of M G Mᵀ
+    keep = lam > lam.abs().amax(1, keepdim=True) * 2 * torch.finfo(gram.dtype).eps  # pinv's default cutoff
+    inner = (vec * torch.where(keep, 1 / torch.where(keep, lam, torch.ones_like(lam)), torch.zeros_like(lam))[:, None]
+             ) @ vec.transpose(1, 2)  # [L, 2, 2]
+    a2 = advantages.to(gram.dtype).square()  # [L, R]
+    proj = (a2 * (mg * (inner @ mg)).sum(1)).sum(1)
+    total = (a2 * gram.diagonal()).sum(1)
+    return torch.where(total > 0, proj / total.clamp(min=1e-300), torch.full_like(total, math.nan))
+
+
 def span_energy(gram: Tensor, labels: Tensor, advantages: Tensor) -> float:
     """Share of the energy of the rows A_i g_i that lies in span{gbar_C, gbar_W} (C = labels, W = not labels).
 
     With U = [gbar_C, gbar_W] = g^T M^T (M [2, R] the class-averaging matrix), the projection energy of x_i = A_i g_i
     is A_i^2 (M G)_{:,i}^T (M G M^T)^+ (M G)_{:,i}; the share divides its sum by sum_i A_i^2 G_ii (docs/theory.md §6).
+    One labelling of :func:`span_energies`.
 
     Args:
         gram: [R, R] float64 Gram matrix of the g_i.  labels: [R] bool.  advantages: [R].
@@ -56,33 +73,33 @@ def span_energy(gram: Tensor, labels: Tensor, advantages: Tensor) -> float:
     Returns:
         a share in [0, 1]; NaN when the rows have no energy.
     """
-    r = gram.shape[0]
-    m = torch.zeros(2, r, dtype=gram.dtype)
-    m[0, labels] = 1.0 / labels.sum()
-    m[1, ~labels] = 1.0 / (~labels).sum()
-    mg = m @ gram  # [2, R]
-    inner = torch.linalg.pinv(mg @ m.T, hermitian=True)  # [2, 2]
-    a2 = advantages.to(gram.dtype).square()
-    proj = (a2 * (mg * (inner @ mg)).sum(0)).sum()
-    total = (a2 * gram.diagonal()).sum()
-    return float(proj / total) if total > 0 else math.nan
+    return float(span_energies(gram, labels[None], advantages[None])[0])
+
+
+def cosine_gaps(gram: Tensor, labels: Tensor) -> Tensor:
+    """:func:`cosine_gap` of L labellings at once. gram: [R, R]; labels: [L, R] bool. Returns [L] float64 (NaN
+    when there is no same-class pair or a zero gradient)."""
+    d = gram.diagonal().clamp(min=0).sqrt()
+    n_lab = labels.shape[0]
+    if bool((d == 0).any()):
+        return torch.full((n_lab,), math.nan, dtype=torch.float64)
+    cos = (gram / torch.outer(d, d)).double()
+    same = (labels[:, None, :] == labels[:, :, None]) & ~torch.eye(labels.shape[1], dtype=torch.bool)  # [L, R, R]
+    cross = labels[:, None, :] != labels[:, :, None]
+    n_same, n_cross = same.sum((1, 2)), cross.sum((1, 2))
+    within = (cos * same).sum((1, 2)) / n_same.clamp(min=1)
+    between = (cos * cross).sum((1, 2)) / n_cross.clamp(min=1)
+    ok = (n_same > 0) & (n_cross > 0)
+    return torch.where(ok, within - between, torch.full_like(within, math.nan))
 
 
 def cosine_gap(gram: Tensor, labels: Tensor) -> float:
-    """Mean cosine of g_i, g_j over same-class pairs minus over cross-class pairs (docs/theory.md §6).
+    """Mean cosine of g_i, g_j over same-class pairs minus over cross-class pairs (docs/theory.md §6); one labelling
+    of :func:`cosine_gaps`.
 
     gram: [R, R]; labels: [R] bool. NaN when there is no same-class pair (R = 2) or a zero gradient.
     """
-    d = gram.diagonal().clamp(min=0).sqrt()
-    if bool((d == 0).any()):
-        return math.nan
-    cos = gram / torch.outer(d, d)
-    same = labels.unsqueeze(0) == labels.unsqueeze(1)
-    off = ~torch.eye(len(labels), dtype=torch.bool)
-    within, between = cos[same & off], cos[~same]
-    if within.numel() == 0 or between.numel() == 0:
-        return math.nan
-    return float(within.mean() - between.mean())
+    return float(cosine_gaps(gram, labels[None])[0])
 
 
 def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_permutations: int = 256,
@@ -101,32 +118,30 @@ def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_per
 
     Returns:
         {"zero_sum/span_energy", "zero_sum/span_energy_null", "zero_sum/span_energy_excess" (observed - null
-        mean: mean-zero under the null when the relabellings are enumerated), "zero_sum/span_energy_p", and the same
-        four for "zero_sum/cos_gap" (absent when undefined, e.g. R = 2)}.
+        mean: mean-zero under the null when the relabellings are enumerated), "zero_sum/span_energy_null_var" (the
+        variance of the statistic over the relabellings: the across-group test's null variance, docs/theory.md §11),
+        "zero_sum/span_energy_p", and the same five for "zero_sum/cos_gap" (absent when undefined, e.g. R = 2)}.
     """
     labels = rewards == 1
     r, k = len(rewards), int(labels.sum())
     a_c = float(advantages[labels].mean())
     a_w = float(advantages[~labels].mean())
     gen = torch.Generator().manual_seed(seed)
-    labs = fixed_k_labellings(r, k, max_permutations, gen)
+    labs = torch.stack([labels] + fixed_k_labellings(r, k, max_permutations, gen))  # [1 + L, R]: the truth first
     exhaustive = math.comb(r, k) <= max_permutations
-
-    def adv_for(lab: Tensor) -> Tensor:
-        return torch.where(lab, torch.tensor(a_c, dtype=gram.dtype), torch.tensor(a_w, dtype=gram.dtype))
+    adv = torch.where(labs, torch.tensor(a_c, dtype=gram.dtype), torch.tensor(a_w, dtype=gram.dtype))
 
     out: dict[str, float] = {}
-    for name, stat in (("span_energy", lambda lab: span_energy(gram, lab, adv_for(lab))),
-                       ("cos_gap", lambda lab: cosine_gap(gram, lab))):
-        obs = stat(labels)
+    for name, values in (("span_energy", span_energies(gram, labs, adv)), ("cos_gap", cosine_gaps(gram, labs))):
+        obs, null = float(values[0]), values[1:]
         if not math.isfinite(obs):
             continue
-        null = torch.tensor([stat(lab) for lab in labs], dtype=torch.float64)
         ge = int((null >= obs - 1e-12).sum())
-        p = ge / len(labs) if exhaustive else (1 + ge) / (1 + len(labs))
+        p = ge / len(null) if exhaustive else (1 + ge) / (1 + len(null))
         out[zero_sum_key(name)] = obs
         out[zero_sum_key(name, "null")] = float(null.mean())
         out[zero_sum_key(name, "excess")] = obs - float(null.mean())
+        out[zero_sum_key(name, "null_var")] = float(null.var(unbiased=False))
         out[zero_sum_key(name, "p")] = p
     return out
 

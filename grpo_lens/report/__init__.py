@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from grpo_lens.claims.base import evaluate_claims
+from grpo_lens.claims.base import evaluate_claims, family_wise_note
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
 from grpo_lens.metrics import (
@@ -210,6 +210,12 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
             findings.append(f"Update sparsity since the start (S4): {fmt(s4[-1])} of "
                             + ("the LoRA adapter's weights (not the full model's)" if lora_rank else "parameters")
                             + f" kept their bf16 value after {lens_steps[-1][STEP]} steps.")
+    if any(r.get(rank_key("g1", "top2_share")) is not None for r in lens_steps):
+        plots.plot_rank_over_training(records, run_dir / "rank_over_training.png")
+        lines += ["### Rank of G1 over training", "",
+                  "Per lens step, the mean over the step's mixed groups (shaded: the 95% interval over groups, from "
+                  "8 groups): the top-2 and top-1 energy shares against 0.9 (\"k90 = 2\") and erank and stable rank "
+                  "against [1.5, 2.5] (docs/theory.md §11).", "", "![rank over training](rank_over_training.png)", ""]
 
     base_rows = [r for r in records if r.get(BASELINE_B_STAR) is not None]
     if base_rows:
@@ -497,12 +503,15 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
     multi = len(sources) > 1
     lines += [("| probe " if multi else "") + "| claim | scope | measurement | null / control | verdict | decided by | "
               "gradients |", ("|---" if multi else "") + "|---|---|---|---|---|---|---|"]
+    evaluated = []
     for label, probe in sources.items():
         for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None):
+            evaluated.append(c)
             cells = [c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", c.rule, c.source]
             lines.append(("| " + label + " " if multi else "") + "| " + " | ".join(x.replace("|", "\\|")
                                                                                     for x in cells) + " |")
-    return lines + [""]
+    note = family_wise_note(evaluated)
+    return lines + ([""] + [note] if note else []) + [""]
 
 
 def write_report(run_dir: Path) -> Path:

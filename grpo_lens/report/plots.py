@@ -30,6 +30,8 @@ from grpo_lens.metrics import (
     PROBE_CREDIT,
     PROBE_SPECTRA,
     PROBE_SUMMARY,
+    RANK_G1_LENS_HI,
+    RANK_G1_LENS_LO,
     REWARD_ACCURACY,
     REWARD_FRAC_ZERO_STD_GROUPS,
     REWARD_MEAN,
@@ -260,4 +262,37 @@ def plot_credit_profile(probe: dict[str, Any], path: Path) -> Path:
     ax.set_title("where the gradient sits along a completion", fontsize=9)
     _legend(ax, fontsize=7)
     ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_rank_over_training(records: list[dict[str, Any]], path: Path) -> Path:
+    """G1's rank per lens step, mean over the step's mixed groups with its 95% interval (error bars) where there are
+    >= 8 groups:
+    the top-2 / top-1 energy shares against the 0.9 line of "k90 = 2" (left), erank and stable rank against the
+    band [1.5, 2.5] of "≈ 2" (right); docs/theory.md §11."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
+    for ax, measures, title in ((a1, ("top2_share", "top1_share"), "energy shares of G1's top directions"),
+                                (a2, ("erank", "stable_rank"), "effective rank of G1")):
+        for m in measures:
+            xs, ys = _series(records, rank_key("g1", m))
+            if not xs:
+                continue
+            line, = ax.plot(xs, ys, marker=".", label=m.replace("_", " "))
+            lo = {r[STEP]: r[RANK_G1_LENS_LO.format(m=m)] for r in records if RANK_G1_LENS_LO.format(m=m) in r}
+            hi = {r[STEP]: r[RANK_G1_LENS_HI.format(m=m)] for r in records if RANK_G1_LENS_HI.format(m=m) in r}
+            steps = [x for x in xs if x in lo and x in hi]
+            if steps:  # an interval only where the lens step had >= 8 mixed groups
+                mid = [ys[xs.index(x)] for x in steps]
+                ax.errorbar(steps, mid, yerr=[[m - lo[x] for m, x in zip(mid, steps)],
+                                              [hi[x] - m for m, x in zip(mid, steps)]],
+                            fmt="none", ecolor=line.get_color(), capsize=3, alpha=0.7)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("lens step")
+        ax.grid(alpha=0.3)
+    a1.axhline(0.9, color="gray", linestyle="--", linewidth=1, label="0.9 (k90 = 2)")
+    a1.set_ylim(-0.02, 1.02)
+    a2.axhspan(1.5, 2.5, color="gray", alpha=0.15, label="≈ 2: [1.5, 2.5]")
+    a2.set_ylim(bottom=0)
+    _legend(a1, fontsize=7)
+    _legend(a2, fontsize=7)
     return _save(fig, path)

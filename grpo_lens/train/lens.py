@@ -28,7 +28,11 @@ from typing import Any
 
 import torch
 
-from grpo_lens.analysis.group import analyse_group, mean_over_groups
+from grpo_lens.analysis.group import (
+    analyse_group,
+    lens_rank_intervals,
+    mean_over_groups,
+)
 from grpo_lens.formulas.advantages import constant_groups
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.overlong import overlong_loss_mask
@@ -181,6 +185,7 @@ class TrainerLens:
         if all_coverage:
             out[GRAD_GRAM_COVERAGE] = min(all_coverage)
         out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != GROUP_SIZE})
+        out.update(lens_rank_intervals(all_rows))
         self._pending = True
         out[PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out

@@ -51,7 +51,8 @@ def test_flat_spectrum_and_rank_one_and_zero():
     assert (m["k90"], m["k99"]) == (9, 10)
     # one non-zero value: every measure is 1 (0 ln 0 = 0)
     assert rank_measures(torch.tensor([2.0, 0.0, 0.0])) == {"erank": 1.0, "k90": 1.0, "k99": 1.0,
-                                                          "participation_ratio": 1.0, "stable_rank": 1.0}
+                                                          "participation_ratio": 1.0, "stable_rank": 1.0,
+                                                          "top1_share": 1.0, "top2_share": 1.0}
     # zero matrix: all 0, no NaN, on every path
     zero = rank_measures(singular_values(torch.zeros(4, 100)))
     assert zero == {k: 0.0 for k in RANK_MEASURES.names()}
@@ -172,3 +173,30 @@ def test_g2_numerical_rank_within_prompt_plus_prefix_bound():
         assert 0 < ranks[name] <= bound < min(mat.shape), name
     assert ranks["model.layers.0.mlp.down_proj"] == bound
     assert ranks["model.layers.0.self_attn.q_proj"] == bound - 1
+
+
+def test_top_energy_shares_and_the_simulated_null():
+    from grpo_lens.formulas.spectrum import (
+        random_direction_grams,
+        simulated_null_measures,
+    )
+
+    # singular values (4, 2, 1, 0.5): energies 16, 4, 1, 0.25 of 21.25 -> top-1 0.75294, top-2 20/21.25 = 0.94118
+    m = rank_measures(torch.tensor([1.0, 4.0, 0.5, 2.0]))
+    assert m["top1_share"] == pytest.approx(16 / 21.25, rel=1e-12) and m["top2_share"] == pytest.approx(20 / 21.25)
+    # uniform unit vectors in R^P: unit diagonal, off-diagonal cosines with mean 0 and variance 1/P (both branches
+    # of the chi-square draw: sums of squares at P = 64, Wilson-Hilferty at P = 4096); 20000 draws, SE of the
+    # variance ratio ~0.01, so 5% tolerances catch a wrong degrees of freedom (P - i vs P: ratio off by R/P only at
+    # small P) or a missing normalisation (diagonal != 1)
+    gen = torch.Generator().manual_seed(0)
+    for p in (64, 4096):
+        c = random_direction_grams(4, p, 20000, gen)
+        assert torch.allclose(c.diagonal(dim1=1, dim2=2), torch.ones(20000, 4, dtype=torch.float64))
+        off = c[:, 0, 1]
+        assert abs(float(off.mean())) < 4 / (p ** 0.5 * 141) and float(off.var()) * p == pytest.approx(1.0, rel=0.05)
+    # the simulated null of equal-norm rows: at huge P the directions are orthogonal (erank = R = 4, flat); in few
+    # dimensions random rows overlap and the null's erank drops (3.52 at P = 5, 3.95 at P = 50)
+    gram = torch.eye(4, dtype=torch.float64)
+    a = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    e9, e50, e5 = (simulated_null_measures(gram, a, p, num_draws=200)["erank"] for p in (10**9, 50, 5))
+    assert e9 == pytest.approx(4.0, abs=1e-3) and e5 < 3.7 < e50 < e9

@@ -44,33 +44,47 @@ def test_spearman_trend_exact_permutation():
     assert math.isnan(spearman_trend([1, 2], [1, 2])[0])
 
 
-def _records(hoyers, bf16, dense, n=2**21):
+def _records(hoyers, bf16, dense, n=2**21, update_hoyer=0.2, s1=0.5, f32=0.8):
+    # one lens record every 5 steps; the first lens step (step 1) is excluded from the gradient trend
     recs = []
-    for i, (h, b, d) in enumerate(zip(hoyers, bf16, dense), start=1):
-        recs.append({"step": 5 * i, "perf/step_seconds": 10.0, "perf/lens_seconds": 0.6,
-                     "perf/lens_sparsity_seconds": 0.4, "reward/frac_zero_std_groups": 0.5, "policy/entropy": 1.0 / i,
-                     "sparsity/update_step_hoyer": h, "sparsity/update_step_top1_energy": 0.11,
+    for i, (h, b, d) in enumerate(zip(hoyers, bf16, dense)):
+        recs.append({"step": max(5 * i, 1), "perf/step_seconds": 10.0, "perf/lens_seconds": 0.6,
+                     "perf/lens_sparsity_seconds": 0.4, "reward/frac_zero_std_groups": s1, "policy/entropy": 1.0,
+                     "sparsity/update_step_hoyer": update_hoyer, "sparsity/update_step_top1_energy": 0.11,
                      "sparsity/update_total_bf16_unchanged": b, "sparsity/update_total_bf16_dense": d,
-                     "sparsity/update_total_f32_unchanged": 0.0, "sparsity/grad_zero": 0.01,
-                     "sparsity/grad_hoyer": 0.3, "sparsity/grad_top1_energy": 0.2, "sparsity/sample_entries": n,
+                     "sparsity/update_total_f32_unchanged": f32, "sparsity/grad_zero": 0.01,
+                     "sparsity/grad_hoyer": h, "sparsity/grad_top1_energy": 0.2, "sparsity/sample_entries": n,
                      "sparsity/mlp/update_total_hoyer": 0.2, "sparsity/mlp/update_total_bf16_unchanged": b,
                      "sparsity/mlp/update_total_bf16_dense": d})
     return recs
 
 
 def test_sparsity_claims_follow_the_numbers():
-    # rising Hoyer over 5 lens steps: rho = 1, p = 2/120 = 0.017 < 0.05 -> holds; bf16 share 0.90 vs dense control
-    # 0.89: excess 0.01 with SE sqrt(0.09/2^21) = 2e-4: interval [0.0096, 0.0104] < 0.05 -> does not hold
-    rising = sparsity_claims(_records([0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5))
-    assert [c.verdict for c in rising] == ["holds", "does not hold"]
-    # falling Hoyer -> does not hold; bf16 share far above its dense control -> holds
-    falling = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.9] * 5, [0.5] * 5))
-    assert [c.verdict for c in falling] == ["does not hold", "holds"]
+    names = ("sparsity_intensifies", "zero_variance_share_rises", "most_parameters_unchanged")
+    # gradient Hoyer rising over lens steps 5..25 (step 1 excluded): 5 points, rho = 1, exact p = 2/120 = 0.017 ->
+    # holds; bf16 share 0.90 vs dense control 0.89: excess 0.01 with SE sqrt(0.09/2^21) = 2e-4: [0.0096, 0.0104] <
+    # 0.05 -> does not hold; S1 constant over 6 steps (< 8 steps): inconclusive
+    rising = sparsity_claims(_records([0.9, 0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 6, [0.89] * 6))
+    assert dict(zip(names, [c.verdict for c in rising])) == {
+        "sparsity_intensifies": "holds", "zero_variance_share_rises": "inconclusive",
+        "most_parameters_unchanged": "does not hold"}
+    # the first lens step is excluded: a high first value does not make a falling trend; only the later steps count
+    falling = sparsity_claims(_records([0.1, 0.5, 0.4, 0.3, 0.25, 0.2], [0.9] * 6, [0.5] * 6))
+    assert [c.verdict for c in falling] == ["does not hold", "inconclusive", "holds"]
+    # the update's Hoyer is not what is tested: rising update Hoyer with a constant gradient Hoyer is inconclusive
+    assert sparsity_claims(_records([0.3] * 6, [0.9] * 6, [0.5] * 6, update_hoyer=0.5))[0].verdict == "inconclusive"
+    # bf16 share far above its dense control, but only 0.05 of the weights are unchanged in float32: does not hold
+    f32_changed = sparsity_claims(_records([0.5] * 6, [0.9] * 6, [0.5] * 6, f32=0.05))
+    assert f32_changed[2].verdict == "does not hold" and "float32" in f32_changed[2].rule
     # well above the dense control but most weights changed (0.095 unchanged): does not hold
-    few = sparsity_claims(_records([0.5, 0.4, 0.3, 0.25, 0.2], [0.095] * 5, [0.014] * 5))
-    assert few[1].verdict == "does not hold"
-    # three lens steps cannot decide a trend
-    assert sparsity_claims(_records([0.2, 0.3, 0.4], [0.9] * 3, [0.5] * 3))[0].verdict == "inconclusive"
+    few = sparsity_claims(_records([0.5, 0.5, 0.4, 0.3, 0.25, 0.2], [0.095] * 6, [0.014] * 6))
+    assert few[2].verdict == "does not hold"
+    # four tested lens steps cannot decide a trend (smallest exact p = 2/24 = 0.083)
+    assert sparsity_claims(_records([0.2, 0.3, 0.4, 0.5, 0.6], [0.9] * 5, [0.5] * 5))[0].verdict == "inconclusive"
+    # S1 rising over 12 steps: rho = 1 -> holds
+    recs = [{"step": i, "reward/frac_zero_std_groups": i / 12} for i in range(1, 13)]
+    (s1,) = CLAIMS.get("zero_variance_share_rises")({"records": recs})
+    assert s1.verdict == "holds" and "last third" in s1.measurement
     # lens cost: 5 x 1.0 s against 5 x 10 - 5 = 45 s
     assert lens_overhead(_records([0.2] * 5, [0.9] * 5, [0.5] * 5))["overhead"] == pytest.approx(5 / 45)
 

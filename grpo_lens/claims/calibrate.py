@@ -1,0 +1,434 @@
+"""``grpo-lens calibrate``: the level and power of every verdict rule, measured on planted cases (docs/calibration.md).
+
+Every planted group goes through the path a real group takes: its Gram matrix [R, R], rewards [R] and GRPO
+advantages [R] into :func:`grpo_lens.analysis.group.analyse_group` (with ``null_dim`` = the planted dimension P),
+the rows into a probe-shaped dict with :func:`grpo_lens.formulas.stats.summarise_rows`, and that dict into the
+registered claim function (:data:`grpo_lens.claims.base.CLAIMS`). The training-run rules get metrics.jsonl-shaped
+records built with the product's own measures (:func:`grpo_lens.formulas.sparsity.weighted_hoyer` of gradients and of
+``torch.optim.AdamW`` updates). The intervals of :func:`grpo_lens.formulas.stats.mean_interval` are checked for
+coverage on the skewed data of issue 18.
+
+Design. Per (family, R) a pool of planted groups is analysed once; each trial draws n groups from the pool without
+replacement and decides the rule, so the pool stands in for the population (its mean sets the cell's truth, e.g.
+whether a measure's population value lies in the band). n = 8 (the fewest groups with an interval) and the default
+probe's mixed-group counts (:data:`DEFAULT_GROUP_COUNTS`). Level = the share of *holds* in cells where the claim is
+false and of *does not hold* where it is true; power = the share of the right verdict.
+
+Planted families (Gram matrices sampled exactly for gradients in R^P, docs/calibration.md):
+
+- ``a<f>``: exact rank 2 (orthonormal class means) plus isotropic noise, share f of G1's energy;
+- ``b<s>``: no shared structure, random directions with log-normal norms (log-SD s; ``b0`` equal norms);
+- ``c_lr2``: label-independent rank 2 (+1% noise); ``c_shared``: a shared direction, pairwise cosine 0.5;
+- ``d<c>_<f>``: two classes with near-collinear class means (cosine c), noise share f;
+- ``<family>_s<σ>``: any family with its rows rescaled by log-normal norms (log-SD σ).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from grpo_lens.analysis.group import analyse_group
+from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS
+from grpo_lens.claims.rank import (
+    RANK_BAND,
+    RANK_CLAIM_MEASURES,
+    TOP_SHARE,
+)
+from grpo_lens.claims.zero_sum import NEGLIGIBLE_SHARE
+from grpo_lens.formulas.advantages import grpo_advantages
+from grpo_lens.formulas.sparsity import weighted_hoyer
+from grpo_lens.formulas.spectrum import wishart
+from grpo_lens.formulas.stats import mean_interval, summarise_rows
+from grpo_lens.metrics import (
+    PERF_LENS_SECONDS,
+    PROBE_GROUPS,
+    PROBE_SUMMARY,
+    RANK_G1,
+    RANK_MIXED_GROUPS,
+    REWARD_FRAC_ZERO_STD_GROUPS,
+    SPARSITY_GRAD_HOYER,
+    SPARSITY_UPDATE_STEP_HOYER,
+    STEP,
+    ZERO_SUM_SPAN_ENERGY_EXCESS,
+    ZERO_SUM_SPAN_ENERGY_NULL,
+)
+
+#: the default probe's mixed groups per R (README: 28 and 22 of the 32 and 24 prompts for R = 4 and 8)
+DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
+
+#: the dimension of the planted gradients
+PLANTED_DIM = 2048
+
+#: the families of the rank rules (planted structure: all but b*) and of the zero-sum rule (label-dependent: a*, d*)
+RANK_FAMILIES = ("a0.001", "a0.01", "a0.05", "b0", "b1", "b2", "c_lr2", "c_shared", "d0.95_0.01")
+ZERO_SUM_FAMILIES = ("b0", "b1", "c_lr2", "c_shared", "c_lr2_s1", "a0.01", "d0.95_0.05", "d0.95_0.05_s1")
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What `grpo-lens calibrate` runs: trials per cell, pool of planted groups per (family, R), seed."""
+
+    trials: int = 200
+    pool: int = 300
+    coverage_trials: int = 2000
+    seed: int = 0
+    families: tuple[str, ...] = RANK_FAMILIES
+    zero_sum_families: tuple[str, ...] = ZERO_SUM_FAMILIES
+    group_sizes: tuple[int, ...] = (4, 8)
+
+    @classmethod
+    def quick(cls) -> CalibrationConfig:
+        """A small run for tests (seconds): few trials and families; its numbers are not the calibration."""
+        return cls(trials=20, pool=40, coverage_trials=200, families=("a0.01", "b2", "d0.95_0.01"),
+                   zero_sum_families=("b1", "a0.01"), group_sizes=(4,))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# planted groups
+# ---------------------------------------------------------------------------------------------------------------------
+def has_structure(family: str) -> bool:
+    """Whether the rows share directions beyond random ones (the rank claim's structure condition is true)."""
+    return not family.startswith("b")
+
+
+def label_dependent(family: str) -> bool:
+    """Whether the gradients depend on the reward labels (the zero-sum row's claim is true)."""
+    return family.startswith(("a", "d"))
+
+
+def planted_group(family: str, r: int, dim: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group of ``family``: (Gram matrix [R, R] of its g_i in R^dim, rewards [R]), k ~ U{1..R-1} correct first.
+
+    g_i = Σ_j B_ij v_j + σ e_i with v_1..v_q orthonormal and e_i iid N(0, I/dim) gives
+    G = B Bᵀ + σ(B Yᵀ + Y Bᵀ) + σ²(Y Yᵀ + W/dim), Y [R, q] iid N(0, 1/dim), W ~ Wishart(dim − q, I_R) (rotation
+    invariance), so the cost does not depend on dim.
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    spread = re.fullmatch(r"(.+)_s(\d+(?:\.\d+)?)", family)
+    if spread:
+        gram, rewards = planted_group(spread.group(1), r, dim, gen)
+        norms = torch.exp(float(spread.group(2)) * torch.randn(r, generator=gen, dtype=torch.float64))
+        return gram * torch.outer(norms, norms), rewards
+    k = int(torch.randint(1, r, (1,), generator=gen))
+    rewards = (torch.arange(r) < k).double()
+    labels = rewards == 1
+    if family.startswith("b"):
+        norms = torch.exp(float(family[1:]) * torch.randn(r, generator=gen, dtype=torch.float64))
+        return wishart(r, dim, 1, gen)[0] / dim * torch.outer(norms, norms), rewards
+    if family.startswith("a"):
+        f, c = float(family[1:]), 0.0
+    elif family.startswith("d"):
+        c, f = (float(x) for x in family[1:].split("_"))
+    elif family in ("c_lr2", "c_shared"):
+        f, c = (0.01, 0.0) if family == "c_lr2" else (0.5, 0.0)
+    else:
+        raise ValueError(f"unknown planted family {family!r}; valid: a<f>, b<s>, c_lr2, c_shared, d<c>_<f>, "
+                         f"<family>_s<sigma>")
+    if family.startswith(("a", "d")):
+        b = torch.where(labels[:, None], torch.tensor([1.0, 0.0], dtype=torch.float64),
+                        torch.tensor([c, math.sqrt(1 - c * c)], dtype=torch.float64))
+    elif family == "c_lr2":
+        b = torch.randn(r, 2, generator=gen, dtype=torch.float64) / math.sqrt(2)
+    else:
+        b = torch.full((r, 1), math.sqrt(0.5), dtype=torch.float64)
+    sigma = math.sqrt(0.5) if family == "c_shared" else math.sqrt(f / (1 - f))
+    q = b.shape[1]
+    y = torch.randn(r, q, generator=gen, dtype=torch.float64) / math.sqrt(dim)
+    w = wishart(r, dim - q, 1, gen)[0] / dim
+    by = b @ y.T
+    return b @ b.T + sigma * (by + by.T) + sigma**2 * (y @ y.T + w), rewards
+
+
+def analysed_pool(family: str, r: int, size: int, dim: int, seed: int) -> list[dict[str, float]]:
+    """``size`` planted groups of ``family`` through :func:`grpo_lens.analysis.group.analyse_group` (the product's
+    per-group path; GRPO advantages with the trainer's defaults)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(size):
+        gram, rewards = planted_group(family, r, dim, gen)
+        adv = grpo_advantages(rewards[None], torch.ones(1, r, dtype=torch.bool))[0]
+        rows.append(analyse_group(gram, rewards, adv, null_dim=dim, seed=seed + i))
+    return rows
+
+
+def probe_of(groups_by_r: dict[int, list[dict[str, float]]]) -> dict[str, Any]:
+    """A probe.json-shaped dict of per-group rows (exact gradients), as :func:`grpo_lens.probe.run` writes it."""
+    return {"meta": {"gradients": "exact"},
+            "per_group_size": {str(r): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows)}
+                               for r, rows in groups_by_r.items()}}
+
+
+def _draw(pool: list[Any], n: int, gen: torch.Generator) -> list[Any]:
+    return [pool[int(i)] for i in torch.randperm(len(pool), generator=gen)[:n]]
+
+
+def _shares(verdicts: list[str]) -> dict[str, float]:
+    t = len(verdicts)
+    return {"holds": sum(v == HOLDS for v in verdicts) / t, "does_not_hold": sum(v == DOES_NOT_HOLD for v in verdicts) / t}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the rules
+# ---------------------------------------------------------------------------------------------------------------------
+def _rank_truth(pool: list[dict[str, float]], family: str, measure: str) -> str:
+    """'true', 'false' or 'edge' (the pool's mean within a rounding distance of the band's edge)."""
+    def mean(m: str) -> float:
+        return sum(g[RANK_G1.format(m=m)] for g in pool) / len(pool)
+
+    if measure == "top2_share":
+        t2, t1 = mean("top2_share"), mean("top1_share")
+        band, edge = t2 > TOP_SHARE > t1, min(abs(t2 - TOP_SHARE), abs(t1 - TOP_SHARE)) < 0.01
+    else:
+        v = mean(measure)
+        band, edge = RANK_BAND[0] <= v <= RANK_BAND[1], min(abs(v - RANK_BAND[0]), abs(v - RANK_BAND[1])) < 0.05
+    if not has_structure(family):
+        return "false"
+    return "edge" if edge else ("true" if band else "false")
+
+
+def _measure_row(c: Any) -> str:
+    return next(m for m in RANK_CLAIM_MEASURES if c.claim.endswith(f"({_MEASURE_TITLE[m]})"))
+
+
+_MEASURE_TITLE = {"top2_share": "top-2 energy share (k90 = 2)", "erank": "entropy effective rank",
+                  "stable_rank": "stable rank"}
+
+
+def calibrate_group_rules(config: CalibrationConfig, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Rows of the rank rules (one per measure) and the zero-sum G1 rule over the planted families."""
+    out = []
+    gen = torch.Generator().manual_seed(config.seed)
+    families = list(dict.fromkeys(config.families + config.zero_sum_families))
+    for r in config.group_sizes:
+        for fam in families:
+            t0 = time.perf_counter()
+            pool = analysed_pool(fam, r, config.pool, PLANTED_DIM, config.seed + 1000 * r)
+            log(f"calibrate: R = {r} {fam}: pool of {len(pool)} groups analysed in {time.perf_counter() - t0:.1f} s")
+            ns = sorted({8, DEFAULT_GROUP_COUNTS.get(r, 8)})
+            for n in ns:
+                trials = [probe_of({r: _draw(pool, n, gen)}) for _ in range(config.trials)]
+                if fam in config.families:
+                    per_measure: dict[str, list[str]] = {m: [] for m in RANK_CLAIM_MEASURES}
+                    for p in trials:
+                        for c in CLAIMS.get("erank_near_two")(p):
+                            per_measure[_measure_row(c)].append(c.verdict)
+                    for m, vs in per_measure.items():
+                        out.append({"rule": f"rank ≈ 2 ({m})", "family": fam, "R": r, "n": n,
+                                    "truth": _rank_truth(pool, fam, m), **_shares(vs)})
+                if fam in config.zero_sum_families:
+                    vs = [c.verdict for p in trials for c in CLAIMS.get("zero_sum_rank_two")(p)]
+                    room = sum(1 - g[ZERO_SUM_SPAN_ENERGY_NULL] for g in pool)
+                    theta = sum(g[ZERO_SUM_SPAN_ENERGY_EXCESS] for g in pool) / room
+                    truth = "false" if not label_dependent(fam) else ("true" if theta >= NEGLIGIBLE_SHARE else "edge")
+                    out.append({"rule": "labels structure G1 (zero-sum, G1)", "family": fam, "R": r, "n": n,
+                                "truth": truth, "theta": theta, **_shares(vs)})
+    return out
+
+
+def _sparsity_records(kind: str, steps: int, lens_every: int, gen: torch.Generator, size: int = 4096
+                      ) -> list[dict[str, float]]:
+    """metrics.jsonl-shaped lens records of a planted gradient sequence under AdamW (the trainer's betas)."""
+    param = torch.nn.Parameter(torch.zeros(size, dtype=torch.float64))
+    opt = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
+    recs = []
+    for step in range(1, steps + 1):
+        g = torch.randn(size, generator=gen, dtype=torch.float64)
+        if kind == "sparse90":
+            g = g * (torch.rand(size, generator=gen) < 0.1)
+        elif kind == "rising":  # the share of zero entries rises linearly from 0.2 to 0.9
+            zero = 0.2 + 0.7 * (step - 1) / (steps - 1)
+            g = g * (torch.rand(size, generator=gen) >= zero)
+        before = param.detach().clone()
+        param.grad = g
+        opt.step()
+        if step == 1 or step % lens_every == 0:
+            recs.append({STEP: float(step), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: 1.0,
+                         SPARSITY_GRAD_HOYER: weighted_hoyer(g),
+                         SPARSITY_UPDATE_STEP_HOYER: weighted_hoyer(param.detach() - before)})
+    return recs
+
+
+def _s1_records(kind: str, steps: int, groups: int, r: int, gen: torch.Generator) -> list[dict[str, float]]:
+    """Records of S1 per step: ``groups`` prompts per step with success rates p ~ Beta; stationary p ~ U(0, 1), or a
+    mean rising so that S1 goes from about 0.35 to 0.85 (R = 8)."""
+    recs = []
+    for step in range(1, steps + 1):
+        p = torch.rand(groups, generator=gen, dtype=torch.float64)
+        if kind == "rising":
+            p = p ** (1 - 0.9 * (step - 1) / (steps - 1))  # pushes p towards 1
+        correct = (torch.rand(groups, r, generator=gen, dtype=torch.float64) < p[:, None]).sum(1)
+        s1 = float(((correct == 0) | (correct == r)).double().mean())
+        recs.append({STEP: float(step), REWARD_FRAC_ZERO_STD_GROUPS: s1})
+    return recs
+
+
+def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of the gradient-sparsity trend (and the update-Hoyer trend the 0.1 rule tested, for comparison) and the
+    S1 trend, on the default training schedule (30 steps, lens every 5)."""
+    out = []
+    gen = torch.Generator().manual_seed(config.seed + 7)
+    trend = CLAIMS.get("sparsity_intensifies")
+    for kind, truth in (("gaussian", "false"), ("sparse90", "false"), ("rising", "true")):
+        grad_v, upd_v = [], []
+        for _ in range(config.trials):
+            recs = _sparsity_records(kind, 30, 5, gen)
+            grad_v.append(trend({"records": recs})[0].verdict)
+            as_update = [dict(r, **{SPARSITY_GRAD_HOYER: r[SPARSITY_UPDATE_STEP_HOYER]}) for r in recs]
+            upd_v.append(trend({"records": [dict(r, **{RANK_MIXED_GROUPS: 1.0}) for r in as_update]})[0].verdict)
+        out.append({"rule": "gradient sparsity intensifies", "family": f"{kind} gradients under AdamW",
+                    "R": "–", "n": "6 lens steps", "truth": truth, **_shares(grad_v)})
+        out.append({"rule": "0.1 rule: trend of the update's Hoyer (for comparison)",
+                    "family": f"{kind} gradients under AdamW", "R": "–", "n": "6 lens steps", "truth": truth,
+                    **_shares(upd_v)})
+    s1 = CLAIMS.get("zero_variance_share_rises")
+    for kind, truth in (("stationary", "false"), ("rising", "true")):
+        vs = [s1({"records": _s1_records(kind, 30, 4, 8, gen)})[0].verdict for _ in range(config.trials)]
+        out.append({"rule": "S1 rises over training", "family": f"{kind} success rates, 4 groups of 8 per step",
+                    "R": 8, "n": "30 steps", "truth": truth, **_shares(vs)})
+    return out
+
+
+def interval_coverage(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Coverage of :func:`grpo_lens.formulas.stats.mean_interval` (nominal 0.95) at n = 8, 22, 34 on normal,
+    log-normal (σ = 1) and zero-inflated data (60% zeros, log-normal otherwise), with its one-sided misses."""
+    gen = torch.Generator().manual_seed(config.seed + 11)
+    samplers = {
+        "normal": (lambda n: torch.randn(n, generator=gen, dtype=torch.float64), 0.0),
+        "log-normal": (lambda n: torch.exp(torch.randn(n, generator=gen, dtype=torch.float64)), math.exp(0.5)),
+        "zero-inflated": (lambda n: (torch.rand(n, generator=gen) < 0.4).double()
+                          * torch.exp(torch.randn(n, generator=gen, dtype=torch.float64)), 0.4 * math.exp(0.5)),
+    }
+    out = []
+    for name, (draw, mu) in samplers.items():
+        for n in (8, 22, 34):
+            lo_miss = hi_miss = 0
+            for _ in range(config.coverage_trials):
+                ci = mean_interval(draw(n).tolist())
+                lo_miss += ci["lo"] > mu
+                hi_miss += ci["hi"] < mu
+            t = config.coverage_trials
+            out.append({"data": name, "n": n, "coverage": 1 - (lo_miss + hi_miss) / t, "miss_below": hi_miss / t,
+                        "miss_above": lo_miss / t})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------------------------------
+def _verdict_cells(row: dict[str, Any]) -> tuple[str, str]:
+    """(level cell, power cell): the wrong-verdict share the level bounds and the right-verdict share."""
+    if row["truth"] == "false":
+        return f"false holds {row['holds']:.3f}", f"does not hold {row['does_not_hold']:.3f}"
+    if row["truth"] == "true":
+        return f"false does not hold {row['does_not_hold']:.3f}", f"holds {row['holds']:.3f}"
+    return f"(edge) holds {row['holds']:.3f}", f"does not hold {row['does_not_hold']:.3f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The markdown of a calibration result (what docs/calibration.md holds)."""
+    meta = result["meta"]
+    lines = [
+        "# Calibration of the verdict rules",
+        "",
+        f"Written by `grpo-lens calibrate` ({meta['mode']}) on {meta['date']}, machine {meta['machine']}, "
+        f"{meta['cpus']} CPUs, load average {meta['load_before']} before and {meta['load_after']} after; "
+        f"{meta['seconds']:.0f} s. {meta['trials']} trials per cell; each trial draws n groups from a pool of "
+        f"{meta['pool']} planted groups per (family, R) analysed by `analyse_group` (P = {PLANTED_DIM}), then the "
+        f"registered claim decides. Level = wrong-verdict share (target <= 0.05); power = right-verdict share "
+        f"(target >= 0.80). 'edge' cells have a population value within rounding of the band's edge: no side is "
+        f"wrong there. Rules and families: docs/theory.md §11 and the module docstring of "
+        f"`grpo_lens.claims.calibrate`.",
+        "",
+        "## Rules on per-group rows (probe)",
+        "",
+        "| rule | family | R | n | truth | level (wrong verdict) | power (right verdict) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["group_rules"]:
+        level, power = _verdict_cells(row)
+        fam = row["family"] + (f" (θ = {row['theta']:.3f})" if "theta" in row else "")
+        lines.append(f"| {row['rule']} | {fam} | {row['R']} | {row['n']} | {row['truth']} | {level} | {power} |")
+    lines += ["", "## Rules on a training run's records", "",
+              "| rule | planted case | R | points | truth | level (wrong verdict) | power (right verdict) |",
+              "|---|---|---|---|---|---|---|"]
+    for row in result["training_rules"]:
+        level, power = _verdict_cells(row)
+        if row["truth"] == "false":  # a trend claim under no trend: both verdicts are wrong
+            level = f"holds {row['holds']:.3f}, does not hold {row['does_not_hold']:.3f}"
+            power = f"inconclusive {1 - row['holds'] - row['does_not_hold']:.3f}"
+        lines.append(f"| {row['rule']} | {row['family']} | {row['R']} | {row['n']} | {row['truth']} | {level} | "
+                     f"{power} |")
+    lines += ["", "## Interval coverage (`mean_interval`, nominal 0.95)", "",
+              "| data | n | coverage | upper end below the mean | lower end above the mean |", "|---|---|---|---|---|"]
+    for row in result["coverage"]:
+        lines.append(f"| {row['data']} | {row['n']} | {row['coverage']:.3f} | {row['miss_below']:.3f} | "
+                     f"{row['miss_above']:.3f} |")
+    worst = _worst(result)
+    lines += ["", "## Summary", "",
+              f"Worst false holds over false cells: {worst['false_holds']:.3f}; worst false does-not-hold over true "
+              f"cells: {worst['false_dnh']:.3f}; lowest power over decided cells at the default probe's n: "
+              f"{worst['power']:.3f}; lowest coverage: {worst['coverage']:.3f}.", ""]
+    return "\n".join(lines)
+
+
+def _worst(result: dict[str, Any]) -> dict[str, float]:
+    """The summary: worst level on each side, lowest power at the default probe's n, lowest coverage. A trend rule
+    under no trend is wrong on either side (both count as false holds); its right verdict is inconclusive."""
+    rows = [r for r in result["group_rules"] + result["training_rules"] if not r["rule"].startswith("0.1 rule")]
+    trend = [r for r in rows if not isinstance(r["R"], int) or str(r["n"]).endswith(("steps",))]
+    group = [r for r in rows if r not in trend]
+    default_n = set(DEFAULT_GROUP_COUNTS.values())
+    false_holds = [r["holds"] for r in group if r["truth"] == "false"]
+    false_holds += [max(r["holds"], r["does_not_hold"]) for r in trend if r["truth"] == "false"]
+    power = [r["holds"] if r["truth"] == "true" else r["does_not_hold"] for r in group
+             if r["truth"] in ("true", "false") and r["n"] in default_n]
+    power += [r["holds"] for r in trend if r["truth"] == "true"]
+    return {"false_holds": max(false_holds, default=0.0),
+            "false_dnh": max([r["does_not_hold"] for r in rows if r["truth"] == "true"], default=0.0),
+            "power": min(power, default=1.0),
+            "coverage": min([r["coverage"] for r in result["coverage"]], default=1.0)}
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: str = "full",
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every calibration and return {meta, group_rules, training_rules, coverage}; with ``out``, also write
+    OUT/calibration.json and OUT/calibration.md (the table)."""
+    t0, load0 = time.perf_counter(), _load()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # [R, R] matrices: one thread is ~3x faster than several (thread start-up per op)
+    try:
+        result: dict[str, Any] = {"group_rules": calibrate_group_rules(config, log),
+                                  "training_rules": calibrate_training_rules(config),
+                                  "coverage": interval_coverage(config)}
+    finally:
+        torch.set_num_threads(threads)
+    result["meta"] = {"mode": mode, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+                      "cpus": os.cpu_count(), "load_before": load0, "load_after": _load(),
+                      "seconds": time.perf_counter() - t0, "trials": config.trials, "pool": config.pool,
+                      "coverage_trials": config.coverage_trials, "seed": config.seed}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calibration.json").write_text(json.dumps(result, indent=1))
+        (out / "calibration.md").write_text(render(result))
+    return result

@@ -1,0 +1,55 @@
+"""Hall's transformed-t interval (grpo_lens.formulas.stats.mean_interval): closed-form cases and coverage."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_lens.formulas.stats import bootstrap_mean, mean_interval, student_t_quantile
+
+
+def test_symmetric_sample_gives_the_student_t_interval():
+    # 1..8: mean 4.5, ddof-1 variance 6, se = sqrt(6/8) = 0.86603, skewness 0 -> x̄ ± t_7 se with t_7(0.975) = 2.36462
+    ci = mean_interval([float(i) for i in range(1, 9)])
+    half = 2.36462 * math.sqrt(6 / 8)
+    assert ci["mean"] == 4.5 and ci["n"] == 8
+    assert ci["lo"] == pytest.approx(4.5 - half, abs=2e-3) and ci["hi"] == pytest.approx(4.5 + half, abs=2e-3)
+
+
+def test_skewed_sample_by_hand():
+    # seven 0s and one 1: mean 1/8, s² = (7/64 + 49/64) / 7 = 1/8, se = s/√8 = 1/8; third central moment
+    # m3 = (7 (-1/8)³ + (7/8)³) / 8 = 0.0820313, γ = m3 / s³ = 1.85616, a = γ/(3√8) = 0.218750, b = a/2.
+    # h⁻¹(y) = ((1 + 3a(y - b))^(1/3) - 1)/a at y = ±t_7 = ±2.36462: h⁻¹(t) = 1.61634, h⁻¹(-t) = -8.47877
+    # (1 + 3a(-t - b) = -0.6237, a negative cube root) -> [1/8 - 1.61634/8, 1/8 + 8.47877/8] = [-0.07704, 1.18485]
+    ci = mean_interval([0.0] * 7 + [1.0])
+    assert ci["lo"] == pytest.approx(-0.07704, abs=2e-3) and ci["hi"] == pytest.approx(1.18485, abs=3e-3)
+    # a plain t interval would be symmetric (1/8 ± 0.2956); clipped to a share's range the upper end is 1
+    assert bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["hi"] == 1.0
+    assert bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["lo"] == 0.0
+
+
+def test_edge_cases():
+    assert mean_interval([]) == {"mean": None, "lo": None, "hi": None, "n": 0}
+    assert mean_interval([1.0] * 7)["lo"] is None  # fewer than MIN_INTERVAL_UNITS
+    assert mean_interval([2.0] * 8) == {"mean": 2.0, "lo": 2.0, "hi": 2.0, "n": 8}  # no spread
+    with pytest.raises(ValueError, match="level"):
+        mean_interval([1.0] * 8, level=1.0)
+    assert student_t_quantile(0.975, 7) == pytest.approx(2.36462, abs=1e-3)
+
+
+def test_covers_on_zero_inflated_data_where_the_t_interval_does_not():
+    # 60% zeros, log-normal otherwise (mean 0.4 e^0.5 = 0.65949), n = 22, 1000 trials (Monte Carlo SE 0.008):
+    # Hall's t covers >= 0.91 (0.93 measured), the symmetric t interval 0.84 (issue 18): a wrong skewness sign or a
+    # dropped correction fails the first assert
+    gen = torch.Generator().manual_seed(1)
+    mu = 0.4 * math.exp(0.5)
+    hits = t_hits = 0
+    for _ in range(1000):
+        x = ((torch.rand(22, generator=gen) < 0.4).double()
+             * torch.exp(torch.randn(22, generator=gen, dtype=torch.float64))).tolist()
+        ci = mean_interval(x)
+        hits += ci["lo"] <= mu <= ci["hi"]
+        m, s = sum(x) / 22, float(torch.tensor(x).std())
+        half = student_t_quantile(0.975, 21) * s / math.sqrt(22)
+        t_hits += m - half <= mu <= m + half
+    assert hits / 1000 >= 0.91 and t_hits / 1000 <= 0.88, (hits, t_hits)
