@@ -103,7 +103,7 @@ def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", 
         raise ValueError(f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
                          f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them")
     return SimpleNamespace(sketch_dim=sketch_dim, lens_space=space, seed=seed, estimator=estimator,
-                           std="sample", eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
+                           std="sample", std_eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
                            loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
                            max_new_tokens=int(args.max_completion_length),
                            overlong="none")  # TRL's mask_truncated_completions is already in its completion_mask
@@ -166,7 +166,7 @@ def run_config(args: Any, settings: SimpleNamespace, *, model: str, max_steps: i
         "trainer": "trl", "trl_version": trl.__version__, "model": model, "group_size": int(args.num_generations),
         "rollout_batch_size": int(args.per_device_train_batch_size) * int(args.steps_per_generation) * world_size,
         "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
-        "estimator": settings.estimator, "std": settings.std, "std_eps": settings.eps,
+        "estimator": settings.estimator, "std": settings.std, "std_eps": settings.std_eps,
         "loss_aggregation": settings.loss_aggregation, "beta": float(args.beta), "eps_low": eps,
         "eps_high": float(args.epsilon_high if args.epsilon_high is not None else eps),
         "mu": int(args.num_iterations), "max_steps": int(max_steps), "learning_rate": float(args.learning_rate),

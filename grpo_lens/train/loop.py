@@ -98,7 +98,7 @@ class NonFiniteUpdateError(RuntimeError):
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
                   "log_completions", "device", "report_to",
-                  "reward_timeout", "max_consecutive_skips")
+                  "reward_timeout", "max_consecutive_skips", "metric_names")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -446,7 +446,7 @@ def step_advantages(config: TrainConfig, procs: Processes, policy: torch.nn.Modu
         t_b = time.perf_counter()
         grad_sq_norms = optimal_baseline_weights(config, procs, policy, rollouts)
         metrics[PERF_OPTIMAL_BASELINE_SECONDS] = time.perf_counter() - t_b
-    advantages = compute_advantages(rewards.float(), config.estimator, std=config.std, eps=config.eps, mask=valid,
+    advantages = compute_advantages(rewards.float(), config.estimator, std=config.std, eps=config.std_eps, mask=valid,
                                     grad_sq_norms=grad_sq_norms).view(-1)
     if config.estimator == "optimal":
         metrics.update(optimal_baseline_metrics(procs, rewards, valid, advantages.view(-1, R)))
