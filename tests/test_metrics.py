@@ -125,7 +125,7 @@ def _train_config(out, **overrides) -> TrainConfig:
 TRAIN_RUNS = {
     "lens_kl_tis_overlong": dict(beta=0.1, tis_cap=2.0, overlong="soft-punish", overlong_buffer=4, mu=2,
                                  num_mini_batches=2),
-    "optimal": dict(estimator="optimal"),
+    "optimal": dict(estimator="optimal", eval_every=2, eval_prompts=2, eval_samples=1),
     "dynamic": dict(dynamic_sampling=True, seed=3),
 }
 

@@ -181,7 +181,7 @@ class TrainConfig(ConfigFile):
                                "keeps its name). metrics.jsonl always has grpo-lens' keys.",
                                check=one_of(METRIC_NAME_SCHEMES))
     # --- evaluation ------------------------------------------------------------------------------------------------
-    eval_every: int = option(0, "Held-out accuracy every this many steps and at the last step, before the step's "
+    eval_every: int = option(0, "Held-out accuracy every this many steps and at the last step, after the step's "
                              "update (0 = never): greedy and sampled, with Wilson intervals (eval/* keys).",
                              check=at_least(0, "must be >= 0 (0 disables evaluation)"))
     eval_split: str = option("test", "The task's split the evaluation draws from (gsm8k: the 1319-problem test "

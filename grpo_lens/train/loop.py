@@ -75,9 +75,11 @@ from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
+from grpo_lens.train.evaluate import Evaluation
 from grpo_lens.train.lens import TrainerLens, scores_from_update_rows
 from grpo_lens.train.memory import _peak_memory_mb
 from grpo_lens.train.processes import Processes, setup_processes
+from grpo_lens.train.schedule import LRSchedule
 from grpo_lens.train.step_metrics import (
     _pad_to,
     accuracy_metrics,
@@ -144,7 +146,9 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     procs = setup_processes(config.device)
     run = RunDir(config.out)
     config, task, reward_fns, ckpt = check_before_writing(config, run, procs)  # read-only: --out is untouched
+    evaluation = Evaluation.start(config, task)  # the held-out prompts (a missing split fails here)
     models = build_models(config, procs)
+    schedule = LRSchedule(models.optimizer, config)  # the LR is a function of the step: resumes need no state
     if lens is None and config.lens_every > 0:
         lens = TrainerLens(models.policy, config)
     state = open_run(run, config, procs, models, lens, ckpt)  # writes --out (a new run, or resumes from ckpt)
@@ -152,6 +156,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     for step in range(state.step + 1, config.max_steps + 1):
         t0 = time.perf_counter()
+        schedule.apply(step)  # --lr-scheduler with its warm-up
         # 1. prompts, rollouts and their rewards (with --dynamic-sampling: extra rounds until B mixed groups)
         rollouts = sample_step(config, procs, task, reward_fns, models, step)
         # 2. advantages: one scalar per rollout (with --estimator optimal: b* weighted by sketched gradient norms)
@@ -171,6 +176,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
         parts = [update_metrics, lens_metrics, baseline_metrics, {LR: models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
+        if evaluation is not None:  # --eval-every: held-out accuracy after the update
+            record.update(evaluation(step, models.policy, models.tokenizer, procs.device))
         if procs.is_main:
             logs.write(step, record, rollouts, advantages, config.log_completions)
         stop_after_skips(state, config, procs, run, step)  # before any checkpoint of this step
