@@ -592,7 +592,9 @@ class StepLogs:
         self.run.append_metrics(record)
         if self.trackers is not None:
             self.trackers.log(record, step)
-        _log_completions(self.run, step, rollouts.batch, rollouts.rewards, advantages, n_completions)
+        rows = _log_completions(self.run, step, rollouts.batch, rollouts.rewards, advantages, n_completions)
+        if self.trackers is not None:
+            self.trackers.log_completions(rows, step)
         crash_point("after_metrics_write", step)
         if self.progress is not None:
             self.progress.set_postfix(reward=f"{record[REWARD_MEAN]:.3f}", sec=f"{record[PERF_STEP_SECONDS]:.1f}")
@@ -678,17 +680,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
-                     n: int) -> None:
+                     n: int) -> list[dict[str, Any]]:
     """Append the first ``n`` rollouts' prompt, completion, reward [N], advantage [N] and truncation to
-    completions.jsonl."""
+    completions.jsonl; returns the rows."""
     R = batch.group_size
+    rows = []
     for i in range(min(n, batch.num_rollouts)):
         prompt = batch.prompts[i // R]
         text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
-        run.append_metrics({STEP: step, "prompt": text, "completion": batch.completions[i],
-                            "reward": float(rewards[i]), "advantage": float(advantages[i]),
-                            "truncated": bool(batch.truncated[i])},
-                           path=run.completions_path)
+        rows.append({STEP: step, "prompt": text, "completion": batch.completions[i],
+                     "reward": float(rewards[i]), "advantage": float(advantages[i]),
+                     "truncated": bool(batch.truncated[i])})
+        run.append_metrics(rows[-1], path=run.completions_path)
+    return rows
 
 
 def _progress(config: TrainConfig, start: int, procs: Processes):
