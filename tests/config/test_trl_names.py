@@ -9,7 +9,12 @@ import warnings
 import pytest
 
 from grpo_lens.config import TrainConfig
-from grpo_lens.config.base import ConfigError, ConfigNameWarning, add_config_arguments, config_from_args
+from grpo_lens.config.base import (
+    ConfigError,
+    ConfigNameWarning,
+    add_config_arguments,
+    config_from_args,
+)
 from grpo_lens.probe.config import ProbeConfig
 
 
