@@ -6,6 +6,7 @@ under "Findings" is computed from those numbers; nothing is hard-coded. This mod
 (:func:`write_report`): the claims table (:func:`claims_section`, verdicts from :mod:`grpo_lens.claims`), the training
 section (:func:`training_section`) and one section per probe (:func:`probe_section`). Beside it:
 
+answers            the report's opening: one line per decided claim, the undecided ones grouped by what decides them
 training_measures  entropy, sparsity over training, the lens's cost and dynamic sampling, from metrics.jsonl
 studies            a probe's studies: S1 predicted, baselines at matched expectation, token credit
 plots              the PNGs
@@ -76,6 +77,7 @@ from grpo_lens.metrics import (
     zero_sum_key,
 )
 from grpo_lens.report import plots
+from grpo_lens.report.answers import answers_section
 from grpo_lens.report.format import ci, fmt
 from grpo_lens.report.studies import studies_section
 from grpo_lens.report.training_measures import (
@@ -540,6 +542,8 @@ def write_report(run_dir: Path) -> Path:
         body += ["## Before vs after training", "", "![erank vs R, before and after](erank_vs_R.png)", ""]
 
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
+    if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
+        header += answers_section(probes, records, lora_rank)  # the answers first, the full table below
     if records and estimator:
         header += [f"Advantage estimator: `{estimator}` (baseline: {ESTIMATOR_BASELINES.get(estimator, 'see docs')}"
                    + (f"; std convention `{cfg.get('std')}`" if estimator == "grpo" and cfg.get("std") else "")
