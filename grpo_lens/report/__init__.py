@@ -204,6 +204,9 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                          if estimator in ("optimal", "reinforce") else
                          "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
                          "rollout under overlong masking)") + ".", ""]
+    if any(r.get(rank_key("g1", "erank")) is not None for r in lens_steps):
+        plots.plot_rank_over_training(records, run_dir / "rank_over_training.png")
+        lines += ["![rank over training](rank_over_training.png)", ""]
     s1 = [r.get(REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
     s1_head, s1_tail = _mean(s1[:w]), _mean(s1[n - w:])
     if trend and s1_head is not None and s1_tail is not None:
@@ -222,7 +225,9 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     if base_rows:
         lines += ["### Baselines", "",
                   "b* = sum ||g_i||^2 r_i / sum ||g_i||^2 is the variance-optimal constant baseline; it equals the "
-                  "group mean exactly when ||g||^2 does not depend on the reward (m_C = m_W).", ""]
+                  "group mean exactly when ||g||^2 does not depend on the reward (m_C = m_W). Both are means over "
+                  "the step's mixed groups only (groups whose rewards are all equal have no gradient), so the group "
+                  "mean here is not the step's accuracy or mean reward.", ""]
         plots.plot_baselines(records, run_dir / "baselines.png")
         lines += ["![baselines](baselines.png)", "",
                   "| step | b* | group mean | m_C | m_W | m_C / m_W |", "|---|---|---|---|---|---|"]
