@@ -221,7 +221,7 @@ _ENTRIES: list[Metric] = []  # filled by the definitions below, then frozen as M
 
 #: The docs/metrics.md tables, in order; each is generated from the entries of its section.
 SECTIONS = ("reward", "adv", "completions", "loss", "mismatch", "policy", "dynamic", "grad", "guard", "group",
-            "probe_group", "g3", "g2_weightings", "sparsity", "perf", "probe", "sketch_check", "studies")
+            "probe_group", "g3", "g2_weightings", "sparsity", "perf", "eval", "probe", "sketch_check", "studies")
 
 
 def _add(section: str, keys: tuple[str, ...], units: str | tuple[str, ...], meaning: str, source: str,
@@ -655,6 +655,20 @@ LR = _key("perf", "lr", LEARNING_RATE, "learning rate of the step")
 STEP = _key("perf", "step", STEP_UNITS, "the optimizer step (sampling round), from 1")
 
 # ---------------------------------------------------------------------------------------------------------------------
+# eval/: held-out accuracy every --eval-every steps (grpo_lens.train.evaluate)
+# ---------------------------------------------------------------------------------------------------------------------
+EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI = _keys(
+    "eval", ("eval/greedy_accuracy", "eval/greedy_accuracy_lo", "eval/greedy_accuracy_hi"), SHARE,
+    "share of the `eval_prompts` held-out prompts whose greedy completion (temperature 0) the task's own verdict "
+    "marks correct, and its 95% Wilson interval over prompts (`grpo_lens.formulas.stats.wilson_interval`)")
+EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI = _keys(
+    "eval", ("eval/sampled_accuracy", "eval/sampled_accuracy_lo", "eval/sampled_accuracy_hi"), SHARE,
+    "share of correct completions among `eval_samples` sampled ones per held-out prompt (the training temperature), "
+    "and its 95% Wilson interval over the completions (they share prompts, so it is narrower than one over prompts)")
+EVAL_PROMPTS = _key("eval", "eval/prompts", COUNT, "held-out prompts the evaluation scored")
+EVAL_SECONDS = _key("eval", "eval/seconds", SECONDS, "wall time of the evaluation (not in perf/step_seconds)")
+
+# ---------------------------------------------------------------------------------------------------------------------
 # probe.json per_group_size["R"]
 # ---------------------------------------------------------------------------------------------------------------------
 ROLLOUTS_PER_PROMPT = _key(
@@ -807,6 +821,52 @@ STUDY_CREDIT_META = _key(
     "seconds", where=(STUDIES,), fields=("group_size", "groups_sampled", "gradients", "step", "seconds"))
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The same quantities in TRL's and verl's logs
+# ---------------------------------------------------------------------------------------------------------------------
+#: key -> (TRL GRPOTrainer's logged name, verl's logged name); "" where that library logs no such quantity. TRL names
+#: are read from trl 1.16 ``GRPOTrainer`` (``_metrics[mode][...]``) and transformers' ``Trainer`` (``grad_norm``,
+#: ``learning_rate``); verl names from its PPO trainer's ``compute_data_metrics`` and actor metrics.
+_OTHER_NAMES = {
+    REWARD_MEAN: ("reward", "critic/score/mean"),
+    REWARD_STD: ("reward_std", ""),
+    REWARD_FRAC_ZERO_STD_GROUPS: ("frac_reward_zero_std", ""),
+    REWARD_FUNCTION.key: ("rewards/{name}/mean", ""),
+    ADV_MEAN: ("", "critic/advantages/mean"),
+    ADV_MAX: ("", "critic/advantages/max"),
+    ADV_MIN: ("", "critic/advantages/min"),
+    COMPLETIONS_MEAN_LENGTH: ("completions/mean_length", "response_length/mean"),
+    COMPLETIONS_MAX_LENGTH: ("completions/max_length", "response_length/max"),
+    COMPLETIONS_TRUNCATED_FRAC: ("completions/clipped_ratio", "response_length/clip_ratio"),
+    LOSS_POLICY: ("policy_loss", "actor/pg_loss"),
+    KL_MEAN: ("kl", "actor/kl_loss"),
+    CLIP_RATIO_LOW: ("clip_ratio/low_mean", "actor/pg_clipfrac_lower"),
+    CLIP_RATIO_HIGH: ("clip_ratio/high_mean", ""),
+    CLIP_RATIO_REGION: ("clip_ratio/region_mean", "actor/pg_clipfrac"),
+    POLICY_ENTROPY: ("entropy", "actor/entropy"),
+    GRAD_NORM: ("grad_norm", "actor/grad_norm"),
+    LR: ("learning_rate", "actor/lr"),
+}
+
+#: Where the other library's number is not exactly ours: the difference, shown in docs/metrics.md.
+NAME_NOTES = {
+    REWARD_STD: "TRL's `reward_std` is the sample std (ddof 1) of the batch's rewards; ours is the population std "
+                "(ddof 0): TRL's = ours × sqrt(N / (N − 1)) over N valid rewards",
+    LOSS_POLICY: "TRL averages the policy loss over the logging window's micro-batches; verl's `actor/pg_loss` over "
+                 "its micro-batches",
+    KL_MEAN: "verl logs `actor/kl_loss` only with `use_kl_loss`, in its `kl_loss_type` estimator",
+    GRAD_NORM: "TRL's is transformers' norm of each optimizer step, averaged over the logging window",
+}
+
+#: TRL names :func:`from_trl` never reads into grpo-lens' key, because the definitions differ (the TRL integration
+#: computes ours from the batch).
+NOT_READ_FROM_TRL = (REWARD_STD,)
+
+for _m in _ENTRIES:  # filled in place (while the registry is built), so the module's Metric constants carry them
+    if _m.key in _OTHER_NAMES and JSONL in _m.where:
+        object.__setattr__(_m, "trl", _OTHER_NAMES[_m.key][0])
+        object.__setattr__(_m, "verl", _OTHER_NAMES[_m.key][1])
+
 #: Every entry, in docs/metrics.md's order.
 METRICS: tuple[Metric, ...] = tuple(_ENTRIES)
 
@@ -902,3 +962,55 @@ def sketch_share_key(category: str) -> str:
 
 #: The first path component of every slash key (``reward``, ``rank``, ...): what a metric key looks like.
 PREFIXES = tuple(sorted({m.key.split("/", 1)[0] for m in METRICS if "/" in m.key}))
+
+
+#: The naming schemes trackers can log under (``--metric-names``): grpo-lens' own keys, or TRL's / verl's names where
+#: they name the same quantity (every other key keeps its grpo-lens name).
+METRIC_NAME_SCHEMES = ("grpo-lens", "trl", "verl")
+
+
+def other_name(key: str, scheme: str) -> str | None:
+    """``key``'s name in ``scheme`` (:data:`METRIC_NAME_SCHEMES`), or None when that library has no such quantity.
+
+    Raises:
+        ValueError: an unknown scheme.
+    """
+    if scheme not in METRIC_NAME_SCHEMES:
+        raise ValueError(f"metric names {scheme!r}: valid names: {', '.join(METRIC_NAME_SCHEMES)}")
+    if scheme == "grpo-lens":
+        return key
+    found = lookup(key, JSONL)
+    if found is None:
+        return None
+    entry, values = found
+    name = getattr(entry, scheme)
+    return name.format(**values) if name else None
+
+
+def renamed_record(record: dict, scheme: str) -> dict:
+    """A metrics record with each key under its ``scheme`` name where that library has one (else unchanged)."""
+    if scheme == "grpo-lens":
+        return dict(record)
+    return {other_name(k, scheme) or k: v for k, v in record.items()}
+
+
+def from_trl(logs: dict) -> dict:
+    """The entries of a TRL ``GRPOTrainer`` log dict that name a grpo-lens quantity exactly, under grpo-lens' keys.
+
+    TRL names whose definition differs from ours (:data:`NAME_NOTES`, e.g. ``reward_std``) are left out, and so is
+    everything TRL logs that grpo-lens has no key for.
+    """
+    out = {}
+    for m in METRICS:
+        if not m.trl or m.key in NOT_READ_FROM_TRL:
+            continue
+        if not m.is_template:
+            if m.trl in logs:
+                out[m.key] = logs[m.trl]
+            continue
+        pattern = re.escape(m.trl).replace(r"\{name\}", "(?P<name>[^/]+)")
+        for k, v in logs.items():
+            hit = re.fullmatch(pattern, k)
+            if hit:
+                out[m.format(**hit.groupdict())] = v
+    return out

@@ -15,6 +15,14 @@ Where the data goes:
   later). A resumed run continues the same W&B run id (stored in ``RUN/wandb/grpo_lens_run_id``).
 - ``trackio``: project ``$TRACKIO_PROJECT`` (default ``grpo-lens``), run name = the run directory's name, stored
   locally by trackio (``$TRACKIO_DIR``; ``trackio show`` opens it).
+
+Names: ``--metric-names trl`` (or ``verl``) sends each key under that library's name where it logs the same quantity
+(:func:`grpo_lens.metrics.renamed_record`, the table in docs/metrics.md), so a dashboard built for TRL runs shows
+grpo-lens runs too; metrics.jsonl keeps grpo-lens' keys.
+
+Completion tables: each step's logged completions (prompt, completion, reward, advantage, truncated; the rows of
+completions.jsonl) go to W&B as a table (``completions``) and to TensorBoard as a Markdown text (``completions``);
+trackio gets none (accelerate's tracker has no table call).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Any, Callable
 
 import yaml
 
-from grpo_lens.metrics import STEP
+from grpo_lens.metrics import STEP, renamed_record
 from grpo_lens.registry import Registry
 
 #: ``--report-to`` names; ``none`` sends nothing.
@@ -67,6 +75,11 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numeric entries of a metrics record (not ``step``; no None, NaN, bool or text), as floats."""
     return {k: float(v) for k, v in record.items()
             if k != STEP and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _cell(value: Any) -> Any:
+    """A completion-table cell: numbers and text as they are, anything else (a dict of rewards) as its text."""
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
 
 
 def _flat_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -123,7 +136,8 @@ class Trackers:
     Args:
         names: ``--report-to`` values (``["none"]`` or ``[]``: nothing).
         run_path: the run directory.
-        config: the resolved config (stored as the run's hyperparameters).
+        config: the resolved config (stored as the run's hyperparameters; its ``metric_names``, default
+            ``grpo-lens``, names the keys the trackers get).
         start_step: the last step already done (0 for a new run).
 
     Raises:
@@ -132,6 +146,7 @@ class Trackers:
 
     def __init__(self, names: list[str], run_path: Path, config: dict[str, Any], start_step: int = 0):
         check_trackers(names)
+        self.metric_names = config.get("metric_names") or "grpo-lens"
         self.trackers = []
         for name in names:
             if name == "none":
@@ -145,10 +160,26 @@ class Trackers:
             self.trackers.append(tracker)
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        """Send a metrics record's numbers at ``step``."""
-        values = scalars(record)
+        """Send a metrics record's numbers at ``step``, under the ``metric_names`` scheme."""
+        values = renamed_record(scalars(record), self.metric_names)
         for tracker in self.trackers:
             tracker.log(values, step=step)
+
+    def log_completions(self, rows: list[dict[str, Any]], step: int) -> None:
+        """Send one step's completion rows (dicts of the same keys) as a table: W&B ``log_table``, TensorBoard a
+        Markdown table in ``add_text``; nothing for trackers without tables."""
+        if not rows:
+            return
+        columns = [k for k in rows[0] if k != STEP]
+        data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        for tracker in self.trackers:
+            if tracker.name == "wandb":
+                tracker.log_table("completions", columns=columns, data=data, step=step)
+            elif tracker.name == "tensorboard":
+                text = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                text += ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |"
+                         for row in data]
+                tracker.writer.add_text("completions", "\n".join(text), global_step=step)
 
     def finish(self) -> None:
         """Flush and close every tracker."""

@@ -50,7 +50,7 @@ def test_every_entry_is_complete():
     for m in METRICS:
         assert m.meaning and m.unit and m.section in SECTIONS, m.key
         assert m.where and set(m.where) <= set(SCOPES), m.key
-        assert not m.trl and not m.verl, "TRL / verl names are for a later issue"  # the fields exist, empty for now
+        assert not (m.trl or m.verl) or JSONL in m.where, f"{m.key}: TRL / verl names are for metrics.jsonl keys"
         if m.source:  # a docs/theory.md section: a number or a (sub)section title
             cite = m.source.removeprefix("§")
             assert cite in numbers or cite in titles, f"{m.key}: source {m.source} is no section of docs/theory.md"
@@ -125,7 +125,7 @@ def _train_config(out, **overrides) -> TrainConfig:
 TRAIN_RUNS = {
     "lens_kl_tis_overlong": dict(beta=0.1, tis_cap=2.0, overlong="soft-punish", overlong_buffer=4, mu=2,
                                  num_mini_batches=2),
-    "optimal": dict(estimator="optimal"),
+    "optimal": dict(estimator="optimal", eval_every=2, eval_prompts=2, eval_samples=1),
     "dynamic": dict(dynamic_sampling=True, seed=3),
 }
 
@@ -296,3 +296,21 @@ def _theory_sections() -> tuple[set[str], set[str]]:
             heading = num.group(2)
         titles.add(re.split(r"[:(]", heading)[0].strip())
     return titles, numbers
+
+
+def test_trl_and_verl_names_map_one_to_one_and_round_trip():
+    """Each TRL / verl name belongs to one key; TRL's logged dict reads back into ours except where the definitions
+    differ (reward_std is TRL's sample std, ours the population std)."""
+    for scheme in ("trl", "verl"):
+        names = [getattr(m, scheme) for m in METRICS if getattr(m, scheme)]
+        assert len(names) == len(set(names)), scheme
+    assert metrics.other_name(metrics.REWARD_FUNCTION.format(name="fmt"), "trl") == "rewards/fmt/mean"
+    assert metrics.other_name(metrics.rank_key("g1", "erank"), "trl") is None
+    logs = {"reward": 0.5, "reward_std": 0.4, "rewards/fmt/mean": 0.25, "grad_norm": 3.0, "learning_rate": 1e-6,
+            "num_tokens": 99.0}
+    assert metrics.from_trl(logs) == {metrics.REWARD_MEAN: 0.5, metrics.REWARD_FUNCTION.format(name="fmt"): 0.25,
+                                      metrics.GRAD_NORM: 3.0, metrics.LR: 1e-6}
+    record = {metrics.REWARD_MEAN: 0.5, metrics.STEP: 3, metrics.RANK_MIXED_GROUPS: 2.0}
+    assert metrics.renamed_record(record, "trl") == {"reward": 0.5, metrics.STEP: 3, metrics.RANK_MIXED_GROUPS: 2.0}
+    with pytest.raises(ValueError, match="valid names"):
+        metrics.other_name(metrics.REWARD_MEAN, "openrlhf")

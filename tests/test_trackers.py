@@ -120,3 +120,25 @@ def test_tensorboard_hparams_go_into_the_run_event_file(tmp_path):
     ea.Reload()
     assert "_hparams_/experiment" in ea.summary_metadata and ea.Tags()["scalars"] == ["reward/mean"]
     assert "learning_rate: 1.0e-06" in (tb / "hparams.yml").read_text()
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs the tensorboard extra")
+def test_metric_names_trl_and_the_completion_table_reach_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    from grpo_lens.metrics import GRAD_NORM, LR, REWARD_MEAN, other_name
+
+    run = train(tiny_config(tmp_path / "run", max_steps=1, lens_every=0, metric_names="trl", log_completions=2))
+    record = RunDir(run.path).read_metrics()[0]
+    assert REWARD_MEAN in record, "metrics.jsonl keeps grpo-lens' keys"
+    events = read_tensorboard(run.path / "tensorboard")
+    assert {"reward", "grad_norm", "learning_rate"} <= set(events) and REWARD_MEAN not in events
+    assert events["reward"][1] == pytest.approx(record[REWARD_MEAN], rel=1e-6)
+    assert set(events) == {other_name(k, "trl") or k for k in scalars(record)}
+    assert other_name(GRAD_NORM, "trl") == "grad_norm" and other_name(LR, "trl") == "learning_rate"
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(run.path / "tensorboard"))
+    mux.Reload()
+    texts = [t for tags in mux.Runs().values() for t in tags.get("tensors", []) if t.startswith("completions")]
+    assert texts, "the step's completions were logged as a table"

@@ -10,8 +10,9 @@ has) or from an :class:`Option` of :mod:`grpo_lens.config.groups` (a field sever
 Load order: defaults <- YAML file (``--config``) <- command-line flags (``--group-size 8``).
 
 Names: a config's :class:`Names` maps a deprecated name to the current one (accepted, with one
-:class:`ConfigNameWarning` line naming the new name) and refuses a name that would mislead (a :class:`ConfigError`
-naming what to use instead). They apply wherever a name comes in: YAML keys, flags, :meth:`ConfigFile.from_dict` and a
+:class:`ConfigNameWarning` line naming the new name), refuses a name that would mislead (a :class:`ConfigError`
+naming what to use instead) and accepts another library's names for the same settings (:class:`Alias`, e.g. TRL's
+``num_generations`` for ``group_size``, translated without a warning; :mod:`grpo_lens.config.trl_names`). They apply wherever a name comes in: YAML keys, flags, :meth:`ConfigFile.from_dict` and a
 run's saved config.yaml (``--resume``); a config written out uses only current names.
 """
 
@@ -111,23 +112,55 @@ def option(default: Any, help: str, *, check: Check | None = None, item_type: ty
     return Option(default, help, check, item_type, scalar_is_list)()
 
 
+@dataclass(frozen=True)
+class Alias:
+    """Another library's name for one or more settings.
+
+    Attributes:
+        library: whose name it is (``TRL``), for the messages.
+        translate: ``(value, every name given) -> {field: value}``; raises :class:`ConfigError` when the value has no
+            grpo-lens meaning (saying which option to use instead).
+        flag_type: the argparse type of its hidden flag (``bool`` gives ``--name`` / ``--no-name``).
+    """
+
+    library: str
+    translate: Callable[[Any, Mapping[str, Any]], dict[str, Any]]
+    flag_type: type = str
+
+
 class Names:
     """The other names of a config's fields: ``renamed`` (deprecated name -> current name, accepted with a
-    :class:`ConfigNameWarning`) and ``refused`` (name -> what to use instead, a :class:`ConfigError`).
+    :class:`ConfigNameWarning`), ``refused`` (name -> what to use instead, a :class:`ConfigError`) and ``aliases``
+    (another library's name -> its :class:`Alias`, translated silently).
 
     A config declares its own (``names: ClassVar[Names] = Names(renamed={"lens_sketch_dim": "sketch_dim"})``); code
     may add more later with :meth:`rename` and :meth:`refuse` (e.g. another library's names for the same settings).
     """
 
-    def __init__(self, renamed: Mapping[str, str] | None = None, refused: Mapping[str, str] | None = None):
+    def __init__(self, renamed: Mapping[str, str] | None = None, refused: Mapping[str, str] | None = None,
+                 notes: Mapping[str, str] | None = None, aliases: Mapping[str, Alias] | None = None):
         self.renamed: dict[str, str] = {}
         self.refused: dict[str, str] = {}
+        self.notes: dict[str, str] = {}  # deprecated name -> a sentence its warning adds
+        self.aliases: dict[str, Alias] = {}
         for old, new in (renamed or {}).items():
-            self.rename(old, new)
+            self.rename(old, new, (notes or {}).get(old, ""))
         for name, use in (refused or {}).items():
             self.refuse(name, use)
+        for name, alias in (aliases or {}).items():
+            self.alias(name, alias)
 
-    def rename(self, old: str, new: str) -> None:
+    def alias(self, name: str, alias: Alias) -> None:
+        """Accept ``name``, another library's name, translated by ``alias`` (no warning: it is not deprecated).
+
+        Raises:
+            ValueError: ``name`` is already registered.
+        """
+        if name in self.renamed or name in self.refused or name in self.aliases:
+            raise ValueError(f"config name {name!r} is already registered")
+        self.aliases[name] = alias
+
+    def rename(self, old: str, new: str, note: str = "") -> None:
         """Accept ``old`` as a deprecated name of the field ``new`` (in YAML keys, flags and ``from_dict``).
 
         Raises:
@@ -136,6 +169,8 @@ class Names:
         if old in self.renamed or old in self.refused or old == new:
             raise ValueError(f"config name {old!r} is already registered (or equals {new!r})")
         self.renamed[old] = new
+        if note:
+            self.notes[old] = note
 
     def refuse(self, name: str, use: str) -> None:
         """Refuse ``name`` with a ConfigError whose message is ``use`` (say what the name means elsewhere and which
@@ -144,13 +179,13 @@ class Names:
         Raises:
             ValueError: ``name`` is already a renamed or refused name.
         """
-        if name in self.renamed or name in self.refused:
+        if name in self.renamed or name in self.refused or name in self.aliases:
             raise ValueError(f"config name {name!r} is already registered")
         self.refused[name] = use
 
     def copy(self) -> Names:
         """An independent copy (a subclass's names start as its parent's)."""
-        return Names(self.renamed, self.refused)
+        return Names(self.renamed, self.refused, self.notes, self.aliases)
 
     def canonical(self, values: Mapping[str, Any], *, where: str = "", warn: bool = True) -> dict[str, Any]:
         """``values`` with every deprecated name replaced by the current one (in place in the key order).
@@ -161,13 +196,25 @@ class Names:
             warn: emit the :class:`ConfigNameWarning` (False for readers of old runs, such as ``compare``).
 
         Raises:
-            ConfigError: a refused name, or a deprecated name together with its current one.
+            ConfigError: a refused name, a deprecated name together with its current one, another library's name
+                together with the grpo-lens name it sets, or a value of it that has no grpo-lens meaning.
         """
         where = f" {where}" if where else ""
         out: dict[str, Any] = {}
+        translated: dict[str, str] = {}  # field -> the other library's name that set it
         for key, value in values.items():
             if key in self.refused:
                 raise ConfigError(f"{_name(key)}{where} is not accepted: {self.refused[key]}")
+            if key in self.aliases:
+                alias = self.aliases[key]
+                for field_, v in alias.translate(value, values).items():
+                    if field_ in values or field_ in translated:
+                        also = f"{_name(translated[field_])} sets" if field_ in translated else "is given"
+                        raise ConfigError(f"{_name(key)}{where} is {alias.library}'s name for {_name(field_)}, "
+                                          f"which {also} too; give one of them")
+                    translated[field_] = key
+                    out[field_] = v
+                continue
             new = self.renamed.get(key)
             if new is None:
                 out[key] = value
@@ -176,8 +223,9 @@ class Names:
                 raise ConfigError(f"{_name(key)}{where} is the deprecated name of {_name(new)}, which is given too; "
                                   f"give only {new!r}")
             if warn:
-                warnings.warn(f"{_name(key)}{where} is deprecated: use {_name(new)}; the old name will stop working "
-                              f"in a later release", ConfigNameWarning, stacklevel=2)
+                note = f" ({self.notes[key]})" if key in self.notes else ""
+                warnings.warn(f"{_name(key)}{where} is deprecated: use {_name(new)}{note}; the old name will stop "
+                              f"working in a later release", ConfigNameWarning, stacklevel=2)
             out[new] = value
         return out
 
@@ -382,6 +430,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
             _add_flag(parser, "--" + old.replace("_", "-"), old, by_name[new], argparse.SUPPRESS)
     for name in cls.names.refused:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, nargs="*", default=None, help=argparse.SUPPRESS)
+    for name, alias in cls.names.aliases.items():
+        flag = "--" + name.replace("_", "-")
+        if alias.flag_type is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, dest=name, type=alias.flag_type, default=None, help=argparse.SUPPRESS)
 
 
 def _yaml_mapping(text: str) -> dict:
@@ -402,7 +457,8 @@ def flags_given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     Raises:
         ConfigError: a refused flag, or a deprecated flag together with its current one.
     """
-    names = [f_.name for f_ in fields(cls)] + list(cls.names.renamed) + list(cls.names.refused)
+    names = [f_.name for f_ in fields(cls)] + list(cls.names.renamed) + list(cls.names.refused) + list(
+        cls.names.aliases)
     return cls.canonical({n: getattr(args, n) for n in names if getattr(args, n, None) is not None},
                          "on the command line")
 

@@ -11,7 +11,7 @@ TaskData   task, dataset, task_options, rewards,              train (all), probe
 Sampling   group_size, prompts_per_step, max_new_tokens,      train (all), probe (max_new_tokens, temperature, top_p,
            temperature, top_p, top_k                          top_k), demo (group_size, prompts_per_step,
                                                               max_new_tokens)
-Advantage  estimator, std, eps, loss_aggregation              train, probe
+Advantage  estimator, std, std_eps, loss_aggregation          train, probe
 Lens       sketch_dim, lens_every, exact                      train (sketch_dim, lens_every), probe (sketch_dim,
                                                               exact), demo (lens_every, exact)
 Optimizer  max_steps, learning_rate                           train, demo
@@ -101,6 +101,11 @@ class Sampling:
                    check=at_least(0, "must be >= 0 (0 disables)"))
 
 
+#: Why ``eps`` was renamed ``std_eps`` (its deprecation warning says it): it is not TRL's ``epsilon``.
+EPS_NOTE = ("it is the epsilon added to the group std in grpo's advantage; TRL's epsilon, the clip range, is "
+            "--epsilon / --eps-low")
+
+
 class Advantage:
     """The advantage estimator and how token losses are aggregated (docs/theory.md §2, §3)."""
 
@@ -108,7 +113,8 @@ class Advantage:
                        check=one_of(ADVANTAGE_ESTIMATORS.names))
     std = Option("sample", "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).",
                  check=one_of(STD_CONVENTIONS))
-    eps = Option(1e-4, "Added to the group std in grpo's advantage denominator (> 0).",
+    std_eps = Option(1e-4, "Added to the group std in grpo's advantage denominator (> 0): A = (r - mean) / (std + "
+                     "std_eps). Not TRL's epsilon, which is the clip range (--eps-low / --epsilon).",
                  check=above(0, "must be > 0 (it keeps the advantage finite when the group std is tiny)"))
     loss_aggregation = Option("seq-mean-token-mean", "How token losses become one number: "
                               + ", ".join(LOSS_AGGREGATIONS.names())

@@ -9,7 +9,7 @@ Deprecated names (``lens_sketch_dim`` -> ``sketch_dim``) are in :attr:`TrainConf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from grpo_lens.config.base import (
@@ -22,6 +22,7 @@ from grpo_lens.config.base import (
     require,
 )
 from grpo_lens.config.groups import (
+    EPS_NOTE,
     Advantage,
     Lens,
     Model,
@@ -32,9 +33,14 @@ from grpo_lens.config.groups import (
     TaskData,
     check_task_dataset,
 )
+from grpo_lens.config.trl_names import register_trl_names
 from grpo_lens.formulas.losses import KL_ESTIMATORS
 from grpo_lens.formulas.overlong import OVERLONG_MODES
+from grpo_lens.metrics import METRIC_NAME_SCHEMES
 from grpo_lens.trackers import REPORT_TO
+
+#: The ``lr_scheduler`` values: transformers' schedulers of those names (``transformers.get_scheduler``).
+LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
 def _trackers(names: list) -> str | None:
@@ -54,7 +60,8 @@ _UNIT = require(lambda v: 0 <= v < 1, "must be in [0, 1)")  # a clip range or an
 class TrainConfig(ConfigFile):
     """Everything a GRPO run needs. Field help doubles as CLI help (flags use dashes: ``--group-size``)."""
 
-    names: ClassVar[Names] = Names(renamed={"lens_sketch_dim": "sketch_dim"})  # 0.2 name, accepted until 0.3
+    names: ClassVar[Names] = Names(renamed={"lens_sketch_dim": "sketch_dim",  # 0.2 names, accepted until 0.3
+                                            "eps": "std_eps"}, notes={"eps": EPS_NOTE})
 
     # --- what to train on ------------------------------------------------------------------------------------------
     model: str = Model.model()
@@ -91,7 +98,7 @@ class TrainConfig(ConfigFile):
     # --- advantages and loss -----------------------------------------------------------------------------------------
     estimator: str = Advantage.estimator()
     std: str = Advantage.std()
-    eps: float = Advantage.eps()
+    std_eps: float = Advantage.std_eps()
     loss_aggregation: str = Advantage.loss_aggregation()
     beta: float = option(0.0, "KL coefficient against the frozen reference model (0 = no reference model).",
                          check=at_least(0))
@@ -123,6 +130,15 @@ class TrainConfig(ConfigFile):
     adam_beta2: float = option(0.99, "AdamW beta2.", check=_UNIT)
     max_grad_norm: float = option(1.0, "Clip the gradient's global L2 norm to this (0 disables).",
                                   check=at_least(0, "must be >= 0 (0 disables clipping)"))
+    lr_scheduler: str = option("constant", "Learning-rate schedule over max_steps, transformers' schedulers (TRL's "
+                               "lr_scheduler_type): constant, linear (to 0 at max_steps), cosine (half a cosine to 0), "
+                               "each after the warm-up. The LR is set once per step (sampling round) and holds for its "
+                               "mu x num_mini_batches optimizer steps.", check=one_of(LR_SCHEDULERS))
+    warmup_steps: int = option(0, "Warm-up: the LR rises linearly from 0 over this many steps, then follows "
+                               "--lr-scheduler (TRL's warmup_steps).", check=at_least(0))
+    warmup_ratio: float | None = option(None, "Warm-up as a share of max_steps, rounded up (TRL's warmup_ratio); "
+                                        "replaces --warmup-steps.",
+                                        check=require(lambda v: 0 <= v < 1, "must be in [0, 1)"))
     max_consecutive_skips: int = option(3, "A step whose loss or gradient is non-finite is skipped (no optimizer "
                                         "change); stop with an error after this many consecutive skipped steps, "
                                         "or this many consecutive steps where no rollout could be scored.",
@@ -164,6 +180,19 @@ class TrainConfig(ConfigFile):
                              "source of truth.", check=_trackers)
     log_completions: int = option(2, "Completions per step written to completions.jsonl (0 = none).",
                                   check=at_least(0))
+    metric_names: str = option("grpo-lens", "Names the trackers log under: grpo-lens (the keys of docs/metrics.md), "
+                               "trl or verl (those libraries' names where they log the same quantity; every other key "
+                               "keeps its name). metrics.jsonl always has grpo-lens' keys.",
+                               check=one_of(METRIC_NAME_SCHEMES))
+    # --- evaluation ------------------------------------------------------------------------------------------------
+    eval_every: int = option(0, "Held-out accuracy every this many steps and at the last step, after the step's "
+                             "update (0 = never): greedy and sampled, with Wilson intervals (eval/* keys).",
+                             check=at_least(0, "must be >= 0 (0 disables evaluation)"))
+    eval_split: str = option("test", "The task's split the evaluation draws from (gsm8k: the 1319-problem test "
+                             "split; arithmetic: problems from the test stream; jsonl: a split of the dataset).")
+    eval_prompts: int = option(64, "Held-out prompts per evaluation (the same ones every time).", check=at_least(1))
+    eval_samples: int = option(4, "Sampled completions per held-out prompt (at --temperature) for the sampled "
+                               "accuracy; 0 = greedy only.", check=at_least(0))
     progress: bool = Output.progress()
 
     def overlong_length(self) -> int:
@@ -193,6 +222,11 @@ class TrainConfig(ConfigFile):
             self.bad("overlong_buffer", f"must be in [1, L_max = {self.overlong_length()}], or unset")
         if self.num_mini_batches < 1 or self.prompts_per_step % self.num_mini_batches:
             self.bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
+        if self.warmup_ratio is not None and self.warmup_steps:
+            self.bad("warmup_ratio", f"and warmup_steps = {self.warmup_steps} both set the warm-up; give one")
         if self.resume and self.overwrite:
             self.bad("overwrite", "--resume continues the run in --out and --overwrite replaces it: pass one of them")
         check_task_dataset(self)
+
+
+register_trl_names(TrainConfig.names, {f.name for f in fields(TrainConfig)})

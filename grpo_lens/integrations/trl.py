@@ -16,15 +16,29 @@ methods: ``_calculate_rewards`` (calls TRL's, keeps the rewards) and ``_generate
 TRL's, then measures the lens on its output, unchanged). The mixin also composes with your own GRPOTrainer subclass:
 ``class MyTrainer(GRPOLensMixin, MyGRPOTrainer)``.
 
-**What is measured.** Every ``lens_every`` optimizer steps (at global steps 0, N, 2N, ...), on the generation batch
-TRL just produced (this process's share, before any update on it), the same analysis as grpo-lens' own trainer:
+**What is measured.** On the first generation batch at or after each multiple of ``lens_every`` optimizer steps
+(global steps 0, N, 2N, ...; with ``steps_per_generation`` or ``num_iterations`` > 1 TRL generates only every few
+optimizer steps, so the lens takes the next batch that exists rather than waiting for a global step that never meets
+a generation), on that batch (this process's share, before any update on it), the same analysis as grpo-lens' own
+trainer:
 :class:`grpo_lens.lens.TrainerLens` (sketched per-rollout gradients, or with a peft/LoRA model the adapter's exact
 ones; :func:`grpo_lens.diagnostics.analyse_group` per mixed group). Rows g_i are gradients of each completion's
 log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's temperature (TRL's
 training log-probs apply no top-k / top-p); the advantages are TRL's.
 The metrics are appended to TRL's ``_metrics["train"]``, which ``GRPOTrainer.log`` averages over the logging window
-and sends to every ``report_to`` backend and ``trainer.state.log_history``. Update sparsity (S4) is not measured
-here.
+and sends to every ``report_to`` backend and ``trainer.state.log_history``. Update sparsity (S4, and the sampled
+sparsity keys) is measured around the first optimizer step after each lens batch, from TRL's
+``on_pre_optimizer_step`` and ``on_step_end`` callback events.
+
+**The run directory.** The trainer also writes a grpo-lens run directory, ``lens_out`` (default: TRL's
+``output_dir``), that ``grpo-lens report`` and ``grpo-lens compare`` read: ``config.yaml`` (the TRL settings under
+grpo-lens' names, :func:`run_config`, with the TRL names themselves under ``trl``), ``metrics.jsonl`` (one record
+per TRL logging step, in grpo-lens' vocabulary: reward, advantage and completion statistics computed from TRL's
+batch with grpo-lens' definitions, TRL's own training metrics where the definitions agree
+(:func:`grpo_lens.metrics.from_trl`), the lens keys and ``perf/step_seconds``) and ``completions.jsonl`` (prompt,
+completion, reward per function and advantage of the first ``lens_log_completions`` rollouts of each batch). A
+resumed TRL run (``resume_from_checkpoint``) drops the records after its checkpoint's step; a new run in the same
+folder replaces them.
 
 Mapping of TRL's settings onto the lens's: ``scale_rewards="group"`` is grpo-lens' ``grpo`` estimator (sample std,
 eps 1e-4, as TRL), ``"none"`` is ``dr_grpo``; with ``"batch"`` or ``multi_objective_aggregation=
@@ -34,19 +48,29 @@ eps 1e-4, as TRL), ``"none"`` is ``dr_grpo``; with ``"batch"`` or ``multi_object
 from __future__ import annotations
 
 import math
+import time
+from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
+from grpo_lens.rewards import completion_text
 from grpo_lens.rollout import RolloutBatch
+from grpo_lens.rundir import RunDir
 from grpo_lens.train.lens import TrainerLens
+from grpo_lens.train.step_metrics import reward_metrics, rollout_metrics
 
 try:
+    import trl
+    from transformers import TrainerCallback
     from trl import GRPOTrainer
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("grpo_lens.integrations.trl needs TRL: pip install 'grpo-lens[trl]' (or pip install trl)") from e
+    raise ImportError("grpo_lens.integrations.trl needs TRL: pip install trl (or pip install '.[trl]' in a clone of "
+                      "grpo-lens)") from e
 
 
 #: TRL's ``loss_type`` -> grpo-lens' loss aggregation with the same per-rollout weights of the log-prob sums
@@ -79,13 +103,13 @@ def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", 
         raise ValueError(f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
                          f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them")
     return SimpleNamespace(sketch_dim=sketch_dim, lens_space=space, seed=seed, estimator=estimator,
-                           std="sample", eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
+                           std="sample", std_eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
                            loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
                            max_new_tokens=int(args.max_completion_length),
                            overlong="none")  # TRL's mask_truncated_completions is already in its completion_mask
 
 
-def rollout_batch_from_trl(output: dict[str, Any], group_size: int) -> RolloutBatch:
+def rollout_batch_from_trl(output: dict[str, Any], group_size: int, eos_token_id: int | None = None) -> RolloutBatch:
     """A :class:`RolloutBatch` holding TRL's generation batch (its tensors, not copies of other data).
 
     Args:
@@ -93,10 +117,12 @@ def rollout_batch_from_trl(output: dict[str, Any], group_size: int) -> RolloutBa
             padded), ``prompt_mask`` [N, Lp], ``completion_ids`` [N, T], ``completion_mask`` [N, T] (up to and
             including EOS), optional ``tool_mask`` [N, T] (0 on tool-output tokens, which get no loss).
         group_size: R (TRL's ``num_generations``); N must be a multiple of it.
+        eos_token_id: the tokenizer's EOS id; a completion without it among its tokens was cut at
+            max_completion_length (TRL's ``completions/clipped_ratio``). None: rows whose mask reaches the last
+            position count as cut.
 
     Returns:
-        the batch; ``sampler_logprobs`` are zeros and ``truncated`` marks rows whose mask reaches the last position
-        (neither is used by the lens).
+        the batch; ``sampler_logprobs`` are zeros (the lens does not use them).
 
     Raises:
         ValueError: N is not a multiple of R.
@@ -107,10 +133,47 @@ def rollout_batch_from_trl(output: dict[str, Any], group_size: int) -> RolloutBa
     n = mask.shape[0]
     if n % group_size:
         raise ValueError(f"TRL's batch has {n} completions, not a multiple of num_generations={group_size}")
+    ids = output["completion_ids"]
+    if eos_token_id is None:
+        truncated = mask[:, -1].clone()
+    else:
+        truncated = ~((ids == eos_token_id) & output["completion_mask"].bool()).any(dim=1)
     return RolloutBatch(prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
-                        completion_ids=output["completion_ids"], completion_mask=mask,
+                        completion_ids=ids, completion_mask=mask,
                         sampler_logprobs=torch.zeros(mask.shape, dtype=torch.float32, device=mask.device),
-                        truncated=mask[:, -1].clone(), group_size=group_size)
+                        truncated=truncated, group_size=group_size)
+
+
+def run_config(args: Any, settings: SimpleNamespace, *, model: str, max_steps: int, lens_every: int, lora_rank: int,
+               world_size: int) -> dict[str, Any]:
+    """The config.yaml of a TRL run: TRL's settings under grpo-lens' field names where they mean the same, the lens's
+    settings, and the TRL names themselves under ``trl`` (what ran, in TRL's words).
+
+    Args:
+        args: the run's ``trl.GRPOConfig``.   settings: :func:`lens_settings` of it.   model: the model's name or
+        path.   max_steps: TRL's resolved number of optimizer steps.   lens_every, lora_rank: the lens's period and
+        the peft adapter's rank (0 without peft).   world_size: processes.
+    """
+    trl_names = ("num_generations", "max_completion_length", "num_iterations", "epsilon", "epsilon_high", "beta",
+                 "loss_type", "scale_rewards", "temperature", "top_p", "top_k", "learning_rate", "lr_scheduler_type",
+                 "warmup_ratio", "warmup_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "steps_per_generation", "max_grad_norm", "weight_decay", "seed", "mask_truncated_completions")
+    given = {n: getattr(args, n, None) for n in trl_names}
+    given = {n: getattr(v, "value", v) for n, v in given.items()}  # enums (lr_scheduler_type) as their names
+    given = {n: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for n, v in given.items()}
+    eps = float(args.epsilon)
+    return {
+        "trainer": "trl", "trl_version": trl.__version__, "model": model, "group_size": int(args.num_generations),
+        "rollout_batch_size": int(args.per_device_train_batch_size) * int(args.steps_per_generation) * world_size,
+        "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+        "estimator": settings.estimator, "std": settings.std, "std_eps": settings.std_eps,
+        "loss_aggregation": settings.loss_aggregation, "beta": float(args.beta), "eps_low": eps,
+        "eps_high": float(args.epsilon_high if args.epsilon_high is not None else eps),
+        "mu": int(args.num_iterations), "max_steps": int(max_steps), "learning_rate": float(args.learning_rate),
+        "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "lens_every": lens_every, "sketch_dim": settings.sketch_dim, "lens_space": settings.lens_space,
+        "lora_rank": lora_rank, "seed": int(args.seed), "trl": given,
+    }
 
 
 @contextmanager
@@ -132,28 +195,41 @@ def activation_checkpointing_off(model: torch.nn.Module):
 
 
 class GRPOLensMixin:
-    """Adds the lens to a ``trl.GRPOTrainer`` (subclass); see the module docstring for why it is not a callback.
+    """Adds the lens and a grpo-lens run directory to a ``trl.GRPOTrainer`` (subclass); see the module docstring for
+    why it is not a callback.
 
     Args (keywords, the rest goes to the trainer):
         lens_every: measure every this many optimizer steps (>= 1).
         lens_sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``).
         lens_space: ``trainable`` or ``full`` (as ``--lens-space``; matters with a peft model).
         lens_seed: seed of the sketch projections and random controls.
+        lens_out: the grpo-lens run directory to write (default: ``args.output_dir``); ``grpo-lens report`` reads it.
+        lens_log_completions: rollouts per generation batch written to completions.jsonl (0 = none).
 
     Raises:
         ValueError: a bad lens setting.
     """
 
     def __init__(self, *args: Any, lens_every: int = 5, lens_sketch_dim: int = 16, lens_space: str = "trainable",
-                 lens_seed: int = 0, **kwargs: Any):
+                 lens_seed: int = 0, lens_out: str | Path | None = None, lens_log_completions: int = 2,
+                 **kwargs: Any):
         if lens_every < 1:
             raise ValueError(f"lens_every = {lens_every}: must be >= 1")
+        if lens_log_completions < 0:
+            raise ValueError(f"lens_log_completions = {lens_log_completions}: must be >= 0")
         super().__init__(*args, **kwargs)
         self.lens_every = lens_every
         self.lens_settings = lens_settings(self.args, sketch_dim=lens_sketch_dim, space=lens_space, seed=lens_seed,
                                            multi_objective_aggregation=self.multi_objective_aggregation)
+        self.lens_run = RunDir(lens_out if lens_out is not None else self.args.output_dir)
+        self.lens_log_completions = lens_log_completions
         self._lens = None
-        self._lens_rewards: torch.Tensor | None = None
+        self._lens_rewards: torch.Tensor | None = None  # [N over all processes] the reward TRL's advantages start from
+        self._lens_rewards_per_func: torch.Tensor | None = None  # [N over all processes, functions]
+        self._lens_next_step: int | None = None  # the global step from which the next generation batch is measured
+        self._lens_measured = False  # a lens batch whose S4 waits for the next optimizer step
+        self._lens_window: dict[str, list[float]] = defaultdict(list)  # per-batch metrics until TRL's next log
+        self.add_callback(_LensCallback(self))
 
     # -- TRL's methods, extended -------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -163,17 +239,38 @@ class GRPOLensMixin:
         rewards = weighted.nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = math.nan
         self._lens_rewards = rewards  # [N over all processes]
+        self._lens_rewards_per_func = rewards_per_func
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self.model.training and self.state.global_step % self.lens_every == 0:
+        if not self.model.training:
+            return output
+        step = int(self.state.global_step)
+        if self._lens_next_step is None or step >= self._lens_next_step:  # the first batch at or after the due step
+            self._lens_next_step = (step // self.lens_every + 1) * self.lens_every
             for key, value in self.measure_lens(output).items():
                 if value is not None and math.isfinite(value):
                     self._metrics["train"][key].append(float(value))
+            self._lens_measured = True
+        for key, value in self.batch_metrics(output).items():
+            self._lens_window[key].append(value)
+        if self.accelerator.is_main_process and self.lens_log_completions:
+            self.write_completions(inputs, output, step + 1)
         return output
 
     # -- the lens ------------------------------------------------------------------------------------------------
+    def _local_rows(self, output: dict[str, Any]) -> tuple[RolloutBatch, slice]:
+        """This process's batch and its rows' slice of the all-process rewards."""
+        R = self.num_generations
+        batch = rollout_batch_from_trl(output, R, getattr(self.processing_class, "eos_token_id", None))
+        n = batch.num_rollouts
+        start = self.accelerator.process_index * n
+        if start % R:
+            raise ValueError(f"this process's share of TRL's batch ({n} completions) splits a group of "
+                             f"num_generations={R}; make the per-process generation batch a multiple of it")
+        return batch, slice(start, start + n)
+
     def measure_lens(self, output: dict[str, Any]) -> dict[str, float]:
         """The lens metrics of one TRL generation batch (this process's rows of it; every process calls this).
 
@@ -186,19 +283,116 @@ class GRPOLensMixin:
         policy = self.accelerator.unwrap_model(self.model)
         if self._lens is None:
             self._lens = TrainerLens(policy, self.lens_settings)
-        R = self.num_generations
-        batch = rollout_batch_from_trl(output, R)
-        n = batch.num_rollouts
-        start = self.accelerator.process_index * n
-        if start % R:
-            raise ValueError(f"this process's share of TRL's batch ({n} completions) splits a group of "
-                             f"num_generations={R}; make the per-process generation batch a multiple of it")
-        rewards = self._lens_rewards[start:start + n].to(batch.completion_ids.device)
+        batch, rows = self._local_rows(output)
+        rewards = self._lens_rewards[rows].to(batch.completion_ids.device)
         valid = ~torch.isnan(rewards)
         advantages = output["advantages"].reshape(-1)
         with activation_checkpointing_off(policy):  # the gradient sketch needs the layers' own forward (TRL turns
             return self._lens.measure(int(self.state.global_step), policy, batch, rewards, valid, advantages)
 
+    def batch_metrics(self, output: dict[str, Any]) -> dict[str, float]:
+        """grpo-lens' reward, advantage and completion statistics of one generation batch, with grpo-lens'
+        definitions (:func:`grpo_lens.train.step_metrics.rollout_metrics`): the reward keys over every process's
+        rollouts, the advantage and completion keys over this process's."""
+        batch, rows = self._local_rows(output)
+        rewards = self._lens_rewards.to(batch.completion_ids.device)
+        local = rewards[rows]
+        out = rollout_metrics(local, ~torch.isnan(local), output["advantages"].reshape(-1).float(),
+                              batch.completion_mask, batch.truncated, self.num_generations)
+        out.update(reward_metrics(rewards, ~torch.isnan(rewards), self.num_generations))
+        return out
+
+    def write_completions(self, inputs: list[dict[str, Any]], output: dict[str, Any], step: int) -> None:
+        """Append the first ``lens_log_completions`` rollouts of this process's batch to completions.jsonl: prompt,
+        completion, reward, each reward function's value and advantage (the step whose update uses the batch)."""
+        tok = self.processing_class
+        batch, rows = self._local_rows(output)
+        for i in range(min(self.lens_log_completions, batch.num_rollouts)):
+            prompt = inputs[i]["prompt"]
+            text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
+            ids = batch.completion_ids[i][batch.completion_mask[i]]
+            j = rows.start + i
+            per_func = {name: _finite(self._lens_rewards_per_func[j, f])
+                        for f, name in enumerate(self.reward_func_names)}
+            self.lens_run.append_metrics({STEP: step, "prompt": text,
+                                          "completion": completion_text(tok.decode(ids, skip_special_tokens=True)),
+                                          "reward": _finite(self._lens_rewards[j]), "rewards": per_func,
+                                          "advantage": float(output["advantages"].reshape(-1)[i]),
+                                          "truncated": bool(batch.truncated[i])},
+                                         path=self.lens_run.completions_path)
+
+    def lens_record(self, logs: dict[str, Any]) -> dict[str, Any]:
+        """The metrics.jsonl record of one TRL log: the step, the window's batch metrics (averaged as TRL averages
+        its own), TRL's values of grpo-lens' quantities, and every logged key that is grpo-lens' own (the lens's)."""
+        record: dict[str, Any] = {STEP: int(self.state.global_step)}
+        for key, values in self._lens_window.items():
+            finite = [v for v in values if v is not None and math.isfinite(v)]
+            record[key] = sum(finite) / len(finite) if finite else None
+        self._lens_window.clear()
+        record.update(from_trl(logs))
+        record.update({k: v for k, v in logs.items() if k != STEP and is_defined(k, JSONL) and k not in record})
+        return record
+
+
+def _finite(value: torch.Tensor) -> float | None:
+    v = float(value)
+    return v if math.isfinite(v) else None
+
+
+class _LensCallback(TrainerCallback):
+    """The events the lens needs from TRL's trainer loop: the run directory at the start, S4 around the optimizer
+    step, the step's wall time, and one metrics.jsonl record per log."""
+
+    def __init__(self, trainer: GRPOLensMixin):
+        self.trainer = trainer
+        self._t0: float | None = None
+        self._seconds: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        t = self.trainer
+        if not t.accelerator.is_main_process:
+            return
+        run = t.lens_run
+        run.path.mkdir(parents=True, exist_ok=True)
+        if state.global_step > 0:  # resumed from a TRL checkpoint: keep the records up to it
+            run.truncate_metrics(int(state.global_step))
+        else:
+            for path in (run.metrics_path, run.completions_path):
+                path.unlink(missing_ok=True)
+        policy = t.accelerator.unwrap_model(t.model)
+        lora = getattr(policy, "peft_config", None)
+        rank = int(next(iter(lora.values())).r) if lora else 0
+        model = getattr(getattr(policy, "config", None), "_name_or_path", "") or type(policy).__name__
+        run.write_config(run_config(t.args, t.lens_settings, model=str(model), max_steps=int(state.max_steps),
+                                    lens_every=t.lens_every, lora_rank=rank, world_size=t.accelerator.num_processes))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        t = self.trainer
+        if t._lens is not None:
+            t._lens.before_step(t.accelerator.unwrap_model(t.model))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        if self._t0 is not None:
+            t._lens_window[PERF_STEP_SECONDS].append(time.perf_counter() - self._t0)
+        if t._lens is not None:
+            measured, t._lens_measured = t._lens_measured, False
+            for key, value in t._lens.after_step(int(state.global_step), t.accelerator.unwrap_model(t.model),
+                                                 measured).items():
+                if value is not None and math.isfinite(value):
+                    t._metrics["train"][key].append(float(value))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        t = self.trainer
+        if not logs or not t.accelerator.is_main_process or any(k.startswith("eval_") or k.startswith("train_")
+                                                                  for k in logs):
+            return
+        t.lens_run.append_metrics(t.lens_record(logs))
+
 
 class LensGRPOTrainer(GRPOLensMixin, GRPOTrainer):
-    """``trl.GRPOTrainer`` with grpo-lens' lens every ``lens_every`` steps (keywords of :class:`GRPOLensMixin`)."""
+    """``trl.GRPOTrainer`` with grpo-lens' lens every ``lens_every`` steps and a grpo-lens run directory (keywords of
+    :class:`GRPOLensMixin`)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from grpo_lens.config.base import ConfigFile, at_least, option
+from grpo_lens.config.base import ConfigFile, Names, at_least, option
 from grpo_lens.config.groups import (
+    EPS_NOTE,
     Advantage,
     Lens,
     Model,
@@ -29,6 +30,7 @@ class ProbeConfig(ConfigFile):
     """Settings of ``grpo-lens probe``; field help is the CLI help."""
 
     kind: ClassVar[str] = "probe"
+    names: ClassVar[Names] = Names(renamed={"eps": "std_eps"}, notes={"eps": EPS_NOTE})  # 0.2 name, until 0.3
 
     model: str = Model.model()
     task: str = TaskData.task()
@@ -47,7 +49,7 @@ class ProbeConfig(ConfigFile):
     estimator: str = Advantage.estimator()
     loss_aggregation: str = Advantage.loss_aggregation()
     std: str = Advantage.std()
-    eps: float = Advantage.eps()
+    std_eps: float = Advantage.std_eps()
     exact: bool = Lens.exact()
     sketch_dim: int = Lens.sketch_dim()
     gram_source: str = Lens.gram_source()

@@ -227,10 +227,10 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     gram, g, layer_rows, token_sq = measured.gram, measured.rows, measured.layer_rows.cpu(), measured.token_sq
     cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
     sq = gram.diagonal().view(1, R) if config.estimator == "optimal" else None
-    adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.eps,
+    adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps,
                              grad_sq_norms=sq)[0]
     # gram [R, R]: every per-group key is a function of it
-    row = analyse_group(gram, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.eps,
+    row = analyse_group(gram, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.std_eps,
                         completion_mask=cmask, completion_ids=cids, num_random=config.random_draws, seed=seed)
     layer_g = layer_rows.double()
     row.update(g1_rank_keys(layer_g @ layer_g.T, adv, "g1_layer"))
@@ -434,7 +434,7 @@ def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig) -> dic
         out["credit"] = run_credit_study(
             policy, tokenizer, task, reward_fns, groups=config.credit_groups,
             max_prompts=6 * config.credit_groups, mc_groups=config.mc_groups, mc_samples=config.mc_samples,
-            std=config.std, eps=config.eps, **common)
+            std=config.std, eps=config.std_eps, **common)
     return out
 
 
@@ -500,7 +500,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
             "sketch_check": check_summary,
             "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
-            "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.eps,
+            "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.std_eps,
             "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
             "seconds": time.perf_counter() - t0, "studies_seconds": t_studies,
             "config": {f.name: getattr(config, f.name) for f in fields(config)}}

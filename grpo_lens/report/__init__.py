@@ -6,6 +6,7 @@ under "Findings" is computed from those numbers; nothing is hard-coded. This mod
 (:func:`write_report`): the claims table (:func:`claims_section`, verdicts from :mod:`grpo_lens.claims`), the training
 section (:func:`training_section`) and one section per probe (:func:`probe_section`). Beside it:
 
+answers            the report's opening: one line per decided claim, the undecided ones grouped by what decides them
 training_measures  entropy, sparsity over training, the lens's cost and dynamic sampling, from metrics.jsonl
 studies            a probe's studies: S1 predicted, baselines at matched expectation, token credit
 plots              the PNGs
@@ -76,6 +77,7 @@ from grpo_lens.metrics import (
     zero_sum_key,
 )
 from grpo_lens.report import plots
+from grpo_lens.report.answers import answers_section
 from grpo_lens.report.format import ci, fmt
 from grpo_lens.report.studies import studies_section
 from grpo_lens.report.training_measures import (
@@ -197,6 +199,9 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                          if estimator in ("optimal", "reinforce") else
                          "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
                          "rollout under overlong masking)") + ".", ""]
+    if any(r.get(rank_key("g1", "erank")) is not None for r in lens_steps):
+        plots.plot_rank_over_training(records, run_dir / "rank_over_training.png")
+        lines += ["![rank over training](rank_over_training.png)", ""]
     s1 = [r.get(REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
     s1_head, s1_tail = _mean(s1[:w]), _mean(s1[n - w:])
     if trend and s1_head is not None and s1_tail is not None:
@@ -221,7 +226,9 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     if base_rows:
         lines += ["### Baselines", "",
                   "b* = sum ||g_i||^2 r_i / sum ||g_i||^2 is the variance-optimal constant baseline; it equals the "
-                  "group mean exactly when ||g||^2 does not depend on the reward (m_C = m_W).", ""]
+                  "group mean exactly when ||g||^2 does not depend on the reward (m_C = m_W). Both are means over "
+                  "the step's mixed groups only (groups whose rewards are all equal have no gradient), so the group "
+                  "mean here is not the step's accuracy or mean reward.", ""]
         plots.plot_baselines(records, run_dir / "baselines.png")
         lines += ["![baselines](baselines.png)", "",
                   "| step | b* | group mean | m_C | m_W | m_C / m_W |", "|---|---|---|---|---|---|"]
@@ -546,6 +553,8 @@ def write_report(run_dir: Path) -> Path:
         body += ["## Before vs after training", "", "![erank vs R, before and after](erank_vs_R.png)", ""]
 
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
+    if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
+        header += answers_section(probes, records, lora_rank)  # the answers first, the full table below
     if records and estimator:
         header += [f"Advantage estimator: `{estimator}` (baseline: {ESTIMATOR_BASELINES.get(estimator, 'see docs')}"
                    + (f"; std convention `{cfg.get('std')}`" if estimator == "grpo" and cfg.get("std") else "")

@@ -31,15 +31,20 @@ from grpo_lens.metrics import (
     DYNAMIC_HIT_CAP,
     DYNAMIC_KEPT_REWARD_MEAN,
     DYNAMIC_MIXED_GROUPS,
+    EVAL_GREEDY_ACCURACY,
+    EVAL_SAMPLED_ACCURACY,
+    JSONL,
     POLICY_ENTROPY,
     REWARD_ACCURACY,
     REWARD_FRAC_ZERO_STD_GROUPS,
     REWARD_MEAN,
     SPARSITY_UPDATE_TOTAL,
     STEP,
+    lookup,
     rank_key,
 )
 from grpo_lens.report.format import fmt_sig
+from grpo_lens.report.plots import integer_ticks
 from grpo_lens.report.training_measures import dynamic_sampling_summary
 from grpo_lens.rundir import RunDirError, read_records
 
@@ -47,6 +52,8 @@ from grpo_lens.rundir import RunDirError, read_records
 COMPARED = (
     (REWARD_MEAN, "reward"),
     (REWARD_ACCURACY, "accuracy"),
+    (EVAL_GREEDY_ACCURACY, "held-out accuracy, greedy (--eval-every)"),
+    (EVAL_SAMPLED_ACCURACY, "held-out accuracy, sampled (--eval-every)"),
     (POLICY_ENTROPY, "policy entropy (nats/token)"),
     (REWARD_FRAC_ZERO_STD_GROUPS, "S1: zero-variance groups"),
     (DYNAMIC_MIXED_GROUPS, "mixed groups trained on (dynamic sampling)"),
@@ -62,7 +69,7 @@ COMPARED = (
 
 #: Config fields that say how a run was executed, not what it computes: never reported as differences.
 IGNORED_FIELDS = ("out", "resume", "overwrite", "progress", "device", "report_to", "log_completions",
-                  "checkpoint_every", "keep_checkpoints", "save_final_model", "reward_timeout")
+                  "checkpoint_every", "keep_checkpoints", "save_final_model", "reward_timeout", "metric_names")
 
 
 #: Config fields that define the task: runs must agree on them unless ``allow_different_tasks``.
@@ -125,24 +132,32 @@ def _label(paths: list[Path]) -> list[str]:
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str, str]], path: Path) -> Path:
-    """One panel per metric, one line per run (markers on lens keys, which exist only on lens steps)."""
+    """One panel per metric, one line per run in the same colour in every panel (markers on lens keys, which exist
+    only on lens steps), the metric's unit on the y axis, integer step ticks and one legend for the figure."""
     matplotlib.use("Agg")
-
     cols = 2
     rows = math.ceil(len(metrics) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows + 0.4), squeeze=False)
+    colours = {run: f"C{i}" for i, run in enumerate(runs)}
+    handles = {}
     for ax, (key, label) in zip(axes.flat, metrics):
         for run, records in runs.items():
             pts = [(r[STEP], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if pts:
-                ax.plot(*zip(*pts), marker="o" if len(pts) < 12 else None, ms=3, label=run)
+                (line,) = ax.plot(*zip(*pts), marker="o" if len(pts) < 12 else None, ms=3, color=colours[run],
+                                  label=run)
+                handles.setdefault(run, line)
+        found = lookup(key, JSONL)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
+        ax.set_ylabel(found[0].unit if found else key, fontsize=8)
+        integer_ticks(ax)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="upper center", ncol=min(len(handles), 4), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / (3.2 * rows + 0.4)))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

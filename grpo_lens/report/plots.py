@@ -1,7 +1,8 @@
 """PNG plots for the report, drawn from run-directory records only (metrics.jsonl, probe.json).
 
 Images are kept small (about 6.4 x 3.6 inches at 90 dpi, well under 300 KB) so that a Markdown viewer shows them
-inline.
+inline. Every axis says what it measures and in which unit; integer axes (steps, group sizes, indices) get integer
+ticks; a series keeps one colour in every panel of a figure, and a legend appears wherever series differ.
 """
 
 from __future__ import annotations
@@ -62,10 +63,25 @@ def _legend(ax, **kw) -> None:
         ax.legend(**kw)
 
 
+#: x-axis labels of whole-number axes: they get integer ticks (no 1.5 on a short run).
+INTEGER_AXES = ("step", "index k", "completion token position")  # R axes set their own ticks
+
+
+def integer_ticks(ax) -> None:
+    """Whole-number ticks on the x axis; a range under 2 (one step drawn) is widened to +-1 around its centre, where
+    matplotlib would otherwise fall back to fractional ticks."""
+    lo, hi = ax.get_xlim()
+    if hi - lo < 2:
+        mid = round((lo + hi) / 2)
+        ax.set_xlim(mid - 1, mid + 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _save(fig, path: Path) -> Path:
-    for ax in fig.axes:  # steps are whole numbers: no 1.5 ticks on a short run
-        if ax.get_xlabel() == "step" or any(a.get_xlabel() == "step" for a in ax.get_shared_x_axes().get_siblings(ax)):
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in fig.axes:  # steps and indices are whole numbers: no 1.5 ticks
+        siblings = ax.get_shared_x_axes().get_siblings(ax)
+        if ax.get_xlabel() in INTEGER_AXES or any(a.get_xlabel() in INTEGER_AXES for a in siblings):
+            integer_ticks(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -126,6 +142,7 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
         a1.plot(xs, ys, color="gray", alpha=0.5, label="accuracy")
     a1.set_title("zero-variance groups (S1)", fontsize=9)
     a1.set_xlabel("step")
+    a1.set_ylabel("share of groups (accuracy: of rollouts)")
     a1.set_ylim(-0.02, 1.02)
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
@@ -136,6 +153,7 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
             a2.plot(xs, ys, marker=".", label=label, linestyle="--" if "dense" in key else "-")
     a2.set_title("bf16 update sparsity (S4)", fontsize=9)
     a2.set_xlabel("step")
+    a2.set_ylabel("share of parameters unchanged")
     a2.set_ylim(-0.02, 1.02)
     _legend(a2, fontsize=7)
     a2.grid(alpha=0.3)
@@ -150,7 +168,8 @@ def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
         if xs:
             a1.plot(xs, ys, marker="o", label=label)
     a1.set_xlabel("step")
-    a1.set_title("baseline (mixed groups)", fontsize=9)
+    a1.set_ylabel("reward units")
+    a1.set_title("baseline, mean over mixed groups only", fontsize=9)
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
     for key, label in [(BASELINE_M_CORRECT, "m_C (correct)"), (BASELINE_M_WRONG, "m_W (wrong)")]:
@@ -158,6 +177,7 @@ def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
         if xs:
             a2.plot(xs, ys, marker="o", label=label)
     a2.set_xlabel("step")
+    a2.set_ylabel("squared gradient norm (sketch)")
     a2.set_title("mean ||g||^2 by outcome", fontsize=9)
     a2.set_yscale("log")
     _legend(a2, fontsize=7)
@@ -172,34 +192,41 @@ G1_LINES = (("G1", "g1"), ("orthogonal null", "g1_null"), ("G1_no_adv", "g1_no_a
 
 def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, measure: str = "erank") -> Path:
     """Effective rank vs R for G1, its orthogonal null and its controls (mean and 95% bootstrap interval over
-    groups), one colour per matrix, one line style per probe (before/after).
+    groups): one colour per matrix, the same in every probe; each probe (before / after) its own marker fill and line
+    style, named in the legend; the matrices' points are spread a little along x so that with one R (or equal values)
+    they do not hide one another.
 
     Args:
         probes: label -> probe.json content.
     """
     fig, ax = plt.subplots(figsize=SIZE)
-    styles = ["-", "--", ":"]
-    for (label, probe), style in zip(probes.items(), styles):
+    styles = [("-", "full"), ("--", "none"), (":", "left")]
+    rs_all = sorted({int(r) for p in probes.values() for r in p["per_group_size"]})
+    spacing = min((b - a for a, b in zip(rs_all, rs_all[1:])), default=2)
+    width = 0.3 * spacing  # the spread of one R's points: under a third of the gap to the next R
+    n_series = len(G1_LINES) * len(probes)
+    for pi, ((label, probe), (style, fill)) in enumerate(zip(probes.items(), styles)):
         per_r = probe["per_group_size"]
         rs = sorted(per_r, key=int)
         for mi, (name, stem) in enumerate(G1_LINES):
             xs, ys, lo, hi = [], [], [], []
+            offset = width * ((mi * len(probes) + pi) / max(n_series - 1, 1) - 0.5)
             for r in rs:
                 stats = per_r[r].get(PROBE_SUMMARY, {}).get(rank_key(stem, measure))
                 if stats and stats.get("mean") is not None:
-                    xs.append(int(r))
+                    xs.append(int(r) + offset)
                     ys.append(stats["mean"])
                     lo.append(stats["mean"] - (stats["lo"] if stats.get("lo") is not None else stats["mean"]))
                     hi.append((stats["hi"] if stats.get("hi") is not None else stats["mean"]) - stats["mean"])
             if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], linestyle=style, marker="o", capsize=3, color=f"C{mi}",
-                            label=f"{name} ({label})")
-    rs_all = sorted({int(r) for p in probes.values() for r in p["per_group_size"]})
+                ax.errorbar(xs, ys, yerr=[lo, hi], linestyle=style, marker="o", fillstyle=fill, capsize=3,
+                            color=f"C{mi}", label=f"{name}, {label}" if len(probes) > 1 else name)
     if rs_all:
-        ax.plot(rs_all, [2] * len(rs_all), color="k", alpha=0.3, linewidth=1, label="2")
+        ax.axhline(2, color="k", alpha=0.3, linewidth=1, label=f"{measure} = 2 (the rank-2 claim)")
         ax.set_xticks(rs_all)
+        ax.set_xlim(rs_all[0] - spacing / 2, rs_all[-1] + spacing / 2)
     ax.set_xlabel("group size R")
-    ax.set_ylabel(measure)
+    ax.set_ylabel(f"{measure} (dimensionless)")
     ax.set_title(f"{measure} of G1 vs R (95% bootstrap intervals over groups)", fontsize=9)
     _legend(ax, fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
@@ -220,7 +247,7 @@ def plot_spectra(probe: dict[str, Any], path: Path, matrix: str = "G1") -> Path:
             mean.append(sum(vals) / len(vals) if vals else 0.0)
         ax.semilogy(range(1, k + 1), [max(v, 1e-8) for v in mean], marker="o", label=f"R={r}")
     ax.set_xlabel("index k")
-    ax.set_ylabel("s_k / s_1 (mean over groups)")
+    ax.set_ylabel("s_k / s_1, mean over groups (ratio)")
     ax.set_title(f"singular-value spectra of {matrix}", fontsize=9)
     _legend(ax, fontsize=7)
     ax.grid(alpha=0.3)
@@ -242,7 +269,8 @@ def plot_baseline_variance(probe: dict[str, Any], path: Path) -> Path:
         ax.bar([j + i * width for j in range(len(rs))], ys, width=width, label=name)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rs))])
     ax.set_xticklabels([f"R={r}" for r in rs])
-    ax.set_ylabel("Var / Var(optimal)")
+    ax.set_xlabel("group size")
+    ax.set_ylabel("Var / Var(optimal) (ratio)")
     ax.set_yscale("log")
     ax.set_title("gradient variance by baseline", fontsize=9)
     _legend(ax, fontsize=7)
@@ -258,7 +286,7 @@ def plot_credit_profile(probe: dict[str, Any], path: Path) -> Path:
         if prof:
             ax.plot(range(1, len(prof) + 1), prof, marker=".", label=f"R={r}")
     ax.set_xlabel("completion token position")
-    ax.set_ylabel("mean per-token gradient norm")
+    ax.set_ylabel("mean per-token gradient norm (sketch)")
     ax.set_title("where the gradient sits along a completion", fontsize=9)
     _legend(ax, fontsize=7)
     ax.grid(alpha=0.3)

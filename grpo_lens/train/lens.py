@@ -80,7 +80,7 @@ class TrainerLens:
 
     Args:
         policy: the model being trained.
-        config: a :class:`grpo_lens.config.TrainConfig` (uses sketch_dim, seed, std, eps, temperature, top_k,
+        config: a :class:`grpo_lens.config.TrainConfig` (uses sketch_dim, seed, std, std_eps, temperature, top_k,
             top_p).
 
     Metric keys written (named in :mod:`grpo_lens.metrics`, documented in docs/metrics.md):
@@ -173,7 +173,7 @@ class TrainerLens:
             for j, b in enumerate(mixed):
                 rows.append(analyse_group(
                     gram[j * R:(j + 1) * R, j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
-                    std=c.std, eps=c.eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
+                    std=c.std, eps=c.std_eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
                     completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4,
                     seed=c.seed + step * 1009 + b))
         # every process's groups: the lens describes the whole batch, not rank 0's share

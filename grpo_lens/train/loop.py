@@ -77,9 +77,11 @@ from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
+from grpo_lens.train.evaluate import Evaluation
 from grpo_lens.train.lens import TrainerLens, scores_from_update_rows
 from grpo_lens.train.memory import _peak_memory_mb
 from grpo_lens.train.processes import Processes, gather_objects, setup_processes
+from grpo_lens.train.schedule import LRSchedule
 from grpo_lens.train.step_metrics import (
     _pad_to,
     accuracy_metrics,
@@ -106,7 +108,7 @@ class NoScorableRolloutError(RuntimeError):
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
                   "log_completions", "device", "report_to",
-                  "reward_timeout", "max_consecutive_skips")
+                  "reward_timeout", "max_consecutive_skips", "metric_names")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -152,8 +154,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     procs = setup_processes(config.device)
     run = RunDir(config.out)
     config, task, reward_fns, ckpt = check_before_writing(config, run, procs)  # read-only: --out is untouched
+    evaluation = Evaluation.start(config, task)  # the held-out prompts (a missing split fails here)
     models = build_models(config, procs)
     check_prompts(config, task, models)  # every prompt formats and fits the model's context: still read-only
+    schedule = LRSchedule(models.optimizer, config)  # the LR is a function of the step: resumes need no state
     if lens is None and config.lens_every > 0:
         lens = TrainerLens(models.policy, config)
     state = open_run(run, config, procs, models, lens, ckpt)  # writes --out (a new run, or resumes from ckpt)
@@ -161,6 +165,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
 
     for step in range(state.step + 1, config.max_steps + 1):
         t0 = time.perf_counter()
+        schedule.apply(step)  # --lr-scheduler with its warm-up
         # 1. prompts, rollouts and their rewards (with --dynamic-sampling: extra rounds until B mixed groups)
         rollouts = sample_step(config, procs, task, reward_fns, models, step)
         # 2. advantages: one scalar per rollout (with --estimator optimal: b* weighted by sketched gradient norms)
@@ -182,6 +187,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
         parts = [update_metrics, lens_metrics, baseline_metrics, {LR: models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
+        if evaluation is not None:  # --eval-every: held-out accuracy after the update
+            record.update(evaluation(step, models.policy, models.tokenizer, procs.device))
         if procs.is_main:
             logs.write(step, record, rollouts, advantages, config.log_completions)
         stop_after_skips(state, config, procs, run, step)  # before any checkpoint of this step
@@ -542,7 +549,7 @@ def step_advantages(config: TrainConfig, procs: Processes, policy: torch.nn.Modu
         t_b = time.perf_counter()
         grad_sq_norms = optimal_baseline_weights(config, procs, policy, rollouts)
         metrics[PERF_OPTIMAL_BASELINE_SECONDS] = time.perf_counter() - t_b
-    advantages = compute_advantages(rewards.float(), config.estimator, std=config.std, eps=config.eps, mask=valid,
+    advantages = compute_advantages(rewards.float(), config.estimator, std=config.std, eps=config.std_eps, mask=valid,
                                     grad_sq_norms=grad_sq_norms).view(-1)
     if config.estimator == "optimal":
         metrics.update(optimal_baseline_metrics(procs, rewards, valid, advantages.view(-1, R)))
@@ -683,7 +690,9 @@ class StepLogs:
         self.run.append_metrics(record)
         if self.trackers is not None:
             self.trackers.log(record, step)
-        _log_completions(self.run, step, rollouts.batch, rollouts.rewards, advantages, n_completions)
+        rows = _log_completions(self.run, step, rollouts.batch, rollouts.rewards, advantages, n_completions)
+        if self.trackers is not None:
+            self.trackers.log_completions(rows, step)
         crash_point("after_metrics_write", step)
         if self.progress is not None:
             self.progress.set_postfix(reward=f"{record[REWARD_MEAN]:.3f}", sec=f"{record[PERF_STEP_SECONDS]:.1f}")
@@ -778,17 +787,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
-                     n: int) -> None:
+                     n: int) -> list[dict[str, Any]]:
     """Append the first ``n`` rollouts' prompt, completion, reward [N], advantage [N] and truncation to
-    completions.jsonl."""
+    completions.jsonl; returns the rows."""
     R = batch.group_size
+    rows = []
     for i in range(min(n, batch.num_rollouts)):
         prompt = batch.prompts[i // R]
         text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
-        run.append_metrics({STEP: step, "prompt": text, "completion": batch.completions[i],
-                            "reward": float(rewards[i]), "advantage": float(advantages[i]),
-                            "truncated": bool(batch.truncated[i])},
-                           path=run.completions_path)
+        rows.append({STEP: step, "prompt": text, "completion": batch.completions[i],
+                     "reward": float(rewards[i]), "advantage": float(advantages[i]),
+                     "truncated": bool(batch.truncated[i])})
+        run.append_metrics(rows[-1], path=run.completions_path)
+    return rows
 
 
 def _progress(config: TrainConfig, start: int, procs: Processes):

@@ -168,7 +168,7 @@ def test_refused_name_is_an_error_naming_what_to_use(tmp_path):
         config_from_args(_parse(["--lens-sketch-dim", "8"], Refusing), Refusing)
     # one config's names never reach another
     assert "lens_sketch_dim" in TrainConfig.names.renamed and "lens_sketch_dim" not in TrainConfig.names.refused
-    assert not ProbeConfig.names.renamed and not ProbeConfig.names.refused
+    assert "lens_sketch_dim" not in ProbeConfig.names.renamed and not ProbeConfig.names.refused
 
 
 def test_names_register_once():

@@ -20,18 +20,25 @@ def parity(completions, **kwargs):
     return [float(sum(c.encode()) % 2) for c in completions]
 
 
-def make_trainer(tmp_path, cls, **lens):
+TRL_ARGS = ("max_steps", "steps_per_generation", "per_device_train_batch_size")
+
+
+def make_trainer(tmp_path, cls, **kwargs):
     from datasets import Dataset
     from trl import GRPOConfig
 
     from grpo_lens.models import build_tiny_model
 
+    trl_args = {k: kwargs.pop(k) for k in TRL_ARGS if k in kwargs}
+    lens = kwargs
     model, tok = build_tiny_model(seed=0)
     data = Dataset.from_dict({"prompt": [f"What is {a} + {a + 1}?" for a in range(16)]})
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2 * R, num_generations=R,
-                      max_completion_length=6, max_steps=2, logging_steps=1, learning_rate=1e-2, loss_type="grpo",
-                      scale_rewards="group", temperature=0.9, beta=0.0, report_to="none", use_cpu=True,
-                      save_strategy="no", seed=0, bf16=False, disable_tqdm=True, dataloader_num_workers=0)
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), **{"per_device_train_batch_size": 2 * R, "max_steps": 2,
+                                                          **trl_args},
+                      num_generations=R, max_completion_length=6, logging_steps=1, learning_rate=1e-2,
+                      loss_type="grpo", scale_rewards="group", temperature=0.9, beta=0.0, report_to="none",
+                      use_cpu=True, save_strategy="no", seed=0, bf16=False, disable_tqdm=True,
+                      dataloader_num_workers=0)
     return cls(model=model, reward_funcs=parity, args=args, train_dataset=data, processing_class=tok, **lens)
 
 
@@ -96,3 +103,53 @@ def test_bad_lens_settings_fail_before_training(tmp_path):
         make_trainer(tmp_path, LensGRPOTrainer, lens_every=0)
     with pytest.raises(ValueError, match="lens_space"):
         make_trainer(tmp_path, LensGRPOTrainer, lens_space="adapter")
+
+
+def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
+    """A TRL run with steps_per_generation = 2 (TRL generates at global steps 0, 2, 4) and lens_every = 3: the lens
+    takes the first batch at or after each due step, global steps 0 and 4 (logged at steps 1 and 5); the old test
+    ``global_step % lens_every == 0`` met a generation only at step 0. The folder then holds config.yaml,
+    metrics.jsonl (grpo-lens keys, one record per logging step) and completions.jsonl, and ``grpo-lens report``
+    writes a report with the claims on it, S4 included."""
+    import json
+
+    import yaml
+
+    from grpo_lens.integrations.trl import LensGRPOTrainer
+    from grpo_lens.metrics import (
+        PERF_STEP_SECONDS,
+        RANK_MIXED_GROUPS,
+        REWARD_FRAC_ZERO_STD_GROUPS,
+        REWARD_MEAN,
+        REWARD_STD,
+        SPARSITY_UPDATE_STEP,
+        STEP,
+    )
+    from grpo_lens.report import write_report
+
+    trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_every=3, lens_sketch_dim=4, max_steps=6,
+                           steps_per_generation=2, per_device_train_batch_size=R)
+    trainer.train()
+    out = tmp_path / "trl"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r[STEP] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, r in zip(range(1, 7), records) if RANK_MIXED_GROUPS in r] == [1, 5]
+    assert SPARSITY_UPDATE_STEP in records[0] and SPARSITY_UPDATE_STEP in records[4]
+    # a batch's reward statistics go with the step that generated it (TRL logs its own there too): steps 1, 3, 5
+    assert [r[STEP] for r in records if REWARD_MEAN in r] == [1, 3, 5]
+    trl_logs = [h for h in trainer.state.log_history if "reward_std" in h]
+    for r, h in zip([r for r in records if REWARD_MEAN in r], trl_logs):
+        assert 0 <= r[REWARD_FRAC_ZERO_STD_GROUPS] <= 1 and r[REWARD_MEAN] == pytest.approx(h["reward"], abs=1e-6)
+        # TRL's reward_std is the sample std over the batch's N = 2 R rewards, ours the population std:
+        # TRL's = ours * sqrt(N / (N - 1))
+        assert h["reward_std"] == pytest.approx(r[REWARD_STD] * (2 * R / (2 * R - 1)) ** 0.5, rel=1e-4)
+    for r in records:
+        assert r[PERF_STEP_SECONDS] > 0
+        assert "reward" not in r and "grad_norm" not in r, "TRL's names are read into grpo-lens' keys"
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["trainer"] == "trl" and config["group_size"] == R and config["mu"] == 1
+    assert config["trl"]["num_generations"] == R and config["loss_aggregation"] == "seq-mean-token-mean"
+    completions = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert completions and set(completions[0]["rewards"]) == {"parity"}
+    report = write_report(out).read_text()
+    assert "## Claims: sparsity over training" in report and "### Sparsity over training" in report

@@ -1,0 +1,131 @@
+"""TRL's ``GRPOConfig`` names for grpo-lens' settings, accepted as YAML keys and flags (``--num-generations 4``).
+
+Where TRL's setting means what a grpo-lens field means, its name is an :class:`grpo_lens.config.base.Alias` that sets
+that field (no warning); where the value has no grpo-lens meaning (``scale_rewards: batch``, ``loss_type: cispo``),
+or the setting itself has none (``gradient_accumulation_steps``, ``use_vllm``), the error names the grpo-lens option
+to use instead. TRL names that equal grpo-lens' own (``beta``, ``temperature``, ``top_p``, ``top_k``,
+``learning_rate``, ``max_steps``, ``seed``, ``weight_decay``, ``adam_beta1``, ``adam_beta2``, ``max_grad_norm``,
+``report_to``, ``warmup_ratio``, ``warmup_steps``) are the fields themselves. Names are read from trl 1.16.
+
+=============================  ==============================================================================
+TRL                            grpo-lens
+=============================  ==============================================================================
+num_generations                group_size (R)
+max_completion_length          max_new_tokens
+num_iterations                 mu
+epsilon                        eps_low, and eps_high unless epsilon_high / eps_high is given (as in TRL)
+epsilon_high                   eps_high
+loss_type                      loss_aggregation: grpo -> seq-mean-token-mean, bnpo / dapo -> token-mean,
+                               dr_grpo -> seq-mean-token-sum-norm
+scale_rewards                  estimator: group (or true) -> grpo, none (or false) -> dr_grpo
+mask_truncated_completions     overlong: true -> mask, false -> none
+lr_scheduler_type              lr_scheduler
+per_device_train_batch_size    rollout_batch_size = per_device_train_batch_size x steps_per_generation (one
+                               process: grpo-lens' rollout_batch_size counts every process's rollouts)
+steps_per_generation           num_mini_batches (optimizer steps per generation batch)
+output_dir                     out
+=============================  ==============================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from grpo_lens.config.base import Alias, ConfigError, Names
+
+LIBRARY = "TRL"
+
+#: TRL's loss_type -> grpo-lens' loss aggregation with the same token weights (docs/theory.md §3).
+LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+              "dr_grpo": "seq-mean-token-sum-norm"}
+
+
+def _same(field: str) -> Alias:
+    """A TRL name for exactly the grpo-lens field ``field``."""
+    return Alias(LIBRARY, lambda value, given: {field: value}, flag_type=_FLAG_TYPES.get(field, str))
+
+
+_FLAG_TYPES = {"group_size": int, "max_new_tokens": int, "mu": int, "eps_low": float, "eps_high": float,
+               "num_mini_batches": int}
+
+
+def _epsilon(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if "epsilon_high" in given or "eps_high" in given:
+        return {"eps_low": value}
+    return {"eps_low": value, "eps_high": value}  # TRL: epsilon_high defaults to epsilon
+
+
+def _loss_type(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if value not in LOSS_TYPES:
+        raise ConfigError(f"TRL's loss_type {value!r} changes the policy loss itself, which grpo-lens does not "
+                          f"implement; grpo-lens takes loss_type {', '.join(LOSS_TYPES)}, or set the aggregation "
+                          f"directly with --loss-aggregation")
+    return {"loss_aggregation": LOSS_TYPES[value]}
+
+
+def _scale_rewards(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if value in ("group", True, "true", "True"):
+        return {"estimator": "grpo"}
+    if value in ("none", False, "false", "False"):
+        return {"estimator": "dr_grpo"}
+    raise ConfigError(f"TRL's scale_rewards {value!r}: grpo-lens scales advantages by the group's std (scale_rewards "
+                      f"group, --estimator grpo) or not at all (scale_rewards none, --estimator dr_grpo); a batch-wide "
+                      f"std has no grpo-lens estimator")
+
+
+def _mask_truncated(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    return {"overlong": "mask" if value else "none"}
+
+
+def _per_device_batch(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    steps = given.get("steps_per_generation") or 1
+    if not isinstance(value, int) or not isinstance(steps, int):
+        raise ConfigError(f"TRL's per_device_train_batch_size = {value!r} (steps_per_generation = {steps!r}): must "
+                          f"be integers")
+    return {"rollout_batch_size": value * steps}
+
+
+#: TRL's name -> its translation.
+ALIASES = {
+    "num_generations": _same("group_size"),
+    "max_completion_length": _same("max_new_tokens"),
+    "num_iterations": _same("mu"),
+    "epsilon": Alias(LIBRARY, _epsilon, flag_type=float),
+    "epsilon_high": _same("eps_high"),
+    "loss_type": Alias(LIBRARY, _loss_type),
+    "scale_rewards": Alias(LIBRARY, _scale_rewards),
+    "mask_truncated_completions": Alias(LIBRARY, _mask_truncated, flag_type=bool),
+    "lr_scheduler_type": _same("lr_scheduler"),
+    "per_device_train_batch_size": Alias(LIBRARY, _per_device_batch, flag_type=int),
+    "steps_per_generation": _same("num_mini_batches"),
+    "output_dir": _same("out"),
+}
+
+#: TRL names with no grpo-lens counterpart -> what to use instead.
+REFUSED = {
+    "gradient_accumulation_steps": "grpo-lens accumulates gradients by itself: --micro-batch-size sets the rollouts "
+                                   "per forward/backward (the gradient does not depend on it), and one optimizer "
+                                   "step is taken per mini-batch (--num-mini-batches)",
+    "use_vllm": "grpo-lens samples with transformers' generate; there is no vLLM option",
+    "generation_batch_size": "the rollouts per step are --rollout-batch-size (or --prompts-per-step x --group-size)",
+}
+
+
+def register_trl_names(names: Names, fields: set[str]) -> None:
+    """Add TRL's names to a config's ``names``: the aliases whose every target is one of the config's ``fields``,
+    and the refusals. A name the config already has (renamed or refused) is left as it is."""
+    probe = {}
+    for name, alias in ALIASES.items():
+        try:
+            probe = alias.translate(_SAMPLE.get(name, 1), {})
+        except ConfigError:
+            probe = {}
+        known = set(names.renamed) | set(names.refused) | set(names.aliases) | fields
+        if probe and set(probe) <= fields and name not in known:
+            names.alias(name, alias)
+    for name, use in REFUSED.items():
+        if name not in set(names.renamed) | set(names.refused) | set(names.aliases) | fields:
+            names.refuse(name, f"it is TRL's name, and {use}")
+
+
+_SAMPLE = {"loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": True}  # values that translate

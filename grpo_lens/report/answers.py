@@ -1,0 +1,61 @@
+"""The report's opening: one line per decided claim (verdict, the claim, where, the number that decided it), then
+the undecided ones grouped by what would decide them.
+
+The lines are the claims' own records (:func:`grpo_lens.claims.base.evaluate_claims`): a claim's ``rule`` text holds
+the numbers its rule compared (the interval and the bound, or the count that fell short), so nothing here
+re-derives a verdict. Undecided claims (inconclusive) that share a claim and a reason are one line listing their
+scopes: a reader sees in a few lines which claims were decided and, for the rest, the one thing that would decide
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_lens.claims.base import INCONCLUSIVE, Claim, evaluate_claims
+from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+
+
+def claim_sources(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None,
+                  lora_rank: int = 0) -> dict[str, list[Claim]]:
+    """{source label: its claims}: ``training`` (the run's records) first, then each probe."""
+    sources: dict[str, list[Claim]] = {}
+    if records:
+        sources["training"] = evaluate_claims({"records": records, "lora_rank": lora_rank}, list(TRAINING_CLAIMS))
+    for label, probe in probes.items():
+        sources[label] = evaluate_claims(probe)
+    return sources
+
+
+def answer_lines(sources: dict[str, list[Claim]]) -> list[str]:
+    """The Markdown lines of the answers: decided claims one per line, then the undecided ones grouped."""
+    multi = len(sources) > 1
+    decided, undecided = [], {}
+    for label, claims in sources.items():
+        for c in claims:
+            where = f"{label}, {c.scope}" if multi and not c.scope.startswith(label) else c.scope
+            if c.verdict == INCONCLUSIVE:
+                undecided.setdefault((c.claim, c.rule), []).append(where)
+            else:
+                decided.append(f"- **{c.verdict}**: {c.claim} ({where}): {c.rule}")
+    lines = ["## Answers", ""]
+    if decided:
+        lines += ["Decided (verdict: claim (where): the numbers the rule compared):", "", *decided, ""]
+    if undecided:
+        lines += ["Not decided (inconclusive), with what would decide them:", ""]
+        lines += [f"- {claim} ({'; '.join(wheres)}): {rule}" for (claim, rule), wheres in undecided.items()]
+        lines.append("")
+    if not decided and not undecided:
+        lines += ["No claim could be evaluated on this run.", ""]
+    lines += ["The full claims table, with each measurement, its control and the rule, follows the config.", ""]
+    return lines
+
+
+def answers_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None,
+                    lora_rank: int = 0) -> list[str]:
+    """The report's first section (:func:`answer_lines` of :func:`claim_sources`); empty when the run has neither a
+    probe nor lens records."""
+    sources = claim_sources(probes, records, lora_rank)
+    if not any(sources.values()):
+        return []
+    return answer_lines(sources)

@@ -1,0 +1,63 @@
+"""The learning-rate schedule of ``grpo-lens train``: transformers' schedulers, as a function of the step.
+
+``--lr-scheduler`` (constant, linear, cosine) with ``--warmup-steps`` or ``--warmup-ratio`` names the scheduler of
+``transformers.get_scheduler`` (``constant_with_warmup``, ``linear``, ``cosine``) over ``max_steps`` steps, the
+schedules TRL's ``lr_scheduler_type`` and ``warmup_ratio`` select. The LR of step s (1-based) is
+``learning_rate × lambda(s − 1)``, lambda the scheduler's multiplier, set before the step's first optimizer step and
+held for its mu × num_mini_batches optimizer steps. As in transformers, the first warm-up step has LR 0.
+
+Resuming: the LR is a function of the step alone, so a resumed run sets the LR of its next step from the checkpoint's
+step and follows the unbroken run's sequence exactly (tests/train/test_schedule.py); nothing else needs saving. A
+resumed run given a larger ``--max-steps`` stretches a decaying schedule from that step on (the horizon is
+``max_steps``), as a longer run would have had it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import get_scheduler
+
+#: ``lr_scheduler`` -> the name transformers' ``get_scheduler`` knows (each takes a warm-up).
+TRANSFORMERS_SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def warmup_steps(config: Any) -> int:
+    """Warm-up steps: ``ceil(warmup_ratio × max_steps)`` when the ratio is set (as transformers rounds it), else
+    ``warmup_steps``."""
+    if config.warmup_ratio is not None:
+        return math.ceil(config.warmup_ratio * config.max_steps)
+    return int(config.warmup_steps)
+
+
+class LRSchedule:
+    """Sets the optimizer's LR of each step from transformers' scheduler of ``config.lr_scheduler``.
+
+    Args:
+        optimizer: the run's optimizer (every param group gets the same LR).
+        config: a :class:`grpo_lens.config.TrainConfig` (learning_rate, lr_scheduler, warmup_steps, warmup_ratio,
+            max_steps).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: Any):
+        self.optimizer = optimizer
+        self.base = float(config.learning_rate)
+        for group in optimizer.param_groups:  # the scheduler reads its base LR from here
+            group["lr"] = self.base
+            group.pop("initial_lr", None)
+        scheduler = get_scheduler(TRANSFORMERS_SCHEDULERS[config.lr_scheduler], optimizer,
+                                  num_warmup_steps=warmup_steps(config), num_training_steps=max(1, config.max_steps))
+        self.multiplier = scheduler.lr_lambdas[0]
+
+    def lr(self, step: int) -> float:
+        """The LR of step ``step`` (1-based)."""
+        return self.base * float(self.multiplier(step - 1))
+
+    def apply(self, step: int) -> float:
+        """Set every param group's LR to :meth:`lr` of ``step``; returns it."""
+        lr = self.lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr

@@ -1,0 +1,81 @@
+"""TRL's GRPOConfig names set grpo-lens' fields (YAML, flags, dicts); values and names with no grpo-lens meaning fail
+with the option to use; ``--eps`` is deprecated for ``--std-eps`` with a warning that names TRL's epsilon."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import pytest
+
+from grpo_lens.config import TrainConfig
+from grpo_lens.config.base import (
+    ConfigError,
+    ConfigNameWarning,
+    add_config_arguments,
+    config_from_args,
+)
+from grpo_lens.probe.config import ProbeConfig
+
+
+def parse(*argv: str) -> TrainConfig:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, TrainConfig)
+    return config_from_args(parser.parse_args(list(argv)), TrainConfig)
+
+
+def test_trl_names_set_the_same_settings():
+    c = TrainConfig.from_dict({"num_generations": 4, "max_completion_length": 32, "num_iterations": 2,
+                               "epsilon": 0.3, "loss_type": "dr_grpo", "scale_rewards": "none",
+                               "lr_scheduler_type": "cosine", "mask_truncated_completions": True})
+    assert (c.group_size, c.max_new_tokens, c.mu) == (4, 32, 2)
+    assert (c.eps_low, c.eps_high) == (0.3, 0.3), "TRL's epsilon_high defaults to epsilon"
+    assert (c.loss_aggregation, c.estimator, c.lr_scheduler, c.overlong) == (
+        "seq-mean-token-sum-norm", "dr_grpo", "cosine", "mask")
+    c = TrainConfig.from_dict({"epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo", "scale_rewards": "group"})
+    assert (c.eps_low, c.eps_high, c.loss_aggregation, c.estimator) == (0.2, 0.28, "token-mean", "grpo")
+    # per_device_train_batch_size x steps_per_generation rollouts per step, steps_per_generation optimizer steps
+    c = TrainConfig.from_dict({"num_generations": 4, "per_device_train_batch_size": 8, "steps_per_generation": 2})
+    assert (c.rollout_batch_size, c.prompts_per_step, c.num_mini_batches) == (16, 4, 2)
+
+
+def test_trl_flags_parse_like_grpo_lens_flags():
+    c = parse("--num-generations", "4", "--max-completion-length", "32", "--epsilon", "0.25",
+              "--mask-truncated-completions", "--loss-type", "grpo")
+    assert (c.group_size, c.max_new_tokens, c.eps_low, c.eps_high, c.overlong) == (4, 32, 0.25, 0.25, "mask")
+    assert c.loss_aggregation == "seq-mean-token-mean"
+
+
+@pytest.mark.parametrize("values, words", [
+    ({"num_generations": 4, "group_size": 8}, ["TRL's name for 'group_size'", "is given too"]),
+    ({"epsilon": 0.2, "eps_low": 0.3}, ["eps_low", "give one"]),
+    ({"scale_rewards": "batch"}, ["--estimator grpo", "--estimator dr_grpo"]),
+    ({"loss_type": "cispo"}, ["--loss-aggregation"]),
+    ({"gradient_accumulation_steps": 4}, ["--micro-batch-size"]),
+    ({"use_vllm": True}, ["generate"]),
+])
+def test_trl_names_without_a_grpo_lens_meaning_fail_naming_the_option(values, words):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict(values)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_eps_is_deprecated_for_std_eps_and_says_it_is_not_trls_epsilon():
+    for cls in (TrainConfig, ProbeConfig):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c = cls.from_dict({"eps": 0.2})
+        assert c.std_eps == 0.2
+        (w,) = [w for w in caught if issubclass(w.category, ConfigNameWarning)]
+        assert "'std_eps'" in str(w.message) and "TRL's epsilon" in str(w.message) and "--eps-low" in str(w.message)
+    assert "eps" not in TrainConfig().to_dict() and TrainConfig().to_dict()["std_eps"] == 1e-4
+
+
+def test_schedule_settings_are_checked():
+    with pytest.raises(ConfigError, match="lr_scheduler"):
+        TrainConfig(lr_scheduler="polynomial")
+    with pytest.raises(ConfigError, match="warmup_ratio"):
+        TrainConfig(warmup_ratio=0.1, warmup_steps=3)
+    with pytest.raises(ConfigError, match="warmup_ratio"):
+        TrainConfig(warmup_ratio=1.0)

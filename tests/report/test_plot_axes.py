@@ -1,0 +1,76 @@
+"""Every figure the report and compare draw labels both axes of every panel it uses, puts a legend wherever a panel
+holds several series, and gives integer axes integer ticks (run on the hand-made run directories of
+test_report.py, with before/after probes, lens steps and baselines, and on a two-run comparison)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import matplotlib.figure
+import pytest
+
+from grpo_lens.report import write_report
+from grpo_lens.report.compare import compare_runs
+from grpo_lens.report.plots import INTEGER_AXES
+
+pytestmark = pytest.mark.e2e  # writes a report (files, matplotlib)
+
+_spec = importlib.util.spec_from_file_location("report_cases", Path(__file__).with_name("test_report.py"))
+cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    saved = []
+    original = matplotlib.figure.Figure.savefig
+
+    def capture(fig, path, *args, **kwargs):
+        saved.append((Path(path).name, fig))
+        return original(fig, path, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    return saved
+
+
+def check(name, fig):
+    for ax in fig.axes:
+        if not ax.axison or not (ax.lines or ax.patches or ax.collections):
+            continue  # an empty slot of a grid
+        shared = ax.get_shared_x_axes().get_siblings(ax)  # a panel above a shared, labelled x axis
+        assert any(a.get_xlabel() for a in shared) or ax.get_xticklabels(), (name, ax.get_title(), "x unlabelled")
+        assert ax.get_ylabel(), (name, ax.get_title(), "y axis unlabelled")
+        series = {ln.get_label() for ln in ax.lines if not ln.get_label().startswith("_")}
+        if len(series) > 1:
+            assert ax.get_legend() is not None or fig.legends, (name, ax.get_title(), "several series, no legend")
+        if ax.get_xlabel() in INTEGER_AXES:
+            assert all(float(t).is_integer() for t in ax.get_xticks()), (name, ax.get_title(), "fractional ticks")
+
+
+def test_every_report_figure_labels_its_axes(tmp_path, figures):
+    cases._write_metrics(tmp_path / "train", [0.2, 0.4, 0.6, 0.5, 0.7, 0.6, 0.8, 0.9, 0.7, 0.8])
+    (tmp_path / "train" / "config.yaml").write_text("model: tiny\ngroup_size: 4\n")
+    for sub in ("probe_before", "probe_after"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "probe.json").write_text(json.dumps(cases._probe()))
+    write_report(tmp_path)
+    names = {n for n, _ in figures}
+    assert {"sparsity.png", "baselines.png", "rank_over_training.png", "erank_vs_R.png",
+            "spectra_before.png", "learning_curves.png"} <= names
+    for name, fig in figures:
+        check(name, fig)
+
+
+def test_the_comparison_figure_labels_its_axes_and_keeps_run_colours(tmp_path, figures):
+    for run, rewards in (("a", [0.1, 0.2, 0.3]), ("b", [0.3, 0.2, 0.1])):
+        cases._write_metrics(tmp_path / run, rewards, lens_steps=(2,))
+        (tmp_path / run / "config.yaml").write_text(f"task: arithmetic\nseed: {run == 'b'}\n")
+    compare_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")
+    ((name, fig),) = [(n, f) for n, f in figures if n == "compare.png"]
+    check(name, fig)
+    colours = {}
+    for ax in fig.axes:
+        for ln in ax.lines:
+            colours.setdefault(ln.get_label(), set()).add(ln.get_color())
+    assert all(len(c) == 1 for c in colours.values()) and len(colours) == 2, colours  # one colour per run
