@@ -199,9 +199,6 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                          if estimator in ("optimal", "reinforce") else
                          "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
                          "rollout under overlong masking)") + ".", ""]
-    if any(r.get(rank_key("g1", "erank")) is not None for r in lens_steps):
-        plots.plot_rank_over_training(records, run_dir / "rank_over_training.png")
-        lines += ["![rank over training](rank_over_training.png)", ""]
     s1 = [r.get(REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
     s1_head, s1_tail = _mean(s1[:w]), _mean(s1[n - w:])
     if trend and s1_head is not None and s1_tail is not None:
@@ -218,7 +215,7 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     if any(r.get(rank_key("g1", "top2_share")) is not None for r in lens_steps):
         plots.plot_rank_over_training(records, run_dir / "rank_over_training.png")
         lines += ["### Rank of G1 over training", "",
-                  "Per lens step, the mean over the step's mixed groups (shaded: the 95% interval over groups, from "
+                  "Per lens step, the mean over the step's mixed groups (error bars: the 95% interval over groups, from "
                   "8 groups): the top-2 and top-1 energy shares against 0.9 (\"k90 = 2\") and erank and stable rank "
                   "against [1.5, 2.5] (docs/theory.md §11).", "", "![rank over training](rank_over_training.png)", ""]
 
