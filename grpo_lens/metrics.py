@@ -291,8 +291,8 @@ REWARD_FUNCTION_INVALID_COUNT = _template(
     "rollouts that function could not score this step (None, NaN, error, timeout)")
 REWARD_LOGGED = _template(
     "reward", "reward/logged/{name}", "as logged",
-    "a value a reward function logged with TRL's `log_metric(name, value)` keyword, averaged over this step's calls",
-    source="grpo_lens.rewards.call_reward_function")
+    "a value a reward function logged with TRL's `log_metric(name, value)` keyword (`grpo_lens.rewards."
+    "call_reward_function`), averaged over this step's calls")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # adv/, completions/

@@ -191,7 +191,7 @@ def test_case3_trl_reward_functions_run_unchanged(tmp_path, monkeypatch):
     assert seen["capital"]["completion"][0]["role"] == "assistant"  # a message list for a chat prompt
     assert isinstance(seen["reward_len"]["completion"], str)  # a string for a string prompt
     assert {"prompts", "completion_ids", "trainer_state", "log_metric", "topic"} <= set(seen["reward_len"]["keys"])
-    assert seen["steps"] == [1, 2]
+    assert seen["steps"] == [0, 1, 2]  # 0: the start-up check on one row of the data, then steps 1 and 2
     from grpo_lens.rundir import RunDir
 
     a = RunDir(tmp_path / "a").read_metrics()
