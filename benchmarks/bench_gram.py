@@ -15,8 +15,8 @@ child process (``--worker``) that builds the model and runs one step: ``peak`` =
 included), ``step`` = peak minus the resident set before the step. Targets (issue 20): gram / plain <= 1.3 at 24
 tokens and <= 2 at 512; gram's step memory <= the sketch's + 1 GB.
 
-    .venv/bin/python benchmarks/bench_gram.py                       # 24 and 512 tokens, ~15 min on 2 busy cores
-    .venv/bin/python benchmarks/bench_gram.py --lengths 24 --repeats 2 --no-memory
+    .venv/bin/python benchmarks/bench_gram.py                       # 24 and 512 tokens (~10 min on 2 idle cores)
+    .venv/bin/python benchmarks/bench_gram.py --lengths 24 --repeats 1 --no-memory
 """
 
 from __future__ import annotations
@@ -105,12 +105,13 @@ def memory(system: str, T: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def timings(model, T: int, repeats: int) -> dict:
+def timings(model, T: int, repeats: int, warm_up: bool) -> dict:
     """{system: [seconds per repeat]} and the Gram's info, the systems interleaved."""
     batch = build_batch(T)
     print(f"\n== T = {T} (N = {R}, Lp = {LP}, L = {LP + T}); load average before: {load_avg()}", flush=True)
-    for fn in SYSTEMS.values():  # untimed warm-up: thread pools, allocator, first-call paths
-        fn(model, batch)
+    if warm_up:  # untimed, at the first length only: thread pools, allocator, first-call paths
+        for fn in SYSTEMS.values():
+            fn(model, batch)
     times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     info = {}
     for rep in range(repeats):
@@ -129,7 +130,7 @@ def timings(model, T: int, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[24, 512])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-memory", action="store_true", help="skip the child processes' peak memory")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--T", type=int, help=argparse.SUPPRESS)
@@ -141,7 +142,7 @@ def main() -> None:
     model = build_model()
     print(f"model: SmolLM2-135M architecture, random weights, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"parameters, attention {model.config._attn_implementation}")
-    results = {T: timings(model, T, args.repeats) for T in args.lengths}
+    results = {T: timings(model, T, args.repeats, warm_up=(k == 0)) for k, T in enumerate(args.lengths)}
     del model
     mem = {} if args.no_memory else {(s, T): memory(s, T) for T in args.lengths for s in SYSTEMS}
     print("\n| T | system | seconds (each repeat) | median s | / plain | peak RSS GB | step extra GB |")
