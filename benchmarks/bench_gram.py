@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -107,8 +106,7 @@ def worker(system: str, T: int) -> None:
     before = rss_now()
     reset_peak()
     SYSTEMS[system](model, batch)
-    print(json.dumps({"system": system, "T": T, "rss_before": before, "peak": peak_rss(),
-                      "build_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(json.dumps({"system": system, "T": T, "rss_before": before, "peak": peak_rss()}))
 
 
 def memory(system: str, T: int) -> dict:
@@ -165,7 +163,7 @@ def main() -> None:
     if args.memory_only:
         for (s, T), m in mem.items():
             print(f"T = {T} {s}: peak {m['peak'] / 2**30:.2f} GB, step extra "
-                  f"{(m['peak'] - m['rss_before']) / 2**30:.2f} GB (model build peak {m['build_peak'] / 2**30:.2f} GB)")
+                  f"{(m['peak'] - m['rss_before']) / 2**30:.2f} GB")
         return None
     print("\n| T | system | seconds (each repeat) | median s | / plain | peak RSS GB | step extra GB |")
     print("|---|---|---|---|---|---|---|")
