@@ -22,8 +22,8 @@ def child(variant: str, model_name: str, rollouts: int, max_new_tokens: int) -> 
     import torch
 
     from grpo_lens.gradients.exact import _flat_grad, exact_rollout_grads
-    from grpo_lens.gradients.scores import rollout_scores
     from grpo_lens.gradients.params import select_parameters
+    from grpo_lens.gradients.scores import rollout_scores
     from grpo_lens.models import load_model
     from grpo_lens.rollout import batch_logprobs, sample_groups
     from grpo_lens.tasks import get_task

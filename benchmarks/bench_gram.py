@@ -11,12 +11,12 @@ Systems, on the same batch:
 
 Timings: one process, the systems interleaved (plain, gram, sketch) x ``--repeats`` after one untimed warm-up of each,
 medians and gram / plain printed with the load average before and after each length. Peak memory: each system in a
-child process (``--worker``) that builds the model and runs one step: ``peak`` = the child's ru_maxrss (model
-included), ``step`` = peak minus the resident set before the step. Targets (issue 20): gram / plain <= 1.3 at 24
-tokens and <= 2 at 512; gram's step memory <= the sketch's + 1 GB.
+child process (``--worker``) that builds the model and runs one step: ``peak`` = the child's peak resident set during
+the step (VmHWM, reset after the build; model included), ``step`` = peak minus the resident set before the step.
+Targets (issue 20): gram / plain <= 1.3 at 24 tokens and <= 2 at 512; gram's step memory <= the sketch's + 1 GB.
 
-    .venv/bin/python benchmarks/bench_gram.py                       # 24 and 512 tokens, ~15 min on 2 busy cores
-    .venv/bin/python benchmarks/bench_gram.py --lengths 24 --repeats 2 --no-memory
+    .venv/bin/python benchmarks/bench_gram.py                       # 24 and 512 tokens (~10 min on 2 idle cores)
+    .venv/bin/python benchmarks/bench_gram.py --lengths 24 --repeats 1 --no-memory
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -88,13 +87,26 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss() -> int:
+    """The process's peak resident set since the last :func:`reset_peak` (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def reset_peak() -> None:
+    """Reset the peak resident set to the current one (Linux: write 5 to /proc/self/clear_refs), so that the peak
+    after a step is the step's, not the model build's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def worker(system: str, T: int) -> None:
     """One step of ``system`` in this (child) process; prints its memory as JSON."""
     model, batch = build_model(), build_batch(T)
     before = rss_now()
+    reset_peak()
     SYSTEMS[system](model, batch)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"system": system, "T": T, "rss_before": before, "peak": peak}))
+    print(json.dumps({"system": system, "T": T, "rss_before": before, "peak": peak_rss()}))
 
 
 def memory(system: str, T: int) -> dict:
@@ -105,12 +117,13 @@ def memory(system: str, T: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def timings(model, T: int, repeats: int) -> dict:
+def timings(model, T: int, repeats: int, warm_up: bool) -> dict:
     """{system: [seconds per repeat]} and the Gram's info, the systems interleaved."""
     batch = build_batch(T)
     print(f"\n== T = {T} (N = {R}, Lp = {LP}, L = {LP + T}); load average before: {load_avg()}", flush=True)
-    for fn in SYSTEMS.values():  # untimed warm-up: thread pools, allocator, first-call paths
-        fn(model, batch)
+    if warm_up:  # untimed, at the first length only: thread pools, allocator, first-call paths
+        for fn in SYSTEMS.values():
+            fn(model, batch)
     times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     info = {}
     for rep in range(repeats):
@@ -129,8 +142,10 @@ def timings(model, T: int, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[24, 512])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-memory", action="store_true", help="skip the child processes' peak memory")
+    ap.add_argument("--no-warm-up", action="store_true", help="no untimed first run (e.g. a long length alone)")
+    ap.add_argument("--memory-only", action="store_true", help="only the child processes' peak memory")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--T", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -141,9 +156,15 @@ def main() -> None:
     model = build_model()
     print(f"model: SmolLM2-135M architecture, random weights, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"parameters, attention {model.config._attn_implementation}")
-    results = {T: timings(model, T, args.repeats) for T in args.lengths}
+    results = {} if args.memory_only else {T: timings(model, T, args.repeats, warm_up=k == 0 and not args.no_warm_up)
+                                           for k, T in enumerate(args.lengths)}
     del model
     mem = {} if args.no_memory else {(s, T): memory(s, T) for T in args.lengths for s in SYSTEMS}
+    if args.memory_only:
+        for (s, T), m in mem.items():
+            print(f"T = {T} {s}: peak {m['peak'] / 2**30:.2f} GB, step extra "
+                  f"{(m['peak'] - m['rss_before']) / 2**30:.2f} GB")
+        return None
     print("\n| T | system | seconds (each repeat) | median s | / plain | peak RSS GB | step extra GB |")
     print("|---|---|---|---|---|---|---|")
     for T, r in results.items():

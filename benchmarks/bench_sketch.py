@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.scores import rollout_scores
+from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 
 
