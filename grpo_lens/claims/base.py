@@ -158,9 +158,10 @@ BRANCH_LEVEL = 0.025
 
 
 def tested(claim: Claim) -> bool:
-    """Whether a row carries a statistical test: not the identity (an algebraic check with no sampling error) and not
+    """Whether a row carries a statistical test: not the identity or another algebraic statement (no sampling error),
+    and not
     a scope where the verdict is inconclusive by construction (R = 2 rank and zero-sum rows)."""
-    return "(the rank-2 identity)" not in claim.claim and not (claim.scope == "R = 2"
+    return not claim.claim.endswith(("(the rank-2 identity)", "(algebra)")) and not (claim.scope == "R = 2"
                                                                       and claim.verdict == INCONCLUSIVE)
 
 

@@ -80,7 +80,7 @@ class CalibrationConfig:
     """What `grpo-lens calibrate` runs: trials per cell, pool of planted groups per (family, R), seed."""
 
     trials: int = 200
-    pool: int = 300
+    pool: int = 200
     coverage_trials: int = 2000
     seed: int = 0
     families: tuple[str, ...] = RANK_FAMILIES
@@ -351,6 +351,17 @@ def render(result: dict[str, Any]) -> str:
         f"(target >= 0.80). 'edge' cells have a population value within rounding of the band's edge: no side is "
         f"wrong there. Rules and families: docs/theory.md §11 and the module docstring of "
         f"`grpo_lens.claims.calibrate`.",
+        "",
+        "Families (exact Gram matrices of gradients in R^P): `a<f>` exact rank 2 (orthonormal class means) plus "
+        "isotropic noise holding the share f of G1's energy; `b<s>` no shared structure (random directions, "
+        "log-normal norms with log-SD s); `c_lr2` label-independent rank 2; `c_shared` one shared direction "
+        "(pairwise cosine 0.5); `d<c>_<f>` two classes whose means have cosine c, noise share f; `_s<σ>` rows "
+        "rescaled by log-normal norms. Truth: the rank rows are true where the family has structure and the pool's "
+        "mean lies in the measure's band; the zero-sum row is true for label-dependent families (a, d) whose "
+        "normalised effect θ is at least 0.1; a trend is true for the rising cases.",
+        "",
+        "Regenerate: `grpo-lens calibrate --out runs/calibration` writes this file as "
+        "runs/calibration/calibration.md (copy it to docs/calibration.md); `--quick` is a seconds-long smoke run.",
         "",
         "## Rules on per-group rows (probe)",
         "",

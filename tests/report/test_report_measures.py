@@ -123,16 +123,21 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20
 def test_study_claims_follow_the_numbers():
     # m_C = m_W rejected on 6 of 8 prompts (Wilson interval [0.41, 0.93] above 0.05) and population b*'s MSE ratio
     # [0.7, 0.9] < 1: the group mean is not optimal -> does not hold; answer ratio [1.3, 1.8] outside 1 ± 0.25 -> does
-    # not hold; Monte Carlo: 10 of 20 segments disagree (Wilson [0.30, 0.70] above 0.023) -> does not hold
+    # not hold; Monte Carlo: 10 of 20 segments disagree (Wilson [0.30, 0.70] above 0.023): the disagreement the paper
+    # predicts -> holds
     c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8),
                                         _ci(0.2, 0.1, 0.3)))
-    assert [x.verdict for x in c] == ["does not hold", "does not hold", "does not hold"]
+    assert [x.verdict for x in c] == ["does not hold", "holds", "does not hold"]
     # 0 of 16 rejected (Wilson upper end z^2/(n + z^2) = 3.8416/19.8416 = 0.19 < 0.25) and MSE ratio [0.95, 1.1]
     # above 0.9 -> holds (equivalence); answer ratio inside 1 ± 0.25 -> holds; 0 of 200 segments disagree: Wilson
-    # upper end 3.84 / 203.84 = 0.019 < 0.023, and 150 of 200 signed beyond 2 SE (Wilson lower end 0.69 > 0.5) -> holds
+    # upper end 3.84 / 203.84 = 0.019 < 0.023, and 150 of 200 signed beyond 2 SE (Wilson lower end 0.69 > 0.5): no
+    # disagreement -> the paper's prediction does not hold
     c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2),
                                        _ci(0.0, 0.0, 0.01), rejected=0.0, segments=(0, 200), agree=150, testable=16))
-    assert [x.verdict for x in c] == ["holds", "holds", "holds"]
+    assert [x.verdict for x in c] == ["holds", "does not hold", "holds"]
+    (lit,) = CLAIMS.get("identical_token_advantage")({"studies": _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1),
+                                                                           _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01))})
+    assert lit.verdict == "holds" and "not a test" in lit.rule
     # too small to show equivalence: 0 of 8 rejected has Wilson upper end 3.8416/11.8416 = 0.32 > 0.25; and with 16
     # prompts an MSE interval reaching 0.85 leaves room for a 15% gain from b* -> inconclusive both times
     for n, mse in ((8, _ci(1.0, 0.95, 1.1)), (16, _ci(1.0, 0.85, 1.1))):
@@ -234,12 +239,13 @@ def test_credit_claims_need_power_not_absence_of_data():
     u, mc = credit(answer_ratio=_ci(1.0, None, None), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=25)
     assert mc.verdict == "inconclusive" and "no power" in mc.rule
     assert u.verdict == "inconclusive"  # no interval (fewer than 8 groups)
-    # planted: 150 of 200 signed, none against A_i -> holds; 30 of 200 against (Wilson [0.11, 0.21] > 0.023) -> does
-    # not hold even with few signed in its favour; answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
+    # planted: 150 of 200 signed, none against A_i -> no disagreement: the paper's prediction does not hold; 30 of 200
+    # against (Wilson [0.11, 0.21] > 0.023) -> the predicted disagreement holds even with few signed in its favour;
+    # answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
     _, mc = credit(answer_ratio=_ci(1.0, 0.9, 1.1), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=150)
-    assert mc.verdict == "holds"
+    assert mc.verdict == "does not hold"
     u, mc = credit(answer_ratio=_ci(1.45, 1.3, 1.6), disagree=_ci(0.15, 0.1, 0.2), segments=(30, 200))
-    assert (u.verdict, mc.verdict) == ("does not hold", "does not hold")
+    assert (u.verdict, mc.verdict) == ("does not hold", "holds")
 
 
 def test_band_verdict():

@@ -1,0 +1,69 @@
+"""`grpo-lens calibrate`: planted groups through the product's path, and the quick run's table."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_lens.claims.calibrate import (
+    CalibrationConfig,
+    planted_group,
+    render,
+    run_calibration,
+)
+from grpo_lens.formulas.spectrum import gram_singular_values, top2_share
+
+
+def test_planted_groups_have_their_structure():
+    gen = torch.Generator().manual_seed(0)
+    # a0.001: exact rank 2 plus 0.1% noise: the Gram's top two eigen-directions hold > 0.99 of its energy
+    gram, rewards = planted_group("a0.001", 8, 2048, gen)
+    assert gram.shape == (8, 8) and 1 <= int(rewards.sum()) <= 7
+    assert top2_share(gram_singular_values(gram)) > 0.99
+    # b0: random directions in R^2048, unit expected norms: off-diagonal cosines ~ N(0, 1/2048), |cos| < 0.15
+    gram, _ = planted_group("b0", 8, 2048, gen)
+    d = gram.diagonal().sqrt()
+    cos = gram / torch.outer(d, d) - torch.eye(8, dtype=torch.float64)
+    assert float(cos.abs().max()) < 0.15 and float(d.square().mean()) == pytest.approx(1.0, abs=0.15)
+    # c_shared: pairwise cosine 0.5 (half of each row's energy in the shared direction)
+    gram, _ = planted_group("c_shared", 8, 2048, gen)
+    d = gram.diagonal().sqrt()
+    off = (gram / torch.outer(d, d))[~torch.eye(8, dtype=torch.bool)]
+    assert float(off.mean()) == pytest.approx(0.5, abs=0.05)
+    with pytest.raises(ValueError, match="valid"):
+        planted_group("zz", 4, 64, gen)
+
+
+def test_quick_calibration_separates_the_planted_cases(tmp_path):
+    res = run_calibration(CalibrationConfig.quick(), tmp_path, mode="quick", log=lambda s: None)
+    assert (tmp_path / "calibration.md").read_text() == render(res)
+    rows = {(r["rule"], r["family"], r["n"]): r for r in res["group_rules"]}
+    # planted rank 2 at R = 4 (a0.01): the top-2 rule holds; no structure with spread norms (b2): every measure's
+    # rule says does not hold; near-collinear class means (d0.95_0.01, effectively rank 1): top-2 does not hold
+    assert rows[("rank ≈ 2 (top2_share)", "a0.01", 28)]["holds"] >= 0.9
+    assert all(rows[(f"rank ≈ 2 ({m})", "b2", 28)]["does_not_hold"] >= 0.9
+               for m in ("top2_share", "erank", "stable_rank"))
+    assert rows[("rank ≈ 2 (top2_share)", "d0.95_0.01", 28)]["does_not_hold"] >= 0.9
+    # the relabelling test: label-dependent rows hold, label-free rows almost never do
+    assert rows[("labels structure G1 (zero-sum, G1)", "a0.01", 28)]["holds"] >= 0.9
+    assert rows[("labels structure G1 (zero-sum, G1)", "b1", 28)]["holds"] <= 0.15
+    # the 0.1 sparsity rule (update Hoyer) says "holds" for stationary Gaussian gradients; the gradient rule does not
+    train = {(r["rule"], r["family"]): r for r in res["training_rules"]}
+    old = train[("0.1 rule: trend of the update's Hoyer (for comparison)", "gaussian gradients under AdamW")]
+    new = train[("gradient sparsity intensifies", "gaussian gradients under AdamW")]
+    assert old["holds"] >= 0.5 and new["holds"] <= 0.15
+    assert train[("gradient sparsity intensifies", "rising gradients under AdamW")]["holds"] >= 0.9
+    # coverage rows: 3 data sets x 3 n, each a share
+    assert len(res["coverage"]) == 9 and all(0 <= r["coverage"] <= 1 for r in res["coverage"])
+    assert math.isfinite(res["meta"]["seconds"]) and "Summary" in render(res)
+
+
+@pytest.mark.e2e
+def test_calibrate_command_quick(tmp_path, capsys):
+    from grpo_lens.cli import main
+
+    assert main(["calibrate", "--quick", "--out", str(tmp_path / "cal")]) == 0
+    assert "calibration written to" in capsys.readouterr().out
+    assert (tmp_path / "cal" / "calibration.json").exists()
