@@ -338,8 +338,9 @@ def _from_hub(source: ModelSource):
         raise ModelNotFoundError(
             f"could not load model {source.name!r}: it is not an alias ({DEFAULT_MODEL!r}, {TINY_MODEL!r}), a local "
             f"path, or in the Hugging Face cache, and the hub is unreachable (HF_HUB_OFFLINE is set, or no "
-            f"connection to it within {HUB_CONNECT_TIMEOUT:.0f} s). Pass a local model directory (`grpo-lens model "
-            f"--export DIR` writes the default model as one), or download it once with network access")
+            f"connection to it within {HUB_CONNECT_TIMEOUT:.0f} s). Check the hub id (organisation/name), pass a local "
+            f"model directory (`grpo-lens model --export DIR` writes the default model as one), or download it once "
+            f"with network access")
     try:
         return _from_pretrained(source.path)
     except (OSError, ValueError) as err:
