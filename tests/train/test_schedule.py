@@ -115,3 +115,11 @@ def test_eval_split_must_exist(tmp_path):
     with pytest.raises(ValueError, match="valid splits"):
         loop.train(config(tmp_path / "bad", eval_every=1, eval_split="validation"))
     assert not (tmp_path / "bad").exists(), "checked before --out is written"
+
+
+def test_no_progress_prints_one_compact_line_per_step():
+    from grpo_lens.metrics import EVAL_GREEDY_ACCURACY, PERF_STEP_SECONDS, REWARD_MEAN
+
+    line = loop.step_line({STEP: 3, REWARD_MEAN: 0.25, LR: 5e-6, PERF_STEP_SECONDS: 3.21, EVAL_GREEDY_ACCURACY: 0.5},
+                          30)
+    assert line == "step 3/30  reward 0.250  lr 5.00e-06  eval greedy 0.500  s 3.2"
