@@ -39,7 +39,12 @@ from grpo_lens.config import (
 )
 from grpo_lens.demo import DemoConfig, run_demo
 from grpo_lens.metrics import GROUPS_MIXED, PROBE_TIMING, PROMPTS_SAMPLED
-from grpo_lens.models import ModelNotFoundError
+from grpo_lens.models import (
+    DEFAULT_MODEL,
+    ModelNotFoundError,
+    export_model,
+    model_folder,
+)
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.run import run_probe
 from grpo_lens.report import write_report
@@ -95,7 +100,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         config = config_from_args(args, TrainConfig, config_file)
     run = train(config)
     if os.environ.get("RANK", "0") == "0":  # once, not once per process under torchrun / accelerate
-        print(f"run written to {run.path}")
+        print(f"run written to {run.path}\nnext: grpo-lens report {run.path}   (report.md with the claims and "
+              f"plots; grpo-lens compare RUN... --out DIR overlays runs)")
+    return 0
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    if args.export:
+        print(f"model {args.model} saved to {export_model(args.model, args.export)}")
+    else:
+        print(model_folder(args.model))
     return 0
 
 
@@ -184,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help=f"YAML file of {cls.__name__} fields; flags override it")
         add_config_arguments(p, cls)
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("model", help="print the Hugging Face folder of a model (the default one: for TRL's "
+                                     "from_pretrained), or save it as one with --export DIR")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"a model name (default: {DEFAULT_MODEL})")
+    p.add_argument("--export", metavar="DIR", help="save the model and tokenizer as a Hugging Face folder DIR")
+    p.set_defaults(fn=_cmd_model)
 
     p = sub.add_parser("report", help="write RUN_DIR/report.md and plots from a run directory")
     p.add_argument("run_dir", help="a run directory written by train, probe or demo")

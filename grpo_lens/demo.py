@@ -17,14 +17,16 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
 
 from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, at_least
+from grpo_lens.config.base import option
 from grpo_lens.config.groups import (
+    Advantage,
     Lens,
     Model,
     Optimizer,
@@ -41,6 +43,12 @@ from grpo_lens.report import write_report
 from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
+
+#: ``--quick``: a demo of a few minutes on a CPU (wide intervals, most claims inconclusive), for the settings left at
+#: their defaults: 4 training steps of 2 prompts x 4 completions of 16 tokens, the lens every 2 steps, probes of
+#: R = 2, 4 on 8 prompts each, studies on 2 prompts / groups.
+QUICK = {"max_steps": 4, "group_size": 4, "prompts_per_step": 2, "max_new_tokens": 16, "lens_every": 2,
+         "probe_group_sizes": [2, 4], "probe_prompts": 8, "probe_study_prompts": 2}
 
 
 @dataclass
@@ -61,16 +69,33 @@ class DemoConfig(ConfigFile):
     learning_rate: float = Optimizer.learning_rate()
     max_new_tokens: int = Sampling.max_new_tokens()
     lens_every: int = Lens.lens_every()
+    rewards: list = TaskData.rewards()
+    estimator: str = Advantage.estimator()
+    lora_rank: int = option(0, "LoRA rank of the training stage (0 = full fine-tuning), as train's --lora-rank.",
+                            check=at_least(0, "must be >= 0 (0 = full fine-tuning)"))
+    report_to: list = option(["none"], "Experiment trackers of the training stage, as train's --report-to.")
     probe_group_sizes: list = Probing.group_sizes()
     probe_prompts: int = Probing.prompts()
+    probe_study_prompts: int = option(8, "Prompts (baseline study) and mixed groups (credit study) of each probe's "
+                                      "studies, as probe's --baseline-study-prompts and --credit-groups (0 skips "
+                                      "them).", check=at_least(0, "must be >= 0 (0 skips the studies)"))
+    quick: bool = option(False, "A demo of a few minutes: every setting of grpo_lens.demo.QUICK left at its default "
+                         "takes the small value there (4 steps, R = 2 and 4 probed on 8 prompts, studies on 2).")
     exact: bool = Lens.exact()
     seed: int = Runtime.seed()
     device: str = Runtime.device()
     overwrite: bool = Output.overwrite(what="an existing demo run")
 
     def check(self) -> None:
-        """The check of two fields together (each field's own check ran before)."""
+        """The check of two fields together (each field's own check ran before), and ``quick``'s values."""
         check_task_dataset(self)
+        if self.quick:
+            defaults = {f.name: DemoConfig.__dataclass_fields__[f.name] for f in fields(self)}
+            for name, value in QUICK.items():
+                f = defaults[name]
+                default = f.default_factory() if callable(f.default_factory) else f.default
+                if getattr(self, name) == default:
+                    setattr(self, name, value)
 
     def _shared(self) -> dict[str, Any]:
         """The settings every stage takes from the demo."""
@@ -81,12 +106,16 @@ class DemoConfig(ConfigFile):
         """The TrainConfig of the training stage."""
         return TrainConfig(model=self.model, max_steps=self.max_steps, group_size=self.group_size,
                            prompts_per_step=self.prompts_per_step, learning_rate=self.learning_rate,
-                           lens_every=self.lens_every, out=str(Path(self.out) / "train"), **self._shared())
+                           lens_every=self.lens_every, rewards=self.rewards, estimator=self.estimator,
+                           lora_rank=self.lora_rank, report_to=self.report_to, out=str(Path(self.out) / "train"),
+                           **self._shared())
 
     def probe_config(self, model: str, out: Path) -> ProbeConfig:
         """The ProbeConfig of a probe stage on ``model``."""
         return ProbeConfig(model=model, group_sizes=self.probe_group_sizes, prompts=self.probe_prompts,
-                           exact=self.exact, out=str(out), **self._shared())
+                           exact=self.exact, rewards=self.rewards, estimator=self.estimator,
+                           baseline_study_prompts=self.probe_study_prompts, credit_groups=self.probe_study_prompts,
+                           out=str(out), **self._shared())
 
 
 def run_demo(config: DemoConfig) -> Path:

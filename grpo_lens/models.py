@@ -18,17 +18,22 @@ token when the tokenizer has none).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
+import socket
 import tempfile
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import try_to_load_from_cache
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -307,12 +312,52 @@ def _from_pretrained(path: str, **kwargs):
     return model, tokenizer
 
 
-def _from_hub(source: ModelSource):
-    """A hub model: from the local Hugging Face cache if it is there, else downloaded (one network attempt)."""
+#: Seconds :func:`hub_reachable` waits for a TCP connection to the hub before a download is attempted.
+HUB_CONNECT_TIMEOUT = 3.0
+
+
+def hub_reachable(timeout: float = HUB_CONNECT_TIMEOUT) -> bool:
+    """Whether the Hugging Face hub can be reached now: False with ``HF_HUB_OFFLINE`` set, or when a TCP connection
+    to ``$HF_ENDPOINT`` (default huggingface.co), port 443, fails within ``timeout`` seconds. Without this check an
+    unreachable hub costs transformers' retries (72 s measured offline) before the error."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
     try:
-        return _from_pretrained(source.path, local_files_only=True)
-    except (OSError, ValueError):
-        pass
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _offline(on: bool):
+    """huggingface_hub's offline switch on inside the block (when ``on``): no request leaves the process."""
+    before = hub_constants.HF_HUB_OFFLINE
+    hub_constants.HF_HUB_OFFLINE = before or on
+    try:
+        yield
+    finally:
+        hub_constants.HF_HUB_OFFLINE = before
+
+
+def _from_hub(source: ModelSource):
+    """A hub model: from the local Hugging Face cache if it is there, else downloaded (one network attempt, made
+    only when :func:`hub_reachable`)."""
+    reachable = hub_reachable()
+    if isinstance(try_to_load_from_cache(source.path, "config.json"), str):  # in the local cache (no network)
+        try:
+            with _offline(not reachable):  # else transformers still asks the hub for an adapter config, with retries
+                return _from_pretrained(source.path, local_files_only=True)
+        except (OSError, ValueError):
+            pass
+    if not reachable:
+        raise ModelNotFoundError(
+            f"could not load model {source.name!r}: it is not an alias ({DEFAULT_MODEL!r}, {TINY_MODEL!r}), a local "
+            f"path, or in the Hugging Face cache, and the hub is unreachable (HF_HUB_OFFLINE is set, or no "
+            f"connection to it within {HUB_CONNECT_TIMEOUT:.0f} s). Check the hub id (organisation/name), pass a local "
+            f"model directory (`grpo-lens model --export DIR` writes the default model as one), or download it once "
+            f"with network access")
     try:
         return _from_pretrained(source.path)
     except (OSError, ValueError) as err:
@@ -322,6 +367,46 @@ def _from_hub(source: ModelSource):
             f"local path (none exists), and the Hugging Face hub ({type(err).__name__}: {why}). Check the hub id "
             f"(organisation/name), pass a local model directory, or download it once with network access"
         ) from err
+
+
+def model_folder(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Path:
+    """A Hugging Face model folder (config.json, safetensors, tokenizer) holding ``name_or_path``, for
+    ``from_pretrained`` and TRL: the dequantised default model's cached folder (converted once; the GGUF file is
+    SmolLM2-135M-Instruct quantised to Q4_1, its weights dequantised to float32), a local directory as it is.
+
+    Raises:
+        ModelNotFoundError: as :func:`resolve_model`.
+        ValueError: the tiny model (built in memory: use :func:`export_model`) or a hub id (already a name
+            ``from_pretrained`` takes).
+    """
+    source = resolve_model(name_or_path)
+    if source.kind == "gguf":
+        target = _gguf_cache_path(source)
+        if not (target / "config.json").is_file():
+            _convert_gguf(source, target)
+        return target
+    if source.kind == "local":
+        return Path(source.path)
+    raise ValueError(f"model {str(name_or_path)!r} has no folder of its own ({source.kind}): "
+                     + ("pass --export DIR to save it as one" if source.kind == "tiny" else
+                        "pass the hub id to from_pretrained directly"))
+
+
+def export_model(name_or_path: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Save ``name_or_path`` (any :func:`resolve_model` name, the tiny model included) as a Hugging Face folder
+    ``out`` (created; must not hold files) and return it.
+
+    Raises:
+        ValueError: ``out`` exists and is not an empty directory.
+        ModelNotFoundError: as :func:`load_model`.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--export {out}: exists and is not an empty directory; choose another path")
+    model, tokenizer = load_model(name_or_path)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def load_model(

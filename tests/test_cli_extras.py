@@ -86,6 +86,7 @@ def test_unknown_hub_id_error_has_no_default_model_hint(monkeypatch):
         raise OSError("no such repo")
 
     monkeypatch.setattr(models, "_from_pretrained", fail)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=0: True)  # the hub answers, the id is unknown
     with pytest.raises(models.ModelNotFoundError) as info:
         models._from_hub(models.ModelSource(kind="hub", path="nobody/no-model", name="nobody/no-model"))
     msg = str(info.value)

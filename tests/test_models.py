@@ -128,6 +128,7 @@ def test_hub_failure_is_one_clear_error(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
     monkeypatch.setattr(models, "_from_pretrained", offline)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=0: True)  # the hub answers, the download fails
     with pytest.raises(ModelNotFoundError, match="someorg/some-model.*hub.*couldn't connect.*Check the hub id"):
         load_model("someorg/some-model")
 
@@ -236,3 +237,26 @@ def test_default_model_gguf_then_cached(monkeypatch, tmp_path):
     assert cached_tok([text], return_tensors="pt")["input_ids"].tolist() == ids["input_ids"].tolist()
     with torch.no_grad():
         assert torch.equal(model(**ids).logits, cached(**ids).logits)  # identical logits
+
+
+@pytest.mark.e2e
+def test_an_unreachable_hub_id_fails_at_once_and_models_export_as_folders(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=models.HUB_CONNECT_TIMEOUT: False)
+    t0 = time.perf_counter()
+    with pytest.raises(models.ModelNotFoundError, match="hub is unreachable"):
+        models.load_model("nobody/no-such-model-here")
+    assert time.perf_counter() - t0 < 5, "no retries against an unreachable hub"  # they took 23-72 s
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.hub_reachable() is False
+    with pytest.raises(ValueError, match="--export"):
+        models.model_folder("tiny")
+    out = models.export_model("tiny", tmp_path / "tiny")
+    reloaded = AutoModelForCausalLM.from_pretrained(out)  # a plain Hugging Face folder, as TRL takes it
+    original, _ = models.load_model("tiny")
+    for (name, a), (_, b) in zip(original.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="not an empty directory"):
+        models.export_model("tiny", out)

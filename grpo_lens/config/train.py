@@ -134,11 +134,12 @@ class TrainConfig(ConfigFile):
                                "lr_scheduler_type): constant, linear (to 0 at max_steps), cosine (half a cosine to 0), "
                                "each after the warm-up. The LR is set once per step (sampling round) and holds for its "
                                "mu x num_mini_batches optimizer steps.", check=one_of(LR_SCHEDULERS))
-    warmup_steps: int = option(0, "Warm-up: the LR rises linearly from 0 over this many steps, then follows "
-                               "--lr-scheduler (TRL's warmup_steps).", check=at_least(0))
-    warmup_ratio: float | None = option(None, "Warm-up as a share of max_steps, rounded up (TRL's warmup_ratio); "
-                                        "replaces --warmup-steps.",
-                                        check=require(lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    warmup_steps: float = option(0.0, "Warm-up: the LR rises linearly from 0 over this many steps (a whole number), "
+                                 "or over this share of max_steps, rounded up (a value in (0, 1)), then follows "
+                                 "--lr-scheduler: transformers' and TRL's warmup_steps (their older warmup_ratio is "
+                                 "accepted as well).",
+                                 check=require(lambda v: v >= 0 and (v < 1 or float(v).is_integer()),
+                                               "must be a whole number of steps, or a share of max_steps in [0, 1)"))
     max_consecutive_skips: int = option(3, "A step whose loss or gradient is non-finite is skipped (no optimizer "
                                         "change); stop with an error after this many consecutive skipped steps, "
                                         "or this many consecutive steps where no rollout could be scored.",
@@ -222,8 +223,6 @@ class TrainConfig(ConfigFile):
             self.bad("overlong_buffer", f"must be in [1, L_max = {self.overlong_length()}], or unset")
         if self.num_mini_batches < 1 or self.prompts_per_step % self.num_mini_batches:
             self.bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
-        if self.warmup_ratio is not None and self.warmup_steps:
-            self.bad("warmup_ratio", f"and warmup_steps = {self.warmup_steps} both set the warm-up; give one")
         if self.resume and self.overwrite:
             self.bad("overwrite", "--resume continues the run in --out and --overwrite replaces it: pass one of them")
         check_task_dataset(self)

@@ -5,7 +5,7 @@ that field (no warning); where the value has no grpo-lens meaning (``scale_rewar
 or the setting itself has none (``gradient_accumulation_steps``, ``use_vllm``), the error names the grpo-lens option
 to use instead. TRL names that equal grpo-lens' own (``beta``, ``temperature``, ``top_p``, ``top_k``,
 ``learning_rate``, ``max_steps``, ``seed``, ``weight_decay``, ``adam_beta1``, ``adam_beta2``, ``max_grad_norm``,
-``report_to``, ``warmup_ratio``, ``warmup_steps``) are the fields themselves. Names are read from trl 1.16.
+``report_to``, ``warmup_steps``) are the fields themselves. Names are read from trl 1.16.
 
 =============================  ==============================================================================
 TRL                            grpo-lens
@@ -20,6 +20,7 @@ loss_type                      loss_aggregation: grpo -> seq-mean-token-mean, bn
 scale_rewards                  estimator: group (or true) -> grpo, none (or false) -> dr_grpo
 mask_truncated_completions     overlong: true -> mask, false -> none
 lr_scheduler_type              lr_scheduler
+warmup_ratio                   warmup_steps (a share in [0, 1): transformers 5 takes it as warmup_steps itself)
 per_device_train_batch_size    rollout_batch_size = per_device_train_batch_size x steps_per_generation (one
                                process: grpo-lens' rollout_batch_size counts every process's rollouts)
 steps_per_generation           num_mini_batches (optimizer steps per generation batch)
@@ -77,6 +78,13 @@ def _mask_truncated(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     return {"overlong": "mask" if value else "none"}
 
 
+def _warmup_ratio(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise ConfigError(f"warmup_ratio = {value!r}: must be a share of max_steps in [0, 1) (or give whole steps "
+                          f"with --warmup-steps)")
+    return {"warmup_steps": float(value)}
+
+
 def _per_device_batch(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     steps = given.get("steps_per_generation") or 1
     if not isinstance(value, int) or not isinstance(steps, int):
@@ -96,6 +104,7 @@ ALIASES = {
     "scale_rewards": Alias(LIBRARY, _scale_rewards),
     "mask_truncated_completions": Alias(LIBRARY, _mask_truncated, flag_type=bool),
     "lr_scheduler_type": _same("lr_scheduler"),
+    "warmup_ratio": Alias(LIBRARY, _warmup_ratio, flag_type=float),
     "per_device_train_batch_size": Alias(LIBRARY, _per_device_batch, flag_type=int),
     "steps_per_generation": _same("num_mini_batches"),
     "output_dir": _same("out"),
@@ -128,4 +137,4 @@ def register_trl_names(names: Names, fields: set[str]) -> None:
             names.refuse(name, f"it is TRL's name, and {use}")
 
 
-_SAMPLE = {"loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": True}  # values that translate
+_SAMPLE = {"loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": True, "warmup_ratio": 0.1}  # values that translate

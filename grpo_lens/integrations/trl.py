@@ -156,7 +156,7 @@ def run_config(args: Any, settings: SimpleNamespace, *, model: str, max_steps: i
     """
     trl_names = ("num_generations", "max_completion_length", "num_iterations", "epsilon", "epsilon_high", "beta",
                  "loss_type", "scale_rewards", "temperature", "top_p", "top_k", "learning_rate", "lr_scheduler_type",
-                 "warmup_ratio", "warmup_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "warmup_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "steps_per_generation", "max_grad_norm", "weight_decay", "seed", "mask_truncated_completions")
     given = {n: getattr(args, n, None) for n in trl_names}
     given = {n: getattr(v, "value", v) for n, v in given.items()}  # enums (lr_scheduler_type) as their names
@@ -171,6 +171,7 @@ def run_config(args: Any, settings: SimpleNamespace, *, model: str, max_steps: i
         "eps_high": float(args.epsilon_high if args.epsilon_high is not None else eps),
         "mu": int(args.num_iterations), "max_steps": int(max_steps), "learning_rate": float(args.learning_rate),
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "warmup_steps": float(args.warmup_steps),
         "lens_every": lens_every, "sketch_dim": settings.sketch_dim, "lens_space": settings.lens_space,
         "lora_rank": lora_rank, "seed": int(args.seed), "trl": given,
     }

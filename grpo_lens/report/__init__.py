@@ -81,7 +81,10 @@ from grpo_lens.report.answers import answers_section
 from grpo_lens.report.format import ci, fmt
 from grpo_lens.report.studies import studies_section
 from grpo_lens.report.training_measures import (
+    MIN_TREND_STEPS,
+    completions_section,
     dynamic_sampling_summary,
+    eval_section,
     lens_rows,
     training_measures_section,
 )
@@ -122,8 +125,6 @@ ESTIMATOR_BASELINES = {
     "optimal": "leave-one-out variance-optimal b*_{-i}, weighted by sketched squared score-gradient norms",
 }
 
-#: fewest training steps the report reads a trend from: two non-overlapping windows of at least 2 steps
-MIN_TREND_STEPS = 4
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -205,6 +206,7 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         direction = "rose" if s1_tail > s1_head else ("fell" if s1_tail < s1_head else "stayed flat")
         findings.append(f"S1 (zero-variance group share) {direction}: {fmt(s1_head)} (first steps) -> "
                         f"{fmt(s1_tail)} (last steps), while accuracy went {fmt(a0)} -> {fmt(a1)}.")
+    lines += eval_section(records, findings)
     lines += training_measures_section(records, run_dir, findings, lora_rank=lora_rank)
     if lens_steps:
         s4 = [r.get(SPARSITY_UPDATE_TOTAL) for r in lens_steps if r.get(SPARSITY_UPDATE_TOTAL) is not None]
@@ -543,6 +545,7 @@ def write_report(run_dir: Path) -> Path:
     estimator = cfg.get("estimator") if isinstance(cfg, dict) else None
     if records:
         body += training_section(records, run_dir, findings, lora_rank, estimator=estimator)
+        body += completions_section(_read_jsonl(train_dir / "completions.jsonl"))
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)
     if len(probes) > 1:

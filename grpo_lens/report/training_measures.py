@@ -19,6 +19,13 @@ from grpo_lens.metrics import (
     DYNAMIC_MIXED_GROUPS,
     DYNAMIC_SAMPLED_GROUPS,
     DYNAMIC_ZERO_VAR_FRAC_SAMPLED,
+    EVAL_GREEDY_ACCURACY,
+    EVAL_GREEDY_ACCURACY_HI,
+    EVAL_GREEDY_ACCURACY_LO,
+    EVAL_PROMPTS,
+    EVAL_SAMPLED_ACCURACY,
+    EVAL_SAMPLED_ACCURACY_HI,
+    EVAL_SAMPLED_ACCURACY_LO,
     PERF_LENS_SECONDS,
     POLICY_ENTROPY,
     REWARD_FRAC_ZERO_STD_GROUPS,
@@ -76,20 +83,83 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
     return plots._save(fig, path)
 
 
+#: fewest training steps the report reads a trend from: two non-overlapping windows of at least 2 steps
+MIN_TREND_STEPS = 4
+
+#: completions.jsonl rows shown per logged step in the report, and the steps shown (the first and the last).
+COMPLETION_ROWS = 4
+
+
+def eval_section(records: list[dict[str, Any]], findings: list[str]) -> list[str]:
+    """Held-out accuracy (``--eval-every``): a table of the evaluated steps, greedy and sampled with their Wilson
+    intervals, and a finding comparing the first and last evaluation."""
+    rows = [r for r in records if r.get(EVAL_GREEDY_ACCURACY) is not None]
+    if not rows:
+        return []
+
+    def cell(r, mid, lo, hi):
+        return "–" if r.get(mid) is None else f"{fmt(r[mid])} [{fmt(r.get(lo))}, {fmt(r.get(hi))}]"
+    greedy = (EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI)
+    sampled = (EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)
+    lines = ["### Held-out accuracy", "",
+             f"The same {int(rows[0].get(EVAL_PROMPTS) or 0)} held-out prompts at each evaluated step, after its "
+             "update: greedy (one completion, the argmax token each time; 95% Wilson interval over prompts) and "
+             "sampled (at the training temperature; Wilson interval over completions).", "",
+             "| step | greedy accuracy | sampled accuracy |", "|---|---|---|"]
+    lines += [f"| {r[STEP]} | {cell(r, *greedy)} | {cell(r, *sampled)} |" for r in rows]
+    lines.append("")
+    first, last = rows[0], rows[-1]
+    if len(rows) > 1:
+        findings.append(f"Held-out greedy accuracy {cell(first, *greedy)} at step {first[STEP]} -> "
+                        f"{cell(last, *greedy)} at step {last[STEP]} (95% Wilson intervals over prompts).")
+    else:
+        findings.append(f"Held-out greedy accuracy {cell(last, *greedy)} at step {last[STEP]} (one evaluation).")
+    return lines
+
+
+def completions_section(rows: list[dict[str, Any]]) -> list[str]:
+    """A few logged completions (completions.jsonl) of the first and last logged steps: prompt, completion, reward
+    (and each reward function's value when the run logged them), advantage."""
+    steps = sorted({r[STEP] for r in rows if STEP in r})
+    if not steps:
+        return []
+    shown = [r for s in dict.fromkeys((steps[0], steps[-1])) for r in [x for x in rows if x.get(STEP) == s]
+             [:COMPLETION_ROWS]]
+    per_func = sorted({k for r in shown for k in (r.get("rewards") or {})})
+
+    def text(value: Any, n: int = 80) -> str:
+        t = " ".join(str(value).split()).replace("|", "\\|")
+        return t if len(t) <= n else t[: n - 1] + "…"
+    head = ["step", "prompt", "completion", "reward", *per_func, "advantage"]
+    lines = ["### Completions", "", f"The first {COMPLETION_ROWS} logged rollouts of the first and last logged steps "
+             "(completions.jsonl has every logged one).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in shown:
+        funcs = [fmt((r.get("rewards") or {}).get(f)) for f in per_func]
+        lines.append(f"| {r[STEP]} | {text(r.get('prompt'))} | {text(r.get('completion'))} | {fmt(r.get('reward'))} | "
+                     + "".join(f"{c} | " for c in funcs) + f"{fmt(r.get('advantage'))} |")
+    return lines + [""]
+
+
 def training_measures_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
                               beta: float | None = None, lora_rank: int = 0) -> list[str]:
     """Policy entropy, sparsity over training (with the dense control) and the lens's cost (``lora_rank`` > 0: the
     sparsity numbers are over the LoRA adapter's weights)."""
     lines: list[str] = []
     ent = [r.get(POLICY_ENTROPY) for r in records if r.get(POLICY_ENTROPY) is not None]
-    if ent:
-        head, tail = ent[: min(5, len(ent))], ent[max(0, len(ent) - 5):]
+    if len(ent) >= MIN_TREND_STEPS:  # two non-overlapping windows, as for the reward
+        w = min(5, len(ent) // 2)
+        head, tail = ent[:w], ent[len(ent) - w:]
         e0, e1 = sum(head) / len(head), sum(tail) / len(tail)
         lines += ["### Policy entropy", "",
                   f"Token-mean entropy of the policy (temperature-scaled, from the update's own logits): "
                   f"{fmt(e0)} nats over the first {len(head)} steps -> {fmt(e1)} over the last {len(tail)} "
                   f"(plotted with the reward in the learning curves; the KL panel is shown only when beta > 0).", ""]
-        findings.append(f"Policy entropy went {fmt(e0)} -> {fmt(e1)} nats/token (first vs last steps).")
+        findings.append(f"Policy entropy went {fmt(e0)} -> {fmt(e1)} nats/token (first {w} vs last {w} steps).")
+    elif ent:
+        lines += ["### Policy entropy", "",
+                  f"Token-mean entropy of the policy: mean {fmt(sum(ent) / len(ent))} nats over {len(ent)} step(s), "
+                  f"too few for a trend (at least {MIN_TREND_STEPS}).", ""]
     rows = [r for r in lens_rows(records) if r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE) is not None]
     if rows:
         plot_sparsity_measures(records, run_dir / "sparsity_measures.png")

@@ -49,6 +49,7 @@ from grpo_lens.lora import apply_lora, is_lora, save_lora_model
 from grpo_lens.metrics import (
     ADV_OPTIMAL_BASELINE,
     ADV_OPTIMAL_MINUS_RLOO,
+    EVAL_GREEDY_ACCURACY,
     GUARD_CONSECUTIVE_SKIPPED,
     GUARD_SKIPPED_OPTIMIZER_STEPS,
     GUARD_SKIPPED_STEPS,
@@ -59,6 +60,8 @@ from grpo_lens.metrics import (
     PERF_PEAK_MEMORY_MB,
     PERF_STEP_SECONDS,
     PERF_TOKENS_PER_SECOND,
+    REWARD_ACCURACY,
+    REWARD_FRAC_ZERO_STD_GROUPS,
     REWARD_MEAN,
     REWARD_OVERLONG_PENALTY,
     STEP,
@@ -673,6 +676,7 @@ class StepLogs:
     run: RunDir
     trackers: Trackers | None
     progress: Any
+    lines_of: int = 0  # without a progress bar (--no-progress), one log line per step "step s/lines_of ..."
 
     @classmethod
     def start(cls, run: RunDir, config: TrainConfig, procs: Processes, start_step: int) -> "StepLogs":
@@ -681,7 +685,7 @@ class StepLogs:
         trackers = None
         if procs.is_main and start_step < config.max_steps:
             trackers = Trackers(config.report_to, run.path, config.to_dict(), start_step)
-        return cls(run, trackers, progress)
+        return cls(run, trackers, progress, 0 if progress is not None else config.max_steps)
 
     def write(self, step: int, record: dict[str, Any], rollouts: Rollouts, advantages: torch.Tensor,
               n_completions: int) -> None:
@@ -697,6 +701,8 @@ class StepLogs:
         if self.progress is not None:
             self.progress.set_postfix(reward=f"{record[REWARD_MEAN]:.3f}", sec=f"{record[PERF_STEP_SECONDS]:.1f}")
             self.progress.update(1)
+        elif self.lines_of:
+            logger.info("%s", step_line(record, self.lines_of))
 
     def close(self) -> None:
         """Close the progress bar and finish the trackers."""
@@ -704,6 +710,18 @@ class StepLogs:
             self.progress.close()
         if self.trackers is not None:
             self.trackers.finish()
+
+
+def step_line(record: dict[str, Any], max_steps: int) -> str:
+    """One compact line of a step's record for logs without a progress bar (``--no-progress``): step, reward,
+    accuracy, S1, LR, seconds, and the held-out accuracy on evaluated steps."""
+    parts = [f"step {record[STEP]}/{max_steps}"]
+    for key, name, spec in ((REWARD_MEAN, "reward", ".3f"), (REWARD_ACCURACY, "accuracy", ".3f"),
+                            (REWARD_FRAC_ZERO_STD_GROUPS, "S1", ".2f"), (LR, "lr", ".2e"),
+                            (EVAL_GREEDY_ACCURACY, "eval greedy", ".3f"), (PERF_STEP_SECONDS, "s", ".1f")):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(f"{name} {record[key]:{spec}}")
+    return "  ".join(parts)
 
 
 def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run: RunDir, step: int) -> None:

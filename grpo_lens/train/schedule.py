@@ -1,8 +1,8 @@
 """The learning-rate schedule of ``grpo-lens train``: transformers' schedulers, as a function of the step.
 
-``--lr-scheduler`` (constant, linear, cosine) with ``--warmup-steps`` or ``--warmup-ratio`` names the scheduler of
+``--lr-scheduler`` (constant, linear, cosine) with ``--warmup-steps`` (steps, or a share of max_steps below 1) names the scheduler of
 ``transformers.get_scheduler`` (``constant_with_warmup``, ``linear``, ``cosine``) over ``max_steps`` steps, the
-schedules TRL's ``lr_scheduler_type`` and ``warmup_ratio`` select. The LR of step s (1-based) is
+schedules TRL's ``lr_scheduler_type`` and ``warmup_steps`` select. The LR of step s (1-based) is
 ``learning_rate × lambda(s − 1)``, lambda the scheduler's multiplier, set before the step's first optimizer step and
 held for its mu × num_mini_batches optimizer steps. As in transformers, the first warm-up step has LR 0.
 
@@ -25,11 +25,10 @@ TRANSFORMERS_SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear
 
 
 def warmup_steps(config: Any) -> int:
-    """Warm-up steps: ``ceil(warmup_ratio × max_steps)`` when the ratio is set (as transformers rounds it), else
-    ``warmup_steps``."""
-    if config.warmup_ratio is not None:
-        return math.ceil(config.warmup_ratio * config.max_steps)
-    return int(config.warmup_steps)
+    """Warm-up steps: ``warmup_steps`` when it is >= 1, else ``ceil(warmup_steps × max_steps)`` (a share, rounded up
+    as transformers' ``TrainingArguments.get_warmup_steps`` does)."""
+    w = float(config.warmup_steps)
+    return int(w) if w >= 1 else math.ceil(w * config.max_steps)
 
 
 class LRSchedule:
@@ -37,8 +36,7 @@ class LRSchedule:
 
     Args:
         optimizer: the run's optimizer (every param group gets the same LR).
-        config: a :class:`grpo_lens.config.TrainConfig` (learning_rate, lr_scheduler, warmup_steps, warmup_ratio,
-            max_steps).
+        config: a :class:`grpo_lens.config.TrainConfig` (learning_rate, lr_scheduler, warmup_steps, max_steps).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Any):

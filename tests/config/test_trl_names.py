@@ -75,7 +75,9 @@ def test_eps_is_deprecated_for_std_eps_and_says_it_is_not_trls_epsilon():
 def test_schedule_settings_are_checked():
     with pytest.raises(ConfigError, match="lr_scheduler"):
         TrainConfig(lr_scheduler="polynomial")
+    with pytest.raises(ConfigError, match="warmup_ratio.*give one"):
+        TrainConfig.from_dict({"warmup_ratio": 0.1, "warmup_steps": 3})
     with pytest.raises(ConfigError, match="warmup_ratio"):
-        TrainConfig(warmup_ratio=0.1, warmup_steps=3)
-    with pytest.raises(ConfigError, match="warmup_ratio"):
-        TrainConfig(warmup_ratio=1.0)
+        TrainConfig.from_dict({"warmup_ratio": 1.0})
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        TrainConfig(warmup_steps=2.5)  # neither whole steps nor a share

@@ -153,3 +153,27 @@ def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
     assert completions and set(completions[0]["rewards"]) == {"parity"}
     report = write_report(out).read_text()
     assert "## Claims: sparsity over training" in report and "### Sparsity over training" in report
+
+
+def test_readme_trl_snippet_runs_and_grpo_lens_report_reads_it(tmp_path, monkeypatch):
+    """The README's TRL quickstart as pasted, with two substitutions only: the tiny model (exported as a Hugging
+    Face folder, as model_folder() gives the default one) and 2 steps instead of 10; then ``grpo-lens report``."""
+    import re
+    from pathlib import Path
+
+    from grpo_lens.cli import main
+    from grpo_lens.models import export_model
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"### The lens inside TRL's GRPOTrainer\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    tiny = export_model("tiny", tmp_path / "tiny")
+    for old, new in (("str(model_folder())", repr(str(tiny))), ("max_steps=10", "max_steps=2"),
+                     ('output_dir="runs/trl"', "output_dir='runs/trl', use_cpu=True, disable_tqdm=True")):
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert main(["report", "runs/trl"]) == 0
+    report = (tmp_path / "runs" / "trl" / "report.md").read_text()
+    assert report.startswith("# grpo-lens report") and "## Answers" in report and "correctness" in (
+        tmp_path / "runs" / "trl" / "completions.jsonl").read_text()

@@ -204,8 +204,10 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
     for head in ("### Policy entropy", "### Sparsity over training", "### S1 predicted from rollouts outside",
                  "### Baselines at matched expectation", "### Token credit"):
         assert head in report, head
-    # entropy 1/i: first 5 steps mean (1 + 1/2 + ... + 1/5) / 5 = 0.457
-    assert "1.000 nats over the first" not in report and "0.457 nats over the first 5 steps" in report
+    # entropy 1/i over 5 steps: non-overlapping windows of min(5, 5 // 2) = 2 steps, as for the reward: first
+    # (1 + 1/2) / 2 = 0.750, last (1/4 + 1/5) / 2 = 0.225
+    assert "1.000 nats over the first" not in report
+    assert "0.750 nats over the first 2 steps -> 0.225 over the last 2" in report
     assert "| optimal_pop | 0.800 [0.700, 0.900] |" in report
     assert (tmp_path / "sparsity_measures.png").is_file() and (tmp_path / "credit_position_probe.png").is_file()
 

@@ -70,7 +70,7 @@ def test_cosine_schedule_with_warmup_and_resume_equal_the_unbroken_run(tmp_path,
     assert resumed == unbroken  # exactly: a schedule restarted on resume would give step 4 the LR of step 1
 
 
-def test_linear_and_constant_schedules_and_the_warmup_ratio():
+def test_linear_and_constant_schedules_and_a_warmup_share():
     import torch
 
     from grpo_lens.train.schedule import LRSchedule
@@ -81,9 +81,11 @@ def test_linear_and_constant_schedules_and_the_warmup_ratio():
         return [LRSchedule(opt, c).apply(s) for s in range(1, 5)]
     assert sequence(lr_scheduler="constant") == [1.0, 1.0, 1.0, 1.0]
     assert sequence(lr_scheduler="linear") == pytest.approx([1.0, 0.75, 0.5, 0.25])  # (S - i) / S
-    # ratio 0.3 of 4 steps -> ceil(1.2) = 2 warm-up steps: 0, 1/2, then constant
-    assert warmup_steps(TrainConfig(max_steps=4, warmup_ratio=0.3)) == 2
-    assert sequence(lr_scheduler="constant", warmup_ratio=0.3) == pytest.approx([0.0, 0.5, 1.0, 1.0])
+    # a share 0.3 of 4 steps -> ceil(1.2) = 2 warm-up steps: 0, 1/2, then constant (TRL's old warmup_ratio too)
+    assert warmup_steps(TrainConfig(max_steps=4, warmup_steps=0.3)) == 2
+    assert warmup_steps(TrainConfig.from_dict({"max_steps": 4, "warmup_ratio": 0.3})) == 2
+    assert warmup_steps(TrainConfig(max_steps=4, warmup_steps=3)) == 3
+    assert sequence(lr_scheduler="constant", warmup_steps=0.3) == pytest.approx([0.0, 0.5, 1.0, 1.0])
 
 
 def test_accuracy_interval_is_wilsons():
@@ -113,3 +115,11 @@ def test_eval_split_must_exist(tmp_path):
     with pytest.raises(ValueError, match="valid splits"):
         loop.train(config(tmp_path / "bad", eval_every=1, eval_split="validation"))
     assert not (tmp_path / "bad").exists(), "checked before --out is written"
+
+
+def test_no_progress_prints_one_compact_line_per_step():
+    from grpo_lens.metrics import EVAL_GREEDY_ACCURACY, PERF_STEP_SECONDS, REWARD_MEAN
+
+    line = loop.step_line({STEP: 3, REWARD_MEAN: 0.25, LR: 5e-6, PERF_STEP_SECONDS: 3.21, EVAL_GREEDY_ACCURACY: 0.5},
+                          30)
+    assert line == "step 3/30  reward 0.250  lr 5.00e-06  eval greedy 0.500  s 3.2"
