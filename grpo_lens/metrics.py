@@ -268,6 +268,11 @@ REWARD_ACCURACY = _key(
     "mean over the step's rollouts of the task's own 0/1 correctness verdict (`grpo_lens.tasks.correctness_verdict`: "
     "the marked final answer against the reference; math-verify for gsm8k when installed), independent of the "
     "configured reward functions and weights; absent when no rollout has a reference answer")
+REWARD_KL_PENALTY = _key(
+    "reward", "reward/kl_penalty", REWARD_UNITS,
+    "with `--kl-in-reward`: mean over the step's valid rollouts of beta * sum_t (log pi_old - log pi_ref), the KL "
+    "penalty subtracted from their rewards before the advantages; `reward/mean` includes it",
+    source="§Losses, aggregation, KL and the gradient the trainer follows")
 REWARD_OVERLONG_PENALTY = _key(
     "reward", "reward/overlong_penalty", REWARD_UNITS,
     "with `--overlong soft-punish`: mean over the step's rollouts of DAPO's length penalty R_length in [−1, 0] added "

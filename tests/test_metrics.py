@@ -127,6 +127,7 @@ TRAIN_RUNS = {
                                  num_mini_batches=2),
     "optimal": dict(estimator="optimal", eval_every=2, eval_prompts=2, eval_samples=1),
     "dynamic": dict(dynamic_sampling=True, seed=3),
+    "kl_in_reward": dict(beta=0.1, kl_in_reward=True, lens_every=0),
 }
 
 #: entries neither the training runs nor the probe write, and why

@@ -102,6 +102,9 @@ class TrainConfig(ConfigFile):
     loss_aggregation: str = Advantage.loss_aggregation()
     beta: float = option(0.0, "KL coefficient against the frozen reference model (0 = no reference model).",
                          check=at_least(0))
+    kl_in_reward: bool = option(False, "With beta > 0: subtract beta * sum_t k1 (log pi_old - log pi_ref over the "
+                                "completion) from each valid rollout's reward before the advantages, RLHF's KL "
+                                "penalty (Ziegler et al. 2019), instead of a KL term in the loss.")
     kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + "; k1 "
                                "takes the KL's score-function gradient (log-ratio x grad log pi), not its own.",
                                check=one_of(KL_ESTIMATORS.names))

@@ -109,6 +109,28 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
     return KL_ESTIMATORS.get(estimator)(logp, ref_logp)
 
 
+def kl_reward_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """RLHF's KL penalty on the reward: beta * sum_t k1_t = beta * sum_t (log pi_old - log pi_ref) over each rollout's
+    completion tokens, detached (Ziegler et al., arXiv 1909.08593, eq. 2; Ouyang et al. 2022, eq. 2). Subtracted from
+    the reward before the advantages, it enters the policy gradient through A_i, as a sequence-level penalty.
+
+    Args:
+        logp: [N, T] log pi_old of the sampled tokens.   ref_logp: [N, T] log pi_ref.   mask: [N, T] bool.
+        beta: the KL coefficient >= 0.
+    Returns:
+        [N] penalties in reward units (>= 0 in expectation, any sign per rollout).
+    Raises:
+        ValueError: shapes differ or beta < 0.
+    """
+    if logp.shape != ref_logp.shape or logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, ref_logp {tuple(ref_logp.shape)} and mask {tuple(mask.shape)} "
+                         f"must all be [N, T]")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    k1 = kl_k1(logp.detach(), ref_logp.detach())
+    return beta * (k1 * mask.to(k1.dtype)).sum(dim=1)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Clipped surrogate
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,11 +26,12 @@ import copy
 import functools
 import importlib.util
 import logging
+import math
 import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +43,7 @@ from transformers.utils import logging as hf_logging
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import optimal_vs_rloo
+from grpo_lens.formulas.losses import kl_reward_penalty
 from grpo_lens.formulas.overlong import overlong_advantages, soft_overlong_penalty
 from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.gradients.sketch import sketched_rollout_sq_norms
@@ -62,6 +64,7 @@ from grpo_lens.metrics import (
     PERF_TOKENS_PER_SECOND,
     REWARD_ACCURACY,
     REWARD_FRAC_ZERO_STD_GROUPS,
+    REWARD_KL_PENALTY,
     REWARD_MEAN,
     REWARD_OVERLONG_PENALTY,
     STEP,
@@ -171,10 +174,12 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         schedule.apply(step)  # --lr-scheduler with its warm-up
         # 1. prompts, rollouts and their rewards (with --dynamic-sampling: extra rounds until B mixed groups)
         rollouts = sample_step(config, procs, task, reward_fns, models, step)
-        # 2. advantages: one scalar per rollout (with --estimator optimal: b* weighted by sketched gradient norms)
-        advantages, baseline_metrics = step_advantages(config, procs, models.policy, rollouts)
-        # 3. reference log-probs for the KL term (None with beta = 0)
+        # 2. reference log-probs for the KL term (None with beta = 0); with --kl-in-reward its penalty on the rewards
         ref_logp = reference_logprobs(models.reference, rollouts.batch, config, procs)
+        if config.kl_in_reward and ref_logp is not None:
+            rollouts = penalise_kl_in_reward(rollouts, ref_logp, config.beta, procs)
+        # 3. advantages: one scalar per rollout (with --estimator optimal: b* weighted by sketched gradient norms)
+        advantages, baseline_metrics = step_advantages(config, procs, models.policy, rollouts)
         # 4. the lens reads this step's rollouts before the update changes the policy, or plans to read the update
         plan = plan_lens(lens, step, config, procs, models.policy, rollouts, advantages)
         # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
@@ -536,6 +541,17 @@ def sample_dynamic(draw: Callable[[int], Rollouts], num_groups: int, max_extra_r
                     sum(r.generation_seconds for r in rounds))
 
 
+def penalise_kl_in_reward(rollouts: Rollouts, ref_logp: torch.Tensor, beta: float, procs: Processes) -> Rollouts:
+    """``--kl-in-reward``: every valid rollout's reward minus beta * sum_t (log pi_old - log pi_ref)
+    (:func:`grpo_lens.formulas.losses.kl_reward_penalty`; pi_old is the sampler's log-probs), and
+    ``reward/kl_penalty``, the mean penalty over all processes' valid rollouts."""
+    batch = rollouts.batch
+    penalty = kl_reward_penalty(batch.sampler_logprobs, ref_logp, batch.completion_mask, beta).to(rollouts.rewards)
+    total, count = procs.sum_floats([float(penalty[rollouts.valid].sum()), float(rollouts.valid.sum())])
+    info = {**rollouts.reward_info, REWARD_KL_PENALTY: total / count if count else math.nan}
+    return replace(rollouts, rewards=rollouts.rewards - penalty, reward_info=info)  # NaN stays NaN
+
+
 def step_advantages(config: TrainConfig, procs: Processes, policy: torch.nn.Module,
                     rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages [N] of the step's rollouts, one scalar per rollout shared by all its tokens, and baseline metrics.
@@ -641,7 +657,8 @@ def lens_after_update(lens: Any, plan: LensPlan, step: int, procs: Processes, po
 def step_record(step: int, config: TrainConfig, procs: Processes, rollouts: Rollouts, advantages: torch.Tensor,
                 parts: list[dict[str, float]], t0: float) -> dict[str, Any]:
     """The step's metrics.jsonl record, the same on every process: the reward-call metrics of all processes
-    (:func:`grpo_lens.train.step_metrics.merge_reward_infos`), then the statistics of all processes' rollouts (which win over them), ``parts`` in order, then ``perf/*`` (``t0``: the
+    (:func:`grpo_lens.train.step_metrics.merge_reward_infos`), then the statistics of all processes' rollouts
+    (which win over them), ``parts`` in order, then ``perf/*`` (``t0``: the
     step's start, ``time.perf_counter()``). With dynamic sampling the reward/accuracy/S1 keys cover every sampled
     group and the kept groups' values are ``dynamic/kept_*`` (:func:`grpo_lens.train.step_metrics.sampled_vs_kept`;
     one process only, so no gather)."""
@@ -747,7 +764,8 @@ def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run
 def save_checkpoint_if_due(run: RunDir, step: int, config: TrainConfig, procs: Processes, models: Models, lens: Any,
                            state: RunState) -> None:
     """Every ``checkpoint_every`` steps and at the last: model, optimizer, step, the guard's counters, the random
-    generators, the lens's state and the config the steps ran with (a resume compares with it), written atomically by the main process; every step's own randomness derives from
+    generators, the lens's state and the config the steps ran with (a resume compares with it), written atomically
+    by the main process; every step's own randomness derives from
     (seed, step)."""
     if step % config.checkpoint_every == 0 or step == config.max_steps:
         if procs.is_main:

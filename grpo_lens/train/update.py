@@ -6,8 +6,9 @@ optimizer steps need it, pi_old), :func:`backward_mini_batch` (one pass over one
 backward, metric sums), :func:`optimizer_step` (gradient all-reduce, clipping, the non-finite guard, AdamW) and
 :func:`update_metrics` (the sums reduced over processes into the step's metrics). The lens's gradient capture, when
 the trainer passes one, is opened and closed by :func:`policy_update` around exactly the first pass over the first
-mini-batch. :func:`lens_reads_update` says when that capture can serve the lens; :func:`grpo_lens.rollout.forward_precision` is the
-context of every model forward of a step (bf16 autocast for ``bf16-mixed``).
+mini-batch. :func:`lens_reads_update` says when that capture can serve the lens (one answer for all processes);
+:func:`grpo_lens.rollout.forward_precision` is the context of every model forward of a step (bf16 autocast for
+``bf16-mixed``).
 
 Several processes: every process holds its share of the step's groups; each loss is divided by the normaliser summed
 over processes and the gradients are summed with an all-reduce, so the update equals a single process's on the whole
@@ -235,7 +236,7 @@ def backward_mini_batch(policy: torch.nn.Module, batch: RolloutBatch, advantages
         loss, m = grpo_loss(
             logp, old, advantages[idx], plan.loss_mask[idx],
             normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
-            eps_high=config.eps_high, dual_clip=config.dual_clip, beta=config.beta,
+            eps_high=config.eps_high, dual_clip=config.dual_clip, beta=0.0 if config.kl_in_reward else config.beta,
             ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
             token_weights=weights)
         loss.backward()

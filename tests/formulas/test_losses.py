@@ -219,3 +219,15 @@ def test_the_two_rollout_weights_of_an_aggregation_agree(mode):
     has = lengths > 0
     torch.testing.assert_close(omega[has], (4 / z) * c[has] / lengths[has], rtol=1e-12, atol=0.0)
     assert c[~has].tolist() == [0.0]
+
+
+def test_kl_reward_penalty_closed_form():
+    """beta * sum_t (logp - ref) over the completion: rollout 0 has log-ratios 0.5, 1.0 (a padded third token
+    ignored), rollout 1 has -0.2; beta = 0.1 gives 0.15 and -0.02."""
+    from grpo_lens.formulas.losses import kl_reward_penalty
+
+    logp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -3.0, 0.0], [-0.3, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    want = torch.tensor([0.15, -0.02], dtype=torch.float64)
+    torch.testing.assert_close(kl_reward_penalty(logp, ref, mask, 0.1), want, rtol=0, atol=1e-15)

@@ -1,8 +1,8 @@
 """Issue 19: the run you asked for is the run you get. One test per numbered case of the issue (``test_case<N>_*``)
 plus one constructed case of the same kind that the report did not name.
 
-Tiny model (2-layer Llama built in code), CPU float32; rewards from tests/helpers_rewards.py depend only on the rollout's
-position, so groups are mixed whatever the model writes.
+Tiny model (2-layer Llama built in code), CPU float32; rewards from tests/helpers_rewards.py depend only on the
+rollout's position, so groups are mixed whatever the model writes.
 """
 
 from __future__ import annotations
@@ -512,3 +512,16 @@ def test_issue17_lens_reads_update_agrees_across_processes(tmp_path):
     assert lens_reads_update(config, _Lens(), rewards, valid, adv, _OtherProcessSays(False))
     assert not lens_reads_update(config, _Lens(), rewards, valid, adv, _OtherProcessSays(True))
     assert not lens_reads_update(config, _Lens(), rewards, valid, torch.zeros(4), _OtherProcessSays(False))
+
+
+@pytest.mark.e2e
+def test_case5_kl_in_reward_moves_the_reward_not_the_loss(tmp_path):
+    """--kl-in-reward: the loss has no KL term (loss/kl 0) and the step's rewards are the raw ones (test_alternating:
+    mean 0.5) minus the mean penalty; once the policy has moved (lr 1e-2) the penalty is no longer float noise."""
+    run = loop.train(tiny_config(tmp_path, beta=0.5, kl_in_reward=True, max_steps=2, learning_rate=1e-2))
+    first, second = run.read_metrics()
+    for r in (first, second):
+        assert r["loss/kl"] == 0.0
+        assert r["reward/mean"] == pytest.approx(0.5 - r["reward/kl_penalty"], abs=1e-6)
+    assert abs(first["reward/kl_penalty"]) < 1e-4  # pi_old = pi_ref at step 1
+    assert abs(second["reward/kl_penalty"]) > 1e-3
