@@ -483,7 +483,8 @@ RANK_G1_SIMNULL = _template(
 RANK_G1_LENS_LO, RANK_G1_LENS_HI = (_template(
     "group", f"rank/g1_{{m}}_{end}", RANK_UNITS,
     f"lens: the {side} end of the 95% interval over the step's mixed groups of rank/g1_<m> (Hall's t, theory §7; "
-    f"absent with fewer than 8 groups)", source="§7", where=(JSONL,)) for end, side in (("lo", "lower"), ("hi", "upper")))
+    f"absent with fewer than 8 groups)", source="§7", where=(JSONL,))
+    for end, side in (("lo", "lower"), ("hi", "upper")))
 RANK_G1_VS_NULL = _template(
     "group", "rank/g1_{m}_vs_null", RATIO,
     "rank/g1_<m> / rank/g1_null_<m>: below 1 = shared directions beyond the row norms", source="§5", where=LENS)

@@ -177,7 +177,8 @@ def _draw(pool: list[Any], n: int, gen: torch.Generator) -> list[Any]:
 
 def _shares(verdicts: list[str]) -> dict[str, float]:
     t = len(verdicts)
-    return {"holds": sum(v == HOLDS for v in verdicts) / t, "does_not_hold": sum(v == DOES_NOT_HOLD for v in verdicts) / t}
+    return {"holds": sum(v == HOLDS for v in verdicts) / t,
+            "does_not_hold": sum(v == DOES_NOT_HOLD for v in verdicts) / t}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ def _records(hoyers, bf16, dense, n=2**21, update_hoyer=0.2, s1=0.5, f32=0.8):
     recs = []
     for i, (h, b, d) in enumerate(zip(hoyers, bf16, dense)):
         recs.append({"step": max(5 * i, 1), "perf/step_seconds": 10.0, "perf/lens_seconds": 0.6,
-                     "perf/lens_sparsity_seconds": 0.4, "reward/frac_zero_std_groups": s1, "policy/entropy": 1.0,
+                     "perf/lens_sparsity_seconds": 0.4, "reward/frac_zero_std_groups": s1,
+                     "policy/entropy": 1.0 / (i + 1),
                      "sparsity/update_step_hoyer": update_hoyer, "sparsity/update_step_top1_energy": 0.11,
                      "sparsity/update_total_bf16_unchanged": b, "sparsity/update_total_bf16_dense": d,
                      "sparsity/update_total_f32_unchanged": f32, "sparsity/grad_zero": 0.01,
@@ -199,7 +200,7 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
     report = _report_with_studies(tmp_path)
     assert "## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines" in report
     # one table: the training run's claims and the probe's (labelled by source)
-    assert "| training | gradient (update) sparsity intensifies over training |" in report
+    assert "| training | gradient sparsity intensifies over training |" in report
     assert "| probe | the group mean is the variance-optimal baseline (m_C = m_W) |" in report
     for head in ("### Policy entropy", "### Sparsity over training", "### S1 predicted from rollouts outside",
                  "### Baselines at matched expectation", "### Token credit"):
