@@ -167,7 +167,7 @@ def test_readme_trl_snippet_runs_and_grpo_lens_report_reads_it(tmp_path, monkeyp
     code = re.search(r"### The lens inside TRL's GRPOTrainer\n.*?```python\n(.*?)```", readme, re.S).group(1)
     tiny = export_model("tiny", tmp_path / "tiny")
     for old, new in (("str(model_folder())", repr(str(tiny))), ("max_steps=10", "max_steps=2"),
-                     ('output_dir="runs/trl"', "output_dir='runs/trl', use_cpu=True, disable_tqdm=True")):
+                     ('output_dir="runs/trl"', "output_dir='runs/trl', disable_tqdm=True")):
         assert old in code, old
         code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)
