@@ -26,6 +26,7 @@ import yaml
 from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, at_least
 from grpo_lens.config.base import option
 from grpo_lens.config.groups import (
+    Adapter,
     Advantage,
     Lens,
     Model,
@@ -71,9 +72,8 @@ class DemoConfig(ConfigFile):
     lens_every: int = Lens.lens_every()
     rewards: list = TaskData.rewards()
     estimator: str = Advantage.estimator()
-    lora_rank: int = option(0, "LoRA rank of the training stage (0 = full fine-tuning), as train's --lora-rank.",
-                            check=at_least(0, "must be >= 0 (0 = full fine-tuning)"))
-    report_to: list = option(["none"], "Experiment trackers of the training stage, as train's --report-to.")
+    lora_rank: int = Adapter.lora_rank()
+    report_to: list = Output.report_to()
     probe_group_sizes: list = Probing.group_sizes()
     probe_prompts: int = Probing.prompts()
     probe_study_prompts: int = option(8, "Prompts (baseline study) and mixed groups (credit study) of each probe's "

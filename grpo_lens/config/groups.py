@@ -17,7 +17,8 @@ Lens       sketch_dim, lens_every, exact                      train (sketch_dim,
 Optimizer  max_steps, learning_rate                           train, demo
 Probing    group_sizes, prompts                               probe, demo (as probe_group_sizes, probe_prompts)
 Runtime    seed, dtype, device                                train, probe, demo (seed, device)
-Output     out, overwrite, progress                           train, probe, demo (out, overwrite)
+Adapter    lora_rank                                          train, demo
+Output     out, overwrite, progress, report_to                train (all), probe, demo (out, overwrite, report_to)
 =========  =================================================  ======================================================
 
 Overrides, each visible where the config takes the field: the demo's ``out`` defaults to ``runs/demo`` and its
@@ -40,11 +41,22 @@ from grpo_lens.config.base import (
 )
 from grpo_lens.formulas.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS
 from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
+from grpo_lens.trackers import REPORT_TO
 
 #: The ``dtype`` values: float32, bf16 weights, or float32 weights with bf16 autocast forwards.
 DTYPES = ("float32", "bfloat16", "bf16-mixed")
 #: Sources of the per-rollout Gram matrix behind every Gram-based lens and probe quantity (Lens.gram_source).
 GRAM_SOURCES = ("exact", "sketch")
+
+
+def _trackers(names: list) -> str | None:
+    """Check of ``report_to``: known tracker names, and ``none`` alone."""
+    for name in names:
+        if name not in REPORT_TO:
+            return f"unknown tracker {name!r}; valid names: {', '.join(REPORT_TO)}"
+    if "none" in names and len(names) > 1:
+        return "'none' cannot be combined with a tracker; drop it"
+    return None
 
 
 def _reward_specs(specs: list) -> str | None:
@@ -170,16 +182,26 @@ class Runtime:
                                   "use cpu, cuda, cuda:N or auto"))
 
 
+class Adapter:
+    """LoRA through peft."""
+
+    lora_rank = Option(0, "LoRA rank r (Hu et al. 2021, arXiv 2106.09685) through peft; 0 trains every parameter "
+                            "(full fine-tuning).", check=at_least(0, "must be >= 0 (0 = full fine-tuning)"))
+
+
 class Output:
     """Where a command writes, and how."""
 
     out = Option(None, "Output directory ({contents}).")
     overwrite = Option(False, "Replace {what} in --out.")
     progress = Option(True, "Show a progress bar.")
+    report_to = Option(["none"], "Experiment trackers that get every metrics record too: none, tensorboard, "
+                             "wandb (WANDB_MODE=offline works without a network), trackio; metrics.jsonl stays the "
+                             "source of truth.", check=_trackers)
 
 
 #: Every option group, in the order the configs list them.
-GROUPS = (Model, TaskData, Sampling, Advantage, Lens, Optimizer, Probing, Runtime, Output)
+GROUPS = (Model, TaskData, Sampling, Advantage, Lens, Optimizer, Probing, Runtime, Adapter, Output)
 
 
 def check_task_dataset(config: ConfigFile) -> None:

@@ -23,6 +23,7 @@ from grpo_lens.config.base import (
 )
 from grpo_lens.config.groups import (
     EPS_NOTE,
+    Adapter,
     Advantage,
     Lens,
     Model,
@@ -37,20 +38,9 @@ from grpo_lens.config.trl_names import register_trl_names
 from grpo_lens.formulas.losses import KL_ESTIMATORS
 from grpo_lens.formulas.overlong import OVERLONG_MODES
 from grpo_lens.metrics import METRIC_NAME_SCHEMES
-from grpo_lens.trackers import REPORT_TO
 
 #: The ``lr_scheduler`` values: transformers' schedulers of those names (``transformers.get_scheduler``).
 LR_SCHEDULERS = ("constant", "linear", "cosine")
-
-
-def _trackers(names: list) -> str | None:
-    """Check of ``report_to``: known tracker names, and ``none`` alone."""
-    for name in names:
-        if name not in REPORT_TO:
-            return f"unknown tracker {name!r}; valid names: {', '.join(REPORT_TO)}"
-    if "none" in names and len(names) > 1:
-        return "'none' cannot be combined with a tracker; drop it"
-    return None
 
 
 _UNIT = require(lambda v: 0 <= v < 1, "must be in [0, 1)")  # a clip range or an Adam beta
@@ -161,8 +151,7 @@ class TrainConfig(ConfigFile):
                              "(every linear layer's full weight, sketched; with LoRA the frozen base weights, what "
                              "full fine-tuning would follow).", check=one_of(("trainable", "full")))
     # --- LoRA (peft) -------------------------------------------------------------------------------------------------
-    lora_rank: int = option(0, "LoRA rank r (Hu et al. 2021, arXiv 2106.09685) through peft; 0 trains every parameter "
-                            "(full fine-tuning).", check=at_least(0, "must be >= 0 (0 = full fine-tuning)"))
+    lora_rank: int = Adapter.lora_rank()
     lora_alpha: float = option(32.0, "LoRA scale numerator: the update is lora_alpha / lora_rank * B A.",
                                check=above(0))
     lora_target_modules: list = option(["all-linear"], "Module names LoRA adapts (e.g. q_proj v_proj), or all-linear "
@@ -179,9 +168,7 @@ class TrainConfig(ConfigFile):
     keep_checkpoints: int = option(2, "How many recent checkpoints to keep.", check=at_least(1))
     save_final_model: bool = option(True, "Save the trained policy and tokenizer as a Hugging Face folder in "
                                     "RUN/final_model at the end (loadable with --model RUN/final_model).")
-    report_to: list = option(["none"], "Experiment trackers that get every metrics record too: none, tensorboard, "
-                             "wandb (WANDB_MODE=offline works without a network), trackio; metrics.jsonl stays the "
-                             "source of truth.", check=_trackers)
+    report_to: list = Output.report_to()
     log_completions: int = option(2, "Completions per step written to completions.jsonl (0 = none).",
                                   check=at_least(0))
     metric_names: str = option("grpo-lens", "Names the trackers log under: grpo-lens (the keys of docs/metrics.md), "

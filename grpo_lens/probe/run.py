@@ -425,16 +425,20 @@ def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig) -> dic
                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
                   prompts_per_batch=config.prompts_per_batch)
     out: dict[str, Any] = {}
+    # one bar over both studies: a tick per analysed prompt (baselines) or group (credit), with tqdm's estimate
+    bar = tqdm(total=config.baseline_study_prompts + config.credit_groups, desc="probe studies", unit="group",
+               disable=not config.progress)
     if config.baseline_study_prompts > 0:
         out["baselines"] = run_baseline_study(
             policy, tokenizer, task, reward_fns, prompts=config.baseline_study_prompts,
             max_prompts=4 * config.baseline_study_prompts, sketch_dim=config.sketch_dim,
-            resamples=max(config.resamples, 2), **common)
+            resamples=max(config.resamples, 2), progress=bar, **common)
     if config.credit_groups > 0:
         out["credit"] = run_credit_study(
             policy, tokenizer, task, reward_fns, groups=config.credit_groups,
             max_prompts=6 * config.credit_groups, mc_groups=config.mc_groups, mc_samples=config.mc_samples,
-            std=config.std, eps=config.std_eps, **common)
+            std=config.std, eps=config.std_eps, progress=bar, **common)
+    bar.close()
     return out
 
 

@@ -96,7 +96,7 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
                        max_prompts: int = 32, prompts_per_batch: int = 4, pool_factor: int = 4,
                        max_new_tokens: int = 24, temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
                        sketch_dim: int = 16, aggregation: str = "seq-mean-token-mean", resamples: int = 512,
-                       seed: int = 0) -> dict[str, Any]:
+                       seed: int = 0, progress: Any = None) -> dict[str, Any]:
     """Baselines at matched expectation and S1 predicted without bias, on ``prompts`` prompts with contrast.
 
     Samples prompts in batches (seeded) with M = pool_factor * R rollouts each until ``prompts`` of them have reward
@@ -137,6 +137,8 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
             sketch = sketch_rollout_grads(policy, sub, k_in=sketch_dim, k_out=sketch_dim, seed=seed,
                                           temperature=temperature, weights=c.float().to(sub.completion_ids.device))
             pools.append((sketch.sketch.detach().double().cpu(), r.double().cpu()))
+            if progress is not None:  # a tqdm bar: one tick per analysed prompt
+                progress.update(1)
     study = baseline_study(pools, R, num_resamples=resamples, seed=seed) if pools else None
     s1 = s1_measured_and_predicted(torch.stack(correct_rows), torch.stack(valid_rows), R)
     return {"baselines": study, "s1": s1,
@@ -169,7 +171,8 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
                      max_prompts: int = 48, prompts_per_batch: int = 4, mc_groups: int = 2, mc_samples: int = 8,
                      segments: int = 4, bins: int = 10, max_new_tokens: int = 24, temperature: float = 0.7,
                      top_k: int = 0, top_p: float = 1.0, aggregation: str = "seq-mean-token-mean",
-                     std: str = "sample", eps: float = 1e-4, step: float = 1e-2, seed: int = 0) -> dict[str, Any]:
+                     std: str = "sample", eps: float = 1e-4, step: float = 1e-2, seed: int = 0,
+                     progress: Any = None) -> dict[str, Any]:
     """Signed token contributions on ``groups`` mixed groups and Monte Carlo advantages on the first ``mc_groups``.
 
     Returns:
@@ -199,6 +202,8 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
             if analysed >= groups or not bool(v.all()) or bool(constant_groups(r.view(1, R), v.view(1, R))):
                 continue
             analysed += 1
+            if progress is not None:  # a tqdm bar: one tick per analysed group
+                progress.update(1)
             group = batch.select(rows)
             adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, eps=eps)[0]
             res = signed_token_contributions(policy, group, adv, aggregation=aggregation, step=step,

@@ -84,7 +84,7 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path):
                              sampler_logprobs=torch.zeros(n, t), truncated=torch.zeros(n, dtype=torch.bool),
                              group_size=R)
         config = TrainConfig(gram_source="sketch", sketch_dim=8, seed=3, temperature=0.9, estimator="grpo",
-                             std="sample", eps=1e-4, loss_aggregation="seq-mean-token-mean",
+                             std="sample", std_eps=1e-4, loss_aggregation="seq-mean-token-mean",
                              max_new_tokens=6)  # TRL's loss_type="grpo"
         ours = TrainerLens(policy, config).measure(step, policy, batch, rewards, torch.ones(n, dtype=torch.bool),
                                                    adv)
@@ -168,7 +168,7 @@ def test_readme_trl_snippet_runs_and_grpo_lens_report_reads_it(tmp_path, monkeyp
     code = re.search(r"### The lens inside TRL's GRPOTrainer\n.*?```python\n(.*?)```", readme, re.S).group(1)
     tiny = export_model("tiny", tmp_path / "tiny")
     for old, new in (("str(model_folder())", repr(str(tiny))), ("max_steps=10", "max_steps=2"),
-                     ('output_dir="runs/trl"', "output_dir='runs/trl', use_cpu=True, disable_tqdm=True")):
+                     ('output_dir="runs/trl"', "output_dir='runs/trl', disable_tqdm=True")):
         assert old in code, old
         code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)
