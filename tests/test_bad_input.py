@@ -290,6 +290,7 @@ def test_a_model_that_fails_to_load_creates_no_run_and_replaces_none(tmp_path, c
         raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your internet connection.")
 
     monkeypatch.setattr(models, "_from_pretrained", offline)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=0: True)  # the hub answers; the download fails
     new = tmp_path / "new"
     assert main(TRAIN + ["--out", str(new), "--model", "someorg/some-model"]) == 2
     err = capsys.readouterr().err.strip()

@@ -12,7 +12,8 @@ Load order: defaults <- YAML file (``--config``) <- command-line flags (``--grou
 Names: a config's :class:`Names` maps a deprecated name to the current one (accepted, with one
 :class:`ConfigNameWarning` line naming the new name), refuses a name that would mislead (a :class:`ConfigError`
 naming what to use instead) and accepts another library's names for the same settings (:class:`Alias`, e.g. TRL's
-``num_generations`` for ``group_size``, translated without a warning; :mod:`grpo_lens.config.trl_names`). They apply wherever a name comes in: YAML keys, flags, :meth:`ConfigFile.from_dict` and a
+``num_generations`` for ``group_size``, translated without a warning; :mod:`grpo_lens.config.trl_names`). They apply
+wherever a name comes in: YAML keys, flags, :meth:`ConfigFile.from_dict` and a
 run's saved config.yaml (``--resume``); a config written out uses only current names.
 """
 

@@ -137,4 +137,5 @@ def register_trl_names(names: Names, fields: set[str]) -> None:
             names.refuse(name, f"it is TRL's name, and {use}")
 
 
-_SAMPLE = {"loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": True, "warmup_ratio": 0.1}  # values that translate
+#: A value of each alias that translates (to find the fields it sets).
+_SAMPLE = {"loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": True, "warmup_ratio": 0.1}

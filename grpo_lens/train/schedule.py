@@ -1,8 +1,8 @@
 """The learning-rate schedule of ``grpo-lens train``: transformers' schedulers, as a function of the step.
 
-``--lr-scheduler`` (constant, linear, cosine) with ``--warmup-steps`` (steps, or a share of max_steps below 1) names the scheduler of
-``transformers.get_scheduler`` (``constant_with_warmup``, ``linear``, ``cosine``) over ``max_steps`` steps, the
-schedules TRL's ``lr_scheduler_type`` and ``warmup_steps`` select. The LR of step s (1-based) is
+``--lr-scheduler`` (constant, linear, cosine) with ``--warmup-steps`` (steps, or a share of max_steps below 1) names
+the scheduler of ``transformers.get_scheduler`` (``constant_with_warmup``, ``linear``, ``cosine``) over ``max_steps``
+steps, the schedules TRL's ``lr_scheduler_type`` and ``warmup_steps`` select. The LR of step s (1-based) is
 ``learning_rate × lambda(s − 1)``, lambda the scheduler's multiplier, set before the step's first optimizer step and
 held for its mu × num_mini_batches optimizer steps. As in transformers, the first warm-up step has LR 0.
 

@@ -20,7 +20,8 @@ def test_decided_claims_get_one_line_and_undecided_ones_are_grouped_by_reason():
     }
     lines = answer_lines(sources)
     assert lines[0] == "## Answers"
-    assert "- **does not hold**: S4 (training, step 4): excess [-0.004, -0.002] vs 0.05" in lines  # no "training, " twice
+    # the scope already names the source: no "training, training"
+    assert "- **does not hold**: S4 (training, step 4): excess [-0.004, -0.002] vs 0.05" in lines
     assert "- **holds**: identity (before, all R): max residual 1e-09 < 1e-04" in lines
     assert "- rank 2 (before, R = 4; after, R = 4): 1 groups < 8" in lines  # one line for the same reason
     assert "- rank 2 (after, R = 2): R = 2 caps erank at 2" in lines
