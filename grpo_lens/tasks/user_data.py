@@ -2,7 +2,8 @@
 
 Each row needs a ``prompt``: a non-empty string (TRL's standard format: tokenized as is by a model without a chat
 template, sent as one user message to a chat model; reward functions get string completions) or a non-empty list of
-chat messages ``{"role": ..., "content": ...}`` (conversational: completions are message lists). Every other column (e.g. ``answer``) is passed to reward functions as a keyword
+chat messages ``{"role": ..., "content": ...}`` (conversational: completions are message lists). Every other column
+(e.g. ``answer``) is passed to reward functions as a keyword
 argument, as TRL does.
 """
 

@@ -86,7 +86,8 @@ class TrainerLens:
     Metric keys written (named in :mod:`grpo_lens.metrics`, documented in docs/metrics.md):
     ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,
     ``sparsity/grad_*`` (and per layer type ``sparsity/<type>/...``), ``sparsity/sample_entries``,
-    ``rank/mixed_groups``, ``grad/gram_coverage`` (exact Gram), ``perf/lens_seconds``, ``perf/lens_sparsity_seconds``, and the mean over mixed groups of
+    ``rank/mixed_groups``, ``grad/gram_coverage`` (exact Gram), ``perf/lens_seconds``, ``perf/lens_sparsity_seconds``,
+    and the mean over mixed groups of
     every key of :func:`grpo_lens.analysis.group.analyse_group` except ``group/size`` (``rank/g1_*``,
     ``grad/identity_*``, ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
@@ -172,7 +173,8 @@ class TrainerLens:
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
                 rows.append(analyse_group(
-                    gram[j * R:(j + 1) * R, j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R], estimator=c.estimator,
+                    gram[j * R:(j + 1) * R, j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R],
+                    estimator=c.estimator,
                     std=c.std, eps=c.std_eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
                     completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4,
                     seed=c.seed + step * 1009 + b))

@@ -296,7 +296,8 @@ def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, val
     """Whether the lens can take its g_i from the update's first pass
     (:func:`grpo_lens.train.lens.scores_from_update_rows`).
 
-    True when ``lens_from_update`` is on, ``gram_source`` is sketch, the lens offers ``update_capture``, and the first pass's loss gradient is
+    True when ``lens_from_update`` is on, ``gram_source`` is sketch, the lens offers ``update_capture``, and the first
+    pass's loss gradient is
     -(A_i / N) grad(omega_i sum_t log pi) per rollout: no KL term (beta 0), no importance weights (tis_cap unset),
     both clip ranges > 0 (ratio 1 lies inside them), one mini-batch (the first pass covers every rollout before any
     optimizer step), and every advantage of the groups the lens analyses finite and nonzero; never with LoRA
