@@ -219,7 +219,8 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         lines += ["### Rank of G1 over training", "",
                   "Per lens step, the mean over the step's mixed groups (error bars: the 95% interval over groups, "
                   "from 8 groups): the top-2 and top-1 energy shares against 0.9 (\"k90 = 2\") and erank and "
-                  "stable rank against [1.5, 2.5] (docs/theory.md §11).", "", "![rank over training](rank_over_training.png)", ""]
+                  "stable rank against [1.5, 2.5] (docs/theory.md §11).",
+                  "", "![rank over training](rank_over_training.png)", ""]
 
     base_rows = [r for r in records if r.get(BASELINE_B_STAR) is not None]
     if base_rows:
