@@ -214,7 +214,7 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
             findings.append(f"Update sparsity since the start (S4): {fmt(s4[-1])} of "
                             + ("the LoRA adapter's weights (not the full model's)" if lora_rank else "parameters")
                             + f" kept their bf16 value after {lens_steps[-1][STEP]} steps.")
-    if any(r.get(rank_key("g1", "top2_share")) is not None for r in lens_steps):
+    if any(r.get(rank_key("g1", m)) is not None for r in lens_steps for m in ("top2_share", "erank")):
         plots.plot_rank_over_training(records, run_dir / "rank_over_training.png")
         lines += ["### Rank of G1 over training", "",
                   "Per lens step, the mean over the step's mixed groups (error bars: the 95% interval over groups, "

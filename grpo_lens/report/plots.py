@@ -144,6 +144,8 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     a1.set_xlabel("step")
     a1.set_ylabel("share of groups (accuracy: of rollouts)")
     a1.set_ylim(-0.02, 1.02)
+    a1.set_ylabel("share of G1's squared singular values")
+    a2.set_ylabel("rank (dimensionless)")
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
     for key, label in [(SPARSITY_UPDATE_STEP, "this step"), (SPARSITY_UPDATE_TOTAL, "since start"),
@@ -315,10 +317,12 @@ def plot_rank_over_training(records: list[dict[str, Any]], path: Path) -> Path:
                                               [hi[x] - m for m, x in zip(mid, steps)]],
                             fmt="none", ecolor=line.get_color(), capsize=3, alpha=0.7)
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("lens step")
+        ax.set_xlabel("step")  # lens steps only: the points are the steps the lens measured
         ax.grid(alpha=0.3)
     a1.axhline(0.9, color="gray", linestyle="--", linewidth=1, label="0.9 (k90 = 2)")
     a1.set_ylim(-0.02, 1.02)
+    a1.set_ylabel("share of G1's squared singular values")
+    a2.set_ylabel("rank (dimensionless)")
     a2.axhspan(1.5, 2.5, color="gray", alpha=0.15, label="≈ 2: [1.5, 2.5]")
     a2.set_ylim(bottom=0)
     _legend(a1, fontsize=7)

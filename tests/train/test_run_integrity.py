@@ -506,7 +506,7 @@ def test_issue17_lens_reads_update_agrees_across_processes(tmp_path):
     groups have a zero advantage), so no process opens the capture while another runs the lens's own pass."""
     from grpo_lens.train.update import lens_reads_update
 
-    config = tiny_config(tmp_path, lens_every=1)
+    config = tiny_config(tmp_path, lens_every=1, gram_source="sketch")  # the exact Gram never reads the update
     rewards, valid = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.ones(4, dtype=torch.bool)
     adv = torch.tensor([0.5, -0.5, 0.5, -0.5])
     assert lens_reads_update(config, _Lens(), rewards, valid, adv, _OtherProcessSays(False))

@@ -159,7 +159,7 @@ def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients
     valid = torch.ones(8, dtype=torch.bool)
     adv = compute_advantages(rewards.view(B, R), "grpo", std="sample", eps=1e-4).view(-1)
     config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
-                         loss_aggregation=mode, eps=1e-4, progress=False)
+                         loss_aggregation=mode, std_eps=1e-4, progress=False)
     assert config.gram_source == "exact"  # the default
     out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
     assert out["grad/gram_coverage"] == 1.0
