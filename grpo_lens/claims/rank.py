@@ -144,8 +144,9 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
                 claim=f"effective rank of the per-rollout gradient matrix ≈ 2 ({_NAMES[m]})", scope=f"R = {r}",
                 measurement=meas,
                 control=(f"structure reduction against the {nums['null']} null {ci_text(nums['reduction'], 3)} "
-                         f"(no structure within ±{NO_STRUCTURE_MARGIN[m]}); ratio G1/orthogonal null "
-                         f"{fmt(ratio.get('mean'))} (below 1 for any non-orthogonal rows: not a test)"),
+                         f"(no structure within ±{NO_STRUCTURE_MARGIN[m]:g}); ratio G1/orthogonal null "
+                         f"{fmt(ratio.get('mean'))} ({'above' if m == 'top2_share' else 'below'} 1 for any "
+                         f"non-orthogonal rows: not a test)"),
                 verdict=verdict, rule=why, source=src))
     return out
 
