@@ -54,3 +54,29 @@ def gram_of(grads):
     """The Gram matrix [R, R] float64 of per-rollout gradients [R, K]: what analyse_group takes."""
     g = grads.double()
     return g @ g.T
+
+
+def dtype_recording_loader(original, seen: dict, other: str, loaded: dict | None = None):
+    """A stand-in for ``load_model`` that records the output dtype of layer 0's q_proj in ``seen["generate"]`` while
+    ``model.generate`` runs and in ``seen[other]`` otherwise; it asserts the weights load in float32 (bf16-mixed keeps
+    float32 weights) and puts the model in ``loaded["model"]``."""
+    def load_and_hook(*a, **kw):
+        model, tok = original(*a, **kw)
+        assert next(model.parameters()).dtype == torch.float32  # bf16-mixed loads float32 weights
+        phase = {"now": other}
+        gen = model.generate
+
+        def generate(*ga, **gk):
+            phase["now"] = "generate"
+            try:
+                return gen(*ga, **gk)
+            finally:
+                phase["now"] = other
+
+        model.generate = generate
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda m, a, o: seen[phase["now"]].add(o.dtype))
+        if loaded is not None:
+            loaded["model"] = model
+        return model, tok
+    return load_and_hook

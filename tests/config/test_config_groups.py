@@ -14,6 +14,7 @@ import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
 import torch
 import yaml
+from references import dtype_recording_loader
 
 from grpo_lens import models
 from grpo_lens.cli import main
@@ -215,24 +216,7 @@ def test_bf16_mixed_probe_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_pa
     original = models.load_model
     loaded = {}
 
-    def load_and_hook(*a, **kw):
-        model, tok = original(*a, **kw)
-        assert next(model.parameters()).dtype == torch.float32  # bf16-mixed loads float32 weights
-        phase = {"now": "gradients"}
-        gen = model.generate
-
-        def generate(*ga, **gk):
-            phase["now"] = "generate"
-            try:
-                return gen(*ga, **gk)
-            finally:
-                phase["now"] = "gradients"
-
-        model.generate = generate
-        model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda m, a, o: seen[phase["now"]].add(o.dtype))
-        loaded["model"] = model
-        return model, tok
+    load_and_hook = dtype_recording_loader(original, seen, "gradients", loaded)
 
     config = ProbeConfig(model="tiny", rewards=["test_parity"], group_sizes=[2], prompts=4, prompts_per_batch=4,
                          max_new_tokens=4, baseline_prompts=1, resamples=4, random_draws=2, g2_groups=1,

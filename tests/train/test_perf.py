@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from references import dtype_recording_loader
 
 from grpo_lens.models import build_tiny_model
 from grpo_lens.rollout import accepts_logits_to_keep, completion_logprobs, scored_logits
@@ -119,23 +120,7 @@ def test_bf16_mixed_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_path):
     seen: dict[str, set] = {"generate": set(), "train": set()}
     original = models.load_model
 
-    def load_and_hook(*a, **kw):
-        model, tok = original(*a, **kw)
-        assert next(model.parameters()).dtype == torch.float32  # bf16-mixed loads float32 weights
-        phase = {"now": "train"}
-        gen = model.generate
-
-        def generate(*ga, **gk):
-            phase["now"] = "generate"
-            try:
-                return gen(*ga, **gk)
-            finally:
-                phase["now"] = "train"
-
-        model.generate = generate
-        model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda m, a, o: seen[phase["now"]].add(o.dtype))
-        return model, tok
+    load_and_hook = dtype_recording_loader(original, seen, "train")
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("grpo_lens.train.loop.load_model", load_and_hook)  # where the trainer looks it up
