@@ -692,22 +692,23 @@ S1_MEASURED = _key("probe", "s1_measured", SHARE, "all-equal groups / groups wit
                    where=(PROBE,), concept="S1")
 S1_MEASURED_CI = _key(
     "probe", "s1_measured_ci", INTERVAL,
-    "`{mean, lo, hi, n}`: S1 measured with its 95% bootstrap interval over the prompts (per-prompt indicator \"all "
-    "rewards equal\")", source="§S1", where=(PROBE,), concept="S1")
+    "`{mean, lo, hi, n}`: S1 measured with its 95% interval over the prompts (Hall's transformed t, §7) "
+    "(per-prompt indicator \"all rewards equal\")", source="§S1", where=(PROBE,), concept="S1")
 S1_PREDICTED = _key(
     "probe", "s1_predicted", SHARE,
     "mean over prompts (all M rewards valid) of [C(k′,R) + C(M′−k′,R)] / C(M′,R), k′ correct among the M′ = M − R "
     "rollouts outside the group: unbiased for p^R + (1−p)^R and not computed from the measured group (docs/theory.md "
     "§S1)", source="§S1", where=(PROBE,), concept="S1 predicted")
 S1_PREDICTED_CI = _key(
-    "probe", "s1_predicted_ci", INTERVAL, "`{mean, lo, hi, n}`: its 95% bootstrap interval over prompts",
+    "probe", "s1_predicted_ci", INTERVAL,
+    "`{mean, lo, hi, n}`: its 95% interval over prompts (Hall's transformed t, §7)",
     source="§S1", where=(PROBE,), concept="S1 predicted")
 PROBE_GROUPS = _key(
     "probe", "groups", ROWS, "one row per analysed group: the keys of the per-group analysis path above",
     where=(PROBE,))
 PROBE_SUMMARY = _key(
     "probe", "summary", INTERVAL,
-    "`{mean, lo, hi, n}`: mean over the groups that have the key, with its 95% expanded-percentile bootstrap interval "
+    "`{mean, lo, hi, n}`: mean over the groups that have the key, with its 95% Hall's transformed-t interval "
     "over groups (theory §7, `grpo_lens.formulas.stats.bootstrap_ci`; lo = hi = null for n < 8)", source="§7",
     where=(PROBE,), shown=("summary[key]",))
 PROBE_STRATA = _key(

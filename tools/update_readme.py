@@ -27,8 +27,8 @@ def cli_reference() -> str:
               "Writes RUN_DIR/report.md and its PNGs from the files in RUN_DIR alone.", "",
               "#### `grpo-lens compare RUN_DIR... --out DIR`", "",
               "Overlays two or more training runs in DIR/compare.md (+ compare.png, compare.json): the config fields "
-              "that differ, final numbers (mean over the last `--last` records, default 10, with a 95% bootstrap "
-              "interval from >= 8 of them) and curves. Runs of different tasks are refused unless "
+              "that differ, final numbers (mean over the last `--last` records, default 10, with a 95% interval "
+              "(Hall's transformed t) from >= 8 of them) and curves. Runs of different tasks are refused unless "
               "`--allow-different-tasks`.", ""]
     return "\n".join(parts)
 

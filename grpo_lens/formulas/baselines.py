@@ -444,7 +444,8 @@ def equal_norms_test(grads: Tensor, rewards: Tensor, *, num_boot: int = 2000, se
 
 def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, num_resamples: int = 512,
                    seed: int = 0, num_boot: int = 2000) -> dict:
-    """:func:`prompt_baseline_study` over prompts, with bootstrap intervals over prompts.
+    """:func:`prompt_baseline_study` over prompts, with 95% intervals over prompts (:func:`bootstrap_mean`, Hall's
+    transformed t).
 
     Args:
         pools: per prompt, (grads [M, K], rewards [M]) with M >= 4R. Prompts whose pool has no reward contrast are

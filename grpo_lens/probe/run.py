@@ -6,7 +6,8 @@ R form the GRPO group; all M give the prompt's success rate and the baseline-var
 (all rewards valid, not all equal) goes through the one per-group analysis path,
 :func:`grpo_lens.analysis.group.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
 (one layer's G1, G2, credit) that return keys of the same vocabulary. The probe then only aggregates rows over groups:
-means with 95% bootstrap intervals over groups, strata by k (correct count) and by distinct completions, and G3 (one
+means with 95% intervals (Hall's transformed t) over groups, strata by k (correct count) and by distinct completions,
+and G3 (one
 matrix over the analysed groups).
 
 probe.json::

@@ -264,7 +264,7 @@ RANK_ROWS = (("G1 (rows A_i g_i)", "g1"), ("orthogonal null (|A_i| ||g_i||)", "g
 
 def rank_table(probe: dict[str, Any], measures: tuple[str, ...] = ("erank", "stable_rank", "participation_ratio",
                                                                   "k90")) -> list[str]:
-    """Markdown table: rows = (R, matrix), columns = rank measures as mean [95% bootstrap interval] over groups,
+    """Markdown table: rows = (R, matrix), columns = rank measures as mean [95% interval] over groups,
     plus G1's ratio to the orthogonal null and G3 (one matrix over the analysed groups, no interval)."""
     per_r = probe["per_group_size"]
     lines = ["| R | matrix | groups | " + " | ".join(measures) + " |", "|---|---|---|" + "---|" * len(measures)]
@@ -360,8 +360,8 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               f"sketched per-rollout gradients ({meta.get('sketch_dim')} per side per nn.Linear weight)")
     lines = [f"## Gradient probe: {label}", "",
              f"Model {meta.get('model')}, task {meta.get('task')}, {source}, std convention {meta.get('std')}, "
-             f"eps {meta.get('eps')}. Every mean is over the analysed (mixed) groups, with its 95% bootstrap "
-             "interval over groups in brackets.", ""]
+             f"eps {meta.get('eps')}. Every mean is over the analysed (mixed) groups, with its 95% "
+             "interval over groups in brackets (Hall's transformed t, docs/theory.md §7).", ""]
     check = meta.get("sketch_check") or {}
     if meta.get("gradients") != "exact":
         cov = check.get(SKETCH_COVERAGE)

@@ -6,7 +6,8 @@ and ``DIR/compare.json`` (the table's numbers).
 
 Final numbers: for each run and metric, the mean of the metric over the run's last ``last`` records that have it
 (lens keys exist only on lens steps, so their "last" records are the last lens steps), with the project's one 95%
-bootstrap interval (:func:`grpo_lens.formulas.stats.bootstrap_ci`, docs/theory.md §7 and §Comparing runs), given
+interval (Hall's transformed t, :func:`grpo_lens.formulas.stats.bootstrap_ci`, docs/theory.md §7 and §Comparing runs),
+given
 only from at least MIN_INTERVAL_UNITS (8) records. Consecutive training steps are correlated, so the interval
 describes the spread of the last steps' values, not the uncertainty of a rerun with another seed: runs that differ by
 less than it cannot be told apart.
@@ -229,8 +230,8 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
         lines += [f"| `{k}` | " + " | ".join(f"`{v[lab]}`" for lab in labels) + " |" for k, v in diff.items()]
     else:
         lines += ["None: the runs share every setting (a difference then comes from code or randomness)."]
-    lines += ["", f"## Final numbers (mean over each run's last {last} records with the metric, 95% bootstrap "
-                  f"interval over those steps, from at least {MIN_INTERVAL_UNITS})", "",
+    lines += ["", f"## Final numbers (mean over each run's last {last} records with the metric, 95% "
+                  f"interval over those steps (Hall's transformed t), from at least {MIN_INTERVAL_UNITS})", "",
               "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "
               "uncertainty; differences smaller than it are not resolved by these runs.", "",
               "| metric | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]

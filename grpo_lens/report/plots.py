@@ -193,7 +193,7 @@ G1_LINES = (("G1", "g1"), ("orthogonal null", "g1_null"), ("G1_no_adv", "g1_no_a
 
 
 def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, measure: str = "erank") -> Path:
-    """Effective rank vs R for G1, its orthogonal null and its controls (mean and 95% bootstrap interval over
+    """Effective rank vs R for G1, its orthogonal null and its controls (mean and 95% interval over
     groups): one colour per matrix, the same in every probe; each probe (before / after) its own marker fill and line
     style, named in the legend; the matrices' points are spread a little along x so that with one R (or equal values)
     they do not hide one another.
@@ -229,7 +229,7 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
         ax.set_xlim(rs_all[0] - spacing / 2, rs_all[-1] + spacing / 2)
     ax.set_xlabel("group size R")
     ax.set_ylabel(f"{measure} (dimensionless)")
-    ax.set_title(f"{measure} of G1 vs R (95% bootstrap intervals over groups)", fontsize=9)
+    ax.set_title(f"{measure} of G1 vs R (95% intervals over groups)", fontsize=9)
     _legend(ax, fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     return _save(fig, path)

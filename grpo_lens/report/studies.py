@@ -41,7 +41,7 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
                   "centred gradient Cov(r, h) estimated on the other half; h_i = c_i g_i, "
                   f"{meta.get('gradients')}, k = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
                   "RLOO's; the group mean is rescaled by R/(R-1) (it then equals RLOO sample by sample). 95% "
-                  "bootstrap intervals over prompts.", "",
+                  "intervals over prompts (Hall's transformed t, docs/theory.md §7).", "",
                   "| estimator | MSE / RLOO's | cosine to reference | bias² share of MSE |", "|---|---|---|---|"]
         for name in ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop"):
             e = s.get(name, {})
