@@ -512,6 +512,10 @@ def test_issue17_lens_reads_update_agrees_across_processes(tmp_path):
     assert lens_reads_update(config, _Lens(), rewards, valid, adv, _OtherProcessSays(False))
     assert not lens_reads_update(config, _Lens(), rewards, valid, adv, _OtherProcessSays(True))
     assert not lens_reads_update(config, _Lens(), rewards, valid, torch.zeros(4), _OtherProcessSays(False))
+    # the exact Gram (the default source) needs every rollout in one backward: it never reads the micro-batched update
+    exact = tiny_config(tmp_path, lens_every=1)
+    assert exact.gram_source == "exact"
+    assert not lens_reads_update(exact, _Lens(), rewards, valid, adv, _OtherProcessSays(False))
 
 
 @pytest.mark.e2e
