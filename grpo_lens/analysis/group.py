@@ -237,15 +237,17 @@ def parameter_category(name: str, module_is_linear: bool) -> str:
     return "other"
 
 
-def sketch_check_keys(exact: Tensor, sketch: Tensor, advantages: Tensor, categories: dict[str, slice | list[slice]],
-                      layer_slices: Sequence[slice], k_in: int, k_out: int) -> dict[str, float]:
-    """How well one group's sketch stands in for its exact per-rollout gradients (docs/theory.md §8).
+def sketch_check_keys(exact_gram: Tensor, sketch: Tensor, advantages: Tensor, category_sq_norms: dict[str, float],
+                      layer_grams: Sequence[Tensor], k_in: int, k_out: int) -> dict[str, float]:
+    """How well one group's sketch stands in for its exact per-rollout gradients (docs/theory.md §8), from exact
+    Gram matrices (every quantity below is a function of inner products <g_i, g_j>; no [R, P] vector is needed).
 
     Args:
-        exact: [R, P] exact g_i over every parameter.  sketch: [R, K] the sketched g_i of the same rollouts.
-        advantages: [R].
-        categories: {category: slice or list of slices of P} (from :func:`parameter_category`).
-        layer_slices: the slices of P of the sketched (nn.Linear) weights, one per layer, for the error bound.
+        exact_gram: [R, R] <g_i, g_j> over every parameter (:func:`grpo_lens.gradients.gram.exact_rollout_gram`).
+        sketch: [R, K] the sketched g_i of the same rollouts.   advantages: [R].
+        category_sq_norms: {category: sum_i ||g_i||^2 over that category's parameters} (categories of
+            :func:`parameter_category`; their sum is trace(exact_gram)).
+        layer_grams: [R, R] exact Grams of the sketched (nn.Linear) weights, one per layer, for the error bound.
         k_in, k_out: sketch sizes.
 
     Returns:
@@ -254,25 +256,23 @@ def sketch_check_keys(exact: Tensor, sketch: Tensor, advantages: Tensor, categor
         ``sketch/gram_error``: ||Ĝ - G||_F / ||G||_F for G1's Gram (W G W) sketched vs exact over every parameter
         (missing coverage and projection noise together); ``sketch/gram_error_bound``: the bound of
         :func:`grpo_lens.formulas.sketch_error.sketch_gram_error_bound` for the sketched layers alone;
-        ``sketch/g1_erank_error``: erank(G1) sketched minus exact.
+        ``sketch/g1_erank_error``: erank(G1) sketched minus exact. Empty when every g_i is 0.
     """
-    e, s = exact.detach(), sketch.detach().double()  # exact stays in its dtype: [R, P] can be GBs
-    a = advantages.detach().double()
-    total = float(e.double().square().sum()) if e.numel() < 10**7 else float(sum(float(r.double().square().sum())
-                                                                                   for r in e))
+    e, s = exact_gram.detach().double().cpu(), sketch.detach().double().cpu()
+    a = advantages.detach().double().cpu()
+    total = float(e.trace())
     out: dict[str, float] = {}
     if total == 0:
         return out
     out[SKETCH_COVERAGE] = float(s.square().sum()) / total
-    for cat, sl in categories.items():
-        parts = sl if isinstance(sl, list) else [sl]
-        out[sketch_share_key(cat)] = sum(float(e[:, p].double().square().sum()) for p in parts) / total
+    for cat, sq in category_sq_norms.items():
+        out[sketch_share_key(cat)] = float(sq) / total
     w = torch.outer(a, a)
-    g_exact, g_sketch = (e @ e.T).double() * w, (s @ s.T) * w
+    g_exact, g_sketch = e * w, (s @ s.T) * w
     den = float(g_exact.norm())
     if den > 0:
         out[SKETCH_GRAM_ERROR] = float((g_sketch - g_exact).norm()) / den
-        grams = [(e[:, sl] @ e[:, sl].T).double() * w for sl in layer_slices]
+        grams = [g.detach().double().cpu() * w for g in layer_grams]
         if grams:
             out[SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, k_in, k_out)
     out[SKETCH_G1_ERANK_ERROR] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(

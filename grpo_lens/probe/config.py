@@ -58,9 +58,10 @@ class ProbeConfig(ConfigFile):
     g2_groups: int = option(1, "Mixed groups per R whose G2 is computed for every linear layer under every weighting "
                             "(A, |A|, A + mean|A|, r, uniform, one rollout), summarised by layer type (one backward "
                             "per weighting). 0 disables.", check=at_least(0))
-    coverage_groups: int = option(1, "Sketch mode: mixed groups per R whose exact gradients (every parameter; memory "
-                                  "R x P floats) are also computed, to measure the share of ||g||^2 the sketch covers "
-                                  "and its Gram error (docs/theory.md §8). 0 disables.", check=at_least(0))
+    coverage_groups: int = option(1, "Mixed groups per R whose sketch is checked against the exact Gram of every "
+                                  "parameter (per-parameter [R, R] Grams; one more batched backward with --gram-source "
+                                  "sketch): the share of ||g||^2 the sketch covers and its Gram error (docs/theory.md "
+                                  "§8). 0 disables.", check=at_least(0))
     random_draws: int = option(8, "Draws of random zero-sum weights for the G1 control.", check=at_least(1))
     study_group_size: int = option(4, "R of the baseline and credit studies (docs/theory.md §Baselines at matched "
                                    "expectation, §Token credit).", check=at_least(2))

@@ -177,6 +177,8 @@ class RolloutGradients:
     layer_rows: [n, d_out*d_in] exact rows of the probed layer's weight gradient, or None.
     token_sq: [n, Lp+T] per-position squared norms of the linear weights' gradient, or None.
     coverage: the exact Gram's share of the trainable parameters (None for the sketch and dense modes).
+    param_grams: {parameter name: [n, n] float64} the exact Gram's per-parameter terms (exact Gram only), for the
+        sketch check.
     """
 
     gram: torch.Tensor
@@ -184,6 +186,7 @@ class RolloutGradients:
     layer_rows: torch.Tensor | None
     token_sq: torch.Tensor | None
     coverage: float | None = None
+    param_grams: dict[str, torch.Tensor] | None = None
 
 
 def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None,
@@ -203,11 +206,12 @@ def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | 
         sketch = GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed,
                                  token_norms=True) if vectors else None
         exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
-        gram, info = exact_rollout_gram(policy, sub, captures=[c for c in (sketch, exact) if c is not None], **proc)
+        gram, info = exact_rollout_gram(policy, sub, captures=[c for c in (sketch, exact) if c is not None],
+                                        keep_param_grams=True, **proc)
         sk = sketch.result() if sketch is not None else None
         return RolloutGradients(gram, sk.sketch.double().cpu() if sk else None,
                                 exact.result().per_layer[layer].cpu() if exact else None,
-                                sk.token_sq_norms if sk else None, info["coverage"])
+                                sk.token_sq_norms if sk else None, info["coverage"], info["param_grams"])
     sk = sketch_rollout_grads(policy, sub, k_in=config.sketch_dim, k_out=config.sketch_dim, seed=config.seed,
                               token_norms=True, exact_layers=[layer] if layer else (), **proc)
     g = sk.sketch.double().cpu()
@@ -240,7 +244,7 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
                     "G1_no_adv": gram_singular_values(gram).tolist(),
                     "G1_null": orthogonal_null_singular_values(gram, adv).tolist()},
         "g3_rows": {name: group_row_sums(g, R, w)[0] for name, w in weightings(adv, rewards).items()},
-        "grads": g, "advantages": adv, "gram_coverage": measured.coverage,
+        "grads": g, "advantages": adv, "gram_coverage": measured.coverage, "param_grams": measured.param_grams,
     }
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
@@ -283,23 +287,28 @@ def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: tor
 
 
 def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: ProbeConfig) -> dict[str, float]:
-    """Exact gradients of every parameter for one analysed group, set against its sketch
-    (:func:`grpo_lens.analysis.group.sketch_check_keys`: coverage of ||g||^2, Gram error and its bound, erank error)."""
-    exact = exact_rollout_grads(policy, sub, temperature=config.temperature,
-                                   score_weights=score_weights(sub, config)).detach().cpu()
-    slices = param_slices(policy)
+    """The exact Gram of every parameter for one analysed group, set against its sketch
+    (:func:`grpo_lens.analysis.group.sketch_check_keys`: coverage of ||g||^2, Gram error and its bound, erank error).
+
+    The per-parameter exact Grams come from the group's own pass with ``gram_source: exact`` (``extra["param_grams"]``)
+    or, with the sketch, from one more batched backward (:func:`grpo_lens.gradients.gram.exact_rollout_gram`), never
+    from [R, P] vectors."""
+    param_grams = extra.get("param_grams")
+    if param_grams is None:
+        _, info = exact_rollout_gram(policy, sub, temperature=config.temperature,
+                                     score_weights=score_weights(sub, config), keep_param_grams=True)
+        param_grams = info["param_grams"]
     modules = dict(policy.named_modules())
-    by_id = {id(p): slices[n] for n, p in policy.named_parameters() if n in slices}
-    categories: dict[str, list[slice]] = {}
-    for name, sl in slices.items():
-        module = modules.get(name.rsplit(".", 1)[0])
-        categories.setdefault(parameter_category(name, isinstance(module, nn.Linear)), []).append(sl)
-    layer_slices = [by_id[id(m.weight)] for n in linear_layer_names(policy) for m in [modules[n]]
-                    if id(m.weight) in by_id]
-    out = sketch_check_keys(exact, extra["grads"], extra["advantages"], categories, layer_slices,
-                               config.sketch_dim, config.sketch_dim)
-    del exact
-    return out
+    category_sq: dict[str, float] = {}
+    for name, g in param_grams.items():
+        cat = parameter_category(name, isinstance(modules.get(name.rsplit(".", 1)[0]), nn.Linear))
+        category_sq[cat] = category_sq.get(cat, 0.0) + float(g.trace())
+    names = {id(p): n for n, p in policy.named_parameters()}
+    weights = [names.get(id(modules[n].weight)) for n in linear_layer_names(policy)]
+    layer_grams = [param_grams[n] for n in dict.fromkeys(weights) if n in param_grams]
+    gram = torch.stack(list(param_grams.values())).sum(0)
+    return sketch_check_keys(gram, extra["grads"], extra["advantages"], category_sq, layer_grams,
+                             config.sketch_dim, config.sketch_dim)
 
 
 def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str,
@@ -361,6 +370,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             t_g2 += t2 - t1
             t_check += time.perf_counter() - t2
             extra.pop("grads")
+            extra.pop("param_grams")
             if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
                 m = _rollout_grads(policy, batch.select(rows_j), config, None, vectors=False)
                 # the trace variance depends on inner products alone: rows of any factor of the Gram give it

@@ -358,3 +358,40 @@ def test_progress_counts_every_prompt_once(tmp_path, tiny_model_and_tokenizer):
                            "model.layers.1.mlp.down_proj", lambda done, mixed: calls.append((done, mixed)))
     assert [d for d, _ in calls] == [4, 2] and calls[-1][1] == out["groups_mixed"]
     assert out["prompts_sampled"] == 6
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("gram_source", ["exact", "sketch"])
+def test_sketch_check_from_the_exact_gram_equals_dense_vectors(tiny_model_and_tokenizer, gram_source):
+    # The sketch check reads per-parameter exact Grams (the group's own pass with the exact Gram, one more batched
+    # backward with the sketch), never [R, P] vectors. Reference, from dense per-rollout gradients e [R, P] (one
+    # backward per rollout): coverage = sum ||s_i||^2 / sum ||e_i||^2, a category's share = its columns' sum of
+    # squares / sum ||e_i||^2, gram error = ||W (S S^T - E E^T) W||_F / ||W E E^T W||_F with W = diag(A).
+    from grpo_lens.gradients.exact import exact_rollout_grads
+    from grpo_lens.gradients.params import param_slices
+    from grpo_lens.probe.run import _rollout_grads, score_weights, sketch_check
+    from grpo_lens.rollout import sample_groups
+    from grpo_lens.tasks import get_task
+
+    model, tokenizer = tiny_model_and_tokenizer
+    config = probe_config("unused", gram_source=gram_source, sketch_dim=8)
+    sub = sample_groups(model, tokenizer, get_task(config.task).sample(1, seed=3), 4, max_new_tokens=6,
+                        temperature=config.temperature, generator_seed=3)
+    measured = _rollout_grads(model, sub, config, None)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    extra = {"grads": measured.rows, "advantages": adv, "param_grams": measured.param_grams}
+    assert (measured.param_grams is None) == (gram_source == "sketch")
+    check = sketch_check(model, sub, extra, config)
+
+    e = exact_rollout_grads(model, sub, temperature=config.temperature,
+                            score_weights=score_weights(sub, config)).double()
+    s = measured.rows
+    total = float(e.square().sum())
+    assert check["sketch/coverage"] == pytest.approx(float(s.square().sum()) / total, rel=1e-5)
+    slices = param_slices(model)
+    embed = sum(float(e[:, sl].square().sum()) for n, sl in slices.items() if "embed" in n) / total
+    assert embed > 0.01  # the tiny model's embedding carries a share a dropped category would lose
+    assert check["sketch/exact_share_embedding"] == pytest.approx(embed, rel=1e-5)
+    w = torch.outer(adv, adv)
+    ge, gs = (e @ e.T) * w, (s @ s.T) * w
+    assert check["sketch/gram_error"] == pytest.approx(float((gs - ge).norm() / ge.norm()), rel=1e-4)
