@@ -49,6 +49,7 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.train.processes import gather_objects
+from grpo_lens.train.sharding import is_sharded
 from grpo_lens.train.sparsity import Bf16UpdateTracker, SparsityOverTraining
 
 
@@ -159,6 +160,10 @@ class TrainerLens:
         norm = gather_objects((loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens),
                                float(loss_mask.any(dim=1).sum())))
         z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
+        if sketch is None and is_sharded(policy) and any(gather_objects(bool(mixed))) and not mixed:
+            # FSDP2: each forward is a collective, so a process without a mixed group joins the others' pass with
+            # one group of its own and drops the result
+            self.rollout_gram(policy, batch.select(torch.arange(R)), torch.ones(R, device=loss_mask.device))
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
