@@ -14,14 +14,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import helpers_rewards  # noqa: F401 - registers test_alternating
 import torch
-from _distributed_worker import B, R, TEMPERATURE, T, build_batch
+from _distributed_worker import TEMPERATURE, B, R, T, build_batch
 
+from grpo_lens import cli
 from grpo_lens.config import TrainConfig
 from grpo_lens.gradients.gram import exact_rollout_gram
 from grpo_lens.models import build_tiny_model
 from grpo_lens.train.lens import TrainerLens
-from grpo_lens.train.processes import Processes
+from grpo_lens.train.processes import Processes, setup_processes
 from grpo_lens.train.sharding import local_part, shard_fsdp2
 from grpo_lens.train.update import policy_update
 
@@ -100,11 +102,6 @@ CLI_ARGS = ["train", "--model", "tiny", "--parallelism", "fsdp2", "--rewards", "
 
 
 def main(out_dir: str) -> None:
-    import helpers_rewards  # noqa: F401 - registers test_alternating
-
-    from grpo_lens import cli
-    from grpo_lens.train.processes import setup_processes
-
     torch.set_num_threads(1)
     out = Path(out_dir)
     procs = setup_processes("cpu")

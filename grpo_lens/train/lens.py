@@ -10,7 +10,9 @@ with LoRA, exact gradients of the adapter's parameters or sketches of the frozen
 :meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one per-group analysis path,
 :func:`grpo_lens.analysis.group.analyse_group` (the same function ``grpo-lens probe`` calls), and the lens writes the
 mean over the step's mixed groups of every key it returns (the identity residual: the max).
-With several processes every process's groups are gathered first, so the numbers cover the whole batch.
+With several processes every process's groups are gathered first, so the numbers cover the whole batch; with an
+FSDP2-sharded policy (``--parallelism fsdp2``) every forward is a collective, so a process without a mixed group
+joins the others' exact-Gram pass with one group of its own and drops the result (docs/theory.md §21).
 Around the optimizer step, bf16 snapshots give S4 (update sparsity for the step and since the start), and a fixed
 sample of the weights gives the sparsity of the step's update, of the update since the start and of the step's
 gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.train.sparsity.SparsityOverTraining`,

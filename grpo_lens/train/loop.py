@@ -15,7 +15,8 @@ holds the rest (:class:`RunState`, the random generators' states).
 Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
 process draws the same B prompts for a step and samples the groups of its own share of them; the update sums over
 processes (:mod:`grpo_lens.train.update`), each step's record gathers every process's rollouts
-(:mod:`grpo_lens.train.processes`), and the main process alone writes the run directory.
+(:mod:`grpo_lens.train.processes`), and the main process alone writes the run directory. ``--parallelism fsdp2``
+shards the policy over the processes instead of copying it (:mod:`grpo_lens.train.sharding`).
 
 Shapes: B prompts per step, R group size, N = B R / processes rollouts on this process, T completion tokens.
 """

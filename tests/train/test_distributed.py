@@ -20,7 +20,6 @@ from helpers_distributed import run_torchrun, torchrun_available
 
 from grpo_lens.train.processes import Processes
 
-HERE = Path(__file__).resolve().parents[1]  # tests/, where _distributed_worker.py lives
 WORLD = 2
 TIMEOUT_S = 300
 

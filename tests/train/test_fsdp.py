@@ -4,9 +4,11 @@ steps, and the lens reads the same Gram matrices, as 1 process with the whole po
 tests/_fsdp_worker.py runs :func:`_fsdp_worker.run_fixed` on each rank's share of three fixed batches (float64 tiny
 Llama, AdamW, a binding gradient clip, KL term, the exact-Gram lens measuring every step, S4 and sampled sparsity
 around every update); the same function runs here in one process on the whole batches. In float64 the two differ
-only by reassociation of sums (~1e-16 relative), so 1e-6 on the weights after 3 steps, and 1e-9 relative on Gram
-entries of size ~1e3, would both be broken by a gradient that is averaged instead of summed over processes (half
-the gradient: grad/norm halves), a clip norm taken per shard, or a Gram whose hooks missed a shard's parameters.
+only by reassociation of sums (~1e-16 relative). The weights alone cannot show a gradient averaged instead of summed
+over processes: AdamW's step and the clipped direction do not depend on the gradient's scale, and with FSDP2's
+default averaging the weights still agreed to 1e-6 while the first-step gradient was off by 0.089. So the gradient
+(1e-9) and grad/norm (1e-12 relative) are compared too; a clip norm taken per shard or a Gram whose hooks missed a
+shard's parameters break the grad/norm and Gram checks (1e-9 relative on entries of size ~1e3).
 The worker then trains through the CLI with ``--parallelism fsdp2``: 3 steps in one go and 2 steps resumed to 3.
 """
 
