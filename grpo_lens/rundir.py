@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 import yaml
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 from grpo_lens.metrics import (
     PERF_LENS_SECONDS,
@@ -262,8 +262,13 @@ class RunDir:
 
     # ---------------------------------------------------------------------------------------------------------------
     def save_checkpoint(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        state: dict[str, Any], keep: int = 2) -> Path:
+                        state: dict[str, Any], keep: int = 2, model_state: dict[str, torch.Tensor] | None = None,
+                        optimizer_state: dict[str, Any] | None = None) -> Path:
         """Write model (safetensors), optimizer and trainer state for ``step`` atomically; keep the newest ``keep``.
+
+        ``model_state`` / ``optimizer_state``: full state dicts to write instead of ``model``'s and ``optimizer``'s
+        own (a sharded policy's, gathered by :func:`grpo_lens.train.sharding.full_model_state`; each tied matrix
+        once).
 
         Order: files into ``.step-N.tmp-PID``, fsync, rename to ``step-N``, then ``latest`` (atomic), then clean-up.
         A kill before ``latest`` is replaced leaves the previous checkpoint in charge. Checkpoints of later steps than
@@ -277,9 +282,12 @@ class RunDir:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))
+        if model_state is not None:
+            save_file(model_state, str(tmp / "model.safetensors"))
+        else:
+            save_model(model, str(tmp / "model.safetensors"))
         crash_point("mid_checkpoint", step)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state, tmp / "optimizer.pt")
         torch.save({**state, "step": step}, tmp / "state.pt")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -336,9 +344,13 @@ class RunDir:
                               f"restart the run from step 0, or restore the folder")
         return path
 
-    def load_checkpoint(self, path: Path, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def load_checkpoint(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        load_states: Callable[[dict[str, torch.Tensor], dict[str, Any]], None] | None = None
+                        ) -> dict[str, Any]:
         """Restore model and optimizer in place from ``path``; return the trainer state (with ``step``).
+
+        ``load_states(model_state, optimizer_state)``: loads the files' full state dicts instead of
+        ``load_state_dict`` (a sharded policy: :func:`grpo_lens.train.sharding.load_full_states`).
 
         Raises:
             RunDirError: a file is missing or unreadable (corrupt), naming it and how to go on.
@@ -348,8 +360,12 @@ class RunDir:
             if not f.is_file():
                 raise RunDirError(f"checkpoint {path} is incomplete: {n} is missing; {self._recovery_hint(path)}")
         try:
-            load_model(model, str(files["model.safetensors"]), strict=True)
-            optimizer.load_state_dict(torch.load(files["optimizer.pt"], weights_only=False))
+            if load_states is not None:
+                load_states(load_file(str(files["model.safetensors"])),
+                            torch.load(files["optimizer.pt"], weights_only=False))
+            else:
+                load_model(model, str(files["model.safetensors"]), strict=True)
+                optimizer.load_state_dict(torch.load(files["optimizer.pt"], weights_only=False))
             state = torch.load(files["state.pt"], weights_only=False)
             if not isinstance(state, dict) or "step" not in state:
                 raise ValueError("state.pt holds no step")

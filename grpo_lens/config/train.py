@@ -38,6 +38,7 @@ from grpo_lens.config.trl_names import register_trl_names
 from grpo_lens.formulas.losses import KL_ESTIMATORS
 from grpo_lens.formulas.overlong import OVERLONG_MODES
 from grpo_lens.metrics import METRIC_NAME_SCHEMES
+from grpo_lens.train.sharding import PARALLELISMS
 
 #: The ``lr_scheduler`` values: transformers' schedulers of those names (``transformers.get_scheduler``).
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -161,6 +162,12 @@ class TrainConfig(ConfigFile):
     seed: int = Runtime.seed()
     dtype: str = Runtime.dtype()
     device: str = Runtime.device()
+    parallelism: str = option("ddp", "How several processes (torchrun / accelerate launch) hold the policy: ddp (each "
+                              "process a whole copy, gradients summed by an all-reduce) or fsdp2 (torch's "
+                              "fully_shard of each decoder layer and the root: each process holds 1/N of every "
+                              "weight, gradient and AdamW moment). fsdp2 needs 2 or more processes and refuses "
+                              "LoRA and --estimator optimal; checkpoints hold full tensors either way.",
+                              check=one_of(PARALLELISMS.names))
     out: str | None = Output.out(contents="config.yaml, metrics.jsonl, checkpoints/")
     resume: bool = option(False, "Continue the run in --out from its last checkpoint.")
     overwrite: bool = Output.overwrite(what="a different run already")

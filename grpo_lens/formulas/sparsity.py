@@ -122,12 +122,23 @@ def bf16_unchanged_fraction(before: Iterable[Tensor], after: Iterable[Tensor]) -
     Returns:
         float in [0, 1] (1 for no parameters).
     """
+    same, total = bf16_unchanged_counts(before, after)
+    return same / total if total else 1.0
+
+
+def bf16_unchanged_counts(before: Iterable[Tensor], after: Iterable[Tensor]) -> tuple[int, int]:
+    """(entries whose bf16 value is identical in two snapshots, entries): the counts of
+    :func:`bf16_unchanged_fraction`, which add up over the shards of a sharded model.
+
+    Args:
+        before, after: matching tensors (any dtype; compared after casting to bfloat16).
+    """
     same = total = 0
     for a, b in zip(before, after, strict=True):
         assert a.shape == b.shape, (a.shape, b.shape)
         same += int((a.to(torch.bfloat16) == b.to(device=a.device, dtype=torch.bfloat16)).sum())
         total += a.numel()
-    return same / total if total else 1.0
+    return same, total
 
 
 #: (type, regex searched in a parameter name), tried in this order; the first match is the parameter's type (norm

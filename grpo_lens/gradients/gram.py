@@ -415,6 +415,10 @@ class GramCapture:
         self.check_dropped, self.keep_param_grams = check_dropped, keep_param_grams
         self.plan = plan_gram(model)
         self.param_names = {id(p): n for n, p in model.named_parameters()}
+        # each hooked (module, attribute)'s parameter name, resolved now: under FSDP2 (``fully_shard``) the attribute
+        # holds another tensor (the unsharded parameter) while the hooks run
+        self.attr_names = {(m, a): self.param_names[id(getattr(m, a))] for m, attrs in self.plan.hooked.items()
+                           for a in attrs}
         self.module_names = {m: n for n, m in reversed(list(model.named_modules()))}
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self._head = self.param_names.get(id(out.weight)) if isinstance(out, nn.Linear) else None
@@ -492,7 +496,7 @@ class GramCapture:
             self._on_linear_forward(module, x.detach(), output)
         elif len(args) != 1 or kwargs or not isinstance(x, Tensor) or x.shape[0] != st.n:
             for attr in self.plan.hooked[module]:
-                self.late_uncovered[self.param_names[id(getattr(module, attr))]] = \
+                self.late_uncovered[self.attr_names[(module, attr)]] = \
                     "module called with other than one [N, ...] tensor"
         else:
             x = x.detach()
@@ -534,7 +538,7 @@ class GramCapture:
             self.hook_seconds += time.perf_counter() - t0
 
     def _add(self, module: nn.Module, attr: str, gram: Tensor) -> None:
-        name = self.param_names[id(getattr(module, attr))]
+        name = self.attr_names[(module, attr)]
         self.param_grams[name] = gram if name not in self.param_grams else self.param_grams[name] + gram
 
     def _note_dropped(self, g: Tensor, keep: Tensor) -> None:

@@ -10,7 +10,9 @@ with LoRA, exact gradients of the adapter's parameters or sketches of the frozen
 :meth:`TrainerLens.rollout_grads`). Each mixed group goes through the one per-group analysis path,
 :func:`grpo_lens.analysis.group.analyse_group` (the same function ``grpo-lens probe`` calls), and the lens writes the
 mean over the step's mixed groups of every key it returns (the identity residual: the max).
-With several processes every process's groups are gathered first, so the numbers cover the whole batch.
+With several processes every process's groups are gathered first, so the numbers cover the whole batch; with an
+FSDP2-sharded policy (``--parallelism fsdp2``) every forward is a collective, so a process without a mixed group
+joins the others' exact-Gram pass with one group of its own and drops the result (docs/theory.md §21).
 Around the optimizer step, bf16 snapshots give S4 (update sparsity for the step and since the start), and a fixed
 sample of the weights gives the sparsity of the step's update, of the update since the start and of the step's
 gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.train.sparsity.SparsityOverTraining`,
@@ -49,6 +51,7 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.train.processes import gather_objects
+from grpo_lens.train.sharding import is_sharded
 from grpo_lens.train.sparsity import Bf16UpdateTracker, SparsityOverTraining
 
 
@@ -159,6 +162,10 @@ class TrainerLens:
         norm = gather_objects((loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens),
                                float(loss_mask.any(dim=1).sum())))
         z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
+        if sketch is None and is_sharded(policy) and any(gather_objects(bool(mixed))) and not mixed:
+            # FSDP2: each forward is a collective, so a process without a mixed group joins the others' pass with
+            # one group of its own and drops the result
+            self.rollout_gram(policy, batch.select(torch.arange(R)), torch.ones(R, device=loss_mask.device))
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)

@@ -15,7 +15,8 @@ holds the rest (:class:`RunState`, the random generators' states).
 Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
 process draws the same B prompts for a step and samples the groups of its own share of them; the update sums over
 processes (:mod:`grpo_lens.train.update`), each step's record gathers every process's rollouts
-(:mod:`grpo_lens.train.processes`), and the main process alone writes the run directory.
+(:mod:`grpo_lens.train.processes`), and the main process alone writes the run directory. ``--parallelism fsdp2``
+shards the policy over the processes instead of copying it (:mod:`grpo_lens.train.sharding`).
 
 Shapes: B prompts per step, R group size, N = B R / processes rollouts on this process, T completion tokens.
 """
@@ -88,6 +89,13 @@ from grpo_lens.train.lens import TrainerLens, scores_from_update_rows
 from grpo_lens.train.memory import _peak_memory_mb
 from grpo_lens.train.processes import Processes, gather_objects, setup_processes
 from grpo_lens.train.schedule import LRSchedule
+from grpo_lens.train.sharding import (
+    PARALLELISMS,
+    full_model_state,
+    full_optimizer_state,
+    is_sharded,
+    load_full_states,
+)
 from grpo_lens.train.step_metrics import (
     _pad_to,
     accuracy_metrics,
@@ -237,6 +245,7 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
     (example,) = task.sample(1, seed=config.seed)  # every reward function callable with the data's columns
     check_rewards_on_example(reward_fns, example.prompt, example.columns(), config.reward_timeout,
                              where=f"a row of task {config.task!r}", trainer_state=RewardState(0, config.max_steps))
+    check_parallelism(config, procs)
     if config.dynamic_sampling and procs.world > 1:
         raise ValueError("--dynamic-sampling runs in one process only for now (processes would keep different "
                          "numbers of groups); drop it or run one process")
@@ -246,6 +255,27 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
         check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     check_tokenizer_files(resolve_model(config.model))
     return task, reward_fns
+
+
+def check_parallelism(config: TrainConfig, procs: Processes) -> None:
+    """``--parallelism fsdp2`` needs several processes and is refused with the options it does not support yet.
+
+    Raises:
+        ValueError: fsdp2 with one process, with LoRA (``lora_rank`` > 0) or with ``--estimator optimal`` (its
+            per-rollout backwards differ in number between processes), naming the alternative.
+    """
+    if config.parallelism != "fsdp2":
+        return
+    if procs.world < 2:
+        raise ValueError("--parallelism fsdp2 shards the policy over several processes and this run has 1: launch "
+                         "it with torchrun --nproc_per_node N (N >= 2) or accelerate launch --num_processes N, or use "
+                         "--parallelism ddp (the default)")
+    if config.lora_rank > 0:
+        raise ValueError("--parallelism fsdp2 with LoRA (--lora-rank) is not supported; use --parallelism ddp")
+    if config.estimator == "optimal":
+        raise ValueError("--parallelism fsdp2 with --estimator optimal is not supported (its per-rollout backwards "
+                         "differ in number between processes, and each sharded forward is a collective); use "
+                         "--parallelism ddp or another --estimator")
 
 
 #: Files of which a local model directory needs one for its tokenizer to load (transformers' names).
@@ -394,8 +424,10 @@ def check_before_writing(config: TrainConfig, run: RunDir,
 
 
 def build_models(config: TrainConfig, procs: Processes) -> Models:
-    """Seed the generators, load the policy, check it (:func:`check_model`), copy the reference, add LoRA and make
-    the optimizer: AdamW (lr, betas, weight decay from ``config``) over the parameters that require gradients.
+    """Seed the generators, load the policy, check it (:func:`check_model`), copy the reference, add LoRA, lay the
+    policy out over the processes (``--parallelism``, :mod:`grpo_lens.train.sharding`; the reference stays a whole
+    copy on every process) and make the optimizer: AdamW (lr, betas, weight decay from ``config``) over the parameters
+    that require gradients (for fsdp2, their shards).
 
     The policy stays in eval mode for the whole run: dropout (``attention_dropout``, GPT-2's ``resid_pdrop``, LoRA's
     ``lora_dropout``) is off in every log-prob forward of the policy, pi_old, the reference and the lens, so the first
@@ -417,6 +449,8 @@ def build_models(config: TrainConfig, procs: Processes) -> Models:
     if config.lora_rank > 0:  # the reference above stays the plain base model
         policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
         policy.eval()  # LoRA's own dropout off too
+    policy = PARALLELISMS.get(config.parallelism)(policy, procs.world)  # fsdp2: fully_shard (reference unsharded)
+    procs.sharded = is_sharded(policy)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                   weight_decay=config.weight_decay)
@@ -433,7 +467,8 @@ def open_run(run: RunDir, config: TrainConfig, procs: Processes, models: Models,
     state = RunState()
     if config.resume:
         if ckpt is not None:
-            saved = run.load_checkpoint(ckpt, models.policy, models.optimizer)
+            load = functools.partial(load_full_states, models.policy, models.optimizer) if procs.sharded else None
+            saved = run.load_checkpoint(ckpt, models.policy, models.optimizer, load_states=load)
             state.step = int(saved["step"])
             state.guard.update(saved.get("guard") or {})
             if saved.get("rng"):
@@ -765,13 +800,17 @@ def save_checkpoint_if_due(run: RunDir, step: int, config: TrainConfig, procs: P
                            state: RunState) -> None:
     """Every ``checkpoint_every`` steps and at the last: model, optimizer, step, the guard's counters, the random
     generators, the lens's state and the config the steps ran with (a resume compares with it), written atomically
-    by the main process; every step's own randomness derives from
-    (seed, step)."""
+    by the main process (an FSDP2-sharded policy's full tensors gathered to it first); every step's own randomness
+    derives from (seed, step)."""
     if step % config.checkpoint_every == 0 or step == config.max_steps:
+        full = {}
+        if procs.sharded:  # every process takes part in gathering the full tensors to rank 0
+            full = {"model_state": full_model_state(models.policy),
+                    "optimizer_state": full_optimizer_state(models.policy, models.optimizer)}
         if procs.is_main:
             saved = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None,
                      "guard": dict(state.guard), "config": config.to_dict()}
-            run.save_checkpoint(step, models.policy, models.optimizer, saved, keep=config.keep_checkpoints)
+            run.save_checkpoint(step, models.policy, models.optimizer, saved, keep=config.keep_checkpoints, **full)
         procs.barrier()
 
 
@@ -779,8 +818,10 @@ def finish_run(run: RunDir, config: TrainConfig, procs: Processes, models: Model
     """After the last step: log what the lens cost and save the final model (main process), then wait for all."""
     if lens is not None and procs.is_main:
         _log_lens_cost(run)
-    if config.save_final_model and procs.is_main and not (run.path / "final_model").exists():
-        save_final_model(models.policy, models.tokenizer, run.path / "final_model")
+    if config.save_final_model and not (run.path / "final_model").exists():
+        state = full_model_state(models.policy) if procs.sharded else None  # every process gathers
+        if procs.is_main:
+            save_final_model(models.policy, models.tokenizer, run.path / "final_model", state_dict=state)
     procs.barrier()
 
 
@@ -794,14 +835,26 @@ def _log_lens_cost(run: RunDir) -> None:
                     cost["train_seconds"])
 
 
-def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path) -> Path:
+def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path,
+                     state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename); a LoRA
-    policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`)."""
+    policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`).
+    ``state_dict``: the full weights of an FSDP2-sharded policy (:func:`grpo_lens.train.sharding.full_model_state`),
+    saved under the model's own class name."""
     for stray in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed while saving
         shutil.rmtree(stray, ignore_errors=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if is_lora(policy):  # merged model in path/, the adapter alone in path/adapter/
         save_lora_model(policy, tokenizer, tmp)
+    elif state_dict is not None:  # fully_shard renamed the class (FSDP<Name>): the config keeps the model's own
+        architectures = getattr(policy.config, "architectures", None)
+        policy.config.architectures = [c.__name__ for c in type(policy).__mro__ if c.__name__ ==
+                                       type(policy).__name__.removeprefix("FSDP")][:1] or architectures
+        try:
+            policy.save_pretrained(tmp, state_dict=state_dict)
+        finally:
+            policy.config.architectures = architectures
+        tokenizer.save_pretrained(tmp)
     else:
         policy.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

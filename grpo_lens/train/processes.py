@@ -32,6 +32,7 @@ class Processes:
     world: int
     device: torch.device
     accelerator: Any = None
+    sharded: bool = False  # the policy is FSDP2-sharded (--parallelism fsdp2): its backward sums the gradients itself
 
     @property
     def is_main(self) -> bool:
@@ -76,12 +77,13 @@ class Processes:
         return self.sum_floats([float(flag)])[0] > 0
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """All-reduce sum of the gradient of every parameter that has one, in place (nothing for one process).
+        """All-reduce sum of the gradient of every parameter that has one, in place (nothing for one process, nor for
+        an FSDP2-sharded policy, whose backward already reduce-scattered the sum: :mod:`grpo_lens.train.sharding`).
 
         Each process's loss is already divided by the normaliser summed over processes, so the sum is the gradient of
         the whole batch's loss, the one a single process would compute on all of it.
         """
-        if self.world > 1:
+        if self.world > 1 and not self.sharded:
             for p in params:
                 if p.grad is not None:
                     torch.distributed.all_reduce(p.grad)

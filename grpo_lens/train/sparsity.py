@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lens.formulas.sparsity import (
-    bf16_unchanged_fraction,
+    bf16_unchanged_counts,
     dense_bf16_unchanged_probability,
     flatten_sparsity,
     layer_type,
@@ -32,6 +32,7 @@ from grpo_lens.metrics import (
     SPARSITY_UPDATE_STEP,
     SPARSITY_UPDATE_TOTAL,
 )
+from grpo_lens.train.sharding import entries, local_part, sum_over_shards
 
 
 @dataclass
@@ -85,12 +86,8 @@ class ParameterSample:
     def values(self, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         """{name: [s_t] float32 copy} of the sampled entries of the parameters (or of ``tensors``, e.g. grads)."""
         src = tensors if tensors is not None else {n: p.detach() for n, p in self.params.items()}
-        out = {}
-        for n in self.names:
-            t = src.get(n)
-            out[n] = (torch.zeros(len(self.index[n])) if t is None
-                      else t.detach().reshape(-1)[self.index[n]].float().cpu().clone())
-        return out
+        # FSDP2 shards (DTensors): each process reads its own entries, one all-reduce joins them
+        return dict(zip(self.names, entries([src.get(n) for n in self.names], [self.index[n] for n in self.names])))
 
     def grads(self) -> dict[str, Tensor]:
         """The sampled entries of each parameter's ``.grad`` (zeros where it is None)."""
@@ -266,8 +263,15 @@ class Bf16UpdateTracker:
         self.previous = self.start
 
     def _snapshot(self) -> list[Tensor]:
-        return [p.detach().to(torch.bfloat16).to(self.device if self.device is not None else p.device, copy=True)
+        """bf16 copies of the parameters (of this process's shards, for an FSDP2-sharded model)."""
+        return [local_part(p.detach()).to(torch.bfloat16).to(self.device if self.device is not None else p.device,
+                                                              copy=True)
                 for p in self.params]
+
+    def _unchanged(self, before: list[Tensor], after: list[Tensor]) -> float:
+        """Share of entries with the same bf16 value, counted over every process's shards."""
+        same, total = sum_over_shards(list(bf16_unchanged_counts(before, after)), self.params)
+        return same / total if total else 1.0
 
     @property
     def num_params(self) -> int:
@@ -283,8 +287,8 @@ class Bf16UpdateTracker:
         """
         current = self._snapshot()
         out = {
-            SPARSITY_UPDATE_STEP: bf16_unchanged_fraction(self.previous, current),
-            SPARSITY_UPDATE_TOTAL: bf16_unchanged_fraction(self.start, current),
+            SPARSITY_UPDATE_STEP: self._unchanged(self.previous, current),
+            SPARSITY_UPDATE_TOTAL: self._unchanged(self.start, current),
         }
         self.previous = current
         return out

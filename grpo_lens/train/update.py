@@ -137,12 +137,15 @@ def mini_batch_rows(groups: int, R: int, M: int) -> list[torch.Tensor]:
 
 def plan_update(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig, procs: Processes) -> UpdatePlan:
     """Split the N = G R rollouts into ``num_mini_batches`` mini-batches (:func:`mini_batch_rows`) and each into
-    micro-batches of ``micro_batch_size`` rollouts (or :func:`auto_micro_batch_size`'s choice), and compute pi_old
-    when needed."""
+    micro-batches of ``micro_batch_size`` rollouts (or :func:`auto_micro_batch_size`'s choice, the smallest over
+    processes for an FSDP2-sharded policy, so that every process runs as many forwards), and compute pi_old when
+    needed."""
     mini_batches = mini_batch_rows(batch.num_groups, config.group_size, config.num_mini_batches)
     L, T = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1], batch.completion_ids.shape[1]
     sizes = [config.micro_batch_size or auto_micro_batch_size(policy, len(mini), L, T, total_memory_bytes(procs.device))
              for mini in mini_batches]
+    if procs.sharded and not config.micro_batch_size:  # FSDP2: as many forwards on every process (each a collective)
+        sizes = [max(1, int(-procs.max_float(-size))) for size in sizes]
     micro_batches = [[mini[s:s + size] for s in range(0, len(mini), size)] for mini, size in zip(mini_batches, sizes)]
     old_logp = None  # [N, T] pi_old of every rollout, needed once the policy has moved within this step
     if config.mu > 1 or len(mini_batches) > 1:

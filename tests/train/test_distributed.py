@@ -10,21 +10,16 @@ aggregation and for 1 and 2 mini-batches; here the same function runs in one pro
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import _distributed_worker as worker
 import pytest
 import torch
+from helpers_distributed import run_torchrun, torchrun_available
 
 from grpo_lens.train.processes import Processes
 
-HERE = Path(__file__).resolve().parents[1]  # tests/, where _distributed_worker.py lives
 WORLD = 2
 TIMEOUT_S = 300
 
@@ -38,28 +33,12 @@ class RankResults(list):
         self.out = out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun_available() -> bool:
-    return (torch.distributed.is_available() and torch.distributed.is_gloo_available()
-            and importlib.util.find_spec("torch.distributed.run") is not None)
-
-
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory):
-    if not _torchrun_available():
+    if not torchrun_available():
         pytest.skip("torchrun / torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(HERE / "_distributed_worker.py"),
-           str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=HERE.parent)
+    proc = run_torchrun("_distributed_worker.py", out, WORLD, TIMEOUT_S)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     assert [(d["rank"], d["world"]) for d in ranks] == [(r, WORLD) for r in range(WORLD)], \
