@@ -13,7 +13,7 @@ matrix over the analysed groups).
 probe.json::
 
     {"meta": {model, task, gradients: "exact_gram"|"sketch"|"exact", gram_coverage, g3_source, sketch_dim, std, eps,
-              layer, seconds, ...},
+              layer, seconds, resumed (continued a killed probe: ``--resume``), ...},
      "per_group_size": {"<R>": {
          rollouts_per_prompt, prompts_sampled, groups_all_equal, groups_mixed, groups_invalid, s1_measured,
          s1_predicted,
@@ -28,6 +28,9 @@ probe.json::
          timing: {generation_seconds, gradient_seconds (of which g2_weightings_seconds, sketch_check_seconds),
                   seconds}}},
      "studies": {...}}
+
+While it runs, the probe keeps every finished prompt, group size and study in OUT/probe_partial/
+(:mod:`grpo_lens.probe.partial`), so ``--resume`` continues a killed probe with the same numbers.
 
 Keys are named in :mod:`grpo_lens.metrics` (documented in docs/metrics.md); formulas are in docs/theory.md.
 """
@@ -364,6 +367,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
 
     # 1) the prompts a killed probe finished
     records = partial.prompt_records(R) if partial is not None else []
+    restored_seconds = sum((r.seconds or {}).get(k, 0.0) for r in records for k in ("generation", "gradient"))
     if records and on_prompts is not None:
         on_prompts(len(records), sum(r.status == "mixed" for r in records))
     # 2) the other prompts, batch by batch; a resumed probe may start inside a batch (it draws the batch again)
@@ -388,14 +392,15 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             on_prompts(len(examples) - first, sum(r.status == "mixed" for r in records))
     # 3) aggregate over prompts and groups
     out = aggregate_group_size(records, M, config)
-    out[PROBE_TIMING]["seconds"] = time.perf_counter() - t_start
+    out[PROBE_TIMING]["seconds"] = time.perf_counter() - t_start + restored_seconds  # + the killed run's measuring
     return out
 
 
 def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfig) -> dict[str, Any]:
     """R's probe.json entry from its prompts' records (in sampling order): counts, S1, summaries and strata over the
     analysed groups, G3 (one matrix over them), spectra, baseline variances, the credit profile, and the summed
-    timings (``seconds`` is the records' sum; :func:`probe_group_size` replaces it by the wall time)."""
+    timings (``seconds`` is the records' sum; :func:`probe_group_size` replaces it by the wall time, plus the
+    measuring time of the records a killed probe left)."""
     mixed = [r for r in records if r.status == "mixed"]
     rows = [r.row for r in mixed]
     extras = [r.extra for r in mixed]
