@@ -501,8 +501,9 @@ def prepare_out(config: ProbeConfig) -> PartialProbe:
     """Check what --out holds against --resume / --overwrite, before anything is written; return its partial probe
     (OUT/probe_partial/, :mod:`grpo_lens.probe.partial`).
 
-    A new probe needs an OUT without probe.json or a partial probe, or ``overwrite`` (which deletes the partial
-    probe here). ``resume`` needs a partial probe whose settings equal ``config``'s but for the resumable ones.
+    A new probe needs an OUT without probe.json or a partial probe, or ``overwrite`` (:func:`run_probe` deletes the
+    partial probe once the model has loaded and the layer is checked). ``resume`` needs a partial probe whose
+    settings equal ``config``'s but for the resumable ones.
 
     Raises:
         ConfigError: what OUT holds does not allow what was asked, saying what to pass instead.
@@ -522,8 +523,6 @@ def prepare_out(config: ProbeConfig) -> PartialProbe:
                           f"from its last finished group, --overwrite to start over, or choose another --out")
     elif (out / "probe.json").exists() and not config.overwrite:
         raise ConfigError(f"{out}/probe.json exists; pass --overwrite to replace it or choose another --out")
-    elif config.overwrite:
-        partial.remove()
     return partial
 
 
@@ -559,7 +558,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     if layer not in linear_layer_names(policy):
         raise ConfigError(f"probe field 'layer' = {layer!r} is not a linear layer of the model; e.g. "
                           f"{', '.join(linear_layer_names(policy)[:4])}, ...")
-    if not config.resume:
+    if not config.resume:  # a new probe (--overwrite: over a partial one)
+        partial.remove()
         partial.start(config.to_dict())
     per_r = {}
     progress = None

@@ -176,3 +176,23 @@ def test_prompt_record_round_trips_through_its_file(tmp_path):
     assert back.row == record.row and back.baseline_variance == {"none": 2.0} and back.check is None
     assert torch.equal(back.extra["advantages"], record.extra["advantages"])
     assert partial.prompt_records(2) == []
+
+
+@pytest.mark.e2e
+def test_overwrite_starts_over_and_a_bad_layer_keeps_the_partial_probe(tmp_path, monkeypatch, uninterrupted):
+    out = tmp_path / "probe"
+    with monkeypatch.context() as mp:
+        kill_after_prompts(mp, 3)
+        with pytest.raises(Killed):
+            run_probe(config(out))
+    # an --overwrite that fails on its settings deletes nothing
+    with pytest.raises(ConfigError, match="not a linear layer"):
+        run_probe(config(out, overwrite=True, layer="no.such.layer"))
+    assert len(PartialProbe(out).prompt_records(2)) == 3
+    # --overwrite measures every prompt again (none restored) and gives the uninterrupted numbers
+    measured = []
+    original = probe_module.analyse_prompt
+    monkeypatch.setattr(probe_module, "analyse_prompt", lambda *a, **k: measured.append(1) or original(*a, **k))
+    run_probe(config(out, overwrite=True))
+    assert len(measured) == 12 and read(out)["meta"]["resumed"] is False
+    assert without_timings(read(out)) == without_timings(uninterrupted)
