@@ -25,9 +25,9 @@ trainer:
 ``exact``, the default as in the trainer, the exact Gram of every parameter from one batched backward; ``sketch``, the
 LoGra sketch of the linear weights; with a peft/LoRA model the adapter's exact per-rollout gradients either way;
 :func:`grpo_lens.diagnostics.analyse_group` per mixed group). The exact Gram runs without activation checkpointing,
-which TRL turns on by default: the lens switches it off for its own pass only. Rows g_i are gradients of each completion's
-log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's temperature (TRL's
-training log-probs apply no top-k / top-p); the advantages are TRL's.
+which TRL turns on by default: the lens switches it off for its own pass only. Rows g_i are gradients of each
+completion's log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's
+temperature (TRL's training log-probs apply no top-k / top-p); the advantages are TRL's.
 The metrics are appended to TRL's ``_metrics["train"]``, which ``GRPOTrainer.log`` averages over the logging window
 and sends to every ``report_to`` backend and ``trainer.state.log_history``. Update sparsity (S4, and the sampled
 sparsity keys) is measured around the first optimizer step after each lens batch, from TRL's
@@ -192,8 +192,8 @@ def activation_checkpointing_off(model: torch.nn.Module):
     """Turn transformers' activation (gradient) checkpointing off inside the block and back on after it.
 
     TRL enables it by default (``GRPOConfig.gradient_checkpointing=True``); the lens's exact Gram (which refuses
-    checkpointing) and its gradient sketch hook the modules' forward outputs (:class:`grpo_lens.diagnostics.GradientCapture`), which checkpointing recomputes
-    inside the backward. The flag lives on each ``GradientCheckpointingLayer``; the numbers do not depend on it.
+    checkpointing) and its gradient sketch (:class:`grpo_lens.diagnostics.GradientCapture`) hook the modules' forward
+    outputs, which checkpointing recomputes inside the backward. The flag lives on each ``GradientCheckpointingLayer``; the numbers do not depend on it.
     """
     switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for m in switched:

@@ -85,8 +85,8 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_sourc
                              completion_ids=out["completion_ids"], completion_mask=out["completion_mask"].bool(),
                              sampler_logprobs=torch.zeros(n, t), truncated=torch.zeros(n, dtype=torch.bool),
                              group_size=R)
-        config = TrainConfig(gram_source=gram_source or "exact", sketch_dim=8, seed=3, temperature=0.9, estimator="grpo",
-                             std="sample", std_eps=1e-4, loss_aggregation="seq-mean-token-mean",
+        config = TrainConfig(gram_source=gram_source or "exact", sketch_dim=8, seed=3, temperature=0.9,
+                             estimator="grpo", std="sample", std_eps=1e-4, loss_aggregation="seq-mean-token-mean",
                              max_new_tokens=6)  # TRL's loss_type="grpo"
         ours = TrainerLens(policy, config).measure(step, policy, batch, rewards, torch.ones(n, dtype=torch.bool),
                                                    adv)
