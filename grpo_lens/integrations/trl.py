@@ -193,7 +193,8 @@ def activation_checkpointing_off(model: torch.nn.Module):
 
     TRL enables it by default (``GRPOConfig.gradient_checkpointing=True``); the lens's exact Gram (which refuses
     checkpointing) and its gradient sketch (:class:`grpo_lens.diagnostics.GradientCapture`) hook the modules' forward
-    outputs, which checkpointing recomputes inside the backward. The flag lives on each ``GradientCheckpointingLayer``; the numbers do not depend on it.
+    outputs, which checkpointing recomputes inside the backward. The flag lives on each
+    ``GradientCheckpointingLayer``; the numbers do not depend on it.
     """
     switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for m in switched:
