@@ -23,7 +23,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import yaml
 
@@ -46,6 +46,7 @@ from grpo_lens.models import (
     model_folder,
 )
 from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.partial import PartialProbe
 from grpo_lens.probe.run import run_probe
 from grpo_lens.report import write_report
 from grpo_lens.report.compare import CompareError, compare_runs
@@ -61,6 +62,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 #: errno values of a full or read-only disk: shown as one line (the run resumes once the disk is fixed).
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+C = TypeVar("C", TrainConfig, ProbeConfig)
 
 #: Environment variable listing modules to import at start (comma-separated): they register rewards and tasks.
 PLUGINS_ENV = "GRPO_LENS_PLUGINS"
@@ -95,7 +98,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config_file = args.config
     if args.resume and args.out and (Path(args.out) / "config.yaml").is_file():
         # Resume from the run's own config: flags need not be repeated, and a flag that differs from it is reported.
-        config = _resume_config(args, Path(args.out) / "config.yaml")
+        config = _resume_config(args, Path(args.out) / "config.yaml", TrainConfig)
     else:
         config = config_from_args(args, TrainConfig, config_file)
     run = train(config)
@@ -113,9 +116,10 @@ def _cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_config(args: argparse.Namespace, saved: Path) -> TrainConfig:
-    """The config of ``--resume``: the run's saved config.yaml <- the ``--config`` file's keys <- the flags given,
-    each under current names (a run saved with a deprecated name resumes, with one warning line per name).
+def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
+    """The config of ``--resume``: the run's (or partial probe's) saved config.yaml <- the ``--config`` file's keys <-
+    the flags given, each under current names (a run saved with a deprecated name resumes, with one warning line per
+    name). ``cls``: TrainConfig or ProbeConfig.
 
     Raises:
         RunDirError: config.yaml is unreadable.  ConfigError: the --config file or a resulting value is invalid.
@@ -128,18 +132,23 @@ def _resume_config(args: argparse.Namespace, saved: Path) -> TrainConfig:
     if not isinstance(values, dict):
         raise RunDirError(f"--resume: {saved} does not hold a config mapping; restore it or start a new run in "
                           f"another --out")
-    values = TrainConfig.canonical(values, f"in {saved}")
+    values = cls.canonical(values, f"in {saved}")
     if args.config:
-        from_file = TrainConfig.read(args.config)
-        TrainConfig.from_dict(from_file)  # checks the file on its own: known keys, valid values
+        from_file = cls.read(args.config)
+        cls.from_dict(from_file)  # checks the file on its own: known keys, valid values
         values.update(from_file)
-    values.update(flags_given(args, TrainConfig))
+    values.update(flags_given(args, cls))
     values.update(resume=True, out=args.out)
-    return TrainConfig.from_dict(values)
+    return cls.from_dict(values)
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    config = config_from_args(args, ProbeConfig, args.config)
+    partial = PartialProbe(args.out) if args.out else None
+    if args.resume and partial is not None and partial.exists():
+        # Resume with the partial probe's settings: flags need not be repeated, and one that differs is reported.
+        config = _resume_config(args, partial.config_path, ProbeConfig)
+    else:
+        config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
     data = json.loads((out / "probe.json").read_text())
     per_r = ", ".join(f"R = {R}: {d[GROUPS_MIXED]} mixed of {d[PROMPTS_SAMPLED]} prompts in "

@@ -7,7 +7,8 @@ Layout of OUT::
     OUT/probe_after/probe.json    the same probe on the trained model
     OUT/report.md, OUT/*.png      the report over all three
 
-Each stage is skipped when its output exists and training resumes from its last checkpoint, so a killed demo rerun
+Each stage is skipped when its output exists, a probe continues from its last finished group (``probe --resume``)
+and training resumes from its last checkpoint, so a killed demo rerun
 with the same command continues where it stopped; OUT/demo.yaml records the settings, and a rerun with other settings
 is refused. ``--overwrite`` starts over.
 """
@@ -39,6 +40,7 @@ from grpo_lens.config.groups import (
     check_task_dataset,
 )
 from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.partial import PartialProbe
 from grpo_lens.probe.run import run_probe
 from grpo_lens.report import write_report
 from grpo_lens.train.loop import train
@@ -110,12 +112,12 @@ class DemoConfig(ConfigFile):
                            lora_rank=self.lora_rank, report_to=self.report_to, out=str(Path(self.out) / "train"),
                            **self._shared())
 
-    def probe_config(self, model: str, out: Path) -> ProbeConfig:
-        """The ProbeConfig of a probe stage on ``model``."""
+    def probe_config(self, model: str, out: Path, resume: bool = False) -> ProbeConfig:
+        """The ProbeConfig of a probe stage on ``model`` (``resume``: continue the probe a killed demo left there)."""
         return ProbeConfig(model=model, group_sizes=self.probe_group_sizes, prompts=self.probe_prompts,
                            exact=self.exact, rewards=self.rewards, estimator=self.estimator,
                            baseline_study_prompts=self.probe_study_prompts, credit_groups=self.probe_study_prompts,
-                           out=str(out), **self._shared())
+                           out=str(out), resume=resume, **self._shared())
 
 
 def run_demo(config: DemoConfig) -> Path:
@@ -145,7 +147,7 @@ def run_demo(config: DemoConfig) -> Path:
     before = out / "probe_before"
     if not (before / "probe.json").exists():
         logger.info("[1/4] probing the initial model (R = %s)", config.probe_group_sizes)
-        run_probe(config.probe_config(config.model, before))
+        run_probe(config.probe_config(config.model, before, resume=PartialProbe(before).exists()))
 
     run_dir = Path(train_cfg.out)
     final = run_dir / "final_model"
@@ -157,7 +159,7 @@ def run_demo(config: DemoConfig) -> Path:
     after = out / "probe_after"
     if not (after / "probe.json").exists():
         logger.info("[3/4] probing the trained model")
-        run_probe(config.probe_config(str(final), after))
+        run_probe(config.probe_config(str(final), after, resume=PartialProbe(after).exists()))
 
     logger.info("[4/4] writing the report")
     report = write_report(out)

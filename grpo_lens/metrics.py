@@ -749,7 +749,9 @@ PROBE_TIMING = _key(
     "probe", "timing", SECONDS,
     "seconds for this R: `generation_seconds`, `gradient_seconds` (every analysed group, including "
     "`g2_weightings_seconds` and `sketch_check_seconds`), `seconds` (the whole R); `meta.seconds` and "
-    "`meta.studies_seconds` give the probe's and its studies'", where=(PROBE,),
+    "`meta.studies_seconds` give the probe's and its studies'. After `--resume` (`meta.resumed` true) the R's "
+    "times include the prompts a killed probe measured, `meta.seconds` and `meta.studies_seconds` count from the "
+    "resume", where=(PROBE,),
     fields=("generation_seconds", "gradient_seconds", "g2_weightings_seconds", "sketch_check_seconds", "seconds"))
 
 # sketch check keys (per checked group)

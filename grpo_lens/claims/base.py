@@ -107,7 +107,9 @@ def source_of(probe: dict[str, Any]) -> str:
             if isinstance(cov, (int, float)) and cov >= 1 else \
             f"exact gradients, covering {fmt(cov, 2)} of the parameters (exact Gram)"
     cov = meta.get("sketch_coverage")
-    cov_txt = f", covering {fmt(cov, 2)} of ||g||^2" if isinstance(cov, (int, float)) else ""
+    # Σ‖S g‖² / Σ‖g‖²: an estimate (the sketch's Gram is one), so it can read above 1
+    cov_txt = (f", share of Σ‖g‖² estimated at {fmt(cov, 2)} (Σ‖Sg‖² / Σ‖g‖², which can exceed 1 by the sketch's "
+               f"error)") if isinstance(cov, (int, float)) else ""
     return f"sketch ({meta.get('sketch_dim')} per side per nn.Linear weight{cov_txt}), not exact"
 
 

@@ -28,6 +28,16 @@ from grpo_lens.metrics import (
 IDENTITY_TOLERANCE = 1e-4
 
 
+def _value_or_range(values: list[float]) -> str:
+    """'0.155' when every value prints the same at 3 digits, else 'lo–hi'."""
+    lo, hi = fmt(min(values), 3), fmt(max(values), 3)
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _groups(n: int) -> str:
+    return "one group" if n == 1 else f"{n} groups"
+
+
 @CLAIMS.register("identity")
 def identity_claim(probe: dict[str, Any]) -> list[Claim]:
     """"sum_i A_i g_i = c(k, R)(gbar_C - gbar_W)": the identity's residual over every mixed 0/1 group.
@@ -44,12 +54,16 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
         std = meta.get("std", "sample")
         other = "population" if std == "sample" else "sample"
         eps = float(meta.get("eps", 1e-4))
-        gaps = [abs(1 - rank2_constant(int(g[GROUP_CORRECT]), int(g[GROUP_SIZE]), other, eps)
-                    / rank2_constant(int(g[GROUP_CORRECT]), int(g[GROUP_SIZE]), std, eps))
-                for g in rows if g.get(GRAD_IDENTITY_RESIDUAL) is not None and GROUP_SIZE in g]
+        gaps: dict[int, list[float]] = {}  # R -> the gap of each group of that size
+        for g in rows:
+            if g.get(GRAD_IDENTITY_RESIDUAL) is not None and GROUP_SIZE in g:
+                k, R = int(g[GROUP_CORRECT]), int(g[GROUP_SIZE])
+                gaps.setdefault(R, []).append(abs(1 - rank2_constant(k, R, other, eps) / rank2_constant(k, R, std,
+                                                                                                          eps)))
         if gaps:
-            control = (f"with the {other}-std constant instead the residual would be {fmt(min(gaps), 3)}–"
-                       f"{fmt(max(gaps), 3)}")
+            # the two stds differ by sqrt(R / (R - 1)) whatever k, so the gap is one value per R (eps aside)
+            per_r = [f"{_value_or_range(gaps[R])} at R = {R} ({_groups(len(gaps[R]))})" for R in sorted(gaps)]
+            control = f"with the {other}-std constant instead the residual would be {', '.join(per_r)}"
     if not res:
         verdict, why, meas = INCONCLUSIVE, "no group with 0/1 rewards and a decomposition", "not measured"
     else:

@@ -18,7 +18,8 @@ Optimizer  max_steps, learning_rate                           train, demo
 Probing    group_sizes, prompts                               probe, demo (as probe_group_sizes, probe_prompts)
 Runtime    seed, dtype, device                                train, probe, demo (seed, device)
 Adapter    lora_rank                                          train, demo
-Output     out, overwrite, progress, report_to                train (all), probe, demo (out, overwrite, report_to)
+Output     out, overwrite, resume, progress, report_to        train (all), probe (all but report_to), demo (out,
+                                                              overwrite, report_to)
 =========  =================================================  ======================================================
 
 Overrides, each visible where the config takes the field: the demo's ``out`` defaults to ``runs/demo`` and its
@@ -194,6 +195,7 @@ class Output:
 
     out = Option(None, "Output directory ({contents}).")
     overwrite = Option(False, "Replace {what} in --out.")
+    resume = Option(False, "Continue {what}.")
     progress = Option(True, "Show a progress bar.")
     report_to = Option(["none"], "Experiment trackers that get every metrics record too: none, tensorboard, "
                              "wandb (WANDB_MODE=offline works without a network), trackio; metrics.jsonl stays the "

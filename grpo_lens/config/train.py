@@ -169,7 +169,7 @@ class TrainConfig(ConfigFile):
                               "LoRA and --estimator optimal; checkpoints hold full tensors either way.",
                               check=one_of(PARALLELISMS.names))
     out: str | None = Output.out(contents="config.yaml, metrics.jsonl, checkpoints/")
-    resume: bool = option(False, "Continue the run in --out from its last checkpoint.")
+    resume: bool = Output.resume(what="the run in --out from its last checkpoint")
     overwrite: bool = Output.overwrite(what="a different run already")
     checkpoint_every: int = option(10, "Write a checkpoint every this many steps (and at the end).", check=at_least(1))
     keep_checkpoints: int = option(2, "How many recent checkpoints to keep.", check=at_least(1))

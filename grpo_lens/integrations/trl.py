@@ -21,10 +21,13 @@ TRL's, then measures the lens on its output, unchanged). The mixin also composes
 optimizer steps, so the lens takes the next batch that exists rather than waiting for a global step that never meets
 a generation), on that batch (this process's share, before any update on it), the same analysis as grpo-lens' own
 trainer:
-:class:`grpo_lens.lens.TrainerLens` (sketched per-rollout gradients, or with a peft/LoRA model the adapter's exact
-ones; :func:`grpo_lens.diagnostics.analyse_group` per mixed group). Rows g_i are gradients of each completion's
-log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's temperature (TRL's
-training log-probs apply no top-k / top-p); the advantages are TRL's.
+:class:`grpo_lens.lens.TrainerLens` with its Gram source (``lens_gram_source``, as the trainer's ``--gram-source``:
+``exact``, the default as in the trainer, the exact Gram of every parameter from one batched backward; ``sketch``, the
+LoGra sketch of the linear weights; with a peft/LoRA model the adapter's exact per-rollout gradients either way;
+:func:`grpo_lens.diagnostics.analyse_group` per mixed group). The exact Gram runs without activation checkpointing,
+which TRL turns on by default: the lens switches it off for its own pass only. Rows g_i are gradients of each
+completion's log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's
+temperature (TRL's training log-probs apply no top-k / top-p); the advantages are TRL's.
 The metrics are appended to TRL's ``_metrics["train"]``, which ``GRPOTrainer.log`` averages over the logging window
 and sends to every ``report_to`` backend and ``trainer.state.log_history``. Update sparsity (S4, and the sampled
 sparsity keys) is measured around the first optimizer step after each lens batch, from TRL's
@@ -57,6 +60,7 @@ from typing import Any
 
 import torch
 
+from grpo_lens.config.groups import GRAM_SOURCES
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
 from grpo_lens.rollout import RolloutBatch
@@ -82,15 +86,19 @@ TRL_LOSS_AGGREGATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-m
 
 
 def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", seed: int = 0,
-                  multi_objective_aggregation: str = "sum_then_normalize") -> SimpleNamespace:
-    """The settings :class:`grpo_lens.lens.TrainerLens` reads, from a ``trl.GRPOConfig``.
+                  multi_objective_aggregation: str = "sum_then_normalize",
+                  gram_source: str = "exact") -> SimpleNamespace:
+    """The settings :class:`grpo_lens.lens.TrainerLens` reads, from a ``trl.GRPOConfig``; ``gram_source`` as the
+    trainer's ``--gram-source`` (:data:`grpo_lens.config.groups.GRAM_SOURCES`, the same default).
 
     Raises:
-        ValueError: ``sketch_dim`` < 1, an unknown ``space``, or a TRL ``loss_type`` whose rollout weights the lens
-            does not know (luspo).
+        ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
+            weights the lens does not know (luspo).
     """
     if sketch_dim < 1:
         raise ValueError(f"lens_sketch_dim = {sketch_dim}: must be >= 1")
+    if gram_source not in GRAM_SOURCES:
+        raise ValueError(f"lens_gram_source = {gram_source!r}: valid names: {', '.join(GRAM_SOURCES)}")
     if space not in ("trainable", "full"):
         raise ValueError(f"lens_space = {space!r}: valid names: full, trainable")
     scale = getattr(args, "scale_rewards", "group")
@@ -102,7 +110,8 @@ def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", 
     if loss_type not in TRL_LOSS_AGGREGATION:
         raise ValueError(f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
                          f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them")
-    return SimpleNamespace(sketch_dim=sketch_dim, lens_space=space, seed=seed, estimator=estimator,
+    return SimpleNamespace(sketch_dim=sketch_dim, lens_space=space, seed=seed, gram_source=gram_source,
+                           estimator=estimator,
                            std="sample", std_eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
                            loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
                            max_new_tokens=int(args.max_completion_length),
@@ -172,7 +181,8 @@ def run_config(args: Any, settings: SimpleNamespace, *, model: str, max_steps: i
         "mu": int(args.num_iterations), "max_steps": int(max_steps), "learning_rate": float(args.learning_rate),
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
         "warmup_steps": float(args.warmup_steps),
-        "lens_every": lens_every, "sketch_dim": settings.sketch_dim, "lens_space": settings.lens_space,
+        "lens_every": lens_every, "sketch_dim": settings.sketch_dim, "gram_source": settings.gram_source,
+        "lens_space": settings.lens_space,
         "lora_rank": lora_rank, "seed": int(args.seed), "trl": given,
     }
 
@@ -181,9 +191,10 @@ def run_config(args: Any, settings: SimpleNamespace, *, model: str, max_steps: i
 def activation_checkpointing_off(model: torch.nn.Module):
     """Turn transformers' activation (gradient) checkpointing off inside the block and back on after it.
 
-    TRL enables it by default (``GRPOConfig.gradient_checkpointing=True``); the lens's gradient sketch hooks the
-    linear layers' forward outputs (:class:`grpo_lens.diagnostics.GradientCapture`), which checkpointing recomputes
-    inside the backward. The flag lives on each ``GradientCheckpointingLayer``; the numbers do not depend on it.
+    TRL enables it by default (``GRPOConfig.gradient_checkpointing=True``); the lens's exact Gram (which refuses
+    checkpointing) and its gradient sketch (:class:`grpo_lens.diagnostics.GradientCapture`) hook the modules' forward
+    outputs, which checkpointing recomputes inside the backward. The flag lives on each
+    ``GradientCheckpointingLayer``; the numbers do not depend on it.
     """
     switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for m in switched:
@@ -202,6 +213,8 @@ class GRPOLensMixin:
     Args (keywords, the rest goes to the trainer):
         lens_every: measure every this many optimizer steps (>= 1).
         lens_sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``).
+        lens_gram_source: ``exact`` (default) or ``sketch``, the source of the per-rollout Gram matrix (as
+            grpo-lens' ``--gram-source``).
         lens_space: ``trainable`` or ``full`` (as ``--lens-space``; matters with a peft model).
         lens_seed: seed of the sketch projections and random controls.
         lens_out: the grpo-lens run directory to write (default: ``args.output_dir``); ``grpo-lens report`` reads it.
@@ -213,7 +226,7 @@ class GRPOLensMixin:
 
     def __init__(self, *args: Any, lens_every: int = 5, lens_sketch_dim: int = 16, lens_space: str = "trainable",
                  lens_seed: int = 0, lens_out: str | Path | None = None, lens_log_completions: int = 2,
-                 **kwargs: Any):
+                 lens_gram_source: str = "exact", **kwargs: Any):
         if lens_every < 1:
             raise ValueError(f"lens_every = {lens_every}: must be >= 1")
         if lens_log_completions < 0:
@@ -221,7 +234,8 @@ class GRPOLensMixin:
         super().__init__(*args, **kwargs)
         self.lens_every = lens_every
         self.lens_settings = lens_settings(self.args, sketch_dim=lens_sketch_dim, space=lens_space, seed=lens_seed,
-                                           multi_objective_aggregation=self.multi_objective_aggregation)
+                                           multi_objective_aggregation=self.multi_objective_aggregation,
+                                           gram_source=lens_gram_source)
         self.lens_run = RunDir(lens_out if lens_out is not None else self.args.output_dir)
         self.lens_log_completions = lens_log_completions
         self._lens = None

@@ -3,6 +3,7 @@
 config    :class:`ProbeConfig`, the probe's settings
 run       :func:`run_probe`: sample, analyse every mixed group, aggregate, write probe.json and report.md
 studies   the baseline study and the credit study
+partial   :class:`PartialProbe`: what a running probe has measured so far (OUT/probe_partial/), for ``--resume``
 """
 
 from grpo_lens._legacy import moved_attribute

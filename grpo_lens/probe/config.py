@@ -80,7 +80,10 @@ class ProbeConfig(ConfigFile):
     dtype: str = Runtime.dtype()
     device: str = Runtime.device()
     out: str | None = Output.out(contents="probe.json, report.md, PNGs")
-    overwrite: bool = Output.overwrite(what="an existing probe.json")
+    overwrite: bool = Output.overwrite(what="an existing probe.json (or a probe that did not finish)")
+    resume: bool = Output.resume(what="the probe a killed `grpo-lens probe` left in --out (OUT/probe_partial/) "
+                                 "from its last finished group, with its settings (flags need not be repeated); it "
+                                 "writes the probe.json an uninterrupted probe would, timings aside")
     progress: bool = Output.progress()
 
     def prompts_for(self, group_size: int) -> int:
@@ -94,3 +97,6 @@ class ProbeConfig(ConfigFile):
     def check(self) -> None:
         """The check of two fields together (each field's own check ran before)."""
         check_task_dataset(self)
+        if self.resume and self.overwrite:
+            self.bad("overwrite", "--resume continues the probe in --out and --overwrite replaces it: pass one of "
+                     "them")

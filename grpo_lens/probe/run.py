@@ -13,7 +13,7 @@ matrix over the analysed groups).
 probe.json::
 
     {"meta": {model, task, gradients: "exact_gram"|"sketch"|"exact", gram_coverage, g3_source, sketch_dim, std, eps,
-              layer, seconds, ...},
+              layer, seconds, resumed (continued a killed probe: ``--resume``), ...},
      "per_group_size": {"<R>": {
          rollouts_per_prompt, prompts_sampled, groups_all_equal, groups_mixed, groups_invalid, s1_measured,
          s1_predicted,
@@ -28,6 +28,9 @@ probe.json::
          timing: {generation_seconds, gradient_seconds (of which g2_weightings_seconds, sketch_check_seconds),
                   seconds}}},
      "studies": {...}}
+
+While it runs, the probe keeps every finished prompt, group size and study in OUT/probe_partial/
+(:mod:`grpo_lens.probe.partial`), so ``--resume`` continues a killed probe with the same numbers.
 
 Keys are named in :mod:`grpo_lens.metrics` (documented in docs/metrics.md); formulas are in docs/theory.md.
 """
@@ -125,6 +128,7 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.models import load_model
 from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.partial import PartialProbe, PromptRecord
 from grpo_lens.probe.studies import run_baseline_study, run_credit_study
 from grpo_lens.report import write_report
 from grpo_lens.rewards import parse_reward_specs, score_batch
@@ -311,76 +315,114 @@ def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: Probe
                              config.sketch_dim, config.sketch_dim)
 
 
+def batch_seed(seed: int, group_size: int, draw: int) -> int:
+    """The seed of the ``draw``-th batch of prompts (1-based) of group size R: the prompts' sampling, their
+    completions' sampling and every random number of their analysis derive from it, so a batch is the same whenever
+    it is drawn (what ``--resume`` relies on)."""
+    return (seed * 1_000_003 + group_size * 10_007 + draw * 7_919) % (2**31 - 1)
+
+
+def analyse_prompt(policy, tokenizer, batch: RolloutBatch, j: int, rewards: torch.Tensor, valid: torch.Tensor,
+                   R: int, config: ProbeConfig, layer: str, seed: int, done: list[PromptRecord]) -> PromptRecord:
+    """Prompt ``j`` of ``batch`` (its M rollouts, rewards [M], valid [M] bool; the first R form the group): what it
+    counts for S1 and, for a mixed group, its analysis (:func:`measure_group`), plus the G2 weightings, the sketch
+    check and the baseline variances while fewer than their configured counts are in ``done`` (the R's earlier
+    prompts)."""
+    M = rewards.shape[0]
+    rows_j = torch.arange(j * M, (j + 1) * M)
+    all_valid = bool(valid.all())
+    # S1 predicted from the M - R rollouts outside the group (docs/theory.md §S1)
+    s1_prediction = float(s1_predicted_outside_group(rewards.view(1, M) >= 1.0, R)[0]) if all_valid else None
+    group = rows_j[:R]
+    r_g, v_g = rewards[:R], valid[:R]
+    if not bool(v_g.all()):
+        return PromptRecord("invalid", s1_prediction)
+    if bool(constant_groups(r_g.view(1, R), v_g.view(1, R))):
+        return PromptRecord("all_equal", s1_prediction)
+    t0 = time.perf_counter()
+    sub = batch.select(group)
+    row, extra = measure_group(policy, tokenizer, sub, r_g, config, layer, seed=seed + j)
+    t1 = time.perf_counter()
+    g2w = None
+    if sum(d.g2_weightings is not None for d in done) < config.g2_groups:
+        g2w = g2_weightings(policy, sub, extra, r_g, config)
+    t2 = time.perf_counter()
+    check = None
+    if not config.exact and sum(d.check is not None for d in done) < config.coverage_groups:
+        check = sketch_check(policy, sub, extra, config)
+    t3 = time.perf_counter()
+    extra.pop("grads")
+    extra.pop("param_grams")
+    variance = None
+    if sum(d.baseline_variance is not None for d in done) < config.baseline_prompts and all_valid:
+        m = _rollout_grads(policy, batch.select(rows_j), config, None, vectors=False)
+        # the trace variance depends on inner products alone: rows of any factor of the Gram give it
+        grads_m = m.rows if m.rows is not None else gram_factor(m.gram)
+        variance = estimator_variances(grads_m, rewards.double(), R, num_resamples=config.resamples, seed=seed)
+    seconds = {"gradient": time.perf_counter() - t0, "g2_weightings": t2 - t1, "sketch_check": t3 - t2}
+    return PromptRecord("mixed", s1_prediction, row, extra, check, g2w, variance, seconds)
+
+
 def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str,
-                     on_prompts: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                     on_prompts: Callable[[int, int], None] | None = None,
+                     partial: PartialProbe | None = None) -> dict[str, Any]:
     """Sample ``config.prompts_for(R)`` prompts with M rollouts each, analyse every mixed group of R, aggregate over
     groups. ``on_prompts(prompts_just_done, mixed_so_far)`` is called after each batch of prompts (the progress
-    bar)."""
+    bar). With ``partial``, each prompt's record is kept there when done, and the prompts it already holds are not
+    measured again (``--resume``)."""
     t_start = time.perf_counter()
-
     M = max(2 * R, 8)
-    rows: list[dict[str, float]] = []
-    extras: list[dict[str, Any]] = []
-    checks: list[dict[str, float]] = []  # sketch vs exact on the first coverage_groups groups
-    g2w: list[dict[str, float]] = []  # G2 of every layer under every weighting, first g2_groups groups
-    sampled = all_equal = invalid = 0
-    s1_predictions: list[float] = []  # per prompt, from the rollouts outside its group
-    s1_indicators: list[float] = []  # per prompt with all rewards valid: 1 if its group's rewards are all equal
-    baseline_var: list[dict[str, float]] = []
-    t_gen = t_grad = t_g2 = t_check = 0.0  # t_grad includes t_g2 and t_check
-    draw = 0
     n_prompts_r = config.prompts_for(R)
-    while sampled < n_prompts_r:
-        draw += 1
-        seed = (config.seed * 1_000_003 + R * 10_007 + draw * 7_919) % (2**31 - 1)
-        n_prompts = min(config.prompts_per_batch, n_prompts_r - sampled)
-        examples = task.sample(n_prompts, seed=seed)
+    per_batch = config.prompts_per_batch
+
+    # 1) the prompts a killed probe finished
+    records = partial.prompt_records(R) if partial is not None else []
+    restored_seconds = sum((r.seconds or {}).get(k, 0.0) for r in records for k in ("generation", "gradient"))
+    if records and on_prompts is not None:
+        on_prompts(len(records), sum(r.status == "mixed" for r in records))
+    # 2) the other prompts, batch by batch; a resumed probe may start inside a batch (it draws the batch again)
+    while len(records) < n_prompts_r:
+        draw, first = len(records) // per_batch + 1, len(records) % per_batch
+        seed = batch_seed(config.seed, R, draw)
+        examples = task.sample(min(per_batch, n_prompts_r - (draw - 1) * per_batch), seed=seed)
         t0 = time.perf_counter()
         batch = sample_groups(policy, tokenizer, examples, M, max_new_tokens=config.max_new_tokens,
                               temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                               generator_seed=seed)
-        t_gen += time.perf_counter() - t0
+        generation = (time.perf_counter() - t0) / (len(examples) - first)
         rewards, valid, _ = score_batch(batch, reward_fns)  # [B, M]
-        for j in range(len(examples)):
-            sampled += 1
-            rows_j = torch.arange(j * M, (j + 1) * M)
-            r_all, v_all = rewards[j], valid[j]
-            if bool(v_all.all()):  # S1 predicted from the M - R rollouts outside the group (docs/theory.md §S1)
-                s1_predictions.append(float(s1_predicted_outside_group(r_all.view(1, M) >= 1.0, R)[0]))
-            group = rows_j[:R]
-            r_g, v_g = r_all[:R], v_all[:R]
-            if not bool(v_g.all()):
-                invalid += 1
-                continue
-            equal = bool(constant_groups(r_g.view(1, R), v_g.view(1, R)))
-            s1_indicators.append(float(equal))
-            if equal:
-                all_equal += 1
-                continue
-            t0 = time.perf_counter()
-            row, extra = measure_group(policy, tokenizer, batch.select(group), r_g, config, layer, seed=seed + j)
-            rows.append(row)
-            extras.append(extra)
-            t1 = time.perf_counter()
-            if len(g2w) < config.g2_groups:
-                g2w.append(g2_weightings(policy, batch.select(group), extra, r_g, config))
-            t2 = time.perf_counter()
-            if not config.exact and len(checks) < config.coverage_groups:
-                checks.append(sketch_check(policy, batch.select(group), extra, config))
-            t_g2 += t2 - t1
-            t_check += time.perf_counter() - t2
-            extra.pop("grads")
-            extra.pop("param_grams")
-            if len(baseline_var) < config.baseline_prompts and bool(v_all.all()):
-                m = _rollout_grads(policy, batch.select(rows_j), config, None, vectors=False)
-                # the trace variance depends on inner products alone: rows of any factor of the Gram give it
-                grads_m = m.rows if m.rows is not None else gram_factor(m.gram)
-                var = estimator_variances(grads_m, r_all.double(), R, num_resamples=config.resamples, seed=seed)
-                baseline_var.append(var)
-            t_grad += time.perf_counter() - t0
+        for j in range(first, len(examples)):
+            record = analyse_prompt(policy, tokenizer, batch, j, rewards[j], valid[j], R, config, layer, seed,
+                                    records)
+            record.seconds = {**(record.seconds or {}), "generation": generation}
+            if partial is not None:
+                partial.save_prompt(R, len(records), record)
+            records.append(record)
         if on_prompts is not None:
-            on_prompts(len(examples), len(rows))
+            on_prompts(len(examples) - first, sum(r.status == "mixed" for r in records))
+    # 3) aggregate over prompts and groups
+    out = aggregate_group_size(records, M, config)
+    out[PROBE_TIMING]["seconds"] = time.perf_counter() - t_start + restored_seconds  # + the killed run's measuring
+    return out
 
+
+def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfig) -> dict[str, Any]:
+    """R's probe.json entry from its prompts' records (in sampling order): counts, S1, summaries and strata over the
+    analysed groups, G3 (one matrix over them), spectra, baseline variances, the credit profile, and the summed
+    timings (``seconds`` is the records' sum; :func:`probe_group_size` replaces it by the wall time, plus the
+    measuring time of the records a killed probe left)."""
+    mixed = [r for r in records if r.status == "mixed"]
+    rows = [r.row for r in mixed]
+    extras = [r.extra for r in mixed]
+    checks = [r.check for r in mixed if r.check is not None]
+    g2w = [r.g2_weightings for r in mixed if r.g2_weightings is not None]
+    baseline_var = [r.baseline_variance for r in mixed if r.baseline_variance is not None]
+    sampled = len(records)
+    invalid = sum(r.status == "invalid" for r in records)
+    all_equal = sum(r.status == "all_equal" for r in records)
+    s1_predictions = [r.s1_prediction for r in records if r.s1_prediction is not None]
+    # per prompt with all group rewards valid: 1 if its group's rewards are all equal
+    s1_indicators = [float(r.status == "all_equal") for r in records if r.status != "invalid"]
     valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
     # one matrix: no interval (resampled rows would repeat, lowering rank)
     g3: dict[str, Any] = {G3_GROUPS: len(extras)}
@@ -399,6 +441,8 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                     if len(e["profile"]) > t and math.isfinite(float(e["profile"][t]))]
             profile.append(statistics.fmean(vals) if vals else 0.0)
     variances = {k: statistics.fmean([v[k] for v in baseline_var]) for k in baseline_var[0]} if baseline_var else {}
+    seconds = {k: sum((r.seconds or {}).get(k, 0.0) for r in records)
+               for k in ("generation", "gradient", "g2_weightings", "sketch_check")}
     ci = dict(seed=config.seed)
     return {
         ROLLOUTS_PER_PROMPT: M,
@@ -424,37 +468,80 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         PROBE_CREDIT: {"position_profile": profile},
         PROBE_GRAM_COVERAGE: min(covs) if (covs := [e["gram_coverage"] for e in extras
                                                      if e["gram_coverage"] is not None]) else None,
-        PROBE_TIMING: {"generation_seconds": t_gen, "gradient_seconds": t_grad, "g2_weightings_seconds": t_g2,
-                   "sketch_check_seconds": t_check, "seconds": time.perf_counter() - t_start},
+        PROBE_TIMING: {"generation_seconds": seconds["generation"],
+                       "gradient_seconds": seconds["gradient"], "g2_weightings_seconds": seconds["g2_weightings"],
+                       "sketch_check_seconds": seconds["sketch_check"],
+                       "seconds": seconds["generation"] + seconds["gradient"]},  # gradient includes G2 and check
     }
 
 
-def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig) -> dict[str, Any]:
+def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig,
+                partial: PartialProbe | None = None) -> dict[str, Any]:
     """The baseline study (with S1 predicted from rollouts outside the group) and the credit study of
-    :mod:`grpo_lens.probe.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent)."""
+    :mod:`grpo_lens.probe.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent). With
+    ``partial``, a finished study is kept there, and one it already holds is not run again (``--resume``)."""
     common = dict(group_size=config.study_group_size, max_new_tokens=config.max_new_tokens,
                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
                   prompts_per_batch=config.prompts_per_batch)
-    out: dict[str, Any] = {}
-    # one bar over both studies: a tick per analysed prompt (baselines) or group (credit), with tqdm's estimate
-    bar = tqdm(total=config.baseline_study_prompts + config.credit_groups, desc="probe studies", unit="group",
-               disable=not config.progress)
-    if config.baseline_study_prompts > 0:
-        out["baselines"] = run_baseline_study(
+    studies: dict[str, tuple[int, Callable[[Any], dict[str, Any]]]] = {
+        "baselines": (config.baseline_study_prompts, lambda bar: run_baseline_study(
             policy, tokenizer, task, reward_fns, prompts=config.baseline_study_prompts,
             max_prompts=4 * config.baseline_study_prompts, sketch_dim=config.sketch_dim,
-            resamples=max(config.resamples, 2), progress=bar, **common)
-    if config.credit_groups > 0:
-        out["credit"] = run_credit_study(
+            resamples=max(config.resamples, 2), progress=bar, **common)),
+        "credit": (config.credit_groups, lambda bar: run_credit_study(
             policy, tokenizer, task, reward_fns, groups=config.credit_groups,
             max_prompts=6 * config.credit_groups, mc_groups=config.mc_groups, mc_samples=config.mc_samples,
-            std=config.std, eps=config.std_eps, progress=bar, **common)
+            std=config.std, eps=config.std_eps, progress=bar, **common)),
+    }
+    out: dict[str, Any] = {name: kept for name, (size, _) in studies.items()
+                           if size > 0 and partial is not None and (kept := partial.study(name)) is not None}
+    # one bar over the studies left: a tick per analysed prompt (baselines) or group (credit), with tqdm's estimate
+    bar = tqdm(total=sum(size for name, (size, _) in studies.items() if name not in out), desc="probe studies",
+               unit="group", disable=not config.progress)
+    for name, (size, run) in studies.items():
+        if size > 0 and name not in out:
+            out[name] = run(bar)
+            if partial is not None:
+                partial.save_study(name, out[name])
     bar.close()
-    return out
+    return {name: out[name] for name in studies if name in out}
+
+
+def prepare_out(config: ProbeConfig) -> PartialProbe:
+    """Check what --out holds against --resume / --overwrite, before anything is written; return its partial probe
+    (OUT/probe_partial/, :mod:`grpo_lens.probe.partial`).
+
+    A new probe needs an OUT without probe.json or a partial probe, or ``overwrite`` (:func:`run_probe` deletes the
+    partial probe once the model has loaded and the layer is checked). ``resume`` needs a partial probe whose
+    settings equal ``config``'s but for the resumable ones.
+
+    Raises:
+        ConfigError: what OUT holds does not allow what was asked, saying what to pass instead.
+    """
+    if not config.out:
+        raise ConfigError("probe field 'out' (flag --out) is required: the directory to write probe.json to")
+    out = Path(config.out)
+    partial = PartialProbe(out)
+    if config.resume:
+        if not partial.exists():
+            held = "a finished probe (probe.json)" if (out / "probe.json").exists() else "no partial probe"
+            raise ConfigError(f"--resume: {out} holds {held}, nothing to resume (no {partial.config_path}); run "
+                              f"without --resume to start a probe (with --overwrite to replace probe.json)")
+        partial.check_config(config.to_dict())
+    elif partial.exists() and not config.overwrite:
+        raise ConfigError(f"{out} holds a probe that did not finish ({partial.path}); pass --resume to continue it "
+                          f"from its last finished group, --overwrite to start over, or choose another --out")
+    elif (out / "probe.json").exists() and not config.overwrite:
+        raise ConfigError(f"{out}/probe.json exists; pass --overwrite to replace it or choose another --out")
+    return partial
 
 
 def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     """Run the probe and write OUT/probe.json and OUT/report.md; return OUT.
+
+    What is measured is kept in OUT/probe_partial/ as it is measured (:mod:`grpo_lens.probe.partial`), so a killed
+    probe continues from its last finished prompt with ``config.resume`` and writes the probe.json an uninterrupted
+    probe would (timings aside); the folder is deleted once probe.json is written.
 
     Args:
         config: probe settings; ``out`` is required.
@@ -462,13 +549,12 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             None.
 
     Raises:
-        ConfigError: bad settings or --out holding a probe without --overwrite.  ModelNotFoundError: no such model.
+        ConfigError: bad settings, --out holding a probe without --overwrite (or a partial one without --resume or
+            --overwrite), --resume without a partial probe or with other settings than it.
+        ModelNotFoundError: no such model.
     """
-    if not config.out:
-        raise ConfigError("probe field 'out' (flag --out) is required: the directory to write probe.json to")
+    partial = prepare_out(config)
     out = Path(config.out)
-    if (out / "probe.json").exists() and not config.overwrite:
-        raise ConfigError(f"{out}/probe.json exists; pass --overwrite to replace it or choose another --out")
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
     seed_everything(config.seed)
@@ -482,6 +568,9 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     if layer not in linear_layer_names(policy):
         raise ConfigError(f"probe field 'layer' = {layer!r} is not a linear layer of the model; e.g. "
                           f"{', '.join(linear_layer_names(policy)[:4])}, ...")
+    if not config.resume:  # a new probe (--overwrite: over a partial one)
+        partial.remove()
+        partial.start(config.to_dict())
     per_r = {}
     progress = None
     if config.progress:
@@ -492,8 +581,14 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
                 progress.set_postfix(R=R, mixed=mixed, refresh=False)
                 progress.update(done)
 
+        if (finished := partial.group_size_result(R)) is not None:  # measured before the probe was killed
+            per_r[str(R)] = finished
+            on_prompts(finished[PROMPTS_SAMPLED], finished[GROUPS_MIXED])
+            continue
         with forward_precision(next(policy.parameters()).device, config.dtype):  # bf16-mixed: bf16 autocast
-            per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts)
+            per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts,
+                                             partial)
+        partial.save_group_size_result(R, per_r[str(R)])
         logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)][GROUPS_MIXED],
                     per_r[str(R)][PROMPTS_SAMPLED], per_r[str(R)][PROBE_TIMING]["seconds"])
     if progress is not None:
@@ -504,7 +599,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
                     "default model and CPU)", config.study_group_size, config.baseline_study_prompts,
                     config.credit_groups)
     with forward_precision(next(policy.parameters()).device, config.dtype):
-        studies = run_studies(policy, tokenizer, task, reward_fns, config)
+        studies = run_studies(policy, tokenizer, task, reward_fns, config, partial)
     t_studies = time.perf_counter() - t_studies
     checks = [c for d in per_r.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]]
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
@@ -518,10 +613,14 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.std_eps,
             "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
             "seconds": time.perf_counter() - t0, "studies_seconds": t_studies,
-            "config": {f.name: getattr(config, f.name) for f in fields(config)}}
+            "resumed": config.resume,  # continued a killed probe (OUT/probe_partial/); its numbers are the same
+            # how this command treated --out is not what the probe is: stored as False (as train's config.yaml)
+            "config": {**{f.name: getattr(config, f.name) for f in fields(config)}, "resume": False,
+                       "overwrite": False}}
     out.mkdir(parents=True, exist_ok=True)
 
     atomic_write_text(out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r, "studies": studies},
                                                      indent=1))
+    partial.remove()
     write_report(out)
     return out

@@ -367,7 +367,8 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
         cov = check.get(SKETCH_COVERAGE)
         if cov:
             lines += [f"Sketch checked against exact gradients of every parameter on {cov.get('n')} group(s): it "
-                      f"carries {_ci(cov)} of Σ||g_i||² (exact shares: linear weights "
+                      f"carries {_ci(cov)} of Σ||g_i||² (Σ||S g_i||² / Σ||g_i||², the sketch's estimate of the "
+                      f"linear weights' share, which can exceed 1 by its error; exact shares: linear weights "
                       f"{_ci(check.get(SKETCH_EXACT_SHARE_LINEAR))}, embedding "
                       f"{_ci(check.get(SKETCH_EXACT_SHARE_EMBEDDING))}, norms "
                       f"{_ci(check.get(SKETCH_EXACT_SHARE_NORM))}); G1's Gram error, measured "

@@ -207,7 +207,7 @@ class TrainerLens:
         (:func:`grpo_lens.gradients.gram.exact_rollout_gram`; coverage = its share of the trainable parameters).
         Otherwise G G^T of :meth:`rollout_grads` (coverage None: the sketch's share is measured by the probe)."""
         c = self.config
-        # settings objects without the field (the TRL integration's lens_settings) keep the sketch
+        # a settings object without the field keeps the sketch (the TRL integration's has it: lens_gram_source)
         if getattr(c, "gram_source", "sketch") == "exact" and not is_lora(policy):
             gram, info = exact_rollout_gram(policy, sub, score_weights=omega, temperature=c.temperature)
             return gram, info["coverage"]

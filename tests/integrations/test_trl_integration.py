@@ -42,7 +42,8 @@ def make_trainer(tmp_path, cls, **kwargs):
     return cls(model=model, reward_funcs=parity, args=args, train_dataset=data, processing_class=tok, **lens)
 
 
-def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path):
+@pytest.mark.parametrize("gram_source", ["sketch", None])  # None: the default, the exact Gram (as the trainer's)
+def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_source):
     from grpo_lens.config import TrainConfig
     from grpo_lens.formulas.advantages import compute_advantages
     from grpo_lens.integrations.trl import LensGRPOTrainer
@@ -61,7 +62,8 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path):
                              int(self.state.global_step)))
             return super().measure_lens(output)
 
-    trainer = make_trainer(tmp_path, Capturing, lens_every=1, lens_sketch_dim=8, lens_seed=3)
+    source = {} if gram_source is None else {"lens_gram_source": gram_source}
+    trainer = make_trainer(tmp_path, Capturing, lens_every=1, lens_sketch_dim=8, lens_seed=3, **source)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "rank/mixed_groups" in h]
     assert len(captured) == 2 and len(logs) == 2, "the lens ran at global steps 0 and 1 and TRL logged it"
@@ -83,8 +85,8 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path):
                              completion_ids=out["completion_ids"], completion_mask=out["completion_mask"].bool(),
                              sampler_logprobs=torch.zeros(n, t), truncated=torch.zeros(n, dtype=torch.bool),
                              group_size=R)
-        config = TrainConfig(gram_source="sketch", sketch_dim=8, seed=3, temperature=0.9, estimator="grpo",
-                             std="sample", std_eps=1e-4, loss_aggregation="seq-mean-token-mean",
+        config = TrainConfig(gram_source=gram_source or "exact", sketch_dim=8, seed=3, temperature=0.9,
+                             estimator="grpo", std="sample", std_eps=1e-4, loss_aggregation="seq-mean-token-mean",
                              max_new_tokens=6)  # TRL's loss_type="grpo"
         ours = TrainerLens(policy, config).measure(step, policy, batch, rewards, torch.ones(n, dtype=torch.bool),
                                                    adv)
@@ -94,6 +96,8 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path):
             assert logged[key] == pytest.approx(ours[key], rel=1e-5, abs=1e-7), key
         if ours["rank/mixed_groups"] > 0:
             assert "rank/g1_erank" in logged
+            # the exact Gram reports its share of the parameters (all of them here); the sketch reports none
+            assert logged.get("grad/gram_coverage") == (None if gram_source == "sketch" else 1.0)
 
 
 def test_bad_lens_settings_fail_before_training(tmp_path):
@@ -103,6 +107,8 @@ def test_bad_lens_settings_fail_before_training(tmp_path):
         make_trainer(tmp_path, LensGRPOTrainer, lens_every=0)
     with pytest.raises(ValueError, match="lens_space"):
         make_trainer(tmp_path, LensGRPOTrainer, lens_space="adapter")
+    with pytest.raises(ValueError, match="lens_gram_source = 'dense': valid names: exact, sketch"):
+        make_trainer(tmp_path, LensGRPOTrainer, lens_gram_source="dense")
 
 
 def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):

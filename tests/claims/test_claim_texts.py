@@ -1,0 +1,36 @@
+"""What the claims print where a bare number misled a reader: the identity's control per R (one value, not a range of
+equal ends) and the sketch's share of ||g||^2 with what it is (an estimate that can exceed 1)."""
+
+from __future__ import annotations
+
+from grpo_lens.claims.base import CLAIMS, source_of
+
+
+def identity_control(groups) -> str:
+    probe = {"meta": {"gradients": "exact", "std": "sample", "eps": 1e-4, "estimator": "grpo"},
+             "per_group_size": {"all": {"groups": groups}}}
+    (claim,) = CLAIMS.get("identity")(probe)
+    return claim.control
+
+
+def group(k: int, R: int) -> dict:
+    return {"grad/identity_residual": 1e-8, "group/correct": float(k), "group/size": float(R)}
+
+
+def test_identity_control_is_one_value_per_group_size():
+    # sample std / population std of R 0/1 rewards = sqrt(R / (R - 1)) whatever k, so with eps 1e-4 the other
+    # constant's residual is (sigma_s - sigma_p) / (sigma_p + eps): 0.155 at R = 4 (k = 1: (0.5 - 0.4330) / 0.4331 =
+    # 0.1547; k = 2: (0.5774 - 0.5) / 0.5001 = 0.1547) and sqrt(2) - 1 = 0.414 at R = 2
+    assert identity_control([group(2, 4)]).endswith("would be 0.155 at R = 4 (one group)")
+    assert identity_control([group(1, 4), group(2, 4), group(3, 4)]).endswith("would be 0.155 at R = 4 (3 groups)")
+    assert identity_control([group(1, 4), group(1, 2)]).endswith(
+        "would be 0.414 at R = 2 (one group), 0.155 at R = 4 (one group)")
+    assert "–" not in identity_control([group(1, 4), group(2, 4)])  # never "0.155–0.155"
+
+
+def test_sketch_share_says_it_is_an_estimate():
+    meta = {"gradients": "sketch", "sketch_dim": 16, "sketch_coverage": 1.05}
+    text = source_of({"meta": meta})
+    assert "share of Σ‖g‖² estimated at 1.05" in text and "can exceed 1" in text
+    assert "covering 1.05" not in text
+    assert "estimate" not in source_of({"meta": {**meta, "sketch_coverage": None}})
