@@ -737,8 +737,8 @@ PROBE_CREDIT = _key(
     source="§10", where=(PROBE,), fields=("position_profile",))
 PROBE_SKETCH_CHECK = _key(
     "probe", "sketch_check", OBJECT,
-    "unless --exact: `groups` (rows of the keys below, one per checked group: the first `--coverage-groups` mixed groups "
-    "of this R) and their `summary`", source="§8", where=(PROBE,), fields=("groups", "summary"))
+    "unless --exact: `groups` (rows of the keys below, one per checked group: the first `--coverage-groups` mixed "
+    "groups of this R) and their `summary`", source="§8", where=(PROBE,), fields=("groups", "summary"))
 # issue 20: the exact Gram's coverage in the probe
 PROBE_GRAM_COVERAGE = _key(
     "probe", "gram_coverage", SHARE,
