@@ -50,6 +50,7 @@ from grpo_lens.formulas.advantages import grpo_advantages
 from grpo_lens.formulas.sparsity import weighted_hoyer
 from grpo_lens.formulas.spectrum import wishart
 from grpo_lens.formulas.stats import mean_interval, summarise_rows
+from grpo_lens.train.sparsity import SparsityOverTraining
 from grpo_lens.metrics import (
     PERF_LENS_SECONDS,
     PROBE_GROUPS,
@@ -59,6 +60,11 @@ from grpo_lens.metrics import (
     REWARD_FRAC_ZERO_STD_GROUPS,
     SPARSITY_GRAD_HOYER,
     SPARSITY_UPDATE_STEP_HOYER,
+    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
+    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
+    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE,
     STEP,
     ZERO_SUM_SPAN_ENERGY_EXCESS,
     ZERO_SUM_SPAN_ENERGY_NULL,
@@ -75,6 +81,18 @@ RANK_FAMILIES = ("a0.001", "a0.01", "a0.05", "b0", "b1", "b2", "c_lr2", "c_share
 ZERO_SUM_FAMILIES = ("b0", "b1", "c_lr2", "c_shared", "c_lr2_s1", "a0.01", "d0.95_0.05", "d0.95_0.05_s1")
 
 
+#: the planted updates of "most parameters unchanged": (name, share of update entries exactly zero, scale of the rest,
+#: log-SD of a log-normal per-entry scale); the truth is whether the whole model's float32-unchanged share exceeds 0.5
+S4_FAMILIES = (
+    ("dense, log-normal scale (σ = 2)", 0.0, 3e-6, 2.0),
+    ("dense Gaussian, below bf16 spacing", 0.0, 2e-5, 0.0),
+    ("40% zeros, the rest below bf16 spacing", 0.4, 2e-6, 0.0),
+    ("45% zeros, the rest moving bf16", 0.45, 1e-3, 0.0),
+    ("55% zeros, the rest moving bf16", 0.55, 1e-3, 0.0),
+    ("60% zeros, the rest log-normal (σ = 2)", 0.6, 3e-6, 2.0),
+    ("90% zeros, the rest moving bf16", 0.9, 1e-3, 0.0),
+)
+
 @dataclass(frozen=True)
 class CalibrationConfig:
     """What `grpo-lens calibrate` runs: trials per cell, pool of planted groups per (family, R), seed."""
@@ -86,12 +104,14 @@ class CalibrationConfig:
     families: tuple[str, ...] = RANK_FAMILIES
     zero_sum_families: tuple[str, ...] = ZERO_SUM_FAMILIES
     group_sizes: tuple[int, ...] = (4, 8)
+    s4_families: tuple[tuple[str, float, float, float], ...] = S4_FAMILIES
 
     @classmethod
     def quick(cls) -> CalibrationConfig:
         """A small run for tests (seconds): few trials and families; its numbers are not the calibration."""
         return cls(trials=20, pool=40, coverage_trials=200, families=("a0.01", "b2", "d0.95_0.01"),
-                   zero_sum_families=("b1", "a0.01"), group_sizes=(4,))
+                   zero_sum_families=("b1", "a0.01"), group_sizes=(4,),
+                   s4_families=(S4_FAMILIES[0], S4_FAMILIES[-1]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -302,6 +322,93 @@ def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     return out
 
 
+#: per-tensor offsets of the zero share around a family's share (the tensors differ, as layers do: the stratified SE
+#: matters); norms get no update at all
+_S4_TENSOR_OFFSETS = {"embed_tokens": 0.05, "q_proj": -0.2, "up_proj": 0.1, "down_proj": -0.1}
+
+#: weights of :func:`planted_update_model`
+PLANTED_UPDATE_WEIGHTS = 256 * 64 + 64 * 64 + 2 * 128 * 64 + 2 * 64
+
+#: weights the S4 calibration's lens samples (the default lens samples 2^19 of a real model: wider intervals here)
+S4_SAMPLE = 4000
+
+
+def planted_update_model(gen: torch.Generator) -> torch.nn.Module:
+    """A small model with the parameter names of a decoder (embedding, q_proj, up/down_proj, a norm; 36,992 weights),
+    weights N(0, 0.02²) like an initialised LM (norm weight 1, bias 0), for the S4 calibration."""
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.embed_tokens = torch.nn.Embedding(256, 64)
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.q_proj = torch.nn.Linear(64, 64, bias=False)
+    layer.mlp = torch.nn.Module()
+    layer.mlp.up_proj = torch.nn.Linear(64, 128, bias=False)
+    layer.mlp.down_proj = torch.nn.Linear(128, 64, bias=False)
+    root.model.layers = torch.nn.ModuleList([layer])
+    root.model.norm = torch.nn.LayerNorm(64)
+    with torch.no_grad():
+        for name, p in root.named_parameters():
+            if ".norm." not in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return root
+
+
+def _s4_trial(family: tuple[str, float, float, float], gen: torch.Generator, seed: int) -> tuple[dict[str, float],
+                                                                                                   float]:
+    """(the lens record after one planted update since the start, the whole model's float32-unchanged share): the
+    update goes through :class:`grpo_lens.train.sparsity.SparsityOverTraining` as the trainer's optimizer step does."""
+    _, zero, scale, sigma = family
+    model = planted_update_model(gen)
+    lens = SparsityOverTraining(model, size=S4_SAMPLE, min_per_tensor=128, seed=seed)
+    lens.before_step()
+    unchanged = total = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind = next((k for k in _S4_TENSOR_OFFSETS if k in name), None)
+            if kind is None:  # the norm: no update
+                share = 1.0
+            else:
+                share = min(max(zero + _S4_TENSOR_OFFSETS[kind], 0.0), 1.0) if zero else 0.0
+            d = scale * torch.randn(p.shape, generator=gen) * torch.exp(sigma * torch.randn(p.shape, generator=gen))
+            d = d * (torch.rand(p.shape, generator=gen) >= share)
+            new = p + d
+            unchanged += int((new == p).sum())
+            total += p.numel()
+            p.copy_(new)
+    return {STEP: 30.0, PERF_LENS_SECONDS: 0.0, **lens.after_step()}, unchanged / total
+
+
+def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of "most parameters unchanged" (S4): planted updates of a small model (:data:`S4_FAMILIES`) through the
+    lens's sample and :func:`grpo_lens.claims.sparsity.most_parameters_unchanged`; each trial draws a new model,
+    update and sample. Truth per trial: the whole model's float32-unchanged share > 0.5 (exact, every weight); also
+    the coverage of the rule's 95% interval of that share (stratified SE)."""
+    rule = CLAIMS.get("most_parameters_unchanged")
+    gen = torch.Generator().manual_seed(config.seed + 13)
+    out = []
+    for i, fam in enumerate(config.s4_families):
+        verdicts, truths, covered, bf16, perm, dense, zs = [], [], 0, [], [], [], []
+        for t in range(config.trials):
+            rec, z = _s4_trial(fam, gen, seed=config.seed + 1000 * i + t)
+            verdicts.append(rule({"records": [rec]})[0].verdict)
+            truths.append(z > 0.5)
+            zs.append(z)
+            est, se = rec[SPARSITY_UPDATE_TOTAL_F32_UNCHANGED], rec[SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE]
+            covered += abs(est - z) <= 1.96 * se
+            bf16.append(rec[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
+            perm.append(rec[SPARSITY_UPDATE_TOTAL_BF16_PERMUTED])
+            dense.append(rec[SPARSITY_UPDATE_TOTAL_BF16_DENSE])
+        if len(set(truths)) > 1:
+            raise RuntimeError(f"S4 family {fam[0]!r}: the truth differs between trials; move it off 0.5")
+        mean = lambda v: sum(v) / len(v)  # noqa: E731
+        out.append({"rule": "most parameters unchanged (S4)", "family": fam[0], "R": "–",
+                    "n": f"{S4_SAMPLE} sampled weights", "truth": "true" if truths[0] else "false",
+                    "bf16_unchanged": mean(bf16), "bf16_permuted": mean(perm), "bf16_dense": mean(dense),
+                    "f32_unchanged": mean(zs), "f32_coverage": covered / config.trials, **_shares(verdicts)})
+    return out
+
+
 def interval_coverage(config: CalibrationConfig) -> list[dict[str, Any]]:
     """Coverage of :func:`grpo_lens.formulas.stats.mean_interval` (nominal 0.95) at n = 8, 22, 34 on normal,
     log-normal (σ = 1) and zero-inflated data (60% zeros, log-normal otherwise), with its one-sided misses."""
@@ -383,6 +490,24 @@ def render(result: dict[str, Any]) -> str:
             power = f"inconclusive {1 - row['holds'] - row['does_not_hold']:.3f}"
         lines.append(f"| {row['rule']} | {row['family']} | {row['R']} | {row['n']} | {row['truth']} | {level} | "
                      f"{power} |")
+    lines += ["", "## Most parameters unchanged (S4), on a training run's update", "",
+              f"Each trial: a fresh {PLANTED_UPDATE_WEIGHTS}-weight model with decoder parameter names, one planted "
+              f"update since the start (zero shares differ by tensor: embedding +0.05, q_proj −0.20, up_proj +0.10, "
+              f"down_proj −0.10 around the family's; the norm is not updated), the lens's `SparsityOverTraining` on a "
+              f"fresh sample of about {S4_SAMPLE} weights, then the registered claim. Truth: the whole model's "
+              f"float32-unchanged share (every weight) above 0.5. Shares are means over trials; the dense control is "
+              f"the 0.1 rule's (shown, not used); coverage: the rule's 95% interval of the float32-unchanged share "
+              f"(stratified SE) around the whole model's share, shown where that share lies in [0.05, 0.95] (near 0 "
+              f"a sample without an unchanged weight has SE 0, so a Wald interval misses; the rule compares with 0.5 "
+              f"and is not affected).", "",
+              "| planted update | truth | float32 unchanged | bf16 unchanged | permutation control | dense control | "
+              "level (wrong verdict) | power (right verdict) | interval coverage |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for row in result.get("update_rules", []):
+        level, power = _verdict_cells(row)
+        lines.append(f"| {row['family']} | {row['truth']} | {row['f32_unchanged']:.3f} | {row['bf16_unchanged']:.3f} | "
+                     f"{row['bf16_permuted']:.3f} "
+                     f"| {row['bf16_dense']:.3f} | {level} | {power} | {_s4_coverage(row)} |")
     lines += ["", "## Interval coverage (`mean_interval`, nominal 0.95)", "",
               "| data | n | coverage | upper end below the mean | lower end above the mean |", "|---|---|---|---|---|"]
     for row in result["coverage"]:
@@ -396,13 +521,19 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _s4_coverage(row: dict[str, Any]) -> str:
+    return f"{row['f32_coverage']:.3f}" if 0.05 <= row["f32_unchanged"] <= 0.95 else "–"
+
+
 def _worst(result: dict[str, Any]) -> dict[str, float]:
     """The summary: worst level on each side, lowest power at the default probe's n, lowest coverage. A trend rule
     under no trend is wrong on either side (both count as false holds); its right verdict is inconclusive."""
+    update = result.get("update_rules", [])
     rows = [r for r in result["group_rules"] + result["training_rules"] if not r["rule"].startswith("0.1 rule")]
     trend = [r for r in rows if not isinstance(r["R"], int) or str(r["n"]).endswith(("steps",))]
     group = [r for r in rows if r not in trend]
-    default_n = set(DEFAULT_GROUP_COUNTS.values())
+    rows, group = rows + update, group + update
+    default_n = set(DEFAULT_GROUP_COUNTS.values()) | {r["n"] for r in update}
     false_holds = [r["holds"] for r in group if r["truth"] == "false"]
     false_holds += [max(r["holds"], r["does_not_hold"]) for r in trend if r["truth"] == "false"]
     power = [r["holds"] if r["truth"] == "true" else r["does_not_hold"] for r in group
@@ -423,7 +554,8 @@ def _load() -> str:
 
 def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: str = "full",
                     log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every calibration and return {meta, group_rules, training_rules, coverage}; with ``out``, also write
+    """Run every calibration and return {meta, group_rules, training_rules, update_rules, coverage}; with ``out``,
+    also write
     OUT/calibration.json and OUT/calibration.md (the table)."""
     t0, load0 = time.perf_counter(), _load()
     threads = torch.get_num_threads()
@@ -431,6 +563,7 @@ def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: st
     try:
         result: dict[str, Any] = {"group_rules": calibrate_group_rules(config, log),
                                   "training_rules": calibrate_training_rules(config),
+                                  "update_rules": calibrate_update_rules(config),
                                   "coverage": interval_coverage(config)}
     finally:
         torch.set_num_threads(threads)

@@ -55,6 +55,15 @@ def test_quick_calibration_separates_the_planted_cases(tmp_path):
     new = train[("gradient sparsity intensifies", "gaussian gradients under AdamW")]
     assert old["holds"] >= 0.5 and new["holds"] <= 0.15
     assert train[("gradient sparsity intensifies", "rising gradients under AdamW")]["holds"] >= 0.9
+    # "most parameters unchanged" through the lens: a dense update with log-normal per-entry scale (the false
+    # holds under the dense control) never holds, and its bf16 share matches the permutation control, not the dense
+    # one; a 90%-zero update holds
+    s4 = {r["family"]: r for r in res["update_rules"]}
+    dense = s4["dense, log-normal scale (σ = 2)"]
+    assert dense["truth"] == "false" and dense["holds"] == 0.0 and dense["does_not_hold"] >= 0.9
+    assert abs(dense["bf16_unchanged"] - dense["bf16_permuted"]) < 0.01 < dense["bf16_unchanged"] - dense["bf16_dense"]
+    sparse = s4["90% zeros, the rest moving bf16"]
+    assert sparse["truth"] == "true" and sparse["holds"] >= 0.9
     # coverage rows: 3 data sets x 3 n, each a share
     assert len(res["coverage"]) == 9 and all(0 <= r["coverage"] <= 1 for r in res["coverage"])
     assert math.isfinite(res["meta"]["seconds"]) and "Summary" in render(res)
