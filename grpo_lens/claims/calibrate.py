@@ -648,7 +648,7 @@ def render(result: dict[str, Any]) -> str:
               "- `zero_sum_g2_weighting` (G2 stable ranks under weightings) and `identity`: their inputs are per-layer "
               "G2 spectra and residuals of a model's backward; planted Gram matrices do not reach them.",
               "- `rank_stays_near_two`: a trend over lens steps of the rank reading calibrated above; not planted.",
-              "- `identical_token_advantage`: algebra that holds by construction; no test, no error rate.", ""]
+              "- `identical_token_advantage`: algebra that holds by construction; no test, no error rate."]
     lines += ["", "## Interval coverage (`mean_interval`, nominal 0.95)", "",
               "| data | n | coverage | upper end below the mean | lower end above the mean |", "|---|---|---|---|---|"]
     for row in result["coverage"]:
