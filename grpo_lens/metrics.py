@@ -578,7 +578,7 @@ G3_GROUPS = _key("g3", "groups", COUNT, "the analysed groups, G3's rows (one mat
 RANK_G2_WEIGHTED = _template(
     "g2_weightings", "rank/g2_{w}_{kind}_stable_rank", RANK_UNITS,
     "the mean over the layers of kind `<kind>` (q_proj, down_proj, lm_head, ...) of the stable rank ‖G2‖_F²/s₁² of "
-    "every nn.Linear layer's G2 under weighting `<w>` (s₁ by power iteration with a residual check, the exact "
+    "every nn.Linear layer's G2 under weighting `<w>` (s₁ by subspace iteration with a residual check, the exact "
     "symmetric solver where it does not converge; `probe.json` `g2_weightings`)",
     source="§6", where=(G2_WEIGHTINGS,))
 

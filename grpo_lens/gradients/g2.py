@@ -54,9 +54,10 @@ class G2WeightingCapture:
 
     (the nonzero eigenvalues of M M^T and of K_X K_D(w) agree). K_X and D D^T are formed once per layer in the
     backward hook and every weighting costs only [nL, nL] work, instead of a backward and a decomposition of
-    [d_out, d_in] per weighting. lambda_max by :func:`grpo_lens.formulas.spectrum.top_eigenvalue_psd_product`: power
-    iteration in the K_D(w) inner product (where K_X K_D(w) is self-adjoint) with a residual check, and the exact
-    symmetric eigen-solver when it does not converge (close top eigenvalues); :attr:`exact_fallbacks` counts those.
+    [d_out, d_in] per weighting. lambda_max by :func:`grpo_lens.formulas.spectrum.top_eigenvalue_psd_product`: block
+    subspace iteration in the K_D(w) inner product (where K_X K_D(w) is self-adjoint) with a residual check, and the
+    exact symmetric eigen-solver when it does not converge (a cluster of near-top eigenvalues);
+    :attr:`exact_fallbacks` counts those.
 
     Args:
         model: the model (its nn.Linear layers are hooked).
