@@ -83,8 +83,10 @@ PARAMETER_CATEGORIES = ("linear", "embedding", "norm", "other")
 #: The measures of the sampled update (``update_step``, ``update_total``) and of a sampled vector (``grad``,
 #: ``grad_total``) in ``sparsity/<quantity>_<measure>`` (:data:`grpo_lens.formulas.sparsity.UPDATE_MEASURES`,
 #: :data:`grpo_lens.formulas.sparsity.GRAD_MEASURES`).
-SPARSITY_MEASURES = {"update_step": ("f32_unchanged", "bf16_unchanged", "bf16_dense", "hoyer", "top1_energy"),
-                     "update_total": ("f32_unchanged", "bf16_unchanged", "bf16_dense", "hoyer", "top1_energy"),
+_UPDATE_MEASURES = ("f32_unchanged", "bf16_unchanged", "bf16_permuted", "bf16_dense", "hoyer", "top1_energy",
+                    "f32_unchanged_se", "bf16_unchanged_se", "bf16_excess_se")
+SPARSITY_MEASURES = {"update_step": _UPDATE_MEASURES,
+                     "update_total": _UPDATE_MEASURES,
                      "grad": ("zero", "hoyer", "top1_energy"),
                      "grad_total": ("zero", "hoyer", "top1_energy")}
 
@@ -576,7 +578,8 @@ G3_GROUPS = _key("g3", "groups", COUNT, "the analysed groups, G3's rows (one mat
 RANK_G2_WEIGHTED = _template(
     "g2_weightings", "rank/g2_{w}_{kind}_stable_rank", RANK_UNITS,
     "the mean over the layers of kind `<kind>` (q_proj, down_proj, lm_head, ...) of the stable rank ‖G2‖_F²/s₁² of "
-    "every nn.Linear layer's G2 under weighting `<w>` (s₁ by power iteration; `probe.json` `g2_weightings`)",
+    "every nn.Linear layer's G2 under weighting `<w>` (s₁ by subspace iteration with a residual check, the exact "
+    "symmetric solver where it does not converge; `probe.json` `g2_weightings`)",
     source="§6", where=(G2_WEIGHTINGS,))
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -597,10 +600,27 @@ SPARSITY_UPDATE_STEP_BF16_UNCHANGED, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED = _key
     "sparsity", ("sparsity/update_step_bf16_unchanged", "sparsity/update_total_bf16_unchanged"), SHARE,
     "share whose bf16 value is unchanged, on the fixed sample (estimates S4)", source="§Sparsity over training",
     concepts="S4")
+SPARSITY_UPDATE_STEP_BF16_PERMUTED, SPARSITY_UPDATE_TOTAL_BF16_PERMUTED = _keys(
+    "sparsity", ("sparsity/update_step_bf16_permuted", "sparsity/update_total_bf16_permuted"), SHARE,
+    "**the control** for the line above: the expected bf16-unchanged share when the same update entries are permuted "
+    "within each tensor (each tensor's magnitudes, zeros included, kept; where they land removed; exact mean over "
+    "permutations)", source="§Sparsity over training")
 SPARSITY_UPDATE_STEP_BF16_DENSE, SPARSITY_UPDATE_TOTAL_BF16_DENSE = _keys(
     "sparsity", ("sparsity/update_step_bf16_dense", "sparsity/update_total_bf16_dense"), SHARE,
-    "**the control** for the line above: the expected bf16-unchanged share of a dense Gaussian update with the same "
-    "per-tensor RMS. bf16-unchanged ≈ this means rounding, not sparsity", source="§Sparsity over training")
+    "a second control: the expected bf16-unchanged share of a dense Gaussian update with the same per-tensor RMS "
+    "(shown, not the claim's control: with heavy-tailed magnitudes the RMS is set by the few large entries, so this "
+    "reads a dense update as sparser than rounding)", source="§Sparsity over training")
+SPARSITY_UPDATE_STEP_F32_UNCHANGED_SE, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE = _keys(
+    "sparsity", ("sparsity/update_step_f32_unchanged_se", "sparsity/update_total_f32_unchanged_se"), SHARE,
+    "standard error of the float32-unchanged share from the fixed sample, stratified by tensor (Cochran 1977 §5.3; "
+    "tensors taken whole add none)", source="§Sparsity over training")
+SPARSITY_UPDATE_STEP_BF16_UNCHANGED_SE, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE = _keys(
+    "sparsity", ("sparsity/update_step_bf16_unchanged_se", "sparsity/update_total_bf16_unchanged_se"), SHARE,
+    "the same for the bf16-unchanged share", source="§Sparsity over training")
+SPARSITY_UPDATE_STEP_BF16_EXCESS_SE, SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE = _keys(
+    "sparsity", ("sparsity/update_step_bf16_excess_se", "sparsity/update_total_bf16_excess_se"), SHARE,
+    "the same for bf16-unchanged − the permutation control (per-entry differences treated as independent within a "
+    "tensor: the control's own sampling noise is left out)", source="§Sparsity over training")
 SPARSITY_UPDATE_STEP_HOYER, SPARSITY_UPDATE_TOTAL_HOYER = _keys(
     "sparsity", ("sparsity/update_step_hoyer", "sparsity/update_total_hoyer"), SPARSITY_UNITS,
     "Hoyer sparsity (S3) of the update: 0 equal magnitudes, ≈ 0.20 Gaussian, 1 one entry",

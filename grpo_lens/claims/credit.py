@@ -96,8 +96,9 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     inconclusive otherwise, or from fewer than MIN_UNITS rollouts (segments of one rollout are not independent).
 
     .. warning:: the 2-SE test's false rate at K = 8 continuations is 3.0-4.1% rather than Φ(−2) = 2.3% (issue 18's
-       review; not yet measured by `grpo-lens calibrate`), so with several hundred segments noise alone can reach
-       *holds*.
+       review: a prefix whose K continuations all agree has SE 0), so noise alone reaches *holds*: `grpo-lens
+       calibrate` measures false holds 0.06 / 0.08 / 0.16 at 8 / 32 / 100 rollouts when no segment opposes A_i
+       (docs/calibration.md), above the 0.05 target. The control is not yet the test's measured rate.
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit:

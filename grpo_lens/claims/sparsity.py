@@ -2,8 +2,8 @@
 
 :func:`sparsity_intensifies`: Spearman's trend of the policy gradient's Hoyer sparsity over the lens steps (first
 excluded), with its permutation p-value; :func:`zero_variance_share_rises`: the same trend test of S1 over every
-step. :func:`most_parameters_unchanged`: the bf16-unchanged share since the start (S4) above its dense control by
-:data:`BF16_MARGIN`, and above 0.5. All read a training run's records, passed as
+step. :func:`most_parameters_unchanged`: the float32-unchanged share since the start above 0.5, with the bf16-unchanged
+share (S4) against its within-tensor permutation control. All read a training run's records, passed as
 ``{"records": [metrics.jsonl records], "lora_rank": r}`` (the report evaluates :data:`TRAINING_CLAIMS` on that), and
 return [] when their inputs are absent.
 """
@@ -32,12 +32,16 @@ from grpo_lens.metrics import (
     SPARSITY_SAMPLE_ENTRIES,
     SPARSITY_UPDATE_STEP_HOYER,
     SPARSITY_UPDATE_TOTAL_BF16_DENSE,
+    SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE,
+    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
     SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
+    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE,
     SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE,
     STEP,
 )
 
-#: bf16-unchanged share above its dense control by at least this counts as sparsity beyond rounding
+#: bf16-unchanged share above its within-tensor permutation control by more than this: placement matters
 BF16_MARGIN = 0.05
 
 
@@ -131,18 +135,39 @@ def _sample_size(rows: list[dict[str, Any]]) -> str:
     return str(int(n)) if n else "?"
 
 
+def _share_se(row: dict[str, Any], key: str, se_key: str) -> tuple[float, str]:
+    """(standard error, how it was computed) of a sampled share: the logged stratified SE, or for records written
+    before it was logged the simple-random-sample SE √(q(1−q)/s) (labelled as such)."""
+    se = row.get(se_key)
+    if se is not None:
+        return float(se), "stratified by tensor"
+    n, q = float(row.get(SPARSITY_SAMPLE_ENTRIES) or 0), row.get(key)
+    if not n or q is None:
+        return math.nan, "no standard error"
+    return math.sqrt(max(q * (1 - q), 1e-12) / n), "simple-random-sample approximation (older run)"
+
+
 @CLAIMS.register("most_parameters_unchanged")
 def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
-    """"RL leaves most parameters unchanged" (S4), tested against bf16 rounding.
+    """"RL leaves most parameters unchanged" (S4), beyond bf16 rounding.
 
-    Rule: excess = bf16-unchanged share since the start minus its dense-update control (a dense Gaussian update of the
-    same per-tensor RMS), 95% binomial interval from the sample; holds when the excess interval lies above
-    :data:`BF16_MARGIN`, the share above 0.5 and the float32-unchanged share above 0.5 (a parameter is unchanged
-    when its value is: a float32 change that bf16 rounds away is still a change); does not hold when the excess lies
-    below BF16_MARGIN (rounding explains the share), the share below 0.5 or the float32-unchanged share below 0.5;
-    inconclusive otherwise. The binomial SE treats the lens's sample as a simple random sample of weights.
+    Measures at the last lens step, since the start, on the lens's fixed stratified sample: z = float32-unchanged
+    share, q = bf16-unchanged share, c = its within-tensor permutation control (the same update entries permuted within
+    each tensor: :func:`grpo_lens.formulas.sparsity.permuted_bf16_unchanged_probability`), each interval ± 1.96 SE
+    with the SE stratified by tensor (the sample's design:
+    :func:`grpo_lens.formulas.stats.stratified_mean_se`).
+
+    Rule: holds when z's interval lies above 0.5 (most weights did not move at all; then q >= z > 0.5 too); does not
+    hold when z's interval lies below 0.5 (most weights moved in float32, whatever bf16 shows) or q's lies below 0.5;
+    inconclusive otherwise. The excess q − c is reported with its interval and names the reason when the rule does
+    not hold: within :data:`BF16_MARGIN` of 0, the update's own magnitudes placed at random explain the bf16 share
+    (rounding of small changes); above it, where the changes land matters too (structure), but the weights still
+    moved. The excess is not a condition for holds: permuting a sparse update keeps its zeros, so a truly sparse
+    update has excess ≈ 0 (the control tells "placement matters" from "magnitudes explain it", and the float32 share
+    tells "sparse" from "small"). The 0.1 rule's dense Gaussian control at the per-tensor RMS is shown, not used:
+    with heavy-tailed magnitudes it is set by the few large entries and read a dense update as sparse (issue 18).
     """
-    rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_DENSE)
+    rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)
     if not rows:
         return []
     last = rows[-1]
@@ -157,33 +182,51 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
                             "adapter is a different parameter space (B starts at 0, so A gets no gradient on step 1); "
                             "the merged weights W + (alpha/r) B A are not measured"),
                       source=f"lens, fixed sample of {_sample_size(rows)} adapter weights")]
-    n = float(last.get(SPARSITY_SAMPLE_ENTRIES) or 0)
-    share, dense = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
-    se = math.sqrt(max(share * (1 - share), 1e-12) / n) if n else math.nan
-    gap = share - dense
-    lo, hi = gap - 1.96 * se, gap + 1.96 * se
-    verdict = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
-    most = verdict_from_interval(share - 1.96 * se, share + 1.96 * se, 0.5, "above")
-    why = f"excess [{fmt(lo, 3)}, {fmt(hi, 3)}] vs {BF16_MARGIN}"
+    share = float(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
     f32 = last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED)
-    f32_se = math.sqrt(max(f32 * (1 - f32), 1e-12) / n) if n and f32 is not None else math.nan
-    f32_most = (INCONCLUSIVE if f32 is None else
-                verdict_from_interval(f32 - 1.96 * f32_se, f32 + 1.96 * f32_se, 0.5, "above"))
-    if most == DOES_NOT_HOLD:
-        verdict, why = DOES_NOT_HOLD, f"only {fmt(share, 3)} of weights kept their bf16 value (< 0.5)"
-    elif f32_most == DOES_NOT_HOLD:
-        verdict, why = DOES_NOT_HOLD, (f"only {fmt(f32, 3)} of weights are unchanged in float32 (< 0.5): the update "
-                                       f"moved most parameters; the bf16 share counts rounding")
-    elif verdict == HOLDS and most != HOLDS:
-        verdict, why = INCONCLUSIVE, f"excess above {BF16_MARGIN} but the share {fmt(share, 3)} is not clearly > 0.5"
-    elif verdict == HOLDS and f32_most != HOLDS:
-        verdict, why = INCONCLUSIVE, f"bf16 excess above {BF16_MARGIN} but the float32-unchanged share is not > 0.5"
+    perm = last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)
+    dense = last.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)
+    q_se, how = _share_se(last, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE)
+    most = verdict_from_interval(share - 1.96 * q_se, share + 1.96 * q_se, 0.5, "above")
+    if f32 is None:
+        f32_most, f32_lo, f32_hi = INCONCLUSIVE, math.nan, math.nan
+    else:
+        f32 = float(f32)
+        z_se, _ = _share_se(last, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE)
+        f32_lo, f32_hi = f32 - 1.96 * z_se, f32 + 1.96 * z_se
+        f32_most = verdict_from_interval(f32_lo, f32_hi, 0.5, "above")
+    if perm is not None:
+        gap = share - float(perm)
+        e_se = last.get(SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE)
+        e_se = float(e_se) if e_se is not None else q_se
+        lo, hi = gap - 1.96 * e_se, gap + 1.96 * e_se
+        placement = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
+        excess = f"excess over the permutation control {fmt(gap, 3)} [{fmt(lo, 3)}, {fmt(hi, 3)}]"
+    else:
+        placement, excess = INCONCLUSIVE, "no permutation control (a run from before it was logged)"
+    if f32_most == DOES_NOT_HOLD or most == DOES_NOT_HOLD:
+        verdict = DOES_NOT_HOLD
+        if most == DOES_NOT_HOLD:
+            why = f"only {fmt(share, 3)} of weights kept their bf16 value (< 0.5)"
+        else:
+            why = f"only {fmt(f32, 3)} of weights are unchanged in float32 (interval below 0.5): most moved"
+            if placement == HOLDS:
+                why += (f"; their bf16 share {fmt(share, 3)} exceeds the permutation control by more than "
+                        f"{BF16_MARGIN}: where the changes land matters, but they are changes")
+            elif perm is not None:
+                why += (f"; the update's own magnitudes placed at random leave {fmt(float(perm), 3)} unchanged in "
+                        f"bf16 (observed {fmt(share, 3)}): rounding of small changes")
+    elif f32_most == HOLDS:
+        verdict, why = HOLDS, f"float32-unchanged share [{fmt(f32_lo, 3)}, {fmt(f32_hi, 3)}] lies above 0.5"
+    else:
+        verdict, why = INCONCLUSIVE, (f"the float32-unchanged share's interval [{fmt(f32_lo, 3)}, {fmt(f32_hi, 3)}] "
+                                      f"contains 0.5" if f32 is not None else "no float32-unchanged share logged")
+    dense_txt = f"; a dense Gaussian update of the same per-tensor RMS {fmt(dense, 3)} (not used)" if dense else ""
     return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
                   scope=f"training, step {last[STEP]}",
-                  measurement=(f"bf16 unchanged since start {fmt(share, 3)}; excess over the dense control "
-                               f"{fmt(gap, 3)} "
-                               f"[{fmt(lo, 3)}, {fmt(hi, 3)}] (binomial interval over {int(n)} sampled weights); "
-                               f"float32 unchanged "
-                               f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)}"),
-                  control=f"a dense update of the same per-tensor RMS leaves {fmt(dense, 3)} unchanged in bf16",
-                  verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]
+                  measurement=(f"float32 unchanged since start {fmt(f32, 4)} [{fmt(f32_lo, 4)}, {fmt(f32_hi, 4)}]; "
+                               f"bf16 unchanged {fmt(share, 3)}; {excess} (95% intervals over {_sample_size(rows)} sampled "
+                               f"weights, standard errors {how})"),
+                  control=(f"the same update entries permuted within each tensor leave "
+                           f"{fmt(None if perm is None else float(perm), 3)} unchanged in bf16{dense_txt}"),
+                  verdict=verdict, rule=why, source=f"lens, fixed stratified sample of {_sample_size(rows)} weights")]

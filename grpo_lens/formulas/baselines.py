@@ -464,12 +464,30 @@ def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, n
     """
     per_prompt, constant = [], 0
     for j, (g, r) in enumerate(pools):
-        if bool(constant_groups(r.view(1, -1), torch.ones(1, len(r), dtype=torch.bool))):  # no reward contrast
+        res = baseline_prompt(g, r, group_size, num_resamples=num_resamples, seed=seed + j)
+        if res is None:
             constant += 1
-            continue
-        res = prompt_baseline_study(g, r, group_size, num_resamples=num_resamples, seed=seed + j)
-        res["equal_norms"] = equal_norms_test(g, r, seed=seed + j)
-        per_prompt.append(res)
+        else:
+            per_prompt.append(res)
+    return summarise_baseline_prompts(per_prompt, constant, num_boot=num_boot, seed=seed)
+
+
+def baseline_prompt(grads: Tensor, rewards: Tensor, group_size: int, *, num_resamples: int = 512, seed: int = 0
+                    ) -> dict | None:
+    """One prompt of :func:`baseline_study`: :func:`prompt_baseline_study` with its ``"equal_norms"``
+    (:func:`equal_norms_test`), or None when the pool has no reward contrast. grads: [M, K]; rewards: [M]."""
+    if bool(constant_groups(rewards.view(1, -1), torch.ones(1, len(rewards), dtype=torch.bool))):
+        return None
+    res = prompt_baseline_study(grads, rewards, group_size, num_resamples=num_resamples, seed=seed)
+    res["equal_norms"] = equal_norms_test(grads, rewards, seed=seed)
+    return res
+
+
+def summarise_baseline_prompts(per_prompt: Sequence[dict], constant: int = 0, *, num_boot: int = 2000,
+                               seed: int = 0) -> dict:
+    """The over-prompts part of :func:`baseline_study` (its return value) from :func:`baseline_prompt` results;
+    ``constant`` prompts without reward contrast are only counted."""
+    per_prompt = list(per_prompt)
     summary = {}
     for name in STUDY_ESTIMATORS:
         ratios = [p["estimators"][name]["mse"] / p["estimators"]["rloo"]["mse"] for p in per_prompt

@@ -10,7 +10,9 @@ Shapes: B prompts, R group size, M rollouts of a prompt (M >= R), S sampled entr
 - S2 / S3 of a vector from weighted samples: :func:`zero_share`, :func:`weighted_hoyer` (Hoyer sparsity),
   :func:`top_energy_share` (the top-1% energy share, S2-style), together :func:`sparsity_measures`.
 - S4, the bf16 view of an update: :func:`bf16_unchanged_fraction` (every parameter), :func:`update_sparsity` (sampled
-  entries, with the dense-update control :func:`dense_bf16_unchanged_probability` from :func:`bf16_rounding_cell`).
+  entries, with the claim's control :func:`permuted_bf16_unchanged_probability`, the same update entries permuted
+  within each tensor, and the dense Gaussian control :func:`dense_bf16_unchanged_probability`, both from
+  :func:`bf16_rounding_cell`).
 - :func:`layer_type`: the layer type (norm, embedding, attention, mlp, other) of a parameter name, by which the
   sparsity keys ``sparsity/<type>/...`` are split.
 
@@ -23,9 +25,11 @@ import math
 import re
 from typing import Iterable
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from grpo_lens.formulas.stats import stratified_mean_se
 from grpo_lens.metrics import sparsity_key
 
 
@@ -281,36 +285,103 @@ def dense_bf16_unchanged_probability(values: Tensor, rms: Tensor | float) -> Ten
     return torch.where(s > 0, p, torch.ones_like(p))
 
 
+def permuted_bf16_unchanged_probability(values: Tensor, update: Tensor, strata: Tensor | None = None) -> Tensor:
+    """For each entry, the chance that its bf16 value is unchanged when the update's entries are permuted at random
+    within its stratum (tensor): the within-tensor permutation control of "most parameters unchanged" (issue 18).
+
+    Entry i of stratum t, with weight v_i and bf16 rounding cell [lo_i, hi_i] (:func:`bf16_rounding_cell`), receives a
+    uniformly random one of the stratum's update entries d_j under a random permutation, so
+
+        p_i = (1/s_t) · #{j in t : lo_i <= v_i + d_j <= hi_i},
+
+    the exact mean over all within-stratum permutations (no draws), by sorting each stratum's d once and two binary
+    searches per entry: O(S log S). The control keeps every tensor's distribution of update magnitudes (zeros
+    included) and the weights, and removes only where each magnitude lands. Its mean equals the observed bf16-unchanged
+    share when placement does not matter; a dense update with heavy-tailed magnitudes (most entries far below the bf16
+    spacing, a few large) matches it, which the dense Gaussian control (:func:`dense_bf16_unchanged_probability`, one
+    RMS per tensor, dominated by the large entries) does not: it reads such an update as sparser than rounding.
+    Because zeros stay zeros under a permutation, the control cannot tell a sparse update from a small one; the
+    float32-unchanged share does (docs/theory.md §Sparsity over training).
+
+    Args:
+        values: [S] float, the weights before the update (sampled entries).
+        update: [S] float, d = after - before of the same entries.
+        strata: [S] long, the tensor of each entry (None: one stratum).
+
+    Returns:
+        [S] float64 in [0, 1].
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    if values.shape != update.shape or (strata is not None and strata.shape != values.shape):
+        raise ValueError(f"values, update and strata must have one shape, got {values.shape}, {update.shape}, "
+                         f"{None if strata is None else strata.shape}")
+    lo, hi = bf16_rounding_cell(values)
+    v = values.detach().float().double()
+    d = update.detach().float().double()
+    h = torch.zeros_like(d, dtype=torch.long) if strata is None else strata.reshape(-1).long()
+    # each stratum's entries contiguous, then one sort and two searches per stratum (numpy's searchsorted: torch's
+    # pays a thread start-up per call, ~10x slower on a few thousand entries)
+    order = torch.argsort(h, stable=True).numpy()
+    ends = torch.cumsum(torch.bincount(h), 0).tolist()
+    dn, lon, hin = d.numpy()[order], (lo - v).numpy()[order], (hi - v).numpy()[order]
+    counts = np.empty(len(order), dtype=np.float64)
+    start = 0
+    for end in ends:
+        if end > start:
+            ds = np.sort(dn[start:end])
+            counts[start:end] = (np.searchsorted(ds, hin[start:end], side="right")
+                                 - np.searchsorted(ds, lon[start:end], side="left")) / (end - start)
+        start = end
+    out = torch.empty_like(d)
+    out[torch.from_numpy(order)] = torch.from_numpy(counts)
+    return out
+
+
 def update_sparsity(before: Tensor, after: Tensor, weights: Tensor | None = None,
-                    rms: Tensor | float | None = None) -> dict[str, float]:
-    """Sparsity of the update d = after - before of sampled entries, and its bf16 view with the dense control.
+                    rms: Tensor | float | None = None, strata: Tensor | None = None) -> dict[str, float]:
+    """Sparsity of the update d = after - before of sampled entries, and its bf16 view with its controls.
 
     Args:
         before, after: [S] float32 weights (the sampled entries).
-        weights: [S] entries each sample stands for, or None.
+        weights: [S] entries each sample stands for, or None (1 each).
         rms: [S] or scalar, the per-tensor RMS of d for the dense control; default: the RMS of the given d.
+        strata: [S] long, the tensor of each entry, for the permutation control and the stratified standard errors
+            (None: one stratum).
 
     Returns:
         {"f32_unchanged": share with d = 0 exactly, "bf16_unchanged": share with bf16(after) = bf16(before),
+         "bf16_permuted": the expected bf16-unchanged share with d permuted within each stratum
+         (:func:`permuted_bf16_unchanged_probability`),
          "bf16_dense": the expected bf16-unchanged share of a dense Gaussian update with the same per-tensor RMS,
-         "hoyer", "top1_energy": of d}. All weighted means over the sampled entries.
+         "hoyer", "top1_energy": of d,
+         "f32_unchanged_se", "bf16_unchanged_se", "bf16_excess_se": the stratified standard errors
+         (:func:`grpo_lens.formulas.stats.stratified_mean_se`) of the two shares and of bf16_unchanged -
+         bf16_permuted}. All weighted means over the sampled entries.
     """
     assert before.shape == after.shape, (before.shape, after.shape)
     d = after.detach().float() - before.detach().float()
     w = _weights_like(d, weights)
+    h = torch.zeros_like(d, dtype=torch.long) if strata is None else strata
     if rms is None:
         rms = float(d.double().square().mean().sqrt()) if d.numel() else 0.0
-    same16 = before.detach().float().to(torch.bfloat16) == after.detach().float().to(torch.bfloat16)
+    same16 = (before.detach().float().to(torch.bfloat16) == after.detach().float().to(torch.bfloat16)).double()
     dense = dense_bf16_unchanged_probability(before, rms)
+    perm = permuted_bf16_unchanged_probability(before, d, h)
     m = sparsity_measures(d, w)
     return {"f32_unchanged": m["zero"], "bf16_unchanged": float((w * same16).sum() / w.sum()),
+            "bf16_permuted": float((w * perm).sum() / w.sum()),
             "bf16_dense": float((w * dense).sum() / w.sum()), "hoyer": m["hoyer"],
-            "top1_energy": m["top1_energy"]}
+            "top1_energy": m["top1_energy"], "f32_unchanged_se": stratified_mean_se((d == 0).double(), w, h),
+            "bf16_unchanged_se": stratified_mean_se(same16, w, h),
+            "bf16_excess_se": stratified_mean_se(same16 - perm, w, h)}
 
 
 #: Metric names of :meth:`SparsityOverTraining.after_step` for the whole model; per layer type they are
 #: ``sparsity/<type>/<name>`` (docs/metrics.md).
-UPDATE_MEASURES = ("f32_unchanged", "bf16_unchanged", "bf16_dense", "hoyer", "top1_energy")
+UPDATE_MEASURES = ("f32_unchanged", "bf16_unchanged", "bf16_permuted", "bf16_dense", "hoyer", "top1_energy",
+                   "f32_unchanged_se", "bf16_unchanged_se", "bf16_excess_se")
 
 
 GRAD_MEASURES = ("zero", "hoyer", "top1_energy")

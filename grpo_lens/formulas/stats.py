@@ -8,7 +8,7 @@ A "row" is the dict of canonical keys that :func:`grpo_lens.analysis.group.analy
   its 0.1 names.
 - :func:`summarise_rows`, :func:`stratify_rows`: {key: interval} over rows, and per stratum (k, distinct completions).
 - :func:`spearman_trend` (permutation test of a monotone trend), :func:`wilson_interval` (a binomial share),
-  :func:`student_t_quantile`.
+  :func:`stratified_mean_se` (a weighted mean from a stratified sample), :func:`student_t_quantile`.
 """
 
 from __future__ import annotations
@@ -224,3 +224,48 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def stratified_mean_se(values: torch.Tensor, weights: torch.Tensor, strata: torch.Tensor) -> float:
+    """Standard error of the weighted mean Σ w x / Σ w of a stratified sample (Cochran, *Sampling Techniques*, 3rd ed.
+    1977, §5.3, eq. 5.6 without the finite-population factor, i.e. draws with replacement).
+
+    Stratum h has s_h sampled entries, each with the same weight w_h = n_h / s_h (n_h entries in the stratum), so the
+    mean is Σ_h (n_h / N) x̄_h with N = Σ_h n_h, and
+
+        SE² = Σ_h (n_h / N)² · var_h(x) / s_h,
+
+    var_h the sample variance (ddof 1) of the stratum's x. A stratum with weight 1 was enumerated whole (s_h = n_h):
+    it adds no sampling variance. This is what a simple-random-sample SE √(q(1−q)/s) gets wrong when strata differ:
+    strata that are all 0 or all 1 add nothing, and a small stratum sampled at a high rate counts less than its s_h.
+
+    Args:
+        values: [S] float, the sampled values (0/1 indicators for a share).
+        weights: [S] > 0, entries each sample stands for (constant within a stratum).
+        strata: [S] long, the stratum (e.g. tensor) of each sample.
+
+    Returns:
+        float >= 0 (0 for an empty sample).
+
+    Raises:
+        ValueError: mismatched shapes, or weights that vary within a stratum.
+    """
+    x, w, h = values.detach().double().reshape(-1), weights.detach().double().reshape(-1), strata.reshape(-1).long()
+    if not (x.shape == w.shape == h.shape):
+        raise ValueError(f"values, weights and strata must have one shape, got {x.shape}, {w.shape}, {h.shape}")
+    if x.numel() == 0:
+        return 0.0
+    _, h = torch.unique(h, return_inverse=True)
+    k = int(h.max()) + 1
+    s = torch.bincount(h, minlength=k).double()
+    wh = torch.zeros(k, dtype=torch.float64).scatter_reduce(0, h, w, "amax", include_self=False)
+    if not torch.allclose(wh[h], w, rtol=1e-9, atol=0.0):
+        raise ValueError("weights must be constant within a stratum (n_h / s_h)")
+    sx = torch.bincount(h, x, minlength=k)
+    sxx = torch.bincount(h, x * x, minlength=k)
+    mean = sx / s
+    var = ((sxx - s * mean.square()) / (s - 1).clamp(min=1)).clamp(min=0)
+    n_h = wh * s
+    sampled = wh > 1 + 1e-12  # weight 1: the stratum was taken whole
+    var2 = torch.where(sampled, (n_h / n_h.sum()).square() * var / s, torch.zeros_like(var))
+    return math.sqrt(float(var2.sum()))

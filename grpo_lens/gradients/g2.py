@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_lens.formulas.spectrum import top_singular_value
+from grpo_lens.formulas.spectrum import top_eigenvalue_psd_product, top_singular_value
 from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.metrics import RANK_G2_WEIGHTED
 
@@ -54,8 +54,10 @@ class G2WeightingCapture:
 
     (the nonzero eigenvalues of M M^T and of K_X K_D(w) agree). K_X and D D^T are formed once per layer in the
     backward hook and every weighting costs only [nL, nL] work, instead of a backward and a decomposition of
-    [d_out, d_in] per weighting. lambda_max by 50 power iterations on K_X K_D(w) (a product of two PSD matrices, with
-    real nonnegative eigenvalues).
+    [d_out, d_in] per weighting. lambda_max by :func:`grpo_lens.formulas.spectrum.top_eigenvalue_psd_product`: block
+    subspace iteration in the K_D(w) inner product (where K_X K_D(w) is self-adjoint) with a residual check, and the
+    exact symmetric eigen-solver when it does not converge (a cluster of near-top eigenvalues);
+    :attr:`exact_fallbacks` counts those.
 
     Args:
         model: the model (its nn.Linear layers are hooked).
@@ -71,6 +73,7 @@ class G2WeightingCapture:
         modules = dict(model.named_modules())
         self.layers = {n: modules[n] for n in linear_layer_names(model)}
         self.stable: dict[str, dict[str, float]] = {}  # layer -> weighting -> stable rank
+        self.exact_fallbacks = 0  # (layer, weighting) pairs whose lambda_max came from the exact solver
         self._handles: list = []
 
     def _forward(self, name: str, module, args, output) -> None:
@@ -94,14 +97,8 @@ class G2WeightingCapture:
                 if fro2 <= 0:
                     out[wname] = 0.0
                     continue
-                v = torch.ones(kx.shape[0], device=grad.device) / kx.shape[0] ** 0.5
-                lam = 0.0
-                for _ in range(50):
-                    u = kx @ (kdw @ v)
-                    lam = float(u.norm())
-                    if lam == 0:
-                        break
-                    v = u / lam
+                lam, converged = top_eigenvalue_psd_product(kx, kdw)
+                self.exact_fallbacks += not converged
                 out[wname] = fro2 / lam if lam > 0 else 0.0
             self.stable[name] = out
 

@@ -39,6 +39,8 @@ from grpo_lens.metrics import (
     SPARSITY_UPDATE_STEP,
     SPARSITY_UPDATE_TOTAL,
     SPARSITY_UPDATE_TOTAL_BF16_DENSE,
+    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
     STEP,
     rank_key,
 )
@@ -131,7 +133,8 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
 
 
 def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
-    """S1 measured, and S4 bf16 update sparsity per step and since the start beside its dense-update control."""
+    """S1 measured, and S4 bf16 update sparsity per step and since the start beside its within-tensor permutation
+    control, the dense-update control and the float32-unchanged share the S4 claim rests on."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
     for key, label in [(REWARD_FRAC_ZERO_STD_GROUPS, "S1 measured")]:
         xs, ys = _series(records, key)
@@ -144,15 +147,15 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     a1.set_xlabel("step")
     a1.set_ylabel("share of groups (accuracy: of rollouts)")
     a1.set_ylim(-0.02, 1.02)
-    a1.set_ylabel("share of G1's squared singular values")
-    a2.set_ylabel("rank (dimensionless)")
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
-    for key, label in [(SPARSITY_UPDATE_STEP, "this step"), (SPARSITY_UPDATE_TOTAL, "since start"),
-                       (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control")]:
+    for key, label, style in [(SPARSITY_UPDATE_STEP, "this step", "-"), (SPARSITY_UPDATE_TOTAL, "since start", "-"),
+                              (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "since start, permutation control", "--"),
+                              (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control", ":"),
+                              (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "since start, float32 unchanged", "-.")]:
         xs, ys = _series(records, key)
         if xs:
-            a2.plot(xs, ys, marker=".", label=label, linestyle="--" if "dense" in key else "-")
+            a2.plot(xs, ys, marker=".", label=label, linestyle=style)
     a2.set_title("bf16 update sparsity (S4)", fontsize=9)
     a2.set_xlabel("step")
     a2.set_ylabel("share of parameters unchanged")

@@ -36,6 +36,7 @@ from grpo_lens.metrics import (
     SPARSITY_UPDATE_STEP_HOYER,
     SPARSITY_UPDATE_STEP_TOP1_ENERGY,
     SPARSITY_UPDATE_TOTAL_BF16_DENSE,
+    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
     SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
     SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
     STEP,
@@ -165,19 +166,23 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
         plot_sparsity_measures(records, run_dir / "sparsity_measures.png")
         n = rows[-1].get(SPARSITY_SAMPLE_ENTRIES)
         lines += ["### Sparsity over training: the update and the gradient, separated from bf16 rounding", "",
-                  "bf16 unchanged: share of weights whose bf16 value did not change; dense control: the share a "
-                  "dense Gaussian update with the same per-tensor RMS would leave unchanged (rounding alone). "
+                  "bf16 unchanged: share of weights whose bf16 value did not change; permutation control: the share "
+                  "the same update entries leave unchanged when permuted within each tensor (the magnitudes alone); "
+                  "dense control: the share a dense Gaussian update with the same per-tensor RMS would leave "
+                  "unchanged (misleading for heavy-tailed updates). "
                   "f32 unchanged: exactly unchanged in float32. Hoyer: 0 equal magnitudes, 0.20 Gaussian, 1 one "
                   "entry; top-1%: share of the squared norm in the largest 1% of entries (0.105 Gaussian). "
                   f"Computed on a fixed sample of {fmt(int(n) if n else None)} weights (standard error of a share "
                   f"<= {fmt(0.5 / math.sqrt(n), 4) if n else '–'}).", "",
                   "![sparsity measures](sparsity_measures.png)", "",
-                  "| step | S1 measured | bf16 unchanged since start | dense control | f32 unchanged since start | "
-                  "update Hoyer (step) | update top-1% (step) | gradient zero | gradient Hoyer | gradient top-1% |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| step | S1 measured | bf16 unchanged since start | permutation control | dense control | "
+                  "f32 unchanged since start | update Hoyer (step) | update top-1% (step) | gradient zero | "
+                  "gradient Hoyer | gradient top-1% |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(" | ".join([f"| {r[STEP]}", fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
                                      fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
+                                     fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
                                      fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
                                      fmt(r.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
                                      fmt(r.get(SPARSITY_UPDATE_STEP_HOYER)),
@@ -201,7 +206,9 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
         gap = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
         weights = "the LoRA adapter's weights (not the full model's)" if lora_rank else "weights"
         findings.append(f"After {last[STEP]} steps {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "
-                        f"kept their bf16 value, against {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
+                        f"kept their bf16 value, against {fmt(last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED))} for the "
+                        f"same update permuted within each tensor and "
+                        f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
                         f"update of the same size (difference {fmt(gap)}); "
                         f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32.")
         lines.append("")

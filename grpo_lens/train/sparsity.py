@@ -6,8 +6,10 @@ subsample of the P, each with a weight w = entries it stands for, so weighted su
 Why not only "bf16-unchanged": a bf16 value changes only when the update moves the float32 weight out of its bf16
 rounding cell (relative half-width 2^-9 ~ 2e-3). An update whose every entry is non-zero but smaller than that leaves
 almost every bf16 value unchanged, so the bf16-unchanged share measures update size against bf16's resolution, not
-sparsity. Each bf16 share is therefore reported next to the share a *dense* update of the same per-tensor RMS would
-give (every entry Gaussian with that RMS: :func:`dense_bf16_unchanged_probability`), and the float32-unchanged share,
+sparsity. Each bf16 share is therefore reported next to the share the same update entries give when permuted within
+each tensor (:func:`permuted_bf16_unchanged_probability`: the magnitudes kept, their placement removed), next to the
+share a *dense* update of the same per-tensor RMS would give (every entry Gaussian with that RMS:
+:func:`dense_bf16_unchanged_probability`), with standard errors stratified by tensor, and the float32-unchanged share,
 Hoyer sparsity (S3) and the top-1% energy share (S2-style) measure sparsity of the float32 vector itself.
 """
 
@@ -22,11 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lens.formulas.sparsity import (
+    UPDATE_MEASURES,
     bf16_unchanged_counts,
     dense_bf16_unchanged_probability,
     flatten_sparsity,
     layer_type,
+    permuted_bf16_unchanged_probability,
 )
+from grpo_lens.formulas.stats import stratified_mean_se
 from grpo_lens.metrics import (
     SPARSITY_SAMPLE_ENTRIES,
     SPARSITY_UPDATE_STEP,
@@ -101,20 +106,25 @@ class ParameterSample:
         return out
 
 
-def _flatten(sample: ParameterSample, vals: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, list[str]]:
-    """(x [S], weights [S] float64, group id [S] long, group names): every sampled entry once, its layer type's id."""
+def _flatten(sample: ParameterSample, vals: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, list[str], Tensor]:
+    """(x [S], weights [S] float64, group id [S] long, group names, tensor id [S] long): every sampled entry once,
+    its layer type's id and its tensor's (the sample's strata)."""
     kinds = sorted({sample.kinds[n] for n in sample.names})
     kid = {k: i for i, k in enumerate(kinds)}
     x = torch.cat([vals[n] for n in sample.names])
     w = torch.cat([torch.full((len(vals[n]),), sample.weight[n], dtype=torch.float64) for n in sample.names])
     g = torch.cat([torch.full((len(vals[n]),), kid[sample.kinds[n]], dtype=torch.long) for n in sample.names])
-    return x, w, g, kinds
+    t = torch.cat([torch.full((len(vals[n]),), i, dtype=torch.long) for i, n in enumerate(sample.names)])
+    return x, w, g, kinds, t
 
 
 def _grouped(x: Tensor, w: Tensor, g: Tensor, kinds: list[str], extra: dict[str, Tensor] | None = None,
-             top: float = 0.01) -> dict[str, dict[str, float]]:
+             top: float = 0.01, strata: Tensor | None = None, se: dict[str, Tensor] | None = None
+             ) -> dict[str, dict[str, float]]:
     """zero share, Hoyer, top-1% energy and weighted means of ``extra`` per-entry values, overall and per group,
-    in one pass: the same numbers as :func:`sparsity_measures` on each group's entries (entries sorted once)."""
+    in one pass: the same numbers as :func:`sparsity_measures` on each group's entries (entries sorted once); with
+    ``strata`` (tensor ids), also ``<name>_se``, the stratified standard error of each ``se`` value's weighted mean
+    (:func:`grpo_lens.formulas.stats.stratified_mean_se`)."""
     v = x.detach().double()
     e = v.square()
     order = torch.argsort(e, descending=True)  # one sort serves every group's top-1%
@@ -140,13 +150,17 @@ def _grouped(x: Tensor, w: Tensor, g: Tensor, kinds: list[str], extra: dict[str,
         res = {"zero": float((wm * (v[m] == 0)).sum()) / n, "hoyer": hoyer, "top1_energy": top_share}
         for key, val in (extra or {}).items():
             res[key] = float((wm * val[m]).sum()) / n
+        if strata is not None:
+            for key, val in (se or {}).items():
+                res[f"{key}_se"] = stratified_mean_se(val[m], wm, strata[m])
         out[name] = res
     return out
 
 
 def sampled_update_sparsity(sample: ParameterSample, before: dict[str, Tensor], after: dict[str, Tensor]
                             ) -> dict[str, dict[str, float]]:
-    """:func:`update_sparsity` of after - before, overall and per layer type, dense control at each tensor's RMS.
+    """:func:`update_sparsity` of after - before, overall and per layer type, each tensor its own stratum (the
+    permutation control permutes within it, the dense control uses its RMS, the standard errors are stratified by it).
 
     Every per-entry quantity is computed once for the whole sample and then summed per group (the numbers equal
     :func:`update_sparsity` on each group's entries; a test checks it).
@@ -155,23 +169,26 @@ def sampled_update_sparsity(sample: ParameterSample, before: dict[str, Tensor], 
         sample: where the values come from.  before, after: {name: [s_t]} from :meth:`ParameterSample.values`.
 
     Returns:
-        {"all" | layer type: {"f32_unchanged", "bf16_unchanged", "bf16_dense", "hoyer", "top1_energy"}}.
+        {"all" | layer type: {m: value for m in :data:`grpo_lens.formulas.sparsity.UPDATE_MEASURES`}}.
     """
     rms = {n: float((after[n].double() - before[n].double()).square().mean().sqrt()) for n in sample.names}
-    b, w, g, kinds = _flatten(sample, before)
+    b, w, g, kinds, t = _flatten(sample, before)
     a = torch.cat([after[n] for n in sample.names])
     r = torch.cat([torch.full((len(before[n]),), rms[n], dtype=torch.float64) for n in sample.names])
     d = a.float() - b.float()
     same16 = (b.float().to(torch.bfloat16) == a.float().to(torch.bfloat16)).double()
     dense = dense_bf16_unchanged_probability(b, r)
-    res = _grouped(d, w, g, kinds, {"bf16_unchanged": same16, "bf16_dense": dense})
-    return {k: {"f32_unchanged": m["zero"], "bf16_unchanged": m["bf16_unchanged"], "bf16_dense": m["bf16_dense"],
-                "hoyer": m["hoyer"], "top1_energy": m["top1_energy"]} for k, m in res.items()}
+    perm = permuted_bf16_unchanged_probability(b, d, t)
+    res = _grouped(d, w, g, kinds, {"bf16_unchanged": same16, "bf16_permuted": perm, "bf16_dense": dense},
+                   strata=t, se={"f32_unchanged": (d == 0).double(), "bf16_unchanged": same16,
+                                 "bf16_excess": same16 - perm})
+    return {k: {"f32_unchanged": m["zero"], **{x: m[x] for x in UPDATE_MEASURES if x != "f32_unchanged"}}
+            for k, m in res.items()}
 
 
 def sampled_vector_sparsity(sample: ParameterSample, vals: dict[str, Tensor]) -> dict[str, dict[str, float]]:
     """:func:`sparsity_measures` of a sampled vector (e.g. the policy gradient), overall and per layer type."""
-    x, w, g, kinds = _flatten(sample, vals)
+    x, w, g, kinds, _ = _flatten(sample, vals)
     return _grouped(x, w, g, kinds)
 
 

@@ -55,6 +55,21 @@ def test_quick_calibration_separates_the_planted_cases(tmp_path):
     new = train[("gradient sparsity intensifies", "gaussian gradients under AdamW")]
     assert old["holds"] >= 0.5 and new["holds"] <= 0.15
     assert train[("gradient sparsity intensifies", "rising gradients under AdamW")]["holds"] >= 0.9
+    # "most parameters unchanged" through the lens: a dense update with log-normal per-entry scale (the issue's false
+    # holds under the dense control) never holds, and its bf16 share matches the permutation control, not the dense
+    # one; a 90%-zero update holds
+    s4 = {r["family"]: r for r in res["update_rules"]}
+    dense = s4["dense, log-normal scale (σ = 2)"]
+    assert dense["truth"] == "false" and dense["holds"] == 0.0 and dense["does_not_hold"] >= 0.9
+    assert abs(dense["bf16_unchanged"] - dense["bf16_permuted"]) < 0.01 < dense["bf16_unchanged"] - dense["bf16_dense"]
+    sparse = s4["90% zeros, the rest moving bf16"]
+    assert sparse["truth"] == "true" and sparse["holds"] >= 0.9
+    # Monte Carlo credit: a planted opposing segment (one in four, by 0.6) holds at 100 rollouts
+    mc = {(r["family"], r["n"]): r for r in res["credit_rules"]}
+    assert mc[("one segment in four opposes A_i by 0.6", "100 rollouts (400 segments)")]["holds"] >= 0.9
+    # baseline study: a clear m_C != m_W (correct rollouts' noise 2x) never reads holds
+    base = {r["family"]: r for r in res["baseline_rules"]}
+    assert base["correct rollouts' noise 2× (m_C = 3.4 m_W)"]["holds"] == 0.0
     # coverage rows: 3 data sets x 3 n, each a share
     assert len(res["coverage"]) == 9 and all(0 <= r["coverage"] <= 1 for r in res["coverage"])
     assert math.isfinite(res["meta"]["seconds"]) and "Summary" in render(res)

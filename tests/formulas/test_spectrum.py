@@ -200,3 +200,45 @@ def test_top_energy_shares_and_the_simulated_null():
     a = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
     e9, e50, e5 = (simulated_null_measures(gram, a, p, num_draws=200)["erank"] for p in (10**9, 50, 5))
     assert e9 == pytest.approx(4.0, abs=1e-3) and e5 < 3.7 < e50 < e9
+
+
+def _psd_pair_with_top_singular_values(s, d_in=80, seed=0):
+    """K_X = X Xᵀ and K_D = D Dᵀ with Dᵀ X = M' = U diag(s) Vᵀ exactly: D = Q C, X = Q C^-T M' (C invertible and far
+    from orthogonal, so K_X K_D = Q C^-T M' M'ᵀ Cᵀ Qᵀ is similar to M' M'ᵀ but not normal)."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(s)
+    u, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(d_in, n, generator=g, dtype=torch.float64))
+    m = u @ torch.diag(torch.tensor(s, dtype=torch.float64)) @ v.T
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    c = torch.eye(n, dtype=torch.float64) + 0.5 * torch.randn(n, n, generator=g, dtype=torch.float64)
+    d, x = q @ c, q @ torch.linalg.inv(c).T @ m
+    return x @ x.T, d @ d.T, d.T @ x
+
+
+def test_top_eigenvalue_of_a_psd_product_with_close_top_singular_values():
+    from grpo_lens.formulas.spectrum import top_eigenvalue_psd_product
+
+    # s1 = 1, s2 = 0.99 (lambda ratio 0.98), the rest <= 0.3: lambda_max(K_X K_D) = s1^2 = 1 exactly by construction
+    s = [1.0, 0.99] + [0.3 * 0.9**i for i in range(58)]
+    kx, kd, m = _psd_pair_with_top_singular_values(s)
+    assert float(torch.linalg.svdvals(m)[0]) == pytest.approx(1.0, abs=1e-12)
+    lam, _ = top_eigenvalue_psd_product(kx, kd)
+    assert lam == pytest.approx(1.0, rel=1e-6)
+    # the 0.1 body: 50 iterations of ||K_X K_D v|| from the ones vector, no check; off by ~4e-3 here, which the
+    # tolerance above would not accept
+    v = torch.ones(60, dtype=torch.float64) / 60**0.5
+    for _ in range(50):
+        w = kx @ (kd @ v)
+        old, v = float(w.norm()), w / w.norm()
+    assert abs(old - 1.0) > 1e-3
+    # well-separated top eigenvalue (s2 = 0.5): the iteration converges by its residual check, same value as svdvals
+    kx, kd, m = _psd_pair_with_top_singular_values([2.0, 1.0] + [0.3 * 0.9**i for i in range(58)], seed=1)
+    lam, converged = top_eigenvalue_psd_product(kx, kd)
+    assert converged and lam == pytest.approx(float(torch.linalg.svdvals(m)[0]) ** 2, rel=1e-6)
+    # float32 inputs (as the capture passes them) and a forced fallback agree with the exact value to float32 rounding
+    lam32, _ = top_eigenvalue_psd_product(kx.float(), kd.float(), max_iter=1)
+    assert lam32 == pytest.approx(4.0, rel=1e-4)
+    assert top_eigenvalue_psd_product(kx, torch.zeros_like(kd)) == (0.0, True)
+    with pytest.raises(ValueError, match="one shape"):
+        top_eigenvalue_psd_product(kx, kd[:3, :3])

@@ -63,13 +63,15 @@ def _records(hoyers, bf16, dense, n=2**21, update_hoyer=0.2, s1=0.5, f32=0.8):
 def test_sparsity_claims_follow_the_numbers():
     names = ("sparsity_intensifies", "zero_variance_share_rises", "most_parameters_unchanged")
     # gradient Hoyer rising over lens steps 5..25 (step 1 excluded): 5 points, rho = 1, exact p = 2/120 = 0.017 ->
-    # holds; bf16 share 0.90 vs dense control 0.89: excess 0.01 with SE sqrt(0.09/2^21) = 2e-4: [0.0096, 0.0104] <
-    # 0.05 -> does not hold; S1 constant over 6 steps (< 8 steps): inconclusive
-    rising = sparsity_claims(_records([0.9, 0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 6, [0.89] * 6))
+    # holds; bf16 share 0.90 but float32-unchanged 0.002 (issue 18's dense log-normal update), SE (older records, no
+    # logged SE) sqrt(0.002 * 0.998 / 2^21) = 3e-5: interval below 0.5 -> does not hold; S1 constant over 6 steps
+    # (< 8 steps): inconclusive
+    rising = sparsity_claims(_records([0.9, 0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 6, [0.89] * 6, f32=0.002))
     assert dict(zip(names, [c.verdict for c in rising])) == {
         "sparsity_intensifies": "holds", "zero_variance_share_rises": "inconclusive",
         "most_parameters_unchanged": "does not hold"}
-    # the first lens step is excluded: a high first value does not make a falling trend; only the later steps count
+    # the first lens step is excluded: a high first value does not make a falling trend; only the later steps count.
+    # float32-unchanged 0.8 (SE 3e-4): most weights did not move -> holds
     falling = sparsity_claims(_records([0.1, 0.5, 0.4, 0.3, 0.25, 0.2], [0.9] * 6, [0.5] * 6))
     assert [c.verdict for c in falling] == ["does not hold", "inconclusive", "holds"]
     # the update's Hoyer is not what is tested: rising update Hoyer with a constant gradient Hoyer is inconclusive
@@ -293,8 +295,34 @@ def test_claims_say_where_their_rules_and_intervals_come_from(tmp_path):
     assert "## Claims: effective rank" not in report
     assert "§11 for the rank claims and the identity, §12 for sparsity, credit and baselines" in report
     # every row names what its interval is over
-    assert "binomial interval over 2097152 sampled weights" in report
+    assert "95% intervals over 2097152 sampled weights" in report
     c = study_claims("x", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3)))
     assert "(n = 8 groups)" in c[0].measurement
     assert "Wilson interval over segments" in c[1].measurement
     assert "Wilson interval over prompts" in c[2].measurement and "(n = 8 prompts)" in c[2].measurement
+
+
+def test_s4_claim_reads_the_float32_share_and_the_permutation_control():
+    from grpo_lens.claims.sparsity import most_parameters_unchanged
+
+    def rec(f32, bf16, perm, se):
+        return {"step": 30, "perf/lens_seconds": 0.1, "sparsity/sample_entries": 4000.0,
+                "sparsity/update_total_f32_unchanged": f32, "sparsity/update_total_bf16_unchanged": bf16,
+                "sparsity/update_total_bf16_permuted": perm, "sparsity/update_total_bf16_dense": 0.3,
+                "sparsity/update_total_f32_unchanged_se": se, "sparsity/update_total_bf16_unchanged_se": se,
+                "sparsity/update_total_bf16_excess_se": se}
+
+    # a sparse update: f32 0.60 +- 1.96 * 0.02 = [0.561, 0.639] > 0.5 -> holds, although its excess over the
+    # permutation control is 0 (a permuted sparse update keeps its zeros)
+    c = most_parameters_unchanged({"records": [rec(0.6, 0.62, 0.62, 0.02)]})[0]
+    assert c.verdict == "holds" and "stratified by tensor" in c.measurement and "permuted" in c.control
+    # the logged stratified SE is what the interval uses: SE 0.06 gives [0.482, 0.718], which contains 0.5 (the
+    # simple-random-sample SE sqrt(0.24/4000) = 0.008 would have said holds)
+    assert most_parameters_unchanged({"records": [rec(0.6, 0.62, 0.62, 0.06)]})[0].verdict == "inconclusive"
+    # dense heavy-tailed update: f32 0.002, bf16 0.9 equal to its permutation control -> does not hold, rounding
+    c = most_parameters_unchanged({"records": [rec(0.002, 0.9, 0.9, 0.005)]})[0]
+    assert c.verdict == "does not hold" and "rounding" in c.rule
+    # bf16 share far above the permutation control (0.9 vs 0.6, excess [0.29, 0.31] > 0.05): placement matters, yet
+    # most weights moved in float32 -> still does not hold, and the rule says where the bf16 share comes from
+    c = most_parameters_unchanged({"records": [rec(0.002, 0.9, 0.6, 0.005)]})[0]
+    assert c.verdict == "does not hold" and "where the changes land" in c.rule

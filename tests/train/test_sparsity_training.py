@@ -197,9 +197,76 @@ def test_grouped_fast_path_equals_the_reference_per_group(fresh_tiny_model_and_t
         w = torch.cat([torch.full((len(before[n]),), sample.weight[n], dtype=torch.float64) for n in names])
         rms = torch.cat([torch.full((len(before[n]),), float((after[n] - before[n]).double().square().mean().sqrt()),
                                     dtype=torch.float64) for n in names])
-        ref = update_sparsity(b, a, w, rms)
+        strata = torch.cat([torch.full((len(before[n]),), i, dtype=torch.long) for i, n in enumerate(names)])
+        ref = update_sparsity(b, a, w, rms, strata)
         for k, v in ref.items():
             assert fast[group][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (group, k)
         ref_vec = sparsity_measures(a.float() - b.float(), w)
         for k, v in ref_vec.items():
             assert fast_vec[group][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (group, k)
+
+
+def test_permutation_control_is_the_mean_over_within_tensor_permutations():
+    # Two tensors with very different update scales: tensor 0 moves by ~1e-6 (far below its bf16 spacing, ~1e-4 at
+    # |w| ~ 0.02), tensor 1 by ~1e-2 (far above). Under a random permutation within a tensor, entry i gets a uniform
+    # one of its tensor's d_j, so p_i = mean_j [bf16(v_i + d_j) == bf16(v_i)] over the SAME tensor: the brute-force
+    # [s, s] comparison below. Pooling the tensors (a wrong control) would give ~0.5 to every entry instead of ~1 / ~0.
+    from grpo_lens.formulas.sparsity import permuted_bf16_unchanged_probability
+
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(1200, generator=g) * 0.02
+    h = torch.cat([torch.zeros(700, dtype=torch.long), torch.ones(500, dtype=torch.long)])
+    d = torch.randn(1200, generator=g) * torch.where(h == 0, 1e-6, 1e-2)
+    got = permuted_bf16_unchanged_probability(v, d, h)
+    ref = torch.empty(1200, dtype=torch.float64)
+    for t in (0, 1):
+        s = h == t
+        ref[s] = ((v[s][:, None] + d[s][None, :]).to(torch.bfloat16) == v[s][:, None].to(torch.bfloat16)
+                  ).double().mean(1)
+    # equal up to ties at the cell's edges (float32 addition against the float64 cell): at most 1 count in 500
+    assert float((got - ref).abs().max()) <= 2.5e-3 and float((got - ref).abs().mean()) < 1e-4
+    assert float(got[:700].mean()) > 0.95 and float(got[700:].mean()) < 0.05
+    # a sparse update (90% exact zeros) keeps its zeros under the permutation: the control is >= 0.9 per entry
+    d2 = d * (torch.rand(1200, generator=g) < 0.1)
+    assert float(permuted_bf16_unchanged_probability(v, d2, h).min()) >= 0.85
+
+
+def test_permutation_control_keeps_a_heavy_tailed_dense_update_where_the_dense_control_does_not():
+    # issue 18: a dense update with a log-normal per-entry scale (log-SD 2): the RMS is set by the few large entries,
+    # so the Gaussian control at that RMS moves most bf16 values, while the update itself leaves most unchanged; the
+    # within-tensor permutation control has the same magnitudes and matches the observed share (the update is
+    # independent of the weights: placement does not matter; SE of the difference ~ 0.5/sqrt(2e5) ~ 1e-3)
+    g = torch.Generator().manual_seed(6)
+    before = torch.randn(200_000, generator=g) * 0.02
+    d = 3e-6 * torch.randn(200_000, generator=g) * torch.exp(2.0 * torch.randn(200_000, generator=g))
+    res = update_sparsity(before, before + d)
+    assert res["f32_unchanged"] < 0.01 and res["bf16_unchanged"] > 0.75
+    assert res["bf16_permuted"] == pytest.approx(res["bf16_unchanged"], abs=0.005)
+    assert res["bf16_dense"] < res["bf16_unchanged"] - 0.3
+
+
+def test_stratified_se_against_the_design():
+    from grpo_lens.formulas.stats import stratified_mean_se
+
+    # Population: stratum A 10,000 entries with share 0.9, stratum B 1,000 with share 0.2; s = 100 and 400 draws with
+    # replacement (weights 100 and 2.5). Var = (10/11)^2 * 0.09/100 + (1/11)^2 * 0.16/400 -> SE = 0.02733; the
+    # simple-random-sample SE sqrt(q(1-q)/500) at q = (9000 + 200)/11000 = 0.836 is 0.0166 (wrong by 40%).
+    true_se = math.sqrt((10 / 11) ** 2 * 0.09 / 100 + (1 / 11) ** 2 * 0.16 / 400)
+    g = torch.Generator().manual_seed(7)
+    w = torch.cat([torch.full((100,), 100.0), torch.full((400,), 2.5)]).double()
+    h = torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(400, dtype=torch.long)])
+    est, ses = [], []
+    for _ in range(2000):
+        x = torch.cat([(torch.rand(100, generator=g) < 0.9), (torch.rand(400, generator=g) < 0.2)]).double()
+        est.append(float((w * x).sum() / w.sum()))
+        ses.append(stratified_mean_se(x, w, h))
+    sd = float(torch.tensor(est).std())
+    # the SD of 2000 estimates has relative SE ~ 1/sqrt(2 * 2000) = 1.6%; the mean SE has a small bias from sqrt
+    assert sd == pytest.approx(true_se, rel=0.05)
+    assert sum(ses) / len(ses) == pytest.approx(true_se, rel=0.05)
+    # strata with no variation add nothing, and a stratum taken whole (weight 1) adds nothing
+    ones_zeros = torch.cat([torch.ones(100), torch.zeros(400)]).double()
+    assert stratified_mean_se(ones_zeros, w, h) == 0.0
+    assert stratified_mean_se(x, torch.ones(500, dtype=torch.float64), h) == 0.0
+    with pytest.raises(ValueError, match="constant within a stratum"):
+        stratified_mean_se(x, torch.rand(500, dtype=torch.float64) + 1, h)
