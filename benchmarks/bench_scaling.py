@@ -3,8 +3,9 @@ model sizes x completion lengths x group sizes, with power laws fitted in P, T a
 
 Models: Llama architectures built from configs with random weights (float32, tied embeddings, SmolLM2's 49,152-token
 vocabulary; no download), at about 10M, 35M, 135M (SmolLM2-135M's shape) and 360M (SmolLM2-360M's shape) parameters.
-One cell = one size x completion length T x group size R: one group of R rollouts of one random prompt of ``--prompt-len``
-tokens, every completion T random tokens long (N = R rows, L = Lp + T positions). Systems, on the same batch:
+One cell = one size x completion length T x group size R: one group of R rollouts of one random prompt of
+``--prompt-len`` tokens, every completion T random tokens long (N = R rows, L = Lp + T positions). Systems, on the
+same batch:
 
     plain    a training step's forward + backward: grpo_lens.formulas.losses.grpo_loss (on-policy, seq-mean-token-mean)
              of grpo_lens.rollout.batch_logprobs (logits only at completion positions), .backward() into every
@@ -26,7 +27,8 @@ T + 1 positions, causal attention), and the CPU's float32 GEMM throughput measur
 Cells run cheapest first. ``--budget-s`` caps the run's wall time: before each system the time it would take is
 predicted (from the measured cell nearest in log P, log T, log R, scaled by the FLOP count; before any, from the GEMM
 throughput), and a system or cell that would not fit in what is left is printed as skipped with the prediction, never
-dropped silently; a second or later round of a cell runs only if the later cells' first rounds would still fit. Fits: ln(seconds) = c + a ln P + b ln T + g ln R by least squares over the cells measured (P = every
+dropped silently; a second or later round of a cell runs only if the later cells' first rounds would still fit.
+Fits: ln(seconds) = c + a ln P + b ln T + g ln R by least squares over the cells measured (P = every
 parameter, shared ones once), printed with standard errors, the cells' ranges of P, T, R and the residual RMS;
 a variable that takes one value is left out of that fit.
 
@@ -237,7 +239,8 @@ def run_cells(cells: list[Cell], models: dict, args, gemm: float, t_start: float
         grams = {}
         for rep in range(args.repeats):
             # a repeat runs only if the first rounds of the cells after this one would still fit after it
-            later = sum(predict(s, c, done + [cell], gemm) for c in cells[k + 1:] for s in cell_systems(c, args)) if rep else 0.0
+            later = sum(predict(s, c, done + [cell], gemm) for c in cells[k + 1:] for s in cell_systems(c, args)) \
+                if rep else 0.0
             for s in systems:
                 if s in cell.skipped:
                     continue
@@ -260,9 +263,9 @@ def run_cells(cells: list[Cell], models: dict, args, gemm: float, t_start: float
                     if s == "gram":
                         cell.coverage = info["coverage"]
                 del gram, info
-            print(f"  round {rep}: " + "  ".join(f"{s} {cell.times[s][-1]:.2f} s" for s in systems
-                                                 if len(cell.times.get(s, [])) > rep) + f"   load {load_avg()}",
-                  flush=True)
+            ran = [f"{s} {cell.times[s][-1]:.2f} s" for s in systems if len(cell.times.get(s, [])) > rep]
+            if ran:
+                print(f"  round {rep}: " + "  ".join(ran) + f"   load {load_avg()}", flush=True)
         if grams.get("gram") is not None and grams.get("oracle") is not None:
             o = grams["oracle"]
             cell.gram_err = float((grams["gram"] - o).abs().max() / o.abs().max())
@@ -322,7 +325,7 @@ def fmt_s(v: float | None, why: str | None = None) -> str:
     return "skipped" if why else "-"
 
 
-def print_tables(cells: list[Cell], gemm: float) -> None:
+def print_tables(cells: list[Cell], gemm: tuple[float, float]) -> None:
     print("\n| model | P | T | R | GFLOP | plain s | plain GFLOP/s | gram s | gram / plain | step + lens s | "
           "sketch s | sketch / plain | oracle s | oracle / plain | gram vs oracle | coverage |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -338,7 +341,8 @@ def print_tables(cells: list[Cell], gemm: float) -> None:
               f"{fmt_s(p, c.skipped.get('plain'))} | {rate} | {fmt_s(g, c.skipped.get('gram'))} | {ratio(g)} | "
               f"{lens} | {fmt_s(sk, c.skipped.get('sketch'))} | {ratio(sk)} | {fmt_s(o, c.skipped.get('oracle'))} | "
               f"{ratio(o)} | {err} | {cov} |")
-    print(f"\n(GEMM: {gemm / 1e9:.0f} GFLOP/s float32; plain GFLOP/s = the step's counted FLOPs / its seconds)")
+    print(f"\n(float32 GEMM {gemm[0] / 1e9:.0f} GFLOP/s at the start, {gemm[1] / 1e9:.0f} at the end; plain GFLOP/s = "
+          "the step's counted FLOPs / its seconds)")
     print("\nStep memory (MB the system adds to the process's peak resident set):\n")
     print("| model | T | R | plain | gram | sketch | oracle |")
     print("|---|---|---|---|---|---|---|")
@@ -413,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     gemm_end = gemm_flops_per_s()
     print(f"\nfloat32 GEMM at the end: {gemm_end / 1e9:.0f} GFLOP/s; load average {load_avg()}; wall "
           f"{time.perf_counter() - t_start:.0f} s")
-    print_tables(cells, gemm)
+    print_tables(cells, (gemm, gemm_end))
     fits = print_fits(cells)
     if args.json:
         Path(args.json).write_text(json.dumps({

@@ -127,7 +127,8 @@ def step_flops(shape: dict[str, int], n: int, lp: int, t: int, logits_positions:
 
 def generation_flops(shape: dict[str, int], n: int, lp: int, t: int) -> float:
     """Forward FLOPs of sampling T tokens after an Lp-token prompt for N sequences with a KV cache: the prompt's
-    forward (logits at its last position) and T - 1 one-token forwards, the k-th (k = 1 .. T - 1) attending to Lp + k positions."""
+    forward (logits at its last position) and T - 1 one-token forwards, the k-th (k = 1 .. T - 1) attending to
+    Lp + k positions."""
     prefill = forward_flops(shape, n, lp, 0, 1)["total"]
     per_token = 2.0 * (shape["linear"] + shape["lm_head"]) * n
     attention = sum(4.0 * shape["layers"] * shape["attn_width"] * n * (lp + k) for k in range(1, t))

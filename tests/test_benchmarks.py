@@ -1,4 +1,5 @@
-"""The benchmark scripts' own logic: bench_scaling's fits, quick run and budget, and common.py's FLOP counts.
+"""The benchmark scripts' own logic: bench_scaling's fits, quick run and budget, common.py's FLOP counts, and
+gpu_check.py's CPU dry run.
 
 The scripts live in benchmarks/ (not a package); they import their helpers as ``common``, so the folder goes on
 sys.path here as it does when a script runs.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,3 +94,27 @@ def test_budget_prints_every_cell_it_skips(bench, tmp_path, capsys):
     assert text.count("skip quick-") == 8
     assert sum(line.startswith("| quick-") and "| skipped |" in line for line in text.splitlines()) == 8
     assert "- plain: too few cells to fit" in text
+
+
+@pytest.mark.e2e
+def test_gpu_check_dry_run_runs_every_step_and_writes_their_figures(tmp_path):
+    """benchmarks/gpu_check.py --dry-run: the GPU check's steps on the CPU with tiny sizes (about a minute: seven
+    Python processes), every step's section and figures in the one file."""
+    out = tmp_path / "gpu_check.md"
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--dry-run", "--out", str(out), "--work",
+                           str(tmp_path / "work"), "--budget-s", "400"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = out.read_text()
+    sections = {s.split("\n", 1)[0]: s for s in text.split("\n## ")[1:]}
+    assert list(sections) == ["env", "cuda-tests", "train", "build-big", "train-big", "probe", "bench-step", "summary"]
+    for name in ("cuda-tests", "train", "build-big", "train-big", "probe", "bench-step"):
+        assert "\nexit 0 in " in sections[name], sections[name]
+    assert "3 skipped" in sections["cuda-tests"]  # no CUDA here: the CUDA tests are collected and skipped
+    for name in ("train", "train-big"):  # one step's row of metrics.jsonl, with its seconds
+        assert "| step | perf/step_seconds |" in sections[name] and "\n| 1 | " in sections[name]
+    assert '"class": "Qwen2ForCausalLM"' in sections["build-big"]
+    assert "- gradients: exact_gram" in sections["probe"]
+    assert "x floor" in sections["bench-step"] and "FLOP floor:" in sections["bench-step"]
+    assert "6 of 6 steps exited 0" in sections["summary"]
