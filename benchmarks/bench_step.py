@@ -26,8 +26,8 @@ system's ratio to the plain loop. The machine is shared: only ratios measured si
 Each system's time is also printed against the step's FLOP floor: the FLOPs of the careful plain loop's steps counted
 from the model's shape and the padded shapes it ran (benchmarks/common.py: sampling the completions with a KV cache,
 then forward + backward of the batch, 6 x linear parameters x tokens, the LM head at the T + 1 kept positions, causal
-attention; element-wise work, the optimizer and the reward count 0), divided by the float32 (bf16 with ``--dtype
-bfloat16``) square-GEMM throughput measured with the same thread count before and after the children run (the better
+attention; element-wise work, the optimizer and the reward count 0), divided by the float32 (on a GPU with ``--dtype
+bfloat16`` or ``bf16-mixed``: bf16) square-GEMM throughput measured with the same thread count before and after the children run (the better
 of the two). ``x floor`` = seconds per step / floor seconds: how far from the device's matmul rate a step runs.
 
 ``--sweep`` runs grpo-lens alone (lens off, and lens every step) for R in {4, 8, 16} x max_new_tokens in {24, 128}
@@ -412,7 +412,7 @@ def floor_flops(parts: list[dict], warmup: int) -> float | None:
 
 
 def gemm_rate(args) -> float:
-    """Square-GEMM FLOP/s on the benchmark's device with its thread count (bf16 for ``--dtype bfloat16``)."""
+    """Square-GEMM FLOP/s on the benchmark's device with its thread count (bf16 on a GPU for bf16 dtypes)."""
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype in ("bfloat16", "bf16-mixed") and args.device != "cpu" else torch.float32
     return gemm_flops_per_s(2048 if args.device == "cpu" else 8192, device=args.device, dtype=dtype)
