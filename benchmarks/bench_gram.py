@@ -30,6 +30,7 @@ import sys
 import time
 
 import torch
+from common import load_avg, peak_rss, reset_peak, rss_now
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grpo_lens.gradients.gram import exact_rollout_gram
@@ -78,33 +79,11 @@ def run_sketch(model, batch):
 SYSTEMS = {"plain": run_plain, "gram": run_gram, "sketch": run_sketch}
 
 
-def load_avg() -> str:
-    return "%.2f %.2f %.2f" % os.getloadavg()
-
-
-def rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss() -> int:
-    """The process's peak resident set since the last :func:`reset_peak` (VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def reset_peak() -> None:
-    """Reset the peak resident set to the current one (Linux: write 5 to /proc/self/clear_refs), so that the peak
-    after a step is the step's, not the model build's."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def worker(system: str, T: int) -> None:
     """One step of ``system`` in this (child) process; prints its memory as JSON."""
     model, batch = build_model(), build_batch(T)
-    before = rss_now()
     reset_peak()
+    before = rss_now()
     SYSTEMS[system](model, batch)
     print(json.dumps({"system": system, "T": T, "rss_before": before, "peak": peak_rss()}))
 

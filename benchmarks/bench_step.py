@@ -2,8 +2,10 @@
 
 One invocation runs every system on the same work, each in its own child process (so that peak memory is per system):
 
-    plain      the reference: a plain GRPO loop written with PyTorch + transformers only (:func:`plain_loop`,
-               about 100 lines): ``generate``, one forward + backward of all B*R rollouts, AdamW.
+    plain      the reference: a careful GRPO loop written with PyTorch + transformers only (:func:`plain_loop`,
+               about 100 lines): ``generate``, one forward + backward of all B*R rollouts with logits only at the
+               completion positions (``logits_to_keep``), AdamW.
+    plain-naive  the same loop with logits at every position, as a first hand-written loop computes them.
     lens-off   ``grpo_lens.trainer.train`` with ``lens_every = 0``.
     lens-1     ``grpo_lens.trainer.train`` with the lens every step (``lens_every = 1``).
     trl        TRL's ``GRPOTrainer`` with gradient checkpointing off (only when ``trl`` is importable;
@@ -20,6 +22,13 @@ Per step the children record wall time and a split measured the same way in ever
 The table shows medians over the measured steps (the first ``--warmup`` steps are dropped), peak memory (CPU: the
 child's peak resident set size, which includes the loaded model; CUDA: ``torch.cuda.max_memory_allocated``) and each
 system's ratio to the plain loop. The machine is shared: only ratios measured side by side in one run mean much.
+
+Each system's time is also printed against the step's FLOP floor: the FLOPs of the careful plain loop's steps counted
+from the model's shape and the padded shapes it ran (benchmarks/common.py: sampling the completions with a KV cache,
+then forward + backward of the batch, 6 x linear parameters x tokens, the LM head at the T + 1 kept positions, causal
+attention; element-wise work, the optimizer and the reward count 0), divided by the float32 (on a GPU with ``--dtype
+bfloat16`` or ``bf16-mixed``: bf16) square-GEMM throughput measured with the same thread count before and after the children run (the better
+of the two). ``x floor`` = seconds per step / floor seconds: how far from the device's matmul rate a step runs.
 
 ``--sweep`` runs grpo-lens alone (lens off, and lens every step) for R in {4, 8, 16} x max_new_tokens in {24, 128}
 and prints seconds per step, seconds per completion token and the lens's cost relative to the update's backward
@@ -46,8 +55,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import gemm_flops_per_s, generation_flops, shape_of, step_flops
 
-SYSTEMS = ("plain", "lens-off", "lens-1", "trl")
+SYSTEMS = ("plain", "plain-naive", "lens-off", "lens-1", "trl")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -67,6 +77,7 @@ class StepClock:
         self._fwd_depth = 0
         self._t_fwd = 0.0
         self.tokens: list[float] = []  # completion tokens per step, where the system reports them
+        self.shapes: list[tuple[int, int, int]] = []  # (N, padded Lp, padded T) per step, where the system reports them
 
     def mark(self) -> None:
         self.steps.append({"gen": 0.0, "fwd": 0.0, "bwd": 0.0})
@@ -151,12 +162,15 @@ def step_prompts(args, step: int) -> list:
 # ---------------------------------------------------------------------------------------------------------------------
 # The reference: a plain GRPO loop with PyTorch + transformers only
 # ---------------------------------------------------------------------------------------------------------------------
-def plain_loop(args, clock: StepClock) -> list[float]:
+def plain_loop(args, clock: StepClock, naive: bool = False) -> tuple[list[float], dict[str, int]]:
     """A plain GRPO loop: generate, rewards, group-normalised advantages, ONE forward + backward, AdamW.
 
-    Written as a user would without a library: full logits at every position, the sampled tokens' log-probs from
-    ``log_softmax(logits / temperature)``, on-policy ratio ``exp(logp - logp.detach())`` (mu = 1), the sequence mean
-    of token means as the loss, gradient clipping at ``max_grad_norm``. Returns the wall seconds of each step.
+    Written as a careful user would without a library: logits only at the T + 1 last positions
+    (``logits_to_keep``; ``naive``: at every position, as a first loop computes them), the sampled tokens' log-probs
+    from ``log_softmax(logits / temperature)``, on-policy ratio ``exp(logp - logp.detach())`` (mu = 1), the sequence
+    mean of token means as the loss, gradient clipping at ``max_grad_norm``. Returns the wall seconds of each step
+    and the model's :func:`common.shape_of`; records each step's (N, padded prompt length, padded completion length)
+    in ``clock.shapes``.
     """
     from grpo_lens.models import load_model
     from grpo_lens.rewards import correctness
@@ -194,9 +208,15 @@ def plain_loop(args, clock: StepClock) -> list[float]:
         full = torch.cat([ids, comp], 1)
         full_mask = torch.cat([att, mask.long()], 1)
         pos = (full_mask.cumsum(1) - 1).clamp(min=0)
+        clock.shapes.append((full.shape[0], ids.shape[1], comp.shape[1]))
         with autocast(args):
-            logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits
-        logits = logits[:, ids.shape[1] - 1:-1].float() / args.temperature
+            if naive:  # logits at all Lp + t positions, then the t that predict completion tokens
+                logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits
+                logits = logits[:, ids.shape[1] - 1:-1]
+            else:  # logits at the t + 1 last positions only; the last one predicts nothing
+                logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos,
+                               logits_to_keep=comp.shape[1] + 1).logits[:, :-1]
+        logits = logits.float() / args.temperature
         logp = torch.log_softmax(logits, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)  # [N, t]
         ratio = torch.exp(logp - logp.detach())
         m = mask.float()
@@ -208,14 +228,14 @@ def plain_loop(args, clock: StepClock) -> list[float]:
         opt.zero_grad(set_to_none=True)
         clock.sync()
         times.append(time.perf_counter() - t0)
-    return times
+    return times, shape_of(model)
 
 
 def autocast(args):
-    """bf16 autocast on CUDA when asked (``--dtype bfloat16``); a no-op context otherwise."""
+    """bf16 autocast on CUDA when asked (``--dtype bfloat16`` or ``bf16-mixed``); a no-op context otherwise."""
     import contextlib
 
-    if args.device.startswith("cuda") and args.dtype == "bfloat16":
+    if args.device.startswith("cuda") and args.dtype in ("bfloat16", "bf16-mixed"):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -299,7 +319,7 @@ def trl_run(args, clock: StepClock) -> list[float]:
             temperature=args.temperature, top_k=0, top_p=1.0, learning_rate=args.lr, adam_beta1=0.9,
             adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
             beta=0.0, loss_type="grpo", num_iterations=1, gradient_accumulation_steps=1, max_steps=args.steps,
-            gradient_checkpointing=False, bf16=args.device.startswith("cuda") and args.dtype == "bfloat16",
+            gradient_checkpointing=False, bf16=args.device.startswith("cuda") and args.dtype != "float32",
             use_cpu=not args.device.startswith("cuda"), logging_steps=1, report_to="none", save_strategy="no",
             shuffle_dataset=False, seed=args.seed, dataloader_num_workers=0, log_completions=False,
             disable_tqdm=True)
@@ -314,8 +334,9 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     clock = StepClock(args.device)
     lens = [0.0] * args.steps
-    if args.worker == "plain":
-        times = plain_loop(args, clock)
+    shape = None
+    if args.worker in ("plain", "plain-naive"):
+        times, shape = plain_loop(args, clock, naive=args.worker == "plain-naive")
     elif args.worker == "lens-off":
         times, lens = grpo_lens_run(args, clock, lens_every=0)
     elif args.worker == "lens-1":
@@ -326,7 +347,8 @@ def worker(args) -> None:
         raise SystemExit(f"unknown system {args.worker!r}; valid: {', '.join(SYSTEMS)}")
     Path(args.result).write_text(json.dumps({
         "system": args.worker, "step_seconds": times, "lens_seconds": lens, "split": clock.steps[:len(times)],
-        "peak_mib": peak_memory_mib(args.device), "tokens_per_step": clock.tokens}))
+        "peak_mib": peak_memory_mib(args.device), "tokens_per_step": clock.tokens, "shapes": clock.shapes,
+        "model_shape": shape}))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -376,8 +398,24 @@ def summarize(data: dict, warmup: int) -> dict:
             "n": max(len(data["step_seconds"]) - warmup, 1)}
 
 
-LABELS = {"plain": "plain PyTorch + transformers loop", "lens-off": "grpo-lens train, lens off",
+LABELS = {"plain": "plain PyTorch + transformers loop (logits_to_keep)",
+          "plain-naive": "plain loop, logits at every position", "lens-off": "grpo-lens train, lens off",
           "lens-1": "grpo-lens train, lens every step", "trl": "TRL GRPOTrainer, grad. checkpointing off"}
+
+
+def floor_flops(parts: list[dict], warmup: int) -> float | None:
+    """Median FLOPs per measured step of a plain loop's runs: sampling + forward/backward of each step's padded
+    shapes (benchmarks/common.py), None without a plain run."""
+    flops = [generation_flops(p["model_shape"], n, lp, t) + step_flops(p["model_shape"], n, lp, t)
+             for p in parts for n, lp, t in (p["shapes"][warmup:] if len(p["shapes"]) > warmup else p["shapes"])]
+    return statistics.median(flops) if flops else None
+
+
+def gemm_rate(args) -> float:
+    """Square-GEMM FLOP/s on the benchmark's device with its thread count (bf16 on a GPU for bf16 dtypes)."""
+    torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype in ("bfloat16", "bf16-mixed") and args.device != "cpu" else torch.float32
+    return gemm_flops_per_s(2048 if args.device == "cpu" else 8192, device=args.device, dtype=dtype)
 
 
 def table(args) -> None:
@@ -388,22 +426,33 @@ def table(args) -> None:
         print("trl is not importable: skipping TRL (pip install -e '.[trl]')", file=sys.stderr)
         systems.remove("trl")
     runs: dict[str, list[dict]] = {system: [] for system in systems}
+    rate_before = gemm_rate(args)
     for k in range(args.rounds):  # ABCD, DCBA, ...: load from other processes that drifts hits every system alike
         for system in (systems if k % 2 == 0 else systems[::-1]):
             data = run_child(args, system)
             if data is not None:
                 runs[system].append(data)
+    rate = max(rate_before, gemm_rate(args))
     results = {system: summarize(merge_runs(parts, args.warmup), 0) for system, parts in runs.items() if parts}
     base = results.get("plain", {}).get("step")
+    naive = results.get("plain-naive", {}).get("step")
+    flops = floor_flops(runs.get("plain") or runs.get("plain-naive") or [], args.warmup)
+    floor = flops / rate if flops else None
     print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads, B={args.prompts} prompts x "
           f"R={args.group_size}, max_new_tokens={args.max_new_tokens}, T={args.temperature}; median over steps "
           f"{args.warmup + 1}-{args.steps} of {args.rounds} run(s) per system, in alternating order\n")
-    print("| system | s/step | generate | forward | backward | lens | peak MiB | vs plain |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| system | s/step | generate | forward | backward | lens | peak MiB | vs plain | vs naive | x floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for system, s in results.items():
         ratio = f"{s['step'] / base:.2f}" if base else "n/a"
+        ratio_naive = f"{s['step'] / naive:.2f}" if naive else "n/a"
+        over = f"{s['step'] / floor:.1f}" if floor else "n/a"
         print(f"| {LABELS[system]} | {s['step']:.2f} | {s['gen']:.2f} | {s['fwd']:.2f} | {s['bwd']:.2f} | "
-              f"{s['lens']:.2f} | {s['peak']:.0f} | {ratio} |")
+              f"{s['lens']:.2f} | {s['peak']:.0f} | {ratio} | {ratio_naive} | {over} |")
+    if floor:
+        print(f"\nFLOP floor: {flops / 1e9:.1f} GFLOP per step (the plain loop's padded shapes: sampling with a KV "
+              f"cache + forward/backward, benchmarks/common.py) / {rate / 1e9:.0f} GFLOP/s (square GEMM, "
+              f"{args.threads} threads, best of before/after) = {floor:.2f} s")
     if base and "lens-off" in results and "lens-1" in results:
         off, on = results["lens-off"]["step"], results["lens-1"]["step"]
         print(f"\nlens every 5 steps (the default), from the two rows above: (4 x {off:.2f} + {on:.2f}) / 5 = "
@@ -411,8 +460,8 @@ def table(args) -> None:
     if "trl" in results and "lens-off" in results:
         print(f"\nTRL / grpo-lens (lens off): {results['trl']['step'] / results['lens-off']['step']:.2f}")
     if base and "lens-off" in results:
-        print("targets: lens off <= 0.95x plain, lens every step <= 1.15x plain, peak memory <= plain, TRL / grpo-lens "
-              ">= 1.6")
+        print("targets (set against the naive loop, 'vs naive'): lens off <= 0.95x, lens every step <= 1.15x, peak "
+              "memory <= the loop's, TRL / grpo-lens >= 1.6")
 
 
 def sweep(args) -> None:
@@ -450,7 +499,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "bf16-mixed"),
+                    help="bfloat16: bf16 weights in grpo-lens, bf16 autocast in the plain loops; bf16-mixed: float32 "
+                    "weights and bf16 autocast in every system (the GPU setting)")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--sweep", action="store_true", help="grpo-lens alone over R x max_new_tokens instead")
     ap.add_argument("--sweep-group-sizes", type=int, nargs="+", default=[4, 8, 16])
