@@ -59,6 +59,9 @@ from common import gemm_flops_per_s, generation_flops, shape_of, step_flops
 
 SYSTEMS = ("plain", "plain-naive", "lens-off", "lens-1", "trl")
 
+#: OpenMP wait policy of every child (the one import grpo_lens sets; benchmarks/bench_threads.py)
+WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Instrumentation shared by every system
@@ -365,7 +368,8 @@ def run_child(args, system: str, **overrides) -> dict | None:
             if values.get(key) is not None:
                 cmd += ["--" + key.replace("_", "-"), str(values[key])]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # every system's child waits the same way (import grpo_lens would set PASSIVE in its own children only)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": WAIT_POLICY})
         if proc.returncode != 0 or not result.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             print(f"[{system}] failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
@@ -438,7 +442,7 @@ def table(args) -> None:
     naive = results.get("plain-naive", {}).get("step")
     flops = floor_flops(runs.get("plain") or runs.get("plain-naive") or [], args.warmup)
     floor = flops / rate if flops else None
-    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads, B={args.prompts} prompts x "
+    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), B={args.prompts} prompts x "
           f"R={args.group_size}, max_new_tokens={args.max_new_tokens}, T={args.temperature}; median over steps "
           f"{args.warmup + 1}-{args.steps} of {args.rounds} run(s) per system, in alternating order\n")
     print("| system | s/step | generate | forward | backward | lens | peak MiB | vs plain | vs naive | x floor |")
@@ -466,7 +470,7 @@ def table(args) -> None:
 
 def sweep(args) -> None:
     """grpo-lens alone for R x max_new_tokens, lens off and every step."""
-    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads, B={args.sweep_prompts} prompts; median "
+    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), B={args.sweep_prompts} prompts; median "
           f"over steps {args.warmup + 1}-{args.steps}\n")
     print("| R | max_new_tokens | tokens/step | train s/step | train ms/token | lens-every-step s/step | lens s | "
           "lens / update backward | (lens-every-step - train) / update backward |")

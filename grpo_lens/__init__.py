@@ -19,7 +19,14 @@ Shape letters used in every docstring: B prompts, R group size, N = B*R rollouts
 P parameters.
 """
 
-from grpo_lens import _legacy
+import os
+
+# OpenMP threads that spin while they wait make torch several times slower on a CPU shared with other work (2 cores,
+# load 3-4: one exact-Gram group pass 26 s spinning, 4.8 s passive; benchmarks/bench_threads.py); passive waiting
+# changes no number, only how idle threads wait. It must be set before torch loads OpenMP; a value set by the user wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from grpo_lens import _legacy  # noqa: E402
 
 __version__ = "0.2.0"
 

@@ -118,3 +118,22 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_their_figures(tmp_path):
     assert "- gradients: exact_gram" in sections["probe"]
     assert "x floor" in sections["bench-step"] and "FLOP floor:" in sections["bench-step"]
     assert "6 of 6 steps exited 0" in sections["summary"]
+
+
+def test_import_sets_passive_openmp_waits_unless_the_user_chose():
+    # import grpo_lens sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (bench_threads.py measures why); a value
+    # the user set is kept
+    code = "import os, grpo_lens; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = [sys.executable, "-c", code]
+    assert subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.strip() == "PASSIVE"
+    mine = subprocess.run(run, env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True, check=True)
+    assert mine.stdout.strip() == "ACTIVE"
+
+
+def test_bench_threads_runs_both_policies_on_the_tiny_model():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_threads.py"
+    out = subprocess.run([sys.executable, str(script), "--model", "tiny", "--group-size", "2", "--repeats", "1"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("plain", "exact"))]
+    assert len(rows) == 2 and all(float(r.split()[-1]) > 0 for r in rows)
