@@ -30,6 +30,7 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
 
+    import grpo_lens  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
     import torch
 
     from grpo_lens.cli import build_parser
