@@ -11,6 +11,7 @@ target. The machine's load average is printed before and after: timings from a l
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
 
-    import grpo_lens  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads OpenMP)
+    importlib.import_module("grpo_lens")  # first: it sets OMP_WAIT_POLICY before torch loads OpenMP
     import torch
 
     from grpo_lens.cli import build_parser
