@@ -157,7 +157,9 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     with the SE stratified by tensor (the sample's design:
     :func:`grpo_lens.formulas.stats.stratified_mean_se`).
 
-    Rule: holds when z's interval lies above 0.5 (most weights did not move at all; then q >= z > 0.5 too); does not
+    Rule: inconclusive when z = 1 (no sampled weight moved since the start: a zero update, e.g. a warm-up step at
+    learning rate 0 or every advantage 0, says nothing about what training changes); holds when z's interval lies
+    above 0.5 (most weights did not move at all; then q >= z > 0.5 too); does not
     hold when z's interval lies below 0.5 (most weights moved in float32, whatever bf16 shows) or q's lies below 0.5;
     inconclusive otherwise. The excess q − c is reported with its interval and names the reason when the rule does
     not hold: within :data:`BF16_MARGIN` of 0, the update's own magnitudes placed at random explain the bf16 share
@@ -204,7 +206,10 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
         excess = f"excess over the permutation control {fmt(gap, 3)} [{fmt(lo, 3)}, {fmt(hi, 3)}]"
     else:
         placement, excess = INCONCLUSIVE, "no permutation control (a run from before it was logged)"
-    if f32_most == DOES_NOT_HOLD or most == DOES_NOT_HOLD:
+    if f32 is not None and f32 >= 1.0:  # not one sampled weight moved: the update was zero (lr 0, every A_i = 0)
+        verdict, why = INCONCLUSIVE, ("no sampled weight changed since the start (a zero update: learning rate 0 or "
+                                      "every advantage 0); the claim is about what training changes")
+    elif f32_most == DOES_NOT_HOLD or most == DOES_NOT_HOLD:
         verdict = DOES_NOT_HOLD
         if most == DOES_NOT_HOLD:
             why = f"only {fmt(share, 3)} of weights kept their bf16 value (< 0.5)"

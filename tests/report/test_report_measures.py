@@ -264,6 +264,18 @@ def test_band_verdict():
     assert band_verdict(float("nan"), 1.0, 0.75, 1.25) == "inconclusive"  # a non-finite end is no interval
 
 
+def test_s4_claim_is_not_judged_on_a_zero_update():
+    from grpo_lens.claims.sparsity import most_parameters_unchanged
+
+    # every sampled weight unchanged in float32 (a user's TRL run measured at a warm-up step with lr 0; a GSM8K run
+    # with every advantage 0): no evidence about what training changes. One moved weight in 2^21 (z = 1 - 2^-21)
+    # is a real update: its interval lies above 0.5 -> holds
+    zero = most_parameters_unchanged({"records": _records([0.2] * 5, [1.0] * 5, [0.3] * 5, f32=1.0)})[0]
+    assert zero.verdict == "inconclusive" and zero.rule.startswith("no sampled weight changed")
+    moved = most_parameters_unchanged({"records": _records([0.2] * 5, [1.0] * 5, [0.3] * 5, f32=1 - 2**-21)})[0]
+    assert moved.verdict == "holds"
+
+
 @pytest.mark.e2e
 def test_s4_claim_is_not_judged_on_lora_adapter_weights(tmp_path):
     from grpo_lens.claims.sparsity import most_parameters_unchanged
