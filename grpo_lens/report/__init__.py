@@ -34,6 +34,7 @@ from grpo_lens.metrics import (
     CREDIT_ANSWER_SHARE_MEAN,
     CREDIT_ANSWER_TOKEN_FRAC,
     G3_GROUPS,
+    GRAD_GRAM_COVERAGE,
     GRAD_IDENTITY_RESIDUAL,
     GROUP_DISTINCT_COMPLETIONS,
     GROUPS_ALL_EQUAL,
@@ -130,10 +131,21 @@ ESTIMATOR_BASELINES = {
 # ---------------------------------------------------------------------------------------------------------------------
 # Sections
 # ---------------------------------------------------------------------------------------------------------------------
+def lens_gradient_source(records: list[dict[str, Any]], lora_rank: int = 0, lens_space: str = "trainable") -> str:
+    """The source of the training lens's per-rollout gradients, a key of :data:`plots.GRADIENT_SOURCES`:
+    ``exact_gram`` when a lens step recorded the exact Gram's coverage (only the exact Gram writes it, see
+    :meth:`grpo_lens.train.lens.Lens.rollout_gram`); else ``exact_adapter`` for a LoRA run in the trainable space
+    (the adapter's gradients, exact); else ``sketch``."""
+    if any(r.get(GRAD_GRAM_COVERAGE) is not None for r in records):
+        return "exact_gram"
+    return "exact_adapter" if lora_rank and lens_space == "trainable" else "sketch"
+
+
 def training_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
-                     lora_rank: int = 0, estimator: str | None = None) -> list[str]:
+                     lora_rank: int = 0, estimator: str | None = None, lens_space: str = "trainable") -> list[str]:
     """Learning curves, sparsity and baselines over training (``lora_rank`` > 0: a LoRA run, whose sparsity numbers
-    are over the adapter's weights)."""
+    are over the adapter's weights; ``lens_space``: the run's config option, naming the baselines' gradient source
+    with :func:`lens_gradient_source`)."""
     lines = ["## Training", ""]
     n = len(records)
     w = min(5, n // 2)  # non-overlapping first / last windows; fewer than MIN_TREND_STEPS steps: no trend
@@ -229,7 +241,7 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                   "group mean exactly when ||g||^2 does not depend on the reward (m_C = m_W). Both are means over "
                   "the step's mixed groups only (groups whose rewards are all equal have no gradient), so the group "
                   "mean here is not the step's accuracy or mean reward.", ""]
-        plots.plot_baselines(records, run_dir / "baselines.png")
+        plots.plot_baselines(records, run_dir / "baselines.png", lens_gradient_source(records, lora_rank, lens_space))
         lines += ["![baselines](baselines.png)", "",
                   "| step | b* | group mean | m_C | m_W | m_C / m_W |", "|---|---|---|---|---|---|"]
         for r in base_rows:
@@ -546,7 +558,9 @@ def write_report(run_dir: Path) -> Path:
         cfg, lora_rank = {}, 0
     estimator = cfg.get("estimator") if isinstance(cfg, dict) else None
     if records:
-        body += training_section(records, run_dir, findings, lora_rank, estimator=estimator)
+        body += training_section(records, run_dir, findings, lora_rank, estimator=estimator,
+                                 lens_space=str(cfg.get("lens_space") or "trainable") if isinstance(cfg, dict)
+                                 else "trainable")
         body += completions_section(_read_jsonl(train_dir / "completions.jsonl"))
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)

@@ -145,7 +145,7 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
         a1.plot(xs, ys, color="gray", alpha=0.5, label="accuracy")
     a1.set_title("zero-variance groups (S1)", fontsize=9)
     a1.set_xlabel("step")
-    a1.set_ylabel("share of groups (accuracy: of rollouts)")
+    a1.set_ylabel("S1: share of groups with equal rewards\n(accuracy: share of rollouts)", fontsize=8)
     a1.set_ylim(-0.02, 1.02)
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
@@ -165,8 +165,33 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
-    """b* vs the group mean, and m_C / m_W (mean squared gradient norm of correct / wrong rollouts) over training."""
+#: gradient sources (probe.json meta ``gradients``, or the training lens's, see :func:`lens_gradient_source`) -> the
+#: name the axes give them
+GRADIENT_SOURCES = {"exact_gram": "exact Gram", "sketch": "sketch", "exact": "exact gradients",
+                    "exact_adapter": "exact, LoRA adapter's weights"}
+
+
+def gradient_source_label(gradients: str) -> str:
+    """The axis name of a gradient source (a key of :data:`GRADIENT_SOURCES`).
+
+    Raises:
+        ValueError: an unknown source (the message lists the valid ones).
+    """
+    if gradients not in GRADIENT_SOURCES:
+        raise ValueError(f"unknown gradient source {gradients!r}; valid: {', '.join(GRADIENT_SOURCES)}")
+    return GRADIENT_SOURCES[gradients]
+
+
+def plot_baselines(records: list[dict[str, Any]], path: Path, gradients: str) -> Path:
+    """b* vs the group mean, and m_C / m_W (mean squared gradient norm of correct / wrong rollouts) over training.
+
+    Args:
+        gradients: where the squared norms came from, a key of :data:`GRADIENT_SOURCES` (named on the y axis).
+
+    Raises:
+        ValueError: an unknown ``gradients``.
+    """
+    source = gradient_source_label(gradients)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
     for key, label in [(BASELINE_B_STAR, "b* (variance-optimal)"), (BASELINE_GROUP_MEAN, "group mean")]:
         xs, ys = _series(records, key)
@@ -182,7 +207,7 @@ def plot_baselines(records: list[dict[str, Any]], path: Path) -> Path:
         if xs:
             a2.plot(xs, ys, marker="o", label=label)
     a2.set_xlabel("step")
-    a2.set_ylabel("squared gradient norm (sketch)")
+    a2.set_ylabel(f"squared gradient norm ({source})")
     a2.set_title("mean ||g||^2 by outcome", fontsize=9)
     a2.set_yscale("log")
     _legend(a2, fontsize=7)

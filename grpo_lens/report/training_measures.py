@@ -63,6 +63,7 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
         if xs:
             a1.plot(xs, ys, marker=".", linestyle=style, label=label)
     a1.set_title("since start: unchanged shares", fontsize=9)
+    a1.set_ylabel("share of sampled weights unchanged")
     a1.set_ylim(-0.02, 1.02)
     for key, label in [(SPARSITY_UPDATE_STEP_HOYER, "update Hoyer"),
                        (SPARSITY_UPDATE_STEP_TOP1_ENERGY, "update top-1% energy"),
@@ -72,11 +73,13 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
             a2.plot(xs, ys, marker=".", label=label)
     a2.axhline(0.20, color="gray", lw=0.8, ls=":")  # Hoyer of a Gaussian vector
     a2.set_title("this step (Gaussian: Hoyer 0.20, top-1% 0.105)", fontsize=8)
+    a2.set_ylabel("Hoyer (0 to 1) or top-1% share of squared norm", fontsize=8)
     for kind in ("embedding", "attention", "mlp", "norm"):
         xs, ys = plots._series(records, sparsity_key("update_total", "hoyer", kind))
         if xs:
             a3.plot(xs, ys, marker=".", label=kind)
     a3.set_title("update since start: Hoyer by layer type", fontsize=9)
+    a3.set_ylabel("Hoyer sparsity (0 to 1, dimensionless)", fontsize=8)
     for ax in (a1, a2, a3):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

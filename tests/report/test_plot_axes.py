@@ -13,7 +13,7 @@ import pytest
 
 from grpo_lens.report import write_report
 from grpo_lens.report.compare import compare_runs
-from grpo_lens.report.plots import INTEGER_AXES
+from grpo_lens.report.plots import INTEGER_AXES, gradient_source_label
 
 pytestmark = pytest.mark.e2e  # writes a report (files, matplotlib)
 
@@ -48,8 +48,24 @@ def check(name, fig):
             assert all(float(t).is_integer() for t in ax.get_xticks()), (name, ax.get_title(), "fractional ticks")
 
 
+#: the sparsity measures of a lens step: with them the report draws sparsity_measures.png (its three panels)
+SPARSITY_MEASURES = {"sparsity/update_total_bf16_unchanged": 0.88, "sparsity/update_total_bf16_dense": 0.61,
+                     "sparsity/update_total_f32_unchanged": 0.02, "sparsity/update_step_hoyer": 0.31,
+                     "sparsity/update_step_top1_energy": 0.2, "sparsity/grad_hoyer": 0.4,
+                     "sparsity/grad_top1_energy": 0.3, "sparsity/attention/update_total_hoyer": 0.25,
+                     "sparsity/mlp/update_total_hoyer": 0.27}
+
+
+def _add_to_lens_steps(run: Path, extra: dict) -> None:
+    """Add ``extra`` to the lens steps (those with perf/lens_seconds) of run/metrics.jsonl."""
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    recs = [{**r, **extra} if "perf/lens_seconds" in r else r for r in recs]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+
 def test_every_report_figure_labels_its_axes(tmp_path, figures):
     cases._write_metrics(tmp_path / "train", [0.2, 0.4, 0.6, 0.5, 0.7, 0.6, 0.8, 0.9, 0.7, 0.8])
+    _add_to_lens_steps(tmp_path / "train", SPARSITY_MEASURES)
     (tmp_path / "train" / "config.yaml").write_text("model: tiny\ngroup_size: 4\n")
     for sub in ("probe_before", "probe_after"):
         (tmp_path / sub).mkdir()
@@ -57,9 +73,29 @@ def test_every_report_figure_labels_its_axes(tmp_path, figures):
     write_report(tmp_path)
     names = {n for n, _ in figures}
     assert {"sparsity.png", "baselines.png", "rank_over_training.png", "erank_vs_R.png",
-            "spectra_before.png", "learning_curves.png"} <= names
+            "spectra_before.png", "learning_curves.png", "sparsity_measures.png"} <= names
     for name, fig in figures:
         check(name, fig)
+    (sparsity,) = [f for n, f in figures if n == "sparsity.png"]
+    assert sparsity.axes[0].get_ylabel().startswith("S1: share of groups with equal rewards")
+
+
+@pytest.mark.parametrize("extra, lora, source", [({}, "", "sketch"), ({"grad/gram_coverage": 0.97}, "", "exact Gram"),
+                                                 ({}, "lora_rank: 4\n", "exact, LoRA adapter's weights")])
+def test_the_baselines_figure_names_the_gradient_source_the_run_used(tmp_path, figures, extra, lora, source):
+    # the exact Gram is the only lens path that records grad/gram_coverage; a LoRA lens in the trainable space takes
+    # the adapter's exact gradients; otherwise the sketch
+    cases._write_metrics(tmp_path, [0.2, 0.4, 0.6, 0.5, 0.7])
+    _add_to_lens_steps(tmp_path, extra)
+    (tmp_path / "config.yaml").write_text("model: tiny\n" + lora)
+    write_report(tmp_path)
+    (fig,) = [f for n, f in figures if n == "baselines.png"]
+    assert fig.axes[1].get_ylabel() == f"squared gradient norm ({source})"
+
+
+def test_an_unknown_gradient_source_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="exact_gram, sketch"):
+        gradient_source_label("exakt")
 
 
 def test_the_comparison_figure_labels_its_axes_and_keeps_run_colours(tmp_path, figures):
