@@ -113,7 +113,7 @@ def rank_verdict(groups: list[dict[str, Any]], measure: str, level: float = 0.95
     if band == DOES_NOT_HOLD:
         return DOES_NOT_HOLD, f"interval not {band_text}", nums
     if none_ == HOLDS:
-        return DOES_NOT_HOLD, (f"no structure: the reduction against the {null_name} null lies inside ±{h} "
+        return DOES_NOT_HOLD, (f"no structure: the reduction against the {null_name} null lies inside ±{fmt(h)} "
                                f"(the row norms alone give this rank)"), nums
     if band == HOLDS and structure == HOLDS:
         return HOLDS, f"interval {band_text} and the reduction against the {null_name} null above 0", nums
@@ -144,7 +144,7 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
                 claim=f"effective rank of the per-rollout gradient matrix ≈ 2 ({_NAMES[m]})", scope=f"R = {r}",
                 measurement=meas,
                 control=(f"structure reduction against the {nums['null']} null {ci_text(nums['reduction'], 3)} "
-                         f"(no structure within ±{NO_STRUCTURE_MARGIN[m]:g}); ratio G1/orthogonal null "
+                         f"(no structure within ±{fmt(NO_STRUCTURE_MARGIN[m])}); ratio G1/orthogonal null "
                          f"{fmt(ratio.get('mean'))} ({'above' if m == 'top2_share' else 'below'} 1 for any "
                          f"non-orthogonal rows: not a test)"),
                 verdict=verdict, rule=why, source=src))

@@ -177,7 +177,7 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
         elif below_zero == HOLDS:
             verdict, why = HOLDS, f"difference interval below 0 (upper end {fmt(ci['hi'])})"
         elif no_difference == HOLDS:
-            verdict, why = DOES_NOT_HOLD, (f"relative difference interval inside ±{EQUIVALENCE_REL}: A makes no "
+            verdict, why = DOES_NOT_HOLD, (f"relative difference interval inside ±{fmt(EQUIVALENCE_REL)}: A makes no "
                                            f"difference")
         elif below_zero == DOES_NOT_HOLD:
             verdict, why = DOES_NOT_HOLD, "difference interval above 0: A gives a higher rank"

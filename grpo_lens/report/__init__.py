@@ -79,7 +79,7 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.report import plots
 from grpo_lens.report.answers import answers_section
-from grpo_lens.report.format import ci, fmt
+from grpo_lens.report.format import ci, fmt, md_row, md_table
 from grpo_lens.report.studies import studies_section
 from grpo_lens.report.training_measures import (
     MIN_TREND_STEPS,
@@ -194,15 +194,14 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     lines += ["![sparsity](sparsity.png)", ""]
     lens_steps = lens_rows(records)
     if lens_steps:
-        lines += ["| step | accuracy | S1 measured | S4 step | S4 since start | G1 erank | "
-                  "G1 stable rank | identity residual |", "|---|---|---|---|---|---|---|---|"]
+        lines += md_table(["step", "accuracy", "S1 measured", "S4 step", "S4 since start", "G1 erank",
+                           "G1 stable rank", "identity residual"])
         for r in lens_steps:
             res = r.get(GRAD_IDENTITY_RESIDUAL)
-            lines.append(f"| {r[STEP]} | {fmt(r.get(REWARD_ACCURACY))} | "
-                         f"{fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS))} | "
-                         f"{fmt(r.get(SPARSITY_UPDATE_STEP))} | {fmt(r.get(SPARSITY_UPDATE_TOTAL))} | "
-                         f"{fmt(r.get(rank_key('g1', 'erank')))} | {fmt(r.get(rank_key('g1', 'stable_rank')))} | "
-                         f"{'–' if res is None else f'{res:.1e}'} |")
+            lines.append(md_row(r[STEP], fmt(r.get(REWARD_ACCURACY)), fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
+                                fmt(r.get(SPARSITY_UPDATE_STEP)), fmt(r.get(SPARSITY_UPDATE_TOTAL)),
+                                fmt(r.get(rank_key('g1', 'erank'))), fmt(r.get(rank_key('g1', 'stable_rank'))),
+                                '–' if res is None else f'{res:.1e}'))
         lines.append("")
         if any(r.get(GRAD_IDENTITY_RESIDUAL) is None for r in lens_steps):
             lines += ["Identity residual –: the identity Σ A_i g_i = c (ḡ_C − ḡ_W) (docs/theory.md §4) is checked "
@@ -243,12 +242,12 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                   "mean here is not the step's accuracy or mean reward.", ""]
         plots.plot_baselines(records, run_dir / "baselines.png", lens_gradient_source(records, lora_rank, lens_space))
         lines += ["![baselines](baselines.png)", "",
-                  "| step | b* | group mean | m_C | m_W | m_C / m_W |", "|---|---|---|---|---|---|"]
+                  *md_table(["step", "b*", "group mean", "m_C", "m_W", "m_C / m_W"])]
         for r in base_rows:
             mc, mw = r.get(BASELINE_M_CORRECT), r.get(BASELINE_M_WRONG)
             ratio = mc / mw if mc is not None and mw else None
-            lines.append(f"| {r[STEP]} | {fmt(r[BASELINE_B_STAR])} | {fmt(r.get(BASELINE_GROUP_MEAN))} | "
-                         f"{fmt(mc, 4)} | {fmt(mw, 4)} | {fmt(ratio)} |")
+            lines.append(md_row(r[STEP], fmt(r[BASELINE_B_STAR]), fmt(r.get(BASELINE_GROUP_MEAN)), fmt(mc, 4),
+                                fmt(mw, 4), fmt(ratio)))
         lines.append("")
         ratios = [r[BASELINE_M_CORRECT] / r[BASELINE_M_WRONG] for r in base_rows
                   if r.get(BASELINE_M_CORRECT) is not None and r.get(BASELINE_M_WRONG)]
@@ -279,23 +278,23 @@ def rank_table(probe: dict[str, Any], measures: tuple[str, ...] = ("erank", "sta
     """Markdown table: rows = (R, matrix), columns = rank measures as mean [95% interval] over groups,
     plus G1's ratio to the orthogonal null and G3 (one matrix over the analysed groups, no interval)."""
     per_r = probe["per_group_size"]
-    lines = ["| R | matrix | groups | " + " | ".join(measures) + " |", "|---|---|---|" + "---|" * len(measures)]
+    lines = md_table(["R", "matrix", "groups", *measures])
     for r in sorted(per_r, key=int):
         summ = per_r[r].get(PROBE_SUMMARY, {})
         for label, stem in RANK_ROWS:
             cells = [_ci(summ.get(rank_key(stem, m))) for m in measures]
             n = (summ.get(rank_key(stem, measures[0])) or {}).get("n", 0)
             if n:
-                lines.append(f"| {r} | {label} | {n} | " + " | ".join(cells) + " |")
+                lines.append(md_row(r, label, n, *cells))
         cells = [_ci(summ.get(RANK_G1_VS_NULL.format(m=m))) for m in measures]
         n = (summ.get(RANK_G1_VS_NULL.format(m=measures[0])) or {}).get("n", 0)
         if n:
-            lines.append(f"| {r} | G1 / null (ratio) | {n} | " + " | ".join(cells) + " |")
+            lines.append(md_row(r, "G1 / null (ratio)", n, *cells))
         g3 = per_r[r].get(PROBE_G3, {})
         if g3.get(rank_key("g3", measures[0])) is not None:
-            lines.append(f"| {r} | G3 (rows = groups' updates) | {g3.get(G3_GROUPS)} | "
-                         + " | ".join(f"{fmt(g3.get(rank_key('g3', m)), 2)} "
-                                      f"(null {fmt(g3.get(rank_key('g3_null', m)), 2)})" for m in measures) + " |")
+            lines.append(md_row(r, "G3 (rows = groups' updates)", g3.get(G3_GROUPS),
+                                *(f"{fmt(g3.get(rank_key('g3', m)), 2)} (null {fmt(g3.get(rank_key('g3_null', m)), 2)})"
+                                  for m in measures)))
     return lines
 
 
@@ -314,8 +313,7 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
              "repeat rows and lower the rank). G2: every nn.Linear layer's weight gradient of the group loss, mean "
              "stable rank over the layers "
              "of each type, on the first --g2-groups group(s) of each R (mean over those groups).", "",
-             "| R | matrix | " + " | ".join(WEIGHTING_LABELS[w] for w in WEIGHTINGS) + " |",
-             "|---|---|" + "---|" * len(WEIGHTINGS)]
+             *md_table(["R", "matrix", *(WEIGHTING_LABELS[w] for w in WEIGHTINGS)])]
     for r in sorted(per_r, key=int):
         g3 = per_r[r].get(PROBE_G3) or {}
         if g3.get(rank_key("g3", "stable_rank")) is not None:
@@ -323,14 +321,14 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
             for w in WEIGHTINGS:
                 key = rank_key("g3" if w == "adv" else f"g3_{w}", "stable_rank")
                 cells.append(fmt(g3.get(key), 2))
-            lines.append(f"| {r} | G3 stable rank ({g3.get(G3_GROUPS)} groups) | " + " | ".join(cells) + " |")
+            lines.append(md_row(r, f"G3 stable rank ({g3.get(G3_GROUPS)} groups)", *cells))
         g2 = (per_r[r].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_SUMMARY) or {}
         parsed = [RANK_G2_WEIGHTED.parse(k) for k in g2]
         types = sorted({p["kind"] for p in parsed if p is not None and p["w"] == "adv"})
         for t in types:
             cells = [fmt((g2.get(RANK_G2_WEIGHTED.format(w=w, kind=t)) or {}).get("mean"), 2) for w in WEIGHTINGS]
             n = (g2.get(RANK_G2_WEIGHTED.format(w="adv", kind=t)) or {}).get("n")
-            lines.append(f"| {r} | G2 {t} stable rank ({n} group(s)) | " + " | ".join(cells) + " |")
+            lines.append(md_row(r, f"G2 {t} stable rank ({n} group(s))", *cells))
     return lines + [""]
 
 
@@ -338,18 +336,18 @@ def strata_table(probe: dict[str, Any], by: str) -> list[str]:
     """Markdown table of G1 vs its null and the zero-sum statistics per stratum (``by`` = "correct" or "distinct")."""
     per_r = probe["per_group_size"]
     head = "k (correct)" if by == "correct" else "distinct completions"
-    lines = [f"| R | {head} | groups | G1 erank | null erank | G1 / null erank | G1 stable rank | null stable rank | "
-             "span energy | span energy, relabelled | cos gap |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = md_table(["R", head, "groups", "G1 erank", "null erank", "G1 / null erank", "G1 stable rank",
+                      "null stable rank", "span energy", "span energy, relabelled", "cos gap"])
     for r in sorted(per_r, key=int):
         for stratum, summ in per_r[r].get(PROBE_STRATA, {}).get(by, {}).items():
             n = (summ.get(rank_key("g1", "erank")) or {}).get("n", 0)
-            lines.append(f"| {r} | {stratum} | {n} | {_ci(summ.get(rank_key('g1', 'erank')))} | "
-                         f"{_ci(summ.get(rank_key('g1_null', 'erank')))} | "
-                         f"{_ci(summ.get(RANK_G1_VS_NULL.format(m='erank')))} | "
-                         f"{_ci(summ.get(rank_key('g1', 'stable_rank')))} | "
-                         f"{_ci(summ.get(rank_key('g1_null', 'stable_rank')))} | "
-                         f"{_ci(summ.get(ZERO_SUM_SPAN_ENERGY))} | {_ci(summ.get(ZERO_SUM_SPAN_ENERGY_NULL))} | "
-                         f"{_ci(summ.get(ZERO_SUM_COS_GAP), 3)} |")
+            lines.append(md_row(r, stratum, n, _ci(summ.get(rank_key('g1', 'erank'))),
+                                _ci(summ.get(rank_key('g1_null', 'erank'))),
+                                _ci(summ.get(RANK_G1_VS_NULL.format(m='erank'))),
+                                _ci(summ.get(rank_key('g1', 'stable_rank'))),
+                                _ci(summ.get(rank_key('g1_null', 'stable_rank'))),
+                                _ci(summ.get(ZERO_SUM_SPAN_ENERGY)), _ci(summ.get(ZERO_SUM_SPAN_ENERGY_NULL)),
+                                _ci(summ.get(ZERO_SUM_COS_GAP), 3)))
     return lines
 
 
@@ -390,18 +388,18 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
         else:
             lines += ["The sketch was not checked against exact gradients (coverage_groups = 0): the share of "
                       "||g||² it covers is unknown; it sees nn.Linear weights only.", ""]
-    lines += ["| R | prompts | all-equal | mixed (analysed) | S1 measured | S1 predicted | identity residual (max) "
-              "| distinct completions | G2 numerical rank / bound |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += md_table(["R", "prompts", "all-equal", "mixed (analysed)", "S1 measured", "S1 predicted",
+                       "identity residual (max)", "distinct completions", "G2 numerical rank / bound"])
     for r in sorted(per_r, key=int):
         d = per_r[r]
         summ = d.get(PROBE_SUMMARY, {})
         res = [g.get(GRAD_IDENTITY_RESIDUAL) for g in d.get(PROBE_GROUPS, [])
                if g.get(GRAD_IDENTITY_RESIDUAL) is not None]
-        lines.append(f"| {r} | {d.get(PROMPTS_SAMPLED)} | {d.get(GROUPS_ALL_EQUAL)} | {d.get(GROUPS_MIXED)} | "
-                     f"{_ci(d[S1_MEASURED_CI], 3) if d.get(S1_MEASURED_CI) else fmt(d.get(S1_MEASURED))} | "
-                     f"{_ci(d[S1_PREDICTED_CI], 3) if d.get(S1_PREDICTED_CI) else fmt(d.get(S1_PREDICTED))} | "
-                     f"{f'{max(res):.1e}' if res else '–'} | {_ci(summ.get(GROUP_DISTINCT_COMPLETIONS))} | "
-                     f"{_g2_cell(summ)} |")
+        lines.append(md_row(r, d.get(PROMPTS_SAMPLED), d.get(GROUPS_ALL_EQUAL), d.get(GROUPS_MIXED),
+                            _ci(d[S1_MEASURED_CI], 3) if d.get(S1_MEASURED_CI) else fmt(d.get(S1_MEASURED)),
+                            _ci(d[S1_PREDICTED_CI], 3) if d.get(S1_PREDICTED_CI) else fmt(d.get(S1_PREDICTED)),
+                            f'{max(res):.1e}' if res else '–', _ci(summ.get(GROUP_DISTINCT_COMPLETIONS)),
+                            _g2_cell(summ)))
         if d.get(GROUPS_MIXED, 0) == 0:
             findings.append(f"[{label}] R={r}: no mixed group among {d.get(PROMPTS_SAMPLED)} prompts (S1 = "
                             f"{fmt(d.get(S1_MEASURED))}): GRPO's policy gradient was exactly zero on every "
@@ -421,8 +419,8 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               "span energy: share of G1's energy in span{gbar_C, gbar_W}; relabelled: its mean over every relabelling "
               "with the same k (the permutation null). cos gap: mean within-class minus between-class cosine of the "
               "g_i. p: share of groups whose own permutation p-value is below 0.05.", "",
-              "| R | groups | span energy | relabelled | groups p < 0.05 | cos gap | relabelled | groups p < 0.05 |",
-              "|---|---|---|---|---|---|---|---|"]
+              *md_table(["R", "groups", "span energy", "relabelled", "groups p < 0.05", "cos gap", "relabelled",
+                         "groups p < 0.05"])]
     for r in sorted(per_r, key=int):
         d = per_r[r]
         summ = d.get(PROBE_SUMMARY, {})
@@ -433,7 +431,7 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
             cells += [_ci(summ.get(zero_sum_key(stat)), 3), _ci(summ.get(zero_sum_key(stat, "null")), 3),
                       f"{sum(p < 0.05 for p in ps)}/{len(ps)}" if ps else "–"]
         n = (summ.get(ZERO_SUM_SPAN_ENERGY) or {}).get("n", 0)
-        lines.append(f"| {r} | {n} | " + " | ".join(cells) + " |")
+        lines.append(md_row(r, n, *cells))
     lines.append("")
     for r in sorted(per_r, key=int):
         summ = per_r[r].get(PROBE_SUMMARY, {})
@@ -458,16 +456,15 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
               "leave-one-out optimal baseline b*, from groups of R resampled out of M rollouts of one prompt. The "
               "group mean is not leave-one-out: it equals rloo scaled by (R-1)/R, so its variance is ((R-1)/R)^2 "
               "times rloo's (a shorter step, not a better direction).", "",
-              "| R | b* | group mean | m_C | m_W | Var/Var* none | mean | rloo | optimal |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              *md_table(["R", "b*", "group mean", "m_C", "m_W", "Var/Var* none", "mean", "rloo", "optimal"])]
     for r in sorted(per_r, key=int):
         b = per_r[r].get(PROBE_BASELINES, {})
         summ = per_r[r].get(PROBE_SUMMARY, {})
         rel = b.get("relative_variance", {})
-        lines.append(f"| {r} | {_ci(summ.get(BASELINE_B_STAR), 3)} | {_ci(summ.get(BASELINE_GROUP_MEAN), 3)} | "
-                     f"{_ci(summ.get(BASELINE_M_CORRECT), 4)} | {_ci(summ.get(BASELINE_M_WRONG), 4)} | "
-                     f"{fmt(rel.get('none'), 2)} | {fmt(rel.get('mean'), 2)} | {fmt(rel.get('rloo'), 2)} | "
-                     f"{fmt(rel.get('optimal'), 2)} |")
+        lines.append(md_row(r, _ci(summ.get(BASELINE_B_STAR), 3), _ci(summ.get(BASELINE_GROUP_MEAN), 3),
+                            _ci(summ.get(BASELINE_M_CORRECT), 4), _ci(summ.get(BASELINE_M_WRONG), 4),
+                            fmt(rel.get('none'), 2), fmt(rel.get('mean'), 2), fmt(rel.get('rloo'), 2),
+                            fmt(rel.get('optimal'), 2)))
         if rel.get("rloo") is not None:
             findings.append(f"[{label}] R={r}: the rloo baseline's gradient variance is {fmt(rel['rloo'], 2)}x the "
                             f"leave-one-out optimal b*'s; no baseline at all gives {fmt(rel.get('none'), 2)}x "
@@ -481,15 +478,15 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     lines += ["### Credit", "",
               "Under an output-only reward every token of a rollout gets the same advantage: the per-token "
               "advantage variance within a rollout is measured, not assumed.", "",
-              "| R | within-rollout advantage variance (max) | answer-token share of ||g||^2 | answer tokens share "
-              "of tokens |", "|---|---|---|---|"]
+              *md_table(["R", "within-rollout advantage variance (max)", "answer-token share of ||g||^2",
+                         "answer tokens share of tokens"])]
     for r in sorted(per_r, key=int):
         d = per_r[r]
         summ = d.get(PROBE_SUMMARY, {})
         vmax = [g.get(CREDIT_ADV_VAR_WITHIN_MAX) for g in d.get(PROBE_GROUPS, [])
                 if g.get(CREDIT_ADV_VAR_WITHIN_MAX) is not None]
-        lines.append(f"| {r} | {fmt(max(vmax), 6) if vmax else '–'} | {_ci(summ.get(CREDIT_ANSWER_SHARE_MEAN), 3)} | "
-                     f"{_ci(summ.get(CREDIT_ANSWER_TOKEN_FRAC), 3)} |")
+        lines.append(md_row(r, fmt(max(vmax), 6) if vmax else '–', _ci(summ.get(CREDIT_ANSWER_SHARE_MEAN), 3),
+                            _ci(summ.get(CREDIT_ANSWER_TOKEN_FRAC), 3)))
     plots.plot_credit_profile(probe, run_dir / f"credit_profile_{label}.png")
     lines += ["", f"![credit profile](credit_profile_{label}.png)", ""]
     if probe.get("studies"):
@@ -521,15 +518,14 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
     if records:
         sources = {"training": {"records": records, "lora_rank": lora_rank}, **sources}
     multi = len(sources) > 1
-    lines += [("| probe " if multi else "") + "| claim | scope | measurement | null / control | verdict | decided by | "
-              "gradients |", ("|---" if multi else "") + "|---|---|---|---|---|---|---|"]
+    lines += md_table((["probe"] if multi else []) + ["claim", "scope", "measurement", "null / control", "verdict",
+                                                      "decided by", "gradients"])
     evaluated = []
     for label, probe in sources.items():
         for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None):
             evaluated.append(c)
             cells = [c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", c.rule, c.source]
-            lines.append(("| " + label + " " if multi else "") + "| " + " | ".join(x.replace("|", "\\|")
-                                                                                    for x in cells) + " |")
+            lines.append(md_row(*([label] if multi else []), *cells))
     note = family_wise_note(evaluated)
     return lines + ([""] + [note] if note else []) + [""]
 

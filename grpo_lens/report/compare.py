@@ -44,7 +44,7 @@ from grpo_lens.metrics import (
     lookup,
     rank_key,
 )
-from grpo_lens.report.format import fmt_sig
+from grpo_lens.report.format import fmt_sig, md_row, md_table
 from grpo_lens.report.plots import integer_ticks
 from grpo_lens.report.training_measures import dynamic_sampling_summary
 from grpo_lens.rundir import RunDirError, read_records
@@ -226,15 +226,14 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
         lines += [""]
     lines += ["## Config fields that differ", ""]
     if diff:
-        lines += ["| field | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
-        lines += [f"| `{k}` | " + " | ".join(f"`{v[lab]}`" for lab in labels) + " |" for k, v in diff.items()]
+        lines += md_table(["field", *labels], [[f"`{k}`", *(f"`{v[lab]}`" for lab in labels)] for k, v in diff.items()])
     else:
         lines += ["None: the runs share every setting (a difference then comes from code or randomness)."]
     lines += ["", f"## Final numbers (mean over each run's last {last} records with the metric, 95% "
                   f"interval over those steps (Hall's transformed t), from at least {MIN_INTERVAL_UNITS})", "",
               "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "
               "uncertainty; differences smaller than it are not resolved by these runs.", "",
-              "| metric | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+              *md_table(["metric", *labels])]
     for key, label in metrics:
         cells = []
         for lab in labels:
@@ -247,7 +246,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
             else:
                 cells.append(f"{fmt_sig(f['mean'])} [{fmt_sig(f['low'])}, {fmt_sig(f['high'])}] (steps {f['steps'][0]}–"
                              f"{f['steps'][1]}, n={f['n']})")
-        lines.append(f"| {label} (`{key}`) | " + " | ".join(cells) + " |")
+        lines.append(md_row(f"{label} (`{key}`)", *cells))
     lines += ["", "## Curves", "", "![curves](compare.png)", ""]
     path = out / "compare.md"
     path.write_text("\n".join(lines))

@@ -11,7 +11,11 @@ it).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
+
+#: a ``|`` with no backslash before it (:func:`md_cell`).
+_UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
 
 
 def fmt(x: Any, nd: int = 3) -> str:
@@ -39,3 +43,21 @@ def fmt_sig(x: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "–"
     return f"{x:#.3g}" if abs(x) < 1000 else f"{x:.4g}"
+
+
+def md_cell(x: Any) -> str:
+    """``x`` as one Markdown table cell: whitespace (newlines included) collapsed to single spaces and every ``|``
+    not already escaped written ``\\|``, so that a cell such as ``|A_i| ||g_i||`` stays one cell."""
+    return _UNESCAPED_PIPE.sub(r"\\|", " ".join(str(x).split()))
+
+
+def md_row(*cells: Any) -> str:
+    """One Markdown table row, every cell through :func:`md_cell` (the one place report.md and compare.md escape
+    ``|``)."""
+    return "| " + " | ".join(md_cell(c) for c in cells) + " |"
+
+
+def md_table(head: list[Any] | tuple[Any, ...], rows: Any = ()) -> list[str]:
+    """A Markdown table's lines: the header row, the separator and one :func:`md_row` per entry of ``rows`` (each a
+    sequence of cells, as many as ``head``)."""
+    return [md_row(*head), "|" + "---|" * len(head)] + [md_row(*r) for r in rows]

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import matplotlib.pyplot as plt
 
 from grpo_lens.report import plots
-from grpo_lens.report.format import ci, fmt
+from grpo_lens.report.format import ci, fmt, md_row, md_table
 
 
 def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
@@ -29,8 +29,8 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
                   f"{s1['prompts']} prompts, M = {s1['rollouts_per_prompt']} rollouts each, R = "
                   f"{meta.get('group_size')}: S1 measured on the first R, predicted by [C(k',R) + C(M'-k',R)] / "
                   "C(M',R) from the other M' = M - R (unbiased, docs/theory.md §S1).", "",
-                  "| S1 measured | S1 predicted | measured - predicted |", "|---|---|---|",
-                  f"| {ci(s1['measured'])} | {ci(s1['predicted'])} | {ci(s1['difference'])} |", ""]
+                  *md_table(["S1 measured", "S1 predicted", "measured - predicted"],
+                            [[ci(s1['measured']), ci(s1['predicted']), ci(s1['difference'])]]), ""]
     study = base.get("baselines")
     if study:
         s = study["summary"]
@@ -42,25 +42,24 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
                   f"{meta.get('gradients')}, k = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
                   "RLOO's; the group mean is rescaled by R/(R-1) (it then equals RLOO sample by sample). 95% "
                   "intervals over prompts (Hall's transformed t, docs/theory.md §7).", "",
-                  "| estimator | MSE / RLOO's | cosine to reference | bias² share of MSE |", "|---|---|---|---|"]
+                  *md_table(["estimator", "MSE / RLOO's", "cosine to reference", "bias² share of MSE"])]
         for name in ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop"):
             e = s.get(name, {})
-            lines.append(f"| {name} | {ci(e.get('mse_ratio_to_rloo'))} | {ci(e.get('cosine'))} | "
-                         f"{ci(e.get('bias2_share'))} |")
+            lines.append(md_row(name, ci(e.get('mse_ratio_to_rloo')), ci(e.get('cosine')), ci(e.get('bias2_share'))))
         lines += ["", f"m_C / m_W over prompts: {ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
                   f"test at 0.05 over each prompt's rollouts, k fixed) on "
                   f"{fmt(study.get('equal_norms_rejected'), 2)} of "
                   f"{study.get('equal_norms_testable')} testable prompts. b* - p (how far the optimal constant "
                   f"baseline is from the group mean's expectation): {ci(study.get('b_star_minus_p'))}.", "",
                   _mean_score_sentence(study), "",
-                  "| prompt | p | m_C | m_W | m_C / m_W [95%] | permutation p | verdict | b* (population) | b*_exact |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  *md_table(["prompt", "p", "m_C", "m_W", "m_C / m_W [95%]", "permutation p", "verdict",
+                             "b* (population)", "b*_exact"])]
         for j, p in enumerate(study["per_prompt"]):
             eq = p["equal_norms"]
             interval = f"[{fmt(eq['lo'], 2)}, {fmt(eq['hi'], 2)}]" if eq.get("lo") is not None else "(< 8 a side)"
-            lines.append(f"| {j} | {fmt(p['p'], 2)} | {fmt(p['m_correct'], 4)} | {fmt(p['m_wrong'], 4)} | "
-                         f"{fmt(eq['ratio'], 2)} {interval} | {fmt(eq.get('p'), 3)} | {eq['verdict']} | "
-                         f"{fmt(p['b_star_pop'])} | {fmt(p['b_star_exact'])} |")
+            lines.append(md_row(j, fmt(p['p'], 2), fmt(p['m_correct'], 4), fmt(p['m_wrong'], 4),
+                                f"{fmt(eq['ratio'], 2)} {interval}", fmt(eq.get('p'), 3), eq['verdict'],
+                                fmt(p['b_star_pop']), fmt(p['b_star_exact'])))
         lines.append("")
         opt = s.get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
         findings.append(f"[{label}] Population b* has {ci(opt, 2)} times RLOO's MSE to the reference gradient over "
@@ -77,25 +76,24 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
         if prof:
             plot_credit_position(prof, run_dir / f"credit_position_{label}.png")
             lines += [f"![credit by relative position](credit_position_{label}.png)", "",
-                      "| relative position | " + " | ".join(f"{b / len(prof):.1f}-{(b + 1) / len(prof):.1f}"
-                                                          for b in range(len(prof))) + " |",
-                      "|---|" + "---|" * len(prof),
-                      "| share of update | " + " | ".join(ci(x, 2) for x in prof) + " |", ""]
-        lines += ["| token class | share of the update | share of the tokens (control) | ratio |", "|---|---|---|---|"]
+                      *md_table(["relative position", *(f"{b / len(prof):.1f}-{(b + 1) / len(prof):.1f}"
+                                                        for b in range(len(prof)))],
+                                [["share of update", *(ci(x, 2) for x in prof)]]), ""]
+        lines += md_table(["token class", "share of the update", "share of the tokens (control)", "ratio"])
         for name, v in c["classes"].items():
-            lines.append(f"| {name} | {ci(v['update_share'])} | {ci(v['token_share'])} | {ci(v['ratio'], 2)} |")
+            lines.append(md_row(name, ci(v['update_share']), ci(v['token_share']), ci(v['ratio'], 2)))
         lines += ["", f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K = "
                   f"{mc['samples_per_prefix']} continuations per prefix. Share of tokens in segments whose Monte "
                   f"Carlo advantage has the opposite sign of GRPO's A_i beyond 2 SE: {ci(mc.get('disagree'))}; the "
                   f"same sign: {ci(mc.get('agree'))}; within noise of 0: {ci(mc.get('neutral'))}. Largest "
                   f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.", "",
-                  "| rollout | r | GRPO A_i | prefix lengths | V(prefix) ± SE | segment advantages ± SE |",
-                  "|---|---|---|---|---|---|"]
+                  *md_table(["rollout", "r", "GRPO A_i", "prefix lengths", "V(prefix) ± SE",
+                             "segment advantages ± SE"])]
         for j, row in enumerate(mc["rollouts"]):
             vals = ", ".join(f"{v:.2f}±{e:.2f}" for v, e in zip(row["values"], row["errors"]))
             advs = ", ".join(f"{a:+.2f}±{e:.2f}" for a, e in zip(row["advantages"], row["adv_errors"]))
-            lines.append(f"| {j} | {fmt(row['reward'], 1)} | {fmt(row['grpo_advantage'], 2)} | "
-                         f"{row['boundaries']} | {vals} | {advs} |")
+            lines.append(md_row(j, fmt(row['reward'], 1), fmt(row['grpo_advantage'], 2), row['boundaries'], vals,
+                                advs))
         lines.append("")
     return lines
 

@@ -43,7 +43,7 @@ from grpo_lens.metrics import (
     sparsity_key,
 )
 from grpo_lens.report import plots
-from grpo_lens.report.format import fmt
+from grpo_lens.report.format import fmt, md_row, md_table
 from grpo_lens.rundir import lens_overhead
 
 
@@ -109,8 +109,8 @@ def eval_section(records: list[dict[str, Any]], findings: list[str]) -> list[str
              f"The same {int(rows[0].get(EVAL_PROMPTS) or 0)} held-out prompts at each evaluated step, after its "
              "update: greedy (one completion, the argmax token each time; 95% Wilson interval over prompts) and "
              "sampled (at the training temperature; Wilson interval over completions).", "",
-             "| step | greedy accuracy | sampled accuracy |", "|---|---|---|"]
-    lines += [f"| {r[STEP]} | {cell(r, *greedy)} | {cell(r, *sampled)} |" for r in rows]
+             *md_table(["step", "greedy accuracy", "sampled accuracy"],
+                       [[r[STEP], cell(r, *greedy), cell(r, *sampled)] for r in rows])]
     lines.append("")
     first, last = rows[0], rows[-1]
     if len(rows) > 1:
@@ -132,16 +132,16 @@ def completions_section(rows: list[dict[str, Any]]) -> list[str]:
     per_func = sorted({k for r in shown for k in (r.get("rewards") or {})})
 
     def text(value: Any, n: int = 80) -> str:
-        t = " ".join(str(value).split()).replace("|", "\\|")
+        t = " ".join(str(value).split())  # md_row escapes its '|
         return t if len(t) <= n else t[: n - 1] + "…"
     head = ["step", "prompt", "completion", "reward", *per_func, "advantage"]
     lines = ["### Completions", "", f"The first {COMPLETION_ROWS} logged rollouts of the first and last logged steps "
              "(completions.jsonl has every logged one).", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+             *md_table(head)]
     for r in shown:
         funcs = [fmt((r.get("rewards") or {}).get(f)) for f in per_func]
-        lines.append(f"| {r[STEP]} | {text(r.get('prompt'))} | {text(r.get('completion'))} | {fmt(r.get('reward'))} | "
-                     + "".join(f"{c} | " for c in funcs) + f"{fmt(r.get('advantage'))} |")
+        lines.append(md_row(r[STEP], text(r.get('prompt')), text(r.get('completion')), fmt(r.get('reward')), *funcs,
+                            fmt(r.get('advantage'))))
     return lines + [""]
 
 
@@ -178,12 +178,11 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
                   f"Computed on a fixed sample of {fmt(int(n) if n else None)} weights (standard error of a share "
                   f"<= {fmt(0.5 / math.sqrt(n), 4) if n else '–'}).", "",
                   "![sparsity measures](sparsity_measures.png)", "",
-                  "| step | S1 measured | bf16 unchanged since start | permutation control | dense control | "
-                  "f32 unchanged since start | update Hoyer (step) | update top-1% (step) | gradient zero | "
-                  "gradient Hoyer | gradient top-1% |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  *md_table(["step", "S1 measured", "bf16 unchanged since start", "permutation control",
+                             "dense control", "f32 unchanged since start", "update Hoyer (step)",
+                             "update top-1% (step)", "gradient zero", "gradient Hoyer", "gradient top-1%"])]
         for r in rows:
-            lines.append(" | ".join([f"| {r[STEP]}", fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
+            lines.append(md_row(*[r[STEP], fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
                                      fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
                                      fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
                                      fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
@@ -191,21 +190,21 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
                                      fmt(r.get(SPARSITY_UPDATE_STEP_HOYER)),
                                      fmt(r.get(SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
                                      fmt(r.get(SPARSITY_GRAD_ZERO), 4), fmt(r.get(SPARSITY_GRAD_HOYER)),
-                                     fmt(r.get(SPARSITY_GRAD_TOP1_ENERGY))]) + " |")
+                                     fmt(r.get(SPARSITY_GRAD_TOP1_ENERGY))]))
         last = rows[-1]
         kinds = [k for k in ("embedding", "attention", "mlp", "norm", "other")
                  if last.get(sparsity_key("update_total", "hoyer", k)) is not None]
         if kinds:
             lines += ["", f"By layer type at step {last[STEP]} (update since the start; gradient of the step):", "",
-                      "| layer type | bf16 unchanged | dense control | f32 unchanged | update Hoyer | update top-1% | "
-                      "gradient zero | gradient Hoyer |", "|---|---|---|---|---|---|---|---|"]
+                      *md_table(["layer type", "bf16 unchanged", "dense control", "f32 unchanged", "update Hoyer",
+                                 "update top-1%", "gradient zero", "gradient Hoyer"])]
             for k in kinds:
                 total = {m: last.get(sparsity_key("update_total", m, k))
                          for m in ("bf16_unchanged", "bf16_dense", "f32_unchanged", "hoyer", "top1_energy")}
-                lines.append(" | ".join([f"| {k}", fmt(total["bf16_unchanged"]), fmt(total["bf16_dense"]),
+                lines.append(md_row(*[k, fmt(total["bf16_unchanged"]), fmt(total["bf16_dense"]),
                                          fmt(total["f32_unchanged"], 4), fmt(total["hoyer"]),
                                          fmt(total["top1_energy"]), fmt(last.get(sparsity_key("grad", "zero", k)), 4),
-                                         fmt(last.get(sparsity_key("grad", "hoyer", k)))]) + " |")
+                                         fmt(last.get(sparsity_key("grad", "hoyer", k)))]))
         gap = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
         weights = "the LoRA adapter's weights (not the full model's)" if lora_rank else "weights"
         findings.append(f"After {last[STEP]} steps {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "

@@ -67,6 +67,10 @@ def test_rank_claim_rules_per_measure():
     flat = rank_rows(12, top2=0.93, top1=0.8, null_top2=0.93, erank=2.2, null_erank=2.2, sr=1.7, null_sr=1.7)
     v = rank_verdicts({"4": flat})
     assert set(v.values()) == {DOES_NOT_HOLD}
+    # the top-2 margin 1 - 0.9 is 0.09999999999999998 in floats: the rule text prints it through fmt
+    texts = [c.rule + c.control for c in CLAIMS.get("erank_near_two")(
+        {"meta": {"gradients": "exact"}, "per_group_size": {"4": {"summary": {}, "groups": flat}}})]
+    assert any("inside ±0.10 " in t for t in texts) and not any("999999" in t for t in texts)
     # effectively rank 1: top-1 share 0.97 > 0.9 -> k90 = 1, does not hold (erank 1.9 would read "≈ 2")
     one = rank_rows(12, top2=0.99, top1=0.97, null_top2=0.75, erank=1.9, null_erank=3.6, sr=1.03, null_sr=2.1)
     v = rank_verdicts({"4": one})

@@ -74,6 +74,21 @@ def _findings(report: str) -> list[str]:
     return [line[2:] for line in section.splitlines() if line.startswith("- ")]
 
 
+def _check_tables(report: str) -> int:
+    """Every row of every Markdown table has as many unescaped '|' as its header row (a '|' inside a cell, such as
+    '|A_i|', must be written '\\|' or the renderer splits the cell or drops the table); returns the tables seen."""
+    pipes = re.compile(r"(?<!\\)\|")
+    tables, head = 0, None
+    for line in report.splitlines():
+        if not line.startswith("|"):
+            head = None
+            continue
+        if head is None:
+            head, tables = line, tables + 1
+        assert len(pipes.findall(line)) == len(pipes.findall(head)), f"row {line!r} vs header {head!r}"
+    return tables
+
+
 def _check_images(run: Path, report: str) -> list[str]:
     """Every image the report links exists, is a PNG, and is under 300 KB; returns their names."""
     names = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
@@ -165,7 +180,7 @@ def test_probe_report_shows_s1_and_rank(tmp_path):
     assert "| 4 | 8 | 6 | 2 | 0.625 | 0.580 | 4.0e-08 | 4.00 [4.00, 4.00] | 3.5 / 11.0 |" in report
     # rank table: mean [lo, hi] with lo/hi = mean -/+ 0.05; the null row and the ratio row (1.98 / 3.8 = 0.521)
     assert "| 4 | G1 (rows A_i g_i) | 2 | 1.98 [1.93, 2.03] | 1.50 [1.45, 1.55] |" in report
-    assert "| 4 | orthogonal null (|A_i| ||g_i||) | 2 | 3.80 [3.75, 3.85] |" in report
+    assert "| 4 | orthogonal null (\\|A_i\\| \\|\\|g_i\\|\\|) | 2 | 3.80 [3.75, 3.85] |" in report
     assert "| 4 | G1 / null (ratio) | 2 | 0.52 [0.51, 0.53] |" in report
     assert "| 4 | G3 (rows = groups' updates) | 2 | 1.70 (null 1.90) |" in report
     # zero-sum table: span energy 0.61 vs relabelled 0.71; one group of two has p < 0.05
@@ -185,9 +200,27 @@ def test_probe_report_shows_s1_and_rank(tmp_path):
     assert any(f.startswith("[probe] R=2: G1 erank 1.00") and "R = 2 caps" in f for f in findings)
     assert any("residual of at most 4.0e-08 over 4 mixed 0/1 groups" in f for f in findings)
     assert any("rloo baseline's gradient variance is 1.50x" in f for f in findings)
+    # S1, rank, weightings, two strata, zero-sum, baselines, credit and the claims: 9 tables, none split by a '|'
+    assert _check_tables(report) >= 9
     names = _check_images(tmp_path, report)
     assert {"erank_vs_R_probe.png", "spectra_probe.png", "baseline_variance_probe.png",
             "credit_profile_probe.png"} <= set(names)
+
+
+@pytest.mark.e2e
+def test_no_structure_rule_prints_its_margin_rounded(tmp_path):
+    # 12 groups whose G1 equals its null under every measure (reduction 0 +- 0): the no-structure rule decides, and
+    # its margin for the top-2 share is 1 - 0.9, which is 0.09999999999999998 in floats: printed as 0.10
+    probe = _probe()
+    probe["per_group_size"]["4"]["groups"] = [
+        {"rank/g1_top2_share": 0.93, "rank/g1_top1_share": 0.8, "rank/g1_null_top2_share": 0.93,
+         "rank/g1_erank": 2.2, "rank/g1_null_erank": 2.2, "rank/g1_stable_rank": 1.7, "rank/g1_null_stable_rank": 1.7}
+        for _ in range(12)]
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    report = write_report(tmp_path).read_text()
+    assert "null lies inside ±0.10 (the row norms alone" in report
+    assert "999999" not in report
+    _check_tables(report)
 
 
 @pytest.mark.e2e
