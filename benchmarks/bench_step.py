@@ -442,7 +442,8 @@ def table(args) -> None:
     naive = results.get("plain-naive", {}).get("step")
     flops = floor_flops(runs.get("plain") or runs.get("plain-naive") or [], args.warmup)
     floor = flops / rate if flops else None
-    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), B={args.prompts} prompts x "
+    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), "
+          f"B={args.prompts} prompts x "
           f"R={args.group_size}, max_new_tokens={args.max_new_tokens}, T={args.temperature}; median over steps "
           f"{args.warmup + 1}-{args.steps} of {args.rounds} run(s) per system, in alternating order\n")
     print("| system | s/step | generate | forward | backward | lens | peak MiB | vs plain | vs naive | x floor |")
@@ -470,7 +471,8 @@ def table(args) -> None:
 
 def sweep(args) -> None:
     """grpo-lens alone for R x max_new_tokens, lens off and every step."""
-    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), B={args.sweep_prompts} prompts; median "
+    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), "
+          f"B={args.sweep_prompts} prompts; median "
           f"over steps {args.warmup + 1}-{args.steps}\n")
     print("| R | max_new_tokens | tokens/step | train s/step | train ms/token | lens-every-step s/step | lens s | "
           "lens / update backward | (lens-every-step - train) / update backward |")

@@ -230,8 +230,8 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
                   scope=f"training, step {last[STEP]}",
                   measurement=(f"float32 unchanged since start {fmt(f32, 4)} [{fmt(f32_lo, 4)}, {fmt(f32_hi, 4)}]; "
-                               f"bf16 unchanged {fmt(share, 3)}; {excess} (95% intervals over {_sample_size(rows)} sampled "
-                               f"weights, standard errors {how})"),
+                               f"bf16 unchanged {fmt(share, 3)}; {excess} (95% intervals over "
+                               f"{_sample_size(rows)} sampled weights, standard errors {how})"),
                   control=(f"the same update entries permuted within each tensor leave "
                            f"{fmt(None if perm is None else float(perm), 3)} unchanged in bf16{dense_txt}"),
                   verdict=verdict, rule=why, source=f"lens, fixed stratified sample of {_sample_size(rows)} weights")]
