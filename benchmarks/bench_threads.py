@@ -18,14 +18,14 @@ import os
 import subprocess
 import sys
 
-POLICIES = ("ACTIVE", "PASSIVE")
+POLICIES = ("ACTIVE", "PASSIVE")  # and "unset": OpenMP's own default (libgomp: spin a while, then sleep)
 
 
 def worker(model_name: str, group_size: int, repeats: int) -> dict[str, float]:
     """Time the two passes in this process (its OMP_WAIT_POLICY already set); returns {pass: best seconds}."""
     import time
 
-    import torch
+    import torch  # before grpo_lens, whose import would set PASSIVE where the variable is unset
 
     from grpo_lens.gradients.gram import exact_rollout_gram
     from grpo_lens.gradients.scores import rollout_scores
@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model (default: the default model)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=[*POLICIES, "unset"],
+                    help="policies to time, the first is the numerator of each ratio (default: ACTIVE PASSIVE)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -74,17 +76,22 @@ def main() -> None:
         return
     print(f"load average before: {'%.2f %.2f %.2f' % os.getloadavg()}")
     results = {}
-    for policy in POLICIES:
+    for policy in args.policies:
         cmd = [sys.executable, __file__, "--worker", "--group-size", str(args.group_size), "--repeats",
                str(args.repeats)] + (["--model", args.model] if args.model else [])
-        done = subprocess.run(cmd, env={**os.environ, "OMP_WAIT_POLICY": policy}, capture_output=True, text=True,
-                              check=True)
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if policy != "unset":  # the worker imports torch before grpo_lens: OpenMP reads the environment as given
+            env["OMP_WAIT_POLICY"] = policy
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         results[policy] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"R = {args.group_size}, torch threads {results['PASSIVE']['threads']}, best of {args.repeats}")
-    print(f"{'pass':<26} {'ACTIVE s':>9} {'PASSIVE s':>10} {'ACTIVE / PASSIVE':>17}")
+    first, others = args.policies[0], args.policies[1:]
+    print(f"R = {args.group_size}, torch threads {results[first]['threads']}, best of {args.repeats}")
+    print(f"{'pass':<26}" + "".join(f" {p + ' s':>11}" for p in args.policies)
+          + "".join(f" {first + ' / ' + p:>18}" for p in others))
     for name in ("plain forward + backward", "exact Gram pass"):
-        a, p = results["ACTIVE"][name], results["PASSIVE"][name]
-        print(f"{name:<26} {a:>9.2f} {p:>10.2f} {a / p:>17.2f}")
+        secs = [results[p][name] for p in args.policies]
+        print(f"{name:<26}" + "".join(f" {t:>11.2f}" for t in secs)
+              + "".join(f" {secs[0] / t:>18.2f}" for t in secs[1:]))
     print(f"load average after: {'%.2f %.2f %.2f' % os.getloadavg()}")
 
 
