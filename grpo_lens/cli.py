@@ -25,8 +25,6 @@ import warnings
 from pathlib import Path
 from typing import Callable, TypeVar
 
-import yaml
-
 from grpo_lens import __version__
 from grpo_lens.claims.calibrate import CalibrationConfig, render, run_calibration
 from grpo_lens.config import (
@@ -50,7 +48,7 @@ from grpo_lens.probe.partial import PartialProbe
 from grpo_lens.probe.run import run_probe
 from grpo_lens.report import write_report
 from grpo_lens.report.compare import CompareError, compare_runs
-from grpo_lens.rundir import RunDirError
+from grpo_lens.rundir import RunDirError, read_saved_config
 from grpo_lens.train.loop import NonFiniteUpdateError, NoScorableRolloutError, train
 
 
@@ -124,14 +122,7 @@ def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
     Raises:
         RunDirError: config.yaml is unreadable.  ConfigError: the --config file or a resulting value is invalid.
     """
-    try:
-        values = yaml.safe_load(saved.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise RunDirError(f"--resume: cannot read {saved} ({type(e).__name__}); restore it or start a new run in "
-                          f"another --out") from None
-    if not isinstance(values, dict):
-        raise RunDirError(f"--resume: {saved} does not hold a config mapping; restore it or start a new run in "
-                          f"another --out")
+    values = read_saved_config(saved, "restore it or start a new run in another --out")
     values = cls.canonical(values, f"in {saved}")
     if args.config:
         from_file = cls.read(args.config)

@@ -100,6 +100,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def read_saved_config(path: Path, remedy: str, error: type[Exception] = RunDirError,
+                      empty_ok: bool = True) -> dict[str, Any]:
+    """The settings mapping of a saved config.yaml, read for ``--resume`` (a run's or a partial probe's).
+
+    Args:
+        path: the config.yaml.   remedy: what the user can do, ending each error message.
+        error: the exception class raised.   empty_ok: an empty file reads as {} (else it is "not a mapping").
+
+    Raises:
+        ``error``: the file is unreadable, not YAML, or does not hold a mapping.
+    """
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise error(f"--resume: cannot read {path} ({type(e).__name__}); {remedy}") from None
+    if values is None and empty_ok:
+        values = {}
+    if not isinstance(values, dict):
+        raise error(f"--resume: {path} does not hold a config mapping; {remedy}")
+    return values
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -162,14 +184,7 @@ class RunDir:
             if not has_run:
                 raise RunDirError(f"--resume: {self.path} holds no run (no config.yaml); start a new run with "
                                   f"--out {self.path} and without --resume")
-            try:
-                saved = yaml.safe_load(self.config_path.read_text()) or {}
-            except (OSError, yaml.YAMLError) as e:
-                raise RunDirError(f"--resume: cannot read {self.config_path} ({type(e).__name__}: {e}); restore it "
-                                  f"or start a new run in another --out") from None
-            if not isinstance(saved, dict):
-                raise RunDirError(f"--resume: {self.config_path} does not hold a config mapping; restore it or start "
-                                  f"a new run in another --out")
+            saved = read_saved_config(self.config_path, "restore it or start a new run in another --out")
             if canonical is not None:
                 saved = canonical(saved, f"in {self.config_path}")
             for key, value in config_dict.items():

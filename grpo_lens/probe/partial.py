@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from grpo_lens.config import ConfigError
-from grpo_lens.rundir import atomic_write_text
+from grpo_lens.rundir import atomic_write_text, read_saved_config
 
 #: Probe settings that may differ when a probe resumes: they change no number (the train loop lets device change too).
 RESUMABLE_KEYS = ("progress", "device")
@@ -99,15 +99,8 @@ class PartialProbe:
         Raises:
             ConfigError: config.yaml is unreadable or not a mapping, saying what to do.
         """
-        try:
-            saved = yaml.safe_load(self.config_path.read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"--resume: cannot read {self.config_path} ({type(e).__name__}); restore it, or pass "
-                              f"--overwrite (without --resume) to start the probe over") from None
-        if not isinstance(saved, dict):
-            raise ConfigError(f"--resume: {self.config_path} does not hold a config mapping; restore it, or pass "
-                              f"--overwrite (without --resume) to start the probe over")
-        return saved
+        return read_saved_config(self.config_path, "restore it, or pass --overwrite (without --resume) to start the "
+                                 "probe over", error=ConfigError, empty_ok=False)
 
     def check_config(self, config_dict: dict[str, Any]) -> None:
         """Refuse to resume with settings other than the ones the partial probe's prompts were measured with.
