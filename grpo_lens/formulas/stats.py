@@ -8,7 +8,8 @@ A "row" is the dict of canonical keys that :func:`grpo_lens.analysis.group.analy
   its 0.1 names.
 - :func:`summarise_rows`, :func:`stratify_rows`: {key: interval} over rows, and per stratum (k, distinct completions).
 - :func:`spearman_trend` (permutation test of a monotone trend), :func:`wilson_interval` (a binomial share),
-  :func:`stratified_mean_se` (a weighted mean from a stratified sample), :func:`student_t_quantile`.
+  :func:`stratified_mean_se` (a weighted mean from a stratified sample), :func:`student_t_quantile`;
+  :func:`trend_windows`: the first and last thirds a trend's measurement compares.
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ def student_t_quantile(p: float, df: int) -> float:
 #: probe.json and the reports follows (docs/theory.md §7). With 2 values every resample with a spread is the pair
 #: itself and the interval collapses to the data's range; with a handful the quantiles come from a few distinct means.
 MIN_INTERVAL_UNITS = 8
+
+
+def trend_windows(n: int) -> tuple[slice, slice]:
+    """The first and the last third of ``n`` ordered values (steps), at least one value each: the windows whose means
+    a trend's measurement prints beside its test (S1 over training: the claim ``zero_variance_share_rises`` and the
+    report's finding read these same slices, so the two cannot disagree).
+
+    Returns:
+        (first, last): slices of length max(n // 3, 1); they overlap only when n < 2.
+
+    Raises:
+        ValueError: n < 1.
+    """
+    if n < 1:
+        raise ValueError(f"trend_windows needs at least one value, got n = {n}")
+    third = max(n // 3, 1)
+    return slice(0, third), slice(n - third, n)
 
 
 def has_interval(n: int) -> bool:

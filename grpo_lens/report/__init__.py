@@ -23,7 +23,8 @@ from typing import Any
 import yaml
 
 from grpo_lens.claims.base import evaluate_claims, family_wise_note
-from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+from grpo_lens.claims.sparsity import MIN_S1_STEPS, TRAINING_CLAIMS
+from grpo_lens.formulas.stats import mean_interval, trend_windows
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
 from grpo_lens.metrics import (
     BASELINE_B_STAR,
@@ -79,7 +80,16 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.report import plots
 from grpo_lens.report.answers import answers_section
-from grpo_lens.report.format import ci, fmt, md_row, md_table
+from grpo_lens.report.format import (
+    FEW_MARK,
+    FEW_NOTE,
+    ci,
+    few_footnotes,
+    fmt,
+    mark_few,
+    md_row,
+    md_table,
+)
 from grpo_lens.report.studies import studies_section
 from grpo_lens.report.training_measures import (
     MIN_TREND_STEPS,
@@ -139,6 +149,24 @@ def lens_gradient_source(records: list[dict[str, Any]], lora_rank: int = 0, lens
     if any(r.get(GRAD_GRAM_COVERAGE) is not None for r in records):
         return "exact_gram"
     return "exact_adapter" if lora_rank and lens_space == "trainable" else "sketch"
+
+
+def s1_trend_finding(records: list[dict[str, Any]]) -> str | None:
+    """The Findings sentence on S1 over training: the means of S1 (and accuracy) over the first and last thirds of
+    the steps, the windows of :func:`grpo_lens.formulas.stats.trend_windows` that the claims table's S1 measurement
+    (claim ``zero_variance_share_rises``) prints, on the same steps (those that logged S1); None below
+    :data:`grpo_lens.claims.sparsity.MIN_S1_STEPS` steps, the fewest the S1 trend is tested on."""
+    rows = [r for r in records if r.get(REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(STEP) is not None]
+    if len(rows) < MIN_S1_STEPS:
+        return None
+    first, last = (rows[s] for s in trend_windows(len(rows)))
+    s1 = [mean_interval([float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in w], bounds=(0.0, 1.0)) for w in (first, last)]
+    acc = [_mean([r.get(REWARD_ACCURACY) for r in w]) for w in (first, last)]
+    verb = "rose" if s1[1]["mean"] > s1[0]["mean"] else ("fell" if s1[1]["mean"] < s1[0]["mean"] else "stayed flat")
+    return (f"S1 (zero-variance group share) {verb}: {ci(s1[0], 2)} over the first third of the steps "
+            f"({first[0][STEP]}–{first[-1][STEP]}) -> {ci(s1[1], 2)} over the last third ({last[0][STEP]}–"
+            f"{last[-1][STEP]}), while accuracy went {fmt(acc[0])} -> {fmt(acc[1])} over the same steps (the "
+            "claims table tests the trend over every step).")
 
 
 def training_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
@@ -211,12 +239,9 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
                          if estimator in ("optimal", "reinforce") else
                          "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
                          "rollout under overlong masking)") + ".", ""]
-    s1 = [r.get(REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
-    s1_head, s1_tail = _mean(s1[:w]), _mean(s1[n - w:])
-    if trend and s1_head is not None and s1_tail is not None:
-        direction = "rose" if s1_tail > s1_head else ("fell" if s1_tail < s1_head else "stayed flat")
-        findings.append(f"S1 (zero-variance group share) {direction}: {fmt(s1_head)} (first steps) -> "
-                        f"{fmt(s1_tail)} (last steps), while accuracy went {fmt(a0)} -> {fmt(a1)}.")
+    s1_finding = s1_trend_finding(records)
+    if s1_finding:
+        findings.append(s1_finding)
     lines += eval_section(records, findings)
     lines += training_measures_section(records, run_dir, findings, lora_rank=lora_rank)
     if lens_steps:
@@ -524,7 +549,8 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
     for label, probe in sources.items():
         for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None):
             evaluated.append(c)
-            cells = [c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", c.rule, c.source]
+            cells = [mark_few(x) for x in (c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**",
+                                             c.rule, c.source)]
             lines.append(md_row(*([label] if multi else []), *cells))
     note = family_wise_note(evaluated)
     return lines + ([""] + [note] if note else []) + [""]
@@ -578,6 +604,9 @@ def write_report(run_dir: Path) -> Path:
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
         header += claims_section(probes, records, lora_rank)
     header += ["## Findings", "", *[f"- {f}" for f in findings], ""]
+    lines = few_footnotes(header + body)
+    if any(FEW_MARK in line for line in lines):  # the mark's meaning, once, under the title
+        lines[4:4] = [FEW_NOTE, ""]
     path = run_dir / "report.md"
-    path.write_text("\n".join(header + body) + "\n")
+    path.write_text("\n".join(lines) + "\n")
     return path

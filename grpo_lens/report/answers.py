@@ -14,6 +14,7 @@ from typing import Any
 
 from grpo_lens.claims.base import INCONCLUSIVE, Claim, evaluate_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+from grpo_lens.report.format import mark_few
 
 
 def claim_sources(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None,
@@ -58,4 +59,4 @@ def answers_section(probes: dict[str, dict[str, Any]], records: list[dict[str, A
     sources = claim_sources(probes, records, lora_rank)
     if not any(sources.values()):
         return []
-    return answer_lines(sources)
+    return [mark_few(line) for line in answer_lines(sources)]  # "(n = 4 groups)†", as the tables print it

@@ -65,8 +65,19 @@ def _legend(ax, **kw) -> None:
         ax.legend(**kw)
 
 
+def legend_below(ax, ncol: int = 2, **kw) -> None:
+    """A legend under the panel, outside the data (where a legend inside would cover points), when something is
+    labelled; :func:`_save`'s tight layout makes room for it."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False, **kw)
+
+
 #: x-axis labels of whole-number axes: they get integer ticks (no 1.5 on a short run).
 INTEGER_AXES = ("step", "index k", "completion token position")  # R axes set their own ticks
+
+
+#: at most this many distinct x values drawn: the ticks are those values themselves (a 2-step run shows 1 and 2 only)
+MAX_DATA_TICKS = 12
 
 
 def integer_ticks(ax) -> None:
@@ -79,11 +90,29 @@ def integer_ticks(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def drawn_x(axes) -> list[float]:
+    """The distinct x values of the data lines of ``axes`` (lines in data coordinates: not axhline/axvline), sorted."""
+    return sorted({float(x) for a in axes for ln in a.lines if ln.get_transform() == a.transData
+                   for x in ln.get_xdata()})
+
+
+def data_ticks(ax, xs: list[float]) -> None:
+    """Ticks of an integer x axis: the drawn values themselves when they are at most :data:`MAX_DATA_TICKS` whole
+    numbers (no tick at a step that was not logged; one step: one tick, centred with room either side), else
+    :func:`integer_ticks`."""
+    if not xs or len(xs) > MAX_DATA_TICKS or not all(x.is_integer() for x in xs):
+        integer_ticks(ax)
+        return
+    ax.set_xticks(xs)
+    if len(xs) == 1:
+        ax.set_xlim(xs[0] - 1, xs[0] + 1)
+
+
 def _save(fig, path: Path) -> Path:
-    for ax in fig.axes:  # steps and indices are whole numbers: no 1.5 ticks
+    for ax in fig.axes:  # steps and indices are whole numbers: no 1.5 ticks, no tick at a step not drawn
         siblings = ax.get_shared_x_axes().get_siblings(ax)
         if ax.get_xlabel() in INTEGER_AXES or any(a.get_xlabel() in INTEGER_AXES for a in siblings):
-            integer_ticks(ax)
+            data_ticks(ax, drawn_x(siblings))
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -327,8 +356,9 @@ def plot_rank_over_training(records: list[dict[str, Any]], path: Path) -> Path:
     """G1's rank per lens step, mean over the step's mixed groups with its 95% interval (error bars) where there are
     >= 8 groups:
     the top-2 / top-1 energy shares against the 0.9 line of "k90 = 2" (left), erank and stable rank against the
-    band [1.5, 2.5] of "≈ 2" (right); docs/theory.md §11."""
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
+    band [1.5, 2.5] of "≈ 2" (right); docs/theory.md §11. The legends sit under the panels (inside, they covered
+    points); the step ticks are the lens steps drawn (:func:`data_ticks`), one lens step: one tick."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(SIZE[0], SIZE[1] * 1.2))
     for ax, measures, title in ((a1, ("top2_share", "top1_share"), "energy shares of G1's top directions"),
                                 (a2, ("erank", "stable_rank"), "effective rank of G1")):
         for m in measures:
@@ -353,6 +383,6 @@ def plot_rank_over_training(records: list[dict[str, Any]], path: Path) -> Path:
     a2.set_ylabel("rank (dimensionless)")
     a2.axhspan(1.5, 2.5, color="gray", alpha=0.15, label="≈ 2: [1.5, 2.5]")
     a2.set_ylim(bottom=0)
-    _legend(a1, fontsize=7)
-    _legend(a2, fontsize=7)
+    legend_below(a1, fontsize=7)
+    legend_below(a2, fontsize=7)
     return _save(fig, path)

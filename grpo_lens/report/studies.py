@@ -14,8 +14,9 @@ from typing import Any, Sequence
 
 import matplotlib.pyplot as plt
 
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS
 from grpo_lens.report import plots
-from grpo_lens.report.format import ci, fmt, md_row, md_table
+from grpo_lens.report.format import ci, fmt, interval, md_row, md_table
 
 
 def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
@@ -113,18 +114,27 @@ def _mean_score_sentence(study: dict[str, Any]) -> str:
 
 
 def plot_credit_position(profile: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Mean share of the group update per relative-position bin, with 95% intervals."""
+    """Mean share of the group update per relative-position bin, with its 95% interval as an error bar only where the
+    bin has one (:func:`grpo_lens.report.format.interval`, the rule the table's cells follow: no bar where a cell
+    reads "(n = N)†"); the legend says so when some bins have none."""
     fig, ax = plt.subplots(figsize=plots.SIZE)
     n = len(profile)
     xs = [(b + 0.5) / n for b in range(n)]
     ys = [p.get("mean") if p.get("mean") is not None else math.nan for p in profile]
-    lo = [(y - p["lo"]) if p.get("lo") is not None else 0.0 for y, p in zip(ys, profile)]
-    hi = [(p["hi"] - y) if p.get("hi") is not None else 0.0 for y, p in zip(ys, profile)]
-    ax.bar(xs, ys, width=0.8 / n, yerr=[lo, hi], capsize=2)
+    bars = ax.bar(xs, ys, width=0.8 / n, label="mean share over groups")
+    bounds = [(x, y, interval(p)) for x, y, p in zip(xs, ys, profile)]
+    with_ci = [(x, y, b) for x, y, b in bounds if b is not None]
+    if with_ci:
+        ax.errorbar([x for x, _, _ in with_ci], [y for _, y, _ in with_ci],
+                    yerr=[[y - b[0] for _, y, b in with_ci], [b[1] - y for _, y, b in with_ci]], fmt="none",
+                    ecolor="k", capsize=2, label="95% interval over groups")
+    if len(with_ci) < n:
+        few = n - len(with_ci)
+        bars.set_label(f"mean share over groups ({few} of {n} bins: n < {MIN_INTERVAL_UNITS}, no interval)")
     ax.axhline(1.0 / n, color="gray", ls=":", lw=0.8, label="uniform over positions")
     ax.set_xlabel("relative position in the completion")
     ax.set_ylabel("share of the group update")
     ax.set_title("signed token contributions by position", fontsize=9)
     ax.grid(alpha=0.3)
-    plots._legend(ax, fontsize=7)
+    plots.legend_below(ax, ncol=1, fontsize=7)
     return plots._save(fig, path)

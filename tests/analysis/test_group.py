@@ -231,4 +231,4 @@ def test_one_rule_for_the_fewest_units_of_an_interval():
     assert strata["1"]["a"]["lo"] is None and strata["2"]["a"]["lo"] is not None
     # and the text says so instead of printing a collapsed interval
     from grpo_lens.report import _ci as report_ci
-    assert report_ci({"mean": 3.45, "lo": None, "hi": None, "n": 2}) == "3.45 (n = 2, too few for an interval)"
+    assert report_ci({"mean": 3.45, "lo": None, "hi": None, "n": 2}) == "3.45 (n = 2)†"  # † said once per report

@@ -156,8 +156,10 @@ def test_training_tables_show_the_numbers(tmp_path):
     # baselines: m_C / m_W = 0.02 / 0.04 = 0.5 < 1, so b* sits below the group mean
     assert "| 5 | 0.440 | 0.500 | 0.0200 | 0.0400 | 0.500 |" in report
     assert "m_C / m_W over 2 lens step(s): 0.500: correct rollouts had smaller" in report
-    # S1: mean of the first 5 = (4 * 0.25 + 0.375) / 5 = 0.275; last 5 the same -> flat
-    assert "S1 (zero-variance group share) stayed flat: 0.275 (first steps) -> 0.275 (last steps)" in report
+    # S1 over the thirds of 10 steps (3 each, too few for an interval): steps 1-3 all 0.25; steps 8-10
+    # (0.25 + 0.25 + 0.375) / 3 = 0.2917 -> rose; accuracy 0.2 -> 0.9 over the same steps
+    assert ("S1 (zero-variance group share) rose: 0.25 (n = 3)† over the first third of the steps (1–3) -> "
+            "0.29 (n = 3)† over the last third (8–10), while accuracy went 0.200 -> 0.900") in report
     # no S1 prediction in training (it would be computed from the groups it predicts)
     assert "S1 predicted" not in report.split("## Training", 1)[1]
     # lens cost: 2 lens steps x 0.5 s against 10 x 2 s - 1 s = 19 s without the lens: 5.3%
