@@ -40,6 +40,7 @@ from grpo_lens.metrics import (
     GROUP_DISTINCT_COMPLETIONS,
     GROUPS_ALL_EQUAL,
     GROUPS_MIXED,
+    LR,
     PERF_LENS_SECONDS,
     PERF_STEP_SECONDS,
     PROBE_BASELINES,
@@ -169,11 +170,25 @@ def s1_trend_finding(records: list[dict[str, Any]]) -> str | None:
             "claims table tests the trend over every step).")
 
 
+def schedule_text(cfg: dict[str, Any]) -> str | None:
+    """The learning-rate schedule of a saved config in words ("cosine, 2 warm-up steps"); None when the config does
+    not name one (a run from before schedules existed)."""
+    name = cfg.get("lr_scheduler")
+    if not name:
+        return None
+    warm = cfg.get("warmup_steps") or 0
+    warm_text = ("" if not warm else f", warm-up {float(warm):g} of max_steps" if 0 < float(warm) < 1
+                 else f", {int(float(warm))} warm-up steps")
+    return f"{name}{warm_text}"
+
+
 def training_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
-                     lora_rank: int = 0, estimator: str | None = None, lens_space: str = "trainable") -> list[str]:
-    """Learning curves, sparsity and baselines over training (``lora_rank`` > 0: a LoRA run, whose sparsity numbers
-    are over the adapter's weights; ``lens_space``: the run's config option, naming the baselines' gradient source
-    with :func:`lens_gradient_source`)."""
+                     lora_rank: int = 0, estimator: str | None = None, lens_space: str = "trainable",
+                     schedule: str | None = None) -> list[str]:
+    """Learning curves, the learning rate, sparsity and baselines over training (``lora_rank`` > 0: a LoRA run, whose
+    sparsity numbers are over the adapter's weights; ``lens_space``: the run's config option, naming the baselines'
+    gradient source with :func:`lens_gradient_source`; ``schedule``: the learning-rate schedule in words,
+    :func:`schedule_text`, titling the learning-rate plot)."""
     lines = ["## Training", ""]
     n = len(records)
     w = min(5, n // 2)  # non-overlapping first / last windows; fewer than MIN_TREND_STEPS steps: no trend
@@ -207,6 +222,9 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
         findings.append(dynamic)
     plots.plot_learning_curves(records, run_dir / "learning_curves.png")
     lines += ["![learning curves](learning_curves.png)", ""]
+    if any(r.get(LR) is not None for r in records):
+        plots.plot_learning_rate(records, run_dir / "learning_rate.png", schedule)
+        lines += ["![learning rate](learning_rate.png)", ""]
 
     lines += ["### Sparsity of the gradient over training", "",
               "S1 is the share of groups whose rewards are all equal: they carry exactly zero policy gradient "
@@ -582,7 +600,7 @@ def write_report(run_dir: Path) -> Path:
     if records:
         body += training_section(records, run_dir, findings, lora_rank, estimator=estimator,
                                  lens_space=str(cfg.get("lens_space") or "trainable") if isinstance(cfg, dict)
-                                 else "trainable")
+                                 else "trainable", schedule=schedule_text(cfg) if isinstance(cfg, dict) else None)
         body += completions_section(_read_jsonl(train_dir / "completions.jsonl"))
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)

@@ -26,6 +26,7 @@ from grpo_lens.metrics import (
     CLIP_RATIO_REGION,
     COMPLETIONS_MEAN_LENGTH,
     KL_MEAN,
+    LR,
     POLICY_ENTROPY,
     PROBE_BASELINES,
     PROBE_CREDIT,
@@ -40,6 +41,7 @@ from grpo_lens.metrics import (
     SPARSITY_UPDATE_TOTAL,
     SPARSITY_UPDATE_TOTAL_BF16_DENSE,
     SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
+    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
     SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
     STEP,
     rank_key,
@@ -47,6 +49,19 @@ from grpo_lens.metrics import (
 
 DPI = 90
 SIZE = (6.4, 3.6)
+
+
+#: the colour of a series drawn in more than one figure of the report, the same wherever it appears (S4 and its
+#: controls in sparsity.png and sparsity_measures.png; accuracy beside the reward and beside S1)
+SERIES_COLOURS = {REWARD_ACCURACY: "tab:gray", SPARSITY_UPDATE_TOTAL: "tab:orange",
+                  SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED: "tab:orange", SPARSITY_UPDATE_TOTAL_BF16_PERMUTED: "tab:green",
+                  SPARSITY_UPDATE_TOTAL_BF16_DENSE: "tab:red", SPARSITY_UPDATE_TOTAL_F32_UNCHANGED: "tab:purple"}
+
+
+def series_colour(key: str) -> str | None:
+    """The fixed colour of a metric key drawn in several figures (:data:`SERIES_COLOURS`); None: the axes' next
+    colour."""
+    return SERIES_COLOURS.get(key)
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -144,7 +159,7 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
         for key, label in keys:
             xs, ys = _series(records, key)
             if xs:
-                ax.plot(xs, ys, marker=".", label=label)
+                ax.plot(xs, ys, marker=".", label=label, color=series_colour(key))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if len(keys) > 1:
@@ -161,22 +176,39 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
     return _save(fig, path)
 
 
+def plot_learning_rate(records: list[dict[str, Any]], path: Path, schedule: str | None = None) -> Path:
+    """The learning rate of each step (``lr``, the value the step's optimizer updates used), one line; the title
+    names the schedule when given (e.g. "cosine, 2 warm-up steps")."""
+    fig, ax = plt.subplots(figsize=(SIZE[0], SIZE[1] * 0.8))
+    xs, ys = _series(records, LR)
+    if xs:
+        ax.plot(xs, ys, marker=".", color="tab:gray")
+    ax.set_xlabel("step")
+    ax.set_ylabel("learning rate (AdamW lr)")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    ax.set_ylim(bottom=0)
+    ax.set_title("learning rate per step" + (f" ({schedule})" if schedule else ""), fontsize=9)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     """S1 measured, and S4 bf16 update sparsity per step and since the start beside its within-tensor permutation
-    control, the dense-update control and the float32-unchanged share the S4 claim rests on."""
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
+    control, the dense-update control and the float32-unchanged share the S4 claim rests on. Legends under the panels:
+    the shares sit near 0 and 1, where a legend inside covers them."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(SIZE[0], SIZE[1] * 1.5))
     for key, label in [(REWARD_FRAC_ZERO_STD_GROUPS, "S1 measured")]:
         xs, ys = _series(records, key)
         if xs:
             a1.plot(xs, ys, marker=".", label=label)
     xs, ys = _series(records, REWARD_ACCURACY)
     if xs:
-        a1.plot(xs, ys, color="gray", alpha=0.5, label="accuracy")
+        a1.plot(xs, ys, color=series_colour(REWARD_ACCURACY), alpha=0.5, label="accuracy")
     a1.set_title("zero-variance groups (S1)", fontsize=9)
     a1.set_xlabel("step")
     a1.set_ylabel("S1: share of groups with equal rewards\n(accuracy: share of rollouts)", fontsize=8)
     a1.set_ylim(-0.02, 1.02)
-    _legend(a1, fontsize=7)
+    legend_below(a1, ncol=1, fontsize=7)
     a1.grid(alpha=0.3)
     for key, label, style in [(SPARSITY_UPDATE_STEP, "this step", "-"), (SPARSITY_UPDATE_TOTAL, "since start", "-"),
                               (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "since start, permutation control", "--"),
@@ -184,12 +216,12 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
                               (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "since start, float32 unchanged", "-.")]:
         xs, ys = _series(records, key)
         if xs:
-            a2.plot(xs, ys, marker=".", label=label, linestyle=style)
+            a2.plot(xs, ys, marker=".", label=label, linestyle=style, color=series_colour(key))
     a2.set_title("bf16 update sparsity (S4)", fontsize=9)
     a2.set_xlabel("step")
     a2.set_ylabel("share of parameters unchanged")
     a2.set_ylim(-0.02, 1.02)
-    _legend(a2, fontsize=7)
+    legend_below(a2, ncol=1, fontsize=7)
     a2.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -337,15 +369,22 @@ def plot_baseline_variance(probe: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+#: what the probe's per-position credit profile is computed from, in every gradient source (exact, sketch or exact
+#: Gram): each position's contribution to a linear layer's weight gradient is the rank-one delta_t x_t^T, so its norm
+#: is exact without materialising the gradient (:func:`grpo_lens.gradients.sketch.token_grad_sq_norms`)
+CREDIT_PROFILE_SOURCE = "exact, nn.Linear weights"
+
+
 def plot_credit_profile(probe: dict[str, Any], path: Path) -> Path:
-    """Per-position gradient norm of completion tokens, averaged over rollouts, one line per R."""
+    """Per-position gradient norm of completion tokens, averaged over rollouts, one line per R; the y axis names
+    :data:`CREDIT_PROFILE_SOURCE` (the same whatever the probe's ``meta.gradients``: the sketch does not enter it)."""
     fig, ax = plt.subplots(figsize=SIZE)
     for r in sorted(probe["per_group_size"], key=int):
         prof = probe["per_group_size"][r].get(PROBE_CREDIT, {}).get("position_profile") or []
         if prof:
             ax.plot(range(1, len(prof) + 1), prof, marker=".", label=f"R={r}")
     ax.set_xlabel("completion token position")
-    ax.set_ylabel("mean per-token gradient norm (sketch)")
+    ax.set_ylabel(f"mean per-token gradient norm\n({CREDIT_PROFILE_SOURCE})", fontsize=8)
     ax.set_title("where the gradient sits along a completion", fontsize=9)
     _legend(ax, fontsize=7)
     ax.grid(alpha=0.3)

@@ -53,15 +53,17 @@ def lens_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
-    """bf16-unchanged since start beside its dense control and float32-unchanged; Hoyer and top-1% energy of the
+    """bf16-unchanged since start beside its permutation and dense controls and float32-unchanged (each in its
+    :data:`grpo_lens.report.plots.SERIES_COLOURS` colour and line style, as in sparsity.png); Hoyer and top-1% energy of the
     step's update and gradient; Hoyer of the update since start per layer type."""
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(plots.SIZE[0] * 1.5, plots.SIZE[1]))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(plots.SIZE[0] * 1.5, plots.SIZE[1] * 1.4))
     for key, label, style in [(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
-                              (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", "--"),
-                              (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", ":")]:
+                              (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "permutation control", "--"),
+                              (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", ":"),
+                              (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", "-.")]:
         xs, ys = plots._series(records, key)
         if xs:
-            a1.plot(xs, ys, marker=".", linestyle=style, label=label)
+            a1.plot(xs, ys, marker=".", linestyle=style, label=label, color=plots.series_colour(key))
     a1.set_title("since start: unchanged shares", fontsize=9)
     a1.set_ylabel("share of sampled weights unchanged")
     a1.set_ylim(-0.02, 1.02)
@@ -83,7 +85,7 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
     for ax in (a1, a2, a3):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        plots._legend(ax, fontsize=6)
+        plots.legend_below(ax, ncol=1, fontsize=6)  # shares and Hoyer values reach 0 and 1: inside, it covers them
     return plots._save(fig, path)
 
 
