@@ -139,3 +139,25 @@ def register_trl_names(names: Names, fields: set[str]) -> None:
 
 #: A value of each alias that translates (to find the fields it sets).
 _SAMPLE = {"loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": True, "warmup_ratio": 0.1}
+
+
+def grpo_lens_settings(trl_settings: Mapping[str, Any]) -> dict[str, Any]:
+    """TRL's ``GRPOConfig`` values (``{"num_generations": 4, "epsilon": 0.2, ...}``) under grpo-lens' field names,
+    through :data:`ALIASES`; a name grpo-lens shares (``beta``, ``temperature``) stays as it is. Names with no
+    grpo-lens counterpart (:data:`REFUSED`), values without a grpo-lens meaning and unset (None) values are left out:
+    they say nothing a grpo-lens run could agree or differ with.
+
+    Used by ``grpo-lens compare`` to put a TRL run's settings (its config.yaml's ``trl`` block) beside a grpo-lens run's.
+    """
+    out: dict[str, Any] = {}
+    for name, value in trl_settings.items():
+        if value is None or name in REFUSED:
+            continue
+        if name not in ALIASES:
+            out[name] = value
+            continue
+        try:
+            out.update(ALIASES[name].translate(value, trl_settings))
+        except ConfigError:
+            continue
+    return out
