@@ -122,11 +122,13 @@ class Alias:
         translate: ``(value, every name given) -> {field: value}``; raises :class:`ConfigError` when the value has no
             grpo-lens meaning (saying which option to use instead).
         flag_type: the argparse type of its hidden flag (``bool`` gives ``--name`` / ``--no-name``).
+        fields: the fields it sets; their ``--help`` names it ("also: --num-generations (TRL)").
     """
 
     library: str
     translate: Callable[[Any, Mapping[str, Any]], dict[str, Any]]
     flag_type: type = str
+    fields: tuple[str, ...] = ()
 
 
 class Names:
@@ -414,6 +416,16 @@ def _add_flag(parser: argparse.ArgumentParser, flag: str, dest: str, f_: datacla
         parser.add_argument(flag, dest=dest, type=base, default=None, help=help_)
 
 
+def other_library_flags(cls: type) -> dict[str, list[str]]:
+    """{field: ["--num-generations (TRL)", ...]}: the other libraries' flags (:class:`Alias`) that set each field of
+    config class ``cls``, for its ``--help`` and the README's CLI reference."""
+    also: dict[str, list[str]] = {}
+    for name, alias in cls.names.aliases.items():
+        for target in alias.fields:
+            also.setdefault(target, []).append(f"--{name.replace('_', '-')} ({alias.library})")
+    return also
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """Add one ``--flag`` per dataclass field, help from the field's metadata, default None (= not given).
 
@@ -421,11 +433,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
     hidden flags that take any values; :func:`config_from_args` turns both into the current name or the refusal.
     """
     by_name = {f_.name: f_ for f_ in fields(cls)}
+    also = other_library_flags(cls)
     for f_ in fields(cls):
         if f_.name in skip:
             continue
+        others = f"; also: {', '.join(also[f_.name])}" if f_.name in also else ""
         _add_flag(parser, "--" + f_.name.replace("_", "-"), f_.name, f_,
-                  f"{f_.metadata.get('help', '')} (default: {_default(f_)})")
+                  f"{f_.metadata.get('help', '')} (default: {_default(f_)}{others})")
     for old, new in cls.names.renamed.items():
         if new in by_name and new not in skip:
             _add_flag(parser, "--" + old.replace("_", "-"), old, by_name[new], argparse.SUPPRESS)
@@ -475,7 +489,10 @@ def config_from_args(args: argparse.Namespace, cls: type, config_file: str | Non
 def reference_markdown(cls: type) -> str:
     """A Markdown table of every field of ``cls``: flag, default, help (the README's CLI reference is this)."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
+    also = other_library_flags(cls)
     for f_ in fields(cls):
         help_ = f_.metadata.get("help", "").replace("|", "\\|")
+        if f_.name in also:
+            help_ += " Also: " + ", ".join(f"`{flag.split(' ')[0]}` {flag.split(' ')[1]}" for flag in also[f_.name])
         rows.append(f"| `--{f_.name.replace('_', '-')}` | `{_default(f_)}` | {help_} |")
     return "\n".join(rows)

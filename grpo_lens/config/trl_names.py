@@ -43,7 +43,8 @@ LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "toke
 
 def _same(field: str) -> Alias:
     """A TRL name for exactly the grpo-lens field ``field``."""
-    return Alias(LIBRARY, lambda value, given: {field: value}, flag_type=_FLAG_TYPES.get(field, str))
+    return Alias(LIBRARY, lambda value, given: {field: value}, flag_type=_FLAG_TYPES.get(field, str),
+                 fields=(field,))
 
 
 _FLAG_TYPES = {"group_size": int, "max_new_tokens": int, "mu": int, "eps_low": float, "eps_high": float,
@@ -98,14 +99,15 @@ ALIASES = {
     "num_generations": _same("group_size"),
     "max_completion_length": _same("max_new_tokens"),
     "num_iterations": _same("mu"),
-    "epsilon": Alias(LIBRARY, _epsilon, flag_type=float),
+    "epsilon": Alias(LIBRARY, _epsilon, flag_type=float, fields=("eps_low", "eps_high")),
     "epsilon_high": _same("eps_high"),
-    "loss_type": Alias(LIBRARY, _loss_type),
-    "scale_rewards": Alias(LIBRARY, _scale_rewards),
-    "mask_truncated_completions": Alias(LIBRARY, _mask_truncated, flag_type=bool),
+    "loss_type": Alias(LIBRARY, _loss_type, fields=("loss_aggregation",)),
+    "scale_rewards": Alias(LIBRARY, _scale_rewards, fields=("estimator",)),
+    "mask_truncated_completions": Alias(LIBRARY, _mask_truncated, flag_type=bool, fields=("overlong",)),
     "lr_scheduler_type": _same("lr_scheduler"),
-    "warmup_ratio": Alias(LIBRARY, _warmup_ratio, flag_type=float),
-    "per_device_train_batch_size": Alias(LIBRARY, _per_device_batch, flag_type=int),
+    "warmup_ratio": Alias(LIBRARY, _warmup_ratio, flag_type=float, fields=("warmup_steps",)),
+    "per_device_train_batch_size": Alias(LIBRARY, _per_device_batch, flag_type=int,
+                                         fields=("rollout_batch_size",)),
     "steps_per_generation": _same("num_mini_batches"),
     "output_dir": _same("out"),
 }
@@ -139,3 +141,25 @@ def register_trl_names(names: Names, fields: set[str]) -> None:
 
 #: A value of each alias that translates (to find the fields it sets).
 _SAMPLE = {"loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": True, "warmup_ratio": 0.1}
+
+
+def grpo_lens_settings(trl_settings: Mapping[str, Any]) -> dict[str, Any]:
+    """TRL's ``GRPOConfig`` values (``{"num_generations": 4, "epsilon": 0.2, ...}``) under grpo-lens' field names,
+    through :data:`ALIASES`; a name grpo-lens shares (``beta``, ``temperature``) stays as it is. Names with no
+    grpo-lens counterpart (:data:`REFUSED`), values without a grpo-lens meaning and unset (None) values are left out:
+    they say nothing a grpo-lens run could agree or differ with.
+
+    Used by ``grpo-lens compare`` to put a TRL run's settings (its config.yaml's ``trl`` block) beside a grpo-lens run's.
+    """
+    out: dict[str, Any] = {}
+    for name, value in trl_settings.items():
+        if value is None or name in REFUSED:
+            continue
+        if name not in ALIASES:
+            out[name] = value
+            continue
+        try:
+            out.update(ALIASES[name].translate(value, trl_settings))
+        except ConfigError:
+            continue
+    return out

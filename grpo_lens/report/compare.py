@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 import yaml
 
 from grpo_lens.config import TrainConfig
+from grpo_lens.config.trl_names import grpo_lens_settings
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, bootstrap_ci
 from grpo_lens.metrics import (
     BASELINE_B_STAR,
@@ -73,6 +74,30 @@ IGNORED_FIELDS = ("out", "resume", "overwrite", "progress", "device", "report_to
                   "checkpoint_every", "keep_checkpoints", "save_final_model", "reward_timeout", "metric_names")
 
 
+#: Keys of a TRL run's config.yaml (grpo_lens.integrations.trl.run_config) that describe the trainer, not a setting.
+TRL_RUN_KEYS = ("trainer", "trl_version", "trl")
+
+
+def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's settings under grpo-lens' field names. A grpo-lens run's config is returned as it is; a TRL run's
+    (``trainer: trl``) is its ``trl`` block translated through TRL's aliases
+    (:func:`grpo_lens.config.trl_names.grpo_lens_settings`), overlaid by the grpo-lens names the integration wrote
+    itself, without the trainer's own keys (:data:`TRL_RUN_KEYS`)."""
+    if config.get("trainer") != "trl":
+        return config
+    settings = grpo_lens_settings(config.get("trl") or {})
+    settings.update({k: v for k, v in config.items() if k not in TRL_RUN_KEYS})
+    batch, group = settings.pop("rollout_batch_size", None), settings.get("group_size")
+    if isinstance(batch, int) and isinstance(group, int) and group > 0 and batch % group == 0:
+        settings["prompts_per_step"] = batch // group  # TRL's generation batch, as grpo-lens' default states it
+    return settings
+
+
+def is_trl_run(config: dict[str, Any]) -> bool:
+    """Whether a config.yaml was written by the TRL integration (it records only some of grpo-lens' settings)."""
+    return config.get("trainer") == "trl"
+
+
 #: Config fields that define the task: runs must agree on them unless ``allow_different_tasks``.
 TASK_FIELDS = ("task", "dataset", "task_options")
 
@@ -104,12 +129,16 @@ def read_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return config, records
 
 
-def differing_fields(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """{field: {run: value}} for every config field whose value is not the same in all runs (IGNORED_FIELDS aside)."""
+def differing_fields(configs: dict[str, dict[str, Any]],
+                     partial: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    """{field: {run: value}} for every config field whose value is not the same in all runs (IGNORED_FIELDS aside).
+
+    ``partial``: runs whose config records only some settings (TRL runs); a field one of them does not record is
+    compared among the runs that do."""
     keys = sorted(set().union(*configs.values()) - set(IGNORED_FIELDS))
     out = {}
     for k in keys:
-        values = {run: cfg.get(k) for run, cfg in configs.items()}
+        values = {run: cfg.get(k) for run, cfg in configs.items() if run not in partial or k in cfg}
         if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
             out[k] = values
     return out
@@ -193,7 +222,10 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
     configs, runs = {}, {}
     for label, p in zip(labels, paths):
         configs[label], runs[label] = read_run(p)
-    tasks = {label: {k: cfg.get(k) for k in TASK_FIELDS} for label, cfg in configs.items()}
+    partial = frozenset(label for label, cfg in configs.items() if is_trl_run(cfg))
+    configs = {label: comparable_config(cfg) for label, cfg in configs.items()}
+    tasks = {label: {k: cfg.get(k) for k in TASK_FIELDS} for label, cfg in configs.items()
+             if label not in partial or "task" in cfg}  # a TRL run's task lives in the user's script
     if len({json.dumps(t, sort_keys=True) for t in tasks.values()}) > 1 and not allow_different_tasks:
         shown = "; ".join(f"{label}: {t['task']}"
                           + (f" {t['task_options']}" if t.get("task_options") else "")
@@ -204,7 +236,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
     out = Path(out)
     metrics = [(k, lab) for k, lab in COMPARED if any(k in r for recs in runs.values() for r in recs)]
     table = {label: {k: final_numbers(recs, k, last) for k, _ in metrics} for label, recs in runs.items()}
-    diff = differing_fields(configs)
+    diff = differing_fields(configs, partial)
 
     out.mkdir(parents=True, exist_ok=True)
     plot_compare(runs, metrics, out / "compare.png")
@@ -213,7 +245,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
                                                  indent=1, default=str))
     lines = ["# grpo-lens compare", "",
              "Runs: " + ", ".join(f"`{lab}` ({p}, {len(runs[lab])} steps)" for lab, p in zip(labels, paths)), ""]
-    task = next(iter(tasks.values()))
+    task = next(iter(tasks.values()), {"task": "not recorded (TRL runs: the task is the user's script)"})
     lines += [f"Task: {task['task']}" + (f" {task['task_options']}" if task.get("task_options") else "")
               + (" (the runs' tasks differ: compared on request)" if allow_different_tasks and
                  len({json.dumps(t, sort_keys=True) for t in tasks.values()}) > 1 else ""), ""]
@@ -229,6 +261,10 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
         lines += md_table(["field", *labels], [[f"`{k}`", *(f"`{v[lab]}`" for lab in labels)] for k, v in diff.items()])
     else:
         lines += ["None: the runs share every setting (a difference then comes from code or randomness)."]
+    if partial:
+        lines += ["", "TRL runs (" + ", ".join(f"`{lab}`" for lab in labels if lab in partial) + ") record TRL's "
+                  "settings, compared under grpo-lens' names; a setting a TRL run does not record is compared among "
+                  "the runs that do."]
     lines += ["", f"## Final numbers (mean over each run's last {last} records with the metric, 95% "
                   f"interval over those steps (Hall's transformed t), from at least {MIN_INTERVAL_UNITS})", "",
               "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "

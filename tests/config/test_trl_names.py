@@ -81,3 +81,15 @@ def test_schedule_settings_are_checked():
         TrainConfig.from_dict({"warmup_ratio": 1.0})
     with pytest.raises(ConfigError, match="warmup_steps"):
         TrainConfig(warmup_steps=2.5)  # neither whole steps nor a share
+
+
+def test_train_help_names_trl_aliases(capsys):
+    """`grpo-lens train --help` shows each TRL alias beside the option it sets (issue 21: accepted but not shown)."""
+    from grpo_lens.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare with single spaces
+    for alias in ("--num-generations (TRL)", "--max-completion-length (TRL)", "--epsilon (TRL)", "--loss-type (TRL)",
+                  "--num-iterations (TRL)", "--warmup-ratio (TRL)"):
+        assert alias in text.replace("- ", "-"), alias
