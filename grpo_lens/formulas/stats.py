@@ -8,6 +8,7 @@ A "row" is the dict of canonical keys that :func:`grpo_lens.analysis.group.analy
   its 0.1 names.
 - :func:`summarise_rows`, :func:`stratify_rows`: {key: interval} over rows, and per stratum (k, distinct completions).
 - :func:`spearman_trend` (permutation test of a monotone trend), :func:`wilson_interval` (a binomial share),
+  :func:`binomial_upper_tail` (the exact p-value of a count),
   :func:`stratified_mean_se` (a weighted mean from a stratified sample), :func:`student_t_quantile`.
 """
 
@@ -224,6 +225,21 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def binomial_upper_tail(c: int, n: int, p: float) -> float:
+    """P(Binomial(n, p) >= c), exactly (a sum of n - c + 1 terms); 1 for c <= 0. A count of n independent events, each
+    with probability at most p, exceeds c with at most this probability (stochastic order), so it is the exact one-sided
+    p-value of the count c against the bound p.
+
+    Raises:
+        ValueError: n < 0 or p outside [0, 1].
+    """
+    if n < 0 or not 0 <= p <= 1:
+        raise ValueError(f"need n >= 0 and p in [0, 1], got n = {n}, p = {p}")
+    if c <= 0:
+        return 1.0
+    return min(1.0, math.fsum(math.comb(n, x) * p**x * (1 - p) ** (n - x) for x in range(c, n + 1)))
 
 
 def stratified_mean_se(values: torch.Tensor, weights: torch.Tensor, strata: torch.Tensor) -> float:
