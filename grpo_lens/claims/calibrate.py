@@ -116,7 +116,7 @@ BASELINE_FAMILIES = {
 }
 
 #: prompts per baseline cell: the fewest with an interval, and a larger study (the probe's default is 2 per R)
-BASELINE_PROMPTS = (8, 32)
+BASELINE_PROMPTS = (8, 16, 24, 32)
 
 
 @dataclass(frozen=True)
