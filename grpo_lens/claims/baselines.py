@@ -1,6 +1,6 @@
 """The claim that the group mean is the variance-optimal baseline when m_C = m_W (docs/theory.md §12, on the study of
 §Baselines at matched expectation): the share of prompts whose permutation test rejects m_C = m_W, and population
-b*'s MSE against RLOO's, both read as equivalence rules with margins fixed before any measurement. Reads a probe's
+leave-one-out b*'s MSE against RLOO's (both estimated from the same group), both read as equivalence rules with margins fixed before any measurement. Reads a probe's
 ``studies["baselines"]`` (:func:`grpo_lens.probe.studies.run_baseline_study`) and returns [] when it is absent.
 """
 
@@ -31,7 +31,7 @@ EQUAL_NORMS_LEVEL = 0.05
 EQUAL_NORMS_MAX_SHARE = 0.25
 
 
-#: ... and population b* at most this much below RLOO's MSE (relative)
+#: ... and the leave-one-out b* at most this much below RLOO's MSE (relative)
 MSE_GAIN_MARGIN = 0.10
 
 
@@ -44,17 +44,22 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     (:func:`grpo_lens.formulas.baselines.equal_norms_test`), with its Wilson interval; control
     :data:`EQUAL_NORMS_LEVEL` (the most the tests reject when m_C = m_W everywhere). An equivalence rule, so that a
     study too small to see a difference cannot make the claim hold: holds when q's interval lies below
-    :data:`EQUAL_NORMS_MAX_SHARE` and the population b*'s MSE ratio to RLOO has its interval above 1 -
+    :data:`EQUAL_NORMS_MAX_SHARE` and the leave-one-out b*'s MSE ratio to RLOO has its interval above 1 -
     :data:`MSE_GAIN_MARGIN` (b* gains less than that); does not hold when q's interval lies above the control and
     the MSE ratio's interval lies below 1 (b* measurably helps); inconclusive otherwise, and with fewer than MIN_UNITS
     testable prompts. The mean m_C / m_W over prompts is reported, not used: prompts with m_C > m_W and m_C < m_W
     cancel in it.
+
+    The MSE comparison is like for like: the leave-one-out b* (``optimal_loo``, what ``--estimator optimal`` trains
+    with) against RLOO, both estimated from the other rollouts of the group. The 0.1 rule compared the *population*
+    b* (a constant that knows p) with RLOO; knowing p alone cuts the MSE at R = 4 (0.84 of RLOO's with m_C = m_W
+    planted, `grpo-lens calibrate`), so that comparison could never reach *holds*.
     """
     study = ((probe.get("studies") or {}).get("baselines") or {}).get("baselines")
     if not study:
         return []
     ratio = study.get("norm_ratio") or {}
-    mse = study["summary"].get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
+    mse = study["summary"].get("optimal_loo", {}).get("mse_ratio_to_rloo", {})
     n = int(study.get("equal_norms_testable") or 0)
     q = study.get("equal_norms_rejected")
     k = round(q * n) if q is not None and math.isfinite(q) else 0
@@ -80,7 +85,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
                   scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
                   measurement=(f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({share}); "
                                f"mean m_C / m_W {ci_text(ratio, unit='prompts')}; "
-                               f"population b* MSE / RLOO's {ci_text(mse, unit='prompts')}"),
+                               f"leave-one-out b* MSE / RLOO's {ci_text(mse, unit='prompts')}"),
                   control=(f"rejection share <= {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere; equivalence below "
                            f"{EQUAL_NORMS_MAX_SHARE}); MSE ratio 1 (equivalence above {1 - MSE_GAIN_MARGIN:g})"),
                   verdict=verdict, rule=why,

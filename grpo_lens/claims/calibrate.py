@@ -102,6 +102,7 @@ MC_FAMILIES = {
     "no token opposes A_i (p flat until the end)": (False, (0.5, 0.5, 0.5, 0.5), (0.5, 0.5, 0.5, 0.5)),
     "every segment agrees (p moves towards r)": (False, (0.3, 0.5, 0.7, 0.9), (0.7, 0.5, 0.3, 0.1)),
     "one segment in four opposes A_i by 0.6": (True, (0.8, 0.2, 0.4, 0.6), (0.2, 0.8, 0.6, 0.4)),
+    "one segment in four opposes A_i by 0.3": (True, (0.6, 0.3, 0.5, 0.7), (0.4, 0.7, 0.5, 0.3)),
 }
 
 #: rollouts per Monte Carlo cell: the fewest with a verdict (--mc-groups 4) and larger studies
@@ -115,7 +116,7 @@ BASELINE_FAMILIES = {
 }
 
 #: prompts per baseline cell: the fewest with an interval, and a larger study (the probe's default is 2 per R)
-BASELINE_PROMPTS = (8, 32)
+BASELINE_PROMPTS = (8, 16, 24, 32)
 
 
 @dataclass(frozen=True)
@@ -449,7 +450,8 @@ def _mc_rollout(p: tuple[float, ...], reward: float, adv: float, k: int, gen: to
     draws = (torch.rand(len(p), k, generator=gen, dtype=torch.float64) < torch.tensor(p)[:, None]).double()
     values, errors = draws.mean(1), draws.std(1, unbiased=True) / math.sqrt(k)
     seg_adv, seg_err = segment_advantages(values, errors, reward)
-    return {"reward": reward, "grpo_advantage": adv, "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist()}
+    return {"reward": reward, "grpo_advantage": adv, "values": values.tolist(), "errors": errors.tolist(),
+            "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist()}
 
 
 def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
@@ -620,7 +622,9 @@ def render(result: dict[str, Any]) -> str:
     lines += ["", "## Uniform credit disagrees with Monte Carlo credit (credit study)", "",
               "Each trial: n rollouts, half correct (A_i > 0) and half wrong (A_i < 0), each with four prefixes whose "
               "true success probabilities are planted; every prefix's value from K = 8 Bernoulli continuations (mean, "
-              "sample std / √K), the study's segment advantages and 2-SE counting, then the registered claim. Truth: "
+              "sample std / √K, as the study writes them), then the registered claim (an exact count test: a rollout "
+              "is flagged when a segment's success count falls against A_i by d = 5 of 8, at most 0.032 per rollout "
+              "under no opposition; the count of flagged rollouts against Binomial(n, 0.032)). Truth: "
               "the paper's prediction (some segment opposes A_i) holds where a planted segment opposes A_i's sign.",
               "", "| planted values | rollouts | truth | level (wrong verdict) | power (right verdict) |",
               "|---|---|---|---|---|"]

@@ -2,8 +2,8 @@
 
 :func:`uniform_token_credit`: every token class (answer, format, reasoning) gets the group update in proportion to its
 share of the tokens, within 1 ± :data:`CREDIT_EQUIVALENCE` (an equivalence rule). :func:`monte_carlo_credit`: the
-share of Monte Carlo segments whose advantage opposes GRPO's A_i beyond 2 SE, against the test's false rate
-:data:`MC_NOISE_DISAGREE` (disagreement supports the paper, which predicts it).
+count of rollouts with a Monte Carlo segment opposing GRPO's A_i (an exact per-rollout count test on the K
+continuations' successes), against its exact binomial null (disagreement supports the paper, which predicts it).
 :func:`identical_token_advantage`: the literal claim, algebra that holds by construction. All read a probe's
 ``studies["credit"]``
 (:func:`grpo_lens.probe.studies.run_credit_study`) and return [] when it is absent.
@@ -22,23 +22,23 @@ from grpo_lens.claims.base import (
     band_verdict,
     ci_text,
     fmt,
-    verdict_from_interval,
+)
+from grpo_lens.formulas.credit import (
+    opposing_differences,
+    opposition_threshold,
+    prefix_success_counts,
 )
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-from grpo_lens.formulas.stats import wilson_interval
+from grpo_lens.formulas.stats import binomial_upper_tail, wilson_interval
 
-#: the false "disagree" rate of a segment whose true advantage has A_i's sign, at |A| > 2 SE: Phi(-2) = 0.023
-MC_NOISE_DISAGREE = 0.023
+#: the level of the Monte Carlo credit rule's tests: the most a rollout with no opposing segment is flagged, and the
+#: p-value at which the count of flagged rollouts makes the paper's prediction hold
+MC_LEVEL = 0.05
 
 
 #: "every token the same credit" read as: the answer tokens' update share / token share within 1 ± this (the paper
 #: gives no tolerance; an interval that merely contains 1 is no evidence when it is wide)
 CREDIT_EQUIVALENCE = 0.25
-
-
-#: "holds" on Monte Carlo credit needs the 2-SE test to have signed (agree or disagree) more than this share of the
-#: segments: a segment within noise of 0 is no evidence of agreement
-MC_MIN_RESOLVED = 0.5
 
 
 @CLAIMS.register("uniform_token_credit")
@@ -88,49 +88,76 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     """"GRPO's uniform A_i is not the credit each token earns": the paper predicts that Monte Carlo token advantages
     (VinePPO) disagree with the uniform A_i, so disagreement supports the claim.
 
-    Rule: d = share of Monte Carlo segments (pooled over rollouts) whose advantage opposes A_i beyond 2 standard
-    errors, with its Wilson interval; control :data:`MC_NOISE_DISAGREE`, that test's false rate when every segment
-    truly has A_i's sign or 0. Holds when the disagreeing share's interval lies above the control; does not hold when
-    it lies below the control *and* the Wilson interval of the share of segments the test signed (agree or disagree
-    beyond 2 SE) lies above :data:`MC_MIN_RESOLVED` (segments within noise of 0 are no evidence of agreement);
-    inconclusive otherwise, or from fewer than MIN_UNITS rollouts (segments of one rollout are not independent).
+    Rule (docs/theory.md §12), exact at any number of rollouts: per rollout, X_j = successes among the K continuations
+    of prefix b_j (0/1 rewards). An interior segment b_j -> b_{j+1} *opposes* A_i when its count difference against
+    A_i's sign is at least d (:func:`grpo_lens.formulas.credit.opposing_differences`), d the smallest with
+    sup_p P(X - Y >= d) <= :data:`MC_LEVEL` / (segments tested per rollout)
+    (:func:`grpo_lens.formulas.credit.opposition_threshold`), so a rollout none of whose segments truly opposes A_i
+    is flagged with probability at most α_r = tests · size <= :data:`MC_LEVEL` (Bonferroni within the rollout).
+    Rollouts' continuations are independent, so under "no segment opposes A_i" the count c of flagged rollouts out of
+    n is stochastically below Binomial(n, α_r). Holds when P(Binomial(n, α_r) >= c) <= :data:`MC_LEVEL` (an exact
+    one-sided test of the count, :func:`grpo_lens.formulas.stats.binomial_upper_tail`); does not hold when the Wilson
+    interval of the flagged share lies below α_r, fewer flags than noise alone can give (at K = 8, 3 segments tested:
+    α_r = 0.032, reachable from 117 rollouts); inconclusive otherwise, from fewer than MIN_UNITS rollouts, or when the
+    rewards are not 0/1. With four segments a monotone value path of K = 8 continuations cannot agree with A_i by
+    d = 5 in more than one segment, so "agreement beyond noise" is no usable evidence here; the count of segments
+    agreeing by d is shown, not used.
 
-    .. warning:: the 2-SE test's false rate at K = 8 continuations is 3.0-4.1% rather than Φ(−2) = 2.3% (issue 18's
-       review: a prefix whose K continuations all agree has SE 0), so noise alone reaches *holds*: `grpo-lens
-       calibrate` measures false holds 0.06 / 0.08 / 0.16 at 8 / 32 / 100 rollouts when no segment opposes A_i
-       (docs/calibration.md), above the 0.05 target. The control is not yet the test's measured rate.
+    Replaces the 0.1 rule (2-SE Wald counting over segments against Φ(−2) = 0.023), whose false holds `grpo-lens
+    calibrate` measured at 0.06 / 0.08 / 0.16 with 8 / 32 / 100 rollouts: a prefix whose K continuations all agree has
+    SE 0, and its level grew with the number of segments.
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit:
         return []
     claim = "GRPO's uniform credit disagrees with Monte Carlo token credit (the paper's prediction)"
+    control = (f"no segment opposes A_i: each rollout flagged with probability <= α_r (exact binomial bound, "
+               f"level {MC_LEVEL})")
+    source = "Monte Carlo continuations from prefixes"
     if not credit["monte_carlo"]["rollouts"]:  # the credit study ran without its Monte Carlo part: say so
         return [Claim(claim=claim, scope="not measured",
                       measurement="no Monte Carlo rollouts (--mc-groups 0, the probe's default)",
-                      control=f"{MC_NOISE_DISAGREE} (false-disagreement rate of the 2-SE test)",
-                      verdict=INCONCLUSIVE, rule=f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict "
-                                                 f"needs", source="Monte Carlo continuations from prefixes")]
+                      control=control, verdict=INCONCLUSIVE,
+                      rule=f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs", source=source)]
     mc = credit["monte_carlo"]
-    seg = mc.get("segments") or {}
-    k, n = int(seg.get("disagree", 0)), int(seg.get("total", 0))
-    lo, hi = wilson_interval(k, n)
-    resolved = k + int(seg.get("agree", 0))
-    r_lo, r_hi = wilson_interval(resolved, n)
-    rollouts = len(mc["rollouts"])
-    verdict = verdict_from_interval(lo, hi, MC_NOISE_DISAGREE, "above") if n else INCONCLUSIVE
-    why = f"Wilson interval of the disagreeing share vs {MC_NOISE_DISAGREE}"
-    if rollouts < MIN_UNITS:
-        verdict, why = INCONCLUSIVE, f"{rollouts} rollouts < {MIN_UNITS}"
-    elif verdict == DOES_NOT_HOLD and verdict_from_interval(r_lo, r_hi, MC_MIN_RESOLVED, "above") != HOLDS:
-        verdict, why = INCONCLUSIVE, (f"no disagreement, but only {resolved} of {n} segments signed beyond 2 SE "
-                                      f"(interval not above {MC_MIN_RESOLVED}): the test had no power")
-    return [Claim(claim=claim,
-                  scope=f"{len(mc['rollouts'])} rollouts, {n} segments, K = {mc['samples_per_prefix']}",
-                  measurement=(f"segments opposing A_i beyond 2 SE: {k} of {n} ({fmt(k / n if n else None, 3)} "
-                               f"[{fmt(lo, 3)}, {fmt(hi, 3)}], Wilson interval over segments); "
-                               f"agreeing beyond 2 SE: {seg.get('agree', 0)} of {n}"),
-                  control=f"{MC_NOISE_DISAGREE} (false-disagreement rate of the 2-SE test)", verdict=verdict,
-                  rule=why, source="Monte Carlo continuations from prefixes")]
+    k = int(mc["samples_per_prefix"])
+    rows = mc["rollouts"]
+    counts = [prefix_success_counts(r["values"], r["errors"], k) for r in rows]
+    scope = f"{len(rows)} rollouts, K = {k}"
+    if any(c is None for c in counts):
+        return [Claim(claim=claim, scope=scope, measurement="prefix values are not means of 0/1 rewards",
+                      control=control, verdict=INCONCLUSIVE,
+                      rule="the exact count test needs 0/1 rewards", source=source)]
+    diffs = [opposing_differences(c, r["grpo_advantage"]) for c, r in zip(counts, rows)]
+    tests = max((len(d) for d in diffs), default=0)
+    if tests == 0:
+        return [Claim(claim=claim, scope=scope, measurement="no interior segment (fewer than 2 prefixes)",
+                      control=control, verdict=INCONCLUSIVE, rule="nothing to test", source=source)]
+    d, size = opposition_threshold(k, tests, MC_LEVEL)
+    alpha_r = min(1.0, tests * size)
+    n = len(rows)
+    flagged = sum(any(x >= d for x in ds) for ds in diffs)
+    segments = sum(len(ds) for ds in diffs)
+    agreeing = sum(x <= -d for ds in diffs for x in ds)
+    p_value = binomial_upper_tail(flagged, n, alpha_r)
+    f_lo, f_hi = wilson_interval(flagged, n)
+    a_lo, a_hi = wilson_interval(agreeing, segments)
+    if n < MIN_UNITS:
+        verdict, why = INCONCLUSIVE, f"{n} rollouts < {MIN_UNITS}"
+    elif p_value <= MC_LEVEL:
+        verdict, why = HOLDS, f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g} <= {MC_LEVEL}"
+    elif f_hi < alpha_r:
+        verdict, why = DOES_NOT_HOLD, (f"flagged share's interval [{fmt(f_lo, 3)}, {fmt(f_hi, 3)}] below "
+                                       f"{alpha_r:.3g}: fewer opposing segments than noise alone gives")
+    else:
+        verdict, why = INCONCLUSIVE, (f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g} > {MC_LEVEL}, "
+                                      f"flagged share not below {alpha_r:.3g}")
+    return [Claim(claim=claim, scope=f"{scope}, {segments} interior segments",
+                  measurement=(f"rollouts with a segment opposing A_i by >= {d} of {k} continuations: {flagged} of "
+                               f"{n} ({fmt(flagged / n, 3)} [{fmt(f_lo, 3)}, {fmt(f_hi, 3)}], Wilson interval over "
+                               f"rollouts); segments agreeing by >= {d}: {agreeing} of {segments} "
+                               f"[{fmt(a_lo, 3)}, {fmt(a_hi, 3)}]"),
+                  control=f"{control}; α_r = {alpha_r:.3g} at d = {d}", verdict=verdict, rule=why, source=source)]
 
 
 @CLAIMS.register("identical_token_advantage")

@@ -17,6 +17,7 @@ relative position (:func:`relative_position_profile`), token classes answer / fo
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Sequence
@@ -352,3 +353,83 @@ def compare_with_uniform(seg_adv: Tensor, seg_err: Tensor, seg_len: Sequence[int
     return {"disagree": float(lens[sig & ~same].sum()) / total, "agree": float(lens[sig & same].sum()) / total,
             "neutral": float(lens[~sig].sum()) / total,
             "top_segment_share": float(a.abs().max()) / mass if mass > 0 else math.nan, "segments": len(a)}
+
+
+def _binomial_pmf(k: int, p: float) -> list[float]:
+    return [math.comb(k, x) * p**x * (1 - p) ** (k - x) for x in range(k + 1)]
+
+
+def opposition_size(k: int, d: int, grid: int = 2001) -> float:
+    """sup over p of P(X - Y >= d), X, Y iid Binomial(K, p): the largest chance that two prefixes with one success
+    probability show an opposing count difference of at least d (docs/theory.md §12, the Monte Carlo credit rule).
+
+    P(X - Y >= d) rises in X's probability and falls in Y's, so over the null "the later prefix is at least as likely
+    to succeed" (p_Y >= p_X) it is largest at p_X = p_Y; the sup over that common p is taken on a grid of ``grid``
+    points of [0, 1] (the function is a polynomial of degree 2K; the grid's step 1/2000 is far below its scale).
+
+    Args:
+        k: K >= 1 continuations per prefix.  d: the count difference, >= 1.
+
+    Returns:
+        the size in [0, 1].
+
+    Raises:
+        ValueError: k < 1 or d < 1.
+    """
+    if k < 1 or d < 1:
+        raise ValueError(f"need K >= 1 and d >= 1, got K = {k}, d = {d}")
+    best = 0.0
+    for j in range(grid):
+        pmf = _binomial_pmf(k, j / (grid - 1))
+        tail = math.fsum(pmf[x] * pmf[y] for x in range(k + 1) for y in range(k + 1) if x - y >= d)
+        best = max(best, tail)
+    return best
+
+
+@functools.lru_cache(maxsize=64)
+def opposition_threshold(k: int, tests: int, level: float = 0.05) -> tuple[int, float]:
+    """(d, size): the smallest count difference d whose :func:`opposition_size` is at most ``level / tests``
+    (Bonferroni over a rollout's ``tests`` interior segments), so that a rollout whose segments truly all have A_i's
+    sign or 0 shows an opposing difference >= d in some segment with probability <= tests * size <= level.
+
+    Returns (K + 1, 0.0) when no d <= K is small enough (then no rollout can be flagged).
+
+    Raises:
+        ValueError: k < 1, tests < 1 or level outside (0, 1).
+    """
+    if k < 1 or tests < 1 or not 0 < level < 1:
+        raise ValueError(f"need K >= 1, tests >= 1 and level in (0, 1), got {k}, {tests}, {level}")
+    for d in range(1, k + 1):
+        size = opposition_size(k, d)
+        if size <= level / tests:
+            return d, size
+    return k + 1, 0.0
+
+
+def prefix_success_counts(values: Sequence[float], errors: Sequence[float], k: int) -> list[int] | None:
+    """Successes among the K continuations of each prefix, from :func:`grpo_lens.gradients.token_credit.prefix_values`'
+    mean and SE, or None when the rewards were not 0/1 (the mean times K is not an integer, or the SE is not the one
+    0/1 draws give: sqrt(x (K - x) / (K² (K - 1))))."""
+    counts = []
+    for v, e in zip(values, errors):
+        x = round(v * k)
+        if abs(v * k - x) > 1e-6 or abs(e - math.sqrt(x * (k - x) / (k * k * (k - 1)))) > 1e-6:
+            return None
+        counts.append(x)
+    return counts
+
+
+def opposing_differences(counts: Sequence[int], grpo_advantage: float) -> list[int]:
+    """Per interior segment b_j -> b_{j+1} (j = 0..n-2), the success-count difference in the direction that opposes
+    A_i: X_j - X_{j+1} when A_i > 0 (the later prefix succeeds less), X_{j+1} - X_j when A_i < 0; [] when A_i = 0.
+
+    The last segment (b_{n-1} -> the complete rollout, whose value is its reward r) is not among them: with 0/1
+    rewards and a mixed group, r = 1 where A_i > 0 and r = 0 where A_i < 0, so it cannot oppose A_i.
+
+    Args:
+        counts: [n] successes at the prefixes b_0..b_{n-1} (:func:`prefix_success_counts`).
+    """
+    if grpo_advantage == 0:
+        return []
+    sign = 1 if grpo_advantage > 0 else -1
+    return [sign * (counts[j] - counts[j + 1]) for j in range(len(counts) - 1)]

@@ -17,14 +17,16 @@ def test_symmetric_sample_gives_the_student_t_interval():
 
 
 def test_skewed_sample_by_hand():
-    # seven 0s and one 1: mean 1/8, s² = (7/64 + 49/64) / 7 = 1/8, se = s/√8 = 1/8; third central moment
-    # m3 = (7 (-1/8)³ + (7/8)³) / 8 = 0.0820313, γ = m3 / s³ = 1.85616, a = γ/(3√8) = 0.218750, b = a/2.
-    # h⁻¹(y) = ((1 + 3a(y - b))^(1/3) - 1)/a at y = ±t_7 = ±2.36462: h⁻¹(t) = 1.61634, h⁻¹(-t) = -8.47877
-    # (1 + 3a(-t - b) = -0.6237, a negative cube root) -> [1/8 - 1.61634/8, 1/8 + 8.47877/8] = [-0.07704, 1.18485]
+    # seven 0s and one 1: mean 1/8, s² = (7/64 + 49/64) / 7 = 1/8, se = s/√8 = 1/8; m2 = 56/512 = 0.109375,
+    # m3 = (7 (-1/8)³ + (7/8)³) / 8 = 0.0820313, g1 = m3 / m2^1.5 = 2.26779, G1 = g1 √(8·7) / 6 = 2.82843,
+    # a = G1/(3√8) = 1/3, b = a/2 = 1/6. h⁻¹(y) = ((1 + 3a(y - b))^(1/3) - 1)/a at y = ±t_7 = ±2.36462:
+    # h⁻¹(t) = (3.19795^(1/3) - 1) · 3 = 1.41976, h⁻¹(-t) = ((-1.53129)^(1/3) - 1) · 3 = -6.45779 (a negative cube
+    # root) -> [1/8 - 1.41976/8, 1/8 + 6.45779/8] = [-0.05247, 0.93222]; with the unadjusted m3 / s³ (0.1 skewness)
+    # the ends were [-0.07704, 1.18485]
     ci = mean_interval([0.0] * 7 + [1.0])
-    assert ci["lo"] == pytest.approx(-0.07704, abs=2e-3) and ci["hi"] == pytest.approx(1.18485, abs=3e-3)
-    # a plain t interval would be symmetric (1/8 ± 0.2956); clipped to a share's range the upper end is 1
-    assert bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["hi"] == 1.0
+    assert ci["lo"] == pytest.approx(-0.05247, abs=2e-3) and ci["hi"] == pytest.approx(0.93222, abs=3e-3)
+    # a plain t interval would be symmetric (1/8 ± 0.2956); clipped to a share's range the lower end is 0
+    assert bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["hi"] == pytest.approx(0.93222, abs=3e-3)
     assert bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["lo"] == 0.0
 
 

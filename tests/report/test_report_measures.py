@@ -96,12 +96,22 @@ def _ci(m, lo, hi, n=8):
     return {"mean": m, "lo": lo, "hi": hi, "n": n}
 
 
-def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20), agree=0, rollouts=8, testable=8):
+def _mc_rollout(counts, adv, k=8):
+    """A Monte Carlo row as the credit study writes it, from each prefix's successes among K 0/1 continuations."""
+    return {"reward": 1.0 if adv > 0 else 0.0, "grpo_advantage": adv, "boundaries": [0, 3, 6, 9, 12],
+            "values": [x / k for x in counts], "errors": [math.sqrt(x * (k - x) / (k * k * (k - 1))) for x in counts],
+            "advantages": [0.1] * 4, "adv_errors": [0.1] * 4}
+
+
+def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, opposing=4, rollouts=8, testable=8):
+    # opposing rollouts: successes 8 -> 2 of 8 against A_i > 0 (difference 6 >= the rule's d = 5); the others agree
+    mc_rows = [_mc_rollout((8, 2, 4, 6), 0.8) if i < opposing else _mc_rollout((4, 4, 5, 6), 0.8)
+               for i in range(rollouts)]
     prompt = {"p": 0.5, "m_correct": 0.02, "m_wrong": 0.04, "b_star_pop": 0.33, "b_star_exact": 0.34,
               "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
     summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
                       "bias2_share": _ci(0.1, 0.05, 0.15)} for name in ("none", "mean_rescaled", "rloo", "optimal_loo")}
-    summary["optimal_pop"] = {"mse_ratio_to_rloo": mse, "cosine": _ci(0.3, 0.2, 0.4), "bias2_share": _ci(0.1, 0, 0.2)}
+    summary["optimal_loo"] = summary["optimal_pop"] = {"mse_ratio_to_rloo": mse, "cosine": _ci(0.3, 0.2, 0.4), "bias2_share": _ci(0.1, 0, 0.2)}
     classes = {c: {"update_share": _ci(0.3, 0.2, 0.4), "token_share": _ci(0.2, 0.15, 0.25), "ratio": answer_ratio}
                for c in ("answer", "format", "reasoning")}
     return {"baselines": {"baselines": {"per_prompt": [prompt], "summary": summary, "prompts": 8, "prompts_constant": 2,
@@ -114,11 +124,9 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20
                                    "sketch_dim": 16}},
             "credit": {"contributions": {"position_profile": [_ci(0.5, 0.4, 0.6), _ci(0.5, 0.4, 0.6)],
                                          "classes": classes, "closure": 1e-4, "groups": 4},
-                       "monte_carlo": {"rollouts": [{"reward": 1.0, "grpo_advantage": 0.8, "boundaries": [0, 3, 6],
-                                                     "values": [0.5, 0.6], "errors": [0.1, 0.1],
-                                                     "advantages": [0.1, 0.4], "adv_errors": [0.14, 0.1]}] * rollouts,
+                       "monte_carlo": {"rollouts": mc_rows,
                                        "samples_per_prefix": 8, "disagree": disagree, "agree": _ci(0.5, 0.3, 0.7),
-                                       "segments": {"disagree": segments[0], "agree": agree, "total": segments[1]},
+                                       "segments": {"disagree": 0, "agree": 0, "total": 4 * rollouts},
                                        "neutral": _ci(0.4, 0.2, 0.6), "top_segment_share": _ci(0.7, 0.6, 0.8)},
                        "meta": {"group_size": 4}}}
 
@@ -126,17 +134,17 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, segments=(10, 20
 def test_study_claims_follow_the_numbers():
     # m_C = m_W rejected on 6 of 8 prompts (Wilson interval [0.41, 0.93] above 0.05) and population b*'s MSE ratio
     # [0.7, 0.9] < 1: the group mean is not optimal -> does not hold; answer ratio [1.3, 1.8] outside 1 ± 0.25 -> does
-    # not hold; Monte Carlo: 10 of 20 segments disagree (Wilson [0.30, 0.70] above 0.023): the disagreement the paper
-    # predicts -> holds
+    # not hold; Monte Carlo: 4 of 8 rollouts with a segment opposing A_i by >= 5 of 8 successes, against at most
+    # 0.032 per rollout under no opposition: P(Binomial(8, 0.032) >= 4) = 7e-5 <= 0.05 -> the predicted disagreement
+    # holds
     c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8),
                                         _ci(0.2, 0.1, 0.3)))
     assert [x.verdict for x in c] == ["does not hold", "holds", "does not hold"]
     # 0 of 16 rejected (Wilson upper end z^2/(n + z^2) = 3.8416/19.8416 = 0.19 < 0.25) and MSE ratio [0.95, 1.1]
-    # above 0.9 -> holds (equivalence); answer ratio inside 1 ± 0.25 -> holds; 0 of 200 segments disagree: Wilson
-    # upper end 3.84 / 203.84 = 0.019 < 0.023, and 150 of 200 signed beyond 2 SE (Wilson lower end 0.69 > 0.5): no
-    # disagreement -> the paper's prediction does not hold
+    # above 0.9 -> holds (equivalence); answer ratio inside 1 ± 0.25 -> holds; 0 of 120 rollouts flagged: Wilson
+    # upper end 3.84 / 123.84 = 0.031 < 0.032, fewer than noise gives -> the paper's prediction does not hold
     c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2),
-                                       _ci(0.0, 0.0, 0.01), rejected=0.0, segments=(0, 200), agree=150, testable=16))
+                                       _ci(0.0, 0.0, 0.01), rejected=0.0, opposing=0, rollouts=120, testable=16))
     assert [x.verdict for x in c] == ["holds", "does not hold", "holds"]
     (lit,) = CLAIMS.get("identical_token_advantage")({"studies": _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1),
                                                                            _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01))})
@@ -235,21 +243,19 @@ def test_credit_claims_need_power_not_absence_of_data():
                            for n in ("uniform_token_credit", "monte_carlo_credit")]
     # the new-user report: 4 rollouts, 0 disagreeing segments, most within noise of 0. The old rule (disagreeing
     # share's interval below 0.023) said holds on 200 such segments; now: too few rollouts -> inconclusive
-    u, mc = credit(answer_ratio=_ci(1.0, 0.3, 2.5), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=25,
-                   rollouts=4)
+    u, mc = credit(answer_ratio=_ci(1.0, 0.3, 2.5), disagree=_ci(0.0, 0.0, 0.0), opposing=0, rollouts=4)
     assert mc.verdict == "inconclusive" and "4 rollouts < 8" in mc.rule
     # the old "interval contains 1" said holds on the wide [0.3, 2.5]; it overlaps the edge of 1 ± 0.25
     assert u.verdict == "inconclusive"
-    # 8 rollouts but only 25 of 200 segments signed (12.5%, Wilson lower end 0.086 < 0.5): no power -> inconclusive
-    u, mc = credit(answer_ratio=_ci(1.0, None, None), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=25)
-    assert mc.verdict == "inconclusive" and "no power" in mc.rule
+    # 8 rollouts, none flagged: Wilson upper end 3.84 / 11.84 = 0.32 is not below 0.032 -> inconclusive
+    u, mc = credit(answer_ratio=_ci(1.0, None, None), disagree=_ci(0.0, 0.0, 0.0), opposing=0)
+    assert mc.verdict == "inconclusive" and "not below" in mc.rule
     assert u.verdict == "inconclusive"  # no interval (fewer than 8 groups)
-    # planted: 150 of 200 signed, none against A_i -> no disagreement: the paper's prediction does not hold; 30 of 200
-    # against (Wilson [0.11, 0.21] > 0.023) -> the predicted disagreement holds even with few signed in its favour;
-    # answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
-    _, mc = credit(answer_ratio=_ci(1.0, 0.9, 1.1), disagree=_ci(0.0, 0.0, 0.0), segments=(0, 200), agree=150)
+    # planted: 120 rollouts, none flagged -> does not hold; 3 of 8 flagged (P(Binomial(8, 0.032) >= 3) = 0.0017)
+    # -> the predicted disagreement holds; answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
+    _, mc = credit(answer_ratio=_ci(1.0, 0.9, 1.1), disagree=_ci(0.0, 0.0, 0.0), opposing=0, rollouts=120)
     assert mc.verdict == "does not hold"
-    u, mc = credit(answer_ratio=_ci(1.45, 1.3, 1.6), disagree=_ci(0.15, 0.1, 0.2), segments=(30, 200))
+    u, mc = credit(answer_ratio=_ci(1.45, 1.3, 1.6), disagree=_ci(0.15, 0.1, 0.2), opposing=3)
     assert (u.verdict, mc.verdict) == ("does not hold", "holds")
 
 
@@ -310,7 +316,7 @@ def test_claims_say_where_their_rules_and_intervals_come_from(tmp_path):
     assert "95% intervals over 2097152 sampled weights" in report
     c = study_claims("x", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3)))
     assert "(n = 8 groups)" in c[0].measurement
-    assert "Wilson interval over segments" in c[1].measurement
+    assert "Wilson interval over rollouts" in c[1].measurement
     assert "Wilson interval over prompts" in c[2].measurement and "(n = 8 prompts)" in c[2].measurement
 
 
