@@ -1,6 +1,7 @@
 """The claim that the group mean is the variance-optimal baseline when m_C = m_W (docs/theory.md §12, on the study of
-§Baselines at matched expectation): the share of prompts whose permutation test rejects m_C = m_W, and population
-leave-one-out b*'s MSE against RLOO's (both estimated from the same group), both read as equivalence rules with margins fixed before any measurement. Reads a probe's
+§Baselines at matched expectation): the share of prompts whose permutation test rejects m_C = m_W, and the
+leave-one-out b*'s MSE against RLOO's (both estimated from the same group), both read as equivalence rules with
+margins fixed before any measurement. Reads a probe's
 ``studies["baselines"]`` (:func:`grpo_lens.probe.studies.run_baseline_study`) and returns [] when it is absent.
 """
 
