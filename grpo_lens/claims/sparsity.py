@@ -23,7 +23,7 @@ from grpo_lens.claims.base import (
     fmt,
     verdict_from_interval,
 )
-from grpo_lens.formulas.stats import mean_interval, spearman_trend
+from grpo_lens.formulas.stats import mean_interval, spearman_trend, trend_windows
 from grpo_lens.metrics import (
     PERF_LENS_SECONDS,
     RANK_MIXED_GROUPS,
@@ -121,8 +121,7 @@ def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
     xs = [float(r[STEP]) for r in rows]
     ys = [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows]
     verdict, why, rho = trend_verdict(xs, ys, MIN_S1_STEPS)
-    third = max(len(ys) // 3, 1)
-    first, last = (mean_interval(v, bounds=(0.0, 1.0)) for v in (ys[:third], ys[-third:]))
+    first, last = (mean_interval(ys[w], bounds=(0.0, 1.0)) for w in trend_windows(len(ys)))
     return [Claim(claim="the share of groups without reward contrast (S1) rises over training",
                   scope=f"training, {len(rows)} steps",
                   measurement=(f"S1 first third {ci_text(first, 2, 'steps')}, last third {ci_text(last, 2, 'steps')}"
