@@ -637,8 +637,8 @@ def render(result: dict[str, Any]) -> str:
               "per-prompt body (`baseline_prompt`: the MSE of every baseline on 256 resampled groups and the "
               "m_C = m_W permutation test); each trial draws n prompts, summarises them "
               "(`summarise_baseline_prompts`) and the registered claim decides. The probe's default "
-              "`--baseline-prompts 2` is below the 8 prompts a verdict needs, so at the defaults it is always "
-              "inconclusive.", "",
+              "`--baseline-study-prompts 8` can reach *does not hold* but not *holds* (with no rejection among 8 "
+              "prompts the Wilson interval still reaches 0.32, above the 0.25 margin).", "",
               "| planted prompts | prompts | truth | level (wrong verdict) | power (right verdict) |",
               "|---|---|---|---|---|"]
     for row in result.get("baseline_rules", []):
