@@ -149,7 +149,8 @@ def grpo_lens_settings(trl_settings: Mapping[str, Any]) -> dict[str, Any]:
     grpo-lens counterpart (:data:`REFUSED`), values without a grpo-lens meaning and unset (None) values are left out:
     they say nothing a grpo-lens run could agree or differ with.
 
-    Used by ``grpo-lens compare`` to put a TRL run's settings (its config.yaml's ``trl`` block) beside a grpo-lens run's.
+    Used by ``grpo-lens compare`` to put a TRL run's settings (its config.yaml's ``trl`` block) beside a grpo-lens
+    run's.
     """
     out: dict[str, Any] = {}
     for name, value in trl_settings.items():

@@ -54,8 +54,8 @@ def lens_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
     """bf16-unchanged since start beside its permutation and dense controls and float32-unchanged (each in its
-    :data:`grpo_lens.report.plots.SERIES_COLOURS` colour and line style, as in sparsity.png); Hoyer and top-1% energy of the
-    step's update and gradient; Hoyer of the update since start per layer type."""
+    :data:`grpo_lens.report.plots.SERIES_COLOURS` colour and line style, as in sparsity.png); Hoyer and top-1% energy
+    of the step's update and gradient; Hoyer of the update since start per layer type."""
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(plots.SIZE[0] * 1.5, plots.SIZE[1] * 1.4))
     for key, label, style in [(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
                               (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "permutation control", "--"),

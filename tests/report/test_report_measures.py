@@ -111,7 +111,8 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, opposing=4, roll
               "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
     summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
                       "bias2_share": _ci(0.1, 0.05, 0.15)} for name in ("none", "mean_rescaled", "rloo", "optimal_loo")}
-    summary["optimal_loo"] = summary["optimal_pop"] = {"mse_ratio_to_rloo": mse, "cosine": _ci(0.3, 0.2, 0.4), "bias2_share": _ci(0.1, 0, 0.2)}
+    summary["optimal_loo"] = summary["optimal_pop"] = {"mse_ratio_to_rloo": mse, "cosine": _ci(0.3, 0.2, 0.4),
+                                                       "bias2_share": _ci(0.1, 0, 0.2)}
     classes = {c: {"update_share": _ci(0.3, 0.2, 0.4), "token_share": _ci(0.2, 0.15, 0.25), "ratio": answer_ratio}
                for c in ("answer", "format", "reasoning")}
     return {"baselines": {"baselines": {"per_prompt": [prompt], "summary": summary, "prompts": 8, "prompts_constant": 2,

@@ -53,8 +53,10 @@ def test_a_mean_without_an_interval_is_marked_and_the_marks_are_counted_once_per
     assert ci({"mean": 1.98, "lo": None, "hi": None, "n": 4}, 2) == f"1.98 (n = 4){FEW_MARK}"
     assert ci({"mean": 1.98, "lo": 1.9, "hi": 2.1, "n": 8}, 2) == "1.98 [1.90, 2.10]"
     # the claims' own words, shortened for the table only; other wordings are left as they are
-    assert mark_few("erank 2.13 (n = 7 groups, too few for an interval); x") == f"erank 2.13 (n = 7 groups){FEW_MARK}; x"
-    assert mark_few("1 of 2 prompts (too few prompts for an interval)") == "1 of 2 prompts (too few prompts for an interval)"
+    assert (mark_few("erank 2.13 (n = 7 groups, too few for an interval); x")
+            == f"erank 2.13 (n = 7 groups){FEW_MARK}; x")
+    kept = "1 of 2 prompts (too few prompts for an interval)"
+    assert mark_few(kept) == kept
     # two tables: the first has 3 marked cells (two in one row), the second none -> one line after the first only
     lines = ["| a | b |", "|---|---|", f"| 1 (n = 2){FEW_MARK} | 2 (n = 2){FEW_MARK} |", f"| 3 (n = 4){FEW_MARK} | 4 |",
              "", "| c |", "|---|", "| 5 [4, 6] |"]
