@@ -8,7 +8,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import matplotlib.figure
 import pytest
 
 from grpo_lens.report import write_report
@@ -20,18 +19,6 @@ pytestmark = pytest.mark.e2e  # writes a report (files, matplotlib)
 _spec = importlib.util.spec_from_file_location("report_cases", Path(__file__).with_name("test_report.py"))
 cases = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cases)
-
-
-@pytest.fixture
-def figures(monkeypatch):
-    saved = []
-    original = matplotlib.figure.Figure.savefig
-
-    def capture(fig, path, *args, **kwargs):
-        saved.append((Path(path).name, fig))
-        return original(fig, path, *args, **kwargs)
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
-    return saved
 
 
 def check(name, fig):

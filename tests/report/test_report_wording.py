@@ -9,7 +9,6 @@ import json
 import re
 from pathlib import Path
 
-import matplotlib.figure
 import pytest
 
 from grpo_lens.formulas.stats import trend_windows
@@ -32,18 +31,6 @@ from grpo_lens.report.studies import plot_credit_position
 _spec = importlib.util.spec_from_file_location("report_cases", Path(__file__).with_name("test_report.py"))
 cases = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cases)
-
-
-@pytest.fixture
-def figures(monkeypatch):
-    saved = []
-    original = matplotlib.figure.Figure.savefig
-
-    def capture(fig, path, *args, **kwargs):
-        saved.append((Path(path).name, fig))
-        return original(fig, path, *args, **kwargs)
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
-    return saved
 
 
 # ---------------------------------------------------------------------------------------------------------------------
