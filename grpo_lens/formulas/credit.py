@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from grpo_lens.formulas.losses import aggregation_rollout_weights
+from grpo_lens.formulas.stats import binomial_pmf
 from grpo_lens.metrics import (
     CREDIT_ADV_VAR_WITHIN_MAX,
     CREDIT_ANSWER_SHARE_MEAN,
@@ -355,10 +356,6 @@ def compare_with_uniform(seg_adv: Tensor, seg_err: Tensor, seg_len: Sequence[int
             "top_segment_share": float(a.abs().max()) / mass if mass > 0 else math.nan, "segments": len(a)}
 
 
-def _binomial_pmf(k: int, p: float) -> list[float]:
-    return [math.comb(k, x) * p**x * (1 - p) ** (k - x) for x in range(k + 1)]
-
-
 def opposition_size(k: int, d: int, grid: int = 2001) -> float:
     """sup over p of P(X - Y >= d), X, Y iid Binomial(K, p): the largest chance that two prefixes with one success
     probability show an opposing count difference of at least d (docs/theory.md §12, the Monte Carlo credit rule).
@@ -380,7 +377,7 @@ def opposition_size(k: int, d: int, grid: int = 2001) -> float:
         raise ValueError(f"need K >= 1 and d >= 1, got K = {k}, d = {d}")
     best = 0.0
     for j in range(grid):
-        pmf = _binomial_pmf(k, j / (grid - 1))
+        pmf = binomial_pmf(k, j / (grid - 1))
         tail = math.fsum(pmf[x] * pmf[y] for x in range(k + 1) for y in range(k + 1) if x - y >= d)
         best = max(best, tail)
     return best

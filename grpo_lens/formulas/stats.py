@@ -250,6 +250,11 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
+def binomial_pmf(n: int, p: float) -> list[float]:
+    """[P(Binomial(n, p) = x) for x = 0..n], exactly (n + 1 terms)."""
+    return [math.comb(n, x) * p**x * (1 - p) ** (n - x) for x in range(n + 1)]
+
+
 def binomial_upper_tail(c: int, n: int, p: float) -> float:
     """P(Binomial(n, p) >= c), exactly (a sum of n - c + 1 terms); 1 for c <= 0. A count of n independent events, each
     with probability at most p, exceeds c with at most this probability (stochastic order), so it is the exact one-sided
@@ -262,7 +267,7 @@ def binomial_upper_tail(c: int, n: int, p: float) -> float:
         raise ValueError(f"need n >= 0 and p in [0, 1], got n = {n}, p = {p}")
     if c <= 0:
         return 1.0
-    return min(1.0, math.fsum(math.comb(n, x) * p**x * (1 - p) ** (n - x) for x in range(c, n + 1)))
+    return min(1.0, math.fsum(binomial_pmf(n, p)[c:]))
 
 
 def stratified_mean_se(values: torch.Tensor, weights: torch.Tensor, strata: torch.Tensor) -> float:
