@@ -8,7 +8,7 @@ A "row" is the dict of canonical keys that :func:`grpo_lens.analysis.group.analy
   its 0.1 names.
 - :func:`summarise_rows`, :func:`stratify_rows`: {key: interval} over rows, and per stratum (k, distinct completions).
 - :func:`spearman_trend` (permutation test of a monotone trend), :func:`wilson_interval` (a binomial share),
-  :func:`binomial_upper_tail` (the exact p-value of a count),
+  :func:`binomial_pmf`, :func:`binomial_upper_tail` (the exact p-value of a count),
   :func:`stratified_mean_se` (a weighted mean from a stratified sample), :func:`student_t_quantile`;
   :func:`trend_windows`: the first and last thirds a trend's measurement compares.
 """

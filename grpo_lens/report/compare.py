@@ -78,12 +78,17 @@ IGNORED_FIELDS = ("out", "resume", "overwrite", "progress", "device", "report_to
 TRL_RUN_KEYS = ("trainer", "trl_version", "trl")
 
 
+def is_trl_run(config: dict[str, Any]) -> bool:
+    """Whether a config.yaml was written by the TRL integration (it records only some of grpo-lens' settings)."""
+    return config.get("trainer") == "trl"
+
+
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """A run's settings under grpo-lens' field names. A grpo-lens run's config is returned as it is; a TRL run's
     (``trainer: trl``) is its ``trl`` block translated through TRL's aliases
     (:func:`grpo_lens.config.trl_names.grpo_lens_settings`), overlaid by the grpo-lens names the integration wrote
     itself, without the trainer's own keys (:data:`TRL_RUN_KEYS`)."""
-    if config.get("trainer") != "trl":
+    if not is_trl_run(config):
         return config
     settings = grpo_lens_settings(config.get("trl") or {})
     settings.update({k: v for k, v in config.items() if k not in TRL_RUN_KEYS})
@@ -91,11 +96,6 @@ def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(batch, int) and isinstance(group, int) and group > 0 and batch % group == 0:
         settings["prompts_per_step"] = batch // group  # TRL's generation batch, as grpo-lens' default states it
     return settings
-
-
-def is_trl_run(config: dict[str, Any]) -> bool:
-    """Whether a config.yaml was written by the TRL integration (it records only some of grpo-lens' settings)."""
-    return config.get("trainer") == "trl"
 
 
 #: Config fields that define the task: runs must agree on them unless ``allow_different_tasks``.
