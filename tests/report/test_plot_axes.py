@@ -131,3 +131,12 @@ def test_a_one_r_before_after_figure_has_one_tick_and_tells_before_from_after_by
             matplotlib.colors.to_hex(bars.lines[0].get_color()))
     assert set(by_probe) == {"before training", "after training"}, by_probe
     assert all(len(c) == 1 for c in by_probe.values()) and len(set().union(*by_probe.values())) == 2, by_probe
+
+
+def test_learning_curves_put_a_legend_on_each_panel_with_several_series(tmp_path, figures):
+    cases._write_metrics(tmp_path, [0.2, 0.4, 0.6])
+    write_report(tmp_path)
+    ((name, fig),) = [(n, f) for n, f in figures if n == "learning_curves.png"]
+    check(name, fig)
+    several = [ax for ax in fig.axes if len({ln.get_label() for ln in ax.lines}) > 1]
+    assert several and all(ax.get_legend() is not None for ax in several)  # the panel's own, not a figure's
