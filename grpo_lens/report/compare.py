@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.colors
 import matplotlib.pyplot as plt
 import yaml
 
@@ -161,21 +162,35 @@ def _label(paths: list[Path]) -> list[str]:
     return names if len(set(names)) == len(names) else [str(p) for p in paths]
 
 
+def run_colours(n: int) -> list[str]:
+    """``n`` distinct colours (hex), one per run: matplotlib's ten default ones up to 10 runs, tab20 up to 20, then
+    ``n`` evenly spaced points of the turbo colour map (the default cycle repeats after 10, which gave an eleventh run
+    the first run's colour)."""
+    if n <= 10:
+        return [matplotlib.colors.to_hex(f"C{i}") for i in range(n)]
+    cmap = matplotlib.colormaps["tab20" if n <= 20 else "turbo"]
+    return [matplotlib.colors.to_hex(cmap(i if n <= 20 else i / (n - 1))) for i in range(n)]
+
+
 def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str, str]], path: Path) -> Path:
     """One panel per metric, one line per run in the same colour in every panel (markers on lens keys, which exist
-    only on lens steps), the metric's unit on the y axis, integer step ticks and one legend for the figure."""
+    only on lens steps), the metric's unit on the y axis, integer step ticks and one legend for the figure above the
+    panels (as many rows as its four columns need). Runs are drawn from the widest line to the thinnest, so a run
+    whose values equal an earlier one's shows as a thin line on a wider one instead of hiding it."""
     matplotlib.use("Agg")
-    cols = 2
+    cols, legend_cols = 2, 4
     rows = math.ceil(len(metrics) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows + 0.4), squeeze=False)
-    colours = {run: f"C{i}" for i, run in enumerate(runs)}
+    header = 0.1 + 0.2 * math.ceil(len(runs) / legend_cols)  # inches above the panels for the legend
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows + header), squeeze=False)
+    colours = dict(zip(runs, run_colours(len(runs))))
+    widths = {run: 1.0 + 1.5 * (len(runs) - 1 - i) / max(len(runs) - 1, 1) for i, run in enumerate(runs)}
     handles = {}
     for ax, (key, label) in zip(axes.flat, metrics):
         for run, records in runs.items():
             pts = [(r[STEP], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if pts:
-                (line,) = ax.plot(*zip(*pts), marker="o" if len(pts) < 12 else None, ms=3, color=colours[run],
-                                  label=run)
+                (line,) = ax.plot(*zip(*pts), marker="o" if len(pts) < 12 else None, ms=1.5 + 1.5 * widths[run],
+                                  color=colours[run], linewidth=widths[run], label=run)
                 handles.setdefault(run, line)
         found = lookup(key, JSONL)
         ax.set_title(label, fontsize=10)
@@ -186,8 +201,9 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
     if handles:
-        fig.legend(list(handles.values()), list(handles), loc="upper center", ncol=min(len(handles), 4), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / (3.2 * rows + 0.4)))
+        fig.legend(list(handles.values()), list(handles), loc="upper center", ncol=min(len(handles), legend_cols),
+                   fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - header / (3.2 * rows + header)))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -277,11 +293,11 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
             if f is None:
                 cells.append("–")
             elif f["low"] is None:
-                cells.append(f"{fmt_sig(f['mean'])} (steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']}: too few for an "
-                             f"interval)")
+                cells.append(f"{fmt_sig(f['mean'])} (steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']}: too few for "
+                             f"an interval)")
             else:
-                cells.append(f"{fmt_sig(f['mean'])} [{fmt_sig(f['low'])}, {fmt_sig(f['high'])}] (steps {f['steps'][0]}–"
-                             f"{f['steps'][1]}, n={f['n']})")
+                cells.append(f"{fmt_sig(f['mean'])} [{fmt_sig(f['low'])}, {fmt_sig(f['high'])}] "
+                             f"(steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']})")
         lines.append(md_row(f"{label} (`{key}`)", *cells))
     lines += ["", "## Curves", "", "![curves](compare.png)", ""]
     path = out / "compare.md"

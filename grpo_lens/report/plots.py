@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from grpo_lens.metrics import (
@@ -276,30 +277,44 @@ def plot_baselines(records: list[dict[str, Any]], path: Path, gradients: str) ->
     return _save(fig, path)
 
 
-#: (label, summary-key stem) of the G1 matrices drawn against R.
-G1_LINES = (("G1", "g1"), ("orthogonal null", "g1_null"), ("G1_no_adv", "g1_no_adv"),
-            ("G1_random_zero_sum", "g1_random"), ("G1_nll", "g1_nll"))
+#: (label, summary-key stem, marker) of the G1 matrices drawn against R.
+G1_LINES = (("G1", "g1", "o"), ("orthogonal null", "g1_null", "s"), ("G1_no_adv", "g1_no_adv", "^"),
+            ("G1_random_zero_sum", "g1_random", "D"), ("G1_nll", "g1_nll", "v"))
+
+#: the legend's name of a probe label of the report (a label not listed is shown as it is)
+PROBE_NAMES = {"before": "before training", "after": "after training"}
+
+#: the colour of each probe when several are drawn in one figure (before: blue, after: red), in order
+PROBE_COLOURS = ("tab:blue", "tab:red", "tab:green")
 
 
 def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, measure: str = "erank") -> Path:
-    """Effective rank vs R for G1, its orthogonal null and its controls (mean and 95% interval over
-    groups): one colour per matrix, the same in every probe; each probe (before / after) its own marker fill and line
-    style, named in the legend; the matrices' points are spread a little along x so that with one R (or equal values)
-    they do not hide one another.
+    """Effective rank vs R for G1, its orthogonal null and its controls (mean and 95% interval over groups), one
+    marker per matrix. One probe: one colour per matrix. Several (before / after training): one colour per probe
+    (:data:`PROBE_COLOURS`), named in the legend (:data:`PROBE_NAMES`), the matrices told apart by marker and line
+    style. The points of one R are spread a little along x so that with one R (or equal values) they do not hide
+    one another; the legend sits under the panel.
 
     Args:
-        probes: label -> probe.json content.
+        probes: label -> probe.json content (at most len(PROBE_COLOURS) probes).
+
+    Raises:
+        ValueError: more probes than :data:`PROBE_COLOURS`.
     """
-    fig, ax = plt.subplots(figsize=SIZE)
-    styles = [("-", "full"), ("--", "none"), (":", "left")]
+    if len(probes) > len(PROBE_COLOURS):
+        raise ValueError(f"{len(probes)} probes in one figure; at most {len(PROBE_COLOURS)}")
+    fig, ax = plt.subplots(figsize=(SIZE[0], SIZE[1] * 1.3))
+    styles = ["-", "--", ":", "-.", (0, (1, 3))]
+    several = len(probes) > 1
     rs_all = sorted({int(r) for p in probes.values() for r in p["per_group_size"]})
     spacing = min((b - a for a, b in zip(rs_all, rs_all[1:])), default=2)
     width = 0.3 * spacing  # the spread of one R's points: under a third of the gap to the next R
     n_series = len(G1_LINES) * len(probes)
-    for pi, ((label, probe), (style, fill)) in enumerate(zip(probes.items(), styles)):
+    drawn: set[str] = set()
+    for pi, (label, probe) in enumerate(probes.items()):
         per_r = probe["per_group_size"]
         rs = sorted(per_r, key=int)
-        for mi, (name, stem) in enumerate(G1_LINES):
+        for mi, (name, stem, marker) in enumerate(G1_LINES):
             xs, ys, lo, hi = [], [], [], []
             offset = width * ((mi * len(probes) + pi) / max(n_series - 1, 1) - 0.5)
             for r in rs:
@@ -310,16 +325,29 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
                     lo.append(stats["mean"] - (stats["lo"] if stats.get("lo") is not None else stats["mean"]))
                     hi.append((stats["hi"] if stats.get("hi") is not None else stats["mean"]) - stats["mean"])
             if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], linestyle=style, marker="o", fillstyle=fill, capsize=3,
-                            color=f"C{mi}", label=f"{name}, {label}" if len(probes) > 1 else name)
+                drawn.add(name)
+                ax.errorbar(xs, ys, yerr=[lo, hi], linestyle=styles[mi] if several else "-", marker=marker,
+                            capsize=3, color=PROBE_COLOURS[pi] if several else f"C{mi}",
+                            label=f"{name}, {PROBE_NAMES.get(label, label)}" if several or label in PROBE_NAMES
+                            else name)
     if rs_all:
         ax.axhline(2, color="k", alpha=0.3, linewidth=1, label=f"{measure} = 2 (the rank-2 claim)")
         ax.set_xticks(rs_all)
+        ax.set_xticklabels([f"R = {r}" for r in rs_all])
         ax.set_xlim(rs_all[0] - spacing / 2, rs_all[-1] + spacing / 2)
     ax.set_xlabel("group size R")
     ax.set_ylabel(f"{measure} (dimensionless)")
     ax.set_title(f"{measure} of G1 vs R (95% intervals over groups)", fontsize=9)
-    _legend(ax, fontsize=6, ncol=2)
+    if several:  # the legend says what a colour and what a marker means, once each
+        handles = [Line2D([], [], color=c, linewidth=4, label=PROBE_NAMES.get(label, label))
+                   for c, label in zip(PROBE_COLOURS, probes)]
+        handles += [Line2D([], [], color="k", marker=marker, linestyle=style, label=name)
+                    for (name, _, marker), style in zip(G1_LINES, styles) if name in drawn]
+        handles += [h for h, lab in zip(*ax.get_legend_handles_labels()) if lab.startswith(f"{measure} = 2")]
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False,
+                  fontsize=7)
+    else:
+        legend_below(ax, ncol=2, fontsize=7)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 

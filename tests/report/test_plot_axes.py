@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import matplotlib.colors
 import pytest
 
 from grpo_lens.report import write_report
@@ -85,15 +86,57 @@ def test_an_unknown_gradient_source_is_refused_with_the_valid_ones():
         gradient_source_label("exakt")
 
 
-def test_the_comparison_figure_labels_its_axes_and_keeps_run_colours(tmp_path, figures):
-    for run, rewards in (("a", [0.1, 0.2, 0.3]), ("b", [0.3, 0.2, 0.1])):
-        cases._write_metrics(tmp_path / run, rewards, lens_steps=(2,))
-        (tmp_path / run / "config.yaml").write_text(f"task: arithmetic\nseed: {run == 'b'}\n")
-    compare_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")
+@pytest.mark.parametrize("n_runs", [2, 11])  # 11: past matplotlib's ten-colour cycle, where C10 is C0 again
+def test_the_comparison_figure_labels_its_axes_and_keeps_run_colours(tmp_path, figures, n_runs):
+    runs = [f"run{i:02d}" for i in range(n_runs)]
+    for i, run in enumerate(runs):
+        cases._write_metrics(tmp_path / run, [0.1 + 0.02 * i, 0.2, 0.3 - 0.01 * i], lens_steps=(2,))
+        (tmp_path / run / "config.yaml").write_text(f"task: arithmetic\nseed: {i}\n")
+    compare_runs([tmp_path / run for run in runs], tmp_path / "cmp")
     ((name, fig),) = [(n, f) for n, f in figures if n == "compare.png"]
     check(name, fig)
-    colours = {}
+    colours = {}  # run -> the colours its lines have, over every panel
     for ax in fig.axes:
         for ln in ax.lines:
-            colours.setdefault(ln.get_label(), set()).add(ln.get_color())
-    assert all(len(c) == 1 for c in colours.values()) and len(colours) == 2, colours  # one colour per run
+            colours.setdefault(ln.get_label(), set()).add(matplotlib.colors.to_hex(ln.get_color()))
+    assert set(colours) == set(runs)
+    assert all(len(c) == 1 for c in colours.values()), colours  # a run keeps its colour in every panel
+    assert len(set().union(*colours.values())) == n_runs, colours  # no two runs share one
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == runs  # one legend, naming every run
+
+
+def _one_r(probe: dict, r: str = "4") -> dict:
+    """``probe`` with only group size ``r`` kept."""
+    return {**probe, "per_group_size": {r: probe["per_group_size"][r]}}
+
+
+def test_a_one_r_before_after_figure_has_one_tick_and_tells_before_from_after_by_colour(tmp_path, figures):
+    for sub in ("probe_before", "probe_after"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "probe.json").write_text(json.dumps(_one_r(cases._probe())))
+    write_report(tmp_path)
+    ((name, fig),) = [(n, f) for n, f in figures if n == "erank_vs_R.png"]
+    check(name, fig)
+    (ax,) = fig.axes
+    assert list(ax.get_xticks()) == [4] and ax.get_xticklabels()[0].get_text() == "R = 4"
+    lo, hi = ax.get_xlim()
+    xs = {float(x) for ln in ax.lines if ln.get_transform() == ax.transData for x in ln.get_xdata()}
+    assert lo < min(xs) < 4 < max(xs) < hi and len(xs) > 1  # the points spread around their one R, inside the axes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"before training", "after training"} <= set(legend), legend
+    assert not any(t.strip().replace(".", "").isdigit() for t in legend), legend  # no bare "2"
+    by_probe = {}  # "before" / "after" -> colours of its series
+    for bars in ax.containers:  # an errorbar's label is its container's; lines[0] is its data line
+        by_probe.setdefault(bars.get_label().rsplit(", ", 1)[1], set()).add(
+            matplotlib.colors.to_hex(bars.lines[0].get_color()))
+    assert set(by_probe) == {"before training", "after training"}, by_probe
+    assert all(len(c) == 1 for c in by_probe.values()) and len(set().union(*by_probe.values())) == 2, by_probe
+
+
+def test_learning_curves_put_a_legend_on_each_panel_with_several_series(tmp_path, figures):
+    cases._write_metrics(tmp_path, [0.2, 0.4, 0.6])
+    write_report(tmp_path)
+    ((name, fig),) = [(n, f) for n, f in figures if n == "learning_curves.png"]
+    check(name, fig)
+    several = [ax for ax in fig.axes if len({ln.get_label() for ln in ax.lines}) > 1]
+    assert several and all(ax.get_legend() is not None for ax in several)  # the panel's own, not a figure's
