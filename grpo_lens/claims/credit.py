@@ -83,6 +83,36 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
                   source="exact update direction over every parameter, finite differences")]
 
 
+def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, Any] | None:
+    """The exact count test of :func:`monte_carlo_credit` on a credit study's ``monte_carlo`` dict (its rollouts'
+    prefix values and SEs, ``samples_per_prefix`` K): one place for the numbers the claim decides on and the study
+    section reports (docs/theory.md §12).
+
+    Returns:
+        None when a prefix value is not a mean of K 0/1 rewards, else a dict: ``k``, ``rollouts`` n, ``tests`` (the
+        most interior segments of a rollout; 0 = nothing to test, the other keys then absent), ``d`` (the opposing
+        count difference, :func:`grpo_lens.formulas.credit.opposition_threshold`), ``alpha_r`` (the most a rollout
+        with no opposing segment is flagged), ``flagged`` (rollouts with a segment opposing A_i by >= d),
+        ``segments``, ``agreeing`` (segments agreeing by >= d) and ``p_value`` = P(Binomial(n, α_r) >= flagged).
+    """
+    k = int(mc["samples_per_prefix"])
+    rows = mc["rollouts"]
+    counts = [prefix_success_counts(r["values"], r["errors"], k) for r in rows]
+    if any(c is None for c in counts):
+        return None
+    diffs = [opposing_differences(c, r["grpo_advantage"]) for c, r in zip(counts, rows)]
+    tests = max((len(x) for x in diffs), default=0)
+    out: dict[str, Any] = {"k": k, "rollouts": len(rows), "tests": tests}
+    if tests == 0:
+        return out
+    d, size = opposition_threshold(k, tests, level)
+    alpha_r = min(1.0, tests * size)
+    flagged = sum(any(x >= d for x in ds) for ds in diffs)
+    return {**out, "d": d, "alpha_r": alpha_r, "flagged": flagged, "segments": sum(len(ds) for ds in diffs),
+            "agreeing": sum(x <= -d for ds in diffs for x in ds),
+            "p_value": binomial_upper_tail(flagged, len(rows), alpha_r)}
+
+
 @CLAIMS.register("monte_carlo_credit")
 def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     """"GRPO's uniform A_i is not the credit each token earns": the paper predicts that Monte Carlo token advantages
@@ -120,26 +150,17 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
                       control=control, verdict=INCONCLUSIVE,
                       rule=f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs", source=source)]
     mc = credit["monte_carlo"]
-    k = int(mc["samples_per_prefix"])
-    rows = mc["rollouts"]
-    counts = [prefix_success_counts(r["values"], r["errors"], k) for r in rows]
-    scope = f"{len(rows)} rollouts, K = {k}"
-    if any(c is None for c in counts):
+    t = opposition_count(mc)
+    scope = f"{len(mc['rollouts'])} rollouts, K = {int(mc['samples_per_prefix'])}"
+    if t is None:
         return [Claim(claim=claim, scope=scope, measurement="prefix values are not means of 0/1 rewards",
                       control=control, verdict=INCONCLUSIVE,
                       rule="the exact count test needs 0/1 rewards", source=source)]
-    diffs = [opposing_differences(c, r["grpo_advantage"]) for c, r in zip(counts, rows)]
-    tests = max((len(d) for d in diffs), default=0)
-    if tests == 0:
+    if t["tests"] == 0:
         return [Claim(claim=claim, scope=scope, measurement="no interior segment (fewer than 2 prefixes)",
                       control=control, verdict=INCONCLUSIVE, rule="nothing to test", source=source)]
-    d, size = opposition_threshold(k, tests, MC_LEVEL)
-    alpha_r = min(1.0, tests * size)
-    n = len(rows)
-    flagged = sum(any(x >= d for x in ds) for ds in diffs)
-    segments = sum(len(ds) for ds in diffs)
-    agreeing = sum(x <= -d for ds in diffs for x in ds)
-    p_value = binomial_upper_tail(flagged, n, alpha_r)
+    k, n, d, alpha_r = t["k"], t["rollouts"], t["d"], t["alpha_r"]
+    flagged, segments, agreeing, p_value = t["flagged"], t["segments"], t["agreeing"], t["p_value"]
     f_lo, f_hi = wilson_interval(flagged, n)
     a_lo, a_hi = wilson_interval(agreeing, segments)
     if n < MIN_UNITS:

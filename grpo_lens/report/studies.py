@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import matplotlib.pyplot as plt
 
+from grpo_lens.claims.credit import MC_LEVEL, opposition_count
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS
 from grpo_lens.report import plots
 from grpo_lens.report.format import ci, fmt, interval, md_row, md_table
@@ -84,9 +85,7 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
         for name, v in c["classes"].items():
             lines.append(md_row(name, ci(v['update_share']), ci(v['token_share']), ci(v['ratio'], 2)))
         lines += ["", f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K = "
-                  f"{mc['samples_per_prefix']} continuations per prefix. Share of tokens in segments whose Monte "
-                  f"Carlo advantage has the opposite sign of GRPO's A_i beyond 2 SE: {ci(mc.get('disagree'))}; the "
-                  f"same sign: {ci(mc.get('agree'))}; within noise of 0: {ci(mc.get('neutral'))}. Largest "
+                  f"{mc['samples_per_prefix']} continuations per prefix. {_opposition_sentence(mc)} Largest "
                   f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.", "",
                   *md_table(["rollout", "r", "GRPO A_i", "prefix lengths", "V(prefix) ± SE",
                              "segment advantages ± SE"])]
@@ -97,6 +96,22 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
                                 advs))
         lines.append("")
     return lines
+
+
+def _opposition_sentence(mc: dict[str, Any]) -> str:
+    """What the Monte Carlo credit claim tests, in its numbers (:func:`grpo_lens.claims.credit.opposition_count`):
+    the count of rollouts with an opposing segment against the exact binomial bound at level MC_LEVEL."""
+    t = opposition_count(mc)
+    if t is None:
+        return "The exact count test needs 0/1 rewards; these prefix values are not means of K 0/1 rewards."
+    if t["tests"] == 0:
+        return "No interior segment (fewer than 2 prefixes per rollout): nothing to test."
+    n, a = t["rollouts"], t["alpha_r"]
+    return (f"Rollouts with a segment whose success count differs against A_i's sign by >= {t['d']} of {t['k']} "
+            f"continuations (opposing): {t['flagged']} of {n}; with no opposing segment a rollout is flagged with "
+            f"probability <= {a:.3g} ({t['tests']} segments tested per rollout, level {MC_LEVEL}), and "
+            f"P(Binomial({n}, {a:.3g}) >= {t['flagged']}) = {t['p_value']:.2g}. Segments agreeing with A_i by >= "
+            f"{t['d']}: {t['agreeing']} of {t['segments']}.")
 
 
 def _mean_score_sentence(study: dict[str, Any]) -> str:

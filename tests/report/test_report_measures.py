@@ -345,3 +345,20 @@ def test_s4_claim_reads_the_float32_share_and_the_permutation_control():
     # most weights moved in float32 -> still does not hold, and the rule says where the bf16 share comes from
     c = most_parameters_unchanged({"records": [rec(0.002, 0.9, 0.6, 0.005)]})[0]
     assert c.verdict == "does not hold" and "where the changes land" in c.rule
+
+
+def test_monte_carlo_study_text_reports_the_count_test(tmp_path):
+    from grpo_lens.report.studies import studies_section
+
+    # 4 of 8 rollouts oppose A_i by 8 - 2 = 6 >= d = 5 of K = 8 (3 interior segments tested per rollout, α_r =
+    # 3 · 0.01063 = 0.0319 at level 0.05): the text gives that count, its bound and P(Binomial(8, 0.0319) >= 4) =
+    # C(8,4) 0.0319^4 (1 - 0.0319)^4 + ... = 6.5e-5, the numbers the
+    # claim decides on, not the old "opposite sign beyond 2 SE" share
+    studies = _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3))
+    text = "\n".join(studies_section("probe", {"credit": studies["credit"]}, tmp_path, []))
+    assert "beyond 2 SE" not in text
+    assert "by >= 5 of 8 continuations (opposing): 4 of 8" in text
+    assert "probability <= 0.0319 (3 segments tested per rollout, level 0.05)" in text
+    assert "P(Binomial(8, 0.0319) >= 4) = 6.5e-05" in text
+    (claim,) = CLAIMS.get("monte_carlo_credit")({"studies": {"credit": studies["credit"]}})
+    assert "4 of 8" in claim.measurement and claim.verdict == "holds"
