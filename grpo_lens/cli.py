@@ -206,16 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_model)
 
     p = sub.add_parser("report", help="write RUN_DIR/report.md and plots from a run directory")
-    p.add_argument("run_dir", help="a run directory written by train, probe or demo")
+    p.add_argument("run_dir", help="a run directory written by train, probe, demo or LensGRPOTrainer (TRL)")
     p.set_defaults(fn=_cmd_report)
 
     p = sub.add_parser("compare", help="overlay two or more training runs in one report (OUT/compare.md)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by grpo-lens train")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by grpo-lens train or LensGRPOTrainer (TRL)")
     p.add_argument("--out", required=True, help="directory for compare.md, compare.png and compare.json")
     p.add_argument("--last", type=int, default=10, help="final numbers average each run's last this many records "
                                                         "of a metric; intervals need >= 8 (default: 10)")
     p.add_argument("--allow-different-tasks", action="store_true",
-                   help="compare runs whose task, task options or dataset differ (refused otherwise)")
+                   help="compare runs whose task, task options or dataset differ, or a TRL run (which does not "
+                        "record its task) with others (refused otherwise)")
     p.set_defaults(fn=_cmd_compare)
 
     p = sub.add_parser("calibrate", help="level and power of every verdict rule on planted cases (docs/calibration.md)")

@@ -210,6 +210,20 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
     return path
 
 
+def _tasks_line(labels: list[str], tasks: dict[str, dict[str, Any]]) -> str:
+    """compare.md's task line: the one task when every run records the same one, else each run's (a TRL run's
+    task is not recorded: it lives in the user's script)."""
+    def one(t: dict[str, Any] | None) -> str:
+        if t is None:
+            return "not recorded (a TRL run: the task is its script's)"
+        return (str(t["task"]) + (f" {t['task_options']}" if t.get("task_options") else "")
+                + (f" ({t['dataset']})" if t.get("dataset") else ""))
+    shown = [one(tasks.get(label)) for label in labels]
+    if len(set(shown)) == 1:
+        return shown[0]
+    return "; ".join(f"{label}: {s}" for label, s in zip(labels, shown)) + " (compared on request)"
+
+
 def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
                  allow_different_tasks: bool = False) -> Path:
     """Write ``out/compare.md``, ``out/compare.png`` and ``out/compare.json`` for two or more runs.
@@ -224,8 +238,8 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
         the path of compare.md.
 
     Raises:
-        CompareError: fewer than two runs, a directory that is not a run, runs of different tasks (unless
-            ``allow_different_tasks``), ``last`` < 1. Raised before ``out`` is touched.
+        CompareError: fewer than two runs, a directory that is not a run, runs of different tasks or a TRL run
+            (whose task is not recorded) unless ``allow_different_tasks``, ``last`` < 1. Raised before ``out`` is touched.
     """
     paths = [Path(p) for p in run_dirs]
     if len(paths) < 2:
@@ -248,6 +262,11 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
                           + (f" ({t['dataset']})" if t.get("dataset") else "") for label, t in tasks.items())
         raise CompareError(f"the runs are on different tasks ({shown}); their rewards are not comparable. Pass "
                            f"--allow-different-tasks to compare them anyway")
+    unrecorded = sorted(set(configs) - set(tasks))  # TRL runs: the dataset and reward functions are the script's
+    if unrecorded and not allow_different_tasks:
+        raise CompareError(f"{', '.join(unrecorded)}: a TRL run does not record its task (the dataset and reward "
+                           f"functions live in its script), so compare cannot check that the runs trained on the "
+                           f"same task. Pass --allow-different-tasks to compare them anyway")
 
     out = Path(out)
     metrics = [(k, lab) for k, lab in COMPARED if any(k in r for recs in runs.values() for r in recs)]
@@ -261,10 +280,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
                                                  indent=1, default=str))
     lines = ["# grpo-lens compare", "",
              "Runs: " + ", ".join(f"`{lab}` ({p}, {len(runs[lab])} steps)" for lab, p in zip(labels, paths)), ""]
-    task = next(iter(tasks.values()), {"task": "not recorded (TRL runs: the task is the user's script)"})
-    lines += [f"Task: {task['task']}" + (f" {task['task_options']}" if task.get("task_options") else "")
-              + (" (the runs' tasks differ: compared on request)" if allow_different_tasks and
-                 len({json.dumps(t, sort_keys=True) for t in tasks.values()}) > 1 else ""), ""]
+    lines += ["Task: " + _tasks_line(labels, tasks), ""]
 
     notes = {lab: dynamic_sampling_summary(runs[lab]) for lab in labels}
     if any(notes.values()):

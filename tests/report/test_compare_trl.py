@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from grpo_lens.report.compare import compare_runs
+from grpo_lens.report.compare import CompareError, compare_runs
 
 #: A grpo-lens run's settings (a subset of TrainConfig's fields, as config.yaml writes them).
 GRPO_LENS = {"model": "tiny", "task": "arithmetic", "dataset": None, "task_options": {}, "rewards": ["correctness"],
@@ -50,7 +50,7 @@ def write_run(path, config):
 def test_trl_run_with_equal_settings_differs_in_nothing(tmp_path):
     trl = write_run(tmp_path / "trl", trl_config())
     ours = write_run(tmp_path / "ours", GRPO_LENS)
-    md = compare_runs([trl, ours], tmp_path / "cmp")
+    md = compare_runs([trl, ours], tmp_path / "cmp", allow_different_tasks=True)
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["differing_config"] == {}
     assert "None: the runs share every setting" in md.read_text()
 
@@ -60,6 +60,19 @@ def test_trl_run_lists_exactly_the_real_difference(tmp_path):
     # TRL's top_p lives only in the `trl` block: it is compared once translated, under grpo-lens' name
     trl = write_run(tmp_path / "trl", trl_config(top_p=0.9))
     ours = write_run(tmp_path / "ours", GRPO_LENS)
-    compare_runs([trl, ours], tmp_path / "cmp")
+    compare_runs([trl, ours], tmp_path / "cmp", allow_different_tasks=True)
     diff = json.loads((tmp_path / "cmp" / "compare.json").read_text())["differing_config"]
     assert diff == {"top_p": {"trl": 0.9, "ours": 1.0}}
+
+
+@pytest.mark.e2e
+def test_trl_run_needs_allow_different_tasks_and_says_its_task_is_not_recorded(tmp_path):
+    # a TRL run's config has no task: compare cannot check the runs share one, so it refuses (before writing) unless
+    # asked, and then names each run's task instead of labelling both with the grpo-lens run's
+    trl = write_run(tmp_path / "trl", trl_config())
+    ours = write_run(tmp_path / "ours", {**GRPO_LENS, "task": "gsm8k"})
+    with pytest.raises(CompareError, match="trl: a TRL run does not record its task"):
+        compare_runs([trl, ours], tmp_path / "cmp")
+    assert not (tmp_path / "cmp").exists()
+    md = compare_runs([trl, ours], tmp_path / "cmp", allow_different_tasks=True).read_text()
+    assert "Task: trl: not recorded (a TRL run: the task is its script's); ours: gsm8k (compared on request)" in md
