@@ -34,6 +34,14 @@ def _value_or_range(values: list[float]) -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
+def _residual(value: float) -> str:
+    """A residual in the claim's text; an exact 0 says why it can be exact (a bare 0.0e+00 reads as a bug)."""
+    if value == 0.0:
+        return ("0 (exact: both sides' coefficients agree to the last float64 bit, or their difference's energy "
+                "rounds to <= 0; docs/theory.md §4)")
+    return f"{value:.1e}"
+
+
 def _groups(n: int) -> str:
     return "one group" if n == 1 else f"{n} groups"
 
@@ -69,7 +77,8 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
     else:
         worst = max(res)
         verdict = HOLDS if worst < IDENTITY_TOLERANCE else DOES_NOT_HOLD
-        why = f"max residual {worst:.1e} {'<' if verdict == HOLDS else '>='} {IDENTITY_TOLERANCE:.0e}"
-        meas = f"relative residual max {worst:.1e} over {len(res)} groups (estimator {meta.get('estimator', 'grpo')})"
+        shown = _residual(worst)
+        why = f"max residual {shown} {'<' if verdict == HOLDS else '>='} {IDENTITY_TOLERANCE:.0e}"
+        meas = f"relative residual max {shown} over {len(res)} groups (estimator {meta.get('estimator', 'grpo')})"
     return [Claim(claim="the group update is c(k,R)(gbar_C − gbar_W) (the rank-2 identity)", scope="all R",
                   measurement=meas, control=control, verdict=verdict, rule=why, source=source_of(probe))]

@@ -1,5 +1,6 @@
 """What the claims print where a bare number misled a reader: the identity's control per R (one value, not a range of
-equal ends) and the sketch's share of ||g||^2 with what it is (an estimate that can exceed 1)."""
+equal ends), an exact-zero residual with why, and the sketch's share of ||g||^2 with what it is (an estimate that
+can exceed 1)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ def test_sketch_share_says_it_is_an_estimate():
     assert "share of Σ‖g‖² estimated at 1.05" in text and "can exceed 1" in text
     assert "covering 1.05" not in text
     assert "estimate" not in source_of({"meta": {**meta, "sketch_coverage": None}})
+
+
+def test_identity_residual_of_exactly_zero_says_why():
+    # at k = R/2 with matching conventions a_i and c(k, R)'s coefficient are the same float64 number, so e = 0 and the
+    # residual is exactly 0: the text says so instead of a bare "0.0e+00"; a non-zero residual keeps its 1-digit form
+    probe = {"meta": {"gradients": "exact", "std": "sample", "eps": 1e-4, "estimator": "grpo"},
+             "per_group_size": {"all": {"groups": [{**group(2, 4), "grad/identity_residual": 0.0}]}}}
+    (claim,) = CLAIMS.get("identity")(probe)
+    assert "0.0e+00" not in claim.rule and claim.rule.startswith("max residual 0 (exact: ")
+    assert claim.verdict == "holds"
+    (claim,) = CLAIMS.get("identity")({**probe, "per_group_size": {"all": {"groups": [group(2, 4)]}}})
+    assert claim.rule == "max residual 1.0e-08 < 1e-04"
