@@ -509,12 +509,14 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
                             fmt(rel.get('none'), 2), fmt(rel.get('mean'), 2), fmt(rel.get('rloo'), 2),
                             fmt(rel.get('optimal'), 2)))
         if rel.get("rloo") is not None:
+            none = rel.get("none")
+            lower = (f"; with no baseline at all it is {fmt(none, 2)}x, lower: b* minimises the second moment "
+                     f"E||(r - b) g||^2, which is the variance only when E[g] = 0, and the length-normalised g_i's "
+                     f"mean is not 0" if none is not None and none < 1
+                     else f"; no baseline at all gives {fmt(none, 2)}x")
             findings.append(f"[{label}] R={r}: the rloo baseline's gradient variance is {fmt(rel['rloo'], 2)}x the "
-                            f"leave-one-out optimal b*'s; no baseline at all gives {fmt(rel.get('none'), 2)}x "
-                            f"(one resampling estimate over {b.get('prompts')} prompt(s) of "
-                            f"{per_r[r].get(ROLLOUTS_PER_PROMPT)} rollouts; no interval; g_i is length-normalised, "
-                            f"so its mean is not exactly 0 and a constant baseline's optimum need not minimise this "
-                            f"variance).")
+                            f"leave-one-out optimal b*'s{lower} (one resampling estimate over {b.get('prompts')} "
+                            f"prompt(s) of {per_r[r].get(ROLLOUTS_PER_PROMPT)} rollouts; no interval).")
     plots.plot_baseline_variance(probe, run_dir / f"baseline_variance_{label}.png")
     lines += ["", f"![baseline variance](baseline_variance_{label}.png)", ""]
 

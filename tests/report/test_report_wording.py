@@ -182,3 +182,17 @@ def test_the_credit_profile_names_what_it_is_computed_from(tmp_path, figures, gr
     ((_, fig),) = figures
     label = fig.axes[0].get_ylabel()
     assert CREDIT_PROFILE_SOURCE in label and "sketch" not in label
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("none, lower", [(0.25, True), (4.0, False)])
+def test_a_baseline_variance_below_b_stars_says_why(tmp_path, none, lower):
+    # a new user read "no baseline at all gives 0.23x" the optimal b*'s variance as a contradiction: below 1 the
+    # finding now says why (b* minimises E||(r - b) g||^2, the variance only when E[g] = 0); above 1 it only says it
+    probe = cases._probe()
+    for d in probe["per_group_size"].values():
+        d["baselines"]["relative_variance"]["none"] = none
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    report = write_report(tmp_path).read_text()
+    assert (f"with no baseline at all it is {none:.2f}x, lower: b* minimises the second moment" in report) == lower
+    assert (f"no baseline at all gives {none:.2f}x" in report) == (not lower)
