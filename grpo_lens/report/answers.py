@@ -19,12 +19,11 @@ from grpo_lens.report.format import mark_few
 
 def claim_sources(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None,
                   lora_rank: int = 0) -> dict[str, list[Claim]]:
-    """{source label: its claims}: ``training`` (the run's records) first, then each probe."""
-    sources: dict[str, list[Claim]] = {}
+    """{source label: its claims}: each probe first (the rank claims, the question a reader opens the report with),
+    then ``training`` (the run's records: sparsity over training)."""
+    sources: dict[str, list[Claim]] = {label: evaluate_claims(probe) for label, probe in probes.items()}
     if records:
         sources["training"] = evaluate_claims({"records": records, "lora_rank": lora_rank}, list(TRAINING_CLAIMS))
-    for label, probe in probes.items():
-        sources[label] = evaluate_claims(probe)
     return sources
 
 

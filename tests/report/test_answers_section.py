@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim
-from grpo_lens.report.answers import answer_lines
+from grpo_lens.report.answers import answer_lines, claim_sources
 
 
 def claim(name, scope, verdict, rule):
@@ -27,3 +27,10 @@ def test_decided_claims_get_one_line_and_undecided_ones_are_grouped_by_reason():
     assert "- rank 2 (after, R = 2): R = 2 caps erank at 2" in lines
     assert lines.index("- rank 2 (before, R = 4; after, R = 4): 1 groups < 8") > lines.index(
         "- **holds**: identity (before, all R): max residual 1e-09 < 1e-04"), "decided claims come first"
+
+
+def test_the_probes_claims_open_the_answers_before_trainings():
+    # a new user looked for "is the gradient rank 2?" and found the S4 sparsity line first: the probes' claims
+    # (rank, zero-sum, identity) now come before the training run's (sparsity over training)
+    sources = claim_sources({"before": {"meta": {}, "per_group_size": {}}}, [{"step": 1, "reward/mean": 0.5}])
+    assert list(sources) == ["before", "training"]
