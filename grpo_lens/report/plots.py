@@ -2,7 +2,8 @@
 
 Images are kept small (about 6.4 x 3.6 inches at 90 dpi, well under 300 KB) so that a Markdown viewer shows them
 inline. Every axis says what it measures and in which unit; integer axes (steps, group sizes, indices) get integer
-ticks; a series keeps one colour in every panel of a figure, and a legend appears wherever series differ.
+ticks; a series keeps one colour in every panel of a figure, and a legend appears wherever series differ;
+series that coincide are drawn so that each stays visible (:func:`plot_lines`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,57 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
+#: two series of one panel "coincide" when, at every step both have, they differ by at most this share of the
+#: panel's y span: on a panel about 2.5 inches tall that is under a line's width plus a marker's, so one line would
+#: hide the other
+COINCIDE_SHARE = 0.01
+
+#: the markers (hollow) of the 2nd, 3rd, ... series of a group of coinciding ones, the first keeping its own
+COINCIDE_MARKERS = ("o", "s", "^", "D", "v")
+
+
+def coinciding(a: tuple[list[float], list[float]], b: tuple[list[float], list[float]], tol: float) -> str | None:
+    """Whether series ``b`` = (steps, values) lies on series ``a`` wherever both have a value: "equal" (the same
+    steps and values), "near" (every common step within ``tol``, in y units), None (apart, or no step in common)."""
+    pa, pb = dict(zip(*a)), dict(zip(*b))
+    common = pa.keys() & pb.keys()
+    if not common or any(abs(pa[x] - pb[x]) > tol for x in common):
+        return None
+    return "equal" if pa == pb else "near"
+
+
+def plot_lines(ax, lines: list[tuple[str, list[float], list[float], str | None, str]], span: float | None = None,
+               marker: str = ".") -> None:
+    """Draw (label, steps, values, colour, linestyle) series so that every one stays visible where several coincide
+    (:func:`coinciding`, within :data:`COINCIDE_SHARE` of ``span``): a series that another one will lie on is drawn
+    wide; a series that lies on ones drawn before it is drawn on top of them, thinner, with a hollow marker of its
+    own (:data:`COINCIDE_MARKERS`, larger for each series below it) and, where it is equal at every step to one of
+    them, "(= <label> at every step)" in its label. A series that coincides with none is drawn as given.
+
+    Args:
+        lines: in drawing order; an empty series is skipped.
+        span: the panel's y range in data units (e.g. 1 for a share axis); None: the drawn values' range (1 where
+            they are all equal).
+    """
+    lines = [ln for ln in lines if ln[1]]
+    values = [v for ln in lines for v in ln[2]]
+    if span is None:
+        span = max(values) - min(values) if values else 0.0
+    tol = COINCIDE_SHARE * (span or 1.0)
+    for i, (label, xs, ys, colour, style) in enumerate(lines):
+        under = [(lab, coinciding((dxs, dys), (xs, ys), tol)) for lab, dxs, dys, _, _ in lines[:i]]
+        under = [(lab, how) for lab, how in under if how]
+        over = any(coinciding((xs, ys), (oxs, oys), tol) for _, oxs, oys, _, _ in lines[i + 1:])
+        if not under:
+            ax.plot(xs, ys, marker=marker, label=label, color=colour, linestyle=style, linewidth=3.0 if over else None)
+            continue
+        equal = [lab for lab, how in under if how == "equal"]
+        n = len(under)  # the coinciding series drawn before this one
+        ax.plot(xs, ys, marker=COINCIDE_MARKERS[(n - 1) % len(COINCIDE_MARKERS)], markerfacecolor="none",
+                markersize=4 + 2 * n, label=label + (f" (= {equal[0]} at every step)" if equal else ""),
+                color=colour, linestyle=style, linewidth=max(2.0 - 0.5 * n, 0.8), zorder=2 + 0.1 * n)
+
+
 def _legend(ax, **kw) -> None:
     """A legend only when something is labelled (matplotlib warns on an empty one)."""
     if ax.get_legend_handles_labels()[0]:
@@ -97,11 +149,12 @@ MAX_DATA_TICKS = 12
 
 
 def integer_ticks(ax) -> None:
-    """Whole-number ticks on the x axis; a range under 2 (one step drawn) is widened to +-1 around its centre, where
-    matplotlib would otherwise fall back to fractional ticks."""
+    """Whole-number ticks on the x axis; a range under 2 (one or two steps drawn) is widened to a width of 2 around
+    its centre, where matplotlib would otherwise fall back to fractional ticks: one step s gets [s - 1, s + 1], two
+    steps s, s + 1 get half a step either side (the markers at the ends stay whole)."""
     lo, hi = ax.get_xlim()
     if hi - lo < 2:
-        mid = round((lo + hi) / 2)
+        mid = (lo + hi) / 2
         ax.set_xlim(mid - 1, mid + 1)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
@@ -155,16 +208,15 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
         (axes[1, 1], [(CLIP_RATIO_REGION, "clipped share"), (CLIP_RATIO_HIGH, "high"),
                       (CLIP_RATIO_LOW, "low")], "share of tokens", "clip ratio"),
     ]
+    styles = ("-", "--", ":")  # the 2nd and 3rd series of a panel: under 0/1 rewards accuracy is the reward mean
     for ax, keys, ylabel, title in panels:
         ax.set_title(title, fontsize=9)
-        for key, label in keys:
-            xs, ys = _series(records, key)
-            if xs:
-                ax.plot(xs, ys, marker=".", label=label, color=series_colour(key))
+        plot_lines(ax, [(label, *_series(records, key), series_colour(key), style)
+                        for (key, label), style in zip(keys, styles)])
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
-            _legend(ax, fontsize=7)
+        if len(keys) > 1:  # see-through: with "(= ... at every step)" it may have to sit on a line
+            _legend(ax, fontsize=7, framealpha=0.6)
     xs, ys = _series(records, POLICY_ENTROPY)  # entropy beside the reward: collapse shows as both moving
     if xs and beta > 0:  # with beta = 0 the third panel already draws it
         twin = axes[0, 0].twinx()
@@ -211,13 +263,12 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     a1.set_ylim(-0.02, 1.02)
     legend_below(a1, ncol=1, fontsize=7)
     a1.grid(alpha=0.3)
-    for key, label, style in [(SPARSITY_UPDATE_STEP, "this step", "-"), (SPARSITY_UPDATE_TOTAL, "since start", "-"),
-                              (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "since start, permutation control", "--"),
-                              (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control", ":"),
-                              (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "since start, float32 unchanged", "-.")]:
-        xs, ys = _series(records, key)
-        if xs:
-            a2.plot(xs, ys, marker=".", label=label, linestyle=style, color=series_colour(key))
+    plot_lines(a2, [(label, *_series(records, key), series_colour(key), style) for key, label, style in
+                    [(SPARSITY_UPDATE_STEP, "this step", "-"), (SPARSITY_UPDATE_TOTAL, "since start", "-"),
+                     (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "since start, permutation control", "--"),
+                     (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control", ":"),
+                     (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "since start, float32 unchanged", "-.")]],
+               span=1.0)  # a share axis
     a2.set_title("bf16 update sparsity (S4)", fontsize=9)
     a2.set_xlabel("step")
     a2.set_ylabel("share of parameters unchanged")

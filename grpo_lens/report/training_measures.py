@@ -55,37 +55,34 @@ def lens_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
     """bf16-unchanged since start beside its permutation and dense controls and float32-unchanged (each in its
     :data:`grpo_lens.report.plots.SERIES_COLOURS` colour and line style, as in sparsity.png); Hoyer and top-1% energy
-    of the step's update and gradient; Hoyer of the update since start per layer type."""
+    of the step's update and gradient; Hoyer of the update since start per layer type. Series that coincide stay
+    visible (:func:`grpo_lens.report.plots.plot_lines`); legends in 8 pt."""
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(plots.SIZE[0] * 1.5, plots.SIZE[1] * 1.4))
-    for key, label, style in [(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
-                              (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "permutation control", "--"),
-                              (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", ":"),
-                              (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", "-.")]:
-        xs, ys = plots._series(records, key)
-        if xs:
-            a1.plot(xs, ys, marker=".", linestyle=style, label=label, color=plots.series_colour(key))
+    plots.plot_lines(a1, [(label, *plots._series(records, key), plots.series_colour(key), style)
+                          for key, label, style in [(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
+                                                    (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "permutation control", "--"),
+                                                    (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", ":"),
+                                                    (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", "-.")]],
+                     span=1.0)  # a share axis: the three bf16 shares often lie within a line's width of each other
     a1.set_title("since start: unchanged shares", fontsize=9)
     a1.set_ylabel("share of sampled weights unchanged")
     a1.set_ylim(-0.02, 1.02)
-    for key, label in [(SPARSITY_UPDATE_STEP_HOYER, "update Hoyer"),
-                       (SPARSITY_UPDATE_STEP_TOP1_ENERGY, "update top-1% energy"),
-                       (SPARSITY_GRAD_HOYER, "gradient Hoyer"), (SPARSITY_GRAD_TOP1_ENERGY, "gradient top-1%")]:
-        xs, ys = plots._series(records, key)
-        if xs:
-            a2.plot(xs, ys, marker=".", label=label)
+    plots.plot_lines(a2, [(label, *plots._series(records, key), None, "-")
+                          for key, label in [(SPARSITY_UPDATE_STEP_HOYER, "update Hoyer"),
+                                             (SPARSITY_UPDATE_STEP_TOP1_ENERGY, "update top-1% energy"),
+                                             (SPARSITY_GRAD_HOYER, "gradient Hoyer"),
+                                             (SPARSITY_GRAD_TOP1_ENERGY, "gradient top-1%")]])
     a2.axhline(0.20, color="gray", lw=0.8, ls=":")  # Hoyer of a Gaussian vector
     a2.set_title("this step (Gaussian: Hoyer 0.20, top-1% 0.105)", fontsize=8)
     a2.set_ylabel("Hoyer (0 to 1) or top-1% share of squared norm", fontsize=8)
-    for kind in ("embedding", "attention", "mlp", "norm"):
-        xs, ys = plots._series(records, sparsity_key("update_total", "hoyer", kind))
-        if xs:
-            a3.plot(xs, ys, marker=".", label=kind)
+    plots.plot_lines(a3, [(kind, *plots._series(records, sparsity_key("update_total", "hoyer", kind)), None, style)
+                          for kind, style in zip(("embedding", "attention", "mlp", "norm"), ("-", "--", ":", "-."))])
     a3.set_title("update since start: Hoyer by layer type", fontsize=9)
     a3.set_ylabel("Hoyer sparsity (0 to 1, dimensionless)", fontsize=8)
     for ax in (a1, a2, a3):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        plots.legend_below(ax, ncol=1, fontsize=6)  # shares and Hoyer values reach 0 and 1: inside, it covers them
+        plots.legend_below(ax, ncol=1, fontsize=8)  # shares and Hoyer values reach 0 and 1: inside, it covers them
     return plots._save(fig, path)
 
 

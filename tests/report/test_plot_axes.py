@@ -13,7 +13,7 @@ import pytest
 
 from grpo_lens.report import write_report
 from grpo_lens.report.compare import compare_runs
-from grpo_lens.report.plots import INTEGER_AXES, gradient_source_label
+from grpo_lens.report.plots import INTEGER_AXES, coinciding, gradient_source_label
 
 pytestmark = pytest.mark.e2e  # writes a report (files, matplotlib)
 
@@ -140,3 +140,58 @@ def test_learning_curves_put_a_legend_on_each_panel_with_several_series(tmp_path
     check(name, fig)
     several = [ax for ax in fig.axes if len({ln.get_label() for ln in ax.lines}) > 1]
     assert several and all(ax.get_legend() is not None for ax in several)  # the panel's own, not a figure's
+
+
+def _styles(lines) -> list[tuple[str, str]]:
+    """(linestyle, marker) of each line."""
+    return [(ln.get_linestyle(), ln.get_marker()) for ln in lines]
+
+
+def test_coinciding_series_stay_visible_and_say_when_they_are_equal(tmp_path, figures):
+    # under 0/1 rewards accuracy is the reward mean (_write_metrics writes them equal); the permutation control is
+    # written equal to bf16-unchanged and the dense control 0.005 off it, under a line's width on the [0, 1] axis
+    cases._write_metrics(tmp_path, [0.2, 0.4, 0.6, 0.5, 0.7])
+    _add_to_lens_steps(tmp_path, {**SPARSITY_MEASURES, "sparsity/update_total_bf16_permuted": 0.88,
+                                  "sparsity/update_total_bf16_dense": 0.875})
+    write_report(tmp_path)
+    ((_, curves),) = [(n, f) for n, f in figures if n == "learning_curves.png"]
+    reward = curves.axes[0]
+    assert len(reward.lines) == 2 and len(set(_styles(reward.lines))) == 2, _styles(reward.lines)
+    assert reward.lines[1].get_zorder() > reward.lines[0].get_zorder()  # the later one on top
+    assert reward.lines[1].get_linewidth() < reward.lines[0].get_linewidth()  # thinner: the wide one shows around it
+    assert [t.get_text() for t in reward.get_legend().get_texts()] == [
+        "reward mean", "accuracy (= reward mean at every step)"]
+    ((_, measures),) = [(n, f) for n, f in figures if n == "sparsity_measures.png"]
+    shares = measures.axes[0]
+    bf16 = shares.lines[:3]  # unchanged, permutation control, dense control
+    assert len(set(_styles(bf16))) == 3, _styles(bf16)
+    assert [t.get_text() for t in shares.get_legend().get_texts()][:3] == [
+        "bf16 unchanged", "permutation control (= bf16 unchanged at every step)", "dense control"]
+    assert all(t.get_fontsize() >= 8 for ax in measures.axes for t in ax.get_legend().get_texts())  # readable
+
+
+def test_compare_leaves_a_margin_beyond_the_first_and_last_step_of_every_panel(tmp_path, figures):
+    # only run "a" has lens steps (1 and 2): its lens panels span one step, which integer_ticks widens to 2 steps;
+    # put at the edge, the end markers were cut in half
+    cases._write_metrics(tmp_path / "a", [0.2, 0.4, 0.6], lens_steps=(1, 2))
+    cases._write_metrics(tmp_path / "b", [0.3, 0.5, 0.5], lens_steps=())
+    for i, run in enumerate("ab"):
+        (tmp_path / run / "config.yaml").write_text(f"task: arithmetic\nseed: {i}\n")
+    compare_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")
+    ((_, fig),) = [(n, f) for n, f in figures if n == "compare.png"]
+    panels = [ax for ax in fig.axes if ax.lines]
+    assert any(ax.get_title().startswith("lens:") for ax in panels)
+    for ax in panels:
+        xs = [float(x) for ln in ax.lines for x in ln.get_xdata()]
+        lo, hi = ax.get_xlim()
+        margin = 0.02 * (hi - lo)  # a marker's half-width at the saved size is about 1% of a panel's width
+        assert lo <= min(xs) - margin and hi >= max(xs) + margin, (ax.get_title(), (lo, hi), (min(xs), max(xs)))
+
+
+def test_coinciding_tells_equal_from_near_from_apart():
+    a = ([1, 2, 4], [0.95, 0.94, 0.93])
+    assert coinciding(a, ([1, 2, 4], [0.95, 0.94, 0.93]), 0.01) == "equal"
+    assert coinciding(a, ([1, 2, 4], [0.955, 0.94, 0.925]), 0.01) == "near"  # at most 0.005 off
+    assert coinciding(a, ([1, 2], [0.95, 0.94]), 0.01) == "near"  # equal where both are, but step 4 missing
+    assert coinciding(a, ([1, 2, 4], [0.95, 0.94, 0.95]), 0.01) is None  # 0.02 off at step 4
+    assert coinciding(a, ([3], [0.95]), 0.01) is None  # no step in common
