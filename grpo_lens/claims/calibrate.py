@@ -645,10 +645,10 @@ def render(result: dict[str, Any]) -> str:
         level, power = _verdict_cells(row)
         lines.append(f"| {row['family']} | {row['n']} | {row['truth']} | {level} | {power} |")
     lines += ["", "## Rules not calibrated here", "",
-              "- `uniform_token_credit` (each token class's update share against its token share): its input is the "
-              "exact update direction of a model's own tokens, whose gradient geometry (∇log π ≈ 0 on "
-              "high-probability tokens) is the open question of its control; a planted case needs a control with the "
-              "same geometry first (issue 18 item 5).",
+              "- `uniform_token_credit` (each token class's update share under A against the same tokens' share "
+              "under NLL weights, the control with the same gradient geometry): its inputs are finite-difference "
+              "directional derivatives of a model's own tokens; a planted case needs per-token gradients with a "
+              "chosen geometry, not built yet.",
               "- `zero_sum_g2_weighting` (G2 stable ranks under weightings) and `identity`: their inputs are per-layer "
               "G2 spectra and residuals of a model's backward; planted Gram matrices do not reach them.",
               "- `rank_stays_near_two`: a trend over lens steps of the rank reading calibrated above; not planted.",

@@ -44,22 +44,50 @@ CREDIT_EQUIVALENCE = 0.25
 @CLAIMS.register("uniform_token_credit")
 def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
     """"Output-only reward gives every token the same credit", read as: every token class (answer, format, reasoning)
-    gets the group update in proportion to its size.
+    gets the group update in proportion to what the same tokens get under NLL weights (the control with the same
+    gradient geometry: a high-probability token has grad log pi ≈ 0 under any weighting).
 
-    Rule (docs/theory.md §12): per class, its share of the group update over its share of the tokens, 95% interval
-    over groups (none from fewer than MIN_UNITS groups). Holds when every measured class's interval lies inside
-    1 ± :data:`CREDIT_EQUIVALENCE` (narrow enough to exclude a credit 25% off proportional); does not hold when any
-    class's interval lies wholly outside that band; inconclusive otherwise, or when the answer class has no interval.
+    Rule (docs/theory.md §12): per class, d = (its update share / token share under A) − (the same under NLL weights,
+    every A_i = 1), paired per group, 95% interval over groups (none from fewer than MIN_UNITS groups), against the
+    band ± :data:`CREDIT_EQUIVALENCE` × the class's mean NLL ratio (A's credit within 25% of the geometric reference;
+    the band's scale is an estimate, its uncertainty not carried). Holds when every measured class's interval lies
+    inside the band; does not hold when any class's lies wholly outside; inconclusive otherwise, or when the answer
+    class has no interval. A probe written before the control (no ``classes_nll``) is read by the 0.2 rule: the ratio
+    against 1 ± :data:`CREDIT_EQUIVALENCE`, a control that ignores gradient geometry, said in the row.
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit:
         return []
-    classes = credit["contributions"]["classes"]
-    lo_b, hi_b = 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE
-    band = f"[{lo_b:g}, {hi_b:g}]"
-    ratios = {c: (classes.get(c) or {}).get("ratio") or {} for c in ("answer", "format", "reasoning")}
-    per_class = {c: band_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items()
-                 if r.get("lo") is not None}
+    contributions = credit["contributions"]
+    classes, nll = contributions["classes"], contributions.get("classes_nll")
+    names = ("answer", "format", "reasoning")
+    ratios = {c: (classes.get(c) or {}).get("ratio") or {} for c in names}
+    measured = "; ".join(f"{c} tokens {ci_text(r)}" for c, r in ratios.items() if r.get("mean") is not None)
+    if nll:
+        diffs = {c: (nll.get(c) or {}).get("ratio_minus_nll") or {} for c in names}
+        scale = {c: abs(((nll.get(c) or {}).get("ratio") or {}).get("mean") or 0.0) * CREDIT_EQUIVALENCE
+                 for c in names}
+        per_class = {c: band_verdict(d.get("lo"), d.get("hi"), -scale[c], scale[c]) for c, d in diffs.items()
+                     if d.get("lo") is not None}
+        band = f"± {CREDIT_EQUIVALENCE:g} × the class's NLL ratio"
+        measured += "; paired difference from NLL weights: " + "; ".join(
+            f"{c} {ci_text(d)} (band ±{fmt(scale[c], 2)})" for c, d in diffs.items() if d.get("mean") is not None)
+        control = ("the same tokens under NLL weights (every A_i = 1: the same gradient geometry): "
+                   + "; ".join(f"{c} tokens {ci_text((nll.get(c) or {}).get('ratio'))}" for c in names
+                               if ((nll.get(c) or {}).get("ratio") or {}).get("mean") is not None)
+                   + f"; equivalence band {band}")
+        claim = ("every token class gets the update in proportion to what the same tokens get under NLL weights "
+                 "(update-share reading of 'the same credit', gradient geometry controlled)")
+    else:
+        lo_b, hi_b = 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE
+        band = f"[{lo_b:g}, {hi_b:g}]"
+        per_class = {c: band_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items()
+                     if r.get("lo") is not None}
+        control = (f"1 (every class credited in proportion to its token count); equivalence band {band}; this "
+                   f"control ignores gradient geometry (a high-probability token has grad log pi ≈ 0, so format "
+                   f"tokens get a small share under any weighting; probes since 2026-12-02 carry the NLL control)")
+        claim = ("every token class gets the update in proportion to its tokens (update-share reading of 'the same "
+                 "credit')")
     outside = [c for c, v in per_class.items() if v == DOES_NOT_HOLD]
     if outside:
         verdict, rule = DOES_NOT_HOLD, f"interval of {', '.join(outside)} tokens wholly outside {band}"
@@ -71,15 +99,9 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
         wide = [c for c, v in per_class.items() if v != HOLDS]
         verdict, rule = INCONCLUSIVE, (f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide "
                                        f"to tell")
-    measured = "; ".join(f"{c} tokens {ci_text(r)}" for c, r in ratios.items() if r.get("mean") is not None)
-    return [Claim(claim="every token class gets the update in proportion to its tokens (update-share reading of 'the "
-                        "same credit')",
-                  scope=f"R = {credit['meta']['group_size']}, {credit['contributions']['groups']} groups",
+    return [Claim(claim=claim, scope=f"R = {credit['meta']['group_size']}, {contributions['groups']} groups",
                   measurement=f"each class's share of the update / share of tokens: {measured}",
-                  control=(f"1 (every class credited in proportion to its token count); equivalence band {band}; "
-                           f"this control ignores gradient geometry (a high-probability token has grad log pi ≈ 0, "
-                           f"so format tokens get a small share under any weighting)"),
-                  verdict=verdict, rule=rule,
+                  control=control, verdict=verdict, rule=rule,
                   source="exact update direction over every parameter, finite differences")]
 
 

@@ -178,6 +178,8 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
     Returns:
         {"contributions": {"position_profile": per relative-position bin, bootstrap_mean over groups of the bin's
          summed share; "classes": {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups};
+         "classes_nll": {class: {"ratio": the same tokens' ratio under NLL weights (every A_i = 1: the control with
+         the same gradient geometry), "ratio_minus_nll": the paired difference per group}: bootstrap_mean over groups};
          "closure": max |sum s - 1| over groups; "groups": n},
          "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
          disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
@@ -188,7 +190,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
     t_start = time.perf_counter()
     R = group_size
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-    profiles, shares, closures, mc_rows = [], [], [], []
+    profiles, shares, shares_nll, closures, mc_rows = [], [], [], [], []
     analysed, sampled, draw = 0, 0, 0
     while analysed < groups and sampled < max_prompts:
         draw += 1
@@ -213,6 +215,10 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
             profiles.append(relative_position_profile(contrib, mask, bins).tolist())
             classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
             shares.append(class_shares(contrib, classes))
+            # the control with the same gradient geometry: the same tokens under NLL weights (every A_i = 1)
+            nll = signed_token_contributions(policy, group, torch.ones_like(adv), aggregation=aggregation,
+                                             step=step, temperature=temperature)
+            shares_nll.append(class_shares(nll["contributions"], classes))
             closures.append(abs(res["closure"]))
             if len(mc_rows) < 2 * mc_groups:
                 prompt_ids = group.prompt_ids[0][group.prompt_mask[0].bool()]
@@ -234,8 +240,15 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
                                     "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist(), **cmp})
     class_summary = {c: {k: bootstrap_mean([sh[c][k] for sh in shares if math.isfinite(sh[c][k])])
                          for k in ("update_share", "token_share", "ratio")} for c in TOKEN_CLASSES}
+    def finite(values):
+        return [v for v in values if math.isfinite(v)]
+    nll_summary = {c: {"ratio": bootstrap_mean(finite(sh[c]["ratio"] for sh in shares_nll)),
+                       "ratio_minus_nll": bootstrap_mean(finite(a[c]["ratio"] - b[c]["ratio"]
+                                                                for a, b in zip(shares, shares_nll)))}
+                   for c in TOKEN_CLASSES}
     return {
         "contributions": {"position_profile": _mean_ci_per_bin(profiles), "classes": class_summary,
+                          "classes_nll": nll_summary,
                           "closure": max(closures) if closures else None, "groups": analysed},
         "monte_carlo": {"rollouts": mc_rows, "samples_per_prefix": mc_samples,
                         **{k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))

@@ -81,9 +81,12 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
                       *md_table(["relative position", *(f"{b / len(prof):.1f}-{(b + 1) / len(prof):.1f}"
                                                         for b in range(len(prof)))],
                                 [["share of update", *(ci(x, 2) for x in prof)]]), ""]
-        lines += md_table(["token class", "share of the update", "share of the tokens (control)", "ratio"])
+        nll = c.get("classes_nll") or {}
+        head = ["token class", "share of the update", "share of the tokens", "ratio"]
+        lines += md_table(head + (["ratio under NLL weights (same tokens)", "ratio − NLL's (paired)"] if nll else []))
         for name, v in c["classes"].items():
-            lines.append(md_row(name, ci(v['update_share']), ci(v['token_share']), ci(v['ratio'], 2)))
+            extra = [ci(nll[name]["ratio"], 2), ci(nll[name]["ratio_minus_nll"], 2)] if name in nll else []
+            lines.append(md_row(name, ci(v['update_share']), ci(v['token_share']), ci(v['ratio'], 2), *extra))
         lines += ["", f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K = "
                   f"{mc['samples_per_prefix']} continuations per prefix. {_opposition_sentence(mc)} Largest "
                   f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.", "",

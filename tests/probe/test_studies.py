@@ -59,6 +59,15 @@ def test_credit_study_runs_and_is_json(setup):
     assert c["closure"] < 1e-2  # the shares of each group sum to 1 (float32 model: finite-difference error)
     # the profile bins of a group sum to its total share 1, so the bin means sum to 1 too
     assert sum(b["mean"] for b in c["position_profile"]) == pytest.approx(1.0, abs=2e-2)
+    # the NLL control on the same tokens: class shares of its update sum to 1 too, so its ratios weighted by the token
+    # shares sum to 1 (per group; 2 groups give means, no interval), and the paired difference is A's minus NLL's
+    nll = c["classes_nll"]
+    assert set(nll) == {"answer", "format", "reasoning"}
+    assert all(set(v) == {"ratio", "ratio_minus_nll"} and v["ratio"]["n"] <= 2 for v in nll.values())
+    measured = [k for k in nll if nll[k]["ratio"]["n"] == 2 and c["classes"][k]["ratio"]["n"] == 2]
+    for k in measured:
+        assert nll[k]["ratio_minus_nll"]["mean"] == pytest.approx(c["classes"][k]["ratio"]["mean"]
+                                                                  - nll[k]["ratio"]["mean"], abs=1e-9)
     assert len(out["monte_carlo"]["rollouts"]) == 2
     row = out["monte_carlo"]["rollouts"][0]
     assert math.isclose(sum(row["advantages"]), row["reward"] - row["values"][0], abs_tol=1e-9)  # telescopes

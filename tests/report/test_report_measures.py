@@ -362,3 +362,23 @@ def test_monte_carlo_study_text_reports_the_count_test(tmp_path):
     assert "P(Binomial(8, 0.0319) >= 4) = 6.5e-05" in text
     (claim,) = CLAIMS.get("monte_carlo_credit")({"studies": {"credit": studies["credit"]}})
     assert "4 of 8" in claim.measurement and claim.verdict == "holds"
+
+
+def test_token_credit_against_the_nll_control_with_the_same_geometry():
+    # format tokens at 0.27 [0.17, 0.38] of their token share fail the 0.2 rule (wholly below 1 ± 0.25), but the same
+    # tokens under NLL weights give 0.25: the paired difference 0.02 [-0.03, 0.05] lies inside ±0.25 × 0.25 = ±0.0625,
+    # answer's 0.2 [-0.3, 0.5] inside ±0.25 × 3.0 = ±0.75 and reasoning's 0.0 [-0.1, 0.1] inside ±0.25 -> holds: the
+    # small format share is the tokens' geometry, not GRPO's credit
+    st = _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.9, 1.1), _ci(0.0, 0.0, 0.01))
+    st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(0.27, 0.17, 0.38)
+    nll = {"answer": (3.0, _ci(0.2, -0.3, 0.5)), "format": (0.25, _ci(0.02, -0.03, 0.05)),
+           "reasoning": (1.0, _ci(0.0, -0.1, 0.1))}
+    st["credit"]["contributions"]["classes_nll"] = {c: {"ratio": _ci(r, r - 0.1, r + 0.1), "ratio_minus_nll": d}
+                                                    for c, (r, d) in nll.items()}
+    credit = study_claims("x", st)[0]
+    assert credit.verdict == "holds" and "NLL weights" in credit.claim and "NLL weights" in credit.control
+    assert "format 0.02 [-0.03, 0.05]" in credit.measurement and "band ±0.06" in credit.measurement
+    # answer tokens credited 1.0-1.5 above what NLL gives them, beyond ±0.75: does not hold, naming the class
+    st["credit"]["contributions"]["classes_nll"]["answer"]["ratio_minus_nll"] = _ci(1.25, 1.0, 1.5)
+    credit = study_claims("x", st)[0]
+    assert credit.verdict == "does not hold" and credit.rule.startswith("interval of answer tokens wholly outside")
