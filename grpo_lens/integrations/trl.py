@@ -17,7 +17,8 @@ TRL's, then measures the lens on its output, unchanged). The mixin also composes
 ``class MyTrainer(GRPOLensMixin, MyGRPOTrainer)``.
 
 **What is measured.** On the first generation batch at or after each multiple of ``lens_every`` optimizer steps
-(global steps 0, N, 2N, ...; with ``steps_per_generation`` or ``num_iterations`` > 1 TRL generates only every few
+(global steps 0, N, 2N, ...), and on the run's last generation batch (as ``grpo-lens train`` measures its last step;
+with ``steps_per_generation`` or ``num_iterations`` > 1 TRL generates only every few
 optimizer steps, so the lens takes the next batch that exists rather than waiting for a global step that never meets
 a generation), on that batch (this process's share, before any update on it), the same analysis as grpo-lens' own
 trainer:
@@ -242,6 +243,7 @@ class GRPOLensMixin:
         self._lens_rewards: torch.Tensor | None = None  # [N over all processes] the reward TRL's advantages start from
         self._lens_rewards_per_func: torch.Tensor | None = None  # [N over all processes, functions]
         self._lens_next_step: int | None = None  # the global step from which the next generation batch is measured
+        self._lens_step: int | None = None  # the global step of the last measured batch
         self._lens_measured = False  # a lens batch whose S4 waits for the next optimizer step
         self._lens_window: dict[str, list[float]] = defaultdict(list)  # per-batch metrics until TRL's next log
         self.add_callback(_LensCallback(self))
@@ -262,8 +264,13 @@ class GRPOLensMixin:
         if not self.model.training:
             return output
         step = int(self.state.global_step)
-        if self._lens_next_step is None or step >= self._lens_next_step:  # the first batch at or after the due step
+        # TRL generates once per steps_per_generation x num_iterations optimizer steps: the last batch of the run is
+        # the one after which no other comes, measured too (as grpo-lens train measures its last step)
+        cadence = int(getattr(self.args, "steps_per_generation", None) or 1) * int(getattr(self, "num_iterations", 1))
+        last = 0 < int(self.state.max_steps) <= step + cadence and self._lens_step != step
+        if self._lens_next_step is None or step >= self._lens_next_step or last:  # first batch at/after the due step
             self._lens_next_step = (step // self.lens_every + 1) * self.lens_every
+            self._lens_step = step
             for key, value in self.measure_lens(output).items():
                 if value is not None and math.isfinite(value):
                     self._metrics["train"][key].append(float(value))

@@ -183,3 +183,20 @@ def test_readme_trl_snippet_runs_and_grpo_lens_report_reads_it(tmp_path, monkeyp
     report = (tmp_path / "runs" / "trl" / "report.md").read_text()
     assert report.startswith("# grpo-lens report") and "## Answers" in report and "correctness" in (
         tmp_path / "runs" / "trl" / "completions.jsonl").read_text()
+
+
+def test_the_last_step_is_measured_whatever_lens_every(tmp_path):
+    # max_steps = 3, lens_every = 5, one generation per step: due only at global step 0, and the run's last batch
+    # (global step 2, logged as step 3) is measured too, as grpo-lens train measures its last step; the old lens
+    # measured step 1 alone, so a README-sized run had no second lens step to compare
+    import json
+
+    from grpo_lens.integrations.trl import LensGRPOTrainer
+    from grpo_lens.metrics import RANK_MIXED_GROUPS, STEP
+
+    trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_every=5, lens_sketch_dim=4, lens_gram_source="sketch",
+                           max_steps=3)
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r[STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
+    assert all(RANK_MIXED_GROUPS in r for r in records if "perf/lens_seconds" in r)
