@@ -623,11 +623,13 @@ SPARSITY_UPDATE_STEP_BF16_EXCESS_SE, SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE = _key
     "tensor: the control's own sampling noise is left out)", source="§Sparsity over training")
 SPARSITY_UPDATE_STEP_HOYER, SPARSITY_UPDATE_TOTAL_HOYER = _keys(
     "sparsity", ("sparsity/update_step_hoyer", "sparsity/update_total_hoyer"), SPARSITY_UNITS,
-    "Hoyer sparsity (S3) of the update: 0 equal magnitudes, ≈ 0.20 Gaussian, 1 one entry",
+    "Hoyer sparsity (S3) of the update: 0 equal magnitudes, ≈ 0.20 Gaussian, 1 one entry; null for a zero update "
+    "(0/0)",
     source="§Sparsity over training")
 SPARSITY_UPDATE_STEP_TOP1_ENERGY, SPARSITY_UPDATE_TOTAL_TOP1_ENERGY = _keys(
     "sparsity", ("sparsity/update_step_top1_energy", "sparsity/update_total_top1_energy"), SHARE,
-    "share of ‖Δθ‖² in the top 1% of entries (S2-style): ≈ 0.105 for a Gaussian vector, 1 when ≤ 1% of entries move",
+    "share of ‖Δθ‖² in the top 1% of entries (S2-style): ≈ 0.105 for a Gaussian vector, 1 when ≤ 1% of entries move; "
+    "null for a zero update",
     source="§Sparsity over training")
 SPARSITY_GRAD_ZERO, SPARSITY_GRAD_HOYER, SPARSITY_GRAD_TOP1_ENERGY = _keys(
     "sparsity", ("sparsity/grad_zero", "sparsity/grad_hoyer", "sparsity/grad_top1_energy"),

@@ -29,6 +29,7 @@ from grpo_lens.metrics import (
     RANK_MIXED_GROUPS,
     REWARD_FRAC_ZERO_STD_GROUPS,
     SPARSITY_GRAD_HOYER,
+    SPARSITY_GRAD_ZERO,
     SPARSITY_SAMPLE_ENTRIES,
     SPARSITY_UPDATE_STEP_HOYER,
     SPARSITY_UPDATE_TOTAL_BF16_DENSE,
@@ -82,7 +83,16 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     (Hoyer near 0) and its Hoyer rises with stationary gradients (issue 18: holds 10 of 10 with no change in
     sparsity), so its trend says nothing about the gradient.
     """
-    rows = _lens_rows(data.get("records") or [], SPARSITY_GRAD_HOYER)
+    records = data.get("records") or []
+    rows = _lens_rows(records, SPARSITY_GRAD_HOYER)
+    zero = [r for r in records if r.get(PERF_LENS_SECONDS) is not None and r.get(SPARSITY_GRAD_ZERO) is not None
+            and r.get(SPARSITY_GRAD_HOYER) is None]  # a zero gradient: Hoyer is 0/0 (the run directory's null)
+    if not rows and zero:
+        return [Claim(claim="gradient sparsity intensifies over training", scope=f"training, {len(zero)} lens steps",
+                      measurement="the sampled policy gradient was exactly zero at every lens step (no reward "
+                                  "contrast): its Hoyer sparsity is undefined (0/0)",
+                      control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20", verdict=INCONCLUSIVE,
+                      rule="no lens step with a non-zero gradient", source="lens")]
     if not rows:
         return []
     tested = [r for r in rows[1:] if r.get(RANK_MIXED_GROUPS) is None or float(r[RANK_MIXED_GROUPS]) > 0]

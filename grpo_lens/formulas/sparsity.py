@@ -190,7 +190,8 @@ def weighted_hoyer(x: Tensor, weights: Tensor | None = None) -> float:
         x: [S] float.  weights: [S] > 0 or None.
 
     Returns:
-        float in [0, 1]; 1 for an all-zero x.
+        float in [0, 1]; NaN for an all-zero x (0/0: a zero gradient or update has no sparsity to read, and the 1 an
+        epsilon would give reads as "one entry"; the run directory stores it as null).
     """
     w = _weights_like(x, weights)
     v = x.detach().double()
@@ -199,7 +200,7 @@ def weighted_hoyer(x: Tensor, weights: Tensor | None = None) -> float:
         raise ValueError(f"Hoyer sparsity needs at least 2 entries, got {n}")
     l2 = math.sqrt(float((w * v.square()).sum()))
     if l2 == 0:
-        return 1.0
+        return math.nan
     l1 = float((w * v.abs()).sum())
     return (math.sqrt(n) - l1 / l2) / (math.sqrt(n) - 1)
 
@@ -214,7 +215,7 @@ def top_energy_share(x: Tensor, weights: Tensor | None = None, top: float = 0.01
         x: [S] float.  weights: [S] or None.  top: fraction in (0, 1].
 
     Returns:
-        float in [0, 1]; ``top`` for an all-zero x (no entry is larger than another).
+        float in [0, 1]; NaN for an all-zero x (no energy to share; as :func:`weighted_hoyer`).
     """
     if not 0 < top <= 1:
         raise ValueError(f"top must be in (0, 1], got {top}")
@@ -222,7 +223,7 @@ def top_energy_share(x: Tensor, weights: Tensor | None = None, top: float = 0.01
     e = x.detach().double().square()
     total = float((w * e).sum())
     if total == 0:
-        return top
+        return math.nan
     order = torch.argsort(e, descending=True)
     e, w = e[order], w[order]
     budget = top * float(w.sum())

@@ -173,7 +173,8 @@ def training_measures_section(records: list[dict[str, Any]], run_dir: Path, find
                   "dense control: the share a dense Gaussian update with the same per-tensor RMS would leave "
                   "unchanged (misleading for heavy-tailed updates). "
                   "f32 unchanged: exactly unchanged in float32. Hoyer: 0 equal magnitudes, 0.20 Gaussian, 1 one "
-                  "entry; top-1%: share of the squared norm in the largest 1% of entries (0.105 Gaussian). "
+                  "entry; top-1%: share of the squared norm in the largest 1% of entries (0.105 Gaussian); both are "
+                  "– for an all-zero vector (0/0: a step without reward contrast). "
                   f"Computed on a fixed sample of {fmt(int(n) if n else None)} weights (standard error of a share "
                   f"<= {fmt(0.5 / math.sqrt(n), 4) if n else '–'}).", "",
                   "![sparsity measures](sparsity_measures.png)", "",

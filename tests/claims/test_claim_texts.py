@@ -47,3 +47,12 @@ def test_identity_residual_of_exactly_zero_says_why():
     assert claim.verdict == "holds"
     (claim,) = CLAIMS.get("identity")({**probe, "per_group_size": {"all": {"groups": [group(2, 4)]}}})
     assert claim.rule == "max residual 1.0e-08 < 1e-04"
+
+
+def test_a_zero_gradient_has_no_sparsity_to_read():
+    # every lens step without reward contrast: the gradient is exactly 0, Hoyer is 0/0 (stored as null); the row says
+    # so instead of reading Hoyer 1.000 ("one entry", the old epsilon's value) or vanishing
+    records = [{"step": s, "perf/lens_seconds": 1.0, "sparsity/grad_zero": 1.0, "sparsity/grad_hoyer": None}
+               for s in (1, 3)]
+    (claim,) = CLAIMS.get("sparsity_intensifies")({"records": records})
+    assert claim.verdict == "inconclusive" and "exactly zero at every lens step" in claim.measurement
