@@ -278,6 +278,23 @@ def _gguf_cache_path(source: ModelSource) -> Path:
     return cache_dir() / "models" / f"{Path(source.gguf_file).stem}-{digest}"
 
 
+def same_model_key(name_or_path: str | os.PathLike) -> str:
+    """The key under which two model names or paths are the same model: the folder a GGUF file (the default model
+    included) converts to, a local directory's resolved path, or the name itself (a hub id, the tiny model, or a
+    name that no longer resolves: a run's config.yaml may name a model this machine does not have). Never converts or
+    downloads anything. E.g. ``"smollm2-135m-instruct"`` and the cached folder :func:`model_folder` returns for it
+    (what a TRL run's config records) give the same key."""
+    try:
+        source = resolve_model(name_or_path)
+        if source.kind == "gguf":
+            return str(_gguf_cache_path(source).resolve())
+        if source.kind == "local":
+            return str(Path(source.path).resolve())
+    except (ModelNotFoundError, OSError):
+        pass
+    return os.fspath(name_or_path)
+
+
 def _convert_gguf(source: ModelSource, target: Path) -> None:
     """Dequantise a GGUF file with transformers and save it as safetensors under ``target``, atomically."""
     logger.info("converting %s/%s to safetensors (once; cached at %s)", source.path, source.gguf_file, target)

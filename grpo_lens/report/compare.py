@@ -46,6 +46,7 @@ from grpo_lens.metrics import (
     lookup,
     rank_key,
 )
+from grpo_lens.models import same_model_key
 from grpo_lens.report.format import fmt_sig, md_row, md_table
 from grpo_lens.report.plots import integer_ticks
 from grpo_lens.report.training_measures import dynamic_sampling_summary
@@ -210,6 +211,16 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
     return path
 
 
+def _same_model_same_name(configs: dict[str, dict[str, Any]]) -> None:
+    """Give runs whose ``model`` fields name the same model (:func:`grpo_lens.models.same_model_key`: e.g. the default
+    model's alias and the converted folder a TRL run records) the first such run's spelling, in place, so compare
+    does not list the model as a difference."""
+    first: dict[str, Any] = {}
+    for cfg in configs.values():
+        if isinstance(cfg.get("model"), str):
+            cfg["model"] = first.setdefault(same_model_key(cfg["model"]), cfg["model"])
+
+
 def _tasks_line(labels: list[str], tasks: dict[str, dict[str, Any]]) -> str:
     """compare.md's task line: the one task when every run records the same one, else each run's (a TRL run's
     task is not recorded: it lives in the user's script)."""
@@ -271,6 +282,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
     out = Path(out)
     metrics = [(k, lab) for k, lab in COMPARED if any(k in r for recs in runs.values() for r in recs)]
     table = {label: {k: final_numbers(recs, k, last) for k, _ in metrics} for label, recs in runs.items()}
+    _same_model_same_name(configs)
     diff = differing_fields(configs, partial)
 
     out.mkdir(parents=True, exist_ok=True)

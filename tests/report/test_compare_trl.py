@@ -76,3 +76,30 @@ def test_trl_run_needs_allow_different_tasks_and_says_its_task_is_not_recorded(t
     assert not (tmp_path / "cmp").exists()
     md = compare_runs([trl, ours], tmp_path / "cmp", allow_different_tasks=True).read_text()
     assert "Task: trl: not recorded (a TRL run: the task is its script's); ours: gsm8k (compared on request)" in md
+
+
+@pytest.mark.e2e
+def test_the_default_models_alias_and_its_converted_folder_are_one_model(tmp_path, monkeypatch):
+    # a TRL run records the folder model_folder() converted the default GGUF to; a grpo-lens run records the alias:
+    # one model, so compare lists no difference (a new user saw `model` listed); a different folder still differs
+    from grpo_lens import models
+
+    gguf = tmp_path / "wheel" / "m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(models, "default_model_dir", lambda: gguf.parent)
+    monkeypatch.setattr(models, "DEFAULT_MODEL_GGUF", "m.gguf")
+    monkeypatch.setenv("GRPO_LENS_CACHE", str(tmp_path / "cache"))
+    folder = models._gguf_cache_path(models.resolve_model("smollm2-135m-instruct"))
+    folder.mkdir(parents=True)
+    assert models.same_model_key(folder) == models.same_model_key("smollm2-135m-instruct")
+    trl = write_run(tmp_path / "trl", {**trl_config(), "model": str(folder)})
+    ours = write_run(tmp_path / "ours", {**GRPO_LENS, "model": "smollm2-135m-instruct"})
+    compare_runs([trl, ours], tmp_path / "cmp", allow_different_tasks=True)
+    assert "model" not in json.loads((tmp_path / "cmp" / "compare.json").read_text())["differing_config"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    trl2 = write_run(tmp_path / "trl2", {**trl_config(), "model": str(other)})
+    compare_runs([trl2, ours], tmp_path / "cmp2", allow_different_tasks=True)
+    assert "model" in json.loads((tmp_path / "cmp2" / "compare.json").read_text())["differing_config"]
