@@ -88,10 +88,12 @@ def few_footnotes(lines: list[str]) -> list[str]:
 
 def fmt_sig(x: float | None) -> str:
     """``x`` with 3 significant digits (4 from 1000 on), for compare.md, whose metrics range over several orders of
-    magnitude; '–' for None, NaN or inf."""
+    magnitude: 0.250, 13.3, 202 (no trailing point), 0 for zero; '–' for None, NaN or inf."""
     if x is None or not math.isfinite(x):
         return "–"
-    return f"{x:#.3g}" if abs(x) < 1000 else f"{x:.4g}"
+    if x == 0:
+        return "0"
+    return f"{x:#.3g}".rstrip(".") if abs(x) < 1000 else f"{x:.4g}"
 
 
 def md_cell(x: Any) -> str:

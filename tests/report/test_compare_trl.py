@@ -103,3 +103,11 @@ def test_the_default_models_alias_and_its_converted_folder_are_one_model(tmp_pat
     trl2 = write_run(tmp_path / "trl2", {**trl_config(), "model": str(other)})
     compare_runs([trl2, ours], tmp_path / "cmp2", allow_different_tasks=True)
     assert "model" in json.loads((tmp_path / "cmp2" / "compare.json").read_text())["differing_config"]
+
+
+def test_compare_numbers_have_three_significant_digits_and_no_trailing_point():
+    # a new user saw "202." and "0.00" beside "0.250": '#' kept the point and zeros
+    from grpo_lens.report.format import fmt_sig
+
+    assert [fmt_sig(x) for x in (202.0, 0.0, 0.25, 13.33, 1e-4, 1234.4, None)] == [
+        "202", "0", "0.250", "13.3", "0.000100", "1234", "–"]
