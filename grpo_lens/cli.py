@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_report)
 
     p = sub.add_parser("compare", help="overlay two or more training runs in one report (OUT/compare.md)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by grpo-lens train or LensGRPOTrainer (TRL)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directories written by grpo-lens train or LensGRPOTrainer (TRL)")
     p.add_argument("--out", required=True, help="directory for compare.md, compare.png and compare.json")
     p.add_argument("--last", type=int, default=10, help="final numbers average each run's last this many records "
                                                         "of a metric; intervals need >= 8 (default: 10)")

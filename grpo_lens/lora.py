@@ -54,7 +54,8 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise ImportError("--lora-rank needs peft: pip install 'grpo-lens[lora]' (or pip install peft)") from None
+        raise ImportError("--lora-rank needs peft: pip install '.[lora]' in the grpo-lens folder (or pip install "
+                          "peft)") from None
     targets: Any = "all-linear" if list(target_modules) == ["all-linear"] else list(target_modules)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
                         task_type="CAUSAL_LM")

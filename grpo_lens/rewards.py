@@ -341,6 +341,23 @@ def format_reward(prompts: Sequence, completions: Sequence, **kwargs) -> list:
     return [0.0 if extract_marked_answer(completion_text(c)) is None else 1.0 for c in completions]
 
 
+class _TimeoutNoticeFilter(logging.Filter):
+    """Drops math-verify's one-time "Timeout is disabled ..." warning: grpo-lens passes no timeout on purpose
+    (math-verify's signal-based timeout works only on the main thread; :func:`combine_rewards` bounds a reward call
+    with ``timeout_s`` instead), so the notice is about a choice already made. Other math-verify records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
+def _quiet_math_verify_timeout_notice() -> None:
+    """Install :class:`_TimeoutNoticeFilter` on math-verify's parser and grader loggers (once)."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _TimeoutNoticeFilter) for f in log.filters):
+            log.addFilter(_TimeoutNoticeFilter())
+
+
 def math_verify_available() -> bool:
     """Whether the optional ``math-verify`` package is importable."""
     return importlib.util.find_spec("math_verify") is not None
@@ -356,6 +373,7 @@ def math_verify_correctness(prompts: Sequence, completions: Sequence, answer: Se
     """
     from math_verify import parse, verify
 
+    _quiet_math_verify_timeout_notice()
     refs = _references(answer, len(completions), "math_verify")
     out: list[float | None] = []
     for completion, ref in zip(completions, refs):
@@ -407,8 +425,9 @@ def math_correctness_verdict(completions: Sequence, answers: Sequence,
         raise ValueError(f"got {len(answers)} answers for {len(completions)} completions; pass one per completion")
     if use_math_verify:
         if not math_verify_available():
-            raise ValueError("use_math_verify needs the math-verify package: pip install 'grpo-lens[math]'")
+            raise ValueError("use_math_verify needs the math-verify package: pip install '.[math]'")
         from math_verify import parse, verify
+        _quiet_math_verify_timeout_notice()
     out: list[float | None] = []
     for completion, ref in zip(completions, answers):
         if ref is None:
@@ -435,8 +454,8 @@ def math_correctness_verdict(completions: Sequence, answers: Sequence,
 def get_reward(name: str) -> RewardFn:
     """The reward function called ``name``; ValueError listing the valid names (and how to get ``math_verify``)."""
     if name == "math_verify" and name not in REWARDS:
-        raise ValueError("reward 'math_verify' needs the math-verify package: pip install 'grpo-lens[math]' "
-                         f"(or pip install math-verify); valid names now: {', '.join(REWARDS.names())}")
+        raise ValueError("reward 'math_verify' needs the math-verify package: pip install '.[math]' in the grpo-lens "
+                         f"folder (or pip install math-verify); valid names now: {', '.join(REWARDS.names())}")
     return REWARDS.get(name)
 
 

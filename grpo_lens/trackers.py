@@ -68,7 +68,7 @@ def check_trackers(names: list[str]) -> None:
         module, extra = _REQUIRES[name]
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"--report-to {name}: the {module!r} package is not installed; install it with "
-                             f"pip install 'grpo-lens[{extra}]' (or pip install {module})")
+                             f"pip install '.[{extra}]' in the grpo-lens folder (or pip install {module})")
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:

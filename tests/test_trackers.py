@@ -87,7 +87,7 @@ def test_missing_tracker_library_names_the_extra(monkeypatch):
     import grpo_lens.trackers as trackers
 
     monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match=r"pip install 'grpo-lens\[wandb\]'"):
+    with pytest.raises(ValueError, match=r"pip install '\.\[wandb\]' in the grpo-lens folder"):
         check_trackers(["wandb"])
     check_trackers(["none"])  # needs nothing
 

@@ -250,7 +250,8 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
 
     Raises:
         CompareError: fewer than two runs, a directory that is not a run, runs of different tasks or a TRL run
-            (whose task is not recorded) unless ``allow_different_tasks``, ``last`` < 1. Raised before ``out`` is touched.
+            (whose task is not recorded) unless ``allow_different_tasks``, ``last`` < 1. Raised before ``out`` is
+            touched.
     """
     paths = [Path(p) for p in run_dirs]
     if len(paths) < 2:

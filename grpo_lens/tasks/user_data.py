@@ -191,7 +191,7 @@ def user_task(dataset: Any, system_prompt: str | None = None, test_path: str | o
         except ImportError:
             raise ValueError(
                 f"dataset {str(dataset)!r} is not a file; to load a Hugging Face dataset by name install datasets "
-                "(pip install 'grpo-lens[data]'), or pass a JSONL file with a 'prompt' column"
+                "(pip install '.[data]' in the grpo-lens folder), or pass a JSONL file with a 'prompt' column"
             ) from None
         loaded = datasets.load_dataset(str(dataset), split=split)
         return dataset_task(loaded, name=str(dataset), system_prompt=system_prompt)

@@ -250,7 +250,8 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
         raise ValueError("--dynamic-sampling runs in one process only for now (processes would keep different "
                          "numbers of groups); drop it or run one process")
     if config.lora_rank > 0 and importlib.util.find_spec("peft") is None:
-        raise ValueError("--lora-rank needs the peft package: pip install 'grpo-lens[lora]' (or pip install peft)")
+        raise ValueError("--lora-rank needs the peft package: pip install '.[lora]' in the grpo-lens folder (or pip "
+                         "install peft)")
     if procs.is_main:
         check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     check_tokenizer_files(resolve_model(config.model))
