@@ -229,8 +229,9 @@ def training_section(records: list[dict[str, Any]], run_dir: Path, findings: lis
     lines += ["### Sparsity of the gradient over training", "",
               "S1 is the share of groups whose rewards are all equal: they carry exactly zero policy gradient "
               "(training prints no prediction of it: see the probe's S1 section). S4 is the share of parameters "
-              "whose bf16 value did not change; the dashed line is what a dense update of the same size would "
-              "leave unchanged.", ""]
+              "whose bf16 value did not change; its controls (legend) are the share the same update entries leave "
+              "unchanged when permuted within each tensor and what a dense update of the same size would leave "
+              "unchanged.", ""]
     if lora_rank:
         lines += [f"Parameter space: this is a LoRA run (rank {lora_rank}); every S4 and update-sparsity number "
                   "below is over the adapter's A and B weights, not the full model (the frozen base weights never "

@@ -259,7 +259,8 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
         a1.plot(xs, ys, color=series_colour(REWARD_ACCURACY), alpha=0.5, label="accuracy")
     a1.set_title("zero-variance groups (S1)", fontsize=9)
     a1.set_xlabel("step")
-    a1.set_ylabel("S1: share of groups with equal rewards\n(accuracy: share of rollouts)", fontsize=8)
+    a1.set_ylabel("S1: share of groups with equal rewards" + ("\n(accuracy: share of rollouts)" if xs else ""),
+                  fontsize=8)  # a TRL run logs no accuracy: the label names only what is drawn
     a1.set_ylim(-0.02, 1.02)
     legend_below(a1, ncol=1, fontsize=7)
     a1.grid(alpha=0.3)
@@ -323,7 +324,8 @@ def plot_baselines(records: list[dict[str, Any]], path: Path, gradients: str) ->
     a2.set_ylabel(f"squared gradient norm ({source})")
     a2.set_title("mean ||g||^2 by outcome", fontsize=9)
     a2.set_yscale("log")
-    _legend(a2, fontsize=7)
+    a2.margins(y=0.15)  # a log axis puts the extreme points on its edges, under the legend
+    legend_below(a2, ncol=2, fontsize=7)
     a2.grid(alpha=0.3)
     return _save(fig, path)
 
