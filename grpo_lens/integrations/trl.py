@@ -246,7 +246,9 @@ class GRPOLensMixin:
         self._lens_step: int | None = None  # the global step of the last measured batch
         self._lens_measured = False  # a lens batch whose S4 waits for the next optimizer step
         self._lens_window: dict[str, list[float]] = defaultdict(list)  # per-batch metrics until TRL's next log
+        self._lens_keys: set[str] = set()  # the lens's keys in TRL's logs (kept out of the console line)
         self.add_callback(_LensCallback(self))
+        _compact_console(self)
 
     # -- TRL's methods, extended -------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -274,6 +276,7 @@ class GRPOLensMixin:
             for key, value in self.measure_lens(output).items():
                 if value is not None and math.isfinite(value):
                     self._metrics["train"][key].append(float(value))
+                    self._lens_keys.add(key)
             self._lens_measured = True
         for key, value in self.batch_metrics(output).items():
             self._lens_window[key].append(value)
@@ -361,6 +364,34 @@ def _finite(value: torch.Tensor) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def compact_console_logs(logs: dict[str, Any], lens_keys: set[str], run_dir: Path) -> dict[str, Any]:
+    """What TRL's console line shows of a log dict: TRL's own keys as they are, and the lens's keys (about 200 at a
+    lens step) replaced by one entry saying how many there are and where they went (every tracker and
+    ``trainer.state.log_history`` still get them all, and the run directory's metrics.jsonl)."""
+    shown = {k: v for k, v in logs.items() if k not in lens_keys}
+    hidden = len(logs) - len(shown)
+    if hidden:
+        shown["lens"] = f"{hidden} keys in log_history and {run_dir / 'metrics.jsonl'}"
+    return shown
+
+
+def _compact_console(trainer: Any) -> None:
+    """Swap transformers' console callbacks (ProgressCallback, PrinterCallback) for subclasses whose ``on_log``
+    prints :func:`compact_console_logs`; the other callbacks (TensorBoard, W&B, ...) see the full logs."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for base in (ProgressCallback, PrinterCallback):
+        for cb in [c for c in trainer.callback_handler.callbacks if type(c) is base]:
+            class Compact(base):  # one class per base: on_log filters, everything else is the base's
+                def on_log(self, args, state, control, logs=None, **kwargs):
+                    if logs is not None:
+                        logs = compact_console_logs(logs, trainer._lens_keys, trainer.lens_run.path)
+                    return super().on_log(args, state, control, logs=logs, **kwargs)
+            trainer.callback_handler.remove_callback(cb)
+            trainer.callback_handler.add_callback(Compact(**({"max_str_len": cb.max_str_len}
+                                                             if hasattr(cb, "max_str_len") else {})))
+
+
 class _LensCallback(TrainerCallback):
     """The events the lens needs from TRL's trainer loop: the run directory at the start, S4 around the optimizer
     step, the step's wall time, and one metrics.jsonl record per log."""
@@ -406,6 +437,7 @@ class _LensCallback(TrainerCallback):
                                                  measured).items():
                 if value is not None and math.isfinite(value):
                     t._metrics["train"][key].append(float(value))
+                    t._lens_keys.add(key)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         t = self.trainer

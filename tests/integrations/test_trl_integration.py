@@ -200,3 +200,22 @@ def test_the_last_step_is_measured_whatever_lens_every(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
     assert [r[STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
     assert all(RANK_MIXED_GROUPS in r for r in records if "perf/lens_seconds" in r)
+
+
+def test_the_console_line_keeps_trls_keys_and_counts_the_lens_keys(tmp_path, capsys):
+    # TRL prints its log dict per logging step; at a lens step the lens adds ~200 keys to it: the console shows TRL's
+    # keys and one "lens" entry counting the rest, while log_history (and every tracker) keeps them all
+    import ast
+
+    from grpo_lens.integrations.trl import LensGRPOTrainer
+
+    trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_every=1, lens_sketch_dim=4, lens_gram_source="sketch",
+                           max_steps=1)
+    trainer.train()
+    printed = [ast.literal_eval(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    step = next(d for d in printed if "loss" in d)
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    lens_keys = [k for k in logged if k.startswith(("rank/", "sparsity/", "zero_sum/"))]
+    assert lens_keys and not any(k in step for k in lens_keys)
+    assert step["lens"].startswith(f"{len(trainer._lens_keys)} keys in log_history")
+    assert "reward" in step and "learning_rate" in step  # TRL's own keys stay
