@@ -198,10 +198,14 @@ def weighted_hoyer(x: Tensor, weights: Tensor | None = None) -> float:
     n = float(w.sum())
     if n < 2:
         raise ValueError(f"Hoyer sparsity needs at least 2 entries, got {n}")
-    l2 = math.sqrt(float((w * v.square()).sum()))
+    return hoyer_from_norms(float((w * v.abs()).sum()), math.sqrt(float((w * v.square()).sum())), n)
+
+
+def hoyer_from_norms(l1: float, l2: float, n: float) -> float:
+    """(sqrt(n) - l1/l2) / (sqrt(n) - 1): the one body of Hoyer sparsity (Hoyer, JMLR 5 (2004), eq. 1), from a
+    vector's (weighted) L1 and L2 norms and its length n >= 2; NaN when l2 = 0 (an all-zero vector: 0/0)."""
     if l2 == 0:
         return math.nan
-    l1 = float((w * v.abs()).sum())
     return (math.sqrt(n) - l1 / l2) / (math.sqrt(n) - 1)
 
 
@@ -221,14 +225,19 @@ def top_energy_share(x: Tensor, weights: Tensor | None = None, top: float = 0.01
         raise ValueError(f"top must be in (0, 1], got {top}")
     w = _weights_like(x, weights)
     e = x.detach().double().square()
+    order = torch.argsort(e, descending=True)
+    return top_share_of_sorted(e[order], w[order], top)
+
+
+def top_share_of_sorted(e: Tensor, w: Tensor, top: float) -> float:
+    """The one body of the top-``top`` energy share: squared entries ``e`` [S] sorted in descending order with
+    their weights ``w`` [S], taken largest first until their weights reach ``top`` · Σw (the last one fractionally);
+    NaN when Σ w e = 0 (an all-zero vector)."""
     total = float((w * e).sum())
     if total == 0:
         return math.nan
-    order = torch.argsort(e, descending=True)
-    e, w = e[order], w[order]
-    budget = top * float(w.sum())
     before = torch.cumsum(w, 0) - w  # weight of the larger entries
-    take = (budget - before).clamp(min=0).minimum(w)  # how much of each entry's weight is in the top
+    take = (top * float(w.sum()) - before).clamp(min=0).minimum(w)  # how much of each entry's weight is in the top
     return float((take * e).sum() / total)
 
 

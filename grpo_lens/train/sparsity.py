@@ -28,8 +28,10 @@ from grpo_lens.formulas.sparsity import (
     bf16_unchanged_counts,
     dense_bf16_unchanged_probability,
     flatten_sparsity,
+    hoyer_from_norms,
     layer_type,
     permuted_bf16_unchanged_probability,
+    top_share_of_sorted,
 )
 from grpo_lens.formulas.stats import stratified_mean_se
 from grpo_lens.metrics import (
@@ -136,18 +138,9 @@ def _grouped(x: Tensor, w: Tensor, g: Tensor, kinds: list[str], extra: dict[str,
         wm, n = w[m], float(w[m].sum())
         if n < 2:
             continue
-        l2 = math.sqrt(float((wm * e[m]).sum()))
-        l1 = float((wm * v[m].abs()).sum())
-        hoyer = 1.0 if l2 == 0 else (math.sqrt(n) - l1 / l2) / (math.sqrt(n) - 1)
-        ew, ww = e_s[ms], w_s[ms]
-        total = float((ww * ew).sum())
-        if total == 0:
-            top_share = top
-        else:
-            before = torch.cumsum(ww, 0) - ww
-            take = (top * n - before).clamp(min=0).minimum(ww)
-            top_share = float((take * ew).sum() / total)
-        res = {"zero": float((wm * (v[m] == 0)).sum()) / n, "hoyer": hoyer, "top1_energy": top_share}
+        hoyer = hoyer_from_norms(float((wm * v[m].abs()).sum()), math.sqrt(float((wm * e[m]).sum())), n)
+        res = {"zero": float((wm * (v[m] == 0)).sum()) / n, "hoyer": hoyer,
+               "top1_energy": top_share_of_sorted(e_s[ms], w_s[ms], top)}
         for key, val in (extra or {}).items():
             res[key] = float((wm * val[m]).sum()) / n
         if strata is not None:

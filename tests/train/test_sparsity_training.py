@@ -125,6 +125,10 @@ def test_parameter_sample_estimates_whole_model_measures(fresh_tiny_model_and_to
     vec = sampled_vector_sparsity(sample, {n: after[n] - before[n] for n in sample.names})
     assert vec["mlp"]["zero"] == 1.0 and vec["all"]["zero"] == pytest.approx(exact_unchanged, abs=0.02)
     assert math.isfinite(vec["all"]["hoyer"])
+    # the mlp part of that vector is all zero: Hoyer and top-1% are 0/0 there (NaN, stored as null), not 1 and 0.01,
+    # through the lens's own grouped path (a second body of the formula used to give 1 here after the first was fixed)
+    assert math.isnan(vec["mlp"]["hoyer"]) and math.isnan(vec["mlp"]["top1_energy"])
+    assert math.isnan(got["mlp"]["hoyer"]) and math.isnan(got["mlp"]["top1_energy"])
 
 
 @pytest.mark.e2e
