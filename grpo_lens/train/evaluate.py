@@ -14,6 +14,7 @@ Every process evaluates the same prompts (the numbers are equal on all; the main
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -33,6 +34,8 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.rollout import forward_precision, sample_groups
 from grpo_lens.train.step_metrics import rollout_correctness
+
+logger = logging.getLogger(__name__)
 
 #: Rollouts per ``generate`` call of the evaluation.
 EVAL_BATCH = 64
@@ -81,6 +84,8 @@ class Evaluation:
             return {}
         c = self.config
         t0 = time.perf_counter()
+        logger.info("step %d: evaluating the policy on %d held-out prompts (%s split: greedy%s)", step,
+                    len(self.examples), c.eval_split, f", {c.eval_samples} samples each" if c.eval_samples else "")
         was_training = policy.training
         policy.eval()
         out: dict[str, float] = {EVAL_PROMPTS: float(len(self.examples))}
@@ -99,4 +104,17 @@ class Evaluation:
         if was_training:
             policy.train()
         out[EVAL_SECONDS] = time.perf_counter() - t0
+        logger.info("step %d: %s", step, eval_line(out))
         return out
+
+
+def eval_line(metrics: dict[str, float]) -> str:
+    """The console line of one evaluation's ``eval/*`` metrics: greedy (and sampled) accuracy with its Wilson
+    interval, the prompts and the seconds."""
+    def acc(mean_key: str, lo_key: str, hi_key: str) -> str:
+        return f"{metrics[mean_key]:.3f} [{metrics[lo_key]:.3f}, {metrics[hi_key]:.3f}]"
+    parts = [f"held-out greedy accuracy {acc(EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI)}"]
+    if EVAL_SAMPLED_ACCURACY in metrics:
+        parts.append(f"sampled {acc(EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)}")
+    parts.append(f"over {int(metrics[EVAL_PROMPTS])} prompts, {metrics[EVAL_SECONDS]:.0f} s")
+    return ", ".join(parts)

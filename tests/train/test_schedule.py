@@ -99,9 +99,14 @@ def test_accuracy_interval_is_wilsons():
     assert lo == pytest.approx(0.3006, abs=1e-4) and hi == pytest.approx(0.9544, abs=1e-4)
 
 
-def test_eval_every_writes_held_out_accuracy_at_due_steps(tmp_path):
-    run = loop.train(config(tmp_path / "eval", max_steps=3, eval_every=2, eval_prompts=4, eval_samples=2,
-                            lr_scheduler="constant", warmup_steps=0, task_options={"max_operand": 3}))
+def test_eval_every_writes_held_out_accuracy_at_due_steps(tmp_path, caplog):
+    # a new user waited 2 minutes on a silent evaluation: it logs a line when it starts and its accuracy when done
+    with caplog.at_level("INFO", logger="grpo_lens.train.evaluate"):
+        run = loop.train(config(tmp_path / "eval", max_steps=3, eval_every=2, eval_prompts=4, eval_samples=2,
+                                lr_scheduler="constant", warmup_steps=0, task_options={"max_operand": 3}))
+    said = [r.getMessage() for r in caplog.records if r.name == "grpo_lens.train.evaluate"]
+    assert [m.split(":")[0] for m in said] == ["step 2", "step 2", "step 3", "step 3"]
+    assert "evaluating the policy on 4 held-out prompts" in said[0] and "held-out greedy accuracy" in said[1]
     records = [r for r in run.read_metrics() if STEP in r]
     assert [r[STEP] for r in records if EVAL_GREEDY_ACCURACY in r] == [2, 3]  # every 2nd step and the last
     for r in records[1:]:
