@@ -123,7 +123,7 @@ def plot_lines(ax, lines: list[tuple[str, list[float], list[float], str | None, 
         equal = [lab for lab, how in under if how == "equal"]
         n = len(under)  # the coinciding series drawn before this one
         ax.plot(xs, ys, marker=COINCIDE_MARKERS[(n - 1) % len(COINCIDE_MARKERS)], markerfacecolor="none",
-                markersize=4 + 2 * n, label=label + (f" (= {equal[0]} at every step)" if equal else ""),
+                markersize=4 + 2 * n, label=label + (f"\n(= {equal[0]} at every step)" if equal else ""),
                 color=colour, linestyle=style, linewidth=max(2.0 - 0.5 * n, 0.8), zorder=2 + 0.1 * n)
 
 
@@ -183,7 +183,7 @@ def _save(fig, path: Path) -> Path:
         if ax.get_xlabel() in INTEGER_AXES or any(a.get_xlabel() in INTEGER_AXES for a in siblings):
             data_ticks(ax, drawn_x(siblings))
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # legends below the panels stay inside the image
     plt.close(fig)
     return path
 

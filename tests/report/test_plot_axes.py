@@ -160,13 +160,13 @@ def test_coinciding_series_stay_visible_and_say_when_they_are_equal(tmp_path, fi
     assert reward.lines[1].get_zorder() > reward.lines[0].get_zorder()  # the later one on top
     assert reward.lines[1].get_linewidth() < reward.lines[0].get_linewidth()  # thinner: the wide one shows around it
     assert [t.get_text() for t in reward.get_legend().get_texts()] == [
-        "reward mean", "accuracy (= reward mean at every step)"]
+        "reward mean", "accuracy\n(= reward mean at every step)"]
     ((_, measures),) = [(n, f) for n, f in figures if n == "sparsity_measures.png"]
     shares = measures.axes[0]
     bf16 = shares.lines[:3]  # unchanged, permutation control, dense control
     assert len(set(_styles(bf16))) == 3, _styles(bf16)
     assert [t.get_text() for t in shares.get_legend().get_texts()][:3] == [
-        "bf16 unchanged", "permutation control (= bf16 unchanged at every step)", "dense control"]
+        "bf16 unchanged", "permutation control\n(= bf16 unchanged at every step)", "dense control"]
     assert all(t.get_fontsize() >= 8 for ax in measures.axes for t in ax.get_legend().get_texts())  # readable
 
 
