@@ -20,6 +20,12 @@ P parameters.
 """
 
 import os
+import sys
+
+#: True when torch was imported before grpo_lens with no OMP_WAIT_POLICY set: OpenMP then spins (the setting below came
+#: too late), and on a shared CPU the lens's sparsity measures ran 25x slower in a TRL script (issue 21);
+#: :class:`grpo_lens.integrations.trl.GRPOLensMixin` warns.
+OMP_WAIT_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 
 # OpenMP threads that spin while they wait make torch several times slower on a CPU shared with other work (2 cores,
 # load 3-4: one exact-Gram group pass 26 s spinning, 4.8 s passive; benchmarks/bench_threads.py); passive waiting

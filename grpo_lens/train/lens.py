@@ -235,7 +235,7 @@ class TrainerLens:
         self.sparsity.accumulate_grad()
         if self._pending:
             t0 = time.perf_counter()
-            self.tracker.update()  # moves the 'previous' snapshot to now; its numbers are not needed
+            self.tracker.mark()  # the 'previous' snapshot now (comparing it would cost two full-model passes)
             self.sparsity.before_step()
             self._sparsity_seconds = time.perf_counter() - t0
 

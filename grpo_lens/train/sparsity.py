@@ -288,6 +288,11 @@ class Bf16UpdateTracker:
         """Number of tracked scalar parameters."""
         return sum(p.numel() for p in self.params)
 
+    def mark(self) -> None:
+        """Take the 'previous' snapshot now without comparing (what :meth:`update` does, less its two full-model
+        comparisons): the next :meth:`update` measures the change since this call."""
+        self.previous = self._snapshot()
+
     def update(self) -> dict[str, float]:
         """Compare the current parameters (as bf16) with the previous snapshot and the start, then take a snapshot.
 

@@ -5,6 +5,7 @@ grpo-lens' estimator) to float tolerance."""
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -219,3 +220,32 @@ def test_the_console_line_keeps_trls_keys_and_counts_the_lens_keys(tmp_path, cap
     assert lens_keys and not any(k in step for k in lens_keys)
     assert step["lens"].startswith(f"{len(trainer._lens_keys)} keys in log_history")
     assert "reward" in step and "learning_rate" in step  # TRL's own keys stay
+
+
+def test_a_script_importing_torch_first_is_told_its_omp_wait_policy_came_too_late(tmp_path, monkeypatch):
+    """Issue 21: the README's TRL script imported torch before grpo_lens, so OMP_WAIT_POLICY=PASSIVE came after
+    OpenMP had read it and the lens's sparsity measures ran 25x slower on a shared CPU. The flag says so, in fresh
+    interpreters (each import order), and LensGRPOTrainer warns on a CPU run."""
+    import os
+    import subprocess
+    import sys
+
+    import grpo_lens
+    from grpo_lens.integrations.trl import OMP_TOO_LATE_WARNING, LensGRPOTrainer
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    flag = {}
+    for order in ("torch, grpo_lens", "grpo_lens, torch"):
+        code = f"import {order}; print(grpo_lens.OMP_WAIT_POLICY_TOO_LATE)"
+        flag[order] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                     check=True).stdout.strip()
+    assert flag == {"torch, grpo_lens": "True", "grpo_lens, torch": "False"}
+    code = "import torch, grpo_lens; print(grpo_lens.OMP_WAIT_POLICY_TOO_LATE)"  # a value of the user's own: no flag
+    assert subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
+                          text=True, check=True).stdout.strip() == "False"
+    for too_late in (True, False):
+        monkeypatch.setattr(grpo_lens, "OMP_WAIT_POLICY_TOO_LATE", too_late)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            make_trainer(tmp_path, LensGRPOTrainer, lens_every=1)
+        assert (OMP_TOO_LATE_WARNING in [str(w.message) for w in seen]) is too_late

@@ -274,3 +274,42 @@ def test_stratified_se_against_the_design():
     assert stratified_mean_se(x, torch.ones(500, dtype=torch.float64), h) == 0.0
     with pytest.raises(ValueError, match="constant within a stratum"):
         stratified_mean_se(x, torch.rand(500, dtype=torch.float64) + 1, h)
+
+
+def test_lens_s4_sparsity_before_step_only_snapshots_and_numbers_are_unchanged(fresh_tiny_model_and_tokenizer,
+                                                                                monkeypatch):
+    """Issue 21: the lens's before-step snapshot compared the whole model twice (numbers thrown away); it now only
+    snapshots, and S4 after the step is what comparing-then-snapshotting gave."""
+    from types import SimpleNamespace
+
+    import grpo_lens.train.sparsity as sparsity_module
+    from grpo_lens.train.lens import TrainerLens
+    from grpo_lens.train.sparsity import Bf16UpdateTracker
+
+    model, _ = fresh_tiny_model_and_tokenizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    reference = Bf16UpdateTracker(params, device="cpu")
+    lens = TrainerLens(model, SimpleNamespace(seed=0))
+    with torch.no_grad():  # a first step before the lens step: 'previous' must move to the lens step's weights
+        for p in params:
+            p += 1e-2 * torch.randn(p.shape, generator=g)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    calls = []
+    counts = sparsity_module.bf16_unchanged_counts
+    monkeypatch.setattr(sparsity_module, "bf16_unchanged_counts", lambda a, b: calls.append(1) or counts(a, b))
+    lens._pending = True
+    lens.before_step(model)
+    assert calls == [], "the before-step snapshot compares nothing"
+    reference.update()  # the old before-step: compare, then snapshot
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p += (1e-2 if i % 2 else 0.0) * torch.randn(p.shape, generator=g)  # half the tensors move
+    expected = reference.update()
+    calls.clear()
+    out = lens.after_step(1, model, True)
+    assert len(calls) == 2  # S4 for the step and since the start, once each
+    assert out["sparsity/update_step"] == expected["sparsity/update_step"]
+    assert out["sparsity/update_total"] == expected["sparsity/update_total"]
+    assert 0.2 < out["sparsity/update_step"] < 0.9 and out["sparsity/update_total"] < out["sparsity/update_step"]
