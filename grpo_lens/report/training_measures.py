@@ -79,9 +79,16 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
                           for kind, style in zip(("embedding", "attention", "mlp", "norm"), ("-", "--", ":", "-."))])
     a3.set_title("update since start: Hoyer by layer type", fontsize=9)
     a3.set_ylabel("Hoyer sparsity (0 to 1, dimensionless)", fontsize=8)
+    steps = [r[STEP] for r in records if r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED) is not None]
     for ax in (a1, a2, a3):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+        if steps and not any(line.get_label() and not line.get_label().startswith("_") for line in ax.lines):
+            # every value null: the vectors were all zero (Hoyer and top-1% are 0/0); the run's steps on the axis
+            ax.set_xlim(min(steps) - 0.5, max(steps) + 0.5)
+            ax.set_xticks(sorted(set(steps)))
+            ax.text(0.5, 0.5, "undefined at every measured step:\nthe vector was all zero (0/0)", ha="center",
+                    va="center", transform=ax.transAxes, fontsize=8, color="gray")
         plots.legend_below(ax, ncol=1, fontsize=8)  # shares and Hoyer values reach 0 and 1: inside, it covers them
     return plots._save(fig, path)
 
