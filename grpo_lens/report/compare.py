@@ -221,6 +221,12 @@ def _same_model_same_name(configs: dict[str, dict[str, Any]]) -> None:
             cfg["model"] = first.setdefault(same_model_key(cfg["model"]), cfg["model"])
 
 
+def _steps(span: tuple[int, int] | list[int]) -> str:
+    """'steps 3–10', or 'step 2' when the span is one step (not 'steps 2–2')."""
+    first, last = span[0], span[1]
+    return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
 def _tasks_line(labels: list[str], tasks: dict[str, dict[str, Any]]) -> str:
     """compare.md's task line: the one task when every run records the same one, else each run's (a TRL run's
     task is not recorded: it lives in the user's script)."""
@@ -322,11 +328,10 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
             if f is None:
                 cells.append("–")
             elif f["low"] is None:
-                cells.append(f"{fmt_sig(f['mean'])} (steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']}: too few for "
-                             f"an interval)")
+                cells.append(f"{fmt_sig(f['mean'])} ({_steps(f['steps'])}, n={f['n']}: too few for an interval)")
             else:
                 cells.append(f"{fmt_sig(f['mean'])} [{fmt_sig(f['low'])}, {fmt_sig(f['high'])}] "
-                             f"(steps {f['steps'][0]}–{f['steps'][1]}, n={f['n']})")
+                             f"({_steps(f['steps'])}, n={f['n']})")
         lines.append(md_row(f"{label} (`{key}`)", *cells))
     lines += ["", "## Curves", "", "![curves](compare.png)", ""]
     path = out / "compare.md"

@@ -111,3 +111,10 @@ def test_compare_numbers_have_three_significant_digits_and_no_trailing_point():
 
     assert [fmt_sig(x) for x in (202.0, 0.0, 0.25, 13.33, 1e-4, 1234.4, None)] == [
         "202", "0", "0.250", "13.3", "0.000100", "1234", "–"]
+
+
+def test_a_one_step_span_reads_step_n():
+    # trial 4 read "(steps 2–2, n=1 ...)" for a metric logged at one step
+    from grpo_lens.report.compare import _steps
+
+    assert (_steps((2, 2)), _steps((3, 10))) == ("step 2", "steps 3–10")
