@@ -67,8 +67,9 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
         diffs = {c: (nll.get(c) or {}).get("ratio_minus_nll") or {} for c in names}
         scale = {c: abs(((nll.get(c) or {}).get("ratio") or {}).get("mean") or 0.0) * CREDIT_EQUIVALENCE
                  for c in names}
+        # a class whose NLL ratio has no mean (or is 0) has no reference to scale the band by: not judged
         per_class = {c: band_verdict(d.get("lo"), d.get("hi"), -scale[c], scale[c]) for c, d in diffs.items()
-                     if d.get("lo") is not None}
+                     if d.get("lo") is not None and scale[c] > 0}
         band = f"± {CREDIT_EQUIVALENCE:g} × the class's NLL ratio"
         measured += "; paired difference from NLL weights: " + "; ".join(
             f"{c} {ci_text(d)} (band ±{fmt(scale[c], 2)})" for c, d in diffs.items() if d.get("mean") is not None)

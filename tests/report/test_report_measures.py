@@ -382,3 +382,8 @@ def test_token_credit_against_the_nll_control_with_the_same_geometry():
     st["credit"]["contributions"]["classes_nll"]["answer"]["ratio_minus_nll"] = _ci(1.25, 1.0, 1.5)
     credit = study_claims("x", st)[0]
     assert credit.verdict == "does not hold" and credit.rule.startswith("interval of answer tokens wholly outside")
+    # a class without an NLL mean has no band scale (it would be ±0, so any interval not exactly 0 'does not hold'):
+    # it is not judged; here the format class, whose difference [-0.03, 0.05] would otherwise decide
+    st["credit"]["contributions"]["classes_nll"]["answer"]["ratio_minus_nll"] = _ci(0.2, -0.3, 0.5)
+    st["credit"]["contributions"]["classes_nll"]["format"]["ratio"] = {"mean": None, "lo": None, "hi": None, "n": 0}
+    assert study_claims("x", st)[0].verdict == "holds"
