@@ -504,21 +504,7 @@ def top_singular_value(matrix: Tensor, rank: int = 8, iters: int = 4) -> float:
 
 def top_eigenvalue_psd_product(kx: Tensor, kd: Tensor, tol: float = 1e-6, max_iter: int = 100, block: int = 8
                                ) -> tuple[float, bool]:
-    """lambda_max(K_X K_D) of two PSD matrices, i.e. s_1(M)^2 of M = D^T X when K_X = X X^T and K_D = D D^T
-    (the nonzero eigenvalues of M M^T and of K_X K_D agree): G2's top squared singular value (docs/theory.md §6).
-
-    K_X K_D is not symmetric, but it is self-adjoint in the K_D inner product <u, v> = u^T K_D v, so block subspace
-    iteration with Rayleigh-Ritz in that inner product behaves like a symmetric one (Parlett, *The Symmetric
-    Eigenvalue Problem*, 1998, ch. 14): the top Ritz value is <= lambda_max, and with ``block`` vectors close top
-    eigenvalues inside the block do not slow it (the rate is lambda_{block+1} / lambda_1). Stops when the top Ritz pair's
-    relative residual ||K_X K_D v - rho v||_{K_D} / (rho ||v||_{K_D}) <= tol (rho then lies within tol of an eigenvalue,
-    §4.5); without convergence in ``max_iter`` steps it falls back to the exact symmetric solver, lambda_max(R^T K_D R)
-    with K_X = R R^T (eigh, float64). Fixed Gaussian start block. The 0.1 body iterated ||K_X K_D v|| 50 times without a
-    check: on a non-normal product with close top eigenvalues it was off by percents (issue 18).
-
-    Args:
-        kx, kd: [n, n] symmetric PSD (float32 or float64).  tol: relative residual to stop at.  max_iter: > 0.
-        block: vectors iterated together (capped at n).
+    """lambda_max(K_X K_D) of two PSD matrices [n, n]: :func:`top_eigenvalues_psd_products` for one K_D.
 
     Returns:
         (lambda_max >= 0, converged: False when the exact fallback gave the value).
@@ -528,33 +514,78 @@ def top_eigenvalue_psd_product(kx: Tensor, kd: Tensor, tol: float = 1e-6, max_it
     """
     if kx.dim() != 2 or kx.shape[0] != kx.shape[1] or kx.shape != kd.shape:
         raise ValueError(f"need two [n, n] matrices of one shape, got {tuple(kx.shape)} and {tuple(kd.shape)}")
-    a, b = kx.double(), kd.double()
-    n = a.shape[0]
+    lam, converged = top_eigenvalues_psd_products(kx, kd.unsqueeze(0), tol=tol, max_iter=max_iter, block=block)
+    return float(lam[0]), bool(converged[0])
+
+
+def top_eigenvalues_psd_products(kx: Tensor, kds: Tensor, tol: float = 1e-6, max_iter: int = 100, block: int = 8
+                                 ) -> tuple[Tensor, Tensor]:
+    """lambda_max(K_X K_D^(w)) for PSD K_X [n, n] (or one per problem, [W, n, n]) and a stack of PSD K_D^(w)
+    [W, n, n], i.e. s_1(M_w)^2 of
+    M_w = D_w^T X when K_X = X X^T and K_D^(w) = D_w D_w^T (the nonzero eigenvalues of M M^T and of K_X K_D agree):
+    G2's top squared singular value under W weightings at once (docs/theory.md §6).
+
+    K_X K_D is not symmetric, but it is self-adjoint in the K_D inner product <u, v> = u^T K_D v, so block subspace
+    iteration with Rayleigh-Ritz in that inner product behaves like a symmetric one (Parlett, *The Symmetric
+    Eigenvalue Problem*, 1998, ch. 14): the top Ritz value is <= lambda_max, and with ``block`` vectors close top
+    eigenvalues inside the block do not slow it (the rate is lambda_{block+1} / lambda_1). Each w stops when its top
+    Ritz pair's relative residual ||K_X K_D v - rho v||_{K_D} / (rho ||v||_{K_D}) <= tol (rho then lies within tol
+    of an eigenvalue, §4.5); a w without convergence in ``max_iter`` steps falls back to the exact symmetric solver,
+    lambda_max(R^T K_D R) with K_X = R R^T (eigh, float64). Fixed Gaussian start block. The W problems iterate as
+    one batch (batched QR, eigh and products: a tenth of the calls of one problem at a time); each converged w
+    leaves the batch, so its value is what it would be alone. The 0.1 body iterated ||K_X K_D v|| 50 times without
+    a check: on a non-normal product with close top eigenvalues it was off by percents (issue 18).
+
+    Args:
+        kx: [n, n] or [W, n, n] symmetric PSD.  kds: [W, n, n] symmetric PSD (float32 or float64).  tol: relative
+            residual to stop at.  max_iter: > 0.  block: vectors iterated together (capped at n).
+
+    Returns:
+        (lambda_max [W] float64 >= 0, converged [W] bool: False where the exact fallback gave the value).
+
+    Raises:
+        ValueError: shapes that are not [n, n] (or [W, n, n]) and [W, n, n].
+    """
+    if kds.dim() != 3 or kds.shape[1] != kds.shape[2] or kx.shape not in (kds.shape[1:], kds.shape):
+        raise ValueError(f"need kx [n, n] or [W, n, n] and kds [W, n, n] of one n, got {tuple(kx.shape)} and "
+                         f"{tuple(kds.shape)}")
+    b = kds.double()
+    a = kx.double()  # [n, n] (shared: broadcast) or [W, n, n]
+    n, W = b.shape[1], b.shape[0]
+    lam_out = torch.zeros(W, dtype=torch.float64)
+    converged = torch.ones(W, dtype=torch.bool)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    v = torch.randn(n, min(block, n), generator=gen, dtype=torch.float64).to(a.device)
+    v = torch.randn(n, min(block, n), generator=gen, dtype=torch.float64).to(b.device).expand(W, -1, -1)
+    live = torch.arange(W)  # the problems still iterating; a, b, v hold their rows only
     for _ in range(max_iter):
         v = torch.linalg.qr(v).Q  # conditioning only: the span is what Rayleigh-Ritz uses
         y = b @ v  # K_D V
         z = a @ y  # K_X K_D V
-        g, h = v.T @ y, y.T @ z  # V^T K_D V and V^T K_D (K_X K_D) V, both symmetric
-        lam, q = torch.linalg.eigh((g + g.T) / 2)
-        keep = lam > lam.max().clamp(min=0) * 1e-12
-        if not bool(keep.any()):  # V in K_D's null space: K_X K_D V = 0
-            return 0.0, True
-        t = q[:, keep] / lam[keep].sqrt()  # K_D-orthonormal basis V t of span(V) (minus K_D's null directions)
-        theta, c = torch.linalg.eigh(t.T @ ((h + h.T) / 2) @ t)
-        rho = float(theta[-1])
-        if rho <= 0:
-            return 0.0, True
-        coef = t @ c[:, -1]  # top Ritz vector V coef, unit K_D-norm
-        r = z @ coef - rho * (v @ coef)  # residual A x - rho x
-        res2 = float(r @ (b @ r))
-        if res2 <= (tol * rho) ** 2:
-            return rho, True
+        g, h = v.mT @ y, y.mT @ z  # V^T K_D V and V^T K_D (K_X K_D) V, both symmetric
+        lam, q = torch.linalg.eigh((g + g.mT) / 2)
+        keep = lam > lam.amax(-1, keepdim=True).clamp(min=0) * 1e-12
+        # K_D-orthonormal basis V t of span(V) (K_D's null directions dropped: zero columns)
+        t = q * torch.where(keep, lam.clamp(min=1e-300).rsqrt(), torch.zeros_like(lam)).unsqueeze(-2)
+        theta, c = torch.linalg.eigh(t.mT @ ((h + h.mT) / 2) @ t)
+        rho = theta[:, -1]
+        coef = t @ c[:, :, -1:]  # top Ritz vector V coef, unit K_D-norm: [w, b, 1]
+        r = z @ coef - rho.view(-1, 1, 1) * (v @ coef)  # residual A x - rho x
+        res2 = (r.mT @ (b @ r)).view(-1)
+        zero = ~keep.any(-1) | (rho <= 0)  # V in K_D's null space, or no positive Ritz value: K_X K_D V = 0
+        done = zero | (res2 <= (tol * rho) ** 2)
+        lam_out[live[done]] = torch.where(zero[done], torch.zeros_like(rho[done]), rho[done]).cpu()
         v = z
+        if bool(done.any()):  # the converged leave the batch
+            live, v, b = live[~done.cpu()], v[~done], b[~done]
+            a = a[~done] if a.dim() == 3 else a
+        if live.numel() == 0:
+            return lam_out, converged
     w, q = torch.linalg.eigh(a)
-    root = q * w.clamp(min=0).sqrt()  # K_X = root root^T
-    return float(torch.linalg.eigvalsh(root.T @ b @ root)[-1].clamp(min=0)), False
+    root = q * w.clamp(min=0).sqrt().unsqueeze(-2)  # K_X = root root^T
+    top = torch.linalg.eigvalsh(root.mT @ b @ root)[:, -1].clamp(min=0)
+    lam_out[live] = top.cpu()
+    converged[live] = False
+    return lam_out, converged
 
 
 def weighted_row_sum(rows: Tensor, weights: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_lens.formulas.spectrum import top_eigenvalue_psd_product, top_singular_value
+from grpo_lens.formulas.spectrum import top_eigenvalues_psd_products, top_singular_value
 from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.metrics import RANK_G2_WEIGHTED
 
@@ -54,55 +54,116 @@ class G2WeightingCapture:
 
     (the nonzero eigenvalues of M M^T and of K_X K_D(w) agree). K_X and D D^T are formed once per layer in the
     backward hook and every weighting costs only [nL, nL] work, instead of a backward and a decomposition of
-    [d_out, d_in] per weighting. lambda_max by :func:`grpo_lens.formulas.spectrum.top_eigenvalue_psd_product`: block
-    subspace iteration in the K_D(w) inner product (where K_X K_D(w) is self-adjoint) with a residual check, and the
-    exact symmetric eigen-solver when it does not converge (a cluster of near-top eigenvalues);
-    :attr:`exact_fallbacks` counts those.
+    [d_out, d_in] per weighting.
+
+    **A shared prompt** (``shared_prefix`` = Lp): in one GRPO group every rollout has the same prompt, so a layer's
+    input at the Lp prompt positions is the same in all n rollouts (causal attention), x_{i,t} = x_t. Those positions
+    then add sum_t x_t^T (sum_i w_i delta_{i,t}): one row per position, with the weighted sum of the rollouts'
+    deltas. The rows become Lp + (completion positions) instead of n·Lp + (completion positions) (on the default
+    model at R = 8: 131 instead of 438), with the same M(w). The prefix inputs are checked to agree across the
+    rollouts (ValueError otherwise: not one group's prompt); layers whose input is not the whole sequence (an LM head
+    run at the scored positions only) keep one row per position.
+
+    lambda_max of every (layer, weighting) pair is solved after the backward (or when ``budget_bytes`` of kernels
+    have accumulated), in batches of one row count, by
+    :func:`grpo_lens.formulas.spectrum.top_eigenvalues_psd_products`: block subspace iteration in the K_D(w) inner
+    product (where K_X K_D(w) is self-adjoint) with a residual check, and the exact symmetric eigen-solver when it
+    does not converge (a cluster of near-top eigenvalues); :attr:`exact_fallbacks` counts those. (A few hundred small
+    problems one at a time cost their per-call overhead, not their FLOPs.)
 
     Args:
         model: the model (its nn.Linear layers are hooked).
         weightings: {name: [n] weights}, n = rollouts of the pass.
+        shared_prefix: Lp, the leading positions every rollout of the pass shares (its prompt, left padded as one);
+            0: none.
+        seq_len: L = Lp + T, the pass's sequence length (needed with ``shared_prefix``: which layers see it whole).
+        budget_bytes: the kernels kept for the batched solve (they are solved when more accumulate) and the float64
+            working set of one batch.
 
     After a forward + backward inside the context, :meth:`result` gives
     ``{"rank/g2_<name>_<kind>_stable_rank": mean over the layers of that kind}``.
+
+    Raises:
+        ValueError: ``shared_prefix`` without ``seq_len``; prefix inputs that differ across the rollouts.
     """
 
-    def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor]):
+    def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor], shared_prefix: int = 0,
+                 seq_len: int | None = None, budget_bytes: int = 256 * 2**20):
+        if shared_prefix and seq_len is None:
+            raise ValueError("G2WeightingCapture: shared_prefix needs seq_len (the pass's sequence length)")
         self.model = model
         self.weightings = {k: v.detach().float() for k, v in weightings.items()}
+        self.shared_prefix, self.seq_len = shared_prefix, seq_len
+        self.budget_bytes = budget_bytes
         modules = dict(model.named_modules())
         self.layers = {n: modules[n] for n in linear_layer_names(model)}
         self.stable: dict[str, dict[str, float]] = {}  # layer -> weighting -> stable rank
         self.exact_fallbacks = 0  # (layer, weighting) pairs whose lambda_max came from the exact solver
+        self._pending: list[tuple[str, Tensor, Tensor, dict[str, float]]] = []  # (layer, K_X, K_D(w) stack, fro2)
+        self._pending_bytes = 0
         self._handles: list = []
+
+    def _kernels(self, x: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """(K_X [m, m], K_D(w) [W, m, m]) of one layer over its m rows: one per position and rollout, or with a
+        shared prefix one per prefix position carrying sum_i w_i delta_{i,t} (see the class docstring); positions
+        without gradient (padding, the last token) dropped."""
+        n = x.shape[0] if x.dim() == 3 else 1
+        w = torch.stack(list(self.weightings.values())).to(grad.device)  # [W, n]
+        lp = self.shared_prefix if x.dim() == 3 and x.shape[1] == self.seq_len else 0
+        x3, d3 = x.reshape(n, -1, x.shape[-1]).float(), grad.reshape(n, -1, grad.shape[-1]).float()
+        if not lp:  # K_D(w) = W (D D^T) W: one product for every weighting
+            keep = d3.abs().sum(-1).reshape(-1) > 0
+            xr, dr = x3.reshape(-1, x3.shape[-1])[keep], d3.reshape(-1, d3.shape[-1])[keep]
+            wp = w.repeat_interleave(d3.shape[1], dim=1)[:, keep]  # [W, m]
+            return xr @ xr.T, (dr @ dr.T).unsqueeze(0) * (wp.unsqueeze(2) * wp.unsqueeze(1))
+        xp = x3[:, :lp]  # [n, Lp, d_in]
+        if not torch.allclose(xp, xp[:1].expand_as(xp), rtol=1e-4, atol=1e-5 * float(xp.abs().max())):
+            raise ValueError("G2WeightingCapture: the rollouts' inputs differ at the shared prefix positions: pass "
+                             "shared_prefix only for one group's rollouts (one prompt)")
+        xc, dc = x3[:, lp:], d3[:, lp:]  # [n, L - Lp, .]
+        xr = torch.cat([xp[0], xc.reshape(-1, xc.shape[-1])])
+        dr = torch.cat([torch.einsum("wi,itd->wtd", w, d3[:, :lp]),  # sum_i w_i delta_{i,t}
+                        (w[:, :, None, None] * dc.unsqueeze(0)).reshape(w.shape[0], -1, dc.shape[-1])], dim=1)
+        keep = dr.abs().sum(dim=(0, 2)) > 0
+        xr, dr = xr[keep], dr[:, keep]
+        return xr @ xr.T, dr @ dr.mT
 
     def _forward(self, name: str, module, args, output) -> None:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return
         x = args[0].detach()
-        x2 = x.reshape(-1, x.shape[-1]).float()  # [nL, d_in]
-        n = x.shape[0] if x.dim() == 3 else 1
 
         def on_grad(grad: Tensor) -> None:
-            d2 = grad.reshape(-1, grad.shape[-1]).float()  # [nL, d_out]
-            keep = d2.abs().sum(1) > 0  # positions with no gradient (padding, the last token) add nothing
-            xs, ds = x2[keep], d2[keep]
-            rollout = torch.arange(n, device=grad.device).repeat_interleave(x2.shape[0] // n)[keep]
-            kx, kd = xs @ xs.T, ds @ ds.T
-            out = {}
-            for wname, w in self.weightings.items():
-                wp = w.to(grad.device)[rollout]
-                kdw = kd * torch.outer(wp, wp)
-                fro2 = float((kx * kdw).sum(dtype=torch.float64))
-                if fro2 <= 0:
-                    out[wname] = 0.0
-                    continue
-                lam, converged = top_eigenvalue_psd_product(kx, kdw)
-                self.exact_fallbacks += not converged
-                out[wname] = fro2 / lam if lam > 0 else 0.0
-            self.stable[name] = out
+            kx, kds = self._kernels(x, grad)  # [m, m], [W, m, m]
+            fro2 = (kx.unsqueeze(0) * kds).sum(dim=(1, 2), dtype=torch.float64)  # ||M(w)||_F^2 [W]
+            self._pending.append((name, kx, kds, dict(zip(self.weightings, fro2.tolist()))))
+            self._pending_bytes += (kx.numel() + kds.numel()) * kx.element_size()
+            if self._pending_bytes > self.budget_bytes:
+                self._solve()
 
         output.register_hook(on_grad)
+
+    def _solve(self) -> None:
+        """lambda_max of every pending (layer, weighting) pair, batched by row count m in batches of at most
+        :attr:`budget_bytes` of float64 work; fills :attr:`stable`."""
+        by_size: dict[int, list[tuple[str, Tensor, Tensor, dict[str, float]]]] = {}
+        for item in self._pending:
+            by_size.setdefault(item[1].shape[0], []).append(item)
+        self._pending, self._pending_bytes = [], 0
+        for m, items in by_size.items():
+            fro2_of = {name: fro2 for name, _, _, fro2 in items}
+            live = [(name, wname, kx, kds[j]) for name, kx, kds, fro2 in items
+                    for j, wname in enumerate(self.weightings) if fro2[wname] > 0]
+            for name in fro2_of:
+                self.stable[name] = {wname: 0.0 for wname in self.weightings}
+            chunk = max(1, self.budget_bytes // (4 * m * m * 8))  # K_X, K_D and their float64 copies
+            for c in range(0, len(live), chunk):
+                part = live[c:c + chunk]
+                lams, converged = top_eigenvalues_psd_products(torch.stack([p[2] for p in part]),
+                                                               torch.stack([p[3] for p in part]))
+                self.exact_fallbacks += int((~converged).sum())
+                for (name, wname, _, _), lam in zip(part, lams.tolist()):
+                    self.stable[name][wname] = fro2_of[name][wname] / lam if lam > 0 else 0.0
 
     def __enter__(self) -> "G2WeightingCapture":
         for name, module in self.layers.items():
@@ -117,6 +178,7 @@ class G2WeightingCapture:
 
     def result(self) -> dict[str, float]:
         """{"rank/g2_<weighting>_<kind>_stable_rank": mean over the layers of each kind}."""
+        self._solve()
         per: dict[tuple[str, str], list[float]] = {}
         for name, by_w in self.stable.items():
             for wname, sr in by_w.items():

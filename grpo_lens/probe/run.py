@@ -194,14 +194,18 @@ class RolloutGradients:
 
 
 def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None,
-                   vectors: bool = True) -> RolloutGradients:
+                   vectors: bool = True, captures: tuple = ()) -> RolloutGradients:
     """The per-rollout gradients of ``sub`` in the configured source, from one pass where possible.
 
     ``exact`` (dense, the oracle): one backward per rollout, every parameter. ``gram_source: exact``: the exact Gram
     of every parameter from one batched backward (:func:`grpo_lens.gradients.gram.exact_rollout_gram`), with the
     sketch (vectors), the layer's exact rows (identity projection) and the token norms captured in the same backward.
-    ``gram_source: sketch``: the sketch, its Gram G G^T, the layer's rows in the same pass."""
+    ``gram_source: sketch``: the sketch, its Gram G G^T, the layer's rows in the same pass. ``captures``: more
+    context managers opened around the exact Gram's forward and backward (:func:`fused_g2_capture`); only with
+    ``gram_source: exact`` and not ``exact`` (ValueError otherwise)."""
     proc = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
+    if captures and (config.exact or config.gram_source != "exact"):
+        raise ValueError("extra captures ride the exact Gram's pass only (gram_source: exact, not exact)")
     if config.exact:
         grads = exact_rollout_grads(policy, sub, **proc).double().cpu()
         layer_rows = grads[:, param_slices(policy)[layer + ".weight"]] if layer else None
@@ -210,8 +214,8 @@ def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | 
         sketch = GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed,
                                  token_norms=True) if vectors else None
         exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
-        gram, info = exact_rollout_gram(policy, sub, captures=[c for c in (sketch, exact) if c is not None],
-                                        keep_param_grams=True, **proc)
+        captures = [c for c in (sketch, exact, *captures) if c is not None]
+        gram, info = exact_rollout_gram(policy, sub, captures=captures, keep_param_grams=True, **proc)
         sk = sketch.result() if sketch is not None else None
         return RolloutGradients(gram, sk.sketch.double().cpu() if sk else None,
                                 exact.result().per_layer[layer].cpu() if exact else None,
@@ -223,15 +227,21 @@ def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | 
 
 
 def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, config: ProbeConfig, layer: str,
-                  seed: int) -> tuple[dict[str, float], dict[str, Any]]:
+                  seed: int, g2: bool = False) -> tuple[dict[str, float], dict[str, Any]]:
     """One mixed group of R rollouts (rewards [R]): its row of canonical keys and its extras (spectra, G3 row, profile).
 
     The row is :func:`grpo_lens.analysis.group.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
     (``rank/g1_layer_*``, from the layer's exact per-rollout weight gradients), G2 of ``layer`` (``rank/g2_*``, their
-    advantage-weighted sum) and credit (``credit/*``).
+    advantage-weighted sum) and credit (``credit/*``). With ``g2`` and a pass that can carry it (:func:`can_fuse_g2`),
+    the extras also hold ``g2_weightings`` (:func:`g2_weightings`' keys, from the same backward) and the seconds of
+    its eigen-solves, ``g2_seconds``.
     """
     R = sub.num_rollouts
-    measured = _rollout_grads(policy, sub, config, layer)
+    fused = None
+    if g2 and can_fuse_g2(config):  # advantages that need no gradient norms: known before the pass
+        adv0 = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]
+        fused = g2_capture(policy, sub, adv0, rewards)
+    measured = _rollout_grads(policy, sub, config, layer, captures=(fused,) if fused is not None else ())
     # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
     gram, g, layer_rows, token_sq = measured.gram, measured.rows, measured.layer_rows.cpu(), measured.token_sq
     cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
@@ -267,15 +277,33 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     answer = answer_mask_from_tokenizer(tokenizer, cids, cmask)
     row.update(credit_metrics(token_adv, comp, cmask, answer))
     extras["profile"] = position_profile(comp.sqrt(), cmask)
+    if fused is not None:
+        t0 = time.perf_counter()
+        extras["g2_weightings"] = fused.result()
+        extras["g2_seconds"] = time.perf_counter() - t0
     return row, extras
+
+
+def can_fuse_g2(config: ProbeConfig) -> bool:
+    """Whether the G2 weightings can ride the group's own pass: the exact Gram's backward (``gram_source: exact``,
+    not ``exact``) with advantages that do not depend on the gradients (every estimator but ``optimal``)."""
+    return config.gram_source == "exact" and not config.exact and config.estimator != "optimal"
+
+
+def g2_capture(policy, sub: RolloutBatch, advantages: torch.Tensor, rewards: torch.Tensor) -> G2WeightingCapture:
+    """The G2 capture of one group (advantages, rewards [R]): every weighting of
+    :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, the group's prompt folded as its shared prefix."""
+    lp = sub.prompt_ids.shape[1]
+    return G2WeightingCapture(policy, weightings(advantages, rewards), shared_prefix=lp,
+                              seq_len=lp + sub.completion_ids.shape[1])
 
 
 def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
                   config: ProbeConfig) -> dict[str, float]:
     """Stable rank of every nn.Linear layer's G2 under every weighting of
     :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, summarised by module kind, from one backward
-    (:class:`grpo_lens.gradients.g2.G2WeightingCapture`)."""
-    capture = G2WeightingCapture(policy, weightings(extra["advantages"], rewards))
+    (:class:`grpo_lens.gradients.g2.G2WeightingCapture`), for a pass that could not carry it (:func:`can_fuse_g2`)."""
+    capture = g2_capture(policy, sub, extra["advantages"], rewards)
     emb_out: list[torch.Tensor] = []
     handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
     try:
@@ -341,10 +369,11 @@ def analyse_prompt(policy, tokenizer, batch: RolloutBatch, j: int, rewards: torc
         return PromptRecord("all_equal", s1_prediction)
     t0 = time.perf_counter()
     sub = batch.select(group)
-    row, extra = measure_group(policy, tokenizer, sub, r_g, config, layer, seed=seed + j)
+    want_g2 = sum(d.g2_weightings is not None for d in done) < config.g2_groups
+    row, extra = measure_group(policy, tokenizer, sub, r_g, config, layer, seed=seed + j, g2=want_g2)
     t1 = time.perf_counter()
-    g2w = None
-    if sum(d.g2_weightings is not None for d in done) < config.g2_groups:
+    g2w, g2_seconds = extra.pop("g2_weightings", None), extra.pop("g2_seconds", 0.0)
+    if want_g2 and g2w is None:
         g2w = g2_weightings(policy, sub, extra, r_g, config)
     t2 = time.perf_counter()
     check = None
@@ -359,7 +388,8 @@ def analyse_prompt(policy, tokenizer, batch: RolloutBatch, j: int, rewards: torc
         # the trace variance depends on inner products alone: rows of any factor of the Gram give it
         grads_m = m.rows if m.rows is not None else gram_factor(m.gram)
         variance = estimator_variances(grads_m, rewards.double(), R, num_resamples=config.resamples, seed=seed)
-    seconds = {"gradient": time.perf_counter() - t0, "g2_weightings": t2 - t1, "sketch_check": t3 - t2}
+    # a fused G2's share: its eigen-solves (its kernels ran inside the group's pass)
+    seconds = {"gradient": time.perf_counter() - t0, "g2_weightings": t2 - t1 + g2_seconds, "sketch_check": t3 - t2}
     return PromptRecord("mixed", s1_prediction, row, extra, check, g2w, variance, seconds)
 
 

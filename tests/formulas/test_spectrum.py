@@ -242,3 +242,29 @@ def test_top_eigenvalue_of_a_psd_product_with_close_top_singular_values():
     assert top_eigenvalue_psd_product(kx, torch.zeros_like(kd)) == (0.0, True)
     with pytest.raises(ValueError, match="one shape"):
         top_eigenvalue_psd_product(kx, kd[:3, :3])
+
+
+def test_batched_top_eigenvalues_equal_one_problem_at_a_time():
+    from grpo_lens.formulas.spectrum import (
+        top_eigenvalue_psd_product,
+        top_eigenvalues_psd_products,
+    )
+
+    # three K_D's against one K_X: a well-separated top (converges), close top singular values (slower), and K_D = 0
+    # (value 0 by definition); each problem leaves the batch when it converges, so its value is the one-at-a-time one
+    kx, kd1, m1 = _psd_pair_with_top_singular_values([2.0, 1.0] + [0.3 * 0.9**i for i in range(58)], seed=1)
+    g = torch.Generator().manual_seed(3)
+    d2 = kd1 @ torch.diag(torch.rand(60, generator=g, dtype=torch.float64) + 0.5)
+    kd2 = (d2 + d2.T) / 2 + 60 * torch.eye(60, dtype=torch.float64)  # PSD, a different spectrum
+    kds = torch.stack([kd1, kd2, torch.zeros_like(kd1)])
+    lams, converged = top_eigenvalues_psd_products(kx, kds)
+    singles = [top_eigenvalue_psd_product(kx, k) for k in kds]
+    assert lams.tolist() == pytest.approx([s for s, _ in singles], rel=1e-9)
+    assert converged.tolist() == [c for _, c in singles]
+    assert float(lams[0]) == pytest.approx(float(torch.linalg.svdvals(m1)[0]) ** 2, rel=1e-6)
+    # the exact fallback (max_iter=1) of the batch: lambda_max from eigvalsh of R^T K_D R, per problem
+    exact = [float(torch.linalg.eigvals(kx @ k).real.max()) for k in kds[:2]]
+    lams1, conv1 = top_eigenvalues_psd_products(kx, kds[:2], max_iter=1)
+    assert lams1.tolist() == pytest.approx(exact, rel=1e-8) and not bool(conv1.any())
+    with pytest.raises(ValueError, match=r"kds \[W, n, n\]"):
+        top_eigenvalues_psd_products(kx, kd1)

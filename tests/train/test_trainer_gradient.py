@@ -223,3 +223,43 @@ def test_g2_weighting_capture_matches_the_weight_gradients():
             per_type.setdefault(module_kind(layer), []).append(float(s.square().sum() / s[0] ** 2))
         for t, vals in per_type.items():
             assert got[f"rank/g2_{name}_{t}_stable_rank"] == pytest.approx(sum(vals) / len(vals), rel=1e-3), (name, t)
+
+
+def _g2_capture(model, sub, ws, **kw) -> tuple[dict[str, float], G2WeightingCapture]:
+    from grpo_lens.gradients.scores import rollout_scores
+    from grpo_lens.rollout import batch_logprobs
+
+    cap = G2WeightingCapture(model, ws, **kw)
+    with cap:
+        loss = rollout_scores(batch_logprobs(model, sub, TEMPERATURE), sub.completion_mask).sum()
+        torch.autograd.grad(loss, [p for p in model.parameters()], allow_unused=True)
+    return cap.result(), cap
+
+
+@pytest.mark.e2e
+def test_g2_weighting_capture_with_a_shared_prompt_gives_the_same_stable_ranks():
+    # one group (4 rollouts of ONE prompt, left padded alike): the prompt positions' inputs are the same in every
+    # rollout, so the capture may fold them into one row per position (sum_i w_i delta_{i,t}); the stable ranks must
+    # be those of the uncompressed rows (which the test above checks against autograd's weight gradients)
+    torch.manual_seed(0)
+    model = build_model().eval()
+    batch, advantages, _ = build_batch(model)
+    sub = batch.select(torch.arange(4))
+    sub.prompt_ids[:] = sub.prompt_ids[0].clone()
+    sub.prompt_mask[:] = sub.prompt_mask[0].clone()
+    sub.prompt_ids[:, 0], sub.prompt_mask[:, 0] = 258, 0  # one left pad token, the same in every rollout
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    adv = advantages[:4].double() - advantages[:4].double().mean()
+    ws = weightings(adv, rewards.double())
+    plain, _ = _g2_capture(model, sub, ws)
+    lp, seq = sub.prompt_ids.shape[1], sub.prompt_ids.shape[1] + sub.completion_ids.shape[1]
+    folded, cap = _g2_capture(model, sub, ws, shared_prefix=lp, seq_len=seq)
+    assert folded.keys() == plain.keys() and len(plain) == len(ws) * len({module_kind(n) for n in cap.layers})
+    for key, value in plain.items():
+        assert folded[key] == pytest.approx(value, rel=1e-4), key
+    # a batch of two prompts is not one group: the capture refuses to fold it
+    two = batch.select(torch.arange(4))
+    with pytest.raises(ValueError, match="differ at the shared prefix"):
+        _g2_capture(model, two, ws, shared_prefix=lp, seq_len=seq)
+    with pytest.raises(ValueError, match="needs seq_len"):
+        G2WeightingCapture(model, ws, shared_prefix=lp)
