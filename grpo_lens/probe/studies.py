@@ -25,12 +25,12 @@ import torch
 from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import baseline_study
 from grpo_lens.formulas.credit import (
-    TOKEN_CLASSES,
     class_shares,
     compare_with_uniform,
     relative_position_profile,
     segment_advantages,
     segment_boundaries,
+    summarise_class_shares,
     token_classes,
 )
 from grpo_lens.formulas.losses import aggregation_rollout_weights
@@ -238,14 +238,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
                     mc_rows.append({"reward": float(r[i]), "grpo_advantage": float(adv[i]), "boundaries": full,
                                     "values": values.tolist(), "errors": errors.tolist(),
                                     "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist(), **cmp})
-    class_summary = {c: {k: bootstrap_mean([sh[c][k] for sh in shares if math.isfinite(sh[c][k])])
-                         for k in ("update_share", "token_share", "ratio")} for c in TOKEN_CLASSES}
-    def finite(values):
-        return [v for v in values if math.isfinite(v)]
-    nll_summary = {c: {"ratio": bootstrap_mean(finite(sh[c]["ratio"] for sh in shares_nll)),
-                       "ratio_minus_nll": bootstrap_mean(finite(a[c]["ratio"] - b[c]["ratio"]
-                                                                for a, b in zip(shares, shares_nll)))}
-                   for c in TOKEN_CLASSES}
+    class_summary, nll_summary = summarise_class_shares(shares, shares_nll)
     return {
         "contributions": {"position_profile": _mean_ci_per_bin(profiles), "classes": class_summary,
                           "classes_nll": nll_summary,
