@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -330,6 +330,24 @@ def exact_directional_derivatives(token_grads: Tensor, weights: Tensor) -> tuple
     g = token_grads.double()
     u = torch.einsum("rtp,rt->p", g, weights.double())  # [P]
     return g @ u, float(u @ u)
+
+
+def paired_class_shares(contribute: Callable[[Tensor], dict], advantages: Tensor, classes: Tensor
+                        ) -> tuple[dict, dict, dict]:
+    """One group's class shares under its GRPO advantages A and under NLL weights (every A_i = 1: the control with the
+    same gradient geometry), the credit study's per-group body (docs/theory.md §12).
+
+    Args:
+        contribute: advantages [R] -> the dict of :func:`signed_contributions` (a model's finite differences in
+            :func:`grpo_lens.probe.studies.run_credit_study`, explicit per-token gradients in `grpo-lens calibrate`).
+        advantages: [R] A.  classes: [R, T] (:func:`token_classes`).
+
+    Returns:
+        (the dict under A, :func:`class_shares` under A, :func:`class_shares` under NLL weights).
+    """
+    res = contribute(advantages)
+    nll = contribute(torch.ones_like(advantages))
+    return res, class_shares(res["contributions"], classes), class_shares(nll["contributions"], classes)
 
 
 def summarise_class_shares(shares: Sequence[dict], shares_nll: Sequence[dict]) -> tuple[dict, dict]:

@@ -25,8 +25,8 @@ import torch
 from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import baseline_study
 from grpo_lens.formulas.credit import (
-    class_shares,
     compare_with_uniform,
+    paired_class_shares,
     relative_position_profile,
     segment_advantages,
     segment_boundaries,
@@ -208,17 +208,15 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
                 progress.update(1)
             group = batch.select(rows)
             adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, eps=eps)[0]
-            res = signed_token_contributions(policy, group, adv, aggregation=aggregation, step=step,
-                                             temperature=temperature)
             mask = group.completion_mask.cpu()
-            contrib = res["contributions"]
-            profiles.append(relative_position_profile(contrib, mask, bins).tolist())
             classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
-            shares.append(class_shares(contrib, classes))
-            # the control with the same gradient geometry: the same tokens under NLL weights (every A_i = 1)
-            nll = signed_token_contributions(policy, group, torch.ones_like(adv), aggregation=aggregation,
-                                             step=step, temperature=temperature)
-            shares_nll.append(class_shares(nll["contributions"], classes))
+            # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)
+            res, sh, sh_nll = paired_class_shares(
+                lambda a: signed_token_contributions(policy, group, a, aggregation=aggregation, step=step,
+                                                     temperature=temperature), adv, classes)
+            profiles.append(relative_position_profile(res["contributions"], mask, bins).tolist())
+            shares.append(sh)
+            shares_nll.append(sh_nll)
             closures.append(abs(res["closure"]))
             if len(mc_rows) < 2 * mc_groups:
                 prompt_ids = group.prompt_ids[0][group.prompt_mask[0].bool()]
