@@ -98,7 +98,8 @@ def test_contributions_from_per_token_gradients_equal_the_model_path(model_group
         d, u_sq = exact_directional_derivatives(grads, w)
         planted = signed_contributions(w, d, u_sq)
         model_path = signed_token_contributions(model, group, adv, step=1e-2)
-        assert planted["update_norm"] == pytest.approx(model_path["update_norm"], rel=1e-6)  # both exact up to the float32 inside RMSNorm
+        # both exact, up to the float32 inside RMSNorm
+        assert planted["update_norm"] == pytest.approx(model_path["update_norm"], rel=1e-6)
         assert abs(planted["closure"]) < 1e-12  # sum s = <u, u> / ||u||^2 exactly with explicit gradients
         # the model path's shares carry the finite differences' O(e^4) + round-off error (closure < 1e-3 above); a
         # share computed with the wrong u or without the weight w would be off by O(1)
