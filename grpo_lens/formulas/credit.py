@@ -293,10 +293,11 @@ def token_classes(tokenizer, completion_ids: Tensor, completion_mask: Tensor) ->
 
 
 def signed_contributions(weights: Tensor, derivatives: Tensor, update_sq_norm: float) -> dict:
-    """s_{i,t} = w_{i,t} <grad log pi(o_{i,t}), u> / ||u||^2 from the directional derivatives (docs/theory.md §Token
-    credit): the one body of :func:`grpo_lens.gradients.token_credit.signed_token_contributions` (derivatives by
-    finite differences on a model) and of the planted cases of `grpo-lens calibrate`
-    (:func:`exact_directional_derivatives` of per-token gradient vectors).
+    """s_{i,t} = w_{i,t} <grad log pi(o_{i,t}), u> / ||u||^2 from the directional derivatives
+    (docs/theory.md §Token credit): the one body of
+    :func:`grpo_lens.gradients.token_credit.signed_token_contributions` (derivatives by finite differences on a model)
+    and of the planted cases of `grpo-lens calibrate` (:func:`exact_directional_derivatives` of per-token gradient
+    vectors).
 
     Args:
         weights: [R, T] w_{i,t} (:func:`token_weights`; 0 off the completion).  derivatives: [R, T]
