@@ -21,6 +21,19 @@ Planted families (Gram matrices sampled exactly for gradients in R^P, docs/calib
 - ``c_lr2``: label-independent rank 2 (+1% noise); ``c_shared``: a shared direction, pairwise cosine 0.5;
 - ``d<c>_<f>``: two classes with near-collinear class means (cosine c), noise share f;
 - ``<family>_s<σ>``: any family with its rows rescaled by log-normal norms (log-SD σ).
+
+The token-credit rule (``uniform_token_credit``) gets planted per-token gradients g_{i,t} in R^P
+(:func:`planted_credit_group`, :data:`CREDIT_TOKEN_FAMILIES`; R = 4, completions of 10-24 tokens with 1-3 answer
+tokens) through the study's per-group body (:func:`grpo_lens.formulas.credit.paired_class_shares` of
+:func:`grpo_lens.formulas.credit.signed_contributions`, the directional derivatives exact,
+:func:`grpo_lens.formulas.credit.exact_directional_derivatives`) and summary
+(:func:`grpo_lens.formulas.credit.summarise_class_shares`), n = 8 and 28 groups:
+
+- "geometry only" (truth: holds): random directions, class-dependent norms (equal; format tokens 10× smaller;
+  format 10× smaller and answer tokens 3× larger), no class × advantage interaction;
+- "credit concentrates on answers, e = ..." (e = 0.5, 1: does not hold; e = 0.25 the near-null case, within the
+  band on the pool's means): the answer tokens of a correct rollout add e v, of a wrong one −e v (v a unit vector per
+  group), so under A they add up and under NLL weights they cancel.
 """
 
 from __future__ import annotations
@@ -40,15 +53,24 @@ import torch
 
 from grpo_lens.analysis.group import analyse_group
 from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS
+from grpo_lens.claims.credit import CREDIT_EQUIVALENCE
 from grpo_lens.claims.rank import (
     RANK_BAND,
     RANK_CLAIM_MEASURES,
     TOP_SHARE,
 )
 from grpo_lens.claims.zero_sum import NEGLIGIBLE_SHARE
-from grpo_lens.formulas.advantages import grpo_advantages
+from grpo_lens.formulas.advantages import compute_advantages, grpo_advantages
 from grpo_lens.formulas.baselines import baseline_prompt, summarise_baseline_prompts
-from grpo_lens.formulas.credit import segment_advantages
+from grpo_lens.formulas.credit import (
+    TOKEN_CLASSES,
+    exact_directional_derivatives,
+    paired_class_shares,
+    segment_advantages,
+    signed_contributions,
+    summarise_class_shares,
+    token_weights,
+)
 from grpo_lens.formulas.sparsity import weighted_hoyer
 from grpo_lens.formulas.spectrum import wishart
 from grpo_lens.formulas.stats import mean_interval, summarise_rows
@@ -109,6 +131,32 @@ MC_FAMILIES = {
 MC_ROLLOUTS = (8, 32, 100)
 
 
+#: the planted token-credit groups (per-token gradients g_{i,t} in R^P, :func:`planted_credit_group`): name ->
+#: (answer tokens' norm, format tokens' norm, effect e); reasoning tokens have norm 1, every token's direction is
+#: random, and the answer tokens of rollout i add e σ_i v (σ_i = +1 correct, −1 wrong; v a unit vector per group)
+CREDIT_TOKEN_FAMILIES = {
+    "geometry only: equal norms": (1.0, 1.0, 0.0),
+    "geometry only: format 10× smaller": (1.0, 0.1, 0.0),
+    "geometry only: format 10× smaller, answer 3× larger": (3.0, 0.1, 0.0),
+    "credit concentrates on answers, e = 0.25": (1.0, 0.1, 0.25),
+    "credit concentrates on answers, e = 0.5": (1.0, 0.1, 0.5),
+    "credit concentrates on answers, e = 1": (1.0, 0.1, 1.0),
+}
+
+#: groups per token-credit cell: the probe's default --credit-groups and the default probe's mixed groups at R = 4
+CREDIT_GROUPS = (8, 28)
+
+#: the dimension of the planted per-token gradients
+CREDIT_DIM = 512
+
+#: planted groups per token-credit family (its mean is the truth: a format class 10× smaller has a band of ±0.0015
+#: against a per-group SD of its Δ near 0.01, so a pool of 200 can put its mean outside by chance)
+CREDIT_POOL = 1000
+
+#: truth "edge" for the token-credit rule: some class's pool |Δ| within this share of its band's half-width of the edge
+CREDIT_EDGE = 0.1
+
+
 #: the planted baseline-study prompts: name -> (m_C = m_W truly, noise scale of the correct rollouts' gradients)
 BASELINE_FAMILIES = {
     "m_C = m_W (equal noise in both classes)": (True, 1.0),
@@ -136,6 +184,9 @@ class CalibrationConfig:
     mc_rollouts: tuple[int, ...] = MC_ROLLOUTS
     baseline_families: dict[str, tuple[bool, float]] = field(default_factory=lambda: dict(BASELINE_FAMILIES))
     baseline_prompts: tuple[int, ...] = BASELINE_PROMPTS
+    credit_token_families: tuple[str, ...] = tuple(CREDIT_TOKEN_FAMILIES)
+    credit_groups: tuple[int, ...] = CREDIT_GROUPS
+    credit_pool: int = CREDIT_POOL
 
     @classmethod
     def quick(cls) -> CalibrationConfig:
@@ -144,7 +195,8 @@ class CalibrationConfig:
                    zero_sum_families=("b1", "a0.01"), group_sizes=(4,),
                    s4_families=(S4_FAMILIES[0], S4_FAMILIES[-1]),
                    mc_families={k: MC_FAMILIES[k] for k in list(MC_FAMILIES)[::2]}, mc_rollouts=(8, 100),
-                   baseline_prompts=(32,))
+                   baseline_prompts=(32,), credit_token_families=tuple(CREDIT_TOKEN_FAMILIES)[1::4],
+                   credit_groups=(8,), credit_pool=40)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -480,6 +532,101 @@ def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     return out
 
 
+def planted_credit_group(family: str, r: int, dim: int, gen: torch.Generator
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One planted group of :data:`CREDIT_TOKEN_FAMILIES`: k ~ U{1..R-1} correct rollouts first, lengths
+    ~ U{10..24} tokens; each completion ends in a format token (EOS) after 1-3 answer tokens, every earlier token is
+    format with probability 0.2 (spaces, punctuation) and reasoning otherwise. g_{i,t} = n_c (z_{i,t} + e σ_i v
+    [answer tokens only]), z_{i,t} iid N(0, I/dim) (norm ≈ 1, random direction), n_c the class's norm.
+
+    Returns:
+        (token_grads [R, T, dim] float64 (0 off the completion), classes [R, T] (0 answer, 1 format, 2 reasoning, −1
+        off; :data:`grpo_lens.formulas.credit.TOKEN_CLASSES`), rewards [R], completion_mask [R, T] bool), T = 24.
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    if family not in CREDIT_TOKEN_FAMILIES:
+        raise ValueError(f"unknown planted token-credit family {family!r}; valid: {sorted(CREDIT_TOKEN_FAMILIES)}")
+    ans_norm, fmt_norm, effect = CREDIT_TOKEN_FAMILIES[family]
+    t_max = 24
+    k = int(torch.randint(1, r, (1,), generator=gen))
+    rewards = (torch.arange(r) < k).double()
+    lengths = torch.randint(10, t_max + 1, (r,), generator=gen)
+    n_answer = torch.randint(1, 4, (r,), generator=gen)
+    pos = torch.arange(t_max).unsqueeze(0)  # [1, T]
+    mask = pos < lengths[:, None]
+    answer = (pos >= (lengths - 1 - n_answer)[:, None]) & (pos < (lengths - 1)[:, None])
+    fmt = (pos == (lengths - 1)[:, None]) | ((torch.rand(r, t_max, generator=gen) < 0.2) & ~answer)
+    classes = torch.where(answer, 0, torch.where(fmt, 1, 2)).masked_fill(~mask, -1)
+    norms = torch.tensor([ans_norm, fmt_norm, 1.0], dtype=torch.float64)[classes.clamp(min=0)]  # [R, T]
+    v = torch.randn(dim, generator=gen, dtype=torch.float64)
+    shared = effect * (2 * rewards - 1)[:, None, None] * (v / v.norm()) * answer[..., None]  # [R, T, dim]
+    z = torch.randn(r, t_max, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)
+    grads = norms[..., None] * (z + shared) * mask[..., None]
+    return grads, classes, rewards, mask
+
+
+def credit_token_pool(family: str, r: int, size: int, dim: int, seed: int) -> list[tuple[dict, dict]]:
+    """``size`` planted groups through the credit study's per-group body
+    (:func:`grpo_lens.formulas.credit.paired_class_shares`, GRPO advantages as the study computes them), with the
+    shares from :func:`grpo_lens.formulas.credit.signed_contributions` of the planted gradients' exact directional
+    derivatives: [(class shares under A, under NLL weights)]."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(size):
+        grads, classes, rewards, mask = planted_credit_group(family, r, dim, gen)
+        adv = compute_advantages(rewards.view(1, r), "grpo", std="sample", eps=1e-4)[0]
+
+        def contribute(a: torch.Tensor) -> dict:
+            w = token_weights(a, mask, "seq-mean-token-mean")
+            return signed_contributions(w, *exact_directional_derivatives(grads, w))
+
+        _, sh, sh_nll = paired_class_shares(contribute, adv, classes)
+        out.append((sh, sh_nll))
+    return out
+
+
+def _credit_token_truth(pool: list[tuple[dict, dict]]) -> tuple[str, str]:
+    """('true' / 'false' / 'edge', the pool's numbers): per class the pool's mean paired difference Δ against its
+    band ± CREDIT_EQUIVALENCE × the pool's mean NLL ratio; true when every |Δ| is inside, false when any is outside,
+    edge when some |Δ| lies within :data:`CREDIT_EDGE` of the band's half-width of the edge."""
+    verdicts, parts = [], []
+    for c in TOKEN_CLASSES:
+        delta = sum(a[c]["ratio"] - b[c]["ratio"] for a, b in pool) / len(pool)
+        half = CREDIT_EQUIVALENCE * abs(sum(b[c]["ratio"] for _, b in pool) / len(pool))
+        verdicts.append("edge" if abs(abs(delta) - half) < CREDIT_EDGE * half else
+                        ("true" if abs(delta) <= half else "false"))
+        parts.append(f"{c} Δ = {delta:+.3f} (band ±{half:.3f})")
+    truth = "false" if "false" in verdicts else ("edge" if "edge" in verdicts else "true")
+    return truth, "; ".join(parts)
+
+
+def calibrate_credit_token_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of :func:`grpo_lens.claims.credit.uniform_token_credit`: a pool of planted groups per family
+    (:func:`credit_token_pool`, R = 4); each trial draws n groups, summarises them with the study's own summary
+    (:func:`grpo_lens.formulas.credit.summarise_class_shares`: the ``classes`` / ``classes_nll`` dicts of
+    :func:`grpo_lens.probe.studies.run_credit_study`) and applies the registered claim. Truth: the pool's means
+    (:func:`_credit_token_truth`)."""
+    rule = CLAIMS.get("uniform_token_credit")
+    gen = torch.Generator().manual_seed(config.seed + 23)
+    r, out = 4, []
+    for i, fam in enumerate(config.credit_token_families):
+        pool = credit_token_pool(fam, r, config.credit_pool, CREDIT_DIM, config.seed + 200 * i)
+        truth, numbers = _credit_token_truth(pool)
+        for n in config.credit_groups:
+            verdicts = []
+            for _ in range(config.trials):
+                draw = _draw(pool, n, gen)
+                classes, classes_nll = summarise_class_shares([a for a, _ in draw], [b for _, b in draw])
+                credit = {"contributions": {"classes": classes, "classes_nll": classes_nll, "groups": n},
+                          "meta": {"group_size": r}}
+                verdicts.append(rule({"studies": {"credit": credit}})[0].verdict)
+            out.append({"rule": "uniform token credit (A against NLL weights)", "family": fam, "R": r,
+                        "n": f"{n} groups", "truth": truth, "pool": numbers, **_shares(verdicts)})
+    return out
+
+
 def _baseline_pool(family: str, size: int, seed: int, r: int = 4, k: int = 64) -> list[dict[str, Any]]:
     """``size`` planted prompts through :func:`grpo_lens.formulas.baselines.baseline_prompt` (M = 4R rollouts,
     rewards Bernoulli(0.5), gradient terms g = ±μ/2 + noise in R^k: the score's mean direction μ (‖μ‖ = 1) splits
@@ -631,6 +778,28 @@ def render(result: dict[str, Any]) -> str:
     for row in result.get("credit_rules", []):
         level, power = _verdict_cells(row)
         lines.append(f"| {row['family']} | {row['n']} | {row['truth']} | {level} | {power} |")
+    lines += ["", "## Every token class gets the update in proportion to NLL weights (credit study)", "",
+              f"A pool of {meta.get('credit_pool', CREDIT_POOL)} planted groups per family (R = 4, k ~ U{{1..3}} "
+              "correct; completions of 10–24 tokens: 1–3 answer tokens before a closing format token (EOS), each "
+              "earlier token format with probability 0.2 and reasoning otherwise; per-token gradients g_{i,t} in "
+              f"R^{CREDIT_DIM}: a random direction z ~ N(0, I/P) times the class's norm, reasoning 1; the answer "
+              "tokens of rollout i add e σ_i v, σ_i = +1 correct and −1 wrong, v one unit vector per group) analysed "
+              "once by the study's per-group body (`paired_class_shares`: `signed_contributions` of the exact "
+              "directional derivatives ⟨g_{i,t}, u⟩ under A and under NLL weights, then `class_shares`); each trial "
+              "draws n groups, summarises them with the study's `summarise_class_shares` and the registered claim "
+              "decides. Geometry-only families have no class × advantage interaction (the claim is true by design); "
+              "with e > 0 the answer tokens' shared direction adds up under A and cancels under NLL weights. Truth "
+              "from the pool's means: true when every class's mean paired difference Δ = ratio_A − ratio_NLL lies "
+              f"inside ± {CREDIT_EQUIVALENCE:g} × its mean NLL ratio (the rule's band), edge within "
+              f"{CREDIT_EDGE:g} of the band's half-width of its edge; the pool's numbers are printed under the "
+              "table. 8 groups is the probe's default `--credit-groups`.", "",
+              "| planted per-token gradients | R | groups | truth | level (wrong verdict) | power (right verdict) |",
+              "|---|---|---|---|---|---|"]
+    for row in result.get("credit_token_rules", []):
+        level, power = _verdict_cells(row)
+        lines.append(f"| {row['family']} | {row['R']} | {row['n']} | {row['truth']} | {level} | {power} |")
+    pools = dict.fromkeys((row["family"], row["pool"]) for row in result.get("credit_token_rules", []))
+    lines += [""] + [f"- {fam}: {numbers}" for fam, numbers in pools]
     lines += ["", "## The group mean is the variance-optimal baseline (baseline study)", "",
               f"A pool of {meta['pool']} planted prompts per family (M = 16 rollouts, R = 4, rewards Bernoulli(0.5), "
               "gradient terms in R^64: a mean direction split by class plus noise) analysed once by the study's "
@@ -645,10 +814,10 @@ def render(result: dict[str, Any]) -> str:
         level, power = _verdict_cells(row)
         lines.append(f"| {row['family']} | {row['n']} | {row['truth']} | {level} | {power} |")
     lines += ["", "## Rules not calibrated here", "",
-              "- `uniform_token_credit` (each token class's update share under A against the same tokens' share "
-              "under NLL weights, the control with the same gradient geometry): its inputs are finite-difference "
-              "directional derivatives of a model's own tokens; a planted case needs per-token gradients with a "
-              "chosen geometry, not built yet.",
+              "- `uniform_token_credit`, the parts upstream of the planted per-token gradients above: the "
+              "finite-difference directional derivatives of a model (their error is the study's closure, sum s − 1, "
+              "and tests/gradients checks them against per-token autograd) and the token classifier "
+              "(`token_classes` on decoded text); the planted geometry is random directions, not a model's.",
               "- `zero_sum_g2_weighting` (G2 stable ranks under weightings) and `identity`: their inputs are per-layer "
               "G2 spectra and residuals of a model's backward; planted Gram matrices do not reach them.",
               "- `rank_stays_near_two`: a trend over lens steps of the rank reading calibrated above; not planted.",
@@ -673,7 +842,8 @@ def _s4_coverage(row: dict[str, Any]) -> str:
 def _worst(result: dict[str, Any]) -> dict[str, float]:
     """The summary: worst level on each side, lowest power at the default probe's n, lowest coverage. A trend rule
     under no trend is wrong on either side (both count as false holds); its right verdict is inconclusive."""
-    update = result.get("update_rules", []) + result.get("credit_rules", []) + result.get("baseline_rules", [])
+    update = (result.get("update_rules", []) + result.get("credit_rules", []) + result.get("credit_token_rules", [])
+              + result.get("baseline_rules", []))
     rows = [r for r in result["group_rules"] + result["training_rules"] if not r["rule"].startswith("0.1 rule")]
     trend = [r for r in rows if not isinstance(r["R"], int) or str(r["n"]).endswith(("steps",))]
     group = [r for r in rows if r not in trend]
@@ -700,9 +870,8 @@ def _load() -> str:
 def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: str = "full",
                     log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every calibration and return {meta, group_rules, training_rules, update_rules, credit_rules,
-    baseline_rules, coverage}; with ``out``,
-    also write
-    OUT/calibration.json and OUT/calibration.md (the table)."""
+    credit_token_rules, baseline_rules, coverage}; with ``out``, also write OUT/calibration.json and
+    OUT/calibration.md (the table)."""
     t0, load0 = time.perf_counter(), _load()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # [R, R] matrices: one thread is ~3x faster than several (thread start-up per op)
@@ -711,6 +880,7 @@ def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: st
                                   "training_rules": calibrate_training_rules(config),
                                   "update_rules": calibrate_update_rules(config),
                                   "credit_rules": calibrate_credit_rules(config),
+                                  "credit_token_rules": calibrate_credit_token_rules(config),
                                   "baseline_rules": calibrate_baseline_rules(config),
                                   "coverage": interval_coverage(config)}
     finally:
@@ -719,7 +889,8 @@ def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: st
                       "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
                       "cpus": os.cpu_count(), "load_before": load0, "load_after": _load(),
                       "seconds": time.perf_counter() - t0, "trials": config.trials, "pool": config.pool,
-                      "coverage_trials": config.coverage_trials, "seed": config.seed}
+                      "coverage_trials": config.coverage_trials, "credit_pool": config.credit_pool,
+                      "seed": config.seed}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "calibration.json").write_text(json.dumps(result, indent=1))

@@ -11,7 +11,9 @@ answer masks from :func:`answer_mask_from_tokenizer`); :func:`credit_metrics` gi
 
 The credit study's pure pieces: each token's weight in the group update (:func:`token_weights`), profiles over
 relative position (:func:`relative_position_profile`), token classes answer / format / reasoning
-(:func:`token_classes`, :func:`class_shares`), and Monte Carlo segments (:func:`segment_boundaries`,
+(:func:`token_classes`, :func:`class_shares`, summarised over groups by :func:`summarise_class_shares`), each token's
+signed share of the update from its directional derivative (:func:`signed_contributions`; from explicit per-token
+gradients :func:`exact_directional_derivatives`), and Monte Carlo segments (:func:`segment_boundaries`,
 :func:`segment_advantages`, :func:`compare_with_uniform`). The model calls are :mod:`grpo_lens.gradients.token_credit`.
 """
 
@@ -20,13 +22,13 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from grpo_lens.formulas.losses import aggregation_rollout_weights
-from grpo_lens.formulas.stats import binomial_pmf
+from grpo_lens.formulas.stats import binomial_pmf, bootstrap_mean
 from grpo_lens.metrics import (
     CREDIT_ADV_VAR_WITHIN_MAX,
     CREDIT_ANSWER_SHARE_MEAN,
@@ -288,6 +290,90 @@ def token_classes(tokenizer, completion_ids: Tensor, completion_mask: Tensor) ->
             else:
                 out[i, t] = 2
     return out
+
+
+def signed_contributions(weights: Tensor, derivatives: Tensor, update_sq_norm: float) -> dict:
+    """s_{i,t} = w_{i,t} <grad log pi(o_{i,t}), u> / ||u||^2 from the directional derivatives
+    (docs/theory.md §Token credit): the one body of
+    :func:`grpo_lens.gradients.token_credit.signed_token_contributions` (derivatives by finite differences on a model)
+    and of the planted cases of `grpo-lens calibrate` (:func:`exact_directional_derivatives` of per-token gradient
+    vectors).
+
+    Args:
+        weights: [R, T] w_{i,t} (:func:`token_weights`; 0 off the completion).  derivatives: [R, T]
+            <grad log pi(o_{i,t}), u>.  update_sq_norm: ||u||^2 of u = sum_{i,t} w_{i,t} grad log pi(o_{i,t}).
+
+    Returns:
+        {"contributions": [R, T] float64, "weights": the weights, "closure": sum s - 1 (0 up to the derivatives'
+        error), "update_norm": ||u||}; all-zero contributions and closure NaN when u = 0 (no reward contrast).
+    """
+    assert weights.shape == derivatives.shape, (weights.shape, derivatives.shape)
+    if update_sq_norm == 0:
+        return {"contributions": torch.zeros_like(weights), "weights": weights, "closure": math.nan,
+                "update_norm": 0.0}
+    s = weights * derivatives.to(weights.dtype) / update_sq_norm
+    return {"contributions": s, "weights": weights, "closure": float(s.sum()) - 1.0,
+            "update_norm": math.sqrt(update_sq_norm)}
+
+
+def exact_directional_derivatives(token_grads: Tensor, weights: Tensor) -> tuple[Tensor, float]:
+    """<g_{i,t}, u> and ||u||^2 for u = sum_{i,t} w_{i,t} g_{i,t}, from explicit per-token gradients (planted cases;
+    a model's are too large to hold, so the model path takes the same numbers by finite differences).
+
+    Args:
+        token_grads: [R, T, P] g_{i,t} = grad log pi(o_{i,t}) (anything off the completion, where w = 0).
+        weights: [R, T] w_{i,t}.
+
+    Returns:
+        (derivatives [R, T] float64, ||u||^2).
+    """
+    assert token_grads.shape[:2] == weights.shape, (token_grads.shape, weights.shape)
+    g = token_grads.double()
+    u = torch.einsum("rtp,rt->p", g, weights.double())  # [P]
+    return g @ u, float(u @ u)
+
+
+def paired_class_shares(contribute: Callable[[Tensor], dict], advantages: Tensor, classes: Tensor
+                        ) -> tuple[dict, dict, dict]:
+    """One group's class shares under its GRPO advantages A and under NLL weights (every A_i = 1: the control with the
+    same gradient geometry), the credit study's per-group body (docs/theory.md §12).
+
+    Args:
+        contribute: advantages [R] -> the dict of :func:`signed_contributions` (a model's finite differences in
+            :func:`grpo_lens.probe.studies.run_credit_study`, explicit per-token gradients in `grpo-lens calibrate`).
+        advantages: [R] A.  classes: [R, T] (:func:`token_classes`).
+
+    Returns:
+        (the dict under A, :func:`class_shares` under A, :func:`class_shares` under NLL weights).
+    """
+    res = contribute(advantages)
+    nll = contribute(torch.ones_like(advantages))
+    return res, class_shares(res["contributions"], classes), class_shares(nll["contributions"], classes)
+
+
+def summarise_class_shares(shares: Sequence[dict], shares_nll: Sequence[dict]) -> tuple[dict, dict]:
+    """The credit study's class summary over groups (``classes`` and ``classes_nll`` of
+    :func:`grpo_lens.probe.studies.run_credit_study`), from per-group :func:`class_shares` under A and under NLL
+    weights (every A_i = 1), paired by group.
+
+    Returns:
+        (classes {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups},
+         classes_nll {class: {"ratio": under NLL weights, "ratio_minus_nll": ratio under A − under NLL, paired per
+         group}: bootstrap_mean over groups}); non-finite values (an absent class) are dropped.
+    """
+    assert len(shares) == len(shares_nll), (len(shares), len(shares_nll))
+
+    def finite(values):
+        return [v for v in values if math.isfinite(v)]
+
+    classes = {c: {k: bootstrap_mean(finite(sh[c][k] for sh in shares)) for k in ("update_share", "token_share",
+                                                                                  "ratio")}
+               for c in TOKEN_CLASSES}
+    classes_nll = {c: {"ratio": bootstrap_mean(finite(sh[c]["ratio"] for sh in shares_nll)),
+                       "ratio_minus_nll": bootstrap_mean(finite(a[c]["ratio"] - b[c]["ratio"]
+                                                                for a, b in zip(shares, shares_nll)))}
+                   for c in TOKEN_CLASSES}
+    return classes, classes_nll
 
 
 def class_shares(contributions: Tensor, classes: Tensor) -> dict[str, dict[str, float]]:

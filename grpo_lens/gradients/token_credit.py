@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
-from grpo_lens.formulas.credit import token_weights
+from grpo_lens.formulas.credit import signed_contributions, token_weights
 from grpo_lens.rollout import (
     RolloutBatch,
     _stop_token_ids,
@@ -82,7 +82,9 @@ def signed_token_contributions(model: nn.Module, group: RolloutBatch, advantages
     """s_{i,t} = w_{i,t} <grad log pi(o_{i,t}), u> / ||u||^2 of one group (module docstring, item 1).
 
     u is the exact gradient of sum_{i,t} w_{i,t} log pi(o_{i,t}) over every trainable parameter (one backward);
-    ``.grad`` is untouched.
+    ``.grad`` is untouched. The directional derivatives come from :func:`token_directional_derivatives`; the shares
+    from :func:`grpo_lens.formulas.credit.signed_contributions` (the body the planted cases of `grpo-lens calibrate`
+    share).
 
     Args:
         model: causal LM.  group: its R rollouts.  advantages: [R].  aggregation: the loss aggregation.
@@ -101,12 +103,9 @@ def signed_token_contributions(model: nn.Module, group: RolloutBatch, advantages
         params)
     u = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
     u_sq = sum(float(x.double().square().sum()) for x in u)
-    if u_sq == 0:
-        z = torch.zeros_like(w)
-        return {"contributions": z, "weights": w, "closure": math.nan, "update_norm": 0.0}
-    d = token_directional_derivatives(model, group, u, params, step=step, temperature=temperature)
-    s = w * d / u_sq
-    return {"contributions": s, "weights": w, "closure": float(s.sum()) - 1.0, "update_norm": math.sqrt(u_sq)}
+    d = (torch.zeros_like(w) if u_sq == 0  # no update: nothing to differentiate along (no forwards)
+         else token_directional_derivatives(model, group, u, params, step=step, temperature=temperature))
+    return signed_contributions(w, d, u_sq)
 
 
 @torch.no_grad()

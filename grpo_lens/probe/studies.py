@@ -25,12 +25,12 @@ import torch
 from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import baseline_study
 from grpo_lens.formulas.credit import (
-    TOKEN_CLASSES,
-    class_shares,
     compare_with_uniform,
+    paired_class_shares,
     relative_position_profile,
     segment_advantages,
     segment_boundaries,
+    summarise_class_shares,
     token_classes,
 )
 from grpo_lens.formulas.losses import aggregation_rollout_weights
@@ -208,17 +208,15 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
                 progress.update(1)
             group = batch.select(rows)
             adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, eps=eps)[0]
-            res = signed_token_contributions(policy, group, adv, aggregation=aggregation, step=step,
-                                             temperature=temperature)
             mask = group.completion_mask.cpu()
-            contrib = res["contributions"]
-            profiles.append(relative_position_profile(contrib, mask, bins).tolist())
             classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
-            shares.append(class_shares(contrib, classes))
-            # the control with the same gradient geometry: the same tokens under NLL weights (every A_i = 1)
-            nll = signed_token_contributions(policy, group, torch.ones_like(adv), aggregation=aggregation,
-                                             step=step, temperature=temperature)
-            shares_nll.append(class_shares(nll["contributions"], classes))
+            # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)
+            res, sh, sh_nll = paired_class_shares(
+                lambda a: signed_token_contributions(policy, group, a, aggregation=aggregation, step=step,
+                                                     temperature=temperature), adv, classes)
+            profiles.append(relative_position_profile(res["contributions"], mask, bins).tolist())
+            shares.append(sh)
+            shares_nll.append(sh_nll)
             closures.append(abs(res["closure"]))
             if len(mc_rows) < 2 * mc_groups:
                 prompt_ids = group.prompt_ids[0][group.prompt_mask[0].bool()]
@@ -238,14 +236,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
                     mc_rows.append({"reward": float(r[i]), "grpo_advantage": float(adv[i]), "boundaries": full,
                                     "values": values.tolist(), "errors": errors.tolist(),
                                     "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist(), **cmp})
-    class_summary = {c: {k: bootstrap_mean([sh[c][k] for sh in shares if math.isfinite(sh[c][k])])
-                         for k in ("update_share", "token_share", "ratio")} for c in TOKEN_CLASSES}
-    def finite(values):
-        return [v for v in values if math.isfinite(v)]
-    nll_summary = {c: {"ratio": bootstrap_mean(finite(sh[c]["ratio"] for sh in shares_nll)),
-                       "ratio_minus_nll": bootstrap_mean(finite(a[c]["ratio"] - b[c]["ratio"]
-                                                                for a, b in zip(shares, shares_nll)))}
-                   for c in TOKEN_CLASSES}
+    class_summary, nll_summary = summarise_class_shares(shares, shares_nll)
     return {
         "contributions": {"position_profile": _mean_ci_per_bin(profiles), "classes": class_summary,
                           "classes_nll": nll_summary,

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from grpo_lens.claims.calibrate import (
+    CREDIT_TOKEN_FAMILIES,
     CalibrationConfig,
+    _credit_token_truth,
+    credit_token_pool,
+    planted_credit_group,
     planted_group,
     render,
     run_calibration,
@@ -34,6 +38,35 @@ def test_planted_groups_have_their_structure():
     assert float(off.mean()) == pytest.approx(0.5, abs=0.05)
     with pytest.raises(ValueError, match="valid"):
         planted_group("zz", 4, 64, gen)
+
+
+def test_planted_credit_groups_have_their_classes_and_truth():
+    gen = torch.Generator().manual_seed(0)
+    grads, classes, rewards, mask = planted_credit_group("credit concentrates on answers, e = 1", 4, 64, gen)
+    assert grads.shape == (4, 24, 64) and classes.shape == mask.shape == (4, 24)
+    lengths = mask.sum(-1)
+    assert bool(((10 <= lengths) & (lengths <= 24)).all()) and 1 <= int(rewards.sum()) <= 3
+    assert bool((classes[~mask] == -1).all()) and bool((grads[~mask] == 0).all())
+    for i, n in enumerate(lengths.tolist()):
+        assert classes[i, n - 1] == 1 and 1 <= int((classes[i] == 0).sum()) <= 3  # EOS closes; 1-3 answer tokens
+        assert classes[i, n - 2] == 0  # the answer tokens stand right before it
+    # e = 1: every answer token holds e σ_i v plus its noise, so correct and wrong rollouts' answer tokens point
+    # opposite ways along v: cos(mean correct answer gradient, mean wrong one) near -1/(1 + 1/n) < -0.3
+    ans = classes == 0
+    right = grads[(rewards == 1)[:, None] & ans].mean(0)
+    wrong = grads[(rewards == 0)[:, None] & ans].mean(0)
+    assert float(torch.nn.functional.cosine_similarity(right, wrong, dim=0)) < -0.3
+    with pytest.raises(ValueError, match="valid"):
+        planted_credit_group("zz", 4, 64, gen)
+    # the stated truths on the pool means (dimension 128 here for speed, 300 groups): geometry only and the near-null
+    # e = 0.25 inside every class's band, e = 0.5 and 1 outside
+    want = {"geometry only: equal norms": "true", "geometry only: format 10× smaller": "true",
+            "geometry only: format 10× smaller, answer 3× larger": "true",
+            "credit concentrates on answers, e = 0.25": "true", "credit concentrates on answers, e = 0.5": "false",
+            "credit concentrates on answers, e = 1": "false"}
+    assert set(want) == set(CREDIT_TOKEN_FAMILIES)
+    got = {fam: _credit_token_truth(credit_token_pool(fam, 4, 300, 128, 1))[0] for fam in want}
+    assert got == want
 
 
 def test_quick_calibration_separates_the_planted_cases(tmp_path):
@@ -67,6 +100,14 @@ def test_quick_calibration_separates_the_planted_cases(tmp_path):
     # Monte Carlo credit: a planted opposing segment (one in four, by 0.6) holds at 100 rollouts
     mc = {(r["family"], r["n"]): r for r in res["credit_rules"]}
     assert mc[("one segment in four opposes A_i by 0.6", "100 rollouts (400 segments)")]["holds"] >= 0.9
+    # token credit: the planted answer-credit effect e = 1 never holds and reads does not hold in most trials at the
+    # probe's 8 groups; geometry only (format tokens 10x smaller) rarely reads does not hold
+    tok = {r["family"]: r for r in res["credit_token_rules"]}
+    assert set(tok) == {"geometry only: format 10× smaller", "credit concentrates on answers, e = 1"}
+    assert tok["credit concentrates on answers, e = 1"]["holds"] == 0.0
+    assert tok["credit concentrates on answers, e = 1"]["does_not_hold"] >= 0.5
+    assert tok["geometry only: format 10× smaller"]["does_not_hold"] <= 0.15
+    assert "| credit concentrates on answers, e = 1 | 4 | 8 groups | false |" in render(res)
     # baseline study: a clear m_C != m_W (correct rollouts' noise 2x) never reads holds
     base = {r["family"]: r for r in res["baseline_rules"]}
     assert base["correct rollouts' noise 2× (m_C = 3.4 m_W)"]["holds"] == 0.0

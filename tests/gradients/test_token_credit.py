@@ -9,9 +9,11 @@ import torch
 from grpo_lens.formulas.credit import (
     class_shares,
     compare_with_uniform,
+    exact_directional_derivatives,
     relative_position_profile,
     segment_advantages,
     segment_boundaries,
+    signed_contributions,
     token_classes,
     token_weights,
 )
@@ -72,6 +74,37 @@ def test_contributions_sum_to_one_and_follow_the_weights(model_group):
     zero = signed_token_contributions(model, group, torch.zeros(3))
     assert zero["update_norm"] == 0.0 and math.isnan(zero["closure"])
     assert token_weights(adv, group.completion_mask, "token-mean")[0, 0].item() == 1.0  # A_i c_i/|o_i| = A_i
+
+
+@pytest.mark.e2e
+def test_contributions_from_per_token_gradients_equal_the_model_path(model_group):
+    """The planted path of `grpo-lens calibrate` (explicit per-token gradient vectors g_{i,t} in R^P through
+    exact_directional_derivatives, then signed_contributions) gives the model path's shares (finite differences along
+    the exact u), under GRPO advantages and under NLL weights."""
+    model, _, group = model_group
+    params = [p for p in model.parameters() if p.requires_grad]
+    logp = batch_logprobs(model, group)
+    mask = group.completion_mask
+    r, t = logp.shape
+    grads = torch.zeros(r, t, sum(p.numel() for p in params), dtype=torch.float64)  # [R, T, P]
+    for i in range(r):
+        for j in range(t):
+            if mask[i, j]:
+                gs = torch.autograd.grad(logp[i, j], params, retain_graph=True, allow_unused=True)
+                grads[i, j] = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).double()
+                                         for g, p in zip(gs, params)])
+    for adv in (torch.tensor([1.0, -0.5, -0.5]), torch.ones(3)):
+        w = token_weights(adv, mask)
+        d, u_sq = exact_directional_derivatives(grads, w)
+        planted = signed_contributions(w, d, u_sq)
+        model_path = signed_token_contributions(model, group, adv, step=1e-2)
+        # both exact, up to the float32 inside RMSNorm
+        assert planted["update_norm"] == pytest.approx(model_path["update_norm"], rel=1e-6)
+        assert abs(planted["closure"]) < 1e-12  # sum s = <u, u> / ||u||^2 exactly with explicit gradients
+        # the model path's shares carry the finite differences' O(e^4) + round-off error (closure < 1e-3 above); a
+        # share computed with the wrong u or without the weight w would be off by O(1)
+        torch.testing.assert_close(model_path["contributions"], planted["contributions"], rtol=0, atol=2e-3)
+    assert math.isnan(signed_contributions(w, d, 0.0)["closure"])
 
 
 def test_relative_position_profile_closed_form():
