@@ -163,7 +163,7 @@ BASELINE_FAMILIES = {
     "correct rollouts' noise 2× (m_C = 3.4 m_W)": (False, 2.0),
 }
 
-#: prompts per baseline cell: the fewest with an interval, and a larger study (the probe's default is 2 per R)
+#: prompts per baseline cell: the fewest with an interval, the probe's default --baseline-study-prompts (16), larger
 BASELINE_PROMPTS = (8, 16, 24, 32)
 
 
@@ -805,9 +805,10 @@ def render(result: dict[str, Any]) -> str:
               "gradient terms in R^64: a mean direction split by class plus noise) analysed once by the study's "
               "per-prompt body (`baseline_prompt`: the MSE of every baseline on 256 resampled groups and the "
               "m_C = m_W permutation test); each trial draws n prompts, summarises them "
-              "(`summarise_baseline_prompts`) and the registered claim decides. The probe's default "
-              "`--baseline-study-prompts 8` can reach *does not hold* but not *holds* (with no rejection among 8 "
-              "prompts the Wilson interval still reaches 0.32, above the 0.25 margin).", "",
+              "(`summarise_baseline_prompts`) and the registered claim decides. 8 prompts can reach *does not hold* "
+              "but not *holds* (with no rejection among 8 prompts the Wilson interval still reaches 0.32, above the "
+              "0.25 margin); the probe's default `--baseline-study-prompts` is 16, the fewest rows below that reach "
+              "both verdicts.", "",
               "| planted prompts | prompts | truth | level (wrong verdict) | power (right verdict) |",
               "|---|---|---|---|---|"]
     for row in result.get("baseline_rules", []):

@@ -169,7 +169,7 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     source = "Monte Carlo continuations from prefixes"
     if not credit["monte_carlo"]["rollouts"]:  # the credit study ran without its Monte Carlo part: say so
         return [Claim(claim=claim, scope="not measured",
-                      measurement="no Monte Carlo rollouts (--mc-groups 0, the probe's default)",
+                      measurement="no Monte Carlo rollouts (--mc-groups 0)",
                       control=control, verdict=INCONCLUSIVE,
                       rule=f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs", source=source)]
     mc = credit["monte_carlo"]

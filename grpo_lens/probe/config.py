@@ -66,13 +66,15 @@ class ProbeConfig(ConfigFile):
     random_draws: int = option(8, "Draws of random zero-sum weights for the G1 control.", check=at_least(1))
     study_group_size: int = option(4, "R of the baseline and credit studies (docs/theory.md §Baselines at matched "
                                    "expectation, §Token credit).", check=at_least(2))
-    baseline_study_prompts: int = option(8, "Prompts with reward contrast in the baseline study, M = 4R rollouts each "
-                                         "(0 skips the study).", check=at_least(0, "must be >= 0 (0 skips)"))
+    baseline_study_prompts: int = option(16, "Prompts with reward contrast in the baseline study, M = 4R rollouts "
+                                         "each; its claim needs >= 8 testable ones and reaches holds from about 16 "
+                                         "(docs/calibration.md). 0 skips the study.",
+                                         check=at_least(0, "must be >= 0 (0 skips)"))
     credit_groups: int = option(8, "Mixed groups whose tokens' signed contributions to the update are measured (0 "
                                 "skips the credit study).", check=at_least(0, "must be >= 0 (0 skips)"))
-    mc_groups: int = option(0, "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
-                            "rollout (about 18 s per group on the default model). 0 skips them: the Monte Carlo credit "
-                            "claim needs >= 8 rollouts, i.e. --mc-groups 4, for a verdict.",
+    mc_groups: int = option(4, "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
+                            "rollout (about 18 s per group on the default model). The Monte Carlo credit claim needs "
+                            ">= 8 rollouts, i.e. >= 4 groups, for a verdict. 0 skips them.",
                             check=at_least(0, "must be >= 0 (0 skips)"))
     mc_samples: int = option(8, "Continuations per prefix for the Monte Carlo values (K >= 2).",
                              check=at_least(2, "must be >= 2 (a standard error needs two continuations)"))

@@ -282,6 +282,12 @@ def test_exact_gram_probe_equals_the_dense_exact_probe(tmp_path, exact_probe, ti
                 if key in e_row:  # (the cosine gap needs two rollouts on each side)
                     assert abs(g_row[key] - e_row[key]) <= 1e-4, (R, key)  # shares and cosines: absolute
         assert gram["per_group_size"][R]["gram_coverage"] == 1.0
+        # G2 under every weighting: inside the exact Gram's backward here, in its own pass in the dense probe
+        g2_fused, g2_own = (p["per_group_size"][R]["g2_weightings"]["groups"] for p in (gram, exact))
+        assert len(g2_fused) == len(g2_own) >= 2 and set(g2_fused[0]) == set(g2_own[0])
+        for f_row, o_row in zip(g2_fused, g2_own):
+            for key, value in o_row.items():
+                assert f_row[key] == pytest.approx(value, rel=1e-4, abs=1e-9), (R, key)
 
 
 @pytest.mark.e2e
