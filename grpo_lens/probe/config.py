@@ -57,8 +57,8 @@ class ProbeConfig(ConfigFile):
                                "projection).")
     g2_groups: int = option(8, "Mixed groups per R whose G2 is computed for every linear layer under every weighting "
                             "(A, |A|, A + mean|A|, r, uniform, one rollout), summarised by layer type, inside the "
-                            "group's own backward (about +40% of it; docs/theory.md §6). The zero-sum G2 claim needs "
-                            ">= 8 for a verdict. 0 disables.", check=at_least(0))
+                            "group's own backward (adding about 0.4 of its time; docs/theory.md §6). The zero-sum G2 "
+                            "claim needs >= 8 for a verdict. 0 disables.", check=at_least(0))
     coverage_groups: int = option(1, "Mixed groups per R whose sketch is checked against the exact Gram of every "
                                   "parameter (per-parameter [R, R] Grams; one more batched backward with --gram-source "
                                   "sketch): the share of ||g||^2 the sketch covers and its Gram error (docs/theory.md "
