@@ -114,10 +114,13 @@ class DemoConfig(ConfigFile):
 
     def probe_config(self, model: str, out: Path, resume: bool = False) -> ProbeConfig:
         """The ProbeConfig of a probe stage on ``model`` (``resume``: continue the probe a killed demo left there)."""
+        # Monte Carlo credit only where it can reach its claim's 8 rollouts (4 of the credit study's groups):
+        # about 18 s a group, wasted on fewer (the --quick demo's 2 groups)
+        mc_groups = ProbeConfig.mc_groups if self.probe_study_prompts >= ProbeConfig.mc_groups else 0
         return ProbeConfig(model=model, group_sizes=self.probe_group_sizes, prompts=self.probe_prompts,
                            exact=self.exact, rewards=self.rewards, estimator=self.estimator,
                            baseline_study_prompts=self.probe_study_prompts, credit_groups=self.probe_study_prompts,
-                           out=str(out), resume=resume, **self._shared())
+                           mc_groups=mc_groups, out=str(out), resume=resume, **self._shared())
 
 
 def run_demo(config: DemoConfig) -> Path:

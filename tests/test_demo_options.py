@@ -28,3 +28,5 @@ def test_quick_shrinks_what_is_left_at_its_default():
     p = c.probe_config("tiny", "/tmp/unused")
     assert (p.group_sizes, p.prompts, p.baseline_study_prompts, p.credit_groups) == ([2, 4], 8, 2, 2)
     assert DemoConfig().max_steps == 30 and DemoConfig().probe_prompts == 0  # without --quick: the defaults
+    # Monte Carlo credit only where its claim can reach 8 rollouts (4 groups): not on the quick demo's 2 groups
+    assert p.mc_groups == 0 and DemoConfig().probe_config("tiny", "/tmp/unused").mc_groups == 4
