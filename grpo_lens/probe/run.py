@@ -201,7 +201,7 @@ def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | 
     of every parameter from one batched backward (:func:`grpo_lens.gradients.gram.exact_rollout_gram`), with the
     sketch (vectors), the layer's exact rows (identity projection) and the token norms captured in the same backward.
     ``gram_source: sketch``: the sketch, its Gram G G^T, the layer's rows in the same pass. ``captures``: more
-    context managers opened around the exact Gram's forward and backward (:func:`fused_g2_capture`); only with
+    context managers opened around the exact Gram's forward and backward (:func:`g2_capture`); only with
     ``gram_source: exact`` and not ``exact`` (ValueError otherwise)."""
     proc = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
     if captures and (config.exact or config.gram_source != "exact"):
