@@ -18,13 +18,22 @@ from grpo_lens.gradients.params import LayerFilter, linear_layer_names
 from grpo_lens.metrics import RANK_G2_WEIGHTED
 
 
+#: Last name components that one family uses in two roles, so their kind keeps the parent too: GPT-2's ``c_proj``
+#: is the attention output (``attn.c_proj`` -> ``attn_c_proj``) and the MLP down projection (``mlp_c_proj``).
+SHARED_KIND_NAMES = frozenset({"c_proj"})
+
+
 def module_kind(name: str) -> str:
     """The last component of a module name (``model.layers.3.mlp.down_proj`` -> ``down_proj``): the kind of linear
-    layer G2's stable ranks are averaged over (``rank/g2_<weighting>_<kind>_stable_rank``).
+    layer G2's stable ranks are averaged over (``rank/g2_<weighting>_<kind>_stable_rank``); for a name in
+    :data:`SHARED_KIND_NAMES`, parent and last component (``transformer.h.0.mlp.c_proj`` -> ``mlp_c_proj``).
 
     Not the parameter's layer type of the sparsity keys (:func:`grpo_lens.formulas.sparsity.layer_type`: ``mlp``).
     """
-    return name.rsplit(".", 1)[-1]
+    parts = name.rsplit(".", 2)
+    if parts[-1] in SHARED_KIND_NAMES and len(parts) > 1:
+        return f"{parts[-2]}_{parts[-1]}"
+    return parts[-1]
 
 
 def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str, float]:

@@ -126,6 +126,8 @@ def test_g2_capture_matches_the_weight_gradients(family):
         if kind in {module_kind(n) for n in tied}:
             continue
         assert got[f"rank/g2_adv_{kind}_stable_rank"] == pytest.approx(sum(vals) / len(vals), rel=1e-3), kind
+    if family == "gpt2":  # attention output and MLP down projection are both c_proj: two kinds
+        assert {"rank/g2_adv_attn_c_proj_stable_rank", "rank/g2_adv_mlp_c_proj_stable_rank"} <= set(got)
     kept = G2WeightingCapture(model, {"adv": w}, include=layer_pattern("*.1.mlp.*"))
     assert list(kept.layers) == [n for n in linear_layer_names(model) if ".1.mlp." in n] and kept.layers
 

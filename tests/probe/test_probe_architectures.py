@@ -117,7 +117,8 @@ def test_probe_layers_restricts_g2_and_the_default_layer(folders, tmp_path):
     assert probe["meta"]["layer"] == "transformer.h.1.mlp.c_proj"
     kinds = {k.split("_adv_")[1].rsplit("_stable_rank")[0]
              for k in probe["per_group_size"]["4"]["g2_weightings"]["summary"] if "_adv_" in k}
-    assert kinds == {"c_fc", "c_proj"}  # the MLP's two Conv1D layers; without --layers also c_attn and lm_head
+    # the MLP's two Conv1D layers; without --layers also c_attn, attn_c_proj and lm_head
+    assert kinds == {"c_fc", "mlp_c_proj"}
 
 
 def test_probe_layers_matching_nothing_stops_before_writing(tmp_path, capsys):
