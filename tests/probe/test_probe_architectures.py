@@ -119,6 +119,7 @@ def test_probe_layers_restricts_g2_and_the_default_layer(folders, tmp_path):
              for k in probe["per_group_size"]["4"]["g2_weightings"]["summary"] if "_adv_" in k}
     # the MLP's two Conv1D layers; without --layers also c_attn, attn_c_proj and lm_head
     assert kinds == {"c_fc", "mlp_c_proj"}
+    assert "weight gradient of the group loss (the layers --layers '*.mlp.*' keeps)" in (out / "report.md").read_text()
 
 
 def test_probe_layers_matching_nothing_stops_before_writing(tmp_path, capsys):
