@@ -1,11 +1,12 @@
 """G2, each linear layer's weight gradient of the group loss, under several row weightings (docs/theory.md §5, §6).
 
 :class:`G2WeightingCapture` gives the stable rank of every linear layer's G2 (``nn.Linear``; GPT-2's ``Conv1D``, whose
-G2 is the transpose) under each weighting of :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS` from ONE backward, through [nL, nL] kernels instead of a backward and
-a decomposition per weighting; :func:`g2_by_type_keys` is its readable reference from materialised weight gradients
-(tests check that they agree). Both summarise by :func:`module_kind`, the last component of a module name
-(``down_proj``), as ``rank/g2_<weighting>_<kind>_stable_rank``. (The sparsity keys split by a parameter's layer type,
-norm / embedding / attention / mlp: that is :func:`grpo_lens.formulas.sparsity.layer_type`, another grouping.)
+G2 is the transpose) under each weighting of :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS` from ONE backward,
+through [nL, nL] kernels instead of a backward and a decomposition per weighting; :func:`g2_by_type_keys` is its
+readable reference from materialised weight gradients (tests check that they agree). Both summarise by
+:func:`module_kind`, the last component of a module name (``down_proj``), as
+``rank/g2_<weighting>_<kind>_stable_rank``. (The sparsity keys split by a parameter's layer type, norm / embedding /
+attention / mlp: that is :func:`grpo_lens.formulas.sparsity.layer_type`, another grouping.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from torch import Tensor
 from grpo_lens.formulas.spectrum import top_eigenvalues_psd_products, top_singular_value
 from grpo_lens.gradients.params import LayerFilter, linear_layer_names
 from grpo_lens.metrics import RANK_G2_WEIGHTED
-
 
 #: Last name components that one family uses in two roles, so their kind keeps the parent too: GPT-2's ``c_proj``
 #: is the attention output (``attn.c_proj`` -> ``attn_c_proj``) and the MLP down projection (``mlp_c_proj``).

@@ -4,7 +4,8 @@ Notation: N rollouts, L = Lp + T input positions, d_in / d_out a linear layer's 
 Hooks on linear layers (``nn.Linear``, ``Conv1D``) capture each layer's input x_t [d_in] and output gradient
 delta_t [d_out] during one backward. For a linear layer the per-rollout weight gradient is
 sum_{t in row i} delta_t x_t^T; its two-sided random projection P_out (sum_t delta_t x_t^T) P_in^T =
-sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
+sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only (LoGra, Choe et al. 2024, arXiv
+2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
 Sketched inner products are unbiased; their error is :mod:`grpo_lens.formulas.sketch_error`.
 
 - :class:`GradientCapture`: the context manager that sketches whatever backward runs inside it (the lens opens it
