@@ -18,15 +18,23 @@ environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/train
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import functools
 import json
+import logging
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
+import socket
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import yaml
 from safetensors.torch import load_file, load_model, save_file, save_model
@@ -147,6 +155,181 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+#: The globals a checkpoint may hold besides tensors and plain containers: NumPy's array reconstruction, for the
+#: NumPy random state that checkpoints written before state.pt stored it as a tensor hold. Nothing else is allowed.
+_NUMPY_CORE = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
+_CHECKPOINT_SAFE_GLOBALS = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+class UnsafeCheckpointError(RunDirError):
+    """A checkpoint file holds something other than tensors and plain values (``torch.load(weights_only=True)``
+    refuses it): it could run code when loaded, so it is not loaded."""
+
+
+def load_pickled_state(path: Path, hint: str) -> Any:
+    """The object in a checkpoint's ``optimizer.pt`` or ``state.pt``, loaded with ``torch.load(weights_only=True)``:
+    tensors, numbers, strings, lists, tuples and dicts only (plus NumPy arrays, :data:`_CHECKPOINT_SAFE_GLOBALS`), so
+    a crafted file (a pickle whose ``__reduce__`` calls a function) is refused before anything in it runs.
+
+    Args:
+        path: the file.   hint: what to do next, appended to the message (e.g. how to resume without it).
+
+    Raises:
+        UnsafeCheckpointError: the file holds another object (one line naming the file and the refused global).
+        RunDirError: the file is unreadable or not a torch file (corrupt).
+    """
+    try:
+        with torch.serialization.safe_globals(_CHECKPOINT_SAFE_GLOBALS):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = f"the global {found.group(1)}" if found else "an object that is not tensors or plain values"
+        raise UnsafeCheckpointError(
+            f"checkpoint file {path} holds {what}, which loading would call; it is refused (weights_only=True): "
+            f"a checkpoint holds only tensors and plain values, so this one was not written by grpo-lens or was "
+            f"altered; do not resume from it{'; ' + hint if hint else ''}") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
+        why = str(e).splitlines()[0][:200] if str(e) else ""
+        raise RunDirError(f"checkpoint file {path} is corrupt ({type(e).__name__}: {why})"
+                          f"{'; ' + hint if hint else ''}") from None
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One writer per run directory
+# ---------------------------------------------------------------------------------------------------------------------
+#: The lock file in a run directory: ``fcntl.flock``-ed by the one process writing it, and holding its pid and host.
+LOCK_NAME = ".grpo-lens.lock"
+
+
+class RunDirLockedError(RunDirError):
+    """Another live process holds the run directory's lock (it is writing there)."""
+
+
+_HELD: dict[Path, list] = {}  # resolved directory -> [open lock file, depth] of the locks this process holds
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_holder(text: str) -> str:
+    """``pid 123 on host h (grpo-lens train since ...)`` from a lock file's contents."""
+    try:
+        info = json.loads(text)
+        return (f"pid {info['pid']} on host {info['host']} (grpo-lens {info.get('command', '?')} since "
+                f"{info.get('since', '?')})")
+    except (ValueError, KeyError, TypeError):
+        return "another process (its lock file names no pid)"
+
+
+def acquire_run_lock(path: str | Path, command: str) -> Callable[[], None]:
+    """Take the one-writer lock of run directory ``path`` for ``command`` (train, probe, demo); returns the release.
+
+    ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``path/.grpo-lens.lock``, which then holds this process's pid, host, command
+    and start time; the kernel drops the lock when the process ends however it ends. A lock file left by a process that
+    died without releasing (kill -9) is taken over with a warning naming it. A directory that does not exist yet is
+    created to hold the lock, and the release removes it again when it holds nothing else. Taking the same lock twice
+    in one process nests (the release of the outer one frees it).
+
+    Raises:
+        RunDirLockedError: a live process holds the lock, naming it (pid, host, command, since when) and what to do.
+    """
+    path = Path(path)
+    key = path.resolve()
+    if key in _HELD:
+        _HELD[key][1] += 1
+        return functools.partial(_release_run_lock, key, False)
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            os.close(fd)
+            raise
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        os.close(fd)
+        raise RunDirLockedError(f"{path} is being written by {_lock_holder(text)}: one process writes a run "
+                                f"directory at a time, so --overwrite, --resume or a new run there is refused; wait "
+                                f"for it to finish or stop it, or choose another --out") from None
+    previous = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    if previous:
+        try:
+            pid = int(json.loads(previous)["pid"])
+        except (ValueError, KeyError, TypeError):
+            pid = -1
+        state = "is no longer running" if pid <= 0 or not _pid_alive(pid) else "no longer holds it"
+        logging.getLogger(__name__).warning("%s: taking over the stale lock of %s, which %s (ended without "
+                                            "releasing it, e.g. killed)", path, _lock_holder(previous), state)
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode() + b"\n", 0)
+    _HELD[key] = [fd, 1]
+    return functools.partial(_release_run_lock, key, created)
+
+
+def _release_run_lock(key: Path, created: bool) -> None:
+    """Release one level of :func:`acquire_run_lock`; the outermost empties the lock file and frees the lock."""
+    held = _HELD.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] > 0:
+        return
+    del _HELD[key]
+    fd = held[0]
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
+    if created and key.is_dir() and [p.name for p in key.iterdir()] == [LOCK_NAME]:
+        shutil.rmtree(key, ignore_errors=True)  # a failed start leaves --out as it was: absent
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def holds_run_dir(command: str, out_of: Callable[..., Any] = lambda config, *a, **k: config.out):
+    """Decorator: the function holds the run directory ``out_of(*args, **kwargs)`` (default ``config.out``) for its
+    whole call (:func:`acquire_run_lock`); nothing is locked when that is empty, or on processes other than the main
+    one of a torchrun / accelerate launch (``RANK`` > 0: the main process alone writes)."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def locked(*args, **kwargs):
+            out = out_of(*args, **kwargs)
+            if not out or os.environ.get("RANK", "0") != "0":
+                return fn(*args, **kwargs)
+            release = acquire_run_lock(out, command)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                release()
+
+        return locked
+
+    return wrap
+
+
+def run_dir_entries(path: Path) -> list[Path]:
+    """What a directory holds besides its lock file (:data:`LOCK_NAME`)."""
+    return [p for p in Path(path).iterdir() if p.name != LOCK_NAME]
+
+
+def clear_run_dir(path: Path) -> None:
+    """Delete everything in ``path`` but its lock file, which the process replacing the run holds."""
+    for p in run_dir_entries(path):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
 class RunDir:
     """A run directory on disk.
 
@@ -200,7 +383,7 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"output path {self.path} is a file, not a directory; choose another --out")
         self.check_writable()
-        if self.path.exists() and any(self.path.iterdir()):
+        if self.path.exists() and run_dir_entries(self.path):
             if not has_run:
                 raise RunDirError(f"output directory {self.path} already holds files that are not a grpo-lens run "
                                   f"(no config.yaml); --overwrite only replaces a run, so choose another --out or "
@@ -235,7 +418,7 @@ class RunDir:
         """
         resolved = self.resolve(config_dict, resume=resume, overwrite=overwrite, resumable_keys=resumable_keys)
         if not resume and self.config_path.is_file():  # resolve() allowed it: overwrite a run
-            shutil.rmtree(self.path)
+            clear_run_dir(self.path)  # all but the lock file, which this process holds
         self.path.mkdir(parents=True, exist_ok=True)
         return resolved
 
@@ -374,14 +557,14 @@ class RunDir:
         for n, f in files.items():
             if not f.is_file():
                 raise RunDirError(f"checkpoint {path} is incomplete: {n} is missing; {self._recovery_hint(path)}")
+        optimizer_state = load_pickled_state(files["optimizer.pt"], self._recovery_hint(path))
+        state = load_pickled_state(files["state.pt"], self._recovery_hint(path))
         try:
             if load_states is not None:
-                load_states(load_file(str(files["model.safetensors"])),
-                            torch.load(files["optimizer.pt"], weights_only=False))
+                load_states(load_file(str(files["model.safetensors"])), optimizer_state)
             else:
                 load_model(model, str(files["model.safetensors"]), strict=True)
-                optimizer.load_state_dict(torch.load(files["optimizer.pt"], weights_only=False))
-            state = torch.load(files["state.pt"], weights_only=False)
+                optimizer.load_state_dict(optimizer_state)
             if not isinstance(state, dict) or "step" not in state:
                 raise ValueError("state.pt holds no step")
         except Exception as e:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
@@ -403,8 +586,8 @@ class RunDir:
             RunDirError: naming every differing field with both values, and what to do.
         """
         try:
-            state = torch.load(path / "state.pt", weights_only=False)
-        except Exception:  # noqa: BLE001 - load_checkpoint reports a corrupt checkpoint with its recovery hint
+            state = load_pickled_state(path / "state.pt", "")
+        except RunDirError:  # load_checkpoint reports an unusable checkpoint with its recovery hint
             return
         ran = state.get("config") if isinstance(state, dict) else None
         if not isinstance(ran, dict):

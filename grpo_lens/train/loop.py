@@ -79,7 +79,13 @@ from grpo_lens.rollout import (
     prompt_token_ids,
     sample_groups,
 )
-from grpo_lens.rundir import RunDir, crash_point, lens_overhead, read_records
+from grpo_lens.rundir import (
+    RunDir,
+    crash_point,
+    holds_run_dir,
+    lens_overhead,
+    read_records,
+)
 from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.trackers import Trackers, check_trackers
@@ -144,6 +150,7 @@ def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------------
+@holds_run_dir("train")  # one writer: a live run's --out is refused to any other process
 def train(config: TrainConfig, lens: Any = None) -> RunDir:
     """Run GRPO as ``config`` says and return the run directory.
 
@@ -865,15 +872,29 @@ def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path,
 
 
 def _rng_state() -> dict[str, Any]:
-    """The states of Python's, NumPy's and torch's global random generators (saved in every checkpoint)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The states of Python's, NumPy's and torch's global random generators (saved in every checkpoint). NumPy's is
+    stored as plain values and a tensor (its 624 key words as int64), which ``torch.load(weights_only=True)`` reads."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`_rng_state` saved, so a resumed run draws what the uninterrupted one would."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore what :func:`_rng_state` saved, so a resumed run draws what the uninterrupted one would (also the
+    NumPy state tuple of checkpoints written before it was stored as a tensor)."""
+    random.setstate(_as_tuples(state["python"]))
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
+
+
+def _as_tuples(value: Any) -> Any:
+    """``random.setstate`` wants tuples where a round trip may give lists."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
