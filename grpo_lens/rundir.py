@@ -231,10 +231,12 @@ def acquire_run_lock(path: str | Path, command: str) -> Callable[[], None]:
     """Take the one-writer lock of run directory ``path`` for ``command`` (train, probe, demo); returns the release.
 
     ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``path/.grpo-lens.lock``, which then holds this process's pid, host, command
-    and start time; the kernel drops the lock when the process ends however it ends. A lock file left by a process that
-    died without releasing (kill -9) is taken over with a warning naming it. A directory that does not exist yet is
-    created to hold the lock, and the release removes it again when it holds nothing else. Taking the same lock twice
-    in one process nests (the release of the outer one frees it).
+    and start time; the kernel drops the lock when the process ends however it ends. The release deletes the file
+    (while still holding the lock; a process that locked the deleted file sees that it is no longer the one at the
+    path and tries again), so a finished run, or a start refused before writing, leaves no lock file. A lock file left
+    by a process that died without releasing (kill -9) is taken over with a warning naming it. A directory that does
+    not exist yet is created to hold the lock, and the release removes it again when it holds nothing else. Taking the
+    same lock twice in one process nests (the release of the outer one frees it).
 
     Raises:
         RunDirLockedError: a live process holds the lock, naming it (pid, host, command, since when) and what to do.
@@ -246,18 +248,26 @@ def acquire_run_lock(path: str | Path, command: str) -> Callable[[], None]:
         return functools.partial(_release_run_lock, key, False)
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+    lock_path = path / LOCK_NAME
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
             os.close(fd)
-            raise
-        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
-        os.close(fd)
-        raise RunDirLockedError(f"{path} is being written by {_lock_holder(text)}: one process writes a run "
-                                f"directory at a time, so --overwrite, --resume or a new run there is refused; wait "
-                                f"for it to finish or stop it, or choose another --out") from None
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunDirLockedError(f"{path} is being written by {_lock_holder(text)}: one process writes a run "
+                                    f"directory at a time, so --overwrite, --resume or a new run there is refused; "
+                                    f"wait for it to finish or stop it, or choose another --out") from None
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder released and deleted the file between our open and flock: again
     previous = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
     if previous:
         try:
@@ -276,7 +286,7 @@ def acquire_run_lock(path: str | Path, command: str) -> Callable[[], None]:
 
 
 def _release_run_lock(key: Path, created: bool) -> None:
-    """Release one level of :func:`acquire_run_lock`; the outermost empties the lock file and frees the lock."""
+    """Release one level of :func:`acquire_run_lock`; the outermost deletes the lock file and frees the lock."""
     held = _HELD.get(key)
     if held is None:
         return
@@ -286,11 +296,14 @@ def _release_run_lock(key: Path, created: bool) -> None:
     del _HELD[key]
     fd = held[0]
     try:
-        os.ftruncate(fd, 0)
+        os.unlink(key / LOCK_NAME)  # still locked: no one else holds this file meanwhile
     except OSError:
         pass
-    if created and key.is_dir() and [p.name for p in key.iterdir()] == [LOCK_NAME]:
-        shutil.rmtree(key, ignore_errors=True)  # a failed start leaves --out as it was: absent
+    if created:
+        try:
+            key.rmdir()  # a failed start leaves --out as it was: absent (only when it holds nothing)
+        except OSError:
+            pass
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
 

@@ -103,7 +103,7 @@ def test_live_run_cannot_be_overwritten_or_resumed_and_a_stale_lock_is_taken_ove
             with pytest.raises(RunDirError) as err:
                 loop.train(tiny_config(tmp_path, **flags))
             assert f"pid {holder.pid} on host" in str(err.value) and "being written" in str(err.value)
-        assert sorted(p.name for p in run.iterdir()) == before
+        assert sorted(p.name for p in run.iterdir() if p.name != ".grpo-lens.lock") == before
         assert [r["step"] for r in loop.RunDir(run).read_metrics()] == [1]
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -112,7 +112,7 @@ def test_live_run_cannot_be_overwritten_or_resumed_and_a_stale_lock_is_taken_ove
         loop.train(tiny_config(tmp_path, resume=True, max_steps=2))
     assert f"stale lock of pid {holder.pid}" in caplog.text and "is no longer running" in caplog.text
     assert [r["step"] for r in loop.RunDir(run).read_metrics()] == [1, 2]
-    assert (run / ".grpo-lens.lock").read_text() == ""  # released at the end of the run
+    assert not (run / ".grpo-lens.lock").exists()  # released (and deleted) at the end of the run
 
 
 def test_lock_of_a_new_directory_leaves_nothing_on_a_failed_start(tmp_path):
@@ -123,3 +123,79 @@ def test_lock_of_a_new_directory_leaves_nothing_on_a_failed_start(tmp_path):
     assert (tmp_path / "new" / ".grpo-lens.lock").is_file()
     release()
     assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2, 5, 7. TRL's reward conventions: copies of the columns, sys.exit, returns that are not a list of numbers
+# ---------------------------------------------------------------------------------------------------------------------
+def test_reward_function_gets_copies_of_the_columns():
+    """A function that edits ``answer`` in place changes nothing the next function sees (main: it did)."""
+    from grpo_lens.rewards import combine_rewards
+
+    seen = []
+
+    def vandal(prompts, completions, answer, **kw):
+        answer[0] = "999"
+        answer.append("x")
+        return [0.0] * len(completions)
+
+    def reader(prompts, completions, answer, **kw):
+        seen.append(list(answer))
+        return [1.0] * len(completions)
+
+    answers = ["5", "7"]
+    combine_rewards([vandal, reader], ["q", "q"], ["a", "b"], columns={"answer": answers})
+    assert seen == [["5", "7"]] and answers == ["5", "7"]
+
+
+def _exits(prompts, completions, **kw):
+    import sys
+
+    sys.exit(0)
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_sys_exit_in_a_reward_function_is_an_error_naming_it(timeout):
+    """SystemExit inside a reward is an error naming the function, at the start check and during the run (main: the
+    run ended with exit 0, an empty log and only config.yaml)."""
+    from grpo_lens.rewards import RewardFunctionError, check_rewards_on_example, combine_rewards
+
+    with pytest.raises(ValueError, match=r"reward '_exits' called sys.exit\(0\)"):
+        check_rewards_on_example([_exits], "q", {"answer": "1"}, timeout)
+    with pytest.raises(RewardFunctionError, match="'_exits'"):
+        combine_rewards([_exits], ["q"], ["a"], timeout)
+
+
+def _generator(prompts, completions, **kw):
+    return (1.0 for _ in completions)
+
+
+@pytest.mark.parametrize("returned, shown", [
+    (lambda p, c, **kw: 1.0, "returned float 1.0, not a list"),
+    (_generator, "returned generator"),
+    (lambda p, c, **kw: ["abc"] * len(c), "holding str 'abc', which is neither a number nor None"),
+    (lambda p, c, **kw: {"r": 1.0}, "returned dict"),
+    (lambda p, c, **kw: [1.0, 0.0], "returned 2 values for 1 completions"),
+])
+def test_reward_return_that_is_not_a_list_of_numbers_is_refused_at_start(returned, shown):
+    """A scalar, a generator, strings, a mapping or the wrong length is refused by the start check, naming the
+    function and what it returned (main: TypeError traceback for scalar/generator; strings: all invalid, exit 0)."""
+    from grpo_lens.rewards import check_rewards_on_example
+
+    returned.__name__ = "odd_reward"
+    with pytest.raises(ValueError) as err:
+        check_rewards_on_example([returned], "q", {"answer": "1"})
+    assert "reward 'odd_reward'" in str(err.value) and shown in str(err.value)
+
+
+def test_reward_return_of_numbers_and_none_passes_the_start_check():
+    """What TRL accepts passes: a list, tuple, NumPy array or tensor of numbers or None."""
+    import numpy as np
+
+    from grpo_lens.rewards import check_rewards_on_example
+
+    for value in ([None], (1,), np.array([0.5]), torch.tensor([1.0]), [True], [np.float32(1.0)]):
+        def ok(prompts, completions, _v=value, **kw):
+            return _v
+
+        check_rewards_on_example([ok], "q", {"answer": "1"})
