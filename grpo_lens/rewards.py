@@ -152,6 +152,7 @@ _VALUE = re.compile(r"(?:(?<![\w)\]}.])-\s*)?\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*
 _THOUSANDS_GROUP = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?![\d]|,\d)")
 _FRACTION = re.compile(r"^\\[dt]?frac\s*\{(.*)\}\s*\{(.*)\}$")
 _FRACTION_SHORT = re.compile(r"^\\[dt]?frac\s*(\d)\s*(\d)$")  # \frac12
+_SCIENTIFIC = re.compile(r"(?:\d+(?:\.\d+)?|\.\d+)[eE][+-]?\d{1,4}")  # 1e3, 2.5E-2: a whole value only
 _SLASH_FRACTION = re.compile(r"^(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")
 _MINUS_SIGNS = ("\u2212", "\u2013", "\ufe63", "\uff0d")  # minus sign, en dash, small and fullwidth hyphen-minus
 
@@ -215,7 +216,7 @@ def parse_number(text: str) -> Fraction | None:
     if m:
         numerator, denominator = Fraction(m.group(1)), Fraction(m.group(2))
         return None if denominator == 0 else numerator / denominator
-    if _NUMBER.fullmatch(text):
+    if _NUMBER.fullmatch(text) or _SCIENTIFIC.fullmatch(text):
         return Fraction(text)
     return None
 
@@ -288,9 +289,17 @@ def extract_answer(text: str) -> Fraction | None:
     return values[-1] if values else None
 
 
+def is_scalar_reference(reference: Any) -> bool:
+    """Whether a reference answer is a string or a real number (not a bool, list or mapping)."""
+    return isinstance(reference, (str, int, float, Fraction)) and not isinstance(reference, bool)
+
+
 def reference_value(reference: Any) -> Fraction | None:
     """The value of a reference answer: a bare number (``"72"``, ``"1,234"``, ``"1/2"``) or a text whose final answer
-    :func:`extract_answer` finds (e.g. a whole GSM8K solution ending in ``#### 72``); None if it has no number."""
+    :func:`extract_answer` finds (e.g. a whole GSM8K solution ending in ``#### 72``); None if it has no number, and
+    None for a reference that is not a string or a number (a list ``[2]`` or a mapping: never read from its repr)."""
+    if not is_scalar_reference(reference):
+        return None
     text = str(reference)
     value = parse_number(text)
     return value if value is not None else extract_answer(text)
@@ -435,7 +444,7 @@ def math_correctness_verdict(completions: Sequence, answers: Sequence,
         _quiet_math_verify_timeout_notice()
     out: list[float | None] = []
     for completion, ref in zip(completions, answers):
-        if ref is None:
+        if ref is None or not is_scalar_reference(ref):
             out.append(None)
             continue
         text = completion_text(completion)
@@ -507,6 +516,9 @@ def parse_reward_specs(specs: str | Sequence[str]) -> list[tuple[str, float]]:
         except ValueError:
             raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a number, "
                              f"e.g. 'format:0.1'") from None
+        if not math.isfinite(out[-1][1]):
+            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a finite number, e.g. "
+                             f"'{name}:0.1'")
     if not out:
         raise ValueError(f"no reward functions given; valid names: {', '.join(REWARDS.names())}")
     return out

@@ -39,6 +39,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from grpo_lens.config.base import safe_load_yaml, yaml_error_line
 from grpo_lens.metrics import (
     PERF_LENS_SECONDS,
     PERF_LENS_SPARSITY_SECONDS,
@@ -120,9 +121,10 @@ def read_saved_config(path: Path, remedy: str, error: type[Exception] = RunDirEr
         ``error``: the file is unreadable, not YAML, or does not hold a mapping.
     """
     try:
-        values = yaml.safe_load(Path(path).read_text())
+        values = safe_load_yaml(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise error(f"--resume: cannot read {path} ({type(e).__name__}); {remedy}") from None
+        why = f"{type(e).__name__}: {yaml_error_line(e)}" if isinstance(e, yaml.YAMLError) else type(e).__name__
+        raise error(f"--resume: cannot read {path} ({why}); {remedy}") from None
     if values is None and empty_ok:
         values = {}
     if not isinstance(values, dict):
@@ -139,6 +141,22 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def disk_full(err: BaseException, where: Path) -> bool:
+    """Whether ``err``, raised while writing under ``where``, means the disk (or quota) is full: an OSError with
+    ENOSPC / EDQUOT, a message saying so (safetensors' "os error 28"), or a RuntimeError of torch.save's zip writer
+    ("file write failed", which carries no errno) when less than 1 MiB is left for this user."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    if "No space left" in text or "os error 28" in text or "Disk quota" in text or "os error 122" in text:
+        return True
+    try:
+        st = os.statvfs(where if where.exists() else where.parent)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
 
 
 def _step_of(path: Path) -> int | None:
@@ -190,7 +208,7 @@ def load_pickled_state(path: Path, hint: str) -> Any:
             f"altered; do not resume from it{'; ' + hint if hint else ''}") from None
     except Exception as e:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
         why = str(e).splitlines()[0][:200] if str(e) else ""
-        raise RunDirError(f"checkpoint file {path} is corrupt ({type(e).__name__}: {why})"
+        raise RunDirError(f"checkpoint {path.parent} is corrupt ({path.name}: {type(e).__name__}: {why})"
                           f"{'; ' + hint if hint else ''}") from None
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -318,7 +336,12 @@ def holds_run_dir(command: str, out_of: Callable[..., Any] = lambda config, *a, 
             out = out_of(*args, **kwargs)
             if not out or os.environ.get("RANK", "0") != "0":
                 return fn(*args, **kwargs)
-            release = acquire_run_lock(out, command)
+            try:
+                release = acquire_run_lock(out, command)
+            except RunDirLockedError:
+                raise
+            except OSError:  # --out is a file, under a file, or not writable: the function's own checks say so
+                return fn(*args, **kwargs)
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -493,17 +516,28 @@ class RunDir:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        if model_state is not None:
-            save_file(model_state, str(tmp / "model.safetensors"))
-        else:
-            save_model(model, str(tmp / "model.safetensors"))
-        crash_point("mid_checkpoint", step)
-        torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state, tmp / "optimizer.pt")
-        torch.save({**state, "step": step}, tmp / "state.pt")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        writing = tmp / "model.safetensors"
+        try:
+            if model_state is not None:
+                save_file(model_state, str(writing))
+            else:
+                save_model(model, str(writing))
+            crash_point("mid_checkpoint", step)
+            writing = tmp / "optimizer.pt"
+            torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state, writing)
+            writing = tmp / "state.pt"
+            torch.save({**state, "step": step}, writing)
+            for f in tmp.iterdir():
+                writing = f
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+        except Exception as e:
+            full = disk_full(e, tmp)
+            shutil.rmtree(tmp, ignore_errors=True)  # the half-written checkpoint; the previous one stays in charge
+            if full:
+                raise OSError(errno.ENOSPC, "No space left on device", str(writing)) from None
+            raise
         if final.exists():  # a left-over of a killed run (never the one ``latest`` names: that step is done)
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -199,3 +199,234 @@ def test_reward_return_of_numbers_and_none_passes_the_start_check():
             return _v
 
         check_rewards_on_example([ok], "q", {"answer": "1"})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. a resume trains on the run's own data
+# ---------------------------------------------------------------------------------------------------------------------
+def _write_data(path, answers):
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": f"What is {a} + 0?", "answer": str(a)}) + "\n" for a in answers))
+    return path
+
+
+def _saved(run):
+    import yaml
+
+    return yaml.safe_load((run / "config.yaml").read_text())
+
+
+@pytest.mark.e2e
+def test_resume_refuses_a_changed_dataset_unless_allowed(tmp_path, monkeypatch):
+    """config.yaml records the dataset's absolute path, sha256 and rows; a resume on an edited file is refused naming
+    both hashes (main used it silently), and --allow-dataset-change resumes and records the new hash."""
+    import hashlib
+
+    monkeypatch.chdir(tmp_path)
+    data = _write_data(tmp_path / "data.jsonl", [1, 2, 3, 4])
+    loop.train(tiny_config(tmp_path, task="jsonl", dataset="data.jsonl"))
+    saved = _saved(tmp_path / "run")
+    old = hashlib.sha256(data.read_bytes()).hexdigest()
+    assert saved["dataset"] == str(data.resolve()) and saved["dataset_sha256"] == old and saved["dataset_rows"] == 4
+    _write_data(data, [1, 2, 3, 5])
+    new = hashlib.sha256(data.read_bytes()).hexdigest()
+    with pytest.raises(RunDirError) as err:
+        loop.train(tiny_config(tmp_path, task="jsonl", dataset=saved["dataset"], resume=True, max_steps=2))
+    assert old in str(err.value) and new in str(err.value) and "--allow-dataset-change" in str(err.value)
+    loop.train(tiny_config(tmp_path, task="jsonl", dataset=saved["dataset"], resume=True, max_steps=2,
+                           allow_dataset_change=True))
+    saved = _saved(tmp_path / "run")
+    assert saved["dataset_sha256"] == new and saved["allow_dataset_change"] is True
+
+
+@pytest.mark.e2e
+def test_resume_from_another_folder_reads_the_runs_own_file(tmp_path, monkeypatch):
+    """The CLI resume from another folder holding its own data.jsonl trains on the run's file (main re-read the
+    relative path there); naming the other folder's file is refused as a changed dataset."""
+    from grpo_lens.cli import main
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _write_data(tmp_path / "a" / "data.jsonl", [1, 2, 3, 4])
+    _write_data(tmp_path / "b" / "data.jsonl", [7, 8, 9])
+    monkeypatch.chdir(tmp_path / "a")
+    loop.train(tiny_config(tmp_path, task="jsonl", dataset="data.jsonl"))
+    monkeypatch.chdir(tmp_path / "b")
+    out = str(tmp_path / "run")
+    assert main(["train", "--resume", "--out", out, "--max-steps", "2"]) == 0
+    assert _saved(tmp_path / "run")["dataset"] == str(tmp_path / "a" / "data.jsonl")
+    assert main(["train", "--resume", "--out", out, "--max-steps", "3", "--dataset", "data.jsonl"]) == 2
+
+
+@pytest.mark.e2e
+def test_resume_with_metrics_missing_is_refused(tmp_path):
+    """metrics.jsonl deleted: the resume is refused naming it (main lost the history silently)."""
+    loop.train(tiny_config(tmp_path))
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    with pytest.raises(RunDirError, match=r"metrics.jsonl is missing, but the checkpoint step-000001 is at step 1"):
+        loop.train(tiny_config(tmp_path, resume=True, max_steps=2))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 6, 7. clear stops
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf"])
+def test_reward_weight_must_be_finite_with_the_flags(weight):
+    """format:nan is a ConfigError when the config is built, before anything is written (main: it passed the start
+    checks and failed after config.yaml was written)."""
+    from grpo_lens.config import ConfigError
+    from grpo_lens.rewards import parse_reward_specs
+
+    with pytest.raises(ConfigError, match="finite number"):
+        TrainConfig(rewards=["correctness", f"format:{weight}"])
+    with pytest.raises(ValueError, match="finite number"):
+        parse_reward_specs([f"format:{weight}"])
+
+
+def test_warmup_as_long_as_the_run_is_warned(caplog):
+    """--warmup-steps 1000 --max-steps 1: the LR is 0 for the whole run; a warning says so at start (main: silent)."""
+    with caplog.at_level("WARNING", logger="grpo_lens.train.loop"):
+        loop.warn_long_warmup(TrainConfig(warmup_steps=1000, max_steps=1))
+    assert "never reaches --learning-rate" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo_lens.train.loop"):
+        loop.warn_long_warmup(TrainConfig(warmup_steps=2, max_steps=10))
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_nan_and_inf_in_masked_positions_reach_neither_loss_nor_gradient(aggregation):
+    """NaN / -inf / inf at masked-out positions of logp, old_logp and ref_logp: the loss and its gradient equal those
+    with zeros there (main: (loss * mask).sum() made the loss NaN in all three aggregations, as in verl PR 6349)."""
+    from grpo_lens.formulas.losses import grpo_loss, kl_reward_penalty, loss_normalizer
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
+    clean = torch.randn(2, 4).double() - 2.0
+    old = clean + 0.1 * torch.randn(2, 4).double()
+    ref = clean - 0.05
+    adv = torch.tensor([1.0, -0.5]).double()
+    dirty = [t.clone() for t in (clean, old, ref)]
+    for t, junk in zip(dirty, (float("nan"), float("-inf"), float("inf"))):
+        t[~mask] = junk
+    z = loss_normalizer(mask, aggregation, 4)
+    results = []
+    for logp, old_logp, ref_logp in ((clean, old, ref), dirty):
+        x = logp.clone().requires_grad_(True)
+        loss, metrics = grpo_loss(x, old_logp, adv, mask, normalizer=z, aggregation=aggregation, beta=0.1,
+                                  ref_logp=ref_logp)
+        loss.backward()
+        results.append((loss.detach(), x.grad, metrics["kl/mean"], metrics["ratio/mean"]))
+    (l0, g0, k0, r0), (l1, g1, k1, r1) = results
+    assert torch.isfinite(l1) and torch.isfinite(g1).all()
+    assert torch.equal(l0, l1) and torch.equal(g0, g1) and k0 == k1 and r0 == r1
+    assert (g1[~mask] == 0).all() and (g1[mask] != 0).any()
+    assert torch.isfinite(kl_reward_penalty(dirty[0], dirty[2], mask, 0.1)).all()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_run_where_nothing_scores_fails_whatever_its_length(tmp_path, steps):
+    """Every reward call fails in training: a run of 1 or 2 steps (fewer than --max-consecutive-skips 3) stops with
+    NoScorableRolloutError at its last step (main: exit 0)."""
+    with pytest.raises(loop.NoScorableRolloutError, match=f"for {steps} consecutive steps"):
+        loop.train(tiny_config(tmp_path, rewards=["test_raises_in_training"], max_steps=steps))
+
+
+@pytest.mark.e2e
+def test_a_learning_rate_that_blows_up_the_weights_stops_in_one_line(tmp_path):
+    """--learning-rate 1e9: the run stops with NonFiniteWeightsError naming the step, the learning rate and how to
+    resume, before a generate fails on the weights (main: a traceback inside generate, 'probability tensor contains
+    inf/nan')."""
+    with pytest.raises(loop.NonFiniteWeightsError) as err:
+        loop.train(tiny_config(tmp_path, learning_rate=1e9, max_steps=6))
+    message = str(err.value)
+    assert "\n" not in message and "lower --learning-rate" in message and "1e+09" in message
+    assert message.startswith("step ") and "resume from step " in message
+
+
+@pytest.mark.e2e
+def test_disk_full_while_writing_a_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
+    """torch.save's zip writer on a full disk raises RuntimeError("... file write failed", no errno): the command
+    prints one line "disk full while writing FILE; nothing lost ..." and exits 2, and the half-written checkpoint is
+    gone (main: a RuntimeError traceback)."""
+    import os
+    from types import SimpleNamespace
+
+    import grpo_lens.rundir as rundir
+    from grpo_lens.cli import main
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(rundir.torch, "save", full)
+    monkeypatch.setattr(rundir.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
+    out = tmp_path / "run"
+    rc = main(["train", "--model", "tiny", "--rewards", "test_alternating", "--group-size", "4", "--prompts-per-step",
+               "2", "--max-new-tokens", "4", "--max-steps", "1", "--lens-every", "0", "--no-progress", "--device",
+               "cpu", "--no-save-final-model", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert f"disk full while writing {out / 'checkpoints'}" in err[0] and "optimizer.pt; nothing lost" in err[0]
+    assert "resume" in err[0]
+    assert not list((out / "checkpoints").glob(".step-*")) and os.path.isfile(out / "metrics.jsonl")
+
+
+def test_yaml_duplicate_keys_are_refused(tmp_path):
+    """A config file with group_size twice is a ConfigError naming the key and both lines (main: the last won)."""
+    from grpo_lens.config import ConfigError
+
+    path = tmp_path / "c.yaml"
+    path.write_text("group_size: 8\nmax_steps: 2\ngroup_size: 4\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'group_size' \(first on line 1\).*line 3"):
+        TrainConfig.read(path)
+
+
+@pytest.mark.parametrize("content, shown", [
+    (b'{"prompt": "caf\xe9 2 + 2?", "answer": "4"}\n', "row 1: not UTF-8 text"),
+    (b"\x1f\x8b\x08\x00rest-of-a-gzip-stream", "gzip-compressed"),
+    (b'{"prompt": "2 + 2?", "answer": "4", "answer": "5"}\n', "row 1: the key 'answer' appears twice"),
+])
+def test_data_file_errors_name_the_file(tmp_path, content, shown):
+    """Non-UTF-8, gzip and duplicate JSON keys: one ValueError naming the file (main: a message without the file for
+    the first two, and the last 'answer' silently for the third)."""
+    from grpo_lens.tasks import get_task
+
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        get_task("jsonl", dataset=str(path))
+    assert str(path) in str(err.value) and shown in str(err.value)
+
+
+def test_plugins_are_imported_from_pythonpath_as_given(tmp_path, monkeypatch):
+    """load_plugins puts no folder in front of sys.path: a stray math_verify.py in the working directory stays
+    unimported (main inserted the working directory first)."""
+    import sys
+
+    from grpo_lens.cli import load_plugins
+
+    (tmp_path / "plugin_dir").mkdir()
+    (tmp_path / "plugin_dir" / "issue32_plugin.py").write_text("LOADED = True\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))] +
+                        [str(tmp_path / "plugin_dir")])
+    before = list(sys.path)
+    assert load_plugins("issue32_plugin") == ["issue32_plugin"]
+    assert sys.path == before and str(tmp_path) not in sys.path
+
+
+def test_scientific_answer_and_list_reference():
+    """'#### 1e3' equals 1000 (main: None); a reference [2] is not scored from its repr '[2]' (main: scored 1.0 for
+    a completion '2'), neither by correctness nor by the accuracy verdict."""
+    from grpo_lens.rewards import correctness, extract_answer, math_correctness_verdict, parse_number
+    from grpo_lens.tasks.user_data import row_to_example
+
+    assert extract_answer("so #### 1e3") == 1000 and parse_number("2.5E-2") * 40 == 1
+    assert correctness(["q"], ["#### 1e3"], answer=["1000"]) == [1.0]
+    example = row_to_example({"prompt": "p", "answer": [2]}, "data.jsonl", 1)
+    assert example.answer == [2]
+    assert correctness(["q"], ["#### 2"], answer=[example.answer]) == [None]
+    assert math_correctness_verdict(["#### 2"], [example.answer]) == [None]
