@@ -158,7 +158,11 @@ def _exits(prompts, completions, **kw):
 def test_sys_exit_in_a_reward_function_is_an_error_naming_it(timeout):
     """SystemExit inside a reward is an error naming the function, at the start check and during the run (main: the
     run ended with exit 0, an empty log and only config.yaml)."""
-    from grpo_lens.rewards import RewardFunctionError, check_rewards_on_example, combine_rewards
+    from grpo_lens.rewards import (
+        RewardFunctionError,
+        check_rewards_on_example,
+        combine_rewards,
+    )
 
     with pytest.raises(ValueError, match=r"reward '_exits' called sys.exit\(0\)"):
         check_rewards_on_example([_exits], "q", {"answer": "1"}, timeout)
@@ -421,7 +425,12 @@ def test_plugins_are_imported_from_pythonpath_as_given(tmp_path, monkeypatch):
 def test_scientific_answer_and_list_reference():
     """'#### 1e3' equals 1000 (main: None); a reference [2] is not scored from its repr '[2]' (main: scored 1.0 for
     a completion '2'), neither by correctness nor by the accuracy verdict."""
-    from grpo_lens.rewards import correctness, extract_answer, math_correctness_verdict, parse_number
+    from grpo_lens.rewards import (
+        correctness,
+        extract_answer,
+        math_correctness_verdict,
+        parse_number,
+    )
     from grpo_lens.tasks.user_data import row_to_example
 
     assert extract_answer("so #### 1e3") == 1000 and parse_number("2.5E-2") * 40 == 1
@@ -430,3 +439,20 @@ def test_scientific_answer_and_list_reference():
     assert example.answer == [2]
     assert correctness(["q"], ["#### 2"], answer=[example.answer]) == [None]
     assert math_correctness_verdict(["#### 2"], [example.answer]) == [None]
+
+
+@pytest.mark.slow
+def test_fault_injection_script_finds_every_run_identical(tmp_path):
+    """benchmarks/faults.py with 2 random SIGKILLs, the ENOSPC plugin and two writers (a few minutes; not in CI)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(repo / "benchmarks" / "faults.py"), "--kills", "2", "--no-tmpfs",
+                             "--only", "sigkill", "disk-full", "two-writers", "--keep", str(tmp_path)],
+                            capture_output=True, text=True, timeout=1200,
+                            env={**os.environ, "PYTHONPATH": str(repo)}, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "sigkill      2 / 2 identical" in result.stdout and "disk-full    1 / 1 identical" in result.stdout
