@@ -7,10 +7,16 @@ Layout (keys: docs/metrics.md)::
     RUN/completions.jsonl      a few sampled completions per step
     RUN/checkpoints/step-000010/{model.safetensors, optimizer.pt, state.pt}
     RUN/checkpoints/latest     the name of the newest complete checkpoint
+    RUN/.grpo-lens.lock        while a process writes the run: its pid and host (fcntl.flock; deleted at the end)
 
 Crash safety: a checkpoint is written to a temporary folder, fsynced, then renamed into place, and ``latest`` is
 replaced atomically after it; a kill at any moment leaves the previous checkpoint intact. Metrics are appended per
 step; on resume, lines after the checkpoint's step are dropped, so each step appears once.
+
+Checkpoints hold only tensors and plain values and are read with ``torch.load(weights_only=True)``, so a crafted
+optimizer.pt or state.pt cannot run code on ``--resume`` (:func:`load_pickled_state`). One process writes a run
+directory at a time (:func:`acquire_run_lock`). benchmarks/faults.py injects kills, torn writes, a full disk and a
+second writer, and checks that each resumed run equals the uninterrupted one.
 
 Tests prove this by killing the trainer at named moments: :func:`crash_point` sends SIGKILL to the process when the
 environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/train/test_crash_resume.py).
