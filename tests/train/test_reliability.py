@@ -456,3 +456,26 @@ def test_fault_injection_script_finds_every_run_identical(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(repo)}, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "sigkill      2 / 2 identical" in result.stdout and "disk-full    1 / 1 identical" in result.stdout
+
+
+def test_probe_and_demo_hold_their_out_too(tmp_path):
+    """probe and demo take the same lock: with another process holding --out, both are refused naming it before
+    anything loads or is written."""
+    import signal
+
+    from grpo_lens.demo import DemoConfig, run_demo
+    from grpo_lens.probe.config import ProbeConfig
+    from grpo_lens.probe.run import run_probe
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = _hold_lock(out)
+    try:
+        for call in (lambda: run_probe(ProbeConfig(model="tiny", out=str(out), device="cpu")),
+                     lambda: run_demo(DemoConfig(model="tiny", out=str(out), device="cpu"))):
+            with pytest.raises(RunDirError, match=f"being written by pid {holder.pid} on host"):
+                call()
+        assert [p.name for p in out.iterdir()] == [".grpo-lens.lock"]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
