@@ -479,3 +479,26 @@ def test_probe_and_demo_hold_their_out_too(tmp_path):
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+@pytest.mark.e2e
+def test_nan_weights_after_an_update_stop_before_the_next_generate(tmp_path, monkeypatch):
+    """An update that leaves a NaN weight stops the run at that step, before step 2 samples anything and before its
+    checkpoint, naming the step and the learning rate (main: the next generate raised inside transformers)."""
+    real_update, sampled = loop.policy_update, []
+
+    def nan_update(policy, *args, **kwargs):
+        metrics = real_update(policy, *args, **kwargs)
+        with torch.no_grad():
+            next(policy.parameters()).view(-1)[0] = float("nan")
+        return metrics
+
+    real_sample = loop.sample_step
+    monkeypatch.setattr(loop, "policy_update", nan_update)
+    monkeypatch.setattr(loop, "sample_step", lambda *a, **k: sampled.append(a[-1]) or real_sample(*a, **k))
+    with pytest.raises(loop.NonFiniteWeightsError) as err:
+        loop.train(tiny_config(tmp_path, max_steps=3, learning_rate=1e-3))
+    assert sampled == [1]
+    assert str(err.value).startswith("step 1: the weights are NaN/inf after the update at learning rate 0.001")
+    assert "resume from step 0 with a lower --learning-rate" in str(err.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
