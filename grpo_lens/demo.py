@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import yaml
 
 from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, at_least
-from grpo_lens.config.base import option
+from grpo_lens.config.base import option, safe_load_yaml
 from grpo_lens.config.groups import (
     Adapter,
     Advantage,
@@ -131,7 +131,7 @@ def run_demo(config: DemoConfig) -> Path:
     saved_path = out / "demo.yaml"
     settings = {k: v for k, v in config.to_dict().items() if k not in ("overwrite", "device")}
     if saved_path.exists() and not config.overwrite:
-        saved = DemoConfig.canonical(yaml.safe_load(saved_path.read_text()) or {}, f"in {saved_path}")
+        saved = DemoConfig.canonical(safe_load_yaml(saved_path.read_text()) or {}, f"in {saved_path}")
         changed = sorted(k for k in settings if k in saved and saved[k] != settings[k])
         if changed:
             raise ConfigError(f"{out} holds a demo run with other settings "

@@ -389,8 +389,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 
 def safe_load_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses duplicate keys (:class:`UniqueKeyLoader`); every config grpo-lens reads goes
-    through it.
+    """``yaml.safe_load`` that refuses duplicate keys (:class:`UniqueKeyLoader`): for --config files, YAML-mapping
+    flags (``--task-options``), a resumed run's config.yaml and a demo's demo.yaml.
 
     Raises:
         yaml.YAMLError: not valid YAML, or a key twice in one mapping (naming the key and both lines).
