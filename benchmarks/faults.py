@@ -18,10 +18,12 @@ the reference's. Cases:
 - ``disk-full``: a 2 MiB-short tmpfs (as root; otherwise a plugin that makes the checkpoint write raise ENOSPC): the
   run must stop with one line "disk full while writing ...", then resume identically once space is freed.
 - ``two-writers``: a second ``train --overwrite`` and a ``train --resume`` of a live run are refused naming the
-  holder's pid, and the live run finishes identical to the reference.
+  holder's pid, and the live run finishes identical to the reference (it waits 4 s after each step, a plugin that
+  changes nothing else, so that the second writer meets it alive on a fast machine too).
 
 Processes are forked from tests/crash_zygote.py (imports paid once), each one a real ``grpo-lens train``. Prints one
-line per case and ``n / n identical`` per kind. About 2-4 minutes on a busy 2-core machine.
+line per case and ``n / n identical`` per kind. About 11 minutes with --kills 20 on a 2-core machine at load 9-10
+(``--only`` and ``--kills`` pick fewer cases).
 """
 
 from __future__ import annotations
@@ -56,6 +58,20 @@ def _full(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(f))
     return _save(obj, f, *args, **kwargs)
 rundir.torch.save = _full
+'''
+
+
+#: A plugin that makes run A of ``two-writers`` wait 4 s after each step's metrics line (and changes nothing else), so
+#: that the second writer's attempts meet it alive however fast the machine is.
+SLOW_PLUGIN = '''
+import time
+import grpo_lens.rundir as rundir
+_append = rundir.RunDir.append_metrics
+def _slow(self, record, path=None):
+    _append(self, record, path)
+    if path is None:
+        time.sleep(4.0)
+rundir.RunDir.append_metrics = _slow
 '''
 
 
@@ -310,7 +326,7 @@ def case_disk_full(zygote: Zygote, root: Path, reference: Path, tmpfs: bool = Tr
 def case_two_writers(zygote_a: Zygote, zygote_b: Zygote, root: Path, reference: Path) -> tuple[str, bool, str]:
     """While run A writes DIR, B's --overwrite and --resume of DIR are refused naming A's pid; A ends identical."""
     run = root / "two-writers"
-    pid, _ = zygote_a.start([*ARGS, "--out", str(run)])
+    pid, _ = zygote_a.start([*ARGS, "--out", str(run)], env_for("helpers_rewards,faults_slow"))
     lock = run / ".grpo-lens.lock"
     deadline = time.monotonic() + 120
     while not (lock.exists() and str(pid) in lock.read_text()):
@@ -346,6 +362,7 @@ def main() -> int:
     plugin_dir = root / "plugins"
     plugin_dir.mkdir(exist_ok=True)
     (plugin_dir / "faults_disk_full.py").write_text(DISK_FULL_PLUGIN)
+    (plugin_dir / "faults_slow.py").write_text(SLOW_PLUGIN)
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     zygote = Zygote(logs, plugin_dir)
