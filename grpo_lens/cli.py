@@ -130,7 +130,10 @@ def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
         values.update(from_file)
     values.update(flags_given(args, cls))
     values.update(resume=True, out=args.out)
-    return cls.from_dict(values)
+    try:
+        return cls.from_dict(values)
+    except ConfigError as e:  # a value of the saved file (e.g. cut or edited), or a flag: name the file
+        raise ConfigError(f"{e} (resuming from {saved} and the flags given)") from None
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
