@@ -5,8 +5,8 @@ dataset row) into one line on stderr that says what is wrong and how to fix it, 
 before is lost.
 
 Plugins: ``GRPO_LENS_PLUGINS=my_rewards,my_tasks grpo-lens train ...`` imports those modules (comma-separated,
-importable from the current directory or PYTHONPATH) before anything else, so the reward functions and tasks they
-register (``@REWARDS.register("name")``, ``@TASKS.register("name")``) can be named in flags and YAML.
+importable from PYTHONPATH as given: no folder is added to sys.path) before anything else, so the reward functions
+and tasks they register (``@REWARDS.register("name")``, ``@TASKS.register("name")``) can be named in flags and YAML.
 
 Config keys and flags under a deprecated name (``--lens-sketch-dim``) work with one ``grpo-lens CMD: warning: ...``
 line on stderr naming the current one.
@@ -74,15 +74,15 @@ class PluginError(ImportError):
 def load_plugins(spec: str | None = None) -> list[str]:
     """Import the modules named in ``spec`` (default ``$GRPO_LENS_PLUGINS``, comma-separated); return their names.
 
-    The current directory is importable, as with ``python -m``.
+    They are imported from ``sys.path`` as Python set it up (PYTHONPATH, installed packages): no folder is put in
+    front of it, so a stray module in the working directory (``math_verify.py``) never shadows a package; put your
+    plugin's folder on PYTHONPATH (``PYTHONPATH=. GRPO_LENS_PLUGINS=my_rewards grpo-lens train ...``).
 
     Raises:
         PluginError: a module cannot be imported, naming it and the cause.
     """
     spec = os.environ.get(PLUGINS_ENV, "") if spec is None else spec
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    if names and "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     for name in names:
         try:
             importlib.import_module(name)
@@ -130,7 +130,10 @@ def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
         values.update(from_file)
     values.update(flags_given(args, cls))
     values.update(resume=True, out=args.out)
-    return cls.from_dict(values)
+    try:
+        return cls.from_dict(values)
+    except ConfigError as e:  # a value of the saved file (e.g. cut or edited), or a flag: name the file
+        raise ConfigError(f"{e} (resuming from {saved} and the flags given)") from None
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -266,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if e.errno not in DISK_ERRORS or args.verbose:
             raise
-        print(f"grpo-lens {args.command}: error: {e.strerror} while writing {e.filename or 'a file'}; every step "
-              f"written before is intact: free space (or fix the device) and resume with --resume", file=sys.stderr)
+        what = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror
+        print(f"grpo-lens {args.command}: error: {what} while writing {e.filename or 'a file'}; nothing lost (every "
+              f"step written before is intact): free space (or fix the device) and resume with --resume",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; resume with --resume", file=sys.stderr)

@@ -16,7 +16,6 @@ is refused. ``--overwrite`` starts over.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, ClassVar
 import yaml
 
 from grpo_lens.config import ConfigError, ConfigFile, TrainConfig, at_least
-from grpo_lens.config.base import option
+from grpo_lens.config.base import option, safe_load_yaml
 from grpo_lens.config.groups import (
     Adapter,
     Advantage,
@@ -43,6 +42,7 @@ from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.partial import PartialProbe
 from grpo_lens.probe.run import run_probe
 from grpo_lens.report import write_report
+from grpo_lens.rundir import clear_run_dir, holds_run_dir, run_dir_entries
 from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ class DemoConfig(ConfigFile):
                            mc_groups=mc_groups, out=str(out), resume=resume, **self._shared())
 
 
+@holds_run_dir("demo")  # one writer per --out (grpo_lens.rundir.acquire_run_lock)
 def run_demo(config: DemoConfig) -> Path:
     """Run (or continue) the main job; return the path of OUT/report.md."""
     out = Path(config.out)
@@ -130,18 +131,18 @@ def run_demo(config: DemoConfig) -> Path:
     saved_path = out / "demo.yaml"
     settings = {k: v for k, v in config.to_dict().items() if k not in ("overwrite", "device")}
     if saved_path.exists() and not config.overwrite:
-        saved = DemoConfig.canonical(yaml.safe_load(saved_path.read_text()) or {}, f"in {saved_path}")
+        saved = DemoConfig.canonical(safe_load_yaml(saved_path.read_text()) or {}, f"in {saved_path}")
         changed = sorted(k for k in settings if k in saved and saved[k] != settings[k])
         if changed:
             raise ConfigError(f"{out} holds a demo run with other settings "
                               f"({', '.join(f'{k}={saved[k]!r}' for k in changed)}); rerun with the same settings "
                               f"to continue it, pass --overwrite to start over, or choose another --out")
-    elif out.exists() and any(out.iterdir()) and not config.overwrite:
+    elif out.exists() and run_dir_entries(out) and not config.overwrite:
         raise ConfigError(f"{out} is not empty and holds no demo run (no demo.yaml); choose another --out")
     if config.overwrite and out.exists():
-        if any(out.iterdir()) and not saved_path.exists():
+        if run_dir_entries(out) and not saved_path.exists():
             raise ConfigError(f"--overwrite: {out} holds files that are not a demo run; they are never deleted")
-        shutil.rmtree(out)
+        clear_run_dir(out)  # all but the lock file this process holds
     out.mkdir(parents=True, exist_ok=True)
     if not saved_path.exists():
         saved_path.write_text(yaml.safe_dump(settings, sort_keys=False))

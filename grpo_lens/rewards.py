@@ -9,9 +9,12 @@ each of its R rollouts). Completions are strings for a string prompt (TRL's stan
 built-in tasks give chat prompts). ``trainer_state`` has ``global_step`` and ``max_steps``; ``log_metric(name,
 value)`` logs ``reward/logged/<name>``. A function without ``**kwargs`` gets only the arguments it names, and one
 whose first two parameters are not called ``prompts`` and ``completions`` gets those two by position (the form
-``f(p, c, **columns)``). ``None`` (or NaN) marks a rollout the function could not score (TRL's "not applicable"): it
-is invalid, and is left out of its group's advantage mean and std. Dataset columns named like the reserved keywords
-(:data:`RESERVED_COLUMNS`) are refused when the task is built.
+``f(p, c, **columns)``). ``None`` (or NaN) marks a rollout the function does not apply to (TRL's "not applicable",
+its multi-task convention): that function is skipped for that rollout and the other functions' weighted rewards still
+sum; a rollout that every function returns None for is invalid and is left out of its group's advantage mean and std
+(docs/rewards.md). Each function gets its own copies of the prompts, completions and columns, so one that changes
+them changes nothing the next one sees. Dataset columns named like the reserved keywords (:data:`RESERVED_COLUMNS`)
+are refused when the task is built.
 
 Built in (:data:`REWARDS`): ``correctness`` (the final number equals the reference), ``format`` (a final answer is
 marked with ``####`` or ``\\boxed{}``), and ``math_verify`` when the ``math-verify`` package is installed.
@@ -19,8 +22,10 @@ marked with ``####`` or ``\\boxed{}``), and ``math_verify`` when the ``math-veri
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
+import numbers
 import logging
 import math
 import re
@@ -122,10 +127,10 @@ def call_reward_function(fn: Callable, prompts: Sequence, completions: Sequence,
     Raises:
         ValueError: a column named like a reserved keyword (:data:`RESERVED_COLUMNS`).
     """
-    columns = dict(columns or {})
+    columns = copy.deepcopy(dict(columns or {}))  # a function that edits its arguments changes nothing outside
     check_column_names(list(columns), "reward function call")
-    keywords = {"prompts": list(prompts), "completions": list(completions),
-                "completion_ids": None if completion_ids is None else list(completion_ids), **columns,
+    keywords = {"prompts": copy.deepcopy(list(prompts)), "completions": copy.deepcopy(list(completions)),
+                "completion_ids": None if completion_ids is None else copy.deepcopy(list(completion_ids)), **columns,
                 "trainer_state": trainer_state, "log_extra": log_extra or (lambda column, values: None),
                 "log_metric": log_metric or (lambda name, value: None)}
     names, var_kw = _parameters(fn)
@@ -147,6 +152,7 @@ _VALUE = re.compile(r"(?:(?<![\w)\]}.])-\s*)?\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*
 _THOUSANDS_GROUP = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?![\d]|,\d)")
 _FRACTION = re.compile(r"^\\[dt]?frac\s*\{(.*)\}\s*\{(.*)\}$")
 _FRACTION_SHORT = re.compile(r"^\\[dt]?frac\s*(\d)\s*(\d)$")  # \frac12
+_SCIENTIFIC = re.compile(r"(?:\d+(?:\.\d+)?|\.\d+)[eE][+-]?\d{1,4}")  # 1e3, 2.5E-2: a whole value only
 _SLASH_FRACTION = re.compile(r"^(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")
 _MINUS_SIGNS = ("\u2212", "\u2013", "\ufe63", "\uff0d")  # minus sign, en dash, small and fullwidth hyphen-minus
 
@@ -210,7 +216,7 @@ def parse_number(text: str) -> Fraction | None:
     if m:
         numerator, denominator = Fraction(m.group(1)), Fraction(m.group(2))
         return None if denominator == 0 else numerator / denominator
-    if _NUMBER.fullmatch(text):
+    if _NUMBER.fullmatch(text) or _SCIENTIFIC.fullmatch(text):
         return Fraction(text)
     return None
 
@@ -283,9 +289,17 @@ def extract_answer(text: str) -> Fraction | None:
     return values[-1] if values else None
 
 
+def is_scalar_reference(reference: Any) -> bool:
+    """Whether a reference answer is a string or a real number (not a bool, list or mapping)."""
+    return isinstance(reference, (str, int, float, Fraction)) and not isinstance(reference, bool)
+
+
 def reference_value(reference: Any) -> Fraction | None:
     """The value of a reference answer: a bare number (``"72"``, ``"1,234"``, ``"1/2"``) or a text whose final answer
-    :func:`extract_answer` finds (e.g. a whole GSM8K solution ending in ``#### 72``); None if it has no number."""
+    :func:`extract_answer` finds (e.g. a whole GSM8K solution ending in ``#### 72``); None if it has no number, and
+    None for a reference that is not a string or a number (a list ``[2]`` or a mapping: never read from its repr)."""
+    if not is_scalar_reference(reference):
+        return None
     text = str(reference)
     value = parse_number(text)
     return value if value is not None else extract_answer(text)
@@ -430,7 +444,7 @@ def math_correctness_verdict(completions: Sequence, answers: Sequence,
         _quiet_math_verify_timeout_notice()
     out: list[float | None] = []
     for completion, ref in zip(completions, answers):
-        if ref is None:
+        if ref is None or not is_scalar_reference(ref):
             out.append(None)
             continue
         text = completion_text(completion)
@@ -502,6 +516,9 @@ def parse_reward_specs(specs: str | Sequence[str]) -> list[tuple[str, float]]:
         except ValueError:
             raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a number, "
                              f"e.g. 'format:0.1'") from None
+        if not math.isfinite(out[-1][1]):
+            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a finite number, e.g. "
+                             f"'{name}:0.1'")
     if not out:
         raise ValueError(f"no reward functions given; valid names: {', '.join(REWARDS.names())}")
     return out
@@ -537,6 +554,46 @@ def _call_with_timeout(fn: Callable, timeout_s: float | None, args: tuple, kwarg
     return box["value"]
 
 
+class RewardFunctionError(ValueError):
+    """A reward function did what no reward function may: called ``sys.exit`` (raised SystemExit)."""
+
+
+def _exit_error(name: str, err: SystemExit) -> RewardFunctionError:
+    return RewardFunctionError(f"reward {name!r} called sys.exit({err.code!r}) (raised SystemExit): a reward function "
+                               f"returns one value (or None) per completion and never ends the run; return None for a "
+                               f"completion it cannot score, or raise an exception")
+
+
+def _describe(value: Any) -> str:
+    """A short description of what a reward function returned, for messages."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def reward_values(values: Any, n: int) -> list[Any]:
+    """A reward function's return as a list of ``n`` entries, each None or a real number (TRL's ``list[float |
+    None]``; a tuple, NumPy array or 1-d tensor is read as its entries).
+
+    Raises:
+        TypeError: a scalar, generator, string, mapping, None, or an entry that is neither None nor a real number
+            (a string like ``"abc"`` or ``"1.0"``), saying what it was.
+        ValueError: a list of another length than ``n``.
+    """
+    if isinstance(values, Tensor):
+        values = values.tolist() if values.dim() == 1 else values
+    elif type(values).__module__ == "numpy" and getattr(values, "ndim", None) == 1:
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"returned {_describe(values)}, not a list of one number (or None) per completion")
+    if len(values) != n:
+        raise ValueError(f"returned {len(values)} values for {n} completions; return one value (or None) per "
+                         f"completion")
+    for v in values:
+        if v is not None and not (isinstance(v, numbers.Real) or (isinstance(v, Tensor) and v.numel() == 1)):
+            raise TypeError(f"returned a list holding {_describe(v)}, which is neither a number nor None")
+    return list(values)
+
+
 def _to_float(value: Any) -> float:
     """A reward value as a float; NaN for None, NaN, or anything that is not a real number."""
     if value is None:
@@ -561,9 +618,12 @@ def combine_rewards(
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Call every reward function (:func:`call_reward_function`, TRL's convention) and sum their weighted rewards.
 
-    reward_n = sum_k w_k r_{k,n}. A rollout is invalid when any function gives it None, NaN or +-inf, or when a
-    function call raises, returns a list of the wrong length, or runs past ``timeout_s`` (then all N rollouts of
-    that call are invalid). Failures are logged and counted; the run goes on.
+    reward_n = sum over the functions k that score rollout n of w_k r_{k,n}: a function that gives a rollout None,
+    NaN or +-inf is skipped for it (TRL's multi-task convention: math-only and code-only functions, each None on the
+    other's rows), and a rollout no function scores is invalid. A function call that raises, returns something that
+    is not a list of N numbers/None (:func:`reward_values`) or runs past ``timeout_s`` makes all N rollouts of that
+    call invalid (a failure is not "not applicable"). Failures are logged and counted; the run goes on, except for
+    a function that calls ``sys.exit``.
 
     Args:
         funcs_with_weights: reward functions or registered names, with weights: ``{"correctness": 1.0}``,
@@ -576,6 +636,9 @@ def combine_rewards(
         completion_ids: N lists of completion token ids.   trainer_state: passed as is (e.g. :class:`RewardState`).
         kwargs: more columns (the older form; a column named ``timeout_s`` or like a parameter here must go in
             ``columns``).
+
+    Raises:
+        RewardFunctionError: a function raised SystemExit (``sys.exit``), naming it.
 
     Returns:
         (rewards [N] float32, NaN where invalid; valid [N] bool; metrics) with metrics
@@ -592,7 +655,8 @@ def combine_rewards(
         raise ValueError(f"got {len(prompts)} prompts for {N} completions; pass one prompt per completion (repeat "
                          "each prompt R times)")
     total = torch.zeros(N, dtype=torch.float64)
-    valid = torch.ones(N, dtype=torch.bool)
+    scored = torch.zeros(N, dtype=torch.bool)  # some function scored the rollout
+    failed = torch.zeros(N, dtype=torch.bool)  # some function's call failed
     metrics: dict[str, float] = {REWARD_TIMEOUT_COUNT: 0, REWARD_ERROR_COUNT: 0}
     logged: dict[str, list[float]] = {}
 
@@ -604,14 +668,16 @@ def combine_rewards(
     for name, fn, weight in funcs:
         start = time.perf_counter()
         try:
-            values = _call_with_timeout(call_reward_function, timeout_s, (fn, prompts, completions), call)
-            if values is None or len(values) != N:
-                raise ValueError(f"returned {None if values is None else len(values)} values for {N} completions")
+            values = reward_values(_call_with_timeout(call_reward_function, timeout_s, (fn, prompts, completions),
+                                                      call), N)
             r = torch.tensor([_to_float(v) for v in values], dtype=torch.float64)  # [N]
+            call_failed = False
+        except SystemExit as err:
+            raise _exit_error(name, err) from None
         except RewardTimeout as err:
             logger.error("reward %r %s: its %d rollouts are marked invalid", name, err, N)
             metrics[REWARD_TIMEOUT_COUNT] += 1
-            r = torch.full((N,), math.nan, dtype=torch.float64)
+            r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
         except Exception as err:  # noqa: BLE001 - a failing reward function must not stop the run
             if _first_failure(fn):
                 logger.exception("reward %r raised: its %d rollouts are marked invalid (later failures of this "
@@ -620,18 +686,19 @@ def combine_rewards(
                 logger.error("reward %r raised %s: %s; its %d rollouts are marked invalid", name,
                              type(err).__name__, err, N)
             metrics[REWARD_ERROR_COUNT] += 1
-            r = torch.full((N,), math.nan, dtype=torch.float64)
+            r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
         ok = ~torch.isnan(r)
-        if (~ok).any():
-            logger.warning("reward %r: %d of %d rollouts invalid (None, NaN or failed call)", name,
-                           int((~ok).sum()), N)
+        if (~ok).any() and not call_failed:  # None is "not applicable" (TRL): normal for a multi-task pair
+            logger.debug("reward %r: %d of %d rollouts not scored (None or NaN)", name, int((~ok).sum()), N)
         metrics[REWARD_FUNCTION.format(name=name)] = float(r[ok].mean()) if ok.any() else math.nan
         metrics[REWARD_FUNCTION_INVALID_COUNT.format(name=name)] = int((~ok).sum())
         metrics[PERF_REWARD_SECONDS.format(name=name)] = time.perf_counter() - start  # timing keys live under perf/
-        valid &= ok
-        total += weight * torch.nan_to_num(r, nan=0.0)
+        scored |= ok
+        failed |= call_failed
+        total += weight * torch.nan_to_num(r, nan=0.0)  # a skipped function adds nothing
     for metric, values in logged.items():
         metrics[REWARD_LOGGED.format(name=metric)] = sum(values) / len(values)
+    valid = scored & ~failed  # [N]: some function scored it, and no function's call failed
     rewards = torch.where(valid, total, torch.full_like(total, math.nan)).float()  # [N]
     metrics[REWARD_INVALID_COUNT] = int((~valid).sum())
     metrics[REWARD_MEAN] = float(rewards[valid].mean()) if valid.any() else math.nan
@@ -670,14 +737,18 @@ def check_rewards_on_example(funcs_with_weights: Any, prompt: Any, columns: Mapp
             values = _call_with_timeout(call_reward_function, timeout_s, (fn, [prompt], completions), call)
         except RewardTimeout:
             continue
+        except SystemExit as err:
+            raise _exit_error(name, err) from None
         except Exception as err:  # noqa: BLE001 - reported as one line, before anything is written
             why = str(err).splitlines()[0][:300] if str(err) else ""
             raise ValueError(f"reward {name!r} fails on {where} (columns: {', '.join(sorted(columns)) or 'none'}) "
                              f"with an empty completion: {type(err).__name__}: {why}. Fix the function or the data "
                              f"(a function that cannot score a completion returns None for it)") from None
-        if values is None or len(values) != 1:
-            raise ValueError(f"reward {name!r} returned {None if values is None else len(values)} values for 1 "
-                             f"completion on {where}; return one value (or None) per completion")
+        try:
+            reward_values(values, 1)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"reward {name!r} on {where} with an empty completion {err}; a reward function returns "
+                             f"a list with one number (or None) per completion, as TRL's do") from None
 
 
 def score_batch(

@@ -7,10 +7,16 @@ Layout (keys: docs/metrics.md)::
     RUN/completions.jsonl      a few sampled completions per step
     RUN/checkpoints/step-000010/{model.safetensors, optimizer.pt, state.pt}
     RUN/checkpoints/latest     the name of the newest complete checkpoint
+    RUN/.grpo-lens.lock        while a process writes the run: its pid and host (fcntl.flock; deleted at the end)
 
 Crash safety: a checkpoint is written to a temporary folder, fsynced, then renamed into place, and ``latest`` is
 replaced atomically after it; a kill at any moment leaves the previous checkpoint intact. Metrics are appended per
 step; on resume, lines after the checkpoint's step are dropped, so each step appears once.
+
+Checkpoints hold only tensors and plain values and are read with ``torch.load(weights_only=True)``, so a crafted
+optimizer.pt or state.pt cannot run code on ``--resume`` (:func:`load_pickled_state`). One process writes a run
+directory at a time (:func:`acquire_run_lock`). benchmarks/faults.py injects kills, torn writes, a full disk and a
+second writer, and checks that each resumed run equals the uninterrupted one.
 
 Tests prove this by killing the trainer at named moments: :func:`crash_point` sends SIGKILL to the process when the
 environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/train/test_crash_resume.py).
@@ -18,19 +24,28 @@ environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/train
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import functools
 import json
+import logging
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
+import socket
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import yaml
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from grpo_lens.config.base import safe_load_yaml, yaml_error_line
 from grpo_lens.metrics import (
     PERF_LENS_SECONDS,
     PERF_LENS_SPARSITY_SECONDS,
@@ -112,9 +127,10 @@ def read_saved_config(path: Path, remedy: str, error: type[Exception] = RunDirEr
         ``error``: the file is unreadable, not YAML, or does not hold a mapping.
     """
     try:
-        values = yaml.safe_load(Path(path).read_text())
+        values = safe_load_yaml(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise error(f"--resume: cannot read {path} ({type(e).__name__}); {remedy}") from None
+        why = f"{type(e).__name__}: {yaml_error_line(e)}" if isinstance(e, yaml.YAMLError) else type(e).__name__
+        raise error(f"--resume: cannot read {path} ({why}); {remedy}") from None
     if values is None and empty_ok:
         values = {}
     if not isinstance(values, dict):
@@ -133,6 +149,22 @@ def atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def disk_full(err: BaseException, where: Path) -> bool:
+    """Whether ``err``, raised while writing under ``where``, means the disk (or quota) is full: an OSError with
+    ENOSPC / EDQUOT, a message saying so (safetensors' "os error 28"), or a RuntimeError of torch.save's zip writer
+    ("file write failed", which carries no errno) when less than 1 MiB is left for this user."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    if "No space left" in text or "os error 28" in text or "Disk quota" in text or "os error 122" in text:
+        return True
+    try:
+        st = os.statvfs(where if where.exists() else where.parent)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
 def _step_of(path: Path) -> int | None:
     """The step of a checkpoint folder ``step-NNNNNN``, or None for any other name."""
     m = _CHECKPOINT_NAME.fullmatch(path.name)
@@ -145,6 +177,199 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _json_safe(value.item()) if value.numel() == 1 else value.tolist()
     return value
+
+
+#: The globals a checkpoint may hold besides tensors and plain containers: NumPy's array reconstruction, for the
+#: NumPy random state that checkpoints written before state.pt stored it as a tensor hold. Nothing else is allowed.
+_NUMPY_CORE = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
+_CHECKPOINT_SAFE_GLOBALS = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+class UnsafeCheckpointError(RunDirError):
+    """A checkpoint file holds something other than tensors and plain values (``torch.load(weights_only=True)``
+    refuses it): it could run code when loaded, so it is not loaded."""
+
+
+def load_pickled_state(path: Path, hint: str) -> Any:
+    """The object in a checkpoint's ``optimizer.pt`` or ``state.pt``, loaded with ``torch.load(weights_only=True)``:
+    tensors, numbers, strings, lists, tuples and dicts only (plus NumPy arrays, :data:`_CHECKPOINT_SAFE_GLOBALS`), so
+    a crafted file (a pickle whose ``__reduce__`` calls a function) is refused before anything in it runs.
+
+    Args:
+        path: the file.   hint: what to do next, appended to the message (e.g. how to resume without it).
+
+    Raises:
+        UnsafeCheckpointError: the file holds another object (one line naming the file and the refused global).
+        RunDirError: the file is unreadable or not a torch file (corrupt).
+    """
+    try:
+        with torch.serialization.safe_globals(_CHECKPOINT_SAFE_GLOBALS):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = f"the global {found.group(1)}" if found else "an object that is not tensors or plain values"
+        raise UnsafeCheckpointError(
+            f"checkpoint file {path} holds {what}, which loading would call; it is refused (weights_only=True): "
+            f"a checkpoint holds only tensors and plain values, so this one was not written by grpo-lens or was "
+            f"altered; do not resume from it{'; ' + hint if hint else ''}") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
+        why = str(e).splitlines()[0][:200] if str(e) else ""
+        raise RunDirError(f"checkpoint {path.parent} is corrupt ({path.name}: {type(e).__name__}: {why})"
+                          f"{'; ' + hint if hint else ''}") from None
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One writer per run directory
+# ---------------------------------------------------------------------------------------------------------------------
+#: The lock file in a run directory: ``fcntl.flock``-ed by the one process writing it, and holding its pid and host.
+LOCK_NAME = ".grpo-lens.lock"
+
+
+class RunDirLockedError(RunDirError):
+    """Another live process holds the run directory's lock (it is writing there)."""
+
+
+_HELD: dict[Path, list] = {}  # resolved directory -> [open lock file, depth] of the locks this process holds
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_holder(text: str) -> str:
+    """``pid 123 on host h (grpo-lens train since ...)`` from a lock file's contents."""
+    try:
+        info = json.loads(text)
+        return (f"pid {info['pid']} on host {info['host']} (grpo-lens {info.get('command', '?')} since "
+                f"{info.get('since', '?')})")
+    except (ValueError, KeyError, TypeError):
+        return "another process (its lock file names no pid)"
+
+
+def acquire_run_lock(path: str | Path, command: str) -> Callable[[], None]:
+    """Take the one-writer lock of run directory ``path`` for ``command`` (train, probe, demo); returns the release.
+
+    ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``path/.grpo-lens.lock``, which then holds this process's pid, host, command
+    and start time; the kernel drops the lock when the process ends however it ends. The release deletes the file
+    (while still holding the lock; a process that locked the deleted file sees that it is no longer the one at the
+    path and tries again), so a finished run, or a start refused before writing, leaves no lock file. A lock file left
+    by a process that died without releasing (kill -9) is taken over with a warning naming it. A directory that does
+    not exist yet is created to hold the lock, and the release removes it again when it holds nothing else. Taking the
+    same lock twice in one process nests (the release of the outer one frees it).
+
+    Raises:
+        RunDirLockedError: a live process holds the lock, naming it (pid, host, command, since when) and what to do.
+    """
+    path = Path(path)
+    key = path.resolve()
+    if key in _HELD:
+        _HELD[key][1] += 1
+        return functools.partial(_release_run_lock, key, False)
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    lock_path = path / LOCK_NAME
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunDirLockedError(f"{path} is being written by {_lock_holder(text)}: one process writes a run "
+                                    f"directory at a time, so --overwrite, --resume or a new run there is refused; "
+                                    f"wait for it to finish or stop it, or choose another --out") from None
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder released and deleted the file between our open and flock: again
+    previous = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    if previous:
+        try:
+            pid = int(json.loads(previous)["pid"])
+        except (ValueError, KeyError, TypeError):
+            pid = -1
+        state = "is no longer running" if pid <= 0 or not _pid_alive(pid) else "no longer holds it"
+        logging.getLogger(__name__).warning("%s: taking over the stale lock of %s, which %s (ended without "
+                                            "releasing it, e.g. killed)", path, _lock_holder(previous), state)
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode() + b"\n", 0)
+    _HELD[key] = [fd, 1]
+    return functools.partial(_release_run_lock, key, created)
+
+
+def _release_run_lock(key: Path, created: bool) -> None:
+    """Release one level of :func:`acquire_run_lock`; the outermost deletes the lock file and frees the lock."""
+    held = _HELD.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] > 0:
+        return
+    del _HELD[key]
+    fd = held[0]
+    try:
+        os.unlink(key / LOCK_NAME)  # still locked: no one else holds this file meanwhile
+    except OSError:
+        pass
+    if created:
+        try:
+            key.rmdir()  # a failed start leaves --out as it was: absent (only when it holds nothing)
+        except OSError:
+            pass
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def holds_run_dir(command: str, out_of: Callable[..., Any] = lambda config, *a, **k: config.out):
+    """Decorator: the function holds the run directory ``out_of(*args, **kwargs)`` (default ``config.out``) for its
+    whole call (:func:`acquire_run_lock`); nothing is locked when that is empty, or on processes other than the main
+    one of a torchrun / accelerate launch (``RANK`` > 0: the main process alone writes)."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def locked(*args, **kwargs):
+            out = out_of(*args, **kwargs)
+            if not out or os.environ.get("RANK", "0") != "0":
+                return fn(*args, **kwargs)
+            try:
+                release = acquire_run_lock(out, command)
+            except RunDirLockedError:
+                raise
+            except OSError:  # --out is a file, under a file, or not writable: the function's own checks say so
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                release()
+
+        return locked
+
+    return wrap
+
+
+def run_dir_entries(path: Path) -> list[Path]:
+    """What a directory holds besides its lock file (:data:`LOCK_NAME`)."""
+    return [p for p in Path(path).iterdir() if p.name != LOCK_NAME]
+
+
+def clear_run_dir(path: Path) -> None:
+    """Delete everything in ``path`` but its lock file, which the process replacing the run holds."""
+    for p in run_dir_entries(path):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 class RunDir:
@@ -200,7 +425,7 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"output path {self.path} is a file, not a directory; choose another --out")
         self.check_writable()
-        if self.path.exists() and any(self.path.iterdir()):
+        if self.path.exists() and run_dir_entries(self.path):
             if not has_run:
                 raise RunDirError(f"output directory {self.path} already holds files that are not a grpo-lens run "
                                   f"(no config.yaml); --overwrite only replaces a run, so choose another --out or "
@@ -235,7 +460,7 @@ class RunDir:
         """
         resolved = self.resolve(config_dict, resume=resume, overwrite=overwrite, resumable_keys=resumable_keys)
         if not resume and self.config_path.is_file():  # resolve() allowed it: overwrite a run
-            shutil.rmtree(self.path)
+            clear_run_dir(self.path)  # all but the lock file, which this process holds
         self.path.mkdir(parents=True, exist_ok=True)
         return resolved
 
@@ -297,17 +522,28 @@ class RunDir:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        if model_state is not None:
-            save_file(model_state, str(tmp / "model.safetensors"))
-        else:
-            save_model(model, str(tmp / "model.safetensors"))
-        crash_point("mid_checkpoint", step)
-        torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state, tmp / "optimizer.pt")
-        torch.save({**state, "step": step}, tmp / "state.pt")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        writing = tmp / "model.safetensors"
+        try:
+            if model_state is not None:
+                save_file(model_state, str(writing))
+            else:
+                save_model(model, str(writing))
+            crash_point("mid_checkpoint", step)
+            writing = tmp / "optimizer.pt"
+            torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state, writing)
+            writing = tmp / "state.pt"
+            torch.save({**state, "step": step}, writing)
+            for f in tmp.iterdir():
+                writing = f
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+        except Exception as e:
+            full = disk_full(e, tmp)
+            shutil.rmtree(tmp, ignore_errors=True)  # the half-written checkpoint; the previous one stays in charge
+            if full:
+                raise OSError(errno.ENOSPC, "No space left on device", str(writing)) from None
+            raise
         if final.exists():  # a left-over of a killed run (never the one ``latest`` names: that step is done)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -374,14 +610,14 @@ class RunDir:
         for n, f in files.items():
             if not f.is_file():
                 raise RunDirError(f"checkpoint {path} is incomplete: {n} is missing; {self._recovery_hint(path)}")
+        optimizer_state = load_pickled_state(files["optimizer.pt"], self._recovery_hint(path))
+        state = load_pickled_state(files["state.pt"], self._recovery_hint(path))
         try:
             if load_states is not None:
-                load_states(load_file(str(files["model.safetensors"])),
-                            torch.load(files["optimizer.pt"], weights_only=False))
+                load_states(load_file(str(files["model.safetensors"])), optimizer_state)
             else:
                 load_model(model, str(files["model.safetensors"]), strict=True)
-                optimizer.load_state_dict(torch.load(files["optimizer.pt"], weights_only=False))
-            state = torch.load(files["state.pt"], weights_only=False)
+                optimizer.load_state_dict(optimizer_state)
             if not isinstance(state, dict) or "step" not in state:
                 raise ValueError("state.pt holds no step")
         except Exception as e:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
@@ -403,8 +639,8 @@ class RunDir:
             RunDirError: naming every differing field with both values, and what to do.
         """
         try:
-            state = torch.load(path / "state.pt", weights_only=False)
-        except Exception:  # noqa: BLE001 - load_checkpoint reports a corrupt checkpoint with its recovery hint
+            state = load_pickled_state(path / "state.pt", "")
+        except RunDirError:  # load_checkpoint reports an unusable checkpoint with its recovery hint
             return
         ran = state.get("config") if isinstance(state, dict) else None
         if not isinstance(ran, dict):

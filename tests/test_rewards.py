@@ -121,19 +121,36 @@ def test_combine_weighted_sum_and_metrics():
     assert metrics["reward/std"] == pytest.approx(0.75)  # population std of {1.5, 0, 1.5, 0}
 
 
-def test_combine_none_and_nan_mark_single_rollouts_invalid(caplog):
+def test_combine_none_and_nan_skip_that_function_for_the_rollout():
+    """TRL's multi-task convention (issue 32): None / NaN skips that function for that rollout and the others'
+    weighted rewards stand (main marked rollouts 1 and 2 invalid)."""
     def partial(prompts, completions, **kw):
         return [1.0, None, float("nan"), 0.0]
 
-    with caplog.at_level(logging.WARNING, logger="grpo_lens.rewards"):
-        rewards, valid, metrics = combine_rewards([partial, ("correctness", 2.0)], PROMPTS, COMPLETIONS,
-                                                  answer=ANSWERS)
-    assert valid.tolist() == [True, False, False, True]
-    # rollout 0: 1 + 2 * 1 = 3; rollout 3: 0 + 2 * 0 = 0; invalid ones are NaN.
-    assert rewards[0].item() == 3.0 and rewards[3].item() == 0.0 and torch.isnan(rewards[1:3]).all()
-    assert metrics["reward/invalid_count"] == 2 and metrics["reward/partial/invalid_count"] == 2
-    assert metrics["reward/partial"] == 0.5  # mean of its valid values {1, 0}
-    assert "partial" in caplog.text
+    rewards, valid, metrics = combine_rewards([partial, ("correctness", 2.0)], PROMPTS, COMPLETIONS, answer=ANSWERS)
+    assert valid.all()
+    # correctness [1, 0, 1, 0] (weight 2), partial [1, -, -, 0]: [1 + 2, 0 + 0, - + 2, 0 + 0] = [3, 0, 2, 0].
+    assert rewards.tolist() == [3.0, 0.0, 2.0, 0.0]
+    assert metrics["reward/invalid_count"] == 0 and metrics["reward/partial/invalid_count"] == 2
+    assert metrics["reward/partial"] == 0.5  # mean of its scored values {1, 0}
+
+
+def test_combine_multi_task_pair_scores_every_rollout_and_all_none_is_invalid():
+    """A math-only and a code-only function, each None on the other's rows, score every row; a row neither scores
+    is invalid (NaN). Main: every row invalid, so the run trained nothing."""
+    kinds = ["math", "code", "math", "other"]
+
+    def math_only(prompts, completions, kind, **kw):
+        return [1.0 if k == "math" else None for k in kind]
+
+    def code_only(prompts, completions, kind, **kw):
+        return [0.5 if k == "code" else None for k in kind]
+
+    rewards, valid, metrics = combine_rewards([(math_only, 1.0), (code_only, 2.0)], PROMPTS, COMPLETIONS,
+                                              columns={"kind": kinds})
+    assert valid.tolist() == [True, True, True, False]
+    assert rewards[:3].tolist() == [1.0, 1.0, 1.0] and torch.isnan(rewards[3])  # 1 * 1; 2 * 0.5; 1 * 1; none
+    assert metrics["reward/invalid_count"] == 1
 
 
 def test_combine_raising_function_invalidates_its_call(caplog):

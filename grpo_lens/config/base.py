@@ -348,7 +348,7 @@ class ConfigFile:
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            values = yaml.safe_load(p.read_text()) or {}
+            values = safe_load_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {yaml_error_line(e)}") from None
         if not isinstance(values, dict):
@@ -365,6 +365,37 @@ class ConfigFile:
         values = cls.read(path)
         values.update(cls.canonical(overrides or {}))
         return cls.from_dict(values)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with the same key twice (plain YAML keeps the last one silently,
+    so ``group_size: 4`` below ``group_size: 8`` would win unseen)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # SafeLoader's own error for an unhashable key follows
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r} (first on line {seen[key].line + 1}); keep one of them",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (:class:`UniqueKeyLoader`): for --config files, YAML-mapping
+    flags (``--task-options``), a resumed run's config.yaml and a demo's demo.yaml.
+
+    Raises:
+        yaml.YAMLError: not valid YAML, or a key twice in one mapping (naming the key and both lines).
+    """
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def yaml_error_line(err: Exception) -> str:
@@ -457,7 +488,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
 def _yaml_mapping(text: str) -> dict:
     """argparse type of dict fields: a YAML mapping; anything else is an argparse error (exit 2, one line)."""
     try:
-        value = yaml.safe_load(text)
+        value = safe_load_yaml(text)
     except yaml.YAMLError as e:
         raise argparse.ArgumentTypeError(f"not valid YAML ({yaml_error_line(e)}): {text!r}; expected a mapping like "
                                          "'{max_operand: 9}'") from None

@@ -29,6 +29,8 @@ Overrides, each visible where the config takes the field: the demo's ``out`` def
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from grpo_lens.config.base import (
@@ -61,16 +63,19 @@ def _trackers(names: list) -> str | None:
 
 
 def _reward_specs(specs: list) -> str | None:
-    """Check of ``rewards``: at least one ``NAME`` or ``NAME:WEIGHT``, each weight a number."""
+    """Check of ``rewards``: at least one ``NAME`` or ``NAME:WEIGHT``, each weight a finite number."""
     if not specs:
         return "give at least one reward function"
     for spec in specs:
         _, _, weight = str(spec).partition(":")
         if weight:
             try:
-                float(weight)
+                value = float(weight)
             except ValueError:
                 return f"{spec!r}: the weight after ':' must be a number"
+            if not math.isfinite(value):
+                return f"{spec!r}: the weight after ':' must be a finite number (a NaN or infinite weight makes " \
+                       f"every reward NaN), e.g. {str(spec).partition(':')[0]}:0.1"
     return None
 
 

@@ -58,6 +58,14 @@ class TrainConfig(ConfigFile):
     model: str = Model.model()
     task: str = TaskData.task()
     dataset: str | None = TaskData.dataset()
+    dataset_sha256: str | None = option(None, "Written by the trainer, not to set: the sha256 of the --dataset file "
+                                        "when the run started (config.yaml records it with the file's absolute path); "
+                                        "a --resume whose file differs is refused unless --allow-dataset-change.")
+    dataset_rows: int | None = option(None, "Written by the trainer, not to set: the number of rows of the --dataset "
+                                      "file when the run started.")
+    allow_dataset_change: bool = option(False, "--resume although the --dataset file changed since the run started "
+                                        "(its sha256 differs); the new hash and this flag are recorded in "
+                                        "config.yaml.")
     task_options: dict = TaskData.task_options()
     rewards: list = TaskData.rewards()
     reward_timeout: float = TaskData.reward_timeout()

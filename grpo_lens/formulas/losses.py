@@ -128,7 +128,7 @@ def kl_reward_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float)
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
     k1 = kl_k1(logp.detach(), ref_logp.detach())
-    return beta * (k1 * mask.to(k1.dtype)).sum(dim=1)
+    return beta * masked_sum(k1, mask, dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -194,13 +194,26 @@ def _rollouts_in_loss(mask: Tensor) -> float:
     return float(mask.bool().any(dim=1).sum().item())
 
 
+def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """sum of ``values`` over the positions where ``mask`` is true (nonzero), along ``dim`` (all when None).
+
+    ``torch.where``, never ``values * mask``: a NaN or inf at a masked-out position (a padded token's log-prob of
+    -inf, say) would make the product NaN (0 * inf = NaN) and the whole loss with it (verl PR 6349).
+
+    Args:
+        values: [n, T] float.   mask: [n, T] bool or 0/1.
+    """
+    kept = torch.where(mask != 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
 def _sequence_mean_numerator(loss: Tensor, mask: Tensor) -> Tensor:
-    lengths = mask.sum(dim=1).clamp(min=1)
-    return ((loss * mask).sum(dim=1) / lengths).sum()
+    lengths = (mask != 0).sum(dim=1).clamp(min=1)
+    return (masked_sum(loss, mask, dim=1) / lengths).sum()
 
 
 def _token_sum_numerator(loss: Tensor, mask: Tensor) -> Tensor:
-    return (loss * mask).sum()
+    return masked_sum(loss, mask)
 
 
 def _sequence_mean_weights(mask: Tensor) -> Tensor:
@@ -349,6 +362,14 @@ def grpo_loss(
         raise ValueError("beta > 0 needs ref_logp (log-probs of the reference model)")
 
     maskf = mask.to(logp.dtype)
+    # Masked-out positions hold 0 from here on (torch.where): a NaN / -inf there (padding) reaches neither the loss
+    # nor its gradient, which a multiply-by-mask would let through (0 * NaN = NaN).
+    mask = mask.bool()
+    logp, old_logp = (torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in (logp, old_logp))
+    if ref_logp is not None:
+        ref_logp = torch.where(mask, ref_logp, torch.zeros((), dtype=ref_logp.dtype, device=ref_logp.device))
+    if token_weights is not None and token_weights.shape == mask.shape:
+        token_weights = torch.where(mask, token_weights, torch.zeros_like(token_weights))
     policy_tok, ratio = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
     if token_weights is not None:
         if token_weights.shape != logp.shape:
@@ -374,12 +395,12 @@ def grpo_loss(
         metrics = {
             LOSS_POLICY: float(policy.detach()),
             LOSS_KL: float(kl_part.detach()),
-            KL_MEAN: float((kl_tok.detach() * maskf).sum() / tokens) if kl_tok is not None else 0.0,
+            KL_MEAN: float(masked_sum(kl_tok.detach(), mask) / tokens) if kl_tok is not None else 0.0,
             CLIP_RATIO_LOW: float(low.sum() / tokens),
             CLIP_RATIO_HIGH: float(high.sum() / tokens),
             CLIP_RATIO_REGION: float((low | high).sum() / tokens),
             CLIP_RATIO_DUAL: float(dual.sum() / tokens),
-            RATIO_MEAN: float((ratio * maskf).sum() / tokens),
+            RATIO_MEAN: float(masked_sum(ratio, mask) / tokens),
             RATIO_MAX: float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
             "tokens": float(maskf.sum()),
         }

@@ -143,7 +143,7 @@ from grpo_lens.rollout import (
     forward_precision,
     sample_groups,
 )
-from grpo_lens.rundir import atomic_write_text
+from grpo_lens.rundir import atomic_write_text, holds_run_dir
 from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
 
@@ -576,6 +576,7 @@ def prepare_out(config: ProbeConfig) -> PartialProbe:
     return partial
 
 
+@holds_run_dir("probe")  # one writer per --out (grpo_lens.rundir.acquire_run_lock)
 def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     """Run the probe and write OUT/probe.json and OUT/report.md; return OUT.
 

@@ -19,12 +19,13 @@ class Example:
     Attributes:
         prompt: chat messages, e.g. ``[{"role": "user", "content": "What is 2 + 3?"}]``, or a plain string (a user
             dataset's string prompt, kept as given).
-        answer: the reference answer as a string (e.g. ``"5"``), or None when the task has none.
+        answer: the reference answer as a string (e.g. ``"5"``), or None when the task has none; a user dataset's
+            list or mapping answer is kept as given (for the user's reward functions; correctness cannot score it).
         extras: any other per-prompt columns (e.g. ``question``), passed to reward functions as keyword arguments.
     """
 
     prompt: Messages | str
-    answer: str | None = None
+    answer: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def columns(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ argument, as TRL does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -84,7 +85,41 @@ def row_to_example(row: Any, source: str, row_number: int, system_prompt: str | 
     answer = row.get("answer")
     extras = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
     check_column_names(list(extras), f"{source}, row {row_number}")
-    return Example(prompt=messages, answer=None if answer is None else str(answer), extras=extras)
+    if answer is not None and not isinstance(answer, (list, dict)):
+        answer = str(answer)  # a number or string; a list or mapping stays as given (never scored from its repr)
+    return Example(prompt=messages, answer=answer, extras=extras)
+
+
+def file_fingerprint(path: str | os.PathLike) -> tuple[str, int]:
+    """(sha256 hex digest, number of non-blank lines) of a data file, read in 1 MiB blocks: what a run records of its
+    --dataset so that a resume can tell that the file changed.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    digest, rows = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        partial = b""
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            lines = (partial + block).split(b"\n")
+            partial = lines.pop()
+            rows += sum(1 for line in lines if line.strip())
+        rows += 1 if partial.strip() else 0
+    return digest.hexdigest(), rows
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object with the same key twice."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Any]:
@@ -92,18 +127,32 @@ def read_jsonl(path: str | os.PathLike) -> list[Any]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line is not valid JSON, naming the file and line number.
+        ValueError: naming the file (and line): gzip-compressed, a line not UTF-8 or not valid JSON, a key twice in
+            one object.
     """
     path = Path(path)
     rows = []
-    with path.open(encoding="utf-8-sig") as f:  # a UTF-8 byte-order mark (some editors write one) is not data
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((number, json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise _row_error(str(path), number, f"not valid JSON ({err.msg} at column {err.colno})") from None
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        raise ValueError(f"{path}: gzip-compressed, not JSONL text; decompress it first (gunzip -k {path}) and pass "
+                         f"the .jsonl file")
+    if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte-order mark (some editors write one) is not data
+        data = data[3:]
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise _row_error(str(path), number, f"not UTF-8 text (byte {raw[err.start:err.start + 1]!r} at column "
+                                                f"{err.start + 1}); save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            rows.append((number, json.loads(line, object_pairs_hook=_unique_keys)))
+        except json.JSONDecodeError as err:
+            raise _row_error(str(path), number, f"not valid JSON ({err.msg} at column {err.colno})") from None
+        except _DuplicateKey as err:
+            raise _row_error(str(path), number, f"the key {err.args[0]!r} appears twice in one object (JSON keeps "
+                                                f"the last silently); keep one") from None
     if not rows:
         raise ValueError(f"{path}: no rows. Fix: {ROW_HELP}")
     return rows

@@ -79,16 +79,25 @@ from grpo_lens.rollout import (
     prompt_token_ids,
     sample_groups,
 )
-from grpo_lens.rundir import RunDir, crash_point, lens_overhead, read_records
+from grpo_lens.rundir import (
+    RunDir,
+    RunDirError,
+    crash_point,
+    read_saved_config,
+    holds_run_dir,
+    lens_overhead,
+    read_records,
+)
 from grpo_lens.seeding import seed_everything
 from grpo_lens.tasks import get_task
+from grpo_lens.tasks.user_data import file_fingerprint
 from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
 from grpo_lens.train.evaluate import Evaluation
 from grpo_lens.train.lens import TrainerLens, scores_from_update_rows
 from grpo_lens.train.memory import _peak_memory_mb
 from grpo_lens.train.processes import Processes, gather_objects, setup_processes
-from grpo_lens.train.schedule import LRSchedule
+from grpo_lens.train.schedule import LRSchedule, warmup_steps
 from grpo_lens.train.sharding import (
     PARALLELISMS,
     full_model_state,
@@ -114,6 +123,11 @@ class NonFiniteUpdateError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient; the run stopped with its last checkpoint intact."""
 
 
+class NonFiniteWeightsError(NonFiniteUpdateError):
+    """The weights became NaN or infinite in an update (e.g. a learning rate far too high); the run stopped before
+    the next generate, with its last checkpoint intact."""
+
+
 class NoScorableRolloutError(RuntimeError):
     """Too many consecutive steps had no rollout any reward function could score (a missing column, a reward function
     that raises); the run stopped with its last checkpoint intact."""
@@ -122,7 +136,10 @@ class NoScorableRolloutError(RuntimeError):
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
 RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
                   "log_completions", "device", "report_to",
-                  "reward_timeout", "max_consecutive_skips", "metric_names")
+                  "reward_timeout", "max_consecutive_skips", "metric_names", "allow_dataset_change")
+
+#: Config fields the trainer writes itself (what it found of --dataset): never compared with what was given.
+RECORDED_KEYS = ("dataset_sha256", "dataset_rows")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -144,6 +161,7 @@ def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------------
+@holds_run_dir("train")  # one writer: a live run's --out is refused to any other process
 def train(config: TrainConfig, lens: Any = None) -> RunDir:
     """Run GRPO as ``config`` says and return the run directory.
 
@@ -194,6 +212,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
         update_metrics = policy_update(models.policy, models.optimizer, rollouts.batch, advantages, ref_logp, config,
                                        procs, models.params, before_step=before_step, step=step, capture=plan.capture)
+        stop_if_weights_diverged(models, procs, run, step, state.step)  # before anything reads the new weights
         # 6. the lens after the update: its g_i read off the update's first pass, and S4 around the optimizer step
         lens_metrics = lens_after_update(lens, plan, step, procs, models.policy, rollouts, advantages)
         # 7. the guards: a step with a skipped optimizer step, or with no scorable rollout, counts toward
@@ -411,17 +430,110 @@ def check_before_writing(config: TrainConfig, run: RunDir,
     Raises:
         ConfigError / RunDirError / ModelNotFoundError / ValueError: see :func:`train`.
     """
-    config = TrainConfig.from_dict(run.resolve(config.to_dict(), resume=config.resume, overwrite=config.overwrite,
-                                               resumable_keys=RESUMABLE_KEYS, canonical=TrainConfig.canonical))
+    given = {k: v for k, v in absolute_dataset(config).to_dict().items() if k not in RECORDED_KEYS}
+    resumable = RESUMABLE_KEYS + new_learning_rate(config, run)
+    config = TrainConfig.from_dict(run.resolve(given, resume=config.resume, overwrite=config.overwrite,
+                                               resumable_keys=resumable, canonical=TrainConfig.canonical))
+    config = check_dataset_file(config)  # a resume trains on the run's own data
     task, reward_fns = check_inputs(config, procs)
     ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
     if ckpt is not None:  # config.yaml may have been edited: compare with what the checkpoint's steps ran with
-        run.check_resumed_config(ckpt, config.to_dict(), RESUMABLE_KEYS, canonical=TrainConfig.canonical)
+        run.check_resumed_config(ckpt, config.to_dict(), resumable + RECORDED_KEYS,
+                                 canonical=TrainConfig.canonical)
     if config.resume:  # a line of metrics/completions.jsonl that is no record fails now, naming file and line
         for path in (run.metrics_path, run.completions_path):
             read_records(path)
+        if ckpt is not None:
+            check_metrics_cover(run, ckpt)
+    warn_long_warmup(config)
     procs.barrier()  # every process has read --out before the main one changes it
     return config, task, reward_fns, ckpt
+
+
+def new_learning_rate(config: TrainConfig, run: RunDir) -> tuple[str, ...]:
+    """``("learning_rate",)`` when a resume is given a learning rate other than the run's config.yaml holds (a flag:
+    e.g. lower after the weights diverged), so that it may change from the next step on, with a warning; () else.
+    An edit of config.yaml alone still differs from what the checkpoint ran with and is refused
+    (:meth:`RunDir.check_resumed_config`)."""
+    if not config.resume or not run.config_path.is_file():
+        return ()
+    try:
+        saved = read_saved_config(run.config_path, "").get("learning_rate")
+    except RunDirError:
+        return ()  # resolve() reports the unreadable file
+    if saved is None or float(saved) == config.learning_rate:
+        return ()
+    logger.warning("--resume with --learning-rate %g (the run's is %g): the steps from here on use the new rate, "
+                   "and config.yaml records it", config.learning_rate, float(saved))
+    return ("learning_rate",)
+
+
+def absolute_dataset(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``dataset`` made absolute when it names a file here, so that config.yaml records where the data
+    is and a resume from another folder reads the same file (or, given a relative path again, is compared with it)."""
+    if config.dataset and Path(config.dataset).is_file():
+        return replace(config, dataset=str(Path(config.dataset).resolve()))
+    return config
+
+
+def check_dataset_file(config: TrainConfig) -> TrainConfig:
+    """Record the --dataset file's sha256 and row count (a new run), or check them against the run's (a resume).
+
+    A resume whose file's sha256 differs from the recorded one is refused, naming both hashes, unless
+    ``allow_dataset_change`` (then the new hash and row count are recorded, with a warning). Nothing is recorded
+    for a dataset that is not a local file (a Hugging Face dataset name) or a run without one.
+
+    Raises:
+        RunDirError: the file changed since the run started, or is gone.
+    """
+    if not config.dataset:
+        return config
+    path = Path(config.dataset)
+    if not path.is_file():
+        if config.resume and config.dataset_sha256:
+            raise RunDirError(f"--resume: the run's dataset {path} (sha256 {config.dataset_sha256}) is not there any "
+                              f"more; restore it, or start a new run in another --out")
+        return config
+    sha256, rows = file_fingerprint(path)
+    if config.resume and config.dataset_sha256 and sha256 != config.dataset_sha256:
+        if not config.allow_dataset_change:
+            raise RunDirError(
+                f"--resume: the dataset {path} changed since the run started: its sha256 is {sha256} ({rows} rows) "
+                f"and the run recorded {config.dataset_sha256} ({config.dataset_rows} rows); restore the file, or "
+                f"pass --allow-dataset-change to resume on the changed data (recorded in config.yaml)")
+        logger.warning("--allow-dataset-change: resuming on %s, changed since the run started (sha256 %s, %s rows; "
+                       "the run recorded %s, %s rows)", path, sha256, rows, config.dataset_sha256,
+                       config.dataset_rows)
+    return replace(config, dataset_sha256=sha256, dataset_rows=rows)
+
+
+def check_metrics_cover(run: RunDir, ckpt: Path) -> None:
+    """A resume from checkpoint ``ckpt`` of step k needs metrics.jsonl with the records up to step k (each step's
+    line is written and fsynced before its checkpoint): a file deleted or cut would lose the run's history silently.
+
+    Raises:
+        RunDirError: metrics.jsonl is missing or ends before step k, naming it and what to do.
+    """
+    step = int(ckpt.name.split("-")[1])
+    if step <= 0:
+        return
+    records = run.read_metrics()
+    last = max((r.get(STEP, 0) for r in records), default=None)
+    if last is None or last < step:
+        held = "is missing" if not run.metrics_path.exists() else f"holds steps up to {last or 0}"
+        raise RunDirError(f"--resume: {run.metrics_path} {held}, but the checkpoint {ckpt.name} is at step {step}: "
+                          f"resuming would lose the run's history; restore the file from a copy, or start a new run "
+                          f"in another --out")
+
+
+def warn_long_warmup(config: TrainConfig) -> None:
+    """A warm-up as long as the run or longer leaves the LR below --learning-rate for every step: say so at start."""
+    w = warmup_steps(config)
+    if w > 0 and w >= config.max_steps:
+        logger.warning("--warmup-steps %s is %d steps, not fewer than the run's %d (--max-steps): the learning rate "
+                       "rises from 0 for the whole run and never reaches --learning-rate %g (with %d steps, a warm-up "
+                       "of at most %d steps, or a share such as 0.1)", config.warmup_steps, w, config.max_steps,
+                       config.learning_rate, config.max_steps, max(0, config.max_steps - 1))
 
 
 def build_models(config: TrainConfig, procs: Processes) -> Models:
@@ -524,10 +636,20 @@ def sample_step(config: TrainConfig, procs: Processes, task: Any, reward_fns: li
     """This process's rollouts of step ``step``: round 0 (:func:`sample_round`) or, with ``dynamic_sampling``, the
     mixed groups of as many rounds as :func:`sample_dynamic` needs. Randomness derives from (seed, step) only."""
     draw = functools.partial(sample_round, config, procs, task, reward_fns, models, step, step_seed(config.seed, step))
-    if config.dynamic_sampling:
-        return sample_dynamic(draw, config.prompts_per_step // procs.world, config.dynamic_sampling_max_rounds,
-                              models.tokenizer.pad_token_id)
-    return draw(0)
+    try:
+        if config.dynamic_sampling:
+            return sample_dynamic(draw, config.prompts_per_step // procs.world, config.dynamic_sampling_max_rounds,
+                                  models.tokenizer.pad_token_id)
+        return draw(0)
+    except RuntimeError as err:  # finite but huge weights overflow in the forward: sampling meets inf/nan
+        text = str(err)
+        if "probability tensor contains" not in text and not ("inf" in text and "nan" in text):
+            raise
+        lr = models.optimizer.param_groups[0]["lr"]
+        raise NonFiniteWeightsError(
+            f"step {step}: sampling met NaN/inf probabilities ({str(err).splitlines()[0][:80]}): the weights after "
+            f"step {step - 1}'s update (learning rate {lr:.3g}) overflow; resume from step {step - 1} or earlier "
+            f"with a lower --learning-rate (--resume --learning-rate ...)") from None
 
 
 def sample_round(config: TrainConfig, procs: Processes, task: Any, reward_fns: list[tuple[str, float]],
@@ -777,11 +899,38 @@ def step_line(record: dict[str, Any], max_steps: int) -> str:
     return "  ".join(parts)
 
 
+def weights_finite(params: list[torch.nn.Parameter]) -> bool:
+    """Whether every trainable weight is finite (one fused reduction per tensor, no copy)."""
+    return all(bool(torch.isfinite(p).all()) for p in params)
+
+
+def stop_if_weights_diverged(models: Models, procs: Processes, run: RunDir, step: int, last_step: int) -> None:
+    """Raise :class:`NonFiniteWeightsError` when an update of step ``step`` left a NaN or infinite weight (all
+    processes agree), before the next generate would fail on it, naming the step, the learning rate and how to go on.
+    ``last_step``: the step before (its checkpoint, when it has one, holds finite weights)."""
+    (bad,) = procs.sum_floats([0.0 if weights_finite(models.params) else 1.0])
+    if not bad:
+        return
+    lr = models.optimizer.param_groups[0]["lr"]
+    try:
+        ckpt = run.latest_checkpoint()
+    except RunDirError:
+        ckpt = None
+    where = f"the checkpoint {ckpt.name} is intact" if ckpt is not None else "no checkpoint was written yet"
+    procs.barrier()
+    raise NonFiniteWeightsError(
+        f"step {step}: the weights are NaN/inf after the update at learning rate {lr:.3g}, so the run stopped before "
+        f"the next generate ({where}); resume from step {last_step} with a lower --learning-rate (--resume "
+        f"--learning-rate ...; the run checkpoints every --checkpoint-every steps)")
+
+
 def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run: RunDir, step: int) -> None:
     """Raise :class:`NonFiniteUpdateError` once ``max_consecutive_skips`` steps in a row were skipped (docs/theory.md
     §Numerical guards), or :class:`NoScorableRolloutError` once that many steps in a row had no scorable rollout,
-    before the step's checkpoint, so the last checkpoint stays the last good state."""
-    if state.guard.get("unscored", 0) >= config.max_consecutive_skips:
+    before the step's checkpoint, so the last checkpoint stays the last good state. A run shorter than
+    ``max_consecutive_skips`` stops so at its last step when none of its steps had a scorable rollout: a run where
+    nothing scores fails whatever its length."""
+    if state.guard.get("unscored", 0) >= min(config.max_consecutive_skips, config.max_steps):
         procs.barrier()
         raise NoScorableRolloutError(
             f"step {step}: no rollout could be scored for {state.guard['unscored']} consecutive steps "
@@ -865,15 +1014,29 @@ def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path,
 
 
 def _rng_state() -> dict[str, Any]:
-    """The states of Python's, NumPy's and torch's global random generators (saved in every checkpoint)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The states of Python's, NumPy's and torch's global random generators (saved in every checkpoint). NumPy's is
+    stored as plain values and a tensor (its 624 key words as int64), which ``torch.load(weights_only=True)`` reads."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`_rng_state` saved, so a resumed run draws what the uninterrupted one would."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore what :func:`_rng_state` saved, so a resumed run draws what the uninterrupted one would (also the
+    NumPy state tuple of checkpoints written before it was stored as a tensor)."""
+    random.setstate(_as_tuples(state["python"]))
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
+
+
+def _as_tuples(value: Any) -> Any:
+    """``random.setstate`` wants tuples where a round trip may give lists."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,

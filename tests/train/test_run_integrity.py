@@ -448,7 +448,8 @@ def test_case9_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_cmd_train", full)  # build_parser binds the command when main() runs
     assert cli.main(["train", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "No space left on device while writing" in err and "resume with --resume" in err
+    # issue 32's wording: "disk full while writing FILE; nothing lost ...; free space ... and resume"
+    assert f"disk full while writing {tmp_path / 'metrics.jsonl'}; nothing lost" in err and "resume with --resume" in err
     assert "Traceback" not in err
 
 
