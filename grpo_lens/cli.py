@@ -134,6 +134,8 @@ def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
+    if args.seeds:
+        return _cmd_probe_seeds(args)
     partial = PartialProbe(args.out) if args.out else None
     if args.resume and partial is not None and partial.exists():
         # Resume with the partial probe's settings: flags need not be repeated, and one that differs is reported.
@@ -146,6 +148,25 @@ def _cmd_probe(args: argparse.Namespace) -> int:
                       f"{d[PROBE_TIMING]['seconds']:.0f} s" for R, d in data["per_group_size"].items())
     meta = data["meta"]
     print(f"probe written to {out} in {meta['seconds']:.0f} s ({per_r}; studies {meta['studies_seconds']:.0f} s)")
+    return 0
+
+
+def _cmd_probe_seeds(args: argparse.Namespace) -> int:
+    """``probe --seeds S...``: one probe per seed in OUT/seed_<s>, pooled into OUT/probe.json
+    (:mod:`grpo_lens.probe.seeds`)."""
+    from grpo_lens.probe.seeds import run_seeds, seed_summary_line
+
+    if args.seed is not None:
+        raise ConfigError("pass --seed (one probe) or --seeds (one probe per seed, pooled), not both")
+    saved = Path(args.out) / "config.yaml" if args.out else None
+    if args.resume and saved is not None and saved.is_file():
+        config = _resume_config(args, saved, ProbeConfig)  # the settings every seed ran with
+    else:
+        config = config_from_args(args, ProbeConfig, args.config)
+    out = run_seeds(config, args.seeds)
+    pooled = json.loads((out / "probe.json").read_text())
+    print(f"pooled probe of seeds {', '.join(map(str, args.seeds))} written to {out} ({seed_summary_line(pooled)}; "
+          f"each seed in {out}/seed_<s>)\nnext: grpo-lens report {out}")
     return 0
 
 
@@ -197,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", help=f"YAML file of {cls.__name__} fields; flags override it")
         add_config_arguments(p, cls)
+        if name == "probe":
+            p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                           help="one probe per seed into OUT/seed_<s>, then the groups pooled over the seeds in "
+                                "OUT/probe.json and report.md: the claims decided on the pooled groups, the "
+                                "between-seed spread beside each run's interval (docs/usage-seeds.md)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("model", help="print the Hugging Face folder of a model (the default one: for TRL's "

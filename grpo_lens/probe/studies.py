@@ -180,6 +180,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
          summed share; "classes": {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups};
          "classes_nll": {class: {"ratio": the same tokens' ratio under NLL weights (every A_i = 1: the control with
          the same gradient geometry), "ratio_minus_nll": the paired difference per group}: bootstrap_mean over groups};
+         "shares", "shares_nll": each group's class shares under A and NLL weights (what --seeds pools);
          "closure": max |sum s - 1| over groups; "groups": n},
          "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
          disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
@@ -239,7 +240,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
     class_summary, nll_summary = summarise_class_shares(shares, shares_nll)
     return {
         "contributions": {"position_profile": _mean_ci_per_bin(profiles), "classes": class_summary,
-                          "classes_nll": nll_summary,
+                          "classes_nll": nll_summary, "shares": shares, "shares_nll": shares_nll,  # per group
                           "closure": max(closures) if closures else None, "groups": analysed},
         "monte_carlo": {"rollouts": mc_rows, "samples_per_prefix": mc_samples,
                         **{k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))
