@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
@@ -35,6 +34,7 @@ from grpo_lens.formulas.spectrum import nll_weights, weighted_row_sum
 from grpo_lens.gradients.params import LayerFilter, linear_layer_names
 from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
+from grpo_lens.seeding import derive_seed
 
 Projection = Literal["gaussian", "identity"]
 
@@ -173,7 +173,7 @@ class GradientCapture:
         if name not in self._proj:
             w = self._modules[name].weight
             d_out, d_in = w.shape
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, name, modulus=2**63))
             p_in = torch.randn(self.k_in, d_in, generator=gen) / math.sqrt(self.k_in)
             p_out = torch.randn(self.k_out, d_out, generator=gen) / math.sqrt(self.k_out)
             self._proj[name] = (p_in, p_out)

@@ -139,7 +139,7 @@ from grpo_lens.rollout import (
     sample_groups,
 )
 from grpo_lens.rundir import atomic_write_text
-from grpo_lens.seeding import seed_everything
+from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
 
 logger = logging.getLogger(__name__)
@@ -347,7 +347,7 @@ def batch_seed(seed: int, group_size: int, draw: int) -> int:
     """The seed of the ``draw``-th batch of prompts (1-based) of group size R: the prompts' sampling, their
     completions' sampling and every random number of their analysis derive from it, so a batch is the same whenever
     it is drawn (what ``--resume`` relies on)."""
-    return (seed * 1_000_003 + group_size * 10_007 + draw * 7_919) % (2**31 - 1)
+    return derive_seed(seed, group_size=group_size, draw=draw)
 
 
 def analyse_prompt(policy, tokenizer, batch: RolloutBatch, j: int, rewards: torch.Tensor, valid: torch.Tensor,

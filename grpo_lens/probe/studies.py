@@ -40,6 +40,7 @@ from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.gradients.token_credit import prefix_values, signed_token_contributions
 from grpo_lens.rewards import combine_rewards, score_batch
 from grpo_lens.rollout import sample_groups
+from grpo_lens.seeding import derive_seed
 
 
 def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, Any]:
@@ -121,7 +122,7 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
     sampled, draw = 0, 0
     while len(pools) < prompts and sampled < max_prompts:
         draw += 1
-        s = (seed * 1_000_003 + R * 10_007 + draw * 7_919 + 17) % (2**31 - 1)
+        s = derive_seed(seed, group_size=R, draw=draw, offset=17)
         n = min(prompts_per_batch, max_prompts - sampled)
         batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, M, s, **sampling)
         for j in range(n):
@@ -195,7 +196,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
     analysed, sampled, draw = 0, 0, 0
     while analysed < groups and sampled < max_prompts:
         draw += 1
-        s = (seed * 1_000_003 + R * 10_007 + draw * 7_919 + 29) % (2**31 - 1)
+        s = derive_seed(seed, group_size=R, draw=draw, offset=29)
         n = min(prompts_per_batch, max_prompts - sampled)
         batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, R, s, **sampling)
         for j in range(n):

@@ -80,7 +80,7 @@ from grpo_lens.rollout import (
     sample_groups,
 )
 from grpo_lens.rundir import RunDir, crash_point, lens_overhead, read_records
-from grpo_lens.seeding import seed_everything
+from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
@@ -127,7 +127,7 @@ RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every
 
 def step_seed(seed: int, step: int) -> int:
     """The seed of step ``step``: every step's randomness derives from (seed, step), so a resumed run repeats it."""
-    return (seed * 1_000_003 + step * 7_919) % (2**31 - 1)
+    return derive_seed(seed, step=step)
 
 
 def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:
