@@ -32,7 +32,7 @@ from grpo_lens.config import ConfigError
 from grpo_lens.rundir import atomic_write_text, read_saved_config
 
 #: Probe settings that may differ when a probe resumes: they change no number (the train loop lets device change too).
-RESUMABLE_KEYS = ("progress", "device")
+RESUMABLE_KEYS = ("progress", "device", "report_to")
 
 #: Fields that say how one command treats --out, not what the probe measures.
 COMMAND_KEYS = ("resume", "overwrite", "out")

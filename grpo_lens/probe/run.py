@@ -130,6 +130,7 @@ from grpo_lens.models import load_model
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.partial import PartialProbe, PromptRecord
 from grpo_lens.probe.studies import run_baseline_study, run_credit_study
+from grpo_lens.probe.tracking import log_probe
 from grpo_lens.report import write_report
 from grpo_lens.rewards import parse_reward_specs, score_batch
 from grpo_lens.rollout import (
@@ -141,6 +142,7 @@ from grpo_lens.rollout import (
 from grpo_lens.rundir import atomic_write_text
 from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
+from grpo_lens.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -583,6 +585,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             --overwrite), --resume without a partial probe or with other settings than it.
         ModelNotFoundError: no such model.
     """
+    check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     partial = prepare_out(config)
     out = Path(config.out)
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
@@ -653,4 +656,5 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
                                                      indent=1))
     partial.remove()
     write_report(out)
+    log_probe(out, config.report_to, meta["config"])  # --report-to: the numbers of probe.json to the trackers
     return out

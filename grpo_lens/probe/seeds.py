@@ -85,7 +85,9 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.partial import COMMAND_KEYS, RESUMABLE_KEYS, PartialProbe
+from grpo_lens.probe.tracking import log_probe
 from grpo_lens.rundir import atomic_write_text
+from grpo_lens.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -364,6 +366,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int],
     seeds = list(dict.fromkeys(int(s) for s in seeds))
     if len(seeds) < 2:
         raise ConfigError(f"--seeds needs at least two distinct seeds to pool, got {seeds}; for one seed use --seed")
+    check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     out = Path(config.out)
     started = [p for p in [out / "probe.json", *(seed_dir(out, s) for s in seeds)] if p.exists()]
     if started and not (config.resume or config.overwrite):
@@ -391,7 +394,9 @@ def run_seeds(config: ProbeConfig, seeds: list[int],
     for sub in todo:
         logger.info("probe of seed %d into %s", sub.seed, sub.out)
         run(sub)
-    return write_pooled(out, seeds)
+    write_pooled(out, seeds)
+    log_probe(out, config.report_to, {**config.to_dict(), "seed": None, "seeds": seeds})  # the pool, under DIR
+    return out
 
 
 def seed_summary_line(pooled: dict[str, Any]) -> str:
