@@ -43,6 +43,7 @@ from grpo_lens.models import (
     export_model,
     model_folder,
 )
+from grpo_lens.plugins import PLUGINS_ENV, check_resumed_plugins
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.partial import PartialProbe
 from grpo_lens.probe.run import run_probe
@@ -62,9 +63,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 C = TypeVar("C", TrainConfig, ProbeConfig)
-
-#: Environment variable listing modules to import at start (comma-separated): they register rewards and tasks.
-PLUGINS_ENV = "GRPO_LENS_PLUGINS"
 
 
 class PluginError(ImportError):
@@ -97,6 +95,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume and args.out and (Path(args.out) / "config.yaml").is_file():
         # Resume from the run's own config: flags need not be repeated, and a flag that differs from it is reported.
         config = _resume_config(args, Path(args.out) / "config.yaml", TrainConfig)
+        check_resumed_plugins(config.rewards, config.task, Path(args.out) / "config.yaml")  # names the module
     else:
         config = config_from_args(args, TrainConfig, config_file)
     run = train(config)
@@ -140,6 +139,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     if args.resume and partial is not None and partial.exists():
         # Resume with the partial probe's settings: flags need not be repeated, and one that differs is reported.
         config = _resume_config(args, partial.config_path, ProbeConfig)
+        check_resumed_plugins(config.rewards, config.task, partial.config_path)  # names a missing plugin module
     else:
         config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
@@ -161,6 +161,7 @@ def _cmd_probe_seeds(args: argparse.Namespace) -> int:
     saved = Path(args.out) / "config.yaml" if args.out else None
     if args.resume and saved is not None and saved.is_file():
         config = _resume_config(args, saved, ProbeConfig)  # the settings every seed ran with
+        check_resumed_plugins(config.rewards, config.task, saved)
     else:
         config = config_from_args(args, ProbeConfig, args.config)
     out = run_seeds(config, args.seeds)

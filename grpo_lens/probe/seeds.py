@@ -41,6 +41,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+import yaml
+
 from grpo_lens.config import ConfigError
 from grpo_lens.formulas.baselines import (
     summarise_baseline_prompts,
@@ -83,6 +85,7 @@ from grpo_lens.metrics import (
     S1_PREDICTED_CI,
     SKETCH_COVERAGE,
 )
+from grpo_lens.plugins import config_header
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.partial import COMMAND_KEYS, RESUMABLE_KEYS, PartialProbe
 from grpo_lens.probe.tracking import log_probe
@@ -390,7 +393,8 @@ def run_seeds(config: ProbeConfig, seeds: list[int],
             todo.append(replace(sub, overwrite=False) if config.resume else sub)
     # 2) the settings, then the seeds' probes, then the pool
     out.mkdir(parents=True, exist_ok=True)
-    replace(config, resume=False, overwrite=False).save(out / "config.yaml")
+    stored = replace(config, resume=False, overwrite=False).to_dict()
+    atomic_write_text(out / "config.yaml", config_header() + yaml.safe_dump(stored, sort_keys=False))
     for sub in todo:
         logger.info("probe of seed %d into %s", sub.seed, sub.out)
         run(sub)
