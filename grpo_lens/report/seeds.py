@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_lens.claims.base import Claim, evaluate_claims
+from grpo_lens.formulas.pooling import between_seed_spread
 from grpo_lens.metrics import (
     GRAD_IDENTITY_RESIDUAL,
     RANK_G1,
@@ -93,3 +94,38 @@ def seeds_section(pooled: dict[str, Any], run_dir: Path) -> list[str]:
     lines += ["G3 (one matrix per run over its own groups, from a sketch seeded by the run's seed) is not pooled; "
               "its stable rank per seed: " + "; ".join(g3) + ".", ""]
     return lines
+
+
+def pooled_finals(table: dict[str, dict[str, Any]], keys: list[str], labels: list[str]) -> dict[str, Any]:
+    """Per metric key, the runs' final numbers pooled over seeds (``grpo-lens compare`` of runs that differ only in
+    their seed): {key: {"per_run": [final mean], "mean": mean over runs, "sd", "min", "max", "runs"}}. A run is the
+    unit here (each seed trains its own policy): the SD over runs is the rerun-to-rerun spread the within-run
+    intervals do not show."""
+    out = {}
+    for key in keys:
+        finals = [(table[lab].get(key) or {}).get("mean") for lab in labels]
+        have = [f for f in finals if f is not None]
+        if not have:
+            continue
+        spread = between_seed_spread([[f] if f is not None else [] for f in finals])
+        out[key] = {"per_run": finals, "mean": sum(have) / len(have), "sd": spread["sd"], "min": spread["min"],
+                    "max": spread["max"], "runs": len(have)}
+    return out
+
+
+def compare_seeds_section(pooled: dict[str, Any], metrics: list[tuple[str, str]], seeds: dict[str, Any]) -> list[str]:
+    """compare.md's section on runs that differ only in their seed (``seeds``: run label -> seed)."""
+    if not pooled:
+        return []
+    lines = ["## Seeds pooled", "",
+             (f"The runs differ only in their seed ({', '.join(f'`{lab}`: {s}' for lab, s in seeds.items())}), so "
+              f"they are reruns of one configuration: per metric, the mean of the runs' final numbers, their SD over "
+              f"runs (the rerun-to-rerun spread, which the intervals above do not show) and their range. No interval "
+              f"over runs from fewer than 8 (docs/usage-seeds.md)."), "",
+             *md_table(["metric", "mean over runs", "SD over runs", "range", "runs"])]
+    for key, label in metrics:
+        if key in pooled:
+            p = pooled[key]
+            lines.append(md_row(f"{label} (`{key}`)", fmt(p["mean"]), fmt(p["sd"]), f"[{fmt(p['min'])}, "
+                                f"{fmt(p['max'])}]", p["runs"]))
+    return lines + [""]

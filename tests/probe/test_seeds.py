@@ -131,3 +131,29 @@ def test_cli_refuses_seed_with_seeds_and_one_seed(tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
     assert main(["probe", "--seeds", "4", "--out", str(tmp_path / "b")]) == 2
     assert "at least two distinct seeds" in capsys.readouterr().err
+
+
+def test_compare_pools_runs_that_differ_only_in_their_seed(tmp_path):
+    """Three runs of one configuration, seeds 0, 1, 2, rewards constant 0.2, 0.4, 0.9: final means 0.2, 0.4, 0.9,
+    their mean 0.5, SD over runs sqrt(((0.3)^2 + (0.1)^2 + (0.4)^2) / 2) = sqrt(0.13) = 0.360555."""
+    import yaml
+
+    from grpo_lens.report.compare import compare_runs
+
+    def make(name, seed, reward, lr=1e-5):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.yaml").write_text(yaml.safe_dump({"task": "arithmetic", "task_options": {}, "dataset": None,
+                                                          "seed": seed, "learning_rate": lr, "out": str(path)}))
+        (path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": reward}) + "\n"
+                                                    for s in range(1, 4)))
+        return path
+
+    runs = [make(f"s{s}", s, r) for s, r in zip((0, 1, 2), (0.2, 0.4, 0.9))]
+    md = compare_runs(runs, tmp_path / "cmp").read_text()
+    pooled = json.loads((tmp_path / "cmp" / "compare.json").read_text())["pooled_over_seeds"]["reward/mean"]
+    assert pooled["per_run"] == pytest.approx([0.2, 0.4, 0.9]) and pooled["runs"] == 3
+    assert pooled["mean"] == pytest.approx(0.5) and pooled["sd"] == pytest.approx(math.sqrt(0.13), rel=1e-9)
+    assert "## Seeds pooled" in md and "0.361" in md
+    other = make("lr", 3, 0.5, lr=1e-4)  # another setting too: not reruns, nothing pooled
+    assert "## Seeds pooled" not in compare_runs([runs[0], other], tmp_path / "cmp2").read_text()
