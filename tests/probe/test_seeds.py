@@ -157,3 +157,19 @@ def test_compare_pools_runs_that_differ_only_in_their_seed(tmp_path):
     assert "## Seeds pooled" in md and "0.361" in md
     other = make("lr", 3, 0.5, lr=1e-4)  # another setting too: not reruns, nothing pooled
     assert "## Seeds pooled" not in compare_runs([runs[0], other], tmp_path / "cmp2").read_text()
+
+
+@pytest.mark.e2e
+def test_cli_probe_seeds_without_studies(tmp_path, capsys):
+    from grpo_lens.cli import main
+
+    out = tmp_path / "pooled"
+    argv = ["probe", "--seeds", "3", "4", "--out", str(out), "--model", "tiny", "--rewards", "test_parity",
+            "--group-sizes", "2", "--prompts", "8", "--max-new-tokens", "6", "--baseline-study-prompts", "0",
+            "--credit-groups", "0", "--g2-groups", "0", "--device", "cpu", "--no-progress"]
+    assert main(argv) == 0
+    assert f"next: grpo-lens report {out}" in capsys.readouterr().out
+    pooled = _read(out / "probe.json")
+    assert pooled["meta"]["seeds"] == [3, 4] and pooled["studies"] == {}
+    assert [_read(seed_dir(out, s) / "probe.json")["meta"]["config"]["seed"] for s in (3, 4)] == [3, 4]
+    assert main(["report", str(out)]) == 0 and "## Seeds pooled" in (out / "report.md").read_text()
