@@ -62,7 +62,9 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     try:
         return get_peft_model(model, config)
     except ValueError as e:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        from grpo_lens.gradients.params import linear_layer_names
+
+        names = sorted({n.rsplit(".", 1)[-1] for n in linear_layer_names(model)})  # nn.Linear and GPT-2's Conv1D
         raise ValueError(f"--lora-target-modules {' '.join(target_modules)}: {str(e).splitlines()[0][:200]}; this "
                          f"model's linear layers are named {', '.join(names)} (or use all-linear)") from None
 

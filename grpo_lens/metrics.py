@@ -111,7 +111,8 @@ PLACEHOLDERS = {p.name: p for p in (
     Placeholder("type", "<type>", LAYER_TYPE_NAMES, "a parameter layer type"),
     Placeholder("key", "<key>", SAMPLED_SPARSITY_KEYS, "a sampled sparsity key"),
     Placeholder("name", "<name>", None, "a reward function's name"),
-    Placeholder("kind", "<kind>", None, "a linear module's last name component (q_proj, down_proj, lm_head, ...)"),
+    Placeholder("kind", "<kind>", None, "a linear module's last name component (q_proj, down_proj, lm_head, ...; "
+                                        "GPT-2: c_attn, attn_c_proj, c_fc, mlp_c_proj)"),
 )}
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")

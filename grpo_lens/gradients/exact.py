@@ -158,11 +158,11 @@ def layer_weight_grads(
 
     Args:
         weights: [N] float (A_i for the group/batch policy loss).
-        layers: filter on ``nn.Linear`` names (:func:`linear_layer_names`).
+        layers: filter on linear layer names (:func:`linear_layer_names`: ``nn.Linear`` and ``Conv1D``).
         score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|).
 
     Returns:
-        {layer name: [d_out, d_in]} in the weights' dtype.
+        {layer name: the weight's gradient, [d_out, d_in] ([d_in, d_out] for a ``Conv1D``)} in the weights' dtype.
     """
     assert weights.shape == (batch.num_rollouts,), (weights.shape, batch.num_rollouts)
     names = linear_layer_names(model, layers)

@@ -1,11 +1,12 @@
 """G2, each linear layer's weight gradient of the group loss, under several row weightings (docs/theory.md §5, §6).
 
-:class:`G2WeightingCapture` gives the stable rank of every ``nn.Linear`` layer's G2 under each weighting of
-:data:`grpo_lens.formulas.zero_sum.WEIGHTINGS` from ONE backward, through [nL, nL] kernels instead of a backward and
-a decomposition per weighting; :func:`g2_by_type_keys` is its readable reference from materialised weight gradients
-(tests check that they agree). Both summarise by :func:`module_kind`, the last component of a module name
-(``down_proj``), as ``rank/g2_<weighting>_<kind>_stable_rank``. (The sparsity keys split by a parameter's layer type,
-norm / embedding / attention / mlp: that is :func:`grpo_lens.formulas.sparsity.layer_type`, another grouping.)
+:class:`G2WeightingCapture` gives the stable rank of every linear layer's G2 (``nn.Linear``; GPT-2's ``Conv1D``, whose
+G2 is the transpose) under each weighting of :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS` from ONE backward,
+through [nL, nL] kernels instead of a backward and a decomposition per weighting; :func:`g2_by_type_keys` is its
+readable reference from materialised weight gradients (tests check that they agree). Both summarise by
+:func:`module_kind`, the last component of a module name (``down_proj``), as
+``rank/g2_<weighting>_<kind>_stable_rank``. (The sparsity keys split by a parameter's layer type, norm / embedding /
+attention / mlp: that is :func:`grpo_lens.formulas.sparsity.layer_type`, another grouping.)
 """
 
 from __future__ import annotations
@@ -14,17 +15,25 @@ import torch
 from torch import Tensor
 
 from grpo_lens.formulas.spectrum import top_eigenvalues_psd_products, top_singular_value
-from grpo_lens.gradients.params import linear_layer_names
+from grpo_lens.gradients.params import LayerFilter, linear_layer_names
 from grpo_lens.metrics import RANK_G2_WEIGHTED
+
+#: Last name components that one family uses in two roles, so their kind keeps the parent too: GPT-2's ``c_proj``
+#: is the attention output (``attn.c_proj`` -> ``attn_c_proj``) and the MLP down projection (``mlp_c_proj``).
+SHARED_KIND_NAMES = frozenset({"c_proj"})
 
 
 def module_kind(name: str) -> str:
     """The last component of a module name (``model.layers.3.mlp.down_proj`` -> ``down_proj``): the kind of linear
-    layer G2's stable ranks are averaged over (``rank/g2_<weighting>_<kind>_stable_rank``).
+    layer G2's stable ranks are averaged over (``rank/g2_<weighting>_<kind>_stable_rank``); for a name in
+    :data:`SHARED_KIND_NAMES`, parent and last component (``transformer.h.0.mlp.c_proj`` -> ``mlp_c_proj``).
 
     Not the parameter's layer type of the sparsity keys (:func:`grpo_lens.formulas.sparsity.layer_type`: ``mlp``).
     """
-    return name.rsplit(".", 1)[-1]
+    parts = name.rsplit(".", 2)
+    if parts[-1] in SHARED_KIND_NAMES and len(parts) > 1:
+        return f"{parts[-2]}_{parts[-1]}"
+    return parts[-1]
 
 
 def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str, float]:
@@ -43,7 +52,7 @@ def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str,
 
 
 class G2WeightingCapture:
-    """Stable rank of every nn.Linear layer's G2 under several row weightings, from ONE backward (docs/theory.md §6).
+    """Stable rank of every linear layer's G2 under several row weightings, from ONE backward (docs/theory.md §6).
 
     G2 of a layer under weights w is M(w) = sum_i w_i sum_t delta_{i,t} x_{i,t}^T = D^T W X, with D [nL, d_out] the
     output gradients and X [nL, d_in] the inputs at the n·L positions of the batch (backpropagating sum_i s_i once),
@@ -54,7 +63,8 @@ class G2WeightingCapture:
 
     (the nonzero eigenvalues of M M^T and of K_X K_D(w) agree). K_X and D D^T are formed once per layer in the
     backward hook and every weighting costs only [nL, nL] work, instead of a backward and a decomposition of
-    [d_out, d_in] per weighting.
+    [d_out, d_in] per weighting. A ``Conv1D`` layer (weight [d_in, d_out]) has M(w)^T as its weight gradient: the
+    same kernels, norm and singular values.
 
     **A shared prompt** (``shared_prefix`` = Lp): in one GRPO group every rollout has the same prompt, so a layer's
     input at the Lp prompt positions is the same in all n rollouts (causal attention), x_{i,t} = x_t. Those positions
@@ -72,13 +82,15 @@ class G2WeightingCapture:
     problems one at a time cost their per-call overhead, not their FLOPs.)
 
     Args:
-        model: the model (its nn.Linear layers are hooked).
+        model: the model (its linear layers, :func:`grpo_lens.gradients.params.linear_layer_names`, are hooked).
         weightings: {name: [n] weights}, n = rollouts of the pass.
         shared_prefix: Lp, the leading positions every rollout of the pass shares (its prompt, left padded as one);
             0: none.
         seq_len: L = Lp + T, the pass's sequence length (needed with ``shared_prefix``: which layers see it whole).
         budget_bytes: the kernels kept for the batched solve (they are solved when more accumulate) and the float64
             working set of one batch.
+        include: which linear layers (a :data:`grpo_lens.gradients.params.LayerFilter`; the probe's ``--layers``
+            passes :func:`grpo_lens.gradients.params.layer_pattern`); None: all.
 
     After a forward + backward inside the context, :meth:`result` gives
     ``{"rank/g2_<name>_<kind>_stable_rank": mean over the layers of that kind}``.
@@ -88,7 +100,7 @@ class G2WeightingCapture:
     """
 
     def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor], shared_prefix: int = 0,
-                 seq_len: int | None = None, budget_bytes: int = 256 * 2**20):
+                 seq_len: int | None = None, budget_bytes: int = 256 * 2**20, include: LayerFilter = None):
         if shared_prefix and seq_len is None:
             raise ValueError("G2WeightingCapture: shared_prefix needs seq_len (the pass's sequence length)")
         self.model = model
@@ -96,7 +108,7 @@ class G2WeightingCapture:
         self.shared_prefix, self.seq_len = shared_prefix, seq_len
         self.budget_bytes = budget_bytes
         modules = dict(model.named_modules())
-        self.layers = {n: modules[n] for n in linear_layer_names(model)}
+        self.layers = {n: modules[n] for n in linear_layer_names(model, include)}
         self.stable: dict[str, dict[str, float]] = {}  # layer -> weighting -> stable rank
         self.exact_fallbacks = 0  # (layer, weighting) pairs whose lambda_max came from the exact solver
         self._pending: list[tuple[str, Tensor, Tensor, dict[str, float]]] = []  # (layer, K_X, K_D(w) stack, fro2)

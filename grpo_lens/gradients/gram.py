@@ -18,8 +18,12 @@ delta) into its parameters' [N, N] contribution and drop them:
   (:func:`rollout_layer_gram`, cost ~ (M + N^2) d_in d_out); per layer the cheaper one (:func:`choose_form`,
   book-keeping's hybrid rule, Bu et al. 2022, arXiv 2210.00038, §3).
 - ``nn.Linear`` bias: g_i = sum_{t in i} delta_t.
+- transformers' ``Conv1D`` (GPT-2; y = x W + b, W [d_in, d_out]): the same two hooks, since its G_i = sum_t x_t
+  delta_t^T is the transpose of the linear one and <G_i, G_j> is unchanged by transposing both
+  (:func:`grpo_lens.gradients.params.is_linear`).
 - ``nn.Embedding``: g_i = sum_t e_{tok_t} delta_t^T, so <g_i, g_j> = sum_v r_{i,v} . r_{j,v} with r_{i,v} the sum of
-  rollout i's deltas at token v (:func:`embedding_row_sums`; ``padding_idx`` positions get no gradient).
+  rollout i's deltas at token v (:func:`embedding_row_sums`; ``padding_idx`` positions get no gradient). A scaled
+  embedding (Gemma's ``embed_scale``: y = c W[tok]) has g_i = c sum_t e_{tok_t} delta_t^T (:func:`embedding_scale`).
 - tied LM head (``lm_head.weight is embed_tokens.weight``): the shared matrix's g_i is the sum of both uses, so its
   Gram is LL + EE + LE + LE^T with LE[i, j] = sum_v G^lm_i[v, :] . r_{j,v} (the cross term).
 - norms (RMSNorm, LayerNorm, Nemotron's LayerNorm1P) in closed form (:func:`norm_rollout_grads`), checked once per
@@ -34,7 +38,8 @@ term, zero attention weight as a key), so the hooks skip them. Per-parameter Gra
 float64; products inside a block run in the model's dtype (bf16/fp16 upcast to float32).
 
 The dense oracle, one backward per rollout, is :func:`grpo_lens.gradients.exact.exact_rollout_grads`; the tests
-check equality to 1e-10 in float64 on tiny Llama (tied), Qwen2 (biases) and Nemotron models.
+check equality to 1e-10 in float64 on tiny Llama (tied), Qwen2 (biases) and Nemotron models, and
+tests/gradients/test_architectures.py on tiny GPT-2, Mistral, Phi-3 and Gemma ones.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.func import grad as func_grad
 
+from grpo_lens.gradients.params import is_linear, linear_shape
 from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 
@@ -211,6 +217,20 @@ def embedding_row_sums(delta: Tensor, seg: Tensor, uid: Tensor, n: int, u0: int,
     return r
 
 
+def embedding_scale(module: nn.Module, ids: Tensor, output: Tensor) -> float | None:
+    """c in y = c W[tok] of an embedding module: 1 for a plain ``nn.Embedding``, ``embed_scale`` for a subclass that
+    multiplies its lookup by it (Gemma's ``GemmaTextScaledWordEmbedding``), None for a subclass whose output is
+    neither (its parameter is then reported uncovered). ids: [N, S] long; output: [N, S, d]."""
+    if type(module).forward is nn.Embedding.forward:
+        return 1.0
+    scale = getattr(module, "embed_scale", 1.0)
+    scale = float(scale.item()) if isinstance(scale, Tensor) else float(scale)
+    with torch.no_grad():
+        ref = torch.nn.functional.embedding(ids, module.weight, module.padding_idx) * scale
+        ok = torch.allclose(output.detach().to(ref.dtype), ref, rtol=1e-3, atol=1e-6 * float(ref.abs().max()) + 1e-30)
+    return scale if ok else None
+
+
 def norm_rollout_grads(module: nn.Module, x: Tensor, delta: Tensor, attrs: Sequence[str]) -> dict[str, Tensor] | None:
     """Closed-form per-rollout gradients of a norm's weight and bias; None for a module of another kind.
 
@@ -320,7 +340,7 @@ class GramPlan:
 
 
 def _use_kind(module: nn.Module, attr: str, leaf: bool) -> str:
-    if isinstance(module, nn.Linear):
+    if is_linear(module):  # nn.Linear or Conv1D
         return "linear" if attr == "weight" else "bias"
     if isinstance(module, nn.Embedding):
         ok = attr == "weight" and module.max_norm is None and not module.scale_grad_by_freq
@@ -347,7 +367,7 @@ def plan_gram(model: nn.Module) -> GramPlan:
             kind, module, attr = us[0]
             plan.kinds[name] = kind
             plan.hooked.setdefault(module, {})[attr] = kind
-        elif kinds == ["embedding", "linear"]:  # the tied LM head
+        elif kinds == ["embedding", "linear"] and any(isinstance(m, nn.Linear) for _, m, _ in us):  # tied LM head
             emb = next(m for k, m, _ in us if k == "embedding")
             lin = next(m for k, m, _ in us if k == "linear")
             plan.kinds[name] = "tied_embedding"
@@ -369,7 +389,7 @@ def plan_gram(model: nn.Module) -> GramPlan:
 class _Pass:
     """One grad-enabled forward: N rollouts, L positions, keep [N, L] (attention mask), the embeddings' token maps
     {module: (tokens [U], uid [M], seg [M], flat [M])}, calls per module, the input-embedding outputs (backward
-    roots), and the shared-input kernel caches."""
+    roots), the shared-input kernel caches and each embedding's output scale c (:func:`embedding_scale`)."""
 
     n: int
     length: int
@@ -379,6 +399,7 @@ class _Pass:
     roots: list = field(default_factory=list)
     x_users: dict = field(default_factory=dict)
     x_cache: dict = field(default_factory=dict)
+    emb_scale: dict = field(default_factory=dict)
 
 
 class GramCapture:
@@ -492,7 +513,7 @@ class GramCapture:
         x = args[0] if args else kwargs.get("input")
         if isinstance(module, nn.Embedding):
             self._on_embedding_forward(module, x, output)
-        elif isinstance(module, nn.Linear):
+        elif is_linear(module):  # nn.Linear or Conv1D: the same (x, delta) hooks
             self._on_linear_forward(module, x.detach(), output)
         elif len(args) != 1 or kwargs or not isinstance(x, Tensor) or x.shape[0] != st.n:
             for attr in self.plan.hooked[module]:
@@ -511,15 +532,21 @@ class GramCapture:
         tokens, uid = torch.unique(ids.reshape(-1)[flat], return_inverse=True)  # [U] sorted, [M]
         st.emb[module] = (tokens, uid, flat // ids.shape[1], flat)
         st.roots.append(output)
+        scale = embedding_scale(module, ids, output)
+        if scale is None:
+            self.late_uncovered[self.attr_names[(module, "weight")]] = "embedding subclass whose output is not c W[tok]"
+            return
+        st.emb_scale[module] = scale
         output.register_hook(lambda g, m=module: self._timed(self._embedding_backward, m, g))
 
-    def _on_linear_forward(self, module: nn.Linear, x: Tensor, output: Tensor) -> None:
+    def _on_linear_forward(self, module: nn.Module, x: Tensor, output: Tensor) -> None:
         st = self.state
         keep = self._keep_for(x.shape)
         form, key = None, _tensor_key(x)
         if "weight" in self.plan.hooked[module]:
+            d_out, d_in = linear_shape(module)
             form = self.form if self.form != "auto" else choose_form(
-                int(keep.sum()), st.n, module.in_features, module.out_features, self.token_block)
+                int(keep.sum()), st.n, d_in, d_out, self.token_block)
             self.forms[self.module_names[module]] = form
             if form == "token":
                 st.x_users[key] = st.x_users.get(key, 0) + 1
@@ -545,7 +572,7 @@ class GramCapture:
         if self.check_dropped and bool((~keep).any()):
             self.max_dropped = max(self.max_dropped, float(g[~keep].abs().max()))
 
-    def _linear_backward(self, module: nn.Linear, x: Tensor, keep: Tensor, form: str | None, key: tuple,
+    def _linear_backward(self, module: nn.Module, x: Tensor, keep: Tensor, form: str | None, key: tuple,
                          delta: Tensor) -> None:
         attrs = self.plan.hooked[module]
         x, delta = _upcast(x), _upcast(delta)
@@ -587,6 +614,8 @@ class GramCapture:
         n, d = st.n, delta.shape[-1]
         self._note_dropped(delta, self._keep_for(delta.shape))
         dk = _upcast(delta.reshape(-1, d)[flat])  # [M, d]
+        if st.emb_scale[module] != 1.0:  # y = c W[tok]: the lookup's gradient is c delta
+            dk = dk * st.emb_scale[module]
         tied = self.plan.tied.get(module)
         ee = torch.zeros(n, n, dtype=torch.float64, device=delta.device)
         le = torch.zeros(n, n, dtype=torch.float64, device=delta.device)

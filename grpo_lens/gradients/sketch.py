@@ -1,10 +1,11 @@
 """LoGra sketches of per-rollout gradients from ONE batched backward (docs/theory.md §8, §Lens sketch from the update).
 
 Notation: N rollouts, L = Lp + T input positions, d_in / d_out a linear layer's sizes, k_in / k_out sketch sizes.
-Hooks on ``nn.Linear`` modules capture each layer's input x_t [d_in] and output gradient delta_t [d_out] during one
-backward. For a linear layer the per-rollout weight gradient is sum_{t in row i} delta_t x_t^T; its two-sided random
-projection P_out (sum_t delta_t x_t^T) P_in^T = sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors
-only (LoGra, Choe et al. 2024, arXiv 2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
+Hooks on linear layers (``nn.Linear``, ``Conv1D``) capture each layer's input x_t [d_in] and output gradient
+delta_t [d_out] during one backward. For a linear layer the per-rollout weight gradient is
+sum_{t in row i} delta_t x_t^T; its two-sided random projection P_out (sum_t delta_t x_t^T) P_in^T =
+sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only (LoGra, Choe et al. 2024, arXiv
+2405.13954, §3; TRAK, Park et al. 2023), never materialising the [N, P] matrix.
 Sketched inner products are unbiased; their error is :mod:`grpo_lens.formulas.sketch_error`.
 
 - :class:`GradientCapture`: the context manager that sketches whatever backward runs inside it (the lens opens it
@@ -14,8 +15,9 @@ Sketched inner products are unbiased; their error is :mod:`grpo_lens.formulas.sk
   squared norms from the same hooks.
 - :func:`sketched_rollout_sq_norms`: ||c_i g_i||^2 per rollout, the weights of ``--estimator optimal``'s b*.
 
-Only weights of ``nn.Linear`` modules are sketched: embeddings, norms and biases are not. With tied embeddings the
-``lm_head`` sketch covers the output-projection use of the shared matrix only. The exact oracle is
+Only weights of linear layers are sketched (``nn.Linear``, and transformers' ``Conv1D`` of GPT-2, whose weight is the
+transpose: :func:`grpo_lens.gradients.params.is_linear`): embeddings, norms and biases are not. With tied embeddings
+the ``lm_head`` sketch covers the output-projection use of the shared matrix only. The exact oracle is
 :mod:`grpo_lens.gradients.exact`.
 """
 
@@ -31,7 +33,13 @@ from torch import Tensor, nn
 
 from grpo_lens.formulas.losses import aggregation_rollout_weights
 from grpo_lens.formulas.spectrum import nll_weights, weighted_row_sum
-from grpo_lens.gradients.params import LayerFilter, linear_layer_names
+from grpo_lens.gradients.params import (
+    LayerFilter,
+    linear_layer_names,
+    linear_shape,
+    no_linear_layer_message,
+    weight_transposed,
+)
 from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 from grpo_lens.seeding import derive_seed
@@ -46,7 +54,8 @@ class GradientSketch:
     Attributes:
         per_layer: {layer name: [N, k_out*k_in] float}, row i = vec(P_out G_{i,l} P_in^T) with
             G_{i,l} = sum_{t in row i} delta_t x_t^T the row's weight gradient of layer l (row-major over
-            [k_out, k_in], so with identity projections it is ``weight_grad.flatten()``).
+            [k_out, k_in]; over [k_in, k_out] for a ``Conv1D``, whose weight is [d_in, d_out]: so with identity
+            projections it is ``weight_grad.flatten()`` in either layout).
         k_in, k_out: sketch sizes per side (None for identity projections, where they are the layer's d_in, d_out).
         token_sq_norms: [N, L] float or None: sum over layers of ||delta_t||^2 ||x_t||^2, the squared Frobenius norm
             of position t's rank-1 contribution delta_t x_t^T to the weight gradients (exact, not sketched).
@@ -93,7 +102,8 @@ class _PassState:
 
 
 class GradientCapture:
-    """Context manager that sketches per-row weight gradients of ``nn.Linear`` layers during a backward.
+    """Context manager that sketches per-row weight gradients of linear layers (``nn.Linear``, ``Conv1D``) during a
+    backward.
 
     Inside the context every grad-enabled forward of ``model`` is a "pass"; a forward hook projects each linear
     layer's input x [n, L, d_in] to P_in x [n, L, k_in], and a hook on the layer's output tensor receives
@@ -123,7 +133,8 @@ class GradientCapture:
         dtype: dtype of the stored sketches (float32; float64 for exactness tests).
 
     Raises:
-        ValueError: unknown projection, k < 1, or no linear layer matches ``include``.
+        ValueError: unknown projection, k < 1, or no linear layer matches ``include`` (for a model without any: the
+            classes holding its parameters and the linear layers' coverage, 0 %).
 
     Example::
 
@@ -158,8 +169,10 @@ class GradientCapture:
         modules = dict(model.named_modules())
         self.layer_names = linear_layer_names(model, include)
         if not self.layer_names:
-            raise ValueError(f"no nn.Linear layer of the model matches include={include!r}")
+            raise ValueError(no_linear_layer_message(model, "to sketch") if not linear_layer_names(model)
+                             else f"no linear layer of the model matches include={include!r}")
         self._modules = {n: modules[n] for n in self.layer_names}
+        self._transposed = {n for n in self.layer_names if weight_transposed(modules[n])}
         self._proj: dict[str, tuple[Tensor, Tensor]] = {}
         self._cast: dict[tuple[str, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
         self._handles: list = []
@@ -171,8 +184,7 @@ class GradientCapture:
     def projections(self, name: str) -> tuple[Tensor, Tensor]:
         """(P_in [k_in, d_in], P_out [k_out, d_out]) float32 of layer ``name`` (Gaussian, N(0, 1/k) entries)."""
         if name not in self._proj:
-            w = self._modules[name].weight
-            d_out, d_in = w.shape
+            d_out, d_in = linear_shape(self._modules[name])
             gen = torch.Generator().manual_seed(derive_seed(self.seed, name, modulus=2**63))
             p_in = torch.randn(self.k_in, d_in, generator=gen) / math.sqrt(self.k_in)
             p_out = torch.randn(self.k_out, d_out, generator=gen) / math.sqrt(self.k_out)
@@ -216,7 +228,10 @@ class GradientCapture:
                 dp = (d3 @ p_out_t).to(self.dtype)  # [n, L, k_out]
             else:
                 dp = d3.to(self.dtype)
-            rows = torch.bmm(dp.transpose(1, 2), xp).flatten(1)  # [n, k_out * k_in]
+            if name in self._transposed:  # Conv1D: the weight's own layout [d_in, d_out]
+                rows = torch.bmm(xp.transpose(1, 2), dp).flatten(1)  # [n, k_in * k_out]
+            else:
+                rows = torch.bmm(dp.transpose(1, 2), xp).flatten(1)  # [n, k_out * k_in]
             prev = state.layers.get(name)
             state.layers[name] = rows if prev is None else prev + rows
             if xnorm_sq is not None:
@@ -267,7 +282,7 @@ class GradientCapture:
                 if name in p.layers:
                     blocks.append(p.layers[name])
                 else:  # the layer's output did not reach the loss in this pass: zero gradient
-                    d_out, d_in = self._modules[name].weight.shape
+                    d_out, d_in = linear_shape(self._modules[name])
                     width = (self.k_out * self.k_in) if self.projection == "gaussian" else d_out * d_in
                     blocks.append(torch.zeros(p.rows, width, dtype=self.dtype,
                                               device=self._modules[name].weight.device))
@@ -321,7 +336,7 @@ def sketch_rollout_grads(
         k_in, k_out, include, projection, seed, token_norms, dtype: see :class:`GradientCapture`.
         weights: [N] row weights (``A`` gives sketched G1 rows A_i g_i).
         score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|; docs/theory.md §3).
-        exact_layers: nn.Linear names whose exact per-row weight gradients are captured in the same pass (a second
+        exact_layers: linear layer names whose exact per-row weight gradients are captured in the same pass (a second
             capture with identity projection; [N, d_out*d_in] each, in ``GradientSketch.exact_layers``).
         temperature: the sampling temperature. top_k, top_p: ignored (docs/theory.md §Log-probabilities).
 
@@ -397,7 +412,7 @@ def sketched_rollout_sq_norms(
     """||c_i g_i||^2 per rollout from one sketched batched backward: the weights of the leave-one-out b*.
 
     Only the rollouts with ``need`` True are sketched (the trainer passes the rollouts of groups with reward
-    contrast; the others get advantage 0 whatever their norm). The norms are those of every ``nn.Linear`` weight
+    contrast; the others get advantage 0 whatever their norm). The norms are those of every linear-layer weight
     (embeddings and norms are not sketched), estimated from the two-sided Gaussian sketch of
     :func:`sketch_rollout_grads` (unbiased per layer; relative error bounded by
     :func:`grpo_lens.formulas.sketch_error.kronecker_sketch_variance_factor`), or exact with ``projection="identity"``.
@@ -419,7 +434,7 @@ def sketched_rollout_sq_norms(
         [N] float64 in squared gradient units (0 where ``need`` is False).
 
     Raises:
-        ValueError: the model has no ``nn.Linear`` layer, or an unknown aggregation / projection.
+        ValueError: the model has no linear layer, or an unknown aggregation / projection.
     """
 
     n = batch.num_rollouts

@@ -54,7 +54,13 @@ class ProbeConfig(ConfigFile):
     sketch_dim: int = Lens.sketch_dim()
     gram_source: str = Lens.gram_source()
     layer: str | None = option(None, "Linear layer for G1_layer and G2 (default: the middle layer's MLP down "
-                               "projection).")
+                               "projection, among those --layers keeps).")
+    layers: str | None = option(None, "Restrict G2 under the weightings and its per-layer-type rows to the linear "
+                                "layers (nn.Linear, GPT-2's Conv1D) whose module name matches the pattern: a glob over "
+                                "the whole name (*.mlp.*) or a regex searched in it (layers\\.[01]\\.|c_attn); "
+                                "the default --layer is then picked among them. A pattern that matches no layer "
+                                "stops the probe before anything is written, listing valid names. Default: every "
+                                "linear layer.")
     g2_groups: int = option(8, "Mixed groups per R whose G2 is computed for every linear layer under every weighting "
                             "(A, |A|, A + mean|A|, r, uniform, one rollout), summarised by layer type, inside the "
                             "group's own backward (adding about 0.4 of its time; docs/theory.md §6). The zero-sum G2 "

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
 from tqdm.auto import tqdm
 
 from grpo_lens.analysis.group import (
@@ -87,7 +86,13 @@ from grpo_lens.formulas.zero_sum import WEIGHTINGS, weightings
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.g2 import G2WeightingCapture
 from grpo_lens.gradients.gram import exact_rollout_gram, gram_factor
-from grpo_lens.gradients.params import linear_layer_names, param_slices
+from grpo_lens.gradients.params import (
+    is_linear,
+    layer_pattern,
+    linear_layer_names,
+    param_slices,
+    select_layers,
+)
 from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.gradients.sketch import (
     GradientCapture,
@@ -147,13 +152,15 @@ from grpo_lens.trackers import check_trackers
 logger = logging.getLogger(__name__)
 
 
-def default_layer(model: torch.nn.Module) -> str:
-    """The middle decoder layer's MLP down projection (or the middle linear layer of any model)."""
-    names = linear_layer_names(model)
-    down = [n for n in names if n.endswith("down_proj")]
-    pool = down or [n for n in names if "lm_head" not in n]
-    if not pool:
-        raise ValueError("the model has no nn.Linear layers to probe")
+def default_layer(model: torch.nn.Module, layers: str | None = None) -> str:
+    """The middle decoder layer's MLP down projection (GPT-2's ``mlp.c_proj``), or the middle linear layer of any
+    model, among the linear layers the ``--layers`` pattern keeps (:func:`grpo_lens.gradients.params.select_layers`).
+
+    Raises:
+        ValueError: no linear layer (the classes holding the parameters and the coverage), or none matches."""
+    names = select_layers(model, layers)
+    down = [n for n in names if n.endswith(("down_proj", "mlp.c_proj"))]
+    pool = down or [n for n in names if "lm_head" not in n] or names
     return pool[len(pool) // 2]
 
 
@@ -242,7 +249,7 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     fused = None
     if g2 and can_fuse_g2(config):  # advantages that need no gradient norms: known before the pass
         adv0 = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]
-        fused = g2_capture(policy, sub, adv0, rewards)
+        fused = g2_capture(policy, sub, adv0, rewards, config.layers)
     measured = _rollout_grads(policy, sub, config, layer, captures=(fused,) if fused is not None else ())
     # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
     gram, g, layer_rows, token_sq = measured.gram, measured.rows, measured.layer_rows.cpu(), measured.token_sq
@@ -292,20 +299,23 @@ def can_fuse_g2(config: ProbeConfig) -> bool:
     return config.gram_source == "exact" and not config.exact and config.estimator != "optimal"
 
 
-def g2_capture(policy, sub: RolloutBatch, advantages: torch.Tensor, rewards: torch.Tensor) -> G2WeightingCapture:
+def g2_capture(policy, sub: RolloutBatch, advantages: torch.Tensor, rewards: torch.Tensor,
+               layers: str | None = None) -> G2WeightingCapture:
     """The G2 capture of one group (advantages, rewards [R]): every weighting of
-    :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, the group's prompt folded as its shared prefix."""
+    :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, the group's prompt folded as its shared prefix, over the linear
+    layers the ``--layers`` pattern keeps (all for None)."""
     lp = sub.prompt_ids.shape[1]
     return G2WeightingCapture(policy, weightings(advantages, rewards), shared_prefix=lp,
-                              seq_len=lp + sub.completion_ids.shape[1])
+                              seq_len=lp + sub.completion_ids.shape[1],
+                              include=layer_pattern(layers) if layers else None)
 
 
 def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
                   config: ProbeConfig) -> dict[str, float]:
-    """Stable rank of every nn.Linear layer's G2 under every weighting of
+    """Stable rank of every linear layer's G2 under every weighting of
     :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, summarised by module kind, from one backward
     (:class:`grpo_lens.gradients.g2.G2WeightingCapture`), for a pass that could not carry it (:func:`can_fuse_g2`)."""
-    capture = g2_capture(policy, sub, extra["advantages"], rewards)
+    capture = g2_capture(policy, sub, extra["advantages"], rewards, config.layers)
     emb_out: list[torch.Tensor] = []
     handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
     try:
@@ -335,7 +345,7 @@ def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: Probe
     modules = dict(policy.named_modules())
     category_sq: dict[str, float] = {}
     for name, g in param_grams.items():
-        cat = parameter_category(name, isinstance(modules.get(name.rsplit(".", 1)[0]), nn.Linear))
+        cat = parameter_category(name, is_linear(modules.get(name.rsplit(".", 1)[0])))
         category_sq[cat] = category_sq.get(cat, 0.0) + float(g.trace())
     names = {id(p): n for n, p in policy.named_parameters()}
     weights = [names.get(id(modules[n].weight)) for n in linear_layer_names(policy)]
@@ -597,7 +607,10 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32  # bf16-mixed: float32 weights
         policy, tokenizer = load_model(config.model, dtype=dtype, device=device)
     policy.eval()  # no dropout: gradients of the sampling distribution
-    layer = config.layer or default_layer(policy)
+    try:  # a model without linear layers, or --layers matching none: one line, before anything is written
+        layer = config.layer or default_layer(policy, config.layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if layer not in linear_layer_names(policy):
         raise ConfigError(f"probe field 'layer' = {layer!r} is not a linear layer of the model; e.g. "
                           f"{', '.join(linear_layer_names(policy)[:4])}, ...")

@@ -351,12 +351,14 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
     """G3 and G2 (every layer, by layer type) under the weightings A, |A|, A + mean|A|, r, 1 and a single rollout:
     if a rank ≈ 2 came from the zero-sum advantages, A would stand apart from the weightings that are not zero-sum."""
     per_r = probe["per_group_size"]
+    layers = (probe["meta"].get("config") or {}).get("layers")  # probe --layers PATTERN
+    kept = f" (the layers --layers {layers!r} keeps)" if layers else ""
     lines = ["### Zero-sum or not: G3 and G2 under other weightings", "",
              "Rows weighted by A (GRPO), |A|, A + mean|A| and r (not zero-sum), 1 (no advantages) and a single "
              "rollout. "
              "G3: one matrix per R over the analysed groups, its stable rank (no interval: resampling its rows would "
-             "repeat rows and lower the rank). G2: every nn.Linear layer's weight gradient of the group loss, mean "
-             "stable rank over the layers "
+             f"repeat rows and lower the rank). G2: every linear layer's weight gradient of the group loss{kept}, "
+             "mean stable rank over the layers "
              "of each type, on the first --g2-groups group(s) of each R (mean over those groups).", "",
              *md_table(["R", "matrix", *(WEIGHTING_LABELS[w] for w in WEIGHTINGS)])]
     for r in sorted(per_r, key=int):
