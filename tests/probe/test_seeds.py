@@ -109,6 +109,26 @@ def test_pooling_refuses_other_settings_and_one_seed(pooled_dir):
         pool_probes(other)
     with pytest.raises(PoolingError, match="two seeds"):
         pool_probes({0: probes[0]})
+    # probes written before the credit study kept per-group shares: its class summaries combine as strata
+    old = copy.deepcopy(probes)
+    for p in old.values():
+        for k in ("shares", "shares_nll"):
+            p["studies"]["credit"]["contributions"].pop(k)
+    credit = pool_probes(old)["studies"]["credit"]["contributions"]
+    checked = 0
+    for cls, summaries in credit["classes"].items():
+        for key, pooled in summaries.items():
+            per_seed = [p["studies"]["credit"]["contributions"]["classes"][cls][key] for p in old.values()]
+            have = [r for r in per_seed if r.get("mean") is not None]
+            if not have:
+                assert pooled["mean"] is None
+                continue
+            checked += 1  # the groups-weighted mean of the seeds' means
+            expected = sum(r["n"] * r["mean"] for r in have) / sum(r["n"] for r in have)
+            assert pooled["mean"] == pytest.approx(expected, rel=1e-12)
+    assert checked, "no class had a share in either seed: the test's probe must measure one"
+    assert "shares" not in credit and credit["groups"] == sum(
+        p["studies"]["credit"]["contributions"]["groups"] for p in old.values())
     with pytest.raises(ConfigError, match="two distinct seeds"):
         run_seeds(probe_config(pooled_dir), [3, 3])
 
