@@ -43,6 +43,7 @@ from grpo_lens.models import (
     export_model,
     model_folder,
 )
+from grpo_lens.plugins import PLUGINS_ENV, check_resumed_plugins
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.partial import PartialProbe
 from grpo_lens.probe.run import run_probe
@@ -62,9 +63,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 C = TypeVar("C", TrainConfig, ProbeConfig)
-
-#: Environment variable listing modules to import at start (comma-separated): they register rewards and tasks.
-PLUGINS_ENV = "GRPO_LENS_PLUGINS"
 
 
 class PluginError(ImportError):
@@ -97,6 +95,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume and args.out and (Path(args.out) / "config.yaml").is_file():
         # Resume from the run's own config: flags need not be repeated, and a flag that differs from it is reported.
         config = _resume_config(args, Path(args.out) / "config.yaml", TrainConfig)
+        check_resumed_plugins(config.rewards, config.task, Path(args.out) / "config.yaml")  # names the module
     else:
         config = config_from_args(args, TrainConfig, config_file)
     run = train(config)
@@ -137,10 +136,13 @@ def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
+    if args.seeds:
+        return _cmd_probe_seeds(args)
     partial = PartialProbe(args.out) if args.out else None
     if args.resume and partial is not None and partial.exists():
         # Resume with the partial probe's settings: flags need not be repeated, and one that differs is reported.
         config = _resume_config(args, partial.config_path, ProbeConfig)
+        check_resumed_plugins(config.rewards, config.task, partial.config_path)  # names a missing plugin module
     else:
         config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
@@ -149,6 +151,26 @@ def _cmd_probe(args: argparse.Namespace) -> int:
                       f"{d[PROBE_TIMING]['seconds']:.0f} s" for R, d in data["per_group_size"].items())
     meta = data["meta"]
     print(f"probe written to {out} in {meta['seconds']:.0f} s ({per_r}; studies {meta['studies_seconds']:.0f} s)")
+    return 0
+
+
+def _cmd_probe_seeds(args: argparse.Namespace) -> int:
+    """``probe --seeds S...``: one probe per seed in OUT/seed_<s>, pooled into OUT/probe.json
+    (:mod:`grpo_lens.probe.seeds`)."""
+    from grpo_lens.probe.seeds import run_seeds, seed_summary_line
+
+    if args.seed is not None:
+        raise ConfigError("pass --seed (one probe) or --seeds (one probe per seed, pooled), not both")
+    saved = Path(args.out) / "config.yaml" if args.out else None
+    if args.resume and saved is not None and saved.is_file():
+        config = _resume_config(args, saved, ProbeConfig)  # the settings every seed ran with
+        check_resumed_plugins(config.rewards, config.task, saved)
+    else:
+        config = config_from_args(args, ProbeConfig, args.config)
+    out = run_seeds(config, args.seeds)
+    pooled = json.loads((out / "probe.json").read_text())
+    print(f"pooled probe of seeds {', '.join(map(str, args.seeds))} written to {out} ({seed_summary_line(pooled)}; "
+          f"each seed in {out}/seed_<s>)\nnext: grpo-lens report {out}")
     return 0
 
 
@@ -200,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", help=f"YAML file of {cls.__name__} fields; flags override it")
         add_config_arguments(p, cls)
+        if name == "probe":
+            p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                           help="one probe per seed into OUT/seed_<s>, then the groups pooled over the seeds in "
+                                "OUT/probe.json and report.md: the claims decided on the pooled groups, the "
+                                "between-seed spread beside each run's interval (docs/usage-seeds.md)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("model", help="print the Hugging Face folder of a model (the default one: for TRL's "

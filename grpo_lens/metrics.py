@@ -840,9 +840,10 @@ STUDY_CREDIT_CONTRIBUTIONS = _key(
     "the group update), `classes[answer|format|reasoning]` (`update_share`, `token_share`, `ratio`, each over "
     "groups), `classes_nll[class]` (`ratio`: the same tokens' ratio under NLL weights, every A_i = 1, the control "
     "with the same gradient geometry; `ratio_minus_nll`: the paired difference, over groups), `closure` (max over "
-    "groups of abs(Σ s − 1): the finite-difference error), `groups`",
+    "groups of abs(Σ s − 1): the finite-difference error), `groups`, `shares` and `shares_nll` (each group's "
+    "`classes` entry under A and under NLL weights: what `probe --seeds` pools)",
     source="§Token credit", where=(STUDIES,), fields=("position_profile", "classes", "classes_nll", "closure",
-                                                      "groups"))
+                                                      "groups", "shares", "shares_nll"))
 STUDY_CREDIT_MONTE_CARLO = _key(
     "studies", "credit.monte_carlo", OBJECT,
     "`rollouts` (per rollout: reward, grpo_advantage, boundaries, values and errors of V(prefix), segment advantages "

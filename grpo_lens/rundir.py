@@ -52,6 +52,7 @@ from grpo_lens.metrics import (
     PERF_STEP_SECONDS,
     STEP,
 )
+from grpo_lens.plugins import config_header
 
 
 class RunDirError(ValueError):
@@ -468,7 +469,7 @@ class RunDir:
         """Write config.yaml atomically. ``resume`` and ``overwrite`` say how one command treated --out, not what the
         run is: they are stored as False, so resuming with the same settings rewrites the same bytes."""
         stored = {**config_dict, **{k: False for k in ("resume", "overwrite") if k in config_dict}}
-        atomic_write_text(self.config_path, yaml.safe_dump(stored, sort_keys=False))
+        atomic_write_text(self.config_path, config_header() + yaml.safe_dump(stored, sort_keys=False))
 
     # ---------------------------------------------------------------------------------------------------------------
     def append_metrics(self, record: dict[str, Any], path: Path | None = None) -> None:

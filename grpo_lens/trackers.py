@@ -166,20 +166,25 @@ class Trackers:
             tracker.log(values, step=step)
 
     def log_completions(self, rows: list[dict[str, Any]], step: int) -> None:
-        """Send one step's completion rows (dicts of the same keys) as a table: W&B ``log_table``, TensorBoard a
-        Markdown table in ``add_text``; nothing for trackers without tables."""
+        """Send one step's completion rows (dicts of the same keys) as the table ``completions``
+        (:meth:`log_table`)."""
+        self.log_table("completions", rows, step)
+
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Send rows (dicts of the same keys) as a table called ``name``: W&B ``log_table``, TensorBoard a Markdown
+        table in ``add_text``; nothing for trackers without tables."""
         if not rows:
             return
         columns = [k for k in rows[0] if k != STEP]
         data = [[_cell(row.get(c)) for c in columns] for row in rows]
         for tracker in self.trackers:
             if tracker.name == "wandb":
-                tracker.log_table("completions", columns=columns, data=data, step=step)
+                tracker.log_table(name, columns=columns, data=data, step=step)
             elif tracker.name == "tensorboard":
                 text = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
                 text += ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |"
                          for row in data]
-                tracker.writer.add_text("completions", "\n".join(text), global_step=step)
+                tracker.writer.add_text(name, "\n".join(text), global_step=step)
 
     def finish(self) -> None:
         """Flush and close every tracker."""

@@ -18,7 +18,7 @@ Optimizer  max_steps, learning_rate                           train, demo
 Probing    group_sizes, prompts                               probe, demo (as probe_group_sizes, probe_prompts)
 Runtime    seed, dtype, device                                train, probe, demo (seed, device)
 Adapter    lora_rank                                          train, demo
-Output     out, overwrite, resume, progress, report_to        train (all), probe (all but report_to), demo (out,
+Output     out, overwrite, resume, progress, report_to        train (all), probe (all), demo (out,
                                                               overwrite, report_to)
 =========  =================================================  ======================================================
 

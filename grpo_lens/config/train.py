@@ -35,7 +35,7 @@ from grpo_lens.config.groups import (
     check_task_dataset,
 )
 from grpo_lens.config.trl_names import register_trl_names
-from grpo_lens.formulas.losses import KL_ESTIMATORS
+from grpo_lens.formulas.losses import KL_ESTIMATORS, POLICY_LOSSES
 from grpo_lens.formulas.overlong import OVERLONG_MODES
 from grpo_lens.metrics import METRIC_NAME_SCHEMES
 from grpo_lens.train.sharding import PARALLELISMS
@@ -107,6 +107,9 @@ class TrainConfig(ConfigFile):
     kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + "; k1 "
                                "takes the KL's score-function gradient (log-ratio x grad log pi), not its own.",
                                check=one_of(KL_ESTIMATORS.names))
+    policy_loss: str = option("vanilla", "Per-token policy loss, a name in POLICY_LOSSES "
+                              "(grpo_lens/formulas/losses.py; verl's policy_loss.loss_mode): vanilla = the PPO / "
+                              "GRPO clipped surrogate (DeepSeekMath eq. 3).", check=one_of(POLICY_LOSSES.names))
     eps_low: float = option(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.", check=_UNIT)
     eps_high: float = option(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for A > 0 (DAPO's "
                              "clip-higher uses 0.28).", check=at_least(0))

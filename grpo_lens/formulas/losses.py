@@ -16,7 +16,8 @@ constant N/Z; what the lens and the probe differentiate), and :func:`aggregation
 its length-normalised score gradient (what ``--estimator optimal`` and the credit study scale g_i by); for a rollout
 with tokens omega_i = (N/Z) c_i / |o_i|.
 
-Also: the KL estimators k1 / k2 / k3 (:data:`KL_ESTIMATORS`), the sampler-trainer mismatch
+Also: the policy losses (:data:`POLICY_LOSSES`; ``vanilla`` = :func:`clipped_surrogate`), the KL estimators k1 / k2 /
+k3 (:data:`KL_ESTIMATORS`), the sampler-trainer mismatch
 (:func:`truncated_is_weights`, :func:`mismatch_sums`), and the clamp on log-ratios (:data:`LOG_RATIO_CLAMP`).
 """
 
@@ -132,8 +133,15 @@ def kl_reward_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Clipped surrogate
+# Policy losses (verl's ``@register_policy_loss``): fn(logp [N, T], old_logp [N, T], advantages [N] or [N, T],
+# eps_low, eps_high, dual_clip) -> (per-token loss [N, T], rho [N, T] detached), looked up by ``policy_loss``
 # ---------------------------------------------------------------------------------------------------------------------
+PolicyLossFn = Callable[..., tuple[Tensor, Tensor]]
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+
+
+@POLICY_LOSSES.register("vanilla")  # verl's name for the PPO / GRPO clipped surrogate
 def clipped_surrogate(
     logp: Tensor,
     old_logp: Tensor,
@@ -321,6 +329,7 @@ def grpo_loss(
     ref_logp: Tensor | None = None,
     kl_estimator: str = "k3",
     token_weights: Tensor | None = None,
+    policy_loss: str = "vanilla",
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO's objective (negated) on one micro-batch: clipped surrogate + beta * KL, aggregated.
 
@@ -339,6 +348,7 @@ def grpo_loss(
         kl_estimator: k1, k2 or k3.
         token_weights: [n, T] detached per-token weights on the policy term (e.g. the truncated importance weights
             of :func:`truncated_is_weights`); None = 1.
+        policy_loss: a name in :data:`POLICY_LOSSES` (default ``vanilla``, :func:`clipped_surrogate`).
 
     Returns:
         (loss, metrics). ``loss`` is this micro-batch's share of the batch loss (sums over micro-batches).
@@ -349,7 +359,7 @@ def grpo_loss(
         and ``tokens`` (the count these means are over, to weight them when combining micro-batches).
 
     Raises:
-        ValueError: beta > 0 without ref_logp, shape mismatch, unknown aggregation or KL estimator.
+        ValueError: beta > 0 without ref_logp, shape mismatch, unknown aggregation, KL estimator or policy loss.
     """
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
@@ -370,7 +380,7 @@ def grpo_loss(
         ref_logp = torch.where(mask, ref_logp, torch.zeros((), dtype=ref_logp.dtype, device=ref_logp.device))
     if token_weights is not None and token_weights.shape == mask.shape:
         token_weights = torch.where(mask, token_weights, torch.zeros_like(token_weights))
-    policy_tok, ratio = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
+    policy_tok, ratio = POLICY_LOSSES.get(policy_loss)(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
     if token_weights is not None:
         if token_weights.shape != logp.shape:
             raise ValueError(f"token_weights {tuple(token_weights.shape)} must be [n, T] = {tuple(logp.shape)}")

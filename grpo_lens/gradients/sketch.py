@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
@@ -43,6 +42,7 @@ from grpo_lens.gradients.params import (
 )
 from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
+from grpo_lens.seeding import derive_seed
 
 Projection = Literal["gaussian", "identity"]
 
@@ -185,7 +185,7 @@ class GradientCapture:
         """(P_in [k_in, d_in], P_out [k_out, d_out]) float32 of layer ``name`` (Gaussian, N(0, 1/k) entries)."""
         if name not in self._proj:
             d_out, d_in = linear_shape(self._modules[name])
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, name, modulus=2**63))
             p_in = torch.randn(self.k_in, d_in, generator=gen) / math.sqrt(self.k_in)
             p_out = torch.randn(self.k_out, d_out, generator=gen) / math.sqrt(self.k_out)
             self._proj[name] = (p_in, p_out)

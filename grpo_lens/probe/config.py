@@ -94,6 +94,7 @@ class ProbeConfig(ConfigFile):
                                  "from its last finished group, with its settings (flags need not be repeated); it "
                                  "writes the probe.json an uninterrupted probe would, timings aside")
     progress: bool = Output.progress()
+    report_to: list = Output.report_to()
 
     def prompts_for(self, group_size: int) -> int:
         """The number of prompts sampled for group size R: ``prompts``, or max(24, 128 // R) when it is 0.

@@ -29,10 +29,11 @@ import torch
 import yaml
 
 from grpo_lens.config import ConfigError
+from grpo_lens.plugins import config_header
 from grpo_lens.rundir import atomic_write_text, read_saved_config
 
 #: Probe settings that may differ when a probe resumes: they change no number (the train loop lets device change too).
-RESUMABLE_KEYS = ("progress", "device")
+RESUMABLE_KEYS = ("progress", "device", "report_to")
 
 #: Fields that say how one command treats --out, not what the probe measures.
 COMMAND_KEYS = ("resume", "overwrite", "out")
@@ -124,7 +125,7 @@ class PartialProbe:
         """Create the folder and write the settings (``resume`` and ``overwrite`` stored as False)."""
         self.path.mkdir(parents=True, exist_ok=True)
         stored = {**config_dict, "resume": False, "overwrite": False}
-        atomic_write_text(self.config_path, yaml.safe_dump(stored, sort_keys=False))
+        atomic_write_text(self.config_path, config_header() + yaml.safe_dump(stored, sort_keys=False))
 
     def remove(self) -> None:
         """Delete the folder (once probe.json holds everything, or to start over)."""

@@ -135,6 +135,7 @@ from grpo_lens.models import load_model
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.partial import PartialProbe, PromptRecord
 from grpo_lens.probe.studies import run_baseline_study, run_credit_study
+from grpo_lens.probe.tracking import log_probe
 from grpo_lens.report import write_report
 from grpo_lens.rewards import parse_reward_specs, score_batch
 from grpo_lens.rollout import (
@@ -144,8 +145,9 @@ from grpo_lens.rollout import (
     sample_groups,
 )
 from grpo_lens.rundir import atomic_write_text, holds_run_dir
-from grpo_lens.seeding import seed_everything
+from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
+from grpo_lens.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +359,7 @@ def batch_seed(seed: int, group_size: int, draw: int) -> int:
     """The seed of the ``draw``-th batch of prompts (1-based) of group size R: the prompts' sampling, their
     completions' sampling and every random number of their analysis derive from it, so a batch is the same whenever
     it is drawn (what ``--resume`` relies on)."""
-    return (seed * 1_000_003 + group_size * 10_007 + draw * 7_919) % (2**31 - 1)
+    return derive_seed(seed, group_size=group_size, draw=draw)
 
 
 def analyse_prompt(policy, tokenizer, batch: RolloutBatch, j: int, rewards: torch.Tensor, valid: torch.Tensor,
@@ -594,6 +596,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             --overwrite), --resume without a partial probe or with other settings than it.
         ModelNotFoundError: no such model.
     """
+    check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     partial = prepare_out(config)
     out = Path(config.out)
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
@@ -667,4 +670,5 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
                                                      indent=1))
     partial.remove()
     write_report(out)
+    log_probe(out, config.report_to, meta["config"])  # --report-to: the numbers of probe.json to the trackers
     return out

@@ -40,6 +40,7 @@ from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.gradients.token_credit import prefix_values, signed_token_contributions
 from grpo_lens.rewards import combine_rewards, score_batch
 from grpo_lens.rollout import sample_groups
+from grpo_lens.seeding import derive_seed
 
 
 def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, Any]:
@@ -121,7 +122,7 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
     sampled, draw = 0, 0
     while len(pools) < prompts and sampled < max_prompts:
         draw += 1
-        s = (seed * 1_000_003 + R * 10_007 + draw * 7_919 + 17) % (2**31 - 1)
+        s = derive_seed(seed, group_size=R, draw=draw, offset=17)
         n = min(prompts_per_batch, max_prompts - sampled)
         batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, M, s, **sampling)
         for j in range(n):
@@ -180,6 +181,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
          summed share; "classes": {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups};
          "classes_nll": {class: {"ratio": the same tokens' ratio under NLL weights (every A_i = 1: the control with
          the same gradient geometry), "ratio_minus_nll": the paired difference per group}: bootstrap_mean over groups};
+         "shares", "shares_nll": each group's class shares under A and NLL weights (what --seeds pools);
          "closure": max |sum s - 1| over groups; "groups": n},
          "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
          disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
@@ -194,7 +196,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
     analysed, sampled, draw = 0, 0, 0
     while analysed < groups and sampled < max_prompts:
         draw += 1
-        s = (seed * 1_000_003 + R * 10_007 + draw * 7_919 + 29) % (2**31 - 1)
+        s = derive_seed(seed, group_size=R, draw=draw, offset=29)
         n = min(prompts_per_batch, max_prompts - sampled)
         batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, R, s, **sampling)
         for j in range(n):
@@ -239,7 +241,7 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
     class_summary, nll_summary = summarise_class_shares(shares, shares_nll)
     return {
         "contributions": {"position_profile": _mean_ci_per_bin(profiles), "classes": class_summary,
-                          "classes_nll": nll_summary,
+                          "classes_nll": nll_summary, "shares": shares, "shares_nll": shares_nll,  # per group
                           "closure": max(closures) if closures else None, "groups": analysed},
         "monte_carlo": {"rollouts": mc_rows, "samples_per_prefix": mc_samples,
                         **{k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))

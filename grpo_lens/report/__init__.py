@@ -91,6 +91,7 @@ from grpo_lens.report.format import (
     md_row,
     md_table,
 )
+from grpo_lens.report.seeds import seeds_section
 from grpo_lens.report.studies import studies_section
 from grpo_lens.report.training_measures import (
     MIN_TREND_STEPS,
@@ -626,6 +627,8 @@ def write_report(run_dir: Path) -> Path:
                    "</details>", ""]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
         header += claims_section(probes, records, lora_rank)
+    if (probes.get("probe") or {}).get("seeds"):  # a pooled probe (probe --seeds): each seed beside the pool
+        header += seeds_section(probes["probe"], run_dir)
     header += ["## Findings", "", *[f"- {f}" for f in findings], ""]
     lines = few_footnotes(header + body)
     if any(FEW_MARK in line for line in lines):  # the mark's meaning, once, under the title

@@ -49,6 +49,7 @@ from grpo_lens.metrics import (
 from grpo_lens.models import same_model_key
 from grpo_lens.report.format import fmt_sig, md_row, md_table
 from grpo_lens.report.plots import integer_ticks
+from grpo_lens.report.seeds import compare_seeds_section, pooled_finals
 from grpo_lens.report.training_measures import dynamic_sampling_summary
 from grpo_lens.rundir import RunDirError, read_records
 
@@ -291,11 +292,14 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
     table = {label: {k: final_numbers(recs, k, last) for k, _ in metrics} for label, recs in runs.items()}
     _same_model_same_name(configs)
     diff = differing_fields(configs, partial)
+    # runs that differ only in their seed are reruns of one configuration: their final numbers pool (report/seeds.py)
+    pooled = pooled_finals(table, [k for k, _ in metrics], labels) if set(diff) == {"seed"} else {}
 
     out.mkdir(parents=True, exist_ok=True)
     plot_compare(runs, metrics, out / "compare.png")
     (out / "compare.json").write_text(json.dumps({"runs": {lab: str(p) for lab, p in zip(labels, paths)},
-                                                  "last": last, "differing_config": diff, "final": table},
+                                                  "last": last, "differing_config": diff, "final": table,
+                                                  "pooled_over_seeds": pooled},
                                                  indent=1, default=str))
     lines = ["# grpo-lens compare", "",
              "Runs: " + ", ".join(f"`{lab}` ({p}, {len(runs[lab])} steps)" for lab, p in zip(labels, paths)), ""]
@@ -333,6 +337,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
                 cells.append(f"{fmt_sig(f['mean'])} [{fmt_sig(f['low'])}, {fmt_sig(f['high'])}] "
                              f"({_steps(f['steps'])}, n={f['n']})")
         lines.append(md_row(f"{label} (`{key}`)", *cells))
+    lines += ["", *compare_seeds_section(pooled, metrics, diff.get("seed", {}))]
     lines += ["", "## Curves", "", "![curves](compare.png)", ""]
     path = out / "compare.md"
     path.write_text("\n".join(lines))

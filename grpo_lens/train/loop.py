@@ -65,6 +65,7 @@ from grpo_lens.metrics import (
     PERF_TOKENS_PER_SECOND,
     REWARD_ACCURACY,
     REWARD_FRAC_ZERO_STD_GROUPS,
+    REWARD_FUNCTION,
     REWARD_KL_PENALTY,
     REWARD_MEAN,
     REWARD_OVERLONG_PENALTY,
@@ -88,7 +89,7 @@ from grpo_lens.rundir import (
     lens_overhead,
     read_records,
 )
-from grpo_lens.seeding import seed_everything
+from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.tasks.user_data import file_fingerprint
 from grpo_lens.trackers import Trackers, check_trackers
@@ -108,6 +109,8 @@ from grpo_lens.train.sharding import (
 from grpo_lens.train.step_metrics import (
     _pad_to,
     accuracy_metrics,
+    accuracy_note,
+    custom_reward_names,
     merge_reward_infos,
     rollout_correctness,
     rollout_metrics,
@@ -144,7 +147,7 @@ RECORDED_KEYS = ("dataset_sha256", "dataset_rows")
 
 def step_seed(seed: int, step: int) -> int:
     """The seed of step ``step``: every step's randomness derives from (seed, step), so a resumed run repeats it."""
-    return (seed * 1_000_003 + step * 7_919) % (2**31 - 1)
+    return derive_seed(seed, step=step)
 
 
 def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:
@@ -852,6 +855,7 @@ class StepLogs:
     trackers: Trackers | None
     progress: Any
     lines_of: int = 0  # without a progress bar (--no-progress), one log line per step "step s/lines_of ..."
+    rewards: tuple = ()  # the reward specs: a custom one renames "accuracy" in the step line
 
     @classmethod
     def start(cls, run: RunDir, config: TrainConfig, procs: Processes, start_step: int) -> "StepLogs":
@@ -860,7 +864,9 @@ class StepLogs:
         trackers = None
         if procs.is_main and start_step < config.max_steps:
             trackers = Trackers(config.report_to, run.path, config.to_dict(), start_step)
-        return cls(run, trackers, progress, 0 if progress is not None else config.max_steps)
+        if procs.is_main and (note := accuracy_note(config.rewards)):
+            logger.info("%s", note)
+        return cls(run, trackers, progress, 0 if progress is not None else config.max_steps, tuple(config.rewards))
 
     def write(self, step: int, record: dict[str, Any], rollouts: Rollouts, advantages: torch.Tensor,
               n_completions: int) -> None:
@@ -877,7 +883,7 @@ class StepLogs:
             self.progress.set_postfix(reward=f"{record[REWARD_MEAN]:.3f}", sec=f"{record[PERF_STEP_SECONDS]:.1f}")
             self.progress.update(1)
         elif self.lines_of:
-            logger.info("%s", step_line(record, self.lines_of))
+            logger.info("%s", step_line(record, self.lines_of, list(self.rewards)))
 
     def close(self) -> None:
         """Close the progress bar and finish the trackers."""
@@ -887,15 +893,23 @@ class StepLogs:
             self.trackers.finish()
 
 
-def step_line(record: dict[str, Any], max_steps: int) -> str:
+def step_line(record: dict[str, Any], max_steps: int, rewards: list[str] | None = None) -> str:
     """One compact line of a step's record for logs without a progress bar (``--no-progress``): step, reward,
-    accuracy, S1, LR, seconds, and the held-out accuracy on evaluated steps."""
+    accuracy, S1, LR, seconds, and the held-out accuracy on evaluated steps. With a custom reward among ``rewards``
+    (specs; :func:`grpo_lens.train.step_metrics.custom_reward_names`) the reward names it and "accuracy" reads "task
+    accuracy" (the task's correctness check, not the reward)."""
+    custom = custom_reward_names(rewards or [])
     parts = [f"step {record[STEP]}/{max_steps}"]
-    for key, name, spec in ((REWARD_MEAN, "reward", ".3f"), (REWARD_ACCURACY, "accuracy", ".3f"),
+    for key, name, spec in ((REWARD_MEAN, f"reward ({'+'.join(custom)})" if custom else "reward", ".3f"),
+                            (REWARD_ACCURACY, "task accuracy" if custom else "accuracy", ".3f"),
                             (REWARD_FRAC_ZERO_STD_GROUPS, "S1", ".2f"), (LR, "lr", ".2e"),
                             (EVAL_GREEDY_ACCURACY, "eval greedy", ".3f"), (PERF_STEP_SECONDS, "s", ".1f")):
         if isinstance(record.get(key), (int, float)):
             parts.append(f"{name} {record[key]:{spec}}")
+        if key == REWARD_MEAN and custom and len(rewards or []) > 1:  # each function's mean, TRL's name
+            for n in (str(r).split(":", 1)[0] for r in rewards):
+                if isinstance(v := record.get(REWARD_FUNCTION.format(name=n)), (int, float)):
+                    parts.append(f"rewards/{n}/mean {v:.3f}")
     return "  ".join(parts)
 
 

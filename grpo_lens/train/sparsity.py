@@ -16,7 +16,6 @@ Hoyer sparsity (S3) and the top-1% energy share (S2-style) measure sparsity of t
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -39,6 +38,7 @@ from grpo_lens.metrics import (
     SPARSITY_UPDATE_STEP,
     SPARSITY_UPDATE_TOTAL,
 )
+from grpo_lens.seeding import derive_seed
 from grpo_lens.train.sharding import entries, local_part, sum_over_shards
 
 
@@ -80,7 +80,7 @@ class ParameterSample:
         taken = 0
         for n, p in named:
             k = min(p.numel(), max(min_per_tensor, math.ceil(fraction * p.numel())))
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(n.encode())) % (2**63))
+            gen = torch.Generator().manual_seed(derive_seed(seed, n, modulus=2**63))
             # whole small tensors; uniform draws with replacement otherwise (unbiased weighted sums, and no
             # randperm over tens of millions of entries)
             idx = torch.arange(p.numel()) if k == p.numel() else torch.randint(p.numel(), (k,), generator=gen)

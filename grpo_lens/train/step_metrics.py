@@ -100,6 +100,28 @@ def rollout_correctness(task: Any, batch: RolloutBatch, timeout: float) -> torch
     return torch.tensor([math.nan if v is None else float(v) for v in verdict], dtype=torch.float64)
 
 
+#: reward functions that score the task's own correctness check (or its answer format): with only these, the step
+#: line's "accuracy" reads as what the reward measures
+CORRECTNESS_REWARDS = ("correctness", "math_verify", "format")
+
+
+def custom_reward_names(specs: list[str]) -> list[str]:
+    """The reward functions of ``specs`` (NAME or NAME:WEIGHT) other than :data:`CORRECTNESS_REWARDS`: when there is
+    one, ``reward/accuracy`` (the task's correctness check) and the reward measure different things."""
+    names = [str(s).split(":", 1)[0].strip() for s in specs]
+    return [n for n in names if n not in CORRECTNESS_REWARDS]
+
+
+def accuracy_note(specs: list[str]) -> str | None:
+    """The one log line that says what "accuracy" is when a custom reward runs (None otherwise)."""
+    custom = custom_reward_names(specs)
+    if not custom:
+        return None
+    return (f"the reward is {', '.join(custom)} (a custom reward; per function: reward/<name>, TRL's "
+            f"rewards/<name>/mean); 'task accuracy' in the step lines is reward/accuracy, the task's own "
+            f"correctness check of the final answer, not the reward (docs/metrics.md)")
+
+
 def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
     """``reward/accuracy``: the mean of the 0/1 verdicts [N] over rollouts that have one (NaN = none); absent when
     no rollout has one."""

@@ -241,7 +241,7 @@ def backward_mini_batch(policy: torch.nn.Module, batch: RolloutBatch, advantages
             normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
             eps_high=config.eps_high, dual_clip=config.dual_clip, beta=0.0 if config.kl_in_reward else config.beta,
             ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
-            token_weights=weights)
+            token_weights=weights, policy_loss=config.policy_loss)
         loss.backward()
         nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
         sums.add_loss_metrics(m, config.mu * len(plan.mini_batches))

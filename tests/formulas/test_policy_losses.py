@@ -1,0 +1,75 @@
+"""The policy-loss registry (formulas/losses.py POLICY_LOSSES, verl's ``@register_policy_loss``): the clipped
+surrogate registered as ``vanilla``, unknown names listing the valid ones, and the trainer's ``policy_loss`` field."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lens.config import ConfigError, TrainConfig
+from grpo_lens.formulas.losses import (
+    POLICY_LOSSES,
+    clipped_surrogate,
+    grpo_loss,
+    loss_normalizer,
+)
+
+CALLS: list[str] = []
+
+
+def _unclipped(logp, old_logp, advantages, eps_low, eps_high, dual_clip):
+    """-rho A, no clip (a test variant that records its calls)."""
+    CALLS.append("test_unclipped")
+    ratio = torch.exp(logp - old_logp)
+    return -ratio * advantages.unsqueeze(-1), ratio.detach()
+
+
+if "test_unclipped" not in POLICY_LOSSES:
+    POLICY_LOSSES.register("test_unclipped")(_unclipped)
+
+
+def test_vanilla_is_the_clipped_surrogate_and_the_default():
+    assert POLICY_LOSSES.get("vanilla") is clipped_surrogate
+    assert TrainConfig().policy_loss == "vanilla"
+
+
+def test_unknown_policy_loss_lists_the_valid_names():
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'; valid names: .*vanilla"):
+        POLICY_LOSSES.get("ppo")
+    with pytest.raises(ConfigError, match="policy_loss.*vanilla"):
+        TrainConfig(policy_loss="ppo")
+
+
+def test_grpo_loss_looks_the_policy_loss_up():
+    # rho = 1.5 on every token, A = [1, -1], eps 0.2, seq-mean-token-mean over N = 2 rollouts (normaliser 2):
+    # vanilla: rollout 1 -min(1.5, 1.2) = -1.2, rollout 2 -min(-1.5, -1.2) = 1.5 -> (-1.2 + 1.5) / 2 = 0.15
+    # unclipped: -1.5 and 1.5 -> 0
+    old = torch.zeros(2, 3)
+    logp = old + math.log(1.5)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    norm = loss_normalizer(mask, "seq-mean-token-mean", 3)
+    assert norm == 2.0
+    default, _ = grpo_loss(logp, old, adv, mask, normalizer=norm)
+    vanilla, _ = grpo_loss(logp, old, adv, mask, normalizer=norm, policy_loss="vanilla")
+    unclipped, _ = grpo_loss(logp, old, adv, mask, normalizer=norm, policy_loss="test_unclipped")
+    assert float(default) == float(vanilla) == pytest.approx(0.15, abs=1e-6)
+    assert float(unclipped) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        grpo_loss(logp, old, adv, mask, normalizer=norm, policy_loss="nope")
+
+
+@pytest.mark.e2e
+def test_trainer_uses_the_configured_policy_loss(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+    from test_trainer import tiny_config
+
+    from grpo_lens.train.loop import train
+
+    CALLS.clear()
+    train(tiny_config(tmp_path / "run", max_steps=1, mu=1, policy_loss="test_unclipped"))
+    assert CALLS, "the trainer did not call the configured policy loss"

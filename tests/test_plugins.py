@@ -1,0 +1,67 @@
+"""A resumed run whose plugin module is not importable names the module and GRPO_LENS_PLUGINS: config.yaml records
+the modules in a comment line (YAML ignores it), and --resume checks the run's rewards and task before it starts."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from grpo_lens.cli import main
+from grpo_lens.config import ConfigError, TrainConfig
+from grpo_lens.plugins import (
+    PLUGINS_ENV,
+    check_resumed_plugins,
+    config_header,
+    recorded_plugins,
+)
+from grpo_lens.probe.partial import PartialProbe
+from grpo_lens.rundir import RunDir
+
+
+def test_config_yaml_records_the_plugins_in_a_comment(tmp_path, monkeypatch):
+    monkeypatch.setenv(PLUGINS_ENV, " my_rewards , my_tasks ")
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    values = {"model": "tiny", "rewards": ["parity"], "resume": False}
+    run.write_config(values)
+    text = run.config_path.read_text()
+    assert text.startswith("# GRPO_LENS_PLUGINS=my_rewards,my_tasks  (")
+    assert yaml.safe_load(text) == values  # the fields are unchanged
+    assert recorded_plugins(run.config_path) == ["my_rewards", "my_tasks"]
+    partial = PartialProbe(tmp_path / "probe")
+    partial.start({"model": "tiny"})
+    assert recorded_plugins(partial.config_path) == ["my_rewards", "my_tasks"]
+    monkeypatch.delenv(PLUGINS_ENV)
+    assert config_header() == "" and recorded_plugins(tmp_path / "missing.yaml") == []
+
+
+def test_check_names_the_recorded_module_and_the_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv(PLUGINS_ENV, raising=False)
+    path = tmp_path / "config.yaml"
+    path.write_text(config_header("my_rewards") + "rewards: [parity]\n")
+    check_resumed_plugins(["correctness", "format:0.1"], "arithmetic", path)  # built-ins: nothing to say
+    with pytest.raises(ConfigError, match=r"reward function 'parity' is not registered; this run was started with "
+                                          r"GRPO_LENS_PLUGINS=my_rewards .*set GRPO_LENS_PLUGINS=my_rewards again, "
+                                          r"with 'my_rewards' importable"):
+        check_resumed_plugins(["parity:2"], "arithmetic", path)
+    with pytest.raises(ConfigError, match="task 'my_task'"):
+        check_resumed_plugins(["correctness"], "my_task", path)
+    bare = tmp_path / "old.yaml"
+    bare.write_text("rewards: [parity]\n")  # a run written before the record
+    with pytest.raises(ConfigError, match="records no plugin module; set GRPO_LENS_PLUGINS to the module"):
+        check_resumed_plugins(["parity"], "arithmetic", bare)
+
+
+def test_train_resume_without_the_plugin_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(PLUGINS_ENV, "helpers_rewards")
+    out = tmp_path / "run"
+    run = RunDir(out)
+    out.mkdir()
+    run.write_config(TrainConfig(model="tiny", rewards=["alternating"], out=str(out)).to_dict())
+    monkeypatch.delenv(PLUGINS_ENV)
+    import grpo_lens.rewards as rewards
+
+    monkeypatch.delitem(rewards.REWARDS._entries, "alternating", raising=False)  # as in a fresh process
+    assert main(["train", "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "reward function 'alternating' is not registered" in err and "GRPO_LENS_PLUGINS=helpers_rewards" in err
