@@ -17,11 +17,15 @@ from grpo_lens.claims.base import (
     INCONCLUSIVE,
     Claim,
     ci_text,
+    decide,
     fmt,
     verdict_from_interval,
 )
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-from grpo_lens.formulas.stats import wilson_interval
+from grpo_lens.formulas.stats import binomial_upper_tail, mean_test_p, wilson_interval
+
+#: the calibration's name of the rule
+RULE_ID = "group mean optimal (m_C = m_W)"
 
 #: the level of each prompt's m_C = m_W permutation test: the most it rejects when m_C = m_W everywhere
 EQUAL_NORMS_LEVEL = 0.05
@@ -69,16 +73,29 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     many_rejected = verdict_from_interval(q_lo, q_hi, EQUAL_NORMS_LEVEL, "above")
     small_gain = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1 - MSE_GAIN_MARGIN, "above")
     b_star_helps = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below")
+    # one-sided p of each branch (intersection-union: the larger of its two parts): the count k of n by exact
+    # binomial tails, the MSE ratio by Hall's t over the prompts' ratios (the interval the row prints)
+    ratios = [pp["estimators"]["optimal_loo"]["mse"] / pp["estimators"]["rloo"]["mse"]
+              for pp in study.get("per_prompt") or [] if pp["estimators"]["rloo"]["mse"] > 0
+              and "optimal_loo" in pp["estimators"]]
+    if n >= MIN_UNITS and ratios:
+        p_holds = max(1.0 - binomial_upper_tail(k + 1, n, EQUAL_NORMS_MAX_SHARE),
+                      mean_test_p(ratios, 1 - MSE_GAIN_MARGIN, "above"))
+        p_dnh = max(binomial_upper_tail(k, n, EQUAL_NORMS_LEVEL), mean_test_p(ratios, 1.0, "below"))
+    else:
+        p_holds = p_dnh = 1.0
+    verdict = decide(p_holds, p_dnh)
     if n < MIN_UNITS or not math.isfinite(q_lo):
         verdict, why = INCONCLUSIVE, f"{n} testable prompts < {MIN_UNITS}"
-    elif few_rejected == HOLDS and small_gain == HOLDS:
-        verdict, why = HOLDS, (f"rejection share below {EQUAL_NORMS_MAX_SHARE} and b*'s MSE gain below "
-                               f"{MSE_GAIN_MARGIN:.0%} (equivalence)")
-    elif many_rejected == HOLDS and b_star_helps == HOLDS:
-        verdict, why = DOES_NOT_HOLD, ("m_C != m_W in more prompts than the tests' level and b*'s MSE interval lies "
-                                       "below RLOO's")
+    elif verdict == HOLDS:
+        why = (f"rejection share below {EQUAL_NORMS_MAX_SHARE} and b*'s MSE gain below {MSE_GAIN_MARGIN:.0%} "
+               f"(equivalence; p = {p_holds:.2g})")
+    elif verdict == DOES_NOT_HOLD:
+        why = (f"m_C != m_W in more prompts than the tests' level and b*'s MSE below RLOO's (p = {p_dnh:.2g})")
     else:
-        verdict, why = INCONCLUSIVE, "the rejection share and the MSE gain do not agree on a verdict"
+        why = (f"the rejection share and the MSE gain do not agree on a verdict (p holds {p_holds:.2g}, p does not "
+               f"hold {p_dnh:.2g})")
+    del few_rejected, many_rejected, small_gain, b_star_helps
     meta = probe["studies"]["baselines"].get("meta", {})
     share = (f"{fmt(q, 2)} [{fmt(q_lo, 2)}, {fmt(q_hi, 2)}], Wilson interval over prompts" if n >= MIN_UNITS else
              "too few prompts for an interval")
@@ -90,4 +107,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
                   control=(f"rejection share <= {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere; equivalence below "
                            f"{EQUAL_NORMS_MAX_SHARE}); MSE ratio 1 (equivalence above {1 - MSE_GAIN_MARGIN:g})"),
                   verdict=verdict, rule=why,
-                  source=f"{meta.get('gradients', 'sketch')}, k = {meta.get('sketch_dim')}, held-out reference")]
+                  source=f"{meta.get('gradients', 'sketch')}, k = {meta.get('sketch_dim')}, held-out reference",
+                  n=n, p_holds=p_holds, p_dnh=p_dnh, rule_id=RULE_ID,
+                  advice=(f"raise `--baseline-study-prompts` (now {n} testable prompts; e.g. {max(2 * n, 24)})"
+                          if verdict == INCONCLUSIVE else ""))]
