@@ -1,39 +1,26 @@
-"""``grpo-lens calibrate``: the level and power of every verdict rule, measured on planted cases (docs/calibration.md).
+"""``grpo-lens calibrate``: the level and power of every primary verdict rule on planted cases, each case with ONE
+truth, what was planted (docs/calibration.md, issue 29).
 
 Every planted group goes through the path a real group takes: its Gram matrix [R, R], rewards [R] and GRPO
-advantages [R] into :func:`grpo_lens.analysis.group.analyse_group` (with ``null_dim`` = the planted dimension P),
-the rows into a probe-shaped dict with :func:`grpo_lens.formulas.stats.summarise_rows`, and that dict into the
-registered claim function (:data:`grpo_lens.claims.base.CLAIMS`). The training-run rules get metrics.jsonl-shaped
-records built with the product's own measures (:func:`grpo_lens.formulas.sparsity.weighted_hoyer` of gradients and of
-``torch.optim.AdamW`` updates). The intervals of :func:`grpo_lens.formulas.stats.mean_interval` are checked for
-coverage on the skewed data of issue 18.
+advantages [R] into :func:`grpo_lens.analysis.group.analyse_group` (``null_dim`` = the planted dimension P), the rows
+into a probe-shaped dict and that into the registered claim (:data:`grpo_lens.claims.base.CLAIMS`). Training-run
+rules get metrics.jsonl-shaped records. Per (family, R) a pool of planted groups is analysed once; each trial draws
+n groups per R from the pools without replacement and the claim decides once across R, as the probe's table does.
 
-Design. Per (family, R) a pool of planted groups is analysed once; each trial draws n groups from the pool without
-replacement and decides the rule, so the pool stands in for the population (its mean sets the cell's truth, e.g.
-whether a measure's population value lies in the band). n = 8 (the fewest groups with an interval) and the default
-probe's mixed-group counts (:data:`DEFAULT_GROUP_COUNTS`). Level = the share of *holds* in cells where the claim is
-false and of *does not hold* where it is true; power = the share of the right verdict.
+Truth, per family and claim, from what was planted (never from where one measure's mean falls):
 
-Planted families (Gram matrices sampled exactly for gradients in R^P, docs/calibration.md):
+- rank ≈ 2: a planted rank-2 signal (two class means, or a label-free rank-2 signal) whose population E₂ > 0.9 > E₁
+  (the mean over 2000 planted groups of G1's top-2 / top-1 energy shares); every other family is "not rank 2",
+  including the boundary family whose population E₂ is tuned to 0.9 (not above it);
+- the labels structure G1: directions that depend on the labels (class means) with population θ of the cosine Gram
+  >= 0.1; label-free families (including label effects on norms alone) are false;
+- trends: rising cases true; flat cases (with autocorrelated steps, or a falling count of mixed groups) false.
 
-- ``a<f>``: exact rank 2 (orthonormal class means) plus isotropic noise, share f of G1's energy;
-- ``b<s>``: no shared structure, random directions with log-normal norms (log-SD s; ``b0`` equal norms);
-- ``c_lr2``: label-independent rank 2 (+1% noise); ``c_shared``: a shared direction, pairwise cosine 0.5;
-- ``d<c>_<f>``: two classes with near-collinear class means (cosine c), noise share f;
-- ``<family>_s<σ>``: any family with its rows rescaled by log-normal norms (log-SD σ).
-
-The token-credit rule (``uniform_token_credit``) gets planted per-token gradients g_{i,t} in R^P
-(:func:`planted_credit_group`, :data:`CREDIT_TOKEN_FAMILIES`; R = 4, completions of 10-24 tokens with 1-3 answer
-tokens) through the study's per-group body (:func:`grpo_lens.formulas.credit.paired_class_shares` of
-:func:`grpo_lens.formulas.credit.signed_contributions`, the directional derivatives exact,
-:func:`grpo_lens.formulas.credit.exact_directional_derivatives`) and summary
-(:func:`grpo_lens.formulas.credit.summarise_class_shares`), n = 8 and 28 groups:
-
-- "geometry only" (truth: holds): random directions, class-dependent norms (equal; format tokens 10× smaller;
-  format 10× smaller and answer tokens 3× larger), no class × advantage interaction;
-- "credit concentrates on answers, e = ..." (e = 0.5, 1: does not hold; e = 0.25 the near-null case, within the
-  band on the pool's means): the answer tokens of a correct rollout add e v, of a wrong one −e v (v a unit vector per
-  group), so under A they add up and under NLL weights they cancel.
+Level = the share of the wrong verdict under that truth (*holds* where false, *does not hold* where true); power =
+the share of the right one. :func:`rule_levels` reduces the rows to {rule: {n: worst level, lowest power}}, which
+``--out`` writes as levels.json; the package ships a copy (grpo_lens/data/calibration_levels.json) that the report
+reads for each row's calibrated level and power. ``--planted FILE.npz`` runs your own Gram matrices through the same
+path (:func:`run_planted`).
 """
 
 from __future__ import annotations
@@ -51,26 +38,22 @@ from typing import Any, Callable
 
 import torch
 
-from grpo_lens.analysis.group import analyse_group
+from grpo_lens.analysis.group import (
+    analyse_group,
+    lens_rank_intervals,
+    mean_over_groups,
+)
 from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS
-from grpo_lens.claims.credit import CREDIT_EQUIVALENCE
-from grpo_lens.claims.rank import (
-    RANK_BAND,
-    RANK_CLAIM_MEASURES,
-    TOP_SHARE,
-)
+from grpo_lens.claims.baselines import RULE_ID as BASELINE_RULE_ID
+from grpo_lens.claims.credit import MC_RULE_ID
+from grpo_lens.claims.rank import RULE_ID as RANK_RULE_ID
+from grpo_lens.claims.rank import STAYS_RULE_ID
+from grpo_lens.claims.sparsity import S1_RULE_ID, S4_RULE_ID, SPARSITY_RULE_ID
 from grpo_lens.claims.zero_sum import NEGLIGIBLE_SHARE
-from grpo_lens.formulas.advantages import compute_advantages, grpo_advantages
+from grpo_lens.claims.zero_sum import RULE_ID as ZERO_SUM_RULE_ID
+from grpo_lens.formulas.advantages import grpo_advantages
 from grpo_lens.formulas.baselines import baseline_prompt, summarise_baseline_prompts
-from grpo_lens.formulas.credit import (
-    TOKEN_CLASSES,
-    exact_directional_derivatives,
-    paired_class_shares,
-    segment_advantages,
-    signed_contributions,
-    summarise_class_shares,
-    token_weights,
-)
+from grpo_lens.formulas.credit import segment_advantages, segment_counts
 from grpo_lens.formulas.sparsity import weighted_hoyer
 from grpo_lens.formulas.spectrum import wishart
 from grpo_lens.formulas.stats import mean_interval, summarise_rows
@@ -78,32 +61,57 @@ from grpo_lens.metrics import (
     PERF_LENS_SECONDS,
     PROBE_GROUPS,
     PROBE_SUMMARY,
-    RANK_G1,
     RANK_MIXED_GROUPS,
     REWARD_FRAC_ZERO_STD_GROUPS,
     SPARSITY_GRAD_HOYER,
-    SPARSITY_UPDATE_STEP_HOYER,
     SPARSITY_UPDATE_TOTAL_BF16_DENSE,
     SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
     SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
     SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
     SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE,
     STEP,
-    ZERO_SUM_SPAN_ENERGY_EXCESS,
-    ZERO_SUM_SPAN_ENERGY_NULL,
+    ZERO_SUM_COS_GAP_EXCESS,
+    ZERO_SUM_SPAN_ENERGY,
+    ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS,
+    ZERO_SUM_UNIT_SPAN_ENERGY_NULL,
 )
-from grpo_lens.probe.studies import _segment_counts
-from grpo_lens.train.sparsity import SparsityOverTraining
 
 #: the default probe's mixed groups per R (README: 28 and 22 of the 32 and 24 prompts for R = 4 and 8)
 DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
 
+#: groups per R of the probe-rule cells: the fewest with an interval, the rank rule's minimum, the default probe's
+GROUP_CELLS = {8: {4: 8, 8: 8}, 16: {4: 16, 8: 16}, 22: dict(DEFAULT_GROUP_COUNTS)}
+
 #: the dimension of the planted gradients
 PLANTED_DIM = 2048
 
-#: the families of the rank rules (planted structure: all but b*) and of the zero-sum rule (label-dependent: a*, d*)
-RANK_FAMILIES = ("a0.001", "a0.01", "a0.05", "b0", "b1", "b2", "c_lr2", "c_shared", "d0.95_0.01")
-ZERO_SUM_FAMILIES = ("b0", "b1", "c_lr2", "c_shared", "c_lr2_s1", "a0.01", "d0.95_0.05", "d0.95_0.05_s1")
+#: the planted families of the per-group rules, with what each plants (docs/calibration.md)
+FAMILIES = {
+    "a0.001": "rank 2 (orthonormal class means) + 0.1% noise",
+    "a0.01": "rank 2 + 1% noise",
+    "d0.5_0.01": "class means at cosine 0.5, + 1% noise",
+    "n2_0.01": "reward-dependent norms: rank 2 + 1% noise, wrong rollouts' gradients 2× longer",
+    "c_lr2": "label-independent rank 2 (+ 1% noise)",
+    "d0.95_0.01": "class means at cosine 0.95 (+ 1% noise): one direction dominates",
+    "r1_0.05": "one shared direction with 95% of the energy",
+    "c_shared": "one shared direction, pairwise cosine 0.5",
+    "a0.25": "rank 2 + 25% noise (E₂ ≈ 0.75-0.8: not rank 2)",
+    "boundary": "the boundary: rank 2 + noise tuned so that the population E₂ = 0.9",
+    "b0": "isotropic rows, equal norms",
+    "b1": "isotropic rows, log-normal norms (log-SD 1)",
+    "b2": "isotropic rows, log-normal norms (log-SD 2)",
+    "bn2": "isotropic rows, wrong rollouts' gradients 2× longer (a label effect on norms alone)",
+}
+
+
+def has_rank2_signal(family: str) -> bool:
+    """Whether ``family`` plants a rank-2 signal (rank 2 where also the population E₂ > 0.9 > E₁)."""
+    return family in ("boundary", "c_lr2") or bool(re.match(r"[adn]\d", family))
+
+
+def label_directions(family: str) -> bool:
+    """Whether ``family``'s directions depend on the labels (the mechanism claim true where also θ >= 0.1)."""
+    return family == "boundary" or bool(re.match(r"[adn]\d", family))
 
 
 #: the planted updates of "most parameters unchanged": (name, share of update entries exactly zero, scale of the rest,
@@ -130,41 +138,40 @@ MC_FAMILIES = {
 #: rollouts per Monte Carlo cell: the fewest with a verdict (--mc-groups 4) and larger studies
 MC_ROLLOUTS = (8, 32, 100)
 
-
-#: the planted token-credit groups (per-token gradients g_{i,t} in R^P, :func:`planted_credit_group`): name ->
-#: (answer tokens' norm, format tokens' norm, effect e); reasoning tokens have norm 1, every token's direction is
-#: random, and the answer tokens of rollout i add e σ_i v (σ_i = +1 correct, −1 wrong; v a unit vector per group)
-CREDIT_TOKEN_FAMILIES = {
-    "geometry only: equal norms": (1.0, 1.0, 0.0),
-    "geometry only: format 10× smaller": (1.0, 0.1, 0.0),
-    "geometry only: format 10× smaller, answer 3× larger": (3.0, 0.1, 0.0),
-    "credit concentrates on answers, e = 0.25": (1.0, 0.1, 0.25),
-    "credit concentrates on answers, e = 0.5": (1.0, 0.1, 0.5),
-    "credit concentrates on answers, e = 1": (1.0, 0.1, 1.0),
-}
-
-#: groups per token-credit cell: the probe's default --credit-groups and the default probe's mixed groups at R = 4
-CREDIT_GROUPS = (8, 28)
-
-#: the dimension of the planted per-token gradients
-CREDIT_DIM = 512
-
-#: planted groups per token-credit family (its mean is the truth: a format class 10× smaller has a band of ±0.0015
-#: against a per-group SD of its Δ near 0.01, so a pool of 200 can put its mean outside by chance)
-CREDIT_POOL = 1000
-
-#: truth "edge" for the token-credit rule: some class's pool |Δ| within this share of its band's half-width of the edge
-CREDIT_EDGE = 0.1
-
-
-#: the planted baseline-study prompts: name -> (m_C = m_W truly, noise scale of the correct rollouts' gradients)
+#: the planted baseline-study prompts: name -> (m_C = m_W truly, noise scale of the correct rollouts' gradients,
+#: whether the correct rollouts' noise has a spread of its own with the same mean square)
 BASELINE_FAMILIES = {
-    "m_C = m_W (equal noise in both classes)": (True, 1.0),
-    "correct rollouts' noise 2× (m_C = 3.4 m_W)": (False, 2.0),
+    "m_C = m_W (equal noise in both classes)": (True, 1.0, False),
+    "m_C = m_W, the correct rollouts' norms spread wider (equal means)": (True, 1.0, True),
+    "correct rollouts' noise 2× (m_C = 3.4 m_W)": (False, 2.0, False),
 }
 
 #: prompts per baseline cell: the fewest with an interval, the probe's default --baseline-study-prompts (16), larger
 BASELINE_PROMPTS = (8, 16, 24, 32)
+
+#: the trend cases: name -> (truth, kind, parameter)
+SPARSITY_TRENDS = {
+    "flat Hoyer, i.i.d. lens steps": (False, "ar", 0.0),
+    "flat Hoyer, lens-to-lens correlation 0.59": (False, "ar", 0.59),
+    "flat Hoyer, lens-to-lens correlation 0.9": (False, "ar", 0.9),
+    "flat Hoyer, a random walk": (False, "ar", 1.0),
+    "constant per-group sparsity, mixed groups fall 8 -> 1": (False, "groups", 0.0),
+    "Hoyer rises 0.30 -> 0.45 (lens-to-lens correlation 0.59)": (True, "rising", 0.59),
+}
+S1_TRENDS = {
+    "stationary success rates": (False, "ar", 0.0),
+    "success rates AR(1), φ = 0.8": (False, "ar", 0.8),
+    "success rates AR(1), φ = 0.95": (False, "ar", 0.95),
+    "S1 rises 0.35 -> 0.85": (True, "rising", 0.0),
+}
+
+#: the planted lens runs of "rank stays ≈ 2": name -> (truth, mixed groups per lens step, a bad step's family)
+STAYS_FAMILIES = {
+    "rank 2 + 1% noise at every lens step, 4 mixed groups (demo default)": (True, 4, None),
+    "rank 2 + 1% noise at every lens step, 12 mixed groups": (True, 12, None),
+    "one lens step of 7 not rank 2 (E₂ ≈ 0.75), 12 mixed groups": (False, 12, "a0.25"),
+    "every lens step not rank 2 (E₂ ≈ 0.75), 12 mixed groups": (False, 12, "all"),
+}
 
 
 @dataclass(frozen=True)
@@ -175,104 +182,131 @@ class CalibrationConfig:
     pool: int = 200
     coverage_trials: int = 2000
     seed: int = 0
-    families: tuple[str, ...] = RANK_FAMILIES
-    zero_sum_families: tuple[str, ...] = ZERO_SUM_FAMILIES
+    families: tuple[str, ...] = tuple(FAMILIES)
     group_sizes: tuple[int, ...] = (4, 8)
+    group_cells: tuple[int, ...] = tuple(GROUP_CELLS)
     s4_families: tuple[tuple[str, float, float, float], ...] = S4_FAMILIES
     mc_families: dict[str, tuple[bool, tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=lambda: dict(MC_FAMILIES))
     mc_rollouts: tuple[int, ...] = MC_ROLLOUTS
-    baseline_families: dict[str, tuple[bool, float]] = field(default_factory=lambda: dict(BASELINE_FAMILIES))
+    baseline_families: dict[str, tuple[bool, float, bool]] = field(default_factory=lambda: dict(BASELINE_FAMILIES))
     baseline_prompts: tuple[int, ...] = BASELINE_PROMPTS
-    credit_token_families: tuple[str, ...] = tuple(CREDIT_TOKEN_FAMILIES)
-    credit_groups: tuple[int, ...] = CREDIT_GROUPS
-    credit_pool: int = CREDIT_POOL
+    training: bool = True
 
     @classmethod
     def quick(cls) -> CalibrationConfig:
         """A small run for tests (seconds): few trials and families; its numbers are not the calibration."""
-        return cls(trials=20, pool=40, coverage_trials=200, families=("a0.01", "b2", "d0.95_0.01"),
-                   zero_sum_families=("b1", "a0.01"), group_sizes=(4,),
-                   s4_families=(S4_FAMILIES[0], S4_FAMILIES[-1]),
+        return cls(trials=20, pool=40, coverage_trials=200, families=("a0.01", "b2", "r1_0.05", "bn2"),
+                   group_cells=(22,), s4_families=(S4_FAMILIES[0], S4_FAMILIES[-1]),
                    mc_families={k: MC_FAMILIES[k] for k in list(MC_FAMILIES)[::2]}, mc_rollouts=(8, 100),
-                   baseline_prompts=(32,), credit_token_families=tuple(CREDIT_TOKEN_FAMILIES)[1::4],
-                   credit_groups=(8,), credit_pool=40)
+                   baseline_prompts=(32,))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # planted groups
 # ---------------------------------------------------------------------------------------------------------------------
-def has_structure(family: str) -> bool:
-    """Whether the rows share directions beyond random ones (the rank claim's structure condition is true)."""
-    return not family.startswith("b")
+def planted_group(family: str, r: int, dim: int, gen: torch.Generator, noise: float | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group of ``family`` (:data:`FAMILIES`): (Gram matrix [R, R] of its g_i in R^dim, rewards [R]),
+    k ~ U{1..R-1} correct first; ``noise`` overrides the noise share (the boundary family's tuned share).
 
-
-def label_dependent(family: str) -> bool:
-    """Whether the gradients depend on the reward labels (the zero-sum row's claim is true)."""
-    return family.startswith(("a", "d"))
-
-
-def planted_group(family: str, r: int, dim: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One group of ``family``: (Gram matrix [R, R] of its g_i in R^dim, rewards [R]), k ~ U{1..R-1} correct first.
-
-    g_i = Σ_j B_ij v_j + σ e_i with v_1..v_q orthonormal and e_i iid N(0, I/dim) gives
-    G = B Bᵀ + σ(B Yᵀ + Y Bᵀ) + σ²(Y Yᵀ + W/dim), Y [R, q] iid N(0, 1/dim), W ~ Wishart(dim − q, I_R) (rotation
-    invariance), so the cost does not depend on dim.
+    g_i = n_i (Σ_j B_ij v_j + σ e_i) with v_1..v_q orthonormal and e_i iid N(0, I/dim) gives
+    G = N (B Bᵀ + σ(B Yᵀ + Y Bᵀ) + σ²(Y Yᵀ + W/dim)) N, Y [R, q] iid N(0, 1/dim), W ~ Wishart(dim − q, I_R)
+    (rotation invariance), so the cost does not depend on dim; n_i = 2 for wrong rollouts in ``n<w>`` / ``bn<w>``.
 
     Raises:
         ValueError: an unknown family.
     """
-    spread = re.fullmatch(r"(.+)_s(\d+(?:\.\d+)?)", family)
-    if spread:
-        gram, rewards = planted_group(spread.group(1), r, dim, gen)
-        norms = torch.exp(float(spread.group(2)) * torch.randn(r, generator=gen, dtype=torch.float64))
-        return gram * torch.outer(norms, norms), rewards
     k = int(torch.randint(1, r, (1,), generator=gen))
     rewards = (torch.arange(r) < k).double()
     labels = rewards == 1
     if family.startswith("b"):
-        norms = torch.exp(float(family[1:]) * torch.randn(r, generator=gen, dtype=torch.float64))
+        if family.startswith("bn"):
+            norms = torch.where(labels, 1.0, float(family[2:])).double()
+        else:
+            norms = torch.exp(float(family[1:]) * torch.randn(r, generator=gen, dtype=torch.float64))
         return wishart(r, dim, 1, gen)[0] / dim * torch.outer(norms, norms), rewards
-    if family.startswith("a"):
+    scale = torch.ones(r, dtype=torch.float64)
+    if family == "boundary":
+        if noise is None:
+            raise ValueError("the boundary family needs its tuned noise share (boundary_noise)")
+        f, c = noise, 0.0
+    elif re.fullmatch(r"a\d+(\.\d+)?", family):
         f, c = float(family[1:]), 0.0
-    elif family.startswith("d"):
+    elif re.fullmatch(r"d\d+(\.\d+)?_\d+(\.\d+)?", family):
         c, f = (float(x) for x in family[1:].split("_"))
+    elif re.fullmatch(r"n\d+(\.\d+)?_\d+(\.\d+)?", family):
+        w, f = (float(x) for x in family[1:].split("_"))
+        c, scale = 0.0, torch.where(labels, 1.0, w).double()
+    elif re.fullmatch(r"r1_\d+(\.\d+)?", family):
+        f, c = float(family[3:]), None
     elif family in ("c_lr2", "c_shared"):
-        f, c = (0.01, 0.0) if family == "c_lr2" else (0.5, 0.0)
+        f, c = (0.01, 0.0) if family == "c_lr2" else (0.5, None)
     else:
-        raise ValueError(f"unknown planted family {family!r}; valid: a<f>, b<s>, c_lr2, c_shared, d<c>_<f>, "
-                         f"<family>_s<sigma>")
-    if family.startswith(("a", "d")):
+        raise ValueError(f"unknown planted family {family!r}; valid: {', '.join(FAMILIES)} (and a<f>, d<c>_<f>, "
+                         f"n<w>_<f>, r1_<f>, b<s>, bn<w>)")
+    if family == "c_lr2":
+        b = torch.randn(r, 2, generator=gen, dtype=torch.float64) / math.sqrt(2)
+    elif c is None:  # one shared direction
+        b = torch.ones(r, 1, dtype=torch.float64)
+    else:
         b = torch.where(labels[:, None], torch.tensor([1.0, 0.0], dtype=torch.float64),
                         torch.tensor([c, math.sqrt(1 - c * c)], dtype=torch.float64))
-    elif family == "c_lr2":
-        b = torch.randn(r, 2, generator=gen, dtype=torch.float64) / math.sqrt(2)
-    else:
-        b = torch.full((r, 1), math.sqrt(0.5), dtype=torch.float64)
-    sigma = math.sqrt(0.5) if family == "c_shared" else math.sqrt(f / (1 - f))
+    sigma = math.sqrt(f / (1 - f))
     q = b.shape[1]
     y = torch.randn(r, q, generator=gen, dtype=torch.float64) / math.sqrt(dim)
-    w = wishart(r, dim - q, 1, gen)[0] / dim
+    wn = wishart(r, dim - q, 1, gen)[0] / dim
     by = b @ y.T
-    return b @ b.T + sigma * (by + by.T) + sigma**2 * (y @ y.T + w), rewards
+    gram = b @ b.T + sigma * (by + by.T) + sigma**2 * (y @ y.T + wn)
+    return gram * torch.outer(scale, scale), rewards
 
 
-def analysed_pool(family: str, r: int, size: int, dim: int, seed: int) -> list[dict[str, float]]:
-    """``size`` planted groups of ``family`` through :func:`grpo_lens.analysis.group.analyse_group` (the product's
-    per-group path; GRPO advantages with the trainer's defaults)."""
+def _advantages(rewards: torch.Tensor) -> torch.Tensor:
+    r = rewards.shape[0]
+    return grpo_advantages(rewards[None], torch.ones(1, r, dtype=torch.bool))[0]
+
+
+def population_shares(family: str, r: int, noise: float | None = None, size: int = 2000, seed: int = 99
+                      ) -> tuple[float, float]:
+    """(E₂, E₁): the population means over ``size`` planted groups of G1's top-2 and top-1 energy shares."""
     gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(size):
-        gram, rewards = planted_group(family, r, dim, gen)
-        adv = grpo_advantages(rewards[None], torch.ones(1, r, dtype=torch.bool))[0]
-        rows.append(analyse_group(gram, rewards, adv, null_dim=dim, seed=seed + i))
-    return rows
+    grams, advs = zip(*((g, _advantages(rw)) for g, rw in (planted_group(family, r, PLANTED_DIM, gen, noise)
+                                                          for _ in range(size))))
+    a = torch.stack(advs)  # [size, R]
+    lam = torch.linalg.eigvalsh(torch.stack(grams) * a[:, :, None] * a[:, None, :]).clamp(min=0).flip(-1)
+    total = lam.sum(-1).clamp(min=1e-300)  # G1 G1ᵀ's eigenvalues are the energies: E_k = Σ_{j<=k} λ_j / Σ λ
+    return float(((lam[:, 0] + lam[:, 1]) / total).mean()), float((lam[:, 0] / total).mean())
 
 
-def probe_of(groups_by_r: dict[int, list[dict[str, float]]]) -> dict[str, Any]:
+def boundary_noise(r: int, target: float = 0.9, size: int = 1000) -> float:
+    """The noise share f of rank 2 + noise whose population E₂ is ``target`` (bisection, common random numbers)."""
+    lo, hi = 0.0, 0.6
+    for _ in range(14):
+        mid = 0.5 * (lo + hi)
+        if population_shares("boundary", r, mid, size=size)[0] > target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def analysed_pool(family: str, r: int, size: int, dim: int, seed: int, noise: float | None = None
+                  ) -> list[dict[str, float]]:
+    """``size`` planted groups of ``family`` through :func:`grpo_lens.analysis.group.analyse_group` (the product's
+    per-group path; GRPO advantages with the trainer's defaults; ``null_dim`` = dim)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [analyse_group(g, rw, _advantages(rw), null_dim=dim, num_random=1, seed=seed + i)
+            for i, (g, rw) in enumerate(planted_group(family, r, dim, gen, noise) for _ in range(size))]
+
+
+#: the summary keys the per-group claims print (the rest of a probe's summary is not read by them)
+_SUMMARY_KEYS = (ZERO_SUM_SPAN_ENERGY, ZERO_SUM_COS_GAP_EXCESS)
+
+
+def probe_of(groups_by_r: dict[int, list[dict[str, float]]], dim: int | None = None) -> dict[str, Any]:
     """A probe.json-shaped dict of per-group rows (exact gradients), as :func:`grpo_lens.probe.run` writes it."""
-    return {"meta": {"gradients": "exact"},
-            "per_group_size": {str(r): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows)}
+    return {"meta": {"gradients": "exact", "parameters": dim},
+            "per_group_size": {str(r): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows, keys=_SUMMARY_KEYS)}
                                for r, rows in groups_by_r.items()}}
 
 
@@ -281,132 +315,154 @@ def _draw(pool: list[Any], n: int, gen: torch.Generator) -> list[Any]:
 
 
 def _shares(verdicts: list[str]) -> dict[str, float]:
-    t = len(verdicts)
+    t = max(len(verdicts), 1)
     return {"holds": sum(v == HOLDS for v in verdicts) / t,
             "does_not_hold": sum(v == DOES_NOT_HOLD for v in verdicts) / t}
 
 
+def _theta(pool: list[dict[str, float]]) -> float:
+    """θ of the cosine Gram over a pool (its population value): Σ excess / Σ (1 − relabelling mean)."""
+    rows = [g for g in pool if g.get(ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS) is not None]
+    room = sum(1 - g[ZERO_SUM_UNIT_SPAN_ENERGY_NULL] for g in rows)
+    return sum(g[ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS] for g in rows) / room if room > 0 else 0.0
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# the rules
+# the per-group rules (probe)
 # ---------------------------------------------------------------------------------------------------------------------
-def _rank_truth(pool: list[dict[str, float]], family: str, measure: str) -> str:
-    """'true', 'false' or 'edge' (the pool's mean within a rounding distance of the band's edge)."""
-    def mean(m: str) -> float:
-        return sum(g[RANK_G1.format(m=m)] for g in pool) / len(pool)
-
-    if measure == "top2_share":
-        t2, t1 = mean("top2_share"), mean("top1_share")
-        band, edge = t2 > TOP_SHARE > t1, min(abs(t2 - TOP_SHARE), abs(t1 - TOP_SHARE)) < 0.01
-    else:
-        v = mean(measure)
-        band, edge = RANK_BAND[0] <= v <= RANK_BAND[1], min(abs(v - RANK_BAND[0]), abs(v - RANK_BAND[1])) < 0.05
-    if not has_structure(family):
-        return "false"
-    return "edge" if edge else ("true" if band else "false")
-
-
-def _measure_row(c: Any) -> str:
-    return next(m for m in RANK_CLAIM_MEASURES if c.claim.endswith(f"({_MEASURE_TITLE[m]})"))
-
-
-_MEASURE_TITLE = {"top2_share": "top-2 energy share (k90 = 2)", "erank": "entropy effective rank",
-                  "stable_rank": "stable rank"}
-
-
 def calibrate_group_rules(config: CalibrationConfig, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Rows of the rank rules (one per measure) and the zero-sum G1 rule over the planted families."""
+    """Rows of the rank rule and the mechanism rule over the planted families: one truth per family and claim."""
     out = []
     gen = torch.Generator().manual_seed(config.seed)
-    families = list(dict.fromkeys(config.families + config.zero_sum_families))
-    for r in config.group_sizes:
-        for fam in families:
-            t0 = time.perf_counter()
-            pool = analysed_pool(fam, r, config.pool, PLANTED_DIM, config.seed + 1000 * r)
-            log(f"calibrate: R = {r} {fam}: pool of {len(pool)} groups analysed in {time.perf_counter() - t0:.1f} s")
-            ns = sorted({8, DEFAULT_GROUP_COUNTS.get(r, 8)})
-            for n in ns:
-                trials = [probe_of({r: _draw(pool, n, gen)}) for _ in range(config.trials)]
-                if fam in config.families:
-                    per_measure: dict[str, list[str]] = {m: [] for m in RANK_CLAIM_MEASURES}
-                    for p in trials:
-                        for c in CLAIMS.get("erank_near_two")(p):
-                            per_measure[_measure_row(c)].append(c.verdict)
-                    for m, vs in per_measure.items():
-                        out.append({"rule": f"rank ≈ 2 ({m})", "family": fam, "R": r, "n": n,
-                                    "truth": _rank_truth(pool, fam, m), **_shares(vs)})
-                if fam in config.zero_sum_families:
-                    vs = [c.verdict for p in trials for c in CLAIMS.get("zero_sum_rank_two")(p)]
-                    room = sum(1 - g[ZERO_SUM_SPAN_ENERGY_NULL] for g in pool)
-                    theta = sum(g[ZERO_SUM_SPAN_ENERGY_EXCESS] for g in pool) / room
-                    truth = "false" if not label_dependent(fam) else ("true" if theta >= NEGLIGIBLE_SHARE else "edge")
-                    out.append({"rule": "labels structure G1 (zero-sum, G1)", "family": fam, "R": r, "n": n,
-                                "truth": truth, "theta": theta, **_shares(vs)})
+    noise = {r: boundary_noise(r) for r in config.group_sizes} if "boundary" in config.families else {}
+    for fam in config.families:
+        t0 = time.perf_counter()
+        pools, shares, thetas = {}, {}, {}
+        for r in config.group_sizes:
+            pools[r] = analysed_pool(fam, r, config.pool, PLANTED_DIM, config.seed + 1000 * r, noise.get(r))
+            shares[r] = population_shares(fam, r, noise.get(r))
+            thetas[r] = _theta(pools[r])
+        # the boundary's E₂ = 0.9 is not above 0.9: not rank 2 by definition
+        rank2 = has_rank2_signal(fam) and fam != "boundary" and all(e2 > 0.9 > e1 for e2, e1 in shares.values())
+        labels = label_directions(fam) and all(th >= NEGLIGIBLE_SHARE for th in thetas.values())
+        pop = "; ".join(f"R = {r}: E₂ {e2:.3f}, E₁ {e1:.3f}, θ {thetas[r]:.3f}" for r, (e2, e1) in shares.items())
+        if fam == "boundary":
+            pop += "; noise shares " + ", ".join(f"{noise[r]:.3f} (R = {r})" for r in config.group_sizes)
+        log(f"calibrate: {fam}: pools analysed in {time.perf_counter() - t0:.1f} s ({pop})")
+        for cell in config.group_cells:
+            ns = {r: GROUP_CELLS[cell].get(r, cell) for r in config.group_sizes}
+            rank_v, zs_v = [], []
+            for _ in range(config.trials):
+                p = probe_of({r: _draw(pools[r], ns[r], gen) for r in config.group_sizes}, PLANTED_DIM)
+                rank_v += [c.verdict for c in CLAIMS.get("erank_near_two")(p)]
+                zs_v += [c.verdict for c in CLAIMS.get("zero_sum_rank_two")(p)]
+            n_text = " / ".join(str(ns[r]) for r in config.group_sizes)
+            base = {"family": fam, "R": "/".join(map(str, config.group_sizes)), "n": cell, "groups": n_text,
+                    "unit": "groups per R", "population": pop}
+            out.append({**base, "rule": RANK_RULE_ID, "truth": "true" if rank2 else "false", **_shares(rank_v)})
+            out.append({**base, "rule": ZERO_SUM_RULE_ID, "truth": "true" if labels else "false", **_shares(zs_v)})
     return out
 
 
-def _sparsity_records(kind: str, steps: int, lens_every: int, gen: torch.Generator, size: int = 4096
-                      ) -> list[dict[str, float]]:
-    """metrics.jsonl-shaped lens records of a planted gradient sequence under AdamW (the trainer's betas)."""
-    param = torch.nn.Parameter(torch.zeros(size, dtype=torch.float64))
-    opt = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
-    recs = []
-    for step in range(1, steps + 1):
-        g = torch.randn(size, generator=gen, dtype=torch.float64)
-        if kind == "sparse90":
-            g = g * (torch.rand(size, generator=gen) < 0.1)
-        elif kind == "rising":  # the share of zero entries rises linearly from 0.2 to 0.9
-            zero = 0.2 + 0.7 * (step - 1) / (steps - 1)
-            g = g * (torch.rand(size, generator=gen) >= zero)
-        before = param.detach().clone()
-        param.grad = g
-        opt.step()
-        if step == 1 or step % lens_every == 0:
-            recs.append({STEP: float(step), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: 1.0,
-                         SPARSITY_GRAD_HOYER: weighted_hoyer(g),
-                         SPARSITY_UPDATE_STEP_HOYER: weighted_hoyer(param.detach() - before)})
-    return recs
+# ---------------------------------------------------------------------------------------------------------------------
+# the training-run rules
+# ---------------------------------------------------------------------------------------------------------------------
+def _ar(n: int, phi: float, gen: torch.Generator) -> list[float]:
+    """n values of a stationary AR(1) with unit marginal variance (φ < 1) or a random walk of unit steps (φ = 1)."""
+    z = torch.randn(n, generator=gen, dtype=torch.float64).tolist()
+    out = [z[0]]
+    for e in z[1:]:
+        out.append(out[-1] + e if phi >= 1 else phi * out[-1] + math.sqrt(1 - phi * phi) * e)
+    return out
 
 
-def _s1_records(kind: str, steps: int, groups: int, r: int, gen: torch.Generator) -> list[dict[str, float]]:
-    """Records of S1 per step: ``groups`` prompts per step with success rates p ~ Beta; stationary p ~ U(0, 1), or a
-    mean rising so that S1 goes from about 0.35 to 0.85 (R = 8)."""
+#: the default schedule's lens steps (30 steps, lens every 5: the first, every 5th and the last)
+LENS_STEPS = (1, 5, 10, 15, 20, 25, 30)
+
+
+def _sparsity_records(kind: str, phi: float, gen: torch.Generator, size: int = 4096) -> list[dict[str, float]]:
+    """metrics.jsonl-shaped lens records of a planted gradient-Hoyer sequence on :data:`LENS_STEPS`: "ar" a flat
+    Hoyer 0.3 plus AR(1) noise (SD 0.02) with lens-to-lens correlation φ; "rising" 0.30 -> 0.45 plus that noise;
+    "groups" the Hoyer of a sum of m per-group gradients (each 70% zeros on a random support, m = 8, 7, 6, 4, 3, 2, 1),
+    whose per-group sparsity is constant."""
+    n = len(LENS_STEPS)
+    if kind == "groups":
+        recs = []
+        for step, m in zip(LENS_STEPS, (8, 7, 6, 4, 3, 2, 1)):
+            g = sum(torch.randn(size, generator=gen, dtype=torch.float64) * (torch.rand(size, generator=gen) < 0.3)
+                    for _ in range(m))
+            recs.append({STEP: float(step), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: float(m),
+                         SPARSITY_GRAD_HOYER: weighted_hoyer(g)})
+        return recs
+    noise = _ar(n, phi, gen)
+    base = [0.3 + (0.15 * i / (n - 1) if kind == "rising" else 0.0) for i in range(n)]
+    return [{STEP: float(s), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: 4.0, SPARSITY_GRAD_HOYER: b + 0.02 * e}
+            for s, b, e in zip(LENS_STEPS, base, noise)]
+
+
+def _s1_records(kind: str, phi: float, gen: torch.Generator, steps: int = 30, groups: int = 4, r: int = 8
+                ) -> list[dict[str, float]]:
+    """Records of S1 per step: ``groups`` prompts per step with success rates p = Φ(mean + 0.8 z_t + 0.6 e) over an
+    AR(1) z_t of correlation φ between steps (the model's accuracy drifting) and a per-prompt e; "rising" pushes
+    the mean up so that S1 goes from about 0.35 to 0.85 (R = 8)."""
+    z = _ar(steps, phi, gen)
     recs = []
     for step in range(1, steps + 1):
-        p = torch.rand(groups, generator=gen, dtype=torch.float64)
-        if kind == "rising":
-            p = p ** (1 - 0.9 * (step - 1) / (steps - 1))  # pushes p towards 1
+        mu = 2.2 * (step - 1) / (steps - 1) if kind == "rising" else 0.0
+        e = torch.randn(groups, generator=gen, dtype=torch.float64)
+        lat = mu + (0.8 * z[step - 1] if kind == "ar" else 0.0) + (0.6 if kind == "ar" else 1.0) * e
+        p = torch.special.ndtr(lat)
         correct = (torch.rand(groups, r, generator=gen, dtype=torch.float64) < p[:, None]).sum(1)
-        s1 = float(((correct == 0) | (correct == r)).double().mean())
-        recs.append({STEP: float(step), REWARD_FRAC_ZERO_STD_GROUPS: s1})
+        recs.append({STEP: float(step), REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == r))
+                                                                           .double().mean())})
     return recs
 
 
 def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
-    """Rows of the gradient-sparsity trend (and the update-Hoyer trend the 0.1 rule tested, for comparison) and the
-    S1 trend, on the default training schedule (30 steps, lens every 5)."""
+    """Rows of the gradient-sparsity trend and the S1 trend on the default schedule (30 steps, lens every 5), flat
+    cases with autocorrelated steps included."""
     out = []
     gen = torch.Generator().manual_seed(config.seed + 7)
     trend = CLAIMS.get("sparsity_intensifies")
-    for kind, truth in (("gaussian", "false"), ("sparse90", "false"), ("rising", "true")):
-        grad_v, upd_v = [], []
-        for _ in range(config.trials):
-            recs = _sparsity_records(kind, 30, 5, gen)
-            grad_v.append(trend({"records": recs})[0].verdict)
-            as_update = [dict(r, **{SPARSITY_GRAD_HOYER: r[SPARSITY_UPDATE_STEP_HOYER]}) for r in recs]
-            upd_v.append(trend({"records": [dict(r, **{RANK_MIXED_GROUPS: 1.0}) for r in as_update]})[0].verdict)
-        out.append({"rule": "gradient sparsity intensifies", "family": f"{kind} gradients under AdamW",
-                    "R": "–", "n": "6 lens steps", "truth": truth, **_shares(grad_v)})
-        out.append({"rule": "0.1 rule: trend of the update's Hoyer (for comparison)",
-                    "family": f"{kind} gradients under AdamW", "R": "–", "n": "6 lens steps", "truth": truth,
-                    **_shares(upd_v)})
+    for fam, (truth, kind, phi) in SPARSITY_TRENDS.items():
+        vs = [trend({"records": _sparsity_records(kind, phi, gen)})[0].verdict for _ in range(config.trials)]
+        out.append({"rule": SPARSITY_RULE_ID, "family": fam, "R": "–", "n": len(LENS_STEPS) - 1,
+                    "unit": "lens steps", "truth": "true" if truth else "false", **_shares(vs)})
     s1 = CLAIMS.get("zero_variance_share_rises")
-    for kind, truth in (("stationary", "false"), ("rising", "true")):
-        vs = [s1({"records": _s1_records(kind, 30, 4, 8, gen)})[0].verdict for _ in range(config.trials)]
-        out.append({"rule": "S1 rises over training", "family": f"{kind} success rates, 4 groups of 8 per step",
-                    "R": 8, "n": "30 steps", "truth": truth, **_shares(vs)})
+    for fam, (truth, kind, phi) in S1_TRENDS.items():
+        vs = [s1({"records": _s1_records(kind, phi, gen)})[0].verdict for _ in range(config.trials)]
+        out.append({"rule": S1_RULE_ID, "family": fam, "R": 8, "n": 30, "unit": "steps",
+                    "truth": "true" if truth else "false", **_shares(vs)})
     return out
 
 
+def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of "rank stays ≈ 2": planted lens runs of 7 lens steps at R = 8, each step's rows drawn from a planted
+    pool and aggregated as the lens does (:func:`grpo_lens.analysis.group.mean_over_groups`,
+    :func:`grpo_lens.analysis.group.lens_rank_intervals`)."""
+    gen = torch.Generator().manual_seed(config.seed + 29)
+    good = analysed_pool("a0.01", 8, config.pool, PLANTED_DIM, config.seed + 31)
+    bad = analysed_pool("a0.25", 8, config.pool, PLANTED_DIM, config.seed + 37)
+    rule = CLAIMS.get("rank_stays_near_two")
+    out = []
+    for fam, (truth, m, bad_step) in STAYS_FAMILIES.items():
+        vs = []
+        for _ in range(config.trials):
+            recs = []
+            for i, step in enumerate(LENS_STEPS):
+                pool = bad if bad_step == "all" or (bad_step and i == 3) else good
+                rows = _draw(pool, m, gen)
+                recs.append({STEP: float(step), RANK_MIXED_GROUPS: float(m), **mean_over_groups(rows),
+                             **lens_rank_intervals(rows)})
+            vs.append(rule({"records": recs})[0].verdict)
+        out.append({"rule": STAYS_RULE_ID, "family": fam, "R": 8, "n": m, "unit": "mixed groups per lens step",
+                    "truth": "true" if truth else "false", **_shares(vs)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# studies and the lens's S4 sampler
+# ---------------------------------------------------------------------------------------------------------------------
 #: per-tensor offsets of the zero share around a family's share (the tensors differ, as layers do: the stratified SE
 #: matters); norms get no update at all
 _S4_TENSOR_OFFSETS = {"embed_tokens": 0.05, "q_proj": -0.2, "up_proj": 0.1, "down_proj": -0.1}
@@ -443,6 +499,10 @@ def _s4_trial(family: tuple[str, float, float, float], gen: torch.Generator, see
                                                                                                    float]:
     """(the lens record after one planted update since the start, the whole model's float32-unchanged share): the
     update goes through :class:`grpo_lens.train.sparsity.SparsityOverTraining` as the trainer's optimizer step does."""
+    from grpo_lens.train.sparsity import (
+        SparsityOverTraining,  # the lens's own sampler: the path under test
+    )
+
     _, zero, scale, sigma = family
     model = planted_update_model(gen)
     lens = SparsityOverTraining(model, size=S4_SAMPLE, min_per_tensor=128, seed=seed)
@@ -487,8 +547,8 @@ def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
         if len(set(truths)) > 1:
             raise RuntimeError(f"S4 family {fam[0]!r}: the truth differs between trials; move it off 0.5")
         mean = lambda v: sum(v) / len(v)  # noqa: E731
-        out.append({"rule": "most parameters unchanged (S4)", "family": fam[0], "R": "–",
-                    "n": f"{S4_SAMPLE} sampled weights", "truth": "true" if truths[0] else "false",
+        out.append({"rule": S4_RULE_ID, "family": fam[0], "R": "–",
+                    "n": S4_SAMPLE, "unit": "sampled weights", "truth": "true" if truths[0] else "false",
                     "bf16_unchanged": mean(bf16), "bf16_permuted": mean(perm), "bf16_dense": mean(dense),
                     "f32_unchanged": mean(zs), "f32_coverage": covered / config.trials, **_shares(verdicts)})
     return out
@@ -509,7 +569,7 @@ def _mc_rollout(p: tuple[float, ...], reward: float, adv: float, k: int, gen: to
 def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     """Rows of the Monte Carlo credit rule (:func:`grpo_lens.claims.credit.monte_carlo_credit`): planted true values
     at the prefixes (:data:`MC_FAMILIES`), K = 8 continuations per prefix (the probe's default), the study's own segment
-    counting (``grpo_lens.probe.studies._segment_counts``) and the registered claim. Truth: the paper's prediction
+    counting (``grpo_lens.formulas.credit.segment_counts``) and the registered claim. Truth: the paper's prediction
     (some segments oppose A_i) is true only where the planted values make a segment oppose A_i's sign."""
     rule = CLAIMS.get("monte_carlo_credit")
     gen = torch.Generator().manual_seed(config.seed + 17)
@@ -524,107 +584,14 @@ def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                     rows.append(_mc_rollout(p_correct, 1.0, 1.0, k, gen) if i % 2 == 0
                                 else _mc_rollout(p_wrong, 0.0, -1.0, k, gen))
                 credit = {"monte_carlo": {"rollouts": rows, "samples_per_prefix": k,
-                                          "segments": _segment_counts(rows)}}
+                                          "segments": segment_counts(rows)}}
                 verdicts.append(rule({"studies": {"credit": credit}})[0].verdict)
-            out.append({"rule": "uniform credit disagrees with Monte Carlo credit", "family": fam, "R": "–",
-                        "n": f"{n} rollouts ({4 * n} segments)", "truth": "true" if truth else "false",
+            out.append({"rule": MC_RULE_ID, "family": fam, "R": "–",
+                        "n": n, "unit": "rollouts", "truth": "true" if truth else "false",
                         **_shares(verdicts)})
     return out
 
 
-def planted_credit_group(family: str, r: int, dim: int, gen: torch.Generator
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One planted group of :data:`CREDIT_TOKEN_FAMILIES`: k ~ U{1..R-1} correct rollouts first, lengths
-    ~ U{10..24} tokens; each completion ends in a format token (EOS) after 1-3 answer tokens, every earlier token is
-    format with probability 0.2 (spaces, punctuation) and reasoning otherwise. g_{i,t} = n_c (z_{i,t} + e σ_i v
-    [answer tokens only]), z_{i,t} iid N(0, I/dim) (norm ≈ 1, random direction), n_c the class's norm.
-
-    Returns:
-        (token_grads [R, T, dim] float64 (0 off the completion), classes [R, T] (0 answer, 1 format, 2 reasoning, −1
-        off; :data:`grpo_lens.formulas.credit.TOKEN_CLASSES`), rewards [R], completion_mask [R, T] bool), T = 24.
-
-    Raises:
-        ValueError: an unknown family.
-    """
-    if family not in CREDIT_TOKEN_FAMILIES:
-        raise ValueError(f"unknown planted token-credit family {family!r}; valid: {sorted(CREDIT_TOKEN_FAMILIES)}")
-    ans_norm, fmt_norm, effect = CREDIT_TOKEN_FAMILIES[family]
-    t_max = 24
-    k = int(torch.randint(1, r, (1,), generator=gen))
-    rewards = (torch.arange(r) < k).double()
-    lengths = torch.randint(10, t_max + 1, (r,), generator=gen)
-    n_answer = torch.randint(1, 4, (r,), generator=gen)
-    pos = torch.arange(t_max).unsqueeze(0)  # [1, T]
-    mask = pos < lengths[:, None]
-    answer = (pos >= (lengths - 1 - n_answer)[:, None]) & (pos < (lengths - 1)[:, None])
-    fmt = (pos == (lengths - 1)[:, None]) | ((torch.rand(r, t_max, generator=gen) < 0.2) & ~answer)
-    classes = torch.where(answer, 0, torch.where(fmt, 1, 2)).masked_fill(~mask, -1)
-    norms = torch.tensor([ans_norm, fmt_norm, 1.0], dtype=torch.float64)[classes.clamp(min=0)]  # [R, T]
-    v = torch.randn(dim, generator=gen, dtype=torch.float64)
-    shared = effect * (2 * rewards - 1)[:, None, None] * (v / v.norm()) * answer[..., None]  # [R, T, dim]
-    z = torch.randn(r, t_max, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)
-    grads = norms[..., None] * (z + shared) * mask[..., None]
-    return grads, classes, rewards, mask
-
-
-def credit_token_pool(family: str, r: int, size: int, dim: int, seed: int) -> list[tuple[dict, dict]]:
-    """``size`` planted groups through the credit study's per-group body
-    (:func:`grpo_lens.formulas.credit.paired_class_shares`, GRPO advantages as the study computes them), with the
-    shares from :func:`grpo_lens.formulas.credit.signed_contributions` of the planted gradients' exact directional
-    derivatives: [(class shares under A, under NLL weights)]."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(size):
-        grads, classes, rewards, mask = planted_credit_group(family, r, dim, gen)
-        adv = compute_advantages(rewards.view(1, r), "grpo", std="sample", eps=1e-4)[0]
-
-        def contribute(a: torch.Tensor) -> dict:
-            w = token_weights(a, mask, "seq-mean-token-mean")
-            return signed_contributions(w, *exact_directional_derivatives(grads, w))
-
-        _, sh, sh_nll = paired_class_shares(contribute, adv, classes)
-        out.append((sh, sh_nll))
-    return out
-
-
-def _credit_token_truth(pool: list[tuple[dict, dict]]) -> tuple[str, str]:
-    """('true' / 'false' / 'edge', the pool's numbers): per class the pool's mean paired difference Δ against its
-    band ± CREDIT_EQUIVALENCE × the pool's mean NLL ratio; true when every |Δ| is inside, false when any is outside,
-    edge when some |Δ| lies within :data:`CREDIT_EDGE` of the band's half-width of the edge."""
-    verdicts, parts = [], []
-    for c in TOKEN_CLASSES:
-        delta = sum(a[c]["ratio"] - b[c]["ratio"] for a, b in pool) / len(pool)
-        half = CREDIT_EQUIVALENCE * abs(sum(b[c]["ratio"] for _, b in pool) / len(pool))
-        verdicts.append("edge" if abs(abs(delta) - half) < CREDIT_EDGE * half else
-                        ("true" if abs(delta) <= half else "false"))
-        parts.append(f"{c} Δ = {delta:+.3f} (band ±{half:.3f})")
-    truth = "false" if "false" in verdicts else ("edge" if "edge" in verdicts else "true")
-    return truth, "; ".join(parts)
-
-
-def calibrate_credit_token_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
-    """Rows of :func:`grpo_lens.claims.credit.uniform_token_credit`: a pool of planted groups per family
-    (:func:`credit_token_pool`, R = 4); each trial draws n groups, summarises them with the study's own summary
-    (:func:`grpo_lens.formulas.credit.summarise_class_shares`: the ``classes`` / ``classes_nll`` dicts of
-    :func:`grpo_lens.probe.studies.run_credit_study`) and applies the registered claim. Truth: the pool's means
-    (:func:`_credit_token_truth`)."""
-    rule = CLAIMS.get("uniform_token_credit")
-    gen = torch.Generator().manual_seed(config.seed + 23)
-    r, out = 4, []
-    for i, fam in enumerate(config.credit_token_families):
-        pool = credit_token_pool(fam, r, config.credit_pool, CREDIT_DIM, config.seed + 200 * i)
-        truth, numbers = _credit_token_truth(pool)
-        for n in config.credit_groups:
-            verdicts = []
-            for _ in range(config.trials):
-                draw = _draw(pool, n, gen)
-                classes, classes_nll = summarise_class_shares([a for a, _ in draw], [b for _, b in draw])
-                credit = {"contributions": {"classes": classes, "classes_nll": classes_nll, "groups": n},
-                          "meta": {"group_size": r}}
-                verdicts.append(rule({"studies": {"credit": credit}})[0].verdict)
-            out.append({"rule": "uniform token credit (A against NLL weights)", "family": fam, "R": r,
-                        "n": f"{n} groups", "truth": truth, "pool": numbers, **_shares(verdicts)})
-    return out
 
 
 def _baseline_pool(family: str, size: int, seed: int, r: int = 4, k: int = 64) -> list[dict[str, Any]]:
@@ -632,7 +599,7 @@ def _baseline_pool(family: str, size: int, seed: int, r: int = 4, k: int = 64) -
     rewards Bernoulli(0.5), gradient terms g = ±μ/2 + noise in R^k: the score's mean direction μ (‖μ‖ = 1) splits
     by class so E[g] = 0, noise N(0, I/k) scaled by the family's factor for correct rollouts; the probe's 256
     resampled groups)."""
-    _, scale = BASELINE_FAMILIES[family]
+    _, scale, spread = BASELINE_FAMILIES[family]
     gen = torch.Generator().manual_seed(seed)
     mu = torch.randn(k, generator=gen, dtype=torch.float64)
     mu = mu / mu.norm()
@@ -640,6 +607,9 @@ def _baseline_pool(family: str, size: int, seed: int, r: int = 4, k: int = 64) -
     for j in range(size):
         rewards = (torch.rand(4 * r, generator=gen) < 0.5).double()
         noise = torch.randn(4 * r, k, generator=gen, dtype=torch.float64) / math.sqrt(k)
+        if spread:  # correct rollouts' noise scaled by s_i, s_i² ~ Exponential(1): E s_i² = 1, equal means
+            noise = noise * torch.where(rewards[:, None] == 1, torch.empty(4 * r, 1, dtype=torch.float64).exponential_(
+                generator=gen).sqrt(), torch.ones(4 * r, 1, dtype=torch.float64))
         g = torch.where(rewards[:, None] == 1, 0.5 * mu + scale * noise, -0.5 * mu + noise)
         res = baseline_prompt(g, rewards, r, num_resamples=256, seed=seed + j)
         if res is not None:
@@ -654,7 +624,7 @@ def calibrate_baseline_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     rule = CLAIMS.get("group_mean_optimal")
     gen = torch.Generator().manual_seed(config.seed + 19)
     out = []
-    for i, (fam, (truth, _)) in enumerate(config.baseline_families.items()):
+    for i, (fam, (truth, _, _)) in enumerate(config.baseline_families.items()):
         pool = _baseline_pool(fam, config.pool, config.seed + 100 * i)
         for n in config.baseline_prompts:
             verdicts = []
@@ -662,7 +632,7 @@ def calibrate_baseline_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                 study = summarise_baseline_prompts(_draw(pool, n, gen))
                 probe = {"studies": {"baselines": {"baselines": study, "meta": {"group_size": 4}}}}
                 verdicts.append(rule(probe)[0].verdict)
-            out.append({"rule": "group mean optimal (m_C = m_W)", "family": fam, "R": 4, "n": f"{n} prompts",
+            out.append({"rule": BASELINE_RULE_ID, "family": fam, "R": 4, "n": n, "unit": "prompts",
                         "truth": "true" if truth else "false", **_shares(verdicts)})
     return out
 
@@ -694,171 +664,6 @@ def interval_coverage(config: CalibrationConfig) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------------------------
 # the table
 # ---------------------------------------------------------------------------------------------------------------------
-def _verdict_cells(row: dict[str, Any]) -> tuple[str, str]:
-    """(level cell, power cell): the wrong-verdict share the level bounds and the right-verdict share."""
-    if row["truth"] == "false":
-        return f"false holds {row['holds']:.3f}", f"does not hold {row['does_not_hold']:.3f}"
-    if row["truth"] == "true":
-        return f"false does not hold {row['does_not_hold']:.3f}", f"holds {row['holds']:.3f}"
-    return f"(edge) holds {row['holds']:.3f}", f"does not hold {row['does_not_hold']:.3f}"
-
-
-def render(result: dict[str, Any]) -> str:
-    """The markdown of a calibration result (what docs/calibration.md holds)."""
-    meta = result["meta"]
-    lines = [
-        "# Calibration of the verdict rules",
-        "",
-        f"Written by `grpo-lens calibrate` ({meta['mode']}) on {meta['date']}, machine {meta['machine']}, "
-        f"{meta['cpus']} CPUs, load average {meta['load_before']} before and {meta['load_after']} after; "
-        f"{meta['seconds']:.0f} s. {meta['trials']} trials per cell; each trial draws n groups from a pool of "
-        f"{meta['pool']} planted groups per (family, R) analysed by `analyse_group` (P = {PLANTED_DIM}), then the "
-        f"registered claim decides. Level = wrong-verdict share (target <= 0.05); power = right-verdict share "
-        f"(target >= 0.80). 'edge' cells have a population value within rounding of the band's edge: no side is "
-        f"wrong there. Rules and families: docs/theory.md §11 and the module docstring of "
-        f"`grpo_lens.claims.calibrate`.",
-        "",
-        "Families (exact Gram matrices of gradients in R^P): `a<f>` exact rank 2 (orthonormal class means) plus "
-        "isotropic noise holding the share f of G1's energy; `b<s>` no shared structure (random directions, "
-        "log-normal norms with log-SD s); `c_lr2` label-independent rank 2; `c_shared` one shared direction "
-        "(pairwise cosine 0.5); `d<c>_<f>` two classes whose means have cosine c, noise share f; `_s<σ>` rows "
-        "rescaled by log-normal norms. Truth: the rank rows are true where the family has structure and the pool's "
-        "mean lies in the measure's band; the zero-sum row is true for label-dependent families (a, d) whose "
-        "normalised effect θ is at least 0.1; a trend is true for the rising cases.",
-        "",
-        "Regenerate: `grpo-lens calibrate --out runs/calibration` writes this file as "
-        "runs/calibration/calibration.md (copy it to docs/calibration.md); `--quick` is a seconds-long smoke run.",
-        "",
-        "## Rules on per-group rows (probe)",
-        "",
-        "| rule | family | R | n | truth | level (wrong verdict) | power (right verdict) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row in result["group_rules"]:
-        level, power = _verdict_cells(row)
-        fam = row["family"] + (f" (θ = {row['theta']:.3f})" if "theta" in row else "")
-        lines.append(f"| {row['rule']} | {fam} | {row['R']} | {row['n']} | {row['truth']} | {level} | {power} |")
-    lines += ["", "## Rules on a training run's records", "",
-              "| rule | planted case | R | points | truth | level (wrong verdict) | power (right verdict) |",
-              "|---|---|---|---|---|---|---|"]
-    for row in result["training_rules"]:
-        level, power = _verdict_cells(row)
-        if row["truth"] == "false":  # a trend claim under no trend: both verdicts are wrong
-            level = f"holds {row['holds']:.3f}, does not hold {row['does_not_hold']:.3f}"
-            power = f"inconclusive {1 - row['holds'] - row['does_not_hold']:.3f}"
-        lines.append(f"| {row['rule']} | {row['family']} | {row['R']} | {row['n']} | {row['truth']} | {level} | "
-                     f"{power} |")
-    lines += ["", "## Most parameters unchanged (S4), on a training run's update", "",
-              f"Each trial: a fresh {PLANTED_UPDATE_WEIGHTS}-weight model with decoder parameter names, one planted "
-              f"update since the start (zero shares differ by tensor: embedding +0.05, q_proj −0.20, up_proj +0.10, "
-              f"down_proj −0.10 around the family's; the norm is not updated), the lens's `SparsityOverTraining` on a "
-              f"fresh sample of about {S4_SAMPLE} weights, then the registered claim. Truth: the whole model's "
-              f"float32-unchanged share (every weight) above 0.5. Shares are means over trials; the dense control is "
-              f"the 0.1 rule's (shown, not used); coverage: the rule's 95% interval of the float32-unchanged share "
-              f"(stratified SE) around the whole model's share, shown where that share lies in [0.05, 0.95] (near 0 "
-              f"a sample without an unchanged weight has SE 0, so a Wald interval misses; the rule compares with 0.5 "
-              f"and is not affected).", "",
-              "| planted update | truth | float32 unchanged | bf16 unchanged | permutation control | dense control | "
-              "level (wrong verdict) | power (right verdict) | interval coverage |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for row in result.get("update_rules", []):
-        level, power = _verdict_cells(row)
-        lines.append(f"| {row['family']} | {row['truth']} | {row['f32_unchanged']:.3f} | {row['bf16_unchanged']:.3f} | "
-                     f"{row['bf16_permuted']:.3f} "
-                     f"| {row['bf16_dense']:.3f} | {level} | {power} | {_s4_coverage(row)} |")
-    lines += ["", "## Uniform credit disagrees with Monte Carlo credit (credit study)", "",
-              "Each trial: n rollouts, half correct (A_i > 0) and half wrong (A_i < 0), each with four prefixes whose "
-              "true success probabilities are planted; every prefix's value from K = 8 Bernoulli continuations (mean, "
-              "sample std / √K, as the study writes them), then the registered claim (an exact count test: a rollout "
-              "is flagged when a segment's success count falls against A_i by d = 5 of 8, at most 0.032 per rollout "
-              "under no opposition; the count of flagged rollouts against Binomial(n, 0.032)). Truth: "
-              "the paper's prediction (some segment opposes A_i) holds where a planted segment opposes A_i's sign.",
-              "", "| planted values | rollouts | truth | level (wrong verdict) | power (right verdict) |",
-              "|---|---|---|---|---|"]
-    for row in result.get("credit_rules", []):
-        level, power = _verdict_cells(row)
-        lines.append(f"| {row['family']} | {row['n']} | {row['truth']} | {level} | {power} |")
-    lines += ["", "## Every token class gets the update in proportion to NLL weights (credit study)", "",
-              f"A pool of {meta.get('credit_pool', CREDIT_POOL)} planted groups per family (R = 4, k ~ U{{1..3}} "
-              "correct; completions of 10–24 tokens: 1–3 answer tokens before a closing format token (EOS), each "
-              "earlier token format with probability 0.2 and reasoning otherwise; per-token gradients g_{i,t} in "
-              f"R^{CREDIT_DIM}: a random direction z ~ N(0, I/P) times the class's norm, reasoning 1; the answer "
-              "tokens of rollout i add e σ_i v, σ_i = +1 correct and −1 wrong, v one unit vector per group) analysed "
-              "once by the study's per-group body (`paired_class_shares`: `signed_contributions` of the exact "
-              "directional derivatives ⟨g_{i,t}, u⟩ under A and under NLL weights, then `class_shares`); each trial "
-              "draws n groups, summarises them with the study's `summarise_class_shares` and the registered claim "
-              "decides. Geometry-only families have no class × advantage interaction (the claim is true by design); "
-              "with e > 0 the answer tokens' shared direction adds up under A and cancels under NLL weights. Truth "
-              "from the pool's means: true when every class's mean paired difference Δ = ratio_A − ratio_NLL lies "
-              f"inside ± {CREDIT_EQUIVALENCE:g} × its mean NLL ratio (the rule's band), edge within "
-              f"{CREDIT_EDGE:g} of the band's half-width of its edge; the pool's numbers are printed under the "
-              "table. 8 groups is the probe's default `--credit-groups`.", "",
-              "| planted per-token gradients | R | groups | truth | level (wrong verdict) | power (right verdict) |",
-              "|---|---|---|---|---|---|"]
-    for row in result.get("credit_token_rules", []):
-        level, power = _verdict_cells(row)
-        lines.append(f"| {row['family']} | {row['R']} | {row['n']} | {row['truth']} | {level} | {power} |")
-    pools = dict.fromkeys((row["family"], row["pool"]) for row in result.get("credit_token_rules", []))
-    lines += [""] + [f"- {fam}: {numbers}" for fam, numbers in pools]
-    lines += ["", "## The group mean is the variance-optimal baseline (baseline study)", "",
-              f"A pool of {meta['pool']} planted prompts per family (M = 16 rollouts, R = 4, rewards Bernoulli(0.5), "
-              "gradient terms in R^64: a mean direction split by class plus noise) analysed once by the study's "
-              "per-prompt body (`baseline_prompt`: the MSE of every baseline on 256 resampled groups and the "
-              "m_C = m_W permutation test); each trial draws n prompts, summarises them "
-              "(`summarise_baseline_prompts`) and the registered claim decides. 8 prompts can reach *does not hold* "
-              "but not *holds* (with no rejection among 8 prompts the Wilson interval still reaches 0.32, above the "
-              "0.25 margin); the probe's default `--baseline-study-prompts` is 16, the fewest rows below that reach "
-              "both verdicts.", "",
-              "| planted prompts | prompts | truth | level (wrong verdict) | power (right verdict) |",
-              "|---|---|---|---|---|"]
-    for row in result.get("baseline_rules", []):
-        level, power = _verdict_cells(row)
-        lines.append(f"| {row['family']} | {row['n']} | {row['truth']} | {level} | {power} |")
-    lines += ["", "## Rules not calibrated here", "",
-              "- `uniform_token_credit`, the parts upstream of the planted per-token gradients above: the "
-              "finite-difference directional derivatives of a model (their error is the study's closure, sum s − 1, "
-              "and tests/gradients checks them against per-token autograd) and the token classifier "
-              "(`token_classes` on decoded text); the planted geometry is random directions, not a model's.",
-              "- `zero_sum_g2_weighting` (G2 stable ranks under weightings) and `identity`: their inputs are per-layer "
-              "G2 spectra and residuals of a model's backward; planted Gram matrices do not reach them.",
-              "- `rank_stays_near_two`: a trend over lens steps of the rank reading calibrated above; not planted.",
-              "- `identical_token_advantage`: algebra that holds by construction; no test, no error rate."]
-    lines += ["", "## Interval coverage (`mean_interval`, nominal 0.95)", "",
-              "| data | n | coverage | upper end below the mean | lower end above the mean |", "|---|---|---|---|---|"]
-    for row in result["coverage"]:
-        lines.append(f"| {row['data']} | {row['n']} | {row['coverage']:.3f} | {row['miss_below']:.3f} | "
-                     f"{row['miss_above']:.3f} |")
-    worst = _worst(result)
-    lines += ["", "## Summary", "",
-              f"Worst false holds over false cells: {worst['false_holds']:.3f}; worst false does-not-hold over true "
-              f"cells: {worst['false_dnh']:.3f}; lowest power over decided cells at the default probe's n: "
-              f"{worst['power']:.3f}; lowest coverage: {worst['coverage']:.3f}.", ""]
-    return "\n".join(lines)
-
-
-def _s4_coverage(row: dict[str, Any]) -> str:
-    return f"{row['f32_coverage']:.3f}" if 0.05 <= row["f32_unchanged"] <= 0.95 else "–"
-
-
-def _worst(result: dict[str, Any]) -> dict[str, float]:
-    """The summary: worst level on each side, lowest power at the default probe's n, lowest coverage. A trend rule
-    under no trend is wrong on either side (both count as false holds); its right verdict is inconclusive."""
-    update = (result.get("update_rules", []) + result.get("credit_rules", []) + result.get("credit_token_rules", [])
-              + result.get("baseline_rules", []))
-    rows = [r for r in result["group_rules"] + result["training_rules"] if not r["rule"].startswith("0.1 rule")]
-    trend = [r for r in rows if not isinstance(r["R"], int) or str(r["n"]).endswith(("steps",))]
-    group = [r for r in rows if r not in trend]
-    rows, group = rows + update, group + update
-    default_n = set(DEFAULT_GROUP_COUNTS.values()) | {r["n"] for r in update}
-    false_holds = [r["holds"] for r in group if r["truth"] == "false"]
-    false_holds += [max(r["holds"], r["does_not_hold"]) for r in trend if r["truth"] == "false"]
-    power = [r["holds"] if r["truth"] == "true" else r["does_not_hold"] for r in group
-             if r["truth"] in ("true", "false") and r["n"] in default_n]
-    power += [r["holds"] for r in trend if r["truth"] == "true"]
-    return {"false_holds": max(false_holds, default=0.0),
-            "false_dnh": max([r["does_not_hold"] for r in rows if r["truth"] == "true"], default=0.0),
-            "power": min(power, default=1.0),
-            "coverage": min([r["coverage"] for r in result["coverage"]], default=1.0)}
 
 
 def _load() -> str:
@@ -868,32 +673,234 @@ def _load() -> str:
         return "unknown"
 
 
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# levels, the table, the run
+# ---------------------------------------------------------------------------------------------------------------------
+def _level_power(row: dict[str, Any]) -> tuple[float, float]:
+    """(level, power) of one row under its truth: the wrong verdict's share and the right one's."""
+    if row["truth"] == "true":
+        return row["does_not_hold"], row["holds"]
+    return row["holds"], row["does_not_hold"]
+
+
+def _rule_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for key in ("group_rules", "training_rules", "stays_rules", "update_rules", "credit_rules",
+                            "baseline_rules") for row in result.get(key, [])]
+
+
+def rule_levels(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """{rule id: {n: {"level": the worst level over its families at n, "power": the lowest power over its true
+    families at n (None without one), "unit", "families"}}}: what the report prints beside each row."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in _rule_rows(result):
+        level, power = _level_power(row)
+        cell = out.setdefault(row["rule"], {}).setdefault(str(row["n"]), {"level": 0.0, "power": None,
+                                                                          "unit": row.get("unit", ""), "families": 0})
+        cell["level"] = max(cell["level"], level)
+        cell["families"] += 1
+        if row["truth"] == "true":
+            cell["power"] = power if cell["power"] is None else min(cell["power"], power)
+    return out
+
+
+def _worst(result: dict[str, Any]) -> dict[str, Any]:
+    """The summary: the worst level over every rule and family (and where), the power of each rule at the probe's
+    default n (its largest calibrated n for the training and study rules), the lowest interval coverage."""
+    rows = _rule_rows(result)
+    worst = max(rows, key=lambda r: _level_power(r)[0], default=None)
+    levels = rule_levels(result)
+    power = {}
+    for rule, cells in levels.items():
+        n = "22" if "22" in cells else max(cells, key=lambda k: float(k))
+        power[rule] = (n, cells[n]["power"], cells[n]["unit"])
+    return {"level": _level_power(worst)[0] if worst else 0.0,
+            "where": f"{worst['rule']}, {worst['family']}, n = {worst['n']}" if worst else "",
+            "power": power, "coverage": min([r["coverage"] for r in result.get("coverage", [])], default=1.0)}
+
+
+def _cells(row: dict[str, Any]) -> tuple[str, str]:
+    level, power = _level_power(row)
+    wrong, right = ("does not hold", "holds") if row["truth"] == "true" else ("holds", "does not hold")
+    return f"{wrong} {level:.3f}", f"{right} {power:.3f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The markdown of a calibration result (what docs/calibration.md holds)."""
+    meta = result["meta"]
+    worst = _worst(result)
+    lines = [
+        "# Calibration of the verdict rules",
+        "",
+        f"Written by `grpo-lens calibrate` ({meta['mode']}) on {meta['date']}, machine {meta['machine']}, "
+        f"{meta['cpus']} CPUs (the run used one thread), load average {meta['load_before']} before and "
+        f"{meta['load_after']} after; {meta['seconds']:.0f} s. {meta['trials']} trials per cell; each trial draws n "
+        f"groups per R from a pool of {meta['pool']} planted groups per (family, R) analysed by `analyse_group` "
+        f"(P = {PLANTED_DIM}), then the registered claim decides once across R. One truth per family and claim, "
+        f"from what was planted (module docstring of `grpo_lens.calibrate`): level = the wrong verdict's share "
+        f"under it (target <= 0.05, <= 0.08 allowing binomial noise at 200 trials), power = the right one's "
+        f"(target >= 0.80). Each rule decides at 0.025 per branch on its own; the report's table is decided under "
+        f"Holm at a family-wise 0.05 on top (docs/theory.md §11).",
+        "",
+        "Regenerate: `grpo-lens calibrate --out runs/calibration` writes this file as runs/calibration/calibration.md "
+        "(copy it to docs/calibration.md) and levels.json (copy it to grpo_lens/data/calibration_levels.json, which "
+        "the report reads); `--quick` is a seconds-long smoke run; `--planted FILE.npz` runs your own cases.",
+        "",
+        "## Summary",
+        "",
+        f"Worst level over every rule and family: {worst['level']:.3f} ({worst['where']}); lowest interval coverage "
+        f"{worst['coverage']:.3f}.",
+        "",
+        "| rule | n | power (lowest over its true families) |",
+        "|---|---|---|",
+    ]
+    for rule, (n, p, unit) in worst["power"].items():
+        lines.append(f"| {rule} | {n} {unit} | {'–' if p is None else f'{p:.3f}'} |")
+    lines += ["", "## Rules on per-group rows (probe): rank ≈ 2 and the labels structure G1", "",
+              "Families: " + "; ".join(f"`{k}` {v}" for k, v in FAMILIES.items() if k in meta.get("families", FAMILIES))
+              + ". Population values (E₂, E₁ over 2000 planted groups; θ of the cosine Gram over the pool) after "
+              "each family's rows.", "",
+              "| rule | family | groups (R = 4 / 8) | truth | level (wrong verdict) | power (right verdict) |",
+              "|---|---|---|---|---|---|"]
+    for row in result["group_rules"]:
+        level, power = _cells(row)
+        lines.append(f"| {row['rule']} | {row['family']} | {row['groups']} | {row['truth']} | {level} | {power} |")
+    lines += [""] + [f"- `{fam}`: {pop}" for fam, pop in dict.fromkeys(
+        (r["family"], r["population"]) for r in result["group_rules"])]
+    sections = [("training_rules", "Trends on a training run's records (first-difference slope test)"),
+                ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps)"),
+                ("update_rules", "Most parameters unchanged (S4), on a planted update through the lens's sampler"),
+                ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K = 8)"),
+                ("baseline_rules", "The group mean is the variance-optimal baseline (M = 16, R = 4, 256 resamples)")]
+    for key, title in sections:
+        if not result.get(key):
+            continue
+        lines += ["", f"## {title}", "", "| rule | planted case | n | truth | level (wrong verdict) | power |",
+                  "|---|---|---|---|---|---|"]
+        for row in result[key]:
+            level, power = _cells(row)
+            lines.append(f"| {row['rule']} | {row['family']} | {row['n']} {row.get('unit', '')} | {row['truth']} | "
+                         f"{level} | {power} |")
+    lines += ["", "## Rows without a verdict (descriptive) and checks", "",
+              "- `zero_sum_g2_weighting` (G2 stable rank under A against weightings that are not zero-sum): "
+              "descriptive; its 0.2 rule said *does not hold* whether the zero-sum constraint was irrelevant or "
+              "decisive, so it has no calibrated verdict.",
+              "- `uniform_token_credit` (update shares against NLL weights): descriptive; its NLL control is not "
+              "zero-sum and the paper does not make this claim.",
+              "- Erank, stable rank, participation ratio, k90, k99: printed beside E₂, without verdicts.",
+              "- `identity`, `identical_token_advantage`: checks (algebra with a control), not tests.",
+              "", "## Interval coverage (`mean_interval`, nominal 0.95)", "",
+              "| data | n | coverage | upper end below the mean | lower end above the mean |", "|---|---|---|---|---|"]
+    for row in result.get("coverage", []):
+        lines.append(f"| {row['data']} | {row['n']} | {row['coverage']:.3f} | {row['miss_below']:.3f} | "
+                     f"{row['miss_above']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: str = "full",
                     log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every calibration and return {meta, group_rules, training_rules, update_rules, credit_rules,
-    credit_token_rules, baseline_rules, coverage}; with ``out``, also write OUT/calibration.json and
-    OUT/calibration.md (the table)."""
+    """Run every calibration and return {meta, group_rules, training_rules, stays_rules, update_rules,
+    credit_rules, baseline_rules, coverage, levels}; with ``out``, also write OUT/calibration.json,
+    OUT/calibration.md (the table) and OUT/levels.json (:func:`rule_levels`)."""
     t0, load0 = time.perf_counter(), _load()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # [R, R] matrices: one thread is ~3x faster than several (thread start-up per op)
     try:
-        result: dict[str, Any] = {"group_rules": calibrate_group_rules(config, log),
-                                  "training_rules": calibrate_training_rules(config),
-                                  "update_rules": calibrate_update_rules(config),
-                                  "credit_rules": calibrate_credit_rules(config),
-                                  "credit_token_rules": calibrate_credit_token_rules(config),
-                                  "baseline_rules": calibrate_baseline_rules(config),
-                                  "coverage": interval_coverage(config)}
+        result: dict[str, Any] = {"group_rules": calibrate_group_rules(config, log)}
+        if config.training:
+            result["training_rules"] = calibrate_training_rules(config)
+            result["stays_rules"] = calibrate_stays_rules(config)
+        result.update(update_rules=calibrate_update_rules(config), credit_rules=calibrate_credit_rules(config),
+                      baseline_rules=calibrate_baseline_rules(config), coverage=interval_coverage(config))
     finally:
         torch.set_num_threads(threads)
     result["meta"] = {"mode": mode, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                       "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
                       "cpus": os.cpu_count(), "load_before": load0, "load_after": _load(),
                       "seconds": time.perf_counter() - t0, "trials": config.trials, "pool": config.pool,
-                      "coverage_trials": config.coverage_trials, "credit_pool": config.credit_pool,
-                      "seed": config.seed}
+                      "coverage_trials": config.coverage_trials, "seed": config.seed,
+                      "families": list(config.families)}
+    result["levels"] = rule_levels(result)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "calibration.json").write_text(json.dumps(result, indent=1))
         (out / "calibration.md").write_text(render(result))
+        (out / "levels.json").write_text(json.dumps(result["levels"], indent=1, sort_keys=True))
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bring your own planted cases
+# ---------------------------------------------------------------------------------------------------------------------
+class PlantedFileError(ValueError):
+    """A ``--planted`` file whose arrays are missing or malformed (one line, naming the array and the shape)."""
+
+
+def read_planted(path: Path) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """(gram [trials, n, R, R] float64, rewards [trials, n, R], dim or None) from a ``.npz`` file, checked.
+
+    Raises:
+        PlantedFileError: a missing or unreadable file, a missing array, or a shape or value that is not the one
+            expected (the message names the array and the expected shape).
+    """
+    import numpy as np  # optional at import time: only this command reads .npz files
+
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise PlantedFileError(f"{path}: not a readable .npz file ({e})") from None
+    for name in ("gram", "rewards"):
+        if name not in data.files:
+            raise PlantedFileError(f"{path}: array '{name}' is missing; expected gram [trials, n, R, R] float64 and "
+                                   f"rewards [trials, n, R] (optional dim)")
+    gram, rewards = data["gram"], data["rewards"]
+    if gram.ndim != 4 or gram.shape[2] != gram.shape[3] or gram.shape[2] < 2:
+        raise PlantedFileError(f"{path}: array 'gram' has shape {list(gram.shape)}; expected [trials, n, R, R] "
+                               f"float64 with R >= 2")
+    if gram.dtype != np.float64:
+        raise PlantedFileError(f"{path}: array 'gram' has dtype {gram.dtype}; expected [trials, n, R, R] float64")
+    t, n, r, _ = gram.shape
+    if tuple(rewards.shape) != (t, n, r):
+        raise PlantedFileError(f"{path}: array 'rewards' has shape {list(rewards.shape)}; expected [trials, n, R] = "
+                               f"[{t}, {n}, {r}] (as gram)")
+    if not (np.isfinite(gram).all() and np.isfinite(rewards).all()):
+        raise PlantedFileError(f"{path}: arrays 'gram' and 'rewards' must be finite")
+    if not np.allclose(gram, gram.transpose(0, 1, 3, 2), rtol=1e-8, atol=1e-12):
+        raise PlantedFileError(f"{path}: array 'gram' is not symmetric in its last two axes; expected "
+                               f"[trials, n, R, R] Gram matrices <g_i, g_j>")
+    dim = None
+    if "dim" in data.files:
+        d = data["dim"]
+        if d.ndim != 0 or not float(d).is_integer() or int(d) < r:
+            raise PlantedFileError(f"{path}: array 'dim' is {d.tolist()!r}; expected a scalar integer P >= R = {r}")
+        dim = int(d)
+    return torch.from_numpy(gram), torch.from_numpy(rewards).double(), dim
+
+
+def run_planted(path: Path, out: Path, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """``grpo-lens calibrate --planted FILE.npz --out DIR``: each trial's groups through ``analyse_group`` (GRPO
+    advantages, ``null_dim`` = dim) and the per-group claims (rank, its mechanism), as the probe does; writes
+    DIR/planted.json, [{"claim", "R", "holds", "does_not_hold", "inconclusive", "trials", "groups"}]. The file is
+    checked before anything is written (:func:`read_planted`)."""
+    gram, rewards, dim = read_planted(path)
+    t, n, r, _ = gram.shape
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    verdicts: dict[str, list[str]] = {"erank_near_two": [], "zero_sum_rank_two": []}
+    try:
+        for i in range(t):
+            rows = [analyse_group(gram[i, j], rewards[i, j], _advantages(rewards[i, j]), null_dim=dim, seed=j)
+                    for j in range(n)]
+            p = probe_of({r: rows}, dim)
+            for name in verdicts:
+                claims = CLAIMS.get(name)(p)
+                verdicts[name].append(claims[0].verdict if claims else "inconclusive")
+    finally:
+        torch.set_num_threads(threads)
+    res = [{"claim": name, "R": r, **_shares(vs), "inconclusive": 1 - sum(_shares(vs).values()), "trials": t,
+            "groups": n} for name, vs in verdicts.items()]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "planted.json").write_text(json.dumps(res, indent=1))
+    log(f"planted: {t} trials of {n} groups at R = {r} (P = {dim or 'orthogonal null'}) -> {out / 'planted.json'}")
+    return res

@@ -16,7 +16,6 @@ docs/theory.md §S1, §Baselines at matched expectation, §Token credit.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Sequence
 
