@@ -10,7 +10,7 @@ n groups per R from the pools without replacement and the claim decides once acr
 Truth, per family and claim, from what was planted (never from where one measure's mean falls):
 
 - rank ≈ 2: a planted rank-2 signal (two class means, or a label-free rank-2 signal) whose population E₂ > 0.9 > E₁
-  (the mean over 2000 planted groups of G1's top-2 / top-1 energy shares); every other family is "not rank 2",
+  (the mean over 1500 planted groups of G1's top-2 / top-1 energy shares); every other family is "not rank 2",
   including the boundary family whose population E₂ is tuned to 0.9 (not above it);
 - the labels structure G1: directions that depend on the labels (class means) with population θ of the cosine Gram
   >= 0.1; label-free families (including label effects on norms alone) are false;
@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import re
+import resource
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -192,6 +193,7 @@ class CalibrationConfig:
     baseline_families: dict[str, tuple[bool, float, bool]] = field(default_factory=lambda: dict(BASELINE_FAMILIES))
     baseline_prompts: tuple[int, ...] = BASELINE_PROMPTS
     training: bool = True
+    workers: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
 
     @classmethod
     def quick(cls) -> CalibrationConfig:
@@ -220,7 +222,7 @@ def planted_group(family: str, r: int, dim: int, gen: torch.Generator, noise: fl
     k = int(torch.randint(1, r, (1,), generator=gen))
     rewards = (torch.arange(r) < k).double()
     labels = rewards == 1
-    if family.startswith("b"):
+    if re.fullmatch(r"bn?\d+(\.\d+)?", family):
         if family.startswith("bn"):
             norms = torch.where(labels, 1.0, float(family[2:])).double()
         else:
@@ -266,7 +268,7 @@ def _advantages(rewards: torch.Tensor) -> torch.Tensor:
     return grpo_advantages(rewards[None], torch.ones(1, r, dtype=torch.bool))[0]
 
 
-def population_shares(family: str, r: int, noise: float | None = None, size: int = 2000, seed: int = 99
+def population_shares(family: str, r: int, noise: float | None = None, size: int = 1500, seed: int = 99
                       ) -> tuple[float, float]:
     """(E₂, E₁): the population means over ``size`` planted groups of G1's top-2 and top-1 energy shares."""
     gen = torch.Generator().manual_seed(seed)
@@ -281,7 +283,7 @@ def population_shares(family: str, r: int, noise: float | None = None, size: int
 def boundary_noise(r: int, target: float = 0.9, size: int = 1000) -> float:
     """The noise share f of rank 2 + noise whose population E₂ is ``target`` (bisection, common random numbers)."""
     lo, hi = 0.0, 0.6
-    for _ in range(14):
+    for _ in range(11):
         mid = 0.5 * (lo + hi)
         if population_shares("boundary", r, mid, size=size)[0] > target:
             lo = mid
@@ -330,37 +332,57 @@ def _theta(pool: list[dict[str, float]]) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 # the per-group rules (probe)
 # ---------------------------------------------------------------------------------------------------------------------
-def calibrate_group_rules(config: CalibrationConfig, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Rows of the rank rule and the mechanism rule over the planted families: one truth per family and claim."""
+def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -> tuple[list[dict[str, Any]], str]:
+    """One family's rows of the rank and mechanism rules (a worker's unit: its own seeds, so the rows do not depend on
+    which worker ran it or in which order)."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    index = list(FAMILIES).index(fam) if fam in FAMILIES else len(FAMILIES)
+    gen = torch.Generator().manual_seed(config.seed + 7919 * (index + 1))
+    pools, shares, thetas = {}, {}, {}
+    for r in config.group_sizes:
+        pools[r] = analysed_pool(fam, r, config.pool, PLANTED_DIM, config.seed + 1000 * r, noise.get(r))
+        shares[r] = population_shares(fam, r, noise.get(r))
+        thetas[r] = _theta(pools[r])
+    # the boundary's E₂ = 0.9 is not above 0.9: not rank 2 by definition
+    rank2 = has_rank2_signal(fam) and fam != "boundary" and all(e2 > 0.9 > e1 for e2, e1 in shares.values())
+    labels = label_directions(fam) and all(th >= NEGLIGIBLE_SHARE for th in thetas.values())
+    pop = "; ".join(f"R = {r}: E₂ {e2:.3f}, E₁ {e1:.3f}, θ {thetas[r]:.3f}" for r, (e2, e1) in shares.items())
+    if fam == "boundary":
+        pop += "; noise shares " + ", ".join(f"{noise[r]:.3f} (R = {r})" for r in config.group_sizes)
     out = []
-    gen = torch.Generator().manual_seed(config.seed)
+    for cell in config.group_cells:
+        ns = {r: GROUP_CELLS[cell].get(r, cell) for r in config.group_sizes}
+        rank_v, zs_v = [], []
+        for _ in range(config.trials):
+            p = probe_of({r: _draw(pools[r], ns[r], gen) for r in config.group_sizes}, PLANTED_DIM)
+            rank_v += [c.verdict for c in CLAIMS.get("erank_near_two")(p)]
+            zs_v += [c.verdict for c in CLAIMS.get("zero_sum_rank_two")(p)]
+        base = {"family": fam, "R": "/".join(map(str, config.group_sizes)), "n": cell,
+                "groups": " / ".join(str(ns[r]) for r in config.group_sizes), "unit": "groups per R",
+                "population": pop}
+        out.append({**base, "rule": RANK_RULE_ID, "truth": "true" if rank2 else "false", **_shares(rank_v)})
+        out.append({**base, "rule": ZERO_SUM_RULE_ID, "truth": "true" if labels else "false", **_shares(zs_v)})
+    return out, f"calibrate: {fam}: {time.perf_counter() - t0:.1f} s ({pop})"
+
+
+def calibrate_group_rules(config: CalibrationConfig, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Rows of the rank rule and the mechanism rule over the planted families: one truth per family and claim; the
+    families run on ``config.workers`` processes."""
     noise = {r: boundary_noise(r) for r in config.group_sizes} if "boundary" in config.families else {}
-    for fam in config.families:
-        t0 = time.perf_counter()
-        pools, shares, thetas = {}, {}, {}
-        for r in config.group_sizes:
-            pools[r] = analysed_pool(fam, r, config.pool, PLANTED_DIM, config.seed + 1000 * r, noise.get(r))
-            shares[r] = population_shares(fam, r, noise.get(r))
-            thetas[r] = _theta(pools[r])
-        # the boundary's E₂ = 0.9 is not above 0.9: not rank 2 by definition
-        rank2 = has_rank2_signal(fam) and fam != "boundary" and all(e2 > 0.9 > e1 for e2, e1 in shares.values())
-        labels = label_directions(fam) and all(th >= NEGLIGIBLE_SHARE for th in thetas.values())
-        pop = "; ".join(f"R = {r}: E₂ {e2:.3f}, E₁ {e1:.3f}, θ {thetas[r]:.3f}" for r, (e2, e1) in shares.items())
-        if fam == "boundary":
-            pop += "; noise shares " + ", ".join(f"{noise[r]:.3f} (R = {r})" for r in config.group_sizes)
-        log(f"calibrate: {fam}: pools analysed in {time.perf_counter() - t0:.1f} s ({pop})")
-        for cell in config.group_cells:
-            ns = {r: GROUP_CELLS[cell].get(r, cell) for r in config.group_sizes}
-            rank_v, zs_v = [], []
-            for _ in range(config.trials):
-                p = probe_of({r: _draw(pools[r], ns[r], gen) for r in config.group_sizes}, PLANTED_DIM)
-                rank_v += [c.verdict for c in CLAIMS.get("erank_near_two")(p)]
-                zs_v += [c.verdict for c in CLAIMS.get("zero_sum_rank_two")(p)]
-            n_text = " / ".join(str(ns[r]) for r in config.group_sizes)
-            base = {"family": fam, "R": "/".join(map(str, config.group_sizes)), "n": cell, "groups": n_text,
-                    "unit": "groups per R", "population": pop}
-            out.append({**base, "rule": RANK_RULE_ID, "truth": "true" if rank2 else "false", **_shares(rank_v)})
-            out.append({**base, "rule": ZERO_SUM_RULE_ID, "truth": "true" if labels else "false", **_shares(zs_v)})
+    out: list[dict[str, Any]] = []
+    if config.workers > 1 and len(config.families) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context("fork")) as ex:
+            results = list(ex.map(_family_rows, config.families, [config] * len(config.families),
+                                  [noise] * len(config.families)))
+    else:
+        results = [_family_rows(fam, config, noise) for fam in config.families]
+    for rows, line in results:
+        log(line)
+        out += rows
     return out
 
 
@@ -734,8 +756,10 @@ def render(result: dict[str, Any]) -> str:
         "# Calibration of the verdict rules",
         "",
         f"Written by `grpo-lens calibrate` ({meta['mode']}) on {meta['date']}, machine {meta['machine']}, "
-        f"{meta['cpus']} CPUs (the run used one thread), load average {meta['load_before']} before and "
-        f"{meta['load_after']} after; {meta['seconds']:.0f} s. {meta['trials']} trials per cell; each trial draws n "
+        f"{meta['cpus']} CPUs ({meta.get('workers', 1)} worker processes of one thread each), load average "
+        f"{meta['load_before']} before and {meta['load_after']} after (a shared machine); {meta['seconds']:.0f} s wall, "
+        f"{meta.get('cpu_seconds', float('nan')):.0f} s CPU over all processes. {meta['trials']} trials per cell; "
+        f"each trial draws n "
         f"groups per R from a pool of {meta['pool']} planted groups per (family, R) analysed by `analyse_group` "
         f"(P = {PLANTED_DIM}), then the registered claim decides once across R. One truth per family and claim, "
         f"from what was planted (module docstring of `grpo_lens.calibrate`): level = the wrong verdict's share "
@@ -759,7 +783,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| {rule} | {n} {unit} | {'–' if p is None else f'{p:.3f}'} |")
     lines += ["", "## Rules on per-group rows (probe): rank ≈ 2 and the labels structure G1", "",
               "Families: " + "; ".join(f"`{k}` {v}" for k, v in FAMILIES.items() if k in meta.get("families", FAMILIES))
-              + ". Population values (E₂, E₁ over 2000 planted groups; θ of the cosine Gram over the pool) after "
+              + ". Population values (E₂, E₁ over 1500 planted groups; θ of the cosine Gram over the pool) after "
               "each family's rows.", "",
               "| rule | family | groups (R = 4 / 8) | truth | level (wrong verdict) | power (right verdict) |",
               "|---|---|---|---|---|---|"]
@@ -804,6 +828,8 @@ def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: st
     credit_rules, baseline_rules, coverage, levels}; with ``out``, also write OUT/calibration.json,
     OUT/calibration.md (the table) and OUT/levels.json (:func:`rule_levels`)."""
     t0, load0 = time.perf_counter(), _load()
+    cpu0 = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # [R, R] matrices: one thread is ~3x faster than several (thread start-up per op)
     try:
@@ -815,7 +841,10 @@ def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: st
                       baseline_rules=calibrate_baseline_rules(config), coverage=interval_coverage(config))
     finally:
         torch.set_num_threads(threads)
+    cpu = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) - cpu0
     result["meta"] = {"mode": mode, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      "cpu_seconds": cpu, "workers": config.workers,
                       "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
                       "cpus": os.cpu_count(), "load_before": load0, "load_after": _load(),
                       "seconds": time.perf_counter() - t0, "trials": config.trials, "pool": config.pool,

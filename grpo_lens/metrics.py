@@ -545,7 +545,10 @@ ZERO_SUM_COS_GAP_NULL, ZERO_SUM_COS_GAP_EXCESS, ZERO_SUM_COS_GAP_NULL_VAR, ZERO_
     "mechanism claim's θ (theory §11)", source="§11", where=LENS)
 
 #: The statistics of the zero-sum test (:func:`grpo_lens.formulas.zero_sum.zero_sum_tests`) and the parts of each.
-ZERO_SUM_STATS = ("span_energy", "cos_gap", "unit_span_energy")
+ZERO_SUM_STATS = ("span_energy", "cos_gap")
+
+#: the span energy of the cosine Gram (the mechanism claim's θ; not in the report's zero-sum table)
+ZERO_SUM_UNIT_STATS = ("unit_span_energy",)
 ZERO_SUM_PARTS = ("", "null", "excess", "null_var", "p")
 
 # probe only, computed with the model

@@ -22,7 +22,7 @@ from grpo_lens.claims.base import (
     verdict_from_interval,
 )
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-from grpo_lens.formulas.stats import binomial_upper_tail, mean_test_p, wilson_interval
+from grpo_lens.formulas.stats import binomial_upper_tail, mean_test_p, normal_upper_tail, wilson_interval
 
 #: the calibration's name of the rule
 RULE_ID = "group mean optimal (m_C = m_W)"
@@ -38,6 +38,19 @@ EQUAL_NORMS_MAX_SHARE = 0.25
 
 #: ... and the leave-one-out b* at most this much below RLOO's MSE (relative)
 MSE_GAIN_MARGIN = 0.10
+
+
+def _interval_p(ci: dict[str, Any], control: float, side: str) -> float:
+    """One-sided normal p of a mean against ``control`` from its 95% interval (SE = the half-width on ``side`` /
+    1.96); 1.0 without an interval."""
+    mean, lo, hi = ci.get("mean"), ci.get("lo"), ci.get("hi")
+    if mean is None or lo is None or hi is None:
+        return 1.0
+    se = ((mean - lo) if side == "above" else (hi - mean)) / 1.959964
+    if se <= 0:
+        return 0.0 if (mean > control if side == "above" else mean < control) else 1.0
+    z = (mean - control) / se if side == "above" else (control - mean) / se
+    return normal_upper_tail(z)
 
 
 @CLAIMS.register("group_mean_optimal")
@@ -75,13 +88,18 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     b_star_helps = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below")
     # one-sided p of each branch (intersection-union: the larger of its two parts): the count k of n by exact
     # binomial tails, the MSE ratio by Hall's t over the prompts' ratios (the interval the row prints)
-    ratios = [pp["estimators"]["optimal_loo"]["mse"] / pp["estimators"]["rloo"]["mse"]
-              for pp in study.get("per_prompt") or [] if pp["estimators"]["rloo"]["mse"] > 0
-              and "optimal_loo" in pp["estimators"]]
-    if n >= MIN_UNITS and ratios:
-        p_holds = max(1.0 - binomial_upper_tail(k + 1, n, EQUAL_NORMS_MAX_SHARE),
-                      mean_test_p(ratios, 1 - MSE_GAIN_MARGIN, "above"))
-        p_dnh = max(binomial_upper_tail(k, n, EQUAL_NORMS_LEVEL), mean_test_p(ratios, 1.0, "below"))
+    est = [pp.get("estimators") or {} for pp in study.get("per_prompt") or []]
+    ratios = [e["optimal_loo"]["mse"] / e["rloo"]["mse"] for e in est
+              if "optimal_loo" in e and "rloo" in e and e["rloo"]["mse"] > 0]
+    if ratios:
+        p_gain_small = mean_test_p(ratios, 1 - MSE_GAIN_MARGIN, "above")
+        p_helps = mean_test_p(ratios, 1.0, "below")
+    else:  # a study without its per-prompt rows: the interval's own half-width as a normal SE
+        p_gain_small = _interval_p(mse, 1 - MSE_GAIN_MARGIN, "above")
+        p_helps = _interval_p(mse, 1.0, "below")
+    if n >= MIN_UNITS:
+        p_holds = max(1.0 - binomial_upper_tail(k + 1, n, EQUAL_NORMS_MAX_SHARE), p_gain_small)
+        p_dnh = max(binomial_upper_tail(k, n, EQUAL_NORMS_LEVEL), p_helps)
     else:
         p_holds = p_dnh = 1.0
     verdict = decide(p_holds, p_dnh)

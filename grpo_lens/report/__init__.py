@@ -583,19 +583,21 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
     calibrate`); then the checks (algebra with a control) and the descriptive rows, apart. ``lora_rank`` > 0: the
     training sparsity numbers are over the LoRA adapter's weights."""
     rule_text = ("One primary measure and one verdict per claim, computed from the numbers by the rule shown "
-                 "(docs/theory.md §11 for the rank claims, §12 for sparsity, credit and baselines): holds / does not "
+                 "(docs/theory.md §11 for the rank claims and the identity, §12 for sparsity, credit and baselines): "
+                 "holds / does not "
                  "hold / inconclusive, decided under Holm at a family-wise 0.05. Intervals are 95%, none from fewer "
                  "than 8 units. 'calibrated' is the rule's level (wrong-verdict share) and power on planted cases at "
                  "the row's n (docs/calibration.md).")
     if probes and records:
-        lines = ["## Claims: effective rank, zero-sum structure, sparsity, credit, baselines", "", rule_text, ""]
+        lines = ["## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines", "",
+                 rule_text, ""]
     elif probes:
-        lines = ["## Claims: effective rank, zero-sum structure, credit, baselines", "", rule_text +
+        lines = ["## Claims: effective rank, zero-sum structure, the identity, credit, baselines", "", rule_text +
                  " The claims on sparsity over training come from a training run (`grpo-lens train`, or "
                  "`grpo-lens demo`); this report has a probe only.", ""]
     else:
         lines = ["## Claims: sparsity over training", "", rule_text + " The claims on effective rank, zero-sum "
-                 "structure, credit and baselines come from `grpo-lens probe` (or `grpo-lens demo`, "
+                 "structure, the identity, credit and baselines come from `grpo-lens probe` (or `grpo-lens demo`, "
                  "which probes before and after training); this run has no probe.json.", ""]
     sources = dict(probes)
     if records:
