@@ -757,7 +757,8 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"Written by `grpo-lens calibrate` ({meta['mode']}) on {meta['date']}, machine {meta['machine']}, "
         f"{meta['cpus']} CPUs ({meta.get('workers', 1)} worker processes of one thread each), load average "
-        f"{meta['load_before']} before and {meta['load_after']} after (a shared machine); {meta['seconds']:.0f} s wall, "
+        f"{meta['load_before']} before and {meta['load_after']} after (a shared machine); "
+        f"{meta['seconds']:.0f} s wall, "
         f"{meta.get('cpu_seconds', float('nan')):.0f} s CPU over all processes. {meta['trials']} trials per cell; "
         f"each trial draws n "
         f"groups per R from a pool of {meta['pool']} planted groups per (family, R) analysed by `analyse_group` "

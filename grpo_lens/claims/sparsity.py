@@ -293,7 +293,7 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
                   verdict=verdict, rule=why, source=f"lens, fixed stratified sample of {_sample_size(rows)} weights",
                   n=int(float(last.get(SPARSITY_SAMPLE_ENTRIES) or 0)) or None, p_holds=p_holds, p_dnh=p_dnh,
                   rule_id=S4_RULE_ID,
-                  advice=("no flag narrows it: the lens's weight sample has a fixed size; the share's interval contains "
-                          "0.5" if verdict == INCONCLUSIVE and f32 is not None and f32 < 1.0 else
+                  advice=("no flag narrows it: the lens's weight sample has a fixed size; the share's interval "
+                          "contains 0.5" if verdict == INCONCLUSIVE and f32 is not None and f32 < 1.0 else
                           ("train at a learning rate above 0 with reward contrast (`--learning-rate`, "
                            "`--prompts-per-step`)" if verdict == INCONCLUSIVE else "")))]

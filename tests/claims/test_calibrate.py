@@ -150,3 +150,19 @@ def test_calibrate_command_planted_error(tmp_path, capsys):
     path = _npz(tmp_path / "bad.npz", rewards=np.zeros((1, 2, 4)))
     assert main(["calibrate", "--planted", str(path), "--out", str(tmp_path / "cal")]) == 2
     assert "'gram' is missing" in capsys.readouterr().err and not (tmp_path / "cal").exists()
+
+
+def test_report_reads_the_calibrated_cell_at_the_rows_n():
+    from grpo_lens.claims.base import Claim
+    from grpo_lens.report import _calibrated, level_at
+
+    levels = {"rule": {"8": {"level": 0.01, "power": 0.3, "unit": "groups per R"},
+                       "16": {"level": 0.02, "power": 0.85, "unit": "groups per R"},
+                       "22": {"level": 0.0, "power": 0.97, "unit": "groups per R"}}}
+    # the largest calibrated n <= the row's n: 20 -> 16, 30 -> 22; below every cell -> the smallest, flagged
+    assert level_at(levels, "rule", 20)["n"] == "16" and level_at(levels, "rule", 30)["n"] == "22"
+    assert level_at(levels, "rule", 5) == {**levels["rule"]["8"], "n": "8", "below": True}
+    assert level_at(levels, "other", 16) is None
+    row = Claim("c", "s", "m", "n", "holds", "r", "src", n=20, p_holds=0.001, p_dnh=1.0, rule_id="rule")
+    assert _calibrated(row, levels) == "level 0.020, power 0.85 (n = 16 groups per R)"
+    assert _calibrated(Claim("c", "s", "m", "n", "holds", "r", "src", rule_id="x"), levels) == "not calibrated"

@@ -89,7 +89,7 @@ def test_zero_sum_claim_rules():
 
     # theta = excess / (1 - null): 0.25 / 0.5 = 0.5 with u_g = x_g - 0.1 (1 - m) = 0.2 +- 0.0045 -> above 0.1: holds
     assert verdict(rows(10, 0.25, 0.5, spread=0.001)) == HOLDS
-    # theta = 0.01 / 0.5 = 0.02 (a negligible effect that the 0.2 test read "holds" by its p): below 0.1 -> does not hold
+    # theta = 0.01 / 0.5 = 0.02 (a negligible effect the 0.2 test read "holds" by its p): below 0.1 -> does not hold
     assert verdict(rows(10, 0.01, 0.5, spread=0.001)) == DOES_NOT_HOLD
     # theta = 0.05 / 0.5 = 0.1 exactly, u spread +-0.045: straddles the margin -> inconclusive; 5 groups: inconclusive
     assert verdict(rows(10, 0.05, 0.5, spread=0.01)) == INCONCLUSIVE
