@@ -208,7 +208,8 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
     normal approximation). Holds when every lens step has E₂ above 0.9 and E₁ below it (p = the largest step p: no
     multiplicity penalty for "every"); does not hold when some step has E₂ below 0.9 or E₁ above it (p = 2 × the
     number of steps × the smallest step p, Bonferroni over steps and the two routes); inconclusive otherwise, and
-    whenever a lens step has no interval (fewer than 8 mixed groups), since "stays" is about every step.
+    whenever a lens step has no interval (fewer than 8 mixed groups), since "stays" is about every step. The row's
+    n is the fewest mixed groups of a lens step (the unit its calibration is indexed by).
     """
     rows = [r for r in data.get("records") or [] if r.get(RANK_G1.format(m="top2_share")) is not None
             and r.get(RANK_G1.format(m="top1_share")) is not None]
@@ -238,5 +239,5 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
                   measurement=(f"E₂ per lens step {', '.join(fmt(x, 3) for x in e2)} (lowest {fmt(min(e2), 3)}); "
                                f"mixed groups per step {', '.join(map(str, groups))}"),
                   control=f"the band: E₂ > {TOP_SHARE} > E₁ at each step",
-                  verdict=verdict, rule=why, source="lens (each step's mixed groups)", n=len(rows),
+                  verdict=verdict, rule=why, source="lens (each step's mixed groups)", n=min(groups),
                   p_holds=p_holds, p_dnh=p_dnh, rule_id=STAYS_RULE_ID, advice=advice)]
