@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from grpo_lens import __version__
-from grpo_lens.claims.calibrate import CalibrationConfig, render, run_calibration
+from grpo_lens.calibrate import CalibrationConfig, PlantedFileError, render, run_calibration, run_planted
 from grpo_lens.config import (
     ConfigError,
     ConfigNameWarning,
@@ -194,6 +194,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.planted:
+        try:
+            run_planted(Path(args.planted), Path(args.out))
+        except PlantedFileError as e:
+            print(f"grpo-lens calibrate: {e}", file=sys.stderr)
+            return 2
+        return 0
     config = CalibrationConfig.quick() if args.quick else CalibrationConfig(trials=args.trials, seed=args.seed)
     result = run_calibration(config, Path(args.out), mode="quick" if args.quick else "full")
     print(render(result))
@@ -255,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a few trials and families (seconds; not the calibration)")
     p.add_argument("--trials", type=int, default=200, help="trials per planted cell (default: 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of the planted cases (default: 0)")
+    p.add_argument("--planted", metavar="FILE.npz", help="your own planted cases: arrays gram [trials, n, R, R] "
+                   "float64, rewards [trials, n, R], optional dim (P); writes OUT/planted.json, each claim's verdict "
+                   "shares through the probe's path")
     p.set_defaults(fn=_cmd_calibrate)
     return parser
 

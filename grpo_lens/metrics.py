@@ -536,8 +536,20 @@ ZERO_SUM_COS_GAP_NULL, ZERO_SUM_COS_GAP_EXCESS, ZERO_SUM_COS_GAP_NULL_VAR, ZERO_
     "its relabelling mean, excess over it, variance over the relabellings, and permutation p-value", source="§6",
     where=LENS)
 
+(ZERO_SUM_UNIT_SPAN_ENERGY, ZERO_SUM_UNIT_SPAN_ENERGY_NULL, ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS,
+ ZERO_SUM_UNIT_SPAN_ENERGY_NULL_VAR, ZERO_SUM_UNIT_SPAN_ENERGY_P) = _keys(
+    "group", ("zero_sum/unit_span_energy", "zero_sum/unit_span_energy_null", "zero_sum/unit_span_energy_excess",
+              "zero_sum/unit_span_energy_null_var", "zero_sum/unit_span_energy_p"),
+    (SHARE, SHARE, SHARE_DIFFERENCE, "squared share", P_VALUE),
+    "the span energy on the cosine Gram (every g_i scaled to norm 1, so a label effect on gradient norms alone "
+    "cannot raise it): observed, relabelling mean, excess, variance over the relabellings, permutation p-value; the "
+    "mechanism claim's θ (theory §11)", source="§11", where=LENS)
+
 #: The statistics of the zero-sum test (:func:`grpo_lens.formulas.zero_sum.zero_sum_tests`) and the parts of each.
 ZERO_SUM_STATS = ("span_energy", "cos_gap")
+
+#: the span energy of the cosine Gram (the mechanism claim's θ; not in the report's zero-sum table)
+ZERO_SUM_UNIT_STATS = ("unit_span_energy",)
 ZERO_SUM_PARTS = ("", "null", "excess", "null_var", "p")
 
 # probe only, computed with the model

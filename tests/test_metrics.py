@@ -133,7 +133,6 @@ TRAIN_RUNS = {
 #: entries neither the training runs nor the probe write, and why
 NOT_WRITTEN = {"sketch/exact_share_other": "the tiny model has no parameter outside linear, embedding and norm",
                "reward/logged/{name}": "only a reward function calling log_metric writes it (test_run_integrity.py)",
-               "rank/g1_simnull_{m}": "only analyse_group(null_dim=P) writes it (grpo-lens calibrate; tested there)",
                "rank/g1_{m}_lo": "the lens writes it from 8 mixed groups a step; tests/claims covers the function",
                "rank/g1_{m}_hi": "as rank/g1_{m}_lo"}
 

@@ -11,9 +11,11 @@ continuations' successes), against its exact binomial null (disagreement support
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from grpo_lens.claims.base import (
+    BRANCH_LEVEL,
     CLAIMS,
     DOES_NOT_HOLD,
     HOLDS,
@@ -21,6 +23,7 @@ from grpo_lens.claims.base import (
     Claim,
     band_verdict,
     ci_text,
+    decide,
     fmt,
 )
 from grpo_lens.formulas.credit import (
@@ -35,6 +38,9 @@ from grpo_lens.formulas.stats import binomial_upper_tail, wilson_interval
 #: p-value at which the count of flagged rollouts makes the paper's prediction hold
 MC_LEVEL = 0.05
 
+
+#: the calibration's name of the Monte Carlo rule
+MC_RULE_ID = "uniform credit disagrees with Monte Carlo credit"
 
 #: "every token the same credit" read as: the answer tokens' update share / token share within 1 ± this (the paper
 #: gives no tolerance; an interval that merely contains 1 is no evidence when it is wide)
@@ -100,10 +106,15 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
         wide = [c for c, v in per_class.items() if v != HOLDS]
         verdict, rule = INCONCLUSIVE, (f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide "
                                        f"to tell")
+    # descriptive since issue 29: its NLL control is not zero-sum (a component shared by every token adds up under
+    # NLL weights and cancels under A) and the paper does not make this update-share claim; the reading is kept
     return [Claim(claim=claim, scope=f"R = {credit['meta']['group_size']}, {contributions['groups']} groups",
                   measurement=f"each class's share of the update / share of tokens: {measured}",
-                  control=control, verdict=verdict, rule=rule,
-                  source="exact update direction over every parameter, finite differences")]
+                  control=control, verdict=INCONCLUSIVE,
+                  rule=(f"descriptive, no verdict (its NLL control is not zero-sum, and the paper does not make this "
+                        f"update-share claim); the 0.2 rule reads: {verdict}, {rule}"),
+                  source="exact update direction over every parameter, finite differences", kind="descriptive",
+                  n=int(contributions.get("groups") or 0))]
 
 
 def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, Any] | None:
@@ -186,22 +197,31 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     flagged, segments, agreeing, p_value = t["flagged"], t["segments"], t["agreeing"], t["p_value"]
     f_lo, f_hi = wilson_interval(flagged, n)
     a_lo, a_hi = wilson_interval(agreeing, segments)
+    # exact binomial tails on both sides: holds when the count is high for Binomial(n, α_r), does not hold when it
+    # is low (fewer flags than noise alone gives); each branch at BRANCH_LEVEL
+    p_low = 1.0 - binomial_upper_tail(flagged + 1, n, alpha_r)
+    p_holds, p_dnh = (p_value, p_low) if n >= MIN_UNITS else (1.0, 1.0)
+    verdict = decide(p_holds, p_dnh)
     if n < MIN_UNITS:
-        verdict, why = INCONCLUSIVE, f"{n} rollouts < {MIN_UNITS}"
-    elif p_value <= MC_LEVEL:
-        verdict, why = HOLDS, f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g} <= {MC_LEVEL}"
-    elif f_hi < alpha_r:
-        verdict, why = DOES_NOT_HOLD, (f"flagged share's interval [{fmt(f_lo, 3)}, {fmt(f_hi, 3)}] below "
-                                       f"{alpha_r:.3g}: fewer opposing segments than noise alone gives")
+        why = f"{n} rollouts < {MIN_UNITS}"
+    elif verdict == HOLDS:
+        why = f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g} <= {BRANCH_LEVEL}"
+    elif verdict == DOES_NOT_HOLD:
+        why = (f"P(Binomial({n}, {alpha_r:.3g}) <= {flagged}) = {p_low:.2g} <= {BRANCH_LEVEL}: fewer opposing "
+               f"segments than noise alone gives")
     else:
-        verdict, why = INCONCLUSIVE, (f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g} > {MC_LEVEL}, "
-                                      f"flagged share not below {alpha_r:.3g}")
+        why = (f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g}, <= {flagged}: {p_low:.2g}; neither "
+               f"<= {BRANCH_LEVEL}")
     return [Claim(claim=claim, scope=f"{scope}, {segments} interior segments",
                   measurement=(f"rollouts with a segment opposing A_i by >= {d} of {k} continuations: {flagged} of "
                                f"{n} ({fmt(flagged / n, 3)} [{fmt(f_lo, 3)}, {fmt(f_hi, 3)}], Wilson interval over "
                                f"rollouts); segments agreeing by >= {d}: {agreeing} of {segments} "
                                f"[{fmt(a_lo, 3)}, {fmt(a_hi, 3)}]"),
-                  control=f"{control}; α_r = {alpha_r:.3g} at d = {d}", verdict=verdict, rule=why, source=source)]
+                  control=f"{control}; α_r = {alpha_r:.3g} at d = {d}", verdict=verdict, rule=why, source=source,
+                  n=n, p_holds=p_holds, p_dnh=p_dnh, rule_id=MC_RULE_ID,
+                  advice=(f"raise `--mc-groups` (now {n} rollouts; each group adds R; *does not hold* needs about "
+                          f"{math.ceil(3.7 / max(alpha_r, 1e-9))} rollouts with no flag)"
+                          if verdict == INCONCLUSIVE else ""))]
 
 
 @CLAIMS.register("identical_token_advantage")
@@ -214,5 +234,6 @@ def identical_token_advantage(probe: dict[str, Any]) -> list[Claim]:
         return []
     return [Claim(claim="every token of a completion receives the identical advantage A_i (algebra)",
                   scope="every rollout", measurement="A_i is broadcast over the completion's tokens by the loss",
-                  control="none: no sampling error", verdict=HOLDS,
-                  rule="by construction (docs/theory.md §3, §10); not a test", source="the loss")]
+                  control=("the Monte Carlo token advantages of the credit study, which differ by segment (the "
+                           "claim is about what the loss assigns, not what a token earns)"), verdict=HOLDS,
+                  rule="by construction (docs/theory.md §3, §10); not a test", source="the loss", kind="check")]

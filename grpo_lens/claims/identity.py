@@ -81,4 +81,5 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
         why = f"max residual {shown} {'<' if verdict == HOLDS else '>='} {IDENTITY_TOLERANCE:.0e}"
         meas = f"relative residual max {shown} over {len(res)} groups (estimator {meta.get('estimator', 'grpo')})"
     return [Claim(claim="the group update is c(k,R)(gbar_C − gbar_W) (the rank-2 identity)", scope="all R",
-                  measurement=meas, control=control, verdict=verdict, rule=why, source=source_of(probe))]
+                  measurement=meas, control=control, verdict=verdict, rule=why, source=source_of(probe),
+                  kind="check", n=len(res))]

@@ -14,16 +14,24 @@ import math
 from typing import Any
 
 from grpo_lens.claims.base import (
+    BRANCH_LEVEL,
     CLAIMS,
     DOES_NOT_HOLD,
     HOLDS,
     INCONCLUSIVE,
     Claim,
     ci_text,
+    decide,
     fmt,
     verdict_from_interval,
 )
-from grpo_lens.formulas.stats import mean_interval, spearman_trend, trend_windows
+from grpo_lens.formulas.stats import (
+    difference_trend_test,
+    mean_interval,
+    normal_upper_tail,
+    spearman_trend,
+    trend_windows,
+)
 from grpo_lens.metrics import (
     PERF_LENS_SECONDS,
     RANK_MIXED_GROUPS,
@@ -60,16 +68,31 @@ def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get(PERF_LENS_SECONDS) is not None and r.get(key) is not None]
 
 
-def trend_verdict(xs: list[float], ys: list[float], min_points: int) -> tuple[str, str, float]:
-    """(verdict, reason, rho) of a monotone trend of ys over xs: Spearman's rho with its two-sided permutation p
-    (:func:`grpo_lens.formulas.stats.spearman_trend`); holds (rises) when rho > 0 and p < 0.05, does not hold when
-    rho < 0 and p < 0.05 (each side at 2.5%), inconclusive otherwise or with fewer than ``min_points`` points."""
-    rho, p = spearman_trend(xs, ys)
-    if len(xs) < min_points or not math.isfinite(p):
-        return INCONCLUSIVE, f"{len(xs)} points < {min_points}: no order reaches p < 0.05", rho
-    if p < 0.05:
-        return (HOLDS if rho > 0 else DOES_NOT_HOLD), f"rho {fmt(rho, 2)}, permutation p {fmt(p, 3)} < 0.05", rho
-    return INCONCLUSIVE, f"permutation p {fmt(p, 3)} >= 0.05", rho
+def trend_verdict(xs: list[float], ys: list[float], min_points: int, covariate: list[float] | None = None
+                  ) -> tuple[str, str, dict[str, Any]]:
+    """(verdict, reason, the test's numbers) of a rising trend of ys over xs that keeps its level under
+    autocorrelated steps: the first-difference slope test (:func:`grpo_lens.formulas.stats.difference_trend_test`,
+    ``covariate`` partialled out). Holds (rises) when the one-sided p of slope > 0 is <= :data:`BRANCH_LEVEL`; does not
+    hold when that of slope < 0 is; inconclusive otherwise or with fewer than ``min_points`` points. The numbers
+    carry "p_holds", "p_dnh" and Spearman's rho (descriptive)."""
+    t = difference_trend_test(xs, ys, covariate)
+    rho, _ = spearman_trend(xs, ys, num_perm=200) if len(xs) >= 3 else (math.nan, math.nan)
+    nums = {**t, "rho": rho, "p_holds": t["p_up"], "p_dnh": t["p_down"]}
+    if len(xs) < min_points or t["slope"] is None:
+        return INCONCLUSIVE, f"{len(xs)} points < {min_points} (or no variation in the differences)", {
+            **nums, "p_holds": 1.0, "p_dnh": 1.0}
+    verdict = decide(t["p_up"], t["p_down"])
+    slope = f"slope from first differences {t['slope']:.3g} per step (t = {fmt(t['t'], 2)}, df {t['df']})"
+    if verdict == HOLDS:
+        return HOLDS, f"{slope}, one-sided p {t['p_up']:.2g} <= {BRANCH_LEVEL}", nums
+    if verdict == DOES_NOT_HOLD:
+        return DOES_NOT_HOLD, f"{slope}: falls, one-sided p {t['p_down']:.2g} <= {BRANCH_LEVEL}", nums
+    return INCONCLUSIVE, f"{slope}, one-sided p {min(t['p_up'], t['p_down']):.2g} > {BRANCH_LEVEL}", nums
+
+
+#: the calibration's names of the trend rules
+SPARSITY_RULE_ID, S1_RULE_ID, S4_RULE_ID = ("gradient sparsity intensifies", "S1 rises over training",
+                                            "most parameters unchanged (S4)")
 
 
 @CLAIMS.register("sparsity_intensifies")
@@ -98,7 +121,12 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     tested = [r for r in rows[1:] if r.get(RANK_MIXED_GROUPS) is None or float(r[RANK_MIXED_GROUPS]) > 0]
     xs = [float(r[STEP]) for r in tested]
     ys = [float(r[SPARSITY_GRAD_HOYER]) for r in tested]
-    verdict, why, rho = trend_verdict(xs, ys, MIN_LENS_STEPS)
+    # the step's gradient sums its mixed groups' terms: fewer groups alone make it sparser, so log(mixed groups) is
+    # partialled out (issue 29: constant per-group sparsity while mixed groups fall 8 -> 1 read holds 1.00)
+    cov = ([math.log(float(r[RANK_MIXED_GROUPS])) for r in tested]
+           if tested and all(r.get(RANK_MIXED_GROUPS) is not None for r in tested) else None)
+    verdict, why, nums = trend_verdict(xs, ys, MIN_LENS_STEPS, cov)
+    rho = nums["rho"]
     upd = [r.get(SPARSITY_UPDATE_STEP_HOYER) for r in rows]
     grad = [float(r[SPARSITY_GRAD_HOYER]) for r in rows]
     space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
@@ -107,8 +135,12 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
                   measurement=(f"Hoyer of the policy gradient {fmt(grad[0], 3)} (step {rows[0][STEP]}) -> "
                                f"{fmt(grad[-1], 3)} (step {rows[-1][STEP]}), Spearman rho {fmt(rho, 2)} on the "
                                f"tested steps; AdamW update Hoyer {fmt(upd[0], 3)} -> {fmt(upd[-1], 3)} (not tested)"),
-                  control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20",
-                  verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights")]
+                  control=("no trend (slope 0 after the log of the mixed-group count is partialled out); a "
+                           "Gaussian vector has Hoyer 0.20"),
+                  verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights",
+                  n=len(tested), p_holds=nums["p_holds"], p_dnh=nums["p_dnh"], rule_id=SPARSITY_RULE_ID,
+                  advice=(f"raise `--max-steps` or lower `--lens-every` (now {len(tested)} tested lens steps; "
+                          f"e.g. --lens-every 2 gives about 3× as many)" if verdict == INCONCLUSIVE else ""))]
 
 
 #: fewest steps the S1 trend is tested on
@@ -130,13 +162,18 @@ def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
         return []
     xs = [float(r[STEP]) for r in rows]
     ys = [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows]
-    verdict, why, rho = trend_verdict(xs, ys, MIN_S1_STEPS)
+    verdict, why, nums = trend_verdict(xs, ys, MIN_S1_STEPS)
+    rho = nums["rho"]
     first, last = (mean_interval(ys[w], bounds=(0.0, 1.0)) for w in trend_windows(len(ys)))
     return [Claim(claim="the share of groups without reward contrast (S1) rises over training",
                   scope=f"training, {len(rows)} steps",
                   measurement=(f"S1 first third {ci_text(first, 2, 'steps')}, last third {ci_text(last, 2, 'steps')}"
                                f"; Spearman rho {fmt(rho, 2)}"),
-                  control="no trend (rho = 0)", verdict=verdict, rule=why, source="every step's rewards")]
+                  control="no trend (slope 0)", verdict=verdict, rule=why, source="every step's rewards",
+                  n=len(rows), p_holds=nums["p_holds"], p_dnh=nums["p_dnh"], rule_id=S1_RULE_ID,
+                  advice=(f"raise `--max-steps` (now {len(rows)} steps) or `--prompts-per-step` (S1 per step is a "
+                          f"share of that many groups: more groups, less noise per step)"
+                          if verdict == INCONCLUSIVE else ""))]
 
 
 def _sample_size(rows: list[dict[str, Any]]) -> str:
@@ -235,6 +272,16 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     else:
         verdict, why = INCONCLUSIVE, (f"the float32-unchanged share's interval [{fmt(f32_lo, 3)}, {fmt(f32_hi, 3)}] "
                                       f"contains 0.5" if f32 is not None else "no float32-unchanged share logged")
+    # the rule's branches as one-sided p-values (z / q against 0.5 with their stratified SEs, normal): the same
+    # decisions as the 1.96-SE intervals above at 0.025
+    if f32 is None or f32 >= 1.0 or not math.isfinite(f32_lo):
+        p_holds = p_dnh = 1.0
+    else:
+        z_se = (f32_hi - f32) / 1.96
+        p_holds = normal_upper_tail((f32 - 0.5) / z_se) if z_se > 0 else float(f32 <= 0.5)
+        p_z = normal_upper_tail((0.5 - f32) / z_se) if z_se > 0 else float(f32 >= 0.5)
+        p_q = normal_upper_tail((0.5 - share) / q_se) if q_se > 0 else float(share >= 0.5)
+        p_dnh = min(p_z, p_q)
     dense_txt = f"; a dense Gaussian update of the same per-tensor RMS {fmt(dense, 3)} (not used)" if dense else ""
     return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
                   scope=f"training, step {last[STEP]}",
@@ -243,4 +290,10 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
                                f"{_sample_size(rows)} sampled weights, standard errors {how})"),
                   control=(f"the same update entries permuted within each tensor leave "
                            f"{fmt(None if perm is None else float(perm), 3)} unchanged in bf16{dense_txt}"),
-                  verdict=verdict, rule=why, source=f"lens, fixed stratified sample of {_sample_size(rows)} weights")]
+                  verdict=verdict, rule=why, source=f"lens, fixed stratified sample of {_sample_size(rows)} weights",
+                  n=int(float(last.get(SPARSITY_SAMPLE_ENTRIES) or 0)) or None, p_holds=p_holds, p_dnh=p_dnh,
+                  rule_id=S4_RULE_ID,
+                  advice=("no flag narrows it: the lens's weight sample has a fixed size; the share's interval "
+                          "contains 0.5" if verdict == INCONCLUSIVE and f32 is not None and f32 < 1.0 else
+                          ("train at a learning rate above 0 with reward contrast (`--learning-rate`, "
+                           "`--prompts-per-step`)" if verdict == INCONCLUSIVE else "")))]

@@ -1,10 +1,10 @@
 """The claims that GRPO's rank-2 structure comes from its zero-sum advantages (docs/theory.md §11, on the tests of §6).
 
-On G1 (:func:`zero_sum_rank_two`): the across-group relabelling test of the span energy of the true labels
-(:func:`relabelling_test`), with its normalised effect θ below :data:`NEGLIGIBLE_SHARE` for "does not hold"; G1 is
-blind to the advantages' signs, so this reads "the labels structure G1". On G2 of every linear layer
-(:func:`zero_sum_g2_weighting`): its stable rank under A relative to weightings that are not zero-sum, below 0 or
-within ± :data:`EQUIVALENCE_REL`. Both read a probe.json.
+On G1 (:func:`zero_sum_rank_two`, a primary claim): the normalised effect θ of the span energy of the true labels on
+the cosine Gram (:func:`relabelling_test`, :func:`theta_test`), decided as an equivalence pair at
+:data:`NEGLIGIBLE_SHARE`; G1 is blind to the advantages' signs, so this reads "the labels structure G1". On G2 of
+every linear layer (:func:`zero_sum_g2_weighting`, descriptive since issue 29): its stable rank under A relative to
+weightings that are not zero-sum. Both read a probe.json.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from grpo_lens.claims.base import (
+    BRANCH_LEVEL,
     CLAIMS,
     DOES_NOT_HOLD,
     HOLDS,
@@ -21,11 +22,12 @@ from grpo_lens.claims.base import (
     Claim,
     band_verdict,
     ci_text,
+    decide,
     fmt,
     source_of,
     verdict_from_interval,
 )
-from grpo_lens.formulas.stats import bootstrap_ci, mean_interval
+from grpo_lens.formulas.stats import bootstrap_ci, mean_interval, mean_test_p
 from grpo_lens.metrics import (
     PROBE_G2_WEIGHTINGS,
     PROBE_GROUPS,
@@ -33,40 +35,43 @@ from grpo_lens.metrics import (
     RANK_G2_WEIGHTED,
     ZERO_SUM_COS_GAP_EXCESS,
     ZERO_SUM_SPAN_ENERGY,
-    ZERO_SUM_SPAN_ENERGY_EXCESS,
-    ZERO_SUM_SPAN_ENERGY_NULL,
-    ZERO_SUM_SPAN_ENERGY_NULL_VAR,
-    ZERO_SUM_SPAN_ENERGY_P,
+    zero_sum_key,
 )
 
-#: the labels capture less than this share of the energy a relabelling leaves outside the class span = no effect
+#: the margin of the equivalence pair: the labels capture at least / less than this share of the energy a
+#: relabelling leaves outside the class span (of the cosine Gram)
 NEGLIGIBLE_SHARE = 0.1
 
-#: one-sided level of the across-group relabelling test (matches the 2.5% per side of the 95% intervals)
-TEST_LEVEL = 0.025
+#: 0.2 name: the level of the relabelling test's one side
+TEST_LEVEL = BRANCH_LEVEL
+
+#: the calibration's name of the rule
+RULE_ID = "labels structure G1 (θ on the cosine Gram, across R)"
 
 
-def relabelling_test(groups: list[dict[str, Any]], level: float = 0.95) -> dict[str, Any]:
-    """The across-group relabelling test of the span energy and its normalised effect (docs/theory.md §11).
+def relabelling_test(groups: list[dict[str, Any]], level: float = 0.95, stat: str = "span_energy"
+                     ) -> dict[str, Any]:
+    """The across-group relabelling test of a span energy and its normalised effect (docs/theory.md §11).
 
     Relabelling every group at once (k fixed, each labelling of a group equally likely under H0 "the labels carry no
-    information about the gradients") makes T = Σ_g x_g (x_g = ``zero_sum/span_energy_excess``) a sum of independent
-    mean-zero terms with the exactly enumerated variances v_g (``zero_sum/span_energy_null_var``); the p-value is
-    the one-sided normal tail of z = T / sqrt(Σ v_g) (the permutation distribution's first two moments are exact;
-    its normal shape is the approximation, whose level `grpo-lens calibrate` measures). The effect
-    θ = Σ x_g / Σ (1 − m_g), m_g = ``zero_sum/span_energy_null``: the share of the energy a relabelling leaves outside
-    the class span that the true labels capture, with the linearised (ratio) interval of u_g = x_g − θ(1 − m_g).
+    information about the gradients") makes T = Σ_g x_g (x_g = ``zero_sum/<stat>_excess``) a sum of independent
+    mean-zero terms with the exactly enumerated variances v_g (``zero_sum/<stat>_null_var``); z = T / sqrt(Σ v_g).
+    The effect θ = Σ x_g / Σ (1 − m_g), m_g = ``zero_sum/<stat>_null``: the share of the energy a relabelling leaves
+    outside the class span that the true labels capture, with the linearised (ratio) interval of
+    u_g = x_g − θ(1 − m_g). ``stat`` "unit_span_energy" reads the cosine Gram's keys (the mechanism claim).
 
-    Returns {"n", "z", "p", "theta", "lo", "hi"} (None where undefined).
+    Returns {"n", "z", "p", "theta", "lo", "hi", "x", "room"} (None where undefined; x, room the per-group lists).
     """
-    rows = [g for g in groups if g.get(ZERO_SUM_SPAN_ENERGY_EXCESS) is not None
-            and g.get(ZERO_SUM_SPAN_ENERGY_NULL_VAR) is not None and g.get(ZERO_SUM_SPAN_ENERGY_NULL) is not None]
-    out: dict[str, Any] = {"n": len(rows), "z": None, "p": None, "theta": None, "lo": None, "hi": None}
+    ex, nv, nu = zero_sum_key(stat, "excess"), zero_sum_key(stat, "null_var"), zero_sum_key(stat, "null")
+    rows = [g for g in groups if g.get(ex) is not None and g.get(nv) is not None and g.get(nu) is not None]
+    out: dict[str, Any] = {"n": len(rows), "z": None, "p": None, "theta": None, "lo": None, "hi": None,
+                           "x": [], "room": []}
     if not rows:
         return out
-    x = [float(g[ZERO_SUM_SPAN_ENERGY_EXCESS]) for g in rows]
-    v = sum(float(g[ZERO_SUM_SPAN_ENERGY_NULL_VAR]) for g in rows)
-    room = [1 - float(g[ZERO_SUM_SPAN_ENERGY_NULL]) for g in rows]
+    x = [float(g[ex]) for g in rows]
+    v = sum(float(g[nv]) for g in rows)
+    room = [1 - float(g[nu]) for g in rows]
+    out.update(x=x, room=room)
     if v > 0:
         out["z"] = sum(x) / math.sqrt(v)
         out["p"] = 0.5 * math.erfc(out["z"] / math.sqrt(2))
@@ -80,55 +85,67 @@ def relabelling_test(groups: list[dict[str, Any]], level: float = 0.95) -> dict[
     return out
 
 
+def theta_test(groups: list[dict[str, Any]], margin: float = NEGLIGIBLE_SHARE) -> dict[str, Any]:
+    """The equivalence pair on θ of the cosine Gram at ``margin`` (docs/theory.md §11): θ > margin ⟺
+    mean(u_g) > 0 with u_g = x_g − margin (1 − m_g), so each side is Hall's one-sided t-test of the mean of u
+    (:func:`grpo_lens.formulas.stats.mean_test_p`), no ratio linearisation. Returns :func:`relabelling_test`'s dict
+    plus "p_holds" (θ above the margin) and "p_dnh" (below); both 1 with fewer than :data:`MIN_GROUPS` groups."""
+    t = relabelling_test(groups, stat="unit_span_energy")
+    u = [xi - margin * ri for xi, ri in zip(t["x"], t["room"])]
+    if t["n"] < MIN_GROUPS:
+        return {**t, "p_holds": 1.0, "p_dnh": 1.0}
+    return {**t, "p_holds": mean_test_p(u, 0.0, "above"), "p_dnh": mean_test_p(u, 0.0, "below")}
+
+
 @CLAIMS.register("zero_sum_rank_two")
 def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
     """"The reward labels structure G1" (the G1 reading of "the rank-2 structure comes from the zero-sum
-    advantages"): do the labels concentrate G1's energy in span{gbar_C, gbar_W} beyond relabellings with k fixed?
+    advantages"): one row across the R > 2 measured.
 
     G1's spectrum and the span energy use A_i² only, and a relabelling keeps Σ w = 0, so this row tests that the
-    reward labels structure the gradients, not that the advantages sum to zero; the sign-sensitive reading is the G2
-    row (:func:`zero_sum_g2_weighting`).
+    reward labels structure the gradients' directions, not that the advantages sum to zero. θ is read on the cosine
+    Gram (every g_i scaled to norm 1), so a label effect on gradient norms alone cannot pass.
 
-    Rule (per R, :func:`relabelling_test`): inconclusive for R = 2 (both labellings span the same plane) or fewer
-    than :data:`MIN_GROUPS` groups; holds if the across-group test's one-sided p < :data:`TEST_LEVEL`; does not hold
-    if θ's interval lies below :data:`NEGLIGIBLE_SHARE`; inconclusive otherwise.
+    Rule (:func:`theta_test`, per R > 2): holds when θ's interval lies above :data:`NEGLIGIBLE_SHARE`, does not hold
+    when it lies below (an equivalence pair: a negligible θ = 0.01 cannot read holds); across R, holds only where it
+    holds at every R (the largest p) and does not hold where it fails at any (the number of R × the smallest p).
     """
-    out = []
-    src = source_of(probe)
-    for r in sorted(probe.get("per_group_size", {}), key=int):
-        d = probe["per_group_size"][r]
-        summ = d.get(PROBE_SUMMARY, {})
-        groups = d.get(PROBE_GROUPS, []) or []
-        t = relabelling_test(groups)
-        n = t["n"]
-        if int(r) == 2:
-            verdict, why = INCONCLUSIVE, "R = 2: both labellings span the same plane (excess 0 by construction)"
-        elif n < MIN_GROUPS or t["p"] is None:
-            verdict, why = INCONCLUSIVE, f"{n} groups < {MIN_GROUPS}"
-        elif t["p"] < TEST_LEVEL:
-            verdict, why = HOLDS, (f"across-group relabelling test z = {fmt(t['z'])}, one-sided p {t['p']:.2g} "
-                                   f"< {TEST_LEVEL}")
-        elif t["hi"] is not None and t["hi"] < NEGLIGIBLE_SHARE:
-            verdict, why = DOES_NOT_HOLD, (f"theta interval below {NEGLIGIBLE_SHARE} (upper end {fmt(t['hi'], 3)}): "
-                                           f"the labels capture a negligible share")
-        else:
-            verdict, why = INCONCLUSIVE, (f"relabelling test p {fmt(t['p'], 3)} >= {TEST_LEVEL} and theta's interval "
-                                          f"reaches {NEGLIGIBLE_SHARE}")
-        ps = [g[ZERO_SUM_SPAN_ENERGY_P] for g in groups if g.get(ZERO_SUM_SPAN_ENERGY_P) is not None]
-        cg = summ.get(ZERO_SUM_COS_GAP_EXCESS) or {}
-        theta_txt = ("–" if t["theta"] is None else
-                     f"{fmt(t['theta'], 3)}" + ("" if t["lo"] is None else f" [{fmt(t['lo'], 3)}, {fmt(t['hi'], 3)}]"))
-        out.append(Claim(
-            claim="the reward labels structure G1 (G1 reading of: rank 2 comes from the zero-sum advantages)",
-            scope=f"R = {r}",
-            measurement=(f"span energy {ci_text(summ.get(ZERO_SUM_SPAN_ENERGY), 3)}; excess over relabelling "
-                         f"{ci_text(summ.get(ZERO_SUM_SPAN_ENERGY_EXCESS), 3)}; normalised effect theta {theta_txt}; "
-                         f"cos-gap excess {ci_text(cg, 3)}"),
-            control=(f"relabellings with k fixed: span energy {ci_text(summ.get(ZERO_SUM_SPAN_ENERGY_NULL), 3)}; "
-                     f"groups with permutation p < 0.05: {sum(p < 0.05 for p in ps)}/{len(ps)}; G1 is blind to the "
-                     f"advantages' signs (this row does not test sum A = 0)"),
-            verdict=verdict, rule=why, source=src))
-    return out
+    per_r = probe.get("per_group_size", {})
+    rs = [r for r in sorted(per_r, key=int) if int(r) > 2]
+    if not rs:
+        return []
+    tests = {r: theta_test(per_r[r].get(PROBE_GROUPS, []) or []) for r in rs}
+    p_holds = max(t["p_holds"] for t in tests.values())
+    p_dnh = min(1.0, len(tests) * min(t["p_dnh"] for t in tests.values()))
+    verdict = decide(p_holds, p_dnh)
+    n = min(t["n"] for t in tests.values())
+    if verdict == HOLDS:
+        why = f"θ above {NEGLIGIBLE_SHARE} at every R (p = {p_holds:.2g} <= {BRANCH_LEVEL})"
+    elif verdict == DOES_NOT_HOLD:
+        why = f"θ below {NEGLIGIBLE_SHARE} at some R (p = {p_dnh:.2g} <= {BRANCH_LEVEL}): the labels capture little"
+    elif n == 0:
+        why = "no group carries the cosine-Gram span energy (a probe.json from before issue 29, or R = 2 only)"
+    elif n < MIN_GROUPS:
+        why = f"{n} groups < {MIN_GROUPS} at some R"
+    else:
+        why = f"θ's interval reaches {NEGLIGIBLE_SHARE} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
+    meas, ctrl = [], []
+    for r, t in tests.items():
+        summ = per_r[r].get(PROBE_SUMMARY, {})
+        th = "–" if t["theta"] is None else fmt(t["theta"], 3) + (
+            "" if t["lo"] is None else f" [{fmt(t['lo'], 3)}, {fmt(t['hi'], 3)}]")
+        meas.append(f"R = {r}: θ (cosine Gram) {th} (n = {t['n']} groups); span energy "
+                    f"{ci_text(summ.get(ZERO_SUM_SPAN_ENERGY), 3)}; cos-gap excess "
+                    f"{ci_text(summ.get(ZERO_SUM_COS_GAP_EXCESS), 3)}")
+        ctrl.append(f"R = {r}: relabelling z {fmt(t['z'])}")
+    return [Claim(
+        claim="the reward labels structure G1's directions (G1 reading of: rank 2 comes from the zero-sum advantages)",
+        scope="R = " + ", ".join(rs) + " (one verdict)", measurement="; ".join(meas),
+        control=(f"relabellings with k fixed ({'; '.join(ctrl)}); equivalence margin θ = {NEGLIGIBLE_SHARE}; G1 is "
+                 f"blind to the advantages' signs (this row does not test sum A = 0)"),
+        verdict=verdict, rule=why, source=source_of(probe), n=n, p_holds=p_holds, p_dnh=p_dnh, rule_id=RULE_ID,
+        advice=("raise `--prompts` (grpo-lens probe; `--probe-prompts` in grpo-lens demo), e.g. to twice its value: "
+                "θ's interval narrows as 1/√groups" if verdict == INCONCLUSIVE else ""))]
 
 
 #: G2 stable ranks within this relative difference of each other count as "no difference" between weightings
@@ -172,21 +189,24 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
         n = ci["n"]
         below_zero = verdict_from_interval(ci["lo"], ci["hi"], 0.0, "below")
         no_difference = band_verdict(ci["lo"], ci["hi"], -EQUIVALENCE_REL, EQUIVALENCE_REL)
+        # descriptive since issue 29: the 0.2 rule said *does not hold* whether the zero-sum constraint was
+        # irrelevant (0.75-0.95) or decisive (1.0) on planted cases, so it cannot tell them apart; no verdict
         if n < MIN_GROUPS or ci["lo"] is None:
-            verdict, why = INCONCLUSIVE, f"{n} group(s) with G2 of every layer < {MIN_GROUPS} (raise --g2-groups)"
+            reading = f"{n} group(s) with G2 of every layer (an interval needs {MIN_GROUPS}: --g2-groups)"
         elif below_zero == HOLDS:
-            verdict, why = HOLDS, f"difference interval below 0 (upper end {fmt(ci['hi'])})"
+            reading = f"difference interval below 0 (upper end {fmt(ci['hi'])})"
         elif no_difference == HOLDS:
-            verdict, why = DOES_NOT_HOLD, (f"relative difference interval inside ±{fmt(EQUIVALENCE_REL)}: A makes no "
-                                           f"difference")
+            reading = f"relative difference interval inside ±{fmt(EQUIVALENCE_REL)}"
         elif below_zero == DOES_NOT_HOLD:
-            verdict, why = DOES_NOT_HOLD, "difference interval above 0: A gives a higher rank"
+            reading = "difference interval above 0: A gives a higher rank"
         else:
-            verdict, why = INCONCLUSIVE, "difference interval includes 0 and differences beyond the equivalence margin"
+            reading = "difference interval includes 0 and differences beyond ±0.1"
+        verdict, why = INCONCLUSIVE, (f"descriptive, no verdict: the 0.2 rule could not tell planted "
+                                      f"zero-sum-irrelevant from zero-sum-decisive cases apart; reads: {reading}")
         out.append(Claim(
             claim="rank-2 structure comes from the zero-sum advantages (G2, every layer)", scope=f"R = {r}",
             measurement=(f"G2 stable rank under A, mean over layer types: {fmt(sum(adv_sr) / len(adv_sr))}; "
                          f"(A − not-zero-sum) / not-zero-sum {ci_text(ci, 3)}"),
             control=f"weightings |A|, A + mean|A|, r, 1: {fmt(sum(other_sr) / len(other_sr))}",
-            verdict=verdict, rule=why, source=src))
+            verdict=verdict, rule=why, source=src, kind="descriptive", n=n))
     return out

@@ -516,3 +516,20 @@ def opposing_differences(counts: Sequence[int], grpo_advantage: float) -> list[i
         return []
     sign = 1 if grpo_advantage > 0 else -1
     return [sign * (counts[j] - counts[j + 1]) for j in range(len(counts) - 1)]
+
+
+def segment_counts(rows: list[dict], z: float = 2.0) -> dict[str, int]:
+    """Segments (all rollouts pooled) whose Monte Carlo advantage opposes / agrees with A_i beyond z SE, and all: the
+    credit study's descriptive count (the claim decides by :func:`opposition_threshold`'s exact test instead).
+
+    rows: the study's per-rollout dicts with "grpo_advantage", "advantages" [segments] and "adv_errors" [segments].
+    Returns {"disagree", "agree", "total"}.
+    """
+    out = {"disagree": 0, "agree": 0, "total": 0}
+    for row in rows:
+        sign = math.copysign(1.0, row["grpo_advantage"]) if row["grpo_advantage"] != 0 else 0.0
+        for a, e in zip(row["advantages"], row["adv_errors"]):
+            out["total"] += 1
+            if abs(a) > z * e and sign != 0:
+                out["agree" if math.copysign(1.0, a) == sign else "disagree"] += 1
+    return out

@@ -120,7 +120,9 @@ def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_per
         {"zero_sum/span_energy", "zero_sum/span_energy_null", "zero_sum/span_energy_excess" (observed - null
         mean: mean-zero under the null when the relabellings are enumerated), "zero_sum/span_energy_null_var" (the
         variance of the statistic over the relabellings: the across-group test's null variance, docs/theory.md §11),
-        "zero_sum/span_energy_p", and the same five for "zero_sum/cos_gap" (absent when undefined, e.g. R = 2)}.
+        "zero_sum/span_energy_p", and the same five for "zero_sum/cos_gap" (absent when undefined, e.g. R = 2) and
+        for "zero_sum/unit_span_energy" (the span energy of the cosine Gram G_ij / (‖g_i‖ ‖g_j‖): a label effect on
+        the norms alone leaves it at its null; absent when some g_i = 0)}.
     """
     labels = rewards == 1
     r, k = len(rewards), int(labels.sum())
@@ -132,7 +134,11 @@ def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_per
     adv = torch.where(labs, torch.tensor(a_c, dtype=gram.dtype), torch.tensor(a_w, dtype=gram.dtype))
 
     out: dict[str, float] = {}
-    for name, values in (("span_energy", span_energies(gram, labs, adv)), ("cos_gap", cosine_gaps(gram, labs))):
+    d = gram.diagonal().clamp(min=0).sqrt()
+    stats = [("span_energy", span_energies(gram, labs, adv)), ("cos_gap", cosine_gaps(gram, labs))]
+    if bool((d > 0).all()):  # the cosine Gram: the same statistic with every g_i scaled to norm 1
+        stats.append(("unit_span_energy", span_energies(gram / torch.outer(d, d), labs, adv)))
+    for name, values in stats:
         obs, null = float(values[0]), values[1:]
         if not math.isfinite(obs):
             continue

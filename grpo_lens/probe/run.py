@@ -258,8 +258,12 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps,
                              grad_sq_norms=sq)[0]
     # gram [R, R]: every per-group key is a function of it
+    # P for the claims' simulated null (issue 29): the sketch's dimension, else every trainable parameter
+    dim = g.shape[1] if g is not None and not config.exact and config.gram_source != "exact" else sum(
+        p.numel() for p in policy.parameters() if p.requires_grad)
     row = analyse_group(gram, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.std_eps,
-                        completion_mask=cmask, completion_ids=cids, num_random=config.random_draws, seed=seed)
+                        completion_mask=cmask, completion_ids=cids, num_random=config.random_draws, null_dim=dim,
+                        seed=seed)
     layer_g = layer_rows.double()
     row.update(g1_rank_keys(layer_g @ layer_g.T, adv, "g1_layer"))
     extras: dict[str, Any] = {

@@ -16,7 +16,6 @@ docs/theory.md §S1, §Baselines at matched expectation, §Token credit.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -30,6 +29,7 @@ from grpo_lens.formulas.credit import (
     relative_position_profile,
     segment_advantages,
     segment_boundaries,
+    segment_counts,
     summarise_class_shares,
     token_classes,
 )
@@ -151,15 +151,8 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
 
 
 def _segment_counts(rows: list[dict[str, Any]], z: float = 2.0) -> dict[str, int]:
-    """Segments (all rollouts pooled) whose Monte Carlo advantage opposes / agrees with A_i beyond z SE, and all."""
-    out = {"disagree": 0, "agree": 0, "total": 0}
-    for row in rows:
-        sign = math.copysign(1.0, row["grpo_advantage"]) if row["grpo_advantage"] != 0 else 0.0
-        for a, e in zip(row["advantages"], row["adv_errors"]):
-            out["total"] += 1
-            if abs(a) > z * e and sign != 0:
-                out["agree" if math.copysign(1.0, a) == sign else "disagree"] += 1
-    return out
+    """:func:`grpo_lens.formulas.credit.segment_counts` (moved there by issue 29)."""
+    return segment_counts(rows, z)
 
 
 def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:

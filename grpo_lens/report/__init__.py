@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from grpo_lens.claims.base import evaluate_claims, family_wise_note
+from grpo_lens.claims.base import INCONCLUSIVE, evaluate_claims, holm_claims
 from grpo_lens.claims.sparsity import MIN_S1_STEPS, TRAINING_CLAIMS
 from grpo_lens.formulas.stats import mean_interval, trend_windows
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
@@ -543,15 +543,54 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     return lines
 
 
+#: the calibration levels shipped with the package: a copy of a full `grpo-lens calibrate` run's levels.json
+LEVELS_FILE = Path(__file__).resolve().parent.parent / "data" / "calibration_levels.json"
+
+
+def load_levels(path: Path = LEVELS_FILE) -> dict[str, dict[str, dict[str, Any]]]:
+    """{rule id: {n: {"level", "power", "unit", "families"}}} of the shipped calibration; {} when it is missing."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def level_at(levels: dict[str, dict[str, dict[str, Any]]], rule: str, n: int | None) -> dict[str, Any] | None:
+    """The calibrated cell of ``rule`` at the largest calibrated n <= ``n`` (the smallest cell, with ``"below":
+    True``, when n is below every cell); None for a rule the calibration does not cover."""
+    cells = levels.get(rule)
+    if not cells:
+        return None
+    ns = sorted(cells, key=float)
+    fit = [k for k in ns if n is not None and float(k) <= n]
+    key = fit[-1] if fit else ns[0]
+    return {**cells[key], "n": key, "below": not fit}
+
+
+def _calibrated(c: Any, levels: dict[str, dict[str, dict[str, Any]]]) -> str:
+    cell = level_at(levels, c.rule_id, c.n)
+    if cell is None:
+        return "not calibrated"
+    power = "–" if cell["power"] is None else f"{cell['power']:.2f}"
+    where = f"n = {cell['n']} {cell.get('unit', '')}".strip() + (" (the smallest calibrated; this row has fewer)"
+                                                                 if cell["below"] else "")
+    return f"level {cell['level']:.3f}, power {power} ({where})"
+
+
 def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None,
                    lora_rank: int = 0) -> list[str]:
-    """The paper's claims with measurement, interval, control and computed verdict, per probe, and on the training
-    run's records (:func:`grpo_lens.claims.base.evaluate_claims`; decision rules in docs/theory.md §11 and §12).
-    ``lora_rank`` > 0: the training sparsity numbers are over the LoRA adapter's weights."""
-    rule_text = ("Each verdict is computed from the numbers by the rule shown (docs/theory.md §11 for the rank claims "
-                 "and the identity, §12 for sparsity, credit and baselines): holds / does not hold / inconclusive. "
-                 "Intervals are 95%; each measurement says what its interval is over (groups, prompts, Monte Carlo "
-                 "segments, or sampled weights), and none is computed from fewer than 8 units.")
+    """The paper's claims, per probe and on the training run's records (:func:`grpo_lens.claims.base.evaluate_claims`;
+    rules in docs/theory.md §11 and §12): the primary claims in one table decided under Holm at a family-wise 0.05
+    (:func:`grpo_lens.claims.base.holm_claims`), each with its n, the p-value it was decided at and its rule's
+    calibrated level and power at that n (read from grpo_lens/data/calibration_levels.json, written by `grpo-lens
+    calibrate`); then the checks (algebra with a control) and the descriptive rows, apart. ``lora_rank`` > 0: the
+    training sparsity numbers are over the LoRA adapter's weights."""
+    rule_text = ("One primary measure and one verdict per claim, computed from the numbers by the rule shown "
+                 "(docs/theory.md §11 for the rank claims and the identity, §12 for sparsity, credit and baselines): "
+                 "holds / does not "
+                 "hold / inconclusive, decided under Holm at a family-wise 0.05. Intervals are 95%, none from fewer "
+                 "than 8 units. 'calibrated' is the rule's level (wrong-verdict share) and power on planted cases at "
+                 "the row's n (docs/calibration.md).")
     if probes and records:
         lines = ["## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines", "",
                  rule_text, ""]
@@ -567,17 +606,31 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
     if records:
         sources = {"training": {"records": records, "lora_rank": lora_rank}, **sources}
     multi = len(sources) > 1
+    evaluated = [(label, c) for label, probe in sources.items()
+                 for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None)]
+    decided, note = holm_claims([c for _, c in evaluated])
+    labelled = [(label, d) for (label, _), d in zip(evaluated, decided)]
+    levels = load_levels()
     lines += md_table((["probe"] if multi else []) + ["claim", "scope", "measurement", "null / control", "verdict",
-                                                      "decided by", "gradients"])
-    evaluated = []
-    for label, probe in sources.items():
-        for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None):
-            evaluated.append(c)
-            cells = [mark_few(x) for x in (c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**",
-                                             c.rule, c.source)]
-            lines.append(md_row(*([label] if multi else []), *cells))
-    note = family_wise_note(evaluated)
-    return lines + ([""] + [note] if note else []) + [""]
+                                                      "decided by", "n", "calibrated (level, power)", "gradients"])
+    for label, c in labelled:
+        if c.kind != "claim":
+            continue
+        rule = c.rule + (f". To decide: {c.advice}" if c.verdict == INCONCLUSIVE and c.advice else "")
+        cells = [mark_few(x) for x in (c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", rule,
+                                         "–" if c.n is None else str(c.n), _calibrated(c, levels), c.source)]
+        lines.append(md_row(*([label] if multi else []), *cells))
+    lines += ([""] + [note] if note else [])
+    for kind, title in (("check", "Checks (algebra and identities, each with its control; not tests, not counted)"),
+                        ("descriptive", "Descriptive rows (no calibrated rule, no verdict)")):
+        rows = [(label, c) for label, c in labelled if c.kind == kind]
+        if rows:
+            lines += ["", f"{title}:", ""]
+            lines += [f"- {c.claim} ({label + ', ' if multi else ''}{c.scope}): **{c.verdict}** — {c.measurement}; "
+                      f"control: {c.control}; {c.rule}" if kind == "check" else
+                      f"- {c.claim} ({label + ', ' if multi else ''}{c.scope}): {c.measurement}; {c.rule}"
+                      for label, c in rows]
+    return lines + [""]
 
 
 def write_report(run_dir: Path) -> Path:

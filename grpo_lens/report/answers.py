@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_lens.claims.base import INCONCLUSIVE, Claim, evaluate_claims
+from grpo_lens.claims.base import INCONCLUSIVE, Claim, evaluate_claims, holm_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.report.format import mark_few
 
@@ -24,7 +24,12 @@ def claim_sources(probes: dict[str, dict[str, Any]], records: list[dict[str, Any
     sources: dict[str, list[Claim]] = {label: evaluate_claims(probe) for label, probe in probes.items()}
     if records:
         sources["training"] = evaluate_claims({"records": records, "lora_rank": lora_rank}, list(TRAINING_CLAIMS))
-    return sources
+    # the verdicts of the claims table: the primary claims of every source under one Holm (issue 29)
+    flat, _ = holm_claims([c for claims in sources.values() for c in claims])
+    out, i = {}, 0
+    for label, claims in sources.items():
+        out[label], i = flat[i:i + len(claims)], i + len(claims)
+    return out
 
 
 def answer_lines(sources: dict[str, list[Claim]]) -> list[str]:
@@ -33,11 +38,15 @@ def answer_lines(sources: dict[str, list[Claim]]) -> list[str]:
     decided, undecided = [], {}
     for label, claims in sources.items():
         for c in claims:
+            if c.kind == "descriptive":  # no verdict: in the table's descriptive list only
+                continue
             where = f"{label}, {c.scope}" if multi and not c.scope.startswith(label) else c.scope
             if c.verdict == INCONCLUSIVE:
-                undecided.setdefault((c.claim, c.rule), []).append(where)
+                undecided.setdefault((c.claim, c.rule + (f". To decide: {c.advice}" if c.advice else "")),
+                                     []).append(where)
             else:
-                decided.append(f"- **{c.verdict}**: {c.claim} ({where}): {c.rule}")
+                check = " (check, not a test)" if c.kind == "check" else ""
+                decided.append(f"- **{c.verdict}**{check}: {c.claim} ({where}): {c.rule}")
     lines = ["## Answers", ""]
     if decided:
         lines += ["Decided (verdict: claim (where): the numbers the rule compared):", "", *decided, ""]

@@ -178,12 +178,15 @@ class TrainerLens:
                 grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
                 gram = grads @ grads.T
             adv = advantages.detach().cpu().double()
+            # P for the claims' simulated null (issue 29): the sketch's dimension, else every trainable parameter
+            dim = grads.shape[1] if sketch is not None else sum(p.numel() for p in policy.parameters()
+                                                                  if p.requires_grad)
             for j, b in enumerate(mixed):
                 rows.append(analyse_group(
                     gram[j * R:(j + 1) * R, j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R],
                     estimator=c.estimator,
                     std=c.std, eps=c.std_eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
-                    completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4,
+                    completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4, null_dim=dim,
                     seed=c.seed + step * 1009 + b))
         # every process's groups: the lens describes the whole batch, not rank 0's share
         parts = gather_objects({"rows": rows, "rewards": r, "valid": v, "coverage": coverage})

@@ -1,22 +1,28 @@
-"""`grpo-lens calibrate`: planted groups through the product's path, and the quick run's table."""
+"""`grpo-lens calibrate`: planted groups with one truth each, through the product's path; `--planted`."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from grpo_lens.claims.calibrate import (
-    CREDIT_TOKEN_FAMILIES,
+from grpo_lens.calibrate import (
     CalibrationConfig,
-    _credit_token_truth,
-    credit_token_pool,
-    planted_credit_group,
+    PlantedFileError,
+    analysed_pool,
+    boundary_noise,
     planted_group,
+    population_shares,
+    probe_of,
     render,
+    rule_levels,
     run_calibration,
+    run_planted,
 )
+from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS
 from grpo_lens.formulas.spectrum import gram_singular_values, top2_share
 
 
@@ -36,90 +42,127 @@ def test_planted_groups_have_their_structure():
     d = gram.diagonal().sqrt()
     off = (gram / torch.outer(d, d))[~torch.eye(8, dtype=torch.bool)]
     assert float(off.mean()) == pytest.approx(0.5, abs=0.05)
+    # d0.5_0.001: a correct and a wrong rollout's gradients at cosine 0.5 (noise 0.1% of the energy: +-0.05)
+    gram, rewards = planted_group("d0.5_0.001", 4, 2048, gen)
+    i, j = int(rewards.argmax()), int(rewards.argmin())
+    assert float(gram[i, j] / (gram[i, i] * gram[j, j]).sqrt()) == pytest.approx(0.5, abs=0.05)
+    # n2_0.001: wrong rollouts' gradients 2x longer: squared norms 4 against 1 (noise +-0.01 of each)
+    assert float(gram.diagonal()[j] / gram.diagonal()[i]) == pytest.approx(1.0, abs=0.05)
+    gram, rewards = planted_group("n2_0.001", 4, 2048, gen)
+    sq = gram.diagonal()
+    assert float(sq[rewards == 0].mean() / sq[rewards == 1].mean()) == pytest.approx(4.0, rel=0.02)
     with pytest.raises(ValueError, match="valid"):
         planted_group("zz", 4, 64, gen)
 
 
-def test_planted_credit_groups_have_their_classes_and_truth():
-    gen = torch.Generator().manual_seed(0)
-    grads, classes, rewards, mask = planted_credit_group("credit concentrates on answers, e = 1", 4, 64, gen)
-    assert grads.shape == (4, 24, 64) and classes.shape == mask.shape == (4, 24)
-    lengths = mask.sum(-1)
-    assert bool(((10 <= lengths) & (lengths <= 24)).all()) and 1 <= int(rewards.sum()) <= 3
-    assert bool((classes[~mask] == -1).all()) and bool((grads[~mask] == 0).all())
-    for i, n in enumerate(lengths.tolist()):
-        assert classes[i, n - 1] == 1 and 1 <= int((classes[i] == 0).sum()) <= 3  # EOS closes; 1-3 answer tokens
-        assert classes[i, n - 2] == 0  # the answer tokens stand right before it
-    # e = 1: every answer token holds e σ_i v plus its noise, so correct and wrong rollouts' answer tokens point
-    # opposite ways along v: cos(mean correct answer gradient, mean wrong one) near -1/(1 + 1/n) < -0.3
-    ans = classes == 0
-    right = grads[(rewards == 1)[:, None] & ans].mean(0)
-    wrong = grads[(rewards == 0)[:, None] & ans].mean(0)
-    assert float(torch.nn.functional.cosine_similarity(right, wrong, dim=0)) < -0.3
-    with pytest.raises(ValueError, match="valid"):
-        planted_credit_group("zz", 4, 64, gen)
-    # the stated truths on the pool means (dimension 128 here for speed, 300 groups): geometry only and the near-null
-    # e = 0.25 inside every class's band, e = 0.5 and 1 outside
-    want = {"geometry only: equal norms": "true", "geometry only: format 10× smaller": "true",
-            "geometry only: format 10× smaller, answer 3× larger": "true",
-            "credit concentrates on answers, e = 0.25": "true", "credit concentrates on answers, e = 0.5": "false",
-            "credit concentrates on answers, e = 1": "false"}
-    assert set(want) == set(CREDIT_TOKEN_FAMILIES)
-    got = {fam: _credit_token_truth(credit_token_pool(fam, 4, 300, 128, 1))[0] for fam in want}
-    assert got == want
+def test_population_truths_and_the_boundary():
+    # rank 2 + 1% noise at R = 8: E2 ~ 0.99 > 0.9 > E1 ~ 0.71 (the class sizes set E1: k ~ U{1..7}); one shared
+    # direction with 95% of the energy: E1 ~ 0.97 > 0.9 (rank 1, not 2); the tuned boundary family has E2 = 0.9
+    e2, e1 = population_shares("a0.01", 8, size=400)
+    assert e2 > 0.98 and 0.6 < e1 < 0.8
+    e2, e1 = population_shares("r1_0.05", 4, size=400)
+    assert e1 > 0.95
+    f = boundary_noise(4, size=400)
+    assert population_shares("boundary", 4, f, size=400)[0] == pytest.approx(0.9, abs=0.002)
 
 
-def test_quick_calibration_separates_the_planted_cases(tmp_path):
-    res = run_calibration(CalibrationConfig.quick(), tmp_path, mode="quick", log=lambda s: None)
+def test_rank_rule_counts_rank_two_with_noise_as_rank_two():
+    # the 0.2 calibration labelled rank 2 + 1% noise "false" for erank (its mean 2.9 at R = 8 lies outside [1.5,
+    # 2.5]) and counted erank's "does not hold" there as power; under one truth that verdict is wrong. The primary
+    # rule (E2 > 0.9 > E1 with structure) holds on it at n = 16 per R, and erank is printed, not decided
+    pools = {r: analysed_pool("a0.01", r, 40, 2048, seed=r) for r in (4, 8)}
+    (c,) = CLAIMS.get("erank_near_two")(probe_of({r: pools[r][:16] for r in (4, 8)}, 2048))
+    assert c.verdict == HOLDS and c.n == 16 and c.p_holds < 0.025
+    assert "erank 2.9" in c.measurement or "erank 3.0" in c.measurement or "erank 2.8" in c.measurement
+    # 8 groups per R: below MIN_RANK_GROUPS (a sample of 8 can miss a k stratum) -> inconclusive, with the flag
+    (c,) = CLAIMS.get("erank_near_two")(probe_of({r: pools[r][:8] for r in (4, 8)}, 2048))
+    assert c.verdict == "inconclusive" and "--prompts" in c.advice
+    # isotropic rows with log-normal norms (no structure, the simulated null): never holds
+    iso = {r: analysed_pool("b1", r, 16, 2048, seed=r) for r in (4, 8)}
+    (c,) = CLAIMS.get("erank_near_two")(probe_of(iso, 2048))
+    assert c.verdict == DOES_NOT_HOLD
+
+
+def test_mechanism_reads_directions_not_norms():
+    # isotropic rows whose wrong rollouts are 2x longer: the labels change the norms only; on the cosine Gram theta
+    # is ~0, so the mechanism row reads does not hold (the 0.2 span energy on the raw Gram had an excess > 0)
+    pools = {r: analysed_pool("bn2", r, 16, 2048, seed=3 + r) for r in (4, 8)}
+    (c,) = CLAIMS.get("zero_sum_rank_two")(probe_of(pools, 2048))
+    assert c.verdict == DOES_NOT_HOLD
+    pools = {r: analysed_pool("a0.01", r, 16, 2048, seed=5 + r) for r in (4, 8)}
+    (c,) = CLAIMS.get("zero_sum_rank_two")(probe_of(pools, 2048))
+    assert c.verdict == HOLDS
+
+
+def test_tiny_calibration_writes_its_table_and_levels(tmp_path):
+    cfg = CalibrationConfig(trials=6, pool=30, coverage_trials=50, families=("a0.01", "bn2"), group_cells=(16,),
+                            s4_families=(), mc_families={}, baseline_families={}, training=False, workers=1)
+    res = run_calibration(cfg, tmp_path, mode="quick", log=lambda s: None)
     assert (tmp_path / "calibration.md").read_text() == render(res)
-    rows = {(r["rule"], r["family"], r["n"]): r for r in res["group_rules"]}
-    # planted rank 2 at R = 4 (a0.01): the top-2 rule holds; no structure with spread norms (b2): every measure's
-    # rule says does not hold; near-collinear class means (d0.95_0.01, effectively rank 1): top-2 does not hold
-    assert rows[("rank ≈ 2 (top2_share)", "a0.01", 28)]["holds"] >= 0.9
-    assert all(rows[(f"rank ≈ 2 ({m})", "b2", 28)]["does_not_hold"] >= 0.9
-               for m in ("top2_share", "erank", "stable_rank"))
-    assert rows[("rank ≈ 2 (top2_share)", "d0.95_0.01", 28)]["does_not_hold"] >= 0.9
-    # the relabelling test: label-dependent rows hold, label-free rows almost never do
-    assert rows[("labels structure G1 (zero-sum, G1)", "a0.01", 28)]["holds"] >= 0.9
-    assert rows[("labels structure G1 (zero-sum, G1)", "b1", 28)]["holds"] <= 0.15
-    # the 0.1 sparsity rule (update Hoyer) says "holds" for stationary Gaussian gradients; the gradient rule does not
-    train = {(r["rule"], r["family"]): r for r in res["training_rules"]}
-    old = train[("0.1 rule: trend of the update's Hoyer (for comparison)", "gaussian gradients under AdamW")]
-    new = train[("gradient sparsity intensifies", "gaussian gradients under AdamW")]
-    assert old["holds"] >= 0.5 and new["holds"] <= 0.15
-    assert train[("gradient sparsity intensifies", "rising gradients under AdamW")]["holds"] >= 0.9
-    # "most parameters unchanged" through the lens: a dense update with log-normal per-entry scale (the issue's false
-    # holds under the dense control) never holds, and its bf16 share matches the permutation control, not the dense
-    # one; a 90%-zero update holds
-    s4 = {r["family"]: r for r in res["update_rules"]}
-    dense = s4["dense, log-normal scale (σ = 2)"]
-    assert dense["truth"] == "false" and dense["holds"] == 0.0 and dense["does_not_hold"] >= 0.9
-    assert abs(dense["bf16_unchanged"] - dense["bf16_permuted"]) < 0.01 < dense["bf16_unchanged"] - dense["bf16_dense"]
-    sparse = s4["90% zeros, the rest moving bf16"]
-    assert sparse["truth"] == "true" and sparse["holds"] >= 0.9
-    # Monte Carlo credit: a planted opposing segment (one in four, by 0.6) holds at 100 rollouts
-    mc = {(r["family"], r["n"]): r for r in res["credit_rules"]}
-    assert mc[("one segment in four opposes A_i by 0.6", "100 rollouts (400 segments)")]["holds"] >= 0.9
-    # token credit: the planted answer-credit effect e = 1 never holds and reads does not hold in most trials at the
-    # probe's 8 groups; geometry only (format tokens 10x smaller) rarely reads does not hold
-    tok = {r["family"]: r for r in res["credit_token_rules"]}
-    assert set(tok) == {"geometry only: format 10× smaller", "credit concentrates on answers, e = 1"}
-    assert tok["credit concentrates on answers, e = 1"]["holds"] == 0.0
-    assert tok["credit concentrates on answers, e = 1"]["does_not_hold"] >= 0.5
-    assert tok["geometry only: format 10× smaller"]["does_not_hold"] <= 0.15
-    assert "| credit concentrates on answers, e = 1 | 4 | 8 groups | false |" in render(res)
-    # baseline study: a clear m_C != m_W (correct rollouts' noise 2x) never reads holds
-    base = {r["family"]: r for r in res["baseline_rules"]}
-    assert base["correct rollouts' noise 2× (m_C = 3.4 m_W)"]["holds"] == 0.0
-    # coverage rows: 3 data sets x 3 n, each a share
-    assert len(res["coverage"]) == 9 and all(0 <= r["coverage"] <= 1 for r in res["coverage"])
-    assert math.isfinite(res["meta"]["seconds"]) and "Summary" in render(res)
+    levels = json.loads((tmp_path / "levels.json").read_text())
+    assert levels == json.loads(json.dumps(rule_levels(res)))
+    rank = levels["rank ≈ 2 (E2, across R)"]["16"]
+    # two families, one true (a0.01): the level is the worst wrong share of both, the power a0.01's holds share
+    rows = [r for r in res["group_rules"] if r["rule"] == "rank ≈ 2 (E2, across R)"]
+    assert rank["families"] == 2 and rank["power"] == next(r["holds"] for r in rows if r["family"] == "a0.01")
+    assert rank["level"] == max(r["holds"] if r["truth"] == "false" else r["does_not_hold"] for r in rows)
+    assert "Worst level over every rule and family" in render(res)
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+def test_planted_file_runs_the_probe_path(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    grams, rewards = zip(*(planted_group("a0.01", 4, 2048, gen) for _ in range(2 * 16)))
+    path = _npz(tmp_path / "p.npz", gram=torch.stack(grams).view(2, 16, 4, 4).numpy(),
+                rewards=torch.stack(rewards).view(2, 16, 4).numpy(), dim=np.array(2048))
+    res = run_planted(path, tmp_path / "out", log=lambda s: None)
+    got = json.loads((tmp_path / "out" / "planted.json").read_text())
+    assert got == res and {r["claim"] for r in res} == {"erank_near_two", "zero_sum_rank_two"}
+    for r in res:
+        assert r["R"] == 4 and r["trials"] == 2 and math.isclose(r["holds"] + r["does_not_hold"] + r["inconclusive"],
+                                                                 1.0)
+    assert next(r for r in res if r["claim"] == "erank_near_two")["holds"] == 1.0
+
+
+@pytest.mark.parametrize("arrays, name", [
+    ({"rewards": np.zeros((2, 3, 4))}, "'gram' is missing"),
+    ({"gram": np.zeros((2, 3, 4)), "rewards": np.zeros((2, 3, 4))}, "'gram' has shape [2, 3, 4]"),
+    ({"gram": np.zeros((2, 3, 4, 4), dtype=np.float32), "rewards": np.zeros((2, 3, 4))}, "'gram' has dtype"),
+    ({"gram": np.zeros((2, 3, 4, 4)), "rewards": np.zeros((2, 3))}, "'rewards' has shape [2, 3]; expected"),
+    ({"gram": np.zeros((2, 3, 4, 4)), "rewards": np.zeros((2, 3, 4)), "dim": np.array(2)}, "'dim'"),
+])
+def test_malformed_planted_file_is_one_line_and_writes_nothing(tmp_path, arrays, name):
+    path = _npz(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(PlantedFileError) as e:
+        run_planted(path, tmp_path / "out", log=lambda s: None)
+    assert name in str(e.value) and "\n" not in str(e.value) and "expected" in str(e.value)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.e2e
-def test_calibrate_command_quick(tmp_path, capsys):
+def test_calibrate_command_planted_error(tmp_path, capsys):
     from grpo_lens.cli import main
 
-    assert main(["calibrate", "--quick", "--out", str(tmp_path / "cal")]) == 0
-    assert "calibration written to" in capsys.readouterr().out
-    assert (tmp_path / "cal" / "calibration.json").exists()
+    path = _npz(tmp_path / "bad.npz", rewards=np.zeros((1, 2, 4)))
+    assert main(["calibrate", "--planted", str(path), "--out", str(tmp_path / "cal")]) == 2
+    assert "'gram' is missing" in capsys.readouterr().err and not (tmp_path / "cal").exists()
+
+
+def test_report_reads_the_calibrated_cell_at_the_rows_n():
+    from grpo_lens.claims.base import Claim
+    from grpo_lens.report import _calibrated, level_at
+
+    levels = {"rule": {"8": {"level": 0.01, "power": 0.3, "unit": "groups per R"},
+                       "16": {"level": 0.02, "power": 0.85, "unit": "groups per R"},
+                       "22": {"level": 0.0, "power": 0.97, "unit": "groups per R"}}}
+    # the largest calibrated n <= the row's n: 20 -> 16, 30 -> 22; below every cell -> the smallest, flagged
+    assert level_at(levels, "rule", 20)["n"] == "16" and level_at(levels, "rule", 30)["n"] == "22"
+    assert level_at(levels, "rule", 5) == {**levels["rule"]["8"], "n": "8", "below": True}
+    assert level_at(levels, "other", 16) is None
+    row = Claim("c", "s", "m", "n", "holds", "r", "src", n=20, p_holds=0.001, p_dnh=1.0, rule_id="rule")
+    assert _calibrated(row, levels) == "level 0.020, power 0.85 (n = 16 groups per R)"
+    assert _calibrated(Claim("c", "s", "m", "n", "holds", "r", "src", rule_id="x"), levels) == "not calibrated"

@@ -34,72 +34,66 @@ def test_band_verdict():
     assert band_verdict(2.2, 2.8, 1.5, 2.5) == INCONCLUSIVE and band_verdict(None, None, 1.5, 2.5) == INCONCLUSIVE
 
 
-def rank_rows(n, top2, top1, null_top2, erank, null_erank, sr, null_sr, spread=0.01):
-    # n groups with the given G1 and orthogonal-null measures, spread symmetrically (+-spread * (i - (n-1)/2))
+def rank_rows(n, top2, top1, null_top2, spread=0.01, erank=2.0):
+    # n groups with the given G1 shares and simulated-null top-2 share, spread symmetrically (+-spread * (i - (n-1)/2))
     out = []
     for i in range(n):
         e = spread * (i - (n - 1) / 2)
-        out.append({"rank/g1_top2_share": top2 + e / 10, "rank/g1_top1_share": top1 + e / 10,
-                    "rank/g1_null_top2_share": null_top2, "rank/g1_erank": erank + e, "rank/g1_null_erank": null_erank,
-                    "rank/g1_stable_rank": sr + e, "rank/g1_null_stable_rank": null_sr})
+        out.append({"rank/g1_top2_share": top2 + e, "rank/g1_top1_share": top1 + e,
+                    "rank/g1_simnull_top2_share": null_top2, "rank/g1_null_top2_share": null_top2,
+                    "rank/g1_erank": erank})
     return out
 
 
-def rank_verdicts(groups_by_r):
-    p = {"meta": {"gradients": "exact"},
+def rank_claim(groups_by_r):
+    p = {"meta": {"gradients": "exact", "config": {"prompts": 32}},
          "per_group_size": {r: {"summary": {}, "groups": g} for r, g in groups_by_r.items()}}
-    names = {"top-2": "top-2 energy share", "entropy": "entropy effective rank", "stable": "stable rank"}
-    return {(c.scope, next(k for k, v in names.items() if v in c.claim)): c.verdict
-            for c in CLAIMS.get("erank_near_two")(p)}
+    return CLAIMS.get("erank_near_two")(p)
 
 
-def test_rank_claim_rules_per_measure():
-    planted = rank_rows(12, top2=0.97, top1=0.65, null_top2=0.75, erank=2.1, null_erank=3.6, sr=1.6, null_sr=2.1)
-    v = rank_verdicts({"2": planted, "4": planted})
-    # R = 2 cannot fail; R = 4: top-2 in (0.9, 1] with top-1 < 0.9, erank and stable rank in [1.5, 2.5], every
-    # reduction (0.22, 1.5, 0.5) above 0 with a tight interval -> holds under each measure
-    assert {m: v[("R = 2", m)] for m in ("top-2", "entropy", "stable")} == dict.fromkeys(
-        ("top-2", "entropy", "stable"), INCONCLUSIVE)
-    assert {m: v[("R = 4", m)] for m in ("top-2", "entropy", "stable")} == dict.fromkeys(
-        ("top-2", "entropy", "stable"), HOLDS)
-    # no structure but spread norms: erank 2.2 inside the band, the same as the null's (reduction 0 within +-0.5):
-    # today's ratio rule said holds (ratio just below 1); now does not hold under every measure
-    flat = rank_rows(12, top2=0.93, top1=0.8, null_top2=0.93, erank=2.2, null_erank=2.2, sr=1.7, null_sr=1.7)
-    v = rank_verdicts({"4": flat})
-    assert set(v.values()) == {DOES_NOT_HOLD}
-    # the top-2 margin 1 - 0.9 is 0.09999999999999998 in floats: the rule text prints it through fmt
-    texts = [c.rule + c.control for c in CLAIMS.get("erank_near_two")(
-        {"meta": {"gradients": "exact"}, "per_group_size": {"4": {"summary": {}, "groups": flat}}})]
-    assert any("inside ±0.10 " in t for t in texts) and not any("999999" in t for t in texts)
-    # effectively rank 1: top-1 share 0.97 > 0.9 -> k90 = 1, does not hold (erank 1.9 would read "≈ 2")
-    one = rank_rows(12, top2=0.99, top1=0.97, null_top2=0.75, erank=1.9, null_erank=3.6, sr=1.03, null_sr=2.1)
-    v = rank_verdicts({"4": one})
-    assert v[("R = 4", "top-2")] == DOES_NOT_HOLD and v[("R = 4", "entropy")] == HOLDS
-    assert v[("R = 4", "stable")] == DOES_NOT_HOLD  # 1.03 < 1.5
-    # 5 groups: too few for an interval; a wide spread straddling 2.5: inconclusive
-    assert set(rank_verdicts({"4": planted[:5]}).values()) == {INCONCLUSIVE}
-    wide = rank_rows(12, top2=0.97, top1=0.65, null_top2=0.75, erank=2.45, null_erank=3.6, sr=1.6, null_sr=2.1,
-                     spread=0.1)
-    assert rank_verdicts({"4": wide})[("R = 4", "entropy")] == INCONCLUSIVE
+def test_rank_claim_is_one_row_across_r():
+    # 20 groups per R, E2 0.97 +- 0.095 (spread 0.01 x 9.5), E1 0.65, null 0.75: every interval clears its control by
+    # > 0.05 with SE ~0.0013 -> holds at R = 4 and 8, one row for both; R = 2 is left out (rank <= 2 by construction)
+    planted = rank_rows(20, top2=0.97, top1=0.65, null_top2=0.75, spread=0.001)
+    (c,) = rank_claim({"2": planted, "4": planted, "8": planted})
+    assert c.verdict == HOLDS and c.scope == "R = 4, 8 (one verdict)" and c.n == 20 and c.kind == "claim"
+    assert c.p_holds < 1e-6 and c.p_dnh == 1.0
+    # fails at R = 8 only (E2 0.75 < 0.9): the one verdict does not hold (it fails at either R)
+    flat = rank_rows(20, top2=0.75, top1=0.5, null_top2=0.7, spread=0.001)
+    (c,) = rank_claim({"4": planted, "8": flat})
+    assert c.verdict == DOES_NOT_HOLD and "fails at R = 8: E2 below 0.9" in c.rule
+    # one direction holds 0.97 (E1 > 0.9): not rank 2 although E2 > 0.9 and erank would read 1.9 ("≈ 2")
+    one = rank_rows(20, top2=0.99, top1=0.97, null_top2=0.75, spread=0.001, erank=1.9)
+    assert rank_claim({"4": one, "8": one})[0].verdict == DOES_NOT_HOLD
+    # no structure: E2 0.93 > 0.9 > E1 0.8 but equal to its simulated null (reduction 0 within +-0.1) -> does not hold
+    null = rank_rows(20, top2=0.93, top1=0.8, null_top2=0.93, spread=0.001)
+    (c,) = rank_claim({"4": null, "8": null})
+    assert c.verdict == DOES_NOT_HOLD and "no structure" in c.rule
+    # 12 groups < 16 at R = 8: inconclusive, and the row names the flag and a count
+    (c,) = rank_claim({"4": planted, "8": planted[:12]})
+    assert c.verdict == INCONCLUSIVE and "`--prompts`" in c.advice and "R = 8: 12 mixed groups < 16" in c.advice
 
 
 def test_zero_sum_claim_rules():
-    def rows(n, excess, null, var, spread=0.0):
-        return [{"zero_sum/span_energy_excess": excess + spread * (i - (n - 1) / 2), "zero_sum/span_energy_null": null,
-                 "zero_sum/span_energy_null_var": var, "zero_sum/span_energy": null + excess} for i in range(n)]
+    def rows(n, excess, null, var=0.0004, spread=0.0):
+        return [{"zero_sum/unit_span_energy_excess": excess + spread * (i - (n - 1) / 2),
+                 "zero_sum/unit_span_energy_null": null, "zero_sum/unit_span_energy_null_var": var}
+                for i in range(n)]
 
-    p = probe({"2": {}, "4": {}, "8": {}, "16": {}}, gradients="sketch")
-    per = p["per_group_size"]
-    per["2"]["groups"] = rows(10, 0.0, 1.0, 0.0)
-    # 10 groups, excess 0.05 each, null variance 0.0004: z = 0.5 / sqrt(0.004) = 7.9, p ~ 1e-15 -> holds
-    per["4"]["groups"] = rows(10, 0.05, 0.5, 0.0004)
-    # excess 0 +- 0.0005, null span energy 0.5: theta = 0 with an interval of about +-0.0007 < 0.1 -> does not hold
-    per["8"]["groups"] = rows(10, 0.0, 0.5, 0.0004, spread=0.0001)
-    # excess 0.005 with room 1 - 0.95 = 0.05: z = 0.05 / sqrt(10 * 0.0004) = 0.79 (p 0.21); theta = 0.1 -> inconclusive
-    per["16"]["groups"] = rows(10, 0.005, 0.95, 0.0004, spread=0.001)
-    assert verdicts("zero_sum_rank_two", p) == {"R = 2": INCONCLUSIVE, "R = 4": HOLDS, "R = 8": DOES_NOT_HOLD,
-                                                "R = 16": INCONCLUSIVE}
-    assert all("not exact" in c.source for c in CLAIMS.get("zero_sum_rank_two")(p))
+    def verdict(groups):
+        p = probe({"2": {}, "4": {}}, gradients="sketch")
+        p["per_group_size"]["4"]["groups"] = groups
+        (c,) = CLAIMS.get("zero_sum_rank_two")(p)
+        assert c.scope == "R = 4 (one verdict)" and "not exact" in c.source
+        return c.verdict
+
+    # theta = excess / (1 - null): 0.25 / 0.5 = 0.5 with u_g = x_g - 0.1 (1 - m) = 0.2 +- 0.0045 -> above 0.1: holds
+    assert verdict(rows(10, 0.25, 0.5, spread=0.001)) == HOLDS
+    # theta = 0.01 / 0.5 = 0.02 (a negligible effect the 0.2 test read "holds" by its p): below 0.1 -> does not hold
+    assert verdict(rows(10, 0.01, 0.5, spread=0.001)) == DOES_NOT_HOLD
+    # theta = 0.05 / 0.5 = 0.1 exactly, u spread +-0.045: straddles the margin -> inconclusive; 5 groups: inconclusive
+    assert verdict(rows(10, 0.05, 0.5, spread=0.01)) == INCONCLUSIVE
+    assert verdict(rows(5, 0.25, 0.5, spread=0.001)) == INCONCLUSIVE
 
 
 def test_identity_claim_rules():
@@ -127,11 +121,10 @@ def test_g2_weighting_claim_rules():
         p = {"meta": {"gradients": "exact"}, "per_group_size": {"4": {"g2_weightings": {"groups": rows}}}}
         return CLAIMS.get("zero_sum_g2_weighting")(p)[0]
 
-    # A gives a rank lower by 1.5-2.5 in 10 groups: interval below 0 -> holds
-    assert claim([row(2.0, 3.5 + 0.1 * i) for i in range(10)]).verdict == HOLDS
-    # no difference beyond +-0.05 of 2.0 (+-2.5%): inside the 10% relative equivalence margin -> does not hold
-    assert claim([row(2.0, 2.0 + 0.01 * (i - 5)) for i in range(10)]).verdict == DOES_NOT_HOLD
-    # one group only -> inconclusive, and the rule says how to get more
+    # descriptive since issue 29 (its rule could not tell planted zero-sum-irrelevant from decisive cases): no
+    # verdict whatever the numbers, and the reading is kept in the text
+    c = claim([row(2.0, 3.5 + 0.1 * i) for i in range(10)])
+    assert c.verdict == INCONCLUSIVE and c.kind == "descriptive" and "difference interval below 0" in c.rule
     c = claim([row(2.0, 3.5)])
     assert c.verdict == INCONCLUSIVE and "--g2-groups" in c.rule
 
@@ -144,30 +137,43 @@ def test_claim_records_are_checked_and_listed():
     assert {"erank_near_two", "zero_sum_rank_two", "identity"} <= set(CLAIMS.names())
 
 
-def test_family_wise_note_counts_the_rows_with_a_test():
-    from grpo_lens.claims.base import family_wise_note
+def test_holm_decides_the_table_and_leaves_checks_apart():
+    from grpo_lens.claims.base import holm_claims
 
-    rows = [Claim("c", "R = 4", "m", "n", HOLDS, "r", "s"), Claim("c", "R = 8", "m", "n", INCONCLUSIVE, "r", "s"),
-            Claim("c", "R = 2", "m", "n", INCONCLUSIVE, "r", "s"),  # inconclusive by construction: no test
-            Claim("the group update is ... (the rank-2 identity)", "all R", "m", "n", HOLDS, "r", "s")]
-    # 2 tested rows (1 decided): bound 2 x 0.025 = 0.05; family-wise per-branch level 0.05 / 2 = 0.025
-    note = family_wise_note(rows)
-    assert "2 rows carry a test (1 decided)" in note and "= 0.05 (Bonferroni" in note and "0.0250 per branch" in note
-    assert family_wise_note(rows[2:]) == ""
+    def row(ph, pd, kind="claim"):
+        return Claim("c", "s", "m", "n", INCONCLUSIVE, "r", "src", kind=kind, n=16, p_holds=ph, p_dnh=pd)
+
+    rows = [row(0.001, 1.0), row(1.0, 0.011), row(0.02, 1.0), row(0.5, 0.5),
+            Claim("identity", "all R", "m", "n", HOLDS, "r", "s", kind="check")]
+    out, note = holm_claims(rows)
+    # 4 claims -> 8 hypotheses. Sorted: 0.001 <= 0.05/8 = 0.00625 (rejected); 0.011 <= 0.05/7 = 0.00714? no -> stop.
+    assert [c.verdict for c in out] == [HOLDS, INCONCLUSIVE, INCONCLUSIVE, INCONCLUSIVE, HOLDS]
+    assert "p = 0.001 <= 0.00625" in out[0].rule and "8 one-sided hypotheses" in note
+    assert out[4] is rows[4]  # the check passes through
+    # alone (0.025 per branch) the third row would hold; under Holm it does not, and its rule says so
+    assert "alone" not in out[2].rule and "not decided at family-wise 0.05" in out[2].rule
+    assert holm_claims([rows[4]])[1] == ""
 
 
 def test_rank_over_training_claim_and_the_lens_intervals():
     from grpo_lens.analysis.group import lens_rank_intervals
 
-    # 8 lens steps with top-2 share 0.95 +- 0.01 and top-1 0.6: both intervals clear 0.9 -> holds
-    recs = [{"step": 5 * i, "rank/g1_top2_share": 0.95 + 0.01 * (-1) ** i, "rank/g1_top1_share": 0.6,
-             "rank/g1_erank": 2.0} for i in range(8)]
+    def step(i, top2=0.95, top1=0.6, lo=0.93, hi=0.97, groups=12):
+        return {"step": 5 * i, "rank/mixed_groups": groups, "rank/g1_top2_share": top2, "rank/g1_top1_share": top1,
+                "rank/g1_top2_share_lo": lo, "rank/g1_top2_share_hi": hi, "rank/g1_top1_share_lo": top1 - 0.02,
+                "rank/g1_top1_share_hi": top1 + 0.02}
+
+    # 7 lens steps, each with E2 0.95 [0.93, 0.97] (se 0.0102: z = 4.9) and E1 0.6 +- 0.02: every step clears 0.9
+    recs = [step(i) for i in range(7)]
     (c,) = CLAIMS.get("rank_stays_near_two")({"records": recs})
-    assert c.verdict == HOLDS and "8 lens steps" in c.scope
-    # the top direction alone holds 0.95: effectively rank 1 -> does not hold; 7 lens steps: inconclusive
-    one = [dict(r, **{"rank/g1_top1_share": 0.95, "rank/g1_top2_share": 0.99}) for r in recs]
-    assert CLAIMS.get("rank_stays_near_two")({"records": one})[0].verdict == DOES_NOT_HOLD
-    assert CLAIMS.get("rank_stays_near_two")({"records": recs[:7]})[0].verdict == INCONCLUSIVE
+    assert c.verdict == HOLDS and "7 lens steps" in c.scope and c.n == 12  # n: the fewest mixed groups of a step
+    # one step of 7 with E2 0.80 [0.78, 0.82]: z = -9.8 at that step -> does not hold (the 0.2 rule tested the mean)
+    bad = recs[:3] + [step(3, top2=0.8, lo=0.78, hi=0.82)] + recs[4:]
+    assert CLAIMS.get("rank_stays_near_two")({"records": bad})[0].verdict == DOES_NOT_HOLD
+    # the demo's 4 mixed groups per lens step give no step interval: inconclusive, naming the flag
+    few = [{k: v for k, v in step(i, groups=4).items() if not k.endswith(("_lo", "_hi"))} for i in range(7)]
+    (c,) = CLAIMS.get("rank_stays_near_two")({"records": few})
+    assert c.verdict == INCONCLUSIVE and "--prompts-per-step" in c.advice
     assert CLAIMS.get("rank_stays_near_two")({"records": [{"step": 1}]}) == []
     # lens intervals: 1..8 as erank of 8 groups -> the t interval 4.5 -+ 2.36462 sqrt(6/8) (symmetric data); none
     # from 7 groups

@@ -78,7 +78,7 @@ def test_contributions_sum_to_one_and_follow_the_weights(model_group):
 
 @pytest.mark.e2e
 def test_contributions_from_per_token_gradients_equal_the_model_path(model_group):
-    """The planted path of `grpo-lens calibrate` (explicit per-token gradient vectors g_{i,t} in R^P through
+    """The planted path (explicit per-token gradient vectors g_{i,t} in R^P through
     exact_directional_derivatives, then signed_contributions) gives the model path's shares (finite differences along
     the exact u), under GRPO advantages and under NLL weights."""
     model, _, group = model_group

@@ -140,16 +140,20 @@ def test_study_claims_follow_the_numbers():
     # holds
     c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8),
                                         _ci(0.2, 0.1, 0.3)))
-    assert [x.verdict for x in c] == ["does not hold", "holds", "does not hold"]
+    # (the token-credit row is descriptive since issue 29: no verdict, its 0.2 reading kept in the rule)
+    assert [x.verdict for x in c] == ["inconclusive", "holds", "does not hold"]
+    assert c[0].kind == "descriptive" and "the 0.2 rule reads: does not hold" in c[0].rule
     # 0 of 16 rejected (Wilson upper end z^2/(n + z^2) = 3.8416/19.8416 = 0.19 < 0.25) and MSE ratio [0.95, 1.1]
     # above 0.9 -> holds (equivalence); answer ratio inside 1 ± 0.25 -> holds; 0 of 120 rollouts flagged: Wilson
-    # upper end 3.84 / 123.84 = 0.031 < 0.032, fewer than noise gives -> the paper's prediction does not hold
+    # exact lower tail P(Binomial(120, 0.0319) <= 0) = 0.968^120 = 0.021 <= 0.025, fewer than noise gives -> the
+    # paper's prediction does not hold; baseline: P(Binomial(16, 0.25) <= 0) = 0.75^16 = 0.010 and the MSE ratio's
+    # z = (1.0 - 0.9) / (0.05 / 1.96) = 3.9 -> holds
     c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2),
                                        _ci(0.0, 0.0, 0.01), rejected=0.0, opposing=0, rollouts=120, testable=16))
-    assert [x.verdict for x in c] == ["holds", "does not hold", "holds"]
+    assert [x.verdict for x in c] == ["inconclusive", "does not hold", "holds"]
     (lit,) = CLAIMS.get("identical_token_advantage")({"studies": _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1),
                                                                            _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01))})
-    assert lit.verdict == "holds" and "not a test" in lit.rule
+    assert lit.verdict == "holds" and "not a test" in lit.rule and lit.kind == "check"
     # too small to show equivalence: 0 of 8 rejected has Wilson upper end 3.8416/11.8416 = 0.32 > 0.25; and with 16
     # prompts an MSE interval reaching 0.85 leaves room for a 15% gain from b* -> inconclusive both times
     for n, mse in ((8, _ci(1.0, 0.95, 1.1)), (16, _ci(1.0, 0.85, 1.1))):
@@ -166,13 +170,15 @@ def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
     # token, so it does not hold, and the rule names the class that decided it
     st = _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.9, 1.1), _ci(0.0, 0.0, 0.01), testable=7)
     st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(0.27, 0.17, 0.38)
+    # (descriptive since issue 29: the verdict is inconclusive and the 0.2 rule's reading is in the text)
     credit = study_claims("x", st)[0]
-    assert credit.verdict == "does not hold" and "format" in credit.rule and "reasoning" not in credit.rule
-    # every class inside the band -> holds; one class overlapping the edge -> inconclusive
+    assert credit.verdict == "inconclusive" and "reads: does not hold" in credit.rule and "format" in credit.rule
+    assert "reasoning" not in credit.rule.split("reads:")[1]
+    # every class inside the band -> reads holds; one class overlapping the edge -> reads inconclusive
     st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(1.0, 0.8, 1.2)
-    assert study_claims("x", st)[0].verdict == "holds"
+    assert "reads: holds" in study_claims("x", st)[0].rule
     st["credit"]["contributions"]["classes"]["reasoning"]["ratio"] = _ci(1.0, 0.6, 1.2)
-    assert study_claims("x", st)[0].verdict == "inconclusive"
+    assert "reads: inconclusive" in study_claims("x", st)[0].rule
     # 7 testable prompts: no Wilson interval is printed for the rejection share (intervals need >= 8 units)
     group_mean = study_claims("x", st)[-1]
     assert group_mean.verdict == "inconclusive" and "too few prompts for an interval" in group_mean.measurement
@@ -248,16 +254,16 @@ def test_credit_claims_need_power_not_absence_of_data():
     assert mc.verdict == "inconclusive" and "4 rollouts < 8" in mc.rule
     # the old "interval contains 1" said holds on the wide [0.3, 2.5]; it overlaps the edge of 1 ± 0.25
     assert u.verdict == "inconclusive"
-    # 8 rollouts, none flagged: Wilson upper end 3.84 / 11.84 = 0.32 is not below 0.032 -> inconclusive
+    # 8 rollouts, none flagged: P(Binomial(8, 0.032) <= 0) = 0.77 > 0.025 -> inconclusive
     u, mc = credit(answer_ratio=_ci(1.0, None, None), disagree=_ci(0.0, 0.0, 0.0), opposing=0)
-    assert mc.verdict == "inconclusive" and "not below" in mc.rule
+    assert mc.verdict == "inconclusive" and "neither" in mc.rule and "--mc-groups" in mc.advice
     assert u.verdict == "inconclusive"  # no interval (fewer than 8 groups)
     # planted: 120 rollouts, none flagged -> does not hold; 3 of 8 flagged (P(Binomial(8, 0.032) >= 3) = 0.0017)
     # -> the predicted disagreement holds; answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
     _, mc = credit(answer_ratio=_ci(1.0, 0.9, 1.1), disagree=_ci(0.0, 0.0, 0.0), opposing=0, rollouts=120)
     assert mc.verdict == "does not hold"
     u, mc = credit(answer_ratio=_ci(1.45, 1.3, 1.6), disagree=_ci(0.15, 0.1, 0.2), opposing=3)
-    assert (u.verdict, mc.verdict) == ("does not hold", "holds")
+    assert (u.kind, mc.verdict) == ("descriptive", "holds") and "reads: does not hold" in u.rule
 
 
 def test_band_verdict():
@@ -375,15 +381,17 @@ def test_token_credit_against_the_nll_control_with_the_same_geometry():
            "reasoning": (1.0, _ci(0.0, -0.1, 0.1))}
     st["credit"]["contributions"]["classes_nll"] = {c: {"ratio": _ci(r, r - 0.1, r + 0.1), "ratio_minus_nll": d}
                                                     for c, (r, d) in nll.items()}
+    # (descriptive since issue 29: no verdict; the 0.2 rule's reading stays in the rule text)
     credit = study_claims("x", st)[0]
-    assert credit.verdict == "holds" and "NLL weights" in credit.claim and "NLL weights" in credit.control
+    assert credit.verdict == "inconclusive" and "reads: holds" in credit.rule
+    assert "NLL weights" in credit.claim and "NLL weights" in credit.control
     assert "format 0.02 [-0.03, 0.05]" in credit.measurement and "band ±0.06" in credit.measurement
     # answer tokens credited 1.0-1.5 above what NLL gives them, beyond ±0.75: does not hold, naming the class
     st["credit"]["contributions"]["classes_nll"]["answer"]["ratio_minus_nll"] = _ci(1.25, 1.0, 1.5)
     credit = study_claims("x", st)[0]
-    assert credit.verdict == "does not hold" and credit.rule.startswith("interval of answer tokens wholly outside")
+    assert "reads: does not hold, interval of answer tokens wholly outside" in credit.rule
     # a class without an NLL mean has no band scale (it would be ±0, so any interval not exactly 0 'does not hold'):
     # it is not judged; here the format class, whose difference [-0.03, 0.05] would otherwise decide
     st["credit"]["contributions"]["classes_nll"]["answer"]["ratio_minus_nll"] = _ci(0.2, -0.3, 0.5)
     st["credit"]["contributions"]["classes_nll"]["format"]["ratio"] = {"mean": None, "lo": None, "hi": None, "n": 0}
-    assert study_claims("x", st)[0].verdict == "holds"
+    assert "reads: holds" in study_claims("x", st)[0].rule

@@ -1,0 +1,936 @@
+"""``grpo-lens calibrate``: the level and power of every primary verdict rule on planted cases, each case with ONE
+truth, what was planted (docs/calibration.md, issue 29).
+
+Every planted group goes through the path a real group takes: its Gram matrix [R, R], rewards [R] and GRPO
+advantages [R] into :func:`grpo_lens.analysis.group.analyse_group` (``null_dim`` = the planted dimension P), the rows
+into a probe-shaped dict and that into the registered claim (:data:`grpo_lens.claims.base.CLAIMS`). Training-run
+rules get metrics.jsonl-shaped records. Per (family, R) a pool of planted groups is analysed once; each trial draws
+n groups per R from the pools without replacement and the claim decides once across R, as the probe's table does.
+
+Truth, per family and claim, from what was planted (never from where one measure's mean falls):
+
+- rank ≈ 2: a planted rank-2 signal (two class means, or a label-free rank-2 signal) whose population E₂ > 0.9 > E₁
+  (the mean over 1500 planted groups of G1's top-2 / top-1 energy shares); every other family is "not rank 2",
+  including the boundary family whose population E₂ is tuned to 0.9 (not above it);
+- the labels structure G1: directions that depend on the labels (class means) with population θ of the cosine Gram
+  >= 0.1; label-free families (including label effects on norms alone) are false;
+- trends: rising cases true; flat cases (with autocorrelated steps, or a falling count of mixed groups) false.
+
+Level = the share of the wrong verdict under that truth (*holds* where false, *does not hold* where true); power =
+the share of the right one. :func:`rule_levels` reduces the rows to {rule: {n: worst level, lowest power}}, which
+``--out`` writes as levels.json; the package ships a copy (grpo_lens/data/calibration_levels.json) that the report
+reads for each row's calibrated level and power. ``--planted FILE.npz`` runs your own Gram matrices through the same
+path (:func:`run_planted`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import resource
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from grpo_lens.analysis.group import (
+    analyse_group,
+    lens_rank_intervals,
+    mean_over_groups,
+)
+from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS
+from grpo_lens.claims.baselines import RULE_ID as BASELINE_RULE_ID
+from grpo_lens.claims.credit import MC_RULE_ID
+from grpo_lens.claims.rank import RULE_ID as RANK_RULE_ID
+from grpo_lens.claims.rank import STAYS_RULE_ID
+from grpo_lens.claims.sparsity import S1_RULE_ID, S4_RULE_ID, SPARSITY_RULE_ID
+from grpo_lens.claims.zero_sum import NEGLIGIBLE_SHARE
+from grpo_lens.claims.zero_sum import RULE_ID as ZERO_SUM_RULE_ID
+from grpo_lens.formulas.advantages import grpo_advantages
+from grpo_lens.formulas.baselines import baseline_prompt, summarise_baseline_prompts
+from grpo_lens.formulas.credit import segment_advantages, segment_counts
+from grpo_lens.formulas.sparsity import weighted_hoyer
+from grpo_lens.formulas.spectrum import wishart
+from grpo_lens.formulas.stats import mean_interval, summarise_rows
+from grpo_lens.metrics import (
+    PERF_LENS_SECONDS,
+    PROBE_GROUPS,
+    PROBE_SUMMARY,
+    RANK_MIXED_GROUPS,
+    REWARD_FRAC_ZERO_STD_GROUPS,
+    SPARSITY_GRAD_HOYER,
+    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
+    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
+    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE,
+    STEP,
+    ZERO_SUM_COS_GAP_EXCESS,
+    ZERO_SUM_SPAN_ENERGY,
+    ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS,
+    ZERO_SUM_UNIT_SPAN_ENERGY_NULL,
+)
+
+#: the default probe's mixed groups per R (README: 28 and 22 of the 32 and 24 prompts for R = 4 and 8)
+DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
+
+#: groups per R of the probe-rule cells: the fewest with an interval, the rank rule's minimum, the default probe's
+GROUP_CELLS = {8: {4: 8, 8: 8}, 16: {4: 16, 8: 16}, 22: dict(DEFAULT_GROUP_COUNTS)}
+
+#: the dimension of the planted gradients
+PLANTED_DIM = 2048
+
+#: the planted families of the per-group rules, with what each plants (docs/calibration.md)
+FAMILIES = {
+    "a0.001": "rank 2 (orthonormal class means) + 0.1% noise",
+    "a0.01": "rank 2 + 1% noise",
+    "d0.5_0.01": "class means at cosine 0.5, + 1% noise",
+    "n2_0.01": "reward-dependent norms: rank 2 + 1% noise, wrong rollouts' gradients 2× longer",
+    "c_lr2": "label-independent rank 2 (+ 1% noise)",
+    "d0.95_0.01": "class means at cosine 0.95 (+ 1% noise): one direction dominates",
+    "r1_0.05": "one shared direction with 95% of the energy",
+    "c_shared": "one shared direction, pairwise cosine 0.5",
+    "a0.25": "rank 2 + 25% noise (E₂ ≈ 0.75-0.8: not rank 2)",
+    "boundary": "the boundary: rank 2 + noise tuned so that the population E₂ = 0.9",
+    "b0": "isotropic rows, equal norms",
+    "b1": "isotropic rows, log-normal norms (log-SD 1)",
+    "b2": "isotropic rows, log-normal norms (log-SD 2)",
+    "bn2": "isotropic rows, wrong rollouts' gradients 2× longer (a label effect on norms alone)",
+}
+
+
+def has_rank2_signal(family: str) -> bool:
+    """Whether ``family`` plants a rank-2 signal (rank 2 where also the population E₂ > 0.9 > E₁)."""
+    return family in ("boundary", "c_lr2") or bool(re.match(r"[adn]\d", family))
+
+
+def label_directions(family: str) -> bool:
+    """Whether ``family``'s directions depend on the labels (the mechanism claim true where also θ >= 0.1)."""
+    return family == "boundary" or bool(re.match(r"[adn]\d", family))
+
+
+#: the planted updates of "most parameters unchanged": (name, share of update entries exactly zero, scale of the rest,
+#: log-SD of a log-normal per-entry scale); the truth is whether the whole model's float32-unchanged share exceeds 0.5
+S4_FAMILIES = (
+    ("dense, log-normal scale (σ = 2)", 0.0, 3e-6, 2.0),
+    ("dense Gaussian, below bf16 spacing", 0.0, 2e-5, 0.0),
+    ("40% zeros, the rest below bf16 spacing", 0.4, 2e-6, 0.0),
+    ("45% zeros, the rest moving bf16", 0.45, 1e-3, 0.0),
+    ("55% zeros, the rest moving bf16", 0.55, 1e-3, 0.0),
+    ("60% zeros, the rest log-normal (σ = 2)", 0.6, 3e-6, 2.0),
+    ("90% zeros, the rest moving bf16", 0.9, 1e-3, 0.0),
+)
+
+#: the planted Monte Carlo credit cases: per rollout pair (a correct rollout, A_i > 0, and a wrong one, A_i < 0), the
+#: true success probabilities p(b_0..b_3) at the four prefixes of the credit study; the last segment ends at r
+MC_FAMILIES = {
+    "no token opposes A_i (p flat until the end)": (False, (0.5, 0.5, 0.5, 0.5), (0.5, 0.5, 0.5, 0.5)),
+    "every segment agrees (p moves towards r)": (False, (0.3, 0.5, 0.7, 0.9), (0.7, 0.5, 0.3, 0.1)),
+    "one segment in four opposes A_i by 0.6": (True, (0.8, 0.2, 0.4, 0.6), (0.2, 0.8, 0.6, 0.4)),
+    "one segment in four opposes A_i by 0.3": (True, (0.6, 0.3, 0.5, 0.7), (0.4, 0.7, 0.5, 0.3)),
+}
+
+#: rollouts per Monte Carlo cell: the fewest with a verdict (--mc-groups 4) and larger studies
+MC_ROLLOUTS = (8, 32, 100)
+
+#: the planted baseline-study prompts: name -> (m_C = m_W truly, noise scale of the correct rollouts' gradients,
+#: whether the correct rollouts' noise has a spread of its own with the same mean square)
+BASELINE_FAMILIES = {
+    "m_C = m_W (equal noise in both classes)": (True, 1.0, False),
+    "m_C = m_W, the correct rollouts' norms spread wider (equal means)": (True, 1.0, True),
+    "correct rollouts' noise 2× (m_C = 3.4 m_W)": (False, 2.0, False),
+}
+
+#: prompts per baseline cell: the fewest with an interval, the probe's default --baseline-study-prompts (16), larger
+BASELINE_PROMPTS = (8, 16, 24, 32)
+
+#: the trend cases: name -> (truth, kind, parameter)
+SPARSITY_TRENDS = {
+    "flat Hoyer, i.i.d. lens steps": (False, "ar", 0.0),
+    "flat Hoyer, lens-to-lens correlation 0.59": (False, "ar", 0.59),
+    "flat Hoyer, lens-to-lens correlation 0.9": (False, "ar", 0.9),
+    "flat Hoyer, a random walk": (False, "ar", 1.0),
+    "constant per-group sparsity, mixed groups fall 8 -> 1": (False, "groups", 0.0),
+    "Hoyer rises 0.30 -> 0.45 (lens-to-lens correlation 0.59)": (True, "rising", 0.59),
+}
+S1_TRENDS = {
+    "stationary success rates": (False, "ar", 0.0),
+    "success rates AR(1), φ = 0.8": (False, "ar", 0.8),
+    "success rates AR(1), φ = 0.95": (False, "ar", 0.95),
+    "S1 rises 0.35 -> 0.85": (True, "rising", 0.0),
+}
+
+#: the planted lens runs of "rank stays ≈ 2": name -> (truth, mixed groups per lens step, a bad step's family)
+STAYS_FAMILIES = {
+    "rank 2 + 1% noise at every lens step, 4 mixed groups (demo default)": (True, 4, None),
+    "rank 2 + 1% noise at every lens step, 12 mixed groups": (True, 12, None),
+    "one lens step of 7 not rank 2 (E₂ ≈ 0.75), 12 mixed groups": (False, 12, "a0.25"),
+    "every lens step not rank 2 (E₂ ≈ 0.75), 12 mixed groups": (False, 12, "all"),
+}
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What `grpo-lens calibrate` runs: trials per cell, pool of planted groups per (family, R), seed."""
+
+    trials: int = 200
+    pool: int = 200
+    coverage_trials: int = 2000
+    seed: int = 0
+    families: tuple[str, ...] = tuple(FAMILIES)
+    group_sizes: tuple[int, ...] = (4, 8)
+    group_cells: tuple[int, ...] = tuple(GROUP_CELLS)
+    s4_families: tuple[tuple[str, float, float, float], ...] = S4_FAMILIES
+    mc_families: dict[str, tuple[bool, tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=lambda: dict(MC_FAMILIES))
+    mc_rollouts: tuple[int, ...] = MC_ROLLOUTS
+    baseline_families: dict[str, tuple[bool, float, bool]] = field(default_factory=lambda: dict(BASELINE_FAMILIES))
+    baseline_prompts: tuple[int, ...] = BASELINE_PROMPTS
+    training: bool = True
+    workers: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+
+    @classmethod
+    def quick(cls) -> CalibrationConfig:
+        """A small run for tests (seconds): few trials and families; its numbers are not the calibration."""
+        return cls(trials=20, pool=40, coverage_trials=200, families=("a0.01", "b2", "r1_0.05", "bn2"),
+                   group_cells=(22,), s4_families=(S4_FAMILIES[0], S4_FAMILIES[-1]),
+                   mc_families={k: MC_FAMILIES[k] for k in list(MC_FAMILIES)[::2]}, mc_rollouts=(8, 100),
+                   baseline_prompts=(32,))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# planted groups
+# ---------------------------------------------------------------------------------------------------------------------
+def planted_group(family: str, r: int, dim: int, gen: torch.Generator, noise: float | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group of ``family`` (:data:`FAMILIES`): (Gram matrix [R, R] of its g_i in R^dim, rewards [R]),
+    k ~ U{1..R-1} correct first; ``noise`` overrides the noise share (the boundary family's tuned share).
+
+    g_i = n_i (Σ_j B_ij v_j + σ e_i) with v_1..v_q orthonormal and e_i iid N(0, I/dim) gives
+    G = N (B Bᵀ + σ(B Yᵀ + Y Bᵀ) + σ²(Y Yᵀ + W/dim)) N, Y [R, q] iid N(0, 1/dim), W ~ Wishart(dim − q, I_R)
+    (rotation invariance), so the cost does not depend on dim; n_i = 2 for wrong rollouts in ``n<w>`` / ``bn<w>``.
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    k = int(torch.randint(1, r, (1,), generator=gen))
+    rewards = (torch.arange(r) < k).double()
+    labels = rewards == 1
+    if re.fullmatch(r"bn?\d+(\.\d+)?", family):
+        if family.startswith("bn"):
+            norms = torch.where(labels, 1.0, float(family[2:])).double()
+        else:
+            norms = torch.exp(float(family[1:]) * torch.randn(r, generator=gen, dtype=torch.float64))
+        return wishart(r, dim, 1, gen)[0] / dim * torch.outer(norms, norms), rewards
+    scale = torch.ones(r, dtype=torch.float64)
+    if family == "boundary":
+        if noise is None:
+            raise ValueError("the boundary family needs its tuned noise share (boundary_noise)")
+        f, c = noise, 0.0
+    elif re.fullmatch(r"a\d+(\.\d+)?", family):
+        f, c = float(family[1:]), 0.0
+    elif re.fullmatch(r"d\d+(\.\d+)?_\d+(\.\d+)?", family):
+        c, f = (float(x) for x in family[1:].split("_"))
+    elif re.fullmatch(r"n\d+(\.\d+)?_\d+(\.\d+)?", family):
+        w, f = (float(x) for x in family[1:].split("_"))
+        c, scale = 0.0, torch.where(labels, 1.0, w).double()
+    elif re.fullmatch(r"r1_\d+(\.\d+)?", family):
+        f, c = float(family[3:]), None
+    elif family in ("c_lr2", "c_shared"):
+        f, c = (0.01, 0.0) if family == "c_lr2" else (0.5, None)
+    else:
+        raise ValueError(f"unknown planted family {family!r}; valid: {', '.join(FAMILIES)} (and a<f>, d<c>_<f>, "
+                         f"n<w>_<f>, r1_<f>, b<s>, bn<w>)")
+    if family == "c_lr2":
+        b = torch.randn(r, 2, generator=gen, dtype=torch.float64) / math.sqrt(2)
+    elif c is None:  # one shared direction
+        b = torch.ones(r, 1, dtype=torch.float64)
+    else:
+        b = torch.where(labels[:, None], torch.tensor([1.0, 0.0], dtype=torch.float64),
+                        torch.tensor([c, math.sqrt(1 - c * c)], dtype=torch.float64))
+    sigma = math.sqrt(f / (1 - f))
+    q = b.shape[1]
+    y = torch.randn(r, q, generator=gen, dtype=torch.float64) / math.sqrt(dim)
+    wn = wishart(r, dim - q, 1, gen)[0] / dim
+    by = b @ y.T
+    gram = b @ b.T + sigma * (by + by.T) + sigma**2 * (y @ y.T + wn)
+    return gram * torch.outer(scale, scale), rewards
+
+
+def _advantages(rewards: torch.Tensor) -> torch.Tensor:
+    r = rewards.shape[0]
+    return grpo_advantages(rewards[None], torch.ones(1, r, dtype=torch.bool))[0]
+
+
+def population_shares(family: str, r: int, noise: float | None = None, size: int = 1500, seed: int = 99
+                      ) -> tuple[float, float]:
+    """(E₂, E₁): the population means over ``size`` planted groups of G1's top-2 and top-1 energy shares."""
+    gen = torch.Generator().manual_seed(seed)
+    grams, advs = zip(*((g, _advantages(rw)) for g, rw in (planted_group(family, r, PLANTED_DIM, gen, noise)
+                                                          for _ in range(size))))
+    a = torch.stack(advs)  # [size, R]
+    lam = torch.linalg.eigvalsh(torch.stack(grams) * a[:, :, None] * a[:, None, :]).clamp(min=0).flip(-1)
+    total = lam.sum(-1).clamp(min=1e-300)  # G1 G1ᵀ's eigenvalues are the energies: E_k = Σ_{j<=k} λ_j / Σ λ
+    return float(((lam[:, 0] + lam[:, 1]) / total).mean()), float((lam[:, 0] / total).mean())
+
+
+def boundary_noise(r: int, target: float = 0.9, size: int = 1000) -> float:
+    """The noise share f of rank 2 + noise whose population E₂ is ``target`` (bisection, common random numbers)."""
+    lo, hi = 0.0, 0.6
+    for _ in range(11):
+        mid = 0.5 * (lo + hi)
+        if population_shares("boundary", r, mid, size=size)[0] > target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def analysed_pool(family: str, r: int, size: int, dim: int, seed: int, noise: float | None = None
+                  ) -> list[dict[str, float]]:
+    """``size`` planted groups of ``family`` through :func:`grpo_lens.analysis.group.analyse_group` (the product's
+    per-group path; GRPO advantages with the trainer's defaults; ``null_dim`` = dim)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [analyse_group(g, rw, _advantages(rw), null_dim=dim, num_random=1, seed=seed + i)
+            for i, (g, rw) in enumerate(planted_group(family, r, dim, gen, noise) for _ in range(size))]
+
+
+#: the summary keys the per-group claims print (the rest of a probe's summary is not read by them)
+_SUMMARY_KEYS = (ZERO_SUM_SPAN_ENERGY, ZERO_SUM_COS_GAP_EXCESS)
+
+
+def probe_of(groups_by_r: dict[int, list[dict[str, float]]], dim: int | None = None) -> dict[str, Any]:
+    """A probe.json-shaped dict of per-group rows (exact gradients), as :func:`grpo_lens.probe.run` writes it."""
+    return {"meta": {"gradients": "exact", "parameters": dim},
+            "per_group_size": {str(r): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows, keys=_SUMMARY_KEYS)}
+                               for r, rows in groups_by_r.items()}}
+
+
+def _draw(pool: list[Any], n: int, gen: torch.Generator) -> list[Any]:
+    return [pool[int(i)] for i in torch.randperm(len(pool), generator=gen)[:n]]
+
+
+def _shares(verdicts: list[str]) -> dict[str, float]:
+    t = max(len(verdicts), 1)
+    return {"holds": sum(v == HOLDS for v in verdicts) / t,
+            "does_not_hold": sum(v == DOES_NOT_HOLD for v in verdicts) / t}
+
+
+def _theta(pool: list[dict[str, float]]) -> float:
+    """θ of the cosine Gram over a pool (its population value): Σ excess / Σ (1 − relabelling mean)."""
+    rows = [g for g in pool if g.get(ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS) is not None]
+    room = sum(1 - g[ZERO_SUM_UNIT_SPAN_ENERGY_NULL] for g in rows)
+    return sum(g[ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS] for g in rows) / room if room > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the per-group rules (probe)
+# ---------------------------------------------------------------------------------------------------------------------
+def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -> tuple[list[dict[str, Any]], str]:
+    """One family's rows of the rank and mechanism rules (a worker's unit: its own seeds, so the rows do not depend on
+    which worker ran it or in which order)."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    index = list(FAMILIES).index(fam) if fam in FAMILIES else len(FAMILIES)
+    gen = torch.Generator().manual_seed(config.seed + 7919 * (index + 1))
+    pools, shares, thetas = {}, {}, {}
+    for r in config.group_sizes:
+        pools[r] = analysed_pool(fam, r, config.pool, PLANTED_DIM, config.seed + 1000 * r, noise.get(r))
+        shares[r] = population_shares(fam, r, noise.get(r))
+        thetas[r] = _theta(pools[r])
+    # the boundary's E₂ = 0.9 is not above 0.9: not rank 2 by definition
+    rank2 = has_rank2_signal(fam) and fam != "boundary" and all(e2 > 0.9 > e1 for e2, e1 in shares.values())
+    labels = label_directions(fam) and all(th >= NEGLIGIBLE_SHARE for th in thetas.values())
+    pop = "; ".join(f"R = {r}: E₂ {e2:.3f}, E₁ {e1:.3f}, θ {thetas[r]:.3f}" for r, (e2, e1) in shares.items())
+    if fam == "boundary":
+        pop += "; noise shares " + ", ".join(f"{noise[r]:.3f} (R = {r})" for r in config.group_sizes)
+    out = []
+    for cell in config.group_cells:
+        ns = {r: GROUP_CELLS[cell].get(r, cell) for r in config.group_sizes}
+        rank_v, zs_v = [], []
+        for _ in range(config.trials):
+            p = probe_of({r: _draw(pools[r], ns[r], gen) for r in config.group_sizes}, PLANTED_DIM)
+            rank_v += [c.verdict for c in CLAIMS.get("erank_near_two")(p)]
+            zs_v += [c.verdict for c in CLAIMS.get("zero_sum_rank_two")(p)]
+        base = {"family": fam, "R": "/".join(map(str, config.group_sizes)), "n": cell,
+                "groups": " / ".join(str(ns[r]) for r in config.group_sizes), "unit": "groups per R",
+                "population": pop}
+        out.append({**base, "rule": RANK_RULE_ID, "truth": "true" if rank2 else "false", **_shares(rank_v)})
+        out.append({**base, "rule": ZERO_SUM_RULE_ID, "truth": "true" if labels else "false", **_shares(zs_v)})
+    return out, f"calibrate: {fam}: {time.perf_counter() - t0:.1f} s ({pop})"
+
+
+def calibrate_group_rules(config: CalibrationConfig, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Rows of the rank rule and the mechanism rule over the planted families: one truth per family and claim; the
+    families run on ``config.workers`` processes."""
+    noise = {r: boundary_noise(r) for r in config.group_sizes} if "boundary" in config.families else {}
+    out: list[dict[str, Any]] = []
+    if config.workers > 1 and len(config.families) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context("fork")) as ex:
+            results = list(ex.map(_family_rows, config.families, [config] * len(config.families),
+                                  [noise] * len(config.families)))
+    else:
+        results = [_family_rows(fam, config, noise) for fam in config.families]
+    for rows, line in results:
+        log(line)
+        out += rows
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the training-run rules
+# ---------------------------------------------------------------------------------------------------------------------
+def _ar(n: int, phi: float, gen: torch.Generator) -> list[float]:
+    """n values of a stationary AR(1) with unit marginal variance (φ < 1) or a random walk of unit steps (φ = 1)."""
+    z = torch.randn(n, generator=gen, dtype=torch.float64).tolist()
+    out = [z[0]]
+    for e in z[1:]:
+        out.append(out[-1] + e if phi >= 1 else phi * out[-1] + math.sqrt(1 - phi * phi) * e)
+    return out
+
+
+#: the default schedule's lens steps (30 steps, lens every 5: the first, every 5th and the last)
+LENS_STEPS = (1, 5, 10, 15, 20, 25, 30)
+
+
+def _sparsity_records(kind: str, phi: float, gen: torch.Generator, size: int = 4096) -> list[dict[str, float]]:
+    """metrics.jsonl-shaped lens records of a planted gradient-Hoyer sequence on :data:`LENS_STEPS`: "ar" a flat
+    Hoyer 0.3 plus AR(1) noise (SD 0.02) with lens-to-lens correlation φ; "rising" 0.30 -> 0.45 plus that noise;
+    "groups" the Hoyer of a sum of m per-group gradients (each 70% zeros on a random support, m = 8, 7, 6, 4, 3, 2, 1),
+    whose per-group sparsity is constant."""
+    n = len(LENS_STEPS)
+    if kind == "groups":
+        recs = []
+        for step, m in zip(LENS_STEPS, (8, 7, 6, 4, 3, 2, 1)):
+            g = sum(torch.randn(size, generator=gen, dtype=torch.float64) * (torch.rand(size, generator=gen) < 0.3)
+                    for _ in range(m))
+            recs.append({STEP: float(step), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: float(m),
+                         SPARSITY_GRAD_HOYER: weighted_hoyer(g)})
+        return recs
+    noise = _ar(n, phi, gen)
+    base = [0.3 + (0.15 * i / (n - 1) if kind == "rising" else 0.0) for i in range(n)]
+    return [{STEP: float(s), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: 4.0, SPARSITY_GRAD_HOYER: b + 0.02 * e}
+            for s, b, e in zip(LENS_STEPS, base, noise)]
+
+
+def _s1_records(kind: str, phi: float, gen: torch.Generator, steps: int = 30, groups: int = 4, r: int = 8
+                ) -> list[dict[str, float]]:
+    """Records of S1 per step: ``groups`` prompts per step with success rates p = Φ(mean + 0.8 z_t + 0.6 e) over an
+    AR(1) z_t of correlation φ between steps (the model's accuracy drifting) and a per-prompt e; "rising" pushes
+    the mean up so that S1 goes from about 0.35 to 0.85 (R = 8)."""
+    z = _ar(steps, phi, gen)
+    recs = []
+    for step in range(1, steps + 1):
+        mu = 2.2 * (step - 1) / (steps - 1) if kind == "rising" else 0.0
+        e = torch.randn(groups, generator=gen, dtype=torch.float64)
+        lat = mu + (0.8 * z[step - 1] if kind == "ar" else 0.0) + (0.6 if kind == "ar" else 1.0) * e
+        p = torch.special.ndtr(lat)
+        correct = (torch.rand(groups, r, generator=gen, dtype=torch.float64) < p[:, None]).sum(1)
+        recs.append({STEP: float(step), REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == r))
+                                                                           .double().mean())})
+    return recs
+
+
+def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of the gradient-sparsity trend and the S1 trend on the default schedule (30 steps, lens every 5), flat
+    cases with autocorrelated steps included."""
+    out = []
+    gen = torch.Generator().manual_seed(config.seed + 7)
+    trend = CLAIMS.get("sparsity_intensifies")
+    for fam, (truth, kind, phi) in SPARSITY_TRENDS.items():
+        vs = [trend({"records": _sparsity_records(kind, phi, gen)})[0].verdict for _ in range(config.trials)]
+        out.append({"rule": SPARSITY_RULE_ID, "family": fam, "R": "–", "n": len(LENS_STEPS) - 1,
+                    "unit": "lens steps", "truth": "true" if truth else "false", **_shares(vs)})
+    s1 = CLAIMS.get("zero_variance_share_rises")
+    for fam, (truth, kind, phi) in S1_TRENDS.items():
+        vs = [s1({"records": _s1_records(kind, phi, gen)})[0].verdict for _ in range(config.trials)]
+        out.append({"rule": S1_RULE_ID, "family": fam, "R": 8, "n": 30, "unit": "steps",
+                    "truth": "true" if truth else "false", **_shares(vs)})
+    return out
+
+
+def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of "rank stays ≈ 2": planted lens runs of 7 lens steps at R = 8, each step's rows drawn from a planted
+    pool and aggregated as the lens does (:func:`grpo_lens.analysis.group.mean_over_groups`,
+    :func:`grpo_lens.analysis.group.lens_rank_intervals`)."""
+    gen = torch.Generator().manual_seed(config.seed + 29)
+    good = analysed_pool("a0.01", 8, config.pool, PLANTED_DIM, config.seed + 31)
+    bad = analysed_pool("a0.25", 8, config.pool, PLANTED_DIM, config.seed + 37)
+    rule = CLAIMS.get("rank_stays_near_two")
+    out = []
+    for fam, (truth, m, bad_step) in STAYS_FAMILIES.items():
+        vs = []
+        for _ in range(config.trials):
+            recs = []
+            for i, step in enumerate(LENS_STEPS):
+                pool = bad if bad_step == "all" or (bad_step and i == 3) else good
+                rows = _draw(pool, m, gen)
+                recs.append({STEP: float(step), RANK_MIXED_GROUPS: float(m), **mean_over_groups(rows),
+                             **lens_rank_intervals(rows)})
+            vs.append(rule({"records": recs})[0].verdict)
+        out.append({"rule": STAYS_RULE_ID, "family": fam, "R": 8, "n": m, "unit": "mixed groups per lens step",
+                    "truth": "true" if truth else "false", **_shares(vs)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# studies and the lens's S4 sampler
+# ---------------------------------------------------------------------------------------------------------------------
+#: per-tensor offsets of the zero share around a family's share (the tensors differ, as layers do: the stratified SE
+#: matters); norms get no update at all
+_S4_TENSOR_OFFSETS = {"embed_tokens": 0.05, "q_proj": -0.2, "up_proj": 0.1, "down_proj": -0.1}
+
+#: weights of :func:`planted_update_model`
+PLANTED_UPDATE_WEIGHTS = 256 * 64 + 64 * 64 + 2 * 128 * 64 + 2 * 64
+
+#: weights the S4 calibration's lens samples (the default lens samples 2^19 of a real model: wider intervals here)
+S4_SAMPLE = 4000
+
+
+def planted_update_model(gen: torch.Generator) -> torch.nn.Module:
+    """A small model with the parameter names of a decoder (embedding, q_proj, up/down_proj, a norm; 36,992 weights),
+    weights N(0, 0.02²) like an initialised LM (norm weight 1, bias 0), for the S4 calibration."""
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.embed_tokens = torch.nn.Embedding(256, 64)
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.q_proj = torch.nn.Linear(64, 64, bias=False)
+    layer.mlp = torch.nn.Module()
+    layer.mlp.up_proj = torch.nn.Linear(64, 128, bias=False)
+    layer.mlp.down_proj = torch.nn.Linear(128, 64, bias=False)
+    root.model.layers = torch.nn.ModuleList([layer])
+    root.model.norm = torch.nn.LayerNorm(64)
+    with torch.no_grad():
+        for name, p in root.named_parameters():
+            if ".norm." not in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return root
+
+
+def _s4_trial(family: tuple[str, float, float, float], gen: torch.Generator, seed: int) -> tuple[dict[str, float],
+                                                                                                   float]:
+    """(the lens record after one planted update since the start, the whole model's float32-unchanged share): the
+    update goes through :class:`grpo_lens.train.sparsity.SparsityOverTraining` as the trainer's optimizer step does."""
+    from grpo_lens.train.sparsity import (
+        SparsityOverTraining,  # the lens's own sampler: the path under test
+    )
+
+    _, zero, scale, sigma = family
+    model = planted_update_model(gen)
+    lens = SparsityOverTraining(model, size=S4_SAMPLE, min_per_tensor=128, seed=seed)
+    lens.before_step()
+    unchanged = total = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind = next((k for k in _S4_TENSOR_OFFSETS if k in name), None)
+            if kind is None:  # the norm: no update
+                share = 1.0
+            else:
+                share = min(max(zero + _S4_TENSOR_OFFSETS[kind], 0.0), 1.0) if zero else 0.0
+            d = scale * torch.randn(p.shape, generator=gen) * torch.exp(sigma * torch.randn(p.shape, generator=gen))
+            d = d * (torch.rand(p.shape, generator=gen) >= share)
+            new = p + d
+            unchanged += int((new == p).sum())
+            total += p.numel()
+            p.copy_(new)
+    return {STEP: 30.0, PERF_LENS_SECONDS: 0.0, **lens.after_step()}, unchanged / total
+
+
+def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of "most parameters unchanged" (S4): planted updates of a small model (:data:`S4_FAMILIES`) through the
+    lens's sample and :func:`grpo_lens.claims.sparsity.most_parameters_unchanged`; each trial draws a new model,
+    update and sample. Truth per trial: the whole model's float32-unchanged share > 0.5 (exact, every weight); also
+    the coverage of the rule's 95% interval of that share (stratified SE)."""
+    rule = CLAIMS.get("most_parameters_unchanged")
+    gen = torch.Generator().manual_seed(config.seed + 13)
+    out = []
+    for i, fam in enumerate(config.s4_families):
+        verdicts, truths, covered, bf16, perm, dense, zs = [], [], 0, [], [], [], []
+        for t in range(config.trials):
+            rec, z = _s4_trial(fam, gen, seed=config.seed + 1000 * i + t)
+            verdicts.append(rule({"records": [rec]})[0].verdict)
+            truths.append(z > 0.5)
+            zs.append(z)
+            est, se = rec[SPARSITY_UPDATE_TOTAL_F32_UNCHANGED], rec[SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE]
+            covered += abs(est - z) <= 1.96 * se
+            bf16.append(rec[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
+            perm.append(rec[SPARSITY_UPDATE_TOTAL_BF16_PERMUTED])
+            dense.append(rec[SPARSITY_UPDATE_TOTAL_BF16_DENSE])
+        if len(set(truths)) > 1:
+            raise RuntimeError(f"S4 family {fam[0]!r}: the truth differs between trials; move it off 0.5")
+        mean = lambda v: sum(v) / len(v)  # noqa: E731
+        out.append({"rule": S4_RULE_ID, "family": fam[0], "R": "–",
+                    "n": S4_SAMPLE, "unit": "sampled weights", "truth": "true" if truths[0] else "false",
+                    "bf16_unchanged": mean(bf16), "bf16_permuted": mean(perm), "bf16_dense": mean(dense),
+                    "f32_unchanged": mean(zs), "f32_coverage": covered / config.trials, **_shares(verdicts)})
+    return out
+
+
+def _mc_rollout(p: tuple[float, ...], reward: float, adv: float, k: int, gen: torch.Generator) -> dict[str, Any]:
+    """One rollout's Monte Carlo row as :func:`grpo_lens.probe.studies.run_credit_study` writes it: each prefix's
+    value from K Bernoulli(p) continuations (mean, sample std / √K, as
+    :func:`grpo_lens.gradients.token_credit.prefix_values`), then
+    :func:`grpo_lens.formulas.credit.segment_advantages`."""
+    draws = (torch.rand(len(p), k, generator=gen, dtype=torch.float64) < torch.tensor(p)[:, None]).double()
+    values, errors = draws.mean(1), draws.std(1, unbiased=True) / math.sqrt(k)
+    seg_adv, seg_err = segment_advantages(values, errors, reward)
+    return {"reward": reward, "grpo_advantage": adv, "values": values.tolist(), "errors": errors.tolist(),
+            "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist()}
+
+
+def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of the Monte Carlo credit rule (:func:`grpo_lens.claims.credit.monte_carlo_credit`): planted true values
+    at the prefixes (:data:`MC_FAMILIES`), K = 8 continuations per prefix (the probe's default), the study's own segment
+    counting (``grpo_lens.formulas.credit.segment_counts``) and the registered claim. Truth: the paper's prediction
+    (some segments oppose A_i) is true only where the planted values make a segment oppose A_i's sign."""
+    rule = CLAIMS.get("monte_carlo_credit")
+    gen = torch.Generator().manual_seed(config.seed + 17)
+    k = 8
+    out = []
+    for fam, (truth, p_correct, p_wrong) in config.mc_families.items():
+        for n in config.mc_rollouts:
+            verdicts = []
+            for _ in range(config.trials):
+                rows = []
+                for i in range(n):
+                    rows.append(_mc_rollout(p_correct, 1.0, 1.0, k, gen) if i % 2 == 0
+                                else _mc_rollout(p_wrong, 0.0, -1.0, k, gen))
+                credit = {"monte_carlo": {"rollouts": rows, "samples_per_prefix": k,
+                                          "segments": segment_counts(rows)}}
+                verdicts.append(rule({"studies": {"credit": credit}})[0].verdict)
+            out.append({"rule": MC_RULE_ID, "family": fam, "R": "–",
+                        "n": n, "unit": "rollouts", "truth": "true" if truth else "false",
+                        **_shares(verdicts)})
+    return out
+
+
+
+
+def _baseline_pool(family: str, size: int, seed: int, r: int = 4, k: int = 64) -> list[dict[str, Any]]:
+    """``size`` planted prompts through :func:`grpo_lens.formulas.baselines.baseline_prompt` (M = 4R rollouts,
+    rewards Bernoulli(0.5), gradient terms g = ±μ/2 + noise in R^k: the score's mean direction μ (‖μ‖ = 1) splits
+    by class so E[g] = 0, noise N(0, I/k) scaled by the family's factor for correct rollouts; the probe's 256
+    resampled groups)."""
+    _, scale, spread = BASELINE_FAMILIES[family]
+    gen = torch.Generator().manual_seed(seed)
+    mu = torch.randn(k, generator=gen, dtype=torch.float64)
+    mu = mu / mu.norm()
+    out = []
+    for j in range(size):
+        rewards = (torch.rand(4 * r, generator=gen) < 0.5).double()
+        noise = torch.randn(4 * r, k, generator=gen, dtype=torch.float64) / math.sqrt(k)
+        if spread:  # correct rollouts' noise scaled by s_i, s_i² ~ Exponential(1): E s_i² = 1, equal means
+            noise = noise * torch.where(rewards[:, None] == 1, torch.empty(4 * r, 1, dtype=torch.float64).exponential_(
+                generator=gen).sqrt(), torch.ones(4 * r, 1, dtype=torch.float64))
+        g = torch.where(rewards[:, None] == 1, 0.5 * mu + scale * noise, -0.5 * mu + noise)
+        res = baseline_prompt(g, rewards, r, num_resamples=256, seed=seed + j)
+        if res is not None:
+            out.append(res)
+    return out
+
+
+def calibrate_baseline_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Rows of :func:`grpo_lens.claims.baselines.group_mean_optimal`: a pool of planted prompts per family analysed
+    once by the study's per-prompt body; each trial draws n prompts, summarises them with the study's own summary
+    (:func:`grpo_lens.formulas.baselines.summarise_baseline_prompts`) and applies the registered claim."""
+    rule = CLAIMS.get("group_mean_optimal")
+    gen = torch.Generator().manual_seed(config.seed + 19)
+    out = []
+    for i, (fam, (truth, _, _)) in enumerate(config.baseline_families.items()):
+        pool = _baseline_pool(fam, config.pool, config.seed + 100 * i)
+        for n in config.baseline_prompts:
+            verdicts = []
+            for _ in range(config.trials):
+                study = summarise_baseline_prompts(_draw(pool, n, gen))
+                probe = {"studies": {"baselines": {"baselines": study, "meta": {"group_size": 4}}}}
+                verdicts.append(rule(probe)[0].verdict)
+            out.append({"rule": BASELINE_RULE_ID, "family": fam, "R": 4, "n": n, "unit": "prompts",
+                        "truth": "true" if truth else "false", **_shares(verdicts)})
+    return out
+
+
+def interval_coverage(config: CalibrationConfig) -> list[dict[str, Any]]:
+    """Coverage of :func:`grpo_lens.formulas.stats.mean_interval` (nominal 0.95) at n = 8, 22, 34 on normal,
+    log-normal (σ = 1) and zero-inflated data (60% zeros, log-normal otherwise), with its one-sided misses."""
+    gen = torch.Generator().manual_seed(config.seed + 11)
+    samplers = {
+        "normal": (lambda n: torch.randn(n, generator=gen, dtype=torch.float64), 0.0),
+        "log-normal": (lambda n: torch.exp(torch.randn(n, generator=gen, dtype=torch.float64)), math.exp(0.5)),
+        "zero-inflated": (lambda n: (torch.rand(n, generator=gen) < 0.4).double()
+                          * torch.exp(torch.randn(n, generator=gen, dtype=torch.float64)), 0.4 * math.exp(0.5)),
+    }
+    out = []
+    for name, (draw, mu) in samplers.items():
+        for n in (8, 22, 34):
+            lo_miss = hi_miss = 0
+            for _ in range(config.coverage_trials):
+                ci = mean_interval(draw(n).tolist())
+                lo_miss += ci["lo"] > mu
+                hi_miss += ci["hi"] < mu
+            t = config.coverage_trials
+            out.append({"data": name, "n": n, "coverage": 1 - (lo_miss + hi_miss) / t, "miss_below": hi_miss / t,
+                        "miss_above": lo_miss / t})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# levels, the table, the run
+# ---------------------------------------------------------------------------------------------------------------------
+def _level_power(row: dict[str, Any]) -> tuple[float, float]:
+    """(level, power) of one row under its truth: the wrong verdict's share and the right one's."""
+    if row["truth"] == "true":
+        return row["does_not_hold"], row["holds"]
+    return row["holds"], row["does_not_hold"]
+
+
+def _rule_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for key in ("group_rules", "training_rules", "stays_rules", "update_rules", "credit_rules",
+                            "baseline_rules") for row in result.get(key, [])]
+
+
+def rule_levels(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """{rule id: {n: {"level": the worst level over its families at n, "power": the lowest power over its true
+    families at n (None without one), "unit", "families"}}}: what the report prints beside each row."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in _rule_rows(result):
+        level, power = _level_power(row)
+        cell = out.setdefault(row["rule"], {}).setdefault(str(row["n"]), {"level": 0.0, "power": None,
+                                                                          "unit": row.get("unit", ""), "families": 0})
+        cell["level"] = max(cell["level"], level)
+        cell["families"] += 1
+        if row["truth"] == "true":
+            cell["power"] = power if cell["power"] is None else min(cell["power"], power)
+    return out
+
+
+def _worst(result: dict[str, Any]) -> dict[str, Any]:
+    """The summary: the worst level over every rule and family (and where), the power of each rule at the probe's
+    default n (its largest calibrated n for the training and study rules), the lowest interval coverage."""
+    rows = _rule_rows(result)
+    worst = max(rows, key=lambda r: _level_power(r)[0], default=None)
+    levels = rule_levels(result)
+    power = {}
+    for rule, cells in levels.items():
+        n = "22" if "22" in cells else max(cells, key=lambda k: float(k))
+        power[rule] = (n, cells[n]["power"], cells[n]["unit"])
+    return {"level": _level_power(worst)[0] if worst else 0.0,
+            "where": f"{worst['rule']}, {worst['family']}, n = {worst['n']}" if worst else "",
+            "power": power, "coverage": min([r["coverage"] for r in result.get("coverage", [])], default=1.0)}
+
+
+def _cells(row: dict[str, Any]) -> tuple[str, str]:
+    level, power = _level_power(row)
+    wrong, right = ("does not hold", "holds") if row["truth"] == "true" else ("holds", "does not hold")
+    return f"{wrong} {level:.3f}", f"{right} {power:.3f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The markdown of a calibration result (what docs/calibration.md holds)."""
+    meta = result["meta"]
+    worst = _worst(result)
+    lines = [
+        "# Calibration of the verdict rules",
+        "",
+        f"Written by `grpo-lens calibrate` ({meta['mode']}) on {meta['date']}, machine {meta['machine']}, "
+        f"{meta['cpus']} CPUs ({meta.get('workers', 1)} worker processes of one thread each), load average "
+        f"{meta['load_before']} before and {meta['load_after']} after (a shared machine); "
+        f"{meta['seconds']:.0f} s wall, "
+        f"{meta.get('cpu_seconds', float('nan')):.0f} s CPU over all processes. {meta['trials']} trials per cell; "
+        f"each trial draws n "
+        f"groups per R from a pool of {meta['pool']} planted groups per (family, R) analysed by `analyse_group` "
+        f"(P = {PLANTED_DIM}), then the registered claim decides once across R. One truth per family and claim, "
+        f"from what was planted (module docstring of `grpo_lens.calibrate`): level = the wrong verdict's share "
+        f"under it (target <= 0.05, <= 0.08 allowing binomial noise at 200 trials), power = the right one's "
+        f"(target >= 0.80). Each rule decides at 0.025 per branch on its own; the report's table is decided under "
+        f"Holm at a family-wise 0.05 on top (docs/theory.md §11).",
+        "",
+        "Regenerate: `grpo-lens calibrate --out runs/calibration` writes this file as runs/calibration/calibration.md "
+        "(copy it to docs/calibration.md) and levels.json (copy it to grpo_lens/data/calibration_levels.json, which "
+        "the report reads); `--quick` is a seconds-long smoke run; `--planted FILE.npz` runs your own cases.",
+        "",
+        "## Summary",
+        "",
+        f"Worst level over every rule and family: {worst['level']:.3f} ({worst['where']}); lowest interval coverage "
+        f"{worst['coverage']:.3f}.",
+        "",
+        "| rule | n | power (lowest over its true families) |",
+        "|---|---|---|",
+    ]
+    for rule, (n, p, unit) in worst["power"].items():
+        lines.append(f"| {rule} | {n} {unit} | {'–' if p is None else f'{p:.3f}'} |")
+    lines += ["", "## Rules on per-group rows (probe): rank ≈ 2 and the labels structure G1", "",
+              "Families: " + "; ".join(f"`{k}` {v}" for k, v in FAMILIES.items() if k in meta.get("families", FAMILIES))
+              + ". Population values (E₂, E₁ over 1500 planted groups; θ of the cosine Gram over the pool) after "
+              "each family's rows.", "",
+              "| rule | family | groups (R = 4 / 8) | truth | level (wrong verdict) | power (right verdict) |",
+              "|---|---|---|---|---|---|"]
+    for row in result["group_rules"]:
+        level, power = _cells(row)
+        lines.append(f"| {row['rule']} | {row['family']} | {row['groups']} | {row['truth']} | {level} | {power} |")
+    lines += [""] + [f"- `{fam}`: {pop}" for fam, pop in dict.fromkeys(
+        (r["family"], r["population"]) for r in result["group_rules"])]
+    sections = [("training_rules", "Trends on a training run's records (first-difference slope test)"),
+                ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps)"),
+                ("update_rules", "Most parameters unchanged (S4), on a planted update through the lens's sampler"),
+                ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K = 8)"),
+                ("baseline_rules", "The group mean is the variance-optimal baseline (M = 16, R = 4, 256 resamples)")]
+    for key, title in sections:
+        if not result.get(key):
+            continue
+        lines += ["", f"## {title}", "", "| rule | planted case | n | truth | level (wrong verdict) | power |",
+                  "|---|---|---|---|---|---|"]
+        for row in result[key]:
+            level, power = _cells(row)
+            lines.append(f"| {row['rule']} | {row['family']} | {row['n']} {row.get('unit', '')} | {row['truth']} | "
+                         f"{level} | {power} |")
+    lines += ["", "## Rows without a verdict (descriptive) and checks", "",
+              "- `zero_sum_g2_weighting` (G2 stable rank under A against weightings that are not zero-sum): "
+              "descriptive; its 0.2 rule said *does not hold* whether the zero-sum constraint was irrelevant or "
+              "decisive, so it has no calibrated verdict.",
+              "- `uniform_token_credit` (update shares against NLL weights): descriptive; its NLL control is not "
+              "zero-sum and the paper does not make this claim.",
+              "- Erank, stable rank, participation ratio, k90, k99: printed beside E₂, without verdicts.",
+              "- `identity`, `identical_token_advantage`: checks (algebra with a control), not tests.",
+              "", "## Interval coverage (`mean_interval`, nominal 0.95)", "",
+              "| data | n | coverage | upper end below the mean | lower end above the mean |", "|---|---|---|---|---|"]
+    for row in result.get("coverage", []):
+        lines.append(f"| {row['data']} | {row['n']} | {row['coverage']:.3f} | {row['miss_below']:.3f} | "
+                     f"{row['miss_above']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: str = "full",
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every calibration and return {meta, group_rules, training_rules, stays_rules, update_rules,
+    credit_rules, baseline_rules, coverage, levels}; with ``out``, also write OUT/calibration.json,
+    OUT/calibration.md (the table) and OUT/levels.json (:func:`rule_levels`)."""
+    t0, load0 = time.perf_counter(), _load()
+    cpu0 = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # [R, R] matrices: one thread is ~3x faster than several (thread start-up per op)
+    try:
+        result: dict[str, Any] = {"group_rules": calibrate_group_rules(config, log)}
+        if config.training:
+            result["training_rules"] = calibrate_training_rules(config)
+            result["stays_rules"] = calibrate_stays_rules(config)
+        result.update(update_rules=calibrate_update_rules(config), credit_rules=calibrate_credit_rules(config),
+                      baseline_rules=calibrate_baseline_rules(config), coverage=interval_coverage(config))
+    finally:
+        torch.set_num_threads(threads)
+    cpu = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) - cpu0
+    result["meta"] = {"mode": mode, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      "cpu_seconds": cpu, "workers": config.workers,
+                      "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+                      "cpus": os.cpu_count(), "load_before": load0, "load_after": _load(),
+                      "seconds": time.perf_counter() - t0, "trials": config.trials, "pool": config.pool,
+                      "coverage_trials": config.coverage_trials, "seed": config.seed,
+                      "families": list(config.families)}
+    result["levels"] = rule_levels(result)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calibration.json").write_text(json.dumps(result, indent=1))
+        (out / "calibration.md").write_text(render(result))
+        (out / "levels.json").write_text(json.dumps(result["levels"], indent=1, sort_keys=True))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bring your own planted cases
+# ---------------------------------------------------------------------------------------------------------------------
+class PlantedFileError(ValueError):
+    """A ``--planted`` file whose arrays are missing or malformed (one line, naming the array and the shape)."""
+
+
+def read_planted(path: Path) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """(gram [trials, n, R, R] float64, rewards [trials, n, R], dim or None) from a ``.npz`` file, checked.
+
+    Raises:
+        PlantedFileError: a missing or unreadable file, a missing array, or a shape or value that is not the one
+            expected (the message names the array and the expected shape).
+    """
+    import numpy as np  # optional at import time: only this command reads .npz files
+
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise PlantedFileError(f"{path}: not a readable .npz file ({e})") from None
+    for name in ("gram", "rewards"):
+        if name not in data.files:
+            raise PlantedFileError(f"{path}: array '{name}' is missing; expected gram [trials, n, R, R] float64 and "
+                                   f"rewards [trials, n, R] (optional dim)")
+    gram, rewards = data["gram"], data["rewards"]
+    if gram.ndim != 4 or gram.shape[2] != gram.shape[3] or gram.shape[2] < 2:
+        raise PlantedFileError(f"{path}: array 'gram' has shape {list(gram.shape)}; expected [trials, n, R, R] "
+                               f"float64 with R >= 2")
+    if gram.dtype != np.float64:
+        raise PlantedFileError(f"{path}: array 'gram' has dtype {gram.dtype}; expected [trials, n, R, R] float64")
+    t, n, r, _ = gram.shape
+    if tuple(rewards.shape) != (t, n, r):
+        raise PlantedFileError(f"{path}: array 'rewards' has shape {list(rewards.shape)}; expected [trials, n, R] = "
+                               f"[{t}, {n}, {r}] (as gram)")
+    if not (np.isfinite(gram).all() and np.isfinite(rewards).all()):
+        raise PlantedFileError(f"{path}: arrays 'gram' and 'rewards' must be finite")
+    if not np.allclose(gram, gram.transpose(0, 1, 3, 2), rtol=1e-8, atol=1e-12):
+        raise PlantedFileError(f"{path}: array 'gram' is not symmetric in its last two axes; expected "
+                               f"[trials, n, R, R] Gram matrices <g_i, g_j>")
+    dim = None
+    if "dim" in data.files:
+        d = data["dim"]
+        if d.ndim != 0 or not float(d).is_integer() or int(d) < r:
+            raise PlantedFileError(f"{path}: array 'dim' is {d.tolist()!r}; expected a scalar integer P >= R = {r}")
+        dim = int(d)
+    return torch.from_numpy(gram), torch.from_numpy(rewards).double(), dim
+
+
+def run_planted(path: Path, out: Path, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """``grpo-lens calibrate --planted FILE.npz --out DIR``: each trial's groups through ``analyse_group`` (GRPO
+    advantages, ``null_dim`` = dim) and the per-group claims (rank, its mechanism), as the probe does; writes
+    DIR/planted.json, [{"claim", "R", "holds", "does_not_hold", "inconclusive", "trials", "groups"}]. The file is
+    checked before anything is written (:func:`read_planted`)."""
+    gram, rewards, dim = read_planted(path)
+    t, n, r, _ = gram.shape
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    verdicts: dict[str, list[str]] = {"erank_near_two": [], "zero_sum_rank_two": []}
+    try:
+        for i in range(t):
+            rows = [analyse_group(gram[i, j], rewards[i, j], _advantages(rewards[i, j]), null_dim=dim, seed=j)
+                    for j in range(n)]
+            p = probe_of({r: rows}, dim)
+            for name in verdicts:
+                claims = CLAIMS.get(name)(p)
+                verdicts[name].append(claims[0].verdict if claims else "inconclusive")
+    finally:
+        torch.set_num_threads(threads)
+    res = [{"claim": name, "R": r, **_shares(vs), "inconclusive": 1 - sum(_shares(vs).values()), "trials": t,
+            "groups": n} for name, vs in verdicts.items()]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "planted.json").write_text(json.dumps(res, indent=1))
+    log(f"planted: {t} trials of {n} groups at R = {r} (P = {dim or 'orthogonal null'}) -> {out / 'planted.json'}")
+    return res
