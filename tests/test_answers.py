@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-import grpo_lens.rewards as rewards_mod
+import grpo_lens.rewards.functions as reward_functions
 from grpo_lens.rewards import (
     combine_rewards,
     correctness,
@@ -57,18 +57,19 @@ def test_gsm8k_verdict_reads_the_marked_answer_with_and_without_math_verify(monk
     answers = ["1234", "72", "72", None]
     assert math_verify_available()  # the math extra is installed by `make test`
     assert task.correct(completions, answers) == [1.0, 1.0, 0.0, None]
-    monkeypatch.setattr(rewards_mod, "math_verify_available", lambda: False)
+    # patched where math_correctness_verdict looks it up (grpo_lens.rewards re-exports it from rewards.functions)
+    monkeypatch.setattr(reward_functions, "math_verify_available", lambda: False)
     monkeypatch.setattr("grpo_lens.tasks.gsm8k.math_verify_available", lambda: False)
     assert task.correct(completions, answers) == [1.0, 1.0, 0.0, None]
     with pytest.raises(ValueError, match="math-verify"):
-        rewards_mod.math_correctness_verdict(["1"], ["1"], use_math_verify=True)
+        reward_functions.math_correctness_verdict(["1"], ["1"], use_math_verify=True)
 
 
 def test_gsm8k_verdict_uses_math_verify():
     # math-verify is symbolic: 0.5 equals 1/2 in any notation; exact extraction agrees on numbers it can read.
     task = GSM8KTask()
     assert task.correct([r"#### \frac{1}{2}", r"\boxed{0.5}", r"#### \sqrt{4}"], ["0.5", "1/2", "2"]) == [1.0] * 3
-    assert rewards_mod.math_correctness_verdict([r"#### \sqrt{4}"], ["2"]) == [0.0]  # no symbolic step without it
+    assert reward_functions.math_correctness_verdict([r"#### \sqrt{4}"], ["2"]) == [0.0]  # no symbolic step without it
 
 
 def _batch(completions, answer, R):
@@ -124,10 +125,11 @@ def test_trainer_writes_the_verdicts_mean(tmp_path):
 
 def test_math_verify_missing_says_how_to_install(monkeypatch):
     # math-verify is installed in the test environment; hide it the way a machine without it looks.
-    registry = rewards_mod.Registry("reward function")
-    for name in rewards_mod.REWARDS.names():
+    # get_reward reads REWARDS in grpo_lens.rewards.functions, where it is defined: patch it there
+    registry = reward_functions.Registry("reward function")
+    for name in reward_functions.REWARDS.names():
         if name != "math_verify":
-            registry.register(name)(rewards_mod.REWARDS.get(name))
-    monkeypatch.setattr(rewards_mod, "REWARDS", registry)
+            registry.register(name)(reward_functions.REWARDS.get(name))
+    monkeypatch.setattr(reward_functions, "REWARDS", registry)
     with pytest.raises(ValueError, match="pip install"):
         get_reward("math_verify")

@@ -1,38 +1,22 @@
-"""Reward functions and how they combine into one reward per rollout.
+"""Calling reward functions as TRL does, and combining their weighted rewards into one reward per rollout.
 
-A reward function is called as TRL's GRPOTrainer calls it (:func:`call_reward_function`), so one written for TRL runs
-unchanged: by keyword, ``f(prompts=..., completions=..., completion_ids=..., <every dataset column>=...,
-trainer_state=..., log_extra=..., log_metric=...) -> list[float | None]``; it should take ``**kwargs``. ``prompts``,
-``completions``, ``completion_ids`` and each column hold one entry per rollout (N of them; a prompt is repeated for
-each of its R rollouts). Completions are strings for a string prompt (TRL's standard format) and
-``[{"role": "assistant", "content": text}]`` for a prompt of chat messages (TRL's conversational format; the
-built-in tasks give chat prompts). ``trainer_state`` has ``global_step`` and ``max_steps``; ``log_metric(name,
-value)`` logs ``reward/logged/<name>``. A function without ``**kwargs`` gets only the arguments it names, and one
-whose first two parameters are not called ``prompts`` and ``completions`` gets those two by position (the form
-``f(p, c, **columns)``). ``None`` (or NaN) marks a rollout the function does not apply to (TRL's "not applicable",
-its multi-task convention): that function is skipped for that rollout and the other functions' weighted rewards still
-sum; a rollout that every function returns None for is invalid and is left out of its group's advantage mean and std
-(docs/rewards.md). Each function gets its own copies of the prompts, completions and columns, so one that changes
-them changes nothing the next one sees. Dataset columns named like the reserved keywords (:data:`RESERVED_COLUMNS`)
-are refused when the task is built.
-
-Built in (:data:`REWARDS`): ``correctness`` (the final number equals the reference), ``format`` (a final answer is
-marked with ``####`` or ``\\boxed{}``), and ``math_verify`` when the ``math-verify`` package is installed.
+:func:`call_reward_function` calls one function by TRL's keyword convention, on copies of its arguments;
+:func:`combine_rewards` calls every function (each within ``timeout_s``, :func:`_call_with_timeout`), validates what
+it returns (:func:`reward_values`), skips None ("not applicable") and sums the weighted rewards; :func:`score_batch`
+does so for a :class:`~grpo_lens.rollout.RolloutBatch`; :func:`check_rewards_on_example` tries every function once
+before training. The conventions are in the package docstring (:mod:`grpo_lens.rewards`) and docs/rewards.md.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import inspect
-import numbers
 import logging
 import math
-import re
+import numbers
 import threading
 import time
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -49,17 +33,13 @@ from grpo_lens.metrics import (
     REWARD_STD,
     REWARD_TIMEOUT_COUNT,
 )
-from grpo_lens.registry import Registry
+from grpo_lens.rewards.functions import REWARDS, RewardFn, get_reward
 
 if TYPE_CHECKING:
     from grpo_lens.rollout import RolloutBatch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # "grpo_lens.rewards": log lines name the package, as before the split
 
-RewardFn = Callable[..., list]
-
-#: name -> reward function ``f(prompts, completions, **kwargs) -> list[float | None]``.
-REWARDS: Registry = Registry("reward function")
 
 #: The keyword arguments every reward function call carries besides the dataset columns (TRL's names): a dataset
 #: column of one of these names would collide with them, so tasks refuse it (:func:`check_column_names`).
@@ -142,336 +122,6 @@ def call_reward_function(fn: Callable, prompts: Sequence, completions: Sequence,
         keywords = {k: v for k, v in keywords.items() if k in names}
     return fn(*args, **keywords)
 
-# A number: an optional minus sign (not one joining two numbers as in "3-5"), digits, optional decimals; or ".5".
-_NUMBER = re.compile(r"(?:(?<![\w)\]}.])-)?(?:\d+(?:\.\d+)?|\.\d+)")
-# A value in running text: a LaTeX fraction (\frac, \dfrac, \tfrac with braced parts), optionally signed, or a number.
-_VALUE = re.compile(r"(?:(?<![\w)\]}.])-\s*)?\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}|" + _NUMBER.pattern)
-# Thousands separators only in a well-formed group: 1-3 digits, then one or more ",ddd", not touching another digit
-# or comma-digit on either side, nor a decimal point before it. "1,234,567" -> 1234567; "1,23,456", "1,2345", "3,4"
-# and "1.5,250" (a decimal, then another number) stay separate numbers.
-_THOUSANDS_GROUP = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?![\d]|,\d)")
-_FRACTION = re.compile(r"^\\[dt]?frac\s*\{(.*)\}\s*\{(.*)\}$")
-_FRACTION_SHORT = re.compile(r"^\\[dt]?frac\s*(\d)\s*(\d)$")  # \frac12
-_SCIENTIFIC = re.compile(r"(?:\d+(?:\.\d+)?|\.\d+)[eE][+-]?\d{1,4}")  # 1e3, 2.5E-2: a whole value only
-_SLASH_FRACTION = re.compile(r"^(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")
-_MINUS_SIGNS = ("\u2212", "\u2013", "\ufe63", "\uff0d")  # minus sign, en dash, small and fullwidth hyphen-minus
-
-
-def normalize_number_text(text: str) -> str:
-    """Drop what is not part of a number's value: ``$``, thousands commas in well-formed groups (``1,234`` ->
-    ``1234``, never merging separate numbers such as ``1,23,456`` or ``3,4``), and Unicode minus signs (-> ``-``)."""
-    for minus in _MINUS_SIGNS:
-        text = text.replace(minus, "-")
-    text = text.replace("\\$", "").replace("$", "")
-    return _THOUSANDS_GROUP.sub(lambda m: m.group(0).replace(",", ""), text)
-
-
-def _enclosing(text: str, open_: str, close: str) -> bool:
-    """True when ``text`` is ``open_ ... close`` with the first opener matched by the last closer."""
-    if not (text.startswith(open_) and text.endswith(close)) or len(text) < len(open_) + len(close):
-        return False
-    depth = 0
-    inner = text[len(open_):len(text) - len(close)]
-    for ch in inner:
-        depth += {"(": 1, "{": 1, ")": -1, "}": -1}.get(ch, 0)
-        if depth < 0:
-            return False
-    return depth == 0
-
-
-def _strip_wrappers(text: str) -> str:
-    """Remove spacing commands and wrappers around a whole value: ``\\left( ... \\right)``, ``( ... )``, ``{ ... }``."""
-    text = re.sub(r"\\[,!;: ]|~", "", text).strip()
-    while True:
-        for open_, close in (("\\left(", "\\right)"), ("(", ")"), ("{", "}")):
-            if _enclosing(text, open_, close):
-                text = text[len(open_):len(text) - len(close)].strip()
-                break
-        else:
-            return text
-
-
-def parse_number(text: str) -> Fraction | None:
-    """The exact value of a number string, or None.
-
-    Reads ``"18.0"``, ``"-3"``, ``"1,234"``, ``"1/2"``, ``"\\frac{1}{2}"`` (also ``\\dfrac``, ``\\tfrac``,
-    ``\\frac12``),
-    with a sign before any of them, before parentheses or ``\\left( ... \\right)``, written with the Unicode minus:
-    ``"-\\frac{1}{2}"``, ``"-\\dfrac{3}{4}"``, ``"-(5)"``, ``"\\left(-\\frac{1}{2}\\right)"``, ``"\u22123"``.
-    Exact (Fraction) so that ``18.0 == 18`` and float error never decides a reward.
-    """
-    text = _strip_wrappers(normalize_number_text(text).strip().rstrip("."))
-    sign = re.match(r"^([+-])\s*(.+)$", text)
-    if sign:
-        value = parse_number(sign.group(2))
-        return None if value is None else (-value if sign.group(1) == "-" else value)
-    for pattern in (_FRACTION, _FRACTION_SHORT):
-        m = pattern.match(text)
-        if m and (pattern is _FRACTION_SHORT or _enclosing("{" + m.group(1) + "}", "{", "}")):
-            numerator, denominator = parse_number(m.group(1)), parse_number(m.group(2))
-            if numerator is None or denominator is None or denominator == 0:
-                return None
-            return numerator / denominator
-    m = _SLASH_FRACTION.match(text)
-    if m:
-        numerator, denominator = Fraction(m.group(1)), Fraction(m.group(2))
-        return None if denominator == 0 else numerator / denominator
-    if _NUMBER.fullmatch(text) or _SCIENTIFIC.fullmatch(text):
-        return Fraction(text)
-    return None
-
-
-def _values(text: str) -> list[Fraction]:
-    """Every value in running text, in order: signed LaTeX fractions and numbers (after normalisation)."""
-    out = []
-    for m in _VALUE.finditer(normalize_number_text(text)):
-        value = parse_number(m.group(0))
-        if value is not None:
-            out.append(value)
-    return out
-
-
-def _boxed_contents(text: str) -> list[str]:
-    """Contents of every ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced."""
-    out = []
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
-        depth, start = 1, m.end()
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                out.append(text[start:i])
-                break
-    return out
-
-
-def _first_number(text: str) -> Fraction | None:
-    values = _values(text)
-    return values[0] if values else None
-
-
-def extract_marked_answer(text: str) -> Fraction | None:
-    """The answer a completion marks as final, or None: the value of the first ``####`` line that has one (the whole
-    line read as one value, e.g. ``#### -\\frac{1}{2}``, else its first number), else the value of the last
-    ``\\boxed{}`` (a number, fraction or signed expression :func:`parse_number` reads; else the last value inside)."""
-    for m in re.finditer(r"####([^\n]*)", text):
-        value = parse_number(m.group(1))
-        if value is None:
-            value = _first_number(m.group(1))
-        if value is not None:
-            return value
-    boxed = _boxed_contents(text)
-    if boxed:
-        content = boxed[-1]
-        value = parse_number(content)
-        if value is None:
-            values = _values(content)
-            value = values[-1] if values else None
-        return value
-    return None
-
-
-def extract_answer(text: str) -> Fraction | None:
-    """The final numeric answer of a completion, or None when it has no number.
-
-    In order: the value after ``####`` (GSM8K's format), else the value in the last ``\\boxed{}``, else the last
-    value in the text (a signed LaTeX fraction or a number). ``$`` and thousands commas are ignored, so
-    ``"#### $1,000"`` gives 1000, and ``\\boxed{-\\frac{1}{2}}`` gives -1/2.
-
-    >>> extract_answer("The answer is 18.0.") == 18
-    True
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"a completion must be a string or a list of chat messages, got {type(text).__name__}")
-    value = extract_marked_answer(text)
-    if value is not None:
-        return value
-    values = _values(text)
-    return values[-1] if values else None
-
-
-def is_scalar_reference(reference: Any) -> bool:
-    """Whether a reference answer is a string or a real number (not a bool, list or mapping)."""
-    return isinstance(reference, (str, int, float, Fraction)) and not isinstance(reference, bool)
-
-
-def reference_value(reference: Any) -> Fraction | None:
-    """The value of a reference answer: a bare number (``"72"``, ``"1,234"``, ``"1/2"``) or a text whose final answer
-    :func:`extract_answer` finds (e.g. a whole GSM8K solution ending in ``#### 72``); None if it has no number, and
-    None for a reference that is not a string or a number (a list ``[2]`` or a mapping: never read from its repr)."""
-    if not is_scalar_reference(reference):
-        return None
-    text = str(reference)
-    value = parse_number(text)
-    return value if value is not None else extract_answer(text)
-
-
-def completion_text(completion: Any) -> str:
-    """The text of a completion given as a string or, as TRL does for chat data, a list of messages."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
-        return "".join(m.get("content", "") for m in completion if m.get("role", "assistant") == "assistant")
-    raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
-
-
-def _references(answer: Sequence | None, n: int, fn_name: str) -> Sequence:
-    if answer is None:
-        raise ValueError(f"reward {fn_name!r} needs the reference answers: pass the task column 'answer' (a list "
-                         "with one entry per completion)")
-    if len(answer) != n:
-        raise ValueError(f"reward {fn_name!r}: got {len(answer)} answers for {n} completions; pass one per completion")
-    return answer
-
-
-@REWARDS.register("correctness")
-def correctness(prompts: Sequence, completions: Sequence, answer: Sequence | None = None, **kwargs) -> list:
-    """1.0 when the completion's final number (:func:`extract_answer`) equals the reference, else 0.0.
-
-    A completion with no number scores 0.0 (a valid, wrong answer). A reference that is not a number gives None
-    (the rollout cannot be scored). The reference may be a bare number or a full GSM8K solution ending in ``####``.
-
-    Args:
-        prompts: N prompts (unused).
-        completions: N completions (strings or chat messages).
-        answer: N reference answers.
-    """
-    refs = _references(answer, len(completions), "correctness")
-    out: list[float | None] = []
-    for completion, ref in zip(completions, refs):
-        ref_value = reference_value(ref)
-        if ref_value is None:
-            logger.warning("correctness: reference %r is not a number; rollout marked invalid", ref)
-            out.append(None)
-            continue
-        predicted = extract_answer(completion_text(completion))
-        out.append(1.0 if predicted is not None and predicted == ref_value else 0.0)
-    return out
-
-
-@REWARDS.register("format")
-def format_reward(prompts: Sequence, completions: Sequence, **kwargs) -> list:
-    """1.0 when the completion marks a numeric final answer with ``#### <number>`` or ``\\boxed{<number>}``,
-    else 0.0."""
-    return [0.0 if extract_marked_answer(completion_text(c)) is None else 1.0 for c in completions]
-
-
-class _TimeoutNoticeFilter(logging.Filter):
-    """Drops math-verify's one-time "Timeout is disabled ..." warning: grpo-lens passes no timeout on purpose
-    (math-verify's signal-based timeout works only on the main thread; :func:`combine_rewards` bounds a reward call
-    with ``timeout_s`` instead), so the notice is about a choice already made. Other math-verify records pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Timeout is disabled")
-
-
-def _quiet_math_verify_timeout_notice() -> None:
-    """Install :class:`_TimeoutNoticeFilter` on math-verify's parser and grader loggers (once)."""
-    for name in ("math_verify.parser", "math_verify.grader"):
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _TimeoutNoticeFilter) for f in log.filters):
-            log.addFilter(_TimeoutNoticeFilter())
-
-
-def math_verify_available() -> bool:
-    """Whether the optional ``math-verify`` package is importable."""
-    return importlib.util.find_spec("math_verify") is not None
-
-
-def math_verify_correctness(prompts: Sequence, completions: Sequence, answer: Sequence | None = None,
-                            **kwargs) -> list:
-    """1.0 when ``math_verify.verify`` finds the completion's answer equal to the reference (symbolic, LaTeX aware),
-    else 0.0; None where the reference does not parse. Needs ``pip install math-verify``.
-
-    Timeouts inside math-verify use signals, which only work in the main thread; they are switched off here, so
-    bound the call with ``combine_rewards(..., timeout_s=...)`` instead.
-    """
-    from math_verify import parse, verify
-
-    _quiet_math_verify_timeout_notice()
-    refs = _references(answer, len(completions), "math_verify")
-    out: list[float | None] = []
-    for completion, ref in zip(completions, refs):
-        gold = parse(str(ref), parsing_timeout=None)
-        if not gold:
-            out.append(None)
-            continue
-        predicted = parse(completion_text(completion), parsing_timeout=None)
-        out.append(1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0)
-    return out
-
-
-if math_verify_available():
-    REWARDS.register("math_verify")(math_verify_correctness)
-
-
-def marked_answer_text(text: str) -> str:
-    """The part of a completion that states its final answer: the first ``####`` line that holds a value, else the
-    last ``\\boxed{...}`` (kept boxed), else the whole text. Lets a verifier read the marked answer rather than
-    whatever number comes last (``#### 72\\nDone in 3 steps.`` -> ``72``)."""
-    for m in re.finditer(r"####([^\n]*)", text):
-        line = m.group(1).strip()
-        if parse_number(line) is not None or _first_number(line) is not None:
-            return f"${line}$" if "\\" in line else line  # LaTeX in math delimiters, as verifiers expect it
-    boxed = _boxed_contents(text)
-    if boxed:
-        return "\\boxed{" + boxed[-1] + "}"
-    return text
-
-
-def math_correctness_verdict(completions: Sequence, answers: Sequence,
-                             use_math_verify: bool = False) -> list[float | None]:
-    """The 0/1 correctness verdict of math answers: 1.0 when the completion's marked final answer
-    (:func:`marked_answer_text`) equals the reference, else 0.0; None where there is no reference or it does not parse.
-
-    With ``use_math_verify`` (needs the ``math`` extra) equality is ``math_verify.verify`` on the marked answer
-    (symbolic, LaTeX aware); otherwise it is :func:`extract_answer` against :func:`reference_value`, exactly (the
-    ``correctness`` reward's check). Independent of any reward function or weight: ``reward/accuracy`` is its mean.
-
-    Args:
-        completions: N completion texts (or chat messages).   answers: N reference answers (or None).
-        use_math_verify: compare with math-verify.
-    Raises:
-        ValueError: lengths differ, or use_math_verify without math-verify installed.
-    Returns:
-        N values in {0.0, 1.0, None}.
-    """
-    if len(answers) != len(completions):
-        raise ValueError(f"got {len(answers)} answers for {len(completions)} completions; pass one per completion")
-    if use_math_verify:
-        if not math_verify_available():
-            raise ValueError("use_math_verify needs the math-verify package: pip install '.[math]'")
-        from math_verify import parse, verify
-        _quiet_math_verify_timeout_notice()
-    out: list[float | None] = []
-    for completion, ref in zip(completions, answers):
-        if ref is None or not is_scalar_reference(ref):
-            out.append(None)
-            continue
-        text = completion_text(completion)
-        if use_math_verify:
-            gold = parse(str(ref), parsing_timeout=None)
-            if not gold:
-                out.append(None)
-                continue
-            predicted = parse(marked_answer_text(text), parsing_timeout=None)
-            out.append(1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0)
-        else:
-            ref_value = reference_value(ref)
-            if ref_value is None:
-                out.append(None)
-                continue
-            predicted = extract_answer(text)
-            out.append(1.0 if predicted is not None and predicted == ref_value else 0.0)
-    return out
-
-
-def get_reward(name: str) -> RewardFn:
-    """The reward function called ``name``; ValueError listing the valid names (and how to get ``math_verify``)."""
-    if name == "math_verify" and name not in REWARDS:
-        raise ValueError("reward 'math_verify' needs the math-verify package: pip install '.[math]' in the grpo-lens "
-                         f"folder (or pip install math-verify); valid names now: {', '.join(REWARDS.names())}")
-    return REWARDS.get(name)
-
 
 def _normalize_funcs(funcs_with_weights: Any) -> list[tuple[str, RewardFn, float]]:
     """(name, function, weight) triples from: a mapping name/function -> weight, a sequence of (name or function,
@@ -494,33 +144,6 @@ def _normalize_funcs(funcs_with_weights: Any) -> list[tuple[str, RewardFn, float
     names = [n for n, _, _ in out]
     if len(set(names)) != len(names):
         raise ValueError(f"reward function names must be distinct (they key the metrics), got {names}")
-    return out
-
-
-def parse_reward_specs(specs: str | Sequence[str]) -> list[tuple[str, float]]:
-    """``["correctness", "format:0.1"]`` -> ``[("correctness", 1.0), ("format", 0.1)]``: the CLI/YAML form
-    (``NAME`` or ``NAME:WEIGHT``) as :func:`combine_rewards` takes it. Names are checked against :data:`REWARDS`.
-
-    Raises:
-        ValueError: an unknown name (listing the valid ones) or a weight that is not a number.
-    """
-    if isinstance(specs, str):
-        specs = [specs]
-    out = []
-    for spec in specs:
-        name, _, weight = str(spec).partition(":")
-        name = name.strip()
-        get_reward(name)
-        try:
-            out.append((name, float(weight) if weight.strip() else 1.0))
-        except ValueError:
-            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a number, "
-                             f"e.g. 'format:0.1'") from None
-        if not math.isfinite(out[-1][1]):
-            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a finite number, e.g. "
-                             f"'{name}:0.1'")
-    if not out:
-        raise ValueError(f"no reward functions given; valid names: {', '.join(REWARDS.names())}")
     return out
 
 
