@@ -40,10 +40,6 @@ from grpo_lens.config.groups import (
     check_task_dataset,
 )
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.probe.partial import PartialProbe
-from grpo_lens.probe.run import run_probe
-from grpo_lens.report import write_report
-from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +121,12 @@ class DemoConfig(ConfigFile):
 
 def run_demo(config: DemoConfig) -> Path:
     """Run (or continue) the main job; return the path of OUT/report.md."""
+    # Imported here, not at the top: DemoConfig builds ``grpo-lens demo --help``, which must not load torch (issue 30).
+    from grpo_lens.probe.partial import PartialProbe
+    from grpo_lens.probe.run import run_probe
+    from grpo_lens.report import write_report
+    from grpo_lens.train.loop import train
+
     out = Path(config.out)
     train_cfg = config.train_config()  # validates the training settings before any stage runs
     saved_path = out / "demo.yaml"

@@ -35,10 +35,13 @@ from grpo_lens.config.groups import (
     check_task_dataset,
 )
 from grpo_lens.config.trl_names import register_trl_names
-from grpo_lens.formulas.losses import KL_ESTIMATORS
-from grpo_lens.formulas.overlong import OVERLONG_MODES
 from grpo_lens.metrics import METRIC_NAME_SCHEMES
-from grpo_lens.train.sharding import PARALLELISMS
+from grpo_lens.registry import declared_constant, declared_names
+
+# Registries and constants of torch modules, read without importing them (``grpo-lens --help``; config/groups.py).
+_KL_ESTIMATORS = "grpo_lens.formulas.losses", "KL_ESTIMATORS"
+_PARALLELISMS = "grpo_lens.train.sharding", "PARALLELISMS"
+OVERLONG_MODES = declared_constant("grpo_lens.formulas.overlong", "OVERLONG_MODES")
 
 #: The ``lr_scheduler`` values: transformers' schedulers of those names (``transformers.get_scheduler``).
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -96,9 +99,10 @@ class TrainConfig(ConfigFile):
     kl_in_reward: bool = option(False, "With beta > 0: subtract beta * sum_t k1 (log pi_old - log pi_ref over the "
                                 "completion) from each valid rollout's reward before the advantages, RLHF's KL "
                                 "penalty (Ziegler et al. 2019), instead of a KL term in the loss.")
-    kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + "; k1 "
+    kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(declared_names(*_KL_ESTIMATORS))
+                               + "; k1 "
                                "takes the KL's score-function gradient (log-ratio x grad log pi), not its own.",
-                               check=one_of(KL_ESTIMATORS.names))
+                               check=one_of(lambda: declared_names(*_KL_ESTIMATORS)))
     eps_low: float = option(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.", check=_UNIT)
     eps_high: float = option(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for A > 0 (DAPO's "
                              "clip-higher uses 0.28).", check=at_least(0))
@@ -167,7 +171,7 @@ class TrainConfig(ConfigFile):
                               "fully_shard of each decoder layer and the root: each process holds 1/N of every "
                               "weight, gradient and AdamW moment). fsdp2 needs 2 or more processes and refuses "
                               "LoRA and --estimator optimal; checkpoints hold full tensors either way.",
-                              check=one_of(PARALLELISMS.names))
+                              check=one_of(lambda: declared_names(*_PARALLELISMS)))
     out: str | None = Output.out(contents="config.yaml, metrics.jsonl, checkpoints/")
     resume: bool = Output.resume(what="the run in --out from its last checkpoint")
     overwrite: bool = Output.overwrite(what="a different run already")
