@@ -146,11 +146,14 @@ class TrainConfig(ConfigFile):
     lens_every: int = Lens.lens_every()
     sketch_dim: int = Lens.sketch_dim()
     gram_source: str = Lens.gram_source()
-    lens_from_update: bool = option(True, "With gram_source sketch, take the lens's sketched per-rollout gradients "
-                                    "from the update's own first pass when the loss allows it (beta 0, no tis_cap, "
-                                    "one mini-batch, nonzero "
-                                    "advantages in the mixed groups): the same numbers without the lens's extra "
-                                    "forward and backward. Off: the lens always runs its own pass.")
+    lens_from_update: bool = option(True, "Take the lens's exact Gram (gram_source exact: hooks in the update's own "
+                                    "backward, docs/theory.md §Lens inside the update's backward) or sketched "
+                                    "per-rollout gradients (gram_source sketch) from the update's own first pass "
+                                    "when the loss allows it (no per-token KL term, no tis_cap, one mini-batch, "
+                                    "nonzero advantages in the mixed groups; exact also: each mixed group in one "
+                                    "micro-batch, not --estimator optimal): the same numbers without the lens's "
+                                    "extra forward and backward; the run's log says why when it cannot. Off: the "
+                                    "lens always runs its own pass.")
     lens_space: str = option("trainable", "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "
                              "the adapter's parameters, exact; without LoRA as gram_source says) or full "
                              "(every linear layer's full weight, sketched; with LoRA the frozen base weights, what "
