@@ -379,6 +379,7 @@ class _Pass:
     roots: list = field(default_factory=list)
     x_users: dict = field(default_factory=dict)
     x_cache: dict = field(default_factory=dict)
+    sel: Tensor | None = None  # [n] the wanted rows (GramCapture.rows), None = all
 
 
 class GramCapture:
@@ -472,10 +473,13 @@ class GramCapture:
         if ids is None:
             raise ValueError("the model must be called with input_ids for the exact Gram")
         keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        sel = None
         if self.rows is not None:  # only these rows' entries: the others' positions are skipped (their Gram is 0)
             assert self.rows.shape == ids.shape[:1], (tuple(self.rows.shape), tuple(ids.shape))
-            keep = keep & self.rows.to(device=keep.device, dtype=torch.bool).unsqueeze(1)
-        self.state = _Pass(n=ids.shape[0], length=ids.shape[1], keep=keep)
+            rows = self.rows.to(device=keep.device, dtype=torch.bool)
+            keep = keep & rows.unsqueeze(1)
+            sel = None if bool(rows.all()) else rows.nonzero().squeeze(1)
+        self.state = _Pass(n=ids.shape[0], length=ids.shape[1], keep=keep, sel=sel)
 
     def _keep_for(self, shape: Sequence[int]) -> Tensor:
         """[N, S] kept positions of an activation [N, S, ...] (S < L: the last S, as under ``logits_to_keep``)."""
@@ -525,7 +529,8 @@ class GramCapture:
         form, key = None, _tensor_key(x)
         if "weight" in self.plan.hooked[module]:
             form = self.form if self.form != "auto" else choose_form(
-                int(keep.sum()), st.n, module.in_features, module.out_features, self.token_block)
+                int(keep.sum()), st.n if st.sel is None else st.sel.numel(), module.in_features,
+                module.out_features, self.token_block)
             self.forms[self.module_names[module]] = form
             if form == "token":
                 st.x_users[key] = st.x_users.get(key, 0) + 1
@@ -567,10 +572,18 @@ class GramCapture:
             gram = token_pair_gram(x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())))
             if tied is not None:
                 tied.glm_rows = lm_rows_at_tokens(x, delta, keep, tokens, self.budget)
-        else:
+        elif self.state.sel is None:
             gram, rows = rollout_layer_gram(x, delta, keep, self.budget, self.rollout_block, tokens)
             if tied is not None:
                 tied.glm_rows = rows
+        else:  # the wanted rows only (the others' G_i are 0: forming them would be wasted), scattered back
+            sel, n = self.state.sel, x.shape[0]
+            sub, sub_rows = rollout_layer_gram(x[sel], delta[sel], keep[sel], self.budget, self.rollout_block, tokens)
+            gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+            gram[sel.unsqueeze(1), sel.unsqueeze(0)] = sub
+            if tied is not None:
+                tied.glm_rows = sub_rows.new_zeros((n,) + tuple(sub_rows.shape[1:]))
+                tied.glm_rows[sel] = sub_rows
         if tied is not None:
             tied.lm_lm = gram
         else:

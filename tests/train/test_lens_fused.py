@@ -230,3 +230,24 @@ def test_training_with_the_fused_lens_gives_the_separate_pass_numbers(tmp_path, 
             else:  # training itself is untouched: bit-identical
                 assert b[key] == a[key] or (math.isnan(a[key]) and math.isnan(b[key])), key
     assert compared >= 10
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2_bias"])
+@pytest.mark.parametrize("form", ["rollout", "token"])
+def test_wanted_rows_alone_give_their_block_of_the_full_gram(arch, form):
+    # The capture skips the rows it is not asked for (their G_i are never formed): the wanted rows' block is the
+    # full capture's block to float64 rounding, the rest NaN. A scatter into the wrong rows would be off by O(1).
+    model, batch = tiny_model(arch), make_batch()
+    cfg, procs = config("seq-mean-token-mean", None), Processes(0, 1, torch.device("cpu"))
+    plan = plan_update(model, batch, cfg, procs)
+    out = []
+    for rows in (None, torch.tensor([False, False, False, True, True, True])):
+        grams = MicroBatchGrams(model, batch.num_rollouts, rows=rows, form=form)
+        with grams:
+            backward_mini_batch(model, batch, ADVANTAGES, None, plan, 0, 0, cfg, procs, UpdateSums(),
+                                grams.micro_batch)
+        out.append(grams.gram()[0])
+        model.zero_grad(set_to_none=True)
+    full, part = out
+    assert rel_err(part[3:, 3:], full[3:, 3:]) < TOL and float(full[3:, 3:].abs().max()) > 0
+    assert torch.isnan(part[:3]).all() and torch.isnan(part[:, :3]).all()
