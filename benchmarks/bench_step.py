@@ -7,7 +7,9 @@ One invocation runs every system on the same work, each in its own child process
                completion positions (``logits_to_keep``), AdamW.
     plain-naive  the same loop with logits at every position, as a first hand-written loop computes them.
     lens-off   ``grpo_lens.trainer.train`` with ``lens_every = 0``.
-    lens-1     ``grpo_lens.trainer.train`` with the lens every step (``lens_every = 1``).
+    lens-1     ``grpo_lens.trainer.train`` with the lens every step (``lens_every = 1``): the exact Gram read off the
+               update's own backward where the loss allows (docs/theory.md §Lens inside the update's backward).
+    lens-1-own the lens every step on its own forward + backward (``lens_from_update = false``), as before issue 30.
     trl        TRL's ``GRPOTrainer`` with gradient checkpointing off (only when ``trl`` is importable;
                ``pip install -e '.[trl]'``).
 
@@ -57,7 +59,7 @@ from pathlib import Path
 import torch
 from common import gemm_flops_per_s, generation_flops, shape_of, step_flops
 
-SYSTEMS = ("plain", "plain-naive", "lens-off", "lens-1", "trl")
+SYSTEMS = ("plain", "plain-naive", "lens-off", "lens-1", "lens-1-own", "trl")
 
 #: OpenMP wait policy of every child (the one import grpo_lens sets; benchmarks/bench_threads.py)
 WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
@@ -249,8 +251,8 @@ def autocast(args):
 def grpo_lens_run(args, clock: StepClock, lens_every: int) -> tuple[list[float], list[float]]:
     """grpo-lens' trainer on the same work; returns (step seconds, lens seconds) per step from its metrics."""
     from grpo_lens import models
-    from grpo_lens import trainer as tr
     from grpo_lens.config import TrainConfig
+    from grpo_lens.train import loop as tr
 
     original_load = models.load_model
 
@@ -260,6 +262,7 @@ def grpo_lens_run(args, clock: StepClock, lens_every: int) -> tuple[list[float],
         return model, tok
 
     models.load_model = load_and_attach
+    tr.load_model = load_and_attach  # the loop's own name for it
     from grpo_lens.train.lens import TrainerLens
 
     original_measure = TrainerLens.measure
@@ -344,6 +347,9 @@ def worker(args) -> None:
         times, lens = grpo_lens_run(args, clock, lens_every=0)
     elif args.worker == "lens-1":
         times, lens = grpo_lens_run(args, clock, lens_every=1)
+    elif args.worker == "lens-1-own":
+        args.grpo_lens_options = json.dumps({**json.loads(args.grpo_lens_options or "{}"), "lens_from_update": False})
+        times, lens = grpo_lens_run(args, clock, lens_every=1)
     elif args.worker == "trl":
         times = trl_run(args, clock)
     else:
@@ -376,7 +382,9 @@ def run_child(args, system: str, **overrides) -> dict | None:
             return None
         data = json.loads(result.read_text())
         data["wall"] = time.perf_counter() - t0
-        print(f"[{system}] done in {data['wall']:.0f} s", file=sys.stderr, flush=True)
+        data["load"] = os.getloadavg()[0]
+        print(f"[{system}] done in {data['wall']:.0f} s (load {data['load']:.1f}); s/step {data['step_seconds']}, "
+              f"lens s {data['lens_seconds']}, split {data['split']}", file=sys.stderr, flush=True)
         return data
 
 
@@ -404,7 +412,8 @@ def summarize(data: dict, warmup: int) -> dict:
 
 LABELS = {"plain": "plain PyTorch + transformers loop (logits_to_keep)",
           "plain-naive": "plain loop, logits at every position", "lens-off": "grpo-lens train, lens off",
-          "lens-1": "grpo-lens train, lens every step", "trl": "TRL GRPOTrainer, grad. checkpointing off"}
+          "lens-1": "grpo-lens train, lens every step", "lens-1-own": "grpo-lens train, lens every step, own pass",
+          "trl": "TRL GRPOTrainer, grad. checkpointing off"}
 
 
 def floor_flops(parts: list[dict], warmup: int) -> float | None:
@@ -430,6 +439,7 @@ def table(args) -> None:
         print("trl is not importable: skipping TRL (pip install -e '.[trl]')", file=sys.stderr)
         systems.remove("trl")
     runs: dict[str, list[dict]] = {system: [] for system in systems}
+    load_before = os.getloadavg()
     rate_before = gemm_rate(args)
     for k in range(args.rounds):  # ABCD, DCBA, ...: load from other processes that drifts hits every system alike
         for system in (systems if k % 2 == 0 else systems[::-1]):
@@ -437,6 +447,8 @@ def table(args) -> None:
             if data is not None:
                 runs[system].append(data)
     rate = max(rate_before, gemm_rate(args))
+    load_after = os.getloadavg()
+    loads = [p["load"] for parts in runs.values() for p in parts]
     results = {system: summarize(merge_runs(parts, args.warmup), 0) for system, parts in runs.items() if parts}
     base = results.get("plain", {}).get("step")
     naive = results.get("plain-naive", {}).get("step")
@@ -445,7 +457,9 @@ def table(args) -> None:
     print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), "
           f"B={args.prompts} prompts x "
           f"R={args.group_size}, max_new_tokens={args.max_new_tokens}, T={args.temperature}; median over steps "
-          f"{args.warmup + 1}-{args.steps} of {args.rounds} run(s) per system, in alternating order\n")
+          f"{args.warmup + 1}-{args.steps} of {args.rounds} run(s) per system, in alternating order; load (1-min "
+          f"average) {load_before[0]:.1f} at the start, {min(loads or [0]):.1f}-{max(loads or [0]):.1f} at the "
+          f"children's ends, {load_after[0]:.1f} at the end\n")
     print("| system | s/step | generate | forward | backward | lens | peak MiB | vs plain | vs naive | x floor |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for system, s in results.items():
@@ -462,6 +476,17 @@ def table(args) -> None:
         off, on = results["lens-off"]["step"], results["lens-1"]["step"]
         print(f"\nlens every 5 steps (the default), from the two rows above: (4 x {off:.2f} + {on:.2f}) / 5 = "
               f"{(4 * off + on) / 5:.2f} s/step, {(4 * off + on) / 5 / base:.2f}x plain")
+    if "lens-off" in results:
+        off = results["lens-off"]["step"]
+        for system in ("lens-1", "lens-1-own"):
+            if system in results:
+                print(f"\n{LABELS[system]} / lens off: {results[system]['step'] / off:.2f}x (target for lens-1: "
+                      f"<= 1.15x, issue 30)")
+        if floor:
+            print(f"lens off / its FLOP floor: {off / floor:.2f}x (target <= 1.5x, issue 30); generate "
+                  f"{results['lens-off']['gen']:.2f} s, forward {results['lens-off']['fwd']:.2f} s, backward "
+                  f"{results['lens-off']['bwd']:.2f} s, the rest (rewards, AdamW, bookkeeping) "
+                  f"{off - results['lens-off']['gen'] - results['lens-off']['fwd'] - results['lens-off']['bwd']:.2f} s")
     if "trl" in results and "lens-off" in results:
         print(f"\nTRL / grpo-lens (lens off): {results['trl']['step'] / results['lens-off']['step']:.2f}")
     if base and "lens-off" in results:

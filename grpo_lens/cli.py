@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from grpo_lens import __version__
-from grpo_lens.calibrate import CalibrationConfig, PlantedFileError, render, run_calibration, run_planted
 from grpo_lens.config import (
     ConfigError,
     ConfigNameWarning,
@@ -35,28 +34,30 @@ from grpo_lens.config import (
     config_from_args,
     flags_given,
 )
-from grpo_lens.demo import DemoConfig, run_demo
+from grpo_lens.demo import DemoConfig
 from grpo_lens.metrics import GROUPS_MIXED, PROBE_TIMING, PROMPTS_SAMPLED
-from grpo_lens.models import (
-    DEFAULT_MODEL,
-    ModelNotFoundError,
-    export_model,
-    model_folder,
-)
 from grpo_lens.plugins import PLUGINS_ENV, check_resumed_plugins
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.probe.partial import PartialProbe
-from grpo_lens.probe.run import run_probe
-from grpo_lens.report import write_report
-from grpo_lens.report.compare import CompareError, compare_runs
-from grpo_lens.rundir import RunDirError, read_saved_config
-from grpo_lens.train.loop import NonFiniteUpdateError, NoScorableRolloutError, train
+from grpo_lens.registry import declared_constant
+
+# The commands' modules (torch, transformers, matplotlib) are imported inside each ``_cmd_*``, when it runs: the
+# parser is built from the config dataclasses alone, so ``--help`` and ``--version`` answer at once (issue 30;
+# tests/test_cli_speed.py).
+
+#: The model that ``grpo-lens model`` names without an argument (:data:`grpo_lens.models.DEFAULT_MODEL`).
+DEFAULT_MODEL = declared_constant("grpo_lens.models", "DEFAULT_MODEL")
+
+#: Exceptions of the commands' modules that mean bad input, as (module, class): one that is not imported has not
+#: been raised, so :func:`_user_errors` looks only in the modules already imported.
+_COMMAND_ERRORS = (("grpo_lens.rundir", "RunDirError"), ("grpo_lens.report.compare", "CompareError"),
+                   ("grpo_lens.models", "ModelNotFoundError"), ("grpo_lens.train.loop", "NonFiniteUpdateError"),
+                   ("grpo_lens.train.loop", "NoScorableRolloutError"))
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input rather than a bug: shown as one line, exit status 2."""
-    return (ConfigError, RunDirError, CompareError, ValueError, FileNotFoundError, PluginError, ModelNotFoundError,
-            NonFiniteUpdateError, NoScorableRolloutError)
+    imported = tuple(getattr(sys.modules[module], name) for module, name in _COMMAND_ERRORS if module in sys.modules)
+    return (ConfigError, ValueError, FileNotFoundError, PluginError) + imported
 
 
 #: errno values of a full or read-only disk: shown as one line (the run resumes once the disk is fixed).
@@ -91,6 +92,8 @@ def load_plugins(spec: str | None = None) -> list[str]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from grpo_lens.train.loop import train
+
     config_file = args.config
     if args.resume and args.out and (Path(args.out) / "config.yaml").is_file():
         # Resume from the run's own config: flags need not be repeated, and a flag that differs from it is reported.
@@ -106,6 +109,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
+    from grpo_lens.models import export_model, model_folder
+
     if args.export:
         print(f"model {args.model} saved to {export_model(args.model, args.export)}")
     else:
@@ -121,6 +126,8 @@ def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
     Raises:
         RunDirError: config.yaml is unreadable.  ConfigError: the --config file or a resulting value is invalid.
     """
+    from grpo_lens.rundir import read_saved_config
+
     values = read_saved_config(saved, "restore it or start a new run in another --out")
     values = cls.canonical(values, f"in {saved}")
     if args.config:
@@ -138,6 +145,9 @@ def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
 def _cmd_probe(args: argparse.Namespace) -> int:
     if args.seeds:
         return _cmd_probe_seeds(args)
+    from grpo_lens.probe.partial import PartialProbe
+    from grpo_lens.probe.run import run_probe
+
     partial = PartialProbe(args.out) if args.out else None
     if args.resume and partial is not None and partial.exists():
         # Resume with the partial probe's settings: flags need not be repeated, and one that differs is reported.
@@ -175,12 +185,16 @@ def _cmd_probe_seeds(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from grpo_lens.report import write_report
+
     path = write_report(Path(args.run_dir))
     print(f"report written to {path}")
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from grpo_lens.demo import run_demo
+
     config = config_from_args(args, DemoConfig, args.config)
     path = run_demo(config)
     print(f"demo report: {path}")
@@ -188,12 +202,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from grpo_lens.report.compare import compare_runs
+
     path = compare_runs(args.run_dirs, args.out, last=args.last, allow_different_tasks=args.allow_different_tasks)
     print(f"comparison written to {path}")
     return 0
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from grpo_lens.calibrate import CalibrationConfig, PlantedFileError, render, run_calibration, run_planted
+
     if args.planted:
         try:
             run_planted(Path(args.planted), Path(args.out))

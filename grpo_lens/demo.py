@@ -39,11 +39,6 @@ from grpo_lens.config.groups import (
     check_task_dataset,
 )
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.probe.partial import PartialProbe
-from grpo_lens.probe.run import run_probe
-from grpo_lens.report import write_report
-from grpo_lens.rundir import clear_run_dir, holds_run_dir, run_dir_entries
-from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +118,23 @@ class DemoConfig(ConfigFile):
                            mc_groups=mc_groups, out=str(out), resume=resume, **self._shared())
 
 
-@holds_run_dir("demo")  # one writer per --out (grpo_lens.rundir.acquire_run_lock)
 def run_demo(config: DemoConfig) -> Path:
-    """Run (or continue) the main job; return the path of OUT/report.md."""
+    """Run (or continue) the main job; return the path of OUT/report.md.
+
+    Holds OUT for its whole call (one writer per --out, :func:`grpo_lens.rundir.holds_run_dir`)."""
+    from grpo_lens.rundir import holds_run_dir  # here: rundir loads torch, and ``demo --help`` must not
+
+    return holds_run_dir("demo")(_run_demo)(config)
+
+
+def _run_demo(config: DemoConfig) -> Path:
+    # Imported here, not at the top: DemoConfig builds ``grpo-lens demo --help``, which must not load torch (issue 30).
+    from grpo_lens.probe.partial import PartialProbe
+    from grpo_lens.probe.run import run_probe
+    from grpo_lens.report import write_report
+    from grpo_lens.rundir import clear_run_dir, run_dir_entries
+    from grpo_lens.train.loop import train
+
     out = Path(config.out)
     train_cfg = config.train_config()  # validates the training settings before any stage runs
     saved_path = out / "demo.yaml"

@@ -675,9 +675,10 @@ PERF_OPTIMAL_BASELINE_SECONDS = _key(
     "process)")
 PERF_LENS_SECONDS = _key(
     "perf", "perf/lens_seconds", SECONDS,
-    "wall time of the lens measurement (lens steps): its own forward + backward and the analysis, or, when the sketch "
-    "comes from the update's first pass (`--lens-from-update`, docs/theory.md §Lens sketch from the update), the "
-    "analysis alone")
+    "wall time of the lens measurement (lens steps): its own forward + backward and the analysis; when the exact Gram "
+    "comes from the update's own backward (`--lens-from-update`, docs/theory.md §Lens inside the update's backward), "
+    "its hooks' time inside that backward and the analysis; when the sketch comes from the update's first pass "
+    "(docs/theory.md §Lens sketch from the update), the analysis alone")
 PERF_LENS_SPARSITY_SECONDS = _key(
     "perf", "perf/lens_sparsity_seconds", SECONDS,
     "wall time of the lens's snapshots and sparsity measures around the optimizer step (lens steps). With "

@@ -15,8 +15,6 @@ import re
 from pathlib import Path
 
 from grpo_lens.config import ConfigError
-from grpo_lens.rewards import REWARDS
-from grpo_lens.tasks import TASKS
 
 #: Environment variable listing modules to import at start (comma-separated): they register rewards and tasks.
 PLUGINS_ENV = "GRPO_LENS_PLUGINS"
@@ -57,6 +55,9 @@ def check_resumed_plugins(rewards: list[str], task: str, config_path: str | Path
             one variable to set), or, for a run that recorded none, the variable to set to the module that
             registers them.
     """
+    from grpo_lens.rewards import REWARDS  # here: the registries load torch, and --help must not
+    from grpo_lens.tasks import TASKS
+
     missing = [f"reward function {n!r}" for n in (str(s).split(":", 1)[0].strip() for s in rewards)
                if n not in REWARDS]
     task = os.fspath(task)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+import ast
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -51,3 +56,53 @@ class Registry(Generic[F]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def declared_names(module: str, registry: str) -> list[str]:
+    """The sorted names of ``module``'s registry ``registry`` (as :meth:`Registry.names`), without importing ``module``
+    when it is not imported yet: ``grpo-lens --help`` builds its flags' help from them and must not load torch.
+
+    Once ``module`` is imported, the live registry's names (a plugin's registrations included); before, the names of
+    every ``REGISTRY.register("name")`` call with a literal name in its source (:func:`declared_constant` reads
+    constants the same way). tests/test_cli_speed.py checks that the two agree for every registry the config names.
+
+    Raises:
+        ValueError: ``module`` cannot be found, or registers nothing under ``registry``.
+    """
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return getattr(loaded, registry).names()
+    names = sorted({node.args[0].value for node in ast.walk(_source_tree(module))
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "register" and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == registry and node.args and isinstance(node.args[0], ast.Constant)})
+    if not names:
+        raise ValueError(f"{module} registers nothing under {registry}")
+    return names
+
+
+def declared_constant(module: str, name: str) -> Any:
+    """The value of ``module``'s module-level literal constant ``name`` (``NAME = ("a", "b")``), without importing
+    ``module`` when it is not imported yet (see :func:`declared_names`); the live value once it is.
+
+    Raises:
+        ValueError: ``module`` cannot be found, or assigns no literal to ``name`` at module level.
+    """
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return getattr(loaded, name)
+    for node in _source_tree(module).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+            return ast.literal_eval(node.value)
+    raise ValueError(f"{module} assigns no literal constant {name}")
+
+
+@functools.lru_cache(maxsize=None)
+def _source_tree(module: str) -> ast.Module:
+    """The parsed source of ``module``, found without executing it (its parent packages are imported)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise ValueError(f"cannot find the source of module {module}")
+    return ast.parse(Path(spec.origin).read_text(encoding="utf-8"), filename=spec.origin)

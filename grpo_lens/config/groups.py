@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from grpo_lens.config.base import (
     ConfigError,
     ConfigFile,
@@ -42,9 +40,14 @@ from grpo_lens.config.base import (
     one_of,
     require,
 )
-from grpo_lens.formulas.advantages import ADVANTAGE_ESTIMATORS, STD_CONVENTIONS
-from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
+from grpo_lens.registry import declared_constant, declared_names
 from grpo_lens.trackers import REPORT_TO
+
+# The formulas' registries are read without importing their modules (torch): ``grpo-lens --help`` builds every flag
+# from these option groups and answers at once (issue 30); the checks read the live registries when they run.
+_ESTIMATORS = "grpo_lens.formulas.advantages", "ADVANTAGE_ESTIMATORS"
+_AGGREGATIONS = "grpo_lens.formulas.losses", "LOSS_AGGREGATIONS"
+STD_CONVENTIONS = declared_constant("grpo_lens.formulas.advantages", "STD_CONVENTIONS")
 
 #: The ``dtype`` values: float32, bf16 weights, or float32 weights with bf16 autocast forwards.
 DTYPES = ("float32", "bfloat16", "bf16-mixed")
@@ -127,17 +130,17 @@ EPS_NOTE = ("it is the epsilon added to the group std in grpo's advantage; TRL's
 class Advantage:
     """The advantage estimator and how token losses are aggregated (docs/theory.md §2, §3)."""
 
-    estimator = Option("grpo", "Advantage estimator: " + ", ".join(ADVANTAGE_ESTIMATORS.names()) + ".",
-                       check=one_of(ADVANTAGE_ESTIMATORS.names))
+    estimator = Option("grpo", "Advantage estimator: " + ", ".join(declared_names(*_ESTIMATORS)) + ".",
+                       check=one_of(lambda: declared_names(*_ESTIMATORS)))
     std = Option("sample", "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).",
                  check=one_of(STD_CONVENTIONS))
     std_eps = Option(1e-4, "Added to the group std in grpo's advantage denominator (> 0): A = (r - mean) / (std + "
                      "std_eps). Not TRL's epsilon, which is the clip range (--eps-low / --epsilon).",
                  check=above(0, "must be > 0 (it keeps the advantage finite when the group std is tiny)"))
     loss_aggregation = Option("seq-mean-token-mean", "How token losses become one number: "
-                              + ", ".join(LOSS_AGGREGATIONS.names())
+                              + ", ".join(declared_names(*_AGGREGATIONS))
                               + " (GRPO, Dr. GRPO arXiv 2503.20783, DAPO arXiv 2503.14476).",
-                              check=one_of(LOSS_AGGREGATIONS.names))
+                              check=one_of(lambda: declared_names(*_AGGREGATIONS)))
 
 
 class Lens:
@@ -227,6 +230,8 @@ def resolve_device(device: str) -> str:
     Raises:
         ConfigError: a CUDA device is asked for but torch sees none (a CPU build of torch, or no GPU).
     """
+    import torch  # here, not at the top: the option groups build ``grpo-lens --help`` without torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -35,10 +35,14 @@ from grpo_lens.config.groups import (
     check_task_dataset,
 )
 from grpo_lens.config.trl_names import register_trl_names
-from grpo_lens.formulas.losses import KL_ESTIMATORS, POLICY_LOSSES
-from grpo_lens.formulas.overlong import OVERLONG_MODES
 from grpo_lens.metrics import METRIC_NAME_SCHEMES
-from grpo_lens.train.sharding import PARALLELISMS
+from grpo_lens.registry import declared_constant, declared_names
+
+# Registries and constants of torch modules, read without importing them (``grpo-lens --help``; config/groups.py).
+_KL_ESTIMATORS = "grpo_lens.formulas.losses", "KL_ESTIMATORS"
+_POLICY_LOSSES = "grpo_lens.formulas.losses", "POLICY_LOSSES"
+_PARALLELISMS = "grpo_lens.train.sharding", "PARALLELISMS"
+OVERLONG_MODES = declared_constant("grpo_lens.formulas.overlong", "OVERLONG_MODES")
 
 #: The ``lr_scheduler`` values: transformers' schedulers of those names (``transformers.get_scheduler``).
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -104,12 +108,13 @@ class TrainConfig(ConfigFile):
     kl_in_reward: bool = option(False, "With beta > 0: subtract beta * sum_t k1 (log pi_old - log pi_ref over the "
                                 "completion) from each valid rollout's reward before the advantages, RLHF's KL "
                                 "penalty (Ziegler et al. 2019), instead of a KL term in the loss.")
-    kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(KL_ESTIMATORS.names()) + "; k1 "
+    kl_estimator: str = option("k3", "KL estimator (Schulman 2020): " + ", ".join(declared_names(*_KL_ESTIMATORS))
+                               + "; k1 "
                                "takes the KL's score-function gradient (log-ratio x grad log pi), not its own.",
-                               check=one_of(KL_ESTIMATORS.names))
+                               check=one_of(lambda: declared_names(*_KL_ESTIMATORS)))
     policy_loss: str = option("vanilla", "Per-token policy loss, a name in POLICY_LOSSES "
                               "(grpo_lens/formulas/losses.py; verl's policy_loss.loss_mode): vanilla = the PPO / "
-                              "GRPO clipped surrogate (DeepSeekMath eq. 3).", check=one_of(POLICY_LOSSES.names))
+                              "GRPO clipped surrogate (DeepSeekMath eq. 3).", check=one_of(lambda: declared_names(*_POLICY_LOSSES)))
     eps_low: float = option(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.", check=_UNIT)
     eps_high: float = option(0.2, "Upper clip range: ratios above 1 + eps_high are clipped for A > 0 (DAPO's "
                              "clip-higher uses 0.28).", check=at_least(0))
@@ -153,11 +158,14 @@ class TrainConfig(ConfigFile):
     lens_every: int = Lens.lens_every()
     sketch_dim: int = Lens.sketch_dim()
     gram_source: str = Lens.gram_source()
-    lens_from_update: bool = option(True, "With gram_source sketch, take the lens's sketched per-rollout gradients "
-                                    "from the update's own first pass when the loss allows it (beta 0, no tis_cap, "
-                                    "one mini-batch, nonzero "
-                                    "advantages in the mixed groups): the same numbers without the lens's extra "
-                                    "forward and backward. Off: the lens always runs its own pass.")
+    lens_from_update: bool = option(True, "Take the lens's exact Gram (gram_source exact: hooks in the update's own "
+                                    "backward, docs/theory.md §Lens inside the update's backward) or sketched "
+                                    "per-rollout gradients (gram_source sketch) from the update's own first pass "
+                                    "when the loss allows it (no per-token KL term, no tis_cap, one mini-batch, "
+                                    "nonzero advantages in the mixed groups; exact also: each mixed group in one "
+                                    "micro-batch, not --estimator optimal): the same numbers without the lens's "
+                                    "extra forward and backward; the run's log says why when it cannot. Off: the "
+                                    "lens always runs its own pass.")
     lens_space: str = option("trainable", "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "
                              "the adapter's parameters, exact; without LoRA as gram_source says) or full "
                              "(every linear layer's full weight, sketched; with LoRA the frozen base weights, what "
@@ -178,7 +186,7 @@ class TrainConfig(ConfigFile):
                               "fully_shard of each decoder layer and the root: each process holds 1/N of every "
                               "weight, gradient and AdamW moment). fsdp2 needs 2 or more processes and refuses "
                               "LoRA and --estimator optimal; checkpoints hold full tensors either way.",
-                              check=one_of(PARALLELISMS.names))
+                              check=one_of(lambda: declared_names(*_PARALLELISMS)))
     out: str | None = Output.out(contents="config.yaml, metrics.jsonl, checkpoints/")
     resume: bool = Output.resume(what="the run in --out from its last checkpoint")
     overwrite: bool = Output.overwrite(what="a different run already")

@@ -400,6 +400,7 @@ class _Pass:
     x_users: dict = field(default_factory=dict)
     x_cache: dict = field(default_factory=dict)
     emb_scale: dict = field(default_factory=dict)
+    sel: Tensor | None = None  # [n] the wanted rows (GramCapture.rows), None = all
 
 
 class GramCapture:
@@ -445,6 +446,9 @@ class GramCapture:
         self._head = self.param_names.get(id(out.weight)) if isinstance(out, nn.Linear) else None
         self._handles: list = []
         self._in_hook = False
+        #: [N] bool or None, set before the forward: only these rows' entries are computed, the others' are 0 (the
+        #: fused lens skips the rollouts it does not analyse, :class:`MicroBatchGrams`).
+        self.rows: Tensor | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -490,7 +494,13 @@ class GramCapture:
         if ids is None:
             raise ValueError("the model must be called with input_ids for the exact Gram")
         keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-        self.state = _Pass(n=ids.shape[0], length=ids.shape[1], keep=keep)
+        sel = None
+        if self.rows is not None:  # only these rows' entries: the others' positions are skipped (their Gram is 0)
+            assert self.rows.shape == ids.shape[:1], (tuple(self.rows.shape), tuple(ids.shape))
+            rows = self.rows.to(device=keep.device, dtype=torch.bool)
+            keep = keep & rows.unsqueeze(1)
+            sel = None if bool(rows.all()) else rows.nonzero().squeeze(1)
+        self.state = _Pass(n=ids.shape[0], length=ids.shape[1], keep=keep, sel=sel)
 
     def _keep_for(self, shape: Sequence[int]) -> Tensor:
         """[N, S] kept positions of an activation [N, S, ...] (S < L: the last S, as under ``logits_to_keep``)."""
@@ -546,7 +556,7 @@ class GramCapture:
         if "weight" in self.plan.hooked[module]:
             d_out, d_in = linear_shape(module)
             form = self.form if self.form != "auto" else choose_form(
-                int(keep.sum()), st.n, d_in, d_out, self.token_block)
+                int(keep.sum()), st.n if st.sel is None else st.sel.numel(), d_in, d_out, self.token_block)
             self.forms[self.module_names[module]] = form
             if form == "token":
                 st.x_users[key] = st.x_users.get(key, 0) + 1
@@ -588,10 +598,18 @@ class GramCapture:
             gram = token_pair_gram(x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())))
             if tied is not None:
                 tied.glm_rows = lm_rows_at_tokens(x, delta, keep, tokens, self.budget)
-        else:
+        elif self.state.sel is None:
             gram, rows = rollout_layer_gram(x, delta, keep, self.budget, self.rollout_block, tokens)
             if tied is not None:
                 tied.glm_rows = rows
+        else:  # the wanted rows only (the others' G_i are 0: forming them would be wasted), scattered back
+            sel, n = self.state.sel, x.shape[0]
+            sub, sub_rows = rollout_layer_gram(x[sel], delta[sel], keep[sel], self.budget, self.rollout_block, tokens)
+            gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+            gram[sel.unsqueeze(1), sel.unsqueeze(0)] = sub
+            if tied is not None:
+                tied.glm_rows = sub_rows.new_zeros((n,) + tuple(sub_rows.shape[1:]))
+                tied.glm_rows[sel] = sub_rows
         if tied is not None:
             tied.lm_lm = gram
         else:
@@ -776,3 +794,78 @@ def exact_rollout_gram(
             info["param_grams"] = {k: v * w[:, None] * w[None, :] for k, v in info["param_grams"].items()}
     info["seconds"] = {"forward": t1 - t0, "backward": time.perf_counter() - t1}
     return gram, info
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The Gram inside another backward: one block per micro-batch of the policy update
+# ---------------------------------------------------------------------------------------------------------------------
+class MicroBatchGrams:
+    """The exact Gram of the rows of whatever loss the policy update differentiates, one [n, n] block per
+    micro-batch, captured by hooks in the update's own forwards and backwards (no pass of its own; docs/theory.md
+    §Lens inside the update's backward).
+
+    The update's loss is a sum over rows, so the hooks of :class:`GramCapture` see each row's own output gradients and
+    give <h_i, h_j> of the per-row loss gradients h_i = grad L_i of the rows of one micro-batch (rows of different
+    micro-batches never share a backward: their entries are not measured). The caller divides the rows' weights out
+    (:func:`grpo_lens.train.lens.score_gram_from_update`).
+
+    Use: ``with grams.micro_batch(idx): forward + loss.backward()`` for each micro-batch ``idx`` of the first pass.
+
+    Args:
+        model: the policy (see :class:`GramCapture` for what it must be).
+        num_rows: N, the rows of the whole batch the micro-batches index.
+        rows: [N] bool, the rows whose entries are wanted (the others' positions are skipped); None = all.
+        kwargs: passed to :class:`GramCapture` (form, token_block, budget_bytes, ...).
+    """
+
+    def __init__(self, model: nn.Module, num_rows: int, rows: Tensor | None = None, **kwargs: Any) -> None:
+        self.capture = GramCapture(model, **kwargs)
+        self.num_rows = int(num_rows)
+        self.wanted = None if rows is None else rows.detach().to("cpu", torch.bool)
+        #: (row indices [n] long on the CPU, Gram [n, n] float64 on the CPU, info) of each micro-batch measured
+        self.blocks: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
+
+    def __enter__(self) -> "MicroBatchGrams":
+        self.blocks = []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def micro_batch(self, idx: Tensor):
+        """Capture the Gram of micro-batch ``idx`` ([n] row indices into the N rows) around its forward and
+        backward; a micro-batch with no wanted row runs without hooks."""
+        idx = idx.detach().to("cpu", torch.long)
+        want = None if self.wanted is None else self.wanted[idx]
+        if want is not None and not bool(want.any()):
+            yield
+            return
+        with self.capture:
+            self.capture.rows = want
+            try:
+                yield
+            finally:
+                self.capture.rows = None
+        gram, info = self.capture.result()
+        self.blocks.append((idx, gram, info))
+
+    def gram(self) -> tuple[Tensor, dict[str, Any]]:
+        """(Gram [N, N] float64 on the CPU with NaN where two rows were in different micro-batches (or one is not
+        wanted), info: ``coverage`` (the smallest of the blocks'), ``hook_seconds`` (summed), ``micro_batches``).
+
+        Raises:
+            RuntimeError: no micro-batch was captured.
+        """
+        if not self.blocks:
+            raise RuntimeError("no micro-batch was captured: MicroBatchGrams.micro_batch was never entered")
+        out = torch.full((self.num_rows, self.num_rows), float("nan"), dtype=torch.float64)
+        for idx, g, _ in self.blocks:
+            out[idx.unsqueeze(1), idx.unsqueeze(0)] = g
+        if self.wanted is not None:
+            out[~self.wanted] = float("nan")
+            out[:, ~self.wanted] = float("nan")
+        infos = [info for _, _, info in self.blocks]
+        info = {"coverage": min(i["coverage"] for i in infos), "hook_seconds": sum(i["hook_seconds"] for i in infos),
+                "micro_batches": len(infos), "uncovered": {k: v for i in infos for k, v in i["uncovered"].items()}}
+        return out, info

@@ -8,11 +8,16 @@ partial   :class:`PartialProbe`: what a running probe has measured so far (OUT/p
 
 from grpo_lens._legacy import moved_attribute
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.probe.run import run_probe
 
 __all__ = ["ProbeConfig", "run_probe"]
 
 
 def __getattr__(name: str):
-    """0.1 names of this path that now live in one of its modules (DeprecationWarning, one release)."""
+    """``run_probe``, imported when first asked for (``grpo_lens.probe.config`` is read by ``grpo-lens --help``, which
+    must not load torch); and 0.1 names of this path that now live in one of its modules (DeprecationWarning, one
+    release)."""
+    if name == "run_probe":
+        from grpo_lens.probe.run import run_probe
+
+        return run_probe
     return moved_attribute(__name__, name)

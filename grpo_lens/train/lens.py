@@ -38,7 +38,7 @@ from grpo_lens.analysis.group import (
 from grpo_lens.formulas.advantages import constant_groups
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.overlong import overlong_loss_mask
-from grpo_lens.gradients.gram import exact_rollout_gram
+from grpo_lens.gradients.gram import MicroBatchGrams, exact_rollout_gram
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
 from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.lora import is_lora
@@ -76,6 +76,29 @@ def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_ro
     safe = torch.where(a != 0, a, torch.ones_like(a))
     out = -float(num_rollouts) * rows.double() / safe.unsqueeze(1)
     return torch.where((a != 0).unsqueeze(1), out, torch.zeros_like(out))
+
+
+def score_gram_from_update(gram: torch.Tensor, advantages: torch.Tensor, num_rollouts: float) -> torch.Tensor:
+    """The lens's exact score Gram <g_i, g_j> read off the Gram of the update's first-pass loss-gradient rows.
+
+    On the first pass (ratio 1 inside both clip ranges, no per-token KL, no importance weights) rollout i's share of
+    the loss has gradient h_i = -(A_i / N) g_i, g_i = grad(omega_i sum_t log pi(o_it)) with omega_i =
+    :func:`grpo_lens.formulas.losses.rollout_gradient_weights` (docs/theory.md §3, §Lens inside the update's
+    backward), so <g_i, g_j> = <h_i, h_j> N^2 / (A_i A_j). A rollout with A_i = 0 has h_i = 0: nothing of g_i is left
+    to divide, so its row and column are NaN (the trainer fuses only steps whose analysed groups have every A_i != 0;
+    the Gram of the rows A_i g_i themselves, G1's, needs no division: <h_i, h_j> N^2).
+
+    Args:
+        gram: [n, n] float64 <h_i, h_j> (:class:`grpo_lens.gradients.gram.MicroBatchGrams`).
+        advantages: [n] A_i.   num_rollouts: N, the rollouts in the loss summed over processes.
+
+    Returns:
+        [n, n] float64.
+    """
+    a = advantages.detach().to(device=gram.device, dtype=torch.float64)
+    assert gram.shape == (a.numel(), a.numel()), (tuple(gram.shape), a.numel())
+    c = torch.where(a != 0, -a / float(num_rollouts), torch.full_like(a, float("nan")))  # h_i = c_i g_i
+    return gram.double() / (c[:, None] * c[None, :])
 
 
 class TrainerLens:
@@ -134,8 +157,40 @@ class TrainerLens:
         return GradientCapture(policy, self.config.sketch_dim, self.config.sketch_dim,
                                   seed=self.config.seed)
 
+    def update_gram_capture(self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor,
+                            R: int) -> MicroBatchGrams:
+        """The :class:`MicroBatchGrams` for the trainer to open around the update's first pass (each micro-batch),
+        whose exact Gram of the mixed groups' loss-gradient rows then gives the lens's Gram without a pass of its
+        own (:func:`score_gram_from_update`; when, :func:`grpo_lens.train.update.lens_fuses_gram`). Marks the step as
+        measured for the S4 snapshots.
+
+        Args:
+            rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
+        """
+        self._pending = True
+        rows = torch.zeros(rewards.numel(), dtype=torch.bool)
+        for b in self.mixed_groups(rewards, valid, R):
+            rows[b * R:(b + 1) * R] = True
+        return MicroBatchGrams(policy, rewards.numel(), rows=rows)
+
+    def measure_from_update(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
+                            valid: torch.Tensor, advantages: torch.Tensor, capture: Any) -> dict[str, float]:
+        """:meth:`measure` from what ``capture`` took in the update's first pass: the exact Gram
+        (:class:`MicroBatchGrams`, :func:`score_gram_from_update`) or the sketched rows (:class:`GradientCapture`,
+        :func:`scores_from_update_rows`); N, the rollouts in the loss, summed over processes."""
+        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, self.config.overlong)
+        n_total = sum(gather_objects(float(loss_mask.any(dim=1).sum())))
+        if isinstance(capture, MicroBatchGrams):
+            gram, info = capture.gram()
+            return self.measure(step, policy, batch, rewards, valid, advantages,
+                                gram=(score_gram_from_update(gram, advantages, n_total), info))
+        n_total = sum(gather_objects(float(batch.completion_mask.any(dim=1).sum())))  # the sketch's N, as before
+        return self.measure(step, policy, batch, rewards, valid, advantages,
+                            sketch=scores_from_update_rows(capture.result().sketch, advantages, n_total))
+
     def measure(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
-                valid: torch.Tensor, advantages: torch.Tensor, sketch: torch.Tensor | None = None) -> dict[str, float]:
+                valid: torch.Tensor, advantages: torch.Tensor, sketch: torch.Tensor | None = None,
+                gram: tuple[torch.Tensor, dict[str, Any]] | None = None) -> dict[str, float]:
         """Lens metrics of one step's rollouts (every process's), before the update.
 
         Args:
@@ -144,6 +199,9 @@ class TrainerLens:
             sketch: [N, K] sketched g_i of every rollout, already computed at the step's starting weights (from the
                 update's first pass, :func:`scores_from_update_rows`); None runs the lens's own batched
                 forward + backward over the mixed groups, which must then happen before the update.
+            gram: ([N, N] exact score Gram of this process's rollouts, its info with ``coverage`` and
+                ``hook_seconds``), read off the update's own backward (:meth:`measure_from_update`); entries
+                outside the mixed groups' blocks may be NaN. Its hooks' seconds count as the lens's.
 
         Returns:
             {key: float}; the same numbers on every process.
@@ -162,14 +220,20 @@ class TrainerLens:
         norm = gather_objects((loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens),
                                float(loss_mask.any(dim=1).sum())))
         z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
-        if sketch is None and is_sharded(policy) and any(gather_objects(bool(mixed))) and not mixed:
+        own_pass = sketch is None and gram is None
+        if own_pass and is_sharded(policy) and any(gather_objects(bool(mixed))) and not mixed:
             # FSDP2: each forward is a collective, so a process without a mixed group joins the others' pass with
             # one group of its own and drops the result
             self.rollout_gram(policy, batch.select(torch.arange(R)), torch.ones(R, device=loss_mask.device))
         if mixed:
             idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
             sub = batch.select(idx)
-            if sketch is None:
+            if gram is not None:
+                g = gram[0][idx.unsqueeze(1), idx.unsqueeze(0)]  # [n_mixed * R, n_mixed * R]; NaN between groups
+                coverage.append(gram[1]["coverage"])
+                t0 -= gram[1]["hook_seconds"]  # the hooks ran inside the update's backward: the lens's time
+                gram = g
+            elif sketch is None:
                 omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total,
                                                  n_total)
                 gram, cov = self.rollout_gram(policy, sub, omega)  # [n_mixed * R, n_mixed * R] on the CPU

@@ -95,7 +95,7 @@ from grpo_lens.tasks.user_data import file_fingerprint
 from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
 from grpo_lens.train.evaluate import Evaluation
-from grpo_lens.train.lens import TrainerLens, scores_from_update_rows
+from grpo_lens.train.lens import TrainerLens
 from grpo_lens.train.memory import _peak_memory_mb
 from grpo_lens.train.processes import Processes, gather_objects, setup_processes
 from grpo_lens.train.schedule import LRSchedule, warmup_steps
@@ -117,9 +117,11 @@ from grpo_lens.train.step_metrics import (
     rollout_rewards,
     sampled_vs_kept,
 )
-from grpo_lens.train.update import lens_reads_update, policy_update
+from grpo_lens.train.update import lens_fuses_gram, lens_reads_update, policy_update
 
 logger = logging.getLogger(__name__)
+#: Why the lens ran its own pass instead of the update's backward, each said once per process (:func:`plan_lens`).
+_LENS_OWN_PASS_LOGGED: set[str] = set()
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -791,6 +793,16 @@ def plan_lens(lens: Any, step: int, config: TrainConfig, procs: Processes, polic
     now, on its own pass, before the update changes the policy."""
     if lens is None or not is_lens_step(step, config.lens_every, config.max_steps):
         return LensPlan(measure=False)
+    # the exact Gram from the update's own backward where the loss's token weights factor (all processes agree)
+    why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages,
+                              procs)
+    if why_not is None:
+        return LensPlan(measure=True, capture=lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid,
+                                                                        config.group_size))
+    if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
+        _LENS_OWN_PASS_LOGGED.add(why_not)
+        logger.info("lens: its own forward + backward at step %d (the Gram cannot come from the update's: %s; "
+                    "docs/theory.md §Lens inside the update's backward)", step, why_not)
     if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
         return LensPlan(measure=True, capture=lens.update_capture(policy))
     with forward_precision(procs.device, config.dtype):
@@ -806,11 +818,9 @@ def lens_after_update(lens: Any, plan: LensPlan, step: int, procs: Processes, po
     if lens is None:
         return {}
     metrics = plan.metrics
-    if plan.capture is not None:
-        (n_total,) = procs.sum_floats([float(rollouts.batch.completion_mask.any(dim=1).sum())])
-        sketch = scores_from_update_rows(plan.capture.result().sketch, advantages, n_total)
-        metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages,
-                               sketch=sketch)
+    if plan.capture is not None:  # the exact Gram or the sketched rows of the update's first pass
+        metrics = lens.measure_from_update(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages,
+                                           plan.capture)
     metrics.update(lens.after_step(step, policy, plan.measure))
     return metrics
 

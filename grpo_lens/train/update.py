@@ -75,9 +75,10 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
         batch: this process's N rollouts.   advantages: [N].   ref_logp: [N, T] or None (beta = 0).
         before_step: called after the last backward, before the first optimizer step (the lens snapshots there).
         step: the trainer step (for the crash-test hook and the guard's warning only).
-        capture: a context manager (the lens's :class:`grpo_lens.gradients.sketch.GradientCapture`) entered around
-            every forward + backward of the first pass over the first mini-batch, and left right after it; None for
-            none.
+        capture: a context manager (the lens's :class:`grpo_lens.gradients.sketch.GradientCapture`, or its
+            :class:`grpo_lens.gradients.gram.MicroBatchGrams`, whose ``micro_batch(idx)`` is also entered around each
+            micro-batch's forward + backward) entered around every forward + backward of the first pass over the
+            first mini-batch, and left right after it; None for none.
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
         numbers on every process), ``policy/entropy`` (token mean over the first pass's completion tokens of the
@@ -91,10 +92,12 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
     for pass_ in range(config.mu):
         for mb in range(len(plan.mini_batches)):
             # the lens's capture covers exactly the first pass over the first mini-batch: the on-policy gradient
-            around = capture if capture is not None and pass_ == 0 and mb == 0 else contextlib.nullcontext()
-            with around:
+            first = capture is not None and pass_ == 0 and mb == 0
+            around = capture if first else contextlib.nullcontext()
+            with around:  # a capture with ``micro_batch`` (the fused exact Gram) is also entered per micro-batch
                 nonfinite_loss = backward_mini_batch(policy, batch, advantages, ref_logp, plan, mb, pass_, config,
-                                                     procs, sums)
+                                                     procs, sums, getattr(capture, "micro_batch", None) if first
+                                                     else None)
             norm, skipped = optimizer_step(optimizer, params, config, procs, nonfinite_loss, step,
                                            before_step if not sums.grad_norms else None)
             sums.grad_norms.append(norm)
@@ -140,13 +143,7 @@ def plan_update(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfi
     micro-batches of ``micro_batch_size`` rollouts (or :func:`auto_micro_batch_size`'s choice, the smallest over
     processes for an FSDP2-sharded policy, so that every process runs as many forwards), and compute pi_old when
     needed."""
-    mini_batches = mini_batch_rows(batch.num_groups, config.group_size, config.num_mini_batches)
-    L, T = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1], batch.completion_ids.shape[1]
-    sizes = [config.micro_batch_size or auto_micro_batch_size(policy, len(mini), L, T, total_memory_bytes(procs.device))
-             for mini in mini_batches]
-    if procs.sharded and not config.micro_batch_size:  # FSDP2: as many forwards on every process (each a collective)
-        sizes = [max(1, int(-procs.max_float(-size))) for size in sizes]
-    micro_batches = [[mini[s:s + size] for s in range(0, len(mini), size)] for mini, size in zip(mini_batches, sizes)]
+    mini_batches, micro_batches = batch_rows(policy, batch, config, procs)
     old_logp = None  # [N, T] pi_old of every rollout, needed once the policy has moved within this step
     if config.mu > 1 or len(mini_batches) > 1:
         old_logp = torch.zeros_like(batch.sampler_logprobs)
@@ -157,6 +154,20 @@ def plan_update(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfi
                         old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
     loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, config.overlong)  # [N, T]
     return UpdatePlan(mini_batches, micro_batches, old_logp, loss_mask)
+
+
+def batch_rows(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig,
+               procs: Processes) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """(the row indices of each mini-batch, of each mini-batch's micro-batches) of :func:`plan_update`; no forward
+    (the lens asks before the update whether its groups lie within one micro-batch each, :func:`lens_fuses_gram`)."""
+    mini_batches = mini_batch_rows(batch.num_groups, config.group_size, config.num_mini_batches)
+    L, T = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1], batch.completion_ids.shape[1]
+    sizes = [config.micro_batch_size or auto_micro_batch_size(policy, len(mini), L, T, total_memory_bytes(procs.device))
+             for mini in mini_batches]
+    if procs.sharded and not config.micro_batch_size:  # FSDP2: as many forwards on every process (each a collective)
+        sizes = [max(1, int(-procs.max_float(-size))) for size in sizes]
+    micro_batches = [[mini[s:s + size] for s in range(0, len(mini), size)] for mini, size in zip(mini_batches, sizes)]
+    return mini_batches, micro_batches
 
 
 @dataclass
@@ -212,40 +223,52 @@ class UpdateSums:
 
 def backward_mini_batch(policy: torch.nn.Module, batch: RolloutBatch, advantages: torch.Tensor,
                         ref_logp: torch.Tensor | None, plan: UpdatePlan, mb: int, pass_: int, config: TrainConfig,
-                        procs: Processes, sums: UpdateSums) -> bool:
+                        procs: Processes, sums: UpdateSums,
+                        micro_capture: Callable[[torch.Tensor], Any] | None = None) -> bool:
     """Pass ``pass_`` over mini-batch ``mb``: forward, :func:`grpo_loss` and backward of each micro-batch, the
     gradients accumulating in ``.grad``, the metrics in ``sums``. Returns whether any micro-batch's loss was
     non-finite.
 
     pi_old is the forward's own detached log-prob on the first pass over the first mini-batch (ratio exactly 1),
     else ``plan.old_logp``. The loss is normalised by the mini-batch's :func:`loss_normalizer` summed over processes
-    (with ``--overlong filter`` truncated rollouts leave it too).
+    (with ``--overlong filter`` truncated rollouts leave it too). ``micro_capture(idx)``, when given, is a context
+    entered around each micro-batch's forward and backward (the fused lens's hooks, :func:`policy_update`).
     """
     mask = plan.loss_mask[plan.mini_batches[mb]]
     (normalizer,) = procs.sum_floats([loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens)])
     nonfinite_loss = False
     for idx in plan.micro_batches[mb]:
-        micro = batch.select(idx)
-        with forward_precision(procs.device, config.dtype):
-            logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
-        old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]
-        if pass_ == 0:
-            sums.add_first_pass(entropy, old, micro)
-        weights = None
-        if config.tis_cap is not None:
-            weights = truncated_is_weights(old, micro.sampler_logprobs, config.tis_cap)
-            if pass_ == 0:
-                sums.add_tis(weights, micro.completion_mask, config.tis_cap)
-        loss, m = grpo_loss(
-            logp, old, advantages[idx], plan.loss_mask[idx],
-            normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
-            eps_high=config.eps_high, dual_clip=config.dual_clip, beta=0.0 if config.kl_in_reward else config.beta,
-            ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
-            token_weights=weights, policy_loss=config.policy_loss)
-        loss.backward()
-        nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
-        sums.add_loss_metrics(m, config.mu * len(plan.mini_batches))
+        with micro_capture(idx) if micro_capture is not None else contextlib.nullcontext():
+            nonfinite_loss |= _backward_micro_batch(policy, batch, idx, advantages, ref_logp, plan, mb, pass_,
+                                                    normalizer, config, procs, sums)
     return nonfinite_loss
+
+
+def _backward_micro_batch(policy: torch.nn.Module, batch: RolloutBatch, idx: torch.Tensor, advantages: torch.Tensor,
+                          ref_logp: torch.Tensor | None, plan: UpdatePlan, mb: int, pass_: int, normalizer: float,
+                          config: TrainConfig, procs: Processes, sums: UpdateSums) -> bool:
+    """Forward, :func:`grpo_loss` and backward of the micro-batch of rows ``idx`` (see :func:`backward_mini_batch`);
+    returns whether its loss was non-finite."""
+    micro = batch.select(idx)
+    with forward_precision(procs.device, config.dtype):
+        logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
+    old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]
+    if pass_ == 0:
+        sums.add_first_pass(entropy, old, micro)
+    weights = None
+    if config.tis_cap is not None:
+        weights = truncated_is_weights(old, micro.sampler_logprobs, config.tis_cap)
+        if pass_ == 0:
+            sums.add_tis(weights, micro.completion_mask, config.tis_cap)
+    loss, m = grpo_loss(
+        logp, old, advantages[idx], plan.loss_mask[idx],
+        normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
+        eps_high=config.eps_high, dual_clip=config.dual_clip, beta=0.0 if config.kl_in_reward else config.beta,
+        ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
+        token_weights=weights, policy_loss=config.policy_loss)
+    loss.backward()
+    sums.add_loss_metrics(m, config.mu * len(plan.mini_batches))
+    return not bool(torch.isfinite(loss.detach()))
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], config: TrainConfig,
@@ -329,6 +352,70 @@ def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, val
     a = advantages.detach().view(-1, R)[mixed] if mixed else None
     here = a is not None and bool(torch.isfinite(a).all() and (a != 0).all())  # no mixed group: own path, no cost
     return here if procs is None else not procs.any(not here)
+
+
+def lens_fuses_gram(config: TrainConfig, lens: Any, policy: torch.nn.Module, batch: RolloutBatch,
+                    rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
+                    procs: Processes) -> str | None:
+    """None when the lens's exact Gram can be captured in the update's own first backward and the rollout weights
+    divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`, :func:`grpo_lens.train.lens.score_gram_from_update`,
+    docs/theory.md §Lens inside the update's backward); else why not, in words (the lens then runs its own pass).
+
+    The first pass's per-token loss weights factor as one scalar per rollout times its score, grad L_i =
+    -(A_i / N) g_i with g_i = grad(omega_i sum_t log pi), when: the loss has no per-token KL term (beta 0, or
+    ``kl_in_reward``), no importance weights (tis_cap unset), both clip ranges > 0 (ratio 1 lies inside them), one
+    mini-batch (the first pass covers every rollout before any optimizer step); and, for the groups the lens
+    analyses, every A_i finite and nonzero (A_i = 0 leaves nothing of g_i to divide: such a step keeps the own pass),
+    the loss mask their whole completion (not ``--overlong`` masking or filtering them), and each group within one
+    micro-batch (entries of two micro-batches share no backward). Not with ``--estimator optimal`` (its weights need
+    the norms before the advantages; the issue-30 rule), LoRA or sketched Grams (their own paths), an FSDP2-sharded
+    policy, or ``bf16-mixed`` (the lens's own pass runs without autocast). With several processes all answer alike
+    (one all-reduce).
+
+    Args:
+        rewards: [N] (NaN where invalid).   valid: [N] bool.   advantages: [N].
+    """
+    reason = None
+    if not (config.lens_from_update and hasattr(lens, "update_gram_capture") and hasattr(lens, "mixed_groups")):
+        reason = "lens_from_update off"
+    elif config.gram_source != "exact" or config.lora_rank > 0:
+        reason = "not the exact Gram (sketch or LoRA)"
+    elif config.beta > 0 and not config.kl_in_reward:
+        reason = "beta > 0 with a per-token KL term in the loss"
+    elif config.estimator == "optimal":
+        reason = "--estimator optimal"
+    elif config.tis_cap is not None or config.eps_low <= 0 or config.eps_high <= 0:
+        reason = "importance weights or a zero clip range"
+    elif config.num_mini_batches != 1:
+        reason = "several mini-batches"
+    elif procs.sharded or config.dtype == "bf16-mixed":
+        reason = "FSDP2 or bf16-mixed"
+    else:
+        reason = _groups_fuse(config, lens, policy, batch, rewards, valid, advantages, procs)
+    return reason if not procs.any(reason is not None) else (reason or "another process's groups")
+
+
+def _groups_fuse(config: TrainConfig, lens: Any, policy: torch.nn.Module, batch: RolloutBatch,
+                 rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor, procs: Processes) -> str | None:
+    """The per-step conditions of :func:`lens_fuses_gram` on this process's mixed groups (None: they hold)."""
+    R = config.group_size
+    mixed = lens.mixed_groups(rewards, valid, R)
+    if not mixed:
+        return "no mixed group"
+    a = advantages.detach().view(-1, R)[mixed]
+    if not bool(torch.isfinite(a).all() and (a != 0).all()):
+        return "a rollout of a mixed group has advantage 0"
+    T = batch.completion_mask.shape[1]
+    loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, config.overlong).view(-1, R, T)
+    if not bool((loss_mask[mixed] == batch.completion_mask.bool().view(-1, R, T)[mixed]).all()):
+        return "--overlong masks a rollout of a mixed group"
+    _, micro_batches = batch_rows(policy, batch, config, procs)
+    where = torch.empty(batch.num_rollouts, dtype=torch.long)
+    for k, idx in enumerate(micro_batches[0]):
+        where[idx] = k
+    if not bool((where.view(-1, R)[mixed] == where.view(-1, R)[mixed][:, :1]).all()):
+        return "a mixed group spans two micro-batches"
+    return None
 
 
 def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, procs: Processes) -> dict[str, float]:
