@@ -1,6 +1,6 @@
 """grpo-lens: train language models with GRPO and measure what GRPO's gradient is.
 
-The layout follows the roles (the README's "Layout" section has one line per module):
+The layout follows the roles (docs/layout.md has one line per module):
 
 - :mod:`grpo_lens.formulas`: every formula of docs/theory.md as a small pure function, one body each;
 - :mod:`grpo_lens.gradients`: per-rollout gradients of a model, exact and sketched;
