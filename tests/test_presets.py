@@ -22,9 +22,9 @@ def test_cpu_preset_is_the_papers_setting_on_the_default_model():
     assert config.task == "gsm8k" and config.model == ProbeConfig().model and config.group_sizes == [2, 4, 8]
     assert config.max_new_tokens >= 256 and config.rewards == ["math_verify"] and config.gram_source == "exact"
     assert config.device == "cpu" and config.dtype == "float32"
-    # sized for 30 minutes on 2 cores (configs/README.md): 6 prompts per R with M = max(2R, 8) rollouts each is
-    # 6 * (8 + 8 + 16) = 192 completions
-    assert sum(config.prompts_for(r) * max(2 * r, 8) for r in config.group_sizes) == 192
+    # sized for 30 minutes on 2 cores (configs/README.md): 5 prompts per R with M = max(2R, 8) rollouts each is
+    # 5 * (8 + 8 + 16) = 160 completions
+    assert sum(config.prompts_for(r) * max(2 * r, 8) for r in config.group_sizes) == 160
     assert config.baseline_study_prompts == 0 and config.credit_groups == 0
 
 
