@@ -1,6 +1,6 @@
 """grpo-lens: train language models with GRPO and measure what GRPO's gradient is.
 
-The layout follows the roles (the README's "Layout" section has one line per module):
+The layout follows the roles (docs/layout.md has one line per module):
 
 - :mod:`grpo_lens.formulas`: every formula of docs/theory.md as a small pure function, one body each;
 - :mod:`grpo_lens.gradients`: per-rollout gradients of a model, exact and sketched;
@@ -12,8 +12,7 @@ The layout follows the roles (the README's "Layout" section has one line per mod
 - :mod:`grpo_lens.integrations`: the lens inside other trainers (TRL);
 - beside them: models, rollout, rewards, tasks, lora, rundir, trackers, config, cli, demo, registry, seeding.
 
-docs/theory.md names, under each formula, the function that computes it. Importing this package also installs the
-0.1 import paths (:mod:`grpo_lens._legacy`), which resolve to the new homes with a DeprecationWarning for one release.
+docs/theory.md names, under each formula, the function that computes it.
 
 Shape letters used in every docstring: B prompts, R group size, N = B*R rollouts, T completion tokens,
 P parameters.
@@ -32,8 +31,6 @@ OMP_WAIT_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in o
 # changes no number, only how idle threads wait. It must be set before torch loads OpenMP; a value set by the user wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from grpo_lens import _legacy  # noqa: E402
-
-__version__ = "0.2.0"
-
-_legacy.install()  # the 0.1 import paths, with a DeprecationWarning, for one release
+#: the one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]), `grpo-lens --version`
+#: prints it
+__version__ = "0.3.0.dev0"

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from grpo_lens._legacy import moved_attribute
-
 #: Name fragment of peft's adapter modules (``...q_proj.lora_A.default``); base layers are ``...q_proj.base_layer``.
 ADAPTER_MARK = "lora_"
 
@@ -81,8 +79,3 @@ def save_lora_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     merged_copy(model).save_pretrained(path)
     tokenizer.save_pretrained(path)
     model.save_pretrained(path / "adapter")
-
-
-def __getattr__(name: str):
-    """0.1 names that moved to :mod:`grpo_lens.gradients.lora_spaces` (DeprecationWarning, one release)."""
-    return moved_attribute(__name__, name)

@@ -1,8 +1,7 @@
 """The docs name real code, at its current home.
 
 - Every backticked ``grpo_lens.…`` dotted name in docs/*.md and README.md, and every ``grpo_lens`` import of their
-  Python snippets, resolves by import + attribute look-up WITHOUT the deprecated 0.1 paths of
-  :mod:`grpo_lens._legacy` (a name that resolves only through one of them fails).
+  Python snippets, resolves by import + attribute look-up (the 0.1 paths, removed in 0.3, do not).
 - Every section and subsection of docs/theory.md names at least one function or class that computes its formulas.
 - Every ``theory.md §N`` / ``§Name`` citation in the package, the tests, the benchmarks and the docs points at a
   section (or subsection title) that exists.
@@ -18,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from grpo_lens import _legacy
-
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 THEORY = ROOT / "docs" / "theory.md"
@@ -30,13 +27,10 @@ def resolve(dotted: str) -> object:
     """The object ``dotted`` names, found from its current home.
 
     Raises:
-        LookupError: a prefix is a 0.1 module path (:data:`grpo_lens._legacy.MOVED_MODULES`), a name is one that left
-            its module (:data:`grpo_lens._legacy.MOVED_NAMES`), or a part does not exist.
+        LookupError: a part does not exist (a module attribute must be in the module's namespace, not served by a
+            module ``__getattr__``).
     """
     parts = dotted.split(".")
-    for i in range(1, len(parts) + 1):
-        if ".".join(parts[:i]) in _legacy.MOVED_MODULES:
-            raise LookupError(f"{dotted}: {'.'.join(parts[:i])} is a deprecated 0.1 path (grpo_lens/_legacy.py)")
     obj: object = None
     for i in range(len(parts), 0, -1):  # the longest prefix that is a module
         try:
@@ -47,9 +41,7 @@ def resolve(dotted: str) -> object:
                 raise
     for name in parts[i:]:
         if isinstance(obj, types.ModuleType):
-            if f"{obj.__name__}:{name}" in _legacy.MOVED_NAMES:
-                raise LookupError(f"{dotted}: {obj.__name__}.{name} is a deprecated 0.1 path (grpo_lens/_legacy.py)")
-            if name not in vars(obj):  # not through a module __getattr__ (the 0.1 re-exports)
+            if name not in vars(obj):  # not through a module __getattr__
                 raise LookupError(f"{dotted}: module {obj.__name__} has no {name!r}")
             obj = vars(obj)[name]
         elif hasattr(obj, name):
@@ -81,14 +73,14 @@ def _doc_names() -> list[tuple[str, str]]:
     return list(seen)
 
 
-def test_resolve_refuses_the_deprecated_paths():
-    # the checker itself: a current path resolves, the 0.1 paths of the same objects do not
+def test_resolve_refuses_the_removed_paths():
+    # the checker itself: a current path resolves, the 0.1 paths of the same objects (removed in 0.3) do not
     from grpo_lens.formulas.advantages import compute_advantages
 
     assert resolve("grpo_lens.formulas.advantages.compute_advantages") is compute_advantages
     for old in ("grpo_lens.advantages.compute_advantages", "grpo_lens.diagnostics.spectrum.rank_measures",
                 "grpo_lens.lora.lora_rollout_grads", "grpo_lens.claims.band_verdict"):
-        with pytest.raises(LookupError, match="deprecated"):
+        with pytest.raises(LookupError, match="has no"):
             resolve(old)
     with pytest.raises(LookupError, match="has no"):
         resolve("grpo_lens.formulas.advantages.no_such_function")

@@ -12,7 +12,6 @@ baselines  the group mean is the optimal baseline (a probe's baseline study)
 Importing this package registers every claim family. Decision rules: docs/theory.md §11, §12.
 """
 
-from grpo_lens._legacy import moved_attribute
 from grpo_lens.claims import baselines, credit, identity, rank, sparsity, zero_sum  # noqa: F401 (they register)
 from grpo_lens.claims.base import (
     CLAIMS,
@@ -25,8 +24,3 @@ from grpo_lens.claims.base import (
 )
 
 __all__ = ["CLAIMS", "DOES_NOT_HOLD", "HOLDS", "INCONCLUSIVE", "VERDICTS", "Claim", "evaluate_claims"]
-
-
-def __getattr__(name: str):
-    """0.1 names of this path that now live in one of its modules (DeprecationWarning, one release)."""
-    return moved_attribute(__name__, name)

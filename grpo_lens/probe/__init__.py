@@ -6,7 +6,6 @@ studies   the baseline study and the credit study
 partial   :class:`PartialProbe`: what a running probe has measured so far (OUT/probe_partial/), for ``--resume``
 """
 
-from grpo_lens._legacy import moved_attribute
 from grpo_lens.probe.config import ProbeConfig
 
 __all__ = ["ProbeConfig", "run_probe"]
@@ -14,10 +13,9 @@ __all__ = ["ProbeConfig", "run_probe"]
 
 def __getattr__(name: str):
     """``run_probe``, imported when first asked for (``grpo_lens.probe.config`` is read by ``grpo-lens --help``, which
-    must not load torch); and 0.1 names of this path that now live in one of its modules (DeprecationWarning, one
-    release)."""
+    must not load torch)."""
     if name == "run_probe":
         from grpo_lens.probe.run import run_probe
 
         return run_probe
-    return moved_attribute(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
