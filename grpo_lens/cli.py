@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
                            help="one probe per seed into OUT/seed_<s>, then the groups pooled over the seeds in "
                                 "OUT/probe.json and report.md: the claims decided on the pooled groups, the "
-                                "between-seed spread beside each run's interval (docs/usage-seeds.md)")
+                                "between-seed spread beside each run's interval (docs/seeds.md)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("model", help="print the Hugging Face folder of a model (the default one: for TRL's "

@@ -1,5 +1,5 @@
 """Pooling units (groups, prompts, rollouts) measured in several runs that differ only in their seed
-(docs/usage-seeds.md; intervals as in docs/theory.md §7): the run (seed) is a stratum, its units a sample drawn
+(docs/seeds.md; intervals as in docs/theory.md §7): the run (seed) is a stratum, its units a sample drawn
 within it.
 
 - :func:`stratified_interval`: the stratified mean and its interval from per-stratum values (Cochran 1977, §5.3 with

@@ -1,4 +1,4 @@
-"""``grpo-lens probe --seeds 0 1 2 --out DIR``: one probe per seed, then one pooled result (docs/usage-seeds.md).
+"""``grpo-lens probe --seeds 0 1 2 --out DIR``: one probe per seed, then one pooled result (docs/seeds.md).
 
 Layout of DIR::
 

@@ -63,7 +63,7 @@ def seeds_section(pooled: dict[str, Any], run_dir: Path) -> list[str]:
               f"more than their within-run intervals allow, so a rerun's uncertainty is larger than the pooled "
               f"interval says), and the 95% interval with the seed as a stratum (Cochran eq. 5.6, Satterthwaite df; "
               f"between-seed differences of the mean do not enter it) beside the interval over the pooled groups "
-              f"(docs/usage-seeds.md)."), ""]
+              f"(docs/seeds.md)."), ""]
     pooled_claims = evaluate_claims(pooled)
     missing, per_seed = seed_verdicts(pooled, run_dir)
     if missing:
@@ -121,7 +121,7 @@ def compare_seeds_section(pooled: dict[str, Any], metrics: list[tuple[str, str]]
              (f"The runs differ only in their seed ({', '.join(f'`{lab}`: {s}' for lab, s in seeds.items())}), so "
               f"they are reruns of one configuration: per metric, the mean of the runs' final numbers, their SD over "
               f"runs (the rerun-to-rerun spread, which the intervals above do not show) and their range. No interval "
-              f"over runs from fewer than 8 (docs/usage-seeds.md)."), "",
+              f"over runs from fewer than 8 (docs/seeds.md)."), "",
              *md_table(["metric", "mean over runs", "SD over runs", "range", "runs"])]
     for key, label in metrics:
         if key in pooled:
