@@ -4,7 +4,9 @@ A run directory may hold a training run (metrics.jsonl, config.yaml, in the fold
 (probe.json in the folder itself or in ``probe_before/`` and ``probe_after/``), or both (the demo). Every sentence
 under "Findings" is computed from those numbers; nothing is hard-coded. This module assembles the report
 (:func:`write_report`) and holds the claims table (:func:`claims_section`, verdicts from :mod:`grpo_lens.claims`).
-Beside it:
+report.md opens with one screen, the answers and three figures (:func:`first_figures`); everything else follows
+under "## Appendix" (:func:`appendix`): the settings, the claims table, the findings, the training section and one
+section per probe. Beside it:
 
 answers            the report's opening: one line per decided claim, the undecided ones grouped by what decides them
 training           the training section (:func:`training_section`), one function per subsection
@@ -20,6 +22,8 @@ compare            ``grpo-lens compare``: several training runs in one report
 from __future__ import annotations
 
 import json
+import re
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +182,60 @@ def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, An
     return lines + [""]
 
 
+#: the report's first-screen figures, most informative first: one figure per entry, the first file (in report
+#: order) that matches its first pattern, else its second; the first three entries the run has are shown
+FIRST_FIGURES = (("erank_vs_R.png", "erank_vs_R_*.png"),  # the rank claim: G1's erank vs R beside its null
+                 ("sparsity.png",),  # S1 and S4 over training
+                 ("rank_over_training.png",),  # G1's rank at every lens step
+                 ("spectra_*.png",), ("baseline_variance_*.png",), ("learning_curves.png",), ("baselines.png",))
+N_FIRST_FIGURES = 3
+
+_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)]+)\)")
+_HEADING = re.compile(r"(#{2,5}) (.*)")
+
+
+def report_figures(lines: list[str]) -> list[tuple[str, str, str]]:
+    """(alt text, file name, where) of every image line of ``lines`` (a report's Markdown), in order; ``where`` is
+    the section heading above it and, when there is one, the subsection heading ("Training, Sparsity of ...")."""
+    section = subsection = ""
+    out = []
+    for line in lines:
+        heading = _HEADING.fullmatch(line)
+        if heading:
+            section, subsection = ((heading[2], "") if len(heading[1]) == 2 else (section, heading[2]))
+        image = _IMAGE.fullmatch(line)
+        if image:
+            out.append((image[1], image[2], f"{section}, {subsection}" if subsection else section))
+    return out
+
+
+def first_figures(body: list[str], n: int = N_FIRST_FIGURES) -> list[str]:
+    """The report's first-screen figures: the first ``n`` entries of :data:`FIRST_FIGURES` that ``body`` (the
+    report's sections) shows, each image once more here, and a line naming the appendix section of each; [] when the
+    body has no image."""
+    figures = report_figures(body)
+    chosen = []
+    for patterns in FIRST_FIGURES:
+        match = next((f for p in patterns for f in figures if fnmatch(f[1], p)), None)
+        if match and len(chosen) < n:
+            chosen.append(match)
+    if not chosen:
+        return []
+    return ["## Figures", "", *(f"![{alt}]({name})" for alt, name, _ in chosen), "",
+            "In order: " + "; ".join(f"{alt} (appendix: {where})" for alt, _, where in chosen) + ".", ""]
+
+
+def appendix(lines: list[str]) -> list[str]:
+    """``lines`` under an "## Appendix" heading, every Markdown heading in them one level deeper (``## Training`` ->
+    ``### Training``); code blocks (the config's YAML, whose comments start with #) are left as they are."""
+    out, fenced = ["## Appendix", ""], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        out.append("#" + line if not fenced and _HEADING.fullmatch(line) else line)
+    return out
+
+
 def write_report(run_dir: Path) -> Path:
     """Write run_dir/report.md and its PNGs from the run directory's files; return the report's path.
 
@@ -214,21 +272,23 @@ def write_report(run_dir: Path) -> Path:
 
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
-        header += answers_section(probes, records, lora_rank)  # the answers first, the full table below
+        header += answers_section(probes, records, lora_rank)  # the answers first, the full table in the appendix
+    header += first_figures(body)
+    rest = []
     if records and estimator:
-        header += [f"Advantage estimator: `{estimator}` (baseline: {ESTIMATOR_BASELINES.get(estimator, 'see docs')}"
-                   + (f"; std convention `{cfg.get('std')}`" if estimator == "grpo" and cfg.get("std") else "")
-                   + ").", ""]
+        rest += [f"Advantage estimator: `{estimator}` (baseline: {ESTIMATOR_BASELINES.get(estimator, 'see docs')}"
+                 + (f"; std convention `{cfg.get('std')}`" if estimator == "grpo" and cfg.get("std") else "")
+                 + ").", ""]
     config = train_dir / "config.yaml"
     if config.exists():
-        header += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
-                   "</details>", ""]
+        rest += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
+                 "</details>", ""]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
-        header += claims_section(probes, records, lora_rank)
+        rest += claims_section(probes, records, lora_rank)
     if (probes.get("probe") or {}).get("seeds"):  # a pooled probe (probe --seeds): each seed beside the pool
-        header += seeds_section(probes["probe"], run_dir)
-    header += ["## Findings", "", *[f"- {f}" for f in findings], ""]
-    lines = few_footnotes(header + body)
+        rest += seeds_section(probes["probe"], run_dir)
+    rest += ["## Findings", "", *[f"- {f}" for f in findings], ""]
+    lines = few_footnotes(header + appendix(rest + body))
     if any(FEW_MARK in line for line in lines):  # the mark's meaning, once, under the title
         lines[4:4] = [FEW_NOTE, ""]
     path = run_dir / "report.md"

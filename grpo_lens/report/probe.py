@@ -4,11 +4,10 @@ One function per subsection, called in order by :func:`probe_section`:
 
 header_lines        the model, task and gradient source; the sketch's check against exact gradients
 groups_lines        per R: prompts, all-equal and mixed groups, S1 measured and predicted, the identity, G2's rank
-rank_lines          "Effective rank vs group size, beside the orthogonal null" (:func:`rank_table`)
+rank_lines          "Effective rank vs group size, beside the orthogonal null": :func:`rank_table`, erank vs R
 weighting_tables    "Zero-sum or not: G3 and G2 under other weightings"
 strata_lines        "Stratified by k" and "Stratified by distinct completions" (:func:`strata_table`)
 zero_sum_lines      "Zero-sum structure: label-permutation test with k fixed"
-rank_figures        G1's erank findings, the identity's finding, erank vs R and the spectra
 baselines_lines     "Baselines": gradient variance under each baseline relative to b*
 credit_lines        "Credit": the per-token advantage within a rollout
 (studies)           the probe's studies (:mod:`.studies`)
@@ -226,9 +225,12 @@ def groups_lines(label: str, probe: dict[str, Any], findings: list[str]) -> list
     return lines + [""]
 
 
-def rank_lines(probe: dict[str, Any]) -> list[str]:
+def rank_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
     """"Effective rank vs group size, beside the orthogonal null": what G1, its null, its controls, G1_layer, G2 and
-    G3 are, and :func:`rank_table`."""
+    G3 are, :func:`rank_table`, and the figures erank vs R (erank_vs_R_{label}.png) and the spectra
+    (spectra_{label}.png); findings on G1's erank beside its null per R and on the rank-2 identity's largest
+    residual."""
+    per_r = probe["per_group_size"]
     meta = probe.get("meta", {})
     lines = ["### Effective rank vs group size, beside the orthogonal null", "",
              "G1: rows A_i g_i of a group. The orthogonal null has singular values |A_i| ||g_i||: what G1 would be "
@@ -237,7 +239,24 @@ def rank_lines(probe: dict[str, Any]) -> list[str]:
              "zero-sum, ||w|| = ||A||), G1_nll (rows of the supervised NLL gradient). G1_layer: G1 of "
              f"`{meta.get('layer')}` only; G2: that layer's weight gradient of the group loss. G3: rows = the "
              "analysed groups' updates (one matrix; its null has singular values = the row norms).", ""]
-    return lines + rank_table(probe) + [""]
+    lines += rank_table(probe) + [""]
+    for r in sorted(per_r, key=int):
+        summ = per_r[r].get(PROBE_SUMMARY, {})
+        g1 = summ.get(rank_key("g1", "erank")) or {}
+        null = summ.get(rank_key("g1_null", "erank")) or {}
+        if g1.get("mean") is None:
+            continue
+        note = " (R = 2 caps every rank measure at 2)" if int(r) == 2 else ""
+        findings.append(f"[{label}] R={r}: G1 erank {_ci(g1)} vs orthogonal null {_ci(null)} over {g1.get('n')} "
+                        f"groups{note}.")
+    res_all = [g.get(GRAD_IDENTITY_RESIDUAL) for d in per_r.values() for g in d.get(PROBE_GROUPS, [])
+               if g.get(GRAD_IDENTITY_RESIDUAL) is not None]
+    if res_all:
+        findings.append(f"[{label}] The rank-2 identity sum_i A_i g_i = c(k,R)(gbar_C - gbar_W) held to a relative "
+                        f"residual of at most {max(res_all):.1e} over {len(res_all)} mixed 0/1 groups.")
+    plots.plot_erank_vs_group_size({label: probe}, run_dir / f"erank_vs_R_{label}.png")
+    plots.plot_spectra(probe, run_dir / f"spectra_{label}.png")
+    return lines + [f"![erank vs R]({f'erank_vs_R_{label}.png'})", f"![spectra]({f'spectra_{label}.png'})", ""]
 
 
 def strata_lines(probe: dict[str, Any]) -> list[str]:
@@ -270,29 +289,6 @@ def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
         lines.append(md_row(r, n, *cells))
     lines.append("")
     return lines
-
-
-def rank_figures(label: str, probe: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
-    """Findings on G1's erank beside its null per R and on the rank-2 identity's largest residual; the figures
-    erank vs R (erank_vs_R_{label}.png) and the spectra (spectra_{label}.png)."""
-    per_r = probe["per_group_size"]
-    for r in sorted(per_r, key=int):
-        summ = per_r[r].get(PROBE_SUMMARY, {})
-        g1 = summ.get(rank_key("g1", "erank")) or {}
-        null = summ.get(rank_key("g1_null", "erank")) or {}
-        if g1.get("mean") is None:
-            continue
-        note = " (R = 2 caps every rank measure at 2)" if int(r) == 2 else ""
-        findings.append(f"[{label}] R={r}: G1 erank {_ci(g1)} vs orthogonal null {_ci(null)} over {g1.get('n')} "
-                        f"groups{note}.")
-    res_all = [g.get(GRAD_IDENTITY_RESIDUAL) for d in per_r.values() for g in d.get(PROBE_GROUPS, [])
-               if g.get(GRAD_IDENTITY_RESIDUAL) is not None]
-    if res_all:
-        findings.append(f"[{label}] The rank-2 identity sum_i A_i g_i = c(k,R)(gbar_C - gbar_W) held to a relative "
-                        f"residual of at most {max(res_all):.1e} over {len(res_all)} mixed 0/1 groups.")
-    plots.plot_erank_vs_group_size({label: probe}, run_dir / f"erank_vs_R_{label}.png")
-    plots.plot_spectra(probe, run_dir / f"spectra_{label}.png")
-    return [f"![erank vs R]({f'erank_vs_R_{label}.png'})", f"![spectra]({f'spectra_{label}.png'})", ""]
 
 
 def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
@@ -351,11 +347,10 @@ def probe_section(label: str, probe: dict[str, Any], run_dir: Path, findings: li
     baselines and credit of one probe: the subsections in order, each appending its findings."""
     lines = header_lines(label, probe)
     lines += groups_lines(label, probe, findings)
-    lines += rank_lines(probe)
+    lines += rank_lines(label, probe, run_dir, findings)
     lines += weighting_tables(probe)
     lines += strata_lines(probe)
     lines += zero_sum_lines(probe)
-    lines += rank_figures(label, probe, run_dir, findings)
     lines += baselines_lines(label, probe, run_dir, findings)
     lines += credit_lines(label, probe, run_dir)
     if probe.get("studies"):
