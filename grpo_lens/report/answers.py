@@ -56,7 +56,7 @@ def answer_lines(sources: dict[str, list[Claim]]) -> list[str]:
         lines.append("")
     if not decided and not undecided:
         lines += ["No claim could be evaluated on this run.", ""]
-    lines += ["The full claims table, with each measurement, its control and the rule, follows the config.", ""]
+    lines += ["The full claims table, with each measurement, its control and the rule, is in the appendix.", ""]
     return lines
 
 

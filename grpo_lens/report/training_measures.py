@@ -1,7 +1,7 @@
 """Report pieces read from a training run's metrics.jsonl records, beside the reward table of
-:func:`grpo_lens.report.training_section`: policy entropy, sparsity over training next to its dense bf16 control
-(docs/theory.md §Sparsity over training), the lens's share of the wall time, and one sentence on dynamic sampling
-(docs/theory.md §Dynamic sampling; also used by ``grpo-lens compare``).
+:func:`grpo_lens.report.training.training_section`: policy entropy, sparsity over training next to its dense bf16
+control (docs/theory.md §Sparsity over training), the lens's share of the wall time, and one sentence on dynamic
+sampling (docs/theory.md §Dynamic sampling; also used by ``grpo-lens compare``).
 
 Everything comes from the records alone; the claims these numbers decide are in :mod:`grpo_lens.claims.sparsity`.
 """

@@ -70,7 +70,7 @@ def _probe(s1_measured: float = 0.625, g1_erank: float = 1.98) -> dict:
 
 
 def _findings(report: str) -> list[str]:
-    section = report.split("## Findings", 1)[1].split("\n## ", 1)[0]
+    section = report.split("\n### Findings", 1)[1].split("\n### ", 1)[0]  # a section of the appendix
     return [line[2:] for line in section.splitlines() if line.startswith("- ")]
 
 
@@ -188,11 +188,11 @@ def test_probe_report_shows_s1_and_rank(tmp_path):
     # zero-sum table: span energy 0.61 vs relabelled 0.71; one group of two has p < 0.05
     assert "| 4 | 2 | 0.610 [0.560, 0.660] | 0.710 [0.660, 0.760] | 1/2 |" in report
     assert "### Stratified by k" in report and "### Stratified by distinct completions" in report
-    # the claims section opens the report: one rank row across R = 4 (R = 2 left out), inconclusive (the rank rule
+    # the claims section opens the appendix: one rank row across R = 4 (R = 2 left out), inconclusive (the rank rule
     # reads the per-group rows; this hand-made probe's rows carry no rank keys: 0 groups < 16), naming the flag; the
     # identity is a check under the table: max residual 4e-8 < 1e-4 -> holds
-    assert report.index("## Claims") < report.index("## Findings")
-    claims = report.split("## Claims", 1)[1].split("\n## ", 1)[0]
+    assert report.index("\n## Appendix") < report.index("\n### Claims") < report.index("\n### Findings")
+    claims = report.split("\n### Claims", 1)[1].split("\n### ", 1)[0]
     assert "| the per-rollout gradient matrix G1 has effective rank ≈ 2 (top-2 energy share E₂ > 0.9 > E₁) | " \
            "R = 4 (one verdict) |" in claims
     assert "**inconclusive** | 0 groups < 16 at some R" in claims and "To decide: raise `--prompts`" in claims
@@ -250,6 +250,59 @@ def test_demo_layout_before_and_after(tmp_path):
     assert "stayed flat" not in report
     names = _check_images(tmp_path, report)
     assert "erank_vs_R.png" in names
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layout: one screen (answers, three figures), then the appendix
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_report_opens_with_answers_and_three_figures_then_the_appendix(tmp_path):
+    _write_metrics(tmp_path / "train", [0.1 * s for s in range(1, 11)])  # lens steps 5 and 10 log G1's erank
+    (tmp_path / "train" / "config.yaml").write_text("# a comment, not a heading\nmodel: tiny\n")
+    for sub in ("probe_before", "probe_after"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "probe.json").write_text(json.dumps(_probe()))
+    report = write_report(tmp_path).read_text()
+    lines = report.splitlines()
+    # the first screen, in order; every section of the old report follows under the appendix, one level deeper
+    order = ["# grpo-lens report", "## Answers", "## Figures", "## Appendix", "### Claims: effective rank, "
+             "zero-sum structure, the identity, sparsity, credit, baselines", "### Findings", "### Training",
+             "#### Sparsity of the gradient over training", "### Gradient probe: before", "### Gradient probe: after",
+             "### Before vs after training"]
+    assert [lines.index(h) for h in order] == sorted(lines.index(h) for h in order)
+    appendix = lines.index("## Appendix")
+    assert [h for h in lines[appendix + 1:] if h.startswith("## ")] == []
+    # the three figures: erank vs R before and after (two probes), S1/S4 over training, G1's rank over training
+    first = lines[lines.index("## Figures"):appendix]
+    images = [line for line in first if line.startswith("![")]
+    assert images == ["![erank vs R, before and after](erank_vs_R.png)", "![sparsity](sparsity.png)",
+                      "![rank over training](rank_over_training.png)"]
+    assert all(image in lines[appendix:] for image in images)  # each still in its section
+    assert "(appendix: Training, Rank of G1 over training)" in report
+    # the config's YAML comment is not a heading: left as it is
+    assert "\n# a comment, not a heading\n" in report and "## a comment" not in report
+    _check_images(tmp_path, report)
+
+
+def test_first_figures_pick_by_priority_and_appendix_demotes_headings():
+    from grpo_lens.report import appendix, first_figures
+
+    body = ["## Gradient probe: probe", "", "### Baselines", "", "![baseline variance](baseline_variance_probe.png)",
+            "### Credit", "![credit profile](credit_profile_probe.png)", "## Gradient probe: x",
+            "![erank vs R](erank_vs_R_x.png)", "![spectra](spectra_x.png)", "## Before vs after training",
+            "![erank vs R, before and after](erank_vs_R.png)"]
+    # priority (FIRST_FIGURES): erank_vs_R.png before erank_vs_R_x.png although later in the body; no sparsity or
+    # rank over training (a probe-only body): spectra, then baseline variance; the credit profile is not picked
+    assert [line for line in first_figures(body) if line.startswith("![")] == [
+        "![erank vs R, before and after](erank_vs_R.png)", "![spectra](spectra_x.png)",
+        "![baseline variance](baseline_variance_probe.png)"]
+    caption = ("In order: erank vs R, before and after (appendix: Before vs after training); spectra (appendix: "
+               "Gradient probe: x); baseline variance (appendix: Gradient probe: probe, Baselines).")
+    assert caption in first_figures(body)
+    assert first_figures(["## Training", "no image"]) == []
+    assert appendix(["## A", "### B", "```yaml", "# comment", "## not a heading either", "```", "#### C", "#x"]) == [
+        "## Appendix", "", "### A", "#### B", "```yaml", "# comment", "## not a heading either", "```", "##### C",
+        "#x"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
