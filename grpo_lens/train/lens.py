@@ -25,6 +25,7 @@ groups, gathers and averages.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -99,6 +100,12 @@ def score_gram_from_update(gram: torch.Tensor, advantages: torch.Tensor, num_rol
     assert gram.shape == (a.numel(), a.numel()), (tuple(gram.shape), a.numel())
     c = torch.where(a != 0, -a / float(num_rollouts), torch.full_like(a, float("nan")))  # h_i = c_i g_i
     return gram.double() / (c[:, None] * c[None, :])
+
+
+def trainable_count(policy: torch.nn.Module) -> int:
+    """P: the number of trainable parameters of ``policy``, of the whole model also when FSDP2 shards it (a DTensor's
+    ``shape`` is the global one)."""
+    return sum(math.prod(p.shape) for p in policy.parameters() if p.requires_grad)
 
 
 class TrainerLens:
@@ -220,6 +227,10 @@ class TrainerLens:
         norm = gather_objects((loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens),
                                float(loss_mask.any(dim=1).sum())))
         z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
+        # each group's seed follows its index in the whole batch, which this process holds a contiguous share of
+        shares = gather_objects(r.shape[0])
+        rank = torch.distributed.get_rank() if len(shares) > 1 else 0
+        first_group = sum(shares[:rank])
         own_pass = sketch is None and gram is None
         if own_pass and is_sharded(policy) and any(gather_objects(bool(mixed))) and not mixed:
             # FSDP2: each forward is a collective, so a process without a mixed group joins the others' pass with
@@ -233,25 +244,25 @@ class TrainerLens:
                 coverage.append(gram[1]["coverage"])
                 t0 -= gram[1]["hook_seconds"]  # the hooks ran inside the update's backward: the lens's time
                 gram = g
+                dim = trainable_count(policy)  # the exact Gram's P
             elif sketch is None:
                 omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total,
                                                  n_total)
-                gram, cov = self.rollout_gram(policy, sub, omega)  # [n_mixed * R, n_mixed * R] on the CPU
+                gram, cov, dim = self.rollout_gram(policy, sub, omega)  # [n_mixed * R, n_mixed * R] on the CPU
                 coverage += [cov] if cov is not None else []
             else:
                 grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
                 gram = grads @ grads.T
+                dim = grads.shape[1]  # the sketch's K
+            # dim: P for the claims' simulated null (issue 29), the dimension of the space the Gram's gradients live in
             adv = advantages.detach().cpu().double()
-            # P for the claims' simulated null (issue 29): the sketch's dimension, else every trainable parameter
-            dim = grads.shape[1] if sketch is not None else sum(p.numel() for p in policy.parameters()
-                                                                  if p.requires_grad)
             for j, b in enumerate(mixed):
                 rows.append(analyse_group(
                     gram[j * R:(j + 1) * R, j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R],
                     estimator=c.estimator,
                     std=c.std, eps=c.std_eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
                     completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4, null_dim=dim,
-                    seed=c.seed + step * 1009 + b))
+                    seed=c.seed + step * 1009 + first_group + b))
         # every process's groups: the lens describes the whole batch, not rank 0's share
         parts = gather_objects({"rows": rows, "rewards": r, "valid": v, "coverage": coverage})
         all_rows = [row for part in parts for row in part["rows"]]
@@ -267,8 +278,9 @@ class TrainerLens:
         return out
 
     def rollout_gram(self, policy: torch.nn.Module, sub: RolloutBatch,
-                     omega: torch.Tensor) -> tuple[torch.Tensor, float | None]:
-        """(Gram [n, n] float64 on the CPU of ``sub``'s per-rollout gradients, its parameter coverage or None).
+                     omega: torch.Tensor) -> tuple[torch.Tensor, float | None, int]:
+        """(Gram [n, n] float64 on the CPU of ``sub``'s per-rollout gradients, its parameter coverage or None, the
+        dimension P of the space the gradients live in: every trainable parameter, or the sketch's K).
 
         ``gram_source: exact`` without LoRA: the exact Gram of every parameter from one batched backward
         (:func:`grpo_lens.gradients.gram.exact_rollout_gram`; coverage = its share of the trainable parameters).
@@ -277,9 +289,9 @@ class TrainerLens:
         # a settings object without the field keeps the sketch (the TRL integration's has it: lens_gram_source)
         if getattr(c, "gram_source", "sketch") == "exact" and not is_lora(policy):
             gram, info = exact_rollout_gram(policy, sub, score_weights=omega, temperature=c.temperature)
-            return gram, info["coverage"]
+            return gram, info["coverage"], trainable_count(policy)
         grads = self.rollout_grads(policy, sub, omega).cpu()
-        return grads @ grads.T, None
+        return grads @ grads.T, None, grads.shape[1]
 
     def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
         """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.

@@ -17,7 +17,8 @@ import torch
 
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.advantages import compute_advantages
-from grpo_lens.train.loop import train
+from grpo_lens.rundir import RunDir
+from grpo_lens.train.loop import NoScorableRolloutError, train
 
 pytestmark = pytest.mark.e2e  # every test here builds a model or runs a command
 
@@ -92,8 +93,12 @@ def test_invalid_rewards_are_left_out_of_the_group_and_counted(tmp_path):
 
 def test_a_raising_reward_function_invalidates_its_rollouts_and_the_run_goes_on(tmp_path):
     # it raises at every step but not in the start-up check (which refuses a function that always raises); two steps
-    # are fewer than --max-consecutive-skips 3 steps without a scorable rollout, so the run goes on
-    run = train(tiny_config(tmp_path, rewards=["test_alternating", "test_raises_in_training"], max_steps=2))
+    # are fewer than --max-consecutive-skips 3 steps without a scorable rollout, so the run goes on to its end, and
+    # then, as nothing scored in the whole run, it stops non-zero (issue 32) with both steps' records written
+    config = tiny_config(tmp_path, rewards=["test_alternating", "test_raises_in_training"], max_steps=2)
+    with pytest.raises(NoScorableRolloutError, match="no rollout could be scored"):
+        train(config)
+    run = RunDir(config.out)
     metrics = read_jsonl(run.metrics_path)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -105,7 +110,10 @@ def test_a_raising_reward_function_invalidates_its_rollouts_and_the_run_goes_on(
 def test_a_hanging_reward_function_times_out_and_the_run_goes_on(tmp_path):
     # test_sleeps sleeps 3 s; with a 0.2 s timeout each step's call is abandoned: all its rollouts are invalid.
     t0 = time.perf_counter()
-    run = train(tiny_config(tmp_path, rewards=["test_alternating", "test_sleeps"], reward_timeout=0.2, max_steps=2))
+    config = tiny_config(tmp_path, rewards=["test_alternating", "test_sleeps"], reward_timeout=0.2, max_steps=2)
+    with pytest.raises(NoScorableRolloutError):  # nothing scored in the whole run: non-zero (issue 32)
+        train(config)
+    run = RunDir(config.out)
     elapsed = time.perf_counter() - t0
     metrics = read_jsonl(run.metrics_path)
     assert [m["step"] for m in metrics] == [1, 2]
