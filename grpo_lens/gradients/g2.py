@@ -79,6 +79,8 @@ class G2WeightingCapture:
         seq_len: L = Lp + T, the pass's sequence length (needed with ``shared_prefix``: which layers see it whole).
         budget_bytes: the kernels kept for the batched solve (they are solved when more accumulate) and the float64
             working set of one batch.
+        rows: (r0, r1): the pass's rows this group holds, when one backward serves several groups (each with its own
+            capture; a layer's input and output gradient are cut to these rows in the hook); None: every row.
 
     After a forward + backward inside the context, :meth:`result` gives
     ``{"rank/g2_<name>_<kind>_stable_rank": mean over the layers of that kind}``.
@@ -88,13 +90,15 @@ class G2WeightingCapture:
     """
 
     def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor], shared_prefix: int = 0,
-                 seq_len: int | None = None, budget_bytes: int = 256 * 2**20):
+                 seq_len: int | None = None, budget_bytes: int = 256 * 2**20,
+                 rows: tuple[int, int] | None = None):
         if shared_prefix and seq_len is None:
             raise ValueError("G2WeightingCapture: shared_prefix needs seq_len (the pass's sequence length)")
         self.model = model
         self.weightings = {k: v.detach().float() for k, v in weightings.items()}
         self.shared_prefix, self.seq_len = shared_prefix, seq_len
         self.budget_bytes = budget_bytes
+        self.rows = rows
         modules = dict(model.named_modules())
         self.layers = {n: modules[n] for n in linear_layer_names(model)}
         self.stable: dict[str, dict[str, float]] = {}  # layer -> weighting -> stable rank
@@ -132,8 +136,12 @@ class G2WeightingCapture:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return
         x = args[0].detach()
+        if self.rows is not None:
+            x = x[self.rows[0]:self.rows[1]]
 
         def on_grad(grad: Tensor) -> None:
+            if self.rows is not None:
+                grad = grad[self.rows[0]:self.rows[1]]
             kx, kds = self._kernels(x, grad)  # [m, m], [W, m, m]
             fro2 = (kx.unsqueeze(0) * kds).sum(dim=(1, 2), dtype=torch.float64)  # ||M(w)||_F^2 [W]
             self._pending.append((name, kx, kds, dict(zip(self.weightings, fro2.tolist()))))
