@@ -607,7 +607,8 @@ class PromptPool:
         self.kept: dict[tuple, tuple[RolloutBatch, torch.Tensor, torch.Tensor]] = {}
         self.generation_seconds = 0.0
         self.rollouts = 0  # sampled (the FLOP count of generation: bench_probe)
-        self.tokens = 0  # prompt + completion positions of the sampled rollouts
+        self.tokens = 0  # completion tokens plus each distinct prompt's tokens once (what generate runs)
+        self.positions = 0  # prompt + completion positions of the rollouts (what a backward over them runs)
 
     def get(self, spec: DrawBatch) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor, float]:
         """(batch, rewards [n, M], valid [n, M], seconds per prompt of its generation if it ran now, else 0)."""
@@ -623,8 +624,50 @@ class PromptPool:
         self.kept[spec.key] = (batch, rewards, valid)
         self.generation_seconds += seconds
         self.rollouts += batch.num_rollouts
-        self.tokens += int(batch.attention_mask().sum())
+        self.tokens += int(batch.completion_mask.sum()) + int(batch.prompt_mask[::spec.M].sum())
+        self.positions += int(batch.attention_mask().sum())
         return batch, rewards, valid, seconds / spec.n
+
+
+def estimate_seconds(config: ProbeConfig, policy, gen_per_rollout: float, grad_per_row: float,
+                     success: list[float]) -> dict[str, float]:
+    """The probe's expected seconds per part from the first batch's measured costs: ``gen_per_rollout`` (seconds per
+    sampled rollout), ``grad_per_row`` (seconds of analysis per rollout in a backward) and ``success`` (each first-batch
+    prompt's share of correct rollouts, p_hat). A plug-in model, not a promise: R's mixed groups n_R (1 - mean(p^R +
+    (1-p)^R)), each R rows; the baseline prompts' M rows; the baseline study's 16 prompts x M = 4R_s rows (sketch
+    passes) and the credit study's groups (two backwards and four forwards per group: about 3 rows' cost per
+    rollout) plus its Monte Carlo continuations (mc_groups x 2 rollouts x 3 prefixes x mc_samples, each a rollout to
+    generate). Generation: every rollout of :func:`draw_plan` (shared draws once, independent draws per R).
+
+    Returns:
+        {"R=<R>": seconds, ..., "generation": seconds (shared draws; else inside each R), "studies": seconds}.
+    """
+    out: dict[str, float] = {}
+    shared = not config.independent_draws
+    if shared:
+        out["generation"] = gen_per_rollout * sum(b.n * b.M for b in draw_plan(config, policy))
+    ps = success or [0.5]
+    for R in config.group_sizes:
+        mixed = config.prompts_for(R) * (1 - statistics.fmean(p ** R + (1 - p) ** R for p in ps))
+        rows = mixed * R + min(config.baseline_prompts, mixed) * rollouts_per_prompt(R)
+        gen = 0.0 if shared else gen_per_rollout * config.prompts_for(R) * rollouts_per_prompt(R)
+        out[f"R={R}"] = gen + grad_per_row * rows
+    rs = config.study_group_size
+    base = grad_per_row * config.baseline_study_prompts * 4 * rs
+    if not shared or max(rollouts_per_prompt(R) for R in config.group_sizes) < 4 * rs:
+        base += gen_per_rollout * config.baseline_study_prompts * 4 * rs * 1.3  # prompts without contrast too
+    credit = grad_per_row * 3 * config.credit_groups * rs + gen_per_rollout * (
+        config.credit_groups * 1.5 * rs + config.mc_groups * 2 * 3 * config.mc_samples)
+    out["studies"] = base + (credit if config.credit_groups else 0.0)
+    return out
+
+
+def format_estimate(parts: dict[str, float]) -> str:
+    """'about 7 min: generation 150 s, R = 2 60 s, ..., studies 140 s' of :func:`estimate_seconds`' parts."""
+    total = sum(parts.values())
+    shown = ", ".join(f"{k.replace('=', ' = ')} {v:.0f} s" for k, v in parts.items())
+    about = f"{total:.0f} s" if total < 90 else f"{round(total / 60)} min"
+    return f"about {about}: {shown}"
 
 
 def prompt_view(batch: RolloutBatch, rewards: torch.Tensor, valid: torch.Tensor, lo: int, hi: int,
@@ -717,13 +760,16 @@ def analyse_prompts(policy, tokenizer, batch: RolloutBatch, first: int, rewards:
 
 def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str,
                      on_prompts: Callable[[int, int], None] | None = None,
-                     partial: PartialProbe | None = None, pool: PromptPool | None = None) -> dict[str, Any]:
+                     partial: PartialProbe | None = None, pool: PromptPool | None = None,
+                     on_first_batch: Callable[[float, float, list[float]], None] | None = None) -> dict[str, Any]:
     """Sample ``config.prompts_for(R)`` prompts with M rollouts each (from ``pool``: shared draws, nested across R,
     unless ``independent_draws``), analyse every mixed group of R, aggregate over groups. ``on_prompts(
     prompts_just_done, mixed_so_far)`` is called after each batch of prompts (the progress bar). With ``partial``,
     each prompt's record is kept there when done, and the prompts it already holds are not measured again
     (``--resume``). ``per_group_passes`` measures each group in its own backward (:func:`analyse_prompt`, the
-    reference) instead of :func:`analyse_prompts`' batched one."""
+    reference) instead of :func:`analyse_prompts`' batched one. ``on_first_batch(seconds per generated rollout,
+    seconds per analysed rollout row, success share of each prompt)`` is called once, after the first batch this
+    call generated and analysed (the probe's time estimate, :func:`estimate_seconds`)."""
     t_start = time.perf_counter()
     M = rollouts_per_prompt(R)
     n_prompts_r = config.prompts_for(R)
@@ -743,6 +789,7 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
             continue
         drawn, rewards_all, valid_all, generation = pool.get(spec)
         batch, rewards, valid = prompt_view(drawn, rewards_all, valid_all, 0, hi, M)
+        t_batch, done_before = time.perf_counter(), len(records)
         if config.per_group_passes:
             for j in range(first, hi):
                 new = analyse_prompt(policy, tokenizer, batch, j, rewards[j], valid[j], R, config, layer, spec.seed,
@@ -758,6 +805,12 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
                 if partial is not None:
                     partial.save_prompt(R, len(records), new)
                 records.append(new)
+        if on_first_batch is not None and generation > 0:
+            new = records[done_before:]
+            rows = sum(R + (M if r.baseline_variance is not None else 0) for r in new if r.status == "mixed")
+            success = [float((rewards_all[j] >= 1.0).double().mean()) for j in range(rewards_all.shape[0])]
+            on_first_batch(generation / spec.M, (time.perf_counter() - t_batch) / max(rows, 1), success)
+            on_first_batch = None
         if on_prompts is not None:
             on_prompts(hi - first, sum(r.status == "mixed" for r in records))
     # 3) aggregate over prompts and groups
@@ -951,6 +1004,13 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         partial.start(config.to_dict())
     per_r = {}
     pool = PromptPool(policy, tokenizer, task, reward_fns, config)  # every R's draws (shared unless independent)
+    estimated: dict[str, float] = {}
+
+    def on_first_batch(gen_per_rollout: float, grad_per_row: float, success: list[float]) -> None:
+        if not estimated:  # once, from the first batch the probe measured
+            estimated.update(estimate_seconds(config, policy, gen_per_rollout, grad_per_row, success))
+            logger.info("probe: %s (estimated from the first batch: %.2f s per generated rollout, %.2f s per "
+                        "analysed rollout)", format_estimate(estimated), gen_per_rollout, grad_per_row)
     progress = None
     if config.progress:
         progress = tqdm(total=sum(config.prompts_for(R) for R in config.group_sizes), desc="probe", unit="prompt")
@@ -966,7 +1026,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             continue
         with forward_precision(next(policy.parameters()).device, config.dtype):  # bf16-mixed: bf16 autocast
             per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts,
-                                             partial, pool)
+                                             partial, pool, on_first_batch)
         partial.save_group_size_result(R, per_r[str(R)])
         logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)][GROUPS_MIXED],
                     per_r[str(R)][PROMPTS_SAMPLED], per_r[str(R)][PROBE_TIMING]["seconds"])
@@ -974,9 +1034,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         progress.close()
     t_studies = time.perf_counter()
     if config.baseline_study_prompts or config.credit_groups:
-        logger.info("probe studies at R = %d: baselines on %d prompts, token credit on %d groups (about 100 s on the "
-                    "default model and CPU)", config.study_group_size, config.baseline_study_prompts,
-                    config.credit_groups)
+        logger.info("probe studies at R = %d: baselines on %d prompts, token credit on %d groups",
+                    config.study_group_size, config.baseline_study_prompts, config.credit_groups)
     with forward_precision(next(policy.parameters()).device, config.dtype):
         studies = run_studies(policy, tokenizer, task, reward_fns, config, partial, pool)
     t_studies = time.perf_counter() - t_studies
@@ -999,7 +1058,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
                                   for R in config.group_sizes},
             # what this process sampled (a resumed probe: only what it drew again), for bench_probe's FLOP floor
             "timing": {"generation_rollouts": pool.rollouts, "generation_tokens": pool.tokens,
-                     "generation_seconds": pool.generation_seconds},
+                       "rollout_positions": pool.positions,
+                       "generation_seconds": pool.generation_seconds, "estimate_seconds": estimated},
             # how this command treated --out is not what the probe is: stored as False (as train's config.yaml)
             "config": {**{f.name: getattr(config, f.name) for f in fields(config)}, "resume": False,
                        "overwrite": False}}
