@@ -72,6 +72,8 @@ def main() -> None:
     extra = [a for a in extra if a != "--"]
 
     importlib.import_module("grpo_lens")  # first: it sets OMP_WAIT_POLICY before torch loads OpenMP
+    import logging
+
     import torch
     from common import gemm_flops_per_s, load_avg
 
@@ -80,6 +82,7 @@ def main() -> None:
     from grpo_lens.probe.config import ProbeConfig
     from grpo_lens.probe.run import run_probe
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the probe's estimate and phases
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_probe_"))

@@ -2,13 +2,17 @@
 
 For each R the probe samples a FIXED number of prompts (``--prompts``; it never stops early at the N-th mixed group,
 so S1 and every per-group mean are unbiased over the task's prompts), M = max(2R, 8) completions of each (the first
-R form the GRPO group; all M give the prompt's success rate and the baseline-variance resampling). Every mixed group
+R form the GRPO group; all M give the prompt's success rate and the baseline-variance resampling). By default the
+prompts are drawn once for every R (:func:`draw_plan`, docs/theory.md §Shared draws): each prompt's largest M once,
+R's group the first R of them, nested across R; ``--independent-draws`` draws each R apart. Every mixed group
 (all rewards valid, not all equal) goes through the one per-group analysis path,
 :func:`grpo_lens.analysis.group.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
 (one layer's G1, G2, credit) that return keys of the same vocabulary. The probe then only aggregates rows over groups:
 means with 95% intervals (Hall's transformed t) over groups, strata by k (correct count) and by distinct completions,
 and G3 (one
-matrix over the analysed groups).
+matrix over the analysed groups). The mixed groups of one ``generate`` batch share one backward
+(:func:`measure_groups`: the block-diagonal exact Gram, each group's [R, R] block); ``--per-group-passes`` runs the
+readable reference, a backward per group (:func:`measure_group`), with the same numbers.
 
 probe.json::
 

@@ -134,3 +134,23 @@ def test_pass_chunks():
     assert pass_chunks([2, 2, 2], 4) == [[0, 1], [2]]
     assert pass_chunks([8, 2], 4) == [[0], [1]]  # a group larger than the budget is a pass alone
     assert pass_chunks([], 4) == []
+
+
+def test_estimate_seconds_closed_form():
+    """10 prompts at R = 2 (M = 8), every prompt's success share 0.5: expected mixed groups 10 (1 - 0.5^2 - 0.5^2) =
+    5, i.e. 10 rows at 0.3 s = 3 s; generation 10 x 8 rollouts at 0.1 s = 8 s; no study. The baseline study (16
+    prompts of M = 16 at R_s = 4) adds 16 x 16 rows x 0.3 s = 76.8 s and no generation when the pool has M = 16
+    (R = 8 among the group sizes), else its rollouts (x 1.3 for prompts without contrast) at 0.1 s."""
+    from grpo_lens.probe.run import estimate_seconds, format_estimate
+
+    c = ProbeConfig(out="x", group_sizes=[2], prompts=10, prompts_per_batch=4, baseline_prompts=0,
+                    baseline_study_prompts=0, credit_groups=0)
+    est = estimate_seconds(c, None, 0.1, 0.3, [0.5, 0.5])
+    assert est == pytest.approx({"generation": 8.0, "R=2": 3.0, "studies": 0.0})
+    assert format_estimate(est) == "about 11 s: generation 8 s, R = 2 3 s, studies 0 s"
+    c8 = ProbeConfig(out="x", group_sizes=[8], prompts=10, prompts_per_batch=4, baseline_prompts=0,
+                     baseline_study_prompts=16, credit_groups=0)
+    assert estimate_seconds(c8, None, 0.1, 0.3, [0.5])["studies"] == pytest.approx(16 * 16 * 0.3)
+    c2 = ProbeConfig(out="x", group_sizes=[2], prompts=10, prompts_per_batch=4, baseline_prompts=0,
+                     baseline_study_prompts=16, credit_groups=0)
+    assert estimate_seconds(c2, None, 0.1, 0.3, [0.5])["studies"] == pytest.approx(16 * 16 * (0.3 + 0.1 * 1.3))
