@@ -815,10 +815,11 @@ SKETCH_G1_ERANK_ERROR = _key(
 # ---------------------------------------------------------------------------------------------------------------------
 STUDY_BASELINES_META = _key(
     "studies", "baselines.meta", OBJECT,
-    "group_size R, rollouts_per_prompt M = 4R, prompts_sampled, prompts_with_contrast, the gradient source (LoGra "
+    "group_size R, rollouts_per_prompt M = 4R, prompts_sampled, presampled_prompts (of those, the probe's shared "
+    "draws it reused), prompts_with_contrast, the gradient source (LoGra "
     "sketch of every nn.Linear weight) and sketch_dim, aggregation, seconds", where=(STUDIES,),
-    fields=("group_size", "rollouts_per_prompt", "prompts_sampled", "prompts_with_contrast", "gradients",
-            "sketch_dim", "aggregation", "seconds"))
+    fields=("group_size", "rollouts_per_prompt", "prompts_sampled", "presampled_prompts", "prompts_with_contrast",
+            "gradients", "sketch_dim", "aggregation", "seconds"))
 STUDY_BASELINES_S1 = _key(
     "studies", "baselines.s1", OBJECT,
     "`measured` (first R rollouts of each prompt all equal), `predicted` (from the other M − R rollouts, unbiased), "

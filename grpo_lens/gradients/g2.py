@@ -91,6 +91,8 @@ class G2WeightingCapture:
             working set of one batch.
         include: which linear layers (a :data:`grpo_lens.gradients.params.LayerFilter`; the probe's ``--layers``
             passes :func:`grpo_lens.gradients.params.layer_pattern`); None: all.
+        rows: (r0, r1): the pass's rows this group holds, when one backward serves several groups (each with its own
+            capture; a layer's input and output gradient are cut to these rows in the hook); None: every row.
 
     After a forward + backward inside the context, :meth:`result` gives
     ``{"rank/g2_<name>_<kind>_stable_rank": mean over the layers of that kind}``.
@@ -100,13 +102,15 @@ class G2WeightingCapture:
     """
 
     def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor], shared_prefix: int = 0,
-                 seq_len: int | None = None, budget_bytes: int = 256 * 2**20, include: LayerFilter = None):
+                 seq_len: int | None = None, budget_bytes: int = 256 * 2**20, include: LayerFilter = None,
+                 rows: tuple[int, int] | None = None):
         if shared_prefix and seq_len is None:
             raise ValueError("G2WeightingCapture: shared_prefix needs seq_len (the pass's sequence length)")
         self.model = model
         self.weightings = {k: v.detach().float() for k, v in weightings.items()}
         self.shared_prefix, self.seq_len = shared_prefix, seq_len
         self.budget_bytes = budget_bytes
+        self.rows = rows
         modules = dict(model.named_modules())
         self.layers = {n: modules[n] for n in linear_layer_names(model, include)}
         self.stable: dict[str, dict[str, float]] = {}  # layer -> weighting -> stable rank
@@ -144,8 +148,12 @@ class G2WeightingCapture:
         if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
             return
         x = args[0].detach()
+        if self.rows is not None:
+            x = x[self.rows[0]:self.rows[1]]
 
         def on_grad(grad: Tensor) -> None:
+            if self.rows is not None:
+                grad = grad[self.rows[0]:self.rows[1]]
             kx, kds = self._kernels(x, grad)  # [m, m], [W, m, m]
             fro2 = (kx.unsqueeze(0) * kds).sum(dim=(1, 2), dtype=torch.float64)  # ||M(w)||_F^2 [W]
             self._pending.append((name, kx, kds, dict(zip(self.weightings, fro2.tolist()))))

@@ -84,6 +84,36 @@ def gram_of_rows(rows: Tensor, slice_len: int = 8192) -> Tensor:
     return out
 
 
+def block_spans(blocks: Sequence[int] | None, n: int) -> list[tuple[int, int]]:
+    """Row ranges [(r0, r1)] of consecutive blocks of sizes ``blocks`` (sum N), or one block of all N rows (None).
+
+    The block-diagonal Gram (many groups from one backward): only entries inside a block are computed; the others
+    are 0 in the result. Rows never interact in a decoder-only transformer, so each block equals the Gram its rows
+    would give in a pass of their own (docs/theory.md §Exact Gram).
+
+    Raises:
+        ValueError: sizes that are not positive or do not sum to N.
+    """
+    if blocks is None:
+        return [(0, n)]
+    sizes = [int(b) for b in blocks]
+    if any(b < 1 for b in sizes) or sum(sizes) != n:
+        raise ValueError(f"Gram blocks {sizes} must be positive sizes summing to the batch's {n} rows")
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return [(e - b, e) for b, e in zip(sizes, ends)]
+
+
+def block_outer(a: Tensor, b: Tensor, spans: Sequence[tuple[int, int]]) -> Tensor:
+    """[N, N] float64: a[r0:r1] b[r0:r1]^T in each block (r0, r1) of ``spans``, 0 elsewhere. a, b: [N, K]."""
+    n = a.shape[0]
+    if len(spans) == 1 and spans[0] == (0, n):
+        return (a @ b.T).to(torch.float64)
+    out = torch.zeros(n, n, dtype=torch.float64, device=a.device)
+    for r0, r1 in spans:
+        out[r0:r1, r0:r1] = (a[r0:r1] @ b[r0:r1].T).to(torch.float64)
+    return out
+
+
 def choose_form(m: int, n: int, d_in: int, d_out: int, token_block: int) -> str:
     """'token' or 'rollout', whichever costs fewer multiply-adds for one linear layer (Bu et al. 2022, §3).
 
@@ -100,8 +130,19 @@ def choose_form(m: int, n: int, d_in: int, d_out: int, token_block: int) -> str:
     return "token" if token < rollout else "rollout"
 
 
+def choose_block_form(ms: Sequence[int], ns: Sequence[int], d_in: int, d_out: int, token_block: int) -> str:
+    """:func:`choose_form` for a block-diagonal Gram: blocks of ns[b] rollouts with ms[b] kept positions each; the
+    costs of both forms summed over the blocks (the N^2 reduction becomes sum_b n_b^2)."""
+    token = rollout = 0.0
+    for m, n in zip(ms, ns):
+        nt = max(1, math.ceil(m / max(1, token_block)))
+        token += (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
+        rollout += d_in * d_out * (m + n * n)
+    return "token" if token < rollout else "rollout"
+
+
 def token_pair_gram(x: Tensor, delta: Tensor, keep: Tensor, token_block: int,
-                    cache: dict | None = None) -> Tensor:
+                    cache: dict | None = None, spans: Sequence[tuple[int, int]] | None = None) -> Tensor:
     """<G_i, G_j> = sum_{t in i, u in j} (x_t . x_u)(delta_t . delta_u) of a linear weight, G_i = sum_t delta_t x_t^T.
 
     Computed over tiles of ``token_block`` kept positions (tiles a <= b, the transpose added for b > a); tiles may
@@ -110,11 +151,18 @@ def token_pair_gram(x: Tensor, delta: Tensor, keep: Tensor, token_block: int,
     Args:
         x: [N, S, d_in] inputs.   delta: [N, S, d_out] output gradients.   keep: [N, S] bool, kept positions.
         token_block: tile length.   cache: {(a, b): x tile kernel} shared by layers with the same input, or None.
+        spans: row blocks (:func:`block_spans`): only pairs inside one block are formed; None: all rows.
 
     Returns:
-        [N, N] float64.
+        [N, N] float64 (0 outside the blocks).
     """
     n = x.shape[0]
+    if spans is not None and not (len(spans) == 1 and spans[0] == (0, n)):
+        gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+        for r0, r1 in spans:
+            sub = None if cache is None else cache.setdefault(("block", r0, r1), {})
+            gram[r0:r1, r0:r1] = token_pair_gram(x[r0:r1], delta[r0:r1], keep[r0:r1], token_block, sub)
+        return gram
     flat = keep.reshape(-1).nonzero().squeeze(1)  # [M] row-major, rollout ids ascending
     seg = flat // keep.shape[1]  # [M] rollout of each kept position
     xk = x.reshape(-1, x.shape[-1])[flat]  # [M, d_in]
@@ -153,7 +201,8 @@ def crop_kept(x: Tensor, keep: Tensor) -> tuple[Tensor, int, int]:
 
 
 def rollout_layer_gram(x: Tensor, delta: Tensor, keep: Tensor, budget_bytes: int, rollout_block: int | None = None,
-                       token_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                       token_rows: Tensor | None = None,
+                       spans: Sequence[tuple[int, int]] | None = None) -> tuple[Tensor, Tensor | None]:
     """<G_i, G_j> of a linear weight with G_i = sum_t delta_t x_t^T formed transiently, a chunk of d_out rows (and a
     block of ``rollout_block`` rollouts) at a time, chunks sized so [N, rows, d_in] stays within ``budget_bytes``.
 
@@ -161,9 +210,10 @@ def rollout_layer_gram(x: Tensor, delta: Tensor, keep: Tensor, budget_bytes: int
         x: [N, S, d_in].   delta: [N, S, d_out].   keep: [N, S] bool.
         token_rows: [U] long, optional: also return those rows of every G_i (the tied LM head's rows at the batch's
             input tokens, for the cross term with the embedding use).
+        spans: row blocks (:func:`block_spans`): only entries inside one block are reduced; None: all rows.
 
     Returns:
-        ([N, N] float64, [N, U, d_in] float64 rows of G_i or None).
+        ([N, N] float64 (0 outside the blocks), [N, U, d_in] float64 rows of G_i or None).
     """
     n, d_in, d_out = x.shape[0], x.shape[-1], delta.shape[-1]
     xs, c0, c1 = crop_kept(x, keep)
@@ -180,7 +230,11 @@ def rollout_layer_gram(x: Tensor, delta: Tensor, keep: Tensor, budget_bytes: int
         f = torch.empty(n, r1 - r0, d_in, dtype=x.dtype, device=x.device)  # [N, rows, d_in]: rows r0:r1 of G_i
         for b0 in range(0, n, rb):
             torch.bmm(ds[b0:b0 + rb, :, r0:r1].transpose(1, 2), xs[b0:b0 + rb], out=f[b0:b0 + rb])
-        gram += gram_of_rows(f.reshape(n, -1))
+        if spans is None or (len(spans) == 1 and spans[0] == (0, n)):
+            gram += gram_of_rows(f.reshape(n, -1))
+        else:
+            for s0, s1 in spans:
+                gram[s0:s1, s0:s1] += gram_of_rows(f[s0:s1].reshape(s1 - s0, -1))
         if token_rows is not None:
             sel = ((token_rows >= r0) & (token_rows < r1)).nonzero().squeeze(1)
             if sel.numel():
@@ -420,6 +474,8 @@ class GramCapture:
         budget_bytes: bound on one transient block (G_i chunks, cached kernels, embedding row sums).
         check_dropped: also record the largest |delta| at the skipped (padding) positions; it must be 0.
         keep_param_grams: keep one [N, N] Gram per parameter in the result (tests).
+        blocks: sizes of consecutive row blocks (summing to N, e.g. one per GRPO group): only the entries inside a
+            block are computed, the others are 0 (:func:`block_spans`); None: the whole [N, N] Gram.
 
     Raises:
         ValueError: unknown form, or activation checkpointing on.
@@ -427,7 +483,7 @@ class GramCapture:
 
     def __init__(self, model: nn.Module, *, form: Form = "auto", token_block: int = 1024,
                  rollout_block: int | None = None, budget_bytes: int = 256 << 20, check_dropped: bool = False,
-                 keep_param_grams: bool = False) -> None:
+                 keep_param_grams: bool = False, blocks: Sequence[int] | None = None) -> None:
         if form not in FORMS:
             raise ValueError(f"unknown Gram form {form!r}; valid names: {', '.join(FORMS)}")
         if getattr(model, "is_activation_checkpointing", getattr(model, "gradient_checkpointing", False)):
@@ -435,6 +491,7 @@ class GramCapture:
         self.model, self.form, self.token_block = model, form, max(1, int(token_block))
         self.rollout_block, self.budget = rollout_block, int(budget_bytes)
         self.check_dropped, self.keep_param_grams = check_dropped, keep_param_grams
+        self.blocks = None if blocks is None else [int(b) for b in blocks]
         self.plan = plan_gram(model)
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         # each hooked (module, attribute)'s parameter name, resolved now: under FSDP2 (``fully_shard``) the attribute
@@ -459,6 +516,7 @@ class GramCapture:
         self.hook_seconds = 0.0
         self.max_dropped = 0.0
         self.late_uncovered: dict[str, str] = {}
+        self.spans: list[tuple[int, int]] = []  # row blocks of the pass (block_spans), set by its forward
         for t in self.plan.tied.values():
             t.lm_lm = t.glm_rows = t.emb_emb = t.lm_emb = None
 
@@ -500,7 +558,10 @@ class GramCapture:
             rows = self.rows.to(device=keep.device, dtype=torch.bool)
             keep = keep & rows.unsqueeze(1)
             sel = None if bool(rows.all()) else rows.nonzero().squeeze(1)
+        if sel is not None and self.blocks is not None:
+            raise ValueError("GramCapture: wanted rows (rows) and a block-diagonal Gram (blocks) do not combine")
         self.state = _Pass(n=ids.shape[0], length=ids.shape[1], keep=keep, sel=sel)
+        self.spans = block_spans(self.blocks, ids.shape[0])
 
     def _keep_for(self, shape: Sequence[int]) -> Tensor:
         """[N, S] kept positions of an activation [N, S, ...] (S < L: the last S, as under ``logits_to_keep``)."""
@@ -555,8 +616,13 @@ class GramCapture:
         form, key = None, _tensor_key(x)
         if "weight" in self.plan.hooked[module]:
             d_out, d_in = linear_shape(module)
-            form = self.form if self.form != "auto" else choose_form(
-                int(keep.sum()), st.n if st.sel is None else st.sel.numel(), d_in, d_out, self.token_block)
+            if self.form != "auto":
+                form = self.form
+            elif st.sel is not None:  # the wanted rows alone (no blocks)
+                form = choose_form(int(keep.sum()), st.sel.numel(), d_in, d_out, self.token_block)
+            else:
+                ms = [int(keep[r0:r1].sum()) for r0, r1 in self.spans]
+                form = choose_block_form(ms, [r1 - r0 for r0, r1 in self.spans], d_in, d_out, self.token_block)
             self.forms[self.module_names[module]] = form
             if form == "token":
                 st.x_users[key] = st.x_users.get(key, 0) + 1
@@ -589,17 +655,18 @@ class GramCapture:
         self._note_dropped(delta, keep)
         if "bias" in attrs:  # g_i = sum_t delta_t (skipped positions have delta = 0)
             gb = delta.sum(dim=1, dtype=torch.float64).reshape(delta.shape[0], -1)
-            self._add(module, "bias", gb @ gb.T)
+            self._add(module, "bias", block_outer(gb, gb, self.spans))
         if "weight" not in attrs:
             return
         tied = self.plan.tied.get(module)
         tokens = self.state.emb[tied.emb][0] if tied is not None else None
         if form == "token":
-            gram = token_pair_gram(x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())))
+            gram = token_pair_gram(x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())),
+                                   self.spans)
             if tied is not None:
                 tied.glm_rows = lm_rows_at_tokens(x, delta, keep, tokens, self.budget)
         elif self.state.sel is None:
-            gram, rows = rollout_layer_gram(x, delta, keep, self.budget, self.rollout_block, tokens)
+            gram, rows = rollout_layer_gram(x, delta, keep, self.budget, self.rollout_block, tokens, self.spans)
             if tied is not None:
                 tied.glm_rows = rows
         else:  # the wanted rows only (the others' G_i are 0: forming them would be wasted), scattered back
@@ -641,9 +708,9 @@ class GramCapture:
         for u0 in range(0, tokens.numel(), chunk):
             u1 = min(tokens.numel(), u0 + chunk)
             r = embedding_row_sums(dk, seg, uid, n, u0, u1).reshape(n, -1)  # [N, (u1 - u0) d]
-            ee += r @ r.T
+            ee += block_outer(r, r, self.spans)
             if tied is not None and tied.glm_rows is not None:
-                le += tied.glm_rows[:, u0:u1].reshape(n, -1) @ r.T
+                le += block_outer(tied.glm_rows[:, u0:u1].reshape(n, -1), r, self.spans)
         if tied is None:
             self._add(module, "weight", ee)
         else:
@@ -666,7 +733,7 @@ class GramCapture:
             grads = vjp_rollout_grads(module, x, delta, attrs)
         for a in attrs:
             g = grads[a].reshape(x.shape[0], -1).double()
-            self._add(module, a, g @ g.T)
+            self._add(module, a, block_outer(g, g, self.spans))
 
     # -- result --------------------------------------------------------------------------------------------------
     def _tied_grams(self, n: int) -> dict[str, float]:
@@ -741,6 +808,7 @@ def exact_rollout_gram(
     budget_bytes: int = 256 << 20,
     check_dropped: bool = False,
     keep_param_grams: bool = False,
+    blocks: Sequence[int] | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Gram[i, j] = <w_i g_i, w_j g_j> over every trainable parameter from one batched forward + backward.
 
@@ -758,6 +826,8 @@ def exact_rollout_gram(
         captures: other context managers opened around the same forward and backward (e.g. a
             :class:`grpo_lens.gradients.sketch.GradientCapture` for vectors), so that they cost no pass of their own.
         form, token_block, rollout_block, budget_bytes, check_dropped, keep_param_grams: see :class:`GramCapture`.
+        blocks: row-block sizes (e.g. [R] * B: each group's [R, R] block, the rest 0), see :class:`GramCapture`;
+            None: the whole [N, N] Gram.
 
     Returns:
         (gram [N, N] float64 on the CPU, info): ``coverage`` (covered share of the trainable parameter count),
@@ -774,7 +844,8 @@ def exact_rollout_gram(
     if weights is not None:
         assert weights.shape == (n,), (weights.shape, n)
     cap = GramCapture(model, form=form, token_block=token_block, rollout_block=rollout_block,
-                      budget_bytes=budget_bytes, check_dropped=check_dropped, keep_param_grams=keep_param_grams)
+                      budget_bytes=budget_bytes, check_dropped=check_dropped, keep_param_grams=keep_param_grams,
+                      blocks=blocks)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(cap)

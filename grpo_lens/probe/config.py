@@ -39,7 +39,17 @@ class ProbeConfig(ConfigFile):
     rewards: list = TaskData.rewards()
     group_sizes: list = Probing.group_sizes()
     prompts: int = Probing.prompts()
-    prompts_per_batch: int = option(4, "Prompts sampled per generate call.", check=at_least(1))
+    prompts_per_batch: int = option(0, "Prompts sampled per generate call; 0: as many as a tenth of the memory holds "
+                                    "(their logits dominate it), at most 16 (the former fixed default was 4).",
+                                    check=at_least(0, "must be >= 0 (0 chooses from the memory)"))
+    independent_draws: bool = option(False, "Sample each group size's prompts and rollouts on their own (the draws "
+                                     "before 0.3) instead of once for every R: the default draws each prompt's "
+                                     "largest M once and takes every R's group as the first R of them (nested, "
+                                     "paired across R), and the baseline study reuses those rollouts "
+                                     "(docs/theory.md §Shared draws).")
+    per_group_passes: bool = option(False, "Measure each group in a backward of its own (the readable reference of "
+                                    "the batched pass, same numbers, slower) instead of many groups' block-diagonal "
+                                    "Gram from one backward.")
     baseline_prompts: int = option(2, "Mixed prompts per R whose M rollouts are used for the baseline variance.",
                                    check=at_least(0))
     max_new_tokens: int = Sampling.max_new_tokens()

@@ -2,13 +2,17 @@
 
 For each R the probe samples a FIXED number of prompts (``--prompts``; it never stops early at the N-th mixed group,
 so S1 and every per-group mean are unbiased over the task's prompts), M = max(2R, 8) completions of each (the first
-R form the GRPO group; all M give the prompt's success rate and the baseline-variance resampling). Every mixed group
+R form the GRPO group; all M give the prompt's success rate and the baseline-variance resampling). By default the
+prompts are drawn once for every R (:func:`draw_plan`, docs/theory.md §Shared draws): each prompt's largest M once,
+R's group the first R of them, nested across R; ``--independent-draws`` draws each R apart. Every mixed group
 (all rewards valid, not all equal) goes through the one per-group analysis path,
 :func:`grpo_lens.analysis.group.analyse_group` (the function the trainer's lens calls), plus the model-dependent pieces
 (one layer's G1, G2, credit) that return keys of the same vocabulary. The probe then only aggregates rows over groups:
 means with 95% intervals (Hall's transformed t) over groups, strata by k (correct count) and by distinct completions,
 and G3 (one
-matrix over the analysed groups).
+matrix over the analysed groups). The mixed groups of one ``generate`` batch share one backward
+(:func:`measure_groups`: the block-diagonal exact Gram, each group's [R, R] block); ``--per-group-passes`` runs the
+readable reference, a backward per group (:func:`measure_group`), with the same numbers.
 
 probe.json::
 
@@ -42,7 +46,7 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -85,7 +89,7 @@ from grpo_lens.formulas.stats import bootstrap_ci, stratify_rows, summarise_rows
 from grpo_lens.formulas.zero_sum import WEIGHTINGS, weightings
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.g2 import G2WeightingCapture
-from grpo_lens.gradients.gram import exact_rollout_gram, gram_factor
+from grpo_lens.gradients.gram import block_spans, exact_rollout_gram, gram_factor
 from grpo_lens.gradients.params import (
     is_linear,
     layer_pattern,
@@ -148,6 +152,7 @@ from grpo_lens.rundir import atomic_write_text, holds_run_dir
 from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.trackers import check_trackers
+from grpo_lens.train.memory import activation_bytes_per_rollout, total_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -237,20 +242,42 @@ def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | 
 
 def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, config: ProbeConfig, layer: str,
                   seed: int, g2: bool = False) -> tuple[dict[str, float], dict[str, Any]]:
-    """One mixed group of R rollouts (rewards [R]): its row of canonical keys and its extras (spectra, G3 row, profile).
+    """One mixed group of R rollouts (rewards [R]) in a pass of its own: its row of canonical keys and its extras
+    (spectra, G3 row, profile); the readable reference of :func:`measure_groups` (tests check that they agree).
+
+    The row is :func:`group_row` of the group's per-rollout gradients (:func:`_rollout_grads`). With ``g2`` and a
+    pass that can carry it (:func:`can_fuse_g2`), the extras also hold ``g2_weightings`` (:func:`g2_weightings`'
+    keys, from the same backward) and the seconds of its eigen-solves, ``g2_seconds``.
+    """
+    fused = (g2_capture(policy, sub, fused_advantages(rewards, config), rewards, config.layers)
+             if g2 and can_fuse_g2(config) else None)
+    measured = _rollout_grads(policy, sub, config, layer, captures=(fused,) if fused is not None else ())
+    row, extras = group_row(policy, tokenizer, sub, rewards, measured, config, layer, seed)
+    if fused is not None:
+        t0 = time.perf_counter()
+        extras["g2_weightings"] = fused.result()
+        extras["g2_seconds"] = time.perf_counter() - t0
+    return row, extras
+
+
+def fused_advantages(rewards: torch.Tensor, config: ProbeConfig) -> torch.Tensor:
+    """A_i [R] of a group's rewards [R] for a G2 capture that rides the group's pass (estimators that need no
+    gradient norms: :func:`can_fuse_g2`)."""
+    R = rewards.shape[0]
+    return compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]
+
+
+def group_row(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, measured: RolloutGradients,
+              config: ProbeConfig, layer: str, seed: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """A mixed group's row of canonical keys and extras from its measured per-rollout gradients (R rollouts, rewards
+    [R]), whichever pass measured them (its own, :func:`measure_group`, or one shared with other groups,
+    :func:`measure_groups`).
 
     The row is :func:`grpo_lens.analysis.group.analyse_group` on the group's per-rollout gradients, plus G1 of ``layer``
     (``rank/g1_layer_*``, from the layer's exact per-rollout weight gradients), G2 of ``layer`` (``rank/g2_*``, their
-    advantage-weighted sum) and credit (``credit/*``). With ``g2`` and a pass that can carry it (:func:`can_fuse_g2`),
-    the extras also hold ``g2_weightings`` (:func:`g2_weightings`' keys, from the same backward) and the seconds of
-    its eigen-solves, ``g2_seconds``.
+    advantage-weighted sum) and credit (``credit/*``).
     """
     R = sub.num_rollouts
-    fused = None
-    if g2 and can_fuse_g2(config):  # advantages that need no gradient norms: known before the pass
-        adv0 = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]
-        fused = g2_capture(policy, sub, adv0, rewards, config.layers)
-    measured = _rollout_grads(policy, sub, config, layer, captures=(fused,) if fused is not None else ())
     # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
     gram, g, layer_rows, token_sq = measured.gram, measured.rows, measured.layer_rows.cpu(), measured.token_sq
     cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
@@ -290,11 +317,128 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     answer = answer_mask_from_tokenizer(tokenizer, cids, cmask)
     row.update(credit_metrics(token_adv, comp, cmask, answer))
     extras["profile"] = position_profile(comp.sqrt(), cmask)
-    if fused is not None:
-        t0 = time.perf_counter()
-        extras["g2_weightings"] = fused.result()
-        extras["g2_seconds"] = time.perf_counter() - t0
     return row, extras
+
+
+@dataclass
+class GroupJob:
+    """One mixed group for :func:`measure_groups`: its rows in the batch ([R] long), rewards [R], the seed of its
+    analysis and whether its G2 weightings are wanted."""
+
+    rows: torch.Tensor
+    rewards: torch.Tensor
+    seed: int
+    g2: bool = False
+
+
+def rows_per_pass(policy, seq_len: int, scored_len: int, layer: str | None, config: ProbeConfig) -> int:
+    """Rollouts one batched backward of the probe may hold, from the memory available (as ``--micro-batch-size``
+    is chosen: :func:`grpo_lens.train.memory.auto_micro_batch_size`, a quarter of what the weights leave), counting
+    per rollout its activations and the probed layer's exact row (float32, and a float64 copy); at least 1."""
+    device = next(policy.parameters()).device
+    total = total_memory_bytes(device)
+    per_row = activation_bytes_per_rollout(policy, seq_len, scored_len)
+    if layer:
+        per_row += 12 * dict(policy.named_modules())[layer].weight.numel()
+    if total is None:
+        return 8
+    params = sum(p.numel() * p.element_size() for p in policy.parameters())
+    return int(max(1, (0.25 * (total - 4 * params)) // max(per_row, 1)))
+
+
+def pass_chunks(sizes: list[int], max_rows: int) -> list[list[int]]:
+    """Consecutive items (sizes: rows of each) into chunks of at most ``max_rows`` rows (an item larger than that is
+    a chunk alone): the groups of each batched backward."""
+    chunks: list[list[int]] = []
+    rows = 0
+    for i, n in enumerate(sizes):
+        if not chunks or rows + n > max_rows:
+            chunks.append([])
+            rows = 0
+        chunks[-1].append(i)
+        rows += n
+    return chunks
+
+
+def _rollout_grads_many(policy, big: RolloutBatch, sizes: list[int], config: ProbeConfig, layer: str | None,
+                        vectors: bool = True, captures: tuple = ()) -> list[RolloutGradients]:
+    """:func:`_rollout_grads` of consecutive row blocks of ``big`` (sizes, summing to its N rows: groups, or a
+    prompt's M rollouts) from ONE batched pass: with ``gram_source: exact`` the block-diagonal exact Gram
+    (:func:`grpo_lens.gradients.gram.exact_rollout_gram` with ``blocks``: each block's [n, n] Gram, nothing across
+    blocks), with the sketch its rows (per rollout, so per block alike). Each block's omega_i are its own
+    (:func:`score_weights` of the block as the batch), so every block's numbers are those of its own pass. Not for
+    ``exact`` (one backward per rollout: :func:`_rollout_grads` per block)."""
+    if config.exact:
+        raise ValueError("_rollout_grads_many: the dense oracle (exact) runs per block, with _rollout_grads")
+    spans = block_spans(sizes, big.num_rollouts)
+    omega = torch.cat([score_weights(big.select(torch.arange(r0, r1)), config) for r0, r1 in spans])
+    proc = dict(temperature=config.temperature, score_weights=omega)
+    if config.gram_source == "exact":
+        sketch = GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed,
+                                 token_norms=True) if vectors else None
+        exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
+        caps = [c for c in (sketch, exact, *captures) if c is not None]
+        gram, info = exact_rollout_gram(policy, big, captures=caps, keep_param_grams=True, blocks=sizes, **proc)
+        sk = sketch.result() if sketch is not None else None
+        rows = sk.sketch.double().cpu() if sk else None
+        layer_rows = exact.result().per_layer[layer].cpu() if exact else None
+        token_sq = sk.token_sq_norms if sk else None
+        pg = info["param_grams"]
+        return [RolloutGradients(gram[a:b, a:b].clone(), rows[a:b] if rows is not None else None,
+                                 layer_rows[a:b] if layer_rows is not None else None,
+                                 token_sq[a:b] if token_sq is not None else None, info["coverage"],
+                                 {k: v[a:b, a:b].clone() for k, v in pg.items()}) for a, b in spans]
+    if captures:
+        raise ValueError("extra captures ride the exact Gram's pass only (gram_source: exact, not exact)")
+    sk = sketch_rollout_grads(policy, big, k_in=config.sketch_dim, k_out=config.sketch_dim, seed=config.seed,
+                              token_norms=True, exact_layers=[layer] if layer else (), **proc)
+    g = sk.sketch.double().cpu()
+    layer_rows = sk.exact_layers.get(layer) if layer else None
+    return [RolloutGradients(g[a:b] @ g[a:b].T, g[a:b], layer_rows[a:b] if layer_rows is not None else None,
+                             sk.token_sq_norms[a:b]) for a, b in spans]
+
+
+def measure_groups(policy, tokenizer, batch: RolloutBatch, jobs: list[GroupJob], config: ProbeConfig,
+                   layer: str) -> list[tuple[dict[str, float], dict[str, Any]]]:
+    """:func:`measure_group` of several mixed groups of ``batch``, their gradients from one batched backward per
+    :func:`rows_per_pass` rollouts (:func:`_rollout_grads_many`; the G2 captures of the groups that want them ride
+    it too, each cut to its group's rows) instead of one backward per group. Each group's row and extras are
+    :func:`group_row` of its own block: the same numbers as :func:`measure_group` (tests), float rounding aside.
+    ``exact`` (the dense oracle) measures each group in its own pass. Per group, ``extras["pass_seconds"]`` is its
+    share (by rows) of the batched pass's seconds."""
+    if config.exact:
+        out = []
+        for job in jobs:
+            t0 = time.perf_counter()
+            row, extras = measure_group(policy, tokenizer, batch.select(job.rows), job.rewards, config, layer,
+                                        seed=job.seed, g2=job.g2)
+            extras["pass_seconds"] = time.perf_counter() - t0
+            out.append((row, extras))
+        return out
+    L = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
+    max_rows = rows_per_pass(policy, L, batch.completion_ids.shape[1], layer, config)
+    results: list[tuple[dict[str, float], dict[str, Any]]] = []
+    for chunk in pass_chunks([len(j.rows) for j in jobs], max_rows):
+        t0 = time.perf_counter()
+        part = [jobs[i] for i in chunk]
+        big = batch.select(torch.cat([j.rows for j in part]))
+        sizes = [len(j.rows) for j in part]
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        fused = {k: g2_capture(policy, big, fused_advantages(j.rewards, config), j.rewards, config.layers,
+                               rows=(starts[k], starts[k] + sizes[k]))
+                 for k, j in enumerate(part) if j.g2 and can_fuse_g2(config)}
+        measured = _rollout_grads_many(policy, big, sizes, config, layer, captures=tuple(fused.values()))
+        for k, (job, m) in enumerate(zip(part, measured)):
+            row, extras = group_row(policy, tokenizer, batch.select(job.rows), job.rewards, m, config, layer, job.seed)
+            if k in fused:
+                t1 = time.perf_counter()
+                extras["g2_weightings"] = fused[k].result()
+                extras["g2_seconds"] = time.perf_counter() - t1
+            results.append((row, extras))
+        seconds = time.perf_counter() - t0
+        for k in range(len(part)):  # the pass (and the analyses) shared by rows
+            results[len(results) - len(part) + k][1]["pass_seconds"] = seconds * sizes[k] / sum(sizes)
+    return results
 
 
 def can_fuse_g2(config: ProbeConfig) -> bool:
@@ -304,14 +448,15 @@ def can_fuse_g2(config: ProbeConfig) -> bool:
 
 
 def g2_capture(policy, sub: RolloutBatch, advantages: torch.Tensor, rewards: torch.Tensor,
-               layers: str | None = None) -> G2WeightingCapture:
+               layers: str | None = None, rows: tuple[int, int] | None = None) -> G2WeightingCapture:
     """The G2 capture of one group (advantages, rewards [R]): every weighting of
     :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, the group's prompt folded as its shared prefix, over the linear
-    layers the ``--layers`` pattern keeps (all for None)."""
+    layers the ``--layers`` pattern keeps (all for None). ``rows``: the group's rows (r0, r1) in a pass over ``sub``
+    that holds several groups; None: ``sub`` is the group."""
     lp = sub.prompt_ids.shape[1]
     return G2WeightingCapture(policy, weightings(advantages, rewards), shared_prefix=lp,
                               seq_len=lp + sub.completion_ids.shape[1],
-                              include=layer_pattern(layers) if layers else None)
+                              include=layer_pattern(layers) if layers else None, rows=rows)
 
 
 def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
@@ -409,17 +554,247 @@ def analyse_prompt(policy, tokenizer, batch: RolloutBatch, j: int, rewards: torc
     return PromptRecord("mixed", s1_prediction, row, extra, check, g2w, variance, seconds)
 
 
+def rollouts_per_prompt(R: int) -> int:
+    """M = max(2R, 8): the rollouts sampled per prompt for group size R (the first R form the group; all M give the
+    prompt's success rate, S1 predicted from the M - R others and the baseline-variance resampling)."""
+    return max(2 * R, 8)
+
+
+def generation_prompts_per_call(policy, M: int, config: ProbeConfig) -> int:
+    """Prompts per ``generate`` call: ``prompts_per_batch``, or with 0 as many as a tenth of the memory holds (as
+    ``--micro-batch-size`` is chosen from :func:`grpo_lens.train.memory.total_memory_bytes`: total memory, so the
+    choice, and so the draws, are the same whenever the probe runs on this machine), at most 16. A rollout's
+    ``generate`` keeps two float32 vocabulary rows (raw logits and scores) per new token, which dominates its
+    memory: M T V 8 bytes per prompt."""
+    if config.prompts_per_batch:
+        return config.prompts_per_batch
+    total = total_memory_bytes(next(policy.parameters()).device)
+    vocab = int(getattr(getattr(policy, "config", None), "vocab_size", 50_000) or 50_000)
+    per_prompt = M * config.max_new_tokens * vocab * 8
+    return 4 if total is None else int(max(1, min(16, (0.1 * total) // max(per_prompt, 1))))
+
+
+@dataclass(frozen=True)
+class DrawBatch:
+    """One ``generate`` call of the probe: ``n`` prompts drawn with ``seed``, M rollouts each; they are prompts
+    first .. first + n - 1 of the draws they belong to (``key``: ("pool", draw) shared by every R, or ("R", R,
+    draw) for one R's independent draws)."""
+
+    key: tuple
+    seed: int
+    n: int
+    M: int
+    first: int
+
+
+def draw_plan(config: ProbeConfig, policy, R: int | None = None) -> list[DrawBatch]:
+    """The generate calls behind the probe's prompts, in order (docs/theory.md §Shared draws).
+
+    Shared draws (R None; the default): one pool of max_R prompts_for(R) prompts; prompt p gets M_p = the largest
+    M_R of the group sizes that use it (R uses prompts 0 .. prompts_for(R) - 1), so its rollouts serve every R as
+    nested prefixes. Consecutive prompts with the same M_p are drawn together, :func:`generation_prompts_per_call`
+    at a time, batch ``d`` (1-based) seeded by ``batch_seed(seed, 0, d)``. Independent draws (R given): R's
+    prompts_for(R) prompts with M_R rollouts, batch ``d`` seeded by ``batch_seed(seed, R, d)``."""
+    if R is not None:
+        M, n_r = rollouts_per_prompt(R), config.prompts_for(R)
+        per = generation_prompts_per_call(policy, M, config)
+        return [DrawBatch(("R", R, d + 1), batch_seed(config.seed, R, d + 1), min(per, n_r - a), M, a)
+                for d, a in enumerate(range(0, n_r, per))]
+    sizes = sorted(config.group_sizes)
+    total = max(config.prompts_for(r) for r in sizes)
+    m_of = [max(rollouts_per_prompt(r) for r in sizes if p < config.prompts_for(r)) for p in range(total)]
+    plan: list[DrawBatch] = []
+    p = 0
+    while p < total:
+        M = m_of[p]
+        run_end = p
+        while run_end < total and m_of[run_end] == M:
+            run_end += 1
+        per = generation_prompts_per_call(policy, M, config)
+        for a in range(p, run_end, per):
+            d = len(plan) + 1
+            plan.append(DrawBatch(("pool", d), batch_seed(config.seed, 0, d), min(per, run_end - a), M, a))
+        p = run_end
+    return plan
+
+
+class PromptPool:
+    """The probe's sampled prompts and rollouts, each :class:`DrawBatch` generated once and kept (tokens and rewards
+    only), so every R, and the baseline study, read the same draws (docs/theory.md §Shared draws)."""
+
+    def __init__(self, policy, tokenizer, task, reward_fns, config: ProbeConfig):
+        self.policy, self.tokenizer, self.task, self.reward_fns, self.config = policy, tokenizer, task, reward_fns, config
+        self.kept: dict[tuple, tuple[RolloutBatch, torch.Tensor, torch.Tensor]] = {}
+        self.generation_seconds = 0.0
+        self.rollouts = 0  # sampled (the FLOP count of generation: bench_probe)
+        self.tokens = 0  # completion tokens plus each distinct prompt's tokens once (what generate runs)
+        self.positions = 0  # prompt + completion positions of the rollouts (what a backward over them runs)
+
+    def get(self, spec: DrawBatch) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor, float]:
+        """(batch, rewards [n, M], valid [n, M], seconds per prompt of its generation if it ran now, else 0)."""
+        if spec.key in self.kept:
+            return (*self.kept[spec.key], 0.0)
+        c = self.config
+        examples = self.task.sample(spec.n, seed=spec.seed)
+        t0 = time.perf_counter()
+        batch = sample_groups(self.policy, self.tokenizer, examples, spec.M, max_new_tokens=c.max_new_tokens,
+                              temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, generator_seed=spec.seed)
+        seconds = time.perf_counter() - t0
+        rewards, valid, _ = score_batch(batch, self.reward_fns)  # [n, M]
+        self.kept[spec.key] = (batch, rewards, valid)
+        self.generation_seconds += seconds
+        self.rollouts += batch.num_rollouts
+        self.tokens += int(batch.completion_mask.sum()) + int(batch.prompt_mask[::spec.M].sum())
+        self.positions += int(batch.attention_mask().sum())
+        return batch, rewards, valid, seconds / spec.n
+
+
+def estimate_seconds(config: ProbeConfig, policy, gen_per_rollout: float, grad_per_row: float,
+                     success: list[float]) -> dict[str, float]:
+    """The probe's expected seconds per part from the first batch's measured costs: ``gen_per_rollout`` (seconds per
+    sampled rollout), ``grad_per_row`` (seconds of analysis per rollout in a backward) and ``success`` (each first-batch
+    prompt's share of correct rollouts, p_hat). A plug-in model, not a promise: R's mixed groups n_R (1 - mean(p^R +
+    (1-p)^R)), each R rows; the baseline prompts' M rows; the baseline study's 16 prompts x M = 4R_s rows (sketch
+    passes) and the credit study's groups (two backwards and four forwards per group: about 3 rows' cost per
+    rollout) plus its Monte Carlo continuations (mc_groups x 2 rollouts x 3 prefixes x mc_samples, each a rollout to
+    generate). Generation: every rollout of :func:`draw_plan` (shared draws once, independent draws per R).
+
+    Returns:
+        {"R=<R>": seconds, ..., "generation": seconds (shared draws; else inside each R), "studies": seconds}.
+    """
+    out: dict[str, float] = {}
+    shared = not config.independent_draws
+    if shared:
+        out["generation"] = gen_per_rollout * sum(b.n * b.M for b in draw_plan(config, policy))
+    ps = success or [0.5]
+    for R in config.group_sizes:
+        mixed = config.prompts_for(R) * (1 - statistics.fmean(p ** R + (1 - p) ** R for p in ps))
+        rows = mixed * R + min(config.baseline_prompts, mixed) * rollouts_per_prompt(R)
+        gen = 0.0 if shared else gen_per_rollout * config.prompts_for(R) * rollouts_per_prompt(R)
+        out[f"R={R}"] = gen + grad_per_row * rows
+    rs = config.study_group_size
+    base = grad_per_row * config.baseline_study_prompts * 4 * rs
+    if not shared or max(rollouts_per_prompt(R) for R in config.group_sizes) < 4 * rs:
+        base += gen_per_rollout * config.baseline_study_prompts * 4 * rs * 1.3  # prompts without contrast too
+    credit = grad_per_row * 3 * config.credit_groups * rs + gen_per_rollout * (
+        config.credit_groups * 1.5 * rs + config.mc_groups * 2 * 3 * config.mc_samples)
+    out["studies"] = base + (credit if config.credit_groups else 0.0)
+    return out
+
+
+def format_estimate(parts: dict[str, float]) -> str:
+    """'about 7 min: generation 150 s, R = 2 60 s, ..., studies 140 s' of :func:`estimate_seconds`' parts."""
+    total = sum(parts.values())
+    shown = ", ".join(f"{k.replace('=', ' = ')} {v:.0f} s" for k, v in parts.items())
+    about = f"{total:.0f} s" if total < 90 else f"{round(total / 60)} min"
+    return f"about {about}: {shown}"
+
+
+def prompt_view(batch: RolloutBatch, rewards: torch.Tensor, valid: torch.Tensor, lo: int, hi: int,
+                M: int) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor]:
+    """Prompts lo .. hi - 1 of a drawn batch with the first M of their rollouts (nested draws: R's group and its
+    M_R rollouts are a prefix of the prompt's M_p): (batch of (hi - lo) M rollouts, rewards [hi - lo, M], valid)."""
+    mp = rewards.shape[1]
+    if lo == 0 and hi == rewards.shape[0] and M == mp:
+        return batch, rewards, valid
+    rows = torch.cat([torch.arange(j * mp, j * mp + M) for j in range(lo, hi)])
+    view = replace(batch.select(rows), group_size=M, prompts=batch.prompts[lo:hi],
+                   extras={k: v[lo:hi] for k, v in batch.extras.items()})
+    return view, rewards[lo:hi, :M], valid[lo:hi, :M]
+
+
+def prompt_status(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> tuple[str, float | None]:
+    """(status, S1 prediction) of a prompt's M rollouts (rewards [M], valid [M]; the first R its group): "invalid",
+    "all_equal" or "mixed", and S1 predicted from the M - R others when all M are valid (docs/theory.md §S1)."""
+    M = rewards.shape[0]
+    s1 = float(s1_predicted_outside_group(rewards.view(1, M) >= 1.0, R)[0]) if bool(valid.all()) else None
+    r_g, v_g = rewards[:R], valid[:R]
+    if not bool(v_g.all()):
+        return "invalid", s1
+    if bool(constant_groups(r_g.view(1, R), v_g.view(1, R))):
+        return "all_equal", s1
+    return "mixed", s1
+
+
+def analyse_prompts(policy, tokenizer, batch: RolloutBatch, first: int, rewards: torch.Tensor, valid: torch.Tensor,
+                    R: int, config: ProbeConfig, layer: str, seed: int,
+                    done: list[PromptRecord]) -> list[PromptRecord]:
+    """:func:`analyse_prompt` of prompts ``first`` .. B - 1 of ``batch`` (rewards, valid [B, M]), the mixed groups'
+    gradients from one batched backward (:func:`measure_groups`) and the baseline prompts' M rollouts from another
+    (block-diagonal Gram), instead of a backward per group and per baseline prompt: the same records (tests)."""
+    M = rewards.shape[1]
+    counts = {"g2": sum(d.g2_weightings is not None for d in done), "check": sum(d.check is not None for d in done),
+              "base": sum(d.baseline_variance is not None for d in done)}
+    records: dict[int, PromptRecord] = {}
+    jobs: list[tuple[int, GroupJob, bool, bool]] = []  # (j, job, check, baseline)
+    for j in range(first, rewards.shape[0]):
+        status, s1 = prompt_status(rewards[j], valid[j], R)
+        records[j] = PromptRecord(status, s1)
+        if status != "mixed":
+            continue
+        want = {"g2": counts["g2"] < config.g2_groups,
+                "check": not config.exact and counts["check"] < config.coverage_groups,
+                "base": counts["base"] < config.baseline_prompts and bool(valid[j].all())}
+        for k, v in want.items():
+            counts[k] += int(v)
+        jobs.append((j, GroupJob(torch.arange(j * M, j * M + R), rewards[j][:R], seed + j, want["g2"]),
+                     want["check"], want["base"]))
+    # 1) every mixed group's gradients and analysis from one batched backward (per rows_per_pass rollouts)
+    measured = measure_groups(policy, tokenizer, batch, [job for _, job, _, _ in jobs], config, layer)
+    # 2) the baseline prompts' M rollouts: their block-diagonal Gram from one more backward
+    base_j = [j for j, _, _, b in jobs if b]
+    variances: dict[int, dict[str, float]] = {}
+    t0 = time.perf_counter()
+    if base_j:
+        rows = [torch.arange(j * M, (j + 1) * M) for j in base_j]
+        if config.exact:
+            grads = [_rollout_grads(policy, batch.select(r), config, None, vectors=False) for r in rows]
+        else:
+            grads = _rollout_grads_many(policy, batch.select(torch.cat(rows)), [M] * len(rows), config, None,
+                                        vectors=False)
+        for j, m in zip(base_j, grads):
+            # the trace variance depends on inner products alone: rows of any factor of the Gram give it
+            grads_m = m.rows if m.rows is not None else gram_factor(m.gram)
+            variances[j] = estimator_variances(grads_m, rewards[j].double(), R, num_resamples=config.resamples,
+                                               seed=seed)
+    base_seconds = (time.perf_counter() - t0) / max(1, len(base_j))
+    # 3) per group: the G2 weightings a pass could not carry, the sketch check
+    for (j, job, check_wanted, _), (row, extra) in zip(jobs, measured):
+        sub = batch.select(job.rows)
+        t1 = time.perf_counter()
+        g2w, g2_seconds = extra.pop("g2_weightings", None), extra.pop("g2_seconds", 0.0)
+        if job.g2 and g2w is None:
+            g2w = g2_weightings(policy, sub, extra, job.rewards, config)
+        t2 = time.perf_counter()
+        check = sketch_check(policy, sub, extra, config) if check_wanted else None
+        t3 = time.perf_counter()
+        extra.pop("grads")
+        extra.pop("param_grams")
+        pass_seconds = extra.pop("pass_seconds")
+        seconds = {"gradient": pass_seconds + t3 - t1 + (base_seconds if j in variances else 0.0),
+                   "g2_weightings": t2 - t1 + g2_seconds, "sketch_check": t3 - t2}
+        records[j] = PromptRecord("mixed", records[j].s1_prediction, row, extra, check, g2w, variances.get(j),
+                                  seconds)
+    return [records[j] for j in range(first, rewards.shape[0])]
+
+
 def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str,
                      on_prompts: Callable[[int, int], None] | None = None,
-                     partial: PartialProbe | None = None) -> dict[str, Any]:
-    """Sample ``config.prompts_for(R)`` prompts with M rollouts each, analyse every mixed group of R, aggregate over
-    groups. ``on_prompts(prompts_just_done, mixed_so_far)`` is called after each batch of prompts (the progress
-    bar). With ``partial``, each prompt's record is kept there when done, and the prompts it already holds are not
-    measured again (``--resume``)."""
+                     partial: PartialProbe | None = None, pool: PromptPool | None = None,
+                     on_first_batch: Callable[[float, float, list[float]], None] | None = None) -> dict[str, Any]:
+    """Sample ``config.prompts_for(R)`` prompts with M rollouts each (from ``pool``: shared draws, nested across R,
+    unless ``independent_draws``), analyse every mixed group of R, aggregate over groups. ``on_prompts(
+    prompts_just_done, mixed_so_far)`` is called after each batch of prompts (the progress bar). With ``partial``,
+    each prompt's record is kept there when done, and the prompts it already holds are not measured again
+    (``--resume``). ``per_group_passes`` measures each group in its own backward (:func:`analyse_prompt`, the
+    reference) instead of :func:`analyse_prompts`' batched one. ``on_first_batch(seconds per generated rollout,
+    seconds per analysed rollout row, success share of each prompt)`` is called once, after the first batch this
+    call generated and analysed (the probe's time estimate, :func:`estimate_seconds`)."""
     t_start = time.perf_counter()
-    M = max(2 * R, 8)
+    M = rollouts_per_prompt(R)
     n_prompts_r = config.prompts_for(R)
-    per_batch = config.prompts_per_batch
+    pool = pool if pool is not None else PromptPool(policy, tokenizer, task, reward_fns, config)
+    plan = draw_plan(config, policy, R if config.independent_draws else None)
 
     # 1) the prompts a killed probe finished
     records = partial.prompt_records(R) if partial is not None else []
@@ -427,25 +802,37 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
     if records and on_prompts is not None:
         on_prompts(len(records), sum(r.status == "mixed" for r in records))
     # 2) the other prompts, batch by batch; a resumed probe may start inside a batch (it draws the batch again)
-    while len(records) < n_prompts_r:
-        draw, first = len(records) // per_batch + 1, len(records) % per_batch
-        seed = batch_seed(config.seed, R, draw)
-        examples = task.sample(min(per_batch, n_prompts_r - (draw - 1) * per_batch), seed=seed)
-        t0 = time.perf_counter()
-        batch = sample_groups(policy, tokenizer, examples, M, max_new_tokens=config.max_new_tokens,
-                              temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                              generator_seed=seed)
-        generation = (time.perf_counter() - t0) / (len(examples) - first)
-        rewards, valid, _ = score_batch(batch, reward_fns)  # [B, M]
-        for j in range(first, len(examples)):
-            record = analyse_prompt(policy, tokenizer, batch, j, rewards[j], valid[j], R, config, layer, seed,
-                                    records)
-            record.seconds = {**(record.seconds or {}), "generation": generation}
-            if partial is not None:
-                partial.save_prompt(R, len(records), record)
-            records.append(record)
+    for spec in plan:
+        hi = min(spec.first + spec.n, n_prompts_r) - spec.first  # R's prompts of this batch: 0 .. hi - 1
+        first = len(records) - spec.first
+        if hi <= 0 or first >= hi:
+            continue
+        drawn, rewards_all, valid_all, generation = pool.get(spec)
+        batch, rewards, valid = prompt_view(drawn, rewards_all, valid_all, 0, hi, M)
+        t_batch, done_before = time.perf_counter(), len(records)
+        if config.per_group_passes:
+            for j in range(first, hi):
+                new = analyse_prompt(policy, tokenizer, batch, j, rewards[j], valid[j], R, config, layer, spec.seed,
+                                     records)
+                new.seconds = {**(new.seconds or {}), "generation": generation}
+                if partial is not None:
+                    partial.save_prompt(R, len(records), new)
+                records.append(new)
+        else:
+            for new in analyse_prompts(policy, tokenizer, batch, first, rewards, valid, R, config, layer, spec.seed,
+                                       records):
+                new.seconds = {**(new.seconds or {}), "generation": generation}
+                if partial is not None:
+                    partial.save_prompt(R, len(records), new)
+                records.append(new)
+        if on_first_batch is not None and generation > 0:
+            new = records[done_before:]
+            rows = sum(R + (M if r.baseline_variance is not None else 0) for r in new if r.status == "mixed")
+            success = [float((rewards_all[j] >= 1.0).double().mean()) for j in range(rewards_all.shape[0])]
+            on_first_batch(generation / spec.M, (time.perf_counter() - t_batch) / max(rows, 1), success)
+            on_first_batch = None
         if on_prompts is not None:
-            on_prompts(len(examples) - first, sum(r.status == "mixed" for r in records))
+            on_prompts(hi - first, sum(r.status == "mixed" for r in records))
     # 3) aggregate over prompts and groups
     out = aggregate_group_size(records, M, config)
     out[PROBE_TIMING]["seconds"] = time.perf_counter() - t_start + restored_seconds  # + the killed run's measuring
@@ -521,19 +908,37 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
     }
 
 
+def study_presampled(policy, config: ProbeConfig, pool: PromptPool | None) -> list[tuple]:
+    """The shared draws the baseline study reuses (docs/theory.md §Shared draws): every drawn batch with at least M =
+    4 R_s rollouts per prompt (R_s = ``study_group_size``), cut to the first M of them, in drawing order; none with
+    ``independent_draws`` (the study then draws its own prompts, as before)."""
+    if pool is None or config.independent_draws or not config.baseline_study_prompts:
+        return []
+    M = 4 * config.study_group_size
+    out = []
+    for spec in draw_plan(config, policy):
+        if spec.M >= M:
+            batch, rewards, valid, _ = pool.get(spec)
+            out.append(prompt_view(batch, rewards, valid, 0, spec.n, M))
+    return out
+
+
 def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig,
-                partial: PartialProbe | None = None) -> dict[str, Any]:
+                partial: PartialProbe | None = None, pool: PromptPool | None = None) -> dict[str, Any]:
     """The baseline study (with S1 predicted from rollouts outside the group) and the credit study of
     :mod:`grpo_lens.probe.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent). With
-    ``partial``, a finished study is kept there, and one it already holds is not run again (``--resume``)."""
+    ``partial``, a finished study is kept there, and one it already holds is not run again (``--resume``). With
+    ``pool`` (shared draws), the baseline study first takes the prompts the R phases drew with enough rollouts
+    (:func:`study_presampled`)."""
     common = dict(group_size=config.study_group_size, max_new_tokens=config.max_new_tokens,
                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
-                  prompts_per_batch=config.prompts_per_batch)
+                  prompts_per_batch=generation_prompts_per_call(policy, 4 * config.study_group_size, config))
     studies: dict[str, tuple[int, Callable[[Any], dict[str, Any]]]] = {
         "baselines": (config.baseline_study_prompts, lambda bar: run_baseline_study(
             policy, tokenizer, task, reward_fns, prompts=config.baseline_study_prompts,
             max_prompts=4 * config.baseline_study_prompts, sketch_dim=config.sketch_dim,
-            resamples=max(config.resamples, 2), progress=bar, **common)),
+            resamples=max(config.resamples, 2), progress=bar,
+            presampled=study_presampled(policy, config, pool), **common)),
         "credit": (config.credit_groups, lambda bar: run_credit_study(
             policy, tokenizer, task, reward_fns, groups=config.credit_groups,
             max_prompts=6 * config.credit_groups, mc_groups=config.mc_groups, mc_samples=config.mc_samples,
@@ -623,6 +1028,14 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         partial.remove()
         partial.start(config.to_dict())
     per_r = {}
+    pool = PromptPool(policy, tokenizer, task, reward_fns, config)  # every R's draws (shared unless independent)
+    estimated: dict[str, float] = {}
+
+    def on_first_batch(gen_per_rollout: float, grad_per_row: float, success: list[float]) -> None:
+        if not estimated:  # once, from the first batch the probe measured
+            estimated.update(estimate_seconds(config, policy, gen_per_rollout, grad_per_row, success))
+            logger.info("probe: %s (estimated from the first batch: %.2f s per generated rollout, %.2f s per "
+                        "analysed rollout)", format_estimate(estimated), gen_per_rollout, grad_per_row)
     progress = None
     if config.progress:
         progress = tqdm(total=sum(config.prompts_for(R) for R in config.group_sizes), desc="probe", unit="prompt")
@@ -638,7 +1051,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             continue
         with forward_precision(next(policy.parameters()).device, config.dtype):  # bf16-mixed: bf16 autocast
             per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts,
-                                             partial)
+                                             partial, pool, on_first_batch)
         partial.save_group_size_result(R, per_r[str(R)])
         logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)][GROUPS_MIXED],
                     per_r[str(R)][PROMPTS_SAMPLED], per_r[str(R)][PROBE_TIMING]["seconds"])
@@ -646,11 +1059,10 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         progress.close()
     t_studies = time.perf_counter()
     if config.baseline_study_prompts or config.credit_groups:
-        logger.info("probe studies at R = %d: baselines on %d prompts, token credit on %d groups (about 100 s on the "
-                    "default model and CPU)", config.study_group_size, config.baseline_study_prompts,
-                    config.credit_groups)
+        logger.info("probe studies at R = %d: baselines on %d prompts, token credit on %d groups",
+                    config.study_group_size, config.baseline_study_prompts, config.credit_groups)
     with forward_precision(next(policy.parameters()).device, config.dtype):
-        studies = run_studies(policy, tokenizer, task, reward_fns, config, partial)
+        studies = run_studies(policy, tokenizer, task, reward_fns, config, partial, pool)
     t_studies = time.perf_counter() - t_studies
     checks = [c for d in per_r.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]]
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
@@ -665,6 +1077,14 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
             "seconds": time.perf_counter() - t0, "studies_seconds": t_studies,
             "resumed": config.resume,  # continued a killed probe (OUT/probe_partial/); its numbers are the same
+            # how the prompts were drawn: "nested" (once for every R, docs/theory.md §Shared draws) or "independent"
+            "draws": "independent" if config.independent_draws else "nested",
+            "prompts_per_batch": {str(R): generation_prompts_per_call(policy, rollouts_per_prompt(R), config)
+                                  for R in config.group_sizes},
+            # what this process sampled (a resumed probe: only what it drew again), for bench_probe's FLOP floor
+            "timing": {"generation_rollouts": pool.rollouts, "generation_tokens": pool.tokens,
+                       "rollout_positions": pool.positions,
+                       "generation_seconds": pool.generation_seconds, "estimate_seconds": estimated},
             # how this command treated --out is not what the probe is: stored as False (as train's config.yaml)
             "config": {**{f.name: getattr(config, f.name) for f in fields(config)}, "resume": False,
                        "overwrite": False}}

@@ -97,17 +97,20 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
                        max_prompts: int = 32, prompts_per_batch: int = 4, pool_factor: int = 4,
                        max_new_tokens: int = 24, temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
                        sketch_dim: int = 16, aggregation: str = "seq-mean-token-mean", resamples: int = 512,
-                       seed: int = 0, progress: Any = None) -> dict[str, Any]:
+                       seed: int = 0, progress: Any = None,
+                       presampled: Sequence[tuple[Any, torch.Tensor, torch.Tensor]] = ()) -> dict[str, Any]:
     """Baselines at matched expectation and S1 predicted without bias, on ``prompts`` prompts with contrast.
 
-    Samples prompts in batches (seeded) with M = pool_factor * R rollouts each until ``prompts`` of them have reward
-    contrast with every reward valid, or ``max_prompts`` were sampled.
+    Takes prompts first from ``presampled`` (batches already drawn with M = pool_factor * R rollouts per prompt, and
+    their rewards and valid [B, M]: the probe's shared draws, docs/theory.md §Shared draws), then samples prompts in
+    batches (seeded) with M rollouts each, until ``prompts`` of them have reward contrast with every reward valid, or
+    ``max_prompts`` were used.
 
     Returns:
         {"baselines": :func:`grpo_lens.formulas.baselines.baseline_study` (per-prompt rows trimmed to
          numbers), "s1": :func:`s1_measured_and_predicted` over every sampled prompt, "meta": {group_size,
          rollouts_per_prompt, prompts_sampled, gradients: "sketch of every nn.Linear weight", sketch_dim,
-         aggregation, seconds}}.
+         aggregation, seconds, presampled_prompts (of prompts_sampled, those from ``presampled``)}}.
 
     Raises:
         ValueError: pool_factor < 4 (the study needs M >= 4R).
@@ -119,12 +122,21 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     pools: list[tuple[torch.Tensor, torch.Tensor]] = []
     correct_rows, valid_rows = [], []
-    sampled, draw = 0, 0
+    sampled, draw, reused = 0, 0, 0
+    given = iter(presampled)
     while len(pools) < prompts and sampled < max_prompts:
-        draw += 1
-        s = derive_seed(seed, group_size=R, draw=draw, offset=17)
-        n = min(prompts_per_batch, max_prompts - sampled)
-        batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, M, s, **sampling)
+        item = next(given, None)
+        if item is not None:  # a batch the probe already drew, M rollouts per prompt
+            batch, rewards, valid = item
+            if rewards.shape[1] != M:
+                raise ValueError(f"presampled batches need M = {M} rollouts per prompt, got {rewards.shape[1]}")
+            n = min(rewards.shape[0], max_prompts - sampled)
+            reused += n
+        else:
+            draw += 1
+            s = derive_seed(seed, group_size=R, draw=draw, offset=17)
+            n = min(prompts_per_batch, max_prompts - sampled)
+            batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, M, s, **sampling)
         for j in range(n):
             sampled += 1
             rows = torch.arange(j * M, (j + 1) * M)
@@ -144,6 +156,7 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
     s1 = s1_measured_and_predicted(torch.stack(correct_rows), torch.stack(valid_rows), R)
     return {"baselines": study, "s1": s1,
             "meta": {"group_size": R, "rollouts_per_prompt": M, "prompts_sampled": sampled,
+                     "presampled_prompts": reused,
                      "prompts_with_contrast": len(pools),
                      "gradients": "LoGra sketch of every nn.Linear weight (embeddings and norms not covered)",
                      "sketch_dim": sketch_dim, "aggregation": aggregation,

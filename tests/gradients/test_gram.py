@@ -208,3 +208,36 @@ def test_pure_helpers():
     # M = 4416, 576 x 576 (a decoder layer at 512 tokens), 5 tiles cover 0.6 of the pairs:
     # token 0.6 * 4416^2 * 1232 = 1.4e10 > rollout 576^2 * (4416 + 64) = 1.5e9
     assert choose_form(4416, 8, 576, 576, 1024) == "rollout"
+
+
+@pytest.mark.parametrize("form", ["token", "rollout", "auto"])
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2_bias", "nemotron"])
+def test_block_diagonal_gram_equals_per_group_passes(arch, form):
+    """Many groups from ONE backward (``blocks``): each [R, R] block equals the Gram of that group's own pass (the
+    readable per-group reference), per parameter too, to 1e-10 in float64; entries across blocks are exactly 0 (never
+    formed). Blocks of 1, 2 and 3 rows cut the two prompts' rollouts unevenly, and tiles (token_block=5) straddle
+    rollouts. A wrong block mask ([2, 4] instead of [1, 2, 3]) puts rows 1 and 2 in different blocks and loses their
+    cross term <g_1, g_2>: the comparison fails, so the test can fail."""
+    model, batch = tiny_model(arch), make_batch()
+    kw = dict(form=form, keep_param_grams=True, temperature=TEMPERATURE, token_block=5)
+    blocks = [1, 2, 3]
+    gram, info = exact_rollout_gram(model, batch, score_weights=SCORE_WEIGHTS, blocks=blocks, **kw)
+    r0 = 0
+    mask = torch.zeros(6, 6, dtype=torch.bool)
+    for b in blocks:
+        rows = torch.arange(r0, r0 + b)
+        ref, ref_info = exact_rollout_gram(model, batch.select(rows), score_weights=SCORE_WEIGHTS[rows], **kw)
+        assert rel_err(gram[r0:r0 + b, r0:r0 + b], ref) < TOL
+        for name, g in ref_info["param_grams"].items():
+            if float(g.abs().max()) > 0:
+                assert rel_err(info["param_grams"][name][r0:r0 + b, r0:r0 + b], g) < TOL, name
+        mask[r0:r0 + b, r0:r0 + b] = True
+        r0 += b
+    assert float(gram[~mask].abs().max()) == 0.0  # cross-block entries are not formed
+    # the full Gram's blocks are the same numbers (rows never interact), so the block mask only saves work
+    full, _ = exact_rollout_gram(model, batch, score_weights=SCORE_WEIGHTS, **kw)
+    assert rel_err(gram, full * mask) < TOL
+    wrong, _ = exact_rollout_gram(model, batch, score_weights=SCORE_WEIGHTS, blocks=[2, 4], **kw)
+    assert rel_err(wrong[1:3, 1:3], gram[1:3, 1:3]) > 1e-3  # <g_1, g_2> not formed: 0 in the wrong mask
+    with pytest.raises(ValueError, match="summing"):
+        exact_rollout_gram(model, batch, blocks=[2, 2], **kw)
