@@ -25,7 +25,11 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 
 install: $(VENV)/.installed
 
+LINTED := grpo_lens tests benchmarks tools
+
 test: install
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 	$(PY) -m pytest -q
 
 test-all: install

@@ -30,8 +30,15 @@ def child(variant: str, model_name: str, rollouts: int, max_new_tokens: int) -> 
 
     policy, tokenizer = load_model(model_name, dtype=torch.float32, device="cpu")
     policy.eval()
-    batch = sample_groups(policy, tokenizer, get_task("arithmetic").sample(1, seed=0), rollouts,
-                          max_new_tokens=max_new_tokens, temperature=0.7, generator_seed=0)
+    batch = sample_groups(
+        policy,
+        tokenizer,
+        get_task("arithmetic").sample(1, seed=0),
+        rollouts,
+        max_new_tokens=max_new_tokens,
+        temperature=0.7,
+        generator_seed=0,
+    )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if variant == "inplace":
         grads = exact_rollout_grads(policy, batch, temperature=0.7)
@@ -59,13 +66,29 @@ def main() -> None:
         return child(args.child, args.model, args.rollouts, args.max_new_tokens)
     peaks = {}
     for variant in ("stack", "inplace"):
-        out = subprocess.run([sys.executable, __file__, "--child", variant, "--model", args.model, "--rollouts",
-                              str(args.rollouts), "--max-new-tokens", str(args.max_new_tokens)],
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                variant,
+                "--model",
+                args.model,
+                "--rollouts",
+                str(args.rollouts),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         peak, before, matrix = map(float, out[-3:])
         peaks[variant] = peak
-        print(f"{variant:>8}: peak {peak:.2f} GiB (before the gradients {before:.2f} GiB; the [N, P] matrix "
-              f"{matrix:.2f} GiB)")
+        print(
+            f"{variant:>8}: peak {peak:.2f} GiB (before the gradients {before:.2f} GiB; the [N, P] matrix "
+            f"{matrix:.2f} GiB)"
+        )
     print(f"peak inplace / stack = {peaks['inplace'] / peaks['stack']:.2f}")
 
 

@@ -55,9 +55,17 @@ def mixed_group(policy, tokenizer, config: ProbeConfig, R: int, seed: int = 0):
     """The first mixed group of R rollouts (seeds seed, seed + 1, ...): (RolloutBatch, rewards [R])."""
     task, fns = get_task(config.task, **config.task_options), parse_reward_specs(config.rewards)
     for s in range(seed, seed + 50):
-        batch = sample_groups(policy, tokenizer, task.sample(1, seed=s), R, max_new_tokens=config.max_new_tokens,
-                              temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                              generator_seed=s)
+        batch = sample_groups(
+            policy,
+            tokenizer,
+            task.sample(1, seed=s),
+            R,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            generator_seed=s,
+        )
         rewards, valid, _ = score_batch(batch, fns)
         if bool(valid.all()) and not bool(constant_groups(rewards, valid)[0]):
             return batch, rewards[0]
@@ -104,9 +112,13 @@ def main() -> None:
     def unfolded():
         capture = G2WeightingCapture(policy, weightings(adv, rewards))
         with capture:
-            torch.autograd.grad(rollout_scores(batch_logprobs(policy, sub, config.temperature), sub.completion_mask,
-                                               proc["score_weights"]).sum(), list(policy.parameters()),
-                                allow_unused=True)
+            torch.autograd.grad(
+                rollout_scores(
+                    batch_logprobs(policy, sub, config.temperature), sub.completion_mask, proc["score_weights"]
+                ).sum(),
+                list(policy.parameters()),
+                allow_unused=True,
+            )
         return capture.result()
 
     t_gram, _ = timed(lambda: exact_rollout_gram(policy, sub, **proc), args.repeats)
@@ -118,26 +130,38 @@ def main() -> None:
         g2_weightings(policy, sub, extra, rewards, config)
     finally:
         g2_module.top_eigenvalues_psd_products = top_eigenvalues_psd_products
-    t_batched, batched = timed(lambda: [top_eigenvalues_psd_products(kx, kds)[0] for kx, kds in problems],
-                               args.repeats)
-    t_single, single = timed(lambda: [torch.tensor([top_eigenvalue_psd_product(kx[j], kds[j])[0]
-                                                    for j in range(kds.shape[0])]) for kx, kds in problems],
-                             args.repeats)
+    t_batched, batched = timed(lambda: [top_eigenvalues_psd_products(kx, kds)[0] for kx, kds in problems], args.repeats)
+    t_single, single = timed(
+        lambda: [
+            torch.tensor([top_eigenvalue_psd_product(kx[j], kds[j])[0] for j in range(kds.shape[0])])
+            for kx, kds in problems
+        ],
+        args.repeats,
+    )
     diff = max(float(((b - s).abs() / s.abs().clamp(min=1e-300)).max()) for b, s in zip(batched, single))
+
     def rel(a, b):
         return max(abs(a[k] - b[k]) / abs(b[k]) for k in b if b[k])
 
     n = sum(kds.shape[0] for _, kds in problems)
-    print(f"model {config.model}, R = {args.group_size}, completion tokens {int(sub.completion_mask.sum())}, "
-          f"{n} lambda_max problems (layers x weightings) in {len(problems)} batches, median of {args.repeats}")
+    print(
+        f"model {config.model}, R = {args.group_size}, completion tokens {int(sub.completion_mask.sum())}, "
+        f"{n} lambda_max problems (layers x weightings) in {len(problems)} batches, median of {args.repeats}"
+    )
     print("| piece | seconds | ratio |\n|---|---|---|")
-    for name, t, base in (("exact Gram pass", t_gram, t_gram), ("exact Gram + G2 in one pass", t_fused, t_gram),
-                          ("G2 pass alone", t_alone, t_gram), ("G2 pass, unfolded", t_unfolded, t_gram),
-                          ("eigen, batched", t_batched, t_single),
-                          ("eigen, one at a time", t_single, t_single)):
+    for name, t, base in (
+        ("exact Gram pass", t_gram, t_gram),
+        ("exact Gram + G2 in one pass", t_fused, t_gram),
+        ("G2 pass alone", t_alone, t_gram),
+        ("G2 pass, unfolded", t_unfolded, t_gram),
+        ("eigen, batched", t_batched, t_single),
+        ("eigen, one at a time", t_single, t_single),
+    ):
         print(f"| {name} | {t:.2f} | {t / base:.2f}x |")
-    print(f"max relative differences: eigenvalues batched vs one at a time {diff:.1e}; G2 stable ranks fused vs "
-          f"separate {rel(fused_out, alone_out):.1e}, folded vs unfolded {rel(alone_out, unfolded_out):.1e}")
+    print(
+        f"max relative differences: eigenvalues batched vs one at a time {diff:.1e}; G2 stable ranks fused vs "
+        f"separate {rel(fused_out, alone_out):.1e}, folded vs unfolded {rel(alone_out, unfolded_out):.1e}"
+    )
     print(f"load average after: {load_avg()}")
 
 

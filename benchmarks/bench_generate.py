@@ -74,14 +74,24 @@ def main() -> None:
     for r in range(args.repeats + 1):  # the first round warms up and is not counted
         for share in (True, False):
             t0 = time.perf_counter()
-            batch = sample_groups(model, tok, examples, args.group_size, max_new_tokens=args.max_new_tokens,
-                                  temperature=args.temperature, generator_seed=r, share_prompt_prefill=share)
+            batch = sample_groups(
+                model,
+                tok,
+                examples,
+                args.group_size,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                generator_seed=r,
+                share_prompt_prefill=share,
+            )
             if r:
                 times[share].append(time.perf_counter() - t0)
             shapes[share] = (batch.prompt_ids.shape[1], batch.completion_ids.shape[1])
-    print(f"\n{args.model}, {args.device}, {args.threads} threads, B={args.prompts} x R={args.group_size}, "
-          f"max_new_tokens={args.max_new_tokens}; measured float32 matmul throughput {gflops:.1f} GFLOP/s at "
-          f"[2048, {h}] x [{h}, {i}], {decode_gflops:.1f} GFLOP/s at the decode shape [{n}, {h}] x [{h}, {i}]\n")
+    print(
+        f"\n{args.model}, {args.device}, {args.threads} threads, B={args.prompts} x R={args.group_size}, "
+        f"max_new_tokens={args.max_new_tokens}; measured float32 matmul throughput {gflops:.1f} GFLOP/s at "
+        f"[2048, {h}] x [{h}, {i}], {decode_gflops:.1f} GFLOP/s at the decode shape [{n}, {h}] x [{h}, {i}]\n"
+    )
     print("| prefill | seconds (median) | GFLOP | floor s | seconds / floor |")
     print("|---|---|---|---|---|")
     for share in (True, False):
@@ -90,8 +100,10 @@ def main() -> None:
         flops = generation_flops(model, rows_prefill, lp, n, t)
         sec = statistics.median(times[share])
         floor = flops / (gflops * 1e9)
-        print(f"| {'once per prompt' if share else 'once per rollout'} | {sec:.2f} | {flops / 1e9:.1f} | "
-              f"{floor:.2f} | {sec / floor:.1f} |")
+        print(
+            f"| {'once per prompt' if share else 'once per rollout'} | {sec:.2f} | {flops / 1e9:.1f} | "
+            f"{floor:.2f} | {sec / floor:.1f} |"
+        )
 
 
 if __name__ == "__main__":

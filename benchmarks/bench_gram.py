@@ -43,9 +43,18 @@ R, LP, VOCAB = 8, 40, 49152
 
 def build_model() -> torch.nn.Module:
     """SmolLM2-135M's architecture (LlamaConfig of HuggingFaceTB/SmolLM2-135M-Instruct), random weights, float32."""
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=VOCAB, tie_word_embeddings=True,
-                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0)
+    config = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
 
@@ -55,9 +64,15 @@ def build_batch(T: int) -> RolloutBatch:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, VOCAB, (1, LP), generator=g).repeat(R, 1)
     comp = torch.randint(0, VOCAB, (R, T), generator=g)
-    return RolloutBatch(prompt_ids=prompt, prompt_mask=torch.ones(R, LP, dtype=torch.long), completion_ids=comp,
-                        completion_mask=torch.ones(R, T, dtype=torch.bool), sampler_logprobs=torch.zeros(R, T),
-                        truncated=torch.ones(R, dtype=torch.bool), group_size=R)
+    return RolloutBatch(
+        prompt_ids=prompt,
+        prompt_mask=torch.ones(R, LP, dtype=torch.long),
+        completion_ids=comp,
+        completion_mask=torch.ones(R, T, dtype=torch.bool),
+        sampler_logprobs=torch.zeros(R, T),
+        truncated=torch.ones(R, dtype=torch.bool),
+        group_size=R,
+    )
 
 
 def run_plain(model, batch):
@@ -89,8 +104,9 @@ def worker(system: str, T: int) -> None:
 
 
 def memory(system: str, T: int) -> dict | None:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", system, "--T", str(T)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", system, "--T", str(T)], capture_output=True, text=True
+    )
     if out.returncode != 0:  # e.g. killed for memory on a shared machine: say so, keep the timings
         print(f"  memory of {system} at T = {T}: child exited {out.returncode} {out.stderr[-500:]}", flush=True)
         return None
@@ -113,8 +129,10 @@ def timings(model, T: int, repeats: int, warm_up: bool) -> dict:
             times[name].append(time.perf_counter() - t0)
             if name == "gram":
                 info = out[1]
-        print(f"  repeat {rep}: " + "  ".join(f"{s} {times[s][-1]:7.2f} s" for s in SYSTEMS) +
-              f"   load {load_avg()}", flush=True)
+        print(
+            f"  repeat {rep}: " + "  ".join(f"{s} {times[s][-1]:7.2f} s" for s in SYSTEMS) + f"   load {load_avg()}",
+            flush=True,
+        )
     print(f"  load average after: {load_avg()}")
     return {"times": times, "info": info}
 
@@ -131,19 +149,31 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args.T)
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} cores; load average {load_avg()}")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} cores; load average {load_avg()}"
+    )
     model = build_model()
-    print(f"model: SmolLM2-135M architecture, random weights, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
-          f"parameters, attention {model.config._attn_implementation}")
-    results = {} if args.memory_only else {T: timings(model, T, args.repeats, warm_up=k == 0 and not args.no_warm_up)
-                                           for k, T in enumerate(args.lengths)}
+    print(
+        f"model: SmolLM2-135M architecture, random weights, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+        f"parameters, attention {model.config._attn_implementation}"
+    )
+    results = (
+        {}
+        if args.memory_only
+        else {
+            T: timings(model, T, args.repeats, warm_up=k == 0 and not args.no_warm_up)
+            for k, T in enumerate(args.lengths)
+        }
+    )
     del model
     mem = {} if args.no_memory else {(s, T): m for T in args.lengths for s in SYSTEMS if (m := memory(s, T))}
     if args.memory_only:
         for (s, T), m in mem.items():
-            print(f"T = {T} {s}: peak {m['peak'] / 2**30:.2f} GB, step extra "
-                  f"{(m['peak'] - m['rss_before']) / 2**30:.2f} GB")
+            print(
+                f"T = {T} {s}: peak {m['peak'] / 2**30:.2f} GB, step extra "
+                f"{(m['peak'] - m['rss_before']) / 2**30:.2f} GB"
+            )
         return None
     print("\n| T | system | seconds (each repeat) | median s | / plain | peak RSS GB | step extra GB |")
     print("|---|---|---|---|---|---|---|")
@@ -154,24 +184,29 @@ def main() -> None:
             m = mem.get((s, T))
             peak = f"{m['peak'] / 2**30:.2f}" if m else "-"
             extra = f"{(m['peak'] - m['rss_before']) / 2**30:.2f}" if m else "-"
-            print(f"| {T} | {s} | {' '.join(f'{t:.2f}' for t in ts)} | {med:.2f} | {med / base:.2f}x | {peak} | "
-                  f"{extra} |")
+            print(
+                f"| {T} | {s} | {' '.join(f'{t:.2f}' for t in ts)} | {med:.2f} | {med / base:.2f}x | {peak} | {extra} |"
+            )
     for T, r in results.items():
         info = r["info"]
         forms = info["forms"]
         counts = {f: sum(1 for v in forms.values() if v == f) for f in ("token", "rollout")}
         ratio = statistics.median(r["times"]["gram"]) / statistics.median(r["times"]["plain"])
         target = 1.3 if T <= 24 else 2.0
-        print(f"\nT = {T}: gram / plain = {ratio:.2f} ({'meets' if ratio <= target else 'MISSES'} the <= {target}x "
-              f"target); coverage {info['coverage']:.4f} ({info['covered_params']}/{info['total_params']}); linear "
-              f"forms {counts}, lm_head {forms.get('lm_head')}; hooks {info['hook_seconds']:.2f} s (forward "
-              f"{info['seconds']['forward']:.2f} s, backward with hooks {info['seconds']['backward']:.2f} s)")
+        print(
+            f"\nT = {T}: gram / plain = {ratio:.2f} ({'meets' if ratio <= target else 'MISSES'} the <= {target}x "
+            f"target); coverage {info['coverage']:.4f} ({info['covered_params']}/{info['total_params']}); linear "
+            f"forms {counts}, lm_head {forms.get('lm_head')}; hooks {info['hook_seconds']:.2f} s (forward "
+            f"{info['seconds']['forward']:.2f} s, backward with hooks {info['seconds']['backward']:.2f} s)"
+        )
         print("  trace share:", {k: round(v, 4) for k, v in info["trace_share"].items()})
         if ("gram", T) in mem and ("sketch", T) in mem:
             g, sk = mem[("gram", T)], mem[("sketch", T)]
             over = ((g["peak"] - g["rss_before"]) - (sk["peak"] - sk["rss_before"])) / 2**30
-            print(f"  step memory gram - sketch = {over:+.2f} GB ({'meets' if over <= 1 else 'MISSES'} the <= +1 GB "
-                  "target)")
+            print(
+                f"  step memory gram - sketch = {over:+.2f} GB ({'meets' if over <= 1 else 'MISSES'} the <= +1 GB "
+                "target)"
+            )
     print(f"\nload average at the end: {load_avg()}")
 
 

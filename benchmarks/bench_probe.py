@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -51,15 +50,22 @@ def flop_floor(data: dict) -> dict[str, float]:
     base = studies.get("baselines")
     if base:
         m = base["meta"]
-        out["baseline study"] = 6 * P * positions_per * m["prompts_with_contrast"] * m["rollouts_per_prompt"] + \
-            2 * P * gen_tokens_per * (m["prompts_sampled"] - m.get("presampled_prompts", 0)) * m["rollouts_per_prompt"]
+        out["baseline study"] = (
+            6 * P * positions_per * m["prompts_with_contrast"] * m["rollouts_per_prompt"]
+            + 2
+            * P
+            * gen_tokens_per
+            * (m["prompts_sampled"] - m.get("presampled_prompts", 0))
+            * m["rollouts_per_prompt"]
+        )
     credit = studies.get("credit")
     if credit:
         m, rs = credit["meta"], credit["meta"]["group_size"]
         mc = credit["monte_carlo"]
         continuations = len(mc["rollouts"]) * 3 * mc["samples_per_prefix"]
-        out["credit study"] = 20 * P * positions_per * credit["contributions"]["groups"] * rs + \
-            2 * P * gen_tokens_per * (m["groups_sampled"] * rs + continuations)
+        out["credit study"] = 20 * P * positions_per * credit["contributions"][
+            "groups"
+        ] * rs + 2 * P * gen_tokens_per * (m["groups_sampled"] * rs + continuations)
     return out
 
 
@@ -89,8 +95,11 @@ def main() -> None:
     probe_args = build_parser().parse_args(["probe", "--out", str(out), "--overwrite", "--no-progress", *extra])
     config = config_from_args(probe_args, ProbeConfig, probe_args.config)
     flops_before = gemm_flops_per_s()
-    print(f"load average before: {load_avg()}; torch threads {torch.get_num_threads()}; float32 matmul "
-          f"{flops_before / 1e9:.1f} GFLOP/s; settings beyond the defaults: {extra or 'none'}", flush=True)
+    print(
+        f"load average before: {load_avg()}; torch threads {torch.get_num_threads()}; float32 matmul "
+        f"{flops_before / 1e9:.1f} GFLOP/s; settings beyond the defaults: {extra or 'none'}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     run_probe(config)
     wall = time.perf_counter() - t0
@@ -100,23 +109,35 @@ def main() -> None:
     print(f"{'R':>3} {'prompts':>8} {'mixed':>6} {'mixed/16':>9} {'S1':>6} {'gen s':>7} {'grad s':>7} {'R s':>6}")
     for R, d in data["per_group_size"].items():
         t = d["timing"]
-        print(f"{R:>3} {d['prompts_sampled']:>8} {d['groups_mixed']:>6} {d['groups_mixed'] / TARGET_MIXED:>9.2f} "
-              f"{d['s1_measured']:>6.3f} {t['generation_seconds']:>7.0f} {t['gradient_seconds']:>7.0f} "
-              f"{t['seconds']:>6.0f}")
+        print(
+            f"{R:>3} {d['prompts_sampled']:>8} {d['groups_mixed']:>6} {d['groups_mixed'] / TARGET_MIXED:>9.2f} "
+            f"{d['s1_measured']:>6.3f} {t['generation_seconds']:>7.0f} {t['gradient_seconds']:>7.0f} "
+            f"{t['seconds']:>6.0f}"
+        )
     studies = {k: v["meta"]["seconds"] for k, v in data.get("studies", {}).items()}
-    print(f"studies {data['meta']['studies_seconds']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in studies.items())})"
-          f"; draws {data['meta'].get('draws')}, prompts per generate call {data['meta'].get('prompts_per_batch')}")
+    print(
+        f"studies {data['meta']['studies_seconds']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in studies.items())})"
+        f"; draws {data['meta'].get('draws')}, prompts per generate call {data['meta'].get('prompts_per_batch')}"
+    )
     est = data["meta"].get("timing", {}).get("estimate_seconds") or {}
     if est:
         print(f"the probe's own estimate after its first batch: {sum(est.values()):.0f} s")
     rate = max(flops_before, flops_after)  # the less loaded moment: the floor is what the machine can do
     floor = flop_floor(data)
     floor_s = sum(floor.values()) / rate
-    print("FLOP floor at %.1f GFLOP/s (best of before %.1f / after %.1f): %s = %.0f s" % (
-        rate / 1e9, flops_before / 1e9, flops_after / 1e9,
-        ", ".join(f"{k} {v / rate:.0f} s" for k, v in floor.items()), floor_s))
-    print(f"wall {wall:.0f} s = {wall / TARGET_SECONDS:.2f} x the {TARGET_SECONDS:.0f} s target, "
-          f"{wall / floor_s:.1f} x the FLOP floor (model load and report included); load average after: {load_after}")
+    print(
+        "FLOP floor at {:.1f} GFLOP/s (best of before {:.1f} / after {:.1f}): {} = {:.0f} s".format(
+            rate / 1e9,
+            flops_before / 1e9,
+            flops_after / 1e9,
+            ", ".join(f"{k} {v / rate:.0f} s" for k, v in floor.items()),
+            floor_s,
+        )
+    )
+    print(
+        f"wall {wall:.0f} s = {wall / TARGET_SECONDS:.2f} x the {TARGET_SECONDS:.0f} s target, "
+        f"{wall / floor_s:.1f} x the FLOP floor (model load and report included); load average after: {load_after}"
+    )
     print(f"written to {out}")
 
 

@@ -75,21 +75,27 @@ AGGREGATION = "seq-mean-token-mean"
 #: {name: LlamaConfig sizes}. 135M and 360M are SmolLM2-135M's and SmolLM2-360M's configs (HuggingFaceTB); 10M and
 #: 35M are narrower, shallower Llamas of the same family (head_dim 32 and 64, grouped-query attention).
 SIZES = {
-    "10M": dict(hidden_size=160, intermediate_size=448, num_hidden_layers=6, num_attention_heads=5,
-                num_key_value_heads=1),
-    "35M": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=10, num_attention_heads=6,
-                num_key_value_heads=2),
-    "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3),
-    "360M": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
-                 num_key_value_heads=5),
+    "10M": dict(
+        hidden_size=160, intermediate_size=448, num_hidden_layers=6, num_attention_heads=5, num_key_value_heads=1
+    ),
+    "35M": dict(
+        hidden_size=384, intermediate_size=1024, num_hidden_layers=10, num_attention_heads=6, num_key_value_heads=2
+    ),
+    "135M": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3
+    ),
+    "360M": dict(
+        hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5
+    ),
 }
 #: ``--quick``: two tiny Llamas over a 512-token vocabulary (a test's run in seconds).
 QUICK_SIZES = {
-    "quick-a": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2),
-    "quick-b": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                    num_key_value_heads=2),
+    "quick-a": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "quick-b": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 QUICK_VOCAB = 512
 SYSTEMS = ("plain", "gram", "sketch", "oracle")
@@ -100,8 +106,14 @@ SAFETY = 1.25  # predictions are multiplied by this before they are compared wit
 
 def llama_config(sizes: dict, vocab: int) -> LlamaConfig:
     """A tied-embedding Llama config of the given sizes (SmolLM2's norm eps, RoPE theta and context)."""
-    return LlamaConfig(**sizes, vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=8192,
-                       rms_norm_eps=1e-5, rope_theta=100000.0)
+    return LlamaConfig(
+        **sizes,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+    )
 
 
 def build_model(config: LlamaConfig) -> torch.nn.Module:
@@ -123,10 +135,15 @@ def build_batch(vocab: int, group_size: int, prompt_len: int, completion_len: in
     r = group_size
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=g).repeat(r, 1)
     comp = torch.randint(0, vocab, (r, completion_len), generator=g)
-    return RolloutBatch(prompt_ids=prompt, prompt_mask=torch.ones(r, prompt_len, dtype=torch.long),
-                        completion_ids=comp, completion_mask=torch.ones(r, completion_len, dtype=torch.bool),
-                        sampler_logprobs=torch.zeros(r, completion_len), truncated=torch.ones(r, dtype=torch.bool),
-                        group_size=r)
+    return RolloutBatch(
+        prompt_ids=prompt,
+        prompt_mask=torch.ones(r, prompt_len, dtype=torch.long),
+        completion_ids=comp,
+        completion_mask=torch.ones(r, completion_len, dtype=torch.bool),
+        sampler_logprobs=torch.zeros(r, completion_len),
+        truncated=torch.ones(r, dtype=torch.bool),
+        group_size=r,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -136,8 +153,14 @@ def run_plain(model, batch, adv):
     model.zero_grad(set_to_none=True)
     mask = batch.completion_mask
     logp = batch_logprobs(model, batch)
-    loss, _ = grpo_loss(logp, logp.detach(), adv, mask,
-                        normalizer=loss_normalizer(mask, AGGREGATION, mask.shape[1]), aggregation=AGGREGATION)
+    loss, _ = grpo_loss(
+        logp,
+        logp.detach(),
+        adv,
+        mask,
+        normalizer=loss_normalizer(mask, AGGREGATION, mask.shape[1]),
+        aggregation=AGGREGATION,
+    )
     loss.backward()
     model.zero_grad(set_to_none=True)
     return None, {}
@@ -214,15 +237,20 @@ def run_cells(cells: list[Cell], models: dict, args, gemm: float, t_start: float
     for k, cell in enumerate(cells):
         systems = cell_systems(cell, args)
         if "oracle" in args.systems and "oracle" not in systems:
-            cell.skipped["oracle"] = (f"memory: [R, P] rows + a gradient need {oracle_bytes(cell) / 2**30:.1f} GB > "
-                                      f"--oracle-max-gb {args.oracle_max_gb:.1f}")
+            cell.skipped["oracle"] = (
+                f"memory: [R, P] rows + a gradient need {oracle_bytes(cell) / 2**30:.1f} GB > "
+                f"--oracle-max-gb {args.oracle_max_gb:.1f}"
+            )
         preds = {s: predict(s, cell, done, gemm) for s in systems}
         left = deadline - time.perf_counter()
         if sum(preds.values()) > left and preds.get("plain", 0) > left:
             for s in systems:
                 cell.skipped[s] = f"budget: predicted {preds[s]:.0f} s, {max(left, 0):.0f} s left"
-            print(f"skip {cell.size} T={cell.T} R={cell.R}: predicted {sum(preds.values()):.0f} s for all systems, "
-                  f"{max(left, 0):.0f} s left", flush=True)
+            print(
+                f"skip {cell.size} T={cell.T} R={cell.R}: predicted {sum(preds.values()):.0f} s for all systems, "
+                f"{max(left, 0):.0f} s left",
+                flush=True,
+            )
             continue
         if cell.size not in models:
             models[cell.size] = build_model(args.configs[cell.size])
@@ -234,13 +262,19 @@ def run_cells(cells: list[Cell], models: dict, args, gemm: float, t_start: float
                 RUN[s](model, batch, adv)
             warmed = True
         cell.load = load_avg()
-        print(f"\n== {cell.size} ({fmt_params(cell.params)}) T={cell.T} R={cell.R}: {cell.flops / 1e9:.1f} GFLOP; "
-              f"load {cell.load}", flush=True)
+        print(
+            f"\n== {cell.size} ({fmt_params(cell.params)}) T={cell.T} R={cell.R}: {cell.flops / 1e9:.1f} GFLOP; "
+            f"load {cell.load}",
+            flush=True,
+        )
         grams = {}
         for rep in range(args.repeats):
             # a repeat runs only if the first rounds of the cells after this one would still fit after it
-            later = sum(predict(s, c, done + [cell], gemm) for c in cells[k + 1:] for s in cell_systems(c, args)) \
-                if rep else 0.0
+            later = (
+                sum(predict(s, c, done + [cell], gemm) for c in cells[k + 1 :] for s in cell_systems(c, args))
+                if rep
+                else 0.0
+            )
             for s in systems:
                 if s in cell.skipped:
                     continue
@@ -297,9 +331,13 @@ def fit_power_law(points: list[tuple[float, float, float, float]]) -> dict | Non
     rss = float(resid @ resid)
     cov = rss / (n - k) * np.linalg.inv(x.T @ x)
     se = np.sqrt(np.clip(np.diag(cov), 0.0, None))
-    return {"exponents": {name: (float(beta[i + 1]), float(se[i + 1])) for i, name in enumerate(names)}, "n": n,
-            "ranges": {name: (min(p[c] for p in pts), max(p[c] for p in pts)) for name, c in zip(names, cols)},
-            "rms": math.sqrt(rss / n), "const": float(beta[0])}
+    return {
+        "exponents": {name: (float(beta[i + 1]), float(se[i + 1])) for i, name in enumerate(names)},
+        "n": n,
+        "ranges": {name: (min(p[c] for p in pts), max(p[c] for p in pts)) for name, c in zip(names, cols)},
+        "rms": math.sqrt(rss / n),
+        "const": float(beta[0]),
+    }
 
 
 def fit_line(label: str, fit: dict | None, unit: str) -> str:
@@ -326,23 +364,29 @@ def fmt_s(v: float | None, why: str | None = None) -> str:
 
 
 def print_tables(cells: list[Cell], gemm: tuple[float, float]) -> None:
-    print("\n| model | P | T | R | GFLOP | plain s | plain GFLOP/s | gram s | gram / plain | step + lens s | "
-          "sketch s | sketch / plain | oracle s | oracle / plain | gram vs oracle | coverage |")
+    print(
+        "\n| model | P | T | R | GFLOP | plain s | plain GFLOP/s | gram s | gram / plain | step + lens s | "
+        "sketch s | sketch / plain | oracle s | oracle / plain | gram vs oracle | coverage |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     order = sorted(cells, key=lambda c: (c.params, c.T, c.R))
     for c in order:
         p, g, sk, o = (c.median(s) for s in SYSTEMS)
-        ratio = lambda v: f"{v / p:.2f}x" if v is not None and p else "-"  # noqa: E731
+        ratio = lambda v: f"{v / p:.2f}x" if v is not None and p else "-"  # noqa: E731, B023 (used in this iteration)
         lens = f"{p + g:.2f}" if p is not None and g is not None else "-"
         err = f"{c.gram_err:.1e}" if c.gram_err is not None else "-"
         cov = f"{c.coverage:.2f}" if c.coverage is not None else "-"
         rate = f"{c.flops / p / 1e9:.0f}" if p else "-"
-        print(f"| {c.size} | {fmt_params(c.params)} | {c.T} | {c.R} | {c.flops / 1e9:.1f} | "
-              f"{fmt_s(p, c.skipped.get('plain'))} | {rate} | {fmt_s(g, c.skipped.get('gram'))} | {ratio(g)} | "
-              f"{lens} | {fmt_s(sk, c.skipped.get('sketch'))} | {ratio(sk)} | {fmt_s(o, c.skipped.get('oracle'))} | "
-              f"{ratio(o)} | {err} | {cov} |")
-    print(f"\n(float32 GEMM {gemm[0] / 1e9:.0f} GFLOP/s at the start, {gemm[1] / 1e9:.0f} at the end; plain GFLOP/s = "
-          "the step's counted FLOPs / its seconds)")
+        print(
+            f"| {c.size} | {fmt_params(c.params)} | {c.T} | {c.R} | {c.flops / 1e9:.1f} | "
+            f"{fmt_s(p, c.skipped.get('plain'))} | {rate} | {fmt_s(g, c.skipped.get('gram'))} | {ratio(g)} | "
+            f"{lens} | {fmt_s(sk, c.skipped.get('sketch'))} | {ratio(sk)} | {fmt_s(o, c.skipped.get('oracle'))} | "
+            f"{ratio(o)} | {err} | {cov} |"
+        )
+    print(
+        f"\n(float32 GEMM {gemm[0] / 1e9:.0f} GFLOP/s at the start, {gemm[1] / 1e9:.0f} at the end; plain GFLOP/s = "
+        "the step's counted FLOPs / its seconds)"
+    )
     print("\nStep memory (MB the system adds to the process's peak resident set):\n")
     print("| model | T | R | plain | gram | sketch | oracle |")
     print("|---|---|---|---|---|---|---|")
@@ -383,8 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="timed rounds per cell (fewer when the budget is short)")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--budget-s", type=float, default=None, help="wall-time cap of the whole run, seconds")
-    ap.add_argument("--oracle-max-gb", type=float, default=None,
-                    help="skip the dense oracle when its rows need more (default: 0.3 x MemAvailable at start)")
+    ap.add_argument(
+        "--oracle-max-gb",
+        type=float,
+        default=None,
+        help="skip the dense oracle when its rows need more (default: 0.3 x MemAvailable at start)",
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", help="also write every cell's numbers and the fits to this file")
     ap.add_argument("--quick", action="store_true", help="two tiny models, T in {8, 16}, R in {2, 4}: seconds")
@@ -403,26 +451,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.oracle_max_gb is None:
         args.oracle_max_gb = 0.3 * mem_available() / 2**30
     args.configs = {s: llama_config(sizes[s], vocab) for s in args.sizes}
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, {args.threads} threads, "
-          f"{os.cpu_count()} cores; load average {load_avg()}; budget "
-          f"{'none' if args.budget_s is None else f'{args.budget_s:.0f} s'}; Lp = {args.prompt_len}; "
-          f"repeats {args.repeats}; oracle cap {args.oracle_max_gb:.1f} GB", flush=True)
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, {args.threads} threads, "
+        f"{os.cpu_count()} cores; load average {load_avg()}; budget "
+        f"{'none' if args.budget_s is None else f'{args.budget_s:.0f} s'}; Lp = {args.prompt_len}; "
+        f"repeats {args.repeats}; oracle cap {args.oracle_max_gb:.1f} GB",
+        flush=True,
+    )
     gemm = gemm_flops_per_s()
     print(f"float32 GEMM 2048^3: {gemm / 1e9:.0f} GFLOP/s", flush=True)
     shapes = {s: model_shape(args.configs[s]) for s in args.sizes}
-    cells = [Cell(s, T, R, shapes[s]["params"], step_flops(shapes[s], R, args.prompt_len, T))
-             for s in args.sizes for T in args.lengths for R in args.group_sizes]
+    cells = [
+        Cell(s, T, R, shapes[s]["params"], step_flops(shapes[s], R, args.prompt_len, T))
+        for s in args.sizes
+        for T in args.lengths
+        for R in args.group_sizes
+    ]
     cells.sort(key=lambda c: c.flops)
     run_cells(cells, {}, args, gemm, t_start)
     gemm_end = gemm_flops_per_s()
-    print(f"\nfloat32 GEMM at the end: {gemm_end / 1e9:.0f} GFLOP/s; load average {load_avg()}; wall "
-          f"{time.perf_counter() - t_start:.0f} s")
+    print(
+        f"\nfloat32 GEMM at the end: {gemm_end / 1e9:.0f} GFLOP/s; load average {load_avg()}; wall "
+        f"{time.perf_counter() - t_start:.0f} s"
+    )
     print_tables(cells, (gemm, gemm_end))
     fits = print_fits(cells)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "gemm_flops_per_s": [gemm, gemm_end], "prompt_len": args.prompt_len,
-            "cells": [{k: v for k, v in vars(c).items()} for c in cells], "fits": fits}, indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "gemm_flops_per_s": [gemm, gemm_end],
+                    "prompt_len": args.prompt_len,
+                    "cells": [{k: v for k, v in vars(c).items()} for c in cells],
+                    "fits": fits,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 

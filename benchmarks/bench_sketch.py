@@ -37,8 +37,15 @@ def load(name: str, device: str):
     except Exception as err:  # noqa: BLE001 - any failure falls back to the same-shape random model
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                             intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)
+        config = LlamaConfig(
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+        )
         torch.manual_seed(0)
         return LlamaForCausalLM(config).to(device).eval(), f"random SmolLM2-135M-shaped Llama ({type(err).__name__})"
 
@@ -51,9 +58,15 @@ def random_batch(vocab: int, group_size: int, prompt_len: int, completion_len: i
     completion_ids = torch.randint(0, vocab, (r, completion_len), generator=g)
     lengths = torch.randint(completion_len // 2, completion_len + 1, (r, 1), generator=g)
     completion_mask = torch.arange(completion_len) < lengths
-    return RolloutBatch(prompt_ids.to(device), torch.ones(r, prompt_len, dtype=torch.long, device=device),
-                        completion_ids.to(device), completion_mask.to(device), torch.zeros(r, completion_len),
-                        torch.zeros(r, dtype=torch.bool), r)
+    return RolloutBatch(
+        prompt_ids.to(device),
+        torch.ones(r, prompt_len, dtype=torch.long, device=device),
+        completion_ids.to(device),
+        completion_mask.to(device),
+        torch.zeros(r, completion_len),
+        torch.zeros(r, dtype=torch.bool),
+        r,
+    )
 
 
 def sync(device: str) -> None:
@@ -112,12 +125,17 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
 
     print(f"model: {source}; {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {n_lin} nn.Linear")
-    print(f"batch: R = {args.group_size} rollouts x ({args.prompt_len} prompt + {args.completion_len} completion) "
-          f"tokens; sketch {args.k}x{args.k} per layer = {n_lin * args.k * args.k} dims; device {args.device}, "
-          f"{torch.get_num_threads()} threads; median of {args.repeats}")
+    print(
+        f"batch: R = {args.group_size} rollouts x ({args.prompt_len} prompt + {args.completion_len} completion) "
+        f"tokens; sketch {args.k}x{args.k} per layer = {n_lin * args.k * args.k} dims; device {args.device}, "
+        f"{torch.get_num_threads()} threads; median of {args.repeats}"
+    )
     print(f"plain forward+backward:            {med['plain']:8.3f} s   1.00x")
-    for name, label in (("sketch", "sketched per-rollout (one pass)"), ("capture", "plain + GradientCapture hooks"),
-                        ("exact", "exact per-rollout (R passes)")):
+    for name, label in (
+        ("sketch", "sketched per-rollout (one pass)"),
+        ("capture", "plain + GradientCapture hooks"),
+        ("exact", "exact per-rollout (R passes)"),
+    ):
         if name in med:
             print(f"{label + ':':34s} {med[name]:8.3f} s   {med[name] / med['plain']:.2f}x")
     verdict = "meets" if med["sketch"] / med["plain"] <= 1.5 else "MISSES"

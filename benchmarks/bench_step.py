@@ -29,8 +29,9 @@ Each system's time is also printed against the step's FLOP floor: the FLOPs of t
 from the model's shape and the padded shapes it ran (benchmarks/common.py: sampling the completions with a KV cache,
 then forward + backward of the batch, 6 x linear parameters x tokens, the LM head at the T + 1 kept positions, causal
 attention; element-wise work, the optimizer and the reward count 0), divided by the float32 (on a GPU with ``--dtype
-bfloat16`` or ``bf16-mixed``: bf16) square-GEMM throughput measured with the same thread count before and after the children run (the better
-of the two). ``x floor`` = seconds per step / floor seconds: how far from the device's matmul rate a step runs.
+bfloat16`` or ``bf16-mixed``: bf16) square-GEMM throughput measured with the same thread count before and after
+the children run (the better of the two). ``x floor`` = seconds per step / floor seconds: how far from the device's
+matmul rate a step runs.
 
 ``--sweep`` runs grpo-lens alone (lens off, and lens every step) for R in {4, 8, 16} x max_new_tokens in {24, 128}
 and prints seconds per step, seconds per completion token and the lens's cost relative to the update's backward
@@ -184,9 +185,15 @@ def plain_loop(args, clock: StepClock, naive: bool = False) -> tuple[list[float]
     clock.attach(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    eos = [tok.eos_token_id] + [i for i in ([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))
-        if i != tok.eos_token_id]
+    eos = [tok.eos_token_id] + [
+        i
+        for i in (
+            [model.generation_config.eos_token_id]
+            if isinstance(model.generation_config.eos_token_id, int)
+            else (model.generation_config.eos_token_id or [])
+        )
+        if i != tok.eos_token_id
+    ]
     R, T = args.group_size, args.max_new_tokens
     times = []
     for step in range(1, args.steps + 1):
@@ -198,10 +205,18 @@ def plain_loop(args, clock: StepClock, naive: bool = False) -> tuple[list[float]
         ids, att = enc.input_ids.repeat_interleave(R, 0), enc.attention_mask.repeat_interleave(R, 0)
         torch.manual_seed(args.seed + step)
         with torch.no_grad(), autocast(args):
-            out = model.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=args.temperature,
-                                 top_k=0, top_p=1.0, max_new_tokens=T, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=eos)
-        comp = out[:, ids.shape[1]:]  # [N, t]
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=att,
+                do_sample=True,
+                temperature=args.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=T,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=eos,
+            )
+        comp = out[:, ids.shape[1] :]  # [N, t]
         is_eos = torch.isin(comp, torch.tensor(eos, device=comp.device))
         mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # up to and including the first EOS
         texts_out = tok.batch_decode([c[m].tolist() for c, m in zip(comp, mask)], skip_special_tokens=True)
@@ -217,10 +232,11 @@ def plain_loop(args, clock: StepClock, naive: bool = False) -> tuple[list[float]
         with autocast(args):
             if naive:  # logits at all Lp + t positions, then the t that predict completion tokens
                 logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits
-                logits = logits[:, ids.shape[1] - 1:-1]
+                logits = logits[:, ids.shape[1] - 1 : -1]
             else:  # logits at the t + 1 last positions only; the last one predicts nothing
-                logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos,
-                               logits_to_keep=comp.shape[1] + 1).logits[:, :-1]
+                logits = model(
+                    input_ids=full, attention_mask=full_mask, position_ids=pos, logits_to_keep=comp.shape[1] + 1
+                ).logits[:, :-1]
         logits = logits.float() / args.temperature
         logp = torch.log_softmax(logits, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)  # [N, t]
         ratio = torch.exp(logp - logp.detach())
@@ -277,12 +293,25 @@ def grpo_lens_run(args, clock: StepClock, lens_every: int) -> tuple[list[float],
     TrainerLens.measure = measure
     extra = json.loads(args.grpo_lens_options or "{}")
     with tempfile.TemporaryDirectory() as out:
-        config = TrainConfig(model=args.model, task="arithmetic", group_size=args.group_size,
-                             prompts_per_step=args.prompts, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, learning_rate=args.lr, max_steps=args.steps,
-                             lens_every=lens_every, seed=args.seed, out=str(Path(out) / "run"), progress=False,
-                             checkpoint_every=10**6, save_final_model=False, device=args.device, dtype=args.dtype,
-                             **extra)
+        config = TrainConfig(
+            model=args.model,
+            task="arithmetic",
+            group_size=args.group_size,
+            prompts_per_step=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            learning_rate=args.lr,
+            max_steps=args.steps,
+            lens_every=lens_every,
+            seed=args.seed,
+            out=str(Path(out) / "run"),
+            progress=False,
+            checkpoint_every=10**6,
+            save_final_model=False,
+            device=args.device,
+            dtype=args.dtype,
+            **extra,
+        )
         tr.train(config)
         rows = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "perf/step_seconds" in r]
@@ -301,8 +330,11 @@ def trl_run(args, clock: StepClock) -> list[float]:
 
     model, tok = load_model(args.model, dtype=torch.float32, device=args.device)
     clock.attach(model)
-    rows = [{"prompt": e.prompt, "answer": e.columns()["answer"]}
-            for step in range(1, args.steps + 1) for e in step_prompts(args, step)]
+    rows = [
+        {"prompt": e.prompt, "answer": e.columns()["answer"]}
+        for step in range(1, args.steps + 1)
+        for e in step_prompts(args, step)
+    ]
 
     def reward(prompts, completions, answer, **kwargs):
         return correctness(prompts, completions, answer=answer)
@@ -320,17 +352,45 @@ def trl_run(args, clock: StepClock) -> list[float]:
 
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=args.prompts * args.group_size,
-            num_generations=args.group_size, max_completion_length=args.max_new_tokens,
-            temperature=args.temperature, top_k=0, top_p=1.0, learning_rate=args.lr, adam_beta1=0.9,
-            adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
-            beta=0.0, loss_type="grpo", num_iterations=1, gradient_accumulation_steps=1, max_steps=args.steps,
-            gradient_checkpointing=False, bf16=args.device.startswith("cuda") and args.dtype != "float32",
-            use_cpu=not args.device.startswith("cuda"), logging_steps=1, report_to="none", save_strategy="no",
-            shuffle_dataset=False, seed=args.seed, dataloader_num_workers=0, log_completions=False,
-            disable_tqdm=True)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
-                              processing_class=tok, callbacks=[Clock()])
+            output_dir=out,
+            per_device_train_batch_size=args.prompts * args.group_size,
+            num_generations=args.group_size,
+            max_completion_length=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            learning_rate=args.lr,
+            adam_beta1=0.9,
+            adam_beta2=0.99,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            beta=0.0,
+            loss_type="grpo",
+            num_iterations=1,
+            gradient_accumulation_steps=1,
+            max_steps=args.steps,
+            gradient_checkpointing=False,
+            bf16=args.device.startswith("cuda") and args.dtype != "float32",
+            use_cpu=not args.device.startswith("cuda"),
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            shuffle_dataset=False,
+            seed=args.seed,
+            dataloader_num_workers=0,
+            log_completions=False,
+            disable_tqdm=True,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=cfg,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tok,
+            callbacks=[Clock()],
+        )
         trainer.train()
     return times
 
@@ -354,10 +414,20 @@ def worker(args) -> None:
         times = trl_run(args, clock)
     else:
         raise SystemExit(f"unknown system {args.worker!r}; valid: {', '.join(SYSTEMS)}")
-    Path(args.result).write_text(json.dumps({
-        "system": args.worker, "step_seconds": times, "lens_seconds": lens, "split": clock.steps[:len(times)],
-        "peak_mib": peak_memory_mib(args.device), "tokens_per_step": clock.tokens, "shapes": clock.shapes,
-        "model_shape": shape}))
+    Path(args.result).write_text(
+        json.dumps(
+            {
+                "system": args.worker,
+                "step_seconds": times,
+                "lens_seconds": lens,
+                "split": clock.steps[: len(times)],
+                "peak_mib": peak_memory_mib(args.device),
+                "tokens_per_step": clock.tokens,
+                "shapes": clock.shapes,
+                "model_shape": shape,
+            }
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -369,8 +439,20 @@ def run_child(args, system: str, **overrides) -> dict | None:
         result = Path(tmp) / "result.json"
         values = {**vars(args), **overrides}
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--result", str(result)]
-        for key in ("model", "prompts", "group_size", "max_new_tokens", "temperature", "steps", "seed", "lr",
-                    "threads", "device", "dtype", "grpo_lens_options"):
+        for key in (
+            "model",
+            "prompts",
+            "group_size",
+            "max_new_tokens",
+            "temperature",
+            "steps",
+            "seed",
+            "lr",
+            "threads",
+            "device",
+            "dtype",
+            "grpo_lens_options",
+        ):
             if values.get(key) is not None:
                 cmd += ["--" + key.replace("_", "-"), str(values[key])]
         t0 = time.perf_counter()
@@ -383,44 +465,63 @@ def run_child(args, system: str, **overrides) -> dict | None:
         data = json.loads(result.read_text())
         data["wall"] = time.perf_counter() - t0
         data["load"] = os.getloadavg()[0]
-        print(f"[{system}] done in {data['wall']:.0f} s (load {data['load']:.1f}); s/step {data['step_seconds']}, "
-              f"lens s {data['lens_seconds']}, split {data['split']}", file=sys.stderr, flush=True)
+        print(
+            f"[{system}] done in {data['wall']:.0f} s (load {data['load']:.1f}); s/step {data['step_seconds']}, "
+            f"lens s {data['lens_seconds']}, split {data['split']}",
+            file=sys.stderr,
+            flush=True,
+        )
         return data
 
 
 def merge_runs(parts: list[dict], warmup: int) -> dict:
     """One system's runs (rounds) as one: each run's measured steps (after ``warmup``) side by side, peak = max."""
     keep = lambda xs: xs[warmup:] if len(xs) > warmup else xs  # noqa: E731
-    return {"step_seconds": [x for p in parts for x in keep(p["step_seconds"])],
-            "lens_seconds": [x for p in parts for x in keep(p["lens_seconds"])],
-            "split": [x for p in parts for x in keep(p["split"])],
-            "peak_mib": max(p["peak_mib"] for p in parts)}
+    return {
+        "step_seconds": [x for p in parts for x in keep(p["step_seconds"])],
+        "lens_seconds": [x for p in parts for x in keep(p["lens_seconds"])],
+        "split": [x for p in parts for x in keep(p["split"])],
+        "peak_mib": max(p["peak_mib"] for p in parts),
+    }
 
 
 def summarize(data: dict, warmup: int) -> dict:
     """Medians over the measured steps (after ``warmup``)."""
+
     def med(xs):
         xs = xs[warmup:] if len(xs) > warmup else xs
         return statistics.median(xs) if xs else float("nan")
 
     split = data["split"]
-    return {"step": med(data["step_seconds"]), "gen": med([s["gen"] for s in split]),
-            "fwd": med([s["fwd"] for s in split]), "bwd": med([s["bwd"] for s in split]),
-            "lens": med(data["lens_seconds"]), "peak": data["peak_mib"],
-            "n": max(len(data["step_seconds"]) - warmup, 1)}
+    return {
+        "step": med(data["step_seconds"]),
+        "gen": med([s["gen"] for s in split]),
+        "fwd": med([s["fwd"] for s in split]),
+        "bwd": med([s["bwd"] for s in split]),
+        "lens": med(data["lens_seconds"]),
+        "peak": data["peak_mib"],
+        "n": max(len(data["step_seconds"]) - warmup, 1),
+    }
 
 
-LABELS = {"plain": "plain PyTorch + transformers loop (logits_to_keep)",
-          "plain-naive": "plain loop, logits at every position", "lens-off": "grpo-lens train, lens off",
-          "lens-1": "grpo-lens train, lens every step", "lens-1-own": "grpo-lens train, lens every step, own pass",
-          "trl": "TRL GRPOTrainer, grad. checkpointing off"}
+LABELS = {
+    "plain": "plain PyTorch + transformers loop (logits_to_keep)",
+    "plain-naive": "plain loop, logits at every position",
+    "lens-off": "grpo-lens train, lens off",
+    "lens-1": "grpo-lens train, lens every step",
+    "lens-1-own": "grpo-lens train, lens every step, own pass",
+    "trl": "TRL GRPOTrainer, grad. checkpointing off",
+}
 
 
 def floor_flops(parts: list[dict], warmup: int) -> float | None:
     """Median FLOPs per measured step of a plain loop's runs: sampling + forward/backward of each step's padded
     shapes (benchmarks/common.py), None without a plain run."""
-    flops = [generation_flops(p["model_shape"], n, lp, t) + step_flops(p["model_shape"], n, lp, t)
-             for p in parts for n, lp, t in (p["shapes"][warmup:] if len(p["shapes"]) > warmup else p["shapes"])]
+    flops = [
+        generation_flops(p["model_shape"], n, lp, t) + step_flops(p["model_shape"], n, lp, t)
+        for p in parts
+        for n, lp, t in (p["shapes"][warmup:] if len(p["shapes"]) > warmup else p["shapes"])
+    ]
     return statistics.median(flops) if flops else None
 
 
@@ -442,7 +543,7 @@ def table(args) -> None:
     load_before = os.getloadavg()
     rate_before = gemm_rate(args)
     for k in range(args.rounds):  # ABCD, DCBA, ...: load from other processes that drifts hits every system alike
-        for system in (systems if k % 2 == 0 else systems[::-1]):
+        for system in systems if k % 2 == 0 else systems[::-1]:
             data = run_child(args, system)
             if data is not None:
                 runs[system].append(data)
@@ -454,66 +555,93 @@ def table(args) -> None:
     naive = results.get("plain-naive", {}).get("step")
     flops = floor_flops(runs.get("plain") or runs.get("plain-naive") or [], args.warmup)
     floor = flops / rate if flops else None
-    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), "
-          f"B={args.prompts} prompts x "
-          f"R={args.group_size}, max_new_tokens={args.max_new_tokens}, T={args.temperature}; median over steps "
-          f"{args.warmup + 1}-{args.steps} of {args.rounds} run(s) per system, in alternating order; load (1-min "
-          f"average) {load_before[0]:.1f} at the start, {min(loads or [0]):.1f}-{max(loads or [0]):.1f} at the "
-          f"children's ends, {load_after[0]:.1f} at the end\n")
+    print(
+        f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), "
+        f"B={args.prompts} prompts x "
+        f"R={args.group_size}, max_new_tokens={args.max_new_tokens}, T={args.temperature}; median over steps "
+        f"{args.warmup + 1}-{args.steps} of {args.rounds} run(s) per system, in alternating order; load (1-min "
+        f"average) {load_before[0]:.1f} at the start, {min(loads or [0]):.1f}-{max(loads or [0]):.1f} at the "
+        f"children's ends, {load_after[0]:.1f} at the end\n"
+    )
     print("| system | s/step | generate | forward | backward | lens | peak MiB | vs plain | vs naive | x floor |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for system, s in results.items():
         ratio = f"{s['step'] / base:.2f}" if base else "n/a"
         ratio_naive = f"{s['step'] / naive:.2f}" if naive else "n/a"
         over = f"{s['step'] / floor:.1f}" if floor else "n/a"
-        print(f"| {LABELS[system]} | {s['step']:.2f} | {s['gen']:.2f} | {s['fwd']:.2f} | {s['bwd']:.2f} | "
-              f"{s['lens']:.2f} | {s['peak']:.0f} | {ratio} | {ratio_naive} | {over} |")
+        print(
+            f"| {LABELS[system]} | {s['step']:.2f} | {s['gen']:.2f} | {s['fwd']:.2f} | {s['bwd']:.2f} | "
+            f"{s['lens']:.2f} | {s['peak']:.0f} | {ratio} | {ratio_naive} | {over} |"
+        )
     if floor:
-        print(f"\nFLOP floor: {flops / 1e9:.1f} GFLOP per step (the plain loop's padded shapes: sampling with a KV "
-              f"cache + forward/backward, benchmarks/common.py) / {rate / 1e9:.0f} GFLOP/s (square GEMM, "
-              f"{args.threads} threads, best of before/after) = {floor:.2f} s")
+        print(
+            f"\nFLOP floor: {flops / 1e9:.1f} GFLOP per step (the plain loop's padded shapes: sampling with a KV "
+            f"cache + forward/backward, benchmarks/common.py) / {rate / 1e9:.0f} GFLOP/s (square GEMM, "
+            f"{args.threads} threads, best of before/after) = {floor:.2f} s"
+        )
     if base and "lens-off" in results and "lens-1" in results:
         off, on = results["lens-off"]["step"], results["lens-1"]["step"]
-        print(f"\nlens every 5 steps (the default), from the two rows above: (4 x {off:.2f} + {on:.2f}) / 5 = "
-              f"{(4 * off + on) / 5:.2f} s/step, {(4 * off + on) / 5 / base:.2f}x plain")
+        print(
+            f"\nlens every 5 steps (the default), from the two rows above: (4 x {off:.2f} + {on:.2f}) / 5 = "
+            f"{(4 * off + on) / 5:.2f} s/step, {(4 * off + on) / 5 / base:.2f}x plain"
+        )
     if "lens-off" in results:
         off = results["lens-off"]["step"]
         for system in ("lens-1", "lens-1-own"):
             if system in results:
-                print(f"\n{LABELS[system]} / lens off: {results[system]['step'] / off:.2f}x (target for lens-1: "
-                      f"<= 1.15x, issue 30)")
+                print(
+                    f"\n{LABELS[system]} / lens off: {results[system]['step'] / off:.2f}x (target for lens-1: "
+                    f"<= 1.15x, issue 30)"
+                )
         if floor:
-            print(f"lens off / its FLOP floor: {off / floor:.2f}x (target <= 1.5x, issue 30); generate "
-                  f"{results['lens-off']['gen']:.2f} s, forward {results['lens-off']['fwd']:.2f} s, backward "
-                  f"{results['lens-off']['bwd']:.2f} s, the rest (rewards, AdamW, bookkeeping) "
-                  f"{off - results['lens-off']['gen'] - results['lens-off']['fwd'] - results['lens-off']['bwd']:.2f} s")
+            print(
+                f"lens off / its FLOP floor: {off / floor:.2f}x (target <= 1.5x, issue 30); generate "
+                f"{results['lens-off']['gen']:.2f} s, forward {results['lens-off']['fwd']:.2f} s, backward "
+                f"{results['lens-off']['bwd']:.2f} s, the rest (rewards, AdamW, bookkeeping) "
+                f"{off - results['lens-off']['gen'] - results['lens-off']['fwd'] - results['lens-off']['bwd']:.2f} s"
+            )
     if "trl" in results and "lens-off" in results:
         print(f"\nTRL / grpo-lens (lens off): {results['trl']['step'] / results['lens-off']['step']:.2f}")
     if base and "lens-off" in results:
-        print("targets (set against the naive loop, 'vs naive'): lens off <= 0.95x, lens every step <= 1.15x, peak "
-              "memory <= the loop's, TRL / grpo-lens >= 1.6")
+        print(
+            "targets (set against the naive loop, 'vs naive'): lens off <= 0.95x, lens every step <= 1.15x, peak "
+            "memory <= the loop's, TRL / grpo-lens >= 1.6"
+        )
 
 
 def sweep(args) -> None:
     """grpo-lens alone for R x max_new_tokens, lens off and every step."""
-    print(f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), "
-          f"B={args.sweep_prompts} prompts; median "
-          f"over steps {args.warmup + 1}-{args.steps}\n")
-    print("| R | max_new_tokens | tokens/step | train s/step | train ms/token | lens-every-step s/step | lens s | "
-          "lens / update backward | (lens-every-step - train) / update backward |")
+    print(
+        f"\n{args.model}, {args.device} {args.dtype}, {args.threads} threads (OMP_WAIT_POLICY={WAIT_POLICY}), "
+        f"B={args.sweep_prompts} prompts; median "
+        f"over steps {args.warmup + 1}-{args.steps}\n"
+    )
+    print(
+        "| R | max_new_tokens | tokens/step | train s/step | train ms/token | lens-every-step s/step | lens s | "
+        "lens / update backward | (lens-every-step - train) / update backward |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for R in args.sweep_group_sizes:
         for T in args.sweep_tokens:
-            off = run_child(args, "lens-off", group_size=R, max_new_tokens=T, prompts=args.sweep_prompts,
-                            grpo_lens_options=json.dumps({"log_completions": 0}))
+            off = run_child(
+                args,
+                "lens-off",
+                group_size=R,
+                max_new_tokens=T,
+                prompts=args.sweep_prompts,
+                grpo_lens_options=json.dumps({"log_completions": 0}),
+            )
             on = run_child(args, "lens-1", group_size=R, max_new_tokens=T, prompts=args.sweep_prompts)
             if off is None or on is None:
                 continue
             so, sn = summarize(off, args.warmup), summarize(on, args.warmup)
-            tokens = statistics.median(off["tokens_per_step"][args.warmup:] or off["tokens_per_step"])
-            print(f"| {R} | {T} | {tokens:.0f} | {so['step']:.2f} | {1000 * so['step'] / max(tokens, 1):.1f} | "
-                  f"{sn['step']:.2f} | {sn['lens']:.2f} | {sn['lens'] / max(so['bwd'], 1e-9):.2f} | "
-                  f"{(sn['step'] - so['step']) / max(so['bwd'], 1e-9):.2f} |", flush=True)
+            tokens = statistics.median(off["tokens_per_step"][args.warmup :] or off["tokens_per_step"])
+            print(
+                f"| {R} | {T} | {tokens:.0f} | {so['step']:.2f} | {1000 * so['step'] / max(tokens, 1):.1f} | "
+                f"{sn['step']:.2f} | {sn['lens']:.2f} | {sn['lens'] / max(so['bwd'], 1e-9):.2f} | "
+                f"{(sn['step'] - so['step']) / max(so['bwd'], 1e-9):.2f} |",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -530,9 +658,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "bf16-mixed"),
-                    help="bfloat16: bf16 weights in grpo-lens, bf16 autocast in the plain loops; bf16-mixed: float32 "
-                    "weights and bf16 autocast in every system (the GPU setting)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "bf16-mixed"),
+        help="bfloat16: bf16 weights in grpo-lens, bf16 autocast in the plain loops; bf16-mixed: float32 "
+        "weights and bf16 autocast in every system (the GPU setting)",
+    )
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--sweep", action="store_true", help="grpo-lens alone over R x max_new_tokens instead")
     ap.add_argument("--sweep-group-sizes", type=int, nargs="+", default=[4, 8, 16])

@@ -37,8 +37,15 @@ def worker(model_name: str, group_size: int, repeats: int) -> dict[str, float]:
     cfg = ProbeConfig(out="unused", model=model_name)
     policy, tokenizer = load_model(cfg.model, dtype=torch.float32, device="cpu")
     policy.eval()
-    batch = sample_groups(policy, tokenizer, get_task(cfg.task).sample(1, seed=1), group_size,
-                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, generator_seed=1)
+    batch = sample_groups(
+        policy,
+        tokenizer,
+        get_task(cfg.task).sample(1, seed=1),
+        group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        generator_seed=1,
+    )
 
     def plain() -> None:
         rollout_scores(batch_logprobs(policy, batch, cfg.temperature), batch.completion_mask).sum().backward()
@@ -65,8 +72,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model (default: the default model)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=[*POLICIES, "unset"],
-                    help="policies to time, the first is the numerator of each ratio (default: ACTIVE PASSIVE)")
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        choices=[*POLICIES, "unset"],
+        help="policies to time, the first is the numerator of each ratio (default: ACTIVE PASSIVE)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -74,11 +86,18 @@ def main() -> None:
 
         print(json.dumps(worker(args.model or ProbeConfig().model, args.group_size, args.repeats)))
         return
-    print(f"load average before: {'%.2f %.2f %.2f' % os.getloadavg()}")
+    print(f"load average before: {'{:.2f} {:.2f} {:.2f}'.format(*os.getloadavg())}")
     results = {}
     for policy in args.policies:
-        cmd = [sys.executable, __file__, "--worker", "--group-size", str(args.group_size), "--repeats",
-               str(args.repeats)] + (["--model", args.model] if args.model else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--group-size",
+            str(args.group_size),
+            "--repeats",
+            str(args.repeats),
+        ] + (["--model", args.model] if args.model else [])
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         if policy != "unset":  # the worker imports torch before grpo_lens: OpenMP reads the environment as given
             env["OMP_WAIT_POLICY"] = policy
@@ -86,13 +105,17 @@ def main() -> None:
         results[policy] = json.loads(done.stdout.strip().splitlines()[-1])
     first, others = args.policies[0], args.policies[1:]
     print(f"R = {args.group_size}, torch threads {results[first]['threads']}, best of {args.repeats}")
-    print(f"{'pass':<26}" + "".join(f" {p + ' s':>11}" for p in args.policies)
-          + "".join(f" {first + ' / ' + p:>18}" for p in others))
+    print(
+        f"{'pass':<26}"
+        + "".join(f" {p + ' s':>11}" for p in args.policies)
+        + "".join(f" {first + ' / ' + p:>18}" for p in others)
+    )
     for name in ("plain forward + backward", "exact Gram pass"):
         secs = [results[p][name] for p in args.policies]
-        print(f"{name:<26}" + "".join(f" {t:>11.2f}" for t in secs)
-              + "".join(f" {secs[0] / t:>18.2f}" for t in secs[1:]))
-    print(f"load average after: {'%.2f %.2f %.2f' % os.getloadavg()}")
+        print(
+            f"{name:<26}" + "".join(f" {t:>11.2f}" for t in secs) + "".join(f" {secs[0] / t:>18.2f}" for t in secs[1:])
+        )
+    print(f"load average after: {'{:.2f} {:.2f} {:.2f}'.format(*os.getloadavg())}")
 
 
 if __name__ == "__main__":

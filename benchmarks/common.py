@@ -27,7 +27,7 @@ from torch import nn
 
 def load_avg() -> str:
     """The 1, 5 and 15 minute load averages as one string."""
-    return "%.2f %.2f %.2f" % os.getloadavg()
+    return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -103,18 +103,24 @@ def shape_of(model: nn.Module) -> dict[str, int]:
     head = model.get_output_embeddings()
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return {"linear": sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head),
-            "lm_head": head.weight.numel(), "layers": cfg.num_hidden_layers,
-            "attn_width": cfg.num_attention_heads * head_dim,
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "linear": sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head),
+        "lm_head": head.weight.numel(),
+        "layers": cfg.num_hidden_layers,
+        "attn_width": cfg.num_attention_heads * head_dim,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def forward_flops(shape: dict[str, int], n: int, lp: int, t: int, logits_positions: int) -> dict[str, float]:
     """Forward FLOPs of N sequences of Lp + T positions with logits at ``logits_positions`` of each (module doc):
     {linear, lm_head, attention, total}."""
     length = lp + t
-    out = {"linear": 2.0 * shape["linear"] * n * length, "lm_head": 2.0 * shape["lm_head"] * n * logits_positions,
-           "attention": 2.0 * shape["layers"] * shape["attn_width"] * n * length * (length + 1)}
+    out = {
+        "linear": 2.0 * shape["linear"] * n * length,
+        "lm_head": 2.0 * shape["lm_head"] * n * logits_positions,
+        "attention": 2.0 * shape["layers"] * shape["attn_width"] * n * length * (length + 1),
+    }
     out["total"] = sum(out.values())
     return out
 

@@ -43,13 +43,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 
-ARGS = ["train", "--model", "tiny", "--rewards", "test_alternating", "--group-size", "4", "--prompts-per-step", "2",
-        "--max-new-tokens", "4", "--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "1",
-        "--lens-every", "3", "--learning-rate", "0.003", "--log-completions", "3", "--no-progress", "--device", "cpu"]
+ARGS = [
+    "train",
+    "--model",
+    "tiny",
+    "--rewards",
+    "test_alternating",
+    "--group-size",
+    "4",
+    "--prompts-per-step",
+    "2",
+    "--max-new-tokens",
+    "4",
+    "--max-steps",
+    "4",
+    "--checkpoint-every",
+    "2",
+    "--keep-checkpoints",
+    "1",
+    "--lens-every",
+    "3",
+    "--learning-rate",
+    "0.003",
+    "--log-completions",
+    "3",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 
 #: The plugin module that simulates a full disk where no tmpfs can be mounted: the checkpoint of step 4 fails with
 #: ENOSPC (an OSError, as a real write would raise).
-DISK_FULL_PLUGIN = '''
+DISK_FULL_PLUGIN = """
 import errno
 import grpo_lens.rundir as rundir
 _save = rundir.torch.save
@@ -58,12 +83,12 @@ def _full(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(f))
     return _save(obj, f, *args, **kwargs)
 rundir.torch.save = _full
-'''
+"""
 
 
 #: A plugin that makes run A of ``two-writers`` wait 4 s after each step's metrics line (and changes nothing else), so
 #: that the second writer's attempts meet it alive however fast the machine is.
-SLOW_PLUGIN = '''
+SLOW_PLUGIN = """
 import time
 import grpo_lens.rundir as rundir
 _append = rundir.RunDir.append_metrics
@@ -72,12 +97,17 @@ def _slow(self, record, path=None):
     if path is None:
         time.sleep(4.0)
 rundir.RunDir.append_metrics = _slow
-'''
+"""
 
 
 def env_for(plugins: str = "helpers_rewards") -> dict[str, str]:
-    return {"GRPO_LENS_PLUGINS": plugins, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return {
+        "GRPO_LENS_PLUGINS": plugins,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
 
 
 class Zygote:
@@ -87,8 +117,14 @@ class Zygote:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO), str(extra_path)]), **env_for()}
         env.pop("GRPO_LENS_TEST_KILL_AT", None)
         self.log_dir = log_dir
-        self.proc = subprocess.Popen([sys.executable, str(TESTS / "crash_zygote.py")], cwd=REPO, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TESTS / "crash_zygote.py")],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.count = 0
         assert json.loads(self.proc.stdout.readline()) == {"ready": True}
 
@@ -181,8 +217,9 @@ def one_line_error(log: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------------
 # The cases
 # ---------------------------------------------------------------------------------------------------------------------
-def case_sigkill(zygote: Zygote, root: Path, reference: Path, seconds: float, rng: random.Random,
-                 i: int) -> tuple[bool, str]:
+def case_sigkill(
+    zygote: Zygote, root: Path, reference: Path, seconds: float, rng: random.Random, i: int
+) -> tuple[bool, str]:
     """One run killed from outside at a random moment (and its first resume, half the time), then resumed."""
     run = root / f"sigkill-{i:02d}"
     moments = []
@@ -222,7 +259,7 @@ def _run_until(zygote: Zygote, run: Path, kill_at: str) -> None:
 
 def _cut(path: Path, keep: float = 0.5) -> None:
     data = path.read_bytes()
-    path.write_bytes(data[:max(1, int(len(data) * keep))])
+    path.write_bytes(data[: max(1, int(len(data) * keep))])
 
 
 def torn_cases(zygote: Zygote, root: Path, reference: Path) -> list[tuple[str, bool, str]]:
@@ -235,9 +272,11 @@ def torn_cases(zygote: Zygote, root: Path, reference: Path) -> list[tuple[str, b
         "metrics.jsonl (last line torn)": lambda r: _cut(r / "metrics.jsonl", 0.97),
         "completions.jsonl (last line torn)": lambda r: _cut(r / "completions.jsonl", 0.97),
         "config.yaml (temporary file half written)": lambda r: (r / ".config.yaml.tmp-99999").write_bytes(
-            (r / "config.yaml").read_bytes()[:100]),
-        "checkpoints/latest (temporary file half written)": lambda r: (r / "checkpoints/.latest.tmp-99999")
-        .write_bytes(b"step-0"),
+            (r / "config.yaml").read_bytes()[:100]
+        ),
+        "checkpoints/latest (temporary file half written)": lambda r: (r / "checkpoints/.latest.tmp-99999").write_bytes(
+            b"step-0"
+        ),
         "model.safetensors (checkpoint folder half written)": lambda r: _half_checkpoint(r, "model.safetensors"),
         "optimizer.pt (checkpoint folder half written)": lambda r: _half_checkpoint(r, "optimizer.pt"),
         "state.pt (checkpoint folder half written)": lambda r: _half_checkpoint(r, "state.pt"),
@@ -265,8 +304,9 @@ def torn_cases(zygote: Zygote, root: Path, reference: Path) -> list[tuple[str, b
         rc, log = zygote.run([*ARGS, "--out", str(run), "--resume"])
         line = one_line_error(log)
         ok = rc == 2 and line is not None
-        out.append((f"refused/{name}", ok, (line or log.read_text()[-300:]).replace("grpo-lens train: error: ", "")
-                    [:150]))
+        out.append(
+            (f"refused/{name}", ok, (line or log.read_text()[-300:]).replace("grpo-lens train: error: ", "")[:150])
+        )
     return out
 
 
@@ -295,9 +335,16 @@ def case_disk_full(zygote: Zygote, root: Path, reference: Path, tmpfs: bool = Tr
     mount = root / "tmpfs"
     mount.mkdir()
     size = sum(p.stat().st_size for p in reference.rglob("*") if p.is_file() and "final_model" not in p.parts)
-    mounted = tmpfs and os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={max(64 * 1024, int(size * 1.2))}", "tmpfs", str(mount)],
-        capture_output=True, check=False).returncode == 0
+    mounted = (
+        tmpfs
+        and os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={max(64 * 1024, int(size * 1.2))}", "tmpfs", str(mount)],
+            capture_output=True,
+            check=False,
+        ).returncode
+        == 0
+    )
     try:
         run = mount / "run"
         if mounted:
@@ -350,10 +397,17 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=20, help="random SIGKILL cases (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     parser.add_argument("--keep", help="keep the run directories in this folder (default: a temporary one, deleted)")
-    parser.add_argument("--no-tmpfs", action="store_true", help="simulate the full disk with the ENOSPC plugin even "
-                                                                "where a tmpfs could be mounted")
-    parser.add_argument("--only", choices=("sigkill", "torn", "disk-full", "two-writers"), nargs="+",
-                        help="run only these kinds of case (default: all)")
+    parser.add_argument(
+        "--no-tmpfs",
+        action="store_true",
+        help="simulate the full disk with the ENOSPC plugin even where a tmpfs could be mounted",
+    )
+    parser.add_argument(
+        "--only",
+        choices=("sigkill", "torn", "disk-full", "two-writers"),
+        nargs="+",
+        help="run only these kinds of case (default: all)",
+    )
     args = parser.parse_args()
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="grpo-lens-faults-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -402,8 +456,10 @@ def main() -> int:
         if group:
             word = "refused in one line" if kind == "refused" else "identical"
             print(f"{kind:12s} {sum(group)} / {len(group)} {word}")
-    print(f"all: {sum(ok for _, ok, _ in results)} / {len(results)} in {time.perf_counter() - t0:.0f} s "
-          f"(load: {os.getloadavg()[0]:.1f})")
+    print(
+        f"all: {sum(ok for _, ok, _ in results)} / {len(results)} in {time.perf_counter() - t0:.0f} s "
+        f"(load: {os.getloadavg()[0]:.1f})"
+    )
     return 0 if all(ok for _, ok, _ in results) else 1
 
 

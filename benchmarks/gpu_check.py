@@ -54,18 +54,52 @@ from grpo_lens.models import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-NEEDED = ("torch", "transformers", "accelerate", "safetensors", "gguf", "numpy", "yaml", "matplotlib", "tqdm",
-          "platformdirs", "pytest")
+NEEDED = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "safetensors",
+    "gguf",
+    "numpy",
+    "yaml",
+    "matplotlib",
+    "tqdm",
+    "platformdirs",
+    "pytest",
+)
 #: Qwen2.5-1.5B's layer sizes (Qwen/Qwen2.5-1.5B config.json), a 259-token vocabulary: ~1.31B parameters.
-BIG = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-           num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
-           tie_word_embeddings=True)
-BIG_DRY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+BIG = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+BIG_DRY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 #: SmolLM2-135M's layer sizes, the default model's stand-in where its wheel is not installed.
-DEFAULT_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                     tie_word_embeddings=True)
+DEFAULT_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 @dataclass
@@ -83,8 +117,9 @@ def build_model(kind: str, out: str, device: str) -> None:
     """Child entry (``--build KIND DIR``): a random-initialised model of ``kind`` (big, big-dry, default-shape) over
     the byte tokenizer, saved with the tokenizer to DIR (bf16 weights on disk, to halve the write)."""
     tok = build_tiny_tokenizer()
-    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
+    ids = dict(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     if kind == "default-shape":
         config, cls = LlamaConfig(**DEFAULT_SHAPE, **ids), LlamaForCausalLM
     else:
@@ -97,22 +132,36 @@ def build_model(kind: str, out: str, device: str) -> None:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
-    print(json.dumps({"kind": kind, "class": cls.__name__, "params": sum(p.numel() for p in model.parameters()),
-                      "seconds": time.perf_counter() - t0}))
+    print(
+        json.dumps(
+            {
+                "kind": kind,
+                "class": cls.__name__,
+                "params": sum(p.numel() for p in model.parameters()),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+    )
 
 
 def env_figures(device: str) -> list[str]:
     """Versions, the device, and square-GEMM FLOP/s (float32 and bf16) on it."""
-    lines = [f"- python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-             f"{os.cpu_count()} CPU cores"]
+    lines = [
+        f"- python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"{os.cpu_count()} CPU cores"
+    ]
     if device.startswith("cuda"):
         p = torch.cuda.get_device_properties(0)
-        lines.append(f"- device: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, "
-                     f"capability {p.major}.{p.minor}")
+        lines.append(
+            f"- device: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, "
+            f"capability {p.major}.{p.minor}"
+        )
     n = 8192 if device.startswith("cuda") else 512
     for dtype in (torch.float32, torch.bfloat16):
-        lines.append(f"- GEMM {n}^3 {str(dtype).removeprefix('torch.')}: "
-                     f"{gemm_flops_per_s(n, device=device, dtype=dtype) / 1e9:.0f} GFLOP/s")
+        lines.append(
+            f"- GEMM {n}^3 {str(dtype).removeprefix('torch.')}: "
+            f"{gemm_flops_per_s(n, device=device, dtype=dtype) / 1e9:.0f} GFLOP/s"
+        )
     return lines
 
 
@@ -122,8 +171,16 @@ def train_figures(run: Path) -> list[str]:
     if not path.exists():
         return ["- no metrics.jsonl"]
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    keys = ("perf/step_seconds", "perf/generation_seconds", "perf/lens_seconds", "loss/policy", "reward/mean",
-            "grad/norm", "grad/gram_coverage", "perf/peak_memory_mb")
+    keys = (
+        "perf/step_seconds",
+        "perf/generation_seconds",
+        "perf/lens_seconds",
+        "loss/policy",
+        "reward/mean",
+        "grad/norm",
+        "grad/gram_coverage",
+        "perf/peak_memory_mb",
+    )
     out = ["| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for r in rows:
         if "step" in r:
@@ -138,8 +195,11 @@ def probe_figures(out: Path) -> list[str]:
     if not path.exists():
         return ["- no probe.json"]
     meta = json.loads(path.read_text())["meta"]
-    lines = [f"- {k}: {meta[k]}" for k in ("model", "gradients", "gram_coverage", "parameters", "seconds",
-                                            "studies_seconds") if k in meta]
+    lines = [
+        f"- {k}: {meta[k]}"
+        for k in ("model", "gradients", "gram_coverage", "parameters", "seconds", "studies_seconds")
+        if k in meta
+    ]
     report = out / "report.md"
     if report.exists():
         lines += ["", "report.md (tables):", ""] + [ln for ln in report.read_text().splitlines() if ln.startswith("|")]
@@ -161,8 +221,15 @@ def run_step(step: Step, deadline: float, env: dict, report) -> bool:
     cap = min(step.cap_s, left)
     t0 = time.perf_counter()
     # its own process group, so that a step stopped at its cap takes its children (bench_step's systems) with it
-    proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        step.argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=cap)
         rc = proc.returncode
@@ -193,29 +260,91 @@ def plan(args, work: Path, default_model: str | None) -> list[Step]:
     device = "cpu" if dry else "cuda"
     cli = [py, "-m", "grpo_lens.cli"]
     model = default_model or str(work / "default-shape")  # dry runs use the tiny model instead
-    small = ["--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--max-steps", "1"] if dry \
+    small = (
+        ["--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--max-steps", "1"]
+        if dry
         else ["--max-steps", "5"]
+    )
     train_common = ["--device", device, "--dtype", "bf16-mixed", "--no-progress", "--no-save-final-model", *small]
-    probe_sizes = ["--group-sizes", "2", "--prompts", "2", "--baseline-study-prompts", "0", "--credit-groups", "0",
-                   "--g2-groups", "0"] if dry else ["--group-sizes", "4", "8", "--prompts", "8",
-                                                    "--baseline-study-prompts", "2", "--credit-groups", "2"]
-    bench = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--systems", "plain", "lens-off", "--prompts", "2",
-             "--group-size", "2", "--max-new-tokens", "8"] if dry else \
-        ["--model", model, "--steps", "4", "--warmup", "1", "--device", "cuda", "--dtype", "bf16-mixed"]
+    probe_sizes = (
+        [
+            "--group-sizes",
+            "2",
+            "--prompts",
+            "2",
+            "--baseline-study-prompts",
+            "0",
+            "--credit-groups",
+            "0",
+            "--g2-groups",
+            "0",
+        ]
+        if dry
+        else ["--group-sizes", "4", "8", "--prompts", "8", "--baseline-study-prompts", "2", "--credit-groups", "2"]
+    )
+    bench = (
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--systems",
+            "plain",
+            "lens-off",
+            "--prompts",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "8",
+        ]
+        if dry
+        else ["--model", model, "--steps", "4", "--warmup", "1", "--device", "cuda", "--dtype", "bf16-mixed"]
+    )
     steps = [Step("cuda-tests", [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"], 60)]
     if default_model is None and not dry:
-        steps.append(Step("build-default-shape", [py, __file__, "--build", "default-shape", model, "--device", device],
-                          30))
+        steps.append(
+            Step("build-default-shape", [py, __file__, "--build", "default-shape", model, "--device", device], 30)
+        )
     steps += [
-        Step("train", cli + ["train", "--model", "tiny" if dry else model, "--out", str(work / "train"),
-                             *train_common], 60, lambda: train_figures(work / "train")),
-        Step("build-big", [py, __file__, "--build", "big-dry" if dry else "big", str(work / "big"), "--device",
-                           device], 45),
-        Step("train-big", cli + ["train", "--model", str(work / "big"), "--out", str(work / "train-big"),
-                                 *train_common], 110, lambda: train_figures(work / "train-big")),
-        Step("probe", cli + ["probe", "--model", "tiny" if dry else model, "--device", device, "--dtype", "bf16-mixed",
-                             "--no-progress", "--out", str(work / "probe"), *probe_sizes], 80,
-             lambda: probe_figures(work / "probe")),
+        Step(
+            "train",
+            cli + ["train", "--model", "tiny" if dry else model, "--out", str(work / "train"), *train_common],
+            60,
+            lambda: train_figures(work / "train"),
+        ),
+        Step(
+            "build-big",
+            [py, __file__, "--build", "big-dry" if dry else "big", str(work / "big"), "--device", device],
+            45,
+        ),
+        Step(
+            "train-big",
+            cli + ["train", "--model", str(work / "big"), "--out", str(work / "train-big"), *train_common],
+            110,
+            lambda: train_figures(work / "train-big"),
+        ),
+        Step(
+            "probe",
+            cli
+            + [
+                "probe",
+                "--model",
+                "tiny" if dry else model,
+                "--device",
+                device,
+                "--dtype",
+                "bf16-mixed",
+                "--no-progress",
+                "--out",
+                str(work / "probe"),
+                *probe_sizes,
+            ],
+            80,
+            lambda: probe_figures(work / "probe"),
+        ),
         Step("bench-step", [py, str(ROOT / "benchmarks" / "bench_step.py"), *bench], 100),
     ]
     return steps
@@ -223,8 +352,11 @@ def plan(args, work: Path, default_model: str | None) -> list[Step]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.md"),
-                    help="the Markdown file every figure goes to (default: $OUT/gpu_check.md)")
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.environ.get("OUT", "."), "gpu_check.md"),
+        help="the Markdown file every figure goes to (default: $OUT/gpu_check.md)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny sizes")
     ap.add_argument("--budget-s", type=float, default=470.0, help="wall-time cap of the whole check (8 min = 480)")
     ap.add_argument("--work", help="folder for the runs and the built models (default: a temporary folder)")
@@ -237,16 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     deadline = t_start + args.budget_s
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path,
-           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as report, tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        report.write(f"# grpo-lens GPU check{' (dry run, CPU)' if args.dry_run else ''}\n\n"
-                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; budget {args.budget_s:.0f} s\n\n"
-                     "## env\n\n")
+        report.write(
+            f"# grpo-lens GPU check{' (dry run, CPU)' if args.dry_run else ''}\n\n"
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; budget {args.budget_s:.0f} s\n\n"
+            "## env\n\n"
+        )
         missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
         if missing:
             report.write(f"missing Python packages: {', '.join(missing)}; install them (pip install -e .) and rerun\n")
@@ -263,14 +396,18 @@ def main(argv: list[str] | None = None) -> int:
             report.write(f"- default model: {DEFAULT_MODEL} (installed)\n")
         except ModelNotFoundError:
             default_model = None
-            report.write(f"- default model: {DEFAULT_MODEL} is not installed here; SmolLM2-135M's layers with random "
-                         "weights over the 259-token byte tokenizer stand in (rewards are then 0: cost, not claims)\n")
+            report.write(
+                f"- default model: {DEFAULT_MODEL} is not installed here; SmolLM2-135M's layers with random "
+                "weights over the 259-token byte tokenizer stand in (rewards are then 0: cost, not claims)\n"
+            )
         report.flush()
         results = {s.name: run_step(s, deadline, env, report) for s in plan(args, work, default_model)}
         failed = [n for n, ok in results.items() if not ok]
-        report.write(f"\n## summary\n\n{len(results) - len(failed)} of {len(results)} steps exited 0"
-                     f"{'; not: ' + ', '.join(failed) if failed else ''}; wall {time.perf_counter() - t_start:.0f} s "
-                     f"of a {args.budget_s:.0f} s budget\n")
+        report.write(
+            f"\n## summary\n\n{len(results) - len(failed)} of {len(results)} steps exited 0"
+            f"{'; not: ' + ', '.join(failed) if failed else ''}; wall {time.perf_counter() - t_start:.0f} s "
+            f"of a {args.budget_s:.0f} s budget\n"
+        )
     print(f"[gpu_check] wrote {out}; {len(results) - len(failed)} of {len(results)} steps exited 0", flush=True)
     return 0 if not failed else 1
 

@@ -44,14 +44,23 @@ SETTINGS = [
 ]
 
 
-def measure(model, tokenizer, task, prompts: int, group_size: int, max_new_tokens: int, seed: int,
-            batch_prompts: int = 8) -> dict:
+def measure(
+    model, tokenizer, task, prompts: int, group_size: int, max_new_tokens: int, seed: int, batch_prompts: int = 8
+) -> dict:
     correct, mixed, mixed_pred, truncated, rollouts = 0.0, 0, 0.0, 0, 0
     examples = task.sample(prompts, seed, split="test")
     for start in range(0, prompts, batch_prompts):
-        batch = sample_groups(model, tokenizer, examples[start : start + batch_prompts], group_size,
-                              max_new_tokens=max_new_tokens, temperature=0.7, top_p=1.0, top_k=0,
-                              generator_seed=seed + start)
+        batch = sample_groups(
+            model,
+            tokenizer,
+            examples[start : start + batch_prompts],
+            group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=0.7,
+            top_p=1.0,
+            top_k=0,
+            generator_seed=seed + start,
+        )
         rewards, valid, _ = score_batch(batch, {"correctness": 1.0})  # [B, R]
         p = rewards.nan_to_num(0.0).mean(dim=1)  # [B] per-prompt success rate
         correct += float(rewards.nan_to_num(0.0).sum())
@@ -59,8 +68,13 @@ def measure(model, tokenizer, task, prompts: int, group_size: int, max_new_token
         mixed_pred += float((1 - p**group_size - (1 - p) ** group_size).sum())
         truncated += int(batch.truncated.sum())
         rollouts += batch.num_rollouts
-    return dict(acc=correct / rollouts, mixed=mixed / prompts, mixed_pred=mixed_pred / prompts,
-                trunc=truncated / rollouts, example=batch.completions[0])
+    return dict(
+        acc=correct / rollouts,
+        mixed=mixed / prompts,
+        mixed_pred=mixed_pred / prompts,
+        trunc=truncated / rollouts,
+        example=batch.completions[0],
+    )
 
 
 def main() -> None:
@@ -76,17 +90,23 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    print(f"model={args.model} prompts={args.prompts} R={args.group_size} max_new_tokens={args.max_new_tokens} "
-          "temperature=0.7 top_p=1 top_k=0")
+    print(
+        f"model={args.model} prompts={args.prompts} R={args.group_size} max_new_tokens={args.max_new_tokens} "
+        "temperature=0.7 top_p=1 top_k=0"
+    )
     print(f"{'setting':32s} {'acc':>6s} {'mixed':>6s} {'mixed_pred':>10s} {'trunc':>6s} {'time_s':>6s}  example")
     chosen = range(len(SETTINGS)) if args.only is None else [int(i) for i in args.only.split(",")]
     for i in chosen:
         label, options = SETTINGS[i]
         start = time.perf_counter()
-        m = measure(model, tokenizer, ArithmeticTask(**options), args.prompts, args.group_size, args.max_new_tokens,
-                    args.seed)
-        print(f"{label:32s} {m['acc']:6.3f} {m['mixed']:6.3f} {m['mixed_pred']:10.3f} {m['trunc']:6.3f} "
-              f"{time.perf_counter() - start:6.1f}  {m['example']!r}", flush=True)
+        m = measure(
+            model, tokenizer, ArithmeticTask(**options), args.prompts, args.group_size, args.max_new_tokens, args.seed
+        )
+        print(
+            f"{label:32s} {m['acc']:6.3f} {m['mixed']:6.3f} {m['mixed_pred']:10.3f} {m['trunc']:6.3f} "
+            f"{time.perf_counter() - start:6.1f}  {m['example']!r}",
+            flush=True,
+        )
     print(f"default ArithmeticTask(): {ArithmeticTask()}")
 
 

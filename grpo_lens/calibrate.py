@@ -32,10 +32,11 @@ import platform
 import re
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -188,7 +189,8 @@ class CalibrationConfig:
     group_cells: tuple[int, ...] = tuple(GROUP_CELLS)
     s4_families: tuple[tuple[str, float, float, float], ...] = S4_FAMILIES
     mc_families: dict[str, tuple[bool, tuple[float, ...], tuple[float, ...]]] = field(
-        default_factory=lambda: dict(MC_FAMILIES))
+        default_factory=lambda: dict(MC_FAMILIES)
+    )
     mc_rollouts: tuple[int, ...] = MC_ROLLOUTS
     baseline_families: dict[str, tuple[bool, float, bool]] = field(default_factory=lambda: dict(BASELINE_FAMILIES))
     baseline_prompts: tuple[int, ...] = BASELINE_PROMPTS
@@ -198,17 +200,25 @@ class CalibrationConfig:
     @classmethod
     def quick(cls) -> CalibrationConfig:
         """A small run for tests (seconds): few trials and families; its numbers are not the calibration."""
-        return cls(trials=20, pool=40, coverage_trials=200, families=("a0.01", "b2", "r1_0.05", "bn2"),
-                   group_cells=(22,), s4_families=(S4_FAMILIES[0], S4_FAMILIES[-1]),
-                   mc_families={k: MC_FAMILIES[k] for k in list(MC_FAMILIES)[::2]}, mc_rollouts=(8, 100),
-                   baseline_prompts=(32,))
+        return cls(
+            trials=20,
+            pool=40,
+            coverage_trials=200,
+            families=("a0.01", "b2", "r1_0.05", "bn2"),
+            group_cells=(22,),
+            s4_families=(S4_FAMILIES[0], S4_FAMILIES[-1]),
+            mc_families={k: MC_FAMILIES[k] for k in list(MC_FAMILIES)[::2]},
+            mc_rollouts=(8, 100),
+            baseline_prompts=(32,),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # planted groups
 # ---------------------------------------------------------------------------------------------------------------------
-def planted_group(family: str, r: int, dim: int, gen: torch.Generator, noise: float | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def planted_group(
+    family: str, r: int, dim: int, gen: torch.Generator, noise: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One group of ``family`` (:data:`FAMILIES`): (Gram matrix [R, R] of its g_i in R^dim, rewards [R]),
     k ~ U{1..R-1} correct first; ``noise`` overrides the noise share (the boundary family's tuned share).
 
@@ -245,15 +255,20 @@ def planted_group(family: str, r: int, dim: int, gen: torch.Generator, noise: fl
     elif family in ("c_lr2", "c_shared"):
         f, c = (0.01, 0.0) if family == "c_lr2" else (0.5, None)
     else:
-        raise ValueError(f"unknown planted family {family!r}; valid: {', '.join(FAMILIES)} (and a<f>, d<c>_<f>, "
-                         f"n<w>_<f>, r1_<f>, b<s>, bn<w>)")
+        raise ValueError(
+            f"unknown planted family {family!r}; valid: {', '.join(FAMILIES)} (and a<f>, d<c>_<f>, "
+            f"n<w>_<f>, r1_<f>, b<s>, bn<w>)"
+        )
     if family == "c_lr2":
         b = torch.randn(r, 2, generator=gen, dtype=torch.float64) / math.sqrt(2)
     elif c is None:  # one shared direction
         b = torch.ones(r, 1, dtype=torch.float64)
     else:
-        b = torch.where(labels[:, None], torch.tensor([1.0, 0.0], dtype=torch.float64),
-                        torch.tensor([c, math.sqrt(1 - c * c)], dtype=torch.float64))
+        b = torch.where(
+            labels[:, None],
+            torch.tensor([1.0, 0.0], dtype=torch.float64),
+            torch.tensor([c, math.sqrt(1 - c * c)], dtype=torch.float64),
+        )
     sigma = math.sqrt(f / (1 - f))
     q = b.shape[1]
     y = torch.randn(r, q, generator=gen, dtype=torch.float64) / math.sqrt(dim)
@@ -268,12 +283,14 @@ def _advantages(rewards: torch.Tensor) -> torch.Tensor:
     return grpo_advantages(rewards[None], torch.ones(1, r, dtype=torch.bool))[0]
 
 
-def population_shares(family: str, r: int, noise: float | None = None, size: int = 1500, seed: int = 99
-                      ) -> tuple[float, float]:
+def population_shares(
+    family: str, r: int, noise: float | None = None, size: int = 1500, seed: int = 99
+) -> tuple[float, float]:
     """(E₂, E₁): the population means over ``size`` planted groups of G1's top-2 and top-1 energy shares."""
     gen = torch.Generator().manual_seed(seed)
-    grams, advs = zip(*((g, _advantages(rw)) for g, rw in (planted_group(family, r, PLANTED_DIM, gen, noise)
-                                                          for _ in range(size))))
+    grams, advs = zip(
+        *((g, _advantages(rw)) for g, rw in (planted_group(family, r, PLANTED_DIM, gen, noise) for _ in range(size)))
+    )
     a = torch.stack(advs)  # [size, R]
     lam = torch.linalg.eigvalsh(torch.stack(grams) * a[:, :, None] * a[:, None, :]).clamp(min=0).flip(-1)
     total = lam.sum(-1).clamp(min=1e-300)  # G1 G1ᵀ's eigenvalues are the energies: E_k = Σ_{j<=k} λ_j / Σ λ
@@ -292,13 +309,16 @@ def boundary_noise(r: int, target: float = 0.9, size: int = 1000) -> float:
     return 0.5 * (lo + hi)
 
 
-def analysed_pool(family: str, r: int, size: int, dim: int, seed: int, noise: float | None = None
-                  ) -> list[dict[str, float]]:
+def analysed_pool(
+    family: str, r: int, size: int, dim: int, seed: int, noise: float | None = None
+) -> list[dict[str, float]]:
     """``size`` planted groups of ``family`` through :func:`grpo_lens.analysis.group.analyse_group` (the product's
     per-group path; GRPO advantages with the trainer's defaults; ``null_dim`` = dim)."""
     gen = torch.Generator().manual_seed(seed)
-    return [analyse_group(g, rw, _advantages(rw), null_dim=dim, num_random=1, seed=seed + i)
-            for i, (g, rw) in enumerate(planted_group(family, r, dim, gen, noise) for _ in range(size))]
+    return [
+        analyse_group(g, rw, _advantages(rw), null_dim=dim, num_random=1, seed=seed + i)
+        for i, (g, rw) in enumerate(planted_group(family, r, dim, gen, noise) for _ in range(size))
+    ]
 
 
 #: the summary keys the per-group claims print (the rest of a probe's summary is not read by them)
@@ -307,9 +327,13 @@ _SUMMARY_KEYS = (ZERO_SUM_SPAN_ENERGY, ZERO_SUM_COS_GAP_EXCESS)
 
 def probe_of(groups_by_r: dict[int, list[dict[str, float]]], dim: int | None = None) -> dict[str, Any]:
     """A probe.json-shaped dict of per-group rows (exact gradients), as :func:`grpo_lens.probe.run` writes it."""
-    return {"meta": {"gradients": "exact", "parameters": dim},
-            "per_group_size": {str(r): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows, keys=_SUMMARY_KEYS)}
-                               for r, rows in groups_by_r.items()}}
+    return {
+        "meta": {"gradients": "exact", "parameters": dim},
+        "per_group_size": {
+            str(r): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows, keys=_SUMMARY_KEYS)}
+            for r, rows in groups_by_r.items()
+        },
+    }
 
 
 def _draw(pool: list[Any], n: int, gen: torch.Generator) -> list[Any]:
@@ -318,8 +342,10 @@ def _draw(pool: list[Any], n: int, gen: torch.Generator) -> list[Any]:
 
 def _shares(verdicts: list[str]) -> dict[str, float]:
     t = max(len(verdicts), 1)
-    return {"holds": sum(v == HOLDS for v in verdicts) / t,
-            "does_not_hold": sum(v == DOES_NOT_HOLD for v in verdicts) / t}
+    return {
+        "holds": sum(v == HOLDS for v in verdicts) / t,
+        "does_not_hold": sum(v == DOES_NOT_HOLD for v in verdicts) / t,
+    }
 
 
 def _theta(pool: list[dict[str, float]]) -> float:
@@ -358,9 +384,14 @@ def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -
             p = probe_of({r: _draw(pools[r], ns[r], gen) for r in config.group_sizes}, PLANTED_DIM)
             rank_v += [c.verdict for c in CLAIMS.get("erank_near_two")(p)]
             zs_v += [c.verdict for c in CLAIMS.get("zero_sum_rank_two")(p)]
-        base = {"family": fam, "R": "/".join(map(str, config.group_sizes)), "n": cell,
-                "groups": " / ".join(str(ns[r]) for r in config.group_sizes), "unit": "groups per R",
-                "population": pop}
+        base = {
+            "family": fam,
+            "R": "/".join(map(str, config.group_sizes)),
+            "n": cell,
+            "groups": " / ".join(str(ns[r]) for r in config.group_sizes),
+            "unit": "groups per R",
+            "population": pop,
+        }
         out.append({**base, "rule": RANK_RULE_ID, "truth": "true" if rank2 else "false", **_shares(rank_v)})
         out.append({**base, "rule": ZERO_SUM_RULE_ID, "truth": "true" if labels else "false", **_shares(zs_v)})
     return out, f"calibrate: {fam}: {time.perf_counter() - t0:.1f} s ({pop})"
@@ -376,8 +407,9 @@ def calibrate_group_rules(config: CalibrationConfig, log: Callable[[str], None] 
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context("fork")) as ex:
-            results = list(ex.map(_family_rows, config.families, [config] * len(config.families),
-                                  [noise] * len(config.families)))
+            results = list(
+                ex.map(_family_rows, config.families, [config] * len(config.families), [noise] * len(config.families))
+            )
     else:
         results = [_family_rows(fam, config, noise) for fam in config.families]
     for rows, line in results:
@@ -411,19 +443,30 @@ def _sparsity_records(kind: str, phi: float, gen: torch.Generator, size: int = 4
     if kind == "groups":
         recs = []
         for step, m in zip(LENS_STEPS, (8, 7, 6, 4, 3, 2, 1)):
-            g = sum(torch.randn(size, generator=gen, dtype=torch.float64) * (torch.rand(size, generator=gen) < 0.3)
-                    for _ in range(m))
-            recs.append({STEP: float(step), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: float(m),
-                         SPARSITY_GRAD_HOYER: weighted_hoyer(g)})
+            g = sum(
+                torch.randn(size, generator=gen, dtype=torch.float64) * (torch.rand(size, generator=gen) < 0.3)
+                for _ in range(m)
+            )
+            recs.append(
+                {
+                    STEP: float(step),
+                    PERF_LENS_SECONDS: 0.0,
+                    RANK_MIXED_GROUPS: float(m),
+                    SPARSITY_GRAD_HOYER: weighted_hoyer(g),
+                }
+            )
         return recs
     noise = _ar(n, phi, gen)
     base = [0.3 + (0.15 * i / (n - 1) if kind == "rising" else 0.0) for i in range(n)]
-    return [{STEP: float(s), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: 4.0, SPARSITY_GRAD_HOYER: b + 0.02 * e}
-            for s, b, e in zip(LENS_STEPS, base, noise)]
+    return [
+        {STEP: float(s), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: 4.0, SPARSITY_GRAD_HOYER: b + 0.02 * e}
+        for s, b, e in zip(LENS_STEPS, base, noise)
+    ]
 
 
-def _s1_records(kind: str, phi: float, gen: torch.Generator, steps: int = 30, groups: int = 4, r: int = 8
-                ) -> list[dict[str, float]]:
+def _s1_records(
+    kind: str, phi: float, gen: torch.Generator, steps: int = 30, groups: int = 4, r: int = 8
+) -> list[dict[str, float]]:
     """Records of S1 per step: ``groups`` prompts per step with success rates p = Φ(mean + 0.8 z_t + 0.6 e) over an
     AR(1) z_t of correlation φ between steps (the model's accuracy drifting) and a per-prompt e; "rising" pushes
     the mean up so that S1 goes from about 0.35 to 0.85 (R = 8)."""
@@ -435,8 +478,9 @@ def _s1_records(kind: str, phi: float, gen: torch.Generator, steps: int = 30, gr
         lat = mu + (0.8 * z[step - 1] if kind == "ar" else 0.0) + (0.6 if kind == "ar" else 1.0) * e
         p = torch.special.ndtr(lat)
         correct = (torch.rand(groups, r, generator=gen, dtype=torch.float64) < p[:, None]).sum(1)
-        recs.append({STEP: float(step), REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == r))
-                                                                           .double().mean())})
+        recs.append(
+            {STEP: float(step), REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == r)).double().mean())}
+        )
     return recs
 
 
@@ -448,13 +492,31 @@ def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     trend = CLAIMS.get("sparsity_intensifies")
     for fam, (truth, kind, phi) in SPARSITY_TRENDS.items():
         vs = [trend({"records": _sparsity_records(kind, phi, gen)})[0].verdict for _ in range(config.trials)]
-        out.append({"rule": SPARSITY_RULE_ID, "family": fam, "R": "–", "n": len(LENS_STEPS) - 1,
-                    "unit": "lens steps", "truth": "true" if truth else "false", **_shares(vs)})
+        out.append(
+            {
+                "rule": SPARSITY_RULE_ID,
+                "family": fam,
+                "R": "–",
+                "n": len(LENS_STEPS) - 1,
+                "unit": "lens steps",
+                "truth": "true" if truth else "false",
+                **_shares(vs),
+            }
+        )
     s1 = CLAIMS.get("zero_variance_share_rises")
     for fam, (truth, kind, phi) in S1_TRENDS.items():
         vs = [s1({"records": _s1_records(kind, phi, gen)})[0].verdict for _ in range(config.trials)]
-        out.append({"rule": S1_RULE_ID, "family": fam, "R": 8, "n": 30, "unit": "steps",
-                    "truth": "true" if truth else "false", **_shares(vs)})
+        out.append(
+            {
+                "rule": S1_RULE_ID,
+                "family": fam,
+                "R": 8,
+                "n": 30,
+                "unit": "steps",
+                "truth": "true" if truth else "false",
+                **_shares(vs),
+            }
+        )
     return out
 
 
@@ -474,11 +536,26 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
             for i, step in enumerate(LENS_STEPS):
                 pool = bad if bad_step == "all" or (bad_step and i == 3) else good
                 rows = _draw(pool, m, gen)
-                recs.append({STEP: float(step), RANK_MIXED_GROUPS: float(m), **mean_over_groups(rows),
-                             **lens_rank_intervals(rows)})
+                recs.append(
+                    {
+                        STEP: float(step),
+                        RANK_MIXED_GROUPS: float(m),
+                        **mean_over_groups(rows),
+                        **lens_rank_intervals(rows),
+                    }
+                )
             vs.append(rule({"records": recs})[0].verdict)
-        out.append({"rule": STAYS_RULE_ID, "family": fam, "R": 8, "n": m, "unit": "mixed groups per lens step",
-                    "truth": "true" if truth else "false", **_shares(vs)})
+        out.append(
+            {
+                "rule": STAYS_RULE_ID,
+                "family": fam,
+                "R": 8,
+                "n": m,
+                "unit": "mixed groups per lens step",
+                "truth": "true" if truth else "false",
+                **_shares(vs),
+            }
+        )
     return out
 
 
@@ -517,8 +594,9 @@ def planted_update_model(gen: torch.Generator) -> torch.nn.Module:
     return root
 
 
-def _s4_trial(family: tuple[str, float, float, float], gen: torch.Generator, seed: int) -> tuple[dict[str, float],
-                                                                                                   float]:
+def _s4_trial(
+    family: tuple[str, float, float, float], gen: torch.Generator, seed: int
+) -> tuple[dict[str, float], float]:
     """(the lens record after one planted update since the start, the whole model's float32-unchanged share): the
     update goes through :class:`grpo_lens.train.sparsity.SparsityOverTraining` as the trainer's optimizer step does."""
     from grpo_lens.train.sparsity import (
@@ -569,10 +647,22 @@ def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
         if len(set(truths)) > 1:
             raise RuntimeError(f"S4 family {fam[0]!r}: the truth differs between trials; move it off 0.5")
         mean = lambda v: sum(v) / len(v)  # noqa: E731
-        out.append({"rule": S4_RULE_ID, "family": fam[0], "R": "–",
-                    "n": S4_SAMPLE, "unit": "sampled weights", "truth": "true" if truths[0] else "false",
-                    "bf16_unchanged": mean(bf16), "bf16_permuted": mean(perm), "bf16_dense": mean(dense),
-                    "f32_unchanged": mean(zs), "f32_coverage": covered / config.trials, **_shares(verdicts)})
+        out.append(
+            {
+                "rule": S4_RULE_ID,
+                "family": fam[0],
+                "R": "–",
+                "n": S4_SAMPLE,
+                "unit": "sampled weights",
+                "truth": "true" if truths[0] else "false",
+                "bf16_unchanged": mean(bf16),
+                "bf16_permuted": mean(perm),
+                "bf16_dense": mean(dense),
+                "f32_unchanged": mean(zs),
+                "f32_coverage": covered / config.trials,
+                **_shares(verdicts),
+            }
+        )
     return out
 
 
@@ -584,8 +674,14 @@ def _mc_rollout(p: tuple[float, ...], reward: float, adv: float, k: int, gen: to
     draws = (torch.rand(len(p), k, generator=gen, dtype=torch.float64) < torch.tensor(p)[:, None]).double()
     values, errors = draws.mean(1), draws.std(1, unbiased=True) / math.sqrt(k)
     seg_adv, seg_err = segment_advantages(values, errors, reward)
-    return {"reward": reward, "grpo_advantage": adv, "values": values.tolist(), "errors": errors.tolist(),
-            "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist()}
+    return {
+        "reward": reward,
+        "grpo_advantage": adv,
+        "values": values.tolist(),
+        "errors": errors.tolist(),
+        "advantages": seg_adv.tolist(),
+        "adv_errors": seg_err.tolist(),
+    }
 
 
 def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
@@ -603,17 +699,25 @@ def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
             for _ in range(config.trials):
                 rows = []
                 for i in range(n):
-                    rows.append(_mc_rollout(p_correct, 1.0, 1.0, k, gen) if i % 2 == 0
-                                else _mc_rollout(p_wrong, 0.0, -1.0, k, gen))
-                credit = {"monte_carlo": {"rollouts": rows, "samples_per_prefix": k,
-                                          "segments": segment_counts(rows)}}
+                    rows.append(
+                        _mc_rollout(p_correct, 1.0, 1.0, k, gen)
+                        if i % 2 == 0
+                        else _mc_rollout(p_wrong, 0.0, -1.0, k, gen)
+                    )
+                credit = {"monte_carlo": {"rollouts": rows, "samples_per_prefix": k, "segments": segment_counts(rows)}}
                 verdicts.append(rule({"studies": {"credit": credit}})[0].verdict)
-            out.append({"rule": MC_RULE_ID, "family": fam, "R": "–",
-                        "n": n, "unit": "rollouts", "truth": "true" if truth else "false",
-                        **_shares(verdicts)})
+            out.append(
+                {
+                    "rule": MC_RULE_ID,
+                    "family": fam,
+                    "R": "–",
+                    "n": n,
+                    "unit": "rollouts",
+                    "truth": "true" if truth else "false",
+                    **_shares(verdicts),
+                }
+            )
     return out
-
-
 
 
 def _baseline_pool(family: str, size: int, seed: int, r: int = 4, k: int = 64) -> list[dict[str, Any]]:
@@ -630,8 +734,11 @@ def _baseline_pool(family: str, size: int, seed: int, r: int = 4, k: int = 64) -
         rewards = (torch.rand(4 * r, generator=gen) < 0.5).double()
         noise = torch.randn(4 * r, k, generator=gen, dtype=torch.float64) / math.sqrt(k)
         if spread:  # correct rollouts' noise scaled by s_i, s_i² ~ Exponential(1): E s_i² = 1, equal means
-            noise = noise * torch.where(rewards[:, None] == 1, torch.empty(4 * r, 1, dtype=torch.float64).exponential_(
-                generator=gen).sqrt(), torch.ones(4 * r, 1, dtype=torch.float64))
+            noise = noise * torch.where(
+                rewards[:, None] == 1,
+                torch.empty(4 * r, 1, dtype=torch.float64).exponential_(generator=gen).sqrt(),
+                torch.ones(4 * r, 1, dtype=torch.float64),
+            )
         g = torch.where(rewards[:, None] == 1, 0.5 * mu + scale * noise, -0.5 * mu + noise)
         res = baseline_prompt(g, rewards, r, num_resamples=256, seed=seed + j)
         if res is not None:
@@ -654,8 +761,17 @@ def calibrate_baseline_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                 study = summarise_baseline_prompts(_draw(pool, n, gen))
                 probe = {"studies": {"baselines": {"baselines": study, "meta": {"group_size": 4}}}}
                 verdicts.append(rule(probe)[0].verdict)
-            out.append({"rule": BASELINE_RULE_ID, "family": fam, "R": 4, "n": n, "unit": "prompts",
-                        "truth": "true" if truth else "false", **_shares(verdicts)})
+            out.append(
+                {
+                    "rule": BASELINE_RULE_ID,
+                    "family": fam,
+                    "R": 4,
+                    "n": n,
+                    "unit": "prompts",
+                    "truth": "true" if truth else "false",
+                    **_shares(verdicts),
+                }
+            )
     return out
 
 
@@ -666,8 +782,13 @@ def interval_coverage(config: CalibrationConfig) -> list[dict[str, Any]]:
     samplers = {
         "normal": (lambda n: torch.randn(n, generator=gen, dtype=torch.float64), 0.0),
         "log-normal": (lambda n: torch.exp(torch.randn(n, generator=gen, dtype=torch.float64)), math.exp(0.5)),
-        "zero-inflated": (lambda n: (torch.rand(n, generator=gen) < 0.4).double()
-                          * torch.exp(torch.randn(n, generator=gen, dtype=torch.float64)), 0.4 * math.exp(0.5)),
+        "zero-inflated": (
+            lambda n: (
+                (torch.rand(n, generator=gen) < 0.4).double()
+                * torch.exp(torch.randn(n, generator=gen, dtype=torch.float64))
+            ),
+            0.4 * math.exp(0.5),
+        ),
     }
     out = []
     for name, (draw, mu) in samplers.items():
@@ -678,8 +799,15 @@ def interval_coverage(config: CalibrationConfig) -> list[dict[str, Any]]:
                 lo_miss += ci["lo"] > mu
                 hi_miss += ci["hi"] < mu
             t = config.coverage_trials
-            out.append({"data": name, "n": n, "coverage": 1 - (lo_miss + hi_miss) / t, "miss_below": hi_miss / t,
-                        "miss_above": lo_miss / t})
+            out.append(
+                {
+                    "data": name,
+                    "n": n,
+                    "coverage": 1 - (lo_miss + hi_miss) / t,
+                    "miss_below": hi_miss / t,
+                    "miss_above": lo_miss / t,
+                }
+            )
     return out
 
 
@@ -695,8 +823,6 @@ def _load() -> str:
         return "unknown"
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # levels, the table, the run
 # ---------------------------------------------------------------------------------------------------------------------
@@ -708,8 +834,11 @@ def _level_power(row: dict[str, Any]) -> tuple[float, float]:
 
 
 def _rule_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [row for key in ("group_rules", "training_rules", "stays_rules", "update_rules", "credit_rules",
-                            "baseline_rules") for row in result.get(key, [])]
+    return [
+        row
+        for key in ("group_rules", "training_rules", "stays_rules", "update_rules", "credit_rules", "baseline_rules")
+        for row in result.get(key, [])
+    ]
 
 
 def rule_levels(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -718,8 +847,9 @@ def rule_levels(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float |
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for row in _rule_rows(result):
         level, power = _level_power(row)
-        cell = out.setdefault(row["rule"], {}).setdefault(str(row["n"]), {"level": 0.0, "power": None,
-                                                                          "unit": row.get("unit", ""), "families": 0})
+        cell = out.setdefault(row["rule"], {}).setdefault(
+            str(row["n"]), {"level": 0.0, "power": None, "unit": row.get("unit", ""), "families": 0}
+        )
         cell["level"] = max(cell["level"], level)
         cell["families"] += 1
         if row["truth"] == "true":
@@ -737,9 +867,12 @@ def _worst(result: dict[str, Any]) -> dict[str, Any]:
     for rule, cells in levels.items():
         n = "22" if "22" in cells else max(cells, key=lambda k: float(k))
         power[rule] = (n, cells[n]["power"], cells[n]["unit"])
-    return {"level": _level_power(worst)[0] if worst else 0.0,
-            "where": f"{worst['rule']}, {worst['family']}, n = {worst['n']}" if worst else "",
-            "power": power, "coverage": min([r["coverage"] for r in result.get("coverage", [])], default=1.0)}
+    return {
+        "level": _level_power(worst)[0] if worst else 0.0,
+        "where": f"{worst['rule']}, {worst['family']}, n = {worst['n']}" if worst else "",
+        "power": power,
+        "coverage": min([r["coverage"] for r in result.get("coverage", [])], default=1.0),
+    }
 
 
 def _cells(row: dict[str, Any]) -> tuple[str, str]:
@@ -782,55 +915,83 @@ def render(result: dict[str, Any]) -> str:
     ]
     for rule, (n, p, unit) in worst["power"].items():
         lines.append(f"| {rule} | {n} {unit} | {'–' if p is None else f'{p:.3f}'} |")
-    lines += ["", "## Rules on per-group rows (probe): rank ≈ 2 and the labels structure G1", "",
-              "Families: " + "; ".join(f"`{k}` {v}" for k, v in FAMILIES.items() if k in meta.get("families", FAMILIES))
-              + ". Population values (E₂, E₁ over 1500 planted groups; θ of the cosine Gram over the pool) after "
-              "each family's rows.", "",
-              "| rule | family | groups (R = 4 / 8) | truth | level (wrong verdict) | power (right verdict) |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Rules on per-group rows (probe): rank ≈ 2 and the labels structure G1",
+        "",
+        "Families: "
+        + "; ".join(f"`{k}` {v}" for k, v in FAMILIES.items() if k in meta.get("families", FAMILIES))
+        + ". Population values (E₂, E₁ over 1500 planted groups; θ of the cosine Gram over the pool) after "
+        "each family's rows.",
+        "",
+        "| rule | family | groups (R = 4 / 8) | truth | level (wrong verdict) | power (right verdict) |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in result["group_rules"]:
         level, power = _cells(row)
         lines.append(f"| {row['rule']} | {row['family']} | {row['groups']} | {row['truth']} | {level} | {power} |")
-    lines += [""] + [f"- `{fam}`: {pop}" for fam, pop in dict.fromkeys(
-        (r["family"], r["population"]) for r in result["group_rules"])]
-    sections = [("training_rules", "Trends on a training run's records (first-difference slope test)"),
-                ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps)"),
-                ("update_rules", "Most parameters unchanged (S4), on a planted update through the lens's sampler"),
-                ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K = 8)"),
-                ("baseline_rules", "The group mean is the variance-optimal baseline (M = 16, R = 4, 256 resamples)")]
+    lines += [""] + [
+        f"- `{fam}`: {pop}" for fam, pop in dict.fromkeys((r["family"], r["population"]) for r in result["group_rules"])
+    ]
+    sections = [
+        ("training_rules", "Trends on a training run's records (first-difference slope test)"),
+        ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps)"),
+        ("update_rules", "Most parameters unchanged (S4), on a planted update through the lens's sampler"),
+        ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K = 8)"),
+        ("baseline_rules", "The group mean is the variance-optimal baseline (M = 16, R = 4, 256 resamples)"),
+    ]
     for key, title in sections:
         if not result.get(key):
             continue
-        lines += ["", f"## {title}", "", "| rule | planted case | n | truth | level (wrong verdict) | power |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            "| rule | planted case | n | truth | level (wrong verdict) | power |",
+            "|---|---|---|---|---|---|",
+        ]
         for row in result[key]:
             level, power = _cells(row)
-            lines.append(f"| {row['rule']} | {row['family']} | {row['n']} {row.get('unit', '')} | {row['truth']} | "
-                         f"{level} | {power} |")
-    lines += ["", "## Rows without a verdict (descriptive) and checks", "",
-              "- `zero_sum_g2_weighting` (G2 stable rank under A against weightings that are not zero-sum): "
-              "descriptive; its 0.2 rule said *does not hold* whether the zero-sum constraint was irrelevant or "
-              "decisive, so it has no calibrated verdict.",
-              "- `uniform_token_credit` (update shares against NLL weights): descriptive; its NLL control is not "
-              "zero-sum and the paper does not make this claim.",
-              "- Erank, stable rank, participation ratio, k90, k99: printed beside E₂, without verdicts.",
-              "- `identity`, `identical_token_advantage`: checks (algebra with a control), not tests.",
-              "", "## Interval coverage (`mean_interval`, nominal 0.95)", "",
-              "| data | n | coverage | upper end below the mean | lower end above the mean |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {row['rule']} | {row['family']} | {row['n']} {row.get('unit', '')} | {row['truth']} | "
+                f"{level} | {power} |"
+            )
+    lines += [
+        "",
+        "## Rows without a verdict (descriptive) and checks",
+        "",
+        "- `zero_sum_g2_weighting` (G2 stable rank under A against weightings that are not zero-sum): "
+        "descriptive; its 0.2 rule said *does not hold* whether the zero-sum constraint was irrelevant or "
+        "decisive, so it has no calibrated verdict.",
+        "- `uniform_token_credit` (update shares against NLL weights): descriptive; its NLL control is not "
+        "zero-sum and the paper does not make this claim.",
+        "- Erank, stable rank, participation ratio, k90, k99: printed beside E₂, without verdicts.",
+        "- `identity`, `identical_token_advantage`: checks (algebra with a control), not tests.",
+        "",
+        "## Interval coverage (`mean_interval`, nominal 0.95)",
+        "",
+        "| data | n | coverage | upper end below the mean | lower end above the mean |",
+        "|---|---|---|---|---|",
+    ]
     for row in result.get("coverage", []):
-        lines.append(f"| {row['data']} | {row['n']} | {row['coverage']:.3f} | {row['miss_below']:.3f} | "
-                     f"{row['miss_above']:.3f} |")
+        lines.append(
+            f"| {row['data']} | {row['n']} | {row['coverage']:.3f} | {row['miss_below']:.3f} | "
+            f"{row['miss_above']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: str = "full",
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_calibration(
+    config: CalibrationConfig, out: Path | None = None, mode: str = "full", log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Run every calibration and return {meta, group_rules, training_rules, stays_rules, update_rules,
     credit_rules, baseline_rules, coverage, levels}; with ``out``, also write OUT/calibration.json,
     OUT/calibration.md (the table) and OUT/levels.json (:func:`rule_levels`)."""
     t0, load0 = time.perf_counter(), _load()
-    cpu0 = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    cpu0 = sum(
+        resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # [R, R] matrices: one thread is ~3x faster than several (thread start-up per op)
     try:
@@ -838,19 +999,37 @@ def run_calibration(config: CalibrationConfig, out: Path | None = None, mode: st
         if config.training:
             result["training_rules"] = calibrate_training_rules(config)
             result["stays_rules"] = calibrate_stays_rules(config)
-        result.update(update_rules=calibrate_update_rules(config), credit_rules=calibrate_credit_rules(config),
-                      baseline_rules=calibrate_baseline_rules(config), coverage=interval_coverage(config))
+        result.update(
+            update_rules=calibrate_update_rules(config),
+            credit_rules=calibrate_credit_rules(config),
+            baseline_rules=calibrate_baseline_rules(config),
+            coverage=interval_coverage(config),
+        )
     finally:
         torch.set_num_threads(threads)
-    cpu = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) - cpu0
-    result["meta"] = {"mode": mode, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                      "cpu_seconds": cpu, "workers": config.workers,
-                      "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
-                      "cpus": os.cpu_count(), "load_before": load0, "load_after": _load(),
-                      "seconds": time.perf_counter() - t0, "trials": config.trials, "pool": config.pool,
-                      "coverage_trials": config.coverage_trials, "seed": config.seed,
-                      "families": list(config.families)}
+    cpu = (
+        sum(
+            resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+            for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        )
+        - cpu0
+    )
+    result["meta"] = {
+        "mode": mode,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_seconds": cpu,
+        "workers": config.workers,
+        "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+        "cpus": os.cpu_count(),
+        "load_before": load0,
+        "load_after": _load(),
+        "seconds": time.perf_counter() - t0,
+        "trials": config.trials,
+        "pool": config.pool,
+        "coverage_trials": config.coverage_trials,
+        "seed": config.seed,
+        "families": list(config.families),
+    }
     result["levels"] = rule_levels(result)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -882,23 +1061,30 @@ def read_planted(path: Path) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         raise PlantedFileError(f"{path}: not a readable .npz file ({e})") from None
     for name in ("gram", "rewards"):
         if name not in data.files:
-            raise PlantedFileError(f"{path}: array '{name}' is missing; expected gram [trials, n, R, R] float64 and "
-                                   f"rewards [trials, n, R] (optional dim)")
+            raise PlantedFileError(
+                f"{path}: array '{name}' is missing; expected gram [trials, n, R, R] float64 and "
+                f"rewards [trials, n, R] (optional dim)"
+            )
     gram, rewards = data["gram"], data["rewards"]
     if gram.ndim != 4 or gram.shape[2] != gram.shape[3] or gram.shape[2] < 2:
-        raise PlantedFileError(f"{path}: array 'gram' has shape {list(gram.shape)}; expected [trials, n, R, R] "
-                               f"float64 with R >= 2")
+        raise PlantedFileError(
+            f"{path}: array 'gram' has shape {list(gram.shape)}; expected [trials, n, R, R] float64 with R >= 2"
+        )
     if gram.dtype != np.float64:
         raise PlantedFileError(f"{path}: array 'gram' has dtype {gram.dtype}; expected [trials, n, R, R] float64")
     t, n, r, _ = gram.shape
     if tuple(rewards.shape) != (t, n, r):
-        raise PlantedFileError(f"{path}: array 'rewards' has shape {list(rewards.shape)}; expected [trials, n, R] = "
-                               f"[{t}, {n}, {r}] (as gram)")
+        raise PlantedFileError(
+            f"{path}: array 'rewards' has shape {list(rewards.shape)}; expected [trials, n, R] = "
+            f"[{t}, {n}, {r}] (as gram)"
+        )
     if not (np.isfinite(gram).all() and np.isfinite(rewards).all()):
         raise PlantedFileError(f"{path}: arrays 'gram' and 'rewards' must be finite")
     if not np.allclose(gram, gram.transpose(0, 1, 3, 2), rtol=1e-8, atol=1e-12):
-        raise PlantedFileError(f"{path}: array 'gram' is not symmetric in its last two axes; expected "
-                               f"[trials, n, R, R] Gram matrices <g_i, g_j>")
+        raise PlantedFileError(
+            f"{path}: array 'gram' is not symmetric in its last two axes; expected "
+            f"[trials, n, R, R] Gram matrices <g_i, g_j>"
+        )
     dim = None
     if "dim" in data.files:
         d = data["dim"]
@@ -920,16 +1106,20 @@ def run_planted(path: Path, out: Path, log: Callable[[str], None] = print) -> li
     verdicts: dict[str, list[str]] = {"erank_near_two": [], "zero_sum_rank_two": []}
     try:
         for i in range(t):
-            rows = [analyse_group(gram[i, j], rewards[i, j], _advantages(rewards[i, j]), null_dim=dim, seed=j)
-                    for j in range(n)]
+            rows = [
+                analyse_group(gram[i, j], rewards[i, j], _advantages(rewards[i, j]), null_dim=dim, seed=j)
+                for j in range(n)
+            ]
             p = probe_of({r: rows}, dim)
             for name in verdicts:
                 claims = CLAIMS.get(name)(p)
                 verdicts[name].append(claims[0].verdict if claims else "inconclusive")
     finally:
         torch.set_num_threads(threads)
-    res = [{"claim": name, "R": r, **_shares(vs), "inconclusive": 1 - sum(_shares(vs).values()), "trials": t,
-            "groups": n} for name, vs in verdicts.items()]
+    res = [
+        {"claim": name, "R": r, **_shares(vs), "inconclusive": 1 - sum(_shares(vs).values()), "trials": t, "groups": n}
+        for name, vs in verdicts.items()
+    ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "planted.json").write_text(json.dumps(res, indent=1))
     log(f"planted: {t} trials of {n} groups at R = {r} (P = {dim or 'orthogonal null'}) -> {out / 'planted.json'}")

@@ -22,8 +22,9 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from grpo_lens import __version__
 from grpo_lens.config import (
@@ -49,9 +50,13 @@ DEFAULT_MODEL = declared_constant("grpo_lens.models", "DEFAULT_MODEL")
 
 #: Exceptions of the commands' modules that mean bad input, as (module, class): one that is not imported has not
 #: been raised, so :func:`_user_errors` looks only in the modules already imported.
-_COMMAND_ERRORS = (("grpo_lens.rundir", "RunDirError"), ("grpo_lens.report.compare", "CompareError"),
-                   ("grpo_lens.models", "ModelNotFoundError"), ("grpo_lens.train.loop", "NonFiniteUpdateError"),
-                   ("grpo_lens.train.loop", "NoScorableRolloutError"))
+_COMMAND_ERRORS = (
+    ("grpo_lens.rundir", "RunDirError"),
+    ("grpo_lens.report.compare", "CompareError"),
+    ("grpo_lens.models", "ModelNotFoundError"),
+    ("grpo_lens.train.loop", "NonFiniteUpdateError"),
+    ("grpo_lens.train.loop", "NoScorableRolloutError"),
+)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -86,8 +91,10 @@ def load_plugins(spec: str | None = None) -> list[str]:
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - any failure to import is reported as one line
-            raise PluginError(f"{PLUGINS_ENV}: cannot import plugin module {name!r} ({type(e).__name__}: {e}); "
-                              f"make it importable (PYTHONPATH) or remove it from {PLUGINS_ENV}") from None
+            raise PluginError(
+                f"{PLUGINS_ENV}: cannot import plugin module {name!r} ({type(e).__name__}: {e}); "
+                f"make it importable (PYTHONPATH) or remove it from {PLUGINS_ENV}"
+            ) from None
     return names
 
 
@@ -103,8 +110,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         config = config_from_args(args, TrainConfig, config_file)
     run = train(config)
     if os.environ.get("RANK", "0") == "0":  # once, not once per process under torchrun / accelerate
-        print(f"run written to {run.path}\nnext: grpo-lens report {run.path}   (report.md with the claims and "
-              f"plots; grpo-lens compare RUN... --out DIR overlays runs)")
+        print(
+            f"run written to {run.path}\nnext: grpo-lens report {run.path}   (report.md with the claims and "
+            f"plots; grpo-lens compare RUN... --out DIR overlays runs)"
+        )
     return 0
 
 
@@ -157,8 +166,10 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
     data = json.loads((out / "probe.json").read_text())
-    per_r = ", ".join(f"R = {R}: {d[GROUPS_MIXED]} mixed of {d[PROMPTS_SAMPLED]} prompts in "
-                      f"{d[PROBE_TIMING]['seconds']:.0f} s" for R, d in data["per_group_size"].items())
+    per_r = ", ".join(
+        f"R = {R}: {d[GROUPS_MIXED]} mixed of {d[PROMPTS_SAMPLED]} prompts in {d[PROBE_TIMING]['seconds']:.0f} s"
+        for R, d in data["per_group_size"].items()
+    )
     meta = data["meta"]
     print(f"probe written to {out} in {meta['seconds']:.0f} s ({per_r}; studies {meta['studies_seconds']:.0f} s)")
     return 0
@@ -179,8 +190,10 @@ def _cmd_probe_seeds(args: argparse.Namespace) -> int:
         config = config_from_args(args, ProbeConfig, args.config)
     out = run_seeds(config, args.seeds)
     pooled = json.loads((out / "probe.json").read_text())
-    print(f"pooled probe of seeds {', '.join(map(str, args.seeds))} written to {out} ({seed_summary_line(pooled)}; "
-          f"each seed in {out}/seed_<s>)\nnext: grpo-lens report {out}")
+    print(
+        f"pooled probe of seeds {', '.join(map(str, args.seeds))} written to {out} ({seed_summary_line(pooled)}; "
+        f"each seed in {out}/seed_<s>)\nnext: grpo-lens report {out}"
+    )
     return 0
 
 
@@ -228,15 +241,18 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; flags come from the config dataclasses' fields and help."""
-    parser = argparse.ArgumentParser(prog="grpo-lens", description="Train with GRPO and measure its gradient.",
-                                     epilog=f"Your own reward functions and tasks: put them in a module that "
-                                            f"registers them and list it in {PLUGINS_ENV} (comma-separated), e.g. "
-                                            f"{PLUGINS_ENV}=my_rewards grpo-lens train --rewards my_reward ...")
+    parser = argparse.ArgumentParser(
+        prog="grpo-lens",
+        description="Train with GRPO and measure its gradient.",
+        epilog=f"Your own reward functions and tasks: put them in a module that "
+        f"registers them and list it in {PLUGINS_ENV} (comma-separated), e.g. "
+        f"{PLUGINS_ENV}=my_rewards grpo-lens train --rewards my_reward ...",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
-                        help="print grpo-lens' version and exit")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print grpo-lens' version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-
 
     commands = [
         ("train", "GRPO training with the lens every few steps", TrainConfig, _cmd_train),
@@ -248,14 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help=f"YAML file of {cls.__name__} fields; flags override it")
         add_config_arguments(p, cls)
         if name == "probe":
-            p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
-                           help="one probe per seed into OUT/seed_<s>, then the groups pooled over the seeds in "
-                                "OUT/probe.json and report.md: the claims decided on the pooled groups, the "
-                                "between-seed spread beside each run's interval (docs/seeds.md)")
+            p.add_argument(
+                "--seeds",
+                type=int,
+                nargs="+",
+                metavar="SEED",
+                help="one probe per seed into OUT/seed_<s>, then the groups pooled over the seeds in "
+                "OUT/probe.json and report.md: the claims decided on the pooled groups, the "
+                "between-seed spread beside each run's interval (docs/seeds.md)",
+            )
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("model", help="print the Hugging Face folder of a model (the default one: for TRL's "
-                                     "from_pretrained), or save it as one with --export DIR")
+    p = sub.add_parser(
+        "model",
+        help="print the Hugging Face folder of a model (the default one: for TRL's "
+        "from_pretrained), or save it as one with --export DIR",
+    )
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"a model name (default: {DEFAULT_MODEL})")
     p.add_argument("--export", metavar="DIR", help="save the model and tokenizer as a Hugging Face folder DIR")
     p.set_defaults(fn=_cmd_model)
@@ -265,14 +289,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_report)
 
     p = sub.add_parser("compare", help="overlay two or more training runs in one report (OUT/compare.md)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                   help="run directories written by grpo-lens train or LensGRPOTrainer (TRL)")
+    p.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directories written by grpo-lens train or LensGRPOTrainer (TRL)",
+    )
     p.add_argument("--out", required=True, help="directory for compare.md, compare.png and compare.json")
-    p.add_argument("--last", type=int, default=10, help="final numbers average each run's last this many records "
-                                                        "of a metric; intervals need >= 8 (default: 10)")
-    p.add_argument("--allow-different-tasks", action="store_true",
-                   help="compare runs whose task, task options or dataset differ, or a TRL run (which does not "
-                        "record its task) with others (refused otherwise)")
+    p.add_argument(
+        "--last",
+        type=int,
+        default=10,
+        help="final numbers average each run's last this many records of a metric; intervals need >= 8 (default: 10)",
+    )
+    p.add_argument(
+        "--allow-different-tasks",
+        action="store_true",
+        help="compare runs whose task, task options or dataset differ, or a TRL run (which does not "
+        "record its task) with others (refused otherwise)",
+    )
     p.set_defaults(fn=_cmd_compare)
 
     p = sub.add_parser("calibrate", help="level and power of every verdict rule on planted cases (docs/calibration.md)")
@@ -280,9 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a few trials and families (seconds; not the calibration)")
     p.add_argument("--trials", type=int, default=200, help="trials per planted cell (default: 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of the planted cases (default: 0)")
-    p.add_argument("--planted", metavar="FILE.npz", help="your own planted cases: arrays gram [trials, n, R, R] "
-                   "float64, rewards [trials, n, R], optional dim (P); writes OUT/planted.json, each claim's verdict "
-                   "shares through the probe's path")
+    p.add_argument(
+        "--planted",
+        metavar="FILE.npz",
+        help="your own planted cases: arrays gram [trials, n, R, R] "
+        "float64, rewards [trials, n, R], optional dim (P); writes OUT/planted.json, each claim's verdict "
+        "shares through the probe's path",
+    )
     p.set_defaults(fn=_cmd_calibrate)
     return parser
 
@@ -290,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _show_config_warning(show: Callable[..., None], command: str) -> Callable[..., None]:
     """A ``warnings.showwarning`` that prints a :class:`ConfigNameWarning` as one line, ``grpo-lens CMD: warning:
     ...``, and passes other warnings to ``show``."""
+
     def showwarning(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, ConfigNameWarning):
             print(f"grpo-lens {command}: warning: {message}", file=file or sys.stderr)
@@ -308,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("transformers", "accelerate", "urllib3", "filelock", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
@@ -325,9 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno not in DISK_ERRORS or args.verbose:
             raise
         what = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror
-        print(f"grpo-lens {args.command}: error: {what} while writing {e.filename or 'a file'}; nothing lost (every "
-              f"step written before is intact): free space (or fix the device) and resume with --resume",
-              file=sys.stderr)
+        print(
+            f"grpo-lens {args.command}: error: {what} while writing {e.filename or 'a file'}; nothing lost (every "
+            f"step written before is intact): free space (or fix the device) and resume with --resume",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("interrupted; resume with --resume", file=sys.stderr)

@@ -45,8 +45,16 @@ logger = logging.getLogger(__name__)
 #: ``--quick``: a demo of a few minutes on a CPU (wide intervals, most claims inconclusive), for the settings left at
 #: their defaults: 4 training steps of 2 prompts x 4 completions of 16 tokens, the lens every 2 steps, probes of
 #: R = 2, 4 on 8 prompts each, studies on 2 prompts / groups.
-QUICK = {"max_steps": 4, "group_size": 4, "prompts_per_step": 2, "max_new_tokens": 16, "lens_every": 2,
-         "probe_group_sizes": [2, 4], "probe_prompts": 8, "probe_study_prompts": 2}
+QUICK = {
+    "max_steps": 4,
+    "group_size": 4,
+    "prompts_per_step": 2,
+    "max_new_tokens": 16,
+    "lens_every": 2,
+    "probe_group_sizes": [2, 4],
+    "probe_prompts": 8,
+    "probe_study_prompts": 2,
+}
 
 
 @dataclass
@@ -73,11 +81,18 @@ class DemoConfig(ConfigFile):
     report_to: list = Output.report_to()
     probe_group_sizes: list = Probing.group_sizes()
     probe_prompts: int = Probing.prompts()
-    probe_study_prompts: int = option(8, "Prompts (baseline study) and mixed groups (credit study) of each probe's "
-                                      "studies, as probe's --baseline-study-prompts and --credit-groups (0 skips "
-                                      "them).", check=at_least(0, "must be >= 0 (0 skips the studies)"))
-    quick: bool = option(False, "A demo of a few minutes: every setting of grpo_lens.demo.QUICK left at its default "
-                         "takes the small value there (4 steps, R = 2 and 4 probed on 8 prompts, studies on 2).")
+    probe_study_prompts: int = option(
+        8,
+        "Prompts (baseline study) and mixed groups (credit study) of each probe's "
+        "studies, as probe's --baseline-study-prompts and --credit-groups (0 skips "
+        "them).",
+        check=at_least(0, "must be >= 0 (0 skips the studies)"),
+    )
+    quick: bool = option(
+        False,
+        "A demo of a few minutes: every setting of grpo_lens.demo.QUICK left at its default "
+        "takes the small value there (4 steps, R = 2 and 4 probed on 8 prompts, studies on 2).",
+    )
     exact: bool = Lens.exact()
     seed: int = Runtime.seed()
     device: str = Runtime.device()
@@ -96,26 +111,51 @@ class DemoConfig(ConfigFile):
 
     def _shared(self) -> dict[str, Any]:
         """The settings every stage takes from the demo."""
-        return dict(task=self.task, dataset=self.dataset, task_options=self.task_options,
-                    max_new_tokens=self.max_new_tokens, seed=self.seed, device=self.device)
+        return dict(
+            task=self.task,
+            dataset=self.dataset,
+            task_options=self.task_options,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+            device=self.device,
+        )
 
     def train_config(self) -> TrainConfig:
         """The TrainConfig of the training stage."""
-        return TrainConfig(model=self.model, max_steps=self.max_steps, group_size=self.group_size,
-                           prompts_per_step=self.prompts_per_step, learning_rate=self.learning_rate,
-                           lens_every=self.lens_every, rewards=self.rewards, estimator=self.estimator,
-                           lora_rank=self.lora_rank, report_to=self.report_to, out=str(Path(self.out) / "train"),
-                           **self._shared())
+        return TrainConfig(
+            model=self.model,
+            max_steps=self.max_steps,
+            group_size=self.group_size,
+            prompts_per_step=self.prompts_per_step,
+            learning_rate=self.learning_rate,
+            lens_every=self.lens_every,
+            rewards=self.rewards,
+            estimator=self.estimator,
+            lora_rank=self.lora_rank,
+            report_to=self.report_to,
+            out=str(Path(self.out) / "train"),
+            **self._shared(),
+        )
 
     def probe_config(self, model: str, out: Path, resume: bool = False) -> ProbeConfig:
         """The ProbeConfig of a probe stage on ``model`` (``resume``: continue the probe a killed demo left there)."""
         # Monte Carlo credit only where it can reach its claim's 8 rollouts (4 of the credit study's groups):
         # about 18 s a group, wasted on fewer (the --quick demo's 2 groups)
         mc_groups = ProbeConfig.mc_groups if self.probe_study_prompts >= ProbeConfig.mc_groups else 0
-        return ProbeConfig(model=model, group_sizes=self.probe_group_sizes, prompts=self.probe_prompts,
-                           exact=self.exact, rewards=self.rewards, estimator=self.estimator,
-                           baseline_study_prompts=self.probe_study_prompts, credit_groups=self.probe_study_prompts,
-                           mc_groups=mc_groups, out=str(out), resume=resume, **self._shared())
+        return ProbeConfig(
+            model=model,
+            group_sizes=self.probe_group_sizes,
+            prompts=self.probe_prompts,
+            exact=self.exact,
+            rewards=self.rewards,
+            estimator=self.estimator,
+            baseline_study_prompts=self.probe_study_prompts,
+            credit_groups=self.probe_study_prompts,
+            mc_groups=mc_groups,
+            out=str(out),
+            resume=resume,
+            **self._shared(),
+        )
 
 
 def run_demo(config: DemoConfig) -> Path:
@@ -143,9 +183,11 @@ def _run_demo(config: DemoConfig) -> Path:
         saved = DemoConfig.canonical(safe_load_yaml(saved_path.read_text()) or {}, f"in {saved_path}")
         changed = sorted(k for k in settings if k in saved and saved[k] != settings[k])
         if changed:
-            raise ConfigError(f"{out} holds a demo run with other settings "
-                              f"({', '.join(f'{k}={saved[k]!r}' for k in changed)}); rerun with the same settings "
-                              f"to continue it, pass --overwrite to start over, or choose another --out")
+            raise ConfigError(
+                f"{out} holds a demo run with other settings "
+                f"({', '.join(f'{k}={saved[k]!r}' for k in changed)}); rerun with the same settings "
+                f"to continue it, pass --overwrite to start over, or choose another --out"
+            )
     elif out.exists() and run_dir_entries(out) and not config.overwrite:
         raise ConfigError(f"{out} is not empty and holds no demo run (no demo.yaml); choose another --out")
     if config.overwrite and out.exists():

@@ -52,19 +52,23 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise ImportError("--lora-rank needs peft: pip install '.[lora]' in the grpo-lens folder (or pip install "
-                          "peft)") from None
+        raise ImportError(
+            "--lora-rank needs peft: pip install '.[lora]' in the grpo-lens folder (or pip install peft)"
+        ) from None
     targets: Any = "all-linear" if list(target_modules) == ["all-linear"] else list(target_modules)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
     try:
         return get_peft_model(model, config)
     except ValueError as e:
         from grpo_lens.gradients.params import linear_layer_names
 
         names = sorted({n.rsplit(".", 1)[-1] for n in linear_layer_names(model)})  # nn.Linear and GPT-2's Conv1D
-        raise ValueError(f"--lora-target-modules {' '.join(target_modules)}: {str(e).splitlines()[0][:200]}; this "
-                         f"model's linear layers are named {', '.join(names)} (or use all-linear)") from None
+        raise ValueError(
+            f"--lora-target-modules {' '.join(target_modules)}: {str(e).splitlines()[0][:200]}; this "
+            f"model's linear layers are named {', '.join(names)} (or use all-linear)"
+        ) from None
 
 
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -218,8 +218,7 @@ def build_tiny_tokenizer():
     return _finish_tokenizer(tokenizer)
 
 
-def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
-                     arch: str = "llama"):
+def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, arch: str = "llama"):
     """A small random causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128, init std 0.2) with fixed
     weights: a LlamaForCausalLM of 107,200 parameters with the 259-token :func:`build_tiny_tokenizer`, or with
     ``arch="nemotron"`` a NemotronForCausalLM (LayerNorm1P with weight and bias, squared-ReLU MLP, rotary embedding
@@ -259,8 +258,11 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
         # of 259 tokens) rather than uniform: top-k / top-p and EOS then behave as with a trained model.
         initializer_range=0.2,
     )
-    config = LlamaConfig(**common) if arch == "llama" else NemotronConfig(
-        **common, head_dim=hidden_size // 4, partial_rotary_factor=0.5)
+    config = (
+        LlamaConfig(**common)
+        if arch == "llama"
+        else NemotronConfig(**common, head_dim=hidden_size // 4, partial_rotary_factor=0.5)
+    )
     model_class = LlamaForCausalLM if arch == "llama" else NemotronForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -374,7 +376,8 @@ def _from_hub(source: ModelSource):
             f"path, or in the Hugging Face cache, and the hub is unreachable (HF_HUB_OFFLINE is set, or no "
             f"connection to it within {HUB_CONNECT_TIMEOUT:.0f} s). Check the hub id (organisation/name), pass a local "
             f"model directory (`grpo-lens model --export DIR` writes the default model as one), or download it once "
-            f"with network access")
+            f"with network access"
+        )
     try:
         return _from_pretrained(source.path)
     except (OSError, ValueError) as err:
@@ -404,9 +407,14 @@ def model_folder(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Path:
         return target
     if source.kind == "local":
         return Path(source.path)
-    raise ValueError(f"model {str(name_or_path)!r} has no folder of its own ({source.kind}): "
-                     + ("pass --export DIR to save it as one" if source.kind == "tiny" else
-                        "pass the hub id to from_pretrained directly"))
+    raise ValueError(
+        f"model {str(name_or_path)!r} has no folder of its own ({source.kind}): "
+        + (
+            "pass --export DIR to save it as one"
+            if source.kind == "tiny"
+            else "pass the hub id to from_pretrained directly"
+        )
+    )
 
 
 def export_model(name_or_path: str | os.PathLike, out: str | os.PathLike) -> Path:

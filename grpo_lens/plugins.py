@@ -33,8 +33,9 @@ def config_header(spec: str | None = None) -> str:
     names = plugin_names(spec)
     if not names:
         return ""
-    return (f"# {PLUGINS_ENV}={','.join(names)}  (plugin modules this run was started with; set the same to "
-            f"--resume it)\n")
+    return (
+        f"# {PLUGINS_ENV}={','.join(names)}  (plugin modules this run was started with; set the same to --resume it)\n"
+    )
 
 
 def recorded_plugins(config_path: str | Path) -> list[str]:
@@ -58,8 +59,7 @@ def check_resumed_plugins(rewards: list[str], task: str, config_path: str | Path
     from grpo_lens.rewards import REWARDS  # here: the registries load torch, and --help must not
     from grpo_lens.tasks import TASKS
 
-    missing = [f"reward function {n!r}" for n in (str(s).split(":", 1)[0].strip() for s in rewards)
-               if n not in REWARDS]
+    missing = [f"reward function {n!r}" for n in (str(s).split(":", 1)[0].strip() for s in rewards) if n not in REWARDS]
     task = os.fspath(task)
     if task != "jsonl" and task not in TASKS and not task.endswith((".jsonl", ".json")) and not Path(task).is_file():
         missing.append(f"task {task!r}")
@@ -70,10 +70,14 @@ def check_resumed_plugins(rewards: list[str], task: str, config_path: str | Path
     loaded = plugin_names()
     if recorded:
         need = [m for m in recorded if m not in loaded] or recorded
-        raise ConfigError(f"--resume: {what} is not registered; this run was started with {PLUGINS_ENV}="
-                          f"{','.join(recorded)} (recorded in {config_path}): set {PLUGINS_ENV}={','.join(recorded)} "
-                          f"again, with {' and '.join(repr(m) for m in need)} importable from the current directory "
-                          f"or PYTHONPATH")
-    raise ConfigError(f"--resume: {what} is not registered, and {config_path} records no plugin module; set "
-                      f"{PLUGINS_ENV} to the module that registers it (comma-separated, importable from the current "
-                      f"directory or PYTHONPATH)" + (f"; loaded now: {','.join(loaded)}" if loaded else ""))
+        raise ConfigError(
+            f"--resume: {what} is not registered; this run was started with {PLUGINS_ENV}="
+            f"{','.join(recorded)} (recorded in {config_path}): set {PLUGINS_ENV}={','.join(recorded)} "
+            f"again, with {' and '.join(repr(m) for m in need)} importable from the current directory "
+            f"or PYTHONPATH"
+        )
+    raise ConfigError(
+        f"--resume: {what} is not registered, and {config_path} records no plugin module; set "
+        f"{PLUGINS_ENV} to the module that registers it (comma-separated, importable from the current "
+        f"directory or PYTHONPATH)" + (f"; loaded now: {','.join(loaded)}" if loaded else "")
+    )

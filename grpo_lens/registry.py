@@ -6,8 +6,9 @@ import ast
 import functools
 import importlib.util
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -43,9 +44,7 @@ class Registry(Generic[F]):
         try:
             return self._entries[name]
         except KeyError:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; valid names: {', '.join(sorted(self._entries))}"
-            ) from None
+            raise ValueError(f"unknown {self.kind} {name!r}; valid names: {', '.join(sorted(self._entries))}") from None
 
     def names(self) -> list[str]:
         """Registered names, sorted."""
@@ -72,10 +71,19 @@ def declared_names(module: str, registry: str) -> list[str]:
     loaded = sys.modules.get(module)
     if loaded is not None:
         return getattr(loaded, registry).names()
-    names = sorted({node.args[0].value for node in ast.walk(_source_tree(module))
-                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "register" and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == registry and node.args and isinstance(node.args[0], ast.Constant)})
+    names = sorted(
+        {
+            node.args[0].value
+            for node in ast.walk(_source_tree(module))
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "register"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == registry
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        }
+    )
     if not names:
         raise ValueError(f"{module} registers nothing under {registry}")
     return names
@@ -92,14 +100,15 @@ def declared_constant(module: str, name: str) -> Any:
     if loaded is not None:
         return getattr(loaded, name)
     for node in _source_tree(module).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
-            else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
             return ast.literal_eval(node.value)
     raise ValueError(f"{module} assigns no literal constant {name}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_tree(module: str) -> ast.Module:
     """The parsed source of ``module``, found without executing it (its parent packages are imported)."""
     spec = importlib.util.find_spec(module)

@@ -63,7 +63,7 @@ class RolloutBatch:
         """[N, Lp + T] long: 1 on real prompt tokens and on completion tokens up to the first EOS."""
         return torch.cat([self.prompt_mask.long(), self.completion_mask.long()], dim=1)
 
-    def select(self, index: Tensor | list[int]) -> "RolloutBatch":
+    def select(self, index: Tensor | list[int]) -> RolloutBatch:
         """A sub-batch of whole rollouts (rows), e.g. a micro-batch. ``prompts``/``extras`` stay per group and are
         kept whole, so the result is only for log-prob and loss computation, not for rewards.
 
@@ -255,15 +255,23 @@ def token_entropy(logits: Tensor, normalized: bool = False) -> Tensor:
         return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
 
 
-def batch_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0,
-                   return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`completion_logprobs` of a :class:`RolloutBatch`: [N, T] float32 (and entropy [N, T] on request)."""
-    return completion_logprobs(model, batch.input_ids(), batch.attention_mask(), batch.completion_ids.shape[1],
-                               temperature, return_entropy=return_entropy)
+    return completion_logprobs(
+        model,
+        batch.input_ids(),
+        batch.attention_mask(),
+        batch.completion_ids.shape[1],
+        temperature,
+        return_entropy=return_entropy,
+    )
 
 
-def sampling_generation_config(*, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-                               eos_token_ids: list[int], pad_token_id: int):
+def sampling_generation_config(
+    *, temperature: float, top_k: int, top_p: float, max_new_tokens: int, eos_token_ids: list[int], pad_token_id: int
+):
     """The ``transformers.GenerationConfig`` of grpo-lens' sampler, built from its own settings alone.
 
     Ancestral sampling from :func:`process_logits` (temperature -> top-k -> top-p) and nothing else: no field of the
@@ -280,10 +288,21 @@ def sampling_generation_config(*, temperature: float, top_k: int, top_p: float, 
         a ``GenerationConfig`` with ``do_sample=True``, ``num_beams=1``, raw logits and processed scores returned.
     """
     return GenerationConfig(
-        do_sample=True, num_beams=1, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-        max_new_tokens=int(max_new_tokens), min_length=0, eos_token_id=list(eos_token_ids),
-        pad_token_id=int(pad_token_id), return_dict_in_generate=True, output_scores=True, output_logits=True,
-        use_cache=True, renormalize_logits=False, remove_invalid_values=False,
+        do_sample=True,
+        num_beams=1,
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        max_new_tokens=int(max_new_tokens),
+        min_length=0,
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=int(pad_token_id),
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        use_cache=True,
+        renormalize_logits=False,
+        remove_invalid_values=False,
     )
 
 
@@ -313,8 +332,9 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_ids: list[int] | 
         (completion_mask [N, T] bool: True up to and including the first EOS, all True when there is none;
         truncated [N] bool: no EOS within the T tokens).
     """
-    eos = torch.as_tensor(list(eos_token_ids) if not isinstance(eos_token_ids, Tensor) else eos_token_ids,
-                          device=completion_ids.device)
+    eos = torch.as_tensor(
+        list(eos_token_ids) if not isinstance(eos_token_ids, Tensor) else eos_token_ids, device=completion_ids.device
+    )
     is_eos = torch.isin(completion_ids, eos)  # [N, T]
     # eos_before[n, t] = number of EOS strictly before t; a token counts while none came before it.
     eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
@@ -345,12 +365,15 @@ def prompt_token_ids(tokenizer, prompt) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         if isinstance(prompt, str):
             return list(tokenizer(prompt)["input_ids"])
-        raise ValueError("the tokenizer has no chat template, so chat-message prompts cannot be formatted; set "
-                         "tokenizer.chat_template or pass plain string prompts")
+        raise ValueError(
+            "the tokenizer has no chat template, so chat-message prompts cannot be formatted; set "
+            "tokenizer.chat_template or pass plain string prompts"
+        )
     messages = _as_messages(prompt)
     prefill = bool(messages) and messages[-1].get("role") == "assistant"
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
-                                         continue_final_message=prefill)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=not prefill, continue_final_message=prefill
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -405,8 +428,14 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
     ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate makes them
     try:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                    cache=DynamicCache(config=model.config), logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=True,
+            cache=DynamicCache(config=model.config),
+            logits_to_keep=1,
+        )
     except (TypeError, ValueError, AttributeError):  # not a transformers >= 5 causal LM: no sharing
         return None
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -490,9 +519,14 @@ def sample_groups(
     N = prompt_ids.shape[0]
 
     eos_ids = _stop_token_ids(model, tokenizer)
-    generation_config = sampling_generation_config(temperature=temperature, top_k=top_k, top_p=top_p,
-                                                   max_new_tokens=max_new_tokens, eos_token_ids=eos_ids,
-                                                   pad_token_id=pad_id)
+    generation_config = sampling_generation_config(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_ids,
+        pad_token_id=pad_id,
+    )
     step = N if batch_size is None else int(batch_size)
     if step < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
@@ -528,13 +562,15 @@ def sample_groups(
 
     T = max(c.shape[1] for c in chunks_ids)
     completion_ids = torch.cat(
-        [torch.nn.functional.pad(c, (0, T - c.shape[1]), value=pad_id) for c in chunks_ids], dim=0)  # [N, T]
+        [torch.nn.functional.pad(c, (0, T - c.shape[1]), value=pad_id) for c in chunks_ids], dim=0
+    )  # [N, T]
     logp = torch.cat([torch.nn.functional.pad(c, (0, T - c.shape[1]), value=0.0) for c in chunks_logp], dim=0)
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)  # [N, T], [N]
     # A chunk that stopped early is padded: its rows all ended with EOS, so the padding lies outside the mask.
     sampler_logprobs = torch.where(completion_mask, logp, torch.zeros_like(logp)).float()  # [N, T]
     completions = tokenizer.batch_decode(
-        [row[m].tolist() for row, m in zip(completion_ids.cpu(), completion_mask.cpu())], skip_special_tokens=True)
+        [row[m].tolist() for row, m in zip(completion_ids.cpu(), completion_mask.cpu())], skip_special_tokens=True
+    )
 
     assert completion_ids.shape == (N, T) and sampler_logprobs.shape == (N, T) and truncated.shape == (N,)
     return RolloutBatch(

@@ -37,8 +37,9 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,8 +65,15 @@ KILL_ENV = "GRPO_LENS_TEST_KILL_AT"
 
 
 #: The moments a test can kill the trainer at, in the order a step reaches them.
-CRASH_POINTS = ("during_generation", "before_optimizer_step", "after_metrics_write", "mid_checkpoint",
-                "after_checkpoint_rename", "after_latest", "mid_final_model")
+CRASH_POINTS = (
+    "during_generation",
+    "before_optimizer_step",
+    "after_metrics_write",
+    "mid_checkpoint",
+    "after_checkpoint_rename",
+    "after_latest",
+    "mid_final_model",
+)
 
 
 _CHECKPOINT_NAME = re.compile(r"step-(\d{6,})")
@@ -86,8 +94,9 @@ def crash_point(point: str, step: int, module: torch.nn.Module | None = None) ->
         return
     name, _, at = want.partition("@")
     if name not in CRASH_POINTS or (at and not at.isdigit()):
-        raise ValueError(f"{KILL_ENV}={want!r}: expected POINT or POINT@STEP with POINT one of "
-                         f"{', '.join(CRASH_POINTS)}")
+        raise ValueError(
+            f"{KILL_ENV}={want!r}: expected POINT or POINT@STEP with POINT one of {', '.join(CRASH_POINTS)}"
+        )
     if name != point or (at and int(at) != step):
         return
     if module is None:
@@ -116,8 +125,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_saved_config(path: Path, remedy: str, error: type[Exception] = RunDirError,
-                      empty_ok: bool = True) -> dict[str, Any]:
+def read_saved_config(
+    path: Path, remedy: str, error: type[Exception] = RunDirError, empty_ok: bool = True
+) -> dict[str, Any]:
     """The settings mapping of a saved config.yaml, read for ``--resume`` (a run's or a partial probe's).
 
     Args:
@@ -212,11 +222,14 @@ def load_pickled_state(path: Path, hint: str) -> Any:
         raise UnsafeCheckpointError(
             f"checkpoint file {path} holds {what}, which loading would call; it is refused (weights_only=True): "
             f"a checkpoint holds only tensors and plain values, so this one was not written by grpo-lens or was "
-            f"altered; do not resume from it{'; ' + hint if hint else ''}") from None
+            f"altered; do not resume from it{'; ' + hint if hint else ''}"
+        ) from None
     except Exception as e:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
         why = str(e).splitlines()[0][:200] if str(e) else ""
-        raise RunDirError(f"checkpoint {path.parent} is corrupt ({path.name}: {type(e).__name__}: {why})"
-                          f"{'; ' + hint if hint else ''}") from None
+        raise RunDirError(
+            f"checkpoint {path.parent} is corrupt ({path.name}: {type(e).__name__}: {why}){'; ' + hint if hint else ''}"
+        ) from None
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One writer per run directory
@@ -246,8 +259,10 @@ def _lock_holder(text: str) -> str:
     """``pid 123 on host h (grpo-lens train since ...)`` from a lock file's contents."""
     try:
         info = json.loads(text)
-        return (f"pid {info['pid']} on host {info['host']} (grpo-lens {info.get('command', '?')} since "
-                f"{info.get('since', '?')})")
+        return (
+            f"pid {info['pid']} on host {info['host']} (grpo-lens {info.get('command', '?')} since "
+            f"{info.get('since', '?')})"
+        )
     except (ValueError, KeyError, TypeError):
         return "another process (its lock file names no pid)"
 
@@ -283,9 +298,11 @@ def acquire_run_lock(path: str | Path, command: str) -> Callable[[], None]:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise RunDirLockedError(f"{path} is being written by {_lock_holder(text)}: one process writes a run "
-                                    f"directory at a time, so --overwrite, --resume or a new run there is refused; "
-                                    f"wait for it to finish or stop it, or choose another --out") from None
+            raise RunDirLockedError(
+                f"{path} is being written by {_lock_holder(text)}: one process writes a run "
+                f"directory at a time, so --overwrite, --resume or a new run there is refused; "
+                f"wait for it to finish or stop it, or choose another --out"
+            ) from None
         try:
             same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -300,10 +317,18 @@ def acquire_run_lock(path: str | Path, command: str) -> Callable[[], None]:
         except (ValueError, KeyError, TypeError):
             pid = -1
         state = "is no longer running" if pid <= 0 or not _pid_alive(pid) else "no longer holds it"
-        logging.getLogger(__name__).warning("%s: taking over the stale lock of %s, which %s (ended without "
-                                            "releasing it, e.g. killed)", path, _lock_holder(previous), state)
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        logging.getLogger(__name__).warning(
+            "%s: taking over the stale lock of %s, which %s (ended without releasing it, e.g. killed)",
+            path,
+            _lock_holder(previous),
+            state,
+        )
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "command": command,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode() + b"\n", 0)
     _HELD[key] = [fd, 1]
@@ -337,6 +362,7 @@ def holds_run_dir(command: str, out_of: Callable[..., Any] = lambda config, *a, 
     """Decorator: the function holds the run directory ``out_of(*args, **kwargs)`` (default ``config.out``) for its
     whole call (:func:`acquire_run_lock`); nothing is locked when that is empty, or on processes other than the main
     one of a torchrun / accelerate launch (``RANK`` > 0: the main process alone writes)."""
+
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def locked(*args, **kwargs):
@@ -391,9 +417,15 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
 
     # ---------------------------------------------------------------------------------------------------------------
-    def resolve(self, config_dict: dict[str, Any], *, resume: bool, overwrite: bool,
-                resumable_keys: tuple[str, ...] = (),
-                canonical: Callable[[dict[str, Any], str], dict[str, Any]] | None = None) -> dict[str, Any]:
+    def resolve(
+        self,
+        config_dict: dict[str, Any],
+        *,
+        resume: bool,
+        overwrite: bool,
+        resumable_keys: tuple[str, ...] = (),
+        canonical: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         """Check that the directory can be used as asked and return the config to run with; writes nothing.
 
         A new run needs a missing or empty directory, or one holding a grpo-lens run (config.yaml) and ``overwrite``.
@@ -408,8 +440,10 @@ class RunDir:
         has_run = self.config_path.is_file()
         if resume:
             if not has_run:
-                raise RunDirError(f"--resume: {self.path} holds no run (no config.yaml); start a new run with "
-                                  f"--out {self.path} and without --resume")
+                raise RunDirError(
+                    f"--resume: {self.path} holds no run (no config.yaml); start a new run with "
+                    f"--out {self.path} and without --resume"
+                )
             saved = read_saved_config(self.config_path, "restore it or start a new run in another --out")
             if canonical is not None:
                 saved = canonical(saved, f"in {self.config_path}")
@@ -417,8 +451,10 @@ class RunDir:
                 if key in resumable_keys or key in ("resume", "overwrite", "out"):
                     continue
                 if key in saved and saved[key] != value:
-                    raise RunDirError(f"--resume: {key}={value!r} differs from the run's saved {key}={saved[key]!r} "
-                                      f"in {self.config_path}; drop the flag, or start a new run in another --out")
+                    raise RunDirError(
+                        f"--resume: {key}={value!r} differs from the run's saved {key}={saved[key]!r} "
+                        f"in {self.config_path}; drop the flag, or start a new run in another --out"
+                    )
             self.check_writable()
             merged = {**saved, **{k: config_dict[k] for k in resumable_keys if k in config_dict}}
             merged.update(resume=True, overwrite=False, out=str(self.path))
@@ -428,12 +464,16 @@ class RunDir:
         self.check_writable()
         if self.path.exists() and run_dir_entries(self.path):
             if not has_run:
-                raise RunDirError(f"output directory {self.path} already holds files that are not a grpo-lens run "
-                                  f"(no config.yaml); --overwrite only replaces a run, so choose another --out or "
-                                  f"empty it yourself")
+                raise RunDirError(
+                    f"output directory {self.path} already holds files that are not a grpo-lens run "
+                    f"(no config.yaml); --overwrite only replaces a run, so choose another --out or "
+                    f"empty it yourself"
+                )
             if not overwrite:
-                raise RunDirError(f"output directory {self.path} already holds a run; pass --resume to continue "
-                                  f"it, --overwrite to replace it, or choose another --out")
+                raise RunDirError(
+                    f"output directory {self.path} already holds a run; pass --resume to continue "
+                    f"it, --overwrite to replace it, or choose another --out"
+                )
         return config_dict
 
     def check_writable(self) -> None:
@@ -446,14 +486,18 @@ class RunDir:
         while not base.exists() and base != base.parent:
             base = base.parent
         if not base.is_dir():
-            raise RunDirError(f"--out {self.path}: {base} is a file, so no run directory can be made under it; "
-                              f"choose another --out")
+            raise RunDirError(
+                f"--out {self.path}: {base} is a file, so no run directory can be made under it; choose another --out"
+            )
         if not os.access(base, os.W_OK | os.X_OK):
-            raise RunDirError(f"--out {self.path}: {base} is not writable by this user; choose another --out or "
-                              f"change its permissions")
+            raise RunDirError(
+                f"--out {self.path}: {base} is not writable by this user; choose another --out or "
+                f"change its permissions"
+            )
 
-    def prepare(self, config_dict: dict[str, Any], *, resume: bool, overwrite: bool,
-                resumable_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    def prepare(
+        self, config_dict: dict[str, Any], *, resume: bool, overwrite: bool, resumable_keys: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
         """:meth:`resolve`, then make the directory ready: a replaced run is deleted, a new directory is created.
 
         Raises:
@@ -502,9 +546,16 @@ class RunDir:
         return read_records(self.metrics_path)
 
     # ---------------------------------------------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        state: dict[str, Any], keep: int = 2, model_state: dict[str, torch.Tensor] | None = None,
-                        optimizer_state: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+        keep: int = 2,
+        model_state: dict[str, torch.Tensor] | None = None,
+        optimizer_state: dict[str, Any] | None = None,
+    ) -> Path:
         """Write model (safetensors), optimizer and trainer state for ``step`` atomically; keep the newest ``keep``.
 
         ``model_state`` / ``optimizer_state``: full state dicts to write instead of ``model``'s and ``optimizer``'s
@@ -561,12 +612,13 @@ class RunDir:
         half-written temporary folders."""
         if not self.checkpoints.is_dir():
             return
-        done = sorted((p for p in self.checkpoints.glob("step-*") if p.is_dir() and _step_of(p) is not None),
-                      key=_step_of)
+        done = sorted(
+            (p for p in self.checkpoints.glob("step-*") if p.is_dir() and _step_of(p) is not None), key=_step_of
+        )
         older = [p for p in done if _step_of(p) < step]
         stale = [p for p in done if _step_of(p) > step]
         kept_older = max(0, keep - (1 if any(_step_of(p) == step for p in done) else 0))
-        for old in older[:max(0, len(older) - kept_older)] + stale:
+        for old in older[: max(0, len(older) - kept_older)] + stale:
             shutil.rmtree(old, ignore_errors=True)
         for stray in self.checkpoints.glob(".step-*.tmp-*"):
             shutil.rmtree(stray, ignore_errors=True)
@@ -583,22 +635,32 @@ class RunDir:
         try:
             name = pointer.read_text().strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise RunDirError(f"checkpoint pointer {pointer} is unreadable ({type(e).__name__}); write the name of "
-                              f"a checkpoint folder (e.g. step-000010) into it, or delete it to restart from step "
-                              f"0") from None
+            raise RunDirError(
+                f"checkpoint pointer {pointer} is unreadable ({type(e).__name__}); write the name of "
+                f"a checkpoint folder (e.g. step-000010) into it, or delete it to restart from step "
+                f"0"
+            ) from None
         if not _CHECKPOINT_NAME.fullmatch(name):
-            raise RunDirError(f"checkpoint pointer {pointer} holds {name[:40]!r}, not a checkpoint name like "
-                              f"step-000010; write the newest folder name under {self.checkpoints} into it, or "
-                              f"delete it to restart from step 0")
+            raise RunDirError(
+                f"checkpoint pointer {pointer} holds {name[:40]!r}, not a checkpoint name like "
+                f"step-000010; write the newest folder name under {self.checkpoints} into it, or "
+                f"delete it to restart from step 0"
+            )
         path = self.checkpoints / name
         if not path.is_dir():
-            raise RunDirError(f"checkpoint pointer {pointer} names {name}, which is missing; delete {pointer} to "
-                              f"restart the run from step 0, or restore the folder")
+            raise RunDirError(
+                f"checkpoint pointer {pointer} names {name}, which is missing; delete {pointer} to "
+                f"restart the run from step 0, or restore the folder"
+            )
         return path
 
-    def load_checkpoint(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        load_states: Callable[[dict[str, torch.Tensor], dict[str, Any]], None] | None = None
-                        ) -> dict[str, Any]:
+    def load_checkpoint(
+        self,
+        path: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        load_states: Callable[[dict[str, torch.Tensor], dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         """Restore model and optimizer in place from ``path``; return the trainer state (with ``step``).
 
         ``load_states(model_state, optimizer_state)``: loads the files' full state dicts instead of
@@ -623,12 +685,18 @@ class RunDir:
                 raise ValueError("state.pt holds no step")
         except Exception as e:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
             why = str(e).splitlines()[0][:200] if str(e) else ""
-            raise RunDirError(f"checkpoint {path} is corrupt ({type(e).__name__}: {why}); "
-                              f"{self._recovery_hint(path)}") from None
+            raise RunDirError(
+                f"checkpoint {path} is corrupt ({type(e).__name__}: {why}); {self._recovery_hint(path)}"
+            ) from None
         return state
 
-    def check_resumed_config(self, path: Path, config_dict: dict[str, Any], resumable_keys: tuple[str, ...],
-                             canonical: Callable[[dict[str, Any], str], dict[str, Any]] | None = None) -> None:
+    def check_resumed_config(
+        self,
+        path: Path,
+        config_dict: dict[str, Any],
+        resumable_keys: tuple[str, ...],
+        canonical: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
+    ) -> None:
         """Refuse to resume from checkpoint ``path`` with settings other than the ones its steps ran with.
 
         Every checkpoint's state.pt holds the config its run ran with (``config``); config.yaml can be edited and
@@ -649,23 +717,34 @@ class RunDir:
         if canonical is not None:
             ran = canonical(ran, f"in {path / 'state.pt'}")
         skip = set(resumable_keys) | {"resume", "overwrite", "out"}
-        diffs = [f"{k} {ran[k]!r} -> {v!r}" for k, v in config_dict.items()
-                 if k not in skip and k in ran and ran[k] != v]
+        diffs = [
+            f"{k} {ran[k]!r} -> {v!r}" for k, v in config_dict.items() if k not in skip and k in ran and ran[k] != v
+        ]
         if diffs:
-            raise RunDirError(f"--resume: {'; '.join(diffs)} differ from what the run's steps ran with (checkpoint "
-                              f"{path.name}), and a run's settings cannot change under it: restore the values in "
-                              f"{self.config_path} (or drop the flags), or start a new run in another --out; only "
-                              f"{', '.join(resumable_keys)} may change on resume")
+            raise RunDirError(
+                f"--resume: {'; '.join(diffs)} differ from what the run's steps ran with (checkpoint "
+                f"{path.name}), and a run's settings cannot change under it: restore the values in "
+                f"{self.config_path} (or drop the flags), or start a new run in another --out; only "
+                f"{', '.join(resumable_keys)} may change on resume"
+            )
 
     def _recovery_hint(self, bad: Path) -> str:
         """How to resume without the unusable checkpoint ``bad``: from the newest older one, or from step 0."""
         pointer = self.checkpoints / "latest"
         step = _step_of(bad)
-        older = sorted((p for p in self.checkpoints.glob("step-*") if p.is_dir() and _step_of(p) is not None
-                        and step is not None and _step_of(p) < step), key=_step_of)
+        older = sorted(
+            (
+                p
+                for p in self.checkpoints.glob("step-*")
+                if p.is_dir() and _step_of(p) is not None and step is not None and _step_of(p) < step
+            ),
+            key=_step_of,
+        )
         if older:
-            return (f"to resume from the previous checkpoint write {older[-1].name} into {pointer} (and delete "
-                    f"{bad}), or delete {pointer} to restart from step 0")
+            return (
+                f"to resume from the previous checkpoint write {older[-1].name} into {pointer} (and delete "
+                f"{bad}), or delete {pointer} to restart from step 0"
+            )
         return f"delete {bad} and {pointer} to restart the run from step 0 (no older checkpoint is left)"
 
 
@@ -682,8 +761,10 @@ def read_record_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise RunDirError(f"{path}: not UTF-8 text (byte {e.start}); restore the file from the run, or delete it "
-                          f"to resume from the last checkpoint without the metrics before it") from None
+        raise RunDirError(
+            f"{path}: not UTF-8 text (byte {e.start}); restore the file from the run, or delete it "
+            f"to resume from the last checkpoint without the metrics before it"
+        ) from None
     numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
     fix = "delete or repair that line (each line is one JSON object with an integer 'step')"
     out = []
@@ -695,8 +776,9 @@ def read_record_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 continue  # the last line, cut by a kill mid-write
             raise RunDirError(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}); {fix}") from None
         if not isinstance(rec, dict):
-            raise RunDirError(f"{path}, line {n}: holds {line.strip()[:40]!r}, which is not a record (a JSON "
-                              f"object); {fix}")
+            raise RunDirError(
+                f"{path}, line {n}: holds {line.strip()[:40]!r}, which is not a record (a JSON object); {fix}"
+            )
         step = rec.get(STEP, 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise RunDirError(f"{path}, line {n}: 'step' is {step!r}, not a step number (an integer >= 0); {fix}")
@@ -730,5 +812,10 @@ def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:
         return None
     lens = sum((r.get(PERF_LENS_SECONDS) or 0.0) + (r.get(PERF_LENS_SPARSITY_SECONDS) or 0.0) for r in steps)
     base = sum(r[PERF_STEP_SECONDS] for r in steps) - lens
-    return {"lens_seconds": lens, "train_seconds": base, "overhead": lens / base if base > 0 else float("nan"),
-            "lens_steps": sum(r.get(PERF_LENS_SECONDS) is not None for r in steps), "steps": len(steps)}
+    return {
+        "lens_seconds": lens,
+        "train_seconds": base,
+        "overhead": lens / base if base > 0 else float("nan"),
+        "lens_steps": sum(r.get(PERF_LENS_SECONDS) is not None for r in steps),
+        "steps": len(steps),
+    }

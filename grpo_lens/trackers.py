@@ -31,8 +31,9 @@ import importlib.util
 import math
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -43,8 +44,11 @@ from grpo_lens.registry import Registry
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
 
 #: The Python module each tracker needs and the pip extra that installs it.
-_REQUIRES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-             "trackio": ("trackio", "trackio")}
+_REQUIRES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+}
 
 #: name -> factory(run_path, start_step) returning an accelerate ``GeneralTracker`` (not started).
 TRACKERS: Registry[Callable[[Path, int], Any]] = Registry("tracker")
@@ -67,14 +71,19 @@ def check_trackers(names: list[str]) -> None:
             continue
         module, extra = _REQUIRES[name]
         if importlib.util.find_spec(module) is None:
-            raise ValueError(f"--report-to {name}: the {module!r} package is not installed; install it with "
-                             f"pip install '.[{extra}]' in the grpo-lens folder (or pip install {module})")
+            raise ValueError(
+                f"--report-to {name}: the {module!r} package is not installed; install it with "
+                f"pip install '.[{extra}]' in the grpo-lens folder (or pip install {module})"
+            )
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numeric entries of a metrics record (not ``step``; no None, NaN, bool or text), as floats."""
-    return {k: float(v) for k, v in record.items()
-            if k != STEP and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != STEP and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def _cell(value: Any) -> Any:
@@ -118,16 +127,20 @@ def _wandb(run_path: Path, start_step: int) -> Any:
     else:
         run_id = secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
-    return WandBTracker(os.environ.get("WANDB_PROJECT", "grpo-lens"), name=run_path.name, dir=str(run_path),
-                        id=run_id, resume="allow")
+    return WandBTracker(
+        os.environ.get("WANDB_PROJECT", "grpo-lens"), name=run_path.name, dir=str(run_path), id=run_id, resume="allow"
+    )
 
 
 @TRACKERS.register("trackio")
 def _trackio(run_path: Path, start_step: int) -> Any:
     from accelerate.tracking import TrackioTracker
 
-    return TrackioTracker(os.environ.get("TRACKIO_PROJECT", "grpo-lens"), name=run_path.name,
-                          resume="allow" if start_step > 0 else "never")
+    return TrackioTracker(
+        os.environ.get("TRACKIO_PROJECT", "grpo-lens"),
+        name=run_path.name,
+        resume="allow" if start_step > 0 else "never",
+    )
 
 
 class Trackers:
@@ -182,8 +195,9 @@ class Trackers:
                 tracker.log_table(name, columns=columns, data=data, step=step)
             elif tracker.name == "tensorboard":
                 text = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-                text += ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |"
-                         for row in data]
+                text += [
+                    "| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |" for row in data
+                ]
                 tracker.writer.add_text(name, "\n".join(text), global_step=step)
 
     def finish(self) -> None:

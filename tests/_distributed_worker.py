@@ -54,10 +54,17 @@ def build_batch(model, seed: int = 0):
     lengths = torch.tensor(LENGTHS)
     completion_mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)  # [N, T]
     completion_ids = torch.randint(0, 256, (N, T), generator=g).masked_fill(~completion_mask, pad)
-    batch = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                         completion_mask=completion_mask, sampler_logprobs=torch.zeros(N, T),
-                         truncated=lengths == T, group_size=R, prompts=[f"p{b}" for b in range(B)],
-                         completions=[""] * N)
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        sampler_logprobs=torch.zeros(N, T),
+        truncated=lengths == T,
+        group_size=R,
+        prompts=[f"p{b}" for b in range(B)],
+        completions=[""] * N,
+    )
     with torch.no_grad():
         logp = batch_logprobs(model, batch, temperature=TEMPERATURE)
     # pi_old != pi_theta: ratios spread around 1 so that both clip bounds bind on some tokens
@@ -69,9 +76,23 @@ def build_batch(model, seed: int = 0):
 
 
 def config_for(mode: str, mini_batches: int) -> TrainConfig:
-    return TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
-                       loss_aggregation=mode, num_mini_batches=mini_batches, mu=2, micro_batch_size=3, beta=0.05,
-                       eps_low=0.2, eps_high=0.28, dual_clip=3.0, max_grad_norm=1.0, progress=False)
+    return TrainConfig(
+        model="tiny",
+        group_size=R,
+        prompts_per_step=B,
+        max_new_tokens=T,
+        temperature=TEMPERATURE,
+        loss_aggregation=mode,
+        num_mini_batches=mini_batches,
+        mu=2,
+        micro_batch_size=3,
+        beta=0.05,
+        eps_low=0.2,
+        eps_high=0.28,
+        dual_clip=3.0,
+        max_grad_norm=1.0,
+        progress=False,
+    )
 
 
 def group_order(world: int, mini_batches: int) -> list[int]:
@@ -113,11 +134,21 @@ def run_updates(procs: Processes, as_world: int | None = None) -> dict:
             first_grad: dict[str, torch.Tensor] = {}
 
             def snapshot(model=model, first_grad=first_grad):
-                first_grad.update({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                   if p.grad is not None})
+                first_grad.update(
+                    {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                )
 
-            metrics = policy_update(model, optimizer, batch.select(rows), advantages[rows], ref_logp[rows],
-                                    config_for(mode, mini_batches), procs, params, before_step=snapshot)
+            metrics = policy_update(
+                model,
+                optimizer,
+                batch.select(rows),
+                advantages[rows],
+                ref_logp[rows],
+                config_for(mode, mini_batches),
+                procs,
+                params,
+                before_step=snapshot,
+            )
             out[(mode, mini_batches)] = {
                 "grad": first_grad,
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -128,8 +159,26 @@ def run_updates(procs: Processes, as_world: int | None = None) -> dict:
 
 #: The real loop through the CLI in the same processes (saves a second torchrun start): B = 2 prompts, one per
 #: process, R = 2, reward test_alternating (tests/helpers_rewards.py: 1, 0 in every group).
-CLI_ARGS = ["train", "--model", "tiny", "--rewards", "test_alternating", "--group-size", "2", "--prompts-per-step", "2",
-            "--max-new-tokens", "6", "--max-steps", "2", "--lens-every", "1", "--device", "cpu", "--no-progress"]
+CLI_ARGS = [
+    "train",
+    "--model",
+    "tiny",
+    "--rewards",
+    "test_alternating",
+    "--group-size",
+    "2",
+    "--prompts-per-step",
+    "2",
+    "--max-new-tokens",
+    "6",
+    "--max-steps",
+    "2",
+    "--lens-every",
+    "1",
+    "--device",
+    "cpu",
+    "--no-progress",
+]
 
 
 def main(out_dir: str) -> None:
@@ -141,8 +190,7 @@ def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     procs = setup_processes("cpu")
     results = run_updates(procs)
-    torch.save({"rank": procs.rank, "world": procs.world, "results": results},
-               Path(out_dir) / f"rank{procs.rank}.pt")
+    torch.save({"rank": procs.rank, "world": procs.world, "results": results}, Path(out_dir) / f"rank{procs.rank}.pt")
     procs.barrier()
     rc = cli.main(CLI_ARGS + ["--out", str(Path(out_dir) / "run")])
     (Path(out_dir) / f"cli_rc{procs.rank}").write_text(str(rc))

@@ -33,9 +33,23 @@ STEPS = 3
 def config() -> TrainConfig:
     """AdamW's settings of the trainer, a binding clip (the tiny model's gradient norm is above 1), KL term, clipped
     ratios and the exact Gram lens."""
-    return TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
-                       loss_aggregation="token-mean", mu=1, micro_batch_size=2, beta=0.05, eps_low=0.2, eps_high=0.28,
-                       max_grad_norm=1.0, learning_rate=1e-3, lens_every=1, progress=False)
+    return TrainConfig(
+        model="tiny",
+        group_size=R,
+        prompts_per_step=B,
+        max_new_tokens=T,
+        temperature=TEMPERATURE,
+        loss_aggregation="token-mean",
+        mu=1,
+        micro_batch_size=2,
+        beta=0.05,
+        eps_low=0.2,
+        eps_high=0.28,
+        max_grad_norm=1.0,
+        learning_rate=1e-3,
+        lens_every=1,
+        progress=False,
+    )
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +63,7 @@ def rewards_for(step: int) -> torch.Tensor:
     1 has no mixed group and must still join the lens's collective pass."""
     r = torch.tensor([1.0, 0.0] * B, dtype=torch.float64)
     if step == 1:
-        r[2 * R:] = 1.0
+        r[2 * R :] = 1.0
     return r
 
 
@@ -87,8 +101,9 @@ def run_fixed(procs: Processes) -> dict:
                 out["grad"] = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
             lens.before_step(model)
 
-        out["metrics"].append(policy_update(model, optimizer, sub, a, rf, cfg, procs, params, before_step=before,
-                                            step=step + 1))
+        out["metrics"].append(
+            policy_update(model, optimizer, sub, a, rf, cfg, procs, params, before_step=before, step=step + 1)
+        )
         out["after"].append(lens.after_step(step + 1, model, True))
     out["params"] = {n: full(p) for n, p in model.named_parameters()}
     out["local_numel"] = sum(local_part(p).numel() for p in params)
@@ -96,9 +111,30 @@ def run_fixed(procs: Processes) -> dict:
 
 
 #: The real loop, 2 processes, FSDP2: B = 2 prompts (one per process), R = 2, test_alternating (1, 0 per group).
-CLI_ARGS = ["train", "--model", "tiny", "--parallelism", "fsdp2", "--rewards", "test_alternating", "--group-size", "2",
-            "--prompts-per-step", "2", "--max-new-tokens", "6", "--lens-every", "1", "--checkpoint-every", "1",
-            "--beta", "0.05", "--device", "cpu", "--no-progress"]
+CLI_ARGS = [
+    "train",
+    "--model",
+    "tiny",
+    "--parallelism",
+    "fsdp2",
+    "--rewards",
+    "test_alternating",
+    "--group-size",
+    "2",
+    "--prompts-per-step",
+    "2",
+    "--max-new-tokens",
+    "6",
+    "--lens-every",
+    "1",
+    "--checkpoint-every",
+    "1",
+    "--beta",
+    "0.05",
+    "--device",
+    "cpu",
+    "--no-progress",
+]
 
 
 def main(out_dir: str) -> None:
@@ -108,9 +144,11 @@ def main(out_dir: str) -> None:
     results = run_fixed(procs)
     torch.save({"rank": procs.rank, "world": procs.world, "results": results}, out / f"rank{procs.rank}.pt")
     procs.barrier()
-    rcs = [cli.main(CLI_ARGS + ["--max-steps", "3", "--out", str(out / "straight")]),
-           cli.main(CLI_ARGS + ["--max-steps", "2", "--out", str(out / "resumed")]),
-           cli.main(CLI_ARGS + ["--max-steps", "3", "--out", str(out / "resumed"), "--resume"])]
+    rcs = [
+        cli.main(CLI_ARGS + ["--max-steps", "3", "--out", str(out / "straight")]),
+        cli.main(CLI_ARGS + ["--max-steps", "2", "--out", str(out / "resumed")]),
+        cli.main(CLI_ARGS + ["--max-steps", "3", "--out", str(out / "resumed"), "--resume"]),
+    ]
     (out / f"cli_rc{procs.rank}").write_text(" ".join(map(str, rcs)))
 
 

@@ -31,16 +31,34 @@ FAMILIES = ("llama", "qwen2", "gpt2", "mistral", "phi3", "gemma", "nemotron")
 DEFAULT_LAYER = {"gpt2": "transformer.h.1.mlp.c_proj"}
 
 
-def family_config(family: str, vocab: int, pad: int | None = None, bos: int | None = None, eos: int | None = None,
-                  hidden: int = 32):
+def family_config(
+    family: str, vocab: int, pad: int | None = None, bos: int | None = None, eos: int | None = None, hidden: int = 32
+):
     """The tiny config of ``family`` (2 layers, ``hidden`` wide, MLP 2 x hidden, 4 heads) with the given vocabulary
     size and special token ids. Raises KeyError for an unknown family (valid: :data:`FAMILIES`)."""
     ids = {"pad_token_id": pad, "bos_token_id": bos, "eos_token_id": eos}
     if family == "gpt2":  # Conv1D everywhere but the (tied) head, no dropout
-        return GPT2Config(n_embd=hidden, n_layer=2, n_head=4, vocab_size=vocab, n_positions=256, resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0, **ids)
-    common = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": 256, **ids}
+        return GPT2Config(
+            n_embd=hidden,
+            n_layer=2,
+            n_head=4,
+            vocab_size=vocab,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **ids,
+        )
+    common = {
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+        **ids,
+    }
     if family == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False)
     if family == "qwen2":  # q/k/v biases
@@ -56,8 +74,9 @@ def family_config(family: str, vocab: int, pad: int | None = None, bos: int | No
     raise KeyError(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
 
 
-def family_model(family: str, vocab: int, *, dtype: torch.dtype = torch.float32, seed: int = 0, jitter: float = 0.05,
-                 **ids) -> nn.Module:
+def family_model(
+    family: str, vocab: int, *, dtype: torch.dtype = torch.float32, seed: int = 0, jitter: float = 0.05, **ids
+) -> nn.Module:
     """A random model of ``family`` in eval mode, every parameter moved off its init by ``jitter`` N(0, 1) (norm weights
     1 and biases 0 would hide a missing term), weights fixed by ``seed`` (global RNG untouched)."""
     with torch.random.fork_rng(devices=[]):
@@ -75,8 +94,9 @@ def save_family_folder(family: str, folder: Path, seed: int = 0) -> Path:
     from grpo_lens.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    model = family_model(family, len(tok), seed=seed, jitter=0.02, pad=tok.pad_token_id, bos=tok.bos_token_id,
-                         eos=tok.eos_token_id)
+    model = family_model(
+        family, len(tok), seed=seed, jitter=0.02, pad=tok.pad_token_id, bos=tok.bos_token_id, eos=tok.eos_token_id
+    )
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.bos_token_id = tok.bos_token_id

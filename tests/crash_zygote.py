@@ -1,7 +1,7 @@
 """A process that imports grpo-lens once and then forks one ``grpo-lens`` CLI process per request (tests only).
 
-tests/train/test_crash_resume.py kills the trainer a dozen times. Paying Python's import of torch and transformers (about
-10 s on a busy 2-core machine) for every one of those processes would make the test take minutes, so this zygote
+tests/train/test_crash_resume.py kills the trainer a dozen times. Paying Python's import of torch and transformers
+(about 10 s on a busy 2-core machine) for every one of those processes would make the test take minutes, so this zygote
 imports everything once, without running any torch computation (no thread pool exists yet, so forking is safe), and
 each request forks a fresh child that runs ``grpo_lens.cli.main(argv)`` exactly as ``python -m grpo_lens.cli`` would.
 The child is a real process: SIGKILL from ``GRPO_LENS_TEST_KILL_AT`` or from the test kills it and nothing else.

@@ -47,8 +47,12 @@ def sleeps(prompts, completions, **kwargs):
     return [1.0] * len(completions)
 
 
-for _name, _fn in (("test_alternating", alternating), ("test_some_invalid", some_invalid),
-                   ("test_raises", raises), ("test_sleeps", sleeps),
-                   ("test_raises_in_training", raises_in_training)):
+for _name, _fn in (
+    ("test_alternating", alternating),
+    ("test_some_invalid", some_invalid),
+    ("test_raises", raises),
+    ("test_sleeps", sleeps),
+    ("test_raises_in_training", raises_in_training),
+):
     if _name not in REWARDS:  # importable twice (as a plugin and by a test) without a double registration
         REWARDS.register(_name)(_fn)

@@ -7,7 +7,7 @@ These are no part of the package: the tool computes with the weighted / vectoris
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -60,6 +60,7 @@ def dtype_recording_loader(original, seen: dict, other: str, loaded: dict | None
     """A stand-in for ``load_model`` that records the output dtype of layer 0's q_proj in ``seen["generate"]`` while
     ``model.generate`` runs and in ``seen[other]`` otherwise; it asserts the weights load in float32 (bf16-mixed keeps
     float32 weights) and puts the model in ``loaded["model"]``."""
+
     def load_and_hook(*a, **kw):
         model, tok = original(*a, **kw)
         assert next(model.parameters()).dtype == torch.float32  # bf16-mixed loads float32 weights
@@ -74,9 +75,9 @@ def dtype_recording_loader(original, seen: dict, other: str, loaded: dict | None
                 phase["now"] = other
 
         model.generate = generate
-        model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda m, a, o: seen[phase["now"]].add(o.dtype))
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, o: seen[phase["now"]].add(o.dtype))
         if loaded is not None:
             loaded["model"] = model
         return model, tok
+
     return load_and_hook

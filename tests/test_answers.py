@@ -22,16 +22,19 @@ from grpo_lens.tasks import GSM8KTask, correctness_verdict, get_task
 from grpo_lens.train.step_metrics import accuracy_metrics, rollout_correctness
 
 
-@pytest.mark.parametrize("completion,value", [
-    (r"\boxed{-\frac{1}{2}}", Fraction(-1, 2)),             # case 7: was read as 2
-    (r"\boxed{-\dfrac{3}{4}}", Fraction(-3, 4)),
-    (r"\boxed{-(5)}", Fraction(-5)),
-    (r"\boxed{\left(-\frac{1}{2}\right)}", Fraction(-1, 2)),
-    (r"\boxed{-\left(\frac{1}{2}\right)}", Fraction(-1, 2)),
-    ("\\boxed{\u2212\\frac{1}{2}}", Fraction(-1, 2)),        # Unicode minus
-    ("The answer is \u2212\\frac{3}{4}.", Fraction(-3, 4)),  # one more: unboxed, Unicode minus before \frac
-    (r"#### -\frac{7}{2}", Fraction(-7, 2)),
-])
+@pytest.mark.parametrize(
+    "completion,value",
+    [
+        (r"\boxed{-\frac{1}{2}}", Fraction(-1, 2)),  # case 7: was read as 2
+        (r"\boxed{-\dfrac{3}{4}}", Fraction(-3, 4)),
+        (r"\boxed{-(5)}", Fraction(-5)),
+        (r"\boxed{\left(-\frac{1}{2}\right)}", Fraction(-1, 2)),
+        (r"\boxed{-\left(\frac{1}{2}\right)}", Fraction(-1, 2)),
+        ("\\boxed{\u2212\\frac{1}{2}}", Fraction(-1, 2)),  # Unicode minus
+        ("The answer is \u2212\\frac{3}{4}.", Fraction(-3, 4)),  # one more: unboxed, Unicode minus before \frac
+        (r"#### -\frac{7}{2}", Fraction(-7, 2)),
+    ],
+)
 def test_signed_answers(completion, value):
     assert extract_answer(completion) == value
     ref = str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
@@ -39,14 +42,17 @@ def test_signed_answers(completion, value):
     assert correctness(["q"], [completion], answer=[str(-value)]) == [0.0]  # the sign decides
 
 
-@pytest.mark.parametrize("text,value", [
-    ("#### 1,234,567", 1234567),
-    ("It costs $1,234.50 in total.", Fraction(246900, 200)),
-    ("between 3,4 and 12", 12),          # "3,4" is two numbers, not 34
-    ("the values 1,23,456", 456),         # not a thousands group: 1, 23, 456 stay separate
-    ("1,2345", 2345),                     # one more: a 4-digit tail is not a group of 3
-    ("scores 12,345,67", 67),             # a trailing 2-digit group breaks the whole group
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("#### 1,234,567", 1234567),
+        ("It costs $1,234.50 in total.", Fraction(246900, 200)),
+        ("between 3,4 and 12", 12),  # "3,4" is two numbers, not 34
+        ("the values 1,23,456", 456),  # not a thousands group: 1, 23, 456 stay separate
+        ("1,2345", 2345),  # one more: a 4-digit tail is not a group of 3
+        ("scores 12,345,67", 67),  # a trailing 2-digit group breaks the whole group
+    ],
+)
 def test_thousands_separators_never_merge_separate_numbers(text, value):
     assert extract_answer(text) == value
 
@@ -74,17 +80,27 @@ def test_gsm8k_verdict_uses_math_verify():
 
 def _batch(completions, answer, R):
     N = len(completions)
-    return RolloutBatch(prompt_ids=torch.zeros(N, 1, dtype=torch.long), prompt_mask=torch.ones(N, 1),
-                        completion_ids=torch.zeros(N, 1, dtype=torch.long), completion_mask=torch.ones(N, 1,
-                                                                                                   dtype=torch.bool),
-                        sampler_logprobs=torch.zeros(N, 1), truncated=torch.zeros(N, dtype=torch.bool), group_size=R,
-                        prompts=["q"] * (N // R), completions=completions, extras={"answer": answer})
+    return RolloutBatch(
+        prompt_ids=torch.zeros(N, 1, dtype=torch.long),
+        prompt_mask=torch.ones(N, 1),
+        completion_ids=torch.zeros(N, 1, dtype=torch.long),
+        completion_mask=torch.ones(N, 1, dtype=torch.bool),
+        sampler_logprobs=torch.zeros(N, 1),
+        truncated=torch.zeros(N, dtype=torch.bool),
+        group_size=R,
+        prompts=["q"] * (N // R),
+        completions=completions,
+        extras={"answer": answer},
+    )
 
 
-@pytest.mark.parametrize("rewards", [
-    {"correctness": 1.0, "format": 1.0},   # case 8: combined reward >= 1 on 3 of 4, correct on 1
-    {"correctness": 0.5},                  # one more: a weight below 1, the old count was always 0
-])
+@pytest.mark.parametrize(
+    "rewards",
+    [
+        {"correctness": 1.0, "format": 1.0},  # case 8: combined reward >= 1 on 3 of 4, correct on 1
+        {"correctness": 0.5},  # one more: a weight below 1, the old count was always 0
+    ],
+)
 def test_accuracy_is_the_tasks_verdict_not_the_reward(rewards):
     completions = ["#### 5", "#### 4", r"\boxed{3}", "five"]
     batch = _batch(completions, ["5"], 4)
@@ -116,9 +132,21 @@ def test_trainer_writes_the_verdicts_mean(tmp_path):
     from grpo_lens.config import TrainConfig
     from grpo_lens.train.loop import train
 
-    config = TrainConfig(out=str(tmp_path / "run"), model="tiny", task="arithmetic", rewards=["test_alternating"],
-                         group_size=4, prompts_per_step=2, max_new_tokens=4, max_steps=1, lens_every=0,
-                         progress=False, device="cpu", save_final_model=False, log_completions=0)
+    config = TrainConfig(
+        out=str(tmp_path / "run"),
+        model="tiny",
+        task="arithmetic",
+        rewards=["test_alternating"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        max_steps=1,
+        lens_every=0,
+        progress=False,
+        device="cpu",
+        save_final_model=False,
+        log_completions=0,
+    )
     row = json.loads((train(config).metrics_path).read_text().splitlines()[0])
     assert row["reward/mean"] == 0.5 and row["reward/accuracy"] == 0.0
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
@@ -21,10 +21,27 @@ import pytest
 from grpo_lens.cli import main
 
 # A run that would take a second if the input were fine: the tiny model, R = 2, one prompt, two new tokens, one step.
-TRAIN = ["train", "--model", "tiny", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "2",
-         "--max-steps", "1", "--lens-every", "0", "--no-progress", "--device", "cpu", "--no-save-final-model",
-         "--rewards", "test_alternating"]
-
+TRAIN = [
+    "train",
+    "--model",
+    "tiny",
+    "--group-size",
+    "2",
+    "--prompts-per-step",
+    "1",
+    "--max-new-tokens",
+    "2",
+    "--max-steps",
+    "1",
+    "--lens-every",
+    "0",
+    "--no-progress",
+    "--device",
+    "cpu",
+    "--no-save-final-model",
+    "--rewards",
+    "test_alternating",
+]
 
 
 @dataclass
@@ -88,12 +105,21 @@ CASES = [
     Case("learning-rate-negative", ["--learning-rate", "-0.001"], ["learning_rate", "-0.001", "must be > 0"]),
     Case("learning-rate-zero", ["--learning-rate", "0"], ["learning_rate", "must be > 0"]),
     Case("max-new-tokens-0", ["--max-new-tokens", "0"], ["max_new_tokens", ">= 1"]),
-    Case("rollout-batch-not-whole-groups", ["--group-size", "4", "--rollout-batch-size", "6"],
-         ["rollout_batch_size", "multiple of group_size=4", "e.g. 4"]),
-    Case("unknown-estimator", ["--estimator", "ppo"],
-         ["estimator", "'ppo'", "valid names: dr_grpo, grpo, optimal, reinforce, rloo"]),
-    Case("unknown-loss-mode", ["--loss-aggregation", "mean"],
-         ["loss_aggregation", "valid names: seq-mean-token-mean, seq-mean-token-sum-norm, token-mean"]),
+    Case(
+        "rollout-batch-not-whole-groups",
+        ["--group-size", "4", "--rollout-batch-size", "6"],
+        ["rollout_batch_size", "multiple of group_size=4", "e.g. 4"],
+    ),
+    Case(
+        "unknown-estimator",
+        ["--estimator", "ppo"],
+        ["estimator", "'ppo'", "valid names: dr_grpo, grpo, optimal, reinforce, rloo"],
+    ),
+    Case(
+        "unknown-loss-mode",
+        ["--loss-aggregation", "mean"],
+        ["loss_aggregation", "valid names: seq-mean-token-mean, seq-mean-token-sum-norm, token-mean"],
+    ),
     Case("unknown-kl-estimator", ["--kl-estimator", "k4"], ["kl_estimator", "valid names: k1, k2, k3"]),
     Case("unknown-std", ["--std", "biased"], ["std", "valid names: population, sample"]),
     Case("temperature-0", ["--temperature", "0"], ["temperature", "must be > 0"]),
@@ -101,8 +127,11 @@ CASES = [
     Case("eps-low-1", ["--eps-low", "1"], ["eps_low", "[0, 1)"]),
     Case("dual-clip-1", ["--dual-clip", "1"], ["dual_clip", "> 1"]),
     Case("mu-0", ["--mu", "0"], ["mu", ">= 1"]),
-    Case("mini-batches-not-dividing", ["--prompts-per-step", "2", "--num-mini-batches", "3"],
-         ["num_mini_batches", "must divide prompts_per_step=2"]),
+    Case(
+        "mini-batches-not-dividing",
+        ["--prompts-per-step", "2", "--num-mini-batches", "3"],
+        ["num_mini_batches", "must divide prompts_per_step=2"],
+    ),
     Case("micro-batch-0", ["--micro-batch-size", "0"], ["micro_batch_size", ">= 1"]),
     Case("reward-timeout-0", ["--reward-timeout", "0"], ["reward_timeout", "> 0 seconds"]),
     Case("unknown-dtype", ["--dtype", "float16"], ["dtype", "valid names: bf16-mixed, bfloat16, float32"]),
@@ -110,83 +139,173 @@ CASES = [
     Case("not-a-number", ["--group-size", "four"], ["--group-size", "invalid int value"]),  # argparse's own error
     # --- names looked up in registries list the valid ones -------------------------------------------------------
     Case("unknown-task", ["--task", "poetry"], ["unknown task 'poetry'", "valid names: arithmetic, gsm8k, jsonl"]),
-    Case("unknown-reward", ["--rewards", "exactness"],
-         ["unknown reward function 'exactness'", "valid names:", "correctness", "format"]),
-    Case("reward-weight-not-a-number", ["--rewards", "correctness:heavy"],
-         ["rewards", "correctness:heavy", "weight after ':' must be a number"]),
-    Case("unknown-task-option", ["--task-options", "{max_operand: 9, digits: 3}"],
-         ["task 'arithmetic'", "digits", "accepted options: min_operand, max_operand"]),
-    Case("inconsistent-task-options", ["--task-options", "{min_operand: 5, max_operand: 1}"],
-         ["min_operand (5) > max_operand (1)"]),
+    Case(
+        "unknown-reward",
+        ["--rewards", "exactness"],
+        ["unknown reward function 'exactness'", "valid names:", "correctness", "format"],
+    ),
+    Case(
+        "reward-weight-not-a-number",
+        ["--rewards", "correctness:heavy"],
+        ["rewards", "correctness:heavy", "weight after ':' must be a number"],
+    ),
+    Case(
+        "unknown-task-option",
+        ["--task-options", "{max_operand: 9, digits: 3}"],
+        ["task 'arithmetic'", "digits", "accepted options: min_operand, max_operand"],
+    ),
+    Case(
+        "inconsistent-task-options",
+        ["--task-options", "{min_operand: 5, max_operand: 1}"],
+        ["min_operand (5) > max_operand (1)"],
+    ),
     Case("task-options-not-yaml", ["--task-options", "{max_operand: [9}"], ["--task-options", "not valid YAML"]),
     Case("task-options-not-a-mapping", ["--task-options", "[1, 2]"], ["--task-options", "expected a YAML mapping"]),
-    Case("task-option-wrong-type", ["--task-options", "{max_operand: many}"],
-         ["task 'arithmetic'", "max_operand", "accepted options"]),
+    Case(
+        "task-option-wrong-type",
+        ["--task-options", "{max_operand: many}"],
+        ["task 'arithmetic'", "max_operand", "accepted options"],
+    ),
     # --- user data: the file and the row ------------------------------------------------------------------------------
     Case("jsonl-without-dataset", ["--task", "jsonl"], ["task 'jsonl' needs --dataset PATH"]),
     Case("dataset-missing", ["--task", "jsonl", "--dataset", "{tmp}/nope.jsonl"], ["nope.jsonl", "does not exist"]),
-    Case("dataset-empty", ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"], ["data.jsonl", "no rows"],
-         setup=rows()),
-    Case("row-missing-prompt", ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
-         ["data.jsonl, row 2", "no 'prompt' column (columns: answer, question)", "Example line"],
-         setup=rows(GOOD_ROW, '{"question": "What is 1 + 1?", "answer": "2"}')),
-    Case("row-empty-prompt", ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
-         ["data.jsonl, row 1", "the prompt is empty"], setup=rows('{"prompt": "   ", "answer": "5"}', GOOD_ROW)),
-    Case("row-prompt-wrong-type", ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
-         ["data.jsonl, row 3", "the prompt is a int, expected a string or a list of messages"],
-         setup=rows(GOOD_ROW, GOOD_ROW, '{"prompt": 42}')),
-    Case("row-bad-message", ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
-         ["data.jsonl, row 1", "prompt message 0"], setup=rows('{"prompt": [{"role": "user"}]}')),
-    Case("row-not-json", ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
-         ["data.jsonl, row 2", "not valid JSON"], setup=rows(GOOD_ROW, '{"prompt": "unclosed')),
-    Case("row-not-an-object", ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
-         ["data.jsonl, row 1", "expected a JSON object, got list"], setup=rows('["What is 2 + 3?"]')),
+    Case(
+        "dataset-empty", ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"], ["data.jsonl", "no rows"], setup=rows()
+    ),
+    Case(
+        "row-missing-prompt",
+        ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
+        ["data.jsonl, row 2", "no 'prompt' column (columns: answer, question)", "Example line"],
+        setup=rows(GOOD_ROW, '{"question": "What is 1 + 1?", "answer": "2"}'),
+    ),
+    Case(
+        "row-empty-prompt",
+        ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
+        ["data.jsonl, row 1", "the prompt is empty"],
+        setup=rows('{"prompt": "   ", "answer": "5"}', GOOD_ROW),
+    ),
+    Case(
+        "row-prompt-wrong-type",
+        ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
+        ["data.jsonl, row 3", "the prompt is a int, expected a string or a list of messages"],
+        setup=rows(GOOD_ROW, GOOD_ROW, '{"prompt": 42}'),
+    ),
+    Case(
+        "row-bad-message",
+        ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
+        ["data.jsonl, row 1", "prompt message 0"],
+        setup=rows('{"prompt": [{"role": "user"}]}'),
+    ),
+    Case(
+        "row-not-json",
+        ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
+        ["data.jsonl, row 2", "not valid JSON"],
+        setup=rows(GOOD_ROW, '{"prompt": "unclosed'),
+    ),
+    Case(
+        "row-not-an-object",
+        ["--task", "jsonl", "--dataset", "{tmp}/data.jsonl"],
+        ["data.jsonl, row 1", "expected a JSON object, got list"],
+        setup=rows('["What is 2 + 3?"]'),
+    ),
     # --- the model ----------------------------------------------------------------------------------------------------
-    Case("model-path-missing", ["--model", "{tmp}/no/such/model"], ["no/such/model", "does not exist",
-                                                                     "pip install"]),
-    Case("model-file-not-gguf", ["--model", "{tmp}/weights.bin"], ["weights.bin", "not a .gguf file"],
-         setup=write("weights.bin", "not a model")),
+    Case("model-path-missing", ["--model", "{tmp}/no/such/model"], ["no/such/model", "does not exist", "pip install"]),
+    Case(
+        "model-file-not-gguf",
+        ["--model", "{tmp}/weights.bin"],
+        ["weights.bin", "not a .gguf file"],
+        setup=write("weights.bin", "not a model"),
+    ),
     Case("model-dir-without-config", ["--model", "{tmp}"], ["has no config.json and no .gguf file"]),
     # --- the config file ------------------------------------------------------------------------------------------
     Case("config-file-missing", ["--config", "{tmp}/nope.yaml"], ["nope.yaml", "does not exist"]),
-    Case("config-file-not-yaml", ["--config", "{tmp}/c.yaml"], ["c.yaml", "not valid YAML"],
-         setup=write("c.yaml", "group_size: [4\n")),
-    Case("config-file-not-a-mapping", ["--config", "{tmp}/c.yaml"], ["c.yaml", "must hold a mapping"],
-         setup=write("c.yaml", "- group_size\n- 4\n")),
-    Case("config-file-unknown-key", ["--config", "{tmp}/c.yaml"], ["unknown config key(s) grup_size", "group_size"],
-         setup=write("c.yaml", "grup_size: 4\n")),
-    Case("config-file-wrong-type", ["--config", "{tmp}/c.yaml"], ["top_k", "'eight'", "must be of type int"],
-         setup=write("c.yaml", "top_k: eight\n")),
+    Case(
+        "config-file-not-yaml",
+        ["--config", "{tmp}/c.yaml"],
+        ["c.yaml", "not valid YAML"],
+        setup=write("c.yaml", "group_size: [4\n"),
+    ),
+    Case(
+        "config-file-not-a-mapping",
+        ["--config", "{tmp}/c.yaml"],
+        ["c.yaml", "must hold a mapping"],
+        setup=write("c.yaml", "- group_size\n- 4\n"),
+    ),
+    Case(
+        "config-file-unknown-key",
+        ["--config", "{tmp}/c.yaml"],
+        ["unknown config key(s) grup_size", "group_size"],
+        setup=write("c.yaml", "grup_size: 4\n"),
+    ),
+    Case(
+        "config-file-wrong-type",
+        ["--config", "{tmp}/c.yaml"],
+        ["top_k", "'eight'", "must be of type int"],
+        setup=write("c.yaml", "top_k: eight\n"),
+    ),
     # --- the run directory: refused, and nothing in it changes ----------------------------------------------------
-    Case("out-holds-a-run", [], ["already holds a run", "--resume", "--overwrite", "another --out"],
-         setup=existing_run()),
-    Case("out-holds-other-files", ["--overwrite"], ["not a grpo-lens run", "choose another --out"],
-         setup=other_files),
+    Case(
+        "out-holds-a-run", [], ["already holds a run", "--resume", "--overwrite", "another --out"], setup=existing_run()
+    ),
+    Case("out-holds-other-files", ["--overwrite"], ["not a grpo-lens run", "choose another --out"], setup=other_files),
     Case("out-is-a-file", [], ["is a file, not a directory"], setup=lambda tmp, out, finished: out.write_text("x")),
     Case("resume-without-run", ["--resume"], ["--resume", "holds no run", "without --resume"], setup=other_files),
-    Case("resume-with-changed-value", ["--resume", "--group-size", "4"],
-         ["--resume: group_size=4 differs from the run's saved group_size=2", "drop the flag"],
-         setup=existing_run()),
-    Case("resume-latest-names-missing-folder", ["--resume"], ["names step-000009, which is missing", "delete"],
-         setup=existing_run(lambda out: (out / "checkpoints" / "latest").write_text("step-000009\n"))),
-    Case("resume-latest-garbage", ["--resume"], ["not a checkpoint name like step-000010"],
-         setup=existing_run(lambda out: (out / "checkpoints" / "latest").write_text("\x00\x17garbage"))),
-    Case("resume-checkpoint-missing-file", ["--resume"], ["incomplete: optimizer.pt is missing", "step 0"],
-         setup=existing_run(lambda out: (out / CKPT / "optimizer.pt").unlink()), model_may_load=True),
-    Case("resume-corrupt-model", ["--resume"], ["step-000001 is corrupt", "restart the run from step 0"],
-         setup=existing_run(lambda out: (out / CKPT / "model.safetensors").write_bytes(b"\x08garbage")),
-         model_may_load=True),
-    Case("resume-corrupt-state", ["--resume"], ["step-000001 is corrupt"],
-         setup=existing_run(lambda out: (out / CKPT / "state.pt").write_bytes(b"PK\x03\x04 truncated")),
-         model_may_load=True),
-    Case("resume-unreadable-config", ["--resume"], ["--resume: cannot read", "config.yaml"],
-         setup=existing_run(lambda out: (out / "config.yaml").write_text("model: [tiny\n"))),
+    Case(
+        "resume-with-changed-value",
+        ["--resume", "--group-size", "4"],
+        ["--resume: group_size=4 differs from the run's saved group_size=2", "drop the flag"],
+        setup=existing_run(),
+    ),
+    Case(
+        "resume-latest-names-missing-folder",
+        ["--resume"],
+        ["names step-000009, which is missing", "delete"],
+        setup=existing_run(lambda out: (out / "checkpoints" / "latest").write_text("step-000009\n")),
+    ),
+    Case(
+        "resume-latest-garbage",
+        ["--resume"],
+        ["not a checkpoint name like step-000010"],
+        setup=existing_run(lambda out: (out / "checkpoints" / "latest").write_text("\x00\x17garbage")),
+    ),
+    Case(
+        "resume-checkpoint-missing-file",
+        ["--resume"],
+        ["incomplete: optimizer.pt is missing", "step 0"],
+        setup=existing_run(lambda out: (out / CKPT / "optimizer.pt").unlink()),
+        model_may_load=True,
+    ),
+    Case(
+        "resume-corrupt-model",
+        ["--resume"],
+        ["step-000001 is corrupt", "restart the run from step 0"],
+        setup=existing_run(lambda out: (out / CKPT / "model.safetensors").write_bytes(b"\x08garbage")),
+        model_may_load=True,
+    ),
+    Case(
+        "resume-corrupt-state",
+        ["--resume"],
+        ["step-000001 is corrupt"],
+        setup=existing_run(lambda out: (out / CKPT / "state.pt").write_bytes(b"PK\x03\x04 truncated")),
+        model_may_load=True,
+    ),
+    Case(
+        "resume-unreadable-config",
+        ["--resume"],
+        ["--resume: cannot read", "config.yaml"],
+        setup=existing_run(lambda out: (out / "config.yaml").write_text("model: [tiny\n")),
+    ),
     # --- plugins and reports ------------------------------------------------------------------------------------------
-    Case("plugin-not-importable", [], ["GRPO_LENS_PLUGINS", "no_such_plugin_module", "PYTHONPATH"],
-         env={"GRPO_LENS_PLUGINS": "no_such_plugin_module"}),
+    Case(
+        "plugin-not-importable",
+        [],
+        ["GRPO_LENS_PLUGINS", "no_such_plugin_module", "PYTHONPATH"],
+        env={"GRPO_LENS_PLUGINS": "no_such_plugin_module"},
+    ),
     Case("report-not-a-directory", ["report", "{tmp}/nothing"], ["nothing is not a directory"], command=False),
-    Case("report-nothing-to-report", ["report", "{tmp}"], ["holds neither metrics.jsonl nor probe.json"],
-         command=False),
+    Case(
+        "report-nothing-to-report", ["report", "{tmp}"], ["holds neither metrics.jsonl nor probe.json"], command=False
+    ),
 ]
 
 
@@ -194,8 +313,11 @@ def tree_digest(path: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file under ``path`` (or of ``path`` itself when it is a file)."""
     if path.is_file():
         return {".": hashlib.sha256(path.read_bytes()).hexdigest()}
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +337,7 @@ def test_bad_input_is_one_clear_error(case, tmp_path, capsys, monkeypatch, finis
     for key, value in case.env.items():
         monkeypatch.setenv(key, value)
     if not case.model_may_load:
+
         def no_model(*args, **kwargs):
             raise AssertionError("a model was loaded before the bad input was reported")
 
@@ -254,8 +377,10 @@ def test_unknown_rank_measure_lists_the_valid_ones():
 
     from grpo_lens.formulas.spectrum import rank_measures
 
-    with pytest.raises(ValueError, match="unknown rank measure 'nuclear'; valid names: erank, k90, k99, "
-                                         "participation_ratio, stable_rank"):
+    with pytest.raises(
+        ValueError,
+        match="unknown rank measure 'nuclear'; valid names: erank, k90, k99, participation_ratio, stable_rank",
+    ):
         rank_measures(torch.tensor([3.0, 1.0]), names=["nuclear"])
 
 
@@ -295,7 +420,12 @@ def test_a_model_that_fails_to_load_creates_no_run_and_replaces_none(tmp_path, c
     assert main(TRAIN + ["--out", str(new), "--model", "someorg/some-model"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
-    assert "'someorg/some-model'" in err and "couldn't connect" in err and "Check the hub id" in err and "pip install" not in err
+    assert (
+        "'someorg/some-model'" in err
+        and "couldn't connect" in err
+        and "Check the hub id" in err
+        and "pip install" not in err
+    )
     assert not new.exists()
     old = tmp_path / "old"
     shutil.copytree(finished_run, old)

@@ -88,8 +88,11 @@ def test_budget_prints_every_cell_it_skips(bench, tmp_path, capsys):
     assert scaling.main(["--quick", "--budget-s", "0", "--json", str(out)]) == 0
     cells = json.loads(out.read_text())["cells"]
     assert len(cells) == 8 and all(not c["times"] for c in cells)
-    assert all(set(c["skipped"]) == set(scaling.SYSTEMS) and all(w.startswith("budget: predicted") for w in
-                                                                 c["skipped"].values()) for c in cells)
+    assert all(
+        set(c["skipped"]) == set(scaling.SYSTEMS)
+        and all(w.startswith("budget: predicted") for w in c["skipped"].values())
+        for c in cells
+    )
     text = capsys.readouterr().out
     assert text.count("skip quick-") == 8
     assert sum(line.startswith("| quick-") and "| skipped |" in line for line in text.splitlines()) == 8
@@ -102,9 +105,23 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_their_figures(tmp_path):
     Python processes), every step's section and figures in the one file."""
     out = tmp_path / "gpu_check.md"
     env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--dry-run", "--out", str(out), "--work",
-                           str(tmp_path / "work"), "--budget-s", "400"], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "gpu_check.py"),
+            "--dry-run",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            "--budget-s",
+            "400",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = out.read_text()
     sections = {s.split("\n", 1)[0]: s for s in text.split("\n## ")[1:]}
@@ -133,7 +150,12 @@ def test_import_sets_passive_openmp_waits_unless_the_user_chose():
 
 def test_bench_threads_runs_both_policies_on_the_tiny_model():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_threads.py"
-    out = subprocess.run([sys.executable, str(script), "--model", "tiny", "--group-size", "2", "--repeats", "1"],
-                         capture_output=True, text=True, check=True, timeout=300).stdout
+    out = subprocess.run(
+        [sys.executable, str(script), "--model", "tiny", "--group-size", "2", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
     rows = [line for line in out.splitlines() if line.startswith(("plain", "exact"))]
     assert len(rows) == 2 and all(float(r.split()[-1]) > 0 for r in rows)

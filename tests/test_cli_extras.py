@@ -71,12 +71,41 @@ def test_probe_accepts_no_progress():
 def test_probe_prints_its_time_and_mixed_groups(tmp_path, capsys):
     # The probe's one-line summary: wall time, and per R the mixed groups of the prompts sampled and that R's seconds
     out = tmp_path / "p"
-    assert main(["probe", "--model", "tiny", "--group-sizes", "2", "--prompts", "2", "--max-new-tokens", "4",
-                 "--baseline-study-prompts", "0", "--credit-groups", "0", "--g2-groups", "0", "--coverage-groups", "0",
-                 "--baseline-prompts", "0", "--no-progress", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "probe",
+                "--model",
+                "tiny",
+                "--group-sizes",
+                "2",
+                "--prompts",
+                "2",
+                "--max-new-tokens",
+                "4",
+                "--baseline-study-prompts",
+                "0",
+                "--credit-groups",
+                "0",
+                "--g2-groups",
+                "0",
+                "--coverage-groups",
+                "0",
+                "--baseline-prompts",
+                "0",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(rf"probe written to {re.escape(str(out))} in \d+ s \(R = 2: \d+ mixed of 2 prompts in \d+ s; "
-                        r"studies \d+ s\)", line), line
+    assert re.fullmatch(
+        rf"probe written to {re.escape(str(out))} in \d+ s \(R = 2: \d+ mixed of 2 prompts in \d+ s; "
+        r"studies \d+ s\)",
+        line,
+    ), line
 
 
 def test_unknown_hub_id_error_has_no_default_model_hint(monkeypatch):

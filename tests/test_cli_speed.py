@@ -21,7 +21,7 @@ HEAVY = ("torch", "transformers", "trl", "matplotlib", "safetensors", "numpy")
 COMMANDS = ("train", "probe", "demo", "model", "report", "compare", "calibrate")
 
 # In a fresh interpreter: run main(argv) (argparse exits after help / version), then list the heavy modules loaded.
-_PROBE = """
+_PROBE = f"""
 import json, sys, time
 t0 = time.perf_counter()
 import grpo_lens.cli
@@ -29,14 +29,20 @@ try:
     grpo_lens.cli.main(sys.argv[1:])
 except SystemExit as e:
     code = e.code
-print(json.dumps({"code": code, "seconds": time.perf_counter() - t0,
-                  "heavy": [m for m in %r if m in sys.modules]}), file=sys.stderr)
-""" % (HEAVY,)
+print(json.dumps({{"code": code, "seconds": time.perf_counter() - t0,
+                  "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}), file=sys.stderr)
+"""
 
 
 def _run(argv: list[str]) -> dict:
-    done = subprocess.run([sys.executable, "-c", _PROBE, *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     return json.loads(done.stderr.strip().splitlines()[-1])
 
 
@@ -57,13 +63,17 @@ def test_import_of_the_cli_module_is_light():
 
 
 # Every registry and constant that config/groups.py, config/train.py and cli.py read from source.
-DECLARED_REGISTRIES = [("grpo_lens.formulas.advantages", "ADVANTAGE_ESTIMATORS"),
-                       ("grpo_lens.formulas.losses", "LOSS_AGGREGATIONS"),
-                       ("grpo_lens.formulas.losses", "KL_ESTIMATORS"),
-                       ("grpo_lens.train.sharding", "PARALLELISMS")]
-DECLARED_CONSTANTS = [("grpo_lens.formulas.advantages", "STD_CONVENTIONS"),
-                      ("grpo_lens.formulas.overlong", "OVERLONG_MODES"),
-                      ("grpo_lens.models", "DEFAULT_MODEL")]
+DECLARED_REGISTRIES = [
+    ("grpo_lens.formulas.advantages", "ADVANTAGE_ESTIMATORS"),
+    ("grpo_lens.formulas.losses", "LOSS_AGGREGATIONS"),
+    ("grpo_lens.formulas.losses", "KL_ESTIMATORS"),
+    ("grpo_lens.train.sharding", "PARALLELISMS"),
+]
+DECLARED_CONSTANTS = [
+    ("grpo_lens.formulas.advantages", "STD_CONVENTIONS"),
+    ("grpo_lens.formulas.overlong", "OVERLONG_MODES"),
+    ("grpo_lens.models", "DEFAULT_MODEL"),
+]
 
 
 @pytest.mark.parametrize("module,name", DECLARED_REGISTRIES)

@@ -31,21 +31,55 @@ def _batch(device: str) -> RolloutBatch:
     prompt_mask = torch.ones(n, lp, dtype=torch.long)
     prompt_mask[:3, :2] = 0
     lens = torch.tensor([5, 2, 5, 1, 4, 3])
-    batch = RolloutBatch(prompt_ids=torch.randint(0, VOCAB, (n, lp), generator=g) * prompt_mask,
-                         prompt_mask=prompt_mask, completion_ids=torch.randint(0, VOCAB, (n, t), generator=g),
-                         completion_mask=torch.arange(t)[None, :] < lens[:, None], sampler_logprobs=torch.zeros(n, t),
-                         truncated=torch.zeros(n, dtype=torch.bool), group_size=3)
-    return RolloutBatch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in (
-        batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, batch.sampler_logprobs,
-        batch.truncated, batch.group_size)))
+    batch = RolloutBatch(
+        prompt_ids=torch.randint(0, VOCAB, (n, lp), generator=g) * prompt_mask,
+        prompt_mask=prompt_mask,
+        completion_ids=torch.randint(0, VOCAB, (n, t), generator=g),
+        completion_mask=torch.arange(t)[None, :] < lens[:, None],
+        sampler_logprobs=torch.zeros(n, t),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        group_size=3,
+    )
+    return RolloutBatch(
+        *(
+            x.to(device) if isinstance(x, torch.Tensor) else x
+            for x in (
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                batch.sampler_logprobs,
+                batch.truncated,
+                batch.group_size,
+            )
+        )
+    )
 
 
-@pytest.mark.parametrize("config", [
-    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True),  # the tied LM head's cross term
-    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False),  # q/k/v biases
-], ids=["llama_tied", "qwen2_bias"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            tie_word_embeddings=True,
+        ),  # the tied LM head's cross term
+        Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            tie_word_embeddings=False,
+        ),  # q/k/v biases
+    ],
+    ids=["llama_tied", "qwen2_bias"],
+)
 def test_exact_gram_on_cuda_equals_the_float64_cpu_oracle(config):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).double().eval()
@@ -59,9 +93,23 @@ def test_exact_gram_on_cuda_equals_the_float64_cpu_oracle(config):
 
 
 def test_bf16_mixed_training_with_the_lens_on_cuda(tmp_path):
-    run = train(TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2, max_new_tokens=8,
-                            max_steps=2, lens_every=1, seed=0, device="cuda", dtype="bf16-mixed",
-                            out=str(tmp_path / "run"), progress=False, save_final_model=False))
+    run = train(
+        TrainConfig(
+            model="tiny",
+            rewards=["test_parity"],
+            group_size=4,
+            prompts_per_step=2,
+            max_new_tokens=8,
+            max_steps=2,
+            lens_every=1,
+            seed=0,
+            device="cuda",
+            dtype="bf16-mixed",
+            out=str(tmp_path / "run"),
+            progress=False,
+            save_final_model=False,
+        )
+    )
     records = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss/policy" in r]
     assert len(steps) == 2

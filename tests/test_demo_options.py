@@ -9,11 +9,20 @@ from grpo_lens.demo import QUICK, DemoConfig
 
 
 def test_demo_options_reach_the_training_and_probe_stages():
-    c = DemoConfig(rewards=["correctness", "format_reward:0.5"], estimator="rloo", lora_rank=4,
-                   report_to=["tensorboard"], probe_study_prompts=3)
+    c = DemoConfig(
+        rewards=["correctness", "format_reward:0.5"],
+        estimator="rloo",
+        lora_rank=4,
+        report_to=["tensorboard"],
+        probe_study_prompts=3,
+    )
     t, p = c.train_config(), c.probe_config("tiny", "/tmp/unused")
-    assert (t.rewards, t.estimator, t.lora_rank, t.report_to) == (["correctness", "format_reward:0.5"], "rloo", 4,
-                                                                  ["tensorboard"])
+    assert (t.rewards, t.estimator, t.lora_rank, t.report_to) == (
+        ["correctness", "format_reward:0.5"],
+        "rloo",
+        4,
+        ["tensorboard"],
+    )
     assert (p.rewards, p.estimator, p.baseline_study_prompts, p.credit_groups) == (t.rewards, "rloo", 3, 3)
     with pytest.raises(ConfigError, match="tracker"):
         DemoConfig(report_to=["mlflow"]).train_config()

@@ -33,8 +33,11 @@ def test_readme_is_a_page_a_newcomer_reads():
 
 
 def test_readme_links_point_at_files_that_exist():
-    missing = [link for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
-               if "://" not in link and not (ROOT / link).exists()]
+    missing = [
+        link
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+        if "://" not in link and not (ROOT / link).exists()
+    ]
     assert not missing, missing
 
 
@@ -44,13 +47,27 @@ def test_docs_site_builds_strict_and_offline(tmp_path):
     # module that does not exist) fails. No plugin fetches anything, so this passes without a network.
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None:
         pytest.skip("the docs extra is not installed (pip install '.[docs]'; make installs it)")
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site"),
-                             "--config-file", str(ROOT / "mkdocs.yml")], capture_output=True, text=True, cwd=ROOT,
-                            timeout=600, env={**_env(), "NO_MKDOCS_2_WARNING": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--site-dir",
+            str(tmp_path / "site"),
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={**_env(), "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     site = tmp_path / "site"
-    for page in ("index.html", "usage.html", "benchmarks.html", "changelog.html", "configs.html",
-                 "api/formulas.html"):
+    for page in ("index.html", "usage.html", "benchmarks.html", "changelog.html", "configs.html", "api/formulas.html"):
         assert (site / page).is_file(), page
     # the API pages hold the docstrings: a function of the formulas and its docstring's words
     api = (site / "api" / "formulas.html").read_text(encoding="utf8")
@@ -84,8 +101,9 @@ def test_api_pages_cover_every_module():
 @pytest.mark.e2e
 def test_cli_reference_is_up_to_date():
     # tools/update_cli_reference.py --check exits 1 when a config field's help changed without regenerating docs/cli.md
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "update_cli_reference.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "update_cli_reference.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -122,8 +140,9 @@ def test_layout_lists_every_module():
     package = ROOT / "grpo_lens"
     files = {str(p.relative_to(ROOT)) for p in package.rglob("*.py")}
     dirs = {str(p.parent.relative_to(ROOT)) for p in package.rglob("__init__.py")}
-    missing = sorted(f for f in files if f not in listed and not (f.endswith("/__init__.py") and
-                                                                   f.rsplit("/", 1)[0] in listed))
+    missing = sorted(
+        f for f in files if f not in listed and not (f.endswith("/__init__.py") and f.rsplit("/", 1)[0] in listed)
+    )
     missing += sorted(d for d in dirs if d not in listed)
     stale = sorted(x for x in listed if x not in files | dirs)
     assert not missing and not stale, f"docs/layout.md: missing {missing}, no longer in the package {stale}"
@@ -160,6 +179,7 @@ def test_citation_cites_the_software_and_references_the_paper():
 
 @pytest.mark.skipif(shutil.which("cffconvert") is None, reason="cffconvert not installed")
 def test_citation_is_valid_cff():
-    result = subprocess.run(["cffconvert", "--validate", "-i", str(ROOT / "CITATION.cff")], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["cffconvert", "--validate", "-i", str(ROOT / "CITATION.cff")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr

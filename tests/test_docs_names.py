@@ -78,8 +78,12 @@ def test_resolve_refuses_the_removed_paths():
     from grpo_lens.formulas.advantages import compute_advantages
 
     assert resolve("grpo_lens.formulas.advantages.compute_advantages") is compute_advantages
-    for old in ("grpo_lens.advantages.compute_advantages", "grpo_lens.diagnostics.spectrum.rank_measures",
-                "grpo_lens.lora.lora_rollout_grads", "grpo_lens.claims.band_verdict"):
+    for old in (
+        "grpo_lens.advantages.compute_advantages",
+        "grpo_lens.diagnostics.spectrum.rank_measures",
+        "grpo_lens.lora.lora_rollout_grads",
+        "grpo_lens.claims.band_verdict",
+    ):
         with pytest.raises(LookupError, match="has no"):
             resolve(old)
     with pytest.raises(LookupError, match="has no"):
@@ -164,7 +168,6 @@ def test_every_theory_citation_points_at_a_section():
                 bad.append(f"{where}: §{cite[:40]}")
         elif not cite.startswith(PLACEHOLDERS) or cite.split("`")[0].strip() not in PLACEHOLDERS:
             cut = cite.rstrip(" \"'")  # a title broken over two lines: its first words end the line
-            if not any(re.match(re.escape(t) + r"(\W|$)", cite) or (t.startswith(cut) and " " in cut)
-                       for t in titles):
+            if not any(re.match(re.escape(t) + r"(\W|$)", cite) or (t.startswith(cut) and " " in cut) for t in titles):
                 bad.append(f"{where}: §{cite[:40]}")
     assert not bad, "citations of docs/theory.md sections that do not exist:\n" + "\n".join(bad)

@@ -82,12 +82,12 @@ def _poison_generation_config(model, tokenizer):
     g.renormalize_logits = True
     g.guidance_scale = 3.0
     g.watermarking_config = {"greenlist_ratio": 0.5, "bias": 10.0, "seeding_scheme": "lefthash"}
-    g.penalty_alpha = 0.6            # contrastive search
-    g.dola_layers = "high"           # DoLa decoding
+    g.penalty_alpha = 0.6  # contrastive search
+    g.dola_layers = "high"  # DoLa decoding
     g.num_beam_groups = 2
     g.diversity_penalty = 1.0
-    g.prompt_lookup_num_tokens = 3   # assisted decoding
-    g.stop_strings = ["a"]           # stops (length, not distribution) are grpo-lens' too
+    g.prompt_lookup_num_tokens = 3  # assisted decoding
+    g.stop_strings = ["a"]  # stops (length, not distribution) are grpo-lens' too
     g.max_time = 1e-6
     g.max_length = 3
     g.num_return_sequences = 2
@@ -98,16 +98,20 @@ def _poison_generation_config(model, tokenizer):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (0.7, 0, 1.0),   # case 1: min_p = 0.5 (and every other field) on the model, sample_groups(temperature=0.7)
-    (1.0, 5, 0.9),   # one more: the same poisoned config under grpo-lens' own top-k and top-p
-])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [
+        (0.7, 0, 1.0),  # case 1: min_p = 0.5 (and every other field) on the model, sample_groups(temperature=0.7)
+        (1.0, 5, 0.9),  # one more: the same poisoned config under grpo-lens' own top-k and top-p
+    ],
+)
 def test_model_generation_config_never_leaks_into_sampling(fresh_tiny_model_and_tokenizer, temperature, top_k, top_p):
     model, tok = fresh_tiny_model_and_tokenizer
     poisoned = _poison_generation_config(model, tok)
     outputs = _spy_generate(model)
-    batch = sample_groups(model, tok, PROMPTS, 4, max_new_tokens=8, temperature=temperature, top_k=top_k,
-                          top_p=top_p, generator_seed=0)
+    batch = sample_groups(
+        model, tok, PROMPTS, 4, max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p, generator_seed=0
+    )
     assert model.generation_config is poisoned and poisoned.min_p == 0.5  # put back untouched
     # Not one greedy/beam run of 1 token: 8 sampled tokens per rollout (min_p etc. would also end or force them).
     assert batch.completion_ids.shape[1] > 1
@@ -118,14 +122,16 @@ def test_model_generation_config_never_leaks_into_sampling(fresh_tiny_model_and_
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
     T = batch.completion_ids.shape[1]
-    trainer = torch.log_softmax(process_logits(logits[:, -T - 1:-1].float(), temperature, top_k, top_p), -1)
+    trainer = torch.log_softmax(process_logits(logits[:, -T - 1 : -1].float(), temperature, top_k, top_p), -1)
     trainer = trainer.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
     (out,) = outputs  # one generate call for all N rollouts
-    new = out.sequences[:, -len(out.scores):]  # [N, t] the sampled tokens
-    sampler = torch.stack([torch.log_softmax(s.float(), -1).gather(-1, new[:, t:t + 1]).squeeze(-1)
-                           for t, s in enumerate(out.scores)], 1)
-    m = batch.completion_mask[:, :sampler.shape[1]]
-    ratio = torch.exp(trainer[:, :sampler.shape[1]] - sampler)[m]
+    new = out.sequences[:, -len(out.scores) :]  # [N, t] the sampled tokens
+    sampler = torch.stack(
+        [torch.log_softmax(s.float(), -1).gather(-1, new[:, t : t + 1]).squeeze(-1) for t, s in enumerate(out.scores)],
+        1,
+    )
+    m = batch.completion_mask[:, : sampler.shape[1]]
+    ratio = torch.exp(trainer[:, : sampler.shape[1]] - sampler)[m]
     torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=1e-4)
 
 
@@ -136,25 +142,38 @@ def test_leaking_config_would_change_the_distribution(fresh_tiny_model_and_token
     model, tok = fresh_tiny_model_and_tokenizer
     model.generation_config.min_p = 0.5
     ids = torch.tensor([tok("2 + 2 =")["input_ids"]])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.7,
-                         top_k=0, max_new_tokens=3, output_scores=True, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        max_new_tokens=3,
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+    )
     with pytest.raises(AssertionError):
         _assert_scores_are_process_logits([out], 0.7, 0, 1.0)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("top_k,top_p", [
-    (5, 1.0),   # case 2: top_k = 5, beta > 0
-    (0, 0.5),   # one more: top_p = 0.5
-])
+@pytest.mark.parametrize(
+    "top_k,top_p",
+    [
+        (5, 1.0),  # case 2: top_k = 5, beta > 0
+        (0, 0.5),  # one more: top_p = 0.5
+    ],
+)
 def test_reference_logprobs_are_never_filtered_by_the_samplers_settings(tiny_model_and_tokenizer, top_k, top_p):
     from grpo_lens.models import build_tiny_model
 
     policy, tok = tiny_model_and_tokenizer
     reference, _ = build_tiny_model(seed=1)  # a different model: the policy's top-k set is not the reference's
-    batch = sample_groups(policy, tok, PROMPTS, 8, max_new_tokens=8, temperature=0.7, top_k=top_k, top_p=top_p,
-                          generator_seed=0)
+    batch = sample_groups(
+        policy, tok, PROMPTS, 8, max_new_tokens=8, temperature=0.7, top_k=top_k, top_p=top_p, generator_seed=0
+    )
     with torch.no_grad():
         ref = batch_logprobs(reference, batch, 0.7)
         pol = batch_logprobs(policy, batch, 0.7)
@@ -162,7 +181,7 @@ def test_reference_logprobs_are_never_filtered_by_the_samplers_settings(tiny_mod
         logits = reference(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
     T = batch.completion_ids.shape[1]
     m = batch.completion_mask
-    raw = logits[:, -T - 1:-1].float()
+    raw = logits[:, -T - 1 : -1].float()
     # The filtered reference the bug used: most sampled tokens lie outside the reference's own top-k / nucleus
     # (-inf there), which nan_to_num turned into 0.0. The test is only meaningful if that happens here.
     filtered = torch.log_softmax(process_logits(raw, 0.7, top_k, top_p), -1)
@@ -187,8 +206,9 @@ def test_every_sampled_token_has_a_finite_logprob(fresh_tiny_model_and_tokenizer
     model, tok = fresh_tiny_model_and_tokenizer
     model = model.to(dtype)
     top_k, top_p = (0, 0.5) if dtype == torch.bfloat16 else (2, 1.0)
-    batch = sample_groups(model, tok, PROMPTS, 8, max_new_tokens=8, temperature=0.7, top_k=top_k, top_p=top_p,
-                          generator_seed=0)
+    batch = sample_groups(
+        model, tok, PROMPTS, 8, max_new_tokens=8, temperature=0.7, top_k=top_k, top_p=top_p, generator_seed=0
+    )
     if dtype == torch.float32:
         with torch.no_grad():
             for p in model.parameters():
@@ -206,16 +226,30 @@ def test_every_sampled_token_has_a_finite_logprob(fresh_tiny_model_and_tokenizer
         ids, am = batch.input_ids(), batch.attention_mask()
         logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
     T = batch.completion_ids.shape[1]
-    old_def = torch.log_softmax(process_logits(logits[:, -T - 1:-1].float(), 0.7, top_k, top_p), -1)
+    old_def = torch.log_softmax(process_logits(logits[:, -T - 1 : -1].float(), 0.7, top_k, top_p), -1)
     old_def = old_def.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
     if dtype == torch.float32:
         assert torch.isinf(old_def[m]).any()
 
 
 def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
-    values = dict(model="tiny", task="arithmetic", rewards=["test_alternating"], group_size=4, prompts_per_step=2,
-                  max_new_tokens=6, max_steps=1, checkpoint_every=10, lens_every=0, progress=False, device="cpu",
-                  save_final_model=False, log_completions=0, micro_batch_size=8, seed=0)
+    values = dict(
+        model="tiny",
+        task="arithmetic",
+        rewards=["test_alternating"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=6,
+        max_steps=1,
+        checkpoint_every=10,
+        lens_every=0,
+        progress=False,
+        device="cpu",
+        save_final_model=False,
+        log_completions=0,
+        micro_batch_size=8,
+        seed=0,
+    )
     values.update(overrides)
     return TrainConfig(out=str(tmp_path / name), **values)
 
@@ -225,10 +259,13 @@ def _metrics(run):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("dtype,top_p", [
-    ("bfloat16", 1.0),   # case 4: --dtype bfloat16 --mu 1 with eps 0.02
-    ("float32", 0.5),    # one more: float32 with a nucleus
-])
+@pytest.mark.parametrize(
+    "dtype,top_p",
+    [
+        ("bfloat16", 1.0),  # case 4: --dtype bfloat16 --mu 1 with eps 0.02
+        ("float32", 0.5),  # one more: float32 with a nucleus
+    ],
+)
 def test_first_pass_ratio_is_exactly_one_in_any_dtype(tmp_path, dtype, top_p):
     m = _metrics(train(tiny_config(tmp_path, dtype=dtype, top_p=top_p, eps_low=0.02, eps_high=0.02)))[0]
     assert m["ratio/max"] == 1.0 and m["ratio/mean"] == 1.0  # exp(logp - logp.detach()) = exp(0)

@@ -67,11 +67,16 @@ def test_placeholder_sets_agree_with_the_code_that_fills_them():
     assert set(metrics.RANK_MEASURE_NAMES) == set(RANK_MEASURES.names())
     assert metrics.WEIGHTING_NAMES == WEIGHTINGS
     assert metrics.LAYER_TYPE_NAMES == tuple(k for k, _ in LAYER_TYPES) + ("other",)
-    assert metrics.SPARSITY_MEASURES == {"update_step": UPDATE_MEASURES, "update_total": UPDATE_MEASURES,
-                                         "grad": GRAD_MEASURES, "grad_total": GRAD_MEASURES}
+    assert metrics.SPARSITY_MEASURES == {
+        "update_step": UPDATE_MEASURES,
+        "update_total": UPDATE_MEASURES,
+        "grad": GRAD_MEASURES,
+        "grad_total": GRAD_MEASURES,
+    }
     names = ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.mlp.up_proj.bias")
-    assert {parameter_category(n, n.endswith(".weight") and "lm" in n) for n in names} \
-        == set(metrics.PARAMETER_CATEGORIES)
+    assert {parameter_category(n, n.endswith(".weight") and "lm" in n) for n in names} == set(
+        metrics.PARAMETER_CATEGORIES
+    )
     for matrix in (*G1_CONTROLS, "g1_layer", "g2", "g3", "g3_null", *(f"g3_{w}" for w in WEIGHTINGS[1:])):
         assert metrics.rank_key(matrix, "erank") == f"rank/{matrix}_erank"
 
@@ -92,13 +97,19 @@ def test_templates_format_parse_and_expand():
         metrics.RANK_G1.format(measure="erank")
     with pytest.raises(ValueError, match="free placeholder"):
         metrics.REWARD_FUNCTION.expand()
-    for bad in (lambda: metrics.rank_key("g4", "erank"), lambda: metrics.zero_sum_key("span", "p"),
-                lambda: metrics.sparsity_key("grad", "f32_unchanged"), lambda: metrics.sketch_share_key("bias")):
+    for bad in (
+        lambda: metrics.rank_key("g4", "erank"),
+        lambda: metrics.zero_sum_key("span", "p"),
+        lambda: metrics.sparsity_key("grad", "f32_unchanged"),
+        lambda: metrics.sketch_share_key("bias"),
+    ):
         with pytest.raises(ValueError, match="not"):
             bad()
     # a plain key wins over a template that would also match it; a scope narrows the look-up
-    assert lookup("reward/mean")[0].key == "reward/mean" and lookup("reward/format") == (metrics.REWARD_FUNCTION,
-                                                                                         {"name": "format"})
+    assert lookup("reward/mean")[0].key == "reward/mean" and lookup("reward/format") == (
+        metrics.REWARD_FUNCTION,
+        {"name": "format"},
+    )
     assert lookup("groups", G3)[0] is not lookup("groups", PROBE)[0]
     assert lookup("rank/g1_erank", G3) is None
 
@@ -106,35 +117,59 @@ def test_templates_format_parse_and_expand():
 def test_s1_is_one_concept_under_several_names():
     # the five names of S1 keep their keys (no rename in this version); the vocabulary ties them together
     s1 = {m.key for m in metrics.concepts()["S1"]}
-    assert {"reward/frac_zero_std_groups", "dynamic/zero_var_frac_sampled", "dynamic/kept_frac_zero_std_groups",
-            "s1_measured", "baselines.s1"} <= s1
+    assert {
+        "reward/frac_zero_std_groups",
+        "dynamic/zero_var_frac_sampled",
+        "dynamic/kept_frac_zero_std_groups",
+        "s1_measured",
+        "baselines.s1",
+    } <= s1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 1. What the trainer and the probe write
 # ---------------------------------------------------------------------------------------------------------------------
 def _train_config(out, **overrides) -> TrainConfig:
-    values = dict(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2, max_new_tokens=8,
-                  max_steps=2, learning_rate=1e-2, mu=1, micro_batch_size=4, lens_every=1, seed=0, device="cpu",
-                  out=str(out), progress=False, save_final_model=False, log_completions=0, checkpoint_every=100)
+    values = dict(
+        model="tiny",
+        rewards=["test_parity"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=8,
+        max_steps=2,
+        learning_rate=1e-2,
+        mu=1,
+        micro_batch_size=4,
+        lens_every=1,
+        seed=0,
+        device="cpu",
+        out=str(out),
+        progress=False,
+        save_final_model=False,
+        log_completions=0,
+        checkpoint_every=100,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
 
 #: (name, config overrides) of the training runs: between them every conditional key is written
 TRAIN_RUNS = {
-    "lens_kl_tis_overlong": dict(beta=0.1, tis_cap=2.0, overlong="soft-punish", overlong_buffer=4, mu=2,
-                                 num_mini_batches=2),
+    "lens_kl_tis_overlong": dict(
+        beta=0.1, tis_cap=2.0, overlong="soft-punish", overlong_buffer=4, mu=2, num_mini_batches=2
+    ),
     "optimal": dict(estimator="optimal", eval_every=2, eval_prompts=2, eval_samples=1),
     "dynamic": dict(dynamic_sampling=True, seed=3),
     "kl_in_reward": dict(beta=0.1, kl_in_reward=True, lens_every=0),
 }
 
 #: entries neither the training runs nor the probe write, and why
-NOT_WRITTEN = {"sketch/exact_share_other": "the tiny model has no parameter outside linear, embedding and norm",
-               "reward/logged/{name}": "only a reward function calling log_metric writes it (test_run_integrity.py)",
-               "rank/g1_{m}_lo": "the lens writes it from 8 mixed groups a step; tests/claims covers the function",
-               "rank/g1_{m}_hi": "as rank/g1_{m}_lo"}
+NOT_WRITTEN = {
+    "sketch/exact_share_other": "the tiny model has no parameter outside linear, embedding and norm",
+    "reward/logged/{name}": "only a reward function calling log_metric writes it (test_run_integrity.py)",
+    "rank/g1_{m}_lo": "the lens writes it from 8 mixed groups a step; tests/claims covers the function",
+    "rank/g1_{m}_hi": "as rank/g1_{m}_lo",
+}
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +188,9 @@ def _undefined(keys, scope, free=None) -> list[str]:
         found = lookup(key, scope)
         if found is None:
             bad.append(key)
-        elif free is not None and any(v not in free.get(p, ()) for p, v in found[1].items()
-                                      if found[0].values_of(p) is None):
+        elif free is not None and any(
+            v not in free.get(p, ()) for p, v in found[1].items() if found[0].values_of(p) is None
+        ):
             bad.append(f"{key} (free value {found[1]})")
     return bad
 
@@ -175,10 +211,26 @@ def test_every_key_the_trainer_writes_is_defined(train_records):
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    config = ProbeConfig(model="tiny", rewards=["test_parity"], group_sizes=[4], prompts=8, prompts_per_batch=4,
-                         max_new_tokens=8, baseline_prompts=1, resamples=32, random_draws=4, seed=0, device="cpu",
-                         out=str(tmp_path_factory.mktemp("probe") / "p"), study_group_size=2,
-                         baseline_study_prompts=2, credit_groups=1, mc_groups=1, mc_samples=2, progress=False)
+    config = ProbeConfig(
+        model="tiny",
+        rewards=["test_parity"],
+        group_sizes=[4],
+        prompts=8,
+        prompts_per_batch=4,
+        max_new_tokens=8,
+        baseline_prompts=1,
+        resamples=32,
+        random_draws=4,
+        seed=0,
+        device="cpu",
+        out=str(tmp_path_factory.mktemp("probe") / "p"),
+        study_group_size=2,
+        baseline_study_prompts=2,
+        credit_groups=1,
+        mc_groups=1,
+        mc_samples=2,
+        progress=False,
+    )
     return json.loads((run_probe(config) / "probe.json").read_text())
 
 
@@ -260,8 +312,10 @@ def key_literals(source: str) -> list[tuple[int, str]]:
 
 
 def test_the_scan_sees_key_literals():
-    found = key_literals('a = {"reward/mean": 1}\nb = f"rank/{m}_x"\nc = "sparsity/" + t\nd = r["s1_measured"]\n'
-                         'e = "nats/token"\nf = f"{out}/probe.json"\n')
+    found = key_literals(
+        'a = {"reward/mean": 1}\nb = f"rank/{m}_x"\nc = "sparsity/" + t\nd = r["s1_measured"]\n'
+        'e = "nats/token"\nf = f"{out}/probe.json"\n'
+    )
     assert sorted({line for line, _ in found}) == [1, 2, 3, 4]
 
 
@@ -310,10 +364,20 @@ def test_trl_and_verl_names_map_one_to_one_and_round_trip():
         assert len(names) == len(set(names)), scheme
     assert metrics.other_name(metrics.REWARD_FUNCTION.format(name="fmt"), "trl") == "rewards/fmt/mean"
     assert metrics.other_name(metrics.rank_key("g1", "erank"), "trl") is None
-    logs = {"reward": 0.5, "reward_std": 0.4, "rewards/fmt/mean": 0.25, "grad_norm": 3.0, "learning_rate": 1e-6,
-            "num_tokens": 99.0}
-    assert metrics.from_trl(logs) == {metrics.REWARD_MEAN: 0.5, metrics.REWARD_FUNCTION.format(name="fmt"): 0.25,
-                                      metrics.GRAD_NORM: 3.0, metrics.LR: 1e-6}
+    logs = {
+        "reward": 0.5,
+        "reward_std": 0.4,
+        "rewards/fmt/mean": 0.25,
+        "grad_norm": 3.0,
+        "learning_rate": 1e-6,
+        "num_tokens": 99.0,
+    }
+    assert metrics.from_trl(logs) == {
+        metrics.REWARD_MEAN: 0.5,
+        metrics.REWARD_FUNCTION.format(name="fmt"): 0.25,
+        metrics.GRAD_NORM: 3.0,
+        metrics.LR: 1e-6,
+    }
     record = {metrics.REWARD_MEAN: 0.5, metrics.STEP: 3, metrics.RANK_MIXED_GROUPS: 2.0}
     assert metrics.renamed_record(record, "trl") == {"reward": 0.5, metrics.STEP: 3, metrics.RANK_MIXED_GROUPS: 2.0}
     with pytest.raises(ValueError, match="valid names"):

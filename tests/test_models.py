@@ -29,8 +29,9 @@ def test_tiny_tokenizer(tiny_model_and_tokenizer):
     assert len(tok) == 259
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>" and tok.padding_side == "left"
     assert tok.pad_token_id != tok.eos_token_id
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     # Byte level: one token per UTF-8 byte ("é" is 2 bytes), each special token one id, exact round trip.
     ids = tok("<|im_start|>aé!<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -231,8 +232,9 @@ def test_default_model_gguf_then_cached(monkeypatch, tmp_path):
     assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M, tied embeddings
     assert tok.eos_token == "<|im_end|>" and tok.padding_side == "left" and tok.pad_token is not None
     assert cached_tok.chat_template == tok.chat_template and "<|im_start|>" in tok.chat_template
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tok([text], return_tensors="pt")
     assert cached_tok([text], return_tensors="pt")["input_ids"].tolist() == ids["input_ids"].tolist()
     with torch.no_grad():

@@ -40,9 +40,12 @@ def test_check_names_the_recorded_module_and_the_variable(tmp_path, monkeypatch)
     path = tmp_path / "config.yaml"
     path.write_text(config_header("my_rewards") + "rewards: [parity]\n")
     check_resumed_plugins(["correctness", "format:0.1"], "arithmetic", path)  # built-ins: nothing to say
-    with pytest.raises(ConfigError, match=r"reward function 'parity' is not registered; this run was started with "
-                                          r"GRPO_LENS_PLUGINS=my_rewards .*set GRPO_LENS_PLUGINS=my_rewards again, "
-                                          r"with 'my_rewards' importable"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reward function 'parity' is not registered; this run was started with "
+        r"GRPO_LENS_PLUGINS=my_rewards .*set GRPO_LENS_PLUGINS=my_rewards again, "
+        r"with 'my_rewards' importable",
+    ):
         check_resumed_plugins(["parity:2"], "arithmetic", path)
     with pytest.raises(ConfigError, match="task 'my_task'"):
         check_resumed_plugins(["correctness"], "my_task", path)

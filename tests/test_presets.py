@@ -43,9 +43,23 @@ def test_cpu_preset_runs_end_to_end_on_a_tiny_model(tmp_path):
 
     # test_parity (a coin flip per rollout) instead of math_verify: a random tiny model never solves GSM8K, and the
     # probe analyses mixed groups only
-    config = ProbeConfig.load(CPU, dict(
-        model="tiny", rewards=["test_parity"], group_sizes=[2], prompts=2, max_new_tokens=8, baseline_prompts=1,
-        resamples=8, random_draws=2, g2_groups=1, coverage_groups=0, progress=False, out=str(tmp_path / "probe")))
+    config = ProbeConfig.load(
+        CPU,
+        dict(
+            model="tiny",
+            rewards=["test_parity"],
+            group_sizes=[2],
+            prompts=2,
+            max_new_tokens=8,
+            baseline_prompts=1,
+            resamples=8,
+            random_draws=2,
+            g2_groups=1,
+            coverage_groups=0,
+            progress=False,
+            out=str(tmp_path / "probe"),
+        ),
+    )
     out = run_probe(config)
     probe = json.loads((out / "probe.json").read_text())
     assert probe["meta"]["task"] == "gsm8k" and probe["meta"]["gradients"] == "exact_gram"
@@ -57,10 +71,24 @@ def test_cpu_preset_runs_end_to_end_on_a_tiny_model(tmp_path):
 def test_train_preset_runs_end_to_end_on_a_tiny_model(tmp_path):
     from grpo_lens.train.loop import train
 
-    config = TrainConfig.load(TRAIN, dict(
-        model="tiny", rewards=["test_parity"], group_size=2, prompts_per_step=2, max_new_tokens=4, max_steps=2,
-        lens_every=1, eval_every=0, checkpoint_every=2, dtype="float32", device="cpu", progress=False,
-        out=str(tmp_path / "train")))
+    config = TrainConfig.load(
+        TRAIN,
+        dict(
+            model="tiny",
+            rewards=["test_parity"],
+            group_size=2,
+            prompts_per_step=2,
+            max_new_tokens=4,
+            max_steps=2,
+            lens_every=1,
+            eval_every=0,
+            checkpoint_every=2,
+            dtype="float32",
+            device="cpu",
+            progress=False,
+            out=str(tmp_path / "train"),
+        ),
+    )
     train(config)
     records = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "step" in r][-1] == 2

@@ -19,10 +19,13 @@ def _base_tokenizer(tok, template: str):
     return tok
 
 
-@pytest.mark.parametrize("template", [
-    "<|im_start|> $A",               # case 6: BOS added by the post-processor
-    "<|im_start|> $A <|im_end|>",    # one more: BOS and EOS both added, kept exactly as tokenizer(prompt) gives
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "<|im_start|> $A",  # case 6: BOS added by the post-processor
+        "<|im_start|> $A <|im_end|>",  # one more: BOS and EOS both added, kept exactly as tokenizer(prompt) gives
+    ],
+)
 def test_base_model_prompts_are_tokenized_exactly_as_the_tokenizer_does(fresh_tiny_model_and_tokenizer, template):
     model, tok = fresh_tiny_model_and_tokenizer
     tok = _base_tokenizer(tok, template)
@@ -36,11 +39,17 @@ def test_base_model_prompts_are_tokenized_exactly_as_the_tokenizer_does(fresh_ti
         assert prompt_token_ids(tok, prompts[g]) == ids
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "The answer is"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "7 * 6 ="},
-     {"role": "assistant", "content": "Let me think: 7 * 6"}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "The answer is"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "7 * 6 ="},
+            {"role": "assistant", "content": "Let me think: 7 * 6"},
+        ],
+    ],
+)
 def test_chat_prompt_ending_with_the_assistant_is_continued(tiny_model_and_tokenizer, messages):
     model, tok = tiny_model_and_tokenizer
     other = [{"role": "user", "content": "Hi"}]

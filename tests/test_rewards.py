@@ -24,26 +24,31 @@ from grpo_lens.rewards import (
 )
 from grpo_lens.rollout import RolloutBatch
 
-LONG_TAIL = ("\n\nTo double-check: 6 apples at 7 each is 42, minus 3 is 39, and 2019 was the year it was 12 "
-             "degrees; none of 5, 6 or 7.5 matters here.")
+LONG_TAIL = (
+    "\n\nTo double-check: 6 apples at 7 each is 42, minus 3 is 39, and 2019 was the year it was 12 "
+    "degrees; none of 5, 6 or 7.5 matters here."
+)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("#### 1,234", Fraction(1234)),                       # thousands comma dropped
-    (r"so the total is \boxed{72}.", Fraction(72)),       # boxed, no ####
-    ("The answer is 18.0.", Fraction(18)),                # last number; the sentence's period is not a decimal
-    ("#### 42" + LONG_TAIL, Fraction(42)),                # #### wins over every later number
-    ("It costs $1,000 in total.", Fraction(1000)),        # $ and comma dropped
-    ("The temperature fell to -7 degrees.", Fraction(-7)),
-    ("#### -3", Fraction(-3)),
-    ("10 - 4 = 6", Fraction(6)),                          # a minus between numbers is not a sign
-    (r"\boxed{\frac{3}{4}}", Fraction(3, 4)),
-    (r"\boxed{x = 12}", Fraction(12)),                    # last number inside the box
-    ("Step 1: 3 + 4 = 7\n#### The answer is 7 apples", Fraction(7)),  # first number on the #### line
-    ("0.5 of it", Fraction(1, 2)),
-    ("I don't know.", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("#### 1,234", Fraction(1234)),  # thousands comma dropped
+        (r"so the total is \boxed{72}.", Fraction(72)),  # boxed, no ####
+        ("The answer is 18.0.", Fraction(18)),  # last number; the sentence's period is not a decimal
+        ("#### 42" + LONG_TAIL, Fraction(42)),  # #### wins over every later number
+        ("It costs $1,000 in total.", Fraction(1000)),  # $ and comma dropped
+        ("The temperature fell to -7 degrees.", Fraction(-7)),
+        ("#### -3", Fraction(-3)),
+        ("10 - 4 = 6", Fraction(6)),  # a minus between numbers is not a sign
+        (r"\boxed{\frac{3}{4}}", Fraction(3, 4)),
+        (r"\boxed{x = 12}", Fraction(12)),  # last number inside the box
+        ("Step 1: 3 + 4 = 7\n#### The answer is 7 apples", Fraction(7)),  # first number on the #### line
+        ("0.5 of it", Fraction(1, 2)),
+        ("I don't know.", None),
+        ("", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
@@ -110,8 +115,7 @@ ANSWERS = ["5", "5", "7", "7"]
 
 
 def test_combine_weighted_sum_and_metrics():
-    rewards, valid, metrics = combine_rewards({"correctness": 1.0, "format": 0.5}, PROMPTS, COMPLETIONS,
-                                              answer=ANSWERS)
+    rewards, valid, metrics = combine_rewards({"correctness": 1.0, "format": 0.5}, PROMPTS, COMPLETIONS, answer=ANSWERS)
     # correctness [1, 0, 1, 0], format [1, 0, 1, 0] -> 1 * c + 0.5 * f = [1.5, 0, 1.5, 0].
     torch.testing.assert_close(rewards, torch.tensor([1.5, 0.0, 1.5, 0.0]))
     assert valid.all() and rewards.dtype == torch.float32
@@ -124,6 +128,7 @@ def test_combine_weighted_sum_and_metrics():
 def test_combine_none_and_nan_skip_that_function_for_the_rollout():
     """TRL's multi-task convention (issue 32): None / NaN skips that function for that rollout and the others'
     weighted rewards stand (main marked rollouts 1 and 2 invalid)."""
+
     def partial(prompts, completions, **kw):
         return [1.0, None, float("nan"), 0.0]
 
@@ -146,8 +151,9 @@ def test_combine_multi_task_pair_scores_every_rollout_and_all_none_is_invalid():
     def code_only(prompts, completions, kind, **kw):
         return [0.5 if k == "code" else None for k in kind]
 
-    rewards, valid, metrics = combine_rewards([(math_only, 1.0), (code_only, 2.0)], PROMPTS, COMPLETIONS,
-                                              columns={"kind": kinds})
+    rewards, valid, metrics = combine_rewards(
+        [(math_only, 1.0), (code_only, 2.0)], PROMPTS, COMPLETIONS, columns={"kind": kinds}
+    )
     assert valid.tolist() == [True, True, True, False]
     assert rewards[:3].tolist() == [1.0, 1.0, 1.0] and torch.isnan(rewards[3])  # 1 * 1; 2 * 0.5; 1 * 1; none
     assert metrics["reward/invalid_count"] == 1
@@ -206,10 +212,16 @@ def test_score_batch_repeats_prompts_and_columns():
     # B = 2 prompts, R = 2: the per-prompt answers are repeated to one per rollout and the result is [B, R].
     N, T = 4, 3
     batch = RolloutBatch(
-        prompt_ids=torch.zeros(N, 2, dtype=torch.long), prompt_mask=torch.ones(N, 2, dtype=torch.long),
-        completion_ids=torch.zeros(N, T, dtype=torch.long), completion_mask=torch.ones(N, T, dtype=torch.bool),
-        sampler_logprobs=torch.zeros(N, T), truncated=torch.zeros(N, dtype=torch.bool), group_size=2,
-        prompts=["q1", "q2"], completions=COMPLETIONS, extras={"answer": ["5", "7"]},
+        prompt_ids=torch.zeros(N, 2, dtype=torch.long),
+        prompt_mask=torch.ones(N, 2, dtype=torch.long),
+        completion_ids=torch.zeros(N, T, dtype=torch.long),
+        completion_mask=torch.ones(N, T, dtype=torch.bool),
+        sampler_logprobs=torch.zeros(N, T),
+        truncated=torch.zeros(N, dtype=torch.bool),
+        group_size=2,
+        prompts=["q1", "q2"],
+        completions=COMPLETIONS,
+        extras={"answer": ["5", "7"]},
     )
     rewards, valid, _ = score_batch(batch, {"correctness": 1.0})
     assert rewards.tolist() == [[1.0, 0.0], [1.0, 0.0]] and valid.shape == (2, 2)

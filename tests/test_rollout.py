@@ -111,13 +111,21 @@ def test_process_logits_rejects_bad_settings():
 # ---------------------------------------------------------------------------------------------------------------------
 def test_completion_mask_from_ids_closed_form():
     E = 9  # EOS
-    ids = torch.tensor([[5, 7, E, 9, E],  # ends at position 2: mask up to and including it
-                        [1, 2, 3, 4, 5],  # no EOS: truncated, all tokens count
-                        [E, E, E, E, E],  # EOS first (later EOS are padding)
-                        [1, 2, 3, 4, E]])  # EOS on the last allowed token: not truncated
+    ids = torch.tensor(
+        [
+            [5, 7, E, 9, E],  # ends at position 2: mask up to and including it
+            [1, 2, 3, 4, 5],  # no EOS: truncated, all tokens count
+            [E, E, E, E, E],  # EOS first (later EOS are padding)
+            [1, 2, 3, 4, E],
+        ]
+    )  # EOS on the last allowed token: not truncated
     mask, truncated = completion_mask_from_ids(ids, [E])
-    assert mask.tolist() == [[True, True, True, False, False], [True] * 5, [True, False, False, False, False],
-                             [True] * 5]
+    assert mask.tolist() == [
+        [True, True, True, False, False],
+        [True] * 5,
+        [True, False, False, False, False],
+        [True] * 5,
+    ]
     assert truncated.tolist() == [False, True, False, False]
     # Several stop ids: the first of any of them ends the completion.
     mask, truncated = completion_mask_from_ids(torch.tensor([[1, 8, 2, 9]]), [9, 8])
@@ -141,8 +149,9 @@ def test_on_policy_ratio_is_one(tiny_model_and_tokenizer, temperature, top_k, to
     diff = (trainer_logp - batch.sampler_logprobs)[mask].abs().max().item()
     assert diff < 1e-4, diff
     # ratio = exp(trainer - sampler) = 1 within fp32 precision on every counted token.
-    torch.testing.assert_close(torch.exp(trainer_logp - batch.sampler_logprobs)[mask],
-                               torch.ones(int(mask.sum())), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        torch.exp(trainer_logp - batch.sampler_logprobs)[mask], torch.ones(int(mask.sum())), rtol=0, atol=1e-4
+    )
     # The sampler's log-probs are 0 outside the mask and finite, <= 0 inside it.
     assert (batch.sampler_logprobs[~mask] == 0).all()
     assert torch.isfinite(batch.sampler_logprobs).all() and (batch.sampler_logprobs[mask] <= 0).all()
@@ -163,11 +172,13 @@ def test_on_policy_ratio_with_chunked_generation(tiny_model_and_tokenizer):
 @pytest.mark.e2e
 def test_group_layout_and_extras(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
-    examples = [Example(prompt=[{"role": "user", "content": p}], answer=str(i), extras={"id": i})
-                for i, p in enumerate(PROMPTS)]
+    examples = [
+        Example(prompt=[{"role": "user", "content": p}], answer=str(i), extras={"id": i}) for i, p in enumerate(PROMPTS)
+    ]
     B, R = len(examples), 3
-    batch = sample_groups(model, tok, examples, R, max_new_tokens=5, temperature=0.7, top_p=1.0, top_k=0,
-                          generator_seed=0)
+    batch = sample_groups(
+        model, tok, examples, R, max_new_tokens=5, temperature=0.7, top_p=1.0, top_k=0, generator_seed=0
+    )
     N, T = B * R, batch.completion_ids.shape[1]
     assert batch.num_rollouts == N and batch.num_groups == B and batch.group_size == R
     assert batch.prompt_ids.shape == batch.prompt_mask.shape and batch.prompt_ids.shape[0] == N
@@ -192,8 +203,11 @@ def test_group_layout_and_extras(tiny_model_and_tokenizer):
 @pytest.mark.e2e
 def test_prompts_as_strings_dicts_and_messages(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
-    items = ["What is 1 + 1?", {"prompt": "What is 2 + 2?", "answer": "4"},
-             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 + 3?"}]]
+    items = [
+        "What is 1 + 1?",
+        {"prompt": "What is 2 + 2?", "answer": "4"},
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 + 3?"}],
+    ]
     batch = sample_groups(model, tok, items, 2, max_new_tokens=3, generator_seed=0)
     assert batch.extras == {"answer": [None, "4", None]}
     assert batch.num_rollouts == 6
@@ -251,9 +265,14 @@ def test_top_k_one_is_greedy(tiny_model_and_tokenizer):
         trainer = batch_logprobs(model, a, 0.7)
     m = a.completion_mask
     assert (a.sampler_logprobs[m] < 0).all() and (trainer - a.sampler_logprobs)[m].abs().max() < 1e-4
-    greedy = model.generate(input_ids=a.prompt_ids[:1], attention_mask=a.prompt_mask[:1], do_sample=False,
-                            max_new_tokens=6, pad_token_id=tok.pad_token_id)
-    assert torch.equal(greedy[0, a.prompt_ids.shape[1]:], a.completion_ids[0])
+    greedy = model.generate(
+        input_ids=a.prompt_ids[:1],
+        attention_mask=a.prompt_mask[:1],
+        do_sample=False,
+        max_new_tokens=6,
+        pad_token_id=tok.pad_token_id,
+    )
+    assert torch.equal(greedy[0, a.prompt_ids.shape[1] :], a.completion_ids[0])
 
 
 @pytest.mark.e2e
@@ -266,8 +285,10 @@ def test_seeded_sampling_is_deterministic_and_leaves_global_rng(tiny_model_and_t
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampler_logprobs, b.sampler_logprobs)
     assert a.completions == b.completions
-    assert not torch.equal(a.completion_ids, c.completion_ids[:, : a.completion_ids.shape[1]]) or \
-        a.completion_ids.shape != c.completion_ids.shape
+    assert (
+        not torch.equal(a.completion_ids, c.completion_ids[:, : a.completion_ids.shape[1]])
+        or a.completion_ids.shape != c.completion_ids.shape
+    )
     # A torch.Generator works too: equal generator states give equal samples.
     d = _sample(model, tok, generator_seed=torch.Generator().manual_seed(42))
     e = _sample(model, tok, generator_seed=torch.Generator().manual_seed(42))
@@ -316,8 +337,9 @@ def test_on_policy_ratio_default_model():
     assert tok.pad_token_id == tok.eos_token_id
     examples = get_task("arithmetic").sample(2, 0)
     for top_k, top_p in [(0, 1.0), (5, 0.9)]:
-        batch = sample_groups(model, tok, examples, 4, max_new_tokens=24, temperature=0.7, top_p=top_p, top_k=top_k,
-                              generator_seed=0)
+        batch = sample_groups(
+            model, tok, examples, 4, max_new_tokens=24, temperature=0.7, top_p=top_p, top_k=top_k, generator_seed=0
+        )
         logp = batch_logprobs(model, batch, 0.7)
         assert (~batch.truncated).any()
         assert (logp - batch.sampler_logprobs)[batch.completion_mask].abs().max().item() < 1e-4
@@ -351,7 +373,7 @@ def test_entropy_comes_from_the_same_forward(tiny_model_and_tokenizer):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
     T = batch.completion_ids.shape[1]
-    want = token_entropy(logits[:, -T - 1:-1].float() / 0.7)
+    want = token_entropy(logits[:, -T - 1 : -1].float() / 0.7)
     torch.testing.assert_close(ent, want, rtol=1e-5, atol=1e-5)
     assert not ent.requires_grad
     assert (ent >= 0).all() and (ent <= math.log(model.config.vocab_size) + 1e-5).all()

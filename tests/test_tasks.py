@@ -79,7 +79,9 @@ def test_gsm8k_sampling():
     assert a == b  # same seed, positional or keyword
     assert len({e.extras["question"] for e in a}) == 50  # without replacement
     assert task.sample(5, 7, split="test") != task.sample(5, 7)
-    assert {e.extras["question"] for e in task.sample(5, 0, split="test")} <= {r["question"] for r in load_gsm8k("test")}
+    assert {e.extras["question"] for e in task.sample(5, 0, split="test")} <= {
+        r["question"] for r in load_gsm8k("test")
+    }
     with pytest.raises(ValueError, match="valid splits: train, test"):
         task.sample(1, 0, split="validation")
     system = GSM8KTask(system_prompt="You are a careful solver.").sample(1, 0)[0]
@@ -153,12 +155,19 @@ def _write_jsonl(path, lines):
 
 
 def test_jsonl_task(tmp_path):
-    path = _write_jsonl(tmp_path / "data.jsonl", [
-        json.dumps({"prompt": "What is 2 + 3?", "answer": 5, "level": "easy"}),
-        "",  # blank lines are skipped
-        json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}],
-                    "answer": "2"}),
-    ])
+    path = _write_jsonl(
+        tmp_path / "data.jsonl",
+        [
+            json.dumps({"prompt": "What is 2 + 3?", "answer": 5, "level": "easy"}),
+            "",  # blank lines are skipped
+            json.dumps(
+                {
+                    "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}],
+                    "answer": "2",
+                }
+            ),
+        ],
+    )
     task = get_task(str(path))
     assert task.splits == ("train",) and task.size() == 2
     examples = sorted(task.sample(2, 0), key=lambda e: e.answer)
@@ -175,20 +184,25 @@ def test_jsonl_task_with_test_split_and_system_prompt(tmp_path):
     test = _write_jsonl(tmp_path / "test.jsonl", [json.dumps({"prompt": "b"})])
     task = jsonl_task(train, test_path=test, system_prompt="sys")
     assert task.splits == ("train", "test")
-    assert task.sample(1, 0, split="test")[0].prompt == [{"role": "system", "content": "sys"},
-                                                         {"role": "user", "content": "b"}]
+    assert task.sample(1, 0, split="test")[0].prompt == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "b"},
+    ]
     assert task.sample(1, 0)[0].answer is None and task.sample(1, 0)[0].columns() == {}
 
 
-@pytest.mark.parametrize("line,problem", [
-    ('{"question": "2 + 3?", "answer": "5"}', "no 'prompt' column"),
-    ('{"prompt": "   ", "answer": "5"}', "the prompt is empty"),
-    ('{"prompt": 12}', "the prompt is a int"),
-    ('{"prompt": []}', "empty list of messages"),
-    ('{"prompt": [{"role": "user"}]}', "prompt message 0"),
-    ('{"prompt": "unterminated', "not valid JSON"),
-    ('["prompt"]', "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line,problem",
+    [
+        ('{"question": "2 + 3?", "answer": "5"}', "no 'prompt' column"),
+        ('{"prompt": "   ", "answer": "5"}', "the prompt is empty"),
+        ('{"prompt": 12}', "the prompt is a int"),
+        ('{"prompt": []}', "empty list of messages"),
+        ('{"prompt": [{"role": "user"}]}', "prompt message 0"),
+        ('{"prompt": "unterminated', "not valid JSON"),
+        ('["prompt"]', "expected a JSON object"),
+    ],
+)
 def test_malformed_rows_name_file_and_row(tmp_path, line, problem):
     path = _write_jsonl(tmp_path / "bad.jsonl", [json.dumps({"prompt": "fine", "answer": "1"}), line])
     with pytest.raises(ValueError) as info:

@@ -14,10 +14,25 @@ from grpo_lens.train.loop import train
 
 
 def tiny_config(out, **overrides) -> TrainConfig:
-    values = dict(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2, max_new_tokens=6,
-                  max_steps=3, learning_rate=1e-2, micro_batch_size=8, lens_every=2, seed=0, device="cpu",
-                  out=str(out), progress=False, save_final_model=False, log_completions=0, checkpoint_every=2,
-                  report_to=["tensorboard"])
+    values = dict(
+        model="tiny",
+        rewards=["test_parity"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=6,
+        max_steps=3,
+        learning_rate=1e-2,
+        micro_batch_size=8,
+        lens_every=2,
+        seed=0,
+        device="cpu",
+        out=str(out),
+        progress=False,
+        save_final_model=False,
+        log_completions=0,
+        checkpoint_every=2,
+        report_to=["tensorboard"],
+    )
     values.update(overrides)
     return TrainConfig(**values)
 

@@ -26,9 +26,11 @@ def test_pyproject_reads_the_version_from_the_package():
 def test_the_version_is_written_in_one_place():
     # no other file of the package or pyproject.toml spells the version out
     pattern = re.escape(grpo_lens.__version__)
-    hits = [str(p.relative_to(ROOT)) for p in [*ROOT.joinpath("grpo_lens").rglob("*.py"), ROOT / "pyproject.toml",
-                                                ROOT / "CITATION.cff"]
-            if re.search(rf"['\"]{pattern}['\"]|: {pattern}$", p.read_text(encoding="utf8"), re.M)]
+    hits = [
+        str(p.relative_to(ROOT))
+        for p in [*ROOT.joinpath("grpo_lens").rglob("*.py"), ROOT / "pyproject.toml", ROOT / "CITATION.cff"]
+        if re.search(rf"['\"]{pattern}['\"]|: {pattern}$", p.read_text(encoding="utf8"), re.M)
+    ]
     assert hits == ["grpo_lens/__init__.py"], hits
 
 

@@ -1,7 +1,7 @@
 """Regenerate the CLI reference in docs/cli.md from the config dataclasses' field help.
 
-    .venv/bin/python tools/update_cli_reference.py          # rewrite docs/cli.md in place
-    .venv/bin/python tools/update_cli_reference.py --check  # exit 1 if docs/cli.md is out of date (tests run this)
+.venv/bin/python tools/update_cli_reference.py          # rewrite docs/cli.md in place
+.venv/bin/python tools/update_cli_reference.py --check  # exit 1 if docs/cli.md is out of date (tests run this)
 """
 
 from __future__ import annotations
@@ -20,16 +20,25 @@ END = "<!-- cli-reference:end -->"
 def cli_reference() -> str:
     """The generated section: one table per command."""
     parts = []
-    for title, cls in (("grpo-lens demo", DemoConfig), ("grpo-lens train", TrainConfig),
-                       ("grpo-lens probe", ProbeConfig)):
+    for title, cls in (
+        ("grpo-lens demo", DemoConfig),
+        ("grpo-lens train", TrainConfig),
+        ("grpo-lens probe", ProbeConfig),
+    ):
         parts += [f"## `{title}`", "", reference_markdown(cls), ""]
-    parts += ["## `grpo-lens report RUN_DIR`", "",
-              "Writes RUN_DIR/report.md and its PNGs from the files in RUN_DIR alone.", "",
-              "## `grpo-lens compare RUN_DIR... --out DIR`", "",
-              "Overlays two or more training runs in DIR/compare.md (+ compare.png, compare.json): the config fields "
-              "that differ, final numbers (mean over the last `--last` records, default 10, with a 95% interval "
-              "(Hall's transformed t) from >= 8 of them) and curves. Runs of different tasks are refused unless "
-              "`--allow-different-tasks`.", ""]
+    parts += [
+        "## `grpo-lens report RUN_DIR`",
+        "",
+        "Writes RUN_DIR/report.md and its PNGs from the files in RUN_DIR alone.",
+        "",
+        "## `grpo-lens compare RUN_DIR... --out DIR`",
+        "",
+        "Overlays two or more training runs in DIR/compare.md (+ compare.png, compare.json): the config fields "
+        "that differ, final numbers (mean over the last `--last` records, default 10, with a 95% interval "
+        "(Hall's transformed t) from >= 8 of them) and curves. Runs of different tasks are refused unless "
+        "`--allow-different-tasks`.",
+        "",
+    ]
     return "\n".join(parts)
 
 

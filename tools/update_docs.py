@@ -51,8 +51,10 @@ def table(section: str) -> str:
         for m in METRICS:
             if m.trl or m.verl:
                 trl, verl = (f"`{n.replace('{name}', '<name>')}`" if n else "–" for n in (m.trl, m.verl))
-                lines.append(f"| {_cell(', '.join(f'`{n}`' for n in m.display()))} | {_cell(trl)} | {_cell(verl)} | "
-                             f"{_cell(NAME_NOTES.get(m.key, 'same quantity'))} |")
+                lines.append(
+                    f"| {_cell(', '.join(f'`{n}`' for n in m.display()))} | {_cell(trl)} | {_cell(verl)} | "
+                    f"{_cell(NAME_NOTES.get(m.key, 'same quantity'))} |"
+                )
         return "\n".join(lines)
     if section == "concepts":
         lines = ["| concept | key | where | unit |", "|---|---|---|---|"]
@@ -65,8 +67,9 @@ def table(section: str) -> str:
     for row in _rows([m for m in METRICS if m.section == section]):
         units = list(dict.fromkeys(m.unit for m in row))
         key = ", ".join(_names(m) for m in row)
-        lines.append(f"| {_cell(key)} | {_cell(' / '.join(units))} | {_cell(row[0].meaning)} | "
-                     f"{row[0].source or '–'} |")
+        lines.append(
+            f"| {_cell(key)} | {_cell(' / '.join(units))} | {_cell(row[0].meaning)} | {row[0].source or '–'} |"
+        )
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ with :func:`parameter_category`).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -129,8 +129,11 @@ def analyse_group(
         AssertionError: shapes disagree.
     """
     r = gram.shape[0]
-    assert gram.shape == (r, r) and rewards.shape == (r,) and advantages.shape == (r,), \
-        (gram.shape, rewards.shape, advantages.shape)
+    assert gram.shape == (r, r) and rewards.shape == (r,) and advantages.shape == (r,), (
+        gram.shape,
+        rewards.shape,
+        advantages.shape,
+    )
     gram = gram.detach().double()
     a = advantages.detach().double()
     rw = rewards.detach().double()
@@ -167,8 +170,9 @@ def analyse_group(
     return out
 
 
-def mean_over_groups(rows: Sequence[dict[str, float]], max_keys: Sequence[str] = (GRAD_IDENTITY_RESIDUAL,)
-                     ) -> dict[str, float]:
+def mean_over_groups(
+    rows: Sequence[dict[str, float]], max_keys: Sequence[str] = (GRAD_IDENTITY_RESIDUAL,)
+) -> dict[str, float]:
     """The lens's aggregate: the mean over groups of every key (max for ``max_keys``), NaN/None skipped.
 
     rows: per-group dicts from :func:`analyse_group`. Returns {key: float}.
@@ -204,12 +208,14 @@ def g1_rank_keys(gram: Tensor, advantages: Tensor, name: str) -> dict[str, float
 
     gram: [R, R]; advantages: [R]. Returns {key: float}.
     """
-    return {rank_key(name, m): v for m, v in weighted_gram_measures(gram.detach().double(),
-                                                                   advantages.double()).items()}
+    return {
+        rank_key(name, m): v for m, v in weighted_gram_measures(gram.detach().double(), advantages.double()).items()
+    }
 
 
-def g2_keys(g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32,
-            singular_values: Tensor | None = None) -> dict[str, float]:
+def g2_keys(
+    g2: Tensor, rank_bound: int, computed_dtype: torch.dtype = torch.float32, singular_values: Tensor | None = None
+) -> dict[str, float]:
     """``rank/g2_<m>``, ``rank/g2_numerical_rank`` and ``rank/g2_rank_bound`` of one layer's weight gradient of the
     group loss, G2 [d_out, d_in] (docs/theory.md §5).
 
@@ -237,8 +243,15 @@ def parameter_category(name: str, module_is_linear: bool) -> str:
     return "other"
 
 
-def sketch_check_keys(exact_gram: Tensor, sketch: Tensor, advantages: Tensor, category_sq_norms: dict[str, float],
-                      layer_grams: Sequence[Tensor], k_in: int, k_out: int) -> dict[str, float]:
+def sketch_check_keys(
+    exact_gram: Tensor,
+    sketch: Tensor,
+    advantages: Tensor,
+    category_sq_norms: dict[str, float],
+    layer_grams: Sequence[Tensor],
+    k_in: int,
+    k_out: int,
+) -> dict[str, float]:
     """How well one group's sketch stands in for its exact per-rollout gradients (docs/theory.md §8), from exact
     Gram matrices (every quantity below is a function of inner products <g_i, g_j>; no [R, P] vector is needed).
 
@@ -276,5 +289,6 @@ def sketch_check_keys(exact_gram: Tensor, sketch: Tensor, advantages: Tensor, ca
         if grams:
             out[SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, k_in, k_out)
     out[SKETCH_G1_ERANK_ERROR] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
-        gram_singular_values(g_exact))
+        gram_singular_values(g_exact)
+    )
     return out

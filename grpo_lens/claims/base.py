@@ -24,8 +24,9 @@ the same dict shape and return [] when their inputs are absent.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, holm
 from grpo_lens.registry import Registry
@@ -122,13 +123,18 @@ def source_of(probe: dict[str, Any]) -> str:
         return "exact gradients of every parameter"
     if meta.get("gradients") == "exact_gram":  # issue 20: the exact Gram from one backward (gradients/gram.py)
         cov = meta.get("gram_coverage")
-        return f"exact gradients of every parameter, coverage {fmt(cov, 2)} of Σ‖g‖² (exact Gram)" \
-            if isinstance(cov, (int, float)) and cov >= 1 else \
-            f"exact gradients, covering {fmt(cov, 2)} of the parameters (exact Gram)"
+        return (
+            f"exact gradients of every parameter, coverage {fmt(cov, 2)} of Σ‖g‖² (exact Gram)"
+            if isinstance(cov, (int, float)) and cov >= 1
+            else f"exact gradients, covering {fmt(cov, 2)} of the parameters (exact Gram)"
+        )
     cov = meta.get("sketch_coverage")
     # Σ‖S g‖² / Σ‖g‖²: an estimate (the sketch's Gram is one), so it can read above 1
-    cov_txt = (f", share of Σ‖g‖² estimated at {fmt(cov, 2)} (Σ‖Sg‖² / Σ‖g‖², which can exceed 1 by the sketch's "
-               f"error)") if isinstance(cov, (int, float)) else ""
+    cov_txt = (
+        (f", share of Σ‖g‖² estimated at {fmt(cov, 2)} (Σ‖Sg‖² / Σ‖g‖², which can exceed 1 by the sketch's error)")
+        if isinstance(cov, (int, float))
+        else ""
+    )
     return f"sketch ({meta.get('sketch_dim')} per side per nn.Linear weight{cov_txt}), not exact"
 
 
@@ -215,13 +221,25 @@ def holm_claims(claims: list[Claim], alpha: float = FAMILY_LEVEL) -> tuple[list[
         won = [(hyps[j][2], hyps[j][1], threshold[j]) for j in range(m2) if hyps[j][0] == i and rejected[j]]
         if won:
             p, branch, thr = min(won)
-            new.append(Claim(**{**c.to_dict(), "verdict": branch,
-                                "rule": f"{c.rule}; Holm: p = {p:.2g} <= {thr:.3g}, decided"}))
+            new.append(
+                Claim(
+                    **{**c.to_dict(), "verdict": branch, "rule": f"{c.rule}; Holm: p = {p:.2g} <= {thr:.3g}, decided"}
+                )
+            )
         else:
             held = "" if c.verdict == INCONCLUSIVE else f" (alone, at {BRANCH_LEVEL} per branch: {c.verdict})"
-            new.append(Claim(**{**c.to_dict(), "verdict": INCONCLUSIVE,
-                                "rule": (f"{c.rule}; Holm: not decided at family-wise {alpha} (p holds "
-                                         f"{c.p_holds:.2g}, p does not hold {c.p_dnh:.2g}){held}")}))
+            new.append(
+                Claim(
+                    **{
+                        **c.to_dict(),
+                        "verdict": INCONCLUSIVE,
+                        "rule": (
+                            f"{c.rule}; Holm: not decided at family-wise {alpha} (p holds "
+                            f"{c.p_holds:.2g}, p does not hold {c.p_dnh:.2g}){held}"
+                        ),
+                    }
+                )
+            )
     out, k = [], 0
     for c in claims:
         if tested(c):
@@ -230,10 +248,14 @@ def holm_claims(claims: list[Claim], alpha: float = FAMILY_LEVEL) -> tuple[list[
         else:
             out.append(c)
     decided = sum(c.verdict != INCONCLUSIVE for c in out if tested(c))
-    note = (f"Family-wise: {len(rows)} primary claims, {m2} one-sided hypotheses (each row: *holds* wrong, *does not "
-            f"hold* wrong), decided under Holm's step-down at {alpha} (Holm 1979): the chance that any verdict in this "
-            f"table is wrong is at most {alpha}, whatever the dependence between rows; {decided} decided. Checks and "
-            f"descriptive rows are listed below the table and are not counted." if rows else "")
+    note = (
+        f"Family-wise: {len(rows)} primary claims, {m2} one-sided hypotheses (each row: *holds* wrong, *does not "
+        f"hold* wrong), decided under Holm's step-down at {alpha} (Holm 1979): the chance that any verdict in this "
+        f"table is wrong is at most {alpha}, whatever the dependence between rows; {decided} decided. Checks and "
+        f"descriptive rows are listed below the table and are not counted."
+        if rows
+        else ""
+    )
     return out, note
 
 

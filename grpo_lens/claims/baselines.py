@@ -55,7 +55,7 @@ def _interval_p(ci: dict[str, Any], control: float, side: str) -> float:
 
 @CLAIMS.register("group_mean_optimal")
 def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
-    """"The group mean is the variance-optimal baseline when m_C = m_W": does m_C = m_W hold prompt by prompt, and
+    """ "The group mean is the variance-optimal baseline when m_C = m_W": does m_C = m_W hold prompt by prompt, and
     does b* measurably beat the group mean (as RLOO) where it does not?
 
     Rule (docs/theory.md §12): q = share of testable prompts whose permutation test rejects m_C = m_W at 0.05
@@ -89,8 +89,11 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     # one-sided p of each branch (intersection-union: the larger of its two parts): the count k of n by exact
     # binomial tails, the MSE ratio by Hall's t over the prompts' ratios (the interval the row prints)
     est = [pp.get("estimators") or {} for pp in study.get("per_prompt") or []]
-    ratios = [e["optimal_loo"]["mse"] / e["rloo"]["mse"] for e in est
-              if "optimal_loo" in e and "rloo" in e and e["rloo"]["mse"] > 0]
+    ratios = [
+        e["optimal_loo"]["mse"] / e["rloo"]["mse"]
+        for e in est
+        if "optimal_loo" in e and "rloo" in e and e["rloo"]["mse"] > 0
+    ]
     if ratios:
         p_gain_small = mean_test_p(ratios, 1 - MSE_GAIN_MARGIN, "above")
         p_helps = mean_test_p(ratios, 1.0, "below")
@@ -106,26 +109,48 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     if n < MIN_UNITS or not math.isfinite(q_lo):
         verdict, why = INCONCLUSIVE, f"{n} testable prompts < {MIN_UNITS}"
     elif verdict == HOLDS:
-        why = (f"rejection share below {EQUAL_NORMS_MAX_SHARE} and b*'s MSE gain below {MSE_GAIN_MARGIN:.0%} "
-               f"(equivalence; p = {p_holds:.2g})")
+        why = (
+            f"rejection share below {EQUAL_NORMS_MAX_SHARE} and b*'s MSE gain below {MSE_GAIN_MARGIN:.0%} "
+            f"(equivalence; p = {p_holds:.2g})"
+        )
     elif verdict == DOES_NOT_HOLD:
-        why = (f"m_C != m_W in more prompts than the tests' level and b*'s MSE below RLOO's (p = {p_dnh:.2g})")
+        why = f"m_C != m_W in more prompts than the tests' level and b*'s MSE below RLOO's (p = {p_dnh:.2g})"
     else:
-        why = (f"the rejection share and the MSE gain do not agree on a verdict (p holds {p_holds:.2g}, p does not "
-               f"hold {p_dnh:.2g})")
+        why = (
+            f"the rejection share and the MSE gain do not agree on a verdict (p holds {p_holds:.2g}, p does not "
+            f"hold {p_dnh:.2g})"
+        )
     del few_rejected, many_rejected, small_gain, b_star_helps
     meta = probe["studies"]["baselines"].get("meta", {})
-    share = (f"{fmt(q, 2)} [{fmt(q_lo, 2)}, {fmt(q_hi, 2)}], Wilson interval over prompts" if n >= MIN_UNITS else
-             "too few prompts for an interval")
-    return [Claim(claim="the group mean is the variance-optimal baseline (m_C = m_W)",
-                  scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
-                  measurement=(f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({share}); "
-                               f"mean m_C / m_W {ci_text(ratio, unit='prompts')}; "
-                               f"leave-one-out b* MSE / RLOO's {ci_text(mse, unit='prompts')}"),
-                  control=(f"rejection share <= {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere; equivalence below "
-                           f"{EQUAL_NORMS_MAX_SHARE}); MSE ratio 1 (equivalence above {1 - MSE_GAIN_MARGIN:g})"),
-                  verdict=verdict, rule=why,
-                  source=f"{meta.get('gradients', 'sketch')}, k = {meta.get('sketch_dim')}, held-out reference",
-                  n=n, p_holds=p_holds, p_dnh=p_dnh, rule_id=RULE_ID,
-                  advice=(f"raise `--baseline-study-prompts` (now {n} testable prompts; e.g. {max(2 * n, 24)})"
-                          if verdict == INCONCLUSIVE else ""))]
+    share = (
+        f"{fmt(q, 2)} [{fmt(q_lo, 2)}, {fmt(q_hi, 2)}], Wilson interval over prompts"
+        if n >= MIN_UNITS
+        else "too few prompts for an interval"
+    )
+    return [
+        Claim(
+            claim="the group mean is the variance-optimal baseline (m_C = m_W)",
+            scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
+            measurement=(
+                f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({share}); "
+                f"mean m_C / m_W {ci_text(ratio, unit='prompts')}; "
+                f"leave-one-out b* MSE / RLOO's {ci_text(mse, unit='prompts')}"
+            ),
+            control=(
+                f"rejection share <= {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere; equivalence below "
+                f"{EQUAL_NORMS_MAX_SHARE}); MSE ratio 1 (equivalence above {1 - MSE_GAIN_MARGIN:g})"
+            ),
+            verdict=verdict,
+            rule=why,
+            source=f"{meta.get('gradients', 'sketch')}, k = {meta.get('sketch_dim')}, held-out reference",
+            n=n,
+            p_holds=p_holds,
+            p_dnh=p_dnh,
+            rule_id=RULE_ID,
+            advice=(
+                f"raise `--baseline-study-prompts` (now {n} testable prompts; e.g. {max(2 * n, 24)})"
+                if verdict == INCONCLUSIVE
+                else ""
+            ),
+        )
+    ]

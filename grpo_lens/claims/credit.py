@@ -49,7 +49,7 @@ CREDIT_EQUIVALENCE = 0.25
 
 @CLAIMS.register("uniform_token_credit")
 def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
-    """"Output-only reward gives every token the same credit", read as: every token class (answer, format, reasoning)
+    """ "Output-only reward gives every token the same credit", read as: every token class (answer, format, reasoning)
     gets the group update in proportion to what the same tokens get under NLL weights (the control with the same
     gradient geometry: a high-probability token has grad log pi ≈ 0 under any weighting).
 
@@ -71,30 +71,44 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
     measured = "; ".join(f"{c} tokens {ci_text(r)}" for c, r in ratios.items() if r.get("mean") is not None)
     if nll:
         diffs = {c: (nll.get(c) or {}).get("ratio_minus_nll") or {} for c in names}
-        scale = {c: abs(((nll.get(c) or {}).get("ratio") or {}).get("mean") or 0.0) * CREDIT_EQUIVALENCE
-                 for c in names}
+        scale = {c: abs(((nll.get(c) or {}).get("ratio") or {}).get("mean") or 0.0) * CREDIT_EQUIVALENCE for c in names}
         # a class whose NLL ratio has no mean (or is 0) has no reference to scale the band by: not judged
-        per_class = {c: band_verdict(d.get("lo"), d.get("hi"), -scale[c], scale[c]) for c, d in diffs.items()
-                     if d.get("lo") is not None and scale[c] > 0}
+        per_class = {
+            c: band_verdict(d.get("lo"), d.get("hi"), -scale[c], scale[c])
+            for c, d in diffs.items()
+            if d.get("lo") is not None and scale[c] > 0
+        }
         band = f"± {CREDIT_EQUIVALENCE:g} × the class's NLL ratio"
         measured += "; paired difference from NLL weights: " + "; ".join(
-            f"{c} {ci_text(d)} (band ±{fmt(scale[c], 2)})" for c, d in diffs.items() if d.get("mean") is not None)
-        control = ("the same tokens under NLL weights (every A_i = 1: the same gradient geometry): "
-                   + "; ".join(f"{c} tokens {ci_text((nll.get(c) or {}).get('ratio'))}" for c in names
-                               if ((nll.get(c) or {}).get("ratio") or {}).get("mean") is not None)
-                   + f"; equivalence band {band}")
-        claim = ("every token class gets the update in proportion to what the same tokens get under NLL weights "
-                 "(update-share reading of 'the same credit', gradient geometry controlled)")
+            f"{c} {ci_text(d)} (band ±{fmt(scale[c], 2)})" for c, d in diffs.items() if d.get("mean") is not None
+        )
+        control = (
+            "the same tokens under NLL weights (every A_i = 1: the same gradient geometry): "
+            + "; ".join(
+                f"{c} tokens {ci_text((nll.get(c) or {}).get('ratio'))}"
+                for c in names
+                if ((nll.get(c) or {}).get("ratio") or {}).get("mean") is not None
+            )
+            + f"; equivalence band {band}"
+        )
+        claim = (
+            "every token class gets the update in proportion to what the same tokens get under NLL weights "
+            "(update-share reading of 'the same credit', gradient geometry controlled)"
+        )
     else:
         lo_b, hi_b = 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE
         band = f"[{lo_b:g}, {hi_b:g}]"
-        per_class = {c: band_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items()
-                     if r.get("lo") is not None}
-        control = (f"1 (every class credited in proportion to its token count); equivalence band {band}; this "
-                   f"control ignores gradient geometry (a high-probability token has grad log pi ≈ 0, so format "
-                   f"tokens get a small share under any weighting; probes since 2026-12-02 carry the NLL control)")
-        claim = ("every token class gets the update in proportion to its tokens (update-share reading of 'the same "
-                 "credit')")
+        per_class = {
+            c: band_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items() if r.get("lo") is not None
+        }
+        control = (
+            f"1 (every class credited in proportion to its token count); equivalence band {band}; this "
+            f"control ignores gradient geometry (a high-probability token has grad log pi ≈ 0, so format "
+            f"tokens get a small share under any weighting; probes since 2026-12-02 carry the NLL control)"
+        )
+        claim = (
+            "every token class gets the update in proportion to its tokens (update-share reading of 'the same credit')"
+        )
     outside = [c for c, v in per_class.items() if v == DOES_NOT_HOLD]
     if outside:
         verdict, rule = DOES_NOT_HOLD, f"interval of {', '.join(outside)} tokens wholly outside {band}"
@@ -104,17 +118,28 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
         verdict, rule = HOLDS, f"every measured class's interval inside {band} ({', '.join(per_class)})"
     else:
         wide = [c for c, v in per_class.items() if v != HOLDS]
-        verdict, rule = INCONCLUSIVE, (f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide "
-                                       f"to tell")
+        verdict, rule = (
+            INCONCLUSIVE,
+            (f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide to tell"),
+        )
     # descriptive since issue 29: its NLL control is not zero-sum (a component shared by every token adds up under
     # NLL weights and cancels under A) and the paper does not make this update-share claim; the reading is kept
-    return [Claim(claim=claim, scope=f"R = {credit['meta']['group_size']}, {contributions['groups']} groups",
-                  measurement=f"each class's share of the update / share of tokens: {measured}",
-                  control=control, verdict=INCONCLUSIVE,
-                  rule=(f"descriptive, no verdict (its NLL control is not zero-sum, and the paper does not make this "
-                        f"update-share claim); the 0.2 rule reads: {verdict}, {rule}"),
-                  source="exact update direction over every parameter, finite differences", kind="descriptive",
-                  n=int(contributions.get("groups") or 0))]
+    return [
+        Claim(
+            claim=claim,
+            scope=f"R = {credit['meta']['group_size']}, {contributions['groups']} groups",
+            measurement=f"each class's share of the update / share of tokens: {measured}",
+            control=control,
+            verdict=INCONCLUSIVE,
+            rule=(
+                f"descriptive, no verdict (its NLL control is not zero-sum, and the paper does not make this "
+                f"update-share claim); the 0.2 rule reads: {verdict}, {rule}"
+            ),
+            source="exact update direction over every parameter, finite differences",
+            kind="descriptive",
+            n=int(contributions.get("groups") or 0),
+        )
+    ]
 
 
 def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, Any] | None:
@@ -142,14 +167,20 @@ def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, A
     d, size = opposition_threshold(k, tests, level)
     alpha_r = min(1.0, tests * size)
     flagged = sum(any(x >= d for x in ds) for ds in diffs)
-    return {**out, "d": d, "alpha_r": alpha_r, "flagged": flagged, "segments": sum(len(ds) for ds in diffs),
-            "agreeing": sum(x <= -d for ds in diffs for x in ds),
-            "p_value": binomial_upper_tail(flagged, len(rows), alpha_r)}
+    return {
+        **out,
+        "d": d,
+        "alpha_r": alpha_r,
+        "flagged": flagged,
+        "segments": sum(len(ds) for ds in diffs),
+        "agreeing": sum(x <= -d for ds in diffs for x in ds),
+        "p_value": binomial_upper_tail(flagged, len(rows), alpha_r),
+    }
 
 
 @CLAIMS.register("monte_carlo_credit")
 def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
-    """"GRPO's uniform A_i is not the credit each token earns": the paper predicts that Monte Carlo token advantages
+    """ "GRPO's uniform A_i is not the credit each token earns": the paper predicts that Monte Carlo token advantages
     (VinePPO) disagree with the uniform A_i, so disagreement supports the claim.
 
     Rule (docs/theory.md §12), exact at any number of rollouts: per rollout, X_j = successes among the K continuations
@@ -175,24 +206,49 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     if not credit:
         return []
     claim = "GRPO's uniform credit disagrees with Monte Carlo token credit (the paper's prediction)"
-    control = (f"no segment opposes A_i: each rollout flagged with probability <= α_r (exact binomial bound, "
-               f"level {MC_LEVEL})")
+    control = (
+        f"no segment opposes A_i: each rollout flagged with probability <= α_r (exact binomial bound, level {MC_LEVEL})"
+    )
     source = "Monte Carlo continuations from prefixes"
     if not credit["monte_carlo"]["rollouts"]:  # the credit study ran without its Monte Carlo part: say so
-        return [Claim(claim=claim, scope="not measured",
-                      measurement="no Monte Carlo rollouts (--mc-groups 0)",
-                      control=control, verdict=INCONCLUSIVE,
-                      rule=f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs", source=source)]
+        return [
+            Claim(
+                claim=claim,
+                scope="not measured",
+                measurement="no Monte Carlo rollouts (--mc-groups 0)",
+                control=control,
+                verdict=INCONCLUSIVE,
+                rule=f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs",
+                source=source,
+            )
+        ]
     mc = credit["monte_carlo"]
     t = opposition_count(mc)
     scope = f"{len(mc['rollouts'])} rollouts, K = {int(mc['samples_per_prefix'])}"
     if t is None:
-        return [Claim(claim=claim, scope=scope, measurement="prefix values are not means of 0/1 rewards",
-                      control=control, verdict=INCONCLUSIVE,
-                      rule="the exact count test needs 0/1 rewards", source=source)]
+        return [
+            Claim(
+                claim=claim,
+                scope=scope,
+                measurement="prefix values are not means of 0/1 rewards",
+                control=control,
+                verdict=INCONCLUSIVE,
+                rule="the exact count test needs 0/1 rewards",
+                source=source,
+            )
+        ]
     if t["tests"] == 0:
-        return [Claim(claim=claim, scope=scope, measurement="no interior segment (fewer than 2 prefixes)",
-                      control=control, verdict=INCONCLUSIVE, rule="nothing to test", source=source)]
+        return [
+            Claim(
+                claim=claim,
+                scope=scope,
+                measurement="no interior segment (fewer than 2 prefixes)",
+                control=control,
+                verdict=INCONCLUSIVE,
+                rule="nothing to test",
+                source=source,
+            )
+        ]
     k, n, d, alpha_r = t["k"], t["rollouts"], t["d"], t["alpha_r"]
     flagged, segments, agreeing, p_value = t["flagged"], t["segments"], t["agreeing"], t["p_value"]
     f_lo, f_hi = wilson_interval(flagged, n)
@@ -207,21 +263,41 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     elif verdict == HOLDS:
         why = f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g} <= {BRANCH_LEVEL}"
     elif verdict == DOES_NOT_HOLD:
-        why = (f"P(Binomial({n}, {alpha_r:.3g}) <= {flagged}) = {p_low:.2g} <= {BRANCH_LEVEL}: fewer opposing "
-               f"segments than noise alone gives")
+        why = (
+            f"P(Binomial({n}, {alpha_r:.3g}) <= {flagged}) = {p_low:.2g} <= {BRANCH_LEVEL}: fewer opposing "
+            f"segments than noise alone gives"
+        )
     else:
-        why = (f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g}, <= {flagged}: {p_low:.2g}; neither "
-               f"<= {BRANCH_LEVEL}")
-    return [Claim(claim=claim, scope=f"{scope}, {segments} interior segments",
-                  measurement=(f"rollouts with a segment opposing A_i by >= {d} of {k} continuations: {flagged} of "
-                               f"{n} ({fmt(flagged / n, 3)} [{fmt(f_lo, 3)}, {fmt(f_hi, 3)}], Wilson interval over "
-                               f"rollouts); segments agreeing by >= {d}: {agreeing} of {segments} "
-                               f"[{fmt(a_lo, 3)}, {fmt(a_hi, 3)}]"),
-                  control=f"{control}; α_r = {alpha_r:.3g} at d = {d}", verdict=verdict, rule=why, source=source,
-                  n=n, p_holds=p_holds, p_dnh=p_dnh, rule_id=MC_RULE_ID,
-                  advice=(f"raise `--mc-groups` (now {n} rollouts; each group adds R; *does not hold* needs about "
-                          f"{math.ceil(3.7 / max(alpha_r, 1e-9))} rollouts with no flag)"
-                          if verdict == INCONCLUSIVE else ""))]
+        why = (
+            f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g}, <= {flagged}: {p_low:.2g}; neither "
+            f"<= {BRANCH_LEVEL}"
+        )
+    return [
+        Claim(
+            claim=claim,
+            scope=f"{scope}, {segments} interior segments",
+            measurement=(
+                f"rollouts with a segment opposing A_i by >= {d} of {k} continuations: {flagged} of "
+                f"{n} ({fmt(flagged / n, 3)} [{fmt(f_lo, 3)}, {fmt(f_hi, 3)}], Wilson interval over "
+                f"rollouts); segments agreeing by >= {d}: {agreeing} of {segments} "
+                f"[{fmt(a_lo, 3)}, {fmt(a_hi, 3)}]"
+            ),
+            control=f"{control}; α_r = {alpha_r:.3g} at d = {d}",
+            verdict=verdict,
+            rule=why,
+            source=source,
+            n=n,
+            p_holds=p_holds,
+            p_dnh=p_dnh,
+            rule_id=MC_RULE_ID,
+            advice=(
+                f"raise `--mc-groups` (now {n} rollouts; each group adds R; *does not hold* needs about "
+                f"{math.ceil(3.7 / max(alpha_r, 1e-9))} rollouts with no flag)"
+                if verdict == INCONCLUSIVE
+                else ""
+            ),
+        )
+    ]
 
 
 @CLAIMS.register("identical_token_advantage")
@@ -232,8 +308,18 @@ def identical_token_advantage(probe: dict[str, Any]) -> list[Claim]:
     to each token's share of the update."""
     if not (probe.get("studies") or {}).get("credit"):
         return []
-    return [Claim(claim="every token of a completion receives the identical advantage A_i (algebra)",
-                  scope="every rollout", measurement="A_i is broadcast over the completion's tokens by the loss",
-                  control=("the Monte Carlo token advantages of the credit study, which differ by segment (the "
-                           "claim is about what the loss assigns, not what a token earns)"), verdict=HOLDS,
-                  rule="by construction (docs/theory.md §3, §10); not a test", source="the loss", kind="check")]
+    return [
+        Claim(
+            claim="every token of a completion receives the identical advantage A_i (algebra)",
+            scope="every rollout",
+            measurement="A_i is broadcast over the completion's tokens by the loss",
+            control=(
+                "the Monte Carlo token advantages of the credit study, which differ by segment (the "
+                "claim is about what the loss assigns, not what a token earns)"
+            ),
+            verdict=HOLDS,
+            rule="by construction (docs/theory.md §3, §10); not a test",
+            source="the loss",
+            kind="check",
+        )
+    ]

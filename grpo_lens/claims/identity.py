@@ -37,8 +37,10 @@ def _value_or_range(values: list[float]) -> str:
 def _residual(value: float) -> str:
     """A residual in the claim's text; an exact 0 says why it can be exact (a bare 0.0e+00 reads as a bug)."""
     if value == 0.0:
-        return ("0 (exact: both sides' coefficients agree to the last float64 bit, or their difference's energy "
-                "rounds to <= 0; docs/theory.md §4)")
+        return (
+            "0 (exact: both sides' coefficients agree to the last float64 bit, or their difference's energy "
+            "rounds to <= 0; docs/theory.md §4)"
+        )
     return f"{value:.1e}"
 
 
@@ -48,7 +50,7 @@ def _groups(n: int) -> str:
 
 @CLAIMS.register("identity")
 def identity_claim(probe: dict[str, Any]) -> list[Claim]:
-    """"sum_i A_i g_i = c(k, R)(gbar_C - gbar_W)": the identity's residual over every mixed 0/1 group.
+    """ "sum_i A_i g_i = c(k, R)(gbar_C - gbar_W)": the identity's residual over every mixed 0/1 group.
 
     Rule: inconclusive when no group has a residual (non-0/1 rewards or an estimator without the decomposition);
     holds if the largest residual < :data:`IDENTITY_TOLERANCE`; does not hold otherwise. Control: the residual the
@@ -66,8 +68,9 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
         for g in rows:
             if g.get(GRAD_IDENTITY_RESIDUAL) is not None and GROUP_SIZE in g:
                 k, R = int(g[GROUP_CORRECT]), int(g[GROUP_SIZE])
-                gaps.setdefault(R, []).append(abs(1 - rank2_constant(k, R, other, eps) / rank2_constant(k, R, std,
-                                                                                                          eps)))
+                gaps.setdefault(R, []).append(
+                    abs(1 - rank2_constant(k, R, other, eps) / rank2_constant(k, R, std, eps))
+                )
         if gaps:
             # the two stds differ by sqrt(R / (R - 1)) whatever k, so the gap is one value per R (eps aside)
             per_r = [f"{_value_or_range(gaps[R])} at R = {R} ({_groups(len(gaps[R]))})" for R in sorted(gaps)]
@@ -80,6 +83,16 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
         shown = _residual(worst)
         why = f"max residual {shown} {'<' if verdict == HOLDS else '>='} {IDENTITY_TOLERANCE:.0e}"
         meas = f"relative residual max {shown} over {len(res)} groups (estimator {meta.get('estimator', 'grpo')})"
-    return [Claim(claim="the group update is c(k,R)(gbar_C − gbar_W) (the rank-2 identity)", scope="all R",
-                  measurement=meas, control=control, verdict=verdict, rule=why, source=source_of(probe),
-                  kind="check", n=len(res))]
+    return [
+        Claim(
+            claim="the group update is c(k,R)(gbar_C − gbar_W) (the rank-2 identity)",
+            scope="all R",
+            measurement=meas,
+            control=control,
+            verdict=verdict,
+            rule=why,
+            source=source_of(probe),
+            kind="check",
+            n=len(res),
+        )
+    ]

@@ -86,8 +86,11 @@ def reductions(groups: list[dict[str, Any]], measure: str = "top2_share") -> tup
     sim = bool(groups) and all(g.get(RANK_G1_SIMNULL.format(m=measure)) is not None for g in groups)
     null_key = (RANK_G1_SIMNULL if sim else RANK_G1_NULL).format(m=measure)
     sign = 1.0 if measure in ("top2_share", "top1_share") else -1.0
-    out = [sign * (float(g[RANK_G1.format(m=measure)]) - float(g[null_key])) for g in groups
-           if g.get(RANK_G1.format(m=measure)) is not None and g.get(null_key) is not None]
+    out = [
+        sign * (float(g[RANK_G1.format(m=measure)]) - float(g[null_key]))
+        for g in groups
+        if g.get(RANK_G1.format(m=measure)) is not None and g.get(null_key) is not None
+    ]
     return out, "simulated" if sim else "orthogonal"
 
 
@@ -102,18 +105,24 @@ def rank_two_test(groups: list[dict[str, Any]], min_groups: int = MIN_RANK_GROUP
     e2 = _values(groups, RANK_G1.format(m="top2_share"))
     e1 = _values(groups, RANK_G1.format(m="top1_share"))
     red, null = reductions(groups)
-    out: dict[str, Any] = {"n": len(e2), "null": null,
-                           "top2": mean_interval(e2, bounds=(0.0, 1.0)), "top1": mean_interval(e1, bounds=(0.0, 1.0)),
-                           "reduction": mean_interval(red)}
+    out: dict[str, Any] = {
+        "n": len(e2),
+        "null": null,
+        "top2": mean_interval(e2, bounds=(0.0, 1.0)),
+        "top1": mean_interval(e1, bounds=(0.0, 1.0)),
+        "reduction": mean_interval(red),
+    }
     if len(e2) < min_groups or len(e1) < min_groups or len(red) < min_groups:
         return {**out, "p_holds": 1.0, "p_dnh": 1.0, "route": None}
-    p_holds = max(mean_test_p(e2, TOP_SHARE, "above"), mean_test_p(e1, TOP_SHARE, "below"),
-                  mean_test_p(red, 0.0, "above"))
+    p_holds = max(
+        mean_test_p(e2, TOP_SHARE, "above"), mean_test_p(e1, TOP_SHARE, "below"), mean_test_p(red, 0.0, "above")
+    )
     h = NO_STRUCTURE_MARGIN
-    routes = {"E2 below 0.9": mean_test_p(e2, TOP_SHARE, "below"),
-              "E1 above 0.9 (one direction)": mean_test_p(e1, TOP_SHARE, "above"),
-              f"no structure (reduction inside ±{fmt(h)})": max(mean_test_p(red, -h, "above"),
-                                                              mean_test_p(red, h, "below"))}
+    routes = {
+        "E2 below 0.9": mean_test_p(e2, TOP_SHARE, "below"),
+        "E1 above 0.9 (one direction)": mean_test_p(e1, TOP_SHARE, "above"),
+        f"no structure (reduction inside ±{fmt(h)})": max(mean_test_p(red, -h, "above"), mean_test_p(red, h, "below")),
+    }
     route = min(routes, key=routes.get)
     return {**out, "p_holds": p_holds, "p_dnh": min(1.0, len(routes) * routes[route]), "route": route}
 
@@ -123,8 +132,7 @@ def combine_over_r(tests: dict[str, dict[str, Any]]) -> tuple[float, float]:
     largest p), does not hold where it fails at any (Bonferroni: the number of R × the smallest p)."""
     if not tests:
         return 1.0, 1.0
-    return (max(t["p_holds"] for t in tests.values()),
-            min(1.0, len(tests) * min(t["p_dnh"] for t in tests.values())))
+    return (max(t["p_holds"] for t in tests.values()), min(1.0, len(tests) * min(t["p_dnh"] for t in tests.values())))
 
 
 def _probe_advice(probe: dict[str, Any], tests: dict[str, dict[str, Any]], need: int) -> str:
@@ -143,7 +151,7 @@ def _probe_advice(probe: dict[str, Any], tests: dict[str, dict[str, Any]], need:
 
 @CLAIMS.register("erank_near_two")
 def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
-    """"Effective rank ≈ 2 for R in {2, 4, 8}": one row, decided by E₂ over the R > 2 measured (module docstring);
+    """ "Effective rank ≈ 2 for R in {2, 4, 8}": one row, decided by E₂ over the R > 2 measured (module docstring);
     R = 2 is left out (G1 has two rows: rank <= 2 whatever the gradients). Descriptive measures in the text."""
     per_r = probe.get("per_group_size", {})
     rs = [r for r in sorted(per_r, key=int) if int(r) > 2]
@@ -155,8 +163,9 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
     meas, ctrl = [], []
     for r, t in tests.items():
         groups = per_r[r].get(PROBE_GROUPS) or []
-        desc = ", ".join(f"{m} {fmt(mean_interval(_values(groups, RANK_G1.format(m=m)))['mean'])}"
-                         for m in DESCRIPTIVE_MEASURES)
+        desc = ", ".join(
+            f"{m} {fmt(mean_interval(_values(groups, RANK_G1.format(m=m)))['mean'])}" for m in DESCRIPTIVE_MEASURES
+        )
         g2 = mean_interval(_values(groups, RANK_G2.format(m="top2_share")))
         g2_txt = f"; G2 (one layer) top-2 share {fmt(g2['mean'], 3)}" if g2["mean"] is not None else ""
         meas.append(f"R = {r}: E₂ {ci_text(t['top2'], 3)}, E₁ {ci_text(t['top1'], 3)} (descriptive: {desc}{g2_txt})")
@@ -171,19 +180,33 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
         why = f"{n} groups < {MIN_RANK_GROUPS} at some R (E₂ depends on k: a small sample misses k strata)"
     else:
         why = f"neither branch reaches {BRANCH_LEVEL} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
-    return [Claim(
-        claim=f"the per-rollout gradient matrix G1 has effective rank ≈ 2 (top-2 energy share E₂ > {TOP_SHARE} > E₁)",
-        scope="R = " + ", ".join(rs) + " (one verdict)", measurement="; ".join(meas),
-        control=(f"structure: {'; '.join(ctrl)} (no structure within ±{fmt(NO_STRUCTURE_MARGIN)})"),
-        verdict=verdict, rule=why, source=source_of(probe), n=n, p_holds=p_holds, p_dnh=p_dnh, rule_id=RULE_ID,
-        advice=_probe_advice(probe, tests, MIN_RANK_GROUPS) if verdict == INCONCLUSIVE else "")]
+    return [
+        Claim(
+            claim=f"the per-rollout gradient matrix G1 has effective rank ≈ 2 "
+            f"(top-2 energy share E₂ > {TOP_SHARE} > E₁)",
+            scope="R = " + ", ".join(rs) + " (one verdict)",
+            measurement="; ".join(meas),
+            control=(f"structure: {'; '.join(ctrl)} (no structure within ±{fmt(NO_STRUCTURE_MARGIN)})"),
+            verdict=verdict,
+            rule=why,
+            source=source_of(probe),
+            n=n,
+            p_holds=p_holds,
+            p_dnh=p_dnh,
+            rule_id=RULE_ID,
+            advice=_probe_advice(probe, tests, MIN_RANK_GROUPS) if verdict == INCONCLUSIVE else "",
+        )
+    ]
 
 
 def _step_p(row: dict[str, Any], m: str, side: str) -> float:
     """One lens step's one-sided p of its mean ``m`` against 0.9, from the step's logged 95% interval over its mixed
     groups (normal approximation of the half-width on ``side``: se = half / 1.96); 1.0 without an interval."""
-    lo, hi, mean = row.get(RANK_G1_LENS_LO.format(m=m)), row.get(RANK_G1_LENS_HI.format(m=m)), row.get(
-        RANK_G1.format(m=m))
+    lo, hi, mean = (
+        row.get(RANK_G1_LENS_LO.format(m=m)),
+        row.get(RANK_G1_LENS_HI.format(m=m)),
+        row.get(RANK_G1.format(m=m)),
+    )
     if lo is None or hi is None or mean is None:
         return 1.0
     mean, lo, hi = float(mean), float(lo), float(hi)
@@ -200,7 +223,7 @@ STAYS_RULE_ID = "rank stays ≈ 2 (every lens step)"
 
 @CLAIMS.register("rank_stays_near_two")
 def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
-    """"The effective rank stays near 2 as training goes on", on a training run's lens records (``{"records":
+    """ "The effective rank stays near 2 as training goes on", on a training run's lens records (``{"records":
     [...]}``; [] without lens rank numbers): E₂ > 0.9 > E₁ at every lens step.
 
     Rule (an intersection-union over lens steps, docs/theory.md §11): each lens step's one-sided tests come from its
@@ -211,13 +234,18 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
     whenever a lens step has no interval (fewer than 8 mixed groups), since "stays" is about every step. The row's
     n is the fewest mixed groups of a lens step (the unit its calibration is indexed by).
     """
-    rows = [r for r in data.get("records") or [] if r.get(RANK_G1.format(m="top2_share")) is not None
-            and r.get(RANK_G1.format(m="top1_share")) is not None]
+    rows = [
+        r
+        for r in data.get("records") or []
+        if r.get(RANK_G1.format(m="top2_share")) is not None and r.get(RANK_G1.format(m="top1_share")) is not None
+    ]
     if not rows:
         return []
     p_holds = max(max(_step_p(r, "top2_share", "above"), _step_p(r, "top1_share", "below")) for r in rows)
-    p_dnh = min(1.0, 2 * len(rows) * min(min(_step_p(r, "top2_share", "below"), _step_p(r, "top1_share", "above"))
-                                         for r in rows))
+    p_dnh = min(
+        1.0,
+        2 * len(rows) * min(min(_step_p(r, "top2_share", "below"), _step_p(r, "top1_share", "above")) for r in rows),
+    )
     verdict = decide(p_holds, p_dnh)
     lows = [r for r in rows if r.get(RANK_G1_LENS_LO.format(m="top2_share")) is None]
     groups = [int(r.get(RANK_MIXED_GROUPS) or 0) for r in rows]
@@ -231,13 +259,27 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
         why = f"neither branch reaches {BRANCH_LEVEL} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
     advice = ""
     if verdict == INCONCLUSIVE:
-        advice = (f"raise `--prompts-per-step` (now at most {max(groups, default=0)} mixed groups per lens step; a "
-                  f"step interval needs 8, e.g. --prompts-per-step 12 with R = 8)")
+        advice = (
+            f"raise `--prompts-per-step` (now at most {max(groups, default=0)} mixed groups per lens step; a "
+            f"step interval needs 8, e.g. --prompts-per-step 12 with R = 8)"
+        )
     e2 = [float(r[RANK_G1.format(m="top2_share")]) for r in rows]
-    return [Claim(claim=f"the effective rank of G1 stays ≈ 2 over training (E₂ > {TOP_SHARE} > E₁ at every lens step)",
-                  scope=f"training, {len(rows)} lens steps (steps {rows[0].get('step')}–{rows[-1].get('step')})",
-                  measurement=(f"E₂ per lens step {', '.join(fmt(x, 3) for x in e2)} (lowest {fmt(min(e2), 3)}); "
-                               f"mixed groups per step {', '.join(map(str, groups))}"),
-                  control=f"the band: E₂ > {TOP_SHARE} > E₁ at each step",
-                  verdict=verdict, rule=why, source="lens (each step's mixed groups)", n=min(groups),
-                  p_holds=p_holds, p_dnh=p_dnh, rule_id=STAYS_RULE_ID, advice=advice)]
+    return [
+        Claim(
+            claim=f"the effective rank of G1 stays ≈ 2 over training (E₂ > {TOP_SHARE} > E₁ at every lens step)",
+            scope=f"training, {len(rows)} lens steps (steps {rows[0].get('step')}–{rows[-1].get('step')})",
+            measurement=(
+                f"E₂ per lens step {', '.join(fmt(x, 3) for x in e2)} (lowest {fmt(min(e2), 3)}); "
+                f"mixed groups per step {', '.join(map(str, groups))}"
+            ),
+            control=f"the band: E₂ > {TOP_SHARE} > E₁ at each step",
+            verdict=verdict,
+            rule=why,
+            source="lens (each step's mixed groups)",
+            n=min(groups),
+            p_holds=p_holds,
+            p_dnh=p_dnh,
+            rule_id=STAYS_RULE_ID,
+            advice=advice,
+        )
+    ]

@@ -60,16 +60,21 @@ MIN_LENS_STEPS = 5
 
 
 #: the claims evaluated on a training run's records
-TRAINING_CLAIMS = ("sparsity_intensifies", "zero_variance_share_rises", "most_parameters_unchanged",
-                   "rank_stays_near_two")
+TRAINING_CLAIMS = (
+    "sparsity_intensifies",
+    "zero_variance_share_rises",
+    "most_parameters_unchanged",
+    "rank_stays_near_two",
+)
 
 
 def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get(PERF_LENS_SECONDS) is not None and r.get(key) is not None]
 
 
-def trend_verdict(xs: list[float], ys: list[float], min_points: int, covariate: list[float] | None = None
-                  ) -> tuple[str, str, dict[str, Any]]:
+def trend_verdict(
+    xs: list[float], ys: list[float], min_points: int, covariate: list[float] | None = None
+) -> tuple[str, str, dict[str, Any]]:
     """(verdict, reason, the test's numbers) of a rising trend of ys over xs that keeps its level under
     autocorrelated steps: the first-difference slope test (:func:`grpo_lens.formulas.stats.difference_trend_test`,
     ``covariate`` partialled out). Holds (rises) when the one-sided p of slope > 0 is <= :data:`BRANCH_LEVEL`; does not
@@ -79,8 +84,11 @@ def trend_verdict(xs: list[float], ys: list[float], min_points: int, covariate: 
     rho, _ = spearman_trend(xs, ys, num_perm=200) if len(xs) >= 3 else (math.nan, math.nan)
     nums = {**t, "rho": rho, "p_holds": t["p_up"], "p_dnh": t["p_down"]}
     if len(xs) < min_points or t["slope"] is None:
-        return INCONCLUSIVE, f"{len(xs)} points < {min_points} (or no variation in the differences)", {
-            **nums, "p_holds": 1.0, "p_dnh": 1.0}
+        return (
+            INCONCLUSIVE,
+            f"{len(xs)} points < {min_points} (or no variation in the differences)",
+            {**nums, "p_holds": 1.0, "p_dnh": 1.0},
+        )
     verdict = decide(t["p_up"], t["p_down"])
     slope = f"slope from first differences {t['slope']:.3g} per step (t = {fmt(t['t'], 2)}, df {t['df']})"
     if verdict == HOLDS:
@@ -91,13 +99,16 @@ def trend_verdict(xs: list[float], ys: list[float], min_points: int, covariate: 
 
 
 #: the calibration's names of the trend rules
-SPARSITY_RULE_ID, S1_RULE_ID, S4_RULE_ID = ("gradient sparsity intensifies", "S1 rises over training",
-                                            "most parameters unchanged (S4)")
+SPARSITY_RULE_ID, S1_RULE_ID, S4_RULE_ID = (
+    "gradient sparsity intensifies",
+    "S1 rises over training",
+    "most parameters unchanged (S4)",
+)
 
 
 @CLAIMS.register("sparsity_intensifies")
 def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
-    """"Gradient sparsity intensifies over training": the Hoyer sparsity of each lens step's policy gradient against
+    """ "Gradient sparsity intensifies over training": the Hoyer sparsity of each lens step's policy gradient against
     the step.
 
     Rule (:func:`trend_verdict`): Spearman's trend of the gradient's Hoyer over the lens steps, excluding the first
@@ -108,14 +119,26 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     """
     records = data.get("records") or []
     rows = _lens_rows(records, SPARSITY_GRAD_HOYER)
-    zero = [r for r in records if r.get(PERF_LENS_SECONDS) is not None and r.get(SPARSITY_GRAD_ZERO) is not None
-            and r.get(SPARSITY_GRAD_HOYER) is None]  # a zero gradient: Hoyer is 0/0 (the run directory's null)
+    zero = [
+        r
+        for r in records
+        if r.get(PERF_LENS_SECONDS) is not None
+        and r.get(SPARSITY_GRAD_ZERO) is not None
+        and r.get(SPARSITY_GRAD_HOYER) is None
+    ]  # a zero gradient: Hoyer is 0/0 (the run directory's null)
     if not rows and zero:
-        return [Claim(claim="gradient sparsity intensifies over training", scope=f"training, {len(zero)} lens steps",
-                      measurement="the sampled policy gradient was exactly zero at every lens step (no reward "
-                                  "contrast): its Hoyer sparsity is undefined (0/0)",
-                      control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20", verdict=INCONCLUSIVE,
-                      rule="no lens step with a non-zero gradient", source="lens")]
+        return [
+            Claim(
+                claim="gradient sparsity intensifies over training",
+                scope=f"training, {len(zero)} lens steps",
+                measurement="the sampled policy gradient was exactly zero at every lens step (no reward "
+                "contrast): its Hoyer sparsity is undefined (0/0)",
+                control="no trend (rho = 0); a Gaussian vector has Hoyer 0.20",
+                verdict=INCONCLUSIVE,
+                rule="no lens step with a non-zero gradient",
+                source="lens",
+            )
+        ]
     if not rows:
         return []
     tested = [r for r in rows[1:] if r.get(RANK_MIXED_GROUPS) is None or float(r[RANK_MIXED_GROUPS]) > 0]
@@ -123,24 +146,44 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     ys = [float(r[SPARSITY_GRAD_HOYER]) for r in tested]
     # the step's gradient sums its mixed groups' terms: fewer groups alone make it sparser, so log(mixed groups) is
     # partialled out (issue 29: constant per-group sparsity while mixed groups fall 8 -> 1 read holds 1.00)
-    cov = ([math.log(float(r[RANK_MIXED_GROUPS])) for r in tested]
-           if tested and all(r.get(RANK_MIXED_GROUPS) is not None for r in tested) else None)
+    cov = (
+        [math.log(float(r[RANK_MIXED_GROUPS])) for r in tested]
+        if tested and all(r.get(RANK_MIXED_GROUPS) is not None for r in tested)
+        else None
+    )
     verdict, why, nums = trend_verdict(xs, ys, MIN_LENS_STEPS, cov)
     rho = nums["rho"]
     upd = [r.get(SPARSITY_UPDATE_STEP_HOYER) for r in rows]
     grad = [float(r[SPARSITY_GRAD_HOYER]) for r in rows]
     space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
-    return [Claim(claim="gradient sparsity intensifies over training",
-                  scope=f"training, {len(tested)} lens steps (first lens step excluded){space}",
-                  measurement=(f"Hoyer of the policy gradient {fmt(grad[0], 3)} (step {rows[0][STEP]}) -> "
-                               f"{fmt(grad[-1], 3)} (step {rows[-1][STEP]}), Spearman rho {fmt(rho, 2)} on the "
-                               f"tested steps; AdamW update Hoyer {fmt(upd[0], 3)} -> {fmt(upd[-1], 3)} (not tested)"),
-                  control=("no trend (slope 0 after the log of the mixed-group count is partialled out); a "
-                           "Gaussian vector has Hoyer 0.20"),
-                  verdict=verdict, rule=why, source=f"lens, fixed sample of {_sample_size(rows)} weights",
-                  n=len(tested), p_holds=nums["p_holds"], p_dnh=nums["p_dnh"], rule_id=SPARSITY_RULE_ID,
-                  advice=(f"raise `--max-steps` or lower `--lens-every` (now {len(tested)} tested lens steps; "
-                          f"e.g. --lens-every 2 gives about 3× as many)" if verdict == INCONCLUSIVE else ""))]
+    return [
+        Claim(
+            claim="gradient sparsity intensifies over training",
+            scope=f"training, {len(tested)} lens steps (first lens step excluded){space}",
+            measurement=(
+                f"Hoyer of the policy gradient {fmt(grad[0], 3)} (step {rows[0][STEP]}) -> "
+                f"{fmt(grad[-1], 3)} (step {rows[-1][STEP]}), Spearman rho {fmt(rho, 2)} on the "
+                f"tested steps; AdamW update Hoyer {fmt(upd[0], 3)} -> {fmt(upd[-1], 3)} (not tested)"
+            ),
+            control=(
+                "no trend (slope 0 after the log of the mixed-group count is partialled out); a "
+                "Gaussian vector has Hoyer 0.20"
+            ),
+            verdict=verdict,
+            rule=why,
+            source=f"lens, fixed sample of {_sample_size(rows)} weights",
+            n=len(tested),
+            p_holds=nums["p_holds"],
+            p_dnh=nums["p_dnh"],
+            rule_id=SPARSITY_RULE_ID,
+            advice=(
+                f"raise `--max-steps` or lower `--lens-every` (now {len(tested)} tested lens steps; "
+                f"e.g. --lens-every 2 gives about 3× as many)"
+                if verdict == INCONCLUSIVE
+                else ""
+            ),
+        )
+    ]
 
 
 #: fewest steps the S1 trend is tested on
@@ -149,15 +192,18 @@ MIN_S1_STEPS = 8
 
 @CLAIMS.register("zero_variance_share_rises")
 def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
-    """"Sparsity intensifies" read as S1: the share of groups without reward contrast (all rewards equal, no policy
+    """ "Sparsity intensifies" read as S1: the share of groups without reward contrast (all rewards equal, no policy
     gradient) rises over training.
 
     Rule (:func:`trend_verdict`): Spearman's trend of S1 (``reward/frac_zero_std_groups``) over every logged step,
     needs :data:`MIN_S1_STEPS` steps; the measurement gives the mean S1 of the first and the last third of the steps,
     each with its interval over steps (:func:`grpo_lens.formulas.stats.mean_interval`).
     """
-    rows = [r for r in data.get("records") or [] if r.get(REWARD_FRAC_ZERO_STD_GROUPS) is not None
-            and r.get(STEP) is not None]
+    rows = [
+        r
+        for r in data.get("records") or []
+        if r.get(REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(STEP) is not None
+    ]
     if not rows:
         return []
     xs = [float(r[STEP]) for r in rows]
@@ -165,15 +211,30 @@ def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
     verdict, why, nums = trend_verdict(xs, ys, MIN_S1_STEPS)
     rho = nums["rho"]
     first, last = (mean_interval(ys[w], bounds=(0.0, 1.0)) for w in trend_windows(len(ys)))
-    return [Claim(claim="the share of groups without reward contrast (S1) rises over training",
-                  scope=f"training, {len(rows)} steps",
-                  measurement=(f"S1 first third {ci_text(first, 2, 'steps')}, last third {ci_text(last, 2, 'steps')}"
-                               f"; Spearman rho {fmt(rho, 2)}"),
-                  control="no trend (slope 0)", verdict=verdict, rule=why, source="every step's rewards",
-                  n=len(rows), p_holds=nums["p_holds"], p_dnh=nums["p_dnh"], rule_id=S1_RULE_ID,
-                  advice=(f"raise `--max-steps` (now {len(rows)} steps) or `--prompts-per-step` (S1 per step is a "
-                          f"share of that many groups: more groups, less noise per step)"
-                          if verdict == INCONCLUSIVE else ""))]
+    return [
+        Claim(
+            claim="the share of groups without reward contrast (S1) rises over training",
+            scope=f"training, {len(rows)} steps",
+            measurement=(
+                f"S1 first third {ci_text(first, 2, 'steps')}, last third {ci_text(last, 2, 'steps')}"
+                f"; Spearman rho {fmt(rho, 2)}"
+            ),
+            control="no trend (slope 0)",
+            verdict=verdict,
+            rule=why,
+            source="every step's rewards",
+            n=len(rows),
+            p_holds=nums["p_holds"],
+            p_dnh=nums["p_dnh"],
+            rule_id=S1_RULE_ID,
+            advice=(
+                f"raise `--max-steps` (now {len(rows)} steps) or `--prompts-per-step` (S1 per step is a "
+                f"share of that many groups: more groups, less noise per step)"
+                if verdict == INCONCLUSIVE
+                else ""
+            ),
+        )
+    ]
 
 
 def _sample_size(rows: list[dict[str, Any]]) -> str:
@@ -195,7 +256,7 @@ def _share_se(row: dict[str, Any], key: str, se_key: str) -> tuple[float, str]:
 
 @CLAIMS.register("most_parameters_unchanged")
 def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
-    """"RL leaves most parameters unchanged" (S4), beyond bf16 rounding.
+    """ "RL leaves most parameters unchanged" (S4), beyond bf16 rounding.
 
     Measures at the last lens step, since the start, on the lens's fixed stratified sample: z = float32-unchanged
     share, q = bf16-unchanged share, c = its within-tensor permutation control (the same update entries permuted within
@@ -220,16 +281,24 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
         return []
     last = rows[-1]
     if data.get("lora_rank"):  # the lens samples the trainable (adapter) weights; the frozen base never changes
-        return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
-                      scope=f"training, step {last[STEP]}, LoRA rank {data['lora_rank']}",
-                      measurement=(f"over the adapter's A and B only: bf16 unchanged since start "
-                                   f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], 3)}"),
-                      control="none: the claim is about the model's weights, not the adapter's",
-                      verdict=INCONCLUSIVE,
-                      rule=("not applicable to adapter parameters: the frozen base weights never change and the "
-                            "adapter is a different parameter space (B starts at 0, so A gets no gradient on step 1); "
-                            "the merged weights W + (alpha/r) B A are not measured"),
-                      source=f"lens, fixed sample of {_sample_size(rows)} adapter weights")]
+        return [
+            Claim(
+                claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
+                scope=f"training, step {last[STEP]}, LoRA rank {data['lora_rank']}",
+                measurement=(
+                    f"over the adapter's A and B only: bf16 unchanged since start "
+                    f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], 3)}"
+                ),
+                control="none: the claim is about the model's weights, not the adapter's",
+                verdict=INCONCLUSIVE,
+                rule=(
+                    "not applicable to adapter parameters: the frozen base weights never change and the "
+                    "adapter is a different parameter space (B starts at 0, so A gets no gradient on step 1); "
+                    "the merged weights W + (alpha/r) B A are not measured"
+                ),
+                source=f"lens, fixed sample of {_sample_size(rows)} adapter weights",
+            )
+        ]
     share = float(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
     f32 = last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED)
     perm = last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)
@@ -253,8 +322,13 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     else:
         placement, excess = INCONCLUSIVE, "no permutation control (a run from before it was logged)"
     if f32 is not None and f32 >= 1.0:  # not one sampled weight moved: the update was zero (lr 0, every A_i = 0)
-        verdict, why = INCONCLUSIVE, ("no sampled weight changed since the start (a zero update: learning rate 0 or "
-                                      "every advantage 0); the claim is about what training changes")
+        verdict, why = (
+            INCONCLUSIVE,
+            (
+                "no sampled weight changed since the start (a zero update: learning rate 0 or "
+                "every advantage 0); the claim is about what training changes"
+            ),
+        )
     elif f32_most == DOES_NOT_HOLD or most == DOES_NOT_HOLD:
         verdict = DOES_NOT_HOLD
         if most == DOES_NOT_HOLD:
@@ -262,16 +336,26 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
         else:
             why = f"only {fmt(f32, 3)} of weights are unchanged in float32 (interval below 0.5): most moved"
             if placement == HOLDS:
-                why += (f"; their bf16 share {fmt(share, 3)} exceeds the permutation control by more than "
-                        f"{BF16_MARGIN}: where the changes land matters, but they are changes")
+                why += (
+                    f"; their bf16 share {fmt(share, 3)} exceeds the permutation control by more than "
+                    f"{BF16_MARGIN}: where the changes land matters, but they are changes"
+                )
             elif perm is not None:
-                why += (f"; the update's own magnitudes placed at random leave {fmt(float(perm), 3)} unchanged in "
-                        f"bf16 (observed {fmt(share, 3)}): rounding of small changes")
+                why += (
+                    f"; the update's own magnitudes placed at random leave {fmt(float(perm), 3)} unchanged in "
+                    f"bf16 (observed {fmt(share, 3)}): rounding of small changes"
+                )
     elif f32_most == HOLDS:
         verdict, why = HOLDS, f"float32-unchanged share [{fmt(f32_lo, 3)}, {fmt(f32_hi, 3)}] lies above 0.5"
     else:
-        verdict, why = INCONCLUSIVE, (f"the float32-unchanged share's interval [{fmt(f32_lo, 3)}, {fmt(f32_hi, 3)}] "
-                                      f"contains 0.5" if f32 is not None else "no float32-unchanged share logged")
+        verdict, why = (
+            INCONCLUSIVE,
+            (
+                f"the float32-unchanged share's interval [{fmt(f32_lo, 3)}, {fmt(f32_hi, 3)}] contains 0.5"
+                if f32 is not None
+                else "no float32-unchanged share logged"
+            ),
+        )
     # the rule's branches as one-sided p-values (z / q against 0.5 with their stratified SEs, normal): the same
     # decisions as the 1.96-SE intervals above at 0.025
     if f32 is None or f32 >= 1.0 or not math.isfinite(f32_lo):
@@ -283,17 +367,34 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
         p_q = normal_upper_tail((0.5 - share) / q_se) if q_se > 0 else float(share >= 0.5)
         p_dnh = min(p_z, p_q)
     dense_txt = f"; a dense Gaussian update of the same per-tensor RMS {fmt(dense, 3)} (not used)" if dense else ""
-    return [Claim(claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
-                  scope=f"training, step {last[STEP]}",
-                  measurement=(f"float32 unchanged since start {fmt(f32, 4)} [{fmt(f32_lo, 4)}, {fmt(f32_hi, 4)}]; "
-                               f"bf16 unchanged {fmt(share, 3)}; {excess} (95% intervals over "
-                               f"{_sample_size(rows)} sampled weights, standard errors {how})"),
-                  control=(f"the same update entries permuted within each tensor leave "
-                           f"{fmt(None if perm is None else float(perm), 3)} unchanged in bf16{dense_txt}"),
-                  verdict=verdict, rule=why, source=f"lens, fixed stratified sample of {_sample_size(rows)} weights",
-                  n=int(float(last.get(SPARSITY_SAMPLE_ENTRIES) or 0)) or None, p_holds=p_holds, p_dnh=p_dnh,
-                  rule_id=S4_RULE_ID,
-                  advice=("no flag narrows it: the lens's weight sample has a fixed size; the share's interval "
-                          "contains 0.5" if verdict == INCONCLUSIVE and f32 is not None and f32 < 1.0 else
-                          ("train at a learning rate above 0 with reward contrast (`--learning-rate`, "
-                           "`--prompts-per-step`)" if verdict == INCONCLUSIVE else "")))]
+    return [
+        Claim(
+            claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
+            scope=f"training, step {last[STEP]}",
+            measurement=(
+                f"float32 unchanged since start {fmt(f32, 4)} [{fmt(f32_lo, 4)}, {fmt(f32_hi, 4)}]; "
+                f"bf16 unchanged {fmt(share, 3)}; {excess} (95% intervals over "
+                f"{_sample_size(rows)} sampled weights, standard errors {how})"
+            ),
+            control=(
+                f"the same update entries permuted within each tensor leave "
+                f"{fmt(None if perm is None else float(perm), 3)} unchanged in bf16{dense_txt}"
+            ),
+            verdict=verdict,
+            rule=why,
+            source=f"lens, fixed stratified sample of {_sample_size(rows)} weights",
+            n=int(float(last.get(SPARSITY_SAMPLE_ENTRIES) or 0)) or None,
+            p_holds=p_holds,
+            p_dnh=p_dnh,
+            rule_id=S4_RULE_ID,
+            advice=(
+                "no flag narrows it: the lens's weight sample has a fixed size; the share's interval contains 0.5"
+                if verdict == INCONCLUSIVE and f32 is not None and f32 < 1.0
+                else (
+                    "train at a learning rate above 0 with reward contrast (`--learning-rate`, `--prompts-per-step`)"
+                    if verdict == INCONCLUSIVE
+                    else ""
+                )
+            ),
+        )
+    ]

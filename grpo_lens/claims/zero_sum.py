@@ -49,8 +49,7 @@ TEST_LEVEL = BRANCH_LEVEL
 RULE_ID = "labels structure G1 (θ on the cosine Gram, across R)"
 
 
-def relabelling_test(groups: list[dict[str, Any]], level: float = 0.95, stat: str = "span_energy"
-                     ) -> dict[str, Any]:
+def relabelling_test(groups: list[dict[str, Any]], level: float = 0.95, stat: str = "span_energy") -> dict[str, Any]:
     """The across-group relabelling test of a span energy and its normalised effect (docs/theory.md §11).
 
     Relabelling every group at once (k fixed, each labelling of a group equally likely under H0 "the labels carry no
@@ -64,8 +63,16 @@ def relabelling_test(groups: list[dict[str, Any]], level: float = 0.95, stat: st
     """
     ex, nv, nu = zero_sum_key(stat, "excess"), zero_sum_key(stat, "null_var"), zero_sum_key(stat, "null")
     rows = [g for g in groups if g.get(ex) is not None and g.get(nv) is not None and g.get(nu) is not None]
-    out: dict[str, Any] = {"n": len(rows), "z": None, "p": None, "theta": None, "lo": None, "hi": None,
-                           "x": [], "room": []}
+    out: dict[str, Any] = {
+        "n": len(rows),
+        "z": None,
+        "p": None,
+        "theta": None,
+        "lo": None,
+        "hi": None,
+        "x": [],
+        "room": [],
+    }
     if not rows:
         return out
     x = [float(g[ex]) for g in rows]
@@ -99,7 +106,7 @@ def theta_test(groups: list[dict[str, Any]], margin: float = NEGLIGIBLE_SHARE) -
 
 @CLAIMS.register("zero_sum_rank_two")
 def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
-    """"The reward labels structure G1" (the G1 reading of "the rank-2 structure comes from the zero-sum
+    """ "The reward labels structure G1" (the G1 reading of "the rank-2 structure comes from the zero-sum
     advantages"): one row across the R > 2 measured.
 
     G1's spectrum and the span energy use A_i² only, and a relabelling keeps Σ w = 0, so this row tests that the
@@ -132,20 +139,42 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
     meas, ctrl = [], []
     for r, t in tests.items():
         summ = per_r[r].get(PROBE_SUMMARY, {})
-        th = "–" if t["theta"] is None else fmt(t["theta"], 3) + (
-            "" if t["lo"] is None else f" [{fmt(t['lo'], 3)}, {fmt(t['hi'], 3)}]")
-        meas.append(f"R = {r}: θ (cosine Gram) {th} (n = {t['n']} groups); span energy "
-                    f"{ci_text(summ.get(ZERO_SUM_SPAN_ENERGY), 3)}; cos-gap excess "
-                    f"{ci_text(summ.get(ZERO_SUM_COS_GAP_EXCESS), 3)}")
+        th = (
+            "–"
+            if t["theta"] is None
+            else fmt(t["theta"], 3) + ("" if t["lo"] is None else f" [{fmt(t['lo'], 3)}, {fmt(t['hi'], 3)}]")
+        )
+        meas.append(
+            f"R = {r}: θ (cosine Gram) {th} (n = {t['n']} groups); span energy "
+            f"{ci_text(summ.get(ZERO_SUM_SPAN_ENERGY), 3)}; cos-gap excess "
+            f"{ci_text(summ.get(ZERO_SUM_COS_GAP_EXCESS), 3)}"
+        )
         ctrl.append(f"R = {r}: relabelling z {fmt(t['z'])}")
-    return [Claim(
-        claim="the reward labels structure G1's directions (G1 reading of: rank 2 comes from the zero-sum advantages)",
-        scope="R = " + ", ".join(rs) + " (one verdict)", measurement="; ".join(meas),
-        control=(f"relabellings with k fixed ({'; '.join(ctrl)}); equivalence margin θ = {NEGLIGIBLE_SHARE}; G1 is "
-                 f"blind to the advantages' signs (this row does not test sum A = 0)"),
-        verdict=verdict, rule=why, source=source_of(probe), n=n, p_holds=p_holds, p_dnh=p_dnh, rule_id=RULE_ID,
-        advice=("raise `--prompts` (grpo-lens probe; `--probe-prompts` in grpo-lens demo), e.g. to twice its value: "
-                "θ's interval narrows as 1/√groups" if verdict == INCONCLUSIVE else ""))]
+    return [
+        Claim(
+            claim="the reward labels structure G1's directions "
+            "(G1 reading of: rank 2 comes from the zero-sum advantages)",
+            scope="R = " + ", ".join(rs) + " (one verdict)",
+            measurement="; ".join(meas),
+            control=(
+                f"relabellings with k fixed ({'; '.join(ctrl)}); equivalence margin θ = {NEGLIGIBLE_SHARE}; G1 is "
+                f"blind to the advantages' signs (this row does not test sum A = 0)"
+            ),
+            verdict=verdict,
+            rule=why,
+            source=source_of(probe),
+            n=n,
+            p_holds=p_holds,
+            p_dnh=p_dnh,
+            rule_id=RULE_ID,
+            advice=(
+                "raise `--prompts` (grpo-lens probe; `--probe-prompts` in grpo-lens demo), e.g. to twice its value: "
+                "θ's interval narrows as 1/√groups"
+                if verdict == INCONCLUSIVE
+                else ""
+            ),
+        )
+    ]
 
 
 #: G2 stable ranks within this relative difference of each other count as "no difference" between weightings
@@ -179,7 +208,8 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
                 continue
             a = sum(row[RANK_G2_WEIGHTED.format(w="adv", kind=t)] for t in types) / len(types)
             o = sum(row[RANK_G2_WEIGHTED.format(w=w, kind=t)] for t in types for w in NOT_ZERO_SUM) / (
-                len(types) * len(NOT_ZERO_SUM))
+                len(types) * len(NOT_ZERO_SUM)
+            )
             ds.append((a - o) / o if o > 0 else float("nan"))
             adv_sr.append(a)
             other_sr.append(o)
@@ -201,12 +231,27 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
             reading = "difference interval above 0: A gives a higher rank"
         else:
             reading = "difference interval includes 0 and differences beyond ±0.1"
-        verdict, why = INCONCLUSIVE, (f"descriptive, no verdict: the 0.2 rule could not tell planted "
-                                      f"zero-sum-irrelevant from zero-sum-decisive cases apart; reads: {reading}")
-        out.append(Claim(
-            claim="rank-2 structure comes from the zero-sum advantages (G2, every layer)", scope=f"R = {r}",
-            measurement=(f"G2 stable rank under A, mean over layer types: {fmt(sum(adv_sr) / len(adv_sr))}; "
-                         f"(A − not-zero-sum) / not-zero-sum {ci_text(ci, 3)}"),
-            control=f"weightings |A|, A + mean|A|, r, 1: {fmt(sum(other_sr) / len(other_sr))}",
-            verdict=verdict, rule=why, source=src, kind="descriptive", n=n))
+        verdict, why = (
+            INCONCLUSIVE,
+            (
+                f"descriptive, no verdict: the 0.2 rule could not tell planted "
+                f"zero-sum-irrelevant from zero-sum-decisive cases apart; reads: {reading}"
+            ),
+        )
+        out.append(
+            Claim(
+                claim="rank-2 structure comes from the zero-sum advantages (G2, every layer)",
+                scope=f"R = {r}",
+                measurement=(
+                    f"G2 stable rank under A, mean over layer types: {fmt(sum(adv_sr) / len(adv_sr))}; "
+                    f"(A − not-zero-sum) / not-zero-sum {ci_text(ci, 3)}"
+                ),
+                control=f"weightings |A|, A + mean|A|, r, 1: {fmt(sum(other_sr) / len(other_sr))}",
+                verdict=verdict,
+                rule=why,
+                source=src,
+                kind="descriptive",
+                n=n,
+            )
+        )
     return out

@@ -32,6 +32,26 @@ from grpo_lens.config.base import (
 from grpo_lens.config.groups import DTYPES, GROUPS, check_task_dataset, resolve_device
 from grpo_lens.config.train import TrainConfig
 
-__all__ = ["Check", "ConfigError", "ConfigFile", "ConfigNameWarning", "DTYPES", "GROUPS", "Names", "Option",
-           "TrainConfig", "above", "add_config_arguments", "at_least", "check_task_dataset", "config_from_args",
-           "flags_given", "one_of", "option", "reference_markdown", "require", "resolve_device", "yaml_error_line"]
+__all__ = [
+    "Check",
+    "ConfigError",
+    "ConfigFile",
+    "ConfigNameWarning",
+    "DTYPES",
+    "GROUPS",
+    "Names",
+    "Option",
+    "TrainConfig",
+    "above",
+    "add_config_arguments",
+    "at_least",
+    "check_task_dataset",
+    "config_from_args",
+    "flags_given",
+    "one_of",
+    "option",
+    "reference_markdown",
+    "require",
+    "resolve_device",
+    "yaml_error_line",
+]

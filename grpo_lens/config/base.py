@@ -26,9 +26,10 @@ import re
 import types
 import typing
 import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Mapping, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import yaml
 
@@ -63,6 +64,7 @@ def above(low: float, why: str | None = None) -> Check:
 def one_of(names: Iterable[str] | Callable[[], Iterable[str]]) -> Check:
     """The value is one of ``names`` (a collection, or a registry's ``names`` method, read at check time so that
     plugins registered later count); the message lists the valid names, sorted."""
+
     def check(value: Any) -> str | None:
         valid = list(names() if callable(names) else names)
         return None if value in valid else f"unknown name; valid names: {', '.join(sorted(valid))}"
@@ -97,18 +99,27 @@ class Option:
         """The field of one config; ``default`` / ``check`` override the shared ones (an explicit, visible override)."""
         if not fill and _PLACEHOLDER.search(self.help):
             raise TypeError(f"option help {self.help!r} has a placeholder: give its text as a keyword")
-        spec = dataclasses.replace(self, default=self.default if default is _SAME else default,
-                                   check=self.check if check is _SAME else check,
-                                   help=self.help.format(**fill) if fill else self.help)
-        metadata = {"help": spec.help, "check": spec.check, "item_type": spec.item_type,
-                    "scalar_is_list": spec.scalar_is_list, "option": self}
+        spec = dataclasses.replace(
+            self,
+            default=self.default if default is _SAME else default,
+            check=self.check if check is _SAME else check,
+            help=self.help.format(**fill) if fill else self.help,
+        )
+        metadata = {
+            "help": spec.help,
+            "check": spec.check,
+            "item_type": spec.item_type,
+            "scalar_is_list": spec.scalar_is_list,
+            "option": self,
+        }
         if isinstance(spec.default, (list, dict)):
             return field(default_factory=lambda d=spec.default: type(d)(d), metadata=metadata)
         return field(default=spec.default, metadata=metadata)
 
 
-def option(default: Any, help: str, *, check: Check | None = None, item_type: type | None = None,
-           scalar_is_list: bool = False) -> Any:
+def option(
+    default: Any, help: str, *, check: Check | None = None, item_type: type | None = None, scalar_is_list: bool = False
+) -> Any:
     """A field only one config has: its default, help (the CLI help) and check, written where the field is."""
     return Option(default, help, check, item_type, scalar_is_list)()
 
@@ -140,8 +151,13 @@ class Names:
     may add more later with :meth:`rename` and :meth:`refuse` (e.g. another library's names for the same settings).
     """
 
-    def __init__(self, renamed: Mapping[str, str] | None = None, refused: Mapping[str, str] | None = None,
-                 notes: Mapping[str, str] | None = None, aliases: Mapping[str, Alias] | None = None):
+    def __init__(
+        self,
+        renamed: Mapping[str, str] | None = None,
+        refused: Mapping[str, str] | None = None,
+        notes: Mapping[str, str] | None = None,
+        aliases: Mapping[str, Alias] | None = None,
+    ):
         self.renamed: dict[str, str] = {}
         self.refused: dict[str, str] = {}
         self.notes: dict[str, str] = {}  # deprecated name -> a sentence its warning adds
@@ -213,8 +229,10 @@ class Names:
                 for field_, v in alias.translate(value, values).items():
                     if field_ in values or field_ in translated:
                         also = f"{_name(translated[field_])} sets" if field_ in translated else "is given"
-                        raise ConfigError(f"{_name(key)}{where} is {alias.library}'s name for {_name(field_)}, "
-                                          f"which {also} too; give one of them")
+                        raise ConfigError(
+                            f"{_name(key)}{where} is {alias.library}'s name for {_name(field_)}, "
+                            f"which {also} too; give one of them"
+                        )
                     translated[field_] = key
                     out[field_] = v
                 continue
@@ -223,12 +241,17 @@ class Names:
                 out[key] = value
                 continue
             if new in values or new in out:
-                raise ConfigError(f"{_name(key)}{where} is the deprecated name of {_name(new)}, which is given too; "
-                                  f"give only {new!r}")
+                raise ConfigError(
+                    f"{_name(key)}{where} is the deprecated name of {_name(new)}, which is given too; give only {new!r}"
+                )
             if warn:
                 note = f" ({self.notes[key]})" if key in self.notes else ""
-                warnings.warn(f"{_name(key)}{where} is deprecated: use {_name(new)}{note}; the old name will stop "
-                              f"working in a later release", ConfigNameWarning, stacklevel=2)
+                warnings.warn(
+                    f"{_name(key)}{where} is deprecated: use {_name(new)}{note}; the old name will stop "
+                    f"working in a later release",
+                    ConfigNameWarning,
+                    stacklevel=2,
+                )
             out[new] = value
         return out
 
@@ -260,8 +283,9 @@ class ConfigFile:
     # -- checks ------------------------------------------------------------------------------------------------------
     def bad(self, name: str, why: str) -> NoReturn:
         """Raise the ConfigError of field ``name``: ``<kind> field 'name' (flag --name) = value: why``."""
-        raise ConfigError(f"{self.kind} field '{name}' (flag --{name.replace('_', '-')}) = {getattr(self, name)!r}: "
-                          f"{why}")
+        raise ConfigError(
+            f"{self.kind} field '{name}' (flag --{name.replace('_', '-')}) = {getattr(self, name)!r}: {why}"
+        )
 
     def validate(self) -> None:
         """Check every field: types (YAML can hold anything), then each field's own check, then :meth:`check`.
@@ -381,9 +405,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 continue  # SafeLoader's own error for an unhashable key follows
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark,
+                    "while constructing a mapping",
+                    node.start_mark,
                     f"found duplicate key {key!r} (first on line {seen[key].line + 1}); keep one of them",
-                    key_node.start_mark)
+                    key_node.start_mark,
+                )
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
@@ -412,8 +438,11 @@ def yaml_error_line(err: Exception) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 def _is_optional(tp: Any) -> bool:
     tp = _resolve(tp)
-    return isinstance(tp, types.UnionType) and type(None) in typing.get_args(tp) or (
-        typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp))
+    return (
+        isinstance(tp, types.UnionType)
+        and type(None) in typing.get_args(tp)
+        or (typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp))
+    )
 
 
 def _resolve(tp: Any) -> Any:
@@ -439,8 +468,9 @@ def _add_flag(parser: argparse.ArgumentParser, flag: str, dest: str, f_: datacla
     if base is bool:
         parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_)
     elif base is list:
-        parser.add_argument(flag, dest=dest, nargs="+", type=f_.metadata.get("item_type") or str, default=None,
-                            help=help_)
+        parser.add_argument(
+            flag, dest=dest, nargs="+", type=f_.metadata.get("item_type") or str, default=None, help=help_
+        )
     elif base is dict:
         parser.add_argument(flag, dest=dest, type=_yaml_mapping, default=None, help=help_)
     else:
@@ -469,8 +499,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
         if f_.name in skip:
             continue
         others = f"; also: {', '.join(also[f_.name])}" if f_.name in also else ""
-        _add_flag(parser, "--" + f_.name.replace("_", "-"), f_.name, f_,
-                  f"{f_.metadata.get('help', '')} (default: {_default(f_)}{others})")
+        _add_flag(
+            parser,
+            "--" + f_.name.replace("_", "-"),
+            f_.name,
+            f_,
+            f"{f_.metadata.get('help', '')} (default: {_default(f_)}{others})",
+        )
     for old, new in cls.names.renamed.items():
         if new in by_name and new not in skip:
             _add_flag(parser, "--" + old.replace("_", "-"), old, by_name[new], argparse.SUPPRESS)
@@ -479,8 +514,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
     for name, alias in cls.names.aliases.items():
         flag = "--" + name.replace("_", "-")
         if alias.flag_type is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=argparse.SUPPRESS)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=argparse.SUPPRESS
+            )
         else:
             parser.add_argument(flag, dest=name, type=alias.flag_type, default=None, help=argparse.SUPPRESS)
 
@@ -490,8 +526,9 @@ def _yaml_mapping(text: str) -> dict:
     try:
         value = safe_load_yaml(text)
     except yaml.YAMLError as e:
-        raise argparse.ArgumentTypeError(f"not valid YAML ({yaml_error_line(e)}): {text!r}; expected a mapping like "
-                                         "'{max_operand: 9}'") from None
+        raise argparse.ArgumentTypeError(
+            f"not valid YAML ({yaml_error_line(e)}): {text!r}; expected a mapping like '{{max_operand: 9}}'"
+        ) from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a YAML mapping like '{{max_operand: 9}}', got {text!r}")
     return value
@@ -503,10 +540,12 @@ def flags_given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     Raises:
         ConfigError: a refused flag, or a deprecated flag together with its current one.
     """
-    names = [f_.name for f_ in fields(cls)] + list(cls.names.renamed) + list(cls.names.refused) + list(
-        cls.names.aliases)
-    return cls.canonical({n: getattr(args, n) for n in names if getattr(args, n, None) is not None},
-                         "on the command line")
+    names = (
+        [f_.name for f_ in fields(cls)] + list(cls.names.renamed) + list(cls.names.refused) + list(cls.names.aliases)
+    )
+    return cls.canonical(
+        {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}, "on the command line"
+    )
 
 
 def config_from_args(args: argparse.Namespace, cls: type, config_file: str | None = None) -> Any:

@@ -77,88 +77,146 @@ def _reward_specs(specs: list) -> str | None:
             except ValueError:
                 return f"{spec!r}: the weight after ':' must be a number"
             if not math.isfinite(value):
-                return f"{spec!r}: the weight after ':' must be a finite number (a NaN or infinite weight makes " \
-                       f"every reward NaN), e.g. {str(spec).partition(':')[0]}:0.1"
+                return (
+                    f"{spec!r}: the weight after ':' must be a finite number (a NaN or infinite weight makes "
+                    f"every reward NaN), e.g. {str(spec).partition(':')[0]}:0.1"
+                )
     return None
 
 
 class Model:
     """The model a command loads."""
 
-    model = Option("smollm2-135m-instruct", "Model: an alias (smollm2-135m-instruct, tiny), a local Hugging Face "
-                   "directory (e.g. a trained run's final_model/), a hub id, or a .gguf file.")
+    model = Option(
+        "smollm2-135m-instruct",
+        "Model: an alias (smollm2-135m-instruct, tiny), a local Hugging Face "
+        "directory (e.g. a trained run's final_model/), a hub id, or a .gguf file.",
+    )
 
 
 class TaskData:
     """Where prompts, reference answers and rewards come from."""
 
-    task = Option("arithmetic", "Task giving prompts and reference answers: arithmetic, gsm8k, or jsonl (with "
-                  "--dataset).")
-    dataset = Option(None, "Path to a JSONL file (or a Hugging Face dataset name) with a 'prompt' column; other "
-                     "columns are passed to reward functions. Used by --task jsonl.")
+    task = Option(
+        "arithmetic", "Task giving prompts and reference answers: arithmetic, gsm8k, or jsonl (with --dataset)."
+    )
+    dataset = Option(
+        None,
+        "Path to a JSONL file (or a Hugging Face dataset name) with a 'prompt' column; other "
+        "columns are passed to reward functions. Used by --task jsonl.",
+    )
     task_options = Option({}, "Task options as a YAML mapping, e.g. '{max_operand: 9}' for arithmetic.")
-    rewards = Option(["correctness"], "Reward functions, each NAME or NAME:WEIGHT; their weighted sum is the reward.",
-                     check=_reward_specs, scalar_is_list=True)
-    reward_timeout = Option(10.0, "Seconds a reward function may take for one step's batch before the rollouts it was "
-                            "scoring are marked invalid.", check=above(0, "must be > 0 seconds"))
+    rewards = Option(
+        ["correctness"],
+        "Reward functions, each NAME or NAME:WEIGHT; their weighted sum is the reward.",
+        check=_reward_specs,
+        scalar_is_list=True,
+    )
+    reward_timeout = Option(
+        10.0,
+        "Seconds a reward function may take for one step's batch before the rollouts it was "
+        "scoring are marked invalid.",
+        check=above(0, "must be > 0 seconds"),
+    )
 
 
 class Sampling:
     """How many completions are sampled, and how."""
 
-    group_size = Option(8, "R: completions sampled per prompt (the group). At least 2.",
-                        check=at_least(2, "GRPO needs at least 2 completions per prompt to form a baseline; use 2 or "
-                                          "more"))
+    group_size = Option(
+        8,
+        "R: completions sampled per prompt (the group). At least 2.",
+        check=at_least(2, "GRPO needs at least 2 completions per prompt to form a baseline; use 2 or more"),
+    )
     prompts_per_step = Option(4, "B: prompts per optimizer step, so B*R rollouts per step.", check=at_least(1))
-    max_new_tokens = Option(24, "Longest completion in tokens (T_max); longer ones are cut and flagged truncated.",
-                            check=at_least(1, "must be >= 1 token"))
-    temperature = Option(0.7, "Sampling temperature; log-probs (sampler, policy, reference) are those of the "
-                         "temperature-scaled distribution (docs/theory.md).",
-                         check=above(0, "must be > 0 (sampling needs it; use a small value like 0.1 for "
-                                        "near-greedy)"))
-    top_p = Option(1.0, "Nucleus sampling mass in (0, 1]; 1 disables. Shapes sampling only, not log-probs.",
-                   check=require(lambda p: 0 < p <= 1, "must be in (0, 1]"))
-    top_k = Option(0, "Top-k sampling; 0 disables. Shapes sampling only, not log-probs.",
-                   check=at_least(0, "must be >= 0 (0 disables)"))
+    max_new_tokens = Option(
+        24,
+        "Longest completion in tokens (T_max); longer ones are cut and flagged truncated.",
+        check=at_least(1, "must be >= 1 token"),
+    )
+    temperature = Option(
+        0.7,
+        "Sampling temperature; log-probs (sampler, policy, reference) are those of the "
+        "temperature-scaled distribution (docs/theory.md).",
+        check=above(0, "must be > 0 (sampling needs it; use a small value like 0.1 for near-greedy)"),
+    )
+    top_p = Option(
+        1.0,
+        "Nucleus sampling mass in (0, 1]; 1 disables. Shapes sampling only, not log-probs.",
+        check=require(lambda p: 0 < p <= 1, "must be in (0, 1]"),
+    )
+    top_k = Option(
+        0,
+        "Top-k sampling; 0 disables. Shapes sampling only, not log-probs.",
+        check=at_least(0, "must be >= 0 (0 disables)"),
+    )
 
 
 #: Why ``eps`` was renamed ``std_eps`` (its deprecation warning says it): it is not TRL's ``epsilon``.
-EPS_NOTE = ("it is the epsilon added to the group std in grpo's advantage; TRL's epsilon, the clip range, is "
-            "--epsilon / --eps-low")
+EPS_NOTE = (
+    "it is the epsilon added to the group std in grpo's advantage; TRL's epsilon, the clip range, is "
+    "--epsilon / --eps-low"
+)
 
 
 class Advantage:
     """The advantage estimator and how token losses are aggregated (docs/theory.md §2, §3)."""
 
-    estimator = Option("grpo", "Advantage estimator: " + ", ".join(declared_names(*_ESTIMATORS)) + ".",
-                       check=one_of(lambda: declared_names(*_ESTIMATORS)))
-    std = Option("sample", "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).",
-                 check=one_of(STD_CONVENTIONS))
-    std_eps = Option(1e-4, "Added to the group std in grpo's advantage denominator (> 0): A = (r - mean) / (std + "
-                     "std_eps). Not TRL's epsilon, which is the clip range (--eps-low / --epsilon).",
-                 check=above(0, "must be > 0 (it keeps the advantage finite when the group std is tiny)"))
-    loss_aggregation = Option("seq-mean-token-mean", "How token losses become one number: "
-                              + ", ".join(declared_names(*_AGGREGATIONS))
-                              + " (GRPO, Dr. GRPO arXiv 2503.20783, DAPO arXiv 2503.14476).",
-                              check=one_of(lambda: declared_names(*_AGGREGATIONS)))
+    estimator = Option(
+        "grpo",
+        "Advantage estimator: " + ", ".join(declared_names(*_ESTIMATORS)) + ".",
+        check=one_of(lambda: declared_names(*_ESTIMATORS)),
+    )
+    std = Option(
+        "sample",
+        "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).",
+        check=one_of(STD_CONVENTIONS),
+    )
+    std_eps = Option(
+        1e-4,
+        "Added to the group std in grpo's advantage denominator (> 0): A = (r - mean) / (std + "
+        "std_eps). Not TRL's epsilon, which is the clip range (--eps-low / --epsilon).",
+        check=above(0, "must be > 0 (it keeps the advantage finite when the group std is tiny)"),
+    )
+    loss_aggregation = Option(
+        "seq-mean-token-mean",
+        "How token losses become one number: "
+        + ", ".join(declared_names(*_AGGREGATIONS))
+        + " (GRPO, Dr. GRPO arXiv 2503.20783, DAPO arXiv 2503.14476).",
+        check=one_of(lambda: declared_names(*_AGGREGATIONS)),
+    )
 
 
 class Lens:
     """How per-rollout gradients are measured: the sketch, the exact alternative, how often the trainer's lens runs."""
 
-    sketch_dim = Option(16, "Side of the random projection per linear layer for sketched per-rollout gradients "
-                        "(k_in = k_out): sketch dims per layer = this squared. Also sets the sketch of --estimator "
-                        "optimal's squared gradient norms.", check=at_least(1))
-    lens_every = Option(5, "Measure the gradient lens (rank, sparsity, baselines) at the first step, every this many "
-                        "steps and the last step (0 = never).", check=at_least(0, "must be >= 0 (0 disables the lens)"))
-    exact = Option(False, "Exact per-rollout gradients of all parameters (one backward per rollout; memory R x P "
-                   "floats) instead of the sketch.")
-    gram_source = Option("exact", "Source of the per-rollout Gram matrix behind every Gram-based number (ranks, "
-                         "span energies, permutation tests, the identity residual, b*): exact (every parameter, "
-                         "from one batched backward; docs/theory.md §Exact Gram) or sketch (the LoGra sketch of "
-                         "the nn.Linear weights, the earlier default). The sketch still gives what needs "
-                         "vectors (G3 across groups); --exact (dense vectors, the oracle) overrides both.",
-                         check=one_of(GRAM_SOURCES))
+    sketch_dim = Option(
+        16,
+        "Side of the random projection per linear layer for sketched per-rollout gradients "
+        "(k_in = k_out): sketch dims per layer = this squared. Also sets the sketch of --estimator "
+        "optimal's squared gradient norms.",
+        check=at_least(1),
+    )
+    lens_every = Option(
+        5,
+        "Measure the gradient lens (rank, sparsity, baselines) at the first step, every this many "
+        "steps and the last step (0 = never).",
+        check=at_least(0, "must be >= 0 (0 disables the lens)"),
+    )
+    exact = Option(
+        False,
+        "Exact per-rollout gradients of all parameters (one backward per rollout; memory R x P "
+        "floats) instead of the sketch.",
+    )
+    gram_source = Option(
+        "exact",
+        "Source of the per-rollout Gram matrix behind every Gram-based number (ranks, "
+        "span energies, permutation tests, the identity residual, b*): exact (every parameter, "
+        "from one batched backward; docs/theory.md §Exact Gram) or sketch (the LoGra sketch of "
+        "the nn.Linear weights, the earlier default). The sketch still gives what needs "
+        "vectors (G3 across groups); --exact (dense vectors, the oracle) overrides both.",
+        check=one_of(GRAM_SOURCES),
+    )
 
 
 class Optimizer:
@@ -171,31 +229,48 @@ class Optimizer:
 class Probing:
     """Which group sizes the probe measures, on how many prompts."""
 
-    group_sizes = Option([2, 4, 8], "Group sizes R to probe.", item_type=int,
-                         check=require(lambda rs: rs and all(isinstance(r, int) and r >= 2 for r in rs),
-                                       "each group size must be an integer >= 2"))
-    prompts = Option(0, "Prompts sampled for each R: a fixed number, and every mixed group among them is analysed, so "
-                     "S1 and the per-group means are unbiased. 0 = max(24, 128 / R): 64, 32, 24 for R = 2, 4, 8.",
-                     check=at_least(0, "must be >= 0 (0 = the default max(24, 128 / R))"))
+    group_sizes = Option(
+        [2, 4, 8],
+        "Group sizes R to probe.",
+        item_type=int,
+        check=require(
+            lambda rs: rs and all(isinstance(r, int) and r >= 2 for r in rs), "each group size must be an integer >= 2"
+        ),
+    )
+    prompts = Option(
+        0,
+        "Prompts sampled for each R: a fixed number, and every mixed group among them is analysed, so "
+        "S1 and the per-group means are unbiased. 0 = max(24, 128 / R): 64, 32, 24 for R = 2, 4, 8.",
+        check=at_least(0, "must be >= 0 (0 = the default max(24, 128 / R))"),
+    )
 
 
 class Runtime:
     """Seed, precision and device."""
 
     seed = Option(0, "Random seed (prompts, sampling, projections).")
-    dtype = Option("float32", "Precision: float32; bfloat16 (bf16 weights and optimizer state: half the memory, but "
-                   "updates below bf16's resolution are lost); bf16-mixed (float32 weights and optimizer, every "
-                   "forward under bf16 autocast: the usual GPU setting).", check=one_of(DTYPES))
-    device = Option("auto", "cpu, cuda, cuda:N or auto.",
-                    check=require(lambda d: d in ("auto", "cpu", "cuda") or d.startswith("cuda:"),
-                                  "use cpu, cuda, cuda:N or auto"))
+    dtype = Option(
+        "float32",
+        "Precision: float32; bfloat16 (bf16 weights and optimizer state: half the memory, but "
+        "updates below bf16's resolution are lost); bf16-mixed (float32 weights and optimizer, every "
+        "forward under bf16 autocast: the usual GPU setting).",
+        check=one_of(DTYPES),
+    )
+    device = Option(
+        "auto",
+        "cpu, cuda, cuda:N or auto.",
+        check=require(lambda d: d in ("auto", "cpu", "cuda") or d.startswith("cuda:"), "use cpu, cuda, cuda:N or auto"),
+    )
 
 
 class Adapter:
     """LoRA through peft."""
 
-    lora_rank = Option(0, "LoRA rank r (Hu et al. 2021, arXiv 2106.09685) through peft; 0 trains every parameter "
-                            "(full fine-tuning).", check=at_least(0, "must be >= 0 (0 = full fine-tuning)"))
+    lora_rank = Option(
+        0,
+        "LoRA rank r (Hu et al. 2021, arXiv 2106.09685) through peft; 0 trains every parameter (full fine-tuning).",
+        check=at_least(0, "must be >= 0 (0 = full fine-tuning)"),
+    )
 
 
 class Output:
@@ -205,9 +280,13 @@ class Output:
     overwrite = Option(False, "Replace {what} in --out.")
     resume = Option(False, "Continue {what}.")
     progress = Option(True, "Show a progress bar.")
-    report_to = Option(["none"], "Experiment trackers that get every metrics record too: none, tensorboard, "
-                             "wandb (WANDB_MODE=offline works without a network), trackio; metrics.jsonl stays the "
-                             "source of truth.", check=_trackers)
+    report_to = Option(
+        ["none"],
+        "Experiment trackers that get every metrics record too: none, tensorboard, "
+        "wandb (WANDB_MODE=offline works without a network), trackio; metrics.jsonl stays the "
+        "source of truth.",
+        check=_trackers,
+    )
 
 
 #: Every option group, in the order the configs list them.
@@ -235,7 +314,9 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__}, "
-                          f"torch.cuda.is_available() is False); use --device cpu, or install a CUDA build of torch "
-                          f"into .venv first")
+        raise ConfigError(
+            f"--device {device}: torch sees no CUDA device (torch {torch.__version__}, "
+            f"torch.cuda.is_available() is False); use --device cpu, or install a CUDA build of torch "
+            f"into .venv first"
+        )
     return device

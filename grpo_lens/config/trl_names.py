@@ -30,25 +30,35 @@ output_dir                     out
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from grpo_lens.config.base import Alias, ConfigError, Names
 
 LIBRARY = "TRL"
 
 #: TRL's loss_type -> grpo-lens' loss aggregation with the same token weights (docs/theory.md §3).
-LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
-              "dr_grpo": "seq-mean-token-sum-norm"}
+LOSS_TYPES = {
+    "grpo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dapo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+}
 
 
 def _same(field: str) -> Alias:
     """A TRL name for exactly the grpo-lens field ``field``."""
-    return Alias(LIBRARY, lambda value, given: {field: value}, flag_type=_FLAG_TYPES.get(field, str),
-                 fields=(field,))
+    return Alias(LIBRARY, lambda value, given: {field: value}, flag_type=_FLAG_TYPES.get(field, str), fields=(field,))
 
 
-_FLAG_TYPES = {"group_size": int, "max_new_tokens": int, "mu": int, "eps_low": float, "eps_high": float,
-               "num_mini_batches": int}
+_FLAG_TYPES = {
+    "group_size": int,
+    "max_new_tokens": int,
+    "mu": int,
+    "eps_low": float,
+    "eps_high": float,
+    "num_mini_batches": int,
+}
 
 
 def _epsilon(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -59,9 +69,11 @@ def _epsilon(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
 
 def _loss_type(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     if value not in LOSS_TYPES:
-        raise ConfigError(f"TRL's loss_type {value!r} changes the policy loss itself, which grpo-lens does not "
-                          f"implement; grpo-lens takes loss_type {', '.join(LOSS_TYPES)}, or set the aggregation "
-                          f"directly with --loss-aggregation")
+        raise ConfigError(
+            f"TRL's loss_type {value!r} changes the policy loss itself, which grpo-lens does not "
+            f"implement; grpo-lens takes loss_type {', '.join(LOSS_TYPES)}, or set the aggregation "
+            f"directly with --loss-aggregation"
+        )
     return {"loss_aggregation": LOSS_TYPES[value]}
 
 
@@ -70,9 +82,11 @@ def _scale_rewards(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
         return {"estimator": "grpo"}
     if value in ("none", False, "false", "False"):
         return {"estimator": "dr_grpo"}
-    raise ConfigError(f"TRL's scale_rewards {value!r}: grpo-lens scales advantages by the group's std (scale_rewards "
-                      f"group, --estimator grpo) or not at all (scale_rewards none, --estimator dr_grpo); a batch-wide "
-                      f"std has no grpo-lens estimator")
+    raise ConfigError(
+        f"TRL's scale_rewards {value!r}: grpo-lens scales advantages by the group's std (scale_rewards "
+        f"group, --estimator grpo) or not at all (scale_rewards none, --estimator dr_grpo); a batch-wide "
+        f"std has no grpo-lens estimator"
+    )
 
 
 def _mask_truncated(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -81,16 +95,19 @@ def _mask_truncated(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
 
 def _warmup_ratio(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
-        raise ConfigError(f"warmup_ratio = {value!r}: must be a share of max_steps in [0, 1) (or give whole steps "
-                          f"with --warmup-steps)")
+        raise ConfigError(
+            f"warmup_ratio = {value!r}: must be a share of max_steps in [0, 1) (or give whole steps "
+            f"with --warmup-steps)"
+        )
     return {"warmup_steps": float(value)}
 
 
 def _per_device_batch(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     steps = given.get("steps_per_generation") or 1
     if not isinstance(value, int) or not isinstance(steps, int):
-        raise ConfigError(f"TRL's per_device_train_batch_size = {value!r} (steps_per_generation = {steps!r}): must "
-                          f"be integers")
+        raise ConfigError(
+            f"TRL's per_device_train_batch_size = {value!r} (steps_per_generation = {steps!r}): must be integers"
+        )
     return {"rollout_batch_size": value * steps}
 
 
@@ -106,8 +123,7 @@ ALIASES = {
     "mask_truncated_completions": Alias(LIBRARY, _mask_truncated, flag_type=bool, fields=("overlong",)),
     "lr_scheduler_type": _same("lr_scheduler"),
     "warmup_ratio": Alias(LIBRARY, _warmup_ratio, flag_type=float, fields=("warmup_steps",)),
-    "per_device_train_batch_size": Alias(LIBRARY, _per_device_batch, flag_type=int,
-                                         fields=("rollout_batch_size",)),
+    "per_device_train_batch_size": Alias(LIBRARY, _per_device_batch, flag_type=int, fields=("rollout_batch_size",)),
     "steps_per_generation": _same("num_mini_batches"),
     "output_dir": _same("out"),
 }
@@ -115,8 +131,8 @@ ALIASES = {
 #: TRL names with no grpo-lens counterpart -> what to use instead.
 REFUSED = {
     "gradient_accumulation_steps": "grpo-lens accumulates gradients by itself: --micro-batch-size sets the rollouts "
-                                   "per forward/backward (the gradient does not depend on it), and one optimizer "
-                                   "step is taken per mini-batch (--num-mini-batches)",
+    "per forward/backward (the gradient does not depend on it), and one optimizer "
+    "step is taken per mini-batch (--num-mini-batches)",
     "use_vllm": "grpo-lens samples with transformers' generate; there is no vLLM option",
     "generation_batch_size": "the rollouts per step are --rollout-batch-size (or --prompts-per-step x --group-size)",
 }

@@ -31,7 +31,8 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -79,8 +80,9 @@ def constant_groups(rewards: Tensor, valid: Tensor) -> Tensor:
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
-def grpo_advantages(rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4,
-                    **_: object) -> Tensor:
+def grpo_advantages(
+    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4, **_: object
+) -> Tensor:
     """GRPO: A_i = (r_i - mean r) / (std r + eps) over the valid rollouts of each group.
 
     ``std="sample"`` uses ddof 1 (TRL and verl's default), ``"population"`` ddof 0. Because
@@ -188,8 +190,9 @@ def reinforce_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
 
 
 @ADVANTAGE_ESTIMATORS.register("optimal")
-def optimal_baseline_advantages(rewards: Tensor, valid: Tensor, *, grad_sq_norms: Tensor | None = None,
-                                **_: object) -> Tensor:
+def optimal_baseline_advantages(
+    rewards: Tensor, valid: Tensor, *, grad_sq_norms: Tensor | None = None, **_: object
+) -> Tensor:
     """A_i = r_i - b*_{-i}, the variance-optimal constant baseline estimated leave-one-out
     (:func:`loo_optimal_baseline`).
 
@@ -208,9 +211,11 @@ def optimal_baseline_advantages(rewards: Tensor, valid: Tensor, *, grad_sq_norms
         ValueError: grad_sq_norms missing, of the wrong shape, negative or not finite.
     """
     if grad_sq_norms is None:
-        raise ValueError("estimator 'optimal' needs grad_sq_norms [B, R] (squared per-rollout gradient norms); "
-                         "compute them with grpo_lens.gradients.sketch.sketched_rollout_sq_norms or pick another "
-                         "estimator")
+        raise ValueError(
+            "estimator 'optimal' needs grad_sq_norms [B, R] (squared per-rollout gradient norms); "
+            "compute them with grpo_lens.gradients.sketch.sketched_rollout_sq_norms or pick another "
+            "estimator"
+        )
     w = grad_sq_norms.to(rewards.dtype)
     if w.shape != rewards.shape:
         raise ValueError(f"grad_sq_norms must have the rewards' shape {tuple(rewards.shape)}, got {tuple(w.shape)}")

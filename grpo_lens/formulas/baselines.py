@@ -53,7 +53,7 @@ population b* come from B, so neither is computed from the groups it is compared
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -159,8 +159,13 @@ def baseline_metrics(grads: Tensor, rewards: Tensor) -> dict[str, float]:
     m_c, m_w = correct_wrong_sq_norms(grads, rewards)
     b_star = optimal_baseline(grads, rewards)
     mean = float(rewards.double().mean())
-    return {BASELINE_M_CORRECT: m_c, BASELINE_M_WRONG: m_w, BASELINE_B_STAR: b_star,
-            BASELINE_B_STAR_MINUS_MEAN: b_star - mean, BASELINE_GROUP_MEAN: mean}
+    return {
+        BASELINE_M_CORRECT: m_c,
+        BASELINE_M_WRONG: m_w,
+        BASELINE_B_STAR: b_star,
+        BASELINE_B_STAR_MINUS_MEAN: b_star - mean,
+        BASELINE_GROUP_MEAN: mean,
+    }
 
 
 def estimator_variances(
@@ -272,9 +277,13 @@ def mean_score_norm(grads: Tensor) -> dict[str, float]:
     tr_cov = float((g - hbar).square().sum() / (m - 1))
     mean_sq = float(hbar.square().sum())
     floor = tr_cov / m
-    return {"mean_norm": math.sqrt(mean_sq), "floor_norm": math.sqrt(floor),
-            "ratio": mean_sq / floor if floor > 0 else math.inf, "excess": mean_sq - floor,
-            "mean_sq_norm": float(g.square().sum(-1).mean())}
+    return {
+        "mean_norm": math.sqrt(mean_sq),
+        "floor_norm": math.sqrt(floor),
+        "ratio": mean_sq / floor if floor > 0 else math.inf,
+        "excess": mean_sq - floor,
+        "mean_sq_norm": float(g.square().sum(-1).mean()),
+    }
 
 
 def optimal_constant_baseline(grads: Tensor, rewards: Tensor) -> dict[str, float]:
@@ -326,8 +335,15 @@ def _group_estimates(g: Tensor, r: Tensor, idx: Tensor, name: str, b_pop: float)
     return torch.einsum("sr,srk->sk", coef, g[idx])
 
 
-def prompt_baseline_study(grads: Tensor, rewards: Tensor, group_size: int, *, num_resamples: int = 512,
-                          seed: int = 0, estimators: Sequence[str] = STUDY_ESTIMATORS) -> dict:
+def prompt_baseline_study(
+    grads: Tensor,
+    rewards: Tensor,
+    group_size: int,
+    *,
+    num_resamples: int = 512,
+    seed: int = 0,
+    estimators: Sequence[str] = STUDY_ESTIMATORS,
+) -> dict:
     """Bias, variance, MSE and cosine to the reference of each estimator for one prompt's pool.
 
     The pool's rows are split by a seeded permutation into A (first half, groups are drawn from it without
@@ -356,13 +372,14 @@ def prompt_baseline_study(grads: Tensor, rewards: Tensor, group_size: int, *, nu
     if R < 2:
         raise ValueError(f"group size must be >= 2, got {R}")
     if m < 4 * R:
-        raise ValueError(f"need M >= 4R = {4 * R} rollouts of the prompt (half for groups, half for the reference), "
-                         f"got {m}")
+        raise ValueError(
+            f"need M >= 4R = {4 * R} rollouts of the prompt (half for groups, half for the reference), got {m}"
+        )
     if num_resamples < 2:
         raise ValueError(f"num_resamples must be >= 2, got {num_resamples}")
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(m, generator=gen)
-    a_idx, b_idx = perm[: m // 2], perm[m // 2:]
+    a_idx, b_idx = perm[: m // 2], perm[m // 2 :]
     ga, ra, gb, rb = g[a_idx], r[a_idx], g[b_idx], r[b_idx]
     # reference on B: unbiased sample covariance of r and h, and its noise (variance of a mean of M_B terms)
     terms = (rb - rb.mean()).unsqueeze(1) * gb  # [M_B, K]
@@ -378,19 +395,36 @@ def prompt_baseline_study(grads: Tensor, rewards: Tensor, group_size: int, *, nu
         err = (est - ref).square().sum(-1)
         norms = est.norm(dim=-1)
         cos = (est @ ref) / (norms * ref_norm).clamp(min=1e-300)
-        out[name] = {"bias2": float((mean - ref).square().sum()),
-                     "variance": float((est - mean).square().sum() / (num_resamples - 1)),
-                     "mse": float(err.mean()), "cosine": float(cos[norms > 0].mean()) if (norms > 0).any() else 0.0}
+        out[name] = {
+            "bias2": float((mean - ref).square().sum()),
+            "variance": float((est - mean).square().sum() / (num_resamples - 1)),
+            "mse": float(err.mean()),
+            "cosine": float(cos[norms > 0].mean()) if (norms > 0).any() else 0.0,
+        }
     n = g.square().sum(-1)
     c, w = r == 1, r == 0
-    return {"estimators": out, "ref_norm2": ref_norm**2, "ref_noise": ref_noise, "b_star_pop": pop["b_star"],
-            "b_star_exact": pop["b_star_exact"], "p": float(r.mean()),
-            "m_correct": float(n[c].mean()) if c.any() else math.nan,
-            "m_wrong": float(n[w].mean()) if w.any() else math.nan, "mean_score": mean_score_norm(g)}
+    return {
+        "estimators": out,
+        "ref_norm2": ref_norm**2,
+        "ref_noise": ref_noise,
+        "b_star_pop": pop["b_star"],
+        "b_star_exact": pop["b_star_exact"],
+        "p": float(r.mean()),
+        "m_correct": float(n[c].mean()) if c.any() else math.nan,
+        "m_wrong": float(n[w].mean()) if w.any() else math.nan,
+        "mean_score": mean_score_norm(g),
+    }
 
 
-def equal_norms_test(grads: Tensor, rewards: Tensor, *, num_boot: int = 2000, seed: int = 0, level: float = 0.95,
-                     max_permutations: int = 2000) -> dict:
+def equal_norms_test(
+    grads: Tensor,
+    rewards: Tensor,
+    *,
+    num_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    max_permutations: int = 2000,
+) -> dict:
     """Is m_C = m_W (the condition under which the group mean is the variance-optimal baseline) for one prompt?
 
     The verdict comes from a label-permutation test with the correct count k fixed (docs/theory.md §Baselines at
@@ -428,6 +462,7 @@ def equal_norms_test(grads: Tensor, rewards: Tensor, *, num_boot: int = 2000, se
     gen = torch.Generator().manual_seed(seed)
     labs = torch.stack(fixed_k_labellings(m, k, max_permutations, gen)).double()  # [L, M]
     log_ratio = float(nc.mean().log() - nw.mean().log())
+
     # the studentized statistic |Welch t| of the two means, permuted (issue 29): equal means, not equal
     # distributions, is the null; a studentized permutation test is exact under exchangeability and asymptotically
     # exact for equal means with unequal spreads (Janssen, Statist. Probab. Lett. 36, 1997)
@@ -453,8 +488,14 @@ def equal_norms_test(grads: Tensor, rewards: Tensor, *, num_boot: int = 2000, se
     return {"ratio": math.exp(log_ratio), "p": p, "lo": low, "hi": high, "verdict": verdict}
 
 
-def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, num_resamples: int = 512,
-                   seed: int = 0, num_boot: int = 2000) -> dict:
+def baseline_study(
+    pools: Sequence[tuple[Tensor, Tensor]],
+    group_size: int,
+    *,
+    num_resamples: int = 512,
+    seed: int = 0,
+    num_boot: int = 2000,
+) -> dict:
     """:func:`prompt_baseline_study` over prompts, with 95% intervals over prompts (:func:`bootstrap_mean`, Hall's
     transformed t).
 
@@ -483,8 +524,9 @@ def baseline_study(pools: Sequence[tuple[Tensor, Tensor]], group_size: int, *, n
     return summarise_baseline_prompts(per_prompt, constant, num_boot=num_boot, seed=seed)
 
 
-def baseline_prompt(grads: Tensor, rewards: Tensor, group_size: int, *, num_resamples: int = 512, seed: int = 0
-                    ) -> dict | None:
+def baseline_prompt(
+    grads: Tensor, rewards: Tensor, group_size: int, *, num_resamples: int = 512, seed: int = 0
+) -> dict | None:
     """One prompt of :func:`baseline_study`: :func:`prompt_baseline_study` with its ``"equal_norms"``
     (:func:`equal_norms_test`), or None when the pool has no reward contrast. grads: [M, K]; rewards: [M]."""
     if bool(constant_groups(rewards.view(1, -1), torch.ones(1, len(rewards), dtype=torch.bool))):
@@ -494,28 +536,50 @@ def baseline_prompt(grads: Tensor, rewards: Tensor, group_size: int, *, num_resa
     return res
 
 
-def summarise_baseline_prompts(per_prompt: Sequence[dict], constant: int = 0, *, num_boot: int = 2000,
-                               seed: int = 0) -> dict:
+def summarise_baseline_prompts(
+    per_prompt: Sequence[dict], constant: int = 0, *, num_boot: int = 2000, seed: int = 0
+) -> dict:
     """The over-prompts part of :func:`baseline_study` (its return value) from :func:`baseline_prompt` results;
     ``constant`` prompts without reward contrast are only counted."""
     per_prompt = list(per_prompt)
     summary = {}
     for name in STUDY_ESTIMATORS:
-        ratios = [p["estimators"][name]["mse"] / p["estimators"]["rloo"]["mse"] for p in per_prompt
-                  if p["estimators"]["rloo"]["mse"] > 0]
+        ratios = [
+            p["estimators"][name]["mse"] / p["estimators"]["rloo"]["mse"]
+            for p in per_prompt
+            if p["estimators"]["rloo"]["mse"] > 0
+        ]
         summary[name] = {
             "mse_ratio_to_rloo": bootstrap_mean(ratios, num_boot, seed),
             "cosine": bootstrap_mean([p["estimators"][name]["cosine"] for p in per_prompt], num_boot, seed),
-            "bias2_share": bootstrap_mean([p["estimators"][name]["bias2"] / p["estimators"][name]["mse"]
-                                           for p in per_prompt if p["estimators"][name]["mse"] > 0], num_boot, seed),
+            "bias2_share": bootstrap_mean(
+                [
+                    p["estimators"][name]["bias2"] / p["estimators"][name]["mse"]
+                    for p in per_prompt
+                    if p["estimators"][name]["mse"] > 0
+                ],
+                num_boot,
+                seed,
+            ),
         }
     testable = [p for p in per_prompt if p["equal_norms"]["verdict"] != "not testable"]
-    return {"per_prompt": per_prompt, "summary": summary, "prompts": len(per_prompt), "prompts_constant": constant,
-            "b_star_shift": bootstrap_mean([p["b_star_exact"] - p["b_star_pop"] for p in per_prompt], num_boot, seed),
-            "b_star_minus_p": bootstrap_mean([p["b_star_pop"] - p["p"] for p in per_prompt], num_boot, seed),
-            "norm_ratio": bootstrap_mean([p["m_correct"] / p["m_wrong"] for p in per_prompt
-                                          if p["m_wrong"] and math.isfinite(p["m_correct"])], num_boot, seed),
-            "mean_score_ratio": bootstrap_mean([p["mean_score"]["ratio"] for p in per_prompt], num_boot, seed),
-            "equal_norms_rejected": (sum(p["equal_norms"]["verdict"] != "m_C = m_W not rejected" for p in testable)
-                                     / len(testable)) if testable else math.nan,
-            "equal_norms_testable": len(testable)}
+    return {
+        "per_prompt": per_prompt,
+        "summary": summary,
+        "prompts": len(per_prompt),
+        "prompts_constant": constant,
+        "b_star_shift": bootstrap_mean([p["b_star_exact"] - p["b_star_pop"] for p in per_prompt], num_boot, seed),
+        "b_star_minus_p": bootstrap_mean([p["b_star_pop"] - p["p"] for p in per_prompt], num_boot, seed),
+        "norm_ratio": bootstrap_mean(
+            [p["m_correct"] / p["m_wrong"] for p in per_prompt if p["m_wrong"] and math.isfinite(p["m_correct"])],
+            num_boot,
+            seed,
+        ),
+        "mean_score_ratio": bootstrap_mean([p["mean_score"]["ratio"] for p in per_prompt], num_boot, seed),
+        "equal_norms_rejected": (
+            sum(p["equal_norms"]["verdict"] != "m_C = m_W not rejected" for p in testable) / len(testable)
+        )
+        if testable
+        else math.nan,
+        "equal_norms_testable": len(testable),
+    }

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -90,7 +90,7 @@ def completion_positions(token_sq_norms: Tensor, prompt_len: int) -> Tensor:
     """
     t = token_sq_norms.shape[1] - prompt_len
     assert prompt_len >= 1 and t >= 1, (token_sq_norms.shape, prompt_len)
-    return token_sq_norms[:, prompt_len - 1: prompt_len - 1 + t]
+    return token_sq_norms[:, prompt_len - 1 : prompt_len - 1 + t]
 
 
 def position_profile(token_sq_norms: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -125,7 +125,10 @@ def answer_share(token_sq_norms: Tensor, answer_mask: Tensor, completion_mask: T
         [N] float64 in [0, 1]; 0 for a rollout with no gradient.
     """
     assert token_sq_norms.shape == answer_mask.shape == completion_mask.shape, (
-        token_sq_norms.shape, answer_mask.shape, completion_mask.shape)
+        token_sq_norms.shape,
+        answer_mask.shape,
+        completion_mask.shape,
+    )
     x = token_sq_norms.double() * completion_mask.double()
     total = x.sum(-1)
     ans = (x * answer_mask.double()).sum(-1)
@@ -146,8 +149,9 @@ def last_number_span(text: str) -> tuple[int, int] | None:
     return start, end
 
 
-def answer_mask_from_char_span(offsets: Sequence[tuple[int, int]], span: tuple[int, int] | None,
-                               length: int | None = None) -> Tensor:
+def answer_mask_from_char_span(
+    offsets: Sequence[tuple[int, int]], span: tuple[int, int] | None, length: int | None = None
+) -> Tensor:
     """Tokens whose character range overlaps ``span``.
 
     Args:
@@ -211,8 +215,9 @@ def answer_mask_from_tokenizer(tokenizer, completion_ids: Tensor, completion_mas
     return out
 
 
-def credit_metrics(token_adv: Tensor, token_sq_norms: Tensor, completion_mask: Tensor,
-                   answer_mask: Tensor | None = None) -> dict[str, float]:
+def credit_metrics(
+    token_adv: Tensor, token_sq_norms: Tensor, completion_mask: Tensor, answer_mask: Tensor | None = None
+) -> dict[str, float]:
     """Batch summaries: max within-rollout advantage variance and, with an answer mask, the mean answer share.
 
     Args:
@@ -309,11 +314,14 @@ def signed_contributions(weights: Tensor, derivatives: Tensor, update_sq_norm: f
     """
     assert weights.shape == derivatives.shape, (weights.shape, derivatives.shape)
     if update_sq_norm == 0:
-        return {"contributions": torch.zeros_like(weights), "weights": weights, "closure": math.nan,
-                "update_norm": 0.0}
+        return {"contributions": torch.zeros_like(weights), "weights": weights, "closure": math.nan, "update_norm": 0.0}
     s = weights * derivatives.to(weights.dtype) / update_sq_norm
-    return {"contributions": s, "weights": weights, "closure": float(s.sum()) - 1.0,
-            "update_norm": math.sqrt(update_sq_norm)}
+    return {
+        "contributions": s,
+        "weights": weights,
+        "closure": float(s.sum()) - 1.0,
+        "update_norm": math.sqrt(update_sq_norm),
+    }
 
 
 def exact_directional_derivatives(token_grads: Tensor, weights: Tensor) -> tuple[Tensor, float]:
@@ -333,8 +341,9 @@ def exact_directional_derivatives(token_grads: Tensor, weights: Tensor) -> tuple
     return g @ u, float(u @ u)
 
 
-def paired_class_shares(contribute: Callable[[Tensor], dict], advantages: Tensor, classes: Tensor
-                        ) -> tuple[dict, dict, dict]:
+def paired_class_shares(
+    contribute: Callable[[Tensor], dict], advantages: Tensor, classes: Tensor
+) -> tuple[dict, dict, dict]:
     """One group's class shares under its GRPO advantages A and under NLL weights (every A_i = 1: the control with the
     same gradient geometry), the credit study's per-group body (docs/theory.md §12).
 
@@ -366,13 +375,19 @@ def summarise_class_shares(shares: Sequence[dict], shares_nll: Sequence[dict]) -
     def finite(values):
         return [v for v in values if math.isfinite(v)]
 
-    classes = {c: {k: bootstrap_mean(finite(sh[c][k] for sh in shares)) for k in ("update_share", "token_share",
-                                                                                  "ratio")}
-               for c in TOKEN_CLASSES}
-    classes_nll = {c: {"ratio": bootstrap_mean(finite(sh[c]["ratio"] for sh in shares_nll)),
-                       "ratio_minus_nll": bootstrap_mean(finite(a[c]["ratio"] - b[c]["ratio"]
-                                                                for a, b in zip(shares, shares_nll)))}
-                   for c in TOKEN_CLASSES}
+    classes = {
+        c: {k: bootstrap_mean(finite(sh[c][k] for sh in shares)) for k in ("update_share", "token_share", "ratio")}
+        for c in TOKEN_CLASSES
+    }
+    classes_nll = {
+        c: {
+            "ratio": bootstrap_mean(finite(sh[c]["ratio"] for sh in shares_nll)),
+            "ratio_minus_nll": bootstrap_mean(
+                finite(a[c]["ratio"] - b[c]["ratio"] for a, b in zip(shares, shares_nll))
+            ),
+        }
+        for c in TOKEN_CLASSES
+    }
     return classes, classes_nll
 
 
@@ -419,8 +434,9 @@ def segment_advantages(values: Tensor, errors: Tensor, final_reward: float) -> t
     return v[1:] - v[:-1], (e[1:].square() + e[:-1].square()).sqrt()
 
 
-def compare_with_uniform(seg_adv: Tensor, seg_err: Tensor, seg_len: Sequence[int], grpo_advantage: float,
-                         z: float = 2.0) -> dict[str, float]:
+def compare_with_uniform(
+    seg_adv: Tensor, seg_err: Tensor, seg_len: Sequence[int], grpo_advantage: float, z: float = 2.0
+) -> dict[str, float]:
     """Where Monte Carlo credit and GRPO's uniform A_i disagree, for one rollout.
 
     GRPO gives every token A_i; Monte Carlo gives segment k the advantage A_seg,k. A segment *disagrees* when
@@ -437,9 +453,13 @@ def compare_with_uniform(seg_adv: Tensor, seg_err: Tensor, seg_len: Sequence[int
     same = torch.sign(a) == math.copysign(1.0, grpo_advantage) if grpo_advantage != 0 else torch.zeros_like(sig)
     total = float(lens.sum()) or 1.0
     mass = float(a.abs().sum())
-    return {"disagree": float(lens[sig & ~same].sum()) / total, "agree": float(lens[sig & same].sum()) / total,
-            "neutral": float(lens[~sig].sum()) / total,
-            "top_segment_share": float(a.abs().max()) / mass if mass > 0 else math.nan, "segments": len(a)}
+    return {
+        "disagree": float(lens[sig & ~same].sum()) / total,
+        "agree": float(lens[sig & same].sum()) / total,
+        "neutral": float(lens[~sig].sum()) / total,
+        "top_segment_share": float(a.abs().max()) / mass if mass > 0 else math.nan,
+        "segments": len(a),
+    }
 
 
 def opposition_size(k: int, d: int, grid: int = 2001) -> float:

@@ -103,8 +103,9 @@ def rank2_constant(k: int, group_size: int, std: StdConvention = "sample", eps: 
 IDENTITY_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
-def identity_constant(estimator: str, k: int, group_size: int, std: StdConvention = "sample",
-                      eps: float = 1e-4) -> float | None:
+def identity_constant(
+    estimator: str, k: int, group_size: int, std: StdConvention = "sample", eps: float = 1e-4
+) -> float | None:
     """c with sum_i A_i g_i = c (gbar_C - gbar_W) under ``estimator`` for 0/1 rewards, k of R correct.
 
     grpo: :func:`rank2_constant` (``std``, ``eps``); dr_grpo: k(R-k)/R; rloo: k(R-k)/(R-1) (module docstring,
@@ -188,8 +189,9 @@ def rank2_residual(
     k, r = int(correct.sum()), rewards.numel()
     c = identity_constant(estimator, k, r, std, eps)
     if c is None:
-        raise ValueError(f"estimator {estimator!r} has no rank-2 decomposition; "
-                         f"valid: {', '.join(IDENTITY_ESTIMATORS)}")
+        raise ValueError(
+            f"estimator {estimator!r} has no rank-2 decomposition; valid: {', '.join(IDENTITY_ESTIMATORS)}"
+        )
     if advantages is None and estimator != "grpo":
         raise ValueError("pass the advantages actually used for estimators other than grpo")
     if advantages is None:

@@ -23,8 +23,8 @@ k3 (:data:`KL_ESTIMATORS`), the sampler-trainer mismatch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -124,8 +124,10 @@ def kl_reward_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float)
         ValueError: shapes differ or beta < 0.
     """
     if logp.shape != ref_logp.shape or logp.shape != mask.shape:
-        raise ValueError(f"logp {tuple(logp.shape)}, ref_logp {tuple(ref_logp.shape)} and mask {tuple(mask.shape)} "
-                         f"must all be [N, T]")
+        raise ValueError(
+            f"logp {tuple(logp.shape)}, ref_logp {tuple(ref_logp.shape)} and mask {tuple(mask.shape)} "
+            f"must all be [N, T]"
+        )
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
     k1 = kl_k1(logp.detach(), ref_logp.detach())
@@ -233,17 +235,32 @@ def _token_sum_weights(mask: Tensor) -> Tensor:
 
 
 # (1/N) sum_i (1/|o_i|) sum_t l_{i,t}: every rollout weighs the same whatever its length.
-LOSS_AGGREGATIONS.register("seq-mean-token-mean")(Aggregation(
-    _sequence_mean_numerator, lambda mask, max_new_tokens: _rollouts_in_loss(mask),
-    "GRPO, DeepSeekMath arXiv 2402.03300 eq. 3", _sequence_mean_weights))
+LOSS_AGGREGATIONS.register("seq-mean-token-mean")(
+    Aggregation(
+        _sequence_mean_numerator,
+        lambda mask, max_new_tokens: _rollouts_in_loss(mask),
+        "GRPO, DeepSeekMath arXiv 2402.03300 eq. 3",
+        _sequence_mean_weights,
+    )
+)
 # sum_{i,t} l_{i,t} / sum_i |o_i|: every token weighs the same.
-LOSS_AGGREGATIONS.register("token-mean")(Aggregation(
-    _token_sum_numerator, lambda mask, max_new_tokens: float(mask.sum().item()),
-    "DAPO, arXiv 2503.14476 eq. 12", _token_sum_weights))
+LOSS_AGGREGATIONS.register("token-mean")(
+    Aggregation(
+        _token_sum_numerator,
+        lambda mask, max_new_tokens: float(mask.sum().item()),
+        "DAPO, arXiv 2503.14476 eq. 12",
+        _token_sum_weights,
+    )
+)
 # sum_{i,t} l_{i,t} / (N * T_max), T_max = max_new_tokens, a constant: no length bias.
-LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(Aggregation(
-    _token_sum_numerator, lambda mask, max_new_tokens: _rollouts_in_loss(mask) * max_new_tokens,
-    "Dr. GRPO, arXiv 2503.20783 §3.1", _token_sum_weights))
+LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(
+    Aggregation(
+        _token_sum_numerator,
+        lambda mask, max_new_tokens: _rollouts_in_loss(mask) * max_new_tokens,
+        "Dr. GRPO, arXiv 2503.20783 §3.1",
+        _token_sum_weights,
+    )
+)
 
 
 def loss_normalizer(completion_mask: Tensor, mode: str, max_new_tokens: int) -> float:
@@ -263,8 +280,9 @@ def loss_normalizer(completion_mask: Tensor, mode: str, max_new_tokens: int) -> 
     return max(LOSS_AGGREGATIONS.get(mode).normalizer(completion_mask, max_new_tokens), 1.0)
 
 
-def rollout_gradient_weights(completion_mask: Tensor, mode: str, normalizer: float,
-                             num_rollouts: float | None = None) -> Tensor:
+def rollout_gradient_weights(
+    completion_mask: Tensor, mode: str, normalizer: float, num_rollouts: float | None = None
+) -> Tensor:
     """omega_i such that the trainer's on-policy loss gradient is -(1/N) sum_i A_i omega_i sum_t grad log pi(o_{i,t}).
 
     On the first on-policy pass (ratio 1, no clip active, beta = 0) the gradient of the aggregated policy loss is
@@ -362,8 +380,10 @@ def grpo_loss(
         ValueError: beta > 0 without ref_logp, shape mismatch, unknown aggregation, KL estimator or policy loss.
     """
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
-        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
-                         f"{tuple(mask.shape)} must all be [n, T]")
+        raise ValueError(
+            f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+            f"{tuple(mask.shape)} must all be [n, T]"
+        )
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages must be [n] = [{logp.shape[0]}], got {tuple(advantages.shape)}")
     if beta < 0:
@@ -460,8 +480,12 @@ def mismatch_sums(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> d
     d = torch.clamp(trainer_logp.detach().float() - sampler_logp.float(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[m]
     if d.numel() == 0:
         return {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
-    return {"abs_diff_sum": float(d.abs().sum()), "abs_diff_max": float(d.abs().max()),
-            "k3_sum": float((torch.expm1(d) - d).sum()), "tokens": float(d.numel())}
+    return {
+        "abs_diff_sum": float(d.abs().sum()),
+        "abs_diff_max": float(d.abs().max()),
+        "k3_sum": float((torch.expm1(d) - d).sum()),
+        "tokens": float(d.numel()),
+    }
 
 
 def aggregation_rollout_weights(completion_mask: Tensor, aggregation: str) -> Tensor:
@@ -487,4 +511,4 @@ def aggregation_rollout_weights(completion_mask: Tensor, aggregation: str) -> Te
     numerator = LOSS_AGGREGATIONS.get(aggregation).numerator
     mask = completion_mask.to(torch.float64)
     ones = torch.ones_like(mask)
-    return torch.stack([numerator(ones[i:i + 1], mask[i:i + 1]) for i in range(mask.shape[0])]).reshape(-1)
+    return torch.stack([numerator(ones[i : i + 1], mask[i : i + 1]) for i in range(mask.shape[0])]).reshape(-1)

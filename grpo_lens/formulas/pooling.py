@@ -15,7 +15,8 @@ Symbols: H strata (seeds), n_h units in stratum h, N = Σ_h n_h, x̄_h and s_h²
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -79,8 +80,9 @@ def stratified_interval(values_by_stratum: Sequence[Sequence[float]], *, level: 
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": N, "strata": len(strata)}
 
 
-def combine_summaries(summaries: Sequence[dict[str, Any] | None], *, level: float = 0.95,
-                      bounds: tuple[float, float] | None = None) -> dict[str, Any]:
+def combine_summaries(
+    summaries: Sequence[dict[str, Any] | None], *, level: float = 0.95, bounds: tuple[float, float] | None = None
+) -> dict[str, Any]:
     """The stratified mean and interval from per-stratum summaries {mean, lo, hi, n} when the units themselves were
     not kept (:func:`stratified_interval` needs them): W_h = n_h / N, SE_h read back from the stratum's 95% interval
     as (hi − lo) / (2 t_{n_h − 1}) (exact for a symmetric t interval; Hall's interval is widened on its skewed side,
@@ -104,8 +106,10 @@ def combine_summaries(summaries: Sequence[dict[str, Any] | None], *, level: floa
     if N < MIN_INTERVAL_UNITS or any(s.get("lo") is None or s.get("hi") is None or int(s["n"]) < 2 for s in used):
         return _no_interval(mean, N, len(used))
     q = 1 - (1 - level) / 2
-    se2 = math.fsum((int(s["n"]) / N) ** 2 * ((float(s["hi"]) - float(s["lo"])) / (2 * student_t_quantile(
-        q, int(s["n"]) - 1))) ** 2 for s in used)
+    se2 = math.fsum(
+        (int(s["n"]) / N) ** 2 * ((float(s["hi"]) - float(s["lo"])) / (2 * student_t_quantile(q, int(s["n"]) - 1))) ** 2
+        for s in used
+    )
     half = student_t_quantile(q, max(1, N - len(used))) * math.sqrt(se2)
     lo, hi = mean - half, mean + half
     if bounds is not None:
@@ -119,8 +123,9 @@ def chi2_sf(x: float, df: int) -> float:
         raise ValueError(f"df must be >= 1, got {df}")
     if x <= 0:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(x / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64))
+    )
 
 
 def between_seed_spread(values_by_seed: Sequence[Sequence[float]]) -> dict[str, Any]:
@@ -148,8 +153,16 @@ def between_seed_spread(values_by_seed: Sequence[Sequence[float]]) -> dict[str, 
         ns.append(n)
         ses.append(se)
     have = [m for m in means if m is not None]
-    out: dict[str, Any] = {"per_seed": means, "n": ns, "se": ses, "sd": None, "min": min(have, default=None),
-                           "max": max(have, default=None), "q": None, "p": None}
+    out: dict[str, Any] = {
+        "per_seed": means,
+        "n": ns,
+        "se": ses,
+        "sd": None,
+        "min": min(have, default=None),
+        "max": max(have, default=None),
+        "q": None,
+        "p": None,
+    }
     if len(have) >= 2:
         mu = math.fsum(have) / len(have)
         out["sd"] = math.sqrt(math.fsum((m - mu) ** 2 for m in have) / (len(have) - 1))

@@ -14,7 +14,7 @@ so sketched inner products <S(A), S(B)> are unbiased for <A, B>. This module giv
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -50,8 +50,11 @@ def kronecker_sketch_variance(a: Tensor, b: Tensor, k_in: int, k_out: int) -> fl
     a, b = a.double(), b.double()
     ba, ab = b @ a.T, a.T @ b  # [d_out, d_out], [d_in, d_in]
     fro2 = lambda m: float(m.square().sum())  # noqa: E731
-    return ((float(torch.trace(ba @ ba)) + fro2(ba)) / k_out + (float(torch.trace(ab @ ab)) + fro2(ab)) / k_in
-            + (fro2(ba) + fro2(ab) + float((a * b).sum()) ** 2 + fro2(a) * fro2(b)) / (k_in * k_out))
+    return (
+        (float(torch.trace(ba @ ba)) + fro2(ba)) / k_out
+        + (float(torch.trace(ab @ ab)) + fro2(ab)) / k_in
+        + (fro2(ba) + fro2(ab) + float((a * b).sum()) ** 2 + fro2(a) * fro2(b)) / (k_in * k_out)
+    )
 
 
 def sketch_gram_error_bound(layer_grams: Sequence[Tensor] | Tensor, k_in: int, k_out: int) -> float:

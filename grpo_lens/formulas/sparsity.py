@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -112,8 +112,9 @@ def s1_predicted_outside_group(correct: Tensor, group_size: int) -> Tensor:
     """
     m, r = correct.shape[-1], group_size
     if m - r < r:
-        raise ValueError(f"need M >= 2R rollouts per prompt to predict S1 from rollouts outside the group "
-                         f"(M = {m}, R = {r})")
+        raise ValueError(
+            f"need M >= 2R rollouts per prompt to predict S1 from rollouts outside the group (M = {m}, R = {r})"
+        )
     return unbiased_zero_variance_probability(correct[..., r:].long().sum(-1), m - r, r)
 
 
@@ -243,8 +244,11 @@ def top_share_of_sorted(e: Tensor, w: Tensor, top: float) -> float:
 
 def sparsity_measures(x: Tensor, weights: Tensor | None = None, top: float = 0.01) -> dict[str, float]:
     """{"zero": :func:`zero_share`, "hoyer": :func:`weighted_hoyer`, "top1_energy": :func:`top_energy_share`}."""
-    return {"zero": zero_share(x, weights), "hoyer": weighted_hoyer(x, weights),
-            "top1_energy": top_energy_share(x, weights, top)}
+    return {
+        "zero": zero_share(x, weights),
+        "hoyer": weighted_hoyer(x, weights),
+        "top1_energy": top_energy_share(x, weights, top),
+    }
 
 
 def bf16_rounding_cell(values: Tensor) -> tuple[Tensor, Tensor]:
@@ -265,7 +269,7 @@ def bf16_rounding_cell(values: Tensor) -> tuple[Tensor, Tensor]:
     b = (bits - 65536).view(torch.float32).double()  # next bf16 towards 0
     v64 = v.double()
     zero = v == 0
-    tiny = 2.0 ** -133  # the smallest positive bf16 (subnormal)
+    tiny = 2.0**-133  # the smallest positive bf16 (subnormal)
     b = torch.where(zero, torch.full_like(v64, -tiny), b)  # bits - 2^16 of +0 is not a number
     a = torch.where(zero, torch.full_like(v64, tiny), a)
     m1, m2 = (v64 + a) / 2, (v64 + b) / 2
@@ -325,8 +329,10 @@ def permuted_bf16_unchanged_probability(values: Tensor, update: Tensor, strata: 
         ValueError: mismatched shapes.
     """
     if values.shape != update.shape or (strata is not None and strata.shape != values.shape):
-        raise ValueError(f"values, update and strata must have one shape, got {values.shape}, {update.shape}, "
-                         f"{None if strata is None else strata.shape}")
+        raise ValueError(
+            f"values, update and strata must have one shape, got {values.shape}, {update.shape}, "
+            f"{None if strata is None else strata.shape}"
+        )
     lo, hi = bf16_rounding_cell(values)
     v = values.detach().float().double()
     d = update.detach().float().double()
@@ -341,16 +347,22 @@ def permuted_bf16_unchanged_probability(values: Tensor, update: Tensor, strata: 
     for end in ends:
         if end > start:
             ds = np.sort(dn[start:end])
-            counts[start:end] = (np.searchsorted(ds, hin[start:end], side="right")
-                                 - np.searchsorted(ds, lon[start:end], side="left")) / (end - start)
+            counts[start:end] = (
+                np.searchsorted(ds, hin[start:end], side="right") - np.searchsorted(ds, lon[start:end], side="left")
+            ) / (end - start)
         start = end
     out = torch.empty_like(d)
     out[torch.from_numpy(order)] = torch.from_numpy(counts)
     return out
 
 
-def update_sparsity(before: Tensor, after: Tensor, weights: Tensor | None = None,
-                    rms: Tensor | float | None = None, strata: Tensor | None = None) -> dict[str, float]:
+def update_sparsity(
+    before: Tensor,
+    after: Tensor,
+    weights: Tensor | None = None,
+    rms: Tensor | float | None = None,
+    strata: Tensor | None = None,
+) -> dict[str, float]:
     """Sparsity of the update d = after - before of sampled entries, and its bf16 view with its controls.
 
     Args:
@@ -380,18 +392,32 @@ def update_sparsity(before: Tensor, after: Tensor, weights: Tensor | None = None
     dense = dense_bf16_unchanged_probability(before, rms)
     perm = permuted_bf16_unchanged_probability(before, d, h)
     m = sparsity_measures(d, w)
-    return {"f32_unchanged": m["zero"], "bf16_unchanged": float((w * same16).sum() / w.sum()),
-            "bf16_permuted": float((w * perm).sum() / w.sum()),
-            "bf16_dense": float((w * dense).sum() / w.sum()), "hoyer": m["hoyer"],
-            "top1_energy": m["top1_energy"], "f32_unchanged_se": stratified_mean_se((d == 0).double(), w, h),
-            "bf16_unchanged_se": stratified_mean_se(same16, w, h),
-            "bf16_excess_se": stratified_mean_se(same16 - perm, w, h)}
+    return {
+        "f32_unchanged": m["zero"],
+        "bf16_unchanged": float((w * same16).sum() / w.sum()),
+        "bf16_permuted": float((w * perm).sum() / w.sum()),
+        "bf16_dense": float((w * dense).sum() / w.sum()),
+        "hoyer": m["hoyer"],
+        "top1_energy": m["top1_energy"],
+        "f32_unchanged_se": stratified_mean_se((d == 0).double(), w, h),
+        "bf16_unchanged_se": stratified_mean_se(same16, w, h),
+        "bf16_excess_se": stratified_mean_se(same16 - perm, w, h),
+    }
 
 
 #: Metric names of :meth:`SparsityOverTraining.after_step` for the whole model; per layer type they are
 #: ``sparsity/<type>/<name>`` (docs/metrics.md).
-UPDATE_MEASURES = ("f32_unchanged", "bf16_unchanged", "bf16_permuted", "bf16_dense", "hoyer", "top1_energy",
-                   "f32_unchanged_se", "bf16_unchanged_se", "bf16_excess_se")
+UPDATE_MEASURES = (
+    "f32_unchanged",
+    "bf16_unchanged",
+    "bf16_permuted",
+    "bf16_dense",
+    "hoyer",
+    "top1_energy",
+    "f32_unchanged_se",
+    "bf16_unchanged_se",
+    "bf16_excess_se",
+)
 
 
 GRAD_MEASURES = ("zero", "hoyer", "top1_energy")

@@ -23,7 +23,7 @@ starting design with a control that keeps sum w = 0 and ||w|| = ||A|| without re
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -141,8 +141,9 @@ def rank_measures(singular_values: Tensor, names: list[str] | None = None) -> di
     return {name: RANK_MEASURES.get(name)(singular_values) for name in (names or RANK_MEASURES.names())}
 
 
-def numerical_rank(s: Tensor, rtol: float | None = None, shape: tuple[int, int] | None = None,
-                   dtype: torch.dtype = torch.float64) -> int:
+def numerical_rank(
+    s: Tensor, rtol: float | None = None, shape: tuple[int, int] | None = None, dtype: torch.dtype = torch.float64
+) -> int:
     """Number of singular values above rtol * s_1 (numpy's matrix_rank rule).
 
     Args:
@@ -288,8 +289,11 @@ def g1_controls(
     def rows(w: Tensor) -> dict[str, float]:
         return dict(measure(weighted_gram_singular_values(gram, w)))
 
-    out = {"g1": rows(a), "g1_no_adv": rows(torch.ones(r, dtype=torch.float64)),
-           "g1_null": dict(measure(orthogonal_null_singular_values(gram, a)))}
+    out = {
+        "g1": rows(a),
+        "g1_no_adv": rows(torch.ones(r, dtype=torch.float64)),
+        "g1_null": dict(measure(orthogonal_null_singular_values(gram, a))),
+    }
     gen = torch.Generator().manual_seed(seed)
     draws = [rows(w) for w in random_zero_sum_weights(a, num_random, gen)]
     if draws:
@@ -354,9 +358,13 @@ def distinct_completions_per_group(completion_ids: Tensor, completion_mask: Tens
     n = completion_ids.shape[0]
     if n % group_size:
         raise ValueError(f"number of rollouts {n} is not a multiple of the group size {group_size}")
-    return torch.tensor([
-        distinct_completions(completion_ids[b:b + group_size], completion_mask[b:b + group_size])
-        for b in range(0, n, group_size)], dtype=torch.long)
+    return torch.tensor(
+        [
+            distinct_completions(completion_ids[b : b + group_size], completion_mask[b : b + group_size])
+            for b in range(0, n, group_size)
+        ],
+        dtype=torch.long,
+    )
 
 
 def count_distinct_prefixes(completion_ids: Tensor, completion_mask: Tensor, proper: bool = False) -> int:
@@ -435,8 +443,9 @@ def wishart(r: int, dim: int, num_draws: int, generator: torch.Generator) -> Ten
         raise ValueError(f"dim must be >= R = {r}, got {dim}")
     df = torch.arange(dim, dim - r, -1, dtype=torch.float64)  # [R]
     if dim <= 512:
-        chi2 = torch.stack([torch.randn(num_draws, int(d), generator=generator, dtype=torch.float64).square().sum(1)
-                            for d in df], 1)
+        chi2 = torch.stack(
+            [torch.randn(num_draws, int(d), generator=generator, dtype=torch.float64).square().sum(1) for d in df], 1
+        )
     else:
         z = torch.randn(num_draws, r, generator=generator, dtype=torch.float64)
         c = 2 / (9 * df)
@@ -458,8 +467,9 @@ def random_direction_grams(r: int, dim: int, num_draws: int, generator: torch.Ge
     return w / (d[:, :, None] * d[:, None, :])
 
 
-def simulated_null_measures(gram: Tensor, advantages: Tensor, dim: int, *, num_draws: int = 8, seed: int = 0
-                            ) -> dict[str, float]:
+def simulated_null_measures(
+    gram: Tensor, advantages: Tensor, dim: int, *, num_draws: int = 8, seed: int = 0
+) -> dict[str, float]:
     """Mean rank measures of the simulated null of G1: rows with G1's norms |A_i| ||g_i|| and iid uniform random
     directions in R^dim (docs/theory.md §5, §11). As dim grows it tends to the orthogonal null
     (:func:`orthogonal_null_singular_values`); at finite dim random rows share O(1/sqrt(dim)) of their direction, so
@@ -502,8 +512,9 @@ def top_singular_value(matrix: Tensor, rank: int = 8, iters: int = 4) -> float:
     return float(s[0])
 
 
-def top_eigenvalue_psd_product(kx: Tensor, kd: Tensor, tol: float = 1e-6, max_iter: int = 100, block: int = 8
-                               ) -> tuple[float, bool]:
+def top_eigenvalue_psd_product(
+    kx: Tensor, kd: Tensor, tol: float = 1e-6, max_iter: int = 100, block: int = 8
+) -> tuple[float, bool]:
     """lambda_max(K_X K_D) of two PSD matrices [n, n]: :func:`top_eigenvalues_psd_products` for one K_D.
 
     Returns:
@@ -518,8 +529,9 @@ def top_eigenvalue_psd_product(kx: Tensor, kd: Tensor, tol: float = 1e-6, max_it
     return float(lam[0]), bool(converged[0])
 
 
-def top_eigenvalues_psd_products(kx: Tensor, kds: Tensor, tol: float = 1e-6, max_iter: int = 100, block: int = 8
-                                 ) -> tuple[Tensor, Tensor]:
+def top_eigenvalues_psd_products(
+    kx: Tensor, kds: Tensor, tol: float = 1e-6, max_iter: int = 100, block: int = 8
+) -> tuple[Tensor, Tensor]:
     """lambda_max(K_X K_D^(w)) for PSD K_X [n, n] (or one per problem, [W, n, n]) and a stack of PSD K_D^(w)
     [W, n, n], i.e. s_1(M_w)^2 of
     M_w = D_w^T X when K_X = X X^T and K_D^(w) = D_w D_w^T (the nonzero eigenvalues of M M^T and of K_X K_D agree):
@@ -547,8 +559,9 @@ def top_eigenvalues_psd_products(kx: Tensor, kds: Tensor, tol: float = 1e-6, max
         ValueError: shapes that are not [n, n] (or [W, n, n]) and [W, n, n].
     """
     if kds.dim() != 3 or kds.shape[1] != kds.shape[2] or kx.shape not in (kds.shape[1:], kds.shape):
-        raise ValueError(f"need kx [n, n] or [W, n, n] and kds [W, n, n] of one n, got {tuple(kx.shape)} and "
-                         f"{tuple(kds.shape)}")
+        raise ValueError(
+            f"need kx [n, n] or [W, n, n] and kds [W, n, n] of one n, got {tuple(kx.shape)} and {tuple(kds.shape)}"
+        )
     b = kds.double()
     a = kx.double()  # [n, n] (shared: broadcast) or [W, n, n]
     n, W = b.shape[1], b.shape[0]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -44,9 +45,13 @@ def student_t_quantile(p: float, df: int) -> float:
         return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
     z = float(torch.special.ndtri(torch.tensor(p, dtype=torch.float64)))
     v = float(df)
-    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
-            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4))
+    return (
+        z
+        + (z**3 + z) / (4 * v)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+        + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4)
+    )
 
 
 #: fewest units (groups, prompts, rollouts) any reported interval is computed from -- the one rule every interval in
@@ -77,8 +82,9 @@ def has_interval(n: int) -> bool:
     return n >= MIN_INTERVAL_UNITS
 
 
-def mean_interval(values: Sequence[float], *, level: float = 0.95,
-                  bounds: tuple[float, float] | None = None) -> dict[str, float | int | None]:
+def mean_interval(
+    values: Sequence[float], *, level: float = 0.95, bounds: tuple[float, float] | None = None
+) -> dict[str, float | int | None]:
     """Mean of ``values`` with Hall's transformed-t interval (docs/theory.md §7): the one interval body of the product.
 
     With n values, mean x̄, s their ddof-1 SD, m_k = mean((x - x̄)^k), γ = m_3 / m_2^(3/2) · √(n(n-1)) / (n-2) (G1,
@@ -141,8 +147,9 @@ def mean_interval(values: Sequence[float], *, level: float = 0.95,
     return {"mean": mean, "lo": min(lo, mean), "hi": max(hi, mean), "n": n}
 
 
-def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000,
-                 seed: int = 0) -> dict[str, float | int | None]:
+def bootstrap_ci(
+    values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000, seed: int = 0
+) -> dict[str, float | int | None]:
     """:func:`mean_interval` under its 0.1 name (the probe's summaries and strata call it).
 
     Until issue 18 this was an expanded-percentile bootstrap; it under-covered on skewed data (0.80-0.90 at
@@ -157,8 +164,14 @@ def bootstrap_ci(values: Sequence[float], *, level: float = 0.95, num_resamples:
     return mean_interval(values, level=level)
 
 
-def summarise_rows(rows: Sequence[dict[str, float]], *, keys: Sequence[str] | None = None, level: float = 0.95,
-                   num_resamples: int = 2000, seed: int = 0) -> dict[str, dict[str, float | int | None]]:
+def summarise_rows(
+    rows: Sequence[dict[str, float]],
+    *,
+    keys: Sequence[str] | None = None,
+    level: float = 0.95,
+    num_resamples: int = 2000,
+    seed: int = 0,
+) -> dict[str, dict[str, float | int | None]]:
     """{key: bootstrap_ci(values of key over the rows that have it)} for every key (or the given ones).
 
     Args:
@@ -167,12 +180,14 @@ def summarise_rows(rows: Sequence[dict[str, float]], *, keys: Sequence[str] | No
     """
     if keys is None:
         keys = sorted({k for row in rows for k in row})
-    return {k: bootstrap_ci([row.get(k) for row in rows], level=level, num_resamples=num_resamples, seed=seed)
-            for k in keys}
+    return {
+        k: bootstrap_ci([row.get(k) for row in rows], level=level, num_resamples=num_resamples, seed=seed) for k in keys
+    }
 
 
-def stratify_rows(rows: Sequence[dict[str, float]], by: str, **summary_kwargs: Any
-                  ) -> dict[str, dict[str, dict[str, float | int | None]]]:
+def stratify_rows(
+    rows: Sequence[dict[str, float]], by: str, **summary_kwargs: Any
+) -> dict[str, dict[str, dict[str, float | int | None]]]:
     """Summaries per stratum: {str(int(row[by])): summarise_rows(rows of that stratum)}; rows without ``by`` are left
     out. Used with ``by="group/correct"`` (k) and ``by="group/distinct_completions"``.
     """
@@ -185,16 +200,22 @@ def stratify_rows(rows: Sequence[dict[str, float]], by: str, **summary_kwargs: A
     return {s: summarise_rows(strata[s], **summary_kwargs) for s in sorted(strata, key=int)}
 
 
-def bootstrap_mean(values: Sequence[float], num_boot: int = 2000, seed: int = 0, level: float = 0.95,
-                   bounds: tuple[float, float] | None = None) -> dict[str, float | int | None]:
+def bootstrap_mean(
+    values: Sequence[float],
+    num_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    bounds: tuple[float, float] | None = None,
+) -> dict[str, float | int | None]:
     """:func:`mean_interval` for the studies and claims (0.1 name and arguments; ``num_boot`` and ``seed`` unused).
     -> {"mean", "lo", "hi", "n"}; lo = hi = None below :data:`MIN_INTERVAL_UNITS` units; ``bounds``: the range the
     mean cannot leave (e.g. (0, 1) for a share), the interval is clipped to it."""
     return mean_interval(list(values), level=level, bounds=bounds)
 
 
-def spearman_trend(xs: Sequence[float], ys: Sequence[float], num_perm: int = 5000, seed: int = 0
-                   ) -> tuple[float, float]:
+def spearman_trend(
+    xs: Sequence[float], ys: Sequence[float], num_perm: int = 5000, seed: int = 0
+) -> tuple[float, float]:
     """(Spearman's rho of ys against xs, two-sided permutation p-value) (Spearman 1904; Pitman 1937).
 
     Exact over all n! orders for n <= 7, else ``num_perm`` random permutations (p = (1 + #{|rho*| >= |rho|}) /
@@ -416,8 +437,9 @@ def mean_test_p(values: Sequence[float], control: float, side: str) -> float:
     return upper if side == "above" else 1 - upper
 
 
-def difference_trend_test(xs: Sequence[float], ys: Sequence[float],
-                          covariate: Sequence[float] | None = None) -> dict[str, float | int | None]:
+def difference_trend_test(
+    xs: Sequence[float], ys: Sequence[float], covariate: Sequence[float] | None = None
+) -> dict[str, float | int | None]:
     """A trend test that keeps its level when consecutive points are correlated: the slope of ys over xs estimated
     from first differences (docs/theory.md §12).
 
@@ -464,8 +486,7 @@ def difference_trend_test(xs: Sequence[float], ys: Sequence[float],
     se = math.sqrt(max(s2 * float(inv[0, 0]), 0.0))
     slope = float(beta[0])
     if se == 0:
-        return {**out, "slope": slope, "df": df, "p_up": 0.0 if slope > 0 else 1.0,
-                "p_down": 0.0 if slope < 0 else 1.0}
+        return {**out, "slope": slope, "df": df, "p_up": 0.0 if slope > 0 else 1.0, "p_down": 0.0 if slope < 0 else 1.0}
     t = slope / se
     p_up = 1 - student_t_cdf(t, df)
     return {**out, "slope": slope, "t": t, "df": df, "p_up": p_up, "p_down": 1 - p_up}

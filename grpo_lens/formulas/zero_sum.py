@@ -52,8 +52,9 @@ def span_energies(gram: Tensor, labels: Tensor, advantages: Tensor) -> Tensor:
     mg = m @ gram  # [L, 2, R]
     lam, vec = torch.linalg.eigh(mg @ m.transpose(1, 2))  # [L, 2], [L, 2, 2]: the pseudo-inverse of M G Mᵀ
     keep = lam > lam.abs().amax(1, keepdim=True) * 2 * torch.finfo(gram.dtype).eps  # pinv's default cutoff
-    inner = (vec * torch.where(keep, 1 / torch.where(keep, lam, torch.ones_like(lam)), torch.zeros_like(lam))[:, None]
-             ) @ vec.transpose(1, 2)  # [L, 2, 2]
+    inner = (
+        vec * torch.where(keep, 1 / torch.where(keep, lam, torch.ones_like(lam)), torch.zeros_like(lam))[:, None]
+    ) @ vec.transpose(1, 2)  # [L, 2, 2]
     a2 = advantages.to(gram.dtype).square()  # [L, R]
     proj = (a2 * (mg * (inner @ mg)).sum(1)).sum(1)
     total = (a2 * gram.diagonal()).sum(1)
@@ -102,8 +103,9 @@ def cosine_gap(gram: Tensor, labels: Tensor) -> float:
     return float(cosine_gaps(gram, labels[None])[0])
 
 
-def zero_sum_tests(gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_permutations: int = 256,
-                   seed: int = 0) -> dict[str, float]:
+def zero_sum_tests(
+    gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_permutations: int = 256, seed: int = 0
+) -> dict[str, float]:
     """The label-permutation test with k fixed for one group with 0/1 rewards (docs/theory.md §6).
 
     For the true labels (correct = reward 1) and for each relabelling with the same k, computes
@@ -163,5 +165,11 @@ def weightings(advantages: Tensor, rewards: Tensor) -> dict[str, Tensor]:
     a, r = advantages.detach().double(), rewards.detach().double()
     single = torch.zeros_like(a)
     single[0] = 1.0
-    return {"adv": a, "abs": a.abs(), "shift": a + a.abs().mean(), "reward": r, "uniform": torch.ones_like(a),
-            "single": single}
+    return {
+        "adv": a,
+        "abs": a.abs(),
+        "shift": a + a.abs().mean(),
+        "reward": r,
+        "uniform": torch.ones_like(a),
+        "single": single,
+    }

@@ -16,7 +16,7 @@ against these.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +39,7 @@ def _flat_grad(scalar: Tensor, params: list[nn.Parameter], out: Tensor | None = 
         return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
     start = 0
     for g, p in zip(grads, params):
-        dst = out[start:start + p.numel()]
+        dst = out[start : start + p.numel()]
         if g is None:
             dst.zero_()
         else:
@@ -89,8 +89,9 @@ def exact_rollout_grads(
     for i in range(n):
         sub = batch.select([i])
         logp = batch_logprobs(model, sub, temperature)
-        score = rollout_scores(logp, sub.completion_mask,
-                               None if score_weights is None else score_weights[i:i + 1])[0]
+        score = rollout_scores(logp, sub.completion_mask, None if score_weights is None else score_weights[i : i + 1])[
+            0
+        ]
         _flat_grad(score, chosen, out=out[i])
         if weights is not None:
             out[i].mul_(weights[i].to(out.dtype))
@@ -127,15 +128,15 @@ def exact_weighted_grad(
     return _flat_grad((scores * weights.to(scores.dtype)).sum(), chosen)
 
 
-def exact_policy_grad(model: nn.Module, batch: RolloutBatch, advantages: Tensor,
-                      params: Sequence[str] | None = None, **processing) -> Tensor:
+def exact_policy_grad(
+    model: nn.Module, batch: RolloutBatch, advantages: Tensor, params: Sequence[str] | None = None, **processing
+) -> Tensor:
     """sum_i A_i g_i, exactly (docs/theory.md §3, on-policy first step). advantages: [N] (flatten [B, R]).
     Returns [P]."""
     return exact_weighted_grad(model, batch, advantages.reshape(-1), params, **processing)
 
 
-def exact_nll_grad(model: nn.Module, batch: RolloutBatch, params: Sequence[str] | None = None,
-                   **processing) -> Tensor:
+def exact_nll_grad(model: nn.Module, batch: RolloutBatch, params: Sequence[str] | None = None, **processing) -> Tensor:
     """Gradient of the token-mean NLL of the batch's completions (the supervised control). Returns [P]."""
     return exact_weighted_grad(model, batch, nll_weights(batch.completion_mask), params, **processing)
 
@@ -168,7 +169,8 @@ def layer_weight_grads(
     names = linear_layer_names(model, layers)
     modules = dict(model.named_modules())
     logp = batch_logprobs(model, batch, temperature)
-    loss = (rollout_scores(logp, batch.completion_mask, score_weights)
-            * weights.to(device=logp.device, dtype=logp.dtype)).sum()
+    loss = (
+        rollout_scores(logp, batch.completion_mask, score_weights) * weights.to(device=logp.device, dtype=logp.dtype)
+    ).sum()
     grads = torch.autograd.grad(loss, [modules[n].weight for n in names], allow_unused=True)
     return {n: (torch.zeros_like(modules[n].weight) if g is None else g) for n, g in zip(names, grads)}

@@ -101,9 +101,16 @@ class G2WeightingCapture:
         ValueError: ``shared_prefix`` without ``seq_len``; prefix inputs that differ across the rollouts.
     """
 
-    def __init__(self, model: torch.nn.Module, weightings: dict[str, Tensor], shared_prefix: int = 0,
-                 seq_len: int | None = None, budget_bytes: int = 256 * 2**20, include: LayerFilter = None,
-                 rows: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        weightings: dict[str, Tensor],
+        shared_prefix: int = 0,
+        seq_len: int | None = None,
+        budget_bytes: int = 256 * 2**20,
+        include: LayerFilter = None,
+        rows: tuple[int, int] | None = None,
+    ):
         if shared_prefix and seq_len is None:
             raise ValueError("G2WeightingCapture: shared_prefix needs seq_len (the pass's sequence length)")
         self.model = model
@@ -134,12 +141,19 @@ class G2WeightingCapture:
             return xr @ xr.T, (dr @ dr.T).unsqueeze(0) * (wp.unsqueeze(2) * wp.unsqueeze(1))
         xp = x3[:, :lp]  # [n, Lp, d_in]
         if not torch.allclose(xp, xp[:1].expand_as(xp), rtol=1e-4, atol=1e-5 * float(xp.abs().max())):
-            raise ValueError("G2WeightingCapture: the rollouts' inputs differ at the shared prefix positions: pass "
-                             "shared_prefix only for one group's rollouts (one prompt)")
+            raise ValueError(
+                "G2WeightingCapture: the rollouts' inputs differ at the shared prefix positions: pass "
+                "shared_prefix only for one group's rollouts (one prompt)"
+            )
         xc, dc = x3[:, lp:], d3[:, lp:]  # [n, L - Lp, .]
         xr = torch.cat([xp[0], xc.reshape(-1, xc.shape[-1])])
-        dr = torch.cat([torch.einsum("wi,itd->wtd", w, d3[:, :lp]),  # sum_i w_i delta_{i,t}
-                        (w[:, :, None, None] * dc.unsqueeze(0)).reshape(w.shape[0], -1, dc.shape[-1])], dim=1)
+        dr = torch.cat(
+            [
+                torch.einsum("wi,itd->wtd", w, d3[:, :lp]),  # sum_i w_i delta_{i,t}
+                (w[:, :, None, None] * dc.unsqueeze(0)).reshape(w.shape[0], -1, dc.shape[-1]),
+            ],
+            dim=1,
+        )
         keep = dr.abs().sum(dim=(0, 2)) > 0
         xr, dr = xr[keep], dr[:, keep]
         return xr @ xr.T, dr @ dr.mT
@@ -149,11 +163,11 @@ class G2WeightingCapture:
             return
         x = args[0].detach()
         if self.rows is not None:
-            x = x[self.rows[0]:self.rows[1]]
+            x = x[self.rows[0] : self.rows[1]]
 
         def on_grad(grad: Tensor) -> None:
             if self.rows is not None:
-                grad = grad[self.rows[0]:self.rows[1]]
+                grad = grad[self.rows[0] : self.rows[1]]
             kx, kds = self._kernels(x, grad)  # [m, m], [W, m, m]
             fro2 = (kx.unsqueeze(0) * kds).sum(dim=(1, 2), dtype=torch.float64)  # ||M(w)||_F^2 [W]
             self._pending.append((name, kx, kds, dict(zip(self.weightings, fro2.tolist()))))
@@ -172,23 +186,29 @@ class G2WeightingCapture:
         self._pending, self._pending_bytes = [], 0
         for m, items in by_size.items():
             fro2_of = {name: fro2 for name, _, _, fro2 in items}
-            live = [(name, wname, kx, kds[j]) for name, kx, kds, fro2 in items
-                    for j, wname in enumerate(self.weightings) if fro2[wname] > 0]
+            live = [
+                (name, wname, kx, kds[j])
+                for name, kx, kds, fro2 in items
+                for j, wname in enumerate(self.weightings)
+                if fro2[wname] > 0
+            ]
             for name in fro2_of:
                 self.stable[name] = {wname: 0.0 for wname in self.weightings}
             chunk = max(1, self.budget_bytes // (4 * m * m * 8))  # K_X, K_D and their float64 copies
             for c in range(0, len(live), chunk):
-                part = live[c:c + chunk]
-                lams, converged = top_eigenvalues_psd_products(torch.stack([p[2] for p in part]),
-                                                               torch.stack([p[3] for p in part]))
+                part = live[c : c + chunk]
+                lams, converged = top_eigenvalues_psd_products(
+                    torch.stack([p[2] for p in part]), torch.stack([p[3] for p in part])
+                )
                 self.exact_fallbacks += int((~converged).sum())
                 for (name, wname, _, _), lam in zip(part, lams.tolist()):
                     self.stable[name][wname] = fro2_of[name][wname] / lam if lam > 0 else 0.0
 
-    def __enter__(self) -> "G2WeightingCapture":
+    def __enter__(self) -> G2WeightingCapture:
         for name, module in self.layers.items():
-            self._handles.append(module.register_forward_hook(
-                lambda m, a, o, _name=name: self._forward(_name, m, a, o)))
+            self._handles.append(
+                module.register_forward_hook(lambda m, a, o, _name=name: self._forward(_name, m, a, o))
+            )
         return self
 
     def __exit__(self, *exc) -> None:

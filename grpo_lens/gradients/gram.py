@@ -47,8 +47,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -76,10 +78,10 @@ def gram_of_rows(rows: Tensor, slice_len: int = 8192) -> Tensor:
     nb = k // slice_len
     out = torch.zeros(n, n, dtype=torch.float64, device=rows.device)
     if nb:
-        v = rows[:, :nb * slice_len].reshape(n, nb, slice_len).transpose(0, 1)  # [nb, N, slice_len]
+        v = rows[:, : nb * slice_len].reshape(n, nb, slice_len).transpose(0, 1)  # [nb, N, slice_len]
         out += torch.bmm(v, v.transpose(1, 2)).sum(0, dtype=torch.float64)
     if nb * slice_len < k:
-        t = rows[:, nb * slice_len:]
+        t = rows[:, nb * slice_len :]
         out += (t @ t.T).to(torch.float64)
     return out
 
@@ -141,8 +143,14 @@ def choose_block_form(ms: Sequence[int], ns: Sequence[int], d_in: int, d_out: in
     return "token" if token < rollout else "rollout"
 
 
-def token_pair_gram(x: Tensor, delta: Tensor, keep: Tensor, token_block: int,
-                    cache: dict | None = None, spans: Sequence[tuple[int, int]] | None = None) -> Tensor:
+def token_pair_gram(
+    x: Tensor,
+    delta: Tensor,
+    keep: Tensor,
+    token_block: int,
+    cache: dict | None = None,
+    spans: Sequence[tuple[int, int]] | None = None,
+) -> Tensor:
     """<G_i, G_j> = sum_{t in i, u in j} (x_t . x_u)(delta_t . delta_u) of a linear weight, G_i = sum_t delta_t x_t^T.
 
     Computed over tiles of ``token_block`` kept positions (tiles a <= b, the transpose added for b > a); tiles may
@@ -200,9 +208,15 @@ def crop_kept(x: Tensor, keep: Tensor) -> tuple[Tensor, int, int]:
     return xs, c0, c1
 
 
-def rollout_layer_gram(x: Tensor, delta: Tensor, keep: Tensor, budget_bytes: int, rollout_block: int | None = None,
-                       token_rows: Tensor | None = None,
-                       spans: Sequence[tuple[int, int]] | None = None) -> tuple[Tensor, Tensor | None]:
+def rollout_layer_gram(
+    x: Tensor,
+    delta: Tensor,
+    keep: Tensor,
+    budget_bytes: int,
+    rollout_block: int | None = None,
+    token_rows: Tensor | None = None,
+    spans: Sequence[tuple[int, int]] | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """<G_i, G_j> of a linear weight with G_i = sum_t delta_t x_t^T formed transiently, a chunk of d_out rows (and a
     block of ``rollout_block`` rollouts) at a time, chunks sized so [N, rows, d_in] stays within ``budget_bytes``.
 
@@ -219,8 +233,9 @@ def rollout_layer_gram(x: Tensor, delta: Tensor, keep: Tensor, budget_bytes: int
     xs, c0, c1 = crop_kept(x, keep)
     ds = delta[:, c0:c1]
     gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
-    picked = None if token_rows is None else torch.zeros(n, token_rows.numel(), d_in, dtype=torch.float64,
-                                                         device=x.device)
+    picked = (
+        None if token_rows is None else torch.zeros(n, token_rows.numel(), d_in, dtype=torch.float64, device=x.device)
+    )
     if c1 == c0:
         return gram, picked
     rows = max(1, min(d_out, budget_bytes // max(1, n * d_in * x.element_size())))
@@ -229,7 +244,7 @@ def rollout_layer_gram(x: Tensor, delta: Tensor, keep: Tensor, budget_bytes: int
         r1 = min(d_out, r0 + rows)
         f = torch.empty(n, r1 - r0, d_in, dtype=x.dtype, device=x.device)  # [N, rows, d_in]: rows r0:r1 of G_i
         for b0 in range(0, n, rb):
-            torch.bmm(ds[b0:b0 + rb, :, r0:r1].transpose(1, 2), xs[b0:b0 + rb], out=f[b0:b0 + rb])
+            torch.bmm(ds[b0 : b0 + rb, :, r0:r1].transpose(1, 2), xs[b0 : b0 + rb], out=f[b0 : b0 + rb])
         if spans is None or (len(spans) == 1 and spans[0] == (0, n)):
             gram += gram_of_rows(f.reshape(n, -1))
         else:
@@ -412,8 +427,13 @@ def plan_gram(model: nn.Module) -> GramPlan:
         for attr, p in module.named_parameters(recurse=False):
             if p.requires_grad:
                 uses.setdefault(id(p), []).append((_use_kind(module, attr, leaf), module, attr))
-    plan = GramPlan({}, {}, {}, {}, {names[pid]: p.numel() for pid, p in
-                                     ((id(p), p) for p in model.parameters() if p.requires_grad)})
+    plan = GramPlan(
+        {},
+        {},
+        {},
+        {},
+        {names[pid]: p.numel() for pid, p in ((id(p), p) for p in model.parameters() if p.requires_grad)},
+    )
     for pid, us in uses.items():
         name = names[pid]
         kinds = sorted(k for k, _, _ in us)
@@ -429,8 +449,11 @@ def plan_gram(model: nn.Module) -> GramPlan:
             plan.hooked.setdefault(emb, {})["weight"] = "tied_embedding"
             plan.hooked.setdefault(lin, {})["weight"] = "tied_embedding"
         elif len(us) == 1:
-            plan.uncovered[name] = "parameter of a non-leaf module" if not isinstance(us[0][1], nn.Embedding) \
+            plan.uncovered[name] = (
+                "parameter of a non-leaf module"
+                if not isinstance(us[0][1], nn.Embedding)
                 else "embedding with max_norm or scale_grad_by_freq"
+            )
         else:
             plan.uncovered[name] = f"shared by {len(us)} uses {kinds}"
     return plan
@@ -481,9 +504,18 @@ class GramCapture:
         ValueError: unknown form, or activation checkpointing on.
     """
 
-    def __init__(self, model: nn.Module, *, form: Form = "auto", token_block: int = 1024,
-                 rollout_block: int | None = None, budget_bytes: int = 256 << 20, check_dropped: bool = False,
-                 keep_param_grams: bool = False, blocks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        form: Form = "auto",
+        token_block: int = 1024,
+        rollout_block: int | None = None,
+        budget_bytes: int = 256 << 20,
+        check_dropped: bool = False,
+        keep_param_grams: bool = False,
+        blocks: Sequence[int] | None = None,
+    ) -> None:
         if form not in FORMS:
             raise ValueError(f"unknown Gram form {form!r}; valid names: {', '.join(FORMS)}")
         if getattr(model, "is_activation_checkpointing", getattr(model, "gradient_checkpointing", False)):
@@ -496,8 +528,9 @@ class GramCapture:
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         # each hooked (module, attribute)'s parameter name, resolved now: under FSDP2 (``fully_shard``) the attribute
         # holds another tensor (the unsharded parameter) while the hooks run
-        self.attr_names = {(m, a): self.param_names[id(getattr(m, a))] for m, attrs in self.plan.hooked.items()
-                           for a in attrs}
+        self.attr_names = {
+            (m, a): self.param_names[id(getattr(m, a))] for m, attrs in self.plan.hooked.items() for a in attrs
+        }
         self.module_names = {m: n for n, m in reversed(list(model.named_modules()))}
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self._head = self.param_names.get(id(out.weight)) if isinstance(out, nn.Linear) else None
@@ -520,7 +553,7 @@ class GramCapture:
         for t in self.plan.tied.values():
             t.lm_lm = t.glm_rows = t.emb_emb = t.lm_emb = None
 
-    def __enter__(self) -> "GramCapture":
+    def __enter__(self) -> GramCapture:
         self._reset()
         self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True))
         for module in self.plan.hooked:
@@ -545,8 +578,10 @@ class GramCapture:
         if self._in_hook or not torch.is_grad_enabled():
             return
         if self.state is not None:
-            raise NotImplementedError("GramCapture takes one grad-enabled forward (all N rollouts) per context: the "
-                                      "cross-rollout entries need both rollouts' deltas in the same backward")
+            raise NotImplementedError(
+                "GramCapture takes one grad-enabled forward (all N rollouts) per context: the "
+                "cross-rollout entries need both rollouts' deltas in the same backward"
+            )
         ids = kwargs.get("input_ids", args[0] if args else None)
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         if ids is None:
@@ -569,7 +604,7 @@ class GramCapture:
         assert len(shape) >= 3 and shape[0] == st.n, f"activation of shape {tuple(shape)}; expected [N={st.n}, S, d]"
         if shape[1] > st.length:
             raise ValueError(f"sequence length {shape[1]} > input length {st.length}")
-        return st.keep[:, st.length - shape[1]:]
+        return st.keep[:, st.length - shape[1] :]
 
     def _on_forward(self, module, args, kwargs, output) -> None:
         st = self.state
@@ -579,8 +614,10 @@ class GramCapture:
             return
         st.calls[module] = st.calls.get(module, 0) + 1
         if st.calls[module] > 1:
-            raise NotImplementedError(f"module {self.module_names[module]} was called twice in one forward; the exact "
-                                      "Gram of a module used twice is not supported")
+            raise NotImplementedError(
+                f"module {self.module_names[module]} was called twice in one forward; the exact "
+                "Gram of a module used twice is not supported"
+            )
         x = args[0] if args else kwargs.get("input")
         if isinstance(module, nn.Embedding):
             self._on_embedding_forward(module, x, output)
@@ -588,8 +625,9 @@ class GramCapture:
             self._on_linear_forward(module, x.detach(), output)
         elif len(args) != 1 or kwargs or not isinstance(x, Tensor) or x.shape[0] != st.n:
             for attr in self.plan.hooked[module]:
-                self.late_uncovered[self.attr_names[(module, attr)]] = \
+                self.late_uncovered[self.attr_names[(module, attr)]] = (
                     "module called with other than one [N, ...] tensor"
+                )
         else:
             x = x.detach()
             output.register_hook(lambda g, m=module, x=x: self._timed(self._norm_backward, m, x, g))
@@ -626,8 +664,9 @@ class GramCapture:
             self.forms[self.module_names[module]] = form
             if form == "token":
                 st.x_users[key] = st.x_users.get(key, 0) + 1
-        output.register_hook(lambda g, m=module, x=x, k=keep, f=form, key=key: self._timed(
-            self._linear_backward, m, x, k, f, key, g))
+        output.register_hook(
+            lambda g, m=module, x=x, k=keep, f=form, key=key: self._timed(self._linear_backward, m, x, k, f, key, g)
+        )
 
     # -- backward hooks ------------------------------------------------------------------------------------------
     def _timed(self, fn, *args) -> None:
@@ -648,8 +687,9 @@ class GramCapture:
         if self.check_dropped and bool((~keep).any()):
             self.max_dropped = max(self.max_dropped, float(g[~keep].abs().max()))
 
-    def _linear_backward(self, module: nn.Module, x: Tensor, keep: Tensor, form: str | None, key: tuple,
-                         delta: Tensor) -> None:
+    def _linear_backward(
+        self, module: nn.Module, x: Tensor, keep: Tensor, form: str | None, key: tuple, delta: Tensor
+    ) -> None:
         attrs = self.plan.hooked[module]
         x, delta = _upcast(x), _upcast(delta)
         self._note_dropped(delta, keep)
@@ -661,8 +701,9 @@ class GramCapture:
         tied = self.plan.tied.get(module)
         tokens = self.state.emb[tied.emb][0] if tied is not None else None
         if form == "token":
-            gram = token_pair_gram(x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())),
-                                   self.spans)
+            gram = token_pair_gram(
+                x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())), self.spans
+            )
             if tied is not None:
                 tied.glm_rows = lm_rows_at_tokens(x, delta, keep, tokens, self.budget)
         elif self.state.sel is None:
@@ -727,7 +768,9 @@ class GramCapture:
             tol = 1e-10 if x.dtype == torch.float64 else 1e-4
             self.norm_closed_form[cls] = all(
                 float((grads[a] - ref[a].reshape(grads[a].shape).double()).abs().max())
-                <= tol * max(1e-30, float(ref[a].abs().max())) for a in attrs)
+                <= tol * max(1e-30, float(ref[a].abs().max()))
+                for a in attrs
+            )
             grads = grads if self.norm_closed_form[cls] else ref
         if grads is None:
             grads = vjp_rollout_grads(module, x, delta, attrs)
@@ -743,8 +786,13 @@ class GramCapture:
         for t in {id(t): t for t in self.plan.tied.values()}.values():
             ll, ee, le = (zero if v is None else v.cpu() for v in (t.lm_lm, t.emb_emb, t.lm_emb))
             self.param_grams[t.name] = ll + ee + le + le.T
-            terms.update({f"{t.name}/lm_use": float(ll.trace()), f"{t.name}/embedding_use": float(ee.trace()),
-                          f"{t.name}/cross": float(2 * le.trace())})
+            terms.update(
+                {
+                    f"{t.name}/lm_use": float(ll.trace()),
+                    f"{t.name}/embedding_use": float(ee.trace()),
+                    f"{t.name}/cross": float(2 * le.trace()),
+                }
+            )
         return terms
 
     def result(self) -> tuple[Tensor, dict[str, Any]]:
@@ -775,11 +823,15 @@ class GramCapture:
         total = sum(self.plan.numel.values())
         trace = float(gram.trace())
         info: dict[str, Any] = {
-            "coverage": covered / total if total else 1.0, "covered_params": covered, "total_params": total,
-            "uncovered": uncovered, "unreached": unreached,
+            "coverage": covered / total if total else 1.0,
+            "covered_params": covered,
+            "total_params": total,
+            "uncovered": uncovered,
+            "unreached": unreached,
             "trace_share": {k: v / trace if trace else float("nan") for k, v in sorted(by_kind.items())},
             "tied_terms_share": {k: v / trace if trace else float("nan") for k, v in terms.items()},
-            "forms": dict(self.forms), "norm_closed_form": dict(self.norm_closed_form),
+            "forms": dict(self.forms),
+            "norm_closed_form": dict(self.norm_closed_form),
             "hook_seconds": self.hook_seconds,
         }
         if self.check_dropped:
@@ -843,9 +895,16 @@ def exact_rollout_gram(
     n = batch.num_rollouts
     if weights is not None:
         assert weights.shape == (n,), (weights.shape, n)
-    cap = GramCapture(model, form=form, token_block=token_block, rollout_block=rollout_block,
-                      budget_bytes=budget_bytes, check_dropped=check_dropped, keep_param_grams=keep_param_grams,
-                      blocks=blocks)
+    cap = GramCapture(
+        model,
+        form=form,
+        token_block=token_block,
+        rollout_block=rollout_block,
+        budget_bytes=budget_bytes,
+        check_dropped=check_dropped,
+        keep_param_grams=keep_param_grams,
+        blocks=blocks,
+    )
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(cap)
@@ -896,7 +955,7 @@ class MicroBatchGrams:
         #: (row indices [n] long on the CPU, Gram [n, n] float64 on the CPU, info) of each micro-batch measured
         self.blocks: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
 
-    def __enter__(self) -> "MicroBatchGrams":
+    def __enter__(self) -> MicroBatchGrams:
         self.blocks = []
         return self
 
@@ -937,6 +996,10 @@ class MicroBatchGrams:
             out[~self.wanted] = float("nan")
             out[:, ~self.wanted] = float("nan")
         infos = [info for _, _, info in self.blocks]
-        info = {"coverage": min(i["coverage"] for i in infos), "hook_seconds": sum(i["hook_seconds"] for i in infos),
-                "micro_batches": len(infos), "uncovered": {k: v for i in infos for k, v in i["uncovered"].items()}}
+        info = {
+            "coverage": min(i["coverage"] for i in infos),
+            "hook_seconds": sum(i["hook_seconds"] for i in infos),
+            "micro_batches": len(infos),
+            "uncovered": {k: v for i in infos for k, v in i["uncovered"].items()},
+        }
         return out, info

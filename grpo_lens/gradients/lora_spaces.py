@@ -32,9 +32,18 @@ def base_layers(name: str) -> bool:
     return ADAPTER_MARK not in name
 
 
-def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int = 16, seed: int = 0,
-                       projection: str = "gaussian", dtype: torch.dtype = torch.float32,
-                       score_weights: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+def lora_rollout_grads(
+    model: torch.nn.Module,
+    batch: Any,
+    space: str,
+    *,
+    k: int = 16,
+    seed: int = 0,
+    projection: str = "gaussian",
+    dtype: torch.dtype = torch.float32,
+    score_weights: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Per-rollout gradients g_i of a LoRA policy's rollouts (g_i = grad of omega_i times the rollout's log-prob sum,
     omega_i = 1/|o_i| unless ``score_weights``; docs/theory.md §3) in the adapter space or the full space.
 
@@ -64,8 +73,17 @@ def lora_rollout_grads(model: torch.nn.Module, batch: Any, space: str, *, k: int
     # (transformers' enable_input_require_grads); the sketch then differentiates with respect to it alone.
     model.enable_input_require_grads()
     try:
-        return sketch_rollout_grads(model, batch, k_in=k, k_out=k, include=base_layers, seed=seed,
-                                       projection=projection, dtype=dtype, score_weights=score_weights,
-                                       temperature=temperature).sketch
+        return sketch_rollout_grads(
+            model,
+            batch,
+            k_in=k,
+            k_out=k,
+            include=base_layers,
+            seed=seed,
+            projection=projection,
+            dtype=dtype,
+            score_weights=score_weights,
+            temperature=temperature,
+        ).sketch
     finally:
         model.disable_input_require_grads()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -38,6 +38,7 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
     """(d_out, d_in) of a linear layer, whatever its weight's layout."""
     d0, d1 = module.weight.shape
     return (d1, d0) if weight_transposed(module) else (d0, d1)
+
 
 LayerFilter = str | Callable[[str], bool] | Sequence[str] | None
 
@@ -92,8 +93,10 @@ def no_linear_layer_message(model: nn.Module, what: str = "to probe") -> str:
     share, other = linear_coverage(model)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     classes = ", ".join(f"{c} ({n})" for c, n in list(other.items())[:6]) or "no trainable module"
-    return (f"the model has no linear layer (nn.Linear or transformers Conv1D) {what}: its parameters are in "
-            f"{classes}; linear layers cover {100 * share:.1f}% of its {total} trainable parameters")
+    return (
+        f"the model has no linear layer (nn.Linear or transformers Conv1D) {what}: its parameters are in "
+        f"{classes}; linear layers cover {100 * share:.1f}% of its {total} trainable parameters"
+    )
 
 
 def layer_pattern(pattern: str) -> Callable[[str], bool]:
@@ -122,8 +125,10 @@ def select_layers(model: nn.Module, pattern: str | None) -> list[str]:
     kept = [n for n in names if layer_pattern(pattern)(n)]
     if not kept:
         shown = ", ".join(names[:3] + names[-2:] if len(names) > 5 else names)
-        raise ValueError(f"--layers {pattern!r} matches no linear layer of the model (a glob over the whole name or "
-                         f"a regex searched in it); its {len(names)} linear layers include {shown}")
+        raise ValueError(
+            f"--layers {pattern!r} matches no linear layer of the model (a glob over the whole name or "
+            f"a regex searched in it); its {len(names)} linear layers include {shown}"
+        )
     return kept
 
 

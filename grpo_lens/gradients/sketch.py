@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -169,8 +170,11 @@ class GradientCapture:
         modules = dict(model.named_modules())
         self.layer_names = linear_layer_names(model, include)
         if not self.layer_names:
-            raise ValueError(no_linear_layer_message(model, "to sketch") if not linear_layer_names(model)
-                             else f"no linear layer of the model matches include={include!r}")
+            raise ValueError(
+                no_linear_layer_message(model, "to sketch")
+                if not linear_layer_names(model)
+                else f"no linear layer of the model matches include={include!r}"
+            )
         self._modules = {n: modules[n] for n in self.layer_names}
         self._transposed = {n for n in self.layer_names if weight_transposed(modules[n])}
         self._proj: dict[str, tuple[Tensor, Tensor]] = {}
@@ -244,11 +248,12 @@ class GradientCapture:
 
     # -- context ------------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> "GradientCapture":
+    def __enter__(self) -> GradientCapture:
         self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True))
         for name, module in self._modules.items():
-            self._handles.append(module.register_forward_hook(
-                lambda m, a, o, _name=name: self._on_linear_forward(_name, m, a, o)))
+            self._handles.append(
+                module.register_forward_hook(lambda m, a, o, _name=name: self._on_linear_forward(_name, m, a, o))
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -284,15 +289,21 @@ class GradientCapture:
                 else:  # the layer's output did not reach the loss in this pass: zero gradient
                     d_out, d_in = linear_shape(self._modules[name])
                     width = (self.k_out * self.k_in) if self.projection == "gaussian" else d_out * d_in
-                    blocks.append(torch.zeros(p.rows, width, dtype=self.dtype,
-                                              device=self._modules[name].weight.device))
+                    blocks.append(
+                        torch.zeros(p.rows, width, dtype=self.dtype, device=self._modules[name].weight.device)
+                    )
             per_layer[name] = torch.cat(blocks)
         token_sq = None
         if self.token_norms:
             width = max(p.length for p in passes)
-            token_sq = torch.cat([
-                torch.nn.functional.pad(p.token_sq, (0, width - p.token_sq.shape[1])) if p.token_sq is not None
-                else torch.zeros(p.rows, width) for p in passes])
+            token_sq = torch.cat(
+                [
+                    torch.nn.functional.pad(p.token_sq, (0, width - p.token_sq.shape[1]))
+                    if p.token_sq is not None
+                    else torch.zeros(p.rows, width)
+                    for p in passes
+                ]
+            )
         return GradientSketch(per_layer, self.k_in, self.k_out, token_sq, list(self.layer_names))
 
 
@@ -351,15 +362,17 @@ def sketch_rollout_grads(
     n = batch.num_rollouts
     if weights is not None:
         assert weights.shape == (n,), (weights.shape, n)
-    capture = GradientCapture(model, k_in, k_out, include, projection=projection, seed=seed,
-                              token_norms=token_norms, dtype=dtype)
+    capture = GradientCapture(
+        model, k_in, k_out, include, projection=projection, seed=seed, token_norms=token_norms, dtype=dtype
+    )
     emb_out: list[Tensor] = []
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     handle = emb.register_forward_hook(lambda m, a, o: emb_out.append(o)) if emb is not None else None
-    exact = GradientCapture(model, include=list(exact_layers), projection="identity", dtype=dtype) \
-        if exact_layers else None
+    exact = (
+        GradientCapture(model, include=list(exact_layers), projection="identity", dtype=dtype) if exact_layers else None
+    )
     try:
-        with capture, (exact if exact is not None else contextlib.nullcontext()):
+        with capture, exact if exact is not None else contextlib.nullcontext():
             logp = batch_logprobs(model, batch, temperature)
             scores = rollout_scores(logp, batch.completion_mask, score_weights)
             loss = scores.sum() if weights is None else (scores * weights.to(scores.dtype)).sum()
@@ -376,16 +389,18 @@ def sketch_rollout_grads(
     return result
 
 
-def token_grad_sq_norms(model: nn.Module, batch: RolloutBatch, *, include: LayerFilter = None,
-                        weights: Tensor | None = None, **processing) -> Tensor:
+def token_grad_sq_norms(
+    model: nn.Module, batch: RolloutBatch, *, include: LayerFilter = None, weights: Tensor | None = None, **processing
+) -> Tensor:
     """Per-position squared gradient norms [N, Lp+T] of the linear weights (one batched backward).
 
     Entry (i, t) = sum_l ||delta_{i,t,l}||^2 ||x_{i,t,l}||^2 = sum_l ||delta x^T||_F^2, exact because each
     position's contribution to a linear layer's weight gradient is the rank-one matrix delta_t x_t^T. Position
     Lp - 1 + t is where log pi(o_t) is computed (see :func:`grpo_lens.formulas.credit.completion_positions`).
     """
-    return sketch_rollout_grads(model, batch, k_in=1, k_out=1, include=include, weights=weights,
-                                token_norms=True, **processing).token_sq_norms
+    return sketch_rollout_grads(
+        model, batch, k_in=1, k_out=1, include=include, weights=weights, token_norms=True, **processing
+    ).token_sq_norms
 
 
 def sketch_policy_grad(sketch: GradientSketch, advantages: Tensor) -> Tensor:
@@ -400,7 +415,7 @@ def sketch_nll_grad(sketch: GradientSketch, completion_mask: Tensor) -> Tensor:
 
 def sketched_rollout_sq_norms(
     model: torch.nn.Module,
-    batch: "RolloutBatch",
+    batch: RolloutBatch,
     need: Tensor,
     *,
     aggregation: str = "seq-mean-token-mean",
@@ -445,8 +460,9 @@ def sketched_rollout_sq_norms(
         return out
     sub = batch.select(idx)
     c = aggregation_rollout_weights(sub.completion_mask, aggregation)
-    sketch = sketch_rollout_grads(model, sub, k_in=sketch_dim, k_out=sketch_dim, projection=projection, seed=seed,
-                                  temperature=temperature)
+    sketch = sketch_rollout_grads(
+        model, sub, k_in=sketch_dim, k_out=sketch_dim, projection=projection, seed=seed, temperature=temperature
+    )
     sq = sum(t.detach().double().square().sum(-1).cpu() for t in sketch.per_layer.values())
     out[idx] = sq * c.square()
     return out

@@ -21,7 +21,7 @@ continuations per prefix.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -36,9 +36,15 @@ from grpo_lens.rollout import (
 )
 
 
-def token_directional_derivatives(model: nn.Module, batch: RolloutBatch, direction: Sequence[Tensor],
-                                  params: Sequence[nn.Parameter], *, step: float = 1e-2,
-                                  temperature: float = 1.0) -> Tensor:
+def token_directional_derivatives(
+    model: nn.Module,
+    batch: RolloutBatch,
+    direction: Sequence[Tensor],
+    params: Sequence[nn.Parameter],
+    *,
+    step: float = 1e-2,
+    temperature: float = 1.0,
+) -> Tensor:
     """<grad_theta log pi(o_{i,t}), v> for every completion token, by Richardson-extrapolated central differences.
 
     D(e) = (log pi(theta + e v) - log pi(theta - e v)) / (2 e) has error O(e^2); (4 D(e/2) - D(e)) / 3 cancels it,
@@ -76,9 +82,15 @@ def token_directional_derivatives(model: nn.Module, batch: RolloutBatch, directi
     return (4 * diffs[1] - diffs[0]) / 3
 
 
-def signed_token_contributions(model: nn.Module, group: RolloutBatch, advantages: Tensor, *,
-                               aggregation: str = "seq-mean-token-mean", step: float = 1e-2,
-                               temperature: float = 1.0) -> dict:
+def signed_token_contributions(
+    model: nn.Module,
+    group: RolloutBatch,
+    advantages: Tensor,
+    *,
+    aggregation: str = "seq-mean-token-mean",
+    step: float = 1e-2,
+    temperature: float = 1.0,
+) -> dict:
     """s_{i,t} = w_{i,t} <grad log pi(o_{i,t}), u> / ||u||^2 of one group (module docstring, item 1).
 
     u is the exact gradient of sum_{i,t} w_{i,t} log pi(o_{i,t}) over every trainable parameter (one backward);
@@ -99,20 +111,35 @@ def signed_token_contributions(model: nn.Module, group: RolloutBatch, advantages
     w = token_weights(advantages, group.completion_mask, aggregation)  # [R, T]
     logp = batch_logprobs(model, group, temperature)
     objective = (logp.double() * w.to(logp.device)).sum()
-    grads = torch.autograd.grad(objective, params, allow_unused=True) if objective.requires_grad else [None] * len(
-        params)
+    grads = (
+        torch.autograd.grad(objective, params, allow_unused=True) if objective.requires_grad else [None] * len(params)
+    )
     u = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
     u_sq = sum(float(x.double().square().sum()) for x in u)
-    d = (torch.zeros_like(w) if u_sq == 0  # no update: nothing to differentiate along (no forwards)
-         else token_directional_derivatives(model, group, u, params, step=step, temperature=temperature))
+    d = (
+        torch.zeros_like(w)
+        if u_sq == 0  # no update: nothing to differentiate along (no forwards)
+        else token_directional_derivatives(model, group, u, params, step=step, temperature=temperature)
+    )
     return signed_contributions(w, d, u_sq)
 
 
 @torch.no_grad()
-def prefix_values(model: nn.Module, tokenizer, prompt_ids: Tensor, completion_ids: Tensor,
-                  boundaries: Sequence[int], score: Callable[[list[str]], list[float]], *, num_samples: int,
-                  max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0) -> tuple[Tensor, Tensor]:
+def prefix_values(
+    model: nn.Module,
+    tokenizer,
+    prompt_ids: Tensor,
+    completion_ids: Tensor,
+    boundaries: Sequence[int],
+    score: Callable[[list[str]], list[float]],
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor]:
     """V_hat(prefix) = mean reward of K continuations sampled from the prompt plus the first b tokens, per boundary.
 
     Sampling uses the trainer's transforms only (temperature, top-k, top-p, as :func:`grpo_lens.rollout.sample_groups`)
@@ -139,14 +166,19 @@ def prefix_values(model: nn.Module, tokenizer, prompt_ids: Tensor, completion_id
         for j, b in enumerate(boundaries):
             prefix = torch.cat([prompt_ids.cpu(), completion_ids[:b].cpu()]).to(device)
             ids = prefix.unsqueeze(0).repeat(num_samples, 1)
-            config = sampling_generation_config(temperature=temperature, top_k=top_k, top_p=top_p,
-                                                max_new_tokens=max(max_new_tokens - b, 1), eos_token_ids=eos,
-                                                pad_token_id=int(tokenizer.pad_token_id))
+            config = sampling_generation_config(
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                max_new_tokens=max(max_new_tokens - b, 1),
+                eos_token_ids=eos,
+                pad_token_id=int(tokenizer.pad_token_id),
+            )
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed * 7919 + j)
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
             texts = []
-            for row in out.sequences[:, len(prompt_ids):].cpu().tolist():
+            for row in out.sequences[:, len(prompt_ids) :].cpu().tolist():
                 cut = next((k for k, tok in enumerate(row) if tok in eos and k >= b), len(row))
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
             r = torch.tensor([float(x) for x in score(texts)], dtype=torch.float64)

@@ -76,16 +76,23 @@ try:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("grpo_lens.integrations.trl needs TRL: pip install trl (or pip install '.[trl]' in a clone of "
-                      "grpo-lens)") from e
+    raise ImportError(
+        "grpo_lens.integrations.trl needs TRL: pip install trl (or pip install '.[trl]' in a clone of grpo-lens)"
+    ) from e
 
 
 #: TRL's ``loss_type`` -> grpo-lens' loss aggregation with the same per-rollout weights of the log-prob sums
 #: (docs/theory.md §3): grpo/sapo average each sequence's tokens; bnpo/dapo/cispo/vespo divide by the batch's tokens
 #: (a constant across rollouts); dr_grpo divides by max_completion_length.
-TRL_LOSS_AGGREGATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bnpo": "token-mean",
-                        "dapo": "token-mean", "cispo": "token-mean", "vespo": "token-mean",
-                        "dr_grpo": "seq-mean-token-sum-norm"}
+TRL_LOSS_AGGREGATION = {
+    "grpo": "seq-mean-token-mean",
+    "sapo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dapo": "token-mean",
+    "cispo": "token-mean",
+    "vespo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+}
 
 
 #: The warning of a CPU run whose script imported torch before grpo_lens (:data:`grpo_lens.OMP_WAIT_POLICY_TOO_LATE`).
@@ -94,12 +101,19 @@ OMP_TOO_LATE_WARNING = (
     "while they wait: on a CPU shared with other work the lens's measurements (and TRL's steps) run several times "
     "slower (the tiny model's sparsity measures 9.6 s against 0.37 s per lens step at load 3-4). Import grpo_lens "
     "first (before torch, trl, transformers) or export OMP_WAIT_POLICY=PASSIVE (ACTIVE on an idle machine of your "
-    "own).")
+    "own)."
+)
 
 
-def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", seed: int = 0,
-                  multi_objective_aggregation: str = "sum_then_normalize",
-                  gram_source: str = "exact") -> SimpleNamespace:
+def lens_settings(
+    args: Any,
+    *,
+    sketch_dim: int = 16,
+    space: str = "trainable",
+    seed: int = 0,
+    multi_objective_aggregation: str = "sum_then_normalize",
+    gram_source: str = "exact",
+) -> SimpleNamespace:
     """The settings :class:`grpo_lens.lens.TrainerLens` reads, from a ``trl.GRPOConfig``; ``gram_source`` as the
     trainer's ``--gram-source`` (:data:`grpo_lens.config.groups.GRAM_SOURCES`, the same default).
 
@@ -120,14 +134,25 @@ def lens_settings(args: Any, *, sketch_dim: int = 16, space: str = "trainable", 
         estimator = {"group": "grpo", "none": "dr_grpo"}.get(scale, f"trl_scale_{scale}")
     loss_type = getattr(args, "loss_type", "dapo")
     if loss_type not in TRL_LOSS_AGGREGATION:
-        raise ValueError(f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
-                         f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them")
-    return SimpleNamespace(sketch_dim=sketch_dim, lens_space=space, seed=seed, gram_source=gram_source,
-                           estimator=estimator,
-                           std="sample", std_eps=1e-4, temperature=float(args.temperature), top_k=0, top_p=1.0,
-                           loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
-                           max_new_tokens=int(args.max_completion_length),
-                           overlong="none")  # TRL's mask_truncated_completions is already in its completion_mask
+        raise ValueError(
+            f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
+            f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them"
+        )
+    return SimpleNamespace(
+        sketch_dim=sketch_dim,
+        lens_space=space,
+        seed=seed,
+        gram_source=gram_source,
+        estimator=estimator,
+        std="sample",
+        std_eps=1e-4,
+        temperature=float(args.temperature),
+        top_k=0,
+        top_p=1.0,
+        loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
+        max_new_tokens=int(args.max_completion_length),
+        overlong="none",
+    )  # TRL's mask_truncated_completions is already in its completion_mask
 
 
 def rollout_batch_from_trl(output: dict[str, Any], group_size: int, eos_token_id: int | None = None) -> RolloutBatch:
@@ -159,14 +184,27 @@ def rollout_batch_from_trl(output: dict[str, Any], group_size: int, eos_token_id
         truncated = mask[:, -1].clone()
     else:
         truncated = ~((ids == eos_token_id) & output["completion_mask"].bool()).any(dim=1)
-    return RolloutBatch(prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
-                        completion_ids=ids, completion_mask=mask,
-                        sampler_logprobs=torch.zeros(mask.shape, dtype=torch.float32, device=mask.device),
-                        truncated=truncated, group_size=group_size)
+    return RolloutBatch(
+        prompt_ids=output["prompt_ids"],
+        prompt_mask=output["prompt_mask"],
+        completion_ids=ids,
+        completion_mask=mask,
+        sampler_logprobs=torch.zeros(mask.shape, dtype=torch.float32, device=mask.device),
+        truncated=truncated,
+        group_size=group_size,
+    )
 
 
-def run_config(args: Any, settings: SimpleNamespace, *, model: str, max_steps: int, lens_every: int, lora_rank: int,
-               world_size: int) -> dict[str, Any]:
+def run_config(
+    args: Any,
+    settings: SimpleNamespace,
+    *,
+    model: str,
+    max_steps: int,
+    lens_every: int,
+    lora_rank: int,
+    world_size: int,
+) -> dict[str, Any]:
     """The config.yaml of a TRL run: TRL's settings under grpo-lens' field names where they mean the same, the lens's
     settings, and the TRL names themselves under ``trl`` (what ran, in TRL's words).
 
@@ -175,27 +213,60 @@ def run_config(args: Any, settings: SimpleNamespace, *, model: str, max_steps: i
         path.   max_steps: TRL's resolved number of optimizer steps.   lens_every, lora_rank: the lens's period and
         the peft adapter's rank (0 without peft).   world_size: processes.
     """
-    trl_names = ("num_generations", "max_completion_length", "num_iterations", "epsilon", "epsilon_high", "beta",
-                 "loss_type", "scale_rewards", "temperature", "top_p", "top_k", "learning_rate", "lr_scheduler_type",
-                 "warmup_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "steps_per_generation", "max_grad_norm", "weight_decay", "seed", "mask_truncated_completions")
+    trl_names = (
+        "num_generations",
+        "max_completion_length",
+        "num_iterations",
+        "epsilon",
+        "epsilon_high",
+        "beta",
+        "loss_type",
+        "scale_rewards",
+        "temperature",
+        "top_p",
+        "top_k",
+        "learning_rate",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "steps_per_generation",
+        "max_grad_norm",
+        "weight_decay",
+        "seed",
+        "mask_truncated_completions",
+    )
     given = {n: getattr(args, n, None) for n in trl_names}
     given = {n: getattr(v, "value", v) for n, v in given.items()}  # enums (lr_scheduler_type) as their names
     given = {n: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for n, v in given.items()}
     eps = float(args.epsilon)
     return {
-        "trainer": "trl", "trl_version": trl.__version__, "model": model, "group_size": int(args.num_generations),
+        "trainer": "trl",
+        "trl_version": trl.__version__,
+        "model": model,
+        "group_size": int(args.num_generations),
         "rollout_batch_size": int(args.per_device_train_batch_size) * int(args.steps_per_generation) * world_size,
-        "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
-        "estimator": settings.estimator, "std": settings.std, "std_eps": settings.std_eps,
-        "loss_aggregation": settings.loss_aggregation, "beta": float(args.beta), "eps_low": eps,
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "estimator": settings.estimator,
+        "std": settings.std,
+        "std_eps": settings.std_eps,
+        "loss_aggregation": settings.loss_aggregation,
+        "beta": float(args.beta),
+        "eps_low": eps,
         "eps_high": float(args.epsilon_high if args.epsilon_high is not None else eps),
-        "mu": int(args.num_iterations), "max_steps": int(max_steps), "learning_rate": float(args.learning_rate),
+        "mu": int(args.num_iterations),
+        "max_steps": int(max_steps),
+        "learning_rate": float(args.learning_rate),
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
         "warmup_steps": float(args.warmup_steps),
-        "lens_every": lens_every, "sketch_dim": settings.sketch_dim, "gram_source": settings.gram_source,
+        "lens_every": lens_every,
+        "sketch_dim": settings.sketch_dim,
+        "gram_source": settings.gram_source,
         "lens_space": settings.lens_space,
-        "lora_rank": lora_rank, "seed": int(args.seed), "trl": given,
+        "lora_rank": lora_rank,
+        "seed": int(args.seed),
+        "trl": given,
     }
 
 
@@ -236,9 +307,18 @@ class GRPOLensMixin:
         ValueError: a bad lens setting.
     """
 
-    def __init__(self, *args: Any, lens_every: int = 5, lens_sketch_dim: int = 16, lens_space: str = "trainable",
-                 lens_seed: int = 0, lens_out: str | Path | None = None, lens_log_completions: int = 2,
-                 lens_gram_source: str = "exact", **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        lens_every: int = 5,
+        lens_sketch_dim: int = 16,
+        lens_space: str = "trainable",
+        lens_seed: int = 0,
+        lens_out: str | Path | None = None,
+        lens_log_completions: int = 2,
+        lens_gram_source: str = "exact",
+        **kwargs: Any,
+    ):
         if lens_every < 1:
             raise ValueError(f"lens_every = {lens_every}: must be >= 1")
         if lens_log_completions < 0:
@@ -247,9 +327,14 @@ class GRPOLensMixin:
         if grpo_lens.OMP_WAIT_POLICY_TOO_LATE and not torch.cuda.is_available():
             warnings.warn(OMP_TOO_LATE_WARNING, stacklevel=2)
         self.lens_every = lens_every
-        self.lens_settings = lens_settings(self.args, sketch_dim=lens_sketch_dim, space=lens_space, seed=lens_seed,
-                                           multi_objective_aggregation=self.multi_objective_aggregation,
-                                           gram_source=lens_gram_source)
+        self.lens_settings = lens_settings(
+            self.args,
+            sketch_dim=lens_sketch_dim,
+            space=lens_space,
+            seed=lens_seed,
+            multi_objective_aggregation=self.multi_objective_aggregation,
+            gram_source=lens_gram_source,
+        )
         self.lens_run = RunDir(lens_out if lens_out is not None else self.args.output_dir)
         self.lens_log_completions = lens_log_completions
         self._lens = None
@@ -305,8 +390,10 @@ class GRPOLensMixin:
         n = batch.num_rollouts
         start = self.accelerator.process_index * n
         if start % R:
-            raise ValueError(f"this process's share of TRL's batch ({n} completions) splits a group of "
-                             f"num_generations={R}; make the per-process generation batch a multiple of it")
+            raise ValueError(
+                f"this process's share of TRL's batch ({n} completions) splits a group of "
+                f"num_generations={R}; make the per-process generation batch a multiple of it"
+            )
         return batch, slice(start, start + n)
 
     def measure_lens(self, output: dict[str, Any]) -> dict[str, float]:
@@ -335,8 +422,14 @@ class GRPOLensMixin:
         batch, rows = self._local_rows(output)
         rewards = self._lens_rewards.to(batch.completion_ids.device)
         local = rewards[rows]
-        out = rollout_metrics(local, ~torch.isnan(local), output["advantages"].reshape(-1).float(),
-                              batch.completion_mask, batch.truncated, self.num_generations)
+        out = rollout_metrics(
+            local,
+            ~torch.isnan(local),
+            output["advantages"].reshape(-1).float(),
+            batch.completion_mask,
+            batch.truncated,
+            self.num_generations,
+        )
         out.update(reward_metrics(rewards, ~torch.isnan(rewards), self.num_generations))
         return out
 
@@ -350,14 +443,21 @@ class GRPOLensMixin:
             text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
             ids = batch.completion_ids[i][batch.completion_mask[i]]
             j = rows.start + i
-            per_func = {name: _finite(self._lens_rewards_per_func[j, f])
-                        for f, name in enumerate(self.reward_func_names)}
-            self.lens_run.append_metrics({STEP: step, "prompt": text,
-                                          "completion": completion_text(tok.decode(ids, skip_special_tokens=True)),
-                                          "reward": _finite(self._lens_rewards[j]), "rewards": per_func,
-                                          "advantage": float(output["advantages"].reshape(-1)[i]),
-                                          "truncated": bool(batch.truncated[i])},
-                                         path=self.lens_run.completions_path)
+            per_func = {
+                name: _finite(self._lens_rewards_per_func[j, f]) for f, name in enumerate(self.reward_func_names)
+            }
+            self.lens_run.append_metrics(
+                {
+                    STEP: step,
+                    "prompt": text,
+                    "completion": completion_text(tok.decode(ids, skip_special_tokens=True)),
+                    "reward": _finite(self._lens_rewards[j]),
+                    "rewards": per_func,
+                    "advantage": float(output["advantages"].reshape(-1)[i]),
+                    "truncated": bool(batch.truncated[i]),
+                },
+                path=self.lens_run.completions_path,
+            )
 
     def lens_record(self, logs: dict[str, Any]) -> dict[str, Any]:
         """The metrics.jsonl record of one TRL log: the step, the window's batch metrics (averaged as TRL averages
@@ -395,14 +495,17 @@ def _compact_console(trainer: Any) -> None:
 
     for base in (ProgressCallback, PrinterCallback):
         for cb in [c for c in trainer.callback_handler.callbacks if type(c) is base]:
+
             class Compact(base):  # one class per base: on_log filters, everything else is the base's
                 def on_log(self, args, state, control, logs=None, **kwargs):
                     if logs is not None:
                         logs = compact_console_logs(logs, trainer._lens_keys, trainer.lens_run.path)
                     return super().on_log(args, state, control, logs=logs, **kwargs)
+
             trainer.callback_handler.remove_callback(cb)
-            trainer.callback_handler.add_callback(Compact(**({"max_str_len": cb.max_str_len}
-                                                             if hasattr(cb, "max_str_len") else {})))
+            trainer.callback_handler.add_callback(
+                Compact(**({"max_str_len": cb.max_str_len} if hasattr(cb, "max_str_len") else {}))
+            )
 
 
 class _LensCallback(TrainerCallback):
@@ -429,8 +532,17 @@ class _LensCallback(TrainerCallback):
         lora = getattr(policy, "peft_config", None)
         rank = int(next(iter(lora.values())).r) if lora else 0
         model = getattr(getattr(policy, "config", None), "_name_or_path", "") or type(policy).__name__
-        run.write_config(run_config(t.args, t.lens_settings, model=str(model), max_steps=int(state.max_steps),
-                                    lens_every=t.lens_every, lora_rank=rank, world_size=t.accelerator.num_processes))
+        run.write_config(
+            run_config(
+                t.args,
+                t.lens_settings,
+                model=str(model),
+                max_steps=int(state.max_steps),
+                lens_every=t.lens_every,
+                lora_rank=rank,
+                world_size=t.accelerator.num_processes,
+            )
+        )
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._t0 = time.perf_counter()
@@ -446,16 +558,20 @@ class _LensCallback(TrainerCallback):
             t._lens_window[PERF_STEP_SECONDS].append(time.perf_counter() - self._t0)
         if t._lens is not None:
             measured, t._lens_measured = t._lens_measured, False
-            for key, value in t._lens.after_step(int(state.global_step), t.accelerator.unwrap_model(t.model),
-                                                 measured).items():
+            for key, value in t._lens.after_step(
+                int(state.global_step), t.accelerator.unwrap_model(t.model), measured
+            ).items():
                 if value is not None and math.isfinite(value):
                     t._metrics["train"][key].append(float(value))
                     t._lens_keys.add(key)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         t = self.trainer
-        if not logs or not t.accelerator.is_main_process or any(k.startswith("eval_") or k.startswith("train_")
-                                                                  for k in logs):
+        if (
+            not logs
+            or not t.accelerator.is_main_process
+            or any(k.startswith("eval_") or k.startswith("train_") for k in logs)
+        ):
             return
         t.lens_run.append_metrics(t.lens_record(logs))
 

@@ -100,8 +100,12 @@ class PartialProbe:
         Raises:
             ConfigError: config.yaml is unreadable or not a mapping, saying what to do.
         """
-        return read_saved_config(self.config_path, "restore it, or pass --overwrite (without --resume) to start the "
-                                 "probe over", error=ConfigError, empty_ok=False)
+        return read_saved_config(
+            self.config_path,
+            "restore it, or pass --overwrite (without --resume) to start the probe over",
+            error=ConfigError,
+            empty_ok=False,
+        )
 
     def check_config(self, config_dict: dict[str, Any]) -> None:
         """Refuse to resume with settings other than the ones the partial probe's prompts were measured with.
@@ -113,13 +117,16 @@ class PartialProbe:
         """
         saved = self.saved_config()
         skip = set(RESUMABLE_KEYS) | set(COMMAND_KEYS)
-        diffs = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in config_dict.items()
-                 if k not in skip and saved.get(k) != v]
+        diffs = [
+            f"{k} {saved.get(k)!r} -> {v!r}" for k, v in config_dict.items() if k not in skip and saved.get(k) != v
+        ]
         if diffs:
-            raise ConfigError(f"--resume: {'; '.join(diffs)} differ from the settings the partial probe in "
-                              f"{self.path} was measured with, and a probe's settings cannot change under it: drop "
-                              f"those flags (or restore the values), or pass --overwrite (without --resume) to start "
-                              f"over; only {', '.join(RESUMABLE_KEYS)} may change on resume")
+            raise ConfigError(
+                f"--resume: {'; '.join(diffs)} differ from the settings the partial probe in "
+                f"{self.path} was measured with, and a probe's settings cannot change under it: drop "
+                f"those flags (or restore the values), or pass --overwrite (without --resume) to start "
+                f"over; only {', '.join(RESUMABLE_KEYS)} may change on resume"
+            )
 
     def start(self, config_dict: dict[str, Any]) -> None:
         """Create the folder and write the settings (``resume`` and ``overwrite`` stored as False)."""
@@ -146,8 +153,10 @@ class PartialProbe:
             try:
                 records.append(PromptRecord(**torch.load(path, weights_only=True)))
             except Exception as e:  # noqa: BLE001 - any unreadable record is reported with its recovery
-                raise ConfigError(f"--resume: cannot read {path} ({type(e).__name__}); delete it and every later "
-                                  f"prompt-*.pt of {path.parent} to resume before it") from None
+                raise ConfigError(
+                    f"--resume: cannot read {path} ({type(e).__name__}); delete it and every later "
+                    f"prompt-*.pt of {path.parent} to resume before it"
+                ) from None
         return records
 
     def save_prompt(self, group_size: int, index: int, record: PromptRecord) -> None:
@@ -163,8 +172,9 @@ class PartialProbe:
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--resume: cannot read {path} ({type(e).__name__}); delete it to measure that part "
-                              f"again") from None
+            raise ConfigError(
+                f"--resume: cannot read {path} ({type(e).__name__}); delete it to measure that part again"
+            ) from None
 
     def group_size_result(self, group_size: int) -> dict[str, Any] | None:
         """R's probe.json entry if R finished, else None."""

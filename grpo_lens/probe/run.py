@@ -46,9 +46,10 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -170,19 +171,22 @@ def default_layer(model: torch.nn.Module, layers: str | None = None) -> str:
 
 
 #: Keys whose summaries the probe also stratifies by k and by distinct completions.
-STRATA_KEYS = tuple(rank_key(m, x) for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank",
-                                                                                                    "stable_rank"))\
-    + tuple(RANK_G1_VS_NULL.format(m=x) for x in ("erank", "stable_rank")) + (GRAD_IDENTITY_RESIDUAL,) \
-    + tuple(zero_sum_key(s, part) for s in ZERO_SUM_STATS for part in ("", "null", "excess", "p")) \
+STRATA_KEYS = (
+    tuple(rank_key(m, x) for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank", "stable_rank"))
+    + tuple(RANK_G1_VS_NULL.format(m=x) for x in ("erank", "stable_rank"))
+    + (GRAD_IDENTITY_RESIDUAL,)
+    + tuple(zero_sum_key(s, part) for s in ZERO_SUM_STATS for part in ("", "null", "excess", "p"))
     + (GROUP_DISTINCT_COMPLETIONS, GROUP_CORRECT)
+)
 
 
 def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
     """omega_i [n] of the per-rollout term the configured loss aggregation weights, with ``sub`` (a group, or a prompt's
     M rollouts) as the batch (docs/theory.md §3; :func:`grpo_lens.losses.rollout_gradient_weights`)."""
     mask = sub.completion_mask
-    return rollout_gradient_weights(mask, config.loss_aggregation,
-                                    loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens))
+    return rollout_gradient_weights(
+        mask, config.loss_aggregation, loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens)
+    )
 
 
 @dataclass
@@ -207,8 +211,9 @@ class RolloutGradients:
     param_grams: dict[str, torch.Tensor] | None = None
 
 
-def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None,
-                   vectors: bool = True, captures: tuple = ()) -> RolloutGradients:
+def _rollout_grads(
+    policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None, vectors: bool = True, captures: tuple = ()
+) -> RolloutGradients:
     """The per-rollout gradients of ``sub`` in the configured source, from one pass where possible.
 
     ``exact`` (dense, the oracle): one backward per rollout, every parameter. ``gram_source: exact``: the exact Gram
@@ -225,23 +230,47 @@ def _rollout_grads(policy, sub: RolloutBatch, config: ProbeConfig, layer: str | 
         layer_rows = grads[:, param_slices(policy)[layer + ".weight"]] if layer else None
         return RolloutGradients(grads @ grads.T, grads, layer_rows, None)
     if config.gram_source == "exact":
-        sketch = GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed,
-                                 token_norms=True) if vectors else None
+        sketch = (
+            GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed, token_norms=True)
+            if vectors
+            else None
+        )
         exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
         captures = [c for c in (sketch, exact, *captures) if c is not None]
         gram, info = exact_rollout_gram(policy, sub, captures=captures, keep_param_grams=True, **proc)
         sk = sketch.result() if sketch is not None else None
-        return RolloutGradients(gram, sk.sketch.double().cpu() if sk else None,
-                                exact.result().per_layer[layer].cpu() if exact else None,
-                                sk.token_sq_norms if sk else None, info["coverage"], info["param_grams"])
-    sk = sketch_rollout_grads(policy, sub, k_in=config.sketch_dim, k_out=config.sketch_dim, seed=config.seed,
-                              token_norms=True, exact_layers=[layer] if layer else (), **proc)
+        return RolloutGradients(
+            gram,
+            sk.sketch.double().cpu() if sk else None,
+            exact.result().per_layer[layer].cpu() if exact else None,
+            sk.token_sq_norms if sk else None,
+            info["coverage"],
+            info["param_grams"],
+        )
+    sk = sketch_rollout_grads(
+        policy,
+        sub,
+        k_in=config.sketch_dim,
+        k_out=config.sketch_dim,
+        seed=config.seed,
+        token_norms=True,
+        exact_layers=[layer] if layer else (),
+        **proc,
+    )
     g = sk.sketch.double().cpu()
     return RolloutGradients(g @ g.T, g, sk.exact_layers.get(layer) if layer else None, sk.token_sq_norms)
 
 
-def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, config: ProbeConfig, layer: str,
-                  seed: int, g2: bool = False) -> tuple[dict[str, float], dict[str, Any]]:
+def measure_group(
+    policy,
+    tokenizer,
+    sub: RolloutBatch,
+    rewards: torch.Tensor,
+    config: ProbeConfig,
+    layer: str,
+    seed: int,
+    g2: bool = False,
+) -> tuple[dict[str, float], dict[str, Any]]:
     """One mixed group of R rollouts (rewards [R]) in a pass of its own: its row of canonical keys and its extras
     (spectra, G3 row, profile); the readable reference of :func:`measure_groups` (tests check that they agree).
 
@@ -249,8 +278,11 @@ def measure_group(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, c
     pass that can carry it (:func:`can_fuse_g2`), the extras also hold ``g2_weightings`` (:func:`g2_weightings`'
     keys, from the same backward) and the seconds of its eigen-solves, ``g2_seconds``.
     """
-    fused = (g2_capture(policy, sub, fused_advantages(rewards, config), rewards, config.layers)
-             if g2 and can_fuse_g2(config) else None)
+    fused = (
+        g2_capture(policy, sub, fused_advantages(rewards, config), rewards, config.layers)
+        if g2 and can_fuse_g2(config)
+        else None
+    )
     measured = _rollout_grads(policy, sub, config, layer, captures=(fused,) if fused is not None else ())
     row, extras = group_row(policy, tokenizer, sub, rewards, measured, config, layer, seed)
     if fused is not None:
@@ -267,8 +299,16 @@ def fused_advantages(rewards: torch.Tensor, config: ProbeConfig) -> torch.Tensor
     return compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]
 
 
-def group_row(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, measured: RolloutGradients,
-              config: ProbeConfig, layer: str, seed: int) -> tuple[dict[str, float], dict[str, Any]]:
+def group_row(
+    policy,
+    tokenizer,
+    sub: RolloutBatch,
+    rewards: torch.Tensor,
+    measured: RolloutGradients,
+    config: ProbeConfig,
+    layer: str,
+    seed: int,
+) -> tuple[dict[str, float], dict[str, Any]]:
     """A mixed group's row of canonical keys and extras from its measured per-rollout gradients (R rollouts, rewards
     [R]), whichever pass measured them (its own, :func:`measure_group`, or one shared with other groups,
     :func:`measure_groups`).
@@ -282,23 +322,42 @@ def group_row(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, measu
     gram, g, layer_rows, token_sq = measured.gram, measured.rows, measured.layer_rows.cpu(), measured.token_sq
     cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
     sq = gram.diagonal().view(1, R) if config.estimator == "optimal" else None
-    adv = compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps,
-                             grad_sq_norms=sq)[0]
+    adv = compute_advantages(
+        rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps, grad_sq_norms=sq
+    )[0]
     # gram [R, R]: every per-group key is a function of it
     # P for the claims' simulated null (issue 29): the sketch's dimension, else every trainable parameter
-    dim = g.shape[1] if g is not None and not config.exact and config.gram_source != "exact" else sum(
-        p.numel() for p in policy.parameters() if p.requires_grad)
-    row = analyse_group(gram, rewards.double(), adv, estimator=config.estimator, std=config.std, eps=config.std_eps,
-                        completion_mask=cmask, completion_ids=cids, num_random=config.random_draws, null_dim=dim,
-                        seed=seed)
+    dim = (
+        g.shape[1]
+        if g is not None and not config.exact and config.gram_source != "exact"
+        else sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    )
+    row = analyse_group(
+        gram,
+        rewards.double(),
+        adv,
+        estimator=config.estimator,
+        std=config.std,
+        eps=config.std_eps,
+        completion_mask=cmask,
+        completion_ids=cids,
+        num_random=config.random_draws,
+        null_dim=dim,
+        seed=seed,
+    )
     layer_g = layer_rows.double()
     row.update(g1_rank_keys(layer_g @ layer_g.T, adv, "g1_layer"))
     extras: dict[str, Any] = {
-        "spectra": {"G1": weighted_gram_singular_values(gram, adv).tolist(),
-                    "G1_no_adv": gram_singular_values(gram).tolist(),
-                    "G1_null": orthogonal_null_singular_values(gram, adv).tolist()},
+        "spectra": {
+            "G1": weighted_gram_singular_values(gram, adv).tolist(),
+            "G1_no_adv": gram_singular_values(gram).tolist(),
+            "G1_null": orthogonal_null_singular_values(gram, adv).tolist(),
+        },
         "g3_rows": {name: group_row_sums(g, R, w)[0] for name, w in weightings(adv, rewards).items()},
-        "grads": g, "advantages": adv, "gram_coverage": measured.coverage, "param_grams": measured.param_grams,
+        "grads": g,
+        "advantages": adv,
+        "gram_coverage": measured.coverage,
+        "param_grams": measured.param_grams,
     }
 
     # G2: the layer's weight gradient of the group loss sum_i A_i s_i, [d_out, d_in].
@@ -311,8 +370,9 @@ def group_row(policy, tokenizer, sub: RolloutBatch, rewards: torch.Tensor, measu
 
     token_adv = token_advantages(adv, cmask)
     if token_sq is None:  # exact mode: the per-token norms come from one more batched backward
-        token_sq = token_grad_sq_norms(policy, sub, temperature=config.temperature,
-                                          score_weights=score_weights(sub, config))
+        token_sq = token_grad_sq_norms(
+            policy, sub, temperature=config.temperature, score_weights=score_weights(sub, config)
+        )
     comp = completion_positions(token_sq.cpu(), sub.prompt_ids.shape[1])  # [R, T]
     answer = answer_mask_from_tokenizer(tokenizer, cids, cmask)
     row.update(credit_metrics(token_adv, comp, cmask, answer))
@@ -360,8 +420,15 @@ def pass_chunks(sizes: list[int], max_rows: int) -> list[list[int]]:
     return chunks
 
 
-def _rollout_grads_many(policy, big: RolloutBatch, sizes: list[int], config: ProbeConfig, layer: str | None,
-                        vectors: bool = True, captures: tuple = ()) -> list[RolloutGradients]:
+def _rollout_grads_many(
+    policy,
+    big: RolloutBatch,
+    sizes: list[int],
+    config: ProbeConfig,
+    layer: str | None,
+    vectors: bool = True,
+    captures: tuple = (),
+) -> list[RolloutGradients]:
     """:func:`_rollout_grads` of consecutive row blocks of ``big`` (sizes, summing to its N rows: groups, or a
     prompt's M rollouts) from ONE batched pass: with ``gram_source: exact`` the block-diagonal exact Gram
     (:func:`grpo_lens.gradients.gram.exact_rollout_gram` with ``blocks``: each block's [n, n] Gram, nothing across
@@ -374,8 +441,11 @@ def _rollout_grads_many(policy, big: RolloutBatch, sizes: list[int], config: Pro
     omega = torch.cat([score_weights(big.select(torch.arange(r0, r1)), config) for r0, r1 in spans])
     proc = dict(temperature=config.temperature, score_weights=omega)
     if config.gram_source == "exact":
-        sketch = GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed,
-                                 token_norms=True) if vectors else None
+        sketch = (
+            GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed, token_norms=True)
+            if vectors
+            else None
+        )
         exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
         caps = [c for c in (sketch, exact, *captures) if c is not None]
         gram, info = exact_rollout_gram(policy, big, captures=caps, keep_param_grams=True, blocks=sizes, **proc)
@@ -384,22 +454,42 @@ def _rollout_grads_many(policy, big: RolloutBatch, sizes: list[int], config: Pro
         layer_rows = exact.result().per_layer[layer].cpu() if exact else None
         token_sq = sk.token_sq_norms if sk else None
         pg = info["param_grams"]
-        return [RolloutGradients(gram[a:b, a:b].clone(), rows[a:b] if rows is not None else None,
-                                 layer_rows[a:b] if layer_rows is not None else None,
-                                 token_sq[a:b] if token_sq is not None else None, info["coverage"],
-                                 {k: v[a:b, a:b].clone() for k, v in pg.items()}) for a, b in spans]
+        return [
+            RolloutGradients(
+                gram[a:b, a:b].clone(),
+                rows[a:b] if rows is not None else None,
+                layer_rows[a:b] if layer_rows is not None else None,
+                token_sq[a:b] if token_sq is not None else None,
+                info["coverage"],
+                {k: v[a:b, a:b].clone() for k, v in pg.items()},
+            )
+            for a, b in spans
+        ]
     if captures:
         raise ValueError("extra captures ride the exact Gram's pass only (gram_source: exact, not exact)")
-    sk = sketch_rollout_grads(policy, big, k_in=config.sketch_dim, k_out=config.sketch_dim, seed=config.seed,
-                              token_norms=True, exact_layers=[layer] if layer else (), **proc)
+    sk = sketch_rollout_grads(
+        policy,
+        big,
+        k_in=config.sketch_dim,
+        k_out=config.sketch_dim,
+        seed=config.seed,
+        token_norms=True,
+        exact_layers=[layer] if layer else (),
+        **proc,
+    )
     g = sk.sketch.double().cpu()
     layer_rows = sk.exact_layers.get(layer) if layer else None
-    return [RolloutGradients(g[a:b] @ g[a:b].T, g[a:b], layer_rows[a:b] if layer_rows is not None else None,
-                             sk.token_sq_norms[a:b]) for a, b in spans]
+    return [
+        RolloutGradients(
+            g[a:b] @ g[a:b].T, g[a:b], layer_rows[a:b] if layer_rows is not None else None, sk.token_sq_norms[a:b]
+        )
+        for a, b in spans
+    ]
 
 
-def measure_groups(policy, tokenizer, batch: RolloutBatch, jobs: list[GroupJob], config: ProbeConfig,
-                   layer: str) -> list[tuple[dict[str, float], dict[str, Any]]]:
+def measure_groups(
+    policy, tokenizer, batch: RolloutBatch, jobs: list[GroupJob], config: ProbeConfig, layer: str
+) -> list[tuple[dict[str, float], dict[str, Any]]]:
     """:func:`measure_group` of several mixed groups of ``batch``, their gradients from one batched backward per
     :func:`rows_per_pass` rollouts (:func:`_rollout_grads_many`; the G2 captures of the groups that want them ride
     it too, each cut to its group's rows) instead of one backward per group. Each group's row and extras are
@@ -410,8 +500,9 @@ def measure_groups(policy, tokenizer, batch: RolloutBatch, jobs: list[GroupJob],
         out = []
         for job in jobs:
             t0 = time.perf_counter()
-            row, extras = measure_group(policy, tokenizer, batch.select(job.rows), job.rewards, config, layer,
-                                        seed=job.seed, g2=job.g2)
+            row, extras = measure_group(
+                policy, tokenizer, batch.select(job.rows), job.rewards, config, layer, seed=job.seed, g2=job.g2
+            )
             extras["pass_seconds"] = time.perf_counter() - t0
             out.append((row, extras))
         return out
@@ -424,9 +515,18 @@ def measure_groups(policy, tokenizer, batch: RolloutBatch, jobs: list[GroupJob],
         big = batch.select(torch.cat([j.rows for j in part]))
         sizes = [len(j.rows) for j in part]
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
-        fused = {k: g2_capture(policy, big, fused_advantages(j.rewards, config), j.rewards, config.layers,
-                               rows=(starts[k], starts[k] + sizes[k]))
-                 for k, j in enumerate(part) if j.g2 and can_fuse_g2(config)}
+        fused = {
+            k: g2_capture(
+                policy,
+                big,
+                fused_advantages(j.rewards, config),
+                j.rewards,
+                config.layers,
+                rows=(starts[k], starts[k] + sizes[k]),
+            )
+            for k, j in enumerate(part)
+            if j.g2 and can_fuse_g2(config)
+        }
         measured = _rollout_grads_many(policy, big, sizes, config, layer, captures=tuple(fused.values()))
         for k, (job, m) in enumerate(zip(part, measured)):
             row, extras = group_row(policy, tokenizer, batch.select(job.rows), job.rewards, m, config, layer, job.seed)
@@ -447,20 +547,32 @@ def can_fuse_g2(config: ProbeConfig) -> bool:
     return config.gram_source == "exact" and not config.exact and config.estimator != "optimal"
 
 
-def g2_capture(policy, sub: RolloutBatch, advantages: torch.Tensor, rewards: torch.Tensor,
-               layers: str | None = None, rows: tuple[int, int] | None = None) -> G2WeightingCapture:
+def g2_capture(
+    policy,
+    sub: RolloutBatch,
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+    layers: str | None = None,
+    rows: tuple[int, int] | None = None,
+) -> G2WeightingCapture:
     """The G2 capture of one group (advantages, rewards [R]): every weighting of
     :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, the group's prompt folded as its shared prefix, over the linear
     layers the ``--layers`` pattern keeps (all for None). ``rows``: the group's rows (r0, r1) in a pass over ``sub``
     that holds several groups; None: ``sub`` is the group."""
     lp = sub.prompt_ids.shape[1]
-    return G2WeightingCapture(policy, weightings(advantages, rewards), shared_prefix=lp,
-                              seq_len=lp + sub.completion_ids.shape[1],
-                              include=layer_pattern(layers) if layers else None, rows=rows)
+    return G2WeightingCapture(
+        policy,
+        weightings(advantages, rewards),
+        shared_prefix=lp,
+        seq_len=lp + sub.completion_ids.shape[1],
+        include=layer_pattern(layers) if layers else None,
+        rows=rows,
+    )
 
 
-def g2_weightings(policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor,
-                  config: ProbeConfig) -> dict[str, float]:
+def g2_weightings(
+    policy, sub: RolloutBatch, extra: dict[str, Any], rewards: torch.Tensor, config: ProbeConfig
+) -> dict[str, float]:
     """Stable rank of every linear layer's G2 under every weighting of
     :data:`grpo_lens.formulas.zero_sum.WEIGHTINGS`, summarised by module kind, from one backward
     (:class:`grpo_lens.gradients.g2.G2WeightingCapture`), for a pass that could not carry it (:func:`can_fuse_g2`)."""
@@ -488,8 +600,9 @@ def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: Probe
     from [R, P] vectors."""
     param_grams = extra.get("param_grams")
     if param_grams is None:
-        _, info = exact_rollout_gram(policy, sub, temperature=config.temperature,
-                                     score_weights=score_weights(sub, config), keep_param_grams=True)
+        _, info = exact_rollout_gram(
+            policy, sub, temperature=config.temperature, score_weights=score_weights(sub, config), keep_param_grams=True
+        )
         param_grams = info["param_grams"]
     modules = dict(policy.named_modules())
     category_sq: dict[str, float] = {}
@@ -500,8 +613,9 @@ def sketch_check(policy, sub: RolloutBatch, extra: dict[str, Any], config: Probe
     weights = [names.get(id(modules[n].weight)) for n in linear_layer_names(policy)]
     layer_grams = [param_grams[n] for n in dict.fromkeys(weights) if n in param_grams]
     gram = torch.stack(list(param_grams.values())).sum(0)
-    return sketch_check_keys(gram, extra["grads"], extra["advantages"], category_sq, layer_grams,
-                             config.sketch_dim, config.sketch_dim)
+    return sketch_check_keys(
+        gram, extra["grads"], extra["advantages"], category_sq, layer_grams, config.sketch_dim, config.sketch_dim
+    )
 
 
 def batch_seed(seed: int, group_size: int, draw: int) -> int:
@@ -511,8 +625,19 @@ def batch_seed(seed: int, group_size: int, draw: int) -> int:
     return derive_seed(seed, group_size=group_size, draw=draw)
 
 
-def analyse_prompt(policy, tokenizer, batch: RolloutBatch, j: int, rewards: torch.Tensor, valid: torch.Tensor,
-                   R: int, config: ProbeConfig, layer: str, seed: int, done: list[PromptRecord]) -> PromptRecord:
+def analyse_prompt(
+    policy,
+    tokenizer,
+    batch: RolloutBatch,
+    j: int,
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    R: int,
+    config: ProbeConfig,
+    layer: str,
+    seed: int,
+    done: list[PromptRecord],
+) -> PromptRecord:
     """Prompt ``j`` of ``batch`` (its M rollouts, rewards [M], valid [M] bool; the first R form the group): what it
     counts for S1 and, for a mixed group, its analysis (:func:`measure_group`), plus the G2 weightings, the sketch
     check and the baseline variances while fewer than their configured counts are in ``done`` (the R's earlier
@@ -598,8 +723,10 @@ def draw_plan(config: ProbeConfig, policy, R: int | None = None) -> list[DrawBat
     if R is not None:
         M, n_r = rollouts_per_prompt(R), config.prompts_for(R)
         per = generation_prompts_per_call(policy, M, config)
-        return [DrawBatch(("R", R, d + 1), batch_seed(config.seed, R, d + 1), min(per, n_r - a), M, a)
-                for d, a in enumerate(range(0, n_r, per))]
+        return [
+            DrawBatch(("R", R, d + 1), batch_seed(config.seed, R, d + 1), min(per, n_r - a), M, a)
+            for d, a in enumerate(range(0, n_r, per))
+        ]
     sizes = sorted(config.group_sizes)
     total = max(config.prompts_for(r) for r in sizes)
     m_of = [max(rollouts_per_prompt(r) for r in sizes if p < config.prompts_for(r)) for p in range(total)]
@@ -623,7 +750,13 @@ class PromptPool:
     only), so every R, and the baseline study, read the same draws (docs/theory.md §Shared draws)."""
 
     def __init__(self, policy, tokenizer, task, reward_fns, config: ProbeConfig):
-        self.policy, self.tokenizer, self.task, self.reward_fns, self.config = policy, tokenizer, task, reward_fns, config
+        self.policy, self.tokenizer, self.task, self.reward_fns, self.config = (
+            policy,
+            tokenizer,
+            task,
+            reward_fns,
+            config,
+        )
         self.kept: dict[tuple, tuple[RolloutBatch, torch.Tensor, torch.Tensor]] = {}
         self.generation_seconds = 0.0
         self.rollouts = 0  # sampled (the FLOP count of generation: bench_probe)
@@ -637,20 +770,30 @@ class PromptPool:
         c = self.config
         examples = self.task.sample(spec.n, seed=spec.seed)
         t0 = time.perf_counter()
-        batch = sample_groups(self.policy, self.tokenizer, examples, spec.M, max_new_tokens=c.max_new_tokens,
-                              temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, generator_seed=spec.seed)
+        batch = sample_groups(
+            self.policy,
+            self.tokenizer,
+            examples,
+            spec.M,
+            max_new_tokens=c.max_new_tokens,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            top_k=c.top_k,
+            generator_seed=spec.seed,
+        )
         seconds = time.perf_counter() - t0
         rewards, valid, _ = score_batch(batch, self.reward_fns)  # [n, M]
         self.kept[spec.key] = (batch, rewards, valid)
         self.generation_seconds += seconds
         self.rollouts += batch.num_rollouts
-        self.tokens += int(batch.completion_mask.sum()) + int(batch.prompt_mask[::spec.M].sum())
+        self.tokens += int(batch.completion_mask.sum()) + int(batch.prompt_mask[:: spec.M].sum())
         self.positions += int(batch.attention_mask().sum())
         return batch, rewards, valid, seconds / spec.n
 
 
-def estimate_seconds(config: ProbeConfig, policy, gen_per_rollout: float, grad_per_row: float,
-                     success: list[float]) -> dict[str, float]:
+def estimate_seconds(
+    config: ProbeConfig, policy, gen_per_rollout: float, grad_per_row: float, success: list[float]
+) -> dict[str, float]:
     """The probe's expected seconds per part from the first batch's measured costs: ``gen_per_rollout`` (seconds per
     sampled rollout), ``grad_per_row`` (seconds of analysis per rollout in a backward) and ``success`` (each first-batch
     prompt's share of correct rollouts, p_hat). A plug-in model, not a promise: R's mixed groups n_R (1 - mean(p^R +
@@ -668,7 +811,7 @@ def estimate_seconds(config: ProbeConfig, policy, gen_per_rollout: float, grad_p
         out["generation"] = gen_per_rollout * sum(b.n * b.M for b in draw_plan(config, policy))
     ps = success or [0.5]
     for R in config.group_sizes:
-        mixed = config.prompts_for(R) * (1 - statistics.fmean(p ** R + (1 - p) ** R for p in ps))
+        mixed = config.prompts_for(R) * (1 - statistics.fmean(p**R + (1 - p) ** R for p in ps))
         rows = mixed * R + min(config.baseline_prompts, mixed) * rollouts_per_prompt(R)
         gen = 0.0 if shared else gen_per_rollout * config.prompts_for(R) * rollouts_per_prompt(R)
         out[f"R={R}"] = gen + grad_per_row * rows
@@ -677,7 +820,8 @@ def estimate_seconds(config: ProbeConfig, policy, gen_per_rollout: float, grad_p
     if not shared or max(rollouts_per_prompt(R) for R in config.group_sizes) < 4 * rs:
         base += gen_per_rollout * config.baseline_study_prompts * 4 * rs * 1.3  # prompts without contrast too
     credit = grad_per_row * 3 * config.credit_groups * rs + gen_per_rollout * (
-        config.credit_groups * 1.5 * rs + config.mc_groups * 2 * 3 * config.mc_samples)
+        config.credit_groups * 1.5 * rs + config.mc_groups * 2 * 3 * config.mc_samples
+    )
     out["studies"] = base + (credit if config.credit_groups else 0.0)
     return out
 
@@ -690,16 +834,21 @@ def format_estimate(parts: dict[str, float]) -> str:
     return f"about {about}: {shown}"
 
 
-def prompt_view(batch: RolloutBatch, rewards: torch.Tensor, valid: torch.Tensor, lo: int, hi: int,
-                M: int) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor]:
+def prompt_view(
+    batch: RolloutBatch, rewards: torch.Tensor, valid: torch.Tensor, lo: int, hi: int, M: int
+) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor]:
     """Prompts lo .. hi - 1 of a drawn batch with the first M of their rollouts (nested draws: R's group and its
     M_R rollouts are a prefix of the prompt's M_p): (batch of (hi - lo) M rollouts, rewards [hi - lo, M], valid)."""
     mp = rewards.shape[1]
     if lo == 0 and hi == rewards.shape[0] and M == mp:
         return batch, rewards, valid
     rows = torch.cat([torch.arange(j * mp, j * mp + M) for j in range(lo, hi)])
-    view = replace(batch.select(rows), group_size=M, prompts=batch.prompts[lo:hi],
-                   extras={k: v[lo:hi] for k, v in batch.extras.items()})
+    view = replace(
+        batch.select(rows),
+        group_size=M,
+        prompts=batch.prompts[lo:hi],
+        extras={k: v[lo:hi] for k, v in batch.extras.items()},
+    )
     return view, rewards[lo:hi, :M], valid[lo:hi, :M]
 
 
@@ -716,15 +865,28 @@ def prompt_status(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> tuple[s
     return "mixed", s1
 
 
-def analyse_prompts(policy, tokenizer, batch: RolloutBatch, first: int, rewards: torch.Tensor, valid: torch.Tensor,
-                    R: int, config: ProbeConfig, layer: str, seed: int,
-                    done: list[PromptRecord]) -> list[PromptRecord]:
+def analyse_prompts(
+    policy,
+    tokenizer,
+    batch: RolloutBatch,
+    first: int,
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    R: int,
+    config: ProbeConfig,
+    layer: str,
+    seed: int,
+    done: list[PromptRecord],
+) -> list[PromptRecord]:
     """:func:`analyse_prompt` of prompts ``first`` .. B - 1 of ``batch`` (rewards, valid [B, M]), the mixed groups'
     gradients from one batched backward (:func:`measure_groups`) and the baseline prompts' M rollouts from another
     (block-diagonal Gram), instead of a backward per group and per baseline prompt: the same records (tests)."""
     M = rewards.shape[1]
-    counts = {"g2": sum(d.g2_weightings is not None for d in done), "check": sum(d.check is not None for d in done),
-              "base": sum(d.baseline_variance is not None for d in done)}
+    counts = {
+        "g2": sum(d.g2_weightings is not None for d in done),
+        "check": sum(d.check is not None for d in done),
+        "base": sum(d.baseline_variance is not None for d in done),
+    }
     records: dict[int, PromptRecord] = {}
     jobs: list[tuple[int, GroupJob, bool, bool]] = []  # (j, job, check, baseline)
     for j in range(first, rewards.shape[0]):
@@ -732,13 +894,21 @@ def analyse_prompts(policy, tokenizer, batch: RolloutBatch, first: int, rewards:
         records[j] = PromptRecord(status, s1)
         if status != "mixed":
             continue
-        want = {"g2": counts["g2"] < config.g2_groups,
-                "check": not config.exact and counts["check"] < config.coverage_groups,
-                "base": counts["base"] < config.baseline_prompts and bool(valid[j].all())}
+        want = {
+            "g2": counts["g2"] < config.g2_groups,
+            "check": not config.exact and counts["check"] < config.coverage_groups,
+            "base": counts["base"] < config.baseline_prompts and bool(valid[j].all()),
+        }
         for k, v in want.items():
             counts[k] += int(v)
-        jobs.append((j, GroupJob(torch.arange(j * M, j * M + R), rewards[j][:R], seed + j, want["g2"]),
-                     want["check"], want["base"]))
+        jobs.append(
+            (
+                j,
+                GroupJob(torch.arange(j * M, j * M + R), rewards[j][:R], seed + j, want["g2"]),
+                want["check"],
+                want["base"],
+            )
+        )
     # 1) every mixed group's gradients and analysis from one batched backward (per rows_per_pass rollouts)
     measured = measure_groups(policy, tokenizer, batch, [job for _, job, _, _ in jobs], config, layer)
     # 2) the baseline prompts' M rollouts: their block-diagonal Gram from one more backward
@@ -750,13 +920,15 @@ def analyse_prompts(policy, tokenizer, batch: RolloutBatch, first: int, rewards:
         if config.exact:
             grads = [_rollout_grads(policy, batch.select(r), config, None, vectors=False) for r in rows]
         else:
-            grads = _rollout_grads_many(policy, batch.select(torch.cat(rows)), [M] * len(rows), config, None,
-                                        vectors=False)
+            grads = _rollout_grads_many(
+                policy, batch.select(torch.cat(rows)), [M] * len(rows), config, None, vectors=False
+            )
         for j, m in zip(base_j, grads):
             # the trace variance depends on inner products alone: rows of any factor of the Gram give it
             grads_m = m.rows if m.rows is not None else gram_factor(m.gram)
-            variances[j] = estimator_variances(grads_m, rewards[j].double(), R, num_resamples=config.resamples,
-                                               seed=seed)
+            variances[j] = estimator_variances(
+                grads_m, rewards[j].double(), R, num_resamples=config.resamples, seed=seed
+            )
     base_seconds = (time.perf_counter() - t0) / max(1, len(base_j))
     # 3) per group: the G2 weightings a pass could not carry, the sketch check
     for (j, job, check_wanted, _), (row, extra) in zip(jobs, measured):
@@ -771,17 +943,28 @@ def analyse_prompts(policy, tokenizer, batch: RolloutBatch, first: int, rewards:
         extra.pop("grads")
         extra.pop("param_grams")
         pass_seconds = extra.pop("pass_seconds")
-        seconds = {"gradient": pass_seconds + t3 - t1 + (base_seconds if j in variances else 0.0),
-                   "g2_weightings": t2 - t1 + g2_seconds, "sketch_check": t3 - t2}
-        records[j] = PromptRecord("mixed", records[j].s1_prediction, row, extra, check, g2w, variances.get(j),
-                                  seconds)
+        seconds = {
+            "gradient": pass_seconds + t3 - t1 + (base_seconds if j in variances else 0.0),
+            "g2_weightings": t2 - t1 + g2_seconds,
+            "sketch_check": t3 - t2,
+        }
+        records[j] = PromptRecord("mixed", records[j].s1_prediction, row, extra, check, g2w, variances.get(j), seconds)
     return [records[j] for j in range(first, rewards.shape[0])]
 
 
-def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeConfig, layer: str,
-                     on_prompts: Callable[[int, int], None] | None = None,
-                     partial: PartialProbe | None = None, pool: PromptPool | None = None,
-                     on_first_batch: Callable[[float, float, list[float]], None] | None = None) -> dict[str, Any]:
+def probe_group_size(
+    policy,
+    tokenizer,
+    task,
+    reward_fns,
+    R: int,
+    config: ProbeConfig,
+    layer: str,
+    on_prompts: Callable[[int, int], None] | None = None,
+    partial: PartialProbe | None = None,
+    pool: PromptPool | None = None,
+    on_first_batch: Callable[[float, float, list[float]], None] | None = None,
+) -> dict[str, Any]:
     """Sample ``config.prompts_for(R)`` prompts with M rollouts each (from ``pool``: shared draws, nested across R,
     unless ``independent_draws``), analyse every mixed group of R, aggregate over groups. ``on_prompts(
     prompts_just_done, mixed_so_far)`` is called after each batch of prompts (the progress bar). With ``partial``,
@@ -812,15 +995,17 @@ def probe_group_size(policy, tokenizer, task, reward_fns, R: int, config: ProbeC
         t_batch, done_before = time.perf_counter(), len(records)
         if config.per_group_passes:
             for j in range(first, hi):
-                new = analyse_prompt(policy, tokenizer, batch, j, rewards[j], valid[j], R, config, layer, spec.seed,
-                                     records)
+                new = analyse_prompt(
+                    policy, tokenizer, batch, j, rewards[j], valid[j], R, config, layer, spec.seed, records
+                )
                 new.seconds = {**(new.seconds or {}), "generation": generation}
                 if partial is not None:
                     partial.save_prompt(R, len(records), new)
                 records.append(new)
         else:
-            for new in analyse_prompts(policy, tokenizer, batch, first, rewards, valid, R, config, layer, spec.seed,
-                                       records):
+            for new in analyse_prompts(
+                policy, tokenizer, batch, first, rewards, valid, R, config, layer, spec.seed, records
+            ):
                 new.seconds = {**(new.seconds or {}), "generation": generation}
                 if partial is not None:
                     partial.save_prompt(R, len(records), new)
@@ -870,12 +1055,17 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
     if extras:
         T = max(len(e["profile"]) for e in extras)
         for t in range(T):
-            vals = [float(e["profile"][t]) for e in extras
-                    if len(e["profile"]) > t and math.isfinite(float(e["profile"][t]))]
+            vals = [
+                float(e["profile"][t])
+                for e in extras
+                if len(e["profile"]) > t and math.isfinite(float(e["profile"][t]))
+            ]
             profile.append(statistics.fmean(vals) if vals else 0.0)
     variances = {k: statistics.fmean([v[k] for v in baseline_var]) for k in baseline_var[0]} if baseline_var else {}
-    seconds = {k: sum((r.seconds or {}).get(k, 0.0) for r in records)
-               for k in ("generation", "gradient", "g2_weightings", "sketch_check")}
+    seconds = {
+        k: sum((r.seconds or {}).get(k, 0.0) for r in records)
+        for k in ("generation", "gradient", "g2_weightings", "sketch_check")
+    }
     ci = dict(seed=config.seed)
     return {
         ROLLOUTS_PER_PROMPT: M,
@@ -889,22 +1079,30 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
         S1_MEASURED_CI: bootstrap_ci(s1_indicators, seed=config.seed),
         PROBE_GROUPS: rows,
         PROBE_SUMMARY: summarise_rows(rows, **ci),
-        PROBE_STRATA: {"correct": stratify_rows(rows, GROUP_CORRECT, keys=STRATA_KEYS, **ci),
-                       "distinct": stratify_rows(rows, GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci)},
+        PROBE_STRATA: {
+            "correct": stratify_rows(rows, GROUP_CORRECT, keys=STRATA_KEYS, **ci),
+            "distinct": stratify_rows(rows, GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
+        },
         PROBE_G3: g3,
         PROBE_G2_WEIGHTINGS: {PROBE_GROUPS: g2w, PROBE_SUMMARY: summarise_rows(g2w, **ci)} if g2w else None,
         PROBE_SKETCH_CHECK: {PROBE_GROUPS: checks, PROBE_SUMMARY: summarise_rows(checks, **ci)} if checks else None,
         PROBE_SPECTRA: {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
-        PROBE_BASELINES: {"variance": variances,
-                          "relative_variance": variance_relative_to_optimal(variances) if variances else {},
-                          "prompts": len(baseline_var)},
+        PROBE_BASELINES: {
+            "variance": variances,
+            "relative_variance": variance_relative_to_optimal(variances) if variances else {},
+            "prompts": len(baseline_var),
+        },
         PROBE_CREDIT: {"position_profile": profile},
-        PROBE_GRAM_COVERAGE: min(covs) if (covs := [e["gram_coverage"] for e in extras
-                                                     if e["gram_coverage"] is not None]) else None,
-        PROBE_TIMING: {"generation_seconds": seconds["generation"],
-                       "gradient_seconds": seconds["gradient"], "g2_weightings_seconds": seconds["g2_weightings"],
-                       "sketch_check_seconds": seconds["sketch_check"],
-                       "seconds": seconds["generation"] + seconds["gradient"]},  # gradient includes G2 and check
+        PROBE_GRAM_COVERAGE: min(covs)
+        if (covs := [e["gram_coverage"] for e in extras if e["gram_coverage"] is not None])
+        else None,
+        PROBE_TIMING: {
+            "generation_seconds": seconds["generation"],
+            "gradient_seconds": seconds["gradient"],
+            "g2_weightings_seconds": seconds["g2_weightings"],
+            "sketch_check_seconds": seconds["sketch_check"],
+            "seconds": seconds["generation"] + seconds["gradient"],
+        },  # gradient includes G2 and check
     }
 
 
@@ -923,32 +1121,76 @@ def study_presampled(policy, config: ProbeConfig, pool: PromptPool | None) -> li
     return out
 
 
-def run_studies(policy, tokenizer, task, reward_fns, config: ProbeConfig,
-                partial: PartialProbe | None = None, pool: PromptPool | None = None) -> dict[str, Any]:
+def run_studies(
+    policy,
+    tokenizer,
+    task,
+    reward_fns,
+    config: ProbeConfig,
+    partial: PartialProbe | None = None,
+    pool: PromptPool | None = None,
+) -> dict[str, Any]:
     """The baseline study (with S1 predicted from rollouts outside the group) and the credit study of
     :mod:`grpo_lens.probe.studies`, at R = ``study_group_size``; a study set to 0 is skipped (absent). With
     ``partial``, a finished study is kept there, and one it already holds is not run again (``--resume``). With
     ``pool`` (shared draws), the baseline study first takes the prompts the R phases drew with enough rollouts
     (:func:`study_presampled`)."""
-    common = dict(group_size=config.study_group_size, max_new_tokens=config.max_new_tokens,
-                  temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed,
-                  prompts_per_batch=generation_prompts_per_call(policy, 4 * config.study_group_size, config))
+    common = dict(
+        group_size=config.study_group_size,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        seed=config.seed,
+        prompts_per_batch=generation_prompts_per_call(policy, 4 * config.study_group_size, config),
+    )
     studies: dict[str, tuple[int, Callable[[Any], dict[str, Any]]]] = {
-        "baselines": (config.baseline_study_prompts, lambda bar: run_baseline_study(
-            policy, tokenizer, task, reward_fns, prompts=config.baseline_study_prompts,
-            max_prompts=4 * config.baseline_study_prompts, sketch_dim=config.sketch_dim,
-            resamples=max(config.resamples, 2), progress=bar,
-            presampled=study_presampled(policy, config, pool), **common)),
-        "credit": (config.credit_groups, lambda bar: run_credit_study(
-            policy, tokenizer, task, reward_fns, groups=config.credit_groups,
-            max_prompts=6 * config.credit_groups, mc_groups=config.mc_groups, mc_samples=config.mc_samples,
-            std=config.std, eps=config.std_eps, progress=bar, **common)),
+        "baselines": (
+            config.baseline_study_prompts,
+            lambda bar: run_baseline_study(
+                policy,
+                tokenizer,
+                task,
+                reward_fns,
+                prompts=config.baseline_study_prompts,
+                max_prompts=4 * config.baseline_study_prompts,
+                sketch_dim=config.sketch_dim,
+                resamples=max(config.resamples, 2),
+                progress=bar,
+                presampled=study_presampled(policy, config, pool),
+                **common,
+            ),
+        ),
+        "credit": (
+            config.credit_groups,
+            lambda bar: run_credit_study(
+                policy,
+                tokenizer,
+                task,
+                reward_fns,
+                groups=config.credit_groups,
+                max_prompts=6 * config.credit_groups,
+                mc_groups=config.mc_groups,
+                mc_samples=config.mc_samples,
+                std=config.std,
+                eps=config.std_eps,
+                progress=bar,
+                **common,
+            ),
+        ),
     }
-    out: dict[str, Any] = {name: kept for name, (size, _) in studies.items()
-                           if size > 0 and partial is not None and (kept := partial.study(name)) is not None}
+    out: dict[str, Any] = {
+        name: kept
+        for name, (size, _) in studies.items()
+        if size > 0 and partial is not None and (kept := partial.study(name)) is not None
+    }
     # one bar over the studies left: a tick per analysed prompt (baselines) or group (credit), with tqdm's estimate
-    bar = tqdm(total=sum(size for name, (size, _) in studies.items() if name not in out), desc="probe studies",
-               unit="group", disable=not config.progress)
+    bar = tqdm(
+        total=sum(size for name, (size, _) in studies.items() if name not in out),
+        desc="probe studies",
+        unit="group",
+        disable=not config.progress,
+    )
     for name, (size, run) in studies.items():
         if size > 0 and name not in out:
             out[name] = run(bar)
@@ -976,12 +1218,16 @@ def prepare_out(config: ProbeConfig) -> PartialProbe:
     if config.resume:
         if not partial.exists():
             held = "a finished probe (probe.json)" if (out / "probe.json").exists() else "no partial probe"
-            raise ConfigError(f"--resume: {out} holds {held}, nothing to resume (no {partial.config_path}); run "
-                              f"without --resume to start a probe (with --overwrite to replace probe.json)")
+            raise ConfigError(
+                f"--resume: {out} holds {held}, nothing to resume (no {partial.config_path}); run "
+                f"without --resume to start a probe (with --overwrite to replace probe.json)"
+            )
         partial.check_config(config.to_dict())
     elif partial.exists() and not config.overwrite:
-        raise ConfigError(f"{out} holds a probe that did not finish ({partial.path}); pass --resume to continue it "
-                          f"from its last finished group, --overwrite to start over, or choose another --out")
+        raise ConfigError(
+            f"{out} holds a probe that did not finish ({partial.path}); pass --resume to continue it "
+            f"from its last finished group, --overwrite to start over, or choose another --out"
+        )
     elif (out / "probe.json").exists() and not config.overwrite:
         raise ConfigError(f"{out}/probe.json exists; pass --overwrite to replace it or choose another --out")
     return partial
@@ -1022,8 +1268,10 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if layer not in linear_layer_names(policy):
-        raise ConfigError(f"probe field 'layer' = {layer!r} is not a linear layer of the model; e.g. "
-                          f"{', '.join(linear_layer_names(policy)[:4])}, ...")
+        raise ConfigError(
+            f"probe field 'layer' = {layer!r} is not a linear layer of the model; e.g. "
+            f"{', '.join(linear_layer_names(policy)[:4])}, ..."
+        )
     if not config.resume:  # a new probe (--overwrite: over a partial one)
         partial.remove()
         partial.start(config.to_dict())
@@ -1034,12 +1282,18 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     def on_first_batch(gen_per_rollout: float, grad_per_row: float, success: list[float]) -> None:
         if not estimated:  # once, from the first batch the probe measured
             estimated.update(estimate_seconds(config, policy, gen_per_rollout, grad_per_row, success))
-            logger.info("probe: %s (estimated from the first batch: %.2f s per generated rollout, %.2f s per "
-                        "analysed rollout)", format_estimate(estimated), gen_per_rollout, grad_per_row)
+            logger.info(
+                "probe: %s (estimated from the first batch: %.2f s per generated rollout, %.2f s per analysed rollout)",
+                format_estimate(estimated),
+                gen_per_rollout,
+                grad_per_row,
+            )
+
     progress = None
     if config.progress:
         progress = tqdm(total=sum(config.prompts_for(R) for R in config.group_sizes), desc="probe", unit="prompt")
     for R in config.group_sizes:
+
         def on_prompts(done: int, mixed: int, R: int = R) -> None:
             if progress is not None:
                 progress.set_postfix(R=R, mixed=mixed, refresh=False)
@@ -1050,17 +1304,27 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
             on_prompts(finished[PROMPTS_SAMPLED], finished[GROUPS_MIXED])
             continue
         with forward_precision(next(policy.parameters()).device, config.dtype):  # bf16-mixed: bf16 autocast
-            per_r[str(R)] = probe_group_size(policy, tokenizer, task, reward_fns, R, config, layer, on_prompts,
-                                             partial, pool, on_first_batch)
+            per_r[str(R)] = probe_group_size(
+                policy, tokenizer, task, reward_fns, R, config, layer, on_prompts, partial, pool, on_first_batch
+            )
         partial.save_group_size_result(R, per_r[str(R)])
-        logger.info("probe R = %d: %d mixed groups of %d prompts in %.0f s", R, per_r[str(R)][GROUPS_MIXED],
-                    per_r[str(R)][PROMPTS_SAMPLED], per_r[str(R)][PROBE_TIMING]["seconds"])
+        logger.info(
+            "probe R = %d: %d mixed groups of %d prompts in %.0f s",
+            R,
+            per_r[str(R)][GROUPS_MIXED],
+            per_r[str(R)][PROMPTS_SAMPLED],
+            per_r[str(R)][PROBE_TIMING]["seconds"],
+        )
     if progress is not None:
         progress.close()
     t_studies = time.perf_counter()
     if config.baseline_study_prompts or config.credit_groups:
-        logger.info("probe studies at R = %d: baselines on %d prompts, token credit on %d groups",
-                    config.study_group_size, config.baseline_study_prompts, config.credit_groups)
+        logger.info(
+            "probe studies at R = %d: baselines on %d prompts, token credit on %d groups",
+            config.study_group_size,
+            config.baseline_study_prompts,
+            config.credit_groups,
+        )
     with forward_precision(next(policy.parameters()).device, config.dtype):
         studies = run_studies(policy, tokenizer, task, reward_fns, config, partial, pool)
     t_studies = time.perf_counter() - t_studies
@@ -1068,30 +1332,45 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
     covs = [d[PROBE_GRAM_COVERAGE] for d in per_r.values() if d.get(PROBE_GRAM_COVERAGE) is not None]
     gradients = "exact" if config.exact else ("exact_gram" if config.gram_source == "exact" else "sketch")
-    meta = {"model": config.model, "task": config.task, "gradients": gradients,
-            "gram_coverage": min(covs) if covs else None, "g3_source": "exact" if config.exact else "sketch",
-            "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
-            "sketch_check": check_summary,
-            "estimator": config.estimator, "loss_aggregation": config.loss_aggregation,
-            "sketch_dim": None if config.exact else config.sketch_dim, "std": config.std, "eps": config.std_eps,
-            "layer": layer, "parameters": sum(p.numel() for p in policy.parameters()),
-            "seconds": time.perf_counter() - t0, "studies_seconds": t_studies,
-            "resumed": config.resume,  # continued a killed probe (OUT/probe_partial/); its numbers are the same
-            # how the prompts were drawn: "nested" (once for every R, docs/theory.md §Shared draws) or "independent"
-            "draws": "independent" if config.independent_draws else "nested",
-            "prompts_per_batch": {str(R): generation_prompts_per_call(policy, rollouts_per_prompt(R), config)
-                                  for R in config.group_sizes},
-            # what this process sampled (a resumed probe: only what it drew again), for bench_probe's FLOP floor
-            "timing": {"generation_rollouts": pool.rollouts, "generation_tokens": pool.tokens,
-                       "rollout_positions": pool.positions,
-                       "generation_seconds": pool.generation_seconds, "estimate_seconds": estimated},
-            # how this command treated --out is not what the probe is: stored as False (as train's config.yaml)
-            "config": {**{f.name: getattr(config, f.name) for f in fields(config)}, "resume": False,
-                       "overwrite": False}}
+    meta = {
+        "model": config.model,
+        "task": config.task,
+        "gradients": gradients,
+        "gram_coverage": min(covs) if covs else None,
+        "g3_source": "exact" if config.exact else "sketch",
+        "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
+        "sketch_check": check_summary,
+        "estimator": config.estimator,
+        "loss_aggregation": config.loss_aggregation,
+        "sketch_dim": None if config.exact else config.sketch_dim,
+        "std": config.std,
+        "eps": config.std_eps,
+        "layer": layer,
+        "parameters": sum(p.numel() for p in policy.parameters()),
+        "seconds": time.perf_counter() - t0,
+        "studies_seconds": t_studies,
+        "resumed": config.resume,  # continued a killed probe (OUT/probe_partial/); its numbers are the same
+        # how the prompts were drawn: "nested" (once for every R, docs/theory.md §Shared draws) or "independent"
+        "draws": "independent" if config.independent_draws else "nested",
+        "prompts_per_batch": {
+            str(R): generation_prompts_per_call(policy, rollouts_per_prompt(R), config) for R in config.group_sizes
+        },
+        # what this process sampled (a resumed probe: only what it drew again), for bench_probe's FLOP floor
+        "timing": {
+            "generation_rollouts": pool.rollouts,
+            "generation_tokens": pool.tokens,
+            "rollout_positions": pool.positions,
+            "generation_seconds": pool.generation_seconds,
+            "estimate_seconds": estimated,
+        },
+        # how this command treated --out is not what the probe is: stored as False (as train's config.yaml)
+        "config": {**{f.name: getattr(config, f.name) for f in fields(config)}, "resume": False, "overwrite": False},
+    }
     out.mkdir(parents=True, exist_ok=True)
 
-    atomic_write_text(out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r, "studies": studies},
-                                                     indent=1))
+    atomic_write_text(
+        out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r, "studies": studies}, indent=1)
+    )
     partial.remove()
     write_report(out)
     log_probe(out, config.report_to, meta["config"])  # --report-to: the numbers of probe.json to the trackers

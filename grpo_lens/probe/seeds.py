@@ -37,9 +37,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -132,8 +133,9 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     if len(M) != 1:
         raise PoolingError(f"the seeds sampled different rollouts per prompt ({sorted(M)})")
     rows = _concat(entries, PROBE_GROUPS)
-    counts = {k: sum(int(e[k]) for e in entries) for k in (PROMPTS_SAMPLED, GROUPS_ALL_EQUAL, GROUPS_MIXED,
-                                                           GROUPS_INVALID)}
+    counts = {
+        k: sum(int(e[k]) for e in entries) for k in (PROMPTS_SAMPLED, GROUPS_ALL_EQUAL, GROUPS_MIXED, GROUPS_INVALID)
+    }
     valid = counts[PROMPTS_SAMPLED] - counts[GROUPS_INVALID]
     # S1 measured is a share of the valid groups: its pooled indicators are the summed counts (order does not matter)
     indicators = [1.0] * counts[GROUPS_ALL_EQUAL] + [0.0] * (valid - counts[GROUPS_ALL_EQUAL])
@@ -149,8 +151,10 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     var = {}
     if prompts:
         names = [k for k in (variances[0].get("variance") or {})]
-        var = {k: math.fsum(float(v["variance"][k]) * int(v["prompts"]) for v in variances if v.get("prompts"))
-               / prompts for k in names}
+        var = {
+            k: math.fsum(float(v["variance"][k]) * int(v["prompts"]) for v in variances if v.get("prompts")) / prompts
+            for k in names
+        }
     profiles = [((e.get(PROBE_CREDIT) or {}).get("position_profile") or [], int(e[GROUPS_MIXED])) for e in entries]
     T = max((len(p) for p, _ in profiles), default=0)
     profile = []
@@ -158,11 +162,13 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
         have = [(p[t], n) for p, n in profiles if len(p) > t and n > 0]
         profile.append(math.fsum(x * n for x, n in have) / sum(n for _, n in have) if have else 0.0)
     covs = [e[PROBE_GRAM_COVERAGE] for e in entries if e.get(PROBE_GRAM_COVERAGE) is not None]
-    timing = {k: math.fsum(float((e.get(PROBE_TIMING) or {}).get(k) or 0.0) for e in entries)
-              for k in ("generation_seconds", "gradient_seconds", "g2_weightings_seconds", "sketch_check_seconds",
-                        "seconds")}
-    spectra = {name: _concat([e.get(PROBE_SPECTRA) for e in entries], name)
-               for name in ("G1", "G1_no_adv", "G1_null", "G2")}
+    timing = {
+        k: math.fsum(float((e.get(PROBE_TIMING) or {}).get(k) or 0.0) for e in entries)
+        for k in ("generation_seconds", "gradient_seconds", "g2_weightings_seconds", "sketch_check_seconds", "seconds")
+    }
+    spectra = {
+        name: _concat([e.get(PROBE_SPECTRA) for e in entries], name) for name in ("G1", "G1_no_adv", "G1_null", "G2")
+    }
     return {
         ROLLOUTS_PER_PROMPT: M.pop(),
         **counts,
@@ -172,14 +178,19 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
         S1_MEASURED_CI: bootstrap_ci(indicators, seed=seed),
         PROBE_GROUPS: rows,
         PROBE_SUMMARY: summarise_rows(rows, **ci),
-        PROBE_STRATA: {"correct": stratify_rows(rows, GROUP_CORRECT, keys=STRATA_KEYS, **ci),
-                       "distinct": stratify_rows(rows, GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci)},
+        PROBE_STRATA: {
+            "correct": stratify_rows(rows, GROUP_CORRECT, keys=STRATA_KEYS, **ci),
+            "distinct": stratify_rows(rows, GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
+        },
         PROBE_G3: {},
         PROBE_G2_WEIGHTINGS: rows_and_summary(PROBE_G2_WEIGHTINGS),
         PROBE_SKETCH_CHECK: rows_and_summary(PROBE_SKETCH_CHECK),
         PROBE_SPECTRA: spectra,
-        PROBE_BASELINES: {"variance": var, "relative_variance": variance_relative_to_optimal(var) if var else {},
-                          "prompts": prompts},
+        PROBE_BASELINES: {
+            "variance": var,
+            "relative_variance": variance_relative_to_optimal(var) if var else {},
+            "prompts": prompts,
+        },
         PROBE_CREDIT: {"position_profile": profile},
         PROBE_GRAM_COVERAGE: min(covs) if covs else None,
         PROBE_TIMING: timing,
@@ -193,13 +204,17 @@ def pool_baseline_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
     parts = [s["baselines"] for s in studies if s.get("baselines")]
     baselines = None
     if parts:
-        baselines = summarise_baseline_prompts([p for part in parts for p in part["per_prompt"]],
-                                               sum(int(p.get("prompts_constant") or 0) for p in parts))
+        baselines = summarise_baseline_prompts(
+            [p for part in parts for p in part["per_prompt"]], sum(int(p.get("prompts_constant") or 0) for p in parts)
+        )
     s1s = [s.get("s1") or {} for s in studies]
-    s1 = {k: combine_summaries([x.get(k) for x in s1s], bounds=(-1.0, 1.0) if k == "difference" else (0.0, 1.0))
-          for k in ("measured", "predicted", "difference")}
-    s1.update(prompts=sum(int(x.get("prompts") or 0) for x in s1s),
-              rollouts_per_prompt=s1s[0].get("rollouts_per_prompt"))
+    s1 = {
+        k: combine_summaries([x.get(k) for x in s1s], bounds=(-1.0, 1.0) if k == "difference" else (0.0, 1.0))
+        for k in ("measured", "predicted", "difference")
+    }
+    s1.update(
+        prompts=sum(int(x.get("prompts") or 0) for x in s1s), rollouts_per_prompt=s1s[0].get("rollouts_per_prompt")
+    )
     meta = dict(studies[0].get("meta") or {})
     for k in ("prompts_sampled", "prompts_with_contrast", "seconds"):
         meta[k] = sum((s.get("meta") or {}).get(k) or 0 for s in studies)
@@ -215,21 +230,31 @@ def pool_credit_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
     if len(K) != 1:
         raise PoolingError(f"the seeds' Monte Carlo credit used different continuations per prefix ({sorted(K)})")
     rollouts = [r for s in studies for r in s["monte_carlo"]["rollouts"]]
-    segments = {k: sum(int(s["monte_carlo"].get("segments", {}).get(k) or 0) for s in studies)
-                for k in ("disagree", "agree", "total")}
-    mc = {"rollouts": rollouts, "samples_per_prefix": K.pop(),
-          **{k: bootstrap_mean([r[k] for r in rollouts], bounds=(0.0, 1.0))
-             for k in ("disagree", "agree", "neutral", "top_segment_share")}, "segments": segments}
+    segments = {
+        k: sum(int(s["monte_carlo"].get("segments", {}).get(k) or 0) for s in studies)
+        for k in ("disagree", "agree", "total")
+    }
+    mc = {
+        "rollouts": rollouts,
+        "samples_per_prefix": K.pop(),
+        **{
+            k: bootstrap_mean([r[k] for r in rollouts], bounds=(0.0, 1.0))
+            for k in ("disagree", "agree", "neutral", "top_segment_share")
+        },
+        "segments": segments,
+    }
     contributions = [s["contributions"] for s in studies]
-    pooled: dict[str, Any] = {"closure": max((c["closure"] for c in contributions if c.get("closure") is not None),
-                                             default=None),
-                              "groups": sum(int(c.get("groups") or 0) for c in contributions)}
+    pooled: dict[str, Any] = {
+        "closure": max((c["closure"] for c in contributions if c.get("closure") is not None), default=None),
+        "groups": sum(int(c.get("groups") or 0) for c in contributions),
+    }
     if all("shares" in c and "shares_nll" in c for c in contributions):
         shares = [x for c in contributions for x in c["shares"]]
         shares_nll = [x for c in contributions for x in c["shares_nll"]]
         pooled["classes"], pooled["classes_nll"] = summarise_class_shares(shares, shares_nll)
         pooled.update(shares=shares, shares_nll=shares_nll)
     else:  # probes that kept only summaries: each summary combined over the seeds as strata
+
         def combine(tree: list[dict[str, Any]]) -> dict[str, Any]:
             if all(isinstance(t, dict) and "mean" in t for t in tree):
                 return combine_summaries(tree)
@@ -240,23 +265,28 @@ def pool_credit_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
             if all(c.get(key) for c in contributions):
                 pooled[key] = combine([c[key] for c in contributions])
     bins = [c.get("position_profile") or [] for c in contributions]
-    pooled["position_profile"] = [combine_summaries([b[i] for b in bins if len(b) > i])
-                                  for i in range(max((len(b) for b in bins), default=0))]
+    pooled["position_profile"] = [
+        combine_summaries([b[i] for b in bins if len(b) > i]) for i in range(max((len(b) for b in bins), default=0))
+    ]
     meta = dict(studies[0].get("meta") or {})
     for k in ("groups_sampled", "seconds"):
         meta[k] = sum((s.get("meta") or {}).get(k) or 0 for s in studies)
     return {"contributions": pooled, "monte_carlo": mc, "meta": meta}
 
 
-def _key_spread(entries: list[dict[str, Any]], group_seeds_rows: list[list[dict[str, Any]]],
-                pooled_summary: dict[str, Any]) -> dict[str, Any]:
+def _key_spread(
+    entries: list[dict[str, Any]], group_seeds_rows: list[list[dict[str, Any]]], pooled_summary: dict[str, Any]
+) -> dict[str, Any]:
     """{key: {within, spread, stratified, pooled}} over every key of the pooled summary."""
     out = {}
     for key, pooled in pooled_summary.items():
         values = [[row.get(key) for row in rows] for rows in group_seeds_rows]
-        out[key] = {"within": [(e.get(PROBE_SUMMARY) or {}).get(key) for e in entries],
-                    "spread": between_seed_spread(values), "stratified": stratified_interval(values),
-                    "pooled": pooled}
+        out[key] = {
+            "within": [(e.get(PROBE_SUMMARY) or {}).get(key) for e in entries],
+            "spread": between_seed_spread(values),
+            "stratified": stratified_interval(values),
+            "pooled": pooled,
+        }
     return out
 
 
@@ -275,24 +305,33 @@ def pool_probes(probes: dict[int, dict[str, Any]]) -> dict[str, Any]:
     for s in seeds[1:]:
         diffs = _settings_differ(first["meta"].get("config") or {}, probes[s]["meta"].get("config") or {})
         if diffs:
-            raise PoolingError(f"seed {s} was probed with other settings than seed {seeds[0]} ({'; '.join(diffs)}); "
-                               f"only the seed may differ between pooled runs")
+            raise PoolingError(
+                f"seed {s} was probed with other settings than seed {seeds[0]} ({'; '.join(diffs)}); "
+                f"only the seed may differ between pooled runs"
+            )
         if set(probes[s]["per_group_size"]) != set(first["per_group_size"]):
-            raise PoolingError(f"seed {s} has group sizes {sorted(probes[s]['per_group_size'], key=int)}, seed "
-                               f"{seeds[0]} {sorted(first['per_group_size'], key=int)}")
+            raise PoolingError(
+                f"seed {s} has group sizes {sorted(probes[s]['per_group_size'], key=int)}, seed "
+                f"{seeds[0]} {sorted(first['per_group_size'], key=int)}"
+            )
         if set(probes[s].get("studies") or {}) != set(first.get("studies") or {}):
-            raise PoolingError(f"seed {s} ran the studies {sorted(probes[s].get('studies') or {})}, seed {seeds[0]} "
-                               f"{sorted(first.get('studies') or {})}")
+            raise PoolingError(
+                f"seed {s} ran the studies {sorted(probes[s].get('studies') or {})}, seed {seeds[0]} "
+                f"{sorted(first.get('studies') or {})}"
+            )
     per_r, seeds_r = {}, {}
     for R in sorted(first["per_group_size"], key=int):
         entries = [probes[s]["per_group_size"][R] for s in seeds]
         per_r[R] = pool_group_size(entries)
         rows_by_seed = [e.get(PROBE_GROUPS) or [] for e in entries]
-        seeds_r[R] = {"group_seeds": [s for s, rows in zip(seeds, rows_by_seed) for _ in rows],
-                      "g2_seeds": [s for s, e in zip(seeds, entries)
-                                   for _ in ((e.get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS) or [])],
-                      "g3": {str(s): e.get(PROBE_G3) or {} for s, e in zip(seeds, entries)},
-                      "keys": _key_spread(entries, rows_by_seed, per_r[R][PROBE_SUMMARY])}
+        seeds_r[R] = {
+            "group_seeds": [s for s, rows in zip(seeds, rows_by_seed) for _ in rows],
+            "g2_seeds": [
+                s for s, e in zip(seeds, entries) for _ in ((e.get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS) or [])
+            ],
+            "g3": {str(s): e.get(PROBE_G3) or {} for s, e in zip(seeds, entries)},
+            "keys": _key_spread(entries, rows_by_seed, per_r[R][PROBE_SUMMARY]),
+        }
     studies: dict[str, Any] = {}
     for name, fn in (("baselines", pool_baseline_study), ("credit", pool_credit_study)):
         if name in (first.get("studies") or {}):
@@ -301,14 +340,23 @@ def pool_probes(probes: dict[int, dict[str, Any]]) -> dict[str, Any]:
     checks = [c for d in per_r.values() for c in ((d.get(PROBE_SKETCH_CHECK) or {}).get(PROBE_GROUPS) or [])]
     check_summary = summarise_rows(checks) if checks else {}
     covs = [m["gram_coverage"] for m in metas if m.get("gram_coverage") is not None]
-    meta = {**first["meta"], "gram_coverage": min(covs) if covs else None,
-            "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"), "sketch_check": check_summary,
-            "seconds": math.fsum(float(m.get("seconds") or 0) for m in metas),
-            "studies_seconds": math.fsum(float(m.get("studies_seconds") or 0) for m in metas),
-            "resumed": any(m.get("resumed") for m in metas),
-            "config": {**(first["meta"].get("config") or {}), "seed": None}, "seeds": seeds}
-    return {"meta": meta, "per_group_size": per_r, "studies": studies,
-            SEEDS: {"seeds": seeds, "dirs": [f"seed_{s}" for s in seeds], "per_group_size": seeds_r}}
+    meta = {
+        **first["meta"],
+        "gram_coverage": min(covs) if covs else None,
+        "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
+        "sketch_check": check_summary,
+        "seconds": math.fsum(float(m.get("seconds") or 0) for m in metas),
+        "studies_seconds": math.fsum(float(m.get("studies_seconds") or 0) for m in metas),
+        "resumed": any(m.get("resumed") for m in metas),
+        "config": {**(first["meta"].get("config") or {}), "seed": None},
+        "seeds": seeds,
+    }
+    return {
+        "meta": meta,
+        "per_group_size": per_r,
+        "studies": studies,
+        SEEDS: {"seeds": seeds, "dirs": [f"seed_{s}" for s in seeds], "per_group_size": seeds_r},
+    }
 
 
 # -- run directories ---------------------------------------------------------------------------------------------------
@@ -322,8 +370,9 @@ def read_seed_probes(out: str | Path, seeds: list[int]) -> dict[int, dict[str, A
     for s in seeds:
         path = seed_dir(out, s) / "probe.json"
         if not path.is_file():
-            state = "did not finish (pass --resume to continue it)" if PartialProbe(path.parent).exists() else \
-                "has not run"
+            state = (
+                "did not finish (pass --resume to continue it)" if PartialProbe(path.parent).exists() else "has not run"
+            )
             raise PoolingError(f"{path} is missing: the probe of seed {s} {state}")
         try:
             probes[s] = json.loads(path.read_text())
@@ -343,8 +392,7 @@ def write_pooled(out: str | Path, seeds: list[int]) -> Path:
     return out
 
 
-def run_seeds(config: ProbeConfig, seeds: list[int],
-              run: Callable[[ProbeConfig], Path] | None = None) -> Path:
+def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig], Path] | None = None) -> Path:
     """One probe per seed into DIR/seed_<s> (``config.out`` = DIR), then the pooled DIR/probe.json and report.md.
 
     Each seed's probe is ``config`` with that seed, so DIR/seed_<s> holds what ``grpo-lens probe --seed s --out
@@ -364,8 +412,9 @@ def run_seeds(config: ProbeConfig, seeds: list[int],
     if run is None:
         from grpo_lens.probe.run import run_probe as run
     if not config.out:
-        raise ConfigError("probe field 'out' (flag --out) is required: the directory for seed_<s>/ and the pooled "
-                          "probe.json")
+        raise ConfigError(
+            "probe field 'out' (flag --out) is required: the directory for seed_<s>/ and the pooled probe.json"
+        )
     seeds = list(dict.fromkeys(int(s) for s in seeds))
     if len(seeds) < 2:
         raise ConfigError(f"--seeds needs at least two distinct seeds to pool, got {seeds}; for one seed use --seed")
@@ -373,8 +422,10 @@ def run_seeds(config: ProbeConfig, seeds: list[int],
     out = Path(config.out)
     started = [p for p in [out / "probe.json", *(seed_dir(out, s) for s in seeds)] if p.exists()]
     if started and not (config.resume or config.overwrite):
-        raise ConfigError(f"{out} already holds {started[0]}; pass --resume to keep the finished seeds and continue "
-                          f"the others, --overwrite to start every seed over, or choose another --out")
+        raise ConfigError(
+            f"{out} already holds {started[0]}; pass --resume to keep the finished seeds and continue "
+            f"the others, --overwrite to start every seed over, or choose another --out"
+        )
     # 1) what each seed needs, every check before anything is written
     todo = []
     for s in seeds:
@@ -386,8 +437,10 @@ def run_seeds(config: ProbeConfig, seeds: list[int],
             saved = (json.loads(finished.read_text()).get("meta") or {}).get("config") or {}
             diffs = _settings_differ(saved, sub.to_dict())
             if diffs:
-                raise ConfigError(f"--resume: seed {s}'s finished probe ({finished}) was measured with other settings "
-                                  f"({'; '.join(diffs)}); restore them, or pass --overwrite to start every seed over")
+                raise ConfigError(
+                    f"--resume: seed {s}'s finished probe ({finished}) was measured with other settings "
+                    f"({'; '.join(diffs)}); restore them, or pass --overwrite to start every seed over"
+                )
             logger.info("seed %d: finished probe kept (%s)", s, finished)
         else:
             todo.append(replace(sub, overwrite=False) if config.resume else sub)

@@ -17,7 +17,8 @@ docs/theory.md §S1, §Baselines at matched expectation, §Token credit.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -67,14 +68,18 @@ def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_
     predicted = s1_predicted_outside_group(c, R)  # raises for M - R < R
     group = c[:, :R].double()
     measured = constant_groups(group, torch.ones_like(group, dtype=torch.bool)).double()  # all correct or all wrong
-    return {"measured": bootstrap_mean(measured.tolist(), bounds=(0.0, 1.0)),
-            "predicted": bootstrap_mean(predicted.tolist(), bounds=(0.0, 1.0)),
-            "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)),
-            "prompts": int(keep.sum()), "rollouts_per_prompt": M}
+    return {
+        "measured": bootstrap_mean(measured.tolist(), bounds=(0.0, 1.0)),
+        "predicted": bootstrap_mean(predicted.tolist(), bounds=(0.0, 1.0)),
+        "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)),
+        "prompts": int(keep.sum()),
+        "rollouts_per_prompt": M,
+    }
 
 
-def _sample_scored(policy, tokenizer, task, reward_fns, prompts: int, rollouts: int, seed: int,
-                   **sampling: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+def _sample_scored(
+    policy, tokenizer, task, reward_fns, prompts: int, rollouts: int, seed: int, **sampling: Any
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """``prompts`` task prompts drawn with ``seed``, ``rollouts`` completions of each sampled with the same seed, and
     their rewards: (batch, rewards [B, rollouts] float32 NaN where invalid, valid [B, rollouts] bool)."""
     examples = task.sample(prompts, seed=seed)
@@ -85,20 +90,38 @@ def _sample_scored(policy, tokenizer, task, reward_fns, prompts: int, rollouts: 
 
 def _score_fn(reward_fns: Any, prompt: Any, extras: dict[str, Any]) -> Callable[[list[str]], list[float]]:
     """completions -> rewards of one prompt (invalid rewards count as 0)."""
+
     def score(texts: list[str]) -> list[float]:
-        rewards, valid, _ = combine_rewards(reward_fns, [prompt] * len(texts), texts,
-                                            **{k: [v] * len(texts) for k, v in extras.items()})
+        rewards, valid, _ = combine_rewards(
+            reward_fns, [prompt] * len(texts), texts, **{k: [v] * len(texts) for k, v in extras.items()}
+        )
         return [float(r) if bool(v) else 0.0 for r, v in zip(rewards, valid)]
 
     return score
 
 
-def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4, prompts: int = 8,
-                       max_prompts: int = 32, prompts_per_batch: int = 4, pool_factor: int = 4,
-                       max_new_tokens: int = 24, temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
-                       sketch_dim: int = 16, aggregation: str = "seq-mean-token-mean", resamples: int = 512,
-                       seed: int = 0, progress: Any = None,
-                       presampled: Sequence[tuple[Any, torch.Tensor, torch.Tensor]] = ()) -> dict[str, Any]:
+def run_baseline_study(
+    policy,
+    tokenizer,
+    task,
+    reward_fns,
+    *,
+    group_size: int = 4,
+    prompts: int = 8,
+    max_prompts: int = 32,
+    prompts_per_batch: int = 4,
+    pool_factor: int = 4,
+    max_new_tokens: int = 24,
+    temperature: float = 0.7,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    sketch_dim: int = 16,
+    aggregation: str = "seq-mean-token-mean",
+    resamples: int = 512,
+    seed: int = 0,
+    progress: Any = None,
+    presampled: Sequence[tuple[Any, torch.Tensor, torch.Tensor]] = (),
+) -> dict[str, Any]:
     """Baselines at matched expectation and S1 predicted without bias, on ``prompts`` prompts with contrast.
 
     Takes prompts first from ``presampled`` (batches already drawn with M = pool_factor * R rollouts per prompt, and
@@ -147,20 +170,35 @@ def run_baseline_study(policy, tokenizer, task, reward_fns, *, group_size: int =
                 continue
             sub = batch.select(rows)
             c = aggregation_rollout_weights(sub.completion_mask, aggregation)
-            sketch = sketch_rollout_grads(policy, sub, k_in=sketch_dim, k_out=sketch_dim, seed=seed,
-                                          temperature=temperature, weights=c.float().to(sub.completion_ids.device))
+            sketch = sketch_rollout_grads(
+                policy,
+                sub,
+                k_in=sketch_dim,
+                k_out=sketch_dim,
+                seed=seed,
+                temperature=temperature,
+                weights=c.float().to(sub.completion_ids.device),
+            )
             pools.append((sketch.sketch.detach().double().cpu(), r.double().cpu()))
             if progress is not None:  # a tqdm bar: one tick per analysed prompt
                 progress.update(1)
     study = baseline_study(pools, R, num_resamples=resamples, seed=seed) if pools else None
     s1 = s1_measured_and_predicted(torch.stack(correct_rows), torch.stack(valid_rows), R)
-    return {"baselines": study, "s1": s1,
-            "meta": {"group_size": R, "rollouts_per_prompt": M, "prompts_sampled": sampled,
-                     "presampled_prompts": reused,
-                     "prompts_with_contrast": len(pools),
-                     "gradients": "LoGra sketch of every nn.Linear weight (embeddings and norms not covered)",
-                     "sketch_dim": sketch_dim, "aggregation": aggregation,
-                     "seconds": time.perf_counter() - t_start}}
+    return {
+        "baselines": study,
+        "s1": s1,
+        "meta": {
+            "group_size": R,
+            "rollouts_per_prompt": M,
+            "prompts_sampled": sampled,
+            "presampled_prompts": reused,
+            "prompts_with_contrast": len(pools),
+            "gradients": "LoGra sketch of every nn.Linear weight (embeddings and norms not covered)",
+            "sketch_dim": sketch_dim,
+            "aggregation": aggregation,
+            "seconds": time.perf_counter() - t_start,
+        },
+    }
 
 
 def _segment_counts(rows: list[dict[str, Any]], z: float = 2.0) -> dict[str, int]:
@@ -174,12 +212,31 @@ def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
     return [bootstrap_mean([r[b] for r in rows]) for b in range(len(rows[0]))]
 
 
-def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4, groups: int = 8,
-                     max_prompts: int = 48, prompts_per_batch: int = 4, mc_groups: int = 2, mc_samples: int = 8,
-                     segments: int = 4, bins: int = 10, max_new_tokens: int = 24, temperature: float = 0.7,
-                     top_k: int = 0, top_p: float = 1.0, aggregation: str = "seq-mean-token-mean",
-                     std: str = "sample", eps: float = 1e-4, step: float = 1e-2, seed: int = 0,
-                     progress: Any = None) -> dict[str, Any]:
+def run_credit_study(
+    policy,
+    tokenizer,
+    task,
+    reward_fns,
+    *,
+    group_size: int = 4,
+    groups: int = 8,
+    max_prompts: int = 48,
+    prompts_per_batch: int = 4,
+    mc_groups: int = 2,
+    mc_samples: int = 8,
+    segments: int = 4,
+    bins: int = 10,
+    max_new_tokens: int = 24,
+    temperature: float = 0.7,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    aggregation: str = "seq-mean-token-mean",
+    std: str = "sample",
+    eps: float = 1e-4,
+    step: float = 1e-2,
+    seed: int = 0,
+    progress: Any = None,
+) -> dict[str, Any]:
     """Signed token contributions on ``groups`` mixed groups and Monte Carlo advantages on the first ``mc_groups``.
 
     Returns:
@@ -220,8 +277,17 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
             classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
             # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)
             res, sh, sh_nll = paired_class_shares(
-                lambda a: signed_token_contributions(policy, group, a, aggregation=aggregation, step=step,
-                                                     temperature=temperature), adv, classes)
+                lambda a: signed_token_contributions(
+                    policy,
+                    group,  # noqa: B023 - called inside this iteration
+                    a,
+                    aggregation=aggregation,
+                    step=step,
+                    temperature=temperature,
+                ),
+                adv,
+                classes,
+            )
             profiles.append(relative_position_profile(res["contributions"], mask, bins).tolist())
             shares.append(sh)
             shares_nll.append(sh_nll)
@@ -233,26 +299,61 @@ def run_credit_study(policy, tokenizer, task, reward_fns, *, group_size: int = 4
                 for i in picks:
                     completion = group.completion_ids[i][group.completion_mask[i]]
                     bounds = segment_boundaries(len(completion), segments)[:-1]  # the complete rollout needs none
-                    values, errors = prefix_values(policy, tokenizer, prompt_ids, completion, bounds, score,
-                                                   num_samples=mc_samples, max_new_tokens=max_new_tokens,
-                                                   temperature=temperature, top_k=top_k, top_p=top_p,
-                                                   seed=s + j * 31 + i)
+                    values, errors = prefix_values(
+                        policy,
+                        tokenizer,
+                        prompt_ids,
+                        completion,
+                        bounds,
+                        score,
+                        num_samples=mc_samples,
+                        max_new_tokens=max_new_tokens,
+                        temperature=temperature,
+                        top_k=top_k,
+                        top_p=top_p,
+                        seed=s + j * 31 + i,
+                    )
                     seg_adv, seg_err = segment_advantages(values, errors, float(r[i]))
                     full = bounds + [len(completion)]
                     lens = [full[k + 1] - full[k] for k in range(len(bounds))]
                     cmp = compare_with_uniform(seg_adv, seg_err, lens, float(adv[i]))
-                    mc_rows.append({"reward": float(r[i]), "grpo_advantage": float(adv[i]), "boundaries": full,
-                                    "values": values.tolist(), "errors": errors.tolist(),
-                                    "advantages": seg_adv.tolist(), "adv_errors": seg_err.tolist(), **cmp})
+                    mc_rows.append(
+                        {
+                            "reward": float(r[i]),
+                            "grpo_advantage": float(adv[i]),
+                            "boundaries": full,
+                            "values": values.tolist(),
+                            "errors": errors.tolist(),
+                            "advantages": seg_adv.tolist(),
+                            "adv_errors": seg_err.tolist(),
+                            **cmp,
+                        }
+                    )
     class_summary, nll_summary = summarise_class_shares(shares, shares_nll)
     return {
-        "contributions": {"position_profile": _mean_ci_per_bin(profiles), "classes": class_summary,
-                          "classes_nll": nll_summary, "shares": shares, "shares_nll": shares_nll,  # per group
-                          "closure": max(closures) if closures else None, "groups": analysed},
-        "monte_carlo": {"rollouts": mc_rows, "samples_per_prefix": mc_samples,
-                        **{k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))
-                           for k in ("disagree", "agree", "neutral", "top_segment_share")},
-                        "segments": _segment_counts(mc_rows)},
-        "meta": {"group_size": R, "groups_sampled": sampled, "gradients": "exact update direction (every parameter)",
-                 "step": step, "seconds": time.perf_counter() - t_start},
+        "contributions": {
+            "position_profile": _mean_ci_per_bin(profiles),
+            "classes": class_summary,
+            "classes_nll": nll_summary,
+            "shares": shares,
+            "shares_nll": shares_nll,  # per group
+            "closure": max(closures) if closures else None,
+            "groups": analysed,
+        },
+        "monte_carlo": {
+            "rollouts": mc_rows,
+            "samples_per_prefix": mc_samples,
+            **{
+                k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))
+                for k in ("disagree", "agree", "neutral", "top_segment_share")
+            },
+            "segments": _segment_counts(mc_rows),
+        },
+        "meta": {
+            "group_size": R,
+            "groups_sampled": sampled,
+            "gradients": "exact update direction (every parameter)",
+            "step": step,
+            "seconds": time.perf_counter() - t_start,
+        },
     }

@@ -49,8 +49,9 @@ def probe_records(probe: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
 
 def claims_rows(probe: dict[str, Any]) -> list[dict[str, str]]:
     """The claims table of a probe (:func:`grpo_lens.claims.evaluate_claims`) as rows of text."""
-    return [{k: getattr(c, k) for k in ("claim", "scope", "verdict", "measurement", "rule")}
-            for c in evaluate_claims(probe)]
+    return [
+        {k: getattr(c, k) for k in ("claim", "scope", "verdict", "measurement", "rule")} for c in evaluate_claims(probe)
+    ]
 
 
 def log_probe(out: str | Path, names: list[str], config: dict[str, Any]) -> None:

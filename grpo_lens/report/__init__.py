@@ -121,73 +121,127 @@ def _calibrated(c: Any, levels: dict[str, dict[str, dict[str, Any]]]) -> str:
     if cell is None:
         return "not calibrated"
     power = "–" if cell["power"] is None else f"{cell['power']:.2f}"
-    where = f"n = {cell['n']} {cell.get('unit', '')}".strip() + (" (the smallest calibrated; this row has fewer)"
-                                                                 if cell["below"] else "")
+    where = f"n = {cell['n']} {cell.get('unit', '')}".strip() + (
+        " (the smallest calibrated; this row has fewer)" if cell["below"] else ""
+    )
     return f"level {cell['level']:.3f}, power {power} ({where})"
 
 
-def claims_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None,
-                   lora_rank: int = 0) -> list[str]:
+def claims_section(
+    probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None, lora_rank: int = 0
+) -> list[str]:
     """The paper's claims, per probe and on the training run's records (:func:`grpo_lens.claims.base.evaluate_claims`;
     rules in docs/theory.md §11 and §12): the primary claims in one table decided under Holm at a family-wise 0.05
     (:func:`grpo_lens.claims.base.holm_claims`), each with its n, the p-value it was decided at and its rule's
     calibrated level and power at that n (read from grpo_lens/data/calibration_levels.json, written by `grpo-lens
     calibrate`); then the checks (algebra with a control) and the descriptive rows, apart. ``lora_rank`` > 0: the
     training sparsity numbers are over the LoRA adapter's weights."""
-    rule_text = ("One primary measure and one verdict per claim, computed from the numbers by the rule shown "
-                 "(docs/theory.md §11 for the rank claims and the identity, §12 for sparsity, credit and baselines): "
-                 "holds / does not "
-                 "hold / inconclusive, decided under Holm at a family-wise 0.05. Intervals are 95%, none from fewer "
-                 "than 8 units. 'calibrated' is the rule's level (wrong-verdict share) and power on planted cases at "
-                 "the row's n (docs/calibration.md).")
+    rule_text = (
+        "One primary measure and one verdict per claim, computed from the numbers by the rule shown "
+        "(docs/theory.md §11 for the rank claims and the identity, §12 for sparsity, credit and baselines): "
+        "holds / does not "
+        "hold / inconclusive, decided under Holm at a family-wise 0.05. Intervals are 95%, none from fewer "
+        "than 8 units. 'calibrated' is the rule's level (wrong-verdict share) and power on planted cases at "
+        "the row's n (docs/calibration.md)."
+    )
     if probes and records:
-        lines = ["## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines", "",
-                 rule_text, ""]
+        lines = [
+            "## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines",
+            "",
+            rule_text,
+            "",
+        ]
     elif probes:
-        lines = ["## Claims: effective rank, zero-sum structure, the identity, credit, baselines", "", rule_text +
-                 " The claims on sparsity over training come from a training run (`grpo-lens train`, or "
-                 "`grpo-lens demo`); this report has a probe only.", ""]
+        lines = [
+            "## Claims: effective rank, zero-sum structure, the identity, credit, baselines",
+            "",
+            rule_text + " The claims on sparsity over training come from a training run (`grpo-lens train`, or "
+            "`grpo-lens demo`); this report has a probe only.",
+            "",
+        ]
     else:
-        lines = ["## Claims: sparsity over training", "", rule_text + " The claims on effective rank, zero-sum "
-                 "structure, the identity, credit and baselines come from `grpo-lens probe` (or `grpo-lens demo`, "
-                 "which probes before and after training); this run has no probe.json.", ""]
+        lines = [
+            "## Claims: sparsity over training",
+            "",
+            rule_text + " The claims on effective rank, zero-sum "
+            "structure, the identity, credit and baselines come from `grpo-lens probe` (or `grpo-lens demo`, "
+            "which probes before and after training); this run has no probe.json.",
+            "",
+        ]
     sources = dict(probes)
     if records:
         sources = {"training": {"records": records, "lora_rank": lora_rank}, **sources}
     multi = len(sources) > 1
-    evaluated = [(label, c) for label, probe in sources.items()
-                 for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None)]
+    evaluated = [
+        (label, c)
+        for label, probe in sources.items()
+        for c in evaluate_claims(probe, list(TRAINING_CLAIMS) if label == "training" else None)
+    ]
     decided, note = holm_claims([c for _, c in evaluated])
     labelled = [(label, d) for (label, _), d in zip(evaluated, decided)]
     levels = load_levels()
-    lines += md_table((["probe"] if multi else []) + ["claim", "scope", "measurement", "null / control", "verdict",
-                                                      "decided by", "n", "calibrated (level, power)", "gradients"])
+    lines += md_table(
+        (["probe"] if multi else [])
+        + [
+            "claim",
+            "scope",
+            "measurement",
+            "null / control",
+            "verdict",
+            "decided by",
+            "n",
+            "calibrated (level, power)",
+            "gradients",
+        ]
+    )
     for label, c in labelled:
         if c.kind != "claim":
             continue
         rule = c.rule + (f". To decide: {c.advice}" if c.verdict == INCONCLUSIVE and c.advice else "")
-        cells = [mark_few(x) for x in (c.claim, c.scope, c.measurement, c.control, f"**{c.verdict}**", rule,
-                                         "–" if c.n is None else str(c.n), _calibrated(c, levels), c.source)]
+        cells = [
+            mark_few(x)
+            for x in (
+                c.claim,
+                c.scope,
+                c.measurement,
+                c.control,
+                f"**{c.verdict}**",
+                rule,
+                "–" if c.n is None else str(c.n),
+                _calibrated(c, levels),
+                c.source,
+            )
+        ]
         lines.append(md_row(*([label] if multi else []), *cells))
-    lines += ([""] + [note] if note else [])
-    for kind, title in (("check", "Checks (algebra and identities, each with its control; not tests, not counted)"),
-                        ("descriptive", "Descriptive rows (no calibrated rule, no verdict)")):
+    lines += [""] + [note] if note else []
+    for kind, title in (
+        ("check", "Checks (algebra and identities, each with its control; not tests, not counted)"),
+        ("descriptive", "Descriptive rows (no calibrated rule, no verdict)"),
+    ):
         rows = [(label, c) for label, c in labelled if c.kind == kind]
         if rows:
             lines += ["", f"{title}:", ""]
-            lines += [f"- {c.claim} ({label + ', ' if multi else ''}{c.scope}): **{c.verdict}** — {c.measurement}; "
-                      f"control: {c.control}; {c.rule}" if kind == "check" else
-                      f"- {c.claim} ({label + ', ' if multi else ''}{c.scope}): {c.measurement}; {c.rule}"
-                      for label, c in rows]
+            lines += [
+                f"- {c.claim} ({label + ', ' if multi else ''}{c.scope}): **{c.verdict}** — {c.measurement}; "
+                f"control: {c.control}; {c.rule}"
+                if kind == "check"
+                else f"- {c.claim} ({label + ', ' if multi else ''}{c.scope}): {c.measurement}; {c.rule}"
+                for label, c in rows
+            ]
     return lines + [""]
 
 
 #: the report's first-screen figures, most informative first: one figure per entry, the first file (in report
 #: order) that matches its first pattern, else its second; the first three entries the run has are shown
-FIRST_FIGURES = (("erank_vs_R.png", "erank_vs_R_*.png"),  # the rank claim: G1's erank vs R beside its null
-                 ("sparsity.png",),  # S1 and S4 over training
-                 ("rank_over_training.png",),  # G1's rank at every lens step
-                 ("spectra_*.png",), ("baseline_variance_*.png",), ("learning_curves.png",), ("baselines.png",))
+FIRST_FIGURES = (
+    ("erank_vs_R.png", "erank_vs_R_*.png"),  # the rank claim: G1's erank vs R beside its null
+    ("sparsity.png",),  # S1 and S4 over training
+    ("rank_over_training.png",),  # G1's rank at every lens step
+    ("spectra_*.png",),
+    ("baseline_variance_*.png",),
+    ("learning_curves.png",),
+    ("baselines.png",),
+)
 N_FIRST_FIGURES = 3
 
 _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)]+)\)")
@@ -202,7 +256,7 @@ def report_figures(lines: list[str]) -> list[tuple[str, str, str]]:
     for line in lines:
         heading = _HEADING.fullmatch(line)
         if heading:
-            section, subsection = ((heading[2], "") if len(heading[1]) == 2 else (section, heading[2]))
+            section, subsection = (heading[2], "") if len(heading[1]) == 2 else (section, heading[2])
         image = _IMAGE.fullmatch(line)
         if image:
             out.append((image[1], image[2], f"{section}, {subsection}" if subsection else section))
@@ -221,8 +275,14 @@ def first_figures(body: list[str], n: int = N_FIRST_FIGURES) -> list[str]:
             chosen.append(match)
     if not chosen:
         return []
-    return ["## Figures", "", *(f"![{alt}]({name})" for alt, name, _ in chosen), "",
-            "In order: " + "; ".join(f"{alt} (appendix: {where})" for alt, _, where in chosen) + ".", ""]
+    return [
+        "## Figures",
+        "",
+        *(f"![{alt}]({name})" for alt, name, _ in chosen),
+        "",
+        "In order: " + "; ".join(f"{alt} (appendix: {where})" for alt, _, where in chosen) + ".",
+        "",
+    ]
 
 
 def appendix(lines: list[str]) -> list[str]:
@@ -260,9 +320,15 @@ def write_report(run_dir: Path) -> Path:
         cfg, lora_rank = {}, 0
     estimator = cfg.get("estimator") if isinstance(cfg, dict) else None
     if records:
-        body += training_section(records, run_dir, findings, lora_rank, estimator=estimator,
-                                 lens_space=str(cfg.get("lens_space") or "trainable") if isinstance(cfg, dict)
-                                 else "trainable", schedule=schedule_text(cfg) if isinstance(cfg, dict) else None)
+        body += training_section(
+            records,
+            run_dir,
+            findings,
+            lora_rank,
+            estimator=estimator,
+            lens_space=str(cfg.get("lens_space") or "trainable") if isinstance(cfg, dict) else "trainable",
+            schedule=schedule_text(cfg) if isinstance(cfg, dict) else None,
+        )
         body += completions_section(_read_jsonl(train_dir / "completions.jsonl"))
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)
@@ -276,13 +342,24 @@ def write_report(run_dir: Path) -> Path:
     header += first_figures(body)
     rest = []
     if records and estimator:
-        rest += [f"Advantage estimator: `{estimator}` (baseline: {ESTIMATOR_BASELINES.get(estimator, 'see docs')}"
-                 + (f"; std convention `{cfg.get('std')}`" if estimator == "grpo" and cfg.get("std") else "")
-                 + ").", ""]
+        rest += [
+            f"Advantage estimator: `{estimator}` (baseline: {ESTIMATOR_BASELINES.get(estimator, 'see docs')}"
+            + (f"; std convention `{cfg.get('std')}`" if estimator == "grpo" and cfg.get("std") else "")
+            + ").",
+            "",
+        ]
     config = train_dir / "config.yaml"
     if config.exists():
-        rest += ["<details><summary>config</summary>", "", "```yaml", config.read_text().strip(), "```", "",
-                 "</details>", ""]
+        rest += [
+            "<details><summary>config</summary>",
+            "",
+            "```yaml",
+            config.read_text().strip(),
+            "```",
+            "",
+            "</details>",
+            "",
+        ]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
         rest += claims_section(probes, records, lora_rank)
     if (probes.get("probe") or {}).get("seeds"):  # a pooled probe (probe --seeds): each seed beside the pool

@@ -17,8 +17,9 @@ from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.report.format import mark_few
 
 
-def claim_sources(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None,
-                  lora_rank: int = 0) -> dict[str, list[Claim]]:
+def claim_sources(
+    probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None, lora_rank: int = 0
+) -> dict[str, list[Claim]]:
     """{source label: its claims}: each probe first (the rank claims, the question a reader opens the report with),
     then ``training`` (the run's records: sparsity over training)."""
     sources: dict[str, list[Claim]] = {label: evaluate_claims(probe) for label, probe in probes.items()}
@@ -28,7 +29,7 @@ def claim_sources(probes: dict[str, dict[str, Any]], records: list[dict[str, Any
     flat, _ = holm_claims([c for claims in sources.values() for c in claims])
     out, i = {}, 0
     for label, claims in sources.items():
-        out[label], i = flat[i:i + len(claims)], i + len(claims)
+        out[label], i = flat[i : i + len(claims)], i + len(claims)
     return out
 
 
@@ -42,8 +43,9 @@ def answer_lines(sources: dict[str, list[Claim]]) -> list[str]:
                 continue
             where = f"{label}, {c.scope}" if multi and not c.scope.startswith(label) else c.scope
             if c.verdict == INCONCLUSIVE:
-                undecided.setdefault((c.claim, c.rule + (f". To decide: {c.advice}" if c.advice else "")),
-                                     []).append(where)
+                undecided.setdefault((c.claim, c.rule + (f". To decide: {c.advice}" if c.advice else "")), []).append(
+                    where
+                )
             else:
                 check = " (check, not a test)" if c.kind == "check" else ""
                 decided.append(f"- **{c.verdict}**{check}: {c.claim} ({where}): {c.rule}")
@@ -60,8 +62,9 @@ def answer_lines(sources: dict[str, list[Claim]]) -> list[str]:
     return lines
 
 
-def answers_section(probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None,
-                    lora_rank: int = 0) -> list[str]:
+def answers_section(
+    probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None, lora_rank: int = 0
+) -> list[str]:
     """The report's first section (:func:`answer_lines` of :func:`claim_sources`); empty when the run has neither a
     probe nor lens records."""
     sources = claim_sources(probes, records, lora_rank)

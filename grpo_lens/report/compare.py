@@ -73,8 +73,20 @@ COMPARED = (
 
 
 #: Config fields that say how a run was executed, not what it computes: never reported as differences.
-IGNORED_FIELDS = ("out", "resume", "overwrite", "progress", "device", "report_to", "log_completions",
-                  "checkpoint_every", "keep_checkpoints", "save_final_model", "reward_timeout", "metric_names")
+IGNORED_FIELDS = (
+    "out",
+    "resume",
+    "overwrite",
+    "progress",
+    "device",
+    "report_to",
+    "log_completions",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "save_final_model",
+    "reward_timeout",
+    "metric_names",
+)
 
 
 #: Keys of a TRL run's config.yaml (grpo_lens.integrations.trl.run_config) that describe the trainer, not a setting.
@@ -117,8 +129,9 @@ def read_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """
     cfg, met = path / "config.yaml", path / "metrics.jsonl"
     if not cfg.is_file() or not met.is_file():
-        raise CompareError(f"{path} is not a training run (needs config.yaml and metrics.jsonl, written by "
-                           f"grpo-lens train)")
+        raise CompareError(
+            f"{path} is not a training run (needs config.yaml and metrics.jsonl, written by grpo-lens train)"
+        )
     try:
         config = yaml.safe_load(cfg.read_text()) or {}
         config = TrainConfig.canonical(config, warn=False) if isinstance(config, dict) else config  # current names
@@ -132,8 +145,9 @@ def read_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return config, records
 
 
-def differing_fields(configs: dict[str, dict[str, Any]],
-                     partial: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+def differing_fields(
+    configs: dict[str, dict[str, Any]], partial: frozenset[str] = frozenset()
+) -> dict[str, dict[str, Any]]:
     """{field: {run: value}} for every config field whose value is not the same in all runs (IGNORED_FIELDS aside).
 
     ``partial``: runs whose config records only some settings (TRL runs); a field one of them does not record is
@@ -150,8 +164,7 @@ def differing_fields(configs: dict[str, dict[str, Any]],
 def final_numbers(records: list[dict[str, Any]], key: str, last: int) -> dict[str, Any] | None:
     """Mean and 95% interval of ``key`` over the last ``last`` records that have a finite value of it (None if none):
     {"mean", "low", "high" (None below MIN_INTERVAL_UNITS records), "n", "steps": [first, last]}."""
-    pts = [(r[STEP], r[key]) for r in records
-           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    pts = [(r[STEP], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     if not pts:
         return None
     pts = pts[-last:]
@@ -191,8 +204,14 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
         for run, records in runs.items():
             pts = [(r[STEP], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if pts:
-                (line,) = ax.plot(*zip(*pts), marker="o" if len(pts) < 12 else None, ms=1.5 + 1.5 * widths[run],
-                                  color=colours[run], linewidth=widths[run], label=run)
+                (line,) = ax.plot(
+                    *zip(*pts),
+                    marker="o" if len(pts) < 12 else None,
+                    ms=1.5 + 1.5 * widths[run],
+                    color=colours[run],
+                    linewidth=widths[run],
+                    label=run,
+                )
                 handles.setdefault(run, line)
         found = lookup(key, JSONL)
         ax.set_title(label, fontsize=10)
@@ -200,11 +219,12 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
         ax.set_ylabel(found[0].unit if found else key, fontsize=8)
         integer_ticks(ax)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics):]:
+    for ax in list(axes.flat)[len(metrics) :]:
         ax.axis("off")
     if handles:
-        fig.legend(list(handles.values()), list(handles), loc="upper center", ncol=min(len(handles), legend_cols),
-                   fontsize=8)
+        fig.legend(
+            list(handles.values()), list(handles), loc="upper center", ncol=min(len(handles), legend_cols), fontsize=8
+        )
     fig.tight_layout(rect=(0, 0, 1, 1 - header / (3.2 * rows + header)))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -231,19 +251,25 @@ def _steps(span: tuple[int, int] | list[int]) -> str:
 def _tasks_line(labels: list[str], tasks: dict[str, dict[str, Any]]) -> str:
     """compare.md's task line: the one task when every run records the same one, else each run's (a TRL run's
     task is not recorded: it lives in the user's script)."""
+
     def one(t: dict[str, Any] | None) -> str:
         if t is None:
             return "not recorded (a TRL run: the task is its script's)"
-        return (str(t["task"]) + (f" {t['task_options']}" if t.get("task_options") else "")
-                + (f" ({t['dataset']})" if t.get("dataset") else ""))
+        return (
+            str(t["task"])
+            + (f" {t['task_options']}" if t.get("task_options") else "")
+            + (f" ({t['dataset']})" if t.get("dataset") else "")
+        )
+
     shown = [one(tasks.get(label)) for label in labels]
     if len(set(shown)) == 1:
         return shown[0]
     return "; ".join(f"{label}: {s}" for label, s in zip(labels, shown)) + " (compared on request)"
 
 
-def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
-                 allow_different_tasks: bool = False) -> Path:
+def compare_runs(
+    run_dirs: list[str | Path], out: str | Path, *, last: int = 10, allow_different_tasks: bool = False
+) -> Path:
     """Write ``out/compare.md``, ``out/compare.png`` and ``out/compare.json`` for two or more runs.
 
     Args:
@@ -273,19 +299,29 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
         configs[label], runs[label] = read_run(p)
     partial = frozenset(label for label, cfg in configs.items() if is_trl_run(cfg))
     configs = {label: comparable_config(cfg) for label, cfg in configs.items()}
-    tasks = {label: {k: cfg.get(k) for k in TASK_FIELDS} for label, cfg in configs.items()
-             if label not in partial or "task" in cfg}  # a TRL run's task lives in the user's script
+    tasks = {
+        label: {k: cfg.get(k) for k in TASK_FIELDS}
+        for label, cfg in configs.items()
+        if label not in partial or "task" in cfg
+    }  # a TRL run's task lives in the user's script
     if len({json.dumps(t, sort_keys=True) for t in tasks.values()}) > 1 and not allow_different_tasks:
-        shown = "; ".join(f"{label}: {t['task']}"
-                          + (f" {t['task_options']}" if t.get("task_options") else "")
-                          + (f" ({t['dataset']})" if t.get("dataset") else "") for label, t in tasks.items())
-        raise CompareError(f"the runs are on different tasks ({shown}); their rewards are not comparable. Pass "
-                           f"--allow-different-tasks to compare them anyway")
+        shown = "; ".join(
+            f"{label}: {t['task']}"
+            + (f" {t['task_options']}" if t.get("task_options") else "")
+            + (f" ({t['dataset']})" if t.get("dataset") else "")
+            for label, t in tasks.items()
+        )
+        raise CompareError(
+            f"the runs are on different tasks ({shown}); their rewards are not comparable. Pass "
+            f"--allow-different-tasks to compare them anyway"
+        )
     unrecorded = sorted(set(configs) - set(tasks))  # TRL runs: the dataset and reward functions are the script's
     if unrecorded and not allow_different_tasks:
-        raise CompareError(f"{', '.join(unrecorded)}: a TRL run does not record its task (the dataset and reward "
-                           f"functions live in its script), so compare cannot check that the runs trained on the "
-                           f"same task. Pass --allow-different-tasks to compare them anyway")
+        raise CompareError(
+            f"{', '.join(unrecorded)}: a TRL run does not record its task (the dataset and reward "
+            f"functions live in its script), so compare cannot check that the runs trained on the "
+            f"same task. Pass --allow-different-tasks to compare them anyway"
+        )
 
     out = Path(out)
     metrics = [(k, lab) for k, lab in COMPARED if any(k in r for recs in runs.values() for r in recs)]
@@ -297,19 +333,34 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
 
     out.mkdir(parents=True, exist_ok=True)
     plot_compare(runs, metrics, out / "compare.png")
-    (out / "compare.json").write_text(json.dumps({"runs": {lab: str(p) for lab, p in zip(labels, paths)},
-                                                  "last": last, "differing_config": diff, "final": table,
-                                                  "pooled_over_seeds": pooled},
-                                                 indent=1, default=str))
-    lines = ["# grpo-lens compare", "",
-             "Runs: " + ", ".join(f"`{lab}` ({p}, {len(runs[lab])} steps)" for lab, p in zip(labels, paths)), ""]
+    (out / "compare.json").write_text(
+        json.dumps(
+            {
+                "runs": {lab: str(p) for lab, p in zip(labels, paths)},
+                "last": last,
+                "differing_config": diff,
+                "final": table,
+                "pooled_over_seeds": pooled,
+            },
+            indent=1,
+            default=str,
+        )
+    )
+    lines = [
+        "# grpo-lens compare",
+        "",
+        "Runs: " + ", ".join(f"`{lab}` ({p}, {len(runs[lab])} steps)" for lab, p in zip(labels, paths)),
+        "",
+    ]
     lines += ["Task: " + _tasks_line(labels, tasks), ""]
 
     notes = {lab: dynamic_sampling_summary(runs[lab]) for lab in labels}
     if any(notes.values()):
         lines += ["## Dynamic sampling", ""]
-        lines += [f"- `{lab}`: " + (notes[lab] or "no dynamic sampling (every sampled group was trained on).")
-                  for lab in labels]
+        lines += [
+            f"- `{lab}`: " + (notes[lab] or "no dynamic sampling (every sampled group was trained on).")
+            for lab in labels
+        ]
         lines += [""]
     lines += ["## Config fields that differ", ""]
     if diff:
@@ -317,14 +368,22 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
     else:
         lines += ["None: the runs share every setting (a difference then comes from code or randomness)."]
     if partial:
-        lines += ["", "TRL runs (" + ", ".join(f"`{lab}`" for lab in labels if lab in partial) + ") record TRL's "
-                  "settings, compared under grpo-lens' names; a setting a TRL run does not record is compared among "
-                  "the runs that do."]
-    lines += ["", f"## Final numbers (mean over each run's last {last} records with the metric, 95% "
-                  f"interval over those steps (Hall's transformed t), from at least {MIN_INTERVAL_UNITS})", "",
-              "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "
-              "uncertainty; differences smaller than it are not resolved by these runs.", "",
-              *md_table(["metric", *labels])]
+        lines += [
+            "",
+            "TRL runs (" + ", ".join(f"`{lab}`" for lab in labels if lab in partial) + ") record TRL's "
+            "settings, compared under grpo-lens' names; a setting a TRL run does not record is compared among "
+            "the runs that do.",
+        ]
+    lines += [
+        "",
+        f"## Final numbers (mean over each run's last {last} records with the metric, 95% "
+        f"interval over those steps (Hall's transformed t), from at least {MIN_INTERVAL_UNITS})",
+        "",
+        "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "
+        "uncertainty; differences smaller than it are not resolved by these runs.",
+        "",
+        *md_table(["metric", *labels]),
+    ]
     for key, label in metrics:
         cells = []
         for lab in labels:
@@ -334,8 +393,10 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, last: int = 10,
             elif f["low"] is None:
                 cells.append(f"{fmt_sig(f['mean'])} ({_steps(f['steps'])}, n={f['n']}: too few for an interval)")
             else:
-                cells.append(f"{fmt_sig(f['mean'])} [{fmt_sig(f['low'])}, {fmt_sig(f['high'])}] "
-                             f"({_steps(f['steps'])}, n={f['n']})")
+                cells.append(
+                    f"{fmt_sig(f['mean'])} [{fmt_sig(f['low'])}, {fmt_sig(f['high'])}] "
+                    f"({_steps(f['steps'])}, n={f['n']})"
+                )
         lines.append(md_row(f"{label} (`{key}`)", *cells))
     lines += ["", *compare_seeds_section(pooled, metrics, diff.get("seed", {}))]
     lines += ["", "## Curves", "", "![curves](compare.png)", ""]

@@ -37,8 +37,10 @@ def fmt(x: Any, nd: int = 3) -> str:
 FEW_MARK = "†"
 
 #: the one sentence that says what :data:`FEW_MARK` means (the report prints it once, above the claims)
-FEW_NOTE = (f"{FEW_MARK} after a number: it is a mean over fewer than {MIN_INTERVAL_UNITS} units (groups, prompts, "
-            "steps or segments, as its n says), too few for a 95% interval (docs/theory.md §7).")
+FEW_NOTE = (
+    f"{FEW_MARK} after a number: it is a mean over fewer than {MIN_INTERVAL_UNITS} units (groups, prompts, "
+    "steps or segments, as its n says), too few for a 95% interval (docs/theory.md §7)."
+)
 
 
 def interval(stats: dict[str, Any] | None) -> tuple[float, float] | None:

@@ -55,9 +55,14 @@ SIZE = (6.4, 3.6)
 
 #: the colour of a series drawn in more than one figure of the report, the same wherever it appears (S4 and its
 #: controls in sparsity.png and sparsity_measures.png; accuracy beside the reward and beside S1)
-SERIES_COLOURS = {REWARD_ACCURACY: "tab:gray", SPARSITY_UPDATE_TOTAL: "tab:orange",
-                  SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED: "tab:orange", SPARSITY_UPDATE_TOTAL_BF16_PERMUTED: "tab:green",
-                  SPARSITY_UPDATE_TOTAL_BF16_DENSE: "tab:red", SPARSITY_UPDATE_TOTAL_F32_UNCHANGED: "tab:purple"}
+SERIES_COLOURS = {
+    REWARD_ACCURACY: "tab:gray",
+    SPARSITY_UPDATE_TOTAL: "tab:orange",
+    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED: "tab:orange",
+    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED: "tab:green",
+    SPARSITY_UPDATE_TOTAL_BF16_DENSE: "tab:red",
+    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED: "tab:purple",
+}
 
 
 def series_colour(key: str) -> str | None:
@@ -95,8 +100,9 @@ def coinciding(a: tuple[list[float], list[float]], b: tuple[list[float], list[fl
     return "equal" if pa == pb else "near"
 
 
-def plot_lines(ax, lines: list[tuple[str, list[float], list[float], str | None, str]], span: float | None = None,
-               marker: str = ".") -> None:
+def plot_lines(
+    ax, lines: list[tuple[str, list[float], list[float], str | None, str]], span: float | None = None, marker: str = "."
+) -> None:
     """Draw (label, steps, values, colour, linestyle) series so that every one stays visible where several coincide
     (:func:`coinciding`, within :data:`COINCIDE_SHARE` of ``span``): a series that another one will lie on is drawn
     wide; a series that lies on ones drawn before it is drawn on top of them, thinner, with a hollow marker of its
@@ -116,15 +122,24 @@ def plot_lines(ax, lines: list[tuple[str, list[float], list[float], str | None, 
     for i, (label, xs, ys, colour, style) in enumerate(lines):
         under = [(lab, coinciding((dxs, dys), (xs, ys), tol)) for lab, dxs, dys, _, _ in lines[:i]]
         under = [(lab, how) for lab, how in under if how]
-        over = any(coinciding((xs, ys), (oxs, oys), tol) for _, oxs, oys, _, _ in lines[i + 1:])
+        over = any(coinciding((xs, ys), (oxs, oys), tol) for _, oxs, oys, _, _ in lines[i + 1 :])
         if not under:
             ax.plot(xs, ys, marker=marker, label=label, color=colour, linestyle=style, linewidth=3.0 if over else None)
             continue
         equal = [lab for lab, how in under if how == "equal"]
         n = len(under)  # the coinciding series drawn before this one
-        ax.plot(xs, ys, marker=COINCIDE_MARKERS[(n - 1) % len(COINCIDE_MARKERS)], markerfacecolor="none",
-                markersize=4 + 2 * n, label=label + (f"\n(= {equal[0]} at every step)" if equal else ""),
-                color=colour, linestyle=style, linewidth=max(2.0 - 0.5 * n, 0.8), zorder=2 + 0.1 * n)
+        ax.plot(
+            xs,
+            ys,
+            marker=COINCIDE_MARKERS[(n - 1) % len(COINCIDE_MARKERS)],
+            markerfacecolor="none",
+            markersize=4 + 2 * n,
+            label=label + (f"\n(= {equal[0]} at every step)" if equal else ""),
+            color=colour,
+            linestyle=style,
+            linewidth=max(2.0 - 0.5 * n, 0.8),
+            zorder=2 + 0.1 * n,
+        )
 
 
 def _legend(ax, **kw) -> None:
@@ -161,8 +176,9 @@ def integer_ticks(ax) -> None:
 
 def drawn_x(axes) -> list[float]:
     """The distinct x values of the data lines of ``axes`` (lines in data coordinates: not axhline/axvline), sorted."""
-    return sorted({float(x) for a in axes for ln in a.lines if ln.get_transform() == a.transData
-                   for x in ln.get_xdata()})
+    return sorted(
+        {float(x) for a in axes for ln in a.lines if ln.get_transform() == a.transData for x in ln.get_xdata()}
+    )
 
 
 def data_ticks(ax, xs: list[float]) -> None:
@@ -199,20 +215,29 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
     if beta is None:
         beta = 1.0 if any((r.get(KL_MEAN) or 0.0) != 0.0 for r in records) else 0.0
     fig, axes = plt.subplots(2, 2, figsize=(SIZE[0], SIZE[1] * 1.4), sharex=True)
-    third = ((axes[1, 0], [(KL_MEAN, "KL to reference")], "nats/token", "KL to the reference model") if beta > 0
-             else (axes[1, 0], [(POLICY_ENTROPY, "token-mean entropy")], "nats/token", "policy entropy"))
+    third = (
+        (axes[1, 0], [(KL_MEAN, "KL to reference")], "nats/token", "KL to the reference model")
+        if beta > 0
+        else (axes[1, 0], [(POLICY_ENTROPY, "token-mean entropy")], "nats/token", "policy entropy")
+    )
     panels = [
         (axes[0, 0], [(REWARD_MEAN, "reward mean"), (REWARD_ACCURACY, "accuracy")], "reward", "reward"),
         (axes[0, 1], [(COMPLETIONS_MEAN_LENGTH, "mean length")], "tokens", "completion length"),
         third,
-        (axes[1, 1], [(CLIP_RATIO_REGION, "clipped share"), (CLIP_RATIO_HIGH, "high"),
-                      (CLIP_RATIO_LOW, "low")], "share of tokens", "clip ratio"),
+        (
+            axes[1, 1],
+            [(CLIP_RATIO_REGION, "clipped share"), (CLIP_RATIO_HIGH, "high"), (CLIP_RATIO_LOW, "low")],
+            "share of tokens",
+            "clip ratio",
+        ),
     ]
     styles = ("-", "--", ":")  # the 2nd and 3rd series of a panel: under 0/1 rewards accuracy is the reward mean
     for ax, keys, ylabel, title in panels:
         ax.set_title(title, fontsize=9)
-        plot_lines(ax, [(label, *_series(records, key), series_colour(key), style)
-                        for (key, label), style in zip(keys, styles)])
+        plot_lines(
+            ax,
+            [(label, *_series(records, key), series_colour(key), style) for (key, label), style in zip(keys, styles)],
+        )
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if len(keys) > 1:  # see-through: with "(= ... at every step)" it may have to sit on a line
@@ -259,17 +284,26 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
         a1.plot(xs, ys, color=series_colour(REWARD_ACCURACY), alpha=0.5, label="accuracy")
     a1.set_title("zero-variance groups (S1)", fontsize=9)
     a1.set_xlabel("step")
-    a1.set_ylabel("S1: share of groups with equal rewards" + ("\n(accuracy: share of rollouts)" if xs else ""),
-                  fontsize=8)  # a TRL run logs no accuracy: the label names only what is drawn
+    a1.set_ylabel(
+        "S1: share of groups with equal rewards" + ("\n(accuracy: share of rollouts)" if xs else ""), fontsize=8
+    )  # a TRL run logs no accuracy: the label names only what is drawn
     a1.set_ylim(-0.02, 1.02)
     legend_below(a1, ncol=1, fontsize=7)
     a1.grid(alpha=0.3)
-    plot_lines(a2, [(label, *_series(records, key), series_colour(key), style) for key, label, style in
-                    [(SPARSITY_UPDATE_STEP, "this step", "-"), (SPARSITY_UPDATE_TOTAL, "since start", "-"),
-                     (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "since start, permutation control", "--"),
-                     (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control", ":"),
-                     (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "since start, float32 unchanged", "-.")]],
-               span=1.0)  # a share axis
+    plot_lines(
+        a2,
+        [
+            (label, *_series(records, key), series_colour(key), style)
+            for key, label, style in [
+                (SPARSITY_UPDATE_STEP, "this step", "-"),
+                (SPARSITY_UPDATE_TOTAL, "since start", "-"),
+                (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "since start, permutation control", "--"),
+                (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control", ":"),
+                (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "since start, float32 unchanged", "-."),
+            ]
+        ],
+        span=1.0,
+    )  # a share axis
     a2.set_title("bf16 update sparsity (S4)", fontsize=9)
     a2.set_xlabel("step")
     a2.set_ylabel("share of parameters unchanged")
@@ -281,8 +315,12 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
 
 #: gradient sources (probe.json meta ``gradients``, or the training lens's, see :func:`lens_gradient_source`) -> the
 #: name the axes give them
-GRADIENT_SOURCES = {"exact_gram": "exact Gram", "sketch": "sketch", "exact": "exact gradients",
-                    "exact_adapter": "exact, LoRA adapter's weights"}
+GRADIENT_SOURCES = {
+    "exact_gram": "exact Gram",
+    "sketch": "sketch",
+    "exact": "exact gradients",
+    "exact_adapter": "exact, LoRA adapter's weights",
+}
 
 
 def gradient_source_label(gradients: str) -> str:
@@ -331,8 +369,13 @@ def plot_baselines(records: list[dict[str, Any]], path: Path, gradients: str) ->
 
 
 #: (label, summary-key stem, marker) of the G1 matrices drawn against R.
-G1_LINES = (("G1", "g1", "o"), ("orthogonal null", "g1_null", "s"), ("G1_no_adv", "g1_no_adv", "^"),
-            ("G1_random_zero_sum", "g1_random", "D"), ("G1_nll", "g1_nll", "v"))
+G1_LINES = (
+    ("G1", "g1", "o"),
+    ("orthogonal null", "g1_null", "s"),
+    ("G1_no_adv", "g1_no_adv", "^"),
+    ("G1_random_zero_sum", "g1_random", "D"),
+    ("G1_nll", "g1_nll", "v"),
+)
 
 #: the legend's name of a probe label of the report (a label not listed is shown as it is)
 PROBE_NAMES = {"before": "before training", "after": "after training"}
@@ -379,10 +422,16 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
                     hi.append((stats["hi"] if stats.get("hi") is not None else stats["mean"]) - stats["mean"])
             if xs:
                 drawn.add(name)
-                ax.errorbar(xs, ys, yerr=[lo, hi], linestyle=styles[mi] if several else "-", marker=marker,
-                            capsize=3, color=PROBE_COLOURS[pi] if several else f"C{mi}",
-                            label=f"{name}, {PROBE_NAMES.get(label, label)}" if several or label in PROBE_NAMES
-                            else name)
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=[lo, hi],
+                    linestyle=styles[mi] if several else "-",
+                    marker=marker,
+                    capsize=3,
+                    color=PROBE_COLOURS[pi] if several else f"C{mi}",
+                    label=f"{name}, {PROBE_NAMES.get(label, label)}" if several or label in PROBE_NAMES else name,
+                )
     if rs_all:
         ax.axhline(2, color="k", alpha=0.3, linewidth=1, label=f"{measure} = 2 (the rank-2 claim)")
         ax.set_xticks(rs_all)
@@ -392,13 +441,17 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
     ax.set_ylabel(f"{measure} (dimensionless)")
     ax.set_title(f"{measure} of G1 vs R (95% intervals over groups)", fontsize=9)
     if several:  # the legend says what a colour and what a marker means, once each
-        handles = [Line2D([], [], color=c, linewidth=4, label=PROBE_NAMES.get(label, label))
-                   for c, label in zip(PROBE_COLOURS, probes)]
-        handles += [Line2D([], [], color="k", marker=marker, linestyle=style, label=name)
-                    for (name, _, marker), style in zip(G1_LINES, styles) if name in drawn]
+        handles = [
+            Line2D([], [], color=c, linewidth=4, label=PROBE_NAMES.get(label, label))
+            for c, label in zip(PROBE_COLOURS, probes)
+        ]
+        handles += [
+            Line2D([], [], color="k", marker=marker, linestyle=style, label=name)
+            for (name, _, marker), style in zip(G1_LINES, styles)
+            if name in drawn
+        ]
         handles += [h for h, lab in zip(*ax.get_legend_handles_labels()) if lab.startswith(f"{measure} = 2")]
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False,
-                  fontsize=7)
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False, fontsize=7)
     else:
         legend_below(ax, ncol=2, fontsize=7)
     ax.grid(alpha=0.3)
@@ -436,8 +489,10 @@ def plot_baseline_variance(probe: dict[str, Any], path: Path) -> Path:
         names += [n for n in rel if n not in names]
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
-        ys = [probe["per_group_size"][r].get(PROBE_BASELINES, {}).get("relative_variance", {}).get(name) or 0.0
-              for r in rs]
+        ys = [
+            probe["per_group_size"][r].get(PROBE_BASELINES, {}).get("relative_variance", {}).get(name) or 0.0
+            for r in rs
+        ]
         ax.bar([j + i * width for j in range(len(rs))], ys, width=width, label=name)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rs))])
     ax.set_xticklabels([f"R={r}" for r in rs])
@@ -479,21 +534,29 @@ def plot_rank_over_training(records: list[dict[str, Any]], path: Path) -> Path:
     band [1.5, 2.5] of "≈ 2" (right); docs/theory.md §11. The legends sit under the panels (inside, they covered
     points); the step ticks are the lens steps drawn (:func:`data_ticks`), one lens step: one tick."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(SIZE[0], SIZE[1] * 1.2))
-    for ax, measures, title in ((a1, ("top2_share", "top1_share"), "energy shares of G1's top directions"),
-                                (a2, ("erank", "stable_rank"), "effective rank of G1")):
+    for ax, measures, title in (
+        (a1, ("top2_share", "top1_share"), "energy shares of G1's top directions"),
+        (a2, ("erank", "stable_rank"), "effective rank of G1"),
+    ):
         for m in measures:
             xs, ys = _series(records, rank_key("g1", m))
             if not xs:
                 continue
-            line, = ax.plot(xs, ys, marker=".", label=m.replace("_", " "))
+            (line,) = ax.plot(xs, ys, marker=".", label=m.replace("_", " "))
             lo = {r[STEP]: r[RANK_G1_LENS_LO.format(m=m)] for r in records if RANK_G1_LENS_LO.format(m=m) in r}
             hi = {r[STEP]: r[RANK_G1_LENS_HI.format(m=m)] for r in records if RANK_G1_LENS_HI.format(m=m) in r}
             steps = [x for x in xs if x in lo and x in hi]
             if steps:  # an interval only where the lens step had >= 8 mixed groups
                 mid = [ys[xs.index(x)] for x in steps]
-                ax.errorbar(steps, mid, yerr=[[m - lo[x] for m, x in zip(mid, steps)],
-                                              [hi[x] - m for m, x in zip(mid, steps)]],
-                            fmt="none", ecolor=line.get_color(), capsize=3, alpha=0.7)
+                ax.errorbar(
+                    steps,
+                    mid,
+                    yerr=[[m - lo[x] for m, x in zip(mid, steps)], [hi[x] - m for m, x in zip(mid, steps)]],
+                    fmt="none",
+                    ecolor=line.get_color(),
+                    capsize=3,
+                    alpha=0.7,
+                )
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")  # lens steps only: the points are the steps the lens measured
         ax.grid(alpha=0.3)

@@ -20,8 +20,14 @@ from grpo_lens.metrics import (
 from grpo_lens.report.format import ci, fmt, md_row, md_table
 
 #: the per-group numbers the seeds section shows: the ones the rank, zero-sum and identity claims decide on
-SEED_KEYS = (RANK_G1.format(m="top2_share"), RANK_G1.format(m="top1_share"), RANK_G1.format(m="erank"),
-             RANK_G1.format(m="stable_rank"), ZERO_SUM_SPAN_ENERGY_EXCESS, GRAD_IDENTITY_RESIDUAL)
+SEED_KEYS = (
+    RANK_G1.format(m="top2_share"),
+    RANK_G1.format(m="top1_share"),
+    RANK_G1.format(m="erank"),
+    RANK_G1.format(m="stable_rank"),
+    ZERO_SUM_SPAN_ENERGY_EXCESS,
+    GRAD_IDENTITY_RESIDUAL,
+)
 
 
 def claim_rows(claims: list[Claim]) -> list[tuple[str, int]]:
@@ -55,15 +61,21 @@ def seeds_section(pooled: dict[str, Any], run_dir: Path) -> list[str]:
     info = pooled["seeds"]
     seeds = info["seeds"]
     dirs = ", ".join(f"`{d}/`" for d in info["dirs"])
-    lines = ["## Seeds pooled", "",
-             (f"This probe pools {len(seeds)} runs that differ only in their seed ({dirs}, each a probe run directory "
-              f"with its own report). The claims table above is decided on the pooled groups. Below: each seed's "
-              f"verdicts from its own groups; then, per R, each seed's mean with its 95% interval over its groups "
-              f"(within-run), the SD and range of the seeds' means, Cochran's Q p-value (small: the seeds differ by "
-              f"more than their within-run intervals allow, so a rerun's uncertainty is larger than the pooled "
-              f"interval says), and the 95% interval with the seed as a stratum (Cochran eq. 5.6, Satterthwaite df; "
-              f"between-seed differences of the mean do not enter it) beside the interval over the pooled groups "
-              f"(docs/seeds.md)."), ""]
+    lines = [
+        "## Seeds pooled",
+        "",
+        (
+            f"This probe pools {len(seeds)} runs that differ only in their seed ({dirs}, each a probe run directory "
+            f"with its own report). The claims table above is decided on the pooled groups. Below: each seed's "
+            f"verdicts from its own groups; then, per R, each seed's mean with its 95% interval over its groups "
+            f"(within-run), the SD and range of the seeds' means, Cochran's Q p-value (small: the seeds differ by "
+            f"more than their within-run intervals allow, so a rerun's uncertainty is larger than the pooled "
+            f"interval says), and the 95% interval with the seed as a stratum (Cochran eq. 5.6, Satterthwaite df; "
+            f"between-seed differences of the mean do not enter it) beside the interval over the pooled groups "
+            f"(docs/seeds.md)."
+        ),
+        "",
+    ]
     pooled_claims = evaluate_claims(pooled)
     missing, per_seed = seed_verdicts(pooled, run_dir)
     if missing:
@@ -73,11 +85,21 @@ def seeds_section(pooled: dict[str, Any], run_dir: Path) -> list[str]:
         for key, c in zip(claim_rows(pooled_claims), pooled_claims):
             v = per_seed.get(key, {})
             agree = sum(v.get(s) == c.verdict for s in seeds)
-            lines.append(md_row(c.claim, c.scope, f"**{c.verdict}**", *[v.get(s, "–") for s in seeds],
-                                f"{agree}/{len(seeds)}"))
+            lines.append(
+                md_row(c.claim, c.scope, f"**{c.verdict}**", *[v.get(s, "–") for s in seeds], f"{agree}/{len(seeds)}")
+            )
         lines.append("")
-    lines += md_table(["R", "key", *[f"seed {s}" for s in seeds], "SD of seeds [range]", "Cochran Q p",
-                       "pooled groups", "seed as stratum"])
+    lines += md_table(
+        [
+            "R",
+            "key",
+            *[f"seed {s}" for s in seeds],
+            "SD of seeds [range]",
+            "Cochran Q p",
+            "pooled groups",
+            "seed as stratum",
+        ]
+    )
     for R, d in sorted(info["per_group_size"].items(), key=lambda kv: int(kv[0])):
         for key in SEED_KEYS:
             k = d["keys"].get(key)
@@ -85,14 +107,28 @@ def seeds_section(pooled: dict[str, Any], run_dir: Path) -> list[str]:
                 continue
             sp = k["spread"]
             spread = f"{fmt(sp['sd'])} [{fmt(sp['min'])}, {fmt(sp['max'])}]" if sp["sd"] is not None else "–"
-            lines.append(md_row(R, f"`{key}`", *[ci(w) for w in k["within"]], spread, fmt(sp["p"]),
-                                ci(k["pooled"]), ci(k["stratified"])))
+            lines.append(
+                md_row(
+                    R,
+                    f"`{key}`",
+                    *[ci(w) for w in k["within"]],
+                    spread,
+                    fmt(sp["p"]),
+                    ci(k["pooled"]),
+                    ci(k["stratified"]),
+                )
+            )
     lines.append("")
-    g3 = [f"R = {R}: " + ", ".join(f"seed {s} {fmt(d['g3'].get(str(s), {}).get(rank_key('g3', 'stable_rank')), 2)}"
-                                   for s in seeds)
-          for R, d in sorted(info["per_group_size"].items(), key=lambda kv: int(kv[0]))]
-    lines += ["G3 (one matrix per run over its own groups, from a sketch seeded by the run's seed) is not pooled; "
-              "its stable rank per seed: " + "; ".join(g3) + ".", ""]
+    g3 = [
+        f"R = {R}: "
+        + ", ".join(f"seed {s} {fmt(d['g3'].get(str(s), {}).get(rank_key('g3', 'stable_rank')), 2)}" for s in seeds)
+        for R, d in sorted(info["per_group_size"].items(), key=lambda kv: int(kv[0]))
+    ]
+    lines += [
+        "G3 (one matrix per run over its own groups, from a sketch seeded by the run's seed) is not pooled; "
+        "its stable rank per seed: " + "; ".join(g3) + ".",
+        "",
+    ]
     return lines
 
 
@@ -108,8 +144,14 @@ def pooled_finals(table: dict[str, dict[str, Any]], keys: list[str], labels: lis
         if not have:
             continue
         spread = between_seed_spread([[f] if f is not None else [] for f in finals])
-        out[key] = {"per_run": finals, "mean": sum(have) / len(have), "sd": spread["sd"], "min": spread["min"],
-                    "max": spread["max"], "runs": len(have)}
+        out[key] = {
+            "per_run": finals,
+            "mean": sum(have) / len(have),
+            "sd": spread["sd"],
+            "min": spread["min"],
+            "max": spread["max"],
+            "runs": len(have),
+        }
     return out
 
 
@@ -117,15 +159,24 @@ def compare_seeds_section(pooled: dict[str, Any], metrics: list[tuple[str, str]]
     """compare.md's section on runs that differ only in their seed (``seeds``: run label -> seed)."""
     if not pooled:
         return []
-    lines = ["## Seeds pooled", "",
-             (f"The runs differ only in their seed ({', '.join(f'`{lab}`: {s}' for lab, s in seeds.items())}), so "
-              f"they are reruns of one configuration: per metric, the mean of the runs' final numbers, their SD over "
-              f"runs (the rerun-to-rerun spread, which the intervals above do not show) and their range. No interval "
-              f"over runs from fewer than 8 (docs/seeds.md)."), "",
-             *md_table(["metric", "mean over runs", "SD over runs", "range", "runs"])]
+    lines = [
+        "## Seeds pooled",
+        "",
+        (
+            f"The runs differ only in their seed ({', '.join(f'`{lab}`: {s}' for lab, s in seeds.items())}), so "
+            f"they are reruns of one configuration: per metric, the mean of the runs' final numbers, their SD over "
+            f"runs (the rerun-to-rerun spread, which the intervals above do not show) and their range. No interval "
+            f"over runs from fewer than 8 (docs/seeds.md)."
+        ),
+        "",
+        *md_table(["metric", "mean over runs", "SD over runs", "range", "runs"]),
+    ]
     for key, label in metrics:
         if key in pooled:
             p = pooled[key]
-            lines.append(md_row(f"{label} (`{key}`)", fmt(p["mean"]), fmt(p["sd"]), f"[{fmt(p['min'])}, "
-                                f"{fmt(p['max'])}]", p["runs"]))
+            lines.append(
+                md_row(
+                    f"{label} (`{key}`)", fmt(p["mean"]), fmt(p["sd"]), f"[{fmt(p['min'])}, {fmt(p['max'])}]", p["runs"]
+                )
+            )
     return lines + [""]

@@ -9,8 +9,9 @@ Everything comes from probe.json; the claims these numbers decide are in :mod:`g
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
 
@@ -27,76 +28,129 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
     s1 = base.get("s1")
     meta = base.get("meta", {})
     if s1:
-        lines += [f"### S1 predicted from rollouts outside the group ({label})", "",
-                  f"{s1['prompts']} prompts, M = {s1['rollouts_per_prompt']} rollouts each, R = "
-                  f"{meta.get('group_size')}: S1 measured on the first R, predicted by [C(k',R) + C(M'-k',R)] / "
-                  "C(M',R) from the other M' = M - R (unbiased, docs/theory.md §S1).", "",
-                  *md_table(["S1 measured", "S1 predicted", "measured - predicted"],
-                            [[ci(s1['measured']), ci(s1['predicted']), ci(s1['difference'])]]), ""]
+        lines += [
+            f"### S1 predicted from rollouts outside the group ({label})",
+            "",
+            f"{s1['prompts']} prompts, M = {s1['rollouts_per_prompt']} rollouts each, R = "
+            f"{meta.get('group_size')}: S1 measured on the first R, predicted by [C(k',R) + C(M'-k',R)] / "
+            "C(M',R) from the other M' = M - R (unbiased, docs/theory.md §S1).",
+            "",
+            *md_table(
+                ["S1 measured", "S1 predicted", "measured - predicted"],
+                [[ci(s1["measured"]), ci(s1["predicted"]), ci(s1["difference"])]],
+            ),
+            "",
+        ]
     study = base.get("baselines")
     if study:
         s = study["summary"]
-        lines += [f"### Baselines at matched expectation ({label})", "",
-                  f"{study['prompts']} prompts with reward contrast ({study['prompts_constant']} without were "
-                  f"skipped), M = {meta.get('rollouts_per_prompt')} rollouts each, groups of R = "
-                  f"{meta.get('group_size')} drawn from one half of each prompt's rollouts and compared with the "
-                  "centred gradient Cov(r, h) estimated on the other half; h_i = c_i g_i, "
-                  f"{meta.get('gradients')}, k = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
-                  "RLOO's; the group mean is rescaled by R/(R-1) (it then equals RLOO sample by sample). 95% "
-                  "intervals over prompts (Hall's transformed t, docs/theory.md §7).", "",
-                  *md_table(["estimator", "MSE / RLOO's", "cosine to reference", "bias² share of MSE"])]
+        lines += [
+            f"### Baselines at matched expectation ({label})",
+            "",
+            f"{study['prompts']} prompts with reward contrast ({study['prompts_constant']} without were "
+            f"skipped), M = {meta.get('rollouts_per_prompt')} rollouts each, groups of R = "
+            f"{meta.get('group_size')} drawn from one half of each prompt's rollouts and compared with the "
+            "centred gradient Cov(r, h) estimated on the other half; h_i = c_i g_i, "
+            f"{meta.get('gradients')}, k = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
+            "RLOO's; the group mean is rescaled by R/(R-1) (it then equals RLOO sample by sample). 95% "
+            "intervals over prompts (Hall's transformed t, docs/theory.md §7).",
+            "",
+            *md_table(["estimator", "MSE / RLOO's", "cosine to reference", "bias² share of MSE"]),
+        ]
         for name in ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop"):
             e = s.get(name, {})
-            lines.append(md_row(name, ci(e.get('mse_ratio_to_rloo')), ci(e.get('cosine')), ci(e.get('bias2_share'))))
-        lines += ["", f"m_C / m_W over prompts: {ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
-                  f"test at 0.05 over each prompt's rollouts, k fixed) on "
-                  f"{fmt(study.get('equal_norms_rejected'), 2)} of "
-                  f"{study.get('equal_norms_testable')} testable prompts. b* - p (how far the optimal constant "
-                  f"baseline is from the group mean's expectation): {ci(study.get('b_star_minus_p'))}.", "",
-                  _mean_score_sentence(study), "",
-                  *md_table(["prompt", "p", "m_C", "m_W", "m_C / m_W [95%]", "permutation p", "verdict",
-                             "b* (population)", "b*_exact"])]
+            lines.append(md_row(name, ci(e.get("mse_ratio_to_rloo")), ci(e.get("cosine")), ci(e.get("bias2_share"))))
+        lines += [
+            "",
+            f"m_C / m_W over prompts: {ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
+            f"test at 0.05 over each prompt's rollouts, k fixed) on "
+            f"{fmt(study.get('equal_norms_rejected'), 2)} of "
+            f"{study.get('equal_norms_testable')} testable prompts. b* - p (how far the optimal constant "
+            f"baseline is from the group mean's expectation): {ci(study.get('b_star_minus_p'))}.",
+            "",
+            _mean_score_sentence(study),
+            "",
+            *md_table(
+                [
+                    "prompt",
+                    "p",
+                    "m_C",
+                    "m_W",
+                    "m_C / m_W [95%]",
+                    "permutation p",
+                    "verdict",
+                    "b* (population)",
+                    "b*_exact",
+                ]
+            ),
+        ]
         for j, p in enumerate(study["per_prompt"]):
             eq = p["equal_norms"]
             interval = f"[{fmt(eq['lo'], 2)}, {fmt(eq['hi'], 2)}]" if eq.get("lo") is not None else "(< 8 a side)"
-            lines.append(md_row(j, fmt(p['p'], 2), fmt(p['m_correct'], 4), fmt(p['m_wrong'], 4),
-                                f"{fmt(eq['ratio'], 2)} {interval}", fmt(eq.get('p'), 3), eq['verdict'],
-                                fmt(p['b_star_pop']), fmt(p['b_star_exact'])))
+            lines.append(
+                md_row(
+                    j,
+                    fmt(p["p"], 2),
+                    fmt(p["m_correct"], 4),
+                    fmt(p["m_wrong"], 4),
+                    f"{fmt(eq['ratio'], 2)} {interval}",
+                    fmt(eq.get("p"), 3),
+                    eq["verdict"],
+                    fmt(p["b_star_pop"]),
+                    fmt(p["b_star_exact"]),
+                )
+            )
         lines.append("")
         opt = s.get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
-        findings.append(f"[{label}] Population b* has {ci(opt, 2)} times RLOO's MSE to the reference gradient over "
-                        f"{study['prompts']} prompts; m_C / m_W = {ci(study.get('norm_ratio'), 2)}.")
+        findings.append(
+            f"[{label}] Population b* has {ci(opt, 2)} times RLOO's MSE to the reference gradient over "
+            f"{study['prompts']} prompts; m_C / m_W = {ci(study.get('norm_ratio'), 2)}."
+        )
     credit = studies.get("credit")
     if credit:
         c = credit["contributions"]
         mc = credit["monte_carlo"]
-        lines += [f"### Token credit ({label})", "",
-                  f"Signed share of each token in its group's update, s = w <grad log pi_t, u> / ||u||^2 (sums to 1 "
-                  f"per group; largest closure error {fmt(c.get('closure'), 4)}), over {c['groups']} groups of R = "
-                  f"{credit['meta']['group_size']}; u is the exact update over every parameter.", ""]
+        lines += [
+            f"### Token credit ({label})",
+            "",
+            f"Signed share of each token in its group's update, s = w <grad log pi_t, u> / ||u||^2 (sums to 1 "
+            f"per group; largest closure error {fmt(c.get('closure'), 4)}), over {c['groups']} groups of R = "
+            f"{credit['meta']['group_size']}; u is the exact update over every parameter.",
+            "",
+        ]
         prof = c.get("position_profile") or []
         if prof:
             plot_credit_position(prof, run_dir / f"credit_position_{label}.png")
-            lines += [f"![credit by relative position](credit_position_{label}.png)", "",
-                      *md_table(["relative position", *(f"{b / len(prof):.1f}-{(b + 1) / len(prof):.1f}"
-                                                        for b in range(len(prof)))],
-                                [["share of update", *(ci(x, 2) for x in prof)]]), ""]
+            lines += [
+                f"![credit by relative position](credit_position_{label}.png)",
+                "",
+                *md_table(
+                    [
+                        "relative position",
+                        *(f"{b / len(prof):.1f}-{(b + 1) / len(prof):.1f}" for b in range(len(prof))),
+                    ],
+                    [["share of update", *(ci(x, 2) for x in prof)]],
+                ),
+                "",
+            ]
         nll = c.get("classes_nll") or {}
         head = ["token class", "share of the update", "share of the tokens", "ratio"]
         lines += md_table(head + (["ratio under NLL weights (same tokens)", "ratio − NLL's (paired)"] if nll else []))
         for name, v in c["classes"].items():
             extra = [ci(nll[name]["ratio"], 2), ci(nll[name]["ratio_minus_nll"], 2)] if name in nll else []
-            lines.append(md_row(name, ci(v['update_share']), ci(v['token_share']), ci(v['ratio'], 2), *extra))
-        lines += ["", f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K = "
-                  f"{mc['samples_per_prefix']} continuations per prefix. {_opposition_sentence(mc)} Largest "
-                  f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.", "",
-                  *md_table(["rollout", "r", "GRPO A_i", "prefix lengths", "V(prefix) ± SE",
-                             "segment advantages ± SE"])]
+            lines.append(md_row(name, ci(v["update_share"]), ci(v["token_share"]), ci(v["ratio"], 2), *extra))
+        lines += [
+            "",
+            f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K = "
+            f"{mc['samples_per_prefix']} continuations per prefix. {_opposition_sentence(mc)} Largest "
+            f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.",
+            "",
+            *md_table(["rollout", "r", "GRPO A_i", "prefix lengths", "V(prefix) ± SE", "segment advantages ± SE"]),
+        ]
         for j, row in enumerate(mc["rollouts"]):
             vals = ", ".join(f"{v:.2f}±{e:.2f}" for v, e in zip(row["values"], row["errors"]))
             advs = ", ".join(f"{a:+.2f}±{e:.2f}" for a, e in zip(row["advantages"], row["adv_errors"]))
-            lines.append(md_row(j, fmt(row['reward'], 1), fmt(row['grpo_advantage'], 2), row['boundaries'], vals,
-                                advs))
+            lines.append(md_row(j, fmt(row["reward"], 1), fmt(row["grpo_advantage"], 2), row["boundaries"], vals, advs))
         lines.append("")
     return lines
 
@@ -110,11 +164,13 @@ def _opposition_sentence(mc: dict[str, Any]) -> str:
     if t["tests"] == 0:
         return "No interior segment (fewer than 2 prefixes per rollout): nothing to test."
     n, a = t["rollouts"], t["alpha_r"]
-    return (f"Rollouts with a segment whose success count differs against A_i's sign by >= {t['d']} of {t['k']} "
-            f"continuations (opposing): {t['flagged']} of {n}; with no opposing segment a rollout is flagged with "
-            f"probability <= {a:.3g} ({t['tests']} segments tested per rollout, level {MC_LEVEL}), and "
-            f"P(Binomial({n}, {a:.3g}) >= {t['flagged']}) = {t['p_value']:.2g}. Segments agreeing with A_i by >= "
-            f"{t['d']}: {t['agreeing']} of {t['segments']}.")
+    return (
+        f"Rollouts with a segment whose success count differs against A_i's sign by >= {t['d']} of {t['k']} "
+        f"continuations (opposing): {t['flagged']} of {n}; with no opposing segment a rollout is flagged with "
+        f"probability <= {a:.3g} ({t['tests']} segments tested per rollout, level {MC_LEVEL}), and "
+        f"P(Binomial({n}, {a:.3g}) >= {t['flagged']}) = {t['p_value']:.2g}. Segments agreeing with A_i by >= "
+        f"{t['d']}: {t['agreeing']} of {t['segments']}."
+    )
 
 
 def _mean_score_sentence(study: dict[str, Any]) -> str:
@@ -127,8 +183,10 @@ def _mean_score_sentence(study: dict[str, Any]) -> str:
         head = "The length-normalised score is consistent with mean zero here"
     else:
         head = "Too few prompts to tell whether the length-normalised score is mean-zero"
-    return (f"{head}: ||mean h||^2 is {ci(ratio, 1)} times the floor a mean-zero score would give (1 = mean zero); "
-            f"correcting b* for E[h] != 0 moves it by {ci(study.get('b_star_shift'), 4)} (b*_exact - b*).")
+    return (
+        f"{head}: ||mean h||^2 is {ci(ratio, 1)} times the floor a mean-zero score would give (1 = mean zero); "
+        f"correcting b* for E[h] != 0 moves it by {ci(study.get('b_star_shift'), 4)} (b*_exact - b*)."
+    )
 
 
 def plot_credit_position(profile: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -143,9 +201,15 @@ def plot_credit_position(profile: Sequence[dict[str, Any]], path: Path) -> Path:
     bounds = [(x, y, interval(p)) for x, y, p in zip(xs, ys, profile)]
     with_ci = [(x, y, b) for x, y, b in bounds if b is not None]
     if with_ci:
-        ax.errorbar([x for x, _, _ in with_ci], [y for _, y, _ in with_ci],
-                    yerr=[[y - b[0] for _, y, b in with_ci], [b[1] - y for _, y, b in with_ci]], fmt="none",
-                    ecolor="k", capsize=2, label="95% interval over groups")
+        ax.errorbar(
+            [x for x, _, _ in with_ci],
+            [y for _, y, _ in with_ci],
+            yerr=[[y - b[0] for _, y, b in with_ci], [b[1] - y for _, y, b in with_ci]],
+            fmt="none",
+            ecolor="k",
+            capsize=2,
+            label="95% interval over groups",
+        )
     if len(with_ci) < n:
         few = n - len(with_ci)
         bars.set_label(f"mean share over groups ({few} of {n} bins: n < {MIN_INTERVAL_UNITS}, no interval)")

@@ -74,10 +74,12 @@ def s1_trend_finding(records: list[dict[str, Any]]) -> str | None:
     s1 = [mean_interval([float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in w], bounds=(0.0, 1.0)) for w in (first, last)]
     acc = [_mean([r.get(REWARD_ACCURACY) for r in w]) for w in (first, last)]
     verb = "rose" if s1[1]["mean"] > s1[0]["mean"] else ("fell" if s1[1]["mean"] < s1[0]["mean"] else "stayed flat")
-    return (f"S1 (zero-variance group share) {verb}: {ci(s1[0], 2)} over the first third of the steps "
-            f"({first[0][STEP]}–{first[-1][STEP]}) -> {ci(s1[1], 2)} over the last third ({last[0][STEP]}–"
-            f"{last[-1][STEP]}), while accuracy went {fmt(acc[0])} -> {fmt(acc[1])} over the same steps (the "
-            "claims table tests the trend over every step).")
+    return (
+        f"S1 (zero-variance group share) {verb}: {ci(s1[0], 2)} over the first third of the steps "
+        f"({first[0][STEP]}–{first[-1][STEP]}) -> {ci(s1[1], 2)} over the last third ({last[0][STEP]}–"
+        f"{last[-1][STEP]}), while accuracy went {fmt(acc[0])} -> {fmt(acc[1])} over the same steps (the "
+        "claims table tests the trend over every step)."
+    )
 
 
 def schedule_text(cfg: dict[str, Any]) -> str | None:
@@ -87,8 +89,13 @@ def schedule_text(cfg: dict[str, Any]) -> str | None:
     if not name:
         return None
     warm = cfg.get("warmup_steps") or 0
-    warm_text = ("" if not warm else f", warm-up {float(warm):g} of max_steps" if 0 < float(warm) < 1
-                 else f", {int(float(warm))} warm-up steps")
+    warm_text = (
+        ""
+        if not warm
+        else f", warm-up {float(warm):g} of max_steps"
+        if 0 < float(warm) < 1
+        else f", {int(float(warm))} warm-up steps"
+    )
     return f"{name}{warm_text}"
 
 
@@ -100,33 +107,46 @@ def summary_lines(records: list[dict[str, Any]], findings: list[str]) -> list[st
     n = len(records)
     w = min(5, n // 2)  # non-overlapping first / last windows; fewer than MIN_TREND_STEPS steps: no trend
     trend = n >= MIN_TREND_STEPS
-    head, tail = (records[:w], records[n - w:]) if trend else (records, records)
+    head, tail = (records[:w], records[n - w :]) if trend else (records, records)
     r0, r1 = _mean([r.get(REWARD_MEAN) for r in head]), _mean([r.get(REWARD_MEAN) for r in tail])
     a0, a1 = _mean([r.get(REWARD_ACCURACY) for r in head]), _mean([r.get(REWARD_ACCURACY) for r in tail])
     sec = _mean([r.get(PERF_STEP_SECONDS) for r in records])
     if trend:
-        lines += [f"{n} steps. Mean reward over the first {len(head)} steps {fmt(r0)}, over the last {len(tail)} "
-                  f"steps {fmt(r1)}; accuracy {fmt(a0)} -> {fmt(a1)}. {fmt(sec, 1)} s per step on average.", ""]
+        lines += [
+            f"{n} steps. Mean reward over the first {len(head)} steps {fmt(r0)}, over the last {len(tail)} "
+            f"steps {fmt(r1)}; accuracy {fmt(a0)} -> {fmt(a1)}. {fmt(sec, 1)} s per step on average.",
+            "",
+        ]
     else:
-        too_few = (f"{n} step(s): too few steps for a trend (the first and last windows need at least 2 steps each "
-                   f"without overlap, so at least {MIN_TREND_STEPS} steps)")
-        lines += [f"{too_few}. Mean reward over all steps {fmt(r0)}, accuracy {fmt(a0)}. {fmt(sec, 1)} s per "
-                  "step on average.", ""]
+        too_few = (
+            f"{n} step(s): too few steps for a trend (the first and last windows need at least 2 steps each "
+            f"without overlap, so at least {MIN_TREND_STEPS} steps)"
+        )
+        lines += [
+            f"{too_few}. Mean reward over all steps {fmt(r0)}, accuracy {fmt(a0)}. {fmt(sec, 1)} s per "
+            "step on average.",
+            "",
+        ]
         findings.append(f"{too_few}; mean reward {fmt(r0)} over the run.")
     s1_all = [r.get(REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
     if records and all(isinstance(x, (int, float)) and x >= 1.0 for x in s1_all):
-        findings.append(f"S1 = 1.000 on every one of the {n} steps: no group had reward contrast, so every advantage "
-                        "was zero and nothing was trained by the policy gradient (only a KL term with beta > 0 could "
-                        "have moved the weights).")
+        findings.append(
+            f"S1 = 1.000 on every one of the {n} steps: no group had reward contrast, so every advantage "
+            "was zero and nothing was trained by the policy gradient (only a KL term with beta > 0 could "
+            "have moved the weights)."
+        )
     if trend and r0 is not None and r1 is not None:
         verb = "rose" if r1 > r0 else ("fell" if r1 < r0 else "stayed flat")
-        findings.append(f"Mean reward {verb} over training: {fmt(r0)} (first {len(head)} steps) -> {fmt(r1)} "
-                        f"(last {len(tail)} steps).")
+        findings.append(
+            f"Mean reward {verb} over training: {fmt(r0)} (first {len(head)} steps) -> {fmt(r1)} "
+            f"(last {len(tail)} steps)."
+        )
     return lines
 
 
-def curves_lines(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
-                 schedule: str | None = None) -> list[str]:
+def curves_lines(
+    records: list[dict[str, Any]], run_dir: Path, findings: list[str], schedule: str | None = None
+) -> list[str]:
     """Dynamic sampling's sentence (also a finding), the learning curves (learning_curves.png) and, when the
     records logged it, the learning rate (learning_rate.png, titled with ``schedule``)."""
     lines = []
@@ -142,43 +162,75 @@ def curves_lines(records: list[dict[str, Any]], run_dir: Path, findings: list[st
     return lines
 
 
-def sparsity_lines(records: list[dict[str, Any]], run_dir: Path, findings: list[str], lora_rank: int = 0,
-                   estimator: str | None = None) -> list[str]:
-    """"Sparsity of the gradient over training": S1 and S4 (sparsity.png; ``lora_rank`` > 0: over the adapter's
+def sparsity_lines(
+    records: list[dict[str, Any]], run_dir: Path, findings: list[str], lora_rank: int = 0, estimator: str | None = None
+) -> list[str]:
+    """ "Sparsity of the gradient over training": S1 and S4 (sparsity.png; ``lora_rank`` > 0: over the adapter's
     weights), the lens steps' table (accuracy, S1, S4, G1's erank and stable rank, the identity residual, with why a
     residual is missing under ``estimator``) and the S1 trend's finding (:func:`s1_trend_finding`)."""
-    lines = ["### Sparsity of the gradient over training", "",
-             "S1 is the share of groups whose rewards are all equal: they carry exactly zero policy gradient "
-             "(training prints no prediction of it: see the probe's S1 section). S4 is the share of parameters "
-             "whose bf16 value did not change; its controls (legend) are the share the same update entries leave "
-             "unchanged when permuted within each tensor and what a dense update of the same size would leave "
-             "unchanged.", ""]
+    lines = [
+        "### Sparsity of the gradient over training",
+        "",
+        "S1 is the share of groups whose rewards are all equal: they carry exactly zero policy gradient "
+        "(training prints no prediction of it: see the probe's S1 section). S4 is the share of parameters "
+        "whose bf16 value did not change; its controls (legend) are the share the same update entries leave "
+        "unchanged when permuted within each tensor and what a dense update of the same size would leave "
+        "unchanged.",
+        "",
+    ]
     if lora_rank:
-        lines += [f"Parameter space: this is a LoRA run (rank {lora_rank}); every S4 and update-sparsity number "
-                  "below is over the adapter's A and B weights, not the full model (the frozen base weights never "
-                  "change). B starts at zero, so on step 1 A gets no gradient and about half the adapter weights are "
-                  "unchanged by construction. The merged weights are not measured.", ""]
+        lines += [
+            f"Parameter space: this is a LoRA run (rank {lora_rank}); every S4 and update-sparsity number "
+            "below is over the adapter's A and B weights, not the full model (the frozen base weights never "
+            "change). B starts at zero, so on step 1 A gets no gradient and about half the adapter weights are "
+            "unchanged by construction. The merged weights are not measured.",
+            "",
+        ]
     plots.plot_sparsity(records, run_dir / "sparsity.png")
     lines += ["![sparsity](sparsity.png)", ""]
     lens_steps = lens_rows(records)
     if lens_steps:
-        lines += md_table(["step", "accuracy", "S1 measured", "S4 step", "S4 since start", "G1 erank",
-                           "G1 stable rank", "identity residual"])
+        lines += md_table(
+            [
+                "step",
+                "accuracy",
+                "S1 measured",
+                "S4 step",
+                "S4 since start",
+                "G1 erank",
+                "G1 stable rank",
+                "identity residual",
+            ]
+        )
         for r in lens_steps:
             res = r.get(GRAD_IDENTITY_RESIDUAL)
-            lines.append(md_row(r[STEP], fmt(r.get(REWARD_ACCURACY)), fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
-                                fmt(r.get(SPARSITY_UPDATE_STEP)), fmt(r.get(SPARSITY_UPDATE_TOTAL)),
-                                fmt(r.get(rank_key('g1', 'erank'))), fmt(r.get(rank_key('g1', 'stable_rank'))),
-                                '–' if res is None else f'{res:.1e}'))
+            lines.append(
+                md_row(
+                    r[STEP],
+                    fmt(r.get(REWARD_ACCURACY)),
+                    fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
+                    fmt(r.get(SPARSITY_UPDATE_STEP)),
+                    fmt(r.get(SPARSITY_UPDATE_TOTAL)),
+                    fmt(r.get(rank_key("g1", "erank"))),
+                    fmt(r.get(rank_key("g1", "stable_rank"))),
+                    "–" if res is None else f"{res:.1e}",
+                )
+            )
         lines.append("")
         if any(r.get(GRAD_IDENTITY_RESIDUAL) is None for r in lens_steps):
-            lines += ["Identity residual –: the identity Σ A_i g_i = c (ḡ_C − ḡ_W) (docs/theory.md §4) is checked "
-                      "only where it applies: mixed groups of 0/1 rewards under an estimator with a per-group "
-                      "constant c (grpo, dr_grpo, rloo)"
-                      + (f"; this run's estimator `{estimator}` has no such constant, so it is not computed"
-                         if estimator in ("optimal", "reinforce") else
-                         "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
-                         "rollout under overlong masking)") + ".", ""]
+            lines += [
+                "Identity residual –: the identity Σ A_i g_i = c (ḡ_C − ḡ_W) (docs/theory.md §4) is checked "
+                "only where it applies: mixed groups of 0/1 rewards under an estimator with a per-group "
+                "constant c (grpo, dr_grpo, rloo)"
+                + (
+                    f"; this run's estimator `{estimator}` has no such constant, so it is not computed"
+                    if estimator in ("optimal", "reinforce")
+                    else "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
+                    "rollout under overlong masking)"
+                )
+                + ".",
+                "",
+            ]
     s1_finding = s1_trend_finding(records)
     if s1_finding:
         findings.append(s1_finding)
@@ -191,62 +243,90 @@ def s4_finding(records: list[dict[str, Any]], lora_rank: int = 0) -> str | None:
     s4 = [r.get(SPARSITY_UPDATE_TOTAL) for r in lens_steps if r.get(SPARSITY_UPDATE_TOTAL) is not None]
     if not s4:
         return None
-    return (f"Update sparsity since the start (S4): {fmt(s4[-1])} of "
-            + ("the LoRA adapter's weights (not the full model's)" if lora_rank else "parameters")
-            + f" kept their bf16 value after {lens_steps[-1][STEP]} steps.")
+    return (
+        f"Update sparsity since the start (S4): {fmt(s4[-1])} of "
+        + ("the LoRA adapter's weights (not the full model's)" if lora_rank else "parameters")
+        + f" kept their bf16 value after {lens_steps[-1][STEP]} steps."
+    )
 
 
 def rank_lines(records: list[dict[str, Any]], run_dir: Path) -> list[str]:
-    """"Rank of G1 over training" (rank_over_training.png): G1's top-2 and top-1 energy shares, erank and stable
+    """ "Rank of G1 over training" (rank_over_training.png): G1's top-2 and top-1 energy shares, erank and stable
     rank per lens step; empty when no lens step logged them."""
     lens_steps = lens_rows(records)
     if not any(r.get(rank_key("g1", m)) is not None for r in lens_steps for m in ("top2_share", "erank")):
         return []
     plots.plot_rank_over_training(records, run_dir / "rank_over_training.png")
-    return ["### Rank of G1 over training", "",
-            "Per lens step, the mean over the step's mixed groups (error bars: the 95% interval over groups, "
-            "from 8 groups): the top-2 and top-1 energy shares against 0.9 (\"k90 = 2\") and erank and "
-            "stable rank against [1.5, 2.5] (docs/theory.md §11).",
-            "", "![rank over training](rank_over_training.png)", ""]
+    return [
+        "### Rank of G1 over training",
+        "",
+        "Per lens step, the mean over the step's mixed groups (error bars: the 95% interval over groups, "
+        'from 8 groups): the top-2 and top-1 energy shares against 0.9 ("k90 = 2") and erank and '
+        "stable rank against [1.5, 2.5] (docs/theory.md §11).",
+        "",
+        "![rank over training](rank_over_training.png)",
+        "",
+    ]
 
 
-def baselines_lines(records: list[dict[str, Any]], run_dir: Path, findings: list[str], lora_rank: int = 0,
-                    lens_space: str = "trainable") -> list[str]:
-    """"Baselines": b* against the group mean and m_C / m_W per lens step (baselines.png, its gradient source from
+def baselines_lines(
+    records: list[dict[str, Any]], run_dir: Path, findings: list[str], lora_rank: int = 0, lens_space: str = "trainable"
+) -> list[str]:
+    """ "Baselines": b* against the group mean and m_C / m_W per lens step (baselines.png, its gradient source from
     :func:`lens_gradient_source`), and the finding on which outcome had the larger score-gradient norms; empty when
     no step logged b*."""
     base_rows = [r for r in records if r.get(BASELINE_B_STAR) is not None]
     if not base_rows:
         return []
-    lines = ["### Baselines", "",
-             "b* = sum ||g_i||^2 r_i / sum ||g_i||^2 is the variance-optimal constant baseline; it equals the "
-             "group mean exactly when ||g||^2 does not depend on the reward (m_C = m_W). Both are means over "
-             "the step's mixed groups only (groups whose rewards are all equal have no gradient), so the group "
-             "mean here is not the step's accuracy or mean reward.", ""]
+    lines = [
+        "### Baselines",
+        "",
+        "b* = sum ||g_i||^2 r_i / sum ||g_i||^2 is the variance-optimal constant baseline; it equals the "
+        "group mean exactly when ||g||^2 does not depend on the reward (m_C = m_W). Both are means over "
+        "the step's mixed groups only (groups whose rewards are all equal have no gradient), so the group "
+        "mean here is not the step's accuracy or mean reward.",
+        "",
+    ]
     plots.plot_baselines(records, run_dir / "baselines.png", lens_gradient_source(records, lora_rank, lens_space))
-    lines += ["![baselines](baselines.png)", "",
-              *md_table(["step", "b*", "group mean", "m_C", "m_W", "m_C / m_W"])]
+    lines += ["![baselines](baselines.png)", "", *md_table(["step", "b*", "group mean", "m_C", "m_W", "m_C / m_W"])]
     for r in base_rows:
         mc, mw = r.get(BASELINE_M_CORRECT), r.get(BASELINE_M_WRONG)
         ratio = mc / mw if mc is not None and mw else None
-        lines.append(md_row(r[STEP], fmt(r[BASELINE_B_STAR]), fmt(r.get(BASELINE_GROUP_MEAN)), fmt(mc, 4),
-                            fmt(mw, 4), fmt(ratio)))
+        lines.append(
+            md_row(
+                r[STEP], fmt(r[BASELINE_B_STAR]), fmt(r.get(BASELINE_GROUP_MEAN)), fmt(mc, 4), fmt(mw, 4), fmt(ratio)
+            )
+        )
     lines.append("")
-    ratios = [r[BASELINE_M_CORRECT] / r[BASELINE_M_WRONG] for r in base_rows
-              if r.get(BASELINE_M_CORRECT) is not None and r.get(BASELINE_M_WRONG)]
+    ratios = [
+        r[BASELINE_M_CORRECT] / r[BASELINE_M_WRONG]
+        for r in base_rows
+        if r.get(BASELINE_M_CORRECT) is not None and r.get(BASELINE_M_WRONG)
+    ]
     if ratios:
         span = fmt(min(ratios)) if min(ratios) == max(ratios) else f"{fmt(min(ratios))}–{fmt(max(ratios))}"
-        findings.append(f"m_C / m_W over {len(ratios)} lens step(s): {span}: "
-                        + ("correct rollouts had smaller score-gradient norms, so b* sits below the group mean."
-                           if max(ratios) < 1 else "correct rollouts had larger score-gradient norms, so b* sits "
-                           "above the group mean." if min(ratios) > 1 else
-                           "neither outcome had consistently larger gradient norms."))
+        findings.append(
+            f"m_C / m_W over {len(ratios)} lens step(s): {span}: "
+            + (
+                "correct rollouts had smaller score-gradient norms, so b* sits below the group mean."
+                if max(ratios) < 1
+                else "correct rollouts had larger score-gradient norms, so b* sits above the group mean."
+                if min(ratios) > 1
+                else "neither outcome had consistently larger gradient norms."
+            )
+        )
     return lines
 
 
-def training_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
-                     lora_rank: int = 0, estimator: str | None = None, lens_space: str = "trainable",
-                     schedule: str | None = None) -> list[str]:
+def training_section(
+    records: list[dict[str, Any]],
+    run_dir: Path,
+    findings: list[str],
+    lora_rank: int = 0,
+    estimator: str | None = None,
+    lens_space: str = "trainable",
+    schedule: str | None = None,
+) -> list[str]:
     """Learning curves, the learning rate, sparsity and baselines over training (``lora_rank`` > 0: a LoRA run, whose
     sparsity numbers are over the adapter's weights; ``lens_space``: the run's config option, naming the baselines'
     gradient source with :func:`lens_gradient_source`; ``schedule``: the learning-rate schedule in words,

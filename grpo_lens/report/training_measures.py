@@ -58,25 +58,44 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
     of the step's update and gradient; Hoyer of the update since start per layer type. Series that coincide stay
     visible (:func:`grpo_lens.report.plots.plot_lines`); legends in 8 pt."""
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(plots.SIZE[0] * 1.5, plots.SIZE[1] * 1.4))
-    plots.plot_lines(a1, [(label, *plots._series(records, key), plots.series_colour(key), style)
-                          for key, label, style in [(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
-                                                    (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "permutation control", "--"),
-                                                    (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", ":"),
-                                                    (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", "-.")]],
-                     span=1.0)  # a share axis: the three bf16 shares often lie within a line's width of each other
+    plots.plot_lines(
+        a1,
+        [
+            (label, *plots._series(records, key), plots.series_colour(key), style)
+            for key, label, style in [
+                (SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
+                (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "permutation control", "--"),
+                (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", ":"),
+                (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", "-."),
+            ]
+        ],
+        span=1.0,
+    )  # a share axis: the three bf16 shares often lie within a line's width of each other
     a1.set_title("since start: unchanged shares", fontsize=9)
     a1.set_ylabel("share of sampled weights unchanged")
     a1.set_ylim(-0.02, 1.02)
-    plots.plot_lines(a2, [(label, *plots._series(records, key), None, "-")
-                          for key, label in [(SPARSITY_UPDATE_STEP_HOYER, "update Hoyer"),
-                                             (SPARSITY_UPDATE_STEP_TOP1_ENERGY, "update top-1% energy"),
-                                             (SPARSITY_GRAD_HOYER, "gradient Hoyer"),
-                                             (SPARSITY_GRAD_TOP1_ENERGY, "gradient top-1%")]])
+    plots.plot_lines(
+        a2,
+        [
+            (label, *plots._series(records, key), None, "-")
+            for key, label in [
+                (SPARSITY_UPDATE_STEP_HOYER, "update Hoyer"),
+                (SPARSITY_UPDATE_STEP_TOP1_ENERGY, "update top-1% energy"),
+                (SPARSITY_GRAD_HOYER, "gradient Hoyer"),
+                (SPARSITY_GRAD_TOP1_ENERGY, "gradient top-1%"),
+            ]
+        ],
+    )
     a2.axhline(0.20, color="gray", lw=0.8, ls=":")  # Hoyer of a Gaussian vector
     a2.set_title("this step (Gaussian: Hoyer 0.20, top-1% 0.105)", fontsize=8)
     a2.set_ylabel("Hoyer (0 to 1) or top-1% share of squared norm", fontsize=8)
-    plots.plot_lines(a3, [(kind, *plots._series(records, sparsity_key("update_total", "hoyer", kind)), None, style)
-                          for kind, style in zip(("embedding", "attention", "mlp", "norm"), ("-", "--", ":", "-."))])
+    plots.plot_lines(
+        a3,
+        [
+            (kind, *plots._series(records, sparsity_key("update_total", "hoyer", kind)), None, style)
+            for kind, style in zip(("embedding", "attention", "mlp", "norm"), ("-", "--", ":", "-."))
+        ],
+    )
     a3.set_title("update since start: Hoyer by layer type", fontsize=9)
     a3.set_ylabel("Hoyer sparsity (0 to 1, dimensionless)", fontsize=8)
     steps = [r[STEP] for r in records if r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED) is not None]
@@ -87,8 +106,16 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
             # every value null: the vectors were all zero (Hoyer and top-1% are 0/0); the run's steps on the axis
             ax.set_xlim(min(steps) - 0.5, max(steps) + 0.5)
             ax.set_xticks(sorted(set(steps)))
-            ax.text(0.5, 0.5, "undefined at every measured step:\nthe vector was all zero (0/0)", ha="center",
-                    va="center", transform=ax.transAxes, fontsize=8, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                "undefined at every measured step:\nthe vector was all zero (0/0)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=8,
+                color="gray",
+            )
         plots.legend_below(ax, ncol=1, fontsize=8)  # shares and Hoyer values reach 0 and 1: inside, it covers them
     return plots._save(fig, path)
 
@@ -109,19 +136,28 @@ def eval_section(records: list[dict[str, Any]], findings: list[str]) -> list[str
 
     def cell(r, mid, lo, hi):
         return "–" if r.get(mid) is None else f"{fmt(r[mid])} [{fmt(r.get(lo))}, {fmt(r.get(hi))}]"
+
     greedy = (EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI)
     sampled = (EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)
-    lines = ["### Held-out accuracy", "",
-             f"The same {int(rows[0].get(EVAL_PROMPTS) or 0)} held-out prompts at each evaluated step, after its "
-             "update: greedy (one completion, the argmax token each time; 95% Wilson interval over prompts) and "
-             "sampled (at the training temperature; Wilson interval over completions).", "",
-             *md_table(["step", "greedy accuracy", "sampled accuracy"],
-                       [[r[STEP], cell(r, *greedy), cell(r, *sampled)] for r in rows])]
+    lines = [
+        "### Held-out accuracy",
+        "",
+        f"The same {int(rows[0].get(EVAL_PROMPTS) or 0)} held-out prompts at each evaluated step, after its "
+        "update: greedy (one completion, the argmax token each time; 95% Wilson interval over prompts) and "
+        "sampled (at the training temperature; Wilson interval over completions).",
+        "",
+        *md_table(
+            ["step", "greedy accuracy", "sampled accuracy"],
+            [[r[STEP], cell(r, *greedy), cell(r, *sampled)] for r in rows],
+        ),
+    ]
     lines.append("")
     first, last = rows[0], rows[-1]
     if len(rows) > 1:
-        findings.append(f"Held-out greedy accuracy {cell(first, *greedy)} at step {first[STEP]} -> "
-                        f"{cell(last, *greedy)} at step {last[STEP]} (95% Wilson intervals over prompts).")
+        findings.append(
+            f"Held-out greedy accuracy {cell(first, *greedy)} at step {first[STEP]} -> "
+            f"{cell(last, *greedy)} at step {last[STEP]} (95% Wilson intervals over prompts)."
+        )
     else:
         findings.append(f"Held-out greedy accuracy {cell(last, *greedy)} at step {last[STEP]} (one evaluation).")
     return lines
@@ -133,99 +169,182 @@ def completions_section(rows: list[dict[str, Any]]) -> list[str]:
     steps = sorted({r[STEP] for r in rows if STEP in r})
     if not steps:
         return []
-    shown = [r for s in dict.fromkeys((steps[0], steps[-1])) for r in [x for x in rows if x.get(STEP) == s]
-             [:COMPLETION_ROWS]]
+    shown = [
+        r for s in dict.fromkeys((steps[0], steps[-1])) for r in [x for x in rows if x.get(STEP) == s][:COMPLETION_ROWS]
+    ]
     per_func = sorted({k for r in shown for k in (r.get("rewards") or {})})
 
     def text(value: Any, n: int = 80) -> str:
         t = " ".join(str(value).split())  # md_row escapes its '|
         return t if len(t) <= n else t[: n - 1] + "…"
+
     head = ["step", "prompt", "completion", "reward", *per_func, "advantage"]
-    lines = ["### Completions", "", f"The first {COMPLETION_ROWS} logged rollouts of the first and last logged steps "
-             "(completions.jsonl has every logged one).", "",
-             *md_table(head)]
+    lines = [
+        "### Completions",
+        "",
+        f"The first {COMPLETION_ROWS} logged rollouts of the first and last logged steps "
+        "(completions.jsonl has every logged one).",
+        "",
+        *md_table(head),
+    ]
     for r in shown:
         funcs = [fmt((r.get("rewards") or {}).get(f)) for f in per_func]
-        lines.append(md_row(r[STEP], text(r.get('prompt')), text(r.get('completion')), fmt(r.get('reward')), *funcs,
-                            fmt(r.get('advantage'))))
+        lines.append(
+            md_row(
+                r[STEP],
+                text(r.get("prompt")),
+                text(r.get("completion")),
+                fmt(r.get("reward")),
+                *funcs,
+                fmt(r.get("advantage")),
+            )
+        )
     return lines + [""]
 
 
-def training_measures_section(records: list[dict[str, Any]], run_dir: Path, findings: list[str],
-                              beta: float | None = None, lora_rank: int = 0) -> list[str]:
+def training_measures_section(
+    records: list[dict[str, Any]], run_dir: Path, findings: list[str], beta: float | None = None, lora_rank: int = 0
+) -> list[str]:
     """Policy entropy, sparsity over training (with the dense control) and the lens's cost (``lora_rank`` > 0: the
     sparsity numbers are over the LoRA adapter's weights)."""
     lines: list[str] = []
     ent = [r.get(POLICY_ENTROPY) for r in records if r.get(POLICY_ENTROPY) is not None]
     if len(ent) >= MIN_TREND_STEPS:  # two non-overlapping windows, as for the reward
         w = min(5, len(ent) // 2)
-        head, tail = ent[:w], ent[len(ent) - w:]
+        head, tail = ent[:w], ent[len(ent) - w :]
         e0, e1 = sum(head) / len(head), sum(tail) / len(tail)
-        lines += ["### Policy entropy", "",
-                  f"Token-mean entropy of the policy (temperature-scaled, from the update's own logits): "
-                  f"{fmt(e0)} nats over the first {len(head)} steps -> {fmt(e1)} over the last {len(tail)} "
-                  f"(plotted with the reward in the learning curves; the KL panel is shown only when beta > 0).", ""]
+        lines += [
+            "### Policy entropy",
+            "",
+            f"Token-mean entropy of the policy (temperature-scaled, from the update's own logits): "
+            f"{fmt(e0)} nats over the first {len(head)} steps -> {fmt(e1)} over the last {len(tail)} "
+            f"(plotted with the reward in the learning curves; the KL panel is shown only when beta > 0).",
+            "",
+        ]
         findings.append(f"Policy entropy went {fmt(e0)} -> {fmt(e1)} nats/token (first {w} vs last {w} steps).")
     elif ent:
-        lines += ["### Policy entropy", "",
-                  f"Token-mean entropy of the policy: mean {fmt(sum(ent) / len(ent))} nats over {len(ent)} step(s), "
-                  f"too few for a trend (at least {MIN_TREND_STEPS}).", ""]
+        lines += [
+            "### Policy entropy",
+            "",
+            f"Token-mean entropy of the policy: mean {fmt(sum(ent) / len(ent))} nats over {len(ent)} step(s), "
+            f"too few for a trend (at least {MIN_TREND_STEPS}).",
+            "",
+        ]
     rows = [r for r in lens_rows(records) if r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE) is not None]
     if rows:
         plot_sparsity_measures(records, run_dir / "sparsity_measures.png")
         n = rows[-1].get(SPARSITY_SAMPLE_ENTRIES)
-        lines += ["### Sparsity over training: the update and the gradient, separated from bf16 rounding", "",
-                  "bf16 unchanged: share of weights whose bf16 value did not change; permutation control: the share "
-                  "the same update entries leave unchanged when permuted within each tensor (the magnitudes alone); "
-                  "dense control: the share a dense Gaussian update with the same per-tensor RMS would leave "
-                  "unchanged (misleading for heavy-tailed updates). "
-                  "f32 unchanged: exactly unchanged in float32. Hoyer: 0 equal magnitudes, 0.20 Gaussian, 1 one "
-                  "entry; top-1%: share of the squared norm in the largest 1% of entries (0.105 Gaussian); both are "
-                  "– for an all-zero vector (0/0: a step without reward contrast). "
-                  f"Computed on a fixed sample of {fmt(int(n) if n else None)} weights (standard error of a share "
-                  f"<= {fmt(0.5 / math.sqrt(n), 4) if n else '–'}).", "",
-                  "![sparsity measures](sparsity_measures.png)", "",
-                  *md_table(["step", "S1 measured", "bf16 unchanged since start", "permutation control",
-                             "dense control", "f32 unchanged since start", "update Hoyer (step)",
-                             "update top-1% (step)", "gradient zero", "gradient Hoyer", "gradient top-1%"])]
+        lines += [
+            "### Sparsity over training: the update and the gradient, separated from bf16 rounding",
+            "",
+            "bf16 unchanged: share of weights whose bf16 value did not change; permutation control: the share "
+            "the same update entries leave unchanged when permuted within each tensor (the magnitudes alone); "
+            "dense control: the share a dense Gaussian update with the same per-tensor RMS would leave "
+            "unchanged (misleading for heavy-tailed updates). "
+            "f32 unchanged: exactly unchanged in float32. Hoyer: 0 equal magnitudes, 0.20 Gaussian, 1 one "
+            "entry; top-1%: share of the squared norm in the largest 1% of entries (0.105 Gaussian); both are "
+            "– for an all-zero vector (0/0: a step without reward contrast). "
+            f"Computed on a fixed sample of {fmt(int(n) if n else None)} weights (standard error of a share "
+            f"<= {fmt(0.5 / math.sqrt(n), 4) if n else '–'}).",
+            "",
+            "![sparsity measures](sparsity_measures.png)",
+            "",
+            *md_table(
+                [
+                    "step",
+                    "S1 measured",
+                    "bf16 unchanged since start",
+                    "permutation control",
+                    "dense control",
+                    "f32 unchanged since start",
+                    "update Hoyer (step)",
+                    "update top-1% (step)",
+                    "gradient zero",
+                    "gradient Hoyer",
+                    "gradient top-1%",
+                ]
+            ),
+        ]
         for r in rows:
-            lines.append(md_row(*[r[STEP], fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
-                                     fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
-                                     fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
-                                     fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
-                                     fmt(r.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
-                                     fmt(r.get(SPARSITY_UPDATE_STEP_HOYER)),
-                                     fmt(r.get(SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
-                                     fmt(r.get(SPARSITY_GRAD_ZERO), 4), fmt(r.get(SPARSITY_GRAD_HOYER)),
-                                     fmt(r.get(SPARSITY_GRAD_TOP1_ENERGY))]))
+            lines.append(
+                md_row(
+                    *[
+                        r[STEP],
+                        fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
+                        fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
+                        fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
+                        fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
+                        fmt(r.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
+                        fmt(r.get(SPARSITY_UPDATE_STEP_HOYER)),
+                        fmt(r.get(SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
+                        fmt(r.get(SPARSITY_GRAD_ZERO), 4),
+                        fmt(r.get(SPARSITY_GRAD_HOYER)),
+                        fmt(r.get(SPARSITY_GRAD_TOP1_ENERGY)),
+                    ]
+                )
+            )
         last = rows[-1]
-        kinds = [k for k in ("embedding", "attention", "mlp", "norm", "other")
-                 if last.get(sparsity_key("update_total", "hoyer", k)) is not None]
+        kinds = [
+            k
+            for k in ("embedding", "attention", "mlp", "norm", "other")
+            if last.get(sparsity_key("update_total", "hoyer", k)) is not None
+        ]
         if kinds:
-            lines += ["", f"By layer type at step {last[STEP]} (update since the start; gradient of the step):", "",
-                      *md_table(["layer type", "bf16 unchanged", "dense control", "f32 unchanged", "update Hoyer",
-                                 "update top-1%", "gradient zero", "gradient Hoyer"])]
+            lines += [
+                "",
+                f"By layer type at step {last[STEP]} (update since the start; gradient of the step):",
+                "",
+                *md_table(
+                    [
+                        "layer type",
+                        "bf16 unchanged",
+                        "dense control",
+                        "f32 unchanged",
+                        "update Hoyer",
+                        "update top-1%",
+                        "gradient zero",
+                        "gradient Hoyer",
+                    ]
+                ),
+            ]
             for k in kinds:
-                total = {m: last.get(sparsity_key("update_total", m, k))
-                         for m in ("bf16_unchanged", "bf16_dense", "f32_unchanged", "hoyer", "top1_energy")}
-                lines.append(md_row(*[k, fmt(total["bf16_unchanged"]), fmt(total["bf16_dense"]),
-                                         fmt(total["f32_unchanged"], 4), fmt(total["hoyer"]),
-                                         fmt(total["top1_energy"]), fmt(last.get(sparsity_key("grad", "zero", k)), 4),
-                                         fmt(last.get(sparsity_key("grad", "hoyer", k)))]))
+                total = {
+                    m: last.get(sparsity_key("update_total", m, k))
+                    for m in ("bf16_unchanged", "bf16_dense", "f32_unchanged", "hoyer", "top1_energy")
+                }
+                lines.append(
+                    md_row(
+                        *[
+                            k,
+                            fmt(total["bf16_unchanged"]),
+                            fmt(total["bf16_dense"]),
+                            fmt(total["f32_unchanged"], 4),
+                            fmt(total["hoyer"]),
+                            fmt(total["top1_energy"]),
+                            fmt(last.get(sparsity_key("grad", "zero", k)), 4),
+                            fmt(last.get(sparsity_key("grad", "hoyer", k))),
+                        ]
+                    )
+                )
         gap = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
         weights = "the LoRA adapter's weights (not the full model's)" if lora_rank else "weights"
-        findings.append(f"After {last[STEP]} steps {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "
-                        f"kept their bf16 value, against {fmt(last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED))} for the "
-                        f"same update permuted within each tensor and "
-                        f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
-                        f"update of the same size (difference {fmt(gap)}); "
-                        f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32.")
+        findings.append(
+            f"After {last[STEP]} steps {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "
+            f"kept their bf16 value, against {fmt(last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED))} for the "
+            f"same update permuted within each tensor and "
+            f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
+            f"update of the same size (difference {fmt(gap)}); "
+            f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32."
+        )
         lines.append("")
     cost = lens_overhead(records)
     if cost and cost["lens_steps"]:
-        lines += [f"The lens measured {cost['lens_steps']} of {cost['steps']} steps and took "
-                  f"{fmt(cost['lens_seconds'], 1)} s: {fmt(100 * cost['overhead'], 1)}% of the "
-                  f"{fmt(cost['train_seconds'], 1)} s the steps took without it.", ""]
+        lines += [
+            f"The lens measured {cost['lens_steps']} of {cost['steps']} steps and took "
+            f"{fmt(cost['lens_seconds'], 1)} s: {fmt(100 * cost['overhead'], 1)}% of the "
+            f"{fmt(cost['train_seconds'], 1)} s the steps took without it.",
+            "",
+        ]
     return lines
 
 
@@ -244,8 +363,10 @@ def dynamic_sampling_summary(records: list[dict]) -> str | None:
     kept = sum(r.get(DYNAMIC_MIXED_GROUPS, 0.0) for r in rows)
     zero = sum(r.get(DYNAMIC_ZERO_VAR_FRAC_SAMPLED, 0.0) * r.get(DYNAMIC_SAMPLED_GROUPS, 0.0) for r in rows)
     share = f"{zero / sampled:.3f}" if sampled else "–"
-    return (f"Dynamic sampling (DAPO) was on: {cap} of {len(rows)} steps hit the extra-rounds cap "
-            f"(dynamic_sampling_max_rounds) with fewer mixed groups than prompts_per_step; {share} of the "
-            f"{sampled:.0f} sampled groups were all-equal and {kept:.0f} mixed groups were trained on. Reward, "
-            f"accuracy and S1 are over all sampled groups (the policy's behaviour); the kept groups' values are "
-            f"dynamic/kept_*.")
+    return (
+        f"Dynamic sampling (DAPO) was on: {cap} of {len(rows)} steps hit the extra-rounds cap "
+        f"(dynamic_sampling_max_rounds) with fewer mixed groups than prompts_per_step; {share} of the "
+        f"{sampled:.0f} sampled groups were all-equal and {kept:.0f} mixed groups were trained on. Reward, "
+        f"accuracy and S1 are over all sampled groups (the policy's behaviour); the kept groups' values are "
+        f"dynamic/kept_*."
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from grpo_lens.registry import Registry
 from grpo_lens.rewards.parsing import (
@@ -33,8 +33,10 @@ REWARDS: Registry = Registry("reward function")
 
 def _references(answer: Sequence | None, n: int, fn_name: str) -> Sequence:
     if answer is None:
-        raise ValueError(f"reward {fn_name!r} needs the reference answers: pass the task column 'answer' (a list "
-                         "with one entry per completion)")
+        raise ValueError(
+            f"reward {fn_name!r} needs the reference answers: pass the task column 'answer' (a list "
+            "with one entry per completion)"
+        )
     if len(answer) != n:
         raise ValueError(f"reward {fn_name!r}: got {len(answer)} answers for {n} completions; pass one per completion")
     return answer
@@ -94,8 +96,7 @@ def math_verify_available() -> bool:
     return importlib.util.find_spec("math_verify") is not None
 
 
-def math_verify_correctness(prompts: Sequence, completions: Sequence, answer: Sequence | None = None,
-                            **kwargs) -> list:
+def math_verify_correctness(prompts: Sequence, completions: Sequence, answer: Sequence | None = None, **kwargs) -> list:
     """1.0 when ``math_verify.verify`` finds the completion's answer equal to the reference (symbolic, LaTeX aware),
     else 0.0; None where the reference does not parse. Needs ``pip install math-verify``.
 
@@ -121,8 +122,9 @@ if math_verify_available():
     REWARDS.register("math_verify")(math_verify_correctness)
 
 
-def math_correctness_verdict(completions: Sequence, answers: Sequence,
-                             use_math_verify: bool = False) -> list[float | None]:
+def math_correctness_verdict(
+    completions: Sequence, answers: Sequence, use_math_verify: bool = False
+) -> list[float | None]:
     """The 0/1 correctness verdict of math answers: 1.0 when the completion's marked final answer
     (:func:`marked_answer_text`) equals the reference, else 0.0; None where there is no reference or it does not parse.
 
@@ -144,6 +146,7 @@ def math_correctness_verdict(completions: Sequence, answers: Sequence,
         if not math_verify_available():
             raise ValueError("use_math_verify needs the math-verify package: pip install '.[math]'")
         from math_verify import parse, verify
+
         _quiet_math_verify_timeout_notice()
     out: list[float | None] = []
     for completion, ref in zip(completions, answers):
@@ -171,8 +174,10 @@ def math_correctness_verdict(completions: Sequence, answers: Sequence,
 def get_reward(name: str) -> RewardFn:
     """The reward function called ``name``; ValueError listing the valid names (and how to get ``math_verify``)."""
     if name == "math_verify" and name not in REWARDS:
-        raise ValueError("reward 'math_verify' needs the math-verify package: pip install '.[math]' in the grpo-lens "
-                         f"folder (or pip install math-verify); valid names now: {', '.join(REWARDS.names())}")
+        raise ValueError(
+            "reward 'math_verify' needs the math-verify package: pip install '.[math]' in the grpo-lens "
+            f"folder (or pip install math-verify); valid names now: {', '.join(REWARDS.names())}"
+        )
     return REWARDS.get(name)
 
 
@@ -193,11 +198,11 @@ def parse_reward_specs(specs: str | Sequence[str]) -> list[tuple[str, float]]:
         try:
             out.append((name, float(weight) if weight.strip() else 1.0))
         except ValueError:
-            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a number, "
-                             f"e.g. 'format:0.1'") from None
+            raise ValueError(
+                f"reward spec {spec!r}: the weight after ':' must be a number, e.g. 'format:0.1'"
+            ) from None
         if not math.isfinite(out[-1][1]):
-            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a finite number, e.g. "
-                             f"'{name}:0.1'")
+            raise ValueError(f"reward spec {spec!r}: the weight after ':' must be a finite number, e.g. '{name}:0.1'")
     if not out:
         raise ValueError(f"no reward functions given; valid names: {', '.join(REWARDS.names())}")
     return out

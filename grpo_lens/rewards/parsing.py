@@ -41,7 +41,7 @@ def _enclosing(text: str, open_: str, close: str) -> bool:
     if not (text.startswith(open_) and text.endswith(close)) or len(text) < len(open_) + len(close):
         return False
     depth = 0
-    inner = text[len(open_):len(text) - len(close)]
+    inner = text[len(open_) : len(text) - len(close)]
     for ch in inner:
         depth += {"(": 1, "{": 1, ")": -1, "}": -1}.get(ch, 0)
         if depth < 0:
@@ -55,7 +55,7 @@ def _strip_wrappers(text: str) -> str:
     while True:
         for open_, close in (("\\left(", "\\right)"), ("(", ")"), ("{", "}")):
             if _enclosing(text, open_, close):
-                text = text[len(open_):len(text) - len(close)].strip()
+                text = text[len(open_) : len(text) - len(close)].strip()
                 break
         else:
             return text

@@ -16,8 +16,9 @@ import math
 import numbers
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -54,9 +55,11 @@ def check_column_names(columns: Sequence[str], where: str) -> None:
     """
     clash = [c for c in columns if c in RESERVED_COLUMNS]
     if clash:
-        raise ValueError(f"{where}: column(s) {', '.join(map(repr, clash))} collide with the keyword arguments every "
-                         f"reward function receives ({', '.join(RESERVED_COLUMNS)}); rename them (e.g. "
-                         f"{clash[0]!r} -> {clash[0] + '_ref'!r}) in the data and in your reward function")
+        raise ValueError(
+            f"{where}: column(s) {', '.join(map(repr, clash))} collide with the keyword arguments every "
+            f"reward function receives ({', '.join(RESERVED_COLUMNS)}); rename them (e.g. "
+            f"{clash[0]!r} -> {clash[0] + '_ref'!r}) in the data and in your reward function"
+        )
 
 
 @dataclass
@@ -75,8 +78,10 @@ def chat_completions(prompts: Sequence, completions: Sequence[str]) -> list:
     Args:
         prompts: N prompts.   completions: N completion texts.
     """
-    return [[{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
-            for p, c in zip(prompts, completions)]
+    return [
+        [{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
+        for p, c in zip(prompts, completions)
+    ]
 
 
 def _parameters(fn: Callable) -> tuple[list[str], bool]:
@@ -85,14 +90,20 @@ def _parameters(fn: Callable) -> tuple[list[str], bool]:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return [], True
-    return ([p.name for p in params if p.kind is not p.VAR_KEYWORD],
-            any(p.kind is p.VAR_KEYWORD for p in params))
+    return ([p.name for p in params if p.kind is not p.VAR_KEYWORD], any(p.kind is p.VAR_KEYWORD for p in params))
 
 
-def call_reward_function(fn: Callable, prompts: Sequence, completions: Sequence, *,
-                         completion_ids: Sequence | None = None, columns: Mapping[str, Sequence] | None = None,
-                         trainer_state: Any = None, log_extra: Callable | None = None,
-                         log_metric: Callable | None = None) -> Any:
+def call_reward_function(
+    fn: Callable,
+    prompts: Sequence,
+    completions: Sequence,
+    *,
+    completion_ids: Sequence | None = None,
+    columns: Mapping[str, Sequence] | None = None,
+    trainer_state: Any = None,
+    log_extra: Callable | None = None,
+    log_metric: Callable | None = None,
+) -> Any:
     """Call one reward function as TRL's GRPOTrainer does, by keyword (see the module docstring).
 
     ``fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
@@ -109,10 +120,15 @@ def call_reward_function(fn: Callable, prompts: Sequence, completions: Sequence,
     """
     columns = copy.deepcopy(dict(columns or {}))  # a function that edits its arguments changes nothing outside
     check_column_names(list(columns), "reward function call")
-    keywords = {"prompts": copy.deepcopy(list(prompts)), "completions": copy.deepcopy(list(completions)),
-                "completion_ids": None if completion_ids is None else copy.deepcopy(list(completion_ids)), **columns,
-                "trainer_state": trainer_state, "log_extra": log_extra or (lambda column, values: None),
-                "log_metric": log_metric or (lambda name, value: None)}
+    keywords = {
+        "prompts": copy.deepcopy(list(prompts)),
+        "completions": copy.deepcopy(list(completions)),
+        "completion_ids": None if completion_ids is None else copy.deepcopy(list(completion_ids)),
+        **columns,
+        "trainer_state": trainer_state,
+        "log_extra": log_extra or (lambda column, values: None),
+        "log_metric": log_metric or (lambda name, value: None),
+    }
     names, var_kw = _parameters(fn)
     args: tuple = ()
     if len(names) >= 2 and names[:2] != ["prompts", "completions"] and "completions" not in names:
@@ -182,9 +198,11 @@ class RewardFunctionError(ValueError):
 
 
 def _exit_error(name: str, err: SystemExit) -> RewardFunctionError:
-    return RewardFunctionError(f"reward {name!r} called sys.exit({err.code!r}) (raised SystemExit): a reward function "
-                               f"returns one value (or None) per completion and never ends the run; return None for a "
-                               f"completion it cannot score, or raise an exception")
+    return RewardFunctionError(
+        f"reward {name!r} called sys.exit({err.code!r}) (raised SystemExit): a reward function "
+        f"returns one value (or None) per completion and never ends the run; return None for a "
+        f"completion it cannot score, or raise an exception"
+    )
 
 
 def _describe(value: Any) -> str:
@@ -209,8 +227,9 @@ def reward_values(values: Any, n: int) -> list[Any]:
     if not isinstance(values, (list, tuple)):
         raise TypeError(f"returned {_describe(values)}, not a list of one number (or None) per completion")
     if len(values) != n:
-        raise ValueError(f"returned {len(values)} values for {n} completions; return one value (or None) per "
-                         f"completion")
+        raise ValueError(
+            f"returned {len(values)} values for {n} completions; return one value (or None) per completion"
+        )
     for v in values:
         if v is not None and not (isinstance(v, numbers.Real) or (isinstance(v, Tensor) and v.numel() == 1)):
             raise TypeError(f"returned a list holding {_describe(v)}, which is neither a number nor None")
@@ -275,8 +294,10 @@ def combine_rewards(
     funcs = _normalize_funcs(funcs_with_weights)
     N = len(completions)
     if len(prompts) != N:
-        raise ValueError(f"got {len(prompts)} prompts for {N} completions; pass one prompt per completion (repeat "
-                         "each prompt R times)")
+        raise ValueError(
+            f"got {len(prompts)} prompts for {N} completions; pass one prompt per completion (repeat "
+            "each prompt R times)"
+        )
     total = torch.zeros(N, dtype=torch.float64)
     scored = torch.zeros(N, dtype=torch.bool)  # some function scored the rollout
     failed = torch.zeros(N, dtype=torch.bool)  # some function's call failed
@@ -286,13 +307,18 @@ def combine_rewards(
     def log_metric(metric: str, value: float) -> None:
         logged.setdefault(str(metric), []).append(float(value))
 
-    call = {"completion_ids": completion_ids, "columns": columns, "trainer_state": trainer_state,
-            "log_metric": log_metric}
+    call = {
+        "completion_ids": completion_ids,
+        "columns": columns,
+        "trainer_state": trainer_state,
+        "log_metric": log_metric,
+    }
     for name, fn, weight in funcs:
         start = time.perf_counter()
         try:
-            values = reward_values(_call_with_timeout(call_reward_function, timeout_s, (fn, prompts, completions),
-                                                      call), N)
+            values = reward_values(
+                _call_with_timeout(call_reward_function, timeout_s, (fn, prompts, completions), call), N
+            )
             r = torch.tensor([_to_float(v) for v in values], dtype=torch.float64)  # [N]
             call_failed = False
         except SystemExit as err:
@@ -303,11 +329,16 @@ def combine_rewards(
             r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
         except Exception as err:  # noqa: BLE001 - a failing reward function must not stop the run
             if _first_failure(fn):
-                logger.exception("reward %r raised: its %d rollouts are marked invalid (later failures of this "
-                                 "function are logged in one line)", name, N)
+                logger.exception(
+                    "reward %r raised: its %d rollouts are marked invalid (later failures of this "
+                    "function are logged in one line)",
+                    name,
+                    N,
+                )
             else:
-                logger.error("reward %r raised %s: %s; its %d rollouts are marked invalid", name,
-                             type(err).__name__, err, N)
+                logger.error(
+                    "reward %r raised %s: %s; its %d rollouts are marked invalid", name, type(err).__name__, err, N
+                )
             metrics[REWARD_ERROR_COUNT] += 1
             r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
         ok = ~torch.isnan(r)
@@ -340,9 +371,14 @@ def _first_failure(fn: Callable) -> bool:
     return True
 
 
-def check_rewards_on_example(funcs_with_weights: Any, prompt: Any, columns: Mapping[str, Any],
-                             timeout_s: float | None = None, where: str = "the first example",
-                             trainer_state: Any = None) -> None:
+def check_rewards_on_example(
+    funcs_with_weights: Any,
+    prompt: Any,
+    columns: Mapping[str, Any],
+    timeout_s: float | None = None,
+    where: str = "the first example",
+    trainer_state: Any = None,
+) -> None:
     """Call every reward function once, before training, on one example's prompt and columns with the empty
     completion (a model can write one: EOS first), so that a function that cannot be called with the dataset's
     columns fails now, with its error, rather than making every rollout of the run invalid.
@@ -353,8 +389,11 @@ def check_rewards_on_example(funcs_with_weights: Any, prompt: Any, columns: Mapp
         ValueError: naming the reward function, ``where``, the error and what to do.
     """
     completions = chat_completions([prompt], [""])
-    call = {"completion_ids": [[]], "columns": {k: [v] for k, v in columns.items()},
-            "trainer_state": trainer_state if trainer_state is not None else RewardState()}
+    call = {
+        "completion_ids": [[]],
+        "columns": {k: [v] for k, v in columns.items()},
+        "trainer_state": trainer_state if trainer_state is not None else RewardState(),
+    }
     for name, fn, _ in _normalize_funcs(funcs_with_weights):
         try:
             values = _call_with_timeout(call_reward_function, timeout_s, (fn, [prompt], completions), call)
@@ -364,18 +403,24 @@ def check_rewards_on_example(funcs_with_weights: Any, prompt: Any, columns: Mapp
             raise _exit_error(name, err) from None
         except Exception as err:  # noqa: BLE001 - reported as one line, before anything is written
             why = str(err).splitlines()[0][:300] if str(err) else ""
-            raise ValueError(f"reward {name!r} fails on {where} (columns: {', '.join(sorted(columns)) or 'none'}) "
-                             f"with an empty completion: {type(err).__name__}: {why}. Fix the function or the data "
-                             f"(a function that cannot score a completion returns None for it)") from None
+            raise ValueError(
+                f"reward {name!r} fails on {where} (columns: {', '.join(sorted(columns)) or 'none'}) "
+                f"with an empty completion: {type(err).__name__}: {why}. Fix the function or the data "
+                f"(a function that cannot score a completion returns None for it)"
+            ) from None
         try:
             reward_values(values, 1)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"reward {name!r} on {where} with an empty completion {err}; a reward function returns "
-                             f"a list with one number (or None) per completion, as TRL's do") from None
+            raise ValueError(
+                f"reward {name!r} on {where} with an empty completion {err}; a reward function returns "
+                f"a list with one number (or None) per completion, as TRL's do"
+            ) from None
 
 
 def score_batch(
-    batch: "RolloutBatch", funcs_with_weights: Any, timeout_s: float | None = None,
+    batch: RolloutBatch,
+    funcs_with_weights: Any,
+    timeout_s: float | None = None,
     trainer_state: Any = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """:func:`combine_rewards` for a :class:`~grpo_lens.rollout.RolloutBatch`, shaped by group.
@@ -389,13 +434,19 @@ def score_batch(
     """
     R, B = batch.group_size, batch.num_groups
     if len(batch.prompts) != B:
-        raise ValueError(f"batch has {len(batch.prompts)} prompts for {B} groups; score the whole batch, not a "
-                         "select()-ed part")
+        raise ValueError(
+            f"batch has {len(batch.prompts)} prompts for {B} groups; score the whole batch, not a select()-ed part"
+        )
     prompts = [p for p in batch.prompts for _ in range(R)]
     columns = {k: [v for v in values for _ in range(R)] for k, values in batch.extras.items()}
     ids = [row[mask].tolist() for row, mask in zip(batch.completion_ids.cpu(), batch.completion_mask.cpu())]
-    rewards, valid, metrics = combine_rewards(funcs_with_weights, prompts, chat_completions(prompts, batch.completions),
-                                              timeout_s, columns=columns, completion_ids=ids,
-                                              trainer_state=trainer_state if trainer_state is not None
-                                              else RewardState())
+    rewards, valid, metrics = combine_rewards(
+        funcs_with_weights,
+        prompts,
+        chat_completions(prompts, batch.completions),
+        timeout_s,
+        columns=columns,
+        completion_ids=ids,
+        trainer_state=trainer_state if trainer_state is not None else RewardState(),
+    )
     return rewards.view(B, R), valid.view(B, R), metrics

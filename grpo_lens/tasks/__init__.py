@@ -29,7 +29,7 @@ class TaskOptionError(TypeError, ValueError):
     """A task option the task does not take, or of the wrong type (a TypeError and a ValueError: bad input)."""
 
 
-def get_task(name: "str | os.PathLike", dataset=None, **options) -> Task:
+def get_task(name: str | os.PathLike, dataset=None, **options) -> Task:
     """The task called ``name``, built with ``options``; or a task from the user's data.
 
     Args:
@@ -48,8 +48,9 @@ def get_task(name: "str | os.PathLike", dataset=None, **options) -> Task:
     name = os.fspath(name)
     if name == "jsonl":
         if dataset is None:
-            raise ValueError("task 'jsonl' needs a dataset: a path to a .jsonl file with a 'prompt' column "
-                             "(flag --dataset)")
+            raise ValueError(
+                "task 'jsonl' needs a dataset: a path to a .jsonl file with a 'prompt' column (flag --dataset)"
+            )
         return _build(name, user_task, dataset, **options)
     if name in TASKS:
         if dataset is not None:
@@ -67,12 +68,25 @@ def _build(name: str, factory, *args, **options) -> Task:
         return factory(*args, **options)
     except TypeError as err:
         accepted = [p for p in inspect.signature(factory).parameters if p not in ("self", "dataset")]
-        raise TaskOptionError(f"task {name!r}: bad task_options {options!r} ({err}); accepted options: "
-                              f"{', '.join(accepted) or 'none'}") from None
+        raise TaskOptionError(
+            f"task {name!r}: bad task_options {options!r} ({err}); accepted options: {', '.join(accepted) or 'none'}"
+        ) from None
 
 
 __all__ = [
-    "TASKS", "Example", "Task", "TaskOptionError", "ArithmeticTask", "GSM8KTask", "UserDataTask", "as_rng",
-    "correctness_verdict", "dataset_task",
-    "get_task", "gsm8k_reference", "jsonl_task", "row_to_example", "user_task",
+    "TASKS",
+    "Example",
+    "Task",
+    "TaskOptionError",
+    "ArithmeticTask",
+    "GSM8KTask",
+    "UserDataTask",
+    "as_rng",
+    "correctness_verdict",
+    "dataset_task",
+    "get_task",
+    "gsm8k_reference",
+    "jsonl_task",
+    "row_to_example",
+    "user_task",
 ]

@@ -43,8 +43,9 @@ class Task(Protocol):
     name: str
     splits: tuple[str, ...]
 
-    def sample(self, n: int, rng_or_seed: "int | random.Random | Any" = None, split: str = "train", *,
-               seed: int | None = None) -> list[Example]:
+    def sample(
+        self, n: int, rng_or_seed: int | random.Random | Any = None, split: str = "train", *, seed: int | None = None
+    ) -> list[Example]:
         """n examples of ``split``, drawn with ``rng_or_seed`` (or the keyword ``seed``; 0 if neither is given);
         the same seed gives the same examples."""
         ...
@@ -54,7 +55,7 @@ class Task(Protocol):
 TASKS: Registry = Registry("task")
 
 
-def as_rng(rng_or_seed: "int | random.Random | Any") -> random.Random:
+def as_rng(rng_or_seed: int | random.Random | Any) -> random.Random:
     """A ``random.Random`` from an int seed, a ``random.Random`` (returned as is) or a ``numpy.random.Generator``
     (a seed is drawn from it)."""
     if isinstance(rng_or_seed, random.Random):
@@ -70,7 +71,7 @@ def as_rng(rng_or_seed: "int | random.Random | Any") -> random.Random:
     )
 
 
-def split_rng(rng_or_seed: "int | random.Random | Any", split: str, seed: int | None = None) -> random.Random:
+def split_rng(rng_or_seed: int | random.Random | Any, split: str, seed: int | None = None) -> random.Random:
     """An RNG for one split: an int seed gives a different stream per split (train and test with seed 0 differ).
 
     ``seed`` is the keyword form of an int ``rng_or_seed`` (``task.sample(4, seed=1)``); give one or the other.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 from grpo_lens.rewards import math_correctness_verdict, math_verify_available
@@ -30,7 +30,7 @@ def gsm8k_reference(solution: str) -> str:
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_gsm8k(split: str) -> tuple[dict, ...]:
     """The vendored GSM8K rows of ``split`` (``"train"``: 7473, ``"test"``: 1319) as dicts with ``question``,
     ``answer`` (the full solution)."""

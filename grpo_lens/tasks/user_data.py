@@ -53,8 +53,11 @@ def row_to_example(row: Any, source: str, row_number: int, system_prompt: str | 
             raise _row_error(source, row_number, "the prompt is empty")
         # A string stays a string (TRL's standard format): a base model without a chat template reads it as is, a
         # chat model gets it as one user message (grpo_lens.rollout.prompt_token_ids); a system prompt makes it chat.
-        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}] \
-            if system_prompt else prompt
+        messages = (
+            [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+            if system_prompt
+            else prompt
+        )
     elif isinstance(prompt, list):
         if not prompt:
             raise _row_error(source, row_number, "the prompt is an empty list of messages")
@@ -79,9 +82,13 @@ def row_to_example(row: Any, source: str, row_number: int, system_prompt: str | 
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:  # a lone surrogate such as "\ud800" in the JSON
-            raise _row_error(source, row_number, f"the prompt holds {text[err.start:err.end]!r} at character "
-                                                 f"{err.start}, which is not valid Unicode text (a lone surrogate); "
-                                                 f"remove or replace it") from None
+            raise _row_error(
+                source,
+                row_number,
+                f"the prompt holds {text[err.start : err.end]!r} at character "
+                f"{err.start}, which is not valid Unicode text (a lone surrogate); "
+                f"remove or replace it",
+            ) from None
     answer = row.get("answer")
     extras = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
     check_column_names(list(extras), f"{source}, row {row_number}")
@@ -134,16 +141,21 @@ def read_jsonl(path: str | os.PathLike) -> list[Any]:
     rows = []
     data = path.read_bytes()
     if data[:2] == b"\x1f\x8b":
-        raise ValueError(f"{path}: gzip-compressed, not JSONL text; decompress it first (gunzip -k {path}) and pass "
-                         f"the .jsonl file")
+        raise ValueError(
+            f"{path}: gzip-compressed, not JSONL text; decompress it first (gunzip -k {path}) and pass the .jsonl file"
+        )
     if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte-order mark (some editors write one) is not data
         data = data[3:]
     for number, raw in enumerate(data.split(b"\n"), start=1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise _row_error(str(path), number, f"not UTF-8 text (byte {raw[err.start:err.start + 1]!r} at column "
-                                                f"{err.start + 1}); save the file as UTF-8") from None
+            raise _row_error(
+                str(path),
+                number,
+                f"not UTF-8 text (byte {raw[err.start : err.start + 1]!r} at column "
+                f"{err.start + 1}); save the file as UTF-8",
+            ) from None
         if not line.strip():
             continue
         try:
@@ -151,8 +163,11 @@ def read_jsonl(path: str | os.PathLike) -> list[Any]:
         except json.JSONDecodeError as err:
             raise _row_error(str(path), number, f"not valid JSON ({err.msg} at column {err.colno})") from None
         except _DuplicateKey as err:
-            raise _row_error(str(path), number, f"the key {err.args[0]!r} appears twice in one object (JSON keeps "
-                                                f"the last silently); keep one") from None
+            raise _row_error(
+                str(path),
+                number,
+                f"the key {err.args[0]!r} appears twice in one object (JSON keeps the last silently); keep one",
+            ) from None
     if not rows:
         raise ValueError(f"{path}: no rows. Fix: {ROW_HELP}")
     return rows
@@ -187,8 +202,9 @@ class UserDataTask:
         return sample_rows(self.data[split], n, split_rng(rng_or_seed, split, seed))
 
 
-def jsonl_task(path: str | os.PathLike, test_path: str | os.PathLike | None = None,
-               system_prompt: str | None = None) -> UserDataTask:
+def jsonl_task(
+    path: str | os.PathLike, test_path: str | os.PathLike | None = None, system_prompt: str | None = None
+) -> UserDataTask:
     """A task from a JSONL file (split ``train``) and optionally a second one (split ``test``).
 
     Every row is validated up front. Raises ValueError naming the file and row number for a malformed row.
@@ -207,8 +223,9 @@ def dataset_task(dataset: Any, name: str = "dataset", system_prompt: str | None 
     the split and the row number."""
     splits = dict(dataset) if isinstance(dataset, dict) else {"train": dataset}
     data = {
-        split: [row_to_example(row, f"{name} [{split}]", number, system_prompt)
-                for number, row in enumerate(rows, start=1)]
+        split: [
+            row_to_example(row, f"{name} [{split}]", number, system_prompt) for number, row in enumerate(rows, start=1)
+        ]
         for split, rows in splits.items()
     }
     for split, examples in data.items():
@@ -217,8 +234,9 @@ def dataset_task(dataset: Any, name: str = "dataset", system_prompt: str | None 
     return UserDataTask(data=data, name=name)
 
 
-def user_task(dataset: Any, system_prompt: str | None = None, test_path: str | os.PathLike | None = None,
-              split: str | None = None) -> UserDataTask:
+def user_task(
+    dataset: Any, system_prompt: str | None = None, test_path: str | os.PathLike | None = None, split: str | None = None
+) -> UserDataTask:
     """A task from the user's data, whatever form it takes.
 
     Args:

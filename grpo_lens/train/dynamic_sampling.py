@@ -11,7 +11,7 @@ Shapes: B prompts, R group size, N = B R rollouts, Lp prompt tokens (left padded
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -81,8 +81,9 @@ def _merge_reward_info(infos: list[dict]) -> dict:
     return out
 
 
-def collect_mixed_groups(sample_round: SampleRound, num_groups: int, max_extra_rounds: int,
-                         pad_id: int) -> tuple[RolloutBatch, Tensor, Tensor, dict, dict[str, float], list[Tensor]]:
+def collect_mixed_groups(
+    sample_round: SampleRound, num_groups: int, max_extra_rounds: int, pad_id: int
+) -> tuple[RolloutBatch, Tensor, Tensor, dict, dict[str, float], list[Tensor]]:
     """Sample rounds until ``num_groups`` mixed groups are found or ``max_extra_rounds`` extra rounds are spent.
 
     Args:
@@ -120,9 +121,13 @@ def collect_mixed_groups(sample_round: SampleRound, num_groups: int, max_extra_r
             found += len(keep)
         if found >= num_groups:
             break
-    stats = {DYNAMIC_MIXED_GROUPS: float(found), DYNAMIC_ROUNDS: float(rounds),
-             DYNAMIC_SAMPLED_GROUPS: float(sampled), DYNAMIC_HIT_CAP: float(found < num_groups),
-             DYNAMIC_ZERO_VAR_FRAC_SAMPLED: 1.0 - seen_mixed / sampled}
+    stats = {
+        DYNAMIC_MIXED_GROUPS: float(found),
+        DYNAMIC_ROUNDS: float(rounds),
+        DYNAMIC_SAMPLED_GROUPS: float(sampled),
+        DYNAMIC_HIT_CAP: float(found < num_groups),
+        DYNAMIC_ZERO_VAR_FRAC_SAMPLED: 1.0 - seen_mixed / sampled,
+    }
     if found == 0:
         batch, rewards, valid, *others = first
     else:

@@ -70,7 +70,7 @@ class Evaluation:
         self.examples = task.sample(config.eval_prompts, seed=config.seed, split=config.eval_split)
 
     @classmethod
-    def start(cls, config: Any, task: Any) -> "Evaluation | None":
+    def start(cls, config: Any, task: Any) -> Evaluation | None:
         """The run's evaluation, or None without ``eval_every``."""
         return cls(config, task) if config.eval_every > 0 else None
 
@@ -84,23 +84,45 @@ class Evaluation:
             return {}
         c = self.config
         t0 = time.perf_counter()
-        logger.info("step %d: evaluating the policy on %d held-out prompts (%s split: greedy%s)", step,
-                    len(self.examples), c.eval_split, f", {c.eval_samples} samples each" if c.eval_samples else "")
+        logger.info(
+            "step %d: evaluating the policy on %d held-out prompts (%s split: greedy%s)",
+            step,
+            len(self.examples),
+            c.eval_split,
+            f", {c.eval_samples} samples each" if c.eval_samples else "",
+        )
         was_training = policy.training
         policy.eval()
         out: dict[str, float] = {EVAL_PROMPTS: float(len(self.examples))}
         with torch.no_grad(), forward_precision(device, c.dtype):
-            greedy = sample_groups(policy, tokenizer, self.examples, 1, max_new_tokens=c.max_new_tokens,
-                                   temperature=1.0, top_k=1, generator_seed=c.seed, batch_size=EVAL_BATCH)
+            greedy = sample_groups(
+                policy,
+                tokenizer,
+                self.examples,
+                1,
+                max_new_tokens=c.max_new_tokens,
+                temperature=1.0,
+                top_k=1,
+                generator_seed=c.seed,
+                batch_size=EVAL_BATCH,
+            )
             keys = (EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI)
             out.update(zip(keys, accuracy_with_interval(rollout_correctness(self.task, greedy, c.reward_timeout))))
             if c.eval_samples > 0:
-                sampled = sample_groups(policy, tokenizer, self.examples, c.eval_samples,
-                                        max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
-                                        top_k=c.top_k, generator_seed=c.seed * 7_919 + step, batch_size=EVAL_BATCH)
+                sampled = sample_groups(
+                    policy,
+                    tokenizer,
+                    self.examples,
+                    c.eval_samples,
+                    max_new_tokens=c.max_new_tokens,
+                    temperature=c.temperature,
+                    top_p=c.top_p,
+                    top_k=c.top_k,
+                    generator_seed=c.seed * 7_919 + step,
+                    batch_size=EVAL_BATCH,
+                )
                 keys = (EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)
-                out.update(zip(keys, accuracy_with_interval(rollout_correctness(self.task, sampled,
-                                                                                c.reward_timeout))))
+                out.update(zip(keys, accuracy_with_interval(rollout_correctness(self.task, sampled, c.reward_timeout))))
         if was_training:
             policy.train()
         out[EVAL_SECONDS] = time.perf_counter() - t0
@@ -111,8 +133,10 @@ class Evaluation:
 def eval_line(metrics: dict[str, float]) -> str:
     """The console line of one evaluation's ``eval/*`` metrics: greedy (and sampled) accuracy with its Wilson
     interval, the prompts and the seconds."""
+
     def acc(mean_key: str, lo_key: str, hi_key: str) -> str:
         return f"{metrics[mean_key]:.3f} [{metrics[lo_key]:.3f}, {metrics[hi_key]:.3f}]"
+
     parts = [f"held-out greedy accuracy {acc(EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI)}"]
     if EVAL_SAMPLED_ACCURACY in metrics:
         parts.append(f"sampled {acc(EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)}")

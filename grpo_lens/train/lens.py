@@ -161,11 +161,11 @@ class TrainerLens:
         on-policy pass of the update, whose sketched loss-gradient rows then give the g_i without a pass of the
         lens's own (:func:`scores_from_update_rows`). Marks the step as measured for the S4 snapshots."""
         self._pending = True
-        return GradientCapture(policy, self.config.sketch_dim, self.config.sketch_dim,
-                                  seed=self.config.seed)
+        return GradientCapture(policy, self.config.sketch_dim, self.config.sketch_dim, seed=self.config.seed)
 
-    def update_gram_capture(self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor,
-                            R: int) -> MicroBatchGrams:
+    def update_gram_capture(
+        self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor, R: int
+    ) -> MicroBatchGrams:
         """The :class:`MicroBatchGrams` for the trainer to open around the update's first pass (each micro-batch),
         whose exact Gram of the mixed groups' loss-gradient rows then gives the lens's Gram without a pass of its
         own (:func:`score_gram_from_update`; when, :func:`grpo_lens.train.update.lens_fuses_gram`). Marks the step as
@@ -177,11 +177,19 @@ class TrainerLens:
         self._pending = True
         rows = torch.zeros(rewards.numel(), dtype=torch.bool)
         for b in self.mixed_groups(rewards, valid, R):
-            rows[b * R:(b + 1) * R] = True
+            rows[b * R : (b + 1) * R] = True
         return MicroBatchGrams(policy, rewards.numel(), rows=rows)
 
-    def measure_from_update(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
-                            valid: torch.Tensor, advantages: torch.Tensor, capture: Any) -> dict[str, float]:
+    def measure_from_update(
+        self,
+        step: int,
+        policy: torch.nn.Module,
+        batch: RolloutBatch,
+        rewards: torch.Tensor,
+        valid: torch.Tensor,
+        advantages: torch.Tensor,
+        capture: Any,
+    ) -> dict[str, float]:
         """:meth:`measure` from what ``capture`` took in the update's first pass: the exact Gram
         (:class:`MicroBatchGrams`, :func:`score_gram_from_update`) or the sketched rows (:class:`GradientCapture`,
         :func:`scores_from_update_rows`); N, the rollouts in the loss, summed over processes."""
@@ -189,15 +197,37 @@ class TrainerLens:
         n_total = sum(gather_objects(float(loss_mask.any(dim=1).sum())))
         if isinstance(capture, MicroBatchGrams):
             gram, info = capture.gram()
-            return self.measure(step, policy, batch, rewards, valid, advantages,
-                                gram=(score_gram_from_update(gram, advantages, n_total), info))
+            return self.measure(
+                step,
+                policy,
+                batch,
+                rewards,
+                valid,
+                advantages,
+                gram=(score_gram_from_update(gram, advantages, n_total), info),
+            )
         n_total = sum(gather_objects(float(batch.completion_mask.any(dim=1).sum())))  # the sketch's N, as before
-        return self.measure(step, policy, batch, rewards, valid, advantages,
-                            sketch=scores_from_update_rows(capture.result().sketch, advantages, n_total))
+        return self.measure(
+            step,
+            policy,
+            batch,
+            rewards,
+            valid,
+            advantages,
+            sketch=scores_from_update_rows(capture.result().sketch, advantages, n_total),
+        )
 
-    def measure(self, step: int, policy: torch.nn.Module, batch: RolloutBatch, rewards: torch.Tensor,
-                valid: torch.Tensor, advantages: torch.Tensor, sketch: torch.Tensor | None = None,
-                gram: tuple[torch.Tensor, dict[str, Any]] | None = None) -> dict[str, float]:
+    def measure(
+        self,
+        step: int,
+        policy: torch.nn.Module,
+        batch: RolloutBatch,
+        rewards: torch.Tensor,
+        valid: torch.Tensor,
+        advantages: torch.Tensor,
+        sketch: torch.Tensor | None = None,
+        gram: tuple[torch.Tensor, dict[str, Any]] | None = None,
+    ) -> dict[str, float]:
         """Lens metrics of one step's rollouts (every process's), before the update.
 
         Args:
@@ -224,8 +254,9 @@ class TrainerLens:
         # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
         # N and normaliser Z, summed over processes as the trainer does
         loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, c.overlong)  # the tokens it sums
-        norm = gather_objects((loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens),
-                               float(loss_mask.any(dim=1).sum())))
+        norm = gather_objects(
+            (loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens), float(loss_mask.any(dim=1).sum()))
+        )
         z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
         # each group's seed follows its index in the whole batch, which this process holds a contiguous share of
         shares = gather_objects(r.shape[0])
@@ -246,8 +277,9 @@ class TrainerLens:
                 gram = g
                 dim = trainable_count(policy)  # the exact Gram's P
             elif sketch is None:
-                omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total,
-                                                 n_total)
+                omega = rollout_gradient_weights(
+                    loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total, n_total
+                )
                 gram, cov, dim = self.rollout_gram(policy, sub, omega)  # [n_mixed * R, n_mixed * R] on the CPU
                 coverage += [cov] if cov is not None else []
             else:
@@ -257,12 +289,21 @@ class TrainerLens:
             # dim: P for the claims' simulated null (issue 29), the dimension of the space the Gram's gradients live in
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
-                rows.append(analyse_group(
-                    gram[j * R:(j + 1) * R, j * R:(j + 1) * R], r[b].double(), adv[b * R:(b + 1) * R],
-                    estimator=c.estimator,
-                    std=c.std, eps=c.std_eps, completion_mask=sub.completion_mask[j * R:(j + 1) * R].cpu(),
-                    completion_ids=sub.completion_ids[j * R:(j + 1) * R].cpu(), num_random=4, null_dim=dim,
-                    seed=c.seed + step * 1009 + first_group + b))
+                rows.append(
+                    analyse_group(
+                        gram[j * R : (j + 1) * R, j * R : (j + 1) * R],
+                        r[b].double(),
+                        adv[b * R : (b + 1) * R],
+                        estimator=c.estimator,
+                        std=c.std,
+                        eps=c.std_eps,
+                        completion_mask=sub.completion_mask[j * R : (j + 1) * R].cpu(),
+                        completion_ids=sub.completion_ids[j * R : (j + 1) * R].cpu(),
+                        num_random=4,
+                        null_dim=dim,
+                        seed=c.seed + step * 1009 + first_group + b,
+                    )
+                )
         # every process's groups: the lens describes the whole batch, not rank 0's share
         parts = gather_objects({"rows": rows, "rewards": r, "valid": v, "coverage": coverage})
         all_rows = [row for part in parts for row in part["rows"]]
@@ -277,8 +318,9 @@ class TrainerLens:
         out[PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out
 
-    def rollout_gram(self, policy: torch.nn.Module, sub: RolloutBatch,
-                     omega: torch.Tensor) -> tuple[torch.Tensor, float | None, int]:
+    def rollout_gram(
+        self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor
+    ) -> tuple[torch.Tensor, float | None, int]:
         """(Gram [n, n] float64 on the CPU of ``sub``'s per-rollout gradients, its parameter coverage or None, the
         dimension P of the space the gradients live in: every trainable parameter, or the sketch's K).
 
@@ -303,10 +345,18 @@ class TrainerLens:
         """
         c = self.config
         if is_lora(policy):
-            return lora_rollout_grads(policy, sub, c.lens_space, k=c.sketch_dim, seed=c.seed, score_weights=omega,
-                                      temperature=c.temperature).double()
-        return sketch_rollout_grads(policy, sub, k_in=c.sketch_dim, k_out=c.sketch_dim, seed=c.seed,
-                                       score_weights=omega, temperature=c.temperature).sketch.double()
+            return lora_rollout_grads(
+                policy, sub, c.lens_space, k=c.sketch_dim, seed=c.seed, score_weights=omega, temperature=c.temperature
+            ).double()
+        return sketch_rollout_grads(
+            policy,
+            sub,
+            k_in=c.sketch_dim,
+            k_out=c.sketch_dim,
+            seed=c.seed,
+            score_weights=omega,
+            temperature=c.temperature,
+        ).sketch.double()
 
     def before_step(self, policy: torch.nn.Module) -> None:
         """Snapshot the weights (bf16, and the fixed sample with the step's gradient) just before the first optimizer

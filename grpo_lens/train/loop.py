@@ -32,9 +32,10 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,10 +85,10 @@ from grpo_lens.rundir import (
     RunDir,
     RunDirError,
     crash_point,
-    read_saved_config,
     holds_run_dir,
     lens_overhead,
     read_records,
+    read_saved_config,
 )
 from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
@@ -139,9 +140,20 @@ class NoScorableRolloutError(RuntimeError):
 
 
 #: Config fields that may change when a run is resumed (they do not change any step already taken).
-RESUMABLE_KEYS = ("max_steps", "progress", "save_final_model", "checkpoint_every", "keep_checkpoints",
-                  "log_completions", "device", "report_to",
-                  "reward_timeout", "max_consecutive_skips", "metric_names", "allow_dataset_change")
+RESUMABLE_KEYS = (
+    "max_steps",
+    "progress",
+    "save_final_model",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log_completions",
+    "device",
+    "report_to",
+    "reward_timeout",
+    "max_consecutive_skips",
+    "metric_names",
+    "allow_dataset_change",
+)
 
 #: Config fields the trainer writes itself (what it found of --dataset): never compared with what was given.
 RECORDED_KEYS = ("dataset_sha256", "dataset_rows")
@@ -215,8 +227,19 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         plan = plan_lens(lens, step, config, procs, models.policy, rollouts, advantages)
         # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
-        update_metrics = policy_update(models.policy, models.optimizer, rollouts.batch, advantages, ref_logp, config,
-                                       procs, models.params, before_step=before_step, step=step, capture=plan.capture)
+        update_metrics = policy_update(
+            models.policy,
+            models.optimizer,
+            rollouts.batch,
+            advantages,
+            ref_logp,
+            config,
+            procs,
+            models.params,
+            before_step=before_step,
+            step=step,
+            capture=plan.capture,
+        )
         stop_if_weights_diverged(models, procs, run, step, state.step)  # before anything reads the new weights
         # 6. the lens after the update: its g_i read off the update's first pass, and S4 around the optimizer step
         lens_metrics = lens_after_update(lens, plan, step, procs, models.policy, rollouts, advantages)
@@ -258,24 +281,37 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
         ModelNotFoundError: the model path does not exist.
     """
     if config.prompts_per_step % procs.world:
-        raise ValueError(f"config field 'prompts_per_step' = {config.prompts_per_step} must be divisible by the "
-                         f"number of processes ({procs.world}) so that each process samples whole groups")
+        raise ValueError(
+            f"config field 'prompts_per_step' = {config.prompts_per_step} must be divisible by the "
+            f"number of processes ({procs.world}) so that each process samples whole groups"
+        )
     share = config.prompts_per_step // procs.world
     if share % config.num_mini_batches:  # optimizer step k takes the k-th chunk of every process's prompts
-        raise ValueError(f"config field 'num_mini_batches' = {config.num_mini_batches} must divide the prompts each "
-                         f"of the {procs.world} processes holds (prompts_per_step / processes = {share})")
+        raise ValueError(
+            f"config field 'num_mini_batches' = {config.num_mini_batches} must divide the prompts each "
+            f"of the {procs.world} processes holds (prompts_per_step / processes = {share})"
+        )
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
     (example,) = task.sample(1, seed=config.seed)  # every reward function callable with the data's columns
-    check_rewards_on_example(reward_fns, example.prompt, example.columns(), config.reward_timeout,
-                             where=f"a row of task {config.task!r}", trainer_state=RewardState(0, config.max_steps))
+    check_rewards_on_example(
+        reward_fns,
+        example.prompt,
+        example.columns(),
+        config.reward_timeout,
+        where=f"a row of task {config.task!r}",
+        trainer_state=RewardState(0, config.max_steps),
+    )
     check_parallelism(config, procs)
     if config.dynamic_sampling and procs.world > 1:
-        raise ValueError("--dynamic-sampling runs in one process only for now (processes would keep different "
-                         "numbers of groups); drop it or run one process")
+        raise ValueError(
+            "--dynamic-sampling runs in one process only for now (processes would keep different "
+            "numbers of groups); drop it or run one process"
+        )
     if config.lora_rank > 0 and importlib.util.find_spec("peft") is None:
-        raise ValueError("--lora-rank needs the peft package: pip install '.[lora]' in the grpo-lens folder (or pip "
-                         "install peft)")
+        raise ValueError(
+            "--lora-rank needs the peft package: pip install '.[lora]' in the grpo-lens folder (or pip install peft)"
+        )
     if procs.is_main:
         check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     check_tokenizer_files(resolve_model(config.model))
@@ -292,20 +328,31 @@ def check_parallelism(config: TrainConfig, procs: Processes) -> None:
     if config.parallelism != "fsdp2":
         return
     if procs.world < 2:
-        raise ValueError("--parallelism fsdp2 shards the policy over several processes and this run has 1: launch "
-                         "it with torchrun --nproc_per_node N (N >= 2) or accelerate launch --num_processes N, or use "
-                         "--parallelism ddp (the default)")
+        raise ValueError(
+            "--parallelism fsdp2 shards the policy over several processes and this run has 1: launch "
+            "it with torchrun --nproc_per_node N (N >= 2) or accelerate launch --num_processes N, or use "
+            "--parallelism ddp (the default)"
+        )
     if config.lora_rank > 0:
         raise ValueError("--parallelism fsdp2 with LoRA (--lora-rank) is not supported; use --parallelism ddp")
     if config.estimator == "optimal":
-        raise ValueError("--parallelism fsdp2 with --estimator optimal is not supported (its per-rollout backwards "
-                         "differ in number between processes, and each sharded forward is a collective); use "
-                         "--parallelism ddp or another --estimator")
+        raise ValueError(
+            "--parallelism fsdp2 with --estimator optimal is not supported (its per-rollout backwards "
+            "differ in number between processes, and each sharded forward is a collective); use "
+            "--parallelism ddp or another --estimator"
+        )
 
 
 #: Files of which a local model directory needs one for its tokenizer to load (transformers' names).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-                   "sentencepiece.bpe.model", "tiktoken.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tiktoken.model",
+)
 
 
 def check_tokenizer_files(source: Any) -> None:
@@ -319,8 +366,10 @@ def check_tokenizer_files(source: Any) -> None:
         return
     folder = Path(source.path)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not list(folder.glob("*.tiktoken")):
-        raise ValueError(f"model directory {folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
-                         f"save the tokenizer beside the weights (tokenizer.save_pretrained('{folder}'))")
+        raise ValueError(
+            f"model directory {folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+            f"save the tokenizer beside the weights (tokenizer.save_pretrained('{folder}'))"
+        )
 
 
 def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
@@ -331,8 +380,10 @@ def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
             sketched squared gradient norms of the linear layers).
     """
     if config.estimator == "optimal" and not linear_layer_names(policy):
-        raise ValueError(f"--estimator optimal needs per-rollout gradient norms of the model's nn.Linear layers, and "
-                         f"{config.model} has none; pick another --estimator (grpo, rloo, dr_grpo)")
+        raise ValueError(
+            f"--estimator optimal needs per-rollout gradient norms of the model's nn.Linear layers, and "
+            f"{config.model} has none; pick another --estimator (grpo, rloo, dr_grpo)"
+        )
 
 
 #: How many rows of a user dataset :func:`check_prompts` tokenizes at start (all of a smaller one); other tasks give
@@ -351,7 +402,7 @@ def model_context(model: torch.nn.Module) -> int | None:
     return None
 
 
-def check_prompts(config: TrainConfig, task: Any, models: "Models") -> None:
+def check_prompts(config: TrainConfig, task: Any, models: Models) -> None:
     """Before --out is touched: every prompt of the task formats with the tokenizer (a chat template for chat
     messages, none needed for strings) and, with ``max_new_tokens``, fits the model's context
     (:func:`model_context`). A user dataset is checked row by row (its first :data:`PROMPTS_CHECKED` rows), another
@@ -373,14 +424,19 @@ def check_prompts(config: TrainConfig, task: Any, models: "Models") -> None:
         try:
             n = len(prompt_token_ids(models.tokenizer, example.prompt))
         except ValueError as err:  # no chat template for chat messages
-            hint = (" (the built-in tasks give chat messages: train a base model on --task jsonl with string prompts)"
-                    if not isinstance(data, dict) else "")
+            hint = (
+                " (the built-in tasks give chat messages: train a base model on --task jsonl with string prompts)"
+                if not isinstance(data, dict)
+                else ""
+            )
             raise ValueError(f"{where} {number}: {err}{hint}") from None
         longest = max(longest, (n, number))
     if context is not None and longest[0] + config.max_new_tokens > context:
-        raise ValueError(f"{where} {longest[1]}: the prompt is {longest[0]:,} tokens, and with max_new_tokens "
-                         f"{config.max_new_tokens} that is more than the {context:,} positions of {config.model}; "
-                         f"shorten or drop the long prompts, or lower --max-new-tokens")
+        raise ValueError(
+            f"{where} {longest[1]}: the prompt is {longest[0]:,} tokens, and with max_new_tokens "
+            f"{config.max_new_tokens} that is more than the {context:,} positions of {config.model}; "
+            f"shorten or drop the long prompts, or lower --max-new-tokens"
+        )
 
 
 @dataclass
@@ -414,8 +470,11 @@ class RunState:
         gradient; returns the ``guard/*`` metrics of the step."""
         self.guard["consecutive"] = self.guard["consecutive"] + 1 if skipped else 0
         self.guard["total"] += int(skipped)
-        return {GUARD_STEP_SKIPPED: int(skipped), GUARD_SKIPPED_STEPS: self.guard["total"],
-                GUARD_CONSECUTIVE_SKIPPED: self.guard["consecutive"]}
+        return {
+            GUARD_STEP_SKIPPED: int(skipped),
+            GUARD_SKIPPED_STEPS: self.guard["total"],
+            GUARD_CONSECUTIVE_SKIPPED: self.guard["consecutive"],
+        }
 
     def count_unscored(self, unscored: bool) -> None:
         """Count one trainer step, ``unscored`` when no rollout of any process got a valid reward
@@ -423,8 +482,9 @@ class RunState:
         self.guard["unscored"] = self.guard.get("unscored", 0) + 1 if unscored else 0
 
 
-def check_before_writing(config: TrainConfig, run: RunDir,
-                         procs: Processes) -> tuple[TrainConfig, Any, list[tuple[str, float]], Path | None]:
+def check_before_writing(
+    config: TrainConfig, run: RunDir, procs: Processes
+) -> tuple[TrainConfig, Any, list[tuple[str, float]], Path | None]:
     """Everything checked, read-only, before the run directory is touched or a model loads.
 
     Returns:
@@ -437,14 +497,20 @@ def check_before_writing(config: TrainConfig, run: RunDir,
     """
     given = {k: v for k, v in absolute_dataset(config).to_dict().items() if k not in RECORDED_KEYS}
     resumable = RESUMABLE_KEYS + new_learning_rate(config, run)
-    config = TrainConfig.from_dict(run.resolve(given, resume=config.resume, overwrite=config.overwrite,
-                                               resumable_keys=resumable, canonical=TrainConfig.canonical))
+    config = TrainConfig.from_dict(
+        run.resolve(
+            given,
+            resume=config.resume,
+            overwrite=config.overwrite,
+            resumable_keys=resumable,
+            canonical=TrainConfig.canonical,
+        )
+    )
     config = check_dataset_file(config)  # a resume trains on the run's own data
     task, reward_fns = check_inputs(config, procs)
     ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
     if ckpt is not None:  # config.yaml may have been edited: compare with what the checkpoint's steps ran with
-        run.check_resumed_config(ckpt, config.to_dict(), resumable + RECORDED_KEYS,
-                                 canonical=TrainConfig.canonical)
+        run.check_resumed_config(ckpt, config.to_dict(), resumable + RECORDED_KEYS, canonical=TrainConfig.canonical)
     if config.resume:  # a line of metrics/completions.jsonl that is no record fails now, naming file and line
         for path in (run.metrics_path, run.completions_path):
             read_records(path)
@@ -468,8 +534,12 @@ def new_learning_rate(config: TrainConfig, run: RunDir) -> tuple[str, ...]:
         return ()  # resolve() reports the unreadable file
     if saved is None or float(saved) == config.learning_rate:
         return ()
-    logger.warning("--resume with --learning-rate %g (the run's is %g): the steps from here on use the new rate, "
-                   "and config.yaml records it", config.learning_rate, float(saved))
+    logger.warning(
+        "--resume with --learning-rate %g (the run's is %g): the steps from here on use the new rate, "
+        "and config.yaml records it",
+        config.learning_rate,
+        float(saved),
+    )
     return ("learning_rate",)
 
 
@@ -496,8 +566,10 @@ def check_dataset_file(config: TrainConfig) -> TrainConfig:
     path = Path(config.dataset)
     if not path.is_file():
         if config.resume and config.dataset_sha256:
-            raise RunDirError(f"--resume: the run's dataset {path} (sha256 {config.dataset_sha256}) is not there any "
-                              f"more; restore it, or start a new run in another --out")
+            raise RunDirError(
+                f"--resume: the run's dataset {path} (sha256 {config.dataset_sha256}) is not there any "
+                f"more; restore it, or start a new run in another --out"
+            )
         return config
     sha256, rows = file_fingerprint(path)
     if config.resume and config.dataset_sha256 and sha256 != config.dataset_sha256:
@@ -505,10 +577,17 @@ def check_dataset_file(config: TrainConfig) -> TrainConfig:
             raise RunDirError(
                 f"--resume: the dataset {path} changed since the run started: its sha256 is {sha256} ({rows} rows) "
                 f"and the run recorded {config.dataset_sha256} ({config.dataset_rows} rows); restore the file, or "
-                f"pass --allow-dataset-change to resume on the changed data (recorded in config.yaml)")
-        logger.warning("--allow-dataset-change: resuming on %s, changed since the run started (sha256 %s, %s rows; "
-                       "the run recorded %s, %s rows)", path, sha256, rows, config.dataset_sha256,
-                       config.dataset_rows)
+                f"pass --allow-dataset-change to resume on the changed data (recorded in config.yaml)"
+            )
+        logger.warning(
+            "--allow-dataset-change: resuming on %s, changed since the run started (sha256 %s, %s rows; "
+            "the run recorded %s, %s rows)",
+            path,
+            sha256,
+            rows,
+            config.dataset_sha256,
+            config.dataset_rows,
+        )
     return replace(config, dataset_sha256=sha256, dataset_rows=rows)
 
 
@@ -526,19 +605,28 @@ def check_metrics_cover(run: RunDir, ckpt: Path) -> None:
     last = max((r.get(STEP, 0) for r in records), default=None)
     if last is None or last < step:
         held = "is missing" if not run.metrics_path.exists() else f"holds steps up to {last or 0}"
-        raise RunDirError(f"--resume: {run.metrics_path} {held}, but the checkpoint {ckpt.name} is at step {step}: "
-                          f"resuming would lose the run's history; restore the file from a copy, or start a new run "
-                          f"in another --out")
+        raise RunDirError(
+            f"--resume: {run.metrics_path} {held}, but the checkpoint {ckpt.name} is at step {step}: "
+            f"resuming would lose the run's history; restore the file from a copy, or start a new run "
+            f"in another --out"
+        )
 
 
 def warn_long_warmup(config: TrainConfig) -> None:
     """A warm-up as long as the run or longer leaves the LR below --learning-rate for every step: say so at start."""
     w = warmup_steps(config)
     if w > 0 and w >= config.max_steps:
-        logger.warning("--warmup-steps %s is %d steps, not fewer than the run's %d (--max-steps): the learning rate "
-                       "rises from 0 for the whole run and never reaches --learning-rate %g (with %d steps, a warm-up "
-                       "of at most %d steps, or a share such as 0.1)", config.warmup_steps, w, config.max_steps,
-                       config.learning_rate, config.max_steps, max(0, config.max_steps - 1))
+        logger.warning(
+            "--warmup-steps %s is %d steps, not fewer than the run's %d (--max-steps): the learning rate "
+            "rises from 0 for the whole run and never reaches --learning-rate %g (with %d steps, a warm-up "
+            "of at most %d steps, or a share such as 0.1)",
+            config.warmup_steps,
+            w,
+            config.max_steps,
+            config.learning_rate,
+            config.max_steps,
+            max(0, config.max_steps - 1),
+        )
 
 
 def build_models(config: TrainConfig, procs: Processes) -> Models:
@@ -570,13 +658,15 @@ def build_models(config: TrainConfig, procs: Processes) -> Models:
     policy = PARALLELISMS.get(config.parallelism)(policy, procs.world)  # fsdp2: fully_shard (reference unsharded)
     procs.sharded = is_sharded(policy)
     params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay
+    )
     return Models(policy, tokenizer, reference, optimizer, params)
 
 
-def open_run(run: RunDir, config: TrainConfig, procs: Processes, models: Models, lens: Any,
-             ckpt: Path | None) -> RunState:
+def open_run(
+    run: RunDir, config: TrainConfig, procs: Processes, models: Models, lens: Any, ckpt: Path | None
+) -> RunState:
     """Write the run directory, once the model has loaded: a new run's, or, to resume, load ``ckpt`` (weights,
     optimizer, guard counters, random generators, lens state) first and then drop what came after it.
 
@@ -607,8 +697,12 @@ def open_run(run: RunDir, config: TrainConfig, procs: Processes, models: Models,
     if procs.is_main and state.step < config.max_steps and (run.path / "final_model").exists():
         shutil.rmtree(run.path / "final_model")  # it would be stale once training continues
     if procs.is_main and state.step >= config.max_steps:
-        logger.warning("%s is already at step %d >= max_steps %d: nothing to train (raise --max-steps to continue)",
-                       run.path, state.step, config.max_steps)
+        logger.warning(
+            "%s is already at step %d >= max_steps %d: nothing to train (raise --max-steps to continue)",
+            run.path,
+            state.step,
+            config.max_steps,
+        )
     return state
 
 
@@ -636,15 +730,20 @@ class Rollouts:
     generation_seconds: float
 
 
-def sample_step(config: TrainConfig, procs: Processes, task: Any, reward_fns: list[tuple[str, float]], models: Models,
-                step: int) -> Rollouts:
+def sample_step(
+    config: TrainConfig, procs: Processes, task: Any, reward_fns: list[tuple[str, float]], models: Models, step: int
+) -> Rollouts:
     """This process's rollouts of step ``step``: round 0 (:func:`sample_round`) or, with ``dynamic_sampling``, the
     mixed groups of as many rounds as :func:`sample_dynamic` needs. Randomness derives from (seed, step) only."""
     draw = functools.partial(sample_round, config, procs, task, reward_fns, models, step, step_seed(config.seed, step))
     try:
         if config.dynamic_sampling:
-            return sample_dynamic(draw, config.prompts_per_step // procs.world, config.dynamic_sampling_max_rounds,
-                                  models.tokenizer.pad_token_id)
+            return sample_dynamic(
+                draw,
+                config.prompts_per_step // procs.world,
+                config.dynamic_sampling_max_rounds,
+                models.tokenizer.pad_token_id,
+            )
         return draw(0)
     except RuntimeError as err:  # finite but huge weights overflow in the forward: sampling meets inf/nan
         text = str(err)
@@ -654,11 +753,20 @@ def sample_step(config: TrainConfig, procs: Processes, task: Any, reward_fns: li
         raise NonFiniteWeightsError(
             f"step {step}: sampling met NaN/inf probabilities ({str(err).splitlines()[0][:80]}): the weights after "
             f"step {step - 1}'s update (learning rate {lr:.3g}) overflow; resume from step {step - 1} or earlier "
-            f"with a lower --learning-rate (--resume --learning-rate ...)") from None
+            f"with a lower --learning-rate (--resume --learning-rate ...)"
+        ) from None
 
 
-def sample_round(config: TrainConfig, procs: Processes, task: Any, reward_fns: list[tuple[str, float]],
-                 models: Models, step: int, seed: int, rnd: int) -> Rollouts:
+def sample_round(
+    config: TrainConfig,
+    procs: Processes,
+    task: Any,
+    reward_fns: list[tuple[str, float]],
+    models: Models,
+    step: int,
+    seed: int,
+    rnd: int,
+) -> Rollouts:
     """Round ``rnd`` of a step (0: the ordinary batch; > 0: dynamic sampling's extra rounds), scored.
 
     Every process draws the same B prompts (seeded by ``seed``, or by ``step_seed(seed, rnd)`` for round > 0) and
@@ -667,21 +775,31 @@ def sample_round(config: TrainConfig, procs: Processes, task: Any, reward_fns: l
     """
     B, R, share = config.prompts_per_step, config.group_size, config.prompts_per_step // procs.world
     rseed = seed if rnd == 0 else step_seed(seed, rnd)
-    examples = task.sample(B, seed=rseed)[procs.rank * share:(procs.rank + 1) * share]
+    examples = task.sample(B, seed=rseed)[procs.rank * share : (procs.rank + 1) * share]
     t_start = time.perf_counter()
     crash_point("during_generation", step, module=models.policy)
     with forward_precision(procs.device, config.dtype):
-        batch = sample_groups(models.policy, models.tokenizer, examples, R, max_new_tokens=config.max_new_tokens,
-                              temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                              generator_seed=rseed + 104_729 * procs.rank)
+        batch = sample_groups(
+            models.policy,
+            models.tokenizer,
+            examples,
+            R,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            generator_seed=rseed + 104_729 * procs.rank,
+        )
     seconds = time.perf_counter() - t_start
-    rewards, valid, reward_info = rollout_rewards(reward_fns, batch, config.reward_timeout,
-                                                  RewardState(global_step=step, max_steps=config.max_steps))
+    rewards, valid, reward_info = rollout_rewards(
+        reward_fns, batch, config.reward_timeout, RewardState(global_step=step, max_steps=config.max_steps)
+    )
     rewards, valid = rewards.to(procs.device), valid.to(procs.device)
     correct = rollout_correctness(task, batch, config.reward_timeout).to(procs.device)
     if config.overlong == "soft-punish":  # DAPO eq. 13 added to every valid rollout's reward
-        penalty = soft_overlong_penalty(batch.completion_mask.sum(dim=1), config.overlong_length(),
-                                        config.overlong_cache()).to(rewards.device)
+        penalty = soft_overlong_penalty(
+            batch.completion_mask.sum(dim=1), config.overlong_length(), config.overlong_cache()
+        ).to(rewards.device)
         rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
         reward_info[REWARD_OVERLONG_PENALTY] = float(procs.gather(penalty).mean())
     return Rollouts(batch, rewards, valid, correct, reward_info, {}, [(rewards, valid, correct)], seconds)
@@ -699,9 +817,18 @@ def sample_dynamic(draw: Callable[[int], Rollouts], num_groups: int, max_extra_r
         return r.batch, r.rewards, r.valid, r.reward_info, r.correct
 
     batch, rewards, valid, reward_info, dynamic, (correct,) = collect_mixed_groups(
-        scored_round, num_groups, max_extra_rounds, pad_id)
-    return Rollouts(batch, rewards, valid, correct, reward_info, dynamic, [s for r in rounds for s in r.sampled],
-                    sum(r.generation_seconds for r in rounds))
+        scored_round, num_groups, max_extra_rounds, pad_id
+    )
+    return Rollouts(
+        batch,
+        rewards,
+        valid,
+        correct,
+        reward_info,
+        dynamic,
+        [s for r in rounds for s in r.sampled],
+        sum(r.generation_seconds for r in rounds),
+    )
 
 
 def penalise_kl_in_reward(rollouts: Rollouts, ref_logp: torch.Tensor, beta: float, procs: Processes) -> Rollouts:
@@ -715,8 +842,9 @@ def penalise_kl_in_reward(rollouts: Rollouts, ref_logp: torch.Tensor, beta: floa
     return replace(rollouts, rewards=rollouts.rewards - penalty, reward_info=info)  # NaN stays NaN
 
 
-def step_advantages(config: TrainConfig, procs: Processes, policy: torch.nn.Module,
-                    rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
+def step_advantages(
+    config: TrainConfig, procs: Processes, policy: torch.nn.Module, rollouts: Rollouts
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages [N] of the step's rollouts, one scalar per rollout shared by all its tokens, and baseline metrics.
 
     :func:`grpo_lens.formulas.advantages.compute_advantages` with the configured estimator over each group's valid
@@ -731,15 +859,17 @@ def step_advantages(config: TrainConfig, procs: Processes, policy: torch.nn.Modu
         t_b = time.perf_counter()
         grad_sq_norms = optimal_baseline_weights(config, procs, policy, rollouts)
         metrics[PERF_OPTIMAL_BASELINE_SECONDS] = time.perf_counter() - t_b
-    advantages = compute_advantages(rewards.float(), config.estimator, std=config.std, eps=config.std_eps, mask=valid,
-                                    grad_sq_norms=grad_sq_norms).view(-1)
+    advantages = compute_advantages(
+        rewards.float(), config.estimator, std=config.std, eps=config.std_eps, mask=valid, grad_sq_norms=grad_sq_norms
+    ).view(-1)
     if config.estimator == "optimal":
         metrics.update(optimal_baseline_metrics(procs, rewards, valid, advantages.view(-1, R)))
     return overlong_advantages(advantages, rollouts.batch.truncated, config.overlong), metrics  # mask / filter: A = 0
 
 
-def optimal_baseline_weights(config: TrainConfig, procs: Processes, policy: torch.nn.Module,
-                             rollouts: Rollouts) -> torch.Tensor:
+def optimal_baseline_weights(
+    config: TrainConfig, procs: Processes, policy: torch.nn.Module, rollouts: Rollouts
+) -> torch.Tensor:
     """The b*_{-i} weights of ``--estimator optimal``: [B, R] sketched ||c_i g_i||^2 of every valid rollout of a group
     with reward contrast (0 elsewhere), c_i the loss aggregation's per-rollout weight
     (:func:`grpo_lens.gradients.sketch.sketched_rollout_sq_norms`, docs/theory.md §The variance-optimal baseline in
@@ -749,14 +879,24 @@ def optimal_baseline_weights(config: TrainConfig, procs: Processes, policy: torc
     contrast = ~constant_groups(rewards, valid)  # [B] groups with a gradient
     need = (valid & contrast.unsqueeze(1)).view(-1)
     with forward_precision(procs.device, config.dtype):
-        return sketched_rollout_sq_norms(
-            policy, rollouts.batch, need.cpu(), aggregation=config.loss_aggregation, sketch_dim=config.sketch_dim,
-            seed=config.seed, temperature=config.temperature,
-        ).view(-1, R).to(procs.device)
+        return (
+            sketched_rollout_sq_norms(
+                policy,
+                rollouts.batch,
+                need.cpu(),
+                aggregation=config.loss_aggregation,
+                sketch_dim=config.sketch_dim,
+                seed=config.seed,
+                temperature=config.temperature,
+            )
+            .view(-1, R)
+            .to(procs.device)
+        )
 
 
-def optimal_baseline_metrics(procs: Processes, rewards: torch.Tensor, valid: torch.Tensor,
-                             advantages: torch.Tensor) -> dict[str, float]:
+def optimal_baseline_metrics(
+    procs: Processes, rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor
+) -> dict[str, float]:
     """``adv/optimal_baseline`` (mean b* over the rollouts it applies to) and ``adv/optimal_minus_rloo`` (mean b* -
     RLOO baseline), over all processes (:func:`grpo_lens.formulas.baselines.optimal_vs_rloo`); empty when no rollout
     has one. rewards, advantages: [B, R] float.   valid: [B, R] bool."""
@@ -766,8 +906,9 @@ def optimal_baseline_metrics(procs: Processes, rewards: torch.Tensor, valid: tor
     return {}
 
 
-def reference_logprobs(reference: torch.nn.Module | None, batch: RolloutBatch, config: TrainConfig,
-                       procs: Processes) -> torch.Tensor | None:
+def reference_logprobs(
+    reference: torch.nn.Module | None, batch: RolloutBatch, config: TrainConfig, procs: Processes
+) -> torch.Tensor | None:
     """[N, T] log-probs of the rollouts under the reference model (never top-k/top-p filtered); None without one."""
     if reference is None:
         return None
@@ -786,23 +927,34 @@ class LensPlan:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def plan_lens(lens: Any, step: int, config: TrainConfig, procs: Processes, policy: torch.nn.Module,
-              rollouts: Rollouts, advantages: torch.Tensor) -> LensPlan:
+def plan_lens(
+    lens: Any,
+    step: int,
+    config: TrainConfig,
+    procs: Processes,
+    policy: torch.nn.Module,
+    rollouts: Rollouts,
+    advantages: torch.Tensor,
+) -> LensPlan:
     """Before the update: whether the lens measures step ``step`` (:func:`is_lens_step`) and how. When the update's
     first pass can give the lens its g_i, the plan carries the lens's capture for it; otherwise the lens measures
     now, on its own pass, before the update changes the policy."""
     if lens is None or not is_lens_step(step, config.lens_every, config.max_steps):
         return LensPlan(measure=False)
     # the exact Gram from the update's own backward where the loss's token weights factor (all processes agree)
-    why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages,
-                              procs)
+    why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, procs)
     if why_not is None:
-        return LensPlan(measure=True, capture=lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid,
-                                                                        config.group_size))
+        return LensPlan(
+            measure=True, capture=lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size)
+        )
     if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
         _LENS_OWN_PASS_LOGGED.add(why_not)
-        logger.info("lens: its own forward + backward at step %d (the Gram cannot come from the update's: %s; "
-                    "docs/theory.md §Lens inside the update's backward)", step, why_not)
+        logger.info(
+            "lens: its own forward + backward at step %d (the Gram cannot come from the update's: %s; "
+            "docs/theory.md §Lens inside the update's backward)",
+            step,
+            why_not,
+        )
     if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
         return LensPlan(measure=True, capture=lens.update_capture(policy))
     with forward_precision(procs.device, config.dtype):
@@ -810,8 +962,15 @@ def plan_lens(lens: Any, step: int, config: TrainConfig, procs: Processes, polic
     return LensPlan(measure=True, metrics=metrics)
 
 
-def lens_after_update(lens: Any, plan: LensPlan, step: int, procs: Processes, policy: torch.nn.Module,
-                      rollouts: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
+def lens_after_update(
+    lens: Any,
+    plan: LensPlan,
+    step: int,
+    procs: Processes,
+    policy: torch.nn.Module,
+    rollouts: Rollouts,
+    advantages: torch.Tensor,
+) -> dict[str, float]:
     """The lens's metrics of the step: from the update's first-pass rows when ``plan`` had a capture (g_i at the
     step's starting weights, :func:`grpo_lens.train.lens.scores_from_update_rows`), else the plan's own, plus the
     lens's after-step S4 and sparsity metrics. Empty without a lens."""
@@ -819,14 +978,22 @@ def lens_after_update(lens: Any, plan: LensPlan, step: int, procs: Processes, po
         return {}
     metrics = plan.metrics
     if plan.capture is not None:  # the exact Gram or the sketched rows of the update's first pass
-        metrics = lens.measure_from_update(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages,
-                                           plan.capture)
+        metrics = lens.measure_from_update(
+            step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, plan.capture
+        )
     metrics.update(lens.after_step(step, policy, plan.measure))
     return metrics
 
 
-def step_record(step: int, config: TrainConfig, procs: Processes, rollouts: Rollouts, advantages: torch.Tensor,
-                parts: list[dict[str, float]], t0: float) -> dict[str, Any]:
+def step_record(
+    step: int,
+    config: TrainConfig,
+    procs: Processes,
+    rollouts: Rollouts,
+    advantages: torch.Tensor,
+    parts: list[dict[str, float]],
+    t0: float,
+) -> dict[str, Any]:
     """The step's metrics.jsonl record, the same on every process: the reward-call metrics of all processes
     (:func:`grpo_lens.train.step_metrics.merge_reward_infos`), then the statistics of all processes' rollouts
     (which win over them), ``parts`` in order, then ``perf/*`` (``t0``: the
@@ -835,19 +1002,35 @@ def step_record(step: int, config: TrainConfig, procs: Processes, rollouts: Roll
     one process only, so no gather)."""
     R = config.group_size
     rewards, valid, adv, mask, truncated = procs.gather_all(
-        rollouts.rewards, rollouts.valid, advantages, _pad_to(rollouts.batch.completion_mask, config.max_new_tokens),
-        rollouts.batch.truncated)
-    infos = gather_objects((rollouts.reward_info, int(rollouts.valid.numel()))) if procs.world > 1 else \
-        [(rollouts.reward_info, int(rollouts.valid.numel()))]
+        rollouts.rewards,
+        rollouts.valid,
+        advantages,
+        _pad_to(rollouts.batch.completion_mask, config.max_new_tokens),
+        rollouts.batch.truncated,
+    )
+    infos = (
+        gather_objects((rollouts.reward_info, int(rollouts.valid.numel())))
+        if procs.world > 1
+        else [(rollouts.reward_info, int(rollouts.valid.numel()))]
+    )
     seconds = time.perf_counter() - t0
-    record = {STEP: step, **merge_reward_infos([i for i, _ in infos], [n for _, n in infos]), **rollouts.dynamic,
-              **rollout_metrics(rewards, valid, adv, mask, truncated, R),
-              **accuracy_metrics(procs.gather(rollouts.correct))}
+    record = {
+        STEP: step,
+        **merge_reward_infos([i for i, _ in infos], [n for _, n in infos]),
+        **rollouts.dynamic,
+        **rollout_metrics(rewards, valid, adv, mask, truncated, R),
+        **accuracy_metrics(procs.gather(rollouts.correct)),
+    }
     for part in parts:
         record.update(part)
-    record.update({PERF_STEP_SECONDS: seconds, PERF_GENERATION_SECONDS: rollouts.generation_seconds,
-                   PERF_TOKENS_PER_SECOND: float(mask.sum()) / max(seconds, 1e-9),
-                   PERF_PEAK_MEMORY_MB: _peak_memory_mb(procs.device)})
+    record.update(
+        {
+            PERF_STEP_SECONDS: seconds,
+            PERF_GENERATION_SECONDS: rollouts.generation_seconds,
+            PERF_TOKENS_PER_SECOND: float(mask.sum()) / max(seconds, 1e-9),
+            PERF_PEAK_MEMORY_MB: _peak_memory_mb(procs.device),
+        }
+    )
     if config.dynamic_sampling:
         record.update(sampled_vs_kept(record, *(torch.cat([s[i] for s in rollouts.sampled]) for i in range(3)), R))
     return record
@@ -868,7 +1051,7 @@ class StepLogs:
     rewards: tuple = ()  # the reward specs: a custom one renames "accuracy" in the step line
 
     @classmethod
-    def start(cls, run: RunDir, config: TrainConfig, procs: Processes, start_step: int) -> "StepLogs":
+    def start(cls, run: RunDir, config: TrainConfig, procs: Processes, start_step: int) -> StepLogs:
         """The logs of a run that continues after step ``start_step`` (0 for a new run)."""
         progress = _progress(config, start_step, procs)
         trackers = None
@@ -878,8 +1061,9 @@ class StepLogs:
             logger.info("%s", note)
         return cls(run, trackers, progress, 0 if progress is not None else config.max_steps, tuple(config.rewards))
 
-    def write(self, step: int, record: dict[str, Any], rollouts: Rollouts, advantages: torch.Tensor,
-              n_completions: int) -> None:
+    def write(
+        self, step: int, record: dict[str, Any], rollouts: Rollouts, advantages: torch.Tensor, n_completions: int
+    ) -> None:
         """Append ``record`` to metrics.jsonl and the trackers, the first ``n_completions`` rollouts' texts to
         completions.jsonl, and move the progress bar."""
         self.run.append_metrics(record)
@@ -910,10 +1094,14 @@ def step_line(record: dict[str, Any], max_steps: int, rewards: list[str] | None 
     accuracy" (the task's correctness check, not the reward)."""
     custom = custom_reward_names(rewards or [])
     parts = [f"step {record[STEP]}/{max_steps}"]
-    for key, name, spec in ((REWARD_MEAN, f"reward ({'+'.join(custom)})" if custom else "reward", ".3f"),
-                            (REWARD_ACCURACY, "task accuracy" if custom else "accuracy", ".3f"),
-                            (REWARD_FRAC_ZERO_STD_GROUPS, "S1", ".2f"), (LR, "lr", ".2e"),
-                            (EVAL_GREEDY_ACCURACY, "eval greedy", ".3f"), (PERF_STEP_SECONDS, "s", ".1f")):
+    for key, name, spec in (
+        (REWARD_MEAN, f"reward ({'+'.join(custom)})" if custom else "reward", ".3f"),
+        (REWARD_ACCURACY, "task accuracy" if custom else "accuracy", ".3f"),
+        (REWARD_FRAC_ZERO_STD_GROUPS, "S1", ".2f"),
+        (LR, "lr", ".2e"),
+        (EVAL_GREEDY_ACCURACY, "eval greedy", ".3f"),
+        (PERF_STEP_SECONDS, "s", ".1f"),
+    ):
         if isinstance(record.get(key), (int, float)):
             parts.append(f"{name} {record[key]:{spec}}")
         if key == REWARD_MEAN and custom and len(rewards or []) > 1:  # each function's mean, TRL's name
@@ -945,7 +1133,8 @@ def stop_if_weights_diverged(models: Models, procs: Processes, run: RunDir, step
     raise NonFiniteWeightsError(
         f"step {step}: the weights are NaN/inf after the update at learning rate {lr:.3g}, so the run stopped before "
         f"the next generate ({where}); resume from step {last_step} with a lower --learning-rate (--resume "
-        f"--learning-rate ...; the run checkpoints every --checkpoint-every steps)")
+        f"--learning-rate ...; the run checkpoints every --checkpoint-every steps)"
+    )
 
 
 def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run: RunDir, step: int) -> None:
@@ -961,17 +1150,20 @@ def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run
             f"(--max-consecutive-skips {config.max_consecutive_skips}): every reward was None/NaN or its reward "
             f"function failed (the first failure's traceback is in the log above; rewards {config.rewards}). Check "
             f"that the dataset has the columns the reward functions need (correctness needs 'answer'), fix the "
-            f"function, and resume with --resume")
+            f"function, and resume with --resume"
+        )
     if state.guard["consecutive"] >= config.max_consecutive_skips:
         procs.barrier()
         raise NonFiniteUpdateError(
             f"step {step}: the loss or gradient was non-finite for {state.guard['consecutive']} consecutive steps "
             f"(--max-consecutive-skips {config.max_consecutive_skips}), so training stopped; the last checkpoint "
-            f"in {run.path / 'checkpoints'} is intact: lower --learning-rate or --beta, or check the rewards")
+            f"in {run.path / 'checkpoints'} is intact: lower --learning-rate or --beta, or check the rewards"
+        )
 
 
-def save_checkpoint_if_due(run: RunDir, step: int, config: TrainConfig, procs: Processes, models: Models, lens: Any,
-                           state: RunState) -> None:
+def save_checkpoint_if_due(
+    run: RunDir, step: int, config: TrainConfig, procs: Processes, models: Models, lens: Any, state: RunState
+) -> None:
     """Every ``checkpoint_every`` steps and at the last: model, optimizer, step, the guard's counters, the random
     generators, the lens's state and the config the steps ran with (a resume compares with it), written atomically
     by the main process (an FSDP2-sharded policy's full tensors gathered to it first); every step's own randomness
@@ -979,11 +1171,17 @@ def save_checkpoint_if_due(run: RunDir, step: int, config: TrainConfig, procs: P
     if step % config.checkpoint_every == 0 or step == config.max_steps:
         full = {}
         if procs.sharded:  # every process takes part in gathering the full tensors to rank 0
-            full = {"model_state": full_model_state(models.policy),
-                    "optimizer_state": full_optimizer_state(models.policy, models.optimizer)}
+            full = {
+                "model_state": full_model_state(models.policy),
+                "optimizer_state": full_optimizer_state(models.policy, models.optimizer),
+            }
         if procs.is_main:
-            saved = {"rng": _rng_state(), "lens": lens.state_dict() if lens is not None else None,
-                     "guard": dict(state.guard), "config": config.to_dict()}
+            saved = {
+                "rng": _rng_state(),
+                "lens": lens.state_dict() if lens is not None else None,
+                "guard": dict(state.guard),
+                "config": config.to_dict(),
+            }
             run.save_checkpoint(step, models.policy, models.optimizer, saved, keep=config.keep_checkpoints, **full)
         procs.barrier()
 
@@ -1003,14 +1201,20 @@ def _log_lens_cost(run: RunDir) -> None:
     """Log what the lens cost the whole run (resumed parts included), from metrics.jsonl."""
     cost = lens_overhead([r for r in run.read_metrics() if STEP in r])
     if cost and cost["lens_steps"]:
-        logger.info("lens: %d of %d steps measured, %.1f s of its own, %.1f%% of the %.1f s the steps took "
-                    "without it (a gradient capture inside the update's first pass is not in this count)",
-                    cost["lens_steps"], cost["steps"], cost["lens_seconds"], 100 * cost["overhead"],
-                    cost["train_seconds"])
+        logger.info(
+            "lens: %d of %d steps measured, %.1f s of its own, %.1f%% of the %.1f s the steps took "
+            "without it (a gradient capture inside the update's first pass is not in this count)",
+            cost["lens_steps"],
+            cost["steps"],
+            cost["lens_seconds"],
+            100 * cost["overhead"],
+            cost["train_seconds"],
+        )
 
 
-def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path,
-                     state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def save_final_model(
+    policy: torch.nn.Module, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename); a LoRA
     policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`).
     ``state_dict``: the full weights of an FSDP2-sharded policy (:func:`grpo_lens.train.sharding.full_model_state`),
@@ -1022,8 +1226,9 @@ def save_final_model(policy: torch.nn.Module, tokenizer: Any, path: Path,
         save_lora_model(policy, tokenizer, tmp)
     elif state_dict is not None:  # fully_shard renamed the class (FSDP<Name>): the config keeps the model's own
         architectures = getattr(policy.config, "architectures", None)
-        policy.config.architectures = [c.__name__ for c in type(policy).__mro__ if c.__name__ ==
-                                       type(policy).__name__.removeprefix("FSDP")][:1] or architectures
+        policy.config.architectures = [
+            c.__name__ for c in type(policy).__mro__ if c.__name__ == type(policy).__name__.removeprefix("FSDP")
+        ][:1] or architectures
         try:
             policy.save_pretrained(tmp, state_dict=state_dict)
         finally:
@@ -1041,8 +1246,13 @@ def _rng_state() -> dict[str, Any]:
     """The states of Python's, NumPy's and torch's global random generators (saved in every checkpoint). NumPy's is
     stored as plain values and a tensor (its 624 key words as int64), which ``torch.load(weights_only=True)`` reads."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy_state = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    numpy_state = {
+        "name": str(name),
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
     return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
 
 
@@ -1052,8 +1262,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_tuples(state["python"]))
     numpy_state = state["numpy"]
     if isinstance(numpy_state, dict):
-        numpy_state = (numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+        numpy_state = (
+            numpy_state["name"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
     np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
 
@@ -1063,8 +1278,9 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
-                     n: int) -> list[dict[str, Any]]:
+def _log_completions(
+    run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor, n: int
+) -> list[dict[str, Any]]:
     """Append the first ``n`` rollouts' prompt, completion, reward [N], advantage [N] and truncation to
     completions.jsonl; returns the rows."""
     R = batch.group_size
@@ -1072,9 +1288,16 @@ def _log_completions(run: RunDir, step: int, batch: RolloutBatch, rewards: torch
     for i in range(min(n, batch.num_rollouts)):
         prompt = batch.prompts[i // R]
         text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
-        rows.append({STEP: step, "prompt": text, "completion": batch.completions[i],
-                     "reward": float(rewards[i]), "advantage": float(advantages[i]),
-                     "truncated": bool(batch.truncated[i])})
+        rows.append(
+            {
+                STEP: step,
+                "prompt": text,
+                "completion": batch.completions[i],
+                "reward": float(rewards[i]),
+                "advantage": float(advantages[i]),
+                "truncated": bool(batch.truncated[i]),
+            }
+        )
         run.append_metrics(rows[-1], path=run.completions_path)
     return rows
 

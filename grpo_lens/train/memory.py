@@ -55,8 +55,9 @@ def activation_bytes_per_rollout(model: torch.nn.Module, seq_len: int, scored_le
     return layers * per_layer + 3 * scored_len * vocab * 4
 
 
-def auto_micro_batch_size(model: torch.nn.Module, n_rollouts: int, seq_len: int, scored_len: int,
-                          total_bytes: int | None, share: float = 0.25) -> int:
+def auto_micro_batch_size(
+    model: torch.nn.Module, n_rollouts: int, seq_len: int, scored_len: int, total_bytes: int | None, share: float = 0.25
+) -> int:
     """Rollouts per forward/backward when ``micro_batch_size`` is unset: as many as fit, up to all ``n_rollouts``.
 
     The budget is ``share`` of what ``total_bytes`` leaves after the weights, gradients and AdamW's two moments (4

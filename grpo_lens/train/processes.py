@@ -12,8 +12,9 @@ so a single-process run does no extra arithmetic. :func:`setup_processes` starts
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from accelerate import Accelerator

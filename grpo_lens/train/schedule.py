@@ -45,8 +45,12 @@ class LRSchedule:
         for group in optimizer.param_groups:  # the scheduler reads its base LR from here
             group["lr"] = self.base
             group.pop("initial_lr", None)
-        scheduler = get_scheduler(TRANSFORMERS_SCHEDULERS[config.lr_scheduler], optimizer,
-                                  num_warmup_steps=warmup_steps(config), num_training_steps=max(1, config.max_steps))
+        scheduler = get_scheduler(
+            TRANSFORMERS_SCHEDULERS[config.lr_scheduler],
+            optimizer,
+            num_warmup_steps=warmup_steps(config),
+            num_training_steps=max(1, config.max_steps),
+        )
         self.multiplier = scheduler.lr_lambdas[0]
 
     def lr(self, step: int) -> float:

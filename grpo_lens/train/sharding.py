@@ -24,7 +24,8 @@ Checkpoints and the final model hold full (unsharded) tensors, gathered to rank 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -62,8 +63,10 @@ def decoder_layers(policy: nn.Module) -> list[nn.Module]:
     names = set(getattr(policy, "_no_split_modules", None) or [])
     layers = [m for m in policy.modules() if type(m).__name__ in names]
     if not layers:
-        raise ValueError(f"--parallelism fsdp2 shards each decoder layer, and {type(policy).__name__} names no layer "
-                         f"class (_no_split_modules = {sorted(names)}); use --parallelism ddp")
+        raise ValueError(
+            f"--parallelism fsdp2 shards each decoder layer, and {type(policy).__name__} names no layer "
+            f"class (_no_split_modules = {sorted(names)}); use --parallelism ddp"
+        )
     return layers
 
 
@@ -77,9 +80,11 @@ def shard_fsdp2(policy: nn.Module, world: int) -> nn.Module:
         ValueError: one process (``world`` < 2): there is nothing to shard.
     """
     if world < 2:
-        raise ValueError("--parallelism fsdp2 shards the policy over several processes and this run has 1: launch "
-                         "it with torchrun --nproc_per_node N (N >= 2) or accelerate launch --num_processes N, or use "
-                         "--parallelism ddp")
+        raise ValueError(
+            "--parallelism fsdp2 shards the policy over several processes and this run has 1: launch "
+            "it with torchrun --nproc_per_node N (N >= 2) or accelerate launch --num_processes N, or use "
+            "--parallelism ddp"
+        )
     for layer in decoder_layers(policy):
         fully_shard(layer)
     fully_shard(policy)
@@ -184,8 +189,9 @@ def full_optimizer_state(policy: nn.Module, optimizer: torch.optim.Optimizer) ->
     return get_optimizer_state_dict(policy, optimizer, options=_FULL)
 
 
-def load_full_states(policy: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Tensor],
-                     optimizer_state: dict[str, Any]) -> None:
+def load_full_states(
+    policy: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Tensor], optimizer_state: dict[str, Any]
+) -> None:
     """Load what :func:`full_model_state` and :func:`full_optimizer_state` saved into the sharded ``policy`` and
     ``optimizer``, on every process (each keeps its shard).
 
@@ -204,7 +210,8 @@ def load_full_states(policy: nn.Module, optimizer: torch.optim.Optimizer, model_
                 state[n] = state[have[0]]
     missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unknown:
-        raise ValueError(f"the checkpoint's model does not match the policy: missing {missing[:5]}, unknown "
-                         f"{unknown[:5]}")
+        raise ValueError(
+            f"the checkpoint's model does not match the policy: missing {missing[:5]}, unknown {unknown[:5]}"
+        )
     set_model_state_dict(policy, state, options=StateDictOptions(full_state_dict=True))
     set_optimizer_state_dict(policy, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))

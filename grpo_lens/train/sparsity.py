@@ -16,8 +16,8 @@ Hoyer sparsity (S3) and the top-1% energy share (S2-style) measure sparsity of t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -64,8 +64,7 @@ class ParameterSample:
     params: dict[str, nn.Parameter] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, model: nn.Module, size: int = 2**19, min_per_tensor: int = 1024, seed: int = 0
-              ) -> "ParameterSample":
+    def build(cls, model: nn.Module, size: int = 2**19, min_per_tensor: int = 1024, seed: int = 0) -> ParameterSample:
         """Sample about ``size`` entries of ``model``'s trainable parameters (see the class docstring).
 
         Raises:
@@ -120,9 +119,16 @@ def _flatten(sample: ParameterSample, vals: dict[str, Tensor]) -> tuple[Tensor, 
     return x, w, g, kinds, t
 
 
-def _grouped(x: Tensor, w: Tensor, g: Tensor, kinds: list[str], extra: dict[str, Tensor] | None = None,
-             top: float = 0.01, strata: Tensor | None = None, se: dict[str, Tensor] | None = None
-             ) -> dict[str, dict[str, float]]:
+def _grouped(
+    x: Tensor,
+    w: Tensor,
+    g: Tensor,
+    kinds: list[str],
+    extra: dict[str, Tensor] | None = None,
+    top: float = 0.01,
+    strata: Tensor | None = None,
+    se: dict[str, Tensor] | None = None,
+) -> dict[str, dict[str, float]]:
     """zero share, Hoyer, top-1% energy and weighted means of ``extra`` per-entry values, overall and per group,
     in one pass: the same numbers as :func:`sparsity_measures` on each group's entries (entries sorted once); with
     ``strata`` (tensor ids), also ``<name>_se``, the stratified standard error of each ``se`` value's weighted mean
@@ -139,8 +145,11 @@ def _grouped(x: Tensor, w: Tensor, g: Tensor, kinds: list[str], extra: dict[str,
         if n < 2:
             continue
         hoyer = hoyer_from_norms(float((wm * v[m].abs()).sum()), math.sqrt(float((wm * e[m]).sum())), n)
-        res = {"zero": float((wm * (v[m] == 0)).sum()) / n, "hoyer": hoyer,
-               "top1_energy": top_share_of_sorted(e_s[ms], w_s[ms], top)}
+        res = {
+            "zero": float((wm * (v[m] == 0)).sum()) / n,
+            "hoyer": hoyer,
+            "top1_energy": top_share_of_sorted(e_s[ms], w_s[ms], top),
+        }
         for key, val in (extra or {}).items():
             res[key] = float((wm * val[m]).sum()) / n
         if strata is not None:
@@ -150,8 +159,9 @@ def _grouped(x: Tensor, w: Tensor, g: Tensor, kinds: list[str], extra: dict[str,
     return out
 
 
-def sampled_update_sparsity(sample: ParameterSample, before: dict[str, Tensor], after: dict[str, Tensor]
-                            ) -> dict[str, dict[str, float]]:
+def sampled_update_sparsity(
+    sample: ParameterSample, before: dict[str, Tensor], after: dict[str, Tensor]
+) -> dict[str, dict[str, float]]:
     """:func:`update_sparsity` of after - before, overall and per layer type, each tensor its own stratum (the
     permutation control permutes within it, the dense control uses its RMS, the standard errors are stratified by it).
 
@@ -172,11 +182,19 @@ def sampled_update_sparsity(sample: ParameterSample, before: dict[str, Tensor], 
     same16 = (b.float().to(torch.bfloat16) == a.float().to(torch.bfloat16)).double()
     dense = dense_bf16_unchanged_probability(b, r)
     perm = permuted_bf16_unchanged_probability(b, d, t)
-    res = _grouped(d, w, g, kinds, {"bf16_unchanged": same16, "bf16_permuted": perm, "bf16_dense": dense},
-                   strata=t, se={"f32_unchanged": (d == 0).double(), "bf16_unchanged": same16,
-                                 "bf16_excess": same16 - perm})
-    return {k: {"f32_unchanged": m["zero"], **{x: m[x] for x in UPDATE_MEASURES if x != "f32_unchanged"}}
-            for k, m in res.items()}
+    res = _grouped(
+        d,
+        w,
+        g,
+        kinds,
+        {"bf16_unchanged": same16, "bf16_permuted": perm, "bf16_dense": dense},
+        strata=t,
+        se={"f32_unchanged": (d == 0).double(), "bf16_unchanged": same16, "bf16_excess": same16 - perm},
+    )
+    return {
+        k: {"f32_unchanged": m["zero"], **{x: m[x] for x in UPDATE_MEASURES if x != "f32_unchanged"}}
+        for k, m in res.items()
+    }
 
 
 def sampled_vector_sparsity(sample: ParameterSample, vals: dict[str, Tensor]) -> dict[str, dict[str, float]]:
@@ -274,9 +292,12 @@ class Bf16UpdateTracker:
 
     def _snapshot(self) -> list[Tensor]:
         """bf16 copies of the parameters (of this process's shards, for an FSDP2-sharded model)."""
-        return [local_part(p.detach()).to(torch.bfloat16).to(self.device if self.device is not None else p.device,
-                                                              copy=True)
-                for p in self.params]
+        return [
+            local_part(p.detach())
+            .to(torch.bfloat16)
+            .to(self.device if self.device is not None else p.device, copy=True)
+            for p in self.params
+        ]
 
     def _unchanged(self, before: list[Tensor], after: list[Tensor]) -> float:
         """Share of entries with the same bf16 value, counted over every process's shards."""

@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------------------------
 # One step's pieces
 # ---------------------------------------------------------------------------------------------------------------------
-def rollout_rewards(reward_fns, batch: RolloutBatch, timeout: float,
-                    state: RewardState | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def rollout_rewards(
+    reward_fns, batch: RolloutBatch, timeout: float, state: RewardState | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Score every rollout with :func:`grpo_lens.rewards.score_batch`, flattened for the trainer: rewards [N] float32
     (NaN where invalid), valid [N] bool, reward metrics; each reward function call limited to ``timeout`` seconds and
     given ``state`` as TRL's ``trainer_state``."""
@@ -75,8 +76,9 @@ def merge_reward_infos(infos: list[dict[str, float]], counts: list[int]) -> dict
         elif key.endswith("_seconds"):
             out[key] = max(v for v, _, _ in have)
         else:
-            weights = [n - info.get(f"{key}/invalid_count", 0) if f"{key}/invalid_count" in info else 1
-                       for _, n, info in have]
+            weights = [
+                n - info.get(f"{key}/invalid_count", 0) if f"{key}/invalid_count" in info else 1 for _, n, info in have
+            ]
             pairs = [(v, w) for (v, _, _), w in zip(have, weights) if v == v and w > 0]  # v == v: not NaN
             total = sum(w for _, w in pairs)
             out[key] = sum(v * w for v, w in pairs) / total if total else math.nan
@@ -117,9 +119,11 @@ def accuracy_note(specs: list[str]) -> str | None:
     custom = custom_reward_names(specs)
     if not custom:
         return None
-    return (f"the reward is {', '.join(custom)} (a custom reward; per function: reward/<name>, TRL's "
-            f"rewards/<name>/mean); 'task accuracy' in the step lines is reward/accuracy, the task's own "
-            f"correctness check of the final answer, not the reward (docs/metrics.md)")
+    return (
+        f"the reward is {', '.join(custom)} (a custom reward; per function: reward/<name>, TRL's "
+        f"rewards/<name>/mean); 'task accuracy' in the step lines is reward/accuracy, the task's own "
+        f"correctness check of the final answer, not the reward (docs/metrics.md)"
+    )
 
 
 def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
@@ -145,8 +149,12 @@ def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[s
     zero_std = constant_groups(r, v).float().mean()  # S1: groups without reward contrast carry no gradient
     if not bool(valid.any()):
         mean = std = zero_std = math.nan
-    return {REWARD_MEAN: mean, REWARD_STD: std, REWARD_FRAC_ZERO_STD_GROUPS: float(zero_std),
-            REWARD_INVALID_FRAC: float((~valid).float().mean())}
+    return {
+        REWARD_MEAN: mean,
+        REWARD_STD: std,
+        REWARD_FRAC_ZERO_STD_GROUPS: float(zero_std),
+        REWARD_INVALID_FRAC: float((~valid).float().mean()),
+    }
 
 
 #: The keys that, with dynamic sampling, describe all sampled groups; the kept groups' values go to ``dynamic/kept_*``
@@ -154,8 +162,9 @@ def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[s
 SAMPLED_KEYS = KEPT_KEYS
 
 
-def sampled_vs_kept(kept: dict[str, float], rewards: torch.Tensor, valid: torch.Tensor, correct: torch.Tensor,
-                    R: int) -> dict[str, float]:
+def sampled_vs_kept(
+    kept: dict[str, float], rewards: torch.Tensor, valid: torch.Tensor, correct: torch.Tensor, R: int
+) -> dict[str, float]:
     """With dynamic sampling: the reward/accuracy/S1 keys over ALL sampled groups (the policy's behaviour), the kept
     (trained-on) groups' values of the same keys renamed to ``dynamic/kept_*`` (:data:`SAMPLED_KEYS`).
 
@@ -169,8 +178,14 @@ def sampled_vs_kept(kept: dict[str, float], rewards: torch.Tensor, valid: torch.
     return out
 
 
-def rollout_metrics(rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
-                    batch_mask: torch.Tensor, truncated: torch.Tensor, R: int) -> dict[str, float]:
+def rollout_metrics(
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    batch_mask: torch.Tensor,
+    truncated: torch.Tensor,
+    R: int,
+) -> dict[str, float]:
     """Reward, advantage and completion statistics of a step (all processes' rollouts).
 
     Args:

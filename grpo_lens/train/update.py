@@ -23,8 +23,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -59,10 +60,19 @@ from grpo_lens.train.processes import Processes
 logger = logging.getLogger(__name__)
 
 
-def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
-                  config: TrainConfig, procs: Processes, params: list[torch.nn.Parameter],
-                  before_step: Callable[[], None] | None = None, step: int = 0,
-                  capture: Any = None) -> dict[str, float]:
+def policy_update(
+    policy,
+    optimizer,
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    config: TrainConfig,
+    procs: Processes,
+    params: list[torch.nn.Parameter],
+    before_step: Callable[[], None] | None = None,
+    step: int = 0,
+    capture: Any = None,
+) -> dict[str, float]:
     """mu passes over the step's rollouts, each split into mini-batches (one optimizer step each) and micro-batches.
 
     pi_old is the trainer's own forward, detached (docs/theory.md §Log-probabilities): on the first pass over the
@@ -95,11 +105,22 @@ def policy_update(policy, optimizer, batch: RolloutBatch, advantages: torch.Tens
             first = capture is not None and pass_ == 0 and mb == 0
             around = capture if first else contextlib.nullcontext()
             with around:  # a capture with ``micro_batch`` (the fused exact Gram) is also entered per micro-batch
-                nonfinite_loss = backward_mini_batch(policy, batch, advantages, ref_logp, plan, mb, pass_, config,
-                                                     procs, sums, getattr(capture, "micro_batch", None) if first
-                                                     else None)
-            norm, skipped = optimizer_step(optimizer, params, config, procs, nonfinite_loss, step,
-                                           before_step if not sums.grad_norms else None)
+                nonfinite_loss = backward_mini_batch(
+                    policy,
+                    batch,
+                    advantages,
+                    ref_logp,
+                    plan,
+                    mb,
+                    pass_,
+                    config,
+                    procs,
+                    sums,
+                    getattr(capture, "micro_batch", None) if first else None,
+                )
+            norm, skipped = optimizer_step(
+                optimizer, params, config, procs, nonfinite_loss, step, before_step if not sums.grad_norms else None
+            )
             sums.grad_norms.append(norm)
             sums.skipped += int(skipped)
     return update_metrics(sums, config, procs)
@@ -133,8 +154,10 @@ def mini_batch_rows(groups: int, R: int, M: int) -> list[torch.Tensor]:
         min(M, max(G, G R)) index tensors into the N rows, in order.
     """
     if groups >= M:
-        return [torch.cat([torch.arange(g * R, (g + 1) * R) for g in chunk.tolist()])
-                for chunk in torch.tensor_split(torch.arange(groups), M)]
+        return [
+            torch.cat([torch.arange(g * R, (g + 1) * R) for g in chunk.tolist()])
+            for chunk in torch.tensor_split(torch.arange(groups), M)
+        ]
     return [rows for rows in torch.tensor_split(torch.arange(groups * R), M) if len(rows)]
 
 
@@ -156,17 +179,20 @@ def plan_update(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfi
     return UpdatePlan(mini_batches, micro_batches, old_logp, loss_mask)
 
 
-def batch_rows(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig,
-               procs: Processes) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+def batch_rows(
+    policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig, procs: Processes
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """(the row indices of each mini-batch, of each mini-batch's micro-batches) of :func:`plan_update`; no forward
     (the lens asks before the update whether its groups lie within one micro-batch each, :func:`lens_fuses_gram`)."""
     mini_batches = mini_batch_rows(batch.num_groups, config.group_size, config.num_mini_batches)
     L, T = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1], batch.completion_ids.shape[1]
-    sizes = [config.micro_batch_size or auto_micro_batch_size(policy, len(mini), L, T, total_memory_bytes(procs.device))
-             for mini in mini_batches]
+    sizes = [
+        config.micro_batch_size or auto_micro_batch_size(policy, len(mini), L, T, total_memory_bytes(procs.device))
+        for mini in mini_batches
+    ]
     if procs.sharded and not config.micro_batch_size:  # FSDP2: as many forwards on every process (each a collective)
         sizes = [max(1, int(-procs.max_float(-size))) for size in sizes]
-    micro_batches = [[mini[s:s + size] for s in range(0, len(mini), size)] for mini, size in zip(mini_batches, sizes)]
+    micro_batches = [[mini[s : s + size] for s in range(0, len(mini), size)] for mini, size in zip(mini_batches, sizes)]
     return mini_batches, micro_batches
 
 
@@ -186,7 +212,8 @@ class UpdateSums:
     entropy_sum: float = 0.0
     entropy_tokens: float = 0.0
     mismatch: dict[str, float] = field(
-        default_factory=lambda: {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0})
+        default_factory=lambda: {"abs_diff_sum": 0.0, "abs_diff_max": 0.0, "k3_sum": 0.0, "tokens": 0.0}
+    )
     tis: dict[str, float] = field(default_factory=lambda: {"weight_sum": 0.0, "capped": 0.0, "tokens": 0.0})
     grad_norms: list[float] = field(default_factory=list)
     skipped: int = 0
@@ -221,10 +248,19 @@ class UpdateSums:
                 self.totals[k] = self.totals.get(k, 0.0) + v * tok
 
 
-def backward_mini_batch(policy: torch.nn.Module, batch: RolloutBatch, advantages: torch.Tensor,
-                        ref_logp: torch.Tensor | None, plan: UpdatePlan, mb: int, pass_: int, config: TrainConfig,
-                        procs: Processes, sums: UpdateSums,
-                        micro_capture: Callable[[torch.Tensor], Any] | None = None) -> bool:
+def backward_mini_batch(
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    plan: UpdatePlan,
+    mb: int,
+    pass_: int,
+    config: TrainConfig,
+    procs: Processes,
+    sums: UpdateSums,
+    micro_capture: Callable[[torch.Tensor], Any] | None = None,
+) -> bool:
     """Pass ``pass_`` over mini-batch ``mb``: forward, :func:`grpo_loss` and backward of each micro-batch, the
     gradients accumulating in ``.grad``, the metrics in ``sums``. Returns whether any micro-batch's loss was
     non-finite.
@@ -239,14 +275,26 @@ def backward_mini_batch(policy: torch.nn.Module, batch: RolloutBatch, advantages
     nonfinite_loss = False
     for idx in plan.micro_batches[mb]:
         with micro_capture(idx) if micro_capture is not None else contextlib.nullcontext():
-            nonfinite_loss |= _backward_micro_batch(policy, batch, idx, advantages, ref_logp, plan, mb, pass_,
-                                                    normalizer, config, procs, sums)
+            nonfinite_loss |= _backward_micro_batch(
+                policy, batch, idx, advantages, ref_logp, plan, mb, pass_, normalizer, config, procs, sums
+            )
     return nonfinite_loss
 
 
-def _backward_micro_batch(policy: torch.nn.Module, batch: RolloutBatch, idx: torch.Tensor, advantages: torch.Tensor,
-                          ref_logp: torch.Tensor | None, plan: UpdatePlan, mb: int, pass_: int, normalizer: float,
-                          config: TrainConfig, procs: Processes, sums: UpdateSums) -> bool:
+def _backward_micro_batch(
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    idx: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    plan: UpdatePlan,
+    mb: int,
+    pass_: int,
+    normalizer: float,
+    config: TrainConfig,
+    procs: Processes,
+    sums: UpdateSums,
+) -> bool:
     """Forward, :func:`grpo_loss` and backward of the micro-batch of rows ``idx`` (see :func:`backward_mini_batch`);
     returns whether its loss was non-finite."""
     micro = batch.select(idx)
@@ -261,19 +309,35 @@ def _backward_micro_batch(policy: torch.nn.Module, batch: RolloutBatch, idx: tor
         if pass_ == 0:
             sums.add_tis(weights, micro.completion_mask, config.tis_cap)
     loss, m = grpo_loss(
-        logp, old, advantages[idx], plan.loss_mask[idx],
-        normalizer=normalizer, aggregation=config.loss_aggregation, eps_low=config.eps_low,
-        eps_high=config.eps_high, dual_clip=config.dual_clip, beta=0.0 if config.kl_in_reward else config.beta,
-        ref_logp=None if ref_logp is None else ref_logp[idx], kl_estimator=config.kl_estimator,
-        token_weights=weights, policy_loss=config.policy_loss)
+        logp,
+        old,
+        advantages[idx],
+        plan.loss_mask[idx],
+        normalizer=normalizer,
+        aggregation=config.loss_aggregation,
+        eps_low=config.eps_low,
+        eps_high=config.eps_high,
+        dual_clip=config.dual_clip,
+        beta=0.0 if config.kl_in_reward else config.beta,
+        ref_logp=None if ref_logp is None else ref_logp[idx],
+        kl_estimator=config.kl_estimator,
+        token_weights=weights,
+        policy_loss=config.policy_loss,
+    )
     loss.backward()
     sums.add_loss_metrics(m, config.mu * len(plan.mini_batches))
     return not bool(torch.isfinite(loss.detach()))
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], config: TrainConfig,
-                   procs: Processes, nonfinite_loss: bool, step: int,
-                   before_step: Callable[[], None] | None) -> tuple[float, bool]:
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    config: TrainConfig,
+    procs: Processes,
+    nonfinite_loss: bool,
+    step: int,
+    before_step: Callable[[], None] | None,
+) -> tuple[float, bool]:
     """One optimizer step on the accumulated gradients, guarded (docs/theory.md §Numerical guards).
 
     Sums the gradients over processes, calls ``before_step`` (None: nothing), clips to ``max_grad_norm`` (0: no
@@ -306,8 +370,7 @@ def update_metrics(sums: UpdateSums, config: TrainConfig, procs: Processes) -> d
     entropy_sum, entropy_tokens = procs.sum_floats([sums.entropy_sum, sums.entropy_tokens])
     if RATIO_MAX in totals:
         totals[RATIO_MAX] = procs.max_float(totals[RATIO_MAX])
-    out = {k: (v if k in (LOSS_POLICY, LOSS_KL, RATIO_MAX) else v / max(tokens_total, 1.0))
-           for k, v in totals.items()}
+    out = {k: (v if k in (LOSS_POLICY, LOSS_KL, RATIO_MAX) else v / max(tokens_total, 1.0)) for k, v in totals.items()}
     out[POLICY_ENTROPY] = entropy_sum / max(entropy_tokens, 1.0)
     out.update(_mismatch_metrics(sums.mismatch, sums.tis if config.tis_cap is not None else None, procs))
     out[GRAD_NORM] = sums.grad_norms[0]
@@ -317,8 +380,14 @@ def update_metrics(sums: UpdateSums, config: TrainConfig, procs: Processes) -> d
     return out
 
 
-def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, valid: torch.Tensor,
-                      advantages: torch.Tensor, procs: Processes | None = None) -> bool:
+def lens_reads_update(
+    config: TrainConfig,
+    lens: Any,
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    procs: Processes | None = None,
+) -> bool:
     """Whether the lens can take its g_i from the update's first pass
     (:func:`grpo_lens.train.lens.scores_from_update_rows`).
 
@@ -354,9 +423,16 @@ def lens_reads_update(config: TrainConfig, lens: Any, rewards: torch.Tensor, val
     return here if procs is None else not procs.any(not here)
 
 
-def lens_fuses_gram(config: TrainConfig, lens: Any, policy: torch.nn.Module, batch: RolloutBatch,
-                    rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
-                    procs: Processes) -> str | None:
+def lens_fuses_gram(
+    config: TrainConfig,
+    lens: Any,
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    procs: Processes,
+) -> str | None:
     """None when the lens's exact Gram can be captured in the update's own first backward and the rollout weights
     divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`, :func:`grpo_lens.train.lens.score_gram_from_update`,
     docs/theory.md §Lens inside the update's backward); else why not, in words (the lens then runs its own pass).
@@ -395,8 +471,16 @@ def lens_fuses_gram(config: TrainConfig, lens: Any, policy: torch.nn.Module, bat
     return reason if not procs.any(reason is not None) else (reason or "another process's groups")
 
 
-def _groups_fuse(config: TrainConfig, lens: Any, policy: torch.nn.Module, batch: RolloutBatch,
-                 rewards: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor, procs: Processes) -> str | None:
+def _groups_fuse(
+    config: TrainConfig,
+    lens: Any,
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    procs: Processes,
+) -> str | None:
     """The per-step conditions of :func:`lens_fuses_gram` on this process's mixed groups (None: they hold)."""
     R = config.group_size
     mixed = lens.mixed_groups(rewards, valid, R)
@@ -425,8 +509,7 @@ def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, 
     sums = procs.sum_floats([mismatch[k] for k in keys] + tis_sums)
     top = procs.max_float(mismatch["abs_diff_max"])
     n = max(sums[2], 1.0)
-    out = {MISMATCH_LOGPROB_ABS_DIFF_MEAN: sums[0] / n, MISMATCH_LOGPROB_ABS_DIFF_MAX: top,
-           MISMATCH_KL_K3: sums[1] / n}
+    out = {MISMATCH_LOGPROB_ABS_DIFF_MEAN: sums[0] / n, MISMATCH_LOGPROB_ABS_DIFF_MAX: top, MISMATCH_KL_K3: sums[1] / n}
     if tis is not None:
         out[MISMATCH_TIS_WEIGHT_MEAN] = sums[3] / max(sums[5], 1.0)
         out[MISMATCH_TIS_CAPPED_FRAC] = sums[4] / max(sums[5], 1.0)

@@ -35,9 +35,17 @@ def _group(R=6, k=2, P=40, seed=0):
     return grads, rewards
 
 
-@pytest.mark.parametrize("estimator,std,eps", [("grpo", "sample", 1e-4), ("grpo", "population", 1e-4),
-                                               ("grpo", "sample", 0.3), ("grpo", "population", 0.3),
-                                               ("dr_grpo", "sample", 1e-4), ("rloo", "sample", 1e-4)])
+@pytest.mark.parametrize(
+    "estimator,std,eps",
+    [
+        ("grpo", "sample", 1e-4),
+        ("grpo", "population", 1e-4),
+        ("grpo", "sample", 0.3),
+        ("grpo", "population", 0.3),
+        ("dr_grpo", "sample", 1e-4),
+        ("rloo", "sample", 1e-4),
+    ],
+)
 def test_identity_uses_each_estimators_own_constant(estimator, std, eps):
     # sum_i A_i g_i = c (gbar_C - gbar_W) exactly for the estimator's own c (docs/theory.md §4): residual ~1e-16
     for R, k in ((2, 1), (4, 1), (5, 3), (8, 4)):
@@ -83,8 +91,11 @@ def test_identity_absent_where_it_does_not_apply():
     row = analyse_group(gram_of(grads), rewards, adv, estimator="grpo")
     assert "grad/identity_residual" not in row and "zero_sum/span_energy" not in row
     # non-binary rewards: no k, no identity, no baseline split
-    row = analyse_group(gram_of(grads), torch.tensor([0.0, 0.5, 1.0, 0.2, 0.3, 0.9], dtype=torch.float64),
-                           torch.linspace(-1, 1, 6, dtype=torch.float64))
+    row = analyse_group(
+        gram_of(grads),
+        torch.tensor([0.0, 0.5, 1.0, 0.2, 0.3, 0.9], dtype=torch.float64),
+        torch.linspace(-1, 1, 6, dtype=torch.float64),
+    )
     assert "group/correct" not in row and "grad/identity_residual" not in row and "rank/g1_erank" in row
 
 
@@ -146,11 +157,14 @@ def test_permutation_p_value_small_for_planted_clusters():
     # comes close, so p = 1 / (1 + 256) (random relabellings) < 0.01.
     gen = torch.Generator().manual_seed(3)
     R, k, P = 12, 6, 50
-    mu_c, mu_w = 5 * torch.randn(P, generator=gen, dtype=torch.float64), 5 * torch.randn(P, generator=gen,
-                                                                                        dtype=torch.float64)
+    mu_c, mu_w = (
+        5 * torch.randn(P, generator=gen, dtype=torch.float64),
+        5 * torch.randn(P, generator=gen, dtype=torch.float64),
+    )
     rewards = torch.tensor([1.0] * k + [0.0] * (R - k), dtype=torch.float64)
-    grads = torch.where(rewards.bool().unsqueeze(1), mu_c, mu_w) + 0.3 * torch.randn(R, P, generator=gen,
-                                                                                    dtype=torch.float64)
+    grads = torch.where(rewards.bool().unsqueeze(1), mu_c, mu_w) + 0.3 * torch.randn(
+        R, P, generator=gen, dtype=torch.float64
+    )
     adv = compute_advantages(rewards.view(1, R), "grpo")[0]
     row = analyse_group(gram_of(grads), rewards, adv)
     assert row["zero_sum/span_energy_p"] < 0.01 and row["zero_sum/cos_gap_p"] < 0.01
@@ -160,8 +174,10 @@ def test_permutation_p_value_small_for_planted_clusters():
 def test_bootstrap_interval_covers_a_known_mean():
     # 95% expanded-percentile bootstrap over n = 24 draws: covers the true mean in >= 90% of 400 synthetic trials
     gen = torch.Generator().manual_seed(0)
-    for sampler, true_mean in ((lambda: 2.0 + torch.randn(24, generator=gen, dtype=torch.float64), 2.0),
-                               (lambda: torch.rand(24, generator=gen, dtype=torch.float64), 0.5)):
+    for sampler, true_mean in (
+        (lambda: 2.0 + torch.randn(24, generator=gen, dtype=torch.float64), 2.0),
+        (lambda: torch.rand(24, generator=gen, dtype=torch.float64), 0.5),
+    ):
         hits = 0
         for t in range(400):
             ci = bootstrap_ci(sampler().tolist(), num_resamples=1000, seed=t)
@@ -188,8 +204,10 @@ def test_bootstrap_edge_cases_and_summaries():
 
 
 def test_mean_over_groups_is_the_lens_aggregate():
-    rows = [{"rank/g1_erank": 2.0, "grad/identity_residual": 1e-9}, {"rank/g1_erank": 3.0,
-                                                                     "grad/identity_residual": 1e-7}]
+    rows = [
+        {"rank/g1_erank": 2.0, "grad/identity_residual": 1e-9},
+        {"rank/g1_erank": 3.0, "grad/identity_residual": 1e-7},
+    ]
     agg = mean_over_groups(rows)
     assert agg == {"rank/g1_erank": 2.5, "grad/identity_residual": 1e-7}  # mean; max for the residual
 
@@ -203,11 +221,19 @@ def test_g2_stable_rank_by_type_uses_an_accurate_top_singular_value():
         m = (u * sv) @ v.T
         assert top_singular_value(m) == pytest.approx(float(sv.max()), rel=1e-6)
     m = (u * torch.tensor([5.0, 3.0, 1.0] + [0.1] * 7, dtype=torch.float64)) @ v.T
-    keys = g2_by_type_keys({"model.layers.0.mlp.down_proj": m, "model.layers.1.mlp.down_proj": 2 * m,
-                               "model.layers.0.self_attn.q_proj": u[:, :1] @ v[:, :1].T}, "adv")
+    keys = g2_by_type_keys(
+        {
+            "model.layers.0.mlp.down_proj": m,
+            "model.layers.1.mlp.down_proj": 2 * m,
+            "model.layers.0.self_attn.q_proj": u[:, :1] @ v[:, :1].T,
+        },
+        "adv",
+    )
     # (25 + 9 + 1 + 7 * 0.01) / 25 = 1.4028 for both down_proj layers (scale-free); a rank-one q_proj has 1
-    assert keys == {"rank/g2_adv_down_proj_stable_rank": pytest.approx(35.07 / 25),
-                    "rank/g2_adv_q_proj_stable_rank": pytest.approx(1.0)}
+    assert keys == {
+        "rank/g2_adv_down_proj_stable_rank": pytest.approx(35.07 / 25),
+        "rank/g2_adv_q_proj_stable_rank": pytest.approx(1.0),
+    }
 
 
 def test_one_rule_for_the_fewest_units_of_an_interval():
@@ -225,10 +251,12 @@ def test_one_rule_for_the_fewest_units_of_an_interval():
         assert stats.bootstrap_mean([0.1, 0.3] * (n // 2) + [0.2] * (n % 2))["lo"] is None
     assert bootstrap_ci([3.35, 3.55] * 4)["lo"] is not None
     # per-R summaries and strata follow it: 2 rows of stratum "1" give no interval, 8 rows do
-    rows = [{"a": float(i), "group/correct": 1.0} for i in range(2)] + [{"a": float(i), "group/correct": 2.0}
-                                                                        for i in range(8)]
+    rows = [{"a": float(i), "group/correct": 1.0} for i in range(2)] + [
+        {"a": float(i), "group/correct": 2.0} for i in range(8)
+    ]
     strata = stratify_rows(rows, "group/correct")
     assert strata["1"]["a"]["lo"] is None and strata["2"]["a"]["lo"] is not None
     # and the text says so instead of printing a collapsed interval
     from grpo_lens.report import _ci as report_ci
+
     assert report_ci({"mean": 3.45, "lo": None, "hi": None, "n": 2}) == "3.45 (n = 2)†"  # † said once per report

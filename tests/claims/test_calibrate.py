@@ -95,8 +95,18 @@ def test_mechanism_reads_directions_not_norms():
 
 
 def test_tiny_calibration_writes_its_table_and_levels(tmp_path):
-    cfg = CalibrationConfig(trials=6, pool=30, coverage_trials=50, families=("a0.01", "bn2"), group_cells=(16,),
-                            s4_families=(), mc_families={}, baseline_families={}, training=False, workers=1)
+    cfg = CalibrationConfig(
+        trials=6,
+        pool=30,
+        coverage_trials=50,
+        families=("a0.01", "bn2"),
+        group_cells=(16,),
+        s4_families=(),
+        mc_families={},
+        baseline_families={},
+        training=False,
+        workers=1,
+    )
     res = run_calibration(cfg, tmp_path, mode="quick", log=lambda s: None)
     assert (tmp_path / "calibration.md").read_text() == render(res)
     levels = json.loads((tmp_path / "levels.json").read_text())
@@ -117,24 +127,32 @@ def _npz(path, **arrays):
 def test_planted_file_runs_the_probe_path(tmp_path):
     gen = torch.Generator().manual_seed(0)
     grams, rewards = zip(*(planted_group("a0.01", 4, 2048, gen) for _ in range(2 * 16)))
-    path = _npz(tmp_path / "p.npz", gram=torch.stack(grams).view(2, 16, 4, 4).numpy(),
-                rewards=torch.stack(rewards).view(2, 16, 4).numpy(), dim=np.array(2048))
+    path = _npz(
+        tmp_path / "p.npz",
+        gram=torch.stack(grams).view(2, 16, 4, 4).numpy(),
+        rewards=torch.stack(rewards).view(2, 16, 4).numpy(),
+        dim=np.array(2048),
+    )
     res = run_planted(path, tmp_path / "out", log=lambda s: None)
     got = json.loads((tmp_path / "out" / "planted.json").read_text())
     assert got == res and {r["claim"] for r in res} == {"erank_near_two", "zero_sum_rank_two"}
     for r in res:
-        assert r["R"] == 4 and r["trials"] == 2 and math.isclose(r["holds"] + r["does_not_hold"] + r["inconclusive"],
-                                                                 1.0)
+        assert (
+            r["R"] == 4 and r["trials"] == 2 and math.isclose(r["holds"] + r["does_not_hold"] + r["inconclusive"], 1.0)
+        )
     assert next(r for r in res if r["claim"] == "erank_near_two")["holds"] == 1.0
 
 
-@pytest.mark.parametrize("arrays, name", [
-    ({"rewards": np.zeros((2, 3, 4))}, "'gram' is missing"),
-    ({"gram": np.zeros((2, 3, 4)), "rewards": np.zeros((2, 3, 4))}, "'gram' has shape [2, 3, 4]"),
-    ({"gram": np.zeros((2, 3, 4, 4), dtype=np.float32), "rewards": np.zeros((2, 3, 4))}, "'gram' has dtype"),
-    ({"gram": np.zeros((2, 3, 4, 4)), "rewards": np.zeros((2, 3))}, "'rewards' has shape [2, 3]; expected"),
-    ({"gram": np.zeros((2, 3, 4, 4)), "rewards": np.zeros((2, 3, 4)), "dim": np.array(2)}, "'dim'"),
-])
+@pytest.mark.parametrize(
+    "arrays, name",
+    [
+        ({"rewards": np.zeros((2, 3, 4))}, "'gram' is missing"),
+        ({"gram": np.zeros((2, 3, 4)), "rewards": np.zeros((2, 3, 4))}, "'gram' has shape [2, 3, 4]"),
+        ({"gram": np.zeros((2, 3, 4, 4), dtype=np.float32), "rewards": np.zeros((2, 3, 4))}, "'gram' has dtype"),
+        ({"gram": np.zeros((2, 3, 4, 4)), "rewards": np.zeros((2, 3))}, "'rewards' has shape [2, 3]; expected"),
+        ({"gram": np.zeros((2, 3, 4, 4)), "rewards": np.zeros((2, 3, 4)), "dim": np.array(2)}, "'dim'"),
+    ],
+)
 def test_malformed_planted_file_is_one_line_and_writes_nothing(tmp_path, arrays, name):
     path = _npz(tmp_path / "bad.npz", **arrays)
     with pytest.raises(PlantedFileError) as e:
@@ -156,9 +174,13 @@ def test_report_reads_the_calibrated_cell_at_the_rows_n():
     from grpo_lens.claims.base import Claim
     from grpo_lens.report import _calibrated, level_at
 
-    levels = {"rule": {"8": {"level": 0.01, "power": 0.3, "unit": "groups per R"},
-                       "16": {"level": 0.02, "power": 0.85, "unit": "groups per R"},
-                       "22": {"level": 0.0, "power": 0.97, "unit": "groups per R"}}}
+    levels = {
+        "rule": {
+            "8": {"level": 0.01, "power": 0.3, "unit": "groups per R"},
+            "16": {"level": 0.02, "power": 0.85, "unit": "groups per R"},
+            "22": {"level": 0.0, "power": 0.97, "unit": "groups per R"},
+        }
+    }
     # the largest calibrated n <= the row's n: 20 -> 16, 30 -> 22; below every cell -> the smallest, flagged
     assert level_at(levels, "rule", 20)["n"] == "16" and level_at(levels, "rule", 30)["n"] == "22"
     assert level_at(levels, "rule", 5) == {**levels["rule"]["8"], "n": "8", "below": True}

@@ -8,8 +8,10 @@ from grpo_lens.claims.base import CLAIMS, source_of
 
 
 def identity_control(groups) -> str:
-    probe = {"meta": {"gradients": "exact", "std": "sample", "eps": 1e-4, "estimator": "grpo"},
-             "per_group_size": {"all": {"groups": groups}}}
+    probe = {
+        "meta": {"gradients": "exact", "std": "sample", "eps": 1e-4, "estimator": "grpo"},
+        "per_group_size": {"all": {"groups": groups}},
+    }
     (claim,) = CLAIMS.get("identity")(probe)
     return claim.control
 
@@ -25,7 +27,8 @@ def test_identity_control_is_one_value_per_group_size():
     assert identity_control([group(2, 4)]).endswith("would be 0.155 at R = 4 (one group)")
     assert identity_control([group(1, 4), group(2, 4), group(3, 4)]).endswith("would be 0.155 at R = 4 (3 groups)")
     assert identity_control([group(1, 4), group(1, 2)]).endswith(
-        "would be 0.414 at R = 2 (one group), 0.155 at R = 4 (one group)")
+        "would be 0.414 at R = 2 (one group), 0.155 at R = 4 (one group)"
+    )
     assert "–" not in identity_control([group(1, 4), group(2, 4)])  # never "0.155–0.155"
 
 
@@ -40,8 +43,10 @@ def test_sketch_share_says_it_is_an_estimate():
 def test_identity_residual_of_exactly_zero_says_why():
     # at k = R/2 with matching conventions a_i and c(k, R)'s coefficient are the same float64 number, so e = 0 and the
     # residual is exactly 0: the text says so instead of a bare "0.0e+00"; a non-zero residual keeps its 1-digit form
-    probe = {"meta": {"gradients": "exact", "std": "sample", "eps": 1e-4, "estimator": "grpo"},
-             "per_group_size": {"all": {"groups": [{**group(2, 4), "grad/identity_residual": 0.0}]}}}
+    probe = {
+        "meta": {"gradients": "exact", "std": "sample", "eps": 1e-4, "estimator": "grpo"},
+        "per_group_size": {"all": {"groups": [{**group(2, 4), "grad/identity_residual": 0.0}]}},
+    }
     (claim,) = CLAIMS.get("identity")(probe)
     assert "0.0e+00" not in claim.rule and claim.rule.startswith("max residual 0 (exact: ")
     assert claim.verdict == "holds"
@@ -52,7 +57,8 @@ def test_identity_residual_of_exactly_zero_says_why():
 def test_a_zero_gradient_has_no_sparsity_to_read():
     # every lens step without reward contrast: the gradient is exactly 0, Hoyer is 0/0 (stored as null); the row says
     # so instead of reading Hoyer 1.000 ("one entry", the old epsilon's value) or vanishing
-    records = [{"step": s, "perf/lens_seconds": 1.0, "sparsity/grad_zero": 1.0, "sparsity/grad_hoyer": None}
-               for s in (1, 3)]
+    records = [
+        {"step": s, "perf/lens_seconds": 1.0, "sparsity/grad_zero": 1.0, "sparsity/grad_hoyer": None} for s in (1, 3)
+    ]
     (claim,) = CLAIMS.get("sparsity_intensifies")({"records": records})
     assert claim.verdict == "inconclusive" and "exactly zero at every lens step" in claim.measurement

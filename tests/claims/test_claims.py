@@ -20,8 +20,10 @@ def ci(mean, lo, hi, n=16):
 
 
 def probe(per_r: dict, groups=None, gradients="exact", estimator="grpo") -> dict:
-    return {"meta": {"gradients": gradients, "sketch_dim": 16, "std": "sample", "eps": 1e-4, "estimator": estimator},
-            "per_group_size": {r: {"summary": s, "groups": groups or []} for r, s in per_r.items()}}
+    return {
+        "meta": {"gradients": gradients, "sketch_dim": 16, "std": "sample", "eps": 1e-4, "estimator": estimator},
+        "per_group_size": {r: {"summary": s, "groups": groups or []} for r, s in per_r.items()},
+    }
 
 
 def verdicts(name, p):
@@ -39,15 +41,23 @@ def rank_rows(n, top2, top1, null_top2, spread=0.01, erank=2.0):
     out = []
     for i in range(n):
         e = spread * (i - (n - 1) / 2)
-        out.append({"rank/g1_top2_share": top2 + e, "rank/g1_top1_share": top1 + e,
-                    "rank/g1_simnull_top2_share": null_top2, "rank/g1_null_top2_share": null_top2,
-                    "rank/g1_erank": erank})
+        out.append(
+            {
+                "rank/g1_top2_share": top2 + e,
+                "rank/g1_top1_share": top1 + e,
+                "rank/g1_simnull_top2_share": null_top2,
+                "rank/g1_null_top2_share": null_top2,
+                "rank/g1_erank": erank,
+            }
+        )
     return out
 
 
 def rank_claim(groups_by_r):
-    p = {"meta": {"gradients": "exact", "config": {"prompts": 32}},
-         "per_group_size": {r: {"summary": {}, "groups": g} for r, g in groups_by_r.items()}}
+    p = {
+        "meta": {"gradients": "exact", "config": {"prompts": 32}},
+        "per_group_size": {r: {"summary": {}, "groups": g} for r, g in groups_by_r.items()},
+    }
     return CLAIMS.get("erank_near_two")(p)
 
 
@@ -76,9 +86,14 @@ def test_rank_claim_is_one_row_across_r():
 
 def test_zero_sum_claim_rules():
     def rows(n, excess, null, var=0.0004, spread=0.0):
-        return [{"zero_sum/unit_span_energy_excess": excess + spread * (i - (n - 1) / 2),
-                 "zero_sum/unit_span_energy_null": null, "zero_sum/unit_span_energy_null_var": var}
-                for i in range(n)]
+        return [
+            {
+                "zero_sum/unit_span_energy_excess": excess + spread * (i - (n - 1) / 2),
+                "zero_sum/unit_span_energy_null": null,
+                "zero_sum/unit_span_energy_null_var": var,
+            }
+            for i in range(n)
+        ]
 
     def verdict(groups):
         p = probe({"2": {}, "4": {}}, gradients="sketch")
@@ -97,8 +112,10 @@ def test_zero_sum_claim_rules():
 
 
 def test_identity_claim_rules():
-    groups = [{"grad/identity_residual": 3e-8, "group/correct": 1.0, "group/size": 4.0},
-              {"grad/identity_residual": 1e-7, "group/correct": 2.0, "group/size": 4.0}]
+    groups = [
+        {"grad/identity_residual": 3e-8, "group/correct": 1.0, "group/size": 4.0},
+        {"grad/identity_residual": 1e-7, "group/correct": 2.0, "group/size": 4.0},
+    ]
     (c,) = CLAIMS.get("identity")(probe({"4": {}}, groups))
     assert c.verdict == HOLDS and "1.0e-07" in c.rule
     # control: population constant instead of sample: |1 - sqrt(R/(R-1))| = 0.155 for R = 4 (eps negligible)
@@ -143,8 +160,13 @@ def test_holm_decides_the_table_and_leaves_checks_apart():
     def row(ph, pd, kind="claim"):
         return Claim("c", "s", "m", "n", INCONCLUSIVE, "r", "src", kind=kind, n=16, p_holds=ph, p_dnh=pd)
 
-    rows = [row(0.001, 1.0), row(1.0, 0.011), row(0.02, 1.0), row(0.5, 0.5),
-            Claim("identity", "all R", "m", "n", HOLDS, "r", "s", kind="check")]
+    rows = [
+        row(0.001, 1.0),
+        row(1.0, 0.011),
+        row(0.02, 1.0),
+        row(0.5, 0.5),
+        Claim("identity", "all R", "m", "n", HOLDS, "r", "s", kind="check"),
+    ]
     out, note = holm_claims(rows)
     # 4 claims -> 8 hypotheses. Sorted: 0.001 <= 0.05/8 = 0.00625 (rejected); 0.011 <= 0.05/7 = 0.00714? no -> stop.
     assert [c.verdict for c in out] == [HOLDS, INCONCLUSIVE, INCONCLUSIVE, INCONCLUSIVE, HOLDS]
@@ -159,9 +181,16 @@ def test_rank_over_training_claim_and_the_lens_intervals():
     from grpo_lens.analysis.group import lens_rank_intervals
 
     def step(i, top2=0.95, top1=0.6, lo=0.93, hi=0.97, groups=12):
-        return {"step": 5 * i, "rank/mixed_groups": groups, "rank/g1_top2_share": top2, "rank/g1_top1_share": top1,
-                "rank/g1_top2_share_lo": lo, "rank/g1_top2_share_hi": hi, "rank/g1_top1_share_lo": top1 - 0.02,
-                "rank/g1_top1_share_hi": top1 + 0.02}
+        return {
+            "step": 5 * i,
+            "rank/mixed_groups": groups,
+            "rank/g1_top2_share": top2,
+            "rank/g1_top1_share": top1,
+            "rank/g1_top2_share_lo": lo,
+            "rank/g1_top2_share_hi": hi,
+            "rank/g1_top1_share_lo": top1 - 0.02,
+            "rank/g1_top1_share_hi": top1 + 0.02,
+        }
 
     # 7 lens steps, each with E2 0.95 [0.93, 0.97] (se 0.0102: z = 4.9) and E1 0.6 +- 0.02: every step clears 0.9
     recs = [step(i) for i in range(7)]

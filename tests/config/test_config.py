@@ -164,14 +164,16 @@ def test_flag_value_is_validated():
 # Round trip and help
 # ---------------------------------------------------------------------------------------------------------------------
 def test_save_and_load_round_trip(tmp_path):
-    cfg = TrainConfig(group_size=3, rewards=["format:0.2"], task_options={"max_operand": 4}, dual_clip=2.5,
-                      progress=False)
+    cfg = TrainConfig(
+        group_size=3, rewards=["format:0.2"], task_options={"max_operand": 4}, dual_clip=2.5, progress=False
+    )
     cfg.save(tmp_path / "c.yaml")
     assert TrainConfig.load(tmp_path / "c.yaml") == cfg
 
 
-@pytest.mark.parametrize("cls_path", ["grpo_lens.config:TrainConfig", "grpo_lens.probe:ProbeConfig",
-                                      "grpo_lens.demo:DemoConfig"])
+@pytest.mark.parametrize(
+    "cls_path", ["grpo_lens.config:TrainConfig", "grpo_lens.probe:ProbeConfig", "grpo_lens.demo:DemoConfig"]
+)
 def test_every_field_has_help(cls_path):
     import importlib
 

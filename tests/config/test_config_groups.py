@@ -80,10 +80,12 @@ def test_one_name_per_concept():
 @pytest.mark.e2e
 def test_the_probe_and_the_demo_check_their_shared_fields_as_the_trainer_does():
     # the trainer's rule and wording, once: probe and demo had no check of top_k / device / rewards before
-    for kwargs, fragment in [(dict(top_k=-1), "top_k.*>= 0 \\(0 disables\\)"),
-                             (dict(device="tpu"), "device.*use cpu, cuda, cuda:N or auto"),
-                             (dict(temperature=0), "temperature.*near-greedy"),
-                             (dict(task="jsonl"), "task 'jsonl' needs --dataset PATH")]:
+    for kwargs, fragment in [
+        (dict(top_k=-1), "top_k.*>= 0 \\(0 disables\\)"),
+        (dict(device="tpu"), "device.*use cpu, cuda, cuda:N or auto"),
+        (dict(temperature=0), "temperature.*near-greedy"),
+        (dict(task="jsonl"), "task 'jsonl' needs --dataset PATH"),
+    ]:
         for cls in (TrainConfig, ProbeConfig):
             with pytest.raises(ConfigError, match=fragment):
                 cls(**kwargs)
@@ -117,8 +119,10 @@ def _parse(argv: list[str], cls=TrainConfig) -> argparse.Namespace:
 
 
 def test_deprecated_name_in_from_dict_yaml_and_flags(tmp_path):
-    with pytest.warns(ConfigNameWarning, match="'lens_sketch_dim' \\(--lens-sketch-dim\\) is deprecated: use "
-                                               "'sketch_dim' \\(--sketch-dim\\)"):
+    with pytest.warns(
+        ConfigNameWarning,
+        match="'lens_sketch_dim' \\(--lens-sketch-dim\\) is deprecated: use 'sketch_dim' \\(--sketch-dim\\)",
+    ):
         cfg = TrainConfig.from_dict({"lens_sketch_dim": 8})
     assert cfg.sketch_dim == 8
     path = tmp_path / "c.yaml"
@@ -129,8 +133,10 @@ def test_deprecated_name_in_from_dict_yaml_and_flags(tmp_path):
         args = _parse(["--lens-sketch-dim", "2"])
         assert config_from_args(args, TrainConfig).sketch_dim == 2
     with pytest.warns(ConfigNameWarning):  # a flag of the new name wins over the file's old one, as flags do
-        assert config_from_args(_parse(["--config", str(path), "--sketch-dim", "3"]), TrainConfig, str(path)
-                                ).sketch_dim == 3
+        assert (
+            config_from_args(_parse(["--config", str(path), "--sketch-dim", "3"]), TrainConfig, str(path)).sketch_dim
+            == 3
+        )
     # the written config holds only current names
     cfg.save(tmp_path / "saved.yaml")
     saved = yaml.safe_load((tmp_path / "saved.yaml").read_text())
@@ -180,9 +186,27 @@ def test_names_register_once():
     assert names.canonical({"old": 1, "x": 2}, warn=False) == {"new": 1, "x": 2}
 
 
-TRAIN = ["train", "--model", "tiny", "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "2",
-         "--lens-every", "0", "--no-progress", "--device", "cpu", "--no-save-final-model", "--rewards",
-         "test_alternating", "--checkpoint-every", "1"]
+TRAIN = [
+    "train",
+    "--model",
+    "tiny",
+    "--group-size",
+    "2",
+    "--prompts-per-step",
+    "1",
+    "--max-new-tokens",
+    "2",
+    "--lens-every",
+    "0",
+    "--no-progress",
+    "--device",
+    "cpu",
+    "--no-save-final-model",
+    "--rewards",
+    "test_alternating",
+    "--checkpoint-every",
+    "1",
+]
 
 
 @pytest.mark.e2e
@@ -199,8 +223,10 @@ def test_resume_a_run_saved_under_the_deprecated_name(tmp_path, capsys):
     assert "sketch_dim=8 differs from the run's saved sketch_dim=16" in capsys.readouterr().err
     assert main(["train", "--resume", "--out", str(out), "--max-steps", "2"]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
-    assert err == [f"grpo-lens train: warning: 'lens_sketch_dim' (--lens-sketch-dim) in {path} is deprecated: use "
-                   f"'sketch_dim' (--sketch-dim); the old name will stop working in a later release"]
+    assert err == [
+        f"grpo-lens train: warning: 'lens_sketch_dim' (--lens-sketch-dim) in {path} is deprecated: use "
+        f"'sketch_dim' (--sketch-dim); the old name will stop working in a later release"
+    ]
     rewritten = yaml.safe_load(path.read_text())
     assert rewritten["sketch_dim"] == 16 and "lens_sketch_dim" not in rewritten  # written under current names
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -218,10 +244,26 @@ def test_bf16_mixed_probe_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_pa
 
     load_and_hook = dtype_recording_loader(original, seen, "gradients", loaded)
 
-    config = ProbeConfig(model="tiny", rewards=["test_parity"], group_sizes=[2], prompts=4, prompts_per_batch=4,
-                         max_new_tokens=4, baseline_prompts=1, resamples=4, random_draws=2, g2_groups=1,
-                         coverage_groups=1, baseline_study_prompts=0, credit_groups=0, seed=0, device="cpu",
-                         dtype="bf16-mixed", out=str(tmp_path / "probe"), progress=False)
+    config = ProbeConfig(
+        model="tiny",
+        rewards=["test_parity"],
+        group_sizes=[2],
+        prompts=4,
+        prompts_per_batch=4,
+        max_new_tokens=4,
+        baseline_prompts=1,
+        resamples=4,
+        random_draws=2,
+        g2_groups=1,
+        coverage_groups=1,
+        baseline_study_prompts=0,
+        credit_groups=0,
+        seed=0,
+        device="cpu",
+        dtype="bf16-mixed",
+        out=str(tmp_path / "probe"),
+        progress=False,
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("grpo_lens.probe.run.load_model", load_and_hook)  # where the probe looks it up
         out = run_probe(config)

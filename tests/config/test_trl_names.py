@@ -25,13 +25,26 @@ def parse(*argv: str) -> TrainConfig:
 
 
 def test_trl_names_set_the_same_settings():
-    c = TrainConfig.from_dict({"num_generations": 4, "max_completion_length": 32, "num_iterations": 2,
-                               "epsilon": 0.3, "loss_type": "dr_grpo", "scale_rewards": "none",
-                               "lr_scheduler_type": "cosine", "mask_truncated_completions": True})
+    c = TrainConfig.from_dict(
+        {
+            "num_generations": 4,
+            "max_completion_length": 32,
+            "num_iterations": 2,
+            "epsilon": 0.3,
+            "loss_type": "dr_grpo",
+            "scale_rewards": "none",
+            "lr_scheduler_type": "cosine",
+            "mask_truncated_completions": True,
+        }
+    )
     assert (c.group_size, c.max_new_tokens, c.mu) == (4, 32, 2)
     assert (c.eps_low, c.eps_high) == (0.3, 0.3), "TRL's epsilon_high defaults to epsilon"
     assert (c.loss_aggregation, c.estimator, c.lr_scheduler, c.overlong) == (
-        "seq-mean-token-sum-norm", "dr_grpo", "cosine", "mask")
+        "seq-mean-token-sum-norm",
+        "dr_grpo",
+        "cosine",
+        "mask",
+    )
     c = TrainConfig.from_dict({"epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo", "scale_rewards": "group"})
     assert (c.eps_low, c.eps_high, c.loss_aggregation, c.estimator) == (0.2, 0.28, "token-mean", "grpo")
     # per_device_train_batch_size x steps_per_generation rollouts per step, steps_per_generation optimizer steps
@@ -40,20 +53,32 @@ def test_trl_names_set_the_same_settings():
 
 
 def test_trl_flags_parse_like_grpo_lens_flags():
-    c = parse("--num-generations", "4", "--max-completion-length", "32", "--epsilon", "0.25",
-              "--mask-truncated-completions", "--loss-type", "grpo")
+    c = parse(
+        "--num-generations",
+        "4",
+        "--max-completion-length",
+        "32",
+        "--epsilon",
+        "0.25",
+        "--mask-truncated-completions",
+        "--loss-type",
+        "grpo",
+    )
     assert (c.group_size, c.max_new_tokens, c.eps_low, c.eps_high, c.overlong) == (4, 32, 0.25, 0.25, "mask")
     assert c.loss_aggregation == "seq-mean-token-mean"
 
 
-@pytest.mark.parametrize("values, words", [
-    ({"num_generations": 4, "group_size": 8}, ["TRL's name for 'group_size'", "is given too"]),
-    ({"epsilon": 0.2, "eps_low": 0.3}, ["eps_low", "give one"]),
-    ({"scale_rewards": "batch"}, ["--estimator grpo", "--estimator dr_grpo"]),
-    ({"loss_type": "cispo"}, ["--loss-aggregation"]),
-    ({"gradient_accumulation_steps": 4}, ["--micro-batch-size"]),
-    ({"use_vllm": True}, ["generate"]),
-])
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"num_generations": 4, "group_size": 8}, ["TRL's name for 'group_size'", "is given too"]),
+        ({"epsilon": 0.2, "eps_low": 0.3}, ["eps_low", "give one"]),
+        ({"scale_rewards": "batch"}, ["--estimator grpo", "--estimator dr_grpo"]),
+        ({"loss_type": "cispo"}, ["--loss-aggregation"]),
+        ({"gradient_accumulation_steps": 4}, ["--micro-batch-size"]),
+        ({"use_vllm": True}, ["generate"]),
+    ],
+)
 def test_trl_names_without_a_grpo_lens_meaning_fail_naming_the_option(values, words):
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict(values)
@@ -90,6 +115,12 @@ def test_train_help_names_trl_aliases(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare with single spaces
-    for alias in ("--num-generations (TRL)", "--max-completion-length (TRL)", "--epsilon (TRL)", "--loss-type (TRL)",
-                  "--num-iterations (TRL)", "--warmup-ratio (TRL)"):
+    for alias in (
+        "--num-generations (TRL)",
+        "--max-completion-length (TRL)",
+        "--epsilon (TRL)",
+        "--loss-type (TRL)",
+        "--num-iterations (TRL)",
+        "--warmup-ratio (TRL)",
+    ):
         assert alias in text.replace("- ", "-"), alias

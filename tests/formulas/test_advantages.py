@@ -186,13 +186,15 @@ def test_rloo_and_optimal_match_their_loop_references():
     sq = torch.rand(6, 5, generator=g, dtype=torch.float64)
     sq[3, 1:] = 0.0  # rollout 0's others have no norm: b* falls back to their mean
     want_rloo, want_opt = _loop_rloo_and_optimal(rewards, valid, sq)
-    constant = torch.tensor([len({float(x) for x in rewards[b][valid[b]]}) <= 1 or int(valid[b].sum()) < 2
-                             for b in range(6)])
+    constant = torch.tensor(
+        [len({float(x) for x in rewards[b][valid[b]]}) <= 1 or int(valid[b].sum()) < 2 for b in range(6)]
+    )
     want_rloo[constant], want_opt[constant] = 0.0, 0.0
     masked = torch.where(valid, rewards, torch.full_like(rewards, math.nan))
     torch.testing.assert_close(compute_advantages(masked, "rloo", mask=valid), want_rloo, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(compute_advantages(masked, "optimal", mask=valid, grad_sq_norms=sq), want_opt,
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        compute_advantages(masked, "optimal", mask=valid, grad_sq_norms=sq), want_opt, rtol=1e-12, atol=1e-12
+    )
     # RLOO's closed form n/(n-1) (r_i - mean r) is the same estimator
     n = valid.sum(1, keepdim=True).double()
     mean = torch.where(valid, rewards, 0.0).sum(1, keepdim=True) / n

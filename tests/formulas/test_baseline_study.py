@@ -15,8 +15,16 @@ from grpo_lens.formulas.baselines import (
 )
 
 
-def pool(m_c: float, m_w: float, p: float = 0.5, m: int = 512, k: int = 64, shift: float = 0.0, seed: int = 0,
-         signal: float = 0.0):
+def pool(
+    m_c: float,
+    m_w: float,
+    p: float = 0.5,
+    m: int = 512,
+    k: int = 64,
+    shift: float = 0.0,
+    seed: int = 0,
+    signal: float = 0.0,
+):
     """M rollouts: r ~ Bernoulli(p) (exactly p*M correct), h = sqrt(m_r) u with u uniform on the unit sphere
     (E[h] = 0, ||h||^2 = m_r exactly), plus ``signal`` * e_0 on correct rollouts (a true gradient direction) and
     ``shift`` * e_1 on every rollout (a non-zero mean score)."""
@@ -40,9 +48,14 @@ def test_planted_optimum_is_recovered():
     R, S = 8, 3000
     idx = torch.rand(S, 256, generator=torch.Generator().manual_seed(1)).argsort(-1)[:, :R]
     grid = [i / 20 for i in range(21)]
-    var = [float((lambda e: (e - e.mean(0)).square().sum(-1).mean())(_group_estimates(h[:256], r[:256], idx,
-                                                                                      "optimal_pop", b)))
-           for b in grid]
+    var = [
+        float(
+            (lambda e: (e - e.mean(0)).square().sum(-1).mean())(
+                _group_estimates(h[:256], r[:256], idx, "optimal_pop", b)
+            )
+        )
+        for b in grid
+    ]
     assert abs(grid[min(range(21), key=var.__getitem__)] - 0.9) <= 0.05 + 1e-9
     # the study: population b* from the held-out half is the planted one (||h||^2 exact: no sampling error beyond
     # which rollouts land in B: b* = 9 k_B / (9 k_B + (M_B - k_B)), k_B ~ hypergeometric around 128)

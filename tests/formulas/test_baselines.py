@@ -55,12 +55,15 @@ def test_leave_one_out_baselines():
     sq = torch.tensor([4.0, 1.0, 1.0, 2.0])
     # b_0 = (1*0 + 1*1 + 2*0) / (1 + 1 + 2) = 1/4;  b_1 = (4 + 1) / (4 + 1 + 2) = 5/7
     # b_2 = 4 / (4 + 1 + 2) = 4/7;               b_3 = (4 + 1) / (4 + 1 + 1) = 5/6
-    torch.testing.assert_close(loo_optimal_baseline(rewards.double(), sq),
-                               torch.tensor([1 / 4, 5 / 7, 4 / 7, 5 / 6], dtype=torch.float64))
+    torch.testing.assert_close(
+        loo_optimal_baseline(rewards.double(), sq), torch.tensor([1 / 4, 5 / 7, 4 / 7, 5 / 6], dtype=torch.float64)
+    )
     torch.testing.assert_close(BASELINES.get("rloo")(rewards, sq), torch.tensor([1 / 3, 2 / 3, 1 / 3, 2 / 3]))
     torch.testing.assert_close(BASELINES.get("mean")(rewards, sq), torch.full((4,), 0.5))
     # equal norms: leave-one-out b* is the RLOO mean
-    torch.testing.assert_close(loo_optimal_baseline(rewards.double(), torch.ones(4)), BASELINES.get("rloo")(rewards, sq).double())
+    torch.testing.assert_close(
+        loo_optimal_baseline(rewards.double(), torch.ones(4)), BASELINES.get("rloo")(rewards, sq).double()
+    )
     with pytest.raises(ValueError, match="mean, none, optimal, rloo"):
         BASELINES.get("median")
 

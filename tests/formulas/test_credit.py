@@ -53,8 +53,11 @@ def test_alignment_profile_and_answer_share_closed_form():
     # row 0: (3 + 4) / 10; row 1: 6 / (5 + 6) (its positions 2, 3 are outside the completion)
     torch.testing.assert_close(answer_share(n, answer, mask), torch.tensor([0.7, 6 / 11], dtype=torch.float64))
     metrics = credit_metrics(token_advantages(torch.tensor([1.0, -1.0]), mask), n, mask, answer)
-    assert metrics == {"credit/adv_var_within_max": 0.0, "credit/answer_share_mean": pytest.approx((0.7 + 6 / 11) / 2),
-                       "credit/answer_token_frac": pytest.approx(3 / 6)}
+    assert metrics == {
+        "credit/adv_var_within_max": 0.0,
+        "credit/answer_share_mean": pytest.approx((0.7 + 6 / 11) / 2),
+        "credit/answer_token_frac": pytest.approx(3 / 6),
+    }
 
 
 def test_last_number_span():
@@ -81,16 +84,28 @@ def test_answer_mask_from_tokenizer_and_char_span():
 
 @pytest.mark.e2e
 def test_real_token_norms_share_sums_to_one():
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=50)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     g = torch.Generator().manual_seed(0)
     n, lp, t = 4, 3, 5
     mask = torch.arange(t) < torch.tensor([[5], [4], [3], [5]])
-    batch = RolloutBatch(torch.randint(1, 50, (n, lp), generator=g), torch.ones(n, lp, dtype=torch.long),
-                         torch.randint(1, 50, (n, t), generator=g), mask, torch.zeros(n, t),
-                         torch.zeros(n, dtype=torch.bool), 2)
+    batch = RolloutBatch(
+        torch.randint(1, 50, (n, lp), generator=g),
+        torch.ones(n, lp, dtype=torch.long),
+        torch.randint(1, 50, (n, t), generator=g),
+        mask,
+        torch.zeros(n, t),
+        torch.zeros(n, dtype=torch.bool),
+        2,
+    )
     per_token = completion_positions(token_grad_sq_norms(model, batch), lp)  # [N, T]
     assert per_token.shape == (n, t) and bool((per_token[mask] > 0).all())
     answer = torch.zeros(n, t, dtype=torch.bool)

@@ -37,7 +37,7 @@ def identity_residuals(grads, rewards, std="sample", eps=1e-4):
     for j in range(b):
         k = int((rewards[j] == 1).sum())
         if 0 < k < r:
-            g = grads[j * r:(j + 1) * r]
+            g = grads[j * r : (j + 1) * r]
             adv = grpo_group_advantages(rewards[j], std, eps).to(g.dtype)
             out[j] = identity_residual(g @ g.T, rewards[j] == 1, adv, rank2_constant(k, r, std, eps))
     return out
@@ -46,8 +46,14 @@ def identity_residuals(grads, rewards, std="sample", eps=1e-4):
 @pytest.fixture(scope="module")
 def grads():
     """Exact per-rollout gradients [12, P] of a float32 tiny Llama on 3 groups of R = 4 random rollouts."""
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=50)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     g = torch.Generator().manual_seed(0)
@@ -55,8 +61,15 @@ def grads():
     prompt_ids = torch.randint(1, 50, (3, lp), generator=g).repeat_interleave(R, 0)
     completion_ids = torch.randint(1, 50, (n, t), generator=g)
     completion_mask = torch.arange(t) < torch.randint(2, t + 1, (n, 1), generator=g)
-    batch = RolloutBatch(prompt_ids, torch.ones(n, lp, dtype=torch.long), completion_ids, completion_mask,
-                         torch.zeros(n, t), torch.zeros(n, dtype=torch.bool), R)
+    batch = RolloutBatch(
+        prompt_ids,
+        torch.ones(n, lp, dtype=torch.long),
+        completion_ids,
+        completion_mask,
+        torch.zeros(n, t),
+        torch.zeros(n, dtype=torch.bool),
+        R,
+    )
     return model, batch, exact_rollout_grads(model, batch)
 
 
@@ -71,8 +84,9 @@ def test_constants_closed_form():
     # eps scales c by std / (std + eps)
     assert rank2_constant(1, 4, "sample", eps=0.5) == pytest.approx(1.5 * 0.5 / 1.0)
     # advantages of [1, 0, 0, 0], sample std 1/2, eps 0: (3/4, -1/4, -1/4, -1/4) / (1/2)
-    torch.testing.assert_close(grpo_group_advantages(torch.tensor([1.0, 0, 0, 0]), "sample", eps=0.0),
-                               torch.tensor([1.5, -0.5, -0.5, -0.5]))
+    torch.testing.assert_close(
+        grpo_group_advantages(torch.tensor([1.0, 0, 0, 0]), "sample", eps=0.0), torch.tensor([1.5, -0.5, -0.5, -0.5])
+    )
 
 
 @pytest.mark.parametrize("std", ["sample", "population"])
@@ -86,11 +100,14 @@ def test_identity_holds_to_float32_precision(grads, std, eps):
     # the 0.1 entry point and the per-group analysis report the same residual
     for j in range(2):
         adv = grpo_group_advantages(REWARDS[j], std, eps)
-        assert rank2_residual(g[j * R:(j + 1) * R], REWARDS[j], std=std, eps=eps) == pytest.approx(float(res[j]),
-                                                                                                 rel=1e-6, abs=1e-9)
-        row = analyse_group(gram_of(g[j * R:(j + 1) * R]), REWARDS[j], adv, estimator="grpo", std=std, eps=eps)
+        assert rank2_residual(g[j * R : (j + 1) * R], REWARDS[j], std=std, eps=eps) == pytest.approx(
+            float(res[j]), rel=1e-6, abs=1e-9
+        )
+        row = analyse_group(gram_of(g[j * R : (j + 1) * R]), REWARDS[j], adv, estimator="grpo", std=std, eps=eps)
         assert row["grad/identity_residual"] <= 1e-5  # analyse_group works in float64
-    assert "grad/identity_residual" not in analyse_group(gram_of(g[2 * R:]), REWARDS[2], grpo_group_advantages(REWARDS[2]))
+    assert "grad/identity_residual" not in analyse_group(
+        gram_of(g[2 * R :]), REWARDS[2], grpo_group_advantages(REWARDS[2])
+    )
 
 
 def test_identity_holds_for_sketches(grads):

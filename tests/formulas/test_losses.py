@@ -54,8 +54,16 @@ def test_case5_k1_pulls_towards_the_reference():
     for name, expected in want.items():
         for gap, g_want in zip((0.0, 3.0), expected):
             logp = torch.full((1, 20), -1.0, dtype=torch.float64, requires_grad=True)
-            loss, _ = grpo_loss(logp, logp.detach(), torch.zeros(1), mask, normalizer=1.0, beta=1.0,
-                                ref_logp=logp.detach() - gap, kl_estimator=name)
+            loss, _ = grpo_loss(
+                logp,
+                logp.detach(),
+                torch.zeros(1),
+                mask,
+                normalizer=1.0,
+                beta=1.0,
+                ref_logp=logp.detach() - gap,
+                kl_estimator=name,
+            )
             (g,) = torch.autograd.grad(loss, logp)
             assert g[0, 0].item() == pytest.approx(g_want, abs=1e-12), (name, gap)
 
@@ -131,8 +139,17 @@ def test_zero_variance_group_moves_only_through_kl(mode, estimator):
     mask = _lengths_mask([6, 2, 4], 6)
     beta = 0.04
     norm = loss_normalizer(mask, mode, 6)
-    loss, _ = grpo_loss(logp, old, torch.zeros(3), mask, normalizer=norm, aggregation=mode, beta=beta,
-                        ref_logp=ref, kl_estimator=estimator)
+    loss, _ = grpo_loss(
+        logp,
+        old,
+        torch.zeros(3),
+        mask,
+        normalizer=norm,
+        aggregation=mode,
+        beta=beta,
+        ref_logp=ref,
+        kl_estimator=estimator,
+    )
     (g,) = torch.autograd.grad(loss, logits, retain_graph=True)
     kl = aggregate_loss(kl_penalty(logp, ref, estimator), mask.float(), mode, norm)
     (g_kl,) = torch.autograd.grad(beta * kl, logits)
@@ -169,8 +186,9 @@ def test_micro_batch_invariance(mode):
 
     def loss_of(idx):
         logp = torch.log_softmax(logits[idx], -1).gather(-1, tokens[idx].unsqueeze(-1)).squeeze(-1)
-        loss, _ = grpo_loss(logp, old[idx], adv[idx], mask[idx], normalizer=norm, aggregation=mode,
-                            beta=0.1, ref_logp=ref[idx])
+        loss, _ = grpo_loss(
+            logp, old[idx], adv[idx], mask[idx], normalizer=norm, aggregation=mode, beta=0.1, ref_logp=ref[idx]
+        )
         return loss
 
     whole = loss_of(torch.arange(N))

@@ -1,4 +1,5 @@
-"""The Monte Carlo credit rule's exact count test (docs/theory.md §12): its sizes, thresholds and inputs in closed form."""
+"""The Monte Carlo credit rule's exact count test (docs/theory.md §12): its sizes, thresholds and inputs in closed
+form."""
 
 import math
 
@@ -67,9 +68,13 @@ def _mc_probe(rng, n, k, p_paths, signs):
     rows = []
     for i in range(n):
         counts = [sum(rng.random() < p for _ in range(k)) for p in p_paths[i]]
-        rows.append({"values": [x / k for x in counts],
-                     "errors": [math.sqrt(x * (k - x) / (k * k * (k - 1))) for x in counts],
-                     "grpo_advantage": signs[i]})
+        rows.append(
+            {
+                "values": [x / k for x in counts],
+                "errors": [math.sqrt(x * (k - x) / (k * k * (k - 1))) for x in counts],
+                "grpo_advantage": signs[i],
+            }
+        )
     return {"studies": {"credit": {"monte_carlo": {"rollouts": rows, "samples_per_prefix": k}}}}
 
 

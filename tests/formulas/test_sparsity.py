@@ -40,9 +40,10 @@ def test_s1_measured_and_predicted():
     plug_in = (rewards > 0.5).double().mean(1)
     assert predicted_zero_variance_fraction(plug_in, 2) == pytest.approx(2.5 / 3)
     # measured on the rewards, predicted from known success rates
-    assert {"measured": s1_measured(rewards),
-            "predicted": predicted_zero_variance_fraction(torch.tensor([0.5, 0.5, 0.5]), rewards.shape[1])} == {
-        "measured": pytest.approx(2 / 3), "predicted": pytest.approx(0.5)}
+    assert {
+        "measured": s1_measured(rewards),
+        "predicted": predicted_zero_variance_fraction(torch.tensor([0.5, 0.5, 0.5]), rewards.shape[1]),
+    } == {"measured": pytest.approx(2 / 3), "predicted": pytest.approx(0.5)}
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         predicted_zero_variance_fraction(torch.tensor([1.5]), 2)
 
@@ -63,7 +64,9 @@ def test_s3_hoyer_closed_form():
     one_hot = torch.zeros(100)
     one_hot[3] = -2.0
     assert weighted_hoyer(one_hot) == pytest.approx(1.0)
-    assert weighted_hoyer(torch.full((100,), 0.3) * torch.tensor([1.0, -1.0]).repeat(50)) == pytest.approx(0.0, abs=1e-12)
+    assert weighted_hoyer(torch.full((100,), 0.3) * torch.tensor([1.0, -1.0]).repeat(50)) == pytest.approx(
+        0.0, abs=1e-12
+    )
     # (1, 1, 0, 0): l1/l2 = 2/sqrt(2) = sqrt(2), n = 4 -> (2 - sqrt(2)) / (2 - 1) = 0.585786...
     assert weighted_hoyer(torch.tensor([1.0, 1.0, 0.0, 0.0])) == pytest.approx(2 - math.sqrt(2))
     assert math.isnan(weighted_hoyer(torch.zeros(5)))  # 0/0: a zero vector has no sparsity to read (was 1.0)

@@ -50,9 +50,15 @@ def test_flat_spectrum_and_rank_one_and_zero():
         assert m[key] == pytest.approx(10.0, rel=1e-12)
     assert (m["k90"], m["k99"]) == (9, 10)
     # one non-zero value: every measure is 1 (0 ln 0 = 0)
-    assert rank_measures(torch.tensor([2.0, 0.0, 0.0])) == {"erank": 1.0, "k90": 1.0, "k99": 1.0,
-                                                          "participation_ratio": 1.0, "stable_rank": 1.0,
-                                                          "top1_share": 1.0, "top2_share": 1.0}
+    assert rank_measures(torch.tensor([2.0, 0.0, 0.0])) == {
+        "erank": 1.0,
+        "k90": 1.0,
+        "k99": 1.0,
+        "participation_ratio": 1.0,
+        "stable_rank": 1.0,
+        "top1_share": 1.0,
+        "top2_share": 1.0,
+    }
     # zero matrix: all 0, no NaN, on every path
     zero = rank_measures(singular_values(torch.zeros(4, 100)))
     assert zero == {k: 0.0 for k in RANK_MEASURES.names()}
@@ -71,7 +77,10 @@ def test_diagonal_matrix_singular_values_and_energy_rank():
 
 def test_gram_path_matches_svd_for_few_rows():
     g = torch.Generator().manual_seed(0)
-    m = torch.randn(6, 2000, generator=g, dtype=torch.float64) * torch.tensor([5.0, 3, 2, 1, 0.5, 0.1]).double()[:, None]
+    m = (
+        torch.randn(6, 2000, generator=g, dtype=torch.float64)
+        * torch.tensor([5.0, 3, 2, 1, 0.5, 0.1]).double()[:, None]
+    )
     torch.testing.assert_close(singular_values(m, "gram"), torch.linalg.svdvals(m), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gram_singular_values(m @ m.T), torch.linalg.svdvals(m), rtol=1e-10, atol=1e-10)
     assert numerical_rank(singular_values(m[:3].repeat(2, 1), "svd")) == 3
@@ -153,8 +162,14 @@ def test_g2_numerical_rank_within_prompt_plus_prefix_bound():
     # (7) and four (7, a_i), so the bound is 3 + 1 + 4 = 8 < 16 = min(d_out, d_in) of the smallest layer. It is
     # tight: the MLP layers reach it (layer 0's q_proj has rank 7: the first position attends only to itself, so
     # its query gets no gradient).
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=50)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).double().eval()
     g = torch.Generator().manual_seed(1)
@@ -162,8 +177,15 @@ def test_g2_numerical_rank_within_prompt_plus_prefix_bound():
     completion_ids = torch.cat([torch.full((r, 1), 7), torch.randint(1, 50, (r, 2), generator=g)], dim=1)
     completion_mask = torch.ones(r, 3, dtype=torch.bool)
     prompt_ids = torch.randint(1, 50, (1, 3), generator=g).repeat(r, 1)
-    batch = RolloutBatch(prompt_ids, torch.ones(r, 3, dtype=torch.long), completion_ids, completion_mask,
-                         torch.zeros(r, 3), torch.zeros(r, dtype=torch.bool), r)
+    batch = RolloutBatch(
+        prompt_ids,
+        torch.ones(r, 3, dtype=torch.long),
+        completion_ids,
+        completion_mask,
+        torch.zeros(r, 3),
+        torch.zeros(r, dtype=torch.bool),
+        r,
+    )
     bound = g2_rank_bound(batch.prompt_mask, completion_ids, completion_mask)
     assert bound == 8
     adv = torch.tensor([1.5, -0.5, -0.5, -0.5], dtype=torch.float64)
@@ -193,7 +215,7 @@ def test_top_energy_shares_and_the_simulated_null():
         c = random_direction_grams(4, p, 20000, gen)
         assert torch.allclose(c.diagonal(dim1=1, dim2=2), torch.ones(20000, 4, dtype=torch.float64))
         off = c[:, 0, 1]
-        assert abs(float(off.mean())) < 4 / (p ** 0.5 * 141) and float(off.var()) * p == pytest.approx(1.0, rel=0.05)
+        assert abs(float(off.mean())) < 4 / (p**0.5 * 141) and float(off.var()) * p == pytest.approx(1.0, rel=0.05)
     # the simulated null of equal-norm rows: at huge P the directions are orthogonal (erank = R = 4, flat); in few
     # dimensions random rows overlap and the null's erank drops (3.52 at P = 5, 3.95 at P = 50)
     gram = torch.eye(4, dtype=torch.float64)

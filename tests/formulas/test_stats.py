@@ -47,8 +47,10 @@ def test_covers_on_zero_inflated_data_where_the_t_interval_does_not():
     mu = 0.4 * math.exp(0.5)
     hits = t_hits = 0
     for _ in range(1000):
-        x = ((torch.rand(22, generator=gen) < 0.4).double()
-             * torch.exp(torch.randn(22, generator=gen, dtype=torch.float64))).tolist()
+        x = (
+            (torch.rand(22, generator=gen) < 0.4).double()
+            * torch.exp(torch.randn(22, generator=gen, dtype=torch.float64))
+        ).tolist()
         ci = mean_interval(x)
         hits += ci["lo"] <= mu <= ci["hi"]
         m, s = sum(x) / 22, float(torch.tensor(x).std())

@@ -59,8 +59,9 @@ def test_difference_trend_test_closed_form():
     assert t["p_up"] == pytest.approx(1 - student_t_cdf(t["t"], 4)) and t["p_up"] + t["p_down"] == pytest.approx(1)
     # a covariate that explains y exactly leaves no slope: y = log(m) with m falling and x rising
     m = [8, 7, 6, 4, 3, 2, 1]
-    t = difference_trend_test(list(range(7)), [math.log(v) + 1e-3 * ((-1) ** i) for i, v in enumerate(m)],
-                              covariate=[math.log(v) for v in m])
+    t = difference_trend_test(
+        list(range(7)), [math.log(v) + 1e-3 * ((-1) ** i) for i, v in enumerate(m)], covariate=[math.log(v) for v in m]
+    )
     assert abs(t["slope"]) < 0.01 and t["p_up"] > 0.025 and t["p_down"] > 0.025
 
 

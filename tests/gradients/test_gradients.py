@@ -34,8 +34,15 @@ VOCAB = 50
 
 
 def tiny_model(dtype=torch.float64, seed=0):
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(dtype).eval()
 
@@ -53,8 +60,15 @@ def tiny_batch(num_groups=2, group_size=3, prompt_len=5, completion_len=6, seed=
     lengths[-1] = 0  # an empty completion: g_i = 0
     completion_mask = torch.arange(completion_len).unsqueeze(0) < lengths.unsqueeze(1)
     completion_ids[~completion_mask] = 0
-    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        torch.zeros(n, completion_len), torch.zeros(n, dtype=torch.bool), group_size)
+    return RolloutBatch(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        torch.zeros(n, completion_len),
+        torch.zeros(n, dtype=torch.bool),
+        group_size,
+    )
 
 
 # Paths that weight rows before vs after the float32 log-softmax of completion_logprobs differ by float32
@@ -197,7 +211,8 @@ def test_kronecker_sketch_variance_formula_by_monte_carlo():
     # rank one, A = B: the bound is attained
     u = torch.randn(d_out, 1, generator=g, dtype=torch.float64) @ torch.randn(1, d_in, generator=g, dtype=torch.float64)
     assert kronecker_sketch_variance(u, u, k_in, k_out) == pytest.approx(
-        kronecker_sketch_variance_factor(k_in, k_out) * float(u.square().sum()) ** 2)
+        kronecker_sketch_variance_factor(k_in, k_out) * float(u.square().sum()) ** 2
+    )
 
 
 @pytest.mark.e2e
@@ -213,8 +228,9 @@ def test_gaussian_sketch_gram_within_jl_bound_and_wrong_scaling_fails(model, bat
     gram = layer_grams.sum(0)
     bound = sketch_gram_error_bound(layer_grams, k, k)
     assert 0 < bound < 1
-    sketches = [sketch_rollout_grads(model, batch, k_in=k, k_out=k, seed=s, dtype=torch.float64).gram()
-                for s in range(seeds)]
+    sketches = [
+        sketch_rollout_grads(model, batch, k_in=k, k_out=k, seed=s, dtype=torch.float64).gram() for s in range(seeds)
+    ]
 
     def rel_err(estimate):
         return float((estimate - gram).norm() / gram.norm())
@@ -249,8 +265,10 @@ def test_token_sq_norms_equal_explicit_outer_products(model, batch):
             h.remove()
     L = batch.input_ids().shape[1]
     # The LM head runs on the last T + 1 positions only (logits_to_keep): its terms sit at the right end of the row.
-    oracle = sum(torch.nn.functional.pad(torch.einsum("nto,nti->ntoi", d, x).square().sum((-1, -2)),
-                                         (L - x.shape[1], 0)) for x, d in store.values())
+    oracle = sum(
+        torch.nn.functional.pad(torch.einsum("nto,nti->ntoi", d, x).square().sum((-1, -2)), (L - x.shape[1], 0))
+        for x, d in store.values()
+    )
     got = token_grad_sq_norms(model, batch)
     assert got.shape == batch.input_ids().shape
     torch.testing.assert_close(got.double(), oracle, rtol=1e-5, atol=1e-9)

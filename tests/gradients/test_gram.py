@@ -38,8 +38,15 @@ ARCHS = ["llama_tied", "qwen2_bias", "nemotron", "nemotron_tied"]
 
 def tiny_config(arch: str):
     """Tiny configs of the supported architectures (hidden 32, 2 layers)."""
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
     if arch == "llama_tied":  # tied embeddings; pad_token_id = 0 gives the embedding a padding_idx
         return LlamaConfig(**common, tie_word_embeddings=True, pad_token_id=0)
     if arch == "qwen2_bias":  # q/k/v biases, untied head
@@ -49,7 +56,7 @@ def tiny_config(arch: str):
     raise KeyError(arch)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(arch: str) -> nn.Module:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(arch)).to(torch.float64).eval()
@@ -72,21 +79,28 @@ def make_batch(seed: int = 0) -> RolloutBatch:
     for b in range(B):
         ids = torch.randint(0, 12, (prompt_lens[b],), generator=g)
         ids[1] = 0
-        prompt_ids[b * R:(b + 1) * R, Lp - prompt_lens[b]:] = ids
-        prompt_mask[b * R:(b + 1) * R, Lp - prompt_lens[b]:] = 1
+        prompt_ids[b * R : (b + 1) * R, Lp - prompt_lens[b] :] = ids
+        prompt_mask[b * R : (b + 1) * R, Lp - prompt_lens[b] :] = 1
     completion_ids = torch.zeros(N, T, dtype=torch.long)
     for i, c in enumerate(comp_lens):
         completion_ids[i, :c] = torch.randint(0, 15, (c,), generator=g)
     completion_mask = torch.arange(T)[None, :] < torch.tensor(comp_lens)[:, None]
-    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                        completion_mask=completion_mask, sampler_logprobs=torch.zeros(N, T),
-                        truncated=torch.zeros(N, dtype=torch.bool), group_size=R)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        sampler_logprobs=torch.zeros(N, T),
+        truncated=torch.zeros(N, dtype=torch.bool),
+        group_size=R,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def oracle(arch: str, weighted: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    grads = exact_rollout_grads(tiny_model(arch), make_batch(), score_weights=SCORE_WEIGHTS if weighted else None,
-                                temperature=TEMPERATURE).double()
+    grads = exact_rollout_grads(
+        tiny_model(arch), make_batch(), score_weights=SCORE_WEIGHTS if weighted else None, temperature=TEMPERATURE
+    ).double()
     return grads @ grads.T, {n: grads[:, s] @ grads[:, s].T for n, s in param_slices(tiny_model(arch)).items()}
 
 
@@ -95,8 +109,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(arch: str, form: str, blocked: bool, **extra):
-    kw = dict(form=form, keep_param_grams=True, check_dropped=True, score_weights=SCORE_WEIGHTS,
-              temperature=TEMPERATURE)
+    kw = dict(
+        form=form, keep_param_grams=True, check_dropped=True, score_weights=SCORE_WEIGHTS, temperature=TEMPERATURE
+    )
     if blocked:  # tiles shorter than one rollout and across rollout boundaries; rollout blocks < N; 3 rows a chunk
         kw.update(token_block=5, rollout_block=2, budget_bytes=6 * 64 * 8 * 3)
     kw.update(extra)
@@ -169,8 +184,9 @@ def test_uncovered_parameter_is_reported():
     total = sum(p.numel() for p in model.parameters())
     assert info["covered_params"] == total - 32 and info["coverage"] == (total - 32) / total
     grads = exact_rollout_grads(model, batch).double()
-    cols = torch.cat([torch.arange(s.start, s.stop) for n, s in param_slices(model).items()
-                      if n != "model.layers.0.mlp.extra"])
+    cols = torch.cat(
+        [torch.arange(s.start, s.stop) for n, s in param_slices(model).items() if n != "model.layers.0.mlp.extra"]
+    )
     assert rel_err(gram, grads[:, cols] @ grads[:, cols].T) < TOL
 
 
@@ -227,11 +243,11 @@ def test_block_diagonal_gram_equals_per_group_passes(arch, form):
     for b in blocks:
         rows = torch.arange(r0, r0 + b)
         ref, ref_info = exact_rollout_gram(model, batch.select(rows), score_weights=SCORE_WEIGHTS[rows], **kw)
-        assert rel_err(gram[r0:r0 + b, r0:r0 + b], ref) < TOL
+        assert rel_err(gram[r0 : r0 + b, r0 : r0 + b], ref) < TOL
         for name, g in ref_info["param_grams"].items():
             if float(g.abs().max()) > 0:
-                assert rel_err(info["param_grams"][name][r0:r0 + b, r0:r0 + b], g) < TOL, name
-        mask[r0:r0 + b, r0:r0 + b] = True
+                assert rel_err(info["param_grams"][name][r0 : r0 + b, r0 : r0 + b], g) < TOL, name
+        mask[r0 : r0 + b, r0 : r0 + b] = True
         r0 += b
     assert float(gram[~mask].abs().max()) == 0.0  # cross-block entries are not formed
     # the full Gram's blocks are the same numbers (rows never interact), so the block mask only saves work

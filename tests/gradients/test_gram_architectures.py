@@ -49,8 +49,9 @@ def model_of(family: str) -> nn.Module:
 @functools.cache
 def oracle(family: str) -> torch.Tensor:
     """[N, P] float64 dense per-rollout gradients (columns: param_slices)."""
-    return exact_rollout_grads(model_of(family), make_batch(), score_weights=SCORE_WEIGHTS,
-                               temperature=TEMPERATURE).double()
+    return exact_rollout_grads(
+        model_of(family), make_batch(), score_weights=SCORE_WEIGHTS, temperature=TEMPERATURE
+    ).double()
 
 
 def tied_layers(model: nn.Module) -> set[str]:
@@ -68,10 +69,19 @@ def tied_layers(model: nn.Module) -> set[str]:
 def test_gram_equals_dense_oracle(family):
     model, grads = model_of(family), oracle(family)
     # token pairs over 5-position tiles crossing rollouts, then per-rollout G_i in 2-rollout blocks of 3 rows
-    for kw in ({"form": "token", "token_block": 5},
-               {"form": "rollout", "rollout_block": 2, "budget_bytes": 6 * 64 * 8 * 3}):
-        gram, info = exact_rollout_gram(model, make_batch(), score_weights=SCORE_WEIGHTS, temperature=TEMPERATURE,
-                                        keep_param_grams=True, check_dropped=True, **kw)
+    for kw in (
+        {"form": "token", "token_block": 5},
+        {"form": "rollout", "rollout_block": 2, "budget_bytes": 6 * 64 * 8 * 3},
+    ):
+        gram, info = exact_rollout_gram(
+            model,
+            make_batch(),
+            score_weights=SCORE_WEIGHTS,
+            temperature=TEMPERATURE,
+            keep_param_grams=True,
+            check_dropped=True,
+            **kw,
+        )
         assert rel_err(gram, grads @ grads.T) < TOL, kw
         for name, s in param_slices(model).items():
             want = grads[:, s] @ grads[:, s].T
@@ -94,8 +104,15 @@ def test_identity_sketch_rows_are_the_weight_gradients(family):
     model, grads = model_of(family), oracle(family)
     tied = tied_layers(model)  # the sketch sees the LM use of a tied matrix only
     names = [n for n in linear_layer_names(model) if n not in tied]
-    sk = sketch_rollout_grads(model, make_batch(), projection="identity", dtype=torch.float64, include=names,
-                              score_weights=SCORE_WEIGHTS, temperature=TEMPERATURE)
+    sk = sketch_rollout_grads(
+        model,
+        make_batch(),
+        projection="identity",
+        dtype=torch.float64,
+        include=names,
+        score_weights=SCORE_WEIGHTS,
+        temperature=TEMPERATURE,
+    )
     slices = param_slices(model)
     for name in names:
         assert rel_err(sk.per_layer[name], grads[:, slices[name + ".weight"]]) < TOL, name
@@ -162,15 +179,20 @@ def test_layer_patterns_glob_or_regex():
     assert select_layers(toy, "*.down") == ["block.down"]  # glob over the whole name (no valid regex)
     assert select_layers(toy, "c_fc|down") == ["block.c_fc", "block.down"]  # regex searched in the name
     assert select_layers(toy, "block.c_?c") == ["block.c_fc"]  # both readings agree
-    with pytest.raises(ValueError, match=r"--layers 'attn' matches no linear layer .* include block\.c_fc, "
-                                         r"block\.down"):
+    with pytest.raises(
+        ValueError,
+        match=r"--layers 'attn' matches no linear layer .* include block\.c_fc, "
+        r"block\.down",
+    ):
         select_layers(toy, "attn")
 
 
 def test_no_linear_layer_is_one_line_naming_classes_and_coverage():
     msg = no_linear_layer_message(Toy(linear=False))
     # 24 embedding + 4 of Toy's own: no linear weight, 0 % covered
-    assert msg == ("the model has no linear layer (nn.Linear or transformers Conv1D) to probe: its parameters are in "
-                   "Embedding (24), Toy (4); linear layers cover 0.0% of its 28 trainable parameters")
+    assert msg == (
+        "the model has no linear layer (nn.Linear or transformers Conv1D) to probe: its parameters are in "
+        "Embedding (24), Toy (4); linear layers cover 0.0% of its 28 trainable parameters"
+    )
     with pytest.raises(ValueError, match="no linear layer .* to sketch: .* Embedding"):
         GradientCapture(Toy(linear=False))

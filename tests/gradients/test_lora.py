@@ -13,15 +13,35 @@ from grpo_lens.config import ConfigError, TrainConfig
 from grpo_lens.rundir import RunDir
 from grpo_lens.train.loop import train
 
-pytestmark = [pytest.mark.e2e,  # every test here builds a model
-              pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs the lora extra (peft)")]
+pytestmark = [
+    pytest.mark.e2e,  # every test here builds a model
+    pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs the lora extra (peft)"),
+]
 
 
 def lora_config(out, **overrides) -> TrainConfig:
-    values = dict(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2, max_new_tokens=6,
-                  max_steps=4, learning_rate=3e-2, micro_batch_size=8, lens_every=2, seed=0, device="cpu",
-                  out=str(out), progress=False, save_final_model=True, log_completions=0, checkpoint_every=2,
-                  keep_checkpoints=3, lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj", "v_proj"])
+    values = dict(
+        model="tiny",
+        rewards=["test_parity"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=6,
+        max_steps=4,
+        learning_rate=3e-2,
+        micro_batch_size=8,
+        lens_every=2,
+        seed=0,
+        device="cpu",
+        out=str(out),
+        progress=False,
+        save_final_model=True,
+        log_completions=0,
+        checkpoint_every=2,
+        keep_checkpoints=3,
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_target_modules=["q_proj", "v_proj"],
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -87,9 +107,17 @@ def test_probe_accepts_the_lora_final_model(tmp_path):
     from grpo_lens.probe.run import run_probe
 
     run = train(lora_config(tmp_path / "run", max_steps=1, lens_every=0))
-    out = run_probe(ProbeConfig(model=str(run.path / "final_model"), rewards=["test_parity"], group_sizes=[4],
-                                prompts=4, max_new_tokens=6, device="cpu",
-                                out=str(tmp_path / "probe")))
+    out = run_probe(
+        ProbeConfig(
+            model=str(run.path / "final_model"),
+            rewards=["test_parity"],
+            group_sizes=[4],
+            prompts=4,
+            max_new_tokens=6,
+            device="cpu",
+            out=str(tmp_path / "probe"),
+        )
+    )
     assert (out / "probe.json").is_file()
 
 
@@ -115,11 +143,13 @@ def test_adapter_and_full_space_gradients_obey_the_chain_rule(fresh_tiny_model_a
     examples = get_task("arithmetic").sample(1, seed=0)
     batch = sample_groups(peft_model, tok, examples, 2, max_new_tokens=5, temperature=1.0, generator_seed=0)
 
-    full = lora_rollout_grads(peft_model, batch, "full", projection="identity", dtype=torch.float64)       # [2, sum d_out d_in]
-    adapter = lora_rollout_grads(peft_model, batch, "trainable")                       # [2, P_adapter]
+    full = lora_rollout_grads(
+        peft_model, batch, "full", projection="identity", dtype=torch.float64
+    )  # [2, sum d_out d_in]
+    adapter = lora_rollout_grads(peft_model, batch, "trainable")  # [2, P_adapter]
     merged = merged_copy(peft_model).requires_grad_(True)  # peft froze the base weights it merged into
     layer = "model.layers.1.self_attn.q_proj"
-    exact_w = exact_rollout_grads(merged, batch, params=[f"{layer}.weight"])       # [2, d_out d_in]
+    exact_w = exact_rollout_grads(merged, batch, params=[f"{layer}.weight"])  # [2, d_out d_in]
     d_out, d_in = merged.get_submodule(layer).weight.shape
 
     # the full-space rows hold every base linear layer in module order; find this layer's block
@@ -127,12 +157,12 @@ def test_adapter_and_full_space_gradients_obey_the_chain_rule(fresh_tiny_model_a
     sizes = [peft_model.get_submodule(n).weight.numel() for n in names]
     k = names.index(f"base_model.model.{layer}.base_layer")
     start = sum(sizes[:k])
-    torch.testing.assert_close(full[:, start:start + d_out * d_in], exact_w, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(full[:, start : start + d_out * d_in], exact_w, rtol=1e-9, atol=1e-12)
 
     slices = param_slices(peft_model)
     pre = f"base_model.model.{layer}"
-    A = peft_model.get_parameter(f"{pre}.lora_A.default.weight")   # [r, d_in]
-    B = peft_model.get_parameter(f"{pre}.lora_B.default.weight")   # [d_out, r]
+    A = peft_model.get_parameter(f"{pre}.lora_A.default.weight")  # [r, d_in]
+    B = peft_model.get_parameter(f"{pre}.lora_B.default.weight")  # [d_out, r]
     s = alpha / r
     for i in range(2):
         g_w = exact_w[i].view(d_out, d_in)

@@ -91,8 +91,9 @@ def test_contributions_from_per_token_gradients_equal_the_model_path(model_group
         for j in range(t):
             if mask[i, j]:
                 gs = torch.autograd.grad(logp[i, j], params, retain_graph=True, allow_unused=True)
-                grads[i, j] = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).double()
-                                         for g, p in zip(gs, params)])
+                grads[i, j] = torch.cat(
+                    [(torch.zeros_like(p) if g is None else g).reshape(-1).double() for g, p in zip(gs, params)]
+                )
     for adv in (torch.tensor([1.0, -0.5, -0.5]), torch.ones(3)):
         w = token_weights(adv, mask)
         d, u_sq = exact_directional_derivatives(grads, w)
@@ -154,11 +155,20 @@ def test_prefix_values_on_the_tiny_model(model_group):
     prompt = group.prompt_ids[0][group.prompt_mask[0].bool()]
     completion = group.completion_ids[0][group.completion_mask[0]]
     # score 1 for every continuation: V = 1 with zero standard error at every prefix
-    v, e = prefix_values(model, tok, prompt, completion, [0, 2], lambda texts: [1.0] * len(texts), num_samples=4,
-                         max_new_tokens=6)
+    v, e = prefix_values(
+        model, tok, prompt, completion, [0, 2], lambda texts: [1.0] * len(texts), num_samples=4, max_new_tokens=6
+    )
     assert v.tolist() == [1.0, 1.0] and e.tolist() == [0.0, 0.0]
     # a score that reads the text: continuations start with the rollout's own first 2 tokens when b = 2
     head = tok.decode(completion[:2].tolist(), skip_special_tokens=True)
-    v, _ = prefix_values(model, tok, prompt, completion, [2], lambda texts: [float(t.startswith(head)) for t in texts],
-                         num_samples=4, max_new_tokens=6)
+    v, _ = prefix_values(
+        model,
+        tok,
+        prompt,
+        completion,
+        [2],
+        lambda texts: [float(t.startswith(head)) for t in texts],
+        num_samples=4,
+        max_new_tokens=6,
+    )
     assert v.tolist() == [1.0]

@@ -10,8 +10,10 @@ import warnings
 import pytest
 import torch
 
-pytestmark = [pytest.mark.e2e,  # every test here builds a model
-              pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs the trl extra")]
+pytestmark = [
+    pytest.mark.e2e,  # every test here builds a model
+    pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs the trl extra"),
+]
 
 R = 4
 
@@ -34,12 +36,25 @@ def make_trainer(tmp_path, cls, **kwargs):
     lens = kwargs
     model, tok = build_tiny_model(seed=0)
     data = Dataset.from_dict({"prompt": [f"What is {a} + {a + 1}?" for a in range(16)]})
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), **{"per_device_train_batch_size": 2 * R, "max_steps": 2,
-                                                          **trl_args},
-                      num_generations=R, max_completion_length=6, logging_steps=1, learning_rate=1e-2,
-                      loss_type="grpo", scale_rewards="group", temperature=0.9, beta=0.0, report_to="none",
-                      use_cpu=True, save_strategy="no", seed=0, bf16=False, disable_tqdm=True,
-                      dataloader_num_workers=0)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        **{"per_device_train_batch_size": 2 * R, "max_steps": 2, **trl_args},
+        num_generations=R,
+        max_completion_length=6,
+        logging_steps=1,
+        learning_rate=1e-2,
+        loss_type="grpo",
+        scale_rewards="group",
+        temperature=0.9,
+        beta=0.0,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        bf16=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     return cls(model=model, reward_funcs=parity, args=args, train_dataset=data, processing_class=tok, **lens)
 
 
@@ -58,9 +73,13 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_sourc
         def measure_lens(self, output):
             # the policy's weights as the lens sees them (before this batch's update) and TRL's batch
             state = self.accelerator.unwrap_model(self.model).state_dict()
-            captured.append(({k: v.detach().clone() for k, v in state.items()},
-                             {k: v.detach().clone() for k, v in output.items() if torch.is_tensor(v)},
-                             int(self.state.global_step)))
+            captured.append(
+                (
+                    {k: v.detach().clone() for k, v in state.items()},
+                    {k: v.detach().clone() for k, v in output.items() if torch.is_tensor(v)},
+                    int(self.state.global_step),
+                )
+            )
             return super().measure_lens(output)
 
     source = {} if gram_source is None else {"lens_gram_source": gram_source}
@@ -76,21 +95,35 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_sourc
         policy.train()
         # grpo-lens' side, built independently from TRL's tokens: rewards from the decoded texts, advantages from
         # grpo-lens' grpo estimator (sample std, eps 1e-4), the lens from a TrainConfig.
-        texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
-                 for ids, m in zip(out["completion_ids"], out["completion_mask"])]
+        texts = [
+            tok.decode(ids[m.bool()], skip_special_tokens=True)
+            for ids, m in zip(out["completion_ids"], out["completion_mask"])
+        ]
         rewards = torch.tensor(parity(texts))
         adv = compute_advantages(rewards.view(-1, R), "grpo", std="sample", eps=1e-4).view(-1)
         torch.testing.assert_close(out["advantages"].float(), adv.float(), rtol=1e-5, atol=1e-5)
         n, t = out["completion_ids"].shape
-        batch = RolloutBatch(prompt_ids=out["prompt_ids"], prompt_mask=out["prompt_mask"],
-                             completion_ids=out["completion_ids"], completion_mask=out["completion_mask"].bool(),
-                             sampler_logprobs=torch.zeros(n, t), truncated=torch.zeros(n, dtype=torch.bool),
-                             group_size=R)
-        config = TrainConfig(gram_source=gram_source or "exact", sketch_dim=8, seed=3, temperature=0.9,
-                             estimator="grpo", std="sample", std_eps=1e-4, loss_aggregation="seq-mean-token-mean",
-                             max_new_tokens=6)  # TRL's loss_type="grpo"
-        ours = TrainerLens(policy, config).measure(step, policy, batch, rewards, torch.ones(n, dtype=torch.bool),
-                                                   adv)
+        batch = RolloutBatch(
+            prompt_ids=out["prompt_ids"],
+            prompt_mask=out["prompt_mask"],
+            completion_ids=out["completion_ids"],
+            completion_mask=out["completion_mask"].bool(),
+            sampler_logprobs=torch.zeros(n, t),
+            truncated=torch.zeros(n, dtype=torch.bool),
+            group_size=R,
+        )
+        config = TrainConfig(
+            gram_source=gram_source or "exact",
+            sketch_dim=8,
+            seed=3,
+            temperature=0.9,
+            estimator="grpo",
+            std="sample",
+            std_eps=1e-4,
+            loss_aggregation="seq-mean-token-mean",
+            max_new_tokens=6,
+        )  # TRL's loss_type="grpo"
+        ours = TrainerLens(policy, config).measure(step, policy, batch, rewards, torch.ones(n, dtype=torch.bool), adv)
         lens_keys = {k for k in ours if k.split("/")[0] in ("rank", "grad", "baseline", "zero_sum", "sparsity")}
         assert "rank/mixed_groups" in lens_keys
         for key in lens_keys:
@@ -134,8 +167,15 @@ def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
     )
     from grpo_lens.report import write_report
 
-    trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_every=3, lens_sketch_dim=4, max_steps=6,
-                           steps_per_generation=2, per_device_train_batch_size=R)
+    trainer = make_trainer(
+        tmp_path,
+        LensGRPOTrainer,
+        lens_every=3,
+        lens_sketch_dim=4,
+        max_steps=6,
+        steps_per_generation=2,
+        per_device_train_batch_size=R,
+    )
     trainer.train()
     out = tmp_path / "trl"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -174,16 +214,22 @@ def test_readme_trl_snippet_runs_and_grpo_lens_report_reads_it(tmp_path, monkeyp
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code = re.search(r"### The lens inside TRL's GRPOTrainer\n.*?```python\n(.*?)```", readme, re.S).group(1)
     tiny = export_model("tiny", tmp_path / "tiny")
-    for old, new in (("str(model_folder())", repr(str(tiny))), ("max_steps=10", "max_steps=2"),
-                     ('output_dir="runs/trl"', "output_dir='runs/trl', disable_tqdm=True")):
+    for old, new in (
+        ("str(model_folder())", repr(str(tiny))),
+        ("max_steps=10", "max_steps=2"),
+        ('output_dir="runs/trl"', "output_dir='runs/trl', disable_tqdm=True"),
+    ):
         assert old in code, old
         code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert main(["report", "runs/trl"]) == 0
     report = (tmp_path / "runs" / "trl" / "report.md").read_text()
-    assert report.startswith("# grpo-lens report") and "## Answers" in report and "correctness" in (
-        tmp_path / "runs" / "trl" / "completions.jsonl").read_text()
+    assert (
+        report.startswith("# grpo-lens report")
+        and "## Answers" in report
+        and "correctness" in (tmp_path / "runs" / "trl" / "completions.jsonl").read_text()
+    )
 
 
 def test_the_last_step_is_measured_whatever_lens_every(tmp_path):
@@ -195,8 +241,9 @@ def test_the_last_step_is_measured_whatever_lens_every(tmp_path):
     from grpo_lens.integrations.trl import LensGRPOTrainer
     from grpo_lens.metrics import RANK_MIXED_GROUPS, STEP
 
-    trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_every=5, lens_sketch_dim=4, lens_gram_source="sketch",
-                           max_steps=3)
+    trainer = make_trainer(
+        tmp_path, LensGRPOTrainer, lens_every=5, lens_sketch_dim=4, lens_gram_source="sketch", max_steps=3
+    )
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
     assert [r[STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
@@ -210,8 +257,9 @@ def test_the_console_line_keeps_trls_keys_and_counts_the_lens_keys(tmp_path, cap
 
     from grpo_lens.integrations.trl import LensGRPOTrainer
 
-    trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_every=1, lens_sketch_dim=4, lens_gram_source="sketch",
-                           max_steps=1)
+    trainer = make_trainer(
+        tmp_path, LensGRPOTrainer, lens_every=1, lens_sketch_dim=4, lens_gram_source="sketch", max_steps=1
+    )
     trainer.train()
     printed = [ast.literal_eval(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     step = next(d for d in printed if "loss" in d)
@@ -237,12 +285,21 @@ def test_a_script_importing_torch_first_is_told_its_omp_wait_policy_came_too_lat
     flag = {}
     for order in ("torch, grpo_lens", "grpo_lens, torch"):
         code = f"import {order}; print(grpo_lens.OMP_WAIT_POLICY_TOO_LATE)"
-        flag[order] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                     check=True).stdout.strip()
+        flag[order] = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
     assert flag == {"torch, grpo_lens": "True", "grpo_lens, torch": "False"}
     code = "import torch, grpo_lens; print(grpo_lens.OMP_WAIT_POLICY_TOO_LATE)"  # a value of the user's own: no flag
-    assert subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
-                          text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        == "False"
+    )
     for too_late in (True, False):
         monkeypatch.setattr(grpo_lens, "OMP_WAIT_POLICY_TOO_LATE", too_late)
         with warnings.catch_warnings(record=True) as seen:

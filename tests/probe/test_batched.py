@@ -15,7 +15,6 @@ import json
 import math
 
 import pytest
-import torch
 
 import grpo_lens.probe.run as probe_module
 from grpo_lens.probe.config import ProbeConfig
@@ -29,10 +28,26 @@ SKIP = ("seconds", "studies_seconds", "timing", "out", "per_group_passes")
 
 
 def config(out, **overrides) -> ProbeConfig:
-    values = dict(model="tiny", rewards=["test_parity"], group_sizes=[2, 4], prompts=8, prompts_per_batch=4,
-                  max_new_tokens=6, baseline_prompts=2, resamples=16, random_draws=2, seed=1, device="cpu",
-                  out=str(out), study_group_size=2, baseline_study_prompts=0, credit_groups=0, g2_groups=3,
-                  coverage_groups=1, progress=False)
+    values = dict(
+        model="tiny",
+        rewards=["test_parity"],
+        group_sizes=[2, 4],
+        prompts=8,
+        prompts_per_batch=4,
+        max_new_tokens=6,
+        baseline_prompts=2,
+        resamples=16,
+        random_draws=2,
+        seed=1,
+        device="cpu",
+        out=str(out),
+        study_group_size=2,
+        baseline_study_prompts=0,
+        credit_groups=0,
+        g2_groups=3,
+        coverage_groups=1,
+        progress=False,
+    )
     values.update(overrides)
     return ProbeConfig(**values)
 
@@ -77,8 +92,9 @@ def test_batched_probe_equals_per_group_passes(tmp_path, float64_model, gram_sou
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(probe_module, "measure_groups", counting)
         fast = run_probe(config(tmp_path / "fast", gram_source=gram_source), policy=model, tokenizer=tokenizer)
-    slow = run_probe(config(tmp_path / "slow", gram_source=gram_source, per_group_passes=True), policy=model,
-                     tokenizer=tokenizer)
+    slow = run_probe(
+        config(tmp_path / "slow", gram_source=gram_source, per_group_passes=True), policy=model, tokenizer=tokenizer
+    )
     a, b = (json.loads((p / "probe.json").read_text()) for p in (fast, slow))
     mixed = sum(d["groups_mixed"] for d in a["per_group_size"].values())
     assert mixed >= 6 and max(passes) >= 2  # several groups shared a backward
@@ -97,16 +113,25 @@ def test_nested_draws_share_prompts_and_rollouts(tmp_path, tiny_model_and_tokeni
 
     def recording(policy, tok, batch, first, rewards, valid, R, *args, **kwargs):
         M = rewards.shape[1]
-        seen[R].extend(batch.completions[j * M:j * M + R] for j in range(first, rewards.shape[0]))
+        seen[R].extend(batch.completions[j * M : j * M + R] for j in range(first, rewards.shape[0]))
         return original(policy, tok, batch, first, rewards, valid, R, *args, **kwargs)
 
     for independent in (False, True):
         seen = {2: [], 4: []}
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(probe_module, "analyse_prompts", recording)
-            out = run_probe(config(tmp_path / str(independent), gram_source="sketch", independent_draws=independent,
-                                   g2_groups=0, baseline_prompts=0, coverage_groups=0),
-                            policy=model, tokenizer=tokenizer)
+            out = run_probe(
+                config(
+                    tmp_path / str(independent),
+                    gram_source="sketch",
+                    independent_draws=independent,
+                    g2_groups=0,
+                    baseline_prompts=0,
+                    coverage_groups=0,
+                ),
+                policy=model,
+                tokenizer=tokenizer,
+            )
         nested = [c4[:2] == c2 for c2, c4 in zip(seen[2], seen[4])]
         assert len(nested) == 8
         assert all(nested) != independent
@@ -121,12 +146,15 @@ def test_draw_plan():
     c = ProbeConfig(out="x", prompts_per_batch=5)
     plan = draw_plan(c, None)
     assert [(b.first, b.n, b.M) for b in plan] == [(0, 5, 16), (5, 5, 16), (10, 5, 16), (15, 5, 16), (20, 4, 16)] + [
-        (a, min(5, 64 - a), 8) for a in range(24, 64, 5)]
+        (a, min(5, 64 - a), 8) for a in range(24, 64, 5)
+    ]
     assert plan[0] == DrawBatch(("pool", 1), batch_seed(0, 0, 1), 5, 16, 0)
     assert sum(b.n * b.M for b in plan) == 24 * 16 + 40 * 8  # 704 rollouts, against 512 + 256 + 384 = 1152
     ind = draw_plan(c, None, R=8)
-    assert [(b.key, b.seed, b.n, b.M) for b in ind][:2] == [(("R", 8, 1), batch_seed(0, 8, 1), 5, 16),
-                                                          (("R", 8, 2), batch_seed(0, 8, 2), 5, 16)]
+    assert [(b.key, b.seed, b.n, b.M) for b in ind][:2] == [
+        (("R", 8, 1), batch_seed(0, 8, 1), 5, 16),
+        (("R", 8, 2), batch_seed(0, 8, 2), 5, 16),
+    ]
     assert sum(b.n for b in ind) == 24
 
 
@@ -143,14 +171,35 @@ def test_estimate_seconds_closed_form():
     (R = 8 among the group sizes), else its rollouts (x 1.3 for prompts without contrast) at 0.1 s."""
     from grpo_lens.probe.run import estimate_seconds, format_estimate
 
-    c = ProbeConfig(out="x", group_sizes=[2], prompts=10, prompts_per_batch=4, baseline_prompts=0,
-                    baseline_study_prompts=0, credit_groups=0)
+    c = ProbeConfig(
+        out="x",
+        group_sizes=[2],
+        prompts=10,
+        prompts_per_batch=4,
+        baseline_prompts=0,
+        baseline_study_prompts=0,
+        credit_groups=0,
+    )
     est = estimate_seconds(c, None, 0.1, 0.3, [0.5, 0.5])
     assert est == pytest.approx({"generation": 8.0, "R=2": 3.0, "studies": 0.0})
     assert format_estimate(est) == "about 11 s: generation 8 s, R = 2 3 s, studies 0 s"
-    c8 = ProbeConfig(out="x", group_sizes=[8], prompts=10, prompts_per_batch=4, baseline_prompts=0,
-                     baseline_study_prompts=16, credit_groups=0)
+    c8 = ProbeConfig(
+        out="x",
+        group_sizes=[8],
+        prompts=10,
+        prompts_per_batch=4,
+        baseline_prompts=0,
+        baseline_study_prompts=16,
+        credit_groups=0,
+    )
     assert estimate_seconds(c8, None, 0.1, 0.3, [0.5])["studies"] == pytest.approx(16 * 16 * 0.3)
-    c2 = ProbeConfig(out="x", group_sizes=[2], prompts=10, prompts_per_batch=4, baseline_prompts=0,
-                     baseline_study_prompts=16, credit_groups=0)
+    c2 = ProbeConfig(
+        out="x",
+        group_sizes=[2],
+        prompts=10,
+        prompts_per_batch=4,
+        baseline_prompts=0,
+        baseline_study_prompts=16,
+        credit_groups=0,
+    )
     assert estimate_seconds(c2, None, 0.1, 0.3, [0.5])["studies"] == pytest.approx(16 * 16 * (0.3 + 0.1 * 1.3))

@@ -24,11 +24,28 @@ def test_preset_is_the_papers_setting():
 def test_preset_runs_end_to_end_on_a_tiny_nemotron(tmp_path):
     # test_parity (a coin flip per rollout) instead of math_verify: a random tiny model never solves GSM8K, and the
     # probe analyses mixed groups only
-    config = ProbeConfig.load(PRESET, dict(
-        model="tiny-nemotron", rewards=["test_parity"], group_sizes=[2], prompts=4, prompts_per_batch=4,
-        max_new_tokens=8, dtype="float32", device="cpu", baseline_prompts=1, resamples=8, random_draws=2,
-        g2_groups=0, coverage_groups=0, baseline_study_prompts=0, credit_groups=0, progress=False,
-        out=str(tmp_path / "probe")))
+    config = ProbeConfig.load(
+        PRESET,
+        dict(
+            model="tiny-nemotron",
+            rewards=["test_parity"],
+            group_sizes=[2],
+            prompts=4,
+            prompts_per_batch=4,
+            max_new_tokens=8,
+            dtype="float32",
+            device="cpu",
+            baseline_prompts=1,
+            resamples=8,
+            random_draws=2,
+            g2_groups=0,
+            coverage_groups=0,
+            baseline_study_prompts=0,
+            credit_groups=0,
+            progress=False,
+            out=str(tmp_path / "probe"),
+        ),
+    )
     out = run_probe(config)
     probe = json.loads((out / "probe.json").read_text())
     meta = probe["meta"]

@@ -25,13 +25,26 @@ RANK_MEASURES = ("erank", "stable_rank", "participation_ratio", "k90", "k99")
 ROW_MATRICES = ("g1", "g1_null", "g1_no_adv", "g1_random", "g1_nll", "g1_layer")
 
 
-
-
 def probe_config(out, **overrides) -> ProbeConfig:
-    values = dict(model="tiny", rewards=["test_parity"], group_sizes=[2, 4], prompts=8,
-                  prompts_per_batch=4, max_new_tokens=8, baseline_prompts=1, resamples=32, random_draws=4, seed=0,
-                  device="cpu", out=str(out), study_group_size=2, baseline_study_prompts=2, credit_groups=1,
-                  mc_groups=1, mc_samples=2)
+    values = dict(
+        model="tiny",
+        rewards=["test_parity"],
+        group_sizes=[2, 4],
+        prompts=8,
+        prompts_per_batch=4,
+        max_new_tokens=8,
+        baseline_prompts=1,
+        resamples=32,
+        random_draws=4,
+        seed=0,
+        device="cpu",
+        out=str(out),
+        study_group_size=2,
+        baseline_study_prompts=2,
+        credit_groups=1,
+        mc_groups=1,
+        mc_samples=2,
+    )
     values.update(overrides)
     return ProbeConfig(**values)
 
@@ -93,17 +106,31 @@ def test_probe_json_schema(sketch_probe):
     assert probe["studies"]["baselines"]["baselines"]["prompts"] == 2
     assert probe["studies"]["credit"]["contributions"]["groups"] == 1
     meta = probe["meta"]
-    assert {"model", "task", "gradients", "sketch_dim", "std", "eps", "layer", "seconds",
-            "studies_seconds"} <= set(meta)
+    assert {"model", "task", "gradients", "sketch_dim", "std", "eps", "layer", "seconds", "studies_seconds"} <= set(
+        meta
+    )
     assert 0 < meta["studies_seconds"] < meta["seconds"]
     assert meta["gradients"] == "sketch" and meta["sketch_dim"] == 16 and meta["std"] == "sample"
     assert meta["layer"] == "model.layers.1.mlp.down_proj"  # default_layer: the middle layer's MLP down projection
     assert meta["parameters"] == 107_200
     assert set(probe["per_group_size"]) == {"2", "4"}
     for R, d in probe["per_group_size"].items():
-        assert {"prompts_sampled", "groups_all_equal", "groups_mixed", "groups_invalid", "s1_measured",
-                "s1_predicted", "groups", "summary", "strata", "g3", "spectra", "baselines", "credit",
-                "timing"} <= set(d), R
+        assert {
+            "prompts_sampled",
+            "groups_all_equal",
+            "groups_mixed",
+            "groups_invalid",
+            "s1_measured",
+            "s1_predicted",
+            "groups",
+            "summary",
+            "strata",
+            "g3",
+            "spectra",
+            "baselines",
+            "credit",
+            "timing",
+        } <= set(d), R
         assert d["prompts_sampled"] == 8  # a fixed number of prompts, never stopping at the N-th mixed group
         t = d["timing"]
         assert t["generation_seconds"] + t["gradient_seconds"] <= t["seconds"] < meta["seconds"]
@@ -112,8 +139,16 @@ def test_probe_json_schema(sketch_probe):
         # the summary is the bootstrap summary of the rows: same keys, mean = the plain mean over groups
         keys = {k for row in d["groups"] for k in row}
         assert set(d["summary"]) == keys
-        for key in ("rank/g1_erank", "rank/g1_null_erank", "grad/identity_residual", "baseline/b_star",
-                    "group/correct", "group/distinct_completions", "rank/g2_erank", "credit/answer_token_frac"):
+        for key in (
+            "rank/g1_erank",
+            "rank/g1_null_erank",
+            "grad/identity_residual",
+            "baseline/b_star",
+            "group/correct",
+            "group/distinct_completions",
+            "rank/g2_erank",
+            "credit/answer_token_frac",
+        ):
             vals = [row[key] for row in d["groups"] if key in row]
             s = d["summary"][key]
             assert s["n"] == len(vals) and s["mean"] == pytest.approx(sum(vals) / len(vals), rel=1e-12), key
@@ -131,21 +166,25 @@ def test_probe_json_schema(sketch_probe):
         assert d["g3"]["groups"] == len(d["groups"])
         # the sketch checked against exact gradients of every parameter on the first mixed group (coverage_groups=1)
         (check,) = d["sketch_check"]["groups"]
-        shares = [check[f"sketch/exact_share_{c}"] for c in ("linear", "embedding", "norm") if
-                  f"sketch/exact_share_{c}" in check]
+        shares = [
+            check[f"sketch/exact_share_{c}"]
+            for c in ("linear", "embedding", "norm")
+            if f"sketch/exact_share_{c}" in check
+        ]
         assert sum(shares) == pytest.approx(1.0, abs=1e-9)  # every parameter of the tiny model is in a category
         # the sketch sees the linear weights (and the tied lm_head use): a share of ||g||^2 between the linear
         # weights' exact share (minus projection noise) and 1
         assert 0.3 < check["sketch/coverage"] < 1.0
         assert 0 < check["sketch/gram_error"] < 1.5 and 0 < check["sketch/gram_error_bound"] < 1
     assert probe["meta"]["sketch_coverage"] == pytest.approx(
-        sum(d["sketch_check"]["groups"][0]["sketch/coverage"] for d in probe["per_group_size"].values()) / 2)
+        sum(d["sketch_check"]["groups"][0]["sketch/coverage"] for d in probe["per_group_size"].values()) / 2
+    )
 
 
 @pytest.mark.e2e
 def test_s1_fields(sketch_probe):
     _, probe = sketch_probe
-    for R, d in probe["per_group_size"].items():
+    for _R, d in probe["per_group_size"].items():
         valid = d["prompts_sampled"] - d["groups_invalid"]
         assert d["groups_invalid"] == 0  # the parity reward scores everything
         assert d["groups_all_equal"] + d["groups_mixed"] == valid
@@ -191,8 +230,12 @@ def test_report_written(sketch_probe):
     assert "## Gradient probe: probe" in report and "## Findings" in report
     assert "### Stratified by k" in report and "orthogonal null" in report
     names = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
-    assert {"erank_vs_R_probe.png", "spectra_probe.png", "baseline_variance_probe.png",
-            "credit_profile_probe.png"} <= set(names)
+    assert {
+        "erank_vs_R_probe.png",
+        "spectra_probe.png",
+        "baseline_variance_probe.png",
+        "credit_profile_probe.png",
+    } <= set(names)
     for name in names:
         path = out / name
         assert path.read_bytes()[:4] == b"\x89PNG" and 0 < path.stat().st_size < MAX_IMAGE_BYTES, name
@@ -250,8 +293,9 @@ def test_sketch_and_exact_probes_see_the_same_groups(sketch_probe, exact_probe):
     for R in ("2", "4"):
         for key in ("prompts_sampled", "groups_all_equal", "groups_mixed", "s1_measured", "s1_predicted"):
             assert s[R][key] == e[R][key], (R, key)
-        assert [row["group/distinct_completions"] for row in s[R]["groups"]] == \
-            [row["group/distinct_completions"] for row in e[R]["groups"]]
+        assert [row["group/distinct_completions"] for row in s[R]["groups"]] == [
+            row["group/distinct_completions"] for row in e[R]["groups"]
+        ]
         assert max(row["grad/identity_residual"] for row in e[R]["groups"]) <= 1e-5
 
 
@@ -263,13 +307,17 @@ def test_exact_gram_probe_equals_the_dense_exact_probe(tmp_path, exact_probe, ti
     import copy
 
     _, exact, model, _, _ = exact_probe
-    out = run_probe(probe_config(tmp_path / "gram"), policy=copy.deepcopy(model),
-                    tokenizer=tiny_model_and_tokenizer[1])
+    out = run_probe(probe_config(tmp_path / "gram"), policy=copy.deepcopy(model), tokenizer=tiny_model_and_tokenizer[1])
     gram = json.loads((out / "probe.json").read_text())
     assert gram["meta"]["gradients"] == "exact_gram" and gram["meta"]["gram_coverage"] == 1.0
     assert "coverage 1.00" in (out / "report.md").read_text()
-    keys = ("rank/g1_erank", "rank/g1_stable_rank", "rank/g1_null_erank", "rank/g1_layer_erank",
-            "grad/identity_residual")
+    keys = (
+        "rank/g1_erank",
+        "rank/g1_stable_rank",
+        "rank/g1_null_erank",
+        "rank/g1_layer_erank",
+        "grad/identity_residual",
+    )
     for R in ("2", "4"):
         g_rows, e_rows = gram["per_group_size"][R]["groups"], exact["per_group_size"][R]["groups"]
         assert len(g_rows) == len(e_rows) >= 2
@@ -302,9 +350,9 @@ def test_sketched_g1_agrees_with_exact_within_the_jl_error(sketch_probe, exact_p
     - spectrum: ||lambda_sketch - lambda_exact||_2 <= eps * ||lambda_exact||_2 (Hoffman-Wielandt turns the Gram
       error into this eigenvalue error; a Gram scaled by 2 or missing lm_head breaks it);
     - erank: |erank_sketch - erank_exact| <= _erank_tolerance(s_exact, eps), per group and for the reported mean.
-      For R = 2 this is 0.01-0.17 (mean 0.09): tight. For R = 4 the first-order bound is 1.5-3.3, no test at all (the small
-      eigenvalues of G1 are ~1/15 of the top one, and an error of eps * ||M||_F could move them a lot), so there the
-      spectrum check is the sharp one.
+      For R = 2 this is 0.01-0.17 (mean 0.09): tight. For R = 4 the first-order bound is 1.5-3.3, no test at all (the
+      small eigenvalues of G1 are ~1/15 of the top one, and an error of eps * ||M||_F could move them a lot), so there
+      the spectrum check is the sharp one.
     """
     _, sketch = sketch_probe
     _, exact, model, groups, config = exact_probe
@@ -360,8 +408,16 @@ def test_progress_counts_every_prompt_once(tmp_path, tiny_model_and_tokenizer):
     model, tokenizer = tiny_model_and_tokenizer
     config = probe_config(tmp_path, prompts=6, max_new_tokens=4, g2_groups=0, coverage_groups=0, baseline_prompts=0)
     calls = []
-    out = probe_group_size(model, tokenizer, get_task(config.task), parse_reward_specs(config.rewards), 2, config,
-                           "model.layers.1.mlp.down_proj", lambda done, mixed: calls.append((done, mixed)))
+    out = probe_group_size(
+        model,
+        tokenizer,
+        get_task(config.task),
+        parse_reward_specs(config.rewards),
+        2,
+        config,
+        "model.layers.1.mlp.down_proj",
+        lambda done, mixed: calls.append((done, mixed)),
+    )
     assert [d for d, _ in calls] == [4, 2] and calls[-1][1] == out["groups_mixed"]
     assert out["prompts_sampled"] == 6
 
@@ -381,16 +437,24 @@ def test_sketch_check_from_the_exact_gram_equals_dense_vectors(tiny_model_and_to
 
     model, tokenizer = tiny_model_and_tokenizer
     config = probe_config("unused", gram_source=gram_source, sketch_dim=8)
-    sub = sample_groups(model, tokenizer, get_task(config.task).sample(1, seed=3), 4, max_new_tokens=6,
-                        temperature=config.temperature, generator_seed=3)
+    sub = sample_groups(
+        model,
+        tokenizer,
+        get_task(config.task).sample(1, seed=3),
+        4,
+        max_new_tokens=6,
+        temperature=config.temperature,
+        generator_seed=3,
+    )
     measured = _rollout_grads(model, sub, config, None)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
     extra = {"grads": measured.rows, "advantages": adv, "param_grams": measured.param_grams}
     assert (measured.param_grams is None) == (gram_source == "sketch")
     check = sketch_check(model, sub, extra, config)
 
-    e = exact_rollout_grads(model, sub, temperature=config.temperature,
-                            score_weights=score_weights(sub, config)).double()
+    e = exact_rollout_grads(
+        model, sub, temperature=config.temperature, score_weights=score_weights(sub, config)
+    ).double()
     s = measured.rows
     total = float(e.square().sum())
     assert check["sketch/coverage"] == pytest.approx(float(s.square().sum()) / total, rel=1e-5)

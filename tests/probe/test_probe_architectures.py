@@ -55,14 +55,20 @@ def oracle_checked(monkeypatch):
     def wrap(original):
         def checked(model, batch, **kw):
             gram, info = original(model, batch, **kw)
-            grads = exact_rollout_grads(model, batch, score_weights=kw.get("score_weights"),
-                                        temperature=kw.get("temperature", 1.0)).double().cpu()
+            grads = (
+                exact_rollout_grads(
+                    model, batch, score_weights=kw.get("score_weights"), temperature=kw.get("temperature", 1.0)
+                )
+                .double()
+                .cpu()
+            )
             want = grads @ grads.T
             w = kw.get("weights")
             if w is not None:
                 want = want * w.double().cpu()[:, None] * w.double().cpu()[None, :]
             errors.append(float((gram - want).abs().max() / want.abs().max()))
             return gram, info
+
         return checked
 
     monkeypatch.setattr(probe_run, "exact_rollout_gram", wrap(probe_run.exact_rollout_gram))
@@ -72,10 +78,24 @@ def oracle_checked(monkeypatch):
 
 def probe_config(folder, out, **overrides) -> ProbeConfig:
     """One R = 4 batch of 2 prompts, 6 new tokens, G2 and the sketch check on one group, no studies: ~3 s."""
-    values = {"model": str(folder), "rewards": ["test_parity"], "group_sizes": [4], "prompts": 2,
-              "prompts_per_batch": 2, "max_new_tokens": 6, "baseline_prompts": 1, "resamples": 8, "random_draws": 2,
-              "seed": 0, "device": "cpu", "out": str(out), "baseline_study_prompts": 0, "credit_groups": 0,
-              "g2_groups": 1, "progress": False}
+    values = {
+        "model": str(folder),
+        "rewards": ["test_parity"],
+        "group_sizes": [4],
+        "prompts": 2,
+        "prompts_per_batch": 2,
+        "max_new_tokens": 6,
+        "baseline_prompts": 1,
+        "resamples": 8,
+        "random_draws": 2,
+        "seed": 0,
+        "device": "cpu",
+        "out": str(out),
+        "baseline_study_prompts": 0,
+        "credit_groups": 0,
+        "g2_groups": 1,
+        "progress": False,
+    }
     return ProbeConfig(**{**values, **overrides})
 
 
@@ -95,9 +115,22 @@ def test_probe_runs_on_every_family(family, folders, oracle_checked, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_with_the_lens_on_every_family(family, folders, oracle_checked, tmp_path):
-    config = TrainConfig(model=str(folders(family)), rewards=["test_parity"], group_size=4, prompts_per_step=2,
-                         max_new_tokens=6, max_steps=2, learning_rate=1e-2, micro_batch_size=8, lens_every=1, seed=0,
-                         device="cpu", out=str(tmp_path / "run"), progress=False, save_final_model=False)
+    config = TrainConfig(
+        model=str(folders(family)),
+        rewards=["test_parity"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=6,
+        max_steps=2,
+        learning_rate=1e-2,
+        micro_batch_size=8,
+        lens_every=1,
+        seed=0,
+        device="cpu",
+        out=str(tmp_path / "run"),
+        progress=False,
+        save_final_model=False,
+    )
     records = train(config).read_metrics()
     lens = [r for r in records if "rank/g1_erank" in r]
     assert len(records) == 2 and lens, [sorted(r) for r in records]
@@ -111,12 +144,16 @@ def test_train_with_the_lens_on_every_family(family, folders, oracle_checked, tm
 
 
 def test_probe_layers_restricts_g2_and_the_default_layer(folders, tmp_path):
-    out = run_probe(probe_config(folders("gpt2"), tmp_path / "probe", layers="*.mlp.*", baseline_prompts=0,
-                                 coverage_groups=0))
+    out = run_probe(
+        probe_config(folders("gpt2"), tmp_path / "probe", layers="*.mlp.*", baseline_prompts=0, coverage_groups=0)
+    )
     probe = json.loads((out / "probe.json").read_text())
     assert probe["meta"]["layer"] == "transformer.h.1.mlp.c_proj"
-    kinds = {k.split("_adv_")[1].rsplit("_stable_rank")[0]
-             for k in probe["per_group_size"]["4"]["g2_weightings"]["summary"] if "_adv_" in k}
+    kinds = {
+        k.split("_adv_")[1].rsplit("_stable_rank")[0]
+        for k in probe["per_group_size"]["4"]["g2_weightings"]["summary"]
+        if "_adv_" in k
+    }
     # the MLP's two Conv1D layers; without --layers also c_attn, attn_c_proj and lm_head
     assert kinds == {"c_fc", "mlp_c_proj"}
     assert "weight gradient of the group loss (the layers --layers '*.mlp.*' keeps)" in (out / "report.md").read_text()
@@ -137,8 +174,11 @@ def test_probe_of_a_model_without_linear_layers_names_its_classes(tmp_path):
             super().__init__()
             self.emb = torch.nn.Embedding(10, 4)
 
-    with pytest.raises(ValueError, match=r"^the model has no linear layer .* Embedding \(40\); linear layers cover "
-                                         r"0\.0% of its 40 trainable parameters$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^the model has no linear layer .* Embedding \(40\); linear layers cover "
+        r"0\.0% of its 40 trainable parameters$",
+    ):
         run_probe(probe_config("tiny", tmp_path / "probe"), policy=NoLinear(), tokenizer=None)
     assert not (tmp_path / "probe").exists()
 

@@ -16,9 +16,16 @@ from grpo_lens.probe.tracking import probe_records
 
 
 def test_probe_records_are_the_summary_means_at_step_r():
-    probe = {"per_group_size": {"4": {"summary": {"rank/g1_erank": {"mean": 3.5, "lo": 3.0, "hi": 4.0, "n": 9}},
-                                      "prompts_sampled": 12, "groups_mixed": 9},
-                                "2": {"summary": {}, "prompts_sampled": 12, "groups_mixed": 5}}}
+    probe = {
+        "per_group_size": {
+            "4": {
+                "summary": {"rank/g1_erank": {"mean": 3.5, "lo": 3.0, "hi": 4.0, "n": 9}},
+                "prompts_sampled": 12,
+                "groups_mixed": 9,
+            },
+            "2": {"summary": {}, "prompts_sampled": 12, "groups_mixed": 5},
+        }
+    }
     (r2, rec2), (r4, rec4) = probe_records(probe)
     assert (r2, r4) == (2, 4)
     assert rec4["rank/g1_erank"] == 3.5 and rec4["probe/groups_mixed"] == 9 and rec2["probe/prompts_sampled"] == 12

@@ -30,10 +30,27 @@ class Killed(Exception):
 def config(out, **overrides) -> ProbeConfig:
     # 6 prompts per R in batches of 4: prompt 5 is the second prompt of the second batch. Every study runs (the MC
     # one on one group), every optional per-R measurement (G2 weightings, the sketch check, baseline variances) too.
-    values = dict(model="tiny", rewards=["test_parity"], group_sizes=[2, 4], prompts=6, prompts_per_batch=4,
-                  max_new_tokens=6, baseline_prompts=1, resamples=16, random_draws=2, seed=3, device="cpu",
-                  out=str(out), study_group_size=2, baseline_study_prompts=2, credit_groups=1, mc_groups=1,
-                  mc_samples=2, gram_source="sketch", progress=False)
+    values = dict(
+        model="tiny",
+        rewards=["test_parity"],
+        group_sizes=[2, 4],
+        prompts=6,
+        prompts_per_batch=4,
+        max_new_tokens=6,
+        baseline_prompts=1,
+        resamples=16,
+        random_draws=2,
+        seed=3,
+        device="cpu",
+        out=str(out),
+        study_group_size=2,
+        baseline_study_prompts=2,
+        credit_groups=1,
+        mc_groups=1,
+        mc_samples=2,
+        gram_source="sketch",
+        progress=False,
+    )
     values.update(overrides)
     return ProbeConfig(**values)
 
@@ -106,6 +123,7 @@ def test_resumed_probe_equals_the_uninterrupted_one(tmp_path, monkeypatch, unint
 def test_probe_killed_in_the_studies_resumes_after_the_finished_ones(tmp_path, monkeypatch, uninterrupted):
     out = tmp_path / "probe"
     with monkeypatch.context() as mp:
+
         def killed(*args, **kwargs):
             raise Killed("credit study")
 
@@ -166,9 +184,16 @@ def test_prompt_record_round_trips_through_its_file(tmp_path):
 
     partial = PartialProbe(tmp_path)
     partial.start(ProbeConfig(out=str(tmp_path)).to_dict())
-    record = PromptRecord("mixed", 0.25, {"rank/g1_erank": 1.5}, {"advantages": torch.tensor([0.5, -0.5]),
-                                                                  "g3_rows": {"adv": torch.ones(3)}},
-                          None, None, {"none": 2.0}, {"gradient": 0.1})
+    record = PromptRecord(
+        "mixed",
+        0.25,
+        {"rank/g1_erank": 1.5},
+        {"advantages": torch.tensor([0.5, -0.5]), "g3_rows": {"adv": torch.ones(3)}},
+        None,
+        None,
+        {"none": 2.0},
+        {"gradient": 0.1},
+    )
     partial.save_prompt(4, 0, record)
     partial.save_prompt(4, 2, PromptRecord("invalid"))
     (back,) = partial.prompt_records(4)
@@ -192,8 +217,11 @@ def test_overwrite_starts_over_and_a_bad_layer_keeps_the_partial_probe(tmp_path,
     # --overwrite measures every prompt again (none restored) and gives the uninterrupted numbers
     measured = []
     original = probe_module.analyse_prompts
-    monkeypatch.setattr(probe_module, "analyse_prompts",
-                        lambda *a, **k: measured.extend(range(a[3], a[4].shape[0])) or original(*a, **k))
+    monkeypatch.setattr(
+        probe_module,
+        "analyse_prompts",
+        lambda *a, **k: measured.extend(range(a[3], a[4].shape[0])) or original(*a, **k),
+    )
     run_probe(config(out, overwrite=True))
     assert len(measured) == 12 and read(out)["meta"]["resumed"] is False
     assert without_timings(read(out)) == without_timings(uninterrupted)

@@ -67,8 +67,11 @@ def test_each_seed_is_a_probe_run_directory_and_the_groups_pool(pooled_dir):
     assert len(pooled["studies"]["credit"]["monte_carlo"]["rollouts"]) == sum(mc)
     groups = [seeds[s]["studies"]["credit"]["contributions"]["groups"] for s in SEEDS]
     assert pooled["studies"]["credit"]["contributions"]["groups"] == sum(groups)
-    prompts = [seeds[s]["studies"]["baselines"]["baselines"]["prompts"] for s in SEEDS
-               if seeds[s]["studies"]["baselines"]["baselines"]]
+    prompts = [
+        seeds[s]["studies"]["baselines"]["baselines"]["prompts"]
+        for s in SEEDS
+        if seeds[s]["studies"]["baselines"]["baselines"]
+    ]
     if prompts:
         assert pooled["studies"]["baselines"]["baselines"]["prompts"] == sum(prompts)
 
@@ -128,7 +131,8 @@ def test_pooling_refuses_other_settings_and_one_seed(pooled_dir):
             assert pooled["mean"] == pytest.approx(expected, rel=1e-12)
     assert checked, "no class had a share in either seed: the test's probe must measure one"
     assert "shares" not in credit and credit["groups"] == sum(
-        p["studies"]["credit"]["contributions"]["groups"] for p in old.values())
+        p["studies"]["credit"]["contributions"]["groups"] for p in old.values()
+    )
     with pytest.raises(ConfigError, match="two distinct seeds"):
         run_seeds(probe_config(pooled_dir), [3, 3])
 
@@ -163,10 +167,21 @@ def test_compare_pools_runs_that_differ_only_in_their_seed(tmp_path):
     def make(name, seed, reward, lr=1e-5):
         path = tmp_path / name
         path.mkdir()
-        (path / "config.yaml").write_text(yaml.safe_dump({"task": "arithmetic", "task_options": {}, "dataset": None,
-                                                          "seed": seed, "learning_rate": lr, "out": str(path)}))
-        (path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": reward}) + "\n"
-                                                    for s in range(1, 4)))
+        (path / "config.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "task": "arithmetic",
+                    "task_options": {},
+                    "dataset": None,
+                    "seed": seed,
+                    "learning_rate": lr,
+                    "out": str(path),
+                }
+            )
+        )
+        (path / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "reward/mean": reward}) + "\n" for s in range(1, 4))
+        )
         return path
 
     runs = [make(f"s{s}", s, r) for s, r in zip((0, 1, 2), (0.2, 0.4, 0.9))]
@@ -184,9 +199,33 @@ def test_cli_probe_seeds_without_studies(tmp_path, capsys):
     from grpo_lens.cli import main
 
     out = tmp_path / "pooled"
-    argv = ["probe", "--seeds", "3", "4", "--out", str(out), "--model", "tiny", "--rewards", "test_parity",
-            "--group-sizes", "2", "--prompts", "8", "--max-new-tokens", "6", "--baseline-study-prompts", "0",
-            "--credit-groups", "0", "--g2-groups", "0", "--device", "cpu", "--no-progress"]
+    argv = [
+        "probe",
+        "--seeds",
+        "3",
+        "4",
+        "--out",
+        str(out),
+        "--model",
+        "tiny",
+        "--rewards",
+        "test_parity",
+        "--group-sizes",
+        "2",
+        "--prompts",
+        "8",
+        "--max-new-tokens",
+        "6",
+        "--baseline-study-prompts",
+        "0",
+        "--credit-groups",
+        "0",
+        "--g2-groups",
+        "0",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     assert f"next: grpo-lens report {out}" in capsys.readouterr().out
     pooled = _read(out / "probe.json")

@@ -38,8 +38,19 @@ def test_s1_measured_and_predicted_closed_form():
 @pytest.mark.e2e
 def test_baseline_study_runs_and_is_json(setup):
     model, tok, task, rewards = setup
-    out = run_baseline_study(model, tok, task, rewards, group_size=2, prompts=3, max_prompts=6, max_new_tokens=6,
-                             sketch_dim=4, resamples=64, temperature=1.0)
+    out = run_baseline_study(
+        model,
+        tok,
+        task,
+        rewards,
+        group_size=2,
+        prompts=3,
+        max_prompts=6,
+        max_new_tokens=6,
+        sketch_dim=4,
+        resamples=64,
+        temperature=1.0,
+    )
     json.dumps(out)  # probe.json stores it as is
     assert out["meta"]["rollouts_per_prompt"] == 8 and out["baselines"]["prompts"] == 3
     s = out["baselines"]["summary"]
@@ -51,8 +62,20 @@ def test_baseline_study_runs_and_is_json(setup):
 @pytest.mark.e2e
 def test_credit_study_runs_and_is_json(setup):
     model, tok, task, rewards = setup
-    out = run_credit_study(model, tok, task, rewards, group_size=2, groups=2, mc_groups=1, mc_samples=2, segments=2,
-                           max_new_tokens=6, temperature=1.0, bins=4)
+    out = run_credit_study(
+        model,
+        tok,
+        task,
+        rewards,
+        group_size=2,
+        groups=2,
+        mc_groups=1,
+        mc_samples=2,
+        segments=2,
+        max_new_tokens=6,
+        temperature=1.0,
+        bins=4,
+    )
     json.dumps(out)
     c = out["contributions"]
     assert c["groups"] == 2 and len(c["position_profile"]) == 4
@@ -66,8 +89,9 @@ def test_credit_study_runs_and_is_json(setup):
     assert all(set(v) == {"ratio", "ratio_minus_nll"} and v["ratio"]["n"] <= 2 for v in nll.values())
     measured = [k for k in nll if nll[k]["ratio"]["n"] == 2 and c["classes"][k]["ratio"]["n"] == 2]
     for k in measured:
-        assert nll[k]["ratio_minus_nll"]["mean"] == pytest.approx(c["classes"][k]["ratio"]["mean"]
-                                                                  - nll[k]["ratio"]["mean"], abs=1e-9)
+        assert nll[k]["ratio_minus_nll"]["mean"] == pytest.approx(
+            c["classes"][k]["ratio"]["mean"] - nll[k]["ratio"]["mean"], abs=1e-9
+        )
     assert len(out["monte_carlo"]["rollouts"]) == 2
     row = out["monte_carlo"]["rollouts"][0]
     assert math.isclose(sum(row["advantages"]), row["reward"] - row["values"][0], abs_tol=1e-9)  # telescopes

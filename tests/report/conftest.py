@@ -17,5 +17,6 @@ def figures(monkeypatch):
     def capture(fig, path, *args, **kwargs):
         saved.append((Path(path).name, fig))
         return original(fig, path, *args, **kwargs)
+
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
     return saved

@@ -13,10 +13,14 @@ def claim(name, scope, verdict, rule):
 def test_decided_claims_get_one_line_and_undecided_ones_are_grouped_by_reason():
     sources = {
         "training": [claim("S4", "training, step 4", DOES_NOT_HOLD, "excess [-0.004, -0.002] vs 0.05")],
-        "before": [claim("rank 2", "R = 4", INCONCLUSIVE, "1 groups < 8"),
-                   claim("identity", "all R", HOLDS, "max residual 1e-09 < 1e-04")],
-        "after": [claim("rank 2", "R = 4", INCONCLUSIVE, "1 groups < 8"),
-                  claim("rank 2", "R = 2", INCONCLUSIVE, "R = 2 caps erank at 2")],
+        "before": [
+            claim("rank 2", "R = 4", INCONCLUSIVE, "1 groups < 8"),
+            claim("identity", "all R", HOLDS, "max residual 1e-09 < 1e-04"),
+        ],
+        "after": [
+            claim("rank 2", "R = 4", INCONCLUSIVE, "1 groups < 8"),
+            claim("rank 2", "R = 2", INCONCLUSIVE, "R = 2 caps erank at 2"),
+        ],
     }
     lines = answer_lines(sources)
     assert lines[0] == "## Answers"
@@ -26,7 +30,8 @@ def test_decided_claims_get_one_line_and_undecided_ones_are_grouped_by_reason():
     assert "- rank 2 (before, R = 4; after, R = 4): 1 groups < 8" in lines  # one line for the same reason
     assert "- rank 2 (after, R = 2): R = 2 caps erank at 2" in lines
     assert lines.index("- rank 2 (before, R = 4; after, R = 4): 1 groups < 8") > lines.index(
-        "- **holds**: identity (before, all R): max residual 1e-09 < 1e-04"), "decided claims come first"
+        "- **holds**: identity (before, all R): max residual 1e-09 < 1e-04"
+    ), "decided claims come first"
 
 
 def test_the_probes_claims_open_the_answers_before_trainings():

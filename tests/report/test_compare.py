@@ -16,8 +16,15 @@ pytestmark = pytest.mark.e2e  # every test here builds a model or runs a command
 
 def make_run(path, rewards, estimator="grpo", task="arithmetic", lens=None, **config):
     path.mkdir(parents=True)
-    cfg = {"task": task, "task_options": {}, "dataset": None, "estimator": estimator, "out": str(path),
-           "seed": 0, **config}
+    cfg = {
+        "task": task,
+        "task_options": {},
+        "dataset": None,
+        "estimator": estimator,
+        "out": str(path),
+        "seed": 0,
+        **config,
+    }
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
     lines = []
     for step, r in enumerate(rewards, start=1):
@@ -54,8 +61,10 @@ def test_final_numbers_config_diff_and_report(tmp_path):
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
     assert "policy/entropy" not in text  # absent from every run: no row, no panel
     # 7 records: no interval either
-    assert compare_runs([a, b], tmp_path / "cmp7", last=7) and \
-        json.loads((tmp_path / "cmp7" / "compare.json").read_text())["final"]["a"]["reward/mean"]["low"] is None
+    assert (
+        compare_runs([a, b], tmp_path / "cmp7", last=7)
+        and json.loads((tmp_path / "cmp7" / "compare.json").read_text())["final"]["a"]["reward/mean"]["low"] is None
+    )
 
 
 def test_different_tasks_are_refused_unless_asked(tmp_path):

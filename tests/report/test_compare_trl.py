@@ -11,32 +11,105 @@ import yaml
 from grpo_lens.report.compare import CompareError, compare_runs
 
 #: A grpo-lens run's settings (a subset of TrainConfig's fields, as config.yaml writes them).
-GRPO_LENS = {"model": "tiny", "task": "arithmetic", "dataset": None, "task_options": {}, "rewards": ["correctness"],
-             "group_size": 4, "prompts_per_step": 2, "rollout_batch_size": None, "max_new_tokens": 16,
-             "temperature": 0.7, "top_p": 1.0, "top_k": 0, "overlong": "none", "mask_truncated": False,
-             "estimator": "grpo", "std": "sample", "std_eps": 1e-4, "loss_aggregation": "seq-mean-token-mean",
-             "beta": 0.0, "kl_estimator": "k3", "eps_low": 0.2, "eps_high": 0.2, "mu": 1, "num_mini_batches": 1,
-             "micro_batch_size": None, "max_steps": 2, "learning_rate": 5e-6, "weight_decay": 0.0,
-             "adam_beta1": 0.9, "adam_beta2": 0.99, "max_grad_norm": 1.0, "lr_scheduler": "constant",
-             "warmup_steps": 0.0, "lens_every": 1, "sketch_dim": 16, "gram_source": "exact",
-             "lens_space": "trainable", "lora_rank": 0, "seed": 0, "dtype": "float32", "out": "x"}
+GRPO_LENS = {
+    "model": "tiny",
+    "task": "arithmetic",
+    "dataset": None,
+    "task_options": {},
+    "rewards": ["correctness"],
+    "group_size": 4,
+    "prompts_per_step": 2,
+    "rollout_batch_size": None,
+    "max_new_tokens": 16,
+    "temperature": 0.7,
+    "top_p": 1.0,
+    "top_k": 0,
+    "overlong": "none",
+    "mask_truncated": False,
+    "estimator": "grpo",
+    "std": "sample",
+    "std_eps": 1e-4,
+    "loss_aggregation": "seq-mean-token-mean",
+    "beta": 0.0,
+    "kl_estimator": "k3",
+    "eps_low": 0.2,
+    "eps_high": 0.2,
+    "mu": 1,
+    "num_mini_batches": 1,
+    "micro_batch_size": None,
+    "max_steps": 2,
+    "learning_rate": 5e-6,
+    "weight_decay": 0.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.99,
+    "max_grad_norm": 1.0,
+    "lr_scheduler": "constant",
+    "warmup_steps": 0.0,
+    "lens_every": 1,
+    "sketch_dim": 16,
+    "gram_source": "exact",
+    "lens_space": "trainable",
+    "lora_rank": 0,
+    "seed": 0,
+    "dtype": "float32",
+    "out": "x",
+}
 
 
 def trl_config(**trl):
     """A config.yaml as grpo_lens.integrations.trl.run_config writes it for the same settings as GRPO_LENS."""
-    given = {"num_generations": 4, "max_completion_length": 16, "num_iterations": 1, "epsilon": 0.2,
-             "epsilon_high": None, "beta": 0.0, "loss_type": "grpo", "scale_rewards": "group", "temperature": 0.7,
-             "top_p": 1.0, "top_k": 0, "learning_rate": 5e-6, "lr_scheduler_type": "constant", "warmup_steps": 0,
-             "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "steps_per_generation": 1,
-             "max_grad_norm": 1.0, "weight_decay": 0.0, "seed": 0, "mask_truncated_completions": False, **trl}
-    return {"trainer": "trl", "trl_version": "1.16.0", "model": "tiny", "group_size": given["num_generations"],
-            "rollout_batch_size": given["per_device_train_batch_size"] * given["steps_per_generation"],
-            "max_new_tokens": given["max_completion_length"], "temperature": given["temperature"],
-            "estimator": "grpo", "std": "sample", "std_eps": 1e-4, "loss_aggregation": "seq-mean-token-mean",
-            "beta": given["beta"], "eps_low": given["epsilon"], "eps_high": given["epsilon"],
-            "mu": given["num_iterations"], "max_steps": 2, "learning_rate": given["learning_rate"],
-            "lr_scheduler": "constant", "warmup_steps": 0.0, "lens_every": 1, "sketch_dim": 16,
-            "gram_source": "exact", "lens_space": "trainable", "lora_rank": 0, "seed": 0, "trl": given}
+    given = {
+        "num_generations": 4,
+        "max_completion_length": 16,
+        "num_iterations": 1,
+        "epsilon": 0.2,
+        "epsilon_high": None,
+        "beta": 0.0,
+        "loss_type": "grpo",
+        "scale_rewards": "group",
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": 0,
+        "learning_rate": 5e-6,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 1,
+        "max_grad_norm": 1.0,
+        "weight_decay": 0.0,
+        "seed": 0,
+        "mask_truncated_completions": False,
+        **trl,
+    }
+    return {
+        "trainer": "trl",
+        "trl_version": "1.16.0",
+        "model": "tiny",
+        "group_size": given["num_generations"],
+        "rollout_batch_size": given["per_device_train_batch_size"] * given["steps_per_generation"],
+        "max_new_tokens": given["max_completion_length"],
+        "temperature": given["temperature"],
+        "estimator": "grpo",
+        "std": "sample",
+        "std_eps": 1e-4,
+        "loss_aggregation": "seq-mean-token-mean",
+        "beta": given["beta"],
+        "eps_low": given["epsilon"],
+        "eps_high": given["epsilon"],
+        "mu": given["num_iterations"],
+        "max_steps": 2,
+        "learning_rate": given["learning_rate"],
+        "lr_scheduler": "constant",
+        "warmup_steps": 0.0,
+        "lens_every": 1,
+        "sketch_dim": 16,
+        "gram_source": "exact",
+        "lens_space": "trainable",
+        "lora_rank": 0,
+        "seed": 0,
+        "trl": given,
+    }
 
 
 def write_run(path, config):
@@ -110,7 +183,14 @@ def test_compare_numbers_have_three_significant_digits_and_no_trailing_point():
     from grpo_lens.report.format import fmt_sig
 
     assert [fmt_sig(x) for x in (202.0, 0.0, 0.25, 13.33, 1e-4, 1234.4, None)] == [
-        "202", "0", "0.250", "13.3", "0.000100", "1234", "–"]
+        "202",
+        "0",
+        "0.250",
+        "13.3",
+        "0.000100",
+        "1234",
+        "–",
+    ]
 
 
 def test_a_one_step_span_reads_step_n():

@@ -37,11 +37,17 @@ def check(name, fig):
 
 
 #: the sparsity measures of a lens step: with them the report draws sparsity_measures.png (its three panels)
-SPARSITY_MEASURES = {"sparsity/update_total_bf16_unchanged": 0.88, "sparsity/update_total_bf16_dense": 0.61,
-                     "sparsity/update_total_f32_unchanged": 0.02, "sparsity/update_step_hoyer": 0.31,
-                     "sparsity/update_step_top1_energy": 0.2, "sparsity/grad_hoyer": 0.4,
-                     "sparsity/grad_top1_energy": 0.3, "sparsity/attention/update_total_hoyer": 0.25,
-                     "sparsity/mlp/update_total_hoyer": 0.27}
+SPARSITY_MEASURES = {
+    "sparsity/update_total_bf16_unchanged": 0.88,
+    "sparsity/update_total_bf16_dense": 0.61,
+    "sparsity/update_total_f32_unchanged": 0.02,
+    "sparsity/update_step_hoyer": 0.31,
+    "sparsity/update_step_top1_energy": 0.2,
+    "sparsity/grad_hoyer": 0.4,
+    "sparsity/grad_top1_energy": 0.3,
+    "sparsity/attention/update_total_hoyer": 0.25,
+    "sparsity/mlp/update_total_hoyer": 0.27,
+}
 
 
 def _add_to_lens_steps(run: Path, extra: dict) -> None:
@@ -60,16 +66,29 @@ def test_every_report_figure_labels_its_axes(tmp_path, figures):
         (tmp_path / sub / "probe.json").write_text(json.dumps(cases._probe()))
     write_report(tmp_path)
     names = {n for n, _ in figures}
-    assert {"sparsity.png", "baselines.png", "rank_over_training.png", "erank_vs_R.png",
-            "spectra_before.png", "learning_curves.png", "sparsity_measures.png"} <= names
+    assert {
+        "sparsity.png",
+        "baselines.png",
+        "rank_over_training.png",
+        "erank_vs_R.png",
+        "spectra_before.png",
+        "learning_curves.png",
+        "sparsity_measures.png",
+    } <= names
     for name, fig in figures:
         check(name, fig)
     (sparsity,) = [f for n, f in figures if n == "sparsity.png"]
     assert sparsity.axes[0].get_ylabel().startswith("S1: share of groups with equal rewards")
 
 
-@pytest.mark.parametrize("extra, lora, source", [({}, "", "sketch"), ({"grad/gram_coverage": 0.97}, "", "exact Gram"),
-                                                 ({}, "lora_rank: 4\n", "exact, LoRA adapter's weights")])
+@pytest.mark.parametrize(
+    "extra, lora, source",
+    [
+        ({}, "", "sketch"),
+        ({"grad/gram_coverage": 0.97}, "", "exact Gram"),
+        ({}, "lora_rank: 4\n", "exact, LoRA adapter's weights"),
+    ],
+)
 def test_the_baselines_figure_names_the_gradient_source_the_run_used(tmp_path, figures, extra, lora, source):
     # the exact Gram is the only lens path that records grad/gram_coverage; a LoRA lens in the trainable space takes
     # the adapter's exact gradients; otherwise the sketch
@@ -128,7 +147,8 @@ def test_a_one_r_before_after_figure_has_one_tick_and_tells_before_from_after_by
     by_probe = {}  # "before" / "after" -> colours of its series
     for bars in ax.containers:  # an errorbar's label is its container's; lines[0] is its data line
         by_probe.setdefault(bars.get_label().rsplit(", ", 1)[1], set()).add(
-            matplotlib.colors.to_hex(bars.lines[0].get_color()))
+            matplotlib.colors.to_hex(bars.lines[0].get_color())
+        )
     assert set(by_probe) == {"before training", "after training"}, by_probe
     assert all(len(c) == 1 for c in by_probe.values()) and len(set().union(*by_probe.values())) == 2, by_probe
 
@@ -151,8 +171,10 @@ def test_coinciding_series_stay_visible_and_say_when_they_are_equal(tmp_path, fi
     # under 0/1 rewards accuracy is the reward mean (_write_metrics writes them equal); the permutation control is
     # written equal to bf16-unchanged and the dense control 0.005 off it, under a line's width on the [0, 1] axis
     cases._write_metrics(tmp_path, [0.2, 0.4, 0.6, 0.5, 0.7])
-    _add_to_lens_steps(tmp_path, {**SPARSITY_MEASURES, "sparsity/update_total_bf16_permuted": 0.88,
-                                  "sparsity/update_total_bf16_dense": 0.875})
+    _add_to_lens_steps(
+        tmp_path,
+        {**SPARSITY_MEASURES, "sparsity/update_total_bf16_permuted": 0.88, "sparsity/update_total_bf16_dense": 0.875},
+    )
     write_report(tmp_path)
     ((_, curves),) = [(n, f) for n, f in figures if n == "learning_curves.png"]
     reward = curves.axes[0]
@@ -160,13 +182,18 @@ def test_coinciding_series_stay_visible_and_say_when_they_are_equal(tmp_path, fi
     assert reward.lines[1].get_zorder() > reward.lines[0].get_zorder()  # the later one on top
     assert reward.lines[1].get_linewidth() < reward.lines[0].get_linewidth()  # thinner: the wide one shows around it
     assert [t.get_text() for t in reward.get_legend().get_texts()] == [
-        "reward mean", "accuracy\n(= reward mean at every step)"]
+        "reward mean",
+        "accuracy\n(= reward mean at every step)",
+    ]
     ((_, measures),) = [(n, f) for n, f in figures if n == "sparsity_measures.png"]
     shares = measures.axes[0]
     bf16 = shares.lines[:3]  # unchanged, permutation control, dense control
     assert len(set(_styles(bf16))) == 3, _styles(bf16)
     assert [t.get_text() for t in shares.get_legend().get_texts()][:3] == [
-        "bf16 unchanged", "permutation control\n(= bf16 unchanged at every step)", "dense control"]
+        "bf16 unchanged",
+        "permutation control\n(= bf16 unchanged at every step)",
+        "dense control",
+    ]
     assert all(t.get_fontsize() >= 8 for ax in measures.axes for t in ax.get_legend().get_texts())  # readable
 
 

@@ -19,8 +19,11 @@ def sparsity_claims(records):
 
 
 def study_claims(label, studies):
-    return [c for name in ("uniform_token_credit", "monte_carlo_credit", "group_mean_optimal")
-            for c in CLAIMS.get(name)({"studies": studies})]
+    return [
+        c
+        for name in ("uniform_token_credit", "monte_carlo_credit", "group_mean_optimal")
+        for c in CLAIMS.get(name)({"studies": studies})
+    ]
 
 
 def test_verdict_rules():
@@ -48,15 +51,28 @@ def _records(hoyers, bf16, dense, n=2**21, update_hoyer=0.2, s1=0.5, f32=0.8):
     # one lens record every 5 steps; the first lens step (step 1) is excluded from the gradient trend
     recs = []
     for i, (h, b, d) in enumerate(zip(hoyers, bf16, dense)):
-        recs.append({"step": max(5 * i, 1), "perf/step_seconds": 10.0, "perf/lens_seconds": 0.6,
-                     "perf/lens_sparsity_seconds": 0.4, "reward/frac_zero_std_groups": s1,
-                     "policy/entropy": 1.0 / (i + 1),
-                     "sparsity/update_step_hoyer": update_hoyer, "sparsity/update_step_top1_energy": 0.11,
-                     "sparsity/update_total_bf16_unchanged": b, "sparsity/update_total_bf16_dense": d,
-                     "sparsity/update_total_f32_unchanged": f32, "sparsity/grad_zero": 0.01,
-                     "sparsity/grad_hoyer": h, "sparsity/grad_top1_energy": 0.2, "sparsity/sample_entries": n,
-                     "sparsity/mlp/update_total_hoyer": 0.2, "sparsity/mlp/update_total_bf16_unchanged": b,
-                     "sparsity/mlp/update_total_bf16_dense": d})
+        recs.append(
+            {
+                "step": max(5 * i, 1),
+                "perf/step_seconds": 10.0,
+                "perf/lens_seconds": 0.6,
+                "perf/lens_sparsity_seconds": 0.4,
+                "reward/frac_zero_std_groups": s1,
+                "policy/entropy": 1.0 / (i + 1),
+                "sparsity/update_step_hoyer": update_hoyer,
+                "sparsity/update_step_top1_energy": 0.11,
+                "sparsity/update_total_bf16_unchanged": b,
+                "sparsity/update_total_bf16_dense": d,
+                "sparsity/update_total_f32_unchanged": f32,
+                "sparsity/grad_zero": 0.01,
+                "sparsity/grad_hoyer": h,
+                "sparsity/grad_top1_energy": 0.2,
+                "sparsity/sample_entries": n,
+                "sparsity/mlp/update_total_hoyer": 0.2,
+                "sparsity/mlp/update_total_bf16_unchanged": b,
+                "sparsity/mlp/update_total_bf16_dense": d,
+            }
+        )
     return recs
 
 
@@ -68,8 +84,10 @@ def test_sparsity_claims_follow_the_numbers():
     # (< 8 steps): inconclusive
     rising = sparsity_claims(_records([0.9, 0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 6, [0.89] * 6, f32=0.002))
     assert dict(zip(names, [c.verdict for c in rising])) == {
-        "sparsity_intensifies": "holds", "zero_variance_share_rises": "inconclusive",
-        "most_parameters_unchanged": "does not hold"}
+        "sparsity_intensifies": "holds",
+        "zero_variance_share_rises": "inconclusive",
+        "most_parameters_unchanged": "does not hold",
+    }
     # the first lens step is excluded: a high first value does not make a falling trend; only the later steps count.
     # float32-unchanged 0.8 (SE 3e-4): most weights did not move -> holds
     falling = sparsity_claims(_records([0.1, 0.5, 0.4, 0.3, 0.25, 0.2], [0.9] * 6, [0.5] * 6))
@@ -98,38 +116,89 @@ def _ci(m, lo, hi, n=8):
 
 def _mc_rollout(counts, adv, k=8):
     """A Monte Carlo row as the credit study writes it, from each prefix's successes among K 0/1 continuations."""
-    return {"reward": 1.0 if adv > 0 else 0.0, "grpo_advantage": adv, "boundaries": [0, 3, 6, 9, 12],
-            "values": [x / k for x in counts], "errors": [math.sqrt(x * (k - x) / (k * k * (k - 1))) for x in counts],
-            "advantages": [0.1] * 4, "adv_errors": [0.1] * 4}
+    return {
+        "reward": 1.0 if adv > 0 else 0.0,
+        "grpo_advantage": adv,
+        "boundaries": [0, 3, 6, 9, 12],
+        "values": [x / k for x in counts],
+        "errors": [math.sqrt(x * (k - x) / (k * k * (k - 1))) for x in counts],
+        "advantages": [0.1] * 4,
+        "adv_errors": [0.1] * 4,
+    }
 
 
 def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, opposing=4, rollouts=8, testable=8):
     # opposing rollouts: successes 8 -> 2 of 8 against A_i > 0 (difference 6 >= the rule's d = 5); the others agree
-    mc_rows = [_mc_rollout((8, 2, 4, 6), 0.8) if i < opposing else _mc_rollout((4, 4, 5, 6), 0.8)
-               for i in range(rollouts)]
-    prompt = {"p": 0.5, "m_correct": 0.02, "m_wrong": 0.04, "b_star_pop": 0.33, "b_star_exact": 0.34,
-              "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"}}
-    summary = {name: {"mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0), "cosine": _ci(0.3, 0.2, 0.4),
-                      "bias2_share": _ci(0.1, 0.05, 0.15)} for name in ("none", "mean_rescaled", "rloo", "optimal_loo")}
-    summary["optimal_loo"] = summary["optimal_pop"] = {"mse_ratio_to_rloo": mse, "cosine": _ci(0.3, 0.2, 0.4),
-                                                       "bias2_share": _ci(0.1, 0, 0.2)}
-    classes = {c: {"update_share": _ci(0.3, 0.2, 0.4), "token_share": _ci(0.2, 0.15, 0.25), "ratio": answer_ratio}
-               for c in ("answer", "format", "reasoning")}
-    return {"baselines": {"baselines": {"per_prompt": [prompt], "summary": summary, "prompts": 8, "prompts_constant": 2,
-                                        "b_star_shift": _ci(0.01, 0.0, 0.02), "b_star_minus_p": _ci(-0.1, -0.2, 0.0),
-                                        "norm_ratio": ratio, "mean_score_ratio": _ci(30.0, 20.0, 40.0),
-                                        "equal_norms_rejected": rejected, "equal_norms_testable": testable},
-                          "s1": {"measured": _ci(0.4, 0.3, 0.5), "predicted": _ci(0.42, 0.35, 0.5),
-                                 "difference": _ci(-0.02, -0.1, 0.06), "prompts": 10, "rollouts_per_prompt": 16},
-                          "meta": {"group_size": 4, "rollouts_per_prompt": 16, "gradients": "sketch",
-                                   "sketch_dim": 16}},
-            "credit": {"contributions": {"position_profile": [_ci(0.5, 0.4, 0.6), _ci(0.5, 0.4, 0.6)],
-                                         "classes": classes, "closure": 1e-4, "groups": 4},
-                       "monte_carlo": {"rollouts": mc_rows,
-                                       "samples_per_prefix": 8, "disagree": disagree, "agree": _ci(0.5, 0.3, 0.7),
-                                       "segments": {"disagree": 0, "agree": 0, "total": 4 * rollouts},
-                                       "neutral": _ci(0.4, 0.2, 0.6), "top_segment_share": _ci(0.7, 0.6, 0.8)},
-                       "meta": {"group_size": 4}}}
+    mc_rows = [
+        _mc_rollout((8, 2, 4, 6), 0.8) if i < opposing else _mc_rollout((4, 4, 5, 6), 0.8) for i in range(rollouts)
+    ]
+    prompt = {
+        "p": 0.5,
+        "m_correct": 0.02,
+        "m_wrong": 0.04,
+        "b_star_pop": 0.33,
+        "b_star_exact": 0.34,
+        "equal_norms": {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "verdict": "m_C < m_W"},
+    }
+    summary = {
+        name: {
+            "mse_ratio_to_rloo": _ci(1.0, 1.0, 1.0),
+            "cosine": _ci(0.3, 0.2, 0.4),
+            "bias2_share": _ci(0.1, 0.05, 0.15),
+        }
+        for name in ("none", "mean_rescaled", "rloo", "optimal_loo")
+    }
+    summary["optimal_loo"] = summary["optimal_pop"] = {
+        "mse_ratio_to_rloo": mse,
+        "cosine": _ci(0.3, 0.2, 0.4),
+        "bias2_share": _ci(0.1, 0, 0.2),
+    }
+    classes = {
+        c: {"update_share": _ci(0.3, 0.2, 0.4), "token_share": _ci(0.2, 0.15, 0.25), "ratio": answer_ratio}
+        for c in ("answer", "format", "reasoning")
+    }
+    return {
+        "baselines": {
+            "baselines": {
+                "per_prompt": [prompt],
+                "summary": summary,
+                "prompts": 8,
+                "prompts_constant": 2,
+                "b_star_shift": _ci(0.01, 0.0, 0.02),
+                "b_star_minus_p": _ci(-0.1, -0.2, 0.0),
+                "norm_ratio": ratio,
+                "mean_score_ratio": _ci(30.0, 20.0, 40.0),
+                "equal_norms_rejected": rejected,
+                "equal_norms_testable": testable,
+            },
+            "s1": {
+                "measured": _ci(0.4, 0.3, 0.5),
+                "predicted": _ci(0.42, 0.35, 0.5),
+                "difference": _ci(-0.02, -0.1, 0.06),
+                "prompts": 10,
+                "rollouts_per_prompt": 16,
+            },
+            "meta": {"group_size": 4, "rollouts_per_prompt": 16, "gradients": "sketch", "sketch_dim": 16},
+        },
+        "credit": {
+            "contributions": {
+                "position_profile": [_ci(0.5, 0.4, 0.6), _ci(0.5, 0.4, 0.6)],
+                "classes": classes,
+                "closure": 1e-4,
+                "groups": 4,
+            },
+            "monte_carlo": {
+                "rollouts": mc_rows,
+                "samples_per_prefix": 8,
+                "disagree": disagree,
+                "agree": _ci(0.5, 0.3, 0.7),
+                "segments": {"disagree": 0, "agree": 0, "total": 4 * rollouts},
+                "neutral": _ci(0.4, 0.2, 0.6),
+                "top_segment_share": _ci(0.7, 0.6, 0.8),
+            },
+            "meta": {"group_size": 4},
+        },
+    }
 
 
 def test_study_claims_follow_the_numbers():
@@ -138,8 +207,7 @@ def test_study_claims_follow_the_numbers():
     # not hold; Monte Carlo: 4 of 8 rollouts with a segment opposing A_i by >= 5 of 8 successes, against at most
     # 0.032 per rollout under no opposition: P(Binomial(8, 0.032) >= 4) = 7e-5 <= 0.05 -> the predicted disagreement
     # holds
-    c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8),
-                                        _ci(0.2, 0.1, 0.3)))
+    c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3)))
     # (the token-credit row is descriptive since issue 29: no verdict, its 0.2 reading kept in the rule)
     assert [x.verdict for x in c] == ["inconclusive", "holds", "does not hold"]
     assert c[0].kind == "descriptive" and "the 0.2 rule reads: does not hold" in c[0].rule
@@ -148,17 +216,30 @@ def test_study_claims_follow_the_numbers():
     # exact lower tail P(Binomial(120, 0.0319) <= 0) = 0.968^120 = 0.021 <= 0.025, fewer than noise gives -> the
     # paper's prediction does not hold; baseline: P(Binomial(16, 0.25) <= 0) = 0.75^16 = 0.010 and the MSE ratio's
     # z = (1.0 - 0.9) / (0.05 / 1.96) = 3.9 -> holds
-    c = study_claims("after", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2),
-                                       _ci(0.0, 0.0, 0.01), rejected=0.0, opposing=0, rollouts=120, testable=16))
+    c = study_claims(
+        "after",
+        _studies(
+            _ci(1.0, 0.8, 1.2),
+            _ci(1.0, 0.95, 1.1),
+            _ci(1.0, 0.8, 1.2),
+            _ci(0.0, 0.0, 0.01),
+            rejected=0.0,
+            opposing=0,
+            rollouts=120,
+            testable=16,
+        ),
+    )
     assert [x.verdict for x in c] == ["inconclusive", "does not hold", "holds"]
-    (lit,) = CLAIMS.get("identical_token_advantage")({"studies": _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1),
-                                                                           _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01))})
+    (lit,) = CLAIMS.get("identical_token_advantage")(
+        {"studies": _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01))}
+    )
     assert lit.verdict == "holds" and "not a test" in lit.rule and lit.kind == "check"
     # too small to show equivalence: 0 of 8 rejected has Wilson upper end 3.8416/11.8416 = 0.32 > 0.25; and with 16
     # prompts an MSE interval reaching 0.85 leaves room for a 15% gain from b* -> inconclusive both times
     for n, mse in ((8, _ci(1.0, 0.95, 1.1)), (16, _ci(1.0, 0.85, 1.1))):
-        c = study_claims("x", _studies(_ci(1.0, 0.8, 1.2), mse, _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01),
-                                       rejected=0.0, testable=n))
+        c = study_claims(
+            "x", _studies(_ci(1.0, 0.8, 1.2), mse, _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01), rejected=0.0, testable=n)
+        )
         assert c[-1].verdict == "inconclusive"
     # many rejections but no measurable MSE gain: inconclusive (the mean ratio 1.0 is not used: it can cancel)
     c = study_claims("x", _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
@@ -187,8 +268,11 @@ def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
 
 def _report_with_studies(run_dir) -> str:
     """report.md of ``run_dir`` holding a probe.json whose studies are :func:`_studies` (does-not-hold numbers)."""
-    probe = {"meta": {"model": "tiny"}, "per_group_size": {},
-             "studies": _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8), _ci(0.2, 0.1, 0.3))}
+    probe = {
+        "meta": {"model": "tiny"},
+        "per_group_size": {},
+        "studies": _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.2, 1.8), _ci(0.2, 0.1, 0.3)),
+    }
     (run_dir / "probe.json").write_text(json.dumps(probe))
     return write_report(run_dir).read_text()
 
@@ -212,15 +296,21 @@ def test_wilson_interval_closed_form():
 
 @pytest.mark.e2e
 def test_report_has_the_new_sections_and_claims(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _records(
-        [0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in _records([0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n"
+    )
     report = _report_with_studies(tmp_path)
     assert "## Claims: effective rank, zero-sum structure, the identity, sparsity, credit, baselines" in report
     # one table: the training run's claims and the probe's (labelled by source)
     assert "| training | gradient sparsity intensifies over training |" in report
     assert "| probe | the group mean is the variance-optimal baseline (m_C = m_W) |" in report
-    for head in ("### Policy entropy", "### Sparsity over training", "### S1 predicted from rollouts outside",
-                 "### Baselines at matched expectation", "### Token credit"):
+    for head in (
+        "### Policy entropy",
+        "### Sparsity over training",
+        "### S1 predicted from rollouts outside",
+        "### Baselines at matched expectation",
+        "### Token credit",
+    ):
         assert head in report, head
     # entropy 1/i over 5 steps: non-overlapping windows of min(5, 5 // 2) = 2 steps, as for the reward: first
     # (1 + 1/2) / 2 = 0.750, last (1/4 + 1/5) / 2 = 0.225
@@ -246,8 +336,12 @@ def test_no_interval_from_fewer_than_eight_units():
 
 
 def test_credit_claims_need_power_not_absence_of_data():
-    credit = lambda **kw: [CLAIMS.get(n)({"studies": _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), **kw)})[0]
-                           for n in ("uniform_token_credit", "monte_carlo_credit")]
+    def credit(**kw):
+        return [
+            CLAIMS.get(n)({"studies": _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), **kw)})[0]
+            for n in ("uniform_token_credit", "monte_carlo_credit")
+        ]
+
     # the new-user report: 4 rollouts, 0 disagreeing segments, most within noise of 0. The old rule (disagreeing
     # share's interval below 0.023) said holds on 200 such segments; now: too few rollouts -> inconclusive
     u, mc = credit(answer_ratio=_ci(1.0, 0.3, 2.5), disagree=_ci(0.0, 0.0, 0.0), opposing=0, rollouts=4)
@@ -313,8 +407,9 @@ def test_s4_claim_is_not_judged_on_lora_adapter_weights(tmp_path):
 @pytest.mark.e2e
 def test_claims_say_where_their_rules_and_intervals_come_from(tmp_path):
     # a training-only run: its heading promises only what it shows (two sparsity claims) and sends the rest to probe
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _records(
-        [0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in _records([0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 5, [0.89] * 5)) + "\n"
+    )
     report = write_report(tmp_path).read_text()
     assert "## Claims: sparsity over training" in report and "come from `grpo-lens probe`" in report
     assert "## Claims: effective rank" not in report
@@ -331,11 +426,18 @@ def test_s4_claim_reads_the_float32_share_and_the_permutation_control():
     from grpo_lens.claims.sparsity import most_parameters_unchanged
 
     def rec(f32, bf16, perm, se):
-        return {"step": 30, "perf/lens_seconds": 0.1, "sparsity/sample_entries": 4000.0,
-                "sparsity/update_total_f32_unchanged": f32, "sparsity/update_total_bf16_unchanged": bf16,
-                "sparsity/update_total_bf16_permuted": perm, "sparsity/update_total_bf16_dense": 0.3,
-                "sparsity/update_total_f32_unchanged_se": se, "sparsity/update_total_bf16_unchanged_se": se,
-                "sparsity/update_total_bf16_excess_se": se}
+        return {
+            "step": 30,
+            "perf/lens_seconds": 0.1,
+            "sparsity/sample_entries": 4000.0,
+            "sparsity/update_total_f32_unchanged": f32,
+            "sparsity/update_total_bf16_unchanged": bf16,
+            "sparsity/update_total_bf16_permuted": perm,
+            "sparsity/update_total_bf16_dense": 0.3,
+            "sparsity/update_total_f32_unchanged_se": se,
+            "sparsity/update_total_bf16_unchanged_se": se,
+            "sparsity/update_total_bf16_excess_se": se,
+        }
 
     # a sparse update: f32 0.60 +- 1.96 * 0.02 = [0.561, 0.639] > 0.5 -> holds, although its excess over the
     # permutation control is 0 (a permuted sparse update keeps its zeros)
@@ -377,10 +479,14 @@ def test_token_credit_against_the_nll_control_with_the_same_geometry():
     # small format share is the tokens' geometry, not GRPO's credit
     st = _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.9, 1.1), _ci(0.0, 0.0, 0.01))
     st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(0.27, 0.17, 0.38)
-    nll = {"answer": (3.0, _ci(0.2, -0.3, 0.5)), "format": (0.25, _ci(0.02, -0.03, 0.05)),
-           "reasoning": (1.0, _ci(0.0, -0.1, 0.1))}
-    st["credit"]["contributions"]["classes_nll"] = {c: {"ratio": _ci(r, r - 0.1, r + 0.1), "ratio_minus_nll": d}
-                                                    for c, (r, d) in nll.items()}
+    nll = {
+        "answer": (3.0, _ci(0.2, -0.3, 0.5)),
+        "format": (0.25, _ci(0.02, -0.03, 0.05)),
+        "reasoning": (1.0, _ci(0.0, -0.1, 0.1)),
+    }
+    st["credit"]["contributions"]["classes_nll"] = {
+        c: {"ratio": _ci(r, r - 0.1, r + 0.1), "ratio_minus_nll": d} for c, (r, d) in nll.items()
+    }
     # (descriptive since issue 29: no verdict; the 0.2 rule's reading stays in the rule text)
     credit = study_claims("x", st)[0]
     assert credit.verdict == "inconclusive" and "reads: holds" in credit.rule

@@ -40,13 +40,22 @@ def test_a_mean_without_an_interval_is_marked_and_the_marks_are_counted_once_per
     assert ci({"mean": 1.98, "lo": None, "hi": None, "n": 4}, 2) == f"1.98 (n = 4){FEW_MARK}"
     assert ci({"mean": 1.98, "lo": 1.9, "hi": 2.1, "n": 8}, 2) == "1.98 [1.90, 2.10]"
     # the claims' own words, shortened for the table only; other wordings are left as they are
-    assert (mark_few("erank 2.13 (n = 7 groups, too few for an interval); x")
-            == f"erank 2.13 (n = 7 groups){FEW_MARK}; x")
+    assert (
+        mark_few("erank 2.13 (n = 7 groups, too few for an interval); x") == f"erank 2.13 (n = 7 groups){FEW_MARK}; x"
+    )
     kept = "1 of 2 prompts (too few prompts for an interval)"
     assert mark_few(kept) == kept
     # two tables: the first has 3 marked cells (two in one row), the second none -> one line after the first only
-    lines = ["| a | b |", "|---|---|", f"| 1 (n = 2){FEW_MARK} | 2 (n = 2){FEW_MARK} |", f"| 3 (n = 4){FEW_MARK} | 4 |",
-             "", "| c |", "|---|", "| 5 [4, 6] |"]
+    lines = [
+        "| a | b |",
+        "|---|---|",
+        f"| 1 (n = 2){FEW_MARK} | 2 (n = 2){FEW_MARK} |",
+        f"| 3 (n = 4){FEW_MARK} | 4 |",
+        "",
+        "| c |",
+        "|---|",
+        "| 5 [4, 6] |",
+    ]
     out = few_footnotes(lines)
     assert out[:4] == lines[:4] and out[4:6] == ["", f"{FEW_MARK} 3 cell(s) of this table: n < 8, no interval."]
     assert out[6:] == lines[4:]
@@ -103,8 +112,9 @@ def test_findings_and_the_claims_table_give_the_same_s1_windows(tmp_path, n):
     # thirds of n steps: n = 10 -> steps 1-3 and 8-10, S1 means 2/11 = 0.18 and 9/11 = 0.82 (the old Findings read
     # the first and last 5 steps: 3/11 = 0.27 and 8/11 = 0.73); n = 24 -> steps 1-8, 17-24: 4.5/25, 20.5/25
     first, last = (4.5 / 25, 20.5 / 25) if n == 24 else (2 / 11, 9 / 11)
-    assert [float(x) for x in claim.groups()] == [float(x) for x in finding.groups()] == [round(first, 2),
-                                                                                          round(last, 2)]
+    assert (
+        [float(x) for x in claim.groups()] == [float(x) for x in finding.groups()] == [round(first, 2), round(last, 2)]
+    )
     third = max(n // 3, 1)
     assert f"first third of the steps (1–{third})" in report and f"last third ({n - third + 1}–{n})" in report
 
@@ -123,7 +133,9 @@ def test_credit_position_bars_have_error_bars_only_where_an_interval_exists(tmp_
     segments = [seg for c in bars for coll in c.lines[2] for seg in coll.get_segments()]
     # one vertical segment per bin with an interval, at its x and spanning [lo, hi]: bins 0 and 2 (x = 0.125, 0.625)
     assert sorted((round(s[0][0], 3), round(s[0][1], 3), round(s[1][1], 3)) for s in segments) == [
-        (0.125, 0.4, 0.7), (0.625, 0.4, 0.7)]
+        (0.125, 0.4, 0.7),
+        (0.625, 0.4, 0.7),
+    ]
     assert [interval(p) is not None for p in profile] == [True, False, True, False]  # the table's rule
     assert "2 of 4 bins" in " ".join(t.get_text() for t in ax.get_legend().get_texts())
 
@@ -132,13 +144,20 @@ def test_credit_position_bars_have_error_bars_only_where_an_interval_exists(tmp_
 # 4. rank over training: ticks at the lens steps drawn, one step sensibly, the legend off the data
 # ---------------------------------------------------------------------------------------------------------------------
 def _lens_records(steps):
-    return [{"step": s, "rank/g1_top2_share": 0.9, "rank/g1_top1_share": 0.6, "rank/g1_erank": 2.0 + 0.1 * s,
-             "rank/g1_stable_rank": 1.5} for s in steps]
+    return [
+        {
+            "step": s,
+            "rank/g1_top2_share": 0.9,
+            "rank/g1_top1_share": 0.6,
+            "rank/g1_erank": 2.0 + 0.1 * s,
+            "rank/g1_stable_rank": 1.5,
+        }
+        for s in steps
+    ]
 
 
 @pytest.mark.parametrize("steps", [(1, 2), (1, 2, 4), (3,)])
-def test_rank_over_training_ticks_only_steps_that_exist_and_keeps_its_legend_off_the_points(tmp_path, figures,
-                                                                                           steps):
+def test_rank_over_training_ticks_only_steps_that_exist_and_keeps_its_legend_off_the_points(tmp_path, figures, steps):
     plot_rank_over_training(_lens_records(steps), tmp_path / "rank.png")
     ((_, fig),) = figures
     fig.canvas.draw()

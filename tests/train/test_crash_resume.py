@@ -28,27 +28,57 @@ pytestmark = pytest.mark.e2e  # every test here builds a model or runs a command
 TESTS = Path(__file__).resolve().parents[1]  # tests/, where crash_zygote.py lives
 REPO = TESTS.parent
 
-ARGS = ["train", "--model", "tiny", "--rewards", "test_alternating", "--group-size", "4", "--prompts-per-step", "2",
-        "--max-new-tokens", "4", "--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "1",
-        "--lens-every", "3", "--learning-rate", "0.003", "--log-completions", "3", "--no-progress", "--device", "cpu"]
+ARGS = [
+    "train",
+    "--model",
+    "tiny",
+    "--rewards",
+    "test_alternating",
+    "--group-size",
+    "4",
+    "--prompts-per-step",
+    "2",
+    "--max-new-tokens",
+    "4",
+    "--max-steps",
+    "4",
+    "--checkpoint-every",
+    "2",
+    "--keep-checkpoints",
+    "1",
+    "--lens-every",
+    "3",
+    "--learning-rate",
+    "0.003",
+    "--log-completions",
+    "3",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 
 # (kill point, then what the run directory must show: the checkpoint ``latest`` names, folders present). Each resume
 # starts from the newest complete checkpoint (or step 0) and redoes the steps after it.
 CHAIN = [
-    ("after_metrics_write@1", None, []),                                # step 1 logged, no checkpoint
-    ("mid_checkpoint@2", None, [".step-000002.tmp-"]),                  # model.safetensors written, no rename
-    ("after_checkpoint_rename@2", None, ["step-000002"]),               # folder in place, ``latest`` not yet
-    ("during_generation@3", "step-000002", ["step-000002"]),            # inside model.generate
-    ("before_optimizer_step@4", "step-000002", ["step-000002"]),        # gradient computed, not applied
+    ("after_metrics_write@1", None, []),  # step 1 logged, no checkpoint
+    ("mid_checkpoint@2", None, [".step-000002.tmp-"]),  # model.safetensors written, no rename
+    ("after_checkpoint_rename@2", None, ["step-000002"]),  # folder in place, ``latest`` not yet
+    ("during_generation@3", "step-000002", ["step-000002"]),  # inside model.generate
+    ("before_optimizer_step@4", "step-000002", ["step-000002"]),  # gradient computed, not applied
     ("after_latest@4", "step-000004", ["step-000002", "step-000004"]),  # old checkpoint not yet cleaned up
-    ("mid_final_model", "step-000004", ["step-000004"]),                # final_model/ half written
+    ("mid_final_model", "step-000004", ["step-000004"]),  # final_model/ half written
 ]
 
 
 def env_for(kill: str | None = None) -> dict[str, str]:
     # One thread: on a busy 2-core machine two OpenMP threads per tiny matmul make a run ~8x slower.
-    env = {"GRPO_LENS_PLUGINS": "helpers_rewards", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {
+        "GRPO_LENS_PLUGINS": "helpers_rewards",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
     if kill:
         env["GRPO_LENS_TEST_KILL_AT"] = kill
     return env
@@ -61,8 +91,14 @@ class Zygote:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), **env_for()}
         env.pop("GRPO_LENS_TEST_KILL_AT", None)
         self.log_dir = log_dir
-        self.proc = subprocess.Popen([sys.executable, str(TESTS / "crash_zygote.py")], cwd=REPO, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TESTS / "crash_zygote.py")],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.count = 0
 
     def ready(self) -> None:
@@ -126,9 +162,12 @@ def test_kill_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path):
     # A real `python -m grpo_lens.cli train`, killed from outside once step 1 is logged: wherever in step 2 (or its
     # checkpoint) the kill lands, the resumed run must come out the same. It imports while the zygote does.
     outside = subprocess.Popen(
-        [sys.executable, "-m", "grpo_lens.cli", *ARGS, "--out", str(ext)], cwd=REPO,
+        [sys.executable, "-m", "grpo_lens.cli", *ARGS, "--out", str(ext)],
+        cwd=REPO,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), **env_for()},
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "external.log", "w"))
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "external.log", "w"),
+    )
     zygote = Zygote(tmp_path)
     try:
         deadline = time.monotonic() + 240

@@ -24,7 +24,6 @@ WORLD = 2
 TIMEOUT_S = 300
 
 
-
 class RankResults(list):
     """Each rank's results (a list indexed by rank), and ``out``, the worker's output folder."""
 
@@ -41,8 +40,9 @@ def two_process_results(tmp_path_factory):
     proc = run_torchrun("_distributed_worker.py", out, WORLD, TIMEOUT_S)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    assert [(d["rank"], d["world"]) for d in ranks] == [(r, WORLD) for r in range(WORLD)], \
+    assert [(d["rank"], d["world"]) for d in ranks] == [(r, WORLD) for r in range(WORLD)], (
         "the workers did not form one group of 2 processes"
+    )
     return RankResults([d["results"] for d in ranks], out)
 
 
@@ -57,7 +57,7 @@ KEYS = [(mode, m) for mode in sorted(worker.LOSS_AGGREGATIONS.names()) for m in 
 def _assert_close(a: dict, b: dict, what: str, atol: float, rtol: float) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")  # noqa: B023
 
 
 def test_group_order():
@@ -81,8 +81,16 @@ def test_two_processes_equal_one(two_process_results, one_process_results, mode,
         assert got["metrics"]["grad/optimizer_steps"] == single["metrics"]["grad/optimizer_steps"] == 2 * mini_batches
         assert got["metrics"]["grad/norm"] == pytest.approx(single["metrics"]["grad/norm"], rel=1e-5)
         # the logged loss and token statistics are the whole batch's, not one rank's share
-        for k in ("loss/policy", "loss/kl", "kl/mean", "clip/ratio_region", "clip/ratio_low", "clip/ratio_high",
-                  "ratio/mean", "ratio/max"):
+        for k in (
+            "loss/policy",
+            "loss/kl",
+            "kl/mean",
+            "clip/ratio_region",
+            "clip/ratio_low",
+            "clip/ratio_high",
+            "ratio/mean",
+            "ratio/max",
+        ):
             assert got["metrics"][k] == pytest.approx(single["metrics"][k], rel=1e-4, abs=1e-7), k
 
 
@@ -90,8 +98,9 @@ def test_the_batch_exercises_the_loss(one_process_results):
     # guard against a vacuous comparison: the gradient is non-zero, the clip binds, and the aggregations differ
     m = one_process_results[("token-mean", 1)]["metrics"]
     assert m["clip/ratio_low"] > 0 and m["clip/ratio_high"] > 0 and m["kl/mean"] > 0
-    grads = {mode: one_process_results[(mode, 1)]["grad"]["lm_head.weight"]
-             for mode in worker.LOSS_AGGREGATIONS.names()}
+    grads = {
+        mode: one_process_results[(mode, 1)]["grad"]["lm_head.weight"] for mode in worker.LOSS_AGGREGATIONS.names()
+    }
     assert all(g.abs().max() > 0 for g in grads.values())
     assert not torch.allclose(grads["token-mean"], grads["seq-mean-token-mean"], rtol=1e-3)
 

@@ -24,19 +24,24 @@ R = 2
 def fake_batch(tag: int, rewards_per_group: list[list[float]], lp: int = 3, t: int = 4) -> RolloutBatch:
     """A batch whose rollout n has completion token 10*tag + n (to tell rows apart) and the given rewards."""
     n = len(rewards_per_group) * R
-    return RolloutBatch(prompt_ids=torch.full((n, lp), 1), prompt_mask=torch.ones(n, lp, dtype=torch.long),
-                        completion_ids=(10 * tag + torch.arange(n)).unsqueeze(1).repeat(1, t),
-                        completion_mask=torch.ones(n, t, dtype=torch.bool), sampler_logprobs=torch.zeros(n, t),
-                        truncated=torch.zeros(n, dtype=torch.bool), group_size=R,
-                        prompts=[f"p{tag}.{g}" for g in range(len(rewards_per_group))],
-                        completions=[f"c{tag}.{i}" for i in range(n)],
-                        extras={"answer": [f"a{tag}.{g}" for g in range(len(rewards_per_group))]})
+    return RolloutBatch(
+        prompt_ids=torch.full((n, lp), 1),
+        prompt_mask=torch.ones(n, lp, dtype=torch.long),
+        completion_ids=(10 * tag + torch.arange(n)).unsqueeze(1).repeat(1, t),
+        completion_mask=torch.ones(n, t, dtype=torch.bool),
+        sampler_logprobs=torch.zeros(n, t),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        group_size=R,
+        prompts=[f"p{tag}.{g}" for g in range(len(rewards_per_group))],
+        completions=[f"c{tag}.{i}" for i in range(n)],
+        extras={"answer": [f"a{tag}.{g}" for g in range(len(rewards_per_group))]},
+    )
 
 
 ROUNDS = [  # per round: rewards of 4 groups of R = 2 (mixed = not equal)
-    [[1, 1], [0, 1], [0, 0], [1, 1]],      # round 0: group 1 mixed
-    [[1, 0], [0, 1], [1, 1], [0, 1]],      # round 1: groups 0, 1, 3 mixed
-    [[0, 1], [0, 1], [0, 1], [0, 1]],      # round 2: never reached when B = 4
+    [[1, 1], [0, 1], [0, 0], [1, 1]],  # round 0: group 1 mixed
+    [[1, 0], [0, 1], [1, 1], [0, 1]],  # round 1: groups 0, 1, 3 mixed
+    [[0, 1], [0, 1], [0, 1], [0, 1]],  # round 2: never reached when B = 4
 ]
 
 
@@ -47,8 +52,14 @@ def sampler(rounds):
         calls.append(r)
         rewards = torch.tensor(rounds[r], dtype=torch.float32).view(-1)
         valid = torch.ones_like(rewards, dtype=torch.bool)
-        return fake_batch(r, rounds[r]), rewards, valid, {"reward/x_count": 1.0, "reward/mean_x": r}, 100 * r + \
-            torch.arange(len(rewards))
+        return (
+            fake_batch(r, rounds[r]),
+            rewards,
+            valid,
+            {"reward/x_count": 1.0, "reward/mean_x": r},
+            100 * r + torch.arange(len(rewards)),
+        )
+
     return sample_round, calls
 
 
@@ -64,8 +75,13 @@ def test_keeps_the_first_b_mixed_groups_in_sampling_order():
     assert rewards.tolist() == [0, 1, 1, 0, 0, 1, 0, 1]
     assert tag.tolist() == [2, 3, 100, 101, 102, 103, 106, 107]  # other per-rollout tensors follow their rows
     # 8 groups sampled, 4 mixed among them: half had no contrast
-    assert stats == {"dynamic/mixed_groups": 4.0, "dynamic/rounds": 2.0, "dynamic/sampled_groups": 8.0,
-                     "dynamic/hit_cap": 0.0, "dynamic/zero_var_frac_sampled": 0.5}
+    assert stats == {
+        "dynamic/mixed_groups": 4.0,
+        "dynamic/rounds": 2.0,
+        "dynamic/sampled_groups": 8.0,
+        "dynamic/hit_cap": 0.0,
+        "dynamic/zero_var_frac_sampled": 0.5,
+    }
     assert info == {"reward/x_count": 2.0, "reward/mean_x": 0.5}  # counts add up, means average
 
 
@@ -96,8 +112,9 @@ def test_concatenated_batches_give_the_same_logprobs(tiny_model_and_tokenizer):
         la, lb, lab = (batch_logprobs(model, x, 1.0) for x in (a, select_groups(b, [1]), both))
     ta, tb = a.completion_ids.shape[1], b.completion_ids.shape[1]
     torch.testing.assert_close(lab[:R, :ta] * a.completion_mask, la * a.completion_mask, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lab[R:, :tb] * both.completion_mask[R:, :tb], lb * both.completion_mask[R:, :tb],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        lab[R:, :tb] * both.completion_mask[R:, :tb], lb * both.completion_mask[R:, :tb], rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.e2e
@@ -105,10 +122,22 @@ def test_trainer_trains_only_on_mixed_groups(tmp_path):
     # parity rewards on the random tiny model: a group of R = 2 is constant with probability ~1/2, so a plain step
     # of 3 groups often has a zero-variance group; with dynamic sampling every step that did not hit the cap has
     # S1 = 0 and exactly B groups.
-    cfg = TrainConfig(model="tiny", rewards=["test_parity"], group_size=2, prompts_per_step=3, max_new_tokens=4,
-                      max_steps=3, lens_every=0, device="cpu", out=str(tmp_path / "run"), progress=False,
-                      save_final_model=False, log_completions=0, dynamic_sampling=True,
-                      dynamic_sampling_max_rounds=4)
+    cfg = TrainConfig(
+        model="tiny",
+        rewards=["test_parity"],
+        group_size=2,
+        prompts_per_step=3,
+        max_new_tokens=4,
+        max_steps=3,
+        lens_every=0,
+        device="cpu",
+        out=str(tmp_path / "run"),
+        progress=False,
+        save_final_model=False,
+        log_completions=0,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=4,
+    )
     train(cfg)
     records = RunDir(tmp_path / "run").read_metrics()
     assert len(records) == 3
@@ -133,8 +162,14 @@ def test_sampled_vs_kept_reports_all_sampled_groups():
     # Over all sampled: mean 5/8, population std sqrt(5/8 * 3/8), S1 = 3 constant groups / 4, accuracy 5/8.
     # The kept values (mean 1/2, S1 0, accuracy 1/2) move to dynamic/kept_*; keys that are not reward keys stay out.
     r = torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 0])
-    kept = {"reward/mean": 0.5, "reward/std": 0.5, "reward/frac_zero_std_groups": 0.0, "reward/invalid_frac": 0.0,
-            "reward/accuracy": 0.5, "adv/mean": 0.0}
+    kept = {
+        "reward/mean": 0.5,
+        "reward/std": 0.5,
+        "reward/frac_zero_std_groups": 0.0,
+        "reward/invalid_frac": 0.0,
+        "reward/accuracy": 0.5,
+        "adv/mean": 0.0,
+    }
     out = sampled_vs_kept(kept, r, torch.ones(8, dtype=torch.bool), r.clone(), R=2)
     assert out["reward/mean"] == pytest.approx(5 / 8, abs=1e-7)
     assert out["reward/std"] == pytest.approx((5 / 8 * 3 / 8) ** 0.5, abs=1e-6)
@@ -152,12 +187,29 @@ def test_dynamic_sampling_summary_counts_cap_hits(tmp_path):
     # 3 steps of B = 2: step 1 hit the cap after 3 rounds (6 groups, 5 all-equal, 1 kept), step 2 one round (2
     # groups, 0 all-equal, 2 kept), step 3 the cap again (6 groups, 6 all-equal, 0 kept): 2 of 3 steps at the cap,
     # 11 of 14 sampled groups all-equal = 0.786, 3 mixed groups trained on.
-    recs = [{"step": 1, "dynamic/hit_cap": 1.0, "dynamic/sampled_groups": 6.0, "dynamic/zero_var_frac_sampled": 5 / 6,
-             "dynamic/mixed_groups": 1.0},
-            {"step": 2, "dynamic/hit_cap": 0.0, "dynamic/sampled_groups": 2.0, "dynamic/zero_var_frac_sampled": 0.0,
-             "dynamic/mixed_groups": 2.0},
-            {"step": 3, "dynamic/hit_cap": 1.0, "dynamic/sampled_groups": 6.0, "dynamic/zero_var_frac_sampled": 1.0,
-             "dynamic/mixed_groups": 0.0}]
+    recs = [
+        {
+            "step": 1,
+            "dynamic/hit_cap": 1.0,
+            "dynamic/sampled_groups": 6.0,
+            "dynamic/zero_var_frac_sampled": 5 / 6,
+            "dynamic/mixed_groups": 1.0,
+        },
+        {
+            "step": 2,
+            "dynamic/hit_cap": 0.0,
+            "dynamic/sampled_groups": 2.0,
+            "dynamic/zero_var_frac_sampled": 0.0,
+            "dynamic/mixed_groups": 2.0,
+        },
+        {
+            "step": 3,
+            "dynamic/hit_cap": 1.0,
+            "dynamic/sampled_groups": 6.0,
+            "dynamic/zero_var_frac_sampled": 1.0,
+            "dynamic/mixed_groups": 0.0,
+        },
+    ]
     text = dynamic_sampling_summary(recs)
     assert "2 of 3 steps hit the extra-rounds cap" in text and "0.786 of the 14 sampled groups" in text
     assert "3 mixed groups were trained on" in text

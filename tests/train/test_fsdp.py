@@ -110,8 +110,10 @@ def test_fsdp2_cli_resumes_to_the_same_run(fsdp_run):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)  # measured: identical
     optimizer = torch.load(out / "straight" / "checkpoints" / "step-000003" / "optimizer.pt", weights_only=False)
     assert set(optimizer["state"]) == set(start) - {k for k in start if "rotary" in k}  # keyed by name, full
-    records = [[json.loads(line) for line in (out / run / "metrics.jsonl").read_text().splitlines()]
-               for run in ("straight", "resumed")]
+    records = [
+        [json.loads(line) for line in (out / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("straight", "resumed")
+    ]
     assert [r["step"] for r in records[0]] == [r["step"] for r in records[1]] == [1, 2, 3]
     for a, b in zip(*records):
         assert a["grad/norm"] == b["grad/norm"] and a["rank/mixed_groups"] == b["rank/mixed_groups"] == 2.0

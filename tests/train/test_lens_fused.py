@@ -39,11 +39,20 @@ ADVANTAGES = torch.tensor([0.9, -1.3, 0.4, 1.1, -0.6, -0.5], dtype=torch.float64
 
 def tiny_model(arch: str) -> torch.nn.Module:
     """Hidden 32, 2 layers, float64, every parameter moved off its init (as tests/gradients/test_gram.py)."""
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
-    cfg = {"llama_tied": lambda: LlamaConfig(**common, tie_word_embeddings=True, pad_token_id=0),
-           "qwen2_bias": lambda: Qwen2Config(**common, tie_word_embeddings=False),
-           "nemotron": lambda: NemotronConfig(**common, head_dim=8, tie_word_embeddings=False)}[arch]()
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=64,
+    )
+    cfg = {
+        "llama_tied": lambda: LlamaConfig(**common, tie_word_embeddings=True, pad_token_id=0),
+        "qwen2_bias": lambda: Qwen2Config(**common, tie_word_embeddings=False),
+        "nemotron": lambda: NemotronConfig(**common, head_dim=8, tie_word_embeddings=False),
+    }[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval()
     with torch.no_grad():
@@ -60,20 +69,34 @@ def make_batch() -> RolloutBatch:
     prompt_ids = torch.zeros(B * R, Lp, dtype=torch.long)
     prompt_mask = torch.zeros(B * R, Lp, dtype=torch.long)
     for b in range(B):
-        prompt_ids[b * R:(b + 1) * R, Lp - prompt_lens[b]:] = torch.randint(1, 12, (prompt_lens[b],), generator=g)
-        prompt_mask[b * R:(b + 1) * R, Lp - prompt_lens[b]:] = 1
+        prompt_ids[b * R : (b + 1) * R, Lp - prompt_lens[b] :] = torch.randint(1, 12, (prompt_lens[b],), generator=g)
+        prompt_mask[b * R : (b + 1) * R, Lp - prompt_lens[b] :] = 1
     completion_ids = torch.zeros(B * R, T, dtype=torch.long)
     for i, c in enumerate(comp_lens):
         completion_ids[i, :c] = torch.randint(0, 15, (c,), generator=g)
     completion_mask = torch.arange(T)[None, :] < torch.tensor(comp_lens)[:, None]
-    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                        completion_mask=completion_mask, sampler_logprobs=torch.zeros(B * R, T),
-                        truncated=torch.zeros(B * R, dtype=torch.bool), group_size=R)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        sampler_logprobs=torch.zeros(B * R, T),
+        truncated=torch.zeros(B * R, dtype=torch.bool),
+        group_size=R,
+    )
 
 
 def config(aggregation: str, micro_batch_size: int | None) -> TrainConfig:
-    return TrainConfig(model="tiny", group_size=3, prompts_per_step=2, max_new_tokens=7, temperature=TEMPERATURE,
-                       loss_aggregation=aggregation, micro_batch_size=micro_batch_size, device="cpu")
+    return TrainConfig(
+        model="tiny",
+        group_size=3,
+        prompts_per_step=2,
+        max_new_tokens=7,
+        temperature=TEMPERATURE,
+        loss_aggregation=aggregation,
+        micro_batch_size=micro_batch_size,
+        device="cpu",
+    )
 
 
 def fused_and_separate(arch: str, aggregation: str, micro_batch_size: int | None, scaled: bool = False):
@@ -121,7 +144,7 @@ def test_fused_gram_equals_the_separate_pass(arch, aggregation):
     same_rows, separate_rows, _, _ = fused_and_separate(arch, aggregation, None, scaled=True)
     assert rel_err(same_rows, separate_rows) < TOL
     # the Gram of the rows A_i g_i (G1's) needs no division: raw N^2 = diag(A) Gram(g) diag(A)
-    assert rel_err(raw * n ** 2, ADVANTAGES[:, None] * separate * ADVANTAGES[None, :]) < 1e-7
+    assert rel_err(raw * n**2, ADVANTAGES[:, None] * separate * ADVANTAGES[None, :]) < 1e-7
     # a perturbed rollout weight (A_1 off by 1e-4 relative) moves row 1 by 1e-4: the test sees it
     off = ADVANTAGES.clone()
     off[1] *= 1 + 1e-4
@@ -167,32 +190,55 @@ class _Lens:
         return TrainerLens.mixed_groups(rewards, valid, R)
 
 
-@pytest.mark.parametrize("change,reason", [
-    ({}, None),
-    ({"beta": 0.1}, "per-token KL"),
-    ({"beta": 0.1, "kl_in_reward": True}, None),  # the KL enters the reward, not the loss: still one scalar per row
-    ({"estimator": "optimal"}, "optimal"),
-    ({"tis_cap": 2.0}, "importance weights"),
-    ({"num_mini_batches": 2}, "mini-batches"),
-    ({"gram_source": "sketch"}, "not the exact Gram"),
-    ({"lens_from_update": False}, "lens_from_update off"),
-    ({"micro_batch_size": 2}, "spans two micro-batches"),
-    ({"overlong": "filter"}, "--overlong"),  # (mask: the trainer sets the truncated A_i to 0, caught above)
-])
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({}, None),
+        ({"beta": 0.1}, "per-token KL"),
+        ({"beta": 0.1, "kl_in_reward": True}, None),  # the KL enters the reward, not the loss: still one scalar per row
+        ({"estimator": "optimal"}, "optimal"),
+        ({"tis_cap": 2.0}, "importance weights"),
+        ({"num_mini_batches": 2}, "mini-batches"),
+        ({"gram_source": "sketch"}, "not the exact Gram"),
+        ({"lens_from_update": False}, "lens_from_update off"),
+        ({"micro_batch_size": 2}, "spans two micro-batches"),
+        ({"overlong": "filter"}, "--overlong"),  # (mask: the trainer sets the truncated A_i to 0, caught above)
+    ],
+)
 def test_when_the_lens_fuses(change, reason):
-    cfg = TrainConfig(**{**dict(model="tiny", group_size=3, prompts_per_step=2, max_new_tokens=7, device="cpu",
-                                micro_batch_size=3), **change})
+    cfg = TrainConfig(
+        **{
+            **dict(model="tiny", group_size=3, prompts_per_step=2, max_new_tokens=7, device="cpu", micro_batch_size=3),
+            **change,
+        }
+    )
     batch = make_batch()
     batch.truncated[0] = True  # only --overlong mask / filter care
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
-    got = lens_fuses_gram(cfg, _Lens(), tiny_model("llama_tied"), batch, rewards, torch.ones(6, dtype=torch.bool),
-                          ADVANTAGES.float(), Processes(0, 1, torch.device("cpu")))
+    got = lens_fuses_gram(
+        cfg,
+        _Lens(),
+        tiny_model("llama_tied"),
+        batch,
+        rewards,
+        torch.ones(6, dtype=torch.bool),
+        ADVANTAGES.float(),
+        Processes(0, 1, torch.device("cpu")),
+    )
     assert got is None if reason is None else reason in got
     if reason is None:  # and a zero advantage in a mixed group keeps the lens's own pass
         a = ADVANTAGES.float().clone()
         a[2] = 0.0
-        got = lens_fuses_gram(cfg, _Lens(), tiny_model("llama_tied"), batch, rewards,
-                              torch.ones(6, dtype=torch.bool), a, Processes(0, 1, torch.device("cpu")))
+        got = lens_fuses_gram(
+            cfg,
+            _Lens(),
+            tiny_model("llama_tied"),
+            batch,
+            rewards,
+            torch.ones(6, dtype=torch.bool),
+            a,
+            Processes(0, 1, torch.device("cpu")),
+        )
         assert "advantage 0" in got
 
 
@@ -202,16 +248,34 @@ def test_training_with_the_fused_lens_gives_the_separate_pass_numbers(tmp_path, 
     from grpo_lens.train.loop import train
 
     def run(name, fused):
-        out = train(TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2,
-                                max_new_tokens=8, max_steps=2, learning_rate=1e-2, mu=2, micro_batch_size=4,
-                                lens_every=1, seed=0, device="cpu", out=str(tmp_path / name), progress=False,
-                                save_final_model=False, lens_from_update=fused, gram_source="exact"))
+        out = train(
+            TrainConfig(
+                model="tiny",
+                rewards=["test_parity"],
+                group_size=4,
+                prompts_per_step=2,
+                max_new_tokens=8,
+                max_steps=2,
+                learning_rate=1e-2,
+                mu=2,
+                micro_batch_size=4,
+                lens_every=1,
+                seed=0,
+                device="cpu",
+                out=str(tmp_path / name),
+                progress=False,
+                save_final_model=False,
+                lens_from_update=fused,
+                gram_source="exact",
+            )
+        )
         return [json.loads(line) for line in (out.path / "metrics.jsonl").read_text().splitlines()]
 
     calls = []
     original = exact_rollout_gram
-    monkeypatch.setattr("grpo_lens.train.lens.exact_rollout_gram",
-                        lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(
+        "grpo_lens.train.lens.exact_rollout_gram", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    )
     own = run("own", False)
     own_calls = len(calls)
     fused = run("fused", True)
@@ -244,8 +308,7 @@ def test_wanted_rows_alone_give_their_block_of_the_full_gram(arch, form):
     for rows in (None, torch.tensor([False, False, False, True, True, True])):
         grams = MicroBatchGrams(model, batch.num_rollouts, rows=rows, form=form)
         with grams:
-            backward_mini_batch(model, batch, ADVANTAGES, None, plan, 0, 0, cfg, procs, UpdateSums(),
-                                grams.micro_batch)
+            backward_mini_batch(model, batch, ADVANTAGES, None, plan, 0, 0, cfg, procs, UpdateSums(), grams.micro_batch)
         out.append(grams.gram()[0])
         model.zero_grad(set_to_none=True)
     full, part = out

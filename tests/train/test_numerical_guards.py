@@ -29,8 +29,16 @@ def test_k3_with_a_far_reference_stays_finite_through_adamw(dtype):
     assert float(k3.detach()) == pytest.approx(math.expm1(LOG_RATIO_CLAMP) - LOG_RATIO_CLAMP, rel=1e-2)
     unclamped = torch.expm1((ref - logp).float()) - (ref - logp).float()
     assert torch.isinf(unclamped).all()  # what the clamp prevents
-    loss, m = grpo_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), normalizer=1.0,
-                        beta=0.04, ref_logp=ref, kl_estimator="k3")
+    loss, m = grpo_loss(
+        logp,
+        logp.detach(),
+        torch.zeros(1),
+        torch.ones(1, 1, dtype=torch.bool),
+        normalizer=1.0,
+        beta=0.04,
+        ref_logp=ref,
+        kl_estimator="k3",
+    )
     assert math.isfinite(float(loss.detach())) and math.isfinite(m["kl/mean"])
     opt = torch.optim.AdamW([z], lr=0.1)
     loss.backward()
@@ -40,10 +48,25 @@ def test_k3_with_a_far_reference_stays_finite_through_adamw(dtype):
 
 
 def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
-    values = dict(model="tiny", task="arithmetic", rewards=["test_alternating"], group_size=4, prompts_per_step=2,
-                  max_new_tokens=4, max_steps=6, checkpoint_every=1, keep_checkpoints=10, lens_every=0,
-                  progress=False, device="cpu", save_final_model=False, log_completions=0, micro_batch_size=8,
-                  seed=0, learning_rate=1e-3)
+    values = dict(
+        model="tiny",
+        task="arithmetic",
+        rewards=["test_alternating"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        max_steps=6,
+        checkpoint_every=1,
+        keep_checkpoints=10,
+        lens_every=0,
+        progress=False,
+        device="cpu",
+        save_final_model=False,
+        log_completions=0,
+        micro_batch_size=8,
+        seed=0,
+        learning_rate=1e-3,
+    )
     values.update(overrides)
     return TrainConfig(out=str(tmp_path / name), **values)
 
@@ -112,10 +135,33 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeyp
 def test_cli_stops_with_one_line_and_resume_from_the_intact_checkpoint(tmp_path, monkeypatch, capsys):
     _poison_after(monkeypatch, 1, "loss")
     out = tmp_path / "cli"
-    args = ["train", "--model", "tiny", "--rewards", "test_alternating", "--group-size", "4", "--prompts-per-step",
-            "2", "--max-new-tokens", "4", "--max-steps", "4", "--checkpoint-every", "1", "--lens-every", "0",
-            "--no-progress", "--device", "cpu", "--no-save-final-model", "--max-consecutive-skips", "1",
-            "--out", str(out)]
+    args = [
+        "train",
+        "--model",
+        "tiny",
+        "--rewards",
+        "test_alternating",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--max-steps",
+        "4",
+        "--checkpoint-every",
+        "1",
+        "--lens-every",
+        "0",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--no-save-final-model",
+        "--max-consecutive-skips",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "non-finite for 1 consecutive steps" in err[0]

@@ -24,8 +24,15 @@ VOCAB = 50
 
 
 def tiny_model():
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).double().eval()
 
@@ -39,8 +46,15 @@ def tiny_batch(num_groups=2, group_size=4, prompt_len=5, completion_len=6, seed=
     lengths = torch.randint(1, completion_len + 1, (n,), generator=g)
     completion_mask = torch.arange(completion_len).unsqueeze(0) < lengths.unsqueeze(1)
     completion_ids[~completion_mask] = 0
-    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        torch.zeros(n, completion_len), torch.zeros(n, dtype=torch.bool), group_size)
+    return RolloutBatch(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        torch.zeros(n, completion_len),
+        torch.zeros(n, dtype=torch.bool),
+        group_size,
+    )
 
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
@@ -77,7 +91,7 @@ def test_identity_sketch_reproduces_exact_b_star(model_batch_exact, aggregation)
     # b*_{-i} from the trainer's advantages equals the exact leave-one-out b* of each group
     adv = compute_advantages(REWARDS.double(), "optimal", grad_sq_norms=sq.view(2, 4))
     for b in range(2):
-        want_b = loo_optimal_baseline(REWARDS[b].double(), want_sq[b * 4:(b + 1) * 4])
+        want_b = loo_optimal_baseline(REWARDS[b].double(), want_sq[b * 4 : (b + 1) * 4])
         torch.testing.assert_close(REWARDS[b].double() - adv[b], want_b, rtol=1e-6, atol=1e-7)
 
 
@@ -93,8 +107,8 @@ def test_gaussian_sketch_b_star_within_its_error(model_batch_exact):
     sq = sketched_rollout_sq_norms(model, batch, need, sketch_dim=16, seed=3)
     want_sq = exact.double().square().sum(-1)
     for b in range(2):
-        got = loo_optimal_baseline(REWARDS[b].double(), sq[b * 4:(b + 1) * 4])
-        want = loo_optimal_baseline(REWARDS[b].double(), want_sq[b * 4:(b + 1) * 4])
+        got = loo_optimal_baseline(REWARDS[b].double(), sq[b * 4 : (b + 1) * 4])
+        want = loo_optimal_baseline(REWARDS[b].double(), want_sq[b * 4 : (b + 1) * 4])
         assert (got - want).abs().max() < 0.12, (got, want)
 
 
@@ -128,9 +142,23 @@ def test_optimal_estimator_trains_the_tiny_model(tmp_path):
     from grpo_lens.train.loop import train
 
     # test_trainer.tiny_config's settings (test_parity reward: mixed groups on the random tiny model)
-    config = TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2, max_new_tokens=8,
-                         max_steps=2, learning_rate=1e-2, micro_batch_size=4, lens_every=0, seed=0, device="cpu",
-                         out=str(tmp_path / "run"), progress=False, save_final_model=False, estimator="optimal")
+    config = TrainConfig(
+        model="tiny",
+        rewards=["test_parity"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=8,
+        max_steps=2,
+        learning_rate=1e-2,
+        micro_batch_size=4,
+        lens_every=0,
+        seed=0,
+        device="cpu",
+        out=str(tmp_path / "run"),
+        progress=False,
+        save_final_model=False,
+        estimator="optimal",
+    )
     run = train(config)
     records = run.read_metrics()
     assert [r["step"] for r in records] == [1, 2]

@@ -34,8 +34,9 @@ def _grad(mode: str, aggregation: str) -> torch.Tensor:
     logp = torch.full((5, T_MAX), -1.0, requires_grad=True)
     adv = overlong_advantages(A, TRUNCATED, mode)
     lm = overlong_loss_mask(mask, TRUNCATED, mode)
-    loss, _ = grpo_loss(logp, logp.detach(), adv, lm, normalizer=loss_normalizer(lm, aggregation, T_MAX),
-                        aggregation=aggregation)
+    loss, _ = grpo_loss(
+        logp, logp.detach(), adv, lm, normalizer=loss_normalizer(lm, aggregation, T_MAX), aggregation=aggregation
+    )
     loss.backward()
     return logp.grad
 
@@ -66,8 +67,9 @@ def test_filter_counts_kept_rollouts_for_per_rollout_normalisers():
 def test_soft_overlong_penalty_is_dapo_eq_13():
     # L_max = 20, L_cache = 4: 0 up to 16, then (16 - |y|) / 4, -1 beyond 20.
     lengths = torch.tensor([10, 16, 17, 19, 20, 21])
-    torch.testing.assert_close(soft_overlong_penalty(lengths, 20, 4),
-                               torch.tensor([0.0, 0.0, -0.25, -0.75, -1.0, -1.0]))
+    torch.testing.assert_close(
+        soft_overlong_penalty(lengths, 20, 4), torch.tensor([0.0, 0.0, -0.25, -0.75, -1.0, -1.0])
+    )
     # one more: L_cache = L_max, the penalty falls from 0 at |y| = 0 to -1 at L_max
     torch.testing.assert_close(soft_overlong_penalty(torch.tensor([0, 5, 10]), 10, 10), torch.tensor([0.0, -0.5, -1.0]))
     with pytest.raises(ValueError, match="L_cache"):
@@ -93,9 +95,23 @@ def _eos_prone(load):
 
 
 def _config(tmp_path, name, **overrides) -> TrainConfig:
-    values = dict(model="tiny", task="arithmetic", rewards=["test_alternating"], group_size=4, prompts_per_step=2,
-                  max_new_tokens=3, max_steps=1, lens_every=0, progress=False, device="cpu", save_final_model=False,
-                  log_completions=8, micro_batch_size=8, seed=0, temperature=1.0)
+    values = dict(
+        model="tiny",
+        task="arithmetic",
+        rewards=["test_alternating"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=3,
+        max_steps=1,
+        lens_every=0,
+        progress=False,
+        device="cpu",
+        save_final_model=False,
+        log_completions=8,
+        micro_batch_size=8,
+        seed=0,
+        temperature=1.0,
+    )
     values.update(overrides)
     return TrainConfig(out=str(tmp_path / name), **values)
 
@@ -149,9 +165,30 @@ def test_mask_truncated_is_an_alias_and_old_runs_resume(tmp_path):
         TrainConfig(overlong="soft-punish", max_new_tokens=10, overlong_buffer=11)
     # A run written before --overlong existed: its config.yaml has mask_truncated and none of the new keys.
     out = tmp_path / "old"
-    args = ["train", "--model", "tiny", "--rewards", "test_alternating", "--group-size", "4", "--prompts-per-step",
-            "2", "--max-new-tokens", "3", "--max-steps", "1", "--lens-every", "0", "--no-progress", "--device", "cpu",
-            "--no-save-final-model", "--mask-truncated", "--out", str(out)]
+    args = [
+        "train",
+        "--model",
+        "tiny",
+        "--rewards",
+        "test_alternating",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--max-steps",
+        "1",
+        "--lens-every",
+        "0",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--no-save-final-model",
+        "--mask-truncated",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     saved = yaml.safe_load((out / "config.yaml").read_text())
     for key in ("overlong", "overlong_max_length", "overlong_buffer", "tis_cap", "max_consecutive_skips"):

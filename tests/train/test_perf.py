@@ -82,14 +82,16 @@ def test_shared_prompt_prefill_samples_the_distribution_the_trainer_recomputes()
     model, tok = build_tiny_model()
     examples = ["What is 2 + 3?", "Hi", "What is 12 + 30? Reply with just the number."]  # unequal lengths: padding
     shapes = []
-    handle = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
-                                             with_kwargs=True)
+    handle = model.register_forward_pre_hook(
+        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     try:
         shared = sample_groups(model, tok, examples, 4, max_new_tokens=10, temperature=0.9, generator_seed=3)
         first_shared = shapes[:2]
         shapes.clear()
-        plain = sample_groups(model, tok, examples, 4, max_new_tokens=10, temperature=0.9, generator_seed=3,
-                              share_prompt_prefill=False)
+        plain = sample_groups(
+            model, tok, examples, 4, max_new_tokens=10, temperature=0.9, generator_seed=3, share_prompt_prefill=False
+        )
         first_plain = shapes[:1]
     finally:
         handle.remove()
@@ -124,9 +126,23 @@ def test_bf16_mixed_runs_forwards_in_bf16_and_keeps_float32_weights(tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("grpo_lens.train.loop.load_model", load_and_hook)  # where the trainer looks it up
-        run = train(TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2,
-                                max_new_tokens=6, max_steps=1, lens_every=1, seed=0, device="cpu", dtype="bf16-mixed",
-                                out=str(tmp_path / "run"), progress=False, save_final_model=False))
+        run = train(
+            TrainConfig(
+                model="tiny",
+                rewards=["test_parity"],
+                group_size=4,
+                prompts_per_step=2,
+                max_new_tokens=6,
+                max_steps=1,
+                lens_every=1,
+                seed=0,
+                device="cpu",
+                dtype="bf16-mixed",
+                out=str(tmp_path / "run"),
+                progress=False,
+                save_final_model=False,
+            )
+        )
     assert seen == {"generate": {torch.bfloat16}, "train": {torch.bfloat16}}
     record = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()][0]
     assert record["ratio/max"] == 1.0  # pi_old is this forward's own detached log-prob
@@ -147,18 +163,37 @@ def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, mo
     from grpo_lens.train.loop import train
 
     def run(name, from_update):
-        out = train(TrainConfig(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2,
-                                max_new_tokens=8, max_steps=2, learning_rate=1e-2, mu=2, micro_batch_size=3,
-                                lens_every=1, seed=0, device="cpu", out=str(tmp_path / name), progress=False,
-                                save_final_model=False, loss_aggregation=aggregation,
-                                lens_from_update=from_update, gram_source="sketch"))  # reads the update
+        out = train(
+            TrainConfig(
+                model="tiny",
+                rewards=["test_parity"],
+                group_size=4,
+                prompts_per_step=2,
+                max_new_tokens=8,
+                max_steps=2,
+                learning_rate=1e-2,
+                mu=2,
+                micro_batch_size=3,
+                lens_every=1,
+                seed=0,
+                device="cpu",
+                out=str(tmp_path / name),
+                progress=False,
+                save_final_model=False,
+                loss_aggregation=aggregation,
+                lens_from_update=from_update,
+                gram_source="sketch",
+            )
+        )  # reads the update
         return [json.loads(line) for line in (out.path / "metrics.jsonl").read_text().splitlines()]
 
     from grpo_lens.gradients.sketch import sketch_rollout_grads
 
     calls = []
     original = sketch_rollout_grads
-    monkeypatch.setattr("grpo_lens.train.lens.sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(
+        "grpo_lens.train.lens.sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    )
     own = run("own", False)
     own_calls = len(calls)
     reused = run("reused", True)

@@ -21,9 +21,23 @@ R = 4
 
 def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
     """A short run of the tiny model: B = 2 prompts, R = 4, T_max = 4."""
-    values = dict(model="tiny", task="arithmetic", rewards=["test_alternating"], group_size=R, prompts_per_step=2,
-                  max_new_tokens=4, max_steps=1, checkpoint_every=1, lens_every=0, progress=False, device="cpu",
-                  save_final_model=False, log_completions=0, micro_batch_size=2 * R, seed=0)
+    values = dict(
+        model="tiny",
+        task="arithmetic",
+        rewards=["test_alternating"],
+        group_size=R,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        max_steps=1,
+        checkpoint_every=1,
+        lens_every=0,
+        progress=False,
+        device="cpu",
+        save_final_model=False,
+        log_completions=0,
+        micro_batch_size=2 * R,
+        seed=0,
+    )
     values.update(overrides)
     return TrainConfig(out=str(tmp_path / name), **values)
 
@@ -71,8 +85,10 @@ def test_checkpoint_loads_with_weights_only(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. one writer per run directory
 # ---------------------------------------------------------------------------------------------------------------------
-_HOLDER = ("import sys, time\nfrom grpo_lens.rundir import acquire_run_lock\nacquire_run_lock(sys.argv[1], 'train')\n"
-           "print('locked', flush=True)\ntime.sleep(120)\n")
+_HOLDER = (
+    "import sys, time\nfrom grpo_lens.rundir import acquire_run_lock\nacquire_run_lock(sys.argv[1], 'train')\n"
+    "print('locked', flush=True)\ntime.sleep(120)\n"
+)
 
 
 def _hold_lock(path):
@@ -81,8 +97,12 @@ def _hold_lock(path):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -174,13 +194,16 @@ def _generator(prompts, completions, **kw):
     return (1.0 for _ in completions)
 
 
-@pytest.mark.parametrize("returned, shown", [
-    (lambda p, c, **kw: 1.0, "returned float 1.0, not a list"),
-    (_generator, "returned generator"),
-    (lambda p, c, **kw: ["abc"] * len(c), "holding str 'abc', which is neither a number nor None"),
-    (lambda p, c, **kw: {"r": 1.0}, "returned dict"),
-    (lambda p, c, **kw: [1.0, 0.0], "returned 2 values for 1 completions"),
-])
+@pytest.mark.parametrize(
+    "returned, shown",
+    [
+        (lambda p, c, **kw: 1.0, "returned float 1.0, not a list"),
+        (_generator, "returned generator"),
+        (lambda p, c, **kw: ["abc"] * len(c), "holding str 'abc', which is neither a number nor None"),
+        (lambda p, c, **kw: {"r": 1.0}, "returned dict"),
+        (lambda p, c, **kw: [1.0, 0.0], "returned 2 values for 1 completions"),
+    ],
+)
 def test_reward_return_that_is_not_a_list_of_numbers_is_refused_at_start(returned, shown):
     """A scalar, a generator, strings, a mapping or the wrong length is refused by the start check, naming the
     function and what it returned (main: TypeError traceback for scalar/generator; strings: all invalid, exit 0)."""
@@ -199,6 +222,7 @@ def test_reward_return_of_numbers_and_none_passes_the_start_check():
     from grpo_lens.rewards import check_rewards_on_example
 
     for value in ([None], (1,), np.array([0.5]), torch.tensor([1.0]), [True], [np.float32(1.0)]):
+
         def ok(prompts, completions, _v=value, **kw):
             return _v
 
@@ -238,8 +262,11 @@ def test_resume_refuses_a_changed_dataset_unless_allowed(tmp_path, monkeypatch):
     with pytest.raises(RunDirError) as err:
         loop.train(tiny_config(tmp_path, task="jsonl", dataset=saved["dataset"], resume=True, max_steps=2))
     assert old in str(err.value) and new in str(err.value) and "--allow-dataset-change" in str(err.value)
-    loop.train(tiny_config(tmp_path, task="jsonl", dataset=saved["dataset"], resume=True, max_steps=2,
-                           allow_dataset_change=True))
+    loop.train(
+        tiny_config(
+            tmp_path, task="jsonl", dataset=saved["dataset"], resume=True, max_steps=2, allow_dataset_change=True
+        )
+    )
     saved = _saved(tmp_path / "run")
     assert saved["dataset_sha256"] == new and saved["allow_dataset_change"] is True
 
@@ -318,8 +345,9 @@ def test_nan_and_inf_in_masked_positions_reach_neither_loss_nor_gradient(aggrega
     results = []
     for logp, old_logp, ref_logp in ((clean, old, ref), dirty):
         x = logp.clone().requires_grad_(True)
-        loss, metrics = grpo_loss(x, old_logp, adv, mask, normalizer=z, aggregation=aggregation, beta=0.1,
-                                  ref_logp=ref_logp)
+        loss, metrics = grpo_loss(
+            x, old_logp, adv, mask, normalizer=z, aggregation=aggregation, beta=0.1, ref_logp=ref_logp
+        )
         loss.backward()
         results.append((loss.detach(), x.grad, metrics["kl/mean"], metrics["ratio/mean"]))
     (l0, g0, k0, r0), (l1, g1, k1, r1) = results
@@ -362,15 +390,39 @@ def test_disk_full_while_writing_a_checkpoint_is_one_line(tmp_path, monkeypatch,
     from grpo_lens.cli import main
 
     def full(*args, **kwargs):
-        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
-                           "data/0: file write failed")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+            "data/0: file write failed"
+        )
 
     monkeypatch.setattr(rundir.torch, "save", full)
     monkeypatch.setattr(rundir.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
     out = tmp_path / "run"
-    rc = main(["train", "--model", "tiny", "--rewards", "test_alternating", "--group-size", "4", "--prompts-per-step",
-               "2", "--max-new-tokens", "4", "--max-steps", "1", "--lens-every", "0", "--no-progress", "--device",
-               "cpu", "--no-save-final-model", "--out", str(out)])
+    rc = main(
+        [
+            "train",
+            "--model",
+            "tiny",
+            "--rewards",
+            "test_alternating",
+            "--group-size",
+            "4",
+            "--prompts-per-step",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--max-steps",
+            "1",
+            "--lens-every",
+            "0",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--no-save-final-model",
+            "--out",
+            str(out),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert f"disk full while writing {out / 'checkpoints'}" in err[0] and "optimizer.pt; nothing lost" in err[0]
@@ -388,11 +440,14 @@ def test_yaml_duplicate_keys_are_refused(tmp_path):
         TrainConfig.read(path)
 
 
-@pytest.mark.parametrize("content, shown", [
-    (b'{"prompt": "caf\xe9 2 + 2?", "answer": "4"}\n', "row 1: not UTF-8 text"),
-    (b"\x1f\x8b\x08\x00rest-of-a-gzip-stream", "gzip-compressed"),
-    (b'{"prompt": "2 + 2?", "answer": "4", "answer": "5"}\n', "row 1: the key 'answer' appears twice"),
-])
+@pytest.mark.parametrize(
+    "content, shown",
+    [
+        (b'{"prompt": "caf\xe9 2 + 2?", "answer": "4"}\n', "row 1: not UTF-8 text"),
+        (b"\x1f\x8b\x08\x00rest-of-a-gzip-stream", "gzip-compressed"),
+        (b'{"prompt": "2 + 2?", "answer": "4", "answer": "5"}\n', "row 1: the key 'answer' appears twice"),
+    ],
+)
 def test_data_file_errors_name_the_file(tmp_path, content, shown):
     """Non-UTF-8, gzip and duplicate JSON keys: one ValueError naming the file (main: a message without the file for
     the first two, and the last 'answer' silently for the third)."""
@@ -415,8 +470,9 @@ def test_plugins_are_imported_from_pythonpath_as_given(tmp_path, monkeypatch):
     (tmp_path / "plugin_dir").mkdir()
     (tmp_path / "plugin_dir" / "issue32_plugin.py").write_text("LOADED = True\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))] +
-                        [str(tmp_path / "plugin_dir")])
+    monkeypatch.setattr(
+        sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))] + [str(tmp_path / "plugin_dir")]
+    )
     before = list(sys.path)
     assert load_plugins("issue32_plugin") == ["issue32_plugin"]
     assert sys.path == before and str(tmp_path) not in sys.path
@@ -450,10 +506,26 @@ def test_fault_injection_script_finds_every_run_identical(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, str(repo / "benchmarks" / "faults.py"), "--kills", "2", "--no-tmpfs",
-                             "--only", "sigkill", "disk-full", "two-writers", "--keep", str(tmp_path)],
-                            capture_output=True, text=True, timeout=1200,
-                            env={**os.environ, "PYTHONPATH": str(repo)}, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(repo / "benchmarks" / "faults.py"),
+            "--kills",
+            "2",
+            "--no-tmpfs",
+            "--only",
+            "sigkill",
+            "disk-full",
+            "two-writers",
+            "--keep",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "sigkill      2 / 2 identical" in result.stdout and "disk-full    1 / 1 identical" in result.stdout
 
@@ -471,8 +543,10 @@ def test_probe_and_demo_hold_their_out_too(tmp_path):
     out.mkdir()
     holder = _hold_lock(out)
     try:
-        for call in (lambda: run_probe(ProbeConfig(model="tiny", out=str(out), device="cpu")),
-                     lambda: run_demo(DemoConfig(model="tiny", out=str(out), device="cpu"))):
+        for call in (
+            lambda: run_probe(ProbeConfig(model="tiny", out=str(out), device="cpu")),
+            lambda: run_demo(DemoConfig(model="tiny", out=str(out), device="cpu")),
+        ):
             with pytest.raises(RunDirError, match=f"being written by pid {holder.pid} on host"):
                 call()
         assert [p.name for p in out.iterdir()] == [".grpo-lens.lock"]

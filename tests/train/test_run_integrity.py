@@ -22,9 +22,23 @@ R = 4
 
 def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
     """A short run of the tiny model: B = 2 prompts, R = 4, T_max = 4."""
-    values = dict(model="tiny", task="arithmetic", rewards=["test_alternating"], group_size=R, prompts_per_step=2,
-                  max_new_tokens=4, max_steps=1, checkpoint_every=10, lens_every=0, progress=False, device="cpu",
-                  save_final_model=False, log_completions=0, micro_batch_size=2 * R, seed=0)
+    values = dict(
+        model="tiny",
+        task="arithmetic",
+        rewards=["test_alternating"],
+        group_size=R,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        max_steps=1,
+        checkpoint_every=10,
+        lens_every=0,
+        progress=False,
+        device="cpu",
+        save_final_model=False,
+        log_completions=0,
+        micro_batch_size=2 * R,
+        seed=0,
+    )
     values.update(overrides)
     return TrainConfig(out=str(tmp_path / name), **values)
 
@@ -52,8 +66,7 @@ def test_case1_dropout_off_in_policy_and_reference(monkeypatch, tmp_path):
     monkeypatch.setattr(loop, "load_model", dropout_model)
     config = tiny_config(tmp_path, beta=0.1)
     models = loop.build_models(config, setup_processes("cpu"))
-    batch = sample_groups(models.policy, models.tokenizer, ["What is 2 + 3?"], R, max_new_tokens=4,
-                          generator_seed=0)
+    batch = sample_groups(models.policy, models.tokenizer, ["What is 2 + 3?"], R, max_new_tokens=4, generator_seed=0)
     for model in (models.policy, models.reference):
         assert not any(m.training for m in model.modules())
         with torch.no_grad():
@@ -125,7 +138,7 @@ def test_case2_extending_max_steps_resumes(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # Written from TRL's GRPOTrainer documentation alone: keyword arguments, dataset columns by name, **kwargs, message
 # lists for conversational prompts, strings for standard ones, completion_ids, trainer_state, None = not applicable.
-TRL_REWARDS = '''
+TRL_REWARDS = """
 SEEN = {}
 
 
@@ -143,7 +156,7 @@ def by_step(prompts, completions, completion_ids, trainer_state, log_metric, **k
     SEEN.setdefault("steps", []).append(trainer_state.global_step)
     log_metric("mean_ids", sum(len(i) for i in completion_ids) / len(completion_ids))
     return [None if i == 0 else float(len(ids) % 2) for i, ids in enumerate(completion_ids)]
-'''
+"""
 
 
 def _plugin(tmp_path, monkeypatch, name="trl_style_rewards"):
@@ -175,18 +188,46 @@ def test_case3_trl_reward_functions_run_unchanged(tmp_path, monkeypatch):
     from grpo_lens.cli import main
 
     module = _plugin(tmp_path, monkeypatch)
-    chat = _jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "Capital of France?"}],
-                                            "answer": "Paris"}, {"prompt": [{"role": "user", "content": "Capital "
-                                            "of Peru?"}], "answer": "Lima"}])
-    plain = _jsonl(tmp_path / "plain.jsonl", [{"prompt": "Say something.", "topic": "x"},
-                                             {"prompt": "Say more.", "topic": "y"}])
-    common = ["train", "--model", "tiny", "--task", "jsonl", "--group-size", "4", "--prompts-per-step", "2",
-              "--max-new-tokens", "4", "--lens-every", "0", "--no-progress", "--device", "cpu",
-              "--no-save-final-model"]
-    assert main(common + ["--dataset", chat, "--rewards", "capital", "by_step", "--max-steps", "2",
-                          "--out", str(tmp_path / "a")]) == 0
-    assert main(common + ["--dataset", plain, "--rewards", "reward_len", "--max-steps", "1",
-                          "--out", str(tmp_path / "b")]) == 0
+    chat = _jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"prompt": [{"role": "user", "content": "Capital of France?"}], "answer": "Paris"},
+            {"prompt": [{"role": "user", "content": "Capital of Peru?"}], "answer": "Lima"},
+        ],
+    )
+    plain = _jsonl(
+        tmp_path / "plain.jsonl", [{"prompt": "Say something.", "topic": "x"}, {"prompt": "Say more.", "topic": "y"}]
+    )
+    common = [
+        "train",
+        "--model",
+        "tiny",
+        "--task",
+        "jsonl",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--lens-every",
+        "0",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--no-save-final-model",
+    ]
+    assert (
+        main(
+            common
+            + ["--dataset", chat, "--rewards", "capital", "by_step", "--max-steps", "2", "--out", str(tmp_path / "a")]
+        )
+        == 0
+    )
+    assert (
+        main(common + ["--dataset", plain, "--rewards", "reward_len", "--max-steps", "1", "--out", str(tmp_path / "b")])
+        == 0
+    )
     seen = module.SEEN
     assert seen["capital"]["completion"][0]["role"] == "assistant"  # a message list for a chat prompt
     assert isinstance(seen["reward_len"]["completion"], str)  # a string for a string prompt
@@ -215,8 +256,9 @@ def test_case3_reserved_column_refused_before_anything_runs(tmp_path):
             get_task(path)
     path = _jsonl(tmp_path / "timeout.jsonl", [{"prompt": "q", "timeout_s": 3}])
     assert get_task(path).sample(1, 0)[0].columns() == {"timeout_s": 3}
-    rewards, valid, _ = combine_rewards([lambda completions, timeout_s, **kw: [float(t) for t in timeout_s]],
-                                        ["q"], ["a"], columns={"timeout_s": [3]})
+    rewards, valid, _ = combine_rewards(
+        [lambda completions, timeout_s, **kw: [float(t) for t in timeout_s]], ["q"], ["a"], columns={"timeout_s": [3]}
+    )
     assert rewards.tolist() == [3.0]
 
 
@@ -225,8 +267,9 @@ def test_case3_positional_form_still_works():
     the two lists by position, and a function without **kwargs gets only the names it declares."""
     from grpo_lens.rewards import call_reward_function
 
-    assert call_reward_function(lambda p, c, **k: [len(p), len(c), k["answer"][0]], ["q"], ["a"],
-                                columns={"answer": ["5"]}) == [1, 1, "5"]
+    assert call_reward_function(
+        lambda p, c, **k: [len(p), len(c), k["answer"][0]], ["q"], ["a"], columns={"answer": ["5"]}
+    ) == [1, 1, "5"]
     assert call_reward_function(lambda completions: [completions[0]], ["q"], ["a"], columns={"answer": ["5"]}) == ["a"]
 
 
@@ -249,15 +292,17 @@ def test_case4_nothing_scorable_is_refused_at_start(tmp_path):
 def test_case4_steps_without_a_scorable_rollout_stop_the_run(tmp_path):
     """A function that raises at every step: after max_consecutive_skips = 2 such steps the run stops with
     NoScorableRolloutError before step 2's checkpoint; reward/mean is null (not 0.0) in both records."""
-    config = tiny_config(tmp_path, rewards=["test_raises_in_training"], max_steps=4, max_consecutive_skips=2,
-                         checkpoint_every=1)
+    config = tiny_config(
+        tmp_path, rewards=["test_raises_in_training"], max_steps=4, max_consecutive_skips=2, checkpoint_every=1
+    )
     with pytest.raises(loop.NoScorableRolloutError, match="no rollout could be scored for 2 consecutive steps"):
         loop.train(config)
     run = loop.RunDir(config.out)
     records = run.read_metrics()
     assert [r["step"] for r in records] == [1, 2]
-    assert all(r["reward/mean"] is None and r["reward/std"] is None and r["reward/invalid_frac"] == 1.0
-               for r in records)
+    assert all(
+        r["reward/mean"] is None and r["reward/std"] is None and r["reward/invalid_frac"] == 1.0 for r in records
+    )
     assert run.latest_checkpoint().name == "step-000001"  # the last good state stays the last checkpoint
 
 
@@ -272,8 +317,9 @@ def test_case4_a_step_with_one_scorable_rollout_resets_the_count():
     assert state.guard["unscored"] == 1
     none = reward_metrics(torch.tensor([float("nan")] * 4), torch.zeros(4, dtype=torch.bool), 2)
     assert all(none[k] != none[k] for k in ("reward/mean", "reward/std", "reward/frac_zero_std_groups"))  # NaN
-    one = reward_metrics(torch.tensor([0.5, float("nan"), float("nan"), float("nan")]),
-                         torch.tensor([True, False, False, False]), 2)
+    one = reward_metrics(
+        torch.tensor([0.5, float("nan"), float("nan"), float("nan")]), torch.tensor([True, False, False, False]), 2
+    )
     assert one["reward/mean"] == 0.5 and one["reward/std"] == 0.0 and one["reward/invalid_frac"] == 0.75
 
 
@@ -298,9 +344,19 @@ def test_case6_mini_batches_whatever_the_groups_kept():
 def test_case6_dynamic_sampling_takes_mu_times_m_optimizer_steps(tmp_path):
     """B = 4 groups of R = 2 with coin-flip rewards and no extra rounds, so steps keep 0-4 mixed groups: every step
     takes mu M = 2 optimizer steps (main: [2, 3, 2, 3, ...] with 3 kept groups taking 3)."""
-    run = loop.train(tiny_config(tmp_path, rewards=["test_parity"], group_size=2, prompts_per_step=4,
-                                 num_mini_batches=2, dynamic_sampling=True, dynamic_sampling_max_rounds=0,
-                                 max_steps=4, learning_rate=1e-5))
+    run = loop.train(
+        tiny_config(
+            tmp_path,
+            rewards=["test_parity"],
+            group_size=2,
+            prompts_per_step=4,
+            num_mini_batches=2,
+            dynamic_sampling=True,
+            dynamic_sampling_max_rounds=0,
+            max_steps=4,
+            learning_rate=1e-5,
+        )
+    )
     records = run.read_metrics()
     assert [r["grad/optimizer_steps"] for r in records] == [2, 2, 2, 2]
     assert len({r["dynamic/mixed_groups"] for r in records}) > 1  # the kept count did vary
@@ -332,8 +388,24 @@ def test_case7_failed_starts_leave_out_untouched(tmp_path, monkeypatch):
     surrogate.write_text('{"prompt": "What is \\ud800 2 + 3?"}\n')
     reserved = _jsonl(tmp_path / "reserved.jsonl", [{"prompt": "q", "completions": "x"}])
     for data, why in ((str(surrogate), "lone surrogate"), (reserved, "collide with the keyword")):
-        code = main(["train", "--model", "tiny", "--task", "jsonl", "--dataset", data, "--rewards",
-                     "test_alternating", "--out", str(out), "--no-progress", "--device", "cpu"])
+        code = main(
+            [
+                "train",
+                "--model",
+                "tiny",
+                "--task",
+                "jsonl",
+                "--dataset",
+                data,
+                "--rewards",
+                "test_alternating",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
         assert code == 2 and not out.exists(), why
     plain = _jsonl(tmp_path / "plain.jsonl", [{"prompt": "2 + 3 ="}, {"prompt": "1 + 1 ="}])
     run = loop.train(tiny_config(tmp_path, task="jsonl", dataset=plain))
@@ -344,6 +416,7 @@ def test_case7_failed_starts_leave_out_untouched(tmp_path, monkeypatch):
 def test_case7_prompt_longer_than_the_context_is_refused(tmp_path, monkeypatch):
     """The constructed case (and item 9's 20,034-token prompt): a prompt that with max_new_tokens exceeds the model's
     positions is refused before --out exists, naming the row and both numbers."""
+
     def short_context(name, dtype, device):
         model, tokenizer = build_tiny_model()
         model.config.max_position_embeddings = 64
@@ -362,12 +435,15 @@ def test_case7_prompt_longer_than_the_context_is_refused(tmp_path, monkeypatch):
 GOOD = '{"step": 1, "reward/mean": 0.5}'
 
 
-@pytest.mark.parametrize("bad,why", [
-    ("5", "holds '5', which is not a record"),
-    ('{"step": null}', "'step' is None, not a step number"),
-    ('{"step": "2"}', "'step' is '2', not a step number"),
-    ('{"step": 2, "reward', "not valid JSON"),  # a torn line that is not the last
-])
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        ("5", "holds '5', which is not a record"),
+        ('{"step": null}', "'step' is None, not a step number"),
+        ('{"step": "2"}', "'step' is '2', not a step number"),
+        ('{"step": 2, "reward', "not valid JSON"),  # a torn line that is not the last
+    ],
+)
 def test_case8_one_reader_names_file_and_line(tmp_path, bad, why):
     """Every reader (resume, report, compare) goes through read_records, which names the file, the line and the fix
     (main: AttributeError / TypeError tracebacks, and compare named neither file nor line)."""
@@ -449,7 +525,9 @@ def test_case9_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
     assert cli.main(["train", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     # issue 32's wording: "disk full while writing FILE; nothing lost ...; free space ... and resume"
-    assert f"disk full while writing {tmp_path / 'metrics.jsonl'}; nothing lost" in err and "resume with --resume" in err
+    assert (
+        f"disk full while writing {tmp_path / 'metrics.jsonl'}; nothing lost" in err and "resume with --resume" in err
+    )
     assert "Traceback" not in err
 
 

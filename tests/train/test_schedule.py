@@ -30,10 +30,25 @@ LR0, STEPS, WARMUP = 1e-2, 6, 2
 
 
 def config(out, **overrides) -> TrainConfig:
-    values = dict(model="tiny", rewards=["test_parity"], group_size=2, prompts_per_step=2, max_new_tokens=4,
-                  max_steps=STEPS, learning_rate=LR0, lens_every=0, seed=0, device="cpu", out=str(out),
-                  progress=False, save_final_model=False, log_completions=0, checkpoint_every=3,
-                  lr_scheduler="cosine", warmup_steps=WARMUP)
+    values = dict(
+        model="tiny",
+        rewards=["test_parity"],
+        group_size=2,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        max_steps=STEPS,
+        learning_rate=LR0,
+        lens_every=0,
+        seed=0,
+        device="cpu",
+        out=str(out),
+        progress=False,
+        save_final_model=False,
+        log_completions=0,
+        checkpoint_every=3,
+        lr_scheduler="cosine",
+        warmup_steps=WARMUP,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -62,6 +77,7 @@ def test_cosine_schedule_with_warmup_and_resume_equal_the_unbroken_run(tmp_path,
     def kill_after_step_5(point, step, module=None):
         if point == "after_metrics_write" and step == 5:
             raise Killed  # the checkpoint of step 3 is the last one; step 4 and 5's records are redone
+
     monkeypatch.setattr(loop, "crash_point", kill_after_step_5)
     with pytest.raises(Killed):
         loop.train(config(tmp_path / "resumed"))
@@ -79,6 +95,7 @@ def test_linear_and_constant_schedules_and_a_warmup_share():
         c = TrainConfig(max_steps=4, learning_rate=1.0, **kw)
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=123.0)
         return [LRSchedule(opt, c).apply(s) for s in range(1, 5)]
+
     assert sequence(lr_scheduler="constant") == [1.0, 1.0, 1.0, 1.0]
     assert sequence(lr_scheduler="linear") == pytest.approx([1.0, 0.75, 0.5, 0.25])  # (S - i) / S
     # a share 0.3 of 4 steps -> ceil(1.2) = 2 warm-up steps: 0, 1/2, then constant (TRL's old warmup_ratio too)
@@ -102,8 +119,18 @@ def test_accuracy_interval_is_wilsons():
 def test_eval_every_writes_held_out_accuracy_at_due_steps(tmp_path, caplog):
     # a new user waited 2 minutes on a silent evaluation: it logs a line when it starts and its accuracy when done
     with caplog.at_level("INFO", logger="grpo_lens.train.evaluate"):
-        run = loop.train(config(tmp_path / "eval", max_steps=3, eval_every=2, eval_prompts=4, eval_samples=2,
-                                lr_scheduler="constant", warmup_steps=0, task_options={"max_operand": 3}))
+        run = loop.train(
+            config(
+                tmp_path / "eval",
+                max_steps=3,
+                eval_every=2,
+                eval_prompts=4,
+                eval_samples=2,
+                lr_scheduler="constant",
+                warmup_steps=0,
+                task_options={"max_operand": 3},
+            )
+        )
     said = [r.getMessage() for r in caplog.records if r.name == "grpo_lens.train.evaluate"]
     assert [m.split(":")[0] for m in said] == ["step 2", "step 2", "step 3", "step 3"]
     assert "evaluating the policy on 4 held-out prompts" in said[0] and "held-out greedy accuracy" in said[1]
@@ -111,8 +138,10 @@ def test_eval_every_writes_held_out_accuracy_at_due_steps(tmp_path, caplog):
     assert [r[STEP] for r in records if EVAL_GREEDY_ACCURACY in r] == [2, 3]  # every 2nd step and the last
     for r in records[1:]:
         assert r[EVAL_PROMPTS] == 4
-        for mid, lo, hi in ((EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI),
-                            (EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)):
+        for mid, lo, hi in (
+            (EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI),
+            (EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI),
+        ):
             assert 0 <= r[lo] <= r[mid] <= r[hi] <= 1 and r[hi] - r[lo] > 0.2  # 4 or 8 verdicts: a wide interval
 
 
@@ -125,6 +154,7 @@ def test_eval_split_must_exist(tmp_path):
 def test_no_progress_prints_one_compact_line_per_step():
     from grpo_lens.metrics import EVAL_GREEDY_ACCURACY, PERF_STEP_SECONDS, REWARD_MEAN
 
-    line = loop.step_line({STEP: 3, REWARD_MEAN: 0.25, LR: 5e-6, PERF_STEP_SECONDS: 3.21, EVAL_GREEDY_ACCURACY: 0.5},
-                          30)
+    line = loop.step_line(
+        {STEP: 3, REWARD_MEAN: 0.25, LR: 5e-6, PERF_STEP_SECONDS: 3.21, EVAL_GREEDY_ACCURACY: 0.5}, 30
+    )
     assert line == "step 3/30  reward 0.250  lr 5.00e-06  eval greedy 0.500  s 3.2"

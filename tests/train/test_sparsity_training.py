@@ -44,8 +44,9 @@ def test_top_energy_share_closed_form_and_weights():
     # the weighted value equals the value on the expanded vector, for random data
     g = torch.Generator().manual_seed(1)
     v, w = torch.randn(40, generator=g), torch.randint(1, 6, (40,), generator=g)
-    assert top_energy_share(v, w.double(), 0.1) == pytest.approx(top_energy_share(v.repeat_interleave(w), None, 0.1),
-                                                                 abs=0.02)
+    assert top_energy_share(v, w.double(), 0.1) == pytest.approx(
+        top_energy_share(v.repeat_interleave(w), None, 0.1), abs=0.02
+    )
 
 
 def test_bf16_rounding_cell_closed_form():
@@ -191,16 +192,26 @@ def test_grouped_fast_path_equals_the_reference_per_group(fresh_tiny_model_and_t
     sample = ParameterSample.build(model, size=5000, min_per_tensor=128, seed=1)
     before = sample.values()
     g = torch.Generator().manual_seed(4)
-    after = {n: v + torch.randn(v.shape, generator=g) * 1e-3 * (torch.rand(v.shape, generator=g) < 0.3)
-             for n, v in before.items()}
+    after = {
+        n: v + torch.randn(v.shape, generator=g) * 1e-3 * (torch.rand(v.shape, generator=g) < 0.3)
+        for n, v in before.items()
+    }
     fast = sampled_update_sparsity(sample, before, after)
     fast_vec = sampled_vector_sparsity(sample, {n: after[n] - before[n] for n in sample.names})
     for group, names in sample.groups().items():
         b = torch.cat([before[n] for n in names])
         a = torch.cat([after[n] for n in names])
         w = torch.cat([torch.full((len(before[n]),), sample.weight[n], dtype=torch.float64) for n in names])
-        rms = torch.cat([torch.full((len(before[n]),), float((after[n] - before[n]).double().square().mean().sqrt()),
-                                    dtype=torch.float64) for n in names])
+        rms = torch.cat(
+            [
+                torch.full(
+                    (len(before[n]),),
+                    float((after[n] - before[n]).double().square().mean().sqrt()),
+                    dtype=torch.float64,
+                )
+                for n in names
+            ]
+        )
         strata = torch.cat([torch.full((len(before[n]),), i, dtype=torch.long) for i, n in enumerate(names)])
         ref = update_sparsity(b, a, w, rms, strata)
         for k, v in ref.items():
@@ -225,8 +236,9 @@ def test_permutation_control_is_the_mean_over_within_tensor_permutations():
     ref = torch.empty(1200, dtype=torch.float64)
     for t in (0, 1):
         s = h == t
-        ref[s] = ((v[s][:, None] + d[s][None, :]).to(torch.bfloat16) == v[s][:, None].to(torch.bfloat16)
-                  ).double().mean(1)
+        ref[s] = (
+            ((v[s][:, None] + d[s][None, :]).to(torch.bfloat16) == v[s][:, None].to(torch.bfloat16)).double().mean(1)
+        )
     # equal up to ties at the cell's edges (float32 addition against the float64 cell): at most 1 count in 500
     assert float((got - ref).abs().max()) <= 2.5e-3 and float((got - ref).abs().mean()) < 1e-4
     assert float(got[:700].mean()) > 0.95 and float(got[700:].mean()) < 0.05
@@ -276,8 +288,9 @@ def test_stratified_se_against_the_design():
         stratified_mean_se(x, torch.rand(500, dtype=torch.float64) + 1, h)
 
 
-def test_lens_s4_sparsity_before_step_only_snapshots_and_numbers_are_unchanged(fresh_tiny_model_and_tokenizer,
-                                                                                monkeypatch):
+def test_lens_s4_sparsity_before_step_only_snapshots_and_numbers_are_unchanged(
+    fresh_tiny_model_and_tokenizer, monkeypatch
+):
     """Issue 21: the lens's before-step snapshot compared the whole model twice (numbers thrown away); it now only
     snapshots, and S4 after the step is what comparing-then-snapshotting gave."""
     from types import SimpleNamespace

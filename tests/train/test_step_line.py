@@ -26,7 +26,8 @@ def test_custom_reward_names_itself_and_the_task_accuracy():
     assert step_line(RECORD, 10, ["parity"]) == "step 3/10  reward (parity) 0.500  task accuracy 0.250  lr 1.00e-05"
     assert step_line(RECORD, 10, ["parity:2", "format"]) == (
         "step 3/10  reward (parity) 0.500  rewards/parity/mean 0.500  rewards/format/mean 0.400  task accuracy 0.250"
-        "  lr 1.00e-05")
+        "  lr 1.00e-05"
+    )
     note = accuracy_note(["parity:2", "correctness"])
     assert "parity" in note and "reward/accuracy" in note and "not the reward" in note
 
@@ -36,9 +37,20 @@ def test_training_logs_the_note_once(tmp_path, caplog):
     from grpo_lens.config import TrainConfig
     from grpo_lens.train.loop import train
 
-    config = TrainConfig(model="tiny", rewards=["test_parity"], group_size=2, prompts_per_step=2, max_new_tokens=4,
-                         max_steps=2, lens_every=0, device="cpu", out=str(tmp_path / "run"), progress=False,
-                         save_final_model=False, log_completions=0)
+    config = TrainConfig(
+        model="tiny",
+        rewards=["test_parity"],
+        group_size=2,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        max_steps=2,
+        lens_every=0,
+        device="cpu",
+        out=str(tmp_path / "run"),
+        progress=False,
+        save_final_model=False,
+        log_completions=0,
+    )
     with caplog.at_level(logging.INFO, logger="grpo_lens.train.loop"):
         train(config)
     lines = [r.getMessage() for r in caplog.records if r.name == "grpo_lens.train.loop"]

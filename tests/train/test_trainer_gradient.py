@@ -32,17 +32,37 @@ from grpo_lens.train.update import policy_update
 
 def _trainer_gradient(model, batch, advantages, mode):
     """The flat loss gradient policy_update computes before its (first and only) optimizer step."""
-    config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
-                         loss_aggregation=mode, num_mini_batches=1, mu=1, micro_batch_size=3, beta=0.0,
-                         max_grad_norm=0.0, progress=False)
+    config = TrainConfig(
+        model="tiny",
+        group_size=R,
+        prompts_per_step=B,
+        max_new_tokens=T,
+        temperature=TEMPERATURE,
+        loss_aggregation=mode,
+        num_mini_batches=1,
+        mu=1,
+        micro_batch_size=3,
+        beta=0.0,
+        max_grad_norm=0.0,
+        progress=False,
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     grads: list[torch.Tensor] = []
 
     def snapshot():
         grads.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
 
-    policy_update(model, torch.optim.SGD(params, lr=0.0), batch, advantages, None, config,
-                  Processes(0, 1, torch.device("cpu")), params, before_step=snapshot)
+    policy_update(
+        model,
+        torch.optim.SGD(params, lr=0.0),
+        batch,
+        advantages,
+        None,
+        config,
+        Processes(0, 1, torch.device("cpu")),
+        params,
+        before_step=snapshot,
+    )
     return grads[0].double()
 
 
@@ -54,15 +74,15 @@ def test_sum_of_weighted_rollout_terms_is_the_trainers_gradient(mode):
     batch, advantages, _ = build_batch(model)
     N = batch.num_rollouts
     want = _trainer_gradient(model, batch, advantages, mode)
-    omega = rollout_gradient_weights(batch.completion_mask, mode,
-                                     loss_normalizer(batch.completion_mask, mode, T))
+    omega = rollout_gradient_weights(batch.completion_mask, mode, loss_normalizer(batch.completion_mask, mode, T))
     rows = exact_rollout_grads(model, batch, score_weights=omega, temperature=TEMPERATURE).double()  # [N, P]
     got = -(advantages.double() @ rows) / N
     assert float((got - want).norm() / want.norm()) < 1e-5, mode
 
     # the sketch path (P = I: exact per-row weight gradients of every nn.Linear) sums to the same linear-weight part
-    sketch = sketch_rollout_grads(model, batch, projection="identity", score_weights=omega,
-                                     temperature=TEMPERATURE, dtype=torch.float64)
+    sketch = sketch_rollout_grads(
+        model, batch, projection="identity", score_weights=omega, temperature=TEMPERATURE, dtype=torch.float64
+    )
     slices = param_slices(model)
     for name in ("model.layers.0.mlp.down_proj", "lm_head"):
         key = name + ".weight"
@@ -103,8 +123,9 @@ def test_rollout_weights_reproduce_every_numerator():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("estimator,std", [("grpo", "sample"), ("grpo", "population"), ("dr_grpo", "sample"),
-                                           ("rloo", "sample")])
+@pytest.mark.parametrize(
+    "estimator,std", [("grpo", "sample"), ("grpo", "population"), ("dr_grpo", "sample"), ("rloo", "sample")]
+)
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
 def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     """TrainerLens.measure = mean over mixed groups of analyse_group on the same sketched rows; the identity uses the
@@ -118,9 +139,19 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # groups 0, 1, 3 mixed; group 2 all-equal
     valid = torch.ones(8, dtype=torch.bool)
     adv = compute_advantages(rewards.view(B, R), estimator, std=std, eps=1e-4).view(-1)
-    config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
-                         estimator=estimator, std=std, loss_aggregation=mode, sketch_dim=8, progress=False,
-                         gram_source="sketch")
+    config = TrainConfig(
+        model="tiny",
+        group_size=R,
+        prompts_per_step=B,
+        max_new_tokens=T,
+        temperature=TEMPERATURE,
+        estimator=estimator,
+        std=std,
+        loss_aggregation=mode,
+        sketch_dim=8,
+        progress=False,
+        gram_source="sketch",
+    )
     out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
     assert out["rank/mixed_groups"] == 3.0
     assert out["grad/identity_residual"] < 1e-5
@@ -128,18 +159,38 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     mixed = [0, 1, 3]
     idx = torch.tensor([b * R + i for b in mixed for i in range(R)])
     sub = batch.select(idx)
-    omega = rollout_gradient_weights(sub.completion_mask, mode, loss_normalizer(batch.completion_mask, mode, T),
-                                     float(batch.completion_mask.any(1).sum()))
-    sk = sketch_rollout_grads(model, sub, k_in=8, k_out=8, seed=config.seed, score_weights=omega,
-                                 temperature=TEMPERATURE).sketch.double()
-    rows = [analyse_group(gram_of(sk[j * R:(j + 1) * R]), rewards[b * R:(b + 1) * R].double(),
-                             adv[b * R:(b + 1) * R].double(), estimator=estimator, std=std, eps=1e-4,
-                             completion_mask=sub.completion_mask[j * R:(j + 1) * R],
-                             completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
-                             seed=config.seed + 3 * 1009 + b) for j, b in enumerate(mixed)]
+    omega = rollout_gradient_weights(
+        sub.completion_mask,
+        mode,
+        loss_normalizer(batch.completion_mask, mode, T),
+        float(batch.completion_mask.any(1).sum()),
+    )
+    sk = sketch_rollout_grads(
+        model, sub, k_in=8, k_out=8, seed=config.seed, score_weights=omega, temperature=TEMPERATURE
+    ).sketch.double()
+    rows = [
+        analyse_group(
+            gram_of(sk[j * R : (j + 1) * R]),
+            rewards[b * R : (b + 1) * R].double(),
+            adv[b * R : (b + 1) * R].double(),
+            estimator=estimator,
+            std=std,
+            eps=1e-4,
+            completion_mask=sub.completion_mask[j * R : (j + 1) * R],
+            completion_ids=sub.completion_ids[j * R : (j + 1) * R],
+            num_random=4,
+            seed=config.seed + 3 * 1009 + b,
+        )
+        for j, b in enumerate(mixed)
+    ]
     want = mean_over_groups(rows)
-    for key in ("rank/g1_erank", "rank/g1_null_erank", "baseline/m_correct", "grad/identity_constant",
-                "rank/g1_random_erank"):
+    for key in (
+        "rank/g1_erank",
+        "rank/g1_null_erank",
+        "baseline/m_correct",
+        "grad/identity_constant",
+        "rank/g1_random_erank",
+    ):
         assert out[key] == pytest.approx(want[key], rel=1e-9), key
 
 
@@ -158,25 +209,53 @@ def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # groups 0, 1, 3 mixed; group 2 all-equal
     valid = torch.ones(8, dtype=torch.bool)
     adv = compute_advantages(rewards.view(B, R), "grpo", std="sample", eps=1e-4).view(-1)
-    config = TrainConfig(model="tiny", group_size=R, prompts_per_step=B, max_new_tokens=T, temperature=TEMPERATURE,
-                         loss_aggregation=mode, std_eps=1e-4, progress=False)
+    config = TrainConfig(
+        model="tiny",
+        group_size=R,
+        prompts_per_step=B,
+        max_new_tokens=T,
+        temperature=TEMPERATURE,
+        loss_aggregation=mode,
+        std_eps=1e-4,
+        progress=False,
+    )
     assert config.gram_source == "exact"  # the default
     out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
     assert out["grad/gram_coverage"] == 1.0
     mixed = [0, 1, 3]
     idx = torch.tensor([b * R + i for b in mixed for i in range(R)])
     sub = batch.select(idx)
-    omega = rollout_gradient_weights(sub.completion_mask, mode, loss_normalizer(batch.completion_mask, mode, T),
-                                     float(batch.completion_mask.any(1).sum()))
+    omega = rollout_gradient_weights(
+        sub.completion_mask,
+        mode,
+        loss_normalizer(batch.completion_mask, mode, T),
+        float(batch.completion_mask.any(1).sum()),
+    )
     g = exact_rollout_grads(model, sub, score_weights=omega, temperature=TEMPERATURE).double()
-    rows = [analyse_group(gram_of(g[j * R:(j + 1) * R]), rewards[b * R:(b + 1) * R].double(),
-                          adv[b * R:(b + 1) * R].double(), estimator="grpo", std="sample", eps=1e-4,
-                          completion_mask=sub.completion_mask[j * R:(j + 1) * R],
-                          completion_ids=sub.completion_ids[j * R:(j + 1) * R], num_random=4,
-                          seed=config.seed + 3 * 1009 + b) for j, b in enumerate(mixed)]
+    rows = [
+        analyse_group(
+            gram_of(g[j * R : (j + 1) * R]),
+            rewards[b * R : (b + 1) * R].double(),
+            adv[b * R : (b + 1) * R].double(),
+            estimator="grpo",
+            std="sample",
+            eps=1e-4,
+            completion_mask=sub.completion_mask[j * R : (j + 1) * R],
+            completion_ids=sub.completion_ids[j * R : (j + 1) * R],
+            num_random=4,
+            seed=config.seed + 3 * 1009 + b,
+        )
+        for j, b in enumerate(mixed)
+    ]
     want = mean_over_groups(rows)
-    for key in ("rank/g1_erank", "rank/g1_null_erank", "baseline/m_correct", "grad/identity_constant",
-                "rank/g1_random_erank", "zero_sum/span_energy"):
+    for key in (
+        "rank/g1_erank",
+        "rank/g1_null_erank",
+        "baseline/m_correct",
+        "grad/identity_constant",
+        "rank/g1_random_erank",
+        "zero_sum/span_energy",
+    ):
         assert out[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
 
 

@@ -25,12 +25,25 @@ pytestmark = pytest.mark.e2e  # every test here builds a model or runs a command
 R = 4
 
 
-
 def tiny_config(tmp_path, name="run", **overrides) -> TrainConfig:
     """A one-step run of the tiny model: B = 2 prompts, R = 4, T_max = 4, every rollout logged."""
-    values = dict(model="tiny", task="arithmetic", rewards=["test_alternating"], group_size=R, prompts_per_step=2,
-                  max_new_tokens=4, max_steps=1, checkpoint_every=10, lens_every=0, progress=False, device="cpu",
-                  save_final_model=False, log_completions=2 * R, micro_batch_size=2 * R, seed=0)
+    values = dict(
+        model="tiny",
+        task="arithmetic",
+        rewards=["test_alternating"],
+        group_size=R,
+        prompts_per_step=2,
+        max_new_tokens=4,
+        max_steps=1,
+        checkpoint_every=10,
+        lens_every=0,
+        progress=False,
+        device="cpu",
+        save_final_model=False,
+        log_completions=2 * R,
+        micro_batch_size=2 * R,
+        seed=0,
+    )
     values.update(overrides)
     return TrainConfig(out=str(tmp_path / name), **values)
 
@@ -143,8 +156,10 @@ def test_step_gradient_does_not_depend_on_micro_batch_size(tmp_path):
     runs = {}
     for mbs in (1, 2 * R):
         lens = GradCapture()
-        run = train(tiny_config(tmp_path, f"mbs{mbs}", micro_batch_size=mbs, loss_aggregation=aggregation,
-                                learning_rate=1e-3), lens=lens)
+        run = train(
+            tiny_config(tmp_path, f"mbs{mbs}", micro_batch_size=mbs, loss_aggregation=aggregation, learning_rate=1e-3),
+            lens=lens,
+        )
         runs[mbs] = (lens.grads, final_params(run.path), read_jsonl(run.metrics_path)[0])
     (g1, p1, m1), (g8, p8, m8) = runs[1], runs[2 * R]
     assert m1["grad/norm"] > 0
