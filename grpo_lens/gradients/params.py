@@ -14,6 +14,7 @@ transpose in ``Conv1D``'s, so inner products, norms and singular values are the 
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Callable, Sequence
 
@@ -161,3 +162,10 @@ def param_slices(model: nn.Module, params: Sequence[str] | None = None) -> dict[
         out[name] = slice(start, start + p.numel())
         start += p.numel()
     return out
+
+
+def trainable_count(model: nn.Module) -> int:
+    """P: the number of trainable parameters of ``model`` (the dimension the exact per-rollout gradients g_i live in;
+    the claims' simulated null draws directions in R^P, docs/theory.md §11). Counts the whole model also when FSDP2
+    shards it: a DTensor's ``shape`` is the global one."""
+    return sum(math.prod(p.shape) for p in model.parameters() if p.requires_grad)

@@ -97,6 +97,7 @@ from grpo_lens.gradients.params import (
     linear_layer_names,
     param_slices,
     select_layers,
+    trainable_count,
 )
 from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.gradients.sketch import (
@@ -328,9 +329,7 @@ def group_row(
     # gram [R, R]: every per-group key is a function of it
     # P for the claims' simulated null (issue 29): the sketch's dimension, else every trainable parameter
     dim = (
-        g.shape[1]
-        if g is not None and not config.exact and config.gram_source != "exact"
-        else sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        g.shape[1] if g is not None and not config.exact and config.gram_source != "exact" else trainable_count(policy)
     )
     row = analyse_group(
         gram,

@@ -25,7 +25,6 @@ groups, gathers and averages.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -41,6 +40,7 @@ from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.overlong import overlong_loss_mask
 from grpo_lens.gradients.gram import MicroBatchGrams, exact_rollout_gram
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
+from grpo_lens.gradients.params import trainable_count
 from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.lora import is_lora
 from grpo_lens.metrics import (
@@ -100,12 +100,6 @@ def score_gram_from_update(gram: torch.Tensor, advantages: torch.Tensor, num_rol
     assert gram.shape == (a.numel(), a.numel()), (tuple(gram.shape), a.numel())
     c = torch.where(a != 0, -a / float(num_rollouts), torch.full_like(a, float("nan")))  # h_i = c_i g_i
     return gram.double() / (c[:, None] * c[None, :])
-
-
-def trainable_count(policy: torch.nn.Module) -> int:
-    """P: the number of trainable parameters of ``policy``, of the whole model also when FSDP2 shards it (a DTensor's
-    ``shape`` is the global one)."""
-    return sum(math.prod(p.shape) for p in policy.parameters() if p.requires_grad)
 
 
 class TrainerLens:
