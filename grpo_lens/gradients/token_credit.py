@@ -142,8 +142,7 @@ def prefix_values(
 ) -> tuple[Tensor, Tensor]:
     """V_hat(prefix) = mean reward of K continuations sampled from the prompt plus the first b tokens, per boundary.
 
-    Sampling uses the trainer's transforms only (temperature, top-k, top-p, as :func:`grpo_lens.rollout.sample_groups`)
-    with the remaining budget max_new_tokens - b; the full completion (prefix + continuation) is decoded and scored.
+    One rollout's :func:`prefix_values_many` (one ``generate`` call for every boundary).
 
     Args:
         prompt_ids: [Lp] unpadded prompt tokens.  completion_ids: [T'] the rollout's completion tokens (no padding).
@@ -152,39 +151,146 @@ def prefix_values(
 
     Returns:
         (values [n_b] float64, standard errors [n_b]: sample std / sqrt(K)).
-    """
 
-    if num_samples < 2:
-        raise ValueError(f"need K >= 2 continuations per prefix for a standard error, got {num_samples}")
+    Raises:
+        ValueError: K < 2, or a boundary outside [0, len(completion_ids)).
+    """
+    (out,) = prefix_values_many(
+        model,
+        tokenizer,
+        prompt_ids,
+        [completion_ids],
+        [boundaries],
+        score,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )
+    return out
+
+
+def prefix_values_many(
+    model: nn.Module,
+    tokenizer,
+    prompt_ids: Tensor | Sequence[Tensor],
+    completions: Sequence[Tensor],
+    boundaries: Sequence[Sequence[int]],
+    score: Callable[[list[str]], list[float]] | Sequence[Callable[[list[str]], list[float]]],
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_rows: int = 256,
+) -> list[tuple[Tensor, Tensor]]:
+    """V_hat(prefix) of every boundary of several rollouts (of one prompt or several), from batched ``generate`` calls.
+
+    Each prefix q_j + o_{j,<b} gets K continuations with the remaining budget max_new_tokens - b; sampling uses the
+    trainer's transforms only (temperature, top-k, top-p, as :func:`grpo_lens.rollout.sample_groups`). The prefixes
+    are left padded into batches of at most ``max_rows`` rows (K rows per prefix, never split), each sampled for
+    max_new_tokens - min b steps; each row's continuation is cut at its own budget (the first max_new_tokens - b
+    tokens of an autoregressive sample are a sample with that budget) and at its first EOS, and the full completion
+    (prefix + continuation) is decoded and scored by its rollout's ``score`` (one call per rollout).
+
+    Args:
+        prompt_ids: [Lp] unpadded prompt tokens shared by every rollout, or one [Lp_j] per rollout.
+        completions: n rollouts' completion tokens, each [T'_j] (no padding).
+        boundaries: per rollout, prefix lengths b (each in [0, T'_j); the complete rollout needs no sampling).
+        score: completions (decoded texts) -> rewards, shared or one per rollout.  num_samples: K >= 2.
+        seed: sampling seed (batch c of the call is seeded with seed + c).  max_rows: rows per ``generate`` call
+            (memory knob; at least K; the samples depend on it).
+
+    Returns:
+        per rollout, (values [n_b] float64, standard errors [n_b]: sample std / sqrt(K)).
+
+    Raises:
+        ValueError: K < 2, max_rows < K, a boundary outside [0, T'_j), or per-rollout lists of different lengths.
+    """
+    K = num_samples
+    if K < 2:
+        raise ValueError(f"need K >= 2 continuations per prefix for a standard error, got {K}")
+    if max_rows < K:
+        raise ValueError(f"max_rows = {max_rows} holds no prefix's K = {K} continuations: need max_rows >= K")
+    n = len(completions)
+    prompts = [prompt_ids] * n if isinstance(prompt_ids, Tensor) else list(prompt_ids)
+    scores = [score] * n if callable(score) else list(score)
+    if not len(prompts) == len(boundaries) == len(scores) == n:
+        raise ValueError(
+            f"{n} completions but {len(prompts)} prompts, {len(boundaries)} lists of boundaries, {len(scores)} scores"
+        )
+    prefixes: list[tuple[int, int, Tensor]] = []  # (rollout, b, prompt + completion[:b]), one per (rollout, boundary)
+    for j, (prompt, completion, bounds) in enumerate(zip(prompts, completions, boundaries)):
+        for b in bounds:
+            if not 0 <= b < len(completion):
+                raise ValueError(f"boundary {b} outside [0, {len(completion)}): the complete rollout needs no sampling")
+            prefixes.append((j, int(b), torch.cat([prompt.cpu(), completion[:b].cpu()])))
+    texts: list[list[str]] = [[] for _ in range(n)]  # per rollout, its prefixes' K completions in order
+    per_call = max_rows // K
+    for c, start in enumerate(range(0, len(prefixes), per_call)):
+        chunk = prefixes[start : start + per_call]
+        for (j, b, _), row_texts in zip(
+            chunk, _continue_prefixes(model, tokenizer, chunk, K, max_new_tokens, temperature, top_k, top_p, seed + c)
+        ):
+            head = completions[j][:b].tolist()
+            texts[j].extend(tokenizer.decode(head + cont, skip_special_tokens=True) for cont in row_texts)
+    results = []
+    for j in range(n):
+        rewards = torch.tensor([float(x) for x in scores[j](texts[j])], dtype=torch.float64)
+        rewards = rewards.view(len(boundaries[j]), K)
+        results.append((rewards.mean(1), rewards.std(1, unbiased=True) / math.sqrt(K)))
+    return results
+
+
+def _continue_prefixes(
+    model: nn.Module,
+    tokenizer,
+    prefixes: Sequence[tuple[int, int, Tensor]],
+    K: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+) -> list[list[list[int]]]:
+    """K sampled continuations of each (rollout, b, prefix tokens), left padded into one ``generate`` call; each cut
+    at its budget max_new_tokens - b and before its first EOS: per prefix, K token lists."""
     device = next(model.parameters()).device
     eos = _stop_token_ids(model, tokenizer)
-    values, errors = [], []
+    pad = int(tokenizer.pad_token_id)
+    width = max(len(seq) for _, _, seq in prefixes)
+    ids = torch.stack([torch.cat([seq.new_full((width - len(seq),), pad), seq]) for _, _, seq in prefixes])
+    mask = torch.stack([(torch.arange(width) >= width - len(seq)).long() for _, _, seq in prefixes])
+    ids, mask = ids.repeat_interleave(K, dim=0).to(device), mask.repeat_interleave(K, dim=0).to(device)
+    config = sampling_generation_config(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max(max_new_tokens - min(b for _, b, _ in prefixes), 1),
+        eos_token_ids=eos,
+        pad_token_id=pad,
+    )
+    config.output_scores = config.output_logits = False  # only the tokens are read
     was_training, own_config = model.training, getattr(model, "generation_config", None)
     model.eval()
     try:
         model.generation_config = GenerationConfig()  # as sample_groups: only our own sampling settings apply
-        for j, b in enumerate(boundaries):
-            prefix = torch.cat([prompt_ids.cpu(), completion_ids[:b].cpu()]).to(device)
-            ids = prefix.unsqueeze(0).repeat(num_samples, 1)
-            config = sampling_generation_config(
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                max_new_tokens=max(max_new_tokens - b, 1),
-                eos_token_ids=eos,
-                pad_token_id=int(tokenizer.pad_token_id),
-            )
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed * 7919 + j)
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-            texts = []
-            for row in out.sequences[:, len(prompt_ids) :].cpu().tolist():
-                cut = next((k for k, tok in enumerate(row) if tok in eos and k >= b), len(row))
-                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-            r = torch.tensor([float(x) for x in score(texts)], dtype=torch.float64)
-            values.append(float(r.mean()))
-            errors.append(float(r.std(unbiased=True)) / math.sqrt(num_samples))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     finally:
         model.generation_config = own_config
         model.train(was_training)
-    return torch.tensor(values, dtype=torch.float64), torch.tensor(errors, dtype=torch.float64)
+    sampled = out.sequences[:, width:].cpu().tolist()  # [n_prefix K, <= steps]
+    result = []
+    for p, (_, b, _) in enumerate(prefixes):
+        rows = []
+        for row in sampled[p * K : (p + 1) * K]:
+            cont = row[: max(max_new_tokens - b, 1)]
+            rows.append(cont[: next((k for k, tok in enumerate(cont) if tok in eos), len(cont))])
+        result.append(rows)
+    return result

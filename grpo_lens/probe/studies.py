@@ -38,7 +38,7 @@ from grpo_lens.formulas.losses import aggregation_rollout_weights
 from grpo_lens.formulas.sparsity import s1_predicted_outside_group
 from grpo_lens.formulas.stats import bootstrap_mean
 from grpo_lens.gradients.sketch import sketch_rollout_grads
-from grpo_lens.gradients.token_credit import prefix_values, signed_token_contributions
+from grpo_lens.gradients.token_credit import prefix_values_many, signed_token_contributions
 from grpo_lens.rewards import combine_rewards, score_batch
 from grpo_lens.rollout import sample_groups
 from grpo_lens.seeding import derive_seed
@@ -212,6 +212,47 @@ def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
     return [bootstrap_mean([r[b] for r in rows]) for b in range(len(rows[0]))]
 
 
+def monte_carlo_rows(
+    policy, tokenizer, picks: Sequence[tuple], *, mc_samples: int, seed: int, **sampling: Any
+) -> list[dict[str, Any]]:
+    """Monte Carlo segment advantages of the picked rollouts, every prefix of all of them sampled in shared
+    ``generate`` calls (:func:`grpo_lens.gradients.token_credit.prefix_values_many`).
+
+    Args:
+        picks: (prompt_ids [Lp], completion_ids [T'], boundaries, score, reward r_i, GRPO advantage A_i) per rollout.
+        mc_samples: K continuations per prefix.  seed: the calls' sampling seed.  sampling: max_new_tokens,
+            temperature, top_k, top_p.
+
+    Returns:
+        per rollout, {reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors} and
+        :func:`grpo_lens.formulas.credit.compare_with_uniform`'s keys (docs/theory.md §Token credit).
+    """
+    if not picks:
+        return []
+    prompts, completions, bounds, scores, rewards, advantages = zip(*picks)
+    estimates = prefix_values_many(
+        policy, tokenizer, prompts, completions, bounds, scores, num_samples=mc_samples, seed=seed, **sampling
+    )
+    rows = []
+    for completion, b, r, a, (values, errors) in zip(completions, bounds, rewards, advantages, estimates):
+        seg_adv, seg_err = segment_advantages(values, errors, r)
+        full = list(b) + [len(completion)]
+        lens = [full[k + 1] - full[k] for k in range(len(b))]
+        rows.append(
+            {
+                "reward": r,
+                "grpo_advantage": a,
+                "boundaries": full,
+                "values": values.tolist(),
+                "errors": errors.tolist(),
+                "advantages": seg_adv.tolist(),
+                "adv_errors": seg_err.tolist(),
+                **compare_with_uniform(seg_adv, seg_err, lens, a),
+            }
+        )
+    return rows
+
+
 def run_credit_study(
     policy,
     tokenizer,
@@ -255,7 +296,7 @@ def run_credit_study(
     t_start = time.perf_counter()
     R = group_size
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-    profiles, shares, shares_nll, closures, mc_rows = [], [], [], [], []
+    profiles, shares, shares_nll, closures, mc_picks = [], [], [], [], []
     analysed, sampled, draw = 0, 0, 0
     while analysed < groups and sampled < max_prompts:
         draw += 1
@@ -292,43 +333,24 @@ def run_credit_study(
             shares.append(sh)
             shares_nll.append(sh_nll)
             closures.append(abs(res["closure"]))
-            if len(mc_rows) < 2 * mc_groups:
+            if len(mc_picks) < 2 * mc_groups:  # its correct and its wrong rollout, sampled after the loop
                 prompt_ids = group.prompt_ids[0][group.prompt_mask[0].bool()]
                 score = _score_fn(reward_fns, batch.prompts[j], {k: vals[j] for k, vals in batch.extras.items()})
-                picks = [int(torch.nonzero(r == r.max())[0]), int(torch.nonzero(r == r.min())[0])]
-                for i in picks:
+                for i in (int(torch.nonzero(r == r.max())[0]), int(torch.nonzero(r == r.min())[0])):
                     completion = group.completion_ids[i][group.completion_mask[i]]
-                    bounds = segment_boundaries(len(completion), segments)[:-1]  # the complete rollout needs none
-                    values, errors = prefix_values(
-                        policy,
-                        tokenizer,
-                        prompt_ids,
-                        completion,
-                        bounds,
-                        score,
-                        num_samples=mc_samples,
-                        max_new_tokens=max_new_tokens,
-                        temperature=temperature,
-                        top_k=top_k,
-                        top_p=top_p,
-                        seed=s + j * 31 + i,
-                    )
-                    seg_adv, seg_err = segment_advantages(values, errors, float(r[i]))
-                    full = bounds + [len(completion)]
-                    lens = [full[k + 1] - full[k] for k in range(len(bounds))]
-                    cmp = compare_with_uniform(seg_adv, seg_err, lens, float(adv[i]))
-                    mc_rows.append(
-                        {
-                            "reward": float(r[i]),
-                            "grpo_advantage": float(adv[i]),
-                            "boundaries": full,
-                            "values": values.tolist(),
-                            "errors": errors.tolist(),
-                            "advantages": seg_adv.tolist(),
-                            "adv_errors": seg_err.tolist(),
-                            **cmp,
-                        }
-                    )
+                    bounds = segment_boundaries(len(completion), segments)[:-1]  # the whole rollout needs none
+                    mc_picks.append((prompt_ids, completion, bounds, score, float(r[i]), float(adv[i])))
+    mc_rows = monte_carlo_rows(
+        policy,
+        tokenizer,
+        mc_picks,
+        mc_samples=mc_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=derive_seed(seed, "monte carlo", group_size=R),
+    )
     class_summary, nll_summary = summarise_class_shares(shares, shares_nll)
     return {
         "contributions": {

@@ -19,6 +19,7 @@ from grpo_lens.formulas.credit import (
 )
 from grpo_lens.gradients.token_credit import (
     prefix_values,
+    prefix_values_many,
     signed_token_contributions,
     token_directional_derivatives,
 )
@@ -172,3 +173,82 @@ def test_prefix_values_on_the_tiny_model(model_group):
         max_new_tokens=6,
     )
     assert v.tolist() == [1.0]
+
+
+class _IdsTokenizer:
+    """The tiny tokenizer, decoding to the token ids themselves ("5 17 3"): the test can count what was sampled."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.mark.e2e
+def test_prefix_values_many_cuts_each_prefix_at_its_own_budget(model_group):
+    # Two rollouts' prefixes in one generate call: b = 0 gets 6 new tokens, b = 3 the remaining 6 - 3 = 3, each
+    # completion (prefix + continuation) at most max_new_tokens = 6 tokens; a row not cut at its budget would read
+    # 3 + 6 = 9 ids, one cut at the smallest budget would never reach 6 ids at b = 0.
+    model, tok, group = model_group
+    prompt = group.prompt_ids[0][group.prompt_mask[0].bool()]
+    completions = [group.completion_ids[i][group.completion_mask[i]] for i in (0, 1)]
+    seen: list[list[int]] = []
+
+    def score(texts):
+        seen.extend([int(x) for x in t.split()] for t in texts)
+        return [1.0] * len(texts)
+
+    out = prefix_values_many(
+        model, _IdsTokenizer(tok), prompt, completions, [[0, 3], [3]], score, num_samples=4, max_new_tokens=6, seed=1
+    )
+    assert [v.tolist() for v, _ in out] == [[1.0, 1.0], [1.0]]
+    assert len(seen) == 3 * 4  # one score call, prefixes in order: (0, b=0), (0, b=3), (1, b=3), K = 4 rows each
+    assert all(len(ids) <= 6 for ids in seen)
+    for n in range(4, 8):
+        assert seen[n][:3] == completions[0][:3].tolist()
+    for n in range(8, 12):
+        assert seen[n][:3] == completions[1][:3].tolist()
+    # the b = 0 rows ran their whole budget unless they met EOS
+    assert any(len(ids) == 6 for ids in seen[:4])  # seed 1: no b = 0 row meets EOS before its budget
+    with pytest.raises(ValueError, match="boundary 6 outside"):
+        prefix_values_many(model, tok, prompt, completions[:1], [[6]], score, num_samples=2, max_new_tokens=6)
+
+
+@pytest.mark.e2e
+def test_prefix_values_many_keeps_each_rollouts_prompt_and_score(model_group):
+    # Rollouts of two prompts (the second prompt is the first one's tokens reversed) in calls of max_rows = 8 rows
+    # (two prefixes of K = 4 per call, three calls): each rollout's K continuations reach its own score (1 for the
+    # first, 0 for the second), so the values are exactly [1, 1] and [0]; a mixed-up row or score would break them.
+    model, tok, group = model_group
+    prompt = group.prompt_ids[0][group.prompt_mask[0].bool()]
+    completions = [group.completion_ids[i][group.completion_mask[i]] for i in (0, 1)]
+    calls = []
+
+    def constant(value):
+        def score(texts):
+            calls.append(len(texts))
+            return [value] * len(texts)
+
+        return score
+
+    out = prefix_values_many(
+        model,
+        tok,
+        [prompt, prompt.flip(0)],
+        completions,
+        [[0, 2], [1]],
+        [constant(1.0), constant(0.0)],
+        num_samples=4,
+        max_new_tokens=6,
+        max_rows=8,
+    )
+    assert [v.tolist() for v, _ in out] == [[1.0, 1.0], [0.0]]
+    assert calls == [8, 4]  # one score call per rollout: 2 prefixes x K, 1 prefix x K
+    with pytest.raises(ValueError, match="max_rows = 3"):
+        prefix_values_many(
+            model, tok, prompt, completions[:1], [[0]], constant(1.0), num_samples=4, max_new_tokens=6, max_rows=3
+        )
