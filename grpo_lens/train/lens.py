@@ -26,7 +26,7 @@ groups, gathers and averages.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,9 +51,13 @@ from grpo_lens.metrics import (
     RANK_MIXED_GROUPS,
 )
 from grpo_lens.rollout import RolloutBatch
+from grpo_lens.train.lens_settings import LensSettings, as_lens_settings
 from grpo_lens.train.processes import gather_objects
 from grpo_lens.train.sharding import is_sharded
 from grpo_lens.train.sparsity import Bf16UpdateTracker, SparsityOverTraining
+
+if TYPE_CHECKING:
+    from grpo_lens.config import TrainConfig
 
 
 def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_rollouts: float) -> torch.Tensor:
@@ -107,8 +111,12 @@ class TrainerLens:
 
     Args:
         policy: the model being trained.
-        config: a :class:`grpo_lens.config.TrainConfig` (uses sketch_dim, seed, std, std_eps, temperature, top_k,
-            top_p).
+        config: the lens's :class:`grpo_lens.train.lens_settings.LensSettings` (a
+            :class:`grpo_lens.config.TrainConfig` is converted with
+            :meth:`~grpo_lens.train.lens_settings.LensSettings.from_train_config`); kept as ``self.settings``.
+
+    Raises:
+        TypeError: ``config`` is neither (:func:`grpo_lens.train.lens_settings.as_lens_settings`).
 
     Metric keys written (named in :mod:`grpo_lens.metrics`, documented in docs/metrics.md):
     ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,
@@ -119,10 +127,11 @@ class TrainerLens:
     ``grad/identity_*``, ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
 
-    def __init__(self, policy: torch.nn.Module, config: Any):
-        self.config = config
+    def __init__(self, policy: torch.nn.Module, config: LensSettings | TrainConfig):
+        self.settings = as_lens_settings(config)
         self.tracker = Bf16UpdateTracker(policy, device="cpu")  # start = the weights before any step
-        self.sparsity = SparsityOverTraining(policy, seed=config.seed)  # a fixed sample; start = the same weights
+        # a fixed sample; start = the same weights
+        self.sparsity = SparsityOverTraining(policy, seed=self.settings.seed)
         self._pending = False
         self._sparsity_seconds = 0.0
 
@@ -155,7 +164,7 @@ class TrainerLens:
         on-policy pass of the update, whose sketched loss-gradient rows then give the g_i without a pass of the
         lens's own (:func:`scores_from_update_rows`). Marks the step as measured for the S4 snapshots."""
         self._pending = True
-        return GradientCapture(policy, self.config.sketch_dim, self.config.sketch_dim, seed=self.config.seed)
+        return GradientCapture(policy, self.settings.sketch_dim, self.settings.sketch_dim, seed=self.settings.seed)
 
     def update_gram_capture(
         self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor, R: int
@@ -187,7 +196,7 @@ class TrainerLens:
         """:meth:`measure` from what ``capture`` took in the update's first pass: the exact Gram
         (:class:`MicroBatchGrams`, :func:`score_gram_from_update`) or the sketched rows (:class:`GradientCapture`,
         :func:`scores_from_update_rows`); N, the rollouts in the loss, summed over processes."""
-        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, self.config.overlong)
+        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, self.settings.overlong)
         n_total = sum(gather_objects(float(loss_mask.any(dim=1).sum())))
         if isinstance(capture, MicroBatchGrams):
             gram, info = capture.gram()
@@ -238,7 +247,7 @@ class TrainerLens:
             {key: float}; the same numbers on every process.
         """
         t0 = time.perf_counter()
-        c = self.config
+        c = self.settings
         R = batch.group_size
         r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
         v = valid.view(-1, R).cpu()
@@ -321,23 +330,22 @@ class TrainerLens:
         ``gram_source: exact`` without LoRA: the exact Gram of every parameter from one batched backward
         (:func:`grpo_lens.gradients.gram.exact_rollout_gram`; coverage = its share of the trainable parameters).
         Otherwise G G^T of :meth:`rollout_grads` (coverage None: the sketch's share is measured by the probe)."""
-        c = self.config
-        # a settings object without the field keeps the sketch (the TRL integration's has it: lens_gram_source)
-        if getattr(c, "gram_source", "sketch") == "exact" and not is_lora(policy):
+        c = self.settings
+        if c.gram_source == "exact" and not is_lora(policy):
             gram, info = exact_rollout_gram(policy, sub, score_weights=omega, temperature=c.temperature)
             return gram, info["coverage"], trainable_count(policy)
         grads = self.rollout_grads(policy, sub, omega).cpu()
         return grads @ grads.T, None, grads.shape[1]
 
     def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
-        """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.
+        """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``settings.lens_space`` names.
 
         ``omega`` [n]: the loss aggregation's weights of each rollout's log-prob sum (docs/theory.md §3). Without LoRA:
         sketched gradients of every linear layer (K = layers * sketch_dim^2). With LoRA see
         :func:`grpo_lens.lora.lora_rollout_grads` (``trainable``: the adapter's parameters, exact; ``full``: the
         frozen base linear weights, sketched).
         """
-        c = self.config
+        c = self.settings
         if is_lora(policy):
             return lora_rollout_grads(
                 policy, sub, c.lens_space, k=c.sketch_dim, seed=c.seed, score_weights=omega, temperature=c.temperature
