@@ -50,6 +50,7 @@ from grpo_lens.metrics import (
     PERF_LENS_SPARSITY_SECONDS,
     RANK_MIXED_GROUPS,
 )
+from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.train.lens_settings import LensSettings, as_lens_settings
 from grpo_lens.train.processes import gather_objects
@@ -70,11 +71,11 @@ def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_ro
     update). The sketch is linear, so the same holds row by row.
 
     Args:
-        rows: [N_local, K] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
+        rows: [N_local, P_s] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
         advantages: [N_local] A_i.   num_rollouts: N, the rollouts in the loss summed over processes.
 
     Returns:
-        [N_local, K] float64: -N row_i / A_i; rows with A_i = 0 are 0 (their gradient cannot be read off; the trainer
+        [N_local, P_s] float64: -N row_i / A_i; rows with A_i = 0 are 0 (their gradient cannot be read off; the trainer
         uses this only when every analysed group's advantages are nonzero).
     """
     a = advantages.to(device=rows.device, dtype=torch.float64)
@@ -148,15 +149,16 @@ class TrainerLens:
             self.sparsity.load_state_dict(state["grad_sum"])
 
     @staticmethod
-    def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> list[int]:
+    @renamed_keywords(R="group_size")
+    def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> list[int]:
         """Indices of the groups the lens analyses: every rollout valid and reward contrast (not
         :func:`grpo_lens.formulas.advantages.constant_groups`).
 
         Args:
-            rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
+            rewards: [N] (NaN where invalid).   valid: [N] bool.   group_size: R, rollouts per group.
         """
-        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
-        v = valid.view(-1, R).cpu()
+        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size).cpu()
+        v = valid.view(-1, group_size).cpu()
         return (v.all(dim=1) & ~constant_groups(r, v)).nonzero().flatten().tolist()
 
     def update_capture(self, policy: torch.nn.Module) -> GradientCapture:
@@ -166,8 +168,9 @@ class TrainerLens:
         self._pending = True
         return GradientCapture(policy, self.settings.sketch_dim, self.settings.sketch_dim, seed=self.settings.seed)
 
+    @renamed_keywords(R="group_size")
     def update_gram_capture(
-        self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor, R: int
+        self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor, group_size: int
     ) -> MicroBatchGrams:
         """The :class:`MicroBatchGrams` for the trainer to open around the update's first pass (each micro-batch),
         whose exact Gram of the mixed groups' loss-gradient rows then gives the lens's Gram without a pass of its
@@ -175,12 +178,12 @@ class TrainerLens:
         measured for the S4 snapshots.
 
         Args:
-            rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
+            rewards: [N] (NaN where invalid).   valid: [N] bool.   group_size: R, rollouts per group.
         """
         self._pending = True
         rows = torch.zeros(rewards.numel(), dtype=torch.bool)
-        for b in self.mixed_groups(rewards, valid, R):
-            rows[b * R : (b + 1) * R] = True
+        for b in self.mixed_groups(rewards, valid, group_size):
+            rows[b * group_size : (b + 1) * group_size] = True
         return MicroBatchGrams(policy, rewards.numel(), rows=rows)
 
     def measure_from_update(
@@ -236,7 +239,7 @@ class TrainerLens:
         Args:
             batch: this process's N = B*R rollouts.  rewards: [N] (NaN where invalid).  valid: [N] bool.
             advantages: [N], the advantages the update uses.
-            sketch: [N, K] sketched g_i of every rollout, already computed at the step's starting weights (from the
+            sketch: [N, P_s] sketched g_i of every rollout, already computed at the step's starting weights (from the
                 update's first pass, :func:`scores_from_update_rows`); None runs the lens's own batched
                 forward + backward over the mixed groups, which must then happen before the update.
             gram: ([N, N] exact score Gram of this process's rollouts, its info with ``coverage`` and
@@ -286,9 +289,9 @@ class TrainerLens:
                 gram, cov, dim = self.rollout_gram(policy, sub, omega)  # [n_mixed * R, n_mixed * R] on the CPU
                 coverage += [cov] if cov is not None else []
             else:
-                grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
+                grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, P_s]
                 gram = grads @ grads.T
-                dim = grads.shape[1]  # the sketch's K
+                dim = grads.shape[1]  # the sketch's P_s
             # dim: P for the claims' simulated null (issue 29), the dimension of the space the Gram's gradients live in
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
@@ -325,7 +328,7 @@ class TrainerLens:
         self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor
     ) -> tuple[torch.Tensor, float | None, int]:
         """(Gram [n, n] float64 on the CPU of ``sub``'s per-rollout gradients, its parameter coverage or None, the
-        dimension P of the space the gradients live in: every trainable parameter, or the sketch's K).
+        dimension P of the space the gradients live in: every trainable parameter, or the sketch's P_s).
 
         ``gram_source: exact`` without LoRA: the exact Gram of every parameter from one batched backward
         (:func:`grpo_lens.gradients.gram.exact_rollout_gram`; coverage = its share of the trainable parameters).
@@ -338,17 +341,24 @@ class TrainerLens:
         return grads @ grads.T, None, grads.shape[1]
 
     def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
-        """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``settings.lens_space`` names.
+        """Per-rollout gradients g_i [n, P_s] (or [n, P_adapter]) float64 of ``sub``'s rollouts in the space
+        ``settings.lens_space`` names.
 
         ``omega`` [n]: the loss aggregation's weights of each rollout's log-prob sum (docs/theory.md §3). Without LoRA:
-        sketched gradients of every linear layer (K = layers * sketch_dim^2). With LoRA see
-        :func:`grpo_lens.lora.lora_rollout_grads` (``trainable``: the adapter's parameters, exact; ``full``: the
-        frozen base linear weights, sketched).
+        sketched gradients of every linear layer (P_s = layers * d_s^2, d_s = ``sketch_dim``). With LoRA see
+        :func:`grpo_lens.gradients.lora_spaces.lora_rollout_grads` (``trainable``: the adapter's parameters, exact;
+        ``full``: the frozen base linear weights, sketched).
         """
         c = self.settings
         if is_lora(policy):
             return lora_rollout_grads(
-                policy, sub, c.lens_space, k=c.sketch_dim, seed=c.seed, score_weights=omega, temperature=c.temperature
+                policy,
+                sub,
+                c.lens_space,
+                sketch_dim=c.sketch_dim,
+                seed=c.seed,
+                score_weights=omega,
+                temperature=c.temperature,
             ).double()
         return sketch_rollout_grads(
             policy,
