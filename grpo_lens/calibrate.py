@@ -77,6 +77,7 @@ from grpo_lens.metrics import (
     ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS,
     ZERO_SUM_UNIT_SPAN_ENERGY_NULL,
 )
+from grpo_lens.registry import renamed_keywords
 
 #: the default probe's mixed groups per R (README: 28 and 22 of the 32 and 24 prompts for R = 4 and 8)
 DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
@@ -216,8 +217,9 @@ class CalibrationConfig:
 # ---------------------------------------------------------------------------------------------------------------------
 # planted groups
 # ---------------------------------------------------------------------------------------------------------------------
+@renamed_keywords(r="group_size")
 def planted_group(
-    family: str, r: int, dim: int, gen: torch.Generator, noise: float | None = None
+    family: str, group_size: int, dim: int, gen: torch.Generator, noise: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One group of ``family`` (:data:`FAMILIES`): (Gram matrix [R, R] of its g_i in R^dim, rewards [R]),
     k ~ U{1..R-1} correct first; ``noise`` overrides the noise share (the boundary family's tuned share).
@@ -229,16 +231,16 @@ def planted_group(
     Raises:
         ValueError: an unknown family.
     """
-    k = int(torch.randint(1, r, (1,), generator=gen))
-    rewards = (torch.arange(r) < k).double()
+    k = int(torch.randint(1, group_size, (1,), generator=gen))
+    rewards = (torch.arange(group_size) < k).double()
     labels = rewards == 1
     if re.fullmatch(r"bn?\d+(\.\d+)?", family):
         if family.startswith("bn"):
             norms = torch.where(labels, 1.0, float(family[2:])).double()
         else:
-            norms = torch.exp(float(family[1:]) * torch.randn(r, generator=gen, dtype=torch.float64))
-        return wishart(r, dim, 1, gen)[0] / dim * torch.outer(norms, norms), rewards
-    scale = torch.ones(r, dtype=torch.float64)
+            norms = torch.exp(float(family[1:]) * torch.randn(group_size, generator=gen, dtype=torch.float64))
+        return wishart(group_size, dim, 1, gen)[0] / dim * torch.outer(norms, norms), rewards
+    scale = torch.ones(group_size, dtype=torch.float64)
     if family == "boundary":
         if noise is None:
             raise ValueError("the boundary family needs its tuned noise share (boundary_noise)")
@@ -260,9 +262,9 @@ def planted_group(
             f"n<w>_<f>, r1_<f>, b<s>, bn<w>)"
         )
     if family == "c_lr2":
-        b = torch.randn(r, 2, generator=gen, dtype=torch.float64) / math.sqrt(2)
+        b = torch.randn(group_size, 2, generator=gen, dtype=torch.float64) / math.sqrt(2)
     elif c is None:  # one shared direction
-        b = torch.ones(r, 1, dtype=torch.float64)
+        b = torch.ones(group_size, 1, dtype=torch.float64)
     else:
         b = torch.where(
             labels[:, None],
@@ -271,25 +273,29 @@ def planted_group(
         )
     sigma = math.sqrt(f / (1 - f))
     q = b.shape[1]
-    y = torch.randn(r, q, generator=gen, dtype=torch.float64) / math.sqrt(dim)
-    wn = wishart(r, dim - q, 1, gen)[0] / dim
+    y = torch.randn(group_size, q, generator=gen, dtype=torch.float64) / math.sqrt(dim)
+    wn = wishart(group_size, dim - q, 1, gen)[0] / dim
     by = b @ y.T
     gram = b @ b.T + sigma * (by + by.T) + sigma**2 * (y @ y.T + wn)
     return gram * torch.outer(scale, scale), rewards
 
 
 def _advantages(rewards: torch.Tensor) -> torch.Tensor:
-    r = rewards.shape[0]
-    return grpo_advantages(rewards[None], torch.ones(1, r, dtype=torch.bool))[0]
+    R = rewards.shape[0]
+    return grpo_advantages(rewards[None], torch.ones(1, R, dtype=torch.bool))[0]
 
 
+@renamed_keywords(r="group_size")
 def population_shares(
-    family: str, r: int, noise: float | None = None, size: int = 1500, seed: int = 99
+    family: str, group_size: int, noise: float | None = None, size: int = 1500, seed: int = 99
 ) -> tuple[float, float]:
     """(E₂, E₁): the population means over ``size`` planted groups of G1's top-2 and top-1 energy shares."""
     gen = torch.Generator().manual_seed(seed)
     grams, advs = zip(
-        *((g, _advantages(rw)) for g, rw in (planted_group(family, r, PLANTED_DIM, gen, noise) for _ in range(size)))
+        *(
+            (g, _advantages(rw))
+            for g, rw in (planted_group(family, group_size, PLANTED_DIM, gen, noise) for _ in range(size))
+        )
     )
     a = torch.stack(advs)  # [size, R]
     lam = torch.linalg.eigvalsh(torch.stack(grams) * a[:, :, None] * a[:, None, :]).clamp(min=0).flip(-1)
@@ -297,27 +303,29 @@ def population_shares(
     return float(((lam[:, 0] + lam[:, 1]) / total).mean()), float((lam[:, 0] / total).mean())
 
 
-def boundary_noise(r: int, target: float = 0.9, size: int = 1000) -> float:
+@renamed_keywords(r="group_size")
+def boundary_noise(group_size: int, target: float = 0.9, size: int = 1000) -> float:
     """The noise share f of rank 2 + noise whose population E₂ is ``target`` (bisection, common random numbers)."""
     lo, hi = 0.0, 0.6
     for _ in range(11):
         mid = 0.5 * (lo + hi)
-        if population_shares("boundary", r, mid, size=size)[0] > target:
+        if population_shares("boundary", group_size, mid, size=size)[0] > target:
             lo = mid
         else:
             hi = mid
     return 0.5 * (lo + hi)
 
 
+@renamed_keywords(r="group_size")
 def analysed_pool(
-    family: str, r: int, size: int, dim: int, seed: int, noise: float | None = None
+    family: str, group_size: int, size: int, dim: int, seed: int, noise: float | None = None
 ) -> list[dict[str, float]]:
     """``size`` planted groups of ``family`` through :func:`grpo_lens.analysis.group.analyse_group` (the product's
     per-group path; GRPO advantages with the trainer's defaults; ``null_dim`` = dim)."""
     gen = torch.Generator().manual_seed(seed)
     return [
         analyse_group(g, rw, _advantages(rw), null_dim=dim, num_random=1, seed=seed + i)
-        for i, (g, rw) in enumerate(planted_group(family, r, dim, gen, noise) for _ in range(size))
+        for i, (g, rw) in enumerate(planted_group(family, group_size, dim, gen, noise) for _ in range(size))
     ]
 
 
@@ -325,13 +333,14 @@ def analysed_pool(
 _SUMMARY_KEYS = (ZERO_SUM_SPAN_ENERGY, ZERO_SUM_COS_GAP_EXCESS)
 
 
-def probe_of(groups_by_r: dict[int, list[dict[str, float]]], dim: int | None = None) -> dict[str, Any]:
+@renamed_keywords(groups_by_r="groups_by_size")
+def probe_of(groups_by_size: dict[int, list[dict[str, float]]], dim: int | None = None) -> dict[str, Any]:
     """A probe.json-shaped dict of per-group rows (exact gradients), as :func:`grpo_lens.probe.run` writes it."""
     return {
         "meta": {"gradients": "exact", "parameters": dim},
         "per_group_size": {
-            str(r): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows, keys=_SUMMARY_KEYS)}
-            for r, rows in groups_by_r.items()
+            str(R): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows, keys=_SUMMARY_KEYS)}
+            for R, rows in groups_by_size.items()
         },
     }
 
@@ -366,29 +375,29 @@ def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -
     index = list(FAMILIES).index(fam) if fam in FAMILIES else len(FAMILIES)
     gen = torch.Generator().manual_seed(config.seed + 7919 * (index + 1))
     pools, shares, thetas = {}, {}, {}
-    for r in config.group_sizes:
-        pools[r] = analysed_pool(fam, r, config.pool, PLANTED_DIM, config.seed + 1000 * r, noise.get(r))
-        shares[r] = population_shares(fam, r, noise.get(r))
-        thetas[r] = _theta(pools[r])
+    for R in config.group_sizes:
+        pools[R] = analysed_pool(fam, R, config.pool, PLANTED_DIM, config.seed + 1000 * R, noise.get(R))
+        shares[R] = population_shares(fam, R, noise.get(R))
+        thetas[R] = _theta(pools[R])
     # the boundary's E₂ = 0.9 is not above 0.9: not rank 2 by definition
     rank2 = has_rank2_signal(fam) and fam != "boundary" and all(e2 > 0.9 > e1 for e2, e1 in shares.values())
     labels = label_directions(fam) and all(th >= NEGLIGIBLE_SHARE for th in thetas.values())
-    pop = "; ".join(f"R = {r}: E₂ {e2:.3f}, E₁ {e1:.3f}, θ {thetas[r]:.3f}" for r, (e2, e1) in shares.items())
+    pop = "; ".join(f"R = {R}: E₂ {e2:.3f}, E₁ {e1:.3f}, θ {thetas[R]:.3f}" for R, (e2, e1) in shares.items())
     if fam == "boundary":
-        pop += "; noise shares " + ", ".join(f"{noise[r]:.3f} (R = {r})" for r in config.group_sizes)
+        pop += "; noise shares " + ", ".join(f"{noise[R]:.3f} (R = {R})" for R in config.group_sizes)
     out = []
     for cell in config.group_cells:
-        ns = {r: GROUP_CELLS[cell].get(r, cell) for r in config.group_sizes}
+        ns = {R: GROUP_CELLS[cell].get(R, cell) for R in config.group_sizes}
         rank_v, zs_v = [], []
         for _ in range(config.trials):
-            p = probe_of({r: _draw(pools[r], ns[r], gen) for r in config.group_sizes}, PLANTED_DIM)
+            p = probe_of({R: _draw(pools[R], ns[R], gen) for R in config.group_sizes}, PLANTED_DIM)
             rank_v += [c.verdict for c in CLAIMS.get("erank_near_two")(p)]
             zs_v += [c.verdict for c in CLAIMS.get("zero_sum_rank_two")(p)]
         base = {
             "family": fam,
             "R": "/".join(map(str, config.group_sizes)),
             "n": cell,
-            "groups": " / ".join(str(ns[r]) for r in config.group_sizes),
+            "groups": " / ".join(str(ns[R]) for R in config.group_sizes),
             "unit": "groups per R",
             "population": pop,
         }
@@ -400,7 +409,7 @@ def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -
 def calibrate_group_rules(config: CalibrationConfig, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Rows of the rank rule and the mechanism rule over the planted families: one truth per family and claim; the
     families run on ``config.workers`` processes."""
-    noise = {r: boundary_noise(r) for r in config.group_sizes} if "boundary" in config.families else {}
+    noise = {R: boundary_noise(R) for R in config.group_sizes} if "boundary" in config.families else {}
     out: list[dict[str, Any]] = []
     if config.workers > 1 and len(config.families) > 1:
         import multiprocessing
@@ -465,7 +474,7 @@ def _sparsity_records(kind: str, phi: float, gen: torch.Generator, size: int = 4
 
 
 def _s1_records(
-    kind: str, phi: float, gen: torch.Generator, steps: int = 30, groups: int = 4, r: int = 8
+    kind: str, phi: float, gen: torch.Generator, steps: int = 30, groups: int = 4, group_size: int = 8
 ) -> list[dict[str, float]]:
     """Records of S1 per step: ``groups`` prompts per step with success rates p = Φ(mean + 0.8 z_t + 0.6 e) over an
     AR(1) z_t of correlation φ between steps (the model's accuracy drifting) and a per-prompt e; "rising" pushes
@@ -477,9 +486,12 @@ def _s1_records(
         e = torch.randn(groups, generator=gen, dtype=torch.float64)
         lat = mu + (0.8 * z[step - 1] if kind == "ar" else 0.0) + (0.6 if kind == "ar" else 1.0) * e
         p = torch.special.ndtr(lat)
-        correct = (torch.rand(groups, r, generator=gen, dtype=torch.float64) < p[:, None]).sum(1)
+        correct = (torch.rand(groups, group_size, generator=gen, dtype=torch.float64) < p[:, None]).sum(1)
         recs.append(
-            {STEP: float(step), REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == r)).double().mean())}
+            {
+                STEP: float(step),
+                REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == group_size)).double().mean()),
+            }
         )
     return recs
 
@@ -666,13 +678,15 @@ def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     return out
 
 
-def _mc_rollout(p: tuple[float, ...], reward: float, adv: float, k: int, gen: torch.Generator) -> dict[str, Any]:
+def _mc_rollout(
+    p: tuple[float, ...], reward: float, adv: float, mc_samples: int, gen: torch.Generator
+) -> dict[str, Any]:
     """One rollout's Monte Carlo row as :func:`grpo_lens.probe.studies.run_credit_study` writes it: each prefix's
-    value from K Bernoulli(p) continuations (mean, sample std / √K, as
+    value from K_mc = ``mc_samples`` Bernoulli(p) continuations (mean, sample std / √K_mc, as
     :func:`grpo_lens.gradients.token_credit.prefix_values`), then
     :func:`grpo_lens.formulas.credit.segment_advantages`."""
-    draws = (torch.rand(len(p), k, generator=gen, dtype=torch.float64) < torch.tensor(p)[:, None]).double()
-    values, errors = draws.mean(1), draws.std(1, unbiased=True) / math.sqrt(k)
+    draws = (torch.rand(len(p), mc_samples, generator=gen, dtype=torch.float64) < torch.tensor(p)[:, None]).double()
+    values, errors = draws.mean(1), draws.std(1, unbiased=True) / math.sqrt(mc_samples)
     seg_adv, seg_err = segment_advantages(values, errors, reward)
     return {
         "reward": reward,
@@ -686,12 +700,12 @@ def _mc_rollout(p: tuple[float, ...], reward: float, adv: float, k: int, gen: to
 
 def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     """Rows of the Monte Carlo credit rule (:func:`grpo_lens.claims.credit.monte_carlo_credit`): planted true values
-    at the prefixes (:data:`MC_FAMILIES`), K = 8 continuations per prefix (the probe's default), the study's own segment
-    counting (``grpo_lens.formulas.credit.segment_counts``) and the registered claim. Truth: the paper's prediction
-    (some segments oppose A_i) is true only where the planted values make a segment oppose A_i's sign."""
+    at the prefixes (:data:`MC_FAMILIES`), K_mc = 8 continuations per prefix (the probe's default), the study's own
+    segment counting (``grpo_lens.formulas.credit.segment_counts``) and the registered claim. Truth: the paper's
+    prediction (some segments oppose A_i) is true only where the planted values make a segment oppose A_i's sign."""
     rule = CLAIMS.get("monte_carlo_credit")
     gen = torch.Generator().manual_seed(config.seed + 17)
-    k = 8
+    mc_samples = 8
     out = []
     for fam, (truth, p_correct, p_wrong) in config.mc_families.items():
         for n in config.mc_rollouts:
@@ -700,11 +714,17 @@ def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                 rows = []
                 for i in range(n):
                     rows.append(
-                        _mc_rollout(p_correct, 1.0, 1.0, k, gen)
+                        _mc_rollout(p_correct, 1.0, 1.0, mc_samples, gen)
                         if i % 2 == 0
-                        else _mc_rollout(p_wrong, 0.0, -1.0, k, gen)
+                        else _mc_rollout(p_wrong, 0.0, -1.0, mc_samples, gen)
                     )
-                credit = {"monte_carlo": {"rollouts": rows, "samples_per_prefix": k, "segments": segment_counts(rows)}}
+                credit = {
+                    "monte_carlo": {
+                        "rollouts": rows,
+                        "samples_per_prefix": mc_samples,
+                        "segments": segment_counts(rows),
+                    }
+                }
                 verdicts.append(rule({"studies": {"credit": credit}})[0].verdict)
             out.append(
                 {
@@ -720,27 +740,27 @@ def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     return out
 
 
-def _baseline_pool(family: str, size: int, seed: int, r: int = 4, k: int = 64) -> list[dict[str, Any]]:
+def _baseline_pool(family: str, size: int, seed: int, group_size: int = 4, dim: int = 64) -> list[dict[str, Any]]:
     """``size`` planted prompts through :func:`grpo_lens.formulas.baselines.baseline_prompt` (M = 4R rollouts,
     rewards Bernoulli(0.5), gradient terms g = ±μ/2 + noise in R^k: the score's mean direction μ (‖μ‖ = 1) splits
     by class so E[g] = 0, noise N(0, I/k) scaled by the family's factor for correct rollouts; the probe's 256
     resampled groups)."""
     _, scale, spread = BASELINE_FAMILIES[family]
     gen = torch.Generator().manual_seed(seed)
-    mu = torch.randn(k, generator=gen, dtype=torch.float64)
+    mu = torch.randn(dim, generator=gen, dtype=torch.float64)
     mu = mu / mu.norm()
     out = []
     for j in range(size):
-        rewards = (torch.rand(4 * r, generator=gen) < 0.5).double()
-        noise = torch.randn(4 * r, k, generator=gen, dtype=torch.float64) / math.sqrt(k)
+        rewards = (torch.rand(4 * group_size, generator=gen) < 0.5).double()
+        noise = torch.randn(4 * group_size, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)
         if spread:  # correct rollouts' noise scaled by s_i, s_i² ~ Exponential(1): E s_i² = 1, equal means
             noise = noise * torch.where(
                 rewards[:, None] == 1,
-                torch.empty(4 * r, 1, dtype=torch.float64).exponential_(generator=gen).sqrt(),
-                torch.ones(4 * r, 1, dtype=torch.float64),
+                torch.empty(4 * group_size, 1, dtype=torch.float64).exponential_(generator=gen).sqrt(),
+                torch.ones(4 * group_size, 1, dtype=torch.float64),
             )
         g = torch.where(rewards[:, None] == 1, 0.5 * mu + scale * noise, -0.5 * mu + noise)
-        res = baseline_prompt(g, rewards, r, num_resamples=256, seed=seed + j)
+        res = baseline_prompt(g, rewards, group_size, num_resamples=256, seed=seed + j)
         if res is not None:
             out.append(res)
     return out
@@ -937,7 +957,7 @@ def render(result: dict[str, Any]) -> str:
         ("training_rules", "Trends on a training run's records (first-difference slope test)"),
         ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps)"),
         ("update_rules", "Most parameters unchanged (S4), on a planted update through the lens's sampler"),
-        ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K = 8)"),
+        ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K_mc = 8)"),
         ("baseline_rules", "The group mean is the variance-optimal baseline (M = 16, R = 4, 256 resamples)"),
     ]
     for key, title in sections:
@@ -1072,11 +1092,11 @@ def read_planted(path: Path) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         )
     if gram.dtype != np.float64:
         raise PlantedFileError(f"{path}: array 'gram' has dtype {gram.dtype}; expected [trials, n, R, R] float64")
-    t, n, r, _ = gram.shape
-    if tuple(rewards.shape) != (t, n, r):
+    t, n, R, _ = gram.shape
+    if tuple(rewards.shape) != (t, n, R):
         raise PlantedFileError(
             f"{path}: array 'rewards' has shape {list(rewards.shape)}; expected [trials, n, R] = "
-            f"[{t}, {n}, {r}] (as gram)"
+            f"[{t}, {n}, {R}] (as gram)"
         )
     if not (np.isfinite(gram).all() and np.isfinite(rewards).all()):
         raise PlantedFileError(f"{path}: arrays 'gram' and 'rewards' must be finite")
@@ -1088,8 +1108,8 @@ def read_planted(path: Path) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     dim = None
     if "dim" in data.files:
         d = data["dim"]
-        if d.ndim != 0 or not float(d).is_integer() or int(d) < r:
-            raise PlantedFileError(f"{path}: array 'dim' is {d.tolist()!r}; expected a scalar integer P >= R = {r}")
+        if d.ndim != 0 or not float(d).is_integer() or int(d) < R:
+            raise PlantedFileError(f"{path}: array 'dim' is {d.tolist()!r}; expected a scalar integer P >= R = {R}")
         dim = int(d)
     return torch.from_numpy(gram), torch.from_numpy(rewards).double(), dim
 
@@ -1100,7 +1120,7 @@ def run_planted(path: Path, out: Path, log: Callable[[str], None] = print) -> li
     DIR/planted.json, [{"claim", "R", "holds", "does_not_hold", "inconclusive", "trials", "groups"}]. The file is
     checked before anything is written (:func:`read_planted`)."""
     gram, rewards, dim = read_planted(path)
-    t, n, r, _ = gram.shape
+    t, n, R, _ = gram.shape
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     verdicts: dict[str, list[str]] = {"erank_near_two": [], "zero_sum_rank_two": []}
@@ -1110,17 +1130,17 @@ def run_planted(path: Path, out: Path, log: Callable[[str], None] = print) -> li
                 analyse_group(gram[i, j], rewards[i, j], _advantages(rewards[i, j]), null_dim=dim, seed=j)
                 for j in range(n)
             ]
-            p = probe_of({r: rows}, dim)
+            p = probe_of({R: rows}, dim)
             for name in verdicts:
                 claims = CLAIMS.get(name)(p)
                 verdicts[name].append(claims[0].verdict if claims else "inconclusive")
     finally:
         torch.set_num_threads(threads)
     res = [
-        {"claim": name, "R": r, **_shares(vs), "inconclusive": 1 - sum(_shares(vs).values()), "trials": t, "groups": n}
+        {"claim": name, "R": R, **_shares(vs), "inconclusive": 1 - sum(_shares(vs).values()), "trials": t, "groups": n}
         for name, vs in verdicts.items()
     ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "planted.json").write_text(json.dumps(res, indent=1))
-    log(f"planted: {t} trials of {n} groups at R = {r} (P = {dim or 'orthogonal null'}) -> {out / 'planted.json'}")
+    log(f"planted: {t} trials of {n} groups at R = {R} (P = {dim or 'orthogonal null'}) -> {out / 'planted.json'}")
     return res

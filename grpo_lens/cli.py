@@ -166,12 +166,14 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
     data = json.loads((out / "probe.json").read_text())
-    per_r = ", ".join(
+    per_group_size = ", ".join(
         f"R = {R}: {d[GROUPS_MIXED]} mixed of {d[PROMPTS_SAMPLED]} prompts in {d[PROBE_TIMING]['seconds']:.0f} s"
         for R, d in data["per_group_size"].items()
     )
     meta = data["meta"]
-    print(f"probe written to {out} in {meta['seconds']:.0f} s ({per_r}; studies {meta['studies_seconds']:.0f} s)")
+    print(
+        f"probe written to {out} in {meta['seconds']:.0f} s ({per_group_size}; studies {meta['studies_seconds']:.0f} s)"
+    )
     return 0
 
 

@@ -1482,7 +1482,7 @@ STUDY_CREDIT_MONTE_CARLO = _key(
     OBJECT,
     "`rollouts` (per rollout: reward, grpo_advantage, boundaries, values and errors of V(prefix), segment advantages "
     "and their errors, disagree / agree / neutral token shares, top_segment_share), the means over rollouts of "
-    "`disagree`, `agree`, `neutral`, `top_segment_share` with intervals, `samples_per_prefix` K",
+    "`disagree`, `agree`, `neutral`, `top_segment_share` with intervals, `samples_per_prefix` K_mc",
     source="§Token credit",
     where=(STUDIES,),
     fields=("rollouts", "samples_per_prefix", "disagree", "agree", "neutral", "top_segment_share", "segments"),

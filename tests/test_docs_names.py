@@ -171,3 +171,190 @@ def test_every_theory_citation_points_at_a_section():
             if not any(re.match(re.escape(t) + r"(\W|$)", cite) or (t.startswith(cut) and " " in cut) for t in titles):
                 bad.append(f"{where}: §{cite[:40]}")
     assert not bad, "citations of docs/theory.md sections that do not exist:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One name per concept (docs/theory.md §1, Notation): the group size is R in the docs and `group_size` in code (never
+# r, a reward); k is the correct count only; the sketch side is d_s / `sketch_dim` and the Monte Carlo count K_mc /
+# `mc_samples` (never k or K)
+# ---------------------------------------------------------------------------------------------------------------------
+
+#: files another change is renaming now (issue 31): checked once their renames land (each must still need one, so
+#: the list only shrinks)
+PENDING = {"gradients/token_credit.py", "probe/run.py", "probe/studies.py"}
+
+#: old spellings in docstrings, comments and messages: a shape or count K that is the sketch width or the Monte Carlo
+#: count, and k for the sketch side
+OLD_SPELLINGS = {
+    "shape with K (the sketch width is P_s)": re.compile(r"\[(?:[^\]\n]*, )?K\]"),
+    "K continuations (the Monte Carlo count is K_mc)": re.compile(r"\bK (?:continuations|Bernoulli|0/1|Monte Carlo)"),
+    "K >= (the Monte Carlo count is K_mc)": re.compile(r"\bK >= \d"),
+    "Binomial(K, (K_mc)": re.compile(r"Binomial\(K\b"),
+    "samples_per_prefix K (K_mc)": re.compile(r"samples_per_prefix\W{0,4} K\b"),
+    "K sketch dimensions (P_s)": re.compile(r"\bK sketch"),
+    "k for the sketch side (d_s)": re.compile(r"\bk(?: =|:) (?:sketch|\{[^}]*sketch_dim)"),
+    "segment k (segments are indexed j)": re.compile(r"segment k\b|V\(b_k\)"),
+}
+
+
+#: an iterable of group sizes (or of a dict keyed by them), and names that spell the group size r
+GROUP_SIZES = re.compile(r"group_size|\bper_r\b|\bsizes\b|_by_r\b|\brs\b")
+R_NAMES = re.compile(r"^per_r$|_by_r$")
+
+
+def _int_like(arg: ast.arg, default: ast.expr | None) -> bool:
+    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+    return "int" in annotation.split("|")[0] or (isinstance(default, ast.Constant) and type(default.value) is int)
+
+
+def _holds_group_size(value: ast.expr) -> bool:
+    """An expression that is a group size (or a tuple with one): ``group_size``, ``x.group_size`` or a tensor's size
+    along a dimension (``x.shape[i]``)."""
+    parts = value.elts if isinstance(value, ast.Tuple) else [value]
+    return any(
+        (isinstance(p, ast.Name) and p.id == "group_size")
+        or (isinstance(p, ast.Attribute) and p.attr == "group_size")
+        or (isinstance(p, ast.Subscript) and isinstance(p.value, ast.Attribute) and p.value.attr == "shape")
+        for p in parts
+    )
+
+
+def name_violations(source: str) -> list[str]:
+    """'line: what' for each old spelling in one module's source: a parameter r or R holding a group size (an int),
+    a variable r bound to a group size (from ``group_size``, a ``.shape[i]``, a loop over group sizes), a parameter
+    k or K of a function about sketches or Monte Carlo continuations, and the :data:`OLD_SPELLINGS` in its text."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            positional = a.posonlyargs + a.args
+            defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults) + list(a.kw_defaults)
+            doc = ast.get_docstring(node) or ""
+            for arg, default in zip(positional + a.kwonlyargs, defaults):
+                if arg.arg in ("r", "R") and _int_like(arg, default):
+                    out.append(f"{node.lineno}: parameter {arg.arg!r} of {node.name}() is a group size: group_size")
+                if arg.arg in ("k", "K") and re.search(r"sketch|continuation|monte carlo", doc, re.I):
+                    out.append(f"{node.lineno}: parameter {arg.arg!r} of {node.name}() (sketch side or MC count)")
+        elif isinstance(node, (ast.For, ast.comprehension)):
+            targets = node.target.elts if isinstance(node.target, ast.Tuple) else [node.target]
+            over_sizes = GROUP_SIZES.search(ast.unparse(node.iter))
+            if over_sizes and any(isinstance(t, ast.Name) and t.id == "r" for t in targets):
+                out.append(f"{getattr(node, 'lineno', node.iter.lineno)}: loop variable 'r' over group sizes")
+        elif isinstance(node, (ast.Name, ast.arg)) and R_NAMES.search(getattr(node, "id", None) or node.arg):
+            out.append(f"{node.lineno}: name {getattr(node, 'id', None) or node.arg!r} (group sizes: per_group_size)")
+        elif isinstance(node, ast.Assign) and _holds_group_size(node.value):
+            for target in node.targets:
+                names = target.elts if isinstance(target, ast.Tuple) else [target]
+                values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value] * len(names)
+                for name, value in zip(names, values):
+                    if isinstance(name, ast.Name) and name.id == "r" and _holds_group_size(value):
+                        out.append(f"{node.lineno}: variable 'r' = {ast.unparse(value)} is a group size")
+    for i, line in enumerate(source.splitlines(), 1):
+        out += [f"{i}: {what}: {line.strip()[:80]}" for what, pattern in OLD_SPELLINGS.items() if pattern.search(line)]
+    return out
+
+
+def package_name_violations(package: Path) -> dict[str, list[str]]:
+    """{module path relative to ``package``: :func:`name_violations`} of every module of a grpo_lens tree that has
+    any."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        hits = name_violations(path.read_text(encoding="utf8"))
+        if hits:
+            found[path.relative_to(package).as_posix()] = hits
+    return found
+
+
+def test_the_name_check_catches_each_old_spelling():
+    old = '''
+def a(rewards, r: int): ...
+def b(x, R=4): ...
+def c(grads, k: int = 16):
+    """Per-rollout gradients, sketched with k x k projections."""
+def d(values, errors, k):
+    """Successes among the continuations of each prefix."""
+def e(gram):
+    r = gram.shape[0]
+    for r in config.group_sizes: ...
+    for r in sorted(per_r, key=int): ...
+    for r, rows in groups_by_r.items(): ...
+    m, r = grads.shape[0], group_size
+def f(rows):
+    """rows: [N, K] sketched rows; K continuations per prefix; k: sketch side; X ~ Binomial(K, p)."""
+'''
+    hits = name_violations(old)
+    for needle in (
+        "'r' of a()",
+        "'R' of b()",
+        "'k' of c()",
+        "'k' of d()",
+        "'r' = gram.shape[0]",
+        "loop variable",
+        "'r' = group_size",
+        "'per_r'",
+        "'groups_by_r'",
+        "shape with K",
+        "K continuations",
+        "k for the sketch side",
+        "Binomial(K",
+    ):
+        assert any(needle in h for h in hits), (needle, hits)
+    new = '''
+def a(rewards, group_size: int):
+    R = group_size
+    r = torch.where(valid, rewards, 0)
+def c(grads, sketch_dim: int = 16, k_in: int = 16):
+    """Per-rollout gradients [N, P_s], sketched with d_s x d_s projections; K_mc continuations."""
+def g(k: int, group_size: int):
+    """Std of R 0/1 rewards with k ones."""
+'''
+    assert name_violations(new) == []
+
+
+def test_grpo_lens_uses_one_name_per_concept():
+    found = package_name_violations(ROOT / "grpo_lens")
+    assert not set(found) - PENDING, "old names (docs/theory.md §1, Notation):\n" + "\n".join(
+        f"grpo_lens/{path}:{hit}" for path, hits in found.items() if path not in PENDING for hit in hits
+    )
+    assert PENDING <= set(found), f"renamed already, take them off PENDING: {sorted(PENDING - set(found))}"
+
+
+def test_the_docs_use_one_name_per_concept():
+    bad = []
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        for i, line in enumerate(path.read_text(encoding="utf8").splitlines(), 1):
+            bad += [f"docs/{path.name}:{i}: {what}" for what, p in OLD_SPELLINGS.items() if p.search(line)]
+    assert not bad, "\n".join(bad)
+    notation = _sections(THEORY.read_text(encoding="utf8"))[0][1]
+    for name in ("`group_size`", "`sketch_dim`", "`mc_samples`", "d_s", "P_s", "K_mc"):
+        assert name in notation, f"docs/theory.md §1 (Notation) does not name {name}"
+
+
+def test_renamed_keywords_still_work_with_a_deprecation_warning():
+    import torch
+
+    from grpo_lens.formulas.credit import opposition_size, opposition_threshold, prefix_success_counts
+    from grpo_lens.formulas.spectrum import wishart
+    from grpo_lens.formulas.zero_sum import fixed_k_labellings
+    from grpo_lens.train.step_metrics import reward_metrics
+
+    with pytest.warns(
+        DeprecationWarning, match="opposition_size\\(\\): the keyword 'k' is deprecated: use 'mc_samples'"
+    ):
+        assert opposition_size(k=8, d=5) == opposition_size(mc_samples=8, d=5) == opposition_size(8, 5)
+    with pytest.warns(DeprecationWarning, match="'k' is deprecated: use 'mc_samples'"):
+        assert opposition_threshold(k=8, tests=3) == opposition_threshold(8, 3)
+    with pytest.warns(DeprecationWarning, match="'k' is deprecated: use 'mc_samples'"):
+        assert prefix_success_counts([0.5], [(4 / 48) ** 0.5], k=4) == [2]
+    with pytest.warns(DeprecationWarning, match="wishart\\(\\): the keyword 'r' is deprecated: use 'group_size'"):
+        old = wishart(r=3, dim=5, num_draws=2, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(old, wishart(3, 5, 2, torch.Generator().manual_seed(0)))
+    with pytest.warns(DeprecationWarning, match="'r' is deprecated: use 'num_rollouts'"):
+        assert len(fixed_k_labellings(r=4, k=2, max_permutations=100, generator=torch.Generator())) == 6
+    rewards, valid = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(4, dtype=torch.bool)
+    with pytest.warns(
+        DeprecationWarning, match="reward_metrics\\(\\): the keyword 'R' is deprecated: use 'group_size'"
+    ):
+        assert reward_metrics(rewards, valid, R=2) == reward_metrics(rewards, valid, group_size=2)
+    with pytest.raises(TypeError, match="'k' is 'mc_samples''s old name"):
+        opposition_size(k=8, mc_samples=8, d=5)

@@ -128,8 +128,8 @@ def analyse_group(
     Raises:
         AssertionError: shapes disagree.
     """
-    r = gram.shape[0]
-    assert gram.shape == (r, r) and rewards.shape == (r,) and advantages.shape == (r,), (
+    R = gram.shape[0]
+    assert gram.shape == (R, R) and rewards.shape == (R,) and advantages.shape == (R,), (
         gram.shape,
         rewards.shape,
         advantages.shape,
@@ -137,7 +137,7 @@ def analyse_group(
     gram = gram.detach().double()
     a = advantages.detach().double()
     rw = rewards.detach().double()
-    out: dict[str, float] = {GROUP_SIZE: float(r), GROUP_REWARD_MEAN: float(rw.mean())}
+    out: dict[str, float] = {GROUP_SIZE: float(R), GROUP_REWARD_MEAN: float(rw.mean())}
     if completion_ids is not None and completion_mask is not None:
         out[GROUP_DISTINCT_COMPLETIONS] = float(distinct_completions(completion_ids, completion_mask))
 
@@ -158,10 +158,10 @@ def analyse_group(
         labels = rw == 1
         k = int(labels.sum())
         out[GROUP_CORRECT] = float(k)
-        if 0 < k < r:
+        if 0 < k < R:
             out.update({key: float(v) for key, v in baseline_metrics(gram.diagonal(), rw).items()})
             two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
-            c = identity_constant(estimator, k, r, std, eps)  # None: the estimator has no decomposition
+            c = identity_constant(estimator, k, R, std, eps)  # None: the estimator has no decomposition
             if c is not None and two_valued:
                 out[GRAD_IDENTITY_CONSTANT] = c
                 out[GRAD_IDENTITY_RESIDUAL] = identity_residual(gram, labels, a, c)
@@ -257,7 +257,7 @@ def sketch_check_keys(
 
     Args:
         exact_gram: [R, R] <g_i, g_j> over every parameter (:func:`grpo_lens.gradients.gram.exact_rollout_gram`).
-        sketch: [R, K] the sketched g_i of the same rollouts.   advantages: [R].
+        sketch: [R, P_s] the sketched g_i of the same rollouts.   advantages: [R].
         category_sq_norms: {category: sum_i ||g_i||^2 over that category's parameters} (categories of
             :func:`parameter_category`; their sum is trace(exact_gram)).
         layer_grams: [R, R] exact Grams of the sketched (nn.Linear) weights, one per layer, for the error bound.

@@ -142,7 +142,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
             ),
             verdict=verdict,
             rule=why,
-            source=f"{meta.get('gradients', 'sketch')}, k = {meta.get('sketch_dim')}, held-out reference",
+            source=f"{meta.get('gradients', 'sketch')}, d_s = {meta.get('sketch_dim')}, held-out reference",
             n=n,
             p_holds=p_holds,
             p_dnh=p_dnh,

@@ -2,7 +2,7 @@
 
 :func:`uniform_token_credit`: every token class (answer, format, reasoning) gets the group update in proportion to its
 share of the tokens, within 1 ± :data:`CREDIT_EQUIVALENCE` (an equivalence rule). :func:`monte_carlo_credit`: the
-count of rollouts with a Monte Carlo segment opposing GRPO's A_i (an exact per-rollout count test on the K
+count of rollouts with a Monte Carlo segment opposing GRPO's A_i (an exact per-rollout count test on the K_mc
 continuations' successes), against its exact binomial null (disagreement supports the paper, which predicts it).
 :func:`identical_token_advantage`: the literal claim, algebra that holds by construction. All read a probe's
 ``studies["credit"]``
@@ -144,27 +144,27 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
 
 def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, Any] | None:
     """The exact count test of :func:`monte_carlo_credit` on a credit study's ``monte_carlo`` dict (its rollouts'
-    prefix values and SEs, ``samples_per_prefix`` K): one place for the numbers the claim decides on and the study
+    prefix values and SEs, ``samples_per_prefix`` K_mc): one place for the numbers the claim decides on and the study
     section reports (docs/theory.md §12).
 
     Returns:
-        None when a prefix value is not a mean of K 0/1 rewards, else a dict: ``k``, ``rollouts`` n, ``tests`` (the
-        most interior segments of a rollout; 0 = nothing to test, the other keys then absent), ``d`` (the opposing
-        count difference, :func:`grpo_lens.formulas.credit.opposition_threshold`), ``alpha_r`` (the most a rollout
-        with no opposing segment is flagged), ``flagged`` (rollouts with a segment opposing A_i by >= d),
+        None when a prefix value is not a mean of K_mc 0/1 rewards, else a dict: ``mc_samples`` K_mc, ``rollouts`` n,
+        ``tests`` (the most interior segments of a rollout; 0 = nothing to test, the other keys then absent), ``d`` (the
+        opposing count difference, :func:`grpo_lens.formulas.credit.opposition_threshold`), ``alpha_r`` (the most a
+        rollout with no opposing segment is flagged), ``flagged`` (rollouts with a segment opposing A_i by >= d),
         ``segments``, ``agreeing`` (segments agreeing by >= d) and ``p_value`` = P(Binomial(n, α_r) >= flagged).
     """
-    k = int(mc["samples_per_prefix"])
+    mc_samples = int(mc["samples_per_prefix"])
     rows = mc["rollouts"]
-    counts = [prefix_success_counts(r["values"], r["errors"], k) for r in rows]
+    counts = [prefix_success_counts(r["values"], r["errors"], mc_samples) for r in rows]
     if any(c is None for c in counts):
         return None
     diffs = [opposing_differences(c, r["grpo_advantage"]) for c, r in zip(counts, rows)]
     tests = max((len(x) for x in diffs), default=0)
-    out: dict[str, Any] = {"k": k, "rollouts": len(rows), "tests": tests}
+    out: dict[str, Any] = {"mc_samples": mc_samples, "rollouts": len(rows), "tests": tests}
     if tests == 0:
         return out
-    d, size = opposition_threshold(k, tests, level)
+    d, size = opposition_threshold(mc_samples, tests, level)
     alpha_r = min(1.0, tests * size)
     flagged = sum(any(x >= d for x in ds) for ds in diffs)
     return {
@@ -183,24 +183,24 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     """ "GRPO's uniform A_i is not the credit each token earns": the paper predicts that Monte Carlo token advantages
     (VinePPO) disagree with the uniform A_i, so disagreement supports the claim.
 
-    Rule (docs/theory.md §12), exact at any number of rollouts: per rollout, X_j = successes among the K continuations
-    of prefix b_j (0/1 rewards). An interior segment b_j -> b_{j+1} *opposes* A_i when its count difference against
-    A_i's sign is at least d (:func:`grpo_lens.formulas.credit.opposing_differences`), d the smallest with
-    sup_p P(X - Y >= d) <= :data:`MC_LEVEL` / (segments tested per rollout)
+    Rule (docs/theory.md §12), exact at any number of rollouts: per rollout, X_j = successes among the K_mc
+    continuations of prefix b_j (0/1 rewards). An interior segment b_j -> b_{j+1} *opposes* A_i when its count
+    difference against A_i's sign is at least d (:func:`grpo_lens.formulas.credit.opposing_differences`), d the smallest
+    with sup_p P(X - Y >= d) <= :data:`MC_LEVEL` / (segments tested per rollout)
     (:func:`grpo_lens.formulas.credit.opposition_threshold`), so a rollout none of whose segments truly opposes A_i
     is flagged with probability at most α_r = tests · size <= :data:`MC_LEVEL` (Bonferroni within the rollout).
     Rollouts' continuations are independent, so under "no segment opposes A_i" the count c of flagged rollouts out of
     n is stochastically below Binomial(n, α_r). Holds when P(Binomial(n, α_r) >= c) <= :data:`MC_LEVEL` (an exact
     one-sided test of the count, :func:`grpo_lens.formulas.stats.binomial_upper_tail`); does not hold when the Wilson
-    interval of the flagged share lies below α_r, fewer flags than noise alone can give (at K = 8, 3 segments tested:
+    interval of the flagged share lies below α_r, fewer flags than noise alone can give (at K_mc = 8, 3 segments tested:
     α_r = 0.032, reachable from 117 rollouts); inconclusive otherwise, from fewer than MIN_UNITS rollouts, or when the
-    rewards are not 0/1. With four segments a monotone value path of K = 8 continuations cannot agree with A_i by
+    rewards are not 0/1. With four segments a monotone value path of K_mc = 8 continuations cannot agree with A_i by
     d = 5 in more than one segment, so "agreement beyond noise" is no usable evidence here; the count of segments
     agreeing by d is shown, not used.
 
     Replaces the 0.1 rule (2-SE Wald counting over segments against Φ(−2) = 0.023), whose false holds `grpo-lens
-    calibrate` measured at 0.06 / 0.08 / 0.16 with 8 / 32 / 100 rollouts: a prefix whose K continuations all agree has
-    SE 0, and its level grew with the number of segments.
+    calibrate` measured at 0.06 / 0.08 / 0.16 with 8 / 32 / 100 rollouts: a prefix whose K_mc continuations all agree
+    has SE 0, and its level grew with the number of segments.
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit:
@@ -224,7 +224,7 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
         ]
     mc = credit["monte_carlo"]
     t = opposition_count(mc)
-    scope = f"{len(mc['rollouts'])} rollouts, K = {int(mc['samples_per_prefix'])}"
+    scope = f"{len(mc['rollouts'])} rollouts, K_mc = {int(mc['samples_per_prefix'])}"
     if t is None:
         return [
             Claim(
@@ -249,7 +249,7 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
                 source=source,
             )
         ]
-    k, n, d, alpha_r = t["k"], t["rollouts"], t["d"], t["alpha_r"]
+    mc_samples, n, d, alpha_r = t["mc_samples"], t["rollouts"], t["d"], t["alpha_r"]
     flagged, segments, agreeing, p_value = t["flagged"], t["segments"], t["agreeing"], t["p_value"]
     f_lo, f_hi = wilson_interval(flagged, n)
     a_lo, a_hi = wilson_interval(agreeing, segments)
@@ -277,7 +277,7 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
             claim=claim,
             scope=f"{scope}, {segments} interior segments",
             measurement=(
-                f"rollouts with a segment opposing A_i by >= {d} of {k} continuations: {flagged} of "
+                f"rollouts with a segment opposing A_i by >= {d} of {mc_samples} continuations: {flagged} of "
                 f"{n} ({fmt(flagged / n, 3)} [{fmt(f_lo, 3)}, {fmt(f_hi, 3)}], Wilson interval over "
                 f"rollouts); segments agreeing by >= {d}: {agreeing} of {segments} "
                 f"[{fmt(a_lo, 3)}, {fmt(a_hi, 3)}]"

@@ -73,8 +73,8 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
                 )
         if gaps:
             # the two stds differ by sqrt(R / (R - 1)) whatever k, so the gap is one value per R (eps aside)
-            per_r = [f"{_value_or_range(gaps[R])} at R = {R} ({_groups(len(gaps[R]))})" for R in sorted(gaps)]
-            control = f"with the {other}-std constant instead the residual would be {', '.join(per_r)}"
+            per_group_size = [f"{_value_or_range(gaps[R])} at R = {R} ({_groups(len(gaps[R]))})" for R in sorted(gaps)]
+            control = f"with the {other}-std constant instead the residual would be {', '.join(per_group_size)}"
     if not res:
         verdict, why, meas = INCONCLUSIVE, "no group with 0/1 rewards and a decomposition", "not measured"
     else:

@@ -153,28 +153,28 @@ def _probe_advice(probe: dict[str, Any], tests: dict[str, dict[str, Any]], need:
 def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
     """ "Effective rank ≈ 2 for R in {2, 4, 8}": one row, decided by E₂ over the R > 2 measured (module docstring);
     R = 2 is left out (G1 has two rows: rank <= 2 whatever the gradients). Descriptive measures in the text."""
-    per_r = probe.get("per_group_size", {})
-    rs = [r for r in sorted(per_r, key=int) if int(r) > 2]
+    per_group_size = probe.get("per_group_size", {})
+    rs = [R for R in sorted(per_group_size, key=int) if int(R) > 2]
     if not rs:
         return []
-    tests = {r: rank_two_test(per_r[r].get(PROBE_GROUPS) or []) for r in rs}
+    tests = {R: rank_two_test(per_group_size[R].get(PROBE_GROUPS) or []) for R in rs}
     p_holds, p_dnh = combine_over_r(tests)
     verdict = decide(p_holds, p_dnh)
     meas, ctrl = [], []
-    for r, t in tests.items():
-        groups = per_r[r].get(PROBE_GROUPS) or []
+    for R, t in tests.items():
+        groups = per_group_size[R].get(PROBE_GROUPS) or []
         desc = ", ".join(
             f"{m} {fmt(mean_interval(_values(groups, RANK_G1.format(m=m)))['mean'])}" for m in DESCRIPTIVE_MEASURES
         )
         g2 = mean_interval(_values(groups, RANK_G2.format(m="top2_share")))
         g2_txt = f"; G2 (one layer) top-2 share {fmt(g2['mean'], 3)}" if g2["mean"] is not None else ""
-        meas.append(f"R = {r}: E₂ {ci_text(t['top2'], 3)}, E₁ {ci_text(t['top1'], 3)} (descriptive: {desc}{g2_txt})")
-        ctrl.append(f"R = {r}: E₂ − {t['null']} null {ci_text(t['reduction'], 3)}")
+        meas.append(f"R = {R}: E₂ {ci_text(t['top2'], 3)}, E₁ {ci_text(t['top1'], 3)} (descriptive: {desc}{g2_txt})")
+        ctrl.append(f"R = {R}: E₂ − {t['null']} null {ci_text(t['reduction'], 3)}")
     n = min(t["n"] for t in tests.values())
     if verdict == HOLDS:
         why = f"at every R: E₂ > {TOP_SHARE} > E₁ and E₂ above its null (p = {p_holds:.2g} <= {BRANCH_LEVEL})"
     elif verdict == DOES_NOT_HOLD:
-        worst = min(tests, key=lambda r: tests[r]["p_dnh"])
+        worst = min(tests, key=lambda R: tests[R]["p_dnh"])
         why = f"fails at R = {worst}: {tests[worst]['route']} (p = {p_dnh:.2g} <= {BRANCH_LEVEL}, over routes and R)"
     elif n < MIN_RANK_GROUPS:
         why = f"{n} groups < {MIN_RANK_GROUPS} at some R (E₂ depends on k: a small sample misses k strata)"

@@ -117,11 +117,11 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
     when it lies below (an equivalence pair: a negligible θ = 0.01 cannot read holds); across R, holds only where it
     holds at every R (the largest p) and does not hold where it fails at any (the number of R × the smallest p).
     """
-    per_r = probe.get("per_group_size", {})
-    rs = [r for r in sorted(per_r, key=int) if int(r) > 2]
+    per_group_size = probe.get("per_group_size", {})
+    rs = [R for R in sorted(per_group_size, key=int) if int(R) > 2]
     if not rs:
         return []
-    tests = {r: theta_test(per_r[r].get(PROBE_GROUPS, []) or []) for r in rs}
+    tests = {R: theta_test(per_group_size[R].get(PROBE_GROUPS, []) or []) for R in rs}
     p_holds = max(t["p_holds"] for t in tests.values())
     p_dnh = min(1.0, len(tests) * min(t["p_dnh"] for t in tests.values()))
     verdict = decide(p_holds, p_dnh)
@@ -137,19 +137,19 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
     else:
         why = f"θ's interval reaches {NEGLIGIBLE_SHARE} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
     meas, ctrl = [], []
-    for r, t in tests.items():
-        summ = per_r[r].get(PROBE_SUMMARY, {})
+    for R, t in tests.items():
+        summ = per_group_size[R].get(PROBE_SUMMARY, {})
         th = (
             "–"
             if t["theta"] is None
             else fmt(t["theta"], 3) + ("" if t["lo"] is None else f" [{fmt(t['lo'], 3)}, {fmt(t['hi'], 3)}]")
         )
         meas.append(
-            f"R = {r}: θ (cosine Gram) {th} (n = {t['n']} groups); span energy "
+            f"R = {R}: θ (cosine Gram) {th} (n = {t['n']} groups); span energy "
             f"{ci_text(summ.get(ZERO_SUM_SPAN_ENERGY), 3)}; cos-gap excess "
             f"{ci_text(summ.get(ZERO_SUM_COS_GAP_EXCESS), 3)}"
         )
-        ctrl.append(f"R = {r}: relabelling z {fmt(t['z'])}")
+        ctrl.append(f"R = {R}: relabelling z {fmt(t['z'])}")
     return [
         Claim(
             claim="the reward labels structure G1's directions "
@@ -198,8 +198,8 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
     """
     out = []
     src = source_of(probe) + "; G2 is exact (autograd weight gradients)"
-    for r in sorted(probe.get("per_group_size", {}), key=int):
-        rows = ((probe["per_group_size"][r].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS)) or []
+    for R in sorted(probe.get("per_group_size", {}), key=int):
+        rows = ((probe["per_group_size"][R].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS)) or []
         ds, adv_sr, other_sr = [], [], []
         for row in rows:
             parsed = [RANK_G2_WEIGHTED.parse(k) for k in row]
@@ -241,7 +241,7 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
         out.append(
             Claim(
                 claim="rank-2 structure comes from the zero-sum advantages (G2, every layer)",
-                scope=f"R = {r}",
+                scope=f"R = {R}",
                 measurement=(
                     f"G2 stable rank under A, mean over layer types: {fmt(sum(adv_sr) / len(adv_sr))}; "
                     f"(A − not-zero-sum) / not-zero-sum {ci_text(ci, 3)}"

@@ -234,7 +234,8 @@ class Probing:
         "Group sizes R to probe.",
         item_type=int,
         check=require(
-            lambda rs: rs and all(isinstance(r, int) and r >= 2 for r in rs), "each group size must be an integer >= 2"
+            lambda sizes: sizes and all(isinstance(R, int) and R >= 2 for R in sizes),
+            "each group size must be an integer >= 2",
         ),
     )
     prompts = Option(

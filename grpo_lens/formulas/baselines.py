@@ -1,7 +1,7 @@
 """Baselines for the group's REINFORCE estimator, their variance, and the study at matched expectation.
 
 docs/theory.md §2, §The variance-optimal baseline in training, §Baselines at matched expectation. Shapes: R group
-size, M rollouts of one prompt, P parameters (or K sketch dimensions: only inner products and norms are used, and
+size, M rollouts of one prompt, P parameters (or P_s sketch dimensions: only inner products and norms are used, and
 sketches preserve them in expectation).
 
 For one prompt with rollouts i, rewards r_i and per-rollout gradients g_i, the estimator with baseline b_i is
@@ -198,12 +198,12 @@ def estimator_variances(
     Raises:
         ValueError: M < 2R, R < 2, S < 2, or an unknown baseline name (listing the valid ones).
     """
-    m, r = grads.shape[0], group_size
+    m, R = grads.shape[0], group_size
     assert rewards.shape == (m,), (rewards.shape, m)
-    if r < 2:
-        raise ValueError(f"group size must be >= 2, got {r}")
-    if m < 2 * r:
-        raise ValueError(f"need at least 2R = {2 * r} rollouts of the prompt to resample groups, got {m}")
+    if R < 2:
+        raise ValueError(f"group size must be >= 2, got {R}")
+    if m < 2 * R:
+        raise ValueError(f"need at least 2R = {2 * R} rollouts of the prompt to resample groups, got {m}")
     if num_resamples < 2:
         raise ValueError(f"num_resamples must be >= 2, got {num_resamples}")
     fns = {name: BASELINES.get(name) for name in baselines}
@@ -211,11 +211,11 @@ def estimator_variances(
     rw = rewards.detach().double()
     n = g.square().sum(-1)
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.rand(num_resamples, m, generator=gen).argsort(-1)[:, :r]  # [S, R]
+    idx = torch.rand(num_resamples, m, generator=gen).argsort(-1)[:, :R]  # [S, R]
     r_s, n_s = rw[idx], n[idx]  # [S, R]
     out = {}
     for name, fn in fns.items():
-        coef = (r_s - fn(r_s, n_s)) / r  # [S, R]
+        coef = (r_s - fn(r_s, n_s)) / R  # [S, R]
         w = torch.zeros(num_resamples, m, dtype=torch.float64).scatter_(1, idx, coef)  # [S, M]
         est = w @ g  # [S, P]
         out[name] = float((est - est.mean(0)).square().sum() / (num_resamples - 1))
@@ -264,7 +264,7 @@ def mean_score_norm(grads: Tensor) -> dict[str, float]:
     score: E[grad log pi] = 0) and large when E[h] != 0 (the length-normalised score).
 
     Args:
-        grads: [M, K].
+        grads: [M, P].
 
     Returns:
         {"mean_norm": ||hbar||, "floor_norm": sqrt(tr Cov_hat / M), "ratio", "excess", "mean_sq_norm": mean ||h||^2}.
@@ -297,7 +297,7 @@ def optimal_constant_baseline(grads: Tensor, rewards: Tensor) -> dict[str, float
     are plug-in means over the M rollouts.
 
     Args:
-        grads: [M, K].  rewards: [M].
+        grads: [M, P].  rewards: [M].
 
     Returns:
         {"b_star": b*, "b_star_exact": b*_exact, "shift": b*_exact - b*}.
@@ -312,7 +312,7 @@ def optimal_constant_baseline(grads: Tensor, rewards: Tensor) -> dict[str, float
 
 
 def _group_estimates(g: Tensor, r: Tensor, idx: Tensor, name: str, b_pop: float) -> Tensor:
-    """[S, K] group estimates of one estimator on resampled groups idx [S, R] of rows g [M, K], rewards r [M]."""
+    """[S, P] group estimates of one estimator on resampled groups idx [S, R] of rows g [M, P], rewards r [M]."""
 
     R = idx.shape[1]
     r_s = r[idx]  # [S, R]
@@ -350,7 +350,7 @@ def prompt_baseline_study(
     replacement) and B (second half: the reference gradient and the population b*). See the module docstring.
 
     Args:
-        grads: [M, K] per-rollout gradient terms (exact or sketched), M >= 4R.
+        grads: [M, P] per-rollout gradient terms (exact or sketched), M >= 4R.
         rewards: [M] (0/1 for m_C / m_W; any real rewards otherwise).
         group_size: R >= 2.
         num_resamples: S >= 2 groups drawn from A.
@@ -382,7 +382,7 @@ def prompt_baseline_study(
     a_idx, b_idx = perm[: m // 2], perm[m // 2 :]
     ga, ra, gb, rb = g[a_idx], r[a_idx], g[b_idx], r[b_idx]
     # reference on B: unbiased sample covariance of r and h, and its noise (variance of a mean of M_B terms)
-    terms = (rb - rb.mean()).unsqueeze(1) * gb  # [M_B, K]
+    terms = (rb - rb.mean()).unsqueeze(1) * gb  # [M_B, P]
     ref = terms.sum(0) / (len(rb) - 1)
     ref_noise = float((terms - terms.mean(0)).square().sum() / (len(rb) - 1)) / len(rb)
     pop = optimal_constant_baseline(gb, rb)
@@ -390,7 +390,7 @@ def prompt_baseline_study(
     out: dict[str, dict[str, float]] = {}
     ref_norm = float(ref.norm())
     for name in estimators:
-        est = _group_estimates(ga, ra, idx, name, pop["b_star"])  # [S, K]
+        est = _group_estimates(ga, ra, idx, name, pop["b_star"])  # [S, P]
         mean = est.mean(0)
         err = (est - ref).square().sum(-1)
         norms = est.norm(dim=-1)
@@ -441,7 +441,7 @@ def equal_norms_test(
     of each side (None otherwise).
 
     Args:
-        grads: [M, K] (or [M] squared norms).  rewards: [M] in {0, 1}.
+        grads: [M, P] (or [M] squared norms).  rewards: [M] in {0, 1}.
         num_boot: bootstrap resamples.  level: 1 - the test's level, and the interval's coverage.
         max_permutations: enumerate every relabelling up to this many, else draw this many.
 
@@ -500,7 +500,7 @@ def baseline_study(
     transformed t).
 
     Args:
-        pools: per prompt, (grads [M, K], rewards [M]) with M >= 4R. Prompts whose pool has no reward contrast are
+        pools: per prompt, (grads [M, P], rewards [M]) with M >= 4R. Prompts whose pool has no reward contrast are
             skipped (every centred estimator is 0 there) and counted in ``prompts_constant``.
         group_size: R.
 
@@ -528,7 +528,7 @@ def baseline_prompt(
     grads: Tensor, rewards: Tensor, group_size: int, *, num_resamples: int = 512, seed: int = 0
 ) -> dict | None:
     """One prompt of :func:`baseline_study`: :func:`prompt_baseline_study` with its ``"equal_norms"``
-    (:func:`equal_norms_test`), or None when the pool has no reward contrast. grads: [M, K]; rewards: [M]."""
+    (:func:`equal_norms_test`), or None when the pool has no reward contrast. grads: [M, P]; rewards: [M]."""
     if bool(constant_groups(rewards.view(1, -1), torch.ones(1, len(rewards), dtype=torch.bool))):
         return None
     res = prompt_baseline_study(grads, rewards, group_size, num_resamples=num_resamples, seed=seed)

@@ -34,6 +34,7 @@ from grpo_lens.metrics import (
     CREDIT_ANSWER_SHARE_MEAN,
     CREDIT_ANSWER_TOKEN_FRAC,
 )
+from grpo_lens.registry import renamed_keywords
 
 #: The last number of a completion: optional sign, digits with optional thousands commas, optional decimals.
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -421,7 +422,7 @@ def segment_boundaries(length: int, segments: int) -> list[int]:
 
 
 def segment_advantages(values: Tensor, errors: Tensor, final_reward: float) -> tuple[Tensor, Tensor]:
-    """A_seg = V(b_{k+1}) - V(b_k) for consecutive boundaries, the last ending at the complete rollout (V = r).
+    """A_seg,j = V(b_{j+1}) - V(b_j) for consecutive boundaries, the last ending at the complete rollout (V = r).
 
     Args:
         values, errors: [n] at boundaries b_0..b_{n-1} (from :func:`prefix_values`).  final_reward: r of the rollout.
@@ -439,8 +440,8 @@ def compare_with_uniform(
 ) -> dict[str, float]:
     """Where Monte Carlo credit and GRPO's uniform A_i disagree, for one rollout.
 
-    GRPO gives every token A_i; Monte Carlo gives segment k the advantage A_seg,k. A segment *disagrees* when
-    A_seg,k has the opposite sign of A_i and |A_seg,k| > z * SE, *agrees* when the same sign beyond z * SE, and is
+    GRPO gives every token A_i; Monte Carlo gives segment j the advantage A_seg,j. A segment *disagrees* when
+    A_seg,j has the opposite sign of A_i and |A_seg,j| > z * SE, *agrees* when the same sign beyond z * SE, and is
     *neutral* otherwise (within noise of 0: the segment did not change the expected reward).
 
     Returns:
@@ -462,61 +463,68 @@ def compare_with_uniform(
     }
 
 
-def opposition_size(k: int, d: int, grid: int = 2001) -> float:
-    """sup over p of P(X - Y >= d), X, Y iid Binomial(K, p): the largest chance that two prefixes with one success
+@renamed_keywords(k="mc_samples")
+def opposition_size(mc_samples: int, d: int, grid: int = 2001) -> float:
+    """sup over p of P(X - Y >= d), X, Y iid Binomial(K_mc, p): the largest chance that two prefixes with one success
     probability show an opposing count difference of at least d (docs/theory.md §12, the Monte Carlo credit rule).
 
     P(X - Y >= d) rises in X's probability and falls in Y's, so over the null "the later prefix is at least as likely
     to succeed" (p_Y >= p_X) it is largest at p_X = p_Y; the sup over that common p is taken on a grid of ``grid``
-    points of [0, 1] (the function is a polynomial of degree 2K; the grid's step 1/2000 is far below its scale).
+    points of [0, 1] (the function is a polynomial of degree 2 K_mc; the grid's step 1/2000 is far below its scale).
 
     Args:
-        k: K >= 1 continuations per prefix.  d: the count difference, >= 1.
+        mc_samples: K_mc >= 1 continuations per prefix.  d: the count difference, >= 1.
 
     Returns:
         the size in [0, 1].
 
     Raises:
-        ValueError: k < 1 or d < 1.
+        ValueError: mc_samples < 1 or d < 1.
     """
-    if k < 1 or d < 1:
-        raise ValueError(f"need K >= 1 and d >= 1, got K = {k}, d = {d}")
+    if mc_samples < 1 or d < 1:
+        raise ValueError(f"need K_mc >= 1 and d >= 1, got K_mc = {mc_samples}, d = {d}")
     best = 0.0
     for j in range(grid):
-        pmf = binomial_pmf(k, j / (grid - 1))
-        tail = math.fsum(pmf[x] * pmf[y] for x in range(k + 1) for y in range(k + 1) if x - y >= d)
+        pmf = binomial_pmf(mc_samples, j / (grid - 1))
+        tail = math.fsum(pmf[x] * pmf[y] for x in range(mc_samples + 1) for y in range(mc_samples + 1) if x - y >= d)
         best = max(best, tail)
     return best
 
 
 @functools.lru_cache(maxsize=64)
-def opposition_threshold(k: int, tests: int, level: float = 0.05) -> tuple[int, float]:
+@renamed_keywords(k="mc_samples")
+def opposition_threshold(mc_samples: int, tests: int, level: float = 0.05) -> tuple[int, float]:
     """(d, size): the smallest count difference d whose :func:`opposition_size` is at most ``level / tests``
     (Bonferroni over a rollout's ``tests`` interior segments), so that a rollout whose segments truly all have A_i's
     sign or 0 shows an opposing difference >= d in some segment with probability <= tests * size <= level.
 
-    Returns (K + 1, 0.0) when no d <= K is small enough (then no rollout can be flagged).
+    Returns (K_mc + 1, 0.0), K_mc = ``mc_samples``, when no d <= K_mc is small enough (then no rollout can be flagged).
 
     Raises:
-        ValueError: k < 1, tests < 1 or level outside (0, 1).
+        ValueError: mc_samples < 1, tests < 1 or level outside (0, 1).
     """
-    if k < 1 or tests < 1 or not 0 < level < 1:
-        raise ValueError(f"need K >= 1, tests >= 1 and level in (0, 1), got {k}, {tests}, {level}")
-    for d in range(1, k + 1):
-        size = opposition_size(k, d)
+    if mc_samples < 1 or tests < 1 or not 0 < level < 1:
+        raise ValueError(f"need K_mc >= 1, tests >= 1 and level in (0, 1), got {mc_samples}, {tests}, {level}")
+    for d in range(1, mc_samples + 1):
+        size = opposition_size(mc_samples, d)
         if size <= level / tests:
             return d, size
-    return k + 1, 0.0
+    return mc_samples + 1, 0.0
 
 
-def prefix_success_counts(values: Sequence[float], errors: Sequence[float], k: int) -> list[int] | None:
-    """Successes among the K continuations of each prefix, from :func:`grpo_lens.gradients.token_credit.prefix_values`'
-    mean and SE, or None when the rewards were not 0/1 (the mean times K is not an integer, or the SE is not the one
-    0/1 draws give: sqrt(x (K - x) / (K² (K - 1))))."""
+@renamed_keywords(k="mc_samples")
+def prefix_success_counts(values: Sequence[float], errors: Sequence[float], mc_samples: int) -> list[int] | None:
+    """Successes among the K_mc = ``mc_samples`` continuations of each prefix, from
+    :func:`grpo_lens.gradients.token_credit.prefix_values`' mean and SE, or None when the rewards were not 0/1 (the
+    mean times K_mc is not an integer, or the SE is not the one 0/1 draws give: sqrt(x (K_mc - x) / (K_mc² (K_mc -
+    1))))."""
     counts = []
     for v, e in zip(values, errors):
-        x = round(v * k)
-        if abs(v * k - x) > 1e-6 or abs(e - math.sqrt(x * (k - x) / (k * k * (k - 1)))) > 1e-6:
+        x = round(v * mc_samples)
+        if (
+            abs(v * mc_samples - x) > 1e-6
+            or abs(e - math.sqrt(x * (mc_samples - x) / (mc_samples * mc_samples * (mc_samples - 1)))) > 1e-6
+        ):
             return None
         counts.append(x)
     return counts

@@ -68,14 +68,14 @@ def binary_group_std(k: int, group_size: int, std: StdConvention = "sample") -> 
         ValueError: unknown convention, or k outside [0, R], or R < 2 for the sample std.
     """
     _check_std(std)
-    r = group_size
-    if not 0 <= k <= r:
-        raise ValueError(f"k must be in [0, R], got k={k}, R={r}")
+    R = group_size
+    if not 0 <= k <= R:
+        raise ValueError(f"k must be in [0, R], got k={k}, R={R}")
     if std == "population":
-        return math.sqrt(k * (r - k)) / r
-    if r < 2:
+        return math.sqrt(k * (R - k)) / R
+    if R < 2:
         raise ValueError("the sample std needs R >= 2")
-    return math.sqrt(k * (r - k) / (r * (r - 1)))
+    return math.sqrt(k * (R - k) / (R * (R - 1)))
 
 
 def rank2_constant(k: int, group_size: int, std: StdConvention = "sample", eps: float = 0.0) -> float:
@@ -93,10 +93,10 @@ def rank2_constant(k: int, group_size: int, std: StdConvention = "sample", eps: 
     Raises:
         ValueError: k not in (0, R) or unknown convention.
     """
-    r = group_size
-    if not 0 < k < r:
-        raise ValueError(f"the identity needs 0 < k < R, got k={k}, R={r}")
-    return (k * (r - k) / r) / (binary_group_std(k, r, std) + eps)
+    R = group_size
+    if not 0 < k < R:
+        raise ValueError(f"the identity needs 0 < k < R, got k={k}, R={R}")
+    return (k * (R - k) / R) / (binary_group_std(k, R, std) + eps)
 
 
 #: Estimators with a rank-2 decomposition sum_i A_i g_i = c (gbar_C - gbar_W) for 0/1 rewards.
@@ -114,15 +114,15 @@ def identity_constant(
     Raises:
         ValueError: k not in (0, R), or an unknown std convention (grpo).
     """
-    r = group_size
-    if not 0 < k < r:
-        raise ValueError(f"the identity needs 0 < k < R, got k={k}, R={r}")
+    R = group_size
+    if not 0 < k < R:
+        raise ValueError(f"the identity needs 0 < k < R, got k={k}, R={R}")
     if estimator == "grpo":
-        return rank2_constant(k, r, std, eps)
+        return rank2_constant(k, R, std, eps)
     if estimator == "dr_grpo":
-        return k * (r - k) / r
+        return k * (R - k) / R
     if estimator == "rloo":
-        return k * (r - k) / (r - 1)
+        return k * (R - k) / (R - 1)
     return None
 
 

@@ -1,8 +1,9 @@
 """Error of the Kronecker (LoGra) sketch of per-rollout weight gradients (docs/theory.md §8).
 
 A layer's weight gradient G [d_out, d_in] is sketched as S(G) = P_out G P_in^T with independent Gaussian projections
-P_in [k_in, d_in], P_out [k_out, d_out] of N(0, 1/k) entries (:class:`grpo_lens.gradients.sketch.GradientCapture`),
-so sketched inner products <S(A), S(B)> are unbiased for <A, B>. This module gives their variance:
+P_in [k_in, d_in], P_out [k_out, d_out] of N(0, 1/k_in), N(0, 1/k_out) entries
+(:class:`grpo_lens.gradients.sketch.GradientCapture`; k_in = k_out = d_s = ``sketch_dim`` wherever grpo-lens calls it,
+docs/theory.md §1), so sketched inner products <S(A), S(B)> are unbiased for <A, B>. This module gives their variance:
 
 - :func:`kronecker_sketch_variance`: the exact Var <S(A), S(B)> of one layer (Wishart moments).
 - :func:`kronecker_sketch_variance_factor`: c(k_in, k_out), the worst-case relative variance (rank-one gradients).
@@ -23,9 +24,9 @@ from torch import Tensor
 def kronecker_sketch_variance_factor(k_in: int, k_out: int) -> float:
     """c(k_in, k_out) = 2/k_in + 2/k_out + 4/(k_in k_out): the worst-case relative variance of a sketched inner product.
 
-    For one layer with independent Gaussian P_in [k_in, d_in], P_out [k_out, d_out] with N(0, 1/k) entries and
-    S(G) = P_out G P_in^T, the estimate X = <S(A), S(B)> of <A, B> is unbiased and (Wishart moments
-    E[Q M Q] = M + (M^T + tr(M) I)/k for Q = P^T P)
+    For one layer with independent Gaussian P_in [k_in, d_in], P_out [k_out, d_out] with N(0, 1/k_in), N(0, 1/k_out)
+    entries and S(G) = P_out G P_in^T, the estimate X = <S(A), S(B)> of <A, B> is unbiased and (Wishart moments
+    E[Q M Q] = M + (M^T + tr(M) I)/m for Q = P^T P, m the rows of P: k_in or k_out)
 
         Var X = (1/k_out) [tr((B A^T)^2) + ||B A^T||_F^2] + (1/k_in) [tr((A^T B)^2) + ||A^T B||_F^2]
               + (1/(k_in k_out)) [||B A^T||_F^2 + ||A^T B||_F^2 + <A,B>^2 + ||A||^2 ||B||^2]
@@ -68,7 +69,7 @@ def sketch_gram_error_bound(layer_grams: Sequence[Tensor] | Tensor, k_in: int, k
                                                       <= sqrt(c) * tr(G) / ||G||_F,
 
     G_l = exact per-layer Gram [N, N], G = sum_l G_l. For k_in = k_out = 16, c = 0.266 (sqrt 0.52 per layer);
-    spreading the norm over L layers shrinks it by about 1/sqrt(L); O(1/sqrt(k)) in general.
+    spreading the norm over L layers shrinks it by about 1/sqrt(L); O(1/sqrt(d_s)) in general at k_in = k_out = d_s.
 
     Args:
         layer_grams: L exact Gram matrices [N, N] (list or [L, N, N]).

@@ -85,9 +85,9 @@ def unbiased_zero_variance_probability(correct: Tensor | int, rollouts: Tensor |
     if ((k < 0) | (k > m)).any() or (k != k.round()).any():
         raise ValueError("correct counts k must be whole numbers in [0, M]")
 
-    def log_choose(n: Tensor, r: int) -> Tensor:  # log C(n, r), -inf where n < r
-        out = torch.lgamma(n + 1) - math.lgamma(r + 1) - torch.lgamma((n - r).clamp(min=0) + 1)
-        return torch.where(n >= r, out, torch.full_like(n, -math.inf))
+    def log_choose(n: Tensor, group_size: int) -> Tensor:  # log C(n, R), -inf where n < R
+        out = torch.lgamma(n + 1) - math.lgamma(group_size + 1) - torch.lgamma((n - group_size).clamp(min=0) + 1)
+        return torch.where(n >= group_size, out, torch.full_like(n, -math.inf))
 
     denom = log_choose(m, group_size)
     return (log_choose(k, group_size) - denom).exp() + (log_choose(m - k, group_size) - denom).exp()
@@ -110,12 +110,12 @@ def s1_predicted_outside_group(correct: Tensor, group_size: int) -> Tensor:
     Raises:
         ValueError: M - R < R.
     """
-    m, r = correct.shape[-1], group_size
-    if m - r < r:
+    m, R = correct.shape[-1], group_size
+    if m - R < R:
         raise ValueError(
-            f"need M >= 2R rollouts per prompt to predict S1 from rollouts outside the group (M = {m}, R = {r})"
+            f"need M >= 2R rollouts per prompt to predict S1 from rollouts outside the group (M = {m}, R = {R})"
         )
-    return unbiased_zero_variance_probability(correct[..., r:].long().sum(-1), m - r, r)
+    return unbiased_zero_variance_probability(correct[..., R:].long().sum(-1), m - R, R)
 
 
 def bf16_unchanged_fraction(before: Iterable[Tensor], after: Iterable[Tensor]) -> float:

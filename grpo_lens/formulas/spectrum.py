@@ -1,6 +1,6 @@
 """Singular values and effective-rank measures of GRPO gradient matrices, G1 and its controls (docs/theory.md §5).
 
-Matrices (N = B*R rollouts, R group size, B prompts, P parameters or K sketch dimensions):
+Matrices (N = B*R rollouts, R group size, B prompts, P parameters, or P_s sketch dimensions):
 
 - G1 per-rollout matrix, rows A_i g_i: [R, P] (all parameters, one layer's slice, or a sketch). Never materialised:
   its singular values come from the Gram matrix G = (<g_i, g_j>) [R, R] of the g_i, as those of W G W with
@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from grpo_lens.registry import Registry
+from grpo_lens.registry import Registry, renamed_keywords
 
 RankMeasure = Callable[[Tensor], float]
 
@@ -206,7 +206,7 @@ def matrix_rank_measures(matrix: Tensor, method: str = "auto") -> dict[str, floa
 
 
 def g1_matrix(grads: Tensor, advantages: Tensor) -> Tensor:
-    """G1 (docs/theory.md §5): rows A_i g_i. grads [R, P] (or [R, k] sketches); advantages [R]. Returns [R, P]."""
+    """G1 (docs/theory.md §5): rows A_i g_i. grads [R, P] (or [R, P_s] sketches); advantages [R]. Returns [R, P]."""
     assert grads.dim() == 2 and advantages.shape == (grads.shape[0],), (grads.shape, advantages.shape)
     return grads * advantages.to(grads.dtype).unsqueeze(1)
 
@@ -224,8 +224,8 @@ def random_zero_sum_weights(advantages: Tensor, num_draws: int, generator: torch
     Returns:
         [D, R] float64.
     """
-    r = advantages.shape[-1]
-    z = torch.randn(num_draws, r, generator=generator, dtype=torch.float64)
+    R = advantages.shape[-1]
+    z = torch.randn(num_draws, R, generator=generator, dtype=torch.float64)
     w = z - z.mean(-1, keepdim=True)
     target = advantages.detach().double().norm()
     norm = w.norm(dim=-1, keepdim=True)
@@ -282,16 +282,16 @@ def g1_controls(
     Returns:
         {control: {measure: float}}, controls in the order of :data:`G1_CONTROLS`.
     """
-    r = gram.shape[0]
+    R = gram.shape[0]
     a = advantages.detach().double()
-    assert gram.shape == (r, r) and a.shape == (r,), (gram.shape, advantages.shape)
+    assert gram.shape == (R, R) and a.shape == (R,), (gram.shape, advantages.shape)
 
     def rows(w: Tensor) -> dict[str, float]:
         return dict(measure(weighted_gram_singular_values(gram, w)))
 
     out = {
         "g1": rows(a),
-        "g1_no_adv": rows(torch.ones(r, dtype=torch.float64)),
+        "g1_no_adv": rows(torch.ones(R, dtype=torch.float64)),
         "g1_null": dict(measure(orthogonal_null_singular_values(gram, a))),
     }
     gen = torch.Generator().manual_seed(seed)
@@ -430,39 +430,41 @@ def orthogonal_null_singular_values(gram: Tensor, advantages: Tensor) -> Tensor:
     return torch.sort(s, descending=True).values
 
 
-def wishart(r: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
-    """[num_draws, R, R] draws of Wishart(dim, I_R) (the Gram matrix of R iid N(0, I_dim) vectors) by Bartlett's
-    decomposition (Bartlett 1933): W = L Lᵀ with L lower triangular, L_ij ~ N(0, 1) below the diagonal and
-    L_ii² ~ χ²(dim − i) (i = 0..R−1). The cost does not depend on dim. χ² is a sum of squared normals for dim <= 512
-    and the Wilson-Hilferty cube (Wilson & Hilferty, PNAS 17, 1931; relative error < 1e-4 there) above.
+@renamed_keywords(r="group_size")
+def wishart(group_size: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
+    """[num_draws, R, R] draws of Wishart(dim, I_R), R = ``group_size`` (the Gram matrix of R iid N(0, I_dim)
+    vectors) by Bartlett's decomposition (Bartlett 1933): W = L Lᵀ with L lower triangular, L_ij ~ N(0, 1) below the
+    diagonal and L_ii² ~ χ²(dim − i) (i = 0..R−1). The cost does not depend on dim. χ² is a sum of squared normals
+    for dim <= 512 and the Wilson-Hilferty cube (Wilson & Hilferty, PNAS 17, 1931; relative error < 1e-4 there) above.
 
     Raises:
         ValueError: dim < R.
     """
-    if dim < r:
-        raise ValueError(f"dim must be >= R = {r}, got {dim}")
-    df = torch.arange(dim, dim - r, -1, dtype=torch.float64)  # [R]
+    if dim < group_size:
+        raise ValueError(f"dim must be >= R = {group_size}, got {dim}")
+    df = torch.arange(dim, dim - group_size, -1, dtype=torch.float64)  # [R]
     if dim <= 512:
         chi2 = torch.stack(
             [torch.randn(num_draws, int(d), generator=generator, dtype=torch.float64).square().sum(1) for d in df], 1
         )
     else:
-        z = torch.randn(num_draws, r, generator=generator, dtype=torch.float64)
+        z = torch.randn(num_draws, group_size, generator=generator, dtype=torch.float64)
         c = 2 / (9 * df)
         chi2 = df * (1 - c + z * c.sqrt()) ** 3
-    low = torch.randn(num_draws, r, r, generator=generator, dtype=torch.float64).tril(-1)
+    low = torch.randn(num_draws, group_size, group_size, generator=generator, dtype=torch.float64).tril(-1)
     low = low + torch.diag_embed(chi2.clamp(min=0).sqrt())
     return low @ low.transpose(1, 2)
 
 
-def random_direction_grams(r: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
-    """[num_draws, R, R] Gram matrices of R iid uniform unit vectors in R^dim (docs/theory.md §5): the normalised
-    :func:`wishart`, D^(-1/2) W D^(-1/2) with D = diag(W).
+@renamed_keywords(r="group_size")
+def random_direction_grams(group_size: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
+    """[num_draws, R, R] Gram matrices of R = ``group_size`` iid uniform unit vectors in R^dim (docs/theory.md §5): the
+    normalised :func:`wishart`, D^(-1/2) W D^(-1/2) with D = diag(W).
 
     Raises:
         ValueError: dim < R.
     """
-    w = wishart(r, dim, num_draws, generator)
+    w = wishart(group_size, dim, num_draws, generator)
     d = w.diagonal(dim1=1, dim2=2).sqrt()
     return w / (d[:, :, None] * d[:, None, :])
 
@@ -482,16 +484,16 @@ def simulated_null_measures(
     Returns:
         {measure: float} for every :data:`RANK_MEASURES` name.
     """
-    r = gram.shape[0]
+    R = gram.shape[0]
     n = advantages.double().abs() * gram.diagonal().double().clamp(min=0).sqrt()  # [R] row norms of G1
-    c = random_direction_grams(r, dim, num_draws, torch.Generator().manual_seed(seed))
+    c = random_direction_grams(R, dim, num_draws, torch.Generator().manual_seed(seed))
     energies = torch.linalg.eigvalsh(c * n[None, :, None] * n[None, None, :]).clamp(min=0)  # [draws, R]
     draws = [rank_measures(e.sqrt()) for e in energies]
     return {m: sum(d[m] for d in draws) / len(draws) for m in draws[0]}
 
 
 def g1_singular_values(grads: Tensor, advantages: Tensor) -> Tensor:
-    """Singular values of G1 (rows A_i g_i). grads [R, K]; advantages [R]. Returns [R] float64, descending."""
+    """Singular values of G1 (rows A_i g_i). grads [R, P]; advantages [R]. Returns [R] float64, descending."""
     g = grads.detach().double()
     return weighted_gram_singular_values(g @ g.T, advantages.double())
 
@@ -602,7 +604,7 @@ def top_eigenvalues_psd_products(
 
 
 def weighted_row_sum(rows: Tensor, weights: Tensor) -> Tensor:
-    """sum_i w_i rows_i. rows: [N, K] (exact [N, P] or sketch [N, k]); weights: [N]. Returns [K].
+    """sum_i w_i rows_i. rows: [N, P] (exact, or a sketch's [N, P_s]); weights: [N]. Returns [P].
 
     Sketches are linear in the gradient, so the sketch of sum_i A_i g_i is ``weighted_row_sum(sketch, A)``.
     """
@@ -614,12 +616,12 @@ def group_row_sums(rows: Tensor, group_size: int, weights: Tensor | None = None)
     """Per-group sums of (weighted) rows: rows of G3 (docs/theory.md §5) when ``weights = A``.
 
     Args:
-        rows: [N, K], N = B*R, groups contiguous.
+        rows: [N, P], N = B*R, groups contiguous.
         group_size: R.
         weights: [N] or [B, R], optional.
 
     Returns:
-        [B, K].
+        [B, P].
 
     Raises:
         ValueError: N is not a multiple of R.

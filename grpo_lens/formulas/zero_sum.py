@@ -23,23 +23,26 @@ import torch
 from torch import Tensor
 
 from grpo_lens.metrics import zero_sum_key
+from grpo_lens.registry import renamed_keywords
 
 
-def fixed_k_labellings(r: int, k: int, max_permutations: int, generator: torch.Generator) -> list[Tensor]:
-    """The relabellings of a permutation test with k fixed: all C(r, k) boolean labellings with k ones when there are
-    at most ``max_permutations``, else that many drawn at random with ``generator`` (each a [r] bool tensor; the
-    caller adds the observed labelling to a random draw's p-value)."""
-    if math.comb(r, k) <= max_permutations:
+@renamed_keywords(r="num_rollouts")
+def fixed_k_labellings(num_rollouts: int, k: int, max_permutations: int, generator: torch.Generator) -> list[Tensor]:
+    """The relabellings of a permutation test with k fixed: all C(n, k) boolean labellings of n = ``num_rollouts``
+    (a group's R, or a baseline pool's M) with k ones when there are at most ``max_permutations``, else that many
+    drawn at random with ``generator`` (each a [n] bool tensor; the caller adds the observed labelling to a random
+    draw's p-value)."""
+    if math.comb(num_rollouts, k) <= max_permutations:
         out = []
-        for idx in itertools.combinations(range(r), k):
-            lab = torch.zeros(r, dtype=torch.bool)
+        for idx in itertools.combinations(range(num_rollouts), k):
+            lab = torch.zeros(num_rollouts, dtype=torch.bool)
             lab[list(idx)] = True
             out.append(lab)
         return out
     out = []
     for _ in range(max_permutations):
-        lab = torch.zeros(r, dtype=torch.bool)
-        lab[torch.randperm(r, generator=generator)[:k]] = True
+        lab = torch.zeros(num_rollouts, dtype=torch.bool)
+        lab[torch.randperm(num_rollouts, generator=generator)[:k]] = True
         out.append(lab)
     return out
 

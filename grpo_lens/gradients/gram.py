@@ -72,8 +72,8 @@ KINDS = ("linear", "lm_head", "bias", "norm", "embedding", "tied_embedding")
 # Pure pieces: each computes one parameter kind's [N, N] Gram from a module's inputs and output gradients
 # ---------------------------------------------------------------------------------------------------------------------
 def gram_of_rows(rows: Tensor, slice_len: int = 8192) -> Tensor:
-    """rows rows^T [N, N] float64 of rows [N, K], as dot products over ``slice_len``-long slices in the rows' dtype
-    (one batched GEMM; on CPU much faster than one skinny [N, K] x [K, N] product) summed in float64."""
+    """rows rows^T [N, N] float64 of rows [N, P] (P: the rows' width), as dot products over ``slice_len``-long slices in
+    the rows' dtype (one batched GEMM; on CPU much faster than one skinny [N, P] x [P, N] product) summed in float64."""
     n, k = rows.shape
     nb = k // slice_len
     out = torch.zeros(n, n, dtype=torch.float64, device=rows.device)
@@ -106,7 +106,7 @@ def block_spans(blocks: Sequence[int] | None, n: int) -> list[tuple[int, int]]:
 
 
 def block_outer(a: Tensor, b: Tensor, spans: Sequence[tuple[int, int]]) -> Tensor:
-    """[N, N] float64: a[r0:r1] b[r0:r1]^T in each block (r0, r1) of ``spans``, 0 elsewhere. a, b: [N, K]."""
+    """[N, N] float64: a[r0:r1] b[r0:r1]^T in each block (r0, r1) of ``spans``, 0 elsewhere. a, b: [N, P]."""
     n = a.shape[0]
     if len(spans) == 1 and spans[0] == (0, n):
         return (a @ b.T).to(torch.float64)

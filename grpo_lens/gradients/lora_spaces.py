@@ -20,6 +20,7 @@ import torch
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.lora import ADAPTER_MARK
+from grpo_lens.registry import renamed_keywords
 
 
 def adapter_layers(name: str) -> bool:
@@ -32,12 +33,13 @@ def base_layers(name: str) -> bool:
     return ADAPTER_MARK not in name
 
 
+@renamed_keywords(k="sketch_dim")
 def lora_rollout_grads(
     model: torch.nn.Module,
     batch: Any,
     space: str,
     *,
-    k: int = 16,
+    sketch_dim: int = 16,
     seed: int = 0,
     projection: str = "gaussian",
     dtype: torch.dtype = torch.float32,
@@ -51,18 +53,21 @@ def lora_rollout_grads(
         model: a policy wrapped by :func:`grpo_lens.lora.apply_lora`.
         batch: N rollouts (:class:`grpo_lens.rollout.RolloutBatch`).
         space: ``trainable`` -- exact gradients of the adapter's A and B ([N, P_adapter], one backward per rollout);
-            ``full`` -- gradients of every frozen base linear weight W, sketched with k x k Kronecker projections
-            per layer ([N, layers * k^2]; ``projection="identity"`` gives them exactly, [N, sum d_out d_in]).
-        k, seed, projection, dtype: of the sketch (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
+            ``full`` -- gradients of every frozen base linear weight W, sketched with d_s x d_s Kronecker projections
+            per layer, d_s = ``sketch_dim`` ([N, P_s], P_s = layers * d_s^2; ``projection="identity"`` gives them
+            exactly, [N, sum d_out d_in]).
+        sketch_dim: the sketch side d_s (k_in = k_out of :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`;
+            ``k``, its 0.2 name, still works with a DeprecationWarning).
+        seed, projection, dtype: of the sketch (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
         score_weights: [N] omega_i (:func:`grpo_lens.gradients.scores.rollout_scores`).  temperature: the sampler's.
 
     Returns:
-        [N, K] in the model's dtype (exact) or ``dtype`` (sketch).
+        [N, P_adapter] in the model's dtype (exact) or [N, P_s] in ``dtype`` (sketch).
 
     Raises:
         ValueError: an unknown ``space``.
 
-    The two spaces are tied by the chain rule: with the update s B A (s = alpha / r) added to W,
+    The two spaces are tied by the chain rule: with the update s B A (s = lora_alpha / lora_rank) added to W,
     grad_B = s grad_W A^T and grad_A = s B^T grad_W (tests/gradients/test_lora.py checks this).
     """
     if space == "trainable":
@@ -76,8 +81,8 @@ def lora_rollout_grads(
         return sketch_rollout_grads(
             model,
             batch,
-            k_in=k,
-            k_out=k,
+            k_in=sketch_dim,
+            k_out=sketch_dim,
             include=base_layers,
             seed=seed,
             projection=projection,

@@ -73,7 +73,7 @@ class GradientSketch:
 
     @property
     def sketch(self) -> Tensor:
-        """[N, K] the per-layer sketches side by side (K = L * k_out * k_in), in ``layer_names`` order."""
+        """[N, P_s] the per-layer sketches side by side (P_s = L * k_out * k_in), in ``layer_names`` order."""
         return torch.cat([self.per_layer[n] for n in self.layer_names], dim=1)
 
     @property
@@ -88,7 +88,7 @@ class GradientSketch:
         return s @ s.T
 
     def weighted_sum(self, weights: Tensor) -> Tensor:
-        """[K] sketch of sum_i w_i g_i (``weights`` [N]; A for the policy gradient, :func:`nll_weights` for NLL)."""
+        """[P_s] sketch of sum_i w_i g_i (``weights`` [N]; A for the policy gradient, :func:`nll_weights` for NLL)."""
         return weighted_row_sum(self.sketch, weights)
 
 
@@ -117,12 +117,13 @@ class GradientCapture:
     All positions of a row contribute (prompt activations feed the completion through attention). Rows of several
     passes (micro-batches) are concatenated in forward order; a pass that never receives a gradient is dropped.
 
-    Projections are fixed seeded Gaussians with N(0, 1/k) entries, one pair per layer, seeded by
+    Projections are fixed seeded Gaussians with N(0, 1/k_in) and N(0, 1/k_out) entries, one pair per layer, seeded by
     (seed, crc32(layer name)), so that E[<S(A), S(B)>] = <A, B> (error:
     :func:`grpo_lens.formulas.sketch_error.sketch_gram_error_bound`).
-    Cost per layer: two thin matmuls (n L d k) and one [k_out, n L] x [n L, k_in] product, against n L d_in d_out
-    for the layer itself. Layer calls under ``torch.no_grad`` are ignored. A module called several times in one
-    pass (shared weights) gets the sum of its calls' sketches. Not compatible with activation checkpointing.
+    Cost per layer: two thin matmuls (n L d_in k_in and n L d_out k_out) and one [k_out, n L] x [n L, k_in] product,
+    against n L d_in d_out for the layer itself. Layer calls under ``torch.no_grad`` are ignored. A module called
+    several times in one pass (shared weights) gets the sum of its calls' sketches. Not compatible with activation
+    checkpointing.
 
     Args:
         model: the module whose linear layers are hooked (its forward marks passes).
@@ -134,7 +135,8 @@ class GradientCapture:
         dtype: dtype of the stored sketches (float32; float64 for exactness tests).
 
     Raises:
-        ValueError: unknown projection, k < 1, or no linear layer matches ``include`` (for a model without any: the
+        ValueError: unknown projection, k_in or k_out < 1, or no linear layer matches ``include`` (for a model without
+        any: the
             classes holding its parameters and the linear layers' coverage, 0 %).
 
     Example::
@@ -186,7 +188,8 @@ class GradientCapture:
     # -- projections ------------------------------------------------------------------------------------------
 
     def projections(self, name: str) -> tuple[Tensor, Tensor]:
-        """(P_in [k_in, d_in], P_out [k_out, d_out]) float32 of layer ``name`` (Gaussian, N(0, 1/k) entries)."""
+        """(P_in [k_in, d_in], P_out [k_out, d_out]) float32 of layer ``name`` (Gaussian, N(0, 1/k_in) and N(0, 1/k_out)
+        entries)."""
         if name not in self._proj:
             d_out, d_in = linear_shape(self._modules[name])
             gen = torch.Generator().manual_seed(derive_seed(self.seed, name, modulus=2**63))
@@ -404,12 +407,12 @@ def token_grad_sq_norms(
 
 
 def sketch_policy_grad(sketch: GradientSketch, advantages: Tensor) -> Tensor:
-    """[K] sketch of sum_i A_i g_i from per-rollout sketches of g_i (advantages [N] or [B, R])."""
+    """[P_s] sketch of sum_i A_i g_i from per-rollout sketches of g_i (advantages [N] or [B, R])."""
     return sketch.weighted_sum(advantages.reshape(-1))
 
 
 def sketch_nll_grad(sketch: GradientSketch, completion_mask: Tensor) -> Tensor:
-    """[K] sketch of the token-mean NLL gradient of the same completions (completion_mask [N, T])."""
+    """[P_s] sketch of the token-mean NLL gradient of the same completions (completion_mask [N, T])."""
     return sketch.weighted_sum(nll_weights(completion_mask))
 
 
@@ -440,7 +443,7 @@ def sketched_rollout_sq_norms(
         need: [N] bool.
         aggregation: the trainer's loss aggregation (gives c_i,
             :func:`grpo_lens.formulas.losses.aggregation_rollout_weights`).
-        sketch_dim: k_in = k_out per linear layer.
+        sketch_dim: the sketch side d_s, k_in = k_out = d_s per linear layer.
         seed: projection seed.
         projection: "gaussian" or "identity" (exact; for tests and small models).
         temperature: the sampling temperature (the policy's log-probs, docs/theory.md §Log-probabilities).

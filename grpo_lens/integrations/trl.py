@@ -57,18 +57,18 @@ import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 import grpo_lens
-from grpo_lens.config.groups import GRAM_SOURCES
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.rundir import RunDir
 from grpo_lens.train.lens import TrainerLens
+from grpo_lens.train.lens_settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
+from grpo_lens.train.lens_settings import LensSettings, deprecated_sketch_keyword
 from grpo_lens.train.step_metrics import reward_metrics, rollout_metrics
 
 try:
@@ -79,20 +79,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "grpo_lens.integrations.trl needs TRL: pip install trl (or pip install '.[trl]' in a clone of grpo-lens)"
     ) from e
-
-
-#: TRL's ``loss_type`` -> grpo-lens' loss aggregation with the same per-rollout weights of the log-prob sums
-#: (docs/theory.md §3): grpo/sapo average each sequence's tokens; bnpo/dapo/cispo/vespo divide by the batch's tokens
-#: (a constant across rollouts); dr_grpo divides by max_completion_length.
-TRL_LOSS_AGGREGATION = {
-    "grpo": "seq-mean-token-mean",
-    "sapo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dapo": "token-mean",
-    "cispo": "token-mean",
-    "vespo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-}
 
 
 #: The warning of a CPU run whose script imported torch before grpo_lens (:data:`grpo_lens.OMP_WAIT_POLICY_TOO_LATE`).
@@ -108,50 +94,34 @@ OMP_TOO_LATE_WARNING = (
 def lens_settings(
     args: Any,
     *,
-    sketch_dim: int = 16,
+    sketch_dim: int | None = None,
     space: str = "trainable",
     seed: int = 0,
     multi_objective_aggregation: str = "sum_then_normalize",
     gram_source: str = "exact",
-) -> SimpleNamespace:
-    """The settings :class:`grpo_lens.lens.TrainerLens` reads, from a ``trl.GRPOConfig``; ``gram_source`` as the
-    trainer's ``--gram-source`` (:data:`grpo_lens.config.groups.GRAM_SOURCES`, the same default).
+    lens_sketch_dim: int | None = None,
+) -> LensSettings:
+    """The settings :class:`grpo_lens.train.lens.TrainerLens` reads, from a ``trl.GRPOConfig``:
+    :meth:`grpo_lens.train.lens_settings.LensSettings.from_trl` (``gram_source`` as the trainer's ``--gram-source``,
+    :data:`grpo_lens.config.groups.GRAM_SOURCES`, the same default).
+
+    Args:
+        sketch_dim: sketch side per linear layer (as ``--sketch-dim``; default 16).
+        lens_sketch_dim: its deprecated 0.2 name (a DeprecationWarning).
+        the rest: as :meth:`grpo_lens.train.lens_settings.LensSettings.from_trl`.
 
     Raises:
         ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
             weights the lens does not know (luspo).
+        TypeError: both ``sketch_dim`` and ``lens_sketch_dim``.
     """
-    if sketch_dim < 1:
-        raise ValueError(f"lens_sketch_dim = {sketch_dim}: must be >= 1")
-    if gram_source not in GRAM_SOURCES:
-        raise ValueError(f"lens_gram_source = {gram_source!r}: valid names: {', '.join(GRAM_SOURCES)}")
-    if space not in ("trainable", "full"):
-        raise ValueError(f"lens_space = {space!r}: valid names: full, trainable")
-    scale = getattr(args, "scale_rewards", "group")
-    if multi_objective_aggregation != "sum_then_normalize":
-        estimator = "trl_" + multi_objective_aggregation  # no per-group identity constant
-    else:
-        estimator = {"group": "grpo", "none": "dr_grpo"}.get(scale, f"trl_scale_{scale}")
-    loss_type = getattr(args, "loss_type", "dapo")
-    if loss_type not in TRL_LOSS_AGGREGATION:
-        raise ValueError(
-            f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
-            f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them"
-        )
-    return SimpleNamespace(
-        sketch_dim=sketch_dim,
-        lens_space=space,
+    return LensSettings.from_trl(
+        args,
+        sketch_dim=deprecated_sketch_keyword(sketch_dim, lens_sketch_dim),
+        space=space,
         seed=seed,
+        multi_objective_aggregation=multi_objective_aggregation,
         gram_source=gram_source,
-        estimator=estimator,
-        std="sample",
-        std_eps=1e-4,
-        temperature=float(args.temperature),
-        top_k=0,
-        top_p=1.0,
-        loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
-        max_new_tokens=int(args.max_completion_length),
-        overlong="none",
     )  # TRL's mask_truncated_completions is already in its completion_mask
 
 
@@ -197,7 +167,7 @@ def rollout_batch_from_trl(output: dict[str, Any], group_size: int, eos_token_id
 
 def run_config(
     args: Any,
-    settings: SimpleNamespace,
+    settings: LensSettings,
     *,
     model: str,
     max_steps: int,
@@ -295,7 +265,8 @@ class GRPOLensMixin:
 
     Args (keywords, the rest goes to the trainer):
         lens_every: measure every this many optimizer steps (>= 1).
-        lens_sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``).
+        sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``; default 16); ``lens_sketch_dim``,
+            its 0.2 name, is still accepted with a DeprecationWarning.
         lens_gram_source: ``exact`` (default) or ``sketch``, the source of the per-rollout Gram matrix (as
             grpo-lens' ``--gram-source``).
         lens_space: ``trainable`` or ``full`` (as ``--lens-space``; matters with a peft model).
@@ -311,25 +282,27 @@ class GRPOLensMixin:
         self,
         *args: Any,
         lens_every: int = 5,
-        lens_sketch_dim: int = 16,
+        sketch_dim: int | None = None,
         lens_space: str = "trainable",
         lens_seed: int = 0,
         lens_out: str | Path | None = None,
         lens_log_completions: int = 2,
         lens_gram_source: str = "exact",
+        lens_sketch_dim: int | None = None,
         **kwargs: Any,
     ):
         if lens_every < 1:
             raise ValueError(f"lens_every = {lens_every}: must be >= 1")
         if lens_log_completions < 0:
             raise ValueError(f"lens_log_completions = {lens_log_completions}: must be >= 0")
+        sketch_dim = deprecated_sketch_keyword(sketch_dim, lens_sketch_dim)  # warns at the caller's line
         super().__init__(*args, **kwargs)
         if grpo_lens.OMP_WAIT_POLICY_TOO_LATE and not torch.cuda.is_available():
             warnings.warn(OMP_TOO_LATE_WARNING, stacklevel=2)
         self.lens_every = lens_every
         self.lens_settings = lens_settings(
             self.args,
-            sketch_dim=lens_sketch_dim,
+            sketch_dim=sketch_dim,
             space=lens_space,
             seed=lens_seed,
             multi_objective_aggregation=self.multi_objective_aggregation,

@@ -130,7 +130,7 @@ class ProbeConfig(ConfigFile):
     )
     mc_samples: int = option(
         8,
-        "Continuations per prefix for the Monte Carlo values (K >= 2).",
+        "Continuations per prefix for the Monte Carlo values (K_mc >= 2).",
         check=at_least(2, "must be >= 2 (a standard error needs two continuations)"),
     )
     resamples: int = option(256, "Resampled groups for the baseline variance.", check=at_least(2))

@@ -50,7 +50,7 @@ class PromptRecord:
             "mixed" (analysed).
         s1_prediction: S1 predicted from the M - R rollouts outside the group when all M rewards are valid, else None.
         row: the analysed group's canonical keys (mixed only).
-        extra: its spectra, G3 rows {weighting: [K]}, advantages [R], credit profile and Gram coverage (mixed only).
+        extra: its spectra, G3 rows {weighting: [P_s]}, advantages [R], credit profile and Gram coverage (mixed only).
         check: the sketch-vs-exact check of the group, when it was one of the first ``coverage_groups``.
         g2_weightings: G2 under every weighting, when it was one of the first ``g2_groups``.
         baseline_variance: the baseline variances of the prompt's M rollouts, when it was one of the first

@@ -226,9 +226,11 @@ def pool_credit_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
     their shares summarised again; segment counts summed; the class shares summarised again from the per-group
     shares (:func:`grpo_lens.formulas.credit.summarise_class_shares`) when every seed kept them, else combined
     with each seed as a stratum."""
-    K = {s["monte_carlo"].get("samples_per_prefix") for s in studies}
-    if len(K) != 1:
-        raise PoolingError(f"the seeds' Monte Carlo credit used different continuations per prefix ({sorted(K)})")
+    mc_samples = {s["monte_carlo"].get("samples_per_prefix") for s in studies}
+    if len(mc_samples) != 1:
+        raise PoolingError(
+            f"the seeds' Monte Carlo credit used different continuations per prefix ({sorted(mc_samples)})"
+        )
     rollouts = [r for s in studies for r in s["monte_carlo"]["rollouts"]]
     segments = {
         k: sum(int(s["monte_carlo"].get("segments", {}).get(k) or 0) for s in studies)
@@ -236,7 +238,7 @@ def pool_credit_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
     }
     mc = {
         "rollouts": rollouts,
-        "samples_per_prefix": K.pop(),
+        "samples_per_prefix": mc_samples.pop(),
         **{
             k: bootstrap_mean([r[k] for r in rollouts], bounds=(0.0, 1.0))
             for k in ("disagree", "agree", "neutral", "top_segment_share")
@@ -319,10 +321,10 @@ def pool_probes(probes: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 f"seed {s} ran the studies {sorted(probes[s].get('studies') or {})}, seed {seeds[0]} "
                 f"{sorted(first.get('studies') or {})}"
             )
-    per_r, seeds_r = {}, {}
+    per_group_size, seeds_r = {}, {}
     for R in sorted(first["per_group_size"], key=int):
         entries = [probes[s]["per_group_size"][R] for s in seeds]
-        per_r[R] = pool_group_size(entries)
+        per_group_size[R] = pool_group_size(entries)
         rows_by_seed = [e.get(PROBE_GROUPS) or [] for e in entries]
         seeds_r[R] = {
             "group_seeds": [s for s, rows in zip(seeds, rows_by_seed) for _ in rows],
@@ -330,14 +332,14 @@ def pool_probes(probes: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 s for s, e in zip(seeds, entries) for _ in ((e.get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS) or [])
             ],
             "g3": {str(s): e.get(PROBE_G3) or {} for s, e in zip(seeds, entries)},
-            "keys": _key_spread(entries, rows_by_seed, per_r[R][PROBE_SUMMARY]),
+            "keys": _key_spread(entries, rows_by_seed, per_group_size[R][PROBE_SUMMARY]),
         }
     studies: dict[str, Any] = {}
     for name, fn in (("baselines", pool_baseline_study), ("credit", pool_credit_study)):
         if name in (first.get("studies") or {}):
             studies[name] = fn([probes[s]["studies"][name] for s in seeds])
     metas = [probes[s]["meta"] for s in seeds]
-    checks = [c for d in per_r.values() for c in ((d.get(PROBE_SKETCH_CHECK) or {}).get(PROBE_GROUPS) or [])]
+    checks = [c for d in per_group_size.values() for c in ((d.get(PROBE_SKETCH_CHECK) or {}).get(PROBE_GROUPS) or [])]
     check_summary = summarise_rows(checks) if checks else {}
     covs = [m["gram_coverage"] for m in metas if m.get("gram_coverage") is not None]
     meta = {
@@ -353,7 +355,7 @@ def pool_probes(probes: dict[int, dict[str, Any]]) -> dict[str, Any]:
     }
     return {
         "meta": meta,
-        "per_group_size": per_r,
+        "per_group_size": per_group_size,
         "studies": studies,
         SEEDS: {"seeds": seeds, "dirs": [f"seed_{s}" for s in seeds], "per_group_size": seeds_r},
     }

@@ -402,21 +402,21 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
     fig, ax = plt.subplots(figsize=(SIZE[0], SIZE[1] * 1.3))
     styles = ["-", "--", ":", "-.", (0, (1, 3))]
     several = len(probes) > 1
-    rs_all = sorted({int(r) for p in probes.values() for r in p["per_group_size"]})
+    rs_all = sorted({int(R) for p in probes.values() for R in p["per_group_size"]})
     spacing = min((b - a for a, b in zip(rs_all, rs_all[1:])), default=2)
     width = 0.3 * spacing  # the spread of one R's points: under a third of the gap to the next R
     n_series = len(G1_LINES) * len(probes)
     drawn: set[str] = set()
     for pi, (label, probe) in enumerate(probes.items()):
-        per_r = probe["per_group_size"]
-        rs = sorted(per_r, key=int)
+        per_group_size = probe["per_group_size"]
+        rs = sorted(per_group_size, key=int)
         for mi, (name, stem, marker) in enumerate(G1_LINES):
             xs, ys, lo, hi = [], [], [], []
             offset = width * ((mi * len(probes) + pi) / max(n_series - 1, 1) - 0.5)
-            for r in rs:
-                stats = per_r[r].get(PROBE_SUMMARY, {}).get(rank_key(stem, measure))
+            for R in rs:
+                stats = per_group_size[R].get(PROBE_SUMMARY, {}).get(rank_key(stem, measure))
                 if stats and stats.get("mean") is not None:
-                    xs.append(int(r) + offset)
+                    xs.append(int(R) + offset)
                     ys.append(stats["mean"])
                     lo.append(stats["mean"] - (stats["lo"] if stats.get("lo") is not None else stats["mean"]))
                     hi.append((stats["hi"] if stats.get("hi") is not None else stats["mean"]) - stats["mean"])
@@ -435,7 +435,7 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
     if rs_all:
         ax.axhline(2, color="k", alpha=0.3, linewidth=1, label=f"{measure} = 2 (the rank-2 claim)")
         ax.set_xticks(rs_all)
-        ax.set_xticklabels([f"R = {r}" for r in rs_all])
+        ax.set_xticklabels([f"R = {R}" for R in rs_all])
         ax.set_xlim(rs_all[0] - spacing / 2, rs_all[-1] + spacing / 2)
     ax.set_xlabel("group size R")
     ax.set_ylabel(f"{measure} (dimensionless)")
@@ -461,8 +461,8 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
 def plot_spectra(probe: dict[str, Any], path: Path, matrix: str = "G1") -> Path:
     """Normalised singular values (s_k / s_1) of ``matrix``, averaged over groups, one line per R."""
     fig, ax = plt.subplots(figsize=SIZE)
-    for r in sorted(probe["per_group_size"], key=int):
-        spectra = probe["per_group_size"][r].get(PROBE_SPECTRA, {}).get(matrix) or []
+    for R in sorted(probe["per_group_size"], key=int):
+        spectra = probe["per_group_size"][R].get(PROBE_SPECTRA, {}).get(matrix) or []
         if not spectra:
             continue
         k = max(len(s) for s in spectra)
@@ -470,7 +470,7 @@ def plot_spectra(probe: dict[str, Any], path: Path, matrix: str = "G1") -> Path:
         for j in range(k):
             vals = [s[j] / s[0] for s in spectra if len(s) > j and s[0] > 0]
             mean.append(sum(vals) / len(vals) if vals else 0.0)
-        ax.semilogy(range(1, k + 1), [max(v, 1e-8) for v in mean], marker="o", label=f"R={r}")
+        ax.semilogy(range(1, k + 1), [max(v, 1e-8) for v in mean], marker="o", label=f"R={R}")
     ax.set_xlabel("index k")
     ax.set_ylabel("s_k / s_1, mean over groups (ratio)")
     ax.set_title(f"singular-value spectra of {matrix}", fontsize=9)
@@ -484,18 +484,18 @@ def plot_baseline_variance(probe: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=SIZE)
     rs = sorted(probe["per_group_size"], key=int)
     names: list[str] = []
-    for r in rs:
-        rel = probe["per_group_size"][r].get(PROBE_BASELINES, {}).get("relative_variance", {})
+    for R in rs:
+        rel = probe["per_group_size"][R].get(PROBE_BASELINES, {}).get("relative_variance", {})
         names += [n for n in rel if n not in names]
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         ys = [
-            probe["per_group_size"][r].get(PROBE_BASELINES, {}).get("relative_variance", {}).get(name) or 0.0
-            for r in rs
+            probe["per_group_size"][R].get(PROBE_BASELINES, {}).get("relative_variance", {}).get(name) or 0.0
+            for R in rs
         ]
         ax.bar([j + i * width for j in range(len(rs))], ys, width=width, label=name)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rs))])
-    ax.set_xticklabels([f"R={r}" for r in rs])
+    ax.set_xticklabels([f"R={R}" for R in rs])
     ax.set_xlabel("group size")
     ax.set_ylabel("Var / Var(optimal) (ratio)")
     ax.set_yscale("log")
@@ -515,10 +515,10 @@ def plot_credit_profile(probe: dict[str, Any], path: Path) -> Path:
     """Per-position gradient norm of completion tokens, averaged over rollouts, one line per R; the y axis names
     :data:`CREDIT_PROFILE_SOURCE` (the same whatever the probe's ``meta.gradients``: the sketch does not enter it)."""
     fig, ax = plt.subplots(figsize=SIZE)
-    for r in sorted(probe["per_group_size"], key=int):
-        prof = probe["per_group_size"][r].get(PROBE_CREDIT, {}).get("position_profile") or []
+    for R in sorted(probe["per_group_size"], key=int):
+        prof = probe["per_group_size"][R].get(PROBE_CREDIT, {}).get("position_profile") or []
         if prof:
-            ax.plot(range(1, len(prof) + 1), prof, marker=".", label=f"R={r}")
+            ax.plot(range(1, len(prof) + 1), prof, marker=".", label=f"R={R}")
     ax.set_xlabel("completion token position")
     ax.set_ylabel(f"mean per-token gradient norm\n({CREDIT_PROFILE_SOURCE})", fontsize=8)
     ax.set_title("where the gradient sits along a completion", fontsize=9)

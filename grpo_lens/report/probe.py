@@ -92,24 +92,24 @@ def rank_table(
 ) -> list[str]:
     """Markdown table: rows = (R, matrix), columns = rank measures as mean [95% interval] over groups,
     plus G1's ratio to the orthogonal null and G3 (one matrix over the analysed groups, no interval)."""
-    per_r = probe["per_group_size"]
+    per_group_size = probe["per_group_size"]
     lines = md_table(["R", "matrix", "groups", *measures])
-    for r in sorted(per_r, key=int):
-        summ = per_r[r].get(PROBE_SUMMARY, {})
+    for R in sorted(per_group_size, key=int):
+        summ = per_group_size[R].get(PROBE_SUMMARY, {})
         for label, stem in RANK_ROWS:
             cells = [_ci(summ.get(rank_key(stem, m))) for m in measures]
             n = (summ.get(rank_key(stem, measures[0])) or {}).get("n", 0)
             if n:
-                lines.append(md_row(r, label, n, *cells))
+                lines.append(md_row(R, label, n, *cells))
         cells = [_ci(summ.get(RANK_G1_VS_NULL.format(m=m))) for m in measures]
         n = (summ.get(RANK_G1_VS_NULL.format(m=measures[0])) or {}).get("n", 0)
         if n:
-            lines.append(md_row(r, "G1 / null (ratio)", n, *cells))
-        g3 = per_r[r].get(PROBE_G3, {})
+            lines.append(md_row(R, "G1 / null (ratio)", n, *cells))
+        g3 = per_group_size[R].get(PROBE_G3, {})
         if g3.get(rank_key("g3", measures[0])) is not None:
             lines.append(
                 md_row(
-                    r,
+                    R,
                     "G3 (rows = groups' updates)",
                     g3.get(G3_GROUPS),
                     *(
@@ -134,7 +134,7 @@ WEIGHTING_LABELS = {
 def weighting_tables(probe: dict[str, Any]) -> list[str]:
     """G3 and G2 (every layer, by layer type) under the weightings A, |A|, A + mean|A|, r, 1 and a single rollout:
     if a rank ≈ 2 came from the zero-sum advantages, A would stand apart from the weightings that are not zero-sum."""
-    per_r = probe["per_group_size"]
+    per_group_size = probe["per_group_size"]
     layers = (probe["meta"].get("config") or {}).get("layers")  # probe --layers PATTERN
     kept = f" (the layers --layers {layers!r} keeps)" if layers else ""
     lines = [
@@ -149,27 +149,27 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
         "",
         *md_table(["R", "matrix", *(WEIGHTING_LABELS[w] for w in WEIGHTINGS)]),
     ]
-    for r in sorted(per_r, key=int):
-        g3 = per_r[r].get(PROBE_G3) or {}
+    for R in sorted(per_group_size, key=int):
+        g3 = per_group_size[R].get(PROBE_G3) or {}
         if g3.get(rank_key("g3", "stable_rank")) is not None:
             cells = []
             for w in WEIGHTINGS:
                 key = rank_key("g3" if w == "adv" else f"g3_{w}", "stable_rank")
                 cells.append(fmt(g3.get(key), 2))
-            lines.append(md_row(r, f"G3 stable rank ({g3.get(G3_GROUPS)} groups)", *cells))
-        g2 = (per_r[r].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_SUMMARY) or {}
+            lines.append(md_row(R, f"G3 stable rank ({g3.get(G3_GROUPS)} groups)", *cells))
+        g2 = (per_group_size[R].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_SUMMARY) or {}
         parsed = [RANK_G2_WEIGHTED.parse(k) for k in g2]
         types = sorted({p["kind"] for p in parsed if p is not None and p["w"] == "adv"})
         for t in types:
             cells = [fmt((g2.get(RANK_G2_WEIGHTED.format(w=w, kind=t)) or {}).get("mean"), 2) for w in WEIGHTINGS]
             n = (g2.get(RANK_G2_WEIGHTED.format(w="adv", kind=t)) or {}).get("n")
-            lines.append(md_row(r, f"G2 {t} stable rank ({n} group(s))", *cells))
+            lines.append(md_row(R, f"G2 {t} stable rank ({n} group(s))", *cells))
     return lines + [""]
 
 
 def strata_table(probe: dict[str, Any], by: str) -> list[str]:
     """Markdown table of G1 vs its null and the zero-sum statistics per stratum (``by`` = "correct" or "distinct")."""
-    per_r = probe["per_group_size"]
+    per_group_size = probe["per_group_size"]
     head = "k (correct)" if by == "correct" else "distinct completions"
     lines = md_table(
         [
@@ -186,12 +186,12 @@ def strata_table(probe: dict[str, Any], by: str) -> list[str]:
             "cos gap",
         ]
     )
-    for r in sorted(per_r, key=int):
-        for stratum, summ in per_r[r].get(PROBE_STRATA, {}).get(by, {}).items():
+    for R in sorted(per_group_size, key=int):
+        for stratum, summ in per_group_size[R].get(PROBE_STRATA, {}).get(by, {}).items():
             n = (summ.get(rank_key("g1", "erank")) or {}).get("n", 0)
             lines.append(
                 md_row(
-                    r,
+                    R,
                     stratum,
                     n,
                     _ci(summ.get(rank_key("g1", "erank"))),
@@ -265,7 +265,7 @@ def groups_lines(label: str, probe: dict[str, Any], findings: list[str]) -> list
     """The groups table, one row per R: prompts, all-equal and mixed (analysed) groups, S1 measured and predicted,
     the largest identity residual, distinct completions and G2's numerical rank against its bound; a finding for
     each R without a mixed group (no rank could be measured)."""
-    per_r = probe["per_group_size"]
+    per_group_size = probe["per_group_size"]
     lines = md_table(
         [
             "R",
@@ -279,15 +279,15 @@ def groups_lines(label: str, probe: dict[str, Any], findings: list[str]) -> list
             "G2 numerical rank / bound",
         ]
     )
-    for r in sorted(per_r, key=int):
-        d = per_r[r]
+    for R in sorted(per_group_size, key=int):
+        d = per_group_size[R]
         summ = d.get(PROBE_SUMMARY, {})
         res = [
             g.get(GRAD_IDENTITY_RESIDUAL) for g in d.get(PROBE_GROUPS, []) if g.get(GRAD_IDENTITY_RESIDUAL) is not None
         ]
         lines.append(
             md_row(
-                r,
+                R,
                 d.get(PROMPTS_SAMPLED),
                 d.get(GROUPS_ALL_EQUAL),
                 d.get(GROUPS_MIXED),
@@ -300,7 +300,7 @@ def groups_lines(label: str, probe: dict[str, Any], findings: list[str]) -> list
         )
         if d.get(GROUPS_MIXED, 0) == 0:
             findings.append(
-                f"[{label}] R={r}: no mixed group among {d.get(PROMPTS_SAMPLED)} prompts (S1 = "
+                f"[{label}] R={R}: no mixed group among {d.get(PROMPTS_SAMPLED)} prompts (S1 = "
                 f"{fmt(d.get(S1_MEASURED))}): GRPO's policy gradient was exactly zero on every "
                 f"sampled group, so no rank could be measured."
             )
@@ -312,7 +312,7 @@ def rank_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[
     G3 are, :func:`rank_table`, and the figures erank vs R (erank_vs_R_{label}.png) and the spectra
     (spectra_{label}.png); findings on G1's erank beside its null per R and on the rank-2 identity's largest
     residual."""
-    per_r = probe["per_group_size"]
+    per_group_size = probe["per_group_size"]
     meta = probe.get("meta", {})
     lines = [
         "### Effective rank vs group size, beside the orthogonal null",
@@ -326,19 +326,19 @@ def rank_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[
         "",
     ]
     lines += rank_table(probe) + [""]
-    for r in sorted(per_r, key=int):
-        summ = per_r[r].get(PROBE_SUMMARY, {})
+    for R in sorted(per_group_size, key=int):
+        summ = per_group_size[R].get(PROBE_SUMMARY, {})
         g1 = summ.get(rank_key("g1", "erank")) or {}
         null = summ.get(rank_key("g1_null", "erank")) or {}
         if g1.get("mean") is None:
             continue
-        note = " (R = 2 caps every rank measure at 2)" if int(r) == 2 else ""
+        note = " (R = 2 caps every rank measure at 2)" if int(R) == 2 else ""
         findings.append(
-            f"[{label}] R={r}: G1 erank {_ci(g1)} vs orthogonal null {_ci(null)} over {g1.get('n')} groups{note}."
+            f"[{label}] R={R}: G1 erank {_ci(g1)} vs orthogonal null {_ci(null)} over {g1.get('n')} groups{note}."
         )
     res_all = [
         g.get(GRAD_IDENTITY_RESIDUAL)
-        for d in per_r.values()
+        for d in per_group_size.values()
         for g in d.get(PROBE_GROUPS, [])
         if g.get(GRAD_IDENTITY_RESIDUAL) is not None
     ]
@@ -370,7 +370,7 @@ def strata_lines(probe: dict[str, Any]) -> list[str]:
 def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
     """ "Zero-sum structure: label-permutation test with k fixed": per R, span energy and cos gap beside their
     relabelled (permutation-null) means and the share of groups whose own p-value is below 0.05."""
-    per_r = probe["per_group_size"]
+    per_group_size = probe["per_group_size"]
     lines = [
         "### Zero-sum structure: label-permutation test with k fixed",
         "",
@@ -382,8 +382,8 @@ def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
             ["R", "groups", "span energy", "relabelled", "groups p < 0.05", "cos gap", "relabelled", "groups p < 0.05"]
         ),
     ]
-    for r in sorted(per_r, key=int):
-        d = per_r[r]
+    for R in sorted(per_group_size, key=int):
+        d = per_group_size[R]
         summ = d.get(PROBE_SUMMARY, {})
         cells = []
         for stat in ZERO_SUM_STATS:
@@ -395,7 +395,7 @@ def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
                 f"{sum(p < 0.05 for p in ps)}/{len(ps)}" if ps else "–",
             ]
         n = (summ.get(ZERO_SUM_SPAN_ENERGY) or {}).get("n", 0)
-        lines.append(md_row(r, n, *cells))
+        lines.append(md_row(R, n, *cells))
     lines.append("")
     return lines
 
@@ -403,7 +403,7 @@ def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
 def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
     """ "Baselines": per R, b*, the group mean, m_C and m_W, and the gradient variance under no baseline, the group
     mean, rloo and b* relative to b*'s (baseline_variance_{label}.png); a finding on rloo's variance per R."""
-    per_r = probe["per_group_size"]
+    per_group_size = probe["per_group_size"]
     lines = [
         "### Baselines",
         "",
@@ -414,13 +414,13 @@ def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: 
         "",
         *md_table(["R", "b*", "group mean", "m_C", "m_W", "Var/Var* none", "mean", "rloo", "optimal"]),
     ]
-    for r in sorted(per_r, key=int):
-        b = per_r[r].get(PROBE_BASELINES, {})
-        summ = per_r[r].get(PROBE_SUMMARY, {})
+    for R in sorted(per_group_size, key=int):
+        b = per_group_size[R].get(PROBE_BASELINES, {})
+        summ = per_group_size[R].get(PROBE_SUMMARY, {})
         rel = b.get("relative_variance", {})
         lines.append(
             md_row(
-                r,
+                R,
                 _ci(summ.get(BASELINE_B_STAR), 3),
                 _ci(summ.get(BASELINE_GROUP_MEAN), 3),
                 _ci(summ.get(BASELINE_M_CORRECT), 4),
@@ -441,9 +441,9 @@ def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: 
                 else f"; no baseline at all gives {fmt(none, 2)}x"
             )
             findings.append(
-                f"[{label}] R={r}: the rloo baseline's gradient variance is {fmt(rel['rloo'], 2)}x the "
+                f"[{label}] R={R}: the rloo baseline's gradient variance is {fmt(rel['rloo'], 2)}x the "
                 f"leave-one-out optimal b*'s{lower} (one resampling estimate over {b.get('prompts')} "
-                f"prompt(s) of {per_r[r].get(ROLLOUTS_PER_PROMPT)} rollouts; no interval)."
+                f"prompt(s) of {per_group_size[R].get(ROLLOUTS_PER_PROMPT)} rollouts; no interval)."
             )
     plots.plot_baseline_variance(probe, run_dir / f"baseline_variance_{label}.png")
     return lines + ["", f"![baseline variance](baseline_variance_{label}.png)", ""]
@@ -452,7 +452,7 @@ def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: 
 def credit_lines(label: str, probe: dict[str, Any], run_dir: Path) -> list[str]:
     """ "Credit": per R, the largest within-rollout advantage variance, the answer tokens' share of ||g||^2 and of the
     tokens (credit_profile_{label}.png)."""
-    per_r = probe["per_group_size"]
+    per_group_size = probe["per_group_size"]
     lines = [
         "### Credit",
         "",
@@ -468,8 +468,8 @@ def credit_lines(label: str, probe: dict[str, Any], run_dir: Path) -> list[str]:
             ]
         ),
     ]
-    for r in sorted(per_r, key=int):
-        d = per_r[r]
+    for R in sorted(per_group_size, key=int):
+        d = per_group_size[R]
         summ = d.get(PROBE_SUMMARY, {})
         vmax = [
             g.get(CREDIT_ADV_VAR_WITHIN_MAX)
@@ -478,7 +478,7 @@ def credit_lines(label: str, probe: dict[str, Any], run_dir: Path) -> list[str]:
         ]
         lines.append(
             md_row(
-                r,
+                R,
                 fmt(max(vmax), 6) if vmax else "–",
                 _ci(summ.get(CREDIT_ANSWER_SHARE_MEAN), 3),
                 _ci(summ.get(CREDIT_ANSWER_TOKEN_FRAC), 3),

@@ -51,7 +51,7 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
             f"skipped), M = {meta.get('rollouts_per_prompt')} rollouts each, groups of R = "
             f"{meta.get('group_size')} drawn from one half of each prompt's rollouts and compared with the "
             "centred gradient Cov(r, h) estimated on the other half; h_i = c_i g_i, "
-            f"{meta.get('gradients')}, k = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
+            f"{meta.get('gradients')}, d_s = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
             "RLOO's; the group mean is rescaled by R/(R-1) (it then equals RLOO sample by sample). 95% "
             "intervals over prompts (Hall's transformed t, docs/theory.md §7).",
             "",
@@ -141,7 +141,7 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
             lines.append(md_row(name, ci(v["update_share"]), ci(v["token_share"]), ci(v["ratio"], 2), *extra))
         lines += [
             "",
-            f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K = "
+            f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K_mc = "
             f"{mc['samples_per_prefix']} continuations per prefix. {_opposition_sentence(mc)} Largest "
             f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.",
             "",
@@ -160,12 +160,12 @@ def _opposition_sentence(mc: dict[str, Any]) -> str:
     the count of rollouts with an opposing segment against the exact binomial bound at level MC_LEVEL."""
     t = opposition_count(mc)
     if t is None:
-        return "The exact count test needs 0/1 rewards; these prefix values are not means of K 0/1 rewards."
+        return "The exact count test needs 0/1 rewards; these prefix values are not means of K_mc 0/1 rewards."
     if t["tests"] == 0:
         return "No interior segment (fewer than 2 prefixes per rollout): nothing to test."
     n, a = t["rollouts"], t["alpha_r"]
     return (
-        f"Rollouts with a segment whose success count differs against A_i's sign by >= {t['d']} of {t['k']} "
+        f"Rollouts with a segment whose success count differs against A_i's sign by >= {t['d']} of {t['mc_samples']} "
         f"continuations (opposing): {t['flagged']} of {n}; with no opposing segment a rollout is flagged with "
         f"probability <= {a:.3g} ({t['tests']} segments tested per rollout, level {MC_LEVEL}), and "
         f"P(Binomial({n}, {a:.3g}) >= {t['flagged']}) = {t['p_value']:.2g}. Segments agreeing with A_i by >= "

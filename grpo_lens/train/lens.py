@@ -26,7 +26,7 @@ groups, gathers and averages.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,10 +50,15 @@ from grpo_lens.metrics import (
     PERF_LENS_SPARSITY_SECONDS,
     RANK_MIXED_GROUPS,
 )
+from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch
+from grpo_lens.train.lens_settings import LensSettings, as_lens_settings
 from grpo_lens.train.processes import gather_objects
 from grpo_lens.train.sharding import is_sharded
 from grpo_lens.train.sparsity import Bf16UpdateTracker, SparsityOverTraining
+
+if TYPE_CHECKING:
+    from grpo_lens.config import TrainConfig
 
 
 def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_rollouts: float) -> torch.Tensor:
@@ -66,11 +71,11 @@ def scores_from_update_rows(rows: torch.Tensor, advantages: torch.Tensor, num_ro
     update). The sketch is linear, so the same holds row by row.
 
     Args:
-        rows: [N_local, K] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
+        rows: [N_local, P_s] sketched rows of grad L_i (a :class:`GradientCapture` around the first pass).
         advantages: [N_local] A_i.   num_rollouts: N, the rollouts in the loss summed over processes.
 
     Returns:
-        [N_local, K] float64: -N row_i / A_i; rows with A_i = 0 are 0 (their gradient cannot be read off; the trainer
+        [N_local, P_s] float64: -N row_i / A_i; rows with A_i = 0 are 0 (their gradient cannot be read off; the trainer
         uses this only when every analysed group's advantages are nonzero).
     """
     a = advantages.to(device=rows.device, dtype=torch.float64)
@@ -107,8 +112,12 @@ class TrainerLens:
 
     Args:
         policy: the model being trained.
-        config: a :class:`grpo_lens.config.TrainConfig` (uses sketch_dim, seed, std, std_eps, temperature, top_k,
-            top_p).
+        config: the lens's :class:`grpo_lens.train.lens_settings.LensSettings` (a
+            :class:`grpo_lens.config.TrainConfig` is converted with
+            :meth:`~grpo_lens.train.lens_settings.LensSettings.from_train_config`); kept as ``self.settings``.
+
+    Raises:
+        TypeError: ``config`` is neither (:func:`grpo_lens.train.lens_settings.as_lens_settings`).
 
     Metric keys written (named in :mod:`grpo_lens.metrics`, documented in docs/metrics.md):
     ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,
@@ -119,10 +128,11 @@ class TrainerLens:
     ``grad/identity_*``, ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
 
-    def __init__(self, policy: torch.nn.Module, config: Any):
-        self.config = config
+    def __init__(self, policy: torch.nn.Module, config: LensSettings | TrainConfig):
+        self.settings = as_lens_settings(config)
         self.tracker = Bf16UpdateTracker(policy, device="cpu")  # start = the weights before any step
-        self.sparsity = SparsityOverTraining(policy, seed=config.seed)  # a fixed sample; start = the same weights
+        # a fixed sample; start = the same weights
+        self.sparsity = SparsityOverTraining(policy, seed=self.settings.seed)
         self._pending = False
         self._sparsity_seconds = 0.0
 
@@ -139,15 +149,16 @@ class TrainerLens:
             self.sparsity.load_state_dict(state["grad_sum"])
 
     @staticmethod
-    def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> list[int]:
+    @renamed_keywords(R="group_size")
+    def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> list[int]:
         """Indices of the groups the lens analyses: every rollout valid and reward contrast (not
         :func:`grpo_lens.formulas.advantages.constant_groups`).
 
         Args:
-            rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
+            rewards: [N] (NaN where invalid).   valid: [N] bool.   group_size: R, rollouts per group.
         """
-        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
-        v = valid.view(-1, R).cpu()
+        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size).cpu()
+        v = valid.view(-1, group_size).cpu()
         return (v.all(dim=1) & ~constant_groups(r, v)).nonzero().flatten().tolist()
 
     def update_capture(self, policy: torch.nn.Module) -> GradientCapture:
@@ -155,10 +166,11 @@ class TrainerLens:
         on-policy pass of the update, whose sketched loss-gradient rows then give the g_i without a pass of the
         lens's own (:func:`scores_from_update_rows`). Marks the step as measured for the S4 snapshots."""
         self._pending = True
-        return GradientCapture(policy, self.config.sketch_dim, self.config.sketch_dim, seed=self.config.seed)
+        return GradientCapture(policy, self.settings.sketch_dim, self.settings.sketch_dim, seed=self.settings.seed)
 
+    @renamed_keywords(R="group_size")
     def update_gram_capture(
-        self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor, R: int
+        self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor, group_size: int
     ) -> MicroBatchGrams:
         """The :class:`MicroBatchGrams` for the trainer to open around the update's first pass (each micro-batch),
         whose exact Gram of the mixed groups' loss-gradient rows then gives the lens's Gram without a pass of its
@@ -166,12 +178,12 @@ class TrainerLens:
         measured for the S4 snapshots.
 
         Args:
-            rewards: [N] (NaN where invalid).   valid: [N] bool.   R: group size.
+            rewards: [N] (NaN where invalid).   valid: [N] bool.   group_size: R, rollouts per group.
         """
         self._pending = True
         rows = torch.zeros(rewards.numel(), dtype=torch.bool)
-        for b in self.mixed_groups(rewards, valid, R):
-            rows[b * R : (b + 1) * R] = True
+        for b in self.mixed_groups(rewards, valid, group_size):
+            rows[b * group_size : (b + 1) * group_size] = True
         return MicroBatchGrams(policy, rewards.numel(), rows=rows)
 
     def measure_from_update(
@@ -187,7 +199,7 @@ class TrainerLens:
         """:meth:`measure` from what ``capture`` took in the update's first pass: the exact Gram
         (:class:`MicroBatchGrams`, :func:`score_gram_from_update`) or the sketched rows (:class:`GradientCapture`,
         :func:`scores_from_update_rows`); N, the rollouts in the loss, summed over processes."""
-        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, self.config.overlong)
+        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, self.settings.overlong)
         n_total = sum(gather_objects(float(loss_mask.any(dim=1).sum())))
         if isinstance(capture, MicroBatchGrams):
             gram, info = capture.gram()
@@ -227,7 +239,7 @@ class TrainerLens:
         Args:
             batch: this process's N = B*R rollouts.  rewards: [N] (NaN where invalid).  valid: [N] bool.
             advantages: [N], the advantages the update uses.
-            sketch: [N, K] sketched g_i of every rollout, already computed at the step's starting weights (from the
+            sketch: [N, P_s] sketched g_i of every rollout, already computed at the step's starting weights (from the
                 update's first pass, :func:`scores_from_update_rows`); None runs the lens's own batched
                 forward + backward over the mixed groups, which must then happen before the update.
             gram: ([N, N] exact score Gram of this process's rollouts, its info with ``coverage`` and
@@ -238,7 +250,7 @@ class TrainerLens:
             {key: float}; the same numbers on every process.
         """
         t0 = time.perf_counter()
-        c = self.config
+        c = self.settings
         R = batch.group_size
         r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
         v = valid.view(-1, R).cpu()
@@ -277,9 +289,9 @@ class TrainerLens:
                 gram, cov, dim = self.rollout_gram(policy, sub, omega)  # [n_mixed * R, n_mixed * R] on the CPU
                 coverage += [cov] if cov is not None else []
             else:
-                grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, K]
+                grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, P_s]
                 gram = grads @ grads.T
-                dim = grads.shape[1]  # the sketch's K
+                dim = grads.shape[1]  # the sketch's P_s
             # dim: P for the claims' simulated null (issue 29), the dimension of the space the Gram's gradients live in
             adv = advantages.detach().cpu().double()
             for j, b in enumerate(mixed):
@@ -316,31 +328,37 @@ class TrainerLens:
         self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor
     ) -> tuple[torch.Tensor, float | None, int]:
         """(Gram [n, n] float64 on the CPU of ``sub``'s per-rollout gradients, its parameter coverage or None, the
-        dimension P of the space the gradients live in: every trainable parameter, or the sketch's K).
+        dimension P of the space the gradients live in: every trainable parameter, or the sketch's P_s).
 
         ``gram_source: exact`` without LoRA: the exact Gram of every parameter from one batched backward
         (:func:`grpo_lens.gradients.gram.exact_rollout_gram`; coverage = its share of the trainable parameters).
         Otherwise G G^T of :meth:`rollout_grads` (coverage None: the sketch's share is measured by the probe)."""
-        c = self.config
-        # a settings object without the field keeps the sketch (the TRL integration's has it: lens_gram_source)
-        if getattr(c, "gram_source", "sketch") == "exact" and not is_lora(policy):
+        c = self.settings
+        if c.gram_source == "exact" and not is_lora(policy):
             gram, info = exact_rollout_gram(policy, sub, score_weights=omega, temperature=c.temperature)
             return gram, info["coverage"], trainable_count(policy)
         grads = self.rollout_grads(policy, sub, omega).cpu()
         return grads @ grads.T, None, grads.shape[1]
 
     def rollout_grads(self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor) -> torch.Tensor:
-        """Per-rollout gradients g_i [n, K] float64 of ``sub``'s rollouts in the space ``config.lens_space`` names.
+        """Per-rollout gradients g_i [n, P_s] (or [n, P_adapter]) float64 of ``sub``'s rollouts in the space
+        ``settings.lens_space`` names.
 
         ``omega`` [n]: the loss aggregation's weights of each rollout's log-prob sum (docs/theory.md §3). Without LoRA:
-        sketched gradients of every linear layer (K = layers * sketch_dim^2). With LoRA see
-        :func:`grpo_lens.lora.lora_rollout_grads` (``trainable``: the adapter's parameters, exact; ``full``: the
-        frozen base linear weights, sketched).
+        sketched gradients of every linear layer (P_s = layers * d_s^2, d_s = ``sketch_dim``). With LoRA see
+        :func:`grpo_lens.gradients.lora_spaces.lora_rollout_grads` (``trainable``: the adapter's parameters, exact;
+        ``full``: the frozen base linear weights, sketched).
         """
-        c = self.config
+        c = self.settings
         if is_lora(policy):
             return lora_rollout_grads(
-                policy, sub, c.lens_space, k=c.sketch_dim, seed=c.seed, score_weights=omega, temperature=c.temperature
+                policy,
+                sub,
+                c.lens_space,
+                sketch_dim=c.sketch_dim,
+                seed=c.seed,
+                score_weights=omega,
+                temperature=c.temperature,
             ).double()
         return sketch_rollout_grads(
             policy,

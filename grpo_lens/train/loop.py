@@ -97,6 +97,7 @@ from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
 from grpo_lens.train.evaluate import Evaluation
 from grpo_lens.train.lens import TrainerLens
+from grpo_lens.train.lens_settings import LensSettings
 from grpo_lens.train.memory import _peak_memory_mb
 from grpo_lens.train.processes import Processes, gather_objects, setup_processes
 from grpo_lens.train.schedule import LRSchedule, warmup_steps
@@ -208,7 +209,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     check_prompts(config, task, models)  # every prompt formats and fits the model's context: still read-only
     schedule = LRSchedule(models.optimizer, config)  # the LR is a function of the step: resumes need no state
     if lens is None and config.lens_every > 0:
-        lens = TrainerLens(models.policy, config)
+        lens = TrainerLens(models.policy, LensSettings.from_train_config(config))
     state = open_run(run, config, procs, models, lens, ckpt)  # writes --out (a new run, or resumes from ckpt)
     logs = StepLogs.start(run, config, procs, state.step)
 

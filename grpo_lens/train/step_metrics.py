@@ -32,6 +32,7 @@ from grpo_lens.metrics import (
     REWARD_MEAN,
     REWARD_STD,
 )
+from grpo_lens.registry import renamed_keywords
 from grpo_lens.rewards import (
     RewardState,
     RewardTimeout,
@@ -133,16 +134,17 @@ def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
     return {REWARD_ACCURACY: float(correct[has].mean())} if has.any() else {}
 
 
-def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[str, float]:
+@renamed_keywords(R="group_size")
+def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
     """``reward/mean``, ``reward/std`` (population, over valid rollouts), ``reward/frac_zero_std_groups`` (S1: share
     of the N / R groups whose valid rewards are all equal) and ``reward/invalid_frac``. With no valid rollout the
     first three are NaN (null in metrics.jsonl): a statistic over nothing is not 0.
 
     Args:
-        rewards: [N] float (NaN invalid).  valid: [N] bool.  R: group size.
+        rewards: [N] float (NaN invalid).  valid: [N] bool.  group_size: R, rollouts per group.
     """
-    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R)
-    v = valid.view(-1, R)
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size)
+    v = valid.view(-1, group_size)
     n_valid = v.sum().clamp(min=1)
     mean = float(r.sum() / n_valid)
     std = float(((r - mean) ** 2 * v).sum().div(n_valid).sqrt())
@@ -162,39 +164,41 @@ def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> dict[s
 SAMPLED_KEYS = KEPT_KEYS
 
 
+@renamed_keywords(R="group_size")
 def sampled_vs_kept(
-    kept: dict[str, float], rewards: torch.Tensor, valid: torch.Tensor, correct: torch.Tensor, R: int
+    kept: dict[str, float], rewards: torch.Tensor, valid: torch.Tensor, correct: torch.Tensor, group_size: int
 ) -> dict[str, float]:
     """With dynamic sampling: the reward/accuracy/S1 keys over ALL sampled groups (the policy's behaviour), the kept
     (trained-on) groups' values of the same keys renamed to ``dynamic/kept_*`` (:data:`SAMPLED_KEYS`).
 
     Args:
         kept: the step's metrics over the kept groups.  rewards: [M] every sampled rollout's reward (NaN invalid).
-        valid: [M] bool.  correct: [M] 0/1 verdicts (NaN none).  R: group size.
+        valid: [M] bool.  correct: [M] 0/1 verdicts (NaN none).  group_size: R, rollouts per group.
     """
     out = {new: kept[old] for old, new in SAMPLED_KEYS.items() if old in kept}
-    out.update(reward_metrics(rewards, valid, R))
+    out.update(reward_metrics(rewards, valid, group_size))
     out.update(accuracy_metrics(correct))
     return out
 
 
+@renamed_keywords(R="group_size")
 def rollout_metrics(
     rewards: torch.Tensor,
     valid: torch.Tensor,
     advantages: torch.Tensor,
     batch_mask: torch.Tensor,
     truncated: torch.Tensor,
-    R: int,
+    group_size: int,
 ) -> dict[str, float]:
     """Reward, advantage and completion statistics of a step (all processes' rollouts).
 
     Args:
         rewards: [N] float (NaN invalid).  valid: [N] bool.  advantages: [N].  batch_mask: [N, T] bool.
-        truncated: [N] bool.  R: group size.
+        truncated: [N] bool.  group_size: R, rollouts per group.
     """
     lengths = batch_mask.sum(dim=1).float()
     return {
-        **reward_metrics(rewards, valid, R),
+        **reward_metrics(rewards, valid, group_size),
         ADV_MEAN: float(advantages.mean()),
         ADV_ABS_MEAN: float(advantages.abs().mean()),
         ADV_MAX: float(advantages.max()),

@@ -52,6 +52,7 @@ from grpo_lens.metrics import (
     POLICY_ENTROPY,
     RATIO_MAX,
 )
+from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision
 from grpo_lens.rundir import crash_point
 from grpo_lens.train.memory import auto_micro_batch_size, total_memory_bytes
@@ -142,7 +143,8 @@ class UpdatePlan:
     loss_mask: torch.Tensor
 
 
-def mini_batch_rows(groups: int, R: int, M: int) -> list[torch.Tensor]:
+@renamed_keywords(R="group_size")
+def mini_batch_rows(groups: int, group_size: int, M: int) -> list[torch.Tensor]:
     """The row indices of the M mini-batches (one optimizer step each) of G = ``groups`` groups of R rollouts.
 
     Whole groups, as evenly as possible (sizes differ by at most one group) when G >= M; with fewer groups than
@@ -155,10 +157,10 @@ def mini_batch_rows(groups: int, R: int, M: int) -> list[torch.Tensor]:
     """
     if groups >= M:
         return [
-            torch.cat([torch.arange(g * R, (g + 1) * R) for g in chunk.tolist()])
+            torch.cat([torch.arange(g * group_size, (g + 1) * group_size) for g in chunk.tolist()])
             for chunk in torch.tensor_split(torch.arange(groups), M)
         ]
-    return [rows for rows in torch.tensor_split(torch.arange(groups * R), M) if len(rows)]
+    return [rows for rows in torch.tensor_split(torch.arange(groups * group_size), M) if len(rows)]
 
 
 def plan_update(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig, procs: Processes) -> UpdatePlan:

@@ -15,14 +15,14 @@ from grpo_lens.formulas.stats import binomial_pmf, binomial_upper_tail
 
 
 def test_opposition_size_in_closed_form():
-    # K = 1: X, Y iid Bernoulli(p), P(X - Y >= 1) = p (1 - p), largest at p = 1/2: 1/4
+    # K_mc = 1: X, Y iid Bernoulli(p), P(X - Y >= 1) = p (1 - p), largest at p = 1/2: 1/4
     assert opposition_size(1, 1) == pytest.approx(0.25, abs=1e-12)
-    # K = 8, d = 5 at p = 1/2: with Y' = 8 - Y, X + Y' ~ Binomial(16, 1/2) and X - Y >= 5 <=> X + Y' >= 13:
+    # K_mc = 8, d = 5 at p = 1/2: with Y' = 8 - Y, X + Y' ~ Binomial(16, 1/2) and X - Y >= 5 <=> X + Y' >= 13:
     # (C(16,13) + C(16,14) + C(16,15) + C(16,16)) / 2^16 = (560 + 120 + 16 + 1) / 65536 = 697 / 65536
     assert opposition_size(8, 5) == pytest.approx(697 / 65536, abs=1e-12)
-    # d > K: a difference larger than K cannot occur
+    # d > K_mc: a difference larger than K_mc cannot occur
     assert opposition_size(3, 4) == 0.0
-    with pytest.raises(ValueError, match="K >= 1 and d >= 1"):
+    with pytest.raises(ValueError, match="K_mc >= 1 and d >= 1"):
         opposition_size(8, 0)
 
 
@@ -32,7 +32,7 @@ def test_opposition_threshold_is_the_smallest_d_within_the_bonferroni_level():
     d, size = opposition_threshold(8, 3, 0.05)
     assert d == 5 and size == pytest.approx(697 / 65536, abs=1e-12)
     assert opposition_size(8, 4) == pytest.approx(2517 / 65536, abs=1e-12)
-    # K = 1 has size 1/4 at d = 1, above 0.05: nothing can be flagged
+    # K_mc = 1 has size 1/4 at d = 1, above 0.05: nothing can be flagged
     assert opposition_threshold(1, 1, 0.05) == (2, 0.0)
     with pytest.raises(ValueError, match="level in"):
         opposition_threshold(8, 3, 1.5)
@@ -51,7 +51,7 @@ def test_binomial_tail_and_pmf_in_closed_form():
 
 
 def test_prefix_counts_are_recovered_from_means_and_errors_of_zero_one_draws():
-    # K = 4: 2 successes -> mean 0.5, SE sqrt(2 * 2 / (16 * 3)); 1 success -> 0.25, SE sqrt(1 * 3 / 48) = 0.25
+    # K_mc = 4: 2 successes -> mean 0.5, SE sqrt(2 * 2 / (16 * 3)); 1 success -> 0.25, SE sqrt(1 * 3 / 48) = 0.25
     assert prefix_success_counts([0.5, 0.25], [math.sqrt(4 / 48), 0.25], 4) == [2, 1]
     assert prefix_success_counts([0.3], [0.1], 4) is None  # 0.3 x 4 is not a count
     assert prefix_success_counts([0.5], [0.5], 4) is None  # a count, but not the SE 0/1 draws give
@@ -64,7 +64,7 @@ def test_opposing_differences_take_the_direction_against_the_advantage():
 
 
 def _mc_probe(rng, n, k, p_paths, signs):
-    """A probe dict whose credit study holds n rollouts, each with prefixes drawn as Binomial(K, p) counts."""
+    """A probe dict whose credit study holds n rollouts, each with prefixes drawn as Binomial(K_mc, p) counts."""
     rows = []
     for i in range(n):
         counts = [sum(rng.random() < p for _ in range(k)) for p in p_paths[i]]

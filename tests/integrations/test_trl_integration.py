@@ -83,7 +83,7 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_sourc
             return super().measure_lens(output)
 
     source = {} if gram_source is None else {"lens_gram_source": gram_source}
-    trainer = make_trainer(tmp_path, Capturing, lens_every=1, lens_sketch_dim=8, lens_seed=3, **source)
+    trainer = make_trainer(tmp_path, Capturing, lens_every=1, sketch_dim=8, lens_seed=3, **source)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "rank/mixed_groups" in h]
     assert len(captured) == 2 and len(logs) == 2, "the lens ran at global steps 0 and 1 and TRL logged it"
@@ -143,6 +143,21 @@ def test_bad_lens_settings_fail_before_training(tmp_path):
         make_trainer(tmp_path, LensGRPOTrainer, lens_space="adapter")
     with pytest.raises(ValueError, match="lens_gram_source = 'dense': valid names: exact, sketch"):
         make_trainer(tmp_path, LensGRPOTrainer, lens_gram_source="dense")
+    with pytest.raises(ValueError, match="sketch_dim = 0: must be >= 1"):
+        make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=0)
+
+
+def test_the_deprecated_lens_sketch_dim_keyword_warns_and_gives_the_same_settings(tmp_path):
+    from grpo_lens.integrations.trl import LensGRPOTrainer
+    from grpo_lens.train.lens_settings import LensSettings
+
+    new = make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=4).lens_settings
+    with pytest.warns(DeprecationWarning, match="lens_sketch_dim is deprecated: use sketch_dim") as caught:
+        old = make_trainer(tmp_path, LensGRPOTrainer, lens_sketch_dim=4).lens_settings
+    assert isinstance(new, LensSettings) and old == new and new.sketch_dim == 4
+    assert any(w.filename == __file__ for w in caught), "the warning points at the caller's line"
+    with pytest.raises(TypeError, match="not both"):
+        make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=4, lens_sketch_dim=4)
 
 
 def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
@@ -171,7 +186,7 @@ def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
         tmp_path,
         LensGRPOTrainer,
         lens_every=3,
-        lens_sketch_dim=4,
+        sketch_dim=4,
         max_steps=6,
         steps_per_generation=2,
         per_device_train_batch_size=R,
@@ -242,7 +257,7 @@ def test_the_last_step_is_measured_whatever_lens_every(tmp_path):
     from grpo_lens.metrics import RANK_MIXED_GROUPS, STEP
 
     trainer = make_trainer(
-        tmp_path, LensGRPOTrainer, lens_every=5, lens_sketch_dim=4, lens_gram_source="sketch", max_steps=3
+        tmp_path, LensGRPOTrainer, lens_every=5, sketch_dim=4, lens_gram_source="sketch", max_steps=3
     )
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
@@ -258,7 +273,7 @@ def test_the_console_line_keeps_trls_keys_and_counts_the_lens_keys(tmp_path, cap
     from grpo_lens.integrations.trl import LensGRPOTrainer
 
     trainer = make_trainer(
-        tmp_path, LensGRPOTrainer, lens_every=1, lens_sketch_dim=4, lens_gram_source="sketch", max_steps=1
+        tmp_path, LensGRPOTrainer, lens_every=1, sketch_dim=4, lens_gram_source="sketch", max_steps=1
     )
     trainer.train()
     printed = [ast.literal_eval(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

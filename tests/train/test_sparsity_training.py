@@ -293,17 +293,17 @@ def test_lens_s4_sparsity_before_step_only_snapshots_and_numbers_are_unchanged(
 ):
     """Issue 21: the lens's before-step snapshot compared the whole model twice (numbers thrown away); it now only
     snapshots, and S4 after the step is what comparing-then-snapshotting gave."""
-    from types import SimpleNamespace
-
     import grpo_lens.train.sparsity as sparsity_module
+    from grpo_lens.config import TrainConfig
     from grpo_lens.train.lens import TrainerLens
+    from grpo_lens.train.lens_settings import LensSettings
     from grpo_lens.train.sparsity import Bf16UpdateTracker
 
     model, _ = fresh_tiny_model_and_tokenizer
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(0)
     reference = Bf16UpdateTracker(params, device="cpu")
-    lens = TrainerLens(model, SimpleNamespace(seed=0))
+    lens = TrainerLens(model, LensSettings.from_train_config(TrainConfig(seed=0)))
     with torch.no_grad():  # a first step before the lens step: 'previous' must move to the lens step's weights
         for p in params:
             p += 1e-2 * torch.randn(p.shape, generator=g)

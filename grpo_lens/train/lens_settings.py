@@ -1,0 +1,204 @@
+"""The settings :class:`grpo_lens.train.lens.TrainerLens` reads, as one typed, frozen record.
+
+Two sources fill it: grpo-lens' own trainer (:meth:`LensSettings.from_train_config`, from a
+:class:`grpo_lens.config.TrainConfig`) and the TRL integration (:meth:`LensSettings.from_trl`, from a
+``trl.GRPOConfig`` and the integration's keywords, with TRL's settings mapped onto grpo-lens' names: docs/trl.md).
+The fields are exactly what the lens and the functions it passes them to read; nothing else of a config reaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from grpo_lens.config.groups import GRAM_SOURCES
+from grpo_lens.formulas.advantages import STD_CONVENTIONS
+from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
+from grpo_lens.formulas.overlong import OVERLONG_MODES
+
+if TYPE_CHECKING:
+    from grpo_lens.config import TrainConfig
+
+#: The parameter spaces of the lens's per-rollout gradients (``--lens-space``, docs/theory.md §18).
+LENS_SPACES = ("trainable", "full")
+
+#: TRL's ``loss_type`` -> grpo-lens' loss aggregation with the same per-rollout weights of the log-prob sums
+#: (docs/theory.md §3): grpo/sapo average each sequence's tokens; bnpo/dapo/cispo/vespo divide by the batch's tokens
+#: (a constant across rollouts); dr_grpo divides by max_completion_length.
+TRL_LOSS_AGGREGATION = {
+    "grpo": "seq-mean-token-mean",
+    "sapo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dapo": "token-mean",
+    "cispo": "token-mean",
+    "vespo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+}
+
+
+@dataclass(frozen=True)
+class LensSettings:
+    """What :class:`grpo_lens.train.lens.TrainerLens` reads (every field required; see the constructors).
+
+    Raises:
+        ValueError: ``sketch_dim`` < 1, ``temperature`` <= 0, ``std_eps`` < 0, ``max_new_tokens`` < 1, or a name
+            outside its closed set (``lens_space``, ``gram_source``, ``std``, ``loss_aggregation``, ``overlong``),
+            listing the valid names.
+    """
+
+    #: sketch side d_s per linear layer (k_in = k_out of :class:`grpo_lens.gradients.sketch.GradientCapture`):
+    #: a layer's sketch has d_s^2 entries (a count, >= 1; ``--sketch-dim``).
+    sketch_dim: int
+    #: parameter space of the per-rollout gradients, ``trainable`` or ``full`` (a name; ``--lens-space``, §18).
+    lens_space: str
+    #: source of the per-rollout Gram matrix, ``exact`` or ``sketch`` (a name; ``--gram-source``, §Exact Gram).
+    gram_source: str
+    #: seed of the sketch projections, the random controls and the sparsity sample (an integer; ``--seed``).
+    seed: int
+    #: advantage estimator whose identity constant the analysis uses (a registry name, or ``trl_*`` for TRL
+    #: settings without a per-group constant; docs/theory.md §2, §4).
+    estimator: str
+    #: std convention of the advantages, ``sample`` (ddof 1) or ``population`` (ddof 0) (a name; ``--std``).
+    std: str
+    #: eps added to the group's reward std (reward units, >= 0; ``--std-eps``).
+    std_eps: float
+    #: sampling temperature the log-probs are scaled by (dimensionless, > 0; docs/theory.md §14).
+    temperature: float
+    #: loss aggregation whose per-rollout weights omega_i the gradients carry (a name; docs/theory.md §3).
+    loss_aggregation: str
+    #: completion length cap (tokens, >= 1): the normaliser of ``seq-mean-token-sum-norm``.
+    max_new_tokens: int
+    #: overlong mode, which tokens the loss sums (a name; docs/theory.md §13).
+    overlong: str
+
+    def __post_init__(self) -> None:
+        closed = {
+            "lens_space": LENS_SPACES,
+            "gram_source": GRAM_SOURCES,
+            "std": STD_CONVENTIONS,
+            "loss_aggregation": tuple(LOSS_AGGREGATIONS.names()),
+            "overlong": OVERLONG_MODES,
+        }
+        for name, valid in closed.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} = {getattr(self, name)!r}: valid names: {', '.join(valid)}")
+        for name, ok, rule in (
+            ("sketch_dim", self.sketch_dim >= 1, ">= 1"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("std_eps", self.std_eps >= 0, ">= 0"),
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be {rule}")
+
+    @classmethod
+    def from_train_config(cls, cfg: TrainConfig) -> LensSettings:
+        """The settings of grpo-lens' own trainer: the :class:`grpo_lens.config.TrainConfig` fields of the same
+        names, unchanged.
+
+        Raises:
+            ValueError: as :class:`LensSettings` (a checked TrainConfig always passes).
+        """
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_trl(
+        cls,
+        args: Any,
+        *,
+        sketch_dim: int = 16,
+        space: str = "trainable",
+        seed: int = 0,
+        multi_objective_aggregation: str = "sum_then_normalize",
+        gram_source: str = "exact",
+    ) -> LensSettings:
+        """The settings of the TRL integration, from a ``trl.GRPOConfig`` (read: ``scale_rewards``, ``loss_type``,
+        ``temperature``, ``max_completion_length``) and the integration's lens keywords.
+
+        TRL's ``scale_rewards="group"`` is grpo-lens' ``grpo`` estimator and ``"none"`` is ``dr_grpo``, with TRL's
+        std (sample) and eps (1e-4); ``"batch"`` or ``multi_objective_aggregation="normalize_then_sum"`` have no
+        per-group identity constant (``trl_*``). ``loss_type`` maps through :data:`TRL_LOSS_AGGREGATION`;
+        ``overlong`` is ``none`` because TRL's ``mask_truncated_completions`` is already in its completion mask.
+
+        Args:
+            args: the ``trl.GRPOConfig`` (any object with those attributes).
+            sketch_dim: sketch side per linear layer (as ``--sketch-dim``).   space: ``trainable`` or ``full``
+            (``--lens-space``).   seed: the lens's seed.   multi_objective_aggregation: TRL's trainer attribute.
+            gram_source: ``exact`` or ``sketch`` (``--gram-source``).
+
+        Raises:
+            ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source`` (named by the integration's
+                keyword, with the valid names), or a TRL ``loss_type`` whose rollout weights the lens does not know
+                (luspo), with the known ones.
+        """
+        if sketch_dim < 1:
+            raise ValueError(f"sketch_dim = {sketch_dim}: must be >= 1")
+        if gram_source not in GRAM_SOURCES:
+            raise ValueError(f"lens_gram_source = {gram_source!r}: valid names: {', '.join(GRAM_SOURCES)}")
+        if space not in LENS_SPACES:
+            raise ValueError(f"lens_space = {space!r}: valid names: {', '.join(sorted(LENS_SPACES))}")
+        scale = getattr(args, "scale_rewards", "group")
+        if multi_objective_aggregation != "sum_then_normalize":
+            estimator = "trl_" + multi_objective_aggregation  # no per-group identity constant
+        else:
+            estimator = {"group": "grpo", "none": "dr_grpo"}.get(scale, f"trl_scale_{scale}")
+        loss_type = getattr(args, "loss_type", "dapo")
+        if loss_type not in TRL_LOSS_AGGREGATION:
+            raise ValueError(
+                f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
+                f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them"
+            )
+        return cls(
+            sketch_dim=sketch_dim,
+            lens_space=space,
+            gram_source=gram_source,
+            seed=seed,
+            estimator=estimator,
+            std="sample",
+            std_eps=1e-4,
+            temperature=float(args.temperature),
+            loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
+            max_new_tokens=int(args.max_completion_length),
+            overlong="none",
+        )
+
+
+def as_lens_settings(config: Any) -> LensSettings:
+    """``config`` as :class:`LensSettings`: itself, or :meth:`LensSettings.from_train_config` of a
+    :class:`grpo_lens.config.TrainConfig`.
+
+    Raises:
+        TypeError: anything else (naming both accepted types).
+    """
+    from grpo_lens.config import TrainConfig
+
+    if isinstance(config, LensSettings):
+        return config
+    if isinstance(config, TrainConfig):
+        return LensSettings.from_train_config(config)
+    raise TypeError(
+        f"the lens's settings must be a LensSettings or a TrainConfig (grpo_lens.train.lens_settings.LensSettings, "
+        f"grpo_lens.config.TrainConfig), got {type(config).__name__}"
+    )
+
+
+def deprecated_sketch_keyword(sketch_dim: int | None, lens_sketch_dim: int | None, *, stacklevel: int = 3) -> int:
+    """The sketch side from the TRL integration's ``sketch_dim`` keyword, or from its 0.2 name ``lens_sketch_dim``
+    (still accepted, with a DeprecationWarning naming ``sketch_dim``); 16 when neither is given.
+
+    Raises:
+        TypeError: both are given.
+    """
+    if lens_sketch_dim is None:
+        return 16 if sketch_dim is None else sketch_dim
+    if sketch_dim is not None:
+        raise TypeError("give sketch_dim only (lens_sketch_dim is its deprecated name), not both")
+    warnings.warn(
+        "the keyword lens_sketch_dim is deprecated: use sketch_dim (the name of grpo-lens' --sketch-dim and "
+        "TrainConfig.sketch_dim)",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return lens_sketch_dim
