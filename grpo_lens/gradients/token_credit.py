@@ -1,6 +1,6 @@
 """Token credit that measures something: each token's signed share of the group update, and Monte Carlo advantages.
 
-docs/theory.md §Token credit. Shapes: R rollouts of one group, T completion tokens, P parameters, K Monte Carlo
+docs/theory.md §Token credit. Shapes: R rollouts of one group, T completion tokens, P parameters, K_mc Monte Carlo
 continuations per prefix.
 
 1. **Signed contribution to the group update.** The group's update direction (on-policy, first pass) is
@@ -13,7 +13,7 @@ continuations per prefix.
    The directional derivatives <grad log pi(o_{i,t}), u> of every token come from four extra forwards at
    theta +- e u and theta +- (e/2) u (Richardson-extrapolated central differences, error O(e^4) plus float
    round-off); the closure sum s - 1 is reported as the measurement's error.
-2. **Monte Carlo token advantages (VinePPO).** From the prefix q + o_{<t} of a rollout, K continuations give
+2. **Monte Carlo token advantages (VinePPO).** From the prefix q + o_{<t} of a rollout, K_mc continuations give
    V_hat(prefix_t) = mean reward; segment advantages A_seg = V_hat(end) - V_hat(start) with standard errors, set
    against GRPO's uniform A_i on every token.
 """
@@ -140,20 +140,20 @@ def prefix_values(
     top_p: float = 1.0,
     seed: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """V_hat(prefix) = mean reward of K continuations sampled from the prompt plus the first b tokens, per boundary.
+    """V_hat(prefix) = mean reward of K_mc continuations sampled from the prompt plus the first b tokens, per boundary.
 
     One rollout's :func:`prefix_values_many` (one ``generate`` call for every boundary).
 
     Args:
         prompt_ids: [Lp] unpadded prompt tokens.  completion_ids: [T'] the rollout's completion tokens (no padding).
         boundaries: prefix lengths b (each < len(completion_ids); the complete rollout needs no sampling).
-        score: completions (decoded texts) -> rewards.  num_samples: K >= 2.  seed: sampling seed.
+        score: completions (decoded texts) -> rewards.  num_samples: K_mc >= 2.  seed: sampling seed.
 
     Returns:
-        (values [n_b] float64, standard errors [n_b]: sample std / sqrt(K)).
+        (values [n_b] float64, standard errors [n_b]: sample std / sqrt(K_mc)).
 
     Raises:
-        ValueError: K < 2, or a boundary outside [0, len(completion_ids)).
+        ValueError: K_mc < 2, or a boundary outside [0, len(completion_ids)).
     """
     (out,) = prefix_values_many(
         model,
@@ -190,9 +190,9 @@ def prefix_values_many(
 ) -> list[tuple[Tensor, Tensor]]:
     """V_hat(prefix) of every boundary of several rollouts (of one prompt or several), from batched ``generate`` calls.
 
-    Each prefix q_j + o_{j,<b} gets K continuations with the remaining budget max_new_tokens - b; sampling uses the
+    Each prefix q_j + o_{j,<b} gets K_mc continuations with the remaining budget max_new_tokens - b; sampling uses the
     trainer's transforms only (temperature, top-k, top-p, as :func:`grpo_lens.rollout.sample_groups`). The prefixes
-    are left padded into batches of at most ``max_rows`` rows (K rows per prefix, never split), each sampled for
+    are left padded into batches of at most ``max_rows`` rows (K_mc rows per prefix, never split), each sampled for
     max_new_tokens - min b steps; each row's continuation is cut at its own budget (the first max_new_tokens - b
     tokens of an autoregressive sample are a sample with that budget) and at its first EOS, and the full completion
     (prefix + continuation) is decoded and scored by its rollout's ``score`` (one call per rollout).
@@ -201,21 +201,21 @@ def prefix_values_many(
         prompt_ids: [Lp] unpadded prompt tokens shared by every rollout, or one [Lp_j] per rollout.
         completions: n rollouts' completion tokens, each [T'_j] (no padding).
         boundaries: per rollout, prefix lengths b (each in [0, T'_j); the complete rollout needs no sampling).
-        score: completions (decoded texts) -> rewards, shared or one per rollout.  num_samples: K >= 2.
+        score: completions (decoded texts) -> rewards, shared or one per rollout.  num_samples: K_mc >= 2.
         seed: sampling seed (batch c of the call is seeded with seed + c).  max_rows: rows per ``generate`` call
-            (memory knob; at least K; the samples depend on it).
+            (memory knob; at least K_mc; the samples depend on it).
 
     Returns:
-        per rollout, (values [n_b] float64, standard errors [n_b]: sample std / sqrt(K)).
+        per rollout, (values [n_b] float64, standard errors [n_b]: sample std / sqrt(K_mc)).
 
     Raises:
-        ValueError: K < 2, max_rows < K, a boundary outside [0, T'_j), or per-rollout lists of different lengths.
+        ValueError: K_mc < 2, max_rows < K_mc, a boundary outside [0, T'_j), or per-rollout lists of different lengths.
     """
-    K = num_samples
-    if K < 2:
-        raise ValueError(f"need K >= 2 continuations per prefix for a standard error, got {K}")
-    if max_rows < K:
-        raise ValueError(f"max_rows = {max_rows} holds no prefix's K = {K} continuations: need max_rows >= K")
+    K_mc = num_samples
+    if K_mc < 2:
+        raise ValueError(f"need K_mc >= 2 continuations per prefix for a standard error, got {K_mc}")
+    if max_rows < K_mc:
+        raise ValueError(f"max_rows = {max_rows} holds no prefix's K_mc = {K_mc} continuations: need max_rows >= K_mc")
     n = len(completions)
     prompts = [prompt_ids] * n if isinstance(prompt_ids, Tensor) else list(prompt_ids)
     scores = [score] * n if callable(score) else list(score)
@@ -229,20 +229,21 @@ def prefix_values_many(
             if not 0 <= b < len(completion):
                 raise ValueError(f"boundary {b} outside [0, {len(completion)}): the complete rollout needs no sampling")
             prefixes.append((j, int(b), torch.cat([prompt.cpu(), completion[:b].cpu()])))
-    texts: list[list[str]] = [[] for _ in range(n)]  # per rollout, its prefixes' K completions in order
-    per_call = max_rows // K
+    texts: list[list[str]] = [[] for _ in range(n)]  # per rollout, its prefixes' K_mc completions in order
+    per_call = max_rows // K_mc
     for c, start in enumerate(range(0, len(prefixes), per_call)):
         chunk = prefixes[start : start + per_call]
         for (j, b, _), row_texts in zip(
-            chunk, _continue_prefixes(model, tokenizer, chunk, K, max_new_tokens, temperature, top_k, top_p, seed + c)
+            chunk,
+            _continue_prefixes(model, tokenizer, chunk, K_mc, max_new_tokens, temperature, top_k, top_p, seed + c),
         ):
             head = completions[j][:b].tolist()
             texts[j].extend(tokenizer.decode(head + cont, skip_special_tokens=True) for cont in row_texts)
     results = []
     for j in range(n):
         rewards = torch.tensor([float(x) for x in scores[j](texts[j])], dtype=torch.float64)
-        rewards = rewards.view(len(boundaries[j]), K)
-        results.append((rewards.mean(1), rewards.std(1, unbiased=True) / math.sqrt(K)))
+        rewards = rewards.view(len(boundaries[j]), K_mc)
+        results.append((rewards.mean(1), rewards.std(1, unbiased=True) / math.sqrt(K_mc)))
     return results
 
 
@@ -250,22 +251,23 @@ def _continue_prefixes(
     model: nn.Module,
     tokenizer,
     prefixes: Sequence[tuple[int, int, Tensor]],
-    K: int,
+    mc_samples: int,
     max_new_tokens: int,
     temperature: float,
     top_k: int,
     top_p: float,
     seed: int,
 ) -> list[list[list[int]]]:
-    """K sampled continuations of each (rollout, b, prefix tokens), left padded into one ``generate`` call; each cut
-    at its budget max_new_tokens - b and before its first EOS: per prefix, K token lists."""
+    """K_mc sampled continuations of each (rollout, b, prefix tokens), left padded into one ``generate`` call; each cut
+    at its budget max_new_tokens - b and before its first EOS: per prefix, K_mc token lists."""
+    K_mc = mc_samples
     device = next(model.parameters()).device
     eos = _stop_token_ids(model, tokenizer)
     pad = int(tokenizer.pad_token_id)
     width = max(len(seq) for _, _, seq in prefixes)
     ids = torch.stack([torch.cat([seq.new_full((width - len(seq),), pad), seq]) for _, _, seq in prefixes])
     mask = torch.stack([(torch.arange(width) >= width - len(seq)).long() for _, _, seq in prefixes])
-    ids, mask = ids.repeat_interleave(K, dim=0).to(device), mask.repeat_interleave(K, dim=0).to(device)
+    ids, mask = ids.repeat_interleave(K_mc, dim=0).to(device), mask.repeat_interleave(K_mc, dim=0).to(device)
     config = sampling_generation_config(
         temperature=temperature,
         top_k=top_k,
@@ -285,11 +287,11 @@ def _continue_prefixes(
     finally:
         model.generation_config = own_config
         model.train(was_training)
-    sampled = out.sequences[:, width:].cpu().tolist()  # [n_prefix K, <= steps]
+    sampled = out.sequences[:, width:].cpu().tolist()  # [n_prefix K_mc, <= steps]
     result = []
     for p, (_, b, _) in enumerate(prefixes):
         rows = []
-        for row in sampled[p * K : (p + 1) * K]:
+        for row in sampled[p * K_mc : (p + 1) * K_mc]:
             cont = row[: max(max_new_tokens - b, 1)]
             rows.append(cont[: next((k for k, tok in enumerate(cont) if tok in eos), len(cont))])
         result.append(rows)

@@ -195,8 +195,8 @@ class RolloutGradients:
     """One pass's per-rollout gradient measurements of a group (or a prompt's M rollouts), n rollouts.
 
     gram: [n, n] float64, <g_i, g_j> over the source's parameters (every Gram-based number uses it).
-    rows: [n, K] vectors whose G G^T is the Gram or an estimate of it (the sketch with the exact Gram; what G3 across
-        groups and the sketch check need), or None when not asked for.
+    rows: [n, P] vectors (P_s columns for the sketch) whose G G^T is the Gram or an estimate of it (the sketch with
+        the exact Gram; what G3 across groups and the sketch check need), or None when not asked for.
     layer_rows: [n, d_out*d_in] exact rows of the probed layer's weight gradient, or None.
     token_sq: [n, Lp+T] per-position squared norms of the linear weights' gradient, or None.
     coverage: the exact Gram's share of the trainable parameters (None for the sketch and dense modes).
@@ -631,7 +631,7 @@ def analyse_prompt(
     j: int,
     rewards: torch.Tensor,
     valid: torch.Tensor,
-    R: int,
+    group_size: int,
     config: ProbeConfig,
     layer: str,
     seed: int,
@@ -641,6 +641,7 @@ def analyse_prompt(
     counts for S1 and, for a mixed group, its analysis (:func:`measure_group`), plus the G2 weightings, the sketch
     check and the baseline variances while fewer than their configured counts are in ``done`` (the R's earlier
     prompts)."""
+    R = group_size
     M = rewards.shape[0]
     rows_j = torch.arange(j * M, (j + 1) * M)
     all_valid = bool(valid.all())
@@ -678,9 +679,10 @@ def analyse_prompt(
     return PromptRecord("mixed", s1_prediction, row, extra, check, g2w, variance, seconds)
 
 
-def rollouts_per_prompt(R: int) -> int:
+def rollouts_per_prompt(group_size: int) -> int:
     """M = max(2R, 8): the rollouts sampled per prompt for group size R (the first R form the group; all M give the
     prompt's success rate, S1 predicted from the M - R others and the baseline-variance resampling)."""
+    R = group_size
     return max(2 * R, 8)
 
 
@@ -711,7 +713,7 @@ class DrawBatch:
     first: int
 
 
-def draw_plan(config: ProbeConfig, policy, R: int | None = None) -> list[DrawBatch]:
+def draw_plan(config: ProbeConfig, policy, group_size: int | None = None) -> list[DrawBatch]:
     """The generate calls behind the probe's prompts, in order (docs/theory.md §Shared draws).
 
     Shared draws (R None; the default): one pool of max_R prompts_for(R) prompts; prompt p gets M_p = the largest
@@ -719,6 +721,7 @@ def draw_plan(config: ProbeConfig, policy, R: int | None = None) -> list[DrawBat
     nested prefixes. Consecutive prompts with the same M_p are drawn together, :func:`generation_prompts_per_call`
     at a time, batch ``d`` (1-based) seeded by ``batch_seed(seed, 0, d)``. Independent draws (R given): R's
     prompts_for(R) prompts with M_R rollouts, batch ``d`` seeded by ``batch_seed(seed, R, d)``."""
+    R = group_size
     if R is not None:
         M, n_r = rollouts_per_prompt(R), config.prompts_for(R)
         per = generation_prompts_per_call(policy, M, config)
@@ -727,8 +730,8 @@ def draw_plan(config: ProbeConfig, policy, R: int | None = None) -> list[DrawBat
             for d, a in enumerate(range(0, n_r, per))
         ]
     sizes = sorted(config.group_sizes)
-    total = max(config.prompts_for(r) for r in sizes)
-    m_of = [max(rollouts_per_prompt(r) for r in sizes if p < config.prompts_for(r)) for p in range(total)]
+    total = max(config.prompts_for(R) for R in sizes)
+    m_of = [max(rollouts_per_prompt(R) for R in sizes if p < config.prompts_for(R)) for p in range(total)]
     plan: list[DrawBatch] = []
     p = 0
     while p < total:
@@ -851,9 +854,10 @@ def prompt_view(
     return view, rewards[lo:hi, :M], valid[lo:hi, :M]
 
 
-def prompt_status(rewards: torch.Tensor, valid: torch.Tensor, R: int) -> tuple[str, float | None]:
+def prompt_status(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> tuple[str, float | None]:
     """(status, S1 prediction) of a prompt's M rollouts (rewards [M], valid [M]; the first R its group): "invalid",
     "all_equal" or "mixed", and S1 predicted from the M - R others when all M are valid (docs/theory.md §S1)."""
+    R = group_size
     M = rewards.shape[0]
     s1 = float(s1_predicted_outside_group(rewards.view(1, M) >= 1.0, R)[0]) if bool(valid.all()) else None
     r_g, v_g = rewards[:R], valid[:R]
@@ -871,7 +875,7 @@ def analyse_prompts(
     first: int,
     rewards: torch.Tensor,
     valid: torch.Tensor,
-    R: int,
+    group_size: int,
     config: ProbeConfig,
     layer: str,
     seed: int,
@@ -880,6 +884,7 @@ def analyse_prompts(
     """:func:`analyse_prompt` of prompts ``first`` .. B - 1 of ``batch`` (rewards, valid [B, M]), the mixed groups'
     gradients from one batched backward (:func:`measure_groups`) and the baseline prompts' M rollouts from another
     (block-diagonal Gram), instead of a backward per group and per baseline prompt: the same records (tests)."""
+    R = group_size
     M = rewards.shape[1]
     counts = {
         "g2": sum(d.g2_weightings is not None for d in done),
@@ -956,7 +961,7 @@ def probe_group_size(
     tokenizer,
     task,
     reward_fns,
-    R: int,
+    group_size: int,
     config: ProbeConfig,
     layer: str,
     on_prompts: Callable[[int, int], None] | None = None,
@@ -972,6 +977,7 @@ def probe_group_size(
     reference) instead of :func:`analyse_prompts`' batched one. ``on_first_batch(seconds per generated rollout,
     seconds per analysed rollout row, success share of each prompt)`` is called once, after the first batch this
     call generated and analysed (the probe's time estimate, :func:`estimate_seconds`)."""
+    R = group_size
     t_start = time.perf_counter()
     M = rollouts_per_prompt(R)
     n_prompts_r = config.prompts_for(R)
@@ -1045,7 +1051,7 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
     g3: dict[str, Any] = {G3_GROUPS: len(extras)}
     if len(extras) >= 2:
         for name in WEIGHTINGS:
-            g3_rows = torch.stack([e["g3_rows"][name] for e in extras])  # [groups, K]
+            g3_rows = torch.stack([e["g3_rows"][name] for e in extras])  # [groups, P_s]
             stem = "g3" if name == "adv" else f"g3_{name}"
             g3.update({rank_key(stem, m): v for m, v in rank_measures(singular_values(g3_rows)).items()})
             if name == "adv":
@@ -1274,7 +1280,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     if not config.resume:  # a new probe (--overwrite: over a partial one)
         partial.remove()
         partial.start(config.to_dict())
-    per_r = {}
+    per_group_size = {}
     pool = PromptPool(policy, tokenizer, task, reward_fns, config)  # every R's draws (shared unless independent)
     estimated: dict[str, float] = {}
 
@@ -1293,26 +1299,26 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         progress = tqdm(total=sum(config.prompts_for(R) for R in config.group_sizes), desc="probe", unit="prompt")
     for R in config.group_sizes:
 
-        def on_prompts(done: int, mixed: int, R: int = R) -> None:
+        def on_prompts(done: int, mixed: int, group_size: int = R) -> None:
             if progress is not None:
-                progress.set_postfix(R=R, mixed=mixed, refresh=False)
+                progress.set_postfix(R=group_size, mixed=mixed, refresh=False)
                 progress.update(done)
 
         if (finished := partial.group_size_result(R)) is not None:  # measured before the probe was killed
-            per_r[str(R)] = finished
+            per_group_size[str(R)] = finished
             on_prompts(finished[PROMPTS_SAMPLED], finished[GROUPS_MIXED])
             continue
         with forward_precision(next(policy.parameters()).device, config.dtype):  # bf16-mixed: bf16 autocast
-            per_r[str(R)] = probe_group_size(
+            per_group_size[str(R)] = probe_group_size(
                 policy, tokenizer, task, reward_fns, R, config, layer, on_prompts, partial, pool, on_first_batch
             )
-        partial.save_group_size_result(R, per_r[str(R)])
+        partial.save_group_size_result(R, per_group_size[str(R)])
         logger.info(
             "probe R = %d: %d mixed groups of %d prompts in %.0f s",
             R,
-            per_r[str(R)][GROUPS_MIXED],
-            per_r[str(R)][PROMPTS_SAMPLED],
-            per_r[str(R)][PROBE_TIMING]["seconds"],
+            per_group_size[str(R)][GROUPS_MIXED],
+            per_group_size[str(R)][PROMPTS_SAMPLED],
+            per_group_size[str(R)][PROBE_TIMING]["seconds"],
         )
     if progress is not None:
         progress.close()
@@ -1327,9 +1333,11 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     with forward_precision(next(policy.parameters()).device, config.dtype):
         studies = run_studies(policy, tokenizer, task, reward_fns, config, partial, pool)
     t_studies = time.perf_counter() - t_studies
-    checks = [c for d in per_r.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]]
+    checks = [
+        c for d in per_group_size.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]
+    ]
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
-    covs = [d[PROBE_GRAM_COVERAGE] for d in per_r.values() if d.get(PROBE_GRAM_COVERAGE) is not None]
+    covs = [d[PROBE_GRAM_COVERAGE] for d in per_group_size.values() if d.get(PROBE_GRAM_COVERAGE) is not None]
     gradients = "exact" if config.exact else ("exact_gram" if config.gram_source == "exact" else "sketch")
     meta = {
         "model": config.model,
@@ -1368,7 +1376,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
 
     atomic_write_text(
-        out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_r, "studies": studies}, indent=1)
+        out / "probe.json", json.dumps({"meta": meta, "per_group_size": per_group_size, "studies": studies}, indent=1)
     )
     partial.remove()
     write_report(out)

@@ -220,7 +220,7 @@ def monte_carlo_rows(
 
     Args:
         picks: (prompt_ids [Lp], completion_ids [T'], boundaries, score, reward r_i, GRPO advantage A_i) per rollout.
-        mc_samples: K continuations per prefix.  seed: the calls' sampling seed.  sampling: max_new_tokens,
+        mc_samples: K_mc continuations per prefix.  seed: the calls' sampling seed.  sampling: max_new_tokens,
             temperature, top_k, top_p.
 
     Returns:
@@ -290,7 +290,7 @@ def run_credit_study(
          "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
          disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
          bootstrap_mean over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
-         rollouts (beyond 2 SE), "samples_per_prefix": K},
+         rollouts (beyond 2 SE), "samples_per_prefix": K_mc},
          "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
     """
     t_start = time.perf_counter()

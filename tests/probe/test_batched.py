@@ -150,7 +150,7 @@ def test_draw_plan():
     ]
     assert plan[0] == DrawBatch(("pool", 1), batch_seed(0, 0, 1), 5, 16, 0)
     assert sum(b.n * b.M for b in plan) == 24 * 16 + 40 * 8  # 704 rollouts, against 512 + 256 + 384 = 1152
-    ind = draw_plan(c, None, R=8)
+    ind = draw_plan(c, None, group_size=8)
     assert [(b.key, b.seed, b.n, b.M) for b in ind][:2] == [
         (("R", 8, 1), batch_seed(0, 8, 1), 5, 16),
         (("R", 8, 2), batch_seed(0, 8, 2), 5, 16),
