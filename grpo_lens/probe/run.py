@@ -248,9 +248,21 @@ def _rollout_grads(
             info["coverage"],
             info["param_grams"],
         )
+    return sketch_gradients(policy, sub, [(0, sub.num_rollouts)], config, layer, proc)[0]
+
+
+def sketch_gradients(
+    policy, batch: RolloutBatch, spans: list[tuple[int, int]], config: ProbeConfig, layer: str | None, proc: dict
+) -> list[RolloutGradients]:
+    """Each group's sketched :class:`RolloutGradients` (Gram = rows rows^T) from one sketch pass over ``batch``.
+
+    Args:
+        batch: N rollouts.  spans: each group's row range [(a, b)] in it.  layer: the probed layer, whose exact rows
+            ride the pass (None: none).  proc: the pass's temperature and score_weights ([N] omega_i).
+    """
     sk = sketch_rollout_grads(
         policy,
-        sub,
+        batch,
         k_in=config.sketch_dim,
         k_out=config.sketch_dim,
         seed=config.seed,
@@ -259,7 +271,13 @@ def _rollout_grads(
         **proc,
     )
     g = sk.sketch.double().cpu()
-    return RolloutGradients(g @ g.T, g, sk.exact_layers.get(layer) if layer else None, sk.token_sq_norms)
+    layer_rows = sk.exact_layers.get(layer) if layer else None
+    return [
+        RolloutGradients(
+            g[a:b] @ g[a:b].T, g[a:b], layer_rows[a:b] if layer_rows is not None else None, sk.token_sq_norms[a:b]
+        )
+        for a, b in spans
+    ]
 
 
 def measure_group(
@@ -466,24 +484,7 @@ def _rollout_grads_many(
         ]
     if captures:
         raise ValueError("extra captures ride the exact Gram's pass only (gram_source: exact, not exact)")
-    sk = sketch_rollout_grads(
-        policy,
-        big,
-        k_in=config.sketch_dim,
-        k_out=config.sketch_dim,
-        seed=config.seed,
-        token_norms=True,
-        exact_layers=[layer] if layer else (),
-        **proc,
-    )
-    g = sk.sketch.double().cpu()
-    layer_rows = sk.exact_layers.get(layer) if layer else None
-    return [
-        RolloutGradients(
-            g[a:b] @ g[a:b].T, g[a:b], layer_rows[a:b] if layer_rows is not None else None, sk.token_sq_norms[a:b]
-        )
-        for a, b in spans
-    ]
+    return sketch_gradients(policy, big, spans, config, layer, proc)
 
 
 def measure_groups(
@@ -801,8 +802,8 @@ def estimate_seconds(
     prompt's share of correct rollouts, p_hat). A plug-in model, not a promise: R's mixed groups n_R (1 - mean(p^R +
     (1-p)^R)), each R rows; the baseline prompts' M rows; the baseline study's 16 prompts x M = 4R_s rows (sketch
     passes) and the credit study's groups (two backwards and four forwards per group: about 3 rows' cost per
-    rollout) plus its Monte Carlo continuations (mc_groups x 2 rollouts x 3 prefixes x mc_samples, each a rollout to
-    generate). Generation: every rollout of :func:`draw_plan` (shared draws once, independent draws per R).
+    rollout) plus its Monte Carlo continuations (mc_groups x 2 rollouts x 4 prefixes x mc_samples, each a rollout to
+    generate, in calls as large as the first batch's). Generation: every rollout of :func:`draw_plan` (shared draws once, independent draws per R).
 
     Returns:
         {"R=<R>": seconds, ..., "generation": seconds (shared draws; else inside each R), "studies": seconds}.
@@ -822,7 +823,7 @@ def estimate_seconds(
     if not shared or max(rollouts_per_prompt(R) for R in config.group_sizes) < 4 * rs:
         base += gen_per_rollout * config.baseline_study_prompts * 4 * rs * 1.3  # prompts without contrast too
     credit = grad_per_row * 3 * config.credit_groups * rs + gen_per_rollout * (
-        config.credit_groups * 1.5 * rs + config.mc_groups * 2 * 3 * config.mc_samples
+        config.credit_groups * 1.5 * rs + config.mc_groups * 2 * 4 * config.mc_samples
     )
     out["studies"] = base + (credit if config.credit_groups else 0.0)
     return out
