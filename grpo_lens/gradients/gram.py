@@ -105,6 +105,20 @@ def block_spans(blocks: Sequence[int] | None, n: int) -> list[tuple[int, int]]:
     return [(e - b, e) for b, e in zip(sizes, ends)]
 
 
+def wanted_spans(spans: Sequence[tuple[int, int]], sel: Tensor) -> list[tuple[int, int]]:
+    """The row blocks ``spans`` of N rows as row ranges of the wanted rows x[sel] (sel: [n] sorted row indices):
+    block (r0, r1) keeps its wanted rows, which are consecutive in x[sel]; blocks without one are dropped.
+
+    Example: spans [(0, 4), (4, 8), (8, 12)], sel [4, 5, 6, 7, 8, 9, 10, 11] -> [(0, 4), (4, 8)]."""
+    out, start = [], 0
+    for r0, r1 in spans:
+        count = int(((sel >= r0) & (sel < r1)).sum())
+        if count:
+            out.append((start, start + count))
+            start += count
+    return out
+
+
 def block_outer(a: Tensor, b: Tensor, spans: Sequence[tuple[int, int]]) -> Tensor:
     """[N, N] float64: a[r0:r1] b[r0:r1]^T in each block (r0, r1) of ``spans``, 0 elsewhere. a, b: [N, P]."""
     n = a.shape[0]
@@ -478,6 +492,7 @@ class _Pass:
     x_cache: dict = field(default_factory=dict)
     emb_scale: dict = field(default_factory=dict)
     sel: Tensor | None = None  # [n] the wanted rows (GramCapture.rows), None = all
+    sel_spans: list | None = None  # the blocks (GramCapture.blocks) as row ranges of the wanted rows x[sel]
 
 
 class GramCapture:
@@ -593,10 +608,9 @@ class GramCapture:
             rows = self.rows.to(device=keep.device, dtype=torch.bool)
             keep = keep & rows.unsqueeze(1)
             sel = None if bool(rows.all()) else rows.nonzero().squeeze(1)
-        if sel is not None and self.blocks is not None:
-            raise ValueError("GramCapture: wanted rows (rows) and a block-diagonal Gram (blocks) do not combine")
-        self.state = _Pass(n=ids.shape[0], length=ids.shape[1], keep=keep, sel=sel)
         self.spans = block_spans(self.blocks, ids.shape[0])
+        sel_spans = None if sel is None else wanted_spans(self.spans, sel.cpu())
+        self.state = _Pass(n=ids.shape[0], length=ids.shape[1], keep=keep, sel=sel, sel_spans=sel_spans)
 
     def _keep_for(self, shape: Sequence[int]) -> Tensor:
         """[N, S] kept positions of an activation [N, S, ...] (S < L: the last S, as under ``logits_to_keep``)."""
@@ -656,8 +670,9 @@ class GramCapture:
             d_out, d_in = linear_shape(module)
             if self.form != "auto":
                 form = self.form
-            elif st.sel is not None:  # the wanted rows alone (no blocks)
-                form = choose_form(int(keep.sum()), st.sel.numel(), d_in, d_out, self.token_block)
+            elif st.sel is not None:  # the wanted rows alone, in their blocks
+                ms = [int(keep[st.sel[a:b]].sum()) for a, b in st.sel_spans]
+                form = choose_block_form(ms, [b - a for a, b in st.sel_spans], d_in, d_out, self.token_block)
             else:
                 ms = [int(keep[r0:r1].sum()) for r0, r1 in self.spans]
                 form = choose_block_form(ms, [r1 - r0 for r0, r1 in self.spans], d_in, d_out, self.token_block)
@@ -712,7 +727,9 @@ class GramCapture:
                 tied.glm_rows = rows
         else:  # the wanted rows only (the others' G_i are 0: forming them would be wasted), scattered back
             sel, n = self.state.sel, x.shape[0]
-            sub, sub_rows = rollout_layer_gram(x[sel], delta[sel], keep[sel], self.budget, self.rollout_block, tokens)
+            sub, sub_rows = rollout_layer_gram(
+                x[sel], delta[sel], keep[sel], self.budget, self.rollout_block, tokens, self.state.sel_spans
+            )
             gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
             gram[sel.unsqueeze(1), sel.unsqueeze(0)] = sub
             if tied is not None:
@@ -945,13 +962,24 @@ class MicroBatchGrams:
         model: the policy (see :class:`GramCapture` for what it must be).
         num_rows: N, the rows of the whole batch the micro-batches index.
         rows: [N] bool, the rows whose entries are wanted (the others' positions are skipped); None = all.
-        kwargs: passed to :class:`GramCapture` (form, token_block, budget_bytes, ...).
+        group_size: R: only the entries of two rows of one group (rows b R .. (b + 1) R - 1) are computed, the
+            others are NaN (the lens reads each group's [R, R] block alone: the reduction costs N R instead of N^2
+            per layer); None: every pair of one micro-batch.
+        kwargs: passed to :class:`GramCapture` (form, token_block, budget_bytes, ...; not ``blocks``).
     """
 
-    def __init__(self, model: nn.Module, num_rows: int, rows: Tensor | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_rows: int,
+        rows: Tensor | None = None,
+        group_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.capture = GramCapture(model, **kwargs)
         self.num_rows = int(num_rows)
         self.wanted = None if rows is None else rows.detach().to("cpu", torch.bool)
+        self.group_size = None if group_size is None else int(group_size)
         #: (row indices [n] long on the CPU, Gram [n, n] float64 on the CPU, info) of each micro-batch measured
         self.blocks: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
 
@@ -971,6 +999,8 @@ class MicroBatchGrams:
         if want is not None and not bool(want.any()):
             yield
             return
+        if self.group_size is not None:  # consecutive rows of one group form a block
+            self.capture.blocks = torch.unique_consecutive(idx // self.group_size, return_counts=True)[1].tolist()
         with self.capture:
             self.capture.rows = want
             try:
@@ -978,11 +1008,15 @@ class MicroBatchGrams:
             finally:
                 self.capture.rows = None
         gram, info = self.capture.result()
+        if self.group_size is not None:
+            group = idx // self.group_size
+            gram = gram.masked_fill(group.unsqueeze(1) != group.unsqueeze(0), float("nan"))
         self.blocks.append((idx, gram, info))
 
     def gram(self) -> tuple[Tensor, dict[str, Any]]:
-        """(Gram [N, N] float64 on the CPU with NaN where two rows were in different micro-batches (or one is not
-        wanted), info: ``coverage`` (the smallest of the blocks'), ``hook_seconds`` (summed), ``micro_batches``).
+        """(Gram [N, N] float64 on the CPU with NaN where two rows were in different micro-batches or groups (with
+        ``group_size``), or one is not wanted; info: ``coverage`` (the smallest of the blocks'), ``hook_seconds``
+        (summed), ``micro_batches``).
 
         Raises:
             RuntimeError: no micro-batch was captured.

@@ -184,7 +184,7 @@ class TrainerLens:
         rows = torch.zeros(rewards.numel(), dtype=torch.bool)
         for b in self.mixed_groups(rewards, valid, group_size):
             rows[b * group_size : (b + 1) * group_size] = True
-        return MicroBatchGrams(policy, rewards.numel(), rows=rows)
+        return MicroBatchGrams(policy, rewards.numel(), rows=rows, group_size=group_size)
 
     def measure_from_update(
         self,

@@ -314,3 +314,31 @@ def test_wanted_rows_alone_give_their_block_of_the_full_gram(arch, form):
     full, part = out
     assert rel_err(part[3:, 3:], full[3:, 3:]) < TOL and float(full[3:, 3:].abs().max()) > 0
     assert torch.isnan(part[:3]).all() and torch.isnan(part[:, :3]).all()
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2_bias"])
+@pytest.mark.parametrize("form", ["rollout", "token"])
+@pytest.mark.parametrize("wanted", [None, [False, False, False, True, True, True], [True] * 3 + [False] * 3])
+def test_group_blocks_give_the_full_grams_diagonal_blocks(arch, form, wanted):
+    # group_size = 3 (B = 2 groups): only each group's [3, 3] block is computed, with or without a wanted-rows
+    # subset; each block is the full capture's to float64 rounding and every entry between groups is NaN. Blocks cut
+    # at the wrong rows (or spans of all N rows used on the wanted rows alone) would be off by O(1) or leave zeros.
+    model, batch = tiny_model(arch), make_batch()
+    cfg, procs = config("seq-mean-token-mean", 4), Processes(0, 1, torch.device("cpu"))  # micro-batches of 4 rows
+    plan = plan_update(model, batch, cfg, procs)
+    rows = None if wanted is None else torch.tensor(wanted)
+    out = []
+    for group_size in (None, 3):
+        grams = MicroBatchGrams(model, batch.num_rollouts, rows=rows, group_size=group_size, form=form)
+        with grams:
+            backward_mini_batch(model, batch, ADVANTAGES, None, plan, 0, 0, cfg, procs, UpdateSums(), grams.micro_batch)
+        out.append(grams.gram()[0])
+        model.zero_grad(set_to_none=True)
+    full, blocked = out
+    keep = torch.ones(6, dtype=torch.bool) if rows is None else rows
+    group = torch.arange(6) // 3
+    same = (group.unsqueeze(1) == group.unsqueeze(0)) & keep.unsqueeze(1) & keep.unsqueeze(0)
+    same &= ~torch.isnan(full)  # rows of one group in different micro-batches are not measured by either
+    assert int(same.sum()) >= 5 and float(full[same].abs().max()) > 0  # 14, 9 or 5 entries measured
+    assert float((blocked[same] - full[same]).abs().max()) / float(full[same].abs().max()) < TOL
+    assert torch.isnan(blocked[~same]).all()
