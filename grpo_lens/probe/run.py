@@ -803,7 +803,8 @@ def estimate_seconds(
     (1-p)^R)), each R rows; the baseline prompts' M rows; the baseline study's 16 prompts x M = 4R_s rows (sketch
     passes) and the credit study's groups (two backwards and four forwards per group: about 3 rows' cost per
     rollout) plus its Monte Carlo continuations (mc_groups x 2 rollouts x 4 prefixes x mc_samples, each a rollout to
-    generate, in calls as large as the first batch's). Generation: every rollout of :func:`draw_plan` (shared draws once, independent draws per R).
+    generate, in calls as large as the first batch's). Generation: every rollout of :func:`draw_plan` (shared draws
+    once, independent draws per R).
 
     Returns:
         {"R=<R>": seconds, ..., "generation": seconds (shared draws; else inside each R), "studies": seconds}.

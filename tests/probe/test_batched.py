@@ -208,7 +208,7 @@ def test_estimate_seconds_closed_form():
 def test_estimate_seconds_counts_the_credit_study():
     """Credit study at R_s = 4, 8 groups, 4 Monte Carlo groups of K_mc = 8: analysis 3 rows x 8 groups x 4 rollouts
     x 0.3 s = 28.8 s; generation of its own groups 8 x 1.5 x 4 rollouts x 0.1 s = 4.8 s; Monte Carlo 4 groups x 2
-    rollouts x 4 prefixes (4 segments) x 8 continuations x 0.1 s = 25.6 s; 59.2 s in all (3 prefixes would give 52.8)."""
+    rollouts x 4 prefixes (4 segments) x 8 continuations x 0.1 s = 25.6 s; 59.2 s in all (3 prefixes: 52.8)."""
     from grpo_lens.probe.run import estimate_seconds
 
     c = ProbeConfig(
