@@ -164,6 +164,20 @@ def test_pass_chunks():
     assert pass_chunks([], 4) == []
 
 
+def estimate_config(group_sizes=(2,), baseline_study_prompts=0, credit_groups=0, **kw) -> ProbeConfig:
+    """The estimate tests' probe: 10 prompts per R, 4 per generate call, no baseline prompts inside the R phases."""
+    return ProbeConfig(
+        out="x",
+        group_sizes=list(group_sizes),
+        prompts=10,
+        prompts_per_batch=4,
+        baseline_prompts=0,
+        baseline_study_prompts=baseline_study_prompts,
+        credit_groups=credit_groups,
+        **kw,
+    )
+
+
 def test_estimate_seconds_closed_form():
     """10 prompts at R = 2 (M = 8), every prompt's success share 0.5: expected mixed groups 10 (1 - 0.5^2 - 0.5^2) =
     5, i.e. 10 rows at 0.3 s = 3 s; generation 10 x 8 rollouts at 0.1 s = 8 s; no study. The baseline study (16
@@ -171,37 +185,13 @@ def test_estimate_seconds_closed_form():
     (R = 8 among the group sizes), else its rollouts (x 1.3 for prompts without contrast) at 0.1 s."""
     from grpo_lens.probe.run import estimate_seconds, format_estimate
 
-    c = ProbeConfig(
-        out="x",
-        group_sizes=[2],
-        prompts=10,
-        prompts_per_batch=4,
-        baseline_prompts=0,
-        baseline_study_prompts=0,
-        credit_groups=0,
-    )
+    c = estimate_config()
     est = estimate_seconds(c, None, 0.1, 0.3, [0.5, 0.5])
     assert est == pytest.approx({"generation": 8.0, "R=2": 3.0, "studies": 0.0})
     assert format_estimate(est) == "about 11 s: generation 8 s, R = 2 3 s, studies 0 s"
-    c8 = ProbeConfig(
-        out="x",
-        group_sizes=[8],
-        prompts=10,
-        prompts_per_batch=4,
-        baseline_prompts=0,
-        baseline_study_prompts=16,
-        credit_groups=0,
-    )
+    c8 = estimate_config(group_sizes=[8], baseline_study_prompts=16)
     assert estimate_seconds(c8, None, 0.1, 0.3, [0.5])["studies"] == pytest.approx(16 * 16 * 0.3)
-    c2 = ProbeConfig(
-        out="x",
-        group_sizes=[2],
-        prompts=10,
-        prompts_per_batch=4,
-        baseline_prompts=0,
-        baseline_study_prompts=16,
-        credit_groups=0,
-    )
+    c2 = estimate_config(baseline_study_prompts=16)
     assert estimate_seconds(c2, None, 0.1, 0.3, [0.5])["studies"] == pytest.approx(16 * 16 * (0.3 + 0.1 * 1.3))
 
 
@@ -211,15 +201,5 @@ def test_estimate_seconds_counts_the_credit_study():
     rollouts x 4 prefixes (4 segments) x 8 continuations x 0.1 s = 25.6 s; 59.2 s in all (3 prefixes: 52.8)."""
     from grpo_lens.probe.run import estimate_seconds
 
-    c = ProbeConfig(
-        out="x",
-        group_sizes=[2],
-        prompts=10,
-        prompts_per_batch=4,
-        baseline_prompts=0,
-        baseline_study_prompts=0,
-        credit_groups=8,
-        mc_groups=4,
-        mc_samples=8,
-    )
+    c = estimate_config(credit_groups=8, mc_groups=4, mc_samples=8)
     assert estimate_seconds(c, None, 0.1, 0.3, [0.5])["studies"] == pytest.approx(28.8 + 4.8 + 25.6)
