@@ -42,35 +42,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
+sys.path.insert(0, str(TESTS))
+from crash_zygote import RUN_ARGS  # noqa: E402 - tests/ holds the shared argv
 
-ARGS = [
-    "train",
-    "--model",
-    "tiny",
-    "--rewards",
-    "test_alternating",
-    "--group-size",
-    "4",
-    "--prompts-per-step",
-    "2",
-    "--max-new-tokens",
-    "4",
-    "--max-steps",
-    "4",
-    "--checkpoint-every",
-    "2",
-    "--keep-checkpoints",
-    "1",
-    "--lens-every",
-    "3",
-    "--learning-rate",
-    "0.003",
-    "--log-completions",
-    "3",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
+ARGS = RUN_ARGS  # tests/crash_zygote.py
 
 #: The plugin module that simulates a full disk where no tmpfs can be mounted: the checkpoint of step 4 fails with
 #: ENOSPC (an OSError, as a real write would raise).

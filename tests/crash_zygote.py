@@ -18,6 +18,38 @@ import os
 import sys
 import traceback
 
+#: ``grpo-lens train`` argv of the crash tests and of benchmarks/faults.py: a tiny model, 4 steps of 2 prompts x 4
+#: completions, a checkpoint every 2 steps (1 kept), the lens at step 3, 3 logged completions (everything a resume
+#: must restore).
+RUN_ARGS = [
+    "train",
+    "--model",
+    "tiny",
+    "--rewards",
+    "test_alternating",
+    "--group-size",
+    "4",
+    "--prompts-per-step",
+    "2",
+    "--max-new-tokens",
+    "4",
+    "--max-steps",
+    "4",
+    "--checkpoint-every",
+    "2",
+    "--keep-checkpoints",
+    "1",
+    "--lens-every",
+    "3",
+    "--learning-rate",
+    "0.003",
+    "--log-completions",
+    "3",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
+
 
 def main() -> None:
     import accelerate  # noqa: F401

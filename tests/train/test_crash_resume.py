@@ -22,40 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from crash_zygote import RUN_ARGS
 
 pytestmark = pytest.mark.e2e  # every test here builds a model or runs a command
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/, where crash_zygote.py lives
 REPO = TESTS.parent
 
-ARGS = [
-    "train",
-    "--model",
-    "tiny",
-    "--rewards",
-    "test_alternating",
-    "--group-size",
-    "4",
-    "--prompts-per-step",
-    "2",
-    "--max-new-tokens",
-    "4",
-    "--max-steps",
-    "4",
-    "--checkpoint-every",
-    "2",
-    "--keep-checkpoints",
-    "1",
-    "--lens-every",
-    "3",
-    "--learning-rate",
-    "0.003",
-    "--log-completions",
-    "3",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
+ARGS = RUN_ARGS  # tests/crash_zygote.py
 
 # (kill point, then what the run directory must show: the checkpoint ``latest`` names, folders present). Each resume
 # starts from the newest complete checkpoint (or step 0) and redoes the steps after it.
