@@ -195,7 +195,8 @@ def prefix_values_many(
     are left padded into batches of at most ``max_rows`` rows (K_mc rows per prefix, never split), each sampled for
     max_new_tokens - min b steps; each row's continuation is cut at its own budget (the first max_new_tokens - b
     tokens of an autoregressive sample are a sample with that budget) and at its first EOS, and the full completion
-    (prefix + continuation) is decoded and scored by its rollout's ``score`` (one call per rollout).
+    (prefix + continuation) is decoded and scored by its rollout's ``score`` (one call per rollout). Source: the
+    Monte Carlo value estimates of VinePPO (Kazemnejad et al. 2024, arXiv 2410.01679, §4); docs/theory.md §Token credit.
 
     Args:
         prompt_ids: [Lp] unpadded prompt tokens shared by every rollout, or one [Lp_j] per rollout.

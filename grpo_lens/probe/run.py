@@ -259,6 +259,14 @@ def sketch_gradients(
     Args:
         batch: N rollouts.  spans: each group's row range [(a, b)] in it.  layer: the probed layer, whose exact rows
             ride the pass (None: none).  proc: the pass's temperature and score_weights ([N] omega_i).
+
+    Returns:
+        per span, :class:`RolloutGradients` with the sketched Gram [n, n] (an estimate: the sketch covers the linear
+        weights, docs/theory.md §8), its rows [n, P_s], the layer's exact rows [n, d_out*d_in] or None and the token
+        norms [n, Lp+T]; no coverage or per-parameter Grams (the sketch has none).
+
+    Raises:
+        ValueError: see :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`.
     """
     sk = sketch_rollout_grads(
         policy,
