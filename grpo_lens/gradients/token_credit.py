@@ -31,6 +31,7 @@ from grpo_lens.formulas.credit import signed_contributions, token_weights
 from grpo_lens.rollout import (
     RolloutBatch,
     _stop_token_ids,
+    accepts_logits_to_keep,
     batch_logprobs,
     sampling_generation_config,
 )
@@ -248,6 +249,29 @@ def prefix_values_many(
     return results
 
 
+@torch.no_grad()
+def shared_prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int):
+    """The KV cache of ``ids[:, :-1]`` (left padded), each row's cache repeated ``repeats`` times, for ``generate``
+    to continue from (it runs the last prompt token itself); None when the model does not return a cache with
+    ``batch_repeat_interleave`` (``generate`` then prefills every row).
+
+    Positions are ``generate``'s own for left padding (cumsum of the mask - 1, 1 on padding), so each row's cache
+    holds the same keys and values as ``generate``'s prefill of the repeated rows, computed once per prefix instead of
+    K_mc times. Args: ids, mask: [n, L] (L >= 2).  repeats: K_mc. Returns {name: a transformers ``Cache`` of n * K_mc
+    rows}, the keyword ``generate`` takes it by (``cache``, ``past_key_values`` before transformers 5)."""
+    if ids.shape[1] < 2:
+        return None
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+    out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True, **kwargs)
+    key = "cache" if "cache" in out.keys() else "past_key_values"  # transformers 5 renamed it
+    cache = out.get(key)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    cache.batch_repeat_interleave(repeats)
+    return {key: cache}
+
+
 def _continue_prefixes(
     model: nn.Module,
     tokenizer,
@@ -258,9 +282,13 @@ def _continue_prefixes(
     top_k: int,
     top_p: float,
     seed: int,
+    share_prefill: bool = True,
 ) -> list[list[list[int]]]:
     """K_mc sampled continuations of each (rollout, b, prefix tokens), left padded into one ``generate`` call; each cut
-    at its budget max_new_tokens - b and before its first EOS: per prefix, K_mc token lists."""
+    at its budget max_new_tokens - b and before its first EOS: per prefix, K_mc token lists.
+
+    ``share_prefill``: each prefix's KV cache is computed once and repeated for its K_mc rows
+    (:func:`shared_prefill`) instead of K_mc identical prefills; False runs the K_mc prefills (the reference)."""
     K_mc = mc_samples
     device = next(model.parameters()).device
     eos = _stop_token_ids(model, tokenizer)
@@ -268,7 +296,7 @@ def _continue_prefixes(
     width = max(len(seq) for _, _, seq in prefixes)
     ids = torch.stack([torch.cat([seq.new_full((width - len(seq),), pad), seq]) for _, _, seq in prefixes])
     mask = torch.stack([(torch.arange(width) >= width - len(seq)).long() for _, _, seq in prefixes])
-    ids, mask = ids.repeat_interleave(K_mc, dim=0).to(device), mask.repeat_interleave(K_mc, dim=0).to(device)
+    ids, mask = ids.to(device), mask.to(device)
     config = sampling_generation_config(
         temperature=temperature,
         top_k=top_k,
@@ -282,9 +310,11 @@ def _continue_prefixes(
     model.eval()
     try:
         model.generation_config = GenerationConfig()  # as sample_groups: only our own sampling settings apply
+        cache = shared_prefill(model, ids, mask, K_mc) if share_prefill else None
+        ids, mask = ids.repeat_interleave(K_mc, dim=0), mask.repeat_interleave(K_mc, dim=0)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **(cache or {}))
     finally:
         model.generation_config = own_config
         model.train(was_training)

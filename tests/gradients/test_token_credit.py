@@ -252,3 +252,28 @@ def test_prefix_values_many_keeps_each_rollouts_prompt_and_score(model_group):
         prefix_values_many(
             model, tok, prompt, completions[:1], [[0]], constant(1.0), num_samples=4, max_new_tokens=6, max_rows=3
         )
+
+
+@pytest.mark.e2e
+def test_shared_prefill_gives_the_k_prefills_continuations(model_group, monkeypatch):
+    # Each prefix's KV cache computed once and repeated K_mc times holds the keys and values of K_mc identical
+    # prefills (float64 model: the same sums), so the same seed samples the same tokens; prefixes of different
+    # lengths (left padding: b = 0, 2, 4) check the positions. The shared path must run its own prefill (one forward
+    # of the 3 unique prefixes, not 12 rows), or the test would compare the reference with itself.
+    from grpo_lens.gradients import token_credit
+
+    model, tok, group = model_group
+    prompt = group.prompt_ids[0][group.prompt_mask[0].bool()]
+    completion = group.completion_ids[0][group.completion_mask[0]]
+    prefixes = [(0, b, torch.cat([prompt, completion[:b]])) for b in (0, 2, 4)]
+    rows = []
+    original = token_credit.shared_prefill
+    monkeypatch.setattr(
+        token_credit, "shared_prefill", lambda m, ids, *a: rows.append(ids.shape[0]) or original(m, ids, *a)
+    )
+    args = (model, tok, prefixes, 4, 6, 1.0, 0, 1.0, 7)
+    shared = token_credit._continue_prefixes(*args, share_prefill=True)
+    reference = token_credit._continue_prefixes(*args, share_prefill=False)
+    assert rows == [3]
+    assert shared == reference
+    assert len({tuple(r) for p in shared for r in p}) > 1  # the rows are samples, not one repeated continuation
