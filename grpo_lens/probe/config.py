@@ -124,7 +124,7 @@ class ProbeConfig(ConfigFile):
     mc_groups: int = option(
         4,
         "Of those, groups with Monte Carlo token advantages for one correct and one wrong "
-        "rollout (about 18 s per group on the default model). The Monte Carlo credit claim needs "
+        "rollout (about 8 s per group on the default model). The Monte Carlo credit claim needs "
         ">= 8 rollouts, i.e. >= 4 groups, for a verdict. 0 skips them.",
         check=at_least(0, "must be >= 0 (0 skips)"),
     )
