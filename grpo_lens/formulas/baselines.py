@@ -217,8 +217,7 @@ def estimator_variances(
     for name, fn in fns.items():
         coef = (r_s - fn(r_s, n_s)) / R  # [S, R]
         w = torch.zeros(num_resamples, m, dtype=torch.float64).scatter_(1, idx, coef)  # [S, M]
-        est = w @ g  # [S, P]
-        out[name] = float((est - est.mean(0)).square().sum() / (num_resamples - 1))
+        out[name] = estimate_moments(g, w, torch.zeros(g.shape[1], dtype=torch.float64))["variance"]
     return out
 
 
@@ -311,12 +310,12 @@ def optimal_constant_baseline(grads: Tensor, rewards: Tensor) -> dict[str, float
     return {"b_star": b, "b_star_exact": b_exact, "shift": b_exact - b}
 
 
-def _group_estimates(g: Tensor, r: Tensor, idx: Tensor, name: str, b_pop: float) -> Tensor:
-    """[S, P] group estimates of one estimator on resampled groups idx [S, R] of rows g [M, P], rewards r [M]."""
-
+def _group_coefficients(r: Tensor, sq: Tensor, idx: Tensor, name: str, b_pop: float) -> Tensor:
+    """[S, R] weights (r_i - b_i) / R of one estimator on resampled groups idx [S, R] of rewards r [M] and squared
+    norms sq [M] (``mean_rescaled`` times R / (R - 1)): group s's estimate is sum_i coef[s, i] g[idx[s, i]]."""
     R = idx.shape[1]
     r_s = r[idx]  # [S, R]
-    n_s = g.square().sum(-1)[idx]
+    n_s = sq[idx]
     if name == "none":
         b = torch.zeros_like(r_s)
     elif name == "mean_rescaled":
@@ -332,7 +331,41 @@ def _group_estimates(g: Tensor, r: Tensor, idx: Tensor, name: str, b_pop: float)
     coef = (r_s - b) / R
     if name == "mean_rescaled":
         coef = coef * R / (R - 1)
-    return torch.einsum("sr,srk->sk", coef, g[idx])
+    return coef
+
+
+def _group_estimates(g: Tensor, r: Tensor, idx: Tensor, name: str, b_pop: float) -> Tensor:
+    """[S, P] group estimates of one estimator on resampled groups idx [S, R] of rows g [M, P], rewards r [M]."""
+    return torch.einsum("sr,srk->sk", _group_coefficients(r, g.square().sum(-1), idx, name, b_pop), g[idx])
+
+
+def estimate_moments(g: Tensor, coef: Tensor, ref: Tensor) -> dict[str, float]:
+    """bias2, variance, mse and cosine to ``ref`` of S estimates ghat_s = C_s g, from the Gram of g.
+
+    C [S, M] holds each estimate's weights on the M rows of g [M, P] (ref [P]). With K = g g^T [M, M] and
+    q = g ref [M], every moment is a small product (no [S, P] estimate is formed): bias2 = ||cbar g - ref||^2
+    (cbar = mean_s C_s, formed in P once), variance = sum_s (C_s - cbar) K (C_s - cbar)^T / (S - 1),
+    ||ghat_s||^2 = C_s K C_s^T, <ghat_s, ref> = C_s q, and mse = mean_s ||ghat_s - ref||^2
+    = bias2 + variance (S - 1) / S (the mean-square split about the mean). The same numbers as from the estimates
+    themselves, float64 rounding aside (a test compares them).
+
+    Returns:
+        {"bias2", "variance", "mse", "cosine": mean_s cos(ghat_s, ref) over the non-zero estimates (0 if none)}.
+    """
+    S = coef.shape[0]
+    K, q = g @ g.T, g @ ref  # [M, M], [M]
+    cbar = coef.mean(0)
+    bias2 = float((cbar @ g - ref).square().sum())
+    dev = coef - cbar
+    variance = float(((dev @ K) * dev).sum() / (S - 1))
+    norms = ((coef @ K) * coef).sum(-1).clamp(min=0).sqrt()  # [S] ||ghat_s||
+    cos = (coef @ q) / (norms * float(ref.norm())).clamp(min=1e-300)
+    return {
+        "bias2": bias2,
+        "variance": variance,
+        "mse": bias2 + variance * (S - 1) / S,
+        "cosine": float(cos[norms > 0].mean()) if (norms > 0).any() else 0.0,
+    }
 
 
 def prompt_baseline_study(
@@ -387,20 +420,13 @@ def prompt_baseline_study(
     ref_noise = float((terms - terms.mean(0)).square().sum() / (len(rb) - 1)) / len(rb)
     pop = optimal_constant_baseline(gb, rb)
     idx = torch.rand(num_resamples, len(ra), generator=gen).argsort(-1)[:, :R]
+    sq_a = ga.square().sum(-1)
+    rows = torch.zeros(num_resamples, len(ra), dtype=torch.float64)  # [S, M_A]: each group's weights on A's rows
     out: dict[str, dict[str, float]] = {}
-    ref_norm = float(ref.norm())
     for name in estimators:
-        est = _group_estimates(ga, ra, idx, name, pop["b_star"])  # [S, P]
-        mean = est.mean(0)
-        err = (est - ref).square().sum(-1)
-        norms = est.norm(dim=-1)
-        cos = (est @ ref) / (norms * ref_norm).clamp(min=1e-300)
-        out[name] = {
-            "bias2": float((mean - ref).square().sum()),
-            "variance": float((est - mean).square().sum() / (num_resamples - 1)),
-            "mse": float(err.mean()),
-            "cosine": float(cos[norms > 0].mean()) if (norms > 0).any() else 0.0,
-        }
+        coef = _group_coefficients(ra, sq_a, idx, name, pop["b_star"])  # [S, R]
+        out[name] = estimate_moments(ga, rows.zero_().scatter_(1, idx, coef), ref)
+    ref_norm = float(ref.norm())
     n = g.square().sum(-1)
     c, w = r == 1, r == 0
     return {

@@ -137,3 +137,30 @@ def test_study_over_prompts_has_intervals():
     assert out["norm_ratio"]["lo"] <= 10.0 <= out["norm_ratio"]["hi"]
     with pytest.raises(ValueError, match="M >= 4R"):
         prompt_baseline_study(*pool(1.0, 1.0, m=12), 4)
+
+
+def test_estimate_moments_equal_those_of_the_estimates_themselves():
+    # The Gram form (K = g g^T, q = g ref) against the [S, P] estimates formed and reduced directly: bias2 =
+    # ||mean_s e_s - ref||^2, variance = sum_s ||e_s - mean||^2 / (S - 1), mse = mean_s ||e_s - ref||^2, cosine =
+    # mean_s cos(e_s, ref) over non-zero e_s (``none`` on an all-wrong group is 0). Rows with a planted mean
+    # (signal, shift) so that no moment is near 0; a variance without the centring, a mse without the bias or a
+    # wrong S - 1 is off by far more than 1e-10.
+    from grpo_lens.formulas.baselines import _group_coefficients, estimate_moments
+
+    h, r = pool(9.0, 1.0, m=32, k=16, shift=0.7, signal=1.5, seed=4)
+    ref = h[16:].mean(0)
+    idx = torch.rand(40, 32, generator=torch.Generator().manual_seed(2)).argsort(-1)[:, :4]
+    for name in ("none", "rloo", "optimal_loo", "mean_rescaled"):
+        coef = _group_coefficients(r, h.square().sum(-1), idx, name, 0.3)
+        est = _group_estimates(h, r, idx, name, 0.3)  # [S, P]
+        rows = torch.zeros(40, 32, dtype=torch.float64).scatter_(1, idx, coef)
+        got = estimate_moments(h, rows, ref)
+        mean = est.mean(0)
+        want = {
+            "bias2": float((mean - ref).square().sum()),
+            "variance": float((est - mean).square().sum() / 39),
+            "mse": float((est - ref).square().sum(-1).mean()),
+            "cosine": float(((est @ ref) / (est.norm(dim=-1) * ref.norm()))[est.norm(dim=-1) > 0].mean()),
+        }
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-10), (name, key)
