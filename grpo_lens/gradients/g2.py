@@ -71,7 +71,8 @@ class G2WeightingCapture:
     then add sum_t x_t^T (sum_i w_i delta_{i,t}): one row per position, with the weighted sum of the rollouts'
     deltas. The rows become Lp + (completion positions) instead of n·Lp + (completion positions) (on the default
     model at R = 8: 131 instead of 438), with the same M(w). The prefix inputs are checked to agree across the
-    rollouts (ValueError otherwise: not one group's prompt); layers whose input is not the whole sequence (an LM head
+    rollouts at the first layer that sees them (ValueError otherwise: not one group's prompt; prompts that differ
+    differ at every layer, so one check serves the pass); layers whose input is not the whole sequence (an LM head
     run at the scored positions only) keep one row per position.
 
     lambda_max of every (layer, weighting) pair is solved after the backward (or when ``budget_bytes`` of kernels
@@ -125,6 +126,7 @@ class G2WeightingCapture:
         self._pending: list[tuple[str, Tensor, Tensor, dict[str, float]]] = []  # (layer, K_X, K_D(w) stack, fro2)
         self._pending_bytes = 0
         self._handles: list = []
+        self._prefix_checked = False  # the shared prefix's inputs agree (checked at the first layer that has one)
 
     def _kernels(self, x: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
         """(K_X [m, m], K_D(w) [W, m, m]) of one layer over its m rows: one per position and rollout, or with a
@@ -140,11 +142,14 @@ class G2WeightingCapture:
             wp = w.repeat_interleave(d3.shape[1], dim=1)[:, keep]  # [W, m]
             return xr @ xr.T, (dr @ dr.T).unsqueeze(0) * (wp.unsqueeze(2) * wp.unsqueeze(1))
         xp = x3[:, :lp]  # [n, Lp, d_in]
-        if not torch.allclose(xp, xp[:1].expand_as(xp), rtol=1e-4, atol=1e-5 * float(xp.abs().max())):
+        if not self._prefix_checked and not torch.allclose(
+            xp, xp[:1].expand_as(xp), rtol=1e-4, atol=1e-5 * float(xp.abs().max())
+        ):
             raise ValueError(
                 "G2WeightingCapture: the rollouts' inputs differ at the shared prefix positions: pass "
                 "shared_prefix only for one group's rollouts (one prompt)"
             )
+        self._prefix_checked = True  # one layer tells: rollouts whose prompts differ differ at every layer
         xc, dc = x3[:, lp:], d3[:, lp:]  # [n, L - Lp, .]
         xr = torch.cat([xp[0], xc.reshape(-1, xc.shape[-1])])
         dr = torch.cat(

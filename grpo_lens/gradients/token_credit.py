@@ -37,6 +37,11 @@ from grpo_lens.rollout import (
 )
 
 
+def squared_norm(tensors: Sequence[Tensor]) -> float:
+    """sum_k ||t_k||^2 of tensors shaped like the parameters (a direction v in parameter space), in float64."""
+    return sum(float(t.double().square().sum()) for t in tensors)
+
+
 def token_directional_derivatives(
     model: nn.Module,
     batch: RolloutBatch,
@@ -45,6 +50,7 @@ def token_directional_derivatives(
     *,
     step: float = 1e-2,
     temperature: float = 1.0,
+    norm: float | None = None,
 ) -> Tensor:
     """<grad_theta log pi(o_{i,t}), v> for every completion token, by Richardson-extrapolated central differences.
 
@@ -56,12 +62,13 @@ def token_directional_derivatives(
     Args:
         model: causal LM.  batch: R rollouts.  direction: tensors shaped like ``params`` (v).  params: the
             parameters v lives in.  step: L2 length of the larger perturbation.  temperature: the sampling
-            temperature (the policy's log-probs, docs/theory.md §Log-probabilities).
+            temperature (the policy's log-probs, docs/theory.md §Log-probabilities).  norm: ||v|| when the caller
+            has it (the square root of :func:`squared_norm` of ``direction``); None: computed here.
 
     Returns:
         [R, T] float64 (0 where v = 0).
     """
-    norm = math.sqrt(sum(float(d.double().square().sum()) for d in direction))
+    norm = math.sqrt(squared_norm(direction)) if norm is None else norm
     if norm == 0:
         return torch.zeros(batch.completion_ids.shape, dtype=torch.float64)
     saved = [p.detach().clone() for p in params]
@@ -116,11 +123,13 @@ def signed_token_contributions(
         torch.autograd.grad(objective, params, allow_unused=True) if objective.requires_grad else [None] * len(params)
     )
     u = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
-    u_sq = sum(float(x.double().square().sum()) for x in u)
+    u_sq = squared_norm(u)
     d = (
         torch.zeros_like(w)
         if u_sq == 0  # no update: nothing to differentiate along (no forwards)
-        else token_directional_derivatives(model, group, u, params, step=step, temperature=temperature)
+        else token_directional_derivatives(
+            model, group, u, params, step=step, temperature=temperature, norm=math.sqrt(u_sq)
+        )
     )
     return signed_contributions(w, d, u_sq)
 
