@@ -75,7 +75,8 @@ def token_directional_derivatives(
 
     def logp_at(e: float) -> Tensor:
         for p, s, d in zip(params, saved, direction):
-            p.copy_(s + e * d.to(p.dtype))
+            torch.mul(d.to(p.dtype), e, out=p)  # then + s: the bits of s + e d, with no [P] temporaries
+            p.add_(s)
         return batch_logprobs(model, batch, temperature).double().cpu()
 
     diffs = []
