@@ -217,6 +217,7 @@ def estimator_variances(
     for name, fn in fns.items():
         coef = (r_s - fn(r_s, n_s)) / R  # [S, R]
         w = torch.zeros(num_resamples, m, dtype=torch.float64).scatter_(1, idx, coef)  # [S, M]
+        # the variance does not involve the reference: any ref (here 0) gives it
         out[name] = estimate_moments(g, w, torch.zeros(g.shape[1], dtype=torch.float64))["variance"]
     return out
 
@@ -349,8 +350,12 @@ def estimate_moments(g: Tensor, coef: Tensor, ref: Tensor) -> dict[str, float]:
     = bias2 + variance (S - 1) / S (the mean-square split about the mean). The same numbers as from the estimates
     themselves, float64 rounding aside (a test compares them).
 
+    Args:
+        g: [M, P] float64 rows (per-rollout gradients or their sketch).  coef: [S, M] float64, S >= 2.  ref: [P].
+
     Returns:
-        {"bias2", "variance", "mse", "cosine": mean_s cos(ghat_s, ref) over the non-zero estimates (0 if none)}.
+        {"bias2", "variance", "mse", "cosine": mean_s cos(ghat_s, ref) over the non-zero estimates (0 if none)}, in
+        squared gradient units (cosine: none).
     """
     S = coef.shape[0]
     K, q = g @ g.T, g @ ref  # [M, M], [M]

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from grpo_lens.formulas.baselines import (
+    _group_coefficients,
     _group_estimates,
     baseline_study,
     equal_norms_test,
+    estimate_moments,
     mean_score_norm,
     optimal_constant_baseline,
     prompt_baseline_study,
@@ -145,8 +147,6 @@ def test_estimate_moments_equal_those_of_the_estimates_themselves():
     # mean_s cos(e_s, ref) over non-zero e_s (``none`` on an all-wrong group is 0). Rows with a planted mean
     # (signal, shift) so that no moment is near 0; a variance without the centring, a mse without the bias or a
     # wrong S - 1 is off by far more than 1e-10.
-    from grpo_lens.formulas.baselines import _group_coefficients, estimate_moments
-
     h, r = pool(9.0, 1.0, m=32, k=16, shift=0.7, signal=1.5, seed=4)
     ref = h[16:].mean(0)
     idx = torch.rand(40, 32, generator=torch.Generator().manual_seed(2)).argsort(-1)[:, :4]
