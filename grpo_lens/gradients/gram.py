@@ -15,8 +15,9 @@ delta) into its parameters' [N, N] contribution and drop them:
 - ``nn.Linear`` weight, G_i = sum_{t in i} delta_t x_t^T: <G_i, G_j> = sum_{t in i, u in j} (delta_t . delta_u)
   (x_t . x_u), the ghost-norm identity with cross terms (Li et al. 2021, arXiv 2110.05679, §4): either as token
   pairs (:func:`token_pair_gram`, cost ~ M^2 (d_in + d_out) / 2) or with each G_i formed transiently
-  (:func:`rollout_layer_gram`, cost ~ (M + N^2) d_in d_out); per layer the cheaper one (:func:`choose_form`,
-  book-keeping's hybrid rule, Bu et al. 2022, arXiv 2210.00038, §3).
+  (:func:`rollout_layer_gram`, cost ~ (M + 50 N + N^2 / 3) d_in d_out, the 50 N for writing and reading the G_i);
+  per layer the cheaper one (:func:`choose_form`, book-keeping's hybrid rule, Bu et al. 2022, arXiv 2210.00038, §3,
+  with costs measured on a CPU: :func:`form_costs`).
 - ``nn.Linear`` bias: g_i = sum_{t in i} delta_t.
 - transformers' ``Conv1D`` (GPT-2; y = x W + b, W [d_in, d_out]): the same two hooks, since its G_i = sum_t x_t
   delta_t^T is the transpose of the linear one and <G_i, G_j> is unchanged by transposing both
@@ -130,30 +131,50 @@ def block_outer(a: Tensor, b: Tensor, spans: Sequence[tuple[int, int]]) -> Tenso
     return out
 
 
-def choose_form(m: int, n: int, d_in: int, d_out: int, token_block: int) -> str:
-    """'token' or 'rollout', whichever costs fewer multiply-adds for one linear layer (Bu et al. 2022, §3).
+#: The cost model of :func:`form_costs`, fitted (relative least squares) to both forms' seconds over 45 shapes on the
+#: project's 2-core CPU (benchmarks/bench_gram_forms.py, docs/benchmarks.md §Gram forms) and rounded: a token-pair
+#: multiply-add costs 1.3 of a per-rollout one, and each formed G_i costs about 50 positions' worth of multiply-adds
+#: per element (writing it and reading it back: the formation's inner dimension is one rollout's few positions, so it
+#: runs at memory speed, not the GEMM rate); the float64-summed reduction about n^2 / 3.
+TOKEN_PAIR_COST = 1.3
+ROLLOUT_ROW_COST = 50.0
+ROLLOUT_PAIR_COST = 1 / 3
+#: On a CPU the rollout form forms its G_i in chunks of at most this many bytes, reusing one buffer: a chunk that
+#: stays in cache is 1.2-2.2x faster than one 256 MB block (docs/benchmarks.md §Gram forms).
+ROLLOUT_CHUNK_BYTES = 16 << 20
+
+
+def form_costs(ms: Sequence[int], ns: Sequence[int], d_in: int, d_out: int, token_block: int) -> tuple[float, float]:
+    """(token, rollout): the two forms' costs for one linear layer, in per-rollout multiply-adds, summed over blocks of
+    ns[b] rollouts with ms[b] kept positions each (one block: the whole [N, N] Gram).
 
     token pairs: the kernels X X^T and D D^T over the tiles a <= b (nt tiles cover (nt + 1) / (2 nt) of the M^2
-    pairs) plus the float64 reduction (the + 2N + 64 per pair, set from timings on a 2-core CPU); per rollout: forming
-    the G_i (the weight gradient's own GEMM, M d_in d_out) plus the N^2 d_in d_out reduction.
+    pairs) plus the float64 reduction (the + 2n + 64 per pair), times :data:`TOKEN_PAIR_COST`; per rollout: forming
+    the G_i (the weight gradient's own GEMM, M d_in d_out), writing and reading them (:data:`ROLLOUT_ROW_COST` n
+    d_in d_out) and the n^2 d_in d_out reduction (times :data:`ROLLOUT_PAIR_COST`). Book-keeping's hybrid rule
+    (Bu et al. 2022, arXiv 2210.00038, §3) with costs measured on a CPU.
+    """
+    token = rollout = 0.0
+    for m, n in zip(ms, ns):
+        nt = max(1, math.ceil(m / max(1, token_block)))
+        token += TOKEN_PAIR_COST * (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
+        rollout += d_in * d_out * (m + ROLLOUT_ROW_COST * n + ROLLOUT_PAIR_COST * n * n)
+    return token, rollout
+
+
+def choose_form(m: int, n: int, d_in: int, d_out: int, token_block: int) -> str:
+    """'token' or 'rollout', whichever :func:`form_costs` prices lower for one linear layer (one block).
 
     Args:
         m: kept positions M.   n: rollouts N.   d_in, d_out: the layer's sizes.   token_block: tile length.
     """
-    nt = max(1, math.ceil(m / max(1, token_block)))
-    token = (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
-    rollout = d_in * d_out * (m + n * n)
-    return "token" if token < rollout else "rollout"
+    return choose_block_form([m], [n], d_in, d_out, token_block)
 
 
 def choose_block_form(ms: Sequence[int], ns: Sequence[int], d_in: int, d_out: int, token_block: int) -> str:
     """:func:`choose_form` for a block-diagonal Gram: blocks of ns[b] rollouts with ms[b] kept positions each; the
-    costs of both forms summed over the blocks (the N^2 reduction becomes sum_b n_b^2)."""
-    token = rollout = 0.0
-    for m, n in zip(ms, ns):
-        nt = max(1, math.ceil(m / max(1, token_block)))
-        token += (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
-        rollout += d_in * d_out * (m + n * n)
+    costs of both forms summed over the blocks."""
+    token, rollout = form_costs(ms, ns, d_in, d_out, token_block)
     return "token" if token < rollout else "rollout"
 
 
@@ -252,11 +273,13 @@ def rollout_layer_gram(
     )
     if c1 == c0:
         return gram, picked
-    rows = max(1, min(d_out, budget_bytes // max(1, n * d_in * x.element_size())))
+    chunk = min(budget_bytes, ROLLOUT_CHUNK_BYTES) if x.device.type == "cpu" else budget_bytes
+    rows = max(1, min(d_out, chunk // max(1, n * d_in * x.element_size())))
     rb = n if rollout_block is None else max(1, int(rollout_block))
+    buf = torch.empty(n * rows * d_in, dtype=x.dtype, device=x.device)  # one buffer for every chunk
     for r0 in range(0, d_out, rows):
         r1 = min(d_out, r0 + rows)
-        f = torch.empty(n, r1 - r0, d_in, dtype=x.dtype, device=x.device)  # [N, rows, d_in]: rows r0:r1 of G_i
+        f = buf[: n * (r1 - r0) * d_in].view(n, r1 - r0, d_in)  # [N, rows, d_in]: rows r0:r1 of G_i
         for b0 in range(0, n, rb):
             torch.bmm(ds[b0 : b0 + rb, :, r0:r1].transpose(1, 2), xs[b0 : b0 + rb], out=f[b0 : b0 + rb])
         if spans is None or (len(spans) == 1 and spans[0] == (0, n)):

@@ -20,6 +20,7 @@ from grpo_lens.gradients.gram import (
     GramCapture,
     choose_form,
     exact_rollout_gram,
+    form_costs,
     gram_factor,
     gram_of_rows,
 )
@@ -218,12 +219,21 @@ def test_pure_helpers():
     assert torch.allclose(gram_of_rows(f, slice_len=6), f @ f.T, rtol=1e-14, atol=1e-13)
     v = gram_factor(f @ f.T)
     assert torch.allclose(v @ v.T, f @ f.T, rtol=1e-12, atol=1e-12)
+    # The costs (form_costs): token 1.3 (nt + 1) / (2 nt) M^2 (d_in + d_out + 2N + 64), rollout
+    # d_in d_out (M + 50 N + N^2 / 3); with N = 8 the rollout's per-element overhead is 50 * 8 + 64 / 3 = 421.
     # M = 200, N = 8, d = 576 -> 49152 (the 135M LM head at 24 tokens), one tile:
-    # token 200^2 (576 + 49152 + 16 + 64) = 2.0e9 < rollout 576 * 49152 * (200 + 64) = 7.5e9
+    # token 1.3 * 200^2 * (576 + 49152 + 16 + 64) = 2.6e9 < rollout 576 * 49152 * (200 + 421) = 1.8e10
     assert choose_form(200, 8, 576, 49152, 1024) == "token"
     # M = 4416, 576 x 576 (a decoder layer at 512 tokens), 5 tiles cover 0.6 of the pairs:
-    # token 0.6 * 4416^2 * 1232 = 1.4e10 > rollout 576^2 * (4416 + 64) = 1.5e9
+    # token 1.3 * 0.6 * 4416^2 * 1232 = 1.9e10 > rollout 576^2 * (4416 + 421) = 1.6e9
     assert choose_form(4416, 8, 576, 576, 1024) == "rollout"
+    # M = 512, 576 x 1536 (an MLP up projection at 64 tokens): token 1.3 * 512^2 * 2192 = 7.5e8 < rollout
+    # 576 * 1536 * (512 + 421) = 8.3e8; a cost model without the 50 N term (576 * 1536 * (512 + 64) = 5.1e8 <
+    # 262144 * 2192 = 5.7e8) picks rollout, the slower form there (docs/benchmarks.md §Gram forms)
+    assert choose_form(512, 8, 576, 1536, 1024) == "token"
+    # blocks: the costs add, so 4 blocks of 2 rollouts at M = 128 each price as 4 single blocks
+    one = form_costs([128], [2], 576, 576, 1024)
+    assert form_costs([128] * 4, [2] * 4, 576, 576, 1024) == pytest.approx(tuple(4 * c for c in one), rel=1e-12)
 
 
 @pytest.mark.parametrize("form", ["token", "rollout", "auto"])
