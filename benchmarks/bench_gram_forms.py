@@ -10,9 +10,10 @@ d_out), group sizes n, positions per rollout L and groups G (the block-diagonal 
            token seconds   ~ e * sum over blocks (nt + 1) / (2 nt) m^2 (d_in + d_out + 2 n + 64)
        and prints them as the shipped constants' units (TOKEN_PAIR_COST = e / b, ROLLOUT_ROW_COST = a / b,
        ROLLOUT_PAIR_COST = c / b) beside the shipped values;
-    2. for three rules (the shipped ``form_costs``; the previous one, rollout = d_in d_out (M + N^2) and token pairs at
-       the per-rollout rate; the fit's own constants), prints how many shapes it gives the faster form and its total
-       seconds over the sweep against the oracle's (the faster form at every shape): rule / oracle = 1 is perfect.
+    2. for three rules (``form_costs`` with the shipped constants; with the previous ones, PREVIOUS_CONSTANTS:
+       rollout = d_in d_out (M + N^2) and token pairs at the per-rollout rate; with the fit's own), prints how many
+       shapes it gives the faster form and its total seconds over the sweep against the oracle's (the faster form at
+       every shape): rule / oracle = 1 is perfect.
 
 Side by side, the rollout form is also timed with its G_i in one chunk of up to 256 MB (``budget_bytes``, the
 chunking before ``ROLLOUT_CHUNK_BYTES``); the script prints that total over the sweep against the shipped chunks'.
@@ -90,14 +91,8 @@ def time_forms(d_in: int, d_out: int, n: int, length: int, groups: int, repeats:
     return token, rollout, one_chunk
 
 
-def previous_rule(ms, ns, d_in, d_out, token_block) -> tuple[float, float]:
-    """The rule before the fit: token pairs at the per-rollout rate, rollout = d_in d_out (M + N^2)."""
-    token = rollout = 0.0
-    for m, n in zip(ms, ns):
-        nt = max(1, math.ceil(m / token_block))
-        token += (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
-        rollout += d_in * d_out * (m + n * n)
-    return token, rollout
+#: The rule before the fit: token pairs at the per-rollout rate, rollout = d_in d_out (M + N^2).
+PREVIOUS_CONSTANTS = (1.0, 0.0, 1.0)
 
 
 def main() -> None:
@@ -131,7 +126,7 @@ def main() -> None:
     for d_in, d_out, n, length, groups, token, rollout in rows:
         p, m = d_in * d_out, n * length
         a_rows.append([n * groups * p, m * groups * p, groups * n * n * p])
-        tok, _ = previous_rule([m] * groups, [n] * groups, d_in, d_out, TOKEN_BLOCK)
+        tok, _ = form_costs([m] * groups, [n] * groups, d_in, d_out, TOKEN_BLOCK, (1.0, 0.0, 0.0))
         b_rows.append([tok])
         y_rollout.append(rollout)
         y_token.append(token)
@@ -142,29 +137,18 @@ def main() -> None:
     per_madd = cr[1]
     fitted = (ct[0] / per_madd, cr[0] / per_madd, cr[2] / per_madd)
     print(f"\nper-rollout multiply-add: {per_madd:.3g} s")
+    shipped = (TOKEN_PAIR_COST, ROLLOUT_ROW_COST, ROLLOUT_PAIR_COST)
     print(f"{'constant':<18} {'fitted':>8} {'shipped':>8}")
-    for name, fit, shipped in zip(
-        ("TOKEN_PAIR_COST", "ROLLOUT_ROW_COST", "ROLLOUT_PAIR_COST"),
-        fitted,
-        (TOKEN_PAIR_COST, ROLLOUT_ROW_COST, ROLLOUT_PAIR_COST),
-    ):
-        print(f"{name:<18} {fit:8.3f} {shipped:8.3f}")
+    for name, fit, ship in zip(("TOKEN_PAIR_COST", "ROLLOUT_ROW_COST", "ROLLOUT_PAIR_COST"), fitted, shipped):
+        print(f"{name:<18} {fit:8.3f} {ship:8.3f}")
 
     # 2. each rule's picks against the oracle
-    def fit_rule(ms, ns, d_in, d_out, token_block):
-        token = rollout = 0.0
-        for m, n in zip(ms, ns):
-            nt = max(1, math.ceil(m / token_block))
-            token += fitted[0] * (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
-            rollout += d_in * d_out * (m + fitted[1] * n + fitted[2] * n * n)
-        return token, rollout
-
     oracle = sum(min(token, rollout) for *_, token, rollout in rows)
     print(f"\n{'rule':<10} {'faster form':>12} {'seconds':>8} {'/ oracle':>9}")
-    for name, rule in (("shipped", form_costs), ("previous", previous_rule), ("fit", fit_rule)):
+    for name, constants in (("shipped", shipped), ("previous", PREVIOUS_CONSTANTS), ("fit", fitted)):
         right, seconds = 0, 0.0
         for d_in, d_out, n, length, groups, token, rollout in rows:
-            tok, rol = rule([n * length] * groups, [n] * groups, d_in, d_out, TOKEN_BLOCK)
+            tok, rol = form_costs([n * length] * groups, [n] * groups, d_in, d_out, TOKEN_BLOCK, constants)
             picked = token if tok < rol else rollout
             right += picked == min(token, rollout)
             seconds += picked

@@ -144,7 +144,14 @@ ROLLOUT_PAIR_COST = 1 / 3
 ROLLOUT_CHUNK_BYTES = 16 << 20
 
 
-def form_costs(ms: Sequence[int], ns: Sequence[int], d_in: int, d_out: int, token_block: int) -> tuple[float, float]:
+def form_costs(
+    ms: Sequence[int],
+    ns: Sequence[int],
+    d_in: int,
+    d_out: int,
+    token_block: int,
+    constants: tuple[float, float, float] = (TOKEN_PAIR_COST, ROLLOUT_ROW_COST, ROLLOUT_PAIR_COST),
+) -> tuple[float, float]:
     """(token, rollout): the two forms' costs for one linear layer, in per-rollout multiply-adds, summed over blocks of
     ns[b] rollouts with ms[b] kept positions each (one block: the whole [N, N] Gram).
 
@@ -152,13 +159,15 @@ def form_costs(ms: Sequence[int], ns: Sequence[int], d_in: int, d_out: int, toke
     pairs) plus the float64 reduction (the + 2n + 64 per pair), times :data:`TOKEN_PAIR_COST`; per rollout: forming
     the G_i (the weight gradient's own GEMM, M d_in d_out), writing and reading them (:data:`ROLLOUT_ROW_COST` n
     d_in d_out) and the n^2 d_in d_out reduction (times :data:`ROLLOUT_PAIR_COST`). Book-keeping's hybrid rule
-    (Bu et al. 2022, arXiv 2210.00038, §3) with costs measured on a CPU.
+    (Bu et al. 2022, arXiv 2210.00038, §3) with costs measured on a CPU. ``constants``: (token pair, rollout row,
+    rollout pair) costs in place of the shipped ones (benchmarks/bench_gram_forms.py compares rules).
     """
+    token_pair, rollout_row, rollout_pair = constants
     token = rollout = 0.0
     for m, n in zip(ms, ns):
         nt = max(1, math.ceil(m / max(1, token_block)))
-        token += TOKEN_PAIR_COST * (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
-        rollout += d_in * d_out * (m + ROLLOUT_ROW_COST * n + ROLLOUT_PAIR_COST * n * n)
+        token += token_pair * (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
+        rollout += d_in * d_out * (m + rollout_row * n + rollout_pair * n * n)
     return token, rollout
 
 

@@ -231,6 +231,8 @@ def test_pure_helpers():
     # 576 * 1536 * (512 + 421) = 8.3e8; a cost model without the 50 N term (576 * 1536 * (512 + 64) = 5.1e8 <
     # 262144 * 2192 = 5.7e8) picks rollout, the slower form there (docs/benchmarks.md §Gram forms)
     assert choose_form(512, 8, 576, 1536, 1024) == "token"
+    token, rollout = form_costs([512], [8], 576, 1536, 1024, constants=(1.0, 0.0, 1.0))
+    assert rollout < token  # the model without the 50 N term picks rollout
     # blocks: the costs add, so 4 blocks of 2 rollouts at M = 128 each price as 4 single blocks
     one = form_costs([128], [2], 576, 576, 1024)
     assert form_costs([128] * 4, [2] * 4, 576, 576, 1024) == pytest.approx(tuple(4 * c for c in one), rel=1e-12)
