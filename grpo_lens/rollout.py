@@ -227,9 +227,17 @@ def completion_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logits = scored_logits(model, input_ids, attention_mask, completion_len)  # [N, T, V]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (float64 for a float64 model)
+    return _scored_logprobs(logits, input_ids[:, -completion_len:], temperature, return_entropy)
+
+
+def _scored_logprobs(
+    logits: Tensor, targets: Tensor, temperature: float, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` of scored logits [N, T, V] at targets [N, T], from one log-softmax that the entropy
+    shares: [N, T] float32 (float64 for a float64 model), and the entropy [N, T] on request."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp_all = torch.log_softmax(logits / temperature, dim=-1)  # token_logprobs' definition
-    logp = logp_all.gather(-1, input_ids[:, -completion_len:].unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if return_entropy:
         return logp, token_entropy(logp_all.detach(), normalized=True)
     return logp
@@ -267,6 +275,69 @@ def batch_logprobs(
         temperature,
         return_entropy=return_entropy,
     )
+
+
+def group_logprobs(model: torch.nn.Module, group: RolloutBatch, temperature: float = 1.0) -> Tensor:
+    """:func:`batch_logprobs` of rollouts that share one prompt (a group), with the prompt run once, not once per row.
+
+    The prompt's real tokens (its left padding dropped) go through the model once, with a cache; the cache is
+    repeated to the N rows and the completions continue from it, at the positions :func:`scored_logits` gives them
+    (the prompt's length plus cumsum of the completion mask - 1). The values are :func:`batch_logprobs`' up to float
+    rounding (the same sums in another order; padding keys, masked there, are absent here), and gradients flow
+    through the shared prompt as through N copies of it (autograd sums the rows' contributions). A group of
+    R rollouts of T tokens after Lp prompt tokens costs Lp + R T positions instead of R (Lp + T): the prompt is most
+    of them on GSM8K (docs/theory.md §Token credit).
+
+    Falls back to :func:`batch_logprobs` (the same values) when the rows' prompts differ, when N = 1, or when the
+    model returns no cache with ``batch_repeat_interleave`` (a custom model, or gradient checkpointing, which turns
+    the cache off).
+
+    Args:
+        model: a causal LM.  group: N rollouts, [N, Lp] prompts (left padded), [N, T] completions.
+        temperature: > 0, the sampling temperature.
+
+    Returns:
+        [N, T] float32 log pi(o_t | q, o_<t); positions past a completion's end are scores of padding, mask them.
+
+    Raises:
+        ValueError: temperature <= 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    prompt_mask = group.prompt_mask.bool()
+    N, T = group.completion_ids.shape
+    shared = (
+        N > 1
+        and bool(prompt_mask[0].any())
+        and bool((group.prompt_ids == group.prompt_ids[:1]).all())
+        and bool((prompt_mask == prompt_mask[:1]).all())
+    )
+    if not shared:
+        return batch_logprobs(model, group, temperature)
+    prompt = group.prompt_ids[:1, prompt_mask[0]]  # [1, Lq]: its real tokens
+    Lq = prompt.shape[1]
+    keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+    out = model(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        position_ids=torch.arange(Lq, device=prompt.device)[None],
+        use_cache=True,
+        **keep,
+    )
+    key = "cache" if "cache" in out.keys() else "past_key_values"  # transformers 5 renamed it
+    cache = out.get(key)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return batch_logprobs(model, group, temperature)
+    logits = out.logits[:, -1:, :].expand(N, 1, -1)  # [N, 1, V]: predicts each completion's first token
+    if T > 1:
+        cache.batch_repeat_interleave(N)
+        inputs = group.completion_ids[:, : T - 1]  # position t predicts token t + 1
+        cmask = group.completion_mask[:, : T - 1].long()
+        mask = torch.cat([torch.ones(N, Lq, dtype=torch.long, device=cmask.device), cmask], dim=1)
+        position_ids = Lq + (cmask.cumsum(-1) - 1).clamp(min=-1)  # scored_logits' cumsum(mask) - 1
+        rest = model(input_ids=inputs, attention_mask=mask, position_ids=position_ids, **{key: cache}).logits
+        logits = torch.cat([logits, rest], dim=1)  # [N, T, V]
+    return _scored_logprobs(logits, group.completion_ids, temperature)
 
 
 def sampling_generation_config(

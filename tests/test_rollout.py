@@ -23,6 +23,7 @@ from grpo_lens.rollout import (
     RolloutBatch,
     batch_logprobs,
     completion_mask_from_ids,
+    group_logprobs,
     process_logits,
     sample_groups,
     token_entropy,
@@ -380,3 +381,55 @@ def test_entropy_comes_from_the_same_forward(tiny_model_and_tokenizer):
     # a lower temperature sharpens the same logits: entropy at T = 0.35 is below the one at T = 0.7 at every position
     _, ent_low = batch_logprobs(model, batch, 0.35, return_entropy=True)
     assert (ent_low < ent).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# group_logprobs: a group's shared prompt run once, against batch_logprobs' one row at a time
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "phi3", "gemma", "nemotron"])
+def test_group_logprobs_equal_batch_logprobs_and_run_the_prompt_once(family):
+    from architectures import family_model
+
+    from grpo_lens.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    ids = dict(pad=tok.pad_token_id, bos=tok.bos_token_id, eos=tok.eos_token_id)
+    model = family_model(family, len(tok), dtype=torch.float64, **ids)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    with eos_bias(model, tok, 3.0):
+        batch = _sample(model, tok, R=4, max_new_tokens=8)
+        assert (~batch.truncated).any() or family == "gpt2"  # some rows end early: padding inside the completion
+        positions = []
+        hook = model.get_input_embeddings().register_forward_hook(lambda m, a, o: positions.append(a[0].numel()))
+        try:
+            for j in range(len(PROMPTS)):  # prompts of different lengths: the shorter ones are left padded
+                group = batch.select(torch.arange(4 * j, 4 * j + 4))
+                mask = group.completion_mask
+                positions.clear()
+                shared = group_logprobs(model, group, 0.7)
+                # one prompt of Lq real tokens, then the 4 rows' first T - 1 completion tokens
+                Lq, T = int(group.prompt_mask[0].sum()), mask.shape[1]
+                assert positions == [Lq, 4 * (T - 1)], (positions, Lq, T)
+                full = batch_logprobs(model, group, 0.7)
+                assert (shared - full)[mask].abs().max().item() < 1e-10
+                # the gradient of a weighted sum: autograd sums the rows' contributions through the shared prompt
+                w = torch.linspace(-1.0, 2.0, mask.numel(), dtype=torch.float64).view_as(mask) * mask
+                params = [p for p in model.parameters() if p.requires_grad]
+                g_shared = torch.autograd.grad((group_logprobs(model, group, 0.7) * w).sum(), params)
+                g_full = torch.autograd.grad((batch_logprobs(model, group, 0.7) * w).sum(), params)
+                # float32 rounding only: transformers' RMSNorm and LayerNorm compute in float32 even in a float64
+                # model, and the shared prompt backpropagates the 4 rows' sum through them where the per-row
+                # forward backpropagates each row (measured 2e-8 to 5e-8 of the largest entry); a detached cache or
+                # a position off by one moves the gradient by 1e-2 of it or more
+                scale = max(g.abs().max().item() for g in g_full)
+                assert scale > 1e-3
+                assert max((a - b).abs().max().item() for a, b in zip(g_shared, g_full)) < 1e-6 * scale
+            # rows of different prompts: the per-row forward (one call over every position)
+            mixed = batch.select([0, 4])
+            positions.clear()
+            assert torch.equal(group_logprobs(model, mixed, 0.7), batch_logprobs(model, mixed, 0.7))
+            assert positions[0] == mixed.input_ids().numel()
+        finally:
+            hook.remove()

@@ -32,7 +32,7 @@ from grpo_lens.rollout import (
     RolloutBatch,
     _stop_token_ids,
     accepts_logits_to_keep,
-    batch_logprobs,
+    group_logprobs,
     sampling_generation_config,
 )
 
@@ -77,7 +77,7 @@ def token_directional_derivatives(
         for p, s, d in zip(params, saved, direction):
             torch.mul(d.to(p.dtype), e, out=p)  # then + s: the bits of s + e d, with no [P] temporaries
             p.add_(s)
-        return batch_logprobs(model, batch, temperature).double().cpu()
+        return group_logprobs(model, batch, temperature).double().cpu()
 
     diffs = []
     try:
@@ -118,7 +118,7 @@ def signed_token_contributions(
     """
     params = [p for p in model.parameters() if p.requires_grad]
     w = token_weights(advantages, group.completion_mask, aggregation)  # [R, T]
-    logp = batch_logprobs(model, group, temperature)
+    logp = group_logprobs(model, group, temperature)
     objective = (logp.double() * w.to(logp.device)).sum()
     grads = (
         torch.autograd.grad(objective, params, allow_unused=True) if objective.requires_grad else [None] * len(params)
