@@ -277,6 +277,19 @@ def batch_logprobs(
     )
 
 
+def repeated_cache(out, repeats: int) -> dict | None:
+    """The cache a forward with ``use_cache=True`` returned, each row repeated ``repeats`` times in place, as the
+    keyword a model's forward (and ``generate``) takes it by: {``cache`` (transformers 5) or ``past_key_values``:
+    a transformers ``Cache`` of n * repeats rows}; None when the output holds no cache with
+    ``batch_repeat_interleave`` (a custom model, or gradient checkpointing, which turns the cache off)."""
+    key = "cache" if "cache" in out.keys() else "past_key_values"  # transformers 5 renamed it
+    cache = out.get(key)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    cache.batch_repeat_interleave(repeats)
+    return {key: cache}
+
+
 def group_logprobs(model: torch.nn.Module, group: RolloutBatch, temperature: float = 1.0) -> Tensor:
     """:func:`batch_logprobs` of rollouts that share one prompt (a group), with the prompt run once, not once per row.
 
@@ -297,7 +310,8 @@ def group_logprobs(model: torch.nn.Module, group: RolloutBatch, temperature: flo
         temperature: > 0, the sampling temperature.
 
     Returns:
-        [N, T] float32 log pi(o_t | q, o_<t); positions past a completion's end are scores of padding, mask them.
+        [N, T] float32 (float64 for a float64 model) log pi(o_t | q, o_<t); positions past a completion's end are
+        scores of padding, mask them.
 
     Raises:
         ValueError: temperature <= 0.
@@ -324,18 +338,16 @@ def group_logprobs(model: torch.nn.Module, group: RolloutBatch, temperature: flo
         use_cache=True,
         **keep,
     )
-    key = "cache" if "cache" in out.keys() else "past_key_values"  # transformers 5 renamed it
-    cache = out.get(key)
-    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+    cache = repeated_cache(out, N)
+    if cache is None:
         return batch_logprobs(model, group, temperature)
     logits = out.logits[:, -1:, :].expand(N, 1, -1)  # [N, 1, V]: predicts each completion's first token
     if T > 1:
-        cache.batch_repeat_interleave(N)
         inputs = group.completion_ids[:, : T - 1]  # position t predicts token t + 1
         cmask = group.completion_mask[:, : T - 1].long()
         mask = torch.cat([torch.ones(N, Lq, dtype=torch.long, device=cmask.device), cmask], dim=1)
         position_ids = Lq + (cmask.cumsum(-1) - 1).clamp(min=-1)  # scored_logits' cumsum(mask) - 1
-        rest = model(input_ids=inputs, attention_mask=mask, position_ids=position_ids, **{key: cache}).logits
+        rest = model(input_ids=inputs, attention_mask=mask, position_ids=position_ids, **cache).logits
         logits = torch.cat([logits, rest], dim=1)  # [N, T, V]
     return _scored_logprobs(logits, group.completion_ids, temperature)
 

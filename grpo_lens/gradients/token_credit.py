@@ -33,6 +33,7 @@ from grpo_lens.rollout import (
     _stop_token_ids,
     accepts_logits_to_keep,
     group_logprobs,
+    repeated_cache,
     sampling_generation_config,
 )
 
@@ -274,12 +275,7 @@ def shared_prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int):
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
     out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True, **kwargs)
-    key = "cache" if "cache" in out.keys() else "past_key_values"  # transformers 5 renamed it
-    cache = out.get(key)
-    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
-        return None
-    cache.batch_repeat_interleave(repeats)
-    return {key: cache}
+    return repeated_cache(out, repeats)
 
 
 def _continue_prefixes(
