@@ -12,9 +12,9 @@ the same run (the best square product before and after the probe, :func:`common.
 generated token (completions, and each distinct prompt once) and 6 P per position of a forward + backward (P: the
 model's parameters; Kaplan et al. 2020, arXiv 2001.08361, §2.1). Backward rows: every analysed group's R rollouts
 and each baseline prompt's M (R phases), the baseline study's M = 4R rollouts per prompt with contrast, the credit
-study's 2 backward + 4 forward passes per group (~ 2 x 10 P per position), and the Monte Carlo continuations
-(generation). Positions per rollout and tokens per generated rollout are the probe's own means (probe.json
-meta.timing).
+study's 2 backward + 4 forward passes per group (~ 2 x 10 P per position, over the group's prompt once and its R
+completions), and the Monte Carlo continuations (generation). Positions per rollout and tokens per generated
+rollout are the probe's own means (probe.json meta.timing; a prompt's positions: the first minus the second).
 
     python benchmarks/bench_probe.py [--out DIR] [--threads N] [-- extra probe flags, e.g. --prompts 8]
 """
@@ -63,9 +63,11 @@ def flop_floor(data: dict) -> dict[str, float]:
         m, rs = credit["meta"], credit["meta"]["group_size"]
         mc = credit["monte_carlo"]
         continuations = len(mc["rollouts"]) * 3 * mc["samples_per_prefix"]
-        out["credit study"] = 20 * P * positions_per * credit["contributions"][
-            "groups"
-        ] * rs + 2 * P * gen_tokens_per * (m["groups_sampled"] * rs + continuations)
+        # each pass runs the group's prompt once and its rs completions (grpo_lens.rollout.group_logprobs)
+        group_positions = max(0.0, positions_per - gen_tokens_per) + rs * gen_tokens_per
+        out["credit study"] = 20 * P * group_positions * credit["contributions"]["groups"] + 2 * P * gen_tokens_per * (
+            m["groups_sampled"] * rs + continuations
+        )
     return out
 
 
