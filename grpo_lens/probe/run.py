@@ -154,7 +154,7 @@ from grpo_lens.rundir import atomic_write_text, holds_run_dir
 from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.trackers import check_trackers
-from grpo_lens.train.memory import activation_bytes_per_rollout, total_memory_bytes
+from grpo_lens.train.memory import activation_bytes_per_rollout, keep_freed_memory, total_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -1267,6 +1267,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         ModelNotFoundError: no such model.
     """
     check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
+    keep_freed_memory()  # each pass's activations are reused, not page-faulted in again
     partial = prepare_out(config)
     out = Path(config.out)
     task = get_task(config.task, dataset=config.dataset, **config.task_options)

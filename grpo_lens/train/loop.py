@@ -98,7 +98,7 @@ from grpo_lens.train.dynamic_sampling import collect_mixed_groups
 from grpo_lens.train.evaluate import Evaluation
 from grpo_lens.train.lens import TrainerLens
 from grpo_lens.train.lens_settings import LensSettings
-from grpo_lens.train.memory import _peak_memory_mb
+from grpo_lens.train.memory import _peak_memory_mb, keep_freed_memory
 from grpo_lens.train.processes import Processes, gather_objects, setup_processes
 from grpo_lens.train.schedule import LRSchedule, warmup_steps
 from grpo_lens.train.sharding import (
@@ -201,6 +201,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     """
     if not config.out:
         raise ValueError("config field 'out' (flag --out) is required: the run directory to write")
+    keep_freed_memory()  # a step's gigabytes of activations are reused, not page-faulted in again
     procs = setup_processes(config.device)
     run = RunDir(config.out)
     config, task, reward_fns, ckpt = check_before_writing(config, run, procs)  # read-only: --out is untouched
