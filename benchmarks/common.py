@@ -131,6 +131,19 @@ def step_flops(shape: dict[str, int], n: int, lp: int, t: int, logits_positions:
     return 3.0 * forward_flops(shape, n, lp, t, t + 1 if logits_positions is None else logits_positions)["total"]
 
 
+def shared_prompt_flops(shape: dict[str, int], n: int, groups: int, lp: int, t: int) -> float:
+    """:func:`generation_flops` + :func:`step_flops` of N = B R rollouts with each of the B distinct prompts run once
+    (``groups`` = B): the prefill and the training forward run B prompts of Lp positions (logits at the last one),
+    the training forward then N rows of T completion positions, the k-th attending to Lp + k keys
+    (grpo_lens.rollout.group_logprobs, shared_prompt_cache); decoding is unchanged."""
+    prompt = forward_flops(shape, groups, lp, 0, 1)["total"]
+    completion = 2.0 * (shape["linear"] + shape["lm_head"]) * n * t + 4.0 * shape["layers"] * shape[
+        "attn_width"
+    ] * n * (t * lp + t * (t + 1) / 2)
+    generation = generation_flops(shape, n, lp, t) - forward_flops(shape, n, lp, 0, 1)["total"] + prompt
+    return generation + 3.0 * (prompt + completion)
+
+
 def generation_flops(shape: dict[str, int], n: int, lp: int, t: int) -> float:
     """Forward FLOPs of sampling T tokens after an Lp-token prompt for N sequences with a KV cache: the prompt's
     forward (logits at its last position) and T - 1 one-token forwards, the k-th (k = 1 .. T - 1) attending to

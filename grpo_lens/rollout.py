@@ -277,79 +277,97 @@ def batch_logprobs(
     )
 
 
-def repeated_cache(out, repeats: int) -> dict | None:
-    """The cache a forward with ``use_cache=True`` returned, each row repeated ``repeats`` times in place, as the
-    keyword a model's forward (and ``generate``) takes it by: {``cache`` (transformers 5) or ``past_key_values``:
-    a transformers ``Cache`` of n * repeats rows}; None when the output holds no cache with
-    ``batch_repeat_interleave`` (a custom model, or gradient checkpointing, which turns the cache off)."""
+def repeated_cache(out, rows: Tensor) -> dict | None:
+    """The cache a forward with ``use_cache=True`` returned, its rows picked by ``rows`` in place (row k of the result
+    is row ``rows[k]`` of the forward: ``arange(n).repeat_interleave(r)`` repeats each r times), as the keyword a
+    model's forward (and ``generate``) takes it by: {``cache`` (transformers 5) or ``past_key_values``: a transformers
+    ``Cache`` of len(rows) rows}. The pick is an ``index_select``, so gradients flow back to the rows it copies. None
+    when the output holds no cache with ``reorder_cache`` (a custom model, or gradient checkpointing, which turns the
+    cache off)."""
     key = "cache" if "cache" in out.keys() else "past_key_values"  # transformers 5 renamed it
     cache = out.get(key)
-    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+    if cache is None or not hasattr(cache, "reorder_cache"):
         return None
-    cache.batch_repeat_interleave(repeats)
+    cache.reorder_cache(rows)
     return {key: cache}
 
 
-def group_logprobs(model: torch.nn.Module, group: RolloutBatch, temperature: float = 1.0) -> Tensor:
-    """:func:`batch_logprobs` of rollouts that share one prompt (a group), with the prompt run once, not once per row.
-
-    The prompt's real tokens (its left padding dropped) go through the model once, with a cache; the cache is
-    repeated to the N rows and the completions continue from it, at the positions :func:`scored_logits` gives them
-    (the prompt's length plus cumsum of the completion mask - 1). The values are :func:`batch_logprobs`' up to float
-    rounding (the same sums in another order; padding keys, masked there, are absent here), and gradients flow
-    through the shared prompt as through N copies of it (autograd sums the rows' contributions). A group of
-    R rollouts of T tokens after Lp prompt tokens costs Lp + R T positions instead of R (Lp + T): the prompt is most
-    of them on GSM8K (docs/theory.md §Token credit).
-
-    Falls back to :func:`batch_logprobs` (the same values) when the rows' prompts differ, when N = 1, or when the
-    model returns no cache with ``batch_repeat_interleave`` (a custom model, or gradient checkpointing, which turns
-    the cache off).
+def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(owner [N]: each row's distinct prompt, first [B]: a representative row of each) of prompts that come in runs
+    of equal consecutive rows (the groups of :func:`sample_groups`); None when no row equals the one before it.
 
     Args:
-        model: a causal LM.  group: N rollouts, [N, Lp] prompts (left padded), [N, T] completions.
-        temperature: > 0, the sampling temperature.
+        prompt_ids, prompt_mask: [N, Lp].
+    """
+    if prompt_ids.shape[0] < 2:
+        return None
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)  # [N - 1]
+    if not bool(same.any()):
+        return None
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=same.device), ~same])  # [N] a new prompt begins
+    return starts.long().cumsum(0) - 1, starts.nonzero().squeeze(1)
+
+
+def group_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`batch_logprobs` of rollouts whose prompts come in runs of equal rows (groups), each distinct prompt run
+    once, not once per row.
+
+    The B distinct prompts (consecutive equal rows count once; the columns that are padding in all of them dropped)
+    go through the model once, left padded, with a cache; each row picks its prompt's cache and its completion
+    continues from it, at the positions :func:`scored_logits` gives it (its prompt's length plus cumsum of the
+    completion mask - 1). The values are :func:`batch_logprobs`' up to float rounding (the same sums in another
+    order), and gradients flow through a shared prompt as through R copies of it (autograd sums the rows'
+    contributions). B groups of R rollouts of T tokens after Lp prompt tokens cost B Lp + B R T positions instead of
+    B R (Lp + T): the prompt is most of them on GSM8K and on the arithmetic task (docs/theory.md §Shared prompts).
+
+    Falls back to :func:`batch_logprobs` (the same values) when no row shares its prompt with the next, or when the
+    model returns no cache with ``reorder_cache`` (a custom model, or gradient checkpointing). The per-row
+    activations at prompt positions, which the lens's per-rollout gradients need, exist only in :func:`batch_logprobs`.
+
+    Args:
+        model: a causal LM.  batch: N rollouts, [N, Lp] prompts (left padded), [N, T] completions.
+        temperature: > 0, the sampling temperature.   return_entropy: also the per-token entropy, as
+            :func:`completion_logprobs` gives it.
 
     Returns:
         [N, T] float32 (float64 for a float64 model) log pi(o_t | q, o_<t); positions past a completion's end are
-        scores of padding, mask them.
+        scores of padding, mask them. With ``return_entropy``: (log-probs, entropy [N, T], detached).
 
     Raises:
         ValueError: temperature <= 0.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    prompt_mask = group.prompt_mask.bool()
-    N, T = group.completion_ids.shape
-    shared = (
-        N > 1
-        and bool(prompt_mask[0].any())
-        and bool((group.prompt_ids == group.prompt_ids[:1]).all())
-        and bool((prompt_mask == prompt_mask[:1]).all())
-    )
-    if not shared:
-        return batch_logprobs(model, group, temperature)
-    prompt = group.prompt_ids[:1, prompt_mask[0]]  # [1, Lq]: its real tokens
-    Lq = prompt.shape[1]
+    N, T = batch.completion_ids.shape
+    prompt_mask = batch.prompt_mask.long()
+    runs = prompt_runs(batch.prompt_ids, prompt_mask)
+    cols = prompt_mask.any(0).nonzero().squeeze(1)
+    if runs is None or cols.numel() == 0:
+        return batch_logprobs(model, batch, temperature, return_entropy)
+    owner, first = runs
+    ids, mask = batch.prompt_ids[first, int(cols[0]) :], prompt_mask[first, int(cols[0]) :]  # [B, Lq]
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
     out = model(
-        input_ids=prompt,
-        attention_mask=torch.ones_like(prompt),
-        position_ids=torch.arange(Lq, device=prompt.device)[None],
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
         **keep,
     )
-    cache = repeated_cache(out, N)
+    cache = repeated_cache(out, owner)
     if cache is None:
-        return batch_logprobs(model, group, temperature)
-    logits = out.logits[:, -1:, :].expand(N, 1, -1)  # [N, 1, V]: predicts each completion's first token
+        return batch_logprobs(model, batch, temperature, return_entropy)
+    logits = out.logits[:, -1:, :][owner]  # [N, 1, V]: predicts each completion's first token
     if T > 1:
-        inputs = group.completion_ids[:, : T - 1]  # position t predicts token t + 1
-        cmask = group.completion_mask[:, : T - 1].long()
-        mask = torch.cat([torch.ones(N, Lq, dtype=torch.long, device=cmask.device), cmask], dim=1)
-        position_ids = Lq + (cmask.cumsum(-1) - 1).clamp(min=-1)  # scored_logits' cumsum(mask) - 1
-        rest = model(input_ids=inputs, attention_mask=mask, position_ids=position_ids, **cache).logits
+        inputs = batch.completion_ids[:, : T - 1]  # position t predicts token t + 1
+        cmask = batch.completion_mask[:, : T - 1].long()
+        position_ids = mask.sum(-1)[owner, None] + (cmask.cumsum(-1) - 1).clamp(min=-1)  # scored_logits' positions
+        attention = torch.cat([mask[owner], cmask], dim=1)
+        rest = model(input_ids=inputs, attention_mask=attention, position_ids=position_ids, **cache).logits
         logits = torch.cat([logits, rest], dim=1)  # [N, T, V]
-    return _scored_logprobs(logits, group.completion_ids, temperature)
+    return _scored_logprobs(logits, batch.completion_ids, temperature, return_entropy)
 
 
 def sampling_generation_config(
@@ -499,15 +517,10 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
         a ``transformers.Cache`` of n rows and Lp - 1 positions, or None when there is nothing to share (no repeated
         row, Lp < 2) or the model gives no cache (then ``generate`` prefills as usual).
     """
-    n, lp = prompt_ids.shape
-    if lp < 2 or n < 2:
+    runs = prompt_runs(prompt_ids, prompt_mask)
+    if prompt_ids.shape[1] < 2 or runs is None:
         return None
-    same_as_previous = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)
-    if not bool(same_as_previous.any()):
-        return None
-    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=prompt_ids.device), ~same_as_previous])  # [n]
-    owner = starts.long().cumsum(0) - 1  # [n] index of each row's distinct prompt
-    first = starts.nonzero().squeeze(1)  # [B] a representative row of each distinct prompt
+    owner, first = runs
     ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate makes them
     try:
@@ -521,11 +534,8 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
         )
     except (TypeError, ValueError, AttributeError):  # not a transformers >= 5 causal LM: no sharing
         return None
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    if cache is None or not hasattr(cache, "reorder_cache"):
-        return None
-    cache.reorder_cache(owner)
-    return cache
+    picked = repeated_cache(out, owner)
+    return None if picked is None else next(iter(picked.values()))
 
 
 def sample_groups(

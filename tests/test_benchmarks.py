@@ -62,6 +62,14 @@ def test_step_flops_count_from_the_shape(bench):
     # generation, N = 3, Lp = 4, T = 3: prefill 2*1000*3*4 + 2*500*3*1 + 2*2*8*3*4*5 = 24000 + 3000 + 1920;
     # two one-token forwards 2*(1000 + 500)*3 each = 9000 each; their attention 4*2*8*3*(4+1) + 4*2*8*3*(4+2)
     assert common.generation_flops(shape, 3, 4, 3) == 28920 + 18000 + 960 + 1152
+    # each of B = 2 prompts once, N = 4, Lp = 4, T = 3: the prompts' forward 2*1000*2*4 + 2*500*2*1 + 2*2*8*2*4*5 =
+    # 16000 + 2000 + 1280 = 19280; the completions 2*(1000 + 500)*4*3 = 36000 and attention 4*2*8*4*(3*4 + 3*4/2) =
+    # 4608; generation with the N-row prefill (38560) replaced by the prompts' (19280): 38560 + 24000 + 2816 - 19280
+    assert common.shared_prompt_flops(shape, 4, 2, 4, 3) == (65376 - 38560 + 19280) + 3 * (19280 + 36000 + 4608)
+    # one row per prompt: nothing is shared, and the count is the plain loop's
+    assert common.shared_prompt_flops(shape, 3, 3, 4, 6) == common.generation_flops(shape, 3, 4, 6) + common.step_flops(
+        shape, 3, 4, 6
+    )
 
 
 @pytest.mark.e2e

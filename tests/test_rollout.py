@@ -435,3 +435,46 @@ def test_group_logprobs_equal_batch_logprobs_and_run_the_prompt_once(family):
             assert positions[0] == mixed.input_ids().numel()
         finally:
             hook.remove()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "phi3", "gemma", "nemotron"])
+def test_group_logprobs_of_several_groups_run_each_prompt_once(family):
+    """The training update's case: a micro-batch of whole groups whose prompts differ in length (left padded)."""
+    from architectures import family_model
+
+    from grpo_lens.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    ids = dict(pad=tok.pad_token_id, bos=tok.bos_token_id, eos=tok.eos_token_id)
+    model = family_model(family, len(tok), dtype=torch.float64, **ids)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    with eos_bias(model, tok, 3.0):
+        batch = _sample(model, tok, R=4, max_new_tokens=8)  # 3 prompts of different lengths x 4 rollouts
+        mask = batch.completion_mask
+        assert (~batch.truncated).any() and len(set(batch.prompt_mask.sum(1).tolist())) == 3
+        positions = []
+        hook = model.get_input_embeddings().register_forward_hook(lambda m, a, o: positions.append(a[0].numel()))
+        try:
+            shared, ent = group_logprobs(model, batch, 0.7, return_entropy=True)
+        finally:
+            hook.remove()
+        # the 3 distinct prompts once (left padded to the longest), then the 12 rows' first T - 1 completion tokens
+        Lp, T = batch.prompt_ids.shape[1], mask.shape[1]
+        assert positions == [3 * Lp, 12 * (T - 1)], (positions, Lp, T)
+        full, ent_full = batch_logprobs(model, batch, 0.7, return_entropy=True)
+        assert (shared - full)[mask].abs().max().item() < 1e-10
+        assert (ent - ent_full)[mask].abs().max().item() < 1e-10
+        w = torch.linspace(-1.0, 2.0, mask.numel(), dtype=torch.float64).view_as(mask) * mask
+        params = [p for p in model.parameters() if p.requires_grad]
+        g_shared = torch.autograd.grad((group_logprobs(model, batch, 0.7) * w).sum(), params)
+        g_full = torch.autograd.grad((batch_logprobs(model, batch, 0.7) * w).sum(), params)
+        # tolerances as in the one-group test above (float32 inside transformers' RMSNorm)
+        scale = max(g.abs().max().item() for g in g_full)
+        tol = 1e-12 if family in ("gpt2", "nemotron") else 1e-6
+        assert max((a - b).abs().max().item() for a, b in zip(g_shared, g_full)) < tol * scale
+        # rows in another order: a run of one row shares nothing, the others still do; the values follow the rows
+        order = torch.tensor([0, 4, 5, 1, 2, 3, 8, 9, 10, 11, 6, 7])
+        mixed = batch.select(order)
+        assert (group_logprobs(model, mixed, 0.7) - full[order])[mask[order]].abs().max().item() < 1e-10

@@ -189,6 +189,14 @@ class TrainConfig(ConfigFile):
         "shape and the machine's total memory (the whole mini-batch when it fits).",
         check=at_least(1),
     )
+    shared_prompt_forward: bool = option(
+        True,
+        "Run each group's prompt once in the update's forwards (and the reference "
+        "model's), its R completions continuing from its KV cache: B (Lp + R T) "
+        "positions instead of B R (Lp + T), the same log-probs and gradient up to "
+        "float rounding (docs/theory.md §Shared prompts). A pass the lens captures, "
+        "and an FSDP2-sharded policy, run every rollout's own prompt either way.",
+    )
     # --- optimizer ---------------------------------------------------------------------------------------------------
     max_steps: int = Optimizer.max_steps()
     learning_rate: float = Optimizer.learning_rate()

@@ -264,7 +264,7 @@ def prefix_values_many(
 def shared_prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int):
     """The KV cache of ``ids[:, :-1]`` (left padded), each row's cache repeated ``repeats`` times, for ``generate``
     to continue from (it runs the last prompt token itself); None when the model does not return a cache with
-    ``batch_repeat_interleave`` (``generate`` then prefills every row).
+    ``reorder_cache`` (``generate`` then prefills every row).
 
     Positions are ``generate``'s own for left padding (cumsum of the mask - 1, 1 on padding), so each row's cache
     holds the same keys and values as ``generate``'s prefill of the repeated rows, computed once per prefix instead of
@@ -275,7 +275,7 @@ def shared_prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeats: int):
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
     out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True, **kwargs)
-    return repeated_cache(out, repeats)
+    return repeated_cache(out, torch.arange(ids.shape[0], device=ids.device).repeat_interleave(repeats))
 
 
 def _continue_prefixes(

@@ -76,7 +76,6 @@ from grpo_lens.models import load_model, resolve_model
 from grpo_lens.rewards import RewardState, check_rewards_on_example, parse_reward_specs
 from grpo_lens.rollout import (
     RolloutBatch,
-    batch_logprobs,
     forward_precision,
     prompt_token_ids,
     sample_groups,
@@ -119,7 +118,7 @@ from grpo_lens.train.step_metrics import (
     rollout_rewards,
     sampled_vs_kept,
 )
-from grpo_lens.train.update import lens_fuses_gram, lens_reads_update, policy_update
+from grpo_lens.train.update import lens_fuses_gram, lens_reads_update, policy_update, update_logprobs
 
 logger = logging.getLogger(__name__)
 #: Why the lens ran its own pass instead of the update's backward, each said once per process (:func:`plan_lens`).
@@ -241,6 +240,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             before_step=before_step,
             step=step,
             capture=plan.capture,
+            per_rollout=plan.measure,  # a lens step's numbers are the same whichever pass the lens reads
         )
         stop_if_weights_diverged(models, procs, run, step, state.step)  # before anything reads the new weights
         # 6. the lens after the update: its g_i read off the update's first pass, and S4 around the optimizer step
@@ -911,11 +911,12 @@ def optimal_baseline_metrics(
 def reference_logprobs(
     reference: torch.nn.Module | None, batch: RolloutBatch, config: TrainConfig, procs: Processes
 ) -> torch.Tensor | None:
-    """[N, T] log-probs of the rollouts under the reference model (never top-k/top-p filtered); None without one."""
+    """[N, T] log-probs of the rollouts under the reference model (never top-k/top-p filtered); None without one.
+    Each group's prompt runs once where the update's does (:func:`grpo_lens.train.update.update_logprobs`)."""
     if reference is None:
         return None
     with torch.no_grad(), forward_precision(procs.device, config.dtype):
-        return batch_logprobs(reference, batch, config.temperature)
+        return update_logprobs(config, procs)(reference, batch, config.temperature)
 
 
 @dataclass

@@ -53,7 +53,7 @@ from grpo_lens.metrics import (
     RATIO_MAX,
 )
 from grpo_lens.registry import renamed_keywords
-from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision
+from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision, group_logprobs
 from grpo_lens.rundir import crash_point
 from grpo_lens.train.memory import auto_micro_batch_size, total_memory_bytes
 from grpo_lens.train.processes import Processes
@@ -73,6 +73,7 @@ def policy_update(
     before_step: Callable[[], None] | None = None,
     step: int = 0,
     capture: Any = None,
+    per_rollout: bool = False,
 ) -> dict[str, float]:
     """mu passes over the step's rollouts, each split into mini-batches (one optimizer step each) and micro-batches.
 
@@ -90,6 +91,9 @@ def policy_update(
             :class:`grpo_lens.gradients.gram.MicroBatchGrams`, whose ``micro_batch(idx)`` is also entered around each
             micro-batch's forward + backward) entered around every forward + backward of the first pass over the
             first mini-batch, and left right after it; None for none.
+        per_rollout: every rollout runs its own prompt in every forward of the step (:func:`update_logprobs`); the
+            trainer sets it on lens steps, so that a step's numbers do not depend on whether the lens read the update
+            or ran its own pass. The pass a capture covers runs every rollout's own prompt either way.
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
         numbers on every process), ``policy/entropy`` (token mean over the first pass's completion tokens of the
@@ -98,7 +102,7 @@ def policy_update(
         ``grad/optimizer_steps``, ``guard/skipped_optimizer_steps`` and the ``mismatch/*`` metrics (first pass,
         sampler vs pi_old); see :func:`update_metrics`.
     """
-    plan = plan_update(policy, batch, config, procs)
+    plan = plan_update(policy, batch, config, procs, per_rollout)
     sums = UpdateSums()
     for pass_ in range(config.mu):
         for mb in range(len(plan.mini_batches)):
@@ -118,6 +122,7 @@ def policy_update(
                     procs,
                     sums,
                     getattr(capture, "micro_batch", None) if first else None,
+                    per_rollout=per_rollout or first,  # a capture needs every rollout's own prompt positions
                 )
             norm, skipped = optimizer_step(
                 optimizer, params, config, procs, nonfinite_loss, step, before_step if not sums.grad_norms else None
@@ -163,22 +168,38 @@ def mini_batch_rows(groups: int, group_size: int, M: int) -> list[torch.Tensor]:
     return [rows for rows in torch.tensor_split(torch.arange(groups * group_size), M) if len(rows)]
 
 
-def plan_update(policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig, procs: Processes) -> UpdatePlan:
+def plan_update(
+    policy: torch.nn.Module, batch: RolloutBatch, config: TrainConfig, procs: Processes, per_rollout: bool = False
+) -> UpdatePlan:
     """Split the N = G R rollouts into ``num_mini_batches`` mini-batches (:func:`mini_batch_rows`) and each into
     micro-batches of ``micro_batch_size`` rollouts (or :func:`auto_micro_batch_size`'s choice, the smallest over
     processes for an FSDP2-sharded policy, so that every process runs as many forwards), and compute pi_old when
-    needed."""
+    needed (``per_rollout``: every rollout's own prompt, :func:`update_logprobs`)."""
     mini_batches, micro_batches = batch_rows(policy, batch, config, procs)
     old_logp = None  # [N, T] pi_old of every rollout, needed once the policy has moved within this step
     if config.mu > 1 or len(mini_batches) > 1:
-        old_logp = torch.zeros_like(batch.sampler_logprobs)
+        logprobs = update_logprobs(config, procs, per_rollout)
         with torch.no_grad():
             for micros in micro_batches:
                 for idx in micros:
                     with forward_precision(procs.device, config.dtype):
-                        old_logp[idx] = batch_logprobs(policy, batch.select(idx), config.temperature)
+                        logp = logprobs(policy, batch.select(idx), config.temperature)
+                    if old_logp is None:  # the forward's dtype (float64 for a float64 model)
+                        old_logp = batch.sampler_logprobs.new_zeros(batch.sampler_logprobs.shape, dtype=logp.dtype)
+                    old_logp[idx] = logp
     loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, config.overlong)  # [N, T]
     return UpdatePlan(mini_batches, micro_batches, old_logp, loss_mask)
+
+
+def update_logprobs(config: TrainConfig, procs: Processes, per_rollout: bool = False) -> Callable[..., Any]:
+    """The log-prob function of the update's (and the reference model's) forwards: :func:`group_logprobs`, each
+    group's prompt run once, with ``shared_prompt_forward`` on; :func:`batch_logprobs`, every rollout's own prompt,
+    with it off, on a pass the lens captures (``per_rollout``: its hooks need each rollout's prompt positions), or on
+    an FSDP2-sharded policy (every forward is a collective, and group_logprobs' count of forwards depends on the
+    batch). Both take (model, batch, temperature, return_entropy=False) and agree up to float rounding."""
+    if config.shared_prompt_forward and not per_rollout and not procs.sharded:
+        return group_logprobs
+    return batch_logprobs
 
 
 def batch_rows(
@@ -262,6 +283,7 @@ def backward_mini_batch(
     procs: Processes,
     sums: UpdateSums,
     micro_capture: Callable[[torch.Tensor], Any] | None = None,
+    per_rollout: bool = False,
 ) -> bool:
     """Pass ``pass_`` over mini-batch ``mb``: forward, :func:`grpo_loss` and backward of each micro-batch, the
     gradients accumulating in ``.grad``, the metrics in ``sums``. Returns whether any micro-batch's loss was
@@ -270,15 +292,17 @@ def backward_mini_batch(
     pi_old is the forward's own detached log-prob on the first pass over the first mini-batch (ratio exactly 1),
     else ``plan.old_logp``. The loss is normalised by the mini-batch's :func:`loss_normalizer` summed over processes
     (with ``--overlong filter`` truncated rollouts leave it too). ``micro_capture(idx)``, when given, is a context
-    entered around each micro-batch's forward and backward (the fused lens's hooks, :func:`policy_update`).
+    entered around each micro-batch's forward and backward (the fused lens's hooks, :func:`policy_update`);
+    ``per_rollout``: every rollout runs its own prompt (a pass the lens captures, :func:`update_logprobs`).
     """
+    per_rollout = per_rollout or micro_capture is not None  # the fused Gram's hooks read every rollout's own rows
     mask = plan.loss_mask[plan.mini_batches[mb]]
     (normalizer,) = procs.sum_floats([loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens)])
     nonfinite_loss = False
     for idx in plan.micro_batches[mb]:
         with micro_capture(idx) if micro_capture is not None else contextlib.nullcontext():
             nonfinite_loss |= _backward_micro_batch(
-                policy, batch, idx, advantages, ref_logp, plan, mb, pass_, normalizer, config, procs, sums
+                policy, batch, idx, advantages, ref_logp, plan, mb, pass_, normalizer, config, procs, sums, per_rollout
             )
     return nonfinite_loss
 
@@ -296,12 +320,14 @@ def _backward_micro_batch(
     config: TrainConfig,
     procs: Processes,
     sums: UpdateSums,
+    per_rollout: bool = False,
 ) -> bool:
     """Forward, :func:`grpo_loss` and backward of the micro-batch of rows ``idx`` (see :func:`backward_mini_batch`);
     returns whether its loss was non-finite."""
     micro = batch.select(idx)
+    logprobs = update_logprobs(config, procs, per_rollout)
     with forward_precision(procs.device, config.dtype):
-        logp, entropy = batch_logprobs(policy, micro, config.temperature, return_entropy=True)
+        logp, entropy = logprobs(policy, micro, config.temperature, return_entropy=True)
     old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]
     if pass_ == 0:
         sums.add_first_pass(entropy, old, micro)

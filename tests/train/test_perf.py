@@ -211,3 +211,49 @@ def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, mo
             else:  # training itself is untouched: bit-identical
                 assert b[key] == a[key] or (math.isnan(a[key]) and math.isnan(b[key])), key
     assert compared >= 10
+
+
+@pytest.mark.parametrize("family", ["llama", "nemotron"])
+@pytest.mark.parametrize("mu", [1, 2])
+def test_the_update_with_shared_prompts_gives_the_per_rollout_gradient(family, mu):
+    """shared_prompt_forward runs each group's prompt once in the update's forwards (and pi_old's, with mu > 1): the
+    accumulated gradient equals the per-rollout forward's (lens steps, or the option off) up to float rounding."""
+    from architectures import family_model
+
+    from grpo_lens.config import TrainConfig
+    from grpo_lens.models import build_tiny_tokenizer
+    from grpo_lens.rollout import sample_groups
+    from grpo_lens.train.processes import Processes
+    from grpo_lens.train.update import UpdateSums, backward_mini_batch, plan_update
+
+    tok = build_tiny_tokenizer()
+    model = family_model(family, len(tok), dtype=torch.float64, pad=tok.pad_token_id, eos=tok.eos_token_id)
+    prompts = ["What is 2 + 3?", "Hi! What is 17 - 5, please?"]  # unequal lengths: left padding
+    batch = sample_groups(model, tok, prompts, 3, max_new_tokens=6, temperature=0.7, generator_seed=0)
+    advantages = torch.tensor([0.9, -1.3, 0.4, 1.1, -0.6, -0.5], dtype=torch.float64)
+    cfg = TrainConfig(model="tiny", group_size=3, prompts_per_step=2, max_new_tokens=6, temperature=0.7, mu=mu)
+    procs = Processes(0, 1, torch.device("cpu"))
+    positions: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, a, o: positions.append(a[0].numel()))
+
+    def gradient(per_rollout: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        positions.clear()
+        plan = plan_update(model, batch, cfg, procs, per_rollout)
+        backward_mini_batch(
+            model, batch, advantages, None, plan, 0, mu - 1, cfg, procs, UpdateSums(), None, per_rollout
+        )
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    try:
+        shared, shared_positions = gradient(False), list(positions)
+        own, own_positions = gradient(True), list(positions)
+    finally:
+        hook.remove()
+    Lp, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    # per forward: the 2 prompts once (left padded to Lp) and the 6 rows' first T - 1 tokens, against 6 rows of Lp + T;
+    # with mu = 2, pi_old's forward (no gradient) first
+    assert shared_positions == [2 * Lp, 6 * (T - 1)] * mu and own_positions == [6 * (Lp + T)] * mu
+    scale = max(g.abs().max().item() for g in own)
+    tol = 1e-12 if family == "nemotron" else 1e-6  # float32 inside transformers' RMSNorm (tests/test_rollout.py)
+    assert max((a - b).abs().max().item() for a, b in zip(shared, own)) < tol * scale
