@@ -386,9 +386,10 @@ def test_entropy_comes_from_the_same_forward(tiny_model_and_tokenizer):
 # ---------------------------------------------------------------------------------------------------------------------
 # group_logprobs: a group's shared prompt run once, against batch_logprobs' one row at a time
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.mark.e2e
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "phi3", "gemma", "nemotron"])
-def test_group_logprobs_equal_batch_logprobs_and_run_the_prompt_once(family):
+@contextmanager
+def family_rollouts(family: str):
+    """(a float64 tiny model of ``family`` with EOS made likelier, its rollouts of the 3 PROMPTS x R = 4, at most 8
+    tokens), inside the EOS bias (log-probs computed in the block see the logits the rollouts were drawn from)."""
     from architectures import family_model
 
     from grpo_lens.models import build_tiny_tokenizer
@@ -399,7 +400,30 @@ def test_group_logprobs_equal_batch_logprobs_and_run_the_prompt_once(family):
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     with eos_bias(model, tok, 3.0):
-        batch = _sample(model, tok, R=4, max_new_tokens=8)
+        yield model, _sample(model, tok, R=4, max_new_tokens=8)
+
+
+def assert_same_gradient(model, family: str, batch, first, second) -> None:
+    """The gradients of one weighted sum of ``first``'s and of ``second``'s log-probs of ``batch`` agree: to 1e-12 of
+    the largest entry where the family's norms compute in the model's dtype (GPT-2, Nemotron), to 1e-6 where
+    transformers' RMSNorm computes in float32 whatever the model's dtype and the shared prompt backpropagates the rows'
+    sum through it where the per-row forward backpropagates each row (measured 3e-8 on Llama, 8e-16 on GPT-2 and
+    Nemotron; a position off by one moves it by 1e-2 to 0.5 of that entry, a detached cache by 0.3 to 0.9)."""
+    mask = batch.completion_mask
+    w = torch.linspace(-1.0, 2.0, mask.numel(), dtype=torch.float64).view_as(mask) * mask
+    params = [p for p in model.parameters() if p.requires_grad]
+    g_first = torch.autograd.grad((first(model, batch, 0.7) * w).sum(), params)
+    g_second = torch.autograd.grad((second(model, batch, 0.7) * w).sum(), params)
+    scale = max(g.abs().max().item() for g in g_second)
+    assert scale > 1e-3
+    tol = 1e-12 if family in ("gpt2", "nemotron") else 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(g_first, g_second)) < tol * scale
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "phi3", "gemma", "nemotron"])
+def test_group_logprobs_equal_batch_logprobs_and_run_the_prompt_once(family):
+    with family_rollouts(family) as (model, batch):
         assert (~batch.truncated).any()  # some rows end early: padding inside the completion
         positions = []
         hook = model.get_input_embeddings().register_forward_hook(lambda m, a, o: positions.append(a[0].numel()))
@@ -415,19 +439,7 @@ def test_group_logprobs_equal_batch_logprobs_and_run_the_prompt_once(family):
                 full = batch_logprobs(model, group, 0.7)
                 assert (shared - full)[mask].abs().max().item() < 1e-10
                 # the gradient of a weighted sum: autograd sums the rows' contributions through the shared prompt
-                w = torch.linspace(-1.0, 2.0, mask.numel(), dtype=torch.float64).view_as(mask) * mask
-                params = [p for p in model.parameters() if p.requires_grad]
-                g_shared = torch.autograd.grad((group_logprobs(model, group, 0.7) * w).sum(), params)
-                g_full = torch.autograd.grad((batch_logprobs(model, group, 0.7) * w).sum(), params)
-                # float64 rounding, or float32 rounding where the family has RMSNorm: transformers' RMSNorm computes
-                # in float32 even in a float64 model, and the shared prompt backpropagates the 4 rows' sum through
-                # it where the per-row forward backpropagates each row (measured 3e-8 of the largest entry on Llama,
-                # 8e-16 on GPT-2 and Nemotron's LayerNorms); a position off by one moves it by 1e-2 to 0.5 of that
-                # entry, a detached cache by 0.3 to 0.9
-                scale = max(g.abs().max().item() for g in g_full)
-                assert scale > 1e-3
-                tol = 1e-12 if family in ("gpt2", "nemotron") else 1e-6
-                assert max((a - b).abs().max().item() for a, b in zip(g_shared, g_full)) < tol * scale
+                assert_same_gradient(model, family, group, group_logprobs, batch_logprobs)
             # rows of different prompts: the per-row forward (one call over every position)
             mixed = batch.select([0, 4])
             positions.clear()
@@ -441,17 +453,7 @@ def test_group_logprobs_equal_batch_logprobs_and_run_the_prompt_once(family):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "phi3", "gemma", "nemotron"])
 def test_group_logprobs_of_several_groups_run_each_prompt_once(family):
     """The training update's case: a micro-batch of whole groups whose prompts differ in length (left padded)."""
-    from architectures import family_model
-
-    from grpo_lens.models import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    ids = dict(pad=tok.pad_token_id, bos=tok.bos_token_id, eos=tok.eos_token_id)
-    model = family_model(family, len(tok), dtype=torch.float64, **ids)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    with eos_bias(model, tok, 3.0):
-        batch = _sample(model, tok, R=4, max_new_tokens=8)  # 3 prompts of different lengths x 4 rollouts
+    with family_rollouts(family) as (model, batch):  # 3 prompts of different lengths x 4 rollouts
         mask = batch.completion_mask
         assert (~batch.truncated).any() and len(set(batch.prompt_mask.sum(1).tolist())) == 3
         positions = []
@@ -466,14 +468,7 @@ def test_group_logprobs_of_several_groups_run_each_prompt_once(family):
         full, ent_full = batch_logprobs(model, batch, 0.7, return_entropy=True)
         assert (shared - full)[mask].abs().max().item() < 1e-10
         assert (ent - ent_full)[mask].abs().max().item() < 1e-10
-        w = torch.linspace(-1.0, 2.0, mask.numel(), dtype=torch.float64).view_as(mask) * mask
-        params = [p for p in model.parameters() if p.requires_grad]
-        g_shared = torch.autograd.grad((group_logprobs(model, batch, 0.7) * w).sum(), params)
-        g_full = torch.autograd.grad((batch_logprobs(model, batch, 0.7) * w).sum(), params)
-        # tolerances as in the one-group test above (float32 inside transformers' RMSNorm)
-        scale = max(g.abs().max().item() for g in g_full)
-        tol = 1e-12 if family in ("gpt2", "nemotron") else 1e-6
-        assert max((a - b).abs().max().item() for a, b in zip(g_shared, g_full)) < tol * scale
+        assert_same_gradient(model, family, batch, group_logprobs, batch_logprobs)
         # rows in another order: a run of one row shares nothing, the others still do; the values follow the rows
         order = torch.tensor([0, 4, 5, 1, 2, 3, 8, 9, 10, 11, 6, 7])
         mixed = batch.select(order)
