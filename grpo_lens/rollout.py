@@ -260,7 +260,11 @@ def token_entropy(logits: Tensor, normalized: bool = False) -> Tensor:
     with torch.no_grad():
         logp = logits if normalized else torch.log_softmax(logits.float(), dim=-1)
         p = logp.exp()
-        return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+        entropy = -(p * logp).sum(-1)  # [...]: 0 * log 0 is NaN only where a logit is -inf (or NaN)
+        bad = ~torch.isfinite(entropy)
+        if bool(bad.any()):  # those positions again, their p = 0 entries (and NaN ones) counted as 0
+            entropy[bad] = -torch.where(p[bad] > 0, p[bad] * logp[bad], torch.zeros_like(p[bad])).sum(-1)
+        return entropy
 
 
 def batch_logprobs(
