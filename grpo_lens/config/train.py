@@ -192,10 +192,12 @@ class TrainConfig(ConfigFile):
     shared_prompt_forward: bool = option(
         True,
         "Run each group's prompt once in the update's forwards (and the reference "
-        "model's), its R completions continuing from its KV cache: B (Lp + R T) "
-        "positions instead of B R (Lp + T), the same log-probs and gradient up to "
-        "float rounding (docs/theory.md §Shared prompts). A pass the lens captures, "
-        "and an FSDP2-sharded policy, run every rollout's own prompt either way.",
+        "model's): the B prompts of Lp tokens once, then the B x R completions of "
+        "T tokens from their prompt's KV cache, instead of B x R rows of Lp + T "
+        "tokens; the same log-probs and gradient up to float rounding "
+        "(docs/theory.md §Shared prompts). Lens steps and an FSDP2-sharded policy "
+        "run every rollout's own prompt either way; --no-shared-prompt-forward: "
+        "every step does, and runs with and without the lens stay bit-identical.",
     )
     # --- optimizer ---------------------------------------------------------------------------------------------------
     max_steps: int = Optimizer.max_steps()
