@@ -257,3 +257,38 @@ def test_the_update_with_shared_prompts_gives_the_per_rollout_gradient(family, m
     scale = max(g.abs().max().item() for g in own)
     tol = 1e-12 if family == "nemotron" else 1e-6  # float32 inside transformers' RMSNorm (tests/test_rollout.py)
     assert max((a - b).abs().max().item() for a, b in zip(shared, own)) < tol * scale
+
+
+def test_without_shared_prompts_the_lens_leaves_training_bit_identical(tmp_path):
+    """--no-shared-prompt-forward: every step runs every rollout's own prompt, so a run with the lens every step and
+    one without it train alike to the last bit (docs/theory.md §Shared prompts: the lens only reads gradients)."""
+    import json
+
+    from grpo_lens.config import TrainConfig
+    from grpo_lens.train.loop import train
+
+    def run(name: str, lens_every: int) -> list[dict]:
+        config = TrainConfig(
+            model="tiny",
+            rewards=["test_parity"],
+            group_size=4,
+            prompts_per_step=2,
+            max_new_tokens=8,
+            max_steps=3,
+            learning_rate=1e-2,
+            lens_every=lens_every,
+            shared_prompt_forward=False,
+            seed=0,
+            device="cpu",
+            out=str(tmp_path / name),
+            progress=False,
+            save_final_model=False,
+        )
+        out = train(config)
+        return [json.loads(line) for line in (out.path / "metrics.jsonl").read_text().splitlines()]
+
+    with_lens, without = run("lens", 1), run("off", 0)
+    keys = ("loss/policy", "grad/norm", "reward/mean", "policy/entropy", "completions/mean_length")
+    assert any("rank/" in k for k in with_lens[0])  # the lens measured
+    assert [[r[k] for k in keys] for r in with_lens] == [[r[k] for k in keys] for r in without]
+    assert with_lens[-1]["grad/norm"] > 0  # a step that trained
