@@ -195,8 +195,9 @@ def update_logprobs(config: TrainConfig, procs: Processes, per_rollout: bool = F
     """The log-prob function of the update's (and the reference model's) forwards: :func:`group_logprobs`, each
     group's prompt run once, with ``shared_prompt_forward`` on; :func:`batch_logprobs`, every rollout's own prompt,
     with it off, on a lens step (``per_rollout``: the lens's hooks need each rollout's prompt positions, and a lens
-    step runs alike whichever pass the lens reads), or on an FSDP2-sharded policy (every forward is a collective, and group_logprobs' count of forwards depends on the
-    batch). Both take (model, batch, temperature, return_entropy=False) and agree up to float rounding."""
+    step runs alike whichever pass the lens reads), or on an FSDP2-sharded policy (every forward is a collective,
+    and group_logprobs' count of forwards depends on the batch). Both take (model, batch, temperature,
+    return_entropy=False) and agree up to float rounding."""
     if config.shared_prompt_forward and not per_rollout and not procs.sharded:
         return group_logprobs
     return batch_logprobs
