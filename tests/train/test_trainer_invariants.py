@@ -171,12 +171,15 @@ def test_step_gradient_does_not_depend_on_micro_batch_size(tmp_path):
     for name in g1:
         scale = float(g8[name].abs().max())
         torch.testing.assert_close(g1[name], g8[name], rtol=0.0, atol=1e-5 * scale, msg=name)
-    # AdamW's first step is lr * g / (|g| + 1e-8): where |g| ~ 1e-8 (Adam's eps) rounding noise in g moves the update
-    # by up to about lr / 2 (observed: 2.5e-6 where g = -2.3e-8 vs -2.35e-8). Where |g| >= 1e-6 the update is lr *
-    # sign(g) to within 1%, so those parameters agree to 1e-3 of the step size lr = 1e-3; a wrong gradient moves by
-    # ~lr. Everywhere they agree to lr / 2.
+    # AdamW's first step is lr * c g / (|c g| + 1e-8), c = min(1, max_grad_norm / ||g||) the clipping factor (the
+    # captured g is before clipping): where |c g| ~ 1e-8 (Adam's eps) rounding noise in g moves the update by up to
+    # about lr / 2 (observed: 2.5e-6 where g = -2.3e-8 vs -2.35e-8; 2e-6 on an AMD EPYC where |g| = 1.6e-6, c = 0.073,
+    # c |g| = 1.2e-7). Where |c g| >= 1e-6 the update is lr * sign(g) to within 1%, so those parameters agree to 1e-3 of
+    # the step size lr = 1e-3; a wrong gradient moves by ~lr. Everywhere they agree to lr / 2.
+    clip = min(1.0, 1.0 / m8["grad/norm"])  # the default max_grad_norm 1.0
+    assert sum(int((clip * g.abs() >= 1e-6).sum()) for g in g8.values()) > 100  # the tight check covers something
     for name in p1:
-        strong = g8[name].abs() >= 1e-6
+        strong = clip * g8[name].abs() >= 1e-6
         torch.testing.assert_close(p1[name][strong], p8[name][strong], rtol=0.0, atol=1e-6, msg=name)
         torch.testing.assert_close(p1[name], p8[name], rtol=0.0, atol=5e-4, msg=name)
 
