@@ -320,7 +320,10 @@ def stratified_mean_se(values: torch.Tensor, weights: torch.Tensor, strata: torc
         raise ValueError(f"values, weights and strata must have one shape, got {x.shape}, {w.shape}, {h.shape}")
     if x.numel() == 0:
         return 0.0
-    _, h = torch.unique(h, return_inverse=True)
+    # compact stratum ids 0..k-1 in ascending order; strata already sorted (a flattened sample, tensor by tensor)
+    # need no sort: unique_consecutive gives the same ids
+    ordered = bool((h[1:] >= h[:-1]).all())
+    _, h = torch.unique_consecutive(h, return_inverse=True) if ordered else torch.unique(h, return_inverse=True)
     k = int(h.max()) + 1
     s = torch.bincount(h, minlength=k).double()
     wh = torch.zeros(k, dtype=torch.float64).scatter_reduce(0, h, w, "amax", include_self=False)

@@ -132,29 +132,48 @@ def _grouped(
     """zero share, Hoyer, top-1% energy and weighted means of ``extra`` per-entry values, overall and per group,
     in one pass: the same numbers as :func:`sparsity_measures` on each group's entries (entries sorted once); with
     ``strata`` (tensor ids), also ``<name>_se``, the stratified standard error of each ``se`` value's weighted mean
-    (:func:`grpo_lens.formulas.stats.stratified_mean_se`)."""
+    (:func:`grpo_lens.formulas.stats.stratified_mean_se`).
+
+    Each group's entries are one contiguous slice after a stable sort by group: the same vectors, in the same order,
+    as the group's boolean mask selects, so every sum is the same to the bit, without a mask and a copy per group and
+    per quantity."""
     v = x.detach().double()
     e = v.square()
     order = torch.argsort(e, descending=True)  # one sort serves every group's top-1%
-    e_s, w_s, g_s = e[order], w[order], g[order]
+    e_s, w_s = e[order], w[order]
+    # group slices, entries in their original order (a stable sort by group, as a few compares)
+    by_group = torch.cat([(g == i).nonzero().squeeze(1) for i in range(len(kinds))])
+    g_s = g[order]
+    by_group_s = torch.cat([(g_s == i).nonzero().squeeze(1) for i in range(len(kinds))])  # still sorted by energy
+    counts = torch.bincount(g, minlength=len(kinds)).tolist()
+    values = {"w": w, "v": v, "e": e, **(extra or {}), **{f"se:{k}": t for k, t in (se or {}).items()}}
+    if strata is not None:
+        values["strata"] = strata
+    grouped = {k: t[by_group] for k, t in values.items()}
+    e_sg, w_sg = e_s[by_group_s], w_s[by_group_s]
+    slices = [("all", values, e_s, w_s)]
+    start = 0
+    for k, c in zip(kinds, counts):
+        cut = slice(start, start + c)
+        slices.append((k, {n: t[cut] for n, t in grouped.items()}, e_sg[cut], w_sg[cut]))
+        start += c
     out = {}
-    for name, sel in [("all", None)] + [(k, i) for i, k in enumerate(kinds)]:
-        m = torch.ones_like(w, dtype=torch.bool) if sel is None else g == sel
-        ms = torch.ones_like(w_s, dtype=torch.bool) if sel is None else g_s == sel
-        wm, n = w[m], float(w[m].sum())
+    for name, part, e_top, w_top in slices:
+        wm, vm = part["w"], part["v"]
+        n = float(wm.sum())
         if n < 2:
             continue
-        hoyer = hoyer_from_norms(float((wm * v[m].abs()).sum()), math.sqrt(float((wm * e[m]).sum())), n)
+        hoyer = hoyer_from_norms(float((wm * vm.abs()).sum()), math.sqrt(float((wm * part["e"]).sum())), n)
         res = {
-            "zero": float((wm * (v[m] == 0)).sum()) / n,
+            "zero": float((wm * (vm == 0)).sum()) / n,
             "hoyer": hoyer,
-            "top1_energy": top_share_of_sorted(e_s[ms], w_s[ms], top),
+            "top1_energy": top_share_of_sorted(e_top, w_top, top),
         }
-        for key, val in (extra or {}).items():
-            res[key] = float((wm * val[m]).sum()) / n
+        for key in extra or {}:
+            res[key] = float((wm * part[key]).sum()) / n
         if strata is not None:
-            for key, val in (se or {}).items():
-                res[f"{key}_se"] = stratified_mean_se(val[m], wm, strata[m])
+            for key in se or {}:
+                res[f"{key}_se"] = stratified_mean_se(part[f"se:{key}"], wm, part["strata"])
         out[name] = res
     return out
 

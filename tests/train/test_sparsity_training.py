@@ -286,6 +286,11 @@ def test_stratified_se_against_the_design():
     assert stratified_mean_se(x, torch.ones(500, dtype=torch.float64), h) == 0.0
     with pytest.raises(ValueError, match="constant within a stratum"):
         stratified_mean_se(x, torch.rand(500, dtype=torch.float64) + 1, h)
+    # sorted strata (the sample's own layout) skip the sort; shuffled entries and other stratum labels give the same SE
+    perm = torch.randperm(500, generator=g)
+    assert stratified_mean_se(x[perm], w[perm], 5 * h[perm] + 3) == pytest.approx(ses[-1], rel=1e-12)
+    with pytest.raises(ValueError, match="constant within a stratum"):
+        stratified_mean_se(x[perm], torch.rand(500, dtype=torch.float64) + 1, h[perm])
 
 
 def test_lens_s4_sparsity_before_step_only_snapshots_and_numbers_are_unchanged(
