@@ -103,6 +103,7 @@ def policy_update(
         sampler vs pi_old); see :func:`update_metrics`.
     """
     plan = plan_update(policy, batch, config, procs, per_rollout)
+    still = still_rows(advantages, batch.group_size, config, procs)
     sums = UpdateSums()
     for pass_ in range(config.mu):
         for mb in range(len(plan.mini_batches)):
@@ -123,6 +124,8 @@ def policy_update(
                     sums,
                     getattr(capture, "micro_batch", None) if first else None,
                     per_rollout=per_rollout or first,  # a capture needs every rollout's own prompt positions
+                    # a sketch's capture reads every row's gradient; the fused Gram's wants the mixed groups only
+                    still=still if not first or hasattr(capture, "micro_batch") else None,
                 )
             norm, skipped = optimizer_step(
                 optimizer, params, config, procs, nonfinite_loss, step, before_step if not sums.grad_norms else None
@@ -189,6 +192,24 @@ def plan_update(
                     old_logp[idx] = logp
     loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, config.overlong)  # [N, T]
     return UpdatePlan(mini_batches, micro_batches, old_logp, loss_mask)
+
+
+def still_rows(advantages: torch.Tensor, group_size: int, config: TrainConfig, procs: Processes) -> torch.Tensor | None:
+    """[N] bool: the rows of groups whose every advantage is exactly 0 (no reward contrast: S1's groups), where the
+    update's loss has no gradient; None when there is none, or when the loss could have one there.
+
+    The clipped surrogate (``vanilla``) is -min(rho A, clip(rho) A) per token: 0 for any ratio rho at A = 0, and so
+    is its gradient, with any token weight (TIS) or dual clip; a KL term in the loss (beta > 0, KL not folded into the
+    reward) is not. An FSDP2-sharded policy gets None too: every forward there is a collective, run alike on every
+    process. The update forwards these rows without gradient (:func:`backward_mini_batch`), for their metrics.
+
+    Args:
+        advantages: [N] (NaN rows are never still).   group_size: R; N = G R.
+    """
+    if procs.sharded or config.policy_loss != "vanilla" or (config.beta > 0 and not config.kl_in_reward):
+        return None
+    zero = (advantages.detach() == 0).reshape(-1, group_size).all(dim=1)  # [G]
+    return zero.repeat_interleave(group_size).cpu() if bool(zero.any()) else None
 
 
 def update_logprobs(config: TrainConfig, procs: Processes, per_rollout: bool = False) -> Callable[..., Any]:
@@ -285,10 +306,12 @@ def backward_mini_batch(
     sums: UpdateSums,
     micro_capture: Callable[[torch.Tensor], Any] | None = None,
     per_rollout: bool = False,
+    still: torch.Tensor | None = None,
 ) -> bool:
     """Pass ``pass_`` over mini-batch ``mb``: forward, :func:`grpo_loss` and backward of each micro-batch, the
     gradients accumulating in ``.grad``, the metrics in ``sums``. Returns whether any micro-batch's loss was
-    non-finite.
+    non-finite. ``still``: [N] bool, rows without a loss gradient (:func:`still_rows`): forwarded without gradient,
+    each group's prompt once where ``shared_prompt_forward`` allows, outside the capture, and left out of the backward.
 
     pi_old is the forward's own detached log-prob on the first pass over the first mini-batch (ratio exactly 1),
     else ``plan.old_logp``. The loss is normalised by the mini-batch's :func:`loss_normalizer` summed over processes
@@ -301,10 +324,23 @@ def backward_mini_batch(
     (normalizer,) = procs.sum_floats([loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens)])
     nonfinite_loss = False
     for idx in plan.micro_batches[mb]:
-        with micro_capture(idx) if micro_capture is not None else contextlib.nullcontext():
-            nonfinite_loss |= _backward_micro_batch(
-                policy, batch, idx, advantages, ref_logp, plan, mb, pass_, normalizer, config, procs, sums, per_rollout
-            )
+        nonfinite_loss |= _backward_micro_batch(
+            policy,
+            batch,
+            idx,
+            advantages,
+            ref_logp,
+            plan,
+            mb,
+            pass_,
+            normalizer,
+            config,
+            procs,
+            sums,
+            per_rollout,
+            micro_capture,
+            None if still is None else still[idx],
+        )
     return nonfinite_loss
 
 
@@ -322,13 +358,53 @@ def _backward_micro_batch(
     procs: Processes,
     sums: UpdateSums,
     per_rollout: bool = False,
+    micro_capture: Callable[[torch.Tensor], Any] | None = None,
+    still: torch.Tensor | None = None,
 ) -> bool:
     """Forward, :func:`grpo_loss` and backward of the micro-batch of rows ``idx`` (see :func:`backward_mini_batch`);
-    returns whether its loss was non-finite."""
+    returns whether its loss was non-finite. ``still``: [n] bool, the rows to forward without gradient."""
     micro = batch.select(idx)
-    logprobs = update_logprobs(config, procs, per_rollout)
-    with forward_precision(procs.device, config.dtype):
-        logp, entropy = logprobs(policy, micro, config.temperature, return_entropy=True)
+    moving = torch.arange(len(idx)) if still is None else (~still).nonzero().squeeze(1)  # rows with a gradient
+    parts = []  # (rows of the micro-batch, their log-probs [r, T], entropy [r, T])
+    if moving.numel() < len(idx):
+        quiet = still.nonzero().squeeze(1)
+        with torch.no_grad(), forward_precision(procs.device, config.dtype):
+            logp, entropy = update_logprobs(config, procs)(
+                policy, micro.select(quiet), config.temperature, return_entropy=True
+            )
+        parts.append((quiet, logp, entropy))
+    capture = micro_capture(idx[moving]) if micro_capture is not None and moving.numel() else contextlib.nullcontext()
+    with capture:
+        if moving.numel():
+            part = micro if moving.numel() == len(idx) else micro.select(moving)
+            with forward_precision(procs.device, config.dtype):
+                logprobs = update_logprobs(config, procs, per_rollout)
+                logp, entropy = logprobs(policy, part, config.temperature, return_entropy=True)
+            parts.append((moving, logp, entropy))
+        return _loss_and_backward(micro, idx, parts, advantages, ref_logp, plan, mb, pass_, normalizer, config, sums)
+
+
+def _loss_and_backward(
+    micro: RolloutBatch,
+    idx: torch.Tensor,
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    advantages: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    plan: UpdatePlan,
+    mb: int,
+    pass_: int,
+    normalizer: float,
+    config: TrainConfig,
+    sums: UpdateSums,
+) -> bool:
+    """:func:`grpo_loss` of micro-batch ``micro`` (rows ``idx``) from its forwards' ``parts`` (rows, log-probs,
+    entropy), its backward where any part has a gradient, and its metrics; returns whether the loss was non-finite."""
+    if len(parts) == 1:
+        _, logp, entropy = parts[0]
+    else:  # the rows back in the micro-batch's order
+        order = torch.argsort(torch.cat([rows for rows, _, _ in parts]))
+        logp = torch.cat([lp for _, lp, _ in parts])[order]
+        entropy = torch.cat([ent for _, _, ent in parts])[order]
     old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]
     if pass_ == 0:
         sums.add_first_pass(entropy, old, micro)
@@ -353,7 +429,8 @@ def _backward_micro_batch(
         token_weights=weights,
         policy_loss=config.policy_loss,
     )
-    loss.backward()
+    if loss.requires_grad:  # else every row is still: no gradient to add
+        loss.backward()
     sums.add_loss_metrics(m, config.mu * len(plan.mini_batches))
     return not bool(torch.isfinite(loss.detach()))
 

@@ -30,8 +30,9 @@ from grpo_lens.train.processes import Processes
 from grpo_lens.train.update import policy_update
 
 
-def _trainer_gradient(model, batch, advantages, mode):
-    """The flat loss gradient policy_update computes before its (first and only) optimizer step."""
+def _trainer_gradient(model, batch, advantages, mode, metrics=None):
+    """The flat loss gradient policy_update computes before its (first and only) optimizer step (its metrics into
+    ``metrics`` when given)."""
     config = TrainConfig(
         model="tiny",
         group_size=R,
@@ -52,7 +53,7 @@ def _trainer_gradient(model, batch, advantages, mode):
     def snapshot():
         grads.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
 
-    policy_update(
+    out = policy_update(
         model,
         torch.optim.SGD(params, lr=0.0),
         batch,
@@ -63,7 +64,53 @@ def _trainer_gradient(model, batch, advantages, mode):
         params,
         before_step=snapshot,
     )
+    if metrics is not None:
+        metrics.update(out)
     return grads[0].double()
+
+
+@pytest.mark.e2e
+def test_groups_without_a_gradient_are_forwarded_without_one(monkeypatch):
+    # Groups whose advantages are all exactly 0 add nothing to the clipped surrogate's gradient (-min(rho A,
+    # clip(rho) A) = 0 for any rho), so the update forwards them without gradient and leaves them out of the backward
+    # (train.update.still_rows). Micro-batches of 3 rows (R = 2): group 1 (rows 2, 3) spans two of them, group 3
+    # (rows 6, 7) is a micro-batch of its own, which then has no backward at all.
+    from grpo_lens.train import update
+
+    torch.manual_seed(0)
+    model = build_model()
+    batch, advantages, _ = build_batch(model)
+    advantages[2:4] = 0.0
+    advantages[6:8] = 0.0
+    forwards = []  # (rows, gradients on) of every policy forward
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: forwards.append((kw["input_ids"].shape[0], torch.is_grad_enabled())), with_kwargs=True
+    )
+    try:
+        fast_metrics, full_metrics = {}, {}
+        fast = _trainer_gradient(model, batch, advantages, "token-mean", fast_metrics)
+        fast_forwards = list(forwards)
+        with monkeypatch.context() as m:
+            m.setattr(update, "still_rows", lambda *a: None)  # every row through the backward, as before
+            forwards.clear()
+            full = _trainer_gradient(model, batch, advantages, "token-mean", full_metrics)
+            assert forwards == [(3, True), (3, True), (2, True)]
+            # the same skip with group 2 (advantages not 0) marked still too drops a real term: far off
+            wrong = torch.zeros(B * R, dtype=torch.bool)
+            wrong[2:6] = True
+            wrong[6:8] = True
+            m.setattr(update, "still_rows", lambda *a: wrong)
+            dropped = _trainer_gradient(model, batch, advantages, "token-mean")
+    finally:
+        hook.remove()
+    # micro-batch [0, 1, 2]: row 2 without gradient, then rows 0-1; [3, 4, 5]: row 3, then 4-5; [6, 7]: no gradient
+    assert fast_forwards == [(1, False), (2, True), (1, False), (2, True), (2, False)]
+    # the same sum without exact zeros (float32: GEMMs over fewer rows round differently)
+    assert float((fast - full).norm() / full.norm()) < 1e-6
+    assert float((dropped - full).norm() / full.norm()) > 1e-2
+    assert fast_metrics.keys() == full_metrics.keys()
+    for key, value in full_metrics.items():
+        assert fast_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.e2e
