@@ -148,7 +148,8 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
             p_dnh=p_dnh,
             rule_id=RULE_ID,
             advice=(
-                f"raise `--baseline-study-prompts` (now {n} testable prompts; e.g. {max(2 * n, 24)})"
+                f"raise `--baseline-study-prompts` (grpo-lens probe; `--probe-study-prompts` in grpo-lens demo) "
+                f"(now {n} testable prompts; e.g. {max(2 * n, 24)})"
                 if verdict == INCONCLUSIVE
                 else ""
             ),

@@ -218,7 +218,10 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
                 measurement="no Monte Carlo rollouts (--mc-groups 0)",
                 control=control,
                 verdict=INCONCLUSIVE,
-                rule=f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs",
+                rule=(
+                    f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs "
+                    "(grpo-lens demo: --probe-study-prompts 4 or more)"
+                ),
                 source=source,
             )
         ]
@@ -291,7 +294,8 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
             p_dnh=p_dnh,
             rule_id=MC_RULE_ID,
             advice=(
-                f"raise `--mc-groups` (now {n} rollouts; each group adds R; *does not hold* needs about "
+                f"raise `--mc-groups` (grpo-lens probe; grpo-lens demo runs at most 4 groups) (now {n} rollouts; each "
+                f"group adds R; *does not hold* needs about "
                 f"{math.ceil(3.7 / max(alpha_r, 1e-9))} rollouts with no flag)"
                 if verdict == INCONCLUSIVE
                 else ""

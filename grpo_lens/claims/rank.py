@@ -144,7 +144,8 @@ def _probe_advice(probe: dict[str, Any], tests: dict[str, dict[str, Any]], need:
         rate = t["n"] / prompts if prompts else 0.0
         target = math.ceil(need / rate) if rate > 0 else 2 * need
         if t["n"] < need:
-            parts.append(f"R = {r}: {t['n']} mixed groups < {need}, about {target} prompts reach {need}")
+            groups = f"{t['n']} mixed group" + ("" if t["n"] == 1 else "s")
+            parts.append(f"R = {r}: {groups} < {need}, about {target} prompts reach {need}")
     more = "; ".join(parts) if parts else "the intervals overlap 0.9: more groups narrow them (e.g. twice the prompts)"
     return f"raise `--prompts` (grpo-lens probe; `--probe-prompts` in grpo-lens demo): {more}"
 

@@ -72,6 +72,19 @@ def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get(PERF_LENS_SECONDS) is not None and r.get(key) is not None]
 
 
+def _more_lens_steps(rows: list[dict[str, Any]], tested: int) -> str:
+    """How to get more tested lens steps, from the run's own lens spacing (the median gap between its lens steps)."""
+    gaps = sorted(b[STEP] - a[STEP] for a, b in zip(rows, rows[1:]))
+    every = int(gaps[len(gaps) // 2]) if gaps else 1
+    if every <= 1:
+        return f"raise `--max-steps` (now {tested} tested lens steps, the lens on every step)"
+    lower = max(1, every // 2)
+    return (
+        f"raise `--max-steps` or lower `--lens-every` (now {tested} tested lens steps, every {every} steps; "
+        f"e.g. --lens-every {lower} gives about {every / lower:.1f}× as many)"
+    )
+
+
 def trend_verdict(
     xs: list[float], ys: list[float], min_points: int, covariate: list[float] | None = None
 ) -> tuple[str, str, dict[str, Any]]:
@@ -176,12 +189,7 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
             p_holds=nums["p_holds"],
             p_dnh=nums["p_dnh"],
             rule_id=SPARSITY_RULE_ID,
-            advice=(
-                f"raise `--max-steps` or lower `--lens-every` (now {len(tested)} tested lens steps; "
-                f"e.g. --lens-every 2 gives about 3× as many)"
-                if verdict == INCONCLUSIVE
-                else ""
-            ),
+            advice=_more_lens_steps(rows, len(tested)) if verdict == INCONCLUSIVE else "",
         )
     ]
 

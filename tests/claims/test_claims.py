@@ -82,6 +82,22 @@ def test_rank_claim_is_one_row_across_r():
     # 12 groups < 16 at R = 8: inconclusive, and the row names the flag and a count
     (c,) = rank_claim({"4": planted, "8": planted[:12]})
     assert c.verdict == INCONCLUSIVE and "`--prompts`" in c.advice and "R = 8: 12 mixed groups < 16" in c.advice
+    (c,) = rank_claim({"4": planted, "8": planted[:1]})
+    assert "R = 8: 1 mixed group < 16" in c.advice
+
+
+def test_sparsity_advice_follows_the_runs_own_lens_spacing():
+    from grpo_lens.claims.sparsity import _more_lens_steps
+    from grpo_lens.metrics import STEP
+
+    def steps(*s):
+        return [{STEP: k} for k in s]
+
+    # every 5 steps (the last step measured too): halving to 2 gives 5 / 2 = 2.5x the lens steps
+    assert "every 5 steps; e.g. --lens-every 2 gives about 2.5× as many" in _more_lens_steps(steps(0, 5, 10, 15, 19), 4)
+    assert "--lens-every 1 gives about 2.0× as many" in _more_lens_steps(steps(0, 2, 4, 6), 3)
+    every = _more_lens_steps(steps(0, 1, 2, 3), 3)
+    assert "the lens on every step" in every and "--lens-every" not in every
 
 
 def test_zero_sum_claim_rules():
