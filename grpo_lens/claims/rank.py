@@ -260,8 +260,9 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
         why = f"neither branch reaches {BRANCH_LEVEL} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
     advice = ""
     if verdict == INCONCLUSIVE:
+        most = max(groups, default=0)
         advice = (
-            f"raise `--prompts-per-step` (now at most {max(groups, default=0)} mixed groups per lens step; a "
+            f"raise `--prompts-per-step` (now at most {most} mixed group{'' if most == 1 else 's'} per lens step; a "
             f"step interval needs 8, e.g. --prompts-per-step 12 with R = 8)"
         )
     e2 = [float(r[RANK_G1.format(m="top2_share")]) for r in rows]

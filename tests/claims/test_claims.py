@@ -218,7 +218,9 @@ def test_rank_over_training_claim_and_the_lens_intervals():
     # the demo's 4 mixed groups per lens step give no step interval: inconclusive, naming the flag
     few = [{k: v for k, v in step(i, groups=4).items() if not k.endswith(("_lo", "_hi"))} for i in range(7)]
     (c,) = CLAIMS.get("rank_stays_near_two")({"records": few})
-    assert c.verdict == INCONCLUSIVE and "--prompts-per-step" in c.advice
+    assert c.verdict == INCONCLUSIVE and "--prompts-per-step" in c.advice and "at most 4 mixed groups per" in c.advice
+    one = [{k: v for k, v in step(i, groups=1).items() if not k.endswith(("_lo", "_hi"))} for i in range(7)]
+    assert "at most 1 mixed group per lens step" in CLAIMS.get("rank_stays_near_two")({"records": one})[0].advice
     assert CLAIMS.get("rank_stays_near_two")({"records": [{"step": 1}]}) == []
     # lens intervals: 1..8 as erank of 8 groups -> the t interval 4.5 -+ 2.36462 sqrt(6/8) (symmetric data); none
     # from 7 groups
