@@ -196,7 +196,8 @@ def plan_update(
 
 def still_rows(advantages: torch.Tensor, group_size: int, config: TrainConfig, procs: Processes) -> torch.Tensor | None:
     """[N] bool: the rows of groups whose every advantage is exactly 0 (no reward contrast: S1's groups), where the
-    update's loss has no gradient; None when there is none, or when the loss could have one there.
+    update's loss has no gradient; None when there is none, or when the loss could have one there (docs/theory.md
+    §Groups without reward contrast).
 
     The clipped surrogate (``vanilla``) is -min(rho A, clip(rho) A) per token: 0 for any ratio rho at A = 0, and so
     is its gradient, with any token weight (TIS) or dual clip; a KL term in the loss (beta > 0, KL not folded into the
@@ -374,65 +375,51 @@ def _backward_micro_batch(
             )
         parts.append((quiet, logp, entropy))
     capture = micro_capture(idx[moving]) if micro_capture is not None and moving.numel() else contextlib.nullcontext()
-    with capture:
+    with capture:  # around the forward and the backward of the rows with a gradient
         if moving.numel():
             part = micro if moving.numel() == len(idx) else micro.select(moving)
             with forward_precision(procs.device, config.dtype):
                 logprobs = update_logprobs(config, procs, per_rollout)
                 logp, entropy = logprobs(policy, part, config.temperature, return_entropy=True)
             parts.append((moving, logp, entropy))
-        return _loss_and_backward(micro, idx, parts, advantages, ref_logp, plan, mb, pass_, normalizer, config, sums)
-
-
-def _loss_and_backward(
-    micro: RolloutBatch,
-    idx: torch.Tensor,
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    advantages: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    plan: UpdatePlan,
-    mb: int,
-    pass_: int,
-    normalizer: float,
-    config: TrainConfig,
-    sums: UpdateSums,
-) -> bool:
-    """:func:`grpo_loss` of micro-batch ``micro`` (rows ``idx``) from its forwards' ``parts`` (rows, log-probs,
-    entropy), its backward where any part has a gradient, and its metrics; returns whether the loss was non-finite."""
-    if len(parts) == 1:
-        _, logp, entropy = parts[0]
-    else:  # the rows back in the micro-batch's order
-        order = torch.argsort(torch.cat([rows for rows, _, _ in parts]))
-        logp = torch.cat([lp for _, lp, _ in parts])[order]
-        entropy = torch.cat([ent for _, _, ent in parts])[order]
-    old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]
-    if pass_ == 0:
-        sums.add_first_pass(entropy, old, micro)
-    weights = None
-    if config.tis_cap is not None:
-        weights = truncated_is_weights(old, micro.sampler_logprobs, config.tis_cap)
+        logp, entropy = _in_row_order(parts)
+        old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]
         if pass_ == 0:
-            sums.add_tis(weights, micro.completion_mask, config.tis_cap)
-    loss, m = grpo_loss(
-        logp,
-        old,
-        advantages[idx],
-        plan.loss_mask[idx],
-        normalizer=normalizer,
-        aggregation=config.loss_aggregation,
-        eps_low=config.eps_low,
-        eps_high=config.eps_high,
-        dual_clip=config.dual_clip,
-        beta=0.0 if config.kl_in_reward else config.beta,
-        ref_logp=None if ref_logp is None else ref_logp[idx],
-        kl_estimator=config.kl_estimator,
-        token_weights=weights,
-        policy_loss=config.policy_loss,
-    )
-    if loss.requires_grad:  # else every row is still: no gradient to add
-        loss.backward()
+            sums.add_first_pass(entropy, old, micro)
+        weights = None
+        if config.tis_cap is not None:
+            weights = truncated_is_weights(old, micro.sampler_logprobs, config.tis_cap)
+            if pass_ == 0:
+                sums.add_tis(weights, micro.completion_mask, config.tis_cap)
+        loss, m = grpo_loss(
+            logp,
+            old,
+            advantages[idx],
+            plan.loss_mask[idx],
+            normalizer=normalizer,
+            aggregation=config.loss_aggregation,
+            eps_low=config.eps_low,
+            eps_high=config.eps_high,
+            dual_clip=config.dual_clip,
+            beta=0.0 if config.kl_in_reward else config.beta,
+            ref_logp=None if ref_logp is None else ref_logp[idx],
+            kl_estimator=config.kl_estimator,
+            token_weights=weights,
+            policy_loss=config.policy_loss,
+        )
+        if moving.numel():  # a micro-batch of still rows only has no gradient to add
+            loss.backward()
     sums.add_loss_metrics(m, config.mu * len(plan.mini_batches))
     return not bool(torch.isfinite(loss.detach()))
+
+
+def _in_row_order(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [n, T], entropy [n, T]) of a micro-batch from its forwards' parts (its rows [r], their log-probs
+    [r, T], entropy [r, T]), the rows back in the micro-batch's order."""
+    if len(parts) == 1:
+        return parts[0][1], parts[0][2]
+    order = torch.argsort(torch.cat([rows for rows, _, _ in parts]))
+    return torch.cat([lp for _, lp, _ in parts])[order], torch.cat([ent for _, _, ent in parts])[order]
 
 
 def optimizer_step(
