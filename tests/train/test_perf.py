@@ -264,25 +264,14 @@ def test_without_shared_prompts_the_lens_leaves_training_bit_identical(tmp_path)
     one without it train alike to the last bit (docs/theory.md §Shared prompts: the lens only reads gradients)."""
     import json
 
-    from grpo_lens.config import TrainConfig
+    from test_trainer import tiny_config
+
     from grpo_lens.train.loop import train
 
     def run(name: str, lens_every: int) -> list[dict]:
-        config = TrainConfig(
-            model="tiny",
-            rewards=["test_parity"],
-            group_size=4,
-            prompts_per_step=2,
-            max_new_tokens=8,
-            max_steps=3,
-            learning_rate=1e-2,
-            lens_every=lens_every,
-            shared_prompt_forward=False,
-            seed=0,
-            device="cpu",
-            out=str(tmp_path / name),
-            progress=False,
-            save_final_model=False,
+        # one on-policy pass, automatic micro-batches: the lens reads the update's own backward
+        config = tiny_config(
+            tmp_path / name, mu=1, micro_batch_size=None, lens_every=lens_every, shared_prompt_forward=False
         )
         out = train(config)
         return [json.loads(line) for line in (out.path / "metrics.jsonl").read_text().splitlines()]
