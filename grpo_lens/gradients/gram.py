@@ -151,6 +151,7 @@ def form_costs(
     d_out: int,
     token_block: int,
     constants: tuple[float, float, float] = (TOKEN_PAIR_COST, ROLLOUT_ROW_COST, ROLLOUT_PAIR_COST),
+    shared: Sequence[int] | None = None,
 ) -> tuple[float, float]:
     """(token, rollout): the two forms' costs for one linear layer, in per-rollout multiply-adds, summed over blocks of
     ns[b] rollouts with ms[b] kept positions each (one block: the whole [N, N] Gram).
@@ -161,6 +162,10 @@ def form_costs(
     d_in d_out) and the n^2 d_in d_out reduction (times :data:`ROLLOUT_PAIR_COST`). Book-keeping's hybrid rule
     (Bu et al. 2022, arXiv 2210.00038, §3) with costs measured on a CPU. ``constants``: (token pair, rollout row,
     rollout pair) costs in place of the shipped ones (benchmarks/bench_gram_forms.py compares rules).
+
+    ``shared``: s[b] columns of block b whose input every row shares (:func:`shared_columns`; a group's prompt). The
+    token form's cost is then the lower of the plain token pairs' and :func:`shared_token_gram`'s
+    (:func:`shared_token_cost`).
     """
     token_pair, rollout_row, rollout_pair = constants
     token = rollout = 0.0
@@ -168,7 +173,36 @@ def form_costs(
         nt = max(1, math.ceil(m / max(1, token_block)))
         token += token_pair * (nt + 1) / (2 * nt) * m * m * (d_in + d_out + 2 * n + 64)
         rollout += d_in * d_out * (m + rollout_row * n + rollout_pair * n * n)
+    if shared is not None and any(shared):
+        token = min(token, shared_token_cost(ms, ns, shared, d_in, d_out, token_block, constants))
     return token, rollout
+
+
+def shared_token_cost(
+    ms: Sequence[int],
+    ns: Sequence[int],
+    shared: Sequence[int],
+    d_in: int,
+    d_out: int,
+    token_block: int,
+    constants: tuple[float, float, float] = (TOKEN_PAIR_COST, ROLLOUT_ROW_COST, ROLLOUT_PAIR_COST),
+) -> float:
+    """:func:`shared_token_gram`'s cost in :func:`form_costs`' units, summed over the blocks (s[b] shared columns):
+    the M_o = m - n s own positions as token pairs; the kernels (s^2 + s M_o) d_in and n s (s + n + M_o) d_out
+    multiply-adds at the token-pair price; and the output gradients gathered once more ((M_o + n s) d_out elements,
+    each priced like the rollout form's writing and reading of an element of G_i). A block with s = 0 is priced as
+    plain token pairs. That copy is what makes a layer with a wide output and few shared columns (the LM head, whose
+    one shared column is the prompt's last position) cheaper unshared."""
+    token_pair, rollout_row, _ = constants
+    cost = 0.0
+    for m, n, s in zip(ms, ns, shared):
+        mo = m - n * s  # the positions paired as tokens
+        nt = max(1, math.ceil(mo / max(1, token_block)))
+        cost += token_pair * (nt + 1) / (2 * nt) * mo * mo * (d_in + d_out + 2 * n + 64)
+        if s:
+            cost += token_pair * ((s * s + s * mo) * d_in + n * s * (s + n + mo) * d_out)
+            cost += rollout_row * (mo + n * s) * d_out
+    return cost
 
 
 def choose_form(m: int, n: int, d_in: int, d_out: int, token_block: int) -> str:
@@ -180,11 +214,38 @@ def choose_form(m: int, n: int, d_in: int, d_out: int, token_block: int) -> str:
     return choose_block_form([m], [n], d_in, d_out, token_block)
 
 
-def choose_block_form(ms: Sequence[int], ns: Sequence[int], d_in: int, d_out: int, token_block: int) -> str:
-    """:func:`choose_form` for a block-diagonal Gram: blocks of ns[b] rollouts with ms[b] kept positions each; the
-    costs of both forms summed over the blocks."""
-    token, rollout = form_costs(ms, ns, d_in, d_out, token_block)
+def choose_block_form(
+    ms: Sequence[int],
+    ns: Sequence[int],
+    d_in: int,
+    d_out: int,
+    token_block: int,
+    shared: Sequence[int] | None = None,
+) -> str:
+    """:func:`choose_form` for a block-diagonal Gram: blocks of ns[b] rollouts with ms[b] kept positions each (and
+    shared[b] shared columns, :func:`form_costs`); the costs of both forms summed over the blocks."""
+    token, rollout = form_costs(ms, ns, d_in, d_out, token_block, shared=shared)
     return "token" if token < rollout else "rollout"
+
+
+def shared_columns(x: Tensor, keep: Tensor) -> Tensor:
+    """[S] bool: the columns t kept in every row of one block whose inputs x[i, t] are bit-equal in every row.
+
+    In a per-rollout forward the R rollouts of a group run the same prompt, so every layer's input at the prompt's
+    positions is the same in each row (and at any completion prefix the rows share); :func:`shared_token_gram` then
+    pairs those positions once instead of R^2 times. Equality is checked, not assumed: a kernel whose rounding
+    depended on the row would leave its columns unshared, and the Gram is the same either way. A block of one row
+    shares nothing.
+
+    Args:
+        x: [n, S, d_in] one block's inputs.   keep: [n, S] bool, kept positions.
+    """
+    if x.shape[0] < 2:
+        return torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
+    cols = keep.all(0)
+    if bool(cols.any()):
+        cols = cols & (x == x[:1]).all(-1).all(0)
+    return cols
 
 
 def token_pair_gram(
@@ -194,6 +255,7 @@ def token_pair_gram(
     token_block: int,
     cache: dict | None = None,
     spans: Sequence[tuple[int, int]] | None = None,
+    shared: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """<G_i, G_j> = sum_{t in i, u in j} (x_t . x_u)(delta_t . delta_u) of a linear weight, G_i = sum_t delta_t x_t^T.
 
@@ -204,24 +266,37 @@ def token_pair_gram(
         x: [N, S, d_in] inputs.   delta: [N, S, d_out] output gradients.   keep: [N, S] bool, kept positions.
         token_block: tile length.   cache: {(a, b): x tile kernel} shared by layers with the same input, or None.
         spans: row blocks (:func:`block_spans`): only pairs inside one block are formed; None: all rows.
+        shared: one [S] bool per span (or per the whole batch when ``spans`` is None), the columns whose input every
+            row of the block shares (:func:`shared_columns`): a block with any goes through
+            :func:`shared_token_gram`; None: none shared.
 
     Returns:
         [N, N] float64 (0 outside the blocks).
     """
     n = x.shape[0]
-    if spans is not None and not (len(spans) == 1 and spans[0] == (0, n)):
+    whole = spans is None or (len(spans) == 1 and spans[0] == (0, n))
+    if not whole:
         gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
-        for r0, r1 in spans:
+        for b, (r0, r1) in enumerate(spans):
             sub = None if cache is None else cache.setdefault(("block", r0, r1), {})
-            gram[r0:r1, r0:r1] = token_pair_gram(x[r0:r1], delta[r0:r1], keep[r0:r1], token_block, sub)
+            cols = None if shared is None else [shared[b]]
+            gram[r0:r1, r0:r1] = token_pair_gram(x[r0:r1], delta[r0:r1], keep[r0:r1], token_block, sub, shared=cols)
         return gram
+    if shared is not None and bool(shared[0].any()):
+        return shared_token_gram(x, delta, keep, shared[0], token_block, cache)
     flat = keep.reshape(-1).nonzero().squeeze(1)  # [M] row-major, rollout ids ascending
     seg = flat // keep.shape[1]  # [M] rollout of each kept position
     xk = x.reshape(-1, x.shape[-1])[flat]  # [M, d_in]
     dk = delta.reshape(-1, delta.shape[-1])[flat]  # [M, d_out]
-    gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
-    m = flat.numel()
-    eye = torch.eye(n, dtype=torch.float64, device=x.device)
+    return _position_pairs(xk, dk, seg, n, token_block, cache)
+
+
+def _position_pairs(xk: Tensor, dk: Tensor, seg: Tensor, n: int, token_block: int, cache: dict | None) -> Tensor:
+    """[n, n] float64 sum_{t in i, u in j} (x_t . x_u)(delta_t . delta_u) over the M positions given: xk [M, d_in],
+    dk [M, d_out], seg [M] their rows (ascending), over tiles a <= b of ``token_block`` (:func:`token_pair_gram`)."""
+    gram = torch.zeros(n, n, dtype=torch.float64, device=xk.device)
+    m = seg.numel()
+    eye = torch.eye(n, dtype=torch.float64, device=xk.device)
     tiles = [(a, min(a + token_block, m)) for a in range(0, m, token_block)]
     for ia, (a0, a1) in enumerate(tiles):
         for ib in range(ia, len(tiles)):
@@ -232,9 +307,63 @@ def token_pair_gram(
                 if cache is not None:
                     cache[(ia, ib)] = kx
             c = kx * (dk[a0:a1] @ dk[b0:b1].T).to(torch.float64)  # [ta, tb] token-pair products
-            part = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+            part = torch.zeros(n, n, dtype=torch.float64, device=xk.device)
             part.index_add_(0, seg[a0:a1], c @ eye[seg[b0:b1]])  # S_a^T C S_b
             gram += part if ib == ia else part + part.T
+    return gram
+
+
+def shared_token_gram(
+    x: Tensor, delta: Tensor, keep: Tensor, shared: Tensor, token_block: int, cache: dict | None = None
+) -> Tensor:
+    """:func:`token_pair_gram` of one block whose rows share their inputs at the columns ``shared``, each shared
+    position's input paired once rather than once per pair of rows.
+
+    With S_i = shared + own_i rollout i's positions and x_p the same in every row at a shared column p,
+    <G_i, G_j> = sum_{a in S_i, b in S_j} K_ab (delta_ia . delta_jb), K = X_u X_u^T over the distinct inputs X_u
+    (the shared columns once, then every row's own positions). Split by where a and b lie:
+
+    - shared, shared: <Delta_i, K_ss Delta_j>, Delta_i = delta_i at the shared columns [s, d_out];
+    - shared, own: sum_{p, u in own_j} K_pu (delta_ip . delta_u), and its transpose for own, shared;
+    - own, own: :func:`token_pair_gram` over the own positions alone.
+
+    The same sum as the token-pair form, in another order: the shared-shared part costs n s^2 d_out + n^2 s d_out
+    multiply-adds instead of n^2 s^2 (d_in + d_out) (a group's prompt of s positions in each of its n rows). Products
+    run in the inputs' dtype, every reduction across positions or rows in float64 (as :func:`token_pair_gram`).
+
+    Args:
+        x: [n, S, d_in].   delta: [n, S, d_out].   keep: [n, S] bool.
+        shared: [S] bool (:func:`shared_columns`: kept in every row, x bit-equal across rows).
+        token_block: tile length of the own positions' pairs.   cache: kernels shared by layers with the same input.
+
+    Returns:
+        [n, n] float64.
+    """
+    n, length = keep.shape
+    d_in, d_out = x.shape[-1], delta.shape[-1]
+    own = keep & ~shared.unsqueeze(0)  # [n, S]
+    cols = shared.nonzero().squeeze(1)  # [s]
+    flat = own.reshape(-1).nonzero().squeeze(1)  # [M_o] row-major
+    seg = flat // length  # [M_o] rollout of each own position
+    ds = delta[:, cols]  # [n, s, d_out]
+    do = delta.reshape(-1, d_out)[flat]  # [M_o, d_out]
+    xo = x.reshape(-1, d_in)[flat]  # [M_o, d_in]
+    gram = _position_pairs(xo, do, seg, n, token_block, None if cache is None else cache.setdefault("own", {}))
+    k_ss = None if cache is None else cache.get("k_ss")
+    if k_ss is None:
+        xs = x[0, cols]  # [s, d_in], the same in every row
+        k_ss, k_so = xs @ xs.T, (xs @ xo.T).to(torch.float64)  # [s, s], [s, M_o]
+        if cache is not None:
+            cache["k_ss"], cache["k_so"] = k_ss, k_so
+    else:
+        k_so = cache["k_so"]
+    w = torch.matmul(k_ss, ds)  # [n, s, d_out]: sum_q K_pq delta_jq
+    gram += ds.reshape(n, -1).to(torch.float64) @ w.reshape(n, -1).to(torch.float64).T
+    if flat.numel():
+        dd = torch.matmul(ds, do.T).to(torch.float64)  # [n, s, M_o]: delta_ip . delta_u
+        c = (dd * k_so.unsqueeze(0)).sum(1)  # [n, M_o]: sum_p K_pu (delta_ip . delta_u)
+        so = torch.zeros(n, n, dtype=torch.float64, device=x.device).index_add_(1, seg, c)  # [i, j]: u in own_j
+        gram += so + so.T
     return gram
 
 
@@ -522,6 +651,7 @@ class _Pass:
     roots: list = field(default_factory=list)
     x_users: dict = field(default_factory=dict)
     x_cache: dict = field(default_factory=dict)
+    x_shared: dict = field(default_factory=dict)  # input key -> each span's shared columns (shared_columns)
     emb_scale: dict = field(default_factory=dict)
     sel: Tensor | None = None  # [n] the wanted rows (GramCapture.rows), None = all
     sel_spans: list | None = None  # the blocks (GramCapture.blocks) as row ranges of the wanted rows x[sel]
@@ -594,6 +724,7 @@ class GramCapture:
         self.forms: dict[str, str] = {}
         self.norm_closed_form: dict[str, bool] = {}
         self.hook_seconds = 0.0
+        self.shared_layers = 0  # linear layers whose token form paired shared columns once (shared_token_gram)
         self.max_dropped = 0.0
         self.late_uncovered: dict[str, str] = {}
         self.spans: list[tuple[int, int]] = []  # row blocks of the pass (block_spans), set by its forward
@@ -697,23 +828,43 @@ class GramCapture:
     def _on_linear_forward(self, module: nn.Module, x: Tensor, output: Tensor) -> None:
         st = self.state
         keep = self._keep_for(x.shape)
-        form, key = None, _tensor_key(x)
+        form, key, shared = None, _tensor_key(x), None
         if "weight" in self.plan.hooked[module]:
             d_out, d_in = linear_shape(module)
-            if self.form != "auto":
-                form = self.form
-            elif st.sel is not None:  # the wanted rows alone, in their blocks
+            shared = self._shared_for(key, x, keep)
+            counts = [int(c.sum()) for c in shared]
+            if st.sel is not None:  # the wanted rows alone, in their blocks (the spans with a wanted row, in order)
                 ms = [int(keep[st.sel[a:b]].sum()) for a, b in st.sel_spans]
-                form = choose_block_form(ms, [b - a for a, b in st.sel_spans], d_in, d_out, self.token_block)
+                ns = [b - a for a, b in st.sel_spans]
+                counts = [c for c, (r0, r1) in zip(counts, self.spans) if bool(keep[r0:r1].any())]
             else:
                 ms = [int(keep[r0:r1].sum()) for r0, r1 in self.spans]
-                form = choose_block_form(ms, [r1 - r0 for r0, r1 in self.spans], d_in, d_out, self.token_block)
+                ns = [r1 - r0 for r0, r1 in self.spans]
+            form = self.form
+            if form == "auto":
+                form = choose_block_form(ms, ns, d_in, d_out, self.token_block, counts)
             self.forms[self.module_names[module]] = form
             if form == "token":
                 st.x_users[key] = st.x_users.get(key, 0) + 1
+                plain, _ = form_costs(ms, ns, d_in, d_out, self.token_block)
+                if not any(counts) or shared_token_cost(ms, ns, counts, d_in, d_out, self.token_block) >= plain:
+                    shared = None  # the token pairs as they are are cheaper here
+            else:
+                shared = None
         output.register_hook(
-            lambda g, m=module, x=x, k=keep, f=form, key=key: self._timed(self._linear_backward, m, x, k, f, key, g)
+            lambda g, m=module, x=x, k=keep, f=form, key=key, sh=shared: self._timed(
+                self._linear_backward, m, x, k, f, key, g, sh
+            )
         )
+
+    def _shared_for(self, key: tuple, x: Tensor, keep: Tensor) -> list[Tensor]:
+        """Each span's :func:`shared_columns` of input ``x`` (computed once per input: q, k and v read the same)."""
+        st = self.state
+        if key not in st.x_shared:
+            t0 = time.perf_counter()
+            st.x_shared[key] = [shared_columns(x[r0:r1], keep[r0:r1]) for r0, r1 in self.spans]
+            self.hook_seconds += time.perf_counter() - t0
+        return st.x_shared[key]
 
     # -- backward hooks ------------------------------------------------------------------------------------------
     def _timed(self, fn, *args) -> None:
@@ -735,7 +886,14 @@ class GramCapture:
             self.max_dropped = max(self.max_dropped, float(g[~keep].abs().max()))
 
     def _linear_backward(
-        self, module: nn.Module, x: Tensor, keep: Tensor, form: str | None, key: tuple, delta: Tensor
+        self,
+        module: nn.Module,
+        x: Tensor,
+        keep: Tensor,
+        form: str | None,
+        key: tuple,
+        delta: Tensor,
+        shared: list[Tensor] | None = None,
     ) -> None:
         attrs = self.plan.hooked[module]
         x, delta = _upcast(x), _upcast(delta)
@@ -748,8 +906,10 @@ class GramCapture:
         tied = self.plan.tied.get(module)
         tokens = self.state.emb[tied.emb][0] if tied is not None else None
         if form == "token":
+            if shared is not None:
+                self.shared_layers += 1
             gram = token_pair_gram(
-                x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())), self.spans
+                x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())), self.spans, shared
             )
             if tied is not None:
                 tied.glm_rows = lm_rows_at_tokens(x, delta, keep, tokens, self.budget)
@@ -882,6 +1042,7 @@ class GramCapture:
             "forms": dict(self.forms),
             "norm_closed_form": dict(self.norm_closed_form),
             "hook_seconds": self.hook_seconds,
+            "shared_layers": self.shared_layers,
         }
         if self.check_dropped:
             info["max_dropped_delta"] = self.max_dropped
@@ -935,8 +1096,9 @@ def exact_rollout_gram(
         ``covered_params``, ``total_params``, ``uncovered`` {name: reason}, ``unreached`` (hooked parameters no
         gradient reached: their g_i are 0), ``trace_share`` {kind: share of trace(Gram)} (kinds: :data:`KINDS`),
         ``tied_terms_share`` (the tied matrix's LM use, embedding use and cross term), ``forms`` {linear layer:
-        token | rollout}, ``norm_closed_form`` {class: closed form agreed}, ``hook_seconds``, ``seconds`` {forward,
-        backward (hooks included)}, and ``max_dropped_delta`` / ``param_grams`` on request.
+        token | rollout}, ``norm_closed_form`` {class: closed form agreed}, ``hook_seconds``, ``shared_layers``
+        (linear layers whose token form paired the columns a block's rows share once, :func:`shared_token_gram`),
+        ``seconds`` {forward, backward (hooks included)}, and ``max_dropped_delta`` / ``param_grams`` on request.
 
     Raises:
         RuntimeError: nothing in the model requires grad.

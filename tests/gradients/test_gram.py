@@ -23,6 +23,10 @@ from grpo_lens.gradients.gram import (
     form_costs,
     gram_factor,
     gram_of_rows,
+    shared_columns,
+    shared_token_cost,
+    shared_token_gram,
+    token_pair_gram,
 )
 from grpo_lens.gradients.params import param_slices
 from grpo_lens.gradients.scores import rollout_scores
@@ -269,3 +273,74 @@ def test_block_diagonal_gram_equals_per_group_passes(arch, form):
     assert rel_err(wrong[1:3, 1:3], gram[1:3, 1:3]) > 1e-3  # <g_1, g_2> not formed: 0 in the wrong mask
     with pytest.raises(ValueError, match="summing"):
         exact_rollout_gram(model, batch, blocks=[2, 2], **kw)
+
+
+def test_shared_columns_pair_each_shared_input_once():
+    """shared_token_gram (a group's prompt paired once) equals the token-pair form to float64 rounding, with a left
+    padded block, rows of different lengths, tiles that cut rows and kernels reused from a cache by a second layer
+    reading the same input. Equality of inputs is checked, not assumed: one ulp in one row unshares that column, and a
+    column declared shared where the rows differ gives another Gram (so the comparison can fail)."""
+    g = torch.Generator().manual_seed(3)
+    n, length, d_in, d_out = 5, 17, 6, 4
+    x = torch.randn(n, length, d_in, dtype=torch.float64, generator=g)
+    x[:, 2:9] = x[0, 2:9]  # the prompt: columns 2-8 the same in every row
+    x[:, 9] = x[0, 9]  # and a completion's first token every row drew alike
+    keep = torch.ones(n, length, dtype=torch.bool)
+    keep[:, :2] = False  # left padding
+    keep[1, 12:], keep[3, 10:] = False, False  # shorter completions
+    shared = shared_columns(x, keep)
+    assert shared.nonzero().flatten().tolist() == list(range(2, 10))
+    cache: dict = {}
+    for _layer in range(2):  # the second layer reads the first one's cached kernels
+        delta = torch.randn(n, length, d_out, dtype=torch.float64, generator=g)
+        reference = token_pair_gram(x, delta, keep, 4)
+        assert rel_err(shared_token_gram(x, delta, keep, shared, 4, cache), reference) < 1e-13
+        assert rel_err(token_pair_gram(x, delta, keep, 4, spans=[(0, n)], shared=[shared]), reference) < 1e-13
+    assert {"k_ss", "k_so", "own"} <= set(cache)
+    bumped = x.clone()
+    bumped[2, 4, 1] = torch.nextafter(bumped[2, 4, 1], torch.tensor(1.0, dtype=torch.float64))
+    assert not bool(shared_columns(bumped, keep)[4]) and int(shared_columns(bumped, keep).sum()) == 7
+    different = x.clone()
+    different[2, 4] += 0.5
+    wrong = shared_token_gram(different, delta, keep, shared, 4)  # column 4 declared shared, but row 2 differs
+    assert rel_err(wrong, token_pair_gram(different, delta, keep, 4)) > 1e-3
+    assert not bool(shared_columns(x[:1], keep[:1]).any())  # one row shares nothing
+
+
+def test_shared_columns_lower_the_token_forms_price():
+    """shared_token_cost with s shared columns per block: own positions M_o = M - n s paired as tokens, plus
+    1.3 ((s^2 + s M_o) d_in + n s (s + n + M_o) d_out) and 50 (M_o + n s) d_out for the gathered gradients;
+    form_costs' token price is the lower of that and the plain token pairs'."""
+    assert form_costs([488], [8], 576, 576, 1024, shared=[0]) == form_costs([488], [8], 576, 576, 1024)
+    token, rollout = form_costs([488], [8], 576, 576, 1024, shared=[45])
+    # a group of 8 rollouts, a 45-token prompt and 16 completion tokens each (M = 8 * 61 = 488, M_o = 128):
+    # 1.3 (128^2 (576 + 576 + 16 + 64) + (45^2 + 45 * 128) 576 + 8 * 45 (45 + 8 + 128) 576) + 50 * 488 * 576
+    # = 5.16e7 + 1.41e7 = 6.6e7
+    expected = 1.3 * (128**2 * 1232 + (45**2 + 45 * 128) * 576 + 8 * 45 * 181 * 576) + 50 * 488 * 576
+    assert token == pytest.approx(expected, rel=1e-12)
+    assert shared_token_cost([488], [8], [45], 576, 576, 1024) == pytest.approx(expected, rel=1e-12)
+    # unshared the same group prices 1.3 * 488^2 * 1232 = 3.8e8 > rollout 576^2 (488 + 421) = 3.0e8
+    plain_token, _ = form_costs([488], [8], 576, 576, 1024)
+    assert plain_token > rollout > token
+    # the LM head (d_out 49152, 25 kept columns of which the prompt's last one is shared, M = 8 * 16 = 128):
+    # sharing saves 1.3 (128^2 - 120^2) (576 + 49152 + 80) = 1.3e8 of pairs but copies 50 * 128 * 49152 = 3.1e8
+    # more gradient entries, so the plain pairs stay
+    head_plain = form_costs([128], [8], 576, 49152, 1024)[0]
+    assert shared_token_cost([128], [8], [1], 576, 49152, 1024) > head_plain
+    assert form_costs([128], [8], 576, 49152, 1024, shared=[1])[0] == head_plain
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_groups_sharing_a_prompt_give_the_dense_oracles_blocks(arch):
+    """Blocks = the two groups, each of whose 3 rows runs the same prompt: every linear layer's token form pairs the
+    prompt's positions once (info["shared_layers"]) and each group's [3, 3] block equals the dense oracle's to 1e-10
+    in float64, per parameter too."""
+    gram, info = run(arch, "token", False, blocks=[3, 3])
+    exact, per_param = oracle(arch)
+    assert info["shared_layers"] > 0
+    for r0 in (0, 3):
+        block = slice(r0, r0 + 3)
+        assert rel_err(gram[block, block], exact[block, block]) < TOL
+        for name, e in per_param.items():
+            if float(e[block, block].abs().max()) > 0:
+                assert rel_err(info["param_grams"][name][block, block], e[block, block]) < TOL, name
