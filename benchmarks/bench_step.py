@@ -10,6 +10,11 @@ One invocation runs every system on the same work, each in its own child process
     lens-1     ``grpo_lens.trainer.train`` with the lens every step (``lens_every = 1``): the exact Gram read off the
                update's own backward where the loss allows (docs/theory.md §Lens inside the update's backward).
     lens-1-own the lens every step on its own forward + backward (``lens_from_update = false``), as before issue 30.
+    lens-floor lens off with every rollout running its own prompt (``shared_prompt_forward = false``): the pass a lens
+               step runs for its mixed groups with the lens itself free, since exact per-rollout gradients need each
+               rollout's own backward through its prompt (docs/theory.md §Shared prompts). lens-1 / lens-floor is
+               the lens's own cost, lens-floor / lens-off what any exact lens costs in this trainer (its still
+               groups also run their own prompt, without gradient, so it is a little above a lens step's floor).
     trl        TRL's ``GRPOTrainer`` with gradient checkpointing off (only when ``trl`` is importable;
                ``pip install -e '.[trl]'``).
 
@@ -41,6 +46,7 @@ whole extra time of a lens step, the capture inside the update and the S4 snapsh
     python benchmarks/bench_step.py                       # the table (defaults: B=4, R=8, 24 tokens, 6 steps)
     python benchmarks/bench_step.py --steps 3 --warmup 1 --rounds 2      # shorter, each system twice (ABCD DCBA)
     python benchmarks/bench_step.py --steps 3 --warmup 1 --systems plain lens-off
+    python benchmarks/bench_step.py --steps 3 --warmup 1 --rounds 2 --systems lens-off lens-floor lens-1
     python benchmarks/bench_step.py --sweep --sweep-prompts 1 --steps 2 --warmup 1
     python benchmarks/bench_step.py --model tiny --steps 2 --warmup 0      # a smoke run in seconds
 """
@@ -60,7 +66,7 @@ from pathlib import Path
 import torch
 from common import gemm_flops_per_s, generation_flops, shape_of, shared_prompt_flops, step_flops
 
-SYSTEMS = ("plain", "plain-naive", "lens-off", "lens-1", "lens-1-own", "trl")
+SYSTEMS = ("plain", "plain-naive", "lens-off", "lens-1", "lens-1-own", "lens-floor", "trl")
 
 #: OpenMP wait policy of every child (the one import grpo_lens sets; benchmarks/bench_threads.py)
 WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
@@ -410,6 +416,10 @@ def worker(args) -> None:
     elif args.worker == "lens-1-own":
         args.grpo_lens_options = json.dumps({**json.loads(args.grpo_lens_options or "{}"), "lens_from_update": False})
         times, lens = grpo_lens_run(args, clock, lens_every=1)
+    elif args.worker == "lens-floor":
+        options = {**json.loads(args.grpo_lens_options or "{}"), "shared_prompt_forward": False}
+        args.grpo_lens_options = json.dumps(options)
+        times, lens = grpo_lens_run(args, clock, lens_every=0)
     elif args.worker == "trl":
         times = trl_run(args, clock)
     else:
@@ -510,6 +520,7 @@ LABELS = {
     "lens-off": "grpo-lens train, lens off",
     "lens-1": "grpo-lens train, lens every step",
     "lens-1-own": "grpo-lens train, lens every step, own pass",
+    "lens-floor": "grpo-lens train, lens off, every rollout its own prompt",
     "trl": "TRL GRPOTrainer, grad. checkpointing off",
 }
 
@@ -600,6 +611,12 @@ def table(args) -> None:
                     f"\n{LABELS[system]} / lens off: {results[system]['step'] / off:.2f}x (target for lens-1: "
                     f"<= 1.15x, issue 30)"
                 )
+        if "lens-floor" in results:
+            own = results["lens-floor"]["step"]
+            line = f"a lens step's floor (every rollout its own prompt, the lens free) / lens off: {own / off:.2f}x"
+            if "lens-1" in results:
+                line += f"; lens every step / that floor: {results['lens-1']['step'] / own:.2f}x (the lens's own cost)"
+            print(line)
         if floor:
             print(
                 f"lens off / its FLOP floor: {off / floor:.2f}x the plain loop's, {off / shared_floor:.2f}x with each "
