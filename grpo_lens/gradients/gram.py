@@ -327,9 +327,11 @@ def shared_token_gram(
     - shared, own: sum_{p, u in own_j} K_pu (delta_ip . delta_u), and its transpose for own, shared;
     - own, own: :func:`token_pair_gram` over the own positions alone.
 
-    The same sum as the token-pair form, in another order: the shared-shared part costs n s^2 d_out + n^2 s d_out
-    multiply-adds instead of n^2 s^2 (d_in + d_out) (a group's prompt of s positions in each of its n rows). Products
-    run in the inputs' dtype, every reduction across positions or rows in float64 (as :func:`token_pair_gram`).
+    The same sum as the token-pair form (the ghost-norm identity with cross terms, Li et al. 2021, arXiv 2110.05679,
+    §4), in another order: the shared-shared part costs n s^2 d_out + n^2 s d_out multiply-adds instead of
+    n^2 s^2 (d_in + d_out) (a group's prompt of s positions in each of its n rows; docs/theory.md §Exact Gram).
+    Products run in the inputs' dtype, every reduction across positions or rows in float64 (as
+    :func:`token_pair_gram`).
 
     Args:
         x: [n, S, d_in].   delta: [n, S, d_out].   keep: [n, S] bool.

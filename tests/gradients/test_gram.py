@@ -332,12 +332,13 @@ def test_shared_columns_lower_the_token_forms_price():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_groups_sharing_a_prompt_give_the_dense_oracles_blocks(arch):
-    """Blocks = the two groups, each of whose 3 rows runs the same prompt: every linear layer's token form pairs the
-    prompt's positions once (info["shared_layers"]) and each group's [3, 3] block equals the dense oracle's to 1e-10
-    in float64, per parameter too."""
+    """Blocks = the two groups, each of whose 3 rows runs the same prompt: every linear layer's token form but the LM
+    head's pairs the prompt's positions once (info["shared_layers"]; the head keeps only completion positions and the
+    prompt's last one, too few to pay for the copy, shared_token_cost) and each group's [3, 3] block equals the dense
+    oracle's to 1e-10 in float64, per parameter too."""
     gram, info = run(arch, "token", False, blocks=[3, 3])
     exact, per_param = oracle(arch)
-    assert info["shared_layers"] > 0
+    assert info["shared_layers"] == len(info["forms"]) - 1 > 0
     for r0 in (0, 3):
         block = slice(r0, r0 + 3)
         assert rel_err(gram[block, block], exact[block, block]) < TOL
