@@ -330,8 +330,9 @@ def shared_token_gram(
     The same sum as the token-pair form (the ghost-norm identity with cross terms, Li et al. 2021, arXiv 2110.05679,
     §4), in another order: the shared-shared part costs n s^2 d_out + n^2 s d_out multiply-adds instead of
     n^2 s^2 (d_in + d_out) (a group's prompt of s positions in each of its n rows; docs/theory.md §Exact Gram).
-    Products run in the inputs' dtype, every reduction across positions or rows in float64 (as
-    :func:`token_pair_gram`).
+    Products run in the inputs' dtype, as in :func:`token_pair_gram`; so does K_ss Delta_j's sum over the s shared
+    columns, and every other reduction across positions or rows runs in float64 (the float32 Gram of the default
+    model's lens step agrees with the token-pair form's to 1.5e-7 relative).
 
     Args:
         x: [n, S, d_in].   delta: [n, S, d_out].   keep: [n, S] bool.
@@ -842,16 +843,13 @@ class GramCapture:
             else:
                 ms = [int(keep[r0:r1].sum()) for r0, r1 in self.spans]
                 ns = [r1 - r0 for r0, r1 in self.spans]
-            form = self.form
-            if form == "auto":
-                form = choose_block_form(ms, ns, d_in, d_out, self.token_block, counts)
+            plain, rollout = form_costs(ms, ns, d_in, d_out, self.token_block)
+            paired = shared_token_cost(ms, ns, counts, d_in, d_out, self.token_block) if any(counts) else math.inf
+            form = self.form if self.form != "auto" else ("token" if min(plain, paired) < rollout else "rollout")
             self.forms[self.module_names[module]] = form
             if form == "token":
                 st.x_users[key] = st.x_users.get(key, 0) + 1
-                plain, _ = form_costs(ms, ns, d_in, d_out, self.token_block)
-                if not any(counts) or shared_token_cost(ms, ns, counts, d_in, d_out, self.token_block) >= plain:
-                    shared = None  # the token pairs as they are are cheaper here
-            else:
+            if form != "token" or paired >= plain:  # the token pairs as they are are cheaper (or not token form)
                 shared = None
         output.register_hook(
             lambda g, m=module, x=x, k=keep, f=form, key=key, sh=shared: self._timed(
