@@ -21,6 +21,11 @@ from accelerate import Accelerator
 
 from grpo_lens.config import resolve_device
 
+#: The most elements one gradient all-reduce carries (:meth:`Processes.sum_grads`): 2^24, 64 MiB of float32, so
+#: flattening a bucket costs at most that much memory more, while a model of ~100M parameters takes a few collectives,
+#: not one per tensor. A larger tensor goes alone, in place.
+GRAD_BUCKET_ELEMENTS = 1 << 24
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Processes
@@ -78,21 +83,61 @@ class Processes:
         return self.sum_floats([float(flag)])[0] > 0
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """All-reduce sum of the gradient of every parameter that has one, in place (nothing for one process, nor for
-        an FSDP2-sharded policy, whose backward already reduce-scattered the sum: :mod:`grpo_lens.train.sharding`).
+        """All-reduce sum of the gradients of ``params``, in place (nothing for one process, nor for an FSDP2-sharded
+        policy, whose backward already reduce-scattered the sum: :mod:`grpo_lens.train.sharding`).
 
         Each process's loss is already divided by the normaliser summed over processes, so the sum is the gradient of
         the whole batch's loss, the one a single process would compute on all of it.
+
+        Every process runs the same collectives whatever gradients it holds: a process whose groups have no reward
+        contrast forwards them without gradient and runs no backward (:func:`grpo_lens.train.update.still_rows`), so
+        it may hold none while another holds all (issue 45: an all-reduce of only the gradients that exist aborted
+        with a gloo "collective mismatch"). One small all-reduce first counts, per parameter, the processes holding
+        its gradient; every parameter that any process holds one for is then summed, zeros standing in where this
+        process has none, in ``params``' order, flattened into buckets of at most :data:`GRAD_BUCKET_ELEMENTS`
+        elements of one dtype and device (:func:`grad_buckets`). A parameter no process holds a gradient for keeps
+        ``grad`` None, as in one process on the whole batch (AdamW then leaves it and its moments alone).
         """
-        if self.world > 1 and not self.sharded:
-            for p in params:
-                if p.grad is not None:
-                    torch.distributed.all_reduce(p.grad)
+        if self.world == 1 or self.sharded:
+            return
+        held = self.sum(torch.tensor([float(p.grad is not None) for p in params], device=self.device))  # [P]
+        summed = [p for p, n in zip(params, held.tolist()) if n > 0]
+        for p in summed:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in grad_buckets([p.grad for p in summed], GRAD_BUCKET_ELEMENTS):
+            if len(bucket) == 1:
+                torch.distributed.all_reduce(bucket[0])
+                continue
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            torch.distributed.all_reduce(flat)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def barrier(self) -> None:
         """Wait for every process (no-op for one process)."""
         if self.world > 1:
             torch.distributed.barrier()
+
+
+def grad_buckets(grads: Sequence[torch.Tensor], max_elements: int) -> list[list[torch.Tensor]]:
+    """``grads`` in order, cut into consecutive buckets of one dtype and device with at most ``max_elements`` elements
+    in all (a tensor larger than that is a bucket of its own): the all-reduces of :meth:`Processes.sum_grads`.
+
+    The same list on every process, since it depends only on the parameters' order, shapes and dtypes.
+    """
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        last = buckets[-1][-1] if buckets else None
+        if last is None or last.dtype != g.dtype or last.device != g.device or size + g.numel() > max_elements:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel()
+    return buckets
 
 
 def setup_processes(device: str) -> Processes:

@@ -137,3 +137,56 @@ def test_mini_batches_must_divide_each_process_share():
     check_inputs(TrainConfig(model="tiny", prompts_per_step=6, num_mini_batches=3), procs)
     with pytest.raises(ValueError, match="prompts_per_step"):
         check_inputs(TrainConfig(model="tiny", prompts_per_step=3, num_mini_batches=1), procs)
+
+
+@pytest.mark.e2e
+def test_a_process_without_reward_contrast_runs_no_backward_yet_sums(two_process_results, one_process_results):
+    """Issue 45: process 0's groups all have advantage 0 (worker.STILL), so it forwards them without gradient and
+    holds no gradient, while process 1 does. The all-reduce covers every trainable parameter on both (zeros where a
+    process has none), so the summed gradient and the weights are one process's on the whole batch."""
+    single = one_process_results[worker.STILL]
+    assert single["metrics"]["grad/norm"] > 0  # process 1's groups move the weights
+    for rank, results in enumerate(two_process_results):
+        got = results[worker.STILL]
+        _assert_close(got["grad"], single["grad"], f"rank {rank} first-step gradient", atol=1e-6, rtol=1e-4)
+        _assert_close(got["params"], single["params"], f"rank {rank} parameters", atol=1e-6, rtol=1e-5)
+        assert got["metrics"]["grad/optimizer_steps"] == 2  # mu = 2 passes, one mini-batch
+        assert got["metrics"]["grad/norm"] == pytest.approx(single["metrics"]["grad/norm"], rel=1e-5)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", sorted(worker.FLAT_RUNS))
+def test_cli_trains_when_one_process_has_no_reward_contrast(two_process_results, name):
+    """``grpo-lens train`` with 2 processes where process 0's groups never have reward contrast (issue 45: a gloo
+    "collective mismatch" abort at the first such step): without the lens, with it every step, and with it on a LoRA
+    adapter, both processes finish both steps and hold bit-equal weights."""
+    out = two_process_results.out
+    assert [(out / f"{name}_rc{r}").read_text() for r in range(WORLD)] == ["0"] * WORLD
+    records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        # test_rank0_flat: process 0's group is 0, 0 (no contrast), process 1's 1, 0: mean 0.25, half the groups flat
+        assert r["reward/mean"] == 0.25 and r["reward/frac_zero_std_groups"] == 0.5
+        assert r["grad/optimizer_steps"] == 1 and r["grad/norm"] > 0
+        assert ("rank/mixed_groups" in r) == (name != "flat")
+        if name != "flat":  # the lens gathered both processes' groups: process 1's is the one mixed group
+            assert r["rank/mixed_groups"] == 1.0
+    weights = [torch.load(out / f"{name}_weights{r}.pt", weights_only=True) for r in range(WORLD)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_grad_buckets_cut_at_the_size_and_at_a_dtype():
+    from grpo_lens.train.processes import grad_buckets
+
+    f32 = [torch.zeros(n) for n in (3, 4, 2, 9, 1)]
+    # at most 8 elements: 3 + 4 = 7 (+ 2 > 8), 2 (+ 9 > 8), 9 alone (larger than a bucket), 1
+    assert [[g.numel() for g in b] for b in grad_buckets(f32, 8)] == [[3, 4], [2], [9], [1]]
+    mixed = [torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), torch.zeros(2)]
+    assert [[g.dtype for g in b] for b in grad_buckets(mixed, 100)] == [
+        [torch.float32],
+        [torch.float64, torch.float64],
+        [torch.float32],
+    ]
+    flat = [g for b in grad_buckets(f32, 8) for g in b]  # the tensors themselves, in order: reduced in place
+    assert len(flat) == len(f32) and all(a is b for a, b in zip(flat, f32))
