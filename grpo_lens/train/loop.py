@@ -172,7 +172,20 @@ def is_lens_step(step: int, lens_every: int, max_steps: int) -> bool:
     """
     if lens_every <= 0:
         return False
-    return step == 1 or step % lens_every == 0 or step == max_steps
+    return on_lens_cadence(step, lens_every) or step == max_steps
+
+
+def on_lens_cadence(step: int, lens_every: int) -> bool:
+    """Whether step ``step`` (1-based) is on the lens's cadence: the first step and every ``lens_every``-th, the lens
+    steps that do not depend on ``max_steps``.
+
+    Only these steps may run the update as the lens needs it (every rollout's own prompt, the lens's capture inside
+    the update's first pass), which changes the update's float rounding where ``shared_prompt_forward`` is on. The
+    run's last step, measured when off the cadence (:func:`is_lens_step`), is a lens step of this run but not of the
+    same run resumed with a larger ``max_steps``, so there the lens runs its own pass and the update is a lens-off
+    step's, bit for bit (:func:`plan_lens`; issue 45: a resumed run then trains as the straight one).
+    """
+    return lens_every > 0 and (step == 1 or step % lens_every == 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -240,7 +253,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
             before_step=before_step,
             step=step,
             capture=plan.capture,
-            per_rollout=plan.measure,  # a lens step's numbers are the same whichever pass the lens reads
+            per_rollout=plan.per_rollout,  # a lens step's numbers are the same whichever pass the lens reads
         )
         stop_if_weights_diverged(models, procs, run, step, state.step)  # before anything reads the new weights
         # 6. the lens after the update: its g_i read off the update's first pass, and S4 around the optimizer step
@@ -923,11 +936,14 @@ def reference_logprobs(
 class LensPlan:
     """How the lens measures a step: ``measure`` (a lens step at all), ``capture`` (the lens's gradient capture for
     the update's first pass to fill, :func:`grpo_lens.train.update.lens_reads_update`; None when the lens ran its own
-    pass) and ``metrics`` (what the lens's own pass, before the update, measured)."""
+    pass), ``metrics`` (what the lens's own pass, before the update, measured) and ``per_rollout`` (the update runs
+    every rollout's own prompt, as on every lens step on the cadence, :func:`on_lens_cadence`; False: as a lens-off
+    step)."""
 
     measure: bool
     capture: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
+    per_rollout: bool = False
 
 
 def plan_lens(
@@ -941,15 +957,19 @@ def plan_lens(
 ) -> LensPlan:
     """Before the update: whether the lens measures step ``step`` (:func:`is_lens_step`) and how. When the update's
     first pass can give the lens its g_i, the plan carries the lens's capture for it; otherwise the lens measures
-    now, on its own pass, before the update changes the policy."""
+    now, on its own pass, before the update changes the policy. The run's last step off the cadence
+    (:func:`on_lens_cadence`) always takes the own pass and leaves the update a lens-off step's."""
     if lens is None or not is_lens_step(step, config.lens_every, config.max_steps):
         return LensPlan(measure=False)
+    if not on_lens_cadence(step, config.lens_every):  # the last step: measured here, not in a longer resumed run
+        with forward_precision(procs.device, config.dtype):
+            metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
+        return LensPlan(measure=True, metrics=metrics)
     # the exact Gram from the update's own backward where the loss's token weights factor (all processes agree)
     why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, procs)
     if why_not is None:
-        return LensPlan(
-            measure=True, capture=lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size)
-        )
+        gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size)
+        return LensPlan(measure=True, capture=gram_capture, per_rollout=True)
     if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
         _LENS_OWN_PASS_LOGGED.add(why_not)
         logger.info(
@@ -959,10 +979,10 @@ def plan_lens(
             why_not,
         )
     if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
-        return LensPlan(measure=True, capture=lens.update_capture(policy))
+        return LensPlan(measure=True, capture=lens.update_capture(policy), per_rollout=True)
     with forward_precision(procs.device, config.dtype):
         metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
-    return LensPlan(measure=True, metrics=metrics)
+    return LensPlan(measure=True, metrics=metrics, per_rollout=True)
 
 
 def lens_after_update(
