@@ -92,8 +92,10 @@ def policy_update(
             micro-batch's forward + backward) entered around every forward + backward of the first pass over the
             first mini-batch, and left right after it; None for none.
         per_rollout: every rollout runs its own prompt in every forward of the step (:func:`update_logprobs`); the
-            trainer sets it on lens steps, so that a step's numbers do not depend on whether the lens read the update
-            or ran its own pass. The pass a capture covers runs every rollout's own prompt either way.
+            trainer sets it on lens steps on the cadence (:func:`grpo_lens.train.loop.on_lens_cadence`), so that a
+            step's numbers do not depend on whether the lens read the update or ran its own pass; not on a run's last
+            step off the cadence, whose update must be a lens-off step's (a longer resumed run does not measure it).
+            The pass a capture covers runs every rollout's own prompt either way.
     Returns:
         token-weighted means of the loss metrics over every micro-batch of every pass and every process (the same
         numbers on every process), ``policy/entropy`` (token mean over the first pass's completion tokens of the
