@@ -49,7 +49,7 @@ from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS
 from grpo_lens.claims.baselines import RULE_ID as BASELINE_RULE_ID
 from grpo_lens.claims.credit import MC_RULE_ID
 from grpo_lens.claims.rank import RULE_ID as RANK_RULE_ID
-from grpo_lens.claims.rank import STAYS_RULE_ID
+from grpo_lens.claims.rank import STAYS_RULE_ID, STAYS_SEEDS_RULE_ID
 from grpo_lens.claims.sparsity import (
     S1_RULE_ID,
     S1_SEEDS_RULE_ID,
@@ -193,6 +193,17 @@ STAYS_FAMILIES = {
     "rank 2 + 1% noise at every lens step, 12 mixed groups": (True, 12, None),
     "one lens step of 7 not rank 2 (E₂ ≈ 0.75), 12 mixed groups": (False, 12, "a0.25"),
     "every lens step not rank 2 (E₂ ≈ 0.75), 12 mixed groups": (False, 12, "all"),
+}
+
+
+#: the planted `train --seeds` runs of "rank stays ≈ 2" (pooled route): name -> (truth, seeds, mixed groups per lens
+#: step, a bad step's family); 7 lens steps (30 steps, lens every 5), the bad step the 4th in every seed
+STAYS_SEEDS_FAMILIES = {
+    "rank 2 + 1% noise at every lens step, 3 seeds × 4 mixed groups": (True, 3, 4, None),
+    "rank 2 + 1% noise at every lens step, 5 seeds × 4 mixed groups": (True, 5, 4, None),
+    "one lens step of 7 not rank 2 (E₂ ≈ 0.75), 3 seeds × 4 mixed groups": (False, 3, 4, "a0.25"),
+    "one lens step of 7 not rank 2 (E₂ ≈ 0.75), 5 seeds × 4 mixed groups": (False, 5, 4, "a0.25"),
+    "every lens step not rank 2 (E₂ ≈ 0.75), 3 seeds × 4 mixed groups": (False, 3, 4, "all"),
 }
 
 
@@ -602,22 +613,19 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     bad = analysed_pool("a0.25", 8, config.pool, PLANTED_DIM, config.seed + 37)
     rule = CLAIMS.get("rank_stays_near_two")
     out = []
+
+    def run(m: int, bad_step: str | None) -> list[dict[str, float]]:
+        recs = []
+        for i, step in enumerate(LENS_STEPS):
+            pool = bad if bad_step == "all" or (bad_step and i == 3) else good
+            rows = _draw(pool, m, gen)
+            recs.append(
+                {STEP: float(step), RANK_MIXED_GROUPS: float(m), **mean_over_groups(rows), **lens_rank_intervals(rows)}
+            )
+        return recs
+
     for fam, (truth, m, bad_step) in STAYS_FAMILIES.items():
-        vs = []
-        for _ in range(config.trials):
-            recs = []
-            for i, step in enumerate(LENS_STEPS):
-                pool = bad if bad_step == "all" or (bad_step and i == 3) else good
-                rows = _draw(pool, m, gen)
-                recs.append(
-                    {
-                        STEP: float(step),
-                        RANK_MIXED_GROUPS: float(m),
-                        **mean_over_groups(rows),
-                        **lens_rank_intervals(rows),
-                    }
-                )
-            vs.append(rule({"records": recs})[0].verdict)
+        vs = [rule({"records": run(m, bad_step)})[0].verdict for _ in range(config.trials)]
         out.append(
             {
                 "rule": STAYS_RULE_ID,
@@ -625,6 +633,19 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                 "R": 8,
                 "n": m,
                 "unit": "mixed groups per lens step",
+                "truth": "true" if truth else "false",
+                **_shares(vs),
+            }
+        )
+    for fam, (truth, seeds, m, bad_step) in STAYS_SEEDS_FAMILIES.items():
+        vs = [rule(_trend_data([run(m, bad_step) for _ in range(seeds)]))[0].verdict for _ in range(config.trials)]
+        out.append(
+            {
+                "rule": STAYS_SEEDS_RULE_ID,
+                "family": fam,
+                "R": 8,
+                "n": seeds,
+                "unit": f"seeds × 7 lens steps × {m} mixed groups",
                 "truth": "true" if truth else "false",
                 **_shares(vs),
             }

@@ -300,12 +300,13 @@ def rank_stays_pooled(runs: list[list[dict[str, Any]]]) -> list[Claim]:
     means of E₂ and E₁ are independent units (one run each), tested against 0.9 by the t over seeds
     (:func:`grpo_lens.formulas.pooling.seed_mean_test`, k − 1 degrees of freedom).
 
-    Rule (intersection-union over the lens steps every seed logged, docs/theory.md §11): holds when at every such
-    step the seeds' mean E₂ lies above 0.9 and their mean E₁ below it (p = the largest step p); does not hold when at
-    some step the mean E₂ lies below 0.9 or E₁ above it (p = 2 × steps × the smallest, Bonferroni); inconclusive
-    otherwise. A step's mean over its mixed groups is a unit whatever the step's group count, so a step needs no
-    interval of its own (4 mixed groups per lens step suffice), and the within-run dependence between steps does not
-    matter (the t at each step is over seeds). The row's n is the number of seeds.
+    Rule (over the lens steps every seed logged, docs/theory.md §11): holds when the mean over seeds of each seed's
+    lowest E₂ over those steps lies above 0.9 and that of its highest E₁ below it (t over seeds; since E[min_s X_s]
+    <= min_s E[X_s], this implies E₂ > 0.9 > E₁ at every step, with no penalty for the number of steps); does not
+    hold when at some step the seeds' mean E₂ lies below 0.9 or E₁ above it (p = 2 × steps × the smallest step p,
+    Bonferroni); inconclusive otherwise. A seed's numbers are one unit whatever its steps' group counts, so a step
+    needs no interval of its own (4 mixed groups per lens step suffice), and the within-run dependence between steps
+    does not matter (every t is over seeds). The row's n is the number of seeds.
     """
     e2k, e1k = RANK_G1.format(m="top2_share"), RANK_G1.format(m="top1_share")
     by_step: dict[float, list[tuple[float, float]]] = {}
@@ -316,13 +317,12 @@ def rank_stays_pooled(runs: list[list[dict[str, Any]]]) -> list[Claim]:
     steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))  # the lens steps every seed logged
     if not steps:
         return []
-    hold_p = [
-        max(
-            seed_mean_test([a for a, _ in by_step[s]], TOP_SHARE, "above"),
-            seed_mean_test([b for _, b in by_step[s]], TOP_SHARE, "below"),
-        )
-        for s in steps
-    ]
+    # holds: E[min_s X_s] <= min_s E[X_s], so "the mean over seeds of each seed's lowest E₂ lies above 0.9" implies
+    # every step's E₂ does (and each seed's highest E₁ below it): one t over seeds, no penalty for the steps
+    p_holds = max(
+        seed_mean_test([min(by_step[s][j][0] for s in steps) for j in range(len(runs))], TOP_SHARE, "above"),
+        seed_mean_test([max(by_step[s][j][1] for s in steps) for j in range(len(runs))], TOP_SHARE, "below"),
+    )
     dnh_p = [
         min(
             seed_mean_test([a for a, _ in by_step[s]], TOP_SHARE, "below"),
@@ -330,11 +330,14 @@ def rank_stays_pooled(runs: list[list[dict[str, Any]]]) -> list[Claim]:
         )
         for s in steps
     ]
-    p_holds, p_dnh = max(hold_p), min(1.0, 2 * len(steps) * min(dnh_p))
+    p_dnh = min(1.0, 2 * len(steps) * min(dnh_p))
     verdict = decide(p_holds, p_dnh)
     means = [sum(a for a, _ in by_step[s]) / len(runs) for s in steps]
     if verdict == HOLDS:
-        why = f"every lens step: the seeds' mean E₂ > {TOP_SHARE} > their mean E₁ (largest step p {p_holds:.2g})"
+        why = (
+            f"each seed's lowest E₂ over the lens steps lies above {TOP_SHARE} on average, its highest E₁ below "
+            f"(p {p_holds:.2g})"
+        )
     elif verdict == DOES_NOT_HOLD:
         why = f"a lens step whose seeds' mean E₂ lies below {TOP_SHARE} or E₁ above it (p = {p_dnh:.2g}, Bonferroni)"
     else:
