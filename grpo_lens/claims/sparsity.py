@@ -277,6 +277,18 @@ def _s1_series(records: list[dict[str, Any]]) -> Series:
     return [float(r[STEP]) for r in rows], [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows], None
 
 
+def run_slopes(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """One run's OLS slopes per step of the two trends on the steps their claims test (the units the seeds route pools,
+    :func:`trend_verdict`): {"s1": S1's, "hoyer": the gradient Hoyer's (log mixed groups partialled out)}; None where
+    the run has too few steps."""
+    s1 = _s1_series(records)
+    hoyer = _sparsity_series(after_warmup(_lens_rows(records, SPARSITY_GRAD_HOYER)))
+    return {
+        "s1": ols_trend(*s1)["slope"] if len(s1[0]) >= MIN_S1_STEPS else None,
+        "hoyer": ols_trend(*hoyer)["slope"] if len(hoyer[0]) >= MIN_LENS_STEPS else None,
+    }
+
+
 def _trend_advice(more: str, route: str) -> str:
     """What decides an undecided trend: pooling seeds first (the power route), else ``more`` steps."""
     if route == "seeds":
