@@ -1036,8 +1036,12 @@ def render(result: dict[str, Any]) -> str:
         f"- `{fam}`: {pop}" for fam, pop in dict.fromkeys((r["family"], r["population"]) for r in result["group_rules"])
     ]
     sections = [
-        ("training_rules", "Trends on a training run's records (first-difference slope test)"),
-        ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps)"),
+        (
+            "training_rules",
+            "Trends over training: one run (Hoyer: first differences; S1: OLS with a fixed-b HAC t) and seeds pooled "
+            "(t over the seeds' OLS slopes), LR warm-up dropped",
+        ),
+        ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps; one run or seeds)"),
         ("update_rules", "Most parameters unchanged (S4), on a planted update through the lens's sampler"),
         ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K_mc = 8)"),
         ("baseline_rules", "The group mean is the variance-optimal baseline (M = 16, R = 4, 256 resamples)"),
