@@ -49,8 +49,14 @@ from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS
 from grpo_lens.claims.baselines import RULE_ID as BASELINE_RULE_ID
 from grpo_lens.claims.credit import MC_RULE_ID
 from grpo_lens.claims.rank import RULE_ID as RANK_RULE_ID
-from grpo_lens.claims.rank import STAYS_RULE_ID
-from grpo_lens.claims.sparsity import S1_RULE_ID, S4_RULE_ID, SPARSITY_RULE_ID
+from grpo_lens.claims.rank import STAYS_RULE_ID, STAYS_SEEDS_RULE_ID
+from grpo_lens.claims.sparsity import (
+    S1_RULE_ID,
+    S1_SEEDS_RULE_ID,
+    S4_RULE_ID,
+    SPARSITY_RULE_ID,
+    SPARSITY_SEEDS_RULE_ID,
+)
 from grpo_lens.claims.zero_sum import NEGLIGIBLE_SHARE
 from grpo_lens.claims.zero_sum import RULE_ID as ZERO_SUM_RULE_ID
 from grpo_lens.formulas.advantages import grpo_advantages
@@ -60,6 +66,7 @@ from grpo_lens.formulas.sparsity import weighted_hoyer
 from grpo_lens.formulas.spectrum import wishart
 from grpo_lens.formulas.stats import mean_interval, summarise_rows
 from grpo_lens.metrics import (
+    LR,
     PERF_LENS_SECONDS,
     PROBE_GROUPS,
     PROBE_SUMMARY,
@@ -152,21 +159,33 @@ BASELINE_FAMILIES = {
 #: prompts per baseline cell: the fewest with an interval, the probe's default --baseline-study-prompts (16), larger
 BASELINE_PROMPTS = (8, 16, 24, 32)
 
-#: the trend cases: name -> (truth, kind, parameter)
+#: the trend cases: name -> (truth, kind, parameter: the lens-to-lens correlation at 5 steps apart, issue 29's 0.59)
 SPARSITY_TRENDS = {
     "flat Hoyer, i.i.d. lens steps": (False, "ar", 0.0),
     "flat Hoyer, lens-to-lens correlation 0.59": (False, "ar", 0.59),
     "flat Hoyer, lens-to-lens correlation 0.9": (False, "ar", 0.9),
     "flat Hoyer, a random walk": (False, "ar", 1.0),
     "constant per-group sparsity, mixed groups fall 8 -> 1": (False, "groups", 0.0),
+    "flat Hoyer after a warm-up transient (+0.1 over the 5 LR warm-up steps)": (False, "warmup", 0.59),
     "Hoyer rises 0.30 -> 0.45 (lens-to-lens correlation 0.59)": (True, "rising", 0.59),
 }
+#: S1 cases: name -> (truth, kind, step-to-step correlation φ of the success rates' drift)
 S1_TRENDS = {
     "stationary success rates": (False, "ar", 0.0),
     "success rates AR(1), φ = 0.8": (False, "ar", 0.8),
     "success rates AR(1), φ = 0.95": (False, "ar", 0.95),
+    "S1 high over the 5 LR warm-up steps, then stationary": (False, "warmup", 0.0),
     "S1 rises 0.35 -> 0.85": (True, "rising", 0.0),
 }
+#: the trend budgets calibrated, (seeds, steps, lens every): the gradient-sparsity trend in one run at the defaults
+#: and with the lens on every step, S1 in one run of 30 and 60 steps, both pooled over 3 and 5 seeds of the defaults
+#: (`train --seeds`); 4 prompts per step throughout (the default)
+TREND_BUDGETS = {
+    "sparsity": ((1, 30, 5), (1, 30, 1), (3, 30, 5), (5, 30, 5)),
+    "s1": ((1, 30, 5), (1, 60, 5), (3, 30, 5), (5, 30, 5)),
+}
+#: LR warm-up steps of the planted "warmup" runs (the LR rises linearly over them, then is constant)
+PLANTED_WARMUP = 5
 
 #: the planted lens runs of "rank stays ≈ 2": name -> (truth, mixed groups per lens step, a bad step's family)
 STAYS_FAMILIES = {
@@ -174,6 +193,17 @@ STAYS_FAMILIES = {
     "rank 2 + 1% noise at every lens step, 12 mixed groups": (True, 12, None),
     "one lens step of 7 not rank 2 (E₂ ≈ 0.75), 12 mixed groups": (False, 12, "a0.25"),
     "every lens step not rank 2 (E₂ ≈ 0.75), 12 mixed groups": (False, 12, "all"),
+}
+
+
+#: the planted `train --seeds` runs of "rank stays ≈ 2" (pooled route): name -> (truth, seeds, mixed groups per lens
+#: step, a bad step's family); 7 lens steps (30 steps, lens every 5), the bad step the 4th in every seed
+STAYS_SEEDS_FAMILIES = {
+    "rank 2 + 1% noise at every lens step, 3 seeds × 4 mixed groups": (True, 3, 4, None),
+    "rank 2 + 1% noise at every lens step, 5 seeds × 4 mixed groups": (True, 5, 4, None),
+    "one lens step of 7 not rank 2 (E₂ ≈ 0.75), 3 seeds × 4 mixed groups": (False, 3, 4, "a0.25"),
+    "one lens step of 7 not rank 2 (E₂ ≈ 0.75), 5 seeds × 4 mixed groups": (False, 5, 4, "a0.25"),
+    "every lens step not rank 2 (E₂ ≈ 0.75), 3 seeds × 4 mixed groups": (False, 3, 4, "all"),
 }
 
 
@@ -443,15 +473,31 @@ def _ar(n: int, phi: float, gen: torch.Generator) -> list[float]:
 LENS_STEPS = (1, 5, 10, 15, 20, 25, 30)
 
 
-def _sparsity_records(kind: str, phi: float, gen: torch.Generator, size: int = 4096) -> list[dict[str, float]]:
-    """metrics.jsonl-shaped lens records of a planted gradient-Hoyer sequence on :data:`LENS_STEPS`: "ar" a flat
-    Hoyer 0.3 plus AR(1) noise (SD 0.02) with lens-to-lens correlation φ; "rising" 0.30 -> 0.45 plus that noise;
-    "groups" the Hoyer of a sum of m per-group gradients (each 70% zeros on a random support, m = 8, 7, 6, 4, 3, 2, 1),
-    whose per-group sparsity is constant."""
-    n = len(LENS_STEPS)
+def lens_steps(steps: int, every: int) -> list[int]:
+    """The steps the lens measures at: the first, every ``every``-th and the last (:data:`LENS_STEPS` at 30, 5)."""
+    return sorted({1, steps, *range(every, steps + 1, every)})
+
+
+def _planted_lr(step: int, kind: str) -> float:
+    """The planted runs' learning rate: rising linearly over :data:`PLANTED_WARMUP` steps in the "warmup" kind,
+    constant otherwise (what ``perf/lr`` logs)."""
+    return 1e-6 * min(1.0, step / PLANTED_WARMUP) if kind == "warmup" else 1e-6
+
+
+def _sparsity_records(
+    kind: str, phi: float, gen: torch.Generator, size: int = 4096, steps: int = 30, every: int = 5
+) -> list[dict[str, float]]:
+    """metrics.jsonl-shaped lens records of a planted gradient-Hoyer sequence at :func:`lens_steps`: "ar" a flat
+    Hoyer 0.3 plus AR(1) noise (SD 0.02) over every step with correlation φ^(1/5) per step (φ between lens steps 5
+    apart; φ = 1 a random walk); "rising" 0.30 -> 0.45 over the run plus that noise; "warmup" that noise plus 0.1
+    over the LR warm-up's steps; "groups" the Hoyer of a sum of m per-group gradients (each 70% zeros on a random
+    support; m falls 8 -> 1 over the lens steps), whose per-group sparsity is constant."""
+    at = lens_steps(steps, every)
+    n = len(at)
     if kind == "groups":
         recs = []
-        for step, m in zip(LENS_STEPS, (8, 7, 6, 4, 3, 2, 1)):
+        for i, step in enumerate(at):
+            m = round(8 - 7 * i / (n - 1))
             g = sum(
                 torch.randn(size, generator=gen, dtype=torch.float64) * (torch.rand(size, generator=gen) < 0.3)
                 for _ in range(m)
@@ -460,75 +506,101 @@ def _sparsity_records(kind: str, phi: float, gen: torch.Generator, size: int = 4
                 {
                     STEP: float(step),
                     PERF_LENS_SECONDS: 0.0,
+                    LR: _planted_lr(step, kind),
                     RANK_MIXED_GROUPS: float(m),
                     SPARSITY_GRAD_HOYER: weighted_hoyer(g),
                 }
             )
         return recs
-    noise = _ar(n, phi, gen)
-    base = [0.3 + (0.15 * i / (n - 1) if kind == "rising" else 0.0) for i in range(n)]
-    return [
-        {STEP: float(s), PERF_LENS_SECONDS: 0.0, RANK_MIXED_GROUPS: 4.0, SPARSITY_GRAD_HOYER: b + 0.02 * e}
-        for s, b, e in zip(LENS_STEPS, base, noise)
-    ]
+    noise = _ar(steps, phi if phi >= 1 else phi ** (1 / 5), gen)
+    rw = 1 / math.sqrt(5) if phi >= 1 else 1.0  # a random walk's lens-to-lens step of SD 1, as before
+    out = []
+    for step in at:
+        base = 0.3 + (0.15 * (step - 1) / (steps - 1) if kind == "rising" else 0.0)
+        base += 0.1 * (1 - (step - 1) / PLANTED_WARMUP) if kind == "warmup" and step <= PLANTED_WARMUP else 0.0
+        out.append(
+            {
+                STEP: float(step),
+                PERF_LENS_SECONDS: 0.0,
+                LR: _planted_lr(step, kind),
+                RANK_MIXED_GROUPS: 4.0,
+                SPARSITY_GRAD_HOYER: base + 0.02 * rw * noise[step - 1],
+            }
+        )
+    return out
 
 
 def _s1_records(
     kind: str, phi: float, gen: torch.Generator, steps: int = 30, groups: int = 4, group_size: int = 8
 ) -> list[dict[str, float]]:
     """Records of S1 per step: ``groups`` prompts per step with success rates p = Φ(mean + 0.8 z_t + 0.6 e) over an
-    AR(1) z_t of correlation φ between steps (the model's accuracy drifting) and a per-prompt e; "rising" pushes
-    the mean up so that S1 goes from about 0.35 to 0.85 (R = 8)."""
+    AR(1) z_t of correlation φ between steps (the model's accuracy drifting; φ = 1 a random walk of steps 0.3) and a
+    per-prompt e; "rising" pushes the mean up so that S1 goes from about 0.35 to 0.85 (R = 8); "warmup" adds 1.5 to
+    the mean over the LR warm-up's steps (S1 high while the LR rises), then stationary."""
     z = _ar(steps, phi, gen)
     recs = []
     for step in range(1, steps + 1):
         mu = 2.2 * (step - 1) / (steps - 1) if kind == "rising" else 0.0
+        mu += 1.5 if kind == "warmup" and step < PLANTED_WARMUP else 0.0
+        drift = 0.8 * z[step - 1] * (0.3 if phi >= 1 else 1.0)
         e = torch.randn(groups, generator=gen, dtype=torch.float64)
-        lat = mu + (0.8 * z[step - 1] if kind == "ar" else 0.0) + (0.6 if kind == "ar" else 1.0) * e
+        lat = mu + (drift if kind in ("ar", "warmup") else 0.0) + (0.6 if kind in ("ar", "warmup") else 1.0) * e
         p = torch.special.ndtr(lat)
         correct = (torch.rand(groups, group_size, generator=gen, dtype=torch.float64) < p[:, None]).sum(1)
         recs.append(
             {
                 STEP: float(step),
+                LR: _planted_lr(step, kind),
                 REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == group_size)).double().mean()),
             }
         )
     return recs
 
 
+def _trend_data(runs: list[list[dict[str, float]]]) -> dict[str, Any]:
+    """What a training claim reads: one run's records, or several seeds' (as the report of `train --seeds` passes)."""
+    return {"records": runs[0], **({"seeds": runs} if len(runs) > 1 else {})}
+
+
 def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
-    """Rows of the gradient-sparsity trend and the S1 trend on the default schedule (30 steps, lens every 5), flat
-    cases with autocorrelated steps included."""
+    """Rows of the gradient-sparsity trend and the S1 trend, in one run (fixed-b HAC) at the default schedule (30
+    steps, lens every 5) and with the lens on every step, and pooled over 3 and 5 seeds (t over seeds' OLS slopes):
+    flat cases with autocorrelated steps, a warm-up transient and (pooled) a random walk as nulls, planted rises as
+    alternatives (:data:`TREND_BUDGETS`)."""
     out = []
     gen = torch.Generator().manual_seed(config.seed + 7)
-    trend = CLAIMS.get("sparsity_intensifies")
-    for fam, (truth, kind, phi) in SPARSITY_TRENDS.items():
-        vs = [trend({"records": _sparsity_records(kind, phi, gen)})[0].verdict for _ in range(config.trials)]
-        out.append(
-            {
-                "rule": SPARSITY_RULE_ID,
-                "family": fam,
-                "R": "–",
-                "n": len(LENS_STEPS) - 1,
-                "unit": "lens steps",
-                "truth": "true" if truth else "false",
-                **_shares(vs),
-            }
-        )
-    s1 = CLAIMS.get("zero_variance_share_rises")
-    for fam, (truth, kind, phi) in S1_TRENDS.items():
-        vs = [s1({"records": _s1_records(kind, phi, gen)})[0].verdict for _ in range(config.trials)]
-        out.append(
-            {
-                "rule": S1_RULE_ID,
-                "family": fam,
-                "R": 8,
-                "n": 30,
-                "unit": "steps",
-                "truth": "true" if truth else "false",
-                **_shares(vs),
-            }
-        )
+    claims = {"sparsity": CLAIMS.get("sparsity_intensifies"), "s1": CLAIMS.get("zero_variance_share_rises")}
+    ids = {
+        ("sparsity", False): SPARSITY_RULE_ID,
+        ("sparsity", True): SPARSITY_SEEDS_RULE_ID,
+        ("s1", False): S1_RULE_ID,
+        ("s1", True): S1_SEEDS_RULE_ID,
+    }
+    for name, budgets in TREND_BUDGETS.items():
+        families = SPARSITY_TRENDS if name == "sparsity" else S1_TRENDS
+        for seeds, steps, every in budgets:
+            pooled = seeds > 1
+            tested = len(lens_steps(steps, every)) - 1 if name == "sparsity" else steps
+            for fam, (truth, kind, phi) in families.items():
+                vs = []
+                for _ in range(config.trials):
+                    if name == "sparsity":
+                        runs = [_sparsity_records(kind, phi, gen, steps=steps, every=every) for _ in range(seeds)]
+                    else:
+                        runs = [_s1_records(kind, phi, gen, steps=steps) for _ in range(seeds)]
+                    vs.append(claims[name](_trend_data(runs))[0].verdict)
+                what = f"lens steps (every {every})" if name == "sparsity" else "steps × 4 prompts"
+                out.append(
+                    {
+                        "rule": ids[name, pooled],
+                        "family": fam,
+                        "R": "–" if name == "sparsity" else 8,
+                        "n": seeds if pooled else tested,
+                        "unit": f"seeds × {tested} {what}" if pooled else what,
+                        "truth": "true" if truth else "false",
+                        **_shares(vs),
+                    }
+                )
     return out
 
 
@@ -541,22 +613,19 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     bad = analysed_pool("a0.25", 8, config.pool, PLANTED_DIM, config.seed + 37)
     rule = CLAIMS.get("rank_stays_near_two")
     out = []
+
+    def run(m: int, bad_step: str | None) -> list[dict[str, float]]:
+        recs = []
+        for i, step in enumerate(LENS_STEPS):
+            pool = bad if bad_step == "all" or (bad_step and i == 3) else good
+            rows = _draw(pool, m, gen)
+            recs.append(
+                {STEP: float(step), RANK_MIXED_GROUPS: float(m), **mean_over_groups(rows), **lens_rank_intervals(rows)}
+            )
+        return recs
+
     for fam, (truth, m, bad_step) in STAYS_FAMILIES.items():
-        vs = []
-        for _ in range(config.trials):
-            recs = []
-            for i, step in enumerate(LENS_STEPS):
-                pool = bad if bad_step == "all" or (bad_step and i == 3) else good
-                rows = _draw(pool, m, gen)
-                recs.append(
-                    {
-                        STEP: float(step),
-                        RANK_MIXED_GROUPS: float(m),
-                        **mean_over_groups(rows),
-                        **lens_rank_intervals(rows),
-                    }
-                )
-            vs.append(rule({"records": recs})[0].verdict)
+        vs = [rule({"records": run(m, bad_step)})[0].verdict for _ in range(config.trials)]
         out.append(
             {
                 "rule": STAYS_RULE_ID,
@@ -564,6 +633,19 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                 "R": 8,
                 "n": m,
                 "unit": "mixed groups per lens step",
+                "truth": "true" if truth else "false",
+                **_shares(vs),
+            }
+        )
+    for fam, (truth, seeds, m, bad_step) in STAYS_SEEDS_FAMILIES.items():
+        vs = [rule(_trend_data([run(m, bad_step) for _ in range(seeds)]))[0].verdict for _ in range(config.trials)]
+        out.append(
+            {
+                "rule": STAYS_SEEDS_RULE_ID,
+                "family": fam,
+                "R": 8,
+                "n": seeds,
+                "unit": f"seeds × 7 lens steps × {m} mixed groups",
                 "truth": "true" if truth else "false",
                 **_shares(vs),
             }
@@ -954,8 +1036,12 @@ def render(result: dict[str, Any]) -> str:
         f"- `{fam}`: {pop}" for fam, pop in dict.fromkeys((r["family"], r["population"]) for r in result["group_rules"])
     ]
     sections = [
-        ("training_rules", "Trends on a training run's records (first-difference slope test)"),
-        ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps)"),
+        (
+            "training_rules",
+            "Trends over training: one run (Hoyer: first differences; S1: OLS with a fixed-b HAC t) and seeds pooled "
+            "(t over the seeds' OLS slopes), LR warm-up dropped",
+        ),
+        ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps; one run or seeds)"),
         ("update_rules", "Most parameters unchanged (S4), on a planted update through the lens's sampler"),
         ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K_mc = 8)"),
         ("baseline_rules", "The group mean is the variance-optimal baseline (M = 16, R = 4, 256 resamples)"),

@@ -99,6 +99,8 @@ def load_plugins(spec: str | None = None) -> list[str]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if getattr(args, "seeds", None):
+        return _cmd_train_seeds(args)
     from grpo_lens.train.loop import train
 
     config_file = args.config
@@ -113,6 +115,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(
             f"run written to {run.path}\nnext: grpo-lens report {run.path}   (report.md with the claims and "
             f"plots; grpo-lens compare RUN... --out DIR overlays runs)"
+        )
+    return 0
+
+
+def _cmd_train_seeds(args: argparse.Namespace) -> int:
+    """``train --seeds S...``: one training run per seed in OUT/seed_<s>, the pooled record OUT/train_seeds.json and
+    OUT/report.md with the claims over training decided over the seeds (:mod:`grpo_lens.train.seeds`)."""
+    from grpo_lens.report import write_report
+    from grpo_lens.train.seeds import run_train_seeds
+
+    if args.seed is not None:
+        raise ConfigError("pass --seed (one run) or --seeds (one run per seed, pooled), not both")
+    saved = Path(args.out) / "config.yaml" if args.out else None
+    if args.resume and saved is not None and saved.is_file():
+        config = _resume_config(args, saved, TrainConfig)  # the settings every seed ran with
+        check_resumed_plugins(config.rewards, config.task, saved)
+    else:
+        config = config_from_args(args, TrainConfig, args.config)
+    out = run_train_seeds(config, args.seeds)
+    if os.environ.get("RANK", "0") == "0":
+        report = write_report(out)
+        print(
+            f"runs of seeds {', '.join(map(str, args.seeds))} written to {out}/seed_<s>; pooled record "
+            f"{out}/train_seeds.json; report {report} (the claims over training decided over the seeds)"
         )
     return 0
 
@@ -274,6 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
                 help="one probe per seed into OUT/seed_<s>, then the groups pooled over the seeds in "
                 "OUT/probe.json and report.md: the claims decided on the pooled groups, the "
                 "between-seed spread beside each run's interval (docs/seeds.md)",
+            )
+        if name == "train":
+            p.add_argument(
+                "--seeds",
+                type=int,
+                nargs="+",
+                metavar="SEED",
+                help="one training run per seed into OUT/seed_<s>, then OUT/train_seeds.json and report.md: the "
+                "claims over training decided over the seeds (each seed's trend one unit, a t over seeds; "
+                "docs/seeds.md)",
             )
         p.set_defaults(fn=fn)
 

@@ -819,3 +819,27 @@ def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:
         "lens_steps": sum(r.get(PERF_LENS_SECONDS) is not None for r in steps),
         "steps": len(steps),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `train --seeds`: the pooled record that `grpo-lens report DIR` reads (grpo_lens/train/seeds.py writes it)
+# ---------------------------------------------------------------------------------------------------------------------
+#: the pooled record's file in DIR: {"seeds": [s, ...], "dirs": ["seed_<s>", ...], "steps": [last step per seed]}
+TRAIN_SEEDS_FILE = "train_seeds.json"
+
+
+def read_train_seeds(run_dir: str | Path) -> list[Path] | None:
+    """The seeds' run directories of a pooled training directory (``train --seeds``), in the record's order; None
+    when ``run_dir`` holds no readable DIR/train_seeds.json (then it is an ordinary run directory). Only names that
+    stay inside ``run_dir`` are followed."""
+    path = Path(run_dir) / TRAIN_SEEDS_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        return None
+    dirs = record.get("dirs") if isinstance(record, dict) else None
+    if not isinstance(dirs, list):
+        return None
+    return [Path(run_dir) / d for d in dirs if isinstance(d, str) and d and "/" not in d and d not in (".", "..")]

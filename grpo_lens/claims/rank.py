@@ -38,6 +38,8 @@ from grpo_lens.claims.base import (
     fmt,
     source_of,
 )
+from grpo_lens.claims.sparsity import seed_records
+from grpo_lens.formulas.pooling import seed_mean_test
 from grpo_lens.formulas.stats import mean_interval, mean_test_p
 from grpo_lens.metrics import (
     PROBE_GROUPS,
@@ -235,6 +237,8 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
     whenever a lens step has no interval (fewer than 8 mixed groups), since "stays" is about every step. The row's
     n is the fewest mixed groups of a lens step (the unit its calibration is indexed by).
     """
+    if len(seed_records(data)) > 1:  # `train --seeds`: the pooled route
+        return rank_stays_pooled(seed_records(data))
     rows = [
         r
         for r in data.get("records") or []
@@ -283,5 +287,81 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
             p_dnh=p_dnh,
             rule_id=STAYS_RULE_ID,
             advice=advice,
+        )
+    ]
+
+
+#: the calibration's name of the pooled training rule (`train --seeds`)
+STAYS_SEEDS_RULE_ID = "rank stays ≈ 2 (seeds pooled, every lens step)"
+
+
+def rank_stays_pooled(runs: list[list[dict[str, Any]]]) -> list[Claim]:
+    """ "The effective rank stays near 2" pooled over seeds (`train --seeds`): at every lens step, the seeds' step
+    means of E₂ and E₁ are independent units (one run each), tested against 0.9 by the t over seeds
+    (:func:`grpo_lens.formulas.pooling.seed_mean_test`, k − 1 degrees of freedom).
+
+    Rule (over the lens steps every seed logged, docs/theory.md §11): holds when the mean over seeds of each seed's
+    lowest E₂ over those steps lies above 0.9 and that of its highest E₁ below it (t over seeds; since E[min_s X_s]
+    <= min_s E[X_s], this implies E₂ > 0.9 > E₁ at every step, with no penalty for the number of steps); does not
+    hold when at some step the seeds' mean E₂ lies below 0.9 or E₁ above it (p = 2 × steps × the smallest step p,
+    Bonferroni); inconclusive otherwise. A seed's numbers are one unit whatever its steps' group counts, so a step
+    needs no interval of its own (4 mixed groups per lens step suffice), and the within-run dependence between steps
+    does not matter (every t is over seeds). The row's n is the number of seeds.
+    """
+    e2k, e1k = RANK_G1.format(m="top2_share"), RANK_G1.format(m="top1_share")
+    by_step: dict[float, list[tuple[float, float]]] = {}
+    for recs in runs:
+        for r in recs:
+            if r.get(e2k) is not None and r.get(e1k) is not None and r.get("step") is not None:
+                by_step.setdefault(float(r["step"]), []).append((float(r[e2k]), float(r[e1k])))
+    steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))  # the lens steps every seed logged
+    if not steps:
+        return []
+    # holds: E[min_s X_s] <= min_s E[X_s], so "the mean over seeds of each seed's lowest E₂ lies above 0.9" implies
+    # every step's E₂ does (and each seed's highest E₁ below it): one t over seeds, no penalty for the steps
+    p_holds = max(
+        seed_mean_test([min(by_step[s][j][0] for s in steps) for j in range(len(runs))], TOP_SHARE, "above"),
+        seed_mean_test([max(by_step[s][j][1] for s in steps) for j in range(len(runs))], TOP_SHARE, "below"),
+    )
+    dnh_p = [
+        min(
+            seed_mean_test([a for a, _ in by_step[s]], TOP_SHARE, "below"),
+            seed_mean_test([b for _, b in by_step[s]], TOP_SHARE, "above"),
+        )
+        for s in steps
+    ]
+    p_dnh = min(1.0, 2 * len(steps) * min(dnh_p))
+    verdict = decide(p_holds, p_dnh)
+    means = [sum(a for a, _ in by_step[s]) / len(runs) for s in steps]
+    if verdict == HOLDS:
+        why = (
+            f"each seed's lowest E₂ over the lens steps lies above {TOP_SHARE} on average, its highest E₁ below "
+            f"(p {p_holds:.2g})"
+        )
+    elif verdict == DOES_NOT_HOLD:
+        why = f"a lens step whose seeds' mean E₂ lies below {TOP_SHARE} or E₁ above it (p = {p_dnh:.2g}, Bonferroni)"
+    else:
+        why = f"neither branch reaches {BRANCH_LEVEL} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
+    return [
+        Claim(
+            claim=f"the effective rank of G1 stays ≈ 2 over training (E₂ > {TOP_SHARE} > E₁ at every lens step)",
+            scope=f"training, {len(runs)} seeds × {len(steps)} lens steps (steps {int(steps[0])}–{int(steps[-1])})",
+            measurement=(
+                f"E₂ per lens step, mean over seeds {', '.join(fmt(x, 3) for x in means)} (lowest {fmt(min(means), 3)})"
+            ),
+            control=f"the band: E₂ > {TOP_SHARE} > E₁ at each step, t over seeds",
+            verdict=verdict,
+            rule=why,
+            source="lens (each step's mixed groups, each seed one unit)",
+            n=len(runs),
+            p_holds=p_holds,
+            p_dnh=p_dnh,
+            rule_id=STAYS_SEEDS_RULE_ID,
+            advice=(
+                f"more seeds (now {len(runs)}; `train --seeds 0 1 2 3 4`: 5 seeds reach power 1.0 at 4 mixed groups "
+                f"per lens step, docs/calibration.md)"
+                if verdict == INCONCLUSIVE
+                else ""
+            ),
         )
     ]

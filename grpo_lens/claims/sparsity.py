@@ -1,11 +1,13 @@
 """The claims on sparsity over training (docs/theory.md §12, on the measures of §Sparsity over training).
 
-:func:`sparsity_intensifies`: Spearman's trend of the policy gradient's Hoyer sparsity over the lens steps (first
-excluded), with its permutation p-value; :func:`zero_variance_share_rises`: the same trend test of S1 over every
-step. :func:`most_parameters_unchanged`: the float32-unchanged share since the start above 0.5, with the bf16-unchanged
-share (S4) against its within-tensor permutation control. All read a training run's records, passed as
-``{"records": [metrics.jsonl records], "lora_rank": r}`` (the report evaluates :data:`TRAINING_CLAIMS` on that), and
-return [] when their inputs are absent.
+:func:`sparsity_intensifies`: the trend of the policy gradient's Hoyer sparsity over the lens steps (first and the
+LR warm-up's excluded), by the first-difference slope test in one run; :func:`zero_variance_share_rises`: the trend of
+S1 over every step after the warm-up, by the OLS slope's fixed-b HAC test in one run. When the data hold several
+seeds (``data["seeds"]``, from `train --seeds`) both take each seed's OLS slope and a t over seeds
+(:func:`trend_verdict`). :func:`most_parameters_unchanged`: the float32-unchanged share since the start above 0.5,
+with the bf16-unchanged share (S4) against its within-tensor permutation control. All read a training run's records,
+passed as ``{"records": [metrics.jsonl records], "lora_rank": r}`` (the report evaluates :data:`TRAINING_CLAIMS` on
+that), and return [] when their inputs are absent.
 """
 
 from __future__ import annotations
@@ -25,14 +27,18 @@ from grpo_lens.claims.base import (
     fmt,
     verdict_from_interval,
 )
+from grpo_lens.formulas.pooling import seed_slope_test
 from grpo_lens.formulas.stats import (
     difference_trend_test,
+    hac_trend_test,
     mean_interval,
     normal_upper_tail,
+    ols_trend,
     spearman_trend,
     trend_windows,
 )
 from grpo_lens.metrics import (
+    LR,
     PERF_LENS_SECONDS,
     RANK_MIXED_GROUPS,
     REWARD_FRAC_ZERO_STD_GROUPS,
@@ -85,30 +91,82 @@ def _more_lens_steps(rows: list[dict[str, Any]], tested: int) -> str:
     )
 
 
-def trend_verdict(
-    xs: list[float], ys: list[float], min_points: int, covariate: list[float] | None = None
-) -> tuple[str, str, dict[str, Any]]:
-    """(verdict, reason, the test's numbers) of a rising trend of ys over xs that keeps its level under
-    autocorrelated steps: the first-difference slope test (:func:`grpo_lens.formulas.stats.difference_trend_test`,
-    ``covariate`` partialled out). Holds (rises) when the one-sided p of slope > 0 is <= :data:`BRANCH_LEVEL`; does not
-    hold when that of slope < 0 is; inconclusive otherwise or with fewer than ``min_points`` points. The numbers
-    carry "p_holds", "p_dnh" and Spearman's rho (descriptive)."""
-    t = difference_trend_test(xs, ys, covariate)
+#: a trend's series in one run: (steps [n], values [n], covariate [n] or None)
+Series = tuple[list[float], list[float], list[float] | None]
+
+
+def after_warmup(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records from the step at which the logged learning rate (``perf/lr``) first reaches its largest value on:
+    the LR warm-up's steps dropped, so that a transient of the warm-up (a policy barely moving, then moving) is not
+    read as a trend over training. Records without a learning rate are all kept (a constant LR drops nothing)."""
+    lrs = [r.get(LR) for r in records]
+    if not records or any(v is None for v in lrs):
+        return records
+    top = max(float(v) for v in lrs)
+    first = next(i for i, v in enumerate(lrs) if float(v) >= top * (1 - 1e-9))
+    return records[first:]
+
+
+#: the tests of a trend within one run, by name (docs/theory.md §12)
+WITHIN_RUN_TESTS = {"hac": hac_trend_test, "differences": difference_trend_test}
+
+
+def trend_verdict(series: list[Series], min_points: int, within: str) -> tuple[str, str, dict[str, Any]]:
+    """(verdict, reason, the test's numbers) of a rising trend, from one run or pooled over seeds (docs/theory.md §12).
+
+    - One run (one series), ``within`` = "hac": the OLS slope with its fixed-b HAC t (Bartlett kernel, b = 1: Kiefer
+      & Vogelsang 2005; :func:`grpo_lens.formulas.stats.hac_trend_test`), which keeps its level under stationary
+      autocorrelated steps (S1: each step's share of fresh groups); "differences": the first-difference slope test
+      (:func:`grpo_lens.formulas.stats.difference_trend_test`), which keeps it up to a random walk (the gradient's
+      Hoyer, correlated 0.59 between lens steps 5 apart, issue 29) and gains power as the lens runs more often.
+    - Several seeds: each seed's OLS slope (:func:`grpo_lens.formulas.stats.ols_trend`) and the t-test over seeds
+      (:func:`grpo_lens.formulas.pooling.seed_slope_test`), valid whatever the within-run dependence (a random walk
+      included), since the seeds are independent runs.
+
+    The covariate (when given) is partialled out. Holds (rises) when the one-sided p of slope > 0 is <=
+    :data:`BRANCH_LEVEL`; does not hold when that of slope < 0 is; inconclusive otherwise. A series with fewer than
+    ``min_points`` points gives no slope. The numbers carry "p_holds", "p_dnh", "route" ("run" / "seeds"), "k" (series
+    with a slope) and Spearman's rho of the first series (descriptive)."""
+    xs, ys, _ = series[0]
     rho, _ = spearman_trend(xs, ys, num_perm=200) if len(xs) >= 3 else (math.nan, math.nan)
-    nums = {**t, "rho": rho, "p_holds": t["p_up"], "p_dnh": t["p_down"]}
-    if len(xs) < min_points or t["slope"] is None:
-        return (
-            INCONCLUSIVE,
-            f"{len(xs)} points < {min_points} (or no variation in the differences)",
-            {**nums, "p_holds": 1.0, "p_dnh": 1.0},
+    usable = [s for s in series if len(s[0]) >= min_points]
+    if len(series) > 1:
+        t = seed_slope_test([ols_trend(*s)["slope"] for s in usable])
+        route, k = "seeds", t["k"]
+        enough = k >= 2
+        what = (
+            f"mean OLS slope over {k} seeds {fmt(t['slope'], 3)} per step "
+            f"(t = {fmt(t['t'], 2)}, df {t['df']}; per seed {', '.join(fmt(b, 3) for b in t['per_seed'])})"
         )
+        short = f"{len(usable)} of {len(series)} seeds have >= {min_points} points (2 needed)"
+    else:
+        if within not in WITHIN_RUN_TESTS:
+            raise ValueError(f"unknown within-run trend test {within!r}; valid: {', '.join(WITHIN_RUN_TESTS)}")
+        t = WITHIN_RUN_TESTS[within](*series[0])
+        route, k = "run", int(t["slope"] is not None and bool(usable))
+        enough = k == 1
+        what = (
+            f"OLS slope {fmt(t['slope'], 3)} per step (fixed-b HAC t = {fmt(t['t'], 2)})"
+            if within == "hac"
+            else f"slope from first differences {fmt(t['slope'], 3)} per step (t = {fmt(t['t'], 2)}, df {t['df']})"
+        )
+        short = f"{len(xs)} points < {min_points} (or no variation in x)"
+    nums = {**t, "rho": rho, "p_holds": t["p_up"], "p_dnh": t["p_down"], "route": route, "k": k}
+    if not enough or t["slope"] is None:
+        return INCONCLUSIVE, short, {**nums, "p_holds": 1.0, "p_dnh": 1.0}
     verdict = decide(t["p_up"], t["p_down"])
-    slope = f"slope from first differences {t['slope']:.3g} per step (t = {fmt(t['t'], 2)}, df {t['df']})"
     if verdict == HOLDS:
-        return HOLDS, f"{slope}, one-sided p {t['p_up']:.2g} <= {BRANCH_LEVEL}", nums
+        return HOLDS, f"{what}, one-sided p {t['p_up']:.2g} <= {BRANCH_LEVEL}", nums
     if verdict == DOES_NOT_HOLD:
-        return DOES_NOT_HOLD, f"{slope}: falls, one-sided p {t['p_down']:.2g} <= {BRANCH_LEVEL}", nums
-    return INCONCLUSIVE, f"{slope}, one-sided p {min(t['p_up'], t['p_down']):.2g} > {BRANCH_LEVEL}", nums
+        return DOES_NOT_HOLD, f"{what}: falls, one-sided p {t['p_down']:.2g} <= {BRANCH_LEVEL}", nums
+    return INCONCLUSIVE, f"{what}, one-sided p {min(t['p_up'], t['p_down']):.2g} > {BRANCH_LEVEL}", nums
+
+
+def seed_records(data: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """The runs a training claim reads: ``data["seeds"]`` (one metrics.jsonl record list per seed, from `train
+    --seeds`) when it holds two or more, else the one run of ``data["records"]``."""
+    seeds = [list(r) for r in data.get("seeds") or [] if r]
+    return seeds if len(seeds) >= 2 else [list(data.get("records") or [])]
 
 
 #: the calibration's names of the trend rules
@@ -117,6 +175,11 @@ SPARSITY_RULE_ID, S1_RULE_ID, S4_RULE_ID = (
     "S1 rises over training",
     "most parameters unchanged (S4)",
 )
+#: the same trends pooled over seeds (`train --seeds`): each seed's OLS slope, t over seeds
+SPARSITY_SEEDS_RULE_ID, S1_SEEDS_RULE_ID = (
+    "gradient sparsity intensifies (seeds pooled)",
+    "S1 rises over training (seeds pooled)",
+)
 
 
 @CLAIMS.register("sparsity_intensifies")
@@ -124,9 +187,11 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     """ "Gradient sparsity intensifies over training": the Hoyer sparsity of each lens step's policy gradient against
     the step.
 
-    Rule (:func:`trend_verdict`): Spearman's trend of the gradient's Hoyer over the lens steps, excluding the first
-    lens step and the steps without a mixed group (their gradient carries no policy-gradient term); needs
-    :data:`MIN_LENS_STEPS` steps. The AdamW update's Hoyer is shown but not tested: Adam's first steps are sign-like
+    Rule (:func:`trend_verdict`): the trend of the gradient's Hoyer over the lens steps (the first-difference slope
+    test in one run, t over the seeds' OLS slopes when pooled), excluding the LR warm-up's steps, the first lens
+    step after it and the steps without
+    a mixed group (their gradient carries no policy-gradient term); needs :data:`MIN_LENS_STEPS` steps per run. The
+    AdamW update's Hoyer is shown but not tested: Adam's first steps are sign-like
     (Hoyer near 0) and its Hoyer rises with stationary gradients (issue 18: holds 10 of 10 with no change in
     sparsity), so its trend says nothing about the gradient.
     """
@@ -154,17 +219,9 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
         ]
     if not rows:
         return []
-    tested = [r for r in rows[1:] if r.get(RANK_MIXED_GROUPS) is None or float(r[RANK_MIXED_GROUPS]) > 0]
-    xs = [float(r[STEP]) for r in tested]
-    ys = [float(r[SPARSITY_GRAD_HOYER]) for r in tested]
-    # the step's gradient sums its mixed groups' terms: fewer groups alone make it sparser, so log(mixed groups) is
-    # partialled out (issue 29: constant per-group sparsity while mixed groups fall 8 -> 1 read holds 1.00)
-    cov = (
-        [math.log(float(r[RANK_MIXED_GROUPS])) for r in tested]
-        if tested and all(r.get(RANK_MIXED_GROUPS) is not None for r in tested)
-        else None
-    )
-    verdict, why, nums = trend_verdict(xs, ys, MIN_LENS_STEPS, cov)
+    runs = [_sparsity_series(after_warmup(_lens_rows(recs, SPARSITY_GRAD_HOYER))) for recs in seed_records(data)]
+    verdict, why, nums = trend_verdict(runs, MIN_LENS_STEPS, "differences")
+    tested = len(runs[0][0])
     rho = nums["rho"]
     upd = [r.get(SPARSITY_UPDATE_STEP_HOYER) for r in rows]
     grad = [float(r[SPARSITY_GRAD_HOYER]) for r in rows]
@@ -172,26 +229,77 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     return [
         Claim(
             claim="gradient sparsity intensifies over training",
-            scope=f"training, {len(tested)} lens steps (first lens step excluded){space}",
+            scope=(
+                f"training, {len(runs)} seeds × {tested} lens steps (first lens step and LR warm-up excluded){space}"
+                if nums["route"] == "seeds"
+                else f"training, {tested} lens steps (first lens step and LR warm-up excluded){space}"
+            ),
             measurement=(
                 f"Hoyer of the policy gradient {fmt(grad[0], 3)} (step {rows[0][STEP]}) -> "
                 f"{fmt(grad[-1], 3)} (step {rows[-1][STEP]}), Spearman rho {fmt(rho, 2)} on the "
-                f"tested steps; AdamW update Hoyer {fmt(upd[0], 3)} -> {fmt(upd[-1], 3)} (not tested)"
+                f"tested steps{' of the first seed' if nums['route'] == 'seeds' else ''}; AdamW update Hoyer "
+                f"{fmt(upd[0], 3)} -> {fmt(upd[-1], 3)} (not tested)"
             ),
             control=(
-                "no trend (slope 0 after the log of the mixed-group count is partialled out); a "
+                "no trend (OLS slope 0 after the log of the mixed-group count is partialled out); a "
                 "Gaussian vector has Hoyer 0.20"
             ),
             verdict=verdict,
             rule=why,
             source=f"lens, fixed sample of {_sample_size(rows)} weights",
-            n=len(tested),
+            n=nums["k"] if nums["route"] == "seeds" else tested,
             p_holds=nums["p_holds"],
             p_dnh=nums["p_dnh"],
-            rule_id=SPARSITY_RULE_ID,
-            advice=_more_lens_steps(rows, len(tested)) if verdict == INCONCLUSIVE else "",
+            rule_id=SPARSITY_SEEDS_RULE_ID if nums["route"] == "seeds" else SPARSITY_RULE_ID,
+            advice=_trend_advice(_more_lens_steps(rows, tested), nums["route"]) if verdict == INCONCLUSIVE else "",
         )
     ]
+
+
+def _sparsity_series(tested_rows: list[dict[str, Any]]) -> Series:
+    """(steps, gradient Hoyer, log mixed groups or None) of one run's lens steps, the first lens step and the steps
+    without a mixed group (no policy-gradient term) excluded. The step's gradient sums its mixed groups' terms:
+    fewer groups alone make it sparser, so log(mixed groups) is partialled out (issue 29: constant per-group
+    sparsity while mixed groups fall 8 -> 1 read holds 1.00)."""
+    tested = [r for r in tested_rows[1:] if r.get(RANK_MIXED_GROUPS) is None or float(r[RANK_MIXED_GROUPS]) > 0]
+    cov = (
+        [math.log(float(r[RANK_MIXED_GROUPS])) for r in tested]
+        if tested and all(r.get(RANK_MIXED_GROUPS) is not None for r in tested)
+        else None
+    )
+    return [float(r[STEP]) for r in tested], [float(r[SPARSITY_GRAD_HOYER]) for r in tested], cov
+
+
+def _s1_series(records: list[dict[str, Any]]) -> Series:
+    """(steps, S1, None) of one run's steps after the LR warm-up."""
+    rows = [r for r in records if r.get(REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(STEP) is not None]
+    rows = after_warmup(rows)
+    return [float(r[STEP]) for r in rows], [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows], None
+
+
+def run_slopes(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """One run's OLS slopes per step of the two trends on the steps their claims test (the units the seeds route pools,
+    :func:`trend_verdict`): {"s1": S1's, "hoyer": the gradient Hoyer's (log mixed groups partialled out)}; None where
+    the run has too few steps."""
+    s1 = _s1_series(records)
+    hoyer = _sparsity_series(after_warmup(_lens_rows(records, SPARSITY_GRAD_HOYER)))
+    return {
+        "s1": ols_trend(*s1)["slope"] if len(s1[0]) >= MIN_S1_STEPS else None,
+        "hoyer": ols_trend(*hoyer)["slope"] if len(hoyer[0]) >= MIN_LENS_STEPS else None,
+    }
+
+
+def _trend_advice(more: str, route: str) -> str:
+    """What decides an undecided trend: pooling seeds first (the power route), else ``more`` steps."""
+    if route == "seeds":
+        return (
+            f"more seeds (`train --seeds 0 1 2 3 4`: 5 seeds of 30 steps reach power 1.0, docs/calibration.md), "
+            f"or {more}"
+        )
+    return (
+        f"train several seeds and pool them (`train --seeds 0 1 2 --out DIR`: 3 seeds of 30 steps reach power 0.94, "
+        f"docs/calibration.md), or {more}"
+    )
 
 
 #: fewest steps the S1 trend is tested on
@@ -203,8 +311,9 @@ def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
     """ "Sparsity intensifies" read as S1: the share of groups without reward contrast (all rewards equal, no policy
     gradient) rises over training.
 
-    Rule (:func:`trend_verdict`): Spearman's trend of S1 (``reward/frac_zero_std_groups``) over every logged step,
-    needs :data:`MIN_S1_STEPS` steps; the measurement gives the mean S1 of the first and the last third of the steps,
+    Rule (:func:`trend_verdict`): the OLS trend of S1 (``reward/frac_zero_std_groups``) over every logged step after
+    the LR warm-up (fixed-b HAC in one run, t over seeds when pooled), needs :data:`MIN_S1_STEPS` steps per run; the
+    measurement gives the mean S1 of the first and the last third of the steps,
     each with its interval over steps (:func:`grpo_lens.formulas.stats.mean_interval`).
     """
     rows = [
@@ -214,30 +323,38 @@ def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
     ]
     if not rows:
         return []
-    xs = [float(r[STEP]) for r in rows]
+    runs = [_s1_series(recs) for recs in seed_records(data)]
+    verdict, why, nums = trend_verdict(runs, MIN_S1_STEPS, "hac")
     ys = [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows]
-    verdict, why, nums = trend_verdict(xs, ys, MIN_S1_STEPS)
     rho = nums["rho"]
     first, last = (mean_interval(ys[w], bounds=(0.0, 1.0)) for w in trend_windows(len(ys)))
     return [
         Claim(
             claim="the share of groups without reward contrast (S1) rises over training",
-            scope=f"training, {len(rows)} steps",
+            scope=(
+                f"training, {len(runs)} seeds × {len(runs[0][0])} steps (LR warm-up excluded)"
+                if nums["route"] == "seeds"
+                else f"training, {len(runs[0][0])} steps (LR warm-up excluded)"
+            ),
             measurement=(
-                f"S1 first third {ci_text(first, 2, 'steps')}, last third {ci_text(last, 2, 'steps')}"
+                f"S1{' (first seed)' if nums['route'] == 'seeds' else ''} first third "
+                f"{ci_text(first, 2, 'steps')}, last third {ci_text(last, 2, 'steps')}"
                 f"; Spearman rho {fmt(rho, 2)}"
             ),
             control="no trend (slope 0)",
             verdict=verdict,
             rule=why,
             source="every step's rewards",
-            n=len(rows),
+            n=nums["k"] if nums["route"] == "seeds" else len(runs[0][0]),
             p_holds=nums["p_holds"],
             p_dnh=nums["p_dnh"],
-            rule_id=S1_RULE_ID,
+            rule_id=S1_SEEDS_RULE_ID if nums["route"] == "seeds" else S1_RULE_ID,
             advice=(
-                f"raise `--max-steps` (now {len(rows)} steps) or `--prompts-per-step` (S1 per step is a "
-                f"share of that many groups: more groups, less noise per step)"
+                _trend_advice(
+                    f"raise `--max-steps` (now {len(rows)} steps) or `--prompts-per-step` (S1 per step is a "
+                    f"share of that many groups: more groups, less noise per step)",
+                    nums["route"],
+                )
                 if verdict == INCONCLUSIVE
                 else ""
             ),

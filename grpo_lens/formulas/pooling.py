@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, student_t_quantile
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, student_t_cdf, student_t_quantile
 
 
 def _finite(values: Sequence[Any]) -> list[float]:
@@ -173,3 +173,58 @@ def between_seed_spread(values_by_seed: Sequence[Sequence[float]]) -> dict[str, 
         out["q"] = math.fsum(wi * (m - mw) ** 2 for wi, (m, _) in zip(w, pairs))
         out["p"] = chi2_sf(out["q"], len(pairs) - 1)
     return out
+
+
+def seed_slope_test(slopes: Sequence[float | None]) -> dict[str, Any]:
+    """A trend over training pooled over seeds: each seed's OLS slope (:func:`grpo_lens.formulas.stats.ols_trend`)
+    is one independent unit, and the one-sample t-test over seeds asks whether their mean is above or below 0.
+
+    Seeds are independent runs, so whatever the within-run autocorrelation (AR(1) steps, a random walk) each slope is
+    unbiased for the run's trend and the slopes are i.i.d. across seeds; their t over seeds, t = b̄ / (s_b/√k) with
+    k − 1 degrees of freedom, is exact for normal slopes (a slope is a weighted sum of many steps: close to normal)
+    and needs no model of the noise. A transient common to every seed (LR warm-up) is a trend to this test: the
+    claims drop the warm-up steps before the slopes are taken.
+
+    Args:
+        slopes: [k] one slope per seed; None (no slope) and non-finite dropped.
+
+    Returns:
+        {"slope" (mean slope), "se", "t", "df" (k − 1), "p_up" (one-sided p of mean slope > 0), "p_down", "k",
+        "per_seed" (the slopes used)}; t/se None and p 1.0 below two slopes; a zero spread gives p 0 on the side the
+        mean lies on.
+    """
+    b = _finite(slopes)
+    k = len(b)
+    out: dict[str, Any] = {"slope": None, "se": None, "t": None, "df": max(k - 1, 0), "p_up": 1.0, "p_down": 1.0}
+    out.update(k=k, per_seed=b)
+    if k < 2:
+        return out
+    mean = math.fsum(b) / k
+    se = math.sqrt(math.fsum((v - mean) ** 2 for v in b) / (k - 1) / k)
+    if se == 0:
+        return {**out, "slope": mean, "se": 0.0, "p_up": float(mean <= 0), "p_down": float(mean >= 0)}
+    t = mean / se
+    p_up = 1 - student_t_cdf(t, k - 1)
+    return {**out, "slope": mean, "se": se, "t": t, "p_up": p_up, "p_down": 1 - p_up}
+
+
+def seed_mean_test(values: Sequence[float | None], control: float, side: str) -> float:
+    """One-sided p of "the mean over seeds of a per-seed number lies ``side`` ("above" / "below") ``control``": the
+    one-sample t over seeds (k − 1 degrees of freedom), each seed one independent unit. 1.0 below two values; a zero
+    spread gives 0 on the side the mean lies on, 1 otherwise.
+
+    Raises:
+        ValueError: an unknown side.
+    """
+    if side not in ("above", "below"):
+        raise ValueError(f"unknown side {side!r}; valid: above, below")
+    b = _finite(values)
+    k = len(b)
+    if k < 2:
+        return 1.0
+    mean = math.fsum(b) / k
+    se = math.sqrt(math.fsum((v - mean) ** 2 for v in b) / (k - 1) / k)
+    d = mean - control if side == "above" else control - mean
+    if se == 0:
+        return 0.0 if d > 0 else 1.0
+    return 1 - student_t_cdf(d / se, k - 1)

@@ -514,3 +514,118 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
             break
         out[i] = True
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# trends over training: the OLS slope, its fixed-b HAC test within one run (issue 43)
+# ---------------------------------------------------------------------------------------------------------------------
+def _trend_design(xs: Sequence[float], covariate: Sequence[float] | None) -> torch.Tensor:
+    """[n, q] the regressors of a trend: 1, x and (when given and not constant) the covariate."""
+    cols = [[1.0] * len(xs), [float(x) for x in xs]]
+    if covariate is not None and max(covariate) - min(covariate) > 1e-12:
+        cols.append([float(c) for c in covariate])
+    return torch.tensor(cols, dtype=torch.float64).T
+
+
+def ols_trend(
+    xs: Sequence[float], ys: Sequence[float], covariate: Sequence[float] | None = None
+) -> dict[str, float | int | None]:
+    """The OLS slope of ys over xs with an intercept (and ``covariate`` partialled out): the trend each run
+    contributes to the trend over seeds (:func:`grpo_lens.formulas.pooling.seed_slope_test`) and that the fixed-b
+    test reads within one run (:func:`hac_trend_test`).
+
+    Model y_t = α + β x_t + γ c_t + u_t; β̂ = Σ x̃_t y_t / Σ x̃_t², x̃ the residual of x on (1, c) (Frisch-Waugh).
+
+    Args:
+        xs: [n] positions (steps).  ys: [n] values.  covariate: [n] or None.
+
+    Returns:
+        {"slope", "se_iid" (the textbook SE, valid only for i.i.d. errors; descriptive), "df" (n − regressors), "n"};
+        slope None when n < 3, the lengths differ or x has no variation after the covariate.
+    """
+    n = len(xs)
+    out: dict[str, float | int | None] = {"slope": None, "se_iid": None, "df": 0, "n": n}
+    if n < 3 or len(ys) != n:
+        return out
+    x = _trend_design(xs, covariate)  # [n, q]
+    df = n - x.shape[1]
+    xtx = x.T @ x
+    if df < 1 or float(torch.linalg.det(xtx)) <= 1e-12 * float(xtx.diagonal().prod()):
+        return out
+    inv = torch.linalg.inv(xtx)
+    y = torch.tensor([float(v) for v in ys], dtype=torch.float64)
+    beta = inv @ (x.T @ y)
+    resid = y - x @ beta
+    s2 = float(resid.square().sum()) / df
+    return {**out, "slope": float(beta[1]), "se_iid": math.sqrt(max(s2 * float(inv[1, 1]), 0.0)), "df": df}
+
+
+#: draws of the fixed-b reference distribution (i.i.d. Gaussian errors at the run's own design): p resolves to 1/4001
+HAC_DRAWS = 4000
+
+_HAC_NULL: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _hac_t(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[D] the slope's t-statistic with the Bartlett-kernel HAC variance at bandwidth M = n (fixed-b, b = 1).
+
+    x: [n, q] design (column 1 the slope's); y: [D, n] series. With x̃ the slope column's residual on the other
+    columns and û the OLS residuals, v_t = x̃_t û_t, Ω̂ = Σ_{t,s} (1 − |t − s|/n) v_t v_s / n and
+    Var(β̂) = n Ω̂ / (Σ x̃²)² (Kiefer & Vogelsang, Econometric Theory 21, 2005, eq. 3 with k = Bartlett, b = 1).
+    """
+    n = x.shape[0]
+    inv = torch.linalg.inv(x.T @ x)
+    beta = y @ x @ inv  # [D, q]
+    resid = y - beta @ x.T  # [D, n]
+    others = x[:, [j for j in range(x.shape[1]) if j != 1]]
+    xt = x[:, 1] - others @ torch.linalg.lstsq(others, x[:, 1:2]).solution[:, 0]  # [n] x̃
+    v = resid * xt  # [D, n]
+    idx = torch.arange(n, dtype=torch.float64)
+    kernel = (1 - (idx[:, None] - idx[None, :]).abs() / n).clamp_min(0)  # [n, n] Bartlett weights at M = n
+    omega = ((v @ kernel) * v).sum(1) / n
+    var = n * omega / float(xt.square().sum()) ** 2
+    return beta[:, 1] / var.clamp_min(1e-300).sqrt()
+
+
+def hac_trend_test(
+    xs: Sequence[float], ys: Sequence[float], covariate: Sequence[float] | None = None
+) -> dict[str, float | int | None]:
+    """A trend test within one run that keeps its level when steps are autocorrelated: the OLS slope
+    (:func:`ols_trend`) with a Bartlett-kernel HAC standard error at bandwidth equal to the sample size, read against
+    its fixed-b reference distribution (Kiefer & Vogelsang, Econometric Theory 21, 2005; Kiefer, Vogelsang & Bunzel,
+    Econometrica 68, 2000) (docs/theory.md §12).
+
+    The fixed-b statistic is asymptotically pivotal under any weakly dependent stationary error; its law depends on
+    the kernel, b and the design only, so this function tabulates it at the run's own design (x, covariate) from
+    :data:`HAC_DRAWS` series of i.i.d. N(0, 1) errors (a fixed seed: the same data give the same p, cached per
+    design) and returns the Monte Carlo p-values (1 + #{t* >= t}) / (D + 1). Against the first-difference test
+    (:func:`difference_trend_test`) the slope uses every point, not only the two ends: under stationary noise its SE
+    falls as n^(−3/2) rather than n^(−1).
+
+    Args:
+        xs: [n] positions (steps), strictly increasing.  ys: [n] values.  covariate: [n] or None.
+
+    Returns:
+        {"slope", "t" (the HAC t), "df" (n − regressors), "p_up" (one-sided p of β > 0), "p_down" (β < 0), "n"};
+        slope/t None and p 1.0 when the OLS slope is undefined (:func:`ols_trend`).
+    """
+    ols = ols_trend(xs, ys, covariate)
+    out: dict[str, float | int | None] = {"slope": ols["slope"], "t": None, "df": ols["df"], "p_up": 1.0}
+    out.update(p_down=1.0, n=len(xs))
+    if ols["slope"] is None:
+        return out
+    x = _trend_design(xs, covariate)
+    y = torch.tensor([float(v) for v in ys], dtype=torch.float64)
+    t = float(_hac_t(x, y[None, :])[0])
+    key = tuple(round(float(v), 9) for v in x.flatten().tolist()) + tuple(x.shape)
+    if key not in _HAC_NULL:
+        if len(_HAC_NULL) >= 256:  # designs with a covariate differ per run: keep the cache bounded
+            _HAC_NULL.clear()
+        gen = torch.Generator().manual_seed(20050101)
+        _HAC_NULL[key] = _hac_t(x, torch.randn(HAC_DRAWS, x.shape[0], generator=gen, dtype=torch.float64))
+    null = _HAC_NULL[key]
+    if not math.isfinite(t):  # no residual variation: the fitted slope is exact
+        return {**out, "t": t, "p_up": float(ols["slope"] <= 0), "p_down": float(ols["slope"] >= 0)}
+    p_up = (1 + int((null >= t).sum())) / (HAC_DRAWS + 1)
+    p_down = (1 + int((null <= t).sum())) / (HAC_DRAWS + 1)
+    return {**out, "t": t, "p_up": p_up, "p_down": p_down}

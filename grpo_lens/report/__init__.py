@@ -33,7 +33,7 @@ from grpo_lens.claims.base import INCONCLUSIVE, evaluate_claims, holm_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.metrics import PERF_LENS_SECONDS, STEP
 from grpo_lens.report import plots
-from grpo_lens.report.answers import answers_section
+from grpo_lens.report.answers import answers_section, training_data
 from grpo_lens.report.format import (
     FEW_MARK,
     FEW_NOTE,
@@ -56,10 +56,11 @@ from grpo_lens.report.training import (  # noqa: F401 (re-exported)
     lens_gradient_source,
     s1_trend_finding,
     schedule_text,
+    train_seeds_lines,
     training_section,
 )
 from grpo_lens.report.training_measures import completions_section
-from grpo_lens.rundir import read_records
+from grpo_lens.rundir import read_records, read_train_seeds
 
 
 class ReportError(ValueError):
@@ -128,7 +129,10 @@ def _calibrated(c: Any, levels: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 
 def claims_section(
-    probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None = None, lora_rank: int = 0
+    probes: dict[str, dict[str, Any]],
+    records: list[dict[str, Any]] | None = None,
+    lora_rank: int = 0,
+    seed_runs: list[list[dict[str, Any]]] | None = None,
 ) -> list[str]:
     """The paper's claims, per probe and on the training run's records (:func:`grpo_lens.claims.base.evaluate_claims`;
     rules in docs/theory.md §11 and §12): the primary claims in one table decided under Holm at a family-wise 0.05
@@ -170,7 +174,7 @@ def claims_section(
         ]
     sources = dict(probes)
     if records:
-        sources = {"training": {"records": records, "lora_rank": lora_rank}, **sources}
+        sources = {"training": training_data(records, lora_rank, seed_runs), **sources}
     multi = len(sources) > 1
     evaluated = [
         (label, c)
@@ -306,6 +310,10 @@ def write_report(run_dir: Path) -> Path:
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory; pass a run directory written by train, probe or demo")
     train_dir = run_dir / "train" if (run_dir / "train" / "metrics.jsonl").exists() else run_dir  # demo layout
+    seed_dirs = read_train_seeds(run_dir)  # `train --seeds`: the first seed's run, the claims over every seed
+    if seed_dirs:
+        train_dir = seed_dirs[0]
+    seed_runs = [[r for r in _read_jsonl(d / "metrics.jsonl") if STEP in r] for d in seed_dirs or []]
     records = [r for r in _read_jsonl(train_dir / "metrics.jsonl") if STEP in r]
     probes = find_probes(run_dir)
     if not records and not probes:
@@ -338,7 +346,8 @@ def write_report(run_dir: Path) -> Path:
 
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
-        header += answers_section(probes, records, lora_rank)  # the answers first, the full table in the appendix
+        # the answers first, the full table in the appendix
+        header += answers_section(probes, records, lora_rank, seed_runs)
     header += first_figures(body)
     rest = []
     if records and estimator:
@@ -361,7 +370,9 @@ def write_report(run_dir: Path) -> Path:
             "",
         ]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
-        rest += claims_section(probes, records, lora_rank)
+        rest += claims_section(probes, records, lora_rank, seed_runs)
+    if seed_dirs:
+        rest += train_seeds_lines(seed_dirs, seed_runs)
     if (probes.get("probe") or {}).get("seeds"):  # a pooled probe (probe --seeds): each seed beside the pool
         rest += seeds_section(probes["probe"], run_dir)
     rest += ["## Findings", "", *[f"- {f}" for f in findings], ""]

@@ -17,14 +17,25 @@ from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.report.format import mark_few
 
 
+def training_data(
+    records: list[dict[str, Any]], lora_rank: int = 0, seed_runs: list[list[dict[str, Any]]] | None = None
+) -> dict[str, Any]:
+    """What the claims over training read: the run's records, and with ``train --seeds`` every seed's records
+    (``seeds``: the trends and "rank stays" are then decided over the seeds)."""
+    return {"records": records, "lora_rank": lora_rank, **({"seeds": seed_runs} if seed_runs else {})}
+
+
 def claim_sources(
-    probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None, lora_rank: int = 0
+    probes: dict[str, dict[str, Any]],
+    records: list[dict[str, Any]] | None,
+    lora_rank: int = 0,
+    seed_runs: list[list[dict[str, Any]]] | None = None,
 ) -> dict[str, list[Claim]]:
     """{source label: its claims}: each probe first (the rank claims, the question a reader opens the report with),
-    then ``training`` (the run's records: sparsity over training)."""
+    then ``training`` (the run's records: sparsity over training; ``seed_runs``: every seed's, from `train --seeds`)."""
     sources: dict[str, list[Claim]] = {label: evaluate_claims(probe) for label, probe in probes.items()}
     if records:
-        sources["training"] = evaluate_claims({"records": records, "lora_rank": lora_rank}, list(TRAINING_CLAIMS))
+        sources["training"] = evaluate_claims(training_data(records, lora_rank, seed_runs), list(TRAINING_CLAIMS))
     # the verdicts of the claims table: the primary claims of every source under one Holm (issue 29)
     flat, _ = holm_claims([c for claims in sources.values() for c in claims])
     out, i = {}, 0
@@ -63,11 +74,14 @@ def answer_lines(sources: dict[str, list[Claim]]) -> list[str]:
 
 
 def answers_section(
-    probes: dict[str, dict[str, Any]], records: list[dict[str, Any]] | None, lora_rank: int = 0
+    probes: dict[str, dict[str, Any]],
+    records: list[dict[str, Any]] | None,
+    lora_rank: int = 0,
+    seed_runs: list[list[dict[str, Any]]] | None = None,
 ) -> list[str]:
     """The report's first section (:func:`answer_lines` of :func:`claim_sources`); empty when the run has neither a
     probe nor lens records."""
-    sources = claim_sources(probes, records, lora_rank)
+    sources = claim_sources(probes, records, lora_rank, seed_runs)
     if not any(sources.values()):
         return []
     return [mark_few(line) for line in answer_lines(sources)]  # "(n = 4 groups)†", as the tables print it

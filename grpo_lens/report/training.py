@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo_lens.claims.sparsity import MIN_S1_STEPS
+from grpo_lens.claims.sparsity import MIN_S1_STEPS, run_slopes
 from grpo_lens.formulas.stats import mean_interval, trend_windows
 from grpo_lens.metrics import (
     BASELINE_B_STAR,
@@ -28,6 +28,7 @@ from grpo_lens.metrics import (
     GRAD_IDENTITY_RESIDUAL,
     LR,
     PERF_STEP_SECONDS,
+    RANK_G1,
     REWARD_ACCURACY,
     REWARD_FRAC_ZERO_STD_GROUPS,
     REWARD_MEAN,
@@ -343,3 +344,37 @@ def training_section(
     lines += rank_lines(records, run_dir)
     lines += baselines_lines(records, run_dir, findings, lora_rank, lens_space)
     return lines
+
+
+def train_seeds_lines(seed_dirs: list[Path], seed_runs: list[list[dict[str, Any]]]) -> list[str]:
+    """The seeds of a pooled training directory (`train --seeds`): per seed its directory, steps, the OLS slopes the
+    pooled trends take as units (:func:`grpo_lens.claims.sparsity.run_slopes`) and its lowest E₂ over the lens
+    steps (the unit of the pooled "rank stays"). The training section above shows the first seed."""
+    e2 = RANK_G1.format(m="top2_share")
+    rows = []
+    for d, recs in zip(seed_dirs, seed_runs):
+        slopes = run_slopes(recs)
+        lows = [float(r[e2]) for r in recs if r.get(e2) is not None]
+        steps = [r[STEP] for r in recs if r.get(STEP) is not None]
+        rows.append(
+            (
+                f"`{d.name}`",
+                str(max(steps)) if steps else "–",
+                fmt(slopes["s1"], 4),
+                fmt(slopes["hoyer"], 4),
+                fmt(min(lows), 3) if lows else "–",
+            )
+        )
+    return [
+        "## Seeds (`train --seeds`)",
+        "",
+        f"{len(seed_dirs)} runs that differ only in their seed; the claims over training above are decided over them "
+        "(each seed's slope one unit, a t over seeds: docs/theory.md §12). The training section shows the first seed; "
+        "`grpo-lens report DIR/seed_<s>` reports one seed alone.",
+        "",
+        *md_table(
+            ["seed run", "last step", "S1 slope per step", "gradient Hoyer slope per step", "lowest E₂ (lens steps)"],
+            rows,
+        ),
+        "",
+    ]

@@ -78,3 +78,29 @@ def test_chi2_sf_closed_forms():
     assert chi2_sf(0.0, 3) == 1.0
     with pytest.raises(ValueError, match="df"):
         chi2_sf(1.0, 0)
+
+
+def test_seed_slope_test_by_hand():
+    from grpo_lens.formulas.pooling import seed_slope_test
+
+    # slopes 1, 2, 3: mean 2, s = 1, SE = 1/√3, t = 2√3 = 3.4641 with 2 df; P(t₂ > t) = 1/2 − t/(2√(2 + t²))
+    # = 0.5 − 3.4641/(2·√14) = 0.037090
+    t = seed_slope_test([1.0, 2.0, None, 3.0])
+    assert t["k"] == 3 and t["df"] == 2
+    assert t["t"] == pytest.approx(2 * math.sqrt(3), abs=1e-9)
+    assert t["p_up"] == pytest.approx(0.5 - 2 * math.sqrt(3) / (2 * math.sqrt(14)), abs=1e-6)
+    assert t["p_down"] == pytest.approx(1 - t["p_up"], abs=1e-12)
+    assert seed_slope_test([1.0])["p_up"] == 1.0  # one seed: no test
+    assert seed_slope_test([0.5, 0.5])["p_up"] == 0.0  # no spread, mean above 0
+
+
+def test_seed_mean_test_by_hand():
+    from grpo_lens.formulas.pooling import seed_mean_test
+
+    # 0.95, 0.97, 0.99 against 0.9: mean 0.97, s = 0.02, SE = 0.011547, t = 6.0622 (2 df);
+    # p = 0.5 − t/(2√(2 + t²)) = 0.5 − 6.06218/12.44990 = 0.013074
+    p = seed_mean_test([0.95, 0.97, 0.99], 0.9, "above")
+    assert p == pytest.approx(0.013074, abs=2e-6)
+    assert seed_mean_test([0.95, 0.97, 0.99], 0.9, "below") == pytest.approx(1 - p, abs=1e-12)
+    with pytest.raises(ValueError, match="valid: above, below"):
+        seed_mean_test([1.0, 2.0], 0.0, "up")

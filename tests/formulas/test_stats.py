@@ -57,3 +57,46 @@ def test_covers_on_zero_inflated_data_where_the_t_interval_does_not():
         half = student_t_quantile(0.975, 21) * s / math.sqrt(22)
         t_hits += m - half <= mu <= m + half
     assert hits / 1000 >= 0.91 and t_hits / 1000 <= 0.88, (hits, t_hits)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# trends over training: OLS slope, fixed-b HAC (issue 43)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_ols_trend_by_hand():
+    from grpo_lens.formulas.stats import ols_trend
+
+    # x̄ = ȳ = 2.5; Sxy = 2.25 − 0.25 − 0.25 + 2.25 = 4, Sxx = 5: slope 0.8; residuals −0.3, 0.9, −0.9, 0.3 (SSR 1.8),
+    # s² = 1.8 / (4 − 2) = 0.9, SE = √(0.9 / 5) = 0.424264
+    t = ols_trend([1, 2, 3, 4], [1, 3, 2, 4])
+    assert t["slope"] == pytest.approx(0.8, abs=1e-12)
+    assert t["se_iid"] == pytest.approx(math.sqrt(0.18), abs=1e-9)
+    assert t["df"] == 2
+    # a covariate equal to x leaves no variation in x: no slope
+    assert ols_trend([1, 2, 3, 4], [1, 3, 2, 4], covariate=[1, 2, 3, 4])["slope"] is None
+    assert ols_trend([1, 2], [1, 2])["slope"] is None
+
+
+def test_hac_t_by_hand():
+    from grpo_lens.formulas.stats import hac_trend_test
+
+    # x = 1, 2, 3, y = 0, 2, 1: x̃ = −1, 0, 1, slope = 1/2; residuals −0.5, 1, −0.5; v = x̃ û = 0.5, 0, −0.5.
+    # Bartlett at M = n = 3: Σ_ts (1 − |t−s|/3) v_t v_s = 0.25 + 0.25 + 2·(1/3)·(−0.25) = 1/3, Ω = 1/9,
+    # Var = n Ω / (Σ x̃²)² = 3·(1/9)/4 = 1/12, t = 0.5 / √(1/12) = √3
+    t = hac_trend_test([1, 2, 3], [0, 2, 1])
+    assert t["slope"] == pytest.approx(0.5, abs=1e-12)
+    assert t["t"] == pytest.approx(math.sqrt(3), abs=1e-9)
+    assert t["p_up"] + t["p_down"] == pytest.approx(1 + 1 / 4001, abs=1e-12)  # the draw equal to t counts on both
+
+
+def test_hac_reference_is_exact_under_iid_gaussian_noise():
+    import torch
+
+    from grpo_lens.formulas.stats import hac_trend_test
+
+    # the fixed-b law is tabulated from i.i.d. Gaussian series at the same design, so for such data the p-value is
+    # uniform: P(p_up <= 0.1) = 0.1 (300 trials: SE 0.017). Reading the HAC t against the normal (|t| > 1.28) rejects
+    # about 0.2 at b = 1 (its law has heavy tails), outside [0.05, 0.15].
+    gen = torch.Generator().manual_seed(5)
+    xs = list(range(1, 11))
+    hits = sum(hac_trend_test(xs, torch.randn(10, generator=gen).tolist())["p_up"] <= 0.1 for _ in range(300))
+    assert 0.05 <= hits / 300 <= 0.15
