@@ -236,6 +236,14 @@ class TrainConfig(ConfigFile):
         "or this many consecutive steps where no rollout could be scored.",
         check=at_least(1),
     )
+    stop_after_dead_steps: int = option(
+        0,
+        "Stop the run (cleanly: checkpoint, final model, a line in the log and "
+        "stopped.json in the run directory) after this many consecutive steps "
+        "without a mixed group (every group's rewards all equal: nothing to learn "
+        "from; docs/theory.md §Noise scale and dead groups). 0: never.",
+        check=at_least(0),
+    )
     # --- lens --------------------------------------------------------------------------------------------------------
     lens_every: int = Lens.lens_every()
     sketch_dim: int = Lens.sketch_dim()
