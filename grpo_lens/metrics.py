@@ -753,6 +753,24 @@ NOISE_FROM_UPDATE = _key(
     "backward holds each group's block only: no interval, no null), 0 when it is the sum of the full Gram",
     source=_NOISE,
 )
+NOISE_PROXY_TOTAL_POWER, NOISE_EXACT_TOTAL_POWER = _keys(
+    "noise",
+    ("noise/proxy_total_power", "noise/exact_total_power"),
+    ("logit-space squared norm", SQ_GRAD_NORM_UNITS),
+    "lens steps with `--lens-noise-proxy`: verl's proxy mean_i A_i^2 W_i, W_i = sum_t |e_{o_t} - pi_t|^2 (verl PR "
+    "#4678, `variance_proxy/proxy2_total_power`), and the exact mean_i A_i^2 |sum_t grad log pi(o_it)|^2 from the "
+    "Gram's diagonal, both over the step's N rollouts in the loss (A_i = 0 outside the mixed groups): two scales, "
+    "compare their orderings (`noise/proxy_rank_corr`)",
+    source=_NOISE,
+)
+NOISE_PROXY_RANK_CORR = _key(
+    "noise",
+    "noise/proxy_rank_corr",
+    RATIO,
+    "lens steps with `--lens-noise-proxy`: Spearman's rho over the mixed groups' rollouts between verl's A_i^2 W_i and "
+    "the exact A_i^2 |sum_t grad log pi(o_it)|^2 (1: the proxy orders rollouts by gradient power as the Gram does)",
+    source=_NOISE,
+)
 DEAD_ALL_CORRECT, DEAD_ALL_WRONG, DEAD_ALL_OTHER = _keys(
     "dead",
     ("dead/all_correct_groups", "dead/all_wrong_groups", "dead/all_equal_other_groups"),

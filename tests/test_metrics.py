@@ -174,6 +174,10 @@ NOT_WRITTEN = {
         for q in ("grad_sq", "trace_sigma", "b_simple")
         for end in ("lo", "hi")
     },
+    **{
+        f"noise/{k}": "only with --lens-noise-proxy: tests/train/test_diagnostics.py"
+        for k in ("proxy_total_power", "exact_total_power", "proxy_rank_corr")
+    },
 }
 
 

@@ -259,6 +259,14 @@ class TrainConfig(ConfigFile):
         "extra forward and backward; the run's log says why when it cannot. Off: the "
         "lens always runs its own pass.",
     )
+    lens_noise_proxy: bool = option(
+        False,
+        "At lens steps with the exact Gram, also compute verl's logit-space "
+        "gradient-power proxy mean A^2 W, W = sum_t |e_o - pi_t|^2 (one no-grad "
+        "forward of the mixed groups at the step's weights), beside the exact "
+        "mean A^2 |grad log pi(o)|^2 and their rank correlation over rollouts "
+        "(noise/proxy_*; docs/theory.md §Noise scale and dead groups).",
+    )
     lens_space: str = option(
         "trainable",
         "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "

@@ -175,6 +175,25 @@ def logit_variance_proxy(advantages: Tensor, w: Tensor) -> float:
     return float((advantages.double() ** 2 * w.double().clamp(min=0)).mean())
 
 
+def rank_correlation(x: Tensor, y: Tensor) -> float:
+    """Spearman's rho of x [n] and y [n]: Pearson's correlation of their ranks (ties get their mean rank). NaN below 3
+    values or when either is constant. Used to say whether verl's proxy orders rollouts by gradient power as the exact
+    Gram does (scale-free: the proxy lives in logit space)."""
+    if x.numel() < 3:
+        return math.nan
+
+    def ranks(v: Tensor) -> Tensor:
+        v = v.double().flatten()
+        eq = v[:, None] == v[None, :]
+        below = (v[None, :] < v[:, None]).sum(dim=1).double()
+        return below + (eq.sum(dim=1).double() + 1) / 2  # mean rank of the tied block, 1-based
+
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = float((rx.square().sum() * ry.square().sum()).sqrt())
+    return float((rx * ry).sum()) / den if den > 0 else math.nan
+
+
 def dead_group_counts(
     rewards: Tensor,
     valid: Tensor,

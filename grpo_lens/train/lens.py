@@ -42,6 +42,8 @@ from grpo_lens.formulas.noise import (
     noise_scale,
     noise_scale_from_sums,
     noise_scale_jackknife,
+    rank_correlation,
+    score_norm_proxy,
     signal_sign_flip_p,
 )
 from grpo_lens.formulas.overlong import overlong_loss_mask
@@ -56,12 +58,15 @@ from grpo_lens.metrics import (
     NOISE_B_SIMPLE,
     NOISE_B_SIMPLE_HI,
     NOISE_B_SIMPLE_LO,
+    NOISE_EXACT_TOTAL_POWER,
     NOISE_FROM_UPDATE,
     NOISE_GRAD_SQ,
     NOISE_GRAD_SQ_HI,
     NOISE_GRAD_SQ_LO,
     NOISE_GRAD_SQ_P,
     NOISE_GROUPS,
+    NOISE_PROXY_RANK_CORR,
+    NOISE_PROXY_TOTAL_POWER,
     NOISE_SNR,
     NOISE_TRACE_SIGMA,
     NOISE_TRACE_SIGMA_HI,
@@ -71,7 +76,7 @@ from grpo_lens.metrics import (
     RANK_MIXED_GROUPS,
 )
 from grpo_lens.registry import renamed_keywords
-from grpo_lens.rollout import RolloutBatch
+from grpo_lens.rollout import RolloutBatch, scored_logits
 from grpo_lens.train.lens_settings import LensSettings, as_lens_settings
 from grpo_lens.train.processes import gather_objects
 from grpo_lens.train.sharding import is_sharded
@@ -158,6 +163,7 @@ class TrainerLens:
         # |sum_i h_i|^2 of the update's first gradient, taken in before_step when the Gram comes from the update
         self._want_grad_sq = False
         self._grad_sq: float | None = None
+        self._proxy_w: torch.Tensor | None = None  # [N] verl's W_i at the step's weights (fused path), NaN unmeasured
 
     def start(self, policy: torch.nn.Module) -> None:
         """Nothing to do: the start snapshot is taken at construction, from the freshly loaded weights."""
@@ -193,7 +199,12 @@ class TrainerLens:
 
     @renamed_keywords(R="group_size")
     def update_gram_capture(
-        self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor, group_size: int
+        self,
+        policy: torch.nn.Module,
+        rewards: torch.Tensor,
+        valid: torch.Tensor,
+        group_size: int,
+        batch: RolloutBatch | None = None,
     ) -> MicroBatchGrams:
         """The :class:`MicroBatchGrams` for the trainer to open around the update's first pass (each micro-batch),
         whose exact Gram of the mixed groups' loss-gradient rows then gives the lens's Gram without a pass of its
@@ -202,12 +213,19 @@ class TrainerLens:
 
         Args:
             rewards: [N] (NaN where invalid).   valid: [N] bool.   group_size: R, rollouts per group.
+            batch: the step's rollouts; with ``lens_noise_proxy`` verl's W_i of the mixed groups are taken now, at the
+                step's weights (:meth:`proxy_score_norms`), since the lens's metrics come after the update.
         """
         self._pending = True
         self._want_grad_sq, self._grad_sq = True, None  # the noise scale's S (:meth:`noise_metrics`)
         rows = torch.zeros(rewards.numel(), dtype=torch.bool)
         for b in self.mixed_groups(rewards, valid, group_size):
             rows[b * group_size : (b + 1) * group_size] = True
+        self._proxy_w = None
+        if self.settings.lens_noise_proxy and batch is not None and bool(rows.any()):
+            idx = rows.nonzero().flatten()
+            self._proxy_w = torch.full((rewards.numel(),), float("nan"), dtype=torch.float64)
+            self._proxy_w[idx] = self.proxy_score_norms(policy, batch.select(idx))
         return MicroBatchGrams(policy, rewards.numel(), rows=rows, group_size=group_size)
 
     def measure_from_update(
@@ -324,6 +342,10 @@ class TrainerLens:
                 m = group_gradient_gram(gram, -adv[idx] / n_total, R)  # [n_mixed, n_mixed]; NaN between groups
                 noise_part.update(sum_sq=float(m.diagonal().sum()), m=m if bool(m.isfinite().all()) else None)
                 noise_part["exact"] = True
+                if c.lens_noise_proxy:
+                    noise_part["proxy"] = self.proxy_powers(
+                        policy, sub, loss_mask, idx, gram, adv[idx], z_total, n_total
+                    )
             for j, b in enumerate(mixed):
                 rows.append(
                     analyse_group(
@@ -357,7 +379,14 @@ class TrainerLens:
         # S from the update covers every parameter, so D must too: the fused noise scale needs coverage 1
         if not (from_update and all_coverage and min(all_coverage) < 1.0) and all_rows:
             out.update(self.noise_metrics([part["noise"] for part in parts], from_update, seed=c.seed + step * 1009))
-        self._want_grad_sq, self._grad_sq = False, None
+            proxies = [part["noise"]["proxy"] for part in parts if part["noise"].get("proxy") is not None]
+            if proxies:  # verl's proxy beside the exact power, over the step's N rollouts in the loss
+                proxy, exact = torch.cat([p for p, _ in proxies]), torch.cat([e for _, e in proxies])
+                ok = proxy.isfinite() & exact.isfinite()
+                out[NOISE_PROXY_TOTAL_POWER] = float(proxy[ok].sum()) / n_total
+                out[NOISE_EXACT_TOTAL_POWER] = float(exact[ok].sum()) / n_total
+                out[NOISE_PROXY_RANK_CORR] = rank_correlation(proxy[ok], exact[ok])
+        self._want_grad_sq, self._grad_sq, self._proxy_w = False, None, None
         self._pending = True
         out[PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out
@@ -412,6 +441,44 @@ class TrainerLens:
             NOISE_SNR: est["snr"],
             **extra,
         }
+
+    @torch.no_grad()
+    def proxy_score_norms(self, policy: torch.nn.Module, sub: RolloutBatch, chunk: int = 8) -> torch.Tensor:
+        """verl's W_i = sum_t |e_{o_t} - pi_t|^2 (:func:`grpo_lens.formulas.noise.score_norm_proxy`) of ``sub``'s n
+        rollouts over the tokens the loss sums, pi the temperature-scaled policy (docs/theory.md §14): [n] float64 on
+        the CPU, from no-grad forwards of ``chunk`` rollouts at a time."""
+        c = self.settings
+        mask = overlong_loss_mask(sub.completion_mask, sub.truncated, c.overlong)
+        out = []
+        for s in range(0, sub.num_rollouts, chunk):
+            part = sub.select(torch.arange(s, min(s + chunk, sub.num_rollouts)))
+            T = part.completion_ids.shape[1]
+            logits = scored_logits(policy, part.input_ids(), part.attention_mask(), T)  # [n_c, T, V]
+            logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / c.temperature, -1)
+            p_tok = logp.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1).exp()  # [n_c, T]
+            sum_sq = (2 * logp).exp().sum(-1)  # [n_c, T] sum_v pi_v^2
+            out.append(score_norm_proxy(p_tok, sum_sq, mask[s : s + part.num_rollouts].to(p_tok.device)).cpu())
+        return torch.cat(out)
+
+    def proxy_powers(
+        self,
+        policy: torch.nn.Module,
+        sub: RolloutBatch,
+        loss_mask: torch.Tensor,
+        idx: torch.Tensor,
+        gram: torch.Tensor,
+        adv: torch.Tensor,
+        z_total: float,
+        n_total: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(verl's A_i^2 W_i, the exact A_i^2 |sum_t grad log pi(o_it)|^2 = A_i^2 Gram_ii / omega_i^2) of the analysed
+        rollouts ``idx`` [n] (docs/theory.md §Noise scale and dead groups): W_i from the stash taken before the update
+        (the Gram read off the update) or from a forward now (the lens's own pass, before the update)."""
+        c = self.settings
+        omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total, n_total)
+        exact = adv.square() * gram.diagonal().double() / omega.detach().cpu().double().square()
+        w = self._proxy_w[idx] if self._proxy_w is not None else self.proxy_score_norms(policy, sub)
+        return adv.square() * w.clamp(min=0), exact
 
     def rollout_gram(
         self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor

@@ -964,8 +964,10 @@ def plan_lens(
     # the exact Gram from the update's own backward where the loss's token weights factor (all processes agree)
     why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, procs)
     if why_not is None:
+        proxy = {"batch": rollouts.batch} if config.lens_noise_proxy else {}  # verl's W_i at the step's weights
         return LensPlan(
-            measure=True, capture=lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size)
+            measure=True,
+            capture=lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy),
         )
     if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
         _LENS_OWN_PASS_LOGGED.add(why_not)

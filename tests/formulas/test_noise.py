@@ -15,6 +15,7 @@ from grpo_lens.formulas.noise import (
     noise_scale_from_sums,
     noise_scale_jackknife,
     normalizer_dilution,
+    rank_correlation,
     score_norm_proxy,
     signal_sign_flip_p,
     zero_advantage_groups,
@@ -136,3 +137,13 @@ def test_dead_group_counts_and_dilution():
     # token-mean: 3 + 5 of 3 + 5 + 2 + 2 tokens held by the dead group = 8/12
     assert normalizer_dilution(torch.tensor([[3.0, 5.0], [2.0, 2.0]]), dead) == pytest.approx(8 / 12, abs=1e-12)
     assert math.isnan(normalizer_dilution(torch.zeros(2, 2), dead))
+
+
+def test_rank_correlation():
+    # monotone -> 1, reversed -> -1; ties get their mean rank: x = [1, 2, 2, 3] ranks [1, 2.5, 2.5, 4] against
+    # y = [1, 2, 3, 4]: centred [-1.5, 0, 0, 1.5] . [-1.5, -0.5, 0.5, 1.5] = 4.5 over sqrt(4.5 * 5) -> 0.9487
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert rank_correlation(x, x.exp()) == pytest.approx(1.0)
+    assert rank_correlation(x, -x) == pytest.approx(-1.0)
+    assert rank_correlation(torch.tensor([1.0, 2.0, 2.0, 3.0]), x) == pytest.approx(4.5 / math.sqrt(22.5), abs=1e-12)
+    assert math.isnan(rank_correlation(x[:2], x[:2])) and math.isnan(rank_correlation(x, torch.ones(4)))

@@ -48,7 +48,8 @@ def _records(run) -> list[dict]:
 def test_lens_noise_scale_own_pass_equals_the_update_norm_route(tmp_path):
     """A lens step's noise scale from the full Gram of the lens's own exact pass (S = sum of the group Gram) equals
     the one from the Gram read off the update's backward (S = the update's first gradient norm squared): the same
-    |sum_b G_b|^2 by two routes, to float32 rounding of two backward paths."""
+    |sum_b G_b|^2 by two routes, to float32 rounding of two backward paths. verl's proxy, taken before the update on
+    the fused route, agrees too: both are at the step's starting weights."""
     from grpo_lens.train.loop import train
 
     runs = {}
@@ -60,6 +61,7 @@ def test_lens_noise_scale_own_pass_equals_the_update_norm_route(tmp_path):
             gram_source="exact",
             prompts_per_step=3,
             lens_from_update=fused,
+            lens_noise_proxy=True,
             checkpoint_every=10,
         )
         runs[fused] = _records(train(cfg))
@@ -82,6 +84,11 @@ def test_lens_noise_scale_own_pass_equals_the_update_norm_route(tmp_path):
             assert fused[key] == pytest.approx(own[key], rel=1e-3, abs=1e-9), key
             compared += 1
         assert own["noise/trace_sigma"] > 0
+        # verl's proxy at the step's weights on both routes (the fused one takes W_i before the update)
+        for key in ("noise/proxy_total_power", "noise/exact_total_power", "noise/proxy_rank_corr"):
+            assert fused[key] == pytest.approx(own[key], rel=1e-3, abs=1e-6), key
+        assert own["noise/proxy_total_power"] > 0 and own["noise/exact_total_power"] > 0
+        assert -1 <= own["noise/proxy_rank_corr"] <= 1
         if math.isfinite(own["noise/b_simple"]):
             assert own["noise/snr"] == pytest.approx(3 / own["noise/b_simple"], rel=1e-9)  # SNR = B / B_simple
     assert compared >= 2
