@@ -19,6 +19,11 @@ gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.tra
 docs/theory.md §Sparsity over training). S1 is measured by the trainer on every step; the lens prints no S1
 prediction, because no rollouts other than the step's own exist for the step's prompts (docs/theory.md §S1).
 
+From the same exact Gram the lens writes the step's gradient noise scale, the group the example (``noise/*``,
+:meth:`TrainerLens.noise_metrics`, docs/theory.md §Noise scale and dead groups): B_simple and SNR with jackknife
+intervals and a sign-flip null from the own pass's full Gram, or point values with the update's own gradient norm
+when the Gram is read off the update's backward; with ``lens_noise_proxy`` verl's logit-space proxy beside it.
+
 All math is in :mod:`grpo_lens.formulas` (composed per group by :mod:`grpo_lens.analysis`); this class only picks
 groups, gathers and averages.
 """
