@@ -113,3 +113,31 @@ def test_stop_after_dead_steps_records_and_resumes(tmp_path):
     recs = _records(run)
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[-1]["dead/steps_without_mixed"] == 3
     assert json.loads((run.path / "stopped.json").read_text())["step"] == 3
+
+
+def test_noise_metrics_routes_and_refusals():
+    """TrainerLens.noise_metrics without a model: the full-Gram route, the update-norm route, and the cases it
+    refuses (a group outside the Gram with a nonzero advantage, a sketched Gram, the own pass on 2 processes)."""
+    from types import SimpleNamespace
+
+    from grpo_lens.train.lens import TrainerLens
+
+    # G_b = e_b + (1, 1, 1): |G_b|^2 = 4 + 1 + 1 = 6, <G_b, G_c> = 2 + 2 + 1 = 5, so M = I + 5 (11^T): D = 18,
+    # S = 9 * 5 + 3 = 48, B = 3
+    g = torch.eye(3, dtype=torch.float64) + 1.0
+    m = g @ g.T
+    part = {"groups": 3, "sum_sq": float(m.diagonal().sum()), "m": m, "exact": True, "zero_rest": True}
+    lens = SimpleNamespace(_grad_sq=None)
+    full = TrainerLens.noise_metrics(lens, [part], from_update=False, seed=0)
+    # |G|^2 = (S - D) / (B (B - 1)) = (48 - 18) / 6 = 5; tr(Sigma) = (D - S / B) / (B - 1) = (18 - 16) / 2 = 1
+    assert full["noise/grad_sq"] == pytest.approx(5.0) and full["noise/trace_sigma"] == pytest.approx(1.0)
+    assert full["noise/b_simple"] == pytest.approx(0.2) and full["noise/snr"] == pytest.approx(15.0)  # 3 / 0.2
+    assert full["noise/from_update"] == 0.0 and "noise/grad_sq_lo" not in full  # 3 groups: no interval
+    # the update route: D from the blocks, S from the update's own gradient norm squared
+    lens = SimpleNamespace(_grad_sq=48.0)
+    fused = TrainerLens.noise_metrics(lens, [{**part, "m": None}], from_update=True, seed=0)
+    assert fused["noise/grad_sq"] == pytest.approx(5.0) and fused["noise/from_update"] == 1.0
+    assert TrainerLens.noise_metrics(SimpleNamespace(_grad_sq=None), [part], from_update=True, seed=0) == {}
+    for bad in ({"zero_rest": False}, {"exact": False}):
+        assert TrainerLens.noise_metrics(lens, [{**part, **bad}], from_update=False, seed=0) == {}
+    assert TrainerLens.noise_metrics(lens, [part, part], from_update=False, seed=0) == {}  # cross blocks unknown
