@@ -254,6 +254,8 @@ SECTIONS = (
     "dynamic",
     "grad",
     "guard",
+    "noise",
+    "dead",
     "group",
     "probe_group",
     "g3",
@@ -685,6 +687,122 @@ GUARD_CONSECUTIVE_SKIPPED = _key(
     COUNT,
     "skipped rounds in a row up to this one; the run stops at `max_consecutive_skips`",
     source="§Numerical guards",
+)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# issue 44 item 4: the exact gradient noise scale (lens steps) and dead-group accounting (every step)
+# (grpo_lens/formulas/noise.py, docs/theory.md §Noise scale and dead groups)
+# ---------------------------------------------------------------------------------------------------------------------
+GROUPS_UNITS = "groups (prompts)"
+_NOISE = "§Noise scale and dead groups"
+NOISE_GROUPS = _key(
+    "noise",
+    "noise/groups",
+    COUNT,
+    "lens steps: B, the groups (prompts) the noise scale counts: every group of the step, those without a policy "
+    "gradient (all A_i = 0) with G_b = 0",
+    source=_NOISE,
+)
+NOISE_GRAD_SQ, NOISE_GRAD_SQ_LO, NOISE_GRAD_SQ_HI = _keys(
+    "noise",
+    ("noise/grad_sq", "noise/grad_sq_lo", "noise/grad_sq_hi"),
+    SQ_GRAD_NORM_UNITS,
+    "lens steps: the unbiased |G|^2 = (S - D) / (B (B - 1)) of the mean group gradient G = E[G_b], G_b = sum_{i in b} "
+    "(-A_i / N) g_i (the update's policy-gradient rows, KL excluded), D = sum_b |G_b|^2, S = |sum_b G_b|^2, from the "
+    "exact Gram; lo/hi: delete-one-group jackknife 95% interval (full Gram, >= 8 groups). Can be negative: no signal",
+    source=_NOISE,
+)
+NOISE_TRACE_SIGMA, NOISE_TRACE_SIGMA_LO, NOISE_TRACE_SIGMA_HI = _keys(
+    "noise",
+    ("noise/trace_sigma", "noise/trace_sigma_lo", "noise/trace_sigma_hi"),
+    SQ_GRAD_NORM_UNITS,
+    "lens steps: the unbiased tr(Sigma) = (D - S / B) / (B - 1), the per-group gradient covariance's trace; lo/hi "
+    "as `noise/grad_sq`",
+    source=_NOISE,
+)
+NOISE_B_SIMPLE, NOISE_B_SIMPLE_LO, NOISE_B_SIMPLE_HI = _keys(
+    "noise",
+    ("noise/b_simple", "noise/b_simple_lo", "noise/b_simple_hi"),
+    GROUPS_UNITS,
+    "lens steps: the gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, arXiv 1812.06162, "
+    "§2.2), in groups: the batch at which noise and signal energy are equal; NaN when |G|^2 <= 0; lo/hi as "
+    "`noise/grad_sq`",
+    source=_NOISE,
+)
+NOISE_SNR = _key(
+    "noise",
+    "noise/snr",
+    RATIO,
+    "lens steps: the step's signal-to-noise |G|^2 / (tr(Sigma) / B) = B / B_simple (> 1: the step's mean gradient "
+    "holds more signal than noise energy)",
+    source=_NOISE,
+)
+NOISE_GRAD_SQ_P = _key(
+    "noise",
+    "noise/grad_sq_p",
+    P_VALUE,
+    "lens steps, full Gram: the null control, a one-sided sign-flip p-value of |G|^2 > 0 (2000 flips of each "
+    "group's sign; large: the step's signal is not told apart from noise)",
+    source=_NOISE,
+)
+NOISE_FROM_UPDATE = _key(
+    "noise",
+    "noise/from_update",
+    FLAG,
+    "1 when S = |sum_b G_b|^2 is the update's own first gradient norm squared (the Gram read off the update's "
+    "backward holds each group's block only: no interval, no null), 0 when it is the sum of the full Gram",
+    source=_NOISE,
+)
+NOISE_PROXY_TOTAL_POWER, NOISE_EXACT_TOTAL_POWER = _keys(
+    "noise",
+    ("noise/proxy_total_power", "noise/exact_total_power"),
+    ("logit-space squared norm", SQ_GRAD_NORM_UNITS),
+    "lens steps with `--lens-noise-proxy`: verl's proxy mean_i A_i^2 W_i, W_i = sum_t |e_{o_t} - pi_t|^2 (verl PR "
+    "#4678, `variance_proxy/proxy2_total_power`), and the exact mean_i A_i^2 |sum_t grad log pi(o_it)|^2 from the "
+    "Gram's diagonal, both over the step's N rollouts in the loss (A_i = 0 outside the mixed groups): two scales, "
+    "compare their orderings (`noise/proxy_rank_corr`)",
+    source=_NOISE,
+)
+NOISE_PROXY_RANK_CORR = _key(
+    "noise",
+    "noise/proxy_rank_corr",
+    RATIO,
+    "lens steps with `--lens-noise-proxy`: Spearman's rho over the mixed groups' rollouts between verl's A_i^2 W_i and "
+    "the exact A_i^2 |sum_t grad log pi(o_it)|^2 (1: the proxy orders rollouts by gradient power as the Gram does)",
+    source=_NOISE,
+)
+DEAD_ALL_CORRECT, DEAD_ALL_WRONG, DEAD_ALL_OTHER = _keys(
+    "dead",
+    ("dead/all_correct_groups", "dead/all_wrong_groups", "dead/all_equal_other_groups"),
+    COUNT,
+    "every step: groups without reward contrast whose valid rewards all equal 1 (all correct under the 0/1 "
+    "correctness reward), all equal 0 (all wrong), or all equal another value; with `reward/frac_zero_std_groups` "
+    "they split S1",
+    source=_NOISE,
+)
+DEAD_MIXED_GROUPS = _key(
+    "dead",
+    "dead/mixed_groups",
+    COUNT,
+    "every step: groups with reward contrast (every process's); 0 counts toward `--stop-after-dead-steps`",
+    source=_NOISE,
+)
+DEAD_NORMALIZER_SHARE = _key(
+    "dead",
+    "dead/normalizer_share",
+    SHARE,
+    "every step: share of the loss normaliser (completion tokens for token-mean, rollouts otherwise) held by "
+    "rollouts of groups whose advantages are all 0: every other rollout's gradient is divided by it too, so the step "
+    "is (1 - share) of what a loss over the other groups alone would take",
+    source=_NOISE,
+)
+DEAD_STEPS = _key(
+    "dead",
+    "dead/steps_without_mixed",
+    COUNT,
+    "every step: consecutive steps up to this one without a mixed group (kept across --resume); "
+    "`--stop-after-dead-steps N` stops the run when it reaches N",
+    source=_NOISE,
 )
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -169,6 +169,15 @@ NOT_WRITTEN = {
     "reward/logged/{name}": "only a reward function calling log_metric writes it (test_run_integrity.py)",
     "rank/g1_{m}_lo": "the lens writes it from 8 mixed groups a step; tests/claims covers the function",
     "rank/g1_{m}_hi": "as rank/g1_{m}_lo",
+    **{
+        f"noise/{q}_{end}": "the lens writes it from 8 groups a step; tests/formulas/test_noise.py covers the function"
+        for q in ("grad_sq", "trace_sigma", "b_simple")
+        for end in ("lo", "hi")
+    },
+    **{
+        f"noise/{k}": "only with --lens-noise-proxy: tests/train/test_diagnostics.py"
+        for k in ("proxy_total_power", "exact_total_power", "proxy_rank_corr")
+    },
 }
 
 

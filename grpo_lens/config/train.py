@@ -236,6 +236,14 @@ class TrainConfig(ConfigFile):
         "or this many consecutive steps where no rollout could be scored.",
         check=at_least(1),
     )
+    stop_after_dead_steps: int = option(
+        0,
+        "Stop the run (cleanly: checkpoint, final model, a line in the log and "
+        "stopped.json in the run directory) after this many consecutive steps "
+        "without a mixed group (every group's rewards all equal: nothing to learn "
+        "from; docs/theory.md §Noise scale and dead groups). 0: never.",
+        check=at_least(0),
+    )
     # --- lens --------------------------------------------------------------------------------------------------------
     lens_every: int = Lens.lens_every()
     sketch_dim: int = Lens.sketch_dim()
@@ -250,6 +258,14 @@ class TrainConfig(ConfigFile):
         "micro-batch, not --estimator optimal): the same numbers without the lens's "
         "extra forward and backward; the run's log says why when it cannot. Off: the "
         "lens always runs its own pass.",
+    )
+    lens_noise_proxy: bool = option(
+        False,
+        "At lens steps with the exact Gram, also compute verl's logit-space "
+        "gradient-power proxy mean A^2 W, W = sum_t |e_o - pi_t|^2 (one no-grad "
+        "forward of the mixed groups at the step's weights), beside the exact "
+        "mean A^2 |grad log pi(o)|^2 and their rank correlation over rollouts "
+        "(noise/proxy_*; docs/theory.md §Noise scale and dead groups).",
     )
     lens_space: str = option(
         "trainable",

@@ -1,6 +1,7 @@
 """Report pieces read from a training run's metrics.jsonl records, beside the reward table of
 :func:`grpo_lens.report.training.training_section`: policy entropy, sparsity over training next to its dense bf16
-control (docs/theory.md §Sparsity over training), the lens's share of the wall time, and one sentence on dynamic
+control (docs/theory.md §Sparsity over training), the gradient noise scale and dead groups
+(docs/theory.md §Noise scale and dead groups), the lens's share of the wall time, and one sentence on dynamic
 sampling (docs/theory.md §Dynamic sampling; also used by ``grpo-lens compare``).
 
 Everything comes from the records alone; the claims these numbers decide are in :mod:`grpo_lens.claims.sparsity`.
@@ -15,6 +16,12 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from grpo_lens.metrics import (
+    DEAD_ALL_CORRECT,
+    DEAD_ALL_OTHER,
+    DEAD_ALL_WRONG,
+    DEAD_MIXED_GROUPS,
+    DEAD_NORMALIZER_SHARE,
+    DEAD_STEPS,
     DYNAMIC_HIT_CAP,
     DYNAMIC_MIXED_GROUPS,
     DYNAMIC_SAMPLED_GROUPS,
@@ -26,6 +33,18 @@ from grpo_lens.metrics import (
     EVAL_SAMPLED_ACCURACY,
     EVAL_SAMPLED_ACCURACY_HI,
     EVAL_SAMPLED_ACCURACY_LO,
+    NOISE_B_SIMPLE,
+    NOISE_B_SIMPLE_HI,
+    NOISE_B_SIMPLE_LO,
+    NOISE_FROM_UPDATE,
+    NOISE_GRAD_SQ,
+    NOISE_GRAD_SQ_HI,
+    NOISE_GRAD_SQ_LO,
+    NOISE_GRAD_SQ_P,
+    NOISE_GROUPS,
+    NOISE_PROXY_RANK_CORR,
+    NOISE_SNR,
+    NOISE_TRACE_SIGMA,
     PERF_LENS_SECONDS,
     POLICY_ENTROPY,
     REWARD_FRAC_ZERO_STD_GROUPS,
@@ -337,6 +356,7 @@ def training_measures_section(
             f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32."
         )
         lines.append("")
+    lines += noise_and_dead_section(records, findings)
     cost = lens_overhead(records)
     if cost and cost["lens_steps"]:
         lines += [
@@ -345,6 +365,77 @@ def training_measures_section(
             f"{fmt(cost['train_seconds'], 1)} s the steps took without it.",
             "",
         ]
+    return lines
+
+
+def _with_interval(r: dict[str, Any], key: str, lo: str, hi: str, nd: int = 3) -> str:
+    """``value [lo, hi]`` of a record, or the value alone without an interval."""
+    if r.get(lo) is None or r.get(hi) is None:
+        return fmt(r.get(key), nd)
+    return f"{fmt(r.get(key), nd)} [{fmt(r[lo], nd)}, {fmt(r[hi], nd)}]"
+
+
+def noise_and_dead_section(records: list[dict[str, Any]], findings: list[str]) -> list[str]:
+    """The gradient noise scale of each lens step and the run's dead groups (docs/theory.md §Noise scale and dead
+    groups), from the records' ``noise/*`` and ``dead/*`` keys; empty when neither was written."""
+    lines: list[str] = []
+    dead = [r for r in records if r.get(DEAD_MIXED_GROUPS) is not None]
+    if dead:
+        total = {k: sum(r.get(k) or 0 for r in dead) for k in (DEAD_ALL_CORRECT, DEAD_ALL_WRONG, DEAD_ALL_OTHER)}
+        mixed = sum(r[DEAD_MIXED_GROUPS] for r in dead)
+        shares = [r[DEAD_NORMALIZER_SHARE] for r in dead if r.get(DEAD_NORMALIZER_SHARE) is not None]
+        longest = max((r.get(DEAD_STEPS) or 0 for r in dead), default=0)
+        share = fmt(sum(shares) / len(shares)) if shares else "–"
+        lines += [
+            "### Gradient noise scale and dead groups",
+            "",
+            f"Over {len(dead)} steps: {mixed} groups with reward contrast, {total[DEAD_ALL_CORRECT]} all correct, "
+            f"{total[DEAD_ALL_WRONG]} all wrong and {total[DEAD_ALL_OTHER]} all equal at another reward; the groups "
+            f"with all advantages 0 held on average {share} of the loss normaliser (each such share scales the step "
+            f"down by as much); longest run of steps without a mixed group: {longest}.",
+            "",
+        ]
+        findings.append(
+            f"Dead groups: {total[DEAD_ALL_CORRECT]} all correct and {total[DEAD_ALL_WRONG]} all wrong against "
+            f"{mixed} mixed over {len(dead)} steps; mean normaliser share of zero-advantage groups {share}."
+        )
+    rows = [r for r in records if r.get(NOISE_GRAD_SQ) is not None]
+    if rows:
+        if not lines:
+            lines += ["### Gradient noise scale and dead groups", ""]
+        lines += [
+            "The exact gradient noise scale of each lens step (McCandlish et al. 2018), the group the example: "
+            "|G|^2 and tr(Sigma) unbiased from the Gram, B_simple = tr(Sigma)/|G|^2 in groups, SNR = B/B_simple; "
+            "[95% jackknife interval over groups] with the full Gram of 8 or more groups; null p: the sign-flip test "
+            "of |G|^2 = 0 (large: no signal told apart from noise, so B_simple means nothing); route: Gram (own "
+            "pass) or update (|G|^2 from the update's own gradient norm, no interval).",
+            "",
+            *md_table(
+                ["step", "B", "|G|^2", "tr(Sigma)", "B_simple", "SNR", "null p", "proxy rho", "route"],
+                [
+                    (
+                        r[STEP],
+                        fmt(int(r[NOISE_GROUPS]) if r.get(NOISE_GROUPS) is not None else None),
+                        _with_interval(r, NOISE_GRAD_SQ, NOISE_GRAD_SQ_LO, NOISE_GRAD_SQ_HI, 4),
+                        fmt(r.get(NOISE_TRACE_SIGMA), 4),
+                        _with_interval(r, NOISE_B_SIMPLE, NOISE_B_SIMPLE_LO, NOISE_B_SIMPLE_HI, 2),
+                        fmt(r.get(NOISE_SNR), 2),
+                        fmt(r.get(NOISE_GRAD_SQ_P)),
+                        fmt(r.get(NOISE_PROXY_RANK_CORR), 2),
+                        "update" if r.get(NOISE_FROM_UPDATE) else "Gram",
+                    )
+                    for r in rows
+                ],
+            ),
+            "",
+        ]
+        last = rows[-1]
+        findings.append(
+            f"Gradient noise scale at step {last[STEP]}: B_simple "
+            f"{_with_interval(last, NOISE_B_SIMPLE, NOISE_B_SIMPLE_LO, NOISE_B_SIMPLE_HI, 2)} groups against "
+            f"B = {fmt(last.get(NOISE_GROUPS), 0)} (SNR {fmt(last.get(NOISE_SNR), 2)}; null p "
+            f"{fmt(last.get(NOISE_GRAD_SQ_P))})."
+        )
     return lines
 
 

@@ -19,6 +19,11 @@ gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.tra
 docs/theory.md §Sparsity over training). S1 is measured by the trainer on every step; the lens prints no S1
 prediction, because no rollouts other than the step's own exist for the step's prompts (docs/theory.md §S1).
 
+From the same exact Gram the lens writes the step's gradient noise scale, the group the example (``noise/*``,
+:meth:`TrainerLens.noise_metrics`, docs/theory.md §Noise scale and dead groups): B_simple and SNR with jackknife
+intervals and a sign-flip null from the own pass's full Gram, or point values with the update's own gradient norm
+when the Gram is read off the update's backward; with ``lens_noise_proxy`` verl's logit-space proxy beside it.
+
 All math is in :mod:`grpo_lens.formulas` (composed per group by :mod:`grpo_lens.analysis`); this class only picks
 groups, gathers and averages.
 """
@@ -37,6 +42,15 @@ from grpo_lens.analysis.group import (
 )
 from grpo_lens.formulas.advantages import constant_groups
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
+from grpo_lens.formulas.noise import (
+    group_gradient_gram,
+    noise_scale,
+    noise_scale_from_sums,
+    noise_scale_jackknife,
+    rank_correlation,
+    score_norm_proxy,
+    signal_sign_flip_p,
+)
 from grpo_lens.formulas.overlong import overlong_loss_mask
 from grpo_lens.gradients.gram import MicroBatchGrams, exact_rollout_gram
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
@@ -46,12 +60,28 @@ from grpo_lens.lora import is_lora
 from grpo_lens.metrics import (
     GRAD_GRAM_COVERAGE,
     GROUP_SIZE,
+    NOISE_B_SIMPLE,
+    NOISE_B_SIMPLE_HI,
+    NOISE_B_SIMPLE_LO,
+    NOISE_EXACT_TOTAL_POWER,
+    NOISE_FROM_UPDATE,
+    NOISE_GRAD_SQ,
+    NOISE_GRAD_SQ_HI,
+    NOISE_GRAD_SQ_LO,
+    NOISE_GRAD_SQ_P,
+    NOISE_GROUPS,
+    NOISE_PROXY_RANK_CORR,
+    NOISE_PROXY_TOTAL_POWER,
+    NOISE_SNR,
+    NOISE_TRACE_SIGMA,
+    NOISE_TRACE_SIGMA_HI,
+    NOISE_TRACE_SIGMA_LO,
     PERF_LENS_SECONDS,
     PERF_LENS_SPARSITY_SECONDS,
     RANK_MIXED_GROUPS,
 )
 from grpo_lens.registry import renamed_keywords
-from grpo_lens.rollout import RolloutBatch
+from grpo_lens.rollout import RolloutBatch, scored_logits
 from grpo_lens.train.lens_settings import LensSettings, as_lens_settings
 from grpo_lens.train.processes import gather_objects
 from grpo_lens.train.sharding import is_sharded
@@ -123,7 +153,7 @@ class TrainerLens:
     ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,
     ``sparsity/grad_*`` (and per layer type ``sparsity/<type>/...``), ``sparsity/sample_entries``,
     ``rank/mixed_groups``, ``grad/gram_coverage`` (exact Gram), ``perf/lens_seconds``, ``perf/lens_sparsity_seconds``,
-    and the mean over mixed groups of
+    ``noise/*`` (the exact Gram's gradient noise scale, :meth:`noise_metrics`), and the mean over mixed groups of
     every key of :func:`grpo_lens.analysis.group.analyse_group` except ``group/size`` (``rank/g1_*``,
     ``grad/identity_*``, ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
@@ -135,6 +165,10 @@ class TrainerLens:
         self.sparsity = SparsityOverTraining(policy, seed=self.settings.seed)
         self._pending = False
         self._sparsity_seconds = 0.0
+        # |sum_i h_i|^2 of the update's first gradient, taken in before_step when the Gram comes from the update
+        self._want_grad_sq = False
+        self._grad_sq: float | None = None
+        self._proxy_w: torch.Tensor | None = None  # [N] verl's W_i at the step's weights (fused path), NaN unmeasured
 
     def start(self, policy: torch.nn.Module) -> None:
         """Nothing to do: the start snapshot is taken at construction, from the freshly loaded weights."""
@@ -170,7 +204,12 @@ class TrainerLens:
 
     @renamed_keywords(R="group_size")
     def update_gram_capture(
-        self, policy: torch.nn.Module, rewards: torch.Tensor, valid: torch.Tensor, group_size: int
+        self,
+        policy: torch.nn.Module,
+        rewards: torch.Tensor,
+        valid: torch.Tensor,
+        group_size: int,
+        batch: RolloutBatch | None = None,
     ) -> MicroBatchGrams:
         """The :class:`MicroBatchGrams` for the trainer to open around the update's first pass (each micro-batch),
         whose exact Gram of the mixed groups' loss-gradient rows then gives the lens's Gram without a pass of its
@@ -179,11 +218,19 @@ class TrainerLens:
 
         Args:
             rewards: [N] (NaN where invalid).   valid: [N] bool.   group_size: R, rollouts per group.
+            batch: the step's rollouts; with ``lens_noise_proxy`` verl's W_i of the mixed groups are taken now, at the
+                step's weights (:meth:`proxy_score_norms`), since the lens's metrics come after the update.
         """
         self._pending = True
+        self._want_grad_sq, self._grad_sq = True, None  # the noise scale's S (:meth:`noise_metrics`)
         rows = torch.zeros(rewards.numel(), dtype=torch.bool)
         for b in self.mixed_groups(rewards, valid, group_size):
             rows[b * group_size : (b + 1) * group_size] = True
+        self._proxy_w = None
+        if self.settings.lens_noise_proxy and batch is not None and bool(rows.any()):
+            idx = rows.nonzero().flatten()
+            self._proxy_w = torch.full((rewards.numel(),), float("nan"), dtype=torch.float64)
+            self._proxy_w[idx] = self.proxy_score_norms(policy, batch.select(idx))
         return MicroBatchGrams(policy, rewards.numel(), rows=rows, group_size=group_size)
 
     def measure_from_update(
@@ -268,7 +315,9 @@ class TrainerLens:
         shares = gather_objects(r.shape[0])
         rank = torch.distributed.get_rank() if len(shares) > 1 else 0
         first_group = sum(shares[:rank])
+        from_update = gram is not None  # the Gram read off the update's backward: each group's block alone
         own_pass = sketch is None and gram is None
+        noise_part: dict[str, Any] = {"groups": int(r.shape[0]), "sum_sq": 0.0, "m": None, "exact": False}
         if own_pass and is_sharded(policy) and any(gather_objects(bool(mixed))) and not mixed:
             # FSDP2: each forward is a collective, so a process without a mixed group joins the others' pass with
             # one group of its own and drops the result
@@ -294,6 +343,14 @@ class TrainerLens:
                 dim = grads.shape[1]  # the sketch's P_s
             # dim: P for the claims' simulated null (issue 29), the dimension of the space the Gram's gradients live in
             adv = advantages.detach().cpu().double()
+            if coverage:  # the exact Gram: the update's rows h_i = -(A_i / N) g_i summed per group
+                m = group_gradient_gram(gram, -adv[idx] / n_total, R)  # [n_mixed, n_mixed]; NaN between groups
+                noise_part.update(sum_sq=float(m.diagonal().sum()), m=m if bool(m.isfinite().all()) else None)
+                noise_part["exact"] = True
+                if c.lens_noise_proxy:
+                    noise_part["proxy"] = self.proxy_powers(
+                        policy, sub, loss_mask, idx, gram, adv[idx], z_total, n_total
+                    )
             for j, b in enumerate(mixed):
                 rows.append(
                     analyse_group(
@@ -310,8 +367,12 @@ class TrainerLens:
                         seed=c.seed + step * 1009 + first_group + b,
                     )
                 )
+        # the noise scale counts every group: one outside the Gram must carry no policy gradient (all A_i = 0)
+        rest = torch.ones(r.shape[0], dtype=torch.bool)
+        rest[mixed] = False
+        noise_part["zero_rest"] = bool((advantages.detach().cpu().view(-1, R)[rest] == 0).all())
         # every process's groups: the lens describes the whole batch, not rank 0's share
-        parts = gather_objects({"rows": rows, "rewards": r, "valid": v, "coverage": coverage})
+        parts = gather_objects({"rows": rows, "rewards": r, "valid": v, "coverage": coverage, "noise": noise_part})
         all_rows = [row for part in parts for row in part["rows"]]
         out: dict[str, float] = {}
         out[RANK_MIXED_GROUPS] = float(len(all_rows))
@@ -320,9 +381,109 @@ class TrainerLens:
             out[GRAD_GRAM_COVERAGE] = min(all_coverage)
         out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != GROUP_SIZE})
         out.update(lens_rank_intervals(all_rows))
+        # S from the update covers every parameter, so D must too: the fused noise scale needs coverage 1
+        if not (from_update and all_coverage and min(all_coverage) < 1.0) and all_rows:
+            out.update(self.noise_metrics([part["noise"] for part in parts], from_update, seed=c.seed + step * 1009))
+            proxies = [part["noise"]["proxy"] for part in parts if part["noise"].get("proxy") is not None]
+            if proxies:  # verl's proxy beside the exact power, over the step's N rollouts in the loss
+                proxy, exact = torch.cat([p for p, _ in proxies]), torch.cat([e for _, e in proxies])
+                ok = proxy.isfinite() & exact.isfinite()
+                out[NOISE_PROXY_TOTAL_POWER] = float(proxy[ok].sum()) / n_total
+                out[NOISE_EXACT_TOTAL_POWER] = float(exact[ok].sum()) / n_total
+                out[NOISE_PROXY_RANK_CORR] = rank_correlation(proxy[ok], exact[ok])
+        self._want_grad_sq, self._grad_sq, self._proxy_w = False, None, None
         self._pending = True
         out[PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out
+
+    def noise_metrics(self, parts: list[dict[str, Any]], from_update: bool, seed: int) -> dict[str, float]:
+        """``noise/*``: the exact gradient noise scale of the step (docs/theory.md §Noise scale and dead groups;
+        :mod:`grpo_lens.formulas.noise`), the group the example, every group of every process counted (B).
+
+        With one process and the full Gram of the analysed groups (the lens's own exact pass), S and D are sums of
+        the group Gram M, with jackknife intervals and the sign-flip null. With the Gram read off the update's
+        backward (each group's block alone), D comes from the blocks and S = |sum_b G_b|^2 is the update's first
+        gradient norm squared (:meth:`before_step`): on that pass grad L = sum_i h_i exactly (lens_fuses_gram's
+        conditions), so the point values are the same, without interval or null. Empty when the Gram is sketched, a
+        group outside it has a nonzero advantage (its G_b is unknown), several processes ran the own pass (their
+        cross blocks are unmeasured), or B < 2.
+
+        Args:
+            parts: each process's {"groups": its B_p, "sum_sq": its D_p, "m": its [B_a, B_a] group Gram when finite,
+                "exact": bool, "zero_rest": bool}.   from_update: the Gram came from the update's backward.
+            seed: the sign flips' seed.
+        """
+        B = sum(p["groups"] for p in parts)
+        # a process without an analysed group has D_p = 0 and no Gram to be exact or not
+        if B < 2 or not all((p["exact"] or p["m"] is None and p["sum_sq"] == 0) and p["zero_rest"] for p in parts):
+            return {}
+        if from_update:
+            if self._grad_sq is None:
+                return {}
+            est = noise_scale_from_sums(sum(p["sum_sq"] for p in parts), self._grad_sq, B)
+            extra: dict[str, float] = {NOISE_FROM_UPDATE: 1.0}
+        elif len(parts) == 1:
+            m = parts[0]["m"] if parts[0]["m"] is not None else torch.zeros(0, 0, dtype=torch.float64)
+            est = noise_scale(m, B)
+            ci = noise_scale_jackknife(m, B)
+            extra = {NOISE_FROM_UPDATE: 0.0, NOISE_GRAD_SQ_P: signal_sign_flip_p(m, seed=seed)}
+            names = {
+                "grad_sq_lo": NOISE_GRAD_SQ_LO,
+                "grad_sq_hi": NOISE_GRAD_SQ_HI,
+                "trace_sigma_lo": NOISE_TRACE_SIGMA_LO,
+                "trace_sigma_hi": NOISE_TRACE_SIGMA_HI,
+                "b_simple_lo": NOISE_B_SIMPLE_LO,
+                "b_simple_hi": NOISE_B_SIMPLE_HI,
+            }
+            extra.update({names[k]: val for k, val in ci.items()})
+        else:
+            return {}
+        return {
+            NOISE_GROUPS: float(B),
+            NOISE_GRAD_SQ: est["grad_sq"],
+            NOISE_TRACE_SIGMA: est["trace_sigma"],
+            NOISE_B_SIMPLE: est["b_simple"],
+            NOISE_SNR: est["snr"],
+            **extra,
+        }
+
+    @torch.no_grad()
+    def proxy_score_norms(self, policy: torch.nn.Module, sub: RolloutBatch, chunk: int = 8) -> torch.Tensor:
+        """verl's W_i = sum_t |e_{o_t} - pi_t|^2 (:func:`grpo_lens.formulas.noise.score_norm_proxy`) of ``sub``'s n
+        rollouts over the tokens the loss sums, pi the temperature-scaled policy (docs/theory.md §14): [n] float64 on
+        the CPU, from no-grad forwards of ``chunk`` rollouts at a time."""
+        c = self.settings
+        mask = overlong_loss_mask(sub.completion_mask, sub.truncated, c.overlong)
+        out = []
+        for s in range(0, sub.num_rollouts, chunk):
+            part = sub.select(torch.arange(s, min(s + chunk, sub.num_rollouts)))
+            T = part.completion_ids.shape[1]
+            logits = scored_logits(policy, part.input_ids(), part.attention_mask(), T)  # [n_c, T, V]
+            logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / c.temperature, -1)
+            p_tok = logp.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1).exp()  # [n_c, T]
+            sum_sq = (2 * logp).exp().sum(-1)  # [n_c, T] sum_v pi_v^2
+            out.append(score_norm_proxy(p_tok, sum_sq, mask[s : s + part.num_rollouts].to(p_tok.device)).cpu())
+        return torch.cat(out)
+
+    def proxy_powers(
+        self,
+        policy: torch.nn.Module,
+        sub: RolloutBatch,
+        loss_mask: torch.Tensor,
+        idx: torch.Tensor,
+        gram: torch.Tensor,
+        adv: torch.Tensor,
+        z_total: float,
+        n_total: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(verl's A_i^2 W_i, the exact A_i^2 |sum_t grad log pi(o_it)|^2 = A_i^2 Gram_ii / omega_i^2) of the analysed
+        rollouts ``idx`` [n] (docs/theory.md §Noise scale and dead groups): W_i from the stash taken before the update
+        (the Gram read off the update) or from a forward now (the lens's own pass, before the update)."""
+        c = self.settings
+        omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total, n_total)
+        exact = adv.square() * gram.diagonal().double() / omega.detach().cpu().double().square()
+        w = self._proxy_w[idx] if self._proxy_w is not None else self.proxy_score_norms(policy, sub)
+        return adv.square() * w.clamp(min=0), exact
 
     def rollout_gram(
         self, policy: torch.nn.Module, sub: RolloutBatch, omega: torch.Tensor
@@ -374,6 +535,14 @@ class TrainerLens:
         """Snapshot the weights (bf16, and the fixed sample with the step's gradient) just before the first optimizer
         step of a lens step; on every step, add the sampled gradient to the sum since the start."""
         self.sparsity.accumulate_grad()
+        if self._want_grad_sq and not is_sharded(policy):  # S of the noise scale: the update's first gradient
+            sq = [
+                torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
+                for p in policy.parameters()
+                if p.requires_grad and p.grad is not None
+            ]
+            self._grad_sq = float(sum(sq)) if sq else 0.0
+            self._want_grad_sq = False
         if self._pending:
             t0 = time.perf_counter()
             self.tracker.mark()  # the 'previous' snapshot now (comparing it would cost two full-model passes)

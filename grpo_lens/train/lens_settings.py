@@ -72,6 +72,9 @@ class LensSettings:
     max_new_tokens: int
     #: overlong mode, which tokens the loss sums (a name; docs/theory.md §13).
     overlong: str
+    #: also verl's logit-space gradient-power proxy beside the exact Gram's (``--lens-noise-proxy``; one no-grad
+    #: forward of the mixed groups; docs/theory.md §Noise scale and dead groups).
+    lens_noise_proxy: bool = False
 
     def __post_init__(self) -> None:
         closed = {

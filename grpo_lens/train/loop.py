@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -46,13 +47,15 @@ from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import optimal_vs_rloo
 from grpo_lens.formulas.losses import kl_reward_penalty
-from grpo_lens.formulas.overlong import overlong_advantages, soft_overlong_penalty
+from grpo_lens.formulas.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
 from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.gradients.sketch import sketched_rollout_sq_norms
 from grpo_lens.lora import apply_lora, is_lora, save_lora_model
 from grpo_lens.metrics import (
     ADV_OPTIMAL_BASELINE,
     ADV_OPTIMAL_MINUS_RLOO,
+    DEAD_MIXED_GROUPS,
+    DEAD_STEPS,
     EVAL_GREEDY_ACCURACY,
     GUARD_CONSECUTIVE_SKIPPED,
     GUARD_SKIPPED_OPTIMIZER_STEPS,
@@ -112,6 +115,7 @@ from grpo_lens.train.step_metrics import (
     accuracy_metrics,
     accuracy_note,
     custom_reward_names,
+    dead_group_metrics,
     merge_reward_infos,
     rollout_correctness,
     rollout_metrics,
@@ -265,14 +269,20 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
         parts = [update_metrics, lens_metrics, baseline_metrics, {LR: models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
+        record.update(state.count_dead(record[DEAD_MIXED_GROUPS] == 0))
         if evaluation is not None:  # --eval-every: held-out accuracy after the update
             record.update(evaluation(step, models.policy, models.tokenizer, procs.device))
         if procs.is_main:
             logs.write(step, record, rollouts, advantages, config.log_completions)
         stop_after_skips(state, config, procs, run, step)  # before any checkpoint of this step
-        # 9. checkpoint (atomic): model, optimizer, step, guard, random generators
-        save_checkpoint_if_due(run, step, config, procs, models, lens, state)
+        # 9. checkpoint (atomic): model, optimizer, step, guard, random generators; with --stop-after-dead-steps, a
+        #    run that has had no mixed group for that many steps stops here, checkpointed
+        dead_stop = 0 < config.stop_after_dead_steps <= state.guard["dead"]
+        save_checkpoint_if_due(run, step, config, procs, models, lens, state, force=dead_stop)
         state.step = step
+        if dead_stop:
+            stop_after_dead_steps(run, config, procs, step, state.guard["dead"])
+            break
 
     logs.close()
     finish_run(run, config, procs, models, lens)
@@ -490,6 +500,13 @@ class RunState:
             GUARD_SKIPPED_STEPS: self.guard["total"],
             GUARD_CONSECUTIVE_SKIPPED: self.guard["consecutive"],
         }
+
+    def count_dead(self, dead: bool) -> dict[str, int]:
+        """Count one trainer step, ``dead`` when no group of any process had reward contrast
+        (``guard["dead"]``: consecutive such steps, saved with the guard so a resumed run counts on); returns
+        ``dead/steps_without_mixed``."""
+        self.guard["dead"] = self.guard.get("dead", 0) + 1 if dead else 0
+        return {DEAD_STEPS: self.guard["dead"]}
 
     def count_unscored(self, unscored: bool) -> None:
         """Count one trainer step, ``unscored`` when no rollout of any process got a valid reward
@@ -968,7 +985,8 @@ def plan_lens(
     # the exact Gram from the update's own backward where the loss's token weights factor (all processes agree)
     why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, procs)
     if why_not is None:
-        gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size)
+        proxy = {"batch": rollouts.batch} if config.lens_noise_proxy else {}  # verl's W_i at the step's weights
+        gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy)
         return LensPlan(measure=True, capture=gram_capture, per_rollout=True)
     if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
         _LENS_OWN_PASS_LOGGED.add(why_not)
@@ -1043,6 +1061,15 @@ def step_record(
         **rollouts.dynamic,
         **rollout_metrics(rewards, valid, adv, mask, truncated, R),
         **accuracy_metrics(procs.gather(rollouts.correct)),
+        **dead_group_metrics(
+            rewards,
+            valid,
+            adv,
+            overlong_loss_mask(mask, truncated, config.overlong),
+            config.loss_aggregation,
+            config.max_new_tokens,
+            R,
+        ),
     }
     for part in parts:
         record.update(part)
@@ -1184,14 +1211,40 @@ def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run
         )
 
 
+def stop_after_dead_steps(run: RunDir, config: TrainConfig, procs: Processes, step: int, dead_steps: int) -> None:
+    """``--stop-after-dead-steps``: log why the run stops at ``step`` and record it in RUN/stopped.json (main process;
+    written to a temporary file and renamed, so it is whole or absent). The caller ends the loop; the step's checkpoint
+    is already written, so ``--resume`` with a larger ``--max-steps`` or the flag off continues from it."""
+    message = (
+        f"step {step}: no group had reward contrast for {dead_steps} consecutive steps (--stop-after-dead-steps "
+        f"{config.stop_after_dead_steps}): every group's rewards were all equal, so no policy gradient; training "
+        f"stopped with a checkpoint at step {step}. Easier prompts, a larger --group-size or --dynamic-sampling give "
+        f"groups with contrast"
+    )
+    if procs.is_main:
+        logger.warning(message)
+        record = {"step": step, "reason": "dead_steps", "steps_without_mixed": dead_steps, "message": message}
+        tmp = run.path / "stopped.json.tmp"
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, run.path / "stopped.json")
+    procs.barrier()
+
+
 def save_checkpoint_if_due(
-    run: RunDir, step: int, config: TrainConfig, procs: Processes, models: Models, lens: Any, state: RunState
+    run: RunDir,
+    step: int,
+    config: TrainConfig,
+    procs: Processes,
+    models: Models,
+    lens: Any,
+    state: RunState,
+    force: bool = False,
 ) -> None:
     """Every ``checkpoint_every`` steps and at the last: model, optimizer, step, the guard's counters, the random
     generators, the lens's state and the config the steps ran with (a resume compares with it), written atomically
     by the main process (an FSDP2-sharded policy's full tensors gathered to it first); every step's own randomness
     derives from (seed, step)."""
-    if step % config.checkpoint_every == 0 or step == config.max_steps:
+    if force or step % config.checkpoint_every == 0 or step == config.max_steps:
         full = {}
         if procs.sharded:  # every process takes part in gathering the full tensors to rank 0
             full = {

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from grpo_lens.formulas.advantages import constant_groups
+from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
+from grpo_lens.formulas.noise import dead_group_counts, normalizer_dilution, zero_advantage_groups
 from grpo_lens.metrics import (
     ADV_ABS_MEAN,
     ADV_MAX,
@@ -25,6 +27,11 @@ from grpo_lens.metrics import (
     COMPLETIONS_MAX_LENGTH,
     COMPLETIONS_MEAN_LENGTH,
     COMPLETIONS_TRUNCATED_FRAC,
+    DEAD_ALL_CORRECT,
+    DEAD_ALL_OTHER,
+    DEAD_ALL_WRONG,
+    DEAD_MIXED_GROUPS,
+    DEAD_NORMALIZER_SHARE,
     KEPT_KEYS,
     REWARD_ACCURACY,
     REWARD_FRAC_ZERO_STD_GROUPS,
@@ -206,6 +213,41 @@ def rollout_metrics(
         COMPLETIONS_MEAN_LENGTH: float(lengths.mean()),
         COMPLETIONS_MAX_LENGTH: float(lengths.max()),
         COMPLETIONS_TRUNCATED_FRAC: float(truncated.float().mean()),
+    }
+
+
+@renamed_keywords(R="group_size")
+def dead_group_metrics(
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    aggregation: str,
+    max_new_tokens: int,
+    group_size: int,
+) -> dict[str, float]:
+    """``dead/*`` of a step (all processes' rollouts; docs/theory.md §Noise scale and dead groups): groups without
+    reward contrast split into all at 1 (all correct under the 0/1 correctness reward), all at 0 (all wrong) and all
+    equal elsewhere (:func:`grpo_lens.formulas.noise.dead_group_counts`), the mixed groups, and the share of the loss
+    normaliser held by groups whose advantages are all 0 (:func:`grpo_lens.formulas.noise.normalizer_dilution`; each
+    rollout's units are its share of the aggregation's normaliser, :data:`grpo_lens.formulas.losses.LOSS_AGGREGATIONS`).
+
+    Args:
+        rewards: [N] float (NaN invalid).  valid: [N] bool.  advantages: [N].  loss_mask: [N, T] bool, the tokens the
+        loss sums.  aggregation: a loss aggregation's name.  max_new_tokens: T_max.  group_size: R.
+    """
+    R = group_size
+    counts = dead_group_counts(rewards.view(-1, R).cpu(), valid.view(-1, R).cpu(), best=1.0, worst=0.0)
+    normalizer = LOSS_AGGREGATIONS.get(aggregation).normalizer
+    mask = loss_mask.cpu()
+    units = torch.tensor([float(normalizer(mask[i : i + 1], max_new_tokens)) for i in range(mask.shape[0])])
+    dead = zero_advantage_groups(advantages.detach().view(-1, R).cpu())
+    return {
+        DEAD_ALL_CORRECT: counts["all_best"],
+        DEAD_ALL_WRONG: counts["all_worst"],
+        DEAD_ALL_OTHER: counts["all_other"],
+        DEAD_MIXED_GROUPS: counts["mixed"],
+        DEAD_NORMALIZER_SHARE: normalizer_dilution(units.view(-1, R), dead),
     }
 
 
