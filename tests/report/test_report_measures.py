@@ -490,6 +490,8 @@ def test_monte_carlo_study_text_reports_the_count_test(tmp_path):
     studies = _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3))
     text = "\n".join(studies_section("probe", {"credit": studies["credit"]}, tmp_path, []))
     assert "beyond 2 SE" not in text
+    # what the claim decides on first: segment 1's opposing shifts 0.75 (4 rollouts) and 0.25 (4): mean 0.500
+    assert "by segment position (what the claim decides on, margin 0.1): segment 1: 0.500 [" in text
     assert "by >= 5 of 8 continuations (opposing): 4 of 8" in text
     assert "probability <= 0.0319 (3 segments tested per rollout, level 0.05)" in text
     assert "P(Binomial(8, 0.0319) >= 4) = 6.5e-05" in text
