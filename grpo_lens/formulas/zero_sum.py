@@ -111,21 +111,28 @@ def cosine_gap(gram: Tensor, labels: Tensor) -> float:
 DUPLICATE_TOL = 1e-6
 
 
-def distinct_rows(gram: Tensor, rewards: Tensor, tol: float = DUPLICATE_TOL) -> Tensor:
+def distinct_rows(
+    gram: Tensor, rewards: Tensor, tol: float = DUPLICATE_TOL, same_completion: Tensor | None = None
+) -> Tensor:
     """The rollouts that stay when duplicate completions are merged: i is dropped when an earlier j with the same
-    reward has ‖g_i − g_j‖² = G_ii + G_jj − 2 G_ij <= ``tol`` (G_ii + G_jj) (identical completions give identical
-    gradients, exact or sketched). Two zero gradients are duplicates. Rollouts with different rewards are never merged.
+    reward is the same completion: ``same_completion[i, j]`` when given (token ids compared, exact), else
+    ‖g_i − g_j‖² = G_ii + G_jj − 2 G_ij <= ``tol`` (G_ii + G_jj) (identical completions give identical gradients,
+    exact or sketched; two zero gradients are duplicates). Rollouts with different rewards are never merged.
 
     Args:
         gram: [R, R] Gram matrix.  rewards: [R].  tol: relative tolerance.
+        same_completion: [R, R] bool or None.
 
     Returns:
         [R'] long, the kept indices in order (R' = R without duplicates).
     """
     g = gram.double()
     d = g.diagonal()
-    dist = d[:, None] + d[None, :] - 2 * g  # [R, R] ‖g_i − g_j‖²
-    same = (dist <= tol * (d[:, None] + d[None, :])) & (rewards[:, None] == rewards[None, :])
+    if same_completion is not None:
+        same = same_completion.bool() & (rewards[:, None] == rewards[None, :])
+    else:
+        dist = d[:, None] + d[None, :] - 2 * g  # [R, R] ‖g_i − g_j‖²
+        same = (dist <= tol * (d[:, None] + d[None, :])) & (rewards[:, None] == rewards[None, :])
     keep: list[int] = []
     for i in range(g.shape[0]):
         if not any(bool(same[i, j]) for j in keep):
@@ -134,7 +141,13 @@ def distinct_rows(gram: Tensor, rewards: Tensor, tol: float = DUPLICATE_TOL) -> 
 
 
 def zero_sum_tests(
-    gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_permutations: int = 256, seed: int = 0
+    gram: Tensor,
+    rewards: Tensor,
+    advantages: Tensor,
+    *,
+    max_permutations: int = 256,
+    seed: int = 0,
+    same_completion: Tensor | None = None,
 ) -> dict[str, float]:
     """The label-permutation test with k fixed for one group with 0/1 rewards (docs/theory.md §6).
 
@@ -153,6 +166,8 @@ def zero_sum_tests(
         gram: [R, R] float64.  rewards: [R] in {0, 1}, 0 < k < R.  advantages: [R] (two-valued per class).
         max_permutations: enumerate every relabelling up to this many, else draw this many at random.
         seed: seed of the random relabellings.
+        same_completion: [R, R] bool, which rollouts are the same completion (from the token ids); None: from the
+            Gram (:func:`distinct_rows`).
 
     Returns:
         {"zero_sum/span_energy", "zero_sum/span_energy_null", "zero_sum/span_energy_excess" (observed - null
@@ -165,7 +180,7 @@ def zero_sum_tests(
     labels = rewards == 1
     a_c = float(advantages[labels].mean())
     a_w = float(advantages[~labels].mean())
-    keep = distinct_rows(gram, rewards)  # the test's units are distinct completions (issue 43)
+    keep = distinct_rows(gram, rewards, same_completion=same_completion)  # units: distinct completions (issue 43)
     gram, labels = gram[keep][:, keep], labels[keep]
     r, k = len(labels), int(labels.sum())
     gen = torch.Generator().manual_seed(seed)

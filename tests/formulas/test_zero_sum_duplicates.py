@@ -58,3 +58,31 @@ def test_merged_test_is_the_test_of_the_distinct_completions():
     assert out[zero_sum_key("span_energy", "excess")] == pytest.approx(float(e[0] - e.mean()), rel=1e-9)
     assert out[zero_sum_key("span_energy", "p")] == pytest.approx(int((e >= e[0] - 1e-12).sum()) / 6)
     assert math.isfinite(out[zero_sum_key("cos_gap")])
+
+
+def test_token_ids_decide_duplicates_when_given():
+    # rows 0, 1 are the same completion by their token ids but their gradients differ by 1% (a sketch's float32
+    # noise would be far smaller): merged by ids, R' = 3 units with k' = 1 (C(3, 1) = 3 relabellings); by the Gram
+    # alone they stay apart (R = 4, k = 2), and analyse_group follows the ids when it has them
+    from grpo_lens.analysis.group import analyse_group
+
+    v = _vectors(3, seed=5)
+    a2 = v[0] * 1.01
+    g = torch.stack([v[0], a2, v[1], v[2]])
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    ids = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 8, 0], [9, 9, 9]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    same = torch.tensor([[True, True, False, False], [True, True, False, False]] + [[False] * 4] * 2)
+    same[2, 2] = same[3, 3] = True
+    by_ids = zero_sum_tests(g @ g.T, rewards, adv, same_completion=same)
+    assert distinct_rows(g @ g.T, rewards, same_completion=same).tolist() == [0, 2, 3]
+    assert distinct_rows(g @ g.T, rewards).tolist() == [0, 1, 2, 3]
+    # the merged test is the 3-unit test: 3 relabellings, so its p is a multiple of 1/3
+    assert by_ids[zero_sum_key("span_energy", "p")] * 3 == pytest.approx(
+        round(by_ids[zero_sum_key("span_energy", "p")] * 3)
+    )
+    row = analyse_group(g @ g.T, rewards, adv, completion_ids=ids, completion_mask=mask, num_random=1)
+    assert row[zero_sum_key("span_energy")] == pytest.approx(by_ids[zero_sum_key("span_energy")], rel=1e-12)
+    row = analyse_group(g @ g.T, rewards, adv, num_random=1)
+    assert row[zero_sum_key("span_energy")] != pytest.approx(by_ids[zero_sum_key("span_energy")], rel=1e-6)
