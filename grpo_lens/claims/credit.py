@@ -2,8 +2,8 @@
 
 :func:`uniform_token_credit`: every token class (answer, format, reasoning) gets the group update in proportion to its
 share of the tokens, within 1 ± :data:`CREDIT_EQUIVALENCE` (an equivalence rule). :func:`monte_carlo_credit`: the
-count of rollouts with a Monte Carlo segment opposing GRPO's A_i (an exact per-rollout count test on the K_mc
-continuations' successes), against its exact binomial null (disagreement supports the paper, which predicts it).
+mean shift of the success probability against GRPO's A_i at each segment position, from the K_mc continuations'
+successes, against the margin :data:`MC_MARGIN` (disagreement supports the paper, which predicts it).
 :func:`identical_token_advantage`: the literal claim, algebra that holds by construction. All read a probe's
 ``studies["credit"]``
 (:func:`grpo_lens.probe.studies.run_credit_study`) and return [] when it is absent.
@@ -260,12 +260,14 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     p_holds, p_dnh = min(1.0, m * min(p_above)), max(p_below)
     verdict = decide(p_holds, p_dnh)
     j_top = min(range(m), key=lambda j: p_above[j])
-    if n < MIN_UNITS:
-        why = f"{n} rollouts < {MIN_UNITS} at some segment position"
-    elif verdict == HOLDS:
+    # a position with fewer than MIN_UNITS rollouts has p = 1 on both sides (mean_test_p): it can neither make the
+    # row hold nor let every position read below the margin
+    if verdict == HOLDS:
         why = f"segment position {j_top + 1} opposes A_i by more than {MC_MARGIN} (p = {p_holds:.2g} <= {BRANCH_LEVEL})"
     elif verdict == DOES_NOT_HOLD:
         why = f"every segment position opposes A_i by less than {MC_MARGIN} (p = {p_dnh:.2g} <= {BRANCH_LEVEL})"
+    elif n < MIN_UNITS:
+        why = f"{n} rollouts < {MIN_UNITS} at some segment position"
     else:
         why = f"p holds {p_holds:.2g}, p does not hold {p_dnh:.2g}; neither <= {BRANCH_LEVEL}"
     per_pos = "; ".join(f"segment {j + 1}: {ci_text(mean_interval(e), 3, 'rollouts')}" for j, e in enumerate(shifts))
