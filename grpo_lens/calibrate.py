@@ -113,15 +113,38 @@ FAMILIES = {
     "bn2": "isotropic rows, wrong rollouts' gradients 2× longer (a label effect on norms alone)",
 }
 
+#: issue 43: families of the labels rule where groups differ in the label information they carry, and duplicate
+#: completions (identical gradients, as identical completions give): merged into :data:`FAMILIES`
+LABEL_FAMILIES = {
+    "a0": "exact rank 2 (orthonormal class means, no noise): groups with k = 1 or R − 1 carry no label information",
+    "e2": "exact rank 2, log-normal norms (σ = 0.5): distinct completions whose directions are the class means",
+    "mix0.01": "half the groups rank 2 + 1% noise, half isotropic (informative groups rare)",
+    "mix0.25": "half the groups rank 2 + 25% noise, half isotropic",
+    "dupC": "every correct rollout one string (identical gradients), wrong rollouts isotropic",
+    "dupW": "every wrong rollout one string, correct rollouts isotropic",
+}
+FAMILIES.update(LABEL_FAMILIES)
+
+
+def _duplicated_group(family: str, group_size: int, dim: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """The Gram [R, R] of ``dupC`` / ``dupW``: the duplicated class's rollouts share one isotropic g, the others are
+    isotropic and distinct (R − m + 1 iid N(0, I/dim) vectors, the first repeated m times)."""
+    m = k if family == "dupC" else group_size - k
+    w = wishart(group_size - m + 1, dim, 1, gen)[0] / dim  # [R − m + 1]: the shared g first
+    src = torch.tensor([0] * m + list(range(1, group_size - m + 1)))
+    if family == "dupW":  # the correct rollouts come first: the distinct ones, then the shared g
+        src = torch.tensor(list(range(1, k + 1)) + [0] * m)
+    return w[src][:, src]
+
 
 def has_rank2_signal(family: str) -> bool:
     """Whether ``family`` plants a rank-2 signal (rank 2 where also the population E₂ > 0.9 > E₁)."""
-    return family in ("boundary", "c_lr2") or bool(re.match(r"[adn]\d", family))
+    return family in ("boundary", "c_lr2", "e2") or bool(re.match(r"[adn]\d", family))
 
 
 def label_directions(family: str) -> bool:
     """Whether ``family``'s directions depend on the labels (the mechanism claim true where also θ >= 0.1)."""
-    return family == "boundary" or bool(re.match(r"[adn]\d", family))
+    return family in ("boundary", "e2") or bool(re.match(r"[adn]\d|mix\d", family))
 
 
 #: the planted updates of "most parameters unchanged": (name, share of update entries exactly zero, scale of the rest,
@@ -137,10 +160,21 @@ S4_FAMILIES = (
 )
 
 #: the planted Monte Carlo credit cases: per rollout pair (a correct rollout, A_i > 0, and a wrong one, A_i < 0), the
-#: true success probabilities p(b_0..b_3) at the four prefixes of the credit study; the last segment ends at r
+#: true success probabilities p(b_0..b_3) at the four prefixes of the credit study; the last segment ends at r. Truth:
+#: some segment position's mean shift against A_i exceeds the rule's margin 0.1 (issue 43: one boundary)
 MC_FAMILIES = {
     "no token opposes A_i (p flat until the end)": (False, (0.5, 0.5, 0.5, 0.5), (0.5, 0.5, 0.5, 0.5)),
     "every segment agrees (p moves towards r)": (False, (0.3, 0.5, 0.7, 0.9), (0.7, 0.5, 0.3, 0.1)),
+    "one segment in four opposes A_i by 0.05 (real, below the margin)": (
+        False,
+        (0.55, 0.5, 0.7, 0.9),
+        (0.45, 0.5, 0.3, 0.1),
+    ),
+    "one segment in four opposes A_i by 0.1 (the margin: not above it)": (
+        False,
+        (0.6, 0.5, 0.7, 0.9),
+        (0.4, 0.5, 0.3, 0.1),
+    ),
     "one segment in four opposes A_i by 0.6": (True, (0.8, 0.2, 0.4, 0.6), (0.2, 0.8, 0.6, 0.4)),
     "one segment in four opposes A_i by 0.3": (True, (0.6, 0.3, 0.5, 0.7), (0.4, 0.7, 0.5, 0.3)),
 }
@@ -148,12 +182,15 @@ MC_FAMILIES = {
 #: rollouts per Monte Carlo cell: the fewest with a verdict (--mc-groups 4) and larger studies
 MC_ROLLOUTS = (8, 32, 100)
 
-#: the planted baseline-study prompts: name -> (m_C = m_W truly, noise scale of the correct rollouts' gradients,
-#: whether the correct rollouts' noise has a spread of its own with the same mean square)
+#: the planted baseline-study prompts: name -> (RMS of log(m_C / m_W) below log 1.25 truly, noise scale of the correct
+#: rollouts' gradients, how the correct rollouts' noise is drawn: "equal" as the wrong ones', "spread" with a spread
+#: of its own at the same mean square, "one string" every correct rollout the same gradient with ‖g‖² = m_W exactly)
 BASELINE_FAMILIES = {
-    "m_C = m_W (equal noise in both classes)": (True, 1.0, False),
-    "m_C = m_W, the correct rollouts' norms spread wider (equal means)": (True, 1.0, True),
-    "correct rollouts' noise 2× (m_C = 3.4 m_W)": (False, 2.0, False),
+    "m_C = m_W (equal noise in both classes)": (True, 1.0, "equal"),
+    "m_C = m_W, the correct rollouts' norms spread wider (equal means)": (True, 1.0, "spread"),
+    "m_C = m_W, every correct rollout one string": (True, 1.0, "one string"),
+    "m_C = 1.25 m_W on every prompt (the margin: not inside it)": (False, math.sqrt(1.3125), "equal"),
+    "correct rollouts' noise 2× (m_C = 3.4 m_W)": (False, 2.0, "equal"),
 }
 
 #: prompts per baseline cell: the fewest with an interval, the probe's default --baseline-study-prompts (16), larger
@@ -223,7 +260,7 @@ class CalibrationConfig:
         default_factory=lambda: dict(MC_FAMILIES)
     )
     mc_rollouts: tuple[int, ...] = MC_ROLLOUTS
-    baseline_families: dict[str, tuple[bool, float, bool]] = field(default_factory=lambda: dict(BASELINE_FAMILIES))
+    baseline_families: dict[str, tuple[bool, float, str]] = field(default_factory=lambda: dict(BASELINE_FAMILIES))
     baseline_prompts: tuple[int, ...] = BASELINE_PROMPTS
     training: bool = True
     workers: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
@@ -264,6 +301,11 @@ def planted_group(
     k = int(torch.randint(1, group_size, (1,), generator=gen))
     rewards = (torch.arange(group_size) < k).double()
     labels = rewards == 1
+    if family in ("dupC", "dupW"):
+        return _duplicated_group(family, group_size, dim, k, gen), rewards
+    if re.fullmatch(r"mix\d+(\.\d+)?", family):  # a coin per group: rank 2 + noise, or isotropic
+        half = bool(torch.rand(1, generator=gen) < 0.5)
+        return planted_group(f"a{family[3:]}" if half else "b0", group_size, dim, gen, noise)
     if re.fullmatch(r"bn?\d+(\.\d+)?", family):
         if family.startswith("bn"):
             norms = torch.where(labels, 1.0, float(family[2:])).double()
@@ -275,6 +317,9 @@ def planted_group(
         if noise is None:
             raise ValueError("the boundary family needs its tuned noise share (boundary_noise)")
         f, c = noise, 0.0
+    elif family == "e2":  # exact rank 2; the norms keep the completions distinct
+        f, c = 0.0, 0.0
+        scale = torch.exp(0.5 * torch.randn(group_size, generator=gen, dtype=torch.float64))
     elif re.fullmatch(r"a\d+(\.\d+)?", family):
         f, c = float(family[1:]), 0.0
     elif re.fullmatch(r"d\d+(\.\d+)?_\d+(\.\d+)?", family):
@@ -783,8 +828,9 @@ def _mc_rollout(
 def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     """Rows of the Monte Carlo credit rule (:func:`grpo_lens.claims.credit.monte_carlo_credit`): planted true values
     at the prefixes (:data:`MC_FAMILIES`), K_mc = 8 continuations per prefix (the probe's default), the study's own
-    segment counting (``grpo_lens.formulas.credit.segment_counts``) and the registered claim. Truth: the paper's
-    prediction (some segments oppose A_i) is true only where the planted values make a segment oppose A_i's sign."""
+    segment counting (``grpo_lens.formulas.credit.segment_counts``) and the registered claim. Truth (one boundary,
+    the rule's margin): some segment position's planted mean shift against A_i exceeds
+    :data:`grpo_lens.claims.credit.MC_MARGIN` (a real opposition of 0.05, or of exactly 0.1, is false)."""
     rule = CLAIMS.get("monte_carlo_credit")
     gen = torch.Generator().manual_seed(config.seed + 17)
     mc_samples = 8
@@ -825,23 +871,27 @@ def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
 def _baseline_pool(family: str, size: int, seed: int, group_size: int = 4, dim: int = 64) -> list[dict[str, Any]]:
     """``size`` planted prompts through :func:`grpo_lens.formulas.baselines.baseline_prompt` (M = 4R rollouts,
     rewards Bernoulli(0.5), gradient terms g = ±μ/2 + noise in R^k: the score's mean direction μ (‖μ‖ = 1) splits
-    by class so E[g] = 0, noise N(0, I/k) scaled by the family's factor for correct rollouts; the probe's 256
-    resampled groups)."""
-    _, scale, spread = BASELINE_FAMILIES[family]
+    by class so E[g] = 0, noise N(0, I/k) scaled by the family's factor for correct rollouts, so m_W = 1.25 and
+    m_C = 0.25 + scale²; the probe's 256 resampled groups)."""
+    _, scale, kind = BASELINE_FAMILIES[family]
     gen = torch.Generator().manual_seed(seed)
     mu = torch.randn(dim, generator=gen, dtype=torch.float64)
     mu = mu / mu.norm()
+    m = 4 * group_size
     out = []
     for j in range(size):
-        rewards = (torch.rand(4 * group_size, generator=gen) < 0.5).double()
-        noise = torch.randn(4 * group_size, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)
-        if spread:  # correct rollouts' noise scaled by s_i, s_i² ~ Exponential(1): E s_i² = 1, equal means
+        rewards = (torch.rand(m, generator=gen) < 0.5).double()
+        noise = torch.randn(m, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)
+        if kind == "spread":  # correct rollouts' noise scaled by s_i, s_i² ~ Exponential(1): E s_i² = 1, equal means
             noise = noise * torch.where(
                 rewards[:, None] == 1,
-                torch.empty(4 * group_size, 1, dtype=torch.float64).exponential_(generator=gen).sqrt(),
-                torch.ones(4 * group_size, 1, dtype=torch.float64),
+                torch.empty(m, 1, dtype=torch.float64).exponential_(generator=gen).sqrt(),
+                torch.ones(m, 1, dtype=torch.float64),
             )
         g = torch.where(rewards[:, None] == 1, 0.5 * mu + scale * noise, -0.5 * mu + noise)
+        if kind == "one string":  # one gradient for every correct rollout, ‖μ/2 + a z‖² = 1.25 = m_W exactly
+            z = noise[0] - (noise[0] @ mu) * mu  # orthogonal to μ: ‖μ/2 + a z‖² = 0.25 + a² ‖z‖²
+            g = torch.where(rewards[:, None] == 1, (0.5 * mu + z / z.norm())[None], g)
         res = baseline_prompt(g, rewards, group_size, num_resamples=256, seed=seed + j)
         if res is not None:
             out.append(res)
@@ -1043,8 +1093,14 @@ def render(result: dict[str, Any]) -> str:
         ),
         ("stays_rules", "Rank stays ≈ 2 at every lens step (planted lens runs, R = 8, 7 lens steps; one run or seeds)"),
         ("update_rules", "Most parameters unchanged (S4), on a planted update through the lens's sampler"),
-        ("credit_rules", "Uniform credit disagrees with Monte Carlo credit (exact count test, K_mc = 8)"),
-        ("baseline_rules", "The group mean is the variance-optimal baseline (M = 16, R = 4, 256 resamples)"),
+        (
+            "credit_rules",
+            "Uniform credit disagrees with Monte Carlo credit (opposing shift by position, margin 0.1, K_mc = 8)",
+        ),
+        (
+            "baseline_rules",
+            "The group mean is the variance-optimal baseline (RMS of log m_C / m_W, margin log 1.25; M = 16, R = 4)",
+        ),
     ]
     for key, title in sections:
         if not result.get(key):

@@ -1528,7 +1528,9 @@ STUDY_BASELINES_PER_PROMPT = _key(
     "for none / mean_rescaled / rloo / optimal_loo / optimal_pop; `ref_norm2`, `ref_noise` (the reference's own trace "
     "variance, in every mse), `b_star_pop`, `b_star_exact` (corrected for E[h] ≠ 0), `p`, `m_correct`, `m_wrong`, "
     "`mean_score` (`mean_norm`, `floor_norm`, `ratio`, `excess`, `mean_sq_norm`), `equal_norms` (`ratio` m_C/m_W, `p` "
-    "its permutation p-value, bootstrap `lo`, `hi` (null with < 8 rollouts a side), `verdict`)",
+    "its permutation p-value, bootstrap `lo`, `hi` (null with < 8 rollouts a side), `verdict`), `log_ratio` "
+    "log(m_C/m_W) and `log_ratio_var` its delta-method variance (null with < 2 rollouts a side; the baseline claim's "
+    "input, issue 43)",
     source="§Baselines at matched expectation",
     where=(STUDIES,),
     shown=("baselines.baselines.per_prompt[j]",),
@@ -1543,6 +1545,8 @@ STUDY_BASELINES_PER_PROMPT = _key(
         "m_wrong",
         "mean_score",
         "equal_norms",
+        "log_ratio",
+        "log_ratio_var",
     ),
     each=True,
 )
@@ -1563,7 +1567,8 @@ STUDY_BASELINES = _key(
     OBJECT,
     "`prompts`, `prompts_constant` (pools without contrast, skipped), `b_star_shift`, `b_star_minus_p`, `norm_ratio` "
     "(m_C/m_W), `mean_score_ratio`: `{mean, lo, hi, n}` over prompts; `equal_norms_rejected` (share of testable "
-    "prompts whose permutation test rejects m_C = m_W at 0.05), `equal_norms_testable`",
+    "prompts whose permutation test rejects m_C = m_W at 0.05), `equal_norms_testable`; `log_ratio_rms` (`msq` mean "
+    "over prompts of log(m_C/m_W)² less its noise with `lo`, `hi`, `n`; `rms`, `rms_lo`, `rms_hi` their roots)",
     source="§Baselines at matched expectation",
     where=(STUDIES,),
     shown=("baselines.baselines.*",),
@@ -1578,6 +1583,7 @@ STUDY_BASELINES = _key(
         "mean_score_ratio",
         "equal_norms_rejected",
         "equal_norms_testable",
+        "log_ratio_rms",
     ),
 )
 STUDY_CREDIT_CONTRIBUTIONS = _key(

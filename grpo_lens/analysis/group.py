@@ -166,7 +166,13 @@ def analyse_group(
                 out[GRAD_IDENTITY_CONSTANT] = c
                 out[GRAD_IDENTITY_RESIDUAL] = identity_residual(gram, labels, a, c)
             if two_valued:
-                out.update(zero_sum_tests(gram, rw, a, max_permutations=max_permutations, seed=seed))
+                same = None
+                if completion_ids is not None and completion_mask is not None:  # duplicates by token ids, exact
+                    seqs = [tuple(x[m].tolist()) for x, m in zip(completion_ids, completion_mask.bool())]
+                    same = torch.tensor([[u == v for v in seqs] for u in seqs])
+                out.update(
+                    zero_sum_tests(gram, rw, a, max_permutations=max_permutations, seed=seed, same_completion=same)
+                )
     return out
 
 

@@ -1,7 +1,6 @@
 """The claim that the group mean is the variance-optimal baseline when m_C = m_W (docs/theory.md §12, on the study of
-§Baselines at matched expectation): the share of prompts whose permutation test rejects m_C = m_W, and the
-leave-one-out b*'s MSE against RLOO's (both estimated from the same group), both read as equivalence rules with
-margins fixed before any measurement. Reads a probe's
+§Baselines at matched expectation): one pooled equivalence test of m_C = m_W in effect units, the root mean square
+over prompts of log(m_C / m_W) against a margin of log 1.25 fixed before any measurement (issue 43). Reads a probe's
 ``studies["baselines"]`` (:func:`grpo_lens.probe.studies.run_baseline_study`) and returns [] when it is absent.
 """
 
@@ -19,137 +18,96 @@ from grpo_lens.claims.base import (
     ci_text,
     decide,
     fmt,
-    verdict_from_interval,
 )
+from grpo_lens.formulas.baselines import LOG_RATIO_MARGIN, log_ratios, rms_log_ratio
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-from grpo_lens.formulas.stats import binomial_upper_tail, mean_test_p, normal_upper_tail, wilson_interval
+from grpo_lens.formulas.stats import mean_test_p
 
 #: the calibration's name of the rule
-RULE_ID = "group mean optimal (m_C = m_W)"
+RULE_ID = "group mean optimal (RMS log m_C / m_W)"
 
-#: the level of each prompt's m_C = m_W permutation test: the most it rejects when m_C = m_W everywhere
+#: the level of each prompt's m_C = m_W permutation test (printed beside the rule, not used by it)
 EQUAL_NORMS_LEVEL = 0.05
-
-
-#: equivalence margins of "the group mean is optimal" (set before any measurement, docs/theory.md §12): at most this
-#: share of prompts with m_C != m_W ...
-EQUAL_NORMS_MAX_SHARE = 0.25
-
-
-#: ... and the leave-one-out b* at most this much below RLOO's MSE (relative)
-MSE_GAIN_MARGIN = 0.10
-
-
-def _interval_p(ci: dict[str, Any], control: float, side: str) -> float:
-    """One-sided normal p of a mean against ``control`` from its 95% interval (SE = the half-width on ``side`` /
-    1.96); 1.0 without an interval."""
-    mean, lo, hi = ci.get("mean"), ci.get("lo"), ci.get("hi")
-    if mean is None or lo is None or hi is None:
-        return 1.0
-    se = ((mean - lo) if side == "above" else (hi - mean)) / 1.959964
-    if se <= 0:
-        return 0.0 if (mean > control if side == "above" else mean < control) else 1.0
-    z = (mean - control) / se if side == "above" else (control - mean) / se
-    return normal_upper_tail(z)
 
 
 @CLAIMS.register("group_mean_optimal")
 def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
-    """ "The group mean is the variance-optimal baseline when m_C = m_W": does m_C = m_W hold prompt by prompt, and
-    does b* measurably beat the group mean (as RLOO) where it does not?
+    """ "The group mean is the variance-optimal baseline when m_C = m_W": is m_C = m_W, in effect units, over the
+    prompts the probe studied?
 
-    Rule (docs/theory.md §12): q = share of testable prompts whose permutation test rejects m_C = m_W at 0.05
-    (:func:`grpo_lens.formulas.baselines.equal_norms_test`), with its Wilson interval; control
-    :data:`EQUAL_NORMS_LEVEL` (the most the tests reject when m_C = m_W everywhere). An equivalence rule, so that a
-    study too small to see a difference cannot make the claim hold: holds when q's interval lies below
-    :data:`EQUAL_NORMS_MAX_SHARE` and the leave-one-out b*'s MSE ratio to RLOO has its interval above 1 -
-    :data:`MSE_GAIN_MARGIN` (b* gains less than that); does not hold when q's interval lies above the control and
-    the MSE ratio's interval lies below 1 (b* measurably helps); inconclusive otherwise, and with fewer than MIN_UNITS
-    testable prompts. The mean m_C / m_W over prompts is reported, not used: prompts with m_C > m_W and m_C < m_W
-    cancel in it.
+    Rule (docs/theory.md §12, issue 43): one pooled equivalence test on the root mean square over prompts of
+    δ_j = log(m_C / m_W) (:func:`grpo_lens.formulas.baselines.rms_log_ratio`): y_j = d_j² − v_j per prompt (its
+    log ratio squared less its delta-method variance), mean(y) against :data:`LOG_RATIO_MARGIN`² by Hall's t
+    (:func:`grpo_lens.formulas.stats.mean_test_p`). Holds when the mean lies below the margin² (RMS of the log ratio
+    below log 1.25: b* within about ±0.056 of the group mean's p at p = 0.5), does not hold when it lies above;
+    inconclusive otherwise and with fewer than MIN_UNITS prompts with both sides. Only the class means enter, so
+    unequal spreads are no effect, and a class whose rollouts are one string is a mean known exactly, not a
+    rejection.
 
-    The MSE comparison is like for like: the leave-one-out b* (``optimal_loo``, what ``--estimator optimal`` trains
-    with) against RLOO, both estimated from the other rollouts of the group. The 0.1 rule compared the *population*
-    b* (a constant that knows p) with RLOO; knowing p alone cuts the MSE at R = 4 (0.84 of RLOO's with m_C = m_W
-    planted, `grpo-lens calibrate`), so that comparison could never reach *holds*.
+    Replaces the count of per-prompt m_C = m_W permutation tests (issue 43: it rejected 0.12-0.21 of prompts when
+    every correct rollout was one string and m_C = m_W exactly, 0.10-0.13 when only the spreads differed; its margin
+    was a share of prompts, not an effect, and *holds* needed 0 rejections of 16). Its share and the leave-one-out
+    b*'s MSE against RLOO's are printed, not used.
     """
     study = ((probe.get("studies") or {}).get("baselines") or {}).get("baselines")
     if not study:
         return []
     ratio = study.get("norm_ratio") or {}
     mse = study["summary"].get("optimal_loo", {}).get("mse_ratio_to_rloo", {})
-    n = int(study.get("equal_norms_testable") or 0)
+    n_tested = int(study.get("equal_norms_testable") or 0)
     q = study.get("equal_norms_rejected")
-    k = round(q * n) if q is not None and math.isfinite(q) else 0
-    q_lo, q_hi = wilson_interval(k, n)
-    few_rejected = verdict_from_interval(q_lo, q_hi, EQUAL_NORMS_MAX_SHARE, "below")
-    many_rejected = verdict_from_interval(q_lo, q_hi, EQUAL_NORMS_LEVEL, "above")
-    small_gain = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1 - MSE_GAIN_MARGIN, "above")
-    b_star_helps = verdict_from_interval(mse.get("lo"), mse.get("hi"), 1.0, "below")
-    # one-sided p of each branch (intersection-union: the larger of its two parts): the count k of n by exact
-    # binomial tails, the MSE ratio by Hall's t over the prompts' ratios (the interval the row prints)
-    est = [pp.get("estimators") or {} for pp in study.get("per_prompt") or []]
-    ratios = [
-        e["optimal_loo"]["mse"] / e["rloo"]["mse"]
-        for e in est
-        if "optimal_loo" in e and "rloo" in e and e["rloo"]["mse"] > 0
-    ]
-    if ratios:
-        p_gain_small = mean_test_p(ratios, 1 - MSE_GAIN_MARGIN, "above")
-        p_helps = mean_test_p(ratios, 1.0, "below")
-    else:  # a study without its per-prompt rows: the interval's own half-width as a normal SE
-        p_gain_small = _interval_p(mse, 1 - MSE_GAIN_MARGIN, "above")
-        p_helps = _interval_p(mse, 1.0, "below")
+    k = round(q * n_tested) if q is not None and math.isfinite(q) else 0
+    d, v = log_ratios(study.get("per_prompt") or [])
+    rms = rms_log_ratio(d, v)
+    n = int(rms["n"] or 0)
+    margin2 = LOG_RATIO_MARGIN**2
     if n >= MIN_UNITS:
-        p_holds = max(1.0 - binomial_upper_tail(k + 1, n, EQUAL_NORMS_MAX_SHARE), p_gain_small)
-        p_dnh = max(binomial_upper_tail(k, n, EQUAL_NORMS_LEVEL), p_helps)
+        p_holds = mean_test_p(rms["y"], margin2, "below")
+        p_dnh = mean_test_p(rms["y"], margin2, "above")
     else:
         p_holds = p_dnh = 1.0
     verdict = decide(p_holds, p_dnh)
-    if n < MIN_UNITS or not math.isfinite(q_lo):
-        verdict, why = INCONCLUSIVE, f"{n} testable prompts < {MIN_UNITS}"
+    if n < MIN_UNITS:
+        why = f"{n} prompts with both classes' log ratio < {MIN_UNITS}" + (
+            "" if d or not study.get("per_prompt") else " (a probe.json from before issue 43: run the probe again)"
+        )
     elif verdict == HOLDS:
-        why = (
-            f"rejection share below {EQUAL_NORMS_MAX_SHARE} and b*'s MSE gain below {MSE_GAIN_MARGIN:.0%} "
-            f"(equivalence; p = {p_holds:.2g})"
-        )
+        why = f"RMS of log(m_C / m_W) below log 1.25 (mean δ² below {margin2:.3f}, p = {p_holds:.2g})"
     elif verdict == DOES_NOT_HOLD:
-        why = f"m_C != m_W in more prompts than the tests' level and b*'s MSE below RLOO's (p = {p_dnh:.2g})"
+        why = f"RMS of log(m_C / m_W) above log 1.25 (mean δ² above {margin2:.3f}, p = {p_dnh:.2g})"
     else:
-        why = (
-            f"the rejection share and the MSE gain do not agree on a verdict (p holds {p_holds:.2g}, p does not "
-            f"hold {p_dnh:.2g})"
-        )
-    del few_rejected, many_rejected, small_gain, b_star_helps
+        why = f"the RMS interval reaches log 1.25 (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
     meta = probe["studies"]["baselines"].get("meta", {})
-    share = (
-        f"{fmt(q, 2)} [{fmt(q_lo, 2)}, {fmt(q_hi, 2)}], Wilson interval over prompts"
-        if n >= MIN_UNITS
-        else "too few prompts for an interval"
+    rms_txt = (
+        "not measured"
+        if rms["rms"] is None
+        else f"{fmt(rms['rms'], 3)}"
+        + (
+            f" (n = {n} prompts, too few for an interval)"
+            if rms["rms_lo"] is None
+            else f" [{fmt(rms['rms_lo'], 3)}, {fmt(rms['rms_hi'], 3)}] (n = {n} prompts)"
+        )
     )
     return [
         Claim(
             claim="the group mean is the variance-optimal baseline (m_C = m_W)",
             scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
             measurement=(
-                f"m_C = m_W rejected (permutation test, 0.05) on {k} of {n} prompts ({share}); "
-                f"mean m_C / m_W {ci_text(ratio, unit='prompts')}; "
-                f"leave-one-out b* MSE / RLOO's {ci_text(mse, unit='prompts')}"
+                f"RMS over prompts of log(m_C / m_W), less each prompt's noise: {rms_txt}; mean m_C / m_W "
+                f"{ci_text(ratio, unit='prompts')}; per-prompt permutation tests rejecting m_C = m_W: {k} of "
+                f"{n_tested} (not used); leave-one-out b* MSE / RLOO's {ci_text(mse, unit='prompts')} (not used)"
             ),
-            control=(
-                f"rejection share <= {EQUAL_NORMS_LEVEL} (m_C = m_W everywhere; equivalence below "
-                f"{EQUAL_NORMS_MAX_SHARE}); MSE ratio 1 (equivalence above {1 - MSE_GAIN_MARGIN:g})"
-            ),
+            control=f"equivalence margin: RMS of log(m_C / m_W) = log 1.25 = {LOG_RATIO_MARGIN:.3f}",
             verdict=verdict,
             rule=why,
-            source=f"{meta.get('gradients', 'sketch')}, d_s = {meta.get('sketch_dim')}, held-out reference",
+            source=f"{meta.get('gradients', 'sketch')}, d_s = {meta.get('sketch_dim')}",
             n=n,
             p_holds=p_holds,
             p_dnh=p_dnh,
             rule_id=RULE_ID,
             advice=(
                 f"raise `--baseline-study-prompts` (grpo-lens probe; `--probe-study-prompts` in grpo-lens demo) "
-                f"(now {n} testable prompts; e.g. {max(2 * n, 24)})"
+                f"(now {n} prompts; e.g. {max(2 * n, 16)})"
                 if verdict == INCONCLUSIVE
                 else ""
             ),

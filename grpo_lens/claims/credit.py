@@ -2,8 +2,8 @@
 
 :func:`uniform_token_credit`: every token class (answer, format, reasoning) gets the group update in proportion to its
 share of the tokens, within 1 ± :data:`CREDIT_EQUIVALENCE` (an equivalence rule). :func:`monte_carlo_credit`: the
-count of rollouts with a Monte Carlo segment opposing GRPO's A_i (an exact per-rollout count test on the K_mc
-continuations' successes), against its exact binomial null (disagreement supports the paper, which predicts it).
+mean shift of the success probability against GRPO's A_i at each segment position, from the K_mc continuations'
+successes, against the margin :data:`MC_MARGIN` (disagreement supports the paper, which predicts it).
 :func:`identical_token_advantage`: the literal claim, algebra that holds by construction. All read a probe's
 ``studies["credit"]``
 (:func:`grpo_lens.probe.studies.run_credit_study`) and return [] when it is absent.
@@ -11,7 +11,6 @@ continuations' successes), against its exact binomial null (disagreement support
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from grpo_lens.claims.base import (
@@ -28,11 +27,12 @@ from grpo_lens.claims.base import (
 )
 from grpo_lens.formulas.credit import (
     opposing_differences,
+    opposing_shifts,
     opposition_threshold,
     prefix_success_counts,
 )
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-from grpo_lens.formulas.stats import binomial_upper_tail, wilson_interval
+from grpo_lens.formulas.stats import binomial_upper_tail, mean_interval, mean_test_p
 
 #: the level of the Monte Carlo credit rule's tests: the most a rollout with no opposing segment is flagged, and the
 #: p-value at which the count of flagged rollouts makes the paper's prediction hold
@@ -40,7 +40,11 @@ MC_LEVEL = 0.05
 
 
 #: the calibration's name of the Monte Carlo rule
-MC_RULE_ID = "uniform credit disagrees with Monte Carlo credit"
+MC_RULE_ID = "uniform credit disagrees with Monte Carlo credit (opposing shift)"
+
+#: the margin of the Monte Carlo credit rule (fixed before any measurement, issue 43): a segment position opposes A_i
+#: when its mean shift of the success probability against A_i exceeds this
+MC_MARGIN = 0.1
 
 #: "every token the same credit" read as: the answer tokens' update share / token share within 1 ± this (the paper
 #: gives no tolerance; an interval that merely contains 1 is no evidence when it is wide)
@@ -181,33 +185,27 @@ def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, A
 @CLAIMS.register("monte_carlo_credit")
 def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     """ "GRPO's uniform A_i is not the credit each token earns": the paper predicts that Monte Carlo token advantages
-    (VinePPO) disagree with the uniform A_i, so disagreement supports the claim.
+    (VinePPO) disagree with the uniform A_i, so a segment that moves the success probability against A_i supports it.
 
-    Rule (docs/theory.md §12), exact at any number of rollouts: per rollout, X_j = successes among the K_mc
-    continuations of prefix b_j (0/1 rewards). An interior segment b_j -> b_{j+1} *opposes* A_i when its count
-    difference against A_i's sign is at least d (:func:`grpo_lens.formulas.credit.opposing_differences`), d the smallest
-    with sup_p P(X - Y >= d) <= :data:`MC_LEVEL` / (segments tested per rollout)
-    (:func:`grpo_lens.formulas.credit.opposition_threshold`), so a rollout none of whose segments truly opposes A_i
-    is flagged with probability at most α_r = tests · size <= :data:`MC_LEVEL` (Bonferroni within the rollout).
-    Rollouts' continuations are independent, so under "no segment opposes A_i" the count c of flagged rollouts out of
-    n is stochastically below Binomial(n, α_r). Holds when P(Binomial(n, α_r) >= c) <= :data:`MC_LEVEL` (an exact
-    one-sided test of the count, :func:`grpo_lens.formulas.stats.binomial_upper_tail`); does not hold when the Wilson
-    interval of the flagged share lies below α_r, fewer flags than noise alone can give (at K_mc = 8, 3 segments tested:
-    α_r = 0.032, reachable from 117 rollouts); inconclusive otherwise, from fewer than MIN_UNITS rollouts, or when the
-    rewards are not 0/1. With four segments a monotone value path of K_mc = 8 continuations cannot agree with A_i by
-    d = 5 in more than one segment, so "agreement beyond noise" is no usable evidence here; the count of segments
-    agreeing by d is shown, not used.
-
-    Replaces the 0.1 rule (2-SE Wald counting over segments against Φ(−2) = 0.023), whose false holds `grpo-lens
-    calibrate` measured at 0.06 / 0.08 / 0.16 with 8 / 32 / 100 rollouts: a prefix whose K_mc continuations all agree
-    has SE 0, and its level grew with the number of segments.
+    Rule (docs/theory.md §12, issue 43), one boundary: the effect at interior segment position j is the mean over
+    rollouts of δ_ij = sign(A_i)(p_ij − p_i,j+1), estimated without bias by e_ij = (opposing count difference) / K_mc
+    (:func:`grpo_lens.formulas.credit.opposing_shifts`), pooled over the rollouts that reach position j. Holds when
+    some position's mean opposing shift lies above :data:`MC_MARGIN` (Hall's one-sided t over rollouts,
+    :func:`grpo_lens.formulas.stats.mean_test_p`, Bonferroni over the positions: p = positions × the smallest p);
+    does not hold when every position's lies below it (intersection-union: the largest p); inconclusive otherwise,
+    with fewer than MIN_UNITS rollouts at a position, or when the prefix values are not means of 0/1 rewards. So *does
+    not hold* reads "no segment position opposes A_i by :data:`MC_MARGIN` or more", the stated margin, where the 0.2
+    rule's read "fewer flagged rollouts than noise gives" (wrong 0.065-0.070 at 500+ rollouts with a real, weak
+    opposition) and reduced each rollout to flagged or not (power 0.05 at 8 rollouts, issue 43). The flagged count
+    (:func:`opposition_count`) is printed, not used.
     """
     credit = (probe.get("studies") or {}).get("credit")
     if not credit:
         return []
     claim = "GRPO's uniform credit disagrees with Monte Carlo token credit (the paper's prediction)"
     control = (
-        f"no segment opposes A_i: each rollout flagged with probability <= α_r (exact binomial bound, level {MC_LEVEL})"
+        f"margin: a segment position whose mean shift of the success probability against A_i is {MC_MARGIN} "
+        f"(above: holds; below at every position: does not hold)"
     )
     source = "Monte Carlo continuations from prefixes"
     if not credit["monte_carlo"]["rollouts"]:  # the credit study ran without its Monte Carlo part: say so
@@ -226,9 +224,11 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
             )
         ]
     mc = credit["monte_carlo"]
-    t = opposition_count(mc)
-    scope = f"{len(mc['rollouts'])} rollouts, K_mc = {int(mc['samples_per_prefix'])}"
-    if t is None:
+    mc_samples = int(mc["samples_per_prefix"])
+    rows = mc["rollouts"]
+    counts = [prefix_success_counts(r["values"], r["errors"], mc_samples) for r in rows]
+    scope = f"{len(rows)} rollouts, K_mc = {mc_samples}"
+    if any(c is None for c in counts):
         return [
             Claim(
                 claim=claim,
@@ -236,11 +236,12 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
                 measurement="prefix values are not means of 0/1 rewards",
                 control=control,
                 verdict=INCONCLUSIVE,
-                rule="the exact count test needs 0/1 rewards",
+                rule="the opposing shifts need 0/1 rewards",
                 source=source,
             )
         ]
-    if t["tests"] == 0:
+    shifts = opposing_shifts(counts, [r["grpo_advantage"] for r in rows], mc_samples)
+    if not shifts:
         return [
             Claim(
                 claim=claim,
@@ -252,40 +253,32 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
                 source=source,
             )
         ]
-    mc_samples, n, d, alpha_r = t["mc_samples"], t["rollouts"], t["d"], t["alpha_r"]
-    flagged, segments, agreeing, p_value = t["flagged"], t["segments"], t["agreeing"], t["p_value"]
-    f_lo, f_hi = wilson_interval(flagged, n)
-    a_lo, a_hi = wilson_interval(agreeing, segments)
-    # exact binomial tails on both sides: holds when the count is high for Binomial(n, α_r), does not hold when it
-    # is low (fewer flags than noise alone gives); each branch at BRANCH_LEVEL
-    p_low = 1.0 - binomial_upper_tail(flagged + 1, n, alpha_r)
-    p_holds, p_dnh = (p_value, p_low) if n >= MIN_UNITS else (1.0, 1.0)
+    m = len(shifts)
+    n = min(len(e) for e in shifts)
+    p_above = [mean_test_p(e, MC_MARGIN, "above") for e in shifts]
+    p_below = [mean_test_p(e, MC_MARGIN, "below") for e in shifts]
+    p_holds, p_dnh = min(1.0, m * min(p_above)), max(p_below)
     verdict = decide(p_holds, p_dnh)
-    if n < MIN_UNITS:
-        why = f"{n} rollouts < {MIN_UNITS}"
-    elif verdict == HOLDS:
-        why = f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g} <= {BRANCH_LEVEL}"
+    j_top = min(range(m), key=lambda j: p_above[j])
+    # a position with fewer than MIN_UNITS rollouts has p = 1 on both sides (mean_test_p): it can neither make the
+    # row hold nor let every position read below the margin
+    if verdict == HOLDS:
+        why = f"segment position {j_top + 1} opposes A_i by more than {MC_MARGIN} (p = {p_holds:.2g} <= {BRANCH_LEVEL})"
     elif verdict == DOES_NOT_HOLD:
-        why = (
-            f"P(Binomial({n}, {alpha_r:.3g}) <= {flagged}) = {p_low:.2g} <= {BRANCH_LEVEL}: fewer opposing "
-            f"segments than noise alone gives"
-        )
+        why = f"every segment position opposes A_i by less than {MC_MARGIN} (p = {p_dnh:.2g} <= {BRANCH_LEVEL})"
+    elif n < MIN_UNITS:
+        why = f"{n} rollouts < {MIN_UNITS} at some segment position"
     else:
-        why = (
-            f"P(Binomial({n}, {alpha_r:.3g}) >= {flagged}) = {p_value:.2g}, <= {flagged}: {p_low:.2g}; neither "
-            f"<= {BRANCH_LEVEL}"
-        )
+        why = f"p holds {p_holds:.2g}, p does not hold {p_dnh:.2g}; neither <= {BRANCH_LEVEL}"
+    per_pos = "; ".join(f"segment {j + 1}: {ci_text(mean_interval(e), 3, 'rollouts')}" for j, e in enumerate(shifts))
+    t = opposition_count(mc)
+    flagged = "" if not t or not t.get("tests") else f"; rollouts flagged: {t['flagged']} of {t['rollouts']} (not used)"
     return [
         Claim(
             claim=claim,
-            scope=f"{scope}, {segments} interior segments",
-            measurement=(
-                f"rollouts with a segment opposing A_i by >= {d} of {mc_samples} continuations: {flagged} of "
-                f"{n} ({fmt(flagged / n, 3)} [{fmt(f_lo, 3)}, {fmt(f_hi, 3)}], Wilson interval over "
-                f"rollouts); segments agreeing by >= {d}: {agreeing} of {segments} "
-                f"[{fmt(a_lo, 3)}, {fmt(a_hi, 3)}]"
-            ),
-            control=f"{control}; α_r = {alpha_r:.3g} at d = {d}",
+            scope=f"{scope}, {m} interior segment positions",
+            measurement=f"mean shift of the success probability against A_i by position: {per_pos}{flagged}",
+            control=control,
             verdict=verdict,
             rule=why,
             source=source,
@@ -294,9 +287,8 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
             p_dnh=p_dnh,
             rule_id=MC_RULE_ID,
             advice=(
-                f"raise `--mc-groups` (grpo-lens probe; grpo-lens demo runs at most 4 groups) (now {n} rollouts; each "
-                f"group adds R; *does not hold* needs about "
-                f"{math.ceil(3.7 / max(alpha_r, 1e-9))} rollouts with no flag)"
+                f"raise `--mc-groups` (grpo-lens probe; grpo-lens demo runs at most 4 groups) (now {len(rows)} "
+                f"rollouts; each group adds R; 32 rollouts decide an opposition of 0.3, docs/calibration.md)"
                 if verdict == INCONCLUSIVE
                 else ""
             ),

@@ -64,7 +64,7 @@ from grpo_lens.formulas.advantages import (
     rloo_baseline,
 )
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-from grpo_lens.formulas.stats import bootstrap_mean
+from grpo_lens.formulas.stats import bootstrap_mean, mean_interval
 from grpo_lens.formulas.zero_sum import fixed_k_labellings
 from grpo_lens.metrics import (
     BASELINE_B_STAR,
@@ -519,6 +519,61 @@ def equal_norms_test(
     return {"ratio": math.exp(log_ratio), "p": p, "lo": low, "hi": high, "verdict": verdict}
 
 
+#: the equivalence margin of m_C = m_W in effect units (fixed before any measurement, issue 43): the root mean square
+#: over prompts of log(m_C / m_W) at most log 1.25 (b* within about ±0.056 of p at p = 0.5; docs/theory.md §12)
+LOG_RATIO_MARGIN = math.log(1.25)
+
+
+def log_norm_ratio(sq_norms: Tensor, rewards: Tensor) -> tuple[float, float] | None:
+    """One prompt's d = log(m̂_C / m̂_W) with m̂ the mean ‖h‖² of its correct / wrong rollouts, and the delta-method
+    variance of d, v = s_C² / (k m̂_C²) + s_W² / ((M − k) m̂_W²) (s² the ddof-1 variances of ‖h‖² on each side).
+    Only the means enter, so unequal spreads are no effect, and a side whose rollouts are one string (s² = 0) is
+    estimated exactly, not flagged.
+
+    Args:
+        sq_norms: [M] ‖h_i‖² (or [M, P] gradients, squared and summed).  rewards: [M] in {0, 1}.
+
+    Returns:
+        (d, v), or None when a side has fewer than 2 rollouts or a zero mean.
+    """
+    x = sq_norms.detach().double()
+    n = x if x.dim() == 1 else x.square().sum(-1)
+    c = rewards.detach() == 1
+    nc, nw = n[c], n[~c]
+    if len(nc) < 2 or len(nw) < 2 or float(nc.mean()) <= 0 or float(nw.mean()) <= 0:
+        return None
+    mc, mw = float(nc.mean()), float(nw.mean())
+    v = float(nc.var(unbiased=True)) / (len(nc) * mc * mc) + float(nw.var(unbiased=True)) / (len(nw) * mw * mw)
+    return math.log(mc / mw), v
+
+
+def rms_log_ratio(d: Sequence[float], v: Sequence[float]) -> dict[str, float | int | None]:
+    """The root mean square over prompts of δ_j = log(m_C / m_W), the effect size of "m_C = m_W" (docs/theory.md
+    §12): y_j = d_j² − v_j estimates δ_j² without its noise term to first order (E d_j² = δ_j² + Var d_j), so
+    mean(y) estimates mean δ², with Hall's interval over prompts (:func:`grpo_lens.formulas.stats.mean_interval`).
+
+    Args:
+        d, v: [n] per-prompt :func:`log_norm_ratio` pairs.
+
+    Returns:
+        {"msq", "lo", "hi", "n" (mean δ² and its interval), "rms", "rms_lo", "rms_hi" (their square roots, 0 below
+        zero), "y": the [n] per-prompt y_j}.
+    """
+    y = [di * di - vi for di, vi in zip(d, v)]
+    ci = mean_interval(y)
+    root = lambda a: None if a is None else math.sqrt(max(a, 0.0))  # noqa: E731
+    return {
+        "msq": ci["mean"],
+        "lo": ci["lo"],
+        "hi": ci["hi"],
+        "n": ci["n"],
+        "rms": root(ci["mean"]),
+        "rms_lo": root(ci["lo"]),
+        "rms_hi": root(ci["hi"]),
+        "y": y,
+    }
+
+
 def baseline_study(
     pools: Sequence[tuple[Tensor, Tensor]],
     group_size: int,
@@ -541,7 +596,8 @@ def baseline_study(
         "b_star_shift": bootstrap_mean of b*_exact - b*, "b_star_minus_p": of b* - p (the group mean's expectation),
         "norm_ratio": of m_C / m_W, "mean_score_ratio": bootstrap_mean of ||hbar||^2 over its
         mean-zero floor, "equal_norms_rejected": share of testable prompts whose permutation test rejects m_C = m_W
-        at 0.05, "equal_norms_testable"}.
+        at 0.05, "equal_norms_testable", "log_ratio_rms": :func:`rms_log_ratio` over the prompts with both sides
+        (without its per-prompt "y")}.
         MSE is compared as the ratio to RLOO's per prompt (prompts differ in gradient scale); bias2_share = bias2 /
         mse.
     """
@@ -559,11 +615,14 @@ def baseline_prompt(
     grads: Tensor, rewards: Tensor, group_size: int, *, num_resamples: int = 512, seed: int = 0
 ) -> dict | None:
     """One prompt of :func:`baseline_study`: :func:`prompt_baseline_study` with its ``"equal_norms"``
-    (:func:`equal_norms_test`), or None when the pool has no reward contrast. grads: [M, P]; rewards: [M]."""
+    (:func:`equal_norms_test`) and ``"log_ratio"``, ``"log_ratio_var"`` (:func:`log_norm_ratio`, None where a side has
+    fewer than 2 rollouts), or None when the pool has no reward contrast. grads: [M, P]; rewards: [M]."""
     if bool(constant_groups(rewards.view(1, -1), torch.ones(1, len(rewards), dtype=torch.bool))):
         return None
     res = prompt_baseline_study(grads, rewards, group_size, num_resamples=num_resamples, seed=seed)
     res["equal_norms"] = equal_norms_test(grads, rewards, seed=seed)
+    lr = log_norm_ratio(grads, rewards)
+    res["log_ratio"], res["log_ratio_var"] = lr if lr is not None else (None, None)
     return res
 
 
@@ -613,4 +672,11 @@ def summarise_baseline_prompts(
         if testable
         else math.nan,
         "equal_norms_testable": len(testable),
+        "log_ratio_rms": {k: v for k, v in rms_log_ratio(*log_ratios(per_prompt)).items() if k != "y"},
     }
+
+
+def log_ratios(per_prompt: Sequence[dict]) -> tuple[list[float], list[float]]:
+    """(d, v) of the prompts that have :func:`log_norm_ratio` (rows from before issue 43 have none)."""
+    rows = [p for p in per_prompt if p.get("log_ratio") is not None and p.get("log_ratio_var") is not None]
+    return [float(p["log_ratio"]) for p in rows], [float(p["log_ratio_var"]) for p in rows]

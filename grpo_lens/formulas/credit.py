@@ -561,3 +561,27 @@ def segment_counts(rows: list[dict], z: float = 2.0) -> dict[str, int]:
             if abs(a) > z * e and sign != 0:
                 out["agree" if math.copysign(1.0, a) == sign else "disagree"] += 1
     return out
+
+
+def opposing_shifts(
+    counts: Sequence[Sequence[int]], grpo_advantages: Sequence[float], mc_samples: int
+) -> list[list[float]]:
+    """Per interior segment position j, the rollouts' opposing shifts e_ij = :func:`opposing_differences` / K_mc: an
+    unbiased estimate of δ_ij = sign(A_i)(p_ij − p_i,j+1), how much the segment b_j -> b_{j+1} moves the success
+    probability against A_i (positive: it opposes A_i; the two prefixes' continuations are independent, so
+    E e_ij = δ_ij exactly). Rollouts with A_i = 0 and positions a rollout does not reach are left out.
+
+    Args:
+        counts: per rollout, [n_i] successes at the prefixes (:func:`prefix_success_counts`).
+        grpo_advantages: per rollout A_i.  mc_samples: K_mc.
+
+    Returns:
+        [positions] lists of e_ij over the rollouts that have position j (positions = the most interior segments).
+    """
+    out: list[list[float]] = []
+    for c, a in zip(counts, grpo_advantages):
+        for j, x in enumerate(opposing_differences(c, a)):
+            if j == len(out):
+                out.append([])
+            out[j].append(x / mc_samples)
+    return out

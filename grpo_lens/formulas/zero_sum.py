@@ -106,10 +106,56 @@ def cosine_gap(gram: Tensor, labels: Tensor) -> float:
     return float(cosine_gaps(gram, labels[None])[0])
 
 
+#: two rollouts are one completion for the permutation test when ‖g_i − g_j‖² <= this share of ‖g_i‖² + ‖g_j‖²
+#: (identical completions have identical gradients and identical sketches; 1e-6 leaves float32 Gram rounding room)
+DUPLICATE_TOL = 1e-6
+
+
+def distinct_rows(
+    gram: Tensor, rewards: Tensor, tol: float = DUPLICATE_TOL, same_completion: Tensor | None = None
+) -> Tensor:
+    """The rollouts that stay when duplicate completions are merged: i is dropped when an earlier j with the same
+    reward is the same completion: ``same_completion[i, j]`` when given (token ids compared, exact), else
+    ‖g_i − g_j‖² = G_ii + G_jj − 2 G_ij <= ``tol`` (G_ii + G_jj) (identical completions give identical gradients,
+    exact or sketched; two zero gradients are duplicates). Rollouts with different rewards are never merged.
+
+    Args:
+        gram: [R, R] Gram matrix.  rewards: [R].  tol: relative tolerance.
+        same_completion: [R, R] bool or None.
+
+    Returns:
+        [R'] long, the kept indices in order (R' = R without duplicates).
+    """
+    g = gram.double()
+    d = g.diagonal()
+    if same_completion is not None:
+        same = same_completion.bool() & (rewards[:, None] == rewards[None, :])
+    else:
+        dist = d[:, None] + d[None, :] - 2 * g  # [R, R] ‖g_i − g_j‖²
+        same = (dist <= tol * (d[:, None] + d[None, :])) & (rewards[:, None] == rewards[None, :])
+    keep: list[int] = []
+    for i in range(g.shape[0]):
+        if not any(bool(same[i, j]) for j in keep):
+            keep.append(i)
+    return torch.tensor(keep, dtype=torch.long)
+
+
 def zero_sum_tests(
-    gram: Tensor, rewards: Tensor, advantages: Tensor, *, max_permutations: int = 256, seed: int = 0
+    gram: Tensor,
+    rewards: Tensor,
+    advantages: Tensor,
+    *,
+    max_permutations: int = 256,
+    seed: int = 0,
+    same_completion: Tensor | None = None,
 ) -> dict[str, float]:
     """The label-permutation test with k fixed for one group with 0/1 rewards (docs/theory.md §6).
+
+    The units are distinct completions (:func:`distinct_rows`): identical completions have identical gradients and
+    always share a reward, so relabelling them apart would let the duplicates alone read as label structure (every
+    correct rollout one string: *labels structure G1* in 0.80 of trials at R = 4, issue 43); merged, k and R count
+    distinct completions, and a group left with fewer than 3 (or one class empty of distinct ones) carries no label
+    information (every relabelling gives the same span energy: excess 0, null variance 0).
 
     For the true labels (correct = reward 1) and for each relabelling with the same k, computes
     :func:`span_energy` (the advantages follow the labels: A_C on the labelled-correct rows, A_W on the others) and
@@ -120,6 +166,8 @@ def zero_sum_tests(
         gram: [R, R] float64.  rewards: [R] in {0, 1}, 0 < k < R.  advantages: [R] (two-valued per class).
         max_permutations: enumerate every relabelling up to this many, else draw this many at random.
         seed: seed of the random relabellings.
+        same_completion: [R, R] bool, which rollouts are the same completion (from the token ids); None: from the
+            Gram (:func:`distinct_rows`).
 
     Returns:
         {"zero_sum/span_energy", "zero_sum/span_energy_null", "zero_sum/span_energy_excess" (observed - null
@@ -130,9 +178,11 @@ def zero_sum_tests(
         the norms alone leaves it at its null; absent when some g_i = 0)}.
     """
     labels = rewards == 1
-    r, k = len(rewards), int(labels.sum())
     a_c = float(advantages[labels].mean())
     a_w = float(advantages[~labels].mean())
+    keep = distinct_rows(gram, rewards, same_completion=same_completion)  # units: distinct completions (issue 43)
+    gram, labels = gram[keep][:, keep], labels[keep]
+    r, k = len(labels), int(labels.sum())
     gen = torch.Generator().manual_seed(seed)
     labs = torch.stack([labels] + fixed_k_labellings(r, k, max_permutations, gen))  # [1 + L, R]: the truth first
     exhaustive = math.comb(r, k) <= max_permutations

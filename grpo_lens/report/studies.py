@@ -15,8 +15,9 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from grpo_lens.claims.credit import MC_LEVEL, opposition_count
-from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS
+from grpo_lens.claims.credit import MC_LEVEL, MC_MARGIN, opposition_count
+from grpo_lens.formulas.credit import opposing_shifts, prefix_success_counts
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, mean_interval
 from grpo_lens.report import plots
 from grpo_lens.report.format import ci, fmt, interval, md_row, md_table
 
@@ -62,6 +63,8 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
             lines.append(md_row(name, ci(e.get("mse_ratio_to_rloo")), ci(e.get("cosine")), ci(e.get("bias2_share"))))
         lines += [
             "",
+            f"RMS over prompts of log(m_C / m_W), less each prompt's noise (what the claim decides on, margin "
+            f"log 1.25 = 0.223): {_rms_text(study.get('log_ratio_rms'))}. "
             f"m_C / m_W over prompts: {ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
             f"test at 0.05 over each prompt's rollouts, k fixed) on "
             f"{fmt(study.get('equal_norms_rejected'), 2)} of "
@@ -156,21 +159,39 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
 
 
 def _opposition_sentence(mc: dict[str, Any]) -> str:
-    """What the Monte Carlo credit claim tests, in its numbers (:func:`grpo_lens.claims.credit.opposition_count`):
-    the count of rollouts with an opposing segment against the exact binomial bound at level MC_LEVEL."""
+    """What the Monte Carlo credit claim decides on (issue 43: the mean opposing shift at each segment position,
+    :func:`grpo_lens.formulas.credit.opposing_shifts`, against the margin MC_MARGIN), then the count of rollouts
+    with an opposing segment against its exact binomial bound at level MC_LEVEL
+    (:func:`grpo_lens.claims.credit.opposition_count`), printed, not used."""
     t = opposition_count(mc)
     if t is None:
-        return "The exact count test needs 0/1 rewards; these prefix values are not means of K_mc 0/1 rewards."
+        return "The opposing shifts need 0/1 rewards; these prefix values are not means of K_mc 0/1 rewards."
     if t["tests"] == 0:
         return "No interior segment (fewer than 2 prefixes per rollout): nothing to test."
+    k = int(mc["samples_per_prefix"])
+    rows = mc["rollouts"]
+    counts = [prefix_success_counts(r["values"], r["errors"], k) for r in rows]
+    shifts = opposing_shifts(counts, [r["grpo_advantage"] for r in rows], k)
+    per_pos = "; ".join(f"segment {j + 1}: {ci(mean_interval(e))}" for j, e in enumerate(shifts))
     n, a = t["rollouts"], t["alpha_r"]
     return (
-        f"Rollouts with a segment whose success count differs against A_i's sign by >= {t['d']} of {t['mc_samples']} "
+        f"Mean shift of the success probability against A_i by segment position (what the claim decides on, margin "
+        f"{MC_MARGIN}): {per_pos}. Not used by the claim: r"
+        f"ollouts with a segment whose success count differs against A_i's sign by >= {t['d']} of {t['mc_samples']} "
         f"continuations (opposing): {t['flagged']} of {n}; with no opposing segment a rollout is flagged with "
         f"probability <= {a:.3g} ({t['tests']} segments tested per rollout, level {MC_LEVEL}), and "
         f"P(Binomial({n}, {a:.3g}) >= {t['flagged']}) = {t['p_value']:.2g}. Segments agreeing with A_i by >= "
         f"{t['d']}: {t['agreeing']} of {t['segments']}."
     )
+
+
+def _rms_text(rms: dict[str, Any] | None) -> str:
+    """'rms [lo, hi] (n = N prompts)' of :func:`grpo_lens.formulas.baselines.rms_log_ratio` (without "y")."""
+    if not rms or rms.get("rms") is None:
+        return "not measured (a probe.json from before issue 43)"
+    if rms.get("rms_lo") is None:
+        return f"{fmt(rms['rms'], 3)} (n = {rms.get('n')} prompts, too few for an interval)"
+    return f"{fmt(rms['rms'], 3)} [{fmt(rms['rms_lo'], 3)}, {fmt(rms['rms_hi'], 3)}] (n = {rms.get('n')} prompts)"
 
 
 def _mean_score_sentence(study: dict[str, Any]) -> str:

@@ -94,6 +94,39 @@ def test_mechanism_reads_directions_not_norms():
     assert c.verdict == HOLDS
 
 
+def test_label_families_plant_duplicates_and_rare_information():
+    from grpo_lens.formulas.zero_sum import distinct_rows
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        # dupC: the k correct rollouts share one gradient (one string), the wrong ones are distinct: k' = 1 remains
+        gram, rewards = planted_group("dupC", 8, 2048, gen)
+        keep = distinct_rows(gram, rewards)
+        assert int(rewards[keep].sum()) == 1 and len(keep) == 8 - int(rewards.sum()) + 1
+        # dupW: the wrong rollouts share one gradient
+        gram, rewards = planted_group("dupW", 8, 2048, gen)
+        keep = distinct_rows(gram, rewards)
+        assert int((rewards[keep] == 0).sum()) == 1 and len(keep) == int(rewards.sum()) + 1
+        # e2: exact rank 2, cosine 1 within a class, 0 across, norms distinct (no rollout merged)
+        gram, rewards = planted_group("e2", 4, 2048, gen)
+        d = gram.diagonal().sqrt()
+        cos = gram / torch.outer(d, d)
+        same = rewards[:, None] == rewards[None, :]
+        assert torch.allclose(cos[same], torch.ones(()).double()) and float(cos[~same].abs().max()) < 1e-12
+        assert len(distinct_rows(gram, rewards)) == 4
+    # mix0.01: per group a coin: rank 2 + 1% noise (top-2 share > 0.97) or isotropic (< 0.8 at R = 8)
+    shares = [top2_share(gram_singular_values(planted_group("mix0.01", 8, 2048, gen)[0])) for _ in range(40)]
+    assert all(s > 0.97 or s < 0.8 for s in shares) and 10 <= sum(s > 0.97 for s in shares) <= 30
+
+
+def test_duplicate_completions_do_not_read_as_label_structure():
+    # every correct rollout one string, wrong rollouts isotropic: before issue 43 the relabelling test split the
+    # duplicates and read *holds* in 0.80 of trials at R = 4; merged, θ ≈ 0 and the row reads does not hold
+    pools = {r: analysed_pool("dupC", r, 16, 2048, seed=11 + r) for r in (4, 8)}
+    (c,) = CLAIMS.get("zero_sum_rank_two")(probe_of(pools, 2048))
+    assert c.verdict == DOES_NOT_HOLD
+
+
 def test_tiny_calibration_writes_its_table_and_levels(tmp_path):
     cfg = CalibrationConfig(
         trials=6,

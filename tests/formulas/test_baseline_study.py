@@ -164,3 +164,36 @@ def test_estimate_moments_equal_those_of_the_estimates_themselves():
         }
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-10), (name, key)
+
+
+def test_log_norm_ratio_by_hand():
+    # correct ‖h‖² = 1, 3 (mean 2, s² = 2), wrong 1, 1, 4 (mean 2, s² = 3): d = log(2/2) = 0,
+    # v = 2/(2·4) + 3/(3·4) = 0.25 + 0.25 = 0.5
+    from grpo_lens.formulas.baselines import log_norm_ratio
+
+    d, v = log_norm_ratio(torch.tensor([1.0, 3.0, 1.0, 1.0, 4.0]), torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0]))
+    assert d == pytest.approx(0.0, abs=1e-12) and v == pytest.approx(0.5, rel=1e-12)
+    # one string per class (s² = 0): exact means, d = log(4/2), v = 0; one rollout a side: None
+    d, v = log_norm_ratio(torch.tensor([4.0, 4.0, 2.0, 2.0]), torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    assert d == pytest.approx(math.log(2), rel=1e-12) and v == 0.0
+    assert log_norm_ratio(torch.tensor([4.0, 2.0, 2.0]), torch.tensor([1.0, 0.0, 0.0])) is None
+
+
+def test_rms_log_ratio_removes_the_noise_term():
+    # y_j = d_j² − v_j: d = ±0.3 with v = 0.04 gives y = 0.05 each, so mean δ² = 0.05 and RMS √0.05 = 0.2236
+    from grpo_lens.formulas.baselines import rms_log_ratio
+
+    r = rms_log_ratio([0.3, -0.3] * 4, [0.04] * 8)
+    assert r["msq"] == pytest.approx(0.05, rel=1e-12) and r["rms"] == pytest.approx(math.sqrt(0.05), rel=1e-12)
+    assert r["n"] == 8 and r["lo"] == pytest.approx(0.05) and r["hi"] == pytest.approx(0.05)  # no spread
+    # m_C = m_W planted on 400 prompts of 8 + 8 rollouts (‖h‖² ~ Exponential(1) a side): E y = O(1/M²) while
+    # uncorrected E d² ≈ Var d = 2/8 = 0.25, so mean y is within 0.05 of 0 where a wrong sign of v would give 0.5
+    from grpo_lens.formulas.baselines import log_norm_ratio
+
+    g = torch.Generator().manual_seed(0)
+    pairs = [
+        log_norm_ratio(torch.empty(16, dtype=torch.float64).exponential_(generator=g), torch.arange(16) < 8)
+        for _ in range(400)
+    ]
+    r = rms_log_ratio([p[0] for p in pairs], [p[1] for p in pairs])
+    assert abs(r["msq"]) < 0.05 and sum(p[0] ** 2 for p in pairs) / 400 > 0.15

@@ -7,6 +7,7 @@ import pytest
 
 from grpo_lens.formulas.credit import (
     opposing_differences,
+    opposing_shifts,
     opposition_size,
     opposition_threshold,
     prefix_success_counts,
@@ -61,6 +62,18 @@ def test_opposing_differences_take_the_direction_against_the_advantage():
     assert opposing_differences([5, 2, 6], 1.0) == [3, -4]  # A > 0: a later prefix succeeding less opposes
     assert opposing_differences([5, 2, 6], -0.5) == [-3, 4]
     assert opposing_differences([5, 2, 6], 0.0) == []
+
+
+def test_opposing_shifts_pool_rollouts_by_segment_position():
+    # K_mc = 8. Rollout 1 (A > 0): 6, 2, 4 -> differences against A: 4, -2 -> shifts 0.5, -0.25; rollout 2 (A < 0):
+    # 3, 5 -> 2 -> 0.25 at position 1 only; rollout 3 (A = 0) is left out
+    e = opposing_shifts([[6, 2, 4], [3, 5], [1, 2, 3]], [1.0, -1.0, 0.0], 8)
+    assert e == [[0.5, 0.25], [-0.25]]
+    # E e = sign(A)(p_j − p_j+1) exactly: the mean over all 9 × 9 count pairs of Binomial(8, 0.6) and
+    # Binomial(8, 0.3) is (8 · 0.6 − 8 · 0.3) / 8 = 0.3
+    pmf6, pmf3 = binomial_pmf(8, 0.6), binomial_pmf(8, 0.3)
+    mean = sum(pmf6[x] * pmf3[y] * opposing_shifts([[x, y]], [1.0], 8)[0][0] for x in range(9) for y in range(9))
+    assert mean == pytest.approx(0.3, abs=1e-12)
 
 
 def _mc_probe(rng, n, k, p_paths, signs):

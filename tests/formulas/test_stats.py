@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from grpo_lens.formulas.stats import bootstrap_mean, mean_interval, student_t_quantile
+from grpo_lens.formulas.stats import (
+    bootstrap_mean,
+    interval_t_p,
+    mean_interval,
+    normal_upper_tail,
+    student_t_quantile,
+)
 
 
 def test_symmetric_sample_gives_the_student_t_interval():
@@ -100,3 +106,35 @@ def test_hac_reference_is_exact_under_iid_gaussian_noise():
     xs = list(range(1, 11))
     hits = sum(hac_trend_test(xs, torch.randn(10, generator=gen).tolist())["p_up"] <= 0.1 for _ in range(300))
     assert 0.05 <= hits / 300 <= 0.15
+
+
+def _t_upper_tail_by_quadrature(x: float, df: int, steps: int = 200000) -> float:
+    """P(t_df >= x) by Simpson's rule on the density over [x, x + 200] (independent of student_t_cdf)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    f = lambda u: c * (1 + u * u / df) ** (-(df + 1) / 2)  # noqa: E731
+    h = 200.0 / steps
+    s = f(x) + f(x + 200.0) + sum((4 if i % 2 else 2) * f(x + i * h) for i in range(1, steps))
+    return s * h / 3
+
+
+def test_interval_t_p_is_the_t_test_on_a_student_interval():
+    # x̄ = 1, s = 1, n = 12: se = 1/√12, T = 2√3 = 3.464; the 95% Student interval is x̄ ± t_{11, .975} se, so the
+    # helper recovers se and gives P(t_11 >= 3.464) = 0.0026 (quadrature), where the normal reading gives 0.00027
+    n, se = 12, 1 / math.sqrt(12)
+    half = student_t_quantile(0.975, n - 1) * se
+    p = interval_t_p(1.0, 1.0 - half, 1.0 + half, n, 0.0, "above")
+    exact = _t_upper_tail_by_quadrature(2 * math.sqrt(3), 11)
+    assert exact == pytest.approx(0.00265, abs=5e-5)
+    assert p == pytest.approx(exact, rel=0.02)  # the quantile's Cornish-Fisher error (< 1e-3) only
+    assert normal_upper_tail(2 * math.sqrt(3)) < exact / 5  # what the normal reading would have said
+    # the other side is its complement; a control above the mean makes "below" the small one
+    assert interval_t_p(1.0, 1.0 - half, 1.0 + half, n, 0.0, "below") == pytest.approx(1 - p, abs=1e-12)
+    assert interval_t_p(-1.0, -1.0 - half, -1.0 + half, n, 0.0, "below") == pytest.approx(p, rel=1e-9)
+
+
+def test_interval_t_p_edges():
+    assert interval_t_p(None, None, None, 12, 0.0, "above") == 1.0
+    assert interval_t_p(1.0, 1.0, 1.0, 12, 0.0, "above") == 0.0  # zero width, mean above
+    assert interval_t_p(1.0, 1.0, 1.0, 12, 2.0, "above") == 1.0
+    with pytest.raises(ValueError, match="valid: above, below"):
+        interval_t_p(1.0, 0.0, 2.0, 12, 0.0, "up")

@@ -127,11 +127,23 @@ def _mc_rollout(counts, adv, k=8):
     }
 
 
-def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, opposing=4, rollouts=8, testable=8):
-    # opposing rollouts: successes 8 -> 2 of 8 against A_i > 0 (difference 6 >= the rule's d = 5); the others agree
-    mc_rows = [
-        _mc_rollout((8, 2, 4, 6), 0.8) if i < opposing else _mc_rollout((4, 4, 5, 6), 0.8) for i in range(rollouts)
-    ]
+def _studies(
+    ratio,
+    mse,
+    answer_ratio,
+    disagree,
+    rejected=0.75,
+    opposing=4,
+    rollouts=8,
+    testable=8,
+    other=(6, 4, 5, 6),
+    log_ratios=(-0.6931471805599453,),  # log 0.5
+    log_ratio_var=0.01,
+):
+    # opposing rollouts: successes 8 -> 2 of 8 against A_i > 0 (difference 6 >= the count rule's d = 5, opposing
+    # shift 0.75); the others ``other`` (by default 6 -> 4: shift 0.25, not flagged). Per prompt, log(m_C / m_W)
+    # cycles through ``log_ratios`` with variance ``log_ratio_var`` (``testable`` prompts)
+    mc_rows = [_mc_rollout((8, 2, 4, 6), 0.8) if i < opposing else _mc_rollout(other, 0.8) for i in range(rollouts)]
     prompt = {
         "p": 0.5,
         "m_correct": 0.02,
@@ -160,7 +172,10 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, opposing=4, roll
     return {
         "baselines": {
             "baselines": {
-                "per_prompt": [prompt],
+                "per_prompt": [
+                    {**prompt, "log_ratio": log_ratios[j % len(log_ratios)], "log_ratio_var": log_ratio_var}
+                    for j in range(testable)
+                ],
                 "summary": summary,
                 "prompts": 8,
                 "prompts_constant": 2,
@@ -202,20 +217,18 @@ def _studies(ratio, mse, answer_ratio, disagree, rejected=0.75, opposing=4, roll
 
 
 def test_study_claims_follow_the_numbers():
-    # m_C = m_W rejected on 6 of 8 prompts (Wilson interval [0.41, 0.93] above 0.05) and population b*'s MSE ratio
-    # [0.7, 0.9] < 1: the group mean is not optimal -> does not hold; answer ratio [1.3, 1.8] outside 1 ± 0.25 -> does
-    # not hold; Monte Carlo: 4 of 8 rollouts with a segment opposing A_i by >= 5 of 8 successes, against at most
-    # 0.032 per rollout under no opposition: P(Binomial(8, 0.032) >= 4) = 7e-5 <= 0.05 -> the predicted disagreement
-    # holds
+    # baseline: log(m_C / m_W) = log 0.5 on 8 prompts with variance 0.01: y = 0.4805 - 0.01 = 0.4705 on every prompt,
+    # above (log 1.25)² = 0.0498 with no spread -> does not hold; answer ratio [1.3, 1.8] outside 1 ± 0.25 -> does
+    # not hold; Monte Carlo: opposing shift at segment 1 = 0.75 on 4 rollouts, 0.25 on 4: mean 0.5, SD 0.267, t =
+    # (0.5 - 0.1) / (0.267/√8) = 4.2 on 7 df (Hall's p ≈ 0.002, × 3 positions <= 0.025) -> the predicted
+    # disagreement holds
     c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3)))
     # (the token-credit row is descriptive since issue 29: no verdict, its 0.2 reading kept in the rule)
     assert [x.verdict for x in c] == ["inconclusive", "holds", "does not hold"]
     assert c[0].kind == "descriptive" and "the 0.2 rule reads: does not hold" in c[0].rule
-    # 0 of 16 rejected (Wilson upper end z^2/(n + z^2) = 3.8416/19.8416 = 0.19 < 0.25) and MSE ratio [0.95, 1.1]
-    # above 0.9 -> holds (equivalence); answer ratio inside 1 ± 0.25 -> holds; 0 of 120 rollouts flagged: Wilson
-    # exact lower tail P(Binomial(120, 0.0319) <= 0) = 0.968^120 = 0.021 <= 0.025, fewer than noise gives -> the
-    # paper's prediction does not hold; baseline: P(Binomial(16, 0.25) <= 0) = 0.75^16 = 0.010 and the MSE ratio's
-    # z = (1.0 - 0.9) / (0.05 / 1.96) = 3.9 -> holds
+    # log ratio 0 on 16 prompts with variance 0.01: y = -0.01 everywhere, below 0.0498 -> holds (equivalence);
+    # answer ratio inside 1 ± 0.25 -> holds; 120 rollouts 4 -> 4 -> 5 -> 6 of 8: shifts 0, -1/8, -1/8 at the three
+    # positions, every one below the margin 0.1 with no spread -> the paper's prediction does not hold
     c = study_claims(
         "after",
         _studies(
@@ -227,6 +240,8 @@ def test_study_claims_follow_the_numbers():
             opposing=0,
             rollouts=120,
             testable=16,
+            other=(4, 4, 5, 6),
+            log_ratios=(0.0,),
         ),
     )
     assert [x.verdict for x in c] == ["inconclusive", "does not hold", "holds"]
@@ -234,16 +249,22 @@ def test_study_claims_follow_the_numbers():
         {"studies": _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01))}
     )
     assert lit.verdict == "holds" and "not a test" in lit.rule and lit.kind == "check"
-    # too small to show equivalence: 0 of 8 rejected has Wilson upper end 3.8416/11.8416 = 0.32 > 0.25; and with 16
-    # prompts an MSE interval reaching 0.85 leaves room for a 15% gain from b* -> inconclusive both times
-    for n, mse in ((8, _ci(1.0, 0.95, 1.1)), (16, _ci(1.0, 0.85, 1.1))):
+    # too small to show equivalence: log ratios 0 and 0.3 alternating (variance 0): y = 0, 0.09, mean 0.045 with SD
+    # 0.048 on 8 prompts, an interval reaching (log 1.25)² = 0.0498 -> inconclusive; 7 prompts -> inconclusive
+    for n in (8, 7):
         c = study_claims(
-            "x", _studies(_ci(1.0, 0.8, 1.2), mse, _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01), rejected=0.0, testable=n)
+            "x",
+            _studies(
+                _ci(1.0, 0.8, 1.2),
+                _ci(1.0, 0.95, 1.1),
+                _ci(1.0, 0.8, 1.2),
+                _ci(0.0, 0.0, 0.01),
+                testable=n,
+                log_ratios=(0.0, 0.3),
+                log_ratio_var=0.0,
+            ),
         )
         assert c[-1].verdict == "inconclusive"
-    # many rejections but no measurable MSE gain: inconclusive (the mean ratio 1.0 is not used: it can cancel)
-    c = study_claims("x", _studies(_ci(1.0, 0.9, 1.1), _ci(1.0, 0.9, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01)))
-    assert c[-1].verdict == "inconclusive"
 
 
 def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
@@ -262,7 +283,7 @@ def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
     assert "reads: inconclusive" in study_claims("x", st)[0].rule
     # 7 testable prompts: no Wilson interval is printed for the rejection share (intervals need >= 8 units)
     group_mean = study_claims("x", st)[-1]
-    assert group_mean.verdict == "inconclusive" and "too few prompts for an interval" in group_mean.measurement
+    assert group_mean.verdict == "inconclusive" and "too few for an interval" in group_mean.measurement
     assert "Wilson" not in group_mean.measurement
 
 
@@ -348,13 +369,17 @@ def test_credit_claims_need_power_not_absence_of_data():
     assert mc.verdict == "inconclusive" and "4 rollouts < 8" in mc.rule
     # the old "interval contains 1" said holds on the wide [0.3, 2.5]; it overlaps the edge of 1 ± 0.25
     assert u.verdict == "inconclusive"
-    # 8 rollouts, none flagged: P(Binomial(8, 0.032) <= 0) = 0.77 > 0.025 -> inconclusive
-    u, mc = credit(answer_ratio=_ci(1.0, None, None), disagree=_ci(0.0, 0.0, 0.0), opposing=0)
+    # 8 rollouts, segment 1's shifts 0.75 once and 0 seven times: mean 0.094, SD 0.265, t = (0.094 - 0.1)/0.094
+    # ≈ -0.07 -> neither branch -> inconclusive
+    u, mc = credit(answer_ratio=_ci(1.0, None, None), disagree=_ci(0.0, 0.0, 0.0), opposing=1, other=(4, 4, 5, 6))
     assert mc.verdict == "inconclusive" and "neither" in mc.rule and "--mc-groups" in mc.advice
     assert u.verdict == "inconclusive"  # no interval (fewer than 8 groups)
-    # planted: 120 rollouts, none flagged -> does not hold; 3 of 8 flagged (P(Binomial(8, 0.032) >= 3) = 0.0017)
-    # -> the predicted disagreement holds; answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
-    _, mc = credit(answer_ratio=_ci(1.0, 0.9, 1.1), disagree=_ci(0.0, 0.0, 0.0), opposing=0, rollouts=120)
+    # planted: 120 rollouts 4 -> 4 -> 5 -> 6, shifts 0, -1/8, -1/8 below 0.1 -> does not hold; 3 of 8 at 0.75, 5 at
+    # 0.25: mean 0.4375, SD 0.259, t = 3.7 on 7 df (× 3 positions <= 0.025) -> the predicted disagreement holds;
+    # answer ratio [1.3, 1.6] wholly above 1.25 -> does not hold
+    _, mc = credit(
+        answer_ratio=_ci(1.0, 0.9, 1.1), disagree=_ci(0.0, 0.0, 0.0), opposing=0, rollouts=120, other=(4, 4, 5, 6)
+    )
     assert mc.verdict == "does not hold"
     u, mc = credit(answer_ratio=_ci(1.45, 1.3, 1.6), disagree=_ci(0.15, 0.1, 0.2), opposing=3)
     assert (u.kind, mc.verdict) == ("descriptive", "holds") and "reads: does not hold" in u.rule
@@ -418,8 +443,8 @@ def test_claims_say_where_their_rules_and_intervals_come_from(tmp_path):
     assert "95% intervals over 2097152 sampled weights" in report
     c = study_claims("x", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3)))
     assert "(n = 8 groups)" in c[0].measurement
-    assert "Wilson interval over rollouts" in c[1].measurement
-    assert "Wilson interval over prompts" in c[2].measurement and "(n = 8 prompts)" in c[2].measurement
+    assert "(n = 8 rollouts)" in c[1].measurement
+    assert "(n = 8 prompts)" in c[2].measurement
 
 
 def test_s4_claim_reads_the_float32_share_and_the_permutation_control():
@@ -465,6 +490,8 @@ def test_monte_carlo_study_text_reports_the_count_test(tmp_path):
     studies = _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3))
     text = "\n".join(studies_section("probe", {"credit": studies["credit"]}, tmp_path, []))
     assert "beyond 2 SE" not in text
+    # what the claim decides on first: segment 1's opposing shifts 0.75 (4 rollouts) and 0.25 (4): mean 0.500
+    assert "by segment position (what the claim decides on, margin 0.1): segment 1: 0.500 [" in text
     assert "by >= 5 of 8 continuations (opposing): 4 of 8" in text
     assert "probability <= 0.0319 (3 segments tested per rollout, level 0.05)" in text
     assert "P(Binomial(8, 0.0319) >= 4) = 6.5e-05" in text
