@@ -118,7 +118,10 @@ CASES = [
     Case(
         "unknown-loss-mode",
         ["--loss-aggregation", "mean"],
-        ["loss_aggregation", "valid names: seq-mean-token-mean, seq-mean-token-sum-norm, token-mean"],
+        [
+            "loss_aggregation",
+            "valid names: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean",
+        ],
     ),
     Case("unknown-kl-estimator", ["--kl-estimator", "k4"], ["kl_estimator", "valid names: k1, k2, k3"]),
     Case("unknown-std", ["--std", "biased"], ["std", "valid names: population, sample"]),

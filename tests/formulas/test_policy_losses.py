@@ -21,7 +21,7 @@ from grpo_lens.formulas.losses import (
 CALLS: list[str] = []
 
 
-def _unclipped(logp, old_logp, advantages, eps_low, eps_high, dual_clip):
+def _unclipped(logp, old_logp, advantages, eps_low, eps_high, dual_clip):  # the six positional arguments only
     """-rho A, no clip (a test variant that records its calls)."""
     CALLS.append("test_unclipped")
     ratio = torch.exp(logp - old_logp)
