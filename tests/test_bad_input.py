@@ -113,7 +113,11 @@ CASES = [
     Case(
         "unknown-estimator",
         ["--estimator", "ppo"],
-        ["estimator", "'ppo'", "valid names: dr_grpo, grpo, optimal, reinforce, rloo"],
+        [
+            "estimator",
+            "'ppo'",
+            "valid names: dr_grpo, grpo, grpo_batch, optimal, reinforce, reinforce_pp, reinforce_pp_baseline, rloo",
+        ],
     ),
     Case(
         "unknown-loss-mode",
