@@ -31,3 +31,13 @@ def test_each_process_gets_its_rows_of_the_whole_batchs_advantages(monkeypatch, 
     # each share alone would use its own batch statistics: a different answer (what the gather prevents)
     alone = compute_advantages(rewards[:3], estimator, mask=valid[:3]).reshape(-1)
     assert not torch.allclose(alone, whole[:12])
+
+
+@pytest.mark.parametrize("estimator", BATCH_ESTIMATORS)
+def test_the_probe_refuses_batch_level_estimators(estimator):
+    # The probe computes advantages one group at a time: a batch statistic there would be the group's own.
+    from grpo_lens.config import ConfigError
+    from grpo_lens.probe.config import ProbeConfig
+
+    with pytest.raises(ConfigError, match="batch-level estimator.*grpo-lens train"):
+        ProbeConfig(estimator=estimator)
