@@ -155,7 +155,8 @@ class TrainConfig(ConfigFile):
         "--eps-low 3e-4 --eps-high 4e-4); cispo = clipped, detached IS weight x A x log pi "
         "(MiniMax-M1, arXiv 2506.13585); sapo = a soft sigmoid gate instead of the clip "
         "(arXiv 2511.20347; --sapo-tau-pos / --sapo-tau-neg); gpg = -A log pi, no ratio "
-        "(arXiv 2504.02546). All give the same gradient at ratio 1 (docs/theory.md).",
+        "(arXiv 2504.02546). All give the same gradient at ratio 1, so they train alike unless "
+        "--mu > 1 or --num-mini-batches > 1 (docs/theory.md).",
         check=one_of(lambda: declared_names(*_POLICY_LOSSES)),
     )
     sapo_tau_pos: float = option(
