@@ -372,6 +372,8 @@ class TrainConfig(ConfigFile):
             self.bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
         if self.resume and self.overwrite:
             self.bad("overwrite", "--resume continues the run in --out and --overwrite replaces it: pass one of them")
+        if self.dual_clip is not None and self.policy_loss in ("cispo", "sapo", "gpg"):
+            self.bad("dual_clip", f"--policy-loss {self.policy_loss} has no clip to bound; unset --dual-clip")
         check_task_dataset(self)
 
 

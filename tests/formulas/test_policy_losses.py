@@ -77,6 +77,13 @@ def test_trainer_uses_the_configured_policy_loss(tmp_path):
     assert CALLS, "the trainer did not call the configured policy loss"
 
 
+def test_dual_clip_only_with_a_clipped_loss():
+    assert TrainConfig(policy_loss="gspo", dual_clip=3.0).dual_clip == 3.0
+    for name in ("cispo", "sapo", "gpg"):
+        with pytest.raises(ConfigError, match=f"dual_clip.*{name} has no clip"):
+            TrainConfig(policy_loss=name, dual_clip=3.0)
+
+
 def test_train_help_offers_the_objectives():
     # `grpo-lens train --help` lists every registered policy loss with its source, and SAPO's temperatures.
     parser = argparse.ArgumentParser()
