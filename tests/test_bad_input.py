@@ -113,12 +113,19 @@ CASES = [
     Case(
         "unknown-estimator",
         ["--estimator", "ppo"],
-        ["estimator", "'ppo'", "valid names: dr_grpo, grpo, optimal, reinforce, rloo"],
+        [
+            "estimator",
+            "'ppo'",
+            "valid names: dr_grpo, grpo, grpo_batch, optimal, reinforce, reinforce_pp, reinforce_pp_baseline, rloo",
+        ],
     ),
     Case(
         "unknown-loss-mode",
         ["--loss-aggregation", "mean"],
-        ["loss_aggregation", "valid names: seq-mean-token-mean, seq-mean-token-sum-norm, token-mean"],
+        [
+            "loss_aggregation",
+            "valid names: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean",
+        ],
     ),
     Case("unknown-kl-estimator", ["--kl-estimator", "k4"], ["kl_estimator", "valid names: k1, k2, k3"]),
     Case("unknown-std", ["--std", "biased"], ["std", "valid names: population, sample"]),

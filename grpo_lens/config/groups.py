@@ -169,13 +169,15 @@ class Advantage:
     )
     std = Option(
         "sample",
-        "Std convention for grpo: sample (ddof 1, TRL/verl default) or population (ddof 0).",
+        "Std convention for grpo and the batch-level estimators: sample (ddof 1, TRL/verl default) or "
+        "population (ddof 0).",
         check=one_of(STD_CONVENTIONS),
     )
     std_eps = Option(
         1e-4,
         "Added to the group std in grpo's advantage denominator (> 0): A = (r - mean) / (std + "
-        "std_eps). Not TRL's epsilon, which is the clip range (--eps-low / --epsilon).",
+        "std_eps); to the batch std in grpo_batch and reinforce_pp*. Not TRL's epsilon, which is the "
+        "clip range (--eps-low / --epsilon).",
         check=above(0, "must be > 0 (it keeps the advantage finite when the group std is tiny)"),
     )
     loss_aggregation = Option(

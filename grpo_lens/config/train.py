@@ -148,10 +148,26 @@ class TrainConfig(ConfigFile):
     )
     policy_loss: str = option(
         "vanilla",
-        "Per-token policy loss, a name in POLICY_LOSSES "
+        "Per-token policy loss, one of " + ", ".join(declared_names(*_POLICY_LOSSES)) + " "
         "(grpo_lens/formulas/losses.py; verl's policy_loss.loss_mode): vanilla = the PPO / "
-        "GRPO clipped surrogate (DeepSeekMath eq. 3).",
+        "GRPO clipped surrogate (DeepSeekMath eq. 3); gspo = the same on the sequence ratio "
+        "(arXiv 2507.18071; TRL's importance_sampling_level=sequence; its paper clips at "
+        "--eps-low 3e-4 --eps-high 4e-4); cispo = clipped, detached IS weight x A x log pi "
+        "(MiniMax-M1, arXiv 2506.13585); sapo = a soft sigmoid gate instead of the clip "
+        "(arXiv 2511.20347; --sapo-tau-pos / --sapo-tau-neg); gpg = -A log pi, no ratio "
+        "(arXiv 2504.02546). All give the same gradient at ratio 1, so they train alike unless "
+        "--mu > 1 or --num-mini-batches > 1 (docs/theory.md).",
         check=one_of(lambda: declared_names(*_POLICY_LOSSES)),
+    )
+    sapo_tau_pos: float = option(
+        1.0,
+        "SAPO's gate temperature for tokens with A > 0 (--policy-loss sapo; TRL's sapo_temperature_pos).",
+        check=above(0),
+    )
+    sapo_tau_neg: float = option(
+        1.05,
+        "SAPO's gate temperature for tokens with A <= 0 (--policy-loss sapo; TRL's sapo_temperature_neg).",
+        check=above(0),
     )
     eps_low: float = option(0.2, "Lower clip range: ratios below 1 - eps_low are clipped for A < 0.", check=_UNIT)
     eps_high: float = option(
@@ -372,6 +388,8 @@ class TrainConfig(ConfigFile):
             self.bad("num_mini_batches", f"must divide prompts_per_step={self.prompts_per_step}")
         if self.resume and self.overwrite:
             self.bad("overwrite", "--resume continues the run in --out and --overwrite replaces it: pass one of them")
+        if self.dual_clip is not None and self.policy_loss in ("cispo", "sapo", "gpg"):
+            self.bad("dual_clip", f"--policy-loss {self.policy_loss} has no clip to bound; unset --dual-clip")
         check_task_dataset(self)
 
 

@@ -1,7 +1,7 @@
 """TRL's ``GRPOConfig`` names for grpo-lens' settings, accepted as YAML keys and flags (``--num-generations 4``).
 
 Where TRL's setting means what a grpo-lens field means, its name is an :class:`grpo_lens.config.base.Alias` that sets
-that field (no warning); where the value has no grpo-lens meaning (``scale_rewards: batch``, ``loss_type: cispo``),
+that field (no warning); where the value has no grpo-lens meaning (``loss_type: luspo``, ``vespo``),
 or the setting itself has none (``gradient_accumulation_steps``, ``use_vllm``), the error names the grpo-lens option
 to use instead. TRL names that equal grpo-lens' own (``beta``, ``temperature``, ``top_p``, ``top_k``,
 ``learning_rate``, ``max_steps``, ``seed``, ``weight_decay``, ``adam_beta1``, ``adam_beta2``, ``max_grad_norm``,
@@ -14,10 +14,13 @@ num_generations                group_size (R)
 max_completion_length          max_new_tokens
 num_iterations                 mu
 epsilon                        eps_low, and eps_high unless epsilon_high / eps_high is given (as in TRL)
-epsilon_high                   eps_high
-loss_type                      loss_aggregation: grpo -> seq-mean-token-mean, bnpo / dapo -> token-mean,
-                               dr_grpo -> seq-mean-token-sum-norm
-scale_rewards                  estimator: group (or true) -> grpo, none (or false) -> dr_grpo
+epsilon_high                   eps_high (with loss_type cispo: TRL's cap eps_max, eps_high = epsilon_high - 1)
+loss_type                      loss_aggregation: grpo -> seq-mean-token-mean, bnpo / dapo (TRL's default)
+                               -> token-mean, dr_grpo -> seq-mean-token-sum-norm; cispo -> policy_loss cispo
+                               with token-mean, sapo -> policy_loss sapo with seq-mean-token-mean
+importance_sampling_level      policy_loss: sequence -> gspo (GSPO), token -> the loss_type's own
+sapo_temperature_pos / _neg    sapo_tau_pos / sapo_tau_neg
+scale_rewards                  estimator: group (or true) -> grpo, none (or false) -> dr_grpo, batch -> grpo_batch
 mask_truncated_completions     overlong: true -> mask, false -> none
 lr_scheduler_type              lr_scheduler
 warmup_ratio                   warmup_steps (a share in [0, 1): transformers 5 takes it as warmup_steps itself)
@@ -43,7 +46,12 @@ LOSS_TYPES = {
     "bnpo": "token-mean",
     "dapo": "token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
+    "cispo": "token-mean",
+    "sapo": "seq-mean-token-mean",
 }
+
+#: TRL's loss_type values that name a policy loss too (the others are the clipped surrogate, ``vanilla``).
+LOSS_TYPE_POLICY_LOSSES = {"cispo": "cispo", "sapo": "sapo"}
 
 
 def _same(field: str) -> Alias:
@@ -58,6 +66,8 @@ _FLAG_TYPES = {
     "eps_low": float,
     "eps_high": float,
     "num_mini_batches": int,
+    "sapo_tau_pos": float,
+    "sapo_tau_neg": float,
 }
 
 
@@ -70,11 +80,34 @@ def _epsilon(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
 def _loss_type(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     if value not in LOSS_TYPES:
         raise ConfigError(
-            f"TRL's loss_type {value!r} changes the policy loss itself, which grpo-lens does not "
-            f"implement; grpo-lens takes loss_type {', '.join(LOSS_TYPES)}, or set the aggregation "
-            f"directly with --loss-aggregation"
+            f"TRL's loss_type {value!r} changes the policy loss itself in a way grpo-lens does not "
+            f"implement; grpo-lens takes loss_type {', '.join(LOSS_TYPES)}, or set --loss-aggregation and "
+            f"--policy-loss directly"
         )
+    if value in LOSS_TYPE_POLICY_LOSSES:
+        if given.get("importance_sampling_level", "token") == "sequence":
+            raise ConfigError(
+                f"TRL's loss_type {value!r} with importance_sampling_level 'sequence' has no grpo-lens "
+                f"counterpart: GSPO is --policy-loss gspo (loss_type grpo with the sequence level)"
+            )
+        return {"loss_aggregation": LOSS_TYPES[value], "policy_loss": LOSS_TYPE_POLICY_LOSSES[value]}
     return {"loss_aggregation": LOSS_TYPES[value]}
+
+
+def _importance_sampling_level(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if value == "sequence":
+        if given.get("loss_type") in LOSS_TYPE_POLICY_LOSSES:
+            return {}  # loss_type refuses the combination with its own message
+        return {"policy_loss": "gspo"}
+    if value == "token":
+        return {}  # the loss_type's own policy loss (vanilla unless cispo or sapo)
+    raise ConfigError(f"TRL's importance_sampling_level {value!r}: TRL takes 'token' or 'sequence'")
+
+
+def _epsilon_high(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if given.get("loss_type") == "cispo":  # TRL's cispo caps the weight at epsilon_high itself (ScaleRL's eps_max)
+        return {"eps_high": value - 1.0}
+    return {"eps_high": value}
 
 
 def _scale_rewards(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -82,10 +115,11 @@ def _scale_rewards(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
         return {"estimator": "grpo"}
     if value in ("none", False, "false", "False"):
         return {"estimator": "dr_grpo"}
+    if value == "batch":
+        return {"estimator": "grpo_batch"}
     raise ConfigError(
-        f"TRL's scale_rewards {value!r}: grpo-lens scales advantages by the group's std (scale_rewards "
-        f"group, --estimator grpo) or not at all (scale_rewards none, --estimator dr_grpo); a batch-wide "
-        f"std has no grpo-lens estimator"
+        f"TRL's scale_rewards {value!r}: TRL takes group (--estimator grpo), batch (--estimator grpo_batch) or "
+        f"none (--estimator dr_grpo)"
     )
 
 
@@ -117,8 +151,11 @@ ALIASES = {
     "max_completion_length": _same("max_new_tokens"),
     "num_iterations": _same("mu"),
     "epsilon": Alias(LIBRARY, _epsilon, flag_type=float, fields=("eps_low", "eps_high")),
-    "epsilon_high": _same("eps_high"),
-    "loss_type": Alias(LIBRARY, _loss_type, fields=("loss_aggregation",)),
+    "epsilon_high": Alias(LIBRARY, _epsilon_high, flag_type=float, fields=("eps_high",)),
+    "loss_type": Alias(LIBRARY, _loss_type, fields=("loss_aggregation", "policy_loss")),
+    "importance_sampling_level": Alias(LIBRARY, _importance_sampling_level, fields=("policy_loss",)),
+    "sapo_temperature_pos": _same("sapo_tau_pos"),
+    "sapo_temperature_neg": _same("sapo_tau_neg"),
     "scale_rewards": Alias(LIBRARY, _scale_rewards, fields=("estimator",)),
     "mask_truncated_completions": Alias(LIBRARY, _mask_truncated, flag_type=bool, fields=("overlong",)),
     "lr_scheduler_type": _same("lr_scheduler"),
@@ -156,7 +193,13 @@ def register_trl_names(names: Names, fields: set[str]) -> None:
 
 
 #: A value of each alias that translates (to find the fields it sets).
-_SAMPLE = {"loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": True, "warmup_ratio": 0.1}
+_SAMPLE = {
+    "loss_type": "grpo",
+    "importance_sampling_level": "sequence",
+    "scale_rewards": "group",
+    "mask_truncated_completions": True,
+    "warmup_ratio": 0.1,
+}
 
 
 def grpo_lens_settings(trl_settings: Mapping[str, Any]) -> dict[str, Any]:

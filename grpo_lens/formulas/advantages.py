@@ -13,9 +13,10 @@ advantages of an all-equal group, the lens's mixed groups).
 Conventions shared by all estimators:
   - Invalid rollouts (mask False: the reward function failed, returned None/NaN or timed out) get A = 0 and are left
     out of every group statistic (mean, std, leave-one-out baselines).
-  - A group whose valid rewards are all equal gets A = 0 exactly for the centred estimators (grpo, dr_grpo, rloo,
-    optimal): it carries no policy gradient. This is decided by comparing values (max == min), not by dividing by a
-    zero std, so repeated fp32 values such as 0.35 give exactly 0 and never NaN.
+  - A group whose valid rewards are all equal gets A = 0 exactly for the centred estimators (all but
+    reinforce and reinforce_pp, :data:`UNCENTRED_ESTIMATORS`): it carries no policy gradient. This is decided by
+    comparing values (max == min), not by dividing by a zero std, so repeated fp32 values such as 0.35 give exactly 0
+    and never NaN.
   - A group with a single valid rollout has no baseline to compare against and gets A = 0 (centred estimators).
   - Statistics are computed in float64 and the result is cast back to the rewards' dtype.
 
@@ -24,6 +25,8 @@ References:
   - Dr. GRPO: Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783, §3.2 (no std division).
   - RLOO: Ahmadian et al., "Back to Basics", arXiv 2402.14740, eq. 7 (leave-one-out mean baseline);
     Kool et al., "Buy 4 REINFORCE Samples, Get a Baseline for Free!", ICLR 2019 workshop.
+  - Batch-level scaling: TRL's ``scale_rewards="batch"`` (grpo_batch); REINFORCE++: Hu et al., arXiv 2501.03262
+    (reinforce_pp, reinforce_pp_baseline).
   - Variance-optimal constant baseline: Greensmith, Bartlett & Baxter, JMLR 5 (2004), Theorem 13;
     Weaver & Tao, arXiv 1301.2315, §4: b* = E[||g||^2 r] / E[||g||^2].
 """
@@ -53,7 +56,14 @@ ADVANTAGE_ESTIMATORS: Registry[EstimatorFn] = Registry("advantage estimator")
 
 
 # Estimators whose advantages sum to zero over the valid rollouts of every group.
-ZERO_SUM_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+ZERO_SUM_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "grpo_batch", "reinforce_pp_baseline")
+
+#: Estimators whose statistics span the whole batch, not one group: they must see every group of the step (every
+#: process's), and their A_i depends on the other groups.
+BATCH_ESTIMATORS = ("grpo_batch", "reinforce_pp", "reinforce_pp_baseline")
+
+#: Estimators that do not subtract a group baseline: a group whose rewards are all equal keeps nonzero advantages.
+UNCENTRED_ESTIMATORS = ("reinforce", "reinforce_pp")
 
 
 def _group_counts_and_means(rewards: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -189,6 +199,77 @@ def reinforce_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
     return rewards * valid
 
 
+def _batch_std(values: Tensor, valid: Tensor, std: StdConvention) -> Tensor:
+    """The std of ``values`` [B, R] over every valid entry of the batch (all groups together), ddof 1 (``sample``)
+    or 0 (``population``). Returns a scalar tensor."""
+    n = valid.sum().to(values.dtype)
+    mean = (values * valid).sum() / n.clamp(min=1.0)
+    ddof = 1.0 if std == "sample" else 0.0
+    return ((((values - mean) * valid) ** 2).sum() / (n - ddof).clamp(min=1.0)).sqrt()
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_batch")
+def grpo_batch_advantages(
+    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4, **_: object
+) -> Tensor:
+    """A_i = (r_i - mean of i's group) / (std of every valid reward of the batch + eps): TRL's
+    ``scale_rewards="batch"`` (trl 1.16 GRPOTrainer), GRPO's group mean with the batch-wide scale of REINFORCE++
+    (Hu et al., arXiv 2501.03262, §3). One scale for the whole batch keeps a group of nearly equal rewards from being
+    blown up to unit scale, as grpo's per-group std does.
+
+    .. warning:: the batch is the step's rollouts on every process (the trainer gathers them); TRL's ``nanstd`` is
+       the sample std (ddof 1), as ``std="sample"`` here.
+
+    Args:
+        rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
+    Returns:
+        [B, R] float64.
+    """
+    _, mean = _group_counts_and_means(rewards, valid)
+    return (rewards - mean) * valid / (_batch_std(rewards, valid, std) + eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_advantages(
+    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4, **_: object
+) -> Tensor:
+    """REINFORCE++ with an outcome reward: A_i = (r_i - mean over the batch) / (std over the batch + eps), the
+    return (r_i on every token, gamma = 1) normalised over the global batch, with no group baseline (Hu et al.,
+    "REINFORCE++", arXiv 2501.03262, §3; verl's ``reinforce_plus_plus``). Not centred per group: a group whose
+    rewards are all equal keeps A_i = (r - batch mean) / std, nonzero.
+
+    .. warning:: verl whitens the per-token returns over the batch's tokens, so a long rollout weighs more in the
+       mean and std there; here each valid rollout counts once (the lens's and the claims' unit). REINFORCE++'s
+       per-token KL penalty in the reward is ``--kl-in-reward`` (sequence-level) here.
+
+    Args:
+        rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
+    Returns:
+        [B, R] float64.
+    """
+    mean = (rewards * valid).sum() / valid.sum().to(rewards.dtype).clamp(min=1.0)
+    return (rewards - mean) * valid / (_batch_std(rewards, valid, std) + eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4, **_: object
+) -> Tensor:
+    """REINFORCE++-baseline: x_i = r_i - mean of i's group, then normalised over the batch,
+    A_i = (x_i - mean_batch x) / (std_batch x + eps) (Hu et al., arXiv 2501.03262, REINFORCE++ with baseline; verl's
+    ``reinforce_plus_plus_baseline``). Over the valid rollouts mean_batch x = 0, so A_i = x_i / (std_batch x + eps):
+    zero-sum per group, like grpo_batch but scaled by the spread of the centred rewards, not of the raw ones.
+
+    Args:
+        rewards: [B, R] float64, invalid entries 0.   valid: [B, R] bool.
+    Returns:
+        [B, R] float64.
+    """
+    _, mean = _group_counts_and_means(rewards, valid)
+    x = (rewards - mean) * valid
+    return x / (_batch_std(x, valid, std) + eps)
+
+
 @ADVANTAGE_ESTIMATORS.register("optimal")
 def optimal_baseline_advantages(
     rewards: Tensor, valid: Tensor, *, grad_sq_norms: Tensor | None = None, **_: object
@@ -237,7 +318,9 @@ def compute_advantages(
 
     Args:
         rewards: [B, R] float. Entries where ``mask`` is False may hold anything, NaN included.
-        estimator: one of :data:`ADVANTAGE_ESTIMATORS` (grpo, dr_grpo, rloo, reinforce, optimal).
+        estimator: one of :data:`ADVANTAGE_ESTIMATORS` (grpo, dr_grpo, rloo, reinforce, optimal; the batch-level
+            grpo_batch, reinforce_pp, reinforce_pp_baseline of :data:`BATCH_ESTIMATORS`, whose ``rewards`` must be
+            the whole batch).
         std: ``"sample"`` (ddof 1, default, as TRL and verl) or ``"population"`` (ddof 0); used by grpo.
         eps: > 0, added to the std in grpo's denominator.
         mask: [B, R] bool, True for valid rollouts; default: every finite reward is valid.
@@ -268,7 +351,7 @@ def compute_advantages(
         raise ValueError("a reward marked valid is NaN or infinite; mark it invalid in mask instead")
     r64 = torch.where(valid, r64, torch.zeros_like(r64))
     adv = fn(r64, valid, std=std, eps=float(eps), grad_sq_norms=grad_sq_norms)
-    if estimator != "reinforce":
+    if estimator not in UNCENTRED_ESTIMATORS:
         adv = adv.masked_fill(constant_groups(r64, valid).unsqueeze(1), 0.0)
     adv = adv.masked_fill(~valid, 0.0)
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)

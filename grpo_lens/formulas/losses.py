@@ -16,13 +16,18 @@ constant N/Z; what the lens and the probe differentiate), and :func:`aggregation
 its length-normalised score gradient (what ``--estimator optimal`` and the credit study scale g_i by); for a rollout
 with tokens omega_i = (N/Z) c_i / |o_i|.
 
-Also: the policy losses (:data:`POLICY_LOSSES`; ``vanilla`` = :func:`clipped_surrogate`), the KL estimators k1 / k2 /
+Per-token weights of a policy loss's gradient at any ratio, :func:`policy_token_weights` omega_{i,t}: the lens's
+row of rollout i at that pass is grad sum_t omega_{i,t} log pi(o_{i,t}).
+
+Also: the policy losses (:data:`POLICY_LOSSES`; ``vanilla`` = :func:`clipped_surrogate`, ``gspo``, ``cispo``,
+``sapo``, ``gpg``; docs/theory.md §Policy losses beyond the clipped surrogate), the KL estimators k1 / k2 /
 k3 (:data:`KL_ESTIMATORS`), the sampler-trainer mismatch
 (:func:`truncated_is_weights`, :func:`mismatch_sums`), and the clamp on log-ratios (:data:`LOG_RATIO_CLAMP`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -136,7 +141,12 @@ def kl_reward_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Policy losses (verl's ``@register_policy_loss``): fn(logp [N, T], old_logp [N, T], advantages [N] or [N, T],
-# eps_low, eps_high, dual_clip) -> (per-token loss [N, T], rho [N, T] detached), looked up by ``policy_loss``
+# eps_low, eps_high, dual_clip, *, mask [N, T] bool, sapo_tau_pos, sapo_tau_neg) -> (per-token loss [N, T], rho [N, T]
+# detached), looked up by ``policy_loss``. The keywords are passed only to a loss that declares them (or **kwargs), so
+# a loss written for the six positional arguments keeps working. Every loss's gradient is sum_t w_{i,t} grad log pi
+# with w_{i,t} proportional to A_i (for a fixed sign of A_i), which :func:`policy_token_weights` reads off; at ratio 1
+# every registered loss has the clipped surrogate's gradient (docs/theory.md §Policy losses beyond the clipped
+# surrogate).
 # ---------------------------------------------------------------------------------------------------------------------
 PolicyLossFn = Callable[..., tuple[Tensor, Tensor]]
 
@@ -151,6 +161,7 @@ def clipped_surrogate(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip: float | None = None,
+    **_: object,
 ) -> tuple[Tensor, Tensor]:
     """Per-token PPO/GRPO policy loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), optional dual clip.
 
@@ -179,6 +190,201 @@ def clipped_surrogate(
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
     return loss, ratio.detach()
+
+
+def _broadcast_advantages(advantages: Tensor) -> Tensor:
+    """[N] -> [N, 1] (one scalar per rollout, broadcast over its tokens); [N, T] unchanged."""
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
+def _require_mask(mask: Tensor | None, logp: Tensor, loss: str) -> Tensor:
+    if mask is None or mask.shape != logp.shape:
+        raise ValueError(f"policy loss {loss!r} needs mask [N, T] = {tuple(logp.shape)}, got {mask!r:.60}")
+    return mask.bool()
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's length-normalised sequence log-ratio (1/|o_i|) sum_t (log pi_theta - log pi_old), with gradient.
+
+    Args:
+        logp, old_logp: [N, T].   mask: [N, T] bool.
+    Returns:
+        [N, 1] in nats per token (0 for an empty completion).
+    """
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1).to(logp.dtype)
+    return masked_sum(logp - old_logp, mask, dim=1).unsqueeze(1) / lengths
+
+
+@POLICY_LOSSES.register("gspo")  # verl's gspo; TRL's importance_sampling_level="sequence"
+def gspo_surrogate(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    dual_clip: float | None = None,
+    *,
+    mask: Tensor | None = None,
+    **_: object,
+) -> tuple[Tensor, Tensor]:
+    """GSPO: the clipped surrogate on the sequence ratio s_i = exp((1/|o_i|) sum_t log(pi_theta / pi_old)).
+
+    Per token (GSPO-token with A_{i,t} = A_i, Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071,
+    eqs. 5-7 and 13): s_{i,t} = sg(s_i) pi_theta(o_{i,t}) / sg(pi_theta(o_{i,t})), whose value is s_i on every token
+    and whose derivative by log pi(o_{i,t}) is s_i; loss -min(s_{i,t} A_i, clip(s_{i,t}, 1-eps_low, 1+eps_high) A_i).
+    Its gradient is -A_i s_i sum_t grad log pi(o_{i,t}) times the aggregation's weight of rollout i where the clip
+    does not bind, 0 where it does (for the whole rollout at once). Summing the broadcast sequence loss
+    -min(s_i A_i, clip(s_i) A_i) over the rollout's tokens (TRL's form) has the same value and gradient under every
+    aggregation of :data:`LOSS_AGGREGATIONS`. The paper's clip ranges are 3e-4 / 4e-4 (its §5.1), far below the token
+    loss's 0.2: the sequence ratio is a geometric mean. The sequence log-ratio is clamped to +-LOG_RATIO_CLAMP.
+
+    Args:
+        logp: [N, T] log pi_theta (with gradient).   old_logp: [N, T] log pi_old.
+        advantages: [N] (one per rollout; GSPO's advantages are sequence-level).
+        eps_low, eps_high: the sequence ratio's clip range, >= 0.
+        dual_clip: c > 1 bounds the loss of A < 0 rollouts by -c A (as :func:`clipped_surrogate`), or None.
+        mask: [N, T] bool, the completion tokens (required: it defines |o_i|).
+    Returns:
+        loss [N, T] and the sequence ratio s_i broadcast to [N, T] (detached).
+    Raises:
+        ValueError: mask missing or of another shape, advantages not [N], dual_clip <= 1.
+    """
+    m = _require_mask(mask, logp, "gspo")
+    if advantages.dim() != 1:
+        raise ValueError(f"gspo's advantages are one per rollout, [N]; got {tuple(advantages.shape)}")
+    log_s = torch.clamp(sequence_log_ratio(logp, old_logp, m), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N, 1]
+    token_log_s = log_s.detach() + (logp - logp.detach())  # value log s_i, d/dlogp_{i,t} = 1
+    loss, _ = clipped_surrogate(token_log_s, torch.zeros_like(logp), advantages, eps_low, eps_high, dual_clip)
+    return loss, torch.exp(log_s.detach()).expand_as(logp)
+
+
+@POLICY_LOSSES.register("cispo")  # verl's and TRL's cispo
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    **_: object,
+) -> tuple[Tensor, Tensor]:
+    """CISPO: -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A log pi_theta per token (MiniMax-M1, arXiv 2506.13585, eqs.
+    4-5): the importance weight is clipped and detached, and every token keeps a gradient -clip(rho) A grad log pi,
+    where the clipped surrogate gives a clipped token none.
+
+    .. warning:: the value is -clip(rho) A log pi, not a surrogate of the return: it is not 0 on policy, and it is
+       not comparable with the other losses' ``loss/policy``. TRL's ``loss_type="cispo"`` has no lower bound and
+       takes its ``epsilon_high`` as the cap itself (ScaleRL's eps_max, e.g. 5.0): grpo-lens' eps_high is that cap
+       minus 1 (the TRL name ``epsilon_high`` with ``loss_type: cispo`` translates it), and grpo-lens keeps the lower
+       bound 1 - eps_low (verl's cispo does too). MiniMax-M1 tuned only the upper bound.
+
+    Args:
+        logp: [N, T] (with gradient).   old_logp: [N, T].   advantages: [N] or [N, T].
+        eps_low, eps_high: the weight's clip range.   dual_clip: not used (CISPO has none).
+    Returns:
+        loss [N, T] and rho [N, T] (detached).
+    """
+    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return -weight * _broadcast_advantages(advantages) * logp, ratio
+
+
+def sapo_gate(ratio: Tensor, tau: Tensor | float) -> Tensor:
+    """SAPO's soft gate f(r) = (4 / tau) sigmoid(tau (r - 1)): f(1) = 2 / tau and f'(1) = 1 whatever tau, so at
+    ratio 1 SAPO's gradient is the clipped surrogate's. ratio: [N, T]; tau: a float or [N, T] (> 0). -> [N, T]."""
+    return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+
+
+@POLICY_LOSSES.register("sapo")  # TRL's sapo
+def sapo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    *,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    **_: object,
+) -> tuple[Tensor, Tensor]:
+    """SAPO: -f(rho) A per token with the soft gate f (:func:`sapo_gate`), tau = sapo_tau_pos where A > 0 and
+    sapo_tau_neg elsewhere (Gao et al., "Soft Adaptive Policy Optimization", arXiv 2511.20347, eqs. 5-6; TRL's
+    ``loss_type="sapo"``, defaults 1.0 / 1.05).
+
+    Its gradient is -A f'(rho) rho grad log pi with f'(r) rho = 4 sigma(1 - sigma) r, sigma = sigmoid(tau (r - 1)):
+    1 at rho = 1, falling smoothly off policy instead of the clip's cut to 0. No hard clip: eps_low, eps_high and
+    dual_clip are not used.
+
+    Args:
+        logp, old_logp: [N, T].   advantages: [N] or [N, T].   sapo_tau_pos, sapo_tau_neg: > 0.
+    Returns:
+        loss [N, T] and rho [N, T] (detached).
+    Raises:
+        ValueError: a temperature <= 0.
+    """
+    if not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
+        raise ValueError(f"SAPO's temperatures must be > 0, got {sapo_tau_pos} and {sapo_tau_neg}")
+    adv = _broadcast_advantages(advantages)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg).to(logp.dtype)
+    return -sapo_gate(ratio, tau) * adv, ratio.detach()
+
+
+@POLICY_LOSSES.register("gpg")  # verl's gpg
+def gpg_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    **_: object,
+) -> tuple[Tensor, Tensor]:
+    """GPG: the plain policy gradient -A log pi_theta per token, no ratio and no clip (Chu et al., "GPG: A Simple and
+    Strong Reinforcement Learning Baseline for Model Reasoning", arXiv 2504.02546, eq. 5). Its gradient is
+    -A grad log pi at every pass, so with mu > 1 later passes take plain policy-gradient steps without a trust
+    region. GPG's own batch rescaling (alpha = B / B_valid) is a learning-rate factor, left to ``learning_rate``.
+
+    Args:
+        logp, old_logp: [N, T] (old_logp only gives the logged ratio).   advantages: [N] or [N, T].
+    Returns:
+        loss [N, T] and rho [N, T] (detached, for the ratio metrics only).
+    """
+    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    return -_broadcast_advantages(advantages) * logp, ratio
+
+
+#: The policy losses whose per-token loss and gradient are exactly 0 where A = 0, at any ratio (the update forwards
+#: such rows without gradient, :func:`grpo_lens.train.update.still_rows`).
+ZERO_AT_ZERO_ADVANTAGE = ("vanilla", "gspo", "cispo", "sapo", "gpg")
+
+
+def policy_loss_call(
+    name: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    **options: float,
+) -> tuple[Tensor, Tensor]:
+    """The policy loss ``name`` called on (logp, old_logp, advantages, eps_low, eps_high, dual_clip) and the keywords
+    of ``mask`` and ``options`` (sapo_tau_pos, sapo_tau_neg) that it declares (a loss with ``**kwargs``: all of them).
+
+    Returns:
+        (per-token loss [N, T], rho [N, T] detached).
+    Raises:
+        ValueError: unknown name, listing the valid ones.
+    """
+    fn = POLICY_LOSSES.get(name)
+    params = inspect.signature(fn).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = {k: v for k, v in {"mask": mask, **options}.items() if takes_all or k in params}
+    return fn(logp, old_logp, advantages, eps_low, eps_high, dual_clip, **extra)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -262,15 +468,25 @@ LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")(
     )
 )
 
+# (1/N) sum_i sum_t l_{i,t}: each rollout's token sum, averaged over rollouts; a long rollout weighs more.
+LOSS_AGGREGATIONS.register("seq-mean-token-sum")(
+    Aggregation(
+        _token_sum_numerator,
+        lambda mask, max_new_tokens: _rollouts_in_loss(mask),
+        "verl's loss_agg_mode seq-mean-token-sum (verl/trainer/ppo/core_algos.py agg_loss)",
+        _token_sum_weights,
+    )
+)
+
 
 def loss_normalizer(completion_mask: Tensor, mode: str, max_new_tokens: int) -> float:
     """The denominator of aggregation ``mode`` for a whole batch; compute it once, before splitting into micro-batches.
 
     Args:
         completion_mask: [N, T] bool of the whole batch (all processes' batches when training on several).
-        mode: seq-mean-token-mean (N), token-mean (number of completion tokens) or seq-mean-token-sum-norm
-            (N * max_new_tokens), where N counts the rollouts with a token in the mask (a rollout filtered out of
-            the loss, e.g. by ``overlong: filter``, leaves the normaliser too).
+        mode: seq-mean-token-mean (N), token-mean (number of completion tokens), seq-mean-token-sum (N) or
+            seq-mean-token-sum-norm (N * max_new_tokens), where N counts the rollouts with a token in the mask (a
+            rollout filtered out of the loss, e.g. by ``overlong: filter``, leaves the normaliser too).
         max_new_tokens: T_max, the generation budget.
     Returns:
         A positive float (clamped to >= 1 so an empty batch cannot divide by zero).
@@ -287,10 +503,10 @@ def rollout_gradient_weights(
 
     On the first on-policy pass (ratio 1, no clip active, beta = 0) the gradient of the aggregated policy loss is
     -(1/Z) sum_i A_i v_i sum_t grad log pi(o_{i,t}) with v_i = rollout_weights(mask)_i and Z the normaliser; so
-    omega_i = (N/Z) v_i: 1/|o_i| for seq-mean-token-mean (Z = N), N / sum_j |o_j| for token-mean, 1/T_max for
-    seq-mean-token-sum-norm (docs/theory.md §3). Pass omega to the per-rollout gradient functions of
-    :mod:`grpo_lens.gradients` (``score_weights``) to measure the rows the update actually sums. For a rollout with
-    tokens omega_i = (N/Z) c_i / |o_i| with c_i of :func:`aggregation_rollout_weights`
+    omega_i = (N/Z) v_i: 1/|o_i| for seq-mean-token-mean (Z = N), N / sum_j |o_j| for token-mean, 1 for
+    seq-mean-token-sum, 1/T_max for seq-mean-token-sum-norm (docs/theory.md §3). Pass omega to the per-rollout
+    gradient functions of :mod:`grpo_lens.gradients` (``score_weights``) to measure the rows the update actually
+    sums. For a rollout with tokens omega_i = (N/Z) c_i / |o_i| with c_i of :func:`aggregation_rollout_weights`
     (tests/formulas/test_losses.py checks that the two agree); an empty rollout keeps v_i (its log-prob sum, and so
     its gradient, is 0 either way).
 
@@ -348,8 +564,11 @@ def grpo_loss(
     kl_estimator: str = "k3",
     token_weights: Tensor | None = None,
     policy_loss: str = "vanilla",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GRPO's objective (negated) on one micro-batch: clipped surrogate + beta * KL, aggregated.
+    """GRPO's objective (negated) on one micro-batch: clipped surrogate (or another policy loss) + beta * KL,
+    aggregated.
 
     Source: DeepSeekMath, arXiv 2402.03300, eq. 3 (with the aggregation and clip options of DAPO and Dr. GRPO).
 
@@ -366,7 +585,9 @@ def grpo_loss(
         kl_estimator: k1, k2 or k3.
         token_weights: [n, T] detached per-token weights on the policy term (e.g. the truncated importance weights
             of :func:`truncated_is_weights`); None = 1.
-        policy_loss: a name in :data:`POLICY_LOSSES` (default ``vanilla``, :func:`clipped_surrogate`).
+        policy_loss: a name in :data:`POLICY_LOSSES` (default ``vanilla``, :func:`clipped_surrogate`; ``gspo``,
+            ``cispo``, ``sapo``, ``gpg``).
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (:func:`sapo_loss`); other losses ignore them.
 
     Returns:
         (loss, metrics). ``loss`` is this micro-batch's share of the batch loss (sums over micro-batches).
@@ -374,7 +595,10 @@ def grpo_loss(
         over micro-batches like ``loss``), token means ``kl/mean``, ``clip/ratio_low`` (share of tokens with
         rho < 1 - eps_low and A < 0, where the clip binds), ``clip/ratio_high`` (rho > 1 + eps_high and A > 0),
         ``clip/ratio_region`` (either), ``clip/ratio_dual`` (dual clip binds), ``ratio/mean``, ``ratio/max``,
-        and ``tokens`` (the count these means are over, to weight them when combining micro-batches).
+        and ``tokens`` (the count these means are over, to weight them when combining micro-batches). The clip
+        shares count tokens whose ratio (GSPO: the sequence ratio) lies outside [1 - eps_low, 1 + eps_high] on the
+        side where the clipped surrogate would bind; for cispo, sapo and gpg, which do not clip that way, they are
+        those shares of tokens, not of tokens without gradient.
 
     Raises:
         ValueError: beta > 0 without ref_logp, shape mismatch, unknown aggregation, KL estimator or policy loss.
@@ -400,7 +624,18 @@ def grpo_loss(
         ref_logp = torch.where(mask, ref_logp, torch.zeros((), dtype=ref_logp.dtype, device=ref_logp.device))
     if token_weights is not None and token_weights.shape == mask.shape:
         token_weights = torch.where(mask, token_weights, torch.zeros_like(token_weights))
-    policy_tok, ratio = POLICY_LOSSES.get(policy_loss)(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
+    policy_tok, ratio = policy_loss_call(
+        policy_loss,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg,
+    )
     if token_weights is not None:
         if token_weights.shape != logp.shape:
             raise ValueError(f"token_weights {tuple(token_weights.shape)} must be [n, T] = {tuple(logp.shape)}")
@@ -435,6 +670,67 @@ def grpo_loss(
             "tokens": float(maskf.sum()),
         }
     return loss, metrics
+
+
+def policy_token_weights(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    aggregation: str,
+    normalizer: float,
+    num_rollouts: float | None = None,
+    policy_loss: str = "vanilla",
+    token_weights: Tensor | None = None,
+    **options: float | None,
+) -> Tensor:
+    """omega_{i,t} such that the aggregated policy loss's gradient is -(1/N) sum_i A_i sum_t omega_{i,t} grad log
+    pi(o_{i,t}): the per-token weights of rollout i's score whose gradient is the lens's row g_i at this pass.
+
+    Every registered policy loss is a sum over rollouts whose token weights are A_i times a function of the sign of
+    A_i (the clip sides, SAPO's temperature), of the ratios and of the aggregation: so omega = -N dL/dlogp / A_i,
+    read off by autograd on a leaf copy of ``logp`` with each A_i replaced by its sign (+1 for A_i = 0, the weights
+    a positive advantage would get). At ratio 1 (the first pass) every registered loss gives the clipped surrogate's
+    omega_{i,t} = :func:`rollout_gradient_weights`_i on the loss mask; at ratio != 1 (later passes with mu > 1) they
+    differ: the clipped surrogate zeroes clipped tokens, GSPO weighs a whole rollout by its sequence ratio s_i (0 where
+    s_i is clipped), CISPO by the clipped ratio, SAPO by the gate's slope 4 sigma (1 - sigma) rho, GPG by 1
+    (docs/theory.md §Policy losses beyond the clipped surrogate). The KL term is not in omega (it is not A_i times a
+    score).
+
+    Args:
+        logp: [n, T] log pi_theta of the pass (any dtype; only its values are read).   old_logp: [n, T] log pi_old.
+        advantages: [n] A_i.   mask: [n, T] bool, the loss mask.
+        aggregation: a name in :data:`LOSS_AGGREGATIONS`.   normalizer: Z of the whole batch (:func:`loss_normalizer`).
+        num_rollouts: N of the whole batch (default: the rows of ``mask`` with a token).
+        policy_loss: a name in :data:`POLICY_LOSSES`.   token_weights: [n, T] detached importance weights, or None.
+        options: eps_low, eps_high, dual_clip, sapo_tau_pos, sapo_tau_neg (as :func:`grpo_loss`).
+
+    Returns:
+        [n, T] float64, 0 off the mask.
+
+    Raises:
+        ValueError: shapes differ, normalizer <= 0, unknown aggregation or policy loss.
+    """
+    if logp.shape != old_logp.shape or logp.shape != mask.shape or advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask {tuple(mask.shape)} must be [n, T] "
+            f"and advantages {tuple(advantages.shape)} [n]"
+        )
+    if normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    m = mask.bool()
+    n = _rollouts_in_loss(m) if num_rollouts is None else float(num_rollouts)
+    sign = torch.where(advantages.detach() < 0, -1.0, 1.0).to(torch.float64)  # [n]
+    zero = torch.zeros((), dtype=torch.float64, device=logp.device)
+    x = torch.where(m, logp.detach().to(torch.float64), zero).requires_grad_(True)
+    old = torch.where(m, old_logp.detach().to(torch.float64), zero)
+    with torch.enable_grad():
+        tok, _ = policy_loss_call(policy_loss, x, old, sign, m, **options)
+        if token_weights is not None:
+            tok = tok * torch.where(m, token_weights.detach().to(torch.float64), zero)
+        (grad,) = torch.autograd.grad(aggregate_loss(tok, m.to(torch.float64), aggregation, normalizer), x)
+    return torch.where(m, -n * grad / sign.unsqueeze(1), zero)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ with omega_i = 1/|o_i| by default (the length-normalised score GRPO's seq-mean-t
 aggregation's own weights (:func:`grpo_lens.formulas.losses.rollout_gradient_weights`). The log-probs come from
 grpo-lens' one log-prob definition (temperature-scaled, :func:`grpo_lens.rollout.batch_logprobs`). Shapes: N
 rollouts, T completion tokens. The NLL control's row weights are :func:`grpo_lens.formulas.spectrum.nll_weights`.
+Per-token weights s_i = sum_t omega_{i,t} log pi_theta(o_{i,t} | ...) give a policy loss's row at any ratio
+(:func:`grpo_lens.formulas.losses.policy_token_weights`).
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ def rollout_scores(logprobs: Tensor, completion_mask: Tensor, score_weights: Ten
     Args:
         logprobs: [N, T] float, per-token log-probs (positions outside the mask may hold anything finite).
         completion_mask: [N, T] bool/0-1.
-        score_weights: [N] omega_i, optional.
+        score_weights: [N] omega_i, or [N, T] per-token omega_{i,t} (s_i = sum_t omega_{i,t} log pi(o_{i,t}),
+            a policy loss's row at ratios != 1: :func:`grpo_lens.formulas.losses.policy_token_weights`); optional.
 
     Returns:
         [N] float; 0 for an empty completion.
     """
     assert logprobs.shape == completion_mask.shape, (logprobs.shape, completion_mask.shape)
     mask = completion_mask.to(logprobs.dtype)
+    if score_weights is not None and score_weights.dim() == 2:
+        assert score_weights.shape == logprobs.shape, (score_weights.shape, logprobs.shape)
+        w = score_weights.to(device=logprobs.device, dtype=logprobs.dtype)
+        return (logprobs * mask * w).sum(-1)
     if score_weights is not None:
         assert score_weights.shape == logprobs.shape[:1], (score_weights.shape, logprobs.shape)
         return (logprobs * mask).sum(-1) * score_weights.to(device=logprobs.device, dtype=logprobs.dtype)

@@ -23,6 +23,7 @@ from grpo_lens.config.groups import (
     TaskData,
     check_task_dataset,
 )
+from grpo_lens.registry import declared_constant
 
 
 @dataclass
@@ -158,5 +159,11 @@ class ProbeConfig(ConfigFile):
     def check(self) -> None:
         """The check of two fields together (each field's own check ran before)."""
         check_task_dataset(self)
+        if self.estimator in declared_constant("grpo_lens.formulas.advantages", "BATCH_ESTIMATORS"):
+            self.bad(
+                "estimator",
+                "a batch-level estimator's statistics span a training step's groups; the probe analyses one group "
+                "at a time (use grpo, dr_grpo or rloo here, the batch-level one in grpo-lens train)",
+            )
         if self.resume and self.overwrite:
             self.bad("overwrite", "--resume continues the probe in --out and --overwrite replaces it: pass one of them")

@@ -90,6 +90,9 @@ ESTIMATOR_BASELINES = {
     "rloo": "leave-one-out mean of the other R − 1 rewards",
     "reinforce": "none (the raw reward)",
     "optimal": "leave-one-out variance-optimal b*_{-i}, weighted by sketched squared score-gradient norms",
+    "grpo_batch": "group mean, divided by the batch's reward std (TRL's scale_rewards=batch)",
+    "reinforce_pp": "batch mean, divided by the batch std (REINFORCE++), no group baseline",
+    "reinforce_pp_baseline": "group mean, then divided by the batch std of the centred rewards (REINFORCE++-baseline)",
 }
 
 

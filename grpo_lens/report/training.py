@@ -225,7 +225,7 @@ def sparsity_lines(
                 "constant c (grpo, dr_grpo, rloo)"
                 + (
                     f"; this run's estimator `{estimator}` has no such constant, so it is not computed"
-                    if estimator in ("optimal", "reinforce")
+                    if estimator not in ("grpo", "dr_grpo", "rloo")
                     else "; on these steps no group qualified (no mixed group, non-0/1 rewards, or a truncated "
                     "rollout under overlong masking)"
                 )

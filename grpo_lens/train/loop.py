@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from grpo_lens.config import TrainConfig
-from grpo_lens.formulas.advantages import compute_advantages, constant_groups
+from grpo_lens.formulas.advantages import BATCH_ESTIMATORS, compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import optimal_vs_rloo
 from grpo_lens.formulas.losses import kl_reward_penalty
 from grpo_lens.formulas.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
@@ -891,12 +891,37 @@ def step_advantages(
         t_b = time.perf_counter()
         grad_sq_norms = optimal_baseline_weights(config, procs, policy, rollouts)
         metrics[PERF_OPTIMAL_BASELINE_SECONDS] = time.perf_counter() - t_b
-    advantages = compute_advantages(
-        rewards.float(), config.estimator, std=config.std, eps=config.std_eps, mask=valid, grad_sq_norms=grad_sq_norms
-    ).view(-1)
+    if config.estimator in BATCH_ESTIMATORS:  # statistics over every process's groups, then this process's share
+        advantages = batch_advantages(config, rewards, valid)
+    else:
+        advantages = compute_advantages(
+            rewards.float(),
+            config.estimator,
+            std=config.std,
+            eps=config.std_eps,
+            mask=valid,
+            grad_sq_norms=grad_sq_norms,
+        ).view(-1)
     if config.estimator == "optimal":
         metrics.update(optimal_baseline_metrics(procs, rewards, valid, advantages.view(-1, R)))
     return overlong_advantages(advantages, rollouts.batch.truncated, config.overlong), metrics  # mask / filter: A = 0
+
+
+def batch_advantages(config: TrainConfig, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N] advantages of this process's groups under a batch-level estimator
+    (:data:`grpo_lens.formulas.advantages.BATCH_ESTIMATORS`): computed on every process's [B, R] rewards together
+    (what one process with the whole batch computes), then this process's rows."""
+    parts = gather_objects((rewards.detach().cpu(), valid.detach().cpu()))
+    rank = torch.distributed.get_rank() if len(parts) > 1 else 0
+    everything = compute_advantages(
+        torch.cat([r for r, _ in parts]).float(),
+        config.estimator,
+        std=config.std,
+        eps=config.std_eps,
+        mask=torch.cat([v for _, v in parts]),
+    )
+    start = sum(r.shape[0] for r, _ in parts[:rank])
+    return everything[start : start + rewards.shape[0]].reshape(-1).to(rewards.device)
 
 
 def optimal_baseline_weights(

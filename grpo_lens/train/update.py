@@ -31,6 +31,7 @@ import torch
 
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.losses import (
+    ZERO_AT_ZERO_ADVANTAGE,
     grpo_loss,
     loss_normalizer,
     mismatch_sums,
@@ -202,14 +203,20 @@ def still_rows(advantages: torch.Tensor, group_size: int, config: TrainConfig, p
     §Groups without reward contrast).
 
     The clipped surrogate (``vanilla``) is -min(rho A, clip(rho) A) per token: 0 for any ratio rho at A = 0, and so
-    is its gradient, with any token weight (TIS) or dual clip; a KL term in the loss (beta > 0, KL not folded into the
-    reward) is not. An FSDP2-sharded policy gets None too: every forward there is a collective, run alike on every
-    process. The update forwards these rows without gradient (:func:`backward_mini_batch`), for their metrics.
+    is its gradient, with any token weight (TIS) or dual clip; so are the other losses of
+    :data:`grpo_lens.formulas.losses.ZERO_AT_ZERO_ADVANTAGE` (gspo, cispo, sapo, gpg); a KL term in the loss
+    (beta > 0, KL not folded into the reward) is not. An FSDP2-sharded policy gets None too: every forward there is
+    a collective, run alike on every process. The update forwards these rows without gradient
+    (:func:`backward_mini_batch`), for their metrics.
 
     Args:
         advantages: [N] (NaN rows are never still).   group_size: R; N = G R.
     """
-    if procs.sharded or config.policy_loss != "vanilla" or (config.beta > 0 and not config.kl_in_reward):
+    if (
+        procs.sharded
+        or config.policy_loss not in ZERO_AT_ZERO_ADVANTAGE
+        or (config.beta > 0 and not config.kl_in_reward)
+    ):
         return None
     zero = (advantages.detach() == 0).reshape(-1, group_size).all(dim=1)  # [G]
     return zero.repeat_interleave(group_size).cpu() if bool(zero.any()) else None
@@ -408,6 +415,8 @@ def _backward_micro_batch(
             kl_estimator=config.kl_estimator,
             token_weights=weights,
             policy_loss=config.policy_loss,
+            sapo_tau_pos=config.sapo_tau_pos,
+            sapo_tau_neg=config.sapo_tau_neg,
         )
         if moving.numel():  # a micro-batch of still rows only has no gradient to add
             loss.backward()

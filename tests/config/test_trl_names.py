@@ -52,6 +52,25 @@ def test_trl_names_set_the_same_settings():
     assert (c.rollout_batch_size, c.prompts_per_step, c.num_mini_batches) == (16, 4, 2)
 
 
+def test_trl_objective_names_set_the_policy_loss_and_the_estimator():
+    # TRL's GSPO is loss_type grpo with importance_sampling_level sequence (the GSPO paper's setup, TRL's advice).
+    c = TrainConfig.from_dict({"loss_type": "grpo", "importance_sampling_level": "sequence"})
+    assert (c.policy_loss, c.loss_aggregation) == ("gspo", "seq-mean-token-mean")
+    assert TrainConfig.from_dict({"importance_sampling_level": "token"}).policy_loss == "vanilla"
+    # cispo aggregates like dapo, and TRL's epsilon_high is its cap eps_max itself: 5.0 -> eps_high 4.0
+    c = TrainConfig.from_dict({"loss_type": "cispo", "epsilon_high": 5.0})
+    assert (c.policy_loss, c.loss_aggregation, c.eps_high) == ("cispo", "token-mean", 4.0)
+    c = TrainConfig.from_dict({"loss_type": "sapo", "sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2})
+    assert (c.policy_loss, c.loss_aggregation, c.sapo_tau_pos, c.sapo_tau_neg) == (
+        "sapo",
+        "seq-mean-token-mean",
+        0.9,
+        1.2,
+    )
+    assert TrainConfig.from_dict({"scale_rewards": "batch"}).estimator == "grpo_batch"
+    assert TrainConfig.from_dict({"loss_type": "dapo"}).policy_loss == "vanilla"
+
+
 def test_trl_flags_parse_like_grpo_lens_flags():
     c = parse(
         "--num-generations",
@@ -73,8 +92,10 @@ def test_trl_flags_parse_like_grpo_lens_flags():
     [
         ({"num_generations": 4, "group_size": 8}, ["TRL's name for 'group_size'", "is given too"]),
         ({"epsilon": 0.2, "eps_low": 0.3}, ["eps_low", "give one"]),
-        ({"scale_rewards": "batch"}, ["--estimator grpo", "--estimator dr_grpo"]),
-        ({"loss_type": "cispo"}, ["--loss-aggregation"]),
+        ({"scale_rewards": "max"}, ["--estimator grpo", "--estimator grpo_batch", "--estimator dr_grpo"]),
+        ({"loss_type": "luspo"}, ["--loss-aggregation", "--policy-loss"]),
+        ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, ["--policy-loss gspo"]),
+        ({"loss_type": "cispo", "policy_loss": "vanilla"}, ["policy_loss", "give one"]),
         ({"gradient_accumulation_steps": 4}, ["--micro-batch-size"]),
         ({"use_vllm": True}, ["generate"]),
     ],

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from grpo_lens.formulas.advantages import (
     ADVANTAGE_ESTIMATORS,
+    BATCH_ESTIMATORS,
+    UNCENTRED_ESTIMATORS,
     ZERO_SUM_ESTIMATORS,
     advantage_bound,
     compute_advantages,
@@ -55,7 +57,7 @@ def test_two_rollouts_zero_one():
     assert es == pytest.approx(0.7070, abs=1e-4) and ep == pytest.approx(1.0, abs=2e-4)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "optimal"])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "optimal", "grpo_batch", "reinforce_pp_baseline"])
 @pytest.mark.parametrize("value", [0.35, 1.0, 0.0, -2.7, 1e-7, 0.1 + 0.2])
 def test_all_equal_rewards_give_exact_zero(estimator, value):
     # 0.35 is not representable in fp32; its mean over 7 copies need not equal it bit for bit, but a group without
@@ -122,7 +124,7 @@ def test_optimal_needs_norms():
 
 
 def test_unknown_names_list_valid_ones():
-    with pytest.raises(ValueError, match="dr_grpo, grpo, optimal, reinforce, rloo"):
+    with pytest.raises(ValueError, match="dr_grpo, grpo, grpo_batch, optimal, reinforce, reinforce_pp, "):
         compute_advantages(torch.zeros(1, 2), "ppo")
     with pytest.raises(ValueError, match="population"):
         compute_advantages(torch.zeros(1, 2), std="unbiased")
@@ -133,7 +135,47 @@ def test_unknown_names_list_valid_ones():
 
 
 def test_registry_names():
-    assert ADVANTAGE_ESTIMATORS.names() == ["dr_grpo", "grpo", "optimal", "reinforce", "rloo"]
+    assert ADVANTAGE_ESTIMATORS.names() == [
+        "dr_grpo",
+        "grpo",
+        "grpo_batch",
+        "optimal",
+        "reinforce",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "rloo",
+    ]
+    assert set(BATCH_ESTIMATORS) | set(UNCENTRED_ESTIMATORS) <= set(ADVANTAGE_ESTIMATORS.names())
+
+
+# One mixed group (1 of 4 right) and one without contrast (all right): 8 rewards, 5 ones.
+# Batch mean 5/8 = 0.625; sample variance (5 x 0.375^2 + 3 x 0.625^2) / 7 = 1.875 / 7, std 0.5175492; eps 1e-4.
+BATCH_REWARDS = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+BATCH_STD = math.sqrt(1.875 / 7) + 1e-4
+
+
+def test_grpo_batch_divides_by_the_batch_std():
+    # TRL's scale_rewards="batch": (r - group mean) / (batch std + eps). Group 1: [0.75, -0.25 x 3] / 0.5176492;
+    # group 2 has no contrast: exactly 0.
+    adv = compute_advantages(BATCH_REWARDS, "grpo_batch")
+    expected = torch.tensor([[0.75, -0.25, -0.25, -0.25], [0.0] * 4], dtype=torch.float64) / BATCH_STD
+    torch.testing.assert_close(adv, expected, rtol=1e-12, atol=0)
+
+
+def test_reinforce_pp_whitens_over_the_batch_without_a_group_baseline():
+    # REINFORCE++: (r - 0.625) / 0.5176492: a right rollout 0.72443, a wrong one -1.20738, in either group; the
+    # all-right group keeps 0.72443 on every rollout (no group baseline).
+    adv = compute_advantages(BATCH_REWARDS, "reinforce_pp")
+    torch.testing.assert_close(adv, (BATCH_REWARDS - 0.625) / BATCH_STD, rtol=1e-12, atol=0)
+    assert float(adv[1, 0]) == pytest.approx(0.72443, abs=1e-5)
+
+
+def test_reinforce_pp_baseline_whitens_the_group_centred_rewards():
+    # x = r - group mean = [0.75, -0.25 x 3, 0 x 4]: batch mean 0, sample variance (0.5625 + 3 x 0.0625) / 7 =
+    # 0.75 / 7, std 0.3273268; A = x / (0.3273268 + 1e-4).
+    adv = compute_advantages(BATCH_REWARDS, "reinforce_pp_baseline")
+    x = torch.tensor([[0.75, -0.25, -0.25, -0.25], [0.0] * 4], dtype=torch.float64)
+    torch.testing.assert_close(adv, x / (math.sqrt(0.75 / 7) + 1e-4), rtol=1e-12, atol=0)
 
 
 @settings(max_examples=60, deadline=None)

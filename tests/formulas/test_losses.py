@@ -218,7 +218,9 @@ def test_bad_input():
         grpo_loss(x, x, torch.zeros(2), m, normalizer=1.0, beta=0.1)
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(x, x, torch.zeros(3), m, normalizer=1.0)
-    with pytest.raises(ValueError, match="seq-mean-token-mean, seq-mean-token-sum-norm, token-mean"):
+    with pytest.raises(
+        ValueError, match="seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"
+    ):
         loss_normalizer(m, "sum", 3)
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_penalty(x, x, "k4")

@@ -3,6 +3,7 @@ surrogate registered as ``vanilla``, unknown names listing the valid ones, and t
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from grpo_lens.config import ConfigError, TrainConfig
+from grpo_lens.config.base import add_config_arguments
 from grpo_lens.formulas.losses import (
     POLICY_LOSSES,
     clipped_surrogate,
@@ -21,7 +23,7 @@ from grpo_lens.formulas.losses import (
 CALLS: list[str] = []
 
 
-def _unclipped(logp, old_logp, advantages, eps_low, eps_high, dual_clip):
+def _unclipped(logp, old_logp, advantages, eps_low, eps_high, dual_clip):  # the six positional arguments only
     """-rho A, no clip (a test variant that records its calls)."""
     CALLS.append("test_unclipped")
     ratio = torch.exp(logp - old_logp)
@@ -73,3 +75,39 @@ def test_trainer_uses_the_configured_policy_loss(tmp_path):
     CALLS.clear()
     train(tiny_config(tmp_path / "run", max_steps=1, mu=1, policy_loss="test_unclipped"))
     assert CALLS, "the trainer did not call the configured policy loss"
+
+
+def test_dual_clip_only_with_a_clipped_loss():
+    assert TrainConfig(policy_loss="gspo", dual_clip=3.0).dual_clip == 3.0
+    for name in ("cispo", "sapo", "gpg"):
+        with pytest.raises(ConfigError, match=f"dual_clip.*{name} has no clip"):
+            TrainConfig(policy_loss=name, dual_clip=3.0)
+
+
+def test_train_help_offers_the_objectives():
+    # `grpo-lens train --help` lists every registered policy loss with its source, and SAPO's temperatures.
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, TrainConfig)
+    text = " ".join(parser.format_help().split())
+    for word in ("gspo", "cispo", "sapo", "gpg", "2507.18071", "2506.13585", "2511.20347", "--sapo-tau-pos"):
+        assert word in text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["gspo", "cispo", "sapo", "gpg"])
+def test_two_step_runs_with_the_lens_on_every_step(tmp_path, name):
+    # Issue 44 item 3's done-when: 2 steps of each objective with the lens on both, mu = 2 (the second pass off
+    # policy, where the losses differ); every step is measured and its loss and gradient are finite.
+    sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+    from test_trainer import tiny_config
+
+    from grpo_lens.rundir import read_records
+    from grpo_lens.train.loop import train
+
+    out = tmp_path / name
+    train(tiny_config(out, max_steps=2, mu=2, lens_every=1, policy_loss=name))
+    steps = [r for r in read_records(out / "metrics.jsonl") if "loss/policy" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rank/mixed_groups"] >= 1 and math.isfinite(r["loss/policy"]) and math.isfinite(r["grad/norm"])
+        assert r["grad/optimizer_steps"] == 2  # mu = 2 passes, both taken
