@@ -11,7 +11,11 @@ Per R > 2 (:func:`rank_two_test`, n >= :data:`MIN_RANK_GROUPS` groups: E₂ depe
   the structure reduction d = E₂(G1) − E₂(simulated null) above 0 (the null: G1's row norms with random directions
   in R^P, :func:`grpo_lens.formulas.spectrum.simulated_null_measures`; the probe and the lens pass P);
 - *does not hold* branch (a union of three routes, Bonferroni: p = 3 × the smallest): the mean E₂ below 0.9, the
-  mean E₁ above 0.9, or no structure (the mean d inside ±:data:`NO_STRUCTURE_MARGIN`, both one-sided tests).
+  mean E₁ above 0.9, or no structure (the mean d below :data:`STRUCTURE_BOUNDARY` = 0).
+
+The two branches share each boundary (issue 43): 0.9 for E₂, 0.9 for E₁, :data:`STRUCTURE_BOUNDARY` for d. The 0.3
+rule's *does not hold* accepted |d| < 0.1 while *holds* needed d > 0, so a rank-2 matrix with 0 < d < 0.1 could read
+*does not hold*; with one boundary a branch's wrong verdict needs its one-sided test to fail on the other side.
 
 Each one-sided p is Hall's transformed t (:func:`grpo_lens.formulas.stats.mean_test_p`), the test of the interval
 the row prints. Across R (:func:`erank_near_two`): holds only if it holds at every R > 2 measured (p = the largest),
@@ -38,7 +42,13 @@ from grpo_lens.claims.base import (
     fmt,
     source_of,
 )
-from grpo_lens.formulas.stats import mean_interval, mean_test_p
+from grpo_lens.formulas.stats import (
+    MIN_INTERVAL_UNITS,
+    mean_interval,
+    mean_test_p,
+    student_t_cdf,
+    student_t_quantile,
+)
 from grpo_lens.metrics import (
     PROBE_GROUPS,
     RANK_G1,
@@ -68,8 +78,11 @@ DESCRIPTIVE_MEASURES = ("erank", "stable_rank", "participation_ratio", "k90", "k
 #: 0.2 name: the measures that had a verdict each; only the first has one now
 RANK_CLAIM_MEASURES = ("top2_share",)
 
-#: |mean reduction of E₂ against the null| below this = no structure (1 − TOP_SHARE)
+#: 0.3 name: |mean reduction| below this read "no structure" (a second boundary beside d > 0; issue 43 removed it)
 NO_STRUCTURE_MARGIN = 1 - TOP_SHARE
+
+#: the one structure boundary of both branches: holds needs the mean d above it, "no structure" the mean d below it
+STRUCTURE_BOUNDARY = 0.0
 
 #: the calibration's name of the rule (grpo_lens/data/calibration_levels.json)
 RULE_ID = "rank ≈ 2 (E2, across R)"
@@ -115,13 +128,14 @@ def rank_two_test(groups: list[dict[str, Any]], min_groups: int = MIN_RANK_GROUP
     if len(e2) < min_groups or len(e1) < min_groups or len(red) < min_groups:
         return {**out, "p_holds": 1.0, "p_dnh": 1.0, "route": None}
     p_holds = max(
-        mean_test_p(e2, TOP_SHARE, "above"), mean_test_p(e1, TOP_SHARE, "below"), mean_test_p(red, 0.0, "above")
+        mean_test_p(e2, TOP_SHARE, "above"),
+        mean_test_p(e1, TOP_SHARE, "below"),
+        mean_test_p(red, STRUCTURE_BOUNDARY, "above"),
     )
-    h = NO_STRUCTURE_MARGIN
     routes = {
         "E2 below 0.9": mean_test_p(e2, TOP_SHARE, "below"),
         "E1 above 0.9 (one direction)": mean_test_p(e1, TOP_SHARE, "above"),
-        f"no structure (reduction inside ±{fmt(h)})": max(mean_test_p(red, -h, "above"), mean_test_p(red, h, "below")),
+        f"no structure (reduction below {fmt(STRUCTURE_BOUNDARY)})": mean_test_p(red, STRUCTURE_BOUNDARY, "below"),
     }
     route = min(routes, key=routes.get)
     return {**out, "p_holds": p_holds, "p_dnh": min(1.0, len(routes) * routes[route]), "route": route}
@@ -187,7 +201,7 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
             f"(top-2 energy share E₂ > {TOP_SHARE} > E₁)",
             scope="R = " + ", ".join(rs) + " (one verdict)",
             measurement="; ".join(meas),
-            control=(f"structure: {'; '.join(ctrl)} (no structure within ±{fmt(NO_STRUCTURE_MARGIN)})"),
+            control=f"structure: {'; '.join(ctrl)} (structure above {fmt(STRUCTURE_BOUNDARY)}, none below)",
             verdict=verdict,
             rule=why,
             source=source_of(probe),
@@ -201,8 +215,11 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
 
 
 def _step_p(row: dict[str, Any], m: str, side: str) -> float:
-    """One lens step's one-sided p of its mean ``m`` against 0.9, from the step's logged 95% interval over its mixed
-    groups (normal approximation of the half-width on ``side``: se = half / 1.96); 1.0 without an interval."""
+    """One lens step's one-sided p of its mean ``m`` against 0.9, from the step's logged 95% interval over its n mixed
+    groups (``rank/mixed_groups``; :data:`grpo_lens.formulas.stats.MIN_INTERVAL_UNITS` where it is missing, the
+    fewest an interval has): the interval is a t interval, so se = half-width on ``side`` / t_{0.975, n−1} and p is
+    Student's t tail with n − 1 degrees of freedom (issue 43: the 0.3 rule took the normal's, p 0.0009 where the t
+    test gives 0.0025 at n = 12); 1.0 without an interval."""
     lo, hi, mean = (
         row.get(RANK_G1_LENS_LO.format(m=m)),
         row.get(RANK_G1_LENS_HI.format(m=m)),
@@ -211,11 +228,13 @@ def _step_p(row: dict[str, Any], m: str, side: str) -> float:
     if lo is None or hi is None or mean is None:
         return 1.0
     mean, lo, hi = float(mean), float(lo), float(hi)
-    se = ((mean - lo) if side == "above" else (hi - mean)) / 1.959964
+    n = int(row.get(RANK_MIXED_GROUPS) or MIN_INTERVAL_UNITS)
+    df = max(n, MIN_INTERVAL_UNITS) - 1
+    se = ((mean - lo) if side == "above" else (hi - mean)) / student_t_quantile(0.975, df)
     if se <= 0:
         return 0.0 if (mean > TOP_SHARE if side == "above" else mean < TOP_SHARE) else 1.0
-    z = (mean - TOP_SHARE) / se
-    return 0.5 * math.erfc((z if side == "above" else -z) / math.sqrt(2))
+    t = (mean - TOP_SHARE) / se
+    return 1.0 - student_t_cdf(t, df) if side == "above" else student_t_cdf(t, df)
 
 
 #: the calibration's name of the training rule
@@ -229,9 +248,10 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
 
     Rule (an intersection-union over lens steps, docs/theory.md §11): each lens step's one-sided tests come from its
     logged 95% interval over that step's mixed groups (``rank/g1_<m>_lo``/``_hi``, logged from 8 mixed groups;
-    normal approximation). Holds when every lens step has E₂ above 0.9 and E₁ below it (p = the largest step p: no
-    multiplicity penalty for "every"); does not hold when some step has E₂ below 0.9 or E₁ above it (p = 2 × the
-    number of steps × the smallest step p, Bonferroni over steps and the two routes); inconclusive otherwise, and
+    Student's t with the step's groups − 1 degrees of freedom). Holds when every lens step has E₂ above 0.9 and E₁
+    below it (p = the largest step p: no multiplicity penalty for "every"); does not hold when some step has E₂
+    below 0.9 or E₁ above it (p = 2 × the number of steps × the smallest step p, Bonferroni over steps and the two
+    routes); inconclusive otherwise, and
     whenever a lens step has no interval (fewer than 8 mixed groups), since "stays" is about every step. The row's
     n is the fewest mixed groups of a lens step (the unit its calibration is indexed by).
     """
