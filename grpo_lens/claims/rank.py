@@ -50,14 +50,20 @@ from grpo_lens.formulas.stats import (
     student_t_quantile,
 )
 from grpo_lens.metrics import (
+    G3_GROUPS,
+    PROBE_G2_WEIGHTINGS,
+    PROBE_G3,
     PROBE_GROUPS,
     RANK_G1,
     RANK_G1_LENS_HI,
     RANK_G1_LENS_LO,
+    RANK_G1_NO_ADV,
     RANK_G1_NULL,
     RANK_G1_SIMNULL,
     RANK_G2,
+    RANK_G2_WEIGHTED,
     RANK_MIXED_GROUPS,
+    rank_key,
 )
 
 #: "≈ 2" for erank and stable rank in the 0.2 rules (the values that round to 2); descriptive since issue 29.
@@ -175,8 +181,9 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
     tests = {R: rank_two_test(per_group_size[R].get(PROBE_GROUPS) or []) for R in rs}
     p_holds, p_dnh = combine_over_r(tests)
     verdict = decide(p_holds, p_dnh)
-    meas, ctrl = [], []
+    meas, ctrl, primary = [], [], []
     for R, t in tests.items():
+        primary.append(f"{ci_text(t['top2'], 3).split(' (n = ')[0]} (R = {R})")
         groups = per_group_size[R].get(PROBE_GROUPS) or []
         desc = ", ".join(
             f"{m} {fmt(mean_interval(_values(groups, RANK_G1.format(m=m)))['mean'])}" for m in DESCRIPTIVE_MEASURES
@@ -210,6 +217,7 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
             p_dnh=p_dnh,
             rule_id=RULE_ID,
             advice=_probe_advice(probe, tests, MIN_RANK_GROUPS) if verdict == INCONCLUSIVE else "",
+            primary="E₂ " + ", ".join(primary),
         )
     ]
 
@@ -305,3 +313,107 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
             advice=advice,
         )
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the readings of "the gradient matrix has effective rank ≈ 2" side by side (issue 43, descriptive)
+# ---------------------------------------------------------------------------------------------------------------------
+#: the measures every reading prints, and the band "≈ 2" of each: erank and stable rank within RANK_BAND (the values
+#: that round to 2, fixed in 0.2 before any measurement), E₂ above TOP_SHARE (the primary rule's boundary)
+READING_MEASURES = ("top2_share", "erank", "stable_rank")
+
+#: the weightings that are not zero-sum (the control of "does the zero-sum A cause it"), in the report's order
+CONTROL_WEIGHTINGS = ("abs", "shift", "reward", "uniform", "single")
+
+
+def near_two(stats_by_r: dict[str, dict[str, Any]], loose_by_r: dict[str, dict[str, Any]], measure: str) -> str:
+    """Equivalence test of "≈ 2 at every R" for one reading: "yes" when the 95% interval lies inside the band at
+    every R (intersection-union: 0.025 per side, no multiplicity penalty), "no at R = r" when at some R the interval
+    at level 1 − 0.05/|R| (Bonferroni over R, ``loose_by_r``) lies wholly outside it, "undecided" otherwise and
+    "no interval" when some R has fewer than 8 units. The band: E₂ > :data:`TOP_SHARE`; erank and stable rank in
+    :data:`RANK_BAND`. Pre-registered margins, not calibrated on planted cases for G2 (docs/theory.md §11)."""
+    lo_b, hi_b = (TOP_SHARE, 1.0) if measure == "top2_share" else RANK_BAND
+    if not stats_by_r or any(s.get("lo") is None for s in stats_by_r.values()):
+        return "no interval"
+    if all(lo_b < s["lo"] and s["hi"] <= hi_b for s in stats_by_r.values()):
+        return "yes"
+    out = [R for R, s in loose_by_r.items() if s.get("lo") is not None and (s["hi"] < lo_b or s["lo"] > hi_b)]
+    return f"no at R = {', '.join(out)}" if out else "undecided"
+
+
+def _reading(values_by_r: dict[str, list[float]], measure: str) -> dict[str, Any]:
+    k = max(len(values_by_r), 1)
+    bounds = (0.0, 1.0) if measure == "top2_share" else None
+    stats = {R: mean_interval(v, bounds=bounds) for R, v in values_by_r.items()}
+    loose = {R: mean_interval(v, level=1 - 0.05 / k, bounds=bounds) for R, v in values_by_r.items()}
+    return {"by_r": stats, "near_two": near_two(stats, loose, measure)}
+
+
+def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every reading of "the gradient matrix has effective rank ≈ 2" in a probe.json, side by side (issue 43):
+    G1 (rows A_i g_i: the primary row's matrix), G2 of the probe's one layer, G2 of every linear layer by layer type
+    (stable rank: what `g2_weightings` holds) and G3 (one matrix per R: no interval), each with E₂, erank and stable
+    rank where measured, the mean [95% interval] over groups at every R > 2, :func:`near_two`, and the same matrix's
+    stable rank under the weightings that are not zero-sum (:data:`CONTROL_WEIGHTINGS`: mean over groups; G1 under
+    "uniform" is G1_no_adv, rows g_i).
+
+    Returns:
+        [{"matrix", "measure", "primary" (bool), "by_r": {R: {mean, lo, hi, n}}, "near_two": str,
+        "controls": {R: {weighting: mean}}}], G1 first; [] without an R > 2.
+    """
+    per = probe.get("per_group_size", {})
+    rs = [R for R in sorted(per, key=int) if int(R) > 2]
+    if not rs:
+        return []
+    groups = {R: per[R].get(PROBE_GROUPS) or [] for R in rs}
+    out: list[dict[str, Any]] = []
+    for m in READING_MEASURES:
+        row = _reading({R: _values(groups[R], RANK_G1.format(m=m)) for R in rs}, m)
+        ctrl = {R: {"uniform": mean_interval(_values(groups[R], RANK_G1_NO_ADV.format(m=m)))["mean"]} for R in rs}
+        out.append({"matrix": "G1 (rows A_i g_i)", "measure": m, "primary": m == "top2_share", **row, "controls": ctrl})
+    for m in READING_MEASURES:
+        vals = {R: _values(groups[R], RANK_G2.format(m=m)) for R in rs}
+        if any(vals.values()):
+            row = _reading(vals, m)
+            out.append({"matrix": "G2 (the probe's layer)", "measure": m, "primary": False, **row, "controls": {}})
+    g2w = {R: (per[R].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS) or [] for R in rs}
+    kinds = sorted(
+        {
+            p["kind"]
+            for rows in g2w.values()
+            for g in rows
+            for p in (RANK_G2_WEIGHTED.parse(k) for k in g)
+            if p is not None and p["w"] == "adv"
+        }
+    )
+    for kind in kinds:
+        row = _reading({R: _values(g2w[R], RANK_G2_WEIGHTED.format(w="adv", kind=kind)) for R in rs}, "stable_rank")
+        ctrl = {
+            R: {
+                w: mean_interval(_values(g2w[R], RANK_G2_WEIGHTED.format(w=w, kind=kind)))["mean"]
+                for w in CONTROL_WEIGHTINGS
+            }
+            for R in rs
+        }
+        out.append(
+            {"matrix": f"G2 {kind} (every layer)", "measure": "stable_rank", "primary": False, **row, "controls": ctrl}
+        )
+    g3 = {R: per[R].get(PROBE_G3) or {} for R in rs}
+    for m in READING_MEASURES:
+        if all(g3[R].get(rank_key("g3", m)) is None for R in rs):
+            continue
+        by_r = {
+            R: {"mean": g3[R].get(rank_key("g3", m)), "lo": None, "hi": None, "n": g3[R].get(G3_GROUPS)} for R in rs
+        }
+        ctrl = {R: {w: g3[R].get(rank_key(f"g3_{w}", m)) for w in CONTROL_WEIGHTINGS} for R in rs}
+        out.append(
+            {
+                "matrix": "G3 (rows = groups' updates)",
+                "measure": m,
+                "primary": False,
+                "by_r": by_r,
+                "near_two": "one matrix: no interval",
+                "controls": ctrl,
+            }
+        )
+    return out
