@@ -326,27 +326,27 @@ READING_MEASURES = ("top2_share", "erank", "stable_rank")
 CONTROL_WEIGHTINGS = ("abs", "shift", "reward", "uniform", "single")
 
 
-def near_two(stats_by_r: dict[str, dict[str, Any]], loose_by_r: dict[str, dict[str, Any]], measure: str) -> str:
+def near_two(stats_by_size: dict[str, dict[str, Any]], loose_by_size: dict[str, dict[str, Any]], measure: str) -> str:
     """Equivalence test of "≈ 2 at every R" for one reading: "yes" when the 95% interval lies inside the band at
     every R (intersection-union: 0.025 per side, no multiplicity penalty), "no at R = r" when at some R the interval
-    at level 1 − 0.05/|R| (Bonferroni over R, ``loose_by_r``) lies wholly outside it, "undecided" otherwise and
+    at level 1 − 0.05/|R| (Bonferroni over R, ``loose_by_size``) lies wholly outside it, "undecided" otherwise and
     "no interval" when some R has fewer than 8 units. The band: E₂ > :data:`TOP_SHARE`; erank and stable rank in
     :data:`RANK_BAND`. Pre-registered margins, not calibrated on planted cases for G2 (docs/theory.md §11)."""
     lo_b, hi_b = (TOP_SHARE, 1.0) if measure == "top2_share" else RANK_BAND
-    if not stats_by_r or any(s.get("lo") is None for s in stats_by_r.values()):
+    if not stats_by_size or any(s.get("lo") is None for s in stats_by_size.values()):
         return "no interval"
-    if all(lo_b < s["lo"] and s["hi"] <= hi_b for s in stats_by_r.values()):
+    if all(lo_b < s["lo"] and s["hi"] <= hi_b for s in stats_by_size.values()):
         return "yes"
-    out = [R for R, s in loose_by_r.items() if s.get("lo") is not None and (s["hi"] < lo_b or s["lo"] > hi_b)]
+    out = [R for R, s in loose_by_size.items() if s.get("lo") is not None and (s["hi"] < lo_b or s["lo"] > hi_b)]
     return f"no at R = {', '.join(out)}" if out else "undecided"
 
 
-def _reading(values_by_r: dict[str, list[float]], measure: str) -> dict[str, Any]:
-    k = max(len(values_by_r), 1)
+def _reading(values_by_size: dict[str, list[float]], measure: str) -> dict[str, Any]:
+    k = max(len(values_by_size), 1)
     bounds = (0.0, 1.0) if measure == "top2_share" else None
-    stats = {R: mean_interval(v, bounds=bounds) for R, v in values_by_r.items()}
-    loose = {R: mean_interval(v, level=1 - 0.05 / k, bounds=bounds) for R, v in values_by_r.items()}
-    return {"by_r": stats, "near_two": near_two(stats, loose, measure)}
+    stats = {R: mean_interval(v, bounds=bounds) for R, v in values_by_size.items()}
+    loose = {R: mean_interval(v, level=1 - 0.05 / k, bounds=bounds) for R, v in values_by_size.items()}
+    return {"by_size": stats, "near_two": near_two(stats, loose, measure)}
 
 
 def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
@@ -358,7 +358,7 @@ def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
     "uniform" is G1_no_adv, rows g_i).
 
     Returns:
-        [{"matrix", "measure", "primary" (bool), "by_r": {R: {mean, lo, hi, n}}, "near_two": str,
+        [{"matrix", "measure", "primary" (bool), "by_size": {R: {mean, lo, hi, n}}, "near_two": str,
         "controls": {R: {weighting: mean}}}], G1 first; [] without an R > 2.
     """
     per = probe.get("per_group_size", {})
@@ -402,7 +402,7 @@ def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
     for m in READING_MEASURES:
         if all(g3[R].get(rank_key("g3", m)) is None for R in rs):
             continue
-        by_r = {
+        by_size = {
             R: {"mean": g3[R].get(rank_key("g3", m)), "lo": None, "hi": None, "n": g3[R].get(G3_GROUPS)} for R in rs
         }
         ctrl = {R: {w: g3[R].get(rank_key(f"g3_{w}", m)) for w in CONTROL_WEIGHTINGS} for R in rs}
@@ -411,7 +411,7 @@ def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
                 "matrix": "G3 (rows = groups' updates)",
                 "measure": m,
                 "primary": False,
-                "by_r": by_r,
+                "by_size": by_size,
                 "near_two": "one matrix: no interval",
                 "controls": ctrl,
             }

@@ -30,7 +30,7 @@ def readings_lines(probe: dict[str, Any], label: str = "") -> list[str]:
     rows = rank_readings(probe)
     if not rows:
         return []
-    rs = list(rows[0]["by_r"])
+    rs = list(rows[0]["by_size"])
     where = f" ({label})" if label else ""
     lines = [
         f"### Rank ≈ 2: every reading side by side{where}",
@@ -43,7 +43,7 @@ def readings_lines(probe: dict[str, Any], label: str = "") -> list[str]:
     ]
     for r in rows:
         name = f"{r['matrix']}, {MEASURE_LABELS[r['measure']]}" + (" (primary)" if r["primary"] else "")
-        lines.append(md_row(name, *(_cell(r["by_r"][R]) for R in rs), r["near_two"]))
+        lines.append(md_row(name, *(_cell(r["by_size"][R]) for R in rs), r["near_two"]))
     ctrl = [r for r in rows if r["controls"] and r["measure"] == "stable_rank"]
     if ctrl:
         lines += [
@@ -62,7 +62,7 @@ def readings_lines(probe: dict[str, Any], label: str = "") -> list[str]:
                     md_row(
                         R,
                         r["matrix"],
-                        fmt(r["by_r"][R].get("mean"), 2),
+                        fmt(r["by_size"][R].get("mean"), 2),
                         *(fmt(c.get(w), 2) for w in CONTROL_WEIGHTINGS),
                     )
                 )
