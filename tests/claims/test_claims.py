@@ -262,3 +262,24 @@ def test_rank_stays_step_p_is_students_t():
     }
     assert _step_p(row, "top2_share", "above") == pytest.approx(0.00249, abs=5e-5)
     assert _step_p(row, "top2_share", "below") == pytest.approx(1 - 0.00249, abs=5e-5)
+
+
+def test_near_two_is_an_equivalence_test_at_every_r():
+    from grpo_lens.claims.rank import near_two
+
+    def s(lo, hi):
+        return {"mean": (lo + hi) / 2, "lo": lo, "hi": hi, "n": 16}
+
+    # stable rank: [1.6, 2.4] and [1.8, 2.3] inside [1.5, 2.5] at both R -> yes (intersection-union, no penalty)
+    both = {"4": s(1.6, 2.4), "8": s(1.8, 2.3)}
+    assert near_two(both, both, "stable_rank") == "yes"
+    # one R straddles 2.5 -> not yes; the Bonferroni interval at R = 8 [2.6, 3.0] lies above the band -> no at R = 8
+    assert (
+        near_two({"4": s(1.6, 2.4), "8": s(2.4, 3.1)}, {"4": s(1.5, 2.5), "8": s(2.6, 3.0)}, "erank") == "no at R = 8"
+    )
+    # straddling without a wholly-outside interval: undecided; E2's band is (0.9, 1]: 0.91 above, 0.95 inside
+    assert near_two({"4": s(2.4, 2.6)}, {"4": s(2.3, 2.7)}, "erank") == "undecided"
+    assert near_two({"4": s(0.91, 0.95)}, {"4": s(0.905, 0.96)}, "top2_share") == "yes"
+    # an R with fewer than 8 groups has no interval: no test
+    few = {"4": s(1.6, 2.4), "8": {"mean": 2.0, "lo": None, "hi": None, "n": 5}}
+    assert near_two(few, few, "stable_rank") == "no interval"
