@@ -117,3 +117,14 @@ def test_the_first_screen_shows_every_rank_reading_with_its_non_zero_sum_control
     assert "| 4 | G2 q_proj (every layer) | 2.00 | 2.60 | 2.60 | 2.60 | 2.60 | 2.60 |" in table
     assert "| 8 | G3 (rows = groups' updates) | 4.20 | 4.00 | – | – | 4.00 | – |" in table
     assert "| 4 | G1 (rows A_i g_i) | 1.70 | – | – | – | 1.60 | – |" in table
+
+
+def test_the_rank_figure_draws_what_the_verdict_tests():
+    from grpo_lens.report.plots import MEASURE_ALT, verdict_measure
+
+    # a probe whose summary has G1's E2 gets the E2 figure (the rank verdict's measure, boundary 0.9); an older
+    # probe.json with erank only keeps the erank figure; one probe without E2 among several -> erank for all
+    with_e2 = {"per_group_size": {"4": {"summary": {"rank/g1_top2_share": {"mean": 0.9}}}}}
+    erank_only = {"per_group_size": {"4": {"summary": {"rank/g1_erank": {"mean": 2.0}}}}}
+    assert verdict_measure({"p": with_e2}) == "top2_share" and "E2" in MEASURE_ALT["top2_share"]
+    assert verdict_measure({"p": erank_only}) == "erank" == verdict_measure({"a": with_e2, "b": erank_only})
