@@ -89,8 +89,9 @@ from grpo_lens.registry import renamed_keywords
 #: the default probe's mixed groups per R (README: 28 and 22 of the 32 and 24 prompts for R = 4 and 8)
 DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
 
-#: groups per R of the probe-rule cells: the fewest with an interval, the rank rule's minimum, the default probe's
-GROUP_CELLS = {8: {4: 8, 8: 8}, 16: {4: 16, 8: 16}, 22: dict(DEFAULT_GROUP_COUNTS)}
+#: groups per R of the probe-rule cells: the fewest with an interval, the rank rule's minimum, the default probe's,
+#: and 28 per R (issue 43's target n)
+GROUP_CELLS = {8: {4: 8, 8: 8}, 16: {4: 16, 8: 16}, 22: dict(DEFAULT_GROUP_COUNTS), 28: {4: 28, 8: 28}}
 
 #: the dimension of the planted gradients
 PLANTED_DIM = 2048
@@ -994,18 +995,25 @@ def _rule_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def rule_levels(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
-    """{rule id: {n: {"level": the worst level over its families at n, "power": the lowest power over its true
-    families at n (None without one), "unit", "families"}}}: what the report prints beside each row."""
+    """{rule id: {n: {"level": the worst level over its families at n, "power": the lowest power of the *holds*
+    branch over its true families at n (None without one), "power_dnh": the lowest power of the *does not hold*
+    branch over its false families at n but the one tuned to the rule's boundary (``boundary``: no branch has power
+    there by construction; None without one) and "power_dnh_family" where it is lowest, "unit",
+    "families"}}}: what the report prints beside each row, each verdict with its own branch's power (issue 43: a
+    *does not hold* row printed the *holds* branch's power)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for row in _rule_rows(result):
         level, power = _level_power(row)
         cell = out.setdefault(row["rule"], {}).setdefault(
-            str(row["n"]), {"level": 0.0, "power": None, "unit": row.get("unit", ""), "families": 0}
+            str(row["n"]),
+            {"level": 0.0, "power": None, "power_dnh": None, "unit": row.get("unit", ""), "families": 0},
         )
         cell["level"] = max(cell["level"], level)
         cell["families"] += 1
         if row["truth"] == "true":
             cell["power"] = power if cell["power"] is None else min(cell["power"], power)
+        elif row["family"] != "boundary" and (cell["power_dnh"] is None or power < cell["power_dnh"]):
+            cell["power_dnh"], cell["power_dnh_family"] = power, row["family"]
     return out
 
 
@@ -1018,7 +1026,13 @@ def _worst(result: dict[str, Any]) -> dict[str, Any]:
     power = {}
     for rule, cells in levels.items():
         n = "22" if "22" in cells else max(cells, key=lambda k: float(k))
-        power[rule] = (n, cells[n]["power"], cells[n]["unit"])
+        power[rule] = (
+            n,
+            cells[n]["power"],
+            cells[n]["unit"],
+            cells[n].get("power_dnh"),
+            cells[n].get("power_dnh_family"),
+        )
     return {
         "level": _level_power(worst)[0] if worst else 0.0,
         "where": f"{worst['rule']}, {worst['family']}, n = {worst['n']}" if worst else "",
@@ -1062,11 +1076,13 @@ def render(result: dict[str, Any]) -> str:
         f"Worst level over every rule and family: {worst['level']:.3f} ({worst['where']}); lowest interval coverage "
         f"{worst['coverage']:.3f}.",
         "",
-        "| rule | n | power (lowest over its true families) |",
-        "|---|---|---|",
+        "| rule | n | power of *holds* (lowest over its true families) | power of *does not hold* (lowest over its "
+        "false families, where) |",
+        "|---|---|---|---|",
     ]
-    for rule, (n, p, unit) in worst["power"].items():
-        lines.append(f"| {rule} | {n} {unit} | {'–' if p is None else f'{p:.3f}'} |")
+    for rule, (n, p, unit, pd, fam) in worst["power"].items():
+        dnh = "–" if pd is None else f"{pd:.3f} ({fam})"
+        lines.append(f"| {rule} | {n} {unit} | {'–' if p is None else f'{p:.3f}'} | {dnh} |")
     lines += [
         "",
         "## Rules on per-group rows (probe): rank ≈ 2 and the labels structure G1",

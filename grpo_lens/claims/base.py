@@ -64,6 +64,8 @@ class Claim:
             says *holds* / *does not hold*; 1.0 = not reachable); None for checks and descriptive rows.
         rule_id: the rule's name in the calibration (``grpo_lens/data/calibration_levels.json``).
         advice: for an inconclusive row, what would decide it (a flag of the command and a count it can reach).
+        primary: the primary number with its 95% interval, short (the report's first screen); "" = the first clause
+            of ``measurement`` (:func:`primary_text`).
     """
 
     claim: str
@@ -79,6 +81,7 @@ class Claim:
     p_dnh: float | None = None
     rule_id: str = ""
     advice: str = ""
+    primary: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -89,6 +92,13 @@ class Claim:
     def to_dict(self) -> dict[str, str]:
         """The record as a plain dict (for JSON)."""
         return asdict(self)
+
+
+def primary_text(claim: Claim, width: int = 110) -> str:
+    """A claim's primary number with its interval for the first screen: ``claim.primary``, else the first clause of
+    its measurement (up to the first "; "), cut at ``width`` characters with "…"."""
+    text = claim.primary or claim.measurement.split("; ")[0]
+    return text if len(text) <= width else text[: width - 1].rstrip() + "…"
 
 
 ClaimFn = Callable[[dict[str, Any]], list[Claim]]

@@ -11,7 +11,11 @@ Per R > 2 (:func:`rank_two_test`, n >= :data:`MIN_RANK_GROUPS` groups: E₂ depe
   the structure reduction d = E₂(G1) − E₂(simulated null) above 0 (the null: G1's row norms with random directions
   in R^P, :func:`grpo_lens.formulas.spectrum.simulated_null_measures`; the probe and the lens pass P);
 - *does not hold* branch (a union of three routes, Bonferroni: p = 3 × the smallest): the mean E₂ below 0.9, the
-  mean E₁ above 0.9, or no structure (the mean d inside ±:data:`NO_STRUCTURE_MARGIN`, both one-sided tests).
+  mean E₁ above 0.9, or no structure (the mean d below :data:`STRUCTURE_BOUNDARY` = 0).
+
+The two branches share each boundary (issue 43): 0.9 for E₂, 0.9 for E₁, :data:`STRUCTURE_BOUNDARY` for d. The 0.3
+rule's *does not hold* accepted |d| < 0.1 while *holds* needed d > 0, so a rank-2 matrix with 0 < d < 0.1 could read
+*does not hold*; with one boundary a branch's wrong verdict needs its one-sided test to fail on the other side.
 
 Each one-sided p is Hall's transformed t (:func:`grpo_lens.formulas.stats.mean_test_p`), the test of the interval
 the row prints. Across R (:func:`erank_near_two`): holds only if it holds at every R > 2 measured (p = the largest),
@@ -40,16 +44,28 @@ from grpo_lens.claims.base import (
 )
 from grpo_lens.claims.sparsity import seed_records
 from grpo_lens.formulas.pooling import seed_mean_test
-from grpo_lens.formulas.stats import mean_interval, mean_test_p
+from grpo_lens.formulas.stats import (
+    MIN_INTERVAL_UNITS,
+    mean_interval,
+    mean_test_p,
+    student_t_cdf,
+    student_t_quantile,
+)
 from grpo_lens.metrics import (
+    G3_GROUPS,
+    PROBE_G2_WEIGHTINGS,
+    PROBE_G3,
     PROBE_GROUPS,
     RANK_G1,
     RANK_G1_LENS_HI,
     RANK_G1_LENS_LO,
+    RANK_G1_NO_ADV,
     RANK_G1_NULL,
     RANK_G1_SIMNULL,
     RANK_G2,
+    RANK_G2_WEIGHTED,
     RANK_MIXED_GROUPS,
+    rank_key,
 )
 
 #: "≈ 2" for erank and stable rank in the 0.2 rules (the values that round to 2); descriptive since issue 29.
@@ -70,8 +86,11 @@ DESCRIPTIVE_MEASURES = ("erank", "stable_rank", "participation_ratio", "k90", "k
 #: 0.2 name: the measures that had a verdict each; only the first has one now
 RANK_CLAIM_MEASURES = ("top2_share",)
 
-#: |mean reduction of E₂ against the null| below this = no structure (1 − TOP_SHARE)
+#: 0.3 name: |mean reduction| below this read "no structure" (a second boundary beside d > 0; issue 43 removed it)
 NO_STRUCTURE_MARGIN = 1 - TOP_SHARE
+
+#: the one structure boundary of both branches: holds needs the mean d above it, "no structure" the mean d below it
+STRUCTURE_BOUNDARY = 0.0
 
 #: the calibration's name of the rule (grpo_lens/data/calibration_levels.json)
 RULE_ID = "rank ≈ 2 (E2, across R)"
@@ -117,13 +136,14 @@ def rank_two_test(groups: list[dict[str, Any]], min_groups: int = MIN_RANK_GROUP
     if len(e2) < min_groups or len(e1) < min_groups or len(red) < min_groups:
         return {**out, "p_holds": 1.0, "p_dnh": 1.0, "route": None}
     p_holds = max(
-        mean_test_p(e2, TOP_SHARE, "above"), mean_test_p(e1, TOP_SHARE, "below"), mean_test_p(red, 0.0, "above")
+        mean_test_p(e2, TOP_SHARE, "above"),
+        mean_test_p(e1, TOP_SHARE, "below"),
+        mean_test_p(red, STRUCTURE_BOUNDARY, "above"),
     )
-    h = NO_STRUCTURE_MARGIN
     routes = {
         "E2 below 0.9": mean_test_p(e2, TOP_SHARE, "below"),
         "E1 above 0.9 (one direction)": mean_test_p(e1, TOP_SHARE, "above"),
-        f"no structure (reduction inside ±{fmt(h)})": max(mean_test_p(red, -h, "above"), mean_test_p(red, h, "below")),
+        f"no structure (reduction below {fmt(STRUCTURE_BOUNDARY)})": mean_test_p(red, STRUCTURE_BOUNDARY, "below"),
     }
     route = min(routes, key=routes.get)
     return {**out, "p_holds": p_holds, "p_dnh": min(1.0, len(routes) * routes[route]), "route": route}
@@ -163,8 +183,9 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
     tests = {R: rank_two_test(per_group_size[R].get(PROBE_GROUPS) or []) for R in rs}
     p_holds, p_dnh = combine_over_r(tests)
     verdict = decide(p_holds, p_dnh)
-    meas, ctrl = [], []
+    meas, ctrl, primary = [], [], []
     for R, t in tests.items():
+        primary.append(f"{ci_text(t['top2'], 3).split(' (n = ')[0]} (R = {R})")
         groups = per_group_size[R].get(PROBE_GROUPS) or []
         desc = ", ".join(
             f"{m} {fmt(mean_interval(_values(groups, RANK_G1.format(m=m)))['mean'])}" for m in DESCRIPTIVE_MEASURES
@@ -189,7 +210,7 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
             f"(top-2 energy share E₂ > {TOP_SHARE} > E₁)",
             scope="R = " + ", ".join(rs) + " (one verdict)",
             measurement="; ".join(meas),
-            control=(f"structure: {'; '.join(ctrl)} (no structure within ±{fmt(NO_STRUCTURE_MARGIN)})"),
+            control=f"structure: {'; '.join(ctrl)} (structure above {fmt(STRUCTURE_BOUNDARY)}, none below)",
             verdict=verdict,
             rule=why,
             source=source_of(probe),
@@ -198,13 +219,17 @@ def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
             p_dnh=p_dnh,
             rule_id=RULE_ID,
             advice=_probe_advice(probe, tests, MIN_RANK_GROUPS) if verdict == INCONCLUSIVE else "",
+            primary="E₂ " + ", ".join(primary),
         )
     ]
 
 
 def _step_p(row: dict[str, Any], m: str, side: str) -> float:
-    """One lens step's one-sided p of its mean ``m`` against 0.9, from the step's logged 95% interval over its mixed
-    groups (normal approximation of the half-width on ``side``: se = half / 1.96); 1.0 without an interval."""
+    """One lens step's one-sided p of its mean ``m`` against 0.9, from the step's logged 95% interval over its n mixed
+    groups (``rank/mixed_groups``; :data:`grpo_lens.formulas.stats.MIN_INTERVAL_UNITS` where it is missing, the
+    fewest an interval has): the interval is a t interval, so se = half-width on ``side`` / t_{0.975, n−1} and p is
+    Student's t tail with n − 1 degrees of freedom (issue 43: the 0.3 rule took the normal's, p 0.0009 where the t
+    test gives 0.0025 at n = 12); 1.0 without an interval."""
     lo, hi, mean = (
         row.get(RANK_G1_LENS_LO.format(m=m)),
         row.get(RANK_G1_LENS_HI.format(m=m)),
@@ -213,11 +238,13 @@ def _step_p(row: dict[str, Any], m: str, side: str) -> float:
     if lo is None or hi is None or mean is None:
         return 1.0
     mean, lo, hi = float(mean), float(lo), float(hi)
-    se = ((mean - lo) if side == "above" else (hi - mean)) / 1.959964
+    n = int(row.get(RANK_MIXED_GROUPS) or MIN_INTERVAL_UNITS)
+    df = max(n, MIN_INTERVAL_UNITS) - 1
+    se = ((mean - lo) if side == "above" else (hi - mean)) / student_t_quantile(0.975, df)
     if se <= 0:
         return 0.0 if (mean > TOP_SHARE if side == "above" else mean < TOP_SHARE) else 1.0
-    z = (mean - TOP_SHARE) / se
-    return 0.5 * math.erfc((z if side == "above" else -z) / math.sqrt(2))
+    t = (mean - TOP_SHARE) / se
+    return 1.0 - student_t_cdf(t, df) if side == "above" else student_t_cdf(t, df)
 
 
 #: the calibration's name of the training rule
@@ -231,9 +258,10 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
 
     Rule (an intersection-union over lens steps, docs/theory.md §11): each lens step's one-sided tests come from its
     logged 95% interval over that step's mixed groups (``rank/g1_<m>_lo``/``_hi``, logged from 8 mixed groups;
-    normal approximation). Holds when every lens step has E₂ above 0.9 and E₁ below it (p = the largest step p: no
-    multiplicity penalty for "every"); does not hold when some step has E₂ below 0.9 or E₁ above it (p = 2 × the
-    number of steps × the smallest step p, Bonferroni over steps and the two routes); inconclusive otherwise, and
+    Student's t with the step's groups − 1 degrees of freedom). Holds when every lens step has E₂ above 0.9 and E₁
+    below it (p = the largest step p: no multiplicity penalty for "every"); does not hold when some step has E₂
+    below 0.9 or E₁ above it (p = 2 × the number of steps × the smallest step p, Bonferroni over steps and the two
+    routes); inconclusive otherwise, and
     whenever a lens step has no interval (fewer than 8 mixed groups), since "stays" is about every step. The row's
     n is the fewest mixed groups of a lens step (the unit its calibration is indexed by).
     """
@@ -365,3 +393,107 @@ def rank_stays_pooled(runs: list[list[dict[str, Any]]]) -> list[Claim]:
             ),
         )
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the readings of "the gradient matrix has effective rank ≈ 2" side by side (issue 43, descriptive)
+# ---------------------------------------------------------------------------------------------------------------------
+#: the measures every reading prints, and the band "≈ 2" of each: erank and stable rank within RANK_BAND (the values
+#: that round to 2, fixed in 0.2 before any measurement), E₂ above TOP_SHARE (the primary rule's boundary)
+READING_MEASURES = ("top2_share", "erank", "stable_rank")
+
+#: the weightings that are not zero-sum (the control of "does the zero-sum A cause it"), in the report's order
+CONTROL_WEIGHTINGS = ("abs", "shift", "reward", "uniform", "single")
+
+
+def near_two(stats_by_size: dict[str, dict[str, Any]], loose_by_size: dict[str, dict[str, Any]], measure: str) -> str:
+    """Equivalence test of "≈ 2 at every R" for one reading: "yes" when the 95% interval lies inside the band at
+    every R (intersection-union: 0.025 per side, no multiplicity penalty), "no at R = r" when at some R the interval
+    at level 1 − 0.05/|R| (Bonferroni over R, ``loose_by_size``) lies wholly outside it, "undecided" otherwise and
+    "no interval" when some R has fewer than 8 units. The band: E₂ > :data:`TOP_SHARE`; erank and stable rank in
+    :data:`RANK_BAND`. Pre-registered margins, not calibrated on planted cases for G2 (docs/theory.md §11)."""
+    lo_b, hi_b = (TOP_SHARE, 1.0) if measure == "top2_share" else RANK_BAND
+    if not stats_by_size or any(s.get("lo") is None for s in stats_by_size.values()):
+        return "no interval"
+    if all(lo_b < s["lo"] and s["hi"] <= hi_b for s in stats_by_size.values()):
+        return "yes"
+    out = [R for R, s in loose_by_size.items() if s.get("lo") is not None and (s["hi"] < lo_b or s["lo"] > hi_b)]
+    return f"no at R = {', '.join(out)}" if out else "undecided"
+
+
+def _reading(values_by_size: dict[str, list[float]], measure: str) -> dict[str, Any]:
+    k = max(len(values_by_size), 1)
+    bounds = (0.0, 1.0) if measure == "top2_share" else None
+    stats = {R: mean_interval(v, bounds=bounds) for R, v in values_by_size.items()}
+    loose = {R: mean_interval(v, level=1 - 0.05 / k, bounds=bounds) for R, v in values_by_size.items()}
+    return {"by_size": stats, "near_two": near_two(stats, loose, measure)}
+
+
+def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every reading of "the gradient matrix has effective rank ≈ 2" in a probe.json, side by side (issue 43):
+    G1 (rows A_i g_i: the primary row's matrix), G2 of the probe's one layer, G2 of every linear layer by layer type
+    (stable rank: what `g2_weightings` holds) and G3 (one matrix per R: no interval), each with E₂, erank and stable
+    rank where measured, the mean [95% interval] over groups at every R > 2, :func:`near_two`, and the same matrix's
+    stable rank under the weightings that are not zero-sum (:data:`CONTROL_WEIGHTINGS`: mean over groups; G1 under
+    "uniform" is G1_no_adv, rows g_i).
+
+    Returns:
+        [{"matrix", "measure", "primary" (bool), "by_size": {R: {mean, lo, hi, n}}, "near_two": str,
+        "controls": {R: {weighting: mean}}}], G1 first; [] without an R > 2.
+    """
+    per = probe.get("per_group_size", {})
+    rs = [R for R in sorted(per, key=int) if int(R) > 2]
+    if not rs:
+        return []
+    groups = {R: per[R].get(PROBE_GROUPS) or [] for R in rs}
+    out: list[dict[str, Any]] = []
+    for m in READING_MEASURES:
+        row = _reading({R: _values(groups[R], RANK_G1.format(m=m)) for R in rs}, m)
+        ctrl = {R: {"uniform": mean_interval(_values(groups[R], RANK_G1_NO_ADV.format(m=m)))["mean"]} for R in rs}
+        out.append({"matrix": "G1 (rows A_i g_i)", "measure": m, "primary": m == "top2_share", **row, "controls": ctrl})
+    for m in READING_MEASURES:
+        vals = {R: _values(groups[R], RANK_G2.format(m=m)) for R in rs}
+        if any(vals.values()):
+            row = _reading(vals, m)
+            out.append({"matrix": "G2 (the probe's layer)", "measure": m, "primary": False, **row, "controls": {}})
+    g2w = {R: (per[R].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS) or [] for R in rs}
+    kinds = sorted(
+        {
+            p["kind"]
+            for rows in g2w.values()
+            for g in rows
+            for p in (RANK_G2_WEIGHTED.parse(k) for k in g)
+            if p is not None and p["w"] == "adv"
+        }
+    )
+    for kind in kinds:
+        row = _reading({R: _values(g2w[R], RANK_G2_WEIGHTED.format(w="adv", kind=kind)) for R in rs}, "stable_rank")
+        ctrl = {
+            R: {
+                w: mean_interval(_values(g2w[R], RANK_G2_WEIGHTED.format(w=w, kind=kind)))["mean"]
+                for w in CONTROL_WEIGHTINGS
+            }
+            for R in rs
+        }
+        out.append(
+            {"matrix": f"G2 {kind} (every layer)", "measure": "stable_rank", "primary": False, **row, "controls": ctrl}
+        )
+    g3 = {R: per[R].get(PROBE_G3) or {} for R in rs}
+    for m in READING_MEASURES:
+        if all(g3[R].get(rank_key("g3", m)) is None for R in rs):
+            continue
+        by_size = {
+            R: {"mean": g3[R].get(rank_key("g3", m)), "lo": None, "hi": None, "n": g3[R].get(G3_GROUPS)} for R in rs
+        }
+        ctrl = {R: {w: g3[R].get(rank_key(f"g3_{w}", m)) for w in CONTROL_WEIGHTINGS} for R in rs}
+        out.append(
+            {
+                "matrix": "G3 (rows = groups' updates)",
+                "measure": m,
+                "primary": False,
+                "by_size": by_size,
+                "near_two": "one matrix: no interval",
+                "controls": ctrl,
+            }
+        )
+    return out

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from grpo_lens.claims.base import INCONCLUSIVE, evaluate_claims, holm_claims
+from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, evaluate_claims, holm_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.metrics import PERF_LENS_SECONDS, STEP
 from grpo_lens.report import plots
@@ -120,15 +120,40 @@ def level_at(levels: dict[str, dict[str, dict[str, Any]]], rule: str, n: int | N
     return {**cells[key], "n": key, "below": not fit}
 
 
+def branch_power(cell: dict[str, Any] | None, branch: str) -> float | None:
+    """The calibrated power of one branch of a rule at a cell (:func:`level_at`): *holds* the lowest share of holds
+    over the true families, *does not hold* the lowest share of does not hold over the false ones (``power_dnh``,
+    issue 43); None without a cell or where the calibration has no such family (or predates per-branch power)."""
+    if cell is None:
+        return None
+    return cell.get("power") if branch == HOLDS else cell.get("power_dnh")
+
+
+def lowest_at(cell: dict[str, Any], branch: str) -> str:
+    """' (lowest at a0.25)': the false family where the *does not hold* branch's power is lowest, when the
+    calibration names it; '' otherwise (and for *holds*)."""
+    fam = cell.get("power_dnh_family") if branch == DOES_NOT_HOLD else None
+    return f" (lowest at {fam})" if fam else ""
+
+
+def _p2(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
 def _calibrated(c: Any, levels: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """'level L, power of *verdict* P (n = N unit)': the rule's level and the power of the branch the row's verdict
+    took (both branches' for an inconclusive row) at the largest calibrated n <= the row's n."""
     cell = level_at(levels, c.rule_id, c.n)
     if cell is None:
         return "not calibrated"
-    power = "–" if cell["power"] is None else f"{cell['power']:.2f}"
+    if c.verdict == INCONCLUSIVE:
+        power = f"power holds {_p2(branch_power(cell, HOLDS))}, does not hold {_p2(branch_power(cell, DOES_NOT_HOLD))}"
+    else:
+        power = f"power of *{c.verdict}* {_p2(branch_power(cell, c.verdict))}{lowest_at(cell, c.verdict)}"
     where = f"n = {cell['n']} {cell.get('unit', '')}".strip() + (
         " (the smallest calibrated; this row has fewer)" if cell["below"] else ""
     )
-    return f"level {cell['level']:.3f}, power {power} ({where})"
+    return f"level {cell['level']:.3f}, {power} ({where})"
 
 
 def claims_section(
@@ -149,7 +174,7 @@ def claims_section(
         "holds / does not "
         "hold / inconclusive, decided under Holm at a family-wise 0.05. Intervals are 95%, none from fewer "
         "than 8 units. 'calibrated' is the rule's level (wrong-verdict share) and power on planted cases at "
-        "the row's n (docs/calibration.md)."
+        "the row's n: the power of the branch the row's verdict took, both for inconclusive (docs/calibration.md)."
     )
     if probes and records:
         lines = [
@@ -344,8 +369,14 @@ def write_report(run_dir: Path) -> Path:
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)
     if len(probes) > 1:
-        plots.plot_erank_vs_group_size(probes, run_dir / "erank_vs_R.png")
-        body += ["## Before vs after training", "", "![erank vs R, before and after](erank_vs_R.png)", ""]
+        measure = plots.verdict_measure(probes)  # E₂, what the rank verdict tests (issue 43)
+        plots.plot_erank_vs_group_size(probes, run_dir / "erank_vs_R.png", measure=measure)
+        body += [
+            "## Before vs after training",
+            "",
+            f"![{plots.MEASURE_ALT[measure]}, before and after](erank_vs_R.png)",
+            "",
+        ]
 
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):

@@ -371,6 +371,7 @@ def plot_baselines(records: list[dict[str, Any]], path: Path, gradients: str) ->
 #: (label, summary-key stem, marker) of the G1 matrices drawn against R.
 G1_LINES = (
     ("G1", "g1", "o"),
+    ("simulated null", "g1_simnull", "P"),
     ("orthogonal null", "g1_null", "s"),
     ("G1_no_adv", "g1_no_adv", "^"),
     ("G1_random_zero_sum", "g1_random", "D"),
@@ -384,9 +385,33 @@ PROBE_NAMES = {"before": "before training", "after": "after training"}
 PROBE_COLOURS = ("tab:blue", "tab:red", "tab:green")
 
 
+#: the line each measure's figure draws: (value, legend label); E₂'s is the rank rule's boundary
+RANK_REFERENCE = {"top2_share": (0.9, "E₂ = 0.9 (the verdict's boundary)"), "top1_share": (0.9, "E₁ = 0.9")}
+
+#: the axis name of a measure
+MEASURE_AXIS = {"top2_share": "E₂, top-2 energy share", "top1_share": "E₁, top-1 energy share"}
+
+
+def verdict_measure(probes: dict[str, dict[str, Any]]) -> str:
+    """The measure the rank figure draws: ``top2_share`` (E₂, what the rank verdict tests) where every probe's summary
+    has G1's, else ``erank`` (a probe.json from before E₂ was summarised)."""
+    key = rank_key("g1", "top2_share")
+    has = all(
+        any((d.get(PROBE_SUMMARY) or {}).get(key) for d in p.get("per_group_size", {}).values())
+        for p in probes.values()
+    )
+    return "top2_share" if probes and has else "erank"
+
+
+#: the report's alt text of the rank figure per measure
+MEASURE_ALT = {"top2_share": "E2 of G1 vs R, the rank verdict's measure", "erank": "erank vs R"}
+
+
 def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, measure: str = "erank") -> Path:
-    """Effective rank vs R for G1, its orthogonal null and its controls (mean and 95% interval over groups), one
-    marker per matrix. One probe: one colour per matrix. Several (before / after training): one colour per probe
+    """A rank measure (erank by default; the report draws ``top2_share``, E₂, the measure the rank verdict tests,
+    with its boundary 0.9: issue 43) vs R for G1, its simulated and orthogonal nulls and its controls (mean and 95%
+    interval over groups; a point without bars has fewer than 8 groups, and the title says so), one marker per
+    matrix. One probe: one colour per matrix. Several (before / after training): one colour per probe
     (:data:`PROBE_COLOURS`), named in the legend (:data:`PROBE_NAMES`), the matrices told apart by marker and line
     style. The points of one R are spread a little along x so that with one R (or equal values) they do not hide
     one another; the legend sits under the panel.
@@ -407,6 +432,8 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
     width = 0.3 * spacing  # the spread of one R's points: under a third of the gap to the next R
     n_series = len(G1_LINES) * len(probes)
     drawn: set[str] = set()
+    bare = False  # a point without an interval (fewer than 8 groups)
+    ref, ref_label = RANK_REFERENCE.get(measure, (2, f"{measure} = 2 (the rank-2 claim)"))
     for pi, (label, probe) in enumerate(probes.items()):
         per_group_size = probe["per_group_size"]
         rs = sorted(per_group_size, key=int)
@@ -416,6 +443,7 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
             for R in rs:
                 stats = per_group_size[R].get(PROBE_SUMMARY, {}).get(rank_key(stem, measure))
                 if stats and stats.get("mean") is not None:
+                    bare = bare or stats.get("lo") is None
                     xs.append(int(R) + offset)
                     ys.append(stats["mean"])
                     lo.append(stats["mean"] - (stats["lo"] if stats.get("lo") is not None else stats["mean"]))
@@ -433,13 +461,15 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
                     label=f"{name}, {PROBE_NAMES.get(label, label)}" if several or label in PROBE_NAMES else name,
                 )
     if rs_all:
-        ax.axhline(2, color="k", alpha=0.3, linewidth=1, label=f"{measure} = 2 (the rank-2 claim)")
+        ax.axhline(ref, color="k", alpha=0.3, linewidth=1, label=ref_label)
         ax.set_xticks(rs_all)
         ax.set_xticklabels([f"R = {R}" for R in rs_all])
         ax.set_xlim(rs_all[0] - spacing / 2, rs_all[-1] + spacing / 2)
     ax.set_xlabel("group size R")
-    ax.set_ylabel(f"{measure} (dimensionless)")
-    ax.set_title(f"{measure} of G1 vs R (95% intervals over groups)", fontsize=9)
+    name = MEASURE_AXIS.get(measure, measure)
+    ax.set_ylabel(f"{name} (dimensionless)")
+    why = "; no bars: fewer than 8 groups" if bare else ""
+    ax.set_title(f"{name.split(',')[0]} of G1 vs R (95% intervals over groups{why})", fontsize=9)
     if several:  # the legend says what a colour and what a marker means, once each
         handles = [
             Line2D([], [], color=c, linewidth=4, label=PROBE_NAMES.get(label, label))
@@ -450,7 +480,7 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
             for (name, _, marker), style in zip(G1_LINES, styles)
             if name in drawn
         ]
-        handles += [h for h, lab in zip(*ax.get_legend_handles_labels()) if lab.startswith(f"{measure} = 2")]
+        handles += [h for h, lab in zip(*ax.get_legend_handles_labels()) if lab == ref_label]
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False, fontsize=7)
     else:
         legend_below(ax, ncol=2, fontsize=7)

@@ -75,10 +75,11 @@ def test_rank_claim_is_one_row_across_r():
     # one direction holds 0.97 (E1 > 0.9): not rank 2 although E2 > 0.9 and erank would read 1.9 ("≈ 2")
     one = rank_rows(20, top2=0.99, top1=0.97, null_top2=0.75, spread=0.001, erank=1.9)
     assert rank_claim({"4": one, "8": one})[0].verdict == DOES_NOT_HOLD
-    # no structure: E2 0.93 > 0.9 > E1 0.8 but equal to its simulated null (reduction 0 within +-0.1) -> does not hold
+    # E2 0.93 > 0.9 > E1 0.8 but equal to its simulated null: d's mean is 0, on the one structure boundary (issue 43),
+    # so neither d > 0 nor d < 0 is shown (each one-sided p = 0.5) -> inconclusive, not holds
     null = rank_rows(20, top2=0.93, top1=0.8, null_top2=0.93, spread=0.001)
     (c,) = rank_claim({"4": null, "8": null})
-    assert c.verdict == DOES_NOT_HOLD and "no structure" in c.rule
+    assert c.verdict == INCONCLUSIVE and c.p_holds == pytest.approx(0.5, abs=0.01)
     # 12 groups < 16 at R = 8: inconclusive, and the row names the flag and a count
     (c,) = rank_claim({"4": planted, "8": planted[:12]})
     assert c.verdict == INCONCLUSIVE and "`--prompts`" in c.advice and "R = 8: 12 mixed groups < 16" in c.advice
@@ -229,3 +230,56 @@ def test_rank_over_training_claim_and_the_lens_intervals():
     assert ci["rank/g1_erank_lo"] == pytest.approx(4.5 - 2.36462 * (6 / 8) ** 0.5, abs=2e-3)
     assert ci["rank/g1_top2_share_lo"] == ci["rank/g1_top2_share_hi"] == pytest.approx(0.9)
     assert lens_rank_intervals(rows[:7]) == {}
+
+
+def test_rank_rule_branches_share_one_structure_boundary():
+    # issue 43: E2 0.95 > 0.9 > E1 0.6 with a small structure excess d = 0.05 (G1 0.95 vs simulated null 0.90). The
+    # 0.3 rule's "no structure" route accepted |d| < 0.1 (SE of d ~ 0.0003 here: p ~ 0) and read *does not hold*;
+    # with one boundary at d = 0 the same rows clear every holds test (d 0.05 > 0 by ~170 SE) -> holds.
+    small = rank_rows(20, top2=0.95, top1=0.6, null_top2=0.90, spread=0.0001)
+    (c,) = rank_claim({"4": small, "8": small})
+    assert c.verdict == HOLDS and c.p_dnh == 1.0
+    # d < 0 (the null holds more energy than G1: no shared structure) is the one "no structure" route
+    below = rank_rows(20, top2=0.93, top1=0.6, null_top2=0.95, spread=0.0001)
+    (c,) = rank_claim({"4": below, "8": below})
+    assert c.verdict == DOES_NOT_HOLD and "no structure (reduction below 0.00)" in c.rule
+
+
+def test_rank_stays_step_p_is_students_t():
+    from grpo_lens.claims.rank import _step_p
+    from grpo_lens.formulas.stats import student_t_quantile
+
+    # a step with 12 mixed groups, E2 0.95 and its 95% t interval [0.95 - h, 0.95 + h] where h = t_{.975,11} * se,
+    # se chosen so that t = (0.95 - 0.9)/se = 3.5: the one-sided t-test with 11 df gives p = 0.00249 (the normal
+    # approximation of the 0.3 rule, se = h / 1.96 -> z = 0.05 / (h / 1.96) = 3.5 * 1.96 / 2.201 = 3.117, gave 0.0009)
+    se = 0.05 / 3.5
+    h = student_t_quantile(0.975, 11) * se
+    row = {
+        "rank/mixed_groups": 12,
+        "rank/g1_top2_share": 0.95,
+        "rank/g1_top2_share_lo": 0.95 - h,
+        "rank/g1_top2_share_hi": 0.95 + h,
+    }
+    assert _step_p(row, "top2_share", "above") == pytest.approx(0.00249, abs=5e-5)
+    assert _step_p(row, "top2_share", "below") == pytest.approx(1 - 0.00249, abs=5e-5)
+
+
+def test_near_two_is_an_equivalence_test_at_every_r():
+    from grpo_lens.claims.rank import near_two
+
+    def s(lo, hi):
+        return {"mean": (lo + hi) / 2, "lo": lo, "hi": hi, "n": 16}
+
+    # stable rank: [1.6, 2.4] and [1.8, 2.3] inside [1.5, 2.5] at both R -> yes (intersection-union, no penalty)
+    both = {"4": s(1.6, 2.4), "8": s(1.8, 2.3)}
+    assert near_two(both, both, "stable_rank") == "yes"
+    # one R straddles 2.5 -> not yes; the Bonferroni interval at R = 8 [2.6, 3.0] lies above the band -> no at R = 8
+    assert (
+        near_two({"4": s(1.6, 2.4), "8": s(2.4, 3.1)}, {"4": s(1.5, 2.5), "8": s(2.6, 3.0)}, "erank") == "no at R = 8"
+    )
+    # straddling without a wholly-outside interval: undecided; E2's band is (0.9, 1]: 0.91 above, 0.95 inside
+    assert near_two({"4": s(2.4, 2.6)}, {"4": s(2.3, 2.7)}, "erank") == "undecided"
+    assert near_two({"4": s(0.91, 0.95)}, {"4": s(0.905, 0.96)}, "top2_share") == "yes"
+    # an R with fewer than 8 groups has no interval: no test
+    few = {"4": s(1.6, 2.4), "8": {"mean": 2.0, "lo": None, "hi": None, "n": 5}}
+    assert near_two(few, few, "stable_rank") == "no interval"
