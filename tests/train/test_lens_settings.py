@@ -27,6 +27,7 @@ EXPECTED = {
     "loss_aggregation": "seq-mean-token-mean",
     "max_new_tokens": 6,
     "overlong": "none",
+    "lens_noise_proxy": False,
 }
 
 
