@@ -285,16 +285,17 @@ def test_the_console_line_keeps_trls_keys_and_counts_the_lens_keys(tmp_path, cap
     assert "reward" in step and "learning_rate" in step  # TRL's own keys stay
 
 
-def test_a_script_importing_torch_first_is_told_its_omp_wait_policy_came_too_late(tmp_path, monkeypatch):
-    """Issue 21: the README's TRL script imported torch before grpo_lens, so OMP_WAIT_POLICY=PASSIVE came after
-    OpenMP had read it and the lens's sparsity measures ran 25x slower on a shared CPU. The flag says so, in fresh
-    interpreters (each import order), and LensGRPOTrainer warns on a CPU run."""
+def test_the_import_order_is_flagged_but_not_warned_about(tmp_path, monkeypatch):
+    """Issue 21 made LensGRPOTrainer warn that importing torch before grpo_lens made runs "several times slower";
+    issue 44: the project's own side-by-side measurement on an idle machine found OpenMP's default, passive and
+    spinning waits within 10% (docs/benchmarks.md), so the natural order (trl first) is not punished with a warning.
+    The flag still says, in fresh interpreters, whether grpo_lens' OMP_WAIT_POLICY=PASSIVE came too late."""
     import os
     import subprocess
     import sys
 
     import grpo_lens
-    from grpo_lens.integrations.trl import OMP_TOO_LATE_WARNING, LensGRPOTrainer
+    from grpo_lens.integrations.trl import LensGRPOTrainer
 
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     flag = {}
@@ -304,20 +305,105 @@ def test_a_script_importing_torch_first_is_told_its_omp_wait_policy_came_too_lat
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         ).stdout.strip()
     assert flag == {"torch, grpo_lens": "True", "grpo_lens, torch": "False"}
-    code = "import torch, grpo_lens; print(grpo_lens.OMP_WAIT_POLICY_TOO_LATE)"  # a value of the user's own: no flag
-    assert (
-        subprocess.run(
-            [sys.executable, "-c", code],
-            env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        == "False"
+    monkeypatch.setattr(grpo_lens, "OMP_WAIT_POLICY_TOO_LATE", True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, LensGRPOTrainer, lens_every=1)
+    assert not [w for w in seen if "OMP_WAIT_POLICY" in str(w.message) or "slower" in str(w.message)]
+
+
+def quickstart_code(tiny) -> str:
+    """docs/trl.md's TRL quick start, with the tiny model (a Hugging Face folder) for the default model."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
+    code = re.search(r"## TRL's quick start, with the one-line swap\n.*?```python\n(.*?)```", doc, re.S).group(1)
+    assert code.startswith("from datasets import Dataset\nfrom trl import GRPOConfig\n"), "trl is imported first"
+    assert "str(model_folder())" in code and "logging_steps" not in code, "TRL's default logging_steps (10)"
+    code = code.replace("str(model_folder())", repr(str(tiny)))
+    # TRL's defaults of 8 completions of up to 256 tokens per step take minutes on a loaded CPU: smaller batches, the
+    # rest (logging_steps=10 above all) as TRL's defaults
+    old = 'GRPOConfig(output_dir="runs/quickstart", max_steps=3, bf16=False)'
+    assert old in code
+    return code.replace(old, old[:-1] + ", num_generations=4, per_device_train_batch_size=4, max_completion_length=8)")
+
+
+def test_trls_quick_start_with_the_swap_leaves_a_run_that_report_reads(tmp_path):
+    """Issue 44: TRL's quick start with GRPOTrainer swapped (logging_steps left at TRL's 10 > max_steps = 3, trl
+    imported first) recorded nothing, its console line named a metrics.jsonl never written, ``grpo-lens report``
+    found nothing, and a warning claimed the import order made it several times slower. Run as written in a fresh
+    interpreter (the import order is real there): both lens steps (global steps 0 and 2, logged as 1 and 3) are in
+    metrics.jsonl, every console line naming it is true, no warning mentions OMP, and report reads the folder."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from grpo_lens.cli import main
+    from grpo_lens.metrics import RANK_MIXED_GROUPS, STEP
+    from grpo_lens.models import export_model
+
+    tiny = export_model("tiny", tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", quickstart_code(tiny)], cwd=tmp_path, env=env, capture_output=True, text=True
     )
-    for too_late in (True, False):
-        monkeypatch.setattr(grpo_lens, "OMP_WAIT_POLICY_TOO_LATE", too_late)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            make_trainer(tmp_path, LensGRPOTrainer, lens_every=1)
-        assert (OMP_TOO_LATE_WARNING in [str(w.message) for w in seen]) is too_late
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "runs" / "quickstart"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r[STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
+    assert all(RANK_MIXED_GROUPS in r for r in records if "perf/lens_seconds" in r)
+    assert "OMP_WAIT_POLICY" not in done.stderr and "slower" not in done.stderr
+    assert "metrics.jsonl" in done.stdout  # the console line names the file, which exists
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.md").read_text().startswith("# grpo-lens report")
+
+
+def test_the_trl_lens_refuses_a_grpo_lens_train_run_and_a_live_writer(tmp_path):
+    """Issue 45: LensGRPOTrainer with output_dir = a folder holding a ``grpo-lens train`` run replaced its
+    config.yaml, metrics.jsonl and completions.jsonl without a lock. It now takes the run directory's one-writer
+    lock and refuses, in one line naming the folder and before anything is written, a folder holding a run that is
+    not a TRL lens run, or one another live process writes (its lock held by a child process here)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from grpo_lens.config import TrainConfig
+    from grpo_lens.integrations.trl import LensGRPOTrainer
+    from grpo_lens.rundir import LOCK_NAME, RunDir, RunDirError, RunDirLockedError
+
+    native = tmp_path / "native"
+    run = RunDir(native)
+    native.mkdir()
+    run.write_config(TrainConfig(model="tiny", out=str(native)).to_dict())
+    run.append_metrics({"step": 1, "reward/mean": 0.5})
+    before = {p.name: p.read_bytes() for p in native.iterdir()}
+    with pytest.raises(RunDirError, match=rf"lens_out {native} holds a grpo-lens run that is not a TRL lens run"):
+        make_trainer(tmp_path, LensGRPOTrainer, lens_out=str(native))
+    assert {p.name: p.read_bytes() for p in native.iterdir()} == before, "nothing written, no lock file left"
+
+    live = tmp_path / "live"
+    live.mkdir()
+    holder = (
+        "import fcntl, json, os, sys, time\n"
+        f"fd = os.open({str(live / LOCK_NAME)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, json.dumps({'pid': os.getpid(), 'host': 'h', 'command': 'train'}).encode())\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirLockedError, match=rf"lens_out {live} is being written by .*pid {child.pid}"):
+            make_trainer(tmp_path, LensGRPOTrainer, lens_out=str(live))
+    finally:
+        child.kill()
+        child.wait()
+    time.sleep(0.1)
+    trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_out=str(live))  # the writer is gone: the stale lock is taken
+    assert not (live / LOCK_NAME).exists() or json.loads((live / LOCK_NAME).read_text())["pid"] != child.pid
+    assert trainer.lens_run.path == live
