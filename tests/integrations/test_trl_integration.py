@@ -23,7 +23,7 @@ def parity(completions, **kwargs):
     return [float(sum(c.encode()) % 2) for c in completions]
 
 
-TRL_ARGS = ("max_steps", "steps_per_generation", "per_device_train_batch_size")
+TRL_ARGS = ("max_steps", "steps_per_generation", "per_device_train_batch_size", "entropy_coef", "top_entropy_quantile")
 
 
 def make_trainer(tmp_path, cls, **kwargs):
@@ -407,3 +407,154 @@ def test_the_trl_lens_refuses_a_grpo_lens_train_run_and_a_live_writer(tmp_path):
     trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_out=str(live))  # the writer is gone: the stale lock is taken
     assert not (live / LOCK_NAME).exists() or json.loads((live / LOCK_NAME).read_text())["pid"] != child.pid
     assert trainer.lens_run.path == live
+
+
+def vllm_like_trainer(tmp_path, mode):
+    """A LensGRPOTrainer on the float64 tiny model whose loss path runs as with vLLM (importance-sampling correction
+    in ``mode``), an off-policy mask and a high-entropy mask, and one generation batch of 2 groups of R as
+    ``_generate_and_score_completions`` returns it with vLLM: sampler log-probs that differ from the trainer's, the
+    old log-probs, and TRL's importance-sampling ratio computed from them as TRL computes it."""
+    from grpo_lens.integrations.trl import LensGRPOTrainer
+    from grpo_lens.rollout import completion_logprobs
+
+    trainer = make_trainer(tmp_path, LensGRPOTrainer, lens_every=1, max_steps=1)
+    trainer.accelerator.unwrap_model(trainer.model).double()
+    trainer.use_vllm = True  # as GRPOConfig(use_vllm=True) sets them; vLLM itself is not needed by the loss path
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.off_policy_mask_threshold = 0.2
+    trainer.top_entropy_quantile = 0.5
+    trainer.current_gradient_accumulation_steps = 1
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+
+    def float64_logps(model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **kwargs):
+        # TRL's fused LM head computes log-probs in float32 whatever the model's dtype; its loss path then runs on
+        # the float64 log-probs of the same definition (grpo_lens.rollout.completion_logprobs), as the lens's rows
+        logps, entropy = completion_logprobs(
+            policy, input_ids, attention_mask, logits_to_keep, trainer.temperature, return_entropy=True
+        )
+        return logps, (entropy if compute_entropy else None), None
+
+    trainer._get_per_token_logps_and_entropies = float64_logps
+    g = torch.Generator().manual_seed(0)
+    n, lp, t = 2 * R, 4, 6
+    prompt_ids = torch.randint(3, 250, (n, lp), generator=g)
+    prompt_mask = torch.ones(n, lp, dtype=torch.long)
+    prompt_mask[1, 0] = 0  # one left-padded prompt
+    completion_ids = torch.randint(3, 250, (n, t), generator=g)
+    lengths = torch.tensor([6, 3, 5, 6, 2, 6, 4, 5])
+    completion_mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    # powers of 2: the reference's backward carries rollout i's gradient scaled by A_i / N, the lens's unscaled, and
+    # RMSNorm's backward runs in float32 whatever the model's dtype: a scale that is a power of 2 rounds alike (A_i
+    # = 0.9 left its row off by a factor 1 + 8e-8, float32 rounding, not a weight)
+    advantages = torch.tensor([0.5, -1.0, 0.25, -0.25, 2.0, -0.5, -0.5, 0.125], dtype=torch.float64)
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    # the old log-probs on the grad path the loss's forward takes, so that the first pass's ratio is exactly 1
+    attention = torch.cat([prompt_mask, completion_mask], 1)
+    old = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, t)[0].detach()
+    # the sampler's log-probs: per-token noise and a per-rollout drift, so that some IS weights reach the cap / the
+    # mask's bounds and the negative-advantage rollouts 1 and 5 drift past the off-policy threshold
+    drift = torch.tensor([0.0, 0.5, 0.1, -0.1, 0.3, 0.5, 0.0, -0.4], dtype=torch.float64)
+    sampling = old + 0.6 * torch.randn(n, t, generator=g, dtype=torch.float64) + drift[:, None]
+    diff = ((old - sampling) * completion_mask).nan_to_num(0.0)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(max=3.0)  # TRL's vllm_importance_sampling_clip_max default
+    else:
+        ratio = ratio.masked_fill((ratio < 1 / 3.0) | (ratio > 3.0), 0.0)  # outside [min, max]: the rollout's 0
+    trainer.vllm_importance_sampling_clip_min = 1 / 3.0
+    output = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "sampling_per_token_logps": sampling,
+        "importance_sampling_ratio": ratio,
+    }
+    return trainer, output
+
+
+def autograd_rows_of_trls_loss(trainer, output):
+    """g_i = -N grad L_i / A_i, grad L_i from autograd on TRL's own ``_compute_loss`` with only rollout i's
+    advantage kept (every other row's per-token loss is then 0; the masks depend on the entropies and on A_i's
+    sign alone, so row i's term is unchanged): [N, P] float64 over every parameter."""
+    from grpo_lens.integrations.trl import activation_checkpointing_off
+
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    a = output["advantages"]
+    n = a.numel()
+    rows = []
+    with activation_checkpointing_off(policy):
+        for i in range(n):
+            keep = torch.zeros_like(a)
+            keep[i] = a[i]
+            loss = trainer._compute_loss(trainer.model, {**output, "advantages": keep})
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            flat = torch.cat([(z if z is not None else torch.zeros_like(p)).reshape(-1) for z, p in zip(grads, params)])
+            rows.append(-n * flat / a[i])  # TRL's grpo loss: mean over the N rows, h_i = -(A_i / N) g_i
+    return torch.stack(rows)
+
+
+def lens_gram(trainer, output):
+    """The lens's Gram of TRL's batch, as measure_lens computes it (NaN between groups)."""
+    from grpo_lens.integrations.trl import activation_checkpointing_off, trl_token_weights
+
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    batch, _ = trainer._local_rows(output)
+    rewards = torch.tensor([1.0, 0.0] * R)  # both groups mixed
+    weights = trl_token_weights(trainer, output)
+    with activation_checkpointing_off(policy):
+        got = trainer.weighted_lens_rows(policy, batch, rewards, torch.ones(2 * R, dtype=torch.bool), weights)
+    return got["gram"][0], weights
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_the_lens_gram_equals_autograd_on_trls_weighted_masked_loss(tmp_path, mode):
+    """Issue 44: with vLLM TRL weighs each token's loss by the importance-sampling ratio pi_old / pi_sampler (token
+    or sequence, truncated at 3 or masked outside [1/3, 3]), drops negative-advantage rollouts that drifted past
+    off_policy_mask_threshold and keeps only the tokens of top entropy; the lens's rows carry all three: its exact Gram
+    equals, to 1e-10 in float64, the Gram of the rows -N grad L_i / A_i that autograd gives on TRL's own loss."""
+    trainer, output = vllm_like_trainer(tmp_path, mode)
+    gram, weights = lens_gram(trainer, output)
+    assert weights is not None and 0 < float((weights == 0).double().mean()) < 1 and bool((weights != 1).any())
+    g = autograd_rows_of_trls_loss(trainer, output)
+    want = g @ g.T
+    for b in range(2):  # each group's [R, R] block (the lens reads nothing between groups)
+        s = slice(b * R, (b + 1) * R)
+        torch.testing.assert_close(gram[s, s], want[s, s], rtol=1e-10, atol=1e-10 * float(want.diag().max()))
+
+
+@pytest.mark.parametrize("drop", ["importance_sampling_ratio", "off_policy_mask", "entropy_mask"])
+def test_the_gram_check_fails_when_a_weight_is_dropped(tmp_path, drop):
+    # the check above can fail: the lens's Gram without one of TRL's three factors misses autograd's by far more than
+    # its tolerance
+    trainer, output = vllm_like_trainer(tmp_path, "token_truncate")
+    g = autograd_rows_of_trls_loss(trainer, output)
+    want = g @ g.T
+    if drop == "importance_sampling_ratio":
+        trainer.vllm_importance_sampling_correction = False
+    elif drop == "off_policy_mask":
+        trainer.off_policy_mask_threshold = None
+    else:
+        trainer.top_entropy_quantile = 1.0
+    gram, _ = lens_gram(trainer, output)
+    gap = max(float((gram[s, s] - want[s, s]).abs().max()) for s in (slice(0, R), slice(R, 2 * R)))
+    assert gap > 1e-4 * float(want.diag().max())
+
+
+def test_settings_the_rows_cannot_carry_are_refused_in_one_line(tmp_path):
+    from grpo_lens.integrations.trl import LensGRPOTrainer
+
+    with pytest.raises(ValueError, match=r"^LensGRPOTrainer: entropy_coef / use_adaptive_entropy add an entropy bonus"):
+        make_trainer(tmp_path, LensGRPOTrainer, entropy_coef=0.01)
+    with pytest.raises(ValueError, match=r"^LensGRPOTrainer: top_entropy_quantile=0.5 masks .*steps_per_generation=2"):
+        make_trainer(
+            tmp_path,
+            LensGRPOTrainer,
+            top_entropy_quantile=0.5,
+            steps_per_generation=2,
+            per_device_train_batch_size=R,
+        )
