@@ -34,15 +34,24 @@ and sends to every ``report_to`` backend and ``trainer.state.log_history``. Upda
 sparsity keys) is measured around the first optimizer step after each lens batch, from TRL's
 ``on_pre_optimizer_step`` and ``on_step_end`` callback events.
 
-**The run directory.** The trainer also writes a grpo-lens run directory, ``lens_out`` (default: TRL's
-``output_dir``), that ``grpo-lens report`` and ``grpo-lens compare`` read: ``config.yaml`` (the TRL settings under
-grpo-lens' names, :func:`run_config`, with the TRL names themselves under ``trl``), ``metrics.jsonl`` (one record
-per TRL logging step, in grpo-lens' vocabulary: reward, advantage and completion statistics computed from TRL's
-batch with grpo-lens' definitions, TRL's own training metrics where the definitions agree
-(:func:`grpo_lens.metrics.from_trl`), the lens keys and ``perf/step_seconds``) and ``completions.jsonl`` (prompt,
-completion, reward per function and advantage of the first ``lens_log_completions`` rollouts of each batch). A
-resumed TRL run (``resume_from_checkpoint``) drops the records after its checkpoint's step; a new run in the same
-folder replaces them.
+**The update TRL takes.** On the first pass every ratio pi / pi_old is 1, so rollout i's share of TRL's loss has
+gradient -(A_i / N) grad(omega_i sum_t W_it log pi(o_it)): W_it is 1 unless TRL weighs or masks tokens, and then the
+lens's rows carry W (:func:`trl_token_weights`: vLLM's importance-sampling ratio, token or sequence, truncated or
+masked, as TRL computed it; the off-policy sequence mask; the high-entropy token mask), measured by
+:func:`weighted_rollout_rows`. What the rows cannot carry is refused at construction in one line
+(:func:`trl_weights_refusal`): the entropy bonus, ``top_entropy_quantile`` < 1 with ``steps_per_generation`` > 1, and
+token weights with a peft model.
+
+**The run directory.** The trainer also writes a grpo-lens run directory, ``lens_out`` (default: TRL's ``output_dir``;
+its one-writer lock is checked at construction and held through ``train()``, :func:`acquire_lens_out`), that ``grpo-lens
+report`` and ``grpo-lens compare`` read: ``config.yaml`` (the TRL settings under grpo-lens' names, :func:`run_config`,
+with the TRL names themselves under ``trl``), ``metrics.jsonl`` (one record per TRL log: every ``logging_steps``, and
+every lens step and the run's last step whatever ``logging_steps``, in grpo-lens' vocabulary: reward, advantage and
+completion statistics computed from TRL's batch with grpo-lens' definitions, TRL's own training metrics where the
+definitions agree (:func:`grpo_lens.metrics.from_trl`), the lens keys and ``perf/step_seconds``) and
+``completions.jsonl`` (prompt, completion, reward per function and advantage of the first ``lens_log_completions``
+rollouts of each batch). A resumed TRL run (``resume_from_checkpoint``) drops the records after its checkpoint's step; a
+new run in the same folder replaces them.
 
 Mapping of TRL's settings onto the lens's: ``scale_rewards="group"`` is grpo-lens' ``grpo`` estimator (sample std,
 eps 1e-4, as TRL), ``"none"`` is ``dr_grpo``; with ``"batch"`` or ``multi_objective_aggregation=
@@ -287,6 +296,17 @@ def trl_weights_refusal(trainer: Any) -> str | None:
             "GRPOTrainer without the lens"
         )
     quantile = float(getattr(trainer, "top_entropy_quantile", 1.0))
+    weighted = (
+        (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
+        or getattr(trainer, "off_policy_mask_threshold", None) is not None
+        or quantile < 1.0
+    )
+    if weighted and getattr(trainer.accelerator.unwrap_model(trainer.model), "peft_config", None):
+        return (
+            "LensGRPOTrainer: with a peft model the lens's per-rollout gradients take no token weights, so vLLM's "
+            "importance sampling (use_vllm with vllm_importance_sampling_correction), off_policy_mask_threshold and "
+            "top_entropy_quantile < 1 are refused; turn them off or measure the full model"
+        )
     if quantile < 1.0 and int(getattr(trainer.args, "steps_per_generation", 1) or 1) > 1:
         return (
             f"LensGRPOTrainer: top_entropy_quantile={quantile} masks by a quantile over each shuffled micro-batch of "
