@@ -23,7 +23,14 @@ def parity(completions, **kwargs):
     return [float(sum(c.encode()) % 2) for c in completions]
 
 
-TRL_ARGS = ("max_steps", "steps_per_generation", "per_device_train_batch_size", "entropy_coef", "top_entropy_quantile")
+TRL_ARGS = (
+    "max_steps",
+    "steps_per_generation",
+    "per_device_train_batch_size",
+    "entropy_coef",
+    "top_entropy_quantile",
+    "off_policy_mask_threshold",
+)
 
 
 def make_trainer(tmp_path, cls, **kwargs):
@@ -558,3 +565,8 @@ def test_settings_the_rows_cannot_carry_are_refused_in_one_line(tmp_path):
             steps_per_generation=2,
             per_device_train_batch_size=R,
         )
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    with pytest.raises(ValueError, match=r"^LensGRPOTrainer: with a peft model the lens's per-rollout gradients"):
+        make_trainer(tmp_path, LensGRPOTrainer, off_policy_mask_threshold=0.5, peft_config=lora)
