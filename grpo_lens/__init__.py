@@ -21,9 +21,10 @@ P parameters.
 import os
 import sys
 
-#: True when torch was imported before grpo_lens with no OMP_WAIT_POLICY set: OpenMP then spins (the setting below came
-#: too late), and on a shared CPU the lens's sparsity measures ran 25x slower in a TRL script (issue 21);
-#: :class:`grpo_lens.integrations.trl.GRPOLensMixin` warns.
+#: True when torch was imported before grpo_lens with no OMP_WAIT_POLICY set: the setting below came too late and
+#: OpenMP waits its own default way. Nothing warns (issue 44): on an idle machine OpenMP's default, passive and spinning
+#: waits measured within 10%; only on a CPU busy with other processes did spinning cost 2.3x (docs/benchmarks.md,
+#: "A CPU shared with other work"), which ``export OMP_WAIT_POLICY=PASSIVE`` avoids whatever the import order.
 OMP_WAIT_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 
 # OpenMP threads that spin while they wait make torch several times slower on a CPU shared with other work (2 cores,

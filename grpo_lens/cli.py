@@ -5,7 +5,7 @@ dataset row) into one line on stderr that says what is wrong and how to fix it, 
 before is lost.
 
 Plugins: ``GRPO_LENS_PLUGINS=my_rewards,my_tasks grpo-lens train ...`` imports those modules (comma-separated,
-importable from PYTHONPATH as given: no folder is added to sys.path) before anything else, so the reward functions
+importable from the working directory or PYTHONPATH: :func:`load_plugins`) before anything else, so the reward functions
 and tasks they register (``@REWARDS.register("name")``, ``@TASKS.register("name")``) can be named in flags and YAML.
 
 Config keys and flags under a deprecated name (``--lens-sketch-dim``) work with one ``grpo-lens CMD: warning: ...``
@@ -78,24 +78,37 @@ class PluginError(ImportError):
 def load_plugins(spec: str | None = None) -> list[str]:
     """Import the modules named in ``spec`` (default ``$GRPO_LENS_PLUGINS``, comma-separated); return their names.
 
-    They are imported from ``sys.path`` as Python set it up (PYTHONPATH, installed packages): no folder is put in
-    front of it, so a stray module in the working directory (``math_verify.py``) never shadows a package; put your
-    plugin's folder on PYTHONPATH (``PYTHONPATH=. GRPO_LENS_PLUGINS=my_rewards grpo-lens train ...``).
+    They are imported from ``sys.path`` with the working directory added where ``python -m`` would find a module
+    beside the user (``GRPO_LENS_PLUGINS=my_rewards`` with my_rewards.py in the current folder loads without
+    PYTHONPATH), but at its end, after PYTHONPATH and the installed packages: a stray file in the working directory
+    named like a package (``math_verify.py``) never shadows that package (:func:`plugin_search_path`).
 
     Raises:
         PluginError: a module cannot be imported, naming it and the cause.
     """
     spec = os.environ.get(PLUGINS_ENV, "") if spec is None else spec
     names = [n.strip() for n in spec.split(",") if n.strip()]
+    if names:
+        plugin_search_path()
     for name in names:
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - any failure to import is reported as one line
             raise PluginError(
                 f"{PLUGINS_ENV}: cannot import plugin module {name!r} ({type(e).__name__}: {e}); "
-                f"make it importable (PYTHONPATH) or remove it from {PLUGINS_ENV}"
+                f"put it in the current directory ({os.getcwd()}) or on PYTHONPATH, or remove it from {PLUGINS_ENV}"
             ) from None
     return names
+
+
+def plugin_search_path() -> None:
+    """Add the working directory to the end of ``sys.path`` unless it is already on it (``python -m`` puts it first,
+    the ``grpo-lens`` script does not); a folder already there keeps its place."""
+    cwd = os.getcwd()
+    on_path = {os.path.abspath(p or os.curdir) for p in sys.path}
+    if cwd not in on_path:
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

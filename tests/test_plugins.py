@@ -68,3 +68,34 @@ def test_train_resume_without_the_plugin_is_one_line(tmp_path, monkeypatch, caps
     assert main(["train", "--resume", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "reward function 'alternating' is not registered" in err and "GRPO_LENS_PLUGINS=helpers_rewards" in err
+
+
+def test_a_plugin_in_the_working_folder_loads_without_pythonpath(tmp_path, monkeypatch):
+    """Issue 44: ``GRPO_LENS_PLUGINS=my_rewards grpo-lens probe ...`` with my_rewards.py beside the user failed with
+    "cannot import plugin module" until PYTHONPATH=. (the ``grpo-lens`` script's sys.path has no working folder).
+    The folder is added at the end of sys.path: a file there named like an installed module does not shadow it."""
+    import os
+    import sys
+
+    from grpo_lens.cli import load_plugins
+    from grpo_lens.rewards import REWARDS
+
+    (tmp_path / "lens_cwd_rewards.py").write_text(
+        "from grpo_lens.rewards import REWARDS\n\n"
+        "@REWARDS.register('cwd_reward')\n"
+        "def cwd_reward(prompts, completions, **kwargs):\n"
+        "    return [0.0 for _ in completions]\n"
+    )
+    (tmp_path / "tabnanny.py").write_text("SHADOWED = True\n")  # a stdlib module's name
+    monkeypatch.chdir(tmp_path)
+    # as the grpo-lens script starts: no '' (the working folder) on sys.path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and os.path.abspath(p) != str(tmp_path)])
+    for name in ("lens_cwd_rewards", "tabnanny"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delitem(REWARDS._entries, "cwd_reward", raising=False)
+    assert load_plugins("lens_cwd_rewards,tabnanny") == ["lens_cwd_rewards", "tabnanny"]
+    assert "cwd_reward" in REWARDS
+    assert not hasattr(sys.modules["tabnanny"], "SHADOWED"), "the installed module wins over the working folder's"
+    assert sys.path[-1] == str(tmp_path)
+    with pytest.raises(ImportError, match=r"cannot import plugin module 'no_such_plugin_x' .*put it in the current"):
+        load_plugins("no_such_plugin_x")

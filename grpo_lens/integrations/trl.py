@@ -34,15 +34,24 @@ and sends to every ``report_to`` backend and ``trainer.state.log_history``. Upda
 sparsity keys) is measured around the first optimizer step after each lens batch, from TRL's
 ``on_pre_optimizer_step`` and ``on_step_end`` callback events.
 
-**The run directory.** The trainer also writes a grpo-lens run directory, ``lens_out`` (default: TRL's
-``output_dir``), that ``grpo-lens report`` and ``grpo-lens compare`` read: ``config.yaml`` (the TRL settings under
-grpo-lens' names, :func:`run_config`, with the TRL names themselves under ``trl``), ``metrics.jsonl`` (one record
-per TRL logging step, in grpo-lens' vocabulary: reward, advantage and completion statistics computed from TRL's
-batch with grpo-lens' definitions, TRL's own training metrics where the definitions agree
-(:func:`grpo_lens.metrics.from_trl`), the lens keys and ``perf/step_seconds``) and ``completions.jsonl`` (prompt,
-completion, reward per function and advantage of the first ``lens_log_completions`` rollouts of each batch). A
-resumed TRL run (``resume_from_checkpoint``) drops the records after its checkpoint's step; a new run in the same
-folder replaces them.
+**The update TRL takes.** On the first pass every ratio pi / pi_old is 1, so rollout i's share of TRL's loss has
+gradient -(A_i / N) grad(omega_i sum_t W_it log pi(o_it)): W_it is 1 unless TRL weighs or masks tokens, and then the
+lens's rows carry W (:func:`trl_token_weights`: vLLM's importance-sampling ratio, token or sequence, truncated or
+masked, as TRL computed it; the off-policy sequence mask; the high-entropy token mask), measured by
+:func:`weighted_rollout_rows`. What the rows cannot carry is refused at construction in one line
+(:func:`trl_weights_refusal`): the entropy bonus, ``top_entropy_quantile`` < 1 with ``steps_per_generation`` > 1, and
+token weights with a peft model.
+
+**The run directory.** The trainer also writes a grpo-lens run directory, ``lens_out`` (default: TRL's ``output_dir``;
+its one-writer lock is checked at construction and held through ``train()``, :func:`acquire_lens_out`), that ``grpo-lens
+report`` and ``grpo-lens compare`` read: ``config.yaml`` (the TRL settings under grpo-lens' names, :func:`run_config`,
+with the TRL names themselves under ``trl``), ``metrics.jsonl`` (one record per TRL log: every ``logging_steps``, and
+every lens step and the run's last step whatever ``logging_steps``, in grpo-lens' vocabulary: reward, advantage and
+completion statistics computed from TRL's batch with grpo-lens' definitions, TRL's own training metrics where the
+definitions agree (:func:`grpo_lens.metrics.from_trl`), the lens keys and ``perf/step_seconds``) and
+``completions.jsonl`` (prompt, completion, reward per function and advantage of the first ``lens_log_completions``
+rollouts of each batch). A resumed TRL run (``resume_from_checkpoint``) drops the records after its checkpoint's step; a
+new run in the same folder replaces them.
 
 Mapping of TRL's settings onto the lens's: ``scale_rewards="group"`` is grpo-lens' ``grpo`` estimator (sample std,
 eps 1e-4, as TRL), ``"none"`` is ``dr_grpo``; with ``"batch"`` or ``multi_objective_aggregation=
@@ -53,22 +62,25 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-import grpo_lens
+from grpo_lens.config.base import safe_load_yaml
+from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
 from grpo_lens.rollout import RolloutBatch
-from grpo_lens.rundir import RunDir
+from grpo_lens.rundir import RunDir, RunDirError, RunDirLockedError, acquire_run_lock
 from grpo_lens.train.lens import TrainerLens
 from grpo_lens.train.lens_settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
 from grpo_lens.train.lens_settings import LensSettings, deprecated_sketch_keyword
+from grpo_lens.train.processes import gather_objects
 from grpo_lens.train.step_metrics import reward_metrics, rollout_metrics
 
 try:
@@ -79,16 +91,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "grpo_lens.integrations.trl needs TRL: pip install trl (or pip install '.[trl]' in a clone of grpo-lens)"
     ) from e
-
-
-#: The warning of a CPU run whose script imported torch before grpo_lens (:data:`grpo_lens.OMP_WAIT_POLICY_TOO_LATE`).
-OMP_TOO_LATE_WARNING = (
-    "torch was imported before grpo_lens, so grpo_lens' OMP_WAIT_POLICY=PASSIVE came too late and OpenMP threads spin "
-    "while they wait: on a CPU shared with other work the lens's measurements (and TRL's steps) run several times "
-    "slower (the tiny model's sparsity measures 9.6 s against 0.37 s per lens step at load 3-4). Import grpo_lens "
-    "first (before torch, trl, transformers) or export OMP_WAIT_POLICY=PASSIVE (ACTIVE on an idle machine of your "
-    "own)."
-)
 
 
 def lens_settings(
@@ -240,6 +242,190 @@ def run_config(
     }
 
 
+def acquire_lens_out(run: RunDir) -> Callable[[], None]:
+    """Take the one-writer lock of the TRL lens's run directory (:func:`grpo_lens.rundir.acquire_run_lock`, the lock
+    ``grpo-lens train`` and ``probe`` hold) and check that the folder holds no run but a TRL lens run; returns the
+    release.
+
+    A TRL run replaces the config.yaml, metrics.jsonl and completions.jsonl of the TRL run before it (or keeps them up
+    to its checkpoint's step when resumed), never a ``grpo-lens train`` run's, finished or live.
+
+    Raises:
+        grpo_lens.rundir.RunDirLockedError: another live process writes the folder, named with the folder.
+        grpo_lens.rundir.RunDirError: the folder holds a run that is not a TRL lens run (config.yaml without
+            ``trainer: trl``), or a config.yaml that cannot be read.
+    """
+    try:
+        release = acquire_run_lock(run.path, "trl")
+    except RunDirLockedError as e:
+        raise RunDirLockedError(
+            f"LensGRPOTrainer: lens_out {run.path} is being written by another process ({e}); choose another "
+            f"lens_out (or output_dir)"
+        ) from None
+    try:
+        if run.config_path.is_file():
+            try:
+                saved = safe_load_yaml(run.config_path.read_text())
+            except (OSError, yaml.YAMLError):
+                saved = None
+            if not isinstance(saved, dict) or saved.get("trainer") != "trl":
+                raise RunDirError(
+                    f"LensGRPOTrainer: lens_out {run.path} holds a grpo-lens run that is not a TRL lens run "
+                    f"(its config.yaml has no 'trainer: trl'), whose config.yaml, metrics.jsonl and completions.jsonl "
+                    f"the TRL lens would replace; choose another lens_out (or output_dir)"
+                )
+    except BaseException:
+        release()
+        raise
+    return release
+
+
+def trl_weights_refusal(trainer: Any) -> str | None:
+    """Why the lens cannot measure the update this TRL trainer takes (one line naming the setting), or None.
+
+    The lens's rows are per-rollout score gradients with TRL's token weights (:func:`trl_token_weights`); an entropy
+    bonus (``entropy_coef`` != 0 or ``use_adaptive_entropy``) adds the gradient of the tokens' entropy, which is no
+    weighted score of the sampled tokens, and ``top_entropy_quantile`` < 1 with several micro-batches per generation
+    (``steps_per_generation`` > 1) takes its quantile over each shuffled micro-batch of the update, which the lens's
+    generation batch does not reproduce.
+    """
+    if getattr(trainer, "_entropy_bonus_enabled", False) or float(getattr(trainer, "entropy_coef", 0.0) or 0.0):
+        return (
+            "LensGRPOTrainer: entropy_coef / use_adaptive_entropy add an entropy bonus whose gradient the lens's "
+            "per-rollout score gradients do not hold; set entropy_coef=0.0 and use_adaptive_entropy=False, or use "
+            "GRPOTrainer without the lens"
+        )
+    quantile = float(getattr(trainer, "top_entropy_quantile", 1.0))
+    weighted = (
+        (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
+        or getattr(trainer, "off_policy_mask_threshold", None) is not None
+        or quantile < 1.0
+    )
+    if weighted and getattr(trainer.accelerator.unwrap_model(trainer.model), "peft_config", None):
+        return (
+            "LensGRPOTrainer: with a peft model the lens's per-rollout gradients take no token weights, so vLLM's "
+            "importance sampling (use_vllm with vllm_importance_sampling_correction), off_policy_mask_threshold and "
+            "top_entropy_quantile < 1 are refused; turn them off or measure the full model"
+        )
+    if quantile < 1.0 and int(getattr(trainer.args, "steps_per_generation", 1) or 1) > 1:
+        return (
+            f"LensGRPOTrainer: top_entropy_quantile={quantile} masks by a quantile over each shuffled micro-batch of "
+            f"the update, and steps_per_generation={trainer.args.steps_per_generation} splits the lens's generation "
+            f"batch into several; set steps_per_generation=1 (and gradient_accumulation_steps=1) or "
+            f"top_entropy_quantile=1.0"
+        )
+    return None
+
+
+def trl_token_weights(trainer: Any, output: dict[str, Any]) -> torch.Tensor | None:
+    """W [N, T] float64: what TRL's loss multiplies rollout i's per-token loss at token t by on the update's first
+    pass, beyond the loss aggregation (``GRPOTrainer._compute_loss`` of TRL 1.16); None when every factor is 1.
+
+    On the first pass every ratio pi/pi_old is 1 (the clip is inactive), so the gradient of rollout i's share of the
+    loss is -(A_i / N) grad(omega_i sum_t W_it log pi(o_it)) with omega_i the aggregation's weight
+    (:func:`grpo_lens.formulas.losses.rollout_gradient_weights`) and W_it the product of:
+
+    - ``importance_sampling_ratio`` (with ``use_vllm`` and ``vllm_importance_sampling_correction``, not for vespo,
+      whose weights enter its own loss): pi_old / pi_sampler per token ([N, T], ``token_*`` modes) or per sequence
+      ([N, 1], ``sequence_*``), truncated at the cap or 0 outside [min, max] (``*_mask``), as TRL computed it;
+    - the off-policy sequence mask (``off_policy_mask_threshold``, [N, 1]): 0 for a rollout with A_i < 0 whose mean
+      log pi_sampler - log pi_old over its tokens exceeds the threshold (TRL's ``get_off_policy_mask``);
+    - the high-entropy token mask (``top_entropy_quantile`` < 1, [N, T]): 1 on the tokens whose entropy reaches the
+      quantile over the batch's tokens on every process (TRL's ``get_high_entropy_mask``).
+
+    Args:
+        trainer: the GRPOTrainer (its settings and TRL's own mask functions).
+        output: what ``_generate_and_score_completions`` returned: ``completion_mask`` [N, T], optional ``tool_mask``,
+            ``advantages`` [N], and with vLLM ``importance_sampling_ratio``, ``old_per_token_logps`` [N, T],
+            ``sampling_per_token_logps`` [N, T].
+
+    Returns:
+        [N, T] float64, or None. Every process calls this (the entropy quantile gathers across processes).
+    """
+    mask = output["completion_mask"]
+    if "tool_mask" in output:
+        mask = mask * output["tool_mask"]
+    factors: list[torch.Tensor] = []
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction and trainer.loss_type != "vespo":
+        factors.append(output["importance_sampling_ratio"])
+    threshold = getattr(trainer, "off_policy_mask_threshold", None)
+    quantile = float(getattr(trainer, "top_entropy_quantile", 1.0))
+    old = output.get("old_per_token_logps")
+    entropies = None
+    need_logps = threshold is not None and old is None and "sampling_per_token_logps" in output
+    if need_logps or quantile < 1.0:
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, attention, output["completion_ids"].size(1), compute_entropy=True
+            )
+        old = logps if old is None else old
+    if threshold is not None:
+        advantages = output["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        if old is None:  # no sampler log-probs and no old ones: TRL compares the current log-probs with themselves
+            old = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+        sampling = output.get("sampling_per_token_logps", old)
+        factors.append(trainer.get_off_policy_mask(advantages, old, sampling, mask, threshold))
+    if quantile < 1.0:
+        factors.append(trainer.get_high_entropy_mask(entropies, mask, 1 - quantile))
+    if not factors:
+        return None
+    w = torch.ones(mask.shape, dtype=torch.float64, device=mask.device)
+    for f in factors:
+        w = w * f.to(device=mask.device, dtype=torch.float64)
+    return w
+
+
+def weighted_rollout_rows(
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    omega: torch.Tensor,
+    token_weights: torch.Tensor,
+    settings: LensSettings,
+) -> tuple[str, torch.Tensor, dict[str, Any]]:
+    """The lens's rows g_i = grad(omega_i sum_t W_it log pi(o_it)) of ``batch``'s rollouts, token weights included,
+    from one batched forward + backward: the exact Gram of every parameter (``gram_source`` exact, one [R, R] block per
+    group, :class:`grpo_lens.gradients.gram.GramCapture`) or the sketched rows of every linear layer (``sketch``,
+    :class:`grpo_lens.gradients.sketch.GradientCapture`). The log-probs are grpo-lens' own
+    (:func:`grpo_lens.rollout.batch_logprobs`, at the settings' temperature).
+
+    Args:
+        policy: the causal LM (no activation checkpointing).   batch: n rollouts, whole groups.
+        omega: [n] the aggregation's weights.   token_weights: [n, T] W (:func:`trl_token_weights`).
+
+    Returns:
+        ("gram", [n, n] float64 (0 between groups), info with ``coverage``) or ("sketch", [n, P_s] float64, {}).
+    """
+    from grpo_lens.gradients.gram import GramCapture
+    from grpo_lens.gradients.scores import rollout_scores
+    from grpo_lens.gradients.sketch import GradientCapture, backward_roots
+    from grpo_lens.rollout import batch_logprobs
+
+    def loss() -> torch.Tensor:
+        logp = batch_logprobs(policy, batch, settings.temperature)
+        weighted = logp * token_weights.to(device=logp.device, dtype=logp.dtype)
+        return rollout_scores(weighted, batch.completion_mask, omega).sum()
+
+    if settings.gram_source == "exact":
+        cap = GramCapture(policy, blocks=[batch.group_size] * (batch.num_rollouts // batch.group_size))
+        with cap:
+            torch.autograd.grad(loss(), cap.backward_roots(), allow_unused=True)
+        gram, info = cap.result()
+        return "gram", gram.double().cpu(), info
+    capture = GradientCapture(policy, settings.sketch_dim, settings.sketch_dim, seed=settings.seed)
+    emb_out: list[torch.Tensor] = []
+    handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
+    try:
+        with capture:
+            total = loss()
+            torch.autograd.grad(total, backward_roots(emb_out, capture._modules.values()), allow_unused=True)
+    finally:
+        handle.remove()
+    return "sketch", capture.result().sketch.double().cpu(), {}
+
+
 @contextmanager
 def activation_checkpointing_off(model: torch.nn.Module):
     """Turn transformers' activation (gradient) checkpointing off inside the block and back on after it.
@@ -297,8 +483,6 @@ class GRPOLensMixin:
             raise ValueError(f"lens_log_completions = {lens_log_completions}: must be >= 0")
         sketch_dim = deprecated_sketch_keyword(sketch_dim, lens_sketch_dim)  # warns at the caller's line
         super().__init__(*args, **kwargs)
-        if grpo_lens.OMP_WAIT_POLICY_TOO_LATE and not torch.cuda.is_available():
-            warnings.warn(OMP_TOO_LATE_WARNING, stacklevel=2)
         self.lens_every = lens_every
         self.lens_settings = lens_settings(
             self.args,
@@ -318,8 +502,27 @@ class GRPOLensMixin:
         self._lens_measured = False  # a lens batch whose S4 waits for the next optimizer step
         self._lens_window: dict[str, list[float]] = defaultdict(list)  # per-batch metrics until TRL's next log
         self._lens_keys: set[str] = set()  # the lens's keys in TRL's logs (kept out of the console line)
+        self._lens_logged: dict[str, Any] | None = None  # the last log dict whose record metrics.jsonl holds
+        refusal = trl_weights_refusal(self)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if self.accelerator.is_main_process:  # refused here, before TRL trains or anything is written
+            acquire_lens_out(self.lens_run)()
         self.add_callback(_LensCallback(self))
         _compact_console(self)
+
+    def train(self, *args: Any, **kwargs: Any):
+        """TRL's ``train``, holding the run directory's one-writer lock (:func:`acquire_lens_out`) throughout.
+
+        Raises:
+            grpo_lens.rundir.RunDirError: ``lens_out`` holds a grpo-lens train run or another process writes it.
+        """
+        release = acquire_lens_out(self.lens_run) if self.accelerator.is_main_process else None
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if release is not None:
+                release()
 
     # -- TRL's methods, extended -------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -385,8 +588,51 @@ class GRPOLensMixin:
         rewards = self._lens_rewards[rows].to(batch.completion_ids.device)
         valid = ~torch.isnan(rewards)
         advantages = output["advantages"].reshape(-1)
+        weights = trl_token_weights(self, output)  # TRL's IS weights and masks (None: all 1)
         with activation_checkpointing_off(policy):  # the gradient sketch needs the layers' own forward (TRL turns
-            return self._lens.measure(int(self.state.global_step), policy, batch, rewards, valid, advantages)
+            if weights is None:
+                return self._lens.measure(int(self.state.global_step), policy, batch, rewards, valid, advantages)
+            rows_of = self.weighted_lens_rows(policy, batch, rewards, valid, weights)
+            return self._lens.measure(int(self.state.global_step), policy, batch, rewards, valid, advantages, **rows_of)
+
+    def weighted_lens_rows(
+        self,
+        policy: torch.nn.Module,
+        batch: RolloutBatch,
+        rewards: torch.Tensor,
+        valid: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> dict[str, Any]:
+        """The keyword :meth:`grpo_lens.train.lens.TrainerLens.measure` takes for rows it does not compute itself:
+        ``gram`` ([N, N] float64, NaN outside the mixed groups' blocks, and its info) or ``sketch`` ([N, P_s], 0
+        outside them), of the rows grad(omega_i sum_t W_it log pi(o_it)) (:func:`weighted_rollout_rows`) with
+        omega_i as the lens weighs them (the whole batch's normaliser, summed over processes).
+
+        Args:
+            batch: this process's N rollouts.   rewards: [N] (NaN where invalid).   valid: [N] bool.
+            weights: [N, T] W (:func:`trl_token_weights`).
+        """
+        t0 = time.perf_counter()
+        c = self.lens_settings
+        R = batch.group_size
+        n = batch.num_rollouts
+        mask = batch.completion_mask  # TRL's overlong masking is already in it (overlong "none")
+        norm = gather_objects((loss_normalizer(mask, c.loss_aggregation, c.max_new_tokens), float(mask.any(1).sum())))
+        z_total, n_total = sum(z for z, _ in norm), sum(k for _, k in norm)
+        mixed = TrainerLens.mixed_groups(rewards, valid, R)
+        if not mixed:
+            return {"sketch": torch.zeros(n, 1, dtype=torch.float64)} if c.gram_source != "exact" else {}
+        idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
+        sub = batch.select(idx)
+        omega = rollout_gradient_weights(mask[idx.to(mask.device)], c.loss_aggregation, z_total, n_total)
+        kind, rows, info = weighted_rollout_rows(policy, sub, omega, weights[idx.to(weights.device)], c)
+        if kind == "gram":
+            full = torch.full((n, n), math.nan, dtype=torch.float64)
+            full[idx.unsqueeze(1), idx.unsqueeze(0)] = rows
+            return {"gram": (full, {"coverage": info["coverage"], "hook_seconds": time.perf_counter() - t0})}
+        full = torch.zeros(n, rows.shape[1], dtype=torch.float64)
+        full[idx] = rows
+        return {"sketch": full}
 
     def batch_metrics(self, output: dict[str, Any]) -> dict[str, float]:
         """grpo-lens' reward, advantage and completion statistics of one generation batch, with grpo-lens'
@@ -450,14 +696,15 @@ def _finite(value: torch.Tensor) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def compact_console_logs(logs: dict[str, Any], lens_keys: set[str], run_dir: Path) -> dict[str, Any]:
+def compact_console_logs(logs: dict[str, Any], lens_keys: set[str], metrics_file: Path | None) -> dict[str, Any]:
     """What TRL's console line shows of a log dict: TRL's own keys as they are, and the lens's keys (about 200 at a
     lens step) replaced by one entry saying how many there are and where they went (every tracker and
-    ``trainer.state.log_history`` still get them all, and the run directory's metrics.jsonl)."""
+    ``trainer.state.log_history`` get them all; ``metrics_file``, the run directory's metrics.jsonl, is named only
+    when it holds this log's record, None otherwise: another process's log, or a log the lens does not record)."""
     shown = {k: v for k, v in logs.items() if k not in lens_keys}
     hidden = len(logs) - len(shown)
     if hidden:
-        shown["lens"] = f"{hidden} keys in log_history and {run_dir / 'metrics.jsonl'}"
+        shown["lens"] = f"{hidden} keys in log_history" + (f" and {metrics_file}" if metrics_file is not None else "")
     return shown
 
 
@@ -472,7 +719,10 @@ def _compact_console(trainer: Any) -> None:
             class Compact(base):  # one class per base: on_log filters, everything else is the base's
                 def on_log(self, args, state, control, logs=None, **kwargs):
                     if logs is not None:
-                        logs = compact_console_logs(logs, trainer._lens_keys, trainer.lens_run.path)
+                        written = trainer._lens_logged is logs and trainer.lens_run.metrics_path.is_file()
+                        logs = compact_console_logs(
+                            logs, trainer._lens_keys, trainer.lens_run.metrics_path if written else None
+                        )
                     return super().on_log(args, state, control, logs=logs, **kwargs)
 
             trainer.callback_handler.remove_callback(cb)
@@ -529,6 +779,11 @@ class _LensCallback(TrainerCallback):
         t = self.trainer
         if self._t0 is not None:
             t._lens_window[PERF_STEP_SECONDS].append(time.perf_counter() - self._t0)
+        if t._lens_measured or int(state.global_step) >= int(state.max_steps):
+            # a lens step (its keys and S4) and the run's last step are logged whatever logging_steps is: TRL's
+            # default of 10 exceeds a short run's max_steps, and a step TRL does not log reaches no tracker,
+            # log_history or metrics.jsonl
+            control.should_log = True
         if t._lens is not None:
             measured, t._lens_measured = t._lens_measured, False
             for key, value in t._lens.after_step(
@@ -537,6 +792,7 @@ class _LensCallback(TrainerCallback):
                 if value is not None and math.isfinite(value):
                     t._metrics["train"][key].append(float(value))
                     t._lens_keys.add(key)
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         t = self.trainer
@@ -547,6 +803,7 @@ class _LensCallback(TrainerCallback):
         ):
             return
         t.lens_run.append_metrics(t.lens_record(logs))
+        t._lens_logged = logs  # the console line of this log may name metrics.jsonl: it holds the record now
 
 
 class LensGRPOTrainer(GRPOLensMixin, GRPOTrainer):
