@@ -24,6 +24,8 @@ environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/train
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import fcntl
 import functools
@@ -33,6 +35,7 @@ import math
 import os
 import pickle
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -149,15 +152,79 @@ def read_saved_config(
     return values
 
 
+class UnsafeWriteError(RunDirError):
+    """A write would leave the folder it belongs to through a symbolic link, or the folder cannot be written."""
+
+
+#: The folder every :func:`write_file` of the current context must stay inside (:func:`writes_confined_to`).
+_WRITE_ROOT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("grpo_lens_write_root", default=None)
+
+
+@contextlib.contextmanager
+def writes_confined_to(root: str | Path):
+    """Within the block, :func:`write_file` refuses any file whose folder resolves outside ``root`` (a planted
+    ``plots -> /etc`` link): ``report`` confines its writes to the run directory, ``compare`` to its --out."""
+    token = _WRITE_ROOT.set(Path(root).resolve())
+    try:
+        yield
+    finally:
+        _WRITE_ROOT.reset(token)
+
+
+def write_file(path: str | Path, data: bytes | str, root: str | Path | None = None) -> Path:
+    """Write ``data`` to ``path`` the one safe way: into a new temporary file beside it (``O_EXCL | O_NOFOLLOW``: a
+    link planted at that name is never opened), fsynced, then renamed over ``path`` (``os.replace`` replaces a
+    symbolic link at ``path`` itself, never the file it points to). Every report, plot, compare and probe file is
+    written through here, so no file outside the folder written changes.
+
+    Args:
+        path: the file.   data: its bytes (text is written as UTF-8).
+        root: the folder ``path`` must stay inside once links are resolved; default the one of the enclosing
+            :func:`writes_confined_to` (none: only the link at ``path`` itself is guarded).
+
+    Raises:
+        UnsafeWriteError: ``path``'s folder resolves outside ``root`` (a symbolic link on the way), ``path`` is a
+            folder, or the folder is not writable by this user (one line naming it).
+        OSError: the disk is full (ENOSPC), shown by the CLI as one line.
+    """
+    path = Path(path)
+    base = Path(root).resolve() if root is not None else _WRITE_ROOT.get()
+    if base is not None:
+        parent = path.parent.resolve()
+        if parent != base and base not in parent.parents:
+            raise UnsafeWriteError(
+                f"{path}: its folder leads to {parent}, outside {base}, through a symbolic link; nothing is "
+                f"written through a link that leaves the folder written: remove the link"
+            )
+    if path.is_dir() and not path.is_symlink():
+        raise UnsafeWriteError(f"{path} is a folder, so the file cannot be written there; move the folder away")
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except (PermissionError, IsADirectoryError, NotADirectoryError, FileNotFoundError) as e:
+        raise UnsafeWriteError(
+            f"cannot write {path} ({e.strerror or type(e).__name__}); choose a folder this user can write, or "
+            f"fix its permissions"
+        ) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """Write ``text`` to ``path`` through a temporary file and an atomic rename (:func:`write_file`: a symbolic link
+    at ``path`` is replaced, never followed)."""
+    write_file(path, text)
+    _fsync_dir(Path(path).parent)
 
 
 def disk_full(err: BaseException, where: Path) -> bool:
@@ -410,7 +477,8 @@ class RunDir:
     """
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        # absolute now: a reward function that calls os.chdir (a code sandbox) must not move the run's later writes
+        self.path = Path(path).absolute()
         self.config_path = self.path / "config.yaml"
         self.metrics_path = self.path / "metrics.jsonl"
         self.completions_path = self.path / "completions.jsonl"

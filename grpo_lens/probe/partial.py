@@ -86,7 +86,7 @@ class PartialProbe:
     """OUT/probe_partial/ of one probe (see the module docstring for its layout)."""
 
     def __init__(self, out: str | Path):
-        self.path = Path(out) / PARTIAL_DIR
+        self.path = Path(out).absolute() / PARTIAL_DIR  # a reward calling os.chdir moves nothing
         self.config_path = self.path / "config.yaml"
 
     def exists(self) -> bool:

@@ -421,7 +421,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
     if len(seeds) < 2:
         raise ConfigError(f"--seeds needs at least two distinct seeds to pool, got {seeds}; for one seed use --seed")
     check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
-    out = Path(config.out)
+    out = Path(config.out).absolute()  # a reward function may os.chdir
     started = [p for p in [out / "probe.json", *(seed_dir(out, s) for s in seeds)] if p.exists()]
     if started and not (config.resume or config.overwrite):
         raise ConfigError(

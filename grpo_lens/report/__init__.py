@@ -59,7 +59,7 @@ from grpo_lens.report.training import (  # noqa: F401 (re-exported)
     training_section,
 )
 from grpo_lens.report.training_measures import completions_section
-from grpo_lens.rundir import read_records
+from grpo_lens.rundir import read_records, write_file, writes_confined_to
 
 
 class ReportError(ValueError):
@@ -299,12 +299,22 @@ def appendix(lines: list[str]) -> list[str]:
 def write_report(run_dir: Path) -> Path:
     """Write run_dir/report.md and its PNGs from the run directory's files; return the report's path.
 
+    Every file is written through :func:`grpo_lens.rundir.write_file` inside the run directory
+    (:func:`grpo_lens.rundir.writes_confined_to`): a report.md or PNG planted as a link out of it is replaced, and a
+    folder that leads out of it is refused, so no file outside the run directory changes.
+
     Raises:
         ReportError: the directory has neither metrics.jsonl nor any probe.json.
+        UnsafeWriteError: a folder written leads outside the run directory, or the directory is not writable.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory; pass a run directory written by train, probe or demo")
+    with writes_confined_to(run_dir):
+        return _write_report(run_dir)
+
+
+def _write_report(run_dir: Path) -> Path:
     train_dir = run_dir / "train" if (run_dir / "train" / "metrics.jsonl").exists() else run_dir  # demo layout
     records = [r for r in _read_jsonl(train_dir / "metrics.jsonl") if STEP in r]
     probes = find_probes(run_dir)
@@ -368,6 +378,4 @@ def write_report(run_dir: Path) -> Path:
     lines = few_footnotes(header + appendix(rest + body))
     if any(FEW_MARK in line for line in lines):  # the mark's meaning, once, under the title
         lines[4:4] = [FEW_NOTE, ""]
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_file(run_dir / "report.md", "\n".join(lines) + "\n")  # a planted link is replaced, not followed

@@ -1,0 +1,134 @@
+"""Hostile files and inputs (issue 45, items 4-9): planted links, a reward that changes the working folder, resource
+bombs in YAML / JSON / npz, and inputs that used to end in a traceback. Each case fails before its fix; each checks
+that no file outside the folder written changes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_lens.cli import main
+from grpo_lens.rundir import UnsafeWriteError, write_file, writes_confined_to
+
+
+def one_error_line(capsys) -> str:
+    """The one ``grpo-lens CMD: error: ...`` line on stderr (and no traceback)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 1 and "error:" in lines[0], err
+    return lines[0]
+
+
+def training_run(path: Path, rewards=(0.25, 0.5, 0.75), **config) -> Path:
+    """A hand-written training run directory: config.yaml and metrics.jsonl (no model needed to report on it)."""
+    path.mkdir(parents=True)
+    cfg = {"task": "arithmetic", "task_options": {}, "dataset": None, "estimator": "grpo", "seed": 0, **config}
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    lines = [json.dumps({"step": s, "reward/mean": r, "reward/accuracy": r}) for s, r in enumerate(rewards, 1)]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+# --- item 4: no write through a planted link ---------------------------------------------------------------------
+def test_write_file_replaces_a_planted_link_and_never_writes_its_target(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "report.md").symlink_to(victim)
+    write_file(tmp_path / "run" / "report.md", "new report\n")
+    assert victim.read_text() == "precious\n"  # the target is untouched
+    assert not (tmp_path / "run" / "report.md").is_symlink()  # the link itself was replaced by the file
+    assert (tmp_path / "run" / "report.md").read_text() == "new report\n"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["report.md"]  # no temporary file left
+
+
+def test_write_file_refuses_a_folder_that_leads_out_of_the_root(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "probe_before").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with writes_confined_to(tmp_path / "run"), pytest.raises(UnsafeWriteError, match="outside"):
+        write_file(tmp_path / "run" / "probe_before" / "spectra.png", b"png")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    write_file(tmp_path / "run" / "inside.txt", "ok")  # outside the block nothing is confined, inside is fine
+
+
+@pytest.mark.e2e
+def test_report_through_planted_links_changes_nothing_outside(tmp_path, capsys):
+    run = training_run(tmp_path / "run")
+    victim_md, victim_png = tmp_path / "victim.md", tmp_path / "victim.png"
+    victim_md.write_text("keep me\n")
+    victim_png.write_bytes(b"keep me too")
+    (run / "report.md").symlink_to(victim_md)
+    (run / "learning_curves.png").symlink_to(victim_png)
+    assert main(["report", str(run)]) == 0
+    assert victim_md.read_text() == "keep me\n" and victim_png.read_bytes() == b"keep me too"
+    assert (run / "report.md").read_text().startswith("# grpo-lens report")
+    assert not (run / "report.md").is_symlink()
+
+
+@pytest.mark.e2e
+def test_compare_through_planted_links_changes_nothing_outside(tmp_path, capsys):
+    a, b = training_run(tmp_path / "a"), training_run(tmp_path / "b", estimator="rloo")
+    out = tmp_path / "cmp"
+    out.mkdir()
+    victims = {}
+    for name in ("compare.md", "compare.png", "compare.json"):
+        victims[name] = tmp_path / f"victim-{name}"
+        victims[name].write_text("keep\n")
+        (out / name).symlink_to(victims[name])
+    assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
+    assert all(v.read_text() == "keep\n" for v in victims.values())
+    assert (out / "compare.md").read_text().startswith("# grpo-lens compare")
+
+
+@pytest.mark.e2e
+def test_compare_md_escapes_run_names_and_config_values(tmp_path, capsys):
+    # A run name with raw HTML and a config value with a newline and a heading: both stay inside one code span.
+    a = training_run(tmp_path / "<img src=x onerror=alert(1)>")
+    b = training_run(tmp_path / "b", estimator="rloo\n# Injected heading\n`x`")
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "cmp")]) == 0
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "# Injected heading" not in md.splitlines()  # no line is the injected heading
+    assert not any(line.startswith("# Injected") for line in md.splitlines())
+    assert "`<img src=x onerror=alert(1)>`" in md  # in a code span: shown as text, not rendered as HTML
+    assert "`` rloo # Injected heading `x` ``" in md  # the value's backticks cannot close its span: a longer fence
+
+
+@pytest.mark.e2e
+def test_report_and_compare_into_an_unwritable_folder_are_one_line(tmp_path, capsys, monkeypatch):
+    # Simulated (the tests may run as root, who writes anywhere): the folder refuses new files / reports no access.
+    import errno
+
+    import grpo_lens.report.compare as compare
+    import grpo_lens.rundir as rundir
+
+    run = training_run(tmp_path / "run")
+    b = training_run(tmp_path / "b", estimator="rloo")
+    real_open = os.open
+
+    def refuse(path, flags, *args):
+        if ".tmp-" in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(rundir.os, "open", refuse)
+    assert main(["report", str(run)]) == 2
+    line = one_error_line(capsys)
+    assert "cannot write" in line and str(run) in line and "Permission denied" in line
+    monkeypatch.setattr(rundir.os, "open", real_open)
+    monkeypatch.setattr(compare.os, "access", lambda *a: False)
+    assert main(["compare", str(run), str(b), "--out", str(tmp_path / "cmp")]) == 2
+    assert "not writable" in one_error_line(capsys)
+    assert not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.e2e
+def test_compare_out_under_a_file_is_refused_before_computing(tmp_path, capsys):
+    a, b = training_run(tmp_path / "a"), training_run(tmp_path / "b", estimator="rloo")
+    (tmp_path / "file").write_text("x")
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "file" / "cmp")]) == 2
+    assert "is a file" in one_error_line(capsys)
