@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from grpo_lens.cli import main
-from grpo_lens.rundir import UnsafeWriteError, write_file, writes_confined_to
 
 
 def one_error_line(capsys) -> str:
@@ -35,6 +34,8 @@ def training_run(path: Path, rewards=(0.25, 0.5, 0.75), **config) -> Path:
 
 # --- item 4: no write through a planted link ---------------------------------------------------------------------
 def test_write_file_replaces_a_planted_link_and_never_writes_its_target(tmp_path):
+    from grpo_lens.rundir import write_file
+
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     (tmp_path / "run").mkdir()
@@ -47,6 +48,8 @@ def test_write_file_replaces_a_planted_link_and_never_writes_its_target(tmp_path
 
 
 def test_write_file_refuses_a_folder_that_leads_out_of_the_root(tmp_path):
+    from grpo_lens.rundir import UnsafeWriteError, write_file, writes_confined_to
+
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "probe_before").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
@@ -132,3 +135,48 @@ def test_compare_out_under_a_file_is_refused_before_computing(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert main(["compare", str(a), str(b), "--out", str(tmp_path / "file" / "cmp")]) == 2
     assert "is a file" in one_error_line(capsys)
+
+
+# --- item 5: a reward that changes the working folder ------------------------------------------------------------
+TRAIN = [
+    "train",
+    "--model",
+    "tiny",
+    "--group-size",
+    "2",
+    "--prompts-per-step",
+    "1",
+    "--max-new-tokens",
+    "2",
+    "--max-steps",
+    "1",
+    "--lens-every",
+    "0",
+    "--no-progress",
+    "--device",
+    "cpu",
+    "--no-save-final-model",
+]
+
+
+def chdir_reward(prompts, completions, **kwargs):
+    """What a code-execution sandbox does: work in its own folder (and leave the process there)."""
+    sandbox = Path("sandbox").absolute()
+    sandbox.mkdir(exist_ok=True)
+    os.chdir(sandbox)
+    return [float(n % 2) for n in range(len(completions))]
+
+
+@pytest.mark.e2e
+def test_a_reward_that_changes_folder_does_not_move_the_run(tmp_path, capsys, monkeypatch):
+    from grpo_lens.rewards import REWARDS
+
+    if "test_chdir" not in REWARDS:
+        REWARDS.register("test_chdir")(chdir_reward)
+    monkeypatch.chdir(tmp_path)
+    assert main(TRAIN + ["--rewards", "test_chdir", "--out", "p_chdir"]) == 0
+    said = capsys.readouterr().out
+    run = tmp_path / "p_chdir"
+    assert (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()
+    assert f"run written to {run}" in said  # the path printed is where the run is
+    assert not (tmp_path / "sandbox" / "p_chdir" / "metrics.jsonl").exists()
