@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
 import yaml
 
@@ -180,3 +181,66 @@ def test_a_reward_that_changes_folder_does_not_move_the_run(tmp_path, capsys, mo
     assert (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()
     assert f"run written to {run}" in said  # the path printed is where the run is
     assert not (tmp_path / "sandbox" / "p_chdir" / "metrics.jsonl").exists()
+
+
+# --- item 6: every row checked against the context --------------------------------------------------------------
+@pytest.mark.e2e
+def test_a_long_prompt_past_row_10000_is_refused_with_a_count(tmp_path, monkeypatch):
+    """Before: only the first 10,000 rows were tokenized at start, so rows 10,005 and 10,007 (100+ tokens with 2 new
+    ones, past the 64 positions) trained; now every row is checked (batched), and the count is said."""
+    import grpo_lens.train.loop as loop
+    from grpo_lens.config import TrainConfig
+    from grpo_lens.models import build_tiny_model
+
+    def short_context(name, dtype, device):
+        model, tokenizer = build_tiny_model()
+        model.config.max_position_embeddings = 64
+        return model, tokenizer
+
+    monkeypatch.setattr(loop, "load_model", short_context)
+    rows = [{"prompt": f"{n} + 1 ="} for n in range(10_010)]
+    rows[10_004]["prompt"] = rows[10_006]["prompt"] = "x" * 100  # rows 10,005 and 10,007 (1-based)
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = TrainConfig(
+        model="tiny",
+        task="jsonl",
+        dataset=str(data),
+        rewards=["test_alternating"],
+        group_size=2,
+        prompts_per_step=1,
+        max_new_tokens=2,
+        max_steps=1,
+        lens_every=0,
+        device="cpu",
+        out=str(tmp_path / "run"),
+        progress=False,
+        save_final_model=False,
+    )
+    with pytest.raises(ValueError, match=r"row 10005: the prompt is 1\d\d tokens.*64 positions.*2 of 10,010 prompts"):
+        loop.train(config)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_prompt_lengths_equal_the_one_prompt_token_count():
+    """The batched count equals len(prompt_token_ids) for string prompts without a template and chat prompts with one
+    (prefill included), and a template that raises names the prompt's index."""
+    from grpo_lens.models import build_tiny_model
+    from grpo_lens.rollout import PromptFormatError, prompt_lengths, prompt_token_ids
+
+    _, tok = build_tiny_model()
+    chats = ["What is 2 + 3?", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]]
+    assert prompt_lengths(tok, chats, chunk=1) == [len(prompt_token_ids(tok, p)) for p in chats]
+    tok.chat_template = None
+    plain = ["a", "b c d e", "x" * 50]
+    assert prompt_lengths(tok, plain, chunk=2) == [len(prompt_token_ids(tok, p)) for p in plain]
+    with pytest.raises(PromptFormatError, match="no chat template") as err:
+        prompt_lengths(tok, ["a", [{"role": "user", "content": "b"}]])
+    assert err.value.index == 1
+    tok.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}x"
+    )
+    with pytest.raises(PromptFormatError, match="System role not supported.*system message") as err:
+        prompt_lengths(tok, ["a", [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}]])
+    assert err.value.index == 1

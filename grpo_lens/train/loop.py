@@ -75,9 +75,10 @@ from grpo_lens.metrics import (
 from grpo_lens.models import load_model, resolve_model
 from grpo_lens.rewards import RewardState, check_rewards_on_example, parse_reward_specs
 from grpo_lens.rollout import (
+    PromptFormatError,
     RolloutBatch,
     forward_precision,
-    prompt_token_ids,
+    prompt_lengths,
     sample_groups,
 )
 from grpo_lens.rundir import (
@@ -388,9 +389,9 @@ def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
         )
 
 
-#: How many rows of a user dataset :func:`check_prompts` tokenizes at start (all of a smaller one); other tasks give
-#: this many sampled prompts.
-PROMPTS_CHECKED = 10_000
+#: How many sampled prompts :func:`check_prompts` tokenizes at start for a task without a fixed list of rows (a
+#: dataset's rows are all checked).
+PROMPTS_CHECKED = 64
 
 
 def model_context(model: torch.nn.Module) -> int | None:
@@ -407,36 +408,38 @@ def model_context(model: torch.nn.Module) -> int | None:
 def check_prompts(config: TrainConfig, task: Any, models: Models) -> None:
     """Before --out is touched: every prompt of the task formats with the tokenizer (a chat template for chat
     messages, none needed for strings) and, with ``max_new_tokens``, fits the model's context
-    (:func:`model_context`). A user dataset is checked row by row (its first :data:`PROMPTS_CHECKED` rows), another
-    task on :data:`PROMPTS_CHECKED` sampled prompts.
+    (:func:`model_context`). A task with a list of rows (a user dataset, GSM8K) is checked row by row, every row
+    (:func:`grpo_lens.rollout.prompt_lengths`, batched), another task on :data:`PROMPTS_CHECKED` sampled prompts.
 
     Raises:
-        ValueError: naming the row (or prompt), what is wrong and what to do.
+        ValueError: naming the row (or prompt), what is wrong and what to do; for prompts too long, how many rows are.
     """
     data = getattr(task, "data", None)
     if isinstance(data, dict) and "train" in data:
-        examples = list(enumerate(data["train"][:PROMPTS_CHECKED], start=1))
+        examples = list(data["train"])
         where = f"task {config.task!r} row"
     else:
-        examples = list(enumerate(task.sample(min(PROMPTS_CHECKED, 64), seed=config.seed), start=1))
+        examples = list(task.sample(PROMPTS_CHECKED, seed=config.seed))
         where = f"task {config.task!r} sampled prompt"
+    try:
+        lengths = prompt_lengths(models.tokenizer, [example.prompt for example in examples])
+    except PromptFormatError as err:  # no chat template for chat messages, or a template that refuses one
+        hint = (
+            " (the built-in tasks give chat messages: train a base model on --task jsonl with string prompts)"
+            if not isinstance(data, dict) and "no chat template" in str(err)
+            else ""
+        )
+        raise ValueError(f"{where} {err.index + 1}: {err}{hint}") from None
     context = model_context(models.policy)
-    longest = (0, 0)
-    for number, example in examples:
-        try:
-            n = len(prompt_token_ids(models.tokenizer, example.prompt))
-        except ValueError as err:  # no chat template for chat messages
-            hint = (
-                " (the built-in tasks give chat messages: train a base model on --task jsonl with string prompts)"
-                if not isinstance(data, dict)
-                else ""
-            )
-            raise ValueError(f"{where} {number}: {err}{hint}") from None
-        longest = max(longest, (n, number))
-    if context is not None and longest[0] + config.max_new_tokens > context:
+    if context is None or not lengths:
+        return
+    too_long = [i for i, n in enumerate(lengths) if n + config.max_new_tokens > context]
+    if too_long:
+        longest = max(too_long, key=lambda i: lengths[i])
         raise ValueError(
-            f"{where} {longest[1]}: the prompt is {longest[0]:,} tokens, and with max_new_tokens "
-            f"{config.max_new_tokens} that is more than the {context:,} positions of {config.model}; "
+            f"{where} {longest + 1}: the prompt is {lengths[longest]:,} tokens, and with max_new_tokens "
+            f"{config.max_new_tokens} that is more than the {context:,} positions of {config.model} "
+            f"({len(too_long):,} of {len(lengths):,} prompts are, the first at {too_long[0] + 1}); "
             f"shorten or drop the long prompts, or lower --max-new-tokens"
         )
 
