@@ -141,8 +141,8 @@ def read_saved_config(
         ``error``: the file is unreadable, not YAML, or does not hold a mapping.
     """
     try:
-        values = safe_load_yaml(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+        values = safe_load_yaml(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
         why = f"{type(e).__name__}: {yaml_error_line(e)}" if isinstance(e, yaml.YAMLError) else type(e).__name__
         raise error(f"--resume: cannot read {path} ({why}); {remedy}") from None
     if values is None and empty_ok:
@@ -816,6 +816,41 @@ class RunDir:
         return f"delete {bad} and {pointer} to restart the run from step 0 (no older checkpoint is left)"
 
 
+def loads_json(text: str | bytes, where: str, error: type[Exception] = RunDirError, **kwargs: Any) -> Any:
+    """``json.loads(text, **kwargs)`` that turns a document nested too deep for Python (``[[[[...`` 100,000 levels:
+    RecursionError) into one line naming ``where`` (a file, and a line of it). Other JSON errors pass through.
+
+    Raises:
+        ``error``: nested too deep.   json.JSONDecodeError: not valid JSON.
+    """
+    try:
+        return json.loads(text, **kwargs)
+    except RecursionError:
+        raise error(
+            f"{where}: JSON nested deeper than Python can read (thousands of levels); nothing grpo-lens writes or "
+            f"reads is nested like that: fix or delete it"
+        ) from None
+
+
+def read_json_file(path: str | Path, error: type[Exception] = RunDirError, fix: str = "restore it or delete it") -> Any:
+    """The JSON value in ``path`` (probe.json, a partial probe's record), read the one bounded way.
+
+    Raises:
+        ``error``: one line naming the file: unreadable, not UTF-8, not valid JSON (where), or nested too deep.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte {e.start}); {fix}") from None
+    except OSError as e:
+        raise error(f"cannot read {path} ({e.strerror or type(e).__name__}); {fix}") from None
+    try:
+        return loads_json(text, str(path), error)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}; cut?); {fix}") from None
+
+
 def read_record_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) of every record line of a run-directory JSONL file (metrics.jsonl, completions.jsonl): the one
     reader of resume, report, compare and the trackers. Blank lines are skipped, and so is a last line that is not
@@ -838,7 +873,7 @@ def read_record_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for i, (n, line) in enumerate(numbered):
         try:
-            rec = json.loads(line)
+            rec = loads_json(line, f"{path}, line {n}")
         except json.JSONDecodeError as e:
             if i == len(numbered) - 1:
                 continue  # the last line, cut by a kill mid-write

@@ -244,3 +244,130 @@ def test_prompt_lengths_equal_the_one_prompt_token_count():
     with pytest.raises(PromptFormatError, match="System role not supported.*system message") as err:
         prompt_lengths(tok, ["a", [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}]])
     assert err.value.index == 1
+
+
+# --- item 7: resource bombs --------------------------------------------------------------------------------------
+def alias_bomb() -> str:
+    """A 'billion laughs' in under 1 KB: nine levels of nine aliases expand to 9^9 ~ 3.9e8 strings."""
+    text = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        text += f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]\n"
+    return text
+
+
+def test_yaml_alias_bomb_deep_nesting_and_recursion_are_refused_before_building():
+    import yaml
+
+    from grpo_lens.config.base import safe_load_yaml
+
+    assert len(alias_bomb()) < 1024
+    with pytest.raises(yaml.YAMLError, match="expands to more than 100,000 values"):
+        safe_load_yaml(alias_bomb())
+    with pytest.raises(yaml.YAMLError, match="recursive alias"):
+        safe_load_yaml("a: &a [*a]")
+    with pytest.raises(yaml.YAMLError, match="more than 64"):
+        safe_load_yaml("x: " + "[" * 65 + "]" * 65)  # 66 levels: the mapping, then 65 lists
+    assert safe_load_yaml("x: " + "[" * 62 + "]" * 62) is not None  # 63 levels: read
+    # a few aliases are fine: 3 uses of a 4-value list
+    assert safe_load_yaml("a: &a [1, 2, 3, 4]\nb: [*a, *a, *a]")["b"] == [[1, 2, 3, 4]] * 3
+
+
+def test_yaml_integers_are_read_as_yaml_1_2():
+    # YAML 1.1 read 010 as octal 8 (max_steps: 010 trained 8 steps) and 1:30 as sexagesimal 90.
+    from grpo_lens.config.base import safe_load_yaml
+
+    assert safe_load_yaml("a: 010\nb: 0o10\nc: 0x1f\nd: -1_000\ne: 0b11\nf: 1:30\ng: '010'\nh: 7") == {
+        "a": 10,
+        "b": 8,
+        "c": 31,
+        "d": -1000,
+        "e": 3,
+        "f": "1:30",
+        "g": "010",
+        "h": 7,
+    }
+
+
+@pytest.mark.e2e
+def test_alias_bomb_in_config_or_a_runs_config_yaml_is_one_line(tmp_path, capsys):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb())
+    assert main(TRAIN + ["--config", str(bomb), "--out", str(tmp_path / "run")]) == 2
+    line = one_error_line(capsys)
+    assert str(bomb) in line and "alias bomb" in line
+    run = training_run(tmp_path / "resumed")
+    (run / "config.yaml").write_text(alias_bomb())
+    assert main(["train", "--resume", "--out", str(run)]) == 2
+    line = one_error_line(capsys)
+    assert str(run / "config.yaml") in line and "alias bomb" in line
+    b = training_run(tmp_path / "b")
+    assert main(["compare", str(run), str(b), "--out", str(tmp_path / "cmp")]) == 2
+    assert str(run / "config.yaml") in one_error_line(capsys)
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.e2e
+def test_json_nested_100000_deep_is_one_line_naming_the_file(tmp_path, capsys):
+    # metrics.jsonl: report and compare
+    run = training_run(tmp_path / "run")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "x": ' + DEEP + "}\n" + json.dumps({"step": 5}) + "\n")
+    assert main(["report", str(run)]) == 2
+    line = one_error_line(capsys)
+    assert f"{run / 'metrics.jsonl'}, line 4" in line and "nested deeper" in line
+    b = training_run(tmp_path / "b")
+    assert main(["compare", str(run), str(b), "--out", str(tmp_path / "cmp")]) == 2
+    assert "line 4" in one_error_line(capsys)
+    # probe.json
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "probe.json").write_text(DEEP)
+    assert main(["report", str(probe)]) == 2
+    assert str(probe / "probe.json") in one_error_line(capsys)
+    # a JSONL dataset column: train refuses before --out
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 2 + 3?", "answer": "5"})[:-1] + ', "deep": ' + DEEP + "}\n")
+    assert (
+        main(
+            TRAIN
+            + [
+                "--rewards",
+                "test_alternating",
+                "--task",
+                "jsonl",
+                "--dataset",
+                str(data),
+                "--out",
+                str(tmp_path / "new"),
+            ]
+        )
+        == 2
+    )
+    line = one_error_line(capsys)
+    assert f"{data}, row 1" in line and "nested deeper" in line
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "text,expect",
+    [("{}", "no meta, per_group_size object"), ("[]", "a JSON list"), ('{"meta": {}, "per_group_', "not valid JSON")],
+    ids=["empty-object", "list", "cut"],
+)
+def test_report_on_a_probe_json_that_is_not_a_probe_is_one_line(tmp_path, capsys, text, expect):
+    (tmp_path / "probe.json").write_text(text)
+    assert main(["report", str(tmp_path)]) == 2
+    line = one_error_line(capsys)
+    assert str(tmp_path / "probe.json") in line and expect in line
+    assert not (tmp_path / "report.md").exists()
+
+
+@pytest.mark.e2e
+def test_report_on_nan_and_infinity_metrics(tmp_path, capsys):
+    run = training_run(tmp_path / "run")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/mean": NaN, "reward/accuracy": Infinity, "loss/policy": -Infinity}\n')
+    assert main(["report", str(run)]) == 0, capsys.readouterr().err
+    assert (run / "report.md").read_text().startswith("# grpo-lens report")

@@ -171,7 +171,7 @@ class PartialProbe:
             return None
         try:
             return json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested thousands of levels deep
             raise ConfigError(
                 f"--resume: cannot read {path} ({type(e).__name__}); delete it to measure that part again"
             ) from None

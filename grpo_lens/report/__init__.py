@@ -31,6 +31,7 @@ import yaml
 
 from grpo_lens.claims.base import INCONCLUSIVE, evaluate_claims, holm_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.metrics import PERF_LENS_SECONDS, STEP
 from grpo_lens.report import plots
 from grpo_lens.report.answers import answers_section
@@ -59,7 +60,7 @@ from grpo_lens.report.training import (  # noqa: F401 (re-exported)
     training_section,
 )
 from grpo_lens.report.training_measures import completions_section
-from grpo_lens.rundir import read_records, write_file, writes_confined_to
+from grpo_lens.rundir import read_json_file, read_records, write_file, writes_confined_to
 
 
 class ReportError(ValueError):
@@ -78,8 +79,29 @@ def find_probes(run_dir: Path) -> dict[str, dict[str, Any]]:
     for label, sub in (("before", "probe_before"), ("after", "probe_after"), ("probe", ".")):
         path = run_dir / sub / "probe.json"
         if path.exists():
-            probes[label] = json.loads(path.read_text())
+            probes[label] = read_probe(path)
     return probes
+
+
+def read_probe(path: Path) -> dict[str, Any]:
+    """The probe in ``path`` (a probe.json), read the bounded way (:func:`grpo_lens.rundir.read_json_file`) and
+    checked for what a report reads: an object with ``meta`` and ``per_group_size`` objects (``studies``, when
+    present, an object too).
+
+    Raises:
+        ReportError: one line naming the file: unreadable, cut, nested too deep, or not a probe (``{}``, ``[]``).
+    """
+    fix = "run the probe again (grpo-lens probe --out ... --overwrite), or move the file away"
+    probe = read_json_file(path, ReportError, fix)
+    wrong = [
+        k
+        for k in ("meta", "per_group_size", "studies")
+        if not isinstance(probe, dict) or not isinstance(probe.get(k, {} if k == "studies" else None), dict)
+    ]
+    if wrong:
+        held = f"a JSON {type(probe).__name__}" if not isinstance(probe, dict) else f"no {', '.join(wrong)} object"
+        raise ReportError(f"{path} is not a probe: it holds {held}; {fix}")
+    return probe
 
 
 #: what each advantage estimator subtracts from a rollout's reward (docs/theory.md §2)
@@ -324,7 +346,7 @@ def _write_report(run_dir: Path) -> Path:
     body: list[str] = []
     config = train_dir / "config.yaml"
     try:
-        cfg = (yaml.safe_load(config.read_text()) or {}) if config.exists() else {}
+        cfg = (safe_load_yaml(config.read_text()) or {}) if config.exists() else {}  # bounded
         lora_rank = int(cfg.get("lora_rank") or 0)
     except (yaml.YAMLError, TypeError, ValueError, AttributeError):
         cfg, lora_rank = {}, 0
@@ -364,7 +386,7 @@ def _write_report(run_dir: Path) -> Path:
             "<details><summary>config</summary>",
             "",
             "```yaml",
-            config.read_text().strip(),
+            config.read_text(errors="replace").strip().replace("```", "` ` `"),  # not UTF-8 or a fence: shown, safe
             "```",
             "",
             "</details>",

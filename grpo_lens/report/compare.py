@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt
 import yaml
 
 from grpo_lens.config import TrainConfig
+from grpo_lens.config.base import safe_load_yaml, yaml_error_line
 from grpo_lens.config.trl_names import grpo_lens_settings
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, bootstrap_ci
 from grpo_lens.metrics import (
@@ -136,11 +137,12 @@ def read_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             f"{path} is not a training run (needs config.yaml and metrics.jsonl, written by grpo-lens train)"
         )
     try:
-        config = yaml.safe_load(cfg.read_text()) or {}
+        config = safe_load_yaml(cfg.read_text()) or {}  # bounded: an alias bomb is refused
         config = TrainConfig.canonical(config, warn=False) if isinstance(config, dict) else config  # current names
         records = read_records(met)
-    except (OSError, yaml.YAMLError) as e:
-        raise CompareError(f"cannot read run {path} ({type(e).__name__}); is it a grpo-lens run?") from None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        why = f"{type(e).__name__}: {yaml_error_line(e)}" if isinstance(e, yaml.YAMLError) else type(e).__name__
+        raise CompareError(f"cannot read run {path}: {cfg} ({why}); is it a grpo-lens run?") from None
     except RunDirError as e:  # names the file and line
         raise CompareError(str(e)) from None
     if not records:
