@@ -371,3 +371,83 @@ def test_report_on_nan_and_infinity_metrics(tmp_path, capsys):
         f.write('{"step": 4, "reward/mean": NaN, "reward/accuracy": Infinity, "loss/policy": -Infinity}\n')
     assert main(["report", str(run)]) == 0, capsys.readouterr().err
     assert (run / "report.md").read_text().startswith("# grpo-lens report")
+
+
+# --- item 7 / 8: calibrate's planted file and arguments ------------------------------------------------------------
+def _planted(path: Path, **arrays) -> Path:
+    import numpy as np
+
+    np.savez_compressed(path, **arrays)
+    return path
+
+
+def test_planted_zip_bomb_and_huge_headers_are_refused_before_reading(tmp_path):
+    """A zip whose array header declares 2.2 GB of zeros (issue 45's 2 MB bomb reached 2.2 GB before its refusal), a
+    header claiming 10^12 entries, a bare .npy: one line each, read from the zip directory and the .npy header alone."""
+    import zipfile
+
+    import numpy as np
+
+    from grpo_lens.calibrate import PlantedFileError, check_npz_sizes
+
+    bomb = tmp_path / "bomb.npz"
+    header = io_header(np, (275_000_000,), "<f8")  # 2.2 GB of float64 zeros
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z, z.open("gram.npy", "w", force_zip64=True) as f:
+        f.write(header)
+        zeros = bytes(1 << 20)
+        for _ in range(4):  # only 4 MiB written: the header's declared size is refused before any data is read
+            f.write(zeros)
+    with pytest.raises(PlantedFileError, match=r"array 'gram' declares shape \[275000000\]"):
+        check_npz_sizes(bomb)
+    lying = tmp_path / "lying.npz"
+    with zipfile.ZipFile(lying, "w") as z:
+        z.writestr("gram.npy", io_header(np, (10**12,), "<f8"))
+    with pytest.raises(PlantedFileError, match=r"\[1000000000000\] of float64 \(8,000,000,000,000 bytes\)"):
+        check_npz_sizes(lying)
+    bare = tmp_path / "gram.npy"
+    np.save(bare, np.zeros((2, 1, 2, 2)))
+    with pytest.raises(PlantedFileError, match="not a .npz archive"):
+        check_npz_sizes(bare)
+    fine = _planted(tmp_path / "ok.npz", gram=np.zeros((2, 1, 2, 2)), rewards=np.zeros((2, 1, 2)))
+    check_npz_sizes(fine)  # 64 + 32 bytes: no error
+
+
+def io_header(np, shape, descr) -> bytes:
+    """A .npy file's magic and header for ``shape`` (no data)."""
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()  # write_array_header_1_0 writes the magic string too
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["--trials", "0"], "--trials 0: must be >= 1"),
+        (["--out", "{tmp}/file"], "is a file"),
+        (["--out", "{tmp}/file/sub"], "is under the file"),
+        (["--planted", "{tmp}/x.npy"], "not a .npz archive"),
+    ],
+    ids=["trials-0", "out-file", "out-under-file", "planted-npy"],
+)
+def test_calibrate_bad_arguments_are_one_line_before_computing(tmp_path, capsys, monkeypatch, args, expect):
+    import numpy as np
+
+    import grpo_lens.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "run_calibration", lambda *a, **k: pytest.fail("computed before checking"))
+    (tmp_path / "file").write_text("mine\n")
+    np.save(tmp_path / "x.npy", np.zeros(3))
+    argv = ["calibrate", "--out", str(tmp_path / "cal"), *[a.replace("{tmp}", str(tmp_path)) for a in args]]
+    assert main(argv) == 2
+    assert expect in one_error_line(capsys)
+    assert (tmp_path / "file").read_text() == "mine\n" and not (tmp_path / "cal").exists()
+
+
+@pytest.mark.e2e
+def test_model_export_under_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine\n")
+    assert main(["model", "tiny", "--export", str(tmp_path / "file" / "m")]) == 2
+    assert "--export" in one_error_line(capsys)
