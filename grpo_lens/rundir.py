@@ -537,12 +537,33 @@ class RunDir:
                     f"(no config.yaml); --overwrite only replaces a run, so choose another --out or "
                     f"empty it yourself"
                 )
-            if not overwrite:
+            if not overwrite and self.never_stepped():
+                logging.getLogger(__name__).warning(
+                    "%s holds a run that stopped before its first step ended (config.yaml and nothing else): "
+                    "replacing it",
+                    self.path,
+                )
+            elif not overwrite:
                 raise RunDirError(
                     f"output directory {self.path} already holds a run; pass --resume to continue "
                     f"it, --overwrite to replace it, or choose another --out"
                 )
         return config_dict
+
+    def never_stepped(self) -> bool:
+        """Whether the directory holds a run that stopped before its first step ended: config.yaml, and at most empty
+        metrics / completions files and an empty checkpoints folder (a failed first step, e.g. out of memory, or a
+        kill). Such a run has nothing to lose, so a new run replaces it without --overwrite."""
+        allowed = {"config.yaml", "metrics.jsonl", "completions.jsonl", "checkpoints"}
+        entries = run_dir_entries(self.path)
+        if any(p.name not in allowed or p.is_symlink() for p in entries):
+            return False
+        for p in entries:
+            if p.is_dir() and (p.name != "checkpoints" or any(p.iterdir())):
+                return False
+            if p.name.endswith(".jsonl") and (not p.is_file() or p.stat().st_size > 0):
+                return False
+        return True
 
     def check_writable(self) -> None:
         """The directory, or the nearest folder above it that exists, must be a writable directory.

@@ -451,3 +451,38 @@ def test_model_export_under_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("mine\n")
     assert main(["model", "tiny", "--export", str(tmp_path / "file" / "m")]) == 2
     assert "--export" in one_error_line(capsys)
+
+
+# --- item 8 / 9: sizes that cannot be allocated, a run that never finished a step --------------------------------
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (
+            ["train", "--group-size", "1000000000"],
+            "'group_size' (flag --group-size) = 1000000000: must be at most 4,096",
+        ),
+        (["probe", "--group-sizes", "2", "100000000"], "each group size must be an integer >= 2 and <= 4,096"),
+    ],
+    ids=["train-group-size-1e9", "probe-group-sizes-1e8"],
+)
+def test_group_sizes_that_cannot_be_held_are_refused_before_writing(tmp_path, capsys, argv, expect):
+    # Before: a 488 GB allocation error in the first step, with config.yaml left behind (the retry was refused).
+    out = tmp_path / "run"
+    assert main([*argv, "--model", "tiny", "--device", "cpu", "--out", str(out)]) == 2
+    assert expect in one_error_line(capsys)
+    assert not out.exists()
+
+
+@pytest.mark.e2e
+def test_a_run_that_stopped_before_its_first_step_does_not_block_the_retry(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("group_size: 1000000000\n")  # what the failed first step left
+    (out / "metrics.jsonl").write_text("")
+    (out / "checkpoints").mkdir()
+    assert main(TRAIN + ["--rewards", "test_alternating", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    # a run with a step is still refused without --overwrite or --resume
+    assert main(TRAIN + ["--rewards", "test_alternating", "--out", str(out)]) == 2
+    assert "already holds a run" in one_error_line(capsys)

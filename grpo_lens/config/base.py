@@ -56,6 +56,16 @@ def at_least(low: float, why: str | None = None) -> Check:
     return require(lambda value: value >= low, why or f"must be >= {low}")
 
 
+def at_most(high: float, why: str | None = None) -> Check:
+    """``value <= high``; the message defaults to ``must be <= high``."""
+    return require(lambda value: value <= high, why or f"must be <= {high}")
+
+
+def all_of(*checks: Check) -> Check:
+    """The first failing check's message, or None when every check passes."""
+    return lambda value: next((why for why in (c(value) for c in checks) if why), None)
+
+
 def above(low: float, why: str | None = None) -> Check:
     """``value > low``; the message defaults to ``must be > low``."""
     return require(lambda value: value > low, why or f"must be > {low}")
