@@ -18,7 +18,8 @@ from grpo_lens.cli import main
 def one_error_line(capsys) -> str:
     """The one ``grpo-lens CMD: error: ...`` line on stderr (and no traceback)."""
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
+    progress = ("Loading weights", "Writing model shards")  # transformers' progress bars on stderr
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not line.startswith(progress)]
     assert "Traceback" not in err and len(lines) == 1 and "error:" in lines[0], err
     return lines[0]
 
@@ -486,3 +487,133 @@ def test_a_run_that_stopped_before_its_first_step_does_not_block_the_retry(tmp_p
     # a run with a step is still refused without --overwrite or --resume
     assert main(TRAIN + ["--rewards", "test_alternating", "--out", str(out)]) == 2
     assert "already holds a run" in one_error_line(capsys)
+
+
+# --- item 8 / 9: broken model folders, custom code ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """The tiny model saved as a Hugging Face folder (config.json, model.safetensors, tokenizer files)."""
+    from grpo_lens.models import build_tiny_model
+
+    model, tokenizer = build_tiny_model()
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class Boom:
+    """A pickle that would write a file when loaded (weights_only refuses it before it runs)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+def _break_config(p: Path) -> None:
+    (p / "config.json").write_text("{")
+
+
+def _no_weights(p: Path) -> None:
+    (p / "model.safetensors").unlink()
+
+
+def _other_shapes(p: Path) -> None:
+    cfg = json.loads((p / "config.json").read_text())
+    cfg["intermediate_size"] = cfg["intermediate_size"] * 2
+    (p / "config.json").write_text(json.dumps(cfg))
+
+
+def _cut_tokenizer(p: Path) -> None:
+    text = (p / "tokenizer.json").read_text()
+    (p / "tokenizer.json").write_text(text[: len(text) // 2])
+
+
+def _small_embedding(p: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(p)
+    model.resize_token_embeddings(100)  # the tokenizer has 259 tokens
+    model.config.pad_token_id = 0  # the tiny model's pad id (258) has no row now: a folder that still loads
+    model.save_pretrained(p, safe_serialization=True)
+
+
+def _pickled_bin(p: Path) -> None:
+    import pickle
+
+    (p / "model.safetensors").unlink()
+    (p / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Boom(str(p.parent / "ran.txt"))}))
+
+
+def _custom_tokenizer_code(p: Path) -> None:
+    cfg = json.loads((p / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["custom_tok.CustomTokenizer", None]}
+    (p / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (p / "custom_tok.py").write_text(
+        f"from pathlib import Path\nPath({str(p.parent / 'ran.txt')!r}).write_text('ran')\n"
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "edit,expect",
+    [
+        (_break_config, "could not load the model folder"),
+        (_no_weights, "could not load the model folder"),
+        (_other_shapes, "could not load the model folder"),
+        (_cut_tokenizer, "could not load the model folder"),
+        (_small_embedding, "embedding has 100 rows but its tokenizer has 259 tokens"),
+        (_pickled_bin, "could not load the model folder"),
+    ],
+    ids=[
+        "invalid-config",
+        "no-weights",
+        "shape-mismatch",
+        "cut-tokenizer",
+        "small-embedding",
+        "pickle-bin",
+    ],
+)
+def test_a_broken_model_folder_is_one_line_and_runs_nothing(tmp_path, capsys, tiny_folder, edit, expect):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder, folder)
+    edit(folder)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(folder), "--group-size", "2", "--prompts-per-step", "1", "--max-new-tokens", "2"]
+    assert main([*argv, "--max-steps", "1", "--device", "cpu", "--rewards", "test_alternating", "--out", str(out)]) == 2
+    line = one_error_line(capsys)
+    assert expect in line and str(folder) in line, line
+    assert not out.exists() and not (tmp_path / "ran.txt").exists()  # nothing written, no code from the folder ran
+
+
+@pytest.mark.e2e
+def test_a_tokenizer_asking_for_custom_code_never_runs_it(tmp_path, capsys, monkeypatch, tiny_folder):
+    """trust_remote_code is pinned to False in every from_pretrained (before: unset, so a terminal prompted
+    'run the custom code? [y/N]' and y ran it): the folder's code never runs, whatever the answer would be."""
+    import shutil
+
+    import transformers
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder, folder)
+    _custom_tokenizer_code(folder)
+    seen = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(path, *args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    monkeypatch.setattr("builtins.input", lambda *a: "y")  # a user who would say yes
+    from grpo_lens.models import load_model
+
+    try:
+        load_model(str(folder))
+    except Exception:  # noqa: BLE001 - refusing is fine; running the code is not
+        pass
+    assert seen == [False] and not (tmp_path / "ran.txt").exists()
