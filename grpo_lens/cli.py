@@ -362,14 +362,25 @@ def _show_config_warning(show: Callable[..., None], command: str) -> Callable[..
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``grpo-lens`` console script; returns the exit status (2: bad input, one line on stderr)."""
+    """Entry point of the ``grpo-lens`` console script; returns the exit status (2: bad input, one line on stderr).
+
+    The arguments are parsed before the plugins are imported (``--version`` and ``--help`` import none), and
+    stdout / stderr write what their encoding cannot hold as escapes (``PYTHONIOENCODING=ascii`` with a non-ASCII
+    --out: the finished run's last line is printed, not an exit 2 after the work).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a stream that cannot change its error handler: left as it is
+                pass
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         load_plugins()
     except PluginError as e:
         print(f"grpo-lens: error: {e}", file=sys.stderr)
         return 2
-    parser = build_parser()
-    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -617,3 +617,40 @@ def test_a_tokenizer_asking_for_custom_code_never_runs_it(tmp_path, capsys, monk
     except Exception:  # noqa: BLE001 - refusing is fine; running the code is not
         pass
     assert seen == [False] and not (tmp_path / "ran.txt").exists()
+
+
+# --- item 9: a seed out of range, plugins for --version, an ASCII terminal ----------------------------------------
+@pytest.mark.e2e
+def test_a_seed_out_of_torchs_range_names_the_flag(tmp_path, capsys):
+    # Before: "Overflow when unpacking long long" from torch.manual_seed, after config.yaml was written.
+    assert main(TRAIN + ["--rewards", "test_alternating", "--seed", str(2**64), "--out", str(tmp_path / "r")]) == 2
+    line = one_error_line(capsys)
+    assert "--seed" in line and "2**64 - 1" in line and not (tmp_path / "r").exists()
+
+
+def _cli(args: list[str], env: dict[str, str], cwd: Path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    extra = env.pop("PYTHONPATH", "")
+    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), str(root / "tests"), extra]))}
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_lens.cli", *args], env=full, cwd=cwd, capture_output=True, timeout=120
+    )
+
+
+@pytest.mark.e2e
+def test_version_imports_no_plugin(tmp_path):
+    # A plugin module that would fail (or run anything) is not imported for --version.
+    (tmp_path / "noisy_plugin.py").write_text("raise SystemExit('imported')\n")
+    result = _cli(["--version"], {"GRPO_LENS_PLUGINS": "noisy_plugin", "PYTHONPATH": str(tmp_path)}, tmp_path)
+    assert result.returncode == 0 and result.stdout.decode().startswith("grpo-lens "), result.stderr
+
+
+@pytest.mark.e2e
+def test_an_ascii_terminal_with_a_non_ascii_out_prints_the_last_line(tmp_path):
+    run = training_run(tmp_path / "lauf-ü")
+    result = _cli(["report", str(run)], {"PYTHONIOENCODING": "ascii"}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "report written to" in result.stdout.decode("ascii") and "lauf-\\xfc" in result.stdout.decode("ascii")

@@ -260,7 +260,14 @@ class Probing:
 class Runtime:
     """Seed, precision and device."""
 
-    seed = Option(0, "Random seed (prompts, sampling, projections).")
+    seed = Option(
+        0,
+        "Random seed (prompts, sampling, projections).",
+        check=require(
+            lambda seed: -(2**63) <= seed < 2**64,
+            "must be between -2**63 and 2**64 - 1 (the range torch.manual_seed takes)",
+        ),
+    )
     dtype = Option(
         "float32",
         "Precision: float32; bfloat16 (bf16 weights and optimizer state: half the memory, but "
