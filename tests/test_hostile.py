@@ -654,3 +654,29 @@ def test_an_ascii_terminal_with_a_non_ascii_out_prints_the_last_line(tmp_path):
     result = _cli(["report", str(run)], {"PYTHONIOENCODING": "ascii"}, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "report written to" in result.stdout.decode("ascii") and "lauf-\\xfc" in result.stdout.decode("ascii")
+
+
+# --- item 9: rows once per epoch, selectable ----------------------------------------------------------------------
+def test_epoch_rows_are_each_row_once_per_pass_and_a_function_of_position():
+    from grpo_lens.tasks.base import epoch_rows
+
+    rows = list(range(8))
+    first = [epoch_rows(rows, 2, 2 * s, seed=0) for s in range(4)]  # 4 steps of B = 2: one epoch
+    assert sorted(r for step in first for r in step) == rows  # every row once (independent draws: 6 of 8, one twice)
+    second = epoch_rows(rows, 8, 8, seed=0)
+    assert sorted(second) == rows and second != [r for step in first for r in step]  # a new shuffle each epoch
+    assert epoch_rows(rows, 3, 7, seed=0) == [first[3][1], *second[:2]]  # across the epoch boundary, same rows
+    assert epoch_rows(rows, 8, 0, seed=1) != [r for step in first for r in step]  # the seed changes the order
+
+
+@pytest.mark.e2e
+def test_prompt_order_epoch_trains_every_row_once_per_pass(tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"row {i}:", "answer": str(i)}) + "\n" for i in range(4)))
+    out = tmp_path / "run"
+    argv = TRAIN + ["--rewards", "test_alternating", "--task", "jsonl", "--dataset", str(data), "--out", str(out)]
+    assert main([*argv, "--prompt-order", "epoch", "--max-steps", "4", "--log-completions", "1"]) == 0
+    seen = [json.loads(line)["prompt"] for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert sorted(seen) == [f"row {i}:" for i in range(4)], seen  # B = 1, 4 steps, 4 rows: each once
+    assert main(TRAIN + ["--rewards", "test_alternating", "--prompt-order", "epoch", "--out", str(tmp_path / "a")]) == 2
+    assert "--prompt-order epoch needs a dataset" in one_error_line(capsys)

@@ -92,6 +92,7 @@ from grpo_lens.rundir import (
 )
 from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
+from grpo_lens.tasks.base import epoch_rows
 from grpo_lens.tasks.user_data import file_fingerprint
 from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
@@ -295,6 +296,11 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
             f"of the {procs.world} processes holds (prompts_per_step / processes = {share})"
         )
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
+    if config.prompt_order == "epoch" and not (isinstance(getattr(task, "data", None), dict) and "train" in task.data):
+        raise ValueError(
+            f"--prompt-order epoch needs a dataset (--task jsonl --dataset FILE); task {config.task!r} draws "
+            f"its prompts itself, so it has no epochs here: use --prompt-order independent"
+        )
     reward_fns = parse_reward_specs(config.rewards)
     (example,) = task.sample(1, seed=config.seed)  # every reward function callable with the data's columns
     check_rewards_on_example(
@@ -780,7 +786,11 @@ def sample_round(
     """
     B, R, share = config.prompts_per_step, config.group_size, config.prompts_per_step // procs.world
     rseed = seed if rnd == 0 else step_seed(seed, rnd)
-    examples = task.sample(B, seed=rseed)[procs.rank * share : (procs.rank + 1) * share]
+    if rnd == 0 and config.prompt_order == "epoch":  # TRL's convention: each row once per pass (tasks.epoch_rows)
+        examples = epoch_rows(task.data["train"], B, (step - 1) * B, config.seed)
+    else:
+        examples = task.sample(B, seed=rseed)
+    examples = examples[procs.rank * share : (procs.rank + 1) * share]
     t_start = time.perf_counter()
     crash_point("during_generation", step, module=models.policy)
     with forward_precision(procs.device, config.dtype):
