@@ -680,3 +680,15 @@ def test_prompt_order_epoch_trains_every_row_once_per_pass(tmp_path, capsys):
     assert sorted(seen) == [f"row {i}:" for i in range(4)], seen  # B = 1, 4 steps, 4 rows: each once
     assert main(TRAIN + ["--rewards", "test_alternating", "--prompt-order", "epoch", "--out", str(tmp_path / "a")]) == 2
     assert "--prompt-order epoch needs a dataset" in one_error_line(capsys)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["mask", "filter"])
+def test_every_completion_truncated_under_overlong_mask_or_filter_stops_with_a_line(tmp_path, capsys, mode):
+    # The tiny random model never writes EOS within 2 tokens: every completion is cut, so mask / filter zero every
+    # advantage. Before: exit 0, nothing trained, no word.
+    out = tmp_path / "run"
+    argv = TRAIN + ["--rewards", "test_alternating", "--overlong", mode, "--max-steps", "2", "--out", str(out)]
+    assert main(argv) == 2
+    line = one_error_line(capsys)
+    assert "every completion of the last 2 steps was cut at --max-new-tokens 2" in line and f"--overlong {mode}" in line

@@ -251,6 +251,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         #    --max-consecutive-skips
         update_metrics.update(state.count_skipped(update_metrics[GUARD_SKIPPED_OPTIMIZER_STEPS] > 0))
         state.count_unscored(procs.sum_floats([float(rollouts.valid.sum())])[0] == 0)
+        state.count_untrained(  # --overlong mask / filter with every completion cut: no rollout has a gradient
+            config.overlong in ("mask", "filter")
+            and procs.sum_floats([float((~rollouts.batch.truncated).sum())])[0] == 0
+        )
         # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
         parts = [update_metrics, lens_metrics, baseline_metrics, {LR: models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
@@ -491,6 +495,11 @@ class RunState:
         """Count one trainer step, ``unscored`` when no rollout of any process got a valid reward
         (``guard["unscored"]``: consecutive such steps)."""
         self.guard["unscored"] = self.guard.get("unscored", 0) + 1 if unscored else 0
+
+    def count_untrained(self, untrained: bool) -> None:
+        """Count one trainer step, ``untrained`` when --overlong mask / filter zeroed every rollout's advantage (every
+        completion was cut at max_new_tokens): ``guard["untrained"]``, consecutive such steps."""
+        self.guard["untrained"] = self.guard.get("untrained", 0) + 1 if untrained else 0
 
 
 def check_before_writing(
@@ -1167,6 +1176,13 @@ def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run
             f"function failed (the first failure's traceback is in the log above; rewards {config.rewards}). Check "
             f"that the dataset has the columns the reward functions need (correctness needs 'answer'), fix the "
             f"function, and resume with --resume"
+        )
+    if state.guard.get("untrained", 0) >= min(config.max_consecutive_skips, config.max_steps):
+        procs.barrier()
+        raise NoScorableRolloutError(
+            f"step {step}: every completion of the last {state.guard['untrained']} steps was cut at "
+            f"--max-new-tokens {config.max_new_tokens}, and --overlong {config.overlong} gives a cut completion no "
+            f"gradient, so nothing trained; raise --max-new-tokens, or use --overlong none or soft-punish"
         )
     if state.guard["consecutive"] >= config.max_consecutive_skips:
         procs.barrier()
