@@ -692,3 +692,29 @@ def test_every_completion_truncated_under_overlong_mask_or_filter_stops_with_a_l
     assert main(argv) == 2
     line = one_error_line(capsys)
     assert "every completion of the last 2 steps was cut at --max-new-tokens 2" in line and f"--overlong {mode}" in line
+
+
+# --- item 8: probe on a full disk, into an unwritable folder -----------------------------------------------------
+PROBE = ["probe", "--model", "tiny", "--group-sizes", "2", "--prompts", "2", "--max-new-tokens", "2", "--no-progress"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("errno_name,expect", [("ENOSPC", "disk full while writing"), ("EACCES", "cannot write")])
+def test_probe_on_a_full_disk_or_unwritable_folder_is_one_line(tmp_path, capsys, monkeypatch, errno_name, expect):
+    # Before: the partial probe's torch.save raised its zip writer's RuntimeError (a traceback) on a full disk, and
+    # open() a PermissionError. Every probe file now goes through rundir.write_file: the error is one line.
+    import errno
+
+    import grpo_lens.rundir as rundir
+
+    real_open = os.open
+
+    def failing(path, flags, *args):
+        if ".pt.tmp-" in str(path):  # a partial probe's prompt record (torch.save), after its config.yaml
+            code = getattr(errno, errno_name)
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(rundir.os, "open", failing)
+    assert main([*PROBE, "--rewards", "test_alternating", "--out", str(tmp_path / "p")]) == 2
+    assert expect in one_error_line(capsys)

@@ -18,8 +18,9 @@ settings.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
-import os
 import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -30,7 +31,7 @@ import yaml
 
 from grpo_lens.config import ConfigError
 from grpo_lens.plugins import config_header
-from grpo_lens.rundir import atomic_write_text, read_saved_config
+from grpo_lens.rundir import atomic_write_text, disk_full, read_saved_config, write_file
 
 #: Probe settings that may differ when a probe resumes: they change no number (the train loop lets device change too).
 RESUMABLE_KEYS = ("progress", "device", "report_to")
@@ -73,13 +74,17 @@ class PromptRecord:
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
-    """torch.save ``obj`` to ``path`` through a temporary file, fsynced, and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """torch.save ``obj`` to ``path`` through :func:`grpo_lens.rundir.write_file` (a temporary file, fsynced, an
+    atomic rename; a planted link is replaced, never followed). Serialised in memory first, so a full disk shows
+    as the OSError (ENOSPC) the CLI prints as one line, not torch's zip writer's RuntimeError."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        write_file(path, buffer.getvalue())
+    except OSError as e:
+        if disk_full(e, path.parent):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+        raise
 
 
 class PartialProbe:
