@@ -718,3 +718,17 @@ def test_probe_on_a_full_disk_or_unwritable_folder_is_one_line(tmp_path, capsys,
     monkeypatch.setattr(rundir.os, "open", failing)
     assert main([*PROBE, "--rewards", "test_alternating", "--out", str(tmp_path / "p")]) == 2
     assert expect in one_error_line(capsys)
+
+
+@pytest.mark.e2e
+def test_a_non_utf8_config_names_the_file(tmp_path, capsys):
+    # Before: "'utf-8' codec can't decode byte 0xff ..." without the file's name.
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("model: tiny\n# caf\xe9\n".encode("latin-1"))
+    assert main(TRAIN + ["--config", str(bad), "--out", str(tmp_path / "run")]) == 2
+    line = one_error_line(capsys)
+    assert str(bad) in line and "not UTF-8" in line
+    run = training_run(tmp_path / "old")
+    (run / "config.yaml").write_bytes(bad.read_bytes())
+    assert main(["train", "--resume", "--out", str(run)]) == 2
+    assert str(run / "config.yaml") in one_error_line(capsys)
