@@ -732,3 +732,28 @@ def test_a_non_utf8_config_names_the_file(tmp_path, capsys):
     (run / "config.yaml").write_bytes(bad.read_bytes())
     assert main(["train", "--resume", "--out", str(run)]) == 2
     assert str(run / "config.yaml") in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "record,expect",
+    [
+        ({"status": "mixed", "s1_prediction": 0.5, "row": [1, 2]}, "field 'row' is a list, not a mapping"),
+        ({"status": "mixed", "s1_prediction": "0.5", "row": {}}, "field 's1_prediction' is a str, not a number"),
+        ({"status": "done"}, "field 'status' is 'done'"),
+        ({"status": "mixed"}, "a mixed group's record has no 'row'"),
+    ],
+    ids=["row-list", "s1-str", "status", "mixed-no-row"],
+)
+def test_a_partial_probe_record_with_wrong_field_types_is_one_line(tmp_path, record, expect):
+    # Before: the record loaded as it was (its types checked nowhere), to fail later, if at all, inside the analysis.
+    import torch
+
+    from grpo_lens.config import ConfigError
+    from grpo_lens.probe.partial import PartialProbe
+
+    probe = PartialProbe(tmp_path)
+    (probe.path / "R2").mkdir(parents=True)
+    torch.save(record, probe.path / "R2" / "prompt-00000.pt")
+    with pytest.raises(ConfigError, match="prompt-00000.pt") as err:
+        probe.prompt_records(2)
+    assert expect in str(err.value) and "delete it" in str(err.value)

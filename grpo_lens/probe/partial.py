@@ -73,6 +73,28 @@ class PromptRecord:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _checked_record(record: PromptRecord) -> PromptRecord:
+    """``record`` if its fields have the types a probe writes (a crafted or damaged one fails here, by field name,
+    not later inside the analysis).
+
+    Raises:
+        TypeError: naming the first field of another type.
+    """
+    if record.status not in ("invalid", "all_equal", "mixed"):
+        raise TypeError(f"field 'status' is {record.status!r}, not invalid, all_equal or mixed")
+    if record.s1_prediction is not None and (
+        isinstance(record.s1_prediction, bool) or not isinstance(record.s1_prediction, (int, float))
+    ):
+        raise TypeError(f"field 's1_prediction' is a {type(record.s1_prediction).__name__}, not a number")
+    for name in ("row", "extra", "check", "g2_weightings", "baseline_variance", "seconds"):
+        value = getattr(record, name)
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"field {name!r} is a {type(value).__name__}, not a mapping")
+    if record.status == "mixed" and record.row is None:
+        raise TypeError("a mixed group's record has no 'row'")
+    return record
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     """torch.save ``obj`` to ``path`` through :func:`grpo_lens.rundir.write_file` (a temporary file, fsynced, an
     atomic rename; a planted link is replaced, never followed). Serialised in memory first, so a full disk shows
@@ -156,10 +178,11 @@ class PartialProbe:
         records: list[PromptRecord] = []
         while (path := self._prompt_path(group_size, len(records))).is_file():
             try:
-                records.append(PromptRecord(**torch.load(path, weights_only=True)))
+                records.append(_checked_record(PromptRecord(**torch.load(path, weights_only=True))))
             except Exception as e:  # noqa: BLE001 - any unreadable record is reported with its recovery
+                why = " ".join(str(e).split())[:160]
                 raise ConfigError(
-                    f"--resume: cannot read {path} ({type(e).__name__}); delete it and every later "
+                    f"--resume: cannot read {path} ({type(e).__name__}: {why}); delete it and every later "
                     f"prompt-*.pt of {path.parent} to resume before it"
                 ) from None
         return records
