@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -362,6 +363,15 @@ def _from_folder(path: str, fix: str):
     Raises:
         ModelFolderError: naming the folder, the cause (first line) and ``fix``.
     """
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file():  # transformers ignores an invalid one with a warning; its stop tokens matter here
+        try:
+            json.loads(generation.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise ModelFolderError(
+                f"{generation} is not valid JSON ({type(e).__name__}); transformers would ignore it and with it the "
+                f"model's stop tokens: fix it, or delete it to use config.json's"
+            ) from None
     try:
         return _from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - config, weights, tokenizer, pickle: every failure to load means a bad folder

@@ -540,6 +540,10 @@ def _small_embedding(p: Path) -> None:
     model.save_pretrained(p, safe_serialization=True)
 
 
+def _bad_generation_config(p: Path) -> None:
+    (p / "generation_config.json").write_text('{"eos_token_id": [1, 2')
+
+
 def _pickled_bin(p: Path) -> None:
     import pickle
 
@@ -566,6 +570,7 @@ def _custom_tokenizer_code(p: Path) -> None:
         (_cut_tokenizer, "could not load the model folder"),
         (_small_embedding, "embedding has 100 rows but its tokenizer has 259 tokens"),
         (_pickled_bin, "could not load the model folder"),
+        (_bad_generation_config, "generation_config.json is not valid JSON"),
     ],
     ids=[
         "invalid-config",
@@ -574,6 +579,7 @@ def _custom_tokenizer_code(p: Path) -> None:
         "cut-tokenizer",
         "small-embedding",
         "pickle-bin",
+        "bad-generation-config",
     ],
 )
 def test_a_broken_model_folder_is_one_line_and_runs_nothing(tmp_path, capsys, tiny_folder, edit, expect):
