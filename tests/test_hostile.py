@@ -273,13 +273,13 @@ def test_yaml_alias_bomb_deep_nesting_and_recursion_are_refused_before_building(
     assert safe_load_yaml("a: &a [1, 2, 3, 4]\nb: [*a, *a, *a]")["b"] == [[1, 2, 3, 4]] * 3
 
 
-def test_yaml_integers_are_read_as_yaml_1_2():
+def test_yaml_integers_are_decimal_and_dumped_strings_read_back():
     # YAML 1.1 read 010 as octal 8 (max_steps: 010 trained 8 steps) and 1:30 as sexagesimal 90.
     from grpo_lens.config.base import safe_load_yaml
 
     assert safe_load_yaml("a: 010\nb: 0o10\nc: 0x1f\nd: -1_000\ne: 0b11\nf: 1:30\ng: '010'\nh: 7") == {
         "a": 10,
-        "b": 8,
+        "b": "0o10",  # safe_dump writes this string unquoted: it must read back as the string
         "c": 31,
         "d": -1000,
         "e": 3,
@@ -287,6 +287,10 @@ def test_yaml_integers_are_read_as_yaml_1_2():
         "g": "010",
         "h": 7,
     }
+    import yaml
+
+    for value in ("0o10", "1:30", "010", "0x1f", "1_000", "yes"):  # every string round-trips through safe_dump
+        assert safe_load_yaml(yaml.safe_dump({"v": value})) == {"v": value}
 
 
 @pytest.mark.e2e

@@ -489,12 +489,14 @@ def _check_yaml_size(root: yaml.Node) -> None:
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
-    """YAML 1.2's integers: ``010`` is ten (YAML 1.1 read it as octal 8: ``max_steps: 010`` trained 8 steps), ``0o10``
-    octal, ``0x10`` hex, ``0b10`` binary, ``_`` separators allowed."""
+    """Decimal integers as YAML 1.2 reads them: ``010`` is ten (YAML 1.1 read it as octal 8: ``max_steps: 010``
+    trained 8 steps); ``0x10`` hex and ``0b10`` binary as before, ``_`` separators allowed. ``0o10`` stays a string
+    (yaml.safe_dump writes such a string unquoted, so reading it as a number would change a saved value), and so does
+    YAML 1.1's sexagesimal ``1:30``."""
     text = loader.construct_scalar(node).replace("_", "")
     sign = -1 if text.startswith("-") else 1
     body = text.lstrip("+-")
-    for prefix, base in (("0x", 16), ("0o", 8), ("0b", 2)):
+    for prefix, base in (("0x", 16), ("0b", 2)):
         if body.lower().startswith(prefix):
             return sign * int(body[2:], base)
     return sign * int(body, 10)
@@ -507,7 +509,7 @@ UniqueKeyLoader.yaml_implicit_resolvers = {
 }
 UniqueKeyLoader.add_implicit_resolver(
     _INT_TAG,
-    re.compile(r"^(?:[-+]?0b[01_]+|[-+]?0o[0-7_]+|[-+]?[0-9][0-9_]*|[-+]?0x[0-9a-fA-F_]+)$", re.X),
+    re.compile(r"^(?:[-+]?0b[01_]+|[-+]?[0-9][0-9_]*|[-+]?0x[0-9a-fA-F_]+)$", re.X),
     list("-+0123456789"),
 )
 UniqueKeyLoader.add_constructor(_INT_TAG, _construct_int)
