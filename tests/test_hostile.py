@@ -245,6 +245,10 @@ def test_prompt_lengths_equal_the_one_prompt_token_count():
     with pytest.raises(PromptFormatError, match="System role not supported.*system message") as err:
         prompt_lengths(tok, ["a", [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}]])
     assert err.value.index == 1
+    tok.chat_template = "{{ cycler.__init__.__globals__.os.popen('touch ran.txt').read() }}"  # a crafted template
+    with pytest.raises(PromptFormatError, match="SecurityError"):  # transformers' sandbox refuses; one line
+        prompt_lengths(tok, ["a"])
+    assert not Path("ran.txt").exists()
 
 
 # --- item 7: resource bombs --------------------------------------------------------------------------------------
