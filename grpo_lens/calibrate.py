@@ -605,7 +605,7 @@ def _s1_records(
 
 def _trend_data(runs: list[list[dict[str, float]]]) -> dict[str, Any]:
     """What a training claim reads: one run's records, or several seeds' (as the report of `train --seeds` passes)."""
-    return {"records": runs[0], **({"seeds": runs} if len(runs) > 1 else {})}
+    return {"records": runs[0], **({"seed_runs": runs} if len(runs) > 1 else {})}
 
 
 def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
@@ -1224,6 +1224,62 @@ class PlantedFileError(ValueError):
     """A ``--planted`` file whose arrays are missing or malformed (one line, naming the array and the shape)."""
 
 
+#: The most bytes a ``--planted`` file's arrays may hold, as their headers declare and as the zip stores them
+#: (a calibration file of 200 trials x 64 groups of R = 8 holds 6.6 MB).
+MAX_PLANTED_BYTES = 1 << 30
+
+
+def check_npz_sizes(path: Path, limit: int = MAX_PLANTED_BYTES) -> None:
+    """Refuse a ``.npz`` whose arrays would not fit in ``limit`` bytes before any is read: each member's uncompressed
+    size in the zip directory and each array's shape x itemsize from its .npy header (only the header is
+    decompressed), so a 2 MB zip bomb or a header claiming 10^12 entries costs nothing.
+
+    Raises:
+        PlantedFileError: not a zip archive (a bare .npy, any other file), an unreadable member or header, or over
+            ``limit`` (naming the array and its size).
+    """
+    import zipfile
+
+    import numpy as np
+
+    fmt = np.lib.format
+    if not Path(path).is_file():
+        raise PlantedFileError(f"{path}: no such file; pass the .npz that numpy.savez wrote")
+    if not zipfile.is_zipfile(path):
+        raise PlantedFileError(
+            f"{path}: not a .npz archive (a zip of .npy arrays, as numpy.savez writes); a bare .npy holds one array, "
+            f"and --planted needs gram and rewards: np.savez(FILE, gram=..., rewards=...)"
+        )
+    total = 0
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                name = info.filename.removesuffix(".npy")
+                if info.file_size > limit:
+                    raise PlantedFileError(
+                        f"{path}: array '{name}' unpacks to {info.file_size:,} bytes, more than the {limit:,} a "
+                        f"planted file may hold"
+                    )
+                with archive.open(info) as f:
+                    version = fmt.read_magic(f)
+                    if version not in ((1, 0), (2, 0)):
+                        raise ValueError(f".npy format version {version} (numpy.savez writes 1.0 or 2.0)")
+                    read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+                    shape, _, dtype = read(f)
+                declared = math.prod(shape) * dtype.itemsize
+                total += declared
+                if declared > limit or total > limit:
+                    raise PlantedFileError(
+                        f"{path}: array '{name}' declares shape {list(shape)} of {dtype} ({declared:,} bytes), more "
+                        f"than the {limit:,} a planted file may hold"
+                    )
+    except PlantedFileError:
+        raise
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        why = " ".join(str(e).split())[:160]
+        raise PlantedFileError(f"{path}: not a readable .npz file ({type(e).__name__}: {why})") from None
+
+
 def read_planted(path: Path) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """(gram [trials, n, R, R] float64, rewards [trials, n, R], dim or None) from a ``.npz`` file, checked.
 
@@ -1233,6 +1289,7 @@ def read_planted(path: Path) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """
     import numpy as np  # optional at import time: only this command reads .npz files
 
+    check_npz_sizes(path)
     try:
         data = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:

@@ -160,6 +160,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
     from grpo_lens.models import export_model, model_folder
 
     if args.export:
+        check_out_folder(Path(args.export), "--export")  # before the model is loaded or converted
         print(f"model {args.model} saved to {export_model(args.model, args.export)}")
     else:
         print(model_folder(args.model))
@@ -263,14 +264,33 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_out_folder(out: Path, flag: str = "--out") -> None:
+    """``--out`` of calibrate / model --export: a folder, or a path that can be made one under a writable folder.
+
+    Raises:
+        ConfigError: a file at or above ``out``, or a folder this user cannot write (one line, before any work).
+    """
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        what = "is a file" if base == out else f"is under the file {base}"
+        raise ConfigError(f"{flag} {out} {what}, so no folder can be made there; choose another {flag}")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {out}: {base} is not writable by this user; choose another {flag}")
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from grpo_lens.calibrate import CalibrationConfig, PlantedFileError, render, run_calibration, run_planted
 
+    check_out_folder(Path(args.out))  # before minutes of computing
+    if args.trials < 1:
+        raise ConfigError(f"--trials {args.trials}: must be >= 1 (trials per planted cell; default 200)")
     if args.planted:
         try:
             run_planted(Path(args.planted), Path(args.out))
         except PlantedFileError as e:
-            print(f"grpo-lens calibrate: {e}", file=sys.stderr)
+            print(f"grpo-lens calibrate: error: {e}", file=sys.stderr)
             return 2
         return 0
     config = CalibrationConfig.quick() if args.quick else CalibrationConfig(trials=args.trials, seed=args.seed)
@@ -391,14 +411,25 @@ def _show_config_warning(show: Callable[..., None], command: str) -> Callable[..
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``grpo-lens`` console script; returns the exit status (2: bad input, one line on stderr)."""
+    """Entry point of the ``grpo-lens`` console script; returns the exit status (2: bad input, one line on stderr).
+
+    The arguments are parsed before the plugins are imported (``--version`` and ``--help`` import none), and
+    stdout / stderr write what their encoding cannot hold as escapes (``PYTHONIOENCODING=ascii`` with a non-ASCII
+    --out: the finished run's last line is printed, not an exit 2 after the work).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a stream that cannot change its error handler: left as it is
+                pass
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         load_plugins()
     except PluginError as e:
         print(f"grpo-lens: error: {e}", file=sys.stderr)
         return 2
-    parser = build_parser()
-    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

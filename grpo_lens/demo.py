@@ -175,7 +175,7 @@ def _run_demo(config: DemoConfig) -> Path:
     from grpo_lens.rundir import clear_run_dir, run_dir_entries
     from grpo_lens.train.loop import train
 
-    out = Path(config.out)
+    out = Path(config.out).absolute()  # a reward function may os.chdir
     train_cfg = config.train_config()  # validates the training settings before any stage runs
     saved_path = out / "demo.yaml"
     settings = {k: v for k, v in config.to_dict().items() if k not in ("overwrite", "device")}

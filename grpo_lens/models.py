@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -185,6 +186,22 @@ def _finish_tokenizer(tokenizer):
     return tokenizer
 
 
+def _check_vocabulary(model, tokenizer, name: str) -> None:
+    """The model must have an embedding row for every token id the tokenizer can give (else the first forward fails
+    with an index error deep in torch).
+
+    Raises:
+        ModelFolderError: the embedding is smaller than the tokenizer, with both sizes.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if isinstance(rows, int) and rows < len(tokenizer):
+        raise ModelFolderError(
+            f"model {name}: its embedding has {rows:,} rows but its tokenizer has {len(tokenizer):,} tokens, so "
+            f"some token ids have no embedding; pair the model with its own tokenizer (or resize the embedding)"
+        )
+
+
 def _finish_model(model, tokenizer, dtype: torch.dtype, device: str | torch.device):
     model = model.to(device=device, dtype=dtype)
     if tokenizer.pad_token_id is not None:
@@ -300,8 +317,8 @@ def same_model_key(name_or_path: str | os.PathLike) -> str:
 def _convert_gguf(source: ModelSource, target: Path) -> None:
     """Dequantise a GGUF file with transformers and save it as safetensors under ``target``, atomically."""
     logger.info("converting %s/%s to safetensors (once; cached at %s)", source.path, source.gguf_file, target)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
     # A dequantised model is a plain float model: drop the GGUF quantizer so that save_pretrained writes ordinary
     # safetensors and from_pretrained does not try to re-quantise them.
     model.hf_quantizer = None
@@ -325,10 +342,41 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+class ModelFolderError(ModelNotFoundError):
+    """A local model folder (or the cached conversion of the default model) that exists but cannot be loaded: an
+    invalid config.json, no weights, weights of other shapes, a pickle that weights_only refuses, a cut tokenizer,
+    custom code, an embedding smaller than the tokenizer. One line naming the folder and the cause."""
+
+
 def _from_pretrained(path: str, **kwargs):
+    """Model and tokenizer by ``from_pretrained``, never running code from the folder or the hub
+    (``trust_remote_code=False``: a tokenizer or model asking for custom code is refused, not prompted for)."""
+    kwargs["trust_remote_code"] = False
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     return model, tokenizer
+
+
+def _from_folder(path: str, fix: str):
+    """:func:`_from_pretrained` of a local folder; any failure is one line.
+
+    Raises:
+        ModelFolderError: naming the folder, the cause (first line) and ``fix``.
+    """
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file():  # transformers ignores an invalid one with a warning; its stop tokens matter here
+        try:
+            json.loads(generation.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise ModelFolderError(
+                f"{generation} is not valid JSON ({type(e).__name__}); transformers would ignore it and with it the "
+                f"model's stop tokens: fix it, or delete it to use config.json's"
+            ) from None
+    try:
+        return _from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - config, weights, tokenizer, pickle: every failure to load means a bad folder
+        why = " ".join(str(e).split())[:300]
+        raise ModelFolderError(f"could not load the model folder {path} ({type(e).__name__}: {why}); {fix}") from None
 
 
 #: Seconds :func:`hub_reachable` waits for a TCP connection to the hub before a download is attempted.
@@ -464,13 +512,20 @@ def load_model(
             target = _gguf_cache_path(source)
             if not (target / "config.json").is_file():
                 _convert_gguf(source, target)
-            model, tokenizer = _from_pretrained(str(target))
+            model, tokenizer = _from_folder(
+                str(target), f"the cached conversion is damaged: delete {target} to convert the model again"
+            )
         else:
             model, tokenizer = _from_pretrained(source.path, gguf_file=source.gguf_file)
             model.hf_quantizer = None
     elif source.kind == "local":
-        model, tokenizer = _from_pretrained(source.path)
+        model, tokenizer = _from_folder(
+            source.path,
+            "check its config.json, its weights (model.safetensors) and tokenizer files, or save the model again "
+            "with save_pretrained",
+        )
     else:
         model, tokenizer = _from_hub(source)
+    _check_vocabulary(model, tokenizer, str(name_or_path))
     tokenizer = _finish_tokenizer(tokenizer)
     return _finish_model(model, tokenizer, dtype, device), tokenizer

@@ -465,7 +465,7 @@ def prompt_token_ids(tokenizer, prompt) -> list[int]:
       added on top.
 
     Raises:
-        ValueError: chat messages with a tokenizer that has no chat template.
+        ValueError: chat messages with a tokenizer that has no chat template, or a template that fails on them.
     """
     if getattr(tokenizer, "chat_template", None) is None:
         if isinstance(prompt, str):
@@ -474,12 +474,64 @@ def prompt_token_ids(tokenizer, prompt) -> list[int]:
             "the tokenizer has no chat template, so chat-message prompts cannot be formatted; set "
             "tokenizer.chat_template or pass plain string prompts"
         )
+    return list(tokenizer(_render(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+
+
+class PromptFormatError(ValueError):
+    """A prompt cannot be formatted for the model; ``index`` is its 0-based position in the list given."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
+def _render(tokenizer, prompt) -> str:
+    """The text :func:`prompt_token_ids` tokenizes for ``prompt`` under a chat template (without BOS added)."""
     messages = _as_messages(prompt)
     prefill = bool(messages) and messages[-1].get("role") == "assistant"
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=not prefill, continue_final_message=prefill
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not prefill, continue_final_message=prefill
+        )
+    except Exception as e:  # noqa: BLE001 - a template's own raise_exception, or a message it cannot render
+        why = " ".join(str(e).split())[:200]
+        raise ValueError(
+            f"the tokenizer's chat template fails on this prompt ({type(e).__name__}: {why}); e.g. some templates "
+            f"(Gemma, Mistral) refuse a system message: drop it or use another model"
+        ) from None
+
+
+def prompt_lengths(tokenizer, prompts: list, chunk: int = 1024) -> list[int]:
+    """``len(prompt_token_ids(tokenizer, p))`` of every prompt, tokenized ``chunk`` at a time (one tokenizer call
+    per chunk, so that a dataset's every row can be checked against the context at start: 100,000 rows in seconds).
+
+    Raises:
+        PromptFormatError: a chat-message prompt without a chat template, or a chat template that fails on a prompt
+            (e.g. Gemma's and Mistral's refuse a system message), with the prompt's index and the template's words.
+    """
+    template = getattr(tokenizer, "chat_template", None) is not None
+    lengths: list[int] = []
+    for start in range(0, len(prompts), chunk):
+        part = prompts[start : start + chunk]
+        if template:
+            texts = []
+            for i, p in enumerate(part):
+                try:
+                    texts.append(_render(tokenizer, p))
+                except ValueError as e:
+                    raise PromptFormatError(start + i, str(e)) from None
+            encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        else:
+            for i, p in enumerate(part):
+                if not isinstance(p, str):
+                    raise PromptFormatError(
+                        start + i,
+                        "the tokenizer has no chat template, so chat-message prompts cannot be formatted; set "
+                        "tokenizer.chat_template or pass plain string prompts",
+                    )
+            encoded = tokenizer(list(part))["input_ids"]
+        lengths += [len(ids) for ids in encoded]
+    return lengths
 
 
 def _example_fields(example) -> tuple[object, dict]:

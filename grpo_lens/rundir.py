@@ -24,6 +24,8 @@ environment variable ``GRPO_LENS_TEST_KILL_AT`` names the point (see tests/train
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import fcntl
 import functools
@@ -33,6 +35,7 @@ import math
 import os
 import pickle
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -138,8 +141,8 @@ def read_saved_config(
         ``error``: the file is unreadable, not YAML, or does not hold a mapping.
     """
     try:
-        values = safe_load_yaml(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+        values = safe_load_yaml(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
         why = f"{type(e).__name__}: {yaml_error_line(e)}" if isinstance(e, yaml.YAMLError) else type(e).__name__
         raise error(f"--resume: cannot read {path} ({why}); {remedy}") from None
     if values is None and empty_ok:
@@ -149,15 +152,79 @@ def read_saved_config(
     return values
 
 
+class UnsafeWriteError(RunDirError):
+    """A write would leave the folder it belongs to through a symbolic link, or the folder cannot be written."""
+
+
+#: The folder every :func:`write_file` of the current context must stay inside (:func:`writes_confined_to`).
+_WRITE_ROOT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("grpo_lens_write_root", default=None)
+
+
+@contextlib.contextmanager
+def writes_confined_to(root: str | Path):
+    """Within the block, :func:`write_file` refuses any file whose folder resolves outside ``root`` (a planted
+    ``plots -> /etc`` link): ``report`` confines its writes to the run directory, ``compare`` to its --out."""
+    token = _WRITE_ROOT.set(Path(root).resolve())
+    try:
+        yield
+    finally:
+        _WRITE_ROOT.reset(token)
+
+
+def write_file(path: str | Path, data: bytes | str, root: str | Path | None = None) -> Path:
+    """Write ``data`` to ``path`` the one safe way: into a new temporary file beside it (``O_EXCL | O_NOFOLLOW``: a
+    link planted at that name is never opened), fsynced, then renamed over ``path`` (``os.replace`` replaces a
+    symbolic link at ``path`` itself, never the file it points to). Every report, plot, compare and probe file is
+    written through here, so no file outside the folder written changes.
+
+    Args:
+        path: the file.   data: its bytes (text is written as UTF-8).
+        root: the folder ``path`` must stay inside once links are resolved; default the one of the enclosing
+            :func:`writes_confined_to` (none: only the link at ``path`` itself is guarded).
+
+    Raises:
+        UnsafeWriteError: ``path``'s folder resolves outside ``root`` (a symbolic link on the way), ``path`` is a
+            folder, or the folder is not writable by this user (one line naming it).
+        OSError: the disk is full (ENOSPC), shown by the CLI as one line.
+    """
+    path = Path(path)
+    base = Path(root).resolve() if root is not None else _WRITE_ROOT.get()
+    if base is not None:
+        parent = path.parent.resolve()
+        if parent != base and base not in parent.parents:
+            raise UnsafeWriteError(
+                f"{path}: its folder leads to {parent}, outside {base}, through a symbolic link; nothing is "
+                f"written through a link that leaves the folder written: remove the link"
+            )
+    if path.is_dir() and not path.is_symlink():
+        raise UnsafeWriteError(f"{path} is a folder, so the file cannot be written there; move the folder away")
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except (PermissionError, IsADirectoryError, NotADirectoryError, FileNotFoundError) as e:
+        raise UnsafeWriteError(
+            f"cannot write {path} ({e.strerror or type(e).__name__}); choose a folder this user can write, or "
+            f"fix its permissions"
+        ) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """Write ``text`` to ``path`` through a temporary file and an atomic rename (:func:`write_file`: a symbolic link
+    at ``path`` is replaced, never followed)."""
+    write_file(path, text)
+    _fsync_dir(Path(path).parent)
 
 
 def disk_full(err: BaseException, where: Path) -> bool:
@@ -410,7 +477,8 @@ class RunDir:
     """
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        # absolute now: a reward function that calls os.chdir (a code sandbox) must not move the run's later writes
+        self.path = Path(path).absolute()
         self.config_path = self.path / "config.yaml"
         self.metrics_path = self.path / "metrics.jsonl"
         self.completions_path = self.path / "completions.jsonl"
@@ -469,12 +537,33 @@ class RunDir:
                     f"(no config.yaml); --overwrite only replaces a run, so choose another --out or "
                     f"empty it yourself"
                 )
-            if not overwrite:
+            if not overwrite and self.never_stepped():
+                logging.getLogger(__name__).warning(
+                    "%s holds a run that stopped before its first step ended (config.yaml and nothing else): "
+                    "replacing it",
+                    self.path,
+                )
+            elif not overwrite:
                 raise RunDirError(
                     f"output directory {self.path} already holds a run; pass --resume to continue "
                     f"it, --overwrite to replace it, or choose another --out"
                 )
         return config_dict
+
+    def never_stepped(self) -> bool:
+        """Whether the directory holds a run that stopped before its first step ended: config.yaml, and at most empty
+        metrics / completions files and an empty checkpoints folder (a failed first step, e.g. out of memory, or a
+        kill). Such a run has nothing to lose, so a new run replaces it without --overwrite."""
+        allowed = {"config.yaml", "metrics.jsonl", "completions.jsonl", "checkpoints"}
+        entries = run_dir_entries(self.path)
+        if any(p.name not in allowed or p.is_symlink() for p in entries):
+            return False
+        for p in entries:
+            if p.is_dir() and (p.name != "checkpoints" or any(p.iterdir())):
+                return False
+            if p.name.endswith(".jsonl") and (not p.is_file() or p.stat().st_size > 0):
+                return False
+        return True
 
     def check_writable(self) -> None:
         """The directory, or the nearest folder above it that exists, must be a writable directory.
@@ -748,6 +837,41 @@ class RunDir:
         return f"delete {bad} and {pointer} to restart the run from step 0 (no older checkpoint is left)"
 
 
+def loads_json(text: str | bytes, where: str, error: type[Exception] = RunDirError, **kwargs: Any) -> Any:
+    """``json.loads(text, **kwargs)`` that turns a document nested too deep for Python (``[[[[...`` 100,000 levels:
+    RecursionError) into one line naming ``where`` (a file, and a line of it). Other JSON errors pass through.
+
+    Raises:
+        ``error``: nested too deep.   json.JSONDecodeError: not valid JSON.
+    """
+    try:
+        return json.loads(text, **kwargs)
+    except RecursionError:
+        raise error(
+            f"{where}: JSON nested deeper than Python can read (thousands of levels); nothing grpo-lens writes or "
+            f"reads is nested like that: fix or delete it"
+        ) from None
+
+
+def read_json_file(path: str | Path, error: type[Exception] = RunDirError, fix: str = "restore it or delete it") -> Any:
+    """The JSON value in ``path`` (probe.json, a partial probe's record), read the one bounded way.
+
+    Raises:
+        ``error``: one line naming the file: unreadable, not UTF-8, not valid JSON (where), or nested too deep.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte {e.start}); {fix}") from None
+    except OSError as e:
+        raise error(f"cannot read {path} ({e.strerror or type(e).__name__}); {fix}") from None
+    try:
+        return loads_json(text, str(path), error)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}; cut?); {fix}") from None
+
+
 def read_record_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) of every record line of a run-directory JSONL file (metrics.jsonl, completions.jsonl): the one
     reader of resume, report, compare and the trackers. Blank lines are skipped, and so is a last line that is not
@@ -770,7 +894,7 @@ def read_record_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for i, (n, line) in enumerate(numbered):
         try:
-            rec = json.loads(line)
+            rec = loads_json(line, f"{path}, line {n}")
         except json.JSONDecodeError as e:
             if i == len(numbered) - 1:
                 continue  # the last line, cut by a kill mid-write
@@ -836,8 +960,8 @@ def read_train_seeds(run_dir: str | Path) -> list[Path] | None:
     if not path.is_file():
         return None
     try:
-        record = json.loads(path.read_text())
-    except ValueError:
+        record = read_json_file(path)
+    except (RunDirError, ValueError):
         return None
     dirs = record.get("dirs") if isinstance(record, dict) else None
     if not isinstance(dirs, list):

@@ -3,7 +3,7 @@
 :func:`sparsity_intensifies`: the trend of the policy gradient's Hoyer sparsity over the lens steps (first and the
 LR warm-up's excluded), by the first-difference slope test in one run; :func:`zero_variance_share_rises`: the trend of
 S1 over every step after the warm-up, by the OLS slope's fixed-b HAC test in one run. When the data hold several
-seeds (``data["seeds"]``, from `train --seeds`) both take each seed's OLS slope and a t over seeds
+seeds (``data["seed_runs"]``, from `train --seeds`) both take each seed's OLS slope and a t over seeds
 (:func:`trend_verdict`). :func:`most_parameters_unchanged`: the float32-unchanged share since the start above 0.5,
 with the bf16-unchanged share (S4) against its within-tensor permutation control. All read a training run's records,
 passed as ``{"records": [metrics.jsonl records], "lora_rank": r}`` (the report evaluates :data:`TRAINING_CLAIMS` on
@@ -163,9 +163,9 @@ def trend_verdict(series: list[Series], min_points: int, within: str) -> tuple[s
 
 
 def seed_records(data: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    """The runs a training claim reads: ``data["seeds"]`` (one metrics.jsonl record list per seed, from `train
+    """The runs a training claim reads: ``data["seed_runs"]`` (one metrics.jsonl record list per seed, from `train
     --seeds`) when it holds two or more, else the one run of ``data["records"]``."""
-    seeds = [list(r) for r in data.get("seeds") or [] if r]
+    seeds = [list(r) for r in data.get("seed_runs") or [] if r]
     return seeds if len(seeds) >= 2 else [list(data.get("records") or [])]
 
 

@@ -56,6 +56,16 @@ def at_least(low: float, why: str | None = None) -> Check:
     return require(lambda value: value >= low, why or f"must be >= {low}")
 
 
+def at_most(high: float, why: str | None = None) -> Check:
+    """``value <= high``; the message defaults to ``must be <= high``."""
+    return require(lambda value: value <= high, why or f"must be <= {high}")
+
+
+def all_of(*checks: Check) -> Check:
+    """The first failing check's message, or None when every check passes."""
+    return lambda value: next((why for why in (c(value) for c in checks) if why), None)
+
+
 def above(low: float, why: str | None = None) -> Check:
     """``value > low``; the message defaults to ``must be > low``."""
     return require(lambda value: value > low, why or f"must be > {low}")
@@ -372,9 +382,11 @@ class ConfigFile:
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            values = safe_load_yaml(p.read_text()) or {}
+            values = safe_load_yaml(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {yaml_error_line(e)}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
         if not isinstance(values, dict):
             raise ConfigError(f"config file {p} must hold a mapping of field: value, got {type(values).__name__}")
         return cls.canonical(values, f"in {p}")
@@ -413,14 +425,108 @@ class UniqueKeyLoader(yaml.SafeLoader):
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
+    # -- bounds: a settings file is small; an alias bomb or a 100,000-deep list is refused before it is built ------
+    def get_single_node(self):
+        try:
+            node = super().get_single_node()
+        except RecursionError:
+            raise yaml.YAMLError(
+                f"nested deeper than Python can read (a settings file needs at most {MAX_YAML_DEPTH} levels)"
+            ) from None
+        if node is not None:
+            _check_yaml_size(node)
+        return node
+
+
+#: The most nodes a YAML document may expand to, aliases counted at every use (a settings file has a few hundred):
+#: a 1 KB "billion laughs" of nested aliases expands to 10^9 and is refused before it is built.
+MAX_YAML_NODES = 100_000
+
+#: The deepest nesting a YAML document may have.
+MAX_YAML_DEPTH = 64
+
+#: The largest YAML text read (bytes): config.yaml, --config, demo.yaml.
+MAX_YAML_BYTES = 1 << 20
+
+
+def _check_yaml_size(root: yaml.Node) -> None:
+    """Refuse a composed YAML document that expands to more than :data:`MAX_YAML_NODES` nodes or nests deeper than
+    :data:`MAX_YAML_DEPTH` (aliases expanded: a node used by n aliases counts n times). Iterative and memoized by
+    node, so a bomb costs its composed size (a few KB), not its expansion."""
+    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, depth)
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    on_path: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if key in sizes and not done:
+            continue
+        children = (
+            [n for pair in node.value for n in pair]
+            if isinstance(node, yaml.MappingNode)
+            else list(node.value)
+            if isinstance(node, yaml.SequenceNode)
+            else []
+        )
+        if not done:
+            if key in on_path:  # a recursive alias (&a [*a]): its expansion is infinite
+                raise yaml.YAMLError("a recursive alias (an anchor used inside itself); write the value out")
+            on_path.add(key)
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        on_path.discard(key)
+        total = 1 + sum(sizes[id(c)][0] for c in children)
+        depth = 1 + max((sizes[id(c)][1] for c in children), default=0)
+        if total > MAX_YAML_NODES:
+            raise yaml.YAMLError(
+                f"expands to more than {MAX_YAML_NODES:,} values (aliases counted at each use: an alias bomb?); "
+                f"a settings file is a few hundred"
+            )
+        if depth > MAX_YAML_DEPTH:
+            raise yaml.YAMLError(f"nested {depth} levels deep, more than {MAX_YAML_DEPTH}")
+        sizes[key] = (total, depth)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    """Decimal integers as YAML 1.2 reads them: ``010`` is ten (YAML 1.1 read it as octal 8: ``max_steps: 010``
+    trained 8 steps); ``0x10`` hex and ``0b10`` binary as before, ``_`` separators allowed. ``0o10`` stays a string
+    (yaml.safe_dump writes such a string unquoted, so reading it as a number would change a saved value), and so does
+    YAML 1.1's sexagesimal ``1:30``."""
+    text = loader.construct_scalar(node).replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    body = text.lstrip("+-")
+    for prefix, base in (("0x", 16), ("0b", 2)):
+        if body.lower().startswith(prefix):
+            return sign * int(body[2:], base)
+    return sign * int(body, 10)
+
+
+_INT_TAG = "tag:yaml.org,2002:int"
+UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _INT_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+UniqueKeyLoader.add_implicit_resolver(
+    _INT_TAG,
+    re.compile(r"^(?:[-+]?0b[01_]+|[-+]?[0-9][0-9_]*|[-+]?0x[0-9a-fA-F_]+)$", re.X),
+    list("-+0123456789"),
+)
+UniqueKeyLoader.add_constructor(_INT_TAG, _construct_int)
+
 
 def safe_load_yaml(text: str) -> Any:
     """``yaml.safe_load`` that refuses duplicate keys (:class:`UniqueKeyLoader`): for --config files, YAML-mapping
-    flags (``--task-options``), a resumed run's config.yaml and a demo's demo.yaml.
+    flags (``--task-options``), a resumed run's config.yaml, a report's or compare's config.yaml and a demo's
+    demo.yaml. Bounded: at most :data:`MAX_YAML_BYTES` of text, :data:`MAX_YAML_NODES` values with aliases expanded
+    and :data:`MAX_YAML_DEPTH` levels, checked before anything is built; integers as YAML 1.2 reads them (``010`` is
+    10, not octal 8).
 
     Raises:
-        yaml.YAMLError: not valid YAML, or a key twice in one mapping (naming the key and both lines).
+        yaml.YAMLError: not valid YAML, a key twice in one mapping (naming the key and both lines), or over a bound.
     """
+    if len(text) > MAX_YAML_BYTES:
+        raise yaml.YAMLError(f"{len(text):,} characters, more than the {MAX_YAML_BYTES:,} a settings file may have")
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 

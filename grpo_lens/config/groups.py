@@ -36,7 +36,9 @@ from grpo_lens.config.base import (
     ConfigFile,
     Option,
     above,
+    all_of,
     at_least,
+    at_most,
     one_of,
     require,
 )
@@ -120,13 +122,22 @@ class TaskData:
     )
 
 
+#: The largest group size R: a group's R rollouts are sampled in one batch and its R x R Grams kept (R = 10^9 failed
+#: in a 488 GB allocation after config.yaml was written).
+MAX_GROUP_SIZE = 4096
+MAX_GROUP_SIZE_WHY = f"must be at most {MAX_GROUP_SIZE:,} (R rollouts per prompt and R x R Grams are held in memory)"
+
+
 class Sampling:
     """How many completions are sampled, and how."""
 
     group_size = Option(
         8,
         "R: completions sampled per prompt (the group). At least 2.",
-        check=at_least(2, "GRPO needs at least 2 completions per prompt to form a baseline; use 2 or more"),
+        check=all_of(
+            at_least(2, "GRPO needs at least 2 completions per prompt to form a baseline; use 2 or more"),
+            at_most(MAX_GROUP_SIZE, MAX_GROUP_SIZE_WHY),
+        ),
     )
     prompts_per_step = Option(4, "B: prompts per optimizer step, so B*R rollouts per step.", check=at_least(1))
     max_new_tokens = Option(
@@ -236,8 +247,8 @@ class Probing:
         "Group sizes R to probe.",
         item_type=int,
         check=require(
-            lambda sizes: sizes and all(isinstance(R, int) and R >= 2 for R in sizes),
-            "each group size must be an integer >= 2",
+            lambda sizes: sizes and all(isinstance(R, int) and 2 <= R <= MAX_GROUP_SIZE for R in sizes),
+            f"each group size must be an integer >= 2 and <= {MAX_GROUP_SIZE:,}",
         ),
     )
     prompts = Option(
@@ -251,7 +262,14 @@ class Probing:
 class Runtime:
     """Seed, precision and device."""
 
-    seed = Option(0, "Random seed (prompts, sampling, projections).")
+    seed = Option(
+        0,
+        "Random seed (prompts, sampling, projections).",
+        check=require(
+            lambda seed: -(2**63) <= seed < 2**64,
+            "must be between -2**63 and 2**64 - 1 (the range torch.manual_seed takes)",
+        ),
+    )
     dtype = Option(
         "float32",
         "Precision: float32; bfloat16 (bf16 weights and optimizer state: half the memory, but "

@@ -95,6 +95,13 @@ class TrainConfig(ConfigFile):
     temperature: float = Sampling.temperature()
     top_p: float = Sampling.top_p()
     top_k: int = Sampling.top_k()
+    prompt_order: str = option(
+        "independent",
+        "How each step draws its B prompts from a dataset's rows: independent (each step B distinct rows at random, "
+        "independently of other steps, so a row can come back before every row was seen) or epoch (TRL's "
+        "convention: shuffled passes over the rows, each row once per epoch; needs --task jsonl with --dataset).",
+        check=one_of(("independent", "epoch")),
+    )
     dynamic_sampling: bool = option(
         False,
         "DAPO dynamic sampling (arXiv 2503.14476): sample extra rounds of prompts "

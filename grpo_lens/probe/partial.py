@@ -18,8 +18,9 @@ settings.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
-import os
 import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -30,7 +31,7 @@ import yaml
 
 from grpo_lens.config import ConfigError
 from grpo_lens.plugins import config_header
-from grpo_lens.rundir import atomic_write_text, read_saved_config
+from grpo_lens.rundir import atomic_write_text, disk_full, read_saved_config, write_file
 
 #: Probe settings that may differ when a probe resumes: they change no number (the train loop lets device change too).
 RESUMABLE_KEYS = ("progress", "device", "report_to")
@@ -72,21 +73,47 @@ class PromptRecord:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _checked_record(record: PromptRecord) -> PromptRecord:
+    """``record`` if its fields have the types a probe writes (a crafted or damaged one fails here, by field name,
+    not later inside the analysis).
+
+    Raises:
+        TypeError: naming the first field of another type.
+    """
+    if record.status not in ("invalid", "all_equal", "mixed"):
+        raise TypeError(f"field 'status' is {record.status!r}, not invalid, all_equal or mixed")
+    if record.s1_prediction is not None and (
+        isinstance(record.s1_prediction, bool) or not isinstance(record.s1_prediction, (int, float))
+    ):
+        raise TypeError(f"field 's1_prediction' is a {type(record.s1_prediction).__name__}, not a number")
+    for name in ("row", "extra", "check", "g2_weightings", "baseline_variance", "seconds"):
+        value = getattr(record, name)
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"field {name!r} is a {type(value).__name__}, not a mapping")
+    if record.status == "mixed" and record.row is None:
+        raise TypeError("a mixed group's record has no 'row'")
+    return record
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
-    """torch.save ``obj`` to ``path`` through a temporary file, fsynced, and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """torch.save ``obj`` to ``path`` through :func:`grpo_lens.rundir.write_file` (a temporary file, fsynced, an
+    atomic rename; a planted link is replaced, never followed). Serialised in memory first, so a full disk shows
+    as the OSError (ENOSPC) the CLI prints as one line, not torch's zip writer's RuntimeError."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        write_file(path, buffer.getvalue())
+    except OSError as e:
+        if disk_full(e, path.parent):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+        raise
 
 
 class PartialProbe:
     """OUT/probe_partial/ of one probe (see the module docstring for its layout)."""
 
     def __init__(self, out: str | Path):
-        self.path = Path(out) / PARTIAL_DIR
+        self.path = Path(out).absolute() / PARTIAL_DIR  # a reward calling os.chdir moves nothing
         self.config_path = self.path / "config.yaml"
 
     def exists(self) -> bool:
@@ -151,10 +178,11 @@ class PartialProbe:
         records: list[PromptRecord] = []
         while (path := self._prompt_path(group_size, len(records))).is_file():
             try:
-                records.append(PromptRecord(**torch.load(path, weights_only=True)))
+                records.append(_checked_record(PromptRecord(**torch.load(path, weights_only=True))))
             except Exception as e:  # noqa: BLE001 - any unreadable record is reported with its recovery
+                why = " ".join(str(e).split())[:160]
                 raise ConfigError(
-                    f"--resume: cannot read {path} ({type(e).__name__}); delete it and every later "
+                    f"--resume: cannot read {path} ({type(e).__name__}: {why}); delete it and every later "
                     f"prompt-*.pt of {path.parent} to resume before it"
                 ) from None
         return records
@@ -171,7 +199,7 @@ class PartialProbe:
             return None
         try:
             return json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested thousands of levels deep
             raise ConfigError(
                 f"--resume: cannot read {path} ({type(e).__name__}); delete it to measure that part again"
             ) from None

@@ -1269,7 +1269,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     keep_freed_memory()  # each pass's activations are reused, not page-faulted in again
     partial = prepare_out(config)
-    out = Path(config.out)
+    out = Path(config.out).absolute()  # a reward function may os.chdir (code sandboxes)
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
     seed_everything(config.seed)

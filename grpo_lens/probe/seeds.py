@@ -90,7 +90,7 @@ from grpo_lens.plugins import config_header
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.partial import COMMAND_KEYS, RESUMABLE_KEYS, PartialProbe
 from grpo_lens.probe.tracking import log_probe
-from grpo_lens.rundir import atomic_write_text
+from grpo_lens.rundir import atomic_write_text, read_json_file
 from grpo_lens.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
@@ -377,7 +377,7 @@ def read_seed_probes(out: str | Path, seeds: list[int]) -> dict[int, dict[str, A
             )
             raise PoolingError(f"{path} is missing: the probe of seed {s} {state}")
         try:
-            probes[s] = json.loads(path.read_text())
+            probes[s] = read_json_file(path, PoolingError, "run that seed again with --overwrite")
         except ValueError as e:
             raise PoolingError(f"{path} is not valid JSON ({e}); run that seed again with --overwrite") from None
     return probes
@@ -421,7 +421,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
     if len(seeds) < 2:
         raise ConfigError(f"--seeds needs at least two distinct seeds to pool, got {seeds}; for one seed use --seed")
     check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
-    out = Path(config.out)
+    out = Path(config.out).absolute()  # a reward function may os.chdir
     started = [p for p in [out / "probe.json", *(seed_dir(out, s) for s in seeds)] if p.exists()]
     if started and not (config.resume or config.overwrite):
         raise ConfigError(

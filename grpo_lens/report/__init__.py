@@ -31,6 +31,7 @@ import yaml
 
 from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, evaluate_claims, holm_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.metrics import PERF_LENS_SECONDS, STEP
 from grpo_lens.report import plots
 from grpo_lens.report.answers import answers_section, training_data
@@ -60,7 +61,7 @@ from grpo_lens.report.training import (  # noqa: F401 (re-exported)
     training_section,
 )
 from grpo_lens.report.training_measures import completions_section
-from grpo_lens.rundir import read_records, read_train_seeds
+from grpo_lens.rundir import read_json_file, read_records, read_train_seeds, write_file, writes_confined_to
 
 
 class ReportError(ValueError):
@@ -79,8 +80,29 @@ def find_probes(run_dir: Path) -> dict[str, dict[str, Any]]:
     for label, sub in (("before", "probe_before"), ("after", "probe_after"), ("probe", ".")):
         path = run_dir / sub / "probe.json"
         if path.exists():
-            probes[label] = json.loads(path.read_text())
+            probes[label] = read_probe(path)
     return probes
+
+
+def read_probe(path: Path) -> dict[str, Any]:
+    """The probe in ``path`` (a probe.json), read the bounded way (:func:`grpo_lens.rundir.read_json_file`) and
+    checked for what a report reads: an object with ``meta`` and ``per_group_size`` objects (``studies``, when
+    present, an object too).
+
+    Raises:
+        ReportError: one line naming the file: unreadable, cut, nested too deep, or not a probe (``{}``, ``[]``).
+    """
+    fix = "run the probe again (grpo-lens probe --out ... --overwrite), or move the file away"
+    probe = read_json_file(path, ReportError, fix)
+    wrong = [
+        k
+        for k in ("meta", "per_group_size", "studies")
+        if not isinstance(probe, dict) or not isinstance(probe.get(k, {} if k == "studies" else None), dict)
+    ]
+    if wrong:
+        held = f"a JSON {type(probe).__name__}" if not isinstance(probe, dict) else f"no {', '.join(wrong)} object"
+        raise ReportError(f"{path} is not a probe: it holds {held}; {fix}")
+    return probe
 
 
 #: what each advantage estimator subtracts from a rollout's reward (docs/theory.md §2)
@@ -331,12 +353,22 @@ def appendix(lines: list[str]) -> list[str]:
 def write_report(run_dir: Path) -> Path:
     """Write run_dir/report.md and its PNGs from the run directory's files; return the report's path.
 
+    Every file is written through :func:`grpo_lens.rundir.write_file` inside the run directory
+    (:func:`grpo_lens.rundir.writes_confined_to`): a report.md or PNG planted as a link out of it is replaced, and a
+    folder that leads out of it is refused, so no file outside the run directory changes.
+
     Raises:
         ReportError: the directory has neither metrics.jsonl nor any probe.json.
+        UnsafeWriteError: a folder written leads outside the run directory, or the directory is not writable.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory; pass a run directory written by train, probe or demo")
+    with writes_confined_to(run_dir):
+        return _write_report(run_dir)
+
+
+def _write_report(run_dir: Path) -> Path:
     train_dir = run_dir / "train" if (run_dir / "train" / "metrics.jsonl").exists() else run_dir  # demo layout
     seed_dirs = read_train_seeds(run_dir)  # `train --seeds`: the first seed's run, the claims over every seed
     if seed_dirs:
@@ -350,7 +382,7 @@ def write_report(run_dir: Path) -> Path:
     body: list[str] = []
     config = train_dir / "config.yaml"
     try:
-        cfg = (yaml.safe_load(config.read_text()) or {}) if config.exists() else {}
+        cfg = (safe_load_yaml(config.read_text()) or {}) if config.exists() else {}  # bounded
         lora_rank = int(cfg.get("lora_rank") or 0)
     except (yaml.YAMLError, TypeError, ValueError, AttributeError):
         cfg, lora_rank = {}, 0
@@ -397,7 +429,7 @@ def write_report(run_dir: Path) -> Path:
             "<details><summary>config</summary>",
             "",
             "```yaml",
-            config.read_text().strip(),
+            config.read_text(errors="replace").strip().replace("```", "` ` `"),  # not UTF-8 or a fence: shown, safe
             "```",
             "",
             "</details>",
@@ -413,6 +445,4 @@ def write_report(run_dir: Path) -> Path:
     lines = few_footnotes(header + appendix(rest + body))
     if any(FEW_MARK in line for line in lines):  # the mark's meaning, once, under the title
         lines[4:4] = [FEW_NOTE, ""]
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_file(run_dir / "report.md", "\n".join(lines) + "\n")  # a planted link is replaced, not followed

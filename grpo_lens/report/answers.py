@@ -39,7 +39,7 @@ def training_data(
 ) -> dict[str, Any]:
     """What the claims over training read: the run's records, and with ``train --seeds`` every seed's records
     (``seeds``: the trends and "rank stays" are then decided over the seeds)."""
-    return {"records": records, "lora_rank": lora_rank, **({"seeds": seed_runs} if seed_runs else {})}
+    return {"records": records, "lora_rank": lora_rank, **({"seed_runs": seed_runs} if seed_runs else {})}
 
 
 def claim_sources(

@@ -15,8 +15,11 @@ less than it cannot be told apart.
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ import matplotlib.pyplot as plt
 import yaml
 
 from grpo_lens.config import TrainConfig
+from grpo_lens.config.base import safe_load_yaml, yaml_error_line
 from grpo_lens.config.trl_names import grpo_lens_settings
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, bootstrap_ci
 from grpo_lens.metrics import (
@@ -51,7 +55,7 @@ from grpo_lens.report.format import fmt_sig, md_row, md_table
 from grpo_lens.report.plots import integer_ticks
 from grpo_lens.report.seeds import compare_seeds_section, pooled_finals
 from grpo_lens.report.training_measures import dynamic_sampling_summary
-from grpo_lens.rundir import RunDirError, read_records
+from grpo_lens.rundir import RunDirError, read_records, write_file, writes_confined_to
 
 #: The metrics compared: (key, label). A metric absent from every run is left out.
 COMPARED = (
@@ -133,11 +137,12 @@ def read_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             f"{path} is not a training run (needs config.yaml and metrics.jsonl, written by grpo-lens train)"
         )
     try:
-        config = yaml.safe_load(cfg.read_text()) or {}
+        config = safe_load_yaml(cfg.read_text()) or {}  # bounded: an alias bomb is refused
         config = TrainConfig.canonical(config, warn=False) if isinstance(config, dict) else config  # current names
         records = read_records(met)
-    except (OSError, yaml.YAMLError) as e:
-        raise CompareError(f"cannot read run {path} ({type(e).__name__}); is it a grpo-lens run?") from None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        why = f"{type(e).__name__}: {yaml_error_line(e)}" if isinstance(e, yaml.YAMLError) else type(e).__name__
+        raise CompareError(f"cannot read run {path}: {cfg} ({why}); is it a grpo-lens run?") from None
     except RunDirError as e:  # names the file and line
         raise CompareError(str(e)) from None
     if not records:
@@ -170,6 +175,33 @@ def final_numbers(records: list[dict[str, Any]], key: str, last: int) -> dict[st
     pts = pts[-last:]
     ci = bootstrap_ci([v for _, v in pts])
     return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"], "n": len(pts), "steps": [pts[0][0], pts[-1][0]]}
+
+
+def literal(value: Any) -> str:
+    """``value`` as one Markdown code span on one line: run names, paths and config values come from the user's
+    files, so whitespace (newlines: no injected heading) is collapsed, and the span's backtick fence is longer than
+    any run of backticks inside it (the value cannot close it early); inside a code span ``<img onerror=...>`` is
+    shown as text, not HTML."""
+    text = " ".join(str(value).split())
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def check_out(out: Path) -> None:
+    """``--out`` must be a folder (or not exist yet) under a folder this user can write.
+
+    Raises:
+        CompareError: naming the file or unwritable folder on the way; before anything is computed or written.
+    """
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise CompareError(f"--out {out}: {base} is a file, not a folder; choose another --out")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise CompareError(f"--out {out}: {base} is not writable by this user; choose another --out")
 
 
 def _label(paths: list[Path]) -> list[str]:
@@ -227,9 +259,11 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
         )
     fig.tight_layout(rect=(0, 0, 1, 1 - header / (3.2 * rows + header)))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    buffer.name = str(path)  # what a test's savefig hook sees (tests/report/conftest.py)
+    fig.savefig(buffer, dpi=110, format="png")
     plt.close(fig)
-    return path
+    return write_file(path, buffer.getvalue())  # a planted link at ``path`` is replaced, never followed
 
 
 def _same_model_same_name(configs: dict[str, dict[str, Any]]) -> None:
@@ -255,7 +289,7 @@ def _tasks_line(labels: list[str], tasks: dict[str, dict[str, Any]]) -> str:
     def one(t: dict[str, Any] | None) -> str:
         if t is None:
             return "not recorded (a TRL run: the task is its script's)"
-        return (
+        return literal(
             str(t["task"])
             + (f" {t['task_options']}" if t.get("task_options") else "")
             + (f" ({t['dataset']})" if t.get("dataset") else "")
@@ -264,7 +298,7 @@ def _tasks_line(labels: list[str], tasks: dict[str, dict[str, Any]]) -> str:
     shown = [one(tasks.get(label)) for label in labels]
     if len(set(shown)) == 1:
         return shown[0]
-    return "; ".join(f"{label}: {s}" for label, s in zip(labels, shown)) + " (compared on request)"
+    return "; ".join(f"{literal(label)}: {s}" for label, s in zip(labels, shown)) + " (compared on request)"
 
 
 def compare_runs(
@@ -293,6 +327,7 @@ def compare_runs(
         raise CompareError(f"--last {last}: must be >= 1")
     if len({p.resolve() for p in paths}) < len(paths):
         raise CompareError("a run directory is given twice; name each run once")
+    check_out(Path(out))
     labels = _label(paths)
     configs, runs = {}, {}
     for label, p in zip(labels, paths):
@@ -332,8 +367,15 @@ def compare_runs(
     pooled = pooled_finals(table, [k for k, _ in metrics], labels) if set(diff) == {"seed"} else {}
 
     out.mkdir(parents=True, exist_ok=True)
+    with writes_confined_to(out):
+        return _write_compare(out, runs, metrics, table, diff, pooled, labels, paths, tasks, partial, last)
+
+
+def _write_compare(out, runs, metrics, table, diff, pooled, labels, paths, tasks, partial, last) -> Path:
+    """compare.png, compare.json and compare.md into ``out`` (:func:`compare_runs`' writes, confined to ``out``)."""
     plot_compare(runs, metrics, out / "compare.png")
-    (out / "compare.json").write_text(
+    write_file(
+        out / "compare.json",
         json.dumps(
             {
                 "runs": {lab: str(p) for lab, p in zip(labels, paths)},
@@ -344,12 +386,12 @@ def compare_runs(
             },
             indent=1,
             default=str,
-        )
+        ),
     )
     lines = [
         "# grpo-lens compare",
         "",
-        "Runs: " + ", ".join(f"`{lab}` ({p}, {len(runs[lab])} steps)" for lab, p in zip(labels, paths)),
+        "Runs: " + ", ".join(f"{literal(lab)} ({literal(p)}, {len(runs[lab])} steps)" for lab, p in zip(labels, paths)),
         "",
     ]
     lines += ["Task: " + _tasks_line(labels, tasks), ""]
@@ -358,19 +400,22 @@ def compare_runs(
     if any(notes.values()):
         lines += ["## Dynamic sampling", ""]
         lines += [
-            f"- `{lab}`: " + (notes[lab] or "no dynamic sampling (every sampled group was trained on).")
+            f"- {literal(lab)}: " + (notes[lab] or "no dynamic sampling (every sampled group was trained on).")
             for lab in labels
         ]
         lines += [""]
     lines += ["## Config fields that differ", ""]
     if diff:
-        lines += md_table(["field", *labels], [[f"`{k}`", *(f"`{v[lab]}`" for lab in labels)] for k, v in diff.items()])
+        lines += md_table(
+            ["field", *map(literal, labels)],
+            [[literal(k), *(literal(v[lab]) for lab in labels)] for k, v in diff.items()],
+        )
     else:
         lines += ["None: the runs share every setting (a difference then comes from code or randomness)."]
     if partial:
         lines += [
             "",
-            "TRL runs (" + ", ".join(f"`{lab}`" for lab in labels if lab in partial) + ") record TRL's "
+            "TRL runs (" + ", ".join(literal(lab) for lab in labels if lab in partial) + ") record TRL's "
             "settings, compared under grpo-lens' names; a setting a TRL run does not record is compared among "
             "the runs that do.",
         ]
@@ -382,7 +427,7 @@ def compare_runs(
         "Consecutive steps are correlated: the interval is the spread of the last steps, not a rerun-to-rerun "
         "uncertainty; differences smaller than it are not resolved by these runs.",
         "",
-        *md_table(["metric", *labels]),
+        *md_table(["metric", *map(literal, labels)]),
     ]
     for key, label in metrics:
         cells = []
@@ -400,6 +445,4 @@ def compare_runs(
         lines.append(md_row(f"{label} (`{key}`)", *cells))
     lines += ["", *compare_seeds_section(pooled, metrics, diff.get("seed", {}))]
     lines += ["", "## Curves", "", "![curves](compare.png)", ""]
-    path = out / "compare.md"
-    path.write_text("\n".join(lines))
-    return path
+    return write_file(out / "compare.md", "\n".join(lines))

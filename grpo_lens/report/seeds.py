@@ -5,7 +5,6 @@ probe.json and the seeds' probe.json files alone."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from grpo_lens.metrics import (
     rank_key,
 )
 from grpo_lens.report.format import ci, fmt, md_row, md_table
+from grpo_lens.rundir import read_json_file
 
 #: the per-group numbers the seeds section shows: the ones the rank, zero-sum and identity claims decide on
 SEED_KEYS = (
@@ -50,7 +50,7 @@ def seed_verdicts(pooled: dict[str, Any], run_dir: Path) -> tuple[list[str], dic
         if not path.is_file():
             missing.append(str(path))
             continue
-        claims = evaluate_claims(json.loads(path.read_text()))
+        claims = evaluate_claims(read_json_file(path))
         for key, c in zip(claim_rows(claims), claims):
             verdicts.setdefault(key, {})[s] = c.verdict
     return missing, verdicts

@@ -106,6 +106,33 @@ def sample_rows(rows: list, n: int, rng: random.Random) -> list:
     return out
 
 
+#: How a training step draws its B prompts from a task's rows (TrainConfig.prompt_order).
+PROMPT_ORDERS = ("independent", "epoch")
+
+
+def epoch_rows(rows: list, n: int, start: int, seed: int) -> list:
+    """Positions ``start`` .. ``start + n - 1`` of the epoch order over ``rows`` (``--prompt-order epoch``, TRL's
+    convention): one shuffled pass over the N rows after another, every row once per epoch. Epoch e is the
+    permutation ``random.Random(seed * 1_000_003 + e).sample(range(N), N)``; position p is row
+    ``perm_{p // N}[p % N]``. A pure function of (rows, position, seed): a resumed run draws what the uninterrupted
+    one would.
+
+    Raises:
+        ValueError: no rows, n < 0 or start < 0.
+    """
+    if not rows:
+        raise ValueError("cannot draw from an empty split")
+    if n < 0 or start < 0:
+        raise ValueError(f"n and start must be >= 0, got n={n}, start={start}")
+    N, out, perms = len(rows), [], {}
+    for p in range(start, start + n):
+        e = p // N
+        if e not in perms:
+            perms[e] = random.Random(seed * 1_000_003 + e).sample(range(N), N)
+        out.append(rows[perms[e][p % N]])
+    return out
+
+
 def correctness_verdict(task: Any, completions: list, answers: list) -> list[float | None]:
     """The task's own 0/1 correctness verdict of N completions (None: no verdict, e.g. no reference answer).
 

@@ -162,6 +162,10 @@ def read_jsonl(path: str | os.PathLike) -> list[Any]:
             rows.append((number, json.loads(line, object_pairs_hook=_unique_keys)))
         except json.JSONDecodeError as err:
             raise _row_error(str(path), number, f"not valid JSON ({err.msg} at column {err.colno})") from None
+        except RecursionError:
+            raise _row_error(
+                str(path), number, "JSON nested deeper than Python can read (thousands of levels); flatten the row"
+            ) from None
         except _DuplicateKey as err:
             raise _row_error(
                 str(path),

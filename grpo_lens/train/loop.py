@@ -78,9 +78,10 @@ from grpo_lens.metrics import (
 from grpo_lens.models import load_model, resolve_model
 from grpo_lens.rewards import RewardState, check_rewards_on_example, parse_reward_specs
 from grpo_lens.rollout import (
+    PromptFormatError,
     RolloutBatch,
     forward_precision,
-    prompt_token_ids,
+    prompt_lengths,
     sample_groups,
 )
 from grpo_lens.rundir import (
@@ -94,6 +95,7 @@ from grpo_lens.rundir import (
 )
 from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
+from grpo_lens.tasks.base import epoch_rows
 from grpo_lens.tasks.user_data import file_fingerprint
 from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
@@ -266,6 +268,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         #    --max-consecutive-skips
         update_metrics.update(state.count_skipped(update_metrics[GUARD_SKIPPED_OPTIMIZER_STEPS] > 0))
         state.count_unscored(procs.sum_floats([float(rollouts.valid.sum())])[0] == 0)
+        state.count_untrained(  # --overlong mask / filter with every completion cut: no rollout has a gradient
+            config.overlong in ("mask", "filter")
+            and procs.sum_floats([float((~rollouts.batch.truncated).sum())])[0] == 0
+        )
         # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
         parts = [update_metrics, lens_metrics, baseline_metrics, {LR: models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
@@ -317,6 +323,11 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
             f"of the {procs.world} processes holds (prompts_per_step / processes = {share})"
         )
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
+    if config.prompt_order == "epoch" and not (isinstance(getattr(task, "data", None), dict) and "train" in task.data):
+        raise ValueError(
+            f"--prompt-order epoch needs a dataset (--task jsonl --dataset FILE); task {config.task!r} draws "
+            f"its prompts itself, so it has no epochs here: use --prompt-order independent"
+        )
     reward_fns = parse_reward_specs(config.rewards)
     (example,) = task.sample(1, seed=config.seed)  # every reward function callable with the data's columns
     check_rewards_on_example(
@@ -411,9 +422,9 @@ def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
         )
 
 
-#: How many rows of a user dataset :func:`check_prompts` tokenizes at start (all of a smaller one); other tasks give
-#: this many sampled prompts.
-PROMPTS_CHECKED = 10_000
+#: How many sampled prompts :func:`check_prompts` tokenizes at start for a task without a fixed list of rows (a
+#: dataset's rows are all checked).
+PROMPTS_CHECKED = 64
 
 
 def model_context(model: torch.nn.Module) -> int | None:
@@ -430,36 +441,38 @@ def model_context(model: torch.nn.Module) -> int | None:
 def check_prompts(config: TrainConfig, task: Any, models: Models) -> None:
     """Before --out is touched: every prompt of the task formats with the tokenizer (a chat template for chat
     messages, none needed for strings) and, with ``max_new_tokens``, fits the model's context
-    (:func:`model_context`). A user dataset is checked row by row (its first :data:`PROMPTS_CHECKED` rows), another
-    task on :data:`PROMPTS_CHECKED` sampled prompts.
+    (:func:`model_context`). A task with a list of rows (a user dataset, GSM8K) is checked row by row, every row
+    (:func:`grpo_lens.rollout.prompt_lengths`, batched), another task on :data:`PROMPTS_CHECKED` sampled prompts.
 
     Raises:
-        ValueError: naming the row (or prompt), what is wrong and what to do.
+        ValueError: naming the row (or prompt), what is wrong and what to do; for prompts too long, how many rows are.
     """
     data = getattr(task, "data", None)
     if isinstance(data, dict) and "train" in data:
-        examples = list(enumerate(data["train"][:PROMPTS_CHECKED], start=1))
+        examples = list(data["train"])
         where = f"task {config.task!r} row"
     else:
-        examples = list(enumerate(task.sample(min(PROMPTS_CHECKED, 64), seed=config.seed), start=1))
+        examples = list(task.sample(PROMPTS_CHECKED, seed=config.seed))
         where = f"task {config.task!r} sampled prompt"
+    try:
+        lengths = prompt_lengths(models.tokenizer, [example.prompt for example in examples])
+    except PromptFormatError as err:  # no chat template for chat messages, or a template that refuses one
+        hint = (
+            " (the built-in tasks give chat messages: train a base model on --task jsonl with string prompts)"
+            if not isinstance(data, dict) and "no chat template" in str(err)
+            else ""
+        )
+        raise ValueError(f"{where} {err.index + 1}: {err}{hint}") from None
     context = model_context(models.policy)
-    longest = (0, 0)
-    for number, example in examples:
-        try:
-            n = len(prompt_token_ids(models.tokenizer, example.prompt))
-        except ValueError as err:  # no chat template for chat messages
-            hint = (
-                " (the built-in tasks give chat messages: train a base model on --task jsonl with string prompts)"
-                if not isinstance(data, dict)
-                else ""
-            )
-            raise ValueError(f"{where} {number}: {err}{hint}") from None
-        longest = max(longest, (n, number))
-    if context is not None and longest[0] + config.max_new_tokens > context:
+    if context is None or not lengths:
+        return
+    too_long = [i for i, n in enumerate(lengths) if n + config.max_new_tokens > context]
+    if too_long:
+        longest = max(too_long, key=lambda i: lengths[i])
         raise ValueError(
-            f"{where} {longest[1]}: the prompt is {longest[0]:,} tokens, and with max_new_tokens "
-            f"{config.max_new_tokens} that is more than the {context:,} positions of {config.model}; "
+            f"{where} {longest + 1}: the prompt is {lengths[longest]:,} tokens, and with max_new_tokens "
+            f"{config.max_new_tokens} that is more than the {context:,} positions of {config.model} "
+            f"({len(too_long):,} of {len(lengths):,} prompts are, the first at {too_long[0] + 1}); "
             f"shorten or drop the long prompts, or lower --max-new-tokens"
         )
 
@@ -512,6 +525,11 @@ class RunState:
         """Count one trainer step, ``unscored`` when no rollout of any process got a valid reward
         (``guard["unscored"]``: consecutive such steps)."""
         self.guard["unscored"] = self.guard.get("unscored", 0) + 1 if unscored else 0
+
+    def count_untrained(self, untrained: bool) -> None:
+        """Count one trainer step, ``untrained`` when --overlong mask / filter zeroed every rollout's advantage (every
+        completion was cut at max_new_tokens): ``guard["untrained"]``, consecutive such steps."""
+        self.guard["untrained"] = self.guard.get("untrained", 0) + 1 if untrained else 0
 
 
 def check_before_writing(
@@ -807,7 +825,11 @@ def sample_round(
     """
     B, R, share = config.prompts_per_step, config.group_size, config.prompts_per_step // procs.world
     rseed = seed if rnd == 0 else step_seed(seed, rnd)
-    examples = task.sample(B, seed=rseed)[procs.rank * share : (procs.rank + 1) * share]
+    if rnd == 0 and config.prompt_order == "epoch":  # TRL's convention: each row once per pass (tasks.epoch_rows)
+        examples = epoch_rows(task.data["train"], B, (step - 1) * B, config.seed)
+    else:
+        examples = task.sample(B, seed=rseed)
+    examples = examples[procs.rank * share : (procs.rank + 1) * share]
     t_start = time.perf_counter()
     crash_point("during_generation", step, module=models.policy)
     with forward_precision(procs.device, config.dtype):
@@ -1226,6 +1248,13 @@ def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run
             f"function failed (the first failure's traceback is in the log above; rewards {config.rewards}). Check "
             f"that the dataset has the columns the reward functions need (correctness needs 'answer'), fix the "
             f"function, and resume with --resume"
+        )
+    if state.guard.get("untrained", 0) >= min(config.max_consecutive_skips, config.max_steps):
+        procs.barrier()
+        raise NoScorableRolloutError(
+            f"step {step}: every completion of the last {state.guard['untrained']} steps was cut at "
+            f"--max-new-tokens {config.max_new_tokens}, and --overlong {config.overlong} gives a cut completion no "
+            f"gradient, so nothing trained; raise --max-new-tokens, or use --overlong none or soft-punish"
         )
     if state.guard["consecutive"] >= config.max_consecutive_skips:
         procs.barrier()

@@ -50,7 +50,7 @@ def _last_step(run_dir: Path) -> int | None:
     for line in path.read_text().splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # a torn or crafted line: the run's own resume names it
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)):
             steps.append(int(rec["step"]))

@@ -38,7 +38,7 @@ def test_s1_pooled_over_seeds_by_hand():
     # Each seed's OLS slope is its planted slope + d, d the zig-zag's own OLS slope (the same at every seed):
     # 0.01, 0.012, 0.014 (+ d) have s = 0.002 and t = (0.012 + d)·√3/0.002 > 8 (|d| < 0.002 over 12 steps), p < 0.01
     runs = [_s1_run(b) for b in (0.01, 0.012, 0.014)]
-    (c,) = S1({"records": runs[0], "seeds": runs})
+    (c,) = S1({"records": runs[0], "seed_runs": runs})
     assert c.rule_id == S1_SEEDS_RULE_ID and c.n == 3
     assert c.verdict == HOLDS
     # slopes 0.01, 0.02, 0.03 (+ d): s = 0.01 (d cancels), t = mean·√3/0.01 with 2 df, p = 0.5 − t/(2√(2 + t²))
@@ -58,10 +58,10 @@ def test_a_warm_up_transient_is_not_a_rise():
     # S1 low (0.0) while the LR warms up over 4 steps, then flat with a seed-specific tilt of either sign: with the
     # warm-up steps the slopes all read a rise; without them (the rule) the seeds disagree and nothing is decided
     runs = [_s1_run(b, steps=16, lr_warmup=4, warm_s1=0.0) for b in (0.002, -0.002, 0.0005)]
-    (c,) = S1({"records": runs[0], "seeds": runs})
+    (c,) = S1({"records": runs[0], "seed_runs": runs})
     assert c.verdict == INCONCLUSIVE
     no_lr = [[{k: v for k, v in r.items() if k != LR} for r in run] for run in runs]
-    assert S1({"records": no_lr[0], "seeds": no_lr})[0].verdict == HOLDS  # what the warm-up alone would say
+    assert S1({"records": no_lr[0], "seed_runs": no_lr})[0].verdict == HOLDS  # what the warm-up alone would say
 
 
 def test_one_run_uses_the_hac_route():
@@ -82,11 +82,11 @@ def test_rank_stays_pooled_by_hand():
     # lowest E₂ per seed 0.95, 0.97, 0.99: t over seeds of the minima against 0.9 is the 6.062 of
     # test_seed_mean_test_by_hand (p = 0.013074); the E₁ side (0.5 < 0.9, no spread) gives p 0
     runs = [_stays_run([m + 0.02, m, m + 0.01, m + 0.03, m + 0.02]) for m in (0.95, 0.97, 0.99)]
-    (c,) = STAYS({"records": runs[0], "seeds": runs})
+    (c,) = STAYS({"records": runs[0], "seed_runs": runs})
     assert c.rule_id == STAYS_SEEDS_RULE_ID and c.n == 3
     assert c.p_holds == pytest.approx(0.013074, abs=2e-6)
     assert c.verdict == HOLDS
     # one lens step at E₂ ≈ 0.7 in every seed: the minima fall below 0.9 and that step's mean lies below it
     bad = [_stays_run([0.97, 0.97, 0.7 + d, 0.97, 0.97]) for d in (0.0, 0.01, 0.02)]
-    (c,) = STAYS({"records": bad[0], "seeds": bad})
+    (c,) = STAYS({"records": bad[0], "seed_runs": bad})
     assert c.verdict == DOES_NOT_HOLD

@@ -15,7 +15,7 @@ def figures(monkeypatch):
     original = matplotlib.figure.Figure.savefig
 
     def capture(fig, path, *args, **kwargs):
-        saved.append((Path(path).name, fig))
+        saved.append((Path(getattr(path, "name", path)).name, fig))  # a path, or a buffer named after its file
         return original(fig, path, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
