@@ -67,7 +67,8 @@ NEEDED = (
     "platformdirs",
     "pytest",
 )
-#: Qwen2.5-1.5B's layer sizes (Qwen/Qwen2.5-1.5B config.json), a 259-token vocabulary: ~1.31B parameters.
+#: Qwen2.5-1.5B's layer sizes (Qwen/Qwen2.5-1.5B config.json), a 320-row embedding over the 259-token byte tokenizer:
+#: ~1.31B parameters.
 BIG = dict(
     hidden_size=1536,
     intermediate_size=8960,
@@ -117,8 +118,14 @@ def build_model(kind: str, out: str, device: str) -> None:
     """Child entry (``--build KIND DIR``): a random-initialised model of ``kind`` (big, big-dry, default-shape) over
     the byte tokenizer, saved with the tokenizer to DIR (bf16 weights on disk, to halve the write)."""
     tok = build_tiny_tokenizer()
+    # the embedding padded to a multiple of 64 rows, as released checkpoints pad theirs: reloaded beside a Qwen2
+    # config.json, the byte tokenizer comes back as Qwen2's class with one more token (<|endoftext|>), and a model
+    # whose embedding is smaller than its tokenizer is refused (grpo_lens.models)
     ids = dict(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        vocab_size=-(-(len(tok) + 1) // 64) * 64,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     if kind == "default-shape":
         config, cls = LlamaConfig(**DEFAULT_SHAPE, **ids), LlamaForCausalLM

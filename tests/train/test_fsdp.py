@@ -86,10 +86,11 @@ def test_fsdp2_lens_equals_one_process(fsdp_run, one_process):
             lens, want = res["lens"][s], one_process["lens"][s]
             # the lens's per-group verdict inputs (ranks, span energies, baselines, identity residual), gathered over
             # ranks; step 2 (s = 1): rank 1 has no mixed group and joins the collective pass with a dummy one
-            assert lens.keys() == want.keys()
+            # noise/: one process only (the own pass's Gram is split over ranks: docs/theory.md, noise scale)
+            assert {k for k in lens if not k.startswith("noise/")} == {k for k in want if not k.startswith("noise/")}
             assert lens["rank/mixed_groups"] == want["rank/mixed_groups"] == (2.0 if s == 1 else 4.0)
             for k in want:
-                if not k.startswith("perf/"):
+                if not k.startswith(("perf/", "noise/")):
                     assert lens[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12, nan_ok=True), (rank, s, k)
             after, want_after = res["after"][s], one_process["after"][s]  # S4, sampled update/gradient sparsity
             assert after.keys() == want_after.keys() and "sparsity/update_step" in after
