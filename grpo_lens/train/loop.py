@@ -226,7 +226,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     check_prompts(config, task, models)  # every prompt formats and fits the model's context: still read-only
     schedule = LRSchedule(models.optimizer, config)  # the LR is a function of the step: resumes need no state
     if lens is None and config.lens_every > 0:
-        lens = TrainerLens(models.policy, LensSettings.from_train_config(config))
+        lens = TrainerLens(models.policy, LensSettings.from_train_config(config), tokenizer=models.tokenizer)
     state = open_run(run, config, procs, models, lens, ckpt)  # writes --out (a new run, or resumes from ckpt)
     logs = StepLogs.start(run, config, procs, state.step)
 
@@ -243,6 +243,10 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         advantages, baseline_metrics = step_advantages(config, procs, models.policy, rollouts)
         # 4. the lens reads this step's rollouts before the update changes the policy, or plans to read the update
         plan = plan_lens(lens, step, config, procs, models.policy, rollouts, advantages)
+        if plan.measure and (config.lens_landing or config.lens_dead_kl):  # read at the first optimizer step
+            with forward_precision(procs.device, config.dtype):
+                kl = {} if config.kl_in_reward else {"beta": config.beta, "kl_estimator": config.kl_estimator}
+                lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl)
         # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
         update_metrics = policy_update(
