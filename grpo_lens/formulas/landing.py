@@ -1,7 +1,7 @@
 """Where a training step's update lands, token by token, and the dead groups' KL-only gradient (docs/theory.md
 §Landing shares and the dead groups' KL gradient).
 
-Shapes: n rollouts, T completion tokens, K labels (token classes, or any partition of the tokens).
+Shapes: n rollouts, T completion tokens, C labels (token classes, or any partition of the tokens).
 
 The update's on-policy loss gradient (first pass, ratio 1, beta = 0, no importance weights) is
 grad L = -sum_{i,t} w_{i,t} grad log pi(o_{i,t}), w_{i,t} = A_i omega_i / N on the tokens the loss sums
@@ -55,13 +55,13 @@ def landing_shares(contributions: Tensor, labels: Tensor, num_labels: int) -> tu
     off 1 by the directional derivatives' error otherwise.
 
     Args:
-        contributions: [n, T] s_{i,t}.   labels: [n, T] long in [-1, K).   num_labels: K >= 1.
+        contributions: [n, T] s_{i,t}.   labels: [n, T] long in [-1, C).   num_labels: C >= 1.
 
     Returns:
-        (shares [K] float64, NaN when the measured total is 0; closure).
+        (shares [C] float64, NaN when the measured total is 0; closure).
 
     Raises:
-        ValueError: shapes that disagree, or a label outside [-1, K).
+        ValueError: shapes that disagree, or a label outside [-1, C).
     """
     if contributions.shape != labels.shape:
         raise ValueError(f"contributions {tuple(contributions.shape)} and labels {tuple(labels.shape)} differ")

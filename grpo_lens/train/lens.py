@@ -169,7 +169,9 @@ class TrainerLens:
     ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,
     ``sparsity/grad_*`` (and per layer type ``sparsity/<type>/...``), ``sparsity/sample_entries``,
     ``rank/mixed_groups``, ``grad/gram_coverage`` (exact Gram), ``perf/lens_seconds``, ``perf/lens_sparsity_seconds``,
-    ``noise/*`` (the exact Gram's gradient noise scale, :meth:`noise_metrics`), and the mean over mixed groups of
+    ``noise/*`` (the exact Gram's gradient noise scale, :meth:`noise_metrics`), with ``lens_landing`` /
+    ``lens_dead_kl`` ``landing/*``, ``dead/kl_grad_*`` and ``perf/lens_landing_seconds`` (:meth:`before_update`,
+    :meth:`landing_metrics`, written by :meth:`after_step`), and the mean over mixed groups of
     every key of :func:`grpo_lens.analysis.group.analyse_group` except ``group/size`` (``rank/g1_*``,
     ``grad/identity_*``, ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """

@@ -16,7 +16,7 @@ def test_landing_shares_closed_form():
     s = torch.tensor([[0.5, 0.25, 0.0], [0.5, -0.25, 7.0]])
     labels = torch.tensor([[0, 1, -1], [0, -1, -1]])
     shares, closure = landing_shares(s, labels, 2)
-    # measured: 0.5 + 0.25 + 0.5 = 1.25 (the -0.25 and the 7.0 are unlabelled); label 0: 1.0 / 1.25, label 1: 0.25 / 1.25
+    # measured: 0.5 + 0.25 + 0.5 = 1.25 (the -0.25 and the 7.0 unlabelled); label 0: 1.0 / 1.25, label 1: 0.25 / 1.25
     assert closure == pytest.approx(1.25, abs=1e-15)
     torch.testing.assert_close(shares, torch.tensor([0.8, 0.2], dtype=torch.float64), rtol=0, atol=1e-15)
     assert float(shares.sum()) == pytest.approx(1.0, abs=1e-15)
@@ -170,3 +170,19 @@ def test_dead_groups_kl_gradient_is_the_update_minus_the_mixed_rows(model_batch)
     assert "landing/closure" not in out  # --lens-landing off
     lens.before_update(model, batch, adv, ref, beta=0.0)  # beta 0: no KL gradient to measure, nothing written
     assert lens.after_step(2, model, measured=False) == {}
+
+
+@pytest.mark.e2e
+def test_trainer_writes_landing_and_dead_kl_at_lens_steps(tmp_path):
+    from grpo_lens.train.loop import train
+    from tests.train.test_trainer import tiny_config
+
+    cfg = tiny_config(tmp_path, max_steps=2, mu=1, lens_every=1, beta=0.1, lens_landing=True, lens_dead_kl=True)
+    records = [r for r in train(cfg).read_metrics() if "step" in r]
+    assert len(records) == 2
+    for r in records:
+        if r["rank/mixed_groups"] > 0:  # one process, one mini-batch; the KL term's push is outside the measured rows
+            assert math.isfinite(r["landing/closure"]) and r["landing/tokens"] > 0
+            shares = [r[f"landing/{c}_share"] for c in ("answer", "format", "reasoning")]
+            assert sum(shares) == pytest.approx(1.0, abs=1e-9)
+        assert r["dead/kl_grad_norm"] >= 0 and r["perf/lens_landing_seconds"] > 0
