@@ -842,8 +842,8 @@ LANDING_CLOSURE = _key(
     "landing/closure",
     RATIO,
     "lens steps with `--lens-landing`: sum of s_it over the measured tokens; 1 (to the finite differences' O(e^4) "
-    "error) when they make the whole update (one process, one mini-batch, no KL term in the loss, no importance "
-    "weights), the share of |u|^2 they account for otherwise",
+    "error) when they make the whole update (one process, no KL term in the loss, no importance weights), the "
+    "share of |u|^2 they account for otherwise",
     source=_LANDING,
 )
 LANDING_TOKENS = _key(
@@ -851,7 +851,7 @@ LANDING_TOKENS = _key(
     "landing/tokens",
     TOKENS,
     "lens steps with `--lens-landing`: the tokens measured (every token the loss sums of this process's rollouts "
-    "with A_i != 0)",
+    "with A_i != 0 in the update's first mini-batch, whose gradient the first optimizer step takes)",
     source=_LANDING,
 )
 DEAD_KL_GRAD_NORM = _key(

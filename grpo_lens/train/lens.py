@@ -562,52 +562,64 @@ class TrainerLens:
         ref_logp: torch.Tensor | None = None,
         beta: float = 0.0,
         kl_estimator: str = "k3",
+        first: torch.Tensor | None = None,
     ) -> None:
         """At a lens step, before the policy update: with ``lens_landing`` keep the rows with A_i != 0 and their token
         weights w_it (:func:`grpo_lens.formulas.landing.token_update_weights`) for :meth:`landing_metrics` at the first
         optimizer step; with ``lens_dead_kl`` and beta > 0 take |grad L_dead|^2 now, L_dead the update's loss over the
-        rows of groups whose advantages are all 0 (:meth:`dead_kl_sq_norm`). Nothing with an FSDP2-sharded policy;
-        the dead groups' norm with one process only (the update's gradient is summed over processes).
+        rows of groups whose advantages are all 0 (:meth:`dead_kl_sq_norm`). Both over the rows of the update's first
+        mini-batch, whose gradient the first optimizer step takes, with its normaliser. Nothing with an FSDP2-sharded
+        policy; the dead groups' norm with one process only (the update's gradient is summed over processes).
 
         Args:
             batch: this process's N rollouts.   advantages: [N].   ref_logp: [N, T] reference log-probs (None: beta 0
                 or the KL folded into the reward).   beta, kl_estimator: the loss's KL term.
+            first: [n] the rows of the update's first mini-batch
+                (:func:`grpo_lens.train.update.mini_batch_rows`); None: all N.
         """
         self._landing, self._dead_kl_sq, self._extra, self._landing_seconds = None, None, {}, 0.0
         c = self.settings
         if not (c.lens_landing or c.lens_dead_kl) or is_sharded(policy):
             return
         t0 = time.perf_counter()
-        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, c.overlong)  # the tokens the loss sums
+        R = batch.group_size
+        adv_all = advantages.detach().cpu()
+        dead_all = (adv_all.view(-1, R) == 0).all(dim=1).repeat_interleave(R)  # [N] rows of groups without A
+        sel = torch.arange(batch.num_rollouts) if first is None else first.detach().to("cpu", torch.long)
+        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, c.overlong)
+        loss_mask = loss_mask[sel.to(loss_mask.device)]
         norm = gather_objects(
             (loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens), float(loss_mask.any(dim=1).sum()))
         )
         z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
-        adv = advantages.detach().cpu()
-        has_tokens = loss_mask.any(dim=1).cpu()
+        adv, has_tokens = adv_all[sel], loss_mask.any(dim=1).cpu()
         if c.lens_landing and n_total > 0:
-            rows = ((adv != 0) & has_tokens).nonzero().flatten()
+            rows = ((adv != 0) & has_tokens).nonzero().flatten()  # into sel
             if rows.numel():
                 mask = loss_mask[rows.to(loss_mask.device)]
                 omega = rollout_gradient_weights(mask, c.loss_aggregation, z_total, n_total)
-                self._landing = (batch.select(rows), token_update_weights(adv[rows], omega, mask, n_total), adv[rows])
-        dead = (adv.view(-1, batch.group_size) == 0).all(dim=1).repeat_interleave(batch.group_size) & has_tokens
-        one_process = len(norm) == 1
-        if c.lens_dead_kl and beta > 0 and ref_logp is not None and one_process and z_total > 0:
-            self._dead_kl_sq = (
-                self.dead_kl_sq_norm(
-                    policy, batch, dead.nonzero().flatten(), loss_mask, ref_logp, beta, kl_estimator, z_total
+                w = token_update_weights(adv[rows], omega, mask, n_total)
+                self._landing = (batch.select(sel[rows]), w, adv[rows])
+        dead = (dead_all[sel] & has_tokens).nonzero().flatten()  # into sel
+        if c.lens_dead_kl and beta > 0 and ref_logp is not None and len(norm) == 1 and z_total > 0:
+            self._dead_kl_sq = 0.0
+            if dead.numel():
+                sub_ref = ref_logp[sel[dead].to(ref_logp.device)]
+                self._dead_kl_sq = self.dead_kl_sq_norm(
+                    policy,
+                    batch.select(sel[dead]),
+                    loss_mask[dead.to(loss_mask.device)],
+                    sub_ref,
+                    beta,
+                    kl_estimator,
+                    z_total,
                 )
-                if bool(dead.any())
-                else 0.0
-            )
         self._landing_seconds = time.perf_counter() - t0
 
     def dead_kl_sq_norm(
         self,
         policy: torch.nn.Module,
-        batch: RolloutBatch,
-        rows: torch.Tensor,
+        sub: RolloutBatch,
         loss_mask: torch.Tensor,
         ref_logp: torch.Tensor,
         beta: float,
@@ -615,23 +627,22 @@ class TrainerLens:
         normalizer: float,
     ) -> float:
         """|grad L_dead|^2 over every trainable parameter, L_dead = :func:`grpo_lens.formulas.losses.grpo_loss` of the
-        rows ``rows`` [n] (all with A_i = 0: the policy term has no gradient, what is left is beta grad KL) with the
-        update's aggregation and whole-batch ``normalizer`` Z, on-policy (pi_old = pi); one forward + backward of those
-        rows (``.grad`` untouched), float64 sum of squares."""
+        n rollouts ``sub`` (all with A_i = 0: the policy term has no gradient, what is left is beta grad KL) with their
+        loss mask [n, T] and reference log-probs [n, T], the update's aggregation and its mini-batch's ``normalizer``
+        Z, on-policy (pi_old = pi); one forward + backward of those rows (``.grad`` untouched), a float64 sum of
+        squares."""
         c = self.settings
         params = [p for p in policy.parameters() if p.requires_grad]
-        sub = batch.select(rows)
-        idx = rows.to(loss_mask.device)
         logp = batch_logprobs(policy, sub, c.temperature)
         loss, _ = grpo_loss(
             logp,
             logp.detach(),
-            torch.zeros(rows.numel(), dtype=logp.dtype, device=logp.device),
-            loss_mask[idx].to(logp.device),
+            torch.zeros(sub.num_rollouts, dtype=logp.dtype, device=logp.device),
+            loss_mask.to(logp.device),
             normalizer=normalizer,
             aggregation=c.loss_aggregation,
             beta=beta,
-            ref_logp=ref_logp[idx.to(ref_logp.device)].to(logp.device),
+            ref_logp=ref_logp.to(logp.device),
             kl_estimator=kl_estimator,
         )
         if not loss.requires_grad:

@@ -122,7 +122,13 @@ from grpo_lens.train.step_metrics import (
     rollout_rewards,
     sampled_vs_kept,
 )
-from grpo_lens.train.update import lens_fuses_gram, lens_reads_update, policy_update, update_logprobs
+from grpo_lens.train.update import (
+    lens_fuses_gram,
+    lens_reads_update,
+    mini_batch_rows,
+    policy_update,
+    update_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 #: Why the lens ran its own pass instead of the update's backward, each said once per process (:func:`plan_lens`).
@@ -246,7 +252,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         if plan.measure and (config.lens_landing or config.lens_dead_kl):  # read at the first optimizer step
             with forward_precision(procs.device, config.dtype):
                 kl = {} if config.kl_in_reward else {"beta": config.beta, "kl_estimator": config.kl_estimator}
-                lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl)
+                first = mini_batch_rows(rollouts.batch.num_groups, config.group_size, config.num_mini_batches)[0]
+                lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl, first=first)
         # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
         update_metrics = policy_update(

@@ -186,3 +186,28 @@ def test_trainer_writes_landing_and_dead_kl_at_lens_steps(tmp_path):
             shares = [r[f"landing/{c}_share"] for c in ("answer", "format", "reasoning")]
             assert sum(shares) == pytest.approx(1.0, abs=1e-9)
         assert r["dead/kl_grad_norm"] >= 0 and r["perf/lens_landing_seconds"] > 0
+
+
+@pytest.mark.e2e
+def test_landing_reads_the_first_mini_batch_only(model_batch):
+    from grpo_lens.train.lens import TrainerLens
+
+    model, tok, batch = model_batch
+    settings = _lens(lens_landing=True)
+    adv = torch.tensor([1.0, -0.5, -0.5, 0.5, -1.0, 0.5])  # both groups mixed; mini-batches {group 0}, {group 1}
+    first = torch.arange(3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # the first optimizer step's gradient: mini-batch 0's loss with its own normaliser
+    for p, g in zip(params, _update_grad(model, batch.select(first), adv[first], settings)):
+        p.grad = g.clone()
+    lens = TrainerLens(model, settings)
+    lens.before_update(model, batch, adv, first=first)
+    lens.before_step(model)
+    out = lens.after_step(1, model, measured=False)
+    for p in params:
+        p.grad = None
+    # u is group 0's alone, so its tokens close the sum; reading group 1's too would add their <grad log pi, u> terms
+    # (and halve the w through the whole batch's N), far from 1
+    assert out["landing/closure"] == pytest.approx(1.0, abs=3e-3)
+    assert out["landing/tokens"] == float(batch.completion_mask[:3].sum())
+    assert "landing/answer_share" not in out  # no tokenizer, no token classes
