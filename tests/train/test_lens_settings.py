@@ -27,6 +27,9 @@ EXPECTED = {
     "loss_aggregation": "seq-mean-token-mean",
     "max_new_tokens": 6,
     "overlong": "none",
+    "lens_noise_proxy": False,
+    "lens_landing": False,
+    "lens_dead_kl": False,
 }
 
 
