@@ -256,6 +256,7 @@ SECTIONS = (
     "guard",
     "noise",
     "dead",
+    "landing",
     "group",
     "probe_group",
     "g3",
@@ -803,6 +804,79 @@ DEAD_STEPS = _key(
     "every step: consecutive steps up to this one without a mixed group (kept across --resume); "
     "`--stop-after-dead-steps N` stops the run when it reaches N",
     source=_NOISE,
+)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Landing shares during training and the dead groups' KL-only gradient (lens steps, opt-in)
+# ---------------------------------------------------------------------------------------------------------------------
+_LANDING = "§Landing shares and the dead groups' KL gradient"
+SIGNED_SHARE = "signed share (the shares sum to 1)"
+LANDING_ANSWER_SHARE, LANDING_FORMAT_SHARE, LANDING_REASONING_SHARE = _keys(
+    "landing",
+    ("landing/answer_share", "landing/format_share", "landing/reasoning_share"),
+    SIGNED_SHARE,
+    "lens steps with `--lens-landing` and a tokenizer: the token class's share of the update's landing, sum over its "
+    "tokens of s_it = w_it <grad log pi(o_it), u> / |u|^2 (u the update's own first gradient, negated; w_it = A_i "
+    "omega_i / N) over the sum of s_it over every measured token; classes as the credit study's (answer: the last "
+    "number's tokens, format: no letter or digit, reasoning: the rest); signed, so one may exceed 1 or fall below 0",
+    source=_LANDING,
+)
+LANDING_ANSWER_TOKENS, LANDING_FORMAT_TOKENS, LANDING_REASONING_TOKENS = _keys(
+    "landing",
+    ("landing/answer_token_share", "landing/format_token_share", "landing/reasoning_token_share"),
+    SHARE,
+    "lens steps with `--lens-landing` and a tokenizer: the class's share of the measured tokens, the control its "
+    "landing share is read against (equal: the class carries the update in proportion to its size)",
+    source=_LANDING,
+)
+LANDING_POSITIVE_SHARE = _key(
+    "landing",
+    "landing/positive_share",
+    SIGNED_SHARE,
+    "lens steps with `--lens-landing`: the share of the update's landing on tokens of rollouts with A_i > 0 (the rest "
+    "lands on A_i < 0 rollouts' tokens)",
+    source=_LANDING,
+)
+LANDING_CLOSURE = _key(
+    "landing",
+    "landing/closure",
+    RATIO,
+    "lens steps with `--lens-landing`: sum of s_it over the measured tokens; 1 (to the finite differences' O(e^4) "
+    "error) when they make the whole update (one process, no KL term in the loss, no importance weights), the "
+    "share of |u|^2 they account for otherwise",
+    source=_LANDING,
+)
+LANDING_TOKENS = _key(
+    "landing",
+    "landing/tokens",
+    TOKENS,
+    "lens steps with `--lens-landing`: the tokens measured (every token the loss sums of this process's rollouts "
+    "with A_i != 0 in the update's first mini-batch, whose gradient the first optimizer step takes)",
+    source=_LANDING,
+)
+DEAD_KL_GRAD_NORM = _key(
+    "dead",
+    "dead/kl_grad_norm",
+    GRAD_NORM_UNITS,
+    "lens steps with `--lens-dead-kl`, beta > 0 and the KL in the loss: |grad of the loss over the rollouts of groups "
+    "whose advantages are all 0| = |beta grad KL| of those rows (their policy term has no gradient), aggregated and "
+    "normalised as in the update, at the step's starting weights, every trainable parameter (one process)",
+    source=_LANDING,
+)
+DEAD_KL_GRAD_RATIO = _key(
+    "dead",
+    "dead/kl_grad_ratio",
+    RATIO,
+    "lens steps with `--lens-dead-kl`: `dead/kl_grad_norm` over the update's first gradient norm (before clipping): "
+    "how large the push groups without reward contrast give through the KL term is next to the whole step's",
+    source=_LANDING,
+)
+PERF_LENS_LANDING_SECONDS = _key(
+    "perf",
+    "perf/lens_landing_seconds",
+    SECONDS,
+    "lens steps with `--lens-landing` or `--lens-dead-kl`: wall time of their extra forwards and backward (not in "
+    "`perf/lens_seconds`)",
 )
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -178,6 +178,18 @@ NOT_WRITTEN = {
         f"noise/{k}": "only with --lens-noise-proxy: tests/train/test_diagnostics.py"
         for k in ("proxy_total_power", "exact_total_power", "proxy_rank_corr")
     },
+    **{
+        k: "only with --lens-landing / --lens-dead-kl: tests/train/test_landing.py"
+        for k in (
+            *(f"landing/{c}_{q}" for c in ("answer", "format", "reasoning") for q in ("share", "token_share")),
+            "landing/positive_share",
+            "landing/closure",
+            "landing/tokens",
+            "dead/kl_grad_norm",
+            "dead/kl_grad_ratio",
+            "perf/lens_landing_seconds",
+        )
+    },
 }
 
 

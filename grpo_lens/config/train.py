@@ -290,6 +290,23 @@ class TrainConfig(ConfigFile):
         "mean A^2 |grad log pi(o)|^2 and their rank correlation over rollouts "
         "(noise/proxy_*; docs/theory.md §Noise scale and dead groups).",
     )
+    lens_landing: bool = option(
+        False,
+        "At lens steps, also the per-token landing shares of the update's own first "
+        "gradient u: s_it = w_it <grad log pi(o_it), u> / |u|^2 summed per token class "
+        "(answer, format, reasoning) and over positive-advantage rollouts, with their "
+        "closure (landing/*; four no-grad forwards of the rows with a nonzero "
+        "advantage just before the optimizer step; docs/theory.md §Landing shares and "
+        "the dead groups' KL gradient).",
+    )
+    lens_dead_kl: bool = option(
+        False,
+        "At lens steps with beta > 0 (KL in the loss), also the norm of the KL-only "
+        "gradient of the groups without reward contrast and its ratio to the update's "
+        "first gradient norm (dead/kl_grad_*; one forward + backward of those rows "
+        "before the update, one process; docs/theory.md §Landing shares and the dead "
+        "groups' KL gradient).",
+    )
     lens_space: str = option(
         "trainable",
         "Parameter space of the lens's per-rollout gradients: trainable (with LoRA "

@@ -30,6 +30,7 @@ groups, gathers and averages.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,9 @@ from grpo_lens.analysis.group import (
     mean_over_groups,
 )
 from grpo_lens.formulas.advantages import constant_groups
-from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
+from grpo_lens.formulas.credit import TOKEN_CLASSES, signed_contributions, token_classes
+from grpo_lens.formulas.landing import gradient_norm_ratio, landing_shares, token_update_weights
+from grpo_lens.formulas.losses import grpo_loss, loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.noise import (
     group_gradient_gram,
     noise_scale,
@@ -56,10 +59,22 @@ from grpo_lens.gradients.gram import MicroBatchGrams, exact_rollout_gram
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
 from grpo_lens.gradients.params import trainable_count
 from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
+from grpo_lens.gradients.token_credit import squared_norm, token_directional_derivatives
 from grpo_lens.lora import is_lora
 from grpo_lens.metrics import (
+    DEAD_KL_GRAD_NORM,
+    DEAD_KL_GRAD_RATIO,
     GRAD_GRAM_COVERAGE,
     GROUP_SIZE,
+    LANDING_ANSWER_SHARE,
+    LANDING_ANSWER_TOKENS,
+    LANDING_CLOSURE,
+    LANDING_FORMAT_SHARE,
+    LANDING_FORMAT_TOKENS,
+    LANDING_POSITIVE_SHARE,
+    LANDING_REASONING_SHARE,
+    LANDING_REASONING_TOKENS,
+    LANDING_TOKENS,
     NOISE_B_SIMPLE,
     NOISE_B_SIMPLE_HI,
     NOISE_B_SIMPLE_LO,
@@ -76,12 +91,13 @@ from grpo_lens.metrics import (
     NOISE_TRACE_SIGMA,
     NOISE_TRACE_SIGMA_HI,
     NOISE_TRACE_SIGMA_LO,
+    PERF_LENS_LANDING_SECONDS,
     PERF_LENS_SECONDS,
     PERF_LENS_SPARSITY_SECONDS,
     RANK_MIXED_GROUPS,
 )
 from grpo_lens.registry import renamed_keywords
-from grpo_lens.rollout import RolloutBatch, scored_logits
+from grpo_lens.rollout import RolloutBatch, batch_logprobs, scored_logits
 from grpo_lens.train.lens_settings import LensSettings, as_lens_settings
 from grpo_lens.train.processes import gather_objects
 from grpo_lens.train.sharding import is_sharded
@@ -153,13 +169,20 @@ class TrainerLens:
     ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,
     ``sparsity/grad_*`` (and per layer type ``sparsity/<type>/...``), ``sparsity/sample_entries``,
     ``rank/mixed_groups``, ``grad/gram_coverage`` (exact Gram), ``perf/lens_seconds``, ``perf/lens_sparsity_seconds``,
-    ``noise/*`` (the exact Gram's gradient noise scale, :meth:`noise_metrics`), and the mean over mixed groups of
+    ``noise/*`` (the exact Gram's gradient noise scale, :meth:`noise_metrics`), with ``lens_landing`` /
+    ``lens_dead_kl`` ``landing/*``, ``dead/kl_grad_*`` and ``perf/lens_landing_seconds`` (:meth:`before_update`,
+    :meth:`landing_metrics`, written by :meth:`after_step`), and the mean over mixed groups of
     every key of :func:`grpo_lens.analysis.group.analyse_group` except ``group/size`` (``rank/g1_*``,
     ``grad/identity_*``, ``baseline/*``, ``zero_sum/*``, ``group/*``).
     """
 
-    def __init__(self, policy: torch.nn.Module, config: LensSettings | TrainConfig):
+    def __init__(self, policy: torch.nn.Module, config: LensSettings | TrainConfig, tokenizer: Any = None):
         self.settings = as_lens_settings(config)
+        self.tokenizer = tokenizer  # the token classes of ``landing/*`` (None: those keys are not written)
+        self._landing: tuple[RolloutBatch, torch.Tensor, torch.Tensor] | None = None  # rows, w_it, A_i (before_step)
+        self._extra: dict[str, float] = {}  # landing/* and dead/kl_grad_* of the step, written by after_step
+        self._dead_kl_sq: float | None = None
+        self._landing_seconds = 0.0
         self.tracker = Bf16UpdateTracker(policy, device="cpu")  # start = the weights before any step
         # a fixed sample; start = the same weights
         self.sparsity = SparsityOverTraining(policy, seed=self.settings.seed)
@@ -531,10 +554,157 @@ class TrainerLens:
             temperature=c.temperature,
         ).sketch.double()
 
+    def before_update(
+        self,
+        policy: torch.nn.Module,
+        batch: RolloutBatch,
+        advantages: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+        beta: float = 0.0,
+        kl_estimator: str = "k3",
+        first: torch.Tensor | None = None,
+    ) -> None:
+        """At a lens step, before the policy update: with ``lens_landing`` keep the rows with A_i != 0 and their token
+        weights w_it (:func:`grpo_lens.formulas.landing.token_update_weights`) for :meth:`landing_metrics` at the first
+        optimizer step; with ``lens_dead_kl`` and beta > 0 take |grad L_dead|^2 now, L_dead the update's loss over the
+        rows of groups whose advantages are all 0 (:meth:`dead_kl_sq_norm`). Both over the rows of the update's first
+        mini-batch, whose gradient the first optimizer step takes, with its normaliser. Nothing with an FSDP2-sharded
+        policy; the dead groups' norm with one process only (the update's gradient is summed over processes).
+
+        Args:
+            batch: this process's N rollouts.   advantages: [N].   ref_logp: [N, T] reference log-probs (None: beta 0
+                or the KL folded into the reward).   beta, kl_estimator: the loss's KL term.
+            first: [n] the rows of the update's first mini-batch
+                (:func:`grpo_lens.train.update.mini_batch_rows`); None: all N.
+        """
+        self._landing, self._dead_kl_sq, self._extra, self._landing_seconds = None, None, {}, 0.0
+        c = self.settings
+        if not (c.lens_landing or c.lens_dead_kl) or is_sharded(policy):
+            return
+        t0 = time.perf_counter()
+        R = batch.group_size
+        adv_all = advantages.detach().cpu()
+        dead_all = (adv_all.view(-1, R) == 0).all(dim=1).repeat_interleave(R)  # [N] rows of groups without A
+        sel = torch.arange(batch.num_rollouts) if first is None else first.detach().to("cpu", torch.long)
+        loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, c.overlong)
+        loss_mask = loss_mask[sel.to(loss_mask.device)]
+        norm = gather_objects(
+            (loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens), float(loss_mask.any(dim=1).sum()))
+        )
+        z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
+        adv, has_tokens = adv_all[sel], loss_mask.any(dim=1).cpu()
+        if c.lens_landing and n_total > 0:
+            rows = ((adv != 0) & has_tokens).nonzero().flatten()  # into sel
+            if rows.numel():
+                mask = loss_mask[rows.to(loss_mask.device)]
+                omega = rollout_gradient_weights(mask, c.loss_aggregation, z_total, n_total)
+                w = token_update_weights(adv[rows], omega, mask, n_total)
+                self._landing = (batch.select(sel[rows]), w, adv[rows])
+        dead = (dead_all[sel] & has_tokens).nonzero().flatten()  # into sel
+        if c.lens_dead_kl and beta > 0 and ref_logp is not None and len(norm) == 1 and z_total > 0:
+            self._dead_kl_sq = 0.0
+            if dead.numel():
+                sub_ref = ref_logp[sel[dead].to(ref_logp.device)]
+                self._dead_kl_sq = self.dead_kl_sq_norm(
+                    policy,
+                    batch.select(sel[dead]),
+                    loss_mask[dead.to(loss_mask.device)],
+                    sub_ref,
+                    beta,
+                    kl_estimator,
+                    z_total,
+                )
+        self._landing_seconds = time.perf_counter() - t0
+
+    def dead_kl_sq_norm(
+        self,
+        policy: torch.nn.Module,
+        sub: RolloutBatch,
+        loss_mask: torch.Tensor,
+        ref_logp: torch.Tensor,
+        beta: float,
+        kl_estimator: str,
+        normalizer: float,
+    ) -> float:
+        """|grad L_dead|^2 over every trainable parameter, L_dead = :func:`grpo_lens.formulas.losses.grpo_loss` of the
+        n rollouts ``sub`` (all with A_i = 0: the policy term has no gradient, what is left is beta grad KL) with their
+        loss mask [n, T] and reference log-probs [n, T], the update's aggregation and its mini-batch's ``normalizer``
+        Z, on-policy (pi_old = pi); one forward + backward of those rows (``.grad`` untouched), a float64 sum of
+        squares."""
+        c = self.settings
+        params = [p for p in policy.parameters() if p.requires_grad]
+        logp = batch_logprobs(policy, sub, c.temperature)
+        loss, _ = grpo_loss(
+            logp,
+            logp.detach(),
+            torch.zeros(sub.num_rollouts, dtype=logp.dtype, device=logp.device),
+            loss_mask.to(logp.device),
+            normalizer=normalizer,
+            aggregation=c.loss_aggregation,
+            beta=beta,
+            ref_logp=ref_logp.to(logp.device),
+            kl_estimator=kl_estimator,
+        )
+        if not loss.requires_grad:
+            return 0.0
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return squared_norm([g for g in grads if g is not None])
+
+    def landing_metrics(self, policy: torch.nn.Module) -> dict[str, float]:
+        """``landing/*`` and ``dead/kl_grad_*`` at the update's first optimizer step, from ``.grad`` = grad L (summed
+        over processes, before clipping): u = -grad L, the directional derivatives <grad log pi(o_it), u> of the kept
+        rows' tokens by four no-grad forwards (:func:`grpo_lens.gradients.token_credit.token_directional_derivatives`,
+        Richardson-extrapolated central differences, the weights restored bit for bit), s_it =
+        :func:`grpo_lens.formulas.credit.signed_contributions`, summed per label by
+        :func:`grpo_lens.formulas.landing.landing_shares` (docs/theory.md §Landing shares and the dead groups' KL
+        gradient)."""
+        t0 = time.perf_counter()
+        landing, self._landing = self._landing, None
+        dead_sq, self._dead_kl_sq = self._dead_kl_sq, None
+        params = [p for p in policy.parameters() if p.requires_grad and p.grad is not None]
+        u = [-p.grad.detach() for p in params]
+        u_sq = squared_norm(u)
+        out: dict[str, float] = {}
+        if dead_sq is not None:
+            out[DEAD_KL_GRAD_NORM] = math.sqrt(dead_sq)
+            out[DEAD_KL_GRAD_RATIO] = gradient_norm_ratio(dead_sq, u_sq)
+        if landing is not None and u_sq > 0:
+            sub, w, adv = landing
+            d = token_directional_derivatives(
+                policy, sub, u, params, temperature=self.settings.temperature, norm=math.sqrt(u_sq)
+            )
+            s = signed_contributions(w, d, u_sq)["contributions"]  # [n, T]
+            measured = w != 0
+            sign = torch.where(adv > 0, 0, 1).unsqueeze(1).expand_as(w)
+            shares, closure = landing_shares(s, torch.where(measured, sign, -1), 2)
+            out.update({LANDING_POSITIVE_SHARE: float(shares[0]), LANDING_CLOSURE: closure})
+            out[LANDING_TOKENS] = float(measured.sum())
+            if self.tokenizer is not None:
+                classes = token_classes(self.tokenizer, sub.completion_ids.cpu(), measured)
+                shares, _ = landing_shares(s, classes, len(TOKEN_CLASSES))
+                counts = torch.bincount(classes[classes >= 0], minlength=len(TOKEN_CLASSES)).double()
+                tokens = counts / counts.sum().clamp(min=1)
+                names = dict(
+                    zip(
+                        TOKEN_CLASSES,
+                        zip(
+                            (LANDING_ANSWER_SHARE, LANDING_FORMAT_SHARE, LANDING_REASONING_SHARE),
+                            (LANDING_ANSWER_TOKENS, LANDING_FORMAT_TOKENS, LANDING_REASONING_TOKENS),
+                        ),
+                    )
+                )
+                for k, name in enumerate(TOKEN_CLASSES):
+                    out[names[name][0]] = float(shares[k])
+                    out[names[name][1]] = float(tokens[k])
+        out[PERF_LENS_LANDING_SECONDS] = self._landing_seconds + time.perf_counter() - t0
+        return out
+
     def before_step(self, policy: torch.nn.Module) -> None:
         """Snapshot the weights (bf16, and the fixed sample with the step's gradient) just before the first optimizer
         step of a lens step; on every step, add the sampled gradient to the sum since the start."""
         self.sparsity.accumulate_grad()
+        if self._landing is not None or self._dead_kl_sq is not None:
+            self._extra.update(self.landing_metrics(policy))
         if self._want_grad_sq and not is_sharded(policy):  # S of the noise scale: the update's first gradient
             sq = [
                 torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
@@ -551,12 +721,14 @@ class TrainerLens:
 
     def after_step(self, step: int, policy: torch.nn.Module, measured: bool) -> dict[str, float]:
         """S4 after the step's optimizer steps: shares of parameters whose bf16 value did not change."""
+        extra, self._extra = self._extra, {}
         if not (measured and self._pending):
-            return {}
+            return extra
 
         t0 = time.perf_counter()
         self._pending = False
         out = self.tracker.update()
+        out.update(extra)
         out.update(self.sparsity.after_step())
         out[PERF_LENS_SPARSITY_SECONDS] = self._sparsity_seconds + time.perf_counter() - t0
         return out

@@ -75,6 +75,12 @@ class LensSettings:
     #: also verl's logit-space gradient-power proxy beside the exact Gram's (``--lens-noise-proxy``; one no-grad
     #: forward of the mixed groups; docs/theory.md §Noise scale and dead groups).
     lens_noise_proxy: bool = False
+    #: per-token landing shares of the update's own first gradient at lens steps (``--lens-landing``; four no-grad
+    #: forwards of the rows with a nonzero advantage; docs/theory.md §Landing shares and the dead groups' KL gradient).
+    lens_landing: bool = False
+    #: the KL-only gradient norm of the groups without reward contrast at lens steps (``--lens-dead-kl``, beta > 0;
+    #: one forward + backward of those rows; same section).
+    lens_dead_kl: bool = False
 
     def __post_init__(self) -> None:
         closed = {

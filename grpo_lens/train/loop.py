@@ -124,7 +124,13 @@ from grpo_lens.train.step_metrics import (
     rollout_rewards,
     sampled_vs_kept,
 )
-from grpo_lens.train.update import lens_fuses_gram, lens_reads_update, policy_update, update_logprobs
+from grpo_lens.train.update import (
+    lens_fuses_gram,
+    lens_reads_update,
+    mini_batch_rows,
+    policy_update,
+    update_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 #: Why the lens ran its own pass instead of the update's backward, each said once per process (:func:`plan_lens`).
@@ -228,7 +234,7 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     check_prompts(config, task, models)  # every prompt formats and fits the model's context: still read-only
     schedule = LRSchedule(models.optimizer, config)  # the LR is a function of the step: resumes need no state
     if lens is None and config.lens_every > 0:
-        lens = TrainerLens(models.policy, LensSettings.from_train_config(config))
+        lens = TrainerLens(models.policy, LensSettings.from_train_config(config), tokenizer=models.tokenizer)
     state = open_run(run, config, procs, models, lens, ckpt)  # writes --out (a new run, or resumes from ckpt)
     logs = StepLogs.start(run, config, procs, state.step)
 
@@ -245,6 +251,11 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         advantages, baseline_metrics = step_advantages(config, procs, models.policy, rollouts)
         # 4. the lens reads this step's rollouts before the update changes the policy, or plans to read the update
         plan = plan_lens(lens, step, config, procs, models.policy, rollouts, advantages)
+        if plan.measure and (config.lens_landing or config.lens_dead_kl):  # read at the first optimizer step
+            with forward_precision(procs.device, config.dtype):
+                kl = {} if config.kl_in_reward else {"beta": config.beta, "kl_estimator": config.kl_estimator}
+                first = mini_batch_rows(rollouts.batch.num_groups, config.group_size, config.num_mini_batches)[0]
+                lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl, first=first)
         # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
         update_metrics = policy_update(

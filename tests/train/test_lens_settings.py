@@ -28,6 +28,8 @@ EXPECTED = {
     "max_new_tokens": 6,
     "overlong": "none",
     "lens_noise_proxy": False,
+    "lens_landing": False,
+    "lens_dead_kl": False,
 }
 
 
