@@ -61,6 +61,7 @@ eps 1e-4, as TRL), ``"none"`` is ``dr_grpo``; with ``"batch"`` or ``multi_object
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -696,6 +697,10 @@ def _finite(value: torch.Tensor) -> float | None:
     return v if math.isfinite(v) else None
 
 
+#: the longest string transformers' ProgressCallback prints whole (its ``max_str_len``)
+CONSOLE_STR_LEN = 100
+
+
 def compact_console_logs(logs: dict[str, Any], lens_keys: set[str], metrics_file: Path | None) -> dict[str, Any]:
     """What TRL's console line shows of a log dict: TRL's own keys as they are, and the lens's keys (about 200 at a
     lens step) replaced by one entry saying how many there are and where they went (every tracker and
@@ -704,7 +709,11 @@ def compact_console_logs(logs: dict[str, Any], lens_keys: set[str], metrics_file
     shown = {k: v for k, v in logs.items() if k not in lens_keys}
     hidden = len(logs) - len(shown)
     if hidden:
-        shown["lens"] = f"{hidden} keys in log_history" + (f" and {metrics_file}" if metrics_file is not None else "")
+        shown["lens"] = f"{hidden} keys in log_history"
+        if metrics_file is not None:  # the shortest true name: transformers' console cuts a string over 100 characters
+            where = min(str(metrics_file), os.path.relpath(metrics_file), key=len)
+            fits = len(shown["lens"]) + len(where) + 5 <= CONSOLE_STR_LEN
+            shown["lens"] += f" and {where}" if fits else f" and {metrics_file.name} in output_dir"
     return shown
 
 
