@@ -21,8 +21,8 @@ from _distributed_worker import TEMPERATURE, B, R, T, build_batch
 from grpo_lens import cli
 from grpo_lens.config import TrainConfig
 from grpo_lens.gradients.gram import exact_rollout_gram
+from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.models import build_tiny_model
-from grpo_lens.train.lens import TrainerLens
 from grpo_lens.train.processes import Processes, setup_processes
 from grpo_lens.train.sharding import local_part, shard_fsdp2
 from grpo_lens.train.update import policy_update

@@ -50,6 +50,8 @@ from grpo_lens.formulas.losses import kl_reward_penalty
 from grpo_lens.formulas.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
 from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.gradients.sketch import sketched_rollout_sq_norms
+from grpo_lens.lens.settings import LensSettings
+from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.lora import apply_lora, is_lora, save_lora_model
 from grpo_lens.metrics import (
     ADV_OPTIMAL_BASELINE,
@@ -98,8 +100,6 @@ from grpo_lens.tasks.user_data import file_fingerprint
 from grpo_lens.trackers import Trackers, check_trackers
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
 from grpo_lens.train.evaluate import Evaluation
-from grpo_lens.train.lens import TrainerLens
-from grpo_lens.train.lens_settings import LensSettings
 from grpo_lens.train.memory import _peak_memory_mb, keep_freed_memory
 from grpo_lens.train.processes import Processes, gather_objects, setup_processes
 from grpo_lens.train.schedule import LRSchedule, warmup_steps
@@ -203,7 +203,8 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
         config: a validated :class:`TrainConfig`; ``config.out`` is required.
         lens: an object with ``start(policy)``, ``before_step(policy)``, ``measure(step, ...) -> dict``,
             ``after_step(step, policy, measured) -> dict``, ``state_dict()`` and ``load_state_dict(state)``, and
-            optionally ``update_capture(policy)`` with ``mixed_groups`` (see :class:`grpo_lens.train.lens.TrainerLens`);
+            optionally ``update_capture(policy)`` with ``mixed_groups``
+            (see :class:`grpo_lens.lens.trainer_lens.TrainerLens`);
             built from the config when None and lens_every > 0.
 
     Every input is checked before anything is written; a new run's directory is created (or a run replaced with
@@ -1038,7 +1039,7 @@ def lens_after_update(
     advantages: torch.Tensor,
 ) -> dict[str, float]:
     """The lens's metrics of the step: from the update's first-pass rows when ``plan`` had a capture (g_i at the
-    step's starting weights, :func:`grpo_lens.train.lens.scores_from_update_rows`), else the plan's own, plus the
+    step's starting weights, :func:`grpo_lens.lens.trainer_lens.scores_from_update_rows`), else the plan's own, plus the
     lens's after-step S4 and sparsity metrics. Empty without a lens."""
     if lens is None:
         return {}

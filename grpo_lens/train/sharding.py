@@ -13,7 +13,7 @@ docs/theory.md §Sums across processes says how each sum is formed.
 Under FSDP2 every forward is a collective, so every process must run the same number of forwards: generation runs
 with transformers' ``synced_gpus`` (set by :func:`shard_fsdp2`), the update's micro-batches are sized alike on every
 process (:func:`grpo_lens.train.update.plan_update`), and the lens's own pass runs on every process
-(:meth:`grpo_lens.train.lens.TrainerLens.measure`).
+(:meth:`grpo_lens.lens.trainer_lens.TrainerLens.measure`).
 
 Checkpoints and the final model hold full (unsharded) tensors, gathered to rank 0 by
 :func:`torch.distributed.checkpoint.state_dict.get_model_state_dict` (:func:`full_model_state`,

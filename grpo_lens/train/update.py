@@ -493,7 +493,7 @@ def lens_reads_update(
     procs: Processes | None = None,
 ) -> bool:
     """Whether the lens can take its g_i from the update's first pass
-    (:func:`grpo_lens.train.lens.scores_from_update_rows`).
+    (:func:`grpo_lens.lens.trainer_lens.scores_from_update_rows`).
 
     True when ``lens_from_update`` is on, ``gram_source`` is sketch, the lens offers ``update_capture``, and the first
     pass's loss gradient is
@@ -538,7 +538,8 @@ def lens_fuses_gram(
     procs: Processes,
 ) -> str | None:
     """None when the lens's exact Gram can be captured in the update's own first backward and the rollout weights
-    divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`, :func:`grpo_lens.train.lens.score_gram_from_update`,
+    divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`,
+    :func:`grpo_lens.lens.trainer_lens.score_gram_from_update`,
     docs/theory.md §Lens inside the update's backward); else why not, in words (the lens then runs its own pass).
 
     The first pass's per-token loss weights factor as one scalar per rollout times its score, grad L_i =

@@ -19,8 +19,8 @@ import pytest
 import torch
 from architectures import DEFAULT_LAYER, FAMILIES, save_family_folder
 
+import grpo_lens.lens.trainer_lens as lens_module
 import grpo_lens.probe.run as probe_run
-import grpo_lens.train.lens as lens_module
 from grpo_lens.cli import main
 from grpo_lens.config import TrainConfig
 from grpo_lens.gradients.exact import exact_rollout_grads

@@ -192,7 +192,7 @@ def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, mo
     calls = []
     original = sketch_rollout_grads
     monkeypatch.setattr(
-        "grpo_lens.train.lens.sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        "grpo_lens.lens.trainer_lens.sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw)
     )
     own = run("own", False)
     own_calls = len(calls)
