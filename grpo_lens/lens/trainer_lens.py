@@ -84,8 +84,8 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch, scored_logits
-from grpo_lens.train.processes import gather_objects
-from grpo_lens.train.sharding import is_sharded
+from grpo_lens.runtime.processes import gather_objects
+from grpo_lens.runtime.sharding import is_sharded
 
 if TYPE_CHECKING:
     from grpo_lens.config import TrainConfig

@@ -151,10 +151,10 @@ from grpo_lens.rollout import (
     sample_groups,
 )
 from grpo_lens.rundir import atomic_write_text, holds_run_dir
+from grpo_lens.runtime.memory import activation_bytes_per_rollout, keep_freed_memory, total_memory_bytes
 from grpo_lens.seeding import derive_seed, seed_everything
 from grpo_lens.tasks import get_task
 from grpo_lens.trackers import check_trackers
-from grpo_lens.train.memory import activation_bytes_per_rollout, keep_freed_memory, total_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -418,7 +418,7 @@ class GroupJob:
 
 def rows_per_pass(policy, seq_len: int, scored_len: int, layer: str | None, config: ProbeConfig) -> int:
     """Rollouts one batched backward of the probe may hold, from the memory available (as ``--micro-batch-size``
-    is chosen: :func:`grpo_lens.train.memory.auto_micro_batch_size`, a quarter of what the weights leave), counting
+    is chosen: :func:`grpo_lens.runtime.memory.auto_micro_batch_size`, a quarter of what the weights leave), counting
     per rollout its activations and the probed layer's exact row (float32, and a float64 copy); at least 1."""
     device = next(policy.parameters()).device
     total = total_memory_bytes(device)
@@ -697,7 +697,7 @@ def rollouts_per_prompt(group_size: int) -> int:
 
 def generation_prompts_per_call(policy, M: int, config: ProbeConfig) -> int:
     """Prompts per ``generate`` call: ``prompts_per_batch``, or with 0 as many as a tenth of the memory holds (as
-    ``--micro-batch-size`` is chosen from :func:`grpo_lens.train.memory.total_memory_bytes`: total memory, so the
+    ``--micro-batch-size`` is chosen from :func:`grpo_lens.runtime.memory.total_memory_bytes`: total memory, so the
     choice, and so the draws, are the same whenever the probe runs on this machine), at most 16. A rollout's
     ``generate`` keeps two float32 vocabulary rows (raw logits and scores) per new token, which dominates its
     memory: M T V 8 bytes per prompt."""

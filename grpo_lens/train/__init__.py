@@ -1,11 +1,8 @@
 """GRPO training: the loop (:func:`grpo_lens.train.loop.train`) and what it calls; the lens it runs is
-:mod:`grpo_lens.lens`.
+:mod:`grpo_lens.lens`, processes, sharding and memory :mod:`grpo_lens.runtime`.
 
 loop              the training loop, read top to bottom, and the start-up checks
 update            the policy update: mu passes over mini- and micro-batches, AdamW, gradient clipping
 step_metrics      rewards, accuracy and the per-step metric records
-processes         several processes (torchrun / accelerate): sums and gathers
-sharding          --parallelism: the policy replicated (ddp) or sharded with FSDP2 (fsdp2), full-state checkpoints
-memory            micro-batch sizing from the model's activation memory
 dynamic_sampling  DAPO's dynamic sampling: extra rounds until enough groups have reward contrast
 """

@@ -15,8 +15,8 @@ holds the rest (:class:`RunState`, the random generators' states).
 Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
 process draws the same B prompts for a step and samples the groups of its own share of them; the update sums over
 processes (:mod:`grpo_lens.train.update`), each step's record gathers every process's rollouts
-(:mod:`grpo_lens.train.processes`), and the main process alone writes the run directory. ``--parallelism fsdp2``
-shards the policy over the processes instead of copying it (:mod:`grpo_lens.train.sharding`).
+(:mod:`grpo_lens.runtime.processes`), and the main process alone writes the run directory. ``--parallelism fsdp2``
+shards the policy over the processes instead of copying it (:mod:`grpo_lens.runtime.sharding`).
 
 Shapes: B prompts per step, R group size, N = B R / processes rollouts on this process, T completion tokens.
 """
@@ -94,22 +94,22 @@ from grpo_lens.rundir import (
     read_records,
     read_saved_config,
 )
-from grpo_lens.seeding import derive_seed, seed_everything
-from grpo_lens.tasks import get_task
-from grpo_lens.tasks.user_data import file_fingerprint
-from grpo_lens.trackers import Trackers, check_trackers
-from grpo_lens.train.dynamic_sampling import collect_mixed_groups
-from grpo_lens.train.evaluate import Evaluation
-from grpo_lens.train.memory import _peak_memory_mb, keep_freed_memory
-from grpo_lens.train.processes import Processes, gather_objects, setup_processes
-from grpo_lens.train.schedule import LRSchedule, warmup_steps
-from grpo_lens.train.sharding import (
+from grpo_lens.runtime.memory import _peak_memory_mb, keep_freed_memory
+from grpo_lens.runtime.processes import Processes, gather_objects, setup_processes
+from grpo_lens.runtime.sharding import (
     PARALLELISMS,
     full_model_state,
     full_optimizer_state,
     is_sharded,
     load_full_states,
 )
+from grpo_lens.seeding import derive_seed, seed_everything
+from grpo_lens.tasks import get_task
+from grpo_lens.tasks.user_data import file_fingerprint
+from grpo_lens.trackers import Trackers, check_trackers
+from grpo_lens.train.dynamic_sampling import collect_mixed_groups
+from grpo_lens.train.evaluate import Evaluation
+from grpo_lens.train.schedule import LRSchedule, warmup_steps
 from grpo_lens.train.step_metrics import (
     _pad_to,
     accuracy_metrics,
@@ -664,7 +664,7 @@ def warn_long_warmup(config: TrainConfig) -> None:
 
 def build_models(config: TrainConfig, procs: Processes) -> Models:
     """Seed the generators, load the policy, check it (:func:`check_model`), copy the reference, add LoRA, lay the
-    policy out over the processes (``--parallelism``, :mod:`grpo_lens.train.sharding`; the reference stays a whole
+    policy out over the processes (``--parallelism``, :mod:`grpo_lens.runtime.sharding`; the reference stays a whole
     copy on every process) and make the optimizer: AdamW (lr, betas, weight decay from ``config``) over the parameters
     that require gradients (for fsdp2, their shards).
 
@@ -1319,7 +1319,7 @@ def save_final_model(
 ) -> Path:
     """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename); a LoRA
     policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`).
-    ``state_dict``: the full weights of an FSDP2-sharded policy (:func:`grpo_lens.train.sharding.full_model_state`),
+    ``state_dict``: the full weights of an FSDP2-sharded policy (:func:`grpo_lens.runtime.sharding.full_model_state`),
     saved under the model's own class name."""
     for stray in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed while saving
         shutil.rmtree(stray, ignore_errors=True)

@@ -56,8 +56,8 @@ from grpo_lens.metrics import (
 from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision, group_logprobs
 from grpo_lens.rundir import crash_point
-from grpo_lens.train.memory import auto_micro_batch_size, total_memory_bytes
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.memory import auto_micro_batch_size, total_memory_bytes
+from grpo_lens.runtime.processes import Processes
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers_distributed import run_torchrun, torchrun_available
 
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.processes import Processes
 
 WORLD = 2
 TIMEOUT_S = 300
@@ -177,7 +177,7 @@ def test_cli_trains_when_one_process_has_no_reward_contrast(two_process_results,
 
 
 def test_grad_buckets_cut_at_the_size_and_at_a_dtype():
-    from grpo_lens.train.processes import grad_buckets
+    from grpo_lens.runtime.processes import grad_buckets
 
     f32 = [torch.zeros(n) for n in (3, 4, 2, 9, 1)]
     # at most 8 elements: 3 + 4 = 7 (+ 2 > 8), 2 (+ 9 > 8), 9 alone (larger than a bucket), 1

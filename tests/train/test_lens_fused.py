@@ -24,7 +24,7 @@ from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.gradients.gram import MicroBatchGrams, exact_rollout_gram
 from grpo_lens.lens.trainer_lens import score_gram_from_update
 from grpo_lens.rollout import RolloutBatch
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.processes import Processes
 from grpo_lens.train.update import UpdateSums, backward_mini_batch, lens_fuses_gram, plan_update
 
 pytestmark = pytest.mark.e2e  # builds tiny models

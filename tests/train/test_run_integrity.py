@@ -15,7 +15,7 @@ import grpo_lens.train.loop as loop
 from grpo_lens.config import TrainConfig
 from grpo_lens.models import build_tiny_model
 from grpo_lens.rollout import batch_logprobs, sample_groups
-from grpo_lens.train.processes import setup_processes
+from grpo_lens.runtime.processes import setup_processes
 
 R = 4
 

@@ -26,7 +26,7 @@ from grpo_lens.gradients.exact import exact_rollout_grads, layer_weight_grads
 from grpo_lens.gradients.g2 import G2WeightingCapture, module_kind
 from grpo_lens.gradients.params import param_slices
 from grpo_lens.gradients.sketch import sketch_rollout_grads
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.processes import Processes
 from grpo_lens.train.update import policy_update
 
 

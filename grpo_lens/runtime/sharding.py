@@ -3,7 +3,7 @@ with torch's FSDP2 (``fsdp2``, :func:`torch.distributed.fsdp.fully_shard`), and 
 and optimizer state that has to know which.
 
 ``ddp``: every process holds the whole policy; after each backward the trainer sums the gradients with an all-reduce
-(:meth:`grpo_lens.train.processes.Processes.sum_grads`). ``fsdp2``: each decoder layer (the classes the model names in
+(:meth:`grpo_lens.runtime.processes.Processes.sum_grads`). ``fsdp2``: each decoder layer (the classes the model names in
 ``_no_split_modules``) and then the root are ``fully_shard``-ed over all processes, so each process holds 1/W of
 every parameter, gradient and AdamW moment (dim-0 shards); a module's weights are all-gathered for its forward and
 backward, and each backward reduce-scatters the gradients with a sum (gradient divide factor 1: the trainer's loss
