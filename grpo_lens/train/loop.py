@@ -686,7 +686,13 @@ def build_models(config: TrainConfig, procs: Processes) -> Models:
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     if config.lora_rank > 0:  # the reference above stays the plain base model
-        policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+        policy = apply_lora(
+            policy,
+            config.lora_rank,
+            config.lora_alpha,
+            config.lora_target_modules,
+            linear_layer_names(policy),
+        )
         policy.eval()  # LoRA's own dropout off too
     policy = PARALLELISMS.get(config.parallelism)(policy, procs.world)  # fsdp2: fully_shard (reference unsharded)
     procs.sharded = is_sharded(policy)
