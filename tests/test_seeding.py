@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from grpo_lens.probe.run import batch_seed
+from grpo_lens.probe.draws import batch_seed
 from grpo_lens.seeding import derive_seed
 from grpo_lens.train.loop import step_seed
 
