@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-import grpo_lens.probe.run as probe_module
+import grpo_lens.probe.estimate as probe_module
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.draws import DrawBatch, batch_seed, draw_plan
 from grpo_lens.probe.gradient_sources import pass_chunks

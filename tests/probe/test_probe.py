@@ -72,7 +72,7 @@ def exact_probe(tmp_path_factory, tiny_model_and_tokenizer):
     """The exact probe on the linear weights, recording each analysed group (its rollouts and rewards)."""
     import copy
 
-    import grpo_lens.probe.run as probe_module
+    import grpo_lens.probe.groups as probe_module
 
     model, tokenizer = copy.deepcopy(tiny_model_and_tokenizer)
     model = linear_weights_only(model)

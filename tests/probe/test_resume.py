@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-import grpo_lens.probe.run as probe_module
+import grpo_lens.probe.estimate as probe_module
 from grpo_lens.cli import main
 from grpo_lens.config import ConfigError
 from grpo_lens.probe.config import ProbeConfig
