@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -21,8 +20,6 @@ from grpo_lens.rollout import (
 )
 from grpo_lens.runtime.memory import total_memory_bytes
 from grpo_lens.seeding import derive_seed
-
-logger = logging.getLogger(__name__)
 
 
 def batch_seed(seed: int, group_size: int, draw: int) -> int:

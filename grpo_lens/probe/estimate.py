@@ -4,7 +4,6 @@ rows aggregated over groups into means with intervals, strata, G3 and S1 (:func:
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 import time
@@ -64,12 +63,7 @@ from grpo_lens.probe.gradient_sources import (
 )
 from grpo_lens.probe.groups import GroupJob, analyse_prompt, measure_groups
 from grpo_lens.probe.partial import PartialProbe, PromptRecord
-from grpo_lens.rollout import (
-    RolloutBatch,
-)
-
-logger = logging.getLogger(__name__)
-
+from grpo_lens.rollout import RolloutBatch
 
 #: Keys whose summaries the probe also stratifies by k and by distinct completions.
 STRATA_KEYS = (

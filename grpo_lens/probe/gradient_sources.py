@@ -5,7 +5,6 @@ sketch-only pass, the G2 weightings' capture and the sketch check against exact 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +38,6 @@ from grpo_lens.rollout import (
     batch_logprobs,
 )
 from grpo_lens.runtime.memory import activation_bytes_per_rollout, total_memory_bytes
-
-logger = logging.getLogger(__name__)
 
 
 def default_layer(model: torch.nn.Module, layers: str | None = None) -> str:

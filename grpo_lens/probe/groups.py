@@ -5,7 +5,6 @@ group (:func:`measure_group`) or one per ``generate`` batch (:func:`measure_grou
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +17,7 @@ from grpo_lens.analysis.group import (
     g2_keys,
 )
 from grpo_lens.formulas.advantages import compute_advantages, constant_groups
-from grpo_lens.formulas.baselines import (
-    estimator_variances,
-)
+from grpo_lens.formulas.baselines import estimator_variances
 from grpo_lens.formulas.credit import (
     answer_mask_from_tokenizer,
     completion_positions,
@@ -40,12 +37,8 @@ from grpo_lens.formulas.spectrum import (
 )
 from grpo_lens.formulas.zero_sum import weightings
 from grpo_lens.gradients.gram import gram_factor
-from grpo_lens.gradients.params import (
-    trainable_count,
-)
-from grpo_lens.gradients.sketch import (
-    token_grad_sq_norms,
-)
+from grpo_lens.gradients.params import trainable_count
+from grpo_lens.gradients.sketch import token_grad_sq_norms
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.gradient_sources import (
     RolloutGradients,
@@ -60,11 +53,7 @@ from grpo_lens.probe.gradient_sources import (
     sketch_check,
 )
 from grpo_lens.probe.partial import PromptRecord
-from grpo_lens.rollout import (
-    RolloutBatch,
-)
-
-logger = logging.getLogger(__name__)
+from grpo_lens.rollout import RolloutBatch
 
 
 def measure_group(

@@ -60,9 +60,7 @@ from tqdm.auto import tqdm
 
 from grpo_lens.config import ConfigError, resolve_device
 from grpo_lens.formulas.stats import summarise_rows
-from grpo_lens.gradients.params import (
-    linear_layer_names,
-)
+from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.metrics import (
     GROUPS_MIXED,
     PROBE_GRAM_COVERAGE,
@@ -82,9 +80,7 @@ from grpo_lens.probe.studies import run_baseline_study, run_credit_study
 from grpo_lens.probe.tracking import log_probe
 from grpo_lens.report import write_report
 from grpo_lens.rewards import parse_reward_specs
-from grpo_lens.rollout import (
-    forward_precision,
-)
+from grpo_lens.rollout import forward_precision
 from grpo_lens.rundir import atomic_write_text, holds_run_dir
 from grpo_lens.runtime.memory import keep_freed_memory
 from grpo_lens.seeding import seed_everything

@@ -129,7 +129,7 @@ def test_mini_batches_must_divide_each_process_share():
     # B = 6 over 2 processes: 3 prompts each, which 2 mini-batches cannot split into equal optimizer steps (a
     # process would take 3 steps of 1 prompt); 3 mini-batches can.
     from grpo_lens.config import TrainConfig
-    from grpo_lens.train.loop import check_inputs
+    from grpo_lens.train.checks import check_inputs
 
     procs = Processes(0, 2, torch.device("cpu"))
     with pytest.raises(ValueError, match="num_mini_batches"):

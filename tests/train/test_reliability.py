@@ -12,6 +12,7 @@ import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
 import torch
 
+import grpo_lens.train.checks as checks
 import grpo_lens.train.loop as loop
 from grpo_lens.config import TrainConfig
 from grpo_lens.rundir import RunDirError
@@ -318,11 +319,11 @@ def test_reward_weight_must_be_finite_with_the_flags(weight):
 def test_warmup_as_long_as_the_run_is_warned(caplog):
     """--warmup-steps 1000 --max-steps 1: the LR is 0 for the whole run; a warning says so at start (main: silent)."""
     with caplog.at_level("WARNING", logger="grpo_lens.train.loop"):
-        loop.warn_long_warmup(TrainConfig(warmup_steps=1000, max_steps=1))
+        checks.warn_long_warmup(TrainConfig(warmup_steps=1000, max_steps=1))
     assert "never reaches --learning-rate" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="grpo_lens.train.loop"):
-        loop.warn_long_warmup(TrainConfig(warmup_steps=2, max_steps=10))
+        checks.warn_long_warmup(TrainConfig(warmup_steps=2, max_steps=10))
     assert caplog.text == ""
 
 
