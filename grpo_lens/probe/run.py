@@ -262,6 +262,82 @@ def prepare_out(config: ProbeConfig) -> PartialProbe:
     return partial
 
 
+def probe_layer(config: ProbeConfig, policy: torch.nn.Module) -> str:
+    """The layer the probe's one-layer measurements read: ``config.layer``, else
+    :func:`grpo_lens.probe.gradient_sources.default_layer`.
+
+    Raises:
+        ConfigError: a model without linear layers, --layers matching none, or ``layer`` not a linear layer of the
+            model; one line, before anything is written.
+    """
+    try:  # a model without linear layers, or --layers matching none: one line, before anything is written
+        layer = config.layer or default_layer(policy, config.layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if layer not in linear_layer_names(policy):
+        raise ConfigError(
+            f"probe field 'layer' = {layer!r} is not a linear layer of the model; e.g. "
+            f"{', '.join(linear_layer_names(policy)[:4])}, ..."
+        )
+    return layer
+
+
+def probe_meta(
+    config: ProbeConfig,
+    policy: torch.nn.Module,
+    layer: str,
+    per_group_size: dict[str, dict[str, Any]],
+    pool: PromptPool,
+    estimated: dict[str, float],
+    seconds: float,
+    t_studies: float,
+) -> dict[str, Any]:
+    """probe.json's ``meta``: how the probe measured (gradients, Gram coverage, the sketch check over every R, the
+    settings), ``seconds`` the whole probe's wall time and ``t_studies`` the studies' (s), the pool's generation
+    counts and the first batch's time estimate ``estimated``."""
+    checks = [
+        c for d in per_group_size.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]
+    ]
+    check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
+    covs = [d[PROBE_GRAM_COVERAGE] for d in per_group_size.values() if d.get(PROBE_GRAM_COVERAGE) is not None]
+    gradients = "exact" if config.exact else ("exact_gram" if config.gram_source == "exact" else "sketch")
+    meta = {
+        "model": config.model,
+        "task": config.task,
+        "gradients": gradients,
+        "gram_coverage": min(covs) if covs else None,
+        "g3_source": "exact" if config.exact else "sketch",
+        "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
+        "sketch_check": check_summary,
+        "estimator": config.estimator,
+        "loss_aggregation": config.loss_aggregation,
+        "sketch_dim": None if config.exact else config.sketch_dim,
+        "std": config.std,
+        "eps": config.std_eps,
+        "layer": layer,
+        "parameters": sum(p.numel() for p in policy.parameters()),
+        "seconds": seconds,
+        "studies_seconds": t_studies,
+        "resumed": config.resume,  # continued a killed probe (OUT/probe_partial/); its numbers are the same
+        # how the prompts were drawn: "nested" (once for every R, docs/theory.md §Shared draws) or "independent"
+        "draws": "independent" if config.independent_draws else "nested",
+        "prompts_per_batch": {
+            str(R): generation_prompts_per_call(policy, rollouts_per_prompt(R), config) for R in config.group_sizes
+        },
+        # what this process sampled (a resumed probe: only what it drew again), for bench_probe's FLOP floor
+        "timing": {
+            "generation_rollouts": pool.rollouts,
+            "generation_tokens": pool.tokens,
+            "rollout_positions": pool.positions,
+            "generation_seconds": pool.generation_seconds,
+            "estimate_seconds": estimated,
+        },
+        # how this command treated --out is not what the probe is: stored as False (as train's config.yaml)
+        "config": {**{f.name: getattr(config, f.name) for f in fields(config)}, "resume": False, "overwrite": False},
+    }
+    return meta
+
+
 @holds_run_dir("probe")  # one writer per --out (grpo_lens.rundir.acquire_run_lock)
 def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     """Run the probe and write OUT/probe.json and OUT/report.md; return OUT.
@@ -293,15 +369,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32  # bf16-mixed: float32 weights
         policy, tokenizer = load_model(config.model, dtype=dtype, device=device)
     policy.eval()  # no dropout: gradients of the sampling distribution
-    try:  # a model without linear layers, or --layers matching none: one line, before anything is written
-        layer = config.layer or default_layer(policy, config.layers)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if layer not in linear_layer_names(policy):
-        raise ConfigError(
-            f"probe field 'layer' = {layer!r} is not a linear layer of the model; e.g. "
-            f"{', '.join(linear_layer_names(policy)[:4])}, ..."
-        )
+    layer = probe_layer(config, policy)
     if not config.resume:  # a new probe (--overwrite: over a partial one)
         partial.remove()
         partial.start(config.to_dict())
@@ -358,46 +426,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     with forward_precision(next(policy.parameters()).device, config.dtype):
         studies = run_studies(policy, tokenizer, task, reward_fns, config, partial, pool)
     t_studies = time.perf_counter() - t_studies
-    checks = [
-        c for d in per_group_size.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]
-    ]
-    check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
-    covs = [d[PROBE_GRAM_COVERAGE] for d in per_group_size.values() if d.get(PROBE_GRAM_COVERAGE) is not None]
-    gradients = "exact" if config.exact else ("exact_gram" if config.gram_source == "exact" else "sketch")
-    meta = {
-        "model": config.model,
-        "task": config.task,
-        "gradients": gradients,
-        "gram_coverage": min(covs) if covs else None,
-        "g3_source": "exact" if config.exact else "sketch",
-        "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
-        "sketch_check": check_summary,
-        "estimator": config.estimator,
-        "loss_aggregation": config.loss_aggregation,
-        "sketch_dim": None if config.exact else config.sketch_dim,
-        "std": config.std,
-        "eps": config.std_eps,
-        "layer": layer,
-        "parameters": sum(p.numel() for p in policy.parameters()),
-        "seconds": time.perf_counter() - t0,
-        "studies_seconds": t_studies,
-        "resumed": config.resume,  # continued a killed probe (OUT/probe_partial/); its numbers are the same
-        # how the prompts were drawn: "nested" (once for every R, docs/theory.md §Shared draws) or "independent"
-        "draws": "independent" if config.independent_draws else "nested",
-        "prompts_per_batch": {
-            str(R): generation_prompts_per_call(policy, rollouts_per_prompt(R), config) for R in config.group_sizes
-        },
-        # what this process sampled (a resumed probe: only what it drew again), for bench_probe's FLOP floor
-        "timing": {
-            "generation_rollouts": pool.rollouts,
-            "generation_tokens": pool.tokens,
-            "rollout_positions": pool.positions,
-            "generation_seconds": pool.generation_seconds,
-            "estimate_seconds": estimated,
-        },
-        # how this command treated --out is not what the probe is: stored as False (as train's config.yaml)
-        "config": {**{f.name: getattr(config, f.name) for f in fields(config)}, "resume": False, "overwrite": False},
-    }
+    meta = probe_meta(config, policy, layer, per_group_size, pool, estimated, time.perf_counter() - t0, t_studies)
     out.mkdir(parents=True, exist_ok=True)
 
     atomic_write_text(
