@@ -83,6 +83,21 @@ class RolloutGradients:
     param_grams: dict[str, torch.Tensor] | None = None
 
 
+def gram_captures(
+    policy, config: ProbeConfig, layer: str | None, vectors: bool
+) -> tuple[GradientCapture | None, GradientCapture | None]:
+    """The probe's one capture set-up for the exact Gram's backward (:func:`_rollout_grads` of one group,
+    :func:`_rollout_grads_many` of a ``generate`` batch): the sketch of every linear layer with its token norms
+    (None unless ``vectors``) and the probed layer's exact rows (identity projection; None without ``layer``)."""
+    sketch = (
+        GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed, token_norms=True)
+        if vectors
+        else None
+    )
+    exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
+    return sketch, exact
+
+
 def _rollout_grads(
     policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None, vectors: bool = True, captures: tuple = ()
 ) -> RolloutGradients:
@@ -102,12 +117,7 @@ def _rollout_grads(
         layer_rows = grads[:, param_slices(policy)[layer + ".weight"]] if layer else None
         return RolloutGradients(grads @ grads.T, grads, layer_rows, None)
     if config.gram_source == "exact":
-        sketch = (
-            GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed, token_norms=True)
-            if vectors
-            else None
-        )
-        exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
+        sketch, exact = gram_captures(policy, config, layer, vectors)
         captures = [c for c in (sketch, exact, *captures) if c is not None]
         gram, info = exact_rollout_gram(policy, sub, captures=captures, keep_param_grams=True, **proc)
         sk = sketch.result() if sketch is not None else None
@@ -209,12 +219,7 @@ def _rollout_grads_many(
     omega = torch.cat([score_weights(big.select(torch.arange(r0, r1)), config) for r0, r1 in spans])
     proc = dict(temperature=config.temperature, score_weights=omega)
     if config.gram_source == "exact":
-        sketch = (
-            GradientCapture(policy, config.sketch_dim, config.sketch_dim, seed=config.seed, token_norms=True)
-            if vectors
-            else None
-        )
-        exact = GradientCapture(policy, include=[layer], projection="identity") if layer else None
+        sketch, exact = gram_captures(policy, config, layer, vectors)
         caps = [c for c in (sketch, exact, *captures) if c is not None]
         gram, info = exact_rollout_gram(policy, big, captures=caps, keep_param_grams=True, blocks=sizes, **proc)
         sk = sketch.result() if sketch is not None else None
