@@ -88,11 +88,10 @@ def analyse_prompts(
     seed: int,
     done: list[PromptRecord],
 ) -> list[PromptRecord]:
-    """:func:`grpo_lens.probe.groups.analyse_prompt` of prompts ``first`` .. B - 1 of ``batch`` (rewards, valid [B, M]),
-    the mixed groups'
-    gradients from one batched backward (:func:`grpo_lens.probe.groups.measure_groups`) and the baseline prompts' M
-    rollouts from another
-    (block-diagonal Gram), instead of a backward per group and per baseline prompt: the same records (tests)."""
+    """:func:`grpo_lens.probe.groups.analyse_prompt` of prompts ``first`` .. B - 1 of ``batch`` (rewards, valid
+    [B, M]), the mixed groups' gradients from one batched backward (:func:`grpo_lens.probe.groups.measure_groups`)
+    and the baseline prompts' M rollouts from another (block-diagonal Gram), instead of a backward per group and per
+    baseline prompt: the same records (tests)."""
     R = group_size
     M = rewards.shape[1]
     counts = {
@@ -183,10 +182,10 @@ def probe_group_size(
     prompts_just_done, mixed_so_far)`` is called after each batch of prompts (the progress bar). With ``partial``,
     each prompt's record is kept there when done, and the prompts it already holds are not measured again
     (``--resume``). ``per_group_passes`` measures each group in its own backward
-    (:func:`grpo_lens.probe.groups.analyse_prompt`, the
-    reference) instead of :func:`analyse_prompts`' batched one. ``on_first_batch(seconds per generated rollout,
-    seconds per analysed rollout row, success share of each prompt)`` is called once, after the first batch this
-    call generated and analysed (the probe's time estimate, :func:`grpo_lens.probe.run.estimate_seconds`)."""
+    (:func:`grpo_lens.probe.groups.analyse_prompt`, the reference) instead of :func:`analyse_prompts`' batched one.
+    ``on_first_batch(seconds per generated rollout, seconds per analysed rollout row, success share of each
+    prompt)`` is called once, after the first batch this call generated and analysed (the probe's time estimate,
+    :func:`grpo_lens.probe.run.estimate_seconds`)."""
     R = group_size
     t_start = time.perf_counter()
     M = rollouts_per_prompt(R)
