@@ -58,6 +58,7 @@ from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision, g
 from grpo_lens.rundir import crash_point
 from grpo_lens.runtime.memory import auto_micro_batch_size, total_memory_bytes
 from grpo_lens.runtime.processes import Processes
+from grpo_lens.train.state import Lens
 
 logger = logging.getLogger(__name__)
 
@@ -486,7 +487,7 @@ def update_metrics(sums: UpdateSums, config: TrainConfig, procs: Processes) -> d
 
 def lens_reads_update(
     config: TrainConfig,
-    lens: Any,
+    lens: Lens,
     rewards: torch.Tensor,
     valid: torch.Tensor,
     advantages: torch.Tensor,
@@ -529,7 +530,7 @@ def lens_reads_update(
 
 def lens_fuses_gram(
     config: TrainConfig,
-    lens: Any,
+    lens: Lens,
     policy: torch.nn.Module,
     batch: RolloutBatch,
     rewards: torch.Tensor,
@@ -578,7 +579,7 @@ def lens_fuses_gram(
 
 def _groups_fuse(
     config: TrainConfig,
-    lens: Any,
+    lens: Lens,
     policy: torch.nn.Module,
     batch: RolloutBatch,
     rewards: torch.Tensor,
