@@ -7,7 +7,8 @@ the default model (arithmetic task, the probe's sampling settings) and prints, i
     exact Gram pass      ``exact_rollout_gram`` alone (the group's analysis pass, the probe's default source)
     exact Gram + G2      the same pass with the probe's G2 capture inside it (``captures=[...]``: one forward and
                          backward; the group's prompt folded as its shared prefix), as the probe runs it
-    G2 pass alone        ``grpo_lens.probe.run.g2_weightings`` (its own forward and backward to the embeddings)
+    G2 pass alone        ``grpo_lens.probe.gradient_sources.g2_weightings`` (its own forward and backward to the
+                         embeddings)
     G2 pass, unfolded    the same with one row per rollout and position (no shared prefix: the earlier capture's
                          row count)
     eigen, batched       every lambda_max problem of the folded capture as it solves them (all layers and weightings
@@ -45,7 +46,7 @@ from grpo_lens.gradients.gram import exact_rollout_gram  # noqa: E402
 from grpo_lens.gradients.scores import rollout_scores  # noqa: E402
 from grpo_lens.models import load_model  # noqa: E402
 from grpo_lens.probe.config import ProbeConfig  # noqa: E402
-from grpo_lens.probe.run import g2_capture, g2_weightings, score_weights  # noqa: E402
+from grpo_lens.probe.gradient_sources import g2_capture, g2_weightings, score_weights  # noqa: E402
 from grpo_lens.rewards import parse_reward_specs, score_batch  # noqa: E402
 from grpo_lens.rollout import batch_logprobs, sample_groups  # noqa: E402
 from grpo_lens.tasks import get_task  # noqa: E402

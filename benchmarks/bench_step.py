@@ -285,7 +285,7 @@ def grpo_lens_run(args, clock: StepClock, lens_every: int) -> tuple[list[float],
 
     models.load_model = load_and_attach
     tr.load_model = load_and_attach  # the loop's own name for it
-    from grpo_lens.train.lens import TrainerLens
+    from grpo_lens.lens.trainer_lens import TrainerLens
 
     original_measure = TrainerLens.measure
 

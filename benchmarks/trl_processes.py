@@ -99,10 +99,10 @@ def pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
 def one_process_gap(shares: list[dict], step: int) -> float:
     """The largest relative gap between the lens keys the processes measured and grpo-lens' own lens on the joined
     batch (prompts left padded, completions right padded to a common width) at the same weights, one process."""
+    from grpo_lens.lens.settings import LensSettings
+    from grpo_lens.lens.trainer_lens import TrainerLens
     from grpo_lens.models import build_tiny_model
     from grpo_lens.rollout import RolloutBatch
-    from grpo_lens.train.lens import TrainerLens
-    from grpo_lens.train.lens_settings import LensSettings
 
     lp = max(s["prompt_ids"].shape[1] for s in shares)
     t = max(s["completion_ids"].shape[1] for s in shares)

@@ -738,8 +738,8 @@ def _s4_trial(
     family: tuple[str, float, float, float], gen: torch.Generator, seed: int
 ) -> tuple[dict[str, float], float]:
     """(the lens record after one planted update since the start, the whole model's float32-unchanged share): the
-    update goes through :class:`grpo_lens.train.sparsity.SparsityOverTraining` as the trainer's optimizer step does."""
-    from grpo_lens.train.sparsity import (
+    update goes through :class:`grpo_lens.lens.sparsity.SparsityOverTraining` as the trainer's optimizer step does."""
+    from grpo_lens.lens.sparsity import (
         SparsityOverTraining,  # the lens's own sampler: the path under test
     )
 

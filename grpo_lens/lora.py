@@ -16,6 +16,7 @@ The lens measures per-rollout gradients in one of two spaces (``--lens-space``):
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,9 @@ def is_lora(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: list[str]) -> torch.nn.Module:
+def apply_lora(
+    model: torch.nn.Module, rank: int, alpha: float, target_modules: list[str], linear_layers: Iterable[str] = ()
+) -> torch.nn.Module:
     """Wrap ``model`` with a fresh LoRA adapter (A random, B = 0: the wrapped model computes what ``model`` did).
 
     Args:
@@ -42,6 +45,9 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
         rank: r >= 1.  alpha: the scale numerator (update = alpha / r * B A).
         target_modules: module-name suffixes to adapt (e.g. ``q_proj v_proj``) or ``all-linear`` (every linear layer
             but the output head).
+        linear_layers: the model's linear-layer names, from the caller
+            (:func:`grpo_lens.gradients.params.linear_layer_names`: nn.Linear and GPT-2's Conv1D); only the error for
+            unmatched ``target_modules`` reads them, to list the names that would match.
 
     Returns:
         the ``peft.PeftModel``; only the adapter's parameters require grad.
@@ -62,9 +68,7 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, target_modules: 
     try:
         return get_peft_model(model, config)
     except ValueError as e:
-        from grpo_lens.gradients.params import linear_layer_names
-
-        names = sorted({n.rsplit(".", 1)[-1] for n in linear_layer_names(model)})  # nn.Linear and GPT-2's Conv1D
+        names = sorted({n.rsplit(".", 1)[-1] for n in linear_layers})
         raise ValueError(
             f"--lora-target-modules {' '.join(target_modules)}: {str(e).splitlines()[0][:200]}; this "
             f"model's linear layers are named {', '.join(names)} (or use all-linear)"

@@ -648,7 +648,7 @@ class RunDir:
         """Write model (safetensors), optimizer and trainer state for ``step`` atomically; keep the newest ``keep``.
 
         ``model_state`` / ``optimizer_state``: full state dicts to write instead of ``model``'s and ``optimizer``'s
-        own (a sharded policy's, gathered by :func:`grpo_lens.train.sharding.full_model_state`; each tied matrix
+        own (a sharded policy's, gathered by :func:`grpo_lens.runtime.sharding.full_model_state`; each tied matrix
         once).
 
         Order: files into ``.step-N.tmp-PID``, fsync, rename to ``step-N``, then ``latest`` (atomic), then clean-up.
@@ -753,7 +753,7 @@ class RunDir:
         """Restore model and optimizer in place from ``path``; return the trainer state (with ``step``).
 
         ``load_states(model_state, optimizer_state)``: loads the files' full state dicts instead of
-        ``load_state_dict`` (a sharded policy: :func:`grpo_lens.train.sharding.load_full_states`).
+        ``load_state_dict`` (a sharded policy: :func:`grpo_lens.runtime.sharding.load_full_states`).
 
         Raises:
             RunDirError: a file is missing or unreadable (corrupt), naming it and how to go on.

@@ -28,7 +28,7 @@ import torch
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.processes import Processes
 from grpo_lens.train.update import policy_update
 
 B, R, LP, T = 4, 2, 5, 6
@@ -247,7 +247,7 @@ def main(out_dir: str) -> None:
 
     from grpo_lens import cli
     from grpo_lens.rewards import REWARDS
-    from grpo_lens.train.processes import setup_processes
+    from grpo_lens.runtime.processes import setup_processes
 
     torch.set_num_threads(1)
     out = Path(out_dir)

@@ -3,7 +3,7 @@ with ``--parallelism fsdp2`` killed-free and resumed.
 
 Run as ``torchrun --nproc_per_node 2 tests/_fsdp_worker.py OUT``. Every rank builds the same tiny Llama in float64
 (so that float reassociation between 1 and 2 processes stays near 1e-16 and a 1e-6 tolerance tests the arithmetic,
-not the rounding), shards it with :func:`grpo_lens.train.sharding.shard_fsdp2` and runs :func:`run_fixed` on its
+not the rounding), shards it with :func:`grpo_lens.runtime.sharding.shard_fsdp2` and runs :func:`run_fixed` on its
 share of three fixed batches (tests/_distributed_worker.py's, B = 4 groups of R = 2); the test runs the same function
 in one process on the whole batches. Then the ranks train through ``grpo-lens train --parallelism fsdp2``: 3 steps
 in one go (OUT/straight) and 2 steps resumed to 3 (OUT/resumed).
@@ -21,10 +21,10 @@ from _distributed_worker import TEMPERATURE, B, R, T, build_batch
 from grpo_lens import cli
 from grpo_lens.config import TrainConfig
 from grpo_lens.gradients.gram import exact_rollout_gram
+from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.models import build_tiny_model
-from grpo_lens.train.lens import TrainerLens
-from grpo_lens.train.processes import Processes, setup_processes
-from grpo_lens.train.sharding import local_part, shard_fsdp2
+from grpo_lens.runtime.processes import Processes, setup_processes
+from grpo_lens.runtime.sharding import local_part, shard_fsdp2
 from grpo_lens.train.update import policy_update
 
 STEPS = 3

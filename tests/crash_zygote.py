@@ -58,8 +58,8 @@ def main() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import grpo_lens.cli  # noqa: F401
+    import grpo_lens.lens.trainer_lens  # noqa: F401
     import grpo_lens.models  # noqa: F401
-    import grpo_lens.train.lens  # noqa: F401
     import grpo_lens.train.loop  # noqa: F401
 
     reply({"ready": True})

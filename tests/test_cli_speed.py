@@ -67,7 +67,7 @@ DECLARED_REGISTRIES = [
     ("grpo_lens.formulas.advantages", "ADVANTAGE_ESTIMATORS"),
     ("grpo_lens.formulas.losses", "LOSS_AGGREGATIONS"),
     ("grpo_lens.formulas.losses", "KL_ESTIMATORS"),
-    ("grpo_lens.train.sharding", "PARALLELISMS"),
+    ("grpo_lens.runtime.sharding", "PARALLELISMS"),
 ]
 DECLARED_CONSTANTS = [
     ("grpo_lens.formulas.advantages", "STD_CONVENTIONS"),

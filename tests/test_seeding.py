@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from grpo_lens.probe.run import batch_seed
+from grpo_lens.probe.draws import batch_seed
 from grpo_lens.seeding import derive_seed
 from grpo_lens.train.loop import step_seed
 
@@ -17,7 +17,7 @@ M31 = 2**31 - 1
 
 def test_pinned_values():
     # the pre-derive_seed expressions, evaluated by hand-written Python (values printed once and pinned):
-    # probe batch (probe/run.py): (7 * 1_000_003 + 4 * 10_007 + 3 * 7_919) % (2**31 - 1) = 7063806
+    # probe batch (probe/draws.py): (7 * 1_000_003 + 4 * 10_007 + 3 * 7_919) % (2**31 - 1) = 7063806
     assert derive_seed(7, group_size=4, draw=3) == batch_seed(7, 4, 3) == 7063806
     # baseline study batch (probe/studies.py): (123456789 * 1_000_003 + 8 * 10_007 + 2 * 7_919 + 17) % M31
     assert derive_seed(123456789, group_size=8, draw=2, offset=17) == 472083895

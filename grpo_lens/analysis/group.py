@@ -1,7 +1,7 @@
 """One analysis path: everything measured on ONE group of R rollouts, as a flat dict of canonical metric keys.
 
-:func:`analyse_group` is the single per-group function that both the trainer's lens (:mod:`grpo_lens.train.lens`)
-and ``grpo-lens probe`` (:func:`grpo_lens.probe.run.measure_group`) call; they only aggregate its rows over groups
+:func:`analyse_group` is the single per-group function that both the trainer's lens (:mod:`grpo_lens.lens.trainer_lens`)
+and ``grpo-lens probe`` (:func:`grpo_lens.probe.groups.measure_group`) call; they only aggregate its rows over groups
 (the lens: :func:`mean_over_groups` over the step's mixed groups; the probe: means with 95% intervals, strata by
 k and by distinct completions, :mod:`grpo_lens.formulas.stats`). It composes the formulas of
 :mod:`grpo_lens.formulas` into keys and computes nothing of its own: every key is named in :mod:`grpo_lens.metrics`

@@ -41,7 +41,7 @@ from grpo_lens.registry import declared_constant, declared_names
 # Registries and constants of torch modules, read without importing them (``grpo-lens --help``; config/groups.py).
 _KL_ESTIMATORS = "grpo_lens.formulas.losses", "KL_ESTIMATORS"
 _POLICY_LOSSES = "grpo_lens.formulas.losses", "POLICY_LOSSES"
-_PARALLELISMS = "grpo_lens.train.sharding", "PARALLELISMS"
+_PARALLELISMS = "grpo_lens.runtime.sharding", "PARALLELISMS"
 OVERLONG_MODES = declared_constant("grpo_lens.formulas.overlong", "OVERLONG_MODES")
 
 #: The ``lr_scheduler`` values: transformers' schedulers of those names (``transformers.get_scheduler``).

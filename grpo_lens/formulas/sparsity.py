@@ -16,7 +16,7 @@ Shapes: B prompts, R group size, M rollouts of a prompt (M >= R), S sampled entr
 - :func:`layer_type`: the layer type (norm, embedding, attention, mlp, other) of a parameter name, by which the
   sparsity keys ``sparsity/<type>/...`` are split.
 
-The trainer-side state that samples the weights and keeps the snapshots is :mod:`grpo_lens.train.sparsity`.
+The trainer-side state that samples the weights and keeps the snapshots is :mod:`grpo_lens.lens.sparsity`.
 """
 
 from __future__ import annotations

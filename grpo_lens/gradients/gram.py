@@ -1148,7 +1148,7 @@ class MicroBatchGrams:
     The update's loss is a sum over rows, so the hooks of :class:`GramCapture` see each row's own output gradients and
     give <h_i, h_j> of the per-row loss gradients h_i = grad L_i of the rows of one micro-batch (rows of different
     micro-batches never share a backward: their entries are not measured). The caller divides the rows' weights out
-    (:func:`grpo_lens.train.lens.score_gram_from_update`).
+    (:func:`grpo_lens.lens.trainer_lens.score_gram_from_update`).
 
     Use: ``with grams.micro_batch(idx): forward + loss.backward()`` for each micro-batch ``idx`` of the first pass.
 

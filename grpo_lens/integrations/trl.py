@@ -74,14 +74,14 @@ import yaml
 
 from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
+from grpo_lens.lens.settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
+from grpo_lens.lens.settings import LensSettings, deprecated_sketch_keyword
+from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.rundir import RunDir, RunDirError, RunDirLockedError, acquire_run_lock
-from grpo_lens.train.lens import TrainerLens
-from grpo_lens.train.lens_settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
-from grpo_lens.train.lens_settings import LensSettings, deprecated_sketch_keyword
-from grpo_lens.train.processes import gather_objects
+from grpo_lens.runtime.processes import gather_objects
 from grpo_lens.train.step_metrics import reward_metrics, rollout_metrics
 
 try:
@@ -104,14 +104,14 @@ def lens_settings(
     gram_source: str = "exact",
     lens_sketch_dim: int | None = None,
 ) -> LensSettings:
-    """The settings :class:`grpo_lens.train.lens.TrainerLens` reads, from a ``trl.GRPOConfig``:
-    :meth:`grpo_lens.train.lens_settings.LensSettings.from_trl` (``gram_source`` as the trainer's ``--gram-source``,
+    """The settings :class:`grpo_lens.lens.trainer_lens.TrainerLens` reads, from a ``trl.GRPOConfig``:
+    :meth:`grpo_lens.lens.settings.LensSettings.from_trl` (``gram_source`` as the trainer's ``--gram-source``,
     :data:`grpo_lens.config.groups.GRAM_SOURCES`, the same default).
 
     Args:
         sketch_dim: sketch side per linear layer (as ``--sketch-dim``; default 16).
         lens_sketch_dim: its deprecated 0.2 name (a DeprecationWarning).
-        the rest: as :meth:`grpo_lens.train.lens_settings.LensSettings.from_trl`.
+        the rest: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
 
     Raises:
         ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
@@ -604,7 +604,8 @@ class GRPOLensMixin:
         valid: torch.Tensor,
         weights: torch.Tensor,
     ) -> dict[str, Any]:
-        """The keyword :meth:`grpo_lens.train.lens.TrainerLens.measure` takes for rows it does not compute itself:
+        """The keyword :meth:`grpo_lens.lens.trainer_lens.TrainerLens.measure` takes for rows it does not compute
+        itself:
         ``gram`` ([N, N] float64, NaN outside the mixed groups' blocks, and its info) or ``sketch`` ([N, P_s], 0
         outside them), of the rows grad(omega_i sum_t W_it log pi(o_it)) (:func:`weighted_rollout_rows`) with
         omega_i as the lens weighs them (the whole batch's normaliser, summed over processes).

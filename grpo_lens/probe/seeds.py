@@ -127,7 +127,7 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     by distinct completions as the probe does; counts summed; S1 measured from the summed counts, S1 predicted
     combined over seeds as strata; G3 left out (one matrix per run, see the module docstring)."""
     # imported here: run.py imports the model stack
-    from grpo_lens.probe.run import STRATA_KEYS
+    from grpo_lens.probe.estimate import STRATA_KEYS
 
     M = {e[ROLLOUTS_PER_PROMPT] for e in entries}
     if len(M) != 1:

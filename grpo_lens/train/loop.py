@@ -1,22 +1,25 @@
 """The GRPO training loop, :func:`train`: sample, rewards, advantages, update, lens, log, checkpoint, one call each.
 
-:func:`train` first checks every input, read-only (:func:`check_before_writing`, :func:`check_inputs`), loads the
-policy, the reference and the optimizer (:func:`build_models`, :func:`check_model`), checks every prompt against the
-tokenizer and the model's context (:func:`check_prompts`) and only then writes or resumes the run directory
-(:func:`open_run`). Each step is then one call per stage: :func:`sample_step` (prompts, rollouts,
-rewards; DAPO's dynamic sampling in :func:`sample_dynamic`), :func:`step_advantages` (the b* weights of
-``--estimator optimal`` in :func:`optimal_baseline_weights`), :func:`reference_logprobs`, :func:`plan_lens` (whether
-and how the lens measures the step), :func:`grpo_lens.train.update.policy_update`, :func:`lens_after_update`, the
-non-finite guard (:class:`RunState`), :func:`step_record`, :class:`StepLogs` and :func:`save_checkpoint_if_due`.
+:func:`train` first checks every input, read-only (:func:`grpo_lens.train.checks.check_before_writing`,
+:func:`grpo_lens.train.checks.check_inputs`), loads the policy, the reference and the optimizer (:func:`build_models`,
+:func:`grpo_lens.train.checks.check_model`), checks every prompt against the tokenizer and the model's context
+(:func:`grpo_lens.train.checks.check_prompts`) and only then writes or resumes the run directory (:func:`open_run`).
+Each step is then one call per stage: :func:`sample_step` (prompts, rollouts, rewards; DAPO's dynamic sampling in
+:func:`sample_dynamic`), :func:`step_advantages` (the b* weights of ``--estimator optimal`` in
+:func:`optimal_baseline_weights`), :func:`reference_logprobs`, :func:`plan_lens` (whether and how the lens measures the
+step), :func:`grpo_lens.train.update.policy_update`, :func:`lens_after_update`, the non-finite guard
+(:class:`grpo_lens.train.state.RunState`), :func:`grpo_lens.train.step_logs.step_record`, :class:`StepLogs` and
+:func:`save_checkpoint_if_due`. The start-up checks live in :mod:`grpo_lens.train.checks`, what the loop carries in
+:mod:`grpo_lens.train.state`, what it writes of each step in :mod:`grpo_lens.train.step_logs`.
 Every formula lives in :mod:`grpo_lens.formulas`; this module moves tensors between them, writes the run directory
 and keeps the run resumable: every step's randomness derives from (seed, step) (:func:`step_seed`), and a checkpoint
-holds the rest (:class:`RunState`, the random generators' states).
+holds the rest (:class:`grpo_lens.train.state.RunState`, the random generators' states).
 
 Several processes (``torchrun --nproc_per_node 2 -m grpo_lens.cli train ...``, or ``accelerate launch``): every
 process draws the same B prompts for a step and samples the groups of its own share of them; the update sums over
 processes (:mod:`grpo_lens.train.update`), each step's record gathers every process's rollouts
-(:mod:`grpo_lens.train.processes`), and the main process alone writes the run directory. ``--parallelism fsdp2``
-shards the policy over the processes instead of copying it (:mod:`grpo_lens.train.sharding`).
+(:mod:`grpo_lens.runtime.processes`), and the main process alone writes the run directory. ``--parallelism fsdp2``
+shards the policy over the processes instead of copying it (:mod:`grpo_lens.runtime.sharding`).
 
 Shapes: B prompts per step, R group size, N = B R / processes rollouts on this process, T completion tokens.
 """
@@ -25,63 +28,47 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.advantages import BATCH_ESTIMATORS, compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import optimal_vs_rloo
 from grpo_lens.formulas.losses import kl_reward_penalty
-from grpo_lens.formulas.overlong import overlong_advantages, overlong_loss_mask, soft_overlong_penalty
+from grpo_lens.formulas.overlong import overlong_advantages, soft_overlong_penalty
 from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.gradients.sketch import sketched_rollout_sq_norms
+from grpo_lens.lens.settings import LensSettings
+from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.lora import apply_lora, is_lora, save_lora_model
 from grpo_lens.metrics import (
     ADV_OPTIMAL_BASELINE,
     ADV_OPTIMAL_MINUS_RLOO,
     DEAD_MIXED_GROUPS,
-    DEAD_STEPS,
-    EVAL_GREEDY_ACCURACY,
-    GUARD_CONSECUTIVE_SKIPPED,
     GUARD_SKIPPED_OPTIMIZER_STEPS,
-    GUARD_SKIPPED_STEPS,
-    GUARD_STEP_SKIPPED,
     LR,
-    PERF_GENERATION_SECONDS,
     PERF_OPTIMAL_BASELINE_SECONDS,
-    PERF_PEAK_MEMORY_MB,
     PERF_STEP_SECONDS,
-    PERF_TOKENS_PER_SECOND,
-    REWARD_ACCURACY,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    REWARD_FUNCTION,
     REWARD_KL_PENALTY,
     REWARD_MEAN,
     REWARD_OVERLONG_PENALTY,
-    STEP,
 )
-from grpo_lens.models import load_model, resolve_model
-from grpo_lens.rewards import RewardState, check_rewards_on_example, parse_reward_specs
+from grpo_lens.models import load_model
+from grpo_lens.rewards import RewardState
 from grpo_lens.rollout import (
-    PromptFormatError,
     RolloutBatch,
     forward_precision,
-    prompt_lengths,
     sample_groups,
 )
 from grpo_lens.rundir import (
@@ -89,48 +76,31 @@ from grpo_lens.rundir import (
     RunDirError,
     crash_point,
     holds_run_dir,
-    lens_overhead,
-    read_records,
-    read_saved_config,
 )
-from grpo_lens.seeding import derive_seed, seed_everything
-from grpo_lens.tasks import get_task
-from grpo_lens.tasks.base import epoch_rows
-from grpo_lens.tasks.user_data import file_fingerprint
-from grpo_lens.trackers import Trackers, check_trackers
-from grpo_lens.train.dynamic_sampling import collect_mixed_groups
-from grpo_lens.train.evaluate import Evaluation
-from grpo_lens.train.lens import TrainerLens
-from grpo_lens.train.lens_settings import LensSettings
-from grpo_lens.train.memory import _peak_memory_mb, keep_freed_memory
-from grpo_lens.train.processes import Processes, gather_objects, setup_processes
-from grpo_lens.train.schedule import LRSchedule, warmup_steps
-from grpo_lens.train.sharding import (
+from grpo_lens.runtime.memory import keep_freed_memory
+from grpo_lens.runtime.processes import Processes, gather_objects, setup_processes
+from grpo_lens.runtime.sharding import (
     PARALLELISMS,
     full_model_state,
     full_optimizer_state,
     is_sharded,
     load_full_states,
 )
+from grpo_lens.seeding import derive_seed, seed_everything
+from grpo_lens.tasks.base import epoch_rows
+from grpo_lens.trackers import Trackers
+from grpo_lens.train.checks import check_before_writing, check_model, check_prompts
+from grpo_lens.train.dynamic_sampling import collect_mixed_groups
+from grpo_lens.train.evaluate import Evaluation
+from grpo_lens.train.schedule import LRSchedule
+from grpo_lens.train.state import Lens, LensPlan, Models, Rollouts, RunState, _rng_state, _set_rng_state
+from grpo_lens.train.step_logs import _log_completions, _log_lens_cost, _progress, step_line, step_record
 from grpo_lens.train.step_metrics import (
-    _pad_to,
-    accuracy_metrics,
     accuracy_note,
-    custom_reward_names,
-    dead_group_metrics,
-    merge_reward_infos,
     rollout_correctness,
-    rollout_metrics,
     rollout_rewards,
-    sampled_vs_kept,
 )
-from grpo_lens.train.update import (
-    lens_fuses_gram,
-    lens_reads_update,
-    mini_batch_rows,
-    policy_update,
-    update_logprobs,
-)
+from grpo_lens.train.update import lens_fuses_gram, lens_reads_update, mini_batch_rows, policy_update, update_logprobs
 
 logger = logging.getLogger(__name__)
 #: Why the lens ran its own pass instead of the update's backward, each said once per process (:func:`plan_lens`).
@@ -149,26 +119,6 @@ class NonFiniteWeightsError(NonFiniteUpdateError):
 class NoScorableRolloutError(RuntimeError):
     """Too many consecutive steps had no rollout any reward function could score (a missing column, a reward function
     that raises); the run stopped with its last checkpoint intact."""
-
-
-#: Config fields that may change when a run is resumed (they do not change any step already taken).
-RESUMABLE_KEYS = (
-    "max_steps",
-    "progress",
-    "save_final_model",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "log_completions",
-    "device",
-    "report_to",
-    "reward_timeout",
-    "max_consecutive_skips",
-    "metric_names",
-    "allow_dataset_change",
-)
-
-#: Config fields the trainer writes itself (what it found of --dataset): never compared with what was given.
-RECORDED_KEYS = ("dataset_sha256", "dataset_rows")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -204,14 +154,15 @@ def on_lens_cadence(step: int, lens_every: int) -> bool:
 # The loop
 # ---------------------------------------------------------------------------------------------------------------------
 @holds_run_dir("train")  # one writer: a live run's --out is refused to any other process
-def train(config: TrainConfig, lens: Any = None) -> RunDir:
+def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
     """Run GRPO as ``config`` says and return the run directory.
 
     Args:
         config: a validated :class:`TrainConfig`; ``config.out`` is required.
-        lens: an object with ``start(policy)``, ``before_step(policy)``, ``measure(step, ...) -> dict``,
-            ``after_step(step, policy, measured) -> dict``, ``state_dict()`` and ``load_state_dict(state)``, and
-            optionally ``update_capture(policy)`` with ``mixed_groups`` (see :class:`grpo_lens.train.lens.TrainerLens`);
+        lens: a :class:`grpo_lens.train.state.Lens`: an object with ``start(policy)``, ``before_step(policy)``,
+            ``measure(step, ...) -> dict``, ``after_step(step, policy, measured) -> dict``, ``state_dict()`` and
+            ``load_state_dict(state)``, and optionally ``update_capture(policy)`` with ``mixed_groups``
+            (see :class:`grpo_lens.lens.trainer_lens.TrainerLens`);
             built from the config when None and lens_every > 0.
 
     Every input is checked before anything is written; a new run's directory is created (or a run replaced with
@@ -306,402 +257,18 @@ def train(config: TrainConfig, lens: Any = None) -> RunDir:
     return run
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Set-up: checks, models, the run directory
-# ---------------------------------------------------------------------------------------------------------------------
-def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple[str, float]]]:
-    """Everything about the inputs that can be checked without loading a model; returns (task, reward specs).
-
-    Builds the task (which validates every data row), parses the reward specs, calls every reward function once on
-    one row with the empty completion (:func:`grpo_lens.rewards.check_rewards_on_example`) and resolves the model
-    name, so that a bad input fails before the run directory is written or a model loads.
-
-    Raises:
-        ValueError: prompts_per_step not divisible by the number of processes (or its per-process share by
-            num_mini_batches), an unknown task or reward (listing the valid names), bad task options, a malformed
-            data row (naming file and row), a reward function that fails on one row of the data.
-        ModelNotFoundError: the model path does not exist.
-    """
-    if config.prompts_per_step % procs.world:
-        raise ValueError(
-            f"config field 'prompts_per_step' = {config.prompts_per_step} must be divisible by the "
-            f"number of processes ({procs.world}) so that each process samples whole groups"
-        )
-    share = config.prompts_per_step // procs.world
-    if share % config.num_mini_batches:  # optimizer step k takes the k-th chunk of every process's prompts
-        raise ValueError(
-            f"config field 'num_mini_batches' = {config.num_mini_batches} must divide the prompts each "
-            f"of the {procs.world} processes holds (prompts_per_step / processes = {share})"
-        )
-    task = get_task(config.task, dataset=config.dataset, **config.task_options)
-    if config.prompt_order == "epoch" and not (isinstance(getattr(task, "data", None), dict) and "train" in task.data):
-        raise ValueError(
-            f"--prompt-order epoch needs a dataset (--task jsonl --dataset FILE); task {config.task!r} draws "
-            f"its prompts itself, so it has no epochs here: use --prompt-order independent"
-        )
-    reward_fns = parse_reward_specs(config.rewards)
-    (example,) = task.sample(1, seed=config.seed)  # every reward function callable with the data's columns
-    check_rewards_on_example(
-        reward_fns,
-        example.prompt,
-        example.columns(),
-        config.reward_timeout,
-        where=f"a row of task {config.task!r}",
-        trainer_state=RewardState(0, config.max_steps),
-    )
-    check_parallelism(config, procs)
-    if config.dynamic_sampling and procs.world > 1:
-        raise ValueError(
-            "--dynamic-sampling runs in one process only for now (processes would keep different "
-            "numbers of groups); drop it or run one process"
-        )
-    if config.lora_rank > 0 and importlib.util.find_spec("peft") is None:
-        raise ValueError(
-            "--lora-rank needs the peft package: pip install '.[lora]' in the grpo-lens folder (or pip install peft)"
-        )
-    if procs.is_main:
-        check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
-    check_tokenizer_files(resolve_model(config.model))
-    return task, reward_fns
-
-
-def check_parallelism(config: TrainConfig, procs: Processes) -> None:
-    """``--parallelism fsdp2`` needs several processes and is refused with the options it does not support yet.
-
-    Raises:
-        ValueError: fsdp2 with one process, with LoRA (``lora_rank`` > 0) or with ``--estimator optimal`` (its
-            per-rollout backwards differ in number between processes), naming the alternative.
-    """
-    if config.parallelism != "fsdp2":
-        return
-    if procs.world < 2:
-        raise ValueError(
-            "--parallelism fsdp2 shards the policy over several processes and this run has 1: launch "
-            "it with torchrun --nproc_per_node N (N >= 2) or accelerate launch --num_processes N, or use "
-            "--parallelism ddp (the default)"
-        )
-    if config.lora_rank > 0:
-        raise ValueError("--parallelism fsdp2 with LoRA (--lora-rank) is not supported; use --parallelism ddp")
-    if config.estimator == "optimal":
-        raise ValueError(
-            "--parallelism fsdp2 with --estimator optimal is not supported (its per-rollout backwards "
-            "differ in number between processes, and each sharded forward is a collective); use "
-            "--parallelism ddp or another --estimator"
-        )
-
-
-#: Files of which a local model directory needs one for its tokenizer to load (transformers' names).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "tiktoken.model",
-)
-
-
-def check_tokenizer_files(source: Any) -> None:
-    """A local model directory must hold its tokenizer too (transformers' own message then names sentencepiece or
-    tiktoken, which are not what is missing).
-
-    Raises:
-        ValueError: naming the directory, the files looked for and the fix.
-    """
-    if source.kind != "local" or not Path(source.path).is_dir():
-        return
-    folder = Path(source.path)
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not list(folder.glob("*.tiktoken")):
-        raise ValueError(
-            f"model directory {folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
-            f"save the tokenizer beside the weights (tokenizer.save_pretrained('{folder}'))"
-        )
-
-
-def check_model(config: TrainConfig, policy: torch.nn.Module) -> None:
-    """Checks that need the loaded model; the trainer runs them before the run directory is written.
-
-    Raises:
-        ValueError: ``--estimator optimal`` with a model that has no ``nn.Linear`` layer (its b* weights are the
-            sketched squared gradient norms of the linear layers).
-    """
-    if config.estimator == "optimal" and not linear_layer_names(policy):
-        raise ValueError(
-            f"--estimator optimal needs per-rollout gradient norms of the model's nn.Linear layers, and "
-            f"{config.model} has none; pick another --estimator (grpo, rloo, dr_grpo)"
-        )
-
-
-#: How many sampled prompts :func:`check_prompts` tokenizes at start for a task without a fixed list of rows (a
-#: dataset's rows are all checked).
-PROMPTS_CHECKED = 64
-
-
-def model_context(model: torch.nn.Module) -> int | None:
-    """The number of positions the model can attend over (``max_position_embeddings``, GPT-2's ``n_positions``), or
-    None when its config does not say."""
-    cfg = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def check_prompts(config: TrainConfig, task: Any, models: Models) -> None:
-    """Before --out is touched: every prompt of the task formats with the tokenizer (a chat template for chat
-    messages, none needed for strings) and, with ``max_new_tokens``, fits the model's context
-    (:func:`model_context`). A task with a list of rows (a user dataset, GSM8K) is checked row by row, every row
-    (:func:`grpo_lens.rollout.prompt_lengths`, batched), another task on :data:`PROMPTS_CHECKED` sampled prompts.
-
-    Raises:
-        ValueError: naming the row (or prompt), what is wrong and what to do; for prompts too long, how many rows are.
-    """
-    data = getattr(task, "data", None)
-    if isinstance(data, dict) and "train" in data:
-        examples = list(data["train"])
-        where = f"task {config.task!r} row"
-    else:
-        examples = list(task.sample(PROMPTS_CHECKED, seed=config.seed))
-        where = f"task {config.task!r} sampled prompt"
-    try:
-        lengths = prompt_lengths(models.tokenizer, [example.prompt for example in examples])
-    except PromptFormatError as err:  # no chat template for chat messages, or a template that refuses one
-        hint = (
-            " (the built-in tasks give chat messages: train a base model on --task jsonl with string prompts)"
-            if not isinstance(data, dict) and "no chat template" in str(err)
-            else ""
-        )
-        raise ValueError(f"{where} {err.index + 1}: {err}{hint}") from None
-    context = model_context(models.policy)
-    if context is None or not lengths:
-        return
-    too_long = [i for i, n in enumerate(lengths) if n + config.max_new_tokens > context]
-    if too_long:
-        longest = max(too_long, key=lambda i: lengths[i])
-        raise ValueError(
-            f"{where} {longest + 1}: the prompt is {lengths[longest]:,} tokens, and with max_new_tokens "
-            f"{config.max_new_tokens} that is more than the {context:,} positions of {config.model} "
-            f"({len(too_long):,} of {len(lengths):,} prompts are, the first at {too_long[0] + 1}); "
-            f"shorten or drop the long prompts, or lower --max-new-tokens"
-        )
-
-
-@dataclass
-class Models:
-    """What a run trains.
-
-    policy: the model being trained (LoRA-wrapped with ``lora_rank`` > 0).   tokenizer: its tokenizer.
-    reference: a frozen copy of the base model for the KL term (None with beta = 0).   optimizer: AdamW over
-    ``params``, the parameters that require gradients.
-    """
-
-    policy: torch.nn.Module
-    tokenizer: Any
-    reference: torch.nn.Module | None
-    optimizer: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]
-
-
-@dataclass
-class RunState:
-    """What a run carries from step to step besides weights and optimizer: ``step`` (the last step taken; a resumed
-    run's checkpoint step at the start) and the non-finite guard's counters ``guard`` (``consecutive`` and ``total``
-    trainer steps skipped). Both are saved in every checkpoint, with the random generators' states (:func:`_rng_state`),
-    so a resumed run continues as the uninterrupted one would."""
-
-    step: int = 0
-    guard: dict[str, int] = field(default_factory=lambda: {"consecutive": 0, "total": 0, "unscored": 0})
-
-    def count_skipped(self, skipped: bool) -> dict[str, int]:
-        """Count one trainer step, ``skipped`` when any of its optimizer steps was skipped for a non-finite loss or
-        gradient; returns the ``guard/*`` metrics of the step."""
-        self.guard["consecutive"] = self.guard["consecutive"] + 1 if skipped else 0
-        self.guard["total"] += int(skipped)
-        return {
-            GUARD_STEP_SKIPPED: int(skipped),
-            GUARD_SKIPPED_STEPS: self.guard["total"],
-            GUARD_CONSECUTIVE_SKIPPED: self.guard["consecutive"],
-        }
-
-    def count_dead(self, dead: bool) -> dict[str, int]:
-        """Count one trainer step, ``dead`` when no group of any process had reward contrast
-        (``guard["dead"]``: consecutive such steps, saved with the guard so a resumed run counts on); returns
-        ``dead/steps_without_mixed``."""
-        self.guard["dead"] = self.guard.get("dead", 0) + 1 if dead else 0
-        return {DEAD_STEPS: self.guard["dead"]}
-
-    def count_unscored(self, unscored: bool) -> None:
-        """Count one trainer step, ``unscored`` when no rollout of any process got a valid reward
-        (``guard["unscored"]``: consecutive such steps)."""
-        self.guard["unscored"] = self.guard.get("unscored", 0) + 1 if unscored else 0
-
-    def count_untrained(self, untrained: bool) -> None:
-        """Count one trainer step, ``untrained`` when --overlong mask / filter zeroed every rollout's advantage (every
-        completion was cut at max_new_tokens): ``guard["untrained"]``, consecutive such steps."""
-        self.guard["untrained"] = self.guard.get("untrained", 0) + 1 if untrained else 0
-
-
-def check_before_writing(
-    config: TrainConfig, run: RunDir, procs: Processes
-) -> tuple[TrainConfig, Any, list[tuple[str, float]], Path | None]:
-    """Everything checked, read-only, before the run directory is touched or a model loads.
-
-    Returns:
-        (config, task, reward specs, checkpoint): the config resolved against --out (a resumed run's saved config with
-        the :data:`RESUMABLE_KEYS` it may change), :func:`check_inputs`' task and reward specs, and the checkpoint to
-        resume from (None for a new run, or a resumed run without one yet).
-
-    Raises:
-        ConfigError / RunDirError / ModelNotFoundError / ValueError: see :func:`train`.
-    """
-    given = {k: v for k, v in absolute_dataset(config).to_dict().items() if k not in RECORDED_KEYS}
-    resumable = RESUMABLE_KEYS + new_learning_rate(config, run)
-    config = TrainConfig.from_dict(
-        run.resolve(
-            given,
-            resume=config.resume,
-            overwrite=config.overwrite,
-            resumable_keys=resumable,
-            canonical=TrainConfig.canonical,
-        )
-    )
-    config = check_dataset_file(config)  # a resume trains on the run's own data
-    task, reward_fns = check_inputs(config, procs)
-    ckpt = run.latest_checkpoint() if config.resume else None  # a bad pointer fails before the model loads
-    if ckpt is not None:  # config.yaml may have been edited: compare with what the checkpoint's steps ran with
-        run.check_resumed_config(ckpt, config.to_dict(), resumable + RECORDED_KEYS, canonical=TrainConfig.canonical)
-    if config.resume:  # a line of metrics/completions.jsonl that is no record fails now, naming file and line
-        for path in (run.metrics_path, run.completions_path):
-            read_records(path)
-        if ckpt is not None:
-            check_metrics_cover(run, ckpt)
-    warn_long_warmup(config)
-    procs.barrier()  # every process has read --out before the main one changes it
-    return config, task, reward_fns, ckpt
-
-
-def new_learning_rate(config: TrainConfig, run: RunDir) -> tuple[str, ...]:
-    """``("learning_rate",)`` when a resume is given a learning rate other than the run's config.yaml holds (a flag:
-    e.g. lower after the weights diverged), so that it may change from the next step on, with a warning; () else.
-    An edit of config.yaml alone still differs from what the checkpoint ran with and is refused
-    (:meth:`RunDir.check_resumed_config`)."""
-    if not config.resume or not run.config_path.is_file():
-        return ()
-    try:
-        saved = read_saved_config(run.config_path, "").get("learning_rate")
-    except RunDirError:
-        return ()  # resolve() reports the unreadable file
-    if saved is None or float(saved) == config.learning_rate:
-        return ()
-    logger.warning(
-        "--resume with --learning-rate %g (the run's is %g): the steps from here on use the new rate, "
-        "and config.yaml records it",
-        config.learning_rate,
-        float(saved),
-    )
-    return ("learning_rate",)
-
-
-def absolute_dataset(config: TrainConfig) -> TrainConfig:
-    """``config`` with ``dataset`` made absolute when it names a file here, so that config.yaml records where the data
-    is and a resume from another folder reads the same file (or, given a relative path again, is compared with it)."""
-    if config.dataset and Path(config.dataset).is_file():
-        return replace(config, dataset=str(Path(config.dataset).resolve()))
-    return config
-
-
-def check_dataset_file(config: TrainConfig) -> TrainConfig:
-    """Record the --dataset file's sha256 and row count (a new run), or check them against the run's (a resume).
-
-    A resume whose file's sha256 differs from the recorded one is refused, naming both hashes, unless
-    ``allow_dataset_change`` (then the new hash and row count are recorded, with a warning). Nothing is recorded
-    for a dataset that is not a local file (a Hugging Face dataset name) or a run without one.
-
-    Raises:
-        RunDirError: the file changed since the run started, or is gone.
-    """
-    if not config.dataset:
-        return config
-    path = Path(config.dataset)
-    if not path.is_file():
-        if config.resume and config.dataset_sha256:
-            raise RunDirError(
-                f"--resume: the run's dataset {path} (sha256 {config.dataset_sha256}) is not there any "
-                f"more; restore it, or start a new run in another --out"
-            )
-        return config
-    sha256, rows = file_fingerprint(path)
-    if config.resume and config.dataset_sha256 and sha256 != config.dataset_sha256:
-        if not config.allow_dataset_change:
-            raise RunDirError(
-                f"--resume: the dataset {path} changed since the run started: its sha256 is {sha256} ({rows} rows) "
-                f"and the run recorded {config.dataset_sha256} ({config.dataset_rows} rows); restore the file, or "
-                f"pass --allow-dataset-change to resume on the changed data (recorded in config.yaml)"
-            )
-        logger.warning(
-            "--allow-dataset-change: resuming on %s, changed since the run started (sha256 %s, %s rows; "
-            "the run recorded %s, %s rows)",
-            path,
-            sha256,
-            rows,
-            config.dataset_sha256,
-            config.dataset_rows,
-        )
-    return replace(config, dataset_sha256=sha256, dataset_rows=rows)
-
-
-def check_metrics_cover(run: RunDir, ckpt: Path) -> None:
-    """A resume from checkpoint ``ckpt`` of step k needs metrics.jsonl with the records up to step k (each step's
-    line is written and fsynced before its checkpoint): a file deleted or cut would lose the run's history silently.
-
-    Raises:
-        RunDirError: metrics.jsonl is missing or ends before step k, naming it and what to do.
-    """
-    step = int(ckpt.name.split("-")[1])
-    if step <= 0:
-        return
-    records = run.read_metrics()
-    last = max((r.get(STEP, 0) for r in records), default=None)
-    if last is None or last < step:
-        held = "is missing" if not run.metrics_path.exists() else f"holds steps up to {last or 0}"
-        raise RunDirError(
-            f"--resume: {run.metrics_path} {held}, but the checkpoint {ckpt.name} is at step {step}: "
-            f"resuming would lose the run's history; restore the file from a copy, or start a new run "
-            f"in another --out"
-        )
-
-
-def warn_long_warmup(config: TrainConfig) -> None:
-    """A warm-up as long as the run or longer leaves the LR below --learning-rate for every step: say so at start."""
-    w = warmup_steps(config)
-    if w > 0 and w >= config.max_steps:
-        logger.warning(
-            "--warmup-steps %s is %d steps, not fewer than the run's %d (--max-steps): the learning rate "
-            "rises from 0 for the whole run and never reaches --learning-rate %g (with %d steps, a warm-up "
-            "of at most %d steps, or a share such as 0.1)",
-            config.warmup_steps,
-            w,
-            config.max_steps,
-            config.learning_rate,
-            config.max_steps,
-            max(0, config.max_steps - 1),
-        )
-
-
 def build_models(config: TrainConfig, procs: Processes) -> Models:
-    """Seed the generators, load the policy, check it (:func:`check_model`), copy the reference, add LoRA, lay the
-    policy out over the processes (``--parallelism``, :mod:`grpo_lens.train.sharding`; the reference stays a whole
-    copy on every process) and make the optimizer: AdamW (lr, betas, weight decay from ``config``) over the parameters
-    that require gradients (for fsdp2, their shards).
+    """Seed the generators, load the policy, check it (:func:`grpo_lens.train.checks.check_model`), copy the
+    reference, add LoRA, lay the policy out over the processes (``--parallelism``, :mod:`grpo_lens.runtime.sharding`;
+    the reference stays a whole copy on every process) and make the optimizer: AdamW (lr, betas, weight decay from
+    ``config``) over the parameters that require gradients (for fsdp2, their shards).
 
     The policy stays in eval mode for the whole run: dropout (``attention_dropout``, GPT-2's ``resid_pdrop``, LoRA's
     ``lora_dropout``) is off in every log-prob forward of the policy, pi_old, the reference and the lens, so the first
     pass's ratio is 1 and the trainer's log-probs are the sampler's (trl PR 3234). Gradients flow in eval mode.
 
     Raises:
-        ModelNotFoundError: the model does not load.   ValueError: :func:`check_model`'s checks.
+        ModelNotFoundError: the model does not load.   ValueError: :func:`grpo_lens.train.checks.check_model`'s checks.
     """
     if not config.progress:
         hf_logging.disable_progress_bar()  # --no-progress silences transformers' loading bars too
@@ -714,7 +281,13 @@ def build_models(config: TrainConfig, procs: Processes) -> Models:
     if config.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     if config.lora_rank > 0:  # the reference above stays the plain base model
-        policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+        policy = apply_lora(
+            policy,
+            config.lora_rank,
+            config.lora_alpha,
+            config.lora_target_modules,
+            linear_layer_names(policy),
+        )
         policy.eval()  # LoRA's own dropout off too
     policy = PARALLELISMS.get(config.parallelism)(policy, procs.world)  # fsdp2: fully_shard (reference unsharded)
     procs.sharded = is_sharded(policy)
@@ -726,7 +299,7 @@ def build_models(config: TrainConfig, procs: Processes) -> Models:
 
 
 def open_run(
-    run: RunDir, config: TrainConfig, procs: Processes, models: Models, lens: Any, ckpt: Path | None
+    run: RunDir, config: TrainConfig, procs: Processes, models: Models, lens: Lens | None, ckpt: Path | None
 ) -> RunState:
     """Write the run directory, once the model has loaded: a new run's, or, to resume, load ``ckpt`` (weights,
     optimizer, guard counters, random generators, lens state) first and then drop what came after it.
@@ -765,30 +338,6 @@ def open_run(
             config.max_steps,
         )
     return state
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# One step: sampling, advantages, reference, lens, record
-# ---------------------------------------------------------------------------------------------------------------------
-@dataclass
-class Rollouts:
-    """One step's rollouts on this process (N = B_local R, B_local = prompts_per_step / processes) and their scores.
-
-    batch: the N rollouts.   rewards: [N] float, NaN where invalid.   valid: [N] bool.   correct: [N] float64, the
-    task's 0/1 verdict (NaN: none).   reward_info: this process's ``reward/*`` metrics of the reward calls.
-    dynamic: ``dynamic/*`` metrics (empty without dynamic sampling).   sampled: every round's (rewards, valid,
-    correct), kept or not (dynamic sampling's all-groups view; the one round without it).   generation_seconds: the
-    time spent generating, over all rounds.
-    """
-
-    batch: RolloutBatch
-    rewards: torch.Tensor
-    valid: torch.Tensor
-    correct: torch.Tensor
-    reward_info: dict[str, float]
-    dynamic: dict[str, float]
-    sampled: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    generation_seconds: float
 
 
 def sample_step(
@@ -1007,22 +556,8 @@ def reference_logprobs(
         return update_logprobs(config, procs)(reference, batch, config.temperature)
 
 
-@dataclass
-class LensPlan:
-    """How the lens measures a step: ``measure`` (a lens step at all), ``capture`` (the lens's gradient capture for
-    the update's first pass to fill, :func:`grpo_lens.train.update.lens_reads_update`; None when the lens ran its own
-    pass), ``metrics`` (what the lens's own pass, before the update, measured) and ``per_rollout`` (the update runs
-    every rollout's own prompt, as on every lens step on the cadence, :func:`on_lens_cadence`; False: as a lens-off
-    step)."""
-
-    measure: bool
-    capture: Any = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    per_rollout: bool = False
-
-
 def plan_lens(
-    lens: Any,
+    lens: Lens | None,
     step: int,
     config: TrainConfig,
     procs: Processes,
@@ -1062,7 +597,7 @@ def plan_lens(
 
 
 def lens_after_update(
-    lens: Any,
+    lens: Lens | None,
     plan: LensPlan,
     step: int,
     procs: Processes,
@@ -1071,7 +606,7 @@ def lens_after_update(
     advantages: torch.Tensor,
 ) -> dict[str, float]:
     """The lens's metrics of the step: from the update's first-pass rows when ``plan`` had a capture (g_i at the
-    step's starting weights, :func:`grpo_lens.train.lens.scores_from_update_rows`), else the plan's own, plus the
+    step's starting weights, :func:`grpo_lens.lens.trainer_lens.scores_from_update_rows`), else the plan's own, plus the
     lens's after-step S4 and sparsity metrics. Empty without a lens."""
     if lens is None:
         return {}
@@ -1082,66 +617,6 @@ def lens_after_update(
         )
     metrics.update(lens.after_step(step, policy, plan.measure))
     return metrics
-
-
-def step_record(
-    step: int,
-    config: TrainConfig,
-    procs: Processes,
-    rollouts: Rollouts,
-    advantages: torch.Tensor,
-    parts: list[dict[str, float]],
-    t0: float,
-) -> dict[str, Any]:
-    """The step's metrics.jsonl record, the same on every process: the reward-call metrics of all processes
-    (:func:`grpo_lens.train.step_metrics.merge_reward_infos`), then the statistics of all processes' rollouts
-    (which win over them), ``parts`` in order, then ``perf/*`` (``t0``: the
-    step's start, ``time.perf_counter()``). With dynamic sampling the reward/accuracy/S1 keys cover every sampled
-    group and the kept groups' values are ``dynamic/kept_*`` (:func:`grpo_lens.train.step_metrics.sampled_vs_kept`;
-    one process only, so no gather)."""
-    R = config.group_size
-    rewards, valid, adv, mask, truncated = procs.gather_all(
-        rollouts.rewards,
-        rollouts.valid,
-        advantages,
-        _pad_to(rollouts.batch.completion_mask, config.max_new_tokens),
-        rollouts.batch.truncated,
-    )
-    infos = (
-        gather_objects((rollouts.reward_info, int(rollouts.valid.numel())))
-        if procs.world > 1
-        else [(rollouts.reward_info, int(rollouts.valid.numel()))]
-    )
-    seconds = time.perf_counter() - t0
-    record = {
-        STEP: step,
-        **merge_reward_infos([i for i, _ in infos], [n for _, n in infos]),
-        **rollouts.dynamic,
-        **rollout_metrics(rewards, valid, adv, mask, truncated, R),
-        **accuracy_metrics(procs.gather(rollouts.correct)),
-        **dead_group_metrics(
-            rewards,
-            valid,
-            adv,
-            overlong_loss_mask(mask, truncated, config.overlong),
-            config.loss_aggregation,
-            config.max_new_tokens,
-            R,
-        ),
-    }
-    for part in parts:
-        record.update(part)
-    record.update(
-        {
-            PERF_STEP_SECONDS: seconds,
-            PERF_GENERATION_SECONDS: rollouts.generation_seconds,
-            PERF_TOKENS_PER_SECOND: float(mask.sum()) / max(seconds, 1e-9),
-            PERF_PEAK_MEMORY_MB: _peak_memory_mb(procs.device),
-        }
-    )
-    if config.dynamic_sampling:
-        record.update(sampled_vs_kept(record, *(torch.cat([s[i] for s in rollouts.sampled]) for i in range(3)), R))
-    return record
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1193,30 +668,6 @@ class StepLogs:
             self.progress.close()
         if self.trackers is not None:
             self.trackers.finish()
-
-
-def step_line(record: dict[str, Any], max_steps: int, rewards: list[str] | None = None) -> str:
-    """One compact line of a step's record for logs without a progress bar (``--no-progress``): step, reward,
-    accuracy, S1, LR, seconds, and the held-out accuracy on evaluated steps. With a custom reward among ``rewards``
-    (specs; :func:`grpo_lens.train.step_metrics.custom_reward_names`) the reward names it and "accuracy" reads "task
-    accuracy" (the task's correctness check, not the reward)."""
-    custom = custom_reward_names(rewards or [])
-    parts = [f"step {record[STEP]}/{max_steps}"]
-    for key, name, spec in (
-        (REWARD_MEAN, f"reward ({'+'.join(custom)})" if custom else "reward", ".3f"),
-        (REWARD_ACCURACY, "task accuracy" if custom else "accuracy", ".3f"),
-        (REWARD_FRAC_ZERO_STD_GROUPS, "S1", ".2f"),
-        (LR, "lr", ".2e"),
-        (EVAL_GREEDY_ACCURACY, "eval greedy", ".3f"),
-        (PERF_STEP_SECONDS, "s", ".1f"),
-    ):
-        if isinstance(record.get(key), (int, float)):
-            parts.append(f"{name} {record[key]:{spec}}")
-        if key == REWARD_MEAN and custom and len(rewards or []) > 1:  # each function's mean, TRL's name
-            for n in (str(r).split(":", 1)[0] for r in rewards):
-                if isinstance(v := record.get(REWARD_FUNCTION.format(name=n)), (int, float)):
-                    parts.append(f"rewards/{n}/mean {v:.3f}")
-    return "  ".join(parts)
 
 
 def weights_finite(params: list[torch.nn.Parameter]) -> bool:
@@ -1301,7 +752,7 @@ def save_checkpoint_if_due(
     config: TrainConfig,
     procs: Processes,
     models: Models,
-    lens: Any,
+    lens: Lens | None,
     state: RunState,
     force: bool = False,
 ) -> None:
@@ -1327,7 +778,7 @@ def save_checkpoint_if_due(
         procs.barrier()
 
 
-def finish_run(run: RunDir, config: TrainConfig, procs: Processes, models: Models, lens: Any) -> None:
+def finish_run(run: RunDir, config: TrainConfig, procs: Processes, models: Models, lens: Lens | None) -> None:
     """After the last step: log what the lens cost and save the final model (main process), then wait for all."""
     if lens is not None and procs.is_main:
         _log_lens_cost(run)
@@ -1338,27 +789,12 @@ def finish_run(run: RunDir, config: TrainConfig, procs: Processes, models: Model
     procs.barrier()
 
 
-def _log_lens_cost(run: RunDir) -> None:
-    """Log what the lens cost the whole run (resumed parts included), from metrics.jsonl."""
-    cost = lens_overhead([r for r in run.read_metrics() if STEP in r])
-    if cost and cost["lens_steps"]:
-        logger.info(
-            "lens: %d of %d steps measured, %.1f s of its own, %.1f%% of the %.1f s the steps took "
-            "without it (a gradient capture inside the update's first pass is not in this count)",
-            cost["lens_steps"],
-            cost["steps"],
-            cost["lens_seconds"],
-            100 * cost["overhead"],
-            cost["train_seconds"],
-        )
-
-
 def save_final_model(
     policy: torch.nn.Module, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None
 ) -> Path:
     """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename); a LoRA
     policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`).
-    ``state_dict``: the full weights of an FSDP2-sharded policy (:func:`grpo_lens.train.sharding.full_model_state`),
+    ``state_dict``: the full weights of an FSDP2-sharded policy (:func:`grpo_lens.runtime.sharding.full_model_state`),
     saved under the model's own class name."""
     for stray in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed while saving
         shutil.rmtree(stray, ignore_errors=True)
@@ -1381,70 +817,3 @@ def save_final_model(
     crash_point("mid_final_model", 0)
     os.replace(tmp, path)
     return path
-
-
-def _rng_state() -> dict[str, Any]:
-    """The states of Python's, NumPy's and torch's global random generators (saved in every checkpoint). NumPy's is
-    stored as plain values and a tensor (its 624 key words as int64), which ``torch.load(weights_only=True)`` reads."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy_state = {
-        "name": str(name),
-        "keys": torch.from_numpy(keys.astype(np.int64)),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached),
-    }
-    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`_rng_state` saved, so a resumed run draws what the uninterrupted one would (also the
-    NumPy state tuple of checkpoints written before it was stored as a tensor)."""
-    random.setstate(_as_tuples(state["python"]))
-    numpy_state = state["numpy"]
-    if isinstance(numpy_state, dict):
-        numpy_state = (
-            numpy_state["name"],
-            numpy_state["keys"].numpy().astype(np.uint32),
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        )
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(state["torch"])
-
-
-def _as_tuples(value: Any) -> Any:
-    """``random.setstate`` wants tuples where a round trip may give lists."""
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _log_completions(
-    run: RunDir, step: int, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor, n: int
-) -> list[dict[str, Any]]:
-    """Append the first ``n`` rollouts' prompt, completion, reward [N], advantage [N] and truncation to
-    completions.jsonl; returns the rows."""
-    R = batch.group_size
-    rows = []
-    for i in range(min(n, batch.num_rollouts)):
-        prompt = batch.prompts[i // R]
-        text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
-        rows.append(
-            {
-                STEP: step,
-                "prompt": text,
-                "completion": batch.completions[i],
-                "reward": float(rewards[i]),
-                "advantage": float(advantages[i]),
-                "truncated": bool(batch.truncated[i]),
-            }
-        )
-        run.append_metrics(rows[-1], path=run.completions_path)
-    return rows
-
-
-def _progress(config: TrainConfig, start: int, procs: Processes):
-    """The progress bar of the main process from step ``start`` (None without ``progress`` or on other processes)."""
-    if not (config.progress and procs.is_main):
-        return None
-    return tqdm(total=config.max_steps, initial=start, desc="GRPO", unit="step", dynamic_ncols=True)

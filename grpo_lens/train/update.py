@@ -56,8 +56,9 @@ from grpo_lens.metrics import (
 from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision, group_logprobs
 from grpo_lens.rundir import crash_point
-from grpo_lens.train.memory import auto_micro_batch_size, total_memory_bytes
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.memory import auto_micro_batch_size, total_memory_bytes
+from grpo_lens.runtime.processes import Processes
+from grpo_lens.train.state import Lens
 
 logger = logging.getLogger(__name__)
 
@@ -486,14 +487,14 @@ def update_metrics(sums: UpdateSums, config: TrainConfig, procs: Processes) -> d
 
 def lens_reads_update(
     config: TrainConfig,
-    lens: Any,
+    lens: Lens,
     rewards: torch.Tensor,
     valid: torch.Tensor,
     advantages: torch.Tensor,
     procs: Processes | None = None,
 ) -> bool:
     """Whether the lens can take its g_i from the update's first pass
-    (:func:`grpo_lens.train.lens.scores_from_update_rows`).
+    (:func:`grpo_lens.lens.trainer_lens.scores_from_update_rows`).
 
     True when ``lens_from_update`` is on, ``gram_source`` is sketch, the lens offers ``update_capture``, and the first
     pass's loss gradient is
@@ -529,7 +530,7 @@ def lens_reads_update(
 
 def lens_fuses_gram(
     config: TrainConfig,
-    lens: Any,
+    lens: Lens,
     policy: torch.nn.Module,
     batch: RolloutBatch,
     rewards: torch.Tensor,
@@ -538,7 +539,8 @@ def lens_fuses_gram(
     procs: Processes,
 ) -> str | None:
     """None when the lens's exact Gram can be captured in the update's own first backward and the rollout weights
-    divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`, :func:`grpo_lens.train.lens.score_gram_from_update`,
+    divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`,
+    :func:`grpo_lens.lens.trainer_lens.score_gram_from_update`,
     docs/theory.md §Lens inside the update's backward); else why not, in words (the lens then runs its own pass).
 
     The first pass's per-token loss weights factor as one scalar per rollout times its score, grad L_i =
@@ -577,7 +579,7 @@ def lens_fuses_gram(
 
 def _groups_fuse(
     config: TrainConfig,
-    lens: Any,
+    lens: Lens,
     policy: torch.nn.Module,
     batch: RolloutBatch,
     rewards: torch.Tensor,

@@ -13,7 +13,7 @@ from grpo_lens.formulas.sparsity import (
     weighted_hoyer,
     zero_share,
 )
-from grpo_lens.train.sparsity import Bf16UpdateTracker
+from grpo_lens.lens.sparsity import Bf16UpdateTracker
 from grpo_lens.train.step_metrics import reward_metrics
 
 

@@ -70,9 +70,9 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_sourc
     from grpo_lens.config import TrainConfig
     from grpo_lens.formulas.advantages import compute_advantages
     from grpo_lens.integrations.trl import LensGRPOTrainer
+    from grpo_lens.lens.trainer_lens import TrainerLens
     from grpo_lens.models import build_tiny_model
     from grpo_lens.rollout import RolloutBatch
-    from grpo_lens.train.lens import TrainerLens
 
     captured = []
 
@@ -156,7 +156,7 @@ def test_bad_lens_settings_fail_before_training(tmp_path):
 
 def test_the_deprecated_lens_sketch_dim_keyword_warns_and_gives_the_same_settings(tmp_path):
     from grpo_lens.integrations.trl import LensGRPOTrainer
-    from grpo_lens.train.lens_settings import LensSettings
+    from grpo_lens.lens.settings import LensSettings
 
     new = make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=4).lens_settings
     with pytest.warns(DeprecationWarning, match="lens_sketch_dim is deprecated: use sketch_dim") as caught:

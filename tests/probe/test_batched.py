@@ -16,9 +16,11 @@ import math
 
 import pytest
 
-import grpo_lens.probe.run as probe_module
+import grpo_lens.probe.estimate as probe_module
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.probe.run import DrawBatch, batch_seed, draw_plan, pass_chunks, run_probe
+from grpo_lens.probe.draws import DrawBatch, batch_seed, draw_plan
+from grpo_lens.probe.gradient_sources import pass_chunks
+from grpo_lens.probe.run import run_probe
 
 pytestmark = pytest.mark.e2e
 

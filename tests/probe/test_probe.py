@@ -72,7 +72,7 @@ def exact_probe(tmp_path_factory, tiny_model_and_tokenizer):
     """The exact probe on the linear weights, recording each analysed group (its rollouts and rewards)."""
     import copy
 
-    import grpo_lens.probe.run as probe_module
+    import grpo_lens.probe.groups as probe_module
 
     model, tokenizer = copy.deepcopy(tiny_model_and_tokenizer)
     model = linear_weights_only(model)
@@ -401,7 +401,7 @@ def test_default_prompt_counts():
 def test_progress_counts_every_prompt_once(tmp_path, tiny_model_and_tokenizer):
     # the progress callback gets each batch's prompt count: they add up to the prompts sampled (6 = batches of 4 + 2)
     # and the last mixed count is the R's groups_mixed
-    from grpo_lens.probe.run import probe_group_size
+    from grpo_lens.probe.estimate import probe_group_size
     from grpo_lens.rewards import parse_reward_specs
     from grpo_lens.tasks import get_task
 
@@ -431,7 +431,7 @@ def test_sketch_check_from_the_exact_gram_equals_dense_vectors(tiny_model_and_to
     # squares / sum ||e_i||^2, gram error = ||W (S S^T - E E^T) W||_F / ||W E E^T W||_F with W = diag(A).
     from grpo_lens.gradients.exact import exact_rollout_grads
     from grpo_lens.gradients.params import param_slices
-    from grpo_lens.probe.run import _rollout_grads, score_weights, sketch_check
+    from grpo_lens.probe.gradient_sources import _rollout_grads, score_weights, sketch_check
     from grpo_lens.rollout import sample_groups
     from grpo_lens.tasks import get_task
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from architectures import DEFAULT_LAYER, FAMILIES, save_family_folder
 
-import grpo_lens.probe.run as probe_run
-import grpo_lens.train.lens as lens_module
+import grpo_lens.lens.trainer_lens as lens_module
+import grpo_lens.probe.gradient_sources as probe_gradients
 from grpo_lens.cli import main
 from grpo_lens.config import TrainConfig
 from grpo_lens.gradients.exact import exact_rollout_grads
@@ -77,7 +77,7 @@ def oracle_checked(monkeypatch):
 
         return checked
 
-    monkeypatch.setattr(probe_run, "exact_rollout_gram", wrap(probe_run.exact_rollout_gram))
+    monkeypatch.setattr(probe_gradients, "exact_rollout_gram", wrap(probe_gradients.exact_rollout_gram))
     monkeypatch.setattr(lens_module, "exact_rollout_gram", wrap(lens_module.exact_rollout_gram))
     return errors
 

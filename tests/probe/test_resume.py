@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+import grpo_lens.probe.estimate as probe_estimate
 import grpo_lens.probe.run as probe_module
 from grpo_lens.cli import main
 from grpo_lens.config import ConfigError
@@ -102,13 +103,13 @@ def test_resumed_probe_equals_the_uninterrupted_one(tmp_path, monkeypatch, unint
     assert (partial.group_size_result(2) is not None) == (k > 6)
 
     measured = []  # prompts measured after the resume: (R, index of the prompt within its batch)
-    original = probe_module.analyse_prompts
+    original = probe_estimate.analyse_prompts
 
     def recording(policy, tokenizer, batch, first, rewards, *args, **kwargs):
         measured.extend(range(first, rewards.shape[0]))
         return original(policy, tokenizer, batch, first, rewards, *args, **kwargs)
 
-    monkeypatch.setattr(probe_module, "analyse_prompts", recording)
+    monkeypatch.setattr(probe_estimate, "analyse_prompts", recording)
     run_probe(config(out, resume=True))
     # the resume measured only the 12 - k prompts left, starting inside the batch the kill cut (k mod 6 = 5 or 1)
     assert len(measured) == 12 - k and measured[0] == (k % 6) % 4
@@ -216,9 +217,9 @@ def test_overwrite_starts_over_and_a_bad_layer_keeps_the_partial_probe(tmp_path,
     assert len(PartialProbe(out).prompt_records(2)) == 3
     # --overwrite measures every prompt again (none restored) and gives the uninterrupted numbers
     measured = []
-    original = probe_module.analyse_prompts
+    original = probe_estimate.analyse_prompts
     monkeypatch.setattr(
-        probe_module,
+        probe_estimate,
         "analyse_prompts",
         lambda *a, **k: measured.extend(range(a[3], a[4].shape[0])) or original(*a, **k),
     )

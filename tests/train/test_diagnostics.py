@@ -120,7 +120,7 @@ def test_noise_metrics_routes_and_refusals():
     refuses (a group outside the Gram with a nonzero advantage, a sketched Gram, the own pass on 2 processes)."""
     from types import SimpleNamespace
 
-    from grpo_lens.train.lens import TrainerLens
+    from grpo_lens.lens.trainer_lens import TrainerLens
 
     # G_b = e_b + (1, 1, 1): |G_b|^2 = 4 + 1 + 1 = 6, <G_b, G_c> = 2 + 2 + 1 = 5, so M = I + 5 (11^T): D = 18,
     # S = 9 * 5 + 3 = 48, B = 3

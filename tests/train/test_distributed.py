@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers_distributed import run_torchrun, torchrun_available
 
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.processes import Processes
 
 WORLD = 2
 TIMEOUT_S = 300
@@ -129,7 +129,7 @@ def test_mini_batches_must_divide_each_process_share():
     # B = 6 over 2 processes: 3 prompts each, which 2 mini-batches cannot split into equal optimizer steps (a
     # process would take 3 steps of 1 prompt); 3 mini-batches can.
     from grpo_lens.config import TrainConfig
-    from grpo_lens.train.loop import check_inputs
+    from grpo_lens.train.checks import check_inputs
 
     procs = Processes(0, 2, torch.device("cpu"))
     with pytest.raises(ValueError, match="num_mini_batches"):
@@ -177,7 +177,7 @@ def test_cli_trains_when_one_process_has_no_reward_contrast(two_process_results,
 
 
 def test_grad_buckets_cut_at_the_size_and_at_a_dtype():
-    from grpo_lens.train.processes import grad_buckets
+    from grpo_lens.runtime.processes import grad_buckets
 
     f32 = [torch.zeros(n) for n in (3, 4, 2, 9, 1)]
     # at most 8 elements: 3 + 4 = 7 (+ 2 > 8), 2 (+ 9 > 8), 9 alone (larger than a bucket), 1

@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 
 from grpo_lens.config import TrainConfig
 from grpo_lens.models import build_tiny_model
-from grpo_lens.train.loop import check_inputs
-from grpo_lens.train.processes import Processes
-from grpo_lens.train.sharding import decoder_layers, shard_fsdp2
+from grpo_lens.runtime.processes import Processes
+from grpo_lens.runtime.sharding import decoder_layers, shard_fsdp2
+from grpo_lens.train.checks import check_inputs
 
 WORLD = 2
 TIMEOUT_S = 300

@@ -60,7 +60,7 @@ def model_batch():
 
 def _lens(**overrides):
     from grpo_lens.config import TrainConfig
-    from grpo_lens.train.lens_settings import LensSettings
+    from grpo_lens.lens.settings import LensSettings
 
     return LensSettings.from_train_config(TrainConfig(seed=0, **overrides))
 
@@ -90,8 +90,8 @@ def _update_grad(model, batch, adv, settings, beta=0.0, ref_logp=None, rows=None
 @pytest.mark.e2e
 def test_landing_shares_match_per_token_autograd(model_batch):
     from grpo_lens.formulas.credit import TOKEN_CLASSES, token_classes
+    from grpo_lens.lens.trainer_lens import TrainerLens
     from grpo_lens.rollout import batch_logprobs
-    from grpo_lens.train.lens import TrainerLens
 
     model, tok, batch = model_batch
     settings = _lens(lens_landing=True)
@@ -141,8 +141,8 @@ def test_landing_shares_match_per_token_autograd(model_batch):
 
 @pytest.mark.e2e
 def test_dead_groups_kl_gradient_is_the_update_minus_the_mixed_rows(model_batch):
+    from grpo_lens.lens.trainer_lens import TrainerLens
     from grpo_lens.rollout import batch_logprobs
-    from grpo_lens.train.lens import TrainerLens
 
     model, _, batch = model_batch
     settings = _lens(lens_dead_kl=True)
@@ -190,7 +190,7 @@ def test_trainer_writes_landing_and_dead_kl_at_lens_steps(tmp_path):
 
 @pytest.mark.e2e
 def test_landing_reads_the_first_mini_batch_only(model_batch):
-    from grpo_lens.train.lens import TrainerLens
+    from grpo_lens.lens.trainer_lens import TrainerLens
 
     model, tok, batch = model_batch
     settings = _lens(lens_landing=True)

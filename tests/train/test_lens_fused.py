@@ -1,6 +1,6 @@
 """The lens inside the update's backward (issue 30): the exact Gram captured by hooks in the update's own first pass,
 with the rollout weights divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`,
-:func:`grpo_lens.train.lens.score_gram_from_update`), equals the lens's separate pass
+:func:`grpo_lens.lens.trainer_lens.score_gram_from_update`), equals the lens's separate pass
 (:func:`grpo_lens.gradients.gram.exact_rollout_gram` with the aggregation's omega_i) to 1e-10 in float64 on tiny Llama
 (tied), Qwen2 (biases) and Nemotron models built from configs, for every loss aggregation; a perturbed rollout weight
 breaks the equality; and a training run with it gives the lens numbers of the separate pass without running it.
@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, NemotronConfig, Qwen
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.gradients.gram import MicroBatchGrams, exact_rollout_gram
+from grpo_lens.lens.trainer_lens import score_gram_from_update
 from grpo_lens.rollout import RolloutBatch
-from grpo_lens.train.lens import score_gram_from_update
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.processes import Processes
 from grpo_lens.train.update import UpdateSums, backward_mini_batch, lens_fuses_gram, plan_update
 
 pytestmark = pytest.mark.e2e  # builds tiny models
@@ -185,7 +185,7 @@ class _Lens:
 
     @staticmethod
     def mixed_groups(rewards, valid, R):
-        from grpo_lens.train.lens import TrainerLens
+        from grpo_lens.lens.trainer_lens import TrainerLens
 
         return TrainerLens.mixed_groups(rewards, valid, R)
 
@@ -274,7 +274,7 @@ def test_training_with_the_fused_lens_gives_the_separate_pass_numbers(tmp_path, 
     calls = []
     original = exact_rollout_gram
     monkeypatch.setattr(
-        "grpo_lens.train.lens.exact_rollout_gram", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        "grpo_lens.lens.trainer_lens.exact_rollout_gram", lambda *a, **kw: calls.append(1) or original(*a, **kw)
     )
     own = run("own", False)
     own_calls = len(calls)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo_lens.config import TrainConfig
-from grpo_lens.train.lens_settings import LensSettings, as_lens_settings
+from grpo_lens.lens.settings import LensSettings, as_lens_settings
 
 #: the TRL side of one set of settings: TRL's loss_type "grpo", scale_rewards "group", temperature, length cap
 TRL_ARGS = SimpleNamespace(loss_type="grpo", scale_rewards="group", temperature=0.9, max_completion_length=6)
@@ -96,7 +96,7 @@ def test_unknown_names_raise_with_the_valid_names():
 
 
 def test_trainer_lens_takes_lens_settings_or_a_train_config_and_nothing_else(fresh_tiny_model_and_tokenizer):
-    from grpo_lens.train.lens import TrainerLens
+    from grpo_lens.lens.trainer_lens import TrainerLens
 
     model, _ = fresh_tiny_model_and_tokenizer
     cfg = TrainConfig(sketch_dim=4, seed=5)

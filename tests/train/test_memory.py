@@ -14,7 +14,7 @@ import pytest
 #: (glibc's mallinfo2: ``hblkhd`` counts bytes in separate mappings, ``fordblks`` free bytes kept in the heap)
 SCRIPT = r"""
 import ctypes, ctypes.util, sys, torch
-from grpo_lens.train.memory import keep_freed_memory
+from grpo_lens.runtime.memory import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):
     names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")

@@ -18,7 +18,7 @@ from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.losses import loss_normalizer, policy_token_weights
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.rollout import batch_logprobs
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.processes import Processes
 from grpo_lens.train.update import policy_update
 
 

@@ -10,7 +10,7 @@ from references import dtype_recording_loader
 
 from grpo_lens.models import build_tiny_model
 from grpo_lens.rollout import accepts_logits_to_keep, completion_logprobs, scored_logits
-from grpo_lens.train.memory import activation_bytes_per_rollout, auto_micro_batch_size
+from grpo_lens.runtime.memory import activation_bytes_per_rollout, auto_micro_batch_size
 
 pytestmark = pytest.mark.e2e  # every test here builds a model or runs a command
 
@@ -192,7 +192,7 @@ def test_lens_from_the_update_equals_the_lens_own_pass(tmp_path, aggregation, mo
     calls = []
     original = sketch_rollout_grads
     monkeypatch.setattr(
-        "grpo_lens.train.lens.sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        "grpo_lens.lens.trainer_lens.sketch_rollout_grads", lambda *a, **kw: calls.append(1) or original(*a, **kw)
     )
     own = run("own", False)
     own_calls = len(calls)
@@ -223,7 +223,7 @@ def test_the_update_with_shared_prompts_gives_the_per_rollout_gradient(family, m
     from grpo_lens.config import TrainConfig
     from grpo_lens.models import build_tiny_tokenizer
     from grpo_lens.rollout import sample_groups
-    from grpo_lens.train.processes import Processes
+    from grpo_lens.runtime.processes import Processes
     from grpo_lens.train.update import UpdateSums, backward_mini_batch, plan_update
 
     tok = build_tiny_tokenizer()

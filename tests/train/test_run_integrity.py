@@ -11,11 +11,12 @@ import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
 import torch
 
+import grpo_lens.train.checks as checks
 import grpo_lens.train.loop as loop
 from grpo_lens.config import TrainConfig
 from grpo_lens.models import build_tiny_model
 from grpo_lens.rollout import batch_logprobs, sample_groups
-from grpo_lens.train.processes import setup_processes
+from grpo_lens.runtime.processes import setup_processes
 
 R = 4
 
@@ -538,9 +539,9 @@ def test_case9_model_directory_without_tokenizer(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"holds no tokenizer files .*tokenizer.save_pretrained"):
-        loop.check_tokenizer_files(ModelSource("local", str(tmp_path)))
+        checks.check_tokenizer_files(ModelSource("local", str(tmp_path)))
     (tmp_path / "tokenizer.json").write_text("{}")
-    loop.check_tokenizer_files(ModelSource("local", str(tmp_path)))  # the constructed case: one file is enough
+    checks.check_tokenizer_files(ModelSource("local", str(tmp_path)))  # the constructed case: one file is enough
 
 
 def test_case9_reward_function_metrics_cover_every_process():

@@ -15,7 +15,7 @@ from grpo_lens.formulas.sparsity import (
     weighted_hoyer,
     zero_share,
 )
-from grpo_lens.train.sparsity import (
+from grpo_lens.lens.sparsity import (
     ParameterSample,
     sampled_update_sparsity,
     sampled_vector_sparsity,
@@ -135,7 +135,7 @@ def test_parameter_sample_estimates_whole_model_measures(fresh_tiny_model_and_to
 @pytest.mark.e2e
 def test_sparsity_over_training_around_an_optimizer_step(fresh_tiny_model_and_tokenizer):
     model, _ = fresh_tiny_model_and_tokenizer
-    from grpo_lens.train.sparsity import SparsityOverTraining
+    from grpo_lens.lens.sparsity import SparsityOverTraining
 
     tracker = SparsityOverTraining(model, size=20_000, min_per_tensor=256)
     assert tracker.after_step() == {}  # nothing recorded yet
@@ -298,11 +298,11 @@ def test_lens_s4_sparsity_before_step_only_snapshots_and_numbers_are_unchanged(
 ):
     """Issue 21: the lens's before-step snapshot compared the whole model twice (numbers thrown away); it now only
     snapshots, and S4 after the step is what comparing-then-snapshotting gave."""
-    import grpo_lens.train.sparsity as sparsity_module
+    import grpo_lens.lens.sparsity as sparsity_module
     from grpo_lens.config import TrainConfig
-    from grpo_lens.train.lens import TrainerLens
-    from grpo_lens.train.lens_settings import LensSettings
-    from grpo_lens.train.sparsity import Bf16UpdateTracker
+    from grpo_lens.lens.settings import LensSettings
+    from grpo_lens.lens.sparsity import Bf16UpdateTracker
+    from grpo_lens.lens.trainer_lens import TrainerLens
 
     model, _ = fresh_tiny_model_and_tokenizer
     params = [p for p in model.parameters() if p.requires_grad]

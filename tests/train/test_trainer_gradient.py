@@ -26,7 +26,7 @@ from grpo_lens.gradients.exact import exact_rollout_grads, layer_weight_grads
 from grpo_lens.gradients.g2 import G2WeightingCapture, module_kind
 from grpo_lens.gradients.params import param_slices
 from grpo_lens.gradients.sketch import sketch_rollout_grads
-from grpo_lens.train.processes import Processes
+from grpo_lens.runtime.processes import Processes
 from grpo_lens.train.update import policy_update
 
 
@@ -178,7 +178,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     """TrainerLens.measure = mean over mixed groups of analyse_group on the same sketched rows; the identity uses the
     estimator's own constant, so its residual is round-off for every estimator and std convention."""
     from grpo_lens.formulas.advantages import compute_advantages
-    from grpo_lens.train.lens import TrainerLens
+    from grpo_lens.lens.trainer_lens import TrainerLens
 
     torch.manual_seed(0)
     model = build_model()
@@ -248,7 +248,7 @@ def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients
     the dense exact Gram (one backward per rollout, every parameter), to float32 rounding; coverage 1. A lens that
     used the sketch, dropped a parameter kind or mixed groups' blocks would be off by far more than 1e-4."""
     from grpo_lens.formulas.advantages import compute_advantages
-    from grpo_lens.train.lens import TrainerLens
+    from grpo_lens.lens.trainer_lens import TrainerLens
 
     torch.manual_seed(0)
     model = build_model()

@@ -15,7 +15,7 @@ FSDP2-sharded policy (``--parallelism fsdp2``) every forward is a collective, so
 joins the others' exact-Gram pass with one group of its own and drops the result (docs/theory.md §21).
 Around the optimizer step, bf16 snapshots give S4 (update sparsity for the step and since the start), and a fixed
 sample of the weights gives the sparsity of the step's update, of the update since the start and of the step's
-gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.train.sparsity.SparsityOverTraining`,
+gradient, each bf16 share beside its dense-update control (:class:`grpo_lens.lens.sparsity.SparsityOverTraining`,
 docs/theory.md §Sparsity over training). S1 is measured by the trainer on every step; the lens prints no S1
 prediction, because no rollouts other than the step's own exist for the step's prompts (docs/theory.md §S1).
 
@@ -60,6 +60,8 @@ from grpo_lens.gradients.lora_spaces import lora_rollout_grads
 from grpo_lens.gradients.params import trainable_count
 from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.gradients.token_credit import squared_norm, token_directional_derivatives
+from grpo_lens.lens.settings import LensSettings, as_lens_settings
+from grpo_lens.lens.sparsity import Bf16UpdateTracker, SparsityOverTraining
 from grpo_lens.lora import is_lora
 from grpo_lens.metrics import (
     DEAD_KL_GRAD_NORM,
@@ -98,10 +100,8 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, scored_logits
-from grpo_lens.train.lens_settings import LensSettings, as_lens_settings
-from grpo_lens.train.processes import gather_objects
-from grpo_lens.train.sharding import is_sharded
-from grpo_lens.train.sparsity import Bf16UpdateTracker, SparsityOverTraining
+from grpo_lens.runtime.processes import gather_objects
+from grpo_lens.runtime.sharding import is_sharded
 
 if TYPE_CHECKING:
     from grpo_lens.config import TrainConfig
@@ -158,12 +158,12 @@ class TrainerLens:
 
     Args:
         policy: the model being trained.
-        config: the lens's :class:`grpo_lens.train.lens_settings.LensSettings` (a
+        config: the lens's :class:`grpo_lens.lens.settings.LensSettings` (a
             :class:`grpo_lens.config.TrainConfig` is converted with
-            :meth:`~grpo_lens.train.lens_settings.LensSettings.from_train_config`); kept as ``self.settings``.
+            :meth:`~grpo_lens.lens.settings.LensSettings.from_train_config`); kept as ``self.settings``.
 
     Raises:
-        TypeError: ``config`` is neither (:func:`grpo_lens.train.lens_settings.as_lens_settings`).
+        TypeError: ``config`` is neither (:func:`grpo_lens.lens.settings.as_lens_settings`).
 
     Metric keys written (named in :mod:`grpo_lens.metrics`, documented in docs/metrics.md):
     ``sparsity/update_step``, ``sparsity/update_total``, ``sparsity/update_step_*``, ``sparsity/update_total_*``,

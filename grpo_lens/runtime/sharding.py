@@ -3,7 +3,7 @@ with torch's FSDP2 (``fsdp2``, :func:`torch.distributed.fsdp.fully_shard`), and 
 and optimizer state that has to know which.
 
 ``ddp``: every process holds the whole policy; after each backward the trainer sums the gradients with an all-reduce
-(:meth:`grpo_lens.train.processes.Processes.sum_grads`). ``fsdp2``: each decoder layer (the classes the model names in
+(:meth:`grpo_lens.runtime.processes.Processes.sum_grads`). ``fsdp2``: each decoder layer (the classes the model names in
 ``_no_split_modules``) and then the root are ``fully_shard``-ed over all processes, so each process holds 1/W of
 every parameter, gradient and AdamW moment (dim-0 shards); a module's weights are all-gathered for its forward and
 backward, and each backward reduce-scatters the gradients with a sum (gradient divide factor 1: the trainer's loss
@@ -13,7 +13,7 @@ docs/theory.md §Sums across processes says how each sum is formed.
 Under FSDP2 every forward is a collective, so every process must run the same number of forwards: generation runs
 with transformers' ``synced_gpus`` (set by :func:`shard_fsdp2`), the update's micro-batches are sized alike on every
 process (:func:`grpo_lens.train.update.plan_update`), and the lens's own pass runs on every process
-(:meth:`grpo_lens.train.lens.TrainerLens.measure`).
+(:meth:`grpo_lens.lens.trainer_lens.TrainerLens.measure`).
 
 Checkpoints and the final model hold full (unsharded) tensors, gathered to rank 0 by
 :func:`torch.distributed.checkpoint.state_dict.get_model_state_dict` (:func:`full_model_state`,

@@ -84,7 +84,7 @@ class Processes:
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
         """All-reduce sum of the gradients of ``params``, in place (nothing for one process, nor for an FSDP2-sharded
-        policy, whose backward already reduce-scattered the sum: :mod:`grpo_lens.train.sharding`).
+        policy, whose backward already reduce-scattered the sum: :mod:`grpo_lens.runtime.sharding`).
 
         Each process's loss is already divided by the normaliser summed over processes, so the sum is the gradient of
         the whole batch's loss, the one a single process would compute on all of it.

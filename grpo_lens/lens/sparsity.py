@@ -38,8 +38,8 @@ from grpo_lens.metrics import (
     SPARSITY_UPDATE_STEP,
     SPARSITY_UPDATE_TOTAL,
 )
+from grpo_lens.runtime.sharding import entries, local_part, sum_over_shards
 from grpo_lens.seeding import derive_seed
-from grpo_lens.train.sharding import entries, local_part, sum_over_shards
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The settings :class:`grpo_lens.train.lens.TrainerLens` reads, as one typed, frozen record.
+"""The settings :class:`grpo_lens.lens.trainer_lens.TrainerLens` reads, as one typed, frozen record.
 
 Two sources fill it: grpo-lens' own trainer (:meth:`LensSettings.from_train_config`, from a
 :class:`grpo_lens.config.TrainConfig`) and the TRL integration (:meth:`LensSettings.from_trl`, from a
@@ -40,7 +40,7 @@ TRL_LOSS_AGGREGATION = {
 
 @dataclass(frozen=True)
 class LensSettings:
-    """What :class:`grpo_lens.train.lens.TrainerLens` reads (every field required; see the constructors).
+    """What :class:`grpo_lens.lens.trainer_lens.TrainerLens` reads (every field required; see the constructors).
 
     Raises:
         ValueError: ``sketch_dim`` < 1, ``temperature`` <= 0, ``std_eps`` < 0, ``max_new_tokens`` < 1, or a name
@@ -188,7 +188,7 @@ def as_lens_settings(config: Any) -> LensSettings:
     if isinstance(config, TrainConfig):
         return LensSettings.from_train_config(config)
     raise TypeError(
-        f"the lens's settings must be a LensSettings or a TrainConfig (grpo_lens.train.lens_settings.LensSettings, "
+        f"the lens's settings must be a LensSettings or a TrainConfig (grpo_lens.lens.settings.LensSettings, "
         f"grpo_lens.config.TrainConfig), got {type(config).__name__}"
     )
 
