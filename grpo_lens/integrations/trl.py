@@ -82,7 +82,7 @@ from grpo_lens.rewards import completion_text
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.rundir import RunDir, RunDirError, RunDirLockedError, acquire_run_lock
 from grpo_lens.runtime.processes import gather_objects
-from grpo_lens.train.step_metrics import reward_metrics, rollout_metrics
+from grpo_lens.train.step_metrics import dead_group_metrics, reward_metrics, rollout_metrics
 
 try:
     import trl
@@ -639,19 +639,38 @@ class GRPOLensMixin:
     def batch_metrics(self, output: dict[str, Any]) -> dict[str, float]:
         """grpo-lens' reward, advantage and completion statistics of one generation batch, with grpo-lens'
         definitions (:func:`grpo_lens.train.step_metrics.rollout_metrics`): the reward keys over every process's
-        rollouts, the advantage and completion keys over this process's."""
+        rollouts, the advantage and completion keys over this process's, and ``dead/*``
+        (:func:`grpo_lens.train.step_metrics.dead_group_metrics`, as ``grpo-lens train`` writes them every step) over
+        every process's, with TRL's ``loss_type`` as its loss aggregation (:data:`TRL_LOSS_AGGREGATION`) and TRL's
+        completion mask (its truncation masking already in it) as the tokens the loss sums."""
         batch, rows = self._local_rows(output)
         rewards = self._lens_rewards.to(batch.completion_ids.device)
         local = rewards[rows]
+        advantages = output["advantages"].reshape(-1).float()
         out = rollout_metrics(
             local,
             ~torch.isnan(local),
-            output["advantages"].reshape(-1).float(),
+            advantages,
             batch.completion_mask,
             batch.truncated,
             self.num_generations,
         )
         out.update(reward_metrics(rewards, ~torch.isnan(rewards), self.num_generations))
+        c = self.lens_settings
+        parts = gather_objects((advantages.detach().cpu(), batch.completion_mask.cpu()))  # every process calls this
+        masks = [torch.nn.functional.pad(m, (0, max(c.max_new_tokens - m.shape[1], 0))) for _, m in parts]
+        all_rewards = rewards.cpu()
+        out.update(
+            dead_group_metrics(
+                all_rewards,
+                ~torch.isnan(all_rewards),
+                torch.cat([a for a, _ in parts]),
+                torch.cat(masks),
+                c.loss_aggregation,
+                c.max_new_tokens,
+                self.num_generations,
+            )
+        )
         return out
 
     def write_completions(self, inputs: list[dict[str, Any]], output: dict[str, Any], step: int) -> None:

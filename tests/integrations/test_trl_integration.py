@@ -40,6 +40,7 @@ def make_trainer(tmp_path, cls, **kwargs):
     from grpo_lens.models import build_tiny_model
 
     trl_args = {k: kwargs.pop(k) for k in TRL_ARGS if k in kwargs}
+    reward_funcs = kwargs.pop("reward_funcs", parity)
     lens = kwargs
     model, tok = build_tiny_model(seed=0)
     data = Dataset.from_dict({"prompt": [f"What is {a} + {a + 1}?" for a in range(16)]})
@@ -62,7 +63,7 @@ def make_trainer(tmp_path, cls, **kwargs):
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    return cls(model=model, reward_funcs=parity, args=args, train_dataset=data, processing_class=tok, **lens)
+    return cls(model=model, reward_funcs=reward_funcs, args=args, train_dataset=data, processing_class=tok, **lens)
 
 
 @pytest.mark.parametrize("gram_source", ["sketch", None])  # None: the default, the exact Gram (as the trainer's)
@@ -270,6 +271,49 @@ def test_the_last_step_is_measured_whatever_lens_every(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
     assert [r[STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
     assert all(RANK_MIXED_GROUPS in r for r in records if "perf/lens_seconds" in r)
+
+
+def by_prompt(prompts, completions, **kwargs):
+    """1 for "What is a + ..." with a % 4 == 0, 0 with a % 4 == 1 (groups without contrast, all correct / all wrong),
+    else :func:`parity`."""
+    a = [int(p.split()[2]) % 4 for p in prompts]
+    return [1.0 if k == 0 else 0.0 if k == 1 else r for k, r in zip(a, parity(completions))]
+
+
+def test_every_step_logs_the_dead_group_keys_as_grpo_lens_train_does(tmp_path):
+    """Issue 44: the TRL lens wrote no ``dead/*`` key, which ``grpo-lens train`` writes every step. Now each step's
+    record has them. 2 R rollouts a step = 2 groups, each either mixed or without reward contrast, so
+    all_correct + all_wrong + all_equal_other + mixed = 2 and the dead ones are the step's zero-std share of groups.
+    loss_type "grpo" is seq-mean-token-mean: every rollout with a completion token is one unit of the normaliser and a
+    group without contrast has advantages 0 (scale_rewards "group"), so dead/normalizer_share = dead groups / 2."""
+    import json
+
+    from grpo_lens.integrations.trl import LensGRPOTrainer
+    from grpo_lens.metrics import (
+        DEAD_ALL_CORRECT,
+        DEAD_ALL_OTHER,
+        DEAD_ALL_WRONG,
+        DEAD_MIXED_GROUPS,
+        DEAD_NORMALIZER_SHARE,
+        REWARD_FRAC_ZERO_STD_GROUPS,
+        STEP,
+    )
+
+    trainer = make_trainer(
+        tmp_path, LensGRPOTrainer, lens_every=5, sketch_dim=4, lens_gram_source="sketch", reward_funcs=by_prompt
+    )
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r[STEP] for r in records] == [1, 2]
+    # the batches hold both kinds, so the share below is not 0 = 0
+    assert sum(r[DEAD_ALL_CORRECT] + r[DEAD_ALL_WRONG] for r in records) > 0
+    assert sum(r[DEAD_MIXED_GROUPS] for r in records) > 0
+    for r in records:
+        dead = r[DEAD_ALL_CORRECT] + r[DEAD_ALL_WRONG] + r[DEAD_ALL_OTHER]
+        assert dead + r[DEAD_MIXED_GROUPS] == 2, r
+        assert r[DEAD_ALL_OTHER] == 0  # the parity reward is 0 or 1
+        assert r[REWARD_FRAC_ZERO_STD_GROUPS] == pytest.approx(dead / 2)
+        assert r[DEAD_NORMALIZER_SHARE] == pytest.approx(dead / 2, abs=1e-9)
 
 
 def test_the_console_line_keeps_trls_keys_and_counts_the_lens_keys(tmp_path, capsys):
