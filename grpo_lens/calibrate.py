@@ -85,6 +85,7 @@ from grpo_lens.metrics import (
     ZERO_SUM_UNIT_SPAN_ENERGY_NULL,
 )
 from grpo_lens.registry import renamed_keywords
+from grpo_lens.rundir import write_file, writes_confined_to
 
 #: the default probe's mixed groups per R (README: 28 and 22 of the 32 and 24 prompts for R = 4 and 8)
 DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
@@ -1210,11 +1211,29 @@ def run_calibration(
     }
     result["levels"] = rule_levels(result)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "calibration.json").write_text(json.dumps(result, indent=1))
-        (out / "calibration.md").write_text(render(result))
-        (out / "levels.json").write_text(json.dumps(result["levels"], indent=1, sort_keys=True))
+        write_outputs(
+            out,
+            {
+                "calibration.json": json.dumps(result, indent=1),
+                "calibration.md": render(result),
+                "levels.json": json.dumps(result["levels"], indent=1, sort_keys=True),
+            },
+        )
     return result
+
+
+def write_outputs(out: Path, files: dict[str, str]) -> None:
+    """Write {name: text} into ``out`` (made if missing) through :func:`grpo_lens.rundir.write_file`, confined to
+    ``out`` (:func:`grpo_lens.rundir.writes_confined_to`): a file planted there as a link is replaced, the file it
+    points to unchanged.
+
+    Raises:
+        UnsafeWriteError: ``out`` is not writable or a name in it is a folder (one line naming it).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    with writes_confined_to(out):
+        for name, text in files.items():
+            write_file(out / name, text)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1355,7 +1374,6 @@ def run_planted(path: Path, out: Path, log: Callable[[str], None] = print) -> li
         {"claim": name, "R": R, **_shares(vs), "inconclusive": 1 - sum(_shares(vs).values()), "trials": t, "groups": n}
         for name, vs in verdicts.items()
     ]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "planted.json").write_text(json.dumps(res, indent=1))
+    write_outputs(out, {"planted.json": json.dumps(res, indent=1)})
     log(f"planted: {t} trials of {n} groups at R = {R} (P = {dim or 'orthogonal null'}) -> {out / 'planted.json'}")
     return res

@@ -90,6 +90,41 @@ def test_compare_through_planted_links_changes_nothing_outside(tmp_path, capsys)
     assert (out / "compare.md").read_text().startswith("# grpo-lens compare")
 
 
+def test_calibrate_through_planted_links_changes_nothing_outside(tmp_path):
+    # issue 45: calibrate wrote calibration.json / .md, levels.json and planted.json with plain writes, which follow
+    # a link planted in --out to the file it names; now each link is replaced and its target keeps its bytes
+    import numpy as np
+
+    from grpo_lens.calibrate import CalibrationConfig, render, run_calibration, run_planted
+
+    out = tmp_path / "cal"
+    out.mkdir()
+    victims = {}
+    for name in ("calibration.json", "calibration.md", "levels.json", "planted.json"):
+        victims[name] = tmp_path / f"victim-{name}"
+        victims[name].write_text("keep\n")
+        (out / name).symlink_to(victims[name])
+    tiny = CalibrationConfig(
+        trials=2,
+        pool=30,
+        coverage_trials=10,
+        families=("a0.01",),
+        group_cells=(16,),
+        s4_families=(),
+        mc_families={},
+        baseline_families={},
+        training=False,
+        workers=1,
+    )
+    res = run_calibration(tiny, out, mode="quick", log=lambda s: None)
+    planted = _planted(tmp_path / "p.npz", gram=np.eye(2).reshape(1, 1, 2, 2), rewards=np.array([[[0.0, 1.0]]]))
+    run_planted(planted, out, log=lambda s: None)
+    assert all(v.read_text() == "keep\n" for v in victims.values())
+    assert not any((out / name).is_symlink() for name in victims)
+    assert (out / "calibration.md").read_text() == render(res)
+    assert json.loads((out / "planted.json").read_text())[0]["trials"] == 1
+
+
 @pytest.mark.e2e
 def test_compare_md_escapes_run_names_and_config_values(tmp_path, capsys):
     # A run name with raw HTML and a config value with a newline and a heading: both stay inside one code span.
