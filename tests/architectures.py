@@ -90,12 +90,17 @@ def family_model(
 
 def save_family_folder(family: str, folder: Path, seed: int = 0) -> Path:
     """A Hugging Face model folder of ``family`` with the tiny byte-level ChatML tokenizer
-    (:func:`grpo_lens.models.build_tiny_tokenizer`, 259 tokens): what ``--model FOLDER`` loads."""
+    (:func:`grpo_lens.models.build_tiny_tokenizer`, 259 tokens; a 320-row embedding): what ``--model FOLDER``
+    loads."""
     from grpo_lens.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
+    # the embedding padded to a multiple of 64 rows, as released checkpoints pad theirs: loaded beside a Qwen2
+    # config.json the byte tokenizer comes back as Qwen2's class with one more token (<|endoftext|>), and a folder
+    # whose embedding is smaller than its tokenizer is refused (grpo_lens.models)
+    vocab = -(-(len(tok) + 1) // 64) * 64
     model = family_model(
-        family, len(tok), seed=seed, jitter=0.02, pad=tok.pad_token_id, bos=tok.bos_token_id, eos=tok.eos_token_id
+        family, vocab, seed=seed, jitter=0.02, pad=tok.pad_token_id, bos=tok.bos_token_id, eos=tok.eos_token_id
     )
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
