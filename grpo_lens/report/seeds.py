@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo_lens.claims.base import Claim, evaluate_claims
+from grpo_lens.claims.base import Claim, evaluate_claims, holm_claims
 from grpo_lens.formulas.pooling import between_seed_spread
 from grpo_lens.metrics import (
     GRAD_IDENTITY_RESIDUAL,
@@ -43,14 +43,15 @@ def claim_rows(claims: list[Claim]) -> list[tuple[str, int]]:
 
 def seed_verdicts(pooled: dict[str, Any], run_dir: Path) -> tuple[list[str], dict[tuple[str, int], dict[int, str]]]:
     """(seeds whose probe.json is missing, {claim row key (:func:`claim_rows`): {seed: verdict}}) from
-    run_dir/seed_<s>/probe.json, each evaluated by :func:`grpo_lens.claims.evaluate_claims` as a probe of its own."""
+    run_dir/seed_<s>/probe.json, each evaluated by :func:`grpo_lens.claims.evaluate_claims` as a probe of its own and
+    decided under Holm as that seed's own report decides it (:func:`grpo_lens.claims.base.holm_claims`)."""
     missing, verdicts = [], {}
     for s, d in zip(pooled["seeds"]["seeds"], pooled["seeds"]["dirs"]):
         path = run_dir / d / "probe.json"
         if not path.is_file():
             missing.append(str(path))
             continue
-        claims = evaluate_claims(read_json_file(path))
+        claims, _ = holm_claims(evaluate_claims(read_json_file(path)))
         for key, c in zip(claim_rows(claims), claims):
             verdicts.setdefault(key, {})[s] = c.verdict
     return missing, verdicts
@@ -76,7 +77,7 @@ def seeds_section(pooled: dict[str, Any], run_dir: Path) -> list[str]:
         ),
         "",
     ]
-    pooled_claims = evaluate_claims(pooled)
+    pooled_claims, _ = holm_claims(evaluate_claims(pooled))  # the verdicts of the claims table above, under Holm
     missing, per_seed = seed_verdicts(pooled, run_dir)
     if missing:
         lines += [f"Per-seed verdicts not shown: {', '.join(missing)} missing.", ""]

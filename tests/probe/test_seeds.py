@@ -89,6 +89,31 @@ def test_pooled_claims_and_report(pooled_dir):
 
 
 @pytest.mark.e2e
+def test_seeds_table_shows_the_verdicts_holm_decided(pooled_dir, monkeypatch):
+    """The "Seeds pooled" table's pooled and per-seed verdicts are the claims table's, under Holm. Two tested rows:
+    p does not hold 1e-4 and 0.02 (each below the 0.025 per branch alone: both read *does not hold* raw). Holm over
+    their 4 hypotheses (the holds p are 1): 1e-4 <= 0.05/4 is rejected, then 0.02 > 0.05/3 = 0.0167 stops, so the
+    second row is inconclusive. Before, the table printed the raw *does not hold* beside the claims table's
+    inconclusive."""
+    import grpo_lens.report.seeds as seeds_report
+    from grpo_lens.claims.base import DOES_NOT_HOLD, INCONCLUSIVE
+
+    template = next(c for c in evaluate_claims(_read(pooled_dir / "probe.json")) if c.kind == "claim")
+    rows = [
+        dataclasses.replace(template, claim=f"planted claim {i}", verdict=DOES_NOT_HOLD, p_holds=1.0, p_dnh=p)
+        for i, p in enumerate((1e-4, 0.02))
+    ]
+    monkeypatch.setattr(seeds_report, "evaluate_claims", lambda probe: list(rows))
+    table = [
+        line for line in seeds_report.seeds_section(_read(pooled_dir / "probe.json"), pooled_dir) if "planted" in line
+    ]
+    assert [line.split(" | ")[2:5] for line in table] == [
+        [f"**{DOES_NOT_HOLD}**", DOES_NOT_HOLD, DOES_NOT_HOLD],
+        [f"**{INCONCLUSIVE}**", INCONCLUSIVE, INCONCLUSIVE],
+    ]
+
+
+@pytest.mark.e2e
 def test_resume_keeps_finished_seeds_and_refuses_a_full_dir(pooled_dir):
     before = (pooled_dir / "probe.json").read_text()
     ran = []
