@@ -17,31 +17,12 @@ from pathlib import Path
 
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
+from helpers_cli import tiny_train_args
 
 from grpo_lens.cli import main
 
 # A run that would take a second if the input were fine: the tiny model, R = 2, one prompt, two new tokens, one step.
-TRAIN = [
-    "train",
-    "--model",
-    "tiny",
-    "--group-size",
-    "2",
-    "--prompts-per-step",
-    "1",
-    "--max-new-tokens",
-    "2",
-    "--max-steps",
-    "1",
-    "--lens-every",
-    "0",
-    "--no-progress",
-    "--device",
-    "cpu",
-    "--no-save-final-model",
-    "--rewards",
-    "test_alternating",
-]
+TRAIN = tiny_train_args() + ["--rewards", "test_alternating"]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 import helpers_rewards  # noqa: F401 - registers the test_* reward functions
 import pytest
 import yaml
+from helpers_cli import tiny_train_args
 
 from grpo_lens.cli import main
 
@@ -175,25 +176,7 @@ def test_compare_out_under_a_file_is_refused_before_computing(tmp_path, capsys):
 
 
 # --- item 5: a reward that changes the working folder ------------------------------------------------------------
-TRAIN = [
-    "train",
-    "--model",
-    "tiny",
-    "--group-size",
-    "2",
-    "--prompts-per-step",
-    "1",
-    "--max-new-tokens",
-    "2",
-    "--max-steps",
-    "1",
-    "--lens-every",
-    "0",
-    "--no-progress",
-    "--device",
-    "cpu",
-    "--no-save-final-model",
-]
+TRAIN = tiny_train_args()
 
 
 def chdir_reward(prompts, completions, **kwargs):

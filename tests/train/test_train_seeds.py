@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers_cli import tiny_train_args
 
 from grpo_lens.cli import main
 from grpo_lens.metrics import LR, PERF_LENS_SECONDS, REWARD_FRAC_ZERO_STD_GROUPS, STEP
@@ -12,27 +13,7 @@ from grpo_lens.report import write_report
 from grpo_lens.rundir import read_train_seeds
 from grpo_lens.train.seeds import write_seeds_record
 
-TRAIN = [
-    "train",
-    "--model",
-    "tiny",
-    "--group-size",
-    "2",
-    "--prompts-per-step",
-    "1",
-    "--max-new-tokens",
-    "2",
-    "--max-steps",
-    "3",
-    "--lens-every",
-    "0",
-    "--no-progress",
-    "--device",
-    "cpu",
-    "--no-save-final-model",
-    "--rewards",
-    "test_parity",
-]
+TRAIN = tiny_train_args(max_steps=3) + ["--rewards", "test_parity"]
 
 
 @pytest.mark.e2e
