@@ -77,11 +77,18 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def find_probes(run_dir: Path) -> dict[str, dict[str, Any]]:
     """label -> probe.json content for every probe in the run directory (before/after training, or standalone)."""
     probes = {}
-    for label, sub in (("before", "probe_before"), ("after", "probe_after"), ("probe", ".")):
+    for label, sub in (("before", "probe_before"), ("after", "probe_after"), ("probe", "."), ("probe", "probe")):
         path = run_dir / sub / "probe.json"
-        if path.exists():
+        if path.exists() and label not in probes:  # probe/: the pooled probe of ``demo --preset``
             probes[label] = read_probe(path)
     return probes
+
+
+def preset_layout(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a ``demo --preset`` run (:mod:`grpo_lens.demo`): a pooled probe in probe/ and a
+    ``train --seeds`` directory in train/, reported together under one Holm family, the primary claims as one
+    table."""
+    return (run_dir / "probe" / "probe.json").is_file() and read_train_seeds(run_dir / "train") is not None
 
 
 def read_probe(path: Path) -> dict[str, Any]:
@@ -370,7 +377,9 @@ def write_report(run_dir: Path) -> Path:
 
 def _write_report(run_dir: Path) -> Path:
     train_dir = run_dir / "train" if (run_dir / "train" / "metrics.jsonl").exists() else run_dir  # demo layout
-    seed_dirs = read_train_seeds(run_dir)  # `train --seeds`: the first seed's run, the claims over every seed
+    preset = preset_layout(run_dir)
+    # `train --seeds` (in train/ for `demo --preset`): the first seed's run, the claims over every seed
+    seed_dirs = read_train_seeds(run_dir / "train") if preset else read_train_seeds(run_dir)
     if seed_dirs:
         train_dir = seed_dirs[0]
     seed_runs = [[r for r in _read_jsonl(d / "metrics.jsonl") if STEP in r] for d in seed_dirs or []]
@@ -413,7 +422,7 @@ def _write_report(run_dir: Path) -> Path:
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
         # the answers first, the full table in the appendix
-        header += answers_section(probes, records, lora_rank, seed_runs)
+        header += answers_section(probes, records, lora_rank, seed_runs, table=preset)
     header += first_figures(body)
     rest = []
     if records and estimator:
@@ -440,7 +449,7 @@ def _write_report(run_dir: Path) -> Path:
     if seed_dirs:
         rest += train_seeds_lines(seed_dirs, seed_runs)
     if (probes.get("probe") or {}).get("seeds"):  # a pooled probe (probe --seeds): each seed beside the pool
-        rest += seeds_section(probes["probe"], run_dir)
+        rest += seeds_section(probes["probe"], run_dir / "probe" if preset else run_dir)
     rest += ["## Findings", "", *[f"- {f}" for f in findings], ""]
     lines = few_footnotes(header + appendix(rest + body))
     if any(FEW_MARK in line for line in lines):  # the mark's meaning, once, under the title

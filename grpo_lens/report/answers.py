@@ -20,7 +20,7 @@ from typing import Any
 
 from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, evaluate_claims, holm_claims, primary_text
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
-from grpo_lens.report.format import mark_few
+from grpo_lens.report.format import mark_few, md_row, md_table
 
 #: the longest line of the first screen
 LINE_WIDTH = 160
@@ -101,9 +101,14 @@ def power_line(c: Claim, levels: Levels) -> str:
     return line + (f"; to decide: {c.advice}" if c.advice else "")
 
 
-def answer_lines(sources: dict[str, list[Claim]], levels: Levels | None = None) -> list[str]:
+#: the columns of the answers as one table (``answer_lines(table=True)``: ``demo --preset``, the README's claims block)
+ANSWER_COLUMNS = ("claim (where)", "verdict", "primary number (95% interval)", "n", "power of this verdict's branch")
+
+
+def answer_lines(sources: dict[str, list[Claim]], levels: Levels | None = None, table: bool = False) -> list[str]:
     """The Markdown lines of the answers: one entry per primary claim (verdict, claim and where; the primary number,
-    n; the power of its verdict's branch), then the checks one line each."""
+    n; the power of its verdict's branch), with ``table`` one row per primary claim of a table
+    (:data:`ANSWER_COLUMNS`); then the checks one line each."""
     if levels is None:
         from grpo_lens.report import load_levels
 
@@ -115,6 +120,10 @@ def answer_lines(sources: dict[str, list[Claim]], levels: Levels | None = None) 
             where = f"{label}, {c.scope}" if multi and not c.scope.startswith(label) else c.scope
             if c.kind == "check":
                 checks += _wrap(f"- **{c.verdict}** (check, not a test): {c.claim} ({where})")
+            elif c.kind == "claim" and table:
+                n = "–" if c.n is None else str(c.n)
+                verdict = c.verdict if c.verdict == INCONCLUSIVE else f"**{c.verdict}**"
+                primary.append(md_row(f"{c.claim} ({where})", verdict, primary_text(c), n, power_line(c, levels)))
             elif c.kind == "claim":
                 n = "–" if c.n is None else str(c.n)
                 primary += _wrap(f"- **{c.verdict}**: {c.claim} ({where})")
@@ -127,6 +136,7 @@ def answer_lines(sources: dict[str, list[Claim]], levels: Levels | None = None) 
             "interval, n,",
             "and the power of that verdict's branch at this n on planted cases (docs/calibration.md).",
             "",
+            *(md_table(list(ANSWER_COLUMNS)) if table else []),
             *primary,
             "",
         ]
@@ -143,15 +153,16 @@ def answers_section(
     records: list[dict[str, Any]] | None,
     lora_rank: int = 0,
     seed_runs: list[list[dict[str, Any]]] | None = None,
+    table: bool = False,
 ) -> list[str]:
-    """The report's first section (:func:`answer_lines` of :func:`claim_sources`, then the rank readings of each
-    probe); empty when the run has neither a probe nor lens records."""
+    """The report's first section (:func:`answer_lines` of :func:`claim_sources`, with ``table`` the primary claims as
+    one table; then the rank readings of each probe); empty when the run has neither a probe nor lens records."""
     from grpo_lens.report.readings import readings_lines
 
     sources = claim_sources(probes, records, lora_rank, seed_runs)
     if not any(sources.values()):
         return []
-    lines = answer_lines(sources)
+    lines = answer_lines(sources, table=table)
     for label, probe in probes.items():
         lines += readings_lines(probe, label if len(probes) > 1 else "")
     out = []

@@ -1,0 +1,160 @@
+"""``grpo-lens demo --preset FILE``: probe --seeds and train --seeds into OUT/probe and OUT/train, one report with
+every primary claim in one table under one Holm family; the time estimate first; finished stages skipped; other
+settings refused. A tiny preset (2 probe seeds, 2 training seeds of 2 steps); the shipped decide preset checked as a
+file: the budgets the lead fixed, the same stage settings as the commands run by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_lens.claims.base import evaluate_claims
+from grpo_lens.claims.sparsity import TRAINING_CLAIMS
+from grpo_lens.cli import main
+from grpo_lens.config import ConfigError, TrainConfig
+from grpo_lens.demo import estimate_lines, read_preset
+from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.report.answers import training_data
+from grpo_lens.rundir import read_records
+
+DECIDE = Path(__file__).resolve().parent.parent / "configs" / "decide-cpu.yaml"
+
+TINY = {
+    "probe_seeds": [0, 1],
+    "probe": {
+        "model": "tiny",
+        "rewards": ["test_parity"],
+        "group_sizes": [4],
+        "prompts": 8,
+        "max_new_tokens": 6,
+        "baseline_study_prompts": 0,
+        "credit_groups": 0,
+        "g2_groups": 0,
+        "progress": False,
+    },
+    "train_seeds": [0, 1],
+    "train": {
+        "model": "tiny",
+        "rewards": ["test_parity"],
+        "group_size": 2,
+        "prompts_per_step": 1,
+        "max_new_tokens": 2,
+        "max_steps": 2,
+        "lens_every": 1,
+        "progress": False,
+        "save_final_model": False,
+    },
+    # 2 probe seeds x 1.5 min; training 2 seeds x 2 steps, every one a lens step (the first and the last) x 30 s
+    "estimate": {"cpu": {"probe_seed_minutes": 1.5, "train_step_seconds": 10, "lens_step_seconds": 30}},
+}
+
+
+def _preset(tmp_path, **changes) -> Path:
+    path = tmp_path / "tiny-preset.yaml"
+    path.write_text(yaml.safe_dump({**TINY, **changes}))
+    return path
+
+
+def _argv(preset: Path, out: Path) -> list[str]:
+    return ["demo", "--preset", str(preset), "--out", str(out), "--device", "cpu"]
+
+
+def _by_hand(argv: list[str], cls: type) -> dict:
+    """The settings ``grpo-lens`` builds from ``argv`` (what ``probe --seeds`` / ``train --seeds`` store in
+    OUT/config.yaml)."""
+    from grpo_lens.cli import build_parser
+    from grpo_lens.config.base import config_from_args
+
+    args = build_parser().parse_args(argv)
+    return config_from_args(args, cls, args.config).to_dict()
+
+
+def test_decide_preset_holds_the_fixed_budgets_as_the_commands_by_hand():
+    preset = read_preset(DECIDE)
+    probe, train = preset.probe_config(Path("runs/decide"), "auto"), preset.train_config(Path("runs/decide"), "auto")
+    # the budgets fixed before any result, and the same stage settings as the two commands run by hand, so that the
+    # preset over their folders skips both stages
+    assert preset.probe_seeds == [0, 1, 2] and preset.train_seeds == [0, 1, 2, 3, 4]
+    hand = ["probe", "--seeds", "0", "1", "2", "--mc-groups", "6", "--out", "runs/decide/probe"]
+    assert probe.to_dict() == _by_hand(hand, ProbeConfig)
+    hand = ["train", "--seeds", *"01234", "--max-steps", "30", "--lens-every", "5", "--out", "runs/decide/train"]
+    assert train.to_dict() == _by_hand(hand, TrainConfig)
+    assert probe.mc_groups == 6 and train.max_steps == 30 and train.lens_every == 5
+
+
+def test_decide_estimate_is_the_measured_costs_times_the_work():
+    preset = read_preset(DECIDE)
+    lines = estimate_lines(preset, Path("/nonexistent/decide"), "cpu")
+    # probe 3 seeds x 10-17 min = 30-51 min; lens at steps 1, 5, 10, ..., 30 = 7 of 30 steps: per seed
+    # 23 x 12 s + 7 x 20 s = 416 s, x 5 seeds = 2,080 s = 34.7 min; total 64.7-85.7 min
+    assert "probe 30–51 min, training 35 min; total about 65–86 min" in lines[1]
+    assert "115 training steps with the lens off and 35 lens steps" in lines[1]
+    assert "not measured on GPU" in estimate_lines(preset, Path("/nonexistent"), "cuda")[0]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"probe": {"out": "x"}}, "probe.out cannot be set in a preset"),
+        ({"train_seeds": [3]}, "train_seeds needs at least two distinct seeds"),
+        ({"probe": {"group_sizes": [1]}}, "group_sizes"),
+        ({"estimate": {"cpu": {"train_step_seconds": "fast"}}}, "estimate.cpu.train_step_seconds must be a number"),
+    ],
+)
+def test_bad_preset_is_one_line_error(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        read_preset(_preset(tmp_path, **change))
+    with pytest.raises(ConfigError, match="unknown key 'seeds'"):
+        read_preset(_preset(tmp_path, seeds=[0, 1]))
+
+
+@pytest.mark.e2e
+def test_preset_runs_both_stages_and_reports_one_table(tmp_path, capsys, monkeypatch):
+    out, preset = tmp_path / "decide", _preset(tmp_path)
+    assert main(_argv(preset, out)) == 0
+    printed = capsys.readouterr().out
+    # the estimate comes first: 2 x 1.5 min probe; 2 seeds x 2 lens steps x 30 s = 2 min training; total 5 min
+    assert printed.index("time estimate for") < printed.index("demo report:")
+    assert "probe 3 min, training 2 min; total about 5 min" in printed
+    for stage, seeds in (("probe", [0, 1]), ("train", [0, 1])):
+        assert all((out / stage / f"seed_{s}").is_dir() for s in seeds)
+    assert (out / "probe" / "probe.json").is_file() and (out / "train" / "train_seeds.json").is_file()
+    report = (out / "report.md").read_text()
+    screen = report[: report.index("## Appendix")]
+    rows = [line for line in screen.splitlines() if line.startswith("| ") and not line.startswith("| claim (where)")]
+    rows = [r for r in rows if "(probe, " in r or "(training, " in r]
+    # one row per primary claim of both sources: the pooled probe's and the training claims decided over the seeds
+    probe = json.loads((out / "probe" / "probe.json").read_text())
+    seed_runs = [read_records(out / "train" / f"seed_{s}" / "metrics.jsonl") for s in (0, 1)]
+    training = evaluate_claims(training_data(seed_runs[0], 0, seed_runs), list(TRAINING_CLAIMS))
+    primary = [c.claim for c in [*evaluate_claims(probe), *training] if c.kind == "claim"]
+    assert len(rows) == len(primary) >= 5 and all(sum(f"| {c} (" in r for r in rows) == 1 for c in primary)
+    assert "| claim (where) | verdict | primary number (95% interval) | n | power of this verdict's branch |" in screen
+    assert "### Rank ≈ 2: every reading side by side" in screen and "## Seeds pooled" in report
+
+    # a rerun skips both stages: no model is loaded, no stage file changes
+    stamps = {p: p.stat().st_mtime_ns for d in ("probe", "train") for p in (out / d).rglob("*") if p.is_file()}
+    import grpo_lens.models
+
+    def no_model(*a, **k):
+        raise AssertionError("a finished stage loaded a model")
+
+    monkeypatch.setattr(grpo_lens.models, "load_model", no_model, raising=False)
+    monkeypatch.setattr("grpo_lens.train.loop.train", no_model)
+    monkeypatch.setattr("grpo_lens.probe.run.run_probe", no_model)
+    assert main(_argv(preset, out)) == 0
+    assert "left: 0 of 2 probe seeds, 0 training steps with the lens off and 0 lens steps" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+    # other settings: refused in one line before anything is written
+    other = _preset(tmp_path, train={**TINY["train"], "max_steps": 3})
+    before = sorted(p.name for p in out.rglob("*"))
+    assert main(_argv(other, out)) == 2
+    err = capsys.readouterr()
+    assert "holds a demo run with other settings (train.max_steps=2 (now 3))" in err.err
+    assert "time estimate" not in err.out and sorted(p.name for p in out.rglob("*")) == before
+    assert main([*_argv(preset, tmp_path / "x"), "--max-steps", "5"]) == 2
+    assert "--max-steps cannot be combined with --preset" in capsys.readouterr().err
