@@ -471,7 +471,9 @@ def _run_preset(config: DemoConfig) -> Path:
     """
     from grpo_lens.probe.seeds import run_seeds
     from grpo_lens.report import write_report
+    from grpo_lens.rewards import parse_reward_specs
     from grpo_lens.rundir import clear_run_dir
+    from grpo_lens.trackers import check_trackers
     from grpo_lens.train.loop import train
     from grpo_lens.train.seeds import SEEDS_FILE, _last_step, run_train_seeds
 
@@ -492,6 +494,9 @@ def _run_preset(config: DemoConfig) -> Path:
         "train_seeds": preset.train_seeds,
         **{f"{stage}.{k}": v for stage, d in stages.items() for k, v in d.items()},
     }
+    for stage in (probe_cfg, train_cfg):  # what the stages check only after writing into their folders
+        check_trackers(stage.report_to)
+        parse_reward_specs(stage.rewards)
     out = out.absolute()  # a reward function may os.chdir
     _check_preset_out(out, settings, stages, config.overwrite)
     for line in estimate_lines(preset, out, config.device):  # before any model is loaded

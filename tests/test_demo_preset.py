@@ -5,7 +5,10 @@ file: the budgets the lead fixed, the same stage settings as the commands run by
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,16 +114,35 @@ def test_bad_preset_is_one_line_error(tmp_path, change, message):
         read_preset(_preset(tmp_path, seeds=[0, 1]))
 
 
+@pytest.fixture(scope="module")
+def decided(tmp_path_factory):
+    """A finished tiny preset run: (OUT, the preset file, what the command printed)."""
+    tmp = tmp_path_factory.mktemp("preset")
+    out, preset, printed = tmp / "decide", _preset(tmp), io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(_argv(preset, out)) == 0
+    return out, preset, printed.getvalue()
+
+
+def _no_model(monkeypatch) -> None:
+    """Any model load, probe or training run fails the test."""
+
+    def no_model(*a, **k):
+        raise AssertionError("a finished stage loaded a model")
+
+    monkeypatch.setattr("grpo_lens.models.load_model", no_model)
+    monkeypatch.setattr("grpo_lens.train.loop.train", no_model)
+    monkeypatch.setattr("grpo_lens.probe.run.run_probe", no_model)
+
+
 @pytest.mark.e2e
-def test_preset_runs_both_stages_and_reports_one_table(tmp_path, capsys, monkeypatch):
-    out, preset = tmp_path / "decide", _preset(tmp_path)
-    assert main(_argv(preset, out)) == 0
-    printed = capsys.readouterr().out
+def test_preset_prints_its_estimate_first_and_reports_one_table(decided):
+    out, _, printed = decided
     # the estimate comes first: 2 x 1.5 min probe; 2 seeds x 2 lens steps x 30 s = 2 min training; total 5 min
     assert printed.index("time estimate for") < printed.index("demo report:")
     assert "probe 3 min, training 2 min; total about 5 min" in printed
-    for stage, seeds in (("probe", [0, 1]), ("train", [0, 1])):
-        assert all((out / stage / f"seed_{s}").is_dir() for s in seeds)
+    for stage in ("probe", "train"):
+        assert all((out / stage / f"seed_{s}").is_dir() for s in (0, 1))
     assert (out / "probe" / "probe.json").is_file() and (out / "train" / "train_seeds.json").is_file()
     report = (out / "report.md").read_text()
     screen = report[: report.index("## Appendix")]
@@ -135,26 +157,44 @@ def test_preset_runs_both_stages_and_reports_one_table(tmp_path, capsys, monkeyp
     assert "| claim (where) | verdict | primary number (95% interval) | n | power of this verdict's branch |" in screen
     assert "### Rank ≈ 2: every reading side by side" in screen and "## Seeds pooled" in report
 
-    # a rerun skips both stages: no model is loaded, no stage file changes
+
+@pytest.mark.e2e
+def test_rerun_skips_finished_stages_without_a_model(decided, capsys, monkeypatch):
+    out, preset, _ = decided
     stamps = {p: p.stat().st_mtime_ns for d in ("probe", "train") for p in (out / d).rglob("*") if p.is_file()}
-    import grpo_lens.models
-
-    def no_model(*a, **k):
-        raise AssertionError("a finished stage loaded a model")
-
-    monkeypatch.setattr(grpo_lens.models, "load_model", no_model, raising=False)
-    monkeypatch.setattr("grpo_lens.train.loop.train", no_model)
-    monkeypatch.setattr("grpo_lens.probe.run.run_probe", no_model)
+    _no_model(monkeypatch)
     assert main(_argv(preset, out)) == 0
     assert "left: 0 of 2 probe seeds, 0 training steps with the lens off and 0 lens steps" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
-    # other settings: refused in one line before anything is written
+
+@pytest.mark.e2e
+def test_stage_folders_run_by_hand_are_adopted_if_their_settings_match(decided, tmp_path, capsys, monkeypatch):
+    out, preset, _ = decided
+    _no_model(monkeypatch)
+    hand = tmp_path / "by-hand"  # the stage folders alone, as `probe --seeds` and `train --seeds` by hand write them
+    for stage in ("probe", "train"):
+        shutil.copytree(out / stage, hand / stage)
+    assert main(_argv(preset, hand)) == 0 and (hand / "report.md").is_file() and (hand / "demo.yaml").is_file()
+    assert "left: 0 of 2 probe seeds" in capsys.readouterr().out
+    shutil.rmtree(hand / "probe"), (hand / "demo.yaml").unlink()
+    shutil.copytree(out / "probe", hand / "probe")
+    other = _preset(tmp_path, probe={**TINY["probe"], "prompts": 6})
+    assert main(_argv(other, hand)) == 2
+    assert "probe/config.yaml was written with other settings than" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_other_settings_are_refused_before_anything_is_written(decided, tmp_path, capsys):
+    out, preset, _ = decided
     other = _preset(tmp_path, train={**TINY["train"], "max_steps": 3})
-    before = sorted(p.name for p in out.rglob("*"))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*"))
     assert main(_argv(other, out)) == 2
     err = capsys.readouterr()
     assert "holds a demo run with other settings (train.max_steps=2 (now 3))" in err.err
-    assert "time estimate" not in err.out and sorted(p.name for p in out.rglob("*")) == before
+    assert "time estimate" not in err.out and sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+    bad = _preset(tmp_path, train={**TINY["train"], "rewards": ["no_such_reward"]})
+    assert main(_argv(bad, tmp_path / "x")) == 2 and not (tmp_path / "x").exists()
+    assert "unknown reward function 'no_such_reward'" in capsys.readouterr().err
     assert main([*_argv(preset, tmp_path / "x"), "--max-steps", "5"]) == 2
     assert "--max-steps cannot be combined with --preset" in capsys.readouterr().err
