@@ -1,7 +1,8 @@
 """``grpo-lens report RUN_DIR``: report.md and PNG plots, read from the run directory alone.
 
 A run directory may hold a training run (metrics.jsonl, config.yaml, in the folder or in ``train/``), probes
-(probe.json in the folder itself or in ``probe_before/`` and ``probe_after/``), or both (the demo). Every sentence
+(probe.json in the folder itself or in ``probe_before/`` and ``probe_after/``), or both (the demo); ``demo --preset``
+writes a pooled probe in ``probe/`` and ``train --seeds`` runs in ``train/`` (:func:`preset_layout`). Every sentence
 under "Findings" is computed from those numbers; nothing is hard-coded. This module assembles the report
 (:func:`write_report`) and holds the claims table (:func:`claims_section`, verdicts from :mod:`grpo_lens.claims`).
 report.md opens with one screen, the answers and three figures (:func:`first_figures`); everything else follows
@@ -449,7 +450,8 @@ def _write_report(run_dir: Path) -> Path:
     if seed_dirs:
         rest += train_seeds_lines(seed_dirs, seed_runs)
     if (probes.get("probe") or {}).get("seeds"):  # a pooled probe (probe --seeds): each seed beside the pool
-        rest += seeds_section(probes["probe"], run_dir / "probe" if preset else run_dir)
+        pooled_dir = run_dir if (run_dir / "probe.json").exists() else run_dir / "probe"  # demo --preset: probe/
+        rest += seeds_section(probes["probe"], pooled_dir)
     rest += ["## Findings", "", *[f"- {f}" for f in findings], ""]
     lines = few_footnotes(header + appendix(rest + body))
     if any(FEW_MARK in line for line in lines):  # the mark's meaning, once, under the title
