@@ -434,7 +434,11 @@ def _check_preset_out(out: Path, settings: dict[str, Any], stages: dict[str, dic
     from grpo_lens.rundir import run_dir_entries  # here: rundir loads torch
 
     saved_path = out / "demo.yaml"
-    if overwrite or not out.exists():
+    if not out.exists():
+        return
+    if overwrite:
+        if run_dir_entries(out) and not saved_path.exists():
+            raise ConfigError(f"--overwrite: {out} holds files that are not a demo run; they are never deleted")
         return
     if saved_path.exists():
         saved = safe_load_yaml(saved_path.read_text()) or {}

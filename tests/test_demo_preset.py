@@ -193,6 +193,9 @@ def test_other_settings_are_refused_before_anything_is_written(decided, tmp_path
     err = capsys.readouterr()
     assert "holds a demo run with other settings (train.max_steps=2 (now 3))" in err.err
     assert "time estimate" not in err.out and sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+    (tmp_path / "mine").mkdir(), (tmp_path / "mine" / "notes.txt").write_text("keep")  # not a demo run: kept
+    assert main([*_argv(preset, tmp_path / "mine"), "--overwrite"]) == 2
+    assert "they are never deleted" in capsys.readouterr().err and (tmp_path / "mine" / "notes.txt").is_file()
     bad = _preset(tmp_path, train={**TINY["train"], "rewards": ["no_such_reward"]})
     assert main(_argv(bad, tmp_path / "x")) == 2 and not (tmp_path / "x").exists()
     assert "unknown reward function 'no_such_reward'" in capsys.readouterr().err
