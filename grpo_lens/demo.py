@@ -19,7 +19,9 @@ is refused. ``--overwrite`` starts over.
     OUT/report.md    one report over both: one claims table under one Holm family, then the rank readings
 
 It prints its time estimate first (:func:`estimate_lines`, from the costs the preset records), skips a finished stage
-without loading a model, resumes a killed one, and refuses a rerun with other settings (OUT/demo.yaml). An OUT that
+without loading a model, resumes a killed one, and refuses a rerun with other settings (OUT/demo.yaml). With
+``--report-only`` it runs nothing and writes OUT/report.md from the finished stages alone, naming the stage that is not
+finished (:func:`finished_stages`). An OUT that
 holds only stage folders written by the same commands (``probe --seeds`` / ``train --seeds`` run by hand, same
 settings) is adopted: the finished stages are kept.
 """
@@ -111,8 +113,13 @@ class DemoConfig(ConfigFile):
     preset: str | None = option(
         None,
         "A preset YAML file (configs/decide-cpu.yaml): probe --seeds and train --seeds at its settings into OUT/probe "
-        "and OUT/train, then one report (docs/seeds.md); its time estimate is printed first. Only --out, --device "
-        "and --overwrite combine with it.",
+        "and OUT/train, then one report (docs/seeds.md); its time estimate is printed first. Only --out, --device, "
+        "--overwrite and --report-only combine with it.",
+    )
+    report_only: bool = option(
+        False,
+        "With --preset: run nothing and load no model; write OUT/report.md from the stages already finished (a probe "
+        "stage alone while training still runs), the report naming the stage that is not finished.",
     )
 
     def check(self) -> None:
@@ -194,6 +201,8 @@ def _run_demo(config: DemoConfig) -> Path:
 
     if config.preset:
         return _run_preset(config)
+    if config.report_only:
+        raise ConfigError("--report-only needs --preset (a plain demo's report: grpo-lens report OUT)")
     out = Path(config.out).absolute()  # a reward function may os.chdir
     train_cfg = config.train_config()  # validates the training settings before any stage runs
     saved_path = out / "demo.yaml"
@@ -249,7 +258,7 @@ PRESET_KEYS = ("probe_seeds", "probe", "train_seeds", "train", "estimate")
 PRESET_FIXED = ("out", "seed", "resume", "overwrite", "device")
 
 #: DemoConfig fields that combine with --preset (every other one is the preset's to set)
-PRESET_FLAGS = ("out", "device", "overwrite", "preset")
+PRESET_FLAGS = ("out", "device", "overwrite", "preset", "report_only")
 
 #: the keys of one device's measured costs under ``estimate:`` (``cpu`` or ``cuda``)
 ESTIMATE_KEYS = ("probe_seed_minutes", "train_step_seconds", "lens_step_seconds", "measured")
@@ -466,6 +475,40 @@ def _check_preset_out(out: Path, settings: dict[str, Any], stages: dict[str, dic
             )
 
 
+def finished_stages(out: Path) -> dict[str, bool]:
+    """Which stages of a ``demo --preset`` OUT are finished: probe (OUT/probe/probe.json, written after every seed)
+    and train (OUT/train/train_seeds.json, written after every seed's last step)."""
+    from grpo_lens.rundir import read_train_seeds  # here: rundir loads torch
+
+    return {"probe": (out / "probe" / "probe.json").is_file(), "train": read_train_seeds(out / "train") is not None}
+
+
+def _report_finished(out: Path, settings: dict[str, Any], stages: dict[str, dict[str, Any]], overwrite: bool) -> Path:
+    """``demo --preset FILE --report-only``: OUT/report.md from the finished stages alone, after the same checks as a
+    run (a stage folder of other settings is refused); nothing runs and no model is loaded.
+
+    Raises:
+        ConfigError: ``--overwrite`` given, OUT refused by :func:`_check_preset_out`, or no stage finished.
+    """
+    from grpo_lens.report import write_report
+
+    if overwrite:
+        raise ConfigError("--report-only writes only OUT/report.md; it cannot be combined with --overwrite")
+    _check_preset_out(out, settings, stages, False)
+    done = finished_stages(out)
+    if not any(done.values()):
+        raise ConfigError(
+            f"{out}: no stage finished (no probe/probe.json, no train/train_seeds.json); nothing to report"
+        )
+    print(
+        "report only: " + "; ".join(f"{k} {'finished' if v else 'NOT finished (left out)'}" for k, v in done.items()),
+        flush=True,
+    )
+    if not (out / "demo.yaml").exists():  # the settings the stages were checked against (tools/update_readme_claims.py)
+        (out / "demo.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
+    return write_report(out)
+
+
 def _run_preset(config: DemoConfig) -> Path:
     """``demo --preset FILE``: see the module docstring; return the path of OUT/report.md.
 
@@ -502,6 +545,8 @@ def _run_preset(config: DemoConfig) -> Path:
         check_trackers(stage.report_to)
         parse_reward_specs(stage.rewards)
     out = out.absolute()  # a reward function may os.chdir
+    if config.report_only:
+        return _report_finished(out, settings, stages, config.overwrite)
     _check_preset_out(out, settings, stages, config.overwrite)
     for line in estimate_lines(preset, out, config.device):  # before any model is loaded
         print(line, flush=True)

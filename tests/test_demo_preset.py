@@ -20,7 +20,8 @@ from grpo_lens.cli import main
 from grpo_lens.config import ConfigError, TrainConfig
 from grpo_lens.demo import estimate_lines, read_preset
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.report.answers import training_data
+from grpo_lens.report.answers import ANSWER_COLUMNS, LINE_WIDTH, training_data
+from grpo_lens.report.format import md_row
 from grpo_lens.rundir import read_records
 
 DECIDE = Path(__file__).resolve().parent.parent / "configs" / "decide-cpu.yaml"
@@ -91,9 +92,9 @@ def test_decide_preset_holds_the_fixed_budgets_as_the_commands_by_hand():
 def test_decide_estimate_is_the_measured_costs_times_the_work():
     preset = read_preset(DECIDE)
     lines = estimate_lines(preset, Path("/nonexistent/decide"), "cpu")
-    # probe 3 seeds x 10-17 min = 30-51 min; lens at steps 1, 5, 10, ..., 30 = 7 of 30 steps: per seed
-    # 23 x 12 s + 7 x 20 s = 416 s, x 5 seeds = 2,080 s = 34.7 min; total 64.7-85.7 min
-    assert "probe 30–51 min, training 35 min; total about 65–86 min" in lines[1]
+    # probe 3 seeds x 11.4-19.5 min (measured: 58 min 23 s for 3 seeds) = 34.2-58.5 min; lens at steps 1, 5, 10, ...,
+    # 30 = 7 of 30 steps: per seed 23 x 12 s + 7 x 20 s = 416 s, x 5 seeds = 2,080 s = 34.7 min; total 68.9-93.2 min
+    assert "probe 34–58 min, training 35 min; total about 69–93 min" in lines[1]
     assert "115 training steps with the lens off and 35 lens steps" in lines[1]
     assert "not measured on GPU" in estimate_lines(preset, Path("/nonexistent"), "cuda")[0]
 
@@ -201,3 +202,43 @@ def test_other_settings_are_refused_before_anything_is_written(decided, tmp_path
     assert "unknown reward function 'no_such_reward'" in capsys.readouterr().err
     assert main([*_argv(preset, tmp_path / "x"), "--max-steps", "5"]) == 2
     assert "--max-steps cannot be combined with --preset" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_report_only_writes_the_finished_stages_table_and_names_the_missing(decided, tmp_path, capsys, monkeypatch):
+    out, preset, _ = decided
+    _no_model(monkeypatch)
+    part = tmp_path / "training-still-runs"  # probe/ finished; train/ started by hand, its first seed mid-run
+    shutil.copytree(out / "probe", part / "probe")
+    (part / "train").mkdir(), shutil.copy(out / "train" / "config.yaml", part / "train" / "config.yaml")
+    shutil.copytree(out / "train" / "seed_0", part / "train" / "seed_0")
+    stamps = {p: p.stat().st_mtime_ns for p in part.rglob("*") if p.is_file()}
+    assert main([*_argv(preset, part), "--report-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "report only: probe finished; train NOT finished (left out)" in printed and "time estimate" not in printed
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # no stage file written
+    screen = (part / "report.md").read_text().split("## Appendix")[0]
+    lines = screen.splitlines()
+    missing = [line for line in lines if line.startswith("**Stage not finished: ")]
+    assert len(missing) == 1 and missing[0].startswith("**Stage not finished: train/**")
+    assert len(missing[0]) <= LINE_WIDTH
+    start = lines.index(md_row(*ANSWER_COLUMNS)) + 2  # the claims table: its header, its rule, then its rows
+    rows = lines[start : lines.index("", start)]
+    probe = json.loads((part / "probe" / "probe.json").read_text())
+    primary = [c.claim for c in evaluate_claims(probe) if c.kind == "claim"]
+    # the probe's primary claims alone (rank, labels: its studies are off), one row each; nothing of the training seed
+    assert len(rows) == len(primary) >= 2 and all(sum(f"| {c} (" in r for r in rows) == 1 for c in primary)
+    assert yaml.safe_load((part / "demo.yaml").read_text())["train_seeds"] == [0, 1]
+    # refused, one line, nothing written: no finished stage; with --overwrite; without --preset
+    (tmp_path / "none" / "train").mkdir(parents=True)
+    assert main([*_argv(preset, tmp_path / "none"), "--report-only"]) == 2
+    assert "no stage finished" in capsys.readouterr().err and not (tmp_path / "none" / "report.md").exists()
+    assert main([*_argv(preset, part), "--report-only", "--overwrite"]) == 2
+    assert "cannot be combined with --overwrite" in capsys.readouterr().err
+    assert main(["demo", "--out", str(part), "--report-only"]) == 2
+    assert "--report-only needs --preset" in capsys.readouterr().err
+    # a stage folder of other settings is refused as a run refuses it
+    other = _preset(tmp_path, probe={**TINY["probe"], "prompts": 6})
+    (part / "demo.yaml").unlink()
+    assert main([*_argv(other, part), "--report-only"]) == 2
+    assert "probe/config.yaml was written with other settings than" in capsys.readouterr().err

@@ -86,10 +86,27 @@ def find_probes(run_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def preset_layout(run_dir: Path) -> bool:
-    """Whether ``run_dir`` is a ``demo --preset`` run (:mod:`grpo_lens.demo`): a pooled probe in probe/ and a
-    ``train --seeds`` directory in train/, reported together under one Holm family, the primary claims as one
-    table."""
-    return (run_dir / "probe" / "probe.json").is_file() and read_train_seeds(run_dir / "train") is not None
+    """Whether ``run_dir`` is a ``demo --preset`` run (:mod:`grpo_lens.demo`): a pooled probe in probe/ and/or a
+    finished ``train --seeds`` directory in train/ (its train_seeds.json, written when every seed finished), reported
+    together under one Holm family, the primary claims as one table. One finished stage is enough: the report then
+    says which stage is missing (:func:`preset_missing_lines`)."""
+    return (run_dir / "probe" / "probe.json").is_file() or read_train_seeds(run_dir / "train") is not None
+
+
+def preset_missing_lines(run_dir: Path) -> list[str]:
+    """The lines a ``demo --preset`` report prints under its answers' heading for each stage that is not finished
+    (no probe/probe.json; no train/train_seeds.json): its claims are not in the table, and how to add them. Empty
+    when both stages are finished."""
+    missing = []
+    if not (run_dir / "probe" / "probe.json").is_file():
+        missing.append(("probe", "the probe's claims (rank, labels, credit, baseline)"))
+    if read_train_seeds(run_dir / "train") is None:
+        missing.append(("train", "the claims over training"))
+    return [
+        f"**Stage not finished: {stage}/**: {what} are not in this table nor in its Holm family; "
+        f"the same `demo --preset` command adds them."
+        for stage, what in missing
+    ] + ([""] if missing else [])
 
 
 def read_probe(path: Path) -> dict[str, Any]:
@@ -423,7 +440,10 @@ def _write_report(run_dir: Path) -> Path:
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
         # the answers first, the full table in the appendix
-        header += answers_section(probes, records, lora_rank, seed_runs, table=preset)
+        answers = answers_section(probes, records, lora_rank, seed_runs, table=preset)
+        if preset and answers:  # under "## Answers": the stage of a demo --preset run that is not finished
+            answers[2:2] = preset_missing_lines(run_dir)
+        header += answers
     header += first_figures(body)
     rest = []
     if records and estimator:
