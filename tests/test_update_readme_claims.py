@@ -56,6 +56,8 @@ def _out(tmp_path, report: str = REPORT) -> Path:
     (out / "report.md").write_text(report)
     saved = {"preset": "configs/decide-cpu.yaml", "probe_seeds": [0, 1, 2], "train_seeds": [0, 1, 2, 3, 4]}
     (out / "demo.yaml").write_text(yaml.safe_dump(saved))
+    for stage, last in (("probe", "probe.json"), ("train", "train_seeds.json")):  # each stage's last file: finished
+        (out / stage).mkdir(), (out / stage / last).write_text("{}")
     return out
 
 
@@ -88,3 +90,13 @@ def test_check_mode_and_refusals(tmp_path, capsys):
         tool.updated(README, _out(tmp_path / "plain", "## Answers\n\n- **holds**: a claim"))
     with pytest.raises(SystemExit, match="report.md is missing"):
         tool.updated(README, tmp_path / "nothing")
+
+
+def test_source_line_names_the_stage_not_finished(tmp_path):
+    out = _out(tmp_path)
+    (out / "train" / "train_seeds.json").unlink()  # training still runs: the table holds the probe's claims alone
+    assert tool.source_line(out) == (
+        "The paper's claims on the default model: `grpo-lens demo --preset configs/decide-cpu.yaml --out decide` "
+        "(the probe pooled over seeds 0, 1, 2; training (seeds 0, 1, 2, 3, 4) not finished: its claims are not in "
+        "the table yet)."
+    )

@@ -61,9 +61,15 @@ def source_line(out: Path) -> str:
         return f"The paper's claims on the default model, from `{out.name}/report.md`:"
     seeds = ", ".join(map(str, saved.get("probe_seeds") or []))
     train = ", ".join(map(str, saved.get("train_seeds") or []))
+    # a stage is finished when its last file is written (demo.finished_stages): probe.json, train_seeds.json
+    probe = f"the probe pooled over seeds {seeds}" if (out / "probe" / "probe.json").is_file() else "probe not finished"
+    if (out / "train" / "train_seeds.json").is_file():
+        train = f"the claims over training decided over seeds {train}"
+    else:
+        train = f"training (seeds {train}) not finished: its claims are not in the table yet"
     return (
         f"The paper's claims on the default model: `grpo-lens demo --preset {saved['preset']} --out {out.name}` "
-        f"(the probe pooled over seeds {seeds}; the claims over training decided over seeds {train})."
+        f"({probe}; {train})."
     )
 
 
