@@ -67,7 +67,7 @@ def test_block_is_the_reports_answers_and_nothing_else_changes(tmp_path):
     head, block, tail = new.partition("<!-- claims-table:begin (the default model's claims; replace this block) -->\n")
     assert head == "# title\n\n" and tail.endswith("<!-- claims-table:end -->\n\n## Quickstart\n")
     assert tail.startswith(
-        "The paper's claims on the default model: `grpo-lens demo --preset configs/decide-cpu.yaml --out decide` "
+        "The paper's claims on the default model: `grpo-lens demo --preset configs/decide-cpu.yaml --out runs/decide` "
         "(the probe pooled over seeds 0, 1, 2; the claims over training decided over seeds 0, 1, 2, 3, 4).\n\n"
     )
     assert ROW in tail and "old table" not in tail and "![x]" not in tail and "## Appendix" not in tail
@@ -96,7 +96,13 @@ def test_source_line_names_the_stage_not_finished(tmp_path):
     out = _out(tmp_path)
     (out / "train" / "train_seeds.json").unlink()  # training still runs: the table holds the probe's claims alone
     assert tool.source_line(out) == (
-        "The paper's claims on the default model: `grpo-lens demo --preset configs/decide-cpu.yaml --out decide` "
+        "The paper's claims on the default model: `grpo-lens demo --preset configs/decide-cpu.yaml --out runs/decide` "
         "(the probe pooled over seeds 0, 1, 2; training (seeds 0, 1, 2, 3, 4) not finished: its claims are not in "
         "the table yet)."
     )
+
+
+def test_source_line_shows_out_as_run_from_here(tmp_path, monkeypatch):
+    out = _out(tmp_path)
+    monkeypatch.chdir(tmp_path)  # OUT under the working directory: as given; elsewhere: runs/<its name> (above)
+    assert "`grpo-lens demo --preset configs/decide-cpu.yaml --out decide` (" in tool.source_line(out)

@@ -67,8 +67,12 @@ def source_line(out: Path) -> str:
         train = f"the claims over training decided over seeds {train}"
     else:
         train = f"training (seeds {train}) not finished: its claims are not in the table yet"
+    try:  # the command as a reader runs it from the repository: OUT relative to here, else runs/<OUT's name>
+        shown = out.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        shown = f"runs/{out.resolve().name}"
     return (
-        f"The paper's claims on the default model: `grpo-lens demo --preset {saved['preset']} --out {out.name}` "
+        f"The paper's claims on the default model: `grpo-lens demo --preset {saved['preset']} --out {shown}` "
         f"({probe}; {train})."
     )
 
