@@ -53,7 +53,7 @@ from grpo_lens.report.probe import (  # noqa: F401 (re-exported: `from grpo_lens
     strata_table,
     weighting_tables,
 )
-from grpo_lens.report.seeds import seeds_section
+from grpo_lens.report.seeds import seed_probes, seeds_section
 from grpo_lens.report.training import (  # noqa: F401 (re-exported)
     lens_gradient_source,
     s1_trend_finding,
@@ -440,7 +440,10 @@ def _write_report(run_dir: Path) -> Path:
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
     if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
         # the answers first, the full table in the appendix
-        answers = answers_section(probes, records, lora_rank, seed_runs, table=preset)
+        pooled = probes.get("probe") or {}
+        pooled_dir = run_dir if (run_dir / "probe.json").exists() else run_dir / "probe"  # demo --preset: probe/
+        seeds = seed_probes(pooled, pooled_dir) if pooled.get("seeds") else None  # a pooled probe's G3: its seeds'
+        answers = answers_section(probes, records, lora_rank, seed_runs, table=preset, seed_probes=seeds)
         if preset and answers:  # under "## Answers": the stage of a demo --preset run that is not finished
             answers[2:2] = preset_missing_lines(run_dir)
         header += answers

@@ -154,9 +154,11 @@ def answers_section(
     lora_rank: int = 0,
     seed_runs: list[list[dict[str, Any]]] | None = None,
     table: bool = False,
+    seed_probes: list[dict[str, Any]] | None = None,
 ) -> list[str]:
     """The report's first section (:func:`answer_lines` of :func:`claim_sources`, with ``table`` the primary claims as
-    one table; then the rank readings of each probe); empty when the run has neither a probe nor lens records."""
+    one table; then the rank readings of each probe, ``seed_probes`` those of a pooled probe's seeds (its G3));
+    empty when the run has neither a probe nor lens records."""
     from grpo_lens.report.readings import readings_lines
 
     sources = claim_sources(probes, records, lora_rank, seed_runs)
@@ -164,7 +166,7 @@ def answers_section(
         return []
     lines = answer_lines(sources, table=table)
     for label, probe in probes.items():
-        lines += readings_lines(probe, label if len(probes) > 1 else "")
+        lines += readings_lines(probe, label if len(probes) > 1 else "", seed_probes if label == "probe" else None)
     out = []
     for line in (mark_few(x) for x in lines):  # "(n = 4 groups)†", as the tables print it
         if line.startswith("|") or len(line) <= LINE_WIDTH:

@@ -25,8 +25,33 @@ def _cell(s: dict[str, Any]) -> str:
     return f"{fmt(s['mean'], 2)} [{fmt(s['lo'], 2)}, {fmt(s['hi'], 2)}] (n {s['n']})"
 
 
-def readings_lines(probe: dict[str, Any], label: str = "") -> list[str]:
-    """Markdown: the readings table and, under it, the non-zero-sum control table; [] without an R > 2."""
+def seed_g3_rows(seed_probes: list[dict[str, Any]], rs: list[str]) -> list[str]:
+    """Table rows of G3 for a pooled probe, whose pooled groups hold no G3 (one matrix per R and seed, not groups):
+    per measure and R the range of the seeds' values (each seed's :func:`rank_readings` G3 row), no interval."""
+    per_seed = [[r for r in rank_readings(p) if r["matrix"].startswith("G3")] for p in seed_probes]
+    if len(per_seed) < 2 or not all(per_seed):
+        return []
+    lines = []
+    for measure, label in MEASURE_LABELS.items():
+        rows = [next((r for r in rows if r["measure"] == measure), None) for rows in per_seed]
+        if any(r is None for r in rows):
+            continue
+        cells = []
+        for R in rs:
+            values = [r["by_size"].get(R, {}).get("mean") for r in rows]
+            values = [v for v in values if v is not None]
+            cells.append(f"{fmt(min(values), 2)}–{fmt(max(values), 2)} ({len(values)} seeds)" if values else "–")
+        name = f"{rows[0]['matrix']}, {label}, range over seeds"
+        lines.append(md_row(name, *cells, "one matrix per seed: no interval"))
+    return lines
+
+
+def readings_lines(
+    probe: dict[str, Any], label: str = "", seed_probes: list[dict[str, Any]] | None = None
+) -> list[str]:
+    """Markdown: the readings table and, under it, the non-zero-sum control table; [] without an R > 2. A pooled
+    probe (``probe --seeds``) has no G3 of its own: with ``seed_probes`` (its seeds' probes) G3 is the range over the
+    seeds (:func:`seed_g3_rows`)."""
     rows = rank_readings(probe)
     if not rows:
         return []
@@ -44,6 +69,8 @@ def readings_lines(probe: dict[str, Any], label: str = "") -> list[str]:
     for r in rows:
         name = f"{r['matrix']}, {MEASURE_LABELS[r['measure']]}" + (" (primary)" if r["primary"] else "")
         lines.append(md_row(name, *(_cell(r["by_size"][R]) for R in rs), r["near_two"]))
+    if seed_probes and not any(r["matrix"].startswith("G3") for r in rows):
+        lines += seed_g3_rows(seed_probes, rs)
     ctrl = [r for r in rows if r["controls"] and r["measure"] == "stable_rank"]
     if ctrl:
         lines += [

@@ -57,6 +57,14 @@ def seed_verdicts(pooled: dict[str, Any], run_dir: Path) -> tuple[list[str], dic
     return missing, verdicts
 
 
+def seed_probes(pooled: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+    """Each seed's own probe (run_dir/seed_<s>/probe.json of a pooled probe's ``seeds`` section), those that exist,
+    in the seeds' order; [] for a probe that pools nothing."""
+    info = pooled.get("seeds") or {}
+    paths = [run_dir / d / "probe.json" for d in info.get("dirs") or []]
+    return [read_json_file(path) for path in paths if path.is_file()]
+
+
 def seeds_section(pooled: dict[str, Any], run_dir: Path) -> list[str]:
     """The "Seeds pooled" section of a pooled probe's report (a probe.json with a ``seeds`` section)."""
     info = pooled["seeds"]
