@@ -27,12 +27,13 @@ from grpo_lens.calibrate.families import (
     TREND_BUDGETS,
     CalibrationConfig,
     _draw,
-    _shares,
+    _outcomes,
     _theta,
     analysed_pool,
     boundary_noise,
     has_rank2_signal,
     label_directions,
+    parallel_map,
     population_shares,
     probe_of,
 )
@@ -96,8 +97,8 @@ def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -
         rank_v, zs_v = [], []
         for _ in range(config.trials):
             p = probe_of({R: _draw(pools[R], ns[R], gen) for R in config.group_sizes}, PLANTED_DIM)
-            rank_v += [c.verdict for c in CLAIMS.get("erank_near_two")(p)]
-            zs_v += [c.verdict for c in CLAIMS.get("zero_sum_rank_two")(p)]
+            rank_v += list(CLAIMS.get("erank_near_two")(p))
+            zs_v += list(CLAIMS.get("zero_sum_rank_two")(p))
         base = {
             "family": fam,
             "R": "/".join(map(str, config.group_sizes)),
@@ -106,8 +107,8 @@ def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -
             "unit": "groups per R",
             "population": pop,
         }
-        out.append({**base, "rule": RANK_RULE_ID, "truth": "true" if rank2 else "false", **_shares(rank_v)})
-        out.append({**base, "rule": ZERO_SUM_RULE_ID, "truth": "true" if labels else "false", **_shares(zs_v)})
+        out.append({**base, "rule": RANK_RULE_ID, "truth": "true" if rank2 else "false", **_outcomes(rank_v)})
+        out.append({**base, "rule": ZERO_SUM_RULE_ID, "truth": "true" if labels else "false", **_outcomes(zs_v)})
     return out, f"calibrate: {fam}: {time.perf_counter() - t0:.1f} s ({pop})"
 
 
@@ -116,16 +117,7 @@ def calibrate_group_rules(config: CalibrationConfig, log: Callable[[str], None] 
     families run on ``config.workers`` processes."""
     noise = {R: boundary_noise(R) for R in config.group_sizes} if "boundary" in config.families else {}
     out: list[dict[str, Any]] = []
-    if config.workers > 1 and len(config.families) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context("fork")) as ex:
-            results = list(
-                ex.map(_family_rows, config.families, [config] * len(config.families), [noise] * len(config.families))
-            )
-    else:
-        results = [_family_rows(fam, config, noise) for fam in config.families]
+    results = parallel_map(_family_rows, list(config.families), config.workers, config, noise)
     for rows, line in results:
         log(line)
         out += rows
@@ -263,7 +255,7 @@ def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                         runs = [_sparsity_records(kind, phi, gen, steps=steps, every=every) for _ in range(seeds)]
                     else:
                         runs = [_s1_records(kind, phi, gen, steps=steps) for _ in range(seeds)]
-                    vs.append(claims[name](_trend_data(runs))[0].verdict)
+                    vs.append(claims[name](_trend_data(runs))[0])
                 what = f"lens steps (every {every})" if name == "sparsity" else "steps × 4 prompts"
                 out.append(
                     {
@@ -273,7 +265,7 @@ def calibrate_training_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                         "n": seeds if pooled else tested,
                         "unit": f"seeds × {tested} {what}" if pooled else what,
                         "truth": "true" if truth else "false",
-                        **_shares(vs),
+                        **_outcomes(vs),
                     }
                 )
     return out
@@ -300,7 +292,7 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
         return recs
 
     for fam, (truth, m, bad_step) in STAYS_FAMILIES.items():
-        vs = [rule({"records": run(m, bad_step)})[0].verdict for _ in range(config.trials)]
+        vs = [rule({"records": run(m, bad_step)})[0] for _ in range(config.trials)]
         out.append(
             {
                 "rule": STAYS_RULE_ID,
@@ -309,11 +301,11 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                 "n": m,
                 "unit": "mixed groups per lens step",
                 "truth": "true" if truth else "false",
-                **_shares(vs),
+                **_outcomes(vs),
             }
         )
     for fam, (truth, seeds, m, bad_step) in STAYS_SEEDS_FAMILIES.items():
-        vs = [rule(_trend_data([run(m, bad_step) for _ in range(seeds)]))[0].verdict for _ in range(config.trials)]
+        vs = [rule(_trend_data([run(m, bad_step) for _ in range(seeds)]))[0] for _ in range(config.trials)]
         out.append(
             {
                 "rule": STAYS_SEEDS_RULE_ID,
@@ -322,7 +314,7 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                 "n": seeds,
                 "unit": f"seeds × 7 lens steps × {m} mixed groups",
                 "truth": "true" if truth else "false",
-                **_shares(vs),
+                **_outcomes(vs),
             }
         )
     return out
@@ -405,7 +397,7 @@ def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
         verdicts, truths, covered, bf16, perm, dense, zs = [], [], 0, [], [], [], []
         for t in range(config.trials):
             rec, z = _s4_trial(fam, gen, seed=config.seed + 1000 * i + t)
-            verdicts.append(rule({"records": [rec]})[0].verdict)
+            verdicts.append(rule({"records": [rec]})[0])
             truths.append(z > 0.5)
             zs.append(z)
             est, se = rec[SPARSITY_UPDATE_TOTAL_F32_UNCHANGED], rec[SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE]
@@ -429,7 +421,7 @@ def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
                 "bf16_dense": mean(dense),
                 "f32_unchanged": mean(zs),
                 "f32_coverage": covered / config.trials,
-                **_shares(verdicts),
+                **_outcomes(verdicts),
             }
         )
     return out
@@ -455,47 +447,50 @@ def _mc_rollout(
     }
 
 
+def _credit_family(item: tuple[int, str], config: CalibrationConfig) -> list[dict[str, Any]]:
+    """One Monte Carlo credit family's rows (a worker's unit, its own seed)."""
+    torch.set_num_threads(1)
+    i, fam = item
+    truth, p_correct, p_wrong = config.mc_families[fam]
+    rule = CLAIMS.get("monte_carlo_credit")
+    gen = torch.Generator().manual_seed(config.seed + 17 + 7919 * i)
+    mc_samples = 8
+    out = []
+    for n in config.mc_rollouts:
+        verdicts = []
+        for _ in range(config.trials):
+            rows = [
+                _mc_rollout(p_correct, 1.0, 1.0, mc_samples, gen)
+                if j % 2 == 0
+                else _mc_rollout(p_wrong, 0.0, -1.0, mc_samples, gen)
+                for j in range(n)
+            ]
+            credit = {
+                "monte_carlo": {"rollouts": rows, "samples_per_prefix": mc_samples, "segments": segment_counts(rows)}
+            }
+            verdicts.append(rule({"studies": {"credit": credit}})[0])
+        out.append(
+            {
+                "rule": MC_RULE_ID,
+                "family": fam,
+                "R": "–",
+                "n": n,
+                "unit": "rollouts",
+                "truth": "true" if truth else "false",
+                **_outcomes(verdicts),
+            }
+        )
+    return out
+
+
 def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     """Rows of the Monte Carlo credit rule (:func:`grpo_lens.claims.credit.monte_carlo_credit`): planted true values
     at the prefixes (:data:`MC_FAMILIES`), K_mc = 8 continuations per prefix (the probe's default), the study's own
     segment counting (``grpo_lens.formulas.credit.segment_counts``) and the registered claim. Truth (one boundary,
     the rule's margin): some segment position's planted mean shift against A_i exceeds
     :data:`grpo_lens.claims.credit.MC_MARGIN` (a real opposition of 0.05, or of exactly 0.1, is false)."""
-    rule = CLAIMS.get("monte_carlo_credit")
-    gen = torch.Generator().manual_seed(config.seed + 17)
-    mc_samples = 8
-    out = []
-    for fam, (truth, p_correct, p_wrong) in config.mc_families.items():
-        for n in config.mc_rollouts:
-            verdicts = []
-            for _ in range(config.trials):
-                rows = []
-                for i in range(n):
-                    rows.append(
-                        _mc_rollout(p_correct, 1.0, 1.0, mc_samples, gen)
-                        if i % 2 == 0
-                        else _mc_rollout(p_wrong, 0.0, -1.0, mc_samples, gen)
-                    )
-                credit = {
-                    "monte_carlo": {
-                        "rollouts": rows,
-                        "samples_per_prefix": mc_samples,
-                        "segments": segment_counts(rows),
-                    }
-                }
-                verdicts.append(rule({"studies": {"credit": credit}})[0].verdict)
-            out.append(
-                {
-                    "rule": MC_RULE_ID,
-                    "family": fam,
-                    "R": "–",
-                    "n": n,
-                    "unit": "rollouts",
-                    "truth": "true" if truth else "false",
-                    **_shares(verdicts),
-                }
-            )
-    return out
+    items = list(enumerate(config.mc_families))
+    return [row for rows in parallel_map(_credit_family, items, config.workers, config) for row in rows]
 
 
 def _baseline_pool(family: str, size: int, seed: int, group_size: int = 4, dim: int = 64) -> list[dict[str, Any]]:
@@ -528,33 +523,42 @@ def _baseline_pool(family: str, size: int, seed: int, group_size: int = 4, dim: 
     return out
 
 
+def _baseline_family(item: tuple[int, str], config: CalibrationConfig) -> list[dict[str, Any]]:
+    """One baseline family's rows (a worker's unit, its own seeds): its pool of ``config.pool`` planted prompts, then
+    n prompts drawn per trial at each ``config.baseline_prompts``."""
+    torch.set_num_threads(1)
+    i, fam = item
+    truth = config.baseline_families[fam][0]
+    rule = CLAIMS.get("group_mean_optimal")
+    gen = torch.Generator().manual_seed(config.seed + 19 + 7919 * i)
+    pool = _baseline_pool(fam, config.pool, config.seed + 100 * i)
+    out = []
+    for n in config.baseline_prompts:
+        verdicts = []
+        for _ in range(config.trials):
+            study = summarise_baseline_prompts(_draw(pool, n, gen))
+            probe = {"studies": {"baselines": {"baselines": study, "meta": {"group_size": 4}}}}
+            verdicts.append(rule(probe)[0])
+        out.append(
+            {
+                "rule": BASELINE_RULE_ID,
+                "family": fam,
+                "R": 4,
+                "n": n,
+                "unit": "prompts",
+                "truth": "true" if truth else "false",
+                **_outcomes(verdicts),
+            }
+        )
+    return out
+
+
 def calibrate_baseline_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     """Rows of :func:`grpo_lens.claims.baselines.group_mean_optimal`: a pool of planted prompts per family analysed
     once by the study's per-prompt body; each trial draws n prompts, summarises them with the study's own summary
     (:func:`grpo_lens.formulas.baselines.summarise_baseline_prompts`) and applies the registered claim."""
-    rule = CLAIMS.get("group_mean_optimal")
-    gen = torch.Generator().manual_seed(config.seed + 19)
-    out = []
-    for i, (fam, (truth, _, _)) in enumerate(config.baseline_families.items()):
-        pool = _baseline_pool(fam, config.pool, config.seed + 100 * i)
-        for n in config.baseline_prompts:
-            verdicts = []
-            for _ in range(config.trials):
-                study = summarise_baseline_prompts(_draw(pool, n, gen))
-                probe = {"studies": {"baselines": {"baselines": study, "meta": {"group_size": 4}}}}
-                verdicts.append(rule(probe)[0].verdict)
-            out.append(
-                {
-                    "rule": BASELINE_RULE_ID,
-                    "family": fam,
-                    "R": 4,
-                    "n": n,
-                    "unit": "prompts",
-                    "truth": "true" if truth else "false",
-                    **_shares(verdicts),
-                }
-            )
-    return out
+    items = list(enumerate(config.baseline_families))
+    return [row for rows in parallel_map(_baseline_family, items, config.workers, config) for row in rows]
 
 
 def interval_coverage(config: CalibrationConfig) -> list[dict[str, Any]]:

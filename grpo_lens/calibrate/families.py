@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +33,14 @@ from grpo_lens.registry import renamed_keywords
 DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
 
 #: groups per R of the probe-rule cells: the fewest with an interval, the rank rule's minimum, the default probe's,
-#: and 28 per R (issue 43's target n)
-GROUP_CELLS = {8: {4: 8, 8: 8}, 16: {4: 16, 8: 16}, 22: dict(DEFAULT_GROUP_COUNTS), 28: {4: 28, 8: 28}}
+#: 28 per R (issue 43's target n), then 48 to 128 per R (where the labels rule's near-margin families reach 0.8)
+GROUP_CELLS = {
+    8: {4: 8, 8: 8},
+    16: {4: 16, 8: 16},
+    22: dict(DEFAULT_GROUP_COUNTS),
+    28: {4: 28, 8: 28},
+    **{n: {4: n, 8: n} for n in (48, 64, 96, 128)},  # the wider grid: the budget where power reaches 0.8
+}
 
 #: the dimension of the planted gradients
 PLANTED_DIM = 2048
@@ -125,19 +132,55 @@ MC_FAMILIES = {
 #: rollouts per Monte Carlo cell: the fewest with a verdict (--mc-groups 4) and larger studies
 MC_ROLLOUTS = (8, 32, 100)
 
+#: m_W of the planted baseline prompts: E‖−μ/2 + e‖² = 1/4 + 1 (‖μ‖ = 1, e ~ N(0, I/k))
+BASELINE_M_WRONG = 1.25
+
+
+def baseline_noise_scale(ratio: float) -> float:
+    """The correct rollouts' noise scale s whose planted m_C = 1/4 + s² is ``ratio`` × m_W (:data:`BASELINE_M_WRONG`).
+
+    Raises:
+        ValueError: ``ratio`` <= 0.2 (m_C >= 1/4: the mean direction's share alone).
+    """
+    if not ratio > 0.25 / BASELINE_M_WRONG:
+        raise ValueError(f"m_C / m_W = {ratio}: must be above {0.25 / BASELINE_M_WRONG} (m_C >= 1/4 here)")
+    return math.sqrt(ratio * BASELINE_M_WRONG - 0.25)
+
+
 #: the planted baseline-study prompts: name -> (RMS of log(m_C / m_W) below log 1.25 truly, noise scale of the correct
 #: rollouts' gradients, how the correct rollouts' noise is drawn: "equal" as the wrong ones', "spread" with a spread
-#: of its own at the same mean square, "one string" every correct rollout the same gradient with ‖g‖² = m_W exactly)
+#: of its own at the same mean square, "one string" every correct rollout the same gradient with ‖g‖² = m_W exactly).
+#: The false families with m_C < m_W (0.5 and 0.7 m_W, |log| 0.69 and 0.36 > log 1.25 = 0.22) give the *does not hold*
+#: branch its power at equal and unequal spreads (issue 43, item 6)
 BASELINE_FAMILIES = {
     "m_C = m_W (equal noise in both classes)": (True, 1.0, "equal"),
     "m_C = m_W, the correct rollouts' norms spread wider (equal means)": (True, 1.0, "spread"),
     "m_C = m_W, every correct rollout one string": (True, 1.0, "one string"),
     "m_C = 1.25 m_W on every prompt (the margin: not inside it)": (False, math.sqrt(1.3125), "equal"),
     "correct rollouts' noise 2× (m_C = 3.4 m_W)": (False, 2.0, "equal"),
+    "m_C = 0.5 m_W (equal spreads)": (False, baseline_noise_scale(0.5), "equal"),
+    "m_C = 0.7 m_W (equal spreads)": (False, baseline_noise_scale(0.7), "equal"),
+    "m_C = 0.5 m_W, the correct rollouts' norms spread wider": (False, baseline_noise_scale(0.5), "spread"),
+    "m_C = 0.7 m_W, the correct rollouts' norms spread wider": (False, baseline_noise_scale(0.7), "spread"),
 }
 
+
+def planted_norm_ratio(family: str) -> float:
+    """The population m_C / m_W of a baseline family (:data:`BASELINE_FAMILIES`): (1/4 + s²) / (1/4 + 1); 1 for
+    "one string" (its one gradient has ‖g‖² = m_W exactly)."""
+    _, scale, kind = BASELINE_FAMILIES[family]
+    return 1.0 if kind == "one string" else (0.25 + scale * scale) / BASELINE_M_WRONG
+
+
+def at_margin(family: str) -> bool:
+    """Whether a false family sits on its rule's boundary (the rank rule's ``boundary``, a family planted at the
+    margin): no branch has power there by construction, so it sets no *does not hold* power (:func:`rule_levels`)."""
+    return family == "boundary" or "(the margin" in family
+
+
 #: prompts per baseline cell: the fewest with an interval, the probe's default --baseline-study-prompts (16), larger
-BASELINE_PROMPTS = (8, 16, 24, 32)
+#: up to 128 (where the unequal-spread family reaches power 0.8)
+BASELINE_PROMPTS = (8, 16, 32, 48, 64, 96, 128)
 
 #: the trend cases: name -> (truth, kind, parameter: the lens-to-lens correlation at 5 steps apart, issue 29's 0.59)
 SPARSITY_TRENDS = {
@@ -192,7 +235,7 @@ class CalibrationConfig:
     """What `grpo-lens calibrate` runs: trials per cell, pool of planted groups per (family, R), seed."""
 
     trials: int = 200
-    pool: int = 200
+    pool: int = 256
     coverage_trials: int = 2000
     seed: int = 0
     families: tuple[str, ...] = tuple(FAMILIES)
@@ -373,6 +416,28 @@ def _shares(verdicts: list[str]) -> dict[str, float]:
         "holds": sum(v == HOLDS for v in verdicts) / t,
         "does_not_hold": sum(v == DOES_NOT_HOLD for v in verdicts) / t,
     }
+
+
+def parallel_map(fn: Callable[..., Any], items: list[Any], workers: int, *args: Any) -> list[Any]:
+    """[fn(item, *args) for item in items], on ``workers`` forked processes when more than one (each item carries its
+    own seeds, so the result does not depend on which worker ran it or in which order)."""
+    if workers > 1 and len(items) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as ex:
+            return list(ex.map(fn, items, *([a] * len(items) for a in args)))
+    return [fn(item, *args) for item in items]
+
+
+def _p(x: float | None) -> float:
+    return 1.0 if x is None or not math.isfinite(x) else float(f"{x:.4g}")
+
+
+def _outcomes(claims: list[Any]) -> dict[str, Any]:
+    """:func:`_shares` of the claims' verdicts and their branch p-values per trial, "p": [[p_holds, p_does_not_hold],
+    ...] (1 where a rule gave none): what the joint Holm simulation over the primaries reads (:func:`holm_summary`)."""
+    return {**_shares([c.verdict for c in claims]), "p": [[_p(c.p_holds), _p(c.p_dnh)] for c in claims]}
 
 
 def _theta(pool: list[dict[str, float]]) -> float:

@@ -24,7 +24,7 @@ from grpo_lens.calibrate.cells import (
     calibrate_update_rules,
     interval_coverage,
 )
-from grpo_lens.calibrate.families import FAMILIES, PLANTED_DIM, CalibrationConfig
+from grpo_lens.calibrate.families import FAMILIES, PLANTED_DIM, CalibrationConfig, at_margin
 from grpo_lens.rundir import write_file, writes_confined_to
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -60,10 +60,10 @@ def _rule_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 def rule_levels(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
     """{rule id: {n: {"level": the worst level over its families at n, "power": the lowest power of the *holds*
     branch over its true families at n (None without one), "power_dnh": the lowest power of the *does not hold*
-    branch over its false families at n but the one tuned to the rule's boundary (``boundary``: no branch has power
-    there by construction; None without one) and "power_dnh_family" where it is lowest, "unit",
-    "families"}}}: what the report prints beside each row, each verdict with its own branch's power (issue 43: a
-    *does not hold* row printed the *holds* branch's power)."""
+    branch over its false families at n but those on the rule's boundary (:func:`at_margin`: ``boundary``, a
+    family planted at the margin; no branch has power there by construction; None without one) and
+    "power_dnh_family" where it is lowest, "unit", "families"}}}: what the report prints beside each row, each
+    verdict with its own branch's power (issue 43: a *does not hold* row printed the *holds* branch's power)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for row in _rule_rows(result):
         level, power = _level_power(row)
@@ -75,7 +75,7 @@ def rule_levels(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float |
         cell["families"] += 1
         if row["truth"] == "true":
             cell["power"] = power if cell["power"] is None else min(cell["power"], power)
-        elif row["family"] != "boundary" and (cell["power_dnh"] is None or power < cell["power_dnh"]):
+        elif not at_margin(row["family"]) and (cell["power_dnh"] is None or power < cell["power_dnh"]):
             cell["power_dnh"], cell["power_dnh_family"] = power, row["family"]
     return out
 
