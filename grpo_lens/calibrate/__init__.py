@@ -27,6 +27,14 @@ group), :mod:`.run` (the run, levels.json, the markdown), :mod:`.planted` (``--p
 re-exported here.
 """
 
+from grpo_lens.calibrate.budgets import (
+    PRIMARY_RULES,
+    TARGET_POWER,
+    budget,
+    holm_summary,
+    holm_verdicts,
+    rule_budgets,
+)
 from grpo_lens.calibrate.cells import (
     LENS_STEPS,
     PLANTED_UPDATE_WEIGHTS,
@@ -43,6 +51,7 @@ from grpo_lens.calibrate.cells import (
 )
 from grpo_lens.calibrate.families import (
     BASELINE_FAMILIES,
+    BASELINE_M_WRONG,
     BASELINE_PROMPTS,
     DEFAULT_GROUP_COUNTS,
     FAMILIES,
@@ -60,10 +69,14 @@ from grpo_lens.calibrate.families import (
     TREND_BUDGETS,
     CalibrationConfig,
     analysed_pool,
+    at_margin,
+    baseline_noise_scale,
     boundary_noise,
     has_rank2_signal,
     label_directions,
+    parallel_map,
     planted_group,
+    planted_norm_ratio,
     population_shares,
     probe_of,
 )
@@ -83,6 +96,7 @@ from grpo_lens.calibrate.run import (
 
 __all__ = [
     "BASELINE_FAMILIES",
+    "BASELINE_M_WRONG",
     "BASELINE_PROMPTS",
     "CalibrationConfig",
     "DEFAULT_GROUP_COUNTS",
@@ -96,6 +110,7 @@ __all__ = [
     "PLANTED_DIM",
     "PLANTED_UPDATE_WEIGHTS",
     "PLANTED_WARMUP",
+    "PRIMARY_RULES",
     "PlantedFileError",
     "S1_TRENDS",
     "S4_FAMILIES",
@@ -103,9 +118,13 @@ __all__ = [
     "SPARSITY_TRENDS",
     "STAYS_FAMILIES",
     "STAYS_SEEDS_FAMILIES",
+    "TARGET_POWER",
     "TREND_BUDGETS",
     "analysed_pool",
+    "at_margin",
+    "baseline_noise_scale",
     "boundary_noise",
+    "budget",
     "calibrate_baseline_rules",
     "calibrate_credit_rules",
     "calibrate_group_rules",
@@ -114,15 +133,20 @@ __all__ = [
     "calibrate_update_rules",
     "check_npz_sizes",
     "has_rank2_signal",
+    "holm_summary",
+    "holm_verdicts",
     "interval_coverage",
     "label_directions",
     "lens_steps",
+    "parallel_map",
     "planted_group",
+    "planted_norm_ratio",
     "planted_update_model",
     "population_shares",
     "probe_of",
     "read_planted",
     "render",
+    "rule_budgets",
     "rule_levels",
     "run_calibration",
     "run_planted",
