@@ -302,17 +302,28 @@ def run_calibration(
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # [R, R] matrices: one thread is ~3x faster than several (thread start-up per op)
+    sections: list[tuple[str, Callable[[], Any]]] = [
+        ("group_rules", lambda: calibrate_group_rules(config, log)),
+        ("baseline_rules", lambda: calibrate_baseline_rules(config)),
+    ]
+    if config.training:
+        sections += [
+            ("training_rules", lambda: calibrate_training_rules(config)),
+            ("stays_rules", lambda: calibrate_stays_rules(config)),
+        ]
+    sections += [
+        ("update_rules", lambda: calibrate_update_rules(config)),
+        ("credit_rules", lambda: calibrate_credit_rules(config)),
+        ("coverage", lambda: interval_coverage(config)),
+    ]
+    result: dict[str, Any] = {}
     try:
-        result: dict[str, Any] = {"group_rules": calibrate_group_rules(config, log)}
-        if config.training:
-            result["training_rules"] = calibrate_training_rules(config)
-            result["stays_rules"] = calibrate_stays_rules(config)
-        result.update(
-            update_rules=calibrate_update_rules(config),
-            credit_rules=calibrate_credit_rules(config),
-            baseline_rules=calibrate_baseline_rules(config),
-            coverage=interval_coverage(config),
-        )
+        for key, fn in sections:
+            t1 = time.perf_counter()
+            result[key] = fn()
+            log(f"calibrate: {key}: {time.perf_counter() - t1:.0f} s (load {_load()})")
+            if out is not None:  # a run stopped later keeps the sections it finished
+                write_outputs(out, {"calibration.partial.json": json.dumps(result, indent=1)})
     finally:
         torch.set_num_threads(threads)
     cpu = (
