@@ -47,6 +47,7 @@ from grpo_lens.calibrate.cells import (
     calibrate_update_rules,
     interval_coverage,
     lens_steps,
+    planted_prompt,
     planted_update_model,
 )
 from grpo_lens.calibrate.families import (
@@ -141,6 +142,7 @@ __all__ = [
     "parallel_map",
     "planted_group",
     "planted_norm_ratio",
+    "planted_prompt",
     "planted_update_model",
     "population_shares",
     "probe_of",

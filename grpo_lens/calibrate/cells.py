@@ -493,30 +493,39 @@ def calibrate_credit_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
     return [row for rows in parallel_map(_credit_family, items, config.workers, config) for row in rows]
 
 
-def _baseline_pool(family: str, size: int, seed: int, group_size: int = 4, dim: int = 64) -> list[dict[str, Any]]:
-    """``size`` planted prompts through :func:`grpo_lens.formulas.baselines.baseline_prompt` (M = 4R rollouts,
-    rewards Bernoulli(0.5), gradient terms g = ±μ/2 + noise in R^k: the score's mean direction μ (‖μ‖ = 1) splits
-    by class so E[g] = 0, noise N(0, I/k) scaled by the family's factor for correct rollouts, so m_W = 1.25 and
-    m_C = 0.25 + scale²; the probe's 256 resampled groups)."""
+def planted_prompt(
+    family: str, mu: torch.Tensor, gen: torch.Generator, group_size: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One planted baseline-study prompt of ``family`` (:data:`BASELINE_FAMILIES`): (gradient terms [M, k], rewards
+    [M]), M = 4R rollouts, rewards Bernoulli(0.5), g = ±μ/2 + noise in R^k (k = len(μ), ‖μ‖ = 1): the score's mean
+    direction splits by class so E[g] = 0, noise N(0, I/k) scaled by the family's factor s for correct rollouts, so
+    m_W = 1.25 and m_C = 0.25 + s² (:func:`grpo_lens.calibrate.families.planted_norm_ratio`)."""
     _, scale, kind = BASELINE_FAMILIES[family]
+    dim, m = mu.shape[0], 4 * group_size
+    rewards = (torch.rand(m, generator=gen) < 0.5).double()
+    noise = torch.randn(m, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)
+    if kind == "spread":  # correct rollouts' noise scaled by s_i, s_i² ~ Exponential(1): E s_i² = 1, equal means
+        noise = noise * torch.where(
+            rewards[:, None] == 1,
+            torch.empty(m, 1, dtype=torch.float64).exponential_(generator=gen).sqrt(),
+            torch.ones(m, 1, dtype=torch.float64),
+        )
+    g = torch.where(rewards[:, None] == 1, 0.5 * mu + scale * noise, -0.5 * mu + noise)
+    if kind == "one string":  # one gradient for every correct rollout, ‖μ/2 + a z‖² = 1.25 = m_W exactly
+        z = noise[0] - (noise[0] @ mu) * mu  # orthogonal to μ: ‖μ/2 + a z‖² = 0.25 + a² ‖z‖²
+        g = torch.where(rewards[:, None] == 1, (0.5 * mu + z / z.norm())[None], g)
+    return g, rewards
+
+
+def _baseline_pool(family: str, size: int, seed: int, group_size: int = 4, dim: int = 64) -> list[dict[str, Any]]:
+    """``size`` planted prompts (:func:`planted_prompt`) through :func:`grpo_lens.formulas.baselines.baseline_prompt`
+    (the probe's 256 resampled groups)."""
     gen = torch.Generator().manual_seed(seed)
     mu = torch.randn(dim, generator=gen, dtype=torch.float64)
     mu = mu / mu.norm()
-    m = 4 * group_size
     out = []
     for j in range(size):
-        rewards = (torch.rand(m, generator=gen) < 0.5).double()
-        noise = torch.randn(m, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)
-        if kind == "spread":  # correct rollouts' noise scaled by s_i, s_i² ~ Exponential(1): E s_i² = 1, equal means
-            noise = noise * torch.where(
-                rewards[:, None] == 1,
-                torch.empty(m, 1, dtype=torch.float64).exponential_(generator=gen).sqrt(),
-                torch.ones(m, 1, dtype=torch.float64),
-            )
-        g = torch.where(rewards[:, None] == 1, 0.5 * mu + scale * noise, -0.5 * mu + noise)
-        if kind == "one string":  # one gradient for every correct rollout, ‖μ/2 + a z‖² = 1.25 = m_W exactly
-            z = noise[0] - (noise[0] @ mu) * mu  # orthogonal to μ: ‖μ/2 + a z‖² = 0.25 + a² ‖z‖²
-            g = torch.where(rewards[:, None] == 1, (0.5 * mu + z / z.norm())[None], g)
+        g, rewards = planted_prompt(family, mu, gen, group_size)
         res = baseline_prompt(g, rewards, group_size, num_resamples=256, seed=seed + j)
         if res is not None:
             out.append(res)
