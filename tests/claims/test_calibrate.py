@@ -336,3 +336,27 @@ def test_holm_summary_counts_joint_wrong_verdicts():
     # power under Holm, each on its true family: rank holds in 4 of 4; labels 3 of 4 (its last trial has p 0.5)
     assert hs["primaries"]["rank ≈ 2"]["power"] == 1.0 and hs["primaries"]["labels structure G1"]["power"] == 0.75
     assert hs["primaries"]["rank ≈ 2"]["n"] == "16" and hs["primaries"]["rank ≈ 2"]["worst_false"] == "f"
+
+
+def test_shipped_levels_give_both_branches_power_for_every_primary_group_rule():
+    # issue 43 item 6: the shipped levels.json (a copy of a full run's) carries power_dnh for the labels and baseline
+    # rules, not only rank, so a *does not hold* row prints its branch's power and the family where it is lowest
+    # instead of "–"; every power is a share of 200 trials (a multiple of 0.005 in [0, 1])
+    from grpo_lens.claims.base import Claim
+    from grpo_lens.claims.baselines import RULE_ID as BASELINE
+    from grpo_lens.claims.rank import RULE_ID as RANK
+    from grpo_lens.claims.zero_sum import RULE_ID as LABELS
+    from grpo_lens.report import _calibrated, load_levels
+
+    levels = load_levels()
+    for rule in (RANK, LABELS, BASELINE):
+        cells = levels[rule]
+        assert len(cells) >= 4, rule  # the wider grid: at least 4 calibrated n
+        for n, cell in cells.items():
+            for key in ("power", "power_dnh", "level"):
+                assert 0.0 <= cell[key] <= 1.0 and round(cell[key] * 200, 6) % 1 == 0, (rule, n, key)
+            assert cell["power_dnh_family"], (rule, n)
+        n = max(cells, key=int)
+        dnh = Claim("c", "s", "m", "n", "does not hold", "r", "src", n=int(n), p_holds=1.0, p_dnh=0.001, rule_id=rule)
+        text = _calibrated(dnh, levels)
+        assert f"power of *does not hold* {cells[n]['power_dnh']:.2f} (lowest at " in text and "–" not in text
