@@ -236,3 +236,127 @@ def test_report_reads_the_calibrated_cell_at_the_rows_n():
     und = Claim("c", "s", "m", "n", "inconclusive", "r", "src", n=30, p_holds=0.5, p_dnh=0.5, rule_id="rule")
     assert _calibrated(und, levels) == "level 0.000, power holds 0.97, does not hold – (n = 22 groups per R)"
     assert _calibrated(Claim("c", "s", "m", "n", "holds", "r", "src", rule_id="x"), levels) == "not calibrated"
+
+
+# --- issue 43, items 3 and 6: the baseline's false families, budgets, Holm over the primaries ----------------------
+def test_baseline_families_plant_their_norm_ratio():
+    from grpo_lens.calibrate import BASELINE_FAMILIES, baseline_noise_scale, planted_norm_ratio, planted_prompt
+
+    # m_C = 1/4 + s², m_W = 1/4 + 1: s² = 1.25 r − 1/4, so r = 0.5 -> s² = 0.375, r = 0.7 -> s² = 0.625
+    assert baseline_noise_scale(0.5) ** 2 == pytest.approx(0.375) and baseline_noise_scale(0.7) ** 2 == pytest.approx(
+        0.625
+    )
+    with pytest.raises(ValueError, match="must be above 0.2"):
+        baseline_noise_scale(0.2)
+    assert planted_norm_ratio("m_C = 1.25 m_W on every prompt (the margin: not inside it)") == pytest.approx(1.25)
+    assert planted_norm_ratio("correct rollouts' noise 2× (m_C = 3.4 m_W)") == pytest.approx(3.4)
+    gen = torch.Generator().manual_seed(0)
+    mu = torch.randn(64, generator=gen, dtype=torch.float64)
+    mu = mu / mu.norm()
+    for fam, ratio in (
+        ("m_C = 0.5 m_W (equal spreads)", 0.5),
+        ("m_C = 0.7 m_W, the correct rollouts' norms spread wider", 0.7),
+        ("m_C = m_W, the correct rollouts' norms spread wider (equal means)", 1.0),
+    ):
+        assert planted_norm_ratio(fam) == pytest.approx(ratio)
+        # the population m_C / m_W of planted prompts (means of ‖g‖² over 300 prompts × 16 rollouts, about 2400 per
+        # class): the ratio's SE is about 0.03 under the spread's Exponential(1) scales; 0.5 against 0.7 is 7 SEs
+        sq = {1.0: [], 0.0: []}
+        for _ in range(300):
+            g, r = planted_prompt(fam, mu, gen)
+            for cls in sq:
+                sq[cls] += g[r == cls].square().sum(-1).tolist()
+        m_c, m_w = (sum(v) / len(v) for v in (sq[1.0], sq[0.0]))
+        assert m_w == pytest.approx(1.25, rel=0.05) and m_c / m_w == pytest.approx(ratio, abs=0.08)
+        assert BASELINE_FAMILIES[fam][0] is (abs(math.log(ratio)) < math.log(1.25))
+
+
+def _row(rule, fam, n, truth, holds, dnh, p=None):
+    return {
+        "rule": rule,
+        "family": fam,
+        "n": n,
+        "unit": "u",
+        "truth": truth,
+        "holds": holds,
+        "does_not_hold": dnh,
+        "p": p,
+    }
+
+
+def test_power_dnh_skips_families_on_the_margin_and_budgets_find_the_first_n():
+    from grpo_lens.calibrate import budget, rule_budgets
+
+    rows = [
+        _row("r", "true fam", 8, "true", 0.5, 0.0),
+        _row("r", "true fam", 16, "true", 0.85, 0.0),
+        _row("r", "false fam", 8, "false", 0.01, 0.9),
+        _row("r", "m = 1.25 (the margin: not inside it)", 8, "false", 0.04, 0.02),
+        _row("r", "false fam", 16, "false", 0.0, 0.6),
+        _row("r", "boundary", 16, "false", 0.03, 0.01),
+    ]
+    levels = rule_levels({"baseline_rules": rows})["r"]
+    # *does not hold* power: the false families off the margin only (0.9 at 8, 0.6 at 16); level over every family
+    assert levels["8"]["power_dnh"] == 0.9 and levels["8"]["power_dnh_family"] == "false fam"
+    assert levels["16"]["power_dnh"] == 0.6 and levels["8"]["level"] == 0.04 and levels["16"]["level"] == 0.03
+    assert budget(levels, "power") == "16" and budget(levels, "power_dnh") == "8"
+    b = rule_budgets({"r": levels})["r"]
+    assert b["holds"] == "16" and b["does_not_hold"] == "8" and b["level"] == 0.03 and b["largest"] == "16"
+    assert budget({"8": {"power": 0.79}}, "power") is None
+
+
+def test_holm_verdicts_step_down():
+    from grpo_lens.calibrate import holm_verdicts
+
+    # 6 one-sided hypotheses at 0.05: sorted, p_(1) = 0.001 <= 0.05/6, p_(2) = 0.009 <= 0.05/5 = 0.01 (Holm rejects;
+    # Bonferroni's 0.05/6 = 0.0083 would not), p_(3) = 0.3 > 0.05/4 stops
+    pairs = [(0.001, 0.9), (0.5, 0.009), (0.3, 0.5)]
+    assert holm_verdicts(pairs) == [HOLDS, DOES_NOT_HOLD, INCONCLUSIVE]
+    assert holm_verdicts([(0.001, 0.9), (0.5, 0.0095), (0.011, 0.5)]) == [HOLDS, DOES_NOT_HOLD, HOLDS]
+    assert holm_verdicts([(0.02, 0.9)]) == [HOLDS]  # one rule: 2 hypotheses, 0.02 <= 0.05/2
+
+
+def test_holm_summary_counts_joint_wrong_verdicts():
+    from grpo_lens.calibrate import holm_summary
+    from grpo_lens.claims.rank import RULE_ID as RANK
+    from grpo_lens.claims.zero_sum import RULE_ID as LABELS
+
+    # two primaries, 4 joint trials. rank: its false family reads holds in trial 0 only (p 0.001 <= 0.05/4);
+    # labels: its false family in trial 1 only; any wrong verdict in 2 of 4 tables -> family-wise level 0.5
+    ok, wrong = [0.9, 0.001], [0.001, 0.9]
+    rows = [
+        _row(RANK, "t", 16, "true", 1.0, 0.0, [wrong] * 4),
+        _row(RANK, "f", 16, "false", 0.25, 0.75, [wrong, ok, ok, ok]),
+        _row(LABELS, "t", 16, "true", 0.75, 0.0, [wrong, wrong, wrong, [0.5, 0.5]]),
+        _row(LABELS, "f", 16, "false", 0.25, 0.75, [ok, wrong, ok, ok]),
+    ]
+    result = {"group_rules": rows}
+    hs = holm_summary({**result, "levels": rule_levels(result)}, rows)
+    assert hs["level"] == 0.5 and set(hs["primaries"]) == {"rank ≈ 2", "labels structure G1"}
+    # power under Holm, each on its true family: rank holds in 4 of 4; labels 3 of 4 (its last trial has p 0.5)
+    assert hs["primaries"]["rank ≈ 2"]["power"] == 1.0 and hs["primaries"]["labels structure G1"]["power"] == 0.75
+    assert hs["primaries"]["rank ≈ 2"]["n"] == "16" and hs["primaries"]["rank ≈ 2"]["worst_false"] == "f"
+
+
+def test_shipped_levels_give_both_branches_power_for_every_primary_group_rule():
+    # issue 43 item 6: the shipped levels.json (a copy of a full run's) carries power_dnh for the labels and baseline
+    # rules, not only rank, so a *does not hold* row prints its branch's power and the family where it is lowest
+    # instead of "–"; every power is a share of 200 trials (a multiple of 0.005 in [0, 1])
+    from grpo_lens.claims.base import Claim
+    from grpo_lens.claims.baselines import RULE_ID as BASELINE
+    from grpo_lens.claims.rank import RULE_ID as RANK
+    from grpo_lens.claims.zero_sum import RULE_ID as LABELS
+    from grpo_lens.report import _calibrated, load_levels
+
+    levels = load_levels()
+    for rule in (RANK, LABELS, BASELINE):
+        cells = levels[rule]
+        assert len(cells) >= 4, rule  # the wider grid: at least 4 calibrated n
+        for n, cell in cells.items():
+            for key in ("power", "power_dnh", "level"):
+                assert 0.0 <= cell[key] <= 1.0 and round(cell[key] * 200, 6) % 1 == 0, (rule, n, key)
+            assert cell["power_dnh_family"], (rule, n)
+        n = max(cells, key=int)
+        dnh = Claim("c", "s", "m", "n", "does not hold", "r", "src", n=int(n), p_holds=1.0, p_dnh=0.001, rule_id=rule)
+        text = _calibrated(dnh, levels)
+        assert f"power of *does not hold* {cells[n]['power_dnh']:.2f} (lowest at " in text and "–" not in text
