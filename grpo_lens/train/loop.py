@@ -160,11 +160,9 @@ def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
 
     Args:
         config: a validated :class:`TrainConfig`; ``config.out`` is required.
-        lens: a :class:`grpo_lens.train.state.Lens`: an object with ``start(policy)``, ``before_step(policy)``,
-            ``measure(step, ...) -> dict``, ``after_step(step, policy, measured) -> dict``, ``state_dict()`` and
-            ``load_state_dict(state)``, and optionally ``update_capture(policy)`` with ``mixed_groups``
-            (see :class:`grpo_lens.lens.trainer_lens.TrainerLens`);
-            built from the config when None and lens_every > 0.
+        lens: any :class:`grpo_lens.train.state.Lens` (which lists the methods the loop calls;
+            :class:`grpo_lens.lens.trainer_lens.TrainerLens` is grpo-lens's); built from the config when None and
+            lens_every > 0.
 
     Every input is checked before anything is written; a new run's directory is created (or a run replaced with
     ``overwrite``) only once the model has loaded, and a resumed run's files change only once its checkpoint has
