@@ -609,13 +609,19 @@ def _check_sampling(
         raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to the EOS token)")
 
 
-def _left_padded_groups(encoded: list[list[int]], pad_id: int, R: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _left_padded_groups(
+    encoded: list[list[int]], pad_id: int, group_size: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """(prompt ids [N, Lp], attention mask [N, Lp]) of B token-id lists, left padded whatever the tokenizer's
-    padding_side (every prompt ends at the last column), each repeated R times (N = B R), on ``device``."""
+    padding_side (every prompt ends at the last column), each repeated ``group_size`` = R times (N = B R), on
+    ``device``."""
     Lp = max(len(ids) for ids in encoded)
     ids_tensor = torch.tensor([[pad_id] * (Lp - len(ids)) + ids for ids in encoded], dtype=torch.long)
     mask_tensor = torch.tensor([[0] * (Lp - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long)
-    return ids_tensor.repeat_interleave(R, dim=0).to(device), mask_tensor.repeat_interleave(R, dim=0).to(device)
+    return (
+        ids_tensor.repeat_interleave(group_size, dim=0).to(device),
+        mask_tensor.repeat_interleave(group_size, dim=0).to(device),
+    )
 
 
 def _joined_chunks(
