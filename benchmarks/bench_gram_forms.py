@@ -1,9 +1,10 @@
 """Which form of a linear layer's exact Gram is faster, and how often the cost model picks it.
 
-The exact Gram (grpo_lens.gradients.gram) computes each linear layer's [N, N] block either as token pairs
-(``token_pair_gram``) or with each rollout's weight gradient formed transiently (``rollout_layer_gram``), per layer the
-one ``form_costs`` prices lower. This script times both forms on random inputs over a sweep of layer shapes (d_in,
-d_out), group sizes n, positions per rollout L and groups G (the block-diagonal Gram of G groups of n), then:
+The exact Gram (grpo_lens.gradients.gram; its blocks in grpo_lens.gradients.gram_blocks) computes each linear layer's
+[N, N] block either as token pairs (``token_pair_gram``) or with each rollout's weight gradient formed transiently
+(``rollout_layer_gram``), per layer the one ``form_costs`` prices lower. This script times both forms on random inputs
+over a sweep of layer shapes (d_in, d_out), group sizes n, positions per rollout L and groups G (the block-diagonal Gram
+of G groups of n), then:
 
     1. fits the cost model's constants (relative least squares) to the timings:
            rollout seconds ~ a * N d_in d_out + b * M d_in d_out + c * G n^2 d_in d_out
@@ -35,8 +36,8 @@ import numpy as np
 import torch
 from common import load_avg
 
-from grpo_lens.gradients import gram
-from grpo_lens.gradients.gram import (
+from grpo_lens.gradients import gram_blocks
+from grpo_lens.gradients.gram_blocks import (
     ROLLOUT_CHUNK_BYTES,
     ROLLOUT_PAIR_COST,
     ROLLOUT_ROW_COST,
@@ -83,11 +84,11 @@ def time_forms(d_in: int, d_out: int, n: int, length: int, groups: int, repeats:
     spans = block_spans([n] * groups, rows)
     token = best_seconds(lambda: token_pair_gram(x, delta, keep, TOKEN_BLOCK, {}, spans), repeats)
     rollout = best_seconds(lambda: rollout_layer_gram(x, delta, keep, BUDGET_BYTES, None, None, spans), repeats)
-    gram.ROLLOUT_CHUNK_BYTES = BUDGET_BYTES  # the chunking before the cache-sized chunks
+    gram_blocks.ROLLOUT_CHUNK_BYTES = BUDGET_BYTES  # the chunking before the cache-sized chunks
     try:
         one_chunk = best_seconds(lambda: rollout_layer_gram(x, delta, keep, BUDGET_BYTES, None, None, spans), repeats)
     finally:
-        gram.ROLLOUT_CHUNK_BYTES = ROLLOUT_CHUNK_BYTES
+        gram_blocks.ROLLOUT_CHUNK_BYTES = ROLLOUT_CHUNK_BYTES
     return token, rollout, one_chunk
 
 

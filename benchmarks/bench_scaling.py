@@ -14,8 +14,8 @@ same batch:
              forward + backward, as the trainer's lens and the probe run it); "step + lens" = plain + gram
     sketch   grpo_lens.gradients.sketch.sketch_rollout_grads (k_in = k_out = 16, every nn.Linear) and its Gram
     oracle   grpo_lens.gradients.exact.exact_rollout_grads (one backward per rollout, the dense [R, P] rows) and
-             their Gram (grpo_lens.gradients.gram.gram_of_rows); skipped, with the reason printed, when its rows would
-             exceed ``--oracle-max-gb``. Where it runs, the exact Gram's error against it is printed.
+             their Gram (grpo_lens.gradients.gram_blocks.gram_of_rows); skipped, with the reason printed, when its
+             rows would exceed ``--oracle-max-gb``. Where it runs, the exact Gram's error against it is printed.
 
 Time: wall seconds of each system, the systems interleaved in each of ``--repeats`` rounds (medians printed), after one
 untimed warm-up of every system on the first cell. Memory: ``step MB`` = the process's peak resident set while the
@@ -65,7 +65,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_lens.formulas.losses import grpo_loss, loss_normalizer
 from grpo_lens.gradients.exact import exact_rollout_grads
-from grpo_lens.gradients.gram import exact_rollout_gram, gram_of_rows
+from grpo_lens.gradients.gram import exact_rollout_gram
+from grpo_lens.gradients.gram_blocks import gram_of_rows
 from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 

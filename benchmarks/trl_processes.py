@@ -100,6 +100,7 @@ def one_process_gap(shares: list[dict], step: int) -> float:
     """The largest relative gap between the lens keys the processes measured and grpo-lens' own lens on the joined
     batch (prompts left padded, completions right padded to a common width) at the same weights, one process."""
     from grpo_lens.lens.settings import LensSettings
+    from grpo_lens.lens.step_batch import StepBatch
     from grpo_lens.lens.trainer_lens import TrainerLens
     from grpo_lens.models import build_tiny_model
     from grpo_lens.rollout import RolloutBatch
@@ -120,7 +121,7 @@ def one_process_gap(shares: list[dict], step: int) -> float:
     policy.train()
     rewards = torch.cat([s["rewards"] for s in shares])
     ours = TrainerLens(policy, LensSettings(**shares[0]["settings"])).measure(
-        step, policy, batch, rewards, ~torch.isnan(rewards), torch.cat([s["advantages"] for s in shares])
+        StepBatch(step, policy, batch, rewards, ~torch.isnan(rewards), torch.cat([s["advantages"] for s in shares]))
     )
     theirs = shares[0]["result"]
     keys = [k for k in theirs if k in ours and k != "perf/lens_seconds"]

@@ -594,6 +594,100 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
     return None if picked is None else next(iter(picked.values()))
 
 
+def _check_sampling(
+    tokenizer, examples: list, group_size: int, max_new_tokens: int, temperature: float, top_p: float, top_k: int
+) -> None:
+    """:func:`sample_groups`'s input checks, each a ValueError naming what to change."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not examples:
+        raise ValueError("examples is empty: need at least one prompt")
+    process_logits(torch.zeros(1, 2), temperature, top_k, top_p)  # validates the settings with the same messages
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to the EOS token)")
+
+
+def _left_padded_groups(
+    encoded: list[list[int]], pad_id: int, group_size: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(prompt ids [N, Lp], attention mask [N, Lp]) of B token-id lists, left padded whatever the tokenizer's
+    padding_side (every prompt ends at the last column), each repeated ``group_size`` = R times (N = B R), on
+    ``device``."""
+    Lp = max(len(ids) for ids in encoded)
+    ids_tensor = torch.tensor([[pad_id] * (Lp - len(ids)) + ids for ids in encoded], dtype=torch.long)
+    mask_tensor = torch.tensor([[0] * (Lp - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long)
+    return (
+        ids_tensor.repeat_interleave(group_size, dim=0).to(device),
+        mask_tensor.repeat_interleave(group_size, dim=0).to(device),
+    )
+
+
+def _joined_chunks(
+    chunks_ids: list[Tensor], chunks_logp: list[Tensor], pad_id: int, eos_ids: list[int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The ``generate`` chunks' tokens and log-probs [n_c, t_c] right padded to the longest T and stacked:
+    (completion ids [N, T], completion mask [N, T], truncated [N], sampler log-probs [N, T] float32, 0 outside the
+    mask)."""
+    T = max(c.shape[1] for c in chunks_ids)
+    completion_ids = torch.cat(
+        [torch.nn.functional.pad(c, (0, T - c.shape[1]), value=pad_id) for c in chunks_ids], dim=0
+    )  # [N, T]
+    logp = torch.cat([torch.nn.functional.pad(c, (0, T - c.shape[1]), value=0.0) for c in chunks_logp], dim=0)
+    completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)  # [N, T], [N]
+    # A chunk that stopped early is padded: its rows all ended with EOS, so the padding lies outside the mask.
+    sampler_logprobs = torch.where(completion_mask, logp, torch.zeros_like(logp)).float()  # [N, T]
+    return completion_ids, completion_mask, truncated, sampler_logprobs
+
+
+def _generate_chunks(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    generation_config: GenerationConfig,
+    temperature: float,
+    step: int,
+    seed: int | None,
+    share_prompt_prefill: bool,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`sample_groups`'s ``generate`` calls, ``step`` rows of ``prompt_ids`` / ``prompt_mask`` [N, Lp] at a
+    time, in eval mode under the global RNG seeded with ``seed`` inside ``fork_rng`` (None: unseeded), the model's
+    own generation_config hidden: each call's sampled tokens [n, t] and their log-probs [n, t] under
+    :func:`token_logprobs` at ``temperature``."""
+    N, device = prompt_ids.shape[0], prompt_ids.device
+    chunks_ids: list[Tensor] = []
+    chunks_logp: list[Tensor] = []
+    devices = [device] if device.type == "cuda" else []
+    was_training = model.training
+    model_generation_config = getattr(model, "generation_config", None)
+    model.eval()
+    try:
+        # Hide the model's own generation_config: generate() fills every field left unset in ours from it.
+        model.generation_config = GenerationConfig()
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for start in range(0, N, step):
+                ids = prompt_ids[start : start + step]
+                mask = prompt_mask[start : start + step]
+                cache = shared_prompt_cache(model, ids, mask) if share_prompt_prefill else None
+                extra = {"cache": cache} if cache is not None else {}
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **extra)
+                sampled = out.sequences[:, ids.shape[1] :]  # [n, t]
+                # logits[t]: the raw logits [n, V] the token at step t was drawn from (before any processing); one
+                # step at a time (the same values as of the stacked [n, t, V], without the copy)
+                logp = torch.stack(
+                    [token_logprobs(z, sampled[:, t], temperature) for t, z in enumerate(out.logits)], dim=1
+                )  # [n, t]
+                chunks_ids.append(sampled)
+                chunks_logp.append(logp)
+    finally:
+        model.generation_config = model_generation_config
+        model.train(was_training)
+    return chunks_ids, chunks_logp
+
+
 def sample_groups(
     model: torch.nn.Module,
     tokenizer,
@@ -640,16 +734,7 @@ def sample_groups(
         prompts as given, ``extras`` the per-prompt columns (each a list of length B) and ``completions`` the N
         decoded texts (special tokens skipped).
     """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not examples:
-        raise ValueError("examples is empty: need at least one prompt")
-    process_logits(torch.zeros(1, 2), temperature, top_k, top_p)  # validates the settings with the same messages
-    if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to the EOS token)")
-
+    _check_sampling(tokenizer, examples, group_size, max_new_tokens, temperature, top_p, top_k)
     prompts, columns = zip(*(_example_fields(e) for e in examples))
     keys = sorted({k for c in columns for k in c})
     extras = {k: [c.get(k) for c in columns] for k in keys}
@@ -657,14 +742,9 @@ def sample_groups(
     encoded = [prompt_token_ids(tokenizer, p) for p in prompts]
     if any(not ids for ids in encoded):
         raise ValueError("a prompt tokenized to no tokens; give every prompt some text")
-    Lp = max(len(ids) for ids in encoded)
     R = group_size
     device = next(model.parameters()).device
-    # Left padding, whatever the tokenizer's padding_side: every prompt ends at the last column.
-    ids_tensor = torch.tensor([[pad_id] * (Lp - len(ids)) + ids for ids in encoded], dtype=torch.long)
-    mask_tensor = torch.tensor([[0] * (Lp - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long)
-    prompt_ids = ids_tensor.repeat_interleave(R, dim=0).to(device)  # [N, Lp]
-    prompt_mask = mask_tensor.repeat_interleave(R, dim=0).to(device)  # [N, Lp]
+    prompt_ids, prompt_mask = _left_padded_groups(encoded, pad_id, R, device)  # [N, Lp] each
     N = prompt_ids.shape[0]
 
     eos_ids = _stop_token_ids(model, tokenizer)
@@ -681,45 +761,14 @@ def sample_groups(
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
 
     seed = _seed_from(generator_seed)
-    chunks_ids: list[Tensor] = []
-    chunks_logp: list[Tensor] = []
-    devices = [device] if device.type == "cuda" else []
-    was_training = model.training
-    model_generation_config = getattr(model, "generation_config", None)
-    model.eval()
-    try:
-        # Hide the model's own generation_config: generate() fills every field left unset in ours from it.
+    chunks_ids, chunks_logp = _generate_chunks(
+        model, prompt_ids, prompt_mask, generation_config, temperature, step, seed, share_prompt_prefill
+    )
 
-        model.generation_config = GenerationConfig()
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            for start in range(0, N, step):
-                ids = prompt_ids[start : start + step]
-                mask = prompt_mask[start : start + step]
-                cache = shared_prompt_cache(model, ids, mask) if share_prompt_prefill else None
-                extra = {"cache": cache} if cache is not None else {}
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **extra)
-                sampled = out.sequences[:, ids.shape[1] :]  # [n, t]
-                # logits[t]: the raw logits [n, V] the token at step t was drawn from (before any processing); one
-                # step at a time (the same values as of the stacked [n, t, V], without the copy)
-                logp = torch.stack(
-                    [token_logprobs(z, sampled[:, t], temperature) for t, z in enumerate(out.logits)], dim=1
-                )  # [n, t]
-                chunks_ids.append(sampled)
-                chunks_logp.append(logp)
-    finally:
-        model.generation_config = model_generation_config
-        model.train(was_training)
-
-    T = max(c.shape[1] for c in chunks_ids)
-    completion_ids = torch.cat(
-        [torch.nn.functional.pad(c, (0, T - c.shape[1]), value=pad_id) for c in chunks_ids], dim=0
-    )  # [N, T]
-    logp = torch.cat([torch.nn.functional.pad(c, (0, T - c.shape[1]), value=0.0) for c in chunks_logp], dim=0)
-    completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)  # [N, T], [N]
-    # A chunk that stopped early is padded: its rows all ended with EOS, so the padding lies outside the mask.
-    sampler_logprobs = torch.where(completion_mask, logp, torch.zeros_like(logp)).float()  # [N, T]
+    completion_ids, completion_mask, truncated, sampler_logprobs = _joined_chunks(
+        chunks_ids, chunks_logp, pad_id, eos_ids
+    )  # [N, T], [N, T], [N], [N, T]
+    T = completion_ids.shape[1]
     completions = tokenizer.batch_decode(
         [row[m].tolist() for row, m in zip(completion_ids.cpu(), completion_mask.cpu())], skip_special_tokens=True
     )

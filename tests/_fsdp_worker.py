@@ -21,6 +21,7 @@ from _distributed_worker import TEMPERATURE, B, R, T, build_batch
 from grpo_lens import cli
 from grpo_lens.config import TrainConfig
 from grpo_lens.gradients.gram import exact_rollout_gram
+from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.models import build_tiny_model
 from grpo_lens.runtime.processes import Processes, setup_processes
@@ -94,7 +95,7 @@ def run_fixed(procs: Processes) -> dict:
         sub, a, rf = batch.select(rows), adv[rows].double(), ref[rows].double()
         rewards, valid = rewards_for(step)[rows], torch.ones(len(rows), dtype=torch.bool)
         out["gram"].append(exact_rollout_gram(model, sub, temperature=TEMPERATURE)[0])
-        out["lens"].append(lens.measure(step + 1, model, sub, rewards, valid, a))
+        out["lens"].append(lens.measure(StepBatch(step + 1, model, sub, rewards, valid, a)))
 
         def before(step=step):
             if step == 0:

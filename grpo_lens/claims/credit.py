@@ -209,50 +209,22 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     )
     source = "Monte Carlo continuations from prefixes"
     if not credit["monte_carlo"]["rollouts"]:  # the credit study ran without its Monte Carlo part: say so
-        return [
-            Claim(
-                claim=claim,
-                scope="not measured",
-                measurement="no Monte Carlo rollouts (--mc-groups 0)",
-                control=control,
-                verdict=INCONCLUSIVE,
-                rule=(
-                    f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs "
-                    "(grpo-lens demo: --probe-study-prompts 4 or more)"
-                ),
-                source=source,
-            )
-        ]
+        why = f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs "
+        why += "(grpo-lens demo: --probe-study-prompts 4 or more)"
+        what = "no Monte Carlo rollouts (--mc-groups 0)"
+        return [Claim(claim, "not measured", what, control, INCONCLUSIVE, why, source)]
     mc = credit["monte_carlo"]
     mc_samples = int(mc["samples_per_prefix"])
     rows = mc["rollouts"]
     counts = [prefix_success_counts(r["values"], r["errors"], mc_samples) for r in rows]
     scope = f"{len(rows)} rollouts, K_mc = {mc_samples}"
     if any(c is None for c in counts):
-        return [
-            Claim(
-                claim=claim,
-                scope=scope,
-                measurement="prefix values are not means of 0/1 rewards",
-                control=control,
-                verdict=INCONCLUSIVE,
-                rule="the opposing shifts need 0/1 rewards",
-                source=source,
-            )
-        ]
+        what = "prefix values are not means of 0/1 rewards"
+        return [Claim(claim, scope, what, control, INCONCLUSIVE, "the opposing shifts need 0/1 rewards", source)]
     shifts = opposing_shifts(counts, [r["grpo_advantage"] for r in rows], mc_samples)
     if not shifts:
-        return [
-            Claim(
-                claim=claim,
-                scope=scope,
-                measurement="no interior segment (fewer than 2 prefixes)",
-                control=control,
-                verdict=INCONCLUSIVE,
-                rule="nothing to test",
-                source=source,
-            )
-        ]
+        what = "no interior segment (fewer than 2 prefixes)"
+        return [Claim(claim, scope, what, control, INCONCLUSIVE, "nothing to test", source)]
     m = len(shifts)
     n = min(len(e) for e in shifts)
     p_above = [mean_test_p(e, MC_MARGIN, "above") for e in shifts]

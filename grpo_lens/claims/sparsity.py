@@ -379,73 +379,39 @@ def _share_se(row: dict[str, Any], key: str, se_key: str) -> tuple[float, str]:
     return math.sqrt(max(q * (1 - q), 1e-12) / n), "simple-random-sample approximation (older run)"
 
 
-@CLAIMS.register("most_parameters_unchanged")
-def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
-    """ "RL leaves most parameters unchanged" (S4), beyond bf16 rounding.
+def _s4_lora_claim(last: dict[str, Any], lora_rank: int, rows: list[dict[str, Any]]) -> Claim:
+    """S4 with LoRA: inconclusive, not applicable to the adapter's parameters (the base weights never change)."""
+    return Claim(
+        claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
+        scope=f"training, step {last[STEP]}, LoRA rank {lora_rank}",
+        measurement=(
+            f"over the adapter's A and B only: bf16 unchanged since start "
+            f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], 3)}"
+        ),
+        control="none: the claim is about the model's weights, not the adapter's",
+        verdict=INCONCLUSIVE,
+        rule=(
+            "not applicable to adapter parameters: the frozen base weights never change and the "
+            "adapter is a different parameter space (B starts at 0, so A gets no gradient on step 1); "
+            "the merged weights W + (alpha/r) B A are not measured"
+        ),
+        source=f"lens, fixed sample of {_sample_size(rows)} adapter weights",
+    )
 
-    Measures at the last lens step, since the start, on the lens's fixed stratified sample: z = float32-unchanged
-    share, q = bf16-unchanged share, c = its within-tensor permutation control (the same update entries permuted within
-    each tensor: :func:`grpo_lens.formulas.sparsity.permuted_bf16_unchanged_probability`), each interval ± 1.96 SE
-    with the SE stratified by tensor (the sample's design:
-    :func:`grpo_lens.formulas.stats.stratified_mean_se`).
 
-    Rule: inconclusive when z = 1 (no sampled weight moved since the start: a zero update, e.g. a warm-up step at
-    learning rate 0 or every advantage 0, says nothing about what training changes); holds when z's interval lies
-    above 0.5 (most weights did not move at all; then q >= z > 0.5 too); does not
-    hold when z's interval lies below 0.5 (most weights moved in float32, whatever bf16 shows) or q's lies below 0.5;
-    inconclusive otherwise. The excess q − c is reported with its interval and names the reason when the rule does
-    not hold: within :data:`BF16_MARGIN` of 0, the update's own magnitudes placed at random explain the bf16 share
-    (rounding of small changes); above it, where the changes land matters too (structure), but the weights still
-    moved. The excess is not a condition for holds: permuting a sparse update keeps its zeros, so a truly sparse
-    update has excess ≈ 0 (the control tells "placement matters" from "magnitudes explain it", and the float32 share
-    tells "sparse" from "small"). The 0.1 rule's dense Gaussian control at the per-tensor RMS is shown, not used:
-    with heavy-tailed magnitudes it is set by the few large entries and read a dense update as sparse (issue 18).
-    """
-    rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)
-    if not rows:
-        return []
-    last = rows[-1]
-    if data.get("lora_rank"):  # the lens samples the trainable (adapter) weights; the frozen base never changes
-        return [
-            Claim(
-                claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
-                scope=f"training, step {last[STEP]}, LoRA rank {data['lora_rank']}",
-                measurement=(
-                    f"over the adapter's A and B only: bf16 unchanged since start "
-                    f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], 3)}"
-                ),
-                control="none: the claim is about the model's weights, not the adapter's",
-                verdict=INCONCLUSIVE,
-                rule=(
-                    "not applicable to adapter parameters: the frozen base weights never change and the "
-                    "adapter is a different parameter space (B starts at 0, so A gets no gradient on step 1); "
-                    "the merged weights W + (alpha/r) B A are not measured"
-                ),
-                source=f"lens, fixed sample of {_sample_size(rows)} adapter weights",
-            )
-        ]
-    share = float(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
-    f32 = last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED)
-    perm = last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)
-    dense = last.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)
-    q_se, how = _share_se(last, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE)
-    most = verdict_from_interval(share - 1.96 * q_se, share + 1.96 * q_se, 0.5, "above")
-    if f32 is None:
-        f32_most, f32_lo, f32_hi = INCONCLUSIVE, math.nan, math.nan
-    else:
-        f32 = float(f32)
-        z_se, _ = _share_se(last, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE)
-        f32_lo, f32_hi = f32 - 1.96 * z_se, f32 + 1.96 * z_se
-        f32_most = verdict_from_interval(f32_lo, f32_hi, 0.5, "above")
-    if perm is not None:
-        gap = share - float(perm)
-        e_se = last.get(SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE)
-        e_se = float(e_se) if e_se is not None else q_se
-        lo, hi = gap - 1.96 * e_se, gap + 1.96 * e_se
-        placement = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
-        excess = f"excess over the permutation control {fmt(gap, 3)} [{fmt(lo, 3)}, {fmt(hi, 3)}]"
-    else:
-        placement, excess = INCONCLUSIVE, "no permutation control (a run from before it was logged)"
+def _s4_verdict(
+    share: float,
+    f32: float | None,
+    f32_lo: float,
+    f32_hi: float,
+    f32_most: str,
+    most: str,
+    perm: Any,
+    placement: str,
+) -> tuple[str, str]:
+    """(verdict, why) of :func:`most_parameters_unchanged`'s rule from the bf16-unchanged share ``share``, the
+    float32-unchanged share ``f32`` (None: not logged) with its interval, their verdicts against 0.5, the permutation
+    control ``perm`` (None: not logged) and the excess's verdict ``placement`` against :data:`BF16_MARGIN`."""
     if f32 is not None and f32 >= 1.0:  # not one sampled weight moved: the update was zero (lr 0, every A_i = 0)
         verdict, why = (
             INCONCLUSIVE,
@@ -481,8 +447,13 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
                 else "no float32-unchanged share logged"
             ),
         )
-    # the rule's branches as one-sided p-values (z / q against 0.5 with their stratified SEs, normal): the same
-    # decisions as the 1.96-SE intervals above at 0.025
+    return verdict, why
+
+
+def _s4_p_values(share: float, q_se: float, f32: float | None, f32_lo: float, f32_hi: float) -> tuple[float, float]:
+    """(p holds, p does not hold) of :func:`most_parameters_unchanged`'s rule: z / q against 0.5 with their
+    stratified SEs, normal, one-sided (the same decisions as the 1.96-SE intervals at 0.025); 1, 1 when z is not
+    logged or no weight moved."""
     if f32 is None or f32 >= 1.0 or not math.isfinite(f32_lo):
         p_holds = p_dnh = 1.0
     else:
@@ -491,6 +462,63 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
         p_z = normal_upper_tail((0.5 - f32) / z_se) if z_se > 0 else float(f32 >= 0.5)
         p_q = normal_upper_tail((0.5 - share) / q_se) if q_se > 0 else float(share >= 0.5)
         p_dnh = min(p_z, p_q)
+    return p_holds, p_dnh
+
+
+@CLAIMS.register("most_parameters_unchanged")
+def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
+    """ "RL leaves most parameters unchanged" (S4), beyond bf16 rounding.
+
+    Measures at the last lens step, since the start, on the lens's fixed stratified sample: z = float32-unchanged
+    share, q = bf16-unchanged share, c = its within-tensor permutation control (the same update entries permuted within
+    each tensor: :func:`grpo_lens.formulas.sparsity.permuted_bf16_unchanged_probability`), each interval ± 1.96 SE
+    with the SE stratified by tensor (the sample's design:
+    :func:`grpo_lens.formulas.stats.stratified_mean_se`).
+
+    Rule: inconclusive when z = 1 (no sampled weight moved since the start: a zero update, e.g. a warm-up step at
+    learning rate 0 or every advantage 0, says nothing about what training changes); holds when z's interval lies
+    above 0.5 (most weights did not move at all; then q >= z > 0.5 too); does not
+    hold when z's interval lies below 0.5 (most weights moved in float32, whatever bf16 shows) or q's lies below 0.5;
+    inconclusive otherwise. The excess q − c is reported with its interval and names the reason when the rule does
+    not hold: within :data:`BF16_MARGIN` of 0, the update's own magnitudes placed at random explain the bf16 share
+    (rounding of small changes); above it, where the changes land matters too (structure), but the weights still
+    moved. The excess is not a condition for holds: permuting a sparse update keeps its zeros, so a truly sparse
+    update has excess ≈ 0 (the control tells "placement matters" from "magnitudes explain it", and the float32 share
+    tells "sparse" from "small"). The 0.1 rule's dense Gaussian control at the per-tensor RMS is shown, not used:
+    with heavy-tailed magnitudes it is set by the few large entries and read a dense update as sparse (issue 18).
+    """
+    rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)
+    if not rows:
+        return []
+    last = rows[-1]
+    if data.get("lora_rank"):  # the lens samples the trainable (adapter) weights; the frozen base never changes
+        return [_s4_lora_claim(last, data["lora_rank"], rows)]
+    share = float(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
+    f32 = last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED)
+    perm = last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)
+    dense = last.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)
+    q_se, how = _share_se(last, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE)
+    most = verdict_from_interval(share - 1.96 * q_se, share + 1.96 * q_se, 0.5, "above")
+    if f32 is None:
+        f32_most, f32_lo, f32_hi = INCONCLUSIVE, math.nan, math.nan
+    else:
+        f32 = float(f32)
+        z_se, _ = _share_se(last, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE)
+        f32_lo, f32_hi = f32 - 1.96 * z_se, f32 + 1.96 * z_se
+        f32_most = verdict_from_interval(f32_lo, f32_hi, 0.5, "above")
+    if perm is not None:
+        gap = share - float(perm)
+        e_se = last.get(SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE)
+        e_se = float(e_se) if e_se is not None else q_se
+        lo, hi = gap - 1.96 * e_se, gap + 1.96 * e_se
+        placement = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
+        excess = f"excess over the permutation control {fmt(gap, 3)} [{fmt(lo, 3)}, {fmt(hi, 3)}]"
+    else:
+        placement, excess = INCONCLUSIVE, "no permutation control (a run from before it was logged)"
+    verdict, why = _s4_verdict(share, f32, f32_lo, f32_hi, f32_most, most, perm, placement)
+    # the rule's branches as one-sided p-values (z / q against 0.5 with their stratified SEs, normal): the same
+    # decisions as the 1.96-SE intervals above at 0.025
+    p_holds, p_dnh = _s4_p_values(share, q_se, f32, f32_lo, f32_hi)
     dense_txt = f"; a dense Gaussian update of the same per-tensor RMS {fmt(dense, 3)} (not used)" if dense else ""
     return [
         Claim(

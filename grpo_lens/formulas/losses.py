@@ -603,18 +603,7 @@ def grpo_loss(
     Raises:
         ValueError: beta > 0 without ref_logp, shape mismatch, unknown aggregation, KL estimator or policy loss.
     """
-    if logp.shape != old_logp.shape or logp.shape != mask.shape:
-        raise ValueError(
-            f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
-            f"{tuple(mask.shape)} must all be [n, T]"
-        )
-    if advantages.shape != logp.shape[:1]:
-        raise ValueError(f"advantages must be [n] = [{logp.shape[0]}], got {tuple(advantages.shape)}")
-    if beta < 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
-    if beta > 0 and ref_logp is None:
-        raise ValueError("beta > 0 needs ref_logp (log-probs of the reference model)")
-
+    _check_loss_inputs(logp, old_logp, advantages, mask, beta, ref_logp)
     maskf = mask.to(logp.dtype)
     # Masked-out positions hold 0 from here on (torch.where): a NaN / -inf there (padding) reaches neither the loss
     # nor its gradient, which a multiply-by-mask would let through (0 * NaN = NaN).
@@ -651,25 +640,68 @@ def grpo_loss(
 
     with torch.no_grad():
         tokens = maskf.sum().clamp(min=1.0)
-        adv = advantages.unsqueeze(-1).expand_as(ratio)
-        low = (ratio < 1.0 - eps_low) & (adv < 0) & mask
-        high = (ratio > 1.0 + eps_high) & (adv > 0) & mask
-        dual = torch.zeros_like(mask)
-        if dual_clip is not None:
-            dual = (adv < 0) & (ratio > dual_clip) & mask
         metrics = {
             LOSS_POLICY: float(policy.detach()),
             LOSS_KL: float(kl_part.detach()),
             KL_MEAN: float(masked_sum(kl_tok.detach(), mask) / tokens) if kl_tok is not None else 0.0,
-            CLIP_RATIO_LOW: float(low.sum() / tokens),
-            CLIP_RATIO_HIGH: float(high.sum() / tokens),
-            CLIP_RATIO_REGION: float((low | high).sum() / tokens),
-            CLIP_RATIO_DUAL: float(dual.sum() / tokens),
-            RATIO_MEAN: float(masked_sum(ratio, mask) / tokens),
-            RATIO_MAX: float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
+            **clip_shares(ratio, advantages, mask, tokens, eps_low, eps_high, dual_clip),
             "tokens": float(maskf.sum()),
         }
     return loss, metrics
+
+
+def _check_loss_inputs(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, beta: float, ref_logp: Tensor | None
+) -> None:
+    """:func:`grpo_loss`'s input checks: [n, T] shapes, [n] advantages, beta >= 0 with its reference log-probs."""
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        raise ValueError(
+            f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+            f"{tuple(mask.shape)} must all be [n, T]"
+        )
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [n] = [{logp.shape[0]}], got {tuple(advantages.shape)}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp (log-probs of the reference model)")
+
+
+def clip_shares(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    tokens: Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+) -> dict[str, float]:
+    """Shares of the kept tokens where :func:`grpo_loss`'s clip binds, and the ratio's mean and max over them.
+
+    Args:
+        ratio: [n, T] rho = pi_theta / pi_old (GSPO: the sequence ratio per token).   advantages: [n] A_i.
+        mask: [n, T] bool.   tokens: [] max(mask.sum(), 1) in the loss's dtype, the shares' denominator.
+        eps_low, eps_high, dual_clip: the clip ranges (:func:`clipped_surrogate`).
+
+    Returns:
+        ``clip/ratio_low`` (rho < 1 - eps_low and A < 0), ``clip/ratio_high`` (rho > 1 + eps_high and A > 0),
+        ``clip/ratio_region`` (either), ``clip/ratio_dual`` (A < 0 and rho > dual_clip), ``ratio/mean``,
+        ``ratio/max`` (1 without tokens).
+    """
+    adv = advantages.unsqueeze(-1).expand_as(ratio)
+    low = (ratio < 1.0 - eps_low) & (adv < 0) & mask
+    high = (ratio > 1.0 + eps_high) & (adv > 0) & mask
+    dual = torch.zeros_like(mask)
+    if dual_clip is not None:
+        dual = (adv < 0) & (ratio > dual_clip) & mask
+    return {
+        CLIP_RATIO_LOW: float(low.sum() / tokens),
+        CLIP_RATIO_HIGH: float(high.sum() / tokens),
+        CLIP_RATIO_REGION: float((low | high).sum() / tokens),
+        CLIP_RATIO_DUAL: float(dual.sum() / tokens),
+        RATIO_MEAN: float(masked_sum(ratio, mask) / tokens),
+        RATIO_MAX: float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
+    }
 
 
 def policy_token_weights(

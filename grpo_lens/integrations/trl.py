@@ -76,6 +76,7 @@ from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.lens.settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
 from grpo_lens.lens.settings import LensSettings, deprecated_sketch_keyword
+from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
@@ -590,11 +591,12 @@ class GRPOLensMixin:
         valid = ~torch.isnan(rewards)
         advantages = output["advantages"].reshape(-1)
         weights = trl_token_weights(self, output)  # TRL's IS weights and masks (None: all 1)
+        step_batch = StepBatch(int(self.state.global_step), policy, batch, rewards, valid, advantages)
         with activation_checkpointing_off(policy):  # the gradient sketch needs the layers' own forward (TRL turns
             if weights is None:
-                return self._lens.measure(int(self.state.global_step), policy, batch, rewards, valid, advantages)
+                return self._lens.measure(step_batch)
             rows_of = self.weighted_lens_rows(policy, batch, rewards, valid, weights)
-            return self._lens.measure(int(self.state.global_step), policy, batch, rewards, valid, advantages, **rows_of)
+            return self._lens.measure(step_batch, **rows_of)
 
     def weighted_lens_rows(
         self,

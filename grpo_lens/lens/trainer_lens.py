@@ -62,6 +62,7 @@ from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
 from grpo_lens.gradients.token_credit import squared_norm, token_directional_derivatives
 from grpo_lens.lens.settings import LensSettings, as_lens_settings
 from grpo_lens.lens.sparsity import Bf16UpdateTracker, SparsityOverTraining
+from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lora import is_lora
 from grpo_lens.metrics import (
     DEAD_KL_GRAD_NORM,
@@ -256,59 +257,30 @@ class TrainerLens:
             self._proxy_w[idx] = self.proxy_score_norms(policy, batch.select(idx))
         return MicroBatchGrams(policy, rewards.numel(), rows=rows, group_size=group_size)
 
-    def measure_from_update(
-        self,
-        step: int,
-        policy: torch.nn.Module,
-        batch: RolloutBatch,
-        rewards: torch.Tensor,
-        valid: torch.Tensor,
-        advantages: torch.Tensor,
-        capture: Any,
-    ) -> dict[str, float]:
+    def measure_from_update(self, step_batch: StepBatch, capture: Any) -> dict[str, float]:
         """:meth:`measure` from what ``capture`` took in the update's first pass: the exact Gram
         (:class:`MicroBatchGrams`, :func:`score_gram_from_update`) or the sketched rows (:class:`GradientCapture`,
         :func:`scores_from_update_rows`); N, the rollouts in the loss, summed over processes."""
+        batch, advantages = step_batch.batch, step_batch.advantages
         loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, self.settings.overlong)
         n_total = sum(gather_objects(float(loss_mask.any(dim=1).sum())))
         if isinstance(capture, MicroBatchGrams):
             gram, info = capture.gram()
-            return self.measure(
-                step,
-                policy,
-                batch,
-                rewards,
-                valid,
-                advantages,
-                gram=(score_gram_from_update(gram, advantages, n_total), info),
-            )
+            return self.measure(step_batch, gram=(score_gram_from_update(gram, advantages, n_total), info))
         n_total = sum(gather_objects(float(batch.completion_mask.any(dim=1).sum())))  # the sketch's N, as before
-        return self.measure(
-            step,
-            policy,
-            batch,
-            rewards,
-            valid,
-            advantages,
-            sketch=scores_from_update_rows(capture.result().sketch, advantages, n_total),
-        )
+        return self.measure(step_batch, sketch=scores_from_update_rows(capture.result().sketch, advantages, n_total))
 
     def measure(
         self,
-        step: int,
-        policy: torch.nn.Module,
-        batch: RolloutBatch,
-        rewards: torch.Tensor,
-        valid: torch.Tensor,
-        advantages: torch.Tensor,
+        step_batch: StepBatch,
         sketch: torch.Tensor | None = None,
         gram: tuple[torch.Tensor, dict[str, Any]] | None = None,
     ) -> dict[str, float]:
         """Lens metrics of one step's rollouts (every process's), before the update.
 
         Args:
-            batch: this process's N = B*R rollouts.  rewards: [N] (NaN where invalid).  valid: [N] bool.
-            advantages: [N], the advantages the update uses.
+            step_batch: the step, the policy at its starting weights, this process's N = B*R rollouts, their
+                rewards [N] (NaN where invalid), valid [N] bool and the advantages [N] the update uses.
             sketch: [N, P_s] sketched g_i of every rollout, already computed at the step's starting weights (from the
                 update's first pass, :func:`scores_from_update_rows`); None runs the lens's own batched
                 forward + backward over the mixed groups, which must then happen before the update.
@@ -320,82 +292,123 @@ class TrainerLens:
             {key: float}; the same numbers on every process.
         """
         t0 = time.perf_counter()
-        c = self.settings
-        R = batch.group_size
-        r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, R).cpu()
-        v = valid.view(-1, R).cpu()
-        mixed = self.mixed_groups(rewards, valid, R)
+        # 1. this process's groups, the mixed ones, the loss's normaliser and the first group's index in the batch
+        s, R = step_batch, step_batch.batch.group_size
+        r = torch.where(s.valid, s.rewards, torch.zeros_like(s.rewards)).view(-1, R).cpu()
+        v = s.valid.view(-1, R).cpu()
+        mixed = self.mixed_groups(s.rewards, s.valid, R)
+        loss_mask, z_total, n_total = self._loss_normalizer(s.batch)
+        shares = gather_objects(r.shape[0])  # each group's seed follows its index in the whole batch
+        first_group = sum(shares[: torch.distributed.get_rank() if len(shares) > 1 else 0])
+        # 2. the mixed groups' Gram and its analysis, group by group
+        noise_part: dict[str, Any] = {"groups": int(r.shape[0]), "sum_sq": 0.0, "m": None, "exact": False}
+        if sketch is None and gram is None and is_sharded(s.policy) and any(gather_objects(bool(mixed))) and not mixed:
+            # FSDP2: each forward is a collective, so a process without a mixed group joins the others' pass with
+            # one group of its own and drops the result
+            self.rollout_gram(s.policy, s.batch.select(torch.arange(R)), torch.ones(R, device=loss_mask.device))
         rows: list[dict[str, float]] = []
         coverage: list[float] = []
-        # the per-rollout term the update weights (docs/theory.md §3): omega_i = (N/Z) v_i with the whole batch's
-        # N and normaliser Z, summed over processes as the trainer does
+        if mixed:
+            idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
+            mixed_gram, dim, cov, hook_seconds = self._mixed_gram(s, idx, loss_mask, z_total, n_total, sketch, gram)
+            t0 -= hook_seconds  # the hooks ran inside the update's backward: the lens's time
+            coverage += cov
+            adv = s.advantages.detach().cpu().double()
+            if coverage:  # the exact Gram: the update's rows h_i = -(A_i / N) g_i summed per group
+                m = group_gradient_gram(mixed_gram, -adv[idx] / n_total, R)  # [n_mixed, n_mixed]; NaN between groups
+                noise_part.update(sum_sq=float(m.diagonal().sum()), m=m if bool(m.isfinite().all()) else None)
+                noise_part["exact"] = True
+                if self.settings.lens_noise_proxy:
+                    noise_part["proxy"] = self.proxy_powers(
+                        s.policy, s.batch.select(idx), loss_mask, idx, mixed_gram, adv[idx], z_total, n_total
+                    )
+            rows = self._analyse_mixed(s, mixed, idx, mixed_gram, r, adv, dim, first_group)
+        # 3. the noise scale counts every group: one outside the Gram must carry no policy gradient (all A_i = 0)
+        rest = torch.ones(r.shape[0], dtype=torch.bool)
+        rest[mixed] = False
+        noise_part["zero_rest"] = bool((s.advantages.detach().cpu().view(-1, R)[rest] == 0).all())
+        # 4. every process's groups: the lens describes the whole batch, not rank 0's share
+        parts = gather_objects({"rows": rows, "rewards": r, "valid": v, "coverage": coverage, "noise": noise_part})
+        out = self._batch_metrics(parts, from_update=gram is not None, n_total=n_total, step=s.step)
+        self._want_grad_sq, self._grad_sq, self._proxy_w = False, None, None
+        self._pending = True
+        out[PERF_LENS_SECONDS] = time.perf_counter() - t0
+        return out
+
+    def _loss_normalizer(self, batch: RolloutBatch) -> tuple[torch.Tensor, float, float]:
+        """(the loss's token mask [N, T], its normaliser Z and its rollouts N, both summed over processes as the
+        trainer does): the per-rollout term the update weights is omega_i = (N/Z) v_i (docs/theory.md §3)."""
+        c = self.settings
         loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, c.overlong)  # the tokens it sums
         norm = gather_objects(
             (loss_normalizer(loss_mask, c.loss_aggregation, c.max_new_tokens), float(loss_mask.any(dim=1).sum()))
         )
-        z_total, n_total = sum(z for z, _ in norm), sum(n for _, n in norm)
-        # each group's seed follows its index in the whole batch, which this process holds a contiguous share of
-        shares = gather_objects(r.shape[0])
-        rank = torch.distributed.get_rank() if len(shares) > 1 else 0
-        first_group = sum(shares[:rank])
-        from_update = gram is not None  # the Gram read off the update's backward: each group's block alone
-        own_pass = sketch is None and gram is None
-        noise_part: dict[str, Any] = {"groups": int(r.shape[0]), "sum_sq": 0.0, "m": None, "exact": False}
-        if own_pass and is_sharded(policy) and any(gather_objects(bool(mixed))) and not mixed:
-            # FSDP2: each forward is a collective, so a process without a mixed group joins the others' pass with
-            # one group of its own and drops the result
-            self.rollout_gram(policy, batch.select(torch.arange(R)), torch.ones(R, device=loss_mask.device))
-        if mixed:
-            idx = torch.cat([torch.arange(b * R, (b + 1) * R) for b in mixed])
-            sub = batch.select(idx)
-            if gram is not None:
-                g = gram[0][idx.unsqueeze(1), idx.unsqueeze(0)]  # [n_mixed * R, n_mixed * R]; NaN between groups
-                coverage.append(gram[1]["coverage"])
-                t0 -= gram[1]["hook_seconds"]  # the hooks ran inside the update's backward: the lens's time
-                gram = g
-                dim = trainable_count(policy)  # the exact Gram's P
-            elif sketch is None:
-                omega = rollout_gradient_weights(
-                    loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total, n_total
-                )
-                gram, cov, dim = self.rollout_gram(policy, sub, omega)  # [n_mixed * R, n_mixed * R] on the CPU
-                coverage += [cov] if cov is not None else []
-            else:
-                grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, P_s]
-                gram = grads @ grads.T
-                dim = grads.shape[1]  # the sketch's P_s
-            # dim: P for the claims' simulated null (issue 29), the dimension of the space the Gram's gradients live in
-            adv = advantages.detach().cpu().double()
-            if coverage:  # the exact Gram: the update's rows h_i = -(A_i / N) g_i summed per group
-                m = group_gradient_gram(gram, -adv[idx] / n_total, R)  # [n_mixed, n_mixed]; NaN between groups
-                noise_part.update(sum_sq=float(m.diagonal().sum()), m=m if bool(m.isfinite().all()) else None)
-                noise_part["exact"] = True
-                if c.lens_noise_proxy:
-                    noise_part["proxy"] = self.proxy_powers(
-                        policy, sub, loss_mask, idx, gram, adv[idx], z_total, n_total
-                    )
-            for j, b in enumerate(mixed):
-                rows.append(
-                    analyse_group(
-                        gram[j * R : (j + 1) * R, j * R : (j + 1) * R],
-                        r[b].double(),
-                        adv[b * R : (b + 1) * R],
-                        estimator=c.estimator,
-                        std=c.std,
-                        eps=c.std_eps,
-                        completion_mask=sub.completion_mask[j * R : (j + 1) * R].cpu(),
-                        completion_ids=sub.completion_ids[j * R : (j + 1) * R].cpu(),
-                        num_random=4,
-                        null_dim=dim,
-                        seed=c.seed + step * 1009 + first_group + b,
-                    )
-                )
-        # the noise scale counts every group: one outside the Gram must carry no policy gradient (all A_i = 0)
-        rest = torch.ones(r.shape[0], dtype=torch.bool)
-        rest[mixed] = False
-        noise_part["zero_rest"] = bool((advantages.detach().cpu().view(-1, R)[rest] == 0).all())
-        # every process's groups: the lens describes the whole batch, not rank 0's share
-        parts = gather_objects({"rows": rows, "rewards": r, "valid": v, "coverage": coverage, "noise": noise_part})
+        return loss_mask, sum(z for z, _ in norm), sum(n for _, n in norm)
+
+    def _mixed_gram(
+        self,
+        step_batch: StepBatch,
+        idx: torch.Tensor,
+        loss_mask: torch.Tensor,
+        z_total: float,
+        n_total: float,
+        sketch: torch.Tensor | None,
+        gram: tuple[torch.Tensor, dict[str, Any]] | None,
+    ) -> tuple[torch.Tensor, int, list[float], float]:
+        """(the Gram [n, n] of the mixed groups' rows ``idx`` [n], the dimension P of the space its gradients live
+        in (for the claims' simulated null), the exact Gram's coverage as a list of 0 or 1 values, the seconds its
+        hooks spent inside the update's backward): read off the update's backward (``gram``: NaN between groups),
+        from its sketched rows (``sketch``) or from the lens's own pass (:meth:`rollout_gram`)."""
+        policy = step_batch.policy
+        if gram is not None:
+            g = gram[0][idx.unsqueeze(1), idx.unsqueeze(0)]  # [n_mixed * R, n_mixed * R]; NaN between groups
+            return g, trainable_count(policy), [gram[1]["coverage"]], gram[1]["hook_seconds"]
+        if sketch is None:
+            c = self.settings
+            omega = rollout_gradient_weights(loss_mask[idx.to(loss_mask.device)], c.loss_aggregation, z_total, n_total)
+            own, cov, dim = self.rollout_gram(policy, step_batch.batch.select(idx), omega)  # on the CPU
+            return own, dim, [cov] if cov is not None else [], 0.0
+        grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, P_s]
+        return grads @ grads.T, grads.shape[1], [], 0.0
+
+    def _analyse_mixed(
+        self,
+        step_batch: StepBatch,
+        mixed: list[int],
+        idx: torch.Tensor,
+        gram: torch.Tensor,
+        r: torch.Tensor,
+        adv: torch.Tensor,
+        dim: int,
+        first_group: int,
+    ) -> list[dict[str, float]]:
+        """:func:`grpo_lens.analysis.group.analyse_group` of each mixed group ``mixed`` (rows ``idx``, Gram ``gram``
+        [n, n] in that order), rewards ``r`` [B, R], advantages ``adv`` [N] float64, the null's dimension ``dim``;
+        group b's seed follows the step and its index ``first_group + b`` in the whole batch."""
+        c, R = self.settings, step_batch.batch.group_size
+        sub = step_batch.batch.select(idx)
+        return [
+            analyse_group(
+                gram[j * R : (j + 1) * R, j * R : (j + 1) * R],
+                r[b].double(),
+                adv[b * R : (b + 1) * R],
+                estimator=c.estimator,
+                std=c.std,
+                eps=c.std_eps,
+                completion_mask=sub.completion_mask[j * R : (j + 1) * R].cpu(),
+                completion_ids=sub.completion_ids[j * R : (j + 1) * R].cpu(),
+                num_random=4,
+                null_dim=dim,
+                seed=c.seed + step_batch.step * 1009 + first_group + b,
+            )
+            for j, b in enumerate(mixed)
+        ]
+
+    def _batch_metrics(
+        self, parts: list[dict[str, Any]], from_update: bool, n_total: float, step: int
+    ) -> dict[str, float]:
+        """The step's lens metrics from every process's ``parts`` (rows, coverage, noise): the mean over mixed groups,
+        the rank intervals, the exact Gram's coverage, the noise scale and verl's proxy beside it."""
         all_rows = [row for part in parts for row in part["rows"]]
         out: dict[str, float] = {}
         out[RANK_MIXED_GROUPS] = float(len(all_rows))
@@ -406,7 +419,8 @@ class TrainerLens:
         out.update(lens_rank_intervals(all_rows))
         # S from the update covers every parameter, so D must too: the fused noise scale needs coverage 1
         if not (from_update and all_coverage and min(all_coverage) < 1.0) and all_rows:
-            out.update(self.noise_metrics([part["noise"] for part in parts], from_update, seed=c.seed + step * 1009))
+            seed = self.settings.seed + step * 1009
+            out.update(self.noise_metrics([part["noise"] for part in parts], from_update, seed=seed))
             proxies = [part["noise"]["proxy"] for part in parts if part["noise"].get("proxy") is not None]
             if proxies:  # verl's proxy beside the exact power, over the step's N rollouts in the loss
                 proxy, exact = torch.cat([p for p, _ in proxies]), torch.cat([e for _, e in proxies])
@@ -414,9 +428,6 @@ class TrainerLens:
                 out[NOISE_PROXY_TOTAL_POWER] = float(proxy[ok].sum()) / n_total
                 out[NOISE_EXACT_TOTAL_POWER] = float(exact[ok].sum()) / n_total
                 out[NOISE_PROXY_RANK_CORR] = rank_correlation(proxy[ok], exact[ok])
-        self._want_grad_sq, self._grad_sq, self._proxy_w = False, None, None
-        self._pending = True
-        out[PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out
 
     def noise_metrics(self, parts: list[dict[str, Any]], from_update: bool, seed: int) -> dict[str, float]:

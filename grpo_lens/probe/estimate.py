@@ -22,7 +22,7 @@ from grpo_lens.formulas.spectrum import (
 )
 from grpo_lens.formulas.stats import bootstrap_ci, stratify_rows, summarise_rows
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
-from grpo_lens.gradients.gram import gram_factor
+from grpo_lens.gradients.gram_blocks import gram_factor
 from grpo_lens.metrics import (
     G3_GROUPS,
     GRAD_IDENTITY_RESIDUAL,

@@ -18,7 +18,8 @@ from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.formulas.zero_sum import weightings
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.g2 import G2WeightingCapture
-from grpo_lens.gradients.gram import block_spans, exact_rollout_gram
+from grpo_lens.gradients.gram import exact_rollout_gram
+from grpo_lens.gradients.gram_blocks import block_spans
 from grpo_lens.gradients.params import (
     is_linear,
     layer_pattern,

@@ -36,7 +36,7 @@ from grpo_lens.formulas.spectrum import (
     weighted_row_sum,
 )
 from grpo_lens.formulas.zero_sum import weightings
-from grpo_lens.gradients.gram import gram_factor
+from grpo_lens.gradients.gram_blocks import gram_factor
 from grpo_lens.gradients.params import trainable_count
 from grpo_lens.gradients.sketch import token_grad_sq_norms
 from grpo_lens.probe.config import ProbeConfig

@@ -76,7 +76,12 @@ from grpo_lens.probe.draws import PromptPool, draw_plan, generation_prompts_per_
 from grpo_lens.probe.estimate import probe_group_size
 from grpo_lens.probe.gradient_sources import default_layer
 from grpo_lens.probe.partial import PartialProbe
-from grpo_lens.probe.studies import run_baseline_study, run_credit_study
+from grpo_lens.probe.studies import (
+    BaselineStudySettings,
+    CreditStudySettings,
+    run_baseline_study,
+    run_credit_study,
+)
 from grpo_lens.probe.tracking import log_probe
 from grpo_lens.report import write_report
 from grpo_lens.rewards import parse_reward_specs
@@ -164,15 +169,9 @@ def run_studies(
     ``partial``, a finished study is kept there, and one it already holds is not run again (``--resume``). With
     ``pool`` (shared draws), the baseline study first takes the prompts the R phases drew with enough rollouts
     (:func:`study_presampled`)."""
-    common = dict(
-        group_size=config.study_group_size,
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        seed=config.seed,
-        prompts_per_batch=generation_prompts_per_call(policy, 4 * config.study_group_size, config),
-    )
+    per_call = generation_prompts_per_call(policy, 4 * config.study_group_size, config)
+    baselines = BaselineStudySettings.from_probe_config(config, per_call)
+    credit = CreditStudySettings.from_probe_config(config, per_call)
     studies: dict[str, tuple[int, Callable[[Any], dict[str, Any]]]] = {
         "baselines": (
             config.baseline_study_prompts,
@@ -181,31 +180,14 @@ def run_studies(
                 tokenizer,
                 task,
                 reward_fns,
-                prompts=config.baseline_study_prompts,
-                max_prompts=4 * config.baseline_study_prompts,
-                sketch_dim=config.sketch_dim,
-                resamples=max(config.resamples, 2),
+                baselines,
                 progress=bar,
                 presampled=study_presampled(policy, config, pool),
-                **common,
             ),
         ),
         "credit": (
             config.credit_groups,
-            lambda bar: run_credit_study(
-                policy,
-                tokenizer,
-                task,
-                reward_fns,
-                groups=config.credit_groups,
-                max_prompts=6 * config.credit_groups,
-                mc_groups=config.mc_groups,
-                mc_samples=config.mc_samples,
-                std=config.std,
-                eps=config.std_eps,
-                progress=bar,
-                **common,
-            ),
+            lambda bar: run_credit_study(policy, tokenizer, task, reward_fns, credit, progress=bar),
         ),
     }
     out: dict[str, Any] = {

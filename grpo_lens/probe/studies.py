@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +43,116 @@ from grpo_lens.gradients.token_credit import prefix_values_many, signed_token_co
 from grpo_lens.rewards import combine_rewards, score_batch
 from grpo_lens.rollout import sample_groups
 from grpo_lens.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from grpo_lens.probe.config import ProbeConfig
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """What both studies read: their group size, how they sample and the loss aggregation whose per-rollout weights
+    their gradients carry. Built once from a :class:`grpo_lens.probe.config.ProbeConfig` by the studies'
+    ``from_probe_config``."""
+
+    group_size: int = 4
+    """R_s, rollouts per group of the study (``study_group_size``)."""
+    prompts_per_batch: int = 4
+    """Prompts per ``generate`` call."""
+    max_new_tokens: int = 24
+    """Completion length cap T."""
+    temperature: float = 0.7
+    """Sampling temperature (also the temperature of the scored log-probs)."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1: off)."""
+    aggregation: str = "seq-mean-token-mean"
+    """Loss aggregation whose per-rollout weights the gradients carry (:mod:`grpo_lens.formulas.losses`)."""
+    seed: int = 0
+    """The probe's seed; every draw's seed is derived from it (:func:`grpo_lens.seeding.derive_seed`)."""
+
+    def sampling(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`grpo_lens.rollout.sample_groups` that these settings fix."""
+        return dict(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+        )
+
+
+def _common_settings(config: ProbeConfig, prompts_per_batch: int) -> dict[str, Any]:
+    """The :class:`StudySettings` fields ``config`` sets (the aggregation keeps its default)."""
+    return dict(
+        group_size=config.study_group_size,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        seed=config.seed,
+        prompts_per_batch=prompts_per_batch,
+    )
+
+
+@dataclass(frozen=True)
+class BaselineStudySettings(StudySettings):
+    """The baseline study's settings (:func:`run_baseline_study`)."""
+
+    prompts: int = 8
+    """Prompts with reward contrast to analyse."""
+    max_prompts: int = 32
+    """Prompts to sample at most while looking for them."""
+    pool_factor: int = 4
+    """M / R: rollouts per prompt over the group size (>= 4: the study needs M >= 4R)."""
+    sketch_dim: int = 16
+    """k_in = k_out of the LoGra sketch of every ``nn.Linear`` weight (P_s = layers k^2)."""
+    resamples: int = 512
+    """Resampled groups per prompt for the baselines' bias and variance."""
+
+    @classmethod
+    def from_probe_config(cls, config: ProbeConfig, prompts_per_batch: int) -> BaselineStudySettings:
+        """``baseline_study_prompts`` prompts with contrast out of at most 4 times as many, at least 2 resamples."""
+        return cls(
+            prompts=config.baseline_study_prompts,
+            max_prompts=4 * config.baseline_study_prompts,
+            sketch_dim=config.sketch_dim,
+            resamples=max(config.resamples, 2),
+            **_common_settings(config, prompts_per_batch),
+        )
+
+
+@dataclass(frozen=True)
+class CreditStudySettings(StudySettings):
+    """The credit study's settings (:func:`run_credit_study`)."""
+
+    groups: int = 8
+    """Mixed groups whose signed token contributions are measured."""
+    max_prompts: int = 48
+    """Prompts to sample at most while looking for them."""
+    mc_groups: int = 2
+    """Of those, the first groups whose correct and wrong rollout get Monte Carlo segment advantages."""
+    mc_samples: int = 8
+    """K_mc continuations sampled per prefix."""
+    segments: int = 4
+    """Segments per Monte Carlo rollout."""
+    bins: int = 10
+    """Relative-position bins of the contribution profile."""
+    std: str = "sample"
+    """GRPO's advantage normalisation (:func:`grpo_lens.formulas.advantages.compute_advantages`)."""
+    eps: float = 1e-4
+    """GRPO's epsilon in A_i = (r_i - mean) / (std + eps)."""
+    step: float = 1e-2
+    """Finite-difference step of the directional derivatives (:mod:`grpo_lens.gradients.token_credit`)."""
+
+    @classmethod
+    def from_probe_config(cls, config: ProbeConfig, prompts_per_batch: int) -> CreditStudySettings:
+        """``credit_groups`` groups out of at most 6 times as many prompts, the probe's advantage normalisation."""
+        return cls(
+            groups=config.credit_groups,
+            max_prompts=6 * config.credit_groups,
+            mc_groups=config.mc_groups,
+            mc_samples=config.mc_samples,
+            std=config.std,
+            eps=config.std_eps,
+            **_common_settings(config, prompts_per_batch),
+        )
 
 
 def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, Any]:
@@ -105,20 +216,8 @@ def run_baseline_study(
     tokenizer,
     task,
     reward_fns,
+    settings: BaselineStudySettings,
     *,
-    group_size: int = 4,
-    prompts: int = 8,
-    max_prompts: int = 32,
-    prompts_per_batch: int = 4,
-    pool_factor: int = 4,
-    max_new_tokens: int = 24,
-    temperature: float = 0.7,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    sketch_dim: int = 16,
-    aggregation: str = "seq-mean-token-mean",
-    resamples: int = 512,
-    seed: int = 0,
     progress: Any = None,
     presampled: Sequence[tuple[Any, torch.Tensor, torch.Tensor]] = (),
 ) -> dict[str, Any]:
@@ -138,51 +237,51 @@ def run_baseline_study(
     Raises:
         ValueError: pool_factor < 4 (the study needs M >= 4R).
     """
-    if pool_factor < 4:
-        raise ValueError(f"pool_factor must be >= 4 (M >= 4R rollouts per prompt), got {pool_factor}")
+    st = settings
+    if st.pool_factor < 4:
+        raise ValueError(f"pool_factor must be >= 4 (M >= 4R rollouts per prompt), got {st.pool_factor}")
     t_start = time.perf_counter()
-    R, M = group_size, pool_factor * group_size
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    R, M = st.group_size, st.pool_factor * st.group_size
     pools: list[tuple[torch.Tensor, torch.Tensor]] = []
     correct_rows, valid_rows = [], []
     sampled, draw, reused = 0, 0, 0
     given = iter(presampled)
-    while len(pools) < prompts and sampled < max_prompts:
+    while len(pools) < st.prompts and sampled < st.max_prompts:
         item = next(given, None)
         if item is not None:  # a batch the probe already drew, M rollouts per prompt
             batch, rewards, valid = item
             if rewards.shape[1] != M:
                 raise ValueError(f"presampled batches need M = {M} rollouts per prompt, got {rewards.shape[1]}")
-            n = min(rewards.shape[0], max_prompts - sampled)
+            n = min(rewards.shape[0], st.max_prompts - sampled)
             reused += n
         else:
             draw += 1
-            s = derive_seed(seed, group_size=R, draw=draw, offset=17)
-            n = min(prompts_per_batch, max_prompts - sampled)
-            batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, M, s, **sampling)
+            s = derive_seed(st.seed, group_size=R, draw=draw, offset=17)
+            n = min(st.prompts_per_batch, st.max_prompts - sampled)
+            batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, M, s, **st.sampling())
         for j in range(n):
             sampled += 1
             rows = torch.arange(j * M, (j + 1) * M)
             r, v = rewards[j], valid[j]
             correct_rows.append(torch.where(v, r >= 1.0, torch.zeros_like(v)))
             valid_rows.append(v)
-            if len(pools) >= prompts or not bool(v.all()) or bool(constant_groups(r.view(1, M), v.view(1, M))):
+            if len(pools) >= st.prompts or not bool(v.all()) or bool(constant_groups(r.view(1, M), v.view(1, M))):
                 continue
             sub = batch.select(rows)
-            c = aggregation_rollout_weights(sub.completion_mask, aggregation)
+            c = aggregation_rollout_weights(sub.completion_mask, st.aggregation)
             sketch = sketch_rollout_grads(
                 policy,
                 sub,
-                k_in=sketch_dim,
-                k_out=sketch_dim,
-                seed=seed,
-                temperature=temperature,
+                k_in=st.sketch_dim,
+                k_out=st.sketch_dim,
+                seed=st.seed,
+                temperature=st.temperature,
                 weights=c.float().to(sub.completion_ids.device),
             )
             pools.append((sketch.sketch.detach().double().cpu(), r.double().cpu()))
             if progress is not None:  # a tqdm bar: one tick per analysed prompt
                 progress.update(1)
-    study = baseline_study(pools, R, num_resamples=resamples, seed=seed) if pools else None
+    study = baseline_study(pools, R, num_resamples=st.resamples, seed=st.seed) if pools else None
     s1 = s1_measured_and_predicted(torch.stack(correct_rows), torch.stack(valid_rows), R)
     return {
         "baselines": study,
@@ -194,8 +293,8 @@ def run_baseline_study(
             "presampled_prompts": reused,
             "prompts_with_contrast": len(pools),
             "gradients": "LoGra sketch of every nn.Linear weight (embeddings and norms not covered)",
-            "sketch_dim": sketch_dim,
-            "aggregation": aggregation,
+            "sketch_dim": st.sketch_dim,
+            "aggregation": st.aggregation,
             "seconds": time.perf_counter() - t_start,
         },
     }
@@ -254,29 +353,7 @@ def monte_carlo_rows(
 
 
 def run_credit_study(
-    policy,
-    tokenizer,
-    task,
-    reward_fns,
-    *,
-    group_size: int = 4,
-    groups: int = 8,
-    max_prompts: int = 48,
-    prompts_per_batch: int = 4,
-    mc_groups: int = 2,
-    mc_samples: int = 8,
-    segments: int = 4,
-    bins: int = 10,
-    max_new_tokens: int = 24,
-    temperature: float = 0.7,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    aggregation: str = "seq-mean-token-mean",
-    std: str = "sample",
-    eps: float = 1e-4,
-    step: float = 1e-2,
-    seed: int = 0,
-    progress: Any = None,
+    policy, tokenizer, task, reward_fns, settings: CreditStudySettings, *, progress: Any = None
 ) -> dict[str, Any]:
     """Signed token contributions on ``groups`` mixed groups and Monte Carlo advantages on the first ``mc_groups``.
 
@@ -294,77 +371,112 @@ def run_credit_study(
          "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
     """
     t_start = time.perf_counter()
-    R = group_size
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-    profiles, shares, shares_nll, closures, mc_picks = [], [], [], [], []
+    st, R = settings, settings.group_size
+    found = _CreditGroups()
     analysed, sampled, draw = 0, 0, 0
-    while analysed < groups and sampled < max_prompts:
+    # 1. sample batches until ``groups`` mixed groups are measured (or ``max_prompts`` prompts were drawn)
+    while analysed < st.groups and sampled < st.max_prompts:
         draw += 1
-        s = derive_seed(seed, group_size=R, draw=draw, offset=29)
-        n = min(prompts_per_batch, max_prompts - sampled)
-        batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, R, s, **sampling)
+        s = derive_seed(st.seed, group_size=R, draw=draw, offset=29)
+        n = min(st.prompts_per_batch, st.max_prompts - sampled)
+        batch, rewards, valid = _sample_scored(policy, tokenizer, task, reward_fns, n, R, s, **st.sampling())
         for j in range(n):
             sampled += 1
-            rows = torch.arange(j * R, (j + 1) * R)
             r, v = rewards[j], valid[j]
-            if analysed >= groups or not bool(v.all()) or bool(constant_groups(r.view(1, R), v.view(1, R))):
+            if analysed >= st.groups or not bool(v.all()) or bool(constant_groups(r.view(1, R), v.view(1, R))):
                 continue
             analysed += 1
             if progress is not None:  # a tqdm bar: one tick per analysed group
                 progress.update(1)
-            group = batch.select(rows)
-            adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, eps=eps)[0]
-            mask = group.completion_mask.cpu()
-            classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
-            # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)
-            res, sh, sh_nll = paired_class_shares(
-                lambda a: signed_token_contributions(
-                    policy,
-                    group,  # noqa: B023 - called inside this iteration
-                    a,
-                    aggregation=aggregation,
-                    step=step,
-                    temperature=temperature,
-                ),
-                adv,
-                classes,
-            )
-            profiles.append(relative_position_profile(res["contributions"], mask, bins).tolist())
-            shares.append(sh)
-            shares_nll.append(sh_nll)
-            closures.append(abs(res["closure"]))
-            if len(mc_picks) < 2 * mc_groups:  # its correct and its wrong rollout, sampled after the loop
-                prompt_ids = group.prompt_ids[0][group.prompt_mask[0].bool()]
-                score = _score_fn(reward_fns, batch.prompts[j], {k: vals[j] for k, vals in batch.extras.items()})
-                for i in (int(torch.nonzero(r == r.max())[0]), int(torch.nonzero(r == r.min())[0])):
-                    completion = group.completion_ids[i][group.completion_mask[i]]
-                    bounds = segment_boundaries(len(completion), segments)[:-1]  # the whole rollout needs none
-                    mc_picks.append((prompt_ids, completion, bounds, score, float(r[i]), float(adv[i])))
+            # 2. the group's signed token contributions, and its Monte Carlo rollouts while they are wanted
+            _measure_credit_group(policy, tokenizer, reward_fns, batch, j, r, st, found)
+    # 3. every Monte Carlo prefix of the picked rollouts in shared generate calls
     mc_rows = monte_carlo_rows(
         policy,
         tokenizer,
-        mc_picks,
-        mc_samples=mc_samples,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=derive_seed(seed, "monte carlo", group_size=R),
+        found.mc_picks,
+        mc_samples=st.mc_samples,
+        seed=derive_seed(st.seed, "monte carlo", group_size=R),
+        **st.sampling(),
     )
-    class_summary, nll_summary = summarise_class_shares(shares, shares_nll)
+    # 4. the summaries over groups and rollouts
+    return _credit_summary(found, mc_rows, st, analysed, sampled, time.perf_counter() - t_start)
+
+
+@dataclass
+class _CreditGroups:
+    """What the credit study measured of its groups so far: each group's position profile, class shares under A and
+    under NLL weights, closure, and the (correct, wrong) rollouts picked for Monte Carlo."""
+
+    profiles: list[list[float]] = field(default_factory=list)
+    shares: list[dict[str, float]] = field(default_factory=list)
+    shares_nll: list[dict[str, float]] = field(default_factory=list)
+    closures: list[float] = field(default_factory=list)
+    mc_picks: list[tuple] = field(default_factory=list)
+
+
+def _measure_credit_group(
+    policy,
+    tokenizer,
+    reward_fns,
+    batch: Any,
+    j: int,
+    r: torch.Tensor,
+    st: CreditStudySettings,
+    found: _CreditGroups,
+) -> None:
+    """Group ``j`` of ``batch`` (rewards ``r`` [R], mixed): its signed token contributions under GRPO's A and under
+    NLL weights (:func:`grpo_lens.formulas.credit.paired_class_shares`) added to ``found``, and, while fewer than
+    ``mc_groups`` groups are picked, its best and worst rollout with their segment boundaries."""
+    R = st.group_size
+    group = batch.select(torch.arange(j * R, (j + 1) * R))
+    adv = compute_advantages(r.view(1, R).double(), "grpo", std=st.std, eps=st.eps)[0]
+    mask = group.completion_mask.cpu()
+    classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
+    # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)
+    res, sh, sh_nll = paired_class_shares(
+        lambda a: signed_token_contributions(
+            policy, group, a, aggregation=st.aggregation, step=st.step, temperature=st.temperature
+        ),
+        adv,
+        classes,
+    )
+    found.profiles.append(relative_position_profile(res["contributions"], mask, st.bins).tolist())
+    found.shares.append(sh)
+    found.shares_nll.append(sh_nll)
+    found.closures.append(abs(res["closure"]))
+    if len(found.mc_picks) < 2 * st.mc_groups:  # its correct and its wrong rollout, sampled after the loop
+        prompt_ids = group.prompt_ids[0][group.prompt_mask[0].bool()]
+        score = _score_fn(reward_fns, batch.prompts[j], {k: vals[j] for k, vals in batch.extras.items()})
+        for i in (int(torch.nonzero(r == r.max())[0]), int(torch.nonzero(r == r.min())[0])):
+            completion = group.completion_ids[i][group.completion_mask[i]]
+            bounds = segment_boundaries(len(completion), st.segments)[:-1]  # the whole rollout needs none
+            found.mc_picks.append((prompt_ids, completion, bounds, score, float(r[i]), float(adv[i])))
+
+
+def _credit_summary(
+    found: _CreditGroups,
+    mc_rows: list[dict[str, Any]],
+    st: CreditStudySettings,
+    analysed: int,
+    sampled: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """:func:`run_credit_study`'s result from its groups and Monte Carlo rows."""
+    class_summary, nll_summary = summarise_class_shares(found.shares, found.shares_nll)
     return {
         "contributions": {
-            "position_profile": _mean_ci_per_bin(profiles),
+            "position_profile": _mean_ci_per_bin(found.profiles),
             "classes": class_summary,
             "classes_nll": nll_summary,
-            "shares": shares,
-            "shares_nll": shares_nll,  # per group
-            "closure": max(closures) if closures else None,
+            "shares": found.shares,
+            "shares_nll": found.shares_nll,  # per group
+            "closure": max(found.closures) if found.closures else None,
             "groups": analysed,
         },
         "monte_carlo": {
             "rollouts": mc_rows,
-            "samples_per_prefix": mc_samples,
+            "samples_per_prefix": st.mc_samples,
             **{
                 k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))
                 for k in ("disagree", "agree", "neutral", "top_segment_share")
@@ -372,10 +484,10 @@ def run_credit_study(
             "segments": _segment_counts(mc_rows),
         },
         "meta": {
-            "group_size": R,
+            "group_size": st.group_size,
             "groups_sampled": sampled,
             "gradients": "exact update direction (every parameter)",
-            "step": step,
-            "seconds": time.perf_counter() - t_start,
+            "step": st.step,
+            "seconds": seconds,
         },
     }

@@ -203,18 +203,8 @@ def _calibrated(c: Any, levels: dict[str, dict[str, dict[str, Any]]]) -> str:
     return f"level {cell['level']:.3f}, {power} ({where})"
 
 
-def claims_section(
-    probes: dict[str, dict[str, Any]],
-    records: list[dict[str, Any]] | None = None,
-    lora_rank: int = 0,
-    seed_runs: list[list[dict[str, Any]]] | None = None,
-) -> list[str]:
-    """The paper's claims, per probe and on the training run's records (:func:`grpo_lens.claims.base.evaluate_claims`;
-    rules in docs/theory.md §11 and §12): the primary claims in one table decided under Holm at a family-wise 0.05
-    (:func:`grpo_lens.claims.base.holm_claims`), each with its n, the p-value it was decided at and its rule's
-    calibrated level and power at that n (read from grpo_lens/data/calibration_levels.json, written by `grpo-lens
-    calibrate`); then the checks (algebra with a control) and the descriptive rows, apart. ``lora_rank`` > 0: the
-    training sparsity numbers are over the LoRA adapter's weights."""
+def _claims_header(probes: bool, records: bool) -> list[str]:
+    """The claims section's title and rule text for a report with a probe, training records or both."""
     rule_text = (
         "One primary measure and one verdict per claim, computed from the numbers by the rule shown "
         "(docs/theory.md §11 for the rank claims and the identity, §12 for sparsity, credit and baselines): "
@@ -247,6 +237,22 @@ def claims_section(
             "which probes before and after training); this run has no probe.json.",
             "",
         ]
+    return lines
+
+
+def claims_section(
+    probes: dict[str, dict[str, Any]],
+    records: list[dict[str, Any]] | None = None,
+    lora_rank: int = 0,
+    seed_runs: list[list[dict[str, Any]]] | None = None,
+) -> list[str]:
+    """The paper's claims, per probe and on the training run's records (:func:`grpo_lens.claims.base.evaluate_claims`;
+    rules in docs/theory.md §11 and §12): the primary claims in one table decided under Holm at a family-wise 0.05
+    (:func:`grpo_lens.claims.base.holm_claims`), each with its n, the p-value it was decided at and its rule's
+    calibrated level and power at that n (read from grpo_lens/data/calibration_levels.json, written by `grpo-lens
+    calibrate`); then the checks (algebra with a control) and the descriptive rows, apart. ``lora_rank`` > 0: the
+    training sparsity numbers are over the LoRA adapter's weights."""
+    lines = _claims_header(bool(probes), bool(records))
     sources = dict(probes)
     if records:
         sources = {"training": training_data(records, lora_rank, seed_runs), **sources}

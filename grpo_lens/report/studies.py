@@ -29,132 +29,153 @@ def studies_section(label: str, studies: dict[str, Any], run_dir: Path, findings
     s1 = base.get("s1")
     meta = base.get("meta", {})
     if s1:
-        lines += [
-            f"### S1 predicted from rollouts outside the group ({label})",
-            "",
-            f"{s1['prompts']} prompts, M = {s1['rollouts_per_prompt']} rollouts each, R = "
-            f"{meta.get('group_size')}: S1 measured on the first R, predicted by [C(k',R) + C(M'-k',R)] / "
-            "C(M',R) from the other M' = M - R (unbiased, docs/theory.md §S1).",
-            "",
-            *md_table(
-                ["S1 measured", "S1 predicted", "measured - predicted"],
-                [[ci(s1["measured"]), ci(s1["predicted"]), ci(s1["difference"])]],
-            ),
-            "",
-        ]
+        lines += _s1_lines(label, s1, meta)
     study = base.get("baselines")
     if study:
-        s = study["summary"]
+        lines += _baseline_lines(label, study, meta, findings)
+    credit = studies.get("credit")
+    if credit:
+        lines += _credit_lines(label, credit, run_dir)
+    return lines
+
+
+def _s1_lines(label: str, s1: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """S1 measured on the first R rollouts of each prompt beside its unbiased prediction from the other M - R."""
+    lines: list[str] = []
+    lines += [
+        f"### S1 predicted from rollouts outside the group ({label})",
+        "",
+        f"{s1['prompts']} prompts, M = {s1['rollouts_per_prompt']} rollouts each, R = "
+        f"{meta.get('group_size')}: S1 measured on the first R, predicted by [C(k',R) + C(M'-k',R)] / "
+        "C(M',R) from the other M' = M - R (unbiased, docs/theory.md §S1).",
+        "",
+        *md_table(
+            ["S1 measured", "S1 predicted", "measured - predicted"],
+            [[ci(s1["measured"]), ci(s1["predicted"]), ci(s1["difference"])]],
+        ),
+        "",
+    ]
+    return lines
+
+
+def _baseline_lines(label: str, study: dict[str, Any], meta: dict[str, Any], findings: list[str]) -> list[str]:
+    """The baselines' MSE, cosine and bias table, m_C / m_W per prompt, and the finding on population b*."""
+    lines: list[str] = []
+    s = study["summary"]
+    lines += [
+        f"### Baselines at matched expectation ({label})",
+        "",
+        f"{study['prompts']} prompts with reward contrast ({study['prompts_constant']} without were "
+        f"skipped), M = {meta.get('rollouts_per_prompt')} rollouts each, groups of R = "
+        f"{meta.get('group_size')} drawn from one half of each prompt's rollouts and compared with the "
+        "centred gradient Cov(r, h) estimated on the other half; h_i = c_i g_i, "
+        f"{meta.get('gradients')}, d_s = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
+        "RLOO's; the group mean is rescaled by R/(R-1) (it then equals RLOO sample by sample). 95% "
+        "intervals over prompts (Hall's transformed t, docs/theory.md §7).",
+        "",
+        *md_table(["estimator", "MSE / RLOO's", "cosine to reference", "bias² share of MSE"]),
+    ]
+    for name in ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop"):
+        e = s.get(name, {})
+        lines.append(md_row(name, ci(e.get("mse_ratio_to_rloo")), ci(e.get("cosine")), ci(e.get("bias2_share"))))
+    lines += [
+        "",
+        f"RMS over prompts of log(m_C / m_W), less each prompt's noise (what the claim decides on, margin "
+        f"log 1.25 = 0.223): {_rms_text(study.get('log_ratio_rms'))}. "
+        f"m_C / m_W over prompts: {ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
+        f"test at 0.05 over each prompt's rollouts, k fixed) on "
+        f"{fmt(study.get('equal_norms_rejected'), 2)} of "
+        f"{study.get('equal_norms_testable')} testable prompts. b* - p (how far the optimal constant "
+        f"baseline is from the group mean's expectation): {ci(study.get('b_star_minus_p'))}.",
+        "",
+        _mean_score_sentence(study),
+        "",
+        *md_table(
+            [
+                "prompt",
+                "p",
+                "m_C",
+                "m_W",
+                "m_C / m_W [95%]",
+                "permutation p",
+                "verdict",
+                "b* (population)",
+                "b*_exact",
+            ]
+        ),
+    ]
+    for j, p in enumerate(study["per_prompt"]):
+        eq = p["equal_norms"]
+        interval = f"[{fmt(eq['lo'], 2)}, {fmt(eq['hi'], 2)}]" if eq.get("lo") is not None else "(< 8 a side)"
+        lines.append(
+            md_row(
+                j,
+                fmt(p["p"], 2),
+                fmt(p["m_correct"], 4),
+                fmt(p["m_wrong"], 4),
+                f"{fmt(eq['ratio'], 2)} {interval}",
+                fmt(eq.get("p"), 3),
+                eq["verdict"],
+                fmt(p["b_star_pop"]),
+                fmt(p["b_star_exact"]),
+            )
+        )
+    lines.append("")
+    opt = s.get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
+    findings.append(
+        f"[{label}] Population b* has {ci(opt, 2)} times RLOO's MSE to the reference gradient over "
+        f"{study['prompts']} prompts; m_C / m_W = {ci(study.get('norm_ratio'), 2)}."
+    )
+    return lines
+
+
+def _credit_lines(label: str, credit: dict[str, Any], run_dir: Path) -> list[str]:
+    """Signed token shares by relative position and token class, and the Monte Carlo token advantages."""
+    lines: list[str] = []
+    c = credit["contributions"]
+    mc = credit["monte_carlo"]
+    lines += [
+        f"### Token credit ({label})",
+        "",
+        f"Signed share of each token in its group's update, s = w <grad log pi_t, u> / ||u||^2 (sums to 1 "
+        f"per group; largest closure error {fmt(c.get('closure'), 4)}), over {c['groups']} groups of R = "
+        f"{credit['meta']['group_size']}; u is the exact update over every parameter.",
+        "",
+    ]
+    prof = c.get("position_profile") or []
+    if prof:
+        plot_credit_position(prof, run_dir / f"credit_position_{label}.png")
         lines += [
-            f"### Baselines at matched expectation ({label})",
-            "",
-            f"{study['prompts']} prompts with reward contrast ({study['prompts_constant']} without were "
-            f"skipped), M = {meta.get('rollouts_per_prompt')} rollouts each, groups of R = "
-            f"{meta.get('group_size')} drawn from one half of each prompt's rollouts and compared with the "
-            "centred gradient Cov(r, h) estimated on the other half; h_i = c_i g_i, "
-            f"{meta.get('gradients')}, d_s = {meta.get('sketch_dim')} per side. MSE is the per-prompt ratio to "
-            "RLOO's; the group mean is rescaled by R/(R-1) (it then equals RLOO sample by sample). 95% "
-            "intervals over prompts (Hall's transformed t, docs/theory.md §7).",
-            "",
-            *md_table(["estimator", "MSE / RLOO's", "cosine to reference", "bias² share of MSE"]),
-        ]
-        for name in ("none", "mean_rescaled", "rloo", "optimal_loo", "optimal_pop"):
-            e = s.get(name, {})
-            lines.append(md_row(name, ci(e.get("mse_ratio_to_rloo")), ci(e.get("cosine")), ci(e.get("bias2_share"))))
-        lines += [
-            "",
-            f"RMS over prompts of log(m_C / m_W), less each prompt's noise (what the claim decides on, margin "
-            f"log 1.25 = 0.223): {_rms_text(study.get('log_ratio_rms'))}. "
-            f"m_C / m_W over prompts: {ci(study.get('norm_ratio'))}; m_C = m_W rejected (permutation "
-            f"test at 0.05 over each prompt's rollouts, k fixed) on "
-            f"{fmt(study.get('equal_norms_rejected'), 2)} of "
-            f"{study.get('equal_norms_testable')} testable prompts. b* - p (how far the optimal constant "
-            f"baseline is from the group mean's expectation): {ci(study.get('b_star_minus_p'))}.",
-            "",
-            _mean_score_sentence(study),
+            f"![credit by relative position](credit_position_{label}.png)",
             "",
             *md_table(
                 [
-                    "prompt",
-                    "p",
-                    "m_C",
-                    "m_W",
-                    "m_C / m_W [95%]",
-                    "permutation p",
-                    "verdict",
-                    "b* (population)",
-                    "b*_exact",
-                ]
+                    "relative position",
+                    *(f"{b / len(prof):.1f}-{(b + 1) / len(prof):.1f}" for b in range(len(prof))),
+                ],
+                [["share of update", *(ci(x, 2) for x in prof)]],
             ),
-        ]
-        for j, p in enumerate(study["per_prompt"]):
-            eq = p["equal_norms"]
-            interval = f"[{fmt(eq['lo'], 2)}, {fmt(eq['hi'], 2)}]" if eq.get("lo") is not None else "(< 8 a side)"
-            lines.append(
-                md_row(
-                    j,
-                    fmt(p["p"], 2),
-                    fmt(p["m_correct"], 4),
-                    fmt(p["m_wrong"], 4),
-                    f"{fmt(eq['ratio'], 2)} {interval}",
-                    fmt(eq.get("p"), 3),
-                    eq["verdict"],
-                    fmt(p["b_star_pop"]),
-                    fmt(p["b_star_exact"]),
-                )
-            )
-        lines.append("")
-        opt = s.get("optimal_pop", {}).get("mse_ratio_to_rloo", {})
-        findings.append(
-            f"[{label}] Population b* has {ci(opt, 2)} times RLOO's MSE to the reference gradient over "
-            f"{study['prompts']} prompts; m_C / m_W = {ci(study.get('norm_ratio'), 2)}."
-        )
-    credit = studies.get("credit")
-    if credit:
-        c = credit["contributions"]
-        mc = credit["monte_carlo"]
-        lines += [
-            f"### Token credit ({label})",
-            "",
-            f"Signed share of each token in its group's update, s = w <grad log pi_t, u> / ||u||^2 (sums to 1 "
-            f"per group; largest closure error {fmt(c.get('closure'), 4)}), over {c['groups']} groups of R = "
-            f"{credit['meta']['group_size']}; u is the exact update over every parameter.",
             "",
         ]
-        prof = c.get("position_profile") or []
-        if prof:
-            plot_credit_position(prof, run_dir / f"credit_position_{label}.png")
-            lines += [
-                f"![credit by relative position](credit_position_{label}.png)",
-                "",
-                *md_table(
-                    [
-                        "relative position",
-                        *(f"{b / len(prof):.1f}-{(b + 1) / len(prof):.1f}" for b in range(len(prof))),
-                    ],
-                    [["share of update", *(ci(x, 2) for x in prof)]],
-                ),
-                "",
-            ]
-        nll = c.get("classes_nll") or {}
-        head = ["token class", "share of the update", "share of the tokens", "ratio"]
-        lines += md_table(head + (["ratio under NLL weights (same tokens)", "ratio − NLL's (paired)"] if nll else []))
-        for name, v in c["classes"].items():
-            extra = [ci(nll[name]["ratio"], 2), ci(nll[name]["ratio_minus_nll"], 2)] if name in nll else []
-            lines.append(md_row(name, ci(v["update_share"]), ci(v["token_share"]), ci(v["ratio"], 2), *extra))
-        lines += [
-            "",
-            f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K_mc = "
-            f"{mc['samples_per_prefix']} continuations per prefix. {_opposition_sentence(mc)} Largest "
-            f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.",
-            "",
-            *md_table(["rollout", "r", "GRPO A_i", "prefix lengths", "V(prefix) ± SE", "segment advantages ± SE"]),
-        ]
-        for j, row in enumerate(mc["rollouts"]):
-            vals = ", ".join(f"{v:.2f}±{e:.2f}" for v, e in zip(row["values"], row["errors"]))
-            advs = ", ".join(f"{a:+.2f}±{e:.2f}" for a, e in zip(row["advantages"], row["adv_errors"]))
-            lines.append(md_row(j, fmt(row["reward"], 1), fmt(row["grpo_advantage"], 2), row["boundaries"], vals, advs))
-        lines.append("")
+    nll = c.get("classes_nll") or {}
+    head = ["token class", "share of the update", "share of the tokens", "ratio"]
+    lines += md_table(head + (["ratio under NLL weights (same tokens)", "ratio − NLL's (paired)"] if nll else []))
+    for name, v in c["classes"].items():
+        extra = [ci(nll[name]["ratio"], 2), ci(nll[name]["ratio_minus_nll"], 2)] if name in nll else []
+        lines.append(md_row(name, ci(v["update_share"]), ci(v["token_share"]), ci(v["ratio"], 2), *extra))
+    lines += [
+        "",
+        f"Monte Carlo token advantages (VinePPO): {len(mc['rollouts'])} rollouts, K_mc = "
+        f"{mc['samples_per_prefix']} continuations per prefix. {_opposition_sentence(mc)} Largest "
+        f"segment's share of sum |A|: {ci(mc.get('top_segment_share'))}.",
+        "",
+        *md_table(["rollout", "r", "GRPO A_i", "prefix lengths", "V(prefix) ± SE", "segment advantages ± SE"]),
+    ]
+    for j, row in enumerate(mc["rollouts"]):
+        vals = ", ".join(f"{v:.2f}±{e:.2f}" for v, e in zip(row["values"], row["errors"]))
+        advs = ", ".join(f"{a:+.2f}±{e:.2f}" for a, e in zip(row["advantages"], row["adv_errors"]))
+        lines.append(md_row(j, fmt(row["reward"], 1), fmt(row["grpo_advantage"], 2), row["boundaries"], vals, advs))
+    lines.append("")
     return lines
 
 

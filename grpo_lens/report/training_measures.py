@@ -227,6 +227,25 @@ def training_measures_section(
     """Policy entropy, sparsity over training (with the dense control) and the lens's cost (``lora_rank`` > 0: the
     sparsity numbers are over the LoRA adapter's weights)."""
     lines: list[str] = []
+    lines += _entropy_lines(records, findings)
+    rows = [r for r in lens_rows(records) if r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE) is not None]
+    if rows:
+        lines += _sparsity_lines(records, rows, run_dir, findings, lora_rank)
+    lines += noise_and_dead_section(records, findings)
+    cost = lens_overhead(records)
+    if cost and cost["lens_steps"]:
+        lines += [
+            f"The lens measured {cost['lens_steps']} of {cost['steps']} steps and took "
+            f"{fmt(cost['lens_seconds'], 1)} s: {fmt(100 * cost['overhead'], 1)}% of the "
+            f"{fmt(cost['train_seconds'], 1)} s the steps took without it.",
+            "",
+        ]
+    return lines
+
+
+def _entropy_lines(records: list[dict[str, Any]], findings: list[str]) -> list[str]:
+    """The policy's token-mean entropy: first steps against last ones, or its mean when too few for a trend."""
+    lines: list[str] = []
     ent = [r.get(POLICY_ENTROPY) for r in records if r.get(POLICY_ENTROPY) is not None]
     if len(ent) >= MIN_TREND_STEPS:  # two non-overlapping windows, as for the reward
         w = min(5, len(ent) // 2)
@@ -249,122 +268,127 @@ def training_measures_section(
             f"too few for a trend (at least {MIN_TREND_STEPS}).",
             "",
         ]
-    rows = [r for r in lens_rows(records) if r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE) is not None]
-    if rows:
-        plot_sparsity_measures(records, run_dir / "sparsity_measures.png")
-        n = rows[-1].get(SPARSITY_SAMPLE_ENTRIES)
+    return lines
+
+
+def _sparsity_lines(
+    records: list[dict[str, Any]], rows: list[dict[str, Any]], run_dir: Path, findings: list[str], lora_rank: int
+) -> list[str]:
+    """Sparsity over training at the lens steps ``rows``: the plot, the per-step table with its controls, the table by
+    layer type at the last lens step, and the finding."""
+    lines: list[str] = []
+    plot_sparsity_measures(records, run_dir / "sparsity_measures.png")
+    n = rows[-1].get(SPARSITY_SAMPLE_ENTRIES)
+    lines += [
+        "### Sparsity over training: the update and the gradient, separated from bf16 rounding",
+        "",
+        "bf16 unchanged: share of weights whose bf16 value did not change; permutation control: the share "
+        "the same update entries leave unchanged when permuted within each tensor (the magnitudes alone); "
+        "dense control: the share a dense Gaussian update with the same per-tensor RMS would leave "
+        "unchanged (misleading for heavy-tailed updates). "
+        "f32 unchanged: exactly unchanged in float32. Hoyer: 0 equal magnitudes, 0.20 Gaussian, 1 one "
+        "entry; top-1%: share of the squared norm in the largest 1% of entries (0.105 Gaussian); both are "
+        "– for an all-zero vector (0/0: a step without reward contrast). "
+        f"Computed on a fixed sample of {fmt(int(n) if n else None)} weights (standard error of a share "
+        f"<= {fmt(0.5 / math.sqrt(n), 4) if n else '–'}).",
+        "",
+        "![sparsity measures](sparsity_measures.png)",
+        "",
+        *md_table(
+            [
+                "step",
+                "S1 measured",
+                "bf16 unchanged since start",
+                "permutation control",
+                "dense control",
+                "f32 unchanged since start",
+                "update Hoyer (step)",
+                "update top-1% (step)",
+                "gradient zero",
+                "gradient Hoyer",
+                "gradient top-1%",
+            ]
+        ),
+    ]
+    for r in rows:
+        lines.append(
+            md_row(
+                *[
+                    r[STEP],
+                    fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
+                    fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
+                    fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
+                    fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
+                    fmt(r.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
+                    fmt(r.get(SPARSITY_UPDATE_STEP_HOYER)),
+                    fmt(r.get(SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
+                    fmt(r.get(SPARSITY_GRAD_ZERO), 4),
+                    fmt(r.get(SPARSITY_GRAD_HOYER)),
+                    fmt(r.get(SPARSITY_GRAD_TOP1_ENERGY)),
+                ]
+            )
+        )
+    last = rows[-1]
+    lines += _layer_type_lines(last)
+    gap = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
+    weights = "the LoRA adapter's weights (not the full model's)" if lora_rank else "weights"
+    findings.append(
+        f"After {last[STEP]} steps {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "
+        f"kept their bf16 value, against {fmt(last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED))} for the "
+        f"same update permuted within each tensor and "
+        f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
+        f"update of the same size (difference {fmt(gap)}); "
+        f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32."
+    )
+    lines.append("")
+    return lines
+
+
+def _layer_type_lines(last: dict[str, Any]) -> list[str]:
+    """The sparsity table by layer type of the lens record ``last`` (empty when it has none)."""
+    lines: list[str] = []
+    kinds = [
+        k
+        for k in ("embedding", "attention", "mlp", "norm", "other")
+        if last.get(sparsity_key("update_total", "hoyer", k)) is not None
+    ]
+    if kinds:
         lines += [
-            "### Sparsity over training: the update and the gradient, separated from bf16 rounding",
             "",
-            "bf16 unchanged: share of weights whose bf16 value did not change; permutation control: the share "
-            "the same update entries leave unchanged when permuted within each tensor (the magnitudes alone); "
-            "dense control: the share a dense Gaussian update with the same per-tensor RMS would leave "
-            "unchanged (misleading for heavy-tailed updates). "
-            "f32 unchanged: exactly unchanged in float32. Hoyer: 0 equal magnitudes, 0.20 Gaussian, 1 one "
-            "entry; top-1%: share of the squared norm in the largest 1% of entries (0.105 Gaussian); both are "
-            "– for an all-zero vector (0/0: a step without reward contrast). "
-            f"Computed on a fixed sample of {fmt(int(n) if n else None)} weights (standard error of a share "
-            f"<= {fmt(0.5 / math.sqrt(n), 4) if n else '–'}).",
-            "",
-            "![sparsity measures](sparsity_measures.png)",
+            f"By layer type at step {last[STEP]} (update since the start; gradient of the step):",
             "",
             *md_table(
                 [
-                    "step",
-                    "S1 measured",
-                    "bf16 unchanged since start",
-                    "permutation control",
+                    "layer type",
+                    "bf16 unchanged",
                     "dense control",
-                    "f32 unchanged since start",
-                    "update Hoyer (step)",
-                    "update top-1% (step)",
+                    "f32 unchanged",
+                    "update Hoyer",
+                    "update top-1%",
                     "gradient zero",
                     "gradient Hoyer",
-                    "gradient top-1%",
                 ]
             ),
         ]
-        for r in rows:
+        for k in kinds:
+            total = {
+                m: last.get(sparsity_key("update_total", m, k))
+                for m in ("bf16_unchanged", "bf16_dense", "f32_unchanged", "hoyer", "top1_energy")
+            }
             lines.append(
                 md_row(
                     *[
-                        r[STEP],
-                        fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
-                        fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
-                        fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
-                        fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
-                        fmt(r.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
-                        fmt(r.get(SPARSITY_UPDATE_STEP_HOYER)),
-                        fmt(r.get(SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
-                        fmt(r.get(SPARSITY_GRAD_ZERO), 4),
-                        fmt(r.get(SPARSITY_GRAD_HOYER)),
-                        fmt(r.get(SPARSITY_GRAD_TOP1_ENERGY)),
+                        k,
+                        fmt(total["bf16_unchanged"]),
+                        fmt(total["bf16_dense"]),
+                        fmt(total["f32_unchanged"], 4),
+                        fmt(total["hoyer"]),
+                        fmt(total["top1_energy"]),
+                        fmt(last.get(sparsity_key("grad", "zero", k)), 4),
+                        fmt(last.get(sparsity_key("grad", "hoyer", k))),
                     ]
                 )
             )
-        last = rows[-1]
-        kinds = [
-            k
-            for k in ("embedding", "attention", "mlp", "norm", "other")
-            if last.get(sparsity_key("update_total", "hoyer", k)) is not None
-        ]
-        if kinds:
-            lines += [
-                "",
-                f"By layer type at step {last[STEP]} (update since the start; gradient of the step):",
-                "",
-                *md_table(
-                    [
-                        "layer type",
-                        "bf16 unchanged",
-                        "dense control",
-                        "f32 unchanged",
-                        "update Hoyer",
-                        "update top-1%",
-                        "gradient zero",
-                        "gradient Hoyer",
-                    ]
-                ),
-            ]
-            for k in kinds:
-                total = {
-                    m: last.get(sparsity_key("update_total", m, k))
-                    for m in ("bf16_unchanged", "bf16_dense", "f32_unchanged", "hoyer", "top1_energy")
-                }
-                lines.append(
-                    md_row(
-                        *[
-                            k,
-                            fmt(total["bf16_unchanged"]),
-                            fmt(total["bf16_dense"]),
-                            fmt(total["f32_unchanged"], 4),
-                            fmt(total["hoyer"]),
-                            fmt(total["top1_energy"]),
-                            fmt(last.get(sparsity_key("grad", "zero", k)), 4),
-                            fmt(last.get(sparsity_key("grad", "hoyer", k))),
-                        ]
-                    )
-                )
-        gap = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
-        weights = "the LoRA adapter's weights (not the full model's)" if lora_rank else "weights"
-        findings.append(
-            f"After {last[STEP]} steps {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "
-            f"kept their bf16 value, against {fmt(last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED))} for the "
-            f"same update permuted within each tensor and "
-            f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
-            f"update of the same size (difference {fmt(gap)}); "
-            f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32."
-        )
-        lines.append("")
-    lines += noise_and_dead_section(records, findings)
-    cost = lens_overhead(records)
-    if cost and cost["lens_steps"]:
-        lines += [
-            f"The lens measured {cost['lens_steps']} of {cost['steps']} steps and took "
-            f"{fmt(cost['lens_seconds'], 1)} s: {fmt(100 * cost['overhead'], 1)}% of the "
-            f"{fmt(cost['train_seconds'], 1)} s the steps took without it.",
-            "",
-        ]
     return lines
 
 

@@ -247,6 +247,39 @@ def _to_float(value: Any) -> float:
     return x if math.isfinite(x) else math.nan
 
 
+def _call_one(
+    name: str, fn: Any, args: tuple, call: dict[str, Any], timeout_s: float | None, N: int, metrics: dict[str, float]
+) -> tuple[Tensor, bool]:
+    """One reward function's call in :func:`combine_rewards`: (its N values [N] float64, NaN where it gave none,
+    whether the call failed). A timeout or an exception marks all N NaN, is logged and counted in ``metrics``
+    (``reward/timeout_count``, ``reward/error_count``); SystemExit raises :class:`RewardFunctionError`."""
+    try:
+        values = reward_values(_call_with_timeout(call_reward_function, timeout_s, args, call), N)
+        r = torch.tensor([_to_float(v) for v in values], dtype=torch.float64)  # [N]
+        call_failed = False
+    except SystemExit as err:
+        raise _exit_error(name, err) from None
+    except RewardTimeout as err:
+        logger.error("reward %r %s: its %d rollouts are marked invalid", name, err, N)
+        metrics[REWARD_TIMEOUT_COUNT] += 1
+        r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
+    except Exception as err:  # noqa: BLE001 - a failing reward function must not stop the run
+        if _first_failure(fn):
+            logger.exception(
+                "reward %r raised: its %d rollouts are marked invalid (later failures of this "
+                "function are logged in one line)",
+                name,
+                N,
+            )
+        else:
+            logger.error(
+                "reward %r raised %s: %s; its %d rollouts are marked invalid", name, type(err).__name__, err, N
+            )
+        metrics[REWARD_ERROR_COUNT] += 1
+        r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
+    return r, call_failed
+
+
 def combine_rewards(
     funcs_with_weights: Any,
     prompts: Sequence,
@@ -315,32 +348,7 @@ def combine_rewards(
     }
     for name, fn, weight in funcs:
         start = time.perf_counter()
-        try:
-            values = reward_values(
-                _call_with_timeout(call_reward_function, timeout_s, (fn, prompts, completions), call), N
-            )
-            r = torch.tensor([_to_float(v) for v in values], dtype=torch.float64)  # [N]
-            call_failed = False
-        except SystemExit as err:
-            raise _exit_error(name, err) from None
-        except RewardTimeout as err:
-            logger.error("reward %r %s: its %d rollouts are marked invalid", name, err, N)
-            metrics[REWARD_TIMEOUT_COUNT] += 1
-            r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
-        except Exception as err:  # noqa: BLE001 - a failing reward function must not stop the run
-            if _first_failure(fn):
-                logger.exception(
-                    "reward %r raised: its %d rollouts are marked invalid (later failures of this "
-                    "function are logged in one line)",
-                    name,
-                    N,
-                )
-            else:
-                logger.error(
-                    "reward %r raised %s: %s; its %d rollouts are marked invalid", name, type(err).__name__, err, N
-                )
-            metrics[REWARD_ERROR_COUNT] += 1
-            r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
+        r, call_failed = _call_one(name, fn, (fn, prompts, completions), call, timeout_s, N, metrics)
         ok = ~torch.isnan(r)
         if (~ok).any() and not call_failed:  # None is "not applicable" (TRL): normal for a multi-task pair
             logger.debug("reward %r: %d of %d rollouts not scored (None or NaN)", name, int((~ok).sum()), N)

@@ -50,6 +50,7 @@ from grpo_lens.formulas.overlong import overlong_advantages, soft_overlong_penal
 from grpo_lens.gradients.params import linear_layer_names
 from grpo_lens.gradients.sketch import sketched_rollout_sq_norms
 from grpo_lens.lens.settings import LensSettings
+from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.lora import apply_lora, is_lora, save_lora_model
 from grpo_lens.metrics import (
@@ -159,11 +160,9 @@ def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
 
     Args:
         config: a validated :class:`TrainConfig`; ``config.out`` is required.
-        lens: a :class:`grpo_lens.train.state.Lens`: an object with ``start(policy)``, ``before_step(policy)``,
-            ``measure(step, ...) -> dict``, ``after_step(step, policy, measured) -> dict``, ``state_dict()`` and
-            ``load_state_dict(state)``, and optionally ``update_capture(policy)`` with ``mixed_groups``
-            (see :class:`grpo_lens.lens.trainer_lens.TrainerLens`);
-            built from the config when None and lens_every > 0.
+        lens: any :class:`grpo_lens.train.state.Lens` (which lists the methods the loop calls;
+            :class:`grpo_lens.lens.trainer_lens.TrainerLens` is grpo-lens's); built from the config when None and
+            lens_every > 0.
 
     Every input is checked before anything is written; a new run's directory is created (or a run replaced with
     ``overwrite``) only once the model has loaded, and a resumed run's files change only once its checkpoint has
@@ -571,12 +570,13 @@ def plan_lens(
     (:func:`on_lens_cadence`) always takes the own pass and leaves the update a lens-off step's."""
     if lens is None or not is_lens_step(step, config.lens_every, config.max_steps):
         return LensPlan(measure=False)
+    step_batch = StepBatch(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
     if not on_lens_cadence(step, config.lens_every):  # the last step: measured here, not in a longer resumed run
         with forward_precision(procs.device, config.dtype):
-            metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
+            metrics = lens.measure(step_batch)
         return LensPlan(measure=True, metrics=metrics)
     # the exact Gram from the update's own backward where the loss's token weights factor (all processes agree)
-    why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, procs)
+    why_not = lens_fuses_gram(config, lens, step_batch, procs)
     if why_not is None:
         proxy = {"batch": rollouts.batch} if config.lens_noise_proxy else {}  # verl's W_i at the step's weights
         gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy)
@@ -592,7 +592,7 @@ def plan_lens(
     if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
         return LensPlan(measure=True, capture=lens.update_capture(policy), per_rollout=True)
     with forward_precision(procs.device, config.dtype):
-        metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
+        metrics = lens.measure(step_batch)
     return LensPlan(measure=True, metrics=metrics, per_rollout=True)
 
 
@@ -612,9 +612,8 @@ def lens_after_update(
         return {}
     metrics = plan.metrics
     if plan.capture is not None:  # the exact Gram or the sketched rows of the update's first pass
-        metrics = lens.measure_from_update(
-            step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, plan.capture
-        )
+        step_batch = StepBatch(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
+        metrics = lens.measure_from_update(step_batch, plan.capture)
     metrics.update(lens.after_step(step, policy, plan.measure))
     return metrics
 

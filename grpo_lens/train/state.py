@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.metrics import (
     DEAD_STEPS,
     GUARD_CONSECUTIVE_SKIPPED,
@@ -160,7 +161,8 @@ class Lens(Protocol):
     :func:`grpo_lens.train.update.lens_fuses_gram`), ``mixed_groups``, ``update_capture``, ``update_gram_capture``
     and ``measure_from_update``, which read its g_i off the update's own first pass instead of a pass of its own.
 
-    Shapes: N rollouts on this process; ``rewards`` [N] (NaN where invalid), ``valid`` [N] bool, ``advantages`` [N].
+    A step's rollouts come as one :class:`grpo_lens.lens.step_batch.StepBatch` (step, policy, batch, rewards [N] NaN
+    where invalid, valid [N] bool, advantages [N]; N rollouts on this process).
     """
 
     def start(self, policy: torch.nn.Module) -> None:
@@ -169,16 +171,8 @@ class Lens(Protocol):
     def before_step(self, policy: torch.nn.Module) -> None:
         """Called before each step's update, with the step's starting weights."""
 
-    def measure(
-        self,
-        step: int,
-        policy: torch.nn.Module,
-        batch: RolloutBatch,
-        rewards: torch.Tensor,
-        valid: torch.Tensor,
-        advantages: torch.Tensor,
-    ) -> dict[str, float]:
-        """The lens's metrics of step ``step`` from its own pass, before the update."""
+    def measure(self, step_batch: StepBatch) -> dict[str, float]:
+        """The lens's metrics of step ``step_batch.step`` from its own pass, before the update."""
 
     def after_step(self, step: int, policy: torch.nn.Module, measured: bool) -> dict[str, float]:
         """Called after each step's update; ``measured``: the step was a lens step. Returns metrics to log."""

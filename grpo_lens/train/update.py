@@ -38,6 +38,7 @@ from grpo_lens.formulas.losses import (
     truncated_is_weights,
 )
 from grpo_lens.formulas.overlong import overlong_loss_mask
+from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.metrics import (
     GRAD_NORM,
     GRAD_NORM_LAST,
@@ -528,16 +529,7 @@ def lens_reads_update(
     return here if procs is None else not procs.any(not here)
 
 
-def lens_fuses_gram(
-    config: TrainConfig,
-    lens: Lens,
-    policy: torch.nn.Module,
-    batch: RolloutBatch,
-    rewards: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    procs: Processes,
-) -> str | None:
+def lens_fuses_gram(config: TrainConfig, lens: Lens, step_batch: StepBatch, procs: Processes) -> str | None:
     """None when the lens's exact Gram can be captured in the update's own first backward and the rollout weights
     divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`,
     :func:`grpo_lens.lens.trainer_lens.score_gram_from_update`,
@@ -555,7 +547,8 @@ def lens_fuses_gram(
     (one all-reduce).
 
     Args:
-        rewards: [N] (NaN where invalid).   valid: [N] bool.   advantages: [N].
+        step_batch: the step's policy, this process's N rollouts, their rewards [N] (NaN where invalid), valid [N]
+            bool and advantages [N].
     """
     reason = None
     if not (config.lens_from_update and hasattr(lens, "update_gram_capture") and hasattr(lens, "mixed_groups")):
@@ -573,33 +566,24 @@ def lens_fuses_gram(
     elif procs.sharded or config.dtype == "bf16-mixed":
         reason = "FSDP2 or bf16-mixed"
     else:
-        reason = _groups_fuse(config, lens, policy, batch, rewards, valid, advantages, procs)
+        reason = _groups_fuse(config, lens, step_batch, procs)
     return reason if not procs.any(reason is not None) else (reason or "another process's groups")
 
 
-def _groups_fuse(
-    config: TrainConfig,
-    lens: Lens,
-    policy: torch.nn.Module,
-    batch: RolloutBatch,
-    rewards: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    procs: Processes,
-) -> str | None:
+def _groups_fuse(config: TrainConfig, lens: Lens, step_batch: StepBatch, procs: Processes) -> str | None:
     """The per-step conditions of :func:`lens_fuses_gram` on this process's mixed groups (None: they hold)."""
-    R = config.group_size
-    mixed = lens.mixed_groups(rewards, valid, R)
+    R, batch = config.group_size, step_batch.batch
+    mixed = lens.mixed_groups(step_batch.rewards, step_batch.valid, R)
     if not mixed:
         return "no mixed group"
-    a = advantages.detach().view(-1, R)[mixed]
+    a = step_batch.advantages.detach().view(-1, R)[mixed]
     if not bool(torch.isfinite(a).all() and (a != 0).all()):
         return "a rollout of a mixed group has advantage 0"
     T = batch.completion_mask.shape[1]
     loss_mask = overlong_loss_mask(batch.completion_mask, batch.truncated, config.overlong).view(-1, R, T)
     if not bool((loss_mask[mixed] == batch.completion_mask.bool().view(-1, R, T)[mixed]).all()):
         return "--overlong masks a rollout of a mixed group"
-    _, micro_batches = batch_rows(policy, batch, config, procs)
+    _, micro_batches = batch_rows(step_batch.policy, batch, config, procs)
     where = torch.empty(batch.num_rollouts, dtype=torch.long)
     for k, idx in enumerate(micro_batches[0]):
         where[idx] = k

@@ -16,10 +16,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, NemotronConfig, Qwen2Config
 
 from grpo_lens.gradients.exact import exact_rollout_grads
-from grpo_lens.gradients.gram import (
-    GramCapture,
+from grpo_lens.gradients.gram import GramCapture, exact_rollout_gram
+from grpo_lens.gradients.gram_blocks import (
     choose_form,
-    exact_rollout_gram,
     form_costs,
     gram_factor,
     gram_of_rows,

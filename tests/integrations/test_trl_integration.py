@@ -71,6 +71,7 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_sourc
     from grpo_lens.config import TrainConfig
     from grpo_lens.formulas.advantages import compute_advantages
     from grpo_lens.integrations.trl import LensGRPOTrainer
+    from grpo_lens.lens.step_batch import StepBatch
     from grpo_lens.lens.trainer_lens import TrainerLens
     from grpo_lens.models import build_tiny_model
     from grpo_lens.rollout import RolloutBatch
@@ -131,7 +132,9 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_sourc
             loss_aggregation="seq-mean-token-mean",
             max_new_tokens=6,
         )  # TRL's loss_type="grpo"
-        ours = TrainerLens(policy, config).measure(step, policy, batch, rewards, torch.ones(n, dtype=torch.bool), adv)
+        ours = TrainerLens(policy, config).measure(
+            StepBatch(step, policy, batch, rewards, torch.ones(n, dtype=torch.bool), adv)
+        )
         lens_keys = {k for k in ours if k.split("/")[0] in ("rank", "grad", "baseline", "zero_sum", "sparsity")}
         assert "rank/mixed_groups" in lens_keys
         for key in lens_keys:

@@ -24,7 +24,7 @@ import grpo_lens.probe.gradient_sources as probe_gradients
 from grpo_lens.cli import main
 from grpo_lens.config import TrainConfig
 from grpo_lens.gradients.exact import exact_rollout_grads
-from grpo_lens.gradients.gram import block_spans
+from grpo_lens.gradients.gram_blocks import block_spans
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.run import run_probe
 from grpo_lens.train.loop import train

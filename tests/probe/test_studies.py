@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from grpo_lens.probe.studies import (
+    BaselineStudySettings,
+    CreditStudySettings,
     run_baseline_study,
     run_credit_study,
     s1_measured_and_predicted,
@@ -43,13 +45,9 @@ def test_baseline_study_runs_and_is_json(setup):
         tok,
         task,
         rewards,
-        group_size=2,
-        prompts=3,
-        max_prompts=6,
-        max_new_tokens=6,
-        sketch_dim=4,
-        resamples=64,
-        temperature=1.0,
+        BaselineStudySettings(
+            group_size=2, prompts=3, max_prompts=6, max_new_tokens=6, sketch_dim=4, resamples=64, temperature=1.0
+        ),
     )
     json.dumps(out)  # probe.json stores it as is
     assert out["meta"]["rollouts_per_prompt"] == 8 and out["baselines"]["prompts"] == 3
@@ -67,14 +65,9 @@ def test_credit_study_runs_and_is_json(setup):
         tok,
         task,
         rewards,
-        group_size=2,
-        groups=2,
-        mc_groups=1,
-        mc_samples=2,
-        segments=2,
-        max_new_tokens=6,
-        temperature=1.0,
-        bins=4,
+        CreditStudySettings(
+            group_size=2, groups=2, mc_groups=1, mc_samples=2, segments=2, max_new_tokens=6, temperature=1.0, bins=4
+        ),
     )
     json.dumps(out)
     c = out["contributions"]

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, NemotronConfig, Qwen
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.gradients.gram import MicroBatchGrams, exact_rollout_gram
+from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lens.trainer_lens import score_gram_from_update
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.runtime.processes import Processes
@@ -218,11 +219,7 @@ def test_when_the_lens_fuses(change, reason):
     got = lens_fuses_gram(
         cfg,
         _Lens(),
-        tiny_model("llama_tied"),
-        batch,
-        rewards,
-        torch.ones(6, dtype=torch.bool),
-        ADVANTAGES.float(),
+        StepBatch(1, tiny_model("llama_tied"), batch, rewards, torch.ones(6, dtype=torch.bool), ADVANTAGES.float()),
         Processes(0, 1, torch.device("cpu")),
     )
     assert got is None if reason is None else reason in got
@@ -232,11 +229,7 @@ def test_when_the_lens_fuses(change, reason):
         got = lens_fuses_gram(
             cfg,
             _Lens(),
-            tiny_model("llama_tied"),
-            batch,
-            rewards,
-            torch.ones(6, dtype=torch.bool),
-            a,
+            StepBatch(1, tiny_model("llama_tied"), batch, rewards, torch.ones(6, dtype=torch.bool), a),
             Processes(0, 1, torch.device("cpu")),
         )
         assert "advantage 0" in got

@@ -26,6 +26,7 @@ from grpo_lens.gradients.exact import exact_rollout_grads, layer_weight_grads
 from grpo_lens.gradients.g2 import G2WeightingCapture, module_kind
 from grpo_lens.gradients.params import param_slices
 from grpo_lens.gradients.sketch import sketch_rollout_grads
+from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.runtime.processes import Processes
 from grpo_lens.train.update import policy_update
 
@@ -199,7 +200,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
         progress=False,
         gram_source="sketch",
     )
-    out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
+    out = TrainerLens(model, config).measure(StepBatch(3, model, batch, rewards, valid, adv))
     assert out["rank/mixed_groups"] == 3.0
     assert out["grad/identity_residual"] < 1e-5
     # the same numbers from the per-group function on the same sketch (same seed, same omega)
@@ -267,7 +268,7 @@ def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients
         progress=False,
     )
     assert config.gram_source == "exact"  # the default
-    out = TrainerLens(model, config).measure(3, model, batch, rewards, valid, adv)
+    out = TrainerLens(model, config).measure(StepBatch(3, model, batch, rewards, valid, adv))
     assert out["grad/gram_coverage"] == 1.0
     mixed = [0, 1, 3]
     idx = torch.tensor([b * R + i for b in mixed for i in range(R)])
