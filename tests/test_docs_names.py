@@ -329,32 +329,3 @@ def test_the_docs_use_one_name_per_concept():
     for name in ("`group_size`", "`sketch_dim`", "`mc_samples`", "d_s", "P_s", "K_mc"):
         assert name in notation, f"docs/theory.md §1 (Notation) does not name {name}"
 
-
-def test_renamed_keywords_still_work_with_a_deprecation_warning():
-    import torch
-
-    from grpo_lens.formulas.credit import opposition_size, opposition_threshold, prefix_success_counts
-    from grpo_lens.formulas.spectrum import wishart
-    from grpo_lens.formulas.zero_sum import fixed_k_labellings
-    from grpo_lens.train.step_metrics import reward_metrics
-
-    with pytest.warns(
-        DeprecationWarning, match="opposition_size\\(\\): the keyword 'k' is deprecated: use 'mc_samples'"
-    ):
-        assert opposition_size(k=8, d=5) == opposition_size(mc_samples=8, d=5) == opposition_size(8, 5)
-    with pytest.warns(DeprecationWarning, match="'k' is deprecated: use 'mc_samples'"):
-        assert opposition_threshold(k=8, tests=3) == opposition_threshold(8, 3)
-    with pytest.warns(DeprecationWarning, match="'k' is deprecated: use 'mc_samples'"):
-        assert prefix_success_counts([0.5], [(4 / 48) ** 0.5], k=4) == [2]
-    with pytest.warns(DeprecationWarning, match="wishart\\(\\): the keyword 'r' is deprecated: use 'group_size'"):
-        old = wishart(r=3, dim=5, num_draws=2, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(old, wishart(3, 5, 2, torch.Generator().manual_seed(0)))
-    with pytest.warns(DeprecationWarning, match="'r' is deprecated: use 'num_rollouts'"):
-        assert len(fixed_k_labellings(r=4, k=2, max_permutations=100, generator=torch.Generator())) == 6
-    rewards, valid = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(4, dtype=torch.bool)
-    with pytest.warns(
-        DeprecationWarning, match="reward_metrics\\(\\): the keyword 'R' is deprecated: use 'group_size'"
-    ):
-        assert reward_metrics(rewards, valid, R=2) == reward_metrics(rewards, valid, group_size=2)
-    with pytest.raises(TypeError, match="'k' is 'mc_samples''s old name"):
-        opposition_size(k=8, mc_samples=8, d=5)

@@ -269,11 +269,6 @@ def holm_claims(claims: list[Claim], alpha: float = FAMILY_LEVEL) -> tuple[list[
     return out, note
 
 
-def family_wise_note(claims: list[Claim], alpha: float = FAMILY_LEVEL) -> str:
-    """The Holm line of :func:`holm_claims` (0.2 name)."""
-    return holm_claims(claims, alpha)[1]
-
-
 def evaluate_claims(probe: dict[str, Any], names: list[str] | None = None) -> list[Claim]:
     """Every registered claim (or the named ones) evaluated on one probe.json dict, in name order.
 

@@ -71,9 +71,6 @@ from grpo_lens.metrics import (
 #: "≈ 2" for erank and stable rank in the 0.2 rules (the values that round to 2); descriptive since issue 29.
 RANK_BAND = (1.5, 2.5)
 
-#: 0.1 name: the band's half-width.
-ERANK_BAND = 0.5
-
 #: "k90 = 2": the top two directions hold more than this share of the energy and the top one alone less.
 TOP_SHARE = 0.9
 
@@ -82,12 +79,6 @@ MIN_RANK_GROUPS = 16
 
 #: the measures printed beside the primary one, without a verdict
 DESCRIPTIVE_MEASURES = ("erank", "stable_rank", "participation_ratio", "k90", "k99")
-
-#: 0.2 name: the measures that had a verdict each; only the first has one now
-RANK_CLAIM_MEASURES = ("top2_share",)
-
-#: 0.3 name: |mean reduction| below this read "no structure" (a second boundary beside d > 0; issue 43 removed it)
-NO_STRUCTURE_MARGIN = 1 - TOP_SHARE
 
 #: the one structure boundary of both branches: holds needs the mean d above it, "no structure" the mean d below it
 STRUCTURE_BOUNDARY = 0.0

@@ -42,9 +42,6 @@ from grpo_lens.metrics import (
 #: relabelling leaves outside the class span (of the cosine Gram)
 NEGLIGIBLE_SHARE = 0.1
 
-#: 0.2 name: the level of the relabelling test's one side
-TEST_LEVEL = BRANCH_LEVEL
-
 #: the calibration's name of the rule
 RULE_ID = "labels structure G1 (θ on the cosine Gram, across R)"
 

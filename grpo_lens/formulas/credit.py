@@ -34,7 +34,6 @@ from grpo_lens.metrics import (
     CREDIT_ANSWER_SHARE_MEAN,
     CREDIT_ANSWER_TOKEN_FRAC,
 )
-from grpo_lens.registry import renamed_keywords
 
 #: The last number of a completion: optional sign, digits with optional thousands commas, optional decimals.
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -463,7 +462,6 @@ def compare_with_uniform(
     }
 
 
-@renamed_keywords(k="mc_samples")
 def opposition_size(mc_samples: int, d: int, grid: int = 2001) -> float:
     """sup over p of P(X - Y >= d), X, Y iid Binomial(K_mc, p): the largest chance that two prefixes with one success
     probability show an opposing count difference of at least d (docs/theory.md §12, the Monte Carlo credit rule).
@@ -492,7 +490,6 @@ def opposition_size(mc_samples: int, d: int, grid: int = 2001) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-@renamed_keywords(k="mc_samples")
 def opposition_threshold(mc_samples: int, tests: int, level: float = 0.05) -> tuple[int, float]:
     """(d, size): the smallest count difference d whose :func:`opposition_size` is at most ``level / tests``
     (Bonferroni over a rollout's ``tests`` interior segments), so that a rollout whose segments truly all have A_i's
@@ -512,7 +509,6 @@ def opposition_threshold(mc_samples: int, tests: int, level: float = 0.05) -> tu
     return mc_samples + 1, 0.0
 
 
-@renamed_keywords(k="mc_samples")
 def prefix_success_counts(values: Sequence[float], errors: Sequence[float], mc_samples: int) -> list[int] | None:
     """Successes among the K_mc = ``mc_samples`` continuations of each prefix, from
     :func:`grpo_lens.gradients.token_credit.prefix_values`' mean and SE, or None when the rewards were not 0/1 (the

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from grpo_lens.registry import Registry, renamed_keywords
+from grpo_lens.registry import Registry
 
 RankMeasure = Callable[[Tensor], float]
 
@@ -430,7 +430,6 @@ def orthogonal_null_singular_values(gram: Tensor, advantages: Tensor) -> Tensor:
     return torch.sort(s, descending=True).values
 
 
-@renamed_keywords(r="group_size")
 def wishart(group_size: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
     """[num_draws, R, R] draws of Wishart(dim, I_R), R = ``group_size`` (the Gram matrix of R iid N(0, I_dim)
     vectors) by Bartlett's decomposition (Bartlett 1933): W = L Lᵀ with L lower triangular, L_ij ~ N(0, 1) below the
@@ -456,7 +455,6 @@ def wishart(group_size: int, dim: int, num_draws: int, generator: torch.Generato
     return low @ low.transpose(1, 2)
 
 
-@renamed_keywords(r="group_size")
 def random_direction_grams(group_size: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
     """[num_draws, R, R] Gram matrices of R = ``group_size`` iid uniform unit vectors in R^dim (docs/theory.md §5): the
     normalised :func:`wishart`, D^(-1/2) W D^(-1/2) with D = diag(W).

@@ -23,10 +23,8 @@ import torch
 from torch import Tensor
 
 from grpo_lens.metrics import zero_sum_key
-from grpo_lens.registry import renamed_keywords
 
 
-@renamed_keywords(r="num_rollouts")
 def fixed_k_labellings(num_rollouts: int, k: int, max_permutations: int, generator: torch.Generator) -> list[Tensor]:
     """The relabellings of a permutation test with k fixed: all C(n, k) boolean labellings of n = ``num_rollouts``
     (a group's R, or a baseline pool's M) with k ones when there are at most ``max_permutations``, else that many

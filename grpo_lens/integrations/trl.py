@@ -75,7 +75,7 @@ import yaml
 from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.lens.settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
-from grpo_lens.lens.settings import LensSettings, deprecated_sketch_keyword
+from grpo_lens.lens.settings import LensSettings
 from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
@@ -97,12 +97,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 def lens_settings(
     args: Any,
     *,
-    sketch_dim: int | None = None,
+    sketch_dim: int = 16,
     space: str = "trainable",
     seed: int = 0,
     multi_objective_aggregation: str = "sum_then_normalize",
     gram_source: str = "exact",
-    lens_sketch_dim: int | None = None,
 ) -> LensSettings:
     """The settings :class:`grpo_lens.lens.trainer_lens.TrainerLens` reads, from a ``trl.GRPOConfig``:
     :meth:`grpo_lens.lens.settings.LensSettings.from_trl` (``gram_source`` as the trainer's ``--gram-source``,
@@ -110,17 +109,15 @@ def lens_settings(
 
     Args:
         sketch_dim: sketch side per linear layer (as ``--sketch-dim``; default 16).
-        lens_sketch_dim: its deprecated 0.2 name (a DeprecationWarning).
         the rest: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
 
     Raises:
         ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
             weights the lens does not know (luspo).
-        TypeError: both ``sketch_dim`` and ``lens_sketch_dim``.
     """
     return LensSettings.from_trl(
         args,
-        sketch_dim=deprecated_sketch_keyword(sketch_dim, lens_sketch_dim),
+        sketch_dim=sketch_dim,
         space=space,
         seed=seed,
         multi_objective_aggregation=multi_objective_aggregation,
@@ -452,8 +449,7 @@ class GRPOLensMixin:
 
     Args (keywords, the rest goes to the trainer):
         lens_every: measure every this many optimizer steps (>= 1).
-        sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``; default 16); ``lens_sketch_dim``,
-            its 0.2 name, is still accepted with a DeprecationWarning.
+        sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``; default 16).
         lens_gram_source: ``exact`` (default) or ``sketch``, the source of the per-rollout Gram matrix (as
             grpo-lens' ``--gram-source``).
         lens_space: ``trainable`` or ``full`` (as ``--lens-space``; matters with a peft model).
@@ -469,20 +465,18 @@ class GRPOLensMixin:
         self,
         *args: Any,
         lens_every: int = 5,
-        sketch_dim: int | None = None,
+        sketch_dim: int = 16,
         lens_space: str = "trainable",
         lens_seed: int = 0,
         lens_out: str | Path | None = None,
         lens_log_completions: int = 2,
         lens_gram_source: str = "exact",
-        lens_sketch_dim: int | None = None,
         **kwargs: Any,
     ):
         if lens_every < 1:
             raise ValueError(f"lens_every = {lens_every}: must be >= 1")
         if lens_log_completions < 0:
             raise ValueError(f"lens_log_completions = {lens_log_completions}: must be >= 0")
-        sketch_dim = deprecated_sketch_keyword(sketch_dim, lens_sketch_dim)  # warns at the caller's line
         super().__init__(*args, **kwargs)
         self.lens_every = lens_every
         self.lens_settings = lens_settings(

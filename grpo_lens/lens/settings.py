@@ -9,7 +9,6 @@ The fields are exactly what the lens and the functions it passes them to read; n
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,22 +191,3 @@ def as_lens_settings(config: Any) -> LensSettings:
         f"grpo_lens.config.TrainConfig), got {type(config).__name__}"
     )
 
-
-def deprecated_sketch_keyword(sketch_dim: int | None, lens_sketch_dim: int | None, *, stacklevel: int = 3) -> int:
-    """The sketch side from the TRL integration's ``sketch_dim`` keyword, or from its 0.2 name ``lens_sketch_dim``
-    (still accepted, with a DeprecationWarning naming ``sketch_dim``); 16 when neither is given.
-
-    Raises:
-        TypeError: both are given.
-    """
-    if lens_sketch_dim is None:
-        return 16 if sketch_dim is None else sketch_dim
-    if sketch_dim is not None:
-        raise TypeError("give sketch_dim only (lens_sketch_dim is its deprecated name), not both")
-    warnings.warn(
-        "the keyword lens_sketch_dim is deprecated: use sketch_dim (the name of grpo-lens' --sketch-dim and "
-        "TrainConfig.sketch_dim)",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-    return lens_sketch_dim

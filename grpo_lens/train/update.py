@@ -53,7 +53,6 @@ from grpo_lens.metrics import (
     POLICY_ENTROPY,
     RATIO_MAX,
 )
-from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision, group_logprobs
 from grpo_lens.rundir import crash_point
 from grpo_lens.runtime.memory import auto_micro_batch_size, total_memory_bytes
@@ -155,7 +154,6 @@ class UpdatePlan:
     loss_mask: torch.Tensor
 
 
-@renamed_keywords(R="group_size")
 def mini_batch_rows(groups: int, group_size: int, M: int) -> list[torch.Tensor]:
     """The row indices of the M mini-batches (one optimizer step each) of G = ``groups`` groups of R rollouts.
 

@@ -155,19 +155,6 @@ def test_bad_lens_settings_fail_before_training(tmp_path):
         make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=0)
 
 
-def test_the_deprecated_lens_sketch_dim_keyword_warns_and_gives_the_same_settings(tmp_path):
-    from grpo_lens.integrations.trl import LensGRPOTrainer
-    from grpo_lens.lens.settings import LensSettings
-
-    new = make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=4).lens_settings
-    with pytest.warns(DeprecationWarning, match="lens_sketch_dim is deprecated: use sketch_dim") as caught:
-        old = make_trainer(tmp_path, LensGRPOTrainer, lens_sketch_dim=4).lens_settings
-    assert isinstance(new, LensSettings) and old == new and new.sketch_dim == 4
-    assert any(w.filename == __file__ for w in caught), "the warning points at the caller's line"
-    with pytest.raises(TypeError, match="not both"):
-        make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=4, lens_sketch_dim=4)
-
-
 def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
     """A TRL run with steps_per_generation = 2 (TRL generates at global steps 0, 2, 4) and lens_every = 3: the lens
     takes the first batch at or after each due step, global steps 0 and 4 (logged at steps 1 and 5); the old test
