@@ -1422,7 +1422,7 @@ PROBE_SUMMARY = _key(
     "summary",
     INTERVAL,
     "`{mean, lo, hi, n}`: mean over the groups that have the key, with its 95% Hall's transformed-t interval "
-    "over groups (theory §7, `grpo_lens.formulas.stats.bootstrap_ci`; lo = hi = null for n < 8)",
+    "over groups (theory §7, `grpo_lens.formulas.stats.mean_interval`; lo = hi = null for n < 8)",
     source="§7",
     where=(PROBE,),
     shown=("summary[key]",),

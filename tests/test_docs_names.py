@@ -328,4 +328,3 @@ def test_the_docs_use_one_name_per_concept():
     notation = _sections(THEORY.read_text(encoding="utf8"))[0][1]
     for name in ("`group_size`", "`sketch_dim`", "`mc_samples`", "d_s", "P_s", "K_mc"):
         assert name in notation, f"docs/theory.md §1 (Notation) does not name {name}"
-

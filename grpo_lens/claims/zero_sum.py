@@ -27,7 +27,7 @@ from grpo_lens.claims.base import (
     source_of,
     verdict_from_interval,
 )
-from grpo_lens.formulas.stats import bootstrap_ci, mean_interval, mean_test_p
+from grpo_lens.formulas.stats import mean_interval, mean_test_p
 from grpo_lens.metrics import (
     PROBE_G2_WEIGHTINGS,
     PROBE_GROUPS,
@@ -212,7 +212,7 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
             other_sr.append(o)
         if not ds:
             continue
-        ci = bootstrap_ci(ds)
+        ci = mean_interval(ds)
         n = ci["n"]
         below_zero = verdict_from_interval(ci["lo"], ci["hi"], 0.0, "below")
         no_difference = band_verdict(ci["lo"], ci["hi"], -EQUIVALENCE_REL, EQUIVALENCE_REL)

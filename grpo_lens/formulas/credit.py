@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from grpo_lens.formulas.losses import aggregation_rollout_weights
-from grpo_lens.formulas.stats import binomial_pmf, bootstrap_mean
+from grpo_lens.formulas.stats import binomial_pmf, mean_interval
 from grpo_lens.metrics import (
     CREDIT_ADV_VAR_WITHIN_MAX,
     CREDIT_ANSWER_SHARE_MEAN,
@@ -366,9 +366,9 @@ def summarise_class_shares(shares: Sequence[dict], shares_nll: Sequence[dict]) -
     weights (every A_i = 1), paired by group.
 
     Returns:
-        (classes {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups},
+        (classes {class: {"update_share", "token_share", "ratio"}: mean_interval over groups},
          classes_nll {class: {"ratio": under NLL weights, "ratio_minus_nll": ratio under A − under NLL, paired per
-         group}: bootstrap_mean over groups}); non-finite values (an absent class) are dropped.
+         group}: mean_interval over groups}); non-finite values (an absent class) are dropped.
     """
     assert len(shares) == len(shares_nll), (len(shares), len(shares_nll))
 
@@ -376,15 +376,13 @@ def summarise_class_shares(shares: Sequence[dict], shares_nll: Sequence[dict]) -
         return [v for v in values if math.isfinite(v)]
 
     classes = {
-        c: {k: bootstrap_mean(finite(sh[c][k] for sh in shares)) for k in ("update_share", "token_share", "ratio")}
+        c: {k: mean_interval(finite(sh[c][k] for sh in shares)) for k in ("update_share", "token_share", "ratio")}
         for c in TOKEN_CLASSES
     }
     classes_nll = {
         c: {
-            "ratio": bootstrap_mean(finite(sh[c]["ratio"] for sh in shares_nll)),
-            "ratio_minus_nll": bootstrap_mean(
-                finite(a[c]["ratio"] - b[c]["ratio"] for a, b in zip(shares, shares_nll))
-            ),
+            "ratio": mean_interval(finite(sh[c]["ratio"] for sh in shares_nll)),
+            "ratio_minus_nll": mean_interval(finite(a[c]["ratio"] - b[c]["ratio"] for a, b in zip(shares, shares_nll))),
         }
         for c in TOKEN_CLASSES
     }

@@ -303,39 +303,6 @@ def g1_controls(
     return out
 
 
-def g1_spectra(
-    grads: Tensor,
-    advantages: Tensor,
-    completion_mask: Tensor | None = None,
-    *,
-    num_random: int = 8,
-    seed: int = 0,
-) -> dict[str, dict[str, float]]:
-    """:func:`g1_controls` of one group's gradients under the 0.1 names, each with ``fro_norm`` (the 0.1 entry point).
-
-    ``policy`` = ``g1``, ``score`` = ``g1_no_adv``, ``random`` = ``g1_random`` ({} when num_random = 0), ``nll`` =
-    ``g1_nll`` (with a completion mask); each {measure: float} of :func:`rank_measures` plus ``fro_norm``, the
-    matrix's Frobenius norm. New code reads the ``rank/g1_*`` keys of :func:`grpo_lens.analysis.group.analyse_group`.
-
-    Args:
-        grads: [R, P] per-rollout g_i (exact or sketched).
-        advantages: [R].
-        completion_mask: [R, T] bool, optional.
-        num_random, seed: as in :func:`g1_controls`.
-    """
-    assert grads.dim() == 2 and advantages.shape == (grads.shape[0],), (grads.shape, advantages.shape)
-    g = grads.detach().double()
-
-    def with_norm(s: Tensor) -> dict[str, float]:
-        return {**rank_measures(s), "fro_norm": float(s.square().sum().sqrt())}
-
-    controls = g1_controls(g @ g.T, advantages, completion_mask, num_random=num_random, seed=seed, measure=with_norm)
-    out = {"policy": controls["g1"], "score": controls["g1_no_adv"], "random": controls.get("g1_random", {})}
-    if "g1_nll" in controls:
-        out["nll"] = controls["g1_nll"]
-    return out
-
-
 def _sequences(completion_ids: Tensor, completion_mask: Tensor) -> list[tuple[int, ...]]:
     assert completion_ids.shape == completion_mask.shape, (completion_ids.shape, completion_mask.shape)
     ids, mask = completion_ids.tolist(), completion_mask.bool().tolist()

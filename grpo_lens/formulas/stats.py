@@ -4,8 +4,7 @@ A "row" is the dict of canonical keys that :func:`grpo_lens.analysis.group.analy
 (float values; a missing key means "not measured for this group"). The probe and the lens only aggregate rows:
 
 - :func:`mean_interval`: the mean with Hall's transformed-t interval (Hall 1992), none below
-  :data:`MIN_INTERVAL_UNITS` units, optionally clipped to bounds; :func:`bootstrap_ci` and :func:`bootstrap_mean` are
-  its 0.1 names.
+  :data:`MIN_INTERVAL_UNITS` units, optionally clipped to bounds.
 - :func:`summarise_rows`, :func:`stratify_rows`: {key: interval} over rows, and per stratum (k, distinct completions).
 - :func:`spearman_trend` (permutation test of a monotone trend), :func:`wilson_interval` (a binomial share),
   :func:`binomial_pmf`, :func:`binomial_upper_tail` (the exact p-value of a count),
@@ -147,23 +146,6 @@ def mean_interval(
     return {"mean": mean, "lo": min(lo, mean), "hi": max(hi, mean), "n": n}
 
 
-def bootstrap_ci(
-    values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000, seed: int = 0
-) -> dict[str, float | int | None]:
-    """:func:`mean_interval` under its 0.1 name (the probe's summaries and strata call it).
-
-    Until issue 18 this was an expanded-percentile bootstrap; it under-covered on skewed data (0.80-0.90 at
-    n = 8-34), so it now returns Hall's transformed-t interval. ``num_resamples`` (>= 100) and ``seed`` are checked
-    and otherwise unused: the interval is closed form.
-
-    Raises:
-        ValueError: level outside (0, 1) or num_resamples < 100.
-    """
-    if num_resamples < 100:
-        raise ValueError(f"num_resamples must be >= 100, got {num_resamples}")
-    return mean_interval(values, level=level)
-
-
 def summarise_rows(
     rows: Sequence[dict[str, float]],
     *,
@@ -172,17 +154,21 @@ def summarise_rows(
     num_resamples: int = 2000,
     seed: int = 0,
 ) -> dict[str, dict[str, float | int | None]]:
-    """{key: bootstrap_ci(values of key over the rows that have it)} for every key (or the given ones).
+    """{key: mean_interval(values of key over the rows that have it)} for every key (or the given ones).
 
     Args:
         rows: per-group rows of canonical keys.
         keys: the keys to summarise; None = every key that any row has (sorted).
+        num_resamples, seed: checked (``num_resamples`` >= 100) and otherwise unused: the interval is closed form.
+
+    Raises:
+        ValueError: level outside (0, 1) or num_resamples < 100.
     """
+    if num_resamples < 100:
+        raise ValueError(f"num_resamples must be >= 100, got {num_resamples}")
     if keys is None:
         keys = sorted({k for row in rows for k in row})
-    return {
-        k: bootstrap_ci([row.get(k) for row in rows], level=level, num_resamples=num_resamples, seed=seed) for k in keys
-    }
+    return {k: mean_interval([row.get(k) for row in rows], level=level) for k in keys}
 
 
 def stratify_rows(
@@ -198,19 +184,6 @@ def stratify_rows(
             continue
         strata.setdefault(str(int(v)), []).append(row)
     return {s: summarise_rows(strata[s], **summary_kwargs) for s in sorted(strata, key=int)}
-
-
-def bootstrap_mean(
-    values: Sequence[float],
-    num_boot: int = 2000,
-    seed: int = 0,
-    level: float = 0.95,
-    bounds: tuple[float, float] | None = None,
-) -> dict[str, float | int | None]:
-    """:func:`mean_interval` for the studies and claims (0.1 name and arguments; ``num_boot`` and ``seed`` unused).
-    -> {"mean", "lo", "hi", "n"}; lo = hi = None below :data:`MIN_INTERVAL_UNITS` units; ``bounds``: the range the
-    mean cannot leave (e.g. (0, 1) for a share), the interval is clipped to it."""
-    return mean_interval(list(values), level=level, bounds=bounds)
 
 
 def spearman_trend(

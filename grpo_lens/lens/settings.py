@@ -190,4 +190,3 @@ def as_lens_settings(config: Any) -> LensSettings:
         f"the lens's settings must be a LensSettings or a TrainConfig (grpo_lens.lens.settings.LensSettings, "
         f"grpo_lens.config.TrainConfig), got {type(config).__name__}"
     )
-

@@ -56,8 +56,7 @@ from grpo_lens.formulas.pooling import (
     stratified_interval,
 )
 from grpo_lens.formulas.stats import (
-    bootstrap_ci,
-    bootstrap_mean,
+    mean_interval,
     stratify_rows,
     summarise_rows,
 )
@@ -175,7 +174,7 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
         S1_MEASURED: counts[GROUPS_ALL_EQUAL] / valid if valid else None,
         S1_PREDICTED: predicted["mean"],
         S1_PREDICTED_CI: {k: predicted[k] for k in ("mean", "lo", "hi", "n")},
-        S1_MEASURED_CI: bootstrap_ci(indicators, seed=seed),
+        S1_MEASURED_CI: mean_interval(indicators),
         PROBE_GROUPS: rows,
         PROBE_SUMMARY: summarise_rows(rows, **ci),
         PROBE_STRATA: {
@@ -240,7 +239,7 @@ def pool_credit_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
         "rollouts": rollouts,
         "samples_per_prefix": mc_samples.pop(),
         **{
-            k: bootstrap_mean([r[k] for r in rollouts], bounds=(0.0, 1.0))
+            k: mean_interval([r[k] for r in rollouts], bounds=(0.0, 1.0))
             for k in ("disagree", "agree", "neutral", "top_segment_share")
         },
         "segments": segments,

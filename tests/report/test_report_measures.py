@@ -343,16 +343,16 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
 
 def test_no_interval_from_fewer_than_eight_units():
     from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-    from grpo_lens.formulas.stats import bootstrap_mean
+    from grpo_lens.formulas.stats import mean_interval
 
     # over 2 values every resample with a spread is the pair itself (the interval would be the data's range), and a
     # handful gives quantiles of a few distinct means: no interval below MIN_UNITS = 8 (docs/theory.md §7)
     assert MIN_UNITS == 8
-    assert bootstrap_mean([0.1, 0.3])["lo"] is None and bootstrap_mean([0.1, 0.3, 0.2, 0.4])["hi"] is None
-    eight = bootstrap_mean([0.1, 0.3, 0.2, 0.4, 0.15, 0.25, 0.35, 0.3])
+    assert mean_interval([0.1, 0.3])["lo"] is None and mean_interval([0.1, 0.3, 0.2, 0.4])["hi"] is None
+    eight = mean_interval([0.1, 0.3, 0.2, 0.4, 0.15, 0.25, 0.35, 0.3])
     assert eight["lo"] < 0.26 < eight["hi"]
     # a share's interval stays inside [0, 1]
-    clipped = bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))
+    clipped = mean_interval([0.0] * 7 + [1.0], bounds=(0.0, 1.0))
     assert 0.0 <= clipped["lo"] <= clipped["hi"] <= 1.0
 
 
