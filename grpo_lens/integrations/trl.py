@@ -74,12 +74,15 @@ import yaml
 
 from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
+from grpo_lens.gradients.gram import GramCapture
+from grpo_lens.gradients.scores import rollout_scores
+from grpo_lens.gradients.sketch import GradientCapture, backward_roots
 from grpo_lens.lens.settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
 from grpo_lens.lens.settings import LensSettings
 from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
-from grpo_lens.rollout import RolloutBatch
+from grpo_lens.rollout import RolloutBatch, batch_logprobs
 from grpo_lens.rundir import RunDir, RunDirError, RunDirLockedError, acquire_run_lock
 from grpo_lens.runtime.processes import gather_objects
 from grpo_lens.train.step_metrics import dead_group_metrics, reward_metrics, rollout_metrics
@@ -396,10 +399,6 @@ def weighted_rollout_rows(
     Returns:
         ("gram", [n, n] float64 (0 between groups), info with ``coverage``) or ("sketch", [n, P_s] float64, {}).
     """
-    from grpo_lens.gradients.gram import GramCapture
-    from grpo_lens.gradients.scores import rollout_scores
-    from grpo_lens.gradients.sketch import GradientCapture, backward_roots
-    from grpo_lens.rollout import batch_logprobs
 
     def loss() -> torch.Tensor:
         logp = batch_logprobs(policy, batch, settings.temperature)

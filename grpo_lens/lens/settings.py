@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from grpo_lens.config import TrainConfig
 from grpo_lens.config.groups import GRAM_SOURCES
 from grpo_lens.formulas.advantages import STD_CONVENTIONS
 from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
 from grpo_lens.formulas.overlong import OVERLONG_MODES
-
-if TYPE_CHECKING:
-    from grpo_lens.config import TrainConfig
 
 #: The parameter spaces of the lens's per-rollout gradients (``--lens-space``, docs/theory.md §18).
 LENS_SPACES = ("trainable", "full")
@@ -180,8 +178,6 @@ def as_lens_settings(config: Any) -> LensSettings:
     Raises:
         TypeError: anything else (naming both accepted types).
     """
-    from grpo_lens.config import TrainConfig
-
     if isinstance(config, LensSettings):
         return config
     if isinstance(config, TrainConfig):

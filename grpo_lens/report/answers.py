@@ -21,6 +21,8 @@ from typing import Any
 from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, evaluate_claims, holm_claims, primary_text
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.report.format import mark_few
+from grpo_lens.report.levels import _p2, branch_power, level_at, load_levels, lowest_at
+from grpo_lens.report.readings import readings_lines
 
 #: the longest line of the first screen
 LINE_WIDTH = 160
@@ -79,8 +81,6 @@ def power_line(c: Claim, levels: Levels) -> str:
     """The power of the branch the row's verdict took at its n (both branches for inconclusive), and for an
     inconclusive row whose powers are both below :data:`CERTAIN_POWER`, that inconclusive was certain and the budget
     that would decide it."""
-    from grpo_lens.report import _p2, branch_power, level_at, lowest_at  # the report package imports this module
-
     cell = level_at(levels, c.rule_id, c.n)
     if cell is None:
         return "power: not calibrated (no planted cases for this rule)"
@@ -105,8 +105,6 @@ def answer_lines(sources: dict[str, list[Claim]], levels: Levels | None = None) 
     """The Markdown lines of the answers: one entry per primary claim (verdict, claim and where; the primary number,
     n; the power of its verdict's branch), then the checks one line each."""
     if levels is None:
-        from grpo_lens.report import load_levels
-
         levels = load_levels()
     multi = len(sources) > 1
     primary, checks = [], []
@@ -146,8 +144,6 @@ def answers_section(
 ) -> list[str]:
     """The report's first section (:func:`answer_lines` of :func:`claim_sources`, then the rank readings of each
     probe); empty when the run has neither a probe nor lens records."""
-    from grpo_lens.report.readings import readings_lines
-
     sources = claim_sources(probes, records, lora_rank, seed_runs)
     if not any(sources.values()):
         return []
