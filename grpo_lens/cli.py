@@ -42,8 +42,8 @@ from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.registry import declared_constant
 
 # The commands' modules (torch, transformers, matplotlib) are imported inside each ``_cmd_*``, when it runs: the
-# parser is built from the config dataclasses alone, so ``--help`` and ``--version`` answer at once (issue 30;
-# tests/test_cli_speed.py).
+# parser is built from the config dataclasses alone, so ``--help`` and ``--version`` answer at once
+# (tests/test_cli_speed.py). cli.py is the one module that imports the package inside functions (tests/test_layout.py).
 
 #: The model that ``grpo-lens model`` names without an argument (:data:`grpo_lens.models.DEFAULT_MODEL`).
 DEFAULT_MODEL = declared_constant("grpo_lens.models", "DEFAULT_MODEL")

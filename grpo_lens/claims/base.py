@@ -131,7 +131,7 @@ def source_of(probe: dict[str, Any]) -> str:
     meta = probe.get("meta", {})
     if meta.get("gradients") == "exact":
         return "exact gradients of every parameter"
-    if meta.get("gradients") == "exact_gram":  # issue 20: the exact Gram from one backward (gradients/gram.py)
+    if meta.get("gradients") == "exact_gram":  # the exact Gram from one backward (gradients/gram.py)
         cov = meta.get("gram_coverage")
         return (
             f"exact gradients of every parameter, coverage {fmt(cov, 2)} of Σ‖g‖² (exact Gram)"

@@ -461,7 +461,7 @@ def equal_norms_test(
     The verdict comes from a label-permutation test with the correct count k fixed (docs/theory.md §Baselines at
     matched expectation): statistic |Welch t| of mean_C ||h||^2 against mean_W ||h||^2 (studentized, so that the
     null is equal means rather than equal distributions: the 0.2 statistic |log ratio of means| rejected 0.19-0.38 of
-    prompts when only the spreads differed, issue 29), p-value = share of the C(M, k)
+    prompts when only the spreads differed), p-value = share of the C(M, k)
     relabellings (all of them up to ``max_permutations``, else that many at random and the observed one) whose
     statistic is >= the observed one. With rollouts exchangeable under the null (labels independent of the norms),
     P(p <= 0.05) <= 0.05 for every M and k, which is what makes 0.05 the control of the claim that counts rejections; a
@@ -494,7 +494,7 @@ def equal_norms_test(
     labs = torch.stack(fixed_k_labellings(m, k, max_permutations, gen)).double()  # [L, M]
     log_ratio = float(nc.mean().log() - nw.mean().log())
 
-    # the studentized statistic |Welch t| of the two means, permuted (issue 29): equal means, not equal
+    # the studentized statistic |Welch t| of the two means, permuted: equal means, not equal
     # distributions, is the null; a studentized permutation test is exact under exchangeability and asymptotically
     # exact for equal means with unequal spreads (Janssen, Statist. Probab. Lett. 36, 1997)
     def welch(lab: Tensor) -> Tensor:  # lab [L, M] 0/1 -> [L]
@@ -519,7 +519,7 @@ def equal_norms_test(
     return {"ratio": math.exp(log_ratio), "p": p, "lo": low, "hi": high, "verdict": verdict}
 
 
-#: the equivalence margin of m_C = m_W in effect units (fixed before any measurement, issue 43): the root mean square
+#: the equivalence margin of m_C = m_W in effect units (fixed before any measurement): the root mean square
 #: over prompts of log(m_C / m_W) at most log 1.25 (b* within about ±0.056 of p at p = 0.5; docs/theory.md §12)
 LOG_RATIO_MARGIN = math.log(1.25)
 
@@ -673,6 +673,6 @@ def summarise_baseline_prompts(
 
 
 def log_ratios(per_prompt: Sequence[dict]) -> tuple[list[float], list[float]]:
-    """(d, v) of the prompts that have :func:`log_norm_ratio` (rows from before issue 43 have none)."""
+    """(d, v) of the prompts that have :func:`log_norm_ratio` (rows from older probes have none)."""
     rows = [p for p in per_prompt if p.get("log_ratio") is not None and p.get("log_ratio_var") is not None]
     return [float(p["log_ratio"]) for p in rows], [float(p["log_ratio_var"]) for p in rows]

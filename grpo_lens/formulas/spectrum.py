@@ -513,7 +513,7 @@ def top_eigenvalues_psd_products(
     lambda_max(R^T K_D R) with K_X = R R^T (eigh, float64). Fixed Gaussian start block. The W problems iterate as
     one batch (batched QR, eigh and products: a tenth of the calls of one problem at a time); each converged w
     leaves the batch, so its value is what it would be alone. The 0.1 body iterated ||K_X K_D v|| 50 times without
-    a check: on a non-normal product with close top eigenvalues it was off by percents (issue 18).
+    a check: on a non-normal product with close top eigenvalues it was off by percents.
 
     Args:
         kx: [n, n] or [W, n, n] symmetric PSD.  kds: [W, n, n] symmetric PSD (float32 or float64).  tol: relative

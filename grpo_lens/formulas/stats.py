@@ -97,7 +97,7 @@ def mean_interval(
     expansion of the studentized mean, so the interval widens on the side of the longer tail. Closed form: no
     resamples, deterministic; equal to the Student t interval on symmetric data (γ = 0). Chosen by coverage at
     nominal 0.95 over the nine cells of `grpo-lens calibrate` (normal, log-normal σ = 1, 60%-zero data at n = 8, 22,
-    34; 2000 trials each, issue 18): the lowest cell 0.909 (log-normal, n = 8; none of the methods tried reaches
+    34; 2000 trials each): the lowest cell 0.909 (log-normal, n = 8; none of the methods tried reaches
     0.93 there), against 0.892 with the plain sample skewness m_3 / s³, 0.841 Student t, 0.798 bootstrap-t, 0.775
     percentile bootstrap, 0.757 BCa (999 resamples). Its price on normal data: 21% wider than Student t at n = 8
     (mean width 1.97 against 1.63 SD), 1% at n = 22 and 34. docs/calibration.md reprints the coverage. Non-finite
@@ -382,7 +382,7 @@ def interval_t_p(
     level)/2), T = (mean − control)/se, p_above = P(t_{n−1} >= T), p_below = P(t_{n−1} <= T). On a Student-t
     interval this is the one-sample t-test's p exactly (up to :func:`student_t_quantile`'s 1e-3); the normal reading
     of the same interval (se = half / 1.96, p = P(Z >= T)) is too small at small n (n = 12, T = 2√3 = 3.46: 0.00027
-    against the t-test's 0.0026; issue 43). On a Hall interval (:func:`mean_interval`) the half-width on ``side``
+    against the t-test's 0.0026). On a Hall interval (:func:`mean_interval`) the half-width on ``side``
     carries its skewness.
 
     Args:
@@ -462,7 +462,7 @@ def difference_trend_test(
     over-states the estimate's variance and the test is conservative at every φ in [0, 1]; the price is power under
     independent noise (the differences double the noise). This is the first-difference estimator of Granger &
     Newbold (J. Econometrics 2, 1974) used as a test; a Spearman or OLS trend test with i.i.d. errors rejects at
-    0.12–0.26 when lens steps are correlated 0.6–1 (issue 29). ``covariate`` (e.g. the log of the mixed-group count)
+    0.12–0.26 when lens steps are correlated 0.6–1. ``covariate`` (e.g. the log of the mixed-group count)
     is partialled out, so a trend it produces is not read as one in y.
 
     Args:
@@ -526,7 +526,7 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# trends over training: the OLS slope, its fixed-b HAC test within one run (issue 43)
+# trends over training: the OLS slope, its fixed-b HAC test within one run
 # ---------------------------------------------------------------------------------------------------------------------
 def _trend_design(xs: Sequence[float], covariate: Sequence[float] | None) -> torch.Tensor:
     """[n, q] the regressors of a trend: 1, x and (when given and not constant) the covariate."""

@@ -361,7 +361,7 @@ class TrainerLens:
                 grads = sketch[idx.to(sketch.device)].double().cpu()  # [n_mixed * R, P_s]
                 gram = grads @ grads.T
                 dim = grads.shape[1]  # the sketch's P_s
-            # dim: P for the claims' simulated null (issue 29), the dimension of the space the Gram's gradients live in
+            # dim: P for the claims' simulated null, the dimension of the space the Gram's gradients live in
             adv = advantages.detach().cpu().double()
             if coverage:  # the exact Gram: the update's rows h_i = -(A_i / N) g_i summed per group
                 m = group_gradient_gram(gram, -adv[idx] / n_total, R)  # [n_mixed, n_mixed]; NaN between groups

@@ -202,7 +202,7 @@ def run_baseline_study(
 
 
 def _segment_counts(rows: list[dict[str, Any]], z: float = 2.0) -> dict[str, int]:
-    """:func:`grpo_lens.formulas.credit.segment_counts` (moved there by issue 29)."""
+    """:func:`grpo_lens.formulas.credit.segment_counts` (the body lives there, with the other credit formulas)."""
     return segment_counts(rows, z)
 
 

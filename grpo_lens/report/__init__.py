@@ -364,7 +364,7 @@ def _write_report(run_dir: Path) -> Path:
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)
     if len(probes) > 1:
-        measure = plots.verdict_measure(probes)  # E₂, what the rank verdict tests (issue 43)
+        measure = plots.verdict_measure(probes)  # E₂, what the rank verdict tests
         plots.plot_erank_vs_group_size(probes, run_dir / "erank_vs_R.png", measure=measure)
         body += [
             "## Before vs after training",

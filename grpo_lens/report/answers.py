@@ -1,7 +1,7 @@
 """The report's opening (its first screen): one entry per primary claim, then the checks, then the rank claim's
 readings side by side (:func:`grpo_lens.report.readings.readings_lines`).
 
-Each primary claim (issue 43) gets its verdict, the claim and where, the primary number with its 95% interval
+Each primary claim gets its verdict, the claim and where, the primary number with its 95% interval
 (:func:`grpo_lens.claims.base.primary_text`), n, and the calibrated power of the branch its verdict took at that n
 (``grpo_lens/data/calibration_levels.json``, :func:`grpo_lens.report.level_at`); an inconclusive row gets both
 branches' power and, where inconclusive was (almost) certain at its n (both powers below
@@ -55,7 +55,7 @@ def claim_sources(
     sources: dict[str, list[Claim]] = {label: evaluate_claims(probe) for label, probe in probes.items()}
     if records:
         sources["training"] = evaluate_claims(training_data(records, lora_rank, seed_runs), list(TRAINING_CLAIMS))
-    # the verdicts of the claims table: the primary claims of every source under one Holm (issue 29)
+    # the verdicts of the claims table: the primary claims of every source under one Holm
     flat, _ = holm_claims([c for claims in sources.values() for c in claims])
     out, i = {}, 0
     for label, claims in sources.items():

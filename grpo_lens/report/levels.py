@@ -37,8 +37,8 @@ def level_at(levels: dict[str, dict[str, dict[str, Any]]], rule: str, n: int | N
 
 def branch_power(cell: dict[str, Any] | None, branch: str) -> float | None:
     """The calibrated power of one branch of a rule at a cell (:func:`level_at`): *holds* the lowest share of holds
-    over the true families, *does not hold* the lowest share of does not hold over the false ones (``power_dnh``,
-    issue 43); None without a cell or where the calibration has no such family (or predates per-branch power)."""
+    over the true families, *does not hold* the lowest share of does not hold over the false ones (``power_dnh``);
+    None without a cell or where the calibration has no such family (or predates per-branch power)."""
     if cell is None:
         return None
     return cell.get("power") if branch == HOLDS else cell.get("power_dnh")

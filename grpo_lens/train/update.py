@@ -548,7 +548,7 @@ def lens_fuses_gram(
     analyses, every A_i finite and nonzero (A_i = 0 leaves nothing of g_i to divide: such a step keeps the own pass),
     the loss mask their whole completion (not ``--overlong`` masking or filtering them), and each group within one
     micro-batch (entries of two micro-batches share no backward). Not with ``--estimator optimal`` (its weights need
-    the norms before the advantages; the issue-30 rule), LoRA or sketched Grams (their own paths), an FSDP2-sharded
+    the norms before the advantages), LoRA or sketched Grams (their own paths), an FSDP2-sharded
     policy, or ``bf16-mixed`` (the lens's own pass runs without autocast). With several processes all answer alike
     (one all-reduce).
 
