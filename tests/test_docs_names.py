@@ -179,7 +179,7 @@ def test_every_theory_citation_points_at_a_section():
 # `mc_samples` (never k or K)
 # ---------------------------------------------------------------------------------------------------------------------
 
-#: files another change is renaming now (issue 31): checked once their renames land (each must still need one, so
+#: files another change is renaming now: checked once their renames land (each must still need one, so
 #: the list only shrinks)
 PENDING: set[str] = set()
 

@@ -76,7 +76,7 @@ def test_train_resume_without_the_plugin_is_one_line(tmp_path, monkeypatch, caps
 
 
 def test_a_plugin_in_the_working_folder_loads_without_pythonpath(tmp_path, monkeypatch):
-    """Issue 44: ``GRPO_LENS_PLUGINS=my_rewards grpo-lens probe ...`` with my_rewards.py beside the user failed with
+    """``GRPO_LENS_PLUGINS=my_rewards grpo-lens probe ...`` with my_rewards.py beside the user failed with
     "cannot import plugin module" until PYTHONPATH=. (the ``grpo-lens`` script's sys.path has no working folder).
     The folder is added at the end of sys.path: a file there named like an installed module does not shadow it."""
     import os

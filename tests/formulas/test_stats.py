@@ -46,7 +46,7 @@ def test_edge_cases():
 
 def test_covers_on_zero_inflated_data_where_the_t_interval_does_not():
     # 60% zeros, log-normal otherwise (mean 0.4 e^0.5 = 0.65949), n = 22, 1000 trials (Monte Carlo SE 0.008):
-    # Hall's t covers >= 0.91 (0.93 measured), the symmetric t interval 0.84 (issue 18): a wrong skewness sign or a
+    # Hall's t covers >= 0.91 (0.93 measured), the symmetric t interval 0.84: a wrong skewness sign or a
     # dropped correction fails the first assert
     gen = torch.Generator().manual_seed(1)
     mu = 0.4 * math.exp(0.5)
@@ -65,7 +65,7 @@ def test_covers_on_zero_inflated_data_where_the_t_interval_does_not():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# trends over training: OLS slope, fixed-b HAC (issue 43)
+# trends over training: OLS slope, fixed-b HAC
 # ---------------------------------------------------------------------------------------------------------------------
 def test_ols_trend_by_hand():
     from grpo_lens.formulas.stats import ols_trend
