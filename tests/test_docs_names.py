@@ -2,6 +2,7 @@
 
 - Every backticked ``grpo_lens.…`` dotted name in docs/*.md and README.md, and every ``grpo_lens`` import of their
   Python snippets, resolves by import + attribute look-up (the 0.1 paths, removed in 0.3, do not).
+- So does every dotted ``grpo_lens.…`` name in a docstring of the package.
 - Every section and subsection of docs/theory.md names at least one function or class that computes its formulas.
 - Every ``theory.md §N`` / ``§Name`` citation in the package, the tests, the benchmarks and the docs points at a
   section (or subsection title) that exists.
@@ -99,6 +100,52 @@ def test_every_dotted_name_in_the_docs_resolves_from_its_current_home():
             resolve(name)
         except (LookupError, ImportError) as e:
             failures.append(f"{doc}: {e}")
+    assert not failures, "\n".join(failures)
+
+
+#: a dotted name in a docstring: ``grpo_lens.x.y`` (in a role, backticks or plain text), not a path (``grpo_lens/x.py``)
+DOCSTRING_DOTTED = re.compile(r"(?<![\w/.])grpo_lens(?:\.[A-Za-z_]\w*)+")
+
+
+def docstring_names(source: str) -> list[tuple[int, str]]:
+    """(line of the documented definition, dotted name) of every ``grpo_lens.…`` name in the module's, classes' and
+    functions' docstrings of a Python source text."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False) or ""
+            out += [(getattr(node, "lineno", 1), name) for name in DOCSTRING_DOTTED.findall(doc)]
+    return out
+
+
+def test_the_docstring_check_finds_each_name():
+    source = '''"""Module: see :func:`grpo_lens.formulas.advantages.compute_advantages`; file grpo_lens/cli.py."""
+
+
+class A:
+    """As ``grpo_lens.diagnostics.GradientCapture`` did."""
+
+    def f(self):
+        """Plain grpo_lens.lens.trainer_lens.Lens.rollout_gram."""
+        x = "grpo_lens.not_a_docstring"
+'''
+    assert docstring_names(source) == [
+        (1, "grpo_lens.formulas.advantages.compute_advantages"),
+        (4, "grpo_lens.diagnostics.GradientCapture"),
+        (7, "grpo_lens.lens.trainer_lens.Lens.rollout_gram"),
+    ]
+
+
+def test_every_dotted_name_in_the_package_docstrings_resolves():
+    failures, count = [], 0
+    for path in sorted((ROOT / "grpo_lens").rglob("*.py")):
+        for line, name in docstring_names(path.read_text(encoding="utf8")):
+            count += 1
+            try:
+                resolve(name)
+            except (LookupError, ImportError) as e:
+                failures.append(f"{path.relative_to(ROOT)}:{line}: {e}")
+    assert count > 100, "found too few names: the pattern is stale"
     assert not failures, "\n".join(failures)
 
 

@@ -22,10 +22,11 @@ with ``steps_per_generation`` or ``num_iterations`` > 1 TRL generates only every
 optimizer steps, so the lens takes the next batch that exists rather than waiting for a global step that never meets
 a generation), on that batch (this process's share, before any update on it), the same analysis as grpo-lens' own
 trainer:
-:class:`grpo_lens.lens.TrainerLens` with its Gram source (``lens_gram_source``, as the trainer's ``--gram-source``:
+:class:`grpo_lens.lens.trainer_lens.TrainerLens` with its Gram source (``lens_gram_source``, as the trainer's
+``--gram-source``:
 ``exact``, the default as in the trainer, the exact Gram of every parameter from one batched backward; ``sketch``, the
 LoGra sketch of the linear weights; with a peft/LoRA model the adapter's exact per-rollout gradients either way;
-:func:`grpo_lens.diagnostics.analyse_group` per mixed group). The exact Gram runs without activation checkpointing,
+:func:`grpo_lens.analysis.group.analyse_group` per mixed group). The exact Gram runs without activation checkpointing,
 which TRL turns on by default: the lens switches it off for its own pass only. Rows g_i are gradients of each
 completion's log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's
 temperature (TRL's training log-probs apply no top-k / top-p); the advantages are TRL's.
@@ -428,8 +429,8 @@ def activation_checkpointing_off(model: torch.nn.Module):
     """Turn transformers' activation (gradient) checkpointing off inside the block and back on after it.
 
     TRL enables it by default (``GRPOConfig.gradient_checkpointing=True``); the lens's exact Gram (which refuses
-    checkpointing) and its gradient sketch (:class:`grpo_lens.diagnostics.GradientCapture`) hook the modules' forward
-    outputs, which checkpointing recomputes inside the backward. The flag lives on each
+    checkpointing) and its gradient sketch (:class:`grpo_lens.gradients.sketch.GradientCapture`) hook the modules'
+    forward outputs, which checkpointing recomputes inside the backward. The flag lives on each
     ``GradientCheckpointingLayer``; the numbers do not depend on it.
     """
     switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
@@ -573,7 +574,7 @@ class GRPOLensMixin:
             output: what ``_generate_and_score_completions`` returned (see :func:`rollout_batch_from_trl`).
 
         Returns:
-            {canonical lens key: value}, as :meth:`grpo_lens.lens.TrainerLens.measure` writes them.
+            {canonical lens key: value}, as :meth:`grpo_lens.lens.trainer_lens.TrainerLens.measure` writes them.
         """
         policy = self.accelerator.unwrap_model(self.model)
         if self._lens is None:
