@@ -13,7 +13,7 @@ Timings: one process, the systems interleaved (plain, gram, sketch) x ``--repeat
 medians and gram / plain printed with the load average before and after each length. Peak memory: each system in a
 child process (``--worker``) that builds the model and runs one step: ``peak`` = the child's peak resident set during
 the step (VmHWM, reset after the build; model included), ``step`` = peak minus the resident set before the step.
-Targets (issue 20): gram / plain <= 1.3 at 24 tokens and <= 2 at 512; gram's step memory <= the sketch's + 1 GB.
+Targets: gram / plain <= 1.3 at 24 tokens and <= 2 at 512; gram's step memory <= the sketch's + 1 GB.
 
     .venv/bin/python benchmarks/bench_gram.py                       # 24 and 512 tokens (~10 min on 2 idle cores)
     .venv/bin/python benchmarks/bench_gram.py --lengths 24 --repeats 1 --no-memory

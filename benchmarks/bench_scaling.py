@@ -1,5 +1,5 @@
 """How the lens's cost grows with the model: a training step, the exact Gram, the sketch and the dense oracle at four
-model sizes x completion lengths x group sizes, with power laws fitted in P, T and R (issue 20, item 4).
+model sizes x completion lengths x group sizes, with power laws fitted in P, T and R.
 
 Models: Llama architectures built from configs with random weights (float32, tied embeddings, SmolLM2's 49,152-token
 vocabulary; no download), at about 10M, 35M, 135M (SmolLM2-135M's shape) and 360M (SmolLM2-360M's shape) parameters.

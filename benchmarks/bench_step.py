@@ -9,7 +9,7 @@ One invocation runs every system on the same work, each in its own child process
     lens-off   ``grpo_lens.trainer.train`` with ``lens_every = 0``.
     lens-1     ``grpo_lens.trainer.train`` with the lens every step (``lens_every = 1``): the exact Gram read off the
                update's own backward where the loss allows (docs/theory.md §Lens inside the update's backward).
-    lens-1-own the lens every step on its own forward + backward (``lens_from_update = false``), as before issue 30.
+    lens-1-own the lens every step on its own forward + backward (``lens_from_update = false``), as 0.2 did.
     lens-floor lens off with every rollout running its own prompt (``shared_prompt_forward = false``): the pass a lens
                step runs for its mixed groups with the lens itself free, since exact per-rollout gradients need each
                rollout's own backward through its prompt (docs/theory.md §Shared prompts). lens-1 / lens-floor is
@@ -608,8 +608,7 @@ def table(args) -> None:
         for system in ("lens-1", "lens-1-own"):
             if system in results:
                 print(
-                    f"\n{LABELS[system]} / lens off: {results[system]['step'] / off:.2f}x (target for lens-1: "
-                    f"<= 1.15x, issue 30)"
+                    f"\n{LABELS[system]} / lens off: {results[system]['step'] / off:.2f}x (target for lens-1: <= 1.15x)"
                 )
         if "lens-floor" in results:
             own = results["lens-floor"]["step"]
@@ -620,7 +619,7 @@ def table(args) -> None:
         if floor:
             print(
                 f"lens off / its FLOP floor: {off / floor:.2f}x the plain loop's, {off / shared_floor:.2f}x with each "
-                f"prompt once (target <= 1.5x, issue 30); generate "
+                f"prompt once (target <= 1.5x); generate "
                 f"{results['lens-off']['gen']:.2f} s, forward {results['lens-off']['fwd']:.2f} s, backward "
                 f"{results['lens-off']['bwd']:.2f} s, the rest (rewards, AdamW, bookkeeping) "
                 f"{off - results['lens-off']['gen'] - results['lens-off']['fwd'] - results['lens-off']['bwd']:.2f} s"

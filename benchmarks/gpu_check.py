@@ -1,4 +1,4 @@
-"""The GPU check in one script (issue 20, item 5): on one CUDA device, in at most 8 minutes on an H200, every figure
+"""The GPU check in one script: on one CUDA device, in at most 8 minutes on an H200, every figure
 written to one Markdown file.
 
 Steps, each a child process with its own time cap inside the whole run's ``--budget-s`` (a step that would start with

@@ -6,7 +6,7 @@ weights, and the lens keys must agree (rel 1e-5): the multi-process lens equals 
 
     python benchmarks/trl_processes.py --out /tmp/trl_mp       # launches the two processes itself
 
-Issue 44 asked for the multi-process TRL lens to be run at all (DDP on CPU here; ZeRO and FSDP need GPUs). It prints
+It runs the multi-process TRL lens at all (DDP on CPU here; ZeRO and FSDP need GPUs), and prints
 the seconds, the lens's group counts and the largest relative gap to one process.
 """
 

@@ -22,7 +22,7 @@ import os
 import sys
 
 #: True when torch was imported before grpo_lens with no OMP_WAIT_POLICY set: the setting below came too late and
-#: OpenMP waits its own default way. Nothing warns (issue 44): on an idle machine OpenMP's default, passive and spinning
+#: OpenMP waits its own default way. Nothing warns: on an idle machine OpenMP's default, passive and spinning
 #: waits measured within 10%; only on a CPU busy with other processes did spinning cost 2.3x (docs/benchmarks.md,
 #: "A CPU shared with other work"), which ``export OMP_WAIT_POLICY=PASSIVE`` avoids whatever the import order.
 OMP_WAIT_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ

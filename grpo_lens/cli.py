@@ -35,15 +35,15 @@ from grpo_lens.config import (
     config_from_args,
     flags_given,
 )
-from grpo_lens.demo import DemoConfig
+from grpo_lens.config.demo import DemoConfig
 from grpo_lens.metrics import GROUPS_MIXED, PROBE_TIMING, PROMPTS_SAMPLED
 from grpo_lens.plugins import PLUGINS_ENV, check_resumed_plugins
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.registry import declared_constant
 
 # The commands' modules (torch, transformers, matplotlib) are imported inside each ``_cmd_*``, when it runs: the
-# parser is built from the config dataclasses alone, so ``--help`` and ``--version`` answer at once (issue 30;
-# tests/test_cli_speed.py).
+# parser is built from the config dataclasses alone, so ``--help`` and ``--version`` answer at once
+# (tests/test_cli_speed.py). cli.py is the one module that imports the package inside functions (tests/test_layout.py).
 
 #: The model that ``grpo-lens model`` names without an argument (:data:`grpo_lens.models.DEFAULT_MODEL`).
 DEFAULT_MODEL = declared_constant("grpo_lens.models", "DEFAULT_MODEL")
@@ -111,6 +111,14 @@ def plugin_search_path() -> None:
         importlib.invalidate_caches()
 
 
+def _check_plugins(config: TrainConfig | ProbeConfig, config_path: Path) -> None:
+    """:func:`grpo_lens.plugins.check_resumed_plugins` against the live registries (imported here: they load torch)."""
+    from grpo_lens.rewards import REWARDS
+    from grpo_lens.tasks import TASKS
+
+    check_resumed_plugins(config.rewards, config.task, config_path, registered_rewards=REWARDS, registered_tasks=TASKS)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "seeds", None):
         return _cmd_train_seeds(args)
@@ -120,7 +128,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume and args.out and (Path(args.out) / "config.yaml").is_file():
         # Resume from the run's own config: flags need not be repeated, and a flag that differs from it is reported.
         config = _resume_config(args, Path(args.out) / "config.yaml", TrainConfig)
-        check_resumed_plugins(config.rewards, config.task, Path(args.out) / "config.yaml")  # names the module
+        _check_plugins(config, Path(args.out) / "config.yaml")  # names the module
     else:
         config = config_from_args(args, TrainConfig, config_file)
     run = train(config)
@@ -143,7 +151,7 @@ def _cmd_train_seeds(args: argparse.Namespace) -> int:
     saved = Path(args.out) / "config.yaml" if args.out else None
     if args.resume and saved is not None and saved.is_file():
         config = _resume_config(args, saved, TrainConfig)  # the settings every seed ran with
-        check_resumed_plugins(config.rewards, config.task, saved)
+        _check_plugins(config, saved)
     else:
         config = config_from_args(args, TrainConfig, args.config)
     out = run_train_seeds(config, args.seeds)
@@ -201,7 +209,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     if args.resume and partial is not None and partial.exists():
         # Resume with the partial probe's settings: flags need not be repeated, and one that differs is reported.
         config = _resume_config(args, partial.config_path, ProbeConfig)
-        check_resumed_plugins(config.rewards, config.task, partial.config_path)  # names a missing plugin module
+        _check_plugins(config, partial.config_path)  # names a missing plugin module
     else:
         config = config_from_args(args, ProbeConfig, args.config)
     out = run_probe(config)
@@ -227,7 +235,7 @@ def _cmd_probe_seeds(args: argparse.Namespace) -> int:
     saved = Path(args.out) / "config.yaml" if args.out else None
     if args.resume and saved is not None and saved.is_file():
         config = _resume_config(args, saved, ProbeConfig)  # the settings every seed ran with
-        check_resumed_plugins(config.rewards, config.task, saved)
+        _check_plugins(config, saved)
     else:
         config = config_from_args(args, ProbeConfig, args.config)
     out = run_seeds(config, args.seeds)

@@ -649,7 +649,7 @@ GRAD_IDENTITY_CONSTANT = _key(
     source="§4",
     where=LENS,
 )
-# issue 20: the exact Gram's coverage (gradients/gram.py)
+# the exact Gram's coverage (gradients/gram.py)
 GRAD_GRAM_COVERAGE = _key(
     "grad",
     "grad/gram_coverage",
@@ -691,7 +691,7 @@ GUARD_CONSECUTIVE_SKIPPED = _key(
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
-# issue 44 item 4: the exact gradient noise scale (lens steps) and dead-group accounting (every step)
+# the exact gradient noise scale (lens steps) and dead-group accounting (every step)
 # (grpo_lens/formulas/noise.py, docs/theory.md §Noise scale and dead groups)
 # ---------------------------------------------------------------------------------------------------------------------
 GROUPS_UNITS = "groups (prompts)"
@@ -1422,7 +1422,7 @@ PROBE_SUMMARY = _key(
     "summary",
     INTERVAL,
     "`{mean, lo, hi, n}`: mean over the groups that have the key, with its 95% Hall's transformed-t interval "
-    "over groups (theory §7, `grpo_lens.formulas.stats.bootstrap_ci`; lo = hi = null for n < 8)",
+    "over groups (theory §7, `grpo_lens.formulas.stats.mean_interval`; lo = hi = null for n < 8)",
     source="§7",
     where=(PROBE,),
     shown=("summary[key]",),
@@ -1494,7 +1494,7 @@ PROBE_SKETCH_CHECK = _key(
     where=(PROBE,),
     fields=("groups", "summary"),
 )
-# issue 20: the exact Gram's coverage in the probe
+# the exact Gram's coverage in the probe
 PROBE_GRAM_COVERAGE = _key(
     "probe",
     "gram_coverage",
@@ -1604,7 +1604,7 @@ STUDY_BASELINES_PER_PROMPT = _key(
     "`mean_score` (`mean_norm`, `floor_norm`, `ratio`, `excess`, `mean_sq_norm`), `equal_norms` (`ratio` m_C/m_W, `p` "
     "its permutation p-value, bootstrap `lo`, `hi` (null with < 8 rollouts a side), `verdict`), `log_ratio` "
     "log(m_C/m_W) and `log_ratio_var` its delta-method variance (null with < 2 rollouts a side; the baseline claim's "
-    "input, issue 43)",
+    "input)",
     source="§Baselines at matched expectation",
     where=(STUDIES,),
     shown=("baselines.baselines.per_prompt[j]",),

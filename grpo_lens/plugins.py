@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Container
 from pathlib import Path
 
 from grpo_lens.config import ConfigError
@@ -47,21 +48,29 @@ def recorded_plugins(config_path: str | Path) -> list[str]:
     return plugin_names(match.group(1)) if match else []
 
 
-def check_resumed_plugins(rewards: list[str], task: str, config_path: str | Path) -> None:
+def check_resumed_plugins(
+    rewards: list[str],
+    task: str,
+    config_path: str | Path,
+    *,
+    registered_rewards: Container[str],
+    registered_tasks: Container[str],
+) -> None:
     """Before a run resumes: every reward function of ``rewards`` (NAME or NAME:WEIGHT) and the task must be
-    registered by now.
+    registered by now, in ``registered_rewards`` and ``registered_tasks`` (:data:`grpo_lens.rewards.REWARDS` and
+    :data:`grpo_lens.tasks.TASKS`, which the caller passes: they load torch, and this module is read by
+    ``grpo-lens --help``).
 
     Raises:
         ConfigError: naming what is missing, the modules recorded in ``config_path`` and :data:`PLUGINS_ENV` (the
             one variable to set), or, for a run that recorded none, the variable to set to the module that
             registers them.
     """
-    from grpo_lens.rewards import REWARDS  # here: the registries load torch, and --help must not
-    from grpo_lens.tasks import TASKS
-
-    missing = [f"reward function {n!r}" for n in (str(s).split(":", 1)[0].strip() for s in rewards) if n not in REWARDS]
+    names = (str(s).split(":", 1)[0].strip() for s in rewards)
+    missing = [f"reward function {n!r}" for n in names if n not in registered_rewards]
     task = os.fspath(task)
-    if task != "jsonl" and task not in TASKS and not task.endswith((".jsonl", ".json")) and not Path(task).is_file():
+    is_file = task == "jsonl" or task.endswith((".jsonl", ".json")) or Path(task).is_file()
+    if task not in registered_tasks and not is_file:
         missing.append(f"task {task!r}")
     if not missing:
         return

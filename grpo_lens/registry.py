@@ -121,7 +121,7 @@ def _source_tree(module: str) -> ast.Module:
 def renamed_keywords(**renamed: str) -> Callable[[F], F]:
     """Decorator: a function's parameters renamed (``old="new"``) still accept the old keyword, with a
     DeprecationWarning that names the new one (positional calls are unaffected). docs/theory.md §1 (Notation) says
-    which name each concept has.
+    which name each concept has. Its last users are in calibrate.py (being split): remove it with them.
 
     Raises:
         TypeError: from the decorated function, when a call gives both the old and the new keyword.

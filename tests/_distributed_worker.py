@@ -37,7 +37,7 @@ MINI_BATCHES = (1, 2)
 LENGTHS = [6, 2, 4, 6, 1, 5, 3, 6]  # completion lengths [N]: varied, so the aggregations differ
 #: The case whose groups 0 and 1 (process 0's share of 2) have no reward contrast: their advantages are exactly 0 and
 #: with beta 0 the update forwards them without gradient (update.still_rows), so process 0 runs no backward at all and
-#: holds no gradient, while process 1 does (issue 45: the all-reduce of only the gradients that exist aborted).
+#: holds no gradient, while process 1 does (the all-reduce of only the gradients that exist aborted).
 STILL = ("still", 1)
 
 
@@ -193,7 +193,7 @@ CLI_ARGS = [
 
 
 #: Runs where process 0's groups never have reward contrast (test_rank0_flat) and process 1's always do: process 0
-#: forwards its rollouts without gradient and runs no backward (issue 45), without the lens, with it every step, and
+#: forwards its rollouts without gradient and runs no backward, without the lens, with it every step, and
 #: with it on a LoRA adapter. Each adds its flags to :data:`FLAT_ARGS` and writes OUT/<name>.
 FLAT_ARGS = [
     "train",

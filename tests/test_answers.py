@@ -1,4 +1,4 @@
-"""Answers and accuracy (issue 11, cases 7 and 8): signed answers, thousands separators, math-verify in the gsm8k
+"""Answers and accuracy: signed answers, thousands separators, math-verify in the gsm8k
 verdict, and ``reward/accuracy`` as the task's own 0/1 verdict."""
 
 from __future__ import annotations

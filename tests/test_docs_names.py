@@ -2,6 +2,7 @@
 
 - Every backticked ``grpo_lens.…`` dotted name in docs/*.md and README.md, and every ``grpo_lens`` import of their
   Python snippets, resolves by import + attribute look-up (the 0.1 paths, removed in 0.3, do not).
+- So does every dotted ``grpo_lens.…`` name in a docstring of the package.
 - Every section and subsection of docs/theory.md names at least one function or class that computes its formulas.
 - Every ``theory.md §N`` / ``§Name`` citation in the package, the tests, the benchmarks and the docs points at a
   section (or subsection title) that exists.
@@ -102,6 +103,52 @@ def test_every_dotted_name_in_the_docs_resolves_from_its_current_home():
     assert not failures, "\n".join(failures)
 
 
+#: a dotted name in a docstring: ``grpo_lens.x.y`` (in a role, backticks or plain text), not a path (``grpo_lens/x.py``)
+DOCSTRING_DOTTED = re.compile(r"(?<![\w/.])grpo_lens(?:\.[A-Za-z_]\w*)+")
+
+
+def docstring_names(source: str) -> list[tuple[int, str]]:
+    """(line of the documented definition, dotted name) of every ``grpo_lens.…`` name in the module's, classes' and
+    functions' docstrings of a Python source text."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False) or ""
+            out += [(getattr(node, "lineno", 1), name) for name in DOCSTRING_DOTTED.findall(doc)]
+    return out
+
+
+def test_the_docstring_check_finds_each_name():
+    source = '''"""Module: see :func:`grpo_lens.formulas.advantages.compute_advantages`; file grpo_lens/cli.py."""
+
+
+class A:
+    """As ``grpo_lens.diagnostics.GradientCapture`` did."""
+
+    def f(self):
+        """Plain grpo_lens.lens.trainer_lens.Lens.rollout_gram."""
+        x = "grpo_lens.not_a_docstring"
+'''
+    assert docstring_names(source) == [
+        (1, "grpo_lens.formulas.advantages.compute_advantages"),
+        (4, "grpo_lens.diagnostics.GradientCapture"),
+        (7, "grpo_lens.lens.trainer_lens.Lens.rollout_gram"),
+    ]
+
+
+def test_every_dotted_name_in_the_package_docstrings_resolves():
+    failures, count = [], 0
+    for path in sorted((ROOT / "grpo_lens").rglob("*.py")):
+        for line, name in docstring_names(path.read_text(encoding="utf8")):
+            count += 1
+            try:
+                resolve(name)
+            except (LookupError, ImportError) as e:
+                failures.append(f"{path.relative_to(ROOT)}:{line}: {e}")
+    assert count > 100, "found too few names: the pattern is stale"
+    assert not failures, "\n".join(failures)
+
+
 def _sections(text: str) -> list[tuple[str, str]]:
     """(heading, body) of every ## and ### section of a markdown text (the text before the first ## is left out)."""
     text = re.sub(r"```.*?```", "", text, flags=re.S)
@@ -179,7 +226,7 @@ def test_every_theory_citation_points_at_a_section():
 # `mc_samples` (never k or K)
 # ---------------------------------------------------------------------------------------------------------------------
 
-#: files another change is renaming now (issue 31): checked once their renames land (each must still need one, so
+#: files another change is renaming now: checked once their renames land (each must still need one, so
 #: the list only shrinks)
 PENDING: set[str] = set()
 
@@ -328,33 +375,3 @@ def test_the_docs_use_one_name_per_concept():
     notation = _sections(THEORY.read_text(encoding="utf8"))[0][1]
     for name in ("`group_size`", "`sketch_dim`", "`mc_samples`", "d_s", "P_s", "K_mc"):
         assert name in notation, f"docs/theory.md §1 (Notation) does not name {name}"
-
-
-def test_renamed_keywords_still_work_with_a_deprecation_warning():
-    import torch
-
-    from grpo_lens.formulas.credit import opposition_size, opposition_threshold, prefix_success_counts
-    from grpo_lens.formulas.spectrum import wishart
-    from grpo_lens.formulas.zero_sum import fixed_k_labellings
-    from grpo_lens.train.step_metrics import reward_metrics
-
-    with pytest.warns(
-        DeprecationWarning, match="opposition_size\\(\\): the keyword 'k' is deprecated: use 'mc_samples'"
-    ):
-        assert opposition_size(k=8, d=5) == opposition_size(mc_samples=8, d=5) == opposition_size(8, 5)
-    with pytest.warns(DeprecationWarning, match="'k' is deprecated: use 'mc_samples'"):
-        assert opposition_threshold(k=8, tests=3) == opposition_threshold(8, 3)
-    with pytest.warns(DeprecationWarning, match="'k' is deprecated: use 'mc_samples'"):
-        assert prefix_success_counts([0.5], [(4 / 48) ** 0.5], k=4) == [2]
-    with pytest.warns(DeprecationWarning, match="wishart\\(\\): the keyword 'r' is deprecated: use 'group_size'"):
-        old = wishart(r=3, dim=5, num_draws=2, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(old, wishart(3, 5, 2, torch.Generator().manual_seed(0)))
-    with pytest.warns(DeprecationWarning, match="'r' is deprecated: use 'num_rollouts'"):
-        assert len(fixed_k_labellings(r=4, k=2, max_permutations=100, generator=torch.Generator())) == 6
-    rewards, valid = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(4, dtype=torch.bool)
-    with pytest.warns(
-        DeprecationWarning, match="reward_metrics\\(\\): the keyword 'R' is deprecated: use 'group_size'"
-    ):
-        assert reward_metrics(rewards, valid, R=2) == reward_metrics(rewards, valid, group_size=2)
-    with pytest.raises(TypeError, match="'k' is 'mc_samples''s old name"):
-        opposition_size(k=8, mc_samples=8, d=5)

@@ -1,4 +1,4 @@
-"""Hostile files and inputs (issue 45, items 4-9): planted links, a reward that changes the working folder, resource
+"""Hostile files and inputs: planted links, a reward that changes the working folder, resource
 bombs in YAML / JSON / npz, and inputs that used to end in a traceback. Each case fails before its fix; each checks
 that no file outside the folder written changes."""
 
@@ -92,7 +92,7 @@ def test_compare_through_planted_links_changes_nothing_outside(tmp_path, capsys)
 
 
 def test_calibrate_through_planted_links_changes_nothing_outside(tmp_path):
-    # issue 45: calibrate wrote calibration.json / .md, levels.json and planted.json with plain writes, which follow
+    # calibrate wrote calibration.json / .md, levels.json and planted.json with plain writes, which follow
     # a link planted in --out to the file it names; now each link is replaced and its target keeps its bytes
     import numpy as np
 
@@ -409,7 +409,7 @@ def _planted(path: Path, **arrays) -> Path:
 
 
 def test_planted_zip_bomb_and_huge_headers_are_refused_before_reading(tmp_path):
-    """A zip whose array header declares 2.2 GB of zeros (issue 45's 2 MB bomb reached 2.2 GB before its refusal), a
+    """A zip whose array header declares 2.2 GB of zeros (a 2 MB bomb once reached 2.2 GB before its refusal), a
     header claiming 10^12 entries, a bare .npy: one line each, read from the zip directory and the .npy header alone."""
     import zipfile
 

@@ -1,6 +1,6 @@
 """The sampled distribution is the one the settings name, and log-probs follow one definition everywhere.
 
-Cases 1-4 of issue 11 (reported against other GRPO trainers and the previous grpo-lens), each with one more case of the
+Four reported cases (against other GRPO trainers and the previous grpo-lens), each with one more case of the
 same kind. docs/theory.md §Log-probabilities and §Sampler-trainer mismatch hold the definitions checked here.
 Tiny random Llama (tests/conftest.py), CPU.
 """

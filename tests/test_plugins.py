@@ -15,7 +15,12 @@ from grpo_lens.plugins import (
     recorded_plugins,
 )
 from grpo_lens.probe.partial import PartialProbe
+from grpo_lens.rewards import REWARDS
 from grpo_lens.rundir import RunDir
+from grpo_lens.tasks import TASKS
+
+#: the live registries, as the CLI passes them
+REGISTRIES = {"registered_rewards": REWARDS, "registered_tasks": TASKS}
 
 
 def test_config_yaml_records_the_plugins_in_a_comment(tmp_path, monkeypatch):
@@ -39,20 +44,20 @@ def test_check_names_the_recorded_module_and_the_variable(tmp_path, monkeypatch)
     monkeypatch.delenv(PLUGINS_ENV, raising=False)
     path = tmp_path / "config.yaml"
     path.write_text(config_header("my_rewards") + "rewards: [parity]\n")
-    check_resumed_plugins(["correctness", "format:0.1"], "arithmetic", path)  # built-ins: nothing to say
+    check_resumed_plugins(["correctness", "format:0.1"], "arithmetic", path, **REGISTRIES)  # built-ins: nothing to say
     with pytest.raises(
         ConfigError,
         match=r"reward function 'parity' is not registered; this run was started with "
         r"GRPO_LENS_PLUGINS=my_rewards .*set GRPO_LENS_PLUGINS=my_rewards again, "
         r"with 'my_rewards' importable",
     ):
-        check_resumed_plugins(["parity:2"], "arithmetic", path)
+        check_resumed_plugins(["parity:2"], "arithmetic", path, **REGISTRIES)
     with pytest.raises(ConfigError, match="task 'my_task'"):
-        check_resumed_plugins(["correctness"], "my_task", path)
+        check_resumed_plugins(["correctness"], "my_task", path, **REGISTRIES)
     bare = tmp_path / "old.yaml"
     bare.write_text("rewards: [parity]\n")  # a run written before the record
     with pytest.raises(ConfigError, match="records no plugin module; set GRPO_LENS_PLUGINS to the module"):
-        check_resumed_plugins(["parity"], "arithmetic", bare)
+        check_resumed_plugins(["parity"], "arithmetic", bare, **REGISTRIES)
 
 
 def test_train_resume_without_the_plugin_is_one_line(tmp_path, monkeypatch, capsys):
@@ -71,7 +76,7 @@ def test_train_resume_without_the_plugin_is_one_line(tmp_path, monkeypatch, caps
 
 
 def test_a_plugin_in_the_working_folder_loads_without_pythonpath(tmp_path, monkeypatch):
-    """Issue 44: ``GRPO_LENS_PLUGINS=my_rewards grpo-lens probe ...`` with my_rewards.py beside the user failed with
+    """``GRPO_LENS_PLUGINS=my_rewards grpo-lens probe ...`` with my_rewards.py beside the user failed with
     "cannot import plugin module" until PYTHONPATH=. (the ``grpo-lens`` script's sys.path has no working folder).
     The folder is added at the end of sys.path: a file there named like an installed module does not shadow it."""
     import os

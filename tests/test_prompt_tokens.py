@@ -1,4 +1,4 @@
-"""Prompt tokens are what the tokenizer or chat template says (issue 11, case 6, and chat prefill)."""
+"""Prompt tokens are what the tokenizer or chat template says (and chat prefill)."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def test_combine_weighted_sum_and_metrics():
 
 
 def test_combine_none_and_nan_skip_that_function_for_the_rollout():
-    """TRL's multi-task convention (issue 32): None / NaN skips that function for that rollout and the others'
+    """TRL's multi-task convention: None / NaN skips that function for that rollout and the others'
     weighted rewards stand (main marked rollouts 1 and 2 invalid)."""
 
     def partial(prompts, completions, **kw):

@@ -131,7 +131,7 @@ def source_of(probe: dict[str, Any]) -> str:
     meta = probe.get("meta", {})
     if meta.get("gradients") == "exact":
         return "exact gradients of every parameter"
-    if meta.get("gradients") == "exact_gram":  # issue 20: the exact Gram from one backward (gradients/gram.py)
+    if meta.get("gradients") == "exact_gram":  # the exact Gram from one backward (gradients/gram.py)
         cov = meta.get("gram_coverage")
         return (
             f"exact gradients of every parameter, coverage {fmt(cov, 2)} of Σ‖g‖² (exact Gram)"
@@ -267,11 +267,6 @@ def holm_claims(claims: list[Claim], alpha: float = FAMILY_LEVEL) -> tuple[list[
         else ""
     )
     return out, note
-
-
-def family_wise_note(claims: list[Claim], alpha: float = FAMILY_LEVEL) -> str:
-    """The Holm line of :func:`holm_claims` (0.2 name)."""
-    return holm_claims(claims, alpha)[1]
 
 
 def evaluate_claims(probe: dict[str, Any], names: list[str] | None = None) -> list[Claim]:

@@ -1,6 +1,6 @@
 """The claim that the group mean is the variance-optimal baseline when m_C = m_W (docs/theory.md §12, on the study of
 §Baselines at matched expectation): one pooled equivalence test of m_C = m_W in effect units, the root mean square
-over prompts of log(m_C / m_W) against a margin of log 1.25 fixed before any measurement (issue 43). Reads a probe's
+over prompts of log(m_C / m_W) against a margin of log 1.25 fixed before any measurement. Reads a probe's
 ``studies["baselines"]`` (:func:`grpo_lens.probe.studies.run_baseline_study`) and returns [] when it is absent.
 """
 
@@ -35,7 +35,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     """ "The group mean is the variance-optimal baseline when m_C = m_W": is m_C = m_W, in effect units, over the
     prompts the probe studied?
 
-    Rule (docs/theory.md §12, issue 43): one pooled equivalence test on the root mean square over prompts of
+    Rule (docs/theory.md §12): one pooled equivalence test on the root mean square over prompts of
     δ_j = log(m_C / m_W) (:func:`grpo_lens.formulas.baselines.rms_log_ratio`): y_j = d_j² − v_j per prompt (its
     log ratio squared less its delta-method variance), mean(y) against :data:`LOG_RATIO_MARGIN`² by Hall's t
     (:func:`grpo_lens.formulas.stats.mean_test_p`). Holds when the mean lies below the margin² (RMS of the log ratio
@@ -44,7 +44,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     unequal spreads are no effect, and a class whose rollouts are one string is a mean known exactly, not a
     rejection.
 
-    Replaces the count of per-prompt m_C = m_W permutation tests (issue 43: it rejected 0.12-0.21 of prompts when
+    Replaces the count of per-prompt m_C = m_W permutation tests (it rejected 0.12-0.21 of prompts when
     every correct rollout was one string and m_C = m_W exactly, 0.10-0.13 when only the spreads differed; its margin
     was a share of prompts, not an effect, and *holds* needed 0 rejections of 16). Its share and the leave-one-out
     b*'s MSE against RLOO's are printed, not used.
@@ -69,7 +69,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     verdict = decide(p_holds, p_dnh)
     if n < MIN_UNITS:
         why = f"{n} prompts with both classes' log ratio < {MIN_UNITS}" + (
-            "" if d or not study.get("per_prompt") else " (a probe.json from before issue 43: run the probe again)"
+            "" if d or not study.get("per_prompt") else " (a probe.json from an older grpo-lens: run the probe again)"
         )
     elif verdict == HOLDS:
         why = f"RMS of log(m_C / m_W) below log 1.25 (mean δ² below {margin2:.3f}, p = {p_holds:.2g})"

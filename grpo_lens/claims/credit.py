@@ -42,7 +42,7 @@ MC_LEVEL = 0.05
 #: the calibration's name of the Monte Carlo rule
 MC_RULE_ID = "uniform credit disagrees with Monte Carlo credit (opposing shift)"
 
-#: the margin of the Monte Carlo credit rule (fixed before any measurement, issue 43): a segment position opposes A_i
+#: the margin of the Monte Carlo credit rule (fixed before any measurement): a segment position opposes A_i
 #: when its mean shift of the success probability against A_i exceeds this
 MC_MARGIN = 0.1
 
@@ -126,7 +126,7 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
             INCONCLUSIVE,
             (f"interval of {', '.join(wide)} tokens overlaps the edge of {band}: too wide to tell"),
         )
-    # descriptive since issue 29: its NLL control is not zero-sum (a component shared by every token adds up under
+    # descriptive since 0.3: its NLL control is not zero-sum (a component shared by every token adds up under
     # NLL weights and cancels under A) and the paper does not make this update-share claim; the reading is kept
     return [
         Claim(
@@ -187,7 +187,7 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     """ "GRPO's uniform A_i is not the credit each token earns": the paper predicts that Monte Carlo token advantages
     (VinePPO) disagree with the uniform A_i, so a segment that moves the success probability against A_i supports it.
 
-    Rule (docs/theory.md §12, issue 43), one boundary: the effect at interior segment position j is the mean over
+    Rule (docs/theory.md §12), one boundary: the effect at interior segment position j is the mean over
     rollouts of δ_ij = sign(A_i)(p_ij − p_i,j+1), estimated without bias by e_ij = (opposing count difference) / K_mc
     (:func:`grpo_lens.formulas.credit.opposing_shifts`), pooled over the rollouts that reach position j. Holds when
     some position's mean opposing shift lies above :data:`MC_MARGIN` (Hall's one-sided t over rollouts,
@@ -196,7 +196,7 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     with fewer than MIN_UNITS rollouts at a position, or when the prefix values are not means of 0/1 rewards. So *does
     not hold* reads "no segment position opposes A_i by :data:`MC_MARGIN` or more", the stated margin, where the 0.2
     rule's read "fewer flagged rollouts than noise gives" (wrong 0.065-0.070 at 500+ rollouts with a real, weak
-    opposition) and reduced each rollout to flagged or not (power 0.05 at 8 rollouts, issue 43). The flagged count
+    opposition) and reduced each rollout to flagged or not (power 0.05 at 8 rollouts). The flagged count
     (:func:`opposition_count`) is printed, not used.
     """
     credit = (probe.get("studies") or {}).get("credit")

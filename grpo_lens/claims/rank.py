@@ -1,6 +1,6 @@
 """The claim "effective rank ≈ 2 for R in {2, 4, 8}" (docs/theory.md §11): one primary measure, one verdict across R.
 
-Primary measure (pre-registered, issue 29): the top-2 energy share E₂ = (λ₁ + λ₂)/Σλ of G1 (rows A_i g_i), beside
+Primary measure (pre-registered): the top-2 energy share E₂ = (λ₁ + λ₂)/Σλ of G1 (rows A_i g_i), beside
 the top-1 share E₁ = λ₁/Σλ. By Eckart–Young, 1 − E₂ is the share of ‖G1‖_F² outside the best rank-2 approximation,
 so "rank ≈ 2" reads E₂ > :data:`TOP_SHARE` > E₁ (two directions hold 90% of the energy and one alone does not).
 
@@ -13,7 +13,7 @@ Per R > 2 (:func:`rank_two_test`, n >= :data:`MIN_RANK_GROUPS` groups: E₂ depe
 - *does not hold* branch (a union of three routes, Bonferroni: p = 3 × the smallest): the mean E₂ below 0.9, the
   mean E₁ above 0.9, or no structure (the mean d below :data:`STRUCTURE_BOUNDARY` = 0).
 
-The two branches share each boundary (issue 43): 0.9 for E₂, 0.9 for E₁, :data:`STRUCTURE_BOUNDARY` for d. The 0.3
+The two branches share each boundary: 0.9 for E₂, 0.9 for E₁, :data:`STRUCTURE_BOUNDARY` for d. The 0.3
 rule's *does not hold* accepted |d| < 0.1 while *holds* needed d > 0, so a rank-2 matrix with 0 < d < 0.1 could read
 *does not hold*; with one boundary a branch's wrong verdict needs its one-sided test to fail on the other side.
 
@@ -68,26 +68,17 @@ from grpo_lens.metrics import (
     rank_key,
 )
 
-#: "≈ 2" for erank and stable rank in the 0.2 rules (the values that round to 2); descriptive since issue 29.
+#: "≈ 2" for erank and stable rank in the 0.2 rules (the values that round to 2); descriptive since 0.3.
 RANK_BAND = (1.5, 2.5)
-
-#: 0.1 name: the band's half-width.
-ERANK_BAND = 0.5
 
 #: "k90 = 2": the top two directions hold more than this share of the energy and the top one alone less.
 TOP_SHARE = 0.9
 
-#: fewest groups per R for a rank verdict (issue 29: every boundary miss at n = 8 was a sample missing a k stratum)
+#: fewest groups per R for a rank verdict (every boundary miss at n = 8 was a sample missing a k stratum)
 MIN_RANK_GROUPS = 16
 
 #: the measures printed beside the primary one, without a verdict
 DESCRIPTIVE_MEASURES = ("erank", "stable_rank", "participation_ratio", "k90", "k99")
-
-#: 0.2 name: the measures that had a verdict each; only the first has one now
-RANK_CLAIM_MEASURES = ("top2_share",)
-
-#: 0.3 name: |mean reduction| below this read "no structure" (a second boundary beside d > 0; issue 43 removed it)
-NO_STRUCTURE_MARGIN = 1 - TOP_SHARE
 
 #: the one structure boundary of both branches: holds needs the mean d above it, "no structure" the mean d below it
 STRUCTURE_BOUNDARY = 0.0
@@ -103,7 +94,7 @@ def _values(groups: list[dict[str, Any]], key: str) -> list[float]:
 def reductions(groups: list[dict[str, Any]], measure: str = "top2_share") -> tuple[list[float], str]:
     """Per-group structure reduction of ``measure`` (positive = more shared direction than the null; G1 − null for
     the top-2 share, null − G1 for the others) and the null it was taken against ("simulated" when every group
-    carries it, else "orthogonal", under which the reduction is > 0 for every matrix: issue 29)."""
+    carries it, else "orthogonal", under which the reduction is > 0 for every matrix)."""
     sim = bool(groups) and all(g.get(RANK_G1_SIMNULL.format(m=measure)) is not None for g in groups)
     null_key = (RANK_G1_SIMNULL if sim else RANK_G1_NULL).format(m=measure)
     sign = 1.0 if measure in ("top2_share", "top1_share") else -1.0
@@ -228,7 +219,7 @@ def _step_p(row: dict[str, Any], m: str, side: str) -> float:
     """One lens step's one-sided p of its mean ``m`` against 0.9, from the step's logged 95% interval over its n mixed
     groups (``rank/mixed_groups``; :data:`grpo_lens.formulas.stats.MIN_INTERVAL_UNITS` where it is missing, the
     fewest an interval has): the interval is a t interval, so se = half-width on ``side`` / t_{0.975, n−1} and p is
-    Student's t tail with n − 1 degrees of freedom (issue 43: the 0.3 rule took the normal's, p 0.0009 where the t
+    Student's t tail with n − 1 degrees of freedom (the 0.3 rule took the normal's, p 0.0009 where the t
     test gives 0.0025 at n = 12); 1.0 without an interval."""
     lo, hi, mean = (
         row.get(RANK_G1_LENS_LO.format(m=m)),
@@ -396,7 +387,7 @@ def rank_stays_pooled(runs: list[list[dict[str, Any]]]) -> list[Claim]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the readings of "the gradient matrix has effective rank ≈ 2" side by side (issue 43, descriptive)
+# the readings of "the gradient matrix has effective rank ≈ 2" side by side (descriptive)
 # ---------------------------------------------------------------------------------------------------------------------
 #: the measures every reading prints, and the band "≈ 2" of each: erank and stable rank within RANK_BAND (the values
 #: that round to 2, fixed in 0.2 before any measurement), E₂ above TOP_SHARE (the primary rule's boundary)
@@ -430,7 +421,7 @@ def _reading(values_by_size: dict[str, list[float]], measure: str) -> dict[str, 
 
 
 def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every reading of "the gradient matrix has effective rank ≈ 2" in a probe.json, side by side (issue 43):
+    """Every reading of "the gradient matrix has effective rank ≈ 2" in a probe.json, side by side:
     G1 (rows A_i g_i: the primary row's matrix), G2 of the probe's one layer, G2 of every linear layer by layer type
     (stable rank: what `g2_weightings` holds) and G3 (one matrix per R: no interval), each with E₂, erank and stable
     rank where measured, the mean [95% interval] over groups at every R > 2, :func:`near_two`, and the same matrix's

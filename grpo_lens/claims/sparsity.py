@@ -118,7 +118,7 @@ def trend_verdict(series: list[Series], min_points: int, within: str) -> tuple[s
       & Vogelsang 2005; :func:`grpo_lens.formulas.stats.hac_trend_test`), which keeps its level under stationary
       autocorrelated steps (S1: each step's share of fresh groups); "differences": the first-difference slope test
       (:func:`grpo_lens.formulas.stats.difference_trend_test`), which keeps it up to a random walk (the gradient's
-      Hoyer, correlated 0.59 between lens steps 5 apart, issue 29) and gains power as the lens runs more often.
+      Hoyer, correlated 0.59 between lens steps 5 apart) and gains power as the lens runs more often.
     - Several seeds: each seed's OLS slope (:func:`grpo_lens.formulas.stats.ols_trend`) and the t-test over seeds
       (:func:`grpo_lens.formulas.pooling.seed_slope_test`), valid whatever the within-run dependence (a random walk
       included), since the seeds are independent runs.
@@ -192,7 +192,7 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     step after it and the steps without
     a mixed group (their gradient carries no policy-gradient term); needs :data:`MIN_LENS_STEPS` steps per run. The
     AdamW update's Hoyer is shown but not tested: Adam's first steps are sign-like
-    (Hoyer near 0) and its Hoyer rises with stationary gradients (issue 18: holds 10 of 10 with no change in
+    (Hoyer near 0) and its Hoyer rises with stationary gradients (holds 10 of 10 with no change in
     sparsity), so its trend says nothing about the gradient.
     """
     records = data.get("records") or []
@@ -259,7 +259,7 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
 def _sparsity_series(tested_rows: list[dict[str, Any]]) -> Series:
     """(steps, gradient Hoyer, log mixed groups or None) of one run's lens steps, the first lens step and the steps
     without a mixed group (no policy-gradient term) excluded. The step's gradient sums its mixed groups' terms:
-    fewer groups alone make it sparser, so log(mixed groups) is partialled out (issue 29: constant per-group
+    fewer groups alone make it sparser, so log(mixed groups) is partialled out (constant per-group
     sparsity while mixed groups fall 8 -> 1 read holds 1.00)."""
     tested = [r for r in tested_rows[1:] if r.get(RANK_MIXED_GROUPS) is None or float(r[RANK_MIXED_GROUPS]) > 0]
     cov = (
@@ -485,7 +485,7 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     moved. The excess is not a condition for holds: permuting a sparse update keeps its zeros, so a truly sparse
     update has excess ≈ 0 (the control tells "placement matters" from "magnitudes explain it", and the float32 share
     tells "sparse" from "small"). The 0.1 rule's dense Gaussian control at the per-tensor RMS is shown, not used:
-    with heavy-tailed magnitudes it is set by the few large entries and read a dense update as sparse (issue 18).
+    with heavy-tailed magnitudes it is set by the few large entries and read a dense update as sparse.
     """
     rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)
     if not rows:

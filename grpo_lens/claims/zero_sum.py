@@ -3,7 +3,7 @@
 On G1 (:func:`zero_sum_rank_two`, a primary claim): the normalised effect θ of the span energy of the true labels on
 the cosine Gram (:func:`relabelling_test`, :func:`theta_test`), decided as an equivalence pair at
 :data:`NEGLIGIBLE_SHARE`; G1 is blind to the advantages' signs, so this reads "the labels structure G1". On G2 of
-every linear layer (:func:`zero_sum_g2_weighting`, descriptive since issue 29): its stable rank under A relative to
+every linear layer (:func:`zero_sum_g2_weighting`, descriptive since 0.3): its stable rank under A relative to
 weightings that are not zero-sum. Both read a probe.json.
 """
 
@@ -27,7 +27,7 @@ from grpo_lens.claims.base import (
     source_of,
     verdict_from_interval,
 )
-from grpo_lens.formulas.stats import bootstrap_ci, mean_interval, mean_test_p
+from grpo_lens.formulas.stats import mean_interval, mean_test_p
 from grpo_lens.metrics import (
     PROBE_G2_WEIGHTINGS,
     PROBE_GROUPS,
@@ -41,9 +41,6 @@ from grpo_lens.metrics import (
 #: the margin of the equivalence pair: the labels capture at least / less than this share of the energy a
 #: relabelling leaves outside the class span (of the cosine Gram)
 NEGLIGIBLE_SHARE = 0.1
-
-#: 0.2 name: the level of the relabelling test's one side
-TEST_LEVEL = BRANCH_LEVEL
 
 #: the calibration's name of the rule
 RULE_ID = "labels structure G1 (θ on the cosine Gram, across R)"
@@ -131,7 +128,7 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
     elif verdict == DOES_NOT_HOLD:
         why = f"θ below {NEGLIGIBLE_SHARE} at some R (p = {p_dnh:.2g} <= {BRANCH_LEVEL}): the labels capture little"
     elif n == 0:
-        why = "no group carries the cosine-Gram span energy (a probe.json from before issue 29, or R = 2 only)"
+        why = "no group carries the cosine-Gram span energy (a probe.json from an older grpo-lens, or R = 2 only)"
     elif n < MIN_GROUPS:
         why = f"{n} groups < {MIN_GROUPS} at some R"
     else:
@@ -215,11 +212,11 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
             other_sr.append(o)
         if not ds:
             continue
-        ci = bootstrap_ci(ds)
+        ci = mean_interval(ds)
         n = ci["n"]
         below_zero = verdict_from_interval(ci["lo"], ci["hi"], 0.0, "below")
         no_difference = band_verdict(ci["lo"], ci["hi"], -EQUIVALENCE_REL, EQUIVALENCE_REL)
-        # descriptive since issue 29: the 0.2 rule said *does not hold* whether the zero-sum constraint was
+        # descriptive since 0.3: the 0.2 rule said *does not hold* whether the zero-sum constraint was
         # irrelevant (0.75-0.95) or decisive (1.0) on planted cases, so it cannot tell them apart; no verdict
         if n < MIN_GROUPS or ci["lo"] is None:
             reading = f"{n} group(s) with G2 of every layer (an interval needs {MIN_GROUPS}: --g2-groups)"

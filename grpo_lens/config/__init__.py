@@ -5,8 +5,9 @@ base      the machinery: :class:`Option` (a field written once), :func:`option`,
 groups    the option groups: the fields several commands share (model, task/data, sampling, advantage, lens,
           optimizer, probing, runtime, output), each with its help, default and check
 train     :class:`TrainConfig`, the settings of ``grpo-lens train``
+demo      :class:`grpo_lens.config.demo.DemoConfig`, the settings of ``grpo-lens demo``
 
-ProbeConfig (:mod:`grpo_lens.probe.config`) and DemoConfig (:mod:`grpo_lens.demo`) are built from the same groups.
+ProbeConfig (:mod:`grpo_lens.probe.config`) and DemoConfig are built from the same groups.
 Load order: defaults <- YAML file (``--config``) <- command-line flags (``--group-size 8``); a bad value raises
 :class:`ConfigError` naming the field and how to fix it, before any model loads.
 """

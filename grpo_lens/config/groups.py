@@ -46,7 +46,7 @@ from grpo_lens.registry import declared_constant, declared_names
 from grpo_lens.trackers import REPORT_TO
 
 # The formulas' registries are read without importing their modules (torch): ``grpo-lens --help`` builds every flag
-# from these option groups and answers at once (issue 30); the checks read the live registries when they run.
+# from these option groups and answers at once; the checks read the live registries when they run.
 _ESTIMATORS = "grpo_lens.formulas.advantages", "ADVANTAGE_ESTIMATORS"
 _AGGREGATIONS = "grpo_lens.formulas.losses", "LOSS_AGGREGATIONS"
 STD_CONVENTIONS = declared_constant("grpo_lens.formulas.advantages", "STD_CONVENTIONS")

@@ -64,7 +64,7 @@ from grpo_lens.formulas.advantages import (
     rloo_baseline,
 )
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-from grpo_lens.formulas.stats import bootstrap_mean, mean_interval
+from grpo_lens.formulas.stats import mean_interval
 from grpo_lens.formulas.zero_sum import fixed_k_labellings
 from grpo_lens.metrics import (
     BASELINE_B_STAR,
@@ -461,7 +461,7 @@ def equal_norms_test(
     The verdict comes from a label-permutation test with the correct count k fixed (docs/theory.md §Baselines at
     matched expectation): statistic |Welch t| of mean_C ||h||^2 against mean_W ||h||^2 (studentized, so that the
     null is equal means rather than equal distributions: the 0.2 statistic |log ratio of means| rejected 0.19-0.38 of
-    prompts when only the spreads differed, issue 29), p-value = share of the C(M, k)
+    prompts when only the spreads differed), p-value = share of the C(M, k)
     relabellings (all of them up to ``max_permutations``, else that many at random and the observed one) whose
     statistic is >= the observed one. With rollouts exchangeable under the null (labels independent of the norms),
     P(p <= 0.05) <= 0.05 for every M and k, which is what makes 0.05 the control of the claim that counts rejections; a
@@ -494,7 +494,7 @@ def equal_norms_test(
     labs = torch.stack(fixed_k_labellings(m, k, max_permutations, gen)).double()  # [L, M]
     log_ratio = float(nc.mean().log() - nw.mean().log())
 
-    # the studentized statistic |Welch t| of the two means, permuted (issue 29): equal means, not equal
+    # the studentized statistic |Welch t| of the two means, permuted: equal means, not equal
     # distributions, is the null; a studentized permutation test is exact under exchangeability and asymptotically
     # exact for equal means with unequal spreads (Janssen, Statist. Probab. Lett. 36, 1997)
     def welch(lab: Tensor) -> Tensor:  # lab [L, M] 0/1 -> [L]
@@ -519,7 +519,7 @@ def equal_norms_test(
     return {"ratio": math.exp(log_ratio), "p": p, "lo": low, "hi": high, "verdict": verdict}
 
 
-#: the equivalence margin of m_C = m_W in effect units (fixed before any measurement, issue 43): the root mean square
+#: the equivalence margin of m_C = m_W in effect units (fixed before any measurement): the root mean square
 #: over prompts of log(m_C / m_W) at most log 1.25 (b* within about ±0.056 of p at p = 0.5; docs/theory.md §12)
 LOG_RATIO_MARGIN = math.log(1.25)
 
@@ -582,7 +582,7 @@ def baseline_study(
     seed: int = 0,
     num_boot: int = 2000,
 ) -> dict:
-    """:func:`prompt_baseline_study` over prompts, with 95% intervals over prompts (:func:`bootstrap_mean`, Hall's
+    """:func:`prompt_baseline_study` over prompts, with 95% intervals over prompts (:func:`mean_interval`, Hall's
     transformed t).
 
     Args:
@@ -592,9 +592,9 @@ def baseline_study(
 
     Returns:
         {"per_prompt": [prompt results, each with "equal_norms"], "summary": {estimator: {"mse_ratio_to_rloo",
-        "cosine", "bias2_share"}: bootstrap_mean over prompts}, "prompts": analysed count, "prompts_constant",
-        "b_star_shift": bootstrap_mean of b*_exact - b*, "b_star_minus_p": of b* - p (the group mean's expectation),
-        "norm_ratio": of m_C / m_W, "mean_score_ratio": bootstrap_mean of ||hbar||^2 over its
+        "cosine", "bias2_share"}: mean_interval over prompts}, "prompts": analysed count, "prompts_constant",
+        "b_star_shift": mean_interval of b*_exact - b*, "b_star_minus_p": of b* - p (the group mean's expectation),
+        "norm_ratio": of m_C / m_W, "mean_score_ratio": mean_interval of ||hbar||^2 over its
         mean-zero floor, "equal_norms_rejected": share of testable prompts whose permutation test rejects m_C = m_W
         at 0.05, "equal_norms_testable", "log_ratio_rms": :func:`rms_log_ratio` over the prompts with both sides
         (without its per-prompt "y")}.
@@ -640,16 +640,14 @@ def summarise_baseline_prompts(
             if p["estimators"]["rloo"]["mse"] > 0
         ]
         summary[name] = {
-            "mse_ratio_to_rloo": bootstrap_mean(ratios, num_boot, seed),
-            "cosine": bootstrap_mean([p["estimators"][name]["cosine"] for p in per_prompt], num_boot, seed),
-            "bias2_share": bootstrap_mean(
+            "mse_ratio_to_rloo": mean_interval(ratios),
+            "cosine": mean_interval([p["estimators"][name]["cosine"] for p in per_prompt]),
+            "bias2_share": mean_interval(
                 [
                     p["estimators"][name]["bias2"] / p["estimators"][name]["mse"]
                     for p in per_prompt
                     if p["estimators"][name]["mse"] > 0
                 ],
-                num_boot,
-                seed,
             ),
         }
     testable = [p for p in per_prompt if p["equal_norms"]["verdict"] != "not testable"]
@@ -658,14 +656,12 @@ def summarise_baseline_prompts(
         "summary": summary,
         "prompts": len(per_prompt),
         "prompts_constant": constant,
-        "b_star_shift": bootstrap_mean([p["b_star_exact"] - p["b_star_pop"] for p in per_prompt], num_boot, seed),
-        "b_star_minus_p": bootstrap_mean([p["b_star_pop"] - p["p"] for p in per_prompt], num_boot, seed),
-        "norm_ratio": bootstrap_mean(
+        "b_star_shift": mean_interval([p["b_star_exact"] - p["b_star_pop"] for p in per_prompt]),
+        "b_star_minus_p": mean_interval([p["b_star_pop"] - p["p"] for p in per_prompt]),
+        "norm_ratio": mean_interval(
             [p["m_correct"] / p["m_wrong"] for p in per_prompt if p["m_wrong"] and math.isfinite(p["m_correct"])],
-            num_boot,
-            seed,
         ),
-        "mean_score_ratio": bootstrap_mean([p["mean_score"]["ratio"] for p in per_prompt], num_boot, seed),
+        "mean_score_ratio": mean_interval([p["mean_score"]["ratio"] for p in per_prompt]),
         "equal_norms_rejected": (
             sum(p["equal_norms"]["verdict"] != "m_C = m_W not rejected" for p in testable) / len(testable)
         )
@@ -677,6 +673,6 @@ def summarise_baseline_prompts(
 
 
 def log_ratios(per_prompt: Sequence[dict]) -> tuple[list[float], list[float]]:
-    """(d, v) of the prompts that have :func:`log_norm_ratio` (rows from before issue 43 have none)."""
+    """(d, v) of the prompts that have :func:`log_norm_ratio` (rows from older probes have none)."""
     rows = [p for p in per_prompt if p.get("log_ratio") is not None and p.get("log_ratio_var") is not None]
     return [float(p["log_ratio"]) for p in rows], [float(p["log_ratio_var"]) for p in rows]

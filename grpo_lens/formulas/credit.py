@@ -28,13 +28,12 @@ import torch
 from torch import Tensor
 
 from grpo_lens.formulas.losses import aggregation_rollout_weights
-from grpo_lens.formulas.stats import binomial_pmf, bootstrap_mean
+from grpo_lens.formulas.stats import binomial_pmf, mean_interval
 from grpo_lens.metrics import (
     CREDIT_ADV_VAR_WITHIN_MAX,
     CREDIT_ANSWER_SHARE_MEAN,
     CREDIT_ANSWER_TOKEN_FRAC,
 )
-from grpo_lens.registry import renamed_keywords
 
 #: The last number of a completion: optional sign, digits with optional thousands commas, optional decimals.
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -367,9 +366,9 @@ def summarise_class_shares(shares: Sequence[dict], shares_nll: Sequence[dict]) -
     weights (every A_i = 1), paired by group.
 
     Returns:
-        (classes {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups},
+        (classes {class: {"update_share", "token_share", "ratio"}: mean_interval over groups},
          classes_nll {class: {"ratio": under NLL weights, "ratio_minus_nll": ratio under A − under NLL, paired per
-         group}: bootstrap_mean over groups}); non-finite values (an absent class) are dropped.
+         group}: mean_interval over groups}); non-finite values (an absent class) are dropped.
     """
     assert len(shares) == len(shares_nll), (len(shares), len(shares_nll))
 
@@ -377,15 +376,13 @@ def summarise_class_shares(shares: Sequence[dict], shares_nll: Sequence[dict]) -
         return [v for v in values if math.isfinite(v)]
 
     classes = {
-        c: {k: bootstrap_mean(finite(sh[c][k] for sh in shares)) for k in ("update_share", "token_share", "ratio")}
+        c: {k: mean_interval(finite(sh[c][k] for sh in shares)) for k in ("update_share", "token_share", "ratio")}
         for c in TOKEN_CLASSES
     }
     classes_nll = {
         c: {
-            "ratio": bootstrap_mean(finite(sh[c]["ratio"] for sh in shares_nll)),
-            "ratio_minus_nll": bootstrap_mean(
-                finite(a[c]["ratio"] - b[c]["ratio"] for a, b in zip(shares, shares_nll))
-            ),
+            "ratio": mean_interval(finite(sh[c]["ratio"] for sh in shares_nll)),
+            "ratio_minus_nll": mean_interval(finite(a[c]["ratio"] - b[c]["ratio"] for a, b in zip(shares, shares_nll))),
         }
         for c in TOKEN_CLASSES
     }
@@ -463,7 +460,6 @@ def compare_with_uniform(
     }
 
 
-@renamed_keywords(k="mc_samples")
 def opposition_size(mc_samples: int, d: int, grid: int = 2001) -> float:
     """sup over p of P(X - Y >= d), X, Y iid Binomial(K_mc, p): the largest chance that two prefixes with one success
     probability show an opposing count difference of at least d (docs/theory.md §12, the Monte Carlo credit rule).
@@ -492,7 +488,6 @@ def opposition_size(mc_samples: int, d: int, grid: int = 2001) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-@renamed_keywords(k="mc_samples")
 def opposition_threshold(mc_samples: int, tests: int, level: float = 0.05) -> tuple[int, float]:
     """(d, size): the smallest count difference d whose :func:`opposition_size` is at most ``level / tests``
     (Bonferroni over a rollout's ``tests`` interior segments), so that a rollout whose segments truly all have A_i's
@@ -512,7 +507,6 @@ def opposition_threshold(mc_samples: int, tests: int, level: float = 0.05) -> tu
     return mc_samples + 1, 0.0
 
 
-@renamed_keywords(k="mc_samples")
 def prefix_success_counts(values: Sequence[float], errors: Sequence[float], mc_samples: int) -> list[int] | None:
     """Successes among the K_mc = ``mc_samples`` continuations of each prefix, from
     :func:`grpo_lens.gradients.token_credit.prefix_values`' mean and SE, or None when the rewards were not 0/1 (the

@@ -23,8 +23,8 @@ Intervals: the delete-one-group jackknife (:func:`noise_scale_jackknife`), none 
 (:func:`signal_sign_flip_p`): under E G_b = 0 with a symmetric G_b, flipping each group's sign leaves the cross sum's
 distribution unchanged.
 
-verl's logit-space proxy (verl PR #4678, ``compute_variance_proxy_metrics``; the logit-space variance proxy issue 44
-cites): W_i = sum_t (1 - 2 pi(o_t) + sum_v pi_v^2) = sum_t |e_{o_t} - pi_t|^2, the squared norm of d log pi(o_t) /
+verl's logit-space proxy (verl PR #4678, ``compute_variance_proxy_metrics``):
+W_i = sum_t (1 - 2 pi(o_t) + sum_v pi_v^2) = sum_t |e_{o_t} - pi_t|^2, the squared norm of d log pi(o_t) /
 d logits summed over tokens (cross-token terms and the logits' Jacobian dropped), and its "total power" mean_i A_i^2
 W_i (:func:`logit_variance_proxy`), which the exact Gram's mean_i A_i^2 <g_i, g_i> can be set beside.
 

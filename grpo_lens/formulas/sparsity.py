@@ -302,7 +302,7 @@ def dense_bf16_unchanged_probability(values: Tensor, rms: Tensor | float) -> Ten
 
 def permuted_bf16_unchanged_probability(values: Tensor, update: Tensor, strata: Tensor | None = None) -> Tensor:
     """For each entry, the chance that its bf16 value is unchanged when the update's entries are permuted at random
-    within its stratum (tensor): the within-tensor permutation control of "most parameters unchanged" (issue 18).
+    within its stratum (tensor): the within-tensor permutation control of "most parameters unchanged".
 
     Entry i of stratum t, with weight v_i and bf16 rounding cell [lo_i, hi_i] (:func:`bf16_rounding_cell`), receives a
     uniformly random one of the stratum's update entries d_j under a random permutation, so

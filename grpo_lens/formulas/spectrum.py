@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from grpo_lens.registry import Registry, renamed_keywords
+from grpo_lens.registry import Registry
 
 RankMeasure = Callable[[Tensor], float]
 
@@ -303,39 +303,6 @@ def g1_controls(
     return out
 
 
-def g1_spectra(
-    grads: Tensor,
-    advantages: Tensor,
-    completion_mask: Tensor | None = None,
-    *,
-    num_random: int = 8,
-    seed: int = 0,
-) -> dict[str, dict[str, float]]:
-    """:func:`g1_controls` of one group's gradients under the 0.1 names, each with ``fro_norm`` (the 0.1 entry point).
-
-    ``policy`` = ``g1``, ``score`` = ``g1_no_adv``, ``random`` = ``g1_random`` ({} when num_random = 0), ``nll`` =
-    ``g1_nll`` (with a completion mask); each {measure: float} of :func:`rank_measures` plus ``fro_norm``, the
-    matrix's Frobenius norm. New code reads the ``rank/g1_*`` keys of :func:`grpo_lens.analysis.group.analyse_group`.
-
-    Args:
-        grads: [R, P] per-rollout g_i (exact or sketched).
-        advantages: [R].
-        completion_mask: [R, T] bool, optional.
-        num_random, seed: as in :func:`g1_controls`.
-    """
-    assert grads.dim() == 2 and advantages.shape == (grads.shape[0],), (grads.shape, advantages.shape)
-    g = grads.detach().double()
-
-    def with_norm(s: Tensor) -> dict[str, float]:
-        return {**rank_measures(s), "fro_norm": float(s.square().sum().sqrt())}
-
-    controls = g1_controls(g @ g.T, advantages, completion_mask, num_random=num_random, seed=seed, measure=with_norm)
-    out = {"policy": controls["g1"], "score": controls["g1_no_adv"], "random": controls.get("g1_random", {})}
-    if "g1_nll" in controls:
-        out["nll"] = controls["g1_nll"]
-    return out
-
-
 def _sequences(completion_ids: Tensor, completion_mask: Tensor) -> list[tuple[int, ...]]:
     assert completion_ids.shape == completion_mask.shape, (completion_ids.shape, completion_mask.shape)
     ids, mask = completion_ids.tolist(), completion_mask.bool().tolist()
@@ -430,7 +397,6 @@ def orthogonal_null_singular_values(gram: Tensor, advantages: Tensor) -> Tensor:
     return torch.sort(s, descending=True).values
 
 
-@renamed_keywords(r="group_size")
 def wishart(group_size: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
     """[num_draws, R, R] draws of Wishart(dim, I_R), R = ``group_size`` (the Gram matrix of R iid N(0, I_dim)
     vectors) by Bartlett's decomposition (Bartlett 1933): W = L Lᵀ with L lower triangular, L_ij ~ N(0, 1) below the
@@ -456,7 +422,6 @@ def wishart(group_size: int, dim: int, num_draws: int, generator: torch.Generato
     return low @ low.transpose(1, 2)
 
 
-@renamed_keywords(r="group_size")
 def random_direction_grams(group_size: int, dim: int, num_draws: int, generator: torch.Generator) -> Tensor:
     """[num_draws, R, R] Gram matrices of R = ``group_size`` iid uniform unit vectors in R^dim (docs/theory.md §5): the
     normalised :func:`wishart`, D^(-1/2) W D^(-1/2) with D = diag(W).
@@ -548,7 +513,7 @@ def top_eigenvalues_psd_products(
     lambda_max(R^T K_D R) with K_X = R R^T (eigh, float64). Fixed Gaussian start block. The W problems iterate as
     one batch (batched QR, eigh and products: a tenth of the calls of one problem at a time); each converged w
     leaves the batch, so its value is what it would be alone. The 0.1 body iterated ||K_X K_D v|| 50 times without
-    a check: on a non-normal product with close top eigenvalues it was off by percents (issue 18).
+    a check: on a non-normal product with close top eigenvalues it was off by percents.
 
     Args:
         kx: [n, n] or [W, n, n] symmetric PSD.  kds: [W, n, n] symmetric PSD (float32 or float64).  tol: relative

@@ -4,8 +4,7 @@ A "row" is the dict of canonical keys that :func:`grpo_lens.analysis.group.analy
 (float values; a missing key means "not measured for this group"). The probe and the lens only aggregate rows:
 
 - :func:`mean_interval`: the mean with Hall's transformed-t interval (Hall 1992), none below
-  :data:`MIN_INTERVAL_UNITS` units, optionally clipped to bounds; :func:`bootstrap_ci` and :func:`bootstrap_mean` are
-  its 0.1 names.
+  :data:`MIN_INTERVAL_UNITS` units, optionally clipped to bounds.
 - :func:`summarise_rows`, :func:`stratify_rows`: {key: interval} over rows, and per stratum (k, distinct completions).
 - :func:`spearman_trend` (permutation test of a monotone trend), :func:`wilson_interval` (a binomial share),
   :func:`binomial_pmf`, :func:`binomial_upper_tail` (the exact p-value of a count),
@@ -98,7 +97,7 @@ def mean_interval(
     expansion of the studentized mean, so the interval widens on the side of the longer tail. Closed form: no
     resamples, deterministic; equal to the Student t interval on symmetric data (γ = 0). Chosen by coverage at
     nominal 0.95 over the nine cells of `grpo-lens calibrate` (normal, log-normal σ = 1, 60%-zero data at n = 8, 22,
-    34; 2000 trials each, issue 18): the lowest cell 0.909 (log-normal, n = 8; none of the methods tried reaches
+    34; 2000 trials each): the lowest cell 0.909 (log-normal, n = 8; none of the methods tried reaches
     0.93 there), against 0.892 with the plain sample skewness m_3 / s³, 0.841 Student t, 0.798 bootstrap-t, 0.775
     percentile bootstrap, 0.757 BCa (999 resamples). Its price on normal data: 21% wider than Student t at n = 8
     (mean width 1.97 against 1.63 SD), 1% at n = 22 and 34. docs/calibration.md reprints the coverage. Non-finite
@@ -147,23 +146,6 @@ def mean_interval(
     return {"mean": mean, "lo": min(lo, mean), "hi": max(hi, mean), "n": n}
 
 
-def bootstrap_ci(
-    values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000, seed: int = 0
-) -> dict[str, float | int | None]:
-    """:func:`mean_interval` under its 0.1 name (the probe's summaries and strata call it).
-
-    Until issue 18 this was an expanded-percentile bootstrap; it under-covered on skewed data (0.80-0.90 at
-    n = 8-34), so it now returns Hall's transformed-t interval. ``num_resamples`` (>= 100) and ``seed`` are checked
-    and otherwise unused: the interval is closed form.
-
-    Raises:
-        ValueError: level outside (0, 1) or num_resamples < 100.
-    """
-    if num_resamples < 100:
-        raise ValueError(f"num_resamples must be >= 100, got {num_resamples}")
-    return mean_interval(values, level=level)
-
-
 def summarise_rows(
     rows: Sequence[dict[str, float]],
     *,
@@ -172,17 +154,21 @@ def summarise_rows(
     num_resamples: int = 2000,
     seed: int = 0,
 ) -> dict[str, dict[str, float | int | None]]:
-    """{key: bootstrap_ci(values of key over the rows that have it)} for every key (or the given ones).
+    """{key: mean_interval(values of key over the rows that have it)} for every key (or the given ones).
 
     Args:
         rows: per-group rows of canonical keys.
         keys: the keys to summarise; None = every key that any row has (sorted).
+        num_resamples, seed: checked (``num_resamples`` >= 100) and otherwise unused: the interval is closed form.
+
+    Raises:
+        ValueError: level outside (0, 1) or num_resamples < 100.
     """
+    if num_resamples < 100:
+        raise ValueError(f"num_resamples must be >= 100, got {num_resamples}")
     if keys is None:
         keys = sorted({k for row in rows for k in row})
-    return {
-        k: bootstrap_ci([row.get(k) for row in rows], level=level, num_resamples=num_resamples, seed=seed) for k in keys
-    }
+    return {k: mean_interval([row.get(k) for row in rows], level=level) for k in keys}
 
 
 def stratify_rows(
@@ -198,19 +184,6 @@ def stratify_rows(
             continue
         strata.setdefault(str(int(v)), []).append(row)
     return {s: summarise_rows(strata[s], **summary_kwargs) for s in sorted(strata, key=int)}
-
-
-def bootstrap_mean(
-    values: Sequence[float],
-    num_boot: int = 2000,
-    seed: int = 0,
-    level: float = 0.95,
-    bounds: tuple[float, float] | None = None,
-) -> dict[str, float | int | None]:
-    """:func:`mean_interval` for the studies and claims (0.1 name and arguments; ``num_boot`` and ``seed`` unused).
-    -> {"mean", "lo", "hi", "n"}; lo = hi = None below :data:`MIN_INTERVAL_UNITS` units; ``bounds``: the range the
-    mean cannot leave (e.g. (0, 1) for a share), the interval is clipped to it."""
-    return mean_interval(list(values), level=level, bounds=bounds)
 
 
 def spearman_trend(
@@ -409,7 +382,7 @@ def interval_t_p(
     level)/2), T = (mean − control)/se, p_above = P(t_{n−1} >= T), p_below = P(t_{n−1} <= T). On a Student-t
     interval this is the one-sample t-test's p exactly (up to :func:`student_t_quantile`'s 1e-3); the normal reading
     of the same interval (se = half / 1.96, p = P(Z >= T)) is too small at small n (n = 12, T = 2√3 = 3.46: 0.00027
-    against the t-test's 0.0026; issue 43). On a Hall interval (:func:`mean_interval`) the half-width on ``side``
+    against the t-test's 0.0026). On a Hall interval (:func:`mean_interval`) the half-width on ``side``
     carries its skewness.
 
     Args:
@@ -489,7 +462,7 @@ def difference_trend_test(
     over-states the estimate's variance and the test is conservative at every φ in [0, 1]; the price is power under
     independent noise (the differences double the noise). This is the first-difference estimator of Granger &
     Newbold (J. Econometrics 2, 1974) used as a test; a Spearman or OLS trend test with i.i.d. errors rejects at
-    0.12–0.26 when lens steps are correlated 0.6–1 (issue 29). ``covariate`` (e.g. the log of the mixed-group count)
+    0.12–0.26 when lens steps are correlated 0.6–1. ``covariate`` (e.g. the log of the mixed-group count)
     is partialled out, so a trend it produces is not read as one in y.
 
     Args:
@@ -553,7 +526,7 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# trends over training: the OLS slope, its fixed-b HAC test within one run (issue 43)
+# trends over training: the OLS slope, its fixed-b HAC test within one run
 # ---------------------------------------------------------------------------------------------------------------------
 def _trend_design(xs: Sequence[float], covariate: Sequence[float] | None) -> torch.Tensor:
     """[n, q] the regressors of a trend: 1, x and (when given and not constant) the covariate."""

@@ -23,10 +23,8 @@ import torch
 from torch import Tensor
 
 from grpo_lens.metrics import zero_sum_key
-from grpo_lens.registry import renamed_keywords
 
 
-@renamed_keywords(r="num_rollouts")
 def fixed_k_labellings(num_rollouts: int, k: int, max_permutations: int, generator: torch.Generator) -> list[Tensor]:
     """The relabellings of a permutation test with k fixed: all C(n, k) boolean labellings of n = ``num_rollouts``
     (a group's R, or a baseline pool's M) with k ones when there are at most ``max_permutations``, else that many
@@ -153,7 +151,7 @@ def zero_sum_tests(
 
     The units are distinct completions (:func:`distinct_rows`): identical completions have identical gradients and
     always share a reward, so relabelling them apart would let the duplicates alone read as label structure (every
-    correct rollout one string: *labels structure G1* in 0.80 of trials at R = 4, issue 43); merged, k and R count
+    correct rollout one string: *labels structure G1* in 0.80 of trials at R = 4); merged, k and R count
     distinct completions, and a group left with fewer than 3 (or one class empty of distinct ones) carries no label
     information (every relabelling gives the same span energy: excess 0, null variance 0).
 
@@ -180,7 +178,7 @@ def zero_sum_tests(
     labels = rewards == 1
     a_c = float(advantages[labels].mean())
     a_w = float(advantages[~labels].mean())
-    keep = distinct_rows(gram, rewards, same_completion=same_completion)  # units: distinct completions (issue 43)
+    keep = distinct_rows(gram, rewards, same_completion=same_completion)  # units: distinct completions
     gram, labels = gram[keep][:, keep], labels[keep]
     r, k = len(labels), int(labels.sum())
     gen = torch.Generator().manual_seed(seed)

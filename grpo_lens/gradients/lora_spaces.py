@@ -20,7 +20,6 @@ import torch
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.lora import ADAPTER_MARK
-from grpo_lens.registry import renamed_keywords
 
 
 def adapter_layers(name: str) -> bool:
@@ -33,7 +32,6 @@ def base_layers(name: str) -> bool:
     return ADAPTER_MARK not in name
 
 
-@renamed_keywords(k="sketch_dim")
 def lora_rollout_grads(
     model: torch.nn.Module,
     batch: Any,
@@ -56,8 +54,7 @@ def lora_rollout_grads(
             ``full`` -- gradients of every frozen base linear weight W, sketched with d_s x d_s Kronecker projections
             per layer, d_s = ``sketch_dim`` ([N, P_s], P_s = layers * d_s^2; ``projection="identity"`` gives them
             exactly, [N, sum d_out d_in]).
-        sketch_dim: the sketch side d_s (k_in = k_out of :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`;
-            ``k``, its 0.2 name, still works with a DeprecationWarning).
+        sketch_dim: the sketch side d_s (k_in = k_out of :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
         seed, projection, dtype: of the sketch (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
         score_weights: [N] omega_i (:func:`grpo_lens.gradients.scores.rollout_scores`).  temperature: the sampler's.
 

@@ -22,10 +22,11 @@ with ``steps_per_generation`` or ``num_iterations`` > 1 TRL generates only every
 optimizer steps, so the lens takes the next batch that exists rather than waiting for a global step that never meets
 a generation), on that batch (this process's share, before any update on it), the same analysis as grpo-lens' own
 trainer:
-:class:`grpo_lens.lens.TrainerLens` with its Gram source (``lens_gram_source``, as the trainer's ``--gram-source``:
+:class:`grpo_lens.lens.trainer_lens.TrainerLens` with its Gram source (``lens_gram_source``, as the trainer's
+``--gram-source``:
 ``exact``, the default as in the trainer, the exact Gram of every parameter from one batched backward; ``sketch``, the
 LoGra sketch of the linear weights; with a peft/LoRA model the adapter's exact per-rollout gradients either way;
-:func:`grpo_lens.diagnostics.analyse_group` per mixed group). The exact Gram runs without activation checkpointing,
+:func:`grpo_lens.analysis.group.analyse_group` per mixed group). The exact Gram runs without activation checkpointing,
 which TRL turns on by default: the lens switches it off for its own pass only. Rows g_i are gradients of each
 completion's log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's
 temperature (TRL's training log-probs apply no top-k / top-p); the advantages are TRL's.
@@ -74,13 +75,16 @@ import yaml
 
 from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
+from grpo_lens.gradients.gram import GramCapture
+from grpo_lens.gradients.scores import rollout_scores
+from grpo_lens.gradients.sketch import GradientCapture, backward_roots
 from grpo_lens.lens.settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
-from grpo_lens.lens.settings import LensSettings, deprecated_sketch_keyword
+from grpo_lens.lens.settings import LensSettings
 from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
-from grpo_lens.rollout import RolloutBatch
+from grpo_lens.rollout import RolloutBatch, batch_logprobs
 from grpo_lens.rundir import RunDir, RunDirError, RunDirLockedError, acquire_run_lock
 from grpo_lens.runtime.processes import gather_objects
 from grpo_lens.train.step_metrics import dead_group_metrics, reward_metrics, rollout_metrics
@@ -98,12 +102,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 def lens_settings(
     args: Any,
     *,
-    sketch_dim: int | None = None,
+    sketch_dim: int = 16,
     space: str = "trainable",
     seed: int = 0,
     multi_objective_aggregation: str = "sum_then_normalize",
     gram_source: str = "exact",
-    lens_sketch_dim: int | None = None,
 ) -> LensSettings:
     """The settings :class:`grpo_lens.lens.trainer_lens.TrainerLens` reads, from a ``trl.GRPOConfig``:
     :meth:`grpo_lens.lens.settings.LensSettings.from_trl` (``gram_source`` as the trainer's ``--gram-source``,
@@ -111,17 +114,15 @@ def lens_settings(
 
     Args:
         sketch_dim: sketch side per linear layer (as ``--sketch-dim``; default 16).
-        lens_sketch_dim: its deprecated 0.2 name (a DeprecationWarning).
         the rest: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
 
     Raises:
         ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
             weights the lens does not know (luspo).
-        TypeError: both ``sketch_dim`` and ``lens_sketch_dim``.
     """
     return LensSettings.from_trl(
         args,
-        sketch_dim=deprecated_sketch_keyword(sketch_dim, lens_sketch_dim),
+        sketch_dim=sketch_dim,
         space=space,
         seed=seed,
         multi_objective_aggregation=multi_objective_aggregation,
@@ -400,10 +401,6 @@ def weighted_rollout_rows(
     Returns:
         ("gram", [n, n] float64 (0 between groups), info with ``coverage``) or ("sketch", [n, P_s] float64, {}).
     """
-    from grpo_lens.gradients.gram import GramCapture
-    from grpo_lens.gradients.scores import rollout_scores
-    from grpo_lens.gradients.sketch import GradientCapture, backward_roots
-    from grpo_lens.rollout import batch_logprobs
 
     def loss() -> torch.Tensor:
         logp = batch_logprobs(policy, batch, settings.temperature)
@@ -433,8 +430,8 @@ def activation_checkpointing_off(model: torch.nn.Module):
     """Turn transformers' activation (gradient) checkpointing off inside the block and back on after it.
 
     TRL enables it by default (``GRPOConfig.gradient_checkpointing=True``); the lens's exact Gram (which refuses
-    checkpointing) and its gradient sketch (:class:`grpo_lens.diagnostics.GradientCapture`) hook the modules' forward
-    outputs, which checkpointing recomputes inside the backward. The flag lives on each
+    checkpointing) and its gradient sketch (:class:`grpo_lens.gradients.sketch.GradientCapture`) hook the modules'
+    forward outputs, which checkpointing recomputes inside the backward. The flag lives on each
     ``GradientCheckpointingLayer``; the numbers do not depend on it.
     """
     switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
@@ -453,8 +450,7 @@ class GRPOLensMixin:
 
     Args (keywords, the rest goes to the trainer):
         lens_every: measure every this many optimizer steps (>= 1).
-        sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``; default 16); ``lens_sketch_dim``,
-            its 0.2 name, is still accepted with a DeprecationWarning.
+        sketch_dim: sketch side per linear layer (as grpo-lens' ``--sketch-dim``; default 16).
         lens_gram_source: ``exact`` (default) or ``sketch``, the source of the per-rollout Gram matrix (as
             grpo-lens' ``--gram-source``).
         lens_space: ``trainable`` or ``full`` (as ``--lens-space``; matters with a peft model).
@@ -470,20 +466,18 @@ class GRPOLensMixin:
         self,
         *args: Any,
         lens_every: int = 5,
-        sketch_dim: int | None = None,
+        sketch_dim: int = 16,
         lens_space: str = "trainable",
         lens_seed: int = 0,
         lens_out: str | Path | None = None,
         lens_log_completions: int = 2,
         lens_gram_source: str = "exact",
-        lens_sketch_dim: int | None = None,
         **kwargs: Any,
     ):
         if lens_every < 1:
             raise ValueError(f"lens_every = {lens_every}: must be >= 1")
         if lens_log_completions < 0:
             raise ValueError(f"lens_log_completions = {lens_log_completions}: must be >= 0")
-        sketch_dim = deprecated_sketch_keyword(sketch_dim, lens_sketch_dim)  # warns at the caller's line
         super().__init__(*args, **kwargs)
         self.lens_every = lens_every
         self.lens_settings = lens_settings(
@@ -581,7 +575,7 @@ class GRPOLensMixin:
             output: what ``_generate_and_score_completions`` returned (see :func:`rollout_batch_from_trl`).
 
         Returns:
-            {canonical lens key: value}, as :meth:`grpo_lens.lens.TrainerLens.measure` writes them.
+            {canonical lens key: value}, as :meth:`grpo_lens.lens.trainer_lens.TrainerLens.measure` writes them.
         """
         policy = self.accelerator.unwrap_model(self.model)
         if self._lens is None:

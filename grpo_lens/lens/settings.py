@@ -9,17 +9,14 @@ The fields are exactly what the lens and the functions it passes them to read; n
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from grpo_lens.config import TrainConfig
 from grpo_lens.config.groups import GRAM_SOURCES
 from grpo_lens.formulas.advantages import STD_CONVENTIONS
 from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
 from grpo_lens.formulas.overlong import OVERLONG_MODES
-
-if TYPE_CHECKING:
-    from grpo_lens.config import TrainConfig
 
 #: The parameter spaces of the lens's per-rollout gradients (``--lens-space``, docs/theory.md §18).
 LENS_SPACES = ("trainable", "full")
@@ -181,8 +178,6 @@ def as_lens_settings(config: Any) -> LensSettings:
     Raises:
         TypeError: anything else (naming both accepted types).
     """
-    from grpo_lens.config import TrainConfig
-
     if isinstance(config, LensSettings):
         return config
     if isinstance(config, TrainConfig):
@@ -191,23 +186,3 @@ def as_lens_settings(config: Any) -> LensSettings:
         f"the lens's settings must be a LensSettings or a TrainConfig (grpo_lens.lens.settings.LensSettings, "
         f"grpo_lens.config.TrainConfig), got {type(config).__name__}"
     )
-
-
-def deprecated_sketch_keyword(sketch_dim: int | None, lens_sketch_dim: int | None, *, stacklevel: int = 3) -> int:
-    """The sketch side from the TRL integration's ``sketch_dim`` keyword, or from its 0.2 name ``lens_sketch_dim``
-    (still accepted, with a DeprecationWarning naming ``sketch_dim``); 16 when neither is given.
-
-    Raises:
-        TypeError: both are given.
-    """
-    if lens_sketch_dim is None:
-        return 16 if sketch_dim is None else sketch_dim
-    if sketch_dim is not None:
-        raise TypeError("give sketch_dim only (lens_sketch_dim is its deprecated name), not both")
-    warnings.warn(
-        "the keyword lens_sketch_dim is deprecated: use sketch_dim (the name of grpo-lens' --sketch-dim and "
-        "TrainConfig.sketch_dim)",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-    return lens_sketch_dim

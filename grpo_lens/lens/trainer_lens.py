@@ -99,7 +99,6 @@ from grpo_lens.metrics import (
     PERF_LENS_SPARSITY_SECONDS,
     RANK_MIXED_GROUPS,
 )
-from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, scored_logits
 from grpo_lens.runtime.processes import gather_objects
 from grpo_lens.runtime.sharding import is_sharded
@@ -207,7 +206,6 @@ class TrainerLens:
             self.sparsity.load_state_dict(state["grad_sum"])
 
     @staticmethod
-    @renamed_keywords(R="group_size")
     def mixed_groups(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> list[int]:
         """Indices of the groups the lens analyses: every rollout valid and reward contrast (not
         :func:`grpo_lens.formulas.advantages.constant_groups`).
@@ -226,7 +224,6 @@ class TrainerLens:
         self._pending = True
         return GradientCapture(policy, self.settings.sketch_dim, self.settings.sketch_dim, seed=self.settings.seed)
 
-    @renamed_keywords(R="group_size")
     def update_gram_capture(
         self,
         policy: torch.nn.Module,

@@ -20,7 +20,7 @@ from grpo_lens.formulas.spectrum import (
     rank_measures,
     singular_values,
 )
-from grpo_lens.formulas.stats import bootstrap_ci, stratify_rows, summarise_rows
+from grpo_lens.formulas.stats import mean_interval, stratify_rows, summarise_rows
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
 from grpo_lens.gradients.gram_blocks import gram_factor
 from grpo_lens.metrics import (
@@ -289,8 +289,8 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
         GROUPS_INVALID: invalid,
         S1_MEASURED: all_equal / valid_groups if valid_groups else None,
         S1_PREDICTED: statistics.fmean(s1_predictions) if s1_predictions else None,
-        S1_PREDICTED_CI: bootstrap_ci(s1_predictions, seed=config.seed),
-        S1_MEASURED_CI: bootstrap_ci(s1_indicators, seed=config.seed),
+        S1_PREDICTED_CI: mean_interval(s1_predictions),
+        S1_MEASURED_CI: mean_interval(s1_indicators),
         PROBE_GROUPS: rows,
         PROBE_SUMMARY: summarise_rows(rows, **ci),
         PROBE_STRATA: {

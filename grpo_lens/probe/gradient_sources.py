@@ -55,7 +55,7 @@ def default_layer(model: torch.nn.Module, layers: str | None = None) -> str:
 
 def score_weights(sub: RolloutBatch, config: ProbeConfig) -> torch.Tensor:
     """omega_i [n] of the per-rollout term the configured loss aggregation weights, with ``sub`` (a group, or a prompt's
-    M rollouts) as the batch (docs/theory.md §3; :func:`grpo_lens.losses.rollout_gradient_weights`)."""
+    M rollouts) as the batch (docs/theory.md §3; :func:`grpo_lens.formulas.losses.rollout_gradient_weights`)."""
     mask = sub.completion_mask
     return rollout_gradient_weights(
         mask, config.loss_aggregation, loss_normalizer(mask, config.loss_aggregation, config.max_new_tokens)

@@ -123,7 +123,7 @@ def group_row(
         rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps, grad_sq_norms=sq
     )[0]
     # gram [R, R]: every per-group key is a function of it
-    # P for the claims' simulated null (issue 29): the sketch's dimension, else every trainable parameter
+    # P for the claims' simulated null: the sketch's dimension, else every trainable parameter
     dim = (
         g.shape[1] if g is not None and not config.exact and config.gram_source != "exact" else trainable_count(policy)
     )

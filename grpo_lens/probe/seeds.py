@@ -56,8 +56,7 @@ from grpo_lens.formulas.pooling import (
     stratified_interval,
 )
 from grpo_lens.formulas.stats import (
-    bootstrap_ci,
-    bootstrap_mean,
+    mean_interval,
     stratify_rows,
     summarise_rows,
 )
@@ -88,8 +87,11 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.plugins import config_header
 from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.estimate import STRATA_KEYS
 from grpo_lens.probe.partial import COMMAND_KEYS, RESUMABLE_KEYS, PartialProbe
+from grpo_lens.probe.run import run_probe
 from grpo_lens.probe.tracking import log_probe
+from grpo_lens.report import write_report
 from grpo_lens.rundir import atomic_write_text, read_json_file
 from grpo_lens.trackers import check_trackers
 
@@ -126,9 +128,6 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     analysed groups (and G2-weighting, sketch-check rows, spectra) concatenated and summarised, stratified by k and
     by distinct completions as the probe does; counts summed; S1 measured from the summed counts, S1 predicted
     combined over seeds as strata; G3 left out (one matrix per run, see the module docstring)."""
-    # imported here: run.py imports the model stack
-    from grpo_lens.probe.estimate import STRATA_KEYS
-
     M = {e[ROLLOUTS_PER_PROMPT] for e in entries}
     if len(M) != 1:
         raise PoolingError(f"the seeds sampled different rollouts per prompt ({sorted(M)})")
@@ -175,7 +174,7 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
         S1_MEASURED: counts[GROUPS_ALL_EQUAL] / valid if valid else None,
         S1_PREDICTED: predicted["mean"],
         S1_PREDICTED_CI: {k: predicted[k] for k in ("mean", "lo", "hi", "n")},
-        S1_MEASURED_CI: bootstrap_ci(indicators, seed=seed),
+        S1_MEASURED_CI: mean_interval(indicators),
         PROBE_GROUPS: rows,
         PROBE_SUMMARY: summarise_rows(rows, **ci),
         PROBE_STRATA: {
@@ -240,7 +239,7 @@ def pool_credit_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
         "rollouts": rollouts,
         "samples_per_prefix": mc_samples.pop(),
         **{
-            k: bootstrap_mean([r[k] for r in rollouts], bounds=(0.0, 1.0))
+            k: mean_interval([r[k] for r in rollouts], bounds=(0.0, 1.0))
             for k in ("disagree", "agree", "neutral", "top_segment_share")
         },
         "segments": segments,
@@ -385,8 +384,6 @@ def read_seed_probes(out: str | Path, seeds: list[int]) -> dict[int, dict[str, A
 
 def write_pooled(out: str | Path, seeds: list[int]) -> Path:
     """Pool DIR/seed_<s>/probe.json over ``seeds`` into DIR/probe.json and write DIR/report.md; return DIR."""
-    from grpo_lens.report import write_report
-
     out = Path(out)
     pooled = pool_probes(read_seed_probes(out, seeds))
     atomic_write_text(out / "probe.json", json.dumps(pooled, indent=1))
@@ -411,8 +408,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
         ConfigError: no --out, fewer than two seeds, DIR already holding a probe without --resume or --overwrite, a
             finished seed probed with other settings.
     """
-    if run is None:
-        from grpo_lens.probe.run import run_probe as run
+    run = run_probe if run is None else run
     if not config.out:
         raise ConfigError(
             "probe field 'out' (flag --out) is required: the directory for seed_<s>/ and the pooled probe.json"

@@ -37,7 +37,7 @@ from grpo_lens.formulas.credit import (
 )
 from grpo_lens.formulas.losses import aggregation_rollout_weights
 from grpo_lens.formulas.sparsity import s1_predicted_outside_group
-from grpo_lens.formulas.stats import bootstrap_mean
+from grpo_lens.formulas.stats import mean_interval
 from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.gradients.token_credit import prefix_values_many, signed_token_contributions
 from grpo_lens.rewards import combine_rewards, score_batch
@@ -166,8 +166,8 @@ def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_
         correct: [B, M] bool.  valid: [B, M] bool.  group_size: R, with M - R >= R.
 
     Returns:
-        {"measured": bootstrap_mean over prompts of the indicator, "predicted": bootstrap_mean of the estimate,
-         "difference": bootstrap_mean of measured - predicted, "prompts": B used, "rollouts_per_prompt": M}.
+        {"measured": mean_interval over prompts of the indicator, "predicted": mean_interval of the estimate,
+         "difference": mean_interval of measured - predicted, "prompts": B used, "rollouts_per_prompt": M}.
 
     Raises:
         ValueError: M - R < R.
@@ -180,9 +180,9 @@ def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_
     group = c[:, :R].double()
     measured = constant_groups(group, torch.ones_like(group, dtype=torch.bool)).double()  # all correct or all wrong
     return {
-        "measured": bootstrap_mean(measured.tolist(), bounds=(0.0, 1.0)),
-        "predicted": bootstrap_mean(predicted.tolist(), bounds=(0.0, 1.0)),
-        "difference": bootstrap_mean((measured - predicted).tolist(), bounds=(-1.0, 1.0)),
+        "measured": mean_interval(measured.tolist(), bounds=(0.0, 1.0)),
+        "predicted": mean_interval(predicted.tolist(), bounds=(0.0, 1.0)),
+        "difference": mean_interval((measured - predicted).tolist(), bounds=(-1.0, 1.0)),
         "prompts": int(keep.sum()),
         "rollouts_per_prompt": M,
     }
@@ -301,14 +301,14 @@ def run_baseline_study(
 
 
 def _segment_counts(rows: list[dict[str, Any]], z: float = 2.0) -> dict[str, int]:
-    """:func:`grpo_lens.formulas.credit.segment_counts` (moved there by issue 29)."""
+    """:func:`grpo_lens.formulas.credit.segment_counts` (the body lives there, with the other credit formulas)."""
     return segment_counts(rows, z)
 
 
 def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
     if not rows:
         return []
-    return [bootstrap_mean([r[b] for r in rows]) for b in range(len(rows[0]))]
+    return [mean_interval([r[b] for r in rows]) for b in range(len(rows[0]))]
 
 
 def monte_carlo_rows(
@@ -358,15 +358,15 @@ def run_credit_study(
     """Signed token contributions on ``groups`` mixed groups and Monte Carlo advantages on the first ``mc_groups``.
 
     Returns:
-        {"contributions": {"position_profile": per relative-position bin, bootstrap_mean over groups of the bin's
-         summed share; "classes": {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups};
+        {"contributions": {"position_profile": per relative-position bin, mean_interval over groups of the bin's
+         summed share; "classes": {class: {"update_share", "token_share", "ratio"}: mean_interval over groups};
          "classes_nll": {class: {"ratio": the same tokens' ratio under NLL weights (every A_i = 1: the control with
-         the same gradient geometry), "ratio_minus_nll": the paired difference per group}: bootstrap_mean over groups};
+         the same gradient geometry), "ratio_minus_nll": the paired difference per group}: mean_interval over groups};
          "shares", "shares_nll": each group's class shares under A and NLL weights (what --seeds pools);
          "closure": max |sum s - 1| over groups; "groups": n},
          "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
          disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
-         bootstrap_mean over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
+         mean_interval over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
          rollouts (beyond 2 SE), "samples_per_prefix": K_mc},
          "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
     """
@@ -478,7 +478,7 @@ def _credit_summary(
             "rollouts": mc_rows,
             "samples_per_prefix": st.mc_samples,
             **{
-                k: bootstrap_mean([row[k] for row in mc_rows], bounds=(0.0, 1.0))
+                k: mean_interval([row[k] for row in mc_rows], bounds=(0.0, 1.0))
                 for k in ("disagree", "agree", "neutral", "top_segment_share")
             },
             "segments": _segment_counts(mc_rows),

@@ -22,7 +22,6 @@ compare            ``grpo-lens compare``: several training runs in one report
 
 from __future__ import annotations
 
-import json
 import re
 from fnmatch import fnmatch
 from pathlib import Path
@@ -43,6 +42,14 @@ from grpo_lens.report.format import (
     mark_few,
     md_row,
     md_table,
+)
+from grpo_lens.report.levels import (  # noqa: F401 (re-exported: `from grpo_lens.report import level_at` works)
+    LEVELS_FILE,
+    _p2,
+    branch_power,
+    level_at,
+    load_levels,
+    lowest_at,
 )
 from grpo_lens.report.probe import (  # noqa: F401 (re-exported: `from grpo_lens.report import rank_table` works)
     RANK_ROWS,
@@ -141,50 +148,6 @@ ESTIMATOR_BASELINES = {
     "reinforce_pp": "batch mean, divided by the batch std (REINFORCE++), no group baseline",
     "reinforce_pp_baseline": "group mean, then divided by the batch std of the centred rewards (REINFORCE++-baseline)",
 }
-
-
-#: the calibration levels shipped with the package: a copy of a full `grpo-lens calibrate` run's levels.json
-LEVELS_FILE = Path(__file__).resolve().parent.parent / "data" / "calibration_levels.json"
-
-
-def load_levels(path: Path = LEVELS_FILE) -> dict[str, dict[str, dict[str, Any]]]:
-    """{rule id: {n: {"level", "power", "unit", "families"}}} of the shipped calibration; {} when it is missing."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf8"))
-    except (OSError, ValueError):
-        return {}
-
-
-def level_at(levels: dict[str, dict[str, dict[str, Any]]], rule: str, n: int | None) -> dict[str, Any] | None:
-    """The calibrated cell of ``rule`` at the largest calibrated n <= ``n`` (the smallest cell, with ``"below":
-    True``, when n is below every cell); None for a rule the calibration does not cover."""
-    cells = levels.get(rule)
-    if not cells:
-        return None
-    ns = sorted(cells, key=float)
-    fit = [k for k in ns if n is not None and float(k) <= n]
-    key = fit[-1] if fit else ns[0]
-    return {**cells[key], "n": key, "below": not fit}
-
-
-def branch_power(cell: dict[str, Any] | None, branch: str) -> float | None:
-    """The calibrated power of one branch of a rule at a cell (:func:`level_at`): *holds* the lowest share of holds
-    over the true families, *does not hold* the lowest share of does not hold over the false ones (``power_dnh``,
-    issue 43); None without a cell or where the calibration has no such family (or predates per-branch power)."""
-    if cell is None:
-        return None
-    return cell.get("power") if branch == HOLDS else cell.get("power_dnh")
-
-
-def lowest_at(cell: dict[str, Any], branch: str) -> str:
-    """' (lowest at a0.25)': the false family where the *does not hold* branch's power is lowest, when the
-    calibration names it; '' otherwise (and for *holds*)."""
-    fam = cell.get("power_dnh_family") if branch == DOES_NOT_HOLD else None
-    return f" (lowest at {fam})" if fam else ""
-
-
-def _p2(x: float | None) -> str:
-    return "–" if x is None else f"{x:.2f}"
 
 
 def _calibrated(c: Any, levels: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -434,7 +397,7 @@ def _write_report(run_dir: Path) -> Path:
     for label, probe in probes.items():
         body += probe_section(label, probe, run_dir, findings)
     if len(probes) > 1:
-        measure = plots.verdict_measure(probes)  # E₂, what the rank verdict tests (issue 43)
+        measure = plots.verdict_measure(probes)  # E₂, what the rank verdict tests
         plots.plot_erank_vs_group_size(probes, run_dir / "erank_vs_R.png", measure=measure)
         body += [
             "## Before vs after training",

@@ -1,7 +1,7 @@
 """The report's opening (its first screen): one entry per primary claim, then the checks, then the rank claim's
 readings side by side (:func:`grpo_lens.report.readings.readings_lines`).
 
-Each primary claim (issue 43) gets its verdict, the claim and where, the primary number with its 95% interval
+Each primary claim gets its verdict, the claim and where, the primary number with its 95% interval
 (:func:`grpo_lens.claims.base.primary_text`), n, and the calibrated power of the branch its verdict took at that n
 (``grpo_lens/data/calibration_levels.json``, :func:`grpo_lens.report.level_at`); an inconclusive row gets both
 branches' power and, where inconclusive was (almost) certain at its n (both powers below
@@ -21,6 +21,8 @@ from typing import Any
 from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, evaluate_claims, holm_claims, primary_text
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.report.format import mark_few, md_row, md_table
+from grpo_lens.report.levels import _p2, branch_power, level_at, load_levels, lowest_at
+from grpo_lens.report.readings import readings_lines
 
 #: the longest line of the first screen
 LINE_WIDTH = 160
@@ -53,7 +55,7 @@ def claim_sources(
     sources: dict[str, list[Claim]] = {label: evaluate_claims(probe) for label, probe in probes.items()}
     if records:
         sources["training"] = evaluate_claims(training_data(records, lora_rank, seed_runs), list(TRAINING_CLAIMS))
-    # the verdicts of the claims table: the primary claims of every source under one Holm (issue 29)
+    # the verdicts of the claims table: the primary claims of every source under one Holm
     flat, _ = holm_claims([c for claims in sources.values() for c in claims])
     out, i = {}, 0
     for label, claims in sources.items():
@@ -79,8 +81,6 @@ def power_line(c: Claim, levels: Levels) -> str:
     """The power of the branch the row's verdict took at its n (both branches for inconclusive), and for an
     inconclusive row whose powers are both below :data:`CERTAIN_POWER`, that inconclusive was certain and the budget
     that would decide it."""
-    from grpo_lens.report import _p2, branch_power, level_at, lowest_at  # the report package imports this module
-
     cell = level_at(levels, c.rule_id, c.n)
     if cell is None:
         return "power: not calibrated (no planted cases for this rule)"
@@ -110,8 +110,6 @@ def answer_lines(sources: dict[str, list[Claim]], levels: Levels | None = None, 
     n; the power of its verdict's branch), with ``table`` one row per primary claim of a table
     (:data:`ANSWER_COLUMNS`); then the checks one line each."""
     if levels is None:
-        from grpo_lens.report import load_levels
-
         levels = load_levels()
     multi = len(sources) > 1
     primary, checks = [], []
@@ -159,8 +157,6 @@ def answers_section(
     """The report's first section (:func:`answer_lines` of :func:`claim_sources`, with ``table`` the primary claims as
     one table; then the rank readings of each probe, ``seed_probes`` those of a pooled probe's seeds (its G3));
     empty when the run has neither a probe nor lens records."""
-    from grpo_lens.report.readings import readings_lines
-
     sources = claim_sources(probes, records, lora_rank, seed_runs)
     if not any(sources.values()):
         return []

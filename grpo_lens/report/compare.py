@@ -6,7 +6,7 @@ and ``DIR/compare.json`` (the table's numbers).
 
 Final numbers: for each run and metric, the mean of the metric over the run's last ``last`` records that have it
 (lens keys exist only on lens steps, so their "last" records are the last lens steps), with the project's one 95%
-interval (Hall's transformed t, :func:`grpo_lens.formulas.stats.bootstrap_ci`, docs/theory.md §7 and §Comparing runs),
+interval (Hall's transformed t, :func:`grpo_lens.formulas.stats.mean_interval`, docs/theory.md §7 and §Comparing runs),
 given
 only from at least MIN_INTERVAL_UNITS (8) records. Consecutive training steps are correlated, so the interval
 describes the spread of the last steps' values, not the uncertainty of a rerun with another seed: runs that differ by
@@ -31,7 +31,7 @@ import yaml
 from grpo_lens.config import TrainConfig
 from grpo_lens.config.base import safe_load_yaml, yaml_error_line
 from grpo_lens.config.trl_names import grpo_lens_settings
-from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, bootstrap_ci
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, mean_interval
 from grpo_lens.metrics import (
     BASELINE_B_STAR,
     COMPLETIONS_MEAN_LENGTH,
@@ -173,7 +173,7 @@ def final_numbers(records: list[dict[str, Any]], key: str, last: int) -> dict[st
     if not pts:
         return None
     pts = pts[-last:]
-    ci = bootstrap_ci([v for _, v in pts])
+    ci = mean_interval([v for _, v in pts])
     return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"], "n": len(pts), "steps": [pts[0][0], pts[-1][0]]}
 
 

@@ -413,7 +413,7 @@ MEASURE_ALT = {"top2_share": "E2 of G1 vs R, the rank verdict's measure", "erank
 
 def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, measure: str = "erank") -> Path:
     """A rank measure (erank by default; the report draws ``top2_share``, E₂, the measure the rank verdict tests,
-    with its boundary 0.9: issue 43) vs R for G1, its simulated and orthogonal nulls and its controls (mean and 95%
+    with its boundary 0.9) vs R for G1, its simulated and orthogonal nulls and its controls (mean and 95%
     interval over groups; a point without bars has fewer than 8 groups, and the title says so), one marker per
     matrix. One probe: one colour per matrix. Several (before / after training): one colour per probe
     (:data:`PROBE_COLOURS`), named in the legend (:data:`PROBE_NAMES`), the matrices told apart by marker and line

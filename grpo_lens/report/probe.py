@@ -347,7 +347,7 @@ def rank_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[
             f"[{label}] The rank-2 identity sum_i A_i g_i = c(k,R)(gbar_C - gbar_W) held to a relative "
             f"residual of at most {max(res_all):.1e} over {len(res_all)} mixed 0/1 groups."
         )
-    # the figure draws what the rank verdict tests: E₂ of G1 beside its nulls, with the boundary 0.9 (issue 43)
+    # the figure draws what the rank verdict tests: E₂ of G1 beside its nulls, with the boundary 0.9
     measure = plots.verdict_measure({label: probe})
     plots.plot_erank_vs_group_size({label: probe}, run_dir / f"erank_vs_R_{label}.png", measure=measure)
     plots.plot_spectra(probe, run_dir / f"spectra_{label}.png")

@@ -1,4 +1,4 @@
-"""The rank claim's readings side by side on the report's first screen (issue 43): every matrix the paper's "the
+"""The rank claim's readings side by side on the report's first screen: every matrix the paper's "the
 gradient matrix has effective rank ≈ 2" can mean (G1, G2 of the probe's layer, G2 of every linear layer by type,
 G3), each with E₂, erank and stable rank at every R (mean [95% interval] over groups), whether it is ≈ 2 at every R
 (:func:`grpo_lens.claims.rank.near_two`), and the same matrix under weightings that are not zero-sum: if a reading's

@@ -180,7 +180,7 @@ def _credit_lines(label: str, credit: dict[str, Any], run_dir: Path) -> list[str
 
 
 def _opposition_sentence(mc: dict[str, Any]) -> str:
-    """What the Monte Carlo credit claim decides on (issue 43: the mean opposing shift at each segment position,
+    """What the Monte Carlo credit claim decides on (the mean opposing shift at each segment position,
     :func:`grpo_lens.formulas.credit.opposing_shifts`, against the margin MC_MARGIN), then the count of rollouts
     with an opposing segment against its exact binomial bound at level MC_LEVEL
     (:func:`grpo_lens.claims.credit.opposition_count`), printed, not used."""
@@ -209,7 +209,7 @@ def _opposition_sentence(mc: dict[str, Any]) -> str:
 def _rms_text(rms: dict[str, Any] | None) -> str:
     """'rms [lo, hi] (n = N prompts)' of :func:`grpo_lens.formulas.baselines.rms_log_ratio` (without "y")."""
     if not rms or rms.get("rms") is None:
-        return "not measured (a probe.json from before issue 43)"
+        return "not measured (a probe.json from an older grpo-lens)"
     if rms.get("rms_lo") is None:
         return f"{fmt(rms['rms'], 3)} (n = {rms.get('n')} prompts, too few for an interval)"
     return f"{fmt(rms['rms'], 3)} [{fmt(rms['rms_lo'], 3)}, {fmt(rms['rms_hi'], 3)}] (n = {rms.get('n')} prompts)"

@@ -56,8 +56,8 @@ def _mean(xs: list[float]) -> float | None:
 def lens_gradient_source(records: list[dict[str, Any]], lora_rank: int = 0, lens_space: str = "trainable") -> str:
     """The source of the training lens's per-rollout gradients, a key of :data:`plots.GRADIENT_SOURCES`:
     ``exact_gram`` when a lens step recorded the exact Gram's coverage (only the exact Gram writes it, see
-    :meth:`grpo_lens.lens.trainer_lens.Lens.rollout_gram`); else ``exact_adapter`` for a LoRA run in the trainable space
-    (the adapter's gradients, exact); else ``sketch``."""
+    :meth:`grpo_lens.lens.trainer_lens.TrainerLens.rollout_gram`); else ``exact_adapter`` for a LoRA run in the
+    trainable space (the adapter's gradients, exact); else ``sketch``."""
     if any(r.get(GRAD_GRAM_COVERAGE) is not None for r in records):
         return "exact_gram"
     return "exact_adapter" if lora_rank and lens_space == "trainable" else "sketch"

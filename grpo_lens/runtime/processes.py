@@ -91,7 +91,7 @@ class Processes:
 
         Every process runs the same collectives whatever gradients it holds: a process whose groups have no reward
         contrast forwards them without gradient and runs no backward (:func:`grpo_lens.train.update.still_rows`), so
-        it may hold none while another holds all (issue 45: an all-reduce of only the gradients that exist aborted
+        it may hold none while another holds all (an all-reduce of only the gradients that exist aborted
         with a gloo "collective mismatch"). One small all-reduce first counts, per parameter, the processes holding
         its gradient; every parameter that any process holds one for is then summed, zeros standing in where this
         process has none, in ``params``' order, flattened into buckets of at most :data:`GRAD_BUCKET_ELEMENTS`

@@ -146,7 +146,7 @@ def on_lens_cadence(step: int, lens_every: int) -> bool:
     the update's first pass), which changes the update's float rounding where ``shared_prompt_forward`` is on. The
     run's last step, measured when off the cadence (:func:`is_lens_step`), is a lens step of this run but not of the
     same run resumed with a larger ``max_steps``, so there the lens runs its own pass and the update is a lens-off
-    step's, bit for bit (:func:`plan_lens`; issue 45: a resumed run then trains as the straight one).
+    step's, bit for bit (:func:`plan_lens`: a resumed run then trains as the straight one).
     """
     return lens_every > 0 and (step == 1 or step % lens_every == 0)
 

@@ -30,6 +30,7 @@ from grpo_lens.config import ConfigError
 from grpo_lens.config.train import TrainConfig
 from grpo_lens.plugins import config_header
 from grpo_lens.rundir import TRAIN_SEEDS_FILE, atomic_write_text
+from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,7 @@ def run_train_seeds(config: TrainConfig, seeds: list[int], run: Callable[[TrainC
     Raises:
         ConfigError: no --out, fewer than two seeds, DIR already holding runs without --resume or --overwrite.
     """
-    if run is None:
-        from grpo_lens.train.loop import train as run
+    run = train if run is None else run
     if not config.out:
         raise ConfigError(
             "train field 'out' (flag --out) is required: the directory for seed_<s>/ and the pooled train_seeds.json"

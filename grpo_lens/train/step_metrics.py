@@ -39,7 +39,6 @@ from grpo_lens.metrics import (
     REWARD_MEAN,
     REWARD_STD,
 )
-from grpo_lens.registry import renamed_keywords
 from grpo_lens.rewards import (
     RewardState,
     RewardTimeout,
@@ -141,7 +140,6 @@ def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
     return {REWARD_ACCURACY: float(correct[has].mean())} if has.any() else {}
 
 
-@renamed_keywords(R="group_size")
 def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
     """``reward/mean``, ``reward/std`` (population, over valid rollouts), ``reward/frac_zero_std_groups`` (S1: share
     of the N / R groups whose valid rewards are all equal) and ``reward/invalid_frac``. With no valid rollout the
@@ -171,7 +169,6 @@ def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) 
 SAMPLED_KEYS = KEPT_KEYS
 
 
-@renamed_keywords(R="group_size")
 def sampled_vs_kept(
     kept: dict[str, float], rewards: torch.Tensor, valid: torch.Tensor, correct: torch.Tensor, group_size: int
 ) -> dict[str, float]:
@@ -188,7 +185,6 @@ def sampled_vs_kept(
     return out
 
 
-@renamed_keywords(R="group_size")
 def rollout_metrics(
     rewards: torch.Tensor,
     valid: torch.Tensor,
@@ -216,7 +212,6 @@ def rollout_metrics(
     }
 
 
-@renamed_keywords(R="group_size")
 def dead_group_metrics(
     rewards: torch.Tensor,
     valid: torch.Tensor,

@@ -54,7 +54,6 @@ from grpo_lens.metrics import (
     POLICY_ENTROPY,
     RATIO_MAX,
 )
-from grpo_lens.registry import renamed_keywords
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision, group_logprobs
 from grpo_lens.rundir import crash_point
 from grpo_lens.runtime.memory import auto_micro_batch_size, total_memory_bytes
@@ -156,7 +155,6 @@ class UpdatePlan:
     loss_mask: torch.Tensor
 
 
-@renamed_keywords(R="group_size")
 def mini_batch_rows(groups: int, group_size: int, M: int) -> list[torch.Tensor]:
     """The row indices of the M mini-batches (one optimizer step each) of G = ``groups`` groups of R rollouts.
 
@@ -542,7 +540,7 @@ def lens_fuses_gram(config: TrainConfig, lens: Lens, step_batch: StepBatch, proc
     analyses, every A_i finite and nonzero (A_i = 0 leaves nothing of g_i to divide: such a step keeps the own pass),
     the loss mask their whole completion (not ``--overlong`` masking or filtering them), and each group within one
     micro-batch (entries of two micro-batches share no backward). Not with ``--estimator optimal`` (its weights need
-    the norms before the advantages; the issue-30 rule), LoRA or sketched Grams (their own paths), an FSDP2-sharded
+    the norms before the advantages), LoRA or sketched Grams (their own paths), an FSDP2-sharded
     policy, or ``bf16-mixed`` (the lens's own pass runs without autocast). With several processes all answer alike
     (one all-reduce).
 

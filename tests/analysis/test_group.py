@@ -18,7 +18,7 @@ from grpo_lens.formulas.advantages import compute_advantages
 from grpo_lens.formulas.identity import identity_constant, rank2_residual
 from grpo_lens.formulas.spectrum import RANK_MEASURES, top_singular_value
 from grpo_lens.formulas.stats import (
-    bootstrap_ci,
+    mean_interval,
     stratify_rows,
     student_t_quantile,
     summarise_rows,
@@ -172,30 +172,30 @@ def test_permutation_p_value_small_for_planted_clusters():
 
 
 def test_bootstrap_interval_covers_a_known_mean():
-    # 95% expanded-percentile bootstrap over n = 24 draws: covers the true mean in >= 90% of 400 synthetic trials
+    # the 95% interval over n = 24 draws: covers the true mean in >= 90% of 400 synthetic trials
     gen = torch.Generator().manual_seed(0)
     for sampler, true_mean in (
         (lambda: 2.0 + torch.randn(24, generator=gen, dtype=torch.float64), 2.0),
         (lambda: torch.rand(24, generator=gen, dtype=torch.float64), 0.5),
     ):
         hits = 0
-        for t in range(400):
-            ci = bootstrap_ci(sampler().tolist(), num_resamples=1000, seed=t)
+        for _ in range(400):
+            ci = mean_interval(sampler().tolist())
             hits += ci["lo"] <= true_mean <= ci["hi"]
         assert hits / 400 >= 0.90, hits / 400
 
 
 def test_bootstrap_edge_cases_and_summaries():
-    assert bootstrap_ci([]) == {"mean": None, "lo": None, "hi": None, "n": 0}
-    assert bootstrap_ci([3.0, float("nan"), None]) == {"mean": 3.0, "lo": None, "hi": None, "n": 1}
+    assert mean_interval([]) == {"mean": None, "lo": None, "hi": None, "n": 0}
+    assert mean_interval([3.0, float("nan"), None]) == {"mean": 3.0, "lo": None, "hi": None, "n": 1}
     # a right-skewed sample: the interval reaches further up than down (Hall's t widens the long tail's side)
-    ci = bootstrap_ci([0.5, 0.52, 2.78, 0.6, 0.7, 0.55, 0.65, 0.5])
+    ci = mean_interval([0.5, 0.52, 2.78, 0.6, 0.7, 0.55, 0.65, 0.5])
     assert ci["lo"] <= ci["mean"] <= ci["hi"] and ci["hi"] - ci["mean"] > 2 * (ci["mean"] - ci["lo"])
     # Student t quantiles: exact 12.706 (df 1), 4.303 (df 2); 2.228 (df 10), 2.069 (df 23) to 1e-3
     for df, want in ((1, 12.7062), (2, 4.3027), (10, 2.2281), (23, 2.0687)):
         assert student_t_quantile(0.975, df) == pytest.approx(want, abs=1e-3)
     with pytest.raises(ValueError, match="level"):
-        bootstrap_ci([1.0, 2.0], level=1.5)
+        mean_interval([1.0, 2.0], level=1.5)
     rows = [{"a": 1.0, "group/correct": 1.0}, {"a": 3.0, "group/correct": 1.0}, {"a": 10.0, "group/correct": 2.0}]
     s = summarise_rows(rows)
     assert s["a"]["mean"] == pytest.approx(14 / 3) and s["a"]["n"] == 3
@@ -241,15 +241,15 @@ def test_one_rule_for_the_fewest_units_of_an_interval():
     from grpo_lens.claims import credit as claims_credit
     from grpo_lens.formulas import stats
 
-    # one constant: bootstrap_ci (probe.json summaries, strata), the studies' bootstrap_mean and the claims' minimum
+    # one constant: mean_interval (probe.json summaries, strata, the studies) and the claims' minimum
     assert stats.MIN_INTERVAL_UNITS == 8
     assert claims_credit.MIN_UNITS is stats.MIN_INTERVAL_UNITS and claims.MIN_GROUPS == stats.MIN_INTERVAL_UNITS
     # the new-user report: erank(G1) 3.45 [3.35, 3.55] from n = 2 groups -> no interval now, at n = 2 .. 7
     for n in range(2, 8):
-        ci = bootstrap_ci([3.35, 3.55] * (n // 2) + [3.45] * (n % 2))
+        ci = mean_interval([3.35, 3.55] * (n // 2) + [3.45] * (n % 2))
         assert ci["lo"] is None and ci["hi"] is None and ci["n"] == n and ci["mean"] == pytest.approx(3.45)
-        assert stats.bootstrap_mean([0.1, 0.3] * (n // 2) + [0.2] * (n % 2))["lo"] is None
-    assert bootstrap_ci([3.35, 3.55] * 4)["lo"] is not None
+        assert stats.mean_interval([0.1, 0.3] * (n // 2) + [0.2] * (n % 2))["lo"] is None
+    assert mean_interval([3.35, 3.55] * 4)["lo"] is not None
     # per-R summaries and strata follow it: 2 rows of stratum "1" give no interval, 8 rows do
     rows = [{"a": float(i), "group/correct": 1.0} for i in range(2)] + [
         {"a": float(i), "group/correct": 2.0} for i in range(8)

@@ -79,7 +79,7 @@ def test_rank_rule_counts_rank_two_with_noise_as_rank_two():
     assert c.verdict == "inconclusive" and "--prompts" in c.advice
     # isotropic rows with log-normal norms (no structure: G1 is a draw of its simulated null, d = 0 exactly in
     # population): never holds (p of d > 0 near 0.5 and above); E2 0.91 [0.88, 0.94] at R = 4 straddles 0.9 and d sits
-    # on the one structure boundary (issue 43), so nothing shows *does not hold* either: inconclusive
+    # on the one structure boundary, so nothing shows *does not hold* either: inconclusive
     iso = {r: analysed_pool("b1", r, 16, 2048, seed=r) for r in (4, 8)}
     (c,) = CLAIMS.get("erank_near_two")(probe_of(iso, 2048))
     assert c.verdict == INCONCLUSIVE and c.p_holds > 0.3
@@ -127,7 +127,7 @@ def test_label_families_plant_duplicates_and_rare_information():
 
 
 def test_duplicate_completions_do_not_read_as_label_structure():
-    # every correct rollout one string, wrong rollouts isotropic: before issue 43 the relabelling test split the
+    # every correct rollout one string, wrong rollouts isotropic: the relabelling test once split the
     # duplicates and read *holds* in 0.80 of trials at R = 4; merged, θ ≈ 0 and the row reads does not hold
     pools = {r: analysed_pool("dupC", r, 16, 2048, seed=11 + r) for r in (4, 8)}
     (c,) = CLAIMS.get("zero_sum_rank_two")(probe_of(pools, 2048))
@@ -230,7 +230,7 @@ def test_report_reads_the_calibrated_cell_at_the_rows_n():
     assert level_at(levels, "other", 16) is None
     row = Claim("c", "s", "m", "n", "holds", "r", "src", n=20, p_holds=0.001, p_dnh=1.0, rule_id="rule")
     assert _calibrated(row, levels) == "level 0.020, power of *holds* 0.85 (n = 16 groups per R)"
-    # issue 43: a *does not hold* row prints its own branch's power (0.4), not the holds branch's (0.85)
+    # a *does not hold* row prints its own branch's power (0.4), not the holds branch's (0.85)
     dnh = Claim("c", "s", "m", "n", "does not hold", "r", "src", n=20, p_holds=1.0, p_dnh=0.001, rule_id="rule")
     assert _calibrated(dnh, levels) == "level 0.020, power of *does not hold* 0.40 (n = 16 groups per R)"
     und = Claim("c", "s", "m", "n", "inconclusive", "r", "src", n=30, p_holds=0.5, p_dnh=0.5, rule_id="rule")

@@ -75,7 +75,7 @@ def test_rank_claim_is_one_row_across_r():
     # one direction holds 0.97 (E1 > 0.9): not rank 2 although E2 > 0.9 and erank would read 1.9 ("≈ 2")
     one = rank_rows(20, top2=0.99, top1=0.97, null_top2=0.75, spread=0.001, erank=1.9)
     assert rank_claim({"4": one, "8": one})[0].verdict == DOES_NOT_HOLD
-    # E2 0.93 > 0.9 > E1 0.8 but equal to its simulated null: d's mean is 0, on the one structure boundary (issue 43),
+    # E2 0.93 > 0.9 > E1 0.8 but equal to its simulated null: d's mean is 0, on the one structure boundary,
     # so neither d > 0 nor d < 0 is shown (each one-sided p = 0.5) -> inconclusive, not holds
     null = rank_rows(20, top2=0.93, top1=0.8, null_top2=0.93, spread=0.001)
     (c,) = rank_claim({"4": null, "8": null})
@@ -155,7 +155,7 @@ def test_g2_weighting_claim_rules():
         p = {"meta": {"gradients": "exact"}, "per_group_size": {"4": {"g2_weightings": {"groups": rows}}}}
         return CLAIMS.get("zero_sum_g2_weighting")(p)[0]
 
-    # descriptive since issue 29 (its rule could not tell planted zero-sum-irrelevant from decisive cases): no
+    # descriptive since 0.3 (its rule could not tell planted zero-sum-irrelevant from decisive cases): no
     # verdict whatever the numbers, and the reading is kept in the text
     c = claim([row(2.0, 3.5 + 0.1 * i) for i in range(10)])
     assert c.verdict == INCONCLUSIVE and c.kind == "descriptive" and "difference interval below 0" in c.rule
@@ -233,7 +233,7 @@ def test_rank_over_training_claim_and_the_lens_intervals():
 
 
 def test_rank_rule_branches_share_one_structure_boundary():
-    # issue 43: E2 0.95 > 0.9 > E1 0.6 with a small structure excess d = 0.05 (G1 0.95 vs simulated null 0.90). The
+    # E2 0.95 > 0.9 > E1 0.6 with a small structure excess d = 0.05 (G1 0.95 vs simulated null 0.90). The
     # 0.3 rule's "no structure" route accepted |d| < 0.1 (SE of d ~ 0.0003 here: p ~ 0) and read *does not hold*;
     # with one boundary at d = 0 the same rows clear every holds test (d 0.05 > 0 by ~170 SE) -> holds.
     small = rank_rows(20, top2=0.95, top1=0.6, null_top2=0.90, spread=0.0001)

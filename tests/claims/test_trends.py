@@ -1,4 +1,4 @@
-"""The claims over training pooled over seeds and within one run (issue 43): closed-form slopes, the warm-up dropped,
+"""The claims over training pooled over seeds and within one run: closed-form slopes, the warm-up dropped,
 "rank stays" by the t over seeds of each seed's lowest E₂."""
 
 from __future__ import annotations

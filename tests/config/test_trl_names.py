@@ -130,7 +130,7 @@ def test_schedule_settings_are_checked():
 
 
 def test_train_help_names_trl_aliases(capsys):
-    """`grpo-lens train --help` shows each TRL alias beside the option it sets (issue 21: accepted but not shown)."""
+    """`grpo-lens train --help` shows each TRL alias beside the option it sets (they were accepted but not shown)."""
     from grpo_lens.cli import main
 
     with pytest.raises(SystemExit):

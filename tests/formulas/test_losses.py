@@ -27,8 +27,8 @@ def _lengths_mask(lengths, T):
     "name,value,grad",
     [
         # logp = log 0.5, ref = log 0.25, x = ref - logp = -ln 2 = -0.693147.
-        # k1 = -x = ln 2;            d k1 / d logp = k1 = ln 2: the score-function gradient of the KL (issue 19
-        # case 5; differentiating k1 itself gave 1, whose on-policy expectation is 0).
+        # k1 = -x = ln 2;            d k1 / d logp = k1 = ln 2: the score-function gradient of the KL
+        # (differentiating k1 itself gave 1, whose on-policy expectation is 0).
         ("k1", math.log(2), math.log(2)),
         # k2 = x^2 / 2 = 0.240227;   d k2 / d logp = x * dx/dlogp = -x = ln 2.
         ("k2", math.log(2) ** 2 / 2, math.log(2)),
@@ -46,7 +46,7 @@ def test_kl_estimators_values_and_gradients(name, value, grad):
 
 
 def test_case5_k1_pulls_towards_the_reference():
-    """Issue 19 case 5: beta = 1, A = 0, one rollout of 20 tokens (seq-mean-token-mean, Z = 1), so dL/dlogp_t =
+    """Beta = 1, A = 0, one rollout of 20 tokens (seq-mean-token-mean, Z = 1), so dL/dlogp_t =
     (1/20) d k / d logp. pi_ref 0 nats away: 0 for every estimator; 3 nats below pi_theta (logp - ref = 3):
     k1 -> 3/20 = 0.15 (main: 0.05 at 0 and 3 nats alike), k2 -> 3/20 = 0.15, k3 -> (1 - e^-3)/20 = 0.04751."""
     want = {"k1": (0.0, 0.15), "k2": (0.0, 0.15), "k3": (0.0, (1 - math.exp(-3)) / 20)}

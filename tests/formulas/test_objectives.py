@@ -1,4 +1,4 @@
-"""The objectives the field trains with (issue 44 item 3): GSPO, CISPO, SAPO and GPG in POLICY_LOSSES, verl's
+"""The objectives the field trains with: GSPO, CISPO, SAPO and GPG in POLICY_LOSSES, verl's
 seq-mean-token-sum aggregation, and the per-token weights of each loss's gradient (policy_token_weights, the lens's
 rows) at ratio 1 and off it. Each loss has a hand-computed 2-rollout, 3-token example (derivations in comments)."""
 

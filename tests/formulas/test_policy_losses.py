@@ -96,7 +96,7 @@ def test_train_help_offers_the_objectives():
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", ["gspo", "cispo", "sapo", "gpg"])
 def test_two_step_runs_with_the_lens_on_every_step(tmp_path, name):
-    # Issue 44 item 3's done-when: 2 steps of each objective with the lens on both, mu = 2 (the second pass off
+    # 2 steps of each objective with the lens on both, mu = 2 (the second pass off
     # policy, where the losses differ); every step is measured and its loss and gradient are finite.
     sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
     from test_trainer import tiny_config

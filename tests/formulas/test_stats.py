@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from grpo_lens.formulas.stats import (
-    bootstrap_mean,
     interval_t_p,
     mean_interval,
     normal_upper_tail,
@@ -32,8 +31,8 @@ def test_skewed_sample_by_hand():
     ci = mean_interval([0.0] * 7 + [1.0])
     assert ci["lo"] == pytest.approx(-0.05247, abs=2e-3) and ci["hi"] == pytest.approx(0.93222, abs=3e-3)
     # a plain t interval would be symmetric (1/8 ± 0.2956); clipped to a share's range the lower end is 0
-    assert bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["hi"] == pytest.approx(0.93222, abs=3e-3)
-    assert bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["lo"] == 0.0
+    assert mean_interval([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["hi"] == pytest.approx(0.93222, abs=3e-3)
+    assert mean_interval([0.0] * 7 + [1.0], bounds=(0.0, 1.0))["lo"] == 0.0
 
 
 def test_edge_cases():
@@ -47,7 +46,7 @@ def test_edge_cases():
 
 def test_covers_on_zero_inflated_data_where_the_t_interval_does_not():
     # 60% zeros, log-normal otherwise (mean 0.4 e^0.5 = 0.65949), n = 22, 1000 trials (Monte Carlo SE 0.008):
-    # Hall's t covers >= 0.91 (0.93 measured), the symmetric t interval 0.84 (issue 18): a wrong skewness sign or a
+    # Hall's t covers >= 0.91 (0.93 measured), the symmetric t interval 0.84: a wrong skewness sign or a
     # dropped correction fails the first assert
     gen = torch.Generator().manual_seed(1)
     mu = 0.4 * math.exp(0.5)
@@ -66,7 +65,7 @@ def test_covers_on_zero_inflated_data_where_the_t_interval_does_not():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# trends over training: OLS slope, fixed-b HAC (issue 43)
+# trends over training: OLS slope, fixed-b HAC
 # ---------------------------------------------------------------------------------------------------------------------
 def test_ols_trend_by_hand():
     from grpo_lens.formulas.stats import ols_trend

@@ -1,4 +1,4 @@
-"""The statistics the verdicts are decided by (issue 29): the t CDF, the interval's own test, the
+"""The statistics the verdicts are decided by: the t CDF, the interval's own test, the
 autocorrelation-robust trend test and Holm's procedure, on closed-form values."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_trend_level_under_autocorrelation(phi):
     # 7 lens steps of a flat series whose steps are correlated phi (1 = a random walk): the first-difference test's
     # false "rises" (one-sided p <= 0.025) stay <= 0.05 (differences of an AR(1) have autocorrelations <= 0, so its
     # variance is conservative; for a random walk the test is exact, 0.025), while Spearman's permutation test (the
-    # 0.2 rule: rho > 0 and p < 0.05) reads "rises" in more than 0.06 of random walks (issue 29: 0.255)
+    # 0.2 rule: rho > 0 and p < 0.05) reads "rises" in more than 0.06 of random walks (0.255)
     gen = torch.Generator().manual_seed(11)
     xs = [1, 5, 10, 15, 20, 25, 30]
     new = old = 0

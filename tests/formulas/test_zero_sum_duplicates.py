@@ -1,4 +1,4 @@
-"""Duplicate completions in the label-permutation test (issue 43): identical gradients are one unit."""
+"""Duplicate completions in the label-permutation test: identical gradients are one unit."""
 
 import math
 

@@ -158,19 +158,6 @@ def test_bad_lens_settings_fail_before_training(tmp_path):
         make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=0)
 
 
-def test_the_deprecated_lens_sketch_dim_keyword_warns_and_gives_the_same_settings(tmp_path):
-    from grpo_lens.integrations.trl import LensGRPOTrainer
-    from grpo_lens.lens.settings import LensSettings
-
-    new = make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=4).lens_settings
-    with pytest.warns(DeprecationWarning, match="lens_sketch_dim is deprecated: use sketch_dim") as caught:
-        old = make_trainer(tmp_path, LensGRPOTrainer, lens_sketch_dim=4).lens_settings
-    assert isinstance(new, LensSettings) and old == new and new.sketch_dim == 4
-    assert any(w.filename == __file__ for w in caught), "the warning points at the caller's line"
-    with pytest.raises(TypeError, match="not both"):
-        make_trainer(tmp_path, LensGRPOTrainer, sketch_dim=4, lens_sketch_dim=4)
-
-
 def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
     """A TRL run with steps_per_generation = 2 (TRL generates at global steps 0, 2, 4) and lens_every = 3: the lens
     takes the first batch at or after each due step, global steps 0 and 4 (logged at steps 1 and 5); the old test
@@ -284,7 +271,7 @@ def by_prompt(prompts, completions, **kwargs):
 
 
 def test_every_step_logs_the_dead_group_keys_as_grpo_lens_train_does(tmp_path):
-    """Issue 44: the TRL lens wrote no ``dead/*`` key, which ``grpo-lens train`` writes every step. Now each step's
+    """The TRL lens once wrote no ``dead/*`` key, which ``grpo-lens train`` writes every step. Now each step's
     record has them. 2 R rollouts a step = 2 groups, each either mixed or without reward contrast, so
     all_correct + all_wrong + all_equal_other + mixed = 2 and the dead ones are the step's zero-std share of groups.
     loss_type "grpo" is seq-mean-token-mean: every rollout with a completion token is one unit of the normaliser and a
@@ -340,8 +327,8 @@ def test_the_console_line_keeps_trls_keys_and_counts_the_lens_keys(tmp_path, cap
 
 
 def test_the_import_order_is_flagged_but_not_warned_about(tmp_path, monkeypatch):
-    """Issue 21 made LensGRPOTrainer warn that importing torch before grpo_lens made runs "several times slower";
-    issue 44: the project's own side-by-side measurement on an idle machine found OpenMP's default, passive and
+    """LensGRPOTrainer once warned that importing torch before grpo_lens made runs "several times slower";
+    the project's own side-by-side measurement on an idle machine found OpenMP's default, passive and
     spinning waits within 10% (docs/benchmarks.md), so the natural order (trl first) is not punished with a warning.
     The flag still says, in fresh interpreters, whether grpo_lens' OMP_WAIT_POLICY=PASSIVE came too late."""
     import os
@@ -384,7 +371,7 @@ def quickstart_code(tiny) -> str:
 
 
 def test_trls_quick_start_with_the_swap_leaves_a_run_that_report_reads(tmp_path):
-    """Issue 44: TRL's quick start with GRPOTrainer swapped (logging_steps left at TRL's 10 > max_steps = 3, trl
+    """TRL's quick start with GRPOTrainer swapped (logging_steps left at TRL's 10 > max_steps = 3, trl
     imported first) recorded nothing, its console line named a metrics.jsonl never written, ``grpo-lens report``
     found nothing, and a warning claimed the import order made it several times slower. Run as written in a fresh
     interpreter (the import order is real there): both lens steps (global steps 0 and 2, logged as 1 and 3) are in
@@ -416,7 +403,7 @@ def test_trls_quick_start_with_the_swap_leaves_a_run_that_report_reads(tmp_path)
 
 
 def test_the_trl_lens_refuses_a_grpo_lens_train_run_and_a_live_writer(tmp_path):
-    """Issue 45: LensGRPOTrainer with output_dir = a folder holding a ``grpo-lens train`` run replaced its
+    """LensGRPOTrainer with output_dir = a folder holding a ``grpo-lens train`` run replaced its
     config.yaml, metrics.jsonl and completions.jsonl without a lock. It now takes the run directory's one-writer
     lock and refuses, in one line naming the folder and before anything is written, a folder holding a run that is
     not a TRL lens run, or one another live process writes (its lock held by a child process here)."""
@@ -567,7 +554,7 @@ def lens_gram(trainer, output):
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 def test_the_lens_gram_equals_autograd_on_trls_weighted_masked_loss(tmp_path, mode):
-    """Issue 44: with vLLM TRL weighs each token's loss by the importance-sampling ratio pi_old / pi_sampler (token
+    """With vLLM TRL weighs each token's loss by the importance-sampling ratio pi_old / pi_sampler (token
     or sequence, truncated at 3 or masked outside [1/3, 3]), drops negative-advantage rollouts that drifted past
     off_policy_mask_threshold and keeps only the tokens of top entropy; the lens's rows carry all three: its exact Gram
     equals, to 1e-10 in float64, the Gram of the rows -N grad L_i / A_i that autograd gives on TRL's own loss."""

@@ -1,4 +1,4 @@
-"""``probe`` and ``train`` with the lens on a saved folder of every supported family (issue 31), each exact Gram they
+"""``probe`` and ``train`` with the lens on a saved folder of every supported family, each exact Gram they
 compute checked against the dense oracle, and ``--layers``.
 
 Families: tests/architectures.py (Llama, Qwen2, GPT-2 with Conv1D, Mistral, Phi-3, Gemma, Nemotron; 2 layers, hidden

@@ -1,5 +1,5 @@
 """The report opens with one entry per primary claim (verdict, primary number, n, the power of that verdict's branch
-at n), the checks, and the rank claim's readings side by side (issue 43)."""
+at n), the checks, and the rank claim's readings side by side."""
 
 from __future__ import annotations
 

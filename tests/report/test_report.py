@@ -277,7 +277,7 @@ def test_probe_report_shows_s1_and_rank(tmp_path):
 @pytest.mark.e2e
 def test_no_structure_rule_prints_its_boundary_rounded(tmp_path):
     # 16 groups whose G1 holds less top-2 energy than its simulated null (reduction -0.004 +- 0.001): the
-    # no-structure route decides on the one structure boundary 0 (issue 43; the 0.3 route printed its margin
+    # no-structure route decides on the one structure boundary 0 (the 0.3 route printed its margin
     # 1 - 0.9 = 0.09999999999999998 as 0.10); no float noise reaches the text
     probe = _probe()
     probe["per_group_size"]["4"]["groups"] = [

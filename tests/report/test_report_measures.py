@@ -79,7 +79,7 @@ def _records(hoyers, bf16, dense, n=2**21, update_hoyer=0.2, s1=0.5, f32=0.8):
 def test_sparsity_claims_follow_the_numbers():
     names = ("sparsity_intensifies", "zero_variance_share_rises", "most_parameters_unchanged")
     # gradient Hoyer rising over lens steps 5..25 (step 1 excluded): 5 points, rho = 1, exact p = 2/120 = 0.017 ->
-    # holds; bf16 share 0.90 but float32-unchanged 0.002 (issue 18's dense log-normal update), SE (older records, no
+    # holds; bf16 share 0.90 but float32-unchanged 0.002 (a dense log-normal update), SE (older records, no
     # logged SE) sqrt(0.002 * 0.998 / 2^21) = 3e-5: interval below 0.5 -> does not hold; S1 constant over 6 steps
     # (< 8 steps): inconclusive
     rising = sparsity_claims(_records([0.9, 0.2, 0.21, 0.22, 0.23, 0.24], [0.9] * 6, [0.89] * 6, f32=0.002))
@@ -223,7 +223,7 @@ def test_study_claims_follow_the_numbers():
     # (0.5 - 0.1) / (0.267/√8) = 4.2 on 7 df (Hall's p ≈ 0.002, × 3 positions <= 0.025) -> the predicted
     # disagreement holds
     c = study_claims("before", _studies(_ci(0.5, 0.4, 0.6), _ci(0.8, 0.7, 0.9), _ci(1.5, 1.3, 1.8), _ci(0.2, 0.1, 0.3)))
-    # (the token-credit row is descriptive since issue 29: no verdict, its 0.2 reading kept in the rule)
+    # (the token-credit row is descriptive since 0.3: no verdict, its 0.2 reading kept in the rule)
     assert [x.verdict for x in c] == ["inconclusive", "holds", "does not hold"]
     assert c[0].kind == "descriptive" and "the 0.2 rule reads: does not hold" in c[0].rule
     # log ratio 0 on 16 prompts with variance 0.01: y = -0.01 everywhere, below 0.0498 -> holds (equivalence);
@@ -272,7 +272,7 @@ def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
     # token, so it does not hold, and the rule names the class that decided it
     st = _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.9, 1.1), _ci(0.0, 0.0, 0.01), testable=7)
     st["credit"]["contributions"]["classes"]["format"]["ratio"] = _ci(0.27, 0.17, 0.38)
-    # (descriptive since issue 29: the verdict is inconclusive and the 0.2 rule's reading is in the text)
+    # (descriptive since 0.3: the verdict is inconclusive and the 0.2 rule's reading is in the text)
     credit = study_claims("x", st)[0]
     assert credit.verdict == "inconclusive" and "reads: does not hold" in credit.rule and "format" in credit.rule
     assert "reasoning" not in credit.rule.split("reads:")[1]
@@ -343,16 +343,16 @@ def test_report_has_the_new_sections_and_claims(tmp_path):
 
 def test_no_interval_from_fewer_than_eight_units():
     from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
-    from grpo_lens.formulas.stats import bootstrap_mean
+    from grpo_lens.formulas.stats import mean_interval
 
     # over 2 values every resample with a spread is the pair itself (the interval would be the data's range), and a
     # handful gives quantiles of a few distinct means: no interval below MIN_UNITS = 8 (docs/theory.md §7)
     assert MIN_UNITS == 8
-    assert bootstrap_mean([0.1, 0.3])["lo"] is None and bootstrap_mean([0.1, 0.3, 0.2, 0.4])["hi"] is None
-    eight = bootstrap_mean([0.1, 0.3, 0.2, 0.4, 0.15, 0.25, 0.35, 0.3])
+    assert mean_interval([0.1, 0.3])["lo"] is None and mean_interval([0.1, 0.3, 0.2, 0.4])["hi"] is None
+    eight = mean_interval([0.1, 0.3, 0.2, 0.4, 0.15, 0.25, 0.35, 0.3])
     assert eight["lo"] < 0.26 < eight["hi"]
     # a share's interval stays inside [0, 1]
-    clipped = bootstrap_mean([0.0] * 7 + [1.0], bounds=(0.0, 1.0))
+    clipped = mean_interval([0.0] * 7 + [1.0], bounds=(0.0, 1.0))
     assert 0.0 <= clipped["lo"] <= clipped["hi"] <= 1.0
 
 
@@ -514,7 +514,7 @@ def test_token_credit_against_the_nll_control_with_the_same_geometry():
     st["credit"]["contributions"]["classes_nll"] = {
         c: {"ratio": _ci(r, r - 0.1, r + 0.1), "ratio_minus_nll": d} for c, (r, d) in nll.items()
     }
-    # (descriptive since issue 29: no verdict; the 0.2 rule's reading stays in the rule text)
+    # (descriptive since 0.3: no verdict; the 0.2 rule's reading stays in the rule text)
     credit = study_claims("x", st)[0]
     assert credit.verdict == "inconclusive" and "reads: holds" in credit.rule
     assert "NLL weights" in credit.claim and "NLL weights" in credit.control

@@ -1,4 +1,4 @@
-"""Issue 21's report frictions: "too few for an interval" said once, not per cell; the Findings' S1 windows are the
+"""Report frictions: "too few for an interval" said once, not per cell; the Findings' S1 windows are the
 claims table's; error bars only where the table has an interval; step ticks only at drawn steps, legends off the
 data; the learning rate plotted; the credit profile's axis naming what it is computed from."""
 

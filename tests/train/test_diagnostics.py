@@ -1,4 +1,4 @@
-"""Issue 44 item 4: the exact gradient noise scale at lens steps, dead-group accounting on every step and the opt-in
+"""The exact gradient noise scale at lens steps, dead-group accounting on every step and the opt-in
 stop after steps without a mixed group (docs/theory.md §Noise scale and dead groups)."""
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_mini_batches_must_divide_each_process_share():
 
 @pytest.mark.e2e
 def test_a_process_without_reward_contrast_runs_no_backward_yet_sums(two_process_results, one_process_results):
-    """Issue 45: process 0's groups all have advantage 0 (worker.STILL), so it forwards them without gradient and
+    """Process 0's groups all have advantage 0 (worker.STILL), so it forwards them without gradient and
     holds no gradient, while process 1 does. The all-reduce covers every trainable parameter on both (zeros where a
     process has none), so the summed gradient and the weights are one process's on the whole batch."""
     single = one_process_results[worker.STILL]
@@ -157,7 +157,7 @@ def test_a_process_without_reward_contrast_runs_no_backward_yet_sums(two_process
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(worker.FLAT_RUNS))
 def test_cli_trains_when_one_process_has_no_reward_contrast(two_process_results, name):
-    """``grpo-lens train`` with 2 processes where process 0's groups never have reward contrast (issue 45: a gloo
+    """``grpo-lens train`` with 2 processes where process 0's groups never have reward contrast (a gloo
     "collective mismatch" abort at the first such step): without the lens, with it every step, and with it on a LoRA
     adapter, both processes finish both steps and hold bit-equal weights."""
     out = two_process_results.out

@@ -170,7 +170,7 @@ def test_sampled_vs_kept_reports_all_sampled_groups():
         "reward/accuracy": 0.5,
         "adv/mean": 0.0,
     }
-    out = sampled_vs_kept(kept, r, torch.ones(8, dtype=torch.bool), r.clone(), R=2)
+    out = sampled_vs_kept(kept, r, torch.ones(8, dtype=torch.bool), r.clone(), group_size=2)
     assert out["reward/mean"] == pytest.approx(5 / 8, abs=1e-7)
     assert out["reward/std"] == pytest.approx((5 / 8 * 3 / 8) ** 0.5, abs=1e-6)
     assert out["reward/frac_zero_std_groups"] == pytest.approx(3 / 4, abs=1e-7)

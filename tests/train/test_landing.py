@@ -1,4 +1,4 @@
-"""Issue 44 item 4: per-token landing shares of the update's own gradient at lens steps and the KL-only gradient of the
+"""Per-token landing shares of the update's own gradient at lens steps and the KL-only gradient of the
 groups without reward contrast (docs/theory.md §Landing shares and the dead groups' KL gradient)."""
 
 from __future__ import annotations

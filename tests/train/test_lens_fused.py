@@ -1,4 +1,4 @@
-"""The lens inside the update's backward (issue 30): the exact Gram captured by hooks in the update's own first pass,
+"""The lens inside the update's backward: the exact Gram captured by hooks in the update's own first pass,
 with the rollout weights divided out (:class:`grpo_lens.gradients.gram.MicroBatchGrams`,
 :func:`grpo_lens.lens.trainer_lens.score_gram_from_update`), equals the lens's separate pass
 (:func:`grpo_lens.gradients.gram.exact_rollout_gram` with the aggregation's omega_i) to 1e-10 in float64 on tiny Llama

@@ -1,4 +1,4 @@
-"""Issue 45 item 3: the lens must not change the run it measures through its schedule.
+"""The lens must not change the run it measures through its schedule.
 
 A run of 2 steps resumed to 4 must train exactly as a straight 4-step run, whatever ``lens_every``: the lens's
 measurement of a run's last step (:func:`grpo_lens.train.loop.is_lens_step`) falls on step 2 of the short run but
@@ -40,7 +40,7 @@ def test_the_last_step_is_measured_off_the_cadence():
 @pytest.mark.parametrize("lens_every", [3])
 def test_resume_equals_the_straight_run_whatever_the_lens_cadence(tmp_path, lens_every):
     """--max-steps 2, then --resume --max-steps 4 == a straight 4-step run, every weight and AdamW moment bit for bit
-    (issue 45: step 2 ran as a lens step in the short run only, and every weight differed by rounding)."""
+    (step 2 ran as a lens step in the short run only, and every weight differed by rounding)."""
     straight = loop.train(tiny_config(tmp_path / "straight", lens_every=lens_every, max_steps=4))
     loop.train(tiny_config(tmp_path / "split", lens_every=lens_every, max_steps=2))  # the lens measures step 2
     split = loop.train(tiny_config(tmp_path / "split", lens_every=lens_every, max_steps=4, resume=True))

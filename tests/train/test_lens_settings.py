@@ -110,17 +110,13 @@ def test_trainer_lens_takes_lens_settings_or_a_train_config_and_nothing_else(fre
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs the trl extra")
-def test_the_trl_wrapper_keeps_its_keywords_and_warns_on_the_deprecated_one():
+def test_the_trl_wrapper_keeps_its_keywords():
     from grpo_lens.integrations.trl import lens_settings
 
     new = lens_settings(TRL_ARGS, sketch_dim=8, space="full", seed=3, gram_source="sketch")
     assert dataclasses.asdict(new) == EXPECTED
-    with pytest.warns(DeprecationWarning, match="keyword lens_sketch_dim is deprecated: use sketch_dim") as caught:
-        old = lens_settings(TRL_ARGS, lens_sketch_dim=8, space="full", seed=3, gram_source="sketch")
-    assert old == new
-    assert caught[0].filename == __file__, "the warning points at the caller's line"
     assert lens_settings(TRL_ARGS).sketch_dim == 16  # the default, as --sketch-dim's
-    with pytest.raises(TypeError, match="not both"):
-        lens_settings(TRL_ARGS, sketch_dim=8, lens_sketch_dim=8)
+    with pytest.raises(TypeError, match="lens_sketch_dim"):  # the 0.2 name is gone
+        lens_settings(TRL_ARGS, lens_sketch_dim=8)
     with pytest.raises(ValueError, match="lens_gram_source = 'dense': valid names: exact, sketch"):
         lens_settings(TRL_ARGS, gram_source="dense")

@@ -1,4 +1,4 @@
-"""Numerical guards (issue 11, case 5 and the guard it asks for): the KL log-ratio clamp, and non-finite steps
+"""Numerical guards: the KL log-ratio clamp, and non-finite steps
 skipped, counted and stopped after ``max_consecutive_skips`` with the last checkpoint intact
 (docs/theory.md §Numerical guards)."""
 

@@ -1,4 +1,4 @@
-"""--overlong none / mask / filter / soft-punish (issue 11, case 9; docs/theory.md §Overlong handling, DAPO arXiv
+"""--overlong none / mask / filter / soft-punish (docs/theory.md §Overlong handling, DAPO arXiv
 2503.14476 §3.4 and eq. 13), and the deprecated --mask-truncated alias."""
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def test_trainer_soft_punish_adds_the_penalty_to_the_reward(tmp_path, monkeypatc
 def test_mask_truncated_is_an_alias_and_old_runs_resume(tmp_path, monkeypatch):
     import grpo_lens.models as models
 
-    # some completions end within 3 tokens: with every one cut, mask trains nothing and the run stops (issue 45)
+    # some completions end within 3 tokens: with every one cut, mask trains nothing and the run stops
     monkeypatch.setattr("grpo_lens.train.loop.load_model", _eos_prone(models.load_model))
     assert TrainConfig(mask_truncated=True).overlong == "mask"
     with pytest.raises(ConfigError, match="deprecated alias"):

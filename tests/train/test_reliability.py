@@ -1,4 +1,4 @@
-"""Issue 32: nothing lost, no one in. One test (or a few) per numbered failure and partial of the issue, each failing
+"""Nothing lost, no one in. One test (or a few) per reported failure and partial, each failing
 on the main branch before the fix: crafted checkpoints, one writer per run directory, TRL's reward conventions, a
 resume on the run's own data, and clear stops.
 
@@ -463,20 +463,20 @@ def test_data_file_errors_name_the_file(tmp_path, content, shown):
 
 def test_plugins_are_imported_from_pythonpath_as_given(tmp_path, monkeypatch):
     """load_plugins puts no folder in front of sys.path: a stray math_verify.py in the working directory stays
-    unimported (main inserted the working directory first). Since issue 44 the working directory may follow the
+    unimported (main inserted the working directory first). The working directory may follow the
     rest, so that a plugin beside the user loads (tests/test_plugins.py), but nothing goes before what was there."""
     import sys
 
     from grpo_lens.cli import load_plugins
 
     (tmp_path / "plugin_dir").mkdir()
-    (tmp_path / "plugin_dir" / "issue32_plugin.py").write_text("LOADED = True\n")
+    (tmp_path / "plugin_dir" / "cwd_plugin.py").write_text("LOADED = True\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(
         sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))] + [str(tmp_path / "plugin_dir")]
     )
     before = list(sys.path)
-    assert load_plugins("issue32_plugin") == ["issue32_plugin"]
+    assert load_plugins("cwd_plugin") == ["cwd_plugin"]
     assert sys.path[: len(before)] == before and sys.path[len(before) :] in ([], [str(tmp_path)])
 
 

@@ -1,4 +1,4 @@
-"""Issue 19: the run you asked for is the run you get. One test per numbered case of the issue (``test_case<N>_*``)
+"""The run you asked for is the run you get. One test per reported case (``test_case<N>_*``)
 plus one constructed case of the same kind that the report did not name.
 
 Tiny model (2-layer Llama built in code), CPU float32; rewards from tests/helpers_rewards.py depend only on the
@@ -525,7 +525,7 @@ def test_case9_disk_full_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_cmd_train", full)  # build_parser binds the command when main() runs
     assert cli.main(["train", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    # issue 32's wording: "disk full while writing FILE; nothing lost ...; free space ... and resume"
+    # the stop's wording: "disk full while writing FILE; nothing lost ...; free space ... and resume"
     assert (
         f"disk full while writing {tmp_path / 'metrics.jsonl'}; nothing lost" in err and "resume with --resume" in err
     )
@@ -581,7 +581,7 @@ class _OtherProcessSays:
         return bool(flag) or self.other
 
 
-def test_issue17_lens_reads_update_agrees_across_processes(tmp_path):
+def test_lens_reads_update_agrees_across_processes(tmp_path):
     """lens_reads_update is one answer for all processes: True here, but False when another process cannot (its
     groups have a zero advantage), so no process opens the capture while another runs the lens's own pass."""
     from grpo_lens.train.update import lens_reads_update

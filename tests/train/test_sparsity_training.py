@@ -248,7 +248,7 @@ def test_permutation_control_is_the_mean_over_within_tensor_permutations():
 
 
 def test_permutation_control_keeps_a_heavy_tailed_dense_update_where_the_dense_control_does_not():
-    # issue 18: a dense update with a log-normal per-entry scale (log-SD 2): the RMS is set by the few large entries,
+    # a dense update with a log-normal per-entry scale (log-SD 2): the RMS is set by the few large entries,
     # so the Gaussian control at that RMS moves most bf16 values, while the update itself leaves most unchanged; the
     # within-tensor permutation control has the same magnitudes and matches the observed share (the update is
     # independent of the weights: placement does not matter; SE of the difference ~ 0.5/sqrt(2e5) ~ 1e-3)
@@ -296,7 +296,7 @@ def test_stratified_se_against_the_design():
 def test_lens_s4_sparsity_before_step_only_snapshots_and_numbers_are_unchanged(
     fresh_tiny_model_and_tokenizer, monkeypatch
 ):
-    """Issue 21: the lens's before-step snapshot compared the whole model twice (numbers thrown away); it now only
+    """The lens's before-step snapshot compared the whole model twice (numbers thrown away); it now only
     snapshots, and S4 after the step is what comparing-then-snapshotting gave."""
     import grpo_lens.lens.sparsity as sparsity_module
     from grpo_lens.config import TrainConfig

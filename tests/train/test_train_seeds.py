@@ -1,4 +1,4 @@
-"""`grpo-lens train --seeds`: one run per seed, the pooled record, the report over the seeds (issue 43)."""
+"""`grpo-lens train --seeds`: one run per seed, the pooled record, the report over the seeds."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def test_invalid_rewards_are_left_out_of_the_group_and_counted(tmp_path):
 def test_a_raising_reward_function_invalidates_its_rollouts_and_the_run_goes_on(tmp_path):
     # it raises at every step but not in the start-up check (which refuses a function that always raises); two steps
     # are fewer than --max-consecutive-skips 3 steps without a scorable rollout, so the run goes on to its end, and
-    # then, as nothing scored in the whole run, it stops non-zero (issue 32) with both steps' records written
+    # then, as nothing scored in the whole run, it stops non-zero with both steps' records written
     config = tiny_config(tmp_path, rewards=["test_alternating", "test_raises_in_training"], max_steps=2)
     with pytest.raises(NoScorableRolloutError, match="no rollout could be scored"):
         train(config)
@@ -124,7 +124,7 @@ def test_a_hanging_reward_function_times_out_and_the_run_goes_on(tmp_path):
     # test_sleeps sleeps 3 s; with a 0.2 s timeout each step's call is abandoned: all its rollouts are invalid.
     t0 = time.perf_counter()
     config = tiny_config(tmp_path, rewards=["test_alternating", "test_sleeps"], reward_timeout=0.2, max_steps=2)
-    with pytest.raises(NoScorableRolloutError):  # nothing scored in the whole run: non-zero (issue 32)
+    with pytest.raises(NoScorableRolloutError):  # nothing scored in the whole run: non-zero
         train(config)
     run = RunDir(config.out)
     elapsed = time.perf_counter() - t0

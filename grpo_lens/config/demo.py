@@ -1,0 +1,154 @@
+"""``grpo-lens demo``'s settings (:class:`DemoConfig`, ``--quick``'s :data:`QUICK`): the train and probe settings
+the demo runs with, built from the same option groups as :class:`grpo_lens.config.TrainConfig` and
+:class:`grpo_lens.probe.config.ProbeConfig`. Apart from :mod:`grpo_lens.demo` (which runs the demo) so that
+``grpo-lens demo --help`` builds its flags without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+from grpo_lens.config import ConfigFile, TrainConfig, at_least
+from grpo_lens.config.base import option
+from grpo_lens.config.groups import (
+    Adapter,
+    Advantage,
+    Lens,
+    Model,
+    Optimizer,
+    Output,
+    Probing,
+    Runtime,
+    Sampling,
+    TaskData,
+    check_task_dataset,
+)
+from grpo_lens.probe.config import ProbeConfig
+
+#: ``--quick``: a demo of a few minutes on a CPU (wide intervals, most claims inconclusive), for the settings left at
+#: their defaults: 4 training steps of 2 prompts x 4 completions of 16 tokens, the lens every 2 steps, probes of
+#: R = 2, 4 on 8 prompts each, studies on 2 prompts / groups.
+QUICK = {
+    "max_steps": 4,
+    "group_size": 4,
+    "prompts_per_step": 2,
+    "max_new_tokens": 16,
+    "lens_every": 2,
+    "probe_group_sizes": [2, 4],
+    "probe_prompts": 8,
+    "probe_study_prompts": 2,
+}
+
+
+@dataclass
+class DemoConfig(ConfigFile):
+    """Settings of the main job; field help is the CLI help. Everything not here takes TrainConfig's and ProbeConfig's
+    defaults; every field here is an option group's (:mod:`grpo_lens.config.groups`), the demo's overrides marked."""
+
+    kind: ClassVar[str] = "demo"
+
+    out: str = Output.out("runs/demo", contents="probe_before/, train/, probe_after/, report.md")  # default overridden
+    model: str = Model.model()
+    task: str = TaskData.task()
+    dataset: str | None = TaskData.dataset()
+    task_options: dict = TaskData.task_options()
+    max_steps: int = Optimizer.max_steps(check=at_least(1))  # overridden: the demo trains at least one step
+    group_size: int = Sampling.group_size()
+    prompts_per_step: int = Sampling.prompts_per_step()
+    learning_rate: float = Optimizer.learning_rate()
+    max_new_tokens: int = Sampling.max_new_tokens()
+    lens_every: int = Lens.lens_every()
+    rewards: list = TaskData.rewards()
+    estimator: str = Advantage.estimator()
+    lora_rank: int = Adapter.lora_rank()
+    report_to: list = Output.report_to()
+    probe_group_sizes: list = Probing.group_sizes()
+    probe_prompts: int = Probing.prompts()
+    probe_study_prompts: int = option(
+        8,
+        "Prompts (baseline study) and mixed groups (credit study) of each probe's "
+        "studies, as probe's --baseline-study-prompts and --credit-groups (0 skips "
+        "them).",
+        check=at_least(0, "must be >= 0 (0 skips the studies)"),
+    )
+    quick: bool = option(
+        False,
+        "A demo of a few minutes: every setting of grpo_lens.demo.QUICK left at its default "
+        "takes the small value there (4 steps, R = 2 and 4 probed on 8 prompts, studies on 2).",
+    )
+    exact: bool = Lens.exact()
+    seed: int = Runtime.seed()
+    device: str = Runtime.device()
+    overwrite: bool = Output.overwrite(what="an existing demo run")
+    preset: str | None = option(
+        None,
+        "A preset YAML file (configs/decide-cpu.yaml): probe --seeds and train --seeds at its settings into OUT/probe "
+        "and OUT/train, then one report (docs/seeds.md); its time estimate is printed first. Only --out, --device, "
+        "--overwrite and --report-only combine with it.",
+    )
+    report_only: bool = option(
+        False,
+        "With --preset: run nothing and load no model; write OUT/report.md from the stages already finished (a probe "
+        "stage alone while training still runs), the report naming the stage that is not finished.",
+    )
+
+    def check(self) -> None:
+        """The check of two fields together (each field's own check ran before), and ``quick``'s values."""
+        check_task_dataset(self)
+        if self.quick:
+            defaults = {f.name: DemoConfig.__dataclass_fields__[f.name] for f in fields(self)}
+            for name, value in QUICK.items():
+                f = defaults[name]
+                default = f.default_factory() if callable(f.default_factory) else f.default
+                if getattr(self, name) == default:
+                    setattr(self, name, value)
+
+    def _shared(self) -> dict[str, Any]:
+        """The settings every stage takes from the demo."""
+        return dict(
+            task=self.task,
+            dataset=self.dataset,
+            task_options=self.task_options,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+            device=self.device,
+        )
+
+    def train_config(self) -> TrainConfig:
+        """The TrainConfig of the training stage."""
+        return TrainConfig(
+            model=self.model,
+            max_steps=self.max_steps,
+            group_size=self.group_size,
+            prompts_per_step=self.prompts_per_step,
+            learning_rate=self.learning_rate,
+            lens_every=self.lens_every,
+            rewards=self.rewards,
+            estimator=self.estimator,
+            lora_rank=self.lora_rank,
+            report_to=self.report_to,
+            out=str(Path(self.out) / "train"),
+            **self._shared(),
+        )
+
+    def probe_config(self, model: str, out: Path, resume: bool = False) -> ProbeConfig:
+        """The ProbeConfig of a probe stage on ``model`` (``resume``: continue the probe a killed demo left there)."""
+        # Monte Carlo credit only where it can reach its claim's 8 rollouts (4 of the credit study's groups):
+        # about 18 s a group, wasted on fewer (the --quick demo's 2 groups)
+        mc_groups = ProbeConfig.mc_groups if self.probe_study_prompts >= ProbeConfig.mc_groups else 0
+        return ProbeConfig(
+            model=model,
+            group_sizes=self.probe_group_sizes,
+            prompts=self.probe_prompts,
+            exact=self.exact,
+            rewards=self.rewards,
+            estimator=self.estimator,
+            baseline_study_prompts=self.probe_study_prompts,
+            credit_groups=self.probe_study_prompts,
+            mc_groups=mc_groups,
+            out=str(out),
+            resume=resume,
+            **self._shared(),
+        )
