@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -267,6 +268,18 @@ def token_entropy(logits: Tensor, normalized: bool = False) -> Tensor:
         return entropy
 
 
+@overload
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float = ..., return_entropy: Literal[False] = ...
+) -> Tensor: ...
+@overload
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float, return_entropy: Literal[True]
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float = ..., return_entropy: bool = ...
+) -> Tensor | tuple[Tensor, Tensor]: ...
 def batch_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0, return_entropy: bool = False
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -585,7 +598,8 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
             attention_mask=mask,
             position_ids=position_ids,
             use_cache=True,
-            cache=DynamicCache(config=model.config),
+            # nn.Module types a transformers model's attribute as Tensor | Module
+            cache=DynamicCache(config=model.config),  # type: ignore[arg-type]
             logits_to_keep=1,
         )
     except (TypeError, ValueError, AttributeError):  # not a transformers >= 5 causal LM: no sharing
@@ -690,7 +704,8 @@ def sample_groups(
     try:
         # Hide the model's own generation_config: generate() fills every field left unset in ours from it.
 
-        model.generation_config = GenerationConfig()
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        model.generation_config = GenerationConfig()  # type: ignore[assignment]
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
@@ -699,7 +714,8 @@ def sample_groups(
                 mask = prompt_mask[start : start + step]
                 cache = shared_prompt_cache(model, ids, mask) if share_prompt_prefill else None
                 extra = {"cache": cache} if cache is not None else {}
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **extra)
+                # nn.Module types a transformers model's attribute as Tensor | Module
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **extra)  # type: ignore[operator]
                 sampled = out.sequences[:, ids.shape[1] :]  # [n, t]
                 # logits[t]: the raw logits [n, V] the token at step t was drawn from (before any processing); one
                 # step at a time (the same values as of the stacked [n, t, V], without the copy)
@@ -709,7 +725,8 @@ def sample_groups(
                 chunks_ids.append(sampled)
                 chunks_logp.append(logp)
     finally:
-        model.generation_config = model_generation_config
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        model.generation_config = model_generation_config  # type: ignore[assignment]
         model.train(was_training)
 
     T = max(c.shape[1] for c in chunks_ids)
