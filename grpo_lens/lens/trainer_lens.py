@@ -662,7 +662,7 @@ class TrainerLens:
         landing, self._landing = self._landing, None
         dead_sq, self._dead_kl_sq = self._dead_kl_sq, None
         params = [p for p in policy.parameters() if p.requires_grad and p.grad is not None]
-        u = [-p.grad.detach() for p in params]
+        u = [-p.grad.detach() for p in params]  # type: ignore[union-attr]  # params: those with a .grad
         u_sq = squared_norm(u)
         out: dict[str, float] = {}
         if dead_sq is not None:
