@@ -278,12 +278,13 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
     config = (
         LlamaConfig(**common)
         if arch == "llama"
-        else NemotronConfig(**common, head_dim=hidden_size // 4, partial_rotary_factor=0.5)
+        # transformers' config takes model-specific keywords
+        else NemotronConfig(**common, head_dim=hidden_size // 4, partial_rotary_factor=0.5)  # type: ignore[call-arg]
     )
     model_class = LlamaForCausalLM if arch == "llama" else NemotronForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config)
+        model = model_class(config)  # type: ignore[arg-type]  # the config class matches the model class
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -291,10 +292,11 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
 
 
 def _gguf_cache_path(source: ModelSource) -> Path:
-    gguf = Path(source.path) / source.gguf_file
+    gguf = Path(source.path) / source.gguf_file  # type: ignore[operator]  # a GGUF source has gguf_file
     stat = gguf.stat()
     digest = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{Path(source.gguf_file).stem}-{digest}"
+    # a GGUF source has gguf_file
+    return cache_dir() / "models" / f"{Path(source.gguf_file).stem}-{digest}"  # type: ignore[arg-type]
 
 
 def same_model_key(name_or_path: str | os.PathLike) -> str:
@@ -321,7 +323,8 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
     # A dequantised model is a plain float model: drop the GGUF quantizer so that save_pretrained writes ordinary
     # safetensors and from_pretrained does not try to re-quantise them.
-    model.hf_quantizer = None
+    # nn.Module types a transformers/peft model's attribute as Tensor | Module
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     for attr in ("is_quantized", "quantization_method"):

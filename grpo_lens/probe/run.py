@@ -164,7 +164,7 @@ def run_studies(
     ``partial``, a finished study is kept there, and one it already holds is not run again (``--resume``). With
     ``pool`` (shared draws), the baseline study first takes the prompts the R phases drew with enough rollouts
     (:func:`study_presampled`)."""
-    common = dict(
+    common: dict[str, Any] = dict(
         group_size=config.study_group_size,
         max_new_tokens=config.max_new_tokens,
         temperature=config.temperature,
@@ -359,7 +359,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     keep_freed_memory()  # each pass's activations are reused, not page-faulted in again
     partial = prepare_out(config)
-    out = Path(config.out).absolute()  # a reward function may os.chdir (code sandboxes)
+    # resolved before the run: out is set
+    out = Path(config.out).absolute()  # type: ignore[arg-type]  # a reward function may os.chdir (code sandboxes)
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
     seed_everything(config.seed)

@@ -433,7 +433,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
     for s in seeds:
         sub = replace(config, seed=s, out=str(seed_dir(out, s)), resume=False)
         finished = seed_dir(out, s) / "probe.json"
-        if config.resume and PartialProbe(sub.out).exists():
+        if config.resume and PartialProbe(sub.out).exists():  # type: ignore[arg-type]  # each seed's config has its out
             todo.append(replace(sub, resume=True, overwrite=False))  # continues from its last finished prompt
         elif config.resume and finished.is_file():
             saved = (json.loads(finished.read_text()).get("meta") or {}).get("config") or {}
@@ -452,7 +452,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
     atomic_write_text(out / "config.yaml", config_header() + yaml.safe_dump(stored, sort_keys=False))
     for sub in todo:
         logger.info("probe of seed %d into %s", sub.seed, sub.out)
-        run(sub)
+        run(sub)  # type: ignore[misc]  # imported above when None
     write_pooled(out, seeds)
     log_probe(out, config.report_to, {**config.to_dict(), "seed": None, "seeds": seeds})  # the pool, under DIR
     return out

@@ -92,8 +92,12 @@ def _score_fn(reward_fns: Any, prompt: Any, extras: dict[str, Any]) -> Callable[
     """completions -> rewards of one prompt (invalid rewards count as 0)."""
 
     def score(texts: list[str]) -> list[float]:
+        # the dataset's extra columns: keywords of the reward functions
         rewards, valid, _ = combine_rewards(
-            reward_fns, [prompt] * len(texts), texts, **{k: [v] * len(texts) for k, v in extras.items()}
+            reward_fns,
+            [prompt] * len(texts),
+            texts,
+            **{k: [v] * len(texts) for k, v in extras.items()},  # type: ignore[arg-type]
         )
         return [float(r) if bool(v) else 0.0 for r, v in zip(rewards, valid)]
 
@@ -206,7 +210,7 @@ def _segment_counts(rows: list[dict[str, Any]], z: float = 2.0) -> dict[str, int
     return segment_counts(rows, z)
 
 
-def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
+def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float | int | None]]:
     if not rows:
         return []
     return [bootstrap_mean([r[b] for r in rows]) for b in range(len(rows[0]))]
@@ -313,7 +317,8 @@ def run_credit_study(
             if progress is not None:  # a tqdm bar: one tick per analysed group
                 progress.update(1)
             group = batch.select(rows)
-            adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, eps=eps)[0]
+            # the config's check allows only these names
+            adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, eps=eps)[0]  # type: ignore[arg-type]
             mask = group.completion_mask.cpu()
             classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
             # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)

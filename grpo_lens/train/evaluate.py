@@ -78,7 +78,7 @@ class Evaluation:
         """Whether step ``step`` (1-based) is evaluated: every ``eval_every``-th and the last."""
         return step % self.config.eval_every == 0 or step == self.config.max_steps
 
-    def __call__(self, step: int, policy: torch.nn.Module, tokenizer: Any, device: str) -> dict[str, float]:
+    def __call__(self, step: int, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> dict[str, float]:
         """The ``eval/*`` metrics of the policy now, on step ``step`` (empty when the step is not due)."""
         if not self.due(step):
             return {}

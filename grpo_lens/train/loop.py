@@ -206,7 +206,8 @@ def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
             with forward_precision(procs.device, config.dtype):
                 kl = {} if config.kl_in_reward else {"beta": config.beta, "kl_estimator": config.kl_estimator}
                 first = mini_batch_rows(rollouts.batch.num_groups, config.group_size, config.num_mini_batches)[0]
-                lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl, first=first)
+                # plan.measure: a lens is set; before_update is TrainerLens's
+                lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl, first=first)  # type: ignore[union-attr]
         # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
         update_metrics = policy_update(
@@ -479,7 +480,7 @@ def step_advantages(
         advantages = compute_advantages(
             rewards.float(),
             config.estimator,
-            std=config.std,
+            std=config.std,  # type: ignore[arg-type]  # the config's check allows only these names
             eps=config.std_eps,
             mask=valid,
             grad_sq_norms=grad_sq_norms,
@@ -498,7 +499,7 @@ def batch_advantages(config: TrainConfig, rewards: torch.Tensor, valid: torch.Te
     everything = compute_advantages(
         torch.cat([r for r, _ in parts]).float(),
         config.estimator,
-        std=config.std,
+        std=config.std,  # type: ignore[arg-type]  # the config's check allows only these names
         eps=config.std_eps,
         mask=torch.cat([v for _, v in parts]),
     )
@@ -579,7 +580,8 @@ def plan_lens(
     why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, procs)
     if why_not is None:
         proxy = {"batch": rollouts.batch} if config.lens_noise_proxy else {}  # verl's W_i at the step's weights
-        gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy)
+        # an optional lens method, looked up with hasattr (Lens's docstring)
+        gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy)  # type: ignore[attr-defined]
         return LensPlan(measure=True, capture=gram_capture, per_rollout=True)
     if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
         _LENS_OWN_PASS_LOGGED.add(why_not)
@@ -590,7 +592,8 @@ def plan_lens(
             why_not,
         )
     if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
-        return LensPlan(measure=True, capture=lens.update_capture(policy), per_rollout=True)
+        # an optional lens method, looked up with hasattr (Lens's docstring)
+        return LensPlan(measure=True, capture=lens.update_capture(policy), per_rollout=True)  # type: ignore[attr-defined]
     with forward_precision(procs.device, config.dtype):
         metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
     return LensPlan(measure=True, metrics=metrics, per_rollout=True)
@@ -612,7 +615,8 @@ def lens_after_update(
         return {}
     metrics = plan.metrics
     if plan.capture is not None:  # the exact Gram or the sketched rows of the update's first pass
-        metrics = lens.measure_from_update(
+        # an optional lens method, looked up with hasattr (Lens's docstring)
+        metrics = lens.measure_from_update(  # type: ignore[attr-defined]
             step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, plan.capture
         )
     metrics.update(lens.after_step(step, policy, plan.measure))
@@ -803,16 +807,21 @@ def save_final_model(
         save_lora_model(policy, tokenizer, tmp)
     elif state_dict is not None:  # fully_shard renamed the class (FSDP<Name>): the config keeps the model's own
         architectures = getattr(policy.config, "architectures", None)
-        policy.config.architectures = [
-            c.__name__ for c in type(policy).__mro__ if c.__name__ == type(policy).__name__.removeprefix("FSDP")
-        ][:1] or architectures
+        # nn.Module types a transformers/peft model's attribute as Tensor | Module
+        policy.config.architectures = (  # type: ignore[union-attr]
+            [c.__name__ for c in type(policy).__mro__ if c.__name__ == type(policy).__name__.removeprefix("FSDP")][:1]
+            or architectures
+        )
         try:
-            policy.save_pretrained(tmp, state_dict=state_dict)
+            # nn.Module types a transformers/peft model's attribute as Tensor | Module
+            policy.save_pretrained(tmp, state_dict=state_dict)  # type: ignore[operator]
         finally:
-            policy.config.architectures = architectures
+            # nn.Module types a transformers/peft model's attribute as Tensor | Module
+            policy.config.architectures = architectures  # type: ignore[union-attr]
         tokenizer.save_pretrained(tmp)
     else:
-        policy.save_pretrained(tmp)
+        # nn.Module types a transformers/peft model's attribute as Tensor | Module
+        policy.save_pretrained(tmp)  # type: ignore[operator]
         tokenizer.save_pretrained(tmp)
     crash_point("mid_final_model", 0)
     os.replace(tmp, path)

@@ -126,6 +126,6 @@ def run_train_seeds(config: TrainConfig, seeds: list[int], run: Callable[[TrainC
     atomic_write_text(out / "config.yaml", config_header() + yaml.safe_dump(stored, sort_keys=False))
     for sub in todo:
         logger.info("training seed %d into %s", sub.seed, sub.out)
-        run(sub)
+        run(sub)  # type: ignore[misc]  # imported above when None
     write_seeds_record(out, seeds)
     return out
