@@ -204,7 +204,8 @@ def _run_demo(config: DemoConfig) -> Path:
         logger.info("[1/4] probing the initial model (R = %s)", config.probe_group_sizes)
         run_probe(config.probe_config(config.model, before, resume=PartialProbe(before).exists()))
 
-    run_dir = Path(train_cfg.out)
+    # the demo sets out
+    run_dir = Path(train_cfg.out)  # type: ignore[arg-type]
     final = run_dir / "final_model"
     if not final.exists():
         logger.info("[2/4] GRPO training for %d steps with the lens every %d", config.max_steps, config.lens_every)

@@ -89,7 +89,7 @@ class Claim:
         if self.kind not in KINDS:
             raise ValueError(f"unknown kind {self.kind!r}; valid: {', '.join(KINDS)}")
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, Any]:
         """The record as a plain dict (for JSON)."""
         return asdict(self)
 
@@ -222,9 +222,10 @@ def holm_claims(claims: list[Claim], alpha: float = FAMILY_LEVEL) -> tuple[list[
     """
     rows = [c for c in claims if tested(c)]
     hyps = [(i, b, p) for i, c in enumerate(rows) for b, p in ((HOLDS, c.p_holds), (DOES_NOT_HOLD, c.p_dnh))]
-    rejected = holm([p for _, _, p in hyps], alpha)
+    # tested(): both p-values are set
+    rejected = holm([p for _, _, p in hyps], alpha)  # type: ignore[misc]
     m2 = len(hyps)
-    order = sorted(range(m2), key=lambda j: hyps[j][2])
+    order = sorted(range(m2), key=lambda j: hyps[j][2])  # type: ignore[arg-type, return-value]
     threshold = {j: alpha / (m2 - rank) for rank, j in enumerate(order)}
     new: list[Claim] = []
     for i, c in enumerate(rows):

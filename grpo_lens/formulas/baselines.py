@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -547,7 +548,7 @@ def log_norm_ratio(sq_norms: Tensor, rewards: Tensor) -> tuple[float, float] | N
     return math.log(mc / mw), v
 
 
-def rms_log_ratio(d: Sequence[float], v: Sequence[float]) -> dict[str, float | int | None]:
+def rms_log_ratio(d: Sequence[float], v: Sequence[float]) -> dict[str, Any]:
     """The root mean square over prompts of δ_j = log(m_C / m_W), the effect size of "m_C = m_W" (docs/theory.md
     §12): y_j = d_j² − v_j estimates δ_j² without its noise term to first order (E d_j² = δ_j² + Var d_j), so
     mean(y) estimates mean δ², with Hall's interval over prompts (:func:`grpo_lens.formulas.stats.mean_interval`).

@@ -402,7 +402,8 @@ class Aggregation:
     rollout_weights: Callable[[Tensor], Tensor]
 
 
-LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+# a registry of records, not of functions
+LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")  # type: ignore[type-var]
 
 
 def _rollouts_in_loss(mask: Tensor) -> float:
@@ -643,7 +644,8 @@ def grpo_loss(
     policy = aggregate_loss(policy_tok, maskf, aggregation, normalizer)
     kl_tok = kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else None
     if beta > 0:
-        kl_part = beta * aggregate_loss(kl_tok, maskf, aggregation, normalizer)
+        # beta > 0 comes with ref_logp (checked by the callers' configs)
+        kl_part = beta * aggregate_loss(kl_tok, maskf, aggregation, normalizer)  # type: ignore[arg-type]
         loss = policy + kl_part
     else:  # KL is still measured when ref_logp is given, but carries no gradient
         kl_part = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -726,7 +728,8 @@ def policy_token_weights(
     x = torch.where(m, logp.detach().to(torch.float64), zero).requires_grad_(True)
     old = torch.where(m, old_logp.detach().to(torch.float64), zero)
     with torch.enable_grad():
-        tok, _ = policy_loss_call(policy_loss, x, old, sign, m, **options)
+        # options: the loss's own float settings
+        tok, _ = policy_loss_call(policy_loss, x, old, sign, m, **options)  # type: ignore[arg-type]
         if token_weights is not None:
             tok = tok * torch.where(m, token_weights.detach().to(torch.float64), zero)
         (grad,) = torch.autograd.grad(aggregate_loss(tok, m.to(torch.float64), aggregation, normalizer), x)

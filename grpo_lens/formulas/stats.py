@@ -83,7 +83,7 @@ def has_interval(n: int) -> bool:
 
 
 def mean_interval(
-    values: Sequence[float], *, level: float = 0.95, bounds: tuple[float, float] | None = None
+    values: Sequence[float | None], *, level: float = 0.95, bounds: tuple[float, float] | None = None
 ) -> dict[str, float | int | None]:
     """Mean of ``values`` with Hall's transformed-t interval (docs/theory.md §7): the one interval body of the product.
 
@@ -148,7 +148,7 @@ def mean_interval(
 
 
 def bootstrap_ci(
-    values: Sequence[float], *, level: float = 0.95, num_resamples: int = 2000, seed: int = 0
+    values: Sequence[float | None], *, level: float = 0.95, num_resamples: int = 2000, seed: int = 0
 ) -> dict[str, float | int | None]:
     """:func:`mean_interval` under its 0.1 name (the probe's summaries and strata call it).
 

@@ -76,7 +76,8 @@ def lora_rollout_grads(
         raise ValueError(f"unknown lens space {space!r}; valid names: full, trainable")
     # A frozen base layer's output carries a gradient only once the input embeddings' output requires one
     # (transformers' enable_input_require_grads); the sketch then differentiates with respect to it alone.
-    model.enable_input_require_grads()
+    # nn.Module types a transformers model's attribute as Tensor | Module
+    model.enable_input_require_grads()  # type: ignore[operator]
     try:
         return sketch_rollout_grads(
             model,
@@ -85,10 +86,12 @@ def lora_rollout_grads(
             k_out=sketch_dim,
             include=base_layers,
             seed=seed,
-            projection=projection,
+            # the config's check allows only these names
+            projection=projection,  # type: ignore[arg-type]
             dtype=dtype,
             score_weights=score_weights,
             temperature=temperature,
         ).sketch
     finally:
-        model.disable_input_require_grads()
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        model.disable_input_require_grads()  # type: ignore[operator]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ def _settings_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-def _concat(entries: list[dict[str, Any] | None], key: str) -> list[Any]:
+def _concat(entries: Sequence[dict[str, Any] | None], key: str) -> list[Any]:
     return [x for e in entries for x in ((e or {}).get(key) or [])]
 
 
@@ -140,7 +140,7 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     # S1 measured is a share of the valid groups: its pooled indicators are the summed counts (order does not matter)
     indicators = [1.0] * counts[GROUPS_ALL_EQUAL] + [0.0] * (valid - counts[GROUPS_ALL_EQUAL])
     predicted = combine_summaries([e.get(S1_PREDICTED_CI) for e in entries], bounds=(0.0, 1.0))
-    ci = {"seed": seed}
+    ci: dict[str, Any] = {"seed": seed}
 
     def rows_and_summary(key: str) -> dict[str, Any] | None:
         pooled = _concat([e.get(key) for e in entries], PROBE_GROUPS)
@@ -208,7 +208,7 @@ def pool_baseline_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
             [p for part in parts for p in part["per_prompt"]], sum(int(p.get("prompts_constant") or 0) for p in parts)
         )
     s1s = [s.get("s1") or {} for s in studies]
-    s1 = {
+    s1: dict[str, Any] = {
         k: combine_summaries([x.get(k) for x in s1s], bounds=(-1.0, 1.0) if k == "difference" else (0.0, 1.0))
         for k in ("measured", "predicted", "difference")
     }

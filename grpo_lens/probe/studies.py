@@ -300,6 +300,7 @@ def run_credit_study(
     t_start = time.perf_counter()
     R = group_size
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    mc_picks: list[tuple[Any, ...]]
     profiles, shares, shares_nll, closures, mc_picks = [], [], [], [], []
     analysed, sampled, draw = 0, 0, 0
     while analysed < groups and sampled < max_prompts:

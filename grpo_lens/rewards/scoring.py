@@ -389,7 +389,7 @@ def check_rewards_on_example(
         ValueError: naming the reward function, ``where``, the error and what to do.
     """
     completions = chat_completions([prompt], [""])
-    call = {
+    call: dict[str, Any] = {
         "completion_ids": [[]],
         "columns": {k: [v] for k, v in columns.items()},
         "trainer_state": trainer_state if trainer_state is not None else RewardState(),

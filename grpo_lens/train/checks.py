@@ -83,7 +83,8 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
             f"of the {procs.world} processes holds (prompts_per_step / processes = {share})"
         )
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
-    if config.prompt_order == "epoch" and not (isinstance(getattr(task, "data", None), dict) and "train" in task.data):
+    # task.data: checked with getattr
+    if config.prompt_order == "epoch" and not (isinstance(getattr(task, "data", None), dict) and "train" in task.data):  # type: ignore[attr-defined]
         raise ValueError(
             f"--prompt-order epoch needs a dataset (--task jsonl --dataset FILE); task {config.task!r} draws "
             f"its prompts itself, so it has no epochs here: use --prompt-order independent"
