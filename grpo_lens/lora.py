@@ -18,9 +18,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 #: Name fragment of peft's adapter modules (``...q_proj.lora_A.default``); base layers are ``...q_proj.base_layer``.
 ADAPTER_MARK = "lora_"
@@ -88,7 +91,7 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
 
 
-def save_lora_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
+def save_lora_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
     """Write the merged model + tokenizer into ``path`` (loadable as ``--model path`` without peft) and the adapter
     alone into ``path/adapter`` (``PeftModel.from_pretrained(base, path/adapter)``)."""
     # nn.Module types a transformers/peft model's attribute as Tensor | Module

@@ -13,14 +13,13 @@ Wrapping the policy, saving it merged and adapter-only is :mod:`grpo_lens.lora`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.lora import ADAPTER_MARK
 from grpo_lens.registry import renamed_keywords
+from grpo_lens.rollout import RolloutBatch
 
 
 def adapter_layers(name: str) -> bool:
@@ -36,7 +35,7 @@ def base_layers(name: str) -> bool:
 @renamed_keywords(k="sketch_dim")
 def lora_rollout_grads(
     model: torch.nn.Module,
-    batch: Any,
+    batch: RolloutBatch,
     space: str,
     *,
     sketch_dim: int = 16,

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from grpo_lens.config import TrainConfig
@@ -87,7 +88,7 @@ from grpo_lens.runtime.sharding import (
     load_full_states,
 )
 from grpo_lens.seeding import derive_seed, seed_everything
-from grpo_lens.tasks.base import epoch_rows
+from grpo_lens.tasks.base import Task, epoch_rows
 from grpo_lens.trackers import Trackers
 from grpo_lens.train.checks import check_before_writing, check_model, check_prompts
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
@@ -342,7 +343,7 @@ def open_run(
 
 
 def sample_step(
-    config: TrainConfig, procs: Processes, task: Any, reward_fns: list[tuple[str, float]], models: Models, step: int
+    config: TrainConfig, procs: Processes, task: Task, reward_fns: list[tuple[str, float]], models: Models, step: int
 ) -> Rollouts:
     """This process's rollouts of step ``step``: round 0 (:func:`sample_round`) or, with ``dynamic_sampling``, the
     mixed groups of as many rounds as :func:`sample_dynamic` needs. Randomness derives from (seed, step) only."""
@@ -371,7 +372,7 @@ def sample_step(
 def sample_round(
     config: TrainConfig,
     procs: Processes,
-    task: Any,
+    task: Task,
     reward_fns: list[tuple[str, float]],
     models: Models,
     step: int,
@@ -387,7 +388,8 @@ def sample_round(
     B, R, share = config.prompts_per_step, config.group_size, config.prompts_per_step // procs.world
     rseed = seed if rnd == 0 else step_seed(seed, rnd)
     if rnd == 0 and config.prompt_order == "epoch":  # TRL's convention: each row once per pass (tasks.epoch_rows)
-        examples = epoch_rows(task.data["train"], B, (step - 1) * B, config.seed)
+        # check_inputs refuses epoch order for a task without data rows
+        examples = epoch_rows(task.data["train"], B, (step - 1) * B, config.seed)  # type: ignore[attr-defined]
     else:
         examples = task.sample(B, seed=rseed)
     examples = examples[procs.rank * share : (procs.rank + 1) * share]
@@ -794,7 +796,10 @@ def finish_run(run: RunDir, config: TrainConfig, procs: Processes, models: Model
 
 
 def save_final_model(
-    policy: torch.nn.Module, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None
+    policy: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    path: Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename); a LoRA
     policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`).

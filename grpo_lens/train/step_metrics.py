@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import torch
 
@@ -47,7 +46,7 @@ from grpo_lens.rewards import (
     score_batch,
 )
 from grpo_lens.rollout import RolloutBatch
-from grpo_lens.tasks import correctness_verdict
+from grpo_lens.tasks import Task, correctness_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ def merge_reward_infos(infos: list[dict[str, float]], counts: list[int]) -> dict
     return out
 
 
-def rollout_correctness(task: Any, batch: RolloutBatch, timeout: float) -> torch.Tensor:
+def rollout_correctness(task: Task, batch: RolloutBatch, timeout: float) -> torch.Tensor:
     """The task's own 0/1 correctness verdict of every rollout (:func:`grpo_lens.tasks.correctness_verdict`): [N]
     float64, NaN where there is none (no reference answer, or the check failed or ran past ``timeout`` seconds).
     Independent of the configured reward functions and their weights; ``reward/accuracy`` is its mean."""
