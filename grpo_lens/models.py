@@ -43,6 +43,7 @@ from transformers import (
     LlamaForCausalLM,
     NemotronConfig,
     NemotronForCausalLM,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 
@@ -235,7 +236,9 @@ def build_tiny_tokenizer():
     return _finish_tokenizer(tokenizer)
 
 
-def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, arch: str = "llama"):
+def build_tiny_model(
+    tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, arch: str = "llama"
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """A small random causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128, init std 0.2) with fixed
     weights: a LlamaForCausalLM of 107,200 parameters with the 259-token :func:`build_tiny_tokenizer`, or with
     ``arch="nemotron"`` a NemotronForCausalLM (LayerNorm1P with weight and bias, squared-ReLU MLP, rotary embedding
@@ -244,10 +247,11 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
     The weights depend only on ``seed`` (drawn inside ``torch.random.fork_rng``, so the global RNG is untouched).
 
     Args:
-        tokenizer: the tokenizer whose vocabulary and special tokens the model uses; :func:`build_tiny_tokenizer`
+        tokenizer (Any): the tokenizer whose vocabulary and special tokens the model uses; :func:`build_tiny_tokenizer`
             if None.
         seed: weight seed.
-        hidden_size, num_layers: size knobs.
+        hidden_size: the model's width.
+        num_layers: its number of decoder layers.
         arch: "llama" or "nemotron".
 
     Returns:

@@ -13,7 +13,7 @@ from typing import Literal, overload
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, GenerationConfig
+from transformers import Cache, DynamicCache, GenerationConfig
 
 
 @dataclass
@@ -314,7 +314,8 @@ def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor
     of equal consecutive rows (the groups of :func:`sample_groups`); None when no row equals the one before it.
 
     Args:
-        prompt_ids, prompt_mask: [N, Lp].
+        prompt_ids: [N, Lp].
+        prompt_mask: [N, Lp].
     """
     if prompt_ids.shape[0] < 2:
         return None
@@ -389,7 +390,7 @@ def group_logprobs(
 
 def sampling_generation_config(
     *, temperature: float, top_k: int, top_p: float, max_new_tokens: int, eos_token_ids: list[int], pad_token_id: int
-):
+) -> GenerationConfig:
     """The ``transformers.GenerationConfig`` of grpo-lens' sampler, built from its own settings alone.
 
     Ancestral sampling from :func:`process_logits` (temperature -> top-k -> top-p) and nothing else: no field of the
@@ -398,7 +399,9 @@ def sampling_generation_config(
     the call, so none of its values can fill a field left unset here.
 
     Args:
-        temperature, top_k, top_p: as in :func:`process_logits`.
+        temperature: as in :func:`process_logits`.
+        top_k: as in :func:`process_logits`.
+        top_p: as in :func:`process_logits`.
         max_new_tokens: completion budget (>= 1).
         eos_token_ids: ids that end a completion.   pad_token_id: the padding id.
 
@@ -568,7 +571,7 @@ def _seed_from(generator_seed: int | torch.Generator | None) -> int | None:
 
 
 @torch.no_grad()
-def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor):
+def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> Cache | None:
     """The KV cache of all but the last prompt token, computed once per distinct prompt row and copied to its repeats.
 
     ``sample_groups`` repeats each prompt R times; ``generate`` would run the prompt forward (the prefill) on all
@@ -580,11 +583,12 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
 
     Args:
         model: a transformers causal LM whose forward returns ``.cache`` (transformers >= 5) or ``.past_key_values``.
-        prompt_ids: [n, Lp] long, left padded; equal prompts on consecutive rows.   prompt_mask: [n, Lp].
+        prompt_ids: [n, Lp] long, left padded; equal prompts on consecutive rows.
+        prompt_mask: [n, Lp].
 
     Returns:
         a ``transformers.Cache`` of n rows and Lp - 1 positions, or None when there is nothing to share (no repeated
-        row, Lp < 2) or the model gives no cache (then ``generate`` prefills as usual).
+            row, Lp < 2) or the model gives no cache (then ``generate`` prefills as usual).
     """
     runs = prompt_runs(prompt_ids, prompt_mask)
     if prompt_ids.shape[1] < 2 or runs is None:
@@ -634,13 +638,15 @@ def sample_groups(
 
     Args:
         model: a causal LM with ``generate``.
-        tokenizer: its tokenizer, with a pad token (and a chat template for chat prompts); prompts are left padded
+        tokenizer (Any): its tokenizer, with a pad token (and a chat template for chat prompts); prompts are left padded
             whatever its ``padding_side``.
         examples: B task examples (objects with ``prompt`` and ``columns()``, e.g. :class:`grpo_lens.tasks.Example`),
             dicts with a ``prompt`` key and extra columns, or bare prompts (a string or a list of chat messages).
         group_size: R >= 1.
         max_new_tokens: completion budget; completions without EOS within it are flagged ``truncated``.
-        temperature, top_p, top_k: sampling settings, as in :func:`process_logits`.
+        temperature: a sampling setting, as in :func:`process_logits`.
+        top_p: a sampling setting, as in :func:`process_logits`.
+        top_k: a sampling setting, as in :func:`process_logits`.
         generator_seed: an int seed or a ``torch.Generator`` to draw one from. ``generate`` takes no generator, so the
             global torch RNG is seeded inside ``torch.random.fork_rng`` (the caller's RNG state is left as it was).
             None samples from the global RNG. Given a seed, sampling is deterministic (on the CPU).

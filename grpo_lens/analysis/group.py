@@ -112,7 +112,9 @@ def analyse_group(
         gram: [R, R] Gram matrix <g_i, g_j> of the per-rollout gradients (exact or sketched), float (symmetric PSD).
         rewards: [R] float, all valid.
         advantages: [R] the advantages the trainer used for these rollouts.
-        estimator, std, eps: how the advantages were computed (for the identity's constant).
+        estimator: the advantage estimator (for the identity's constant).
+        std: its std convention.
+        eps: its epsilon.
         completion_mask: [R, T] bool, optional (NLL control).
         completion_ids: [R, T] long, optional (distinct completions).
         num_random: draws of random zero-sum weights for ``rank/g1_random_*``.
@@ -270,7 +272,8 @@ def sketch_check_keys(
         category_sq_norms: {category: sum_i ||g_i||^2 over that category's parameters} (categories of
             :func:`parameter_category`; their sum is trace(exact_gram)).
         layer_grams: [R, R] exact Grams of the sketched (nn.Linear) weights, one per layer, for the error bound.
-        k_in, k_out: sketch sizes.
+        k_in: sketch size on the layer-input side.
+        k_out: sketch size on the layer-output side.
 
     Returns:
         ``sketch/coverage``: Σ_i ||S g_i||² / Σ_i ||g_i||² (the sketch's energy, unbiased for the part it sees, over the

@@ -165,7 +165,8 @@ def verdict_from_interval(lo: float | None, hi: float | None, control: float, ho
     """The verdict of an interval [lo, hi] against one control value (docs/theory.md §11, §12).
 
     Args:
-        lo, hi: the interval's ends; None when there is no interval.
+        lo: the interval's lower end; None when there is no interval.
+        hi: its upper end; None when there is no interval.
         control: the value the interval is compared with.
         holds_if: "above" (holds when the interval lies above the control, fails when it lies below), "below" (the
             reverse), or "contains" (holds when the interval contains the control, fails when it excludes it).

@@ -554,7 +554,8 @@ def rms_log_ratio(d: Sequence[float], v: Sequence[float]) -> dict[str, Any]:
     mean(y) estimates mean δ², with Hall's interval over prompts (:func:`grpo_lens.formulas.stats.mean_interval`).
 
     Args:
-        d, v: [n] per-prompt :func:`log_norm_ratio` pairs.
+        d: [n] per-prompt log ratios (the first of each :func:`log_norm_ratio` pair).
+        v: [n] their estimated variances (the second of each pair).
 
     Returns:
         {"msq", "lo", "hi", "n" (mean δ² and its interval), "rms", "rms_lo", "rms_hi" (their square roots, 0 below

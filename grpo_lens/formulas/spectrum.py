@@ -321,7 +321,8 @@ def g1_spectra(
         grads: [R, P] per-rollout g_i (exact or sketched).
         advantages: [R].
         completion_mask: [R, T] bool, optional.
-        num_random, seed: as in :func:`g1_controls`.
+        num_random: as in :func:`g1_controls`.
+        seed: as in :func:`g1_controls`.
     """
     assert grads.dim() == 2 and advantages.shape == (grads.shape[0],), (grads.shape, advantages.shape)
     g = grads.detach().double()

@@ -413,7 +413,11 @@ def interval_t_p(
     carries its skewness.
 
     Args:
-        mean, lo, hi: the mean and its interval (None: no interval).  n: units, >= 2.  control: c.
+        mean: the mean.
+        lo: its interval's lower end (None: no interval).
+        hi: its interval's upper end (None: no interval).
+        n: units, >= 2.
+        control: c.
         side: "above" (p of mean > c) or "below".  level: the interval's two-sided coverage.
 
     Returns:

@@ -1101,7 +1101,12 @@ def exact_rollout_gram(
         temperature: the sampling temperature. top_k, top_p: ignored (log-probs do not depend on them).
         captures: other context managers opened around the same forward and backward (e.g. a
             :class:`grpo_lens.gradients.sketch.GradientCapture` for vectors), so that they cost no pass of their own.
-        form, token_block, rollout_block, budget_bytes, check_dropped, keep_param_grams: see :class:`GramCapture`.
+        form: see :class:`GramCapture`.
+        token_block: see :class:`GramCapture`.
+        rollout_block: see :class:`GramCapture`.
+        budget_bytes: see :class:`GramCapture`.
+        check_dropped: see :class:`GramCapture`.
+        keep_param_grams: see :class:`GramCapture`.
         blocks: row-block sizes (e.g. [R] * B: each group's [R, R] block, the rest 0), see :class:`GramCapture`;
             None: the whole [N, N] Gram.
 

@@ -57,8 +57,11 @@ def lora_rollout_grads(
             exactly, [N, sum d_out d_in]).
         sketch_dim: the sketch side d_s (k_in = k_out of :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`;
             ``k``, its 0.2 name, still works with a DeprecationWarning).
-        seed, projection, dtype: of the sketch (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
-        score_weights: [N] omega_i (:func:`grpo_lens.gradients.scores.rollout_scores`).  temperature: the sampler's.
+        seed: the sketch's seed (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
+        projection: the sketch's projection.
+        dtype: the sketch's dtype.
+        score_weights: [N] omega_i (:func:`grpo_lens.gradients.scores.rollout_scores`).
+        temperature: the sampler's.
 
     Returns:
         [N, P_adapter] in the model's dtype (exact) or [N, P_s] in ``dtype`` (sketch).

@@ -127,7 +127,8 @@ class GradientCapture:
 
     Args:
         model: the module whose linear layers are hooked (its forward marks passes).
-        k_in, k_out: sketch sizes per side (ignored with ``projection="identity"``).
+        k_in: sketch size on the layer-input side (ignored with ``projection="identity"``).
+        k_out: sketch size on the layer-output side (likewise).
         include: layer filter (:func:`linear_layer_names`).
         projection: ``"gaussian"`` or ``"identity"`` (P = I: the exact per-row weight gradient; for tests).
         seed: projection seed.
@@ -352,7 +353,13 @@ def sketch_rollout_grads(
     Args:
         model: causal LM.
         batch: N rollouts.
-        k_in, k_out, include, projection, seed, token_norms, dtype: see :class:`GradientCapture`.
+        k_in: see :class:`GradientCapture`.
+        k_out: see :class:`GradientCapture`.
+        include: see :class:`GradientCapture`.
+        projection: see :class:`GradientCapture`.
+        seed: see :class:`GradientCapture`.
+        token_norms: see :class:`GradientCapture`.
+        dtype: see :class:`GradientCapture`.
         weights: [N] row weights (``A`` gives sketched G1 rows A_i g_i).
         score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|; docs/theory.md §3).
         exact_layers: linear layer names whose exact per-row weight gradients are captured in the same pass (a second

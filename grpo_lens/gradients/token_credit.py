@@ -111,11 +111,12 @@ def signed_token_contributions(
 
     Args:
         model: causal LM.  group: its R rollouts.  advantages: [R].  aggregation: the loss aggregation.
-        step, temperature: see :func:`token_directional_derivatives`.
+        step: see :func:`token_directional_derivatives`.
+        temperature: see :func:`token_directional_derivatives`.
 
     Returns:
         {"contributions": [R, T] float64 (0 off the completion), "weights": [R, T] w_{i,t},
-         "closure": sum s - 1 (0 up to the finite-difference error), "update_norm": ||u||}; all-zero contributions
+            "closure": sum s - 1 (0 up to the finite-difference error), "update_norm": ||u||}; all-zero contributions
         and closure NaN when u = 0 (no reward contrast).
     """
     params = [p for p in model.parameters() if p.requires_grad]

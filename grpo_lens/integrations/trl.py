@@ -111,7 +111,11 @@ def lens_settings(
     Args:
         sketch_dim: sketch side per linear layer (as ``--sketch-dim``; default 16).
         lens_sketch_dim: its deprecated 0.2 name (a DeprecationWarning).
-        the rest: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        args: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        space: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        seed: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        multi_objective_aggregation: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        gram_source: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
 
     Raises:
         ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
@@ -182,9 +186,13 @@ def run_config(
     settings, and the TRL names themselves under ``trl`` (what ran, in TRL's words).
 
     Args:
-        args: the run's ``trl.GRPOConfig``.   settings: :func:`lens_settings` of it.   model: the model's name or
-        path.   max_steps: TRL's resolved number of optimizer steps.   lens_every, lora_rank: the lens's period and
-        the peft adapter's rank (0 without peft).   world_size: processes.
+        args: the run's ``trl.GRPOConfig``.
+        settings: :func:`lens_settings` of it.
+        model: the model's name or path.
+        max_steps: TRL's resolved number of optimizer steps.
+        lens_every: the lens's period.
+        lora_rank: the peft adapter's rank (0 without peft).
+        world_size: processes.
     """
     trl_names = (
         "num_generations",

@@ -133,8 +133,10 @@ class LensSettings:
 
         Args:
             args: the ``trl.GRPOConfig`` (any object with those attributes).
-            sketch_dim: sketch side per linear layer (as ``--sketch-dim``).   space: ``trainable`` or ``full``
-            (``--lens-space``).   seed: the lens's seed.   multi_objective_aggregation: TRL's trainer attribute.
+            sketch_dim: sketch side per linear layer (as ``--sketch-dim``).
+            space: ``trainable`` or ``full`` (``--lens-space``).
+            seed: the lens's seed.
+            multi_objective_aggregation: TRL's trainer attribute.
             gram_source: ``exact`` or ``sketch`` (``--gram-source``).
 
         Raises:

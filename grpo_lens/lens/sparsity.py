@@ -339,7 +339,7 @@ class Bf16UpdateTracker:
 
         Returns:
             {"sparsity/update_step": share unchanged since the previous call (or the start),
-             "sparsity/update_total": share unchanged since the start}.
+                "sparsity/update_total": share unchanged since the start}.
         """
         current = self._snapshot()
         out = {

@@ -348,8 +348,9 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
 
     Args:
         config: probe settings; ``out`` is required.
-        policy, tokenizer: an already loaded model (the demo passes the trained one); loaded from config.model if
-            None.
+        policy (torch.nn.Module | None): an already loaded model (the demo passes the trained one); loaded from
+            config.model if None.
+        tokenizer (Any): its tokenizer; loaded with the model if None.
 
     Raises:
         ConfigError: bad settings, --out holding a probe without --overwrite (or a partial one without --resume or

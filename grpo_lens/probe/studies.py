@@ -56,7 +56,7 @@ def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_
 
     Returns:
         {"measured": bootstrap_mean over prompts of the indicator, "predicted": bootstrap_mean of the estimate,
-         "difference": bootstrap_mean of measured - predicted, "prompts": B used, "rollouts_per_prompt": M}.
+            "difference": bootstrap_mean of measured - predicted, "prompts": B used, "rollouts_per_prompt": M}.
 
     Raises:
         ValueError: M - R < R.
@@ -135,9 +135,9 @@ def run_baseline_study(
 
     Returns:
         {"baselines": :func:`grpo_lens.formulas.baselines.baseline_study` (per-prompt rows trimmed to
-         numbers), "s1": :func:`s1_measured_and_predicted` over every sampled prompt, "meta": {group_size,
-         rollouts_per_prompt, prompts_sampled, gradients: "sketch of every nn.Linear weight", sketch_dim,
-         aggregation, seconds, presampled_prompts (of prompts_sampled, those from ``presampled``)}}.
+            numbers), "s1": :func:`s1_measured_and_predicted` over every sampled prompt, "meta": {group_size,
+            rollouts_per_prompt, prompts_sampled, gradients: "sketch of every nn.Linear weight", sketch_dim,
+            aggregation, seconds, presampled_prompts (of prompts_sampled, those from ``presampled``)}}.
 
     Raises:
         ValueError: pool_factor < 4 (the study needs M >= 4R).
@@ -286,16 +286,16 @@ def run_credit_study(
 
     Returns:
         {"contributions": {"position_profile": per relative-position bin, bootstrap_mean over groups of the bin's
-         summed share; "classes": {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups};
-         "classes_nll": {class: {"ratio": the same tokens' ratio under NLL weights (every A_i = 1: the control with
-         the same gradient geometry), "ratio_minus_nll": the paired difference per group}: bootstrap_mean over groups};
-         "shares", "shares_nll": each group's class shares under A and NLL weights (what --seeds pools);
-         "closure": max |sum s - 1| over groups; "groups": n},
-         "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
-         disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
-         bootstrap_mean over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
-         rollouts (beyond 2 SE), "samples_per_prefix": K_mc},
-         "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
+            summed share; "classes": {class: {"update_share", "token_share", "ratio"}: bootstrap_mean over groups};
+            "classes_nll": {class: {"ratio": the same tokens' ratio under NLL weights (every A_i = 1: the control with
+            the same gradient geometry), "ratio_minus_nll": the paired difference per group}: bootstrap_mean over
+            groups}; "shares", "shares_nll": each group's class shares under A and NLL weights (what --seeds pools);
+            "closure": max |sum s - 1| over groups; "groups": n},
+            "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
+            disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
+            bootstrap_mean over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
+            rollouts (beyond 2 SE), "samples_per_prefix": K_mc},
+            "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
     """
     t_start = time.perf_counter()
     R = group_size

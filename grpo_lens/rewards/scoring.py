@@ -276,7 +276,7 @@ def combine_rewards(
         columns: task columns, each a list of N values (e.g. ``answer``), passed to every function by keyword; a
             column may have any name but the reserved ones (:data:`RESERVED_COLUMNS`).
         completion_ids: N lists of completion token ids.   trainer_state: passed as is (e.g. :class:`RewardState`).
-        kwargs: more columns (the older form; a column named ``timeout_s`` or like a parameter here must go in
+        kwargs (Any): more columns (the older form; a column named ``timeout_s`` or like a parameter here must go in
             ``columns``).
 
     Raises:

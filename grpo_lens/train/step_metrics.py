@@ -232,8 +232,13 @@ def dead_group_metrics(
     rollout's units are its share of the aggregation's normaliser, :data:`grpo_lens.formulas.losses.LOSS_AGGREGATIONS`).
 
     Args:
-        rewards: [N] float (NaN invalid).  valid: [N] bool.  advantages: [N].  loss_mask: [N, T] bool, the tokens the
-        loss sums.  aggregation: a loss aggregation's name.  max_new_tokens: T_max.  group_size: R.
+        rewards: [N] float (NaN invalid).
+        valid: [N] bool.
+        advantages: [N].
+        loss_mask: [N, T] bool, the tokens the loss sums.
+        aggregation: a loss aggregation's name.
+        max_new_tokens: T_max.
+        group_size: R.
     """
     R = group_size
     counts = dead_group_counts(rewards.view(-1, R).cpu(), valid.view(-1, R).cpu(), best=1.0, worst=0.0)
