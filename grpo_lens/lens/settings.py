@@ -176,7 +176,7 @@ class LensSettings:
         )
 
 
-def as_lens_settings(config: Any) -> LensSettings:
+def as_lens_settings(config: LensSettings | TrainConfig) -> LensSettings:
     """``config`` as :class:`LensSettings`: itself, or :meth:`LensSettings.from_train_config` of a
     :class:`grpo_lens.config.TrainConfig`.
 

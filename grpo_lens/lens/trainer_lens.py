@@ -264,7 +264,7 @@ class TrainerLens:
         rewards: torch.Tensor,
         valid: torch.Tensor,
         advantages: torch.Tensor,
-        capture: Any,
+        capture: MicroBatchGrams | GradientCapture,
     ) -> dict[str, float]:
         """:meth:`measure` from what ``capture`` took in the update's first pass: the exact Gram
         (:class:`MicroBatchGrams`, :func:`score_gram_from_update`) or the sketched rows (:class:`GradientCapture`,
