@@ -30,6 +30,7 @@ LINTED := grpo_lens tests benchmarks tools
 test: install
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 test-all: install

@@ -97,7 +97,8 @@ def _run_demo(config: DemoConfig) -> Path:
         logger.info("[1/4] probing the initial model (R = %s)", config.probe_group_sizes)
         run_probe(config.probe_config(config.model, before, resume=PartialProbe(before).exists()))
 
-    run_dir = Path(train_cfg.out)
+    # the demo sets out
+    run_dir = Path(train_cfg.out)  # type: ignore[arg-type]
     final = run_dir / "final_model"
     if not final.exists():
         logger.info("[2/4] GRPO training for %d steps with the lens every %d", config.max_steps, config.lens_every)
@@ -376,6 +377,7 @@ def _run_preset(config: DemoConfig) -> Path:
         ConfigError: a demo flag other than --out, --device, --overwrite given with --preset, a bad preset file, or
             an OUT this run may not write into (:func:`_check_preset_out`); all before anything is written.
     """
+    assert config.preset is not None  # run_demo comes here only with --preset
 
     defaults = DemoConfig().to_dict()
     given = [k for k, v in config.to_dict().items() if k not in PRESET_FLAGS and v != defaults[k]]
@@ -421,7 +423,8 @@ def _run_preset(config: DemoConfig) -> Path:
         logger.info("[2/3] train --seeds %s into %s", preset.train_seeds, train_dir)
 
         def run(sub: TrainConfig) -> None:  # a finished seed is kept without loading its model
-            if not (sub.resume and (_last_step(Path(sub.out)) or 0) >= sub.max_steps):
+            # train --seeds gives every seed its out
+            if not (sub.resume and (_last_step(Path(sub.out)) or 0) >= sub.max_steps):  # type: ignore[arg-type]
                 train(sub)
 
         run_train_seeds(replace(train_cfg, resume=train_dir.exists()), preset.train_seeds, run)

@@ -18,9 +18,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 #: Name fragment of peft's adapter modules (``...q_proj.lora_A.default``); base layers are ``...q_proj.base_layer``.
 ADAPTER_MARK = "lora_"
@@ -62,8 +65,14 @@ def apply_lora(
             "--lora-rank needs peft: pip install '.[lora]' in the grpo-lens folder (or pip install peft)"
         ) from None
     targets: Any = "all-linear" if list(target_modules) == ["all-linear"] else list(target_modules)
+    # peft's annotation says int; it takes a float
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+        r=rank,
+        lora_alpha=alpha,  # type: ignore[arg-type]
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, config)
@@ -78,12 +87,15 @@ def apply_lora(
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain transformers model with the adapter folded into the base weights (W + alpha/r B A); ``model`` is
     left as it was."""
-    return copy.deepcopy(model).merge_and_unload()
+    # nn.Module types a transformers/peft model's attribute as Tensor | Module
+    return copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
 
 
-def save_lora_model(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
+def save_lora_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
     """Write the merged model + tokenizer into ``path`` (loadable as ``--model path`` without peft) and the adapter
     alone into ``path/adapter`` (``PeftModel.from_pretrained(base, path/adapter)``)."""
-    merged_copy(model).save_pretrained(path)
+    # nn.Module types a transformers/peft model's attribute as Tensor | Module
+    merged_copy(model).save_pretrained(path)  # type: ignore[operator]
     tokenizer.save_pretrained(path)
-    model.save_pretrained(path / "adapter")
+    # nn.Module types a transformers/peft model's attribute as Tensor | Module
+    model.save_pretrained(path / "adapter")  # type: ignore[operator]

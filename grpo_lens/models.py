@@ -43,6 +43,7 @@ from transformers import (
     LlamaForCausalLM,
     NemotronConfig,
     NemotronForCausalLM,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 
@@ -235,7 +236,9 @@ def build_tiny_tokenizer():
     return _finish_tokenizer(tokenizer)
 
 
-def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, arch: str = "llama"):
+def build_tiny_model(
+    tokenizer=None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, arch: str = "llama"
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """A small random causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128, init std 0.2) with fixed
     weights: a LlamaForCausalLM of 107,200 parameters with the 259-token :func:`build_tiny_tokenizer`, or with
     ``arch="nemotron"`` a NemotronForCausalLM (LayerNorm1P with weight and bias, squared-ReLU MLP, rotary embedding
@@ -244,10 +247,11 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
     The weights depend only on ``seed`` (drawn inside ``torch.random.fork_rng``, so the global RNG is untouched).
 
     Args:
-        tokenizer: the tokenizer whose vocabulary and special tokens the model uses; :func:`build_tiny_tokenizer`
+        tokenizer (Any): the tokenizer whose vocabulary and special tokens the model uses; :func:`build_tiny_tokenizer`
             if None.
         seed: weight seed.
-        hidden_size, num_layers: size knobs.
+        hidden_size: the model's width.
+        num_layers: its number of decoder layers.
         arch: "llama" or "nemotron".
 
     Returns:
@@ -278,12 +282,13 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
     config = (
         LlamaConfig(**common)
         if arch == "llama"
-        else NemotronConfig(**common, head_dim=hidden_size // 4, partial_rotary_factor=0.5)
+        # transformers' config takes model-specific keywords
+        else NemotronConfig(**common, head_dim=hidden_size // 4, partial_rotary_factor=0.5)  # type: ignore[call-arg]
     )
     model_class = LlamaForCausalLM if arch == "llama" else NemotronForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config)
+        model = model_class(config)  # type: ignore[arg-type]  # the config class matches the model class
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -291,10 +296,11 @@ def build_tiny_model(tokenizer=None, seed: int = 0, hidden_size: int = 64, num_l
 
 
 def _gguf_cache_path(source: ModelSource) -> Path:
-    gguf = Path(source.path) / source.gguf_file
+    gguf = Path(source.path) / source.gguf_file  # type: ignore[operator]  # a GGUF source has gguf_file
     stat = gguf.stat()
     digest = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{Path(source.gguf_file).stem}-{digest}"
+    # a GGUF source has gguf_file
+    return cache_dir() / "models" / f"{Path(source.gguf_file).stem}-{digest}"  # type: ignore[arg-type]
 
 
 def same_model_key(name_or_path: str | os.PathLike) -> str:
@@ -321,7 +327,8 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
     # A dequantised model is a plain float model: drop the GGUF quantizer so that save_pretrained writes ordinary
     # safetensors and from_pretrained does not try to re-quantise them.
-    model.hf_quantizer = None
+    # nn.Module types a transformers/peft model's attribute as Tensor | Module
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     for attr in ("is_quantized", "quantization_method"):

@@ -72,7 +72,8 @@ def declared_names(module: str, registry: str) -> list[str]:
     loaded = sys.modules.get(module)
     if loaded is not None:
         return getattr(loaded, registry).names()
-    names = sorted(
+    # register's first argument is a name (str)
+    names = sorted(  # type: ignore[type-var]
         {
             node.args[0].value
             for node in ast.walk(_source_tree(module))
@@ -87,7 +88,8 @@ def declared_names(module: str, registry: str) -> list[str]:
     )
     if not names:
         raise ValueError(f"{module} registers nothing under {registry}")
-    return names
+    # register's first argument is a name (str)
+    return names  # type: ignore[return-value]
 
 
 def declared_constant(module: str, name: str) -> Any:
@@ -104,8 +106,9 @@ def declared_constant(module: str, name: str) -> Any:
         targets = (
             node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
         )
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
-            return ast.literal_eval(node.value)
+        # targets is [] unless node is an (Ann)Assign
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:  # type: ignore[attr-defined]
+            return ast.literal_eval(node.value)  # type: ignore[attr-defined]
     raise ValueError(f"{module} assigns no literal constant {name}")
 
 

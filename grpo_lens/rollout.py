@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, GenerationConfig
+from transformers import Cache, DynamicCache, GenerationConfig
 
 
 @dataclass
@@ -267,6 +268,18 @@ def token_entropy(logits: Tensor, normalized: bool = False) -> Tensor:
         return entropy
 
 
+@overload
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float = ..., return_entropy: Literal[False] = ...
+) -> Tensor: ...
+@overload
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float, return_entropy: Literal[True]
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, temperature: float = ..., return_entropy: bool = ...
+) -> Tensor | tuple[Tensor, Tensor]: ...
 def batch_logprobs(
     model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0, return_entropy: bool = False
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -301,7 +314,8 @@ def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor
     of equal consecutive rows (the groups of :func:`sample_groups`); None when no row equals the one before it.
 
     Args:
-        prompt_ids, prompt_mask: [N, Lp].
+        prompt_ids: [N, Lp].
+        prompt_mask: [N, Lp].
     """
     if prompt_ids.shape[0] < 2:
         return None
@@ -376,7 +390,7 @@ def group_logprobs(
 
 def sampling_generation_config(
     *, temperature: float, top_k: int, top_p: float, max_new_tokens: int, eos_token_ids: list[int], pad_token_id: int
-):
+) -> GenerationConfig:
     """The ``transformers.GenerationConfig`` of grpo-lens' sampler, built from its own settings alone.
 
     Ancestral sampling from :func:`process_logits` (temperature -> top-k -> top-p) and nothing else: no field of the
@@ -385,7 +399,9 @@ def sampling_generation_config(
     the call, so none of its values can fill a field left unset here.
 
     Args:
-        temperature, top_k, top_p: as in :func:`process_logits`.
+        temperature: as in :func:`process_logits`.
+        top_k: as in :func:`process_logits`.
+        top_p: as in :func:`process_logits`.
         max_new_tokens: completion budget (>= 1).
         eos_token_ids: ids that end a completion.   pad_token_id: the padding id.
 
@@ -555,7 +571,7 @@ def _seed_from(generator_seed: int | torch.Generator | None) -> int | None:
 
 
 @torch.no_grad()
-def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor):
+def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> Cache | None:
     """The KV cache of all but the last prompt token, computed once per distinct prompt row and copied to its repeats.
 
     ``sample_groups`` repeats each prompt R times; ``generate`` would run the prompt forward (the prefill) on all
@@ -567,11 +583,12 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
 
     Args:
         model: a transformers causal LM whose forward returns ``.cache`` (transformers >= 5) or ``.past_key_values``.
-        prompt_ids: [n, Lp] long, left padded; equal prompts on consecutive rows.   prompt_mask: [n, Lp].
+        prompt_ids: [n, Lp] long, left padded; equal prompts on consecutive rows.
+        prompt_mask: [n, Lp].
 
     Returns:
         a ``transformers.Cache`` of n rows and Lp - 1 positions, or None when there is nothing to share (no repeated
-        row, Lp < 2) or the model gives no cache (then ``generate`` prefills as usual).
+            row, Lp < 2) or the model gives no cache (then ``generate`` prefills as usual).
     """
     runs = prompt_runs(prompt_ids, prompt_mask)
     if prompt_ids.shape[1] < 2 or runs is None:
@@ -585,7 +602,8 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
             attention_mask=mask,
             position_ids=position_ids,
             use_cache=True,
-            cache=DynamicCache(config=model.config),
+            # nn.Module types a transformers model's attribute as Tensor | Module
+            cache=DynamicCache(config=model.config),  # type: ignore[arg-type]
             logits_to_keep=1,
         )
     except (TypeError, ValueError, AttributeError):  # not a transformers >= 5 causal LM: no sharing
@@ -664,7 +682,8 @@ def _generate_chunks(
     model.eval()
     try:
         # Hide the model's own generation_config: generate() fills every field left unset in ours from it.
-        model.generation_config = GenerationConfig()
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        model.generation_config = GenerationConfig()  # type: ignore[assignment]
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
@@ -673,7 +692,10 @@ def _generate_chunks(
                 mask = prompt_mask[start : start + step]
                 cache = shared_prompt_cache(model, ids, mask) if share_prompt_prefill else None
                 extra = {"cache": cache} if cache is not None else {}
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **extra)
+                # nn.Module types a transformers model's attribute as Tensor | Module
+                out = model.generate(  # type: ignore[operator]
+                    input_ids=ids, attention_mask=mask, generation_config=generation_config, **extra
+                )
                 sampled = out.sequences[:, ids.shape[1] :]  # [n, t]
                 # logits[t]: the raw logits [n, V] the token at step t was drawn from (before any processing); one
                 # step at a time (the same values as of the stacked [n, t, V], without the copy)
@@ -683,7 +705,8 @@ def _generate_chunks(
                 chunks_ids.append(sampled)
                 chunks_logp.append(logp)
     finally:
-        model.generation_config = model_generation_config
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        model.generation_config = model_generation_config  # type: ignore[assignment]
         model.train(was_training)
     return chunks_ids, chunks_logp
 
@@ -714,13 +737,15 @@ def sample_groups(
 
     Args:
         model: a causal LM with ``generate``.
-        tokenizer: its tokenizer, with a pad token (and a chat template for chat prompts); prompts are left padded
+        tokenizer (Any): its tokenizer, with a pad token (and a chat template for chat prompts); prompts are left padded
             whatever its ``padding_side``.
         examples: B task examples (objects with ``prompt`` and ``columns()``, e.g. :class:`grpo_lens.tasks.Example`),
             dicts with a ``prompt`` key and extra columns, or bare prompts (a string or a list of chat messages).
         group_size: R >= 1.
         max_new_tokens: completion budget; completions without EOS within it are flagged ``truncated``.
-        temperature, top_p, top_k: sampling settings, as in :func:`process_logits`.
+        temperature: a sampling setting, as in :func:`process_logits`.
+        top_p: a sampling setting, as in :func:`process_logits`.
+        top_k: a sampling setting, as in :func:`process_logits`.
         generator_seed: an int seed or a ``torch.Generator`` to draw one from. ``generate`` takes no generator, so the
             global torch RNG is seeded inside ``torch.random.fork_rng`` (the caller's RNG state is left as it was).
             None samples from the global RNG. Given a seed, sampling is deterministic (on the CPU).

@@ -601,7 +601,7 @@ class RunDir:
     def write_config(self, config_dict: dict[str, Any]) -> None:
         """Write config.yaml atomically. ``resume`` and ``overwrite`` say how one command treated --out, not what the
         run is: they are stored as False, so resuming with the same settings rewrites the same bytes."""
-        stored = {**config_dict, **{k: False for k in ("resume", "overwrite") if k in config_dict}}
+        stored: dict[str, Any] = {**config_dict, **{k: False for k in ("resume", "overwrite") if k in config_dict}}
         atomic_write_text(self.config_path, config_header() + yaml.safe_dump(stored, sort_keys=False))
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -701,11 +701,14 @@ class RunDir:
         half-written temporary folders."""
         if not self.checkpoints.is_dir():
             return
+        # only step-* folders with a step
         done = sorted(
-            (p for p in self.checkpoints.glob("step-*") if p.is_dir() and _step_of(p) is not None), key=_step_of
+            (p for p in self.checkpoints.glob("step-*") if p.is_dir() and _step_of(p) is not None),
+            key=_step_of,  # type: ignore[arg-type]
         )
-        older = [p for p in done if _step_of(p) < step]
-        stale = [p for p in done if _step_of(p) > step]
+        # only step-* folders with a step
+        older = [p for p in done if _step_of(p) < step]  # type: ignore[operator]
+        stale = [p for p in done if _step_of(p) > step]  # type: ignore[operator]
         kept_older = max(0, keep - (1 if any(_step_of(p) == step for p in done) else 0))
         for old in older[: max(0, len(older) - kept_older)] + stale:
             shutil.rmtree(old, ignore_errors=True)
@@ -825,9 +828,10 @@ class RunDir:
             (
                 p
                 for p in self.checkpoints.glob("step-*")
-                if p.is_dir() and _step_of(p) is not None and step is not None and _step_of(p) < step
+                # only step-* folders with a step
+                if p.is_dir() and _step_of(p) is not None and step is not None and _step_of(p) < step  # type: ignore[operator]
             ),
-            key=_step_of,
+            key=_step_of,  # type: ignore[arg-type]
         )
         if older:
             return (

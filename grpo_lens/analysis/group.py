@@ -112,7 +112,9 @@ def analyse_group(
         gram: [R, R] Gram matrix <g_i, g_j> of the per-rollout gradients (exact or sketched), float (symmetric PSD).
         rewards: [R] float, all valid.
         advantages: [R] the advantages the trainer used for these rollouts.
-        estimator, std, eps: how the advantages were computed (for the identity's constant).
+        estimator: the advantage estimator (for the identity's constant).
+        std: its std convention.
+        eps: its epsilon.
         completion_mask: [R, T] bool, optional (NLL control).
         completion_ids: [R, T] long, optional (distinct completions).
         num_random: draws of random zero-sum weights for ``rank/g1_random_*``.
@@ -161,7 +163,8 @@ def analyse_group(
         if 0 < k < R:
             out.update({key: float(v) for key, v in baseline_metrics(gram.diagonal(), rw).items()})
             two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
-            c = identity_constant(estimator, k, R, std, eps)  # None: the estimator has no decomposition
+            # the config's check allows only these names
+            c = identity_constant(estimator, k, R, std, eps)  # type: ignore[arg-type]  # None: the estimator has no decomposition
             if c is not None and two_valued:
                 out[GRAD_IDENTITY_CONSTANT] = c
                 out[GRAD_IDENTITY_RESIDUAL] = identity_residual(gram, labels, a, c)
@@ -204,7 +207,8 @@ def lens_rank_intervals(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     for m in LENS_INTERVAL_MEASURES:
         ci = mean_interval([row.get(RANK_G1.format(m=m)) for row in rows])
         if ci["lo"] is not None:
-            out[RANK_G1_LENS_LO.format(m=m)], out[RANK_G1_LENS_HI.format(m=m)] = ci["lo"], ci["hi"]
+            # lo set: hi is set too
+            out[RANK_G1_LENS_LO.format(m=m)], out[RANK_G1_LENS_HI.format(m=m)] = ci["lo"], ci["hi"]  # type: ignore[assignment]
     return out
 
 
@@ -233,7 +237,8 @@ def g2_keys(
     """
     s = svals(g2.double(), method="gram") if singular_values is None else singular_values
     out = {rank_key("g2", m): v for m, v in rank_measures(s).items()}
-    out[RANK_G2_NUMERICAL_RANK] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))
+    # G2 is a matrix
+    out[RANK_G2_NUMERICAL_RANK] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))  # type: ignore[arg-type]
     out[RANK_G2_RANK_BOUND] = float(rank_bound)
     return out
 
@@ -267,7 +272,8 @@ def sketch_check_keys(
         category_sq_norms: {category: sum_i ||g_i||^2 over that category's parameters} (categories of
             :func:`parameter_category`; their sum is trace(exact_gram)).
         layer_grams: [R, R] exact Grams of the sketched (nn.Linear) weights, one per layer, for the error bound.
-        k_in, k_out: sketch sizes.
+        k_in: sketch size on the layer-input side.
+        k_out: sketch size on the layer-output side.
 
     Returns:
         ``sketch/coverage``: Σ_i ||S g_i||² / Σ_i ||g_i||² (the sketch's energy, unbiased for the part it sees, over the

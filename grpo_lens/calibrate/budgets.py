@@ -117,14 +117,15 @@ def holm_summary(result: dict[str, Any], rows: list[dict[str, Any]], alpha: floa
             chosen[claim] = (route, [r for r in rows if r["rule"] == route[0] and str(r["n"]) == route[1]])
 
     def joint(picks: dict[str, dict[str, Any] | None]) -> tuple[list[list[str]], list[str]]:
-        names = [c for c, row in picks.items() if row is not None]
-        trials = min((len(picks[c]["p"]) for c in names), default=0)
-        tables = [holm_verdicts([tuple(picks[c]["p"][t]) for c in names], alpha) for t in range(trials)]
+        given = {c: row for c, row in picks.items() if row is not None}
+        names = list(given)
+        trials = min((len(given[c]["p"]) for c in names), default=0)
+        tables = [holm_verdicts([tuple(given[c]["p"][t]) for c in names], alpha) for t in range(trials)]
         return tables, names
 
     def wrong_share(picks: dict[str, dict[str, Any] | None]) -> float:
         tables, names = joint(picks)
-        bad = {c: HOLDS if picks[c]["truth"] == "false" else DOES_NOT_HOLD for c in names}
+        bad = {c: HOLDS if (picks[c] or {}).get("truth") == "false" else DOES_NOT_HOLD for c in names}
         return sum(any(v == bad[c] for c, v in zip(names, tab)) for tab in tables) / max(len(tables), 1)
 
     def right_share(picks: dict[str, dict[str, Any] | None], branch: str) -> dict[str, float | None]:

@@ -89,7 +89,7 @@ class Claim:
         if self.kind not in KINDS:
             raise ValueError(f"unknown kind {self.kind!r}; valid: {', '.join(KINDS)}")
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, Any]:
         """The record as a plain dict (for JSON)."""
         return asdict(self)
 
@@ -165,7 +165,8 @@ def verdict_from_interval(lo: float | None, hi: float | None, control: float, ho
     """The verdict of an interval [lo, hi] against one control value (docs/theory.md §11, §12).
 
     Args:
-        lo, hi: the interval's ends; None when there is no interval.
+        lo: the interval's lower end; None when there is no interval.
+        hi: its upper end; None when there is no interval.
         control: the value the interval is compared with.
         holds_if: "above" (holds when the interval lies above the control, fails when it lies below), "below" (the
             reverse), or "contains" (holds when the interval contains the control, fails when it excludes it).
@@ -222,9 +223,10 @@ def holm_claims(claims: list[Claim], alpha: float = FAMILY_LEVEL) -> tuple[list[
     """
     rows = [c for c in claims if tested(c)]
     hyps = [(i, b, p) for i, c in enumerate(rows) for b, p in ((HOLDS, c.p_holds), (DOES_NOT_HOLD, c.p_dnh))]
-    rejected = holm([p for _, _, p in hyps], alpha)
+    # tested(): both p-values are set
+    rejected = holm([p for _, _, p in hyps], alpha)  # type: ignore[misc]
     m2 = len(hyps)
-    order = sorted(range(m2), key=lambda j: hyps[j][2])
+    order = sorted(range(m2), key=lambda j: hyps[j][2])  # type: ignore[arg-type, return-value]
     threshold = {j: alpha / (m2 - rank) for rank, j in enumerate(order)}
     new: list[Claim] = []
     for i, c in enumerate(rows):

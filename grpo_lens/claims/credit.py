@@ -163,7 +163,8 @@ def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, A
     counts = [prefix_success_counts(r["values"], r["errors"], mc_samples) for r in rows]
     if any(c is None for c in counts):
         return None
-    diffs = [opposing_differences(c, r["grpo_advantage"]) for c, r in zip(counts, rows)]
+    # no None: checked above
+    diffs = [opposing_differences(c, r["grpo_advantage"]) for c, r in zip(counts, rows)]  # type: ignore[arg-type]
     tests = max((len(x) for x in diffs), default=0)
     out: dict[str, Any] = {"mc_samples": mc_samples, "rollouts": len(rows), "tests": tests}
     if tests == 0:
@@ -221,7 +222,8 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     if any(c is None for c in counts):
         what = "prefix values are not means of 0/1 rewards"
         return [Claim(claim, scope, what, control, INCONCLUSIVE, "the opposing shifts need 0/1 rewards", source)]
-    shifts = opposing_shifts(counts, [r["grpo_advantage"] for r in rows], mc_samples)
+    # no None: checked above
+    shifts = opposing_shifts(counts, [r["grpo_advantage"] for r in rows], mc_samples)  # type: ignore[arg-type]
     if not shifts:
         what = "no interior segment (fewer than 2 prefixes)"
         return [Claim(claim, scope, what, control, INCONCLUSIVE, "nothing to test", source)]

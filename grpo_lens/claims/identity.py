@@ -69,7 +69,7 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
             if g.get(GRAD_IDENTITY_RESIDUAL) is not None and GROUP_SIZE in g:
                 k, R = int(g[GROUP_CORRECT]), int(g[GROUP_SIZE])
                 gaps.setdefault(R, []).append(
-                    abs(1 - rank2_constant(k, R, other, eps) / rank2_constant(k, R, std, eps))
+                    abs(1 - rank2_constant(k, R, other, eps) / rank2_constant(k, R, std, eps))  # type: ignore[arg-type]  # a stored config's std: sample or population
                 )
         if gaps:
             # the two stds differ by sqrt(R / (R - 1)) whatever k, so the gap is one value per R (eps aside)

@@ -136,7 +136,8 @@ def rank_two_test(groups: list[dict[str, Any]], min_groups: int = MIN_RANK_GROUP
         "E1 above 0.9 (one direction)": mean_test_p(e1, TOP_SHARE, "above"),
         f"no structure (reduction below {fmt(STRUCTURE_BOUNDARY)})": mean_test_p(red, STRUCTURE_BOUNDARY, "below"),
     }
-    route = min(routes, key=routes.get)
+    # routes' keys: get never returns None
+    route = min(routes, key=routes.get)  # type: ignore[arg-type]
     return {**out, "p_holds": p_holds, "p_dnh": min(1.0, len(routes) * routes[route]), "route": route}
 
 

@@ -102,8 +102,9 @@ def after_warmup(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     lrs = [r.get(LR) for r in records]
     if not records or any(v is None for v in lrs):
         return records
-    top = max(float(v) for v in lrs)
-    first = next(i for i, v in enumerate(lrs) if float(v) >= top * (1 - 1e-9))
+    # no None: checked above
+    top = max(float(v) for v in lrs)  # type: ignore[arg-type]
+    first = next(i for i, v in enumerate(lrs) if float(v) >= top * (1 - 1e-9))  # type: ignore[arg-type]
     return records[first:]
 
 
@@ -154,12 +155,13 @@ def trend_verdict(series: list[Series], min_points: int, within: str) -> tuple[s
     nums = {**t, "rho": rho, "p_holds": t["p_up"], "p_dnh": t["p_down"], "route": route, "k": k}
     if not enough or t["slope"] is None:
         return INCONCLUSIVE, short, {**nums, "p_holds": 1.0, "p_dnh": 1.0}
-    verdict = decide(t["p_up"], t["p_down"])
+    # t['slope'] set: both p-values are set
+    verdict = decide(t["p_up"], t["p_down"])  # type: ignore[arg-type]
     if verdict == HOLDS:
         return HOLDS, f"{what}, one-sided p {t['p_up']:.2g} <= {BRANCH_LEVEL}", nums
     if verdict == DOES_NOT_HOLD:
         return DOES_NOT_HOLD, f"{what}: falls, one-sided p {t['p_down']:.2g} <= {BRANCH_LEVEL}", nums
-    return INCONCLUSIVE, f"{what}, one-sided p {min(t['p_up'], t['p_down']):.2g} > {BRANCH_LEVEL}", nums
+    return INCONCLUSIVE, f"{what}, one-sided p {min(t['p_up'], t['p_down']):.2g} > {BRANCH_LEVEL}", nums  # type: ignore[type-var]
 
 
 def seed_records(data: dict[str, Any]) -> list[list[dict[str, Any]]]:

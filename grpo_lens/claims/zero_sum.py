@@ -85,7 +85,8 @@ def relabelling_test(groups: list[dict[str, Any]], level: float = 0.95, stat: st
         mean_room = sum(room) / len(room)
         out["theta"] = theta
         if u["lo"] is not None:
-            out["lo"], out["hi"] = theta + u["lo"] / mean_room, theta + u["hi"] / mean_room
+            # lo set: hi is set too
+            out["lo"], out["hi"] = theta + u["lo"] / mean_room, theta + u["hi"] / mean_room  # type: ignore[operator]
     return out
 
 
@@ -218,7 +219,8 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
         no_difference = band_verdict(ci["lo"], ci["hi"], -EQUIVALENCE_REL, EQUIVALENCE_REL)
         # descriptive since 0.3: the 0.2 rule said *does not hold* whether the zero-sum constraint was
         # irrelevant (0.75-0.95) or decisive (1.0) on planted cases, so it cannot tell them apart; no verdict
-        if n < MIN_GROUPS or ci["lo"] is None:
+        # n: a count
+        if n < MIN_GROUPS or ci["lo"] is None:  # type: ignore[operator]
             reading = f"{n} group(s) with G2 of every layer (an interval needs {MIN_GROUPS}: --g2-groups)"
         elif below_zero == HOLDS:
             reading = f"difference interval below 0 (upper end {fmt(ci['hi'])})"
@@ -248,7 +250,7 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
                 rule=why,
                 source=src,
                 kind="descriptive",
-                n=n,
+                n=n,  # type: ignore[arg-type]  # n: a count
             )
         )
     return out

@@ -123,7 +123,7 @@ class Option:
             "option": self,
         }
         if isinstance(spec.default, (list, dict)):
-            return field(default_factory=lambda d=spec.default: type(d)(d), metadata=metadata)
+            return field(default_factory=lambda d=spec.default: type(d)(d), metadata=metadata)  # type: ignore[misc]  # a copy
         return field(default=spec.default, metadata=metadata)
 
 
@@ -281,6 +281,7 @@ class ConfigFile:
 
     kind: ClassVar[str] = "config"
     names: ClassVar[Names] = Names()
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field]]  # every subclass is a dataclass (fields() takes it)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -322,7 +323,8 @@ class ConfigFile:
                     pass
             if want is not None and not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 self.bad(f_.name, f"must be of type {want.__name__}")
-            if want is float and not math.isfinite(value):
+            # a float: the isinstance check above
+            if want is float and not math.isfinite(value):  # type: ignore[arg-type]
                 self.bad(f_.name, "must be a finite number")
         for f_ in fields(self):  # each field's own rule
             check, value = f_.metadata.get("check"), getattr(self, f_.name)
@@ -565,7 +567,7 @@ def _base_type(tp: Any) -> type | None:
 
 
 def _default(f_: dataclasses.Field) -> Any:
-    return f_.default if f_.default is not dataclasses.MISSING else f_.default_factory()
+    return f_.default if f_.default is not dataclasses.MISSING else f_.default_factory()  # type: ignore[operator]  # no default: a factory
 
 
 def _add_flag(parser: argparse.ArgumentParser, flag: str, dest: str, f_: dataclasses.Field, help_: str) -> None:
@@ -580,10 +582,10 @@ def _add_flag(parser: argparse.ArgumentParser, flag: str, dest: str, f_: datacla
     elif base is dict:
         parser.add_argument(flag, dest=dest, type=_yaml_mapping, default=None, help=help_)
     else:
-        parser.add_argument(flag, dest=dest, type=base, default=None, help=help_)
+        parser.add_argument(flag, dest=dest, type=base, default=None, help=help_)  # type: ignore[arg-type]  # None: str
 
 
-def other_library_flags(cls: type) -> dict[str, list[str]]:
+def other_library_flags(cls: type[ConfigFile]) -> dict[str, list[str]]:
     """{field: ["--num-generations (TRL)", ...]}: the other libraries' flags (:class:`Alias`) that set each field of
     config class ``cls``, for its ``--help`` and the README's CLI reference."""
     also: dict[str, list[str]] = {}
@@ -593,7 +595,7 @@ def other_library_flags(cls: type) -> dict[str, list[str]]:
     return also
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type[ConfigFile], skip: tuple[str, ...] = ()) -> None:
     """Add one ``--flag`` per dataclass field, help from the field's metadata, default None (= not given).
 
     The config's deprecated names get hidden flags of the same kind (``--lens-sketch-dim 8``), and its refused names
@@ -640,7 +642,7 @@ def _yaml_mapping(text: str) -> dict:
     return value
 
 
-def flags_given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+def flags_given(args: argparse.Namespace, cls: type[ConfigFile]) -> dict[str, Any]:
     """The fields set by flags on the command line, under current names (deprecated flags warn, refused ones raise).
 
     Raises:
@@ -654,7 +656,7 @@ def flags_given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     )
 
 
-def config_from_args(args: argparse.Namespace, cls: type, config_file: str | None = None) -> Any:
+def config_from_args(args: argparse.Namespace, cls: type[ConfigFile], config_file: str | None = None) -> Any:
     """Defaults <- YAML file <- flags given on the command line."""
     overrides = flags_given(args, cls)
     if config_file:
@@ -662,7 +664,7 @@ def config_from_args(args: argparse.Namespace, cls: type, config_file: str | Non
     return cls.from_dict(overrides)
 
 
-def reference_markdown(cls: type) -> str:
+def reference_markdown(cls: type[ConfigFile]) -> str:
     """A Markdown table of every field of ``cls``: flag, default, help (the README's CLI reference is this)."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     also = other_library_flags(cls)

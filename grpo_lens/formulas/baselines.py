@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -547,13 +548,14 @@ def log_norm_ratio(sq_norms: Tensor, rewards: Tensor) -> tuple[float, float] | N
     return math.log(mc / mw), v
 
 
-def rms_log_ratio(d: Sequence[float], v: Sequence[float]) -> dict[str, float | int | None]:
+def rms_log_ratio(d: Sequence[float], v: Sequence[float]) -> dict[str, Any]:
     """The root mean square over prompts of δ_j = log(m_C / m_W), the effect size of "m_C = m_W" (docs/theory.md
     §12): y_j = d_j² − v_j estimates δ_j² without its noise term to first order (E d_j² = δ_j² + Var d_j), so
     mean(y) estimates mean δ², with Hall's interval over prompts (:func:`grpo_lens.formulas.stats.mean_interval`).
 
     Args:
-        d, v: [n] per-prompt :func:`log_norm_ratio` pairs.
+        d: [n] per-prompt log ratios (the first of each :func:`log_norm_ratio` pair).
+        v: [n] their estimated variances (the second of each pair).
 
     Returns:
         {"msq", "lo", "hi", "n" (mean δ² and its interval), "rms", "rms_lo", "rms_hi" (their square roots, 0 below

@@ -196,7 +196,7 @@ def answer_mask_from_tokenizer(tokenizer, completion_ids: Tensor, completion_mas
     """Answer mask [N, T]: the tokens of the last number of each decoded completion.
 
     Args:
-        tokenizer: anything with ``decode(ids, skip_special_tokens=True)``.
+        tokenizer (Any): anything with ``decode(ids, skip_special_tokens=True)``.
         completion_ids: [N, T] long.
         completion_mask: [N, T] bool.
 
@@ -277,7 +277,9 @@ def token_classes(tokenizer, completion_ids: Tensor, completion_mask: Tensor) ->
     completion.
 
     Args:
-        tokenizer: with ``decode``.  completion_ids, completion_mask: [R, T].
+        tokenizer (Any): with ``decode``.
+        completion_ids: [R, T].
+        completion_mask: [R, T].
 
     Returns:
         [R, T] long.
@@ -367,8 +369,8 @@ def summarise_class_shares(shares: Sequence[dict], shares_nll: Sequence[dict]) -
 
     Returns:
         (classes {class: {"update_share", "token_share", "ratio"}: mean_interval over groups},
-         classes_nll {class: {"ratio": under NLL weights, "ratio_minus_nll": ratio under A − under NLL, paired per
-         group}: mean_interval over groups}); non-finite values (an absent class) are dropped.
+            classes_nll {class: {"ratio": under NLL weights, "ratio_minus_nll": ratio under A − under NLL, paired per
+            group}: mean_interval over groups}); non-finite values (an absent class) are dropped.
     """
     assert len(shares) == len(shares_nll), (len(shares), len(shares_nll))
 
@@ -422,7 +424,9 @@ def segment_advantages(values: Tensor, errors: Tensor, final_reward: float) -> t
     """A_seg,j = V(b_{j+1}) - V(b_j) for consecutive boundaries, the last ending at the complete rollout (V = r).
 
     Args:
-        values, errors: [n] at boundaries b_0..b_{n-1} (from :func:`prefix_values`).  final_reward: r of the rollout.
+        values: [n] at boundaries b_0..b_{n-1} (from :func:`prefix_values`).
+        errors: [n] at the same boundaries (from :func:`prefix_values`).
+        final_reward: r of the rollout.
 
     Returns:
         (advantages [n], standard errors [n]); the advantages sum to r - V(b_0) (telescoping).

@@ -171,7 +171,8 @@ def rank2_residual(
     Args:
         grads: [R, P] per-rollout g_i.
         rewards: [R] in {0, 1}.
-        std, eps: conventions for c (and for A when ``advantages`` is None).
+        std: the std convention for c (and for A when ``advantages`` is None).
+        eps: the epsilon, likewise.
         advantages: [R] the advantages actually used; None computes grpo's with ``std`` and ``eps``
             (:func:`grpo_lens.formulas.advantages.grpo_advantages`; only allowed for estimator grpo).
         estimator: whose decomposition c to use (grpo, dr_grpo, rloo; see :func:`identity_constant`).

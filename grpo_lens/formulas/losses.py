@@ -173,7 +173,8 @@ def clipped_surrogate(
         logp: [N, T] log pi_theta (with gradient).
         old_logp: [N, T] log pi_old, the sampler's log-probs (no gradient).
         advantages: [N] (one scalar per rollout, broadcast over its tokens) or [N, T].
-        eps_low, eps_high: clip range, >= 0.
+        eps_low: the clip range below 1, >= 0.
+        eps_high: the clip range above 1, >= 0.
         dual_clip: c > 1, or None to disable.
     Returns:
         loss [N, T] and rho [N, T] (the importance ratio, detached).
@@ -207,7 +208,9 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """GSPO's length-normalised sequence log-ratio (1/|o_i|) sum_t (log pi_theta - log pi_old), with gradient.
 
     Args:
-        logp, old_logp: [N, T].   mask: [N, T] bool.
+        logp: [N, T].
+        old_logp: [N, T].
+        mask: [N, T] bool.
     Returns:
         [N, 1] in nats per token (0 for an empty completion).
     """
@@ -241,7 +244,8 @@ def gspo_surrogate(
     Args:
         logp: [N, T] log pi_theta (with gradient).   old_logp: [N, T] log pi_old.
         advantages: [N] (one per rollout; GSPO's advantages are sequence-level).
-        eps_low, eps_high: the sequence ratio's clip range, >= 0.
+        eps_low: the sequence ratio's clip range below 1, >= 0.
+        eps_high: its clip range above 1, >= 0.
         dual_clip: c > 1 bounds the loss of A < 0 rollouts by -c A (as :func:`clipped_surrogate`), or None.
         mask: [N, T] bool, the completion tokens (required: it defines |o_i|).
     Returns:
@@ -280,7 +284,9 @@ def cispo_loss(
 
     Args:
         logp: [N, T] (with gradient).   old_logp: [N, T].   advantages: [N] or [N, T].
-        eps_low, eps_high: the weight's clip range.   dual_clip: not used (CISPO has none).
+        eps_low: the weight's clip range below 1.
+        eps_high: its clip range above 1.
+        dual_clip: not used (CISPO has none).
     Returns:
         loss [N, T] and rho [N, T] (detached).
     """
@@ -317,7 +323,11 @@ def sapo_loss(
     dual_clip are not used.
 
     Args:
-        logp, old_logp: [N, T].   advantages: [N] or [N, T].   sapo_tau_pos, sapo_tau_neg: > 0.
+        logp: [N, T].
+        old_logp: [N, T].
+        advantages: [N] or [N, T].
+        sapo_tau_pos: > 0.
+        sapo_tau_neg: > 0.
     Returns:
         loss [N, T] and rho [N, T] (detached).
     Raises:
@@ -347,7 +357,9 @@ def gpg_loss(
     region. GPG's own batch rescaling (alpha = B / B_valid) is a learning-rate factor, left to ``learning_rate``.
 
     Args:
-        logp, old_logp: [N, T] (old_logp only gives the logged ratio).   advantages: [N] or [N, T].
+        logp: [N, T].
+        old_logp: [N, T] (it only gives the logged ratio).
+        advantages: [N] or [N, T].
     Returns:
         loss [N, T] and rho [N, T] (detached, for the ratio metrics only).
     """
@@ -402,7 +414,8 @@ class Aggregation:
     rollout_weights: Callable[[Tensor], Tensor]
 
 
-LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+# a registry of records, not of functions
+LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")  # type: ignore[type-var]
 
 
 def _rollouts_in_loss(mask: Tensor) -> float:
@@ -579,7 +592,9 @@ def grpo_loss(
         mask: [n, T] bool completion mask.
         normalizer: the whole batch's :func:`loss_normalizer`.
         aggregation: a name in :data:`LOSS_AGGREGATIONS`.
-        eps_low, eps_high, dual_clip: see :func:`clipped_surrogate`.
+        eps_low: see :func:`clipped_surrogate`.
+        eps_high: see :func:`clipped_surrogate`.
+        dual_clip: see :func:`clipped_surrogate`.
         beta: KL coefficient >= 0; 0 skips the reference model.
         ref_logp: [n, T] log pi_ref; required when beta > 0.
         kl_estimator: k1, k2 or k3.
@@ -587,7 +602,8 @@ def grpo_loss(
             of :func:`truncated_is_weights`); None = 1.
         policy_loss: a name in :data:`POLICY_LOSSES` (default ``vanilla``, :func:`clipped_surrogate`; ``gspo``,
             ``cispo``, ``sapo``, ``gpg``).
-        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (:func:`sapo_loss`); other losses ignore them.
+        sapo_tau_pos: SAPO's gate temperature for A > 0 (:func:`sapo_loss`); other losses ignore it.
+        sapo_tau_neg: its gate temperature for A < 0; other losses ignore it.
 
     Returns:
         (loss, metrics). ``loss`` is this micro-batch's share of the batch loss (sums over micro-batches).
@@ -632,7 +648,8 @@ def grpo_loss(
     policy = aggregate_loss(policy_tok, maskf, aggregation, normalizer)
     kl_tok = kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else None
     if beta > 0:
-        kl_part = beta * aggregate_loss(kl_tok, maskf, aggregation, normalizer)
+        # beta > 0 comes with ref_logp (checked by the callers' configs)
+        kl_part = beta * aggregate_loss(kl_tok, maskf, aggregation, normalizer)  # type: ignore[arg-type]
         loss = policy + kl_part
     else:  # KL is still measured when ref_logp is given, but carries no gradient
         kl_part = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -758,7 +775,8 @@ def policy_token_weights(
     x = torch.where(m, logp.detach().to(torch.float64), zero).requires_grad_(True)
     old = torch.where(m, old_logp.detach().to(torch.float64), zero)
     with torch.enable_grad():
-        tok, _ = policy_loss_call(policy_loss, x, old, sign, m, **options)
+        # options: the loss's own float settings
+        tok, _ = policy_loss_call(policy_loss, x, old, sign, m, **options)  # type: ignore[arg-type]
         if token_weights is not None:
             tok = tok * torch.where(m, token_weights.detach().to(torch.float64), zero)
         (grad,) = torch.autograd.grad(aggregate_loss(tok, m.to(torch.float64), aggregation, normalizer), x)
@@ -800,7 +818,9 @@ def mismatch_sums(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> d
     ``tokens`` = number of masked tokens.
 
     Args:
-        trainer_logp, sampler_logp: [n, T].   mask: [n, T] bool.
+        trainer_logp: [n, T].
+        sampler_logp: [n, T].
+        mask: [n, T] bool.
     Returns:
         dict of python floats.
     """

@@ -204,8 +204,8 @@ def dead_group_counts(
 
     Args:
         rewards: [B, R] (any value where invalid).   valid: [B, R] bool.
-        best, worst: the reward scale's ends (binary correctness: 1 and 0); None: the batch's own max and min valid
-            reward.
+        best: the reward scale's top (binary correctness: 1); None: the batch's own max valid reward.
+        worst: its bottom (binary correctness: 0); None: the batch's own min valid reward.
 
     Returns:
         {"all_best": groups whose valid rewards all equal ``best`` (all correct), "all_worst": all equal ``worst``

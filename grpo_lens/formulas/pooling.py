@@ -31,7 +31,7 @@ def _no_interval(mean: float | None, n: int, strata: int) -> dict[str, Any]:
     return {"mean": mean, "lo": None, "hi": None, "n": n, "strata": strata}
 
 
-def stratified_interval(values_by_stratum: Sequence[Sequence[float]], *, level: float = 0.95) -> dict[str, Any]:
+def stratified_interval(values_by_stratum: Sequence[Sequence[float | None]], *, level: float = 0.95) -> dict[str, Any]:
     """Mean of a stratified sample with its t interval, each stratum weighted by its share of the units.
 
     With proportional weights W_h = n_h / N the stratified mean Σ_h W_h x̄_h equals the pooled mean, and (Cochran,
@@ -128,7 +128,7 @@ def chi2_sf(x: float, df: int) -> float:
     )
 
 
-def between_seed_spread(values_by_seed: Sequence[Sequence[float]]) -> dict[str, Any]:
+def between_seed_spread(values_by_seed: Sequence[Sequence[float | None]]) -> dict[str, Any]:
     """How far apart the seeds' means of one key are, against what their within-run noise alone gives.
 
     Per seed h: x̄_h and SE_h = s_h / √n_h. Between seeds: the SD of the x̄_h (ddof 1), their range, and Cochran's Q
@@ -148,7 +148,8 @@ def between_seed_spread(values_by_seed: Sequence[Sequence[float]]) -> dict[str, 
         xs = _finite(v)
         n = len(xs)
         m = math.fsum(xs) / n if n else None
-        se = math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (n - 1) / n) if n >= 2 else None
+        # n >= 2: m is a float
+        se = math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (n - 1) / n) if n >= 2 else None  # type: ignore[operator]
         means.append(m)
         ns.append(n)
         ses.append(se)

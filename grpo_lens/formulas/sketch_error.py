@@ -42,8 +42,10 @@ def kronecker_sketch_variance(a: Tensor, b: Tensor, k_in: int, k_out: int) -> fl
     """Exact Var <S(A), S(B)> of the two-sided Gaussian sketch (formula of :func:`kronecker_sketch_variance_factor`).
 
     Args:
-        a, b: [d_out, d_in] two weight gradients of one layer.
-        k_in, k_out: sketch sizes.
+        a: [d_out, d_in] a weight gradient of one layer.
+        b: [d_out, d_in] another weight gradient of the same layer.
+        k_in: sketch size on the layer-input side.
+        k_out: sketch size on the layer-output side.
 
     Returns:
         the variance, in squared units of <A, B>.
@@ -73,7 +75,8 @@ def sketch_gram_error_bound(layer_grams: Sequence[Tensor] | Tensor, k_in: int, k
 
     Args:
         layer_grams: L exact Gram matrices [N, N] (list or [L, N, N]).
-        k_in, k_out: sketch sizes per side.
+        k_in: sketch size on the layer-input side.
+        k_out: sketch size on the layer-output side.
 
     Returns:
         the bound on sqrt(E ||G_hat - G||_F^2) / ||G||_F (dimensionless); 0 when G = 0.

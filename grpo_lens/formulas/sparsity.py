@@ -122,7 +122,8 @@ def bf16_unchanged_fraction(before: Iterable[Tensor], after: Iterable[Tensor]) -
     """Share of parameters whose bf16 value is identical in two snapshots (Mukherjee et al. 2025, arXiv 2505.11711).
 
     Args:
-        before, after: matching tensors (any dtype; compared after casting to bfloat16).
+        before: a tensor (any dtype; compared after casting to bfloat16).
+        after: the matching tensor after the change.
 
     Returns:
         float in [0, 1] (1 for no parameters).
@@ -136,7 +137,8 @@ def bf16_unchanged_counts(before: Iterable[Tensor], after: Iterable[Tensor]) -> 
     :func:`bf16_unchanged_fraction`, which add up over the shards of a sharded model.
 
     Args:
-        before, after: matching tensors (any dtype; compared after casting to bfloat16).
+        before: a tensor (any dtype; compared after casting to bfloat16).
+        after: the matching tensor after the change.
     """
     same = total = 0
     for a, b in zip(before, after, strict=True):
@@ -367,7 +369,8 @@ def update_sparsity(
     """Sparsity of the update d = after - before of sampled entries, and its bf16 view with its controls.
 
     Args:
-        before, after: [S] float32 weights (the sampled entries).
+        before: [S] float32 weights (the sampled entries).
+        after: [S] the same entries after the change.
         weights: [S] entries each sample stands for, or None (1 each).
         rms: [S] or scalar, the per-tensor RMS of d for the dense control; default: the RMS of the given d.
         strata: [S] long, the tensor of each entry, for the permutation control and the stratified standard errors
@@ -375,13 +378,13 @@ def update_sparsity(
 
     Returns:
         {"f32_unchanged": share with d = 0 exactly, "bf16_unchanged": share with bf16(after) = bf16(before),
-         "bf16_permuted": the expected bf16-unchanged share with d permuted within each stratum
-         (:func:`permuted_bf16_unchanged_probability`),
-         "bf16_dense": the expected bf16-unchanged share of a dense Gaussian update with the same per-tensor RMS,
-         "hoyer", "top1_energy": of d,
-         "f32_unchanged_se", "bf16_unchanged_se", "bf16_excess_se": the stratified standard errors
-         (:func:`grpo_lens.formulas.stats.stratified_mean_se`) of the two shares and of bf16_unchanged -
-         bf16_permuted}. All weighted means over the sampled entries.
+            "bf16_permuted": the expected bf16-unchanged share with d permuted within each stratum
+            (:func:`permuted_bf16_unchanged_probability`),
+            "bf16_dense": the expected bf16-unchanged share of a dense Gaussian update with the same per-tensor RMS,
+            "hoyer", "top1_energy": of d,
+            "f32_unchanged_se", "bf16_unchanged_se", "bf16_excess_se": the stratified standard errors
+            (:func:`grpo_lens.formulas.stats.stratified_mean_se`) of the two shares and of bf16_unchanged -
+            bf16_permuted}. All weighted means over the sampled entries.
     """
     assert before.shape == after.shape, (before.shape, after.shape)
     d = after.detach().float() - before.detach().float()

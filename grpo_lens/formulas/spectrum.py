@@ -342,7 +342,7 @@ def count_distinct_prefixes(completion_ids: Tensor, completion_mask: Tensor, pro
         completion_mask: [R, T] bool.
         proper: count only prefixes shorter than their completion (t = 1..|o_i|-1) instead of t = 1..|o_i|.
     """
-    prefixes = set()
+    prefixes: set[tuple[int, ...]] = set()
     for seq in _sequences(completion_ids, completion_mask):
         prefixes.update(seq[:t] for t in range(1, len(seq) + (0 if proper else 1)))
     return len(prefixes)

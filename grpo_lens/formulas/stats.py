@@ -82,7 +82,7 @@ def has_interval(n: int) -> bool:
 
 
 def mean_interval(
-    values: Sequence[float], *, level: float = 0.95, bounds: tuple[float, float] | None = None
+    values: Sequence[float | None], *, level: float = 0.95, bounds: tuple[float, float] | None = None
 ) -> dict[str, float | int | None]:
     """Mean of ``values`` with Hall's transformed-t interval (docs/theory.md §7): the one interval body of the product.
 
@@ -386,7 +386,11 @@ def interval_t_p(
     carries its skewness.
 
     Args:
-        mean, lo, hi: the mean and its interval (None: no interval).  n: units, >= 2.  control: c.
+        mean: the mean.
+        lo: its interval's lower end (None: no interval).
+        hi: its interval's upper end (None: no interval).
+        n: units, >= 2.
+        control: c.
         side: "above" (p of mean > c) or "below".  level: the interval's two-sided coverage.
 
     Returns:

@@ -116,7 +116,13 @@ def exact_weighted_grad(
 
     Args:
         weights: [N] float.
-        others: as in :func:`exact_rollout_grads`.
+        model: as in :func:`exact_rollout_grads`.
+        batch: as in :func:`exact_rollout_grads`.
+        params: as in :func:`exact_rollout_grads`.
+        score_weights: as in :func:`exact_rollout_grads`.
+        temperature: as in :func:`exact_rollout_grads`.
+        top_k: as in :func:`exact_rollout_grads`.
+        top_p: as in :func:`exact_rollout_grads`.
 
     Returns:
         [P] in the parameters' dtype.

@@ -250,7 +250,8 @@ class GramCapture:
             (m, a): self.param_names[id(getattr(m, a))] for m, attrs in self.plan.hooked.items() for a in attrs
         }
         self.module_names = {m: n for n, m in reversed(list(model.named_modules()))}
-        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        # a transformers model's method, which nn.Module's __getattr__ types as Tensor | Module
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
         self._head = self.param_names.get(id(out.weight)) if isinstance(out, nn.Linear) else None
         self._handles: list = []
         self._in_hook = False
@@ -319,6 +320,7 @@ class GramCapture:
     def _keep_for(self, shape: Sequence[int]) -> Tensor:
         """[N, S] kept positions of an activation [N, S, ...] (S < L: the last S, as under ``logits_to_keep``)."""
         st = self.state
+        assert st is not None
         assert len(shape) >= 3 and shape[0] == st.n, f"activation of shape {tuple(shape)}; expected [N={st.n}, S, d]"
         if shape[1] > st.length:
             raise ValueError(f"sequence length {shape[1]} > input length {st.length}")
@@ -352,6 +354,7 @@ class GramCapture:
 
     def _on_embedding_forward(self, module: nn.Embedding, ids: Tensor, output: Tensor) -> None:
         st = self.state
+        assert st is not None
         keep = self._keep_for(tuple(ids.shape) + (1,))
         if module.padding_idx is not None:  # torch gives the padding row no gradient
             keep = keep & (ids != module.padding_idx)
@@ -368,6 +371,7 @@ class GramCapture:
 
     def _on_linear_forward(self, module: nn.Module, x: Tensor, output: Tensor) -> None:
         st = self.state
+        assert st is not None
         keep = self._keep_for(x.shape)
         form, key, shared = None, _tensor_key(x), None
         if "weight" in self.plan.hooked[module]:
@@ -375,6 +379,7 @@ class GramCapture:
             shared = self._shared_for(key, x, keep)
             counts = [int(c.sum()) for c in shared]
             if st.sel is not None:  # the wanted rows alone, in their blocks (the spans with a wanted row, in order)
+                assert st.sel_spans is not None
                 ms = [int(keep[st.sel[a:b]].sum()) for a, b in st.sel_spans]
                 ns = [b - a for a, b in st.sel_spans]
                 counts = [c for c, (r0, r1) in zip(counts, self.spans) if bool(keep[r0:r1].any())]
@@ -398,6 +403,7 @@ class GramCapture:
     def _shared_for(self, key: tuple, x: Tensor, keep: Tensor) -> list[Tensor]:
         """Each span's :func:`shared_columns` of input ``x`` (computed once per input: q, k and v read the same)."""
         st = self.state
+        assert st is not None
         if key not in st.x_shared:
             t0 = time.perf_counter()
             st.x_shared[key] = [shared_columns(x[r0:r1], keep[r0:r1]) for r0, r1 in self.spans]
@@ -433,6 +439,7 @@ class GramCapture:
         delta: Tensor,
         shared: list[Tensor] | None = None,
     ) -> None:
+        assert self.state is not None
         attrs = self.plan.hooked[module]
         x, delta = _upcast(x), _upcast(delta)
         self._note_dropped(delta, keep)
@@ -450,6 +457,7 @@ class GramCapture:
                 x, delta, keep, self.token_block, self._kernel_cache(key, int(keep.sum())), self.spans, shared
             )
             if tied is not None:
+                assert tokens is not None
                 tied.glm_rows = lm_rows_at_tokens(x, delta, keep, tokens, self.budget)
         elif self.state.sel is None:
             gram, rows = rollout_layer_gram(x, delta, keep, self.budget, self.rollout_block, tokens, self.spans)
@@ -463,6 +471,7 @@ class GramCapture:
             gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
             gram[sel.unsqueeze(1), sel.unsqueeze(0)] = sub
             if tied is not None:
+                assert sub_rows is not None
                 tied.glm_rows = sub_rows.new_zeros((n,) + tuple(sub_rows.shape[1:]))
                 tied.glm_rows[sel] = sub_rows
         if tied is not None:
@@ -474,6 +483,7 @@ class GramCapture:
         """The x-kernel tiles shared by the token-pair layers reading the same input while any is left (and they fit
         the budget), else None."""
         st = self.state
+        assert st is not None
         users = st.x_users.get(key, 0)
         st.x_users[key] = users - 1
         if users <= 1:
@@ -483,6 +493,7 @@ class GramCapture:
     def _embedding_backward(self, module: nn.Embedding, delta: Tensor) -> None:
         """EE[i, j] = sum_v r_{i,v} . r_{j,v}; with a tied head also LE[i, j] = sum_v G^lm_i[v] . r_{j,v}."""
         st = self.state
+        assert st is not None
         tokens, uid, seg, flat = st.emb[module]
         n, d = st.n, delta.shape[-1]
         self._note_dropped(delta, self._keep_for(delta.shape))
@@ -625,7 +636,12 @@ def exact_rollout_gram(
         temperature: the sampling temperature. top_k, top_p: ignored (log-probs do not depend on them).
         captures: other context managers opened around the same forward and backward (e.g. a
             :class:`grpo_lens.gradients.sketch.GradientCapture` for vectors), so that they cost no pass of their own.
-        form, token_block, rollout_block, budget_bytes, check_dropped, keep_param_grams: see :class:`GramCapture`.
+        form: see :class:`GramCapture`.
+        token_block: see :class:`GramCapture`.
+        rollout_block: see :class:`GramCapture`.
+        budget_bytes: see :class:`GramCapture`.
+        check_dropped: see :class:`GramCapture`.
+        keep_param_grams: see :class:`GramCapture`.
         blocks: row-block sizes (e.g. [R] * B: each group's [R, R] block, the rest 0), see :class:`GramCapture`;
             None: the whole [N, N] Gram.
 

@@ -235,6 +235,7 @@ def token_pair_gram(
     whole = spans is None or (len(spans) == 1 and spans[0] == (0, n))
     if not whole:
         gram = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+        assert spans is not None
         for b, (r0, r1) in enumerate(spans):
             sub = None if cache is None else cache.setdefault(("block", r0, r1), {})
             cols = None if shared is None else [shared[b]]
@@ -317,6 +318,7 @@ def shared_token_gram(
         if cache is not None:
             cache["k_ss"], cache["k_so"] = k_ss, k_so
     else:
+        assert cache is not None
         k_so = cache["k_so"]
     w = torch.matmul(k_ss, ds)  # [n, s, d_out]: sum_q K_pq delta_jq
     gram += ds.reshape(n, -1).to(torch.float64) @ w.reshape(n, -1).to(torch.float64).T
@@ -389,6 +391,7 @@ def rollout_layer_gram(
         if token_rows is not None:
             sel = ((token_rows >= r0) & (token_rows < r1)).nonzero().squeeze(1)
             if sel.numel():
+                assert picked is not None
                 picked[:, sel] = f[:, token_rows[sel] - r0].to(torch.float64)
     return gram, picked
 
@@ -422,7 +425,7 @@ def embedding_row_sums(delta: Tensor, seg: Tensor, uid: Tensor, n: int, u0: int,
     return r
 
 
-def embedding_scale(module: nn.Module, ids: Tensor, output: Tensor) -> float | None:
+def embedding_scale(module: nn.Embedding, ids: Tensor, output: Tensor) -> float | None:
     """c in y = c W[tok] of an embedding module: 1 for a plain ``nn.Embedding``, ``embed_scale`` for a subclass that
     multiplies its lookup by it (Gemma's ``GemmaTextScaledWordEmbedding``), None for a subclass whose output is
     neither (its parameter is then reported uncovered). ids: [N, S] long; output: [N, S, d]."""

@@ -13,13 +13,12 @@ Wrapping the policy, saving it merged and adapter-only is :mod:`grpo_lens.lora`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from grpo_lens.gradients.exact import exact_rollout_grads
 from grpo_lens.gradients.sketch import sketch_rollout_grads
 from grpo_lens.lora import ADAPTER_MARK
+from grpo_lens.rollout import RolloutBatch
 
 
 def adapter_layers(name: str) -> bool:
@@ -34,7 +33,7 @@ def base_layers(name: str) -> bool:
 
 def lora_rollout_grads(
     model: torch.nn.Module,
-    batch: Any,
+    batch: RolloutBatch,
     space: str,
     *,
     sketch_dim: int = 16,
@@ -55,8 +54,11 @@ def lora_rollout_grads(
             per layer, d_s = ``sketch_dim`` ([N, P_s], P_s = layers * d_s^2; ``projection="identity"`` gives them
             exactly, [N, sum d_out d_in]).
         sketch_dim: the sketch side d_s (k_in = k_out of :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
-        seed, projection, dtype: of the sketch (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
-        score_weights: [N] omega_i (:func:`grpo_lens.gradients.scores.rollout_scores`).  temperature: the sampler's.
+        seed: the sketch's seed (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
+        projection: the sketch's projection.
+        dtype: the sketch's dtype.
+        score_weights: [N] omega_i (:func:`grpo_lens.gradients.scores.rollout_scores`).
+        temperature: the sampler's.
 
     Returns:
         [N, P_adapter] in the model's dtype (exact) or [N, P_s] in ``dtype`` (sketch).
@@ -73,7 +75,8 @@ def lora_rollout_grads(
         raise ValueError(f"unknown lens space {space!r}; valid names: full, trainable")
     # A frozen base layer's output carries a gradient only once the input embeddings' output requires one
     # (transformers' enable_input_require_grads); the sketch then differentiates with respect to it alone.
-    model.enable_input_require_grads()
+    # nn.Module types a transformers model's attribute as Tensor | Module
+    model.enable_input_require_grads()  # type: ignore[operator]
     try:
         return sketch_rollout_grads(
             model,
@@ -82,10 +85,12 @@ def lora_rollout_grads(
             k_out=sketch_dim,
             include=base_layers,
             seed=seed,
-            projection=projection,
+            # the config's check allows only these names
+            projection=projection,  # type: ignore[arg-type]
             dtype=dtype,
             score_weights=score_weights,
             temperature=temperature,
         ).sketch
     finally:
-        model.disable_input_require_grads()
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        model.disable_input_require_grads()  # type: ignore[operator]

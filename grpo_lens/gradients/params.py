@@ -25,7 +25,7 @@ from transformers.pytorch_utils import Conv1D
 LINEAR_CLASSES: tuple[type, ...] = (nn.Linear, Conv1D)
 
 
-def is_linear(module: nn.Module) -> bool:
+def is_linear(module: nn.Module | None) -> bool:
     """Whether ``module`` is a linear layer: an ``nn.Linear`` or a transformers ``Conv1D`` (module docstring)."""
     return isinstance(module, LINEAR_CLASSES)
 
@@ -37,7 +37,7 @@ def weight_transposed(module: nn.Module) -> bool:
 
 def linear_shape(module: nn.Module) -> tuple[int, int]:
     """(d_out, d_in) of a linear layer, whatever its weight's layout."""
-    d0, d1 = module.weight.shape
+    d0, d1 = module.weight.shape  # type: ignore[misc]  # a linear layer's weight: nn.Module types it Tensor | Module
     return (d1, d0) if weight_transposed(module) else (d0, d1)
 
 

@@ -127,7 +127,8 @@ class GradientCapture:
 
     Args:
         model: the module whose linear layers are hooked (its forward marks passes).
-        k_in, k_out: sketch sizes per side (ignored with ``projection="identity"``).
+        k_in: sketch size on the layer-input side (ignored with ``projection="identity"``).
+        k_out: sketch size on the layer-output side (likewise).
         include: layer filter (:func:`linear_layer_names`).
         projection: ``"gaussian"`` or ``"identity"`` (P = I: the exact per-row weight gradient; for tests).
         seed: projection seed.
@@ -165,7 +166,8 @@ class GradientCapture:
             raise ValueError(f"sketch sizes must be >= 1, got k_in={k_in}, k_out={k_out}")
         self.model = model
         self.projection = projection
-        self.k_in, self.k_out = (k_in, k_out) if projection == "gaussian" else (None, None)
+        # None for the identity projection, which has no sketch sizes
+        self.k_in, self.k_out = (k_in, k_out) if projection == "gaussian" else (None, None)  # type: ignore[var-annotated]
         self.seed = seed
         self.token_norms = token_norms
         self.dtype = dtype
@@ -293,17 +295,20 @@ class GradientCapture:
                     d_out, d_in = linear_shape(self._modules[name])
                     width = (self.k_out * self.k_in) if self.projection == "gaussian" else d_out * d_in
                     blocks.append(
-                        torch.zeros(p.rows, width, dtype=self.dtype, device=self._modules[name].weight.device)
+                        # the gaussian sketch has k_in, k_out
+                        torch.zeros(p.rows, width, dtype=self.dtype, device=self._modules[name].weight.device)  # type: ignore[arg-type]
                     )
             per_layer[name] = torch.cat(blocks)
         token_sq = None
         if self.token_norms:
-            width = max(p.length for p in passes)
+            # token_norms: each pass has its length
+            width = max(p.length for p in passes)  # type: ignore[type-var]
             token_sq = torch.cat(
                 [
-                    torch.nn.functional.pad(p.token_sq, (0, width - p.token_sq.shape[1]))
+                    # token_norms: each pass has its length
+                    torch.nn.functional.pad(p.token_sq, (0, width - p.token_sq.shape[1]))  # type: ignore[operator]
                     if p.token_sq is not None
-                    else torch.zeros(p.rows, width)
+                    else torch.zeros(p.rows, width)  # type: ignore[arg-type]
                     for p in passes
                 ]
             )
@@ -316,7 +321,8 @@ def backward_roots(emb_out: list[Tensor], layers: Iterable[nn.Module]) -> list[T
     ``model.get_input_embeddings()``) when they all require grad, else the weights of ``layers`` that do."""
     if emb_out and all(t.requires_grad for t in emb_out):
         return emb_out
-    return [m.weight for m in layers if m.weight.requires_grad]
+    # nn.Module types a layer's attribute as Tensor | Module
+    return [m.weight for m in layers if m.weight.requires_grad]  # type: ignore[misc]
 
 
 def sketch_rollout_grads(
@@ -347,7 +353,13 @@ def sketch_rollout_grads(
     Args:
         model: causal LM.
         batch: N rollouts.
-        k_in, k_out, include, projection, seed, token_norms, dtype: see :class:`GradientCapture`.
+        k_in: see :class:`GradientCapture`.
+        k_out: see :class:`GradientCapture`.
+        include: see :class:`GradientCapture`.
+        projection: see :class:`GradientCapture`.
+        seed: see :class:`GradientCapture`.
+        token_norms: see :class:`GradientCapture`.
+        dtype: see :class:`GradientCapture`.
         weights: [N] row weights (``A`` gives sketched G1 rows A_i g_i).
         score_weights: [N] omega_i of :func:`rollout_scores` (default 1/|o_i|; docs/theory.md §3).
         exact_layers: linear layer names whose exact per-row weight gradients are captured in the same pass (a second
@@ -369,7 +381,8 @@ def sketch_rollout_grads(
         model, k_in, k_out, include, projection=projection, seed=seed, token_norms=token_norms, dtype=dtype
     )
     emb_out: list[Tensor] = []
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # nn.Module types a transformers model's attribute as Tensor | Module
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None  # type: ignore[operator]
     handle = emb.register_forward_hook(lambda m, a, o: emb_out.append(o)) if emb is not None else None
     exact = (
         GradientCapture(model, include=list(exact_layers), projection="identity", dtype=dtype) if exact_layers else None
@@ -401,7 +414,8 @@ def token_grad_sq_norms(
     position's contribution to a linear layer's weight gradient is the rank-one matrix delta_t x_t^T. Position
     Lp - 1 + t is where log pi(o_t) is computed (see :func:`grpo_lens.formulas.credit.completion_positions`).
     """
-    return sketch_rollout_grads(
+    # token_norms=True: token_sq is set
+    return sketch_rollout_grads(  # type: ignore[return-value]
         model, batch, k_in=1, k_out=1, include=include, weights=weights, token_norms=True, **processing
     ).token_sq_norms
 
@@ -463,8 +477,15 @@ def sketched_rollout_sq_norms(
         return out
     sub = batch.select(idx)
     c = aggregation_rollout_weights(sub.completion_mask, aggregation)
+    # the config's check allows only these names
     sketch = sketch_rollout_grads(
-        model, sub, k_in=sketch_dim, k_out=sketch_dim, projection=projection, seed=seed, temperature=temperature
+        model,
+        sub,
+        k_in=sketch_dim,
+        k_out=sketch_dim,
+        projection=projection,  # type: ignore[arg-type]
+        seed=seed,
+        temperature=temperature,
     )
     sq = sum(t.detach().double().square().sum(-1).cpu() for t in sketch.per_layer.values())
     out[idx] = sq * c.square()

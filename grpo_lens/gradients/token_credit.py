@@ -78,7 +78,8 @@ def token_directional_derivatives(
         for p, s, d in zip(params, saved, direction):
             torch.mul(d.to(p.dtype), e, out=p)  # then + s: the bits of s + e d, with no [P] temporaries
             p.add_(s)
-        return group_logprobs(model, batch, temperature).double().cpu()
+        # without return_entropy: one tensor
+        return group_logprobs(model, batch, temperature).double().cpu()  # type: ignore[union-attr]
 
     diffs = []
     try:
@@ -110,17 +111,19 @@ def signed_token_contributions(
 
     Args:
         model: causal LM.  group: its R rollouts.  advantages: [R].  aggregation: the loss aggregation.
-        step, temperature: see :func:`token_directional_derivatives`.
+        step: see :func:`token_directional_derivatives`.
+        temperature: see :func:`token_directional_derivatives`.
 
     Returns:
         {"contributions": [R, T] float64 (0 off the completion), "weights": [R, T] w_{i,t},
-         "closure": sum s - 1 (0 up to the finite-difference error), "update_norm": ||u||}; all-zero contributions
+            "closure": sum s - 1 (0 up to the finite-difference error), "update_norm": ||u||}; all-zero contributions
         and closure NaN when u = 0 (no reward contrast).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     w = token_weights(advantages, group.completion_mask, aggregation)  # [R, T]
     logp = group_logprobs(model, group, temperature)
-    objective = (logp.double() * w.to(logp.device)).sum()
+    # without return_entropy: one tensor
+    objective = (logp.double() * w.to(logp.device)).sum()  # type: ignore[union-attr, operator]
     grads = (
         torch.autograd.grad(objective, params, allow_unused=True) if objective.requires_grad else [None] * len(params)
     )
@@ -315,14 +318,17 @@ def _continue_prefixes(
     was_training, own_config = model.training, getattr(model, "generation_config", None)
     model.eval()
     try:
-        model.generation_config = GenerationConfig()  # as sample_groups: only our own sampling settings apply
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        model.generation_config = GenerationConfig()  # type: ignore[assignment]  # as sample_groups: only our own sampling settings apply
         cache = shared_prefill(model, ids, mask, K_mc) if share_prefill else None
         ids, mask = ids.repeat_interleave(K_mc, dim=0), mask.repeat_interleave(K_mc, dim=0)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **(cache or {}))
+            # nn.Module types a transformers model's attribute as Tensor | Module
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **(cache or {}))  # type: ignore[operator]
     finally:
-        model.generation_config = own_config
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        model.generation_config = own_config  # type: ignore[assignment]
         model.train(was_training)
     sampled = out.sequences[:, width:].cpu().tolist()  # [n_prefix K_mc, <= steps]
     result = []

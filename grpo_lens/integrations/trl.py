@@ -114,7 +114,11 @@ def lens_settings(
 
     Args:
         sketch_dim: sketch side per linear layer (as ``--sketch-dim``; default 16).
-        the rest: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        args: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        space: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        seed: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        multi_objective_aggregation: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        gram_source: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
 
     Raises:
         ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
@@ -184,9 +188,13 @@ def run_config(
     settings, and the TRL names themselves under ``trl`` (what ran, in TRL's words).
 
     Args:
-        args: the run's ``trl.GRPOConfig``.   settings: :func:`lens_settings` of it.   model: the model's name or
-        path.   max_steps: TRL's resolved number of optimizer steps.   lens_every, lora_rank: the lens's period and
-        the peft adapter's rank (0 without peft).   world_size: processes.
+        args: the run's ``trl.GRPOConfig``.
+        settings: :func:`lens_settings` of it.
+        model: the model's name or path.
+        max_steps: TRL's resolved number of optimizer steps.
+        lens_every: the lens's period.
+        lora_rank: the peft adapter's rank (0 without peft).
+        world_size: processes.
     """
     trl_names = (
         "num_generations",
@@ -415,7 +423,8 @@ def weighted_rollout_rows(
         return "gram", gram.double().cpu(), info
     capture = GradientCapture(policy, settings.sketch_dim, settings.sketch_dim, seed=settings.seed)
     emb_out: list[torch.Tensor] = []
-    handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))
+    # nn.Module types a transformers model's attribute as Tensor | Module
+    handle = policy.get_input_embeddings().register_forward_hook(lambda m, a, o: emb_out.append(o))  # type: ignore[operator]
     try:
         with capture:
             total = loss()
@@ -436,12 +445,14 @@ def activation_checkpointing_off(model: torch.nn.Module):
     """
     switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for m in switched:
-        m.gradient_checkpointing = False
+        # nn.Module types a transformers model's attribute as Tensor | Module
+        m.gradient_checkpointing = False  # type: ignore[assignment]
     try:
         yield
     finally:
         for m in switched:
-            m.gradient_checkpointing = True
+            # nn.Module types a transformers model's attribute as Tensor | Module
+            m.gradient_checkpointing = True  # type: ignore[assignment]
 
 
 class GRPOLensMixin:
@@ -461,6 +472,17 @@ class GRPOLensMixin:
     Raises:
         ValueError: a bad lens setting.
     """
+
+    # what this mixin reads of the trl.GRPOTrainer it comes before (TRL's objects: a boundary, kept Any)
+    args: Any
+    accelerator: Any
+    model: Any
+    state: Any
+    processing_class: Any
+    num_generations: Any
+    reward_func_names: list[str]
+    multi_objective_aggregation: str
+    add_callback: Any
 
     def __init__(
         self,
@@ -490,7 +512,7 @@ class GRPOLensMixin:
         )
         self.lens_run = RunDir(lens_out if lens_out is not None else self.args.output_dir)
         self.lens_log_completions = lens_log_completions
-        self._lens = None
+        self._lens: TrainerLens | None = None
         self._lens_rewards: torch.Tensor | None = None  # [N over all processes] the reward TRL's advantages start from
         self._lens_rewards_per_func: torch.Tensor | None = None  # [N over all processes, functions]
         self._lens_next_step: int | None = None  # the global step from which the next generation batch is measured
@@ -515,7 +537,8 @@ class GRPOLensMixin:
         """
         release = acquire_lens_out(self.lens_run) if self.accelerator.is_main_process else None
         try:
-            return super().train(*args, **kwargs)
+            # train is the trainer's (trl.GRPOTrainer), the class this mixin comes before
+            return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
             if release is not None:
                 release()
@@ -581,6 +604,7 @@ class GRPOLensMixin:
         if self._lens is None:
             self._lens = TrainerLens(policy, self.lens_settings)
         batch, rows = self._local_rows(output)
+        assert self._lens_rewards is not None
         rewards = self._lens_rewards[rows].to(batch.completion_ids.device)
         valid = ~torch.isnan(rewards)
         advantages = output["advantages"].reshape(-1)
@@ -640,6 +664,7 @@ class GRPOLensMixin:
         every process's, with TRL's ``loss_type`` as its loss aggregation (:data:`TRL_LOSS_AGGREGATION`) and TRL's
         completion mask (its truncation masking already in it) as the tokens the loss sums."""
         batch, rows = self._local_rows(output)
+        assert self._lens_rewards is not None
         rewards = self._lens_rewards.to(batch.completion_ids.device)
         local = rewards[rows]
         advantages = output["advantages"].reshape(-1).float()
@@ -674,6 +699,7 @@ class GRPOLensMixin:
         completion, reward, each reward function's value and advantage (the step whose update uses the batch)."""
         tok = self.processing_class
         batch, rows = self._local_rows(output)
+        assert self._lens_rewards is not None and self._lens_rewards_per_func is not None
         for i in range(min(self.lens_log_completions, batch.num_rollouts)):
             prompt = inputs[i]["prompt"]
             text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
@@ -740,8 +766,8 @@ def _compact_console(trainer: Any) -> None:
 
     for base in (ProgressCallback, PrinterCallback):
         for cb in [c for c in trainer.callback_handler.callbacks if type(c) is base]:
-
-            class Compact(base):  # one class per base: on_log filters, everything else is the base's
+            # one class per base: on_log filters, everything else is the base's (a base mypy cannot see statically)
+            class Compact(base):  # type: ignore[valid-type, misc]
                 def on_log(self, args, state, control, logs=None, **kwargs):
                     if logs is not None:
                         written = trainer._lens_logged is logs and trainer.lens_run.metrics_path.is_file()

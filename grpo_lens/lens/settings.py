@@ -130,8 +130,10 @@ class LensSettings:
 
         Args:
             args: the ``trl.GRPOConfig`` (any object with those attributes).
-            sketch_dim: sketch side per linear layer (as ``--sketch-dim``).   space: ``trainable`` or ``full``
-            (``--lens-space``).   seed: the lens's seed.   multi_objective_aggregation: TRL's trainer attribute.
+            sketch_dim: sketch side per linear layer (as ``--sketch-dim``).
+            space: ``trainable`` or ``full`` (``--lens-space``).
+            seed: the lens's seed.
+            multi_objective_aggregation: TRL's trainer attribute.
             gram_source: ``exact`` or ``sketch`` (``--gram-source``).
 
         Raises:
@@ -171,7 +173,7 @@ class LensSettings:
         )
 
 
-def as_lens_settings(config: Any) -> LensSettings:
+def as_lens_settings(config: LensSettings | TrainConfig) -> LensSettings:
     """``config`` as :class:`LensSettings`: itself, or :meth:`LensSettings.from_train_config` of a
     :class:`grpo_lens.config.TrainConfig`.
 

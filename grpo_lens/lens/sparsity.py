@@ -266,7 +266,8 @@ class SparsityOverTraining:
         after = self.sample.values()
         out = flatten_sparsity("update_step", sampled_update_sparsity(self.sample, self._before, after))
         out.update(flatten_sparsity("update_total", sampled_update_sparsity(self.sample, self.start, after)))
-        out.update(flatten_sparsity("grad", sampled_vector_sparsity(self.sample, self._grad)))
+        # before_step set the gradient
+        out.update(flatten_sparsity("grad", sampled_vector_sparsity(self.sample, self._grad)))  # type: ignore[arg-type]
         out.update(flatten_sparsity("grad_total", sampled_vector_sparsity(self.sample, self.grad_sum)))
         out[SPARSITY_SAMPLE_ENTRIES] = float(self.sample.size)
         self._before = self._grad = None
@@ -338,7 +339,7 @@ class Bf16UpdateTracker:
 
         Returns:
             {"sparsity/update_step": share unchanged since the previous call (or the start),
-             "sparsity/update_total": share unchanged since the start}.
+                "sparsity/update_total": share unchanged since the start}.
         """
         current = self._snapshot()
         out = {

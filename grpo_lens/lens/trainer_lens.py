@@ -254,7 +254,9 @@ class TrainerLens:
             self._proxy_w[idx] = self.proxy_score_norms(policy, batch.select(idx))
         return MicroBatchGrams(policy, rewards.numel(), rows=rows, group_size=group_size)
 
-    def measure_from_update(self, step_batch: StepBatch, capture: Any) -> dict[str, float]:
+    def measure_from_update(
+        self, step_batch: StepBatch, capture: MicroBatchGrams | GradientCapture
+    ) -> dict[str, float]:
         """:meth:`measure` from what ``capture`` took in the update's first pass: the exact Gram
         (:class:`MicroBatchGrams`, :func:`score_gram_from_update`) or the sketched rows (:class:`GradientCapture`,
         :func:`scores_from_update_rows`); N, the rollouts in the loss, summed over processes."""
@@ -670,7 +672,7 @@ class TrainerLens:
         landing, self._landing = self._landing, None
         dead_sq, self._dead_kl_sq = self._dead_kl_sq, None
         params = [p for p in policy.parameters() if p.requires_grad and p.grad is not None]
-        u = [-p.grad.detach() for p in params]
+        u = [-p.grad.detach() for p in params]  # type: ignore[union-attr]  # params: those with a .grad
         u_sq = squared_norm(u)
         out: dict[str, float] = {}
         if dead_sq is not None:

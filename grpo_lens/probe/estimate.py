@@ -244,8 +244,9 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
     timings (``seconds`` is the records' sum; :func:`probe_group_size` replaces it by the wall time, plus the
     measuring time of the records a killed probe left)."""
     mixed = [r for r in records if r.status == "mixed"]
-    rows = [r.row for r in mixed]
-    extras = [r.extra for r in mixed]
+    # a mixed group's record has its row and extra
+    rows: list[dict[str, float]] = [r.row for r in mixed]  # type: ignore[misc]
+    extras: list[dict[str, Any]] = [r.extra for r in mixed]  # type: ignore[misc]
     checks = [r.check for r in mixed if r.check is not None]
     g2w = [r.g2_weightings for r in mixed if r.g2_weightings is not None]
     baseline_var = [r.baseline_variance for r in mixed if r.baseline_variance is not None]
@@ -280,7 +281,7 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
         k: sum((r.seconds or {}).get(k, 0.0) for r in records)
         for k in ("generation", "gradient", "g2_weightings", "sketch_check")
     }
-    ci = dict(seed=config.seed)
+    ci: dict[str, Any] = dict(seed=config.seed)
     return {
         ROLLOUTS_PER_PROMPT: M,
         PROMPTS_SAMPLED: sampled,

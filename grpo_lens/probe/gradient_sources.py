@@ -5,6 +5,7 @@ sketch-only pass, the G2 weightings' capture and the sketch check against exact 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,7 @@ def gram_captures(
 
 
 def _rollout_grads(
-    policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None, vectors: bool = True, captures: tuple = ()
+    policy, sub: RolloutBatch, config: ProbeConfig, layer: str | None, vectors: bool = True, captures: Sequence = ()
 ) -> RolloutGradients:
     """The per-rollout gradients of ``sub`` in the configured source, from one pass where possible.
 
@@ -110,7 +111,7 @@ def _rollout_grads(
     ``gram_source: sketch``: the sketch, its Gram G G^T, the layer's rows in the same pass. ``captures``: more
     context managers opened around the exact Gram's forward and backward (:func:`g2_capture`); only with
     ``gram_source: exact`` and not ``exact`` (ValueError otherwise)."""
-    proc = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
+    proc: dict[str, Any] = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
     if captures and (config.exact or config.gram_source != "exact"):
         raise ValueError("extra captures ride the exact Gram's pass only (gram_source: exact, not exact)")
     if config.exact:
@@ -125,7 +126,7 @@ def _rollout_grads(
         return RolloutGradients(
             gram,
             sk.sketch.double().cpu() if sk else None,
-            exact.result().per_layer[layer].cpu() if exact else None,
+            exact.result().per_layer[layer].cpu() if exact else None,  # type: ignore[index]  # exact: layer is set
             sk.token_sq_norms if sk else None,
             info["coverage"],
             info["param_grams"],
@@ -164,7 +165,10 @@ def sketch_gradients(
     layer_rows = sk.exact_layers.get(layer) if layer else None
     return [
         RolloutGradients(
-            g[a:b] @ g[a:b].T, g[a:b], layer_rows[a:b] if layer_rows is not None else None, sk.token_sq_norms[a:b]
+            g[a:b] @ g[a:b].T,
+            g[a:b],
+            layer_rows[a:b] if layer_rows is not None else None,
+            sk.token_sq_norms[a:b],  # type: ignore[index]  # token_norms=True: the sketch holds them
         )
         for a, b in spans
     ]
@@ -218,14 +222,14 @@ def _rollout_grads_many(
         raise ValueError("_rollout_grads_many: the dense oracle (exact) runs per block, with _rollout_grads")
     spans = block_spans(sizes, big.num_rollouts)
     omega = torch.cat([score_weights(big.select(torch.arange(r0, r1)), config) for r0, r1 in spans])
-    proc = dict(temperature=config.temperature, score_weights=omega)
+    proc: dict[str, Any] = dict(temperature=config.temperature, score_weights=omega)
     if config.gram_source == "exact":
         sketch, exact = gram_captures(policy, config, layer, vectors)
         caps = [c for c in (sketch, exact, *captures) if c is not None]
         gram, info = exact_rollout_gram(policy, big, captures=caps, keep_param_grams=True, blocks=sizes, **proc)
         sk = sketch.result() if sketch is not None else None
         rows = sk.sketch.double().cpu() if sk else None
-        layer_rows = exact.result().per_layer[layer].cpu() if exact else None
+        layer_rows = exact.result().per_layer[layer].cpu() if exact else None  # type: ignore[index]  # exact: layer set
         token_sq = sk.token_sq_norms if sk else None
         pg = info["param_grams"]
         return [

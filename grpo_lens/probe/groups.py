@@ -93,7 +93,8 @@ def fused_advantages(rewards: torch.Tensor, config: ProbeConfig) -> torch.Tensor
     """A_i [R] of a group's rewards [R] for a G2 capture that rides the group's pass (estimators that need no
     gradient norms: :func:`grpo_lens.probe.gradient_sources.can_fuse_g2`)."""
     R = rewards.shape[0]
-    return compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]
+    # the config's check allows only these names
+    return compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]  # type: ignore[arg-type]
 
 
 def group_row(
@@ -116,11 +117,17 @@ def group_row(
     """
     R = sub.num_rollouts
     # Gradients come from the model's device; the analysis runs on the CPU with the rewards (a GPU probe works too).
-    gram, g, layer_rows, token_sq = measured.gram, measured.rows, measured.layer_rows.cpu(), measured.token_sq
+    # the probe asks for the layer's rows
+    gram, g, layer_rows, token_sq = measured.gram, measured.rows, measured.layer_rows.cpu(), measured.token_sq  # type: ignore[union-attr]
     cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
     sq = gram.diagonal().view(1, R) if config.estimator == "optimal" else None
+    # the config's check allows only these names
     adv = compute_advantages(
-        rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps, grad_sq_norms=sq
+        rewards.view(1, R).double(),
+        config.estimator,
+        std=config.std,  # type: ignore[arg-type]
+        eps=config.std_eps,
+        grad_sq_norms=sq,
     )[0]
     # gram [R, R]: every per-group key is a function of it
     # P for the claims' simulated null: the sketch's dimension, else every trainable parameter
@@ -148,7 +155,8 @@ def group_row(
             "G1_no_adv": gram_singular_values(gram).tolist(),
             "G1_null": orthogonal_null_singular_values(gram, adv).tolist(),
         },
-        "g3_rows": {name: group_row_sums(g, R, w)[0] for name, w in weightings(adv, rewards).items()},
+        # rows are kept for the G3 study
+        "g3_rows": {name: group_row_sums(g, R, w)[0] for name, w in weightings(adv, rewards).items()},  # type: ignore[arg-type]
         "grads": g,
         "advantages": adv,
         "gram_coverage": measured.coverage,

@@ -330,8 +330,9 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
 
     Args:
         config: probe settings; ``out`` is required.
-        policy, tokenizer: an already loaded model (the demo passes the trained one); loaded from config.model if
-            None.
+        policy (torch.nn.Module | None): an already loaded model (the demo passes the trained one); loaded from
+            config.model if None.
+        tokenizer (Any): its tokenizer; loaded with the model if None.
 
     Raises:
         ConfigError: bad settings, --out holding a probe without --overwrite (or a partial one without --resume or
@@ -341,7 +342,8 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
     check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
     keep_freed_memory()  # each pass's activations are reused, not page-faulted in again
     partial = prepare_out(config)
-    out = Path(config.out).absolute()  # a reward function may os.chdir (code sandboxes)
+    # resolved before the run: out is set
+    out = Path(config.out).absolute()  # type: ignore[arg-type]  # a reward function may os.chdir (code sandboxes)
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
     reward_fns = parse_reward_specs(config.rewards)
     seed_everything(config.seed)

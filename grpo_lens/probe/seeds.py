@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -119,7 +119,7 @@ def _settings_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-def _concat(entries: list[dict[str, Any] | None], key: str) -> list[Any]:
+def _concat(entries: Sequence[dict[str, Any] | None], key: str) -> list[Any]:
     return [x for e in entries for x in ((e or {}).get(key) or [])]
 
 
@@ -139,7 +139,7 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     # S1 measured is a share of the valid groups: its pooled indicators are the summed counts (order does not matter)
     indicators = [1.0] * counts[GROUPS_ALL_EQUAL] + [0.0] * (valid - counts[GROUPS_ALL_EQUAL])
     predicted = combine_summaries([e.get(S1_PREDICTED_CI) for e in entries], bounds=(0.0, 1.0))
-    ci = {"seed": seed}
+    ci: dict[str, Any] = {"seed": seed}
 
     def rows_and_summary(key: str) -> dict[str, Any] | None:
         pooled = _concat([e.get(key) for e in entries], PROBE_GROUPS)
@@ -207,7 +207,7 @@ def pool_baseline_study(studies: list[dict[str, Any]]) -> dict[str, Any]:
             [p for part in parts for p in part["per_prompt"]], sum(int(p.get("prompts_constant") or 0) for p in parts)
         )
     s1s = [s.get("s1") or {} for s in studies]
-    s1 = {
+    s1: dict[str, Any] = {
         k: combine_summaries([x.get(k) for x in s1s], bounds=(-1.0, 1.0) if k == "difference" else (0.0, 1.0))
         for k in ("measured", "predicted", "difference")
     }
@@ -429,7 +429,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
     for s in seeds:
         sub = replace(config, seed=s, out=str(seed_dir(out, s)), resume=False)
         finished = seed_dir(out, s) / "probe.json"
-        if config.resume and PartialProbe(sub.out).exists():
+        if config.resume and PartialProbe(sub.out).exists():  # type: ignore[arg-type]  # each seed's config has its out
             todo.append(replace(sub, resume=True, overwrite=False))  # continues from its last finished prompt
         elif config.resume and finished.is_file():
             saved = (json.loads(finished.read_text()).get("meta") or {}).get("config") or {}

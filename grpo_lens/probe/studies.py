@@ -167,7 +167,7 @@ def s1_measured_and_predicted(correct: torch.Tensor, valid: torch.Tensor, group_
 
     Returns:
         {"measured": mean_interval over prompts of the indicator, "predicted": mean_interval of the estimate,
-         "difference": mean_interval of measured - predicted, "prompts": B used, "rollouts_per_prompt": M}.
+            "difference": mean_interval of measured - predicted, "prompts": B used, "rollouts_per_prompt": M}.
 
     Raises:
         ValueError: M - R < R.
@@ -203,8 +203,12 @@ def _score_fn(reward_fns: Any, prompt: Any, extras: dict[str, Any]) -> Callable[
     """completions -> rewards of one prompt (invalid rewards count as 0)."""
 
     def score(texts: list[str]) -> list[float]:
+        # the dataset's extra columns: keywords of the reward functions
         rewards, valid, _ = combine_rewards(
-            reward_fns, [prompt] * len(texts), texts, **{k: [v] * len(texts) for k, v in extras.items()}
+            reward_fns,
+            [prompt] * len(texts),
+            texts,
+            **{k: [v] * len(texts) for k, v in extras.items()},  # type: ignore[arg-type]
         )
         return [float(r) if bool(v) else 0.0 for r, v in zip(rewards, valid)]
 
@@ -230,9 +234,9 @@ def run_baseline_study(
 
     Returns:
         {"baselines": :func:`grpo_lens.formulas.baselines.baseline_study` (per-prompt rows trimmed to
-         numbers), "s1": :func:`s1_measured_and_predicted` over every sampled prompt, "meta": {group_size,
-         rollouts_per_prompt, prompts_sampled, gradients: "sketch of every nn.Linear weight", sketch_dim,
-         aggregation, seconds, presampled_prompts (of prompts_sampled, those from ``presampled``)}}.
+            numbers), "s1": :func:`s1_measured_and_predicted` over every sampled prompt, "meta": {group_size,
+            rollouts_per_prompt, prompts_sampled, gradients: "sketch of every nn.Linear weight", sketch_dim,
+            aggregation, seconds, presampled_prompts (of prompts_sampled, those from ``presampled``)}}.
 
     Raises:
         ValueError: pool_factor < 4 (the study needs M >= 4R).
@@ -305,7 +309,7 @@ def _segment_counts(rows: list[dict[str, Any]], z: float = 2.0) -> dict[str, int
     return segment_counts(rows, z)
 
 
-def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
+def _mean_ci_per_bin(rows: Sequence[Sequence[float]]) -> list[dict[str, float | int | None]]:
     if not rows:
         return []
     return [mean_interval([r[b] for r in rows]) for b in range(len(rows[0]))]
@@ -359,16 +363,16 @@ def run_credit_study(
 
     Returns:
         {"contributions": {"position_profile": per relative-position bin, mean_interval over groups of the bin's
-         summed share; "classes": {class: {"update_share", "token_share", "ratio"}: mean_interval over groups};
-         "classes_nll": {class: {"ratio": the same tokens' ratio under NLL weights (every A_i = 1: the control with
-         the same gradient geometry), "ratio_minus_nll": the paired difference per group}: mean_interval over groups};
-         "shares", "shares_nll": each group's class shares under A and NLL weights (what --seeds pools);
-         "closure": max |sum s - 1| over groups; "groups": n},
-         "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
-         disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
-         mean_interval over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
-         rollouts (beyond 2 SE), "samples_per_prefix": K_mc},
-         "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
+            summed share; "classes": {class: {"update_share", "token_share", "ratio"}: mean_interval over groups};
+            "classes_nll": {class: {"ratio": the same tokens' ratio under NLL weights (every A_i = 1: the control with
+            the same gradient geometry), "ratio_minus_nll": the paired difference per group}: mean_interval over
+            groups}; "shares", "shares_nll": each group's class shares under A and NLL weights (what --seeds pools);
+            "closure": max |sum s - 1| over groups; "groups": n},
+            "monte_carlo": {"rollouts": [{reward, grpo_advantage, boundaries, values, errors, advantages, adv_errors,
+            disagree, agree, neutral, top_segment_share}], "disagree", "agree", "neutral", "top_segment_share":
+            mean_interval over rollouts, "segments": {"disagree", "agree", "total"} counts of segments pooled over
+            rollouts (beyond 2 SE), "samples_per_prefix": K_mc},
+            "meta": {group_size, groups_sampled, seconds, gradients: "exact (every parameter)", step}}.
     """
     t_start = time.perf_counter()
     st, R = settings, settings.group_size
@@ -430,7 +434,8 @@ def _measure_credit_group(
     ``mc_groups`` groups are picked, its best and worst rollout with their segment boundaries."""
     R = st.group_size
     group = batch.select(torch.arange(j * R, (j + 1) * R))
-    adv = compute_advantages(r.view(1, R).double(), "grpo", std=st.std, eps=st.eps)[0]
+    # the config's check allows only these names
+    adv = compute_advantages(r.view(1, R).double(), "grpo", std=st.std, eps=st.eps)[0]  # type: ignore[arg-type]
     mask = group.completion_mask.cpu()
     classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
     # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)

@@ -316,7 +316,7 @@ def first_figures(body: list[str], n: int = N_FIRST_FIGURES) -> list[str]:
     report's sections) shows, each image once more here, and a line naming the appendix section of each; [] when the
     body has no image."""
     figures = report_figures(body)
-    chosen = []
+    chosen: list[tuple[str, str, str]] = []
     for patterns in FIRST_FIGURES:
         match = next((f for p in patterns for f in figures if fnmatch(f[1], p)), None)
         if match and len(chosen) < n:

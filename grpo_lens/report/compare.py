@@ -231,7 +231,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
     fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows + header), squeeze=False)
     colours = dict(zip(runs, run_colours(len(runs))))
     widths = {run: 1.0 + 1.5 * (len(runs) - 1 - i) / max(len(runs) - 1, 1) for i, run in enumerate(runs)}
-    handles = {}
+    handles: dict[str, Any] = {}
     for ax, (key, label) in zip(axes.flat, metrics):
         for run, records in runs.items():
             pts = [(r[STEP], r[key]) for r in records if isinstance(r.get(key), (int, float))]

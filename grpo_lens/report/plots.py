@@ -9,6 +9,7 @@ series that coincide are drawn so that each stays visible (:func:`plot_lines`).
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,9 @@ COINCIDE_SHARE = 0.01
 COINCIDE_MARKERS = ("o", "s", "^", "D", "v")
 
 
-def coinciding(a: tuple[list[float], list[float]], b: tuple[list[float], list[float]], tol: float) -> str | None:
+def coinciding(
+    a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[float], Sequence[float]], tol: float
+) -> str | None:
     """Whether series ``b`` = (steps, values) lies on series ``a`` wherever both have a value: "equal" (the same
     steps and values), "near" (every common step within ``tol``, in y units), None (apart, or no step in common)."""
     pa, pb = dict(zip(*a)), dict(zip(*b))
@@ -103,7 +106,10 @@ def coinciding(a: tuple[list[float], list[float]], b: tuple[list[float], list[fl
 
 
 def plot_lines(
-    ax, lines: list[tuple[str, list[float], list[float], str | None, str]], span: float | None = None, marker: str = "."
+    ax,
+    lines: list[tuple[str, Sequence[float], Sequence[float], str | None, str]],
+    span: float | None = None,
+    marker: str = ".",
 ) -> None:
     """Draw (label, steps, values, colour, linestyle) series so that every one stays visible where several coincide
     (:func:`coinciding`, within :data:`COINCIDE_SHARE` of ``span``): a series that another one will lie on is drawn
@@ -480,11 +486,13 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
             for c, label in zip(PROBE_COLOURS, probes)
         ]
         handles += [
-            Line2D([], [], color="k", marker=marker, linestyle=style, label=name)
+            # matplotlib's dash styles
+            Line2D([], [], color="k", marker=marker, linestyle=style, label=name)  # type: ignore[arg-type]
             for (name, _, marker), style in zip(G1_LINES, styles)
             if name in drawn
         ]
-        handles += [h for h, lab in zip(*ax.get_legend_handles_labels()) if lab == ref_label]
+        # the reference line is a Line2D
+        handles += [h for h, lab in zip(*ax.get_legend_handles_labels()) if lab == ref_label]  # type: ignore[misc]
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False, fontsize=7)
     else:
         legend_below(ax, ncol=2, fontsize=7)

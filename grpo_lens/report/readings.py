@@ -33,8 +33,9 @@ def seed_g3_rows(seed_probes: list[dict[str, Any]], rs: list[str]) -> list[str]:
         return []
     lines = []
     for measure, label in MEASURE_LABELS.items():
-        rows = [next((r for r in rows if r["measure"] == measure), None) for rows in per_seed]
-        if any(r is None for r in rows):
+        found = [next((r for r in rows if r["measure"] == measure), None) for rows in per_seed]
+        rows = [r for r in found if r is not None]
+        if len(rows) < len(found):
             continue
         cells = []
         for R in rs:

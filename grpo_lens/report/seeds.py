@@ -45,6 +45,7 @@ def seed_verdicts(pooled: dict[str, Any], run_dir: Path) -> tuple[list[str], dic
     """(seeds whose probe.json is missing, {claim row key (:func:`claim_rows`): {seed: verdict}}) from
     run_dir/seed_<s>/probe.json, each evaluated by :func:`grpo_lens.claims.evaluate_claims` as a probe of its own and
     decided under Holm as that seed's own report decides it (:func:`grpo_lens.claims.base.holm_claims`)."""
+    verdicts: dict[tuple[str, int], dict[int, str]]
     missing, verdicts = [], {}
     for s, d in zip(pooled["seeds"]["seeds"], pooled["seeds"]["dirs"]):
         path = run_dir / d / "probe.json"

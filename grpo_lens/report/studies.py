@@ -192,7 +192,8 @@ def _opposition_sentence(mc: dict[str, Any]) -> str:
     k = int(mc["samples_per_prefix"])
     rows = mc["rollouts"]
     counts = [prefix_success_counts(r["values"], r["errors"], k) for r in rows]
-    shifts = opposing_shifts(counts, [r["grpo_advantage"] for r in rows], k)
+    # no None: checked by the caller
+    shifts = opposing_shifts(counts, [r["grpo_advantage"] for r in rows], k)  # type: ignore[arg-type]
     per_pos = "; ".join(f"segment {j + 1}: {ci(mean_interval(e))}" for j, e in enumerate(shifts))
     n, a = t["rollouts"], t["alpha_r"]
     return (
@@ -239,14 +240,16 @@ def plot_credit_position(profile: Sequence[dict[str, Any]], path: Path) -> Path:
     n = len(profile)
     xs = [(b + 0.5) / n for b in range(n)]
     ys = [p.get("mean") if p.get("mean") is not None else math.nan for p in profile]
-    bars = ax.bar(xs, ys, width=0.8 / n, label="mean share over groups")
+    # None means are NaN here
+    bars = ax.bar(xs, ys, width=0.8 / n, label="mean share over groups")  # type: ignore[arg-type]
     bounds = [(x, y, interval(p)) for x, y, p in zip(xs, ys, profile)]
     with_ci = [(x, y, b) for x, y, b in bounds if b is not None]
     if with_ci:
         ax.errorbar(
             [x for x, _, _ in with_ci],
-            [y for _, y, _ in with_ci],
-            yerr=[[y - b[0] for _, y, b in with_ci], [b[1] - y for _, y, b in with_ci]],
+            # None means are NaN here
+            [y for _, y, _ in with_ci],  # type: ignore[arg-type]
+            yerr=[[y - b[0] for _, y, b in with_ci], [b[1] - y for _, y, b in with_ci]],  # type: ignore[operator]
             fmt="none",
             ecolor="k",
             capsize=2,

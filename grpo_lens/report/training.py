@@ -48,9 +48,9 @@ from grpo_lens.report.training_measures import (
 )
 
 
-def _mean(xs: list[float]) -> float | None:
+def _mean(xs: list[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
+    return sum(xs) / len(xs) if xs else None  # type: ignore[arg-type]  # None dropped above
 
 
 def lens_gradient_source(records: list[dict[str, Any]], lora_rank: int = 0, lens_space: str = "trainable") -> str:
@@ -74,7 +74,8 @@ def s1_trend_finding(records: list[dict[str, Any]]) -> str | None:
     first, last = (rows[s] for s in trend_windows(len(rows)))
     s1 = [mean_interval([float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in w], bounds=(0.0, 1.0)) for w in (first, last)]
     acc = [_mean([r.get(REWARD_ACCURACY) for r in w]) for w in (first, last)]
-    verb = "rose" if s1[1]["mean"] > s1[0]["mean"] else ("fell" if s1[1]["mean"] < s1[0]["mean"] else "stayed flat")
+    # at least MIN_S1_STEPS rows: both means are set
+    verb = "rose" if s1[1]["mean"] > s1[0]["mean"] else ("fell" if s1[1]["mean"] < s1[0]["mean"] else "stayed flat")  # type: ignore[operator]
     return (
         f"S1 (zero-variance group share) {verb}: {ci(s1[0], 2)} over the first third of the steps "
         f"({first[0][STEP]}–{first[-1][STEP]}) -> {ci(s1[1], 2)} over the last third ({last[0][STEP]}–"

@@ -250,7 +250,8 @@ def _entropy_lines(records: list[dict[str, Any]], findings: list[str]) -> list[s
     if len(ent) >= MIN_TREND_STEPS:  # two non-overlapping windows, as for the reward
         w = min(5, len(ent) // 2)
         head, tail = ent[:w], ent[len(ent) - w :]
-        e0, e1 = sum(head) / len(head), sum(tail) / len(tail)
+        # no None: filtered above
+        e0, e1 = sum(head) / len(head), sum(tail) / len(tail)  # type: ignore[arg-type]
         lines += [
             "### Policy entropy",
             "",
@@ -264,7 +265,8 @@ def _entropy_lines(records: list[dict[str, Any]], findings: list[str]) -> list[s
         lines += [
             "### Policy entropy",
             "",
-            f"Token-mean entropy of the policy: mean {fmt(sum(ent) / len(ent))} nats over {len(ent)} step(s), "
+            # no None: filtered above
+            f"Token-mean entropy of the policy: mean {fmt(sum(ent) / len(ent))} nats over {len(ent)} step(s), "  # type: ignore[arg-type]
             f"too few for a trend (at least {MIN_TREND_STEPS}).",
             "",
         ]

@@ -309,7 +309,7 @@ def combine_rewards(
         columns: task columns, each a list of N values (e.g. ``answer``), passed to every function by keyword; a
             column may have any name but the reserved ones (:data:`RESERVED_COLUMNS`).
         completion_ids: N lists of completion token ids.   trainer_state: passed as is (e.g. :class:`RewardState`).
-        kwargs: more columns (the older form; a column named ``timeout_s`` or like a parameter here must go in
+        kwargs (Any): more columns (the older form; a column named ``timeout_s`` or like a parameter here must go in
             ``columns``).
 
     Raises:
@@ -397,7 +397,7 @@ def check_rewards_on_example(
         ValueError: naming the reward function, ``where``, the error and what to do.
     """
     completions = chat_completions([prompt], [""])
-    call = {
+    call: dict[str, Any] = {
         "completion_ids": [[]],
         "columns": {k: [v] for k, v in columns.items()},
         "trainer_state": trainer_state if trainer_state is not None else RewardState(),

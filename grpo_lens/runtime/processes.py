@@ -105,7 +105,8 @@ class Processes:
         for p in summed:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for bucket in grad_buckets([p.grad for p in summed], GRAD_BUCKET_ELEMENTS):
+        # every summed grad is set above
+        for bucket in grad_buckets([p.grad for p in summed], GRAD_BUCKET_ELEMENTS):  # type: ignore[misc]
             if len(bucket) == 1:
                 torch.distributed.all_reduce(bucket[0])
                 continue

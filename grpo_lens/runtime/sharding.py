@@ -92,7 +92,8 @@ def shard_fsdp2(policy: nn.Module, world: int) -> nn.Module:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum: each process's loss carries the global normaliser
             module.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM (gloo has no PREMUL_SUM), then / 1.0
-    policy._is_fsdp_managed_module = True  # transformers' generate then runs with synced_gpus across processes
+    # transformers' generate then runs with synced_gpus across processes (nn.Module types attributes Tensor | Module)
+    policy._is_fsdp_managed_module = True  # type: ignore[assignment]
     return policy
 
 
@@ -174,7 +175,7 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 def full_model_state(policy: nn.Module) -> dict[str, Tensor]:
     """The policy's full state dict on rank 0 ({} elsewhere), tensors on the CPU, each tied matrix once (under its
     first name). Every process must call it (all-gathers)."""
-    state = get_model_state_dict(policy, options=_FULL)
+    state: dict[str, Any] = get_model_state_dict(policy, options=_FULL)  # full state dict: tensors
     seen: set[int] = set()
     out = {}
     for name, t in state.items():
@@ -213,5 +214,6 @@ def load_full_states(
         raise ValueError(
             f"the checkpoint's model does not match the policy: missing {missing[:5]}, unknown {unknown[:5]}"
         )
-    set_model_state_dict(policy, state, options=StateDictOptions(full_state_dict=True))
+    # torch types the state dict's values as a union a dict[str, Tensor] does not match (dict is invariant)
+    set_model_state_dict(policy, state, options=StateDictOptions(full_state_dict=True))  # type: ignore[arg-type]
     set_optimizer_state_dict(policy, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))

@@ -34,9 +34,9 @@ def get_task(name: str | os.PathLike, dataset=None, **options) -> Task:
 
     Args:
         name: a registered name (``gsm8k``, ``arithmetic``, ``jsonl``), or a path to a JSONL file.
-        dataset: the data of task ``jsonl`` (see :func:`user_task`: a JSONL path, a Hugging Face dataset name or
+        dataset (Any): the data of task ``jsonl`` (see :func:`user_task`: a JSONL path, a Hugging Face dataset name or
             object, or a list of rows); must be None for the other tasks.
-        options: keyword arguments of the task's constructor (e.g. ``max_operand=20`` for ``arithmetic``;
+        options (Any): keyword arguments of the task's constructor (e.g. ``max_operand=20`` for ``arithmetic``;
             ``system_prompt``, ``test_path`` for user data).
 
     Raises:

@@ -55,7 +55,8 @@ class ArithmeticTask:
     """Integer arithmetic, e.g. "What is 7 + 5? Reply with just the number." -> answer "12".
 
     Args:
-        min_operand, max_operand: operands are drawn uniformly from [min_operand, max_operand].
+        min_operand: the smallest operand; operands are drawn uniformly from [min_operand, max_operand].
+        max_operand: the largest operand.
         num_operands: operands per problem (>= 2).
         ops: operators to draw from, a string of characters in ``"+-*"``.
         allow_negative: if False, problems whose value is negative are redrawn.

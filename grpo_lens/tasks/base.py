@@ -133,7 +133,7 @@ def epoch_rows(rows: list, n: int, start: int, seed: int) -> list:
     return out
 
 
-def correctness_verdict(task: Any, completions: list, answers: list) -> list[float | None]:
+def correctness_verdict(task: Task, completions: list, answers: list) -> list[float | None]:
     """The task's own 0/1 correctness verdict of N completions (None: no verdict, e.g. no reference answer).
 
     A task may define ``correct(completions, answers) -> list[float | None]``; otherwise the reference answer is

@@ -26,7 +26,7 @@ from grpo_lens.rundir import (
     read_saved_config,
 )
 from grpo_lens.runtime.processes import Processes
-from grpo_lens.tasks import get_task
+from grpo_lens.tasks import Task, get_task
 from grpo_lens.tasks.user_data import file_fingerprint
 from grpo_lens.trackers import check_trackers
 from grpo_lens.train.schedule import warmup_steps
@@ -83,7 +83,8 @@ def check_inputs(config: TrainConfig, procs: Processes) -> tuple[Any, list[tuple
             f"of the {procs.world} processes holds (prompts_per_step / processes = {share})"
         )
     task = get_task(config.task, dataset=config.dataset, **config.task_options)
-    if config.prompt_order == "epoch" and not (isinstance(getattr(task, "data", None), dict) and "train" in task.data):
+    # task.data: checked with getattr
+    if config.prompt_order == "epoch" and not (isinstance(getattr(task, "data", None), dict) and "train" in task.data):  # type: ignore[attr-defined]
         raise ValueError(
             f"--prompt-order epoch needs a dataset (--task jsonl --dataset FILE); task {config.task!r} draws "
             f"its prompts itself, so it has no epochs here: use --prompt-order independent"
@@ -198,7 +199,7 @@ def model_context(model: torch.nn.Module) -> int | None:
     return None
 
 
-def check_prompts(config: TrainConfig, task: Any, models: Models) -> None:
+def check_prompts(config: TrainConfig, task: Task, models: Models) -> None:
     """Before --out is touched: every prompt of the task formats with the tokenizer (a chat template for chat
     messages, none needed for strings) and, with ``max_new_tokens``, fits the model's context
     (:func:`model_context`). A task with a list of rows (a user dataset, GSM8K) is checked row by row, every row

@@ -129,7 +129,7 @@ def collect_mixed_groups(
         DYNAMIC_ZERO_VAR_FRAC_SAMPLED: 1.0 - seen_mixed / sampled,
     }
     if found == 0:
-        batch, rewards, valid, *others = first
+        batch, rewards, valid, *others = first  # type: ignore[misc]  # found == 0: the first round's draw is kept
     else:
         batch = concat_batches([p[0] for p in parts], pad_id)
         rewards, valid, *others = (torch.cat([p[i] for p in parts]) for i in range(1, len(parts[0])))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +34,12 @@ from grpo_lens.metrics import (
 )
 from grpo_lens.rollout import forward_precision, sample_groups
 from grpo_lens.train.step_metrics import rollout_correctness
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from grpo_lens.config import TrainConfig
+    from grpo_lens.tasks import Task
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +70,13 @@ class Evaluation:
         ValueError: the task has no ``eval_split`` (naming its splits), or the split is empty.
     """
 
-    def __init__(self, config: Any, task: Any):
+    def __init__(self, config: TrainConfig, task: Task):
         self.config = config
         self.task = task
         self.examples = task.sample(config.eval_prompts, seed=config.seed, split=config.eval_split)
 
     @classmethod
-    def start(cls, config: Any, task: Any) -> Evaluation | None:
+    def start(cls, config: TrainConfig, task: Task) -> Evaluation | None:
         """The run's evaluation, or None without ``eval_every``."""
         return cls(config, task) if config.eval_every > 0 else None
 
@@ -78,7 +84,9 @@ class Evaluation:
         """Whether step ``step`` (1-based) is evaluated: every ``eval_every``-th and the last."""
         return step % self.config.eval_every == 0 or step == self.config.max_steps
 
-    def __call__(self, step: int, policy: torch.nn.Module, tokenizer: Any, device: str) -> dict[str, float]:
+    def __call__(
+        self, step: int, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device
+    ) -> dict[str, float]:
         """The ``eval/*`` metrics of the policy now, on step ``step`` (empty when the step is not due)."""
         if not self.due(step):
             return {}

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from grpo_lens.config import TrainConfig
@@ -88,7 +89,7 @@ from grpo_lens.runtime.sharding import (
     load_full_states,
 )
 from grpo_lens.seeding import derive_seed, seed_everything
-from grpo_lens.tasks.base import epoch_rows
+from grpo_lens.tasks.base import Task, epoch_rows
 from grpo_lens.trackers import Trackers
 from grpo_lens.train.checks import check_before_writing, check_model, check_prompts
 from grpo_lens.train.dynamic_sampling import collect_mixed_groups
@@ -205,7 +206,8 @@ def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
             with forward_precision(procs.device, config.dtype):
                 kl = {} if config.kl_in_reward else {"beta": config.beta, "kl_estimator": config.kl_estimator}
                 first = mini_batch_rows(rollouts.batch.num_groups, config.group_size, config.num_mini_batches)[0]
-                lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl, first=first)
+                # plan.measure: a lens is set; before_update is TrainerLens's
+                lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl, first=first)  # type: ignore[union-attr]
         # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
         update_metrics = policy_update(
@@ -340,7 +342,7 @@ def open_run(
 
 
 def sample_step(
-    config: TrainConfig, procs: Processes, task: Any, reward_fns: list[tuple[str, float]], models: Models, step: int
+    config: TrainConfig, procs: Processes, task: Task, reward_fns: list[tuple[str, float]], models: Models, step: int
 ) -> Rollouts:
     """This process's rollouts of step ``step``: round 0 (:func:`sample_round`) or, with ``dynamic_sampling``, the
     mixed groups of as many rounds as :func:`sample_dynamic` needs. Randomness derives from (seed, step) only."""
@@ -369,7 +371,7 @@ def sample_step(
 def sample_round(
     config: TrainConfig,
     procs: Processes,
-    task: Any,
+    task: Task,
     reward_fns: list[tuple[str, float]],
     models: Models,
     step: int,
@@ -385,7 +387,8 @@ def sample_round(
     B, R, share = config.prompts_per_step, config.group_size, config.prompts_per_step // procs.world
     rseed = seed if rnd == 0 else step_seed(seed, rnd)
     if rnd == 0 and config.prompt_order == "epoch":  # TRL's convention: each row once per pass (tasks.epoch_rows)
-        examples = epoch_rows(task.data["train"], B, (step - 1) * B, config.seed)
+        # check_inputs refuses epoch order for a task without data rows
+        examples = epoch_rows(task.data["train"], B, (step - 1) * B, config.seed)  # type: ignore[attr-defined]
     else:
         examples = task.sample(B, seed=rseed)
     examples = examples[procs.rank * share : (procs.rank + 1) * share]
@@ -478,7 +481,7 @@ def step_advantages(
         advantages = compute_advantages(
             rewards.float(),
             config.estimator,
-            std=config.std,
+            std=config.std,  # type: ignore[arg-type]  # the config's check allows only these names
             eps=config.std_eps,
             mask=valid,
             grad_sq_norms=grad_sq_norms,
@@ -497,7 +500,7 @@ def batch_advantages(config: TrainConfig, rewards: torch.Tensor, valid: torch.Te
     everything = compute_advantages(
         torch.cat([r for r, _ in parts]).float(),
         config.estimator,
-        std=config.std,
+        std=config.std,  # type: ignore[arg-type]  # the config's check allows only these names
         eps=config.std_eps,
         mask=torch.cat([v for _, v in parts]),
     )
@@ -579,7 +582,8 @@ def plan_lens(
     why_not = lens_fuses_gram(config, lens, step_batch, procs)
     if why_not is None:
         proxy = {"batch": rollouts.batch} if config.lens_noise_proxy else {}  # verl's W_i at the step's weights
-        gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy)
+        # an optional lens method, looked up with hasattr (Lens's docstring)
+        gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy)  # type: ignore[attr-defined]
         return LensPlan(measure=True, capture=gram_capture, per_rollout=True)
     if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
         _LENS_OWN_PASS_LOGGED.add(why_not)
@@ -590,7 +594,8 @@ def plan_lens(
             why_not,
         )
     if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
-        return LensPlan(measure=True, capture=lens.update_capture(policy), per_rollout=True)
+        # an optional lens method, looked up with hasattr (Lens's docstring)
+        return LensPlan(measure=True, capture=lens.update_capture(policy), per_rollout=True)  # type: ignore[attr-defined]
     with forward_precision(procs.device, config.dtype):
         metrics = lens.measure(step_batch)
     return LensPlan(measure=True, metrics=metrics, per_rollout=True)
@@ -613,7 +618,8 @@ def lens_after_update(
     metrics = plan.metrics
     if plan.capture is not None:  # the exact Gram or the sketched rows of the update's first pass
         step_batch = StepBatch(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
-        metrics = lens.measure_from_update(step_batch, plan.capture)
+        # an optional lens method, looked up with hasattr (Lens's docstring)
+        metrics = lens.measure_from_update(step_batch, plan.capture)  # type: ignore[attr-defined]
     metrics.update(lens.after_step(step, policy, plan.measure))
     return metrics
 
@@ -789,7 +795,10 @@ def finish_run(run: RunDir, config: TrainConfig, procs: Processes, models: Model
 
 
 def save_final_model(
-    policy: torch.nn.Module, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None
+    policy: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    path: Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save policy and tokenizer with ``save_pretrained`` into ``path`` atomically (temp folder + rename); a LoRA
     policy is saved merged, with its adapter alone in ``path/adapter`` (:func:`grpo_lens.lora.save_lora_model`).
@@ -802,16 +811,21 @@ def save_final_model(
         save_lora_model(policy, tokenizer, tmp)
     elif state_dict is not None:  # fully_shard renamed the class (FSDP<Name>): the config keeps the model's own
         architectures = getattr(policy.config, "architectures", None)
-        policy.config.architectures = [
-            c.__name__ for c in type(policy).__mro__ if c.__name__ == type(policy).__name__.removeprefix("FSDP")
-        ][:1] or architectures
+        # nn.Module types a transformers/peft model's attribute as Tensor | Module
+        policy.config.architectures = (  # type: ignore[union-attr]
+            [c.__name__ for c in type(policy).__mro__ if c.__name__ == type(policy).__name__.removeprefix("FSDP")][:1]
+            or architectures
+        )
         try:
-            policy.save_pretrained(tmp, state_dict=state_dict)
+            # nn.Module types a transformers/peft model's attribute as Tensor | Module
+            policy.save_pretrained(tmp, state_dict=state_dict)  # type: ignore[operator]
         finally:
-            policy.config.architectures = architectures
+            # nn.Module types a transformers/peft model's attribute as Tensor | Module
+            policy.config.architectures = architectures  # type: ignore[union-attr]
         tokenizer.save_pretrained(tmp)
     else:
-        policy.save_pretrained(tmp)
+        # nn.Module types a transformers/peft model's attribute as Tensor | Module
+        policy.save_pretrained(tmp)  # type: ignore[operator]
         tokenizer.save_pretrained(tmp)
     crash_point("mid_final_model", 0)
     os.replace(tmp, path)

@@ -15,16 +15,19 @@ resumed run given a larger ``--max-steps`` stretches a decaying schedule from th
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import get_scheduler
+
+if TYPE_CHECKING:
+    from grpo_lens.config import TrainConfig
 
 #: ``lr_scheduler`` -> the name transformers' ``get_scheduler`` knows (each takes a warm-up).
 TRANSFORMERS_SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
-def warmup_steps(config: Any) -> int:
+def warmup_steps(config: TrainConfig) -> int:
     """Warm-up steps: ``warmup_steps`` when it is >= 1, else ``ceil(warmup_steps × max_steps)`` (a share, rounded up
     as transformers' ``TrainingArguments.get_warmup_steps`` does)."""
     w = float(config.warmup_steps)
@@ -39,7 +42,7 @@ class LRSchedule:
         config: a :class:`grpo_lens.config.TrainConfig` (learning_rate, lr_scheduler, warmup_steps, max_steps).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: Any):
+    def __init__(self, optimizer: torch.optim.Optimizer, config: TrainConfig):
         self.optimizer = optimizer
         self.base = float(config.learning_rate)
         for group in optimizer.param_groups:  # the scheduler reads its base LR from here

@@ -121,7 +121,8 @@ def _rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     numpy_state = {
         "name": str(name),
-        "keys": torch.from_numpy(keys.astype(np.int64)),
+        # numpy types the state tuple loosely: keys is an array
+        "keys": torch.from_numpy(keys.astype(np.int64)),  # type: ignore[attr-defined]
         "pos": int(pos),
         "has_gauss": int(has_gauss),
         "cached_gaussian": float(cached),

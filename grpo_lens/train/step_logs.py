@@ -103,7 +103,8 @@ def step_record(
         }
     )
     if config.dynamic_sampling:
-        record.update(sampled_vs_kept(record, *(torch.cat([s[i] for s in rollouts.sampled]) for i in range(3)), R))
+        # three tensors: rewards, valid, correct
+        record.update(sampled_vs_kept(record, *(torch.cat([s[i] for s in rollouts.sampled]) for i in range(3)), R))  # type: ignore[call-arg, arg-type]
     return record
 
 
@@ -125,7 +126,8 @@ def step_line(record: dict[str, Any], max_steps: int, rewards: list[str] | None 
         if isinstance(record.get(key), (int, float)):
             parts.append(f"{name} {record[key]:{spec}}")
         if key == REWARD_MEAN and custom and len(rewards or []) > 1:  # each function's mean, TRL's name
-            for n in (str(r).split(":", 1)[0] for r in rewards):
+            # len(rewards or []) > 1 above
+            for n in (str(r).split(":", 1)[0] for r in rewards):  # type: ignore[union-attr]
                 if isinstance(v := record.get(REWARD_FUNCTION.format(name=n)), (int, float)):
                     parts.append(f"rewards/{n}/mean {v:.3f}")
     return "  ".join(parts)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import torch
 
@@ -46,7 +45,7 @@ from grpo_lens.rewards import (
     score_batch,
 )
 from grpo_lens.rollout import RolloutBatch
-from grpo_lens.tasks import correctness_verdict
+from grpo_lens.tasks import Task, correctness_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +91,7 @@ def merge_reward_infos(infos: list[dict[str, float]], counts: list[int]) -> dict
     return out
 
 
-def rollout_correctness(task: Any, batch: RolloutBatch, timeout: float) -> torch.Tensor:
+def rollout_correctness(task: Task, batch: RolloutBatch, timeout: float) -> torch.Tensor:
     """The task's own 0/1 correctness verdict of every rollout (:func:`grpo_lens.tasks.correctness_verdict`): [N]
     float64, NaN where there is none (no reference answer, or the check failed or ran past ``timeout`` seconds).
     Independent of the configured reward functions and their weights; ``reward/accuracy`` is its mean."""
@@ -228,8 +227,13 @@ def dead_group_metrics(
     rollout's units are its share of the aggregation's normaliser, :data:`grpo_lens.formulas.losses.LOSS_AGGREGATIONS`).
 
     Args:
-        rewards: [N] float (NaN invalid).  valid: [N] bool.  advantages: [N].  loss_mask: [N, T] bool, the tokens the
-        loss sums.  aggregation: a loss aggregation's name.  max_new_tokens: T_max.  group_size: R.
+        rewards: [N] float (NaN invalid).
+        valid: [N] bool.
+        advantages: [N].
+        loss_mask: [N, T] bool, the tokens the loss sums.
+        aggregation: a loss aggregation's name.
+        max_new_tokens: T_max.
+        group_size: R.
     """
     R = group_size
     counts = dead_group_counts(rewards.view(-1, R).cpu(), valid.view(-1, R).cpu(), best=1.0, worst=0.0)

@@ -377,7 +377,8 @@ def _backward_micro_batch(
     moving = torch.arange(len(idx)) if still is None else (~still).nonzero().squeeze(1)  # rows with a gradient
     parts = []  # (rows of the micro-batch, their log-probs [r, T], entropy [r, T])
     if moving.numel() < len(idx):
-        quiet = still.nonzero().squeeze(1)
+        # moving.numel() < len(idx) only when still is given
+        quiet = still.nonzero().squeeze(1)  # type: ignore[union-attr]
         with torch.no_grad(), forward_precision(procs.device, config.dtype):
             logp, entropy = update_logprobs(config, procs)(
                 policy, micro.select(quiet), config.temperature, return_entropy=True
@@ -392,7 +393,8 @@ def _backward_micro_batch(
                 logp, entropy = logprobs(policy, part, config.temperature, return_entropy=True)
             parts.append((moving, logp, entropy))
         logp, entropy = _in_row_order(parts)
-        old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]
+        # the first pass records old_logp for the later ones
+        old = logp.detach() if pass_ == 0 and mb == 0 else plan.old_logp[idx]  # type: ignore[index]
         if pass_ == 0:
             sums.add_first_pass(entropy, old, micro)
         weights = None
@@ -571,7 +573,8 @@ def lens_fuses_gram(config: TrainConfig, lens: Lens, step_batch: StepBatch, proc
 def _groups_fuse(config: TrainConfig, lens: Lens, step_batch: StepBatch, procs: Processes) -> str | None:
     """The per-step conditions of :func:`lens_fuses_gram` on this process's mixed groups (None: they hold)."""
     R, batch = config.group_size, step_batch.batch
-    mixed = lens.mixed_groups(step_batch.rewards, step_batch.valid, R)
+    # an optional lens method, looked up with hasattr (Lens's docstring)
+    mixed = lens.mixed_groups(step_batch.rewards, step_batch.valid, R)  # type: ignore[attr-defined]
     if not mixed:
         return "no mixed group"
     a = step_batch.advantages.detach().view(-1, R)[mixed]
