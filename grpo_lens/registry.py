@@ -6,7 +6,6 @@ import ast
 import functools
 import importlib.util
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -119,32 +118,3 @@ def _source_tree(module: str) -> ast.Module:
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         raise ValueError(f"cannot find the source of module {module}")
     return ast.parse(Path(spec.origin).read_text(encoding="utf-8"), filename=spec.origin)
-
-
-def renamed_keywords(**renamed: str) -> Callable[[F], F]:
-    """Decorator: a function's parameters renamed (``old="new"``) still accept the old keyword, with a
-    DeprecationWarning that names the new one (positional calls are unaffected). docs/theory.md §1 (Notation) says
-    which name each concept has. Its last users are in calibrate.py (being split): remove it with them.
-
-    Raises:
-        TypeError: from the decorated function, when a call gives both the old and the new keyword.
-    """
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            for old, new in renamed.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{fn.__name__}() got {old!r} and {new!r}: {old!r} is {new!r}'s old name")
-                    warnings.warn(
-                        f"{fn.__name__}(): the keyword {old!r} is deprecated: use {new!r}",
-                        DeprecationWarning,
-                        stacklevel=2,
-                    )
-                    kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-
-        return call  # type: ignore[return-value]
-
-    return wrap

@@ -96,7 +96,7 @@ MAX_FUNCTION_LINES = 100
 #: a function this long says why in its docstring with these words
 WHY_LONG = "is longer than 100 lines because"
 #: modules being split now: checked once they land (the list only shrinks)
-SIZE_PENDING_MODULES = {"grpo_lens/metrics.py", "grpo_lens/calibrate.py"}
+SIZE_PENDING_MODULES = {"grpo_lens/metrics.py"}
 
 
 def oversized(source: str, name: str) -> list[str]:
@@ -146,7 +146,7 @@ LAZY = {"grpo_lens.cli"}
 
 #: modules another change is splitting now (calibrate.py): checked once it lands (each must still need it, so the list
 #: only shrinks)
-PENDING = {"grpo_lens.calibrate"}
+PENDING: set[str] = set()
 
 
 def test_no_function_imports_the_package():

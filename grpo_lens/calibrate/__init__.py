@@ -1,5 +1,5 @@
 """``grpo-lens calibrate``: the level and power of every primary verdict rule on planted cases, each case with ONE
-truth, what was planted (docs/calibration.md, issue 29).
+truth, what was planted (docs/calibration.md).
 
 Every planted group goes through the path a real group takes: its Gram matrix [R, R], rewards [R] and GRPO
 advantages [R] into :func:`grpo_lens.analysis.group.analyse_group` (``null_dim`` = the planted dimension P), the rows

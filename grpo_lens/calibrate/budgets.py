@@ -22,7 +22,7 @@ from grpo_lens.claims.sparsity import (
 from grpo_lens.claims.zero_sum import RULE_ID as ZERO_SUM_RULE_ID
 from grpo_lens.formulas.stats import holm
 
-#: the power a documented budget must reach (issue 43, item 3)
+#: the power a documented budget must reach (docs/calibration.md, Budgets)
 TARGET_POWER = 0.8
 
 #: the primary claims (one row each in the report's table) and the rules that decide them, one run before seeds

@@ -55,6 +55,7 @@ from grpo_lens.formulas.baselines import baseline_prompt, summarise_baseline_pro
 from grpo_lens.formulas.credit import segment_advantages, segment_counts
 from grpo_lens.formulas.sparsity import weighted_hoyer
 from grpo_lens.formulas.stats import mean_interval
+from grpo_lens.lens.sparsity import SparsityOverTraining  # the lens's own sampler: the path under test (S4)
 from grpo_lens.metrics import (
     LR,
     PERF_LENS_SECONDS,
@@ -360,10 +361,6 @@ def _s4_trial(
 ) -> tuple[dict[str, float], float]:
     """(the lens record after one planted update since the start, the whole model's float32-unchanged share): the
     update goes through :class:`grpo_lens.lens.sparsity.SparsityOverTraining` as the trainer's optimizer step does."""
-    from grpo_lens.lens.sparsity import (
-        SparsityOverTraining,  # the lens's own sampler: the path under test
-    )
-
     _, zero, scale, sigma = family
     model = planted_update_model(gen)
     lens = SparsityOverTraining(model, size=S4_SAMPLE, min_per_tensor=128, seed=seed)

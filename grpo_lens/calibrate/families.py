@@ -27,13 +27,13 @@ from grpo_lens.metrics import (
     ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS,
     ZERO_SUM_UNIT_SPAN_ENERGY_NULL,
 )
-from grpo_lens.registry import renamed_keywords
 
 #: the default probe's mixed groups per R (README: 28 and 22 of the 32 and 24 prompts for R = 4 and 8)
 DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
 
 #: groups per R of the probe-rule cells: the fewest with an interval, the rank rule's minimum, the default probe's,
-#: 28 per R (issue 43's target n), then 48 to 128 per R (where the labels rule's near-margin families reach 0.8)
+#: 28 per R (the target n of the rank and labels rules), then 48 to 128 per R (where the labels rule's near-margin
+#: families reach 0.8)
 GROUP_CELLS = {
     8: {4: 8, 8: 8},
     16: {4: 16, 8: 16},
@@ -63,7 +63,7 @@ FAMILIES = {
     "bn2": "isotropic rows, wrong rollouts' gradients 2× longer (a label effect on norms alone)",
 }
 
-#: issue 43: families of the labels rule where groups differ in the label information they carry, and duplicate
+#: families of the labels rule where groups differ in the label information they carry, and duplicate
 #: completions (identical gradients, as identical completions give): merged into :data:`FAMILIES`
 LABEL_FAMILIES = {
     "a0": "exact rank 2 (orthonormal class means, no noise): groups with k = 1 or R − 1 carry no label information",
@@ -111,7 +111,7 @@ S4_FAMILIES = (
 
 #: the planted Monte Carlo credit cases: per rollout pair (a correct rollout, A_i > 0, and a wrong one, A_i < 0), the
 #: true success probabilities p(b_0..b_3) at the four prefixes of the credit study; the last segment ends at r. Truth:
-#: some segment position's mean shift against A_i exceeds the rule's margin 0.1 (issue 43: one boundary)
+#: some segment position's mean shift against A_i exceeds the rule's margin 0.1 (one boundary for both branches)
 MC_FAMILIES = {
     "no token opposes A_i (p flat until the end)": (False, (0.5, 0.5, 0.5, 0.5), (0.5, 0.5, 0.5, 0.5)),
     "every segment agrees (p moves towards r)": (False, (0.3, 0.5, 0.7, 0.9), (0.7, 0.5, 0.3, 0.1)),
@@ -151,7 +151,7 @@ def baseline_noise_scale(ratio: float) -> float:
 #: rollouts' gradients, how the correct rollouts' noise is drawn: "equal" as the wrong ones', "spread" with a spread
 #: of its own at the same mean square, "one string" every correct rollout the same gradient with ‖g‖² = m_W exactly).
 #: The false families with m_C < m_W (0.5 and 0.7 m_W, |log| 0.69 and 0.36 > log 1.25 = 0.22) give the *does not hold*
-#: branch its power at equal and unequal spreads (issue 43, item 6)
+#: branch its power at equal and unequal spreads
 BASELINE_FAMILIES = {
     "m_C = m_W (equal noise in both classes)": (True, 1.0, "equal"),
     "m_C = m_W, the correct rollouts' norms spread wider (equal means)": (True, 1.0, "spread"),
@@ -182,7 +182,8 @@ def at_margin(family: str) -> bool:
 #: up to 128 (where the unequal-spread family reaches power 0.8)
 BASELINE_PROMPTS = (8, 16, 32, 48, 64, 96, 128)
 
-#: the trend cases: name -> (truth, kind, parameter: the lens-to-lens correlation at 5 steps apart, issue 29's 0.59)
+#: the trend cases: name -> (truth, kind, parameter: the lens-to-lens
+#: correlation at 5 steps apart; 0.59 measured on the default model)
 SPARSITY_TRENDS = {
     "flat Hoyer, i.i.d. lens steps": (False, "ar", 0.0),
     "flat Hoyer, lens-to-lens correlation 0.59": (False, "ar", 0.59),
@@ -270,7 +271,6 @@ class CalibrationConfig:
 # ---------------------------------------------------------------------------------------------------------------------
 # planted groups
 # ---------------------------------------------------------------------------------------------------------------------
-@renamed_keywords(r="group_size")
 def planted_group(
     family: str, group_size: int, dim: int, gen: torch.Generator, noise: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,7 +346,6 @@ def _advantages(rewards: torch.Tensor) -> torch.Tensor:
     return grpo_advantages(rewards[None], torch.ones(1, R, dtype=torch.bool))[0]
 
 
-@renamed_keywords(r="group_size")
 def population_shares(
     family: str, group_size: int, noise: float | None = None, size: int = 1500, seed: int = 99
 ) -> tuple[float, float]:
@@ -364,7 +363,6 @@ def population_shares(
     return float(((lam[:, 0] + lam[:, 1]) / total).mean()), float((lam[:, 0] / total).mean())
 
 
-@renamed_keywords(r="group_size")
 def boundary_noise(group_size: int, target: float = 0.9, size: int = 1000) -> float:
     """The noise share f of rank 2 + noise whose population E₂ is ``target`` (bisection, common random numbers)."""
     lo, hi = 0.0, 0.6
@@ -377,7 +375,6 @@ def boundary_noise(group_size: int, target: float = 0.9, size: int = 1000) -> fl
     return 0.5 * (lo + hi)
 
 
-@renamed_keywords(r="group_size")
 def analysed_pool(
     family: str, group_size: int, size: int, dim: int, seed: int, noise: float | None = None
 ) -> list[dict[str, float]]:
@@ -394,7 +391,6 @@ def analysed_pool(
 _SUMMARY_KEYS = (ZERO_SUM_SPAN_ENERGY, ZERO_SUM_COS_GAP_EXCESS)
 
 
-@renamed_keywords(groups_by_r="groups_by_size")
 def probe_of(groups_by_size: dict[int, list[dict[str, float]]], dim: int | None = None) -> dict[str, Any]:
     """A probe.json-shaped dict of per-group rows (exact gradients), as :func:`grpo_lens.probe.run` writes it."""
     return {

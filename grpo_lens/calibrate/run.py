@@ -64,7 +64,7 @@ def rule_levels(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float |
     branch over its false families at n but those on the rule's boundary (:func:`at_margin`: ``boundary``, a
     family planted at the margin; no branch has power there by construction; None without one) and
     "power_dnh_family" where it is lowest, "unit", "families"}}}: what the report prints beside each row, each
-    verdict with its own branch's power (issue 43: a *does not hold* row printed the *holds* branch's power)."""
+    verdict with its own branch's power (a *does not hold* row must not print the *holds* branch's power)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for row in _rule_rows(result):
         level, power = _level_power(row)

@@ -561,6 +561,12 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: str, normalizer: float) -> 
     return LOSS_AGGREGATIONS.get(mode).numerator(loss, mask.to(loss.dtype)) / normalizer
 
 
+def _zero_outside(mask: Tensor, t: Tensor) -> Tensor:
+    """``t`` [n, T] with 0 where ``mask`` [n, T] bool is False, by torch.where: a NaN / -inf there (padding) reaches
+    neither the loss nor its gradient, which a multiply-by-mask would let through (0 * NaN = NaN)."""
+    return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -621,14 +627,11 @@ def grpo_loss(
     """
     _check_loss_inputs(logp, old_logp, advantages, mask, beta, ref_logp)
     maskf = mask.to(logp.dtype)
-    # Masked-out positions hold 0 from here on (torch.where): a NaN / -inf there (padding) reaches neither the loss
-    # nor its gradient, which a multiply-by-mask would let through (0 * NaN = NaN).
     mask = mask.bool()
-    logp, old_logp = (torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in (logp, old_logp))
-    if ref_logp is not None:
-        ref_logp = torch.where(mask, ref_logp, torch.zeros((), dtype=ref_logp.dtype, device=ref_logp.device))
+    logp, old_logp = _zero_outside(mask, logp), _zero_outside(mask, old_logp)  # 0 outside the mask from here on
+    ref_logp = None if ref_logp is None else _zero_outside(mask, ref_logp)
     if token_weights is not None and token_weights.shape == mask.shape:
-        token_weights = torch.where(mask, token_weights, torch.zeros_like(token_weights))
+        token_weights = _zero_outside(mask, token_weights)
     policy_tok, ratio = policy_loss_call(
         policy_loss,
         logp,
@@ -654,7 +657,6 @@ def grpo_loss(
     else:  # KL is still measured when ref_logp is given, but carries no gradient
         kl_part = torch.zeros((), dtype=logp.dtype, device=logp.device)
         loss = policy
-
     with torch.no_grad():
         tokens = maskf.sum().clamp(min=1.0)
         metrics = {

@@ -238,7 +238,7 @@ def test_report_reads_the_calibrated_cell_at_the_rows_n():
     assert _calibrated(Claim("c", "s", "m", "n", "holds", "r", "src", rule_id="x"), levels) == "not calibrated"
 
 
-# --- issue 43, items 3 and 6: the baseline's false families, budgets, Holm over the primaries ----------------------
+# --- the baseline's false families, budgets, Holm over the primaries ----------------------
 def test_baseline_families_plant_their_norm_ratio():
     from grpo_lens.calibrate import BASELINE_FAMILIES, baseline_noise_scale, planted_norm_ratio, planted_prompt
 
@@ -339,7 +339,7 @@ def test_holm_summary_counts_joint_wrong_verdicts():
 
 
 def test_shipped_levels_give_both_branches_power_for_every_primary_group_rule():
-    # issue 43 item 6: the shipped levels.json (a copy of a full run's) carries power_dnh for the labels and baseline
+    # the shipped levels.json (a copy of a full run's) carries power_dnh for the labels and baseline
     # rules, not only rank, so a *does not hold* row prints its branch's power and the family where it is lowest
     # instead of "–"; every power is a share of 200 trials (a multiple of 0.005 in [0, 1])
     from grpo_lens.claims.base import Claim
