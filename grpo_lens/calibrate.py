@@ -468,7 +468,7 @@ def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -
         rank_v, zs_v = [], []
         for _ in range(config.trials):
             p = probe_of({R: _draw(pools[R], ns[R], gen) for R in config.group_sizes}, PLANTED_DIM)
-            rank_v += [c.verdict for c in CLAIMS.get("erank_near_two")(p)]
+            rank_v += [c.verdict for c in CLAIMS.get("rank_two_top2_share")(p)]
             zs_v += [c.verdict for c in CLAIMS.get("zero_sum_rank_two")(p)]
         base = {
             "family": fam,
@@ -1357,7 +1357,7 @@ def run_planted(path: Path, out: Path, log: Callable[[str], None] = print) -> li
     t, n, R, _ = gram.shape
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    verdicts: dict[str, list[str]] = {"erank_near_two": [], "zero_sum_rank_two": []}
+    verdicts: dict[str, list[str]] = {"rank_two_top2_share": [], "zero_sum_rank_two": []}
     try:
         for i in range(t):
             rows = [
