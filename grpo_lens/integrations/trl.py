@@ -27,8 +27,9 @@ trainer:
 LoGra sketch of the linear weights; with a peft/LoRA model the adapter's exact per-rollout gradients either way;
 :func:`grpo_lens.diagnostics.analyse_group` per mixed group). The exact Gram runs without activation checkpointing,
 which TRL turns on by default: the lens switches it off for its own pass only. Rows g_i are gradients of each
-completion's log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's
-temperature (TRL's training log-probs apply no top-k / top-p); the advantages are TRL's.
+completion's log-prob sum weighted as TRL's ``loss_type`` weights it
+(:data:`grpo_lens.config.trl_names.LOSS_TYPE_AGGREGATIONS`), at TRL's temperature (TRL's training log-probs apply no
+top-k / top-p); the advantages are TRL's.
 The metrics are appended to TRL's ``_metrics["train"]``, which ``GRPOTrainer.log`` averages over the logging window
 and sends to every ``report_to`` backend and ``trainer.state.log_history``. Update sparsity (S4, and the sampled
 sparsity keys) is measured around the first optimizer step after each lens batch, from TRL's
@@ -74,7 +75,6 @@ import yaml
 
 from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
-from grpo_lens.lens.settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
 from grpo_lens.lens.settings import LensSettings, deprecated_sketch_keyword
 from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
@@ -641,8 +641,9 @@ class GRPOLensMixin:
         definitions (:func:`grpo_lens.train.step_metrics.rollout_metrics`): the reward keys over every process's
         rollouts, the advantage and completion keys over this process's, and ``dead/*``
         (:func:`grpo_lens.train.step_metrics.dead_group_metrics`, as ``grpo-lens train`` writes them every step) over
-        every process's, with TRL's ``loss_type`` as its loss aggregation (:data:`TRL_LOSS_AGGREGATION`) and TRL's
-        completion mask (its truncation masking already in it) as the tokens the loss sums."""
+        every process's, with TRL's ``loss_type`` as its loss aggregation
+        (:data:`grpo_lens.config.trl_names.LOSS_TYPE_AGGREGATIONS`) and TRL's completion mask (its truncation masking
+        already in it) as the tokens the loss sums."""
         batch, rows = self._local_rows(output)
         rewards = self._lens_rewards.to(batch.completion_ids.device)
         local = rewards[rows]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from grpo_lens.config.groups import GRAM_SOURCES
+from grpo_lens.config.trl_names import LOSS_TYPE_AGGREGATIONS
 from grpo_lens.formulas.advantages import STD_CONVENTIONS
 from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
 from grpo_lens.formulas.overlong import OVERLONG_MODES
@@ -23,19 +24,6 @@ if TYPE_CHECKING:
 
 #: The parameter spaces of the lens's per-rollout gradients (``--lens-space``, docs/theory.md §18).
 LENS_SPACES = ("trainable", "full")
-
-#: TRL's ``loss_type`` -> grpo-lens' loss aggregation with the same per-rollout weights of the log-prob sums
-#: (docs/theory.md §3): grpo/sapo average each sequence's tokens; bnpo/dapo/cispo/vespo divide by the batch's tokens
-#: (a constant across rollouts); dr_grpo divides by max_completion_length.
-TRL_LOSS_AGGREGATION = {
-    "grpo": "seq-mean-token-mean",
-    "sapo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dapo": "token-mean",
-    "cispo": "token-mean",
-    "vespo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-}
 
 
 @dataclass(frozen=True)
@@ -128,7 +116,8 @@ class LensSettings:
 
         TRL's ``scale_rewards="group"`` is grpo-lens' ``grpo`` estimator and ``"none"`` is ``dr_grpo``, with TRL's
         std (sample) and eps (1e-4); ``"batch"`` or ``multi_objective_aggregation="normalize_then_sum"`` have no
-        per-group identity constant (``trl_*``). ``loss_type`` maps through :data:`TRL_LOSS_AGGREGATION`;
+        per-group identity constant (``trl_*``). ``loss_type`` maps through
+        :data:`grpo_lens.config.trl_names.LOSS_TYPE_AGGREGATIONS`;
         ``overlong`` is ``none`` because TRL's ``mask_truncated_completions`` is already in its completion mask.
 
         Args:
@@ -154,10 +143,10 @@ class LensSettings:
         else:
             estimator = {"group": "grpo", "none": "dr_grpo"}.get(scale, f"trl_scale_{scale}")
         loss_type = getattr(args, "loss_type", "dapo")
-        if loss_type not in TRL_LOSS_AGGREGATION:
+        if loss_type not in LOSS_TYPE_AGGREGATIONS:
             raise ValueError(
                 f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
-                f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them"
+                f"{', '.join(sorted(LOSS_TYPE_AGGREGATIONS))}; use one of them"
             )
         return cls(
             sketch_dim=sketch_dim,
@@ -168,7 +157,7 @@ class LensSettings:
             std="sample",
             std_eps=1e-4,
             temperature=float(args.temperature),
-            loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
+            loss_aggregation=LOSS_TYPE_AGGREGATIONS[loss_type],
             max_new_tokens=int(args.max_completion_length),
             overlong="none",
         )
