@@ -1488,7 +1488,7 @@ PROBE_SKETCH_CHECK = _key(
     "probe",
     "sketch_check",
     OBJECT,
-    "unless --exact: `groups` (rows of the keys below, one per checked group: the first `--coverage-groups` mixed "
+    "unless --dense-oracle: `groups` (rows of the keys below, one per checked group: the first `--coverage-groups` mixed "
     "groups of this R) and their `summary`",
     source="§8",
     where=(PROBE,),

@@ -124,9 +124,8 @@ def group_row(
     )[0]
     # gram [R, R]: every per-group key is a function of it
     # P for the claims' simulated null (issue 29): the sketch's dimension, else every trainable parameter
-    dim = (
-        g.shape[1] if g is not None and not config.exact and config.gram_source != "exact" else trainable_count(policy)
-    )
+    sketched = g is not None and not config.dense_oracle and config.gram_source != "exact"
+    dim = g.shape[1] if sketched else trainable_count(policy)
     row = analyse_group(
         gram,
         rewards.double(),
@@ -196,7 +195,7 @@ def measure_groups(
     :func:`group_row` of its own block: the same numbers as :func:`measure_group` (tests), float rounding aside.
     ``exact`` (the dense oracle) measures each group in its own pass. Per group, ``extras["pass_seconds"]`` is its
     share (by rows) of the batched pass's seconds."""
-    if config.exact:
+    if config.dense_oracle:
         out = []
         for job in jobs:
             t0 = time.perf_counter()
@@ -280,7 +279,7 @@ def analyse_prompt(
         g2w = g2_weightings(policy, sub, extra, r_g, config)
     t2 = time.perf_counter()
     check = None
-    if not config.exact and sum(d.check is not None for d in done) < config.coverage_groups:
+    if not config.dense_oracle and sum(d.check is not None for d in done) < config.coverage_groups:
         check = sketch_check(policy, sub, extra, config)
     t3 = time.perf_counter()
     extra.pop("grads")

@@ -83,7 +83,7 @@ def exact_probe(tmp_path_factory, tiny_model_and_tokenizer):
         groups.append((sub, rewards.clone()))
         return original(policy, tok, sub, rewards, *args, **kwargs)
 
-    config = probe_config(tmp_path_factory.mktemp("probe") / "exact", exact=True)
+    config = probe_config(tmp_path_factory.mktemp("probe") / "exact", dense_oracle=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(probe_module, "measure_group", recording)
         out = run_probe(config, policy=model, tokenizer=tokenizer)
