@@ -98,7 +98,7 @@ def analyse_group(
     *,
     estimator: str = "grpo",
     std: str = "sample",
-    eps: float = 1e-4,
+    std_eps: float = 1e-4,
     completion_mask: Tensor | None = None,
     completion_ids: Tensor | None = None,
     num_random: int = 8,
@@ -112,7 +112,7 @@ def analyse_group(
         gram: [R, R] Gram matrix <g_i, g_j> of the per-rollout gradients (exact or sketched), float (symmetric PSD).
         rewards: [R] float, all valid.
         advantages: [R] the advantages the trainer used for these rollouts.
-        estimator, std, eps: how the advantages were computed (for the identity's constant).
+        estimator, std, std_eps: how the advantages were computed (for the identity's constant).
         completion_mask: [R, T] bool, optional (NLL control).
         completion_ids: [R, T] long, optional (distinct completions).
         num_random: draws of random zero-sum weights for ``rank/g1_random_*``.
@@ -161,7 +161,7 @@ def analyse_group(
         if 0 < k < R:
             out.update({key: float(v) for key, v in baseline_metrics(gram.diagonal(), rw).items()})
             two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
-            c = identity_constant(estimator, k, R, std, eps)  # None: the estimator has no decomposition
+            c = identity_constant(estimator, k, R, std, std_eps)  # None: the estimator has no decomposition
             if c is not None and two_valued:
                 out[GRAD_IDENTITY_CONSTANT] = c
                 out[GRAD_IDENTITY_RESIDUAL] = identity_residual(gram, labels, a, c)

@@ -212,7 +212,7 @@ def run_config(
     given = {n: getattr(args, n, None) for n in trl_names}
     given = {n: getattr(v, "value", v) for n, v in given.items()}  # enums (lr_scheduler_type) as their names
     given = {n: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for n, v in given.items()}
-    eps = float(args.epsilon)
+    epsilon = float(args.epsilon)  # TRL's clip range
     return {
         "trainer": "trl",
         "trl_version": trl.__version__,
@@ -226,8 +226,8 @@ def run_config(
         "std_eps": settings.std_eps,
         "loss_aggregation": settings.loss_aggregation,
         "beta": float(args.beta),
-        "eps_low": eps,
-        "eps_high": float(args.epsilon_high if args.epsilon_high is not None else eps),
+        "eps_low": epsilon,
+        "eps_high": float(args.epsilon_high if args.epsilon_high is not None else epsilon),
         "mu": int(args.num_iterations),
         "max_steps": int(max_steps),
         "learning_rate": float(args.learning_rate),

@@ -382,7 +382,7 @@ class TrainerLens:
                         adv[b * R : (b + 1) * R],
                         estimator=c.estimator,
                         std=c.std,
-                        eps=c.std_eps,
+                        std_eps=c.std_eps,
                         completion_mask=sub.completion_mask[j * R : (j + 1) * R].cpu(),
                         completion_ids=sub.completion_ids[j * R : (j + 1) * R].cpu(),
                         num_random=4,

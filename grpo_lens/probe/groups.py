@@ -93,7 +93,7 @@ def fused_advantages(rewards: torch.Tensor, config: ProbeConfig) -> torch.Tensor
     """A_i [R] of a group's rewards [R] for a G2 capture that rides the group's pass (estimators that need no
     gradient norms: :func:`grpo_lens.probe.gradient_sources.can_fuse_g2`)."""
     R = rewards.shape[0]
-    return compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]
+    return compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, std_eps=config.std_eps)[0]
 
 
 def group_row(
@@ -120,7 +120,7 @@ def group_row(
     cmask, cids = sub.completion_mask.cpu(), sub.completion_ids.cpu()
     sq = gram.diagonal().view(1, R) if config.estimator == "optimal" else None
     adv = compute_advantages(
-        rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps, grad_sq_norms=sq
+        rewards.view(1, R).double(), config.estimator, std=config.std, std_eps=config.std_eps, grad_sq_norms=sq
     )[0]
     # gram [R, R]: every per-group key is a function of it
     # P for the claims' simulated null (issue 29): the sketch's dimension, else every trainable parameter
@@ -132,7 +132,7 @@ def group_row(
         adv,
         estimator=config.estimator,
         std=config.std,
-        eps=config.std_eps,
+        std_eps=config.std_eps,
         completion_mask=cmask,
         completion_ids=cids,
         num_random=config.random_draws,

@@ -202,7 +202,7 @@ def run_studies(
                 mc_groups=config.mc_groups,
                 mc_samples=config.mc_samples,
                 std=config.std,
-                eps=config.std_eps,
+                std_eps=config.std_eps,
                 progress=bar,
                 **common,
             ),

@@ -273,7 +273,7 @@ def run_credit_study(
     top_p: float = 1.0,
     aggregation: str = "seq-mean-token-mean",
     std: str = "sample",
-    eps: float = 1e-4,
+    std_eps: float = 1e-4,
     step: float = 1e-2,
     seed: int = 0,
     progress: Any = None,
@@ -313,7 +313,7 @@ def run_credit_study(
             if progress is not None:  # a tqdm bar: one tick per analysed group
                 progress.update(1)
             group = batch.select(rows)
-            adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, eps=eps)[0]
+            adv = compute_advantages(r.view(1, R).double(), "grpo", std=std, std_eps=std_eps)[0]
             mask = group.completion_mask.cpu()
             classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
             # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)

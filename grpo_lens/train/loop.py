@@ -480,7 +480,7 @@ def step_advantages(
             rewards.float(),
             config.estimator,
             std=config.std,
-            eps=config.std_eps,
+            std_eps=config.std_eps,
             mask=valid,
             grad_sq_norms=grad_sq_norms,
         ).view(-1)
@@ -499,7 +499,7 @@ def batch_advantages(config: TrainConfig, rewards: torch.Tensor, valid: torch.Te
         torch.cat([r for r, _ in parts]).float(),
         config.estimator,
         std=config.std,
-        eps=config.std_eps,
+        std_eps=config.std_eps,
         mask=torch.cat([v for _, v in parts]),
     )
     start = sum(r.shape[0] for r, _ in parts[:rank])

@@ -185,7 +185,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     batch, _, _ = build_batch(model)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # groups 0, 1, 3 mixed; group 2 all-equal
     valid = torch.ones(8, dtype=torch.bool)
-    adv = compute_advantages(rewards.view(B, R), estimator, std=std, eps=1e-4).view(-1)
+    adv = compute_advantages(rewards.view(B, R), estimator, std=std, std_eps=1e-4).view(-1)
     config = TrainConfig(
         model="tiny",
         group_size=R,
@@ -222,7 +222,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
             adv[b * R : (b + 1) * R].double(),
             estimator=estimator,
             std=std,
-            eps=1e-4,
+            std_eps=1e-4,
             completion_mask=sub.completion_mask[j * R : (j + 1) * R],
             completion_ids=sub.completion_ids[j * R : (j + 1) * R],
             num_random=4,
@@ -255,7 +255,7 @@ def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients
     batch, _, _ = build_batch(model)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # groups 0, 1, 3 mixed; group 2 all-equal
     valid = torch.ones(8, dtype=torch.bool)
-    adv = compute_advantages(rewards.view(B, R), "grpo", std="sample", eps=1e-4).view(-1)
+    adv = compute_advantages(rewards.view(B, R), "grpo", std="sample", std_eps=1e-4).view(-1)
     config = TrainConfig(
         model="tiny",
         group_size=R,
@@ -286,7 +286,7 @@ def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients
             adv[b * R : (b + 1) * R].double(),
             estimator="grpo",
             std="sample",
-            eps=1e-4,
+            std_eps=1e-4,
             completion_mask=sub.completion_mask[j * R : (j + 1) * R],
             completion_ids=sub.completion_ids[j * R : (j + 1) * R],
             num_random=4,
