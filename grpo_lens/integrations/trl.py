@@ -98,7 +98,7 @@ def lens_settings(
     args: Any,
     *,
     sketch_dim: int | None = None,
-    space: str = "trainable",
+    lens_space: str = "trainable",
     seed: int = 0,
     multi_objective_aggregation: str = "sum_then_normalize",
     gram_source: str = "exact",
@@ -114,14 +114,14 @@ def lens_settings(
         the rest: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
 
     Raises:
-        ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
-            weights the lens does not know (luspo).
+        ValueError: ``sketch_dim`` < 1, an unknown ``lens_space`` or ``gram_source``, or a TRL ``loss_type`` whose
+            rollout weights the lens does not know (luspo).
         TypeError: both ``sketch_dim`` and ``lens_sketch_dim``.
     """
     return LensSettings.from_trl(
         args,
         sketch_dim=deprecated_sketch_keyword(sketch_dim, lens_sketch_dim),
-        space=space,
+        lens_space=lens_space,
         seed=seed,
         multi_objective_aggregation=multi_objective_aggregation,
         gram_source=gram_source,
@@ -488,7 +488,7 @@ class GRPOLensMixin:
         self.lens_settings = lens_settings(
             self.args,
             sketch_dim=sketch_dim,
-            space=lens_space,
+            lens_space=lens_space,
             seed=lens_seed,
             multi_objective_aggregation=self.multi_objective_aggregation,
             gram_source=lens_gram_source,

@@ -106,7 +106,7 @@ class LensSettings:
         args: Any,
         *,
         sketch_dim: int = 16,
-        space: str = "trainable",
+        lens_space: str = "trainable",
         seed: int = 0,
         multi_objective_aggregation: str = "sum_then_normalize",
         gram_source: str = "exact",
@@ -122,12 +122,12 @@ class LensSettings:
 
         Args:
             args: the ``trl.GRPOConfig`` (any object with those attributes).
-            sketch_dim: sketch side per linear layer (as ``--sketch-dim``).   space: ``trainable`` or ``full``
+            sketch_dim: sketch side per linear layer (as ``--sketch-dim``).   lens_space: ``trainable`` or ``full``
             (``--lens-space``).   seed: the lens's seed.   multi_objective_aggregation: TRL's trainer attribute.
             gram_source: ``exact`` or ``sketch`` (``--gram-source``).
 
         Raises:
-            ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source`` (named by the integration's
+            ValueError: ``sketch_dim`` < 1, an unknown ``lens_space`` or ``gram_source`` (named by the integration's
                 keyword, with the valid names), or a TRL ``loss_type`` whose rollout weights the lens does not know
                 (luspo), with the known ones.
         """
@@ -135,8 +135,8 @@ class LensSettings:
             raise ValueError(f"sketch_dim = {sketch_dim}: must be >= 1")
         if gram_source not in GRAM_SOURCES:
             raise ValueError(f"lens_gram_source = {gram_source!r}: valid names: {', '.join(GRAM_SOURCES)}")
-        if space not in LENS_SPACES:
-            raise ValueError(f"lens_space = {space!r}: valid names: {', '.join(sorted(LENS_SPACES))}")
+        if lens_space not in LENS_SPACES:
+            raise ValueError(f"lens_space = {lens_space!r}: valid names: {', '.join(sorted(LENS_SPACES))}")
         scale = getattr(args, "scale_rewards", "group")
         if multi_objective_aggregation != "sum_then_normalize":
             estimator = "trl_" + multi_objective_aggregation  # no per-group identity constant
@@ -150,7 +150,7 @@ class LensSettings:
             )
         return cls(
             sketch_dim=sketch_dim,
-            lens_space=space,
+            lens_space=lens_space,
             gram_source=gram_source,
             seed=seed,
             estimator=estimator,
