@@ -255,8 +255,8 @@ def sketch_check_keys(
     advantages: Tensor,
     category_sq_norms: dict[str, float],
     layer_grams: Sequence[Tensor],
-    k_in: int,
-    k_out: int,
+    sketch_in: int,
+    sketch_out: int,
 ) -> dict[str, float]:
     """How well one group's sketch stands in for its exact per-rollout gradients (docs/theory.md §8), from exact
     Gram matrices (every quantity below is a function of inner products <g_i, g_j>; no [R, P] vector is needed).
@@ -267,7 +267,7 @@ def sketch_check_keys(
         category_sq_norms: {category: sum_i ||g_i||^2 over that category's parameters} (categories of
             :func:`parameter_category`; their sum is trace(exact_gram)).
         layer_grams: [R, R] exact Grams of the sketched (nn.Linear) weights, one per layer, for the error bound.
-        k_in, k_out: sketch sizes.
+        sketch_in, sketch_out: sketch sizes.
 
     Returns:
         ``sketch/coverage``: Σ_i ||S g_i||² / Σ_i ||g_i||² (the sketch's energy, unbiased for the part it sees, over the
@@ -293,7 +293,7 @@ def sketch_check_keys(
         out[SKETCH_GRAM_ERROR] = float((g_sketch - g_exact).norm()) / den
         grams = [g.detach().double().cpu() * w for g in layer_grams]
         if grams:
-            out[SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, k_in, k_out)
+            out[SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, sketch_in, sketch_out)
     out[SKETCH_G1_ERANK_ERROR] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
         gram_singular_values(g_exact)
     )

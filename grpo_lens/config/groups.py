@@ -214,8 +214,8 @@ class Lens:
     sketch_dim = Option(
         16,
         "Side of the random projection per linear layer for sketched per-rollout gradients "
-        "(k_in = k_out): sketch dims per layer = this squared. Also sets the sketch of --estimator "
-        "optimal's squared gradient norms.",
+        "(both sides, sketch_in = sketch_out): sketch dims per layer = this squared. Also sets the sketch of "
+        "--estimator optimal's squared gradient norms.",
         check=at_least(1),
     )
     lens_every = Option(

@@ -57,7 +57,8 @@ def lora_rollout_grads(
             ``full`` -- gradients of every frozen base linear weight W, sketched with d_s x d_s Kronecker projections
             per layer, d_s = ``sketch_dim`` ([N, P_s], P_s = layers * d_s^2; ``projection="identity"`` gives them
             exactly, [N, sum d_out d_in]).
-        sketch_dim: the sketch side d_s (k_in = k_out of :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`;
+        sketch_dim: the sketch side d_s (sketch_in = sketch_out of
+            :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`;
             ``k``, its 0.2 name, still works with a DeprecationWarning).
         seed, projection, dtype: of the sketch (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
         score_weights: [N] omega_i (:func:`grpo_lens.gradients.scores.rollout_scores`).  temperature: the sampler's.
@@ -82,8 +83,8 @@ def lora_rollout_grads(
         return sketch_rollout_grads(
             model,
             batch,
-            k_in=sketch_dim,
-            k_out=sketch_dim,
+            sketch_in=sketch_dim,
+            sketch_out=sketch_dim,
             include=base_layers,
             seed=seed,
             projection=projection,

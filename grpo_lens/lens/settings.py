@@ -36,7 +36,7 @@ class LensSettings:
             listing the valid names.
     """
 
-    #: sketch side d_s per linear layer (k_in = k_out of :class:`grpo_lens.gradients.sketch.GradientCapture`):
+    #: sketch side d_s per linear layer (sketch_in = sketch_out of :class:`grpo_lens.gradients.sketch.GradientCapture`):
     #: a layer's sketch has d_s^2 entries (a count, >= 1; ``--sketch-dim``).
     sketch_dim: int
     #: parameter space of the per-rollout gradients, ``trainable`` or ``full`` (a name; ``--lens-space``, §18).

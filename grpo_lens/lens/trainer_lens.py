@@ -547,8 +547,8 @@ class TrainerLens:
         return sketch_rollout_grads(
             policy,
             sub,
-            k_in=c.sketch_dim,
-            k_out=c.sketch_dim,
+            sketch_in=c.sketch_dim,
+            sketch_out=c.sketch_dim,
             seed=c.seed,
             score_weights=omega,
             temperature=c.temperature,

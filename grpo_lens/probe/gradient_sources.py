@@ -152,8 +152,8 @@ def sketch_gradients(
     sk = sketch_rollout_grads(
         policy,
         batch,
-        k_in=config.sketch_dim,
-        k_out=config.sketch_dim,
+        sketch_in=config.sketch_dim,
+        sketch_out=config.sketch_dim,
         seed=config.seed,
         token_norms=True,
         exact_layers=[layer] if layer else (),

@@ -173,8 +173,8 @@ def run_baseline_study(
             sketch = sketch_rollout_grads(
                 policy,
                 sub,
-                k_in=sketch_dim,
-                k_out=sketch_dim,
+                sketch_in=sketch_dim,
+                sketch_out=sketch_dim,
                 seed=seed,
                 temperature=temperature,
                 weights=c.float().to(sub.completion_ids.device),

@@ -113,7 +113,7 @@ def test_identity_holds_to_float32_precision(grads, std, eps):
 
 def test_identity_holds_for_sketches(grads):
     model, batch, _ = grads
-    sk = sketch_rollout_grads(model, batch, k_in=8, k_out=8).sketch  # sketches are linear in g
+    sk = sketch_rollout_grads(model, batch, sketch_in=8, sketch_out=8).sketch  # sketches are linear in g
     assert bool((identity_residuals(sk, REWARDS)[:2] <= 1e-5).all())
 
 

@@ -213,7 +213,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
         float(batch.completion_mask.any(1).sum()),
     )
     sk = sketch_rollout_grads(
-        model, sub, k_in=8, k_out=8, seed=config.seed, score_weights=omega, temperature=TEMPERATURE
+        model, sub, sketch_in=8, sketch_out=8, seed=config.seed, score_weights=omega, temperature=TEMPERATURE
     ).sketch.double()
     rows = [
         analyse_group(
@@ -314,7 +314,7 @@ def test_exact_layer_rows_from_the_sketch_pass():
     model = build_model()
     batch, _, _ = build_batch(model)
     layer = "model.layers.1.mlp.down_proj"
-    sk = sketch_rollout_grads(model, batch, k_in=4, k_out=4, exact_layers=[layer], temperature=TEMPERATURE)
+    sk = sketch_rollout_grads(model, batch, sketch_in=4, sketch_out=4, exact_layers=[layer], temperature=TEMPERATURE)
     want = exact_rollout_grads(model, batch, temperature=TEMPERATURE)[:, param_slices(model)[layer + ".weight"]]
     got = sk.exact_layers[layer]
     assert got.shape == want.shape
