@@ -500,7 +500,7 @@ class GRPOLensMixin:
         self._lens_rewards_per_func: torch.Tensor | None = None  # [N over all processes, functions]
         self._lens_next_step: int | None = None  # the global step from which the next generation batch is measured
         self._lens_step: int | None = None  # the global step of the last measured batch
-        self._lens_measured = False  # a lens batch whose S4 waits for the next optimizer step
+        self._lens_step_pending = False  # a lens batch whose S4 waits for the next optimizer step
         self._lens_window: dict[str, list[float]] = defaultdict(list)  # per-batch metrics until TRL's next log
         self._lens_keys: set[str] = set()  # the lens's keys in TRL's logs (kept out of the console line)
         self._lens_logged: dict[str, Any] | None = None  # the last log dict whose record metrics.jsonl holds
@@ -552,7 +552,7 @@ class GRPOLensMixin:
                 if value is not None and math.isfinite(value):
                     self._metrics["train"][key].append(float(value))
                     self._lens_keys.add(key)
-            self._lens_measured = True
+            self._lens_step_pending = True
         for key, value in self.batch_metrics(output).items():
             self._lens_window[key].append(value)
         if self.accelerator.is_main_process and self.lens_log_completions:
@@ -809,15 +809,15 @@ class _LensCallback(TrainerCallback):
         t = self.trainer
         if self._t0 is not None:
             t._lens_window[PERF_STEP_SECONDS].append(time.perf_counter() - self._t0)
-        if t._lens_measured or int(state.global_step) >= int(state.max_steps):
+        if t._lens_step_pending or int(state.global_step) >= int(state.max_steps):
             # a lens step (its keys and S4) and the run's last step are logged whatever logging_steps is: TRL's
             # default of 10 exceeds a short run's max_steps, and a step TRL does not log reaches no tracker,
             # log_history or metrics.jsonl
             control.should_log = True
         if t._lens is not None:
-            measured, t._lens_measured = t._lens_measured, False
+            lens_step, t._lens_step_pending = t._lens_step_pending, False
             for key, value in t._lens.after_step(
-                int(state.global_step), t.accelerator.unwrap_model(t.model), measured
+                int(state.global_step), t.accelerator.unwrap_model(t.model), lens_step
             ).items():
                 if value is not None and math.isfinite(value):
                     t._metrics["train"][key].append(float(value))

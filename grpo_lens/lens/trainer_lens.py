@@ -719,10 +719,10 @@ class TrainerLens:
             self.sparsity.before_step()
             self._sparsity_seconds = time.perf_counter() - t0
 
-    def after_step(self, step: int, policy: torch.nn.Module, measured: bool) -> dict[str, float]:
+    def after_step(self, step: int, policy: torch.nn.Module, lens_step: bool) -> dict[str, float]:
         """S4 after the step's optimizer steps: shares of parameters whose bf16 value did not change."""
         extra, self._extra = self._extra, {}
-        if not (measured and self._pending):
+        if not (lens_step and self._pending):
             return extra
 
         t0 = time.perf_counter()

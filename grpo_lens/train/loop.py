@@ -160,7 +160,7 @@ def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
     Args:
         config: a validated :class:`TrainConfig`; ``config.out`` is required.
         lens: a :class:`grpo_lens.train.state.Lens`: an object with ``start(policy)``, ``before_step(policy)``,
-            ``measure(step, ...) -> dict``, ``after_step(step, policy, measured) -> dict``, ``state_dict()`` and
+            ``measure(step, ...) -> dict``, ``after_step(step, policy, lens_step) -> dict``, ``state_dict()`` and
             ``load_state_dict(state)``, and optionally ``update_capture(policy)`` with ``mixed_groups``
             (see :class:`grpo_lens.lens.trainer_lens.TrainerLens`);
             built from the config when None and lens_every > 0.
@@ -202,7 +202,7 @@ def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
         advantages, baseline_metrics = step_advantages(config, procs, models.policy, rollouts)
         # 4. the lens reads this step's rollouts before the update changes the policy, or plans to read the update
         plan = plan_lens(lens, step, config, procs, models.policy, rollouts, advantages)
-        if plan.measure and (config.lens_landing or config.lens_dead_kl):  # read at the first optimizer step
+        if plan.lens_step and (config.lens_landing or config.lens_dead_kl):  # read at the first optimizer step
             with forward_precision(procs.device, config.dtype):
                 kl = {} if config.kl_in_reward else {"beta": config.beta, "kl_estimator": config.kl_estimator}
                 first = mini_batch_rows(rollouts.batch.num_groups, config.group_size, config.num_mini_batches)[0]
@@ -570,17 +570,17 @@ def plan_lens(
     now, on its own pass, before the update changes the policy. The run's last step off the cadence
     (:func:`on_lens_cadence`) always takes the own pass and leaves the update a lens-off step's."""
     if lens is None or not is_lens_step(step, config.lens_every, config.max_steps):
-        return LensPlan(measure=False)
+        return LensPlan(lens_step=False)
     if not on_lens_cadence(step, config.lens_every):  # the last step: measured here, not in a longer resumed run
         with forward_precision(procs.device, config.dtype):
             metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
-        return LensPlan(measure=True, metrics=metrics)
+        return LensPlan(lens_step=True, metrics=metrics)
     # the exact Gram from the update's own backward where the loss's token weights factor (all processes agree)
     why_not = lens_fuses_gram(config, lens, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, procs)
     if why_not is None:
         proxy = {"batch": rollouts.batch} if config.lens_noise_proxy else {}  # verl's W_i at the step's weights
         gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy)
-        return LensPlan(measure=True, capture=gram_capture, per_rollout=True)
+        return LensPlan(lens_step=True, capture=gram_capture, per_rollout=True)
     if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
         _LENS_OWN_PASS_LOGGED.add(why_not)
         logger.info(
@@ -590,10 +590,10 @@ def plan_lens(
             why_not,
         )
     if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
-        return LensPlan(measure=True, capture=lens.update_capture(policy), per_rollout=True)
+        return LensPlan(lens_step=True, capture=lens.update_capture(policy), per_rollout=True)
     with forward_precision(procs.device, config.dtype):
         metrics = lens.measure(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
-    return LensPlan(measure=True, metrics=metrics, per_rollout=True)
+    return LensPlan(lens_step=True, metrics=metrics, per_rollout=True)
 
 
 def lens_after_update(
@@ -615,7 +615,7 @@ def lens_after_update(
         metrics = lens.measure_from_update(
             step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages, plan.capture
         )
-    metrics.update(lens.after_step(step, policy, plan.measure))
+    metrics.update(lens.after_step(step, policy, plan.lens_step))
     return metrics
 
 
