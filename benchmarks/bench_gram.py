@@ -7,7 +7,8 @@ Systems, on the same batch:
     plain    one batched forward + backward of sum_i s_i with parameter gradients (what a trainer's step computes;
              batch_logprobs uses logits_to_keep)
     gram     grpo_lens.gradients.gram.exact_rollout_gram (every parameter; backward w.r.t. the embedding output)
-    sketch   grpo_lens.gradients.sketch.sketch_rollout_grads (k_in = k_out = 16) and its Gram (the earlier default)
+    sketch   grpo_lens.gradients.sketch.sketch_rollout_grads (sketch_in = sketch_out = 16) and its Gram (the
+             earlier default)
 
 Timings: one process, the systems interleaved (plain, gram, sketch) x ``--repeats`` after one untimed warm-up of each,
 medians and gram / plain printed with the load average before and after each length. Peak memory: each system in a
@@ -87,7 +88,7 @@ def run_gram(model, batch):
 
 
 def run_sketch(model, batch):
-    g = sketch_rollout_grads(model, batch, k_in=16, k_out=16).sketch.double()
+    g = sketch_rollout_grads(model, batch, sketch_in=16, sketch_out=16).sketch.double()
     return g @ g.T, None
 
 

@@ -12,7 +12,7 @@ same batch:
              parameter's .grad
     gram     grpo_lens.gradients.gram.exact_rollout_gram: the lens's exact per-rollout Gram of every parameter (its own
              forward + backward, as the trainer's lens and the probe run it); "step + lens" = plain + gram
-    sketch   grpo_lens.gradients.sketch.sketch_rollout_grads (k_in = k_out = 16, every nn.Linear) and its Gram
+    sketch   grpo_lens.gradients.sketch.sketch_rollout_grads (sketch_in = sketch_out = 16, every nn.Linear) and its Gram
     oracle   grpo_lens.gradients.exact.exact_rollout_grads (one backward per rollout, the dense [R, P] rows) and
              their Gram (grpo_lens.gradients.gram_blocks.gram_of_rows); skipped, with the reason printed, when its
              rows would exceed ``--oracle-max-gb``. Where it runs, the exact Gram's error against it is printed.
@@ -172,7 +172,7 @@ def run_gram(model, batch, adv):
 
 
 def run_sketch(model, batch, adv):
-    return sketch_rollout_grads(model, batch, k_in=16, k_out=16).gram().double(), {}
+    return sketch_rollout_grads(model, batch, sketch_in=16, sketch_out=16).gram().double(), {}
 
 
 def run_oracle(model, batch, adv):

@@ -2,7 +2,8 @@
 
 Prints, for one group of R rollouts on the default model (SmolLM2-135M shape), the wall-clock ratios
 
-    sketch  = sketch_rollout_grads (all nn.Linear layers, k_in x k_out per layer, ONE batched forward+backward)
+    sketch  = sketch_rollout_grads (all nn.Linear layers, sketch_in x sketch_out per layer, ONE
+              batched forward+backward)
               / plain forward+backward of sum_i s_i (parameter gradients, as a trainer computes them)
     capture = the plain forward+backward with a GradientCapture around it (the trainer's way) / plain
     exact   = exact_rollout_grads (one forward+backward per rollout, all parameters) / plain
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--completion-len", type=int, default=128)
-    ap.add_argument("--k", type=int, default=16, help="sketch size per side (k_in = k_out)")
+    ap.add_argument("--k", type=int, default=16, help="sketch size per side (sketch_in = sketch_out)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-exact", action="store_true", help="skip the exact path")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -97,10 +98,10 @@ def main() -> None:
         rollout_scores(batch_logprobs(model, batch), batch.completion_mask).sum().backward()
 
     def sketch():
-        sketch_rollout_grads(model, batch, k_in=args.k, k_out=args.k)
+        sketch_rollout_grads(model, batch, sketch_in=args.k, sketch_out=args.k)
 
     def capture():
-        with GradientCapture(model, k_in=args.k, k_out=args.k) as cap:
+        with GradientCapture(model, sketch_in=args.k, sketch_out=args.k) as cap:
             plain()
         cap.result()
 

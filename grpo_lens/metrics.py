@@ -1488,8 +1488,8 @@ PROBE_SKETCH_CHECK = _key(
     "probe",
     "sketch_check",
     OBJECT,
-    "unless --exact: `groups` (rows of the keys below, one per checked group: the first `--coverage-groups` mixed "
-    "groups of this R) and their `summary`",
+    "unless --dense-oracle: `groups` (rows of the keys below, one per checked group: the first `--coverage-groups` "
+    "mixed groups of this R) and their `summary`",
     source="§8",
     where=(PROBE,),
     fields=("groups", "summary"),

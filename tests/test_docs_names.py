@@ -350,7 +350,7 @@ def f(rows):
 def a(rewards, group_size: int):
     R = group_size
     r = torch.where(valid, rewards, 0)
-def c(grads, sketch_dim: int = 16, k_in: int = 16):
+def c(grads, sketch_dim: int = 16, sketch_in: int = 16):
     """Per-rollout gradients [N, P_s], sketched with d_s x d_s projections; K_mc continuations."""
 def g(k: int, group_size: int):
     """Std of R 0/1 rewards with k ones."""

@@ -98,7 +98,7 @@ def analyse_group(
     *,
     estimator: str = "grpo",
     std: str = "sample",
-    eps: float = 1e-4,
+    std_eps: float = 1e-4,
     completion_mask: Tensor | None = None,
     completion_ids: Tensor | None = None,
     num_random: int = 8,
@@ -114,7 +114,7 @@ def analyse_group(
         advantages: [R] the advantages the trainer used for these rollouts.
         estimator: the advantage estimator (for the identity's constant).
         std: its std convention.
-        eps: its epsilon.
+        std_eps: its epsilon.
         completion_mask: [R, T] bool, optional (NLL control).
         completion_ids: [R, T] long, optional (distinct completions).
         num_random: draws of random zero-sum weights for ``rank/g1_random_*``.
@@ -164,7 +164,7 @@ def analyse_group(
             out.update({key: float(v) for key, v in baseline_metrics(gram.diagonal(), rw).items()})
             two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
             # the config's check allows only these names
-            c = identity_constant(estimator, k, R, std, eps)  # type: ignore[arg-type]  # None: the estimator has no decomposition
+            c = identity_constant(estimator, k, R, std, std_eps)  # type: ignore[arg-type]  # None: the estimator has no decomposition
             if c is not None and two_valued:
                 out[GRAD_IDENTITY_CONSTANT] = c
                 out[GRAD_IDENTITY_RESIDUAL] = identity_residual(gram, labels, a, c)
@@ -260,8 +260,8 @@ def sketch_check_keys(
     advantages: Tensor,
     category_sq_norms: dict[str, float],
     layer_grams: Sequence[Tensor],
-    k_in: int,
-    k_out: int,
+    sketch_in: int,
+    sketch_out: int,
 ) -> dict[str, float]:
     """How well one group's sketch stands in for its exact per-rollout gradients (docs/theory.md §8), from exact
     Gram matrices (every quantity below is a function of inner products <g_i, g_j>; no [R, P] vector is needed).
@@ -272,8 +272,8 @@ def sketch_check_keys(
         category_sq_norms: {category: sum_i ||g_i||^2 over that category's parameters} (categories of
             :func:`parameter_category`; their sum is trace(exact_gram)).
         layer_grams: [R, R] exact Grams of the sketched (nn.Linear) weights, one per layer, for the error bound.
-        k_in: sketch size on the layer-input side.
-        k_out: sketch size on the layer-output side.
+        sketch_in: sketch size on the layer-input side.
+        sketch_out: sketch size on the layer-output side.
 
     Returns:
         ``sketch/coverage``: Σ_i ||S g_i||² / Σ_i ||g_i||² (the sketch's energy, unbiased for the part it sees, over the
@@ -299,7 +299,7 @@ def sketch_check_keys(
         out[SKETCH_GRAM_ERROR] = float((g_sketch - g_exact).norm()) / den
         grams = [g.detach().double().cpu() * w for g in layer_grams]
         if grams:
-            out[SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, k_in, k_out)
+            out[SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, sketch_in, sketch_out)
     out[SKETCH_G1_ERANK_ERROR] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
         gram_singular_values(g_exact)
     )

@@ -98,7 +98,7 @@ def _family_rows(fam: str, config: CalibrationConfig, noise: dict[int, float]) -
         rank_v, zs_v = [], []
         for _ in range(config.trials):
             p = probe_of({R: _draw(pools[R], ns[R], gen) for R in config.group_sizes}, PLANTED_DIM)
-            rank_v += list(CLAIMS.get("erank_near_two")(p))
+            rank_v += list(CLAIMS.get("rank_two_top2_share")(p))
             zs_v += list(CLAIMS.get("zero_sum_rank_two")(p))
         base = {
             "family": fam,

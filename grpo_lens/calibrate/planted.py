@@ -139,7 +139,7 @@ def run_planted(path: Path, out: Path, log: Callable[[str], None] = print) -> li
     t, n, R, _ = gram.shape
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    verdicts: dict[str, list[str]] = {"erank_near_two": [], "zero_sum_rank_two": []}
+    verdicts: dict[str, list[str]] = {"rank_two_top2_share": [], "zero_sum_rank_two": []}
     try:
         for i in range(t):
             rows = [

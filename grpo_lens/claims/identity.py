@@ -63,16 +63,16 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
     if meta.get("estimator", "grpo") == "grpo":
         std = meta.get("std", "sample")
         other = "population" if std == "sample" else "sample"
-        eps = float(meta.get("eps", 1e-4))
+        std_eps = float(meta.get("eps", 1e-4))  # probe.json meta key "eps" = config std_eps
         gaps: dict[int, list[float]] = {}  # R -> the gap of each group of that size
         for g in rows:
             if g.get(GRAD_IDENTITY_RESIDUAL) is not None and GROUP_SIZE in g:
                 k, R = int(g[GROUP_CORRECT]), int(g[GROUP_SIZE])
                 gaps.setdefault(R, []).append(
-                    abs(1 - rank2_constant(k, R, other, eps) / rank2_constant(k, R, std, eps))  # type: ignore[arg-type]  # a stored config's std: sample or population
+                    abs(1 - rank2_constant(k, R, other, std_eps) / rank2_constant(k, R, std, std_eps))  # type: ignore[arg-type]  # a stored config's std: sample or population
                 )
         if gaps:
-            # the two stds differ by sqrt(R / (R - 1)) whatever k, so the gap is one value per R (eps aside)
+            # the two stds differ by sqrt(R / (R - 1)) whatever k, so the gap is one value per R (std_eps aside)
             per_group_size = [f"{_value_or_range(gaps[R])} at R = {R} ({_groups(len(gaps[R]))})" for R in sorted(gaps)]
             control = f"with the {other}-std constant instead the residual would be {', '.join(per_group_size)}"
     if not res:

@@ -18,10 +18,10 @@ rule's *does not hold* accepted |d| < 0.1 while *holds* needed d > 0, so a rank-
 *does not hold*; with one boundary a branch's wrong verdict needs its one-sided test to fail on the other side.
 
 Each one-sided p is Hall's transformed t (:func:`grpo_lens.formulas.stats.mean_test_p`), the test of the interval
-the row prints. Across R (:func:`erank_near_two`): holds only if it holds at every R > 2 measured (p = the largest),
-does not hold if it fails at any (p = the number of R × the smallest). Erank, stable rank, participation ratio,
-k90 and k99 are printed beside it without a verdict (descriptive): erank follows the noise floor (rank 2 + 1% noise
-has erank ≈ 2.9 at R = 8) and stable rank follows the class sizes (an exact rank-2 G1 has stable rank
+the row prints. Across R (:func:`rank_two_top2_share`): holds only if it holds at every R > 2 measured (p = the
+largest), does not hold if it fails at any (p = the number of R × the smallest). Erank, stable rank, participation
+ratio, k90 and k99 are printed beside it without a verdict (descriptive): erank follows the noise floor (rank 2 + 1%
+noise has erank ≈ 2.9 at R = 8) and stable rank follows the class sizes (an exact rank-2 G1 has stable rank
 1 + λ₂/λ₁, which depends on k and on the class means' angle).
 """
 
@@ -164,8 +164,8 @@ def _probe_advice(probe: dict[str, Any], tests: dict[str, dict[str, Any]], need:
     return f"raise `--prompts` (grpo-lens probe; `--probe-prompts` in grpo-lens demo): {more}"
 
 
-@CLAIMS.register("erank_near_two")
-def erank_near_two(probe: dict[str, Any]) -> list[Claim]:
+@CLAIMS.register("rank_two_top2_share")
+def rank_two_top2_share(probe: dict[str, Any]) -> list[Claim]:
     """ "Effective rank ≈ 2 for R in {2, 4, 8}": one row, decided by E₂ over the R > 2 measured (module docstring);
     R = 2 is left out (G1 has two rows: rank <= 2 whatever the gradients). Descriptive measures in the text."""
     per_group_size = probe.get("per_group_size", {})

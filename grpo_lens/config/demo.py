@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from grpo_lens.config import ConfigFile, TrainConfig, at_least
-from grpo_lens.config.base import option
+from grpo_lens.config.base import Names, option
 from grpo_lens.config.groups import (
+    EXACT_REFUSAL,
     Adapter,
     Advantage,
     Lens,
@@ -48,6 +49,7 @@ class DemoConfig(ConfigFile):
     defaults; every field here is an option group's (:mod:`grpo_lens.config.groups`), the demo's overrides marked."""
 
     kind: ClassVar[str] = "demo"
+    names: ClassVar[Names] = Names(refused={"exact": EXACT_REFUSAL})
 
     out: str = Output.out("runs/demo", contents="probe_before/, train/, probe_after/, report.md")  # default overridden
     model: str = Model.model()
@@ -78,7 +80,7 @@ class DemoConfig(ConfigFile):
         "A demo of a few minutes: every setting of grpo_lens.demo.QUICK left at its default "
         "takes the small value there (4 steps, R = 2 and 4 probed on 8 prompts, studies on 2).",
     )
-    exact: bool = Lens.exact()
+    dense_oracle: bool = Lens.dense_oracle()
     seed: int = Runtime.seed()
     device: str = Runtime.device()
     overwrite: bool = Output.overwrite(what="an existing demo run")
@@ -142,7 +144,7 @@ class DemoConfig(ConfigFile):
             model=model,
             group_sizes=self.probe_group_sizes,
             prompts=self.probe_prompts,
-            exact=self.exact,
+            dense_oracle=self.dense_oracle,
             rewards=self.rewards,
             estimator=self.estimator,
             baseline_study_prompts=self.probe_study_prompts,

@@ -200,14 +200,22 @@ class Advantage:
     )
 
 
+#: Why ``exact`` is refused (a ConfigError naming the new key): the dense oracle is ``dense_oracle`` since 0.3, and
+#: ``exact`` is a value of ``gram_source`` (the default exact Gram from one batched backward), not a switch.
+EXACT_REFUSAL = (
+    "renamed dense_oracle (--dense-oracle), the dense per-rollout gradient oracle; "
+    "'--gram-source exact' is the default exact Gram"
+)
+
+
 class Lens:
     """How per-rollout gradients are measured: the sketch, the exact alternative, how often the trainer's lens runs."""
 
     sketch_dim = Option(
         16,
         "Side of the random projection per linear layer for sketched per-rollout gradients "
-        "(k_in = k_out): sketch dims per layer = this squared. Also sets the sketch of --estimator "
-        "optimal's squared gradient norms.",
+        "(both sides, sketch_in = sketch_out): sketch dims per layer = this squared. Also sets the sketch of "
+        "--estimator optimal's squared gradient norms.",
         check=at_least(1),
     )
     lens_every = Option(
@@ -216,10 +224,11 @@ class Lens:
         "steps and the last step (0 = never).",
         check=at_least(0, "must be >= 0 (0 disables the lens)"),
     )
-    exact = Option(
+    dense_oracle = Option(
         False,
-        "Exact per-rollout gradients of all parameters (one backward per rollout; memory R x P "
-        "floats) instead of the sketch.",
+        "The dense oracle: exact per-rollout gradient vectors of all parameters (one backward per "
+        "rollout; memory R x P floats) instead of the sketch, for the Gram and G3 alike (not "
+        "--gram-source exact, the default Gram from one batched backward).",
     )
     gram_source = Option(
         "exact",
@@ -227,7 +236,7 @@ class Lens:
         "span energies, permutation tests, the identity residual, b*): exact (every parameter, "
         "from one batched backward; docs/theory.md §Exact Gram) or sketch (the LoGra sketch of "
         "the nn.Linear weights, the earlier default). The sketch still gives what needs "
-        "vectors (G3 across groups); --exact (dense vectors, the oracle) overrides both.",
+        "vectors (G3 across groups); --dense-oracle (dense vectors, the oracle) overrides both.",
         check=one_of(GRAM_SOURCES),
     )
 

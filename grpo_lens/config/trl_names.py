@@ -40,15 +40,27 @@ from grpo_lens.config.base import Alias, ConfigError, Names
 
 LIBRARY = "TRL"
 
-#: TRL's loss_type -> grpo-lens' loss aggregation with the same token weights (docs/theory.md §3).
-LOSS_TYPES = {
+#: TRL's ``loss_type`` -> grpo-lens' loss aggregation with the same per-rollout weights of the log-prob sums
+#: (docs/theory.md §3): grpo/sapo average each sequence's tokens; bnpo/dapo/cispo/vespo divide by the batch's tokens
+#: (a constant across rollouts); dr_grpo divides by max_completion_length. The one map: grpo-lens' config reads it for
+#: the ``loss_type`` key (less :data:`LENS_ONLY_LOSS_TYPES`), the TRL integration's lens
+#: (:meth:`grpo_lens.lens.settings.LensSettings.from_trl`) for every key. TRL's ``luspo`` is in neither.
+LOSS_TYPE_AGGREGATIONS = {
     "grpo": "seq-mean-token-mean",
     "bnpo": "token-mean",
     "dapo": "token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
     "cispo": "token-mean",
     "sapo": "seq-mean-token-mean",
+    "vespo": "token-mean",
 }
+
+#: TRL's loss_type values whose rollout weights the lens knows but whose policy loss grpo-lens' own trainer does not
+#: implement (the config refuses them, naming --loss-aggregation and --policy-loss).
+LENS_ONLY_LOSS_TYPES = ("vespo",)
+
+#: TRL's loss_type values grpo-lens' config accepts, in :data:`LOSS_TYPE_AGGREGATIONS`'s order.
+TRAINER_LOSS_TYPES = tuple(t for t in LOSS_TYPE_AGGREGATIONS if t not in LENS_ONLY_LOSS_TYPES)
 
 #: TRL's loss_type values that name a policy loss too (the others are the clipped surrogate, ``vanilla``).
 LOSS_TYPE_POLICY_LOSSES = {"cispo": "cispo", "sapo": "sapo"}
@@ -78,10 +90,10 @@ def _epsilon(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _loss_type(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    if value not in LOSS_TYPES:
+    if value not in TRAINER_LOSS_TYPES:
         raise ConfigError(
             f"TRL's loss_type {value!r} changes the policy loss itself in a way grpo-lens does not "
-            f"implement; grpo-lens takes loss_type {', '.join(LOSS_TYPES)}, or set --loss-aggregation and "
+            f"implement; grpo-lens takes loss_type {', '.join(TRAINER_LOSS_TYPES)}, or set --loss-aggregation and "
             f"--policy-loss directly"
         )
     if value in LOSS_TYPE_POLICY_LOSSES:
@@ -90,8 +102,8 @@ def _loss_type(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
                 f"TRL's loss_type {value!r} with importance_sampling_level 'sequence' has no grpo-lens "
                 f"counterpart: GSPO is --policy-loss gspo (loss_type grpo with the sequence level)"
             )
-        return {"loss_aggregation": LOSS_TYPES[value], "policy_loss": LOSS_TYPE_POLICY_LOSSES[value]}
-    return {"loss_aggregation": LOSS_TYPES[value]}
+        return {"loss_aggregation": LOSS_TYPE_AGGREGATIONS[value], "policy_loss": LOSS_TYPE_POLICY_LOSSES[value]}
+    return {"loss_aggregation": LOSS_TYPE_AGGREGATIONS[value]}
 
 
 def _importance_sampling_level(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ StdConvention = Literal["sample", "population"]
 STD_CONVENTIONS = ("sample", "population")
 
 
-# fn(rewards [B, R] float64 (invalid entries already 0), valid [B, R] bool, *, std, eps, grad_sq_norms) -> [B, R]
+# fn(rewards [B, R] float64 (invalid entries already 0), valid [B, R] bool, *, std, std_eps, grad_sq_norms) -> [B, R]
 EstimatorFn = Callable[..., Tensor]
 
 
@@ -91,14 +91,14 @@ def constant_groups(rewards: Tensor, valid: Tensor) -> Tensor:
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_advantages(
-    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4, **_: object
+    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", std_eps: float = 1e-4, **_: object
 ) -> Tensor:
-    """GRPO: A_i = (r_i - mean r) / (std r + eps) over the valid rollouts of each group.
+    """GRPO: A_i = (r_i - mean r) / (std r + std_eps) over the valid rollouts of each group.
 
     ``std="sample"`` uses ddof 1 (TRL and verl's default), ``"population"`` ddof 0. Because
     |r_i - mean| <= (n-1)/sqrt(n) * std_sample and <= sqrt(n-1) * std_population for n valid rollouts, every
-    advantage obeys |A_i| <= (n-1)/sqrt(n) (sample) or sqrt(n-1) (population) whatever eps > 0 is: near-equal
-    rewards cannot blow up to 1/eps (see :func:`advantage_bound`).
+    advantage obeys |A_i| <= (n-1)/sqrt(n) (sample) or sqrt(n-1) (population) whatever std_eps > 0 is: near-equal
+    rewards cannot blow up to 1/std_eps (see :func:`advantage_bound`).
 
     Source: DeepSeekMath, arXiv 2402.03300, §4.1.2.
 
@@ -111,7 +111,7 @@ def grpo_advantages(
     centred = (rewards - mean) * valid
     ddof = 1.0 if std == "sample" else 0.0
     var = (centred**2).sum(dim=1, keepdim=True) / (count - ddof).clamp(min=1.0)
-    return centred / (var.sqrt() + eps)
+    return centred / (var.sqrt() + std_eps)
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
@@ -210,9 +210,9 @@ def _batch_std(values: Tensor, valid: Tensor, std: StdConvention) -> Tensor:
 
 @ADVANTAGE_ESTIMATORS.register("grpo_batch")
 def grpo_batch_advantages(
-    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4, **_: object
+    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", std_eps: float = 1e-4, **_: object
 ) -> Tensor:
-    """A_i = (r_i - mean of i's group) / (std of every valid reward of the batch + eps): TRL's
+    """A_i = (r_i - mean of i's group) / (std of every valid reward of the batch + std_eps): TRL's
     ``scale_rewards="batch"`` (trl 1.16 GRPOTrainer), GRPO's group mean with the batch-wide scale of REINFORCE++
     (Hu et al., arXiv 2501.03262, §3). One scale for the whole batch keeps a group of nearly equal rewards from being
     blown up to unit scale, as grpo's per-group std does.
@@ -226,14 +226,14 @@ def grpo_batch_advantages(
         [B, R] float64.
     """
     _, mean = _group_counts_and_means(rewards, valid)
-    return (rewards - mean) * valid / (_batch_std(rewards, valid, std) + eps)
+    return (rewards - mean) * valid / (_batch_std(rewards, valid, std) + std_eps)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp")
 def reinforce_pp_advantages(
-    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4, **_: object
+    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", std_eps: float = 1e-4, **_: object
 ) -> Tensor:
-    """REINFORCE++ with an outcome reward: A_i = (r_i - mean over the batch) / (std over the batch + eps), the
+    """REINFORCE++ with an outcome reward: A_i = (r_i - mean over the batch) / (std over the batch + std_eps), the
     return (r_i on every token, gamma = 1) normalised over the global batch, with no group baseline (Hu et al.,
     "REINFORCE++", arXiv 2501.03262, §3; verl's ``reinforce_plus_plus``). Not centred per group: a group whose
     rewards are all equal keeps A_i = (r - batch mean) / std, nonzero.
@@ -248,16 +248,16 @@ def reinforce_pp_advantages(
         [B, R] float64.
     """
     mean = (rewards * valid).sum() / valid.sum().to(rewards.dtype).clamp(min=1.0)
-    return (rewards - mean) * valid / (_batch_std(rewards, valid, std) + eps)
+    return (rewards - mean) * valid / (_batch_std(rewards, valid, std) + std_eps)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(
-    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", eps: float = 1e-4, **_: object
+    rewards: Tensor, valid: Tensor, *, std: StdConvention = "sample", std_eps: float = 1e-4, **_: object
 ) -> Tensor:
     """REINFORCE++-baseline: x_i = r_i - mean of i's group, then normalised over the batch,
-    A_i = (x_i - mean_batch x) / (std_batch x + eps) (Hu et al., arXiv 2501.03262, REINFORCE++ with baseline; verl's
-    ``reinforce_plus_plus_baseline``). Over the valid rollouts mean_batch x = 0, so A_i = x_i / (std_batch x + eps):
+    A_i = (x_i - mean_batch x) / (std_batch x + std_eps) (Hu et al., arXiv 2501.03262, REINFORCE++ with baseline; verl's
+    ``reinforce_plus_plus_baseline``). Over the valid rollouts mean_batch x = 0, so A_i = x_i / (std_batch x + std_eps):
     zero-sum per group, like grpo_batch but scaled by the spread of the centred rewards, not of the raw ones.
 
     Args:
@@ -267,7 +267,7 @@ def reinforce_pp_baseline_advantages(
     """
     _, mean = _group_counts_and_means(rewards, valid)
     x = (rewards - mean) * valid
-    return x / (_batch_std(x, valid, std) + eps)
+    return x / (_batch_std(x, valid, std) + std_eps)
 
 
 @ADVANTAGE_ESTIMATORS.register("optimal")
@@ -310,7 +310,7 @@ def compute_advantages(
     estimator: str = "grpo",
     *,
     std: StdConvention = "sample",
-    eps: float = 1e-4,
+    std_eps: float = 1e-4,
     mask: Tensor | None = None,
     grad_sq_norms: Tensor | None = None,
 ) -> Tensor:
@@ -322,7 +322,7 @@ def compute_advantages(
             grpo_batch, reinforce_pp, reinforce_pp_baseline of :data:`BATCH_ESTIMATORS`, whose ``rewards`` must be
             the whole batch).
         std: ``"sample"`` (ddof 1, default, as TRL and verl) or ``"population"`` (ddof 0); used by grpo.
-        eps: > 0, added to the std in grpo's denominator.
+        std_eps: > 0, added to the std in grpo's denominator.
         mask: [B, R] bool, True for valid rollouts; default: every finite reward is valid.
         grad_sq_norms: [B, R] float, ||g_i||^2; needed by ``optimal`` only.
 
@@ -332,13 +332,13 @@ def compute_advantages(
 
     Raises:
         ValueError: unknown estimator or std (listing the valid names), rewards not 2-D, mask of another shape,
-            eps <= 0, a valid reward that is not finite.
+            std_eps <= 0, a valid reward that is not finite.
     """
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
     if std not in STD_CONVENTIONS:
         raise ValueError(f"unknown std convention {std!r}; valid names: {', '.join(STD_CONVENTIONS)}")
-    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    if not (isinstance(std_eps, (int, float)) and std_eps > 0 and math.isfinite(std_eps)):
+        raise ValueError(f"std_eps must be a finite number > 0, got {std_eps!r}")
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, R] (prompts x group size), got shape {tuple(rewards.shape)}")
     if mask is None:
@@ -350,7 +350,7 @@ def compute_advantages(
     if not torch.isfinite(r64[valid]).all():
         raise ValueError("a reward marked valid is NaN or infinite; mark it invalid in mask instead")
     r64 = torch.where(valid, r64, torch.zeros_like(r64))
-    adv = fn(r64, valid, std=std, eps=float(eps), grad_sq_norms=grad_sq_norms)
+    adv = fn(r64, valid, std=std, std_eps=float(std_eps), grad_sq_norms=grad_sq_norms)
     if estimator not in UNCENTRED_ESTIMATORS:
         adv = adv.masked_fill(constant_groups(r64, valid).unsqueeze(1), 0.0)
     adv = adv.masked_fill(~valid, 0.0)
@@ -358,11 +358,11 @@ def compute_advantages(
 
 
 def advantage_bound(num_valid: int, std: StdConvention = "sample") -> float:
-    """The largest |A_i| that grpo can give a group of ``num_valid`` valid rollouts, for any eps > 0.
+    """The largest |A_i| that grpo can give a group of ``num_valid`` valid rollouts, for any std_eps > 0.
 
     From sum_j (r_j - mean)^2 = (n - ddof) s^2 and Cauchy-Schwarz on the other n-1 deviations:
     |r_i - mean| <= sqrt((n-1)/n) * sqrt(sum_j (r_j - mean)^2), i.e. (n-1)/sqrt(n) s for the sample std and
-    sqrt(n-1) s for the population std; dividing by s + eps > s keeps |A_i| strictly below that.
+    sqrt(n-1) s for the population std; dividing by s + std_eps > s keeps |A_i| strictly below that.
 
     Args:
         num_valid: n >= 1.

@@ -9,10 +9,10 @@ Derivation. The mean reward is p = k/R, so r_i - p = (R-k)/R for a correct rollo
     sum_i (r_i - p) g_i = ((R-k)/R) * k gbar_C - (k/R) * (R-k) gbar_W = (k(R-k)/R) (gbar_C - gbar_W).
 
 The population std of the rewards is sigma = sqrt(p(1-p)) = sqrt(k(R-k))/R, the sample std is
-s = sigma sqrt(R/(R-1)) = sqrt(k(R-k) / (R(R-1))). With A_i = (r_i - p)/(std + eps):
+s = sigma sqrt(R/(R-1)) = sqrt(k(R-k) / (R(R-1))). With A_i = (r_i - p)/(std + std_eps):
 
     sum_i A_i g_i = c(k, R) (gbar_C - gbar_W),
-    c = (k(R-k)/R) / (std + eps) = c0 * std / (std + eps),
+    c = (k(R-k)/R) / (std + std_eps) = c0 * std / (std + std_eps),
     c0 = sqrt(k(R-k))                  (population std),
     c0 = sqrt(k(R-k)(R-1)/R)           (sample std; the population value times sqrt((R-1)/R)).
 
@@ -29,7 +29,7 @@ rollout and A_W on every wrong one, with k A_C + (R-k) A_W = 0, gives sum_i A_i 
 
     dr_grpo   A_i = r_i - p                   c = k(R-k)/R
     rloo      A_i = (R/(R-1)) (r_i - p)       c = k(R-k)/(R-1)
-    grpo      A_i = (r_i - p)/(std + eps)     c = (k(R-k)/R)/(std + eps)   (both std conventions)
+    grpo      A_i = (r_i - p)/(std + std_eps)     c = (k(R-k)/R)/(std + std_eps)   (both std conventions)
 
 ``reinforce`` (A_i = r_i: sum_i A_i g_i = k gbar_C, not zero-sum) and ``optimal`` (leave-one-out b*_{-i} differs per
 rollout, so A is not two-valued) have no such constant; a group whose advantages were changed after the estimator
@@ -78,17 +78,17 @@ def binary_group_std(k: int, group_size: int, std: StdConvention = "sample") -> 
     return math.sqrt(k * (R - k) / (R * (R - 1)))
 
 
-def rank2_constant(k: int, group_size: int, std: StdConvention = "sample", eps: float = 0.0) -> float:
-    """c(k, R) with sum_i A_i g_i = c (gbar_C - gbar_W) for GRPO advantages A = (r - mean)/(std + eps).
+def rank2_constant(k: int, group_size: int, std: StdConvention = "sample", std_eps: float = 0.0) -> float:
+    """c(k, R) with sum_i A_i g_i = c (gbar_C - gbar_W) for GRPO advantages A = (r - mean)/(std + std_eps).
 
-    c = (k(R-k)/R) / (std + eps): sqrt(k(R-k)) for the population std and sqrt(k(R-k)(R-1)/R) for the sample std
-    when eps = 0, scaled by std/(std + eps) otherwise (derivation in the module docstring).
+    c = (k(R-k)/R) / (std + std_eps): sqrt(k(R-k)) for the population std and sqrt(k(R-k)(R-1)/R) for the sample std
+    when std_eps = 0, scaled by std/(std + std_eps) otherwise (derivation in the module docstring).
 
     Args:
         k: number of correct rollouts, 0 < k < R.
         group_size: R.
         std: ``"sample"`` (ddof 1) or ``"population"`` (ddof 0).
-        eps: the advantage's eps.
+        std_eps: the advantage's std_eps.
 
     Raises:
         ValueError: k not in (0, R) or unknown convention.
@@ -96,7 +96,7 @@ def rank2_constant(k: int, group_size: int, std: StdConvention = "sample", eps: 
     R = group_size
     if not 0 < k < R:
         raise ValueError(f"the identity needs 0 < k < R, got k={k}, R={R}")
-    return (k * (R - k) / R) / (binary_group_std(k, R, std) + eps)
+    return (k * (R - k) / R) / (binary_group_std(k, R, std) + std_eps)
 
 
 #: Estimators with a rank-2 decomposition sum_i A_i g_i = c (gbar_C - gbar_W) for 0/1 rewards.
@@ -104,11 +104,11 @@ IDENTITY_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 def identity_constant(
-    estimator: str, k: int, group_size: int, std: StdConvention = "sample", eps: float = 1e-4
+    estimator: str, k: int, group_size: int, std: StdConvention = "sample", std_eps: float = 1e-4
 ) -> float | None:
     """c with sum_i A_i g_i = c (gbar_C - gbar_W) under ``estimator`` for 0/1 rewards, k of R correct.
 
-    grpo: :func:`rank2_constant` (``std``, ``eps``); dr_grpo: k(R-k)/R; rloo: k(R-k)/(R-1) (module docstring,
+    grpo: :func:`rank2_constant` (``std``, ``std_eps``); dr_grpo: k(R-k)/R; rloo: k(R-k)/(R-1) (module docstring,
     docs/theory.md §4). None for estimators without the decomposition (reinforce, optimal, any other name).
 
     Raises:
@@ -118,7 +118,7 @@ def identity_constant(
     if not 0 < k < R:
         raise ValueError(f"the identity needs 0 < k < R, got k={k}, R={R}")
     if estimator == "grpo":
-        return rank2_constant(k, R, std, eps)
+        return rank2_constant(k, R, std, std_eps)
     if estimator == "dr_grpo":
         return k * (R - k) / R
     if estimator == "rloo":
@@ -159,21 +159,21 @@ def rank2_residual(
     rewards: Tensor,
     *,
     std: StdConvention = "sample",
-    eps: float = 1e-4,
+    std_eps: float = 1e-4,
     advantages: Tensor | None = None,
     estimator: str = "grpo",
 ) -> float:
     """:func:`identity_residual` of one group with 0/1 rewards, from its rewards (the 0.1 entry point).
 
-    c from :func:`identity_constant` for ``estimator`` (grpo: with the given ``std`` and ``eps``); computed in the
+    c from :func:`identity_constant` for ``estimator`` (grpo: with the given ``std`` and ``std_eps``); computed in the
     gradients' dtype.
 
     Args:
         grads: [R, P] per-rollout g_i.
         rewards: [R] in {0, 1}.
         std: the std convention for c (and for A when ``advantages`` is None).
-        eps: the epsilon, likewise.
-        advantages: [R] the advantages actually used; None computes grpo's with ``std`` and ``eps``
+        std_eps: the epsilon, likewise.
+        advantages: [R] the advantages actually used; None computes grpo's with ``std`` and ``std_eps``
             (:func:`grpo_lens.formulas.advantages.grpo_advantages`; only allowed for estimator grpo).
         estimator: whose decomposition c to use (grpo, dr_grpo, rloo; see :func:`identity_constant`).
 
@@ -188,7 +188,7 @@ def rank2_residual(
         raise ValueError("the rank-2 identity needs 0/1 rewards")
     correct = rewards == 1
     k, r = int(correct.sum()), rewards.numel()
-    c = identity_constant(estimator, k, r, std, eps)
+    c = identity_constant(estimator, k, r, std, std_eps)
     if c is None:
         raise ValueError(
             f"estimator {estimator!r} has no rank-2 decomposition; valid: {', '.join(IDENTITY_ESTIMATORS)}"
@@ -197,5 +197,5 @@ def rank2_residual(
         raise ValueError("pass the advantages actually used for estimators other than grpo")
     if advantages is None:
         r64 = rewards.double().view(1, r)
-        advantages = grpo_advantages(r64, torch.ones_like(r64, dtype=torch.bool), std=std, eps=eps)[0]
+        advantages = grpo_advantages(r64, torch.ones_like(r64, dtype=torch.bool), std=std, std_eps=std_eps)[0]
     return identity_residual(grads @ grads.T, correct, advantages.to(grads.dtype), c)

@@ -5,7 +5,7 @@ s_i the rollout's score (:func:`grpo_lens.gradients.scores.rollout_scores`); a r
 g_i = 0.
 
 - :func:`exact_rollout_grads`: the dense [N, P] matrix (columns: :func:`grpo_lens.gradients.params.param_slices`),
-  for tests, small models, the probe's ``--exact`` mode and the LoRA adapter space.
+  for tests, small models, the probe's ``--dense-oracle`` mode and the LoRA adapter space.
 - :func:`exact_weighted_grad` (and :func:`exact_policy_grad`, :func:`exact_nll_grad`): sum_i w_i g_i from one
   batched backward.
 - :func:`layer_weight_grads`: G2, each linear layer's weight gradient of sum_i w_i s_i, via autograd.

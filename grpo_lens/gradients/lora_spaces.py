@@ -34,7 +34,7 @@ def base_layers(name: str) -> bool:
 def lora_rollout_grads(
     model: torch.nn.Module,
     batch: RolloutBatch,
-    space: str,
+    lens_space: str,
     *,
     sketch_dim: int = 16,
     seed: int = 0,
@@ -49,11 +49,13 @@ def lora_rollout_grads(
     Args:
         model: a policy wrapped by :func:`grpo_lens.lora.apply_lora`.
         batch: N rollouts (:class:`grpo_lens.rollout.RolloutBatch`).
-        space: ``trainable`` -- exact gradients of the adapter's A and B ([N, P_adapter], one backward per rollout);
+        lens_space: ``trainable`` -- exact gradients of the adapter's A and B ([N, P_adapter], one backward per
+            rollout);
             ``full`` -- gradients of every frozen base linear weight W, sketched with d_s x d_s Kronecker projections
             per layer, d_s = ``sketch_dim`` ([N, P_s], P_s = layers * d_s^2; ``projection="identity"`` gives them
             exactly, [N, sum d_out d_in]).
-        sketch_dim: the sketch side d_s (k_in = k_out of :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
+        sketch_dim: the sketch side d_s (sketch_in = sketch_out of
+            :func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
         seed: the sketch's seed (:func:`grpo_lens.gradients.sketch.sketch_rollout_grads`).
         projection: the sketch's projection.
         dtype: the sketch's dtype.
@@ -64,15 +66,15 @@ def lora_rollout_grads(
         [N, P_adapter] in the model's dtype (exact) or [N, P_s] in ``dtype`` (sketch).
 
     Raises:
-        ValueError: an unknown ``space``.
+        ValueError: an unknown ``lens_space``.
 
     The two spaces are tied by the chain rule: with the update s B A (s = lora_alpha / lora_rank) added to W,
     grad_B = s grad_W A^T and grad_A = s B^T grad_W (tests/gradients/test_lora.py checks this).
     """
-    if space == "trainable":
+    if lens_space == "trainable":
         return exact_rollout_grads(model, batch, score_weights=score_weights, temperature=temperature)
-    if space != "full":
-        raise ValueError(f"unknown lens space {space!r}; valid names: full, trainable")
+    if lens_space != "full":
+        raise ValueError(f"unknown lens space {lens_space!r}; valid names: full, trainable")
     # A frozen base layer's output carries a gradient only once the input embeddings' output requires one
     # (transformers' enable_input_require_grads); the sketch then differentiates with respect to it alone.
     # nn.Module types a transformers model's attribute as Tensor | Module
@@ -81,8 +83,8 @@ def lora_rollout_grads(
         return sketch_rollout_grads(
             model,
             batch,
-            k_in=sketch_dim,
-            k_out=sketch_dim,
+            sketch_in=sketch_dim,
+            sketch_out=sketch_dim,
             include=base_layers,
             seed=seed,
             # the config's check allows only these names

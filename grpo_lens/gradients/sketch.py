@@ -1,7 +1,7 @@
 """LoGra sketches of per-rollout gradients from ONE batched backward (docs/theory.md §8, §Lens sketch from the update).
 
-Notation: N rollouts, L = Lp + T input positions, d_in / d_out a linear layer's sizes, k_in / k_out sketch sizes.
-Hooks on linear layers (``nn.Linear``, ``Conv1D``) capture each layer's input x_t [d_in] and output gradient
+Notation: N rollouts, L = Lp + T input positions, d_in / d_out a linear layer's sizes, sketch_in / sketch_out sketch
+sizes. Hooks on linear layers (``nn.Linear``, ``Conv1D``) capture each layer's input x_t [d_in] and output gradient
 delta_t [d_out] during one backward. For a linear layer the per-rollout weight gradient is
 sum_{t in row i} delta_t x_t^T; its two-sided random projection P_out (sum_t delta_t x_t^T) P_in^T =
 sum_t (P_out delta_t)(P_in x_t)^T is formed from the projected vectors only (LoGra, Choe et al. 2024, arXiv
@@ -53,11 +53,12 @@ class GradientSketch:
     """Per-rollout gradient sketches of linear layers, as returned by :meth:`GradientCapture.result`.
 
     Attributes:
-        per_layer: {layer name: [N, k_out*k_in] float}, row i = vec(P_out G_{i,l} P_in^T) with
+        per_layer: {layer name: [N, sketch_out*sketch_in] float}, row i = vec(P_out G_{i,l} P_in^T) with
             G_{i,l} = sum_{t in row i} delta_t x_t^T the row's weight gradient of layer l (row-major over
-            [k_out, k_in]; over [k_in, k_out] for a ``Conv1D``, whose weight is [d_in, d_out]: so with identity
-            projections it is ``weight_grad.flatten()`` in either layout).
-        k_in, k_out: sketch sizes per side (None for identity projections, where they are the layer's d_in, d_out).
+            [sketch_out, sketch_in]; over [sketch_in, sketch_out] for a ``Conv1D``, whose weight is [d_in, d_out]: so
+            with identity projections it is ``weight_grad.flatten()`` in either layout).
+        sketch_in, sketch_out: sketch sizes per side (None for identity projections, where they are the layer's
+            d_in, d_out); grpo-lens passes ``sketch_dim`` d_s to both, so a layer's row has d_s^2 entries.
         token_sq_norms: [N, L] float or None: sum over layers of ||delta_t||^2 ||x_t||^2, the squared Frobenius norm
             of position t's rank-1 contribution delta_t x_t^T to the weight gradients (exact, not sketched).
         exact_layers: {layer name: [N, d_out*d_in]} exact per-row weight gradients of the layers asked for with
@@ -65,15 +66,15 @@ class GradientSketch:
     """
 
     per_layer: dict[str, Tensor]
-    k_in: int | None = None
-    k_out: int | None = None
+    sketch_in: int | None = None
+    sketch_out: int | None = None
     token_sq_norms: Tensor | None = None
     layer_names: list[str] = field(default_factory=list)
     exact_layers: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def sketch(self) -> Tensor:
-        """[N, P_s] the per-layer sketches side by side (P_s = L * k_out * k_in), in ``layer_names`` order."""
+        """[N, P_s] the per-layer sketches side by side (P_s = L * sketch_out * sketch_in), in ``layer_names`` order."""
         return torch.cat([self.per_layer[n] for n in self.layer_names], dim=1)
 
     @property
@@ -107,28 +108,28 @@ class GradientCapture:
     backward.
 
     Inside the context every grad-enabled forward of ``model`` is a "pass"; a forward hook projects each linear
-    layer's input x [n, L, d_in] to P_in x [n, L, k_in], and a hook on the layer's output tensor receives
+    layer's input x [n, L, d_in] to P_in x [n, L, sketch_in], and a hook on the layer's output tensor receives
     delta = d loss / d output [n, L, d_out] during backward and adds
 
-        S_{r, l} = sum_t (P_out delta_{r,t}) (P_in x_{r,t})^T          [k_out, k_in]  (batched matmul per layer)
+        S_{r, l} = sum_t (P_out delta_{r,t}) (P_in x_{r,t})^T   [sketch_out, sketch_in]  (batched matmul per layer)
 
     for every row r of the pass. Rows never interact inside a transformer, so S_r is the sketch of the gradient of
     the loss's row-r term: backpropagating sum_i s_i gives the g_i, the trainer's loss gives its per-rollout terms.
     All positions of a row contribute (prompt activations feed the completion through attention). Rows of several
     passes (micro-batches) are concatenated in forward order; a pass that never receives a gradient is dropped.
 
-    Projections are fixed seeded Gaussians with N(0, 1/k_in) and N(0, 1/k_out) entries, one pair per layer, seeded by
-    (seed, crc32(layer name)), so that E[<S(A), S(B)>] = <A, B> (error:
+    Projections are fixed seeded Gaussians with N(0, 1/sketch_in) and N(0, 1/sketch_out) entries, one pair per layer,
+    seeded by (seed, crc32(layer name)), so that E[<S(A), S(B)>] = <A, B> (error:
     :func:`grpo_lens.formulas.sketch_error.sketch_gram_error_bound`).
-    Cost per layer: two thin matmuls (n L d_in k_in and n L d_out k_out) and one [k_out, n L] x [n L, k_in] product,
-    against n L d_in d_out for the layer itself. Layer calls under ``torch.no_grad`` are ignored. A module called
-    several times in one pass (shared weights) gets the sum of its calls' sketches. Not compatible with activation
-    checkpointing.
+    Cost per layer: two thin matmuls (n L d_in sketch_in and n L d_out sketch_out) and one [sketch_out, n L] x [n L,
+    sketch_in] product, against n L d_in d_out for the layer itself. Layer calls under ``torch.no_grad`` are ignored.
+    A module called several times in one pass (shared weights) gets the sum of its calls' sketches. Not compatible with
+    activation checkpointing.
 
     Args:
         model: the module whose linear layers are hooked (its forward marks passes).
-        k_in: sketch size on the layer-input side (ignored with ``projection="identity"``).
-        k_out: sketch size on the layer-output side (likewise).
+        sketch_in: sketch size on the layer-input side (ignored with ``projection="identity"``).
+        sketch_out: sketch size on the layer-output side (likewise).
         include: layer filter (:func:`linear_layer_names`).
         projection: ``"gaussian"`` or ``"identity"`` (P = I: the exact per-row weight gradient; for tests).
         seed: projection seed.
@@ -136,13 +137,12 @@ class GradientCapture:
         dtype: dtype of the stored sketches (float32; float64 for exactness tests).
 
     Raises:
-        ValueError: unknown projection, k_in or k_out < 1, or no linear layer matches ``include`` (for a model without
-        any: the
-            classes holding its parameters and the linear layers' coverage, 0 %).
+        ValueError: unknown projection, sketch_in or sketch_out < 1, or no linear layer matches ``include`` (for a
+            model without any: the classes holding its parameters and the linear layers' coverage, 0 %).
 
     Example::
 
-        with GradientCapture(model, k_in=16, k_out=16) as cap:
+        with GradientCapture(model, sketch_in=16, sketch_out=16) as cap:
             loss = policy_loss(model, batch)      # the trainer's own forward ...
             loss.backward()                       # ... and backward
         sketch = cap.result()                     # per-rollout rows of its loss gradient
@@ -151,8 +151,8 @@ class GradientCapture:
     def __init__(
         self,
         model: nn.Module,
-        k_in: int = 16,
-        k_out: int = 16,
+        sketch_in: int = 16,
+        sketch_out: int = 16,
         include: LayerFilter = None,
         *,
         projection: Projection = "gaussian",
@@ -162,12 +162,12 @@ class GradientCapture:
     ) -> None:
         if projection not in ("gaussian", "identity"):
             raise ValueError(f"unknown projection {projection!r}; valid names: gaussian, identity")
-        if projection == "gaussian" and (k_in < 1 or k_out < 1):
-            raise ValueError(f"sketch sizes must be >= 1, got k_in={k_in}, k_out={k_out}")
+        if projection == "gaussian" and (sketch_in < 1 or sketch_out < 1):
+            raise ValueError(f"sketch sizes must be >= 1, got sketch_in={sketch_in}, sketch_out={sketch_out}")
         self.model = model
         self.projection = projection
         # None for the identity projection, which has no sketch sizes
-        self.k_in, self.k_out = (k_in, k_out) if projection == "gaussian" else (None, None)  # type: ignore[var-annotated]
+        self.sketch_in, self.sketch_out = (sketch_in, sketch_out) if projection == "gaussian" else (None, None)  # type: ignore[var-annotated]
         self.seed = seed
         self.token_norms = token_norms
         self.dtype = dtype
@@ -190,13 +190,13 @@ class GradientCapture:
     # -- projections ------------------------------------------------------------------------------------------
 
     def projections(self, name: str) -> tuple[Tensor, Tensor]:
-        """(P_in [k_in, d_in], P_out [k_out, d_out]) float32 of layer ``name`` (Gaussian, N(0, 1/k_in) and N(0, 1/k_out)
-        entries)."""
+        """(P_in [sketch_in, d_in], P_out [sketch_out, d_out]) float32 of layer ``name`` (Gaussian, N(0, 1/sketch_in)
+        and N(0, 1/sketch_out) entries)."""
         if name not in self._proj:
             d_out, d_in = linear_shape(self._modules[name])
             gen = torch.Generator().manual_seed(derive_seed(self.seed, name, modulus=2**63))
-            p_in = torch.randn(self.k_in, d_in, generator=gen) / math.sqrt(self.k_in)
-            p_out = torch.randn(self.k_out, d_out, generator=gen) / math.sqrt(self.k_out)
+            p_in = torch.randn(self.sketch_in, d_in, generator=gen) / math.sqrt(self.sketch_in)
+            p_out = torch.randn(self.sketch_out, d_out, generator=gen) / math.sqrt(self.sketch_out)
             self._proj[name] = (p_in, p_out)
         return self._proj[name]
 
@@ -225,7 +225,7 @@ class GradientCapture:
             state.rows, state.length = x3.shape[0], x3.shape[1]
         if self.projection == "gaussian":
             p_in_t, _ = self._projections_like(name, x3)
-            xp = (x3 @ p_in_t).to(self.dtype)  # [n, L, k_in]
+            xp = (x3 @ p_in_t).to(self.dtype)  # [n, L, sketch_in]
         else:
             xp = x3.detach().to(self.dtype)
         xnorm_sq = x3.detach().float().square().sum(-1) if self.token_norms else None  # [n, L]
@@ -234,13 +234,13 @@ class GradientCapture:
             d3 = grad.reshape(xp.shape[0], xp.shape[1], grad.shape[-1])  # [n, L, d_out]
             if self.projection == "gaussian":
                 _, p_out_t = self._projections_like(name, d3)
-                dp = (d3 @ p_out_t).to(self.dtype)  # [n, L, k_out]
+                dp = (d3 @ p_out_t).to(self.dtype)  # [n, L, sketch_out]
             else:
                 dp = d3.to(self.dtype)
             if name in self._transposed:  # Conv1D: the weight's own layout [d_in, d_out]
-                rows = torch.bmm(xp.transpose(1, 2), dp).flatten(1)  # [n, k_in * k_out]
+                rows = torch.bmm(xp.transpose(1, 2), dp).flatten(1)  # [n, sketch_in * sketch_out]
             else:
-                rows = torch.bmm(dp.transpose(1, 2), xp).flatten(1)  # [n, k_out * k_in]
+                rows = torch.bmm(dp.transpose(1, 2), xp).flatten(1)  # [n, sketch_out * sketch_in]
             prev = state.layers.get(name)
             state.layers[name] = rows if prev is None else prev + rows
             if xnorm_sq is not None:
@@ -276,7 +276,7 @@ class GradientCapture:
         """The sketches of all passes that received a gradient, rows in forward order.
 
         Returns:
-            :class:`GradientSketch` with ``per_layer`` [N, k_out*k_in] (identity: [N, d_out*d_in]) and, with
+            :class:`GradientSketch` with ``per_layer`` [N, sketch_out*sketch_in] (identity: [N, d_out*d_in]) and, with
             ``token_norms``, ``token_sq_norms`` [N, L_max] (zero-padded on the right if passes differ in length).
 
         Raises:
@@ -293,9 +293,9 @@ class GradientCapture:
                     blocks.append(p.layers[name])
                 else:  # the layer's output did not reach the loss in this pass: zero gradient
                     d_out, d_in = linear_shape(self._modules[name])
-                    width = (self.k_out * self.k_in) if self.projection == "gaussian" else d_out * d_in
+                    width = (self.sketch_out * self.sketch_in) if self.projection == "gaussian" else d_out * d_in
                     blocks.append(
-                        # the gaussian sketch has k_in, k_out
+                        # the gaussian sketch has sketch_in, sketch_out
                         torch.zeros(p.rows, width, dtype=self.dtype, device=self._modules[name].weight.device)  # type: ignore[arg-type]
                     )
             per_layer[name] = torch.cat(blocks)
@@ -312,7 +312,7 @@ class GradientCapture:
                     for p in passes
                 ]
             )
-        return GradientSketch(per_layer, self.k_in, self.k_out, token_sq, list(self.layer_names))
+        return GradientSketch(per_layer, self.sketch_in, self.sketch_out, token_sq, list(self.layer_names))
 
 
 def backward_roots(emb_out: list[Tensor], layers: Iterable[nn.Module]) -> list[Tensor]:
@@ -329,8 +329,8 @@ def sketch_rollout_grads(
     model: nn.Module,
     batch: RolloutBatch,
     *,
-    k_in: int = 16,
-    k_out: int = 16,
+    sketch_in: int = 16,
+    sketch_out: int = 16,
     include: LayerFilter = None,
     projection: Projection = "gaussian",
     seed: int = 0,
@@ -353,8 +353,8 @@ def sketch_rollout_grads(
     Args:
         model: causal LM.
         batch: N rollouts.
-        k_in: see :class:`GradientCapture`.
-        k_out: see :class:`GradientCapture`.
+        sketch_in: see :class:`GradientCapture`.
+        sketch_out: see :class:`GradientCapture`.
         include: see :class:`GradientCapture`.
         projection: see :class:`GradientCapture`.
         seed: see :class:`GradientCapture`.
@@ -367,8 +367,8 @@ def sketch_rollout_grads(
         temperature: the sampling temperature. top_k, top_p: ignored (docs/theory.md §Log-probabilities).
 
     Returns:
-        :class:`GradientSketch`: ``per_layer`` [N, k_out*k_in], ``sketch`` [N, L*k_out*k_in], optional
-        ``token_sq_norms`` [N, Lp+T].
+        :class:`GradientSketch`: ``per_layer`` [N, sketch_out*sketch_in], ``sketch`` [N, L*sketch_out*sketch_in],
+        optional ``token_sq_norms`` [N, Lp+T].
 
     Raises:
         ValueError: see :class:`GradientCapture`.
@@ -378,7 +378,7 @@ def sketch_rollout_grads(
     if weights is not None:
         assert weights.shape == (n,), (weights.shape, n)
     capture = GradientCapture(
-        model, k_in, k_out, include, projection=projection, seed=seed, token_norms=token_norms, dtype=dtype
+        model, sketch_in, sketch_out, include, projection=projection, seed=seed, token_norms=token_norms, dtype=dtype
     )
     emb_out: list[Tensor] = []
     # nn.Module types a transformers model's attribute as Tensor | Module
@@ -416,7 +416,7 @@ def token_grad_sq_norms(
     """
     # token_norms=True: token_sq is set
     return sketch_rollout_grads(  # type: ignore[return-value]
-        model, batch, k_in=1, k_out=1, include=include, weights=weights, token_norms=True, **processing
+        model, batch, sketch_in=1, sketch_out=1, include=include, weights=weights, token_norms=True, **processing
     ).token_sq_norms
 
 
@@ -457,7 +457,7 @@ def sketched_rollout_sq_norms(
         need: [N] bool.
         aggregation: the trainer's loss aggregation (gives c_i,
             :func:`grpo_lens.formulas.losses.aggregation_rollout_weights`).
-        sketch_dim: the sketch side d_s, k_in = k_out = d_s per linear layer.
+        sketch_dim: the sketch side d_s, sketch_in = sketch_out = d_s per linear layer.
         seed: projection seed.
         projection: "gaussian" or "identity" (exact; for tests and small models).
         temperature: the sampling temperature (the policy's log-probs, docs/theory.md §Log-probabilities).
@@ -481,8 +481,8 @@ def sketched_rollout_sq_norms(
     sketch = sketch_rollout_grads(
         model,
         sub,
-        k_in=sketch_dim,
-        k_out=sketch_dim,
+        sketch_in=sketch_dim,
+        sketch_out=sketch_dim,
         projection=projection,  # type: ignore[arg-type]
         seed=seed,
         temperature=temperature,

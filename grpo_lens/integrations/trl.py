@@ -28,8 +28,9 @@ trainer:
 LoGra sketch of the linear weights; with a peft/LoRA model the adapter's exact per-rollout gradients either way;
 :func:`grpo_lens.analysis.group.analyse_group` per mixed group). The exact Gram runs without activation checkpointing,
 which TRL turns on by default: the lens switches it off for its own pass only. Rows g_i are gradients of each
-completion's log-prob sum weighted as TRL's ``loss_type`` weights it (:data:`TRL_LOSS_AGGREGATION`), at TRL's
-temperature (TRL's training log-probs apply no top-k / top-p); the advantages are TRL's.
+completion's log-prob sum weighted as TRL's ``loss_type`` weights it
+(:data:`grpo_lens.config.trl_names.LOSS_TYPE_AGGREGATIONS`), at TRL's temperature (TRL's training log-probs apply no
+top-k / top-p); the advantages are TRL's.
 The metrics are appended to TRL's ``_metrics["train"]``, which ``GRPOTrainer.log`` averages over the logging window
 and sends to every ``report_to`` backend and ``trainer.state.log_history``. Update sparsity (S4, and the sampled
 sparsity keys) is measured around the first optimizer step after each lens batch, from TRL's
@@ -78,7 +79,6 @@ from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.gradients.gram import GramCapture
 from grpo_lens.gradients.scores import rollout_scores
 from grpo_lens.gradients.sketch import GradientCapture, backward_roots
-from grpo_lens.lens.settings import TRL_LOSS_AGGREGATION as TRL_LOSS_AGGREGATION  # re-exported
 from grpo_lens.lens.settings import LensSettings
 from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lens.trainer_lens import TrainerLens
@@ -103,7 +103,7 @@ def lens_settings(
     args: Any,
     *,
     sketch_dim: int = 16,
-    space: str = "trainable",
+    lens_space: str = "trainable",
     seed: int = 0,
     multi_objective_aggregation: str = "sum_then_normalize",
     gram_source: str = "exact",
@@ -115,19 +115,19 @@ def lens_settings(
     Args:
         sketch_dim: sketch side per linear layer (as ``--sketch-dim``; default 16).
         args: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
-        space: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
+        lens_space: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
         seed: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
         multi_objective_aggregation: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
         gram_source: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
 
     Raises:
-        ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source``, or a TRL ``loss_type`` whose rollout
-            weights the lens does not know (luspo).
+        ValueError: ``sketch_dim`` < 1, an unknown ``lens_space`` or ``gram_source``, or a TRL ``loss_type`` whose
+            rollout weights the lens does not know (luspo).
     """
     return LensSettings.from_trl(
         args,
         sketch_dim=sketch_dim,
-        space=space,
+        lens_space=lens_space,
         seed=seed,
         multi_objective_aggregation=multi_objective_aggregation,
         gram_source=gram_source,
@@ -222,7 +222,7 @@ def run_config(
     given = {n: getattr(args, n, None) for n in trl_names}
     given = {n: getattr(v, "value", v) for n, v in given.items()}  # enums (lr_scheduler_type) as their names
     given = {n: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for n, v in given.items()}
-    eps = float(args.epsilon)
+    epsilon = float(args.epsilon)  # TRL's clip range
     return {
         "trainer": "trl",
         "trl_version": trl.__version__,
@@ -236,8 +236,8 @@ def run_config(
         "std_eps": settings.std_eps,
         "loss_aggregation": settings.loss_aggregation,
         "beta": float(args.beta),
-        "eps_low": eps,
-        "eps_high": float(args.epsilon_high if args.epsilon_high is not None else eps),
+        "eps_low": epsilon,
+        "eps_high": float(args.epsilon_high if args.epsilon_high is not None else epsilon),
         "mu": int(args.num_iterations),
         "max_steps": int(max_steps),
         "learning_rate": float(args.learning_rate),
@@ -505,7 +505,7 @@ class GRPOLensMixin:
         self.lens_settings = lens_settings(
             self.args,
             sketch_dim=sketch_dim,
-            space=lens_space,
+            lens_space=lens_space,
             seed=lens_seed,
             multi_objective_aggregation=self.multi_objective_aggregation,
             gram_source=lens_gram_source,
@@ -517,7 +517,7 @@ class GRPOLensMixin:
         self._lens_rewards_per_func: torch.Tensor | None = None  # [N over all processes, functions]
         self._lens_next_step: int | None = None  # the global step from which the next generation batch is measured
         self._lens_step: int | None = None  # the global step of the last measured batch
-        self._lens_measured = False  # a lens batch whose S4 waits for the next optimizer step
+        self._lens_step_pending = False  # a lens batch whose S4 waits for the next optimizer step
         self._lens_window: dict[str, list[float]] = defaultdict(list)  # per-batch metrics until TRL's next log
         self._lens_keys: set[str] = set()  # the lens's keys in TRL's logs (kept out of the console line)
         self._lens_logged: dict[str, Any] | None = None  # the last log dict whose record metrics.jsonl holds
@@ -570,7 +570,7 @@ class GRPOLensMixin:
                 if value is not None and math.isfinite(value):
                     self._metrics["train"][key].append(float(value))
                     self._lens_keys.add(key)
-            self._lens_measured = True
+            self._lens_step_pending = True
         for key, value in self.batch_metrics(output).items():
             self._lens_window[key].append(value)
         if self.accelerator.is_main_process and self.lens_log_completions:
@@ -661,8 +661,9 @@ class GRPOLensMixin:
         definitions (:func:`grpo_lens.train.step_metrics.rollout_metrics`): the reward keys over every process's
         rollouts, the advantage and completion keys over this process's, and ``dead/*``
         (:func:`grpo_lens.train.step_metrics.dead_group_metrics`, as ``grpo-lens train`` writes them every step) over
-        every process's, with TRL's ``loss_type`` as its loss aggregation (:data:`TRL_LOSS_AGGREGATION`) and TRL's
-        completion mask (its truncation masking already in it) as the tokens the loss sums."""
+        every process's, with TRL's ``loss_type`` as its loss aggregation
+        (:data:`grpo_lens.config.trl_names.LOSS_TYPE_AGGREGATIONS`) and TRL's completion mask (its truncation masking
+        already in it) as the tokens the loss sums."""
         batch, rows = self._local_rows(output)
         assert self._lens_rewards is not None
         rewards = self._lens_rewards.to(batch.completion_ids.device)
@@ -830,15 +831,15 @@ class _LensCallback(TrainerCallback):
         t = self.trainer
         if self._t0 is not None:
             t._lens_window[PERF_STEP_SECONDS].append(time.perf_counter() - self._t0)
-        if t._lens_measured or int(state.global_step) >= int(state.max_steps):
+        if t._lens_step_pending or int(state.global_step) >= int(state.max_steps):
             # a lens step (its keys and S4) and the run's last step are logged whatever logging_steps is: TRL's
             # default of 10 exceeds a short run's max_steps, and a step TRL does not log reaches no tracker,
             # log_history or metrics.jsonl
             control.should_log = True
         if t._lens is not None:
-            measured, t._lens_measured = t._lens_measured, False
+            lens_step, t._lens_step_pending = t._lens_step_pending, False
             for key, value in t._lens.after_step(
-                int(state.global_step), t.accelerator.unwrap_model(t.model), measured
+                int(state.global_step), t.accelerator.unwrap_model(t.model), lens_step
             ).items():
                 if value is not None and math.isfinite(value):
                     t._metrics["train"][key].append(float(value))

@@ -14,25 +14,13 @@ from typing import Any
 
 from grpo_lens.config import TrainConfig
 from grpo_lens.config.groups import GRAM_SOURCES
+from grpo_lens.config.trl_names import LOSS_TYPE_AGGREGATIONS
 from grpo_lens.formulas.advantages import STD_CONVENTIONS
 from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
 from grpo_lens.formulas.overlong import OVERLONG_MODES
 
 #: The parameter spaces of the lens's per-rollout gradients (``--lens-space``, docs/theory.md §18).
 LENS_SPACES = ("trainable", "full")
-
-#: TRL's ``loss_type`` -> grpo-lens' loss aggregation with the same per-rollout weights of the log-prob sums
-#: (docs/theory.md §3): grpo/sapo average each sequence's tokens; bnpo/dapo/cispo/vespo divide by the batch's tokens
-#: (a constant across rollouts); dr_grpo divides by max_completion_length.
-TRL_LOSS_AGGREGATION = {
-    "grpo": "seq-mean-token-mean",
-    "sapo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dapo": "token-mean",
-    "cispo": "token-mean",
-    "vespo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-}
 
 
 @dataclass(frozen=True)
@@ -45,7 +33,7 @@ class LensSettings:
             listing the valid names.
     """
 
-    #: sketch side d_s per linear layer (k_in = k_out of :class:`grpo_lens.gradients.sketch.GradientCapture`):
+    #: sketch side d_s per linear layer (sketch_in = sketch_out of :class:`grpo_lens.gradients.sketch.GradientCapture`):
     #: a layer's sketch has d_s^2 entries (a count, >= 1; ``--sketch-dim``).
     sketch_dim: int
     #: parameter space of the per-rollout gradients, ``trainable`` or ``full`` (a name; ``--lens-space``, §18).
@@ -115,7 +103,7 @@ class LensSettings:
         args: Any,
         *,
         sketch_dim: int = 16,
-        space: str = "trainable",
+        lens_space: str = "trainable",
         seed: int = 0,
         multi_objective_aggregation: str = "sum_then_normalize",
         gram_source: str = "exact",
@@ -125,19 +113,20 @@ class LensSettings:
 
         TRL's ``scale_rewards="group"`` is grpo-lens' ``grpo`` estimator and ``"none"`` is ``dr_grpo``, with TRL's
         std (sample) and eps (1e-4); ``"batch"`` or ``multi_objective_aggregation="normalize_then_sum"`` have no
-        per-group identity constant (``trl_*``). ``loss_type`` maps through :data:`TRL_LOSS_AGGREGATION`;
+        per-group identity constant (``trl_*``). ``loss_type`` maps through
+        :data:`grpo_lens.config.trl_names.LOSS_TYPE_AGGREGATIONS`;
         ``overlong`` is ``none`` because TRL's ``mask_truncated_completions`` is already in its completion mask.
 
         Args:
             args: the ``trl.GRPOConfig`` (any object with those attributes).
             sketch_dim: sketch side per linear layer (as ``--sketch-dim``).
-            space: ``trainable`` or ``full`` (``--lens-space``).
+            lens_space: ``trainable`` or ``full`` (``--lens-space``).
             seed: the lens's seed.
             multi_objective_aggregation: TRL's trainer attribute.
             gram_source: ``exact`` or ``sketch`` (``--gram-source``).
 
         Raises:
-            ValueError: ``sketch_dim`` < 1, an unknown ``space`` or ``gram_source`` (named by the integration's
+            ValueError: ``sketch_dim`` < 1, an unknown ``lens_space`` or ``gram_source`` (named by the integration's
                 keyword, with the valid names), or a TRL ``loss_type`` whose rollout weights the lens does not know
                 (luspo), with the known ones.
         """
@@ -145,29 +134,29 @@ class LensSettings:
             raise ValueError(f"sketch_dim = {sketch_dim}: must be >= 1")
         if gram_source not in GRAM_SOURCES:
             raise ValueError(f"lens_gram_source = {gram_source!r}: valid names: {', '.join(GRAM_SOURCES)}")
-        if space not in LENS_SPACES:
-            raise ValueError(f"lens_space = {space!r}: valid names: {', '.join(sorted(LENS_SPACES))}")
+        if lens_space not in LENS_SPACES:
+            raise ValueError(f"lens_space = {lens_space!r}: valid names: {', '.join(sorted(LENS_SPACES))}")
         scale = getattr(args, "scale_rewards", "group")
         if multi_objective_aggregation != "sum_then_normalize":
             estimator = "trl_" + multi_objective_aggregation  # no per-group identity constant
         else:
             estimator = {"group": "grpo", "none": "dr_grpo"}.get(scale, f"trl_scale_{scale}")
         loss_type = getattr(args, "loss_type", "dapo")
-        if loss_type not in TRL_LOSS_AGGREGATION:
+        if loss_type not in LOSS_TYPE_AGGREGATIONS:
             raise ValueError(
                 f"TRL loss_type {loss_type!r}: the lens knows the rollout weights of "
-                f"{', '.join(sorted(TRL_LOSS_AGGREGATION))}; use one of them"
+                f"{', '.join(sorted(LOSS_TYPE_AGGREGATIONS))}; use one of them"
             )
         return cls(
             sketch_dim=sketch_dim,
-            lens_space=space,
+            lens_space=lens_space,
             gram_source=gram_source,
             seed=seed,
             estimator=estimator,
             std="sample",
             std_eps=1e-4,
             temperature=float(args.temperature),
-            loss_aggregation=TRL_LOSS_AGGREGATION[loss_type],
+            loss_aggregation=LOSS_TYPE_AGGREGATIONS[loss_type],
             max_new_tokens=int(args.max_completion_length),
             overlong="none",
         )

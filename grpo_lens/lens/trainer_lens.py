@@ -393,7 +393,7 @@ class TrainerLens:
                 adv[b * R : (b + 1) * R],
                 estimator=c.estimator,
                 std=c.std,
-                eps=c.std_eps,
+                std_eps=c.std_eps,
                 completion_mask=sub.completion_mask[j * R : (j + 1) * R].cpu(),
                 completion_ids=sub.completion_ids[j * R : (j + 1) * R].cpu(),
                 num_random=4,
@@ -557,8 +557,8 @@ class TrainerLens:
         return sketch_rollout_grads(
             policy,
             sub,
-            k_in=c.sketch_dim,
-            k_out=c.sketch_dim,
+            sketch_in=c.sketch_dim,
+            sketch_out=c.sketch_dim,
             seed=c.seed,
             score_weights=omega,
             temperature=c.temperature,
@@ -729,10 +729,10 @@ class TrainerLens:
             self.sparsity.before_step()
             self._sparsity_seconds = time.perf_counter() - t0
 
-    def after_step(self, step: int, policy: torch.nn.Module, measured: bool) -> dict[str, float]:
+    def after_step(self, step: int, policy: torch.nn.Module, lens_step: bool) -> dict[str, float]:
         """S4 after the step's optimizer steps: shares of parameters whose bf16 value did not change."""
         extra, self._extra = self._extra, {}
-        if not (measured and self._pending):
+        if not (lens_step and self._pending):
             return extra
 
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from typing import ClassVar
 from grpo_lens.config.base import ConfigFile, Names, at_least, option
 from grpo_lens.config.groups import (
     EPS_NOTE,
+    EXACT_REFUSAL,
     Advantage,
     Lens,
     Model,
@@ -31,7 +32,11 @@ class ProbeConfig(ConfigFile):
     """Settings of ``grpo-lens probe``; field help is the CLI help."""
 
     kind: ClassVar[str] = "probe"
-    names: ClassVar[Names] = Names(renamed={"eps": "std_eps"}, notes={"eps": EPS_NOTE})  # 0.2 name, until 0.3
+    names: ClassVar[Names] = Names(
+        renamed={"eps": "std_eps"},  # 0.2 name, until 0.3
+        notes={"eps": EPS_NOTE},
+        refused={"exact": EXACT_REFUSAL},
+    )
 
     model: str = Model.model()
     task: str = TaskData.task()
@@ -71,7 +76,7 @@ class ProbeConfig(ConfigFile):
     loss_aggregation: str = Advantage.loss_aggregation()
     std: str = Advantage.std()
     std_eps: float = Advantage.std_eps()
-    exact: bool = Lens.exact()
+    dense_oracle: bool = Lens.dense_oracle()
     sketch_dim: int = Lens.sketch_dim()
     gram_source: str = Lens.gram_source()
     layer: str | None = option(

@@ -108,7 +108,7 @@ def analyse_prompts(
             continue
         want = {
             "g2": counts["g2"] < config.g2_groups,
-            "check": not config.exact and counts["check"] < config.coverage_groups,
+            "check": not config.dense_oracle and counts["check"] < config.coverage_groups,
             "base": counts["base"] < config.baseline_prompts and bool(valid[j].all()),
         }
         for k, v in want.items():
@@ -129,7 +129,7 @@ def analyse_prompts(
     t0 = time.perf_counter()
     if base_j:
         rows = [torch.arange(j * M, (j + 1) * M) for j in base_j]
-        if config.exact:
+        if config.dense_oracle:
             grads = [_rollout_grads(policy, batch.select(r), config, None, vectors=False) for r in rows]
         else:
             grads = _rollout_grads_many(

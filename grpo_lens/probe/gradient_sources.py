@@ -112,9 +112,9 @@ def _rollout_grads(
     context managers opened around the exact Gram's forward and backward (:func:`g2_capture`); only with
     ``gram_source: exact`` and not ``exact`` (ValueError otherwise)."""
     proc: dict[str, Any] = dict(temperature=config.temperature, score_weights=score_weights(sub, config))
-    if captures and (config.exact or config.gram_source != "exact"):
+    if captures and (config.dense_oracle or config.gram_source != "exact"):
         raise ValueError("extra captures ride the exact Gram's pass only (gram_source: exact, not exact)")
-    if config.exact:
+    if config.dense_oracle:
         grads = exact_rollout_grads(policy, sub, **proc).double().cpu()
         layer_rows = grads[:, param_slices(policy)[layer + ".weight"]] if layer else None
         return RolloutGradients(grads @ grads.T, grads, layer_rows, None)
@@ -154,8 +154,8 @@ def sketch_gradients(
     sk = sketch_rollout_grads(
         policy,
         batch,
-        k_in=config.sketch_dim,
-        k_out=config.sketch_dim,
+        sketch_in=config.sketch_dim,
+        sketch_out=config.sketch_dim,
         seed=config.seed,
         token_norms=True,
         exact_layers=[layer] if layer else (),
@@ -218,7 +218,7 @@ def _rollout_grads_many(
     blocks), with the sketch its rows (per rollout, so per block alike). Each block's omega_i are its own
     (:func:`score_weights` of the block as the batch), so every block's numbers are those of its own pass. Not for
     ``exact`` (one backward per rollout: :func:`_rollout_grads` per block)."""
-    if config.exact:
+    if config.dense_oracle:
         raise ValueError("_rollout_grads_many: the dense oracle (exact) runs per block, with _rollout_grads")
     spans = block_spans(sizes, big.num_rollouts)
     omega = torch.cat([score_weights(big.select(torch.arange(r0, r1)), config) for r0, r1 in spans])
@@ -251,7 +251,7 @@ def _rollout_grads_many(
 def can_fuse_g2(config: ProbeConfig) -> bool:
     """Whether the G2 weightings can ride the group's own pass: the exact Gram's backward (``gram_source: exact``,
     not ``exact``) with advantages that do not depend on the gradients (every estimator but ``optimal``)."""
-    return config.gram_source == "exact" and not config.exact and config.estimator != "optimal"
+    return config.gram_source == "exact" and not config.dense_oracle and config.estimator != "optimal"
 
 
 def g2_capture(

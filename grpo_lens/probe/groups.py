@@ -94,7 +94,7 @@ def fused_advantages(rewards: torch.Tensor, config: ProbeConfig) -> torch.Tensor
     gradient norms: :func:`grpo_lens.probe.gradient_sources.can_fuse_g2`)."""
     R = rewards.shape[0]
     # the config's check allows only these names
-    return compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, eps=config.std_eps)[0]  # type: ignore[arg-type]
+    return compute_advantages(rewards.view(1, R).double(), config.estimator, std=config.std, std_eps=config.std_eps)[0]  # type: ignore[arg-type]
 
 
 def group_row(
@@ -126,13 +126,15 @@ def group_row(
         rewards.view(1, R).double(),
         config.estimator,
         std=config.std,  # type: ignore[arg-type]
-        eps=config.std_eps,
+        std_eps=config.std_eps,
         grad_sq_norms=sq,
     )[0]
     # gram [R, R]: every per-group key is a function of it
     # P for the claims' simulated null: the sketch's dimension, else every trainable parameter
     dim = (
-        g.shape[1] if g is not None and not config.exact and config.gram_source != "exact" else trainable_count(policy)
+        g.shape[1]
+        if g is not None and not config.dense_oracle and config.gram_source != "exact"
+        else trainable_count(policy)
     )
     row = analyse_group(
         gram,
@@ -140,7 +142,7 @@ def group_row(
         adv,
         estimator=config.estimator,
         std=config.std,
-        eps=config.std_eps,
+        std_eps=config.std_eps,
         completion_mask=cmask,
         completion_ids=cids,
         num_random=config.random_draws,
@@ -204,7 +206,7 @@ def measure_groups(
     :func:`group_row` of its own block: the same numbers as :func:`measure_group` (tests), float rounding aside.
     ``exact`` (the dense oracle) measures each group in its own pass. Per group, ``extras["pass_seconds"]`` is its
     share (by rows) of the batched pass's seconds."""
-    if config.exact:
+    if config.dense_oracle:
         out = []
         for job in jobs:
             t0 = time.perf_counter()
@@ -288,7 +290,7 @@ def analyse_prompt(
         g2w = g2_weightings(policy, sub, extra, r_g, config)
     t2 = time.perf_counter()
     check = None
-    if not config.exact and sum(d.check is not None for d in done) < config.coverage_groups:
+    if not config.dense_oracle and sum(d.check is not None for d in done) < config.coverage_groups:
         check = sketch_check(policy, sub, extra, config)
     t3 = time.perf_counter()
     extra.pop("grads")

@@ -29,7 +29,7 @@ probe.json::
          groups: [{canonical key: value} per analysed group],
          summary: {canonical key: {mean, lo, hi, n}},
          strata: {"correct": {"<k>": {key: {mean, lo, hi, n}}}, "distinct": {"<d>": {...}}},
-         g3: {rank/g3_<m>: value, rank/g3_null_<m>: value, groups},  (from the sketch unless --exact)
+         g3: {rank/g3_<m>: value, rank/g3_null_<m>: value, groups},  (from the sketch unless --dense-oracle)
          gram_coverage,
          spectra: {"G1": [[s_1, ...] per group], "G1_no_adv": [...], "G1_null": [...], "G2": [...]},
          baselines: {variance: {...}, relative_variance: {...}, prompts},
@@ -282,18 +282,18 @@ def probe_meta(
     ]
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
     covs = [d[PROBE_GRAM_COVERAGE] for d in per_group_size.values() if d.get(PROBE_GRAM_COVERAGE) is not None]
-    gradients = "exact" if config.exact else ("exact_gram" if config.gram_source == "exact" else "sketch")
+    gradients = "exact" if config.dense_oracle else ("exact_gram" if config.gram_source == "exact" else "sketch")
     meta = {
         "model": config.model,
         "task": config.task,
         "gradients": gradients,
         "gram_coverage": min(covs) if covs else None,
-        "g3_source": "exact" if config.exact else "sketch",
+        "g3_source": "exact" if config.dense_oracle else "sketch",
         "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
         "sketch_check": check_summary,
         "estimator": config.estimator,
         "loss_aggregation": config.loss_aggregation,
-        "sketch_dim": None if config.exact else config.sketch_dim,
+        "sketch_dim": None if config.dense_oracle else config.sketch_dim,
         "std": config.std,
         "eps": config.std_eps,
         "layer": layer,

@@ -102,7 +102,7 @@ class BaselineStudySettings(StudySettings):
     pool_factor: int = 4
     """M / R: rollouts per prompt over the group size (>= 4: the study needs M >= 4R)."""
     sketch_dim: int = 16
-    """k_in = k_out of the LoGra sketch of every ``nn.Linear`` weight (P_s = layers k^2)."""
+    """sketch_in = sketch_out of the LoGra sketch of every ``nn.Linear`` weight (P_s = layers k^2)."""
     resamples: int = 512
     """Resampled groups per prompt for the baselines' bias and variance."""
 
@@ -136,8 +136,8 @@ class CreditStudySettings(StudySettings):
     """Relative-position bins of the contribution profile."""
     std: str = "sample"
     """GRPO's advantage normalisation (:func:`grpo_lens.formulas.advantages.compute_advantages`)."""
-    eps: float = 1e-4
-    """GRPO's epsilon in A_i = (r_i - mean) / (std + eps)."""
+    std_eps: float = 1e-4
+    """GRPO's epsilon in A_i = (r_i - mean) / (std + std_eps)."""
     step: float = 1e-2
     """Finite-difference step of the directional derivatives (:mod:`grpo_lens.gradients.token_credit`)."""
 
@@ -150,7 +150,7 @@ class CreditStudySettings(StudySettings):
             mc_groups=config.mc_groups,
             mc_samples=config.mc_samples,
             std=config.std,
-            eps=config.std_eps,
+            std_eps=config.std_eps,
             **_common_settings(config, prompts_per_batch),
         )
 
@@ -276,8 +276,8 @@ def run_baseline_study(
             sketch = sketch_rollout_grads(
                 policy,
                 sub,
-                k_in=st.sketch_dim,
-                k_out=st.sketch_dim,
+                sketch_in=st.sketch_dim,
+                sketch_out=st.sketch_dim,
                 seed=st.seed,
                 temperature=st.temperature,
                 weights=c.float().to(sub.completion_ids.device),
@@ -435,7 +435,7 @@ def _measure_credit_group(
     R = st.group_size
     group = batch.select(torch.arange(j * R, (j + 1) * R))
     # the config's check allows only these names
-    adv = compute_advantages(r.view(1, R).double(), "grpo", std=st.std, eps=st.eps)[0]  # type: ignore[arg-type]
+    adv = compute_advantages(r.view(1, R).double(), "grpo", std=st.std, std_eps=st.std_eps)[0]  # type: ignore[arg-type]
     mask = group.completion_mask.cpu()
     classes = token_classes(tokenizer, group.completion_ids.cpu(), mask)
     # under A and under the control with the same gradient geometry (NLL weights, every A_i = 1)

@@ -202,11 +202,11 @@ def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
         advantages, baseline_metrics = step_advantages(config, procs, models.policy, rollouts)
         # 4. the lens reads this step's rollouts before the update changes the policy, or plans to read the update
         plan = plan_lens(lens, step, config, procs, models.policy, rollouts, advantages)
-        if plan.measure and (config.lens_landing or config.lens_dead_kl):  # read at the first optimizer step
+        if plan.lens_step and (config.lens_landing or config.lens_dead_kl):  # read at the first optimizer step
             with forward_precision(procs.device, config.dtype):
                 kl = {} if config.kl_in_reward else {"beta": config.beta, "kl_estimator": config.kl_estimator}
                 first = mini_batch_rows(rollouts.batch.num_groups, config.group_size, config.num_mini_batches)[0]
-                # plan.measure: a lens is set; before_update is TrainerLens's
+                # plan.lens_step: a lens is set; before_update is TrainerLens's
                 lens.before_update(models.policy, rollouts.batch, advantages, ref_logp, **kl, first=first)  # type: ignore[union-attr]
         # 5. policy update: mu passes, mini-batches, micro-batches, AdamW with gradient clipping
         before_step = functools.partial(lens.before_step, models.policy) if lens is not None else None
@@ -482,7 +482,7 @@ def step_advantages(
             rewards.float(),
             config.estimator,
             std=config.std,  # type: ignore[arg-type]  # the config's check allows only these names
-            eps=config.std_eps,
+            std_eps=config.std_eps,
             mask=valid,
             grad_sq_norms=grad_sq_norms,
         ).view(-1)
@@ -501,7 +501,7 @@ def batch_advantages(config: TrainConfig, rewards: torch.Tensor, valid: torch.Te
         torch.cat([r for r, _ in parts]).float(),
         config.estimator,
         std=config.std,  # type: ignore[arg-type]  # the config's check allows only these names
-        eps=config.std_eps,
+        std_eps=config.std_eps,
         mask=torch.cat([v for _, v in parts]),
     )
     start = sum(r.shape[0] for r, _ in parts[:rank])
@@ -572,19 +572,19 @@ def plan_lens(
     now, on its own pass, before the update changes the policy. The run's last step off the cadence
     (:func:`on_lens_cadence`) always takes the own pass and leaves the update a lens-off step's."""
     if lens is None or not is_lens_step(step, config.lens_every, config.max_steps):
-        return LensPlan(measure=False)
+        return LensPlan(lens_step=False)
     step_batch = StepBatch(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
     if not on_lens_cadence(step, config.lens_every):  # the last step: measured here, not in a longer resumed run
         with forward_precision(procs.device, config.dtype):
             metrics = lens.measure(step_batch)
-        return LensPlan(measure=True, metrics=metrics)
+        return LensPlan(lens_step=True, metrics=metrics)
     # the exact Gram from the update's own backward where the loss's token weights factor (all processes agree)
     why_not = lens_fuses_gram(config, lens, step_batch, procs)
     if why_not is None:
         proxy = {"batch": rollouts.batch} if config.lens_noise_proxy else {}  # verl's W_i at the step's weights
         # an optional lens method, looked up with hasattr (Lens's docstring)
         gram_capture = lens.update_gram_capture(policy, rollouts.rewards, rollouts.valid, config.group_size, **proxy)  # type: ignore[attr-defined]
-        return LensPlan(measure=True, capture=gram_capture, per_rollout=True)
+        return LensPlan(lens_step=True, capture=gram_capture, per_rollout=True)
     if config.gram_source == "exact" and why_not not in _LENS_OWN_PASS_LOGGED | {"no mixed group"}:  # once each
         _LENS_OWN_PASS_LOGGED.add(why_not)
         logger.info(
@@ -595,10 +595,10 @@ def plan_lens(
         )
     if lens_reads_update(config, lens, rollouts.rewards, rollouts.valid, advantages, procs):  # all processes agree
         # an optional lens method, looked up with hasattr (Lens's docstring)
-        return LensPlan(measure=True, capture=lens.update_capture(policy), per_rollout=True)  # type: ignore[attr-defined]
+        return LensPlan(lens_step=True, capture=lens.update_capture(policy), per_rollout=True)  # type: ignore[attr-defined]
     with forward_precision(procs.device, config.dtype):
         metrics = lens.measure(step_batch)
-    return LensPlan(measure=True, metrics=metrics, per_rollout=True)
+    return LensPlan(lens_step=True, metrics=metrics, per_rollout=True)
 
 
 def lens_after_update(
@@ -620,7 +620,7 @@ def lens_after_update(
         step_batch = StepBatch(step, policy, rollouts.batch, rollouts.rewards, rollouts.valid, advantages)
         # an optional lens method, looked up with hasattr (Lens's docstring)
         metrics = lens.measure_from_update(step_batch, plan.capture)  # type: ignore[attr-defined]
-    metrics.update(lens.after_step(step, policy, plan.measure))
+    metrics.update(lens.after_step(step, policy, plan.lens_step))
     return metrics
 
 

@@ -103,13 +103,13 @@ class Rollouts:
 
 @dataclass
 class LensPlan:
-    """How the lens measures a step: ``measure`` (a lens step at all), ``capture`` (the lens's gradient capture for
+    """How the lens measures a step: ``lens_step`` (a lens step at all), ``capture`` (the lens's gradient capture for
     the update's first pass to fill, :func:`grpo_lens.train.update.lens_reads_update`; None when the lens ran its own
     pass), ``metrics`` (what the lens's own pass, before the update, measured) and ``per_rollout`` (the update runs
     every rollout's own prompt, as on every lens step on the cadence, :func:`grpo_lens.train.loop.on_lens_cadence`;
     False: as a lens-off step)."""
 
-    measure: bool
+    lens_step: bool
     capture: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
     per_rollout: bool = False
@@ -175,8 +175,8 @@ class Lens(Protocol):
     def measure(self, step_batch: StepBatch) -> dict[str, float]:
         """The lens's metrics of step ``step_batch.step`` from its own pass, before the update."""
 
-    def after_step(self, step: int, policy: torch.nn.Module, measured: bool) -> dict[str, float]:
-        """Called after each step's update; ``measured``: the step was a lens step. Returns metrics to log."""
+    def after_step(self, step: int, policy: torch.nn.Module, lens_step: bool) -> dict[str, float]:
+        """Called after each step's update; ``lens_step``: the step was a lens step. Returns metrics to log."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the lens."""

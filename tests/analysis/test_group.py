@@ -50,8 +50,8 @@ def test_identity_uses_each_estimators_own_constant(estimator, std, eps):
     # sum_i A_i g_i = c (gbar_C - gbar_W) exactly for the estimator's own c (docs/theory.md §4): residual ~1e-16
     for R, k in ((2, 1), (4, 1), (5, 3), (8, 4)):
         grads, rewards = _group(R, k)
-        adv = compute_advantages(rewards.view(1, R), estimator, std=std, eps=eps)[0]
-        row = analyse_group(gram_of(grads), rewards, adv, estimator=estimator, std=std, eps=eps)
+        adv = compute_advantages(rewards.view(1, R), estimator, std=std, std_eps=eps)[0]
+        row = analyse_group(gram_of(grads), rewards, adv, estimator=estimator, std=std, std_eps=eps)
         assert row["grad/identity_residual"] < 1e-12, (R, k)
         # the constant: k A_C (A_C = the correct rollouts' advantage)
         assert row["grad/identity_constant"] == pytest.approx(k * float(adv[0]), rel=1e-12)
@@ -71,7 +71,7 @@ def test_a_mismatched_constant_leaves_the_predicted_residual():
     # GRPO advantages (sample std) checked with dr_grpo's constant: the residual is |1 - c_dr / c_grpo| exactly
     # (both sides are multiples of gbar_C - gbar_W); R = 4, k = 1, eps -> 0: 1 - 0.75 / 1.5 = 0.5
     grads, rewards = _group(4, 1)
-    adv = compute_advantages(rewards.view(1, 4), "grpo", eps=1e-12)[0]
+    adv = compute_advantages(rewards.view(1, 4), "grpo", std_eps=1e-12)[0]
     rho = rank2_residual(grads, rewards, advantages=adv, estimator="dr_grpo")
     assert rho == pytest.approx(0.5, rel=1e-9)
 

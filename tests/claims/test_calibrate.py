@@ -71,22 +71,22 @@ def test_rank_rule_counts_rank_two_with_noise_as_rank_two():
     # 2.5]) and counted erank's "does not hold" there as power; under one truth that verdict is wrong. The primary
     # rule (E2 > 0.9 > E1 with structure) holds on it at n = 16 per R, and erank is printed, not decided
     pools = {r: analysed_pool("a0.01", r, 40, 2048, seed=r) for r in (4, 8)}
-    (c,) = CLAIMS.get("erank_near_two")(probe_of({r: pools[r][:16] for r in (4, 8)}, 2048))
+    (c,) = CLAIMS.get("rank_two_top2_share")(probe_of({r: pools[r][:16] for r in (4, 8)}, 2048))
     assert c.verdict == HOLDS and c.n == 16 and c.p_holds < 0.025
     assert "erank 2.9" in c.measurement or "erank 3.0" in c.measurement or "erank 2.8" in c.measurement
     # 8 groups per R: below MIN_RANK_GROUPS (a sample of 8 can miss a k stratum) -> inconclusive, with the flag
-    (c,) = CLAIMS.get("erank_near_two")(probe_of({r: pools[r][:8] for r in (4, 8)}, 2048))
+    (c,) = CLAIMS.get("rank_two_top2_share")(probe_of({r: pools[r][:8] for r in (4, 8)}, 2048))
     assert c.verdict == "inconclusive" and "--prompts" in c.advice
     # isotropic rows with log-normal norms (no structure: G1 is a draw of its simulated null, d = 0 exactly in
     # population): never holds (p of d > 0 near 0.5 and above); E2 0.91 [0.88, 0.94] at R = 4 straddles 0.9 and d sits
     # on the one structure boundary, so nothing shows *does not hold* either: inconclusive
     iso = {r: analysed_pool("b1", r, 16, 2048, seed=r) for r in (4, 8)}
-    (c,) = CLAIMS.get("erank_near_two")(probe_of(iso, 2048))
+    (c,) = CLAIMS.get("rank_two_top2_share")(probe_of(iso, 2048))
     assert c.verdict == INCONCLUSIVE and c.p_holds > 0.3
     # equal norms, isotropic: E2 = top 2 of the A_i²-weighted near-orthogonal rows, 0.83 / 0.5 / 0.83 at k = 1 / 2 /
     # 3 for R = 4: below 0.9 -> does not hold
     iso = {r: analysed_pool("b0", r, 16, 2048, seed=r) for r in (4, 8)}
-    (c,) = CLAIMS.get("erank_near_two")(probe_of(iso, 2048))
+    (c,) = CLAIMS.get("rank_two_top2_share")(probe_of(iso, 2048))
     assert c.verdict == DOES_NOT_HOLD and "E2 below 0.9" in c.rule
 
 
@@ -178,12 +178,12 @@ def test_planted_file_runs_the_probe_path(tmp_path):
     )
     res = run_planted(path, tmp_path / "out", log=lambda s: None)
     got = json.loads((tmp_path / "out" / "planted.json").read_text())
-    assert got == res and {r["claim"] for r in res} == {"erank_near_two", "zero_sum_rank_two"}
+    assert got == res and {r["claim"] for r in res} == {"rank_two_top2_share", "zero_sum_rank_two"}
     for r in res:
         assert (
             r["R"] == 4 and r["trials"] == 2 and math.isclose(r["holds"] + r["does_not_hold"] + r["inconclusive"], 1.0)
         )
-    assert next(r for r in res if r["claim"] == "erank_near_two")["holds"] == 1.0
+    assert next(r for r in res if r["claim"] == "rank_two_top2_share")["holds"] == 1.0
 
 
 @pytest.mark.parametrize(

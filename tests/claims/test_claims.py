@@ -58,7 +58,7 @@ def rank_claim(groups_by_r):
         "meta": {"gradients": "exact", "config": {"prompts": 32}},
         "per_group_size": {r: {"summary": {}, "groups": g} for r, g in groups_by_r.items()},
     }
-    return CLAIMS.get("erank_near_two")(p)
+    return CLAIMS.get("rank_two_top2_share")(p)
 
 
 def test_rank_claim_is_one_row_across_r():
@@ -168,7 +168,7 @@ def test_claim_records_are_checked_and_listed():
         Claim("c", "s", "m", "n", "maybe", "r", "src")
     with pytest.raises(ValueError, match="valid names"):
         evaluate_claims(probe({}), ["nope"])
-    assert {"erank_near_two", "zero_sum_rank_two", "identity"} <= set(CLAIMS.names())
+    assert {"rank_two_top2_share", "zero_sum_rank_two", "identity"} <= set(CLAIMS.names())
 
 
 def test_holm_decides_the_table_and_leaves_checks_apart():

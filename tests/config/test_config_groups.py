@@ -175,7 +175,26 @@ def test_refused_name_is_an_error_naming_what_to_use(tmp_path):
         config_from_args(_parse(["--lens-sketch-dim", "8"], Refusing), Refusing)
     # one config's names never reach another
     assert "lens_sketch_dim" in TrainConfig.names.renamed and "lens_sketch_dim" not in TrainConfig.names.refused
-    assert "lens_sketch_dim" not in ProbeConfig.names.renamed and not ProbeConfig.names.refused
+    assert "lens_sketch_dim" not in ProbeConfig.names.renamed and "lens_sketch_dim" not in ProbeConfig.names.refused
+
+
+@pytest.mark.parametrize("cls", [ProbeConfig, DemoConfig])
+def test_exact_is_refused_naming_the_dense_oracle(tmp_path, cls):
+    """``exact`` (the dense oracle until 0.3) is a ConfigError naming ``dense_oracle``, in one line, from a dict, a
+    YAML file and a flag; no alias sets the field, and ``gram_source: exact`` (the default Gram) still reads."""
+    msg = "'exact' \\(--exact\\).* is not accepted: renamed dense_oracle \\(--dense-oracle\\)"
+    with pytest.raises(ConfigError, match=msg) as e:
+        cls.from_dict({"exact": True})
+    assert "\n" not in str(e.value)
+    path = tmp_path / "c.yaml"
+    path.write_text("exact: true\n")
+    with pytest.raises(ConfigError, match=f"in {path} is not accepted: renamed dense_oracle"):
+        cls.load(path)
+    with pytest.raises(ConfigError, match="on the command line is not accepted: renamed dense_oracle"):
+        config_from_args(_parse(["--exact"], cls), cls)
+    assert cls.from_dict({"dense_oracle": True}).dense_oracle is True
+    if cls is ProbeConfig:  # the demo has no gram_source
+        assert cls.from_dict({"gram_source": "exact"}).gram_source == "exact"
 
 
 def test_names_register_once():

@@ -145,3 +145,44 @@ def test_train_help_names_trl_aliases(capsys):
         "--warmup-ratio (TRL)",
     ):
         assert alias in text.replace("- ", "-"), alias
+
+
+def test_one_loss_type_map_covers_every_accepted_trl_loss_type_with_registered_losses():
+    """The one TRL ``loss_type`` map (config/trl_names.py): every value TRL 1.16 documents is in it or refused by name
+    (luspo), every value the config or the lens accepts maps to a registered aggregation (and, for cispo / sapo, a
+    registered policy loss), and the lens reads the same map."""
+    from types import SimpleNamespace
+
+    from grpo_lens.config.trl_names import (
+        LENS_ONLY_LOSS_TYPES,
+        LOSS_TYPE_AGGREGATIONS,
+        LOSS_TYPE_POLICY_LOSSES,
+        TRAINER_LOSS_TYPES,
+    )
+    from grpo_lens.formulas.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+    from grpo_lens.lens.settings import LensSettings
+
+    # TRL 1.16's GRPOConfig.loss_type help: 'grpo', 'dr_grpo', 'dapo', 'bnpo', 'cispo', 'sapo', 'luspo', 'vespo'
+    trl_values = {"grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"}
+    assert set(LOSS_TYPE_AGGREGATIONS) == trl_values - {"luspo"}
+    assert (
+        set(TRAINER_LOSS_TYPES)
+        == set(LOSS_TYPE_AGGREGATIONS) - set(LENS_ONLY_LOSS_TYPES)
+        == trl_values
+        - {
+            "luspo",
+            "vespo",
+        }
+    )
+    for loss_type, aggregation in LOSS_TYPE_AGGREGATIONS.items():
+        assert aggregation in LOSS_AGGREGATIONS.names(), loss_type
+    assert set(LOSS_TYPE_POLICY_LOSSES) <= set(TRAINER_LOSS_TYPES)
+    assert set(LOSS_TYPE_POLICY_LOSSES.values()) <= set(POLICY_LOSSES.names())
+    for loss_type in TRAINER_LOSS_TYPES:  # the config sets the map's aggregation
+        assert TrainConfig.from_dict({"loss_type": loss_type}).loss_aggregation == LOSS_TYPE_AGGREGATIONS[loss_type]
+    args = SimpleNamespace(scale_rewards="group", temperature=1.0, max_completion_length=8)
+    for loss_type, aggregation in LOSS_TYPE_AGGREGATIONS.items():  # the lens of a TRL run reads the same map
+        assert LensSettings.from_trl(SimpleNamespace(**vars(args), loss_type=loss_type)).loss_aggregation == aggregation
+    for refused in ("vespo", "luspo"):
+        with pytest.raises(ConfigError, match=f"loss_type '{refused}'"):
+            TrainConfig.from_dict({"loss_type": refused})

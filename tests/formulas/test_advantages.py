@@ -22,7 +22,7 @@ EPS = 1e-4
 def test_grpo_sample_std_two_of_four():
     # r = [1,0,0,1]: mean 0.5, deviations ±0.5, sum of squares 1.
     # sample std = sqrt(1/3) = 0.57735; A = ±0.5 / (0.57735 + 1e-4) = ±0.86588.
-    adv = compute_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), "grpo", std="sample", eps=EPS)
+    adv = compute_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), "grpo", std="sample", std_eps=EPS)
     expected = 0.5 / (1 / math.sqrt(3) + EPS)
     assert expected == pytest.approx(0.86588, abs=1e-5)
     torch.testing.assert_close(adv, torch.tensor([[expected, -expected, -expected, expected]]), rtol=0, atol=1e-6)
@@ -30,7 +30,7 @@ def test_grpo_sample_std_two_of_four():
 
 def test_grpo_population_std_two_of_four():
     # population std = sqrt(1/4) = 0.5; A = ±0.5 / (0.5 + 1e-4) = ±0.99980.
-    adv = compute_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), "grpo", std="population", eps=EPS)
+    adv = compute_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), "grpo", std="population", std_eps=EPS)
     e = 0.5 / (0.5 + EPS)
     torch.testing.assert_close(adv, torch.tensor([[e, -e, -e, e]]), rtol=0, atol=1e-6)
 
@@ -48,8 +48,8 @@ def test_two_rollouts_zero_one():
     # r = [0, 1]: deviations ±0.5. Sample std = sqrt(0.5/1) = 0.7071 -> A = ±0.5/0.7072 = ±0.7070.
     # Population std = 0.5 -> A = ±0.5/0.5001 = ±0.9998 (≈ ±1).
     r = torch.tensor([[0.0, 1.0]])
-    s = compute_advantages(r, "grpo", std="sample", eps=EPS)
-    p = compute_advantages(r, "grpo", std="population", eps=EPS)
+    s = compute_advantages(r, "grpo", std="sample", std_eps=EPS)
+    p = compute_advantages(r, "grpo", std="population", std_eps=EPS)
     es = 0.5 / (math.sqrt(0.5) + EPS)
     ep = 0.5 / (0.5 + EPS)
     torch.testing.assert_close(s, torch.tensor([[-es, es]]), rtol=0, atol=1e-6)
@@ -72,12 +72,12 @@ def test_near_equal_rewards_stay_bounded(std):
     # Rewards differing by 1e-7 in fp64: std ~ 1e-7 << eps, so A ~ 1e-7/1e-4 = 1e-3, and never above the bound
     # (n-1)/sqrt(n) = 7/sqrt(8) = 2.47 (sample) or sqrt(7) = 2.65 (population).
     r = torch.tensor([[0.5] * 7 + [0.5 + 1e-7]], dtype=torch.float64)
-    adv = compute_advantages(r, "grpo", std=std, eps=EPS)
+    adv = compute_advantages(r, "grpo", std=std, std_eps=EPS)
     assert torch.isfinite(adv).all()
     assert adv.abs().max() < 1e-2
     # Large contrast with a tiny eps: the bound still holds (one outlier reaches it asymptotically).
     r = torch.tensor([[0.0] * 7 + [1.0]])
-    adv = compute_advantages(r, "grpo", std=std, eps=1e-12)
+    adv = compute_advantages(r, "grpo", std=std, std_eps=1e-12)
     bound = advantage_bound(8, std)
     assert adv.abs().max() <= bound + 1e-6
     assert adv.abs().max() == pytest.approx(bound, rel=1e-5)
@@ -95,7 +95,7 @@ def test_mask_excludes_from_mean_and_std():
     # r = [1, 0, NaN, 1] with the NaN invalid: valid rewards [1, 0, 1], mean 2/3, deviations [1/3, -2/3, 1/3];
     # sample var = (1/9 + 4/9 + 1/9)/2 = 1/3. A = dev / (sqrt(1/3) + eps); the invalid one gets 0.
     r = torch.tensor([[1.0, 0.0, float("nan"), 1.0]])
-    adv = compute_advantages(r, "grpo", eps=EPS)  # default mask = finite rewards
+    adv = compute_advantages(r, "grpo", std_eps=EPS)  # default mask = finite rewards
     s = math.sqrt(1 / 3) + EPS
     torch.testing.assert_close(adv, torch.tensor([[1 / 3 / s, -2 / 3 / s, 0.0, 1 / 3 / s]]), rtol=0, atol=1e-6)
 
@@ -129,7 +129,7 @@ def test_unknown_names_list_valid_ones():
     with pytest.raises(ValueError, match="population"):
         compute_advantages(torch.zeros(1, 2), std="unbiased")
     with pytest.raises(ValueError, match="eps"):
-        compute_advantages(torch.zeros(1, 2), eps=0.0)
+        compute_advantages(torch.zeros(1, 2), std_eps=0.0)
     with pytest.raises(ValueError, match=r"\[B, R\]"):
         compute_advantages(torch.zeros(4))
 

@@ -23,13 +23,13 @@ R = 4
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
 
 
-def grpo_group_advantages(rewards, std="sample", eps=1e-4):
-    """The product's grpo estimator on one group [R] (any eps >= 0; compute_advantages asks for eps > 0)."""
+def grpo_group_advantages(rewards, std="sample", std_eps=1e-4):
+    """The product's grpo estimator on one group [R] (any std_eps >= 0; compute_advantages asks for std_eps > 0)."""
     r = rewards.double().view(1, -1)
-    return grpo_advantages(r, torch.ones_like(r, dtype=torch.bool), std=std, eps=eps)[0].to(rewards.dtype)
+    return grpo_advantages(r, torch.ones_like(r, dtype=torch.bool), std=std, std_eps=std_eps)[0].to(rewards.dtype)
 
 
-def identity_residuals(grads, rewards, std="sample", eps=1e-4):
+def identity_residuals(grads, rewards, std="sample", std_eps=1e-4):
     """identity_residual (the body analyse_group reports) of every group [B] of a batch, in the gradients' dtype,
     with grpo's advantages and c; NaN for groups without a residual (k = 0 or k = R)."""
     b, r = rewards.shape
@@ -38,8 +38,8 @@ def identity_residuals(grads, rewards, std="sample", eps=1e-4):
         k = int((rewards[j] == 1).sum())
         if 0 < k < r:
             g = grads[j * r : (j + 1) * r]
-            adv = grpo_group_advantages(rewards[j], std, eps).to(g.dtype)
-            out[j] = identity_residual(g @ g.T, rewards[j] == 1, adv, rank2_constant(k, r, std, eps))
+            adv = grpo_group_advantages(rewards[j], std, std_eps).to(g.dtype)
+            out[j] = identity_residual(g @ g.T, rewards[j] == 1, adv, rank2_constant(k, r, std, std_eps))
     return out
 
 
@@ -82,10 +82,11 @@ def test_constants_closed_form():
     assert rank2_constant(1, 4, "sample") == pytest.approx(1.5)
     assert rank2_constant(2, 4, "sample") == pytest.approx(math.sqrt(2 * 2 * 3 / 4))
     # eps scales c by std / (std + eps)
-    assert rank2_constant(1, 4, "sample", eps=0.5) == pytest.approx(1.5 * 0.5 / 1.0)
+    assert rank2_constant(1, 4, "sample", std_eps=0.5) == pytest.approx(1.5 * 0.5 / 1.0)
     # advantages of [1, 0, 0, 0], sample std 1/2, eps 0: (3/4, -1/4, -1/4, -1/4) / (1/2)
     torch.testing.assert_close(
-        grpo_group_advantages(torch.tensor([1.0, 0, 0, 0]), "sample", eps=0.0), torch.tensor([1.5, -0.5, -0.5, -0.5])
+        grpo_group_advantages(torch.tensor([1.0, 0, 0, 0]), "sample", std_eps=0.0),
+        torch.tensor([1.5, -0.5, -0.5, -0.5]),
     )
 
 
@@ -93,17 +94,17 @@ def test_constants_closed_form():
 @pytest.mark.parametrize("eps", [0.0, 1e-4])
 def test_identity_holds_to_float32_precision(grads, std, eps):
     _, _, g = grads
-    res = identity_residuals(g, REWARDS, std=std, eps=eps)
+    res = identity_residuals(g, REWARDS, std=std, std_eps=eps)
     assert res.shape == (3,)
     assert bool((res[:2] <= 1e-5).all()), res
     assert math.isnan(res[2])  # k = 0: no identity, no policy gradient
     # the 0.1 entry point and the per-group analysis report the same residual
     for j in range(2):
         adv = grpo_group_advantages(REWARDS[j], std, eps)
-        assert rank2_residual(g[j * R : (j + 1) * R], REWARDS[j], std=std, eps=eps) == pytest.approx(
+        assert rank2_residual(g[j * R : (j + 1) * R], REWARDS[j], std=std, std_eps=eps) == pytest.approx(
             float(res[j]), rel=1e-6, abs=1e-9
         )
-        row = analyse_group(gram_of(g[j * R : (j + 1) * R]), REWARDS[j], adv, estimator="grpo", std=std, eps=eps)
+        row = analyse_group(gram_of(g[j * R : (j + 1) * R]), REWARDS[j], adv, estimator="grpo", std=std, std_eps=eps)
         assert row["grad/identity_residual"] <= 1e-5  # analyse_group works in float64
     assert "grad/identity_residual" not in analyse_group(
         gram_of(g[2 * R :]), REWARDS[2], grpo_group_advantages(REWARDS[2])
@@ -112,7 +113,7 @@ def test_identity_holds_to_float32_precision(grads, std, eps):
 
 def test_identity_holds_for_sketches(grads):
     model, batch, _ = grads
-    sk = sketch_rollout_grads(model, batch, k_in=8, k_out=8).sketch  # sketches are linear in g
+    sk = sketch_rollout_grads(model, batch, sketch_in=8, sketch_out=8).sketch  # sketches are linear in g
     assert bool((identity_residuals(sk, REWARDS)[:2] <= 1e-5).all())
 
 
@@ -121,8 +122,8 @@ def test_wrong_convention_leaves_a_large_residual(grads):
     # the right c_samp (gC - gW), so the residual is 1 - c_samp/c_pop = 1 - sqrt((R-1)/R) = 0.1340 for R = 4.
     _, _, g = grads
     rewards = REWARDS[0]
-    adv = grpo_group_advantages(rewards, "population", eps=0.0)
-    res = rank2_residual(g[:R], rewards, std="sample", eps=0.0, advantages=adv)
+    adv = grpo_group_advantages(rewards, "population", std_eps=0.0)
+    res = rank2_residual(g[:R], rewards, std="sample", std_eps=0.0, advantages=adv)
     assert res == pytest.approx(1 - math.sqrt(3 / 4), abs=1e-5)
     assert res > 1e3 * 1e-5
 

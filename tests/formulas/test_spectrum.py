@@ -121,7 +121,7 @@ def test_random_zero_sum_weights_and_g1_controls():
     assert controls["g1_no_adv"]["erank"] == pytest.approx(4.0)
     torch.testing.assert_close(g1_matrix(torch.eye(4, 50), adv)[:, :4], torch.diag(adv))
     # the key the tool prints: adv = grpo's advantages of rewards (1, 0, 0, 0) (sample std 1/2, eps 0)
-    row = analyse_group(gram_of(torch.eye(4, 50)), torch.tensor([1.0, 0.0, 0.0, 0.0]), adv, eps=0.0)
+    row = analyse_group(gram_of(torch.eye(4, 50)), torch.tensor([1.0, 0.0, 0.0, 0.0]), adv, std_eps=0.0)
     assert row["rank/g1_stable_rank"] == pytest.approx(4 / 3)
 
 

@@ -176,11 +176,11 @@ def test_layer_weight_grads_is_weighted_sum_of_rollout_grads(model, batch, exact
 def test_sketch_does_not_touch_grad_and_capture_works_around_a_plain_backward(model, batch):
     for p in model.parameters():
         p.grad = None
-    ref = sketch_rollout_grads(model, batch, k_in=4, k_out=8, seed=3)
+    ref = sketch_rollout_grads(model, batch, sketch_in=4, sketch_out=8, seed=3)
     assert all(p.grad is None for p in model.parameters())
     assert ref.sketch.shape == (6, len(ref.layer_names) * 32)
     # The trainer's way: its own forward/backward, in two micro-batches; rows come back in forward order.
-    with GradientCapture(model, k_in=4, k_out=8, seed=3) as cap:
+    with GradientCapture(model, sketch_in=4, sketch_out=8, seed=3) as cap:
         for rows in ([0, 1, 2], [3, 4, 5]):
             sub = batch.select(rows)
             rollout_scores(batch_logprobs(model, sub), sub.completion_mask).sum().backward()
@@ -198,29 +198,29 @@ def test_kronecker_sketch_variance_formula_by_monte_carlo():
     # pairs; the sample mean must be <A, B> (unbiased scaling) and the sample variance within a few % of the
     # formula (its own standard error here is ~1%). The worst-case bound c ||A||^2 ||B||^2 must lie above.
     g = torch.Generator().manual_seed(0)
-    d_out, d_in, k_in, k_out, draws = 5, 4, 3, 2, 200_000
+    d_out, d_in, sketch_in, sketch_out, draws = 5, 4, 3, 2, 200_000
     a = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
     b = a + 0.5 * torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
-    p_in = torch.randn(draws, k_in, d_in, generator=g, dtype=torch.float64) / math.sqrt(k_in)
-    p_out = torch.randn(draws, k_out, d_out, generator=g, dtype=torch.float64) / math.sqrt(k_out)
+    p_in = torch.randn(draws, sketch_in, d_in, generator=g, dtype=torch.float64) / math.sqrt(sketch_in)
+    p_out = torch.randn(draws, sketch_out, d_out, generator=g, dtype=torch.float64) / math.sqrt(sketch_out)
     x = ((p_out @ a @ p_in.transpose(1, 2)) * (p_out @ b @ p_in.transpose(1, 2))).sum((1, 2))
-    var = kronecker_sketch_variance(a, b, k_in, k_out)
+    var = kronecker_sketch_variance(a, b, sketch_in, sketch_out)
     assert float(x.mean()) == pytest.approx(float((a * b).sum()), abs=4 * math.sqrt(var / draws))
     assert float(x.var()) == pytest.approx(var, rel=0.05)
-    assert var <= kronecker_sketch_variance_factor(k_in, k_out) * float(a.square().sum() * b.square().sum())
+    assert var <= kronecker_sketch_variance_factor(sketch_in, sketch_out) * float(a.square().sum() * b.square().sum())
     # rank one, A = B: the bound is attained
     u = torch.randn(d_out, 1, generator=g, dtype=torch.float64) @ torch.randn(1, d_in, generator=g, dtype=torch.float64)
-    assert kronecker_sketch_variance(u, u, k_in, k_out) == pytest.approx(
-        kronecker_sketch_variance_factor(k_in, k_out) * float(u.square().sum()) ** 2
+    assert kronecker_sketch_variance(u, u, sketch_in, sketch_out) == pytest.approx(
+        kronecker_sketch_variance_factor(sketch_in, sketch_out) * float(u.square().sum()) ** 2
     )
 
 
 @pytest.mark.e2e
 def test_gaussian_sketch_gram_within_jl_bound_and_wrong_scaling_fails(model, batch, exact):
     # Bound (docstring of sketch_gram_error_bound): E||G_hat - G||_F^2 <= c sum_l (tr G_l)^2,
-    # c = 2/k_in + 2/k_out + 4/(k_in k_out). Each seed's relative error must be within that bound, and the mean
-    # of S independent seeds (unbiased) within bound / sqrt(S) * 1.5. A Gram off by a factor s has error |s - 1|,
-    # which must break the averaged check for s in {2, 1/2, k_out}.
+    # c = 2/sketch_in + 2/sketch_out + 4/(sketch_in sketch_out). Each seed's relative error must be within that bound,
+    # and the mean of S independent seeds (unbiased) within bound / sqrt(S) * 1.5. A Gram off by a factor s has error
+    # |s - 1|, which must break the averaged check for s in {2, 1/2, sketch_out}.
     k, seeds = 32, 8
     assert kronecker_sketch_variance_factor(k, k) == pytest.approx(2 / 32 + 2 / 32 + 4 / 1024)
     slices = param_slices(model, linear_weight_names(model))
@@ -229,7 +229,8 @@ def test_gaussian_sketch_gram_within_jl_bound_and_wrong_scaling_fails(model, bat
     bound = sketch_gram_error_bound(layer_grams, k, k)
     assert 0 < bound < 1
     sketches = [
-        sketch_rollout_grads(model, batch, k_in=k, k_out=k, seed=s, dtype=torch.float64).gram() for s in range(seeds)
+        sketch_rollout_grads(model, batch, sketch_in=k, sketch_out=k, seed=s, dtype=torch.float64).gram()
+        for s in range(seeds)
     ]
 
     def rel_err(estimate):

@@ -100,7 +100,7 @@ def test_gram_equals_dense_oracle(family):
 def test_identity_sketch_rows_are_the_weight_gradients(family):
     """The identity "sketch" of each linear layer is its exact per-rollout weight gradient in the weight's own layout
     ([d_in, d_out] for a Conv1D), so the probe's G1_layer and G2 rows read any family; a Gaussian sketch has
-    k_out * k_in columns per layer whatever the layout."""
+    sketch_out * sketch_in columns per layer whatever the layout."""
     model, grads = model_of(family), oracle(family)
     tied = tied_layers(model)  # the sketch sees the LM use of a tied matrix only
     names = [n for n in linear_layer_names(model) if n not in tied]
@@ -116,7 +116,7 @@ def test_identity_sketch_rows_are_the_weight_gradients(family):
     slices = param_slices(model)
     for name in names:
         assert rel_err(sk.per_layer[name], grads[:, slices[name + ".weight"]]) < TOL, name
-    gauss = sketch_rollout_grads(model, make_batch(), k_in=3, k_out=5, include=names, temperature=TEMPERATURE)
+    gauss = sketch_rollout_grads(model, make_batch(), sketch_in=3, sketch_out=5, include=names, temperature=TEMPERATURE)
     assert {t.shape[1] for t in gauss.per_layer.values()} == {15}
 
 

@@ -109,7 +109,7 @@ def test_trl_run_logs_lens_keys_equal_to_grpo_lens_own_lens(tmp_path, gram_sourc
             for ids, m in zip(out["completion_ids"], out["completion_mask"])
         ]
         rewards = torch.tensor(parity(texts))
-        adv = compute_advantages(rewards.view(-1, R), "grpo", std="sample", eps=1e-4).view(-1)
+        adv = compute_advantages(rewards.view(-1, R), "grpo", std="sample", std_eps=1e-4).view(-1)
         torch.testing.assert_close(out["advantages"].float(), adv.float(), rtol=1e-5, atol=1e-5)
         n, t = out["completion_ids"].shape
         batch = RolloutBatch(

@@ -17,7 +17,7 @@ PRESET = Path(__file__).resolve().parents[2] / "configs" / "paper-gsm8k-probe.ya
 def test_preset_is_the_papers_setting():
     config = ProbeConfig.load(PRESET)
     assert config.task == "gsm8k" and config.group_sizes == [2, 4, 8] and 256 <= config.max_new_tokens <= 512
-    assert config.rewards == ["math_verify"] and config.gram_source == "exact" and not config.exact
+    assert config.rewards == ["math_verify"] and config.gram_source == "exact" and not config.dense_oracle
 
 
 @pytest.mark.e2e

@@ -83,7 +83,7 @@ def exact_probe(tmp_path_factory, tiny_model_and_tokenizer):
         groups.append((sub, rewards.clone()))
         return original(policy, tok, sub, rewards, *args, **kwargs)
 
-    config = probe_config(tmp_path_factory.mktemp("probe") / "exact", exact=True)
+    config = probe_config(tmp_path_factory.mktemp("probe") / "exact", dense_oracle=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(probe_module, "measure_group", recording)
         out = run_probe(config, policy=model, tokenizer=tokenizer)
@@ -263,7 +263,7 @@ def _jl_gram_error(model, sub, rewards, config, k: int) -> float:
     from grpo_lens.gradients.params import param_slices
 
     R = sub.num_rollouts
-    adv = compute_advantages(rewards.view(1, R).double(), "grpo", std=config.std, eps=config.std_eps)[0]
+    adv = compute_advantages(rewards.view(1, R).double(), "grpo", std=config.std, std_eps=config.std_eps)[0]
     rows = exact_rollout_grads(model, sub, temperature=config.temperature).double() * adv.unsqueeze(1)
     grams = [rows[:, s] @ rows[:, s].T for s in param_slices(model).values()]  # one per linear weight
     return sketch_gram_error_bound(grams, k, k)

@@ -193,11 +193,11 @@ def test_probe_of_a_model_without_linear_layers_names_its_classes(tmp_path):
 
 def test_gpt2_layer_rows_agree_across_gradient_sources(folders, tmp_path):
     """The probed Conv1D layer's exact rows come from the identity sketch (weight layout [d_in, d_out]) with the exact
-    Gram and with the sketch, and from the dense gradients with --exact: the same rollouts (seed 0) give the same G2
-    singular values in all three. Rows read as [d_out, d_in] and reshaped to the weight would scramble them (relative
-    differences of order 1)."""
+    Gram and with the sketch, and from the dense gradients with --dense-oracle: the same rollouts (seed 0) give the
+    same G2 singular values in all three. Rows read as [d_out, d_in] and reshaped to the weight would scramble them
+    (relative differences of order 1)."""
     spectra = {}
-    for name, kw in {"exact_gram": {}, "sketch": {"gram_source": "sketch"}, "exact": {"exact": True}}.items():
+    for name, kw in {"exact_gram": {}, "sketch": {"gram_source": "sketch"}, "exact": {"dense_oracle": True}}.items():
         out = run_probe(probe_config(folders("gpt2"), tmp_path / name, g2_groups=0, baseline_prompts=0, **kw))
         probe = json.loads((out / "probe.json").read_text())
         assert probe["meta"]["gradients"] == name

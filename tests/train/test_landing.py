@@ -102,7 +102,7 @@ def test_landing_shares_match_per_token_autograd(model_batch):
     lens = TrainerLens(model, settings, tokenizer=tok)
     lens.before_update(model, batch, adv)
     lens.before_step(model)
-    out = lens.after_step(1, model, measured=False)
+    out = lens.after_step(1, model, lens_step=False)
     for p in params:
         p.grad = None
 
@@ -156,7 +156,7 @@ def test_dead_groups_kl_gradient_is_the_update_minus_the_mixed_rows(model_batch)
     lens = TrainerLens(model, settings)
     lens.before_update(model, batch, adv, ref, beta=0.2, kl_estimator="k3")
     lens.before_step(model)
-    out = lens.after_step(1, model, measured=False)
+    out = lens.after_step(1, model, lens_step=False)
     for p in params:
         p.grad = None
     # the loss is a sum over rows with one normaliser: grad L = grad L_mixed + grad L_dead, and the dead rows (A = 0)
@@ -169,7 +169,7 @@ def test_dead_groups_kl_gradient_is_the_update_minus_the_mixed_rows(model_batch)
     assert out["dead/kl_grad_ratio"] == pytest.approx(math.sqrt(dead_sq / full_sq), rel=1e-8)
     assert "landing/closure" not in out  # --lens-landing off
     lens.before_update(model, batch, adv, ref, beta=0.0)  # beta 0: no KL gradient to measure, nothing written
-    assert lens.after_step(2, model, measured=False) == {}
+    assert lens.after_step(2, model, lens_step=False) == {}
 
 
 @pytest.mark.e2e
@@ -203,7 +203,7 @@ def test_landing_reads_the_first_mini_batch_only(model_batch):
     lens = TrainerLens(model, settings)
     lens.before_update(model, batch, adv, first=first)
     lens.before_step(model)
-    out = lens.after_step(1, model, measured=False)
+    out = lens.after_step(1, model, lens_step=False)
     for p in params:
         p.grad = None
     # u is group 0's alone, so its tokens close the sum; reading group 1's too would add their <grad log pi, u> terms

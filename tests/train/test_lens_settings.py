@@ -48,7 +48,7 @@ def test_from_train_config_and_from_trl_give_the_same_fields_for_matching_settin
         overlong="none",
     )
     ours = LensSettings.from_train_config(cfg)
-    theirs = LensSettings.from_trl(TRL_ARGS, sketch_dim=8, space="full", seed=3, gram_source="sketch")
+    theirs = LensSettings.from_trl(TRL_ARGS, sketch_dim=8, lens_space="full", seed=3, gram_source="sketch")
     assert dataclasses.asdict(ours) == EXPECTED
     assert dataclasses.asdict(theirs) == EXPECTED
     assert ours == theirs
@@ -73,7 +73,7 @@ def test_the_settings_are_frozen():
 
 def test_unknown_names_raise_with_the_valid_names():
     with pytest.raises(ValueError, match="lens_space = 'adapter': valid names: full, trainable"):
-        LensSettings.from_trl(TRL_ARGS, space="adapter")
+        LensSettings.from_trl(TRL_ARGS, lens_space="adapter")
     with pytest.raises(ValueError, match="lens_gram_source = 'dense': valid names: exact, sketch"):
         LensSettings.from_trl(TRL_ARGS, gram_source="dense")
     luspo = SimpleNamespace(**{**vars(TRL_ARGS), "loss_type": "luspo"})
@@ -113,7 +113,7 @@ def test_trainer_lens_takes_lens_settings_or_a_train_config_and_nothing_else(fre
 def test_the_trl_wrapper_keeps_its_keywords():
     from grpo_lens.integrations.trl import lens_settings
 
-    new = lens_settings(TRL_ARGS, sketch_dim=8, space="full", seed=3, gram_source="sketch")
+    new = lens_settings(TRL_ARGS, sketch_dim=8, lens_space="full", seed=3, gram_source="sketch")
     assert dataclasses.asdict(new) == EXPECTED
     assert lens_settings(TRL_ARGS).sketch_dim == 16  # the default, as --sketch-dim's
     with pytest.raises(TypeError, match="lens_sketch_dim"):  # the 0.2 name is gone

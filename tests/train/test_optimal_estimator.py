@@ -97,8 +97,8 @@ def test_identity_sketch_reproduces_exact_b_star(model_batch_exact, aggregation)
 
 @pytest.mark.e2e
 def test_gaussian_sketch_b_star_within_its_error(model_batch_exact):
-    # The trainer's default: a Gaussian sketch with k_in = k_out = 16 per layer (14 linear layers here). Each layer's
-    # ||S(G)||^2 has relative std <= sqrt(c(16,16)) = sqrt(0.266) = 0.52 (rank-1 worst case); over 14 layers of
+    # The trainer's default: a Gaussian sketch with sketch_in = sketch_out = 16 per layer (14 linear layers here). Each
+    # layer's ||S(G)||^2 has relative std <= sqrt(c(16,16)) = sqrt(0.266) = 0.52 (rank-1 worst case); over 14 layers of
     # comparable norm the total's relative error is about 0.52 / sqrt(14) = 0.14. b*_{-i} is a weighted mean of 0/1
     # rewards, so an error e in the weights moves it by at most about e * b(1 - b) <= e / 4 ~ 0.035 typical;
     # allow 0.12 (3.5 sigma). A wrong weighting (e.g. squared norms squared again) moves b* by 0.2-0.4 here.

@@ -186,7 +186,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
     batch, _, _ = build_batch(model)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # groups 0, 1, 3 mixed; group 2 all-equal
     valid = torch.ones(8, dtype=torch.bool)
-    adv = compute_advantages(rewards.view(B, R), estimator, std=std, eps=1e-4).view(-1)
+    adv = compute_advantages(rewards.view(B, R), estimator, std=std, std_eps=1e-4).view(-1)
     config = TrainConfig(
         model="tiny",
         group_size=R,
@@ -214,7 +214,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
         float(batch.completion_mask.any(1).sum()),
     )
     sk = sketch_rollout_grads(
-        model, sub, k_in=8, k_out=8, seed=config.seed, score_weights=omega, temperature=TEMPERATURE
+        model, sub, sketch_in=8, sketch_out=8, seed=config.seed, score_weights=omega, temperature=TEMPERATURE
     ).sketch.double()
     rows = [
         analyse_group(
@@ -223,7 +223,7 @@ def test_lens_is_the_mean_of_the_per_group_path(estimator, std, mode):
             adv[b * R : (b + 1) * R].double(),
             estimator=estimator,
             std=std,
-            eps=1e-4,
+            std_eps=1e-4,
             completion_mask=sub.completion_mask[j * R : (j + 1) * R],
             completion_ids=sub.completion_ids[j * R : (j + 1) * R],
             num_random=4,
@@ -256,7 +256,7 @@ def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients
     batch, _, _ = build_batch(model)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # groups 0, 1, 3 mixed; group 2 all-equal
     valid = torch.ones(8, dtype=torch.bool)
-    adv = compute_advantages(rewards.view(B, R), "grpo", std="sample", eps=1e-4).view(-1)
+    adv = compute_advantages(rewards.view(B, R), "grpo", std="sample", std_eps=1e-4).view(-1)
     config = TrainConfig(
         model="tiny",
         group_size=R,
@@ -287,7 +287,7 @@ def test_lens_with_the_exact_gram_is_the_per_group_path_on_dense_exact_gradients
             adv[b * R : (b + 1) * R].double(),
             estimator="grpo",
             std="sample",
-            eps=1e-4,
+            std_eps=1e-4,
             completion_mask=sub.completion_mask[j * R : (j + 1) * R],
             completion_ids=sub.completion_ids[j * R : (j + 1) * R],
             num_random=4,
@@ -315,7 +315,7 @@ def test_exact_layer_rows_from_the_sketch_pass():
     model = build_model()
     batch, _, _ = build_batch(model)
     layer = "model.layers.1.mlp.down_proj"
-    sk = sketch_rollout_grads(model, batch, k_in=4, k_out=4, exact_layers=[layer], temperature=TEMPERATURE)
+    sk = sketch_rollout_grads(model, batch, sketch_in=4, sketch_out=4, exact_layers=[layer], temperature=TEMPERATURE)
     want = exact_rollout_grads(model, batch, temperature=TEMPERATURE)[:, param_slices(model)[layer + ".weight"]]
     got = sk.exact_layers[layer]
     assert got.shape == want.shape

@@ -68,7 +68,7 @@ class GradCapture:
     def measure(self, *args, **kwargs):
         return {}
 
-    def after_step(self, step, policy, measured):
+    def after_step(self, step, policy, lens_step):
         return {}
 
     def state_dict(self):
