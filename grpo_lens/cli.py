@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from grpo_lens import __version__
+from grpo_lens import metrics as mk
 from grpo_lens.config import (
     ConfigError,
     ConfigNameWarning,
@@ -36,7 +37,6 @@ from grpo_lens.config import (
     flags_given,
 )
 from grpo_lens.config.demo import DemoConfig
-from grpo_lens.metrics import GROUPS_MIXED, PROBE_TIMING, PROMPTS_SAMPLED
 from grpo_lens.plugins import PLUGINS_ENV, check_resumed_plugins
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.registry import declared_constant
@@ -215,7 +215,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     out = run_probe(config)
     data = json.loads((out / "probe.json").read_text())
     per_group_size = ", ".join(
-        f"R = {R}: {d[GROUPS_MIXED]} mixed of {d[PROMPTS_SAMPLED]} prompts in {d[PROBE_TIMING]['seconds']:.0f} s"
+        f"R = {R}: {d[mk.GROUPS_MIXED]} mixed of {d[mk.PROMPTS_SAMPLED]} prompts "
+        f"in {d[mk.PROBE_TIMING]['seconds']:.0f} s"
         for R, d in data["per_group_size"].items()
     )
     meta = data["meta"]

@@ -49,13 +49,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from grpo_lens import metrics as mk
 from grpo_lens.config.base import safe_load_yaml, yaml_error_line
-from grpo_lens.metrics import (
-    PERF_LENS_SECONDS,
-    PERF_LENS_SPARSITY_SECONDS,
-    PERF_STEP_SECONDS,
-    STEP,
-)
 from grpo_lens.plugins import config_header
 
 
@@ -623,7 +618,7 @@ class RunDir:
         for path in (self.metrics_path, self.completions_path):
             if not path.exists():
                 continue
-            kept = [line for line, rec in read_record_lines(path) if rec.get(STEP, 0) <= last_step]
+            kept = [line for line, rec in read_record_lines(path) if rec.get(mk.STEP, 0) <= last_step]
             atomic_write_text(path, "".join(k + "\n" for k in kept))
 
     def read_metrics(self) -> list[dict[str, Any]]:
@@ -907,7 +902,7 @@ def read_record_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
             raise RunDirError(
                 f"{path}, line {n}: holds {line.strip()[:40]!r}, which is not a record (a JSON object); {fix}"
             )
-        step = rec.get(STEP, 0)
+        step = rec.get(mk.STEP, 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise RunDirError(f"{path}, line {n}: 'step' is {step!r}, not a step number (an integer >= 0); {fix}")
         out.append((line, rec))
@@ -935,16 +930,16 @@ def lens_overhead(records: list[dict[str, Any]]) -> dict[str, float] | None:
         {"lens_seconds", "train_seconds" (the steps without the lens), "overhead" (a fraction), "lens_steps",
         "steps"}, or None without step timings.
     """
-    steps = [r for r in records if r.get(PERF_STEP_SECONDS) is not None]
+    steps = [r for r in records if r.get(mk.PERF_STEP_SECONDS) is not None]
     if not steps:
         return None
-    lens = sum((r.get(PERF_LENS_SECONDS) or 0.0) + (r.get(PERF_LENS_SPARSITY_SECONDS) or 0.0) for r in steps)
-    base = sum(r[PERF_STEP_SECONDS] for r in steps) - lens
+    lens = sum((r.get(mk.PERF_LENS_SECONDS) or 0.0) + (r.get(mk.PERF_LENS_SPARSITY_SECONDS) or 0.0) for r in steps)
+    base = sum(r[mk.PERF_STEP_SECONDS] for r in steps) - lens
     return {
         "lens_seconds": lens,
         "train_seconds": base,
         "overhead": lens / base if base > 0 else float("nan"),
-        "lens_steps": sum(r.get(PERF_LENS_SECONDS) is not None for r in steps),
+        "lens_steps": sum(r.get(mk.PERF_LENS_SECONDS) is not None for r in steps),
         "steps": len(steps),
     }
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from grpo_lens.metrics import STEP, renamed_record
+from grpo_lens import metrics as mk
 from grpo_lens.registry import Registry
 
 #: ``--report-to`` names; ``none`` sends nothing.
@@ -82,7 +82,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return {
         k: float(v)
         for k, v in record.items()
-        if k != STEP and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if k != mk.STEP and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
 
 
@@ -174,7 +174,7 @@ class Trackers:
 
     def log(self, record: dict[str, Any], step: int) -> None:
         """Send a metrics record's numbers at ``step``, under the ``metric_names`` scheme."""
-        values = renamed_record(scalars(record), self.metric_names)
+        values = mk.renamed_record(scalars(record), self.metric_names)
         for tracker in self.trackers:
             tracker.log(values, step=step)
 
@@ -188,7 +188,7 @@ class Trackers:
         table in ``add_text``; nothing for trackers without tables."""
         if not rows:
             return
-        columns = [k for k in rows[0] if k != STEP]
+        columns = [k for k in rows[0] if k != mk.STEP]
         data = [[_cell(row.get(c)) for c in columns] for row in rows]
         for tracker in self.trackers:
             if tracker.name == "wandb":

@@ -5,7 +5,7 @@
    and to probe.json (group rows, summaries, strata, g3, g2_weightings, sketch_check, per-R fields, studies) is
    defined by an entry of its scope, and (the other way round) every entry of those scopes is written by one of the
    runs, except the few that need a condition the runs do not meet.
-2. No module of the package but grpo_lens/metrics.py holds a string literal or an f-string that looks like a key.
+2. No module of the package outside grpo_lens/metrics/ holds a string literal or an f-string that looks like a key.
 3. docs/metrics.md's tables are the generated ones, and every entry appears there.
 """
 
@@ -19,21 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_lens import metrics
+from grpo_lens import metrics as mk
 from grpo_lens.config import TrainConfig
-from grpo_lens.metrics import (
-    G2_WEIGHTINGS,
-    G3,
-    GROUPS,
-    JSONL,
-    METRICS,
-    PROBE,
-    SCOPES,
-    SECTIONS,
-    SKETCH_CHECK,
-    STUDIES,
-    lookup,
-)
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.run import run_probe
 from grpo_lens.train.loop import train
@@ -47,14 +34,14 @@ REWARD_NAMES = {"test_parity"}  # the runs' reward function (tests/conftest.py)
 # ---------------------------------------------------------------------------------------------------------------------
 def test_every_entry_is_complete():
     titles, numbers = _theory_sections()
-    for m in METRICS:
-        assert m.meaning and m.unit and m.section in SECTIONS, m.key
-        assert m.where and set(m.where) <= set(SCOPES), m.key
-        assert not (m.trl or m.verl) or JSONL in m.where, f"{m.key}: TRL / verl names are for metrics.jsonl keys"
+    for m in mk.METRICS:
+        assert m.meaning and m.unit and m.section in mk.SECTIONS, m.key
+        assert m.where and set(m.where) <= set(mk.SCOPES), m.key
+        assert not (m.trl or m.verl) or mk.JSONL in m.where, f"{m.key}: TRL / verl names are for metrics.jsonl keys"
         if m.source:  # a docs/theory.md section: a number or a (sub)section title
             cite = m.source.removeprefix("§")
             assert cite in numbers or cite in titles, f"{m.key}: source {m.source} is no section of docs/theory.md"
-    keys = [(m.key, scope) for m in METRICS for scope in m.where]
+    keys = [(m.key, scope) for m in mk.METRICS for scope in m.where]
     assert len(keys) == len(set(keys)), "a key is defined twice in one scope"
 
 
@@ -64,59 +51,57 @@ def test_placeholder_sets_agree_with_the_code_that_fills_them():
     from grpo_lens.formulas.spectrum import G1_CONTROLS, RANK_MEASURES
     from grpo_lens.formulas.zero_sum import WEIGHTINGS
 
-    assert set(metrics.RANK_MEASURE_NAMES) == set(RANK_MEASURES.names())
-    assert metrics.WEIGHTING_NAMES == WEIGHTINGS
-    assert metrics.LAYER_TYPE_NAMES == tuple(k for k, _ in LAYER_TYPES) + ("other",)
-    assert metrics.SPARSITY_MEASURES == {
+    assert set(mk.RANK_MEASURE_NAMES) == set(RANK_MEASURES.names())
+    assert mk.WEIGHTING_NAMES == WEIGHTINGS
+    assert mk.LAYER_TYPE_NAMES == tuple(k for k, _ in LAYER_TYPES) + ("other",)
+    assert mk.SPARSITY_MEASURES == {
         "update_step": UPDATE_MEASURES,
         "update_total": UPDATE_MEASURES,
         "grad": GRAD_MEASURES,
         "grad_total": GRAD_MEASURES,
     }
     names = ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.mlp.up_proj.bias")
-    assert {parameter_category(n, n.endswith(".weight") and "lm" in n) for n in names} == set(
-        metrics.PARAMETER_CATEGORIES
-    )
+    assert {parameter_category(n, n.endswith(".weight") and "lm" in n) for n in names} == set(mk.PARAMETER_CATEGORIES)
     for matrix in (*G1_CONTROLS, "g1_layer", "g2", "g3", "g3_null", *(f"g3_{w}" for w in WEIGHTINGS[1:])):
-        assert metrics.rank_key(matrix, "erank") == f"rank/{matrix}_erank"
+        assert mk.rank_key(matrix, "erank") == f"rank/{matrix}_erank"
 
 
 def test_templates_format_parse_and_expand():
-    assert metrics.RANK_G1.format(m="erank") == "rank/g1_erank"
-    assert metrics.RANK_G1_VS_NULL.parse("rank/g1_stable_rank_vs_null") == {"m": "stable_rank"}
-    assert metrics.RANK_G1.parse("rank/g1_null_erank") is None  # 'null_erank' is no rank measure
-    assert metrics.RANK_G2_WEIGHTED.parse("rank/g2_abs_down_proj_stable_rank") == {"w": "abs", "kind": "down_proj"}
-    assert metrics.REWARD_FUNCTION.format(name="my fn") == "reward/my fn"  # a free placeholder takes any text
-    assert len(metrics.RANK_G3_WEIGHTED.expand()) == 5 * 7  # the weightings but adv, times the rank measures
-    assert "rank/g3_adv_erank" not in metrics.RANK_G3_WEIGHTED.expand()
-    assert metrics.sparsity_key("grad", "hoyer", "mlp") == "sparsity/mlp/grad_hoyer"
-    assert metrics.zero_sum_key("cos_gap", "p") == metrics.ZERO_SUM_COS_GAP_P
+    assert mk.RANK_G1.format(m="erank") == "rank/g1_erank"
+    assert mk.RANK_G1_VS_NULL.parse("rank/g1_stable_rank_vs_null") == {"m": "stable_rank"}
+    assert mk.RANK_G1.parse("rank/g1_null_erank") is None  # 'null_erank' is no rank measure
+    assert mk.RANK_G2_WEIGHTED.parse("rank/g2_abs_down_proj_stable_rank") == {"w": "abs", "kind": "down_proj"}
+    assert mk.REWARD_FUNCTION.format(name="my fn") == "reward/my fn"  # a free placeholder takes any text
+    assert len(mk.RANK_G3_WEIGHTED.expand()) == 5 * 7  # the weightings but adv, times the rank measures
+    assert "rank/g3_adv_erank" not in mk.RANK_G3_WEIGHTED.expand()
+    assert mk.sparsity_key("grad", "hoyer", "mlp") == "sparsity/mlp/grad_hoyer"
+    assert mk.zero_sum_key("cos_gap", "p") == mk.ZERO_SUM_COS_GAP_P
     with pytest.raises(ValueError, match="not one of"):
-        metrics.RANK_G1.format(m="rank")
+        mk.RANK_G1.format(m="rank")
     with pytest.raises(ValueError, match="takes m"):
-        metrics.RANK_G1.format(measure="erank")
+        mk.RANK_G1.format(measure="erank")
     with pytest.raises(ValueError, match="free placeholder"):
-        metrics.REWARD_FUNCTION.expand()
+        mk.REWARD_FUNCTION.expand()
     for bad in (
-        lambda: metrics.rank_key("g4", "erank"),
-        lambda: metrics.zero_sum_key("span", "p"),
-        lambda: metrics.sparsity_key("grad", "f32_unchanged"),
-        lambda: metrics.sketch_share_key("bias"),
+        lambda: mk.rank_key("g4", "erank"),
+        lambda: mk.zero_sum_key("span", "p"),
+        lambda: mk.sparsity_key("grad", "f32_unchanged"),
+        lambda: mk.sketch_share_key("bias"),
     ):
         with pytest.raises(ValueError, match="not"):
             bad()
     # a plain key wins over a template that would also match it; a scope narrows the look-up
-    assert lookup("reward/mean")[0].key == "reward/mean" and lookup("reward/format") == (
-        metrics.REWARD_FUNCTION,
+    assert mk.lookup("reward/mean")[0].key == "reward/mean" and mk.lookup("reward/format") == (
+        mk.REWARD_FUNCTION,
         {"name": "format"},
     )
-    assert lookup("groups", G3)[0] is not lookup("groups", PROBE)[0]
-    assert lookup("rank/g1_erank", G3) is None
+    assert mk.lookup("groups", mk.G3)[0] is not mk.lookup("groups", mk.PROBE)[0]
+    assert mk.lookup("rank/g1_erank", mk.G3) is None
 
 
 def test_s1_is_one_concept_under_several_names():
     # the five names of S1 keep their keys (no rename in this version); the vocabulary ties them together
-    s1 = {m.key for m in metrics.concepts()["S1"]}
+    s1 = {m.key for m in mk.concepts()["S1"]}
     assert {
         "reward/frac_zero_std_groups",
         "dynamic/zero_var_frac_sampled",
@@ -206,7 +191,7 @@ def _undefined(keys, scope, free=None) -> list[str]:
     """The keys no entry of ``scope`` defines, or that fill a free placeholder with a value not in ``free``."""
     bad = []
     for key in keys:
-        found = lookup(key, scope)
+        found = mk.lookup(key, scope)
         if found is None:
             bad.append(key)
         elif free is not None and any(
@@ -217,16 +202,16 @@ def _undefined(keys, scope, free=None) -> list[str]:
 
 
 def _entries_seen(keys, scope) -> set[str]:
-    return {lookup(k, scope)[0].key for k in keys if lookup(k, scope) is not None}
+    return {mk.lookup(k, scope)[0].key for k in keys if mk.lookup(k, scope) is not None}
 
 
 @pytest.mark.e2e
 def test_every_key_the_trainer_writes_is_defined(train_records):
     keys = {k for records in train_records.values() for r in records for k in r}
-    assert not _undefined(keys, JSONL, free={"name": REWARD_NAMES}), "keys the vocabulary does not define"
+    assert not _undefined(keys, mk.JSONL, free={"name": REWARD_NAMES}), "keys the vocabulary does not define"
     assert all(records for records in train_records.values())
     # ... and every metrics.jsonl entry is written by one of the runs (no dead entries)
-    unseen = {m.key for m in METRICS if JSONL in m.where} - _entries_seen(keys, JSONL) - set(NOT_WRITTEN)
+    unseen = {m.key for m in mk.METRICS if mk.JSONL in m.where} - _entries_seen(keys, mk.JSONL) - set(NOT_WRITTEN)
     assert not unseen, f"entries no run writes: {sorted(unseen)}"
 
 
@@ -257,35 +242,35 @@ def probe(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_every_key_the_probe_writes_is_defined(probe):
-    seen: dict[str, set[str]] = {scope: set() for scope in SCOPES}
+    seen: dict[str, set[str]] = {scope: set() for scope in mk.SCOPES}
     for per_r in probe["per_group_size"].values():
-        assert not _undefined(per_r, PROBE)
-        seen[PROBE] |= set(per_r)
-        rows = list(per_r[metrics.PROBE_GROUPS]) + [per_r[metrics.PROBE_SUMMARY]]
-        rows += [s for by in per_r[metrics.PROBE_STRATA].values() for s in by.values()]
-        for scope, part in ((G2_WEIGHTINGS, metrics.PROBE_G2_WEIGHTINGS), (SKETCH_CHECK, metrics.PROBE_SKETCH_CHECK)):
+        assert not _undefined(per_r, mk.PROBE)
+        seen[mk.PROBE] |= set(per_r)
+        rows = list(per_r[mk.PROBE_GROUPS]) + [per_r[mk.PROBE_SUMMARY]]
+        rows += [s for by in per_r[mk.PROBE_STRATA].values() for s in by.values()]
+        for scope, part in ((mk.G2_WEIGHTINGS, mk.PROBE_G2_WEIGHTINGS), (mk.SKETCH_CHECK, mk.PROBE_SKETCH_CHECK)):
             assert per_r[part], f"{part} not written: the test's probe must write it"
-            for row in [*per_r[part][metrics.PROBE_GROUPS], per_r[part][metrics.PROBE_SUMMARY]]:
+            for row in [*per_r[part][mk.PROBE_GROUPS], per_r[part][mk.PROBE_SUMMARY]]:
                 assert not _undefined(row, scope)
                 seen[scope] |= set(row)
         for row in rows:
-            assert not _undefined(row, GROUPS)
-            seen[GROUPS] |= set(row)
-        assert not _undefined(per_r[metrics.PROBE_G3], G3)
-        seen[G3] |= set(per_r[metrics.PROBE_G3])
-        for m in METRICS:  # the objects with named fields hold only those
-            value = per_r.get(m.key) if PROBE in m.where else None
+            assert not _undefined(row, mk.GROUPS)
+            seen[mk.GROUPS] |= set(row)
+        assert not _undefined(per_r[mk.PROBE_G3], mk.G3)
+        seen[mk.G3] |= set(per_r[mk.PROBE_G3])
+        for m in mk.METRICS:  # the objects with named fields hold only those
+            value = per_r.get(m.key) if mk.PROBE in m.where else None
             if m.fields and isinstance(value, dict):
                 assert set(value) <= set(m.fields), (m.key, sorted(set(value) - set(m.fields)))
-    assert not _undefined(probe["meta"]["sketch_check"], SKETCH_CHECK)
-    for scope in (GROUPS, G3, G2_WEIGHTINGS, SKETCH_CHECK, PROBE):
-        unseen = {m.key for m in METRICS if scope in m.where} - _entries_seen(seen[scope], scope) - set(NOT_WRITTEN)
+    assert not _undefined(probe["meta"]["sketch_check"], mk.SKETCH_CHECK)
+    for scope in (mk.GROUPS, mk.G3, mk.G2_WEIGHTINGS, mk.SKETCH_CHECK, mk.PROBE):
+        unseen = {m.key for m in mk.METRICS if scope in m.where} - _entries_seen(seen[scope], scope) - set(NOT_WRITTEN)
         assert not unseen, f"{scope}: entries the probe does not write: {sorted(unseen)}"
 
 
 @pytest.mark.e2e
 def test_every_field_of_the_studies_is_defined(probe):
-    entries = {m.key: m for m in METRICS if STUDIES in m.where}
+    entries = {m.key: m for m in mk.METRICS if mk.STUDIES in m.where}
     seen = set()
 
     def check(path: str, value) -> None:
@@ -309,13 +294,13 @@ def test_every_field_of_the_studies_is_defined(probe):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 2. No key literals outside grpo_lens/metrics.py
+# 2. No key literals outside grpo_lens/metrics/
 # ---------------------------------------------------------------------------------------------------------------------
 #: A string that looks like a metric key: a vocabulary prefix and a slash (``"rank/"``, ``"reward/mean"``).
-KEY_LIKE = re.compile(rf"(?:{'|'.join(metrics.PREFIXES)})/[\w<>{{}}/.-]*")
+KEY_LIKE = re.compile(rf"(?:{'|'.join(mk.PREFIXES)})/[\w<>{{}}/.-]*")
 
 #: probe.json fields whose names are distinctive enough to spot as literals (S1 and the group counts).
-FIELD_NAMES = {m.key for m in METRICS if PROBE in m.where and m.key.startswith(("s1_", "groups_"))}
+FIELD_NAMES = {m.key for m in mk.METRICS if mk.PROBE in m.where and m.key.startswith(("s1_", "groups_"))}
 
 
 def key_literals(source: str) -> list[tuple[int, str]]:
@@ -327,7 +312,7 @@ def key_literals(source: str) -> list[tuple[int, str]]:
                 out.add((node.lineno, node.value))
         elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
             head = str(node.values[0].value)
-            if any(head.startswith(f"{p}/") for p in metrics.PREFIXES):
+            if any(head.startswith(f"{p}/") for p in mk.PREFIXES):
                 out.add((node.lineno, f"f{head!r}..."))
     return sorted(out)
 
@@ -343,7 +328,7 @@ def test_the_scan_sees_key_literals():
 def test_no_metric_key_literal_outside_the_vocabulary():
     bad = []
     for path in sorted((ROOT / "grpo_lens").rglob("*.py")):
-        if path.name == "metrics.py" and path.parent.name == "grpo_lens":
+        if path.parent == ROOT / "grpo_lens" / "metrics":
             continue
         bad += [f"{path.relative_to(ROOT)}:{line}: {text}" for line, text in key_literals(path.read_text())]
     assert not bad, "metric keys written as literals (use grpo_lens.metrics):\n" + "\n".join(bad)
@@ -360,7 +345,7 @@ def test_metrics_doc_is_generated_from_the_vocabulary():
     spec.loader.exec_module(update_docs)
     text = (ROOT / "docs" / "metrics.md").read_text(encoding="utf8")
     assert update_docs.updated(text) == text, "docs/metrics.md is out of date: run tools/update_docs.py"
-    missing = [n for m in METRICS for n in m.display() if f"`{n}`" not in text]
+    missing = [n for m in mk.METRICS for n in m.display() if f"`{n}`" not in text]
     assert not missing, f"entries docs/metrics.md does not show: {missing}"
 
 
@@ -381,10 +366,10 @@ def test_trl_and_verl_names_map_one_to_one_and_round_trip():
     """Each TRL / verl name belongs to one key; TRL's logged dict reads back into ours except where the definitions
     differ (reward_std is TRL's sample std, ours the population std)."""
     for scheme in ("trl", "verl"):
-        names = [getattr(m, scheme) for m in METRICS if getattr(m, scheme)]
+        names = [getattr(m, scheme) for m in mk.METRICS if getattr(m, scheme)]
         assert len(names) == len(set(names)), scheme
-    assert metrics.other_name(metrics.REWARD_FUNCTION.format(name="fmt"), "trl") == "rewards/fmt/mean"
-    assert metrics.other_name(metrics.rank_key("g1", "erank"), "trl") is None
+    assert mk.other_name(mk.REWARD_FUNCTION.format(name="fmt"), "trl") == "rewards/fmt/mean"
+    assert mk.other_name(mk.rank_key("g1", "erank"), "trl") is None
     logs = {
         "reward": 0.5,
         "reward_std": 0.4,
@@ -393,13 +378,13 @@ def test_trl_and_verl_names_map_one_to_one_and_round_trip():
         "learning_rate": 1e-6,
         "num_tokens": 99.0,
     }
-    assert metrics.from_trl(logs) == {
-        metrics.REWARD_MEAN: 0.5,
-        metrics.REWARD_FUNCTION.format(name="fmt"): 0.25,
-        metrics.GRAD_NORM: 3.0,
-        metrics.LR: 1e-6,
+    assert mk.from_trl(logs) == {
+        mk.REWARD_MEAN: 0.5,
+        mk.REWARD_FUNCTION.format(name="fmt"): 0.25,
+        mk.GRAD_NORM: 3.0,
+        mk.LR: 1e-6,
     }
-    record = {metrics.REWARD_MEAN: 0.5, metrics.STEP: 3, metrics.RANK_MIXED_GROUPS: 2.0}
-    assert metrics.renamed_record(record, "trl") == {"reward": 0.5, metrics.STEP: 3, metrics.RANK_MIXED_GROUPS: 2.0}
+    record = {mk.REWARD_MEAN: 0.5, mk.STEP: 3, mk.RANK_MIXED_GROUPS: 2.0}
+    assert mk.renamed_record(record, "trl") == {"reward": 0.5, mk.STEP: 3, mk.RANK_MIXED_GROUPS: 2.0}
     with pytest.raises(ValueError, match="valid names"):
-        metrics.other_name(metrics.REWARD_MEAN, "openrlhf")
+        mk.other_name(mk.REWARD_MEAN, "openrlhf")

@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 
+from grpo_lens import metrics as mk
 from grpo_lens.config import ConfigError, TrainConfig
 from grpo_lens.rundir import RunDir
 from grpo_lens.trackers import check_trackers, scalars
@@ -142,16 +143,14 @@ def test_tensorboard_hparams_go_into_the_run_event_file(tmp_path):
 def test_metric_names_trl_and_the_completion_table_reach_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
-    from grpo_lens.metrics import GRAD_NORM, LR, REWARD_MEAN, other_name
-
     run = train(tiny_config(tmp_path / "run", max_steps=1, lens_every=0, metric_names="trl", log_completions=2))
     record = RunDir(run.path).read_metrics()[0]
-    assert REWARD_MEAN in record, "metrics.jsonl keeps grpo-lens' keys"
+    assert mk.REWARD_MEAN in record, "metrics.jsonl keeps grpo-lens' keys"
     events = read_tensorboard(run.path / "tensorboard")
-    assert {"reward", "grad_norm", "learning_rate"} <= set(events) and REWARD_MEAN not in events
-    assert events["reward"][1] == pytest.approx(record[REWARD_MEAN], rel=1e-6)
-    assert set(events) == {other_name(k, "trl") or k for k in scalars(record)}
-    assert other_name(GRAD_NORM, "trl") == "grad_norm" and other_name(LR, "trl") == "learning_rate"
+    assert {"reward", "grad_norm", "learning_rate"} <= set(events) and mk.REWARD_MEAN not in events
+    assert events["reward"][1] == pytest.approx(record[mk.REWARD_MEAN], rel=1e-6)
+    assert set(events) == {mk.other_name(k, "trl") or k for k in scalars(record)}
+    assert mk.other_name(mk.GRAD_NORM, "trl") == "grad_norm" and mk.other_name(mk.LR, "trl") == "learning_rate"
     mux = EventMultiplexer()
     mux.AddRunsFromDirectory(str(run.path / "tensorboard"))
     mux.Reload()

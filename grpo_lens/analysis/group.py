@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.advantages import is_binary
 from grpo_lens.formulas.baselines import baseline_metrics
 from grpo_lens.formulas.identity import identity_constant, identity_residual
@@ -68,27 +69,6 @@ from grpo_lens.formulas.spectrum import (
 from grpo_lens.formulas.spectrum import singular_values as svals
 from grpo_lens.formulas.stats import mean_interval
 from grpo_lens.formulas.zero_sum import zero_sum_tests
-from grpo_lens.metrics import (
-    GRAD_IDENTITY_CONSTANT,
-    GRAD_IDENTITY_RESIDUAL,
-    GROUP_CORRECT,
-    GROUP_DISTINCT_COMPLETIONS,
-    GROUP_REWARD_MEAN,
-    GROUP_SIZE,
-    RANK_G1,
-    RANK_G1_LENS_HI,
-    RANK_G1_LENS_LO,
-    RANK_G1_SIMNULL,
-    RANK_G1_VS_NULL,
-    RANK_G2_NUMERICAL_RANK,
-    RANK_G2_RANK_BOUND,
-    SKETCH_COVERAGE,
-    SKETCH_G1_ERANK_ERROR,
-    SKETCH_GRAM_ERROR,
-    SKETCH_GRAM_ERROR_BOUND,
-    rank_key,
-    sketch_share_key,
-)
 
 
 def analyse_group(
@@ -139,35 +119,35 @@ def analyse_group(
     gram = gram.detach().double()
     a = advantages.detach().double()
     rw = rewards.detach().double()
-    out: dict[str, float] = {GROUP_SIZE: float(R), GROUP_REWARD_MEAN: float(rw.mean())}
+    out: dict[str, float] = {mk.GROUP_SIZE: float(R), mk.GROUP_REWARD_MEAN: float(rw.mean())}
     if completion_ids is not None and completion_mask is not None:
-        out[GROUP_DISTINCT_COMPLETIONS] = float(distinct_completions(completion_ids, completion_mask))
+        out[mk.GROUP_DISTINCT_COMPLETIONS] = float(distinct_completions(completion_ids, completion_mask))
 
     # G1 and its controls
     controls = g1_controls(gram, a, completion_mask, num_random=num_random, seed=seed)
     for name, measures in controls.items():
         for m, v in measures.items():
-            out[rank_key(name, m)] = v
+            out[mk.rank_key(name, m)] = v
     g1, null = controls["g1"], controls["g1_null"]
     if null_dim is not None:
         for m, v in simulated_null_measures(gram, a, null_dim, seed=seed).items():
-            out[RANK_G1_SIMNULL.format(m=m)] = v
+            out[mk.RANK_G1_SIMNULL.format(m=m)] = v
     for m in RANK_MEASURES.names():
         if null[m] > 0:
-            out[RANK_G1_VS_NULL.format(m=m)] = g1[m] / null[m]
+            out[mk.RANK_G1_VS_NULL.format(m=m)] = g1[m] / null[m]
 
     if is_binary(rw):
         labels = rw == 1
         k = int(labels.sum())
-        out[GROUP_CORRECT] = float(k)
+        out[mk.GROUP_CORRECT] = float(k)
         if 0 < k < R:
             out.update({key: float(v) for key, v in baseline_metrics(gram.diagonal(), rw).items()})
             two_valued = bool((a[labels] == a[labels][0]).all() and (a[~labels] == a[~labels][0]).all())
             # the config's check allows only these names
             c = identity_constant(estimator, k, R, std, std_eps)  # type: ignore[arg-type]  # None: the estimator has no decomposition
             if c is not None and two_valued:
-                out[GRAD_IDENTITY_CONSTANT] = c
-                out[GRAD_IDENTITY_RESIDUAL] = identity_residual(gram, labels, a, c)
+                out[mk.GRAD_IDENTITY_CONSTANT] = c
+                out[mk.GRAD_IDENTITY_RESIDUAL] = identity_residual(gram, labels, a, c)
             if two_valued:
                 same = None
                 if completion_ids is not None and completion_mask is not None:  # duplicates by token ids, exact
@@ -180,7 +160,7 @@ def analyse_group(
 
 
 def mean_over_groups(
-    rows: Sequence[dict[str, float]], max_keys: Sequence[str] = (GRAD_IDENTITY_RESIDUAL,)
+    rows: Sequence[dict[str, float]], max_keys: Sequence[str] = (mk.GRAD_IDENTITY_RESIDUAL,)
 ) -> dict[str, float]:
     """The lens's aggregate: the mean over groups of every key (max for ``max_keys``), NaN/None skipped.
 
@@ -205,10 +185,10 @@ def lens_rank_intervals(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     fewer than 8 groups. rows: per-group dicts from :func:`analyse_group`."""
     out = {}
     for m in LENS_INTERVAL_MEASURES:
-        ci = mean_interval([row.get(RANK_G1.format(m=m)) for row in rows])
+        ci = mean_interval([row.get(mk.RANK_G1.format(m=m)) for row in rows])
         if ci["lo"] is not None:
             # lo set: hi is set too
-            out[RANK_G1_LENS_LO.format(m=m)], out[RANK_G1_LENS_HI.format(m=m)] = ci["lo"], ci["hi"]  # type: ignore[assignment]
+            out[mk.RANK_G1_LO.format(m=m)], out[mk.RANK_G1_HI.format(m=m)] = ci["lo"], ci["hi"]  # type: ignore[assignment]
     return out
 
 
@@ -219,7 +199,7 @@ def g1_rank_keys(gram: Tensor, advantages: Tensor, name: str) -> dict[str, float
     gram: [R, R]; advantages: [R]. Returns {key: float}.
     """
     return {
-        rank_key(name, m): v for m, v in weighted_gram_measures(gram.detach().double(), advantages.double()).items()
+        mk.rank_key(name, m): v for m, v in weighted_gram_measures(gram.detach().double(), advantages.double()).items()
     }
 
 
@@ -236,10 +216,10 @@ def g2_keys(
             accurate to ~1e-8 s_1, well below the float32 rank tolerance max(d) * 1.2e-7).
     """
     s = svals(g2.double(), method="gram") if singular_values is None else singular_values
-    out = {rank_key("g2", m): v for m, v in rank_measures(s).items()}
+    out = {mk.rank_key("g2", m): v for m, v in rank_measures(s).items()}
     # G2 is a matrix
-    out[RANK_G2_NUMERICAL_RANK] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))  # type: ignore[arg-type]
-    out[RANK_G2_RANK_BOUND] = float(rank_bound)
+    out[mk.RANK_G2_NUMERICAL_RANK] = float(numerical_rank(s, shape=tuple(g2.shape), dtype=computed_dtype))  # type: ignore[arg-type]
+    out[mk.RANK_G2_RANK_BOUND] = float(rank_bound)
     return out
 
 
@@ -289,18 +269,18 @@ def sketch_check_keys(
     out: dict[str, float] = {}
     if total == 0:
         return out
-    out[SKETCH_COVERAGE] = float(s.square().sum()) / total
+    out[mk.SKETCH_COVERAGE] = float(s.square().sum()) / total
     for cat, sq in category_sq_norms.items():
-        out[sketch_share_key(cat)] = float(sq) / total
+        out[mk.sketch_share_key(cat)] = float(sq) / total
     w = torch.outer(a, a)
     g_exact, g_sketch = e * w, (s @ s.T) * w
     den = float(g_exact.norm())
     if den > 0:
-        out[SKETCH_GRAM_ERROR] = float((g_sketch - g_exact).norm()) / den
+        out[mk.SKETCH_GRAM_ERROR] = float((g_sketch - g_exact).norm()) / den
         grams = [g.detach().double().cpu() * w for g in layer_grams]
         if grams:
-            out[SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, sketch_in, sketch_out)
-    out[SKETCH_G1_ERANK_ERROR] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
+            out[mk.SKETCH_GRAM_ERROR_BOUND] = sketch_gram_error_bound(grams, sketch_in, sketch_out)
+    out[mk.SKETCH_G1_ERANK_ERROR] = effective_rank(gram_singular_values(g_sketch)) - effective_rank(
         gram_singular_values(g_exact)
     )
     return out

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.analysis.group import (
     lens_rank_intervals,
     mean_over_groups,
@@ -56,19 +57,6 @@ from grpo_lens.formulas.credit import segment_advantages, segment_counts
 from grpo_lens.formulas.sparsity import weighted_hoyer
 from grpo_lens.formulas.stats import mean_interval
 from grpo_lens.lens.sparsity import SparsityOverTraining  # the lens's own sampler: the path under test (S4)
-from grpo_lens.metrics import (
-    LR,
-    PERF_LENS_SECONDS,
-    RANK_MIXED_GROUPS,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    SPARSITY_GRAD_HOYER,
-    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
-    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
-    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
-    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
-    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE,
-    STEP,
-)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -172,11 +160,11 @@ def _sparsity_records(
             )
             recs.append(
                 {
-                    STEP: float(step),
-                    PERF_LENS_SECONDS: 0.0,
-                    LR: _planted_lr(step, kind),
-                    RANK_MIXED_GROUPS: float(m),
-                    SPARSITY_GRAD_HOYER: weighted_hoyer(g),
+                    mk.STEP: float(step),
+                    mk.PERF_LENS_SECONDS: 0.0,
+                    mk.LR: _planted_lr(step, kind),
+                    mk.RANK_MIXED_GROUPS: float(m),
+                    mk.SPARSITY_GRAD_HOYER: weighted_hoyer(g),
                 }
             )
         return recs
@@ -188,11 +176,11 @@ def _sparsity_records(
         base += 0.1 * (1 - (step - 1) / PLANTED_WARMUP) if kind == "warmup" and step <= PLANTED_WARMUP else 0.0
         out.append(
             {
-                STEP: float(step),
-                PERF_LENS_SECONDS: 0.0,
-                LR: _planted_lr(step, kind),
-                RANK_MIXED_GROUPS: 4.0,
-                SPARSITY_GRAD_HOYER: base + 0.02 * rw * noise[step - 1],
+                mk.STEP: float(step),
+                mk.PERF_LENS_SECONDS: 0.0,
+                mk.LR: _planted_lr(step, kind),
+                mk.RANK_MIXED_GROUPS: 4.0,
+                mk.SPARSITY_GRAD_HOYER: base + 0.02 * rw * noise[step - 1],
             }
         )
     return out
@@ -217,9 +205,9 @@ def _s1_records(
         correct = (torch.rand(groups, group_size, generator=gen, dtype=torch.float64) < p[:, None]).sum(1)
         recs.append(
             {
-                STEP: float(step),
-                LR: _planted_lr(step, kind),
-                REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == group_size)).double().mean()),
+                mk.STEP: float(step),
+                mk.LR: _planted_lr(step, kind),
+                mk.REWARD_FRAC_ZERO_STD_GROUPS: float(((correct == 0) | (correct == group_size)).double().mean()),
             }
         )
     return recs
@@ -288,7 +276,12 @@ def calibrate_stays_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
             pool = bad if bad_step == "all" or (bad_step and i == 3) else good
             rows = _draw(pool, m, gen)
             recs.append(
-                {STEP: float(step), RANK_MIXED_GROUPS: float(m), **mean_over_groups(rows), **lens_rank_intervals(rows)}
+                {
+                    mk.STEP: float(step),
+                    mk.RANK_MIXED_GROUPS: float(m),
+                    **mean_over_groups(rows),
+                    **lens_rank_intervals(rows),
+                }
             )
         return recs
 
@@ -379,7 +372,7 @@ def _s4_trial(
             unchanged += int((new == p).sum())
             total += p.numel()
             p.copy_(new)
-    return {STEP: 30.0, PERF_LENS_SECONDS: 0.0, **lens.after_step()}, unchanged / total
+    return {mk.STEP: 30.0, mk.PERF_LENS_SECONDS: 0.0, **lens.after_step()}, unchanged / total
 
 
 def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
@@ -397,11 +390,11 @@ def calibrate_update_rules(config: CalibrationConfig) -> list[dict[str, Any]]:
             verdicts.append(rule({"records": [rec]})[0])
             truths.append(z > 0.5)
             zs.append(z)
-            est, se = rec[SPARSITY_UPDATE_TOTAL_F32_UNCHANGED], rec[SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE]
+            est, se = rec[mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED], rec[mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE]
             covered += abs(est - z) <= 1.96 * se
-            bf16.append(rec[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
-            perm.append(rec[SPARSITY_UPDATE_TOTAL_BF16_PERMUTED])
-            dense.append(rec[SPARSITY_UPDATE_TOTAL_BF16_DENSE])
+            bf16.append(rec[mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
+            perm.append(rec[mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED])
+            dense.append(rec[mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE])
         if len(set(truths)) > 1:
             raise RuntimeError(f"S4 family {fam[0]!r}: the truth differs between trials; move it off 0.5")
         mean = lambda v: sum(v) / len(v)  # noqa: E731

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.analysis.group import (
     analyse_group,
 )
@@ -19,14 +20,6 @@ from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS
 from grpo_lens.formulas.advantages import grpo_advantages
 from grpo_lens.formulas.spectrum import wishart
 from grpo_lens.formulas.stats import summarise_rows
-from grpo_lens.metrics import (
-    PROBE_GROUPS,
-    PROBE_SUMMARY,
-    ZERO_SUM_COS_GAP_EXCESS,
-    ZERO_SUM_SPAN_ENERGY,
-    ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS,
-    ZERO_SUM_UNIT_SPAN_ENERGY_NULL,
-)
 
 #: the default probe's mixed groups per R (README: 28 and 22 of the 32 and 24 prompts for R = 4 and 8)
 DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
@@ -388,7 +381,7 @@ def analysed_pool(
 
 
 #: the summary keys the per-group claims print (the rest of a probe's summary is not read by them)
-_SUMMARY_KEYS = (ZERO_SUM_SPAN_ENERGY, ZERO_SUM_COS_GAP_EXCESS)
+_SUMMARY_KEYS = (mk.ZERO_SUM_SPAN_ENERGY, mk.ZERO_SUM_COS_GAP_EXCESS)
 
 
 def probe_of(groups_by_size: dict[int, list[dict[str, float]]], dim: int | None = None) -> dict[str, Any]:
@@ -396,7 +389,7 @@ def probe_of(groups_by_size: dict[int, list[dict[str, float]]], dim: int | None 
     return {
         "meta": {"gradients": "exact", "parameters": dim},
         "per_group_size": {
-            str(R): {PROBE_GROUPS: rows, PROBE_SUMMARY: summarise_rows(rows, keys=_SUMMARY_KEYS)}
+            str(R): {mk.PROBE_GROUPS: rows, mk.PROBE_SUMMARY: summarise_rows(rows, keys=_SUMMARY_KEYS)}
             for R, rows in groups_by_size.items()
         },
     }
@@ -438,6 +431,6 @@ def _outcomes(claims: list[Any]) -> dict[str, Any]:
 
 def _theta(pool: list[dict[str, float]]) -> float:
     """θ of the cosine Gram over a pool (its population value): Σ excess / Σ (1 − relabelling mean)."""
-    rows = [g for g in pool if g.get(ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS) is not None]
-    room = sum(1 - g[ZERO_SUM_UNIT_SPAN_ENERGY_NULL] for g in rows)
-    return sum(g[ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS] for g in rows) / room if room > 0 else 0.0
+    rows = [g for g in pool if g.get(mk.ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS) is not None]
+    room = sum(1 - g[mk.ZERO_SUM_UNIT_SPAN_ENERGY_NULL] for g in rows)
+    return sum(g[mk.ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS] for g in rows) / room if room > 0 else 0.0

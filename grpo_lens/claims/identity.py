@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.base import (
     CLAIMS,
     DOES_NOT_HOLD,
@@ -17,12 +18,6 @@ from grpo_lens.claims.base import (
     source_of,
 )
 from grpo_lens.formulas.identity import rank2_constant
-from grpo_lens.metrics import (
-    GRAD_IDENTITY_RESIDUAL,
-    GROUP_CORRECT,
-    GROUP_SIZE,
-    PROBE_GROUPS,
-)
 
 #: the identity holds when every group's relative residual is below this (float32 round-off is ~1e-7).
 IDENTITY_TOLERANCE = 1e-4
@@ -57,8 +52,8 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
     other std convention's constant would leave, |1 - c_other / c| (shows the check can fail; grpo only).
     """
     meta = probe.get("meta", {})
-    rows = [g for d in probe.get("per_group_size", {}).values() for g in d.get(PROBE_GROUPS, [])]
-    res = [g[GRAD_IDENTITY_RESIDUAL] for g in rows if g.get(GRAD_IDENTITY_RESIDUAL) is not None]
+    rows = [g for d in probe.get("per_group_size", {}).values() for g in d.get(mk.PROBE_GROUPS, [])]
+    res = [g[mk.GRAD_IDENTITY_RESIDUAL] for g in rows if g.get(mk.GRAD_IDENTITY_RESIDUAL) is not None]
     control = "—"
     if meta.get("estimator", "grpo") == "grpo":
         std = meta.get("std", "sample")
@@ -66,8 +61,8 @@ def identity_claim(probe: dict[str, Any]) -> list[Claim]:
         std_eps = float(meta.get("eps", 1e-4))  # probe.json meta key "eps" = config std_eps
         gaps: dict[int, list[float]] = {}  # R -> the gap of each group of that size
         for g in rows:
-            if g.get(GRAD_IDENTITY_RESIDUAL) is not None and GROUP_SIZE in g:
-                k, R = int(g[GROUP_CORRECT]), int(g[GROUP_SIZE])
+            if g.get(mk.GRAD_IDENTITY_RESIDUAL) is not None and mk.GROUP_SIZE in g:
+                k, R = int(g[mk.GROUP_CORRECT]), int(g[mk.GROUP_SIZE])
                 gaps.setdefault(R, []).append(
                     abs(1 - rank2_constant(k, R, other, std_eps) / rank2_constant(k, R, std, std_eps))  # type: ignore[arg-type]  # a stored config's std: sample or population
                 )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.base import (
     BRANCH_LEVEL,
     CLAIMS,
@@ -50,22 +51,6 @@ from grpo_lens.formulas.stats import (
     mean_test_p,
     student_t_cdf,
     student_t_quantile,
-)
-from grpo_lens.metrics import (
-    G3_GROUPS,
-    PROBE_G2_WEIGHTINGS,
-    PROBE_G3,
-    PROBE_GROUPS,
-    RANK_G1,
-    RANK_G1_LENS_HI,
-    RANK_G1_LENS_LO,
-    RANK_G1_NO_ADV,
-    RANK_G1_NULL,
-    RANK_G1_SIMNULL,
-    RANK_G2,
-    RANK_G2_WEIGHTED,
-    RANK_MIXED_GROUPS,
-    rank_key,
 )
 
 #: "≈ 2" for erank and stable rank in the 0.2 rules (the values that round to 2); descriptive since 0.3.
@@ -95,13 +80,13 @@ def reductions(groups: list[dict[str, Any]], measure: str = "top2_share") -> tup
     """Per-group structure reduction of ``measure`` (positive = more shared direction than the null; G1 − null for
     the top-2 share, null − G1 for the others) and the null it was taken against ("simulated" when every group
     carries it, else "orthogonal", under which the reduction is > 0 for every matrix)."""
-    sim = bool(groups) and all(g.get(RANK_G1_SIMNULL.format(m=measure)) is not None for g in groups)
-    null_key = (RANK_G1_SIMNULL if sim else RANK_G1_NULL).format(m=measure)
+    sim = bool(groups) and all(g.get(mk.RANK_G1_SIMNULL.format(m=measure)) is not None for g in groups)
+    null_key = (mk.RANK_G1_SIMNULL if sim else mk.RANK_G1_NULL).format(m=measure)
     sign = 1.0 if measure in ("top2_share", "top1_share") else -1.0
     out = [
-        sign * (float(g[RANK_G1.format(m=measure)]) - float(g[null_key]))
+        sign * (float(g[mk.RANK_G1.format(m=measure)]) - float(g[null_key]))
         for g in groups
-        if g.get(RANK_G1.format(m=measure)) is not None and g.get(null_key) is not None
+        if g.get(mk.RANK_G1.format(m=measure)) is not None and g.get(null_key) is not None
     ]
     return out, "simulated" if sim else "orthogonal"
 
@@ -114,8 +99,8 @@ def rank_two_test(groups: list[dict[str, Any]], min_groups: int = MIN_RANK_GROUP
         "reduction" (:func:`grpo_lens.formulas.stats.mean_interval` dicts), "null" ("simulated" / "orthogonal")};
         both p = 1 with fewer than ``min_groups`` groups.
     """
-    e2 = _values(groups, RANK_G1.format(m="top2_share"))
-    e1 = _values(groups, RANK_G1.format(m="top1_share"))
+    e2 = _values(groups, mk.RANK_G1.format(m="top2_share"))
+    e1 = _values(groups, mk.RANK_G1.format(m="top1_share"))
     red, null = reductions(groups)
     out: dict[str, Any] = {
         "n": len(e2),
@@ -172,17 +157,17 @@ def rank_two_top2_share(probe: dict[str, Any]) -> list[Claim]:
     rs = [R for R in sorted(per_group_size, key=int) if int(R) > 2]
     if not rs:
         return []
-    tests = {R: rank_two_test(per_group_size[R].get(PROBE_GROUPS) or []) for R in rs}
+    tests = {R: rank_two_test(per_group_size[R].get(mk.PROBE_GROUPS) or []) for R in rs}
     p_holds, p_dnh = combine_over_r(tests)
     verdict = decide(p_holds, p_dnh)
     meas, ctrl, primary = [], [], []
     for R, t in tests.items():
         primary.append(f"{ci_text(t['top2'], 3).split(' (n = ')[0]} (R = {R})")
-        groups = per_group_size[R].get(PROBE_GROUPS) or []
+        groups = per_group_size[R].get(mk.PROBE_GROUPS) or []
         desc = ", ".join(
-            f"{m} {fmt(mean_interval(_values(groups, RANK_G1.format(m=m)))['mean'])}" for m in DESCRIPTIVE_MEASURES
+            f"{m} {fmt(mean_interval(_values(groups, mk.RANK_G1.format(m=m)))['mean'])}" for m in DESCRIPTIVE_MEASURES
         )
-        g2 = mean_interval(_values(groups, RANK_G2.format(m="top2_share")))
+        g2 = mean_interval(_values(groups, mk.RANK_G2.format(m="top2_share")))
         g2_txt = f"; G2 (one layer) top-2 share {fmt(g2['mean'], 3)}" if g2["mean"] is not None else ""
         meas.append(f"R = {R}: E₂ {ci_text(t['top2'], 3)}, E₁ {ci_text(t['top1'], 3)} (descriptive: {desc}{g2_txt})")
         ctrl.append(f"R = {R}: E₂ − {t['null']} null {ci_text(t['reduction'], 3)}")
@@ -223,14 +208,14 @@ def _step_p(row: dict[str, Any], m: str, side: str) -> float:
     Student's t tail with n − 1 degrees of freedom (the 0.3 rule took the normal's, p 0.0009 where the t
     test gives 0.0025 at n = 12); 1.0 without an interval."""
     lo, hi, mean = (
-        row.get(RANK_G1_LENS_LO.format(m=m)),
-        row.get(RANK_G1_LENS_HI.format(m=m)),
-        row.get(RANK_G1.format(m=m)),
+        row.get(mk.RANK_G1_LO.format(m=m)),
+        row.get(mk.RANK_G1_HI.format(m=m)),
+        row.get(mk.RANK_G1.format(m=m)),
     )
     if lo is None or hi is None or mean is None:
         return 1.0
     mean, lo, hi = float(mean), float(lo), float(hi)
-    n = int(row.get(RANK_MIXED_GROUPS) or MIN_INTERVAL_UNITS)
+    n = int(row.get(mk.RANK_MIXED_GROUPS) or MIN_INTERVAL_UNITS)
     df = max(n, MIN_INTERVAL_UNITS) - 1
     se = ((mean - lo) if side == "above" else (hi - mean)) / student_t_quantile(0.975, df)
     if se <= 0:
@@ -262,7 +247,7 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
     rows = [
         r
         for r in data.get("records") or []
-        if r.get(RANK_G1.format(m="top2_share")) is not None and r.get(RANK_G1.format(m="top1_share")) is not None
+        if r.get(mk.RANK_G1.format(m="top2_share")) is not None and r.get(mk.RANK_G1.format(m="top1_share")) is not None
     ]
     if not rows:
         return []
@@ -272,8 +257,8 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
         2 * len(rows) * min(min(_step_p(r, "top2_share", "below"), _step_p(r, "top1_share", "above")) for r in rows),
     )
     verdict = decide(p_holds, p_dnh)
-    lows = [r for r in rows if r.get(RANK_G1_LENS_LO.format(m="top2_share")) is None]
-    groups = [int(r.get(RANK_MIXED_GROUPS) or 0) for r in rows]
+    lows = [r for r in rows if r.get(mk.RANK_G1_LO.format(m="top2_share")) is None]
+    groups = [int(r.get(mk.RANK_MIXED_GROUPS) or 0) for r in rows]
     if verdict == HOLDS:
         why = f"every lens step: E₂ > {TOP_SHARE} > E₁ (largest step p {p_holds:.2g})"
     elif verdict == DOES_NOT_HOLD:
@@ -289,7 +274,7 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
             f"raise `--prompts-per-step` (now at most {most} mixed group{'' if most == 1 else 's'} per lens step; a "
             f"step interval needs 8, e.g. --prompts-per-step 12 with R = 8)"
         )
-    e2 = [float(r[RANK_G1.format(m="top2_share")]) for r in rows]
+    e2 = [float(r[mk.RANK_G1.format(m="top2_share")]) for r in rows]
     return [
         Claim(
             claim=f"the effective rank of G1 stays ≈ 2 over training (E₂ > {TOP_SHARE} > E₁ at every lens step)",
@@ -328,7 +313,7 @@ def rank_stays_pooled(runs: list[list[dict[str, Any]]]) -> list[Claim]:
     needs no interval of its own (4 mixed groups per lens step suffice), and the within-run dependence between steps
     does not matter (every t is over seeds). The row's n is the number of seeds.
     """
-    e2k, e1k = RANK_G1.format(m="top2_share"), RANK_G1.format(m="top1_share")
+    e2k, e1k = mk.RANK_G1.format(m="top2_share"), mk.RANK_G1.format(m="top1_share")
     by_step: dict[float, list[tuple[float, float]]] = {}
     for recs in runs:
         for r in recs:
@@ -437,32 +422,32 @@ def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
     rs = [R for R in sorted(per, key=int) if int(R) > 2]
     if not rs:
         return []
-    groups = {R: per[R].get(PROBE_GROUPS) or [] for R in rs}
+    groups = {R: per[R].get(mk.PROBE_GROUPS) or [] for R in rs}
     out: list[dict[str, Any]] = []
     for m in READING_MEASURES:
-        row = _reading({R: _values(groups[R], RANK_G1.format(m=m)) for R in rs}, m)
-        ctrl = {R: {"uniform": mean_interval(_values(groups[R], RANK_G1_NO_ADV.format(m=m)))["mean"]} for R in rs}
+        row = _reading({R: _values(groups[R], mk.RANK_G1.format(m=m)) for R in rs}, m)
+        ctrl = {R: {"uniform": mean_interval(_values(groups[R], mk.RANK_G1_NO_ADV.format(m=m)))["mean"]} for R in rs}
         out.append({"matrix": "G1 (rows A_i g_i)", "measure": m, "primary": m == "top2_share", **row, "controls": ctrl})
     for m in READING_MEASURES:
-        vals = {R: _values(groups[R], RANK_G2.format(m=m)) for R in rs}
+        vals = {R: _values(groups[R], mk.RANK_G2.format(m=m)) for R in rs}
         if any(vals.values()):
             row = _reading(vals, m)
             out.append({"matrix": "G2 (the probe's layer)", "measure": m, "primary": False, **row, "controls": {}})
-    g2w = {R: (per[R].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS) or [] for R in rs}
+    g2w = {R: (per[R].get(mk.PROBE_G2_WEIGHTINGS) or {}).get(mk.PROBE_GROUPS) or [] for R in rs}
     kinds = sorted(
         {
             p["kind"]
             for rows in g2w.values()
             for g in rows
-            for p in (RANK_G2_WEIGHTED.parse(k) for k in g)
+            for p in (mk.RANK_G2_WEIGHTED.parse(k) for k in g)
             if p is not None and p["w"] == "adv"
         }
     )
     for kind in kinds:
-        row = _reading({R: _values(g2w[R], RANK_G2_WEIGHTED.format(w="adv", kind=kind)) for R in rs}, "stable_rank")
+        row = _reading({R: _values(g2w[R], mk.RANK_G2_WEIGHTED.format(w="adv", kind=kind)) for R in rs}, "stable_rank")
         ctrl = {
             R: {
-                w: mean_interval(_values(g2w[R], RANK_G2_WEIGHTED.format(w=w, kind=kind)))["mean"]
+                w: mean_interval(_values(g2w[R], mk.RANK_G2_WEIGHTED.format(w=w, kind=kind)))["mean"]
                 for w in CONTROL_WEIGHTINGS
             }
             for R in rs
@@ -470,14 +455,15 @@ def rank_readings(probe: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(
             {"matrix": f"G2 {kind} (every layer)", "measure": "stable_rank", "primary": False, **row, "controls": ctrl}
         )
-    g3 = {R: per[R].get(PROBE_G3) or {} for R in rs}
+    g3 = {R: per[R].get(mk.PROBE_G3) or {} for R in rs}
     for m in READING_MEASURES:
-        if all(g3[R].get(rank_key("g3", m)) is None for R in rs):
+        if all(g3[R].get(mk.rank_key("g3", m)) is None for R in rs):
             continue
         by_size = {
-            R: {"mean": g3[R].get(rank_key("g3", m)), "lo": None, "hi": None, "n": g3[R].get(G3_GROUPS)} for R in rs
+            R: {"mean": g3[R].get(mk.rank_key("g3", m)), "lo": None, "hi": None, "n": g3[R].get(mk.G3_GROUPS)}
+            for R in rs
         }
-        ctrl = {R: {w: g3[R].get(rank_key(f"g3_{w}", m)) for w in CONTROL_WEIGHTINGS} for R in rs}
+        ctrl = {R: {w: g3[R].get(mk.rank_key(f"g3_{w}", m)) for w in CONTROL_WEIGHTINGS} for R in rs}
         out.append(
             {
                 "matrix": "G3 (rows = groups' updates)",

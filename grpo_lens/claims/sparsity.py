@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.base import (
     BRANCH_LEVEL,
     CLAIMS,
@@ -37,24 +38,6 @@ from grpo_lens.formulas.stats import (
     spearman_trend,
     trend_windows,
 )
-from grpo_lens.metrics import (
-    LR,
-    PERF_LENS_SECONDS,
-    RANK_MIXED_GROUPS,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    SPARSITY_GRAD_HOYER,
-    SPARSITY_GRAD_ZERO,
-    SPARSITY_SAMPLE_ENTRIES,
-    SPARSITY_UPDATE_STEP_HOYER,
-    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
-    SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE,
-    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
-    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
-    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE,
-    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
-    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE,
-    STEP,
-)
 
 #: bf16-unchanged share above its within-tensor permutation control by more than this: placement matters
 BF16_MARGIN = 0.05
@@ -75,12 +58,12 @@ TRAINING_CLAIMS = (
 
 
 def _lens_rows(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
-    return [r for r in records if r.get(PERF_LENS_SECONDS) is not None and r.get(key) is not None]
+    return [r for r in records if r.get(mk.PERF_LENS_SECONDS) is not None and r.get(key) is not None]
 
 
 def _more_lens_steps(rows: list[dict[str, Any]], tested: int) -> str:
     """How to get more tested lens steps, from the run's own lens spacing (the median gap between its lens steps)."""
-    gaps = sorted(b[STEP] - a[STEP] for a, b in zip(rows, rows[1:]))
+    gaps = sorted(b[mk.STEP] - a[mk.STEP] for a, b in zip(rows, rows[1:]))
     every = int(gaps[len(gaps) // 2]) if gaps else 1
     if every <= 1:
         return f"raise `--max-steps` (now {tested} tested lens steps, the lens on every step)"
@@ -99,7 +82,7 @@ def after_warmup(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records from the step at which the logged learning rate (``perf/lr``) first reaches its largest value on:
     the LR warm-up's steps dropped, so that a transient of the warm-up (a policy barely moving, then moving) is not
     read as a trend over training. Records without a learning rate are all kept (a constant LR drops nothing)."""
-    lrs = [r.get(LR) for r in records]
+    lrs = [r.get(mk.LR) for r in records]
     if not records or any(v is None for v in lrs):
         return records
     # no None: checked above
@@ -198,13 +181,13 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     sparsity), so its trend says nothing about the gradient.
     """
     records = data.get("records") or []
-    rows = _lens_rows(records, SPARSITY_GRAD_HOYER)
+    rows = _lens_rows(records, mk.SPARSITY_GRAD_HOYER)
     zero = [
         r
         for r in records
-        if r.get(PERF_LENS_SECONDS) is not None
-        and r.get(SPARSITY_GRAD_ZERO) is not None
-        and r.get(SPARSITY_GRAD_HOYER) is None
+        if r.get(mk.PERF_LENS_SECONDS) is not None
+        and r.get(mk.SPARSITY_GRAD_ZERO) is not None
+        and r.get(mk.SPARSITY_GRAD_HOYER) is None
     ]  # a zero gradient: Hoyer is 0/0 (the run directory's null)
     if not rows and zero:
         return [
@@ -221,12 +204,12 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
         ]
     if not rows:
         return []
-    runs = [_sparsity_series(after_warmup(_lens_rows(recs, SPARSITY_GRAD_HOYER))) for recs in seed_records(data)]
+    runs = [_sparsity_series(after_warmup(_lens_rows(recs, mk.SPARSITY_GRAD_HOYER))) for recs in seed_records(data)]
     verdict, why, nums = trend_verdict(runs, MIN_LENS_STEPS, "differences")
     tested = len(runs[0][0])
     rho = nums["rho"]
-    upd = [r.get(SPARSITY_UPDATE_STEP_HOYER) for r in rows]
-    grad = [float(r[SPARSITY_GRAD_HOYER]) for r in rows]
+    upd = [r.get(mk.SPARSITY_UPDATE_STEP_HOYER) for r in rows]
+    grad = [float(r[mk.SPARSITY_GRAD_HOYER]) for r in rows]
     space = f", LoRA adapter weights (rank {data['lora_rank']}) only" if data.get("lora_rank") else ""
     return [
         Claim(
@@ -237,8 +220,8 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
                 else f"training, {tested} lens steps (first lens step and LR warm-up excluded){space}"
             ),
             measurement=(
-                f"Hoyer of the policy gradient {fmt(grad[0], 3)} (step {rows[0][STEP]}) -> "
-                f"{fmt(grad[-1], 3)} (step {rows[-1][STEP]}), Spearman rho {fmt(rho, 2)} on the "
+                f"Hoyer of the policy gradient {fmt(grad[0], 3)} (step {rows[0][mk.STEP]}) -> "
+                f"{fmt(grad[-1], 3)} (step {rows[-1][mk.STEP]}), Spearman rho {fmt(rho, 2)} on the "
                 f"tested steps{' of the first seed' if nums['route'] == 'seeds' else ''}; AdamW update Hoyer "
                 f"{fmt(upd[0], 3)} -> {fmt(upd[-1], 3)} (not tested)"
             ),
@@ -263,20 +246,20 @@ def _sparsity_series(tested_rows: list[dict[str, Any]]) -> Series:
     without a mixed group (no policy-gradient term) excluded. The step's gradient sums its mixed groups' terms:
     fewer groups alone make it sparser, so log(mixed groups) is partialled out (constant per-group
     sparsity while mixed groups fall 8 -> 1 read holds 1.00)."""
-    tested = [r for r in tested_rows[1:] if r.get(RANK_MIXED_GROUPS) is None or float(r[RANK_MIXED_GROUPS]) > 0]
+    tested = [r for r in tested_rows[1:] if r.get(mk.RANK_MIXED_GROUPS) is None or float(r[mk.RANK_MIXED_GROUPS]) > 0]
     cov = (
-        [math.log(float(r[RANK_MIXED_GROUPS])) for r in tested]
-        if tested and all(r.get(RANK_MIXED_GROUPS) is not None for r in tested)
+        [math.log(float(r[mk.RANK_MIXED_GROUPS])) for r in tested]
+        if tested and all(r.get(mk.RANK_MIXED_GROUPS) is not None for r in tested)
         else None
     )
-    return [float(r[STEP]) for r in tested], [float(r[SPARSITY_GRAD_HOYER]) for r in tested], cov
+    return [float(r[mk.STEP]) for r in tested], [float(r[mk.SPARSITY_GRAD_HOYER]) for r in tested], cov
 
 
 def _s1_series(records: list[dict[str, Any]]) -> Series:
     """(steps, S1, None) of one run's steps after the LR warm-up."""
-    rows = [r for r in records if r.get(REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(STEP) is not None]
+    rows = [r for r in records if r.get(mk.REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(mk.STEP) is not None]
     rows = after_warmup(rows)
-    return [float(r[STEP]) for r in rows], [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows], None
+    return [float(r[mk.STEP]) for r in rows], [float(r[mk.REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows], None
 
 
 def run_slopes(records: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -284,7 +267,7 @@ def run_slopes(records: list[dict[str, Any]]) -> dict[str, float | None]:
     :func:`trend_verdict`): {"s1": S1's, "hoyer": the gradient Hoyer's (log mixed groups partialled out)}; None where
     the run has too few steps."""
     s1 = _s1_series(records)
-    hoyer = _sparsity_series(after_warmup(_lens_rows(records, SPARSITY_GRAD_HOYER)))
+    hoyer = _sparsity_series(after_warmup(_lens_rows(records, mk.SPARSITY_GRAD_HOYER)))
     return {
         "s1": ols_trend(*s1)["slope"] if len(s1[0]) >= MIN_S1_STEPS else None,
         "hoyer": ols_trend(*hoyer)["slope"] if len(hoyer[0]) >= MIN_LENS_STEPS else None,
@@ -321,13 +304,13 @@ def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
     rows = [
         r
         for r in data.get("records") or []
-        if r.get(REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(STEP) is not None
+        if r.get(mk.REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(mk.STEP) is not None
     ]
     if not rows:
         return []
     runs = [_s1_series(recs) for recs in seed_records(data)]
     verdict, why, nums = trend_verdict(runs, MIN_S1_STEPS, "hac")
-    ys = [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows]
+    ys = [float(r[mk.REWARD_FRAC_ZERO_STD_GROUPS]) for r in rows]
     rho = nums["rho"]
     first, last = (mean_interval(ys[w], bounds=(0.0, 1.0)) for w in trend_windows(len(ys)))
     return [
@@ -365,7 +348,7 @@ def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
 
 
 def _sample_size(rows: list[dict[str, Any]]) -> str:
-    n = rows[-1].get(SPARSITY_SAMPLE_ENTRIES)
+    n = rows[-1].get(mk.SPARSITY_SAMPLE_ENTRIES)
     return str(int(n)) if n else "?"
 
 
@@ -375,7 +358,7 @@ def _share_se(row: dict[str, Any], key: str, se_key: str) -> tuple[float, str]:
     se = row.get(se_key)
     if se is not None:
         return float(se), "stratified by tensor"
-    n, q = float(row.get(SPARSITY_SAMPLE_ENTRIES) or 0), row.get(key)
+    n, q = float(row.get(mk.SPARSITY_SAMPLE_ENTRIES) or 0), row.get(key)
     if not n or q is None:
         return math.nan, "no standard error"
     return math.sqrt(max(q * (1 - q), 1e-12) / n), "simple-random-sample approximation (older run)"
@@ -385,10 +368,10 @@ def _s4_lora_claim(last: dict[str, Any], lora_rank: int, rows: list[dict[str, An
     """S4 with LoRA: inconclusive, not applicable to the adapter's parameters (the base weights never change)."""
     return Claim(
         claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
-        scope=f"training, step {last[STEP]}, LoRA rank {lora_rank}",
+        scope=f"training, step {last[mk.STEP]}, LoRA rank {lora_rank}",
         measurement=(
             f"over the adapter's A and B only: bf16 unchanged since start "
-            f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], 3)}"
+            f"{fmt(last[mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED], 3)}"
         ),
         control="none: the claim is about the model's weights, not the adapter's",
         verdict=INCONCLUSIVE,
@@ -489,28 +472,28 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     tells "sparse" from "small"). The 0.1 rule's dense Gaussian control at the per-tensor RMS is shown, not used:
     with heavy-tailed magnitudes it is set by the few large entries and read a dense update as sparse.
     """
-    rows = _lens_rows(data.get("records") or [], SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)
+    rows = _lens_rows(data.get("records") or [], mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)
     if not rows:
         return []
     last = rows[-1]
     if data.get("lora_rank"):  # the lens samples the trainable (adapter) weights; the frozen base never changes
         return [_s4_lora_claim(last, data["lora_rank"], rows)]
-    share = float(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
-    f32 = last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED)
-    perm = last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)
-    dense = last.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)
-    q_se, how = _share_se(last, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE)
+    share = float(last[mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])
+    f32 = last.get(mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED)
+    perm = last.get(mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)
+    dense = last.get(mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE)
+    q_se, how = _share_se(last, mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE)
     most = verdict_from_interval(share - 1.96 * q_se, share + 1.96 * q_se, 0.5, "above")
     if f32 is None:
         f32_most, f32_lo, f32_hi = INCONCLUSIVE, math.nan, math.nan
     else:
         f32 = float(f32)
-        z_se, _ = _share_se(last, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE)
+        z_se, _ = _share_se(last, mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE)
         f32_lo, f32_hi = f32 - 1.96 * z_se, f32 + 1.96 * z_se
         f32_most = verdict_from_interval(f32_lo, f32_hi, 0.5, "above")
     if perm is not None:
         gap = share - float(perm)
-        e_se = last.get(SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE)
+        e_se = last.get(mk.SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE)
         e_se = float(e_se) if e_se is not None else q_se
         lo, hi = gap - 1.96 * e_se, gap + 1.96 * e_se
         placement = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
@@ -525,7 +508,7 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     return [
         Claim(
             claim="RL leaves most parameters unchanged (S4), beyond bf16 rounding",
-            scope=f"training, step {last[STEP]}",
+            scope=f"training, step {last[mk.STEP]}",
             measurement=(
                 f"float32 unchanged since start {fmt(f32, 4)} [{fmt(f32_lo, 4)}, {fmt(f32_hi, 4)}]; "
                 f"bf16 unchanged {fmt(share, 3)}; {excess} (95% intervals over "
@@ -538,7 +521,7 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
             verdict=verdict,
             rule=why,
             source=f"lens, fixed stratified sample of {_sample_size(rows)} weights",
-            n=int(float(last.get(SPARSITY_SAMPLE_ENTRIES) or 0)) or None,
+            n=int(float(last.get(mk.SPARSITY_SAMPLE_ENTRIES) or 0)) or None,
             p_holds=p_holds,
             p_dnh=p_dnh,
             rule_id=S4_RULE_ID,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.base import (
     BRANCH_LEVEL,
     CLAIMS,
@@ -28,15 +29,6 @@ from grpo_lens.claims.base import (
     verdict_from_interval,
 )
 from grpo_lens.formulas.stats import mean_interval, mean_test_p
-from grpo_lens.metrics import (
-    PROBE_G2_WEIGHTINGS,
-    PROBE_GROUPS,
-    PROBE_SUMMARY,
-    RANK_G2_WEIGHTED,
-    ZERO_SUM_COS_GAP_EXCESS,
-    ZERO_SUM_SPAN_ENERGY,
-    zero_sum_key,
-)
 
 #: the margin of the equivalence pair: the labels capture at least / less than this share of the energy a
 #: relabelling leaves outside the class span (of the cosine Gram)
@@ -58,7 +50,7 @@ def relabelling_test(groups: list[dict[str, Any]], level: float = 0.95, stat: st
 
     Returns {"n", "z", "p", "theta", "lo", "hi", "x", "room"} (None where undefined; x, room the per-group lists).
     """
-    ex, nv, nu = zero_sum_key(stat, "excess"), zero_sum_key(stat, "null_var"), zero_sum_key(stat, "null")
+    ex, nv, nu = mk.zero_sum_key(stat, "excess"), mk.zero_sum_key(stat, "null_var"), mk.zero_sum_key(stat, "null")
     rows = [g for g in groups if g.get(ex) is not None and g.get(nv) is not None and g.get(nu) is not None]
     out: dict[str, Any] = {
         "n": len(rows),
@@ -119,7 +111,7 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
     rs = [R for R in sorted(per_group_size, key=int) if int(R) > 2]
     if not rs:
         return []
-    tests = {R: theta_test(per_group_size[R].get(PROBE_GROUPS, []) or []) for R in rs}
+    tests = {R: theta_test(per_group_size[R].get(mk.PROBE_GROUPS, []) or []) for R in rs}
     p_holds = max(t["p_holds"] for t in tests.values())
     p_dnh = min(1.0, len(tests) * min(t["p_dnh"] for t in tests.values()))
     verdict = decide(p_holds, p_dnh)
@@ -136,7 +128,7 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
         why = f"θ's interval reaches {NEGLIGIBLE_SHARE} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
     meas, ctrl = [], []
     for R, t in tests.items():
-        summ = per_group_size[R].get(PROBE_SUMMARY, {})
+        summ = per_group_size[R].get(mk.PROBE_SUMMARY, {})
         th = (
             "–"
             if t["theta"] is None
@@ -144,8 +136,8 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
         )
         meas.append(
             f"R = {R}: θ (cosine Gram) {th} (n = {t['n']} groups); span energy "
-            f"{ci_text(summ.get(ZERO_SUM_SPAN_ENERGY), 3)}; cos-gap excess "
-            f"{ci_text(summ.get(ZERO_SUM_COS_GAP_EXCESS), 3)}"
+            f"{ci_text(summ.get(mk.ZERO_SUM_SPAN_ENERGY), 3)}; cos-gap excess "
+            f"{ci_text(summ.get(mk.ZERO_SUM_COS_GAP_EXCESS), 3)}"
         )
         ctrl.append(f"R = {R}: relabelling z {fmt(t['z'])}")
     return [
@@ -197,15 +189,15 @@ def zero_sum_g2_weighting(probe: dict[str, Any]) -> list[Claim]:
     out = []
     src = source_of(probe) + "; G2 is exact (autograd weight gradients)"
     for R in sorted(probe.get("per_group_size", {}), key=int):
-        rows = ((probe["per_group_size"][R].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS)) or []
+        rows = ((probe["per_group_size"][R].get(mk.PROBE_G2_WEIGHTINGS) or {}).get(mk.PROBE_GROUPS)) or []
         ds, adv_sr, other_sr = [], [], []
         for row in rows:
-            parsed = [RANK_G2_WEIGHTED.parse(k) for k in row]
+            parsed = [mk.RANK_G2_WEIGHTED.parse(k) for k in row]
             types = sorted({p["kind"] for p in parsed if p is not None and p["w"] == "adv"})
             if not types:
                 continue
-            a = sum(row[RANK_G2_WEIGHTED.format(w="adv", kind=t)] for t in types) / len(types)
-            o = sum(row[RANK_G2_WEIGHTED.format(w=w, kind=t)] for t in types for w in NOT_ZERO_SUM) / (
+            a = sum(row[mk.RANK_G2_WEIGHTED.format(w="adv", kind=t)] for t in types) / len(types)
+            o = sum(row[mk.RANK_G2_WEIGHTED.format(w=w, kind=t)] for t in types for w in NOT_ZERO_SUM) / (
                 len(types) * len(NOT_ZERO_SUM)
             )
             ds.append((a - o) / o if o > 0 else float("nan"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from grpo_lens import metrics as mk
 from grpo_lens.config.base import (
     ConfigFile,
     Names,
@@ -35,7 +36,6 @@ from grpo_lens.config.groups import (
     check_task_dataset,
 )
 from grpo_lens.config.trl_names import register_trl_names
-from grpo_lens.metrics import METRIC_NAME_SCHEMES
 from grpo_lens.registry import declared_constant, declared_names
 
 # Registries and constants of torch modules, read without importing them (``grpo-lens --help``; config/groups.py).
@@ -355,7 +355,7 @@ class TrainConfig(ConfigFile):
         "Names the trackers log under: grpo-lens (the keys of docs/metrics.md), "
         "trl or verl (those libraries' names where they log the same quantity; every other key "
         "keeps its name). metrics.jsonl always has grpo-lens' keys.",
-        check=one_of(METRIC_NAME_SCHEMES),
+        check=one_of(mk.METRIC_NAME_SCHEMES),
     )
     # --- evaluation ------------------------------------------------------------------------------------------------
     eval_every: int = option(

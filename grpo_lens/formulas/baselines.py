@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.advantages import (
     constant_groups,
     loo_optimal_baseline,
@@ -67,13 +68,6 @@ from grpo_lens.formulas.advantages import (
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS as MIN_UNITS
 from grpo_lens.formulas.stats import mean_interval
 from grpo_lens.formulas.zero_sum import fixed_k_labellings
-from grpo_lens.metrics import (
-    BASELINE_B_STAR,
-    BASELINE_B_STAR_MINUS_MEAN,
-    BASELINE_GROUP_MEAN,
-    BASELINE_M_CORRECT,
-    BASELINE_M_WRONG,
-)
 from grpo_lens.registry import Registry
 
 BaselineFn = Callable[[Tensor, Tensor], Tensor]
@@ -161,11 +155,11 @@ def baseline_metrics(grads: Tensor, rewards: Tensor) -> dict[str, float]:
     b_star = optimal_baseline(grads, rewards)
     mean = float(rewards.double().mean())
     return {
-        BASELINE_M_CORRECT: m_c,
-        BASELINE_M_WRONG: m_w,
-        BASELINE_B_STAR: b_star,
-        BASELINE_B_STAR_MINUS_MEAN: b_star - mean,
-        BASELINE_GROUP_MEAN: mean,
+        mk.BASELINE_M_CORRECT: m_c,
+        mk.BASELINE_M_WRONG: m_w,
+        mk.BASELINE_B_STAR: b_star,
+        mk.BASELINE_B_STAR_MINUS_MEAN: b_star - mean,
+        mk.BASELINE_GROUP_MEAN: mean,
     }
 
 

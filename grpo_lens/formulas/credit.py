@@ -27,13 +27,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.losses import aggregation_rollout_weights
 from grpo_lens.formulas.stats import binomial_pmf, mean_interval
-from grpo_lens.metrics import (
-    CREDIT_ADV_VAR_WITHIN_MAX,
-    CREDIT_ANSWER_SHARE_MEAN,
-    CREDIT_ANSWER_TOKEN_FRAC,
-)
 
 #: The last number of a completion: optional sign, digits with optional thousands commas, optional decimals.
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -227,11 +223,11 @@ def credit_metrics(
         {"credit/adv_var_within_max", "credit/answer_share_mean" (if answer_mask), "credit/answer_token_frac"
         (share of completion tokens that are answer tokens, the share a uniform profile would give)}.
     """
-    out = {CREDIT_ADV_VAR_WITHIN_MAX: float(within_rollout_advantage_variance(token_adv, completion_mask).max())}
+    out = {mk.CREDIT_ADV_VAR_WITHIN_MAX: float(within_rollout_advantage_variance(token_adv, completion_mask).max())}
     if answer_mask is not None:
-        out[CREDIT_ANSWER_SHARE_MEAN] = float(answer_share(token_sq_norms, answer_mask, completion_mask).mean())
+        out[mk.CREDIT_ANSWER_SHARE_MEAN] = float(answer_share(token_sq_norms, answer_mask, completion_mask).mean())
         tokens = completion_mask.double().sum().clamp(min=1.0)
-        out[CREDIT_ANSWER_TOKEN_FRAC] = float((answer_mask & completion_mask.bool()).double().sum() / tokens)
+        out[mk.CREDIT_ANSWER_TOKEN_FRAC] = float((answer_mask & completion_mask.bool()).double().sum() / tokens)
     return out
 
 

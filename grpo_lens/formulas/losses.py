@@ -34,17 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_lens.metrics import (
-    CLIP_RATIO_DUAL,
-    CLIP_RATIO_HIGH,
-    CLIP_RATIO_LOW,
-    CLIP_RATIO_REGION,
-    KL_MEAN,
-    LOSS_KL,
-    LOSS_POLICY,
-    RATIO_MAX,
-    RATIO_MEAN,
-)
+from grpo_lens import metrics as mk
 from grpo_lens.registry import Registry
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -660,9 +650,9 @@ def grpo_loss(
     with torch.no_grad():
         tokens = maskf.sum().clamp(min=1.0)
         metrics = {
-            LOSS_POLICY: float(policy.detach()),
-            LOSS_KL: float(kl_part.detach()),
-            KL_MEAN: float(masked_sum(kl_tok.detach(), mask) / tokens) if kl_tok is not None else 0.0,
+            mk.LOSS_POLICY: float(policy.detach()),
+            mk.LOSS_KL: float(kl_part.detach()),
+            mk.KL_MEAN: float(masked_sum(kl_tok.detach(), mask) / tokens) if kl_tok is not None else 0.0,
             **clip_shares(ratio, advantages, mask, tokens, eps_low, eps_high, dual_clip),
             "tokens": float(maskf.sum()),
         }
@@ -714,12 +704,12 @@ def clip_shares(
     if dual_clip is not None:
         dual = (adv < 0) & (ratio > dual_clip) & mask
     return {
-        CLIP_RATIO_LOW: float(low.sum() / tokens),
-        CLIP_RATIO_HIGH: float(high.sum() / tokens),
-        CLIP_RATIO_REGION: float((low | high).sum() / tokens),
-        CLIP_RATIO_DUAL: float(dual.sum() / tokens),
-        RATIO_MEAN: float(masked_sum(ratio, mask) / tokens),
-        RATIO_MAX: float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
+        mk.CLIP_RATIO_LOW: float(low.sum() / tokens),
+        mk.CLIP_RATIO_HIGH: float(high.sum() / tokens),
+        mk.CLIP_RATIO_REGION: float((low | high).sum() / tokens),
+        mk.CLIP_RATIO_DUAL: float(dual.sum() / tokens),
+        mk.RATIO_MEAN: float(masked_sum(ratio, mask) / tokens),
+        mk.RATIO_MAX: float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
     }
 
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.stats import stratified_mean_se
-from grpo_lens.metrics import sparsity_key
 
 
 def predicted_zero_variance_fraction(success_rates: Tensor, group_size: int) -> float:
@@ -432,5 +432,5 @@ def flatten_sparsity(prefix: str, results: dict[str, dict[str, float]]) -> dict[
     out = {}
     for group, values in results.items():
         for m, v in values.items():
-            out[sparsity_key(prefix, m, None if group == "all" else group)] = v
+            out[mk.sparsity_key(prefix, m, None if group == "all" else group)] = v
     return out

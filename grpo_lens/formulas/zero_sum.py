@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from grpo_lens.metrics import zero_sum_key
+from grpo_lens import metrics as mk
 
 
 def fixed_k_labellings(num_rollouts: int, k: int, max_permutations: int, generator: torch.Generator) -> list[Tensor]:
@@ -197,11 +197,11 @@ def zero_sum_tests(
             continue
         ge = int((null >= obs - 1e-12).sum())
         p = ge / len(null) if exhaustive else (1 + ge) / (1 + len(null))
-        out[zero_sum_key(name)] = obs
-        out[zero_sum_key(name, "null")] = float(null.mean())
-        out[zero_sum_key(name, "excess")] = obs - float(null.mean())
-        out[zero_sum_key(name, "null_var")] = float(null.var(unbiased=False))
-        out[zero_sum_key(name, "p")] = p
+        out[mk.zero_sum_key(name)] = obs
+        out[mk.zero_sum_key(name, "null")] = float(null.mean())
+        out[mk.zero_sum_key(name, "excess")] = obs - float(null.mean())
+        out[mk.zero_sum_key(name, "null_var")] = float(null.var(unbiased=False))
+        out[mk.zero_sum_key(name, "p")] = p
     return out
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.spectrum import top_eigenvalues_psd_products, top_singular_value
 from grpo_lens.gradients.params import LayerFilter, linear_layer_names
-from grpo_lens.metrics import RANK_G2_WEIGHTED
 
 #: Last name components that one family uses in two roles, so their kind keeps the parent too: GPT-2's ``c_proj``
 #: is the attention output (``attn.c_proj`` -> ``attn_c_proj``) and the MLP down projection (``mlp_c_proj``).
@@ -48,7 +48,7 @@ def g2_by_type_keys(layer_grads: dict[str, Tensor], weighting: str) -> dict[str,
         s1 = top_singular_value(g2)
         fro2 = float(g2.detach().float().square().sum(dtype=torch.float64))
         per_type.setdefault(module_kind(name), []).append(fro2 / s1**2 if s1 > 0 else 0.0)
-    return {RANK_G2_WEIGHTED.format(w=weighting, kind=t): sum(v) / len(v) for t, v in per_type.items()}
+    return {mk.RANK_G2_WEIGHTED.format(w=weighting, kind=t): sum(v) / len(v) for t, v in per_type.items()}
 
 
 class G2WeightingCapture:
@@ -228,4 +228,4 @@ class G2WeightingCapture:
         for name, by_w in self.stable.items():
             for wname, sr in by_w.items():
                 per.setdefault((wname, module_kind(name)), []).append(sr)
-        return {RANK_G2_WEIGHTED.format(w=w, kind=t): sum(v) / len(v) for (w, t), v in per.items()}
+        return {mk.RANK_G2_WEIGHTED.format(w=w, kind=t): sum(v) / len(v) for (w, t), v in per.items()}

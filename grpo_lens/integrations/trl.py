@@ -74,6 +74,7 @@ from typing import Any
 import torch
 import yaml
 
+from grpo_lens import metrics as mk
 from grpo_lens.config.base import safe_load_yaml
 from grpo_lens.formulas.losses import loss_normalizer, rollout_gradient_weights
 from grpo_lens.gradients.gram import GramCapture
@@ -82,7 +83,6 @@ from grpo_lens.gradients.sketch import GradientCapture, backward_roots
 from grpo_lens.lens.settings import LensSettings
 from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lens.trainer_lens import TrainerLens
-from grpo_lens.metrics import JSONL, PERF_STEP_SECONDS, STEP, from_trl, is_defined
 from grpo_lens.rewards import completion_text
 from grpo_lens.rollout import RolloutBatch, batch_logprobs
 from grpo_lens.rundir import RunDir, RunDirError, RunDirLockedError, acquire_run_lock
@@ -711,7 +711,7 @@ class GRPOLensMixin:
             }
             self.lens_run.append_metrics(
                 {
-                    STEP: step,
+                    mk.STEP: step,
                     "prompt": text,
                     "completion": completion_text(tok.decode(ids, skip_special_tokens=True)),
                     "reward": _finite(self._lens_rewards[j]),
@@ -725,13 +725,15 @@ class GRPOLensMixin:
     def lens_record(self, logs: dict[str, Any]) -> dict[str, Any]:
         """The metrics.jsonl record of one TRL log: the step, the window's batch metrics (averaged as TRL averages
         its own), TRL's values of grpo-lens' quantities, and every logged key that is grpo-lens' own (the lens's)."""
-        record: dict[str, Any] = {STEP: int(self.state.global_step)}
+        record: dict[str, Any] = {mk.STEP: int(self.state.global_step)}
         for key, values in self._lens_window.items():
             finite = [v for v in values if v is not None and math.isfinite(v)]
             record[key] = sum(finite) / len(finite) if finite else None
         self._lens_window.clear()
-        record.update(from_trl(logs))
-        record.update({k: v for k, v in logs.items() if k != STEP and is_defined(k, JSONL) and k not in record})
+        record.update(mk.from_trl(logs))
+        record.update(
+            {k: v for k, v in logs.items() if k != mk.STEP and mk.is_defined(k, mk.JSONL) and k not in record}
+        )
         return record
 
 
@@ -830,7 +832,7 @@ class _LensCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
         if self._t0 is not None:
-            t._lens_window[PERF_STEP_SECONDS].append(time.perf_counter() - self._t0)
+            t._lens_window[mk.PERF_STEP_SECONDS].append(time.perf_counter() - self._t0)
         if t._lens_step_pending or int(state.global_step) >= int(state.max_steps):
             # a lens step (its keys and S4) and the run's last step are logged whatever logging_steps is: TRL's
             # default of 10 exceeds a short run's max_steps, and a step TRL does not log reaches no tracker,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.sparsity import (
     UPDATE_MEASURES,
     bf16_unchanged_counts,
@@ -33,11 +34,6 @@ from grpo_lens.formulas.sparsity import (
     top_share_of_sorted,
 )
 from grpo_lens.formulas.stats import stratified_mean_se
-from grpo_lens.metrics import (
-    SPARSITY_SAMPLE_ENTRIES,
-    SPARSITY_UPDATE_STEP,
-    SPARSITY_UPDATE_TOTAL,
-)
 from grpo_lens.runtime.sharding import entries, local_part, sum_over_shards
 from grpo_lens.seeding import derive_seed
 
@@ -269,7 +265,7 @@ class SparsityOverTraining:
         # before_step set the gradient
         out.update(flatten_sparsity("grad", sampled_vector_sparsity(self.sample, self._grad)))  # type: ignore[arg-type]
         out.update(flatten_sparsity("grad_total", sampled_vector_sparsity(self.sample, self.grad_sum)))
-        out[SPARSITY_SAMPLE_ENTRIES] = float(self.sample.size)
+        out[mk.SPARSITY_SAMPLE_ENTRIES] = float(self.sample.size)
         self._before = self._grad = None
         return out
 
@@ -343,8 +339,8 @@ class Bf16UpdateTracker:
         """
         current = self._snapshot()
         out = {
-            SPARSITY_UPDATE_STEP: self._unchanged(self.previous, current),
-            SPARSITY_UPDATE_TOTAL: self._unchanged(self.start, current),
+            mk.SPARSITY_UPDATE_STEP: self._unchanged(self.previous, current),
+            mk.SPARSITY_UPDATE_TOTAL: self._unchanged(self.start, current),
         }
         self.previous = current
         return out

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.analysis.group import (
     analyse_group,
     lens_rank_intervals,
@@ -64,41 +65,6 @@ from grpo_lens.lens.settings import LensSettings, as_lens_settings
 from grpo_lens.lens.sparsity import Bf16UpdateTracker, SparsityOverTraining
 from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lora import is_lora
-from grpo_lens.metrics import (
-    DEAD_KL_GRAD_NORM,
-    DEAD_KL_GRAD_RATIO,
-    GRAD_GRAM_COVERAGE,
-    GROUP_SIZE,
-    LANDING_ANSWER_SHARE,
-    LANDING_ANSWER_TOKENS,
-    LANDING_CLOSURE,
-    LANDING_FORMAT_SHARE,
-    LANDING_FORMAT_TOKENS,
-    LANDING_POSITIVE_SHARE,
-    LANDING_REASONING_SHARE,
-    LANDING_REASONING_TOKENS,
-    LANDING_TOKENS,
-    NOISE_B_SIMPLE,
-    NOISE_B_SIMPLE_HI,
-    NOISE_B_SIMPLE_LO,
-    NOISE_EXACT_TOTAL_POWER,
-    NOISE_FROM_UPDATE,
-    NOISE_GRAD_SQ,
-    NOISE_GRAD_SQ_HI,
-    NOISE_GRAD_SQ_LO,
-    NOISE_GRAD_SQ_P,
-    NOISE_GROUPS,
-    NOISE_PROXY_RANK_CORR,
-    NOISE_PROXY_TOTAL_POWER,
-    NOISE_SNR,
-    NOISE_TRACE_SIGMA,
-    NOISE_TRACE_SIGMA_HI,
-    NOISE_TRACE_SIGMA_LO,
-    PERF_LENS_LANDING_SECONDS,
-    PERF_LENS_SECONDS,
-    PERF_LENS_SPARSITY_SECONDS,
-    RANK_MIXED_GROUPS,
-)
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, scored_logits
 from grpo_lens.runtime.processes import gather_objects
 from grpo_lens.runtime.sharding import is_sharded
@@ -331,7 +297,7 @@ class TrainerLens:
         out = self._batch_metrics(parts, from_update=gram is not None, n_total=n_total, step=s.step)
         self._want_grad_sq, self._grad_sq, self._proxy_w = False, None, None
         self._pending = True
-        out[PERF_LENS_SECONDS] = time.perf_counter() - t0
+        out[mk.PERF_LENS_SECONDS] = time.perf_counter() - t0
         return out
 
     def _loss_normalizer(self, batch: RolloutBatch) -> tuple[torch.Tensor, float, float]:
@@ -410,11 +376,11 @@ class TrainerLens:
         the rank intervals, the exact Gram's coverage, the noise scale and verl's proxy beside it."""
         all_rows = [row for part in parts for row in part["rows"]]
         out: dict[str, float] = {}
-        out[RANK_MIXED_GROUPS] = float(len(all_rows))
+        out[mk.RANK_MIXED_GROUPS] = float(len(all_rows))
         all_coverage = [x for part in parts for x in part["coverage"]]
         if all_coverage:
-            out[GRAD_GRAM_COVERAGE] = min(all_coverage)
-        out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != GROUP_SIZE})
+            out[mk.GRAD_GRAM_COVERAGE] = min(all_coverage)
+        out.update({k: val for k, val in mean_over_groups(all_rows).items() if k != mk.GROUP_SIZE})
         out.update(lens_rank_intervals(all_rows))
         # S from the update covers every parameter, so D must too: the fused noise scale needs coverage 1
         if not (from_update and all_coverage and min(all_coverage) < 1.0) and all_rows:
@@ -424,9 +390,9 @@ class TrainerLens:
             if proxies:  # verl's proxy beside the exact power, over the step's N rollouts in the loss
                 proxy, exact = torch.cat([p for p, _ in proxies]), torch.cat([e for _, e in proxies])
                 ok = proxy.isfinite() & exact.isfinite()
-                out[NOISE_PROXY_TOTAL_POWER] = float(proxy[ok].sum()) / n_total
-                out[NOISE_EXACT_TOTAL_POWER] = float(exact[ok].sum()) / n_total
-                out[NOISE_PROXY_RANK_CORR] = rank_correlation(proxy[ok], exact[ok])
+                out[mk.NOISE_PROXY_TOTAL_POWER] = float(proxy[ok].sum()) / n_total
+                out[mk.NOISE_EXACT_TOTAL_POWER] = float(exact[ok].sum()) / n_total
+                out[mk.NOISE_PROXY_RANK_CORR] = rank_correlation(proxy[ok], exact[ok])
         return out
 
     def noise_metrics(self, parts: list[dict[str, Any]], from_update: bool, seed: int) -> dict[str, float]:
@@ -454,29 +420,29 @@ class TrainerLens:
             if self._grad_sq is None:
                 return {}
             est = noise_scale_from_sums(sum(p["sum_sq"] for p in parts), self._grad_sq, B)
-            extra: dict[str, float] = {NOISE_FROM_UPDATE: 1.0}
+            extra: dict[str, float] = {mk.NOISE_FROM_UPDATE: 1.0}
         elif len(parts) == 1:
             m = parts[0]["m"] if parts[0]["m"] is not None else torch.zeros(0, 0, dtype=torch.float64)
             est = noise_scale(m, B)
             ci = noise_scale_jackknife(m, B)
-            extra = {NOISE_FROM_UPDATE: 0.0, NOISE_GRAD_SQ_P: signal_sign_flip_p(m, seed=seed)}
+            extra = {mk.NOISE_FROM_UPDATE: 0.0, mk.NOISE_GRAD_SQ_P: signal_sign_flip_p(m, seed=seed)}
             names = {
-                "grad_sq_lo": NOISE_GRAD_SQ_LO,
-                "grad_sq_hi": NOISE_GRAD_SQ_HI,
-                "trace_sigma_lo": NOISE_TRACE_SIGMA_LO,
-                "trace_sigma_hi": NOISE_TRACE_SIGMA_HI,
-                "b_simple_lo": NOISE_B_SIMPLE_LO,
-                "b_simple_hi": NOISE_B_SIMPLE_HI,
+                "grad_sq_lo": mk.NOISE_GRAD_SQ_LO,
+                "grad_sq_hi": mk.NOISE_GRAD_SQ_HI,
+                "trace_sigma_lo": mk.NOISE_TRACE_SIGMA_LO,
+                "trace_sigma_hi": mk.NOISE_TRACE_SIGMA_HI,
+                "b_simple_lo": mk.NOISE_B_SIMPLE_LO,
+                "b_simple_hi": mk.NOISE_B_SIMPLE_HI,
             }
             extra.update({names[k]: val for k, val in ci.items()})
         else:
             return {}
         return {
-            NOISE_GROUPS: float(B),
-            NOISE_GRAD_SQ: est["grad_sq"],
-            NOISE_TRACE_SIGMA: est["trace_sigma"],
-            NOISE_B_SIMPLE: est["b_simple"],
-            NOISE_SNR: est["snr"],
+            mk.NOISE_GROUPS: float(B),
+            mk.NOISE_GRAD_SQ: est["grad_sq"],
+            mk.NOISE_TRACE_SIGMA: est["trace_sigma"],
+            mk.NOISE_B_SIMPLE: est["b_simple"],
+            mk.NOISE_SNR: est["snr"],
             **extra,
         }
 
@@ -676,8 +642,8 @@ class TrainerLens:
         u_sq = squared_norm(u)
         out: dict[str, float] = {}
         if dead_sq is not None:
-            out[DEAD_KL_GRAD_NORM] = math.sqrt(dead_sq)
-            out[DEAD_KL_GRAD_RATIO] = gradient_norm_ratio(dead_sq, u_sq)
+            out[mk.DEAD_KL_GRAD_NORM] = math.sqrt(dead_sq)
+            out[mk.DEAD_KL_GRAD_RATIO] = gradient_norm_ratio(dead_sq, u_sq)
         if landing is not None and u_sq > 0:
             sub, w, adv = landing
             d = token_directional_derivatives(
@@ -687,8 +653,8 @@ class TrainerLens:
             measured = w != 0
             sign = torch.where(adv > 0, 0, 1).unsqueeze(1).expand_as(w)
             shares, closure = landing_shares(s, torch.where(measured, sign, -1), 2)
-            out.update({LANDING_POSITIVE_SHARE: float(shares[0]), LANDING_CLOSURE: closure})
-            out[LANDING_TOKENS] = float(measured.sum())
+            out.update({mk.LANDING_POSITIVE_SHARE: float(shares[0]), mk.LANDING_CLOSURE: closure})
+            out[mk.LANDING_TOKENS] = float(measured.sum())
             if self.tokenizer is not None:
                 classes = token_classes(self.tokenizer, sub.completion_ids.cpu(), measured)
                 shares, _ = landing_shares(s, classes, len(TOKEN_CLASSES))
@@ -698,15 +664,19 @@ class TrainerLens:
                     zip(
                         TOKEN_CLASSES,
                         zip(
-                            (LANDING_ANSWER_SHARE, LANDING_FORMAT_SHARE, LANDING_REASONING_SHARE),
-                            (LANDING_ANSWER_TOKENS, LANDING_FORMAT_TOKENS, LANDING_REASONING_TOKENS),
+                            (mk.LANDING_ANSWER_SHARE, mk.LANDING_FORMAT_SHARE, mk.LANDING_REASONING_SHARE),
+                            (
+                                mk.LANDING_ANSWER_TOKEN_SHARE,
+                                mk.LANDING_FORMAT_TOKEN_SHARE,
+                                mk.LANDING_REASONING_TOKEN_SHARE,
+                            ),
                         ),
                     )
                 )
                 for k, name in enumerate(TOKEN_CLASSES):
                     out[names[name][0]] = float(shares[k])
                     out[names[name][1]] = float(tokens[k])
-        out[PERF_LENS_LANDING_SECONDS] = self._landing_seconds + time.perf_counter() - t0
+        out[mk.PERF_LENS_LANDING_SECONDS] = self._landing_seconds + time.perf_counter() - t0
         return out
 
     def before_step(self, policy: torch.nn.Module) -> None:
@@ -740,5 +710,5 @@ class TrainerLens:
         out = self.tracker.update()
         out.update(extra)
         out.update(self.sparsity.after_step())
-        out[PERF_LENS_SPARSITY_SECONDS] = self._sparsity_seconds + time.perf_counter() - t0
+        out[mk.PERF_LENS_SPARSITY_SECONDS] = self._sparsity_seconds + time.perf_counter() - t0
         return out

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.baselines import (
     estimator_variances,
     variance_relative_to_optimal,
@@ -23,36 +24,6 @@ from grpo_lens.formulas.spectrum import (
 from grpo_lens.formulas.stats import mean_interval, stratify_rows, summarise_rows
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
 from grpo_lens.gradients.gram_blocks import gram_factor
-from grpo_lens.metrics import (
-    G3_GROUPS,
-    GRAD_IDENTITY_RESIDUAL,
-    GROUP_CORRECT,
-    GROUP_DISTINCT_COMPLETIONS,
-    GROUPS_ALL_EQUAL,
-    GROUPS_INVALID,
-    GROUPS_MIXED,
-    PROBE_BASELINES,
-    PROBE_CREDIT,
-    PROBE_G2_WEIGHTINGS,
-    PROBE_G3,
-    PROBE_GRAM_COVERAGE,
-    PROBE_GROUPS,
-    PROBE_SKETCH_CHECK,
-    PROBE_SPECTRA,
-    PROBE_STRATA,
-    PROBE_SUMMARY,
-    PROBE_TIMING,
-    PROMPTS_SAMPLED,
-    RANK_G1_VS_NULL,
-    ROLLOUTS_PER_PROMPT,
-    S1_MEASURED,
-    S1_MEASURED_CI,
-    S1_PREDICTED,
-    S1_PREDICTED_CI,
-    ZERO_SUM_STATS,
-    rank_key,
-    zero_sum_key,
-)
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.draws import PromptPool, draw_plan, prompt_status, prompt_view, rollouts_per_prompt
 from grpo_lens.probe.gradient_sources import (
@@ -67,11 +38,11 @@ from grpo_lens.rollout import RolloutBatch
 
 #: Keys whose summaries the probe also stratifies by k and by distinct completions.
 STRATA_KEYS = (
-    tuple(rank_key(m, x) for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank", "stable_rank"))
-    + tuple(RANK_G1_VS_NULL.format(m=x) for x in ("erank", "stable_rank"))
-    + (GRAD_IDENTITY_RESIDUAL,)
-    + tuple(zero_sum_key(s, part) for s in ZERO_SUM_STATS for part in ("", "null", "excess", "p"))
-    + (GROUP_DISTINCT_COMPLETIONS, GROUP_CORRECT)
+    tuple(mk.rank_key(m, x) for m in ("g1", "g1_null", "g1_no_adv", "g1_random") for x in ("erank", "stable_rank"))
+    + tuple(mk.RANK_G1_VS_NULL.format(m=x) for x in ("erank", "stable_rank"))
+    + (mk.GRAD_IDENTITY_RESIDUAL,)
+    + tuple(mk.zero_sum_key(s, part) for s in mk.ZERO_SUM_STATS for part in ("", "null", "excess", "p"))
+    + (mk.GROUP_DISTINCT_COMPLETIONS, mk.GROUP_CORRECT)
 )
 
 
@@ -234,7 +205,7 @@ def probe_group_size(
             on_prompts(hi - first, sum(r.status == "mixed" for r in records))
     # 3) aggregate over prompts and groups
     out = aggregate_group_size(records, M, config)
-    out[PROBE_TIMING]["seconds"] = time.perf_counter() - t_start + restored_seconds  # + the killed run's measuring
+    out[mk.PROBE_TIMING]["seconds"] = time.perf_counter() - t_start + restored_seconds  # + the killed run's measuring
     return out
 
 
@@ -258,14 +229,14 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
     s1_indicators = [float(r.status == "all_equal") for r in records if r.status != "invalid"]
     valid_groups = sampled - invalid  # groups whose rollouts all have a valid reward
     # one matrix: no interval (resampled rows would repeat, lowering rank)
-    g3: dict[str, Any] = {G3_GROUPS: len(extras)}
+    g3: dict[str, Any] = {mk.G3_GROUPS: len(extras)}
     if len(extras) >= 2:
         for name in WEIGHTINGS:
             g3_rows = torch.stack([e["g3_rows"][name] for e in extras])  # [groups, P_s]
             stem = "g3" if name == "adv" else f"g3_{name}"
-            g3.update({rank_key(stem, m): v for m, v in rank_measures(singular_values(g3_rows)).items()})
+            g3.update({mk.rank_key(stem, m): v for m, v in rank_measures(singular_values(g3_rows)).items()})
             if name == "adv":
-                g3.update({rank_key("g3_null", m): v for m, v in rank_measures(g3_rows.norm(dim=1)).items()})
+                g3.update({mk.rank_key("g3_null", m): v for m, v in rank_measures(g3_rows.norm(dim=1)).items()})
     profile: list[float] = []
     if extras:
         T = max(len(e["profile"]) for e in extras)
@@ -283,35 +254,37 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
     }
     ci: dict[str, Any] = dict(seed=config.seed)
     return {
-        ROLLOUTS_PER_PROMPT: M,
-        PROMPTS_SAMPLED: sampled,
-        GROUPS_ALL_EQUAL: all_equal,
-        GROUPS_MIXED: len(rows),
-        GROUPS_INVALID: invalid,
-        S1_MEASURED: all_equal / valid_groups if valid_groups else None,
-        S1_PREDICTED: statistics.fmean(s1_predictions) if s1_predictions else None,
-        S1_PREDICTED_CI: mean_interval(s1_predictions),
-        S1_MEASURED_CI: mean_interval(s1_indicators),
-        PROBE_GROUPS: rows,
-        PROBE_SUMMARY: summarise_rows(rows, **ci),
-        PROBE_STRATA: {
-            "correct": stratify_rows(rows, GROUP_CORRECT, keys=STRATA_KEYS, **ci),
-            "distinct": stratify_rows(rows, GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
+        mk.ROLLOUTS_PER_PROMPT: M,
+        mk.PROMPTS_SAMPLED: sampled,
+        mk.GROUPS_ALL_EQUAL: all_equal,
+        mk.GROUPS_MIXED: len(rows),
+        mk.GROUPS_INVALID: invalid,
+        mk.S1_MEASURED: all_equal / valid_groups if valid_groups else None,
+        mk.S1_PREDICTED: statistics.fmean(s1_predictions) if s1_predictions else None,
+        mk.S1_PREDICTED_CI: mean_interval(s1_predictions),
+        mk.S1_MEASURED_CI: mean_interval(s1_indicators),
+        mk.PROBE_GROUPS: rows,
+        mk.PROBE_SUMMARY: summarise_rows(rows, **ci),
+        mk.PROBE_STRATA: {
+            "correct": stratify_rows(rows, mk.GROUP_CORRECT, keys=STRATA_KEYS, **ci),
+            "distinct": stratify_rows(rows, mk.GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
         },
-        PROBE_G3: g3,
-        PROBE_G2_WEIGHTINGS: {PROBE_GROUPS: g2w, PROBE_SUMMARY: summarise_rows(g2w, **ci)} if g2w else None,
-        PROBE_SKETCH_CHECK: {PROBE_GROUPS: checks, PROBE_SUMMARY: summarise_rows(checks, **ci)} if checks else None,
-        PROBE_SPECTRA: {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
-        PROBE_BASELINES: {
+        mk.PROBE_G3: g3,
+        mk.PROBE_G2_WEIGHTINGS: {mk.PROBE_GROUPS: g2w, mk.PROBE_SUMMARY: summarise_rows(g2w, **ci)} if g2w else None,
+        mk.PROBE_SKETCH_CHECK: {mk.PROBE_GROUPS: checks, mk.PROBE_SUMMARY: summarise_rows(checks, **ci)}
+        if checks
+        else None,
+        mk.PROBE_SPECTRA: {name: [e["spectra"][name] for e in extras] for name in ("G1", "G1_no_adv", "G1_null", "G2")},
+        mk.PROBE_BASELINES: {
             "variance": variances,
             "relative_variance": variance_relative_to_optimal(variances) if variances else {},
             "prompts": len(baseline_var),
         },
-        PROBE_CREDIT: {"position_profile": profile},
-        PROBE_GRAM_COVERAGE: min(covs)
+        mk.PROBE_CREDIT: {"position_profile": profile},
+        mk.PROBE_GRAM_COVERAGE: min(covs)
         if (covs := [e["gram_coverage"] for e in extras if e["gram_coverage"] is not None])
         else None,
-        PROBE_TIMING: {
+        mk.PROBE_TIMING: {
             "generation_seconds": seconds["generation"],
             "gradient_seconds": seconds["gradient"],
             "g2_weightings_seconds": seconds["g2_weightings"],

@@ -58,18 +58,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from grpo_lens import metrics as mk
 from grpo_lens.config import ConfigError, resolve_device
 from grpo_lens.formulas.stats import summarise_rows
 from grpo_lens.gradients.params import linear_layer_names
-from grpo_lens.metrics import (
-    GROUPS_MIXED,
-    PROBE_GRAM_COVERAGE,
-    PROBE_GROUPS,
-    PROBE_SKETCH_CHECK,
-    PROBE_TIMING,
-    PROMPTS_SAMPLED,
-    SKETCH_COVERAGE,
-)
 from grpo_lens.models import load_model
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.draws import PromptPool, draw_plan, generation_prompts_per_call, prompt_view, rollouts_per_prompt
@@ -278,10 +270,13 @@ def probe_meta(
     settings), ``seconds`` the whole probe's wall time and ``t_studies`` the studies' (s), the pool's generation
     counts and the first batch's time estimate ``estimated``."""
     checks = [
-        c for d in per_group_size.values() if d.get(PROBE_SKETCH_CHECK) for c in d[PROBE_SKETCH_CHECK][PROBE_GROUPS]
+        c
+        for d in per_group_size.values()
+        if d.get(mk.PROBE_SKETCH_CHECK)
+        for c in d[mk.PROBE_SKETCH_CHECK][mk.PROBE_GROUPS]
     ]
     check_summary = summarise_rows(checks, seed=config.seed) if checks else {}
-    covs = [d[PROBE_GRAM_COVERAGE] for d in per_group_size.values() if d.get(PROBE_GRAM_COVERAGE) is not None]
+    covs = [d[mk.PROBE_GRAM_COVERAGE] for d in per_group_size.values() if d.get(mk.PROBE_GRAM_COVERAGE) is not None]
     gradients = "exact" if config.dense_oracle else ("exact_gram" if config.gram_source == "exact" else "sketch")
     meta = {
         "model": config.model,
@@ -289,7 +284,7 @@ def probe_meta(
         "gradients": gradients,
         "gram_coverage": min(covs) if covs else None,
         "g3_source": "exact" if config.dense_oracle else "sketch",
-        "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
+        "sketch_coverage": (check_summary.get(mk.SKETCH_COVERAGE) or {}).get("mean"),
         "sketch_check": check_summary,
         "estimator": config.estimator,
         "loss_aggregation": config.loss_aggregation,
@@ -383,7 +378,7 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
 
         if (finished := partial.group_size_result(R)) is not None:  # measured before the probe was killed
             per_group_size[str(R)] = finished
-            on_prompts(finished[PROMPTS_SAMPLED], finished[GROUPS_MIXED])
+            on_prompts(finished[mk.PROMPTS_SAMPLED], finished[mk.GROUPS_MIXED])
             continue
         with forward_precision(next(policy.parameters()).device, config.dtype):  # bf16-mixed: bf16 autocast
             per_group_size[str(R)] = probe_group_size(
@@ -393,9 +388,9 @@ def run_probe(config: ProbeConfig, policy=None, tokenizer=None) -> Path:
         logger.info(
             "probe R = %d: %d mixed groups of %d prompts in %.0f s",
             R,
-            per_group_size[str(R)][GROUPS_MIXED],
-            per_group_size[str(R)][PROMPTS_SAMPLED],
-            per_group_size[str(R)][PROBE_TIMING]["seconds"],
+            per_group_size[str(R)][mk.GROUPS_MIXED],
+            per_group_size[str(R)][mk.PROMPTS_SAMPLED],
+            per_group_size[str(R)][mk.PROBE_TIMING]["seconds"],
         )
     if progress is not None:
         progress.close()

@@ -44,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from grpo_lens import metrics as mk
 from grpo_lens.config import ConfigError
 from grpo_lens.formulas.baselines import (
     summarise_baseline_prompts,
@@ -59,31 +60,6 @@ from grpo_lens.formulas.stats import (
     mean_interval,
     stratify_rows,
     summarise_rows,
-)
-from grpo_lens.metrics import (
-    GROUP_CORRECT,
-    GROUP_DISTINCT_COMPLETIONS,
-    GROUPS_ALL_EQUAL,
-    GROUPS_INVALID,
-    GROUPS_MIXED,
-    PROBE_BASELINES,
-    PROBE_CREDIT,
-    PROBE_G2_WEIGHTINGS,
-    PROBE_G3,
-    PROBE_GRAM_COVERAGE,
-    PROBE_GROUPS,
-    PROBE_SKETCH_CHECK,
-    PROBE_SPECTRA,
-    PROBE_STRATA,
-    PROBE_SUMMARY,
-    PROBE_TIMING,
-    PROMPTS_SAMPLED,
-    ROLLOUTS_PER_PROMPT,
-    S1_MEASURED,
-    S1_MEASURED_CI,
-    S1_PREDICTED,
-    S1_PREDICTED_CI,
-    SKETCH_COVERAGE,
 )
 from grpo_lens.plugins import config_header
 from grpo_lens.probe.config import ProbeConfig
@@ -128,24 +104,25 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
     analysed groups (and G2-weighting, sketch-check rows, spectra) concatenated and summarised, stratified by k and
     by distinct completions as the probe does; counts summed; S1 measured from the summed counts, S1 predicted
     combined over seeds as strata; G3 left out (one matrix per run, see the module docstring)."""
-    M = {e[ROLLOUTS_PER_PROMPT] for e in entries}
+    M = {e[mk.ROLLOUTS_PER_PROMPT] for e in entries}
     if len(M) != 1:
         raise PoolingError(f"the seeds sampled different rollouts per prompt ({sorted(M)})")
-    rows = _concat(entries, PROBE_GROUPS)
+    rows = _concat(entries, mk.PROBE_GROUPS)
     counts = {
-        k: sum(int(e[k]) for e in entries) for k in (PROMPTS_SAMPLED, GROUPS_ALL_EQUAL, GROUPS_MIXED, GROUPS_INVALID)
+        k: sum(int(e[k]) for e in entries)
+        for k in (mk.PROMPTS_SAMPLED, mk.GROUPS_ALL_EQUAL, mk.GROUPS_MIXED, mk.GROUPS_INVALID)
     }
-    valid = counts[PROMPTS_SAMPLED] - counts[GROUPS_INVALID]
+    valid = counts[mk.PROMPTS_SAMPLED] - counts[mk.GROUPS_INVALID]
     # S1 measured is a share of the valid groups: its pooled indicators are the summed counts (order does not matter)
-    indicators = [1.0] * counts[GROUPS_ALL_EQUAL] + [0.0] * (valid - counts[GROUPS_ALL_EQUAL])
-    predicted = combine_summaries([e.get(S1_PREDICTED_CI) for e in entries], bounds=(0.0, 1.0))
+    indicators = [1.0] * counts[mk.GROUPS_ALL_EQUAL] + [0.0] * (valid - counts[mk.GROUPS_ALL_EQUAL])
+    predicted = combine_summaries([e.get(mk.S1_PREDICTED_CI) for e in entries], bounds=(0.0, 1.0))
     ci: dict[str, Any] = {"seed": seed}
 
     def rows_and_summary(key: str) -> dict[str, Any] | None:
-        pooled = _concat([e.get(key) for e in entries], PROBE_GROUPS)
-        return {PROBE_GROUPS: pooled, PROBE_SUMMARY: summarise_rows(pooled, **ci)} if pooled else None
+        pooled = _concat([e.get(key) for e in entries], mk.PROBE_GROUPS)
+        return {mk.PROBE_GROUPS: pooled, mk.PROBE_SUMMARY: summarise_rows(pooled, **ci)} if pooled else None
 
-    variances = [(e.get(PROBE_BASELINES) or {}) for e in entries]
+    variances = [(e.get(mk.PROBE_BASELINES) or {}) for e in entries]
     prompts = sum(int(v.get("prompts") or 0) for v in variances)
     var = {}
     if prompts:
@@ -154,45 +131,47 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
             k: math.fsum(float(v["variance"][k]) * int(v["prompts"]) for v in variances if v.get("prompts")) / prompts
             for k in names
         }
-    profiles = [((e.get(PROBE_CREDIT) or {}).get("position_profile") or [], int(e[GROUPS_MIXED])) for e in entries]
+    profiles = [
+        ((e.get(mk.PROBE_CREDIT) or {}).get("position_profile") or [], int(e[mk.GROUPS_MIXED])) for e in entries
+    ]
     T = max((len(p) for p, _ in profiles), default=0)
     profile = []
     for t in range(T):  # a position's mean over the seeds' groups, each seed weighted by its analysed groups
         have = [(p[t], n) for p, n in profiles if len(p) > t and n > 0]
         profile.append(math.fsum(x * n for x, n in have) / sum(n for _, n in have) if have else 0.0)
-    covs = [e[PROBE_GRAM_COVERAGE] for e in entries if e.get(PROBE_GRAM_COVERAGE) is not None]
+    covs = [e[mk.PROBE_GRAM_COVERAGE] for e in entries if e.get(mk.PROBE_GRAM_COVERAGE) is not None]
     timing = {
-        k: math.fsum(float((e.get(PROBE_TIMING) or {}).get(k) or 0.0) for e in entries)
+        k: math.fsum(float((e.get(mk.PROBE_TIMING) or {}).get(k) or 0.0) for e in entries)
         for k in ("generation_seconds", "gradient_seconds", "g2_weightings_seconds", "sketch_check_seconds", "seconds")
     }
     spectra = {
-        name: _concat([e.get(PROBE_SPECTRA) for e in entries], name) for name in ("G1", "G1_no_adv", "G1_null", "G2")
+        name: _concat([e.get(mk.PROBE_SPECTRA) for e in entries], name) for name in ("G1", "G1_no_adv", "G1_null", "G2")
     }
     return {
-        ROLLOUTS_PER_PROMPT: M.pop(),
+        mk.ROLLOUTS_PER_PROMPT: M.pop(),
         **counts,
-        S1_MEASURED: counts[GROUPS_ALL_EQUAL] / valid if valid else None,
-        S1_PREDICTED: predicted["mean"],
-        S1_PREDICTED_CI: {k: predicted[k] for k in ("mean", "lo", "hi", "n")},
-        S1_MEASURED_CI: mean_interval(indicators),
-        PROBE_GROUPS: rows,
-        PROBE_SUMMARY: summarise_rows(rows, **ci),
-        PROBE_STRATA: {
-            "correct": stratify_rows(rows, GROUP_CORRECT, keys=STRATA_KEYS, **ci),
-            "distinct": stratify_rows(rows, GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
+        mk.S1_MEASURED: counts[mk.GROUPS_ALL_EQUAL] / valid if valid else None,
+        mk.S1_PREDICTED: predicted["mean"],
+        mk.S1_PREDICTED_CI: {k: predicted[k] for k in ("mean", "lo", "hi", "n")},
+        mk.S1_MEASURED_CI: mean_interval(indicators),
+        mk.PROBE_GROUPS: rows,
+        mk.PROBE_SUMMARY: summarise_rows(rows, **ci),
+        mk.PROBE_STRATA: {
+            "correct": stratify_rows(rows, mk.GROUP_CORRECT, keys=STRATA_KEYS, **ci),
+            "distinct": stratify_rows(rows, mk.GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
         },
-        PROBE_G3: {},
-        PROBE_G2_WEIGHTINGS: rows_and_summary(PROBE_G2_WEIGHTINGS),
-        PROBE_SKETCH_CHECK: rows_and_summary(PROBE_SKETCH_CHECK),
-        PROBE_SPECTRA: spectra,
-        PROBE_BASELINES: {
+        mk.PROBE_G3: {},
+        mk.PROBE_G2_WEIGHTINGS: rows_and_summary(mk.PROBE_G2_WEIGHTINGS),
+        mk.PROBE_SKETCH_CHECK: rows_and_summary(mk.PROBE_SKETCH_CHECK),
+        mk.PROBE_SPECTRA: spectra,
+        mk.PROBE_BASELINES: {
             "variance": var,
             "relative_variance": variance_relative_to_optimal(var) if var else {},
             "prompts": prompts,
         },
-        PROBE_CREDIT: {"position_profile": profile},
-        PROBE_GRAM_COVERAGE: min(covs) if covs else None,
-        PROBE_TIMING: timing,
+        mk.PROBE_CREDIT: {"position_profile": profile},
+        mk.PROBE_GRAM_COVERAGE: min(covs) if covs else None,
+        mk.PROBE_TIMING: timing,
     }
 
 
@@ -283,7 +262,7 @@ def _key_spread(
     for key, pooled in pooled_summary.items():
         values = [[row.get(key) for row in rows] for rows in group_seeds_rows]
         out[key] = {
-            "within": [(e.get(PROBE_SUMMARY) or {}).get(key) for e in entries],
+            "within": [(e.get(mk.PROBE_SUMMARY) or {}).get(key) for e in entries],
             "spread": between_seed_spread(values),
             "stratified": stratified_interval(values),
             "pooled": pooled,
@@ -324,27 +303,31 @@ def pool_probes(probes: dict[int, dict[str, Any]]) -> dict[str, Any]:
     for R in sorted(first["per_group_size"], key=int):
         entries = [probes[s]["per_group_size"][R] for s in seeds]
         per_group_size[R] = pool_group_size(entries)
-        rows_by_seed = [e.get(PROBE_GROUPS) or [] for e in entries]
+        rows_by_seed = [e.get(mk.PROBE_GROUPS) or [] for e in entries]
         seeds_r[R] = {
             "group_seeds": [s for s, rows in zip(seeds, rows_by_seed) for _ in rows],
             "g2_seeds": [
-                s for s, e in zip(seeds, entries) for _ in ((e.get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_GROUPS) or [])
+                s
+                for s, e in zip(seeds, entries)
+                for _ in ((e.get(mk.PROBE_G2_WEIGHTINGS) or {}).get(mk.PROBE_GROUPS) or [])
             ],
-            "g3": {str(s): e.get(PROBE_G3) or {} for s, e in zip(seeds, entries)},
-            "keys": _key_spread(entries, rows_by_seed, per_group_size[R][PROBE_SUMMARY]),
+            "g3": {str(s): e.get(mk.PROBE_G3) or {} for s, e in zip(seeds, entries)},
+            "keys": _key_spread(entries, rows_by_seed, per_group_size[R][mk.PROBE_SUMMARY]),
         }
     studies: dict[str, Any] = {}
     for name, fn in (("baselines", pool_baseline_study), ("credit", pool_credit_study)):
         if name in (first.get("studies") or {}):
             studies[name] = fn([probes[s]["studies"][name] for s in seeds])
     metas = [probes[s]["meta"] for s in seeds]
-    checks = [c for d in per_group_size.values() for c in ((d.get(PROBE_SKETCH_CHECK) or {}).get(PROBE_GROUPS) or [])]
+    checks = [
+        c for d in per_group_size.values() for c in ((d.get(mk.PROBE_SKETCH_CHECK) or {}).get(mk.PROBE_GROUPS) or [])
+    ]
     check_summary = summarise_rows(checks) if checks else {}
     covs = [m["gram_coverage"] for m in metas if m.get("gram_coverage") is not None]
     meta = {
         **first["meta"],
         "gram_coverage": min(covs) if covs else None,
-        "sketch_coverage": (check_summary.get(SKETCH_COVERAGE) or {}).get("mean"),
+        "sketch_coverage": (check_summary.get(mk.SKETCH_COVERAGE) or {}).get("mean"),
         "sketch_check": check_summary,
         "seconds": math.fsum(float(m.get("seconds") or 0) for m in metas),
         "studies_seconds": math.fsum(float(m.get("studies_seconds") or 0) for m in metas),
@@ -460,5 +443,5 @@ def seed_summary_line(pooled: dict[str, Any]) -> str:
     for R, d in pooled["per_group_size"].items():
         group_seeds = pooled[SEEDS]["per_group_size"][R]["group_seeds"]
         per_seed = " + ".join(str(group_seeds.count(s)) for s in pooled[SEEDS]["seeds"])
-        parts.append(f"R = {R}: {d[GROUPS_MIXED]} mixed groups ({per_seed})")
+        parts.append(f"R = {R}: {d[mk.GROUPS_MIXED]} mixed groups ({per_seed})")
     return "; ".join(parts)

@@ -19,20 +19,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims import evaluate_claims
-from grpo_lens.metrics import (
-    GROUPS_ALL_EQUAL,
-    GROUPS_INVALID,
-    GROUPS_MIXED,
-    PROBE_SUMMARY,
-    PROMPTS_SAMPLED,
-    S1_MEASURED,
-    S1_PREDICTED,
-)
 from grpo_lens.trackers import Trackers
 
 #: the per-R counts and shares a tracker gets, under ``probe/<key>``
-COUNT_KEYS = (PROMPTS_SAMPLED, GROUPS_MIXED, GROUPS_ALL_EQUAL, GROUPS_INVALID, S1_MEASURED, S1_PREDICTED)
+COUNT_KEYS = (
+    mk.PROMPTS_SAMPLED,
+    mk.GROUPS_MIXED,
+    mk.GROUPS_ALL_EQUAL,
+    mk.GROUPS_INVALID,
+    mk.S1_MEASURED,
+    mk.S1_PREDICTED,
+)
 
 
 def probe_records(probe: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
@@ -41,7 +40,7 @@ def probe_records(probe: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
     out = []
     for R in sorted(probe.get("per_group_size", {}), key=int):
         d = probe["per_group_size"][R]
-        record = {key: s.get("mean") for key, s in (d.get(PROBE_SUMMARY) or {}).items() if isinstance(s, dict)}
+        record = {key: s.get("mean") for key, s in (d.get(mk.PROBE_SUMMARY) or {}).items() if isinstance(s, dict)}
         record.update({f"probe/{k}": d.get(k) for k in COUNT_KEYS})
         out.append((int(R), record))
     return out

@@ -29,10 +29,10 @@ from typing import Any
 
 import yaml
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, evaluate_claims, holm_claims
 from grpo_lens.claims.sparsity import TRAINING_CLAIMS
 from grpo_lens.config.base import safe_load_yaml
-from grpo_lens.metrics import PERF_LENS_SECONDS, STEP
 from grpo_lens.report import plots
 from grpo_lens.report.answers import answers_section, training_data
 from grpo_lens.report.format import (
@@ -369,8 +369,8 @@ def _write_report(run_dir: Path) -> Path:
     seed_dirs = read_train_seeds(run_dir / "train") if preset else read_train_seeds(run_dir)
     if seed_dirs:
         train_dir = seed_dirs[0]
-    seed_runs = [[r for r in _read_jsonl(d / "metrics.jsonl") if STEP in r] for d in seed_dirs or []]
-    records = [r for r in _read_jsonl(train_dir / "metrics.jsonl") if STEP in r]
+    seed_runs = [[r for r in _read_jsonl(d / "metrics.jsonl") if mk.STEP in r] for d in seed_dirs or []]
+    records = [r for r in _read_jsonl(train_dir / "metrics.jsonl") if mk.STEP in r]
     probes = find_probes(run_dir)
     if not records and not probes:
         raise ReportError(f"{run_dir} holds neither metrics.jsonl nor probe.json; nothing to report")
@@ -407,7 +407,7 @@ def _write_report(run_dir: Path) -> Path:
         ]
 
     header = ["# grpo-lens report", "", f"Run directory: `{run_dir}`.", ""]
-    if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
+    if probes or any(r.get(mk.PERF_LENS_SECONDS) is not None for r in records):
         # the answers first, the full table in the appendix
         pooled = probes.get("probe") or {}
         pooled_dir = run_dir if (run_dir / "probe.json").exists() else run_dir / "probe"  # demo --preset: probe/
@@ -437,7 +437,7 @@ def _write_report(run_dir: Path) -> Path:
             "</details>",
             "",
         ]
-    if probes or any(r.get(PERF_LENS_SECONDS) is not None for r in records):
+    if probes or any(r.get(mk.PERF_LENS_SECONDS) is not None for r in records):
         rest += claims_section(probes, records, lora_rank, seed_runs)
     if seed_dirs:
         rest += train_seeds_lines(seed_dirs, seed_runs)

@@ -28,28 +28,11 @@ import matplotlib.colors
 import matplotlib.pyplot as plt
 import yaml
 
+from grpo_lens import metrics as mk
 from grpo_lens.config import TrainConfig
 from grpo_lens.config.base import safe_load_yaml, yaml_error_line
 from grpo_lens.config.trl_names import grpo_lens_settings
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, mean_interval
-from grpo_lens.metrics import (
-    BASELINE_B_STAR,
-    COMPLETIONS_MEAN_LENGTH,
-    DYNAMIC_HIT_CAP,
-    DYNAMIC_KEPT_REWARD_MEAN,
-    DYNAMIC_MIXED_GROUPS,
-    EVAL_GREEDY_ACCURACY,
-    EVAL_SAMPLED_ACCURACY,
-    JSONL,
-    POLICY_ENTROPY,
-    REWARD_ACCURACY,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    REWARD_MEAN,
-    SPARSITY_UPDATE_TOTAL,
-    STEP,
-    lookup,
-    rank_key,
-)
 from grpo_lens.models import same_model_key
 from grpo_lens.report.format import fmt_sig, md_row, md_table
 from grpo_lens.report.plots import integer_ticks
@@ -59,20 +42,20 @@ from grpo_lens.rundir import RunDirError, read_records, write_file, writes_confi
 
 #: The metrics compared: (key, label). A metric absent from every run is left out.
 COMPARED = (
-    (REWARD_MEAN, "reward"),
-    (REWARD_ACCURACY, "accuracy"),
-    (EVAL_GREEDY_ACCURACY, "held-out accuracy, greedy (--eval-every)"),
-    (EVAL_SAMPLED_ACCURACY, "held-out accuracy, sampled (--eval-every)"),
-    (POLICY_ENTROPY, "policy entropy (nats/token)"),
-    (REWARD_FRAC_ZERO_STD_GROUPS, "S1: zero-variance groups"),
-    (DYNAMIC_MIXED_GROUPS, "mixed groups trained on (dynamic sampling)"),
-    (DYNAMIC_HIT_CAP, "share of steps at the dynamic-sampling cap"),
-    (DYNAMIC_KEPT_REWARD_MEAN, "reward of the kept groups only (dynamic sampling)"),
-    (rank_key("g1", "erank"), "lens: G1 effective rank"),
-    (rank_key("g1_random", "erank"), "lens: G1 random zero-sum control"),
-    (SPARSITY_UPDATE_TOTAL, "lens: S4 bf16-unchanged since start"),
-    (BASELINE_B_STAR, "lens: b*"),
-    (COMPLETIONS_MEAN_LENGTH, "completion length (tokens)"),
+    (mk.REWARD_MEAN, "reward"),
+    (mk.REWARD_ACCURACY, "accuracy"),
+    (mk.EVAL_GREEDY_ACCURACY, "held-out accuracy, greedy (--eval-every)"),
+    (mk.EVAL_SAMPLED_ACCURACY, "held-out accuracy, sampled (--eval-every)"),
+    (mk.POLICY_ENTROPY, "policy entropy (nats/token)"),
+    (mk.REWARD_FRAC_ZERO_STD_GROUPS, "S1: zero-variance groups"),
+    (mk.DYNAMIC_MIXED_GROUPS, "mixed groups trained on (dynamic sampling)"),
+    (mk.DYNAMIC_HIT_CAP, "share of steps at the dynamic-sampling cap"),
+    (mk.DYNAMIC_KEPT_REWARD_MEAN, "reward of the kept groups only (dynamic sampling)"),
+    (mk.rank_key("g1", "erank"), "lens: G1 effective rank"),
+    (mk.rank_key("g1_random", "erank"), "lens: G1 random zero-sum control"),
+    (mk.SPARSITY_UPDATE_TOTAL, "lens: S4 bf16-unchanged since start"),
+    (mk.BASELINE_B_STAR, "lens: b*"),
+    (mk.COMPLETIONS_MEAN_LENGTH, "completion length (tokens)"),
 )
 
 
@@ -169,7 +152,7 @@ def differing_fields(
 def final_numbers(records: list[dict[str, Any]], key: str, last: int) -> dict[str, Any] | None:
     """Mean and 95% interval of ``key`` over the last ``last`` records that have a finite value of it (None if none):
     {"mean", "low", "high" (None below MIN_INTERVAL_UNITS records), "n", "steps": [first, last]}."""
-    pts = [(r[STEP], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    pts = [(r[mk.STEP], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     if not pts:
         return None
     pts = pts[-last:]
@@ -234,7 +217,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
     handles: dict[str, Any] = {}
     for ax, (key, label) in zip(axes.flat, metrics):
         for run, records in runs.items():
-            pts = [(r[STEP], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            pts = [(r[mk.STEP], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if pts:
                 (line,) = ax.plot(
                     *zip(*pts),
@@ -245,7 +228,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], metrics: list[tuple[str,
                     label=run,
                 )
                 handles.setdefault(run, line)
-        found = lookup(key, JSONL)
+        found = mk.lookup(key, mk.JSONL)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(found[0].unit if found else key, fontsize=8)

@@ -20,36 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from grpo_lens.metrics import (
-    BASELINE_B_STAR,
-    BASELINE_GROUP_MEAN,
-    BASELINE_M_CORRECT,
-    BASELINE_M_WRONG,
-    CLIP_RATIO_HIGH,
-    CLIP_RATIO_LOW,
-    CLIP_RATIO_REGION,
-    COMPLETIONS_MEAN_LENGTH,
-    KL_MEAN,
-    LR,
-    POLICY_ENTROPY,
-    PROBE_BASELINES,
-    PROBE_CREDIT,
-    PROBE_SPECTRA,
-    PROBE_SUMMARY,
-    RANK_G1_LENS_HI,
-    RANK_G1_LENS_LO,
-    REWARD_ACCURACY,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    REWARD_MEAN,
-    SPARSITY_UPDATE_STEP,
-    SPARSITY_UPDATE_TOTAL,
-    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
-    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
-    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
-    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
-    STEP,
-    rank_key,
-)
+from grpo_lens import metrics as mk
 from grpo_lens.rundir import write_file
 
 DPI = 90
@@ -59,12 +30,12 @@ SIZE = (6.4, 3.6)
 #: the colour of a series drawn in more than one figure of the report, the same wherever it appears (S4 and its
 #: controls in sparsity.png and sparsity_measures.png; accuracy beside the reward and beside S1)
 SERIES_COLOURS = {
-    REWARD_ACCURACY: "tab:gray",
-    SPARSITY_UPDATE_TOTAL: "tab:orange",
-    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED: "tab:orange",
-    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED: "tab:green",
-    SPARSITY_UPDATE_TOTAL_BF16_DENSE: "tab:red",
-    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED: "tab:purple",
+    mk.REWARD_ACCURACY: "tab:gray",
+    mk.SPARSITY_UPDATE_TOTAL: "tab:orange",
+    mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED: "tab:orange",
+    mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED: "tab:green",
+    mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE: "tab:red",
+    mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED: "tab:purple",
 }
 
 
@@ -79,7 +50,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     for r in records:
         v = r.get(key)
         if v is not None:
-            xs.append(r[STEP])
+            xs.append(r[mk.STEP])
             ys.append(float(v))
     return xs, ys
 
@@ -223,20 +194,20 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
         beta: the run's KL coefficient; None: the KL panel appears when any step logged a non-zero KL.
     """
     if beta is None:
-        beta = 1.0 if any((r.get(KL_MEAN) or 0.0) != 0.0 for r in records) else 0.0
+        beta = 1.0 if any((r.get(mk.KL_MEAN) or 0.0) != 0.0 for r in records) else 0.0
     fig, axes = plt.subplots(2, 2, figsize=(SIZE[0], SIZE[1] * 1.4), sharex=True)
     third = (
-        (axes[1, 0], [(KL_MEAN, "KL to reference")], "nats/token", "KL to the reference model")
+        (axes[1, 0], [(mk.KL_MEAN, "KL to reference")], "nats/token", "KL to the reference model")
         if beta > 0
-        else (axes[1, 0], [(POLICY_ENTROPY, "token-mean entropy")], "nats/token", "policy entropy")
+        else (axes[1, 0], [(mk.POLICY_ENTROPY, "token-mean entropy")], "nats/token", "policy entropy")
     )
     panels = [
-        (axes[0, 0], [(REWARD_MEAN, "reward mean"), (REWARD_ACCURACY, "accuracy")], "reward", "reward"),
-        (axes[0, 1], [(COMPLETIONS_MEAN_LENGTH, "mean length")], "tokens", "completion length"),
+        (axes[0, 0], [(mk.REWARD_MEAN, "reward mean"), (mk.REWARD_ACCURACY, "accuracy")], "reward", "reward"),
+        (axes[0, 1], [(mk.COMPLETIONS_MEAN_LENGTH, "mean length")], "tokens", "completion length"),
         third,
         (
             axes[1, 1],
-            [(CLIP_RATIO_REGION, "clipped share"), (CLIP_RATIO_HIGH, "high"), (CLIP_RATIO_LOW, "low")],
+            [(mk.CLIP_RATIO_REGION, "clipped share"), (mk.CLIP_RATIO_HIGH, "high"), (mk.CLIP_RATIO_LOW, "low")],
             "share of tokens",
             "clip ratio",
         ),
@@ -252,7 +223,7 @@ def plot_learning_curves(records: list[dict[str, Any]], path: Path, beta: float 
         ax.grid(alpha=0.3)
         if len(keys) > 1:  # see-through: with "(= ... at every step)" it may have to sit on a line
             _legend(ax, fontsize=7, framealpha=0.6)
-    xs, ys = _series(records, POLICY_ENTROPY)  # entropy beside the reward: collapse shows as both moving
+    xs, ys = _series(records, mk.POLICY_ENTROPY)  # entropy beside the reward: collapse shows as both moving
     if xs and beta > 0:  # with beta = 0 the third panel already draws it
         twin = axes[0, 0].twinx()
         twin.plot(xs, ys, color="tab:purple", alpha=0.6, linestyle="--", label="entropy (right)")
@@ -268,7 +239,7 @@ def plot_learning_rate(records: list[dict[str, Any]], path: Path, schedule: str 
     """The learning rate of each step (``lr``, the value the step's optimizer updates used), one line; the title
     names the schedule when given (e.g. "cosine, 2 warm-up steps")."""
     fig, ax = plt.subplots(figsize=(SIZE[0], SIZE[1] * 0.8))
-    xs, ys = _series(records, LR)
+    xs, ys = _series(records, mk.LR)
     if xs:
         ax.plot(xs, ys, marker=".", color="tab:gray")
     ax.set_xlabel("step")
@@ -285,13 +256,13 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
     control, the dense-update control and the float32-unchanged share the S4 claim rests on. Legends under the panels:
     the shares sit near 0 and 1, where a legend inside covers them."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(SIZE[0], SIZE[1] * 1.5))
-    for key, label in [(REWARD_FRAC_ZERO_STD_GROUPS, "S1 measured")]:
+    for key, label in [(mk.REWARD_FRAC_ZERO_STD_GROUPS, "S1 measured")]:
         xs, ys = _series(records, key)
         if xs:
             a1.plot(xs, ys, marker=".", label=label)
-    xs, ys = _series(records, REWARD_ACCURACY)
+    xs, ys = _series(records, mk.REWARD_ACCURACY)
     if xs:
-        a1.plot(xs, ys, color=series_colour(REWARD_ACCURACY), alpha=0.5, label="accuracy")
+        a1.plot(xs, ys, color=series_colour(mk.REWARD_ACCURACY), alpha=0.5, label="accuracy")
     a1.set_title("zero-variance groups (S1)", fontsize=9)
     a1.set_xlabel("step")
     a1.set_ylabel(
@@ -305,11 +276,11 @@ def plot_sparsity(records: list[dict[str, Any]], path: Path) -> Path:
         [
             (label, *_series(records, key), series_colour(key), style)
             for key, label, style in [
-                (SPARSITY_UPDATE_STEP, "this step", "-"),
-                (SPARSITY_UPDATE_TOTAL, "since start", "-"),
-                (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "since start, permutation control", "--"),
-                (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control", ":"),
-                (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "since start, float32 unchanged", "-."),
+                (mk.SPARSITY_UPDATE_STEP, "this step", "-"),
+                (mk.SPARSITY_UPDATE_TOTAL, "since start", "-"),
+                (mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "since start, permutation control", "--"),
+                (mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE, "since start, dense control", ":"),
+                (mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "since start, float32 unchanged", "-."),
             ]
         ],
         span=1.0,
@@ -355,7 +326,7 @@ def plot_baselines(records: list[dict[str, Any]], path: Path, gradients: str) ->
     """
     source = gradient_source_label(gradients)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=SIZE)
-    for key, label in [(BASELINE_B_STAR, "b* (variance-optimal)"), (BASELINE_GROUP_MEAN, "group mean")]:
+    for key, label in [(mk.BASELINE_B_STAR, "b* (variance-optimal)"), (mk.BASELINE_GROUP_MEAN, "group mean")]:
         xs, ys = _series(records, key)
         if xs:
             a1.plot(xs, ys, marker="o", label=label)
@@ -364,7 +335,7 @@ def plot_baselines(records: list[dict[str, Any]], path: Path, gradients: str) ->
     a1.set_title("baseline, mean over mixed groups only", fontsize=9)
     _legend(a1, fontsize=7)
     a1.grid(alpha=0.3)
-    for key, label in [(BASELINE_M_CORRECT, "m_C (correct)"), (BASELINE_M_WRONG, "m_W (wrong)")]:
+    for key, label in [(mk.BASELINE_M_CORRECT, "m_C (correct)"), (mk.BASELINE_M_WRONG, "m_W (wrong)")]:
         xs, ys = _series(records, key)
         if xs:
             a2.plot(xs, ys, marker="o", label=label)
@@ -405,9 +376,9 @@ MEASURE_AXIS = {"top2_share": "E₂, top-2 energy share", "top1_share": "E₁, t
 def verdict_measure(probes: dict[str, dict[str, Any]]) -> str:
     """The measure the rank figure draws: ``top2_share`` (E₂, what the rank verdict tests) where every probe's summary
     has G1's, else ``erank`` (a probe.json from before E₂ was summarised)."""
-    key = rank_key("g1", "top2_share")
+    key = mk.rank_key("g1", "top2_share")
     has = all(
-        any((d.get(PROBE_SUMMARY) or {}).get(key) for d in p.get("per_group_size", {}).values())
+        any((d.get(mk.PROBE_SUMMARY) or {}).get(key) for d in p.get("per_group_size", {}).values())
         for p in probes.values()
     )
     return "top2_share" if probes and has else "erank"
@@ -451,7 +422,7 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
             xs, ys, lo, hi = [], [], [], []
             offset = width * ((mi * len(probes) + pi) / max(n_series - 1, 1) - 0.5)
             for R in rs:
-                stats = per_group_size[R].get(PROBE_SUMMARY, {}).get(rank_key(stem, measure))
+                stats = per_group_size[R].get(mk.PROBE_SUMMARY, {}).get(mk.rank_key(stem, measure))
                 if stats and stats.get("mean") is not None:
                     bare = bare or stats.get("lo") is None
                     xs.append(int(R) + offset)
@@ -504,7 +475,7 @@ def plot_spectra(probe: dict[str, Any], path: Path, matrix: str = "G1") -> Path:
     """Normalised singular values (s_k / s_1) of ``matrix``, averaged over groups, one line per R."""
     fig, ax = plt.subplots(figsize=SIZE)
     for R in sorted(probe["per_group_size"], key=int):
-        spectra = probe["per_group_size"][R].get(PROBE_SPECTRA, {}).get(matrix) or []
+        spectra = probe["per_group_size"][R].get(mk.PROBE_SPECTRA, {}).get(matrix) or []
         if not spectra:
             continue
         k = max(len(s) for s in spectra)
@@ -527,12 +498,12 @@ def plot_baseline_variance(probe: dict[str, Any], path: Path) -> Path:
     rs = sorted(probe["per_group_size"], key=int)
     names: list[str] = []
     for R in rs:
-        rel = probe["per_group_size"][R].get(PROBE_BASELINES, {}).get("relative_variance", {})
+        rel = probe["per_group_size"][R].get(mk.PROBE_BASELINES, {}).get("relative_variance", {})
         names += [n for n in rel if n not in names]
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         ys = [
-            probe["per_group_size"][R].get(PROBE_BASELINES, {}).get("relative_variance", {}).get(name) or 0.0
+            probe["per_group_size"][R].get(mk.PROBE_BASELINES, {}).get("relative_variance", {}).get(name) or 0.0
             for R in rs
         ]
         ax.bar([j + i * width for j in range(len(rs))], ys, width=width, label=name)
@@ -558,7 +529,7 @@ def plot_credit_profile(probe: dict[str, Any], path: Path) -> Path:
     :data:`CREDIT_PROFILE_SOURCE` (the same whatever the probe's ``meta.gradients``: the sketch does not enter it)."""
     fig, ax = plt.subplots(figsize=SIZE)
     for R in sorted(probe["per_group_size"], key=int):
-        prof = probe["per_group_size"][R].get(PROBE_CREDIT, {}).get("position_profile") or []
+        prof = probe["per_group_size"][R].get(mk.PROBE_CREDIT, {}).get("position_profile") or []
         if prof:
             ax.plot(range(1, len(prof) + 1), prof, marker=".", label=f"R={R}")
     ax.set_xlabel("completion token position")
@@ -581,12 +552,12 @@ def plot_rank_over_training(records: list[dict[str, Any]], path: Path) -> Path:
         (a2, ("erank", "stable_rank"), "effective rank of G1"),
     ):
         for m in measures:
-            xs, ys = _series(records, rank_key("g1", m))
+            xs, ys = _series(records, mk.rank_key("g1", m))
             if not xs:
                 continue
             (line,) = ax.plot(xs, ys, marker=".", label=m.replace("_", " "))
-            lo = {r[STEP]: r[RANK_G1_LENS_LO.format(m=m)] for r in records if RANK_G1_LENS_LO.format(m=m) in r}
-            hi = {r[STEP]: r[RANK_G1_LENS_HI.format(m=m)] for r in records if RANK_G1_LENS_HI.format(m=m) in r}
+            lo = {r[mk.STEP]: r[mk.RANK_G1_LO.format(m=m)] for r in records if mk.RANK_G1_LO.format(m=m) in r}
+            hi = {r[mk.STEP]: r[mk.RANK_G1_HI.format(m=m)] for r in records if mk.RANK_G1_HI.format(m=m) in r}
             steps = [x for x in xs if x in lo and x in hi]
             if steps:  # an interval only where the lens step had >= 8 mixed groups
                 mid = [ys[xs.index(x)] for x in steps]

@@ -20,50 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
-from grpo_lens.metrics import (
-    BASELINE_B_STAR,
-    BASELINE_GROUP_MEAN,
-    BASELINE_M_CORRECT,
-    BASELINE_M_WRONG,
-    CREDIT_ADV_VAR_WITHIN_MAX,
-    CREDIT_ANSWER_SHARE_MEAN,
-    CREDIT_ANSWER_TOKEN_FRAC,
-    G3_GROUPS,
-    GRAD_IDENTITY_RESIDUAL,
-    GROUP_DISTINCT_COMPLETIONS,
-    GROUPS_ALL_EQUAL,
-    GROUPS_MIXED,
-    PROBE_BASELINES,
-    PROBE_G2_WEIGHTINGS,
-    PROBE_G3,
-    PROBE_GROUPS,
-    PROBE_STRATA,
-    PROBE_SUMMARY,
-    PROMPTS_SAMPLED,
-    RANK_G1_VS_NULL,
-    RANK_G2_NUMERICAL_RANK,
-    RANK_G2_RANK_BOUND,
-    RANK_G2_WEIGHTED,
-    ROLLOUTS_PER_PROMPT,
-    S1_MEASURED,
-    S1_MEASURED_CI,
-    S1_PREDICTED,
-    S1_PREDICTED_CI,
-    SKETCH_COVERAGE,
-    SKETCH_EXACT_SHARE_EMBEDDING,
-    SKETCH_EXACT_SHARE_LINEAR,
-    SKETCH_EXACT_SHARE_NORM,
-    SKETCH_G1_ERANK_ERROR,
-    SKETCH_GRAM_ERROR,
-    SKETCH_GRAM_ERROR_BOUND,
-    ZERO_SUM_COS_GAP,
-    ZERO_SUM_SPAN_ENERGY,
-    ZERO_SUM_SPAN_ENERGY_NULL,
-    ZERO_SUM_STATS,
-    rank_key,
-    zero_sum_key,
-)
 from grpo_lens.report import plots
 from grpo_lens.report.format import ci, fmt, md_row, md_table
 from grpo_lens.report.studies import studies_section
@@ -95,25 +53,25 @@ def rank_table(
     per_group_size = probe["per_group_size"]
     lines = md_table(["R", "matrix", "groups", *measures])
     for R in sorted(per_group_size, key=int):
-        summ = per_group_size[R].get(PROBE_SUMMARY, {})
+        summ = per_group_size[R].get(mk.PROBE_SUMMARY, {})
         for label, stem in RANK_ROWS:
-            cells = [_ci(summ.get(rank_key(stem, m))) for m in measures]
-            n = (summ.get(rank_key(stem, measures[0])) or {}).get("n", 0)
+            cells = [_ci(summ.get(mk.rank_key(stem, m))) for m in measures]
+            n = (summ.get(mk.rank_key(stem, measures[0])) or {}).get("n", 0)
             if n:
                 lines.append(md_row(R, label, n, *cells))
-        cells = [_ci(summ.get(RANK_G1_VS_NULL.format(m=m))) for m in measures]
-        n = (summ.get(RANK_G1_VS_NULL.format(m=measures[0])) or {}).get("n", 0)
+        cells = [_ci(summ.get(mk.RANK_G1_VS_NULL.format(m=m))) for m in measures]
+        n = (summ.get(mk.RANK_G1_VS_NULL.format(m=measures[0])) or {}).get("n", 0)
         if n:
             lines.append(md_row(R, "G1 / null (ratio)", n, *cells))
-        g3 = per_group_size[R].get(PROBE_G3, {})
-        if g3.get(rank_key("g3", measures[0])) is not None:
+        g3 = per_group_size[R].get(mk.PROBE_G3, {})
+        if g3.get(mk.rank_key("g3", measures[0])) is not None:
             lines.append(
                 md_row(
                     R,
                     "G3 (rows = groups' updates)",
-                    g3.get(G3_GROUPS),
+                    g3.get(mk.G3_GROUPS),
                     *(
-                        f"{fmt(g3.get(rank_key('g3', m)), 2)} (null {fmt(g3.get(rank_key('g3_null', m)), 2)})"
+                        f"{fmt(g3.get(mk.rank_key('g3', m)), 2)} (null {fmt(g3.get(mk.rank_key('g3_null', m)), 2)})"
                         for m in measures
                     ),
                 )
@@ -150,19 +108,19 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
         *md_table(["R", "matrix", *(WEIGHTING_LABELS[w] for w in WEIGHTINGS)]),
     ]
     for R in sorted(per_group_size, key=int):
-        g3 = per_group_size[R].get(PROBE_G3) or {}
-        if g3.get(rank_key("g3", "stable_rank")) is not None:
+        g3 = per_group_size[R].get(mk.PROBE_G3) or {}
+        if g3.get(mk.rank_key("g3", "stable_rank")) is not None:
             cells = []
             for w in WEIGHTINGS:
-                key = rank_key("g3" if w == "adv" else f"g3_{w}", "stable_rank")
+                key = mk.rank_key("g3" if w == "adv" else f"g3_{w}", "stable_rank")
                 cells.append(fmt(g3.get(key), 2))
-            lines.append(md_row(R, f"G3 stable rank ({g3.get(G3_GROUPS)} groups)", *cells))
-        g2 = (per_group_size[R].get(PROBE_G2_WEIGHTINGS) or {}).get(PROBE_SUMMARY) or {}
-        parsed = [RANK_G2_WEIGHTED.parse(k) for k in g2]
+            lines.append(md_row(R, f"G3 stable rank ({g3.get(mk.G3_GROUPS)} groups)", *cells))
+        g2 = (per_group_size[R].get(mk.PROBE_G2_WEIGHTINGS) or {}).get(mk.PROBE_SUMMARY) or {}
+        parsed = [mk.RANK_G2_WEIGHTED.parse(k) for k in g2]
         types = sorted({p["kind"] for p in parsed if p is not None and p["w"] == "adv"})
         for t in types:
-            cells = [fmt((g2.get(RANK_G2_WEIGHTED.format(w=w, kind=t)) or {}).get("mean"), 2) for w in WEIGHTINGS]
-            n = (g2.get(RANK_G2_WEIGHTED.format(w="adv", kind=t)) or {}).get("n")
+            cells = [fmt((g2.get(mk.RANK_G2_WEIGHTED.format(w=w, kind=t)) or {}).get("mean"), 2) for w in WEIGHTINGS]
+            n = (g2.get(mk.RANK_G2_WEIGHTED.format(w="adv", kind=t)) or {}).get("n")
             lines.append(md_row(R, f"G2 {t} stable rank ({n} group(s))", *cells))
     return lines + [""]
 
@@ -187,21 +145,21 @@ def strata_table(probe: dict[str, Any], by: str) -> list[str]:
         ]
     )
     for R in sorted(per_group_size, key=int):
-        for stratum, summ in per_group_size[R].get(PROBE_STRATA, {}).get(by, {}).items():
-            n = (summ.get(rank_key("g1", "erank")) or {}).get("n", 0)
+        for stratum, summ in per_group_size[R].get(mk.PROBE_STRATA, {}).get(by, {}).items():
+            n = (summ.get(mk.rank_key("g1", "erank")) or {}).get("n", 0)
             lines.append(
                 md_row(
                     R,
                     stratum,
                     n,
-                    _ci(summ.get(rank_key("g1", "erank"))),
-                    _ci(summ.get(rank_key("g1_null", "erank"))),
-                    _ci(summ.get(RANK_G1_VS_NULL.format(m="erank"))),
-                    _ci(summ.get(rank_key("g1", "stable_rank"))),
-                    _ci(summ.get(rank_key("g1_null", "stable_rank"))),
-                    _ci(summ.get(ZERO_SUM_SPAN_ENERGY)),
-                    _ci(summ.get(ZERO_SUM_SPAN_ENERGY_NULL)),
-                    _ci(summ.get(ZERO_SUM_COS_GAP), 3),
+                    _ci(summ.get(mk.rank_key("g1", "erank"))),
+                    _ci(summ.get(mk.rank_key("g1_null", "erank"))),
+                    _ci(summ.get(mk.RANK_G1_VS_NULL.format(m="erank"))),
+                    _ci(summ.get(mk.rank_key("g1", "stable_rank"))),
+                    _ci(summ.get(mk.rank_key("g1_null", "stable_rank"))),
+                    _ci(summ.get(mk.ZERO_SUM_SPAN_ENERGY)),
+                    _ci(summ.get(mk.ZERO_SUM_SPAN_ENERGY_NULL)),
+                    _ci(summ.get(mk.ZERO_SUM_COS_GAP), 3),
                 )
             )
     return lines
@@ -209,7 +167,7 @@ def strata_table(probe: dict[str, Any], by: str) -> list[str]:
 
 def _g2_cell(summ: dict[str, Any]) -> str:
     """'rank / bound' means over groups (the bound is prompt tokens + distinct completion prefixes)."""
-    rk, bd = summ.get(RANK_G2_NUMERICAL_RANK) or {}, summ.get(RANK_G2_RANK_BOUND) or {}
+    rk, bd = summ.get(mk.RANK_G2_NUMERICAL_RANK) or {}, summ.get(mk.RANK_G2_RANK_BOUND) or {}
     if rk.get("mean") is None:
         return "–"
     return f"{fmt(rk['mean'], 1)} / {fmt(bd.get('mean'), 1)}"
@@ -238,18 +196,18 @@ def header_lines(label: str, probe: dict[str, Any]) -> list[str]:
     ]
     check = meta.get("sketch_check") or {}
     if meta.get("gradients") != "exact":
-        cov = check.get(SKETCH_COVERAGE)
+        cov = check.get(mk.SKETCH_COVERAGE)
         if cov:
             lines += [
                 f"Sketch checked against exact gradients of every parameter on {cov.get('n')} group(s): it "
                 f"carries {_ci(cov)} of Σ||g_i||² (Σ||S g_i||² / Σ||g_i||², the sketch's estimate of the "
                 f"linear weights' share, which can exceed 1 by its error; exact shares: linear weights "
-                f"{_ci(check.get(SKETCH_EXACT_SHARE_LINEAR))}, embedding "
-                f"{_ci(check.get(SKETCH_EXACT_SHARE_EMBEDDING))}, norms "
-                f"{_ci(check.get(SKETCH_EXACT_SHARE_NORM))}); G1's Gram error, measured "
-                f"{_ci(check.get(SKETCH_GRAM_ERROR))} (missing parameters and projection noise), bound for the "
-                f"sketched layers {_ci(check.get(SKETCH_GRAM_ERROR_BOUND))}; erank(G1) sketched − exact "
-                f"{_ci(check.get(SKETCH_G1_ERANK_ERROR), 3)}.",
+                f"{_ci(check.get(mk.SKETCH_EXACT_SHARE_LINEAR))}, embedding "
+                f"{_ci(check.get(mk.SKETCH_EXACT_SHARE_EMBEDDING))}, norms "
+                f"{_ci(check.get(mk.SKETCH_EXACT_SHARE_NORM))}); G1's Gram error, measured "
+                f"{_ci(check.get(mk.SKETCH_GRAM_ERROR))} (missing parameters and projection noise), bound for the "
+                f"sketched layers {_ci(check.get(mk.SKETCH_GRAM_ERROR_BOUND))}; erank(G1) sketched − exact "
+                f"{_ci(check.get(mk.SKETCH_G1_ERANK_ERROR), 3)}.",
                 "",
             ]
         else:
@@ -281,27 +239,29 @@ def groups_lines(label: str, probe: dict[str, Any], findings: list[str]) -> list
     )
     for R in sorted(per_group_size, key=int):
         d = per_group_size[R]
-        summ = d.get(PROBE_SUMMARY, {})
+        summ = d.get(mk.PROBE_SUMMARY, {})
         res = [
-            g.get(GRAD_IDENTITY_RESIDUAL) for g in d.get(PROBE_GROUPS, []) if g.get(GRAD_IDENTITY_RESIDUAL) is not None
+            g.get(mk.GRAD_IDENTITY_RESIDUAL)
+            for g in d.get(mk.PROBE_GROUPS, [])
+            if g.get(mk.GRAD_IDENTITY_RESIDUAL) is not None
         ]
         lines.append(
             md_row(
                 R,
-                d.get(PROMPTS_SAMPLED),
-                d.get(GROUPS_ALL_EQUAL),
-                d.get(GROUPS_MIXED),
-                _ci(d[S1_MEASURED_CI], 3) if d.get(S1_MEASURED_CI) else fmt(d.get(S1_MEASURED)),
-                _ci(d[S1_PREDICTED_CI], 3) if d.get(S1_PREDICTED_CI) else fmt(d.get(S1_PREDICTED)),
+                d.get(mk.PROMPTS_SAMPLED),
+                d.get(mk.GROUPS_ALL_EQUAL),
+                d.get(mk.GROUPS_MIXED),
+                _ci(d[mk.S1_MEASURED_CI], 3) if d.get(mk.S1_MEASURED_CI) else fmt(d.get(mk.S1_MEASURED)),
+                _ci(d[mk.S1_PREDICTED_CI], 3) if d.get(mk.S1_PREDICTED_CI) else fmt(d.get(mk.S1_PREDICTED)),
                 f"{max(res):.1e}" if res else "–",
-                _ci(summ.get(GROUP_DISTINCT_COMPLETIONS)),
+                _ci(summ.get(mk.GROUP_DISTINCT_COMPLETIONS)),
                 _g2_cell(summ),
             )
         )
-        if d.get(GROUPS_MIXED, 0) == 0:
+        if d.get(mk.GROUPS_MIXED, 0) == 0:
             findings.append(
-                f"[{label}] R={R}: no mixed group among {d.get(PROMPTS_SAMPLED)} prompts (S1 = "
-                f"{fmt(d.get(S1_MEASURED))}): GRPO's policy gradient was exactly zero on every "
+                f"[{label}] R={R}: no mixed group among {d.get(mk.PROMPTS_SAMPLED)} prompts (S1 = "
+                f"{fmt(d.get(mk.S1_MEASURED))}): GRPO's policy gradient was exactly zero on every "
                 f"sampled group, so no rank could be measured."
             )
     return lines + [""]
@@ -327,9 +287,9 @@ def rank_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[
     ]
     lines += rank_table(probe) + [""]
     for R in sorted(per_group_size, key=int):
-        summ = per_group_size[R].get(PROBE_SUMMARY, {})
-        g1 = summ.get(rank_key("g1", "erank")) or {}
-        null = summ.get(rank_key("g1_null", "erank")) or {}
+        summ = per_group_size[R].get(mk.PROBE_SUMMARY, {})
+        g1 = summ.get(mk.rank_key("g1", "erank")) or {}
+        null = summ.get(mk.rank_key("g1_null", "erank")) or {}
         if g1.get("mean") is None:
             continue
         note = " (R = 2 caps every rank measure at 2)" if int(R) == 2 else ""
@@ -337,10 +297,10 @@ def rank_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[
             f"[{label}] R={R}: G1 erank {_ci(g1)} vs orthogonal null {_ci(null)} over {g1.get('n')} groups{note}."
         )
     res_all = [
-        g.get(GRAD_IDENTITY_RESIDUAL)
+        g.get(mk.GRAD_IDENTITY_RESIDUAL)
         for d in per_group_size.values()
-        for g in d.get(PROBE_GROUPS, [])
-        if g.get(GRAD_IDENTITY_RESIDUAL) is not None
+        for g in d.get(mk.PROBE_GROUPS, [])
+        if g.get(mk.GRAD_IDENTITY_RESIDUAL) is not None
     ]
     if res_all:
         findings.append(
@@ -390,17 +350,17 @@ def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
     ]
     for R in sorted(per_group_size, key=int):
         d = per_group_size[R]
-        summ = d.get(PROBE_SUMMARY, {})
+        summ = d.get(mk.PROBE_SUMMARY, {})
         cells = []
-        for stat in ZERO_SUM_STATS:
-            p_key = zero_sum_key(stat, "p")
-            ps = [g[p_key] for g in d.get(PROBE_GROUPS, []) if g.get(p_key) is not None]
+        for stat in mk.ZERO_SUM_STATS:
+            p_key = mk.zero_sum_key(stat, "p")
+            ps = [g[p_key] for g in d.get(mk.PROBE_GROUPS, []) if g.get(p_key) is not None]
             cells += [
-                _ci(summ.get(zero_sum_key(stat)), 3),
-                _ci(summ.get(zero_sum_key(stat, "null")), 3),
+                _ci(summ.get(mk.zero_sum_key(stat)), 3),
+                _ci(summ.get(mk.zero_sum_key(stat, "null")), 3),
                 f"{sum(p < 0.05 for p in ps)}/{len(ps)}" if ps else "–",
             ]
-        n = (summ.get(ZERO_SUM_SPAN_ENERGY) or {}).get("n", 0)
+        n = (summ.get(mk.ZERO_SUM_SPAN_ENERGY) or {}).get("n", 0)
         lines.append(md_row(R, n, *cells))
     lines.append("")
     return lines
@@ -421,16 +381,16 @@ def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: 
         *md_table(["R", "b*", "group mean", "m_C", "m_W", "Var/Var* none", "mean", "rloo", "optimal"]),
     ]
     for R in sorted(per_group_size, key=int):
-        b = per_group_size[R].get(PROBE_BASELINES, {})
-        summ = per_group_size[R].get(PROBE_SUMMARY, {})
+        b = per_group_size[R].get(mk.PROBE_BASELINES, {})
+        summ = per_group_size[R].get(mk.PROBE_SUMMARY, {})
         rel = b.get("relative_variance", {})
         lines.append(
             md_row(
                 R,
-                _ci(summ.get(BASELINE_B_STAR), 3),
-                _ci(summ.get(BASELINE_GROUP_MEAN), 3),
-                _ci(summ.get(BASELINE_M_CORRECT), 4),
-                _ci(summ.get(BASELINE_M_WRONG), 4),
+                _ci(summ.get(mk.BASELINE_B_STAR), 3),
+                _ci(summ.get(mk.BASELINE_GROUP_MEAN), 3),
+                _ci(summ.get(mk.BASELINE_M_CORRECT), 4),
+                _ci(summ.get(mk.BASELINE_M_WRONG), 4),
                 fmt(rel.get("none"), 2),
                 fmt(rel.get("mean"), 2),
                 fmt(rel.get("rloo"), 2),
@@ -449,7 +409,7 @@ def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: 
             findings.append(
                 f"[{label}] R={R}: the rloo baseline's gradient variance is {fmt(rel['rloo'], 2)}x the "
                 f"leave-one-out optimal b*'s{lower} (one resampling estimate over {b.get('prompts')} "
-                f"prompt(s) of {per_group_size[R].get(ROLLOUTS_PER_PROMPT)} rollouts; no interval)."
+                f"prompt(s) of {per_group_size[R].get(mk.ROLLOUTS_PER_PROMPT)} rollouts; no interval)."
             )
     plots.plot_baseline_variance(probe, run_dir / f"baseline_variance_{label}.png")
     return lines + ["", f"![baseline variance](baseline_variance_{label}.png)", ""]
@@ -476,18 +436,18 @@ def credit_lines(label: str, probe: dict[str, Any], run_dir: Path) -> list[str]:
     ]
     for R in sorted(per_group_size, key=int):
         d = per_group_size[R]
-        summ = d.get(PROBE_SUMMARY, {})
+        summ = d.get(mk.PROBE_SUMMARY, {})
         vmax = [
-            g.get(CREDIT_ADV_VAR_WITHIN_MAX)
-            for g in d.get(PROBE_GROUPS, [])
-            if g.get(CREDIT_ADV_VAR_WITHIN_MAX) is not None
+            g.get(mk.CREDIT_ADV_VAR_WITHIN_MAX)
+            for g in d.get(mk.PROBE_GROUPS, [])
+            if g.get(mk.CREDIT_ADV_VAR_WITHIN_MAX) is not None
         ]
         lines.append(
             md_row(
                 R,
                 fmt(max(vmax), 6) if vmax else "–",
-                _ci(summ.get(CREDIT_ANSWER_SHARE_MEAN), 3),
-                _ci(summ.get(CREDIT_ANSWER_TOKEN_FRAC), 3),
+                _ci(summ.get(mk.CREDIT_ANSWER_SHARE_MEAN), 3),
+                _ci(summ.get(mk.CREDIT_ANSWER_TOKEN_FRAC), 3),
             )
         )
     plots.plot_credit_profile(probe, run_dir / f"credit_profile_{label}.png")

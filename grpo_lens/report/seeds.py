@@ -8,25 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.base import Claim, evaluate_claims, holm_claims
 from grpo_lens.formulas.pooling import between_seed_spread
-from grpo_lens.metrics import (
-    GRAD_IDENTITY_RESIDUAL,
-    RANK_G1,
-    ZERO_SUM_SPAN_ENERGY_EXCESS,
-    rank_key,
-)
 from grpo_lens.report.format import ci, fmt, md_row, md_table
 from grpo_lens.rundir import read_json_file
 
 #: the per-group numbers the seeds section shows: the ones the rank, zero-sum and identity claims decide on
 SEED_KEYS = (
-    RANK_G1.format(m="top2_share"),
-    RANK_G1.format(m="top1_share"),
-    RANK_G1.format(m="erank"),
-    RANK_G1.format(m="stable_rank"),
-    ZERO_SUM_SPAN_ENERGY_EXCESS,
-    GRAD_IDENTITY_RESIDUAL,
+    mk.RANK_G1.format(m="top2_share"),
+    mk.RANK_G1.format(m="top1_share"),
+    mk.RANK_G1.format(m="erank"),
+    mk.RANK_G1.format(m="stable_rank"),
+    mk.ZERO_SUM_SPAN_ENERGY_EXCESS,
+    mk.GRAD_IDENTITY_RESIDUAL,
 )
 
 
@@ -131,7 +126,7 @@ def seeds_section(pooled: dict[str, Any], run_dir: Path) -> list[str]:
     lines.append("")
     g3 = [
         f"R = {R}: "
-        + ", ".join(f"seed {s} {fmt(d['g3'].get(str(s), {}).get(rank_key('g3', 'stable_rank')), 2)}" for s in seeds)
+        + ", ".join(f"seed {s} {fmt(d['g3'].get(str(s), {}).get(mk.rank_key('g3', 'stable_rank')), 2)}" for s in seeds)
         for R, d in sorted(info["per_group_size"].items(), key=lambda kv: int(kv[0]))
     ]
     lines += [

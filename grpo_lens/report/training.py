@@ -17,26 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.sparsity import MIN_S1_STEPS, run_slopes
 from grpo_lens.formulas.stats import mean_interval, trend_windows
-from grpo_lens.metrics import (
-    BASELINE_B_STAR,
-    BASELINE_GROUP_MEAN,
-    BASELINE_M_CORRECT,
-    BASELINE_M_WRONG,
-    GRAD_GRAM_COVERAGE,
-    GRAD_IDENTITY_RESIDUAL,
-    LR,
-    PERF_STEP_SECONDS,
-    RANK_G1,
-    REWARD_ACCURACY,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    REWARD_MEAN,
-    SPARSITY_UPDATE_STEP,
-    SPARSITY_UPDATE_TOTAL,
-    STEP,
-    rank_key,
-)
 from grpo_lens.report import plots
 from grpo_lens.report.format import ci, fmt, md_row, md_table
 from grpo_lens.report.training_measures import (
@@ -58,7 +41,7 @@ def lens_gradient_source(records: list[dict[str, Any]], lora_rank: int = 0, lens
     ``exact_gram`` when a lens step recorded the exact Gram's coverage (only the exact Gram writes it, see
     :meth:`grpo_lens.lens.trainer_lens.TrainerLens.rollout_gram`); else ``exact_adapter`` for a LoRA run in the
     trainable space (the adapter's gradients, exact); else ``sketch``."""
-    if any(r.get(GRAD_GRAM_COVERAGE) is not None for r in records):
+    if any(r.get(mk.GRAD_GRAM_COVERAGE) is not None for r in records):
         return "exact_gram"
     return "exact_adapter" if lora_rank and lens_space == "trainable" else "sketch"
 
@@ -68,18 +51,20 @@ def s1_trend_finding(records: list[dict[str, Any]]) -> str | None:
     the steps, the windows of :func:`grpo_lens.formulas.stats.trend_windows` that the claims table's S1 measurement
     (claim ``zero_variance_share_rises``) prints, on the same steps (those that logged S1); None below
     :data:`grpo_lens.claims.sparsity.MIN_S1_STEPS` steps, the fewest the S1 trend is tested on."""
-    rows = [r for r in records if r.get(REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(STEP) is not None]
+    rows = [r for r in records if r.get(mk.REWARD_FRAC_ZERO_STD_GROUPS) is not None and r.get(mk.STEP) is not None]
     if len(rows) < MIN_S1_STEPS:
         return None
     first, last = (rows[s] for s in trend_windows(len(rows)))
-    s1 = [mean_interval([float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in w], bounds=(0.0, 1.0)) for w in (first, last)]
-    acc = [_mean([r.get(REWARD_ACCURACY) for r in w]) for w in (first, last)]
+    s1 = [
+        mean_interval([float(r[mk.REWARD_FRAC_ZERO_STD_GROUPS]) for r in w], bounds=(0.0, 1.0)) for w in (first, last)
+    ]
+    acc = [_mean([r.get(mk.REWARD_ACCURACY) for r in w]) for w in (first, last)]
     # at least MIN_S1_STEPS rows: both means are set
     verb = "rose" if s1[1]["mean"] > s1[0]["mean"] else ("fell" if s1[1]["mean"] < s1[0]["mean"] else "stayed flat")  # type: ignore[operator]
     return (
         f"S1 (zero-variance group share) {verb}: {ci(s1[0], 2)} over the first third of the steps "
-        f"({first[0][STEP]}–{first[-1][STEP]}) -> {ci(s1[1], 2)} over the last third ({last[0][STEP]}–"
-        f"{last[-1][STEP]}), while accuracy went {fmt(acc[0])} -> {fmt(acc[1])} over the same steps (the "
+        f"({first[0][mk.STEP]}–{first[-1][mk.STEP]}) -> {ci(s1[1], 2)} over the last third ({last[0][mk.STEP]}–"
+        f"{last[-1][mk.STEP]}), while accuracy went {fmt(acc[0])} -> {fmt(acc[1])} over the same steps (the "
         "claims table tests the trend over every step)."
     )
 
@@ -110,9 +95,9 @@ def summary_lines(records: list[dict[str, Any]], findings: list[str]) -> list[st
     w = min(5, n // 2)  # non-overlapping first / last windows; fewer than MIN_TREND_STEPS steps: no trend
     trend = n >= MIN_TREND_STEPS
     head, tail = (records[:w], records[n - w :]) if trend else (records, records)
-    r0, r1 = _mean([r.get(REWARD_MEAN) for r in head]), _mean([r.get(REWARD_MEAN) for r in tail])
-    a0, a1 = _mean([r.get(REWARD_ACCURACY) for r in head]), _mean([r.get(REWARD_ACCURACY) for r in tail])
-    sec = _mean([r.get(PERF_STEP_SECONDS) for r in records])
+    r0, r1 = _mean([r.get(mk.REWARD_MEAN) for r in head]), _mean([r.get(mk.REWARD_MEAN) for r in tail])
+    a0, a1 = _mean([r.get(mk.REWARD_ACCURACY) for r in head]), _mean([r.get(mk.REWARD_ACCURACY) for r in tail])
+    sec = _mean([r.get(mk.PERF_STEP_SECONDS) for r in records])
     if trend:
         lines += [
             f"{n} steps. Mean reward over the first {len(head)} steps {fmt(r0)}, over the last {len(tail)} "
@@ -130,7 +115,7 @@ def summary_lines(records: list[dict[str, Any]], findings: list[str]) -> list[st
             "",
         ]
         findings.append(f"{too_few}; mean reward {fmt(r0)} over the run.")
-    s1_all = [r.get(REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
+    s1_all = [r.get(mk.REWARD_FRAC_ZERO_STD_GROUPS) for r in records]
     if records and all(isinstance(x, (int, float)) and x >= 1.0 for x in s1_all):
         findings.append(
             f"S1 = 1.000 on every one of the {n} steps: no group had reward contrast, so every advantage "
@@ -158,7 +143,7 @@ def curves_lines(
         findings.append(dynamic)
     plots.plot_learning_curves(records, run_dir / "learning_curves.png")
     lines += ["![learning curves](learning_curves.png)", ""]
-    if any(r.get(LR) is not None for r in records):
+    if any(r.get(mk.LR) is not None for r in records):
         plots.plot_learning_rate(records, run_dir / "learning_rate.png", schedule)
         lines += ["![learning rate](learning_rate.png)", ""]
     return lines
@@ -205,21 +190,21 @@ def sparsity_lines(
             ]
         )
         for r in lens_steps:
-            res = r.get(GRAD_IDENTITY_RESIDUAL)
+            res = r.get(mk.GRAD_IDENTITY_RESIDUAL)
             lines.append(
                 md_row(
-                    r[STEP],
-                    fmt(r.get(REWARD_ACCURACY)),
-                    fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
-                    fmt(r.get(SPARSITY_UPDATE_STEP)),
-                    fmt(r.get(SPARSITY_UPDATE_TOTAL)),
-                    fmt(r.get(rank_key("g1", "erank"))),
-                    fmt(r.get(rank_key("g1", "stable_rank"))),
+                    r[mk.STEP],
+                    fmt(r.get(mk.REWARD_ACCURACY)),
+                    fmt(r.get(mk.REWARD_FRAC_ZERO_STD_GROUPS)),
+                    fmt(r.get(mk.SPARSITY_UPDATE_STEP)),
+                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL)),
+                    fmt(r.get(mk.rank_key("g1", "erank"))),
+                    fmt(r.get(mk.rank_key("g1", "stable_rank"))),
                     "–" if res is None else f"{res:.1e}",
                 )
             )
         lines.append("")
-        if any(r.get(GRAD_IDENTITY_RESIDUAL) is None for r in lens_steps):
+        if any(r.get(mk.GRAD_IDENTITY_RESIDUAL) is None for r in lens_steps):
             lines += [
                 "Identity residual –: the identity Σ A_i g_i = c (ḡ_C − ḡ_W) (docs/theory.md §4) is checked "
                 "only where it applies: mixed groups of 0/1 rewards under an estimator with a per-group "
@@ -242,13 +227,13 @@ def sparsity_lines(
 def s4_finding(records: list[dict[str, Any]], lora_rank: int = 0) -> str | None:
     """The Findings sentence on update sparsity since the start (S4) at the last lens step; None without one."""
     lens_steps = lens_rows(records)
-    s4 = [r.get(SPARSITY_UPDATE_TOTAL) for r in lens_steps if r.get(SPARSITY_UPDATE_TOTAL) is not None]
+    s4 = [r.get(mk.SPARSITY_UPDATE_TOTAL) for r in lens_steps if r.get(mk.SPARSITY_UPDATE_TOTAL) is not None]
     if not s4:
         return None
     return (
         f"Update sparsity since the start (S4): {fmt(s4[-1])} of "
         + ("the LoRA adapter's weights (not the full model's)" if lora_rank else "parameters")
-        + f" kept their bf16 value after {lens_steps[-1][STEP]} steps."
+        + f" kept their bf16 value after {lens_steps[-1][mk.STEP]} steps."
     )
 
 
@@ -256,7 +241,7 @@ def rank_lines(records: list[dict[str, Any]], run_dir: Path) -> list[str]:
     """ "Rank of G1 over training" (rank_over_training.png): G1's top-2 and top-1 energy shares, erank and stable
     rank per lens step; empty when no lens step logged them."""
     lens_steps = lens_rows(records)
-    if not any(r.get(rank_key("g1", m)) is not None for r in lens_steps for m in ("top2_share", "erank")):
+    if not any(r.get(mk.rank_key("g1", m)) is not None for r in lens_steps for m in ("top2_share", "erank")):
         return []
     plots.plot_rank_over_training(records, run_dir / "rank_over_training.png")
     return [
@@ -277,7 +262,7 @@ def baselines_lines(
     """ "Baselines": b* against the group mean and m_C / m_W per lens step (baselines.png, its gradient source from
     :func:`lens_gradient_source`), and the finding on which outcome had the larger score-gradient norms; empty when
     no step logged b*."""
-    base_rows = [r for r in records if r.get(BASELINE_B_STAR) is not None]
+    base_rows = [r for r in records if r.get(mk.BASELINE_B_STAR) is not None]
     if not base_rows:
         return []
     lines = [
@@ -292,18 +277,23 @@ def baselines_lines(
     plots.plot_baselines(records, run_dir / "baselines.png", lens_gradient_source(records, lora_rank, lens_space))
     lines += ["![baselines](baselines.png)", "", *md_table(["step", "b*", "group mean", "m_C", "m_W", "m_C / m_W"])]
     for r in base_rows:
-        mc, mw = r.get(BASELINE_M_CORRECT), r.get(BASELINE_M_WRONG)
+        mc, mw = r.get(mk.BASELINE_M_CORRECT), r.get(mk.BASELINE_M_WRONG)
         ratio = mc / mw if mc is not None and mw else None
         lines.append(
             md_row(
-                r[STEP], fmt(r[BASELINE_B_STAR]), fmt(r.get(BASELINE_GROUP_MEAN)), fmt(mc, 4), fmt(mw, 4), fmt(ratio)
+                r[mk.STEP],
+                fmt(r[mk.BASELINE_B_STAR]),
+                fmt(r.get(mk.BASELINE_GROUP_MEAN)),
+                fmt(mc, 4),
+                fmt(mw, 4),
+                fmt(ratio),
             )
         )
     lines.append("")
     ratios = [
-        r[BASELINE_M_CORRECT] / r[BASELINE_M_WRONG]
+        r[mk.BASELINE_M_CORRECT] / r[mk.BASELINE_M_WRONG]
         for r in base_rows
-        if r.get(BASELINE_M_CORRECT) is not None and r.get(BASELINE_M_WRONG)
+        if r.get(mk.BASELINE_M_CORRECT) is not None and r.get(mk.BASELINE_M_WRONG)
     ]
     if ratios:
         span = fmt(min(ratios)) if min(ratios) == max(ratios) else f"{fmt(min(ratios))}–{fmt(max(ratios))}"
@@ -351,12 +341,12 @@ def train_seeds_lines(seed_dirs: list[Path], seed_runs: list[list[dict[str, Any]
     """The seeds of a pooled training directory (`train --seeds`): per seed its directory, steps, the OLS slopes the
     pooled trends take as units (:func:`grpo_lens.claims.sparsity.run_slopes`) and its lowest E₂ over the lens
     steps (the unit of the pooled "rank stays"). The training section above shows the first seed."""
-    e2 = RANK_G1.format(m="top2_share")
+    e2 = mk.RANK_G1.format(m="top2_share")
     rows = []
     for d, recs in zip(seed_dirs, seed_runs):
         slopes = run_slopes(recs)
         lows = [float(r[e2]) for r in recs if r.get(e2) is not None]
-        steps = [r[STEP] for r in recs if r.get(STEP) is not None]
+        steps = [r[mk.STEP] for r in recs if r.get(mk.STEP) is not None]
         rows.append(
             (
                 f"`{d.name}`",

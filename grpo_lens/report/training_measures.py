@@ -15,52 +15,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from grpo_lens.metrics import (
-    DEAD_ALL_CORRECT,
-    DEAD_ALL_OTHER,
-    DEAD_ALL_WRONG,
-    DEAD_MIXED_GROUPS,
-    DEAD_NORMALIZER_SHARE,
-    DEAD_STEPS,
-    DYNAMIC_HIT_CAP,
-    DYNAMIC_MIXED_GROUPS,
-    DYNAMIC_SAMPLED_GROUPS,
-    DYNAMIC_ZERO_VAR_FRAC_SAMPLED,
-    EVAL_GREEDY_ACCURACY,
-    EVAL_GREEDY_ACCURACY_HI,
-    EVAL_GREEDY_ACCURACY_LO,
-    EVAL_PROMPTS,
-    EVAL_SAMPLED_ACCURACY,
-    EVAL_SAMPLED_ACCURACY_HI,
-    EVAL_SAMPLED_ACCURACY_LO,
-    NOISE_B_SIMPLE,
-    NOISE_B_SIMPLE_HI,
-    NOISE_B_SIMPLE_LO,
-    NOISE_FROM_UPDATE,
-    NOISE_GRAD_SQ,
-    NOISE_GRAD_SQ_HI,
-    NOISE_GRAD_SQ_LO,
-    NOISE_GRAD_SQ_P,
-    NOISE_GROUPS,
-    NOISE_PROXY_RANK_CORR,
-    NOISE_SNR,
-    NOISE_TRACE_SIGMA,
-    PERF_LENS_SECONDS,
-    POLICY_ENTROPY,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    SPARSITY_GRAD_HOYER,
-    SPARSITY_GRAD_TOP1_ENERGY,
-    SPARSITY_GRAD_ZERO,
-    SPARSITY_SAMPLE_ENTRIES,
-    SPARSITY_UPDATE_STEP_HOYER,
-    SPARSITY_UPDATE_STEP_TOP1_ENERGY,
-    SPARSITY_UPDATE_TOTAL_BF16_DENSE,
-    SPARSITY_UPDATE_TOTAL_BF16_PERMUTED,
-    SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED,
-    SPARSITY_UPDATE_TOTAL_F32_UNCHANGED,
-    STEP,
-    sparsity_key,
-)
+from grpo_lens import metrics as mk
 from grpo_lens.report import plots
 from grpo_lens.report.format import fmt, md_row, md_table
 from grpo_lens.rundir import lens_overhead
@@ -68,7 +23,7 @@ from grpo_lens.rundir import lens_overhead
 
 def lens_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of lens steps (those with a lens timing)."""
-    return [r for r in records if r.get(PERF_LENS_SECONDS) is not None]
+    return [r for r in records if r.get(mk.PERF_LENS_SECONDS) is not None]
 
 
 def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
@@ -82,10 +37,10 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
         [
             (label, *plots._series(records, key), plots.series_colour(key), style)
             for key, label, style in [
-                (SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
-                (SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "permutation control", "--"),
-                (SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", ":"),
-                (SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", "-."),
+                (mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, "bf16 unchanged", "-"),
+                (mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, "permutation control", "--"),
+                (mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE, "dense control", ":"),
+                (mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, "f32 unchanged", "-."),
             ]
         ],
         span=1.0,
@@ -98,10 +53,10 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
         [
             (label, *plots._series(records, key), None, "-")
             for key, label in [
-                (SPARSITY_UPDATE_STEP_HOYER, "update Hoyer"),
-                (SPARSITY_UPDATE_STEP_TOP1_ENERGY, "update top-1% energy"),
-                (SPARSITY_GRAD_HOYER, "gradient Hoyer"),
-                (SPARSITY_GRAD_TOP1_ENERGY, "gradient top-1%"),
+                (mk.SPARSITY_UPDATE_STEP_HOYER, "update Hoyer"),
+                (mk.SPARSITY_UPDATE_STEP_TOP1_ENERGY, "update top-1% energy"),
+                (mk.SPARSITY_GRAD_HOYER, "gradient Hoyer"),
+                (mk.SPARSITY_GRAD_TOP1_ENERGY, "gradient top-1%"),
             ]
         ],
     )
@@ -111,13 +66,13 @@ def plot_sparsity_measures(records: list[dict[str, Any]], path: Path) -> Path:
     plots.plot_lines(
         a3,
         [
-            (kind, *plots._series(records, sparsity_key("update_total", "hoyer", kind)), None, style)
+            (kind, *plots._series(records, mk.sparsity_key("update_total", "hoyer", kind)), None, style)
             for kind, style in zip(("embedding", "attention", "mlp", "norm"), ("-", "--", ":", "-."))
         ],
     )
     a3.set_title("update since start: Hoyer by layer type", fontsize=9)
     a3.set_ylabel("Hoyer sparsity (0 to 1, dimensionless)", fontsize=8)
-    steps = [r[STEP] for r in records if r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED) is not None]
+    steps = [r[mk.STEP] for r in records if r.get(mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED) is not None]
     for ax in (a1, a2, a3):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -149,47 +104,49 @@ COMPLETION_ROWS = 4
 def eval_section(records: list[dict[str, Any]], findings: list[str]) -> list[str]:
     """Held-out accuracy (``--eval-every``): a table of the evaluated steps, greedy and sampled with their Wilson
     intervals, and a finding comparing the first and last evaluation."""
-    rows = [r for r in records if r.get(EVAL_GREEDY_ACCURACY) is not None]
+    rows = [r for r in records if r.get(mk.EVAL_GREEDY_ACCURACY) is not None]
     if not rows:
         return []
 
     def cell(r, mid, lo, hi):
         return "–" if r.get(mid) is None else f"{fmt(r[mid])} [{fmt(r.get(lo))}, {fmt(r.get(hi))}]"
 
-    greedy = (EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI)
-    sampled = (EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)
+    greedy = (mk.EVAL_GREEDY_ACCURACY, mk.EVAL_GREEDY_ACCURACY_LO, mk.EVAL_GREEDY_ACCURACY_HI)
+    sampled = (mk.EVAL_SAMPLED_ACCURACY, mk.EVAL_SAMPLED_ACCURACY_LO, mk.EVAL_SAMPLED_ACCURACY_HI)
     lines = [
         "### Held-out accuracy",
         "",
-        f"The same {int(rows[0].get(EVAL_PROMPTS) or 0)} held-out prompts at each evaluated step, after its "
+        f"The same {int(rows[0].get(mk.EVAL_PROMPTS) or 0)} held-out prompts at each evaluated step, after its "
         "update: greedy (one completion, the argmax token each time; 95% Wilson interval over prompts) and "
         "sampled (at the training temperature; Wilson interval over completions).",
         "",
         *md_table(
             ["step", "greedy accuracy", "sampled accuracy"],
-            [[r[STEP], cell(r, *greedy), cell(r, *sampled)] for r in rows],
+            [[r[mk.STEP], cell(r, *greedy), cell(r, *sampled)] for r in rows],
         ),
     ]
     lines.append("")
     first, last = rows[0], rows[-1]
     if len(rows) > 1:
         findings.append(
-            f"Held-out greedy accuracy {cell(first, *greedy)} at step {first[STEP]} -> "
-            f"{cell(last, *greedy)} at step {last[STEP]} (95% Wilson intervals over prompts)."
+            f"Held-out greedy accuracy {cell(first, *greedy)} at step {first[mk.STEP]} -> "
+            f"{cell(last, *greedy)} at step {last[mk.STEP]} (95% Wilson intervals over prompts)."
         )
     else:
-        findings.append(f"Held-out greedy accuracy {cell(last, *greedy)} at step {last[STEP]} (one evaluation).")
+        findings.append(f"Held-out greedy accuracy {cell(last, *greedy)} at step {last[mk.STEP]} (one evaluation).")
     return lines
 
 
 def completions_section(rows: list[dict[str, Any]]) -> list[str]:
     """A few logged completions (completions.jsonl) of the first and last logged steps: prompt, completion, reward
     (and each reward function's value when the run logged them), advantage."""
-    steps = sorted({r[STEP] for r in rows if STEP in r})
+    steps = sorted({r[mk.STEP] for r in rows if mk.STEP in r})
     if not steps:
         return []
     shown = [
-        r for s in dict.fromkeys((steps[0], steps[-1])) for r in [x for x in rows if x.get(STEP) == s][:COMPLETION_ROWS]
+        r
+        for s in dict.fromkeys((steps[0], steps[-1]))
+        for r in [x for x in rows if x.get(mk.STEP) == s][:COMPLETION_ROWS]
     ]
     per_func = sorted({k for r in shown for k in (r.get("rewards") or {})})
 
@@ -210,7 +167,7 @@ def completions_section(rows: list[dict[str, Any]]) -> list[str]:
         funcs = [fmt((r.get("rewards") or {}).get(f)) for f in per_func]
         lines.append(
             md_row(
-                r[STEP],
+                r[mk.STEP],
                 text(r.get("prompt")),
                 text(r.get("completion")),
                 fmt(r.get("reward")),
@@ -228,7 +185,7 @@ def training_measures_section(
     sparsity numbers are over the LoRA adapter's weights)."""
     lines: list[str] = []
     lines += _entropy_lines(records, findings)
-    rows = [r for r in lens_rows(records) if r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE) is not None]
+    rows = [r for r in lens_rows(records) if r.get(mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE) is not None]
     if rows:
         lines += _sparsity_lines(records, rows, run_dir, findings, lora_rank)
     lines += noise_and_dead_section(records, findings)
@@ -246,7 +203,7 @@ def training_measures_section(
 def _entropy_lines(records: list[dict[str, Any]], findings: list[str]) -> list[str]:
     """The policy's token-mean entropy: first steps against last ones, or its mean when too few for a trend."""
     lines: list[str] = []
-    ent = [r.get(POLICY_ENTROPY) for r in records if r.get(POLICY_ENTROPY) is not None]
+    ent = [r.get(mk.POLICY_ENTROPY) for r in records if r.get(mk.POLICY_ENTROPY) is not None]
     if len(ent) >= MIN_TREND_STEPS:  # two non-overlapping windows, as for the reward
         w = min(5, len(ent) // 2)
         head, tail = ent[:w], ent[len(ent) - w :]
@@ -280,7 +237,7 @@ def _sparsity_lines(
     layer type at the last lens step, and the finding."""
     lines: list[str] = []
     plot_sparsity_measures(records, run_dir / "sparsity_measures.png")
-    n = rows[-1].get(SPARSITY_SAMPLE_ENTRIES)
+    n = rows[-1].get(mk.SPARSITY_SAMPLE_ENTRIES)
     lines += [
         "### Sparsity over training: the update and the gradient, separated from bf16 rounding",
         "",
@@ -316,31 +273,31 @@ def _sparsity_lines(
         lines.append(
             md_row(
                 *[
-                    r[STEP],
-                    fmt(r.get(REWARD_FRAC_ZERO_STD_GROUPS)),
-                    fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
-                    fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
-                    fmt(r.get(SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
-                    fmt(r.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
-                    fmt(r.get(SPARSITY_UPDATE_STEP_HOYER)),
-                    fmt(r.get(SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
-                    fmt(r.get(SPARSITY_GRAD_ZERO), 4),
-                    fmt(r.get(SPARSITY_GRAD_HOYER)),
-                    fmt(r.get(SPARSITY_GRAD_TOP1_ENERGY)),
+                    r[mk.STEP],
+                    fmt(r.get(mk.REWARD_FRAC_ZERO_STD_GROUPS)),
+                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
+                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
+                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
+                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
+                    fmt(r.get(mk.SPARSITY_UPDATE_STEP_HOYER)),
+                    fmt(r.get(mk.SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
+                    fmt(r.get(mk.SPARSITY_GRAD_ZERO), 4),
+                    fmt(r.get(mk.SPARSITY_GRAD_HOYER)),
+                    fmt(r.get(mk.SPARSITY_GRAD_TOP1_ENERGY)),
                 ]
             )
         )
     last = rows[-1]
     lines += _layer_type_lines(last)
-    gap = last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[SPARSITY_UPDATE_TOTAL_BF16_DENSE]
+    gap = last[mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE]
     weights = "the LoRA adapter's weights (not the full model's)" if lora_rank else "weights"
     findings.append(
-        f"After {last[STEP]} steps {fmt(last[SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "
-        f"kept their bf16 value, against {fmt(last.get(SPARSITY_UPDATE_TOTAL_BF16_PERMUTED))} for the "
+        f"After {last[mk.STEP]} steps {fmt(last[mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED])} of {weights} "
+        f"kept their bf16 value, against {fmt(last.get(mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED))} for the "
         f"same update permuted within each tensor and "
-        f"{fmt(last[SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
+        f"{fmt(last[mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE])} for a dense "
         f"update of the same size (difference {fmt(gap)}); "
-        f"{fmt(last.get(SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32."
+        f"{fmt(last.get(mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4)} were unchanged in float32."
     )
     lines.append("")
     return lines
@@ -352,12 +309,12 @@ def _layer_type_lines(last: dict[str, Any]) -> list[str]:
     kinds = [
         k
         for k in ("embedding", "attention", "mlp", "norm", "other")
-        if last.get(sparsity_key("update_total", "hoyer", k)) is not None
+        if last.get(mk.sparsity_key("update_total", "hoyer", k)) is not None
     ]
     if kinds:
         lines += [
             "",
-            f"By layer type at step {last[STEP]} (update since the start; gradient of the step):",
+            f"By layer type at step {last[mk.STEP]} (update since the start; gradient of the step):",
             "",
             *md_table(
                 [
@@ -374,7 +331,7 @@ def _layer_type_lines(last: dict[str, Any]) -> list[str]:
         ]
         for k in kinds:
             total = {
-                m: last.get(sparsity_key("update_total", m, k))
+                m: last.get(mk.sparsity_key("update_total", m, k))
                 for m in ("bf16_unchanged", "bf16_dense", "f32_unchanged", "hoyer", "top1_energy")
             }
             lines.append(
@@ -386,8 +343,8 @@ def _layer_type_lines(last: dict[str, Any]) -> list[str]:
                         fmt(total["f32_unchanged"], 4),
                         fmt(total["hoyer"]),
                         fmt(total["top1_energy"]),
-                        fmt(last.get(sparsity_key("grad", "zero", k)), 4),
-                        fmt(last.get(sparsity_key("grad", "hoyer", k))),
+                        fmt(last.get(mk.sparsity_key("grad", "zero", k)), 4),
+                        fmt(last.get(mk.sparsity_key("grad", "hoyer", k))),
                     ]
                 )
             )
@@ -405,27 +362,32 @@ def noise_and_dead_section(records: list[dict[str, Any]], findings: list[str]) -
     """The gradient noise scale of each lens step and the run's dead groups (docs/theory.md §Noise scale and dead
     groups), from the records' ``noise/*`` and ``dead/*`` keys; empty when neither was written."""
     lines: list[str] = []
-    dead = [r for r in records if r.get(DEAD_MIXED_GROUPS) is not None]
+    dead = [r for r in records if r.get(mk.DEAD_MIXED_GROUPS) is not None]
     if dead:
-        total = {k: sum(r.get(k) or 0 for r in dead) for k in (DEAD_ALL_CORRECT, DEAD_ALL_WRONG, DEAD_ALL_OTHER)}
-        mixed = sum(r[DEAD_MIXED_GROUPS] for r in dead)
-        shares = [r[DEAD_NORMALIZER_SHARE] for r in dead if r.get(DEAD_NORMALIZER_SHARE) is not None]
-        longest = max((r.get(DEAD_STEPS) or 0 for r in dead), default=0)
+        total = {
+            k: sum(r.get(k) or 0 for r in dead)
+            for k in (mk.DEAD_ALL_CORRECT_GROUPS, mk.DEAD_ALL_WRONG_GROUPS, mk.DEAD_ALL_EQUAL_OTHER_GROUPS)
+        }
+        mixed = sum(r[mk.DEAD_MIXED_GROUPS] for r in dead)
+        shares = [r[mk.DEAD_NORMALIZER_SHARE] for r in dead if r.get(mk.DEAD_NORMALIZER_SHARE) is not None]
+        longest = max((r.get(mk.DEAD_STEPS_WITHOUT_MIXED) or 0 for r in dead), default=0)
         share = fmt(sum(shares) / len(shares)) if shares else "–"
         lines += [
             "### Gradient noise scale and dead groups",
             "",
-            f"Over {len(dead)} steps: {mixed} groups with reward contrast, {total[DEAD_ALL_CORRECT]} all correct, "
-            f"{total[DEAD_ALL_WRONG]} all wrong and {total[DEAD_ALL_OTHER]} all equal at another reward; the groups "
+            f"Over {len(dead)} steps: {mixed} groups with reward contrast, "
+            f"{total[mk.DEAD_ALL_CORRECT_GROUPS]} all correct, {total[mk.DEAD_ALL_WRONG_GROUPS]} all wrong and "
+            f"{total[mk.DEAD_ALL_EQUAL_OTHER_GROUPS]} all equal at another reward; the groups "
             f"with all advantages 0 held on average {share} of the loss normaliser (each such share scales the step "
             f"down by as much); longest run of steps without a mixed group: {longest}.",
             "",
         ]
         findings.append(
-            f"Dead groups: {total[DEAD_ALL_CORRECT]} all correct and {total[DEAD_ALL_WRONG]} all wrong against "
+            f"Dead groups: {total[mk.DEAD_ALL_CORRECT_GROUPS]} all correct and "
+            f"{total[mk.DEAD_ALL_WRONG_GROUPS]} all wrong against "
             f"{mixed} mixed over {len(dead)} steps; mean normaliser share of zero-advantage groups {share}."
         )
-    rows = [r for r in records if r.get(NOISE_GRAD_SQ) is not None]
+    rows = [r for r in records if r.get(mk.NOISE_GRAD_SQ) is not None]
     if rows:
         if not lines:
             lines += ["### Gradient noise scale and dead groups", ""]
@@ -440,15 +402,15 @@ def noise_and_dead_section(records: list[dict[str, Any]], findings: list[str]) -
                 ["step", "B", "|G|^2", "tr(Sigma)", "B_simple", "SNR", "null p", "proxy rho", "route"],
                 [
                     (
-                        r[STEP],
-                        fmt(int(r[NOISE_GROUPS]) if r.get(NOISE_GROUPS) is not None else None),
-                        _with_interval(r, NOISE_GRAD_SQ, NOISE_GRAD_SQ_LO, NOISE_GRAD_SQ_HI, 4),
-                        fmt(r.get(NOISE_TRACE_SIGMA), 4),
-                        _with_interval(r, NOISE_B_SIMPLE, NOISE_B_SIMPLE_LO, NOISE_B_SIMPLE_HI, 2),
-                        fmt(r.get(NOISE_SNR), 2),
-                        fmt(r.get(NOISE_GRAD_SQ_P)),
-                        fmt(r.get(NOISE_PROXY_RANK_CORR), 2),
-                        "update" if r.get(NOISE_FROM_UPDATE) else "Gram",
+                        r[mk.STEP],
+                        fmt(int(r[mk.NOISE_GROUPS]) if r.get(mk.NOISE_GROUPS) is not None else None),
+                        _with_interval(r, mk.NOISE_GRAD_SQ, mk.NOISE_GRAD_SQ_LO, mk.NOISE_GRAD_SQ_HI, 4),
+                        fmt(r.get(mk.NOISE_TRACE_SIGMA), 4),
+                        _with_interval(r, mk.NOISE_B_SIMPLE, mk.NOISE_B_SIMPLE_LO, mk.NOISE_B_SIMPLE_HI, 2),
+                        fmt(r.get(mk.NOISE_SNR), 2),
+                        fmt(r.get(mk.NOISE_GRAD_SQ_P)),
+                        fmt(r.get(mk.NOISE_PROXY_RANK_CORR), 2),
+                        "update" if r.get(mk.NOISE_FROM_UPDATE) else "Gram",
                     )
                     for r in rows
                 ],
@@ -457,10 +419,10 @@ def noise_and_dead_section(records: list[dict[str, Any]], findings: list[str]) -
         ]
         last = rows[-1]
         findings.append(
-            f"Gradient noise scale at step {last[STEP]}: B_simple "
-            f"{_with_interval(last, NOISE_B_SIMPLE, NOISE_B_SIMPLE_LO, NOISE_B_SIMPLE_HI, 2)} groups against "
-            f"B = {fmt(last.get(NOISE_GROUPS), 0)} (SNR {fmt(last.get(NOISE_SNR), 2)}; null p "
-            f"{fmt(last.get(NOISE_GRAD_SQ_P))})."
+            f"Gradient noise scale at step {last[mk.STEP]}: B_simple "
+            f"{_with_interval(last, mk.NOISE_B_SIMPLE, mk.NOISE_B_SIMPLE_LO, mk.NOISE_B_SIMPLE_HI, 2)} groups against "
+            f"B = {fmt(last.get(mk.NOISE_GROUPS), 0)} (SNR {fmt(last.get(mk.NOISE_SNR), 2)}; null p "
+            f"{fmt(last.get(mk.NOISE_GRAD_SQ_P))})."
         )
     return lines
 
@@ -472,13 +434,13 @@ def dynamic_sampling_summary(records: list[dict]) -> str | None:
     Args:
         records: metrics.jsonl records (dicts with ``step``); steps without ``dynamic/hit_cap`` are ignored.
     """
-    rows = [r for r in records if isinstance(r.get(DYNAMIC_HIT_CAP), (int, float))]
+    rows = [r for r in records if isinstance(r.get(mk.DYNAMIC_HIT_CAP), (int, float))]
     if not rows:
         return None
-    cap = sum(r[DYNAMIC_HIT_CAP] > 0 for r in rows)
-    sampled = sum(r.get(DYNAMIC_SAMPLED_GROUPS, 0.0) for r in rows)
-    kept = sum(r.get(DYNAMIC_MIXED_GROUPS, 0.0) for r in rows)
-    zero = sum(r.get(DYNAMIC_ZERO_VAR_FRAC_SAMPLED, 0.0) * r.get(DYNAMIC_SAMPLED_GROUPS, 0.0) for r in rows)
+    cap = sum(r[mk.DYNAMIC_HIT_CAP] > 0 for r in rows)
+    sampled = sum(r.get(mk.DYNAMIC_SAMPLED_GROUPS, 0.0) for r in rows)
+    kept = sum(r.get(mk.DYNAMIC_MIXED_GROUPS, 0.0) for r in rows)
+    zero = sum(r.get(mk.DYNAMIC_ZERO_VAR_FRAC_SAMPLED, 0.0) * r.get(mk.DYNAMIC_SAMPLED_GROUPS, 0.0) for r in rows)
     share = f"{zero / sampled:.3f}" if sampled else "–"
     return (
         f"Dynamic sampling (DAPO) was on: {cap} of {len(rows)} steps hit the extra-rounds cap "

@@ -23,17 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from grpo_lens.metrics import (
-    PERF_REWARD_SECONDS,
-    REWARD_ERROR_COUNT,
-    REWARD_FUNCTION,
-    REWARD_FUNCTION_INVALID_COUNT,
-    REWARD_INVALID_COUNT,
-    REWARD_LOGGED,
-    REWARD_MEAN,
-    REWARD_STD,
-    REWARD_TIMEOUT_COUNT,
-)
+from grpo_lens import metrics as mk
 from grpo_lens.rewards.functions import REWARDS, RewardFn, get_reward
 
 if TYPE_CHECKING:
@@ -261,7 +251,7 @@ def _call_one(
         raise _exit_error(name, err) from None
     except RewardTimeout as err:
         logger.error("reward %r %s: its %d rollouts are marked invalid", name, err, N)
-        metrics[REWARD_TIMEOUT_COUNT] += 1
+        metrics[mk.REWARD_TIMEOUT_COUNT] += 1
         r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
     except Exception as err:  # noqa: BLE001 - a failing reward function must not stop the run
         if _first_failure(fn):
@@ -275,7 +265,7 @@ def _call_one(
             logger.error(
                 "reward %r raised %s: %s; its %d rollouts are marked invalid", name, type(err).__name__, err, N
             )
-        metrics[REWARD_ERROR_COUNT] += 1
+        metrics[mk.REWARD_ERROR_COUNT] += 1
         r, call_failed = torch.full((N,), math.nan, dtype=torch.float64), True
     return r, call_failed
 
@@ -334,7 +324,7 @@ def combine_rewards(
     total = torch.zeros(N, dtype=torch.float64)
     scored = torch.zeros(N, dtype=torch.bool)  # some function scored the rollout
     failed = torch.zeros(N, dtype=torch.bool)  # some function's call failed
-    metrics: dict[str, float] = {REWARD_TIMEOUT_COUNT: 0, REWARD_ERROR_COUNT: 0}
+    metrics: dict[str, float] = {mk.REWARD_TIMEOUT_COUNT: 0, mk.REWARD_ERROR_COUNT: 0}
     logged: dict[str, list[float]] = {}
 
     def log_metric(metric: str, value: float) -> None:
@@ -352,19 +342,19 @@ def combine_rewards(
         ok = ~torch.isnan(r)
         if (~ok).any() and not call_failed:  # None is "not applicable" (TRL): normal for a multi-task pair
             logger.debug("reward %r: %d of %d rollouts not scored (None or NaN)", name, int((~ok).sum()), N)
-        metrics[REWARD_FUNCTION.format(name=name)] = float(r[ok].mean()) if ok.any() else math.nan
-        metrics[REWARD_FUNCTION_INVALID_COUNT.format(name=name)] = int((~ok).sum())
-        metrics[PERF_REWARD_SECONDS.format(name=name)] = time.perf_counter() - start  # timing keys live under perf/
+        metrics[mk.REWARD_FUNCTION.format(name=name)] = float(r[ok].mean()) if ok.any() else math.nan
+        metrics[mk.REWARD_FUNCTION_INVALID_COUNT.format(name=name)] = int((~ok).sum())
+        metrics[mk.PERF_REWARD_SECONDS.format(name=name)] = time.perf_counter() - start  # timing keys live under perf/
         scored |= ok
         failed |= call_failed
         total += weight * torch.nan_to_num(r, nan=0.0)  # a skipped function adds nothing
     for metric, values in logged.items():
-        metrics[REWARD_LOGGED.format(name=metric)] = sum(values) / len(values)
+        metrics[mk.REWARD_LOGGED.format(name=metric)] = sum(values) / len(values)
     valid = scored & ~failed  # [N]: some function scored it, and no function's call failed
     rewards = torch.where(valid, total, torch.full_like(total, math.nan)).float()  # [N]
-    metrics[REWARD_INVALID_COUNT] = int((~valid).sum())
-    metrics[REWARD_MEAN] = float(rewards[valid].mean()) if valid.any() else math.nan
-    metrics[REWARD_STD] = float(rewards[valid].std(unbiased=False)) if valid.any() else math.nan
+    metrics[mk.REWARD_INVALID_COUNT] = int((~valid).sum())
+    metrics[mk.REWARD_MEAN] = float(rewards[valid].mean()) if valid.any() else math.nan
+    metrics[mk.REWARD_STD] = float(rewards[valid].std(unbiased=False)) if valid.any() else math.nan
     return rewards, valid, metrics
 
 

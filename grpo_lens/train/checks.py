@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.config import TrainConfig
 from grpo_lens.gradients.params import linear_layer_names
-from grpo_lens.metrics import STEP
 from grpo_lens.models import resolve_model
 from grpo_lens.rewards import RewardState, check_rewards_on_example, parse_reward_specs
 from grpo_lens.rollout import PromptFormatError, prompt_lengths
@@ -358,7 +358,7 @@ def check_metrics_cover(run: RunDir, ckpt: Path) -> None:
     if step <= 0:
         return
     records = run.read_metrics()
-    last = max((r.get(STEP, 0) for r in records), default=None)
+    last = max((r.get(mk.STEP, 0) for r in records), default=None)
     if last is None or last < step:
         held = "is missing" if not run.metrics_path.exists() else f"holds steps up to {last or 0}"
         raise RunDirError(

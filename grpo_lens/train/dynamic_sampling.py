@@ -16,14 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.advantages import constant_groups
-from grpo_lens.metrics import (
-    DYNAMIC_HIT_CAP,
-    DYNAMIC_MIXED_GROUPS,
-    DYNAMIC_ROUNDS,
-    DYNAMIC_SAMPLED_GROUPS,
-    DYNAMIC_ZERO_VAR_FRAC_SAMPLED,
-)
 from grpo_lens.rollout import RolloutBatch
 
 #: One sampling round: round index -> (batch of N rollouts, rewards [N] NaN invalid, valid [N] bool, reward metrics,
@@ -122,11 +116,11 @@ def collect_mixed_groups(
         if found >= num_groups:
             break
     stats = {
-        DYNAMIC_MIXED_GROUPS: float(found),
-        DYNAMIC_ROUNDS: float(rounds),
-        DYNAMIC_SAMPLED_GROUPS: float(sampled),
-        DYNAMIC_HIT_CAP: float(found < num_groups),
-        DYNAMIC_ZERO_VAR_FRAC_SAMPLED: 1.0 - seen_mixed / sampled,
+        mk.DYNAMIC_MIXED_GROUPS: float(found),
+        mk.DYNAMIC_ROUNDS: float(rounds),
+        mk.DYNAMIC_SAMPLED_GROUPS: float(sampled),
+        mk.DYNAMIC_HIT_CAP: float(found < num_groups),
+        mk.DYNAMIC_ZERO_VAR_FRAC_SAMPLED: 1.0 - seen_mixed / sampled,
     }
     if found == 0:
         batch, rewards, valid, *others = first  # type: ignore[misc]  # found == 0: the first round's draw is kept

@@ -21,17 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.stats import wilson_interval
-from grpo_lens.metrics import (
-    EVAL_GREEDY_ACCURACY,
-    EVAL_GREEDY_ACCURACY_HI,
-    EVAL_GREEDY_ACCURACY_LO,
-    EVAL_PROMPTS,
-    EVAL_SAMPLED_ACCURACY,
-    EVAL_SAMPLED_ACCURACY_HI,
-    EVAL_SAMPLED_ACCURACY_LO,
-    EVAL_SECONDS,
-)
 from grpo_lens.rollout import forward_precision, sample_groups
 from grpo_lens.train.step_metrics import rollout_correctness
 
@@ -101,7 +92,7 @@ class Evaluation:
         )
         was_training = policy.training
         policy.eval()
-        out: dict[str, float] = {EVAL_PROMPTS: float(len(self.examples))}
+        out: dict[str, float] = {mk.EVAL_PROMPTS: float(len(self.examples))}
         with torch.no_grad(), forward_precision(device, c.dtype):
             greedy = sample_groups(
                 policy,
@@ -114,7 +105,7 @@ class Evaluation:
                 generator_seed=c.seed,
                 batch_size=EVAL_BATCH,
             )
-            keys = (EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI)
+            keys = (mk.EVAL_GREEDY_ACCURACY, mk.EVAL_GREEDY_ACCURACY_LO, mk.EVAL_GREEDY_ACCURACY_HI)
             out.update(zip(keys, accuracy_with_interval(rollout_correctness(self.task, greedy, c.reward_timeout))))
             if c.eval_samples > 0:
                 sampled = sample_groups(
@@ -129,11 +120,11 @@ class Evaluation:
                     generator_seed=c.seed * 7_919 + step,
                     batch_size=EVAL_BATCH,
                 )
-                keys = (EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)
+                keys = (mk.EVAL_SAMPLED_ACCURACY, mk.EVAL_SAMPLED_ACCURACY_LO, mk.EVAL_SAMPLED_ACCURACY_HI)
                 out.update(zip(keys, accuracy_with_interval(rollout_correctness(self.task, sampled, c.reward_timeout))))
         if was_training:
             policy.train()
-        out[EVAL_SECONDS] = time.perf_counter() - t0
+        out[mk.EVAL_SECONDS] = time.perf_counter() - t0
         logger.info("step %d: %s", step, eval_line(out))
         return out
 
@@ -145,8 +136,11 @@ def eval_line(metrics: dict[str, float]) -> str:
     def acc(mean_key: str, lo_key: str, hi_key: str) -> str:
         return f"{metrics[mean_key]:.3f} [{metrics[lo_key]:.3f}, {metrics[hi_key]:.3f}]"
 
-    parts = [f"held-out greedy accuracy {acc(EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI)}"]
-    if EVAL_SAMPLED_ACCURACY in metrics:
-        parts.append(f"sampled {acc(EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI)}")
-    parts.append(f"over {int(metrics[EVAL_PROMPTS])} prompts, {metrics[EVAL_SECONDS]:.0f} s")
+    greedy = acc(mk.EVAL_GREEDY_ACCURACY, mk.EVAL_GREEDY_ACCURACY_LO, mk.EVAL_GREEDY_ACCURACY_HI)
+    parts = [f"held-out greedy accuracy {greedy}"]
+    if mk.EVAL_SAMPLED_ACCURACY in metrics:
+        parts.append(
+            f"sampled {acc(mk.EVAL_SAMPLED_ACCURACY, mk.EVAL_SAMPLED_ACCURACY_LO, mk.EVAL_SAMPLED_ACCURACY_HI)}"
+        )
+    parts.append(f"over {int(metrics[mk.EVAL_PROMPTS])} prompts, {metrics[mk.EVAL_SECONDS]:.0f} s")
     return ", ".join(parts)

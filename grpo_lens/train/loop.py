@@ -43,6 +43,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from grpo_lens import metrics as mk
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.advantages import BATCH_ESTIMATORS, compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import optimal_vs_rloo
@@ -54,18 +55,6 @@ from grpo_lens.lens.settings import LensSettings
 from grpo_lens.lens.step_batch import StepBatch
 from grpo_lens.lens.trainer_lens import TrainerLens
 from grpo_lens.lora import apply_lora, is_lora, save_lora_model
-from grpo_lens.metrics import (
-    ADV_OPTIMAL_BASELINE,
-    ADV_OPTIMAL_MINUS_RLOO,
-    DEAD_MIXED_GROUPS,
-    GUARD_SKIPPED_OPTIMIZER_STEPS,
-    LR,
-    PERF_OPTIMAL_BASELINE_SECONDS,
-    PERF_STEP_SECONDS,
-    REWARD_KL_PENALTY,
-    REWARD_MEAN,
-    REWARD_OVERLONG_PENALTY,
-)
 from grpo_lens.models import load_model
 from grpo_lens.rewards import RewardState
 from grpo_lens.rollout import (
@@ -229,16 +218,16 @@ def train(config: TrainConfig, lens: Lens | None = None) -> RunDir:
         lens_metrics = lens_after_update(lens, plan, step, procs, models.policy, rollouts, advantages)
         # 7. the guards: a step with a skipped optimizer step, or with no scorable rollout, counts toward
         #    --max-consecutive-skips
-        update_metrics.update(state.count_skipped(update_metrics[GUARD_SKIPPED_OPTIMIZER_STEPS] > 0))
+        update_metrics.update(state.count_skipped(update_metrics[mk.GUARD_SKIPPED_OPTIMIZER_STEPS] > 0))
         state.count_unscored(procs.sum_floats([float(rollouts.valid.sum())])[0] == 0)
         state.count_untrained(  # --overlong mask / filter with every completion cut: no rollout has a gradient
             config.overlong in ("mask", "filter")
             and procs.sum_floats([float((~rollouts.batch.truncated).sum())])[0] == 0
         )
         # 8. the step's record over all processes' rollouts, one JSON line in metrics.jsonl and the trackers
-        parts = [update_metrics, lens_metrics, baseline_metrics, {LR: models.optimizer.param_groups[0]["lr"]}]
+        parts = [update_metrics, lens_metrics, baseline_metrics, {mk.LR: models.optimizer.param_groups[0]["lr"]}]
         record = step_record(step, config, procs, rollouts, advantages, parts, t0)
-        record.update(state.count_dead(record[DEAD_MIXED_GROUPS] == 0))
+        record.update(state.count_dead(record[mk.DEAD_MIXED_GROUPS] == 0))
         if evaluation is not None:  # --eval-every: held-out accuracy after the update
             record.update(evaluation(step, models.policy, models.tokenizer, procs.device))
         if procs.is_main:
@@ -417,7 +406,7 @@ def sample_round(
             batch.completion_mask.sum(dim=1), config.overlong_length(), config.overlong_cache()
         ).to(rewards.device)
         rewards = rewards + penalty.to(rewards.dtype)  # NaN (invalid) stays NaN
-        reward_info[REWARD_OVERLONG_PENALTY] = float(procs.gather(penalty).mean())
+        reward_info[mk.REWARD_OVERLONG_PENALTY] = float(procs.gather(penalty).mean())
     return Rollouts(batch, rewards, valid, correct, reward_info, {}, [(rewards, valid, correct)], seconds)
 
 
@@ -454,7 +443,7 @@ def penalise_kl_in_reward(rollouts: Rollouts, ref_logp: torch.Tensor, beta: floa
     batch = rollouts.batch
     penalty = kl_reward_penalty(batch.sampler_logprobs, ref_logp, batch.completion_mask, beta).to(rollouts.rewards)
     total, count = procs.sum_floats([float(penalty[rollouts.valid].sum()), float(rollouts.valid.sum())])
-    info = {**rollouts.reward_info, REWARD_KL_PENALTY: total / count if count else math.nan}
+    info = {**rollouts.reward_info, mk.REWARD_KL_PENALTY: total / count if count else math.nan}
     return replace(rollouts, rewards=rollouts.rewards - penalty, reward_info=info)  # NaN stays NaN
 
 
@@ -474,7 +463,7 @@ def step_advantages(
     if config.estimator == "optimal":
         t_b = time.perf_counter()
         grad_sq_norms = optimal_baseline_weights(config, procs, policy, rollouts)
-        metrics[PERF_OPTIMAL_BASELINE_SECONDS] = time.perf_counter() - t_b
+        metrics[mk.PERF_OPTIMAL_BASELINE_SECONDS] = time.perf_counter() - t_b
     if config.estimator in BATCH_ESTIMATORS:  # statistics over every process's groups, then this process's share
         advantages = batch_advantages(config, rewards, valid)
     else:
@@ -543,7 +532,7 @@ def optimal_baseline_metrics(
     has one. rewards, advantages: [B, R] float.   valid: [B, R] bool."""
     total, minus_rloo, count = procs.sum_floats(optimal_vs_rloo(rewards, valid, advantages))
     if count > 0:
-        return {ADV_OPTIMAL_BASELINE: total / count, ADV_OPTIMAL_MINUS_RLOO: minus_rloo / count}
+        return {mk.ADV_OPTIMAL_BASELINE: total / count, mk.ADV_OPTIMAL_MINUS_RLOO: minus_rloo / count}
     return {}
 
 
@@ -662,7 +651,7 @@ class StepLogs:
             self.trackers.log_completions(rows, step)
         crash_point("after_metrics_write", step)
         if self.progress is not None:
-            self.progress.set_postfix(reward=f"{record[REWARD_MEAN]:.3f}", sec=f"{record[PERF_STEP_SECONDS]:.1f}")
+            self.progress.set_postfix(reward=f"{record[mk.REWARD_MEAN]:.3f}", sec=f"{record[mk.PERF_STEP_SECONDS]:.1f}")
             self.progress.update(1)
         elif self.lines_of:
             logger.info("%s", step_line(record, self.lines_of, list(self.rewards)))

@@ -12,13 +12,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.lens.step_batch import StepBatch
-from grpo_lens.metrics import (
-    DEAD_STEPS,
-    GUARD_CONSECUTIVE_SKIPPED,
-    GUARD_SKIPPED_STEPS,
-    GUARD_STEP_SKIPPED,
-)
 from grpo_lens.rollout import RolloutBatch
 
 
@@ -54,9 +49,9 @@ class RunState:
         self.guard["consecutive"] = self.guard["consecutive"] + 1 if skipped else 0
         self.guard["total"] += int(skipped)
         return {
-            GUARD_STEP_SKIPPED: int(skipped),
-            GUARD_SKIPPED_STEPS: self.guard["total"],
-            GUARD_CONSECUTIVE_SKIPPED: self.guard["consecutive"],
+            mk.GUARD_STEP_SKIPPED: int(skipped),
+            mk.GUARD_SKIPPED_STEPS: self.guard["total"],
+            mk.GUARD_CONSECUTIVE_SKIPPED: self.guard["consecutive"],
         }
 
     def count_dead(self, dead: bool) -> dict[str, int]:
@@ -64,7 +59,7 @@ class RunState:
         (``guard["dead"]``: consecutive such steps, saved with the guard so a resumed run counts on); returns
         ``dead/steps_without_mixed``."""
         self.guard["dead"] = self.guard.get("dead", 0) + 1 if dead else 0
-        return {DEAD_STEPS: self.guard["dead"]}
+        return {mk.DEAD_STEPS_WITHOUT_MIXED: self.guard["dead"]}
 
     def count_unscored(self, unscored: bool) -> None:
         """Count one trainer step, ``unscored`` when no rollout of any process got a valid reward

@@ -11,21 +11,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from grpo_lens import metrics as mk
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.overlong import overlong_loss_mask
-from grpo_lens.metrics import (
-    EVAL_GREEDY_ACCURACY,
-    LR,
-    PERF_GENERATION_SECONDS,
-    PERF_PEAK_MEMORY_MB,
-    PERF_STEP_SECONDS,
-    PERF_TOKENS_PER_SECOND,
-    REWARD_ACCURACY,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    REWARD_FUNCTION,
-    REWARD_MEAN,
-    STEP,
-)
 from grpo_lens.rollout import RolloutBatch
 from grpo_lens.rundir import (
     RunDir,
@@ -77,7 +65,7 @@ def step_record(
     )
     seconds = time.perf_counter() - t0
     record = {
-        STEP: step,
+        mk.STEP: step,
         **merge_reward_infos([i for i, _ in infos], [n for _, n in infos]),
         **rollouts.dynamic,
         **rollout_metrics(rewards, valid, adv, mask, truncated, R),
@@ -96,10 +84,10 @@ def step_record(
         record.update(part)
     record.update(
         {
-            PERF_STEP_SECONDS: seconds,
-            PERF_GENERATION_SECONDS: rollouts.generation_seconds,
-            PERF_TOKENS_PER_SECOND: float(mask.sum()) / max(seconds, 1e-9),
-            PERF_PEAK_MEMORY_MB: _peak_memory_mb(procs.device),
+            mk.PERF_STEP_SECONDS: seconds,
+            mk.PERF_GENERATION_SECONDS: rollouts.generation_seconds,
+            mk.PERF_TOKENS_PER_SECOND: float(mask.sum()) / max(seconds, 1e-9),
+            mk.PERF_PEAK_MEMORY_MB: _peak_memory_mb(procs.device),
         }
     )
     if config.dynamic_sampling:
@@ -114,28 +102,28 @@ def step_line(record: dict[str, Any], max_steps: int, rewards: list[str] | None 
     (specs; :func:`grpo_lens.train.step_metrics.custom_reward_names`) the reward names it and "accuracy" reads "task
     accuracy" (the task's correctness check, not the reward)."""
     custom = custom_reward_names(rewards or [])
-    parts = [f"step {record[STEP]}/{max_steps}"]
+    parts = [f"step {record[mk.STEP]}/{max_steps}"]
     for key, name, spec in (
-        (REWARD_MEAN, f"reward ({'+'.join(custom)})" if custom else "reward", ".3f"),
-        (REWARD_ACCURACY, "task accuracy" if custom else "accuracy", ".3f"),
-        (REWARD_FRAC_ZERO_STD_GROUPS, "S1", ".2f"),
-        (LR, "lr", ".2e"),
-        (EVAL_GREEDY_ACCURACY, "eval greedy", ".3f"),
-        (PERF_STEP_SECONDS, "s", ".1f"),
+        (mk.REWARD_MEAN, f"reward ({'+'.join(custom)})" if custom else "reward", ".3f"),
+        (mk.REWARD_ACCURACY, "task accuracy" if custom else "accuracy", ".3f"),
+        (mk.REWARD_FRAC_ZERO_STD_GROUPS, "S1", ".2f"),
+        (mk.LR, "lr", ".2e"),
+        (mk.EVAL_GREEDY_ACCURACY, "eval greedy", ".3f"),
+        (mk.PERF_STEP_SECONDS, "s", ".1f"),
     ):
         if isinstance(record.get(key), (int, float)):
             parts.append(f"{name} {record[key]:{spec}}")
-        if key == REWARD_MEAN and custom and len(rewards or []) > 1:  # each function's mean, TRL's name
+        if key == mk.REWARD_MEAN and custom and len(rewards or []) > 1:  # each function's mean, TRL's name
             # len(rewards or []) > 1 above
             for n in (str(r).split(":", 1)[0] for r in rewards):  # type: ignore[union-attr]
-                if isinstance(v := record.get(REWARD_FUNCTION.format(name=n)), (int, float)):
+                if isinstance(v := record.get(mk.REWARD_FUNCTION.format(name=n)), (int, float)):
                     parts.append(f"rewards/{n}/mean {v:.3f}")
     return "  ".join(parts)
 
 
 def _log_lens_cost(run: RunDir) -> None:
     """Log what the lens cost the whole run (resumed parts included), from metrics.jsonl."""
-    cost = lens_overhead([r for r in run.read_metrics() if STEP in r])
+    cost = lens_overhead([r for r in run.read_metrics() if mk.STEP in r])
     if cost and cost["lens_steps"]:
         logger.info(
             "lens: %d of %d steps measured, %.1f s of its own, %.1f%% of the %.1f s the steps took "
@@ -160,7 +148,7 @@ def _log_completions(
         text = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
         rows.append(
             {
-                STEP: step,
+                mk.STEP: step,
                 "prompt": text,
                 "completion": batch.completions[i],
                 "reward": float(rewards[i]),

@@ -15,29 +15,10 @@ import math
 
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.advantages import constant_groups
 from grpo_lens.formulas.losses import LOSS_AGGREGATIONS
 from grpo_lens.formulas.noise import dead_group_counts, normalizer_dilution, zero_advantage_groups
-from grpo_lens.metrics import (
-    ADV_ABS_MEAN,
-    ADV_MAX,
-    ADV_MEAN,
-    ADV_MIN,
-    COMPLETIONS_MAX_LENGTH,
-    COMPLETIONS_MEAN_LENGTH,
-    COMPLETIONS_TRUNCATED_FRAC,
-    DEAD_ALL_CORRECT,
-    DEAD_ALL_OTHER,
-    DEAD_ALL_WRONG,
-    DEAD_MIXED_GROUPS,
-    DEAD_NORMALIZER_SHARE,
-    KEPT_KEYS,
-    REWARD_ACCURACY,
-    REWARD_FRAC_ZERO_STD_GROUPS,
-    REWARD_INVALID_FRAC,
-    REWARD_MEAN,
-    REWARD_STD,
-)
 from grpo_lens.rewards import (
     RewardState,
     RewardTimeout,
@@ -136,7 +117,7 @@ def accuracy_metrics(correct: torch.Tensor) -> dict[str, float]:
     """``reward/accuracy``: the mean of the 0/1 verdicts [N] over rollouts that have one (NaN = none); absent when
     no rollout has one."""
     has = ~torch.isnan(correct)
-    return {REWARD_ACCURACY: float(correct[has].mean())} if has.any() else {}
+    return {mk.REWARD_ACCURACY: float(correct[has].mean())} if has.any() else {}
 
 
 def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) -> dict[str, float]:
@@ -156,16 +137,16 @@ def reward_metrics(rewards: torch.Tensor, valid: torch.Tensor, group_size: int) 
     if not bool(valid.any()):
         mean = std = zero_std = math.nan
     return {
-        REWARD_MEAN: mean,
-        REWARD_STD: std,
-        REWARD_FRAC_ZERO_STD_GROUPS: float(zero_std),
-        REWARD_INVALID_FRAC: float((~valid).float().mean()),
+        mk.REWARD_MEAN: mean,
+        mk.REWARD_STD: std,
+        mk.REWARD_FRAC_ZERO_STD_GROUPS: float(zero_std),
+        mk.REWARD_INVALID_FRAC: float((~valid).float().mean()),
     }
 
 
 #: The keys that, with dynamic sampling, describe all sampled groups; the kept groups' values go to ``dynamic/kept_*``
 #: (:data:`grpo_lens.metrics.KEPT_KEYS`).
-SAMPLED_KEYS = KEPT_KEYS
+SAMPLED_KEYS = mk.KEPT_KEYS
 
 
 def sampled_vs_kept(
@@ -201,13 +182,13 @@ def rollout_metrics(
     lengths = batch_mask.sum(dim=1).float()
     return {
         **reward_metrics(rewards, valid, group_size),
-        ADV_MEAN: float(advantages.mean()),
-        ADV_ABS_MEAN: float(advantages.abs().mean()),
-        ADV_MAX: float(advantages.max()),
-        ADV_MIN: float(advantages.min()),
-        COMPLETIONS_MEAN_LENGTH: float(lengths.mean()),
-        COMPLETIONS_MAX_LENGTH: float(lengths.max()),
-        COMPLETIONS_TRUNCATED_FRAC: float(truncated.float().mean()),
+        mk.ADV_MEAN: float(advantages.mean()),
+        mk.ADV_ABS_MEAN: float(advantages.abs().mean()),
+        mk.ADV_MAX: float(advantages.max()),
+        mk.ADV_MIN: float(advantages.min()),
+        mk.COMPLETIONS_MEAN_LENGTH: float(lengths.mean()),
+        mk.COMPLETIONS_MAX_LENGTH: float(lengths.max()),
+        mk.COMPLETIONS_TRUNCATED_FRAC: float(truncated.float().mean()),
     }
 
 
@@ -242,11 +223,11 @@ def dead_group_metrics(
     units = torch.tensor([float(normalizer(mask[i : i + 1], max_new_tokens)) for i in range(mask.shape[0])])
     dead = zero_advantage_groups(advantages.detach().view(-1, R).cpu())
     return {
-        DEAD_ALL_CORRECT: counts["all_best"],
-        DEAD_ALL_WRONG: counts["all_worst"],
-        DEAD_ALL_OTHER: counts["all_other"],
-        DEAD_MIXED_GROUPS: counts["mixed"],
-        DEAD_NORMALIZER_SHARE: normalizer_dilution(units.view(-1, R), dead),
+        mk.DEAD_ALL_CORRECT_GROUPS: counts["all_best"],
+        mk.DEAD_ALL_WRONG_GROUPS: counts["all_worst"],
+        mk.DEAD_ALL_EQUAL_OTHER_GROUPS: counts["all_other"],
+        mk.DEAD_MIXED_GROUPS: counts["mixed"],
+        mk.DEAD_NORMALIZER_SHARE: normalizer_dilution(units.view(-1, R), dead),
     }
 
 

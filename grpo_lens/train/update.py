@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.config import TrainConfig
 from grpo_lens.formulas.losses import (
     ZERO_AT_ZERO_ADVANTAGE,
@@ -39,21 +40,6 @@ from grpo_lens.formulas.losses import (
 )
 from grpo_lens.formulas.overlong import overlong_loss_mask
 from grpo_lens.lens.step_batch import StepBatch
-from grpo_lens.metrics import (
-    GRAD_NORM,
-    GRAD_NORM_LAST,
-    GRAD_OPTIMIZER_STEPS,
-    GUARD_SKIPPED_OPTIMIZER_STEPS,
-    LOSS_KL,
-    LOSS_POLICY,
-    MISMATCH_KL_K3,
-    MISMATCH_LOGPROB_ABS_DIFF_MAX,
-    MISMATCH_LOGPROB_ABS_DIFF_MEAN,
-    MISMATCH_TIS_CAPPED_FRAC,
-    MISMATCH_TIS_WEIGHT_MEAN,
-    POLICY_ENTROPY,
-    RATIO_MAX,
-)
 from grpo_lens.rollout import RolloutBatch, batch_logprobs, forward_precision, group_logprobs
 from grpo_lens.rundir import crash_point
 from grpo_lens.runtime.memory import auto_micro_batch_size, total_memory_bytes
@@ -295,9 +281,9 @@ class UpdateSums:
         tok = metrics.pop("tokens")
         self.tokens += tok
         for k, v in metrics.items():
-            if k in (LOSS_POLICY, LOSS_KL):  # already normalised shares: they add up
+            if k in (mk.LOSS_POLICY, mk.LOSS_KL):  # already normalised shares: they add up
                 self.totals[k] = self.totals.get(k, 0.0) + v / (optimizer_steps / 1.0)
-            elif k == RATIO_MAX:
+            elif k == mk.RATIO_MAX:
                 self.totals[k] = max(self.totals.get(k, 0.0), v)
             else:
                 self.totals[k] = self.totals.get(k, 0.0) + v * tok
@@ -469,20 +455,23 @@ def optimizer_step(
 def update_metrics(sums: UpdateSums, config: TrainConfig, procs: Processes) -> dict[str, float]:
     """The step's update metrics from ``sums``, reduced over processes: the whole batch's numbers, the same on every
     process (see :func:`policy_update` for the keys)."""
-    keys = sorted(k for k in sums.totals if k != RATIO_MAX)  # the same keys, in the same order, on every process
+    keys = sorted(k for k in sums.totals if k != mk.RATIO_MAX)  # the same keys, in the same order, on every process
     *summed, tokens_total = procs.sum_floats([sums.totals[k] for k in keys] + [sums.tokens])
     totals = dict(sums.totals)
     totals.update(zip(keys, summed))
     entropy_sum, entropy_tokens = procs.sum_floats([sums.entropy_sum, sums.entropy_tokens])
-    if RATIO_MAX in totals:
-        totals[RATIO_MAX] = procs.max_float(totals[RATIO_MAX])
-    out = {k: (v if k in (LOSS_POLICY, LOSS_KL, RATIO_MAX) else v / max(tokens_total, 1.0)) for k, v in totals.items()}
-    out[POLICY_ENTROPY] = entropy_sum / max(entropy_tokens, 1.0)
+    if mk.RATIO_MAX in totals:
+        totals[mk.RATIO_MAX] = procs.max_float(totals[mk.RATIO_MAX])
+    out = {
+        k: (v if k in (mk.LOSS_POLICY, mk.LOSS_KL, mk.RATIO_MAX) else v / max(tokens_total, 1.0))
+        for k, v in totals.items()
+    }
+    out[mk.POLICY_ENTROPY] = entropy_sum / max(entropy_tokens, 1.0)
     out.update(_mismatch_metrics(sums.mismatch, sums.tis if config.tis_cap is not None else None, procs))
-    out[GRAD_NORM] = sums.grad_norms[0]
-    out[GRAD_NORM_LAST] = sums.grad_norms[-1]
-    out[GRAD_OPTIMIZER_STEPS] = len(sums.grad_norms) - sums.skipped
-    out[GUARD_SKIPPED_OPTIMIZER_STEPS] = sums.skipped
+    out[mk.GRAD_NORM] = sums.grad_norms[0]
+    out[mk.GRAD_NORM_LAST] = sums.grad_norms[-1]
+    out[mk.GRAD_OPTIMIZER_STEPS] = len(sums.grad_norms) - sums.skipped
+    out[mk.GUARD_SKIPPED_OPTIMIZER_STEPS] = sums.skipped
     return out
 
 
@@ -600,8 +589,12 @@ def _mismatch_metrics(mismatch: dict[str, float], tis: dict[str, float] | None, 
     sums = procs.sum_floats([mismatch[k] for k in keys] + tis_sums)
     top = procs.max_float(mismatch["abs_diff_max"])
     n = max(sums[2], 1.0)
-    out = {MISMATCH_LOGPROB_ABS_DIFF_MEAN: sums[0] / n, MISMATCH_LOGPROB_ABS_DIFF_MAX: top, MISMATCH_KL_K3: sums[1] / n}
+    out = {
+        mk.MISMATCH_LOGPROB_ABS_DIFF_MEAN: sums[0] / n,
+        mk.MISMATCH_LOGPROB_ABS_DIFF_MAX: top,
+        mk.MISMATCH_KL_K3: sums[1] / n,
+    }
     if tis is not None:
-        out[MISMATCH_TIS_WEIGHT_MEAN] = sums[3] / max(sums[5], 1.0)
-        out[MISMATCH_TIS_CAPPED_FRAC] = sums[4] / max(sums[5], 1.0)
+        out[mk.MISMATCH_TIS_WEIGHT_MEAN] = sums[3] / max(sums[5], 1.0)
+        out[mk.MISMATCH_TIS_CAPPED_FRAC] = sums[4] / max(sums[5], 1.0)
     return out

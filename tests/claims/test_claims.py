@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.base import (
     CLAIMS,
     DOES_NOT_HOLD,
@@ -89,10 +90,9 @@ def test_rank_claim_is_one_row_across_r():
 
 def test_sparsity_advice_follows_the_runs_own_lens_spacing():
     from grpo_lens.claims.sparsity import _more_lens_steps
-    from grpo_lens.metrics import STEP
 
     def steps(*s):
-        return [{STEP: k} for k in s]
+        return [{mk.STEP: k} for k in s]
 
     # every 5 steps (the last step measured too): halving to 2 gives 5 / 2 = 2.5x the lens steps
     assert "every 5 steps; e.g. --lens-every 2 gives about 2.5× as many" in _more_lens_steps(steps(0, 5, 10, 15, 19), 4)

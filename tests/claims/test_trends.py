@@ -7,10 +7,10 @@ import math
 
 import pytest
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims.base import CLAIMS, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE
 from grpo_lens.claims.rank import STAYS_SEEDS_RULE_ID
 from grpo_lens.claims.sparsity import S1_RULE_ID, S1_SEEDS_RULE_ID, after_warmup, trend_verdict
-from grpo_lens.metrics import LR, RANK_G1, REWARD_FRAC_ZERO_STD_GROUPS, STEP
 
 S1 = CLAIMS.get("zero_variance_share_rises")
 STAYS = CLAIMS.get("rank_stays_near_two")
@@ -24,14 +24,16 @@ def _s1_run(slope: float, steps: int = 12, lr_warmup: int = 0, warm_s1: float | 
         s1 = 0.3 + slope * step + (0.01 if step % 2 else -0.01)
         if warm_s1 is not None and step < lr_warmup:
             s1 = warm_s1
-        recs.append({STEP: step, LR: min(1.0, step / lr_warmup) if lr_warmup else 1.0, REWARD_FRAC_ZERO_STD_GROUPS: s1})
+        recs.append(
+            {mk.STEP: step, mk.LR: min(1.0, step / lr_warmup) if lr_warmup else 1.0, mk.REWARD_FRAC_ZERO_STD_GROUPS: s1}
+        )
     return recs
 
 
 def test_after_warmup_drops_the_steps_before_the_lr_peak():
-    recs = [{STEP: s, LR: v} for s, v in enumerate([0.25, 0.5, 0.75, 1.0, 1.0, 0.9], start=1)]
-    assert [r[STEP] for r in after_warmup(recs)] == [4, 5, 6]
-    assert after_warmup([{STEP: 1}, {STEP: 2}]) == [{STEP: 1}, {STEP: 2}]  # no LR logged: all kept
+    recs = [{mk.STEP: s, mk.LR: v} for s, v in enumerate([0.25, 0.5, 0.75, 1.0, 1.0, 0.9], start=1)]
+    assert [r[mk.STEP] for r in after_warmup(recs)] == [4, 5, 6]
+    assert after_warmup([{mk.STEP: 1}, {mk.STEP: 2}]) == [{mk.STEP: 1}, {mk.STEP: 2}]  # no LR logged: all kept
 
 
 def test_s1_pooled_over_seeds_by_hand():
@@ -51,7 +53,7 @@ def test_s1_pooled_over_seeds_by_hand():
 
 
 def _series(recs):
-    return [float(r[STEP]) for r in recs], [float(r[REWARD_FRAC_ZERO_STD_GROUPS]) for r in recs], None
+    return [float(r[mk.STEP]) for r in recs], [float(r[mk.REWARD_FRAC_ZERO_STD_GROUPS]) for r in recs], None
 
 
 def test_a_warm_up_transient_is_not_a_rise():
@@ -60,7 +62,7 @@ def test_a_warm_up_transient_is_not_a_rise():
     runs = [_s1_run(b, steps=16, lr_warmup=4, warm_s1=0.0) for b in (0.002, -0.002, 0.0005)]
     (c,) = S1({"records": runs[0], "seed_runs": runs})
     assert c.verdict == INCONCLUSIVE
-    no_lr = [[{k: v for k, v in r.items() if k != LR} for r in run] for run in runs]
+    no_lr = [[{k: v for k, v in r.items() if k != mk.LR} for r in run] for run in runs]
     assert S1({"records": no_lr[0], "seed_runs": no_lr})[0].verdict == HOLDS  # what the warm-up alone would say
 
 
@@ -73,7 +75,7 @@ def test_one_run_uses_the_hac_route():
 
 def _stays_run(e2s: list[float]) -> list[dict]:
     return [
-        {STEP: s, RANK_G1.format(m="top2_share"): e2, RANK_G1.format(m="top1_share"): 0.5}
+        {mk.STEP: s, mk.RANK_G1.format(m="top2_share"): e2, mk.RANK_G1.format(m="top1_share"): 0.5}
         for s, e2 in zip((1, 5, 10, 15, 20), e2s)
     ]
 

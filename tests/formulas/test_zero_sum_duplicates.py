@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from grpo_lens import metrics as mk
 from grpo_lens.formulas.zero_sum import distinct_rows, span_energies, zero_sum_tests
-from grpo_lens.metrics import zero_sum_key
 
 
 def _vectors(n: int, dim: int = 64, seed: int = 0) -> torch.Tensor:
@@ -36,9 +36,9 @@ def test_one_string_class_with_one_other_rollout_carries_no_label_information():
     adv = torch.tensor([0.5, 0.5, 0.5, -1.5])
     out = zero_sum_tests(g @ g.T, rewards, adv)
     for stat in ("span_energy", "unit_span_energy"):
-        assert out[zero_sum_key(stat)] == pytest.approx(1.0, abs=1e-9)
-        assert out[zero_sum_key(stat, "excess")] == pytest.approx(0.0, abs=1e-9)
-        assert out[zero_sum_key(stat, "null_var")] == pytest.approx(0.0, abs=1e-12)
+        assert out[mk.zero_sum_key(stat)] == pytest.approx(1.0, abs=1e-9)
+        assert out[mk.zero_sum_key(stat, "excess")] == pytest.approx(0.0, abs=1e-9)
+        assert out[mk.zero_sum_key(stat, "null_var")] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_merged_test_is_the_test_of_the_distinct_completions():
@@ -54,10 +54,10 @@ def test_merged_test_is_the_test_of_the_distinct_completions():
     for i, idx in enumerate([(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]):
         labs[i, list(idx)] = True
     e = span_energies(gd, labs, torch.where(labs, 0.6, -0.9).double())
-    assert out[zero_sum_key("span_energy")] == pytest.approx(float(e[0]), rel=1e-9)  # (0, 1): the truth
-    assert out[zero_sum_key("span_energy", "excess")] == pytest.approx(float(e[0] - e.mean()), rel=1e-9)
-    assert out[zero_sum_key("span_energy", "p")] == pytest.approx(int((e >= e[0] - 1e-12).sum()) / 6)
-    assert math.isfinite(out[zero_sum_key("cos_gap")])
+    assert out[mk.zero_sum_key("span_energy")] == pytest.approx(float(e[0]), rel=1e-9)  # (0, 1): the truth
+    assert out[mk.zero_sum_key("span_energy", "excess")] == pytest.approx(float(e[0] - e.mean()), rel=1e-9)
+    assert out[mk.zero_sum_key("span_energy", "p")] == pytest.approx(int((e >= e[0] - 1e-12).sum()) / 6)
+    assert math.isfinite(out[mk.zero_sum_key("cos_gap")])
 
 
 def test_token_ids_decide_duplicates_when_given():
@@ -79,10 +79,10 @@ def test_token_ids_decide_duplicates_when_given():
     assert distinct_rows(g @ g.T, rewards, same_completion=same).tolist() == [0, 2, 3]
     assert distinct_rows(g @ g.T, rewards).tolist() == [0, 1, 2, 3]
     # the merged test is the 3-unit test: 3 relabellings, so its p is a multiple of 1/3
-    assert by_ids[zero_sum_key("span_energy", "p")] * 3 == pytest.approx(
-        round(by_ids[zero_sum_key("span_energy", "p")] * 3)
+    assert by_ids[mk.zero_sum_key("span_energy", "p")] * 3 == pytest.approx(
+        round(by_ids[mk.zero_sum_key("span_energy", "p")] * 3)
     )
     row = analyse_group(g @ g.T, rewards, adv, completion_ids=ids, completion_mask=mask, num_random=1)
-    assert row[zero_sum_key("span_energy")] == pytest.approx(by_ids[zero_sum_key("span_energy")], rel=1e-12)
+    assert row[mk.zero_sum_key("span_energy")] == pytest.approx(by_ids[mk.zero_sum_key("span_energy")], rel=1e-12)
     row = analyse_group(g @ g.T, rewards, adv, num_random=1)
-    assert row[zero_sum_key("span_energy")] != pytest.approx(by_ids[zero_sum_key("span_energy")], rel=1e-6)
+    assert row[mk.zero_sum_key("span_energy")] != pytest.approx(by_ids[mk.zero_sum_key("span_energy")], rel=1e-6)

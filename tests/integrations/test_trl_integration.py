@@ -10,6 +10,8 @@ import warnings
 import pytest
 import torch
 
+from grpo_lens import metrics as mk
+
 pytestmark = [
     pytest.mark.e2e,  # every test here builds a model
     pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs the trl extra"),
@@ -169,15 +171,6 @@ def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
     import yaml
 
     from grpo_lens.integrations.trl import LensGRPOTrainer
-    from grpo_lens.metrics import (
-        PERF_STEP_SECONDS,
-        RANK_MIXED_GROUPS,
-        REWARD_FRAC_ZERO_STD_GROUPS,
-        REWARD_MEAN,
-        REWARD_STD,
-        SPARSITY_UPDATE_STEP,
-        STEP,
-    )
     from grpo_lens.report import write_report
 
     trainer = make_trainer(
@@ -192,19 +185,19 @@ def test_trl_run_writes_a_run_directory_that_grpo_lens_report_reads(tmp_path):
     trainer.train()
     out = tmp_path / "trl"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r[STEP] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert [s for s, r in zip(range(1, 7), records) if RANK_MIXED_GROUPS in r] == [1, 5]
-    assert SPARSITY_UPDATE_STEP in records[0] and SPARSITY_UPDATE_STEP in records[4]
+    assert [r[mk.STEP] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, r in zip(range(1, 7), records) if mk.RANK_MIXED_GROUPS in r] == [1, 5]
+    assert mk.SPARSITY_UPDATE_STEP in records[0] and mk.SPARSITY_UPDATE_STEP in records[4]
     # a batch's reward statistics go with the step that generated it (TRL logs its own there too): steps 1, 3, 5
-    assert [r[STEP] for r in records if REWARD_MEAN in r] == [1, 3, 5]
+    assert [r[mk.STEP] for r in records if mk.REWARD_MEAN in r] == [1, 3, 5]
     trl_logs = [h for h in trainer.state.log_history if "reward_std" in h]
-    for r, h in zip([r for r in records if REWARD_MEAN in r], trl_logs):
-        assert 0 <= r[REWARD_FRAC_ZERO_STD_GROUPS] <= 1 and r[REWARD_MEAN] == pytest.approx(h["reward"], abs=1e-6)
+    for r, h in zip([r for r in records if mk.REWARD_MEAN in r], trl_logs):
+        assert 0 <= r[mk.REWARD_FRAC_ZERO_STD_GROUPS] <= 1 and r[mk.REWARD_MEAN] == pytest.approx(h["reward"], abs=1e-6)
         # TRL's reward_std is the sample std over the batch's N = 2 R rewards, ours the population std:
         # TRL's = ours * sqrt(N / (N - 1))
-        assert h["reward_std"] == pytest.approx(r[REWARD_STD] * (2 * R / (2 * R - 1)) ** 0.5, rel=1e-4)
+        assert h["reward_std"] == pytest.approx(r[mk.REWARD_STD] * (2 * R / (2 * R - 1)) ** 0.5, rel=1e-4)
     for r in records:
-        assert r[PERF_STEP_SECONDS] > 0
+        assert r[mk.PERF_STEP_SECONDS] > 0
         assert "reward" not in r and "grad_norm" not in r, "TRL's names are read into grpo-lens' keys"
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["trainer"] == "trl" and config["group_size"] == R and config["mu"] == 1
@@ -252,15 +245,14 @@ def test_the_last_step_is_measured_whatever_lens_every(tmp_path):
     import json
 
     from grpo_lens.integrations.trl import LensGRPOTrainer
-    from grpo_lens.metrics import RANK_MIXED_GROUPS, STEP
 
     trainer = make_trainer(
         tmp_path, LensGRPOTrainer, lens_every=5, sketch_dim=4, lens_gram_source="sketch", max_steps=3
     )
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
-    assert [r[STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
-    assert all(RANK_MIXED_GROUPS in r for r in records if "perf/lens_seconds" in r)
+    assert [r[mk.STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
+    assert all(mk.RANK_MIXED_GROUPS in r for r in records if "perf/lens_seconds" in r)
 
 
 def by_prompt(prompts, completions, **kwargs):
@@ -279,31 +271,22 @@ def test_every_step_logs_the_dead_group_keys_as_grpo_lens_train_does(tmp_path):
     import json
 
     from grpo_lens.integrations.trl import LensGRPOTrainer
-    from grpo_lens.metrics import (
-        DEAD_ALL_CORRECT,
-        DEAD_ALL_OTHER,
-        DEAD_ALL_WRONG,
-        DEAD_MIXED_GROUPS,
-        DEAD_NORMALIZER_SHARE,
-        REWARD_FRAC_ZERO_STD_GROUPS,
-        STEP,
-    )
 
     trainer = make_trainer(
         tmp_path, LensGRPOTrainer, lens_every=5, sketch_dim=4, lens_gram_source="sketch", reward_funcs=by_prompt
     )
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
-    assert [r[STEP] for r in records] == [1, 2]
+    assert [r[mk.STEP] for r in records] == [1, 2]
     # the batches hold both kinds, so the share below is not 0 = 0
-    assert sum(r[DEAD_ALL_CORRECT] + r[DEAD_ALL_WRONG] for r in records) > 0
-    assert sum(r[DEAD_MIXED_GROUPS] for r in records) > 0
+    assert sum(r[mk.DEAD_ALL_CORRECT_GROUPS] + r[mk.DEAD_ALL_WRONG_GROUPS] for r in records) > 0
+    assert sum(r[mk.DEAD_MIXED_GROUPS] for r in records) > 0
     for r in records:
-        dead = r[DEAD_ALL_CORRECT] + r[DEAD_ALL_WRONG] + r[DEAD_ALL_OTHER]
-        assert dead + r[DEAD_MIXED_GROUPS] == 2, r
-        assert r[DEAD_ALL_OTHER] == 0  # the parity reward is 0 or 1
-        assert r[REWARD_FRAC_ZERO_STD_GROUPS] == pytest.approx(dead / 2)
-        assert r[DEAD_NORMALIZER_SHARE] == pytest.approx(dead / 2, abs=1e-9)
+        dead = r[mk.DEAD_ALL_CORRECT_GROUPS] + r[mk.DEAD_ALL_WRONG_GROUPS] + r[mk.DEAD_ALL_EQUAL_OTHER_GROUPS]
+        assert dead + r[mk.DEAD_MIXED_GROUPS] == 2, r
+        assert r[mk.DEAD_ALL_EQUAL_OTHER_GROUPS] == 0  # the parity reward is 0 or 1
+        assert r[mk.REWARD_FRAC_ZERO_STD_GROUPS] == pytest.approx(dead / 2)
+        assert r[mk.DEAD_NORMALIZER_SHARE] == pytest.approx(dead / 2, abs=1e-9)
 
 
 def test_the_console_line_keeps_trls_keys_and_counts_the_lens_keys(tmp_path, capsys):
@@ -382,7 +365,6 @@ def test_trls_quick_start_with_the_swap_leaves_a_run_that_report_reads(tmp_path)
     import sys
 
     from grpo_lens.cli import main
-    from grpo_lens.metrics import RANK_MIXED_GROUPS, STEP
     from grpo_lens.models import export_model
 
     tiny = export_model("tiny", tmp_path / "tiny")
@@ -394,8 +376,8 @@ def test_trls_quick_start_with_the_swap_leaves_a_run_that_report_reads(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "runs" / "quickstart"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r[STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
-    assert all(RANK_MIXED_GROUPS in r for r in records if "perf/lens_seconds" in r)
+    assert [r[mk.STEP] for r in records if "perf/lens_seconds" in r] == [1, 3]
+    assert all(mk.RANK_MIXED_GROUPS in r for r in records if "perf/lens_seconds" in r)
     assert "OMP_WAIT_POLICY" not in done.stderr and "slower" not in done.stderr
     assert "metrics.jsonl" in done.stdout  # the console line names the file, which exists
     assert main(["report", str(out)]) == 0

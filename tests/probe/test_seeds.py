@@ -12,19 +12,13 @@ import math
 import pytest
 from test_probe import probe_config
 
+from grpo_lens import metrics as mk
 from grpo_lens.claims import evaluate_claims
 from grpo_lens.config import ConfigError
-from grpo_lens.metrics import (
-    GROUPS_MIXED,
-    PROBE_GROUPS,
-    PROBE_SUMMARY,
-    PROMPTS_SAMPLED,
-    RANK_G1,
-)
 from grpo_lens.probe.seeds import PoolingError, pool_probes, run_seeds, seed_dir
 
 SEEDS = [0, 1]
-ERANK = RANK_G1.format(m="erank")
+ERANK = mk.RANK_G1.format(m="erank")
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +39,18 @@ def test_each_seed_is_a_probe_run_directory_and_the_groups_pool(pooled_dir):
     for s, probe in seeds.items():
         assert probe["meta"]["config"]["seed"] == s and (seed_dir(pooled_dir, s) / "report.md").is_file()
     a, b = (seeds[s]["per_group_size"]["4"] for s in SEEDS)
-    assert a[PROBE_GROUPS] != b[PROBE_GROUPS]  # the seeds drew other prompts and completions
+    assert a[mk.PROBE_GROUPS] != b[mk.PROBE_GROUPS]  # the seeds drew other prompts and completions
     p = pooled["per_group_size"]["4"]
     # the pooled rows are seed 0's then seed 1's, unchanged; counts are sums
-    assert p[PROBE_GROUPS] == a[PROBE_GROUPS] + b[PROBE_GROUPS]
-    assert p[PROMPTS_SAMPLED] == a[PROMPTS_SAMPLED] + b[PROMPTS_SAMPLED] == 16
-    assert p[GROUPS_MIXED] == a[GROUPS_MIXED] + b[GROUPS_MIXED]
-    assert pooled["seeds"]["per_group_size"]["4"]["group_seeds"] == [0] * a[GROUPS_MIXED] + [1] * b[GROUPS_MIXED]
+    assert p[mk.PROBE_GROUPS] == a[mk.PROBE_GROUPS] + b[mk.PROBE_GROUPS]
+    assert p[mk.PROMPTS_SAMPLED] == a[mk.PROMPTS_SAMPLED] + b[mk.PROMPTS_SAMPLED] == 16
+    assert p[mk.GROUPS_MIXED] == a[mk.GROUPS_MIXED] + b[mk.GROUPS_MIXED]
+    assert pooled["seeds"]["per_group_size"]["4"]["group_seeds"] == [0] * a[mk.GROUPS_MIXED] + [1] * b[mk.GROUPS_MIXED]
     # the pooled mean is the groups-weighted mean of the seeds' means: (n_a m_a + n_b m_b) / (n_a + n_b)
-    ma, mb = a[PROBE_SUMMARY][ERANK], b[PROBE_SUMMARY][ERANK]
+    ma, mb = a[mk.PROBE_SUMMARY][ERANK], b[mk.PROBE_SUMMARY][ERANK]
     expected = (ma["n"] * ma["mean"] + mb["n"] * mb["mean"]) / (ma["n"] + mb["n"])
-    assert p[PROBE_SUMMARY][ERANK]["mean"] == pytest.approx(expected, rel=1e-12)
-    assert p[PROBE_SUMMARY][ERANK]["n"] == ma["n"] + mb["n"]
+    assert p[mk.PROBE_SUMMARY][ERANK]["mean"] == pytest.approx(expected, rel=1e-12)
+    assert p[mk.PROBE_SUMMARY][ERANK]["n"] == ma["n"] + mb["n"]
     spread = pooled["seeds"]["per_group_size"]["4"]["keys"][ERANK]
     assert spread["within"] == [ma, mb]
     assert spread["spread"]["per_seed"] == pytest.approx([ma["mean"], mb["mean"]], rel=1e-12)

@@ -9,18 +9,8 @@ import math
 import pytest
 
 import grpo_lens.train.loop as loop
+from grpo_lens import metrics as mk
 from grpo_lens.config import TrainConfig
-from grpo_lens.metrics import (
-    EVAL_GREEDY_ACCURACY,
-    EVAL_GREEDY_ACCURACY_HI,
-    EVAL_GREEDY_ACCURACY_LO,
-    EVAL_PROMPTS,
-    EVAL_SAMPLED_ACCURACY,
-    EVAL_SAMPLED_ACCURACY_HI,
-    EVAL_SAMPLED_ACCURACY_LO,
-    LR,
-    STEP,
-)
 from grpo_lens.train.evaluate import accuracy_with_interval
 from grpo_lens.train.schedule import warmup_steps
 
@@ -63,7 +53,7 @@ def cosine_lr(step: int) -> float:
 
 
 def lrs(run) -> list[float]:
-    return [r[LR] for r in run.read_metrics() if STEP in r]
+    return [r[mk.LR] for r in run.read_metrics() if mk.STEP in r]
 
 
 def test_cosine_schedule_with_warmup_and_resume_equal_the_unbroken_run(tmp_path, monkeypatch):
@@ -134,13 +124,13 @@ def test_eval_every_writes_held_out_accuracy_at_due_steps(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if r.name == "grpo_lens.train.evaluate"]
     assert [m.split(":")[0] for m in said] == ["step 2", "step 2", "step 3", "step 3"]
     assert "evaluating the policy on 4 held-out prompts" in said[0] and "held-out greedy accuracy" in said[1]
-    records = [r for r in run.read_metrics() if STEP in r]
-    assert [r[STEP] for r in records if EVAL_GREEDY_ACCURACY in r] == [2, 3]  # every 2nd step and the last
+    records = [r for r in run.read_metrics() if mk.STEP in r]
+    assert [r[mk.STEP] for r in records if mk.EVAL_GREEDY_ACCURACY in r] == [2, 3]  # every 2nd step and the last
     for r in records[1:]:
-        assert r[EVAL_PROMPTS] == 4
+        assert r[mk.EVAL_PROMPTS] == 4
         for mid, lo, hi in (
-            (EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI),
-            (EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI),
+            (mk.EVAL_GREEDY_ACCURACY, mk.EVAL_GREEDY_ACCURACY_LO, mk.EVAL_GREEDY_ACCURACY_HI),
+            (mk.EVAL_SAMPLED_ACCURACY, mk.EVAL_SAMPLED_ACCURACY_LO, mk.EVAL_SAMPLED_ACCURACY_HI),
         ):
             assert 0 <= r[lo] <= r[mid] <= r[hi] <= 1 and r[hi] - r[lo] > 0.2  # 4 or 8 verdicts: a wide interval
 
@@ -152,9 +142,7 @@ def test_eval_split_must_exist(tmp_path):
 
 
 def test_no_progress_prints_one_compact_line_per_step():
-    from grpo_lens.metrics import EVAL_GREEDY_ACCURACY, PERF_STEP_SECONDS, REWARD_MEAN
-
     line = loop.step_line(
-        {STEP: 3, REWARD_MEAN: 0.25, LR: 5e-6, PERF_STEP_SECONDS: 3.21, EVAL_GREEDY_ACCURACY: 0.5}, 30
+        {mk.STEP: 3, mk.REWARD_MEAN: 0.25, mk.LR: 5e-6, mk.PERF_STEP_SECONDS: 3.21, mk.EVAL_GREEDY_ACCURACY: 0.5}, 30
     )
     assert line == "step 3/30  reward 0.250  lr 5.00e-06  eval greedy 0.500  s 3.2"

@@ -8,11 +8,18 @@ import logging
 
 import pytest
 
-from grpo_lens.metrics import LR, REWARD_ACCURACY, REWARD_MEAN, STEP
+from grpo_lens import metrics as mk
 from grpo_lens.train.loop import step_line
 from grpo_lens.train.step_metrics import accuracy_note, custom_reward_names
 
-RECORD = {STEP: 3, REWARD_MEAN: 0.5, REWARD_ACCURACY: 0.25, "reward/parity": 0.5, "reward/format": 0.4, LR: 1e-5}
+RECORD = {
+    mk.STEP: 3,
+    mk.REWARD_MEAN: 0.5,
+    mk.REWARD_ACCURACY: 0.25,
+    "reward/parity": 0.5,
+    "reward/format": 0.4,
+    mk.LR: 1e-5,
+}
 
 
 def test_builtin_rewards_keep_the_short_line():

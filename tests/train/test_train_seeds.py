@@ -7,8 +7,8 @@ import json
 import pytest
 from helpers_cli import tiny_train_args
 
+from grpo_lens import metrics as mk
 from grpo_lens.cli import main
-from grpo_lens.metrics import LR, PERF_LENS_SECONDS, REWARD_FRAC_ZERO_STD_GROUPS, STEP
 from grpo_lens.report import write_report
 from grpo_lens.rundir import read_train_seeds
 from grpo_lens.train.seeds import write_seeds_record
@@ -41,7 +41,9 @@ def test_train_seeds_writes_each_run_the_pooled_record_and_the_report(tmp_path, 
 def _write_run(path, slope: float) -> None:
     path.mkdir(parents=True)
     s1 = {s: 0.3 + slope * s + (0.02 if s % 2 else -0.02) for s in range(1, 13)}
-    lines = [{STEP: s, LR: 1e-6, PERF_LENS_SECONDS: 0.0, REWARD_FRAC_ZERO_STD_GROUPS: v} for s, v in s1.items()]
+    lines = [
+        {mk.STEP: s, mk.LR: 1e-6, mk.PERF_LENS_SECONDS: 0.0, mk.REWARD_FRAC_ZERO_STD_GROUPS: v} for s, v in s1.items()
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 

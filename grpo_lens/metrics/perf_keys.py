@@ -1,0 +1,84 @@
+"""perf/ (wall times, memory, learning rate, step) and eval/ keys."""
+
+from __future__ import annotations
+
+from grpo_lens.metrics.entry import (
+    COUNT,
+    LEARNING_RATE,
+    MEGABYTES,
+    SECONDS,
+    SHARE,
+    STEP_UNITS,
+    TOKENS_PER_SECOND,
+    _key,
+    _keys,
+    _template,
+)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# perf/ and others
+# ---------------------------------------------------------------------------------------------------------------------
+PERF_STEP_SECONDS = _key(
+    "perf", "perf/step_seconds", SECONDS, "wall time of the whole step (sampling, rewards, lens, update)"
+)
+PERF_GENERATION_SECONDS = _key("perf", "perf/generation_seconds", SECONDS, "wall time of sampling")
+PERF_OPTIMAL_BASELINE_SECONDS = _key(
+    "perf",
+    "perf/optimal_baseline_seconds",
+    SECONDS,
+    "`--estimator optimal` only: wall time of the sketched backward that gives b*'s squared gradient norms (this "
+    "process)",
+)
+PERF_LENS_SECONDS = _key(
+    "perf",
+    "perf/lens_seconds",
+    SECONDS,
+    "wall time of the lens measurement (lens steps): its own forward + backward and the analysis; when the exact Gram "
+    "comes from the update's own backward (`--lens-from-update`, docs/theory.md §Lens inside the update's backward), "
+    "its hooks' time inside that backward and the analysis; when the sketch comes from the update's first pass "
+    "(docs/theory.md §Lens sketch from the update), the analysis alone",
+)
+PERF_LENS_SPARSITY_SECONDS = _key(
+    "perf",
+    "perf/lens_sparsity_seconds",
+    SECONDS,
+    "wall time of the lens's snapshots and sparsity measures around the optimizer step (lens steps). With "
+    "`lens_from_update` the lens's gradient capture runs inside the update's first pass and is in neither lens key: "
+    "measured on the default model (2-core CPU, shared machine, 4 steps, same rollouts with and without the lens) the "
+    "lens cost 2.06 s per lens step, of which these two keys held 1.6 s, on 12.2 s steps: 3.9% of a 30-step run at "
+    "`lens_every` = 5 (7 lens steps), 17% at `lens_every` = 1",
+)
+PERF_REWARD_SECONDS = _template(
+    "perf",
+    "perf/reward_{name}_seconds",
+    SECONDS,
+    "wall time of reward function `<name>` this step (a timed-out call counts up to `reward_timeout`)",
+)
+PERF_TOKENS_PER_SECOND = _key(
+    "perf", "perf/tokens_per_second", TOKENS_PER_SECOND, "completion tokens of the step / step seconds"
+)
+PERF_PEAK_MEMORY_MB = _key(
+    "perf", "perf/peak_memory_mb", MEGABYTES, "peak GPU memory allocated, or the process's peak resident memory on CPU"
+)
+LR = _key("perf", "lr", LEARNING_RATE, "learning rate of the step")
+STEP = _key("perf", "step", STEP_UNITS, "the optimizer step (sampling round), from 1")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# eval/: held-out accuracy every --eval-every steps (grpo_lens.train.evaluate)
+# ---------------------------------------------------------------------------------------------------------------------
+EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI = _keys(
+    "eval",
+    ("eval/greedy_accuracy", "eval/greedy_accuracy_lo", "eval/greedy_accuracy_hi"),
+    SHARE,
+    "share of the `eval_prompts` held-out prompts whose greedy completion (temperature 0) the task's own verdict "
+    "marks correct, and its 95% Wilson interval over prompts (`grpo_lens.formulas.stats.wilson_interval`)",
+)
+EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI = _keys(
+    "eval",
+    ("eval/sampled_accuracy", "eval/sampled_accuracy_lo", "eval/sampled_accuracy_hi"),
+    SHARE,
+    "share of correct completions among `eval_samples` sampled ones per held-out prompt (the training temperature), "
+    "and its 95% Wilson interval over the completions (they share prompts, so it is narrower than one over prompts)",
+)
+EVAL_PROMPTS = _key("eval", "eval/prompts", COUNT, "held-out prompts the evaluation scored")
+EVAL_SECONDS = _key("eval", "eval/seconds", SECONDS, "wall time of the evaluation (not in perf/step_seconds)")
