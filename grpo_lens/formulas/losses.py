@@ -688,9 +688,13 @@ def clip_shares(
     """Shares of the kept tokens where :func:`grpo_loss`'s clip binds, and the ratio's mean and max over them.
 
     Args:
-        ratio: [n, T] rho = pi_theta / pi_old (GSPO: the sequence ratio per token).   advantages: [n] A_i.
-        mask: [n, T] bool.   tokens: [] max(mask.sum(), 1) in the loss's dtype, the shares' denominator.
-        eps_low, eps_high, dual_clip: the clip ranges (:func:`clipped_surrogate`).
+        ratio: [n, T] rho = pi_theta / pi_old (GSPO: the sequence ratio per token).
+        advantages: [n] A_i.
+        mask: [n, T] bool.
+        tokens: [] max(mask.sum(), 1) in the loss's dtype, the shares' denominator.
+        eps_low: the lower clip range (:func:`clipped_surrogate`).
+        eps_high: the upper clip range.
+        dual_clip: the dual clip's bound, or None.
 
     Returns:
         ``clip/ratio_low`` (rho < 1 - eps_low and A < 0), ``clip/ratio_high`` (rho > 1 + eps_high and A > 0),

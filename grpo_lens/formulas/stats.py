@@ -159,7 +159,9 @@ def summarise_rows(
     Args:
         rows: per-group rows of canonical keys.
         keys: the keys to summarise; None = every key that any row has (sorted).
-        num_resamples, seed: checked (``num_resamples`` >= 100) and otherwise unused: the interval is closed form.
+        level: the interval's coverage, in (0, 1).
+        num_resamples: checked (>= 100) and otherwise unused: the interval is closed form.
+        seed: unused: the interval is closed form.
 
     Raises:
         ValueError: level outside (0, 1) or num_resamples < 100.
