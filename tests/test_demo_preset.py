@@ -93,8 +93,9 @@ def test_decide_estimate_is_the_measured_costs_times_the_work():
     preset = read_preset(DECIDE)
     lines = estimate_lines(preset, Path("/nonexistent/decide"), "cpu")
     # probe 3 seeds x 11.4-19.5 min (measured: 58 min 23 s for 3 seeds) = 34.2-58.5 min; lens at steps 1, 5, 10, ...,
-    # 30 = 7 of 30 steps: per seed 23 x 12 s + 7 x 20 s = 416 s, x 5 seeds = 2,080 s = 34.7 min; total 68.9-93.2 min
-    assert "probe 34–58 min, training 35 min; total about 69–93 min" in lines[1]
+    # 30 = 7 of 30 steps: per seed 23 x 14.8 s + 7 x 24.2 s = 509.8 s (measured medians), x 5 seeds = 2,549 s = 42.5
+    # min; total 76.7-101.0 min
+    assert "probe 34–58 min, training 42 min; total about 77–101 min" in lines[1]
     assert "115 training steps with the lens off and 35 lens steps" in lines[1]
     assert "not measured on GPU" in estimate_lines(preset, Path("/nonexistent"), "cuda")[0]
 
