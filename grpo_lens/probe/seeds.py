@@ -46,6 +46,7 @@ import yaml
 
 from grpo_lens import metrics as mk
 from grpo_lens.config import ConfigError
+from grpo_lens.config.base import refuse_started_seeds, seeds_run_args
 from grpo_lens.formulas.baselines import (
     summarise_baseline_prompts,
     variance_relative_to_optimal,
@@ -392,21 +393,11 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
             finished seed probed with other settings.
     """
     run = run_probe if run is None else run
-    if not config.out:
-        raise ConfigError(
-            "probe field 'out' (flag --out) is required: the directory for seed_<s>/ and the pooled probe.json"
-        )
-    seeds = list(dict.fromkeys(int(s) for s in seeds))
-    if len(seeds) < 2:
-        raise ConfigError(f"--seeds needs at least two distinct seeds to pool, got {seeds}; for one seed use --seed")
+    out, seeds = seeds_run_args("probe", config.out, seeds, "probe.json")
     check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
-    out = Path(config.out).absolute()  # a reward function may os.chdir
-    started = [p for p in [out / "probe.json", *(seed_dir(out, s) for s in seeds)] if p.exists()]
-    if started and not (config.resume or config.overwrite):
-        raise ConfigError(
-            f"{out} already holds {started[0]}; pass --resume to keep the finished seeds and continue "
-            f"the others, --overwrite to start every seed over, or choose another --out"
-        )
+    out = out.absolute()  # a reward function may os.chdir
+    paths = [out / "probe.json", *(seed_dir(out, s) for s in seeds)]
+    refuse_started_seeds(out, paths, config.resume, config.overwrite, "keep the finished seeds and continue the others")
     # 1) what each seed needs, every check before anything is written
     todo = []
     for s in seeds:
