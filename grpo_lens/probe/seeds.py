@@ -42,8 +42,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo_lens import metrics as mk
 from grpo_lens.config import ConfigError
 from grpo_lens.config.base import refuse_started_seeds, seeds_run_args
@@ -62,14 +60,13 @@ from grpo_lens.formulas.stats import (
     stratify_rows,
     summarise_rows,
 )
-from grpo_lens.plugins import config_header
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.probe.estimate import STRATA_KEYS
 from grpo_lens.probe.partial import COMMAND_KEYS, RESUMABLE_KEYS, PartialProbe
 from grpo_lens.probe.run import run_probe
 from grpo_lens.probe.tracking import log_probe
 from grpo_lens.report import write_report
-from grpo_lens.rundir import atomic_write_text, read_json_file
+from grpo_lens.rundir import atomic_write_text, read_json_file, write_config_yaml
 from grpo_lens.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
@@ -418,8 +415,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
             todo.append(replace(sub, overwrite=False) if config.resume else sub)
     # 2) the settings, then the seeds' probes, then the pool
     out.mkdir(parents=True, exist_ok=True)
-    stored = replace(config, resume=False, overwrite=False).to_dict()
-    atomic_write_text(out / "config.yaml", config_header() + yaml.safe_dump(stored, sort_keys=False))
+    write_config_yaml(out / "config.yaml", config.to_dict())  # resume and overwrite stored as False
     for sub in todo:
         logger.info("probe of seed %d into %s", sub.seed, sub.out)
         run(sub)

@@ -24,13 +24,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo_lens.config import ConfigError
 from grpo_lens.config.base import refuse_started_seeds, seeds_run_args
 from grpo_lens.config.train import TrainConfig
-from grpo_lens.plugins import config_header
-from grpo_lens.rundir import TRAIN_SEEDS_FILE, atomic_write_text
+from grpo_lens.rundir import TRAIN_SEEDS_FILE, atomic_write_text, write_config_yaml
 from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
@@ -112,8 +109,7 @@ def run_train_seeds(config: TrainConfig, seeds: list[int], run: Callable[[TrainC
         todo.append(sub)
     # 2) the shared settings, then the seeds' runs, then the pooled record
     out.mkdir(parents=True, exist_ok=True)
-    stored = replace(config, resume=False, overwrite=False).to_dict()
-    atomic_write_text(out / "config.yaml", config_header() + yaml.safe_dump(stored, sort_keys=False))
+    write_config_yaml(out / "config.yaml", config.to_dict())  # resume and overwrite stored as False
     for sub in todo:
         logger.info("training seed %d into %s", sub.seed, sub.out)
         run(sub)
