@@ -57,11 +57,10 @@ from grpo_lens.formulas.pooling import (
 )
 from grpo_lens.formulas.stats import (
     mean_interval,
-    stratify_rows,
     summarise_rows,
 )
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.probe.estimate import STRATA_KEYS
+from grpo_lens.probe.estimate import probe_strata
 from grpo_lens.probe.partial import COMMAND_KEYS, RESUMABLE_KEYS, PartialProbe
 from grpo_lens.probe.run import run_probe
 from grpo_lens.probe.tracking import log_probe
@@ -154,10 +153,7 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
         mk.S1_MEASURED_CI: mean_interval(indicators),
         mk.PROBE_GROUPS: rows,
         mk.PROBE_SUMMARY: summarise_rows(rows, **ci),
-        mk.PROBE_STRATA: {
-            "correct": stratify_rows(rows, mk.GROUP_CORRECT, keys=STRATA_KEYS, **ci),
-            "distinct": stratify_rows(rows, mk.GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
-        },
+        mk.PROBE_STRATA: probe_strata(rows, seed),
         mk.PROBE_G3: {},
         mk.PROBE_G2_WEIGHTINGS: rows_and_summary(mk.PROBE_G2_WEIGHTINGS),
         mk.PROBE_SKETCH_CHECK: rows_and_summary(mk.PROBE_SKETCH_CHECK),
