@@ -146,14 +146,7 @@ def _cmd_train_seeds(args: argparse.Namespace) -> int:
     from grpo_lens.report import write_report
     from grpo_lens.train.seeds import run_train_seeds
 
-    if args.seed is not None:
-        raise ConfigError("pass --seed (one run) or --seeds (one run per seed, pooled), not both")
-    saved = Path(args.out) / "config.yaml" if args.out else None
-    if args.resume and saved is not None and saved.is_file():
-        config = _resume_config(args, saved, TrainConfig)  # the settings every seed ran with
-        _check_plugins(config, saved)
-    else:
-        config = config_from_args(args, TrainConfig, args.config)
+    config = _seeds_config(args, TrainConfig, "run")
     out = run_train_seeds(config, args.seeds)
     if os.environ.get("RANK", "0") == "0":
         report = write_report(out)
@@ -199,6 +192,24 @@ def _resume_config(args: argparse.Namespace, saved: Path, cls: type[C]) -> C:
         raise ConfigError(f"{e} (resuming from {saved} and the flags given)") from None
 
 
+def _seeds_config(args: argparse.Namespace, cls: type[C], one: str) -> C:
+    """The settings of ``train --seeds`` / ``probe --seeds`` (``one``: "run" / "probe", for the message): with
+    ``--resume`` and OUT/config.yaml there, the settings every seed ran with (:func:`_resume_config`, its plugins
+    checked); otherwise the ``--config`` file and the flags.
+
+    Raises:
+        ConfigError: ``--seed`` given too, or an invalid setting.  RunDirError: OUT/config.yaml is unreadable.
+    """
+    if args.seed is not None:
+        raise ConfigError(f"pass --seed (one {one}) or --seeds (one {one} per seed, pooled), not both")
+    saved = Path(args.out) / "config.yaml" if args.out else None
+    if args.resume and saved is not None and saved.is_file():
+        config = _resume_config(args, saved, cls)  # the settings every seed ran with
+        _check_plugins(config, saved)
+        return config
+    return config_from_args(args, cls, args.config)
+
+
 def _cmd_probe(args: argparse.Namespace) -> int:
     if args.seeds:
         return _cmd_probe_seeds(args)
@@ -231,14 +242,7 @@ def _cmd_probe_seeds(args: argparse.Namespace) -> int:
     (:mod:`grpo_lens.probe.seeds`)."""
     from grpo_lens.probe.seeds import run_seeds, seed_summary_line
 
-    if args.seed is not None:
-        raise ConfigError("pass --seed (one probe) or --seeds (one probe per seed, pooled), not both")
-    saved = Path(args.out) / "config.yaml" if args.out else None
-    if args.resume and saved is not None and saved.is_file():
-        config = _resume_config(args, saved, ProbeConfig)  # the settings every seed ran with
-        _check_plugins(config, saved)
-    else:
-        config = config_from_args(args, ProbeConfig, args.config)
+    config = _seeds_config(args, ProbeConfig, "probe")
     out = run_seeds(config, args.seeds)
     pooled = json.loads((out / "probe.json").read_text())
     print(

@@ -222,6 +222,14 @@ def atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(Path(path).parent)
 
 
+def write_config_yaml(path: Path, config_dict: dict[str, Any]) -> None:
+    """Write a run's settings to ``path`` (its config.yaml) atomically: the plugins header, then ``config_dict`` as
+    YAML in field order. ``resume`` and ``overwrite``, where present, say how one command treated --out, not what the
+    run is: they are stored as False, so resuming with the same settings rewrites the same bytes."""
+    stored: dict[str, Any] = {**config_dict, **{k: False for k in ("resume", "overwrite") if k in config_dict}}
+    atomic_write_text(path, config_header() + yaml.safe_dump(stored, sort_keys=False))
+
+
 def disk_full(err: BaseException, where: Path) -> bool:
     """Whether ``err``, raised while writing under ``where``, means the disk (or quota) is full: an OSError with
     ENOSPC / EDQUOT, a message saying so (safetensors' "os error 28"), or a RuntimeError of torch.save's zip writer
@@ -594,10 +602,8 @@ class RunDir:
         return resolved
 
     def write_config(self, config_dict: dict[str, Any]) -> None:
-        """Write config.yaml atomically. ``resume`` and ``overwrite`` say how one command treated --out, not what the
-        run is: they are stored as False, so resuming with the same settings rewrites the same bytes."""
-        stored: dict[str, Any] = {**config_dict, **{k: False for k in ("resume", "overwrite") if k in config_dict}}
-        atomic_write_text(self.config_path, config_header() + yaml.safe_dump(stored, sort_keys=False))
+        """Write config.yaml atomically (:func:`write_config_yaml`)."""
+        write_config_yaml(self.config_path, config_dict)
 
     # ---------------------------------------------------------------------------------------------------------------
     def append_metrics(self, record: dict[str, Any], path: Path | None = None) -> None:

@@ -42,6 +42,49 @@ class ConfigNameWarning(FutureWarning):
     """A config key or flag uses a deprecated name; the message names the current one (shown once per name)."""
 
 
+def seeds_run_args(command: str, out: str | None, seeds: Iterable[int], pooled_file: str) -> tuple[Path, list[int]]:
+    """The directory and the seeds of a ``--seeds`` run (``train`` or ``probe``), each seed once in the order given,
+    after the checks both commands make before anything is written.
+
+    Args:
+        command: the command's name, as the error messages give it (``train``, ``probe``).
+        out: the ``out`` field, the directory for seed_<s>/ and the pooled record.
+        seeds: the seeds asked for (ints, duplicates allowed).
+        pooled_file: the pooled record's file name in ``out``, for the message.
+    Returns:
+        Path(out) and the distinct seeds, at least two.
+    Raises:
+        ConfigError: ``out`` unset, or fewer than two distinct seeds.
+    """
+    if not out:
+        raise ConfigError(
+            f"{command} field 'out' (flag --out) is required: the directory for seed_<s>/ and the pooled {pooled_file}"
+        )
+    distinct = list(dict.fromkeys(int(s) for s in seeds))
+    if len(distinct) < 2:
+        raise ConfigError(f"--seeds needs at least two distinct seeds to pool, got {distinct}; for one seed use --seed")
+    return Path(out), distinct
+
+
+def refuse_started_seeds(out: Path, paths: Iterable[Path], resume: bool, overwrite: bool, resume_does: str) -> None:
+    """A ``--seeds`` run's check that ``out`` holds no earlier run unless ``--resume`` or ``--overwrite`` is given.
+
+    Args:
+        out: the run's directory.
+        paths: the pooled record and each seed's directory in ``out``; the first that exists is named.
+        resume: ``--resume`` given.   overwrite: ``--overwrite`` given.
+        resume_does: what ``--resume`` does for this command, for the message.
+    Raises:
+        ConfigError: one of ``paths`` exists and neither flag is given.
+    """
+    started = [p for p in paths if p.exists()]
+    if started and not (resume or overwrite):
+        raise ConfigError(
+            f"{out} already holds {started[0]}; pass --resume to {resume_does}, --overwrite to start every seed over, "
+            f"or choose another --out"
+        )
+
+
 #: A field's check: the value (never None: unset optional fields are not checked) -> why it is bad, or None if good.
 Check = Callable[[Any], "str | None"]
 

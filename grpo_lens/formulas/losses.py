@@ -57,6 +57,12 @@ def clamped_log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def clamped_ratio(logp: Tensor, old_logp: Tensor) -> Tensor:
+    """rho = exp(clamp(log pi_theta - log pi_old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), the per-token importance
+    ratio with its log clamped (docs/theory.md §Numerical guards). [N, T], [N, T] -> [N, T], with logp's gradient."""
+    return torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
 @KL_ESTIMATORS.register("k1")
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k1 = -x = log pi_theta - log pi_ref (unbiased, high variance, can be negative), x clamped. [N, T] -> [N, T].
@@ -280,7 +286,7 @@ def cispo_loss(
     Returns:
         loss [N, T] and rho [N, T] (detached).
     """
-    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    ratio = clamped_ratio(logp, old_logp).detach()
     weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     return -weight * _broadcast_advantages(advantages) * logp, ratio
 
@@ -326,7 +332,7 @@ def sapo_loss(
     if not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
         raise ValueError(f"SAPO's temperatures must be > 0, got {sapo_tau_pos} and {sapo_tau_neg}")
     adv = _broadcast_advantages(advantages)
-    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ratio = clamped_ratio(logp, old_logp)
     tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg).to(logp.dtype)
     return -sapo_gate(ratio, tau) * adv, ratio.detach()
 
@@ -353,7 +359,7 @@ def gpg_loss(
     Returns:
         loss [N, T] and rho [N, T] (detached, for the ratio metrics only).
     """
-    ratio = torch.exp(torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    ratio = clamped_ratio(logp, old_logp).detach()
     return -_broadcast_advantages(advantages) * logp, ratio
 
 

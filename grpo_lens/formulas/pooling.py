@@ -176,6 +176,14 @@ def between_seed_spread(values_by_seed: Sequence[Sequence[float | None]]) -> dic
     return out
 
 
+def _mean_and_se(b: list[float]) -> tuple[float, float]:
+    """The mean over k >= 2 seeds of a per-seed number and its standard error s_b / √k (s_b with k − 1 degrees of
+    freedom). b: [k] -> (mean, se)."""
+    k = len(b)
+    mean = math.fsum(b) / k
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in b) / (k - 1) / k)
+
+
 def seed_slope_test(slopes: Sequence[float | None]) -> dict[str, Any]:
     """A trend over training pooled over seeds: each seed's OLS slope (:func:`grpo_lens.formulas.stats.ols_trend`)
     is one independent unit, and the one-sample t-test over seeds asks whether their mean is above or below 0.
@@ -200,8 +208,7 @@ def seed_slope_test(slopes: Sequence[float | None]) -> dict[str, Any]:
     out.update(k=k, per_seed=b)
     if k < 2:
         return out
-    mean = math.fsum(b) / k
-    se = math.sqrt(math.fsum((v - mean) ** 2 for v in b) / (k - 1) / k)
+    mean, se = _mean_and_se(b)
     if se == 0:
         return {**out, "slope": mean, "se": 0.0, "p_up": float(mean <= 0), "p_down": float(mean >= 0)}
     t = mean / se
@@ -223,8 +230,7 @@ def seed_mean_test(values: Sequence[float | None], control: float, side: str) ->
     k = len(b)
     if k < 2:
         return 1.0
-    mean = math.fsum(b) / k
-    se = math.sqrt(math.fsum((v - mean) ** 2 for v in b) / (k - 1) / k)
+    mean, se = _mean_and_se(b)
     d = mean - control if side == "above" else control - mean
     if se == 0:
         return 0.0 if d > 0 else 1.0

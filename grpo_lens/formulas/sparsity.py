@@ -410,21 +410,11 @@ def update_sparsity(
 
 
 #: Metric names of :meth:`SparsityOverTraining.after_step` for the whole model; per layer type they are
-#: ``sparsity/<type>/<name>`` (docs/metrics.md).
-UPDATE_MEASURES = (
-    "f32_unchanged",
-    "bf16_unchanged",
-    "bf16_permuted",
-    "bf16_dense",
-    "hoyer",
-    "top1_energy",
-    "f32_unchanged_se",
-    "bf16_unchanged_se",
-    "bf16_excess_se",
-)
+#: ``sparsity/<type>/<name>`` (docs/metrics.md). Named once, in :data:`grpo_lens.metrics.SPARSITY_MEASURES`.
+UPDATE_MEASURES = mk.SPARSITY_MEASURES["update_step"]
 
-
-GRAD_MEASURES = ("zero", "hoyer", "top1_energy")
+#: The measures of a sampled vector (``sparsity/grad_<name>``), from :data:`grpo_lens.metrics.SPARSITY_MEASURES`.
+GRAD_MEASURES = mk.SPARSITY_MEASURES["grad"]
 
 
 def flatten_sparsity(prefix: str, results: dict[str, dict[str, float]]) -> dict[str, float]:

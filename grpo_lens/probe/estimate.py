@@ -46,6 +46,16 @@ STRATA_KEYS = (
 )
 
 
+def probe_strata(rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    """probe.json's ``strata`` of one group size: the summaries of :data:`STRATA_KEYS` over the group rows, per
+    stratum of the correct-rollout count k and of the distinct completions (:func:`stratify_rows`; ``seed`` seeds the
+    intervals' resampling)."""
+    return {
+        "correct": stratify_rows(rows, mk.GROUP_CORRECT, keys=STRATA_KEYS, seed=seed),
+        "distinct": stratify_rows(rows, mk.GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, seed=seed),
+    }
+
+
 def analyse_prompts(
     policy,
     tokenizer,
@@ -265,10 +275,7 @@ def aggregate_group_size(records: list[PromptRecord], M: int, config: ProbeConfi
         mk.S1_MEASURED_CI: mean_interval(s1_indicators),
         mk.PROBE_GROUPS: rows,
         mk.PROBE_SUMMARY: summarise_rows(rows, **ci),
-        mk.PROBE_STRATA: {
-            "correct": stratify_rows(rows, mk.GROUP_CORRECT, keys=STRATA_KEYS, **ci),
-            "distinct": stratify_rows(rows, mk.GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
-        },
+        mk.PROBE_STRATA: probe_strata(rows, config.seed),
         mk.PROBE_G3: g3,
         mk.PROBE_G2_WEIGHTINGS: {mk.PROBE_GROUPS: g2w, mk.PROBE_SUMMARY: summarise_rows(g2w, **ci)} if g2w else None,
         mk.PROBE_SKETCH_CHECK: {mk.PROBE_GROUPS: checks, mk.PROBE_SUMMARY: summarise_rows(checks, **ci)}

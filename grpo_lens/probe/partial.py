@@ -27,11 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from grpo_lens.config import ConfigError
-from grpo_lens.plugins import config_header
-from grpo_lens.rundir import atomic_write_text, disk_full, read_saved_config, write_file
+from grpo_lens.rundir import atomic_write_text, disk_full, read_saved_config, write_config_yaml, write_file
 
 #: Probe settings that may differ when a probe resumes: they change no number (the train loop lets device change too).
 RESUMABLE_KEYS = ("progress", "device", "report_to")
@@ -158,8 +156,7 @@ class PartialProbe:
     def start(self, config_dict: dict[str, Any]) -> None:
         """Create the folder and write the settings (``resume`` and ``overwrite`` stored as False)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        stored = {**config_dict, "resume": False, "overwrite": False}
-        atomic_write_text(self.config_path, config_header() + yaml.safe_dump(stored, sort_keys=False))
+        write_config_yaml(self.config_path, {**config_dict, "resume": False, "overwrite": False})
 
     def remove(self) -> None:
         """Delete the folder (once probe.json holds everything, or to start over)."""

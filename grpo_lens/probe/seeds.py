@@ -42,10 +42,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo_lens import metrics as mk
 from grpo_lens.config import ConfigError
+from grpo_lens.config.base import refuse_started_seeds, seeds_run_args
 from grpo_lens.formulas.baselines import (
     summarise_baseline_prompts,
     variance_relative_to_optimal,
@@ -58,17 +57,15 @@ from grpo_lens.formulas.pooling import (
 )
 from grpo_lens.formulas.stats import (
     mean_interval,
-    stratify_rows,
     summarise_rows,
 )
-from grpo_lens.plugins import config_header
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.probe.estimate import STRATA_KEYS
+from grpo_lens.probe.estimate import probe_strata
 from grpo_lens.probe.partial import COMMAND_KEYS, RESUMABLE_KEYS, PartialProbe
 from grpo_lens.probe.run import run_probe
 from grpo_lens.probe.tracking import log_probe
 from grpo_lens.report import write_report
-from grpo_lens.rundir import atomic_write_text, read_json_file
+from grpo_lens.rundir import atomic_write_text, read_json_file, write_config_yaml
 from grpo_lens.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
@@ -156,10 +153,7 @@ def pool_group_size(entries: list[dict[str, Any]], seed: int = 0) -> dict[str, A
         mk.S1_MEASURED_CI: mean_interval(indicators),
         mk.PROBE_GROUPS: rows,
         mk.PROBE_SUMMARY: summarise_rows(rows, **ci),
-        mk.PROBE_STRATA: {
-            "correct": stratify_rows(rows, mk.GROUP_CORRECT, keys=STRATA_KEYS, **ci),
-            "distinct": stratify_rows(rows, mk.GROUP_DISTINCT_COMPLETIONS, keys=STRATA_KEYS, **ci),
-        },
+        mk.PROBE_STRATA: probe_strata(rows, seed),
         mk.PROBE_G3: {},
         mk.PROBE_G2_WEIGHTINGS: rows_and_summary(mk.PROBE_G2_WEIGHTINGS),
         mk.PROBE_SKETCH_CHECK: rows_and_summary(mk.PROBE_SKETCH_CHECK),
@@ -392,21 +386,11 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
             finished seed probed with other settings.
     """
     run = run_probe if run is None else run
-    if not config.out:
-        raise ConfigError(
-            "probe field 'out' (flag --out) is required: the directory for seed_<s>/ and the pooled probe.json"
-        )
-    seeds = list(dict.fromkeys(int(s) for s in seeds))
-    if len(seeds) < 2:
-        raise ConfigError(f"--seeds needs at least two distinct seeds to pool, got {seeds}; for one seed use --seed")
+    out, seeds = seeds_run_args("probe", config.out, seeds, "probe.json")
     check_trackers(config.report_to)  # a missing tracker library fails before --out is touched
-    out = Path(config.out).absolute()  # a reward function may os.chdir
-    started = [p for p in [out / "probe.json", *(seed_dir(out, s) for s in seeds)] if p.exists()]
-    if started and not (config.resume or config.overwrite):
-        raise ConfigError(
-            f"{out} already holds {started[0]}; pass --resume to keep the finished seeds and continue "
-            f"the others, --overwrite to start every seed over, or choose another --out"
-        )
+    out = out.absolute()  # a reward function may os.chdir
+    paths = [out / "probe.json", *(seed_dir(out, s) for s in seeds)]
+    refuse_started_seeds(out, paths, config.resume, config.overwrite, "keep the finished seeds and continue the others")
     # 1) what each seed needs, every check before anything is written
     todo = []
     for s in seeds:
@@ -427,8 +411,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
             todo.append(replace(sub, overwrite=False) if config.resume else sub)
     # 2) the settings, then the seeds' probes, then the pool
     out.mkdir(parents=True, exist_ok=True)
-    stored = replace(config, resume=False, overwrite=False).to_dict()
-    atomic_write_text(out / "config.yaml", config_header() + yaml.safe_dump(stored, sort_keys=False))
+    write_config_yaml(out / "config.yaml", config.to_dict())  # resume and overwrite stored as False
     for sub in todo:
         logger.info("probe of seed %d into %s", sub.seed, sub.out)
         run(sub)

@@ -45,6 +45,12 @@ RANK_ROWS = (
 )
 
 
+def _group_values(per_size: dict[str, Any], key: str) -> list[Any]:
+    """The recorded values of ``key`` over one group size's groups (``per_size[PROBE_GROUPS]``, a list of per-group
+    dicts), in group order; a group without the key, or with it None, is left out."""
+    return [g[key] for g in per_size.get(mk.PROBE_GROUPS, []) if g.get(key) is not None]
+
+
 def rank_table(
     probe: dict[str, Any], measures: tuple[str, ...] = ("erank", "stable_rank", "participation_ratio", "k90")
 ) -> list[str]:
@@ -240,11 +246,7 @@ def groups_lines(label: str, probe: dict[str, Any], findings: list[str]) -> list
     for R in sorted(per_group_size, key=int):
         d = per_group_size[R]
         summ = d.get(mk.PROBE_SUMMARY, {})
-        res = [
-            g.get(mk.GRAD_IDENTITY_RESIDUAL)
-            for g in d.get(mk.PROBE_GROUPS, [])
-            if g.get(mk.GRAD_IDENTITY_RESIDUAL) is not None
-        ]
+        res = _group_values(d, mk.GRAD_IDENTITY_RESIDUAL)
         lines.append(
             md_row(
                 R,
@@ -296,12 +298,7 @@ def rank_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[
         findings.append(
             f"[{label}] R={R}: G1 erank {_ci(g1)} vs orthogonal null {_ci(null)} over {g1.get('n')} groups{note}."
         )
-    res_all = [
-        g.get(mk.GRAD_IDENTITY_RESIDUAL)
-        for d in per_group_size.values()
-        for g in d.get(mk.PROBE_GROUPS, [])
-        if g.get(mk.GRAD_IDENTITY_RESIDUAL) is not None
-    ]
+    res_all = [r for d in per_group_size.values() for r in _group_values(d, mk.GRAD_IDENTITY_RESIDUAL)]
     if res_all:
         findings.append(
             f"[{label}] The rank-2 identity sum_i A_i g_i = c(k,R)(gbar_C - gbar_W) held to a relative "
@@ -354,7 +351,7 @@ def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
         cells = []
         for stat in mk.ZERO_SUM_STATS:
             p_key = mk.zero_sum_key(stat, "p")
-            ps = [g[p_key] for g in d.get(mk.PROBE_GROUPS, []) if g.get(p_key) is not None]
+            ps = _group_values(d, p_key)
             cells += [
                 _ci(summ.get(mk.zero_sum_key(stat)), 3),
                 _ci(summ.get(mk.zero_sum_key(stat, "null")), 3),
@@ -437,11 +434,7 @@ def credit_lines(label: str, probe: dict[str, Any], run_dir: Path) -> list[str]:
     for R in sorted(per_group_size, key=int):
         d = per_group_size[R]
         summ = d.get(mk.PROBE_SUMMARY, {})
-        vmax = [
-            g.get(mk.CREDIT_ADV_VAR_WITHIN_MAX)
-            for g in d.get(mk.PROBE_GROUPS, [])
-            if g.get(mk.CREDIT_ADV_VAR_WITHIN_MAX) is not None
-        ]
+        vmax = _group_values(d, mk.CREDIT_ADV_VAR_WITHIN_MAX)
         lines.append(
             md_row(
                 R,

@@ -24,12 +24,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo_lens.config import ConfigError
+from grpo_lens.config.base import refuse_started_seeds, seeds_run_args
 from grpo_lens.config.train import TrainConfig
-from grpo_lens.plugins import config_header
-from grpo_lens.rundir import TRAIN_SEEDS_FILE, atomic_write_text
+from grpo_lens.rundir import TRAIN_SEEDS_FILE, atomic_write_text, write_config_yaml
 from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
@@ -98,20 +96,9 @@ def run_train_seeds(config: TrainConfig, seeds: list[int], run: Callable[[TrainC
         ConfigError: no --out, fewer than two seeds, DIR already holding runs without --resume or --overwrite.
     """
     run = train if run is None else run
-    if not config.out:
-        raise ConfigError(
-            "train field 'out' (flag --out) is required: the directory for seed_<s>/ and the pooled train_seeds.json"
-        )
-    seeds = list(dict.fromkeys(int(s) for s in seeds))
-    if len(seeds) < 2:
-        raise ConfigError(f"--seeds needs at least two distinct seeds to pool, got {seeds}; for one seed use --seed")
-    out = Path(config.out)
-    started = [p for p in [out / SEEDS_FILE, *(seed_dir(out, s) for s in seeds)] if p.exists()]
-    if started and not (config.resume or config.overwrite):
-        raise ConfigError(
-            f"{out} already holds {started[0]}; pass --resume to continue the seeds' runs, --overwrite to start "
-            f"every seed over, or choose another --out"
-        )
+    out, seeds = seeds_run_args("train", config.out, seeds, SEEDS_FILE)
+    paths = [out / SEEDS_FILE, *(seed_dir(out, s) for s in seeds)]
+    refuse_started_seeds(out, paths, config.resume, config.overwrite, "continue the seeds' runs")
     # 1) each seed's settings: resume a run that exists, start the others
     todo = []
     for s in seeds:
@@ -122,8 +109,7 @@ def run_train_seeds(config: TrainConfig, seeds: list[int], run: Callable[[TrainC
         todo.append(sub)
     # 2) the shared settings, then the seeds' runs, then the pooled record
     out.mkdir(parents=True, exist_ok=True)
-    stored = replace(config, resume=False, overwrite=False).to_dict()
-    atomic_write_text(out / "config.yaml", config_header() + yaml.safe_dump(stored, sort_keys=False))
+    write_config_yaml(out / "config.yaml", config.to_dict())  # resume and overwrite stored as False
     for sub in todo:
         logger.info("training seed %d into %s", sub.seed, sub.out)
         run(sub)
