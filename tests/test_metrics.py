@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_lens import metrics as mk
 from grpo_lens.config import TrainConfig
@@ -47,7 +48,13 @@ def test_every_entry_is_complete():
 
 def test_placeholder_sets_agree_with_the_code_that_fills_them():
     from grpo_lens.analysis.group import parameter_category
-    from grpo_lens.formulas.sparsity import GRAD_MEASURES, LAYER_TYPES, UPDATE_MEASURES
+    from grpo_lens.formulas.sparsity import (
+        GRAD_MEASURES,
+        LAYER_TYPES,
+        UPDATE_MEASURES,
+        sparsity_measures,
+        update_sparsity,
+    )
     from grpo_lens.formulas.spectrum import G1_CONTROLS, RANK_MEASURES
     from grpo_lens.formulas.zero_sum import WEIGHTINGS
 
@@ -60,6 +67,12 @@ def test_placeholder_sets_agree_with_the_code_that_fills_them():
         "grad": GRAD_MEASURES,
         "grad_total": GRAD_MEASURES,
     }
+    # the names are declared in metrics; the functions that fill them must return exactly those keys
+    before = torch.linspace(-1.0, 1.0, 64)
+    after = before + torch.where(torch.arange(64) % 2 == 0, 0.1, 0.0)  # half the entries moved
+    filled = update_sparsity(before, after, strata=torch.zeros(64, dtype=torch.long))
+    assert set(filled) == set(mk.SPARSITY_MEASURES["update_step"])
+    assert set(sparsity_measures(after - before)) == set(mk.SPARSITY_MEASURES["grad"])
     names = ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.mlp.up_proj.bias")
     assert {parameter_category(n, n.endswith(".weight") and "lm" in n) for n in names} == set(mk.PARAMETER_CATEGORIES)
     for matrix in (*G1_CONTROLS, "g1_layer", "g2", "g3", "g3_null", *(f"g3_{w}" for w in WEIGHTINGS[1:])):
