@@ -406,7 +406,7 @@ def plot_erank_vs_group_size(probes: dict[str, dict[str, Any]], path: Path, meas
     if len(probes) > len(PROBE_COLOURS):
         raise ValueError(f"{len(probes)} probes in one figure; at most {len(PROBE_COLOURS)}")
     fig, ax = plt.subplots(figsize=(SIZE[0], SIZE[1] * 1.3))
-    styles = ["-", "--", ":", "-.", (0, (1, 3))]
+    styles = ["-", "--", ":", "-.", (0, (1, 3)), (0, (5, 1, 1, 1, 1, 1))]  # one per G1_LINES entry
     several = len(probes) > 1
     rs_all = sorted({int(R) for p in probes.values() for R in p["per_group_size"]})
     spacing = min((b - a for a, b in zip(rs_all, rs_all[1:])), default=2)

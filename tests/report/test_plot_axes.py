@@ -222,3 +222,19 @@ def test_coinciding_tells_equal_from_near_from_apart():
     assert coinciding(a, ([1, 2], [0.95, 0.94]), 0.01) == "near"  # equal where both are, but step 4 missing
     assert coinciding(a, ([1, 2, 4], [0.95, 0.94, 0.95]), 0.01) is None  # 0.02 off at step 4
     assert coinciding(a, ([3], [0.95]), 0.01) is None  # no step in common
+
+
+def test_before_after_rank_figure_draws_every_g1_line(tmp_path):
+    # Two probes (before / after) with every G1 line's summary at R = 2 and 4: one line style per line is needed
+    # (the sixth, G1_nll, once had none and the quick demo's report crashed with an IndexError).
+    from grpo_lens import metrics as mk
+    from grpo_lens.report.plots import G1_LINES, plot_erank_vs_group_size
+
+    def probe(shift: float) -> dict:
+        stats = {"mean": 0.8 + shift, "lo": 0.7 + shift, "hi": 0.9 + shift}
+        summary = {mk.rank_key(stem, "top2_share"): stats for _, stem, _ in G1_LINES}
+        return {"per_group_size": {R: {mk.PROBE_SUMMARY: summary} for R in ("2", "4")}}
+
+    out = tmp_path / "erank_vs_R.png"
+    plot_erank_vs_group_size({"before": probe(0.0), "after": probe(0.05)}, out, measure="top2_share")
+    assert out.stat().st_size > 0
