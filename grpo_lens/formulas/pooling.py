@@ -20,11 +20,7 @@ from typing import Any
 
 import torch
 
-from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, student_t_cdf, student_t_quantile
-
-
-def _finite(values: Sequence[Any]) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, finite_values, student_t_cdf, student_t_quantile
 
 
 def _no_interval(mean: float | None, n: int, strata: int) -> dict[str, Any]:
@@ -58,7 +54,7 @@ def stratified_interval(values_by_stratum: Sequence[Sequence[float | None]], *, 
     """
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    strata = [xs for xs in (_finite(v) for v in values_by_stratum) if xs]
+    strata = [xs for xs in (finite_values(v) for v in values_by_stratum) if xs]
     N = sum(len(xs) for xs in strata)
     if N == 0:
         return _no_interval(None, 0, 0)
@@ -145,7 +141,7 @@ def between_seed_spread(values_by_seed: Sequence[Sequence[float | None]]) -> dic
     """
     means, ns, ses = [], [], []
     for v in values_by_seed:
-        xs = _finite(v)
+        xs = finite_values(v)
         n = len(xs)
         m = math.fsum(xs) / n if n else None
         # n >= 2: m is a float
@@ -202,7 +198,7 @@ def seed_slope_test(slopes: Sequence[float | None]) -> dict[str, Any]:
         "per_seed" (the slopes used)}; t/se None and p 1.0 below two slopes; a zero spread gives p 0 on the side the
         mean lies on.
     """
-    b = _finite(slopes)
+    b = finite_values(slopes)
     k = len(b)
     out: dict[str, Any] = {"slope": None, "se": None, "t": None, "df": max(k - 1, 0), "p_up": 1.0, "p_down": 1.0}
     out.update(k=k, per_seed=b)
@@ -226,7 +222,7 @@ def seed_mean_test(values: Sequence[float | None], control: float, side: str) ->
     """
     if side not in ("above", "below"):
         raise ValueError(f"unknown side {side!r}; valid: above, below")
-    b = _finite(values)
+    b = finite_values(values)
     k = len(b)
     if k < 2:
         return 1.0

@@ -22,15 +22,9 @@ from typing import Any
 import torch
 
 
-def _finite(values: Iterable[Any]) -> list[float]:
-    out = []
-    for v in values:
-        if v is None:
-            continue
-        v = float(v)
-        if math.isfinite(v):
-            out.append(v)
-    return out
+def finite_values(values: Iterable[Any]) -> list[float]:
+    """The values as floats, None and non-finite ones (NaN, +-inf) dropped, order kept: [n] -> [m], m <= n."""
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
 
 
 def student_t_quantile(p: float, df: int) -> float:
@@ -118,7 +112,7 @@ def mean_interval(
     """
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    xs = _finite(values)
+    xs = finite_values(values)
     n = len(xs)
     if n == 0:
         return {"mean": None, "lo": None, "hi": None, "n": 0}
@@ -436,7 +430,7 @@ def mean_test_p(values: Sequence[float], control: float, side: str) -> float:
     """
     if side not in ("above", "below"):
         raise ValueError(f"unknown side {side!r}; valid: above, below")
-    xs = _finite(values)
+    xs = finite_values(values)
     n = len(xs)
     if not has_interval(n):
         return 1.0
