@@ -58,7 +58,6 @@ def run_demo(config: DemoConfig) -> Path:
     """Run (or continue) the main job; return the path of OUT/report.md.
 
     Holds OUT for its whole call (one writer per --out, :func:`grpo_lens.rundir.holds_run_dir`)."""
-
     return holds_run_dir("demo")(_run_demo)(config)
 
 
@@ -249,7 +248,6 @@ def estimate_lines(preset: Preset, out: Path, device: str) -> list[str]:
     ``train_step_seconds`` + the lens steps left (:func:`grpo_lens.train.loop.is_lens_step`) x
     ``lens_step_seconds``.
     """
-
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     if device == "auto":
         import torch
@@ -304,7 +302,6 @@ def _check_preset_out(out: Path, settings: dict[str, Any], stages: dict[str, dic
     Raises:
         ConfigError: one line naming what differs and what to do.
     """
-
     saved_path = out / "demo.yaml"
     if not out.exists():
         return
@@ -341,7 +338,6 @@ def _check_preset_out(out: Path, settings: dict[str, Any], stages: dict[str, dic
 def finished_stages(out: Path) -> dict[str, bool]:
     """Which stages of a ``demo --preset`` OUT are finished: probe (OUT/probe/probe.json, written after every seed)
     and train (OUT/train/train_seeds.json, written after every seed's last step)."""
-
     return {"probe": (out / "probe" / "probe.json").is_file(), "train": read_train_seeds(out / "train") is not None}
 
 
@@ -352,7 +348,6 @@ def _report_finished(out: Path, settings: dict[str, Any], stages: dict[str, dict
     Raises:
         ConfigError: ``--overwrite`` given, OUT refused by :func:`_check_preset_out`, or no stage finished.
     """
-
     if overwrite:
         raise ConfigError("--report-only writes only OUT/report.md; it cannot be combined with --overwrite")
     _check_preset_out(out, settings, stages, False)
