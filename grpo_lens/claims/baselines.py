@@ -37,10 +37,12 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
 
     Rule (docs/theory.md §12): one pooled equivalence test on the root mean square over prompts of
     δ_j = log(m_C / m_W) (:func:`grpo_lens.formulas.baselines.rms_log_ratio`): y_j = d_j² − v_j per prompt (its
-    log ratio squared less its delta-method variance), mean(y) against :data:`LOG_RATIO_MARGIN`² by Hall's t
-    (:func:`grpo_lens.formulas.stats.mean_test_p`). Holds when the mean lies below the margin² (RMS of the log ratio
-    below log 1.25: b* within about ±0.056 of the group mean's p at p = 0.5), does not hold when it lies above;
-    inconclusive otherwise and with fewer than MIN_UNITS prompts with both sides. Only the class means enter, so
+    jackknifed log ratio squared less its jackknife variance), the mean of y weighted by w_j = (k(M − k)/M)² (the
+    class counts alone: :func:`grpo_lens.formulas.baselines.log_ratio_weight`) against :data:`LOG_RATIO_MARGIN`²,
+    as Hall's t on u_j = w_j (y_j − margin²) (:func:`grpo_lens.formulas.stats.mean_test_p`). Holds when the mean
+    lies below the margin² (RMS of the log ratio below log 1.25: b* within about ±0.056 of the group mean's p at
+    p = 0.5), does not hold when it lies above; inconclusive otherwise and with fewer than MIN_UNITS prompts with
+    both sides. Only the class means enter, so
     unequal spreads are no effect, and a class whose rollouts are one string is a mean known exactly, not a
     rejection.
 
@@ -57,13 +59,14 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
     n_tested = int(study.get("equal_norms_testable") or 0)
     q = study.get("equal_norms_rejected")
     k = round(q * n_tested) if q is not None and math.isfinite(q) else 0
-    d, v = log_ratios(study.get("per_prompt") or [])
-    rms = rms_log_ratio(d, v)
+    d, v, w = log_ratios(study.get("per_prompt") or [])
+    rms = rms_log_ratio(d, v, w)
     n = int(rms["n"] or 0)
     margin2 = LOG_RATIO_MARGIN**2
     if n >= MIN_UNITS:
-        p_holds = mean_test_p(rms["y"], margin2, "below")
-        p_dnh = mean_test_p(rms["y"], margin2, "above")
+        u = [wi * (yi - margin2) for wi, yi in zip(w, rms["y"])]  # Σ w (y − margin²) < 0 ⟺ weighted mean below
+        p_holds = mean_test_p(u, 0.0, "below")
+        p_dnh = mean_test_p(u, 0.0, "above")
     else:
         p_holds = p_dnh = 1.0
     verdict = decide(p_holds, p_dnh)
@@ -93,7 +96,7 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
             claim="the group mean is the variance-optimal baseline (m_C = m_W)",
             scope=f"R = {meta.get('group_size')}, {study['prompts']} prompts",
             measurement=(
-                f"RMS over prompts of log(m_C / m_W), less each prompt's noise: {rms_txt}; mean m_C / m_W "
+                f"weighted RMS over prompts of log(m_C / m_W), less each prompt's noise: {rms_txt}; mean m_C / m_W "
                 f"{ci_text(ratio, unit='prompts')}; per-prompt permutation tests rejecting m_C = m_W: {k} of "
                 f"{n_tested} (not used); leave-one-out b* MSE / RLOO's {ci_text(mse, unit='prompts')} (not used)"
             ),

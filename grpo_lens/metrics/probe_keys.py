@@ -271,8 +271,8 @@ STUDY_BASELINES_PER_PROMPT = _key(
     "variance, in every mse), `b_star_pop`, `b_star_exact` (corrected for E[h] ≠ 0), `p`, `m_correct`, `m_wrong`, "
     "`mean_score` (`mean_norm`, `floor_norm`, `ratio`, `excess`, `mean_sq_norm`), `equal_norms` (`ratio` m_C/m_W, `p` "
     "its permutation p-value, bootstrap `lo`, `hi` (null with < 8 rollouts a side), `verdict`), `log_ratio` "
-    "log(m_C/m_W) and `log_ratio_var` its delta-method variance (null with < 2 rollouts a side; the baseline claim's "
-    "input)",
+    "log(m_C/m_W) (jackknifed) and `log_ratio_var` its jackknife variance (null with < 2 rollouts a side), "
+    "`n_correct`, `n_wrong` the class counts (the baseline claim's input)",
     source="§Baselines at matched expectation",
     where=(STUDIES,),
     shown=("baselines.baselines.per_prompt[j]",),
@@ -289,6 +289,8 @@ STUDY_BASELINES_PER_PROMPT = _key(
         "equal_norms",
         "log_ratio",
         "log_ratio_var",
+        "n_correct",
+        "n_wrong",
     ),
     each=True,
 )

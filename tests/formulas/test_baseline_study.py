@@ -167,16 +167,38 @@ def test_estimate_moments_equal_those_of_the_estimates_themselves():
 
 
 def test_log_norm_ratio_by_hand():
-    # correct ‖h‖² = 1, 3 (mean 2, s² = 2), wrong 1, 1, 4 (mean 2, s² = 3): d = log(2/2) = 0,
-    # v = 2/(2·4) + 3/(3·4) = 0.25 + 0.25 = 0.5
+    # correct ‖h‖² = 1, 3 (mean 2): leave-one-out means 3, 1, logs (log 3, 0), mean log 3 / 2;
+    #   jackknifed log mean 2 log 2 − 1 · log 3 / 2, variance (1/2) · 2 · (log 3 / 2)² = (log 3 / 2)²
+    # wrong 1, 1, 4 (mean 2): leave-one-out means 2.5, 2.5, 1, logs (l, l, 0) with l = log 2.5, mean 2l/3;
+    #   jackknifed log mean 3 log 2 − 2 · 2l/3, variance (2/3) · (2 (l/3)² + (2l/3)²) = (2/3) · (6/9) l² = 4l²/9
+    # the delta method would give d = log(2/2) = 0 and v = 0.5: the jackknife moves both
     from grpo_lens.formulas.baselines import log_norm_ratio
 
+    l3, l25 = math.log(3), math.log(2.5)
     d, v = log_norm_ratio(torch.tensor([1.0, 3.0, 1.0, 1.0, 4.0]), torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0]))
-    assert d == pytest.approx(0.0, abs=1e-12) and v == pytest.approx(0.5, rel=1e-12)
-    # one string per class (s² = 0): exact means, d = log(4/2), v = 0; one rollout a side: None
+    assert d == pytest.approx((2 * math.log(2) - l3 / 2) - (3 * math.log(2) - 4 * l25 / 3), rel=1e-10)
+    assert v == pytest.approx((l3 / 2) ** 2 + 4 * l25**2 / 9, rel=1e-10)
+    # one string per class: exact means, d = log(4/2), v = 0; one rollout a side: None
     d, v = log_norm_ratio(torch.tensor([4.0, 4.0, 2.0, 2.0]), torch.tensor([1.0, 1.0, 0.0, 0.0]))
     assert d == pytest.approx(math.log(2), rel=1e-12) and v == 0.0
     assert log_norm_ratio(torch.tensor([4.0, 2.0, 2.0]), torch.tensor([1.0, 0.0, 0.0])) is None
+
+
+def test_log_ratio_weight_is_the_squared_effective_count():
+    # k = 8 of M = 16: h = 8 · 8 / 16 = 4, w = 16; k = 2: h = 2 · 14 / 16 = 1.75, w = 3.0625; an empty class: 0
+    from grpo_lens.formulas.baselines import log_ratio_weight
+
+    assert log_ratio_weight(8, 8) == 16.0 and log_ratio_weight(2, 14) == pytest.approx(3.0625)
+    assert log_ratio_weight(0, 16) == 0.0
+
+
+def test_rms_log_ratio_weights_prompts():
+    # y = d² − v = 0.09 − 0.04 = 0.05 (w = 3) and 0 − 0 = 0 (w = 1): weighted mean 0.15 / 4 = 0.0375
+    from grpo_lens.formulas.baselines import rms_log_ratio
+
+    r = rms_log_ratio([0.3, 0.0] * 4, [0.04, 0.0] * 4, [3.0, 1.0] * 4)
+    assert r["msq"] == pytest.approx(0.0375, rel=1e-12) and r["rms"] == pytest.approx(math.sqrt(0.0375))
+    assert r["lo"] < 0.0375 < r["hi"]
 
 
 def test_rms_log_ratio_removes_the_noise_term():

@@ -142,10 +142,12 @@ def _studies(
 ):
     # opposing rollouts: successes 8 -> 2 of 8 against A_i > 0 (difference 6 >= the count rule's d = 5, opposing
     # shift 0.75); the others ``other`` (by default 6 -> 4: shift 0.25, not flagged). Per prompt, log(m_C / m_W)
-    # cycles through ``log_ratios`` with variance ``log_ratio_var`` (``testable`` prompts)
+    # cycles through ``log_ratios`` with variance ``log_ratio_var`` (``testable`` prompts, 8 of 16 correct each)
     mc_rows = [_mc_rollout((8, 2, 4, 6), 0.8) if i < opposing else _mc_rollout(other, 0.8) for i in range(rollouts)]
     prompt = {
         "p": 0.5,
+        "n_correct": 8,
+        "n_wrong": 8,
         "m_correct": 0.02,
         "m_wrong": 0.04,
         "b_star_pop": 0.33,
