@@ -523,14 +523,14 @@ def _baseline_pool(family: str, size: int, seed: int, group_size: int = 4, dim: 
 
 
 def _baseline_family(item: tuple[int, str], config: CalibrationConfig) -> list[dict[str, Any]]:
-    """One baseline family's rows (a worker's unit, its own seeds): its pool of ``config.pool`` planted prompts, then
-    n prompts drawn per trial at each ``config.baseline_prompts``."""
+    """One baseline family's rows (a worker's unit, its own seeds): its pool of 4× the largest
+    ``config.baseline_prompts`` planted prompts, then n prompts drawn per trial at each of them."""
     torch.set_num_threads(1)
     i, fam = item
     truth = config.baseline_families[fam][0]
     rule = CLAIMS.get("group_mean_optimal")
     gen = torch.Generator().manual_seed(config.seed + 19 + 7919 * i)
-    pool = _baseline_pool(fam, config.pool, config.seed + 100 * i)
+    pool = _baseline_pool(fam, 4 * max(config.baseline_prompts), config.seed + 100 * i)
     out = []
     for n in config.baseline_prompts:
         verdicts = []

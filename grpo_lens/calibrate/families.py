@@ -17,6 +17,7 @@ from grpo_lens.analysis.group import (
     analyse_group,
 )
 from grpo_lens.claims.base import DOES_NOT_HOLD, HOLDS
+from grpo_lens.claims.zero_sum import label_shares
 from grpo_lens.formulas.advantages import grpo_advantages
 from grpo_lens.formulas.spectrum import wishart
 from grpo_lens.formulas.stats import summarise_rows
@@ -25,8 +26,8 @@ from grpo_lens.formulas.stats import summarise_rows
 DEFAULT_GROUP_COUNTS = {4: 28, 8: 22}
 
 #: groups per R of the probe-rule cells: the fewest with an interval, the rank rule's minimum, the default probe's,
-#: 28 per R (the target n of the rank and labels rules), then 48 to 128 per R (where the labels rule's near-margin
-#: families reach 0.8)
+#: 28 per R (the target n of the rank rule), then 48 to 128 per R (the labels rule reaches 0.8 at 64, on the groups
+#: that carry label information)
 GROUP_CELLS = {
     8: {4: 8, 8: 8},
     16: {4: 16, 8: 16},
@@ -167,13 +168,15 @@ def planted_norm_ratio(family: str) -> float:
 
 def at_margin(family: str) -> bool:
     """Whether a false family sits on its rule's boundary (the rank rule's ``boundary``, a family planted at the
-    margin): no branch has power there by construction, so it sets no *does not hold* power (:func:`rule_levels`)."""
-    return family == "boundary" or "(the margin" in family
+    margin) or carries no information for it (``a0``: every group has two distinct directions, so every labelling
+    spans them and no group carries label information; false for the labels rule, true for rank): no branch has
+    power there by construction, so it sets no *does not hold* power (:func:`rule_levels`)."""
+    return family in ("boundary", "a0") or "(the margin" in family
 
 
 #: prompts per baseline cell: the fewest with an interval, the probe's default --baseline-study-prompts (16), larger
-#: up to 128 (where the unequal-spread family reaches power 0.8)
-BASELINE_PROMPTS = (8, 16, 32, 48, 64, 96, 128)
+#: up to 256 (the unequal-spread family's budget); each family's pool holds 4× the largest draw
+BASELINE_PROMPTS = (8, 16, 32, 48, 64, 96, 128, 192, 256)
 
 #: the trend cases: name -> (truth, kind, parameter: the lens-to-lens
 #: correlation at 5 steps apart; 0.59 measured on the default model)
@@ -430,7 +433,8 @@ def _outcomes(claims: list[Any]) -> dict[str, Any]:
 
 
 def _theta(pool: list[dict[str, float]]) -> float:
-    """θ of the cosine Gram over a pool (its population value): Σ excess / Σ (1 − relabelling mean)."""
-    rows = [g for g in pool if g.get(mk.ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS) is not None]
-    room = sum(1 - g[mk.ZERO_SUM_UNIT_SPAN_ENERGY_NULL] for g in rows)
-    return sum(g[mk.ZERO_SUM_UNIT_SPAN_ENERGY_EXCESS] for g in rows) / room if room > 0 else 0.0
+    """θ̄ of the cosine Gram over a pool (its population value): the mean of
+    :func:`grpo_lens.claims.zero_sum.label_shares` over the pool's informative groups; NaN where none carries label
+    information (``a0``)."""
+    shares = label_shares(pool)
+    return sum(shares) / len(shares) if shares else math.nan
