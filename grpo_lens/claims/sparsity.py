@@ -236,7 +236,11 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
             p_holds=nums["p_holds"],
             p_dnh=nums["p_dnh"],
             rule_id=SPARSITY_SEEDS_RULE_ID if nums["route"] == "seeds" else SPARSITY_RULE_ID,
-            advice=_trend_advice(_more_lens_steps(rows, tested), nums["route"]) if verdict == INCONCLUSIVE else "",
+            advice=(
+                _trend_advice(_more_lens_steps(rows, tested), nums["route"], len(runs), nums["k"])
+                if verdict == INCONCLUSIVE
+                else ""
+            ),
         )
     ]
 
@@ -274,8 +278,11 @@ def run_slopes(records: list[dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
-def _trend_advice(more: str, route: str) -> str:
-    """What decides an undecided trend: pooling seeds first (the power route), else ``more`` steps."""
+def _trend_advice(more: str, route: str, seeds_run: int = 1, seeds_used: int = 1) -> str:
+    """What decides an undecided trend: pooling seeds first (the power route), else ``more`` steps; where 5 seeds or
+    more already ran, or some had too few tested steps to enter, ``more`` steps per seed first."""
+    if route == "seeds" and (seeds_run >= 5 or seeds_used < seeds_run):
+        return f"{more} ({seeds_used} of {seeds_run} seeds had enough tested steps to enter the pooled test)"
     if route == "seeds":
         return (
             f"more seeds (`train --seeds 0 1 2 3 4`: 5 seeds of 30 steps reach power 1.0, docs/calibration.md), "
@@ -339,6 +346,8 @@ def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
                     f"raise `--max-steps` (now {len(rows)} steps) or `--prompts-per-step` (S1 per step is a "
                     f"share of that many groups: more groups, less noise per step)",
                     nums["route"],
+                    len(runs),
+                    nums["k"],
                 )
                 if verdict == INCONCLUSIVE
                 else ""

@@ -101,6 +101,19 @@ def test_sparsity_advice_follows_the_runs_own_lens_spacing():
     assert "the lens on every step" in every and "--lens-every" not in every
 
 
+def test_trend_advice_names_steps_once_seeds_are_pooled():
+    from grpo_lens.claims.sparsity import _trend_advice
+
+    more = "the lens on every step"
+    # 3 seeds pooled, all usable: more seeds first (the power route)
+    assert _trend_advice(more, "seeds", 3, 3).startswith("more seeds")
+    # 5 seeds ran and only 3 had enough tested lens steps: more steps per seed, and the count said
+    five = _trend_advice(more, "seeds", 5, 3)
+    assert five.startswith(more) and "3 of 5 seeds" in five and "more seeds" not in five
+    # one run: pool seeds first
+    assert _trend_advice(more, "run").startswith("train several seeds")
+
+
 def test_zero_sum_claim_rules():
     def rows(n, excess, null, var=0.0004, spread=0.0):
         return [
