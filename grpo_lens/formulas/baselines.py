@@ -540,11 +540,10 @@ def log_norm_ratio(sq_norms: Tensor, rewards: Tensor) -> tuple[float, float] | N
     x = sq_norms.detach().double()
     n = x if x.dim() == 1 else x.square().sum(-1)
     c = rewards.detach() == 1
-    sides = [_jackknife_log_mean(n[c]), _jackknife_log_mean(n[~c])]
-    if sides[0] is None or sides[1] is None:
+    correct, wrong = _jackknife_log_mean(n[c]), _jackknife_log_mean(n[~c])
+    if correct is None or wrong is None:
         return None
-    (lc, vc), (lw, vw) = sides
-    return lc - lw, vc + vw
+    return correct[0] - wrong[0], correct[1] + wrong[1]
 
 
 def _jackknife_log_mean(x: Tensor) -> tuple[float, float] | None:
