@@ -38,7 +38,7 @@ from grpo_lens.formulas.credit import (
 from grpo_lens.formulas.losses import aggregation_rollout_weights
 from grpo_lens.formulas.sparsity import s1_predicted_outside_group
 from grpo_lens.formulas.stats import mean_interval
-from grpo_lens.gradients.sketch import sketch_rollout_grads
+from grpo_lens.gradients.sketch import sketch_rollout_grads, square_sketch
 from grpo_lens.gradients.token_credit import prefix_values_many, signed_token_contributions
 from grpo_lens.rewards import combine_rewards, score_batch
 from grpo_lens.rollout import sample_groups
@@ -276,8 +276,7 @@ def run_baseline_study(
             sketch = sketch_rollout_grads(
                 policy,
                 sub,
-                sketch_in=st.sketch_dim,
-                sketch_out=st.sketch_dim,
+                **square_sketch(st.sketch_dim),
                 seed=st.seed,
                 temperature=st.temperature,
                 weights=c.float().to(sub.completion_ids.device),
