@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from grpo_lens.config import ConfigFile, TrainConfig, at_least
-from grpo_lens.config.base import Names, option
+from grpo_lens.config.base import Names, field_values, option
 from grpo_lens.config.groups import (
     EXACT_REFUSAL,
     Adapter,
@@ -109,14 +109,7 @@ class DemoConfig(ConfigFile):
 
     def _shared(self) -> dict[str, Any]:
         """The settings every stage takes from the demo."""
-        return dict(
-            task=self.task,
-            dataset=self.dataset,
-            task_options=self.task_options,
-            max_new_tokens=self.max_new_tokens,
-            seed=self.seed,
-            device=self.device,
-        )
+        return field_values(self, "task", "dataset", "task_options", "max_new_tokens", "seed", "device")
 
     def train_config(self) -> TrainConfig:
         """The TrainConfig of the training stage."""

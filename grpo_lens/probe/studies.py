@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_lens.config.base import field_values
 from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import baseline_study
 from grpo_lens.formulas.credit import (
@@ -82,12 +83,8 @@ def _common_settings(config: ProbeConfig, prompts_per_batch: int) -> dict[str, A
     """The :class:`StudySettings` fields ``config`` sets (the aggregation keeps its default)."""
     return dict(
         group_size=config.study_group_size,
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        seed=config.seed,
         prompts_per_batch=prompts_per_batch,
+        **field_values(config, "max_new_tokens", "temperature", "top_k", "top_p", "seed"),
     )
 
 
