@@ -230,6 +230,13 @@ def write_config_yaml(path: Path, config_dict: dict[str, Any]) -> None:
     atomic_write_text(path, config_header() + yaml.safe_dump(stored, sort_keys=False))
 
 
+def start_seeds_dir(out: Path, config_dict: dict[str, Any]) -> None:
+    """Create a ``--seeds`` run's DIR and write the settings its seeds share to DIR/config.yaml
+    (:func:`write_config_yaml`: resume and overwrite stored as False)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_config_yaml(out / "config.yaml", config_dict)
+
+
 def disk_full(err: BaseException, where: Path) -> bool:
     """Whether ``err``, raised while writing under ``where``, means the disk (or quota) is full: an OSError with
     ENOSPC / EDQUOT, a message saying so (safetensors' "os error 28"), or a RuntimeError of torch.save's zip writer

@@ -76,11 +76,11 @@ def analyse_group(
     rewards: Tensor,
     advantages: Tensor,
     *,
+    completion_mask: Tensor | None = None,
+    completion_ids: Tensor | None = None,
     estimator: str = "grpo",
     std: str = "sample",
     std_eps: float = 1e-4,
-    completion_mask: Tensor | None = None,
-    completion_ids: Tensor | None = None,
     num_random: int = 8,
     max_permutations: int = 256,
     null_dim: int | None = None,
@@ -92,11 +92,11 @@ def analyse_group(
         gram: [R, R] Gram matrix <g_i, g_j> of the per-rollout gradients (exact or sketched), float (symmetric PSD).
         rewards: [R] float, all valid.
         advantages: [R] the advantages the trainer used for these rollouts.
+        completion_mask: [R, T] bool, optional (NLL control).
+        completion_ids: [R, T] long, optional (distinct completions).
         estimator: the advantage estimator (for the identity's constant).
         std: its std convention.
         std_eps: its epsilon.
-        completion_mask: [R, T] bool, optional (NLL control).
-        completion_ids: [R, T] long, optional (distinct completions).
         num_random: draws of random zero-sum weights for ``rank/g1_random_*``.
         max_permutations: relabellings of the permutation test (exhaustive up to this many).
         null_dim: P, the dimension the g_i live in; with it, ``rank/g1_simnull_<m>`` (the simulated null of

@@ -177,6 +177,12 @@ def option(
     return Option(default, help, check, item_type, scalar_is_list)()
 
 
+def field_values(config: Any, *names: str) -> dict[str, Any]:
+    """{name: config.name} for each of ``names``: the settings one config hands on, under the same names, to another
+    (the demo's to its stages, the probe's to its studies)."""
+    return {name: getattr(config, name) for name in names}
+
+
 @dataclass(frozen=True)
 class Alias:
     """Another library's name for one or more settings.

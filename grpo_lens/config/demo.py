@@ -10,22 +10,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-from grpo_lens.config import ConfigFile, TrainConfig, at_least
-from grpo_lens.config.base import Names, option
-from grpo_lens.config.groups import (
-    EXACT_REFUSAL,
-    Adapter,
-    Advantage,
-    Lens,
-    Model,
-    Optimizer,
-    Output,
-    Probing,
-    Runtime,
-    Sampling,
-    TaskData,
-    check_task_dataset,
-)
+from grpo_lens.config import ConfigFile, TrainConfig, at_least, groups
+from grpo_lens.config.base import Names, field_values, option
 from grpo_lens.probe.config import ProbeConfig
 
 #: ``--quick``: a demo of a few minutes on a CPU (wide intervals, most claims inconclusive), for the settings left at
@@ -49,25 +35,26 @@ class DemoConfig(ConfigFile):
     defaults; every field here is an option group's (:mod:`grpo_lens.config.groups`), the demo's overrides marked."""
 
     kind: ClassVar[str] = "demo"
-    names: ClassVar[Names] = Names(refused={"exact": EXACT_REFUSAL})
+    names: ClassVar[Names] = Names(refused={"exact": groups.EXACT_REFUSAL})
 
-    out: str = Output.out("runs/demo", contents="probe_before/, train/, probe_after/, report.md")  # default overridden
-    model: str = Model.model()
-    task: str = TaskData.task()
-    dataset: str | None = TaskData.dataset()
-    task_options: dict = TaskData.task_options()
-    max_steps: int = Optimizer.max_steps(check=at_least(1))  # overridden: the demo trains at least one step
-    group_size: int = Sampling.group_size()
-    prompts_per_step: int = Sampling.prompts_per_step()
-    learning_rate: float = Optimizer.learning_rate()
-    max_new_tokens: int = Sampling.max_new_tokens()
-    lens_every: int = Lens.lens_every()
-    rewards: list = TaskData.rewards()
-    estimator: str = Advantage.estimator()
-    lora_rank: int = Adapter.lora_rank()
-    report_to: list = Output.report_to()
-    probe_group_sizes: list = Probing.group_sizes()
-    probe_prompts: int = Probing.prompts()
+    # default overridden
+    out: str = groups.Output.out("runs/demo", contents="probe_before/, train/, probe_after/, report.md")
+    model: str = groups.Model.model()
+    task: str = groups.TaskData.task()
+    dataset: str | None = groups.TaskData.dataset()
+    task_options: dict = groups.TaskData.task_options()
+    max_steps: int = groups.Optimizer.max_steps(check=at_least(1))  # overridden: the demo trains at least one step
+    group_size: int = groups.Sampling.group_size()
+    prompts_per_step: int = groups.Sampling.prompts_per_step()
+    learning_rate: float = groups.Optimizer.learning_rate()
+    max_new_tokens: int = groups.Sampling.max_new_tokens()
+    lens_every: int = groups.Lens.lens_every()
+    rewards: list = groups.TaskData.rewards()
+    estimator: str = groups.Advantage.estimator()
+    lora_rank: int = groups.Adapter.lora_rank()
+    report_to: list = groups.Output.report_to()
+    probe_group_sizes: list = groups.Probing.group_sizes()
+    probe_prompts: int = groups.Probing.prompts()
     probe_study_prompts: int = option(
         8,
         "Prompts (baseline study) and mixed groups (credit study) of each probe's "
@@ -80,10 +67,10 @@ class DemoConfig(ConfigFile):
         "A demo of a few minutes: every setting of grpo_lens.demo.QUICK left at its default "
         "takes the small value there (4 steps, R = 2 and 4 probed on 8 prompts, studies on 2).",
     )
-    dense_oracle: bool = Lens.dense_oracle()
-    seed: int = Runtime.seed()
-    device: str = Runtime.device()
-    overwrite: bool = Output.overwrite(what="an existing demo run")
+    dense_oracle: bool = groups.Lens.dense_oracle()
+    seed: int = groups.Runtime.seed()
+    device: str = groups.Runtime.device()
+    overwrite: bool = groups.Output.overwrite(what="an existing demo run")
     preset: str | None = option(
         None,
         "A preset YAML file (configs/decide-cpu.yaml): probe --seeds and train --seeds at its settings into OUT/probe "
@@ -98,7 +85,7 @@ class DemoConfig(ConfigFile):
 
     def check(self) -> None:
         """The check of two fields together (each field's own check ran before), and ``quick``'s values."""
-        check_task_dataset(self)
+        groups.check_task_dataset(self)
         if self.quick:
             defaults = {f.name: DemoConfig.__dataclass_fields__[f.name] for f in fields(self)}
             for name, value in QUICK.items():
@@ -109,14 +96,7 @@ class DemoConfig(ConfigFile):
 
     def _shared(self) -> dict[str, Any]:
         """The settings every stage takes from the demo."""
-        return dict(
-            task=self.task,
-            dataset=self.dataset,
-            task_options=self.task_options,
-            max_new_tokens=self.max_new_tokens,
-            seed=self.seed,
-            device=self.device,
-        )
+        return field_values(self, "task", "dataset", "task_options", "max_new_tokens", "seed", "device")
 
     def train_config(self) -> TrainConfig:
         """The TrainConfig of the training stage."""

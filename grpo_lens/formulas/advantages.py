@@ -73,6 +73,12 @@ def _group_counts_and_means(rewards: Tensor, valid: Tensor) -> tuple[Tensor, Ten
     return count, mean
 
 
+def _group_centred(rewards: Tensor, valid: Tensor) -> Tensor:
+    """r_i - the mean of i's group over its valid rollouts, 0 on invalid ones. [B, R], [B, R] bool -> [B, R]."""
+    _, mean = _group_counts_and_means(rewards, valid)
+    return (rewards - mean) * valid
+
+
 def constant_groups(rewards: Tensor, valid: Tensor) -> Tensor:
     """Which groups have all valid rewards equal (or fewer than two valid rollouts).
 
@@ -123,8 +129,7 @@ def dr_grpo_advantages(rewards: Tensor, valid: Tensor, **_: object) -> Tensor:
     Returns:
         [B, R] float64.
     """
-    _, mean = _group_counts_and_means(rewards, valid)
-    return (rewards - mean) * valid
+    return _group_centred(rewards, valid)
 
 
 def _all_valid(rewards: Tensor, valid: Tensor | None) -> Tensor:
@@ -225,8 +230,7 @@ def grpo_batch_advantages(
     Returns:
         [B, R] float64.
     """
-    _, mean = _group_counts_and_means(rewards, valid)
-    return (rewards - mean) * valid / (_batch_std(rewards, valid, std) + std_eps)
+    return _group_centred(rewards, valid) / (_batch_std(rewards, valid, std) + std_eps)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp")
@@ -265,8 +269,7 @@ def reinforce_pp_baseline_advantages(
     Returns:
         [B, R] float64.
     """
-    _, mean = _group_counts_and_means(rewards, valid)
-    x = (rewards - mean) * valid
+    x = _group_centred(rewards, valid)
     return x / (_batch_std(x, valid, std) + std_eps)
 
 

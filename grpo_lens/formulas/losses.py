@@ -149,6 +149,11 @@ PolicyLossFn = Callable[..., tuple[Tensor, Tensor]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
+def _broadcast_advantages(advantages: Tensor) -> Tensor:
+    """[N] -> [N, 1] (one scalar per rollout, broadcast over its tokens); [N, T] unchanged."""
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
 @POLICY_LOSSES.register("vanilla")  # verl's name for the PPO / GRPO clipped surrogate
 def clipped_surrogate(
     logp: Tensor,
@@ -179,7 +184,7 @@ def clipped_surrogate(
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    adv = _broadcast_advantages(advantages)
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
@@ -187,11 +192,6 @@ def clipped_surrogate(
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
     return loss, ratio.detach()
-
-
-def _broadcast_advantages(advantages: Tensor) -> Tensor:
-    """[N] -> [N, 1] (one scalar per rollout, broadcast over its tokens); [N, T] unchanged."""
-    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
 
 
 def _require_mask(mask: Tensor | None, logp: Tensor, loss: str) -> Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, finite_values, student_t_cdf, student_t_quantile
+from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, check_side, finite_values, student_t_cdf, student_t_quantile
 
 
 def _no_interval(mean: float | None, n: int, strata: int) -> dict[str, Any]:
@@ -220,8 +220,7 @@ def seed_mean_test(values: Sequence[float | None], control: float, side: str) ->
     Raises:
         ValueError: an unknown side.
     """
-    if side not in ("above", "below"):
-        raise ValueError(f"unknown side {side!r}; valid: above, below")
+    check_side(side)
     b = finite_values(values)
     k = len(b)
     if k < 2:

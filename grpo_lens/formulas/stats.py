@@ -370,6 +370,16 @@ def normal_upper_tail(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+def check_side(side: str) -> None:
+    """The one-sided tests' ``side`` check: "above" or "below".
+
+    Raises:
+        ValueError: an unknown side, listing the valid ones.
+    """
+    if side not in ("above", "below"):
+        raise ValueError(f"unknown side {side!r}; valid: above, below")
+
+
 def interval_t_p(
     mean: float | None, lo: float | None, hi: float | None, n: int, control: float, side: str, level: float = 0.95
 ) -> float:
@@ -396,8 +406,7 @@ def interval_t_p(
     Raises:
         ValueError: an unknown side.
     """
-    if side not in ("above", "below"):
-        raise ValueError(f"unknown side {side!r}; valid: above, below")
+    check_side(side)
     if mean is None or lo is None or hi is None or n < 2:
         return 1.0
     if not all(math.isfinite(v) for v in (mean, lo, hi)):
@@ -428,8 +437,7 @@ def mean_test_p(values: Sequence[float], control: float, side: str) -> float:
     Raises:
         ValueError: an unknown side.
     """
-    if side not in ("above", "below"):
-        raise ValueError(f"unknown side {side!r}; valid: above, below")
+    check_side(side)
     xs = finite_values(values)
     n = len(xs)
     if not has_interval(n):

@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -196,6 +196,18 @@ class _Pass:
     emb_scale: dict = field(default_factory=dict)
     sel: Tensor | None = None  # [n] the wanted rows (GramCapture.rows), None = all
     sel_spans: list | None = None  # the blocks (GramCapture.blocks) as row ranges of the wanted rows x[sel]
+
+
+class GramOptions(TypedDict, total=False):
+    """:class:`GramCapture`'s keywords, passed through by :func:`exact_rollout_gram` (defaults and meaning there)."""
+
+    form: Form
+    token_block: int
+    rollout_block: int | None
+    budget_bytes: int
+    check_dropped: bool
+    keep_param_grams: bool
+    blocks: Sequence[int] | None
 
 
 class GramCapture:
@@ -613,13 +625,7 @@ def exact_rollout_gram(
     top_k: int = 0,
     top_p: float = 1.0,
     captures: Sequence[ContextManager] = (),
-    form: Form = "auto",
-    token_block: int = 1024,
-    rollout_block: int | None = None,
-    budget_bytes: int = 256 << 20,
-    check_dropped: bool = False,
-    keep_param_grams: bool = False,
-    blocks: Sequence[int] | None = None,
+    **options: Unpack[GramOptions],
 ) -> tuple[Tensor, dict[str, Any]]:
     """Gram[i, j] = <w_i g_i, w_j g_j> over every trainable parameter from one batched forward + backward.
 
@@ -636,14 +642,9 @@ def exact_rollout_gram(
         temperature: the sampling temperature. top_k, top_p: ignored (log-probs do not depend on them).
         captures: other context managers opened around the same forward and backward (e.g. a
             :class:`grpo_lens.gradients.sketch.GradientCapture` for vectors), so that they cost no pass of their own.
-        form: see :class:`GramCapture`.
-        token_block: see :class:`GramCapture`.
-        rollout_block: see :class:`GramCapture`.
-        budget_bytes: see :class:`GramCapture`.
-        check_dropped: see :class:`GramCapture`.
-        keep_param_grams: see :class:`GramCapture`.
-        blocks: row-block sizes (e.g. [R] * B: each group's [R, R] block, the rest 0), see :class:`GramCapture`;
-            None: the whole [N, N] Gram.
+        options: :class:`GramCapture`'s keywords (:class:`GramOptions`): form, token_block, rollout_block,
+            budget_bytes, check_dropped, keep_param_grams, and blocks, the row-block sizes (e.g. [R] * B: each group's
+            [R, R] block, the rest 0; None: the whole [N, N] Gram).
 
     Returns:
         (gram [N, N] float64 on the CPU, info): ``coverage`` (covered share of the trainable parameter count),
@@ -660,16 +661,7 @@ def exact_rollout_gram(
     n = batch.num_rollouts
     if weights is not None:
         assert weights.shape == (n,), (weights.shape, n)
-    cap = GramCapture(
-        model,
-        form=form,
-        token_block=token_block,
-        rollout_block=rollout_block,
-        budget_bytes=budget_bytes,
-        check_dropped=check_dropped,
-        keep_param_grams=keep_param_grams,
-        blocks=blocks,
-    )
+    cap = GramCapture(model, **options)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(cap)

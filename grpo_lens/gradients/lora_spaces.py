@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from grpo_lens.gradients.exact import exact_rollout_grads
-from grpo_lens.gradients.sketch import sketch_rollout_grads
+from grpo_lens.gradients.sketch import sketch_rollout_grads, square_sketch
 from grpo_lens.lora import ADAPTER_MARK
 from grpo_lens.rollout import RolloutBatch
 
@@ -83,8 +83,7 @@ def lora_rollout_grads(
         return sketch_rollout_grads(
             model,
             batch,
-            sketch_in=sketch_dim,
-            sketch_out=sketch_dim,
+            **square_sketch(sketch_dim),
             include=base_layers,
             seed=seed,
             # the config's check allows only these names

@@ -27,7 +27,7 @@ import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -325,6 +325,19 @@ def backward_roots(emb_out: list[Tensor], layers: Iterable[nn.Module]) -> list[T
     return [m.weight for m in layers if m.weight.requires_grad]  # type: ignore[misc]
 
 
+class SketchSides(TypedDict):
+    """``sketch_in`` and ``sketch_out`` of :func:`sketch_rollout_grads` (:class:`GradientCapture`)."""
+
+    sketch_in: int
+    sketch_out: int
+
+
+def square_sketch(sketch_dim: int) -> SketchSides:
+    """sketch_in = sketch_out = sketch_dim (``--sketch-dim``): the square sketch of every linear weight that the lens,
+    the probe and its studies take; pass it as ``**square_sketch(sketch_dim)``."""
+    return SketchSides(sketch_in=sketch_dim, sketch_out=sketch_dim)
+
+
 def sketch_rollout_grads(
     model: nn.Module,
     batch: RolloutBatch,
@@ -481,8 +494,7 @@ def sketched_rollout_sq_norms(
     sketch = sketch_rollout_grads(
         model,
         sub,
-        sketch_in=sketch_dim,
-        sketch_out=sketch_dim,
+        **square_sketch(sketch_dim),
         projection=projection,  # type: ignore[arg-type]
         seed=seed,
         temperature=temperature,

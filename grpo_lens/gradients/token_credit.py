@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Required, TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -139,6 +140,18 @@ def signed_token_contributions(
     return signed_contributions(w, d, u_sq)
 
 
+class PrefixSampling(TypedDict, total=False):
+    """:func:`prefix_values_many`'s sampling keywords, passed through by :func:`prefix_values` (meaning and defaults
+    there)."""
+
+    num_samples: Required[int]
+    max_new_tokens: Required[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
 @torch.no_grad()
 def prefix_values(
     model: nn.Module,
@@ -147,13 +160,7 @@ def prefix_values(
     completion_ids: Tensor,
     boundaries: Sequence[int],
     score: Callable[[list[str]], list[float]],
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    **sampling: Unpack[PrefixSampling],
 ) -> tuple[Tensor, Tensor]:
     """V_hat(prefix) = mean reward of K_mc continuations sampled from the prompt plus the first b tokens, per boundary.
 
@@ -162,7 +169,9 @@ def prefix_values(
     Args:
         prompt_ids: [Lp] unpadded prompt tokens.  completion_ids: [T'] the rollout's completion tokens (no padding).
         boundaries: prefix lengths b (each < len(completion_ids); the complete rollout needs no sampling).
-        score: completions (decoded texts) -> rewards.  num_samples: K_mc >= 2.  seed: sampling seed.
+        score: completions (decoded texts) -> rewards.
+        sampling: :class:`PrefixSampling`, as :func:`prefix_values_many`: num_samples K_mc >= 2, max_new_tokens,
+            temperature, top_k, top_p, seed (the sampling seed).
 
     Returns:
         (values [n_b] float64, standard errors [n_b]: sample std / sqrt(K_mc)).
@@ -177,12 +186,7 @@ def prefix_values(
         [completion_ids],
         [boundaries],
         score,
-        num_samples=num_samples,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
+        **sampling,
     )
     return out
 

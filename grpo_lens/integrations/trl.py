@@ -99,39 +99,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 
-def lens_settings(
-    args: Any,
-    *,
-    sketch_dim: int = 16,
-    lens_space: str = "trainable",
-    seed: int = 0,
-    multi_objective_aggregation: str = "sum_then_normalize",
-    gram_source: str = "exact",
-) -> LensSettings:
-    """The settings :class:`grpo_lens.lens.trainer_lens.TrainerLens` reads, from a ``trl.GRPOConfig``:
-    :meth:`grpo_lens.lens.settings.LensSettings.from_trl` (``gram_source`` as the trainer's ``--gram-source``,
-    :data:`grpo_lens.config.groups.GRAM_SOURCES`, the same default).
-
-    Args:
-        sketch_dim: sketch side per linear layer (as ``--sketch-dim``; default 16).
-        args: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
-        lens_space: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
-        seed: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
-        multi_objective_aggregation: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
-        gram_source: as :meth:`grpo_lens.lens.settings.LensSettings.from_trl`.
-
-    Raises:
-        ValueError: ``sketch_dim`` < 1, an unknown ``lens_space`` or ``gram_source``, or a TRL ``loss_type`` whose
-            rollout weights the lens does not know (luspo).
-    """
-    return LensSettings.from_trl(
-        args,
-        sketch_dim=sketch_dim,
-        lens_space=lens_space,
-        seed=seed,
-        multi_objective_aggregation=multi_objective_aggregation,
-        gram_source=gram_source,
-    )  # TRL's mask_truncated_completions is already in its completion_mask
+#: The settings :class:`grpo_lens.lens.trainer_lens.TrainerLens` reads, from a ``trl.GRPOConfig`` and the
+#: integration's lens keywords (``sketch_dim``, ``lens_space``, ``seed``, ``multi_objective_aggregation``,
+#: ``gram_source``; defaults as the trainer's flags): :meth:`grpo_lens.lens.settings.LensSettings.from_trl`, which
+#: documents them and what it raises. TRL's mask_truncated_completions is already in its completion_mask.
+lens_settings = LensSettings.from_trl
 
 
 def rollout_batch_from_trl(output: dict[str, Any], group_size: int, eos_token_id: int | None = None) -> RolloutBatch:

@@ -59,7 +59,7 @@ from grpo_lens.formulas.overlong import overlong_loss_mask
 from grpo_lens.gradients.gram import MicroBatchGrams, exact_rollout_gram
 from grpo_lens.gradients.lora_spaces import lora_rollout_grads
 from grpo_lens.gradients.params import trainable_count
-from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads
+from grpo_lens.gradients.sketch import GradientCapture, sketch_rollout_grads, square_sketch
 from grpo_lens.gradients.token_credit import squared_norm, token_directional_derivatives
 from grpo_lens.lens.settings import LensSettings, as_lens_settings
 from grpo_lens.lens.sparsity import Bf16UpdateTracker, SparsityOverTraining
@@ -523,8 +523,7 @@ class TrainerLens:
         return sketch_rollout_grads(
             policy,
             sub,
-            sketch_in=c.sketch_dim,
-            sketch_out=c.sketch_dim,
+            **square_sketch(c.sketch_dim),
             seed=c.seed,
             score_weights=omega,
             temperature=c.temperature,

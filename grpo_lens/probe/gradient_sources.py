@@ -33,6 +33,7 @@ from grpo_lens.gradients.sketch import (
     GradientCapture,
     backward_roots,
     sketch_rollout_grads,
+    square_sketch,
 )
 from grpo_lens.probe.config import ProbeConfig
 from grpo_lens.rollout import (
@@ -154,8 +155,7 @@ def sketch_gradients(
     sk = sketch_rollout_grads(
         policy,
         batch,
-        sketch_in=config.sketch_dim,
-        sketch_out=config.sketch_dim,
+        **square_sketch(config.sketch_dim),
         seed=config.seed,
         token_norms=True,
         exact_layers=[layer] if layer else (),

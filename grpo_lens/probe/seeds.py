@@ -65,7 +65,7 @@ from grpo_lens.probe.partial import COMMAND_KEYS, RESUMABLE_KEYS, PartialProbe
 from grpo_lens.probe.run import run_probe
 from grpo_lens.probe.tracking import log_probe
 from grpo_lens.report import write_report
-from grpo_lens.rundir import atomic_write_text, read_json_file, write_config_yaml
+from grpo_lens.rundir import atomic_write_text, read_json_file, start_seeds_dir
 from grpo_lens.trackers import check_trackers
 
 logger = logging.getLogger(__name__)
@@ -410,8 +410,7 @@ def run_seeds(config: ProbeConfig, seeds: list[int], run: Callable[[ProbeConfig]
         else:
             todo.append(replace(sub, overwrite=False) if config.resume else sub)
     # 2) the settings, then the seeds' probes, then the pool
-    out.mkdir(parents=True, exist_ok=True)
-    write_config_yaml(out / "config.yaml", config.to_dict())  # resume and overwrite stored as False
+    start_seeds_dir(out, config.to_dict())
     for sub in todo:
         logger.info("probe of seed %d into %s", sub.seed, sub.out)
         run(sub)

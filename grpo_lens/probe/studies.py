@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_lens.config.base import field_values
 from grpo_lens.formulas.advantages import compute_advantages, constant_groups
 from grpo_lens.formulas.baselines import baseline_study
 from grpo_lens.formulas.credit import (
@@ -38,7 +39,7 @@ from grpo_lens.formulas.credit import (
 from grpo_lens.formulas.losses import aggregation_rollout_weights
 from grpo_lens.formulas.sparsity import s1_predicted_outside_group
 from grpo_lens.formulas.stats import mean_interval
-from grpo_lens.gradients.sketch import sketch_rollout_grads
+from grpo_lens.gradients.sketch import sketch_rollout_grads, square_sketch
 from grpo_lens.gradients.token_credit import prefix_values_many, signed_token_contributions
 from grpo_lens.rewards import combine_rewards, score_batch
 from grpo_lens.rollout import sample_groups
@@ -82,12 +83,8 @@ def _common_settings(config: ProbeConfig, prompts_per_batch: int) -> dict[str, A
     """The :class:`StudySettings` fields ``config`` sets (the aggregation keeps its default)."""
     return dict(
         group_size=config.study_group_size,
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        seed=config.seed,
         prompts_per_batch=prompts_per_batch,
+        **field_values(config, "max_new_tokens", "temperature", "top_k", "top_p", "seed"),
     )
 
 
@@ -276,8 +273,7 @@ def run_baseline_study(
             sketch = sketch_rollout_grads(
                 policy,
                 sub,
-                sketch_in=st.sketch_dim,
-                sketch_out=st.sketch_dim,
+                **square_sketch(st.sketch_dim),
                 seed=st.seed,
                 temperature=st.temperature,
                 weights=c.float().to(sub.completion_ids.device),

@@ -183,6 +183,12 @@ def _call_with_timeout(fn: Callable, timeout_s: float | None, args: tuple, kwarg
     return box["value"]
 
 
+def _describe(value: Any) -> str:
+    """A short description of what a reward function returned, for messages."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
 class RewardFunctionError(ValueError):
     """A reward function did what no reward function may: called ``sys.exit`` (raised SystemExit)."""
 
@@ -193,12 +199,6 @@ def _exit_error(name: str, err: SystemExit) -> RewardFunctionError:
         f"returns one value (or None) per completion and never ends the run; return None for a "
         f"completion it cannot score, or raise an exception"
     )
-
-
-def _describe(value: Any) -> str:
-    """A short description of what a reward function returned, for messages."""
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 def reward_values(values: Any, n: int) -> list[Any]:

@@ -696,29 +696,30 @@ def stop_after_skips(state: RunState, config: TrainConfig, procs: Processes, run
     before the step's checkpoint, so the last checkpoint stays the last good state. A run shorter than
     ``max_consecutive_skips`` stops so at its last step when none of its steps had a scorable rollout: a run where
     nothing scores fails whatever its length."""
+    error: Exception | None = None
     if state.guard.get("unscored", 0) >= min(config.max_consecutive_skips, config.max_steps):
-        procs.barrier()
-        raise NoScorableRolloutError(
+        error = NoScorableRolloutError(
             f"step {step}: no rollout could be scored for {state.guard['unscored']} consecutive steps "
             f"(--max-consecutive-skips {config.max_consecutive_skips}): every reward was None/NaN or its reward "
             f"function failed (the first failure's traceback is in the log above; rewards {config.rewards}). Check "
             f"that the dataset has the columns the reward functions need (correctness needs 'answer'), fix the "
             f"function, and resume with --resume"
         )
-    if state.guard.get("untrained", 0) >= min(config.max_consecutive_skips, config.max_steps):
-        procs.barrier()
-        raise NoScorableRolloutError(
+    elif state.guard.get("untrained", 0) >= min(config.max_consecutive_skips, config.max_steps):
+        error = NoScorableRolloutError(
             f"step {step}: every completion of the last {state.guard['untrained']} steps was cut at "
             f"--max-new-tokens {config.max_new_tokens}, and --overlong {config.overlong} gives a cut completion no "
             f"gradient, so nothing trained; raise --max-new-tokens, or use --overlong none or soft-punish"
         )
-    if state.guard["consecutive"] >= config.max_consecutive_skips:
-        procs.barrier()
-        raise NonFiniteUpdateError(
+    elif state.guard["consecutive"] >= config.max_consecutive_skips:
+        error = NonFiniteUpdateError(
             f"step {step}: the loss or gradient was non-finite for {state.guard['consecutive']} consecutive steps "
             f"(--max-consecutive-skips {config.max_consecutive_skips}), so training stopped; the last checkpoint "
             f"in {run.path / 'checkpoints'} is intact: lower --learning-rate or --beta, or check the rewards"
         )
+    if error is not None:
+        procs.barrier()
+        raise error
 
 
 def stop_after_dead_steps(run: RunDir, config: TrainConfig, procs: Processes, step: int, dead_steps: int) -> None:

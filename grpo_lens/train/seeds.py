@@ -27,7 +27,7 @@ from typing import Any
 from grpo_lens.config import ConfigError
 from grpo_lens.config.base import refuse_started_seeds, seeds_run_args
 from grpo_lens.config.train import TrainConfig
-from grpo_lens.rundir import TRAIN_SEEDS_FILE, atomic_write_text, write_config_yaml
+from grpo_lens.rundir import TRAIN_SEEDS_FILE, atomic_write_text, start_seeds_dir
 from grpo_lens.train.loop import train
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,7 @@ def run_train_seeds(config: TrainConfig, seeds: list[int], run: Callable[[TrainC
             sub = replace(sub, resume=exists, overwrite=False)
         todo.append(sub)
     # 2) the shared settings, then the seeds' runs, then the pooled record
-    out.mkdir(parents=True, exist_ok=True)
-    write_config_yaml(out / "config.yaml", config.to_dict())  # resume and overwrite stored as False
+    start_seeds_dir(out, config.to_dict())
     for sub in todo:
         logger.info("training seed %d into %s", sub.seed, sub.out)
         run(sub)
