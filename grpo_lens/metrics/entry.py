@@ -297,9 +297,15 @@ class Section:
         return out
 
 
-def with_interval(key: str) -> tuple[str, str, str]:
+def family(template: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys that differ only by a name: ``template`` with ``{}`` replaced by each of ``names``, in order
+    (``family("dead/all_{}_groups", ("correct", "wrong"))``)."""
+    return tuple(template.format(name) for name in names)
+
+
+def with_interval(key: str) -> tuple[str, ...]:
     """``key`` and the keys of its 95% interval's ends: ``key``, ``key_lo``, ``key_hi``."""
-    return key, f"{key}_lo", f"{key}_hi"
+    return family(f"{key}{{}}", ("", "_lo", "_hi"))
 
 
 LENS = (JSONL, GROUPS)  # the per-group analysis path: lens means in metrics.jsonl, probe rows and summaries

@@ -11,16 +11,26 @@ from grpo_lens.metrics.entry import (
     STEP_UNITS,
     TOKENS_PER_SECOND,
     Section,
+    with_interval,
 )
+
+# The docs/metrics.md tables this module's rows sit in, with the source and scopes each run of rows shares
+_perf = Section("perf")
+_eval = Section("eval")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # perf/ and others
 # ---------------------------------------------------------------------------------------------------------------------
-_perf = Section("perf")
 PERF_STEP_SECONDS = _perf.key(
-    "perf/step_seconds", SECONDS, "wall time of the whole step (sampling, rewards, lens, update)"
+    "perf/step_seconds",
+    SECONDS,
+    "wall time of the whole step (sampling, rewards, lens, update)",
 )
-PERF_GENERATION_SECONDS = _perf.key("perf/generation_seconds", SECONDS, "wall time of sampling")
+PERF_GENERATION_SECONDS = _perf.key(
+    "perf/generation_seconds",
+    SECONDS,
+    "wall time of sampling",
+)
 PERF_OPTIMAL_BASELINE_SECONDS = _perf.key(
     "perf/optimal_baseline_seconds",
     SECONDS,
@@ -50,29 +60,56 @@ PERF_REWARD_SECONDS = _perf.template(
     "wall time of reward function `<name>` this step (a timed-out call counts up to `reward_timeout`)",
 )
 PERF_TOKENS_PER_SECOND = _perf.key(
-    "perf/tokens_per_second", TOKENS_PER_SECOND, "completion tokens of the step / step seconds"
+    "perf/tokens_per_second",
+    TOKENS_PER_SECOND,
+    "completion tokens of the step / step seconds",
 )
 PERF_PEAK_MEMORY_MB = _perf.key(
-    "perf/peak_memory_mb", MEGABYTES, "peak GPU memory allocated, or the process's peak resident memory on CPU"
+    "perf/peak_memory_mb",
+    MEGABYTES,
+    "peak GPU memory allocated, or the process's peak resident memory on CPU",
 )
-LR = _perf.key("lr", LEARNING_RATE, "learning rate of the step")
-STEP = _perf.key("step", STEP_UNITS, "the optimizer step (sampling round), from 1")
+LR = _perf.key(
+    "lr",
+    LEARNING_RATE,
+    "learning rate of the step",
+)
+STEP = _perf.key(
+    "step",
+    STEP_UNITS,
+    "the optimizer step (sampling round), from 1",
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # eval/: held-out accuracy every --eval-every steps (grpo_lens.train.evaluate)
 # ---------------------------------------------------------------------------------------------------------------------
-_eval = Section("eval")
-EVAL_GREEDY_ACCURACY, EVAL_GREEDY_ACCURACY_LO, EVAL_GREEDY_ACCURACY_HI = _eval.keys(
-    ("eval/greedy_accuracy", "eval/greedy_accuracy_lo", "eval/greedy_accuracy_hi"),
+(
+    EVAL_GREEDY_ACCURACY,
+    EVAL_GREEDY_ACCURACY_LO,
+    EVAL_GREEDY_ACCURACY_HI,
+) = _eval.keys(
+    with_interval("eval/greedy_accuracy"),
     SHARE,
     "share of the `eval_prompts` held-out prompts whose greedy completion (temperature 0) the task's own verdict "
     "marks correct, and its 95% Wilson interval over prompts (`grpo_lens.formulas.stats.wilson_interval`)",
 )
-EVAL_SAMPLED_ACCURACY, EVAL_SAMPLED_ACCURACY_LO, EVAL_SAMPLED_ACCURACY_HI = _eval.keys(
-    ("eval/sampled_accuracy", "eval/sampled_accuracy_lo", "eval/sampled_accuracy_hi"),
+(
+    EVAL_SAMPLED_ACCURACY,
+    EVAL_SAMPLED_ACCURACY_LO,
+    EVAL_SAMPLED_ACCURACY_HI,
+) = _eval.keys(
+    with_interval("eval/sampled_accuracy"),
     SHARE,
     "share of correct completions among `eval_samples` sampled ones per held-out prompt (the training temperature), "
     "and its 95% Wilson interval over the completions (they share prompts, so it is narrower than one over prompts)",
 )
-EVAL_PROMPTS = _eval.key("eval/prompts", COUNT, "held-out prompts the evaluation scored")
-EVAL_SECONDS = _eval.key("eval/seconds", SECONDS, "wall time of the evaluation (not in perf/step_seconds)")
+EVAL_PROMPTS = _eval.key(
+    "eval/prompts",
+    COUNT,
+    "held-out prompts the evaluation scored",
+)
+EVAL_SECONDS = _eval.key(
+    "eval/seconds",
+    SECONDS,
+    "wall time of the evaluation (not in perf/step_seconds)",
+)

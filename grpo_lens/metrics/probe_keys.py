@@ -18,25 +18,43 @@ from grpo_lens.metrics.entry import (
     Section,
 )
 
+# The docs/metrics.md tables this module's rows sit in, with the source and scopes each run of rows shares
+_probe = Section("probe", where=(PROBE,))
+_sketch_check = Section("sketch_check", source="§8", where=(SKETCH_CHECK,))
+_studies = Section("studies", source="§Baselines at matched expectation", where=(STUDIES,))
+
 # ---------------------------------------------------------------------------------------------------------------------
 # probe.json per_group_size["R"]
 # ---------------------------------------------------------------------------------------------------------------------
-_probe = Section("probe", where=(PROBE,))
 ROLLOUTS_PER_PROMPT = _probe.key(
-    "rollouts_per_prompt", COUNT, "M = max(2R, 8) completions drawn per prompt; the first R form the group"
+    "rollouts_per_prompt",
+    COUNT,
+    "M = max(2R, 8) completions drawn per prompt; the first R form the group",
 )
 PROMPTS_SAMPLED = _probe.key(
     "prompts_sampled",
     COUNT,
     "prompts drawn for this R (`--prompts`, a fixed number: the probe never stops at the N-th mixed group)",
 )
-GROUPS_ALL_EQUAL, GROUPS_MIXED, GROUPS_INVALID = _probe.keys(
-    ("groups_all_equal", "groups_mixed", "groups_invalid"),
+(
+    GROUPS_ALL_EQUAL,
+    GROUPS_MIXED,
+    GROUPS_INVALID,
+) = _probe.keys(
+    (
+        "groups_all_equal",
+        "groups_mixed",
+        "groups_invalid",
+    ),
     COUNT,
     "of those: groups with all rewards equal (no gradient), mixed (all analysed), with an invalid reward",
 )
 S1_MEASURED = _probe.key(
-    "s1_measured", SHARE, "all-equal groups / groups with all rewards valid", source="§S1", concept="S1"
+    "s1_measured",
+    SHARE,
+    "all-equal groups / groups with all rewards valid",
+    source="§S1",
+    concept="S1",
 )
 S1_MEASURED_CI = _probe.key(
     "s1_measured_ci",
@@ -62,7 +80,11 @@ S1_PREDICTED_CI = _probe.key(
     source="§S1",
     concept="S1 predicted",
 )
-PROBE_GROUPS = _probe.key("groups", ROWS, "one row per analysed group: the keys of the per-group analysis path above")
+PROBE_GROUPS = _probe.key(
+    "groups",
+    ROWS,
+    "one row per analysed group: the keys of the per-group analysis path above",
+)
 PROBE_SUMMARY = _probe.key(
     "summary",
     INTERVAL,
@@ -145,7 +167,6 @@ PROBE_TIMING = _probe.key(
 )
 
 # sketch check keys (per checked group)
-_sketch_check = Section("sketch_check", source="§8", where=(SKETCH_CHECK,))
 SKETCH_COVERAGE = _sketch_check.key(
     "sketch/coverage",
     SHARE,
@@ -159,17 +180,24 @@ SKETCH_COVERAGE = _sketch_check.key(
     )
 )
 SKETCH_GRAM_ERROR = _sketch_check.key(
-    "sketch/gram_error", RELATIVE_ERROR, "‖Ĝ − G‖_F / ‖G‖_F for G1's Gram, sketched vs exact over every parameter"
+    "sketch/gram_error",
+    RELATIVE_ERROR,
+    "‖Ĝ − G‖_F / ‖G‖_F for G1's Gram, sketched vs exact over every parameter",
 )
 SKETCH_GRAM_ERROR_BOUND = _sketch_check.key(
-    "sketch/gram_error_bound", RELATIVE_ERROR, "the projection-error bound for the sketched layers alone"
+    "sketch/gram_error_bound",
+    RELATIVE_ERROR,
+    "the projection-error bound for the sketched layers alone",
 )
-SKETCH_G1_ERANK_ERROR = _sketch_check.key("sketch/g1_erank_error", RANK_UNITS, "erank(G1) sketched minus exact")
+SKETCH_G1_ERANK_ERROR = _sketch_check.key(
+    "sketch/g1_erank_error",
+    RANK_UNITS,
+    "erank(G1) sketched minus exact",
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # probe.json studies (R = --study-group-size; grpo_lens.probe.studies)
 # ---------------------------------------------------------------------------------------------------------------------
-_studies = Section("studies", source="§Baselines at matched expectation", where=(STUDIES,))
 STUDY_BASELINES_META = _studies.key(
     "baselines.meta",
     OBJECT,

@@ -21,12 +21,25 @@ from grpo_lens.metrics.entry import (
     Section,
 )
 
+# The docs/metrics.md tables this module's rows sit in, with the source and scopes each run of rows shares
+_reward = Section("reward")
+_adv = Section("adv", source="§The variance-optimal baseline in training")
+_completions = Section("completions")
+_loss = Section("loss", source="§3")
+_mismatch = Section("mismatch", source="§Sampler-trainer mismatch")
+_policy = Section("policy", source="§Policy entropy")
+_dynamic = Section("dynamic", source="§Dynamic sampling")
+_grad = Section("grad")
+_guard = Section("guard", source="§Numerical guards")
+
 # ---------------------------------------------------------------------------------------------------------------------
 # metrics.jsonl: reward/
 # ---------------------------------------------------------------------------------------------------------------------
-_reward = Section("reward")
 REWARD_MEAN, REWARD_STD = _reward.keys(
-    ("reward/mean", "reward/std"),
+    (
+        "reward/mean",
+        "reward/std",
+    ),
     REWARD_UNITS,
     "mean and (population) std of the valid rewards of the step's N rollouts",
 )
@@ -60,22 +73,32 @@ REWARD_FRAC_ZERO_STD_GROUPS = _reward.key(
     concept="S1",
 )
 REWARD_INVALID_FRAC, REWARD_INVALID_COUNT = _reward.keys(
-    ("reward/invalid_frac", "reward/invalid_count"),
+    (
+        "reward/invalid_frac",
+        "reward/invalid_count",
+    ),
     (SHARE, COUNT),
     "share / number of rollouts whose reward was invalid (None, NaN, error, timeout); they get advantage 0 and are "
     "left out of group statistics",
     source="§2",
 )
 REWARD_ERROR_COUNT, REWARD_TIMEOUT_COUNT = _reward.keys(
-    ("reward/error_count", "reward/timeout_count"),
+    (
+        "reward/error_count",
+        "reward/timeout_count",
+    ),
     COUNT,
     "reward-function calls that raised / exceeded `reward_timeout`",
 )
 REWARD_FUNCTION = _reward.template(
-    "reward/{name}", REWARD_UNITS, "mean of reward function `<name>` (before its weight) over valid rollouts"
+    "reward/{name}",
+    REWARD_UNITS,
+    "mean of reward function `<name>` (before its weight) over valid rollouts",
 )
 REWARD_FUNCTION_INVALID_COUNT = _reward.template(
-    "reward/{name}/invalid_count", COUNT, "rollouts that function could not score this step (None, NaN, error, timeout)"
+    "reward/{name}/invalid_count",
+    COUNT,
+    "rollouts that function could not score this step (None, NaN, error, timeout)",
 )
 REWARD_LOGGED = _reward.template(
     "reward/logged/{name}",
@@ -87,9 +110,18 @@ REWARD_LOGGED = _reward.template(
 # ---------------------------------------------------------------------------------------------------------------------
 # adv/, completions/
 # ---------------------------------------------------------------------------------------------------------------------
-_adv = Section("adv", source="§The variance-optimal baseline in training")
-ADV_MEAN, ADV_ABS_MEAN, ADV_MAX, ADV_MIN = _adv.keys(
-    ("adv/mean", "adv/abs_mean", "adv/max", "adv/min"),
+(
+    ADV_MEAN,
+    ADV_ABS_MEAN,
+    ADV_MAX,
+    ADV_MIN,
+) = _adv.keys(
+    (
+        "adv/mean",
+        "adv/abs_mean",
+        "adv/max",
+        "adv/min",
+    ),
     ADVANTAGE_UNITS,
     "statistics of the N advantages A_i (§2). `adv/mean` is 0 up to rounding for zero-sum estimators",
     source="§2",
@@ -107,9 +139,11 @@ ADV_OPTIMAL_MINUS_RLOO = _adv.key(
     "`--estimator optimal` only: mean over the same rollouts of b*_{-i} − mean_{j≠i} r_j; 0 means the optimal "
     "baseline reduced to RLOO's on this step (m_C = m_W)",
 )
-_completions = Section("completions")
 COMPLETIONS_MEAN_LENGTH, COMPLETIONS_MAX_LENGTH = _completions.keys(
-    ("completions/mean_length", "completions/max_length"),
+    (
+        "completions/mean_length",
+        "completions/max_length",
+    ),
     TOKENS,
     "completion length in tokens (up to and including EOS)",
 )
@@ -125,37 +159,57 @@ COMPLETIONS_TRUNCATED_FRAC = _completions.key(
 # ---------------------------------------------------------------------------------------------------------------------
 # loss/, kl/, clip/, ratio/, mismatch/, policy/
 # ---------------------------------------------------------------------------------------------------------------------
-_loss = Section("loss", source="§3")
 LOSS_POLICY = _loss.key(
     "loss/policy",
     LOSS_UNITS,
     "the clipped-surrogate part of the aggregated loss (§3), averaged over the step's optimizer steps. With ratio 1 "
     "and centred advantages it is ~0 even though its gradient is not",
 )
-LOSS_KL = _loss.key("loss/kl", LOSS_UNITS, "beta × aggregated KL part of the loss")
+LOSS_KL = _loss.key(
+    "loss/kl",
+    LOSS_UNITS,
+    "beta × aggregated KL part of the loss",
+)
 KL_MEAN = _loss.key(
     "kl/mean",
     NATS_PER_TOKEN,
     "token mean of the per-token KL estimate (`kl_estimator`) between policy and reference model; 0 when beta = 0",
 )
 CLIP_RATIO_LOW = _loss.key(
-    "clip/ratio_low", SHARE, "share of completion tokens where rho < 1 − eps_low and A < 0 (the lower clip binds)"
+    "clip/ratio_low",
+    SHARE,
+    "share of completion tokens where rho < 1 − eps_low and A < 0 (the lower clip binds)",
 )
-CLIP_RATIO_HIGH = _loss.key("clip/ratio_high", SHARE, "share where rho > 1 + eps_high and A > 0 (the upper clip binds)")
+CLIP_RATIO_HIGH = _loss.key(
+    "clip/ratio_high",
+    SHARE,
+    "share where rho > 1 + eps_high and A > 0 (the upper clip binds)",
+)
 CLIP_RATIO_REGION = _loss.key(
-    "clip/ratio_region", SHARE, "share where either binds; 0 on the first on-policy pass (mu = 1)"
+    "clip/ratio_region",
+    SHARE,
+    "share where either binds; 0 on the first on-policy pass (mu = 1)",
 )
-CLIP_RATIO_DUAL = _loss.key("clip/ratio_dual", SHARE, "share where the dual clip binds (A < 0, rho > dual_clip)")
+CLIP_RATIO_DUAL = _loss.key(
+    "clip/ratio_dual",
+    SHARE,
+    "share where the dual clip binds (A < 0, rho > dual_clip)",
+)
 RATIO_MEAN, RATIO_MAX = _loss.keys(
-    ("ratio/mean", "ratio/max"),
+    (
+        "ratio/mean",
+        "ratio/max",
+    ),
     RATIO,
     "importance ratio rho = pi_theta / pi_old over completion tokens; pi_old is the trainer's own detached forward, so "
     "the first pass over the first mini-batch has rho = 1 exactly, in any dtype (docs/theory.md §Log-probabilities)",
     source="§Log-probabilities",
 )
-_mismatch = Section("mismatch", source="§Sampler-trainer mismatch")
 MISMATCH_LOGPROB_ABS_DIFF_MEAN, MISMATCH_LOGPROB_ABS_DIFF_MAX = _mismatch.keys(
-    ("mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max"),
+    (
+        "mismatch/logprob_abs_diff_mean",
+        "mismatch/logprob_abs_diff_max",
+    ),
     NATS,
     "mean / max over completion tokens of |log pi_old − log pi_sampler| (nats): the trainer's forward against the "
     "log-probs `generate` recorded, same definition. ~1e-6 (max ~5e-6) in float32 on the CPU; ~1e-2 (max ~0.05) in "
@@ -173,9 +227,10 @@ MISMATCH_TIS_WEIGHT_MEAN = _mismatch.key(
     "with `tis_cap`: mean truncated importance weight min(pi_old / pi_sampler, tis_cap) on the policy loss",
 )
 MISMATCH_TIS_CAPPED_FRAC = _mismatch.key(
-    "mismatch/tis_capped_frac", SHARE, "with `tis_cap`: share of completion tokens whose weight hit the cap"
+    "mismatch/tis_capped_frac",
+    SHARE,
+    "with `tis_cap`: share of completion tokens whose weight hit the cap",
 )
-_policy = Section("policy", source="§Policy entropy")
 POLICY_ENTROPY = _policy.key(
     "policy/entropy",
     NATS_PER_TOKEN,
@@ -189,7 +244,6 @@ POLICY_ENTROPY = _policy.key(
 # ---------------------------------------------------------------------------------------------------------------------
 # dynamic/
 # ---------------------------------------------------------------------------------------------------------------------
-_dynamic = Section("dynamic", source="§Dynamic sampling")
 DYNAMIC_MIXED_GROUPS = _dynamic.key(
     "dynamic/mixed_groups",
     COUNT,
@@ -204,7 +258,9 @@ DYNAMIC_ROUNDS = _dynamic.key(
     "sampling rounds of prompts_per_step prompts this step took (1 = the ordinary batch sufficed)",
 )
 DYNAMIC_SAMPLED_GROUPS = _dynamic.key(
-    "dynamic/sampled_groups", COUNT, "groups sampled over all rounds (rounds × prompts_per_step)"
+    "dynamic/sampled_groups",
+    COUNT,
+    "groups sampled over all rounds (rounds × prompts_per_step)",
 )
 DYNAMIC_ZERO_VAR_FRAC_SAMPLED = _dynamic.key(
     "dynamic/zero_var_frac_sampled",
@@ -252,7 +308,6 @@ KEPT_KEYS = {
 # ---------------------------------------------------------------------------------------------------------------------
 # grad/, guard/
 # ---------------------------------------------------------------------------------------------------------------------
-_grad = Section("grad")
 GRAD_NORM = _grad.key(
     "grad/norm",
     GRAD_NORM_UNITS,
@@ -265,7 +320,9 @@ GRAD_NORM_LAST = _grad.key(
     "the same for the step's last optimizer step (differs when mu > 1 or num_mini_batches > 1)",
 )
 GRAD_OPTIMIZER_STEPS = _grad.key(
-    "grad/optimizer_steps", COUNT, "optimizer steps taken this sampling round (mu × num_mini_batches, less any skipped)"
+    "grad/optimizer_steps",
+    COUNT,
+    "optimizer steps taken this sampling round (mu × num_mini_batches, less any skipped)",
 )
 GRAD_IDENTITY_RESIDUAL = _grad.key(
     "grad/identity_residual",
@@ -292,16 +349,21 @@ GRAD_GRAM_COVERAGE = _grad.key(
     "(grpo_lens.gradients.gram; a parameter it cannot attribute is listed, not guessed)",
     source="§Exact Gram",
 )
-_guard = Section("guard", source="§Numerical guards")
 GUARD_SKIPPED_OPTIMIZER_STEPS = _guard.key(
     "guard/skipped_optimizer_steps",
     COUNT,
     "optimizer steps of this round skipped because a loss or the gradient norm was non-finite (no weight or AdamW "
     "change)",
 )
-GUARD_STEP_SKIPPED = _guard.key("guard/step_skipped", FLAG, "1 when this round skipped any optimizer step, else 0")
+GUARD_STEP_SKIPPED = _guard.key(
+    "guard/step_skipped",
+    FLAG,
+    "1 when this round skipped any optimizer step, else 0",
+)
 GUARD_SKIPPED_STEPS = _guard.key(
-    "guard/skipped_steps", COUNT, "running total of skipped rounds in the run (kept across --resume)"
+    "guard/skipped_steps",
+    COUNT,
+    "running total of skipped rounds in the run (kept across --resume)",
 )
 GUARD_CONSECUTIVE_SKIPPED = _guard.key(
     "guard/consecutive_skipped",
