@@ -16,12 +16,16 @@ from grpo_lens.metrics.entry import (
     SKETCH_CHECK,
     STUDIES,
     Section,
+    family,
 )
 
 # The docs/metrics.md tables this module's rows sit in, with the source and scopes each run of rows shares
 _probe = Section("probe", where=(PROBE,))
+_probe_s1 = Section("probe", source="§S1", where=(PROBE,))
 _sketch_check = Section("sketch_check", source="§8", where=(SKETCH_CHECK,))
-_studies = Section("studies", source="§Baselines at matched expectation", where=(STUDIES,))
+_studies = Section("studies", where=(STUDIES,))
+_study_baselines = Section("studies", source="§Baselines at matched expectation", where=(STUDIES,))
+_study_credit = Section("studies", source="§Token credit", where=(STUDIES,))
 
 # ---------------------------------------------------------------------------------------------------------------------
 # probe.json per_group_size["R"]
@@ -49,35 +53,31 @@ PROMPTS_SAMPLED = _probe.key(
     COUNT,
     "of those: groups with all rewards equal (no gradient), mixed (all analysed), with an invalid reward",
 )
-S1_MEASURED = _probe.key(
+S1_MEASURED = _probe_s1.key(
     "s1_measured",
     SHARE,
     "all-equal groups / groups with all rewards valid",
-    source="§S1",
     concept="S1",
 )
-S1_MEASURED_CI = _probe.key(
+S1_MEASURED_CI = _probe_s1.key(
     "s1_measured_ci",
     INTERVAL,
     "`{mean, lo, hi, n}`: S1 measured with its 95% interval over the prompts (Hall's transformed t, §7) "
     '(per-prompt indicator "all rewards equal")',
-    source="§S1",
     concept="S1",
 )
-S1_PREDICTED = _probe.key(
+S1_PREDICTED = _probe_s1.key(
     "s1_predicted",
     SHARE,
     "mean over prompts (all M rewards valid) of [C(k′,R) + C(M′−k′,R)] / C(M′,R), k′ correct among the M′ = M − R "
     "rollouts outside the group: unbiased for p^R + (1−p)^R and not computed from the measured group (docs/theory.md "
     "§S1)",
-    source="§S1",
     concept="S1 predicted",
 )
-S1_PREDICTED_CI = _probe.key(
+S1_PREDICTED_CI = _probe_s1.key(
     "s1_predicted_ci",
     INTERVAL,
     "`{mean, lo, hi, n}`: its 95% interval over prompts (Hall's transformed t, §7)",
-    source="§S1",
     concept="S1 predicted",
 )
 PROBE_GROUPS = _probe.key(
@@ -99,8 +99,14 @@ PROBE_STRATA = _probe.key(
     "the same summaries within the groups with k correct rollouts / d distinct completions, for the rank, null, "
     "identity and zero-sum keys",
     source="§7",
-    shown=('strata.correct["k"][key]', 'strata.distinct["d"][key]'),
-    fields=("correct", "distinct"),
+    shown=(
+        'strata.correct["k"][key]',
+        'strata.distinct["d"][key]',
+    ),
+    fields=(
+        "correct",
+        "distinct",
+    ),
 )
 PROBE_G3 = _probe.key(
     "g3",
@@ -113,7 +119,10 @@ PROBE_G2_WEIGHTINGS = _probe.key(
     OBJECT,
     "`groups` (rows of `rank/g2_<w>_<kind>_stable_rank`, one per group with G2 of every layer) and their `summary`",
     source="§6",
-    fields=("groups", "summary"),
+    fields=(
+        "groups",
+        "summary",
+    ),
 )
 PROBE_SPECTRA = _probe.key(
     "spectra",
@@ -121,7 +130,12 @@ PROBE_SPECTRA = _probe.key(
     "singular values per group: `G1`, `G1_no_adv`, `G1_null`, `G2` (first 64)",
     source="§5",
     shown=("spectra[matrix]",),
-    fields=("G1", "G1_no_adv", "G1_null", "G2"),
+    fields=(
+        "G1",
+        "G1_no_adv",
+        "G1_null",
+        "G2",
+    ),
 )
 PROBE_BASELINES = _probe.key(
     "baselines",
@@ -129,7 +143,11 @@ PROBE_BASELINES = _probe.key(
     "`variance[name]` trace variance of (1/R)Σ(r_i − b_i)g_i for baselines none / mean / rloo / optimal, by "
     "resampling groups of R from M rollouts; `relative_variance` = variance / optimal's; `prompts` used",
     source="§2",
-    fields=("variance", "relative_variance", "prompts"),
+    fields=(
+        "variance",
+        "relative_variance",
+        "prompts",
+    ),
 )
 PROBE_CREDIT = _probe.key(
     "credit",
@@ -144,7 +162,10 @@ PROBE_SKETCH_CHECK = _probe.key(
     "unless --dense-oracle: `groups` (rows of the keys below, one per checked group: the first `--coverage-groups` "
     "mixed groups of this R) and their `summary`",
     source="§8",
-    fields=("groups", "summary"),
+    fields=(
+        "groups",
+        "summary",
+    ),
 )
 # the exact Gram's coverage in the probe
 PROBE_GRAM_COVERAGE = _probe.key(
@@ -163,7 +184,13 @@ PROBE_TIMING = _probe.key(
     "`meta.studies_seconds` give the probe's and its studies'. After `--resume` (`meta.resumed` true) the R's "
     "times include the prompts a killed probe measured, `meta.seconds` and `meta.studies_seconds` count from the "
     "resume",
-    fields=("generation_seconds", "gradient_seconds", "g2_weightings_seconds", "sketch_check_seconds", "seconds"),
+    fields=(
+        "generation_seconds",
+        "gradient_seconds",
+        "g2_weightings_seconds",
+        "sketch_check_seconds",
+        "seconds",
+    ),
 )
 
 # sketch check keys (per checked group)
@@ -172,12 +199,15 @@ SKETCH_COVERAGE = _sketch_check.key(
     SHARE,
     "Σ‖S g_i‖² / Σ‖g_i‖²: the share of the exact squared gradient norm that the sketch carries",
 )
-(SKETCH_EXACT_SHARE_LINEAR, SKETCH_EXACT_SHARE_EMBEDDING, SKETCH_EXACT_SHARE_NORM, SKETCH_EXACT_SHARE_OTHER) = (
-    _sketch_check.keys(
-        tuple(f"sketch/exact_share_{c}" for c in PARAMETER_CATEGORIES),
-        SHARE,
-        "each parameter category's share of the exact Σ‖g_i‖²; a tied embedding counts under embedding, both uses",
-    )
+(
+    SKETCH_EXACT_SHARE_LINEAR,
+    SKETCH_EXACT_SHARE_EMBEDDING,
+    SKETCH_EXACT_SHARE_NORM,
+    SKETCH_EXACT_SHARE_OTHER,
+) = _sketch_check.keys(
+    family("sketch/exact_share_{}", PARAMETER_CATEGORIES),
+    SHARE,
+    "each parameter category's share of the exact Σ‖g_i‖²; a tied embedding counts under embedding, both uses",
 )
 SKETCH_GRAM_ERROR = _sketch_check.key(
     "sketch/gram_error",
@@ -204,7 +234,6 @@ STUDY_BASELINES_META = _studies.key(
     "group_size R, rollouts_per_prompt M = 4R, prompts_sampled, presampled_prompts (of those, the probe's shared "
     "draws it reused), prompts_with_contrast, the gradient source (LoGra "
     "sketch of every nn.Linear weight) and sketch_dim, aggregation, seconds",
-    source="",
     fields=(
         "group_size",
         "rollouts_per_prompt",
@@ -224,9 +253,15 @@ STUDY_BASELINES_S1 = _studies.key(
     "`difference`: each `{mean, lo, hi, n}` over every sampled prompt with valid rewards",
     source="§S1",
     concept="S1",
-    fields=("measured", "predicted", "difference", "prompts", "rollouts_per_prompt"),
+    fields=(
+        "measured",
+        "predicted",
+        "difference",
+        "prompts",
+        "rollouts_per_prompt",
+    ),
 )
-STUDY_BASELINES_PER_PROMPT = _studies.key(
+STUDY_BASELINES_PER_PROMPT = _study_baselines.key(
     "baselines.baselines.per_prompt",
     OBJECT,
     "one prompt with contrast: `estimators[name]` = `{bias2, variance, mse, cosine}` against the held-out reference "
@@ -255,15 +290,19 @@ STUDY_BASELINES_PER_PROMPT = _studies.key(
     ),
     each=True,
 )
-STUDY_BASELINES_SUMMARY = _studies.key(
+STUDY_BASELINES_SUMMARY = _study_baselines.key(
     "baselines.baselines.summary",
     INTERVAL,
     "`mse_ratio_to_rloo`, `cosine`, `bias2_share`: `{mean, lo, hi, n}` over prompts",
     shown=("baselines.baselines.summary[name]",),
-    fields=("mse_ratio_to_rloo", "cosine", "bias2_share"),
+    fields=(
+        "mse_ratio_to_rloo",
+        "cosine",
+        "bias2_share",
+    ),
     each=True,
 )
-STUDY_BASELINES = _studies.key(
+STUDY_BASELINES = _study_baselines.key(
     "baselines.baselines",
     OBJECT,
     "`prompts`, `prompts_constant` (pools without contrast, skipped), `b_star_shift`, `b_star_minus_p`, `norm_ratio` "
@@ -285,7 +324,7 @@ STUDY_BASELINES = _studies.key(
         "log_ratio_rms",
     ),
 )
-STUDY_CREDIT_CONTRIBUTIONS = _studies.key(
+STUDY_CREDIT_CONTRIBUTIONS = _study_credit.key(
     "credit.contributions",
     OBJECT,
     "`position_profile` (per relative-position bin, `{mean, lo, hi, n}` over groups of the summed signed share s of "
@@ -294,22 +333,41 @@ STUDY_CREDIT_CONTRIBUTIONS = _studies.key(
     "with the same gradient geometry; `ratio_minus_nll`: the paired difference, over groups), `closure` (max over "
     "groups of abs(Σ s − 1): the finite-difference error), `groups`, `shares` and `shares_nll` (each group's "
     "`classes` entry under A and under NLL weights: what `probe --seeds` pools)",
-    source="§Token credit",
-    fields=("position_profile", "classes", "classes_nll", "closure", "groups", "shares", "shares_nll"),
+    fields=(
+        "position_profile",
+        "classes",
+        "classes_nll",
+        "closure",
+        "groups",
+        "shares",
+        "shares_nll",
+    ),
 )
-STUDY_CREDIT_MONTE_CARLO = _studies.key(
+STUDY_CREDIT_MONTE_CARLO = _study_credit.key(
     "credit.monte_carlo",
     OBJECT,
     "`rollouts` (per rollout: reward, grpo_advantage, boundaries, values and errors of V(prefix), segment advantages "
     "and their errors, disagree / agree / neutral token shares, top_segment_share), the means over rollouts of "
     "`disagree`, `agree`, `neutral`, `top_segment_share` with intervals, `samples_per_prefix` K_mc",
-    source="§Token credit",
-    fields=("rollouts", "samples_per_prefix", "disagree", "agree", "neutral", "top_segment_share", "segments"),
+    fields=(
+        "rollouts",
+        "samples_per_prefix",
+        "disagree",
+        "agree",
+        "neutral",
+        "top_segment_share",
+        "segments",
+    ),
 )
 STUDY_CREDIT_META = _studies.key(
     "credit.meta",
     OBJECT,
     "group_size, groups_sampled, gradient source (exact update over every parameter), finite-difference step, seconds",
-    source="",
-    fields=("group_size", "groups_sampled", "gradients", "step", "seconds"),
+    fields=(
+        "group_size",
+        "groups_sampled",
+        "gradients",
+        "step",
+        "seconds",
+    ),
 )
