@@ -232,25 +232,27 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     per_pos = "; ".join(f"segment {j + 1}: {ci_text(mean_interval(e), 3, 'rollouts')}" for j, e in enumerate(shifts))
     t = opposition_count(mc)
     flagged = "" if not t or not t.get("tests") else f"; rollouts flagged: {t['flagged']} of {t['rollouts']} (not used)"
+    what = f"mean shift of the success probability against A_i by position: {per_pos}{flagged}"
+    advice = (
+        f"raise `--mc-groups` (grpo-lens probe; grpo-lens demo runs at most 4 groups) (now {len(rows)} "
+        f"rollouts; each group adds R; 32 rollouts decide an opposition of 0.3, docs/calibration.md)"
+        if verdict == INCONCLUSIVE
+        else ""
+    )
     return [
         Claim(
-            claim=claim,
-            scope=f"{scope}, {m} interior segment positions",
-            measurement=f"mean shift of the success probability against A_i by position: {per_pos}{flagged}",
-            control=control,
-            verdict=verdict,
-            rule=why,
-            source=source,
+            claim,
+            f"{scope}, {m} interior segment positions",
+            what,
+            control,
+            verdict,
+            why,
+            source,
             n=n,
             p_holds=p_holds,
             p_dnh=p_dnh,
             rule_id=MC_RULE_ID,
-            advice=(
-                f"raise `--mc-groups` (grpo-lens probe; grpo-lens demo runs at most 4 groups) (now {len(rows)} "
-                f"rollouts; each group adds R; 32 rollouts decide an opposition of 0.3, docs/calibration.md)"
-                if verdict == INCONCLUSIVE
-                else ""
-            ),
+            advice=advice,
         )
     ]
 
