@@ -333,30 +333,19 @@ def build_parser() -> argparse.ArgumentParser:
         ("probe", "measure GRPO's gradient structure (rank, identity, baselines, credit)", ProbeConfig, _cmd_probe),
         ("demo", "the main job: probe, train with the lens, probe again, report", DemoConfig, _cmd_demo),
     ]
+    seeds_help = {
+        "probe": "one probe per seed into OUT/seed_<s>, then the groups pooled over the seeds in OUT/probe.json and "
+        "report.md: the claims decided on the pooled groups, the between-seed spread beside each run's interval "
+        "(docs/seeds.md)",
+        "train": "one training run per seed into OUT/seed_<s>, then OUT/train_seeds.json and report.md: the claims "
+        "over training decided over the seeds (each seed's trend one unit, a t over seeds; docs/seeds.md)",
+    }
     for name, help_, cls, fn in commands:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", help=f"YAML file of {cls.__name__} fields; flags override it")
         add_config_arguments(p, cls)
-        if name == "probe":
-            p.add_argument(
-                "--seeds",
-                type=int,
-                nargs="+",
-                metavar="SEED",
-                help="one probe per seed into OUT/seed_<s>, then the groups pooled over the seeds in "
-                "OUT/probe.json and report.md: the claims decided on the pooled groups, the "
-                "between-seed spread beside each run's interval (docs/seeds.md)",
-            )
-        if name == "train":
-            p.add_argument(
-                "--seeds",
-                type=int,
-                nargs="+",
-                metavar="SEED",
-                help="one training run per seed into OUT/seed_<s>, then OUT/train_seeds.json and report.md: the "
-                "claims over training decided over the seeds (each seed's trend one unit, a t over seeds; "
-                "docs/seeds.md)",
-            )
+        if name in seeds_help:
+            p.add_argument("--seeds", type=int, nargs="+", metavar="SEED", help=seeds_help[name])
         p.set_defaults(fn=fn)
 
     p = sub.add_parser(

@@ -13,18 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_lens.claims.base import (
-    BRANCH_LEVEL,
-    CLAIMS,
-    DOES_NOT_HOLD,
-    HOLDS,
-    INCONCLUSIVE,
-    Claim,
-    band_verdict,
-    ci_text,
-    decide,
-    fmt,
-)
+from grpo_lens.claims import base
+from grpo_lens.claims.base import BRANCH_LEVEL, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, ci_text, decide, fmt
 from grpo_lens.formulas.credit import (
     opposing_differences,
     opposing_shifts,
@@ -51,7 +41,7 @@ MC_MARGIN = 0.1
 CREDIT_EQUIVALENCE = 0.25
 
 
-@CLAIMS.register("uniform_token_credit")
+@base.CLAIMS.register("uniform_token_credit")
 def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
     """ "Output-only reward gives every token the same credit", read as: every token class (answer, format, reasoning)
     gets the group update in proportion to what the same tokens get under NLL weights (the control with the same
@@ -78,7 +68,7 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
         scale = {c: abs(((nll.get(c) or {}).get("ratio") or {}).get("mean") or 0.0) * CREDIT_EQUIVALENCE for c in names}
         # a class whose NLL ratio has no mean (or is 0) has no reference to scale the band by: not judged
         per_class = {
-            c: band_verdict(d.get("lo"), d.get("hi"), -scale[c], scale[c])
+            c: base.band_verdict(d.get("lo"), d.get("hi"), -scale[c], scale[c])
             for c, d in diffs.items()
             if d.get("lo") is not None and scale[c] > 0
         }
@@ -103,7 +93,9 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
         lo_b, hi_b = 1.0 - CREDIT_EQUIVALENCE, 1.0 + CREDIT_EQUIVALENCE
         band = f"[{lo_b:g}, {hi_b:g}]"
         per_class = {
-            c: band_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b) for c, r in ratios.items() if r.get("lo") is not None
+            c: base.band_verdict(r.get("lo"), r.get("hi"), lo_b, hi_b)
+            for c, r in ratios.items()
+            if r.get("lo") is not None
         }
         control = (
             f"1 (every class credited in proportion to its token count); equivalence band {band}; this "
@@ -128,22 +120,15 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
         )
     # descriptive since 0.3: its NLL control is not zero-sum (a component shared by every token adds up under
     # NLL weights and cancels under A) and the paper does not make this update-share claim; the reading is kept
-    return [
-        Claim(
-            claim=claim,
-            scope=f"R = {credit['meta']['group_size']}, {contributions['groups']} groups",
-            measurement=f"each class's share of the update / share of tokens: {measured}",
-            control=control,
-            verdict=INCONCLUSIVE,
-            rule=(
-                f"descriptive, no verdict (its NLL control is not zero-sum, and the paper does not make this "
-                f"update-share claim); the 0.2 rule reads: {verdict}, {rule}"
-            ),
-            source="exact update direction over every parameter, finite differences",
-            kind="descriptive",
-            n=int(contributions.get("groups") or 0),
-        )
-    ]
+    scope = f"R = {credit['meta']['group_size']}, {contributions['groups']} groups"
+    what = f"each class's share of the update / share of tokens: {measured}"
+    reading = (
+        f"descriptive, no verdict (its NLL control is not zero-sum, and the paper does not make this "
+        f"update-share claim); the 0.2 rule reads: {verdict}, {rule}"
+    )
+    source = "exact update direction over every parameter, finite differences"
+    n = int(contributions.get("groups") or 0)
+    return [Claim(claim, scope, what, control, INCONCLUSIVE, reading, source, kind="descriptive", n=n)]
 
 
 def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, Any] | None:
@@ -183,7 +168,7 @@ def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, A
     }
 
 
-@CLAIMS.register("monte_carlo_credit")
+@base.CLAIMS.register("monte_carlo_credit")
 def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     """ "GRPO's uniform A_i is not the credit each token earns": the paper predicts that Monte Carlo token advantages
     (VinePPO) disagree with the uniform A_i, so a segment that moves the success probability against A_i supports it.
@@ -247,30 +232,32 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     per_pos = "; ".join(f"segment {j + 1}: {ci_text(mean_interval(e), 3, 'rollouts')}" for j, e in enumerate(shifts))
     t = opposition_count(mc)
     flagged = "" if not t or not t.get("tests") else f"; rollouts flagged: {t['flagged']} of {t['rollouts']} (not used)"
+    what = f"mean shift of the success probability against A_i by position: {per_pos}{flagged}"
+    advice = (
+        f"raise `--mc-groups` (grpo-lens probe; grpo-lens demo runs at most 4 groups) (now {len(rows)} "
+        f"rollouts; each group adds R; 32 rollouts decide an opposition of 0.3, docs/calibration.md)"
+        if verdict == INCONCLUSIVE
+        else ""
+    )
     return [
         Claim(
-            claim=claim,
-            scope=f"{scope}, {m} interior segment positions",
-            measurement=f"mean shift of the success probability against A_i by position: {per_pos}{flagged}",
-            control=control,
-            verdict=verdict,
-            rule=why,
-            source=source,
+            claim,
+            f"{scope}, {m} interior segment positions",
+            what,
+            control,
+            verdict,
+            why,
+            source,
             n=n,
             p_holds=p_holds,
             p_dnh=p_dnh,
             rule_id=MC_RULE_ID,
-            advice=(
-                f"raise `--mc-groups` (grpo-lens probe; grpo-lens demo runs at most 4 groups) (now {len(rows)} "
-                f"rollouts; each group adds R; 32 rollouts decide an opposition of 0.3, docs/calibration.md)"
-                if verdict == INCONCLUSIVE
-                else ""
-            ),
+            advice=advice,
         )
     ]
 
 
-@CLAIMS.register("identical_token_advantage")
+@base.CLAIMS.register("identical_token_advantage")
 def identical_token_advantage(probe: dict[str, Any]) -> list[Claim]:
     """The literal claim "under an outcome reward every token of a completion receives the same advantage A_i": it
     holds by construction (the loss broadcasts A_i over the completion's tokens, docs/theory.md §3, §10), so it is

@@ -31,18 +31,8 @@ import math
 from typing import Any
 
 from grpo_lens import metrics as mk
-from grpo_lens.claims.base import (
-    BRANCH_LEVEL,
-    CLAIMS,
-    DOES_NOT_HOLD,
-    HOLDS,
-    INCONCLUSIVE,
-    Claim,
-    ci_text,
-    decide,
-    fmt,
-    source_of,
-)
+from grpo_lens.claims import base
+from grpo_lens.claims.base import BRANCH_LEVEL, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, ci_text, decide, fmt
 from grpo_lens.claims.sparsity import seed_records
 from grpo_lens.formulas.pooling import seed_mean_test
 from grpo_lens.formulas.stats import (
@@ -149,7 +139,7 @@ def _probe_advice(probe: dict[str, Any], tests: dict[str, dict[str, Any]], need:
     return f"raise `--prompts` (grpo-lens probe; `--probe-prompts` in grpo-lens demo): {more}"
 
 
-@CLAIMS.register("rank_two_top2_share")
+@base.CLAIMS.register("rank_two_top2_share")
 def rank_two_top2_share(probe: dict[str, Any]) -> list[Claim]:
     """ "Effective rank ≈ 2 for R in {2, 4, 8}": one row, decided by E₂ over the R > 2 measured (module docstring);
     R = 2 is left out (G1 has two rows: rank <= 2 whatever the gradients). Descriptive measures in the text."""
@@ -190,7 +180,7 @@ def rank_two_top2_share(probe: dict[str, Any]) -> list[Claim]:
             control=f"structure: {'; '.join(ctrl)} (structure above {fmt(STRUCTURE_BOUNDARY)}, none below)",
             verdict=verdict,
             rule=why,
-            source=source_of(probe),
+            source=base.source_of(probe),
             n=n,
             p_holds=p_holds,
             p_dnh=p_dnh,
@@ -226,9 +216,12 @@ def _step_p(row: dict[str, Any], m: str, side: str) -> float:
 
 #: the calibration's name of the training rule
 STAYS_RULE_ID = "rank stays ≈ 2 (every lens step)"
+#: the statement of the training claim (one run or seeds pooled) and its control, the band each lens step is held to
+STAYS_CLAIM = f"the effective rank of G1 stays ≈ 2 over training (E₂ > {TOP_SHARE} > E₁ at every lens step)"
+STAYS_BAND = f"the band: E₂ > {TOP_SHARE} > E₁ at each step"
 
 
-@CLAIMS.register("rank_stays_near_two")
+@base.CLAIMS.register("rank_stays_near_two")
 def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
     """ "The effective rank stays near 2 as training goes on", on a training run's lens records (``{"records":
     [...]}``; [] without lens rank numbers): E₂ > 0.9 > E₁ at every lens step.
@@ -277,13 +270,13 @@ def rank_stays_near_two(data: dict[str, Any]) -> list[Claim]:
     e2 = [float(r[mk.RANK_G1.format(m="top2_share")]) for r in rows]
     return [
         Claim(
-            claim=f"the effective rank of G1 stays ≈ 2 over training (E₂ > {TOP_SHARE} > E₁ at every lens step)",
+            claim=STAYS_CLAIM,
             scope=f"training, {len(rows)} lens steps (steps {rows[0].get('step')}–{rows[-1].get('step')})",
             measurement=(
                 f"E₂ per lens step {', '.join(fmt(x, 3) for x in e2)} (lowest {fmt(min(e2), 3)}); "
                 f"mixed groups per step {', '.join(map(str, groups))}"
             ),
-            control=f"the band: E₂ > {TOP_SHARE} > E₁ at each step",
+            control=STAYS_BAND,
             verdict=verdict,
             rule=why,
             source="lens (each step's mixed groups)",
@@ -347,27 +340,32 @@ def rank_stays_pooled(runs: list[list[dict[str, Any]]]) -> list[Claim]:
         why = f"a lens step whose seeds' mean E₂ lies below {TOP_SHARE} or E₁ above it (p = {p_dnh:.2g}, Bonferroni)"
     else:
         why = f"neither branch reaches {BRANCH_LEVEL} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
+    scope = f"training, {len(runs)} seeds × {len(steps)} lens steps (steps {int(steps[0])}–{int(steps[-1])})"
+    measurement = (
+        f"E₂ per lens step, mean over seeds {', '.join(fmt(x, 3) for x in means)} (lowest {fmt(min(means), 3)})"
+    )
+    source = "lens (each step's mixed groups, each seed one unit)"
+    advice = (
+        f"more seeds (now {len(runs)}; `train --seeds 0 1 2 3 4`: 5 seeds reach power 1.0 at 4 mixed groups per lens "
+        "step, docs/calibration.md)"
+        if verdict == INCONCLUSIVE
+        else ""
+    )
+    control = f"{STAYS_BAND}, t over seeds"
     return [
         Claim(
-            claim=f"the effective rank of G1 stays ≈ 2 over training (E₂ > {TOP_SHARE} > E₁ at every lens step)",
-            scope=f"training, {len(runs)} seeds × {len(steps)} lens steps (steps {int(steps[0])}–{int(steps[-1])})",
-            measurement=(
-                f"E₂ per lens step, mean over seeds {', '.join(fmt(x, 3) for x in means)} (lowest {fmt(min(means), 3)})"
-            ),
-            control=f"the band: E₂ > {TOP_SHARE} > E₁ at each step, t over seeds",
-            verdict=verdict,
-            rule=why,
-            source="lens (each step's mixed groups, each seed one unit)",
+            STAYS_CLAIM,
+            scope,
+            measurement,
+            control,
+            verdict,
+            why,
+            source,
             n=len(runs),
             p_holds=p_holds,
             p_dnh=p_dnh,
             rule_id=STAYS_SEEDS_RULE_ID,
-            advice=(
-                f"more seeds (now {len(runs)}; `train --seeds 0 1 2 3 4`: 5 seeds reach power 1.0 at 4 mixed groups "
-                f"per lens step, docs/calibration.md)"
-                if verdict == INCONCLUSIVE
-                else ""
-            ),
+            advice=advice,
         )
     ]
 

@@ -16,18 +16,8 @@ import math
 from typing import Any
 
 from grpo_lens import metrics as mk
-from grpo_lens.claims.base import (
-    BRANCH_LEVEL,
-    CLAIMS,
-    DOES_NOT_HOLD,
-    HOLDS,
-    INCONCLUSIVE,
-    Claim,
-    ci_text,
-    decide,
-    fmt,
-    verdict_from_interval,
-)
+from grpo_lens.claims import base
+from grpo_lens.claims.base import BRANCH_LEVEL, DOES_NOT_HOLD, HOLDS, INCONCLUSIVE, Claim, ci_text, decide, fmt
 from grpo_lens.formulas.pooling import seed_slope_test
 from grpo_lens.formulas.stats import (
     difference_trend_test,
@@ -167,7 +157,7 @@ SPARSITY_SEEDS_RULE_ID, S1_SEEDS_RULE_ID = (
 )
 
 
-@CLAIMS.register("sparsity_intensifies")
+@base.CLAIMS.register("sparsity_intensifies")
 def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
     """ "Gradient sparsity intensifies over training": the Hoyer sparsity of each lens step's policy gradient against
     the step.
@@ -298,7 +288,7 @@ def _trend_advice(more: str, route: str, seeds_run: int = 1, seeds_used: int = 1
 MIN_S1_STEPS = 8
 
 
-@CLAIMS.register("zero_variance_share_rises")
+@base.CLAIMS.register("zero_variance_share_rises")
 def zero_variance_share_rises(data: dict[str, Any]) -> list[Claim]:
     """ "Sparsity intensifies" read as S1: the share of groups without reward contrast (all rewards equal, no policy
     gradient) rises over training.
@@ -459,7 +449,7 @@ def _s4_p_values(share: float, q_se: float, f32: float | None, f32_lo: float, f3
     return p_holds, p_dnh
 
 
-@CLAIMS.register("most_parameters_unchanged")
+@base.CLAIMS.register("most_parameters_unchanged")
 def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     """ "RL leaves most parameters unchanged" (S4), beyond bf16 rounding.
 
@@ -492,20 +482,20 @@ def most_parameters_unchanged(data: dict[str, Any]) -> list[Claim]:
     perm = last.get(mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)
     dense = last.get(mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE)
     q_se, how = _share_se(last, mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED_SE)
-    most = verdict_from_interval(share - 1.96 * q_se, share + 1.96 * q_se, 0.5, "above")
+    most = base.verdict_from_interval(share - 1.96 * q_se, share + 1.96 * q_se, 0.5, "above")
     if f32 is None:
         f32_most, f32_lo, f32_hi = INCONCLUSIVE, math.nan, math.nan
     else:
         f32 = float(f32)
         z_se, _ = _share_se(last, mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED_SE)
         f32_lo, f32_hi = f32 - 1.96 * z_se, f32 + 1.96 * z_se
-        f32_most = verdict_from_interval(f32_lo, f32_hi, 0.5, "above")
+        f32_most = base.verdict_from_interval(f32_lo, f32_hi, 0.5, "above")
     if perm is not None:
         gap = share - float(perm)
         e_se = last.get(mk.SPARSITY_UPDATE_TOTAL_BF16_EXCESS_SE)
         e_se = float(e_se) if e_se is not None else q_se
         lo, hi = gap - 1.96 * e_se, gap + 1.96 * e_se
-        placement = verdict_from_interval(lo, hi, BF16_MARGIN, "above")
+        placement = base.verdict_from_interval(lo, hi, BF16_MARGIN, "above")
         excess = f"excess over the permutation control {fmt(gap, 3)} [{fmt(lo, 3)}, {fmt(hi, 3)}]"
     else:
         placement, excess = INCONCLUSIVE, "no permutation control (a run from before it was logged)"

@@ -248,63 +248,64 @@ SECTIONS = (
 )
 
 
-def _add(
-    section: str,
-    keys: tuple[str, ...],
-    units: str | tuple[str, ...],
-    meaning: str,
-    source: str,
-    where: tuple[str, ...],
-    concepts: str | tuple[str, ...] = "",
-    **extra,
-) -> list[Metric]:
-    """Register one docs/metrics.md row: one entry per key, sharing ``meaning`` and ``source``."""
-    units = units if isinstance(units, tuple) else (units,) * len(keys)
-    concepts = concepts if isinstance(concepts, tuple) else (concepts,) * len(keys)
-    assert section in SECTIONS and len(units) == len(keys) == len(concepts), (section, keys)
-    row = len({m.row for m in _ENTRIES}) + 1
-    out = [
-        Metric(key, meaning, unit, source, where, section, concept=concept, row=row, **extra)
-        for key, unit, concept in zip(keys, units, concepts)
-    ]
-    _ENTRIES.extend(out)
-    return out
+@dataclass(frozen=True)
+class Section:
+    """Declares rows of one docs/metrics.md table (:data:`SECTIONS`) that share a source and scopes.
+
+    A row may name its own ``source`` or ``where``; every other keyword goes to :class:`Metric`.
+    """
+
+    name: str
+    source: str = ""
+    where: tuple[str, ...] = (JSONL,)
+
+    def key(self, key: str, unit: str, meaning: str, *, concept: str = "", **extra) -> str:
+        """A plain key on its own row; returns the key."""
+        return self._add((key,), unit, meaning, concepts=concept, **extra)[0].key
+
+    def keys(self, keys: tuple[str, ...], units: str | tuple[str, ...], meaning: str, **extra) -> tuple[str, ...]:
+        """Plain keys sharing one row (one meaning); returns the keys."""
+        return tuple(m.key for m in self._add(keys, units, meaning, **extra))
+
+    def template(self, key: str, unit: str, meaning: str, **extra) -> Metric:
+        """A template on its own row; returns its entry."""
+        return self._add((key,), unit, meaning, **extra)[0]
+
+    def _add(
+        self,
+        keys: tuple[str, ...],
+        units: str | tuple[str, ...],
+        meaning: str,
+        *,
+        source: str | None = None,
+        where: tuple[str, ...] | None = None,
+        concepts: str | tuple[str, ...] = "",
+        **extra,
+    ) -> list[Metric]:
+        """Register one docs/metrics.md row: one entry per key, sharing ``meaning`` and ``source``."""
+        units = units if isinstance(units, tuple) else (units,) * len(keys)
+        concepts = concepts if isinstance(concepts, tuple) else (concepts,) * len(keys)
+        assert self.name in SECTIONS and len(units) == len(keys) == len(concepts), (self.name, keys)
+        source = self.source if source is None else source
+        where = self.where if where is None else where
+        row = len({m.row for m in _ENTRIES}) + 1
+        out = [
+            Metric(key, meaning, unit, source, where, self.name, concept=concept, row=row, **extra)
+            for key, unit, concept in zip(keys, units, concepts)
+        ]
+        _ENTRIES.extend(out)
+        return out
 
 
-def _key(
-    section: str,
-    key: str,
-    unit: str,
-    meaning: str,
-    *,
-    source: str = "",
-    where: tuple[str, ...] = (JSONL,),
-    concept: str = "",
-    **extra,
-) -> str:
-    """A plain key on its own row; returns the key."""
-    return _add(section, (key,), unit, meaning, source, where, concept, **extra)[0].key
+def family(template: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys that differ only by a name: ``template`` with ``{}`` replaced by each of ``names``, in order
+    (``family("dead/all_{}_groups", ("correct", "wrong"))``)."""
+    return tuple(template.format(name) for name in names)
 
 
-def _keys(
-    section: str,
-    keys: tuple[str, ...],
-    units: str | tuple[str, ...],
-    meaning: str,
-    *,
-    source: str = "",
-    where: tuple[str, ...] = (JSONL,),
-    concepts: str | tuple[str, ...] = "",
-) -> tuple[str, ...]:
-    """Plain keys sharing one row (one meaning); returns the keys."""
-    return tuple(m.key for m in _add(section, keys, units, meaning, source, where, concepts))
-
-
-def _template(
-    section: str, key: str, unit: str, meaning: str, *, source: str = "", where: tuple[str, ...] = (JSONL,), **extra
-) -> Metric:
-    """A template on its own row; returns its entry."""
-    return _add(section, (key,), unit, meaning, source, where, **extra)[0]
+def with_interval(key: str) -> tuple[str, ...]:
+    """``key`` and the keys of its 95% interval's ends: ``key``, ``key_lo``, ``key_hi``."""
+    return family(f"{key}{{}}", ("", "_lo", "_hi"))
 
 
 LENS = (JSONL, GROUPS)  # the per-group analysis path: lens means in metrics.jsonl, probe rows and summaries

@@ -17,6 +17,7 @@ Each appends its sentences to ``findings`` in the order the report lists them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +52,21 @@ def _group_values(per_size: dict[str, Any], key: str) -> list[Any]:
     return [g[key] for g in per_size.get(mk.PROBE_GROUPS, []) if g.get(key) is not None]
 
 
+def _by_group_size(probe: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Each group size of ``probe`` in increasing order: ``(R, per_size, summary)``, ``per_size`` its
+    ``per_group_size[R]`` and ``summary`` that entry's :data:`grpo_lens.metrics.PROBE_SUMMARY` ({} when absent)."""
+    per_group_size = probe["per_group_size"]
+    for R in sorted(per_group_size, key=int):
+        yield R, per_group_size[R], per_group_size[R].get(mk.PROBE_SUMMARY, {})
+
+
 def rank_table(
     probe: dict[str, Any], measures: tuple[str, ...] = ("erank", "stable_rank", "participation_ratio", "k90")
 ) -> list[str]:
     """Markdown table: rows = (R, matrix), columns = rank measures as mean [95% interval] over groups,
     plus G1's ratio to the orthogonal null and G3 (one matrix over the analysed groups, no interval)."""
-    per_group_size = probe["per_group_size"]
     lines = md_table(["R", "matrix", "groups", *measures])
-    for R in sorted(per_group_size, key=int):
-        summ = per_group_size[R].get(mk.PROBE_SUMMARY, {})
+    for R, d, summ in _by_group_size(probe):
         for label, stem in RANK_ROWS:
             cells = [_ci(summ.get(mk.rank_key(stem, m))) for m in measures]
             n = (summ.get(mk.rank_key(stem, measures[0])) or {}).get("n", 0)
@@ -69,7 +76,7 @@ def rank_table(
         n = (summ.get(mk.RANK_G1_VS_NULL.format(m=measures[0])) or {}).get("n", 0)
         if n:
             lines.append(md_row(R, "G1 / null (ratio)", n, *cells))
-        g3 = per_group_size[R].get(mk.PROBE_G3, {})
+        g3 = d.get(mk.PROBE_G3, {})
         if g3.get(mk.rank_key("g3", measures[0])) is not None:
             lines.append(
                 md_row(
@@ -98,7 +105,6 @@ WEIGHTING_LABELS = {
 def weighting_tables(probe: dict[str, Any]) -> list[str]:
     """G3 and G2 (every layer, by layer type) under the weightings A, |A|, A + mean|A|, r, 1 and a single rollout:
     if a rank ≈ 2 came from the zero-sum advantages, A would stand apart from the weightings that are not zero-sum."""
-    per_group_size = probe["per_group_size"]
     layers = (probe["meta"].get("config") or {}).get("layers")  # probe --layers PATTERN
     kept = f" (the layers --layers {layers!r} keeps)" if layers else ""
     lines = [
@@ -113,15 +119,15 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
         "",
         *md_table(["R", "matrix", *(WEIGHTING_LABELS[w] for w in WEIGHTINGS)]),
     ]
-    for R in sorted(per_group_size, key=int):
-        g3 = per_group_size[R].get(mk.PROBE_G3) or {}
+    for R, d, _ in _by_group_size(probe):
+        g3 = d.get(mk.PROBE_G3) or {}
         if g3.get(mk.rank_key("g3", "stable_rank")) is not None:
             cells = []
             for w in WEIGHTINGS:
                 key = mk.rank_key("g3" if w == "adv" else f"g3_{w}", "stable_rank")
                 cells.append(fmt(g3.get(key), 2))
             lines.append(md_row(R, f"G3 stable rank ({g3.get(mk.G3_GROUPS)} groups)", *cells))
-        g2 = (per_group_size[R].get(mk.PROBE_G2_WEIGHTINGS) or {}).get(mk.PROBE_SUMMARY) or {}
+        g2 = (d.get(mk.PROBE_G2_WEIGHTINGS) or {}).get(mk.PROBE_SUMMARY) or {}
         parsed = [mk.RANK_G2_WEIGHTED.parse(k) for k in g2]
         types = sorted({p["kind"] for p in parsed if p is not None and p["w"] == "adv"})
         for t in types:
@@ -133,7 +139,6 @@ def weighting_tables(probe: dict[str, Any]) -> list[str]:
 
 def strata_table(probe: dict[str, Any], by: str) -> list[str]:
     """Markdown table of G1 vs its null and the zero-sum statistics per stratum (``by`` = "correct" or "distinct")."""
-    per_group_size = probe["per_group_size"]
     head = "k (correct)" if by == "correct" else "distinct completions"
     lines = md_table(
         [
@@ -150,8 +155,8 @@ def strata_table(probe: dict[str, Any], by: str) -> list[str]:
             "cos gap",
         ]
     )
-    for R in sorted(per_group_size, key=int):
-        for stratum, summ in per_group_size[R].get(mk.PROBE_STRATA, {}).get(by, {}).items():
+    for R, d, _ in _by_group_size(probe):
+        for stratum, summ in d.get(mk.PROBE_STRATA, {}).get(by, {}).items():
             n = (summ.get(mk.rank_key("g1", "erank")) or {}).get("n", 0)
             lines.append(
                 md_row(
@@ -229,7 +234,6 @@ def groups_lines(label: str, probe: dict[str, Any], findings: list[str]) -> list
     """The groups table, one row per R: prompts, all-equal and mixed (analysed) groups, S1 measured and predicted,
     the largest identity residual, distinct completions and G2's numerical rank against its bound; a finding for
     each R without a mixed group (no rank could be measured)."""
-    per_group_size = probe["per_group_size"]
     lines = md_table(
         [
             "R",
@@ -243,9 +247,7 @@ def groups_lines(label: str, probe: dict[str, Any], findings: list[str]) -> list
             "G2 numerical rank / bound",
         ]
     )
-    for R in sorted(per_group_size, key=int):
-        d = per_group_size[R]
-        summ = d.get(mk.PROBE_SUMMARY, {})
+    for R, d, summ in _by_group_size(probe):
         res = _group_values(d, mk.GRAD_IDENTITY_RESIDUAL)
         lines.append(
             md_row(
@@ -288,8 +290,7 @@ def rank_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[
         "",
     ]
     lines += rank_table(probe) + [""]
-    for R in sorted(per_group_size, key=int):
-        summ = per_group_size[R].get(mk.PROBE_SUMMARY, {})
+    for R, _, summ in _by_group_size(probe):
         g1 = summ.get(mk.rank_key("g1", "erank")) or {}
         null = summ.get(mk.rank_key("g1_null", "erank")) or {}
         if g1.get("mean") is None:
@@ -333,7 +334,6 @@ def strata_lines(probe: dict[str, Any]) -> list[str]:
 def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
     """ "Zero-sum structure: label-permutation test with k fixed": per R, span energy and cos gap beside their
     relabelled (permutation-null) means and the share of groups whose own p-value is below 0.05."""
-    per_group_size = probe["per_group_size"]
     lines = [
         "### Zero-sum structure: label-permutation test with k fixed",
         "",
@@ -345,9 +345,7 @@ def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
             ["R", "groups", "span energy", "relabelled", "groups p < 0.05", "cos gap", "relabelled", "groups p < 0.05"]
         ),
     ]
-    for R in sorted(per_group_size, key=int):
-        d = per_group_size[R]
-        summ = d.get(mk.PROBE_SUMMARY, {})
+    for R, d, summ in _by_group_size(probe):
         cells = []
         for stat in mk.ZERO_SUM_STATS:
             p_key = mk.zero_sum_key(stat, "p")
@@ -366,7 +364,6 @@ def zero_sum_lines(probe: dict[str, Any]) -> list[str]:
 def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: list[str]) -> list[str]:
     """ "Baselines": per R, b*, the group mean, m_C and m_W, and the gradient variance under no baseline, the group
     mean, rloo and b* relative to b*'s (baseline_variance_{label}.png); a finding on rloo's variance per R."""
-    per_group_size = probe["per_group_size"]
     lines = [
         "### Baselines",
         "",
@@ -377,9 +374,8 @@ def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: 
         "",
         *md_table(["R", "b*", "group mean", "m_C", "m_W", "Var/Var* none", "mean", "rloo", "optimal"]),
     ]
-    for R in sorted(per_group_size, key=int):
-        b = per_group_size[R].get(mk.PROBE_BASELINES, {})
-        summ = per_group_size[R].get(mk.PROBE_SUMMARY, {})
+    for R, d, summ in _by_group_size(probe):
+        b = d.get(mk.PROBE_BASELINES, {})
         rel = b.get("relative_variance", {})
         lines.append(
             md_row(
@@ -406,7 +402,7 @@ def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: 
             findings.append(
                 f"[{label}] R={R}: the rloo baseline's gradient variance is {fmt(rel['rloo'], 2)}x the "
                 f"leave-one-out optimal b*'s{lower} (one resampling estimate over {b.get('prompts')} "
-                f"prompt(s) of {per_group_size[R].get(mk.ROLLOUTS_PER_PROMPT)} rollouts; no interval)."
+                f"prompt(s) of {d.get(mk.ROLLOUTS_PER_PROMPT)} rollouts; no interval)."
             )
     plots.plot_baseline_variance(probe, run_dir / f"baseline_variance_{label}.png")
     return lines + ["", f"![baseline variance](baseline_variance_{label}.png)", ""]
@@ -415,7 +411,6 @@ def baselines_lines(label: str, probe: dict[str, Any], run_dir: Path, findings: 
 def credit_lines(label: str, probe: dict[str, Any], run_dir: Path) -> list[str]:
     """ "Credit": per R, the largest within-rollout advantage variance, the answer tokens' share of ||g||^2 and of the
     tokens (credit_profile_{label}.png)."""
-    per_group_size = probe["per_group_size"]
     lines = [
         "### Credit",
         "",
@@ -431,14 +426,12 @@ def credit_lines(label: str, probe: dict[str, Any], run_dir: Path) -> list[str]:
             ]
         ),
     ]
-    for R in sorted(per_group_size, key=int):
-        d = per_group_size[R]
-        summ = d.get(mk.PROBE_SUMMARY, {})
-        vmax = _group_values(d, mk.CREDIT_ADV_VAR_WITHIN_MAX)
+    for R, d, summ in _by_group_size(probe):
+        vmax = max(_group_values(d, mk.CREDIT_ADV_VAR_WITHIN_MAX), default=None)
         lines.append(
             md_row(
                 R,
-                fmt(max(vmax), 6) if vmax else "–",
+                fmt(vmax, 6),
                 _ci(summ.get(mk.CREDIT_ANSWER_SHARE_MEAN), 3),
                 _ci(summ.get(mk.CREDIT_ANSWER_TOKEN_FRAC), 3),
             )

@@ -15,6 +15,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from grpo_lens.claims.base import ci_text
 from grpo_lens.claims.credit import MC_LEVEL, MC_MARGIN, opposition_count
 from grpo_lens.formulas.credit import opposing_shifts, prefix_success_counts
 from grpo_lens.formulas.stats import MIN_INTERVAL_UNITS, mean_interval
@@ -211,9 +212,8 @@ def _rms_text(rms: dict[str, Any] | None) -> str:
     """'rms [lo, hi] (n = N prompts)' of :func:`grpo_lens.formulas.baselines.rms_log_ratio` (without "y")."""
     if not rms or rms.get("rms") is None:
         return "not measured (a probe.json from an older grpo-lens)"
-    if rms.get("rms_lo") is None:
-        return f"{fmt(rms['rms'], 3)} (n = {rms.get('n')} prompts, too few for an interval)"
-    return f"{fmt(rms['rms'], 3)} [{fmt(rms['rms_lo'], 3)}, {fmt(rms['rms_hi'], 3)}] (n = {rms.get('n')} prompts)"
+    root = {"mean": rms["rms"], "lo": rms.get("rms_lo"), "hi": rms.get("rms_hi"), "n": rms.get("n")}
+    return ci_text(root, 3, "prompts")
 
 
 def _mean_score_sentence(study: dict[str, Any]) -> str:

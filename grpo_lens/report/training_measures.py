@@ -230,6 +230,21 @@ def _entropy_lines(records: list[dict[str, Any]], findings: list[str]) -> list[s
     return lines
 
 
+#: (column head, key, decimals) of the per-step sparsity table after its step column.
+_SPARSITY_COLUMNS = (
+    ("S1 measured", mk.REWARD_FRAC_ZERO_STD_GROUPS, 3),
+    ("bf16 unchanged since start", mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED, 3),
+    ("permutation control", mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED, 3),
+    ("dense control", mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE, 3),
+    ("f32 unchanged since start", mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED, 4),
+    ("update Hoyer (step)", mk.SPARSITY_UPDATE_STEP_HOYER, 3),
+    ("update top-1% (step)", mk.SPARSITY_UPDATE_STEP_TOP1_ENERGY, 3),
+    ("gradient zero", mk.SPARSITY_GRAD_ZERO, 4),
+    ("gradient Hoyer", mk.SPARSITY_GRAD_HOYER, 3),
+    ("gradient top-1%", mk.SPARSITY_GRAD_TOP1_ENERGY, 3),
+)
+
+
 def _sparsity_lines(
     records: list[dict[str, Any]], rows: list[dict[str, Any]], run_dir: Path, findings: list[str], lora_rank: int
 ) -> list[str]:
@@ -253,40 +268,10 @@ def _sparsity_lines(
         "",
         "![sparsity measures](sparsity_measures.png)",
         "",
-        *md_table(
-            [
-                "step",
-                "S1 measured",
-                "bf16 unchanged since start",
-                "permutation control",
-                "dense control",
-                "f32 unchanged since start",
-                "update Hoyer (step)",
-                "update top-1% (step)",
-                "gradient zero",
-                "gradient Hoyer",
-                "gradient top-1%",
-            ]
-        ),
+        *md_table(["step", *(head for head, _, _ in _SPARSITY_COLUMNS)]),
     ]
     for r in rows:
-        lines.append(
-            md_row(
-                *[
-                    r[mk.STEP],
-                    fmt(r.get(mk.REWARD_FRAC_ZERO_STD_GROUPS)),
-                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED)),
-                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL_BF16_PERMUTED)),
-                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE)),
-                    fmt(r.get(mk.SPARSITY_UPDATE_TOTAL_F32_UNCHANGED), 4),
-                    fmt(r.get(mk.SPARSITY_UPDATE_STEP_HOYER)),
-                    fmt(r.get(mk.SPARSITY_UPDATE_STEP_TOP1_ENERGY)),
-                    fmt(r.get(mk.SPARSITY_GRAD_ZERO), 4),
-                    fmt(r.get(mk.SPARSITY_GRAD_HOYER)),
-                    fmt(r.get(mk.SPARSITY_GRAD_TOP1_ENERGY)),
-                ]
-            )
-        )
+        lines.append(md_row(r[mk.STEP], *(fmt(r.get(key), nd) for _, key, nd in _SPARSITY_COLUMNS)))
     last = rows[-1]
     lines += _layer_type_lines(last)
     gap = last[mk.SPARSITY_UPDATE_TOTAL_BF16_UNCHANGED] - last[mk.SPARSITY_UPDATE_TOTAL_BF16_DENSE]
