@@ -111,3 +111,21 @@ def test_the_monte_carlo_credit_rule_keeps_its_level_under_noise_and_finds_a_pla
     # planted: in every rollout one segment moves against A_i by 0.6 (0.8 -> 0.2 where A_i > 0): holds
     paths = [[0.5, 0.8, 0.2, 0.2] if s > 0 else [0.5, 0.2, 0.8, 0.8] for s in signs]
     assert rule(_mc_probe(rng, n, k, paths, signs))[0].verdict == "holds"
+
+
+def test_the_monte_carlo_credit_row_shows_the_deciding_segment_whole():
+    import random
+
+    from grpo_lens.claims import CLAIMS
+    from grpo_lens.claims.base import primary_text
+
+    rng = random.Random(1)
+    n, k = 100, 8
+    signs = [1.0 if i % 2 else -1.0 for i in range(n)]
+    # one segment moves against A_i by 0.6 in every rollout: the row holds on that segment, and the first screen shows
+    # that segment's interval and its n in full (the first clause of the measurement was cut at 110 characters)
+    paths = [[0.5, 0.8, 0.2, 0.2] if s > 0 else [0.5, 0.2, 0.8, 0.8] for s in signs]
+    (c,) = CLAIMS.get("monte_carlo_credit")(_mc_probe(rng, n, k, paths, signs))
+    text = primary_text(c)
+    assert c.verdict == "holds" and text.startswith("shift against A_i, segment ")
+    assert not text.endswith("…") and f"(n = {c.n} rollouts)" in text
