@@ -15,16 +15,8 @@ from typing import Any
 
 import torch
 
+from grpo_lens.calibrate import cells
 from grpo_lens.calibrate.budgets import PRIMARY_RULES, TARGET_POWER, holm_summary, rule_budgets
-from grpo_lens.calibrate.cells import (
-    calibrate_baseline_rules,
-    calibrate_credit_rules,
-    calibrate_group_rules,
-    calibrate_stays_rules,
-    calibrate_training_rules,
-    calibrate_update_rules,
-    interval_coverage,
-)
 from grpo_lens.calibrate.families import FAMILIES, PLANTED_DIM, CalibrationConfig, at_margin
 from grpo_lens.rundir import write_file, writes_confined_to
 
@@ -88,14 +80,14 @@ def _worst(result: dict[str, Any]) -> dict[str, Any]:
     worst = max(rows, key=lambda r: _level_power(r)[0], default=None)
     levels = rule_levels(result)
     power = {}
-    for rule, cells in levels.items():
-        n = "22" if "22" in cells else max(cells, key=lambda k: float(k))
+    for rule, by_n in levels.items():
+        n = "22" if "22" in by_n else max(by_n, key=lambda k: float(k))
         power[rule] = (
             n,
-            cells[n]["power"],
-            cells[n]["unit"],
-            cells[n].get("power_dnh"),
-            cells[n].get("power_dnh_family"),
+            by_n[n]["power"],
+            by_n[n]["unit"],
+            by_n[n].get("power_dnh"),
+            by_n[n].get("power_dnh_family"),
         )
     return {
         "level": _level_power(worst)[0] if worst else 0.0,
@@ -303,18 +295,18 @@ def run_calibration(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # [R, R] matrices: one thread is ~3x faster than several (thread start-up per op)
     sections: list[tuple[str, Callable[[], Any]]] = [
-        ("group_rules", lambda: calibrate_group_rules(config, log)),
-        ("baseline_rules", lambda: calibrate_baseline_rules(config)),
+        ("group_rules", lambda: cells.calibrate_group_rules(config, log)),
+        ("baseline_rules", lambda: cells.calibrate_baseline_rules(config)),
     ]
     if config.training:
         sections += [
-            ("training_rules", lambda: calibrate_training_rules(config)),
-            ("stays_rules", lambda: calibrate_stays_rules(config)),
+            ("training_rules", lambda: cells.calibrate_training_rules(config)),
+            ("stays_rules", lambda: cells.calibrate_stays_rules(config)),
         ]
     sections += [
-        ("update_rules", lambda: calibrate_update_rules(config)),
-        ("credit_rules", lambda: calibrate_credit_rules(config)),
-        ("coverage", lambda: interval_coverage(config)),
+        ("update_rules", lambda: cells.calibrate_update_rules(config)),
+        ("credit_rules", lambda: cells.calibrate_credit_rules(config)),
+        ("coverage", lambda: cells.interval_coverage(config)),
     ]
     result: dict[str, Any] = {}
     try:

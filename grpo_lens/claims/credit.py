@@ -235,9 +235,6 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     what = f"mean shift of the success probability against A_i by position: {per_pos}{flagged}"
     # the first screen shows the position the verdict turned on: the one nearest the margin for *does not hold*
     j_shown = max(range(m), key=lambda j: p_below[j]) if verdict == DOES_NOT_HOLD else j_top
-    primary = (
-        f"shift against A_i, segment {j_shown + 1} of {m}: {ci_text(mean_interval(shifts[j_shown]), 3, 'rollouts')}"
-    )
     advice = (
         f"raise `--mc-groups` (grpo-lens probe; grpo-lens demo runs at most 4 groups) (now {len(rows)} "
         f"rollouts; each group adds R; 32 rollouts decide an opposition of 0.3, docs/calibration.md)"
@@ -258,7 +255,8 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
             p_dnh=p_dnh,
             rule_id=MC_RULE_ID,
             advice=advice,
-            primary=primary,
+            primary=f"shift against A_i, segment {j_shown + 1} of {m}: "
+            + ci_text(mean_interval(shifts[j_shown]), 3, "rollouts"),
         )
     ]
 
