@@ -164,7 +164,7 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
         why = f"{n} groups that carry label information < {MIN_GROUPS} at some R"
     else:
         why = f"θ's interval reaches {NEGLIGIBLE_SHARE} (p holds {p_holds:.2g}, p does not hold {p_dnh:.2g})"
-    meas, ctrl = [], []
+    meas, ctrl, primary = [], [], []
     for R, t in tests.items():
         summ = per_group_size[R].get(mk.PROBE_SUMMARY, {})
         th = (
@@ -179,6 +179,7 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
             f"{ci_text(summ.get(mk.ZERO_SUM_COS_GAP_EXCESS), 3)}"
         )
         ctrl.append(f"R = {R}: relabelling z {fmt(t['z'])}")
+        primary.append(f"{th} (R = {R})")
     return [
         Claim(
             claim="the reward labels structure G1's directions "
@@ -202,6 +203,7 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
                 if verdict == INCONCLUSIVE
                 else ""
             ),
+            primary="θ̄ " + ", ".join(primary),
         )
     ]
 

@@ -141,6 +141,35 @@ def test_zero_sum_claim_rules():
     assert verdict(rows(5, 0.25, 0.5, spread=0.001)) == INCONCLUSIVE
 
 
+def test_labels_row_shows_the_mean_share_and_skips_uninformative_groups():
+    from grpo_lens.claims.base import primary_text
+
+    # 10 groups with θ_g = x / (1 − m) = 0.25 / 0.5 = 0.5 ± 0.002 and 10 with no room (m = 1: two distinct directions,
+    # no label information): θ̄ = 0.5 over the 10 informative groups; pooled, the empty groups would not change it, but
+    # counted as units with θ_g = 0 they would halve it
+    informative = [
+        {
+            "zero_sum/unit_span_energy_excess": 0.25 + 0.001 * (i - 4.5),
+            "zero_sum/unit_span_energy_null": 0.5,
+            "zero_sum/unit_span_energy_null_var": 0.0004,
+        }
+        for i in range(10)
+    ]
+    empty = [
+        {
+            "zero_sum/unit_span_energy_excess": 0.0,
+            "zero_sum/unit_span_energy_null": 1.0,
+            "zero_sum/unit_span_energy_null_var": 0.0,
+        }
+    ] * 10
+    p = probe({"2": {}, "4": {}}, gradients="sketch")
+    p["per_group_size"]["4"]["groups"] = informative + empty
+    (c,) = CLAIMS.get("zero_sum_rank_two")(p)
+    assert c.verdict == HOLDS and c.n == 10
+    assert primary_text(c).startswith("θ̄ 0.500 [") and primary_text(c).endswith("(R = 4)")
+    assert "10 of 20 groups carry label information" in c.measurement
+
+
 def test_identity_claim_rules():
     groups = [
         {"grad/identity_residual": 3e-8, "group/correct": 1.0, "group/size": 4.0},
