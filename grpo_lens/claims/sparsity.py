@@ -231,6 +231,12 @@ def sparsity_intensifies(data: dict[str, Any]) -> list[Claim]:
                 if verdict == INCONCLUSIVE
                 else ""
             ),
+            primary=(
+                f"mean OLS slope of the Hoyer over {nums['k']} seeds {fmt(nums['slope'], 4)} per step "
+                f"(t = {fmt(nums['t'], 2)}, df {nums['df']})"
+                if nums["route"] == "seeds" and nums.get("slope") is not None
+                else ""
+            ),
         )
     ]
 

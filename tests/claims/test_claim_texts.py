@@ -62,3 +62,21 @@ def test_a_zero_gradient_has_no_sparsity_to_read():
     ]
     (claim,) = CLAIMS.get("sparsity_intensifies")({"records": records})
     assert claim.verdict == "inconclusive" and "exactly zero at every lens step" in claim.measurement
+
+
+def test_pooled_sparsity_row_shows_the_tested_slope():
+    # 3 seeds of 12 lens steps (every step, no LR warm-up logged): Hoyer = 0.5 + b_s · step with b_s = 0.0019, 0.002,
+    # 0.0021 per seed, so the seeds' OLS slopes are exactly those (no noise): mean 0.002, SE 0.0001/√3, t = 34.6 on
+    # 2 df (holds); the first screen shows that tested number, not the first clause of the measurement
+    from grpo_lens.claims.base import primary_text
+
+    runs = [
+        [
+            {"step": s, "perf/lens_seconds": 1.0, "sparsity/grad_hoyer": 0.5 + b * s, "rank/mixed_groups": 4.0}
+            for s in range(1, 13)
+        ]
+        for b in (0.0019, 0.002, 0.0021)
+    ]
+    (claim,) = CLAIMS.get("sparsity_intensifies")({"records": runs[0], "seed_runs": runs})
+    assert claim.verdict == "holds"
+    assert primary_text(claim).startswith("mean OLS slope of the Hoyer over 3 seeds 0.0020 per step (t = 34.64, df 2)")
