@@ -114,5 +114,6 @@ def group_mean_optimal(probe: dict[str, Any]) -> list[Claim]:
                 if verdict == INCONCLUSIVE
                 else ""
             ),
+            primary=f"weighted RMS of log(m_C / m_W) less noise: {rms_txt}",
         )
     ]

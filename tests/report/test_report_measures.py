@@ -269,6 +269,19 @@ def test_study_claims_follow_the_numbers():
         assert c[-1].verdict == "inconclusive"
 
 
+def test_baseline_row_shows_its_rms_whole_with_two_prompts():
+    from grpo_lens.claims.base import primary_text
+
+    # 2 prompts with log ratio log 0.5 and variance 0.01 (8 of 16 correct each): y = 0.4805 - 0.01 = 0.4705, RMS
+    # √0.4705 = 0.686, too few prompts for an interval; the first screen keeps the whole number and its reason
+    c = study_claims(
+        "x", _studies(_ci(1.0, 0.8, 1.2), _ci(1.0, 0.95, 1.1), _ci(1.0, 0.8, 1.2), _ci(0.0, 0.0, 0.01), testable=2)
+    )
+    text = primary_text(c[-1])
+    assert c[-1].verdict == "inconclusive" and not text.endswith("…")
+    assert text == "weighted RMS of log(m_C / m_W) less noise: 0.686 (n = 2 prompts, too few for an interval)"
+
+
 def test_token_credit_checks_every_class_and_too_few_prompts_give_no_interval():
     # answer tokens inside 1 ± 0.25 but format tokens at [0.17, 0.38], wholly below the band: the claim is about every
     # token, so it does not hold, and the rule names the class that decided it
