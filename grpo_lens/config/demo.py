@@ -29,6 +29,21 @@ QUICK = {
 }
 
 
+#: the demo's settings its training stage takes under the same names (besides the ones every stage takes)
+TRAIN_SETTINGS = (
+    "model",
+    "max_steps",
+    "group_size",
+    "prompts_per_step",
+    "learning_rate",
+    "lens_every",
+    "rewards",
+    "estimator",
+    "lora_rank",
+    "report_to",
+)
+
+
 @dataclass
 class DemoConfig(ConfigFile):
     """Settings of the main job; field help is the CLI help. Everything not here takes TrainConfig's and ProbeConfig's
@@ -100,20 +115,7 @@ class DemoConfig(ConfigFile):
 
     def train_config(self) -> TrainConfig:
         """The TrainConfig of the training stage."""
-        return TrainConfig(
-            model=self.model,
-            max_steps=self.max_steps,
-            group_size=self.group_size,
-            prompts_per_step=self.prompts_per_step,
-            learning_rate=self.learning_rate,
-            lens_every=self.lens_every,
-            rewards=self.rewards,
-            estimator=self.estimator,
-            lora_rank=self.lora_rank,
-            report_to=self.report_to,
-            out=str(Path(self.out) / "train"),
-            **self._shared(),
-        )
+        return TrainConfig(out=str(Path(self.out) / "train"), **field_values(self, *TRAIN_SETTINGS), **self._shared())
 
     def probe_config(self, model: str, out: Path, resume: bool = False) -> ProbeConfig:
         """The ProbeConfig of a probe stage on ``model`` (``resume``: continue the probe a killed demo left there)."""
@@ -124,9 +126,7 @@ class DemoConfig(ConfigFile):
             model=model,
             group_sizes=self.probe_group_sizes,
             prompts=self.probe_prompts,
-            dense_oracle=self.dense_oracle,
-            rewards=self.rewards,
-            estimator=self.estimator,
+            **field_values(self, "dense_oracle", "rewards", "estimator"),
             baseline_study_prompts=self.probe_study_prompts,
             credit_groups=self.probe_study_prompts,
             mc_groups=mc_groups,
