@@ -12,8 +12,10 @@ Truth, per family and claim, from what was planted (never from where one measure
 - rank ≈ 2: a planted rank-2 signal (two class means, or a label-free rank-2 signal) whose population E₂ > 0.9 > E₁
   (the mean over 1500 planted groups of G1's top-2 / top-1 energy shares); every other family is "not rank 2",
   including the boundary family whose population E₂ is tuned to 0.9 (not above it);
-- the labels structure G1: directions that depend on the labels (class means) with population θ of the cosine Gram
-  >= 0.1; label-free families (including label effects on norms alone) are false;
+- the labels structure G1: directions that depend on the labels (class means) with population θ̄ >= 0.1 (the mean
+  over the pool's informative groups of θ_g on the cosine Gram; every such family has θ̄ >= 0.199); label-free
+  families (including label effects on norms alone) are false, and so is ``a0``, whose groups carry no label
+  information (no θ̄; it sets no *does not hold* power);
 - trends: rising cases true; flat cases (with autocorrelated steps, or a falling count of mixed groups) false.
 
 Level = the share of the wrong verdict under that truth (*holds* where false, *does not hold* where true); power =

@@ -87,7 +87,7 @@ def has_rank2_signal(family: str) -> bool:
 
 
 def label_directions(family: str) -> bool:
-    """Whether ``family``'s directions depend on the labels (the mechanism claim true where also θ >= 0.1)."""
+    """Whether ``family``'s directions depend on the labels (the labels claim true where also population θ̄ >= 0.1)."""
     return family in ("boundary", "e2") or bool(re.match(r"[adn]\d|mix\d", family))
 
 

@@ -211,8 +211,8 @@ def render(result: dict[str, Any]) -> str:
         "",
         "Families: "
         + "; ".join(f"`{k}` {v}" for k, v in FAMILIES.items() if k in meta.get("families", FAMILIES))
-        + ". Population values (E₂, E₁ over 1500 planted groups; θ of the cosine Gram over the pool) after "
-        "each family's rows.",
+        + ". Population values (E₂, E₁ over 1500 planted groups; θ̄ of the cosine Gram over the pool's informative "
+        "groups) after each family's rows.",
         "",
         "| rule | family | groups (R = 4 / 8) | truth | level (wrong verdict) | power (right verdict) |",
         "|---|---|---|---|---|---|",

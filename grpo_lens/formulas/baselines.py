@@ -571,8 +571,9 @@ def rms_log_ratio(d: Sequence[float], v: Sequence[float], w: Sequence[float] | N
     Args:
         d: [n] per-prompt log ratios (the first of each :func:`log_norm_ratio` pair).
         v: [n] their estimated variances (the second of each pair).
-        w: [n] per-prompt weights that depend on the design only (:func:`log_ratio_weight` of the class counts),
-            never on d or v; None weighs every prompt 1.
+        w: [n] per-prompt weights >= 0 that depend on the design only (:func:`log_ratio_weight` of the class
+            counts), never on d or v; None weighs every prompt 1. With no prompt or every weight 0, msq and its
+            interval are None.
 
     Returns:
         {"msq", "lo", "hi", "n" (weighted mean δ² and its interval), "rms", "rms_lo", "rms_hi" (their square roots,
@@ -580,7 +581,7 @@ def rms_log_ratio(d: Sequence[float], v: Sequence[float], w: Sequence[float] | N
     """
     y = [di * di - vi for di, vi in zip(d, v)]
     w = [1.0] * len(y) if w is None else [float(wi) for wi in w]
-    msq = sum(wi * yi for wi, yi in zip(w, y)) / sum(w) if y else None
+    msq = sum(wi * yi for wi, yi in zip(w, y)) / sum(w) if sum(w) > 0 else None  # no prompt, or every weight 0
     ci = mean_interval([wi * (yi - msq) for wi, yi in zip(w, y)]) if msq is not None else mean_interval([])
     mean_w = sum(w) / len(w) if w else 1.0
     lo = None if ci["lo"] is None or msq is None else msq + ci["lo"] / mean_w
@@ -603,7 +604,7 @@ def log_ratio_weight(n_correct: int, n_wrong: int) -> float:
     """A prompt's weight in :func:`rms_log_ratio`: h² with h = k (M − k) / M the effective count of its two classes
     (k correct, M − k wrong rollouts), since Var d ∝ 1/h and Var(d² − v) ∝ 1/h² at equal coefficients of variation:
     inverse-variance weights that depend on the counts alone (a design weight, so the weighted y stays unbiased for
-    the weighted δ²). Prompts with k near 0 or M count little. 0 when a class is empty."""
+    the weighted δ²; docs/theory.md §12). Prompts with k near 0 or M count little. 0 when a class is empty."""
     m = n_correct + n_wrong
     return 0.0 if m == 0 else (n_correct * n_wrong / m) ** 2
 

@@ -199,6 +199,8 @@ def test_rms_log_ratio_weights_prompts():
     r = rms_log_ratio([0.3, 0.0] * 4, [0.04, 0.0] * 4, [3.0, 1.0] * 4)
     assert r["msq"] == pytest.approx(0.0375, rel=1e-12) and r["rms"] == pytest.approx(math.sqrt(0.0375))
     assert r["lo"] < 0.0375 < r["hi"]
+    # every weight 0 (no prompt with both classes): nothing to estimate, not a division by zero
+    assert rms_log_ratio([0.3], [0.04], [0.0])["msq"] is None and rms_log_ratio([], [])["rms"] is None
 
 
 def test_rms_log_ratio_removes_the_noise_term():
