@@ -116,13 +116,14 @@ def theta_test(groups: list[dict[str, Any]], margin: float = NEGLIGIBLE_SHARE) -
     """The equivalence pair on θ̄, the mean of :func:`label_shares` over the informative groups, at ``margin``
     (docs/theory.md §11): each side is Hall's one-sided t-test of the mean of θ_g against the margin
     (:func:`grpo_lens.formulas.stats.mean_test_p`), its interval :func:`grpo_lens.formulas.stats.mean_interval`.
-    Returns :func:`relabelling_test`'s dict (its "z" the pooled relabelling control, "n_groups" the groups with the
-    keys) with "theta", "lo", "hi", "n" (informative groups) of θ̄, plus "p_holds" (θ̄ above the margin) and "p_dnh"
-    (below); both 1 with fewer than :data:`MIN_GROUPS` informative groups."""
+    Returns :func:`relabelling_test`'s dict (its "z" the pooled relabelling control, "theta_pooled" its pooled θ,
+    "n_groups" the groups with the keys) with "theta", "lo", "hi", "n" (informative groups) of θ̄, plus "p_holds"
+    (θ̄ above the margin) and "p_dnh" (below); both 1 with fewer than :data:`MIN_GROUPS` informative groups."""
     t = relabelling_test(groups, stat="unit_span_energy")
     shares = label_shares(groups)
     ci = mean_interval(shares)
-    out = {**t, "n_groups": t["n"], "n": len(shares), "theta": ci["mean"], "lo": ci["lo"], "hi": ci["hi"]}
+    out = {**t, "theta_pooled": t["theta"], "n_groups": t["n"], "n": len(shares)}
+    out.update(theta=ci["mean"], lo=ci["lo"], hi=ci["hi"])
     if len(shares) < MIN_GROUPS:
         return {**out, "p_holds": 1.0, "p_dnh": 1.0}
     return {**out, "p_holds": mean_test_p(shares, margin, "above"), "p_dnh": mean_test_p(shares, margin, "below")}
@@ -174,7 +175,7 @@ def zero_sum_rank_two(probe: dict[str, Any]) -> list[Claim]:
         )
         meas.append(
             f"R = {R}: θ̄ (cosine Gram) {th} (n = {t['n']} of {t['n_groups']} groups carry label information); "
-            f"span energy "
+            f"pooled θ = Σ x / Σ (1 − m) {fmt(t['theta_pooled'], 3)} (not used); span energy "
             f"{ci_text(summ.get(mk.ZERO_SUM_SPAN_ENERGY), 3)}; cos-gap excess "
             f"{ci_text(summ.get(mk.ZERO_SUM_COS_GAP_EXCESS), 3)}"
         )

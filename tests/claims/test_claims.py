@@ -168,6 +168,8 @@ def test_labels_row_shows_the_mean_share_and_skips_uninformative_groups():
     assert c.verdict == HOLDS and c.n == 10
     assert primary_text(c).startswith("θ̄ 0.500 [") and primary_text(c).endswith("(R = 4)")
     assert "10 of 20 groups carry label information" in c.measurement
+    # the pooled reading beside it, descriptive: Σ x / Σ (1 − m) = 2.5 / 5 = 0.5 (the empty groups add 0 to both)
+    assert "pooled θ = Σ x / Σ (1 − m) 0.500 (not used)" in c.measurement
 
 
 def test_identity_claim_rules():
