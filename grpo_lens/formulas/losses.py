@@ -136,15 +136,19 @@ def kl_reward_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Policy losses (verl's ``@register_policy_loss``): fn(logp [N, T], old_logp [N, T], advantages [N] or [N, T],
-# eps_low, eps_high, dual_clip, *, mask [N, T] bool, sapo_tau_pos, sapo_tau_neg) -> (per-token loss [N, T], rho [N, T]
-# detached), looked up by ``policy_loss``. The keywords are passed only to a loss that declares them (or **kwargs), so
-# a loss written for the six positional arguments keeps working. Every loss's gradient is sum_t w_{i,t} grad log pi
-# with w_{i,t} proportional to A_i (for a fixed sign of A_i), which :func:`policy_token_weights` reads off; at ratio 1
-# every registered loss has the clipped surrogate's gradient (docs/theory.md §Policy losses beyond the clipped
-# surrogate).
+# Policy losses (verl's ``@register_policy_loss``): fn(logp [N, T], old_logp [N, T], advantages [N] or [N, T], **the
+# settings it uses) -> (per-token loss [N, T], rho [N, T] detached), looked up by ``policy_loss``. The settings (mask
+# [N, T] bool, eps_low, eps_high, dual_clip, sapo_tau_pos, sapo_tau_neg) are passed by name, each only to a loss that
+# declares it (or **kwargs): a loss declares what it uses and nothing else. Every loss's gradient is
+# sum_t w_{i,t} grad log pi with w_{i,t} proportional to A_i (for a fixed sign of A_i), which
+# :func:`policy_token_weights` reads off; at ratio 1 every registered loss has the clipped surrogate's gradient
+# (docs/theory.md §Policy losses beyond the clipped surrogate).
 # ---------------------------------------------------------------------------------------------------------------------
 PolicyLossFn = Callable[..., tuple[Tensor, Tensor]]
+
+#: The clip settings a loss that declares them gets from :func:`policy_loss_call` unless told otherwise (PPO's 0.2,
+#: no dual clip; GSPO's own smaller defaults apply only when it is called directly).
+CLIP_DEFAULTS: dict[str, float | None] = {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
@@ -162,7 +166,6 @@ def clipped_surrogate(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip: float | None = None,
-    **_: object,
 ) -> tuple[Tensor, Tensor]:
     """Per-token PPO/GRPO policy loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), optional dual clip.
 
@@ -224,7 +227,6 @@ def gspo_surrogate(
     dual_clip: float | None = None,
     *,
     mask: Tensor | None = None,
-    **_: object,
 ) -> tuple[Tensor, Tensor]:
     """GSPO: the clipped surrogate on the sequence ratio s_i = exp((1/|o_i|) sum_t log(pi_theta / pi_old)).
 
@@ -260,13 +262,7 @@ def gspo_surrogate(
 
 @POLICY_LOSSES.register("cispo")  # verl's and TRL's cispo
 def cispo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    **_: object,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_low: float = 0.2, eps_high: float = 0.2
 ) -> tuple[Tensor, Tensor]:
     """CISPO: -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A log pi_theta per token (MiniMax-M1, arXiv 2506.13585, eqs.
     4-5): the importance weight is clipped and detached, and every token keeps a gradient -clip(rho) A grad log pi,
@@ -282,7 +278,6 @@ def cispo_loss(
         logp: [N, T] (with gradient).   old_logp: [N, T].   advantages: [N] or [N, T].
         eps_low: the weight's clip range below 1.
         eps_high: its clip range above 1.
-        dual_clip: not used (CISPO has none).
     Returns:
         loss [N, T] and rho [N, T] (detached).
     """
@@ -299,24 +294,15 @@ def sapo_gate(ratio: Tensor, tau: Tensor | float) -> Tensor:
 
 @POLICY_LOSSES.register("sapo")  # TRL's sapo
 def sapo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    *,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    **_: object,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05
 ) -> tuple[Tensor, Tensor]:
     """SAPO: -f(rho) A per token with the soft gate f (:func:`sapo_gate`), tau = sapo_tau_pos where A > 0 and
     sapo_tau_neg elsewhere (Gao et al., "Soft Adaptive Policy Optimization", arXiv 2511.20347, eqs. 5-6; TRL's
     ``loss_type="sapo"``, defaults 1.0 / 1.05).
 
     Its gradient is -A f'(rho) rho grad log pi with f'(r) rho = 4 sigma(1 - sigma) r, sigma = sigmoid(tau (r - 1)):
-    1 at rho = 1, falling smoothly off policy instead of the clip's cut to 0. No hard clip: eps_low, eps_high and
-    dual_clip are not used.
+    1 at rho = 1, falling smoothly off policy instead of the clip's cut to 0. No hard clip, so it declares no eps_low,
+    eps_high or dual_clip.
 
     Args:
         logp: [N, T].
@@ -338,15 +324,7 @@ def sapo_loss(
 
 
 @POLICY_LOSSES.register("gpg")  # verl's gpg
-def gpg_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    **_: object,
-) -> tuple[Tensor, Tensor]:
+def gpg_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
     """GPG: the plain policy gradient -A log pi_theta per token, no ratio and no clip (Chu et al., "GPG: A Simple and
     Strong Reinforcement Learning Baseline for Model Reasoning", arXiv 2504.02546, eq. 5). Its gradient is
     -A grad log pi at every pass, so with mu > 1 later passes take plain policy-gradient steps without a trust
@@ -374,15 +352,16 @@ def policy_loss_call(
     old_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    **options: float,
+    **settings: float | None,
 ) -> tuple[Tensor, Tensor]:
-    """The policy loss ``name`` called on (logp, old_logp, advantages, eps_low, eps_high, dual_clip) and the keywords
-    of ``mask`` and ``options`` (sapo_tau_pos, sapo_tau_neg) that it declares (a loss with ``**kwargs``: all of them).
+    """The policy loss ``name`` called on (logp, old_logp, advantages) and, by name, those of ``mask`` and the
+    settings that it declares (a loss with ``**kwargs``: all of them).
 
+    Args:
+        name: a name in :data:`POLICY_LOSSES`.
+        logp: [N, T] (with gradient).   old_logp: [N, T].   advantages: [N] or [N, T].   mask: [N, T] bool.
+        settings: eps_low, eps_high, dual_clip (default 0.2, 0.2 and None, :data:`CLIP_DEFAULTS`, whatever defaults
+            the loss declares) and the losses' own settings (sapo_tau_pos, sapo_tau_neg).
     Returns:
         (per-token loss [N, T], rho [N, T] detached).
     Raises:
@@ -391,8 +370,8 @@ def policy_loss_call(
     fn = POLICY_LOSSES.get(name)
     params = inspect.signature(fn).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    extra = {k: v for k, v in {"mask": mask, **options}.items() if takes_all or k in params}
-    return fn(logp, old_logp, advantages, eps_low, eps_high, dual_clip, **extra)
+    given = {"mask": mask, **CLIP_DEFAULTS, **settings}
+    return fn(logp, old_logp, advantages, **{k: v for k, v in given.items() if takes_all or k in params})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -778,7 +757,7 @@ def policy_token_weights(
     old = torch.where(m, old_logp.detach().to(torch.float64), zero)
     with torch.enable_grad():
         # options: the loss's own float settings
-        tok, _ = policy_loss_call(policy_loss, x, old, sign, m, **options)  # type: ignore[arg-type]
+        tok, _ = policy_loss_call(policy_loss, x, old, sign, m, **options)
         if token_weights is not None:
             tok = tok * torch.where(m, token_weights.detach().to(torch.float64), zero)
         (grad,) = torch.autograd.grad(aggregate_loss(tok, m.to(torch.float64), aggregation, normalizer), x)

@@ -111,3 +111,44 @@ def test_two_step_runs_with_the_lens_on_every_step(tmp_path, name):
     for r in steps:
         assert r["rank/mixed_groups"] >= 1 and math.isfinite(r["loss/policy"]) and math.isfinite(r["grad/norm"])
         assert r["grad/optimizer_steps"] == 2  # mu = 2 passes, both taken
+
+
+def test_a_loss_gets_by_name_only_the_settings_it_declares():
+    from grpo_lens.formulas.losses import policy_loss_call
+
+    seen: dict = {}
+
+    def only_eps_high(logp, old_logp, advantages, eps_high):
+        seen.update(eps_high=eps_high)
+        return -advantages.unsqueeze(-1) * logp, logp.detach()
+
+    def takes_all(logp, old_logp, advantages, **settings):
+        seen.update(settings)
+        return -advantages.unsqueeze(-1) * logp, logp.detach()
+
+    for name, fn in (("test_only_eps_high", only_eps_high), ("test_takes_all", takes_all)):
+        if name not in POLICY_LOSSES:
+            POLICY_LOSSES.register(name)(fn)
+    x, mask, adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.tensor([1.0, -1.0])
+    policy_loss_call("test_only_eps_high", x, x, adv, mask, eps_low=0.1, eps_high=0.28, sapo_tau_pos=2.0)
+    assert seen == {"eps_high": 0.28}
+    seen.clear()
+    policy_loss_call("test_takes_all", x, x, adv, mask, eps_high=0.28, sapo_tau_pos=2.0)
+    # the clip defaults fill what was not given: 0.2 below, no dual clip
+    assert seen == {"mask": mask, "eps_low": 0.2, "eps_high": 0.28, "dual_clip": None, "sapo_tau_pos": 2.0}
+
+
+def test_gspo_through_the_registry_gets_the_clip_defaults_not_its_own():
+    # gspo_surrogate's own defaults are the paper's 3e-4 / 4e-4; through policy_loss_call (the trainer's path) an
+    # unset clip range is PPO's 0.2, as before the settings were passed by name. log-ratio 0.1 per token:
+    # s = e^0.1 = 1.105 lies inside [0.8, 1.2] (unclipped, loss -s A) but far outside [1 - 3e-4, 1 + 4e-4].
+    from grpo_lens.formulas.losses import gspo_surrogate, policy_loss_call
+
+    old = torch.zeros(1, 2)
+    logp = old + 0.1
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([1.0])
+    via_registry, _ = policy_loss_call("gspo", logp, old, adv, mask)
+    torch.testing.assert_close(via_registry, torch.full((1, 2), -math.exp(0.1)))
+    torch.testing.assert_close(via_registry, gspo_surrogate(logp, old, adv, 0.2, 0.2, mask=mask)[0])
+    assert not torch.allclose(via_registry, gspo_surrogate(logp, old, adv, mask=mask)[0])
