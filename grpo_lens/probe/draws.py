@@ -143,6 +143,23 @@ class PromptPool:
         return batch, rewards, valid, seconds / spec.n
 
 
+@dataclass(frozen=True)
+class DrawnPrompts:
+    """Group size R's prompts of one drawn batch, as its analysis reads them (:func:`grpo_lens.probe.estimate.
+    analyse_prompts`, :func:`grpo_lens.probe.groups.analyse_prompt`)."""
+
+    batch: RolloutBatch
+    """B prompts' M rollouts each, prompt j's in rows j M .. (j + 1) M - 1."""
+    rewards: torch.Tensor
+    """[B, M] rewards."""
+    valid: torch.Tensor
+    """[B, M] bool, the rewards that could be computed."""
+    group_size: int
+    """R: the first R rollouts of a prompt form its group."""
+    seed: int
+    """The batch's seed (:func:`batch_seed`); prompt j's group analysis uses seed + j."""
+
+
 def prompt_view(
     batch: RolloutBatch, rewards: torch.Tensor, valid: torch.Tensor, lo: int, hi: int, M: int
 ) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,7 +25,14 @@ from grpo_lens.formulas.stats import mean_interval, stratify_rows, summarise_row
 from grpo_lens.formulas.zero_sum import WEIGHTINGS
 from grpo_lens.gradients.gram_blocks import gram_factor
 from grpo_lens.probe.config import ProbeConfig
-from grpo_lens.probe.draws import PromptPool, draw_plan, prompt_status, prompt_view, rollouts_per_prompt
+from grpo_lens.probe.draws import (
+    DrawnPrompts,
+    PromptPool,
+    draw_plan,
+    prompt_status,
+    prompt_view,
+    rollouts_per_prompt,
+)
 from grpo_lens.probe.gradient_sources import (
     _rollout_grads,
     _rollout_grads_many,
@@ -34,7 +41,6 @@ from grpo_lens.probe.gradient_sources import (
 )
 from grpo_lens.probe.groups import GroupJob, analyse_prompt, measure_groups
 from grpo_lens.probe.partial import PartialProbe, PromptRecord
-from grpo_lens.rollout import RolloutBatch
 
 #: Keys whose summaries the probe also stratifies by k and by distinct completions.
 STRATA_KEYS = (
@@ -57,23 +63,13 @@ def probe_strata(rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
 
 
 def analyse_prompts(
-    policy,
-    tokenizer,
-    batch: RolloutBatch,
-    first: int,
-    rewards: torch.Tensor,
-    valid: torch.Tensor,
-    group_size: int,
-    config: ProbeConfig,
-    layer: str,
-    seed: int,
-    done: list[PromptRecord],
+    policy, tokenizer, drawn: DrawnPrompts, first: int, config: ProbeConfig, layer: str, done: list[PromptRecord]
 ) -> list[PromptRecord]:
-    """:func:`grpo_lens.probe.groups.analyse_prompt` of prompts ``first`` .. B - 1 of ``batch`` (rewards, valid
-    [B, M]), the mixed groups' gradients from one batched backward (:func:`grpo_lens.probe.groups.measure_groups`)
-    and the baseline prompts' M rollouts from another (block-diagonal Gram), instead of a backward per group and per
-    baseline prompt: the same records (tests)."""
-    R = group_size
+    """:func:`grpo_lens.probe.groups.analyse_prompt` of prompts ``first`` .. B - 1 of ``drawn``, the mixed groups'
+    gradients from one batched backward (:func:`grpo_lens.probe.groups.measure_groups`) and the baseline prompts' M
+    rollouts from another (block-diagonal Gram), instead of a backward per group and per baseline prompt: the same
+    records (tests)."""
+    R, batch, rewards, valid, seed = drawn.group_size, drawn.batch, drawn.rewards, drawn.valid, drawn.seed
     M = rewards.shape[1]
     counts = {
         "g2": sum(d.g2_weightings is not None for d in done),
@@ -185,26 +181,20 @@ def probe_group_size(
         first = len(records) - spec.first
         if hi <= 0 or first >= hi:
             continue
-        drawn, rewards_all, valid_all, generation = pool.get(spec)
-        batch, rewards, valid = prompt_view(drawn, rewards_all, valid_all, 0, hi, M)
+        batch, rewards_all, valid_all, generation = pool.get(spec)
+        prompts = DrawnPrompts(*prompt_view(batch, rewards_all, valid_all, 0, hi, M), group_size=R, seed=spec.seed)
         t_batch, done_before = time.perf_counter(), len(records)
-        if config.per_group_passes:
-            for j in range(first, hi):
-                new = analyse_prompt(
-                    policy, tokenizer, batch, j, rewards[j], valid[j], R, config, layer, spec.seed, records
-                )
-                new.seconds = {**(new.seconds or {}), "generation": generation}
-                if partial is not None:
-                    partial.save_prompt(R, len(records), new)
-                records.append(new)
+        if config.per_group_passes:  # the reference: a backward per group, each record kept before the next
+            analysed: Iterable[PromptRecord] = (
+                analyse_prompt(policy, tokenizer, prompts, j, config, layer, records) for j in range(first, hi)
+            )
         else:
-            for new in analyse_prompts(
-                policy, tokenizer, batch, first, rewards, valid, R, config, layer, spec.seed, records
-            ):
-                new.seconds = {**(new.seconds or {}), "generation": generation}
-                if partial is not None:
-                    partial.save_prompt(R, len(records), new)
-                records.append(new)
+            analysed = analyse_prompts(policy, tokenizer, prompts, first, config, layer, records)
+        for new in analysed:
+            new.seconds = {**(new.seconds or {}), "generation": generation}
+            if partial is not None:
+                partial.save_prompt(R, len(records), new)
+            records.append(new)
         if on_first_batch is not None and generation > 0:
             new = records[done_before:]
             rows = sum(R + (M if r.baseline_variance is not None else 0) for r in new if r.status == "mixed")

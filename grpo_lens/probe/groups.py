@@ -16,7 +16,7 @@ from grpo_lens.analysis.group import (
     g1_rank_keys,
     g2_keys,
 )
-from grpo_lens.formulas.advantages import compute_advantages, constant_groups
+from grpo_lens.formulas.advantages import compute_advantages
 from grpo_lens.formulas.baselines import estimator_variances
 from grpo_lens.formulas.credit import (
     answer_mask_from_tokenizer,
@@ -25,7 +25,6 @@ from grpo_lens.formulas.credit import (
     position_profile,
     token_advantages,
 )
-from grpo_lens.formulas.sparsity import s1_predicted_outside_group
 from grpo_lens.formulas.spectrum import (
     g2_rank_bound,
     gram_singular_values,
@@ -40,6 +39,7 @@ from grpo_lens.gradients.gram_blocks import gram_factor
 from grpo_lens.gradients.params import trainable_count
 from grpo_lens.gradients.sketch import token_grad_sq_norms
 from grpo_lens.probe.config import ProbeConfig
+from grpo_lens.probe.draws import DrawnPrompts, prompt_status
 from grpo_lens.probe.gradient_sources import (
     RolloutGradients,
     _rollout_grads,
@@ -252,38 +252,24 @@ def measure_groups(
 
 
 def analyse_prompt(
-    policy,
-    tokenizer,
-    batch: RolloutBatch,
-    j: int,
-    rewards: torch.Tensor,
-    valid: torch.Tensor,
-    group_size: int,
-    config: ProbeConfig,
-    layer: str,
-    seed: int,
-    done: list[PromptRecord],
+    policy, tokenizer, drawn: DrawnPrompts, j: int, config: ProbeConfig, layer: str, done: list[PromptRecord]
 ) -> PromptRecord:
-    """Prompt ``j`` of ``batch`` (its M rollouts, rewards [M], valid [M] bool; the first R form the group): what it
-    counts for S1 and, for a mixed group, its analysis (:func:`measure_group`), plus the G2 weightings, the sketch
-    check and the baseline variances while fewer than their configured counts are in ``done`` (the R's earlier
-    prompts)."""
-    R = group_size
+    """Prompt ``j`` of ``drawn`` (its M rollouts; the first R form the group): what it counts for S1 and, for a mixed
+    group, its analysis (:func:`measure_group`), plus the G2 weightings, the sketch check and the baseline variances
+    while fewer than their configured counts are in ``done`` (the R's earlier prompts)."""
+    R = drawn.group_size
+    rewards, valid = drawn.rewards[j], drawn.valid[j]  # [M] each
     M = rewards.shape[0]
     rows_j = torch.arange(j * M, (j + 1) * M)
     all_valid = bool(valid.all())
-    # S1 predicted from the M - R rollouts outside the group (docs/theory.md §S1)
-    s1_prediction = float(s1_predicted_outside_group(rewards.view(1, M) >= 1.0, R)[0]) if all_valid else None
-    group = rows_j[:R]
-    r_g, v_g = rewards[:R], valid[:R]
-    if not bool(v_g.all()):
-        return PromptRecord("invalid", s1_prediction)
-    if bool(constant_groups(r_g.view(1, R), v_g.view(1, R))):
-        return PromptRecord("all_equal", s1_prediction)
+    status, s1_prediction = prompt_status(rewards, valid, R)
+    if status != "mixed":
+        return PromptRecord(status, s1_prediction)
+    r_g = rewards[:R]
     t0 = time.perf_counter()
-    sub = batch.select(group)
+    sub = drawn.batch.select(rows_j[:R])
     want_g2 = sum(d.g2_weightings is not None for d in done) < config.g2_groups
-    row, extra = measure_group(policy, tokenizer, sub, r_g, config, layer, seed=seed + j, g2=want_g2)
+    row, extra = measure_group(policy, tokenizer, sub, r_g, config, layer, seed=drawn.seed + j, g2=want_g2)
     t1 = time.perf_counter()
     g2w, g2_seconds = extra.pop("g2_weightings", None), extra.pop("g2_seconds", 0.0)
     if want_g2 and g2w is None:
@@ -297,10 +283,10 @@ def analyse_prompt(
     extra.pop("param_grams")
     variance = None
     if sum(d.baseline_variance is not None for d in done) < config.baseline_prompts and all_valid:
-        m = _rollout_grads(policy, batch.select(rows_j), config, None, vectors=False)
+        m = _rollout_grads(policy, drawn.batch.select(rows_j), config, None, vectors=False)
         # the trace variance depends on inner products alone: rows of any factor of the Gram give it
         grads_m = m.rows if m.rows is not None else gram_factor(m.gram)
-        variance = estimator_variances(grads_m, rewards.double(), R, num_resamples=config.resamples, seed=seed)
+        variance = estimator_variances(grads_m, rewards.double(), R, num_resamples=config.resamples, seed=drawn.seed)
     # a fused G2's share: its eigen-solves (its kernels ran inside the group's pass)
     seconds = {"gradient": time.perf_counter() - t0, "g2_weightings": t2 - t1 + g2_seconds, "sketch_check": t3 - t2}
     return PromptRecord("mixed", s1_prediction, row, extra, check, g2w, variance, seconds)

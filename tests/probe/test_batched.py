@@ -113,10 +113,10 @@ def test_nested_draws_share_prompts_and_rollouts(tmp_path, tiny_model_and_tokeni
     seen: dict[int, list] = {2: [], 4: []}
     original = probe_module.analyse_prompts
 
-    def recording(policy, tok, batch, first, rewards, valid, R, *args, **kwargs):
-        M = rewards.shape[1]
-        seen[R].extend(batch.completions[j * M : j * M + R] for j in range(first, rewards.shape[0]))
-        return original(policy, tok, batch, first, rewards, valid, R, *args, **kwargs)
+    def recording(policy, tok, drawn, first, *args, **kwargs):
+        M, R = drawn.rewards.shape[1], drawn.group_size
+        seen[R].extend(drawn.batch.completions[j * M : j * M + R] for j in range(first, drawn.rewards.shape[0]))
+        return original(policy, tok, drawn, first, *args, **kwargs)
 
     for independent in (False, True):
         seen = {2: [], 4: []}

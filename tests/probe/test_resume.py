@@ -105,9 +105,9 @@ def test_resumed_probe_equals_the_uninterrupted_one(tmp_path, monkeypatch, unint
     measured = []  # prompts measured after the resume: (R, index of the prompt within its batch)
     original = probe_estimate.analyse_prompts
 
-    def recording(policy, tokenizer, batch, first, rewards, *args, **kwargs):
-        measured.extend(range(first, rewards.shape[0]))
-        return original(policy, tokenizer, batch, first, rewards, *args, **kwargs)
+    def recording(policy, tokenizer, drawn, first, *args, **kwargs):
+        measured.extend(range(first, drawn.rewards.shape[0]))
+        return original(policy, tokenizer, drawn, first, *args, **kwargs)
 
     monkeypatch.setattr(probe_estimate, "analyse_prompts", recording)
     run_probe(config(out, resume=True))
@@ -221,7 +221,7 @@ def test_overwrite_starts_over_and_a_bad_layer_keeps_the_partial_probe(tmp_path,
     monkeypatch.setattr(
         probe_estimate,
         "analyse_prompts",
-        lambda *a, **k: measured.extend(range(a[3], a[4].shape[0])) or original(*a, **k),
+        lambda *a, **k: measured.extend(range(a[3], a[2].rewards.shape[0])) or original(*a, **k),
     )
     run_probe(config(out, overwrite=True))
     assert len(measured) == 12 and read(out)["meta"]["resumed"] is False
