@@ -145,8 +145,8 @@ class PromptPool:
 
 @dataclass(frozen=True)
 class DrawnPrompts:
-    """Group size R's prompts of one drawn batch, as its analysis reads them (:func:`grpo_lens.probe.estimate.
-    analyse_prompts`, :func:`grpo_lens.probe.groups.analyse_prompt`)."""
+    """Group size R's prompts of one drawn batch, as its analysis reads them
+    (:func:`grpo_lens.probe.estimate.analyse_prompts`, :func:`grpo_lens.probe.groups.analyse_prompt`)."""
 
     batch: RolloutBatch
     """B prompts' M rollouts each, prompt j's in rows j M .. (j + 1) M - 1."""
