@@ -11,6 +11,7 @@ successes, against the margin :data:`MC_MARGIN` (disagreement supports the paper
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from grpo_lens.claims import base
@@ -128,7 +129,19 @@ def uniform_token_credit(probe: dict[str, Any]) -> list[Claim]:
     )
     source = "exact update direction over every parameter, finite differences"
     n = int(contributions.get("groups") or 0)
-    return [Claim(claim, scope, what, control, INCONCLUSIVE, reading, source, kind="descriptive", n=n)]
+    return [
+        Claim(
+            claim=claim,
+            scope=scope,
+            measurement=what,
+            control=control,
+            verdict=INCONCLUSIVE,
+            rule=reading,
+            source=source,
+            kind="descriptive",
+            n=n,
+        )
+    ]
 
 
 def opposition_count(mc: dict[str, Any], level: float = MC_LEVEL) -> dict[str, Any] | None:
@@ -194,11 +207,14 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
         f"(above: holds; below at every position: does not hold)"
     )
     source = "Monte Carlo continuations from prefixes"
+    # the row when there is nothing to decide on: inconclusive, its rule saying why
+    undecided = partial(Claim, claim=claim, control=control, verdict=INCONCLUSIVE, source=source)
+
     if not credit["monte_carlo"]["rollouts"]:  # the credit study ran without its Monte Carlo part: say so
         why = f"not run: --mc-groups 4 gives the {MIN_UNITS} rollouts a verdict needs "
         why += "(grpo-lens demo: --probe-study-prompts 4 or more)"
         what = "no Monte Carlo rollouts (--mc-groups 0)"
-        return [Claim(claim, "not measured", what, control, INCONCLUSIVE, why, source)]
+        return [undecided(scope="not measured", measurement=what, rule=why)]
     mc = credit["monte_carlo"]
     mc_samples = int(mc["samples_per_prefix"])
     rows = mc["rollouts"]
@@ -206,12 +222,12 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     scope = f"{len(rows)} rollouts, K_mc = {mc_samples}"
     if any(c is None for c in counts):
         what = "prefix values are not means of 0/1 rewards"
-        return [Claim(claim, scope, what, control, INCONCLUSIVE, "the opposing shifts need 0/1 rewards", source)]
+        return [undecided(scope=scope, measurement=what, rule="the opposing shifts need 0/1 rewards")]
     # no None: checked above
     shifts = opposing_shifts(counts, [r["grpo_advantage"] for r in rows], mc_samples)  # type: ignore[arg-type]
     if not shifts:
         what = "no interior segment (fewer than 2 prefixes)"
-        return [Claim(claim, scope, what, control, INCONCLUSIVE, "nothing to test", source)]
+        return [undecided(scope=scope, measurement=what, rule="nothing to test")]
     m = len(shifts)
     n = min(len(e) for e in shifts)
     p_above = [mean_test_p(e, MC_MARGIN, "above") for e in shifts]
@@ -243,13 +259,13 @@ def monte_carlo_credit(probe: dict[str, Any]) -> list[Claim]:
     )
     return [
         Claim(
-            claim,
-            f"{scope}, {m} interior segment positions",
-            what,
-            control,
-            verdict,
-            why,
-            source,
+            claim=claim,
+            scope=f"{scope}, {m} interior segment positions",
+            measurement=what,
+            control=control,
+            verdict=verdict,
+            rule=why,
+            source=source,
             n=n,
             p_holds=p_holds,
             p_dnh=p_dnh,

@@ -198,7 +198,11 @@ def test_rms_log_ratio_weights_prompts():
 
     r = rms_log_ratio([0.3, 0.0] * 4, [0.04, 0.0] * 4, [3.0, 1.0] * 4)
     assert r["msq"] == pytest.approx(0.0375, rel=1e-12) and r["rms"] == pytest.approx(math.sqrt(0.0375))
-    assert r["lo"] < 0.0375 < r["hi"]
+    # interval: the ratio Σ w y / Σ w linearised, u_j = w_j (y_j − msq) = +0.0375 (w = 3) and −0.0375 (w = 1), four
+    # of each: mean 0, symmetric (Hall's interval is Student's), SD (ddof 1) 0.0375 √(8/7), SE 0.0375 / √7;
+    # half-width t_{7, 0.975} · SE / mean(w) = 2.364624 · 0.0141737 / 2 = 0.0167577 around 0.0375
+    half = 2.364624 * 0.0375 / math.sqrt(7) / 2
+    assert r["lo"] == pytest.approx(0.0375 - half, abs=1e-5) and r["hi"] == pytest.approx(0.0375 + half, abs=1e-5)
     # every weight 0 (no prompt with both classes): nothing to estimate, not a division by zero
     assert rms_log_ratio([0.3], [0.04], [0.0])["msq"] is None and rms_log_ratio([], [])["rms"] is None
 

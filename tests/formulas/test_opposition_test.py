@@ -129,3 +129,17 @@ def test_the_monte_carlo_credit_row_shows_the_deciding_segment_whole():
     text = primary_text(c)
     assert c.verdict == "holds" and text.startswith("shift against A_i, segment ")
     assert not text.endswith("…") and f"(n = {c.n} rollouts)" in text
+
+
+def test_the_monte_carlo_credit_row_says_why_when_there_is_nothing_to_decide():
+    from grpo_lens.claims import CLAIMS
+
+    rule = CLAIMS.get("monte_carlo_credit")
+    # the credit study ran without its Monte Carlo part
+    (c,) = rule({"studies": {"credit": {"monte_carlo": {"rollouts": [], "samples_per_prefix": 8}}}})
+    assert (c.verdict, c.scope) == ("inconclusive", "not measured") and c.rule.startswith("not run: --mc-groups 4")
+    # one prefix per rollout: no interior segment to test (values 4/8 with the Binomial SE of 4 of 8)
+    row = {"values": [0.5], "errors": [math.sqrt(4 * 4 / (64 * 7))], "grpo_advantage": 1.0}
+    (c,) = rule({"studies": {"credit": {"monte_carlo": {"rollouts": [row] * 4, "samples_per_prefix": 8}}}})
+    assert (c.verdict, c.rule) == ("inconclusive", "nothing to test") and c.scope == "4 rollouts, K_mc = 8"
+    assert c.control and c.source == "Monte Carlo continuations from prefixes"
